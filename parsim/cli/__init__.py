@@ -1,0 +1,1 @@
+"""The ``parsim`` command line: one module per subcommand."""

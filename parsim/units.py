@@ -1,0 +1,92 @@
+"""Parsing and printing of sizes, times and bandwidths.
+
+Inside parsim everything is SI: seconds, bytes, FLOP. Sizes are accepted the way
+people write them (``1GiB``, ``512MB``, ``4096``); bandwidth is printed in GB/s
+(1e9 bytes per second), as nccl-tests does.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import ParsimError
+
+_SIZE_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str | int | float) -> int:
+    """Bytes from ``"1GiB"``, ``"512MB"``, ``"4096"`` or a number."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = int(text)
+    else:
+        match = _SIZE_RE.match(str(text))
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise ParsimError(
+                f"size {text!r} is not understood (expected a number of bytes with an "
+                f"optional unit, e.g. 4096, 512MB, 1GiB)"
+            )
+        value = int(round(float(match.group(1)) * _SIZE_UNITS[unit]))
+    if value < 0:
+        raise ParsimError(f"size {text!r} is negative")
+    return value
+
+
+def parse_size_range(text: str) -> list[int]:
+    """Sizes from ``"1KiB:8GiB"`` doubling each step, as nccl-tests' ``-b/-e/-f 2``.
+
+    ``"1MiB:64MiB:4"`` multiplies by 4 instead of 2.
+    """
+    parts = str(text).split(":")
+    if len(parts) not in (2, 3):
+        raise ParsimError(f"sweep {text!r} is not understood (expected MIN:MAX or MIN:MAX:FACTOR, e.g. 1KiB:8GiB)")
+    low, high = parse_size(parts[0]), parse_size(parts[1])
+    factor = 2.0
+    if len(parts) == 3:
+        try:
+            factor = float(parts[2])
+        except ValueError:
+            factor = 0.0
+        if factor <= 1:
+            raise ParsimError(f"sweep {text!r}: the factor must be a number above 1")
+    if low <= 0 or high < low:
+        raise ParsimError(f"sweep {text!r}: need 0 < MIN <= MAX")
+    sizes, size = [], float(low)
+    while size <= high * (1 + 1e-9):
+        sizes.append(int(round(size)))
+        size *= factor
+    return sizes
+
+
+def format_size(nbytes: float) -> str:
+    """``1073741824`` -> ``"1 GiB"``; powers of two print in binary units."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def format_time(seconds: float) -> str:
+    """Seconds printed with a readable unit: ``"12.3 us"``, ``"4.56 ms"``."""
+    if seconds == 0:
+        return "0 s"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def format_bw(bytes_per_s: float) -> str:
+    """Bandwidth in GB/s (1e9 bytes/s), the nccl-tests unit."""
+    return f"{bytes_per_s / 1e9:.2f} GB/s"
+
+
+GB = 1e9
+US = 1e-6
