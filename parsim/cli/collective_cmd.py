@@ -1,0 +1,113 @@
+"""``parsim collective``: predict a collective and explain the bandwidth math."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from ..collectives import ALGORITHMS, predict
+from ..collectives.explain import explain
+from ..results import OPERATIONS, canonical_op
+from ..table import render_table
+from ..units import format_size, format_time, parse_size, parse_size_range
+from .common import add_cluster_args, print_json, topology_from_args
+
+HELP = """\
+Predict the time of one collective on a simulated cluster, and say why.
+
+Transfers travel over the cluster's links (NVLink/NVSwitch or PCIe inside a
+node, NICs, leaf and spine switches between nodes) in a discrete-event,
+flow-level simulation; links shared by several transfers split their bandwidth.
+
+Bandwidths follow nccl-tests: algbw = size / time; busbw = algbw x a factor
+(2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for
+broadcast) that makes it comparable to a link's speed whatever the rank count.
+For all-gather and reduce-scatter, --size is the total of all ranks' chunks.
+
+examples:
+  parsim collective all-reduce --cluster dgx-h100 --gpus 8 --size 1GiB --explain
+  parsim collective all-reduce --cluster dgx-h100 --nodes 64 --size 1GiB
+  parsim collective reduce-scatter --gpus 8 --sweep 1KiB:8GiB --plot bw.png
+"""
+
+
+def register(subparsers) -> None:
+    ops = ", ".join(op.replace("_", "-") for op in OPERATIONS)
+    p = subparsers.add_parser("collective", help="predict a collective's time and bandwidth",
+                              description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("op", nargs="?", default="all-reduce", help=f"operation ({ops}); default all-reduce")
+    add_cluster_args(p)
+    p.add_argument("--size", default="1GiB", help="message size, e.g. 4096, 512MB, 1GiB (default 1GiB)")
+    p.add_argument("--sweep", metavar="MIN:MAX[:FACTOR]", help="a table over sizes, e.g. 1KiB:8GiB")
+    p.add_argument("--algorithm", default="auto", choices=("auto",) + ALGORITHMS,
+                   help="force an algorithm (default: the fastest NCCL would pick)")
+    p.add_argument("--explain", action="store_true", help="walk through the arithmetic step by step")
+    p.add_argument("--plot", metavar="PNG", help="with --sweep: save bandwidth against size")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    op = canonical_op(args.op)
+    topo, gpus = topology_from_args(args)
+    group = np.arange(gpus)
+    if args.sweep:
+        sizes = parse_size_range(args.sweep)
+        predictions = [predict(topo, op, size, group, args.algorithm) for size in sizes]
+        if args.json:
+            print_json([p.result().to_dict() for p in predictions])
+        else:
+            print(sweep_table(predictions, topo.spec.name))
+        if args.plot:
+            from ..plots import plot_bandwidth
+
+            plot_bandwidth({"simulated": [p.result() for p in predictions]}, args.plot,
+                           title=f"{op.replace('_', '-')} on {gpus} GPUs of {topo.spec.name}")
+            print(f"wrote {args.plot}")
+        return 0
+    prediction = predict(topo, op, parse_size(args.size), group, args.algorithm)
+    if args.json:
+        row = prediction.result().to_dict()
+        row["phases"] = [vars(p) for p in prediction.phases]
+        print_json(row)
+    elif args.explain:
+        print(explain(prediction, topo))
+    else:
+        print(summary(prediction, topo))
+    return 0
+
+
+def summary(prediction, topo) -> str:
+    r = prediction.result()
+    name = prediction.op.replace("_", "-")
+    lines = [
+        f"{name} of {format_size(r.size_bytes)} on {r.nranks} GPUs of {topo.spec.name} ({topo.nodes} node(s))",
+        f"  time        {format_time(r.time_s)}",
+        f"  algbw       {r.algbw_Bps / 1e9:.1f} GB/s   (size / time)",
+        f"  busbw       {r.busbw_Bps / 1e9:.1f} GB/s   (algbw x {r.busbw_Bps / r.algbw_Bps:.3g}, comparable to link speed)",
+        f"  algorithm   {prediction.algorithm}" + _candidates(prediction),
+        f"  bottleneck  {r.extra['bottleneck'] or '-'}",
+        f"  lower bound {format_time(prediction.lower_bound_s)}: {prediction.lower_bound_reason}",
+        f"  reached     {prediction.lower_bound_s / r.time_s:.0%} of the lower bound",
+        "run with --explain for the arithmetic step by step",
+    ]
+    return "\n".join(lines)
+
+
+def _candidates(prediction) -> str:
+    if not prediction.candidates:
+        return ""
+    others = ", ".join(f"{a} {format_time(t)}" for a, t in sorted(prediction.candidates.items(), key=lambda kv: kv[1]))
+    return f"   (fastest of: {others})"
+
+
+def sweep_table(predictions, cluster: str) -> str:
+    rows = []
+    for p in predictions:
+        r = p.result()
+        rows.append([format_size(r.size_bytes), r.size_bytes, format_time(r.time_s),
+                     round(r.algbw_Bps / 1e9, 2), round(r.busbw_Bps / 1e9, 2), p.algorithm])
+    first = predictions[0]
+    title = f"{first.op.replace('_', '-')} on {first.nranks} GPUs of {cluster} (simulated)"
+    return render_table(["size", "bytes", "time", "algbw GB/s", "busbw GB/s", "algorithm"], rows, title)

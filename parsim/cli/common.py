@@ -1,0 +1,40 @@
+"""Arguments and output helpers shared by several subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..cluster import builtin_clusters, load_cluster
+from ..topology import Topology
+
+DEFAULT_CLUSTER = "dgx-h100"
+
+
+def add_cluster_args(parser: argparse.ArgumentParser, default: str | None = DEFAULT_CLUSTER) -> None:
+    names = ", ".join(sorted(builtin_clusters()))
+    parser.add_argument("--cluster", default=default, metavar="NAME|FILE",
+                        help=f"built-in cluster ({names}) or a cluster YAML file (default: {default})")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--nodes", type=int, help="number of nodes (default: 1)")
+    size.add_argument("--gpus", type=int, help="number of GPUs, in whole nodes (or fewer than one node)")
+
+
+def topology_from_args(args: argparse.Namespace) -> tuple[Topology, int]:
+    """The topology asked for, and how many of its GPUs take part."""
+    spec = load_cluster(args.cluster)
+    nodes = spec.nodes_for(args.nodes, args.gpus)
+    topo = spec.build(nodes)
+    gpus = args.gpus if args.gpus is not None else topo.num_gpus
+    return topo, gpus
+
+
+def print_json(data: object) -> None:
+    json.dump(data, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr, so stdout stays clean for tables and JSON."""
+    print(message, file=sys.stderr, flush=True)

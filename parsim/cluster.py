@@ -1,0 +1,253 @@
+"""Cluster descriptions: one node's hardware plus the scale-out fabric.
+
+A cluster file (``topologies/*.yaml``) describes a single node and the network
+between nodes; the node count is chosen at run time. :func:`load_cluster`
+validates the file (one :class:`~parsim.errors.ConfigError` line per problem,
+naming the file, the key and the expected unit) and returns a
+:class:`ClusterSpec`; :meth:`ClusterSpec.build` places it on ``nodes`` nodes and
+returns a :class:`~parsim.topology.Topology`.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import ConfigError, ParsimError
+
+FABRICS = ("nvswitch", "pcie")
+DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    model: str
+    peak_flops: dict[str, float]  # dtype -> FLOP/s, dense
+    hbm_capacity_bytes: float
+    hbm_bw_Bps: float
+
+
+@dataclass(frozen=True)
+class IntraNodeSpec:
+    fabric: str  # "nvswitch" | "pcie"
+    bw_Bps: float  # per GPU, per direction, into the fabric
+    latency_s: float  # one GPU-to-GPU step through the fabric
+    in_switch_reduction: bool
+
+
+@dataclass(frozen=True)
+class ScaleOutSpec:
+    nics_per_node: int
+    nic_bw_Bps: float  # per NIC, per direction
+    latency_s: float  # NIC to NIC through one leaf
+    spine_hop_latency_s: float
+    nodes_per_leaf: int
+    oversubscription: float
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One node's hardware and the fabric between nodes, as read from a file."""
+
+    name: str
+    description: str
+    gpus_per_node: int
+    gpu: GPUSpec
+    intra: IntraNodeSpec
+    scale_out: ScaleOutSpec
+    source: str = ""
+    # Per-operation algorithm override, e.g. written by `parsim calibrate` for
+    # backends whose algorithm is fixed (gloo).
+    algorithms: dict[str, str] = field(default_factory=dict)
+    # Bytes/s at which a rank reduces (sums) a received buffer into its own;
+    # None means HBM-bound: read two operands, write one.
+    reduce_bw_Bps: float | None = None
+
+    @property
+    def reduction_bw_Bps(self) -> float:
+        return self.reduce_bw_Bps if self.reduce_bw_Bps else self.gpu.hbm_bw_Bps / 3
+
+    def nodes_for(self, nodes: int | None = None, gpus: int | None = None) -> int:
+        """Node count from ``--nodes`` or ``--gpus`` (whole nodes; one node by default)."""
+        if nodes is not None and gpus is not None:
+            raise ParsimError("give either --nodes or --gpus, not both")
+        if gpus is not None:
+            if gpus < 1:
+                raise ParsimError(f"--gpus {gpus}: need at least one GPU")
+            if gpus > self.gpus_per_node and gpus % self.gpus_per_node:
+                raise ParsimError(
+                    f"--gpus {gpus} does not fill whole nodes of {self.gpus_per_node} GPUs on {self.name}"
+                )
+            return max(1, gpus // self.gpus_per_node)
+        nodes = 1 if nodes is None else nodes
+        if nodes < 1:
+            raise ParsimError(f"--nodes {nodes}: need at least one node")
+        return nodes
+
+    def build(self, nodes: int = 1):
+        """The cluster placed on ``nodes`` nodes, as a routable topology."""
+        from .topology import Topology
+
+        return Topology(self, nodes)
+
+
+def builtin_clusters() -> dict[str, Path]:
+    """Built-in cluster names and their files."""
+    folder = importlib.resources.files("topologies")
+    return {Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".yaml")}
+
+
+def load_cluster(name_or_path: str | Path) -> ClusterSpec:
+    """A built-in cluster by name (``dgx-h100``) or a user's YAML file by path."""
+    text = str(name_or_path)
+    builtins = builtin_clusters()
+    if text in builtins:
+        path = builtins[text]
+    else:
+        path = Path(text)
+        if not path.exists():
+            raise ParsimError(
+                f"unknown cluster {text!r}: not a built-in ({', '.join(sorted(builtins))}) and no such file"
+            )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(str(path), "(file)", f"malformed YAML{where}") from None
+    return parse_cluster(data, str(path))
+
+
+def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
+    """Validate a cluster mapping and convert every figure to SI units."""
+    r = _Reader(data, source)
+    gpu = r.section("gpu")
+    intra = r.section("intra_node")
+    out = r.section("scale_out")
+    peak = gpu.section("peak_tflops")
+    peak_flops = {}
+    for dtype in peak.keys():
+        if dtype not in DTYPES:
+            raise ConfigError(source, f"gpu.peak_tflops.{dtype}", "unknown dtype", f"one of {', '.join(DTYPES)}")
+        peak_flops[dtype] = peak.number(dtype, "TFLOP/s, dense") * 1e12
+    if not peak_flops:
+        raise ConfigError(source, "gpu.peak_tflops", "no dtype given", "e.g. bf16: 989.4 (TFLOP/s)")
+    fabric = intra.choice("fabric", FABRICS)
+    reduce_bw = r.number("reduce_bw_GBps", "GB/s", optional=True)
+    algorithms = r.optional_mapping("algorithms")
+    spec = ClusterSpec(
+        name=r.text("name"),
+        description=r.text("description", optional=True),
+        gpus_per_node=r.integer("gpus_per_node"),
+        gpu=GPUSpec(
+            model=gpu.text("model"),
+            peak_flops=peak_flops,
+            hbm_capacity_bytes=gpu.number("hbm_capacity_GB", "GB") * 1e9,
+            hbm_bw_Bps=gpu.number("hbm_bw_GBps", "GB/s") * 1e9,
+        ),
+        intra=IntraNodeSpec(
+            fabric=fabric,
+            bw_Bps=intra.number("bw_GBps_per_direction", "GB/s") * 1e9,
+            latency_s=intra.number("latency_us", "microseconds", allow_zero=True) * 1e-6,
+            in_switch_reduction=intra.boolean("in_switch_reduction", default=False),
+        ),
+        scale_out=ScaleOutSpec(
+            nics_per_node=out.integer("nics_per_node"),
+            nic_bw_Bps=out.number("nic_bw_Gbps", "Gb/s (gigabits)") * 1e9 / 8,
+            latency_s=out.number("latency_us", "microseconds", allow_zero=True) * 1e-6,
+            spine_hop_latency_s=out.number("spine_hop_latency_us", "microseconds", allow_zero=True) * 1e-6,
+            nodes_per_leaf=out.integer("nodes_per_leaf"),
+            oversubscription=out.number("oversubscription", "ratio >= 1, e.g. 1.0 for non-blocking"),
+        ),
+        source=source,
+        algorithms={str(k): str(v) for k, v in algorithms.items()},
+        reduce_bw_Bps=reduce_bw * 1e9 if reduce_bw else None,
+    )
+    for reader in (r, gpu, intra, out):
+        reader.reject_unknown()
+    if spec.intra.in_switch_reduction and spec.intra.fabric != "nvswitch":
+        raise ConfigError(source, "intra_node.in_switch_reduction", "needs fabric: nvswitch")
+    if spec.scale_out.oversubscription < 1:
+        raise ConfigError(source, "scale_out.oversubscription", f"{spec.scale_out.oversubscription} is below 1",
+                          "downlink:uplink ratio >= 1")
+    return spec
+
+
+class _Reader:
+    """Typed access to one mapping of a config file, remembering which keys were read."""
+
+    def __init__(self, data: object, source: str, prefix: str = ""):
+        self.source, self.prefix = source, prefix
+        if not isinstance(data, dict):
+            raise ConfigError(source, prefix.rstrip(".") or "(file)", f"is {type(data).__name__}", "a mapping of keys")
+        self.data, self.used = data, set()
+
+    def keys(self) -> list[str]:
+        self.used.update(self.data)
+        return list(self.data)
+
+    def _get(self, key: str, optional: bool = False):
+        self.used.add(key)
+        if key not in self.data:
+            if optional:
+                return None
+            raise ConfigError(self.source, self.prefix + key, "missing")
+        return self.data[key]
+
+    def section(self, key: str) -> "_Reader":
+        return _Reader(self._get(key), self.source, f"{self.prefix}{key}.")
+
+    def optional_mapping(self, key: str) -> dict:
+        value = self._get(key, optional=True)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(self.source, self.prefix + key, f"is {value!r}", "a mapping")
+        return value
+
+    def text(self, key: str, optional: bool = False) -> str:
+        value = self._get(key, optional)
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise ConfigError(self.source, self.prefix + key, f"is {value!r}", "a string")
+        return value
+
+    def number(self, key: str, unit: str, allow_zero: bool = False, optional: bool = False) -> float:
+        value = self._get(key, optional)
+        if value is None:
+            return 0.0
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(self.source, self.prefix + key, f"is {value!r}", f"a number in {unit}")
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(self.source, self.prefix + key, f"is {value}", f"a positive number in {unit}")
+        return float(value)
+
+    def integer(self, key: str) -> int:
+        value = self._get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(self.source, self.prefix + key, f"is {value!r}", "a positive whole number")
+        return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self._get(key, optional=True)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(self.source, self.prefix + key, f"is {value!r}", "true or false")
+        return value
+
+    def choice(self, key: str, options: tuple[str, ...]) -> str:
+        value = self._get(key)
+        if value not in options:
+            raise ConfigError(self.source, self.prefix + key, f"is {value!r}", f"one of {', '.join(options)}")
+        return value
+
+    def reject_unknown(self) -> None:
+        unknown = sorted(set(self.data) - self.used)
+        if unknown:
+            raise ConfigError(self.source, self.prefix + unknown[0], "unknown key",
+                              f"one of {', '.join(sorted(self.used))}")

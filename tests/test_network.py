@@ -1,0 +1,98 @@
+"""The flow-level network: max-min fair sharing, and collectives that contend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import simpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parsim.collectives import build_phases, predict, simulate_phases
+from parsim.network import Network, max_min_rates
+
+from ideal_cluster import ideal_spec
+
+
+def test_flows_on_one_link_split_it_evenly():
+    rates = max_min_rates(np.array([[0], [0], [0], [0]]), np.array([100.0]))
+    assert rates.tolist() == [25.0] * 4
+
+
+def test_max_min_gives_leftover_to_flows_not_bottlenecked_there():
+    # Flow 0 crosses links 0 and 1; flow 1 only link 1; link 0 is slow.
+    rates = max_min_rates(np.array([[0, 1], [1, -1]]), np.array([10.0, 100.0]))
+    assert rates.tolist() == [10.0, 90.0]
+
+
+def test_a_flow_finishing_frees_bandwidth_for_the_others():
+    env = simpy.Environment()
+    net = Network(env, np.array([100.0]))
+    done = {}
+
+    def send(name, nbytes):
+        yield net.transfer(np.array([[0]]), nbytes)
+        done[name] = env.now
+
+    env.process(send("small", 100.0))
+    env.process(send("large", 300.0))
+    env.run()
+    # Both at 50 B/s until the small one ends at t=2; the large one then has 200 B left at 100 B/s.
+    assert done["small"] == pytest.approx(2.0)
+    assert done["large"] == pytest.approx(4.0)
+
+
+def test_two_all_reduces_on_the_same_nics_slow_each_other_down():
+    spec = ideal_spec()
+    topo = spec.build(2)
+    size = 64 * 2**20
+    # Two groups that each span both nodes, on the same GPUs' NICs (GPUs 0-3 of each node vs 4-7 share no NIC
+    # in an 8-NIC node), so use the same local GPUs in both: ranks {0,8} and {1,9} go through NICs 0 and 1.
+    group_a, group_b = np.array([0, 8]), np.array([0, 8])
+    alone = predict(topo, "all_reduce", size, group_a, "ring").time_s
+
+    env = simpy.Environment()
+    net = Network(env, topo.capacity_Bps)
+    for group in (group_a, group_b):
+        env.process(simulate_phases(env, net, topo, build_phases(topo, "all_reduce", "ring", group, size),
+                                    spec.reduction_bw_Bps))
+    env.run()
+    assert env.now > 1.5 * alone
+
+
+def test_all_reduces_on_disjoint_links_do_not_interfere():
+    spec = ideal_spec()
+    topo = spec.build(2)
+    size = 16 * 2**20
+    alone = predict(topo, "all_reduce", size, np.array([0, 1, 2, 3]), "ring").time_s
+    env = simpy.Environment()
+    net = Network(env, topo.capacity_Bps)
+    for group in (np.array([0, 1, 2, 3]), np.array([8, 9, 10, 11])):
+        env.process(simulate_phases(env, net, topo, build_phases(topo, "all_reduce", "ring", group, size),
+                                    spec.reduction_bw_Bps))
+    env.run()
+    assert env.now == pytest.approx(alone, rel=1e-9)
+
+
+OPS_ALGS = [("all_reduce", "ring"), ("all_reduce", "tree"), ("all_reduce", "hierarchical"),
+            ("all_gather", "ring"), ("reduce_scatter", "recursive"), ("broadcast", "hierarchical"),
+            ("all_to_all", "direct")]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    op_alg=st.sampled_from(OPS_ALGS),
+    nodes=st.sampled_from([2, 4]),
+    size=st.integers(min_value=1024, max_value=2**30),
+    which=st.sampled_from(["intra_node.bw_GBps_per_direction", "scale_out.nic_bw_Gbps"]),
+    factor=st.floats(min_value=1.0, max_value=8.0),
+)
+def test_more_bandwidth_never_makes_a_collective_slower(op_alg, nodes, size, which, factor):
+    op, alg = op_alg
+    base = ideal_spec()
+    section, key = which.split(".")
+    value = {"intra_node": 100, "scale_out": 200}[section] * factor
+    faster = ideal_spec(**{which: value})
+    before = predict(base.build(nodes), op, size, algorithm=alg).time_s
+    after = predict(faster.build(nodes), op, size, algorithm=alg).time_s
+    assert after <= before * (1 + 1e-12)

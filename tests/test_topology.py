@@ -1,0 +1,55 @@
+"""Routes computed by formula are real paths in the networkx graph, and as short as its shortest paths."""
+
+from __future__ import annotations
+
+import itertools
+
+import networkx as nx
+import numpy as np
+import pytest
+
+from parsim.topology import SWITCH
+
+from ideal_cluster import ideal_spec
+
+
+def _edges_by_link(graph):
+    return {d["link"]: (u, v) for u, v, d in graph.edges(data=True) if d["link"] >= 0}
+
+
+@pytest.mark.parametrize("fabric", ["nvswitch", "pcie"])
+def test_every_route_is_a_path_of_the_graph(fabric):
+    spec = ideal_spec(**{"intra_node.fabric": fabric, "intra_node.in_switch_reduction": False,
+                         "scale_out.nics_per_node": 2})
+    topo = spec.build(6)  # two scalable units of 4 nodes
+    graph = topo.graph
+    links = _edges_by_link(graph)
+    pairs = np.array(list(itertools.permutations(range(topo.num_gpus), 2)))
+    routes = topo.routes(pairs[:, 0], pairs[:, 1])
+    for (src, dst), route in zip(pairs, routes):
+        here, free = ("gpu", src), 0
+        for link in route[route >= 0]:
+            u, v = links[link]
+            if here != u:  # joined by a zero-cost GPU/host-to-NIC attachment
+                assert graph[here][u]["link"] == -1
+                free += 1
+            here = v
+        if here != ("gpu", dst):
+            assert graph[here][("gpu", dst)]["link"] == -1
+            free += 1
+        hops = int((route >= 0).sum()) + free
+        assert hops == nx.shortest_path_length(graph, ("gpu", src), ("gpu", dst))
+
+
+def test_switch_endpoint_routes_use_one_fabric_link():
+    topo = ideal_spec().build(1)
+    routes = topo.routes([3, SWITCH], [SWITCH, 5])
+    assert [topo.link_name(int(r[0])) for r in routes] == [
+        "NVLink gpu3 -> NVSwitch (node 0)", "NVLink NVSwitch -> gpu5 (node 0)"]
+
+
+def test_path_kinds():
+    topo = ideal_spec().build(8)
+    assert topo.path_kind(0, 1) == "nvlink"
+    assert topo.path_kind(0, 8) == "leaf"  # same rail, same scalable unit
+    assert topo.path_kind(0, 40) == "spine"  # node 5 is in the second scalable unit
