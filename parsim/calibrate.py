@@ -1,0 +1,136 @@
+"""Fit a cluster file to measurements of the machine at hand.
+
+Collectives: for each measured (operation, ranks, size), the simulator is run
+once on a *unit* cluster (1 s per latency step, 1 byte/s links, 1 byte/s
+reduction). Its phase timings are then exactly the three features of the
+alpha-beta-gamma model, ``t = alpha * steps + bytes_on_busiest_link / B +
+reduced_bytes / R``, so fitting ``alpha`` and ``1/B`` is a linear least-squares
+problem in the simulator's own terms — whatever algorithm the backend uses.
+Rows are weighted by ``1/t`` so small and large messages count alike
+(relative error). The reduction speed ``R`` comes from its own microbenchmark.
+
+Compute: matmul times are fitted to the shape model of :mod:`parsim.compute`
+(peak FLOP/s and the dimension at which efficiency halves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cluster import parse_cluster
+from .collectives.algorithms import build_phases
+from .collectives.simulate import time_phases
+from .errors import ParsimError
+from .results import CollectiveResult
+
+
+def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: float, *, name: str = "my-host",
+                 description: str = "", cpu: str = "CPU rank", peak_flops: float = 1e11,
+                 mem_bw_Bps: float = 1e10, mem_bytes: float = 8e9, algorithms: dict | None = None,
+                 matmul_half_dim: float = 0.0) -> dict:
+    """A cluster mapping for ``ranks`` processes on one host (loopback "fabric")."""
+    return {
+        "name": name,
+        "description": description or f"{ranks} ranks on one host, calibrated",
+        "gpus_per_node": ranks,
+        "gpu": {"model": cpu, "peak_tflops": {"fp32": peak_flops / 1e12},
+                "hbm_capacity_GB": mem_bytes / 1e9, "hbm_bw_GBps": mem_bw_Bps / 1e9},
+        "intra_node": {"fabric": "pcie", "bw_GBps_per_direction": bw_Bps / 1e9,
+                       "latency_us": latency_s * 1e6, "in_switch_reduction": False},
+        # One host: nothing leaves it, but the file format wants a scale-out section.
+        "scale_out": {"nics_per_node": 1, "nic_bw_Gbps": 10.0, "latency_us": 50.0, "spine_hop_latency_us": 1.0,
+                      "nodes_per_leaf": 32, "oversubscription": 1.0},
+        "reduce_bw_GBps": reduce_bw_Bps / 1e9,
+        "algorithms": dict(algorithms or {}),
+        "compute": {"matmul_efficiency": 1.0, "matmul_half_dim": float(matmul_half_dim)},
+    }
+
+
+def collective_features(op: str, nranks: int, size: float, algorithm: str) -> np.ndarray:
+    """(latency steps, bytes over the busiest link, bytes reduced) of one collective."""
+    unit = parse_cluster(host_cluster(max(nranks, 1), 1.0, 1.0, 1.0), "<unit>").build(1)
+    phases = build_phases(unit, op, algorithm, np.arange(nranks), size)
+    _, timings = time_phases(unit, phases)
+    return np.array([sum(t.latency_s for t in timings), sum(t.transfer_s for t in timings),
+                     sum(t.reduce_s for t in timings)])
+
+
+@dataclass
+class LinkFit:
+    latency_s: float
+    bw_Bps: float
+    reduce_bw_Bps: float
+    rows: list[tuple[CollectiveResult, float]]  # measurement, fitted time
+
+    @property
+    def median_abs_error(self) -> float:
+        return float(np.median([abs(f / r.time_s - 1) for r, f in self.rows]))
+
+
+def fit_links(results: list[CollectiveResult], algorithms: dict[str, str], reduce_bw_Bps: float) -> LinkFit:
+    """Fit latency per step and link bandwidth to measured collectives (reduction speed given)."""
+    if len(results) < 2:
+        raise ParsimError("calibration needs at least two measurements")
+    feats = np.array([collective_features(r.op, r.nranks, r.size_bytes, algorithms.get(r.op, "ring"))
+                      for r in results])
+    times = np.array([r.time_s for r in results])
+    target = times - feats[:, 2] / reduce_bw_Bps  # take out the known reduction time
+    weights = 1.0 / times
+    a = feats[:, :2] * weights[:, None]
+    coef = _nonnegative_lstsq(a, target * weights)
+    alpha, inv_bw = coef
+    if inv_bw <= 0:
+        raise ParsimError("the measurements show no bandwidth term: use larger sizes (e.g. up to 64MiB)")
+    fitted = feats @ np.array([alpha, inv_bw, 1.0 / reduce_bw_Bps])
+    return LinkFit(float(alpha), float(1.0 / inv_bw), reduce_bw_Bps, list(zip(results, fitted.tolist())))
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (two unknowns: try the free fit, then each alone)."""
+    best, best_err = None, np.inf
+    candidates = [np.linalg.lstsq(a, b, rcond=None)[0]]
+    for j in range(a.shape[1]):
+        x = np.zeros(a.shape[1])
+        col = a[:, j]
+        x[j] = max(float(col @ b) / float(col @ col), 0.0) if col @ col > 0 else 0.0
+        candidates.append(x)
+    for x in candidates:
+        if (x >= 0).all():
+            err = float(np.sum((a @ x - b) ** 2))
+            if err < best_err:
+                best, best_err = x, err
+    return best
+
+
+@dataclass
+class MatmulFit:
+    peak_flops: float
+    half_dim: float
+    rows: list[tuple[tuple[int, int, int], float, float]]  # shape, measured s, fitted s
+
+    @property
+    def median_abs_error(self) -> float:
+        return float(np.median([abs(f / m - 1) for _, m, f in self.rows]))
+
+
+def fit_matmul(samples: list[tuple[tuple[int, int, int], float]]) -> MatmulFit:
+    """Fit ``rate = peak * prod(d / (d + h))`` to measured matmul times (grid over h, closed form for peak)."""
+    if not samples:
+        raise ParsimError("no matmul measurements to fit")
+    shapes = np.array([s for s, _ in samples], dtype=float)
+    times = np.array([t for _, t in samples])
+    flops = 2 * shapes.prod(axis=1)
+    best = None
+    for h in np.concatenate([[0.0], np.geomspace(1, 4096, 200)]):
+        shape_factor = np.prod(shapes / (shapes + h), axis=1)
+        # t = flops / (peak * shape_factor): log-space least squares for peak
+        log_peak = float(np.mean(np.log(flops / (shape_factor * times))))
+        fitted = flops / (np.exp(log_peak) * shape_factor)
+        err = float(np.mean(np.log(fitted / times) ** 2))
+        if best is None or err < best[0]:
+            best = (err, float(np.exp(log_peak)), float(h), fitted)
+    _, peak, h, fitted = best
+    return MatmulFit(peak, h, [(tuple(int(d) for d in s), float(t), float(f))
+                               for s, t, f in zip(shapes, times, fitted)])

@@ -1,0 +1,49 @@
+"""Roofline compute cost: FLOPs against peak, bytes against HBM bandwidth.
+
+A matmul of ``(m, n, k)`` does ``2mnk`` FLOPs and touches ``(mk + kn + mn)``
+elements; it takes the longer of the two times. Real kernels reach only part
+of the peak, less for thin shapes, so the achievable rate is
+``peak * efficiency * prod(d / (d + half_dim) for d in (m, n, k))``: with the
+defaults (``efficiency=1``, ``half_dim=0``) this is the pure roofline, an
+optimistic bound; ``parsim calibrate`` fits both numbers to measured matmuls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cluster import ClusterSpec
+from .errors import ParsimError
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    peak_flops: float  # FLOP/s for the plan's dtype
+    hbm_bw_Bps: float
+    dtype_bytes: int
+    efficiency: float = 1.0
+    half_dim: float = 0.0
+
+    @classmethod
+    def for_cluster(cls, spec: ClusterSpec, dtype: str, dtype_bytes: int) -> "ComputeModel":
+        peak = spec.gpu.peak_flops.get(dtype)
+        if peak is None:
+            raise ParsimError(f"{spec.name}: the GPU has no {dtype} peak in its cluster file "
+                              f"(it lists {', '.join(spec.gpu.peak_flops)})")
+        return cls(peak, spec.gpu.hbm_bw_Bps, dtype_bytes, spec.matmul_efficiency, spec.matmul_half_dim)
+
+    def matmul_rate(self, m: float, n: float, k: float) -> float:
+        shape = 1.0
+        for d in (m, n, k):
+            shape *= d / (d + self.half_dim)
+        return self.peak_flops * self.efficiency * shape
+
+    def matmul_time(self, m: float, n: float, k: float) -> float:
+        flops = 2.0 * m * n * k
+        traffic = (m * k + k * n + m * n) * self.dtype_bytes
+        return max(flops / self.matmul_rate(m, n, k), traffic / self.hbm_bw_Bps)
+
+    def time(self, matmuls=(), flops: float = 0.0, hbm_bytes: float = 0.0) -> float:
+        """Matmuls at their shape's rate, then other FLOPs at peak and other bytes at HBM speed."""
+        total = sum(self.matmul_time(*mm) for mm in matmuls)
+        return total + max(flops / (self.peak_flops * self.efficiency), hbm_bytes / self.hbm_bw_Bps)

@@ -1,0 +1,62 @@
+"""Per-rank programs: the ordered operations a plan lowers to.
+
+A :class:`Program` holds, for every simulated rank, a list of :class:`Op` s in
+issue order. Each op runs on one stream of its rank (``compute``, ``comm`` for
+collectives, ``p2p`` for pipeline sends); ops on one stream run one after
+another, ops on different streams overlap, and ``deps`` name ops (on any rank)
+that must finish first. A receive finishes when its matching send has
+arrived. The simulator times a program; the executor's measured trace uses the
+same op names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Op:
+    """One operation of one rank. Ids are assigned by :meth:`Program.add`."""
+
+    name: str
+    kind: str  # "compute" | "collective" | "send" | "recv" | "optimizer"
+    stream: str  # "compute" | "comm" | "p2p"
+    deps: tuple[int, ...] = ()
+    # compute: matmuls as (m, n, k), plus other FLOPs and HBM bytes (elementwise work, optimizer)
+    matmuls: tuple[tuple[int, int, int], ...] = ()
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    # communication
+    collective: str = ""  # all_reduce, all_gather, reduce_scatter, ...
+    group: str = ""  # "tp" | "dp" | "pp"
+    ranks: tuple[int, ...] = ()  # GPUs of the group (collective) or (src, dst) GPUs (send)
+    mirrors: tuple[tuple[int, ...], ...] = ()  # symmetric copies run at the same time by unsimulated ranks
+    nbytes: float = 0.0
+    peer: int = -1  # send: destination rank; recv: source rank
+    match: int = -1  # recv: id of the matching send
+    phase: str = ""  # report category: forward, backward, weight-grad, optimizer, tp, dp, pp
+    id: int = -1
+    rank: int = -1
+
+
+@dataclass
+class Program:
+    """Ops of every simulated rank; ``represents[r]`` counts the real ranks rank ``r`` stands for."""
+
+    world_size: int
+    ops: list[Op] = field(default_factory=list)
+    by_rank: dict[int, list[int]] = field(default_factory=dict)
+    represents: dict[int, int] = field(default_factory=dict)
+
+    def add(self, rank: int, op: Op) -> int:
+        op.id, op.rank = len(self.ops), rank
+        self.ops.append(op)
+        self.by_rank.setdefault(rank, []).append(op.id)
+        return op.id
+
+    def rank_ops(self, rank: int) -> list[Op]:
+        return [self.ops[i] for i in self.by_rank.get(rank, [])]
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.by_rank)

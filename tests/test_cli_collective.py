@@ -1,0 +1,73 @@
+"""`parsim collective` and `parsim clusters` from the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parsim.cli.main import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_collective_prints_time_bandwidth_and_bottleneck(capsys):
+    code, out, _ = run(capsys, "collective", "all-reduce", "--cluster", "dgx-h100", "--gpus", "8", "--size", "1GiB")
+    assert code == 0
+    for word in ("time", "algbw", "busbw", "algorithm", "bottleneck", "lower bound"):
+        assert word in out
+
+
+def test_explain_walks_through_the_course_formula(capsys):
+    code, out, _ = run(capsys, "collective", "reduce-scatter", "--gpus", "4", "--size", "400MB", "--explain")
+    assert code == 0
+    assert "busbw / n" in out and "algbw = size / time" in out
+
+
+def test_json_has_the_shared_result_schema(capsys):
+    code, out, _ = run(capsys, "collective", "all-gather", "--gpus", "8", "--size", "64MiB", "--json")
+    row = json.loads(out)
+    assert code == 0 and row["source"] == "simulated" and row["nranks"] == 8
+    assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / row["time_s"] / 1e9)
+
+
+def test_sweep_table_and_plot(capsys, tmp_path):
+    png = tmp_path / "bw.png"
+    code, out, _ = run(capsys, "collective", "all-reduce", "--sweep", "1KiB:1MiB:4", "--plot", str(png))
+    assert code == 0 and out.count("KiB") >= 3 and png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["collective", "all-sum"], "unknown collective"),
+    (["collective", "--size", "lots"], "size 'lots'"),
+    (["collective", "--cluster", "nope"], "unknown cluster"),
+    (["collective", "--gpus", "12"], "whole nodes"),
+    (["collective", "all-reduce", "--gpus", "6", "--algorithm", "recursive"], "power-of-two"),
+    (["collective", "--sweep", "8GiB:1KiB"], "MIN <= MAX"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_malformed_cluster_file_names_file_and_key(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ngpus_per_node: eight\n")
+    code, _, err = run(capsys, "collective", "--cluster", str(bad))
+    assert code == 2 and "bad.yaml" in err and "gpus_per_node" in err
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: [x\n")
+    code, _, err = run(capsys, "clusters", str(broken))
+    assert code == 2 and "malformed YAML" in err
+
+
+def test_clusters_lists_every_builtin(capsys):
+    code, out, _ = run(capsys, "clusters")
+    assert code == 0
+    for name in ("dgx-a100", "dgx-h100", "dgx-h200", "dgx-b200", "gb200-nvl72"):
+        assert name in out
