@@ -127,6 +127,7 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
 def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     """Validate a cluster mapping and convert every figure to SI units."""
     r = _Reader(data, source)
+    name, description, gpus_per_node = r.text("name"), r.text("description", optional=True), r.integer("gpus_per_node")
     gpu = r.section("gpu")
     intra = r.section("intra_node")
     out = r.section("scale_out")
@@ -152,9 +153,9 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     if not isinstance(half_dim, (int, float)) or half_dim < 0:
         raise ConfigError(source, "compute.matmul_half_dim", f"is {half_dim!r}", "a matrix dimension >= 0")
     spec = ClusterSpec(
-        name=r.text("name"),
-        description=r.text("description", optional=True),
-        gpus_per_node=r.integer("gpus_per_node"),
+        name=name,
+        description=description,
+        gpus_per_node=gpus_per_node,
         gpu=GPUSpec(
             model=gpu.text("model"),
             peak_flops=peak_flops,
