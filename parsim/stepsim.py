@@ -31,6 +31,7 @@ class StepSimulator:
     def __init__(self, topo: Topology, compute: ComputeModel):
         self.topo, self.compute = topo, compute
         self._choose = lru_cache(maxsize=None)(self._choose_algorithm)
+        self._phases = lru_cache(maxsize=None)(self._merged_phases)
 
     def run(self, program: Program, meta: dict | None = None) -> Trace:
         env = simpy.Environment()
@@ -52,31 +53,33 @@ class StepSimulator:
 
     def _stream(self, env, net, ops: list[Op], done: list[simpy.Event], events: list[Event]):
         for op in ops:
-            waits = [done[d] for d in op.deps]
-            if op.kind == "recv":
-                waits.append(done[op.match])
-            if waits:
-                yield simpy.AllOf(env, waits)
+            if op.deps:
+                yield simpy.AllOf(env, [done[d] for d in op.deps])
             start = env.now
+            if op.kind == "recv":  # the receive lasts until its send has arrived
+                yield done[op.match]
             if op.kind in ("compute", "optimizer"):
                 yield env.timeout(self.compute.time(op.matmuls, op.flops, op.hbm_bytes))
             elif op.kind == "collective":
                 yield env.process(self._collective(env, net, op))
             elif op.kind == "send":
                 yield env.process(self._send(env, net, op))
-            # a recv only waits for its send
             events.append(Event(op.name, op.rank, op.stream, op.kind, start, env.now - start, _args(op)))
             done[op.id].succeed()
 
     def _collective(self, env, net, op: Op):
-        groups = [op.ranks, *op.mirrors]
-        algorithm = self._choose(op.collective, op.ranks, int(op.nbytes))
-        per_group = [build_phases(self.topo, op.collective, algorithm, np.asarray(g), op.nbytes) for g in groups]
-        merged = [Phase(first.label, np.concatenate([p[i].src for p in per_group]),
-                        np.concatenate([p[i].dst for p in per_group]),
-                        np.concatenate([p[i].nbytes for p in per_group]), first.steps, first.reduce_bytes)
-                  for i, first in enumerate(per_group[0])]
-        yield env.process(simulate_phases(env, net, self.topo, merged, self.topo.spec.reduction_bw_Bps))
+        phases = self._phases(op.collective, op.ranks, op.mirrors, op.nbytes)
+        yield env.process(simulate_phases(env, net, self.topo, phases, self.topo.spec.reduction_bw_Bps))
+
+    def _merged_phases(self, collective: str, ranks: tuple[int, ...], mirrors: tuple[tuple[int, ...], ...],
+                       nbytes: float) -> list[Phase]:
+        """The group's phases with its mirror groups' flows added (cached: ops repeat every microbatch)."""
+        algorithm = self._choose(collective, ranks, int(nbytes))
+        per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes) for g in (ranks, *mirrors)]
+        return [Phase(first.label, np.concatenate([p[i].src for p in per_group]),
+                      np.concatenate([p[i].dst for p in per_group]),
+                      np.concatenate([p[i].nbytes for p in per_group]), first.steps, first.reduce_bytes)
+                for i, first in enumerate(per_group[0])]
 
     def _send(self, env, net, op: Op):
         pairs = np.array([op.ranks, *op.mirrors])

@@ -50,6 +50,7 @@ class Phase:
     nbytes: np.ndarray
     steps: int
     reduce_bytes: float = 0.0
+    routes: np.ndarray | None = None  # filled in (and kept) by the first simulation of this phase
 
     @classmethod
     def of(cls, label: str, src, dst, nbytes, steps: int, reduce_bytes: float = 0.0) -> "Phase":

@@ -74,7 +74,9 @@ def simulate_phases(env: simpy.Environment, net: Network, topo: Topology, phases
                     reduce_bw_Bps: float, timings: list[PhaseTiming] | None = None):
     """simpy process: run ``phases`` one after another on ``net``; append a PhaseTiming per phase."""
     for phase in phases:
-        routes = topo.routes(phase.src, phase.dst)
+        if phase.routes is None:
+            phase.routes = topo.routes(phase.src, phase.dst)
+        routes = phase.routes
         latency = phase.steps * float(topo.path_latency_s(routes).max(initial=0.0))
         before = net.link_bytes.copy() if timings is not None else None
         if latency:

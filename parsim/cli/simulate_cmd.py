@@ -1,0 +1,106 @@
+"""``parsim simulate``: predict one training step of a plan."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..cluster import load_cluster
+from ..plan import builtin_plans, resolve_plan
+from ..step import StepPrediction, predict_step
+from ..step_report import PHASES
+from ..table import render_table
+from ..units import format_time
+from .common import DEFAULT_CLUSTER, print_json
+
+HELP = """\
+Predict one training step of a parallelism plan on a simulated cluster.
+
+The plan is lowered to per-rank programs (forward/backward compute per block,
+tensor-parallel collectives, pipeline sends, data-parallel gradient
+all-reduces, optimizer); compute is timed by a roofline (FLOPs vs peak, bytes
+vs HBM bandwidth) and communication on the same flow-level network as
+`parsim collective`, on separate streams, so overlap and contention are
+simulated. One representative rank per pipeline stage is simulated; its
+collectives carry the traffic of every replica it stands for.
+
+phases per rank: forward / backward / weight-grad = compute; tp = tensor-
+parallel collectives; pp = waiting on pipeline receives (bubble + transfer);
+dp = gradient all-reduce not hidden behind compute; idle = the rest.
+
+examples:
+  parsim simulate llama3-70b-1024 --cluster dgx-h100
+  parsim simulate my-plan.yaml --cluster dgx-b200 --trace step.json --gantt step.png
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("simulate", help="predict a training step: time, bubbles, MFU, memory",
+                              description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plan", nargs="?", default="llama3-70b-1024",
+                   help=f"plan YAML file or built-in plan ({', '.join(sorted(builtin_plans()))})")
+    p.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="NAME|FILE", help="cluster (default dgx-h100)")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.add_argument("--trace", metavar="JSON", help="write a Chrome/Perfetto trace (open in ui.perfetto.dev)")
+    p.add_argument("--gantt", metavar="PNG", help="draw the pipeline schedule with its bubbles")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = resolve_plan(args.plan)
+    prediction = predict_step(plan, load_cluster(args.cluster))
+    if args.json:
+        print_json(to_json(prediction))
+    else:
+        print(report(prediction))
+    if args.trace:
+        from ..chrome import write_chrome_trace
+
+        write_chrome_trace(args.trace, {"predicted": prediction.trace})
+        print(f"wrote {args.trace}")
+    if args.gantt:
+        from ..gantt import draw_gantt
+
+        draw_gantt(prediction.trace, args.gantt, title=f"{plan.name} on {prediction.cluster.name} (simulated)")
+        print(f"wrote {args.gantt}")
+    return 0
+
+
+def report(r: StepPrediction) -> str:
+    plan, gb = r.plan, 1e9
+    capacity = r.cluster.gpu.hbm_capacity_bytes
+    lines = [
+        f"{plan.name}: {plan.model.name} on {plan.world} GPUs of {r.cluster.name} "
+        f"(dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, {plan.schedule}, {plan.num_microbatches} microbatches "
+        f"of {plan.microbatch_size}, {plan.dtype})",
+        f"  step time   {format_time(r.step_s)}",
+        f"  throughput  {r.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_step:,} tokens per step)",
+        f"  MFU         {r.mfu:.1%}  (model FLOPs {r.model_flops:.3g} per step / (step x {plan.world} GPUs x "
+        f"{r.cluster.gpu.peak_flops[plan.dtype] / 1e12:g} TFLOP/s))",
+        "",
+    ]
+    rows = []
+    for b, mem in zip(r.ranks, r.memory):
+        rows.append([f"pp {mem.pp_rank} (rank {b.rank})"] + [f"{b.fraction(p):.1%}" for p in PHASES])
+    lines.append(render_table(["stage"] + list(PHASES), rows, title="time by phase, per pipeline stage "
+                              "(each stands for its dp x tp replicas)"))
+    lines.append("")
+    rows = [[f"pp {m.pp_rank}", f"{m.weights / gb:.2f}", f"{m.gradients / gb:.2f}", f"{m.optimizer / gb:.2f}",
+             f"{m.activations / gb:.2f}", m.in_flight, f"{m.total / gb:.2f}",
+             "OVER" if m.total > capacity else "ok"] for m in r.memory]
+    lines.append(render_table(["stage", "weights", "grads", "optimizer", "activations", "in flight", "total GB",
+                               f"fits {capacity / gb:g} GB"], rows, title="peak memory per GPU (GB)"))
+    if r.over_memory:
+        worst = max(r.over_memory, key=lambda m: m.total)
+        lines.append(f"does not fit: pipeline stage {worst.pp_rank} needs {worst.total / gb:.1f} GB of "
+                     f"{capacity / gb:g} GB (try more tensor/pipeline parallelism or fewer microbatches in flight)")
+    return "\n".join(lines)
+
+
+def to_json(r: StepPrediction) -> dict:
+    return {
+        "plan": r.plan.name, "cluster": r.cluster.name, "world_size": r.plan.world,
+        "step_s": r.step_s, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
+        "ranks": [{"rank": b.rank, "seconds": b.seconds} for b in r.ranks],
+        "memory": [vars(m) | {"total": m.total} for m in r.memory],
+        "fits": not r.over_memory,
+    }

@@ -1,0 +1,237 @@
+"""Lower a plan to per-rank programs the step simulator times.
+
+Symmetry keeps frontier-scale plans cheap: every data-parallel replica and
+every tensor-parallel rank of a pipeline stage runs the same program, so one
+*representative* rank per pipeline rank is simulated (``dp = 0, tp = 0``).
+Its collectives still move the traffic of all the ranks it stands for: each
+collective carries the *mirror* groups (the same op on the other replicas'
+groups) as extra flows, so contention on shared NICs and switches is
+simulated, not assumed.
+
+For pipeline rank ``p`` the program is the schedule's action list for ``p``.
+Each action becomes: a receive of its input (activations from the previous
+stage, or gradients from the next), the per-block compute split by the
+tensor-parallel collectives the model places between blocks, and a send of
+its output. After the last backward come the data-parallel gradient
+all-reduces (per parameter after the backward, as in the course, or in
+buckets that start as soon as their gradients are final, as DDP does) and the
+optimizer step.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from .model import LayerCost, MLPModel
+from .plan import Plan
+from .program import Op, Program
+from .schedules import Action, Schedule, make_schedule
+from .trace import collective_name, compute_name, p2p_name
+
+ADAM_STATE_BYTES = 8  # AdamW's two fp32 moments per parameter
+FP32 = 4
+
+
+@dataclass
+class _Pending:
+    """A receive whose matching send is created later."""
+
+    op: Op
+    key: tuple
+
+
+def schedule_of(plan: Plan) -> Schedule:
+    return make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
+
+
+def hidden_size(plan: Plan) -> int:
+    model = plan.model
+    return model.width if isinstance(model, MLPModel) else model.hidden
+
+
+def lower(plan: Plan) -> Program:
+    """The representative ranks' programs (one per pipeline rank)."""
+    return _Lowering(plan).program
+
+
+class _Lowering:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.schedule = schedule_of(plan)
+        self.program = Program(plan.world)
+        self.tokens = plan.tokens_per_microbatch
+        self.sends: dict[tuple, int] = {}
+        self.pending: list[_Pending] = []
+        last_mb = plan.num_microbatches - 1
+        for p in range(plan.pp):
+            rank = plan.rank_of(dp=0, pp=p, tp=0)
+            self.program.represents[rank] = plan.dp * plan.tp
+            self.final_grad_ops: dict[tuple[int, int], int] = {}  # (stage, layer index) -> op id
+            for action in self.schedule.actions[p]:
+                self._action(rank, p, action, last_mb)
+            self._gradient_sync_and_step(rank, p)
+        for pending in self.pending:
+            pending.op.match = self.sends[pending.key]
+
+    # -- groups ---------------------------------------------------------------
+    @functools.cache
+    def _group(self, p: int, dim: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+        """The representative's ``dim`` group at pipeline rank ``p`` and its mirror groups."""
+        plan = self.plan
+        if dim == "tp":
+            groups = [plan.group_of(plan.rank_of(dp=d, pp=p, tp=0), "tp") for d in range(plan.dp)]
+        else:
+            groups = [plan.group_of(plan.rank_of(dp=0, pp=p, tp=t), "dp") for t in range(plan.tp)]
+        groups = [tuple(g) for g in groups]
+        return groups[0], tuple(groups[1:])
+
+    # -- one schedule action ------------------------------------------------------
+    def _action(self, rank: int, p: int, action: Action, last_mb: int) -> None:
+        plan, stage, mb = self.plan, action.stage, action.microbatch
+        last_stage = plan.num_stages - 1
+        costs = plan.stage_costs(stage)
+        act_bytes = self.tokens * hidden_size(plan) * plan.dtype_bytes
+        name = compute_name(action.kind, stage, mb)
+        if action.kind == "F":
+            phase = "forward"
+            if stage > 0:
+                self._recv(rank, "act", stage - 1, mb, ("act", stage - 1, mb), act_bytes)
+            order = [(i, c, b) for i, c in enumerate(costs) for b in c.blocks]
+        else:
+            phase = {"B": "backward", "I": "backward", "W": "weight-grad"}[action.kind]
+            if action.kind != "W" and stage < last_stage:
+                self._recv(rank, "grad", stage + 1, mb, ("grad", stage + 1, mb), act_bytes)
+            order = [(i, c, b) for i, c in reversed(list(enumerate(costs))) for b in reversed(c.blocks)]
+        direction = "fwd" if action.kind == "F" else "bwd"
+        counters: dict[str, int] = {}
+        last = None
+        for index, cost, block in order:
+            tp_ops = [c for c in block.collectives if c.phase == ("forward" if action.kind == "F" else "backward")]
+            if action.kind == "W" or plan.tp == 1:
+                tp_ops = []
+            for position in ("before", "after"):
+                if position == "after":
+                    last = self._compute(rank, name, phase, block, action.kind)
+                    if action.kind in ("B", "W") and mb == last_mb:
+                        self.final_grad_ops[(stage, index)] = last
+                for coll in (c for c in tp_ops if c.position == position):
+                    i = counters.get(cost.name, 0)
+                    counters[cost.name] = i + 1
+                    group, mirrors = self._group(p, "tp")
+                    last = self._add(rank, Op(
+                        collective_name(coll.op, "tp", layer=cost.name, mb=mb, dir=f"{direction}{i}"),
+                        "collective", "compute", collective=coll.op, group="tp", ranks=group, mirrors=mirrors,
+                        nbytes=coll.bytes_per_token * self.tokens, phase="tp"))
+        if action.kind == "F" and stage < last_stage:
+            self._send(rank, "act", stage, mb, ("act", stage, mb), act_bytes, last)
+        if action.kind in ("B", "I") and stage > 0:
+            self._send(rank, "grad", stage, mb, ("grad", stage, mb), act_bytes, last)
+
+    def _compute(self, rank: int, name: str, phase: str, block, kind: str) -> int:
+        m = self.tokens
+        tp = self.plan.tp
+        mms, flops = [], 0.0
+        for mm in block.matmuls:
+            k, n = mm.shape_per_rank(tp)
+            if kind == "F":
+                mms.append((m, n, k))
+            if kind in ("B", "I"):
+                mms.append((m, k, n))  # input gradient: dY [m, n] @ W^T [n, k]
+            if kind in ("B", "W"):
+                mms.append((k, n, m))  # weight gradient: X^T [k, m] @ dY [m, n]
+        attention = block.attention_flops_per_token // tp * m
+        if kind == "F":
+            flops = attention
+        elif kind in ("B", "I"):
+            flops = 2 * attention
+        return self._add(rank, Op(name, "compute", "compute", matmuls=tuple(mms), flops=flops, phase=phase))
+
+    # -- pipeline transfers ---------------------------------------------------------
+    def _stage_rank(self, stage: int) -> int:
+        return self.plan.rank_of(dp=0, pp=self.schedule.stage_to_rank(stage), tp=0)
+
+    def _pairs(self, src_stage: int, dst_stage: int) -> list[tuple[int, int]]:
+        plan, sched = self.plan, self.schedule
+        a, b = sched.stage_to_rank(src_stage), sched.stage_to_rank(dst_stage)
+        return [(plan.rank_of(dp=d, pp=a, tp=t), plan.rank_of(dp=d, pp=b, tp=t))
+                for d in range(plan.dp) for t in range(plan.tp)]
+
+    def _send(self, rank, what, stage, mb, key, nbytes, after) -> None:
+        dst_stage = stage + 1 if what == "act" else stage - 1
+        pairs = self._pairs(stage, dst_stage)
+        peer = pairs[0][1]
+        op = Op(p2p_name("send", what, stage, mb, peer), "send", "p2p", deps=(after,) if after is not None else (),
+                ranks=pairs[0], mirrors=tuple(pairs[1:]), nbytes=nbytes, peer=peer, phase="pp")
+        if peer == rank:  # both stages on one rank (interleaved, V placement): nothing moves
+            op.nbytes, op.ranks, op.mirrors = 0.0, (rank, rank), ()
+        self.sends[key] = self._add(rank, op)
+
+    def _recv(self, rank, what, stage, mb, key, nbytes) -> None:
+        peer = self._stage_rank(stage)
+        op = Op(p2p_name("recv", what, stage, mb, peer), "recv", "compute", nbytes=nbytes, peer=peer, phase="pp")
+        self._add(rank, op)
+        self.pending.append(_Pending(op, key))
+
+    # -- gradients and optimizer -----------------------------------------------------
+    def _gradient_sync_and_step(self, rank: int, p: int) -> None:
+        plan = self.plan
+        last_compute = self.program.by_rank[rank][-1]
+        sync: list[int] = []
+        if plan.dp > 1:
+            group, mirrors = self._group(p, "dp")
+            grad_bytes = plan.dtype_bytes
+            tensors = []  # (bytes, op id after which the gradient is final), in backward order
+            for stage in reversed(self.plan.stages_of(p)):
+                costs = plan.stage_costs(stage)
+                for index in reversed(range(len(costs))):
+                    ready = self.final_grad_ops.get((stage, index), last_compute)
+                    tensors += [(n * grad_bytes, ready) for n in _param_tensors(costs[index], plan.tp)]
+            if plan.grad_sync == "per_param":
+                for k, (nbytes, _) in enumerate(tensors):
+                    sync.append(self._add(rank, Op(
+                        collective_name("all_reduce", "dp", param=k), "collective", "comm",
+                        deps=(last_compute,), collective="all_reduce", group="dp", ranks=group, mirrors=mirrors,
+                        nbytes=nbytes, phase="dp")))
+            else:
+                for k, (nbytes, ready) in enumerate(_buckets(tensors, plan.bucket_size)):
+                    sync.append(self._add(rank, Op(
+                        collective_name("all_reduce", "dp", bucket=k), "collective", "comm",
+                        deps=(ready if plan.overlap else last_compute,), collective="all_reduce", group="dp",
+                        ranks=group, mirrors=mirrors, nbytes=nbytes, phase="dp")))
+        params = plan.params_per_rank(p)
+        # AdamW touches the weights (read, write), the gradient, and two fp32 moments (read, write).
+        traffic = params * (3 * plan.dtype_bytes + 2 * ADAM_STATE_BYTES)
+        self._add(rank, Op("optimizer step", "optimizer", "compute", deps=tuple(sync) or (last_compute,),
+                           flops=12.0 * params, hbm_bytes=traffic, phase="optimizer"))
+
+    def _add(self, rank: int, op: Op) -> int:
+        return self.program.add(rank, op)
+
+
+def _param_tensors(cost: LayerCost, tp: int) -> list[int]:
+    """Element counts of one rank's parameter tensors of a layer (matmul weights, then others)."""
+    sizes = []
+    for mm in cost.matmuls:
+        if mm.owns_weight:
+            k, n = mm.shape_per_rank(tp)
+            sizes.append(k * n)
+    return sizes + [p.numel_per_rank(tp) for p in cost.params]
+
+
+def _buckets(tensors: list[tuple[int, int]], bucket_size: int) -> list[tuple[int, int]]:
+    """DDP-style buckets: gradients in backward order, filled up to ``bucket_size`` bytes.
+
+    Returns (bytes, op id) per bucket, the op after which its last gradient is final.
+    A gradient is never split; one larger than a bucket gets a bucket of its own.
+    """
+    buckets: list[tuple[int, int]] = []
+    size, ready = 0, None
+    for nbytes, op in tensors:
+        if size and size + nbytes > bucket_size:
+            buckets.append((size, ready))
+            size = 0
+        size, ready = size + nbytes, op
+    if size:
+        buckets.append((size, ready))
+    return buckets

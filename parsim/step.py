@@ -1,0 +1,57 @@
+"""Predict one training step of a plan on a cluster: lower, simulate, summarise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cluster import ClusterSpec
+from .compute import ComputeModel
+from .errors import ParsimError
+from .lower import lower
+from .plan import Plan
+from .step_report import Memory, RankBreakdown, breakdown, memory, merge_spans, step_time
+from .stepsim import StepSimulator
+from .trace import Trace
+
+
+@dataclass
+class StepPrediction:
+    plan: Plan
+    cluster: ClusterSpec
+    trace: Trace  # representative ranks only (one per pipeline rank)
+    step_s: float
+    ranks: list[RankBreakdown]
+    memory: list[Memory]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.plan.tokens_per_step / self.step_s
+
+    @property
+    def model_flops(self) -> float:
+        return float(self.plan.model.model_flops_per_token()) * self.plan.tokens_per_step
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs per second over the peak of every GPU in the plan."""
+        peak = self.cluster.gpu.peak_flops[self.plan.dtype]
+        return self.model_flops / (self.step_s * self.plan.world * peak)
+
+    @property
+    def over_memory(self) -> list[Memory]:
+        return [m for m in self.memory if m.total > self.cluster.gpu.hbm_capacity_bytes]
+
+
+def predict_step(plan: Plan, cluster: ClusterSpec) -> StepPrediction:
+    """Simulate one step of ``plan`` on ``cluster`` (nodes enough for the plan's world size)."""
+    gpn = cluster.gpus_per_node
+    if plan.world > gpn and plan.world % gpn:
+        raise ParsimError(f"the plan needs {plan.world} GPUs, which is not a whole number of "
+                          f"{gpn}-GPU nodes of {cluster.name}")
+    topo = cluster.build(max(1, plan.world // gpn))
+    compute = ComputeModel.for_cluster(cluster, plan.dtype, plan.dtype_bytes)
+    program = lower(plan)
+    meta = {"plan": plan.name, "cluster": cluster.name, "world_size": plan.world,
+            "represents": {str(k): v for k, v in program.represents.items()}}
+    trace = merge_spans(StepSimulator(topo, compute).run(program, meta))
+    return StepPrediction(plan, cluster, trace, step_time(trace), breakdown(trace), memory(plan))

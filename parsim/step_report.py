@@ -1,0 +1,148 @@
+"""What a training step costs, from a trace: time by phase per rank, bubbles, MFU, memory.
+
+Works the same on a simulated and a measured :class:`~parsim.trace.Trace`, so
+``parsim compare`` can put the two side by side. Per rank, the step splits into
+phases that never double count:
+
+* ``forward``, ``backward``, ``weight-grad``: compute spans, minus the
+  tensor-parallel collectives nested inside them;
+* ``tp``: tensor-parallel collectives (they block compute);
+* ``pp``: waiting for a pipeline receive (transfer time plus the pipeline bubble);
+* ``dp``: data-parallel gradient all-reduce time *not* hidden behind compute;
+* ``optimizer``; and ``idle``: the rest of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .plan import Plan
+from .schedules import peak_in_flight
+from .trace import Event, Trace
+
+PHASES = ("forward", "backward", "weight-grad", "tp", "pp", "dp", "optimizer", "idle")
+ADAM_STATE_BYTES = 8
+FP32 = 4
+
+
+def merge_spans(trace: Trace) -> Trace:
+    """Join consecutive compute pieces of one action (same rank and name) into one span.
+
+    The simulator splits a forward into blocks around tensor-parallel collectives;
+    the executor times the whole action. Merged, both have one span per action
+    that includes its nested collectives.
+    """
+    merged: list[Event] = []
+    open_span: dict[int, Event] = {}
+    for e in sorted(trace.events, key=lambda e: (e.rank, e.start_s)):
+        if e.stream != "compute" or e.kind not in ("compute",):
+            if e.kind == "collective" and e.args.get("phase") == "tp":
+                merged.append(e)  # nested inside the span; does not end it
+                continue
+            open_span.pop(e.rank, None)
+            merged.append(e)
+            continue
+        span = open_span.get(e.rank)
+        if span is not None and span.name == e.name:
+            span.dur_s = e.end_s - span.start_s
+            span.args["flops"] = span.args.get("flops", 0.0) + e.args.get("flops", 0.0)
+            continue
+        span = Event(e.name, e.rank, e.stream, e.kind, e.start_s, e.dur_s, dict(e.args))
+        open_span[e.rank] = span
+        merged.append(span)
+    return Trace(trace.source, trace.world_size, merged, dict(trace.meta))
+
+
+@dataclass
+class RankBreakdown:
+    rank: int
+    step_s: float
+    seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+
+    def fraction(self, phase: str) -> float:
+        return self.seconds.get(phase, 0.0) / self.step_s if self.step_s else 0.0
+
+
+def step_time(trace: Trace) -> float:
+    return max((e.end_s for e in trace.events), default=0.0)
+
+
+def breakdown(trace: Trace) -> list[RankBreakdown]:
+    """Time by phase for every rank in the trace (the whole step is each rank's denominator)."""
+    total = step_time(trace)
+    rows = []
+    for rank in sorted({e.rank for e in trace.events}):
+        events = trace.for_rank(rank)
+        seconds = {p: 0.0 for p in PHASES}
+        tp = [e for e in events if e.args.get("phase") == "tp"]
+        computes = [e for e in events if e.kind == "compute"]
+        for e in computes:
+            nested = sum(_overlap(e, t) for t in tp)
+            seconds[e.args.get("phase", "forward")] += max(e.dur_s - nested, 0.0)
+        seconds["tp"] = sum(e.dur_s for e in tp)
+        seconds["pp"] = sum(e.dur_s for e in events if e.kind == "recv")
+        seconds["optimizer"] = sum(e.dur_s for e in events if e.kind == "optimizer")
+        busy = [(e.start_s, e.end_s) for e in events if e.kind in ("compute", "recv", "optimizer")]
+        dp = [(e.start_s, e.end_s) for e in events if e.args.get("phase") == "dp"]
+        seconds["dp"] = _length(_union(busy + dp)) - _length(_union(busy))
+        everything = _union(busy + dp + [(e.start_s, e.end_s) for e in tp])
+        seconds["idle"] = max(total - _length(everything), 0.0)
+        rows.append(RankBreakdown(rank, total, seconds))
+    return rows
+
+
+def _overlap(a: Event, b: Event) -> float:
+    return max(0.0, min(a.end_s, b.end_s) - max(a.start_s, b.start_s))
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+@dataclass
+class Memory:
+    """Peak bytes one GPU of a pipeline rank holds."""
+
+    pp_rank: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    in_flight: int
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def memory(plan: Plan) -> list[Memory]:
+    """Weights, gradients, AdamW state and activations of in-flight microbatches, per pipeline rank.
+
+    Weights and gradients are kept in the plan's dtype; AdamW keeps two fp32
+    moments, plus an fp32 master copy of the weights when training in 16 bits
+    (mixed precision, Micikevicius et al. 2018). Activations: the schedule's peak
+    number of (stage, microbatch) forwards awaiting their backward, times what one
+    stage saves per microbatch.
+    """
+    from .lower import schedule_of
+
+    in_flight = peak_in_flight(schedule_of(plan))
+    out = []
+    for p in range(plan.pp):
+        params = plan.params_per_rank(p)
+        master = FP32 if plan.dtype_bytes < FP32 else 0
+        per_mb = max(sum(c.activation_bytes_per_token(plan.tp) for c in plan.stage_costs(s)) for s in plan.stages_of(p))
+        out.append(Memory(p, params * plan.dtype_bytes, params * plan.dtype_bytes,
+                          params * (ADAM_STATE_BYTES + master), in_flight[p] * per_mb * plan.tokens_per_microbatch,
+                          in_flight[p]))
+    return out
