@@ -1,0 +1,283 @@
+"""``parsim plan``: show what a parallelism plan puts where.
+
+:func:`add_plan_args` and :func:`plan_from_args` give other subcommands the same
+way to name a plan: an example name or YAML file, with flags overriding its
+values (or a plan made of flags alone, from ``--model``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..errors import ParsimError
+from ..model import builtin_models, load_model
+from ..plan import DIMS, DTYPE_BYTES, GRAD_SYNCS, SCHEDULES, TP_STYLES, Plan, builtin_plans, load_plan, resolve_plan
+from ..table import render_table
+from ..units import format_size
+from .common import add_cluster_args, print_json
+
+HELP = """\
+Show a parallelism plan: the model and its size, the degrees and the batch,
+which layers each pipeline stage holds, the rank grid (tp innermost, so a
+tensor-parallel group is consecutive ranks) and the process groups. With
+--cluster, also the slowest link each group's ring crosses.
+
+examples:
+  parsim plan list
+  parsim plan show course-tp
+  parsim plan show llama3-70b-1024 --cluster dgx-h100
+  parsim plan show llama3-70b-1024 --tp 4 --pp 16 --gpus 1024
+  parsim plan show --model llama3-8b --dp 8 --dtype bf16 --json
+"""
+
+GRID_LIMIT = 64  # print the whole rank grid up to this many ranks
+GROUPS_SHOWN = 3
+# Path kinds from fastest to slowest; kinds a cluster names otherwise sort after these.
+LINK_ORDER = ("self", "nvlink", "pcie", "leaf", "spine")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="show a parallelism plan: stages, rank grid, groups",
+                              description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    show = actions.add_parser("show", help="summarise a plan", description=HELP,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_args(show)
+    add_cluster_args(show, default=None)
+    show.add_argument("--json", action="store_true", help="print JSON for scripts")
+    show.set_defaults(func=run_show)
+    listing = actions.add_parser("list", help="list the model presets and example plans")
+    listing.set_defaults(func=run_list)
+    p.set_defaults(func=lambda args: p.print_help() or 0)
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    """A PLAN argument and flags that override its values."""
+    parser.add_argument("plan", nargs="?", metavar="PLAN",
+                        help=f"example plan ({', '.join(sorted(builtin_plans()))}) or a plan YAML file")
+    g = parser.add_argument_group("plan overrides")
+    g.add_argument("--model", help=f"model preset ({', '.join(sorted(builtin_models()))}) or a model YAML file")
+    for dim in DIMS:
+        g.add_argument(f"--{dim}", type=int, help=f"{dim} degree")
+    g.add_argument("--microbatch-size", type=int, help="samples per microbatch")
+    g.add_argument("--num-microbatches", type=int, help="microbatches per step per data-parallel replica")
+    g.add_argument("--global-batch-size", type=int, help="samples per step, all replicas together")
+    g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule")
+    g.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved-1f1b)")
+    g.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="compute and activation precision")
+    g.add_argument("--tensor-parallel", choices=TP_STYLES, help="tensor-parallel style")
+    g.add_argument("--grad-sync", choices=GRAD_SYNCS, help="data-parallel gradient synchronization")
+    g.add_argument("--bucket-size", help="DDP bucket size, e.g. 25MiB")
+    g.add_argument("--overlap", action=argparse.BooleanOptionalAction,
+                   help="overlap bucketed gradient all-reduces with the backward")
+
+
+def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
+    """The plan named by ``args.plan`` (or ``--model`` alone), flags overriding its values."""
+    flags = {
+        "model": args.model,
+        "parallel": {d: getattr(args, d) for d in DIMS},
+        "batch": {k: getattr(args, k) for k in ("microbatch_size", "num_microbatches", "global_batch_size")},
+        "schedule": args.schedule, "virtual_stages": args.virtual_stages, "dtype": args.dtype,
+        "tensor_parallel": args.tensor_parallel,
+        "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap},
+    }
+    overrides = _drop_unset(flags)
+    if args.plan:
+        return resolve_plan(args.plan, gpus=gpus, overrides=overrides)
+    if args.model is None:
+        raise ParsimError("give a plan (an example name or a YAML file) or --model to build one from flags")
+    return load_plan({"name": "command-line"}, gpus=gpus, overrides=overrides)
+
+
+def _drop_unset(flags: dict[str, Any]) -> dict[str, Any]:
+    kept = {}
+    for key, value in flags.items():
+        if isinstance(value, dict):
+            value = _drop_unset(value)
+        if value is not None and value != {}:
+            kept[key] = value
+    return kept
+
+
+def run_list(args: argparse.Namespace) -> int:
+    rows = []
+    for name, path in sorted(builtin_models().items()):
+        model = load_model(path)
+        rows.append([name, model.kind, f"{model.num_params:,}", model.description])
+    print(render_table(["model", "kind", "params", "description"], rows, title="Model presets"))
+    print()
+    rows = []
+    for name in sorted(builtin_plans()):
+        plan = resolve_plan(name)
+        rows.append([name, plan.model.name, plan.world, plan.description])
+    print(render_table(["plan", "model", "GPUs", "description"], rows, title="Example plans"))
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    if args.nodes is not None and args.cluster is None:
+        raise ParsimError("--nodes needs --cluster (to know the GPUs per node); or give --gpus")
+    spec = topology = None
+    gpus = args.gpus
+    if args.cluster is not None:
+        from ..cluster import load_cluster
+
+        spec = load_cluster(args.cluster)
+        if args.nodes is not None:
+            gpus = spec.nodes_for(nodes=args.nodes) * spec.gpus_per_node
+    plan = plan_from_args(args, gpus)
+    if spec is not None:
+        topology = spec.build(spec.nodes_for(gpus=plan.world))
+    links = {dim: group_links(plan, dim, topology.path_kind) for dim in DIMS} if topology else None
+    if args.json:
+        print_json(plan_json(plan, links))
+    else:
+        print(plan_text(plan, links, topology))
+    return 0
+
+
+# --------------------------------------------------------------------------- links
+def group_links(plan: Plan, dim: str, path_kind) -> dict[str, int]:
+    """How many ``dim`` groups have each kind of link as their slowest hop.
+
+    The hops are those of a ring over the group in rank order (tensor and data
+    parallel collectives), or of the chain of stages (pipeline sends).
+    """
+    counts: dict[str, int] = {}
+    for group in plan.groups(dim):
+        pairs = list(zip(group, group[1:]))
+        if dim != "pp" and len(group) > 2:
+            pairs.append((group[-1], group[0]))
+        kinds = [path_kind(a, b) for a, b in pairs] or ["self"]
+        slowest = max(kinds, key=_link_rank)
+        counts[slowest] = counts.get(slowest, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: _link_rank(item[0])))
+
+
+def _link_rank(kind: str) -> tuple[int, str]:
+    return (LINK_ORDER.index(kind) if kind in LINK_ORDER else len(LINK_ORDER), kind)
+
+
+# --------------------------------------------------------------------------- text
+def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topology=None) -> str:
+    m = plan.model
+    out = [f"plan {plan.name}" + (f": {plan.description}" if plan.description else ""), ""]
+    sync = (f"bucketed all-reduce, {format_size(plan.bucket_size)} buckets, "
+            f"{'overlapped with' if plan.overlap else 'after'} the backward"
+            if plan.grad_sync == "bucketed" else "one all-reduce per parameter after the backward")
+    stages = f"{plan.num_stages} stages of {m.num_layers // plan.num_stages} layers"
+    if plan.virtual_stages > 1:
+        stages += f", {plan.virtual_stages} per pipeline rank"
+    microbatches = f"{plan.num_microbatches} microbatch" + ("es" if plan.num_microbatches > 1 else "")
+    batch = (f"{plan.global_batch_size} rows per step" if m.kind == "mlp"
+             else f"{plan.global_batch_size} sequences per step ({plan.tokens_per_step:,} tokens)")
+    summary = [
+        ("model", m.describe()),
+        ("parameters", f"{m.num_params:,} ({_count(m.num_params)})"),
+        ("parallel", f"dp {plan.dp} x pp {plan.pp} x tp {plan.tp} = {plan.world} ranks, "
+                     f"order {plan.order} ({plan.order.split(',')[-1]} innermost)"),
+        ("batch", f"{batch} = dp {plan.dp} x microbatch size {plan.microbatch_size} x {microbatches}"),
+        ("pipeline", f"{plan.schedule}, {stages}" if plan.pp > 1 else "none (one stage)"),
+        ("precision", f"{plan.dtype} ({plan.dtype_bytes} bytes)"),
+        ("tensor parallel", f"{plan.tp_style}" if plan.tp > 1 else "none"),
+        ("gradient sync", sync if plan.dp > 1 else "none (one replica)"),
+        ("model FLOPs/step", f"{m.model_flops_per_token() * plan.tokens_per_step:.4g}"),
+    ]
+    width = max(len(k) for k, _ in summary)
+    out += [f"{k.ljust(width)}  {v}" for k, v in summary]
+    out += ["", stage_table(plan), "", grid_text(plan, topology), "", groups_text(plan, links)]
+    return "\n".join(out)
+
+
+def stage_table(plan: Plan) -> str:
+    rows = []
+    for r in range(plan.pp):
+        stages = plan.stages_of(r)
+        layers = ", ".join(_span(plan.stage_layers(s)) for s in stages)
+        extra = [name for s in stages for name in ("embedding", "head")
+                 if any(c.name == name for c in plan.stage_costs(s))]
+        if extra:
+            layers += " + " + " + ".join(extra)
+        params = plan.params_per_rank(r)
+        rows.append([r, ", ".join(map(str, stages)), layers, f"{params:,} ({_count(params)})"])
+    return render_table(["pp rank", "stages", "layers", "params per GPU"], rows,
+                        title=f"Pipeline stages (each GPU holds 1/{plan.tp} of its stages' tensor-parallel weights)"
+                        if plan.tp > 1 else "Pipeline stages")
+
+
+def grid_text(plan: Plan, topology=None) -> str:
+    strides = {d: int(s) // plan.rank_grid.itemsize for d, s in zip(DIMS, plan.rank_grid.strides)}
+    formula = " + ".join(f"{strides[d]}*{d}" if strides[d] != 1 else d
+                         for d in plan.order.split(",") if plan.degree(d) > 1) or "0"
+    title = f"Rank grid: dp {plan.dp} x pp {plan.pp} x tp {plan.tp}, rank = {formula}"
+    if plan.world > GRID_LIMIT:
+        return f"{title} ({plan.world} ranks; the grid is printed up to {GRID_LIMIT})"
+    rows = []
+    for d in range(plan.dp):
+        for p in range(plan.pp):
+            ranks = plan.rank_grid[d, p].tolist()
+            if topology is not None:
+                ranks = [f"{r} (node {int(topology.node_of(r))})" for r in ranks]
+            rows.append([d, p, *ranks])
+    return render_table(["dp", "pp", *(f"tp {t}" for t in range(plan.tp))], rows, title=title)
+
+
+def groups_text(plan: Plan, links: dict[str, dict[str, int]] | None) -> str:
+    rows = []
+    for dim in reversed(DIMS):  # innermost first
+        groups = plan.groups(dim)
+        shown = ", ".join(_format_group(g) for g in groups[:GROUPS_SHOWN])
+        if len(groups) > GROUPS_SHOWN:
+            shown += f", ... {_format_group(groups[-1])}"
+        row = [dim, plan.degree(dim), len(groups), shown]
+        if links is not None:
+            row.insert(3, ", ".join(f"{kind} ({n})" if len(links[dim]) > 1 else kind
+                                    for kind, n in links[dim].items()))
+        rows.append(row)
+    headers = ["group", "size", "count", "ranks"]
+    if links is not None:
+        headers.insert(3, "slowest link")
+    return render_table(headers, rows, title="Process groups")
+
+
+def _format_group(group: list[int]) -> str:
+    """``[0..7]``, ``[0..56 step 8]``, or the members when few or irregular."""
+    if len(group) <= 4:
+        return "[" + " ".join(map(str, group)) + "]"
+    step = group[1] - group[0]
+    if all(b - a == step for a, b in zip(group, group[1:])):
+        return f"[{group[0]}..{group[-1]}" + (f" step {step}]" if step != 1 else "]")
+    return "[" + " ".join(map(str, group[:3])) + f" ... {group[-1]}]"
+
+
+def _span(layers: range) -> str:
+    return f"{layers.start}-{layers.stop - 1}" if len(layers) > 1 else str(layers.start)
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return str(int(n))
+
+
+# --------------------------------------------------------------------------- json
+def plan_json(plan: Plan, links: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """The plan (loadable by ``load_plan``) and what follows from it."""
+    m = plan.model
+    data: dict[str, Any] = {
+        "plan": plan.to_dict(),
+        "world": plan.world,
+        "num_params": m.num_params,
+        "tokens_per_step": plan.tokens_per_step,
+        "model_flops_per_step": m.model_flops_per_token() * plan.tokens_per_step,
+        "stages": [{"pp_rank": r, "stages": plan.stages_of(r),
+                    "layers": [list(plan.stage_layers(s)) for s in plan.stages_of(r)],
+                    "params_per_gpu": plan.params_per_rank(r)} for r in range(plan.pp)],
+        "groups": {dim: plan.groups(dim) for dim in DIMS},
+    }
+    if links is not None:
+        data["slowest_link"] = links
+    return data

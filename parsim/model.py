@@ -1,0 +1,700 @@
+"""Model descriptions as data, and what each layer costs.
+
+Two kinds of model, both frozen dataclasses loadable from YAML
+(:func:`load_model`: a preset name, a path, or an inline mapping):
+
+- :class:`MLPModel` — the CS336 lecture's toy MLP: ``num_layers`` layers of
+  ``x = gelu(x @ W)`` with ``W`` of shape width x width and no bias, a global
+  ``batch_size`` of rows, loss ``x.square().mean()``, trained with AdamW in fp32.
+- :class:`TransformerModel` — a GPT-style dense decoder (Llama or GPT-3 shaped):
+  pre-norm attention with grouped-query heads, and a SwiGLU (3 matrices) or GeLU
+  (2 matrices) feed-forward block. Biases are not modelled: Llama has none, and
+  GPT-3's (a few hundred thousand per layer, <0.01% of its parameters, with the
+  LayerNorm shifts) are left out. Each norm counts one gain vector.
+
+Costs are described per token, so a lowering step can price any microbatch
+without knowing model internals: :meth:`layer_costs`, :meth:`embedding_cost`
+and :meth:`head_cost` return :class:`LayerCost` entries listing parameters,
+matmul shapes, attention FLOPs, saved activations and the tensor-parallel
+collectives. A "token" is one position of one sequence for a transformer and
+one row of the batch for the MLP (:attr:`tokens_per_sample` converts).
+
+FLOP conventions (Narayanan et al. 2021, "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", section 5.1):
+
+- A matmul ``x[m, k] @ W[k, n]`` costs ``2·m·k·n`` FLOPs.
+- Attention scores ``Q·Kᵀ`` and the weighted sum ``softmax·V`` cost
+  ``2·seq·d_attn`` each per token per layer, ``4·seq·d_attn`` together, with
+  ``d_attn = num_heads·head_dim``, counted over the full sequence: no halving
+  for the causal mask (as Narayanan et al. and PaLM do).
+- Element-wise work (norms, activations, softmax, residuals, the loss) and the
+  embedding lookup are not counted.
+- Backward costs twice the forward: for a matmul, the input gradient and the
+  weight gradient each cost one forward; the attention core has no weights, so
+  both of its backward products belong to the input gradient. The split feeds
+  zero-bubble schedules (Qi et al. 2023), which run the weight-gradient half
+  later. As in the 3x rule, the first layer's input gradient is counted even
+  where autograd skips it (the MLP's data input needs none).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+import yaml
+
+from .errors import ConfigError, ParsimError
+from .units import parse_size
+
+FFN_TYPES = ("swiglu", "gelu")
+POSITION_EMBEDDINGS = ("rope", "learned")
+INDEX_BYTES = 8  # token ids are int64
+SOFTMAX_BYTES = 4  # the cross-entropy softmax over the vocabulary is kept in fp32
+
+
+def shard(size: int, tp: int, unit: int = 1) -> int:
+    """One rank's share of ``size`` split ``tp`` ways.
+
+    Rounded up, so a vocabulary that ``tp`` does not divide is padded (as
+    Megatron-LM pads it); never below ``unit``, so when there are fewer
+    key/value heads than ranks each rank keeps one whole head (replicated)
+    instead of a fraction of one.
+    """
+    return min(size, max(-(-size // tp), unit))
+
+
+# --------------------------------------------------------------------------- costs
+@dataclass(frozen=True)
+class Matmul:
+    """``y[m, n] = x[m, k] @ W[k, n]`` for ``m`` tokens; ``W`` is the weight.
+
+    ``split`` is how tensor parallelism shards ``W``: ``"column"`` splits ``n``
+    (each rank computes some output features), ``"row"`` splits ``k`` (each rank
+    computes a partial sum over some input features), ``"none"`` replicates it.
+    ``owns_weight`` is false for a matmul that reuses another entry's parameters
+    (an LM head tied to the embedding table).
+    """
+
+    name: str
+    k: int
+    n: int
+    split: str = "none"
+    unit: int = 1
+    owns_weight: bool = True
+
+    @property
+    def params(self) -> int:
+        return self.k * self.n
+
+    def shape_per_rank(self, tp: int = 1) -> tuple[int, int]:
+        """``(k, n)`` of one rank's weight shard."""
+        if self.split == "column":
+            return self.k, shard(self.n, tp, self.unit)
+        if self.split == "row":
+            return shard(self.k, tp, self.unit), self.n
+        return self.k, self.n
+
+    def flops_per_token(self, tp: int = 1) -> int:
+        """Forward FLOPs per token on one of ``tp`` ranks: ``2·k·n`` of its shard."""
+        k, n = self.shape_per_rank(tp)
+        return 2 * k * n
+
+
+@dataclass(frozen=True)
+class Param:
+    """A parameter tensor that is not a matmul weight: a norm gain or an embedding table.
+
+    ``split="rows"`` shards its rows under tensor parallelism (a vocabulary-
+    parallel embedding); ``"none"`` replicates it on every rank.
+    """
+
+    name: str
+    rows: int
+    cols: int
+    split: str = "none"
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    def numel_per_rank(self, tp: int = 1) -> int:
+        rows = shard(self.rows, tp) if self.split == "rows" else self.rows
+        return rows * self.cols
+
+
+@dataclass(frozen=True)
+class Activation:
+    """A tensor saved in the forward pass for the backward: ``width`` elements per token.
+
+    ``sharded`` tensors are split across tensor-parallel ranks (never below
+    ``unit`` elements, one head); the others are replicated on every rank.
+    """
+
+    name: str
+    width: int
+    element_bytes: int
+    sharded: bool
+    unit: int = 1
+
+    def bytes_per_token(self, tp: int = 1) -> int:
+        width = shard(self.width, tp, self.unit) if self.sharded else self.width
+        return width * self.element_bytes
+
+
+@dataclass(frozen=True)
+class TPCollective:
+    """A tensor-parallel collective inside a block; runs only when ``tp > 1``.
+
+    ``op`` is ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"`` (the
+    names of :mod:`parsim.results`' operations) over the tensor-parallel group.
+    ``phase`` is ``"forward"`` or ``"backward"``; ``position`` is ``"before"``
+    or ``"after"`` the block's compute in that phase's execution order.
+    ``bytes_per_token`` is the whole (unsharded) tensor's size per token, the
+    nccl-tests convention: for an all-gather, all ranks' chunks together.
+    """
+
+    name: str
+    op: str
+    phase: str
+    position: str
+    bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class Block:
+    """A run of compute between tensor-parallel collectives: attention, MLP, linear, ...
+
+    ``attention_flops_per_token`` is the weightless attention core (scores and
+    values); tensor parallelism splits it by heads.
+    """
+
+    name: str
+    matmuls: tuple[Matmul, ...] = ()
+    attention_flops_per_token: int = 0
+    collectives: tuple[TPCollective, ...] = ()
+
+    def forward_flops_per_token(self, tp: int = 1) -> int:
+        return sum(m.flops_per_token(tp) for m in self.matmuls) + self.attention_flops_per_token // tp
+
+    def backward_input_flops_per_token(self, tp: int = 1) -> int:
+        """Gradients with respect to inputs: one forward per matmul, two per attention core."""
+        return sum(m.flops_per_token(tp) for m in self.matmuls) + 2 * self.attention_flops_per_token // tp
+
+    def backward_weight_flops_per_token(self, tp: int = 1) -> int:
+        """Gradients with respect to weights: one forward per matmul."""
+        return sum(m.flops_per_token(tp) for m in self.matmuls)
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer (or the embedding, or the LM head) costs, per token.
+
+    ``params`` lists the non-matmul parameters; matmul weights live in the
+    blocks. Every ``*_per_token`` method takes the tensor-parallel degree and
+    answers for one rank (``tp=1``: the whole layer).
+    """
+
+    name: str
+    blocks: tuple[Block, ...]
+    params: tuple[Param, ...] = ()
+    activations: tuple[Activation, ...] = ()
+
+    @property
+    def matmuls(self) -> tuple[Matmul, ...]:
+        return tuple(m for b in self.blocks for m in b.matmuls)
+
+    @property
+    def num_params(self) -> int:
+        return sum(m.params for m in self.matmuls if m.owns_weight) + sum(p.numel for p in self.params)
+
+    def params_per_rank(self, tp: int = 1) -> int:
+        owned = 0
+        for m in self.matmuls:
+            if m.owns_weight:
+                k, n = m.shape_per_rank(tp)
+                owned += k * n
+        return owned + sum(p.numel_per_rank(tp) for p in self.params)
+
+    def forward_flops_per_token(self, tp: int = 1) -> int:
+        return sum(b.forward_flops_per_token(tp) for b in self.blocks)
+
+    def backward_input_flops_per_token(self, tp: int = 1) -> int:
+        return sum(b.backward_input_flops_per_token(tp) for b in self.blocks)
+
+    def backward_weight_flops_per_token(self, tp: int = 1) -> int:
+        return sum(b.backward_weight_flops_per_token(tp) for b in self.blocks)
+
+    def training_flops_per_token(self, tp: int = 1) -> int:
+        """Forward plus both backward halves: three forwards."""
+        return (self.forward_flops_per_token(tp) + self.backward_input_flops_per_token(tp)
+                + self.backward_weight_flops_per_token(tp))
+
+    def activation_bytes_per_token(self, tp: int = 1) -> int:
+        return sum(a.bytes_per_token(tp) for a in self.activations)
+
+    def collectives(self, phase: str) -> list[TPCollective]:
+        """The tensor-parallel collectives of ``phase``, in execution order."""
+        blocks = self.blocks if phase == "forward" else tuple(reversed(self.blocks))
+        ordered = []
+        for block in blocks:
+            mine = [c for c in block.collectives if c.phase == phase]
+            ordered += [c for c in mine if c.position == "before"] + [c for c in mine if c.position == "after"]
+        return ordered
+
+
+# --------------------------------------------------------------------------- models
+class _CostTotals:
+    """Whole-model parameters and FLOPs, summed over :meth:`costs`."""
+
+    def costs(self, dtype_bytes: int, tp_style: str | None = None) -> list[LayerCost]:
+        """Every cost entry in execution order: embedding, layers, head (where the model has them)."""
+        entries = [self.embedding_cost(dtype_bytes, tp_style), *self.layer_costs(dtype_bytes, tp_style),
+                   self.head_cost(dtype_bytes, tp_style)]
+        return [e for e in entries if e is not None]
+
+    def _check_style(self, tp_style: str | None) -> None:
+        """Refuse a tensor-parallel style this model's costs do not describe (None: its own)."""
+        if tp_style is not None and tp_style not in self.tp_styles:
+            raise ParsimError(f"model {self.name} ({self.kind}) supports tensor_parallel "
+                              f"{' or '.join(self.tp_styles)}, not {tp_style!r}")
+
+    @property
+    def num_params(self) -> int:
+        """Total parameters (FLOPs and parameter counts do not depend on the dtype)."""
+        return sum(c.num_params for c in self.costs(1))
+
+    def forward_flops_per_token(self) -> int:
+        return sum(c.forward_flops_per_token() for c in self.costs(1))
+
+    def backward_flops_per_token(self) -> tuple[int, int]:
+        """``(input-gradient, weight-gradient)`` FLOPs per token; together twice the forward."""
+        costs = self.costs(1)
+        return (sum(c.backward_input_flops_per_token() for c in costs),
+                sum(c.backward_weight_flops_per_token() for c in costs))
+
+    def training_flops_per_token(self) -> int:
+        """Forward + backward: 3x the forward FLOPs (no activation recomputation)."""
+        return self.forward_flops_per_token() + sum(self.backward_flops_per_token())
+
+
+@dataclass(frozen=True)
+class MLPModel(_CostTotals):
+    """The CS336 lecture's MLP: ``num_layers`` x ``x = gelu(x @ W)``, W width x width, no bias.
+
+    ``batch_size`` is the global batch in rows; the loss is ``x.square().mean()``
+    and the optimizer AdamW, in fp32 as in the lecture. Tensor parallelism
+    follows the lecture ("allgather"): each rank holds a column shard
+    ``W[:, r·width/tp : (r+1)·width/tp]``, computes its slice of the output,
+    and all-gathers the slices after every layer; autograd turns that all-gather
+    into a reduce-scatter of the gradient in the backward.
+    """
+
+    name: str
+    num_layers: int
+    width: int
+    batch_size: int
+    description: str = ""
+    source: str = field(default="", compare=False)  # the file it came from, for messages
+
+    kind = "mlp"
+    tp_styles = ("allgather",)
+    tokens_per_sample = 1
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "width", "batch_size"):
+            _check_positive(self, key)
+
+    @property
+    def params_per_layer(self) -> int:
+        return self.width * self.width
+
+    def tp_sharded_sizes(self) -> dict[str, int]:
+        """Sizes tensor parallelism must divide."""
+        return {"width": self.width}
+
+    def layer_costs(self, dtype_bytes: int, tp_style: str | None = None) -> list[LayerCost]:
+        """One entry per layer.
+
+        Saved for backward per row: the layer's input (for the weight gradient,
+        replicated under TP since every rank holds the gathered input) and the
+        pre-activation (for gelu's backward, sharded).
+        """
+        self._check_style(tp_style)
+        w, d = self.width, dtype_bytes
+        block = Block("linear", (Matmul("w", w, w, "column"),), collectives=(
+            TPCollective("out", "all_gather", "forward", "after", w * d),
+            TPCollective("out.grad", "reduce_scatter", "backward", "before", w * d),
+        ))
+        saved = (Activation("in", w, d, sharded=False), Activation("pre_gelu", w, d, sharded=True))
+        return [LayerCost(f"layer.{i}", (block,), activations=saved) for i in range(self.num_layers)]
+
+    def embedding_cost(self, dtype_bytes: int, tp_style: str | None = None) -> None:
+        """The MLP reads its input directly: no embedding."""
+        return None
+
+    def head_cost(self, dtype_bytes: int, tp_style: str | None = None) -> None:
+        """The MLP's loss works on the last layer's output: no head."""
+        return None
+
+    def model_flops_per_token(self) -> int:
+        """FLOPs per row for MFU: ``6·N`` (forward 2·N, backward 4·N), N = num_layers·width²."""
+        return 6 * self.num_params
+
+    def describe(self) -> str:
+        return (f"{self.name} (mlp): {self.num_layers} layers of width {self.width}, "
+                f"batch {self.batch_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+
+@dataclass(frozen=True)
+class TransformerModel(_CostTotals):
+    """A GPT-style dense decoder: embedding, ``num_layers`` pre-norm blocks, final norm, LM head.
+
+    ``head_dim = hidden / num_heads``; queries have ``num_heads`` heads, keys
+    and values ``num_kv_heads`` (grouped-query attention; equal for multi-head).
+    ``ffn_type`` "swiglu" has gate, up and down matrices, "gelu" two. Learned
+    position embeddings (GPT-3) add ``seq_len x hidden`` parameters; RoPE none.
+    Tensor parallelism is Megatron-LM's (Shoeybi et al. 2019): column-parallel
+    Q/K/V and gate/up, row-parallel output and down projections, so each block
+    ends in an all-reduce of the activations in the forward and starts with one
+    of their gradient in the backward.
+    """
+
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    ffn_hidden: int
+    seq_len: int
+    vocab_size: int
+    num_kv_heads: int | None = None  # None: as many as num_heads (multi-head attention)
+    ffn_type: str = "swiglu"
+    tied_embeddings: bool = False
+    position_embedding: str = "rope"
+    description: str = ""
+    source: str = field(default="", compare=False)  # the file it came from, for messages
+
+    kind = "transformer"
+    tp_styles = ("megatron",)
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        for key in ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "seq_len", "vocab_size"):
+            _check_positive(self, key)
+        if self.ffn_type not in FFN_TYPES:
+            _fail(self, "ffn_type", f"is {self.ffn_type!r}", " or ".join(FFN_TYPES))
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            _fail(self, "position_embedding", f"is {self.position_embedding!r}", " or ".join(POSITION_EMBEDDINGS))
+        if self.hidden % self.num_heads:
+            _fail(self, "num_heads", f"{self.num_heads} does not divide hidden {self.hidden}",
+                  "a divisor of hidden, giving head_dim = hidden / num_heads")
+        if self.num_heads % self.num_kv_heads:
+            _fail(self, "num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}",
+                  "a divisor of num_heads (grouped-query attention)")
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.seq_len
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    @property
+    def params_per_layer(self) -> int:
+        """Q, K, V, O, the feed-forward matrices and two norm gains."""
+        return self._layer(1).num_params
+
+    @property
+    def embedding_params(self) -> int:
+        return self.embedding_cost(1).num_params
+
+    @property
+    def head_params(self) -> int:
+        """The final norm plus the LM head (zero extra when tied to the embedding)."""
+        return self.head_cost(1).num_params
+
+    def tp_sharded_sizes(self) -> dict[str, int]:
+        """Sizes tensor parallelism must divide (key/value heads have their own rule)."""
+        return {"num_heads": self.num_heads, "hidden": self.hidden, "ffn_hidden": self.ffn_hidden}
+
+    def layer_costs(self, dtype_bytes: int, tp_style: str | None = None) -> list[LayerCost]:
+        """One entry per decoder layer (all alike).
+
+        Saved activations per token (bytes = width x ``dtype_bytes``): the two
+        norm inputs, the attention input, Q, K, V, the output projection's
+        input, the MLP input, and the feed-forward intermediates (SwiGLU: gate
+        output, up output, down input; GeLU: fc1 output, fc2 input). This is
+        Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+        Transformer Models", section 4.1) with flash attention (no ``5·a·s``
+        score and softmax terms) and no dropout: for GPT-3's shapes at 2 bytes
+        it is ``32·h`` per token, their ``34·h`` less the two dropout masks.
+        Flash attention's per-head softmax statistics (fp32) are left out.
+        Under TP (no sequence parallelism) the norm inputs and block inputs are
+        replicated and the rest is split, as in their ``10 + 24/t`` count.
+        """
+        self._check_style(tp_style)
+        layer = self._layer(dtype_bytes)
+        return [LayerCost(f"layer.{i}", layer.blocks, layer.params, layer.activations)
+                for i in range(self.num_layers)]
+
+    def _layer(self, d: int) -> LayerCost:
+        h, f, hd = self.hidden, self.ffn_hidden, self.head_dim
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        attention = Block(
+            "attention",
+            (Matmul("attn.q", h, q, "column", hd), Matmul("attn.k", h, kv, "column", hd),
+             Matmul("attn.v", h, kv, "column", hd), Matmul("attn.o", q, h, "row", hd)),
+            attention_flops_per_token=4 * self.seq_len * q,
+            collectives=(TPCollective("attn.out", "all_reduce", "forward", "after", h * d),
+                         TPCollective("attn.in.grad", "all_reduce", "backward", "after", h * d)),
+        )
+        if self.ffn_type == "swiglu":
+            ffn = (Matmul("mlp.gate", h, f, "column"), Matmul("mlp.up", h, f, "column"),
+                   Matmul("mlp.down", f, h, "row"))
+            intermediates = ("mlp.gate.out", "mlp.up.out", "mlp.down.in")
+        else:
+            ffn = (Matmul("mlp.fc1", h, f, "column"), Matmul("mlp.fc2", f, h, "row"))
+            intermediates = ("mlp.fc1.out", "mlp.fc2.in")
+        mlp = Block("mlp", ffn, collectives=(
+            TPCollective("mlp.out", "all_reduce", "forward", "after", h * d),
+            TPCollective("mlp.in.grad", "all_reduce", "backward", "after", h * d),
+        ))
+        saved = (
+            Activation("norm.attn.in", h, d, sharded=False), Activation("attn.in", h, d, sharded=False),
+            Activation("attn.q", q, d, sharded=True, unit=hd), Activation("attn.k", kv, d, sharded=True, unit=hd),
+            Activation("attn.v", kv, d, sharded=True, unit=hd), Activation("attn.o.in", q, d, sharded=True, unit=hd),
+            Activation("norm.mlp.in", h, d, sharded=False), Activation("mlp.in", h, d, sharded=False),
+            *(Activation(name, f, d, sharded=True) for name in intermediates),
+        )
+        norms = (Param("norm.attn", 1, h), Param("norm.mlp", 1, h))
+        return LayerCost("layer", (attention, mlp), norms, saved)
+
+    def embedding_cost(self, dtype_bytes: int, tp_style: str | None = None) -> LayerCost:
+        """The token table (vocabulary-parallel under TP) and learned positions if any.
+
+        A lookup costs no FLOPs. Under TP each rank looks up the ids in its
+        slice of the vocabulary and an all-reduce assembles the embeddings
+        (Megatron-LM's VocabParallelEmbedding). Saved: the token ids.
+        """
+        self._check_style(tp_style)
+        h = self.hidden
+        params = [Param("embed.tokens", self.vocab_size, h, "rows")]
+        if self.position_embedding == "learned":
+            params.append(Param("embed.positions", self.seq_len, h))
+        block = Block("embedding", collectives=(
+            TPCollective("embed.out", "all_reduce", "forward", "after", h * dtype_bytes),))
+        return LayerCost("embedding", (block,), tuple(params),
+                         (Activation("embed.ids", 1, INDEX_BYTES, sharded=False),))
+
+    def head_cost(self, dtype_bytes: int, tp_style: str | None = None) -> LayerCost:
+        """The final norm, the LM head matmul ``hidden x vocab`` and the cross-entropy.
+
+        The head is column-parallel over the vocabulary (padded to a multiple of
+        ``tp``), so its input gradient is all-reduced in the backward, and the
+        vocabulary-parallel cross-entropy all-reduces three fp32 numbers per
+        token (the logit maximum, the target logit, the sum of exponentials).
+        With tied embeddings the head reuses the embedding table and owns no
+        parameters; under pipeline parallelism the last stage then keeps a copy
+        whose gradient is all-reduced with the first stage's (Megatron-LM).
+        Saved: the norm and head inputs, and the softmax over the vocabulary in
+        fp32, which dominates for large vocabularies.
+        """
+        self._check_style(tp_style)
+        h, d, v = self.hidden, dtype_bytes, self.vocab_size
+        collectives = (TPCollective("head.in.grad", "all_reduce", "backward", "after", h * d),
+                       *(TPCollective(f"ce.{n}", "all_reduce", "forward", "after", SOFTMAX_BYTES)
+                         for n in ("max", "target", "sumexp")))
+        block = Block("head", (Matmul("head", h, v, "column", owns_weight=not self.tied_embeddings),),
+                      collectives=collectives)
+        saved = (Activation("norm.final.in", h, d, sharded=False), Activation("head.in", h, d, sharded=False),
+                 Activation("ce.softmax", v, SOFTMAX_BYTES, sharded=True))
+        return LayerCost("head", (block,), (Param("norm.final", 1, h),), saved)
+
+    def model_flops_per_token(self) -> int:
+        """FLOPs per token for MFU: ``6·N_matmul + 12·L·seq·d_attn``.
+
+        ``N_matmul`` counts the weights used in matmuls (every layer's and the
+        LM head's, tied or not; not the embedding lookup or norms), and the
+        second term is the attention core; this is PaLM's ``6N + 12·L·H·Q·T``
+        (Chowdhery et al. 2022, appendix B) and, for GPT shapes, Narayanan et
+        al.'s ``72·l·h²·(1 + s/6h + V/12lh)`` per token without recomputation.
+        It equals :meth:`training_flops_per_token`; recomputed work is never
+        model FLOPs.
+        """
+        matmul_params = sum(m.params for c in self.costs(1) for m in c.matmuls)
+        return 6 * matmul_params + 12 * self.num_layers * self.seq_len * self.num_heads * self.head_dim
+
+    def describe(self) -> str:
+        heads = f"{self.num_heads} heads" + (f" ({self.num_kv_heads} kv)" if self.num_kv_heads != self.num_heads else "")
+        return (f"{self.name} (transformer): {self.num_layers} layers, hidden {self.hidden}, {heads}, "
+                f"ffn {self.ffn_hidden} {self.ffn_type}, seq {self.seq_len}, vocab {self.vocab_size}"
+                + (", tied embeddings" if self.tied_embeddings else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+
+Model = Union[MLPModel, TransformerModel]
+MODEL_KINDS: dict[str, type] = {"mlp": MLPModel, "transformer": TransformerModel}
+
+
+def _check_positive(model: Model, key: str) -> None:
+    value = getattr(model, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _fail(model, key, f"is {value!r}", "a positive whole number")
+
+
+def _fail(model: Model, key: str, problem: str, expected: str) -> None:
+    raise ConfigError(model.source or f"model {model.name}", key, problem, expected)
+
+
+def _to_dict(model: Model) -> dict[str, Any]:
+    """The model as a mapping :func:`load_model` reads back (``source`` left out)."""
+    data: dict[str, Any] = {"kind": model.kind}
+    data.update({f.name: getattr(model, f.name) for f in fields(model) if f.name != "source"})
+    if not data["description"]:
+        del data["description"]
+    return data
+
+
+# --------------------------------------------------------------------------- loading
+class ConfigReader:
+    """Typed access to one mapping of a model or plan file.
+
+    Unknown keys are rejected up front, listing the allowed ones; each typed
+    getter raises a :class:`ConfigError` naming the file, the key, what was
+    found and what is expected. Values are checked for type only; ranges and
+    cross-field rules belong to the dataclass the values build.
+    """
+
+    def __init__(self, data: object, source: str, allowed: tuple[str, ...], prefix: str = ""):
+        self.source, self.prefix = source, prefix
+        if not isinstance(data, Mapping):
+            raise ConfigError(source, prefix.rstrip(".") or "(file)", f"is {type(data).__name__} {data!r}",
+                              "a mapping of keys")
+        for key in data:
+            if key not in allowed:
+                raise ConfigError(source, f"{prefix}{key}", "unknown key", f"one of {', '.join(allowed)}")
+        self.data = data
+
+    def has(self, key: str) -> bool:
+        return key in self.data
+
+    def _bad(self, key: str, expected: str) -> ConfigError:
+        return ConfigError(self.source, self.prefix + key, f"is {self.data[key]!r}", expected)
+
+    def integer(self, key: str, default: int | None = None) -> int | None:
+        value = self.data.get(key, default)
+        if key in self.data and (isinstance(value, bool) or not isinstance(value, int)):
+            raise self._bad(key, "a whole number")
+        return value
+
+    def text(self, key: str, default: str | None = None) -> str | None:
+        value = self.data.get(key, default)
+        if key in self.data and not isinstance(value, str):
+            raise self._bad(key, "a string")
+        return value
+
+    def boolean(self, key: str, default: bool | None = None) -> bool | None:
+        value = self.data.get(key, default)
+        if key in self.data and not isinstance(value, bool):
+            raise self._bad(key, "true or false")
+        return value
+
+    def size(self, key: str, default: int | None = None) -> int | None:
+        if key not in self.data:
+            return default
+        try:
+            return parse_size(self.data[key])
+        except ParsimError:
+            raise self._bad(key, "a size in bytes such as 25MiB or 4096") from None
+
+    def section(self, key: str, allowed: tuple[str, ...]) -> "ConfigReader":
+        """A nested mapping (empty when the key is absent)."""
+        return ConfigReader(self.data.get(key, {}), self.source, allowed, f"{self.prefix}{key}.")
+
+
+def read_yaml(path: Path) -> object:
+    """A YAML file's contents; a syntax error becomes one ConfigError line with its position."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "syntax error"
+        raise ConfigError(str(path), "(file)", f"malformed YAML{where}: {problem}") from None
+    except OSError as err:
+        raise ParsimError(f"cannot read {path}: {err.strerror}") from None
+
+
+def builtin_models() -> dict[str, Path]:
+    """Preset model names and their files (``parsim/presets/*.yaml``)."""
+    folder = importlib.resources.files("parsim").joinpath("presets")
+    return {Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".yaml")}
+
+
+def load_model(spec: str | Path | Mapping[str, Any], base_dir: Path | None = None, source: str = "") -> Model:
+    """A model from a preset name (``llama3-8b``), a YAML path, or an inline mapping.
+
+    Relative paths are tried against ``base_dir`` (the referring plan's folder)
+    first, then the working directory. ``source`` names an inline mapping in
+    error messages.
+    """
+    if isinstance(spec, Mapping):
+        return parse_model(spec, source or "<model>", default_name=f"custom-{spec.get('kind', 'model')}")
+    text = str(spec)
+    presets = builtin_models()
+    if text in presets:
+        path = presets[text]
+    else:
+        candidates = [base_dir / text] if base_dir is not None else []
+        path = next((p for p in candidates + [Path(text)] if p.is_file()), None)
+        if path is None:
+            raise ParsimError(f"unknown model {text!r}: not a preset ({', '.join(sorted(presets))}) "
+                              f"and no such file")
+    return parse_model(read_yaml(path), str(path), default_name=path.stem)
+
+
+_COMMON_KEYS = ("name", "kind", "description")
+_KIND_KEYS = {
+    "mlp": ("num_layers", "width", "batch_size"),
+    "transformer": ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "ffn_type", "seq_len",
+                    "vocab_size", "tied_embeddings", "position_embedding"),
+}
+_REQUIRED = {
+    "mlp": ("num_layers", "width", "batch_size"),
+    "transformer": ("num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len", "vocab_size"),
+}
+
+
+def parse_model(data: object, source: str = "<model>", default_name: str = "model") -> Model:
+    """Check a model mapping key by key and build the model."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(source, "(file)", f"is {type(data).__name__} {data!r}", "a mapping of keys")
+    kind = data.get("kind")
+    if kind not in MODEL_KINDS:
+        found = "missing" if kind is None else f"is {kind!r}"
+        raise ConfigError(source, "kind", found, " or ".join(MODEL_KINDS))
+    reader = ConfigReader(data, source, _COMMON_KEYS + _KIND_KEYS[kind])
+    for key in _REQUIRED[kind]:
+        if not reader.has(key):
+            raise ConfigError(source, key, "missing",
+                              f"a whole number; a {kind} model needs {', '.join(_REQUIRED[kind])}")
+    values: dict[str, Any] = {
+        "name": reader.text("name", default_name), "description": reader.text("description", ""), "source": source,
+    }
+    for key in _KIND_KEYS[kind]:
+        if key in ("ffn_type", "position_embedding"):
+            values[key] = reader.text(key, "swiglu" if key == "ffn_type" else "rope")
+        elif key == "tied_embeddings":
+            values[key] = reader.boolean(key, False)
+        elif reader.has(key):
+            values[key] = reader.integer(key)
+    return MODEL_KINDS[kind](**values)

@@ -1,0 +1,391 @@
+"""Parallelism plans: how one training step of a model is split over GPUs.
+
+A :class:`Plan` holds the data- (``dp``), pipeline- (``pp``) and tensor-
+(``tp``) parallel degrees, the batch split, the pipeline schedule, the
+precision and the styles of tensor parallelism and gradient synchronization.
+Like torchtitan's ``ParallelDims`` it checks itself in one place (its
+``__post_init__`` and :meth:`Plan.validate`): each violation is one
+:class:`~parsim.errors.ParsimError` line naming the numbers.
+
+Ranks form a grid with ``tp`` innermost, as in picotron
+(``arange(world).view(dp, pp, tp)``): a tensor-parallel group is consecutive
+ranks, inside one node whenever ``tp`` divides the GPUs per node. ``order``
+names the nesting, outermost first (``"dp,pp,tp"``), so other placements can
+be tried.
+
+The batch: ``global_batch_size = dp · microbatch_size · num_microbatches``,
+counted in samples (sequences for a transformer, rows for the MLP). Any two of
+the three determine the third; given one of ``microbatch_size`` and
+``num_microbatches`` with a known global batch, the other is derived; otherwise
+the missing ones default to 1. The MLP's global batch is its ``batch_size``.
+
+Plans load from YAML (:func:`load_plan`, :func:`resolve_plan`)::
+
+    model: llama3-70b          # preset name, path to a model YAML, or an inline mapping
+    parallel: {dp: 16, tp: 8, pp: 8}
+    batch: {microbatch_size: 1, num_microbatches: 16}
+    schedule: 1f1b
+    virtual_stages: 1
+    dtype: bf16
+    tensor_parallel: megatron
+    data_parallel: {grad_sync: bucketed, bucket_size: 25MiB, overlap: true}
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple, NoReturn
+
+import numpy as np
+
+from .errors import ConfigError, ParsimError
+from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model, read_yaml
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+# Schedules with a steady state of one forward and one backward: they need at
+# least as many microbatches as stages to fill the pipeline.
+STEADY_STATE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+TP_STYLES = ("megatron", "allgather")
+GRAD_SYNCS = ("per_param", "bucketed")
+DIMS = ("dp", "pp", "tp")
+DEFAULT_ORDER = "dp,pp,tp"
+DEFAULT_BUCKET_SIZE = 25 * 2**20  # torch DDP's bucket_cap_mb default
+
+
+class RankCoords(NamedTuple):
+    """A rank's place in the grid."""
+
+    dp: int
+    pp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated parallelism plan for one model.
+
+    ``microbatch_size``, ``num_microbatches`` and ``global_batch_size`` may be
+    left ``None`` and are then derived (see the module docstring); after
+    construction all three are whole numbers. ``tp_style`` ``None`` takes the
+    model's own style ("megatron" for transformers, "allgather" for the MLP);
+    ``overlap`` ``None`` means overlapped exactly when ``grad_sync`` is
+    "bucketed".
+
+    ``grad_sync`` "per_param" is the lecture's DDP: one all-reduce per parameter
+    after the backward. "bucketed" is torch DDP's: gradients gathered into
+    buckets of ``bucket_size`` bytes in reverse layer order, each all-reduced as
+    soon as it fills, overlapping the rest of the backward when ``overlap``.
+
+    Pipeline stages: the layers split evenly into ``pp · virtual_stages``
+    stages; stage ``s`` runs on pipeline rank ``s % pp`` (Megatron-LM's
+    interleaved placement, Narayanan et al. 2021). The embedding belongs to
+    the first stage and the LM head to the last.
+    """
+
+    model: Model
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatch_size: int | None = None
+    num_microbatches: int | None = None
+    global_batch_size: int | None = None
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    dtype: str = "fp32"
+    tp_style: str | None = None
+    grad_sync: str = "bucketed"
+    bucket_size: int = DEFAULT_BUCKET_SIZE
+    overlap: bool | None = None
+    order: str = DEFAULT_ORDER
+    name: str = "plan"
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("dp", "tp", "pp", "virtual_stages", "bucket_size",
+                    "microbatch_size", "num_microbatches", "global_batch_size"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                self._fail(f"{key} is {value!r}; it must be a whole number >= 1")
+        if self.tp_style is None:
+            object.__setattr__(self, "tp_style", self.model.tp_styles[0])
+        if self.overlap is None:
+            object.__setattr__(self, "overlap", self.grad_sync == "bucketed")
+        self._resolve_batch()
+        self.validate()
+
+    def _fail(self, message: str) -> NoReturn:
+        raise ParsimError(f"plan {self.name}: {message}")
+
+    def _resolve_batch(self) -> None:
+        mbs, nmb, gbs, dp = self.microbatch_size, self.num_microbatches, self.global_batch_size, self.dp
+        if isinstance(self.model, MLPModel):
+            if gbs is not None and gbs != self.model.batch_size:
+                self._fail(f"global_batch_size {gbs} differs from model {self.model.name}'s batch_size "
+                           f"{self.model.batch_size}")
+            gbs = self.model.batch_size
+        if mbs is not None and nmb is not None:
+            if gbs is not None and dp * mbs * nmb != gbs:
+                self._fail(f"dp {dp} x microbatch_size {mbs} x num_microbatches {nmb} = {dp * mbs * nmb}, "
+                           f"not the global batch {gbs}")
+        elif gbs is not None:
+            given, known = ("microbatch_size", mbs) if mbs is not None else ("num_microbatches", nmb or 1)
+            if gbs % (dp * known):
+                self._fail(f"the global batch {gbs} does not split evenly over dp {dp} x {given} {known}")
+            other = gbs // (dp * known)
+            mbs, nmb = (known, other) if given == "microbatch_size" else (other, known)
+        else:
+            mbs, nmb = mbs or 1, nmb or 1
+        object.__setattr__(self, "microbatch_size", mbs)
+        object.__setattr__(self, "num_microbatches", nmb)
+        object.__setattr__(self, "global_batch_size", dp * mbs * nmb)
+
+    def validate(self, gpus: int | None = None) -> None:
+        """Check every rule; with ``gpus``, also that the plan uses exactly that many GPUs."""
+        m = self.model
+        if self.schedule not in SCHEDULES:
+            self._fail(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.dtype not in DTYPE_BYTES:
+            self._fail(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        if self.tp_style not in m.tp_styles:
+            known = "" if self.tp_style in TP_STYLES else f" (known styles: {', '.join(TP_STYLES)})"
+            self._fail(f"tensor_parallel {self.tp_style!r} does not apply to {m.kind} model {m.name}; "
+                       f"it supports {', '.join(m.tp_styles)}{known}")
+        if self.grad_sync not in GRAD_SYNCS:
+            self._fail(f"grad_sync {self.grad_sync!r} is not one of {', '.join(GRAD_SYNCS)}")
+        if self.overlap and self.grad_sync != "bucketed":
+            self._fail("overlap needs grad_sync bucketed (per_param all-reduces after the backward, "
+                       "as in the lecture)")
+        if sorted(self.order.split(",")) != sorted(DIMS):
+            self._fail(f"order {self.order!r} is not a nesting of dp, pp and tp such as {DEFAULT_ORDER!r}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
+            self._fail(f"virtual_stages {self.virtual_stages} needs schedule interleaved-1f1b "
+                       f"(schedule {self.schedule} runs one stage per pipeline rank)")
+        if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
+            self._fail("interleaved-1f1b needs virtual_stages >= 2 (with 1 it is plain 1f1b)")
+        stages = self.pp * self.virtual_stages
+        if m.num_layers % stages:
+            self._fail(f"{m.num_layers} layers do not split evenly into pp {self.pp} x virtual_stages "
+                       f"{self.virtual_stages} = {stages} stages")
+        for key, size in m.tp_sharded_sizes().items():
+            if size % self.tp:
+                self._fail(f"tp {self.tp} does not divide {key} {size} of model {m.name}")
+        if isinstance(m, TransformerModel) and m.num_kv_heads % self.tp and self.tp % m.num_kv_heads:
+            self._fail(f"tp {self.tp} and num_kv_heads {m.num_kv_heads} of model {m.name}: one must divide "
+                       f"the other (kv heads are split across ranks, or each replicated on tp/kv ranks)")
+        if self.pp > 1 and self.schedule in STEADY_STATE_SCHEDULES and self.num_microbatches < self.pp:
+            self._fail(f"{self.schedule} needs num_microbatches >= pp: {self.num_microbatches} < {self.pp}")
+        if self.schedule == "interleaved-1f1b" and self.num_microbatches % self.pp:
+            self._fail(f"interleaved-1f1b needs num_microbatches divisible by pp (Megatron-LM): "
+                       f"{self.num_microbatches} % {self.pp} = {self.num_microbatches % self.pp}")
+        if gpus is not None and gpus != self.world:
+            self._fail(f"dp {self.dp} x pp {self.pp} x tp {self.tp} = {self.world} ranks, but {gpus} GPUs were given")
+
+    # -- sizes ----------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.microbatch_size * self.model.tokens_per_sample
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.model.tokens_per_sample
+
+    # -- placement ------------------------------------------------------------
+    def degree(self, dim: str) -> int:
+        """The size of ``"dp"``, ``"pp"`` or ``"tp"``."""
+        if dim not in DIMS:
+            raise ParsimError(f"unknown parallel dimension {dim!r} (expected one of {', '.join(DIMS)})")
+        return getattr(self, dim)
+
+    @cached_property
+    def rank_grid(self) -> np.ndarray:
+        """Ranks indexed ``[dp, pp, tp]``: ``arange(world)`` shaped by ``order``, innermost last."""
+        nesting = self.order.split(",")
+        grid = np.arange(self.world).reshape([self.degree(d) for d in nesting])
+        return grid.transpose([nesting.index(d) for d in DIMS])
+
+    def rank_of(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
+        for dim, index in zip(DIMS, (dp, pp, tp)):
+            if not 0 <= index < self.degree(dim):
+                raise ParsimError(f"{dim} index {index} is outside 0..{self.degree(dim) - 1}")
+        return int(self.rank_grid[dp, pp, tp])
+
+    def coords(self, rank: int) -> RankCoords:
+        if not 0 <= rank < self.world:
+            raise ParsimError(f"rank {rank} is outside 0..{self.world - 1}")
+        return RankCoords(*(int(i[0]) for i in np.nonzero(self.rank_grid == rank)))
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group of ranks that differ only in ``dim``, in rank order of their first member."""
+        size = self.degree(dim)
+        return np.moveaxis(self.rank_grid, DIMS.index(dim), -1).reshape(-1, size).tolist()
+
+    def group_of(self, rank: int, dim: str) -> list[int]:
+        """The ``dim`` group that ``rank`` belongs to."""
+        c = self.coords(rank)._asdict()
+        index = [slice(None) if d == dim else c[d] for d in DIMS]
+        return self.rank_grid[tuple(index)].tolist()
+
+    # -- pipeline stages ------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def stage_layers(self, stage: int) -> range:
+        """The layer indices of (virtual) stage ``stage``: an even, contiguous share."""
+        if not 0 <= stage < self.num_stages:
+            raise ParsimError(f"stage {stage} is outside 0..{self.num_stages - 1}")
+        per = self.model.num_layers // self.num_stages
+        return range(stage * per, (stage + 1) * per)
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank ``pp_rank`` runs: ``pp_rank``, ``pp_rank + pp``, ..."""
+        if not 0 <= pp_rank < self.pp:
+            raise ParsimError(f"pp index {pp_rank} is outside 0..{self.pp - 1}")
+        return [pp_rank + chunk * self.pp for chunk in range(self.virtual_stages)]
+
+    @cached_property
+    def _costs(self) -> tuple[LayerCost | None, list[LayerCost], LayerCost | None]:
+        m, d = self.model, self.dtype_bytes
+        return (m.embedding_cost(d, self.tp_style), m.layer_costs(d, self.tp_style),
+                m.head_cost(d, self.tp_style))
+
+    def stage_costs(self, stage: int) -> list[LayerCost]:
+        """What ``stage`` computes, in order: the embedding (first stage), its layers, the head (last)."""
+        embedding, layers, head = self._costs
+        costs = [layers[i] for i in self.stage_layers(stage)]
+        if stage == 0 and embedding is not None:
+            costs.insert(0, embedding)
+        if stage == self.num_stages - 1 and head is not None:
+            costs.append(head)
+        return costs
+
+    def params_per_rank(self, pp_rank: int) -> int:
+        """Parameters one GPU of pipeline rank ``pp_rank`` holds (its tensor-parallel shard)."""
+        return sum(c.params_per_rank(self.tp) for s in self.stages_of(pp_rank) for c in self.stage_costs(s))
+
+    # -- output ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as a mapping :func:`load_plan` reads back (the model inline)."""
+        data_parallel: dict[str, Any] = {"grad_sync": self.grad_sync, "overlap": self.overlap}
+        if self.grad_sync == "bucketed":
+            data_parallel["bucket_size"] = self.bucket_size
+        data = {
+            "name": self.name,
+            "model": self.model.to_dict(),
+            "parallel": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "order": self.order},
+            "batch": {"microbatch_size": self.microbatch_size, "num_microbatches": self.num_microbatches,
+                      "global_batch_size": self.global_batch_size},
+            "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
+            "dtype": self.dtype,
+            "tensor_parallel": self.tp_style,
+            "data_parallel": data_parallel,
+        }
+        if self.description:
+            data["description"] = self.description
+        return data
+
+
+# --------------------------------------------------------------------------- loading
+_TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "virtual_stages", "dtype",
+             "tensor_parallel", "data_parallel")
+_PARALLEL_KEYS = ("dp", "tp", "pp", "order")
+_BATCH_KEYS = ("microbatch_size", "num_microbatches", "global_batch_size")
+_DATA_PARALLEL_KEYS = ("grad_sync", "bucket_size", "overlap")
+
+
+def builtin_plans() -> dict[str, Path]:
+    """Example plan names and their files (``parsim/presets/plans/*.yaml``)."""
+    folder = importlib.resources.files("parsim").joinpath("presets", "plans")
+    return {Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".yaml")}
+
+
+def resolve_plan(name_or_path: str | Path, *, gpus: int | None = None,
+                 overrides: Mapping[str, Any] | None = None) -> Plan:
+    """A plan from an example name (``course-ddp``) or a YAML path; see :func:`load_plan`."""
+    text = str(name_or_path)
+    presets = builtin_plans()
+    if text in presets:
+        return load_plan(presets[text], gpus=gpus, overrides=overrides)
+    if not Path(text).is_file():
+        raise ParsimError(f"unknown plan {text!r}: not an example ({', '.join(sorted(presets))}) and no such file")
+    return load_plan(Path(text), gpus=gpus, overrides=overrides)
+
+
+def load_plan(source: str | Path | Mapping[str, Any], *, gpus: int | None = None,
+              overrides: Mapping[str, Any] | None = None) -> Plan:
+    """A plan from a YAML file or a mapping of the same shape.
+
+    ``overrides`` (same shape, e.g. ``{"parallel": {"tp": 4}}``) replace the
+    file's values key by key, as command-line flags do. With ``gpus`` the plan
+    must use exactly that many GPUs.
+    """
+    if isinstance(source, Mapping):
+        data, label, base_dir, name = source, "<plan>", None, str(source.get("name", "plan"))
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ParsimError(f"no plan file {str(path)!r}")
+        data, label, base_dir, name = read_yaml(path), str(path), path.parent, path.stem
+    if overrides:
+        if not isinstance(data, Mapping):
+            raise ConfigError(label, "(file)", f"is {type(data).__name__}", "a mapping of keys")
+        data, label = _merge(data, overrides), f"{label} (with command-line overrides)"
+    plan = parse_plan(data, label, base_dir, default_name=name)
+    if gpus is not None:
+        plan.validate(gpus)
+    return plan
+
+
+def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = None,
+               default_name: str = "plan") -> Plan:
+    """Check a plan mapping key by key and build the :class:`Plan`."""
+    top = ConfigReader(data, source, _TOP_KEYS)
+    if not top.has("model"):
+        raise ConfigError(source, "model", "missing", "a preset name, a path to a model YAML, or a mapping")
+    spec = top.data["model"]
+    if not isinstance(spec, (str, Mapping)):
+        raise ConfigError(source, "model", f"is {spec!r}", "a preset name, a path to a model YAML, or a mapping")
+    model = load_model(spec, base_dir, source=f"{source}: model")
+    parallel = top.section("parallel", _PARALLEL_KEYS)
+    batch = top.section("batch", _BATCH_KEYS)
+    sync = top.section("data_parallel", _DATA_PARALLEL_KEYS)
+    grad_sync = sync.text("grad_sync", "bucketed")
+    if sync.has("bucket_size") and grad_sync != "bucketed":
+        raise ConfigError(source, "data_parallel.bucket_size", f"is set with grad_sync {grad_sync}",
+                          "bucket_size only with grad_sync: bucketed")
+    return Plan(
+        model=model,
+        dp=parallel.integer("dp", 1), tp=parallel.integer("tp", 1), pp=parallel.integer("pp", 1),
+        order=parallel.text("order", DEFAULT_ORDER),
+        microbatch_size=batch.integer("microbatch_size"), num_microbatches=batch.integer("num_microbatches"),
+        global_batch_size=batch.integer("global_batch_size"),
+        schedule=top.text("schedule", "1f1b"), virtual_stages=top.integer("virtual_stages", 1),
+        dtype=top.text("dtype", "fp32"), tp_style=top.text("tensor_parallel"),
+        grad_sync=grad_sync, bucket_size=sync.size("bucket_size", DEFAULT_BUCKET_SIZE),
+        overlap=sync.boolean("overlap"),
+        name=top.text("name", default_name), description=top.text("description", ""),
+    )
+
+
+def _merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` laid over it, nested mappings merged key by key."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

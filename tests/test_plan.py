@@ -1,0 +1,258 @@
+"""Plans: batch rules, validation messages, the rank grid and groups, YAML loading, and ``parsim plan``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parsim.cli.main import main
+from parsim.errors import ConfigError, ParsimError
+from parsim.model import load_model
+from parsim.plan import DEFAULT_BUCKET_SIZE, Plan, builtin_plans, load_plan, resolve_plan
+
+MLP = load_model("course-mlp")
+TINY = load_model("tiny-gpt")
+LLAMA70 = load_model("llama3-70b")
+
+
+# --------------------------------------------------------------------------- examples and batch
+@pytest.mark.parametrize("name, world, mbs, nmb", [
+    ("course-ddp", 4, 32, 1), ("course-tp", 4, 128, 1), ("course-pp", 2, 32, 4),
+    ("tiny-pp2", 2, 2, 4), ("tiny-dp2", 2, 4, 1), ("tiny-tp2", 2, 4, 1), ("llama3-70b-1024", 1024, 1, 16),
+])
+def test_example_plans_load_with_their_batch_split(name, world, mbs, nmb):
+    plan = resolve_plan(name)
+    assert (plan.world, plan.microbatch_size, plan.num_microbatches) == (world, mbs, nmb)
+    assert plan.global_batch_size == plan.dp * mbs * nmb
+    assert load_plan(plan.to_dict()) == plan
+
+
+def test_course_plans_match_the_lecture():
+    ddp, tp, pp = resolve_plan("course-ddp"), resolve_plan("course-tp"), resolve_plan("course-pp")
+    assert (ddp.grad_sync, ddp.overlap) == ("per_param", False)
+    assert tp.tp_style == "allgather"
+    assert pp.schedule == "gpipe" and [list(pp.stage_layers(s)) for s in range(2)] == [[0, 1], [2, 3]]
+
+
+def test_llama_example_uses_bf16_and_ddp_buckets():
+    plan = resolve_plan("llama3-70b-1024", gpus=1024)
+    assert (plan.dtype_bytes, plan.bucket_size, plan.overlap) == (2, 25 * 2**20, True)
+    assert plan.tokens_per_step == 256 * 8192
+
+
+def test_mlp_batch_is_derived_from_the_model():
+    assert Plan(MLP, dp=4).microbatch_size == 32
+    plan = Plan(MLP, dp=2, num_microbatches=4)
+    assert (plan.microbatch_size, plan.global_batch_size) == (16, 128)
+    assert Plan(MLP, dp=2, microbatch_size=16).num_microbatches == 4
+
+
+def test_transformer_batch_from_global_batch_size():
+    plan = Plan(TINY, dp=2, microbatch_size=2, global_batch_size=16)
+    assert plan.num_microbatches == 4
+    assert Plan(TINY).global_batch_size == 1
+
+
+# --------------------------------------------------------------------------- validation
+KV3 = load_model({"kind": "transformer", "num_layers": 2, "hidden": 96, "num_heads": 6, "num_kv_heads": 3,
+                  "ffn_hidden": 192, "seq_len": 8, "vocab_size": 100})
+ODD_FFN = load_model({"kind": "transformer", "num_layers": 2, "hidden": 64, "num_heads": 4,
+                      "ffn_hidden": 250, "seq_len": 8, "vocab_size": 100})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(model=MLP, pp=3), "4 layers do not split evenly into pp 3 x virtual_stages 1 = 3 stages"),
+    (dict(model=TINY, pp=2, num_microbatches=4, schedule="interleaved-1f1b", virtual_stages=4),
+     "4 layers do not split evenly into pp 2 x virtual_stages 4 = 8 stages"),
+    (dict(model=MLP, tp=3), "tp 3 does not divide width 1024"),
+    (dict(model=TINY, tp=8), "tp 8 does not divide num_heads 4"),
+    (dict(model=ODD_FFN, tp=4), "tp 4 does not divide ffn_hidden 250"),
+    (dict(model=KV3, tp=2), "tp 2 and num_kv_heads 3"),
+    (dict(model=MLP, dp=3), "the global batch 128 does not split evenly over dp 3"),
+    (dict(model=MLP, dp=4, microbatch_size=16, num_microbatches=1),
+     "dp 4 x microbatch_size 16 x num_microbatches 1 = 64, not the global batch 128"),
+    (dict(model=MLP, global_batch_size=64), "global_batch_size 64 differs from model course-mlp's batch_size 128"),
+    (dict(model=TINY, pp=2, num_microbatches=1), "1f1b needs num_microbatches >= pp: 1 < 2"),
+    (dict(model=TINY, pp=2, num_microbatches=1, schedule="zero-bubble"), "zero-bubble needs num_microbatches >= pp"),
+    (dict(model=TINY, pp=2, num_microbatches=3, schedule="interleaved-1f1b", virtual_stages=2),
+     "interleaved-1f1b needs num_microbatches divisible by pp (Megatron-LM): 3 % 2 = 1"),
+    (dict(model=TINY, pp=2, num_microbatches=2, virtual_stages=2), "virtual_stages 2 needs schedule interleaved-1f1b"),
+    (dict(model=TINY, pp=2, num_microbatches=2, schedule="interleaved-1f1b"), "needs virtual_stages >= 2"),
+    (dict(model=TINY, microbatch_size=0), "microbatch_size is 0; it must be a whole number >= 1"),
+    (dict(model=TINY, tp=0), "tp is 0"),
+    (dict(model=TINY, schedule="pipedream"), "schedule 'pipedream' is not one of gpipe, 1f1b"),
+    (dict(model=TINY, dtype="fp8"), "dtype 'fp8' is not one of fp32, bf16, fp16"),
+    (dict(model=TINY, tp_style="allgather"), "tensor_parallel 'allgather' does not apply to transformer model"),
+    (dict(model=MLP, tp_style="sequence"), "known styles: megatron, allgather"),
+    (dict(model=TINY, grad_sync="zero3"), "grad_sync 'zero3' is not one of per_param, bucketed"),
+    (dict(model=TINY, grad_sync="per_param", overlap=True), "overlap needs grad_sync bucketed"),
+    (dict(model=TINY, order="dp,tp"), "order 'dp,tp' is not a nesting of dp, pp and tp"),
+])
+def test_each_rule_gives_one_line_naming_the_numbers(kwargs, message):
+    with pytest.raises(ParsimError) as err:
+        Plan(**kwargs)
+    assert message in str(err.value)
+    assert str(err.value).startswith("plan plan: ") and "\n" not in str(err.value)
+
+
+def test_gpu_count_must_match_the_degrees():
+    with pytest.raises(ParsimError, match="dp 4 x pp 1 x tp 1 = 4 ranks, but 8 GPUs were given"):
+        resolve_plan("course-ddp", gpus=8)
+    resolve_plan("course-ddp").validate(gpus=4)
+
+
+def test_kv_heads_may_split_or_replicate():
+    Plan(LLAMA70, tp=8, num_microbatches=1)  # 8 kv heads, one per rank
+    Plan(LLAMA70, tp=4)  # two per rank
+    Plan(TINY, tp=4)  # 2 kv heads, each on two ranks
+
+
+# --------------------------------------------------------------------------- rank grid
+def test_rank_grid_has_tp_innermost():
+    plan = resolve_plan("llama3-70b-1024")
+    assert plan.rank_of(dp=1, pp=2, tp=3) == 64 + 16 + 3
+    assert plan.coords(83) == (1, 2, 3)
+    assert plan.groups("tp")[1] == list(range(8, 16))
+    assert plan.groups("pp")[0] == list(range(0, 64, 8))
+    assert plan.groups("dp")[0] == list(range(0, 1024, 64))
+    assert plan.group_of(83, "dp")[:2] == [19, 83]
+
+
+def test_other_orders_place_other_dims_innermost():
+    plan = Plan(MLP, dp=2, tp=2, num_microbatches=1, order="tp,pp,dp")
+    assert plan.groups("dp") == [[0, 1], [2, 3]]
+    assert plan.groups("tp") == [[0, 2], [1, 3]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(dp=st.integers(1, 4), pp=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2, 4]),
+       order=st.permutations(["dp", "pp", "tp"]))
+def test_groups_partition_the_ranks_and_coords_invert_rank_of(dp, pp, tp, order):
+    plan = Plan(TINY, dp=dp, pp=pp, tp=tp, num_microbatches=4, order=",".join(order))
+    for dim in ("dp", "pp", "tp"):
+        groups = plan.groups(dim)
+        assert sorted(r for g in groups for r in g) == list(range(plan.world))
+        assert all(len(g) == plan.degree(dim) for g in groups)
+    for rank in range(plan.world):
+        assert plan.rank_of(**plan.coords(rank)._asdict()) == rank
+    assert plan.groups(order[-1])[0] == list(range(plan.degree(order[-1])))
+
+
+def test_out_of_range_indices_are_refused():
+    plan = resolve_plan("course-pp")
+    with pytest.raises(ParsimError, match="pp index 2 is outside 0..1"):
+        plan.rank_of(pp=2)
+    with pytest.raises(ParsimError, match="rank 2 is outside 0..1"):
+        plan.coords(2)
+    with pytest.raises(ParsimError, match="unknown parallel dimension 'cp'"):
+        plan.groups("cp")
+
+
+# --------------------------------------------------------------------------- stages
+def test_interleaved_stages_round_robin_over_pipeline_ranks():
+    plan = Plan(LLAMA70, pp=8, num_microbatches=16, schedule="interleaved-1f1b", virtual_stages=5)
+    assert plan.num_stages == 40
+    assert plan.stages_of(0) == [0, 8, 16, 24, 32]
+    assert plan.stage_layers(8) == range(16, 18)
+
+
+def test_embedding_on_first_stage_and_head_on_last():
+    plan = resolve_plan("tiny-pp2")
+    assert [c.name for c in plan.stage_costs(0)] == ["embedding", "layer.0", "layer.1"]
+    assert [c.name for c in plan.stage_costs(1)] == ["layer.2", "layer.3", "head"]
+    assert sum(plan.params_per_rank(r) for r in range(plan.pp)) == TINY.num_params
+
+
+# --------------------------------------------------------------------------- YAML
+def test_plan_yaml_with_model_path_relative_to_the_plan(tmp_path):
+    (tmp_path / "m.yaml").write_text("kind: mlp\nnum_layers: 2\nwidth: 8\nbatch_size: 8\n")
+    (tmp_path / "p.yaml").write_text(
+        "model: m.yaml\nparallel: {dp: 2, pp: 2}\nbatch: {num_microbatches: 2}\nschedule: gpipe\n"
+        "data_parallel: {grad_sync: bucketed, bucket_size: 1KiB, overlap: false}\n")
+    plan = load_plan(tmp_path / "p.yaml", gpus=4)
+    assert (plan.name, plan.microbatch_size, plan.bucket_size, plan.overlap) == ("p", 2, 1024, False)
+
+
+def test_inline_model_and_overrides():
+    plan = load_plan({"model": {"kind": "mlp", "num_layers": 4, "width": 16, "batch_size": 8},
+                      "parallel": {"dp": 2}}, overrides={"parallel": {"tp": 2}, "dtype": "bf16"})
+    assert (plan.dp, plan.tp, plan.dtype, plan.bucket_size) == (2, 2, "bf16", DEFAULT_BUCKET_SIZE)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model: course-mlp\nparallel: {dp: 4, cp: 2}\n",
+     "parallel.cp: unknown key (expected one of dp, tp, pp, order)"),
+    ("model: course-mlp\nzero: 3\n", "zero: unknown key (expected one of name, description, model, parallel"),
+    ("model: course-mlp\nparallel: {dp: two}\n", "parallel.dp: is 'two' (expected a whole number)"),
+    ("model: course-mlp\nparallel: 4\n", "parallel: is int 4 (expected a mapping of keys)"),
+    ("model: course-mlp\ndata_parallel: {bucket_size: lots}\n",
+     "data_parallel.bucket_size: is 'lots' (expected a size in bytes"),
+    ("model: course-mlp\nparallel: {dp: 4}\ndata_parallel: {grad_sync: per_param, bucket_size: 1MiB}\n",
+     "data_parallel.bucket_size: is set with grad_sync per_param"),
+    ("model: course-mlp\ndata_parallel: {overlap: yes please}\n", "data_parallel.overlap: is 'yes please'"),
+    ("parallel: {dp: 4}\n", "model: missing"),
+    ("model: 7\n", "model: is 7 (expected a preset name"),
+    ("model: {kind: mlp, num_layers: 2, width: 8}\n", "model: batch_size: missing"),
+    ("- model\n", "(file): is list"),
+    ("model: course-mlp\nparallel: {dp: 4\n", "(file): malformed YAML at line"),
+])
+def test_plan_file_problems_are_one_config_error_line(tmp_path, text, message):
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_plan(path)
+    assert message in str(err.value)
+    assert str(err.value).startswith(str(path)) and "\n" not in str(err.value)
+
+
+def test_unknown_plan_and_missing_file():
+    with pytest.raises(ParsimError, match="unknown plan 'nope': not an example .*course-ddp"):
+        resolve_plan("nope")
+    with pytest.raises(ParsimError, match="no plan file"):
+        load_plan("/nonexistent/plan.yaml")
+    assert set(builtin_plans()) >= {"course-ddp", "course-tp", "course-pp", "llama3-70b-1024"}
+
+
+# --------------------------------------------------------------------------- CLI
+def test_cli_show_prints_grid_and_groups(capsys):
+    assert main(["plan", "show", "course-tp"]) == 0
+    out = capsys.readouterr().out
+    assert "course-mlp" in out and "tp 3" in out and "[0 1 2 3]" in out
+
+
+def test_cli_show_with_cluster_names_link_kinds(capsys):
+    assert main(["plan", "show", "llama3-70b-1024", "--cluster", "dgx-h100"]) == 0
+    out = capsys.readouterr().out
+    tp_row = next(line for line in out.splitlines() if line.startswith("tp "))
+    assert "nvlink" in tp_row and "1024 ranks" in out
+
+
+def test_cli_json_is_a_loadable_plan(capsys):
+    assert main(["plan", "show", "course-ddp", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["groups"]["dp"] == [[0, 1, 2, 3]]
+    assert load_plan(data["plan"]) == resolve_plan("course-ddp")
+
+
+def test_cli_flags_override_and_build_plans(capsys):
+    assert main(["plan", "show", "llama3-70b-1024", "--tp", "4", "--pp", "16", "--gpus", "1024"]) == 0
+    assert "dp 16 x pp 16 x tp 4" in capsys.readouterr().out
+    assert main(["plan", "show", "--model", "llama3-8b", "--dp", "8", "--dtype", "bf16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["world"] == 8
+    assert main(["plan", "list"]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "show", "course-ddp", "--gpus", "8"], "= 4 ranks, but 8 GPUs were given"),
+    (["plan", "show", "course-ddp", "--tp", "3"], "tp 3 does not divide width 1024"),
+    (["plan", "show", "no-such-plan"], "unknown plan 'no-such-plan'"),
+    (["plan", "show"], "give a plan"),
+    (["plan", "show", "course-ddp", "--nodes", "2"], "--nodes needs --cluster"),
+])
+def test_cli_bad_plans_exit_2_with_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
