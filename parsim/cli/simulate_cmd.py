@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 
 from ..cluster import load_cluster
-from ..plan import builtin_plans, resolve_plan
 from ..step import StepPrediction, predict_step
 from ..step_report import PHASES
 from ..table import render_table
 from ..units import format_time
 from .common import DEFAULT_CLUSTER, print_json
+from .plan_cmd import add_plan_args, plan_from_args
+
+DEFAULT_PLAN = "llama3-70b-1024"
 
 HELP = """\
 Predict one training step of a parallelism plan on a simulated cluster.
@@ -28,7 +30,8 @@ parallel collectives; pp = waiting on pipeline receives (bubble + transfer);
 dp = gradient all-reduce not hidden behind compute; idle = the rest.
 
 examples:
-  parsim simulate llama3-70b-1024 --cluster dgx-h100
+  parsim simulate llama3-70b-1024 --cluster dgx-h100        (the default plan)
+  parsim simulate llama3-70b-1024 --pp 4 --dp 32 --schedule interleaved-1f1b --virtual-stages 2
   parsim simulate my-plan.yaml --cluster dgx-b200 --trace step.json --gantt step.png
 """
 
@@ -36,8 +39,7 @@ examples:
 def register(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="predict a training step: time, bubbles, MFU, memory",
                               description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("plan", nargs="?", default="llama3-70b-1024",
-                   help=f"plan YAML file or built-in plan ({', '.join(sorted(builtin_plans()))})")
+    add_plan_args(p)
     p.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="NAME|FILE", help="cluster (default dgx-h100)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.add_argument("--trace", metavar="JSON", help="write a Chrome/Perfetto trace (open in ui.perfetto.dev)")
@@ -46,7 +48,9 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = resolve_plan(args.plan)
+    if args.plan is None and args.model is None:
+        args.plan = DEFAULT_PLAN
+    plan = plan_from_args(args)
     prediction = predict_step(plan, load_cluster(args.cluster))
     if args.json:
         print_json(to_json(prediction))

@@ -1,0 +1,97 @@
+"""Step simulation: pipeline bubbles from the closed forms, overlap, memory, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parsim.cli.main import main
+from parsim.cluster import load_cluster
+from parsim.model import load_model
+from parsim.plan import Plan
+from parsim.step import predict_step
+
+from ideal_cluster import ideal_spec
+
+# Communication made free: enormous bandwidth, no latency, so only compute and the schedule remain.
+FREE_COMM = {"intra_node.bw_GBps_per_direction": 1e9, "intra_node.latency_us": 0.0,
+             "scale_out.nic_bw_Gbps": 8e9, "scale_out.latency_us": 0.0, "scale_out.spine_hop_latency_us": 0.0}
+
+
+def mlp_plan(**kw) -> Plan:
+    model = load_model({"kind": "mlp", "name": "mlp", "num_layers": 8, "width": 512, "batch_size": 64})
+    return Plan(model=model, **kw)
+
+
+def durations(prediction, kind):
+    return {round(e.dur_s, 15) for e in prediction.trace.events if e.name.startswith(kind + " ")}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16)])
+def test_pipeline_step_matches_the_bubble_closed_form(schedule, p, m):
+    r = predict_step(mlp_plan(pp=p, num_microbatches=m, schedule=schedule), ideal_spec(**FREE_COMM))
+    (t_f,), (t_b,) = durations(r, "F"), durations(r, "B")
+    optimizer = max(e.dur_s for e in r.trace.events if e.kind == "optimizer")
+    pipeline = r.step_s - optimizer
+    assert pipeline == pytest.approx((m + p - 1) * (t_f + t_b), rel=1e-6)
+    busy = m * (t_f + t_b)
+    assert 1 - busy / pipeline == pytest.approx((p - 1) / (m + p - 1), rel=1e-6)
+
+
+def test_interleaving_divides_the_bubble_by_the_virtual_stages():
+    p, m, v = 4, 8, 2
+    r = predict_step(mlp_plan(pp=p, num_microbatches=m, schedule="interleaved-1f1b", virtual_stages=v),
+                     ideal_spec(**FREE_COMM))
+    (t_f,), (t_b,) = durations(r, "F"), durations(r, "B")  # one virtual stage's passes
+    pipeline = r.step_s - max(e.dur_s for e in r.trace.events if e.kind == "optimizer")
+    busy = v * m * (t_f + t_b)
+    assert 1 - busy / pipeline == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-6)
+
+
+def test_bucketed_overlap_hides_gradient_all_reduce_behind_backward():
+    spec = ideal_spec(**{"intra_node.bw_GBps_per_direction": 5.0})
+    base = dict(dp=4, grad_sync="bucketed", bucket_size=2**20)
+    overlapped = predict_step(mlp_plan(overlap=True, **base), spec)
+    serial = predict_step(mlp_plan(overlap=False, **base), spec)
+    assert overlapped.step_s < serial.step_s
+    assert overlapped.ranks[0].seconds["dp"] < serial.ranks[0].seconds["dp"]
+
+
+def test_memory_of_the_course_ddp_plan():
+    # 4 layers of 1024 x 1024 fp32: 4,194,304 parameters on every rank.
+    plan = Plan(model=load_model("course-mlp"), dp=4, grad_sync="per_param")
+    (mem,) = predict_step(plan, load_cluster("dgx-h100")).memory
+    params = 4 * 1024 * 1024
+    assert mem.weights == mem.gradients == params * 4
+    assert mem.optimizer == params * 8  # two fp32 AdamW moments, no master copy in fp32
+    # 32 rows per rank keep each layer's input and pre-gelu output: 2 x 1024 fp32 values per row per layer.
+    assert mem.activations == 32 * 4 * 2 * 1024 * 4
+
+
+def test_a_plan_that_does_not_fit_is_flagged(capsys):
+    code = main(["simulate", "llama3-70b-1024", "--pp", "4", "--dp", "32", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    # Twice the layers per stage and 4 microbatches in flight on stage 0: far over 80 GB.
+    assert code == 0 and out["fits"] is False
+
+
+def test_simulate_cli_writes_chrome_trace(capsys, tmp_path):
+    trace = tmp_path / "step.json"
+    assert main(["simulate", "course-pp", "--cluster", "dgx-h100", "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "step time" in out and "MFU" in out
+    doc = json.loads(trace.read_text())
+    assert doc["distributedInfo"]["world_size"] == 2
+    names = {e["name"] for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert "F stage=1 mb=3" in names and "optimizer step" in names
+    assert any(e["ph"] == "s" for e in doc["traceEvents"])  # send -> recv flows
+
+
+def test_simulate_rejects_a_bad_plan_in_one_line(capsys, tmp_path):
+    bad = tmp_path / "plan.yaml"
+    bad.write_text("model: course-mlp\nparallel: {dp: 3}\n")
+    assert main(["simulate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
