@@ -1,0 +1,353 @@
+"""Measure collectives on this machine the way nccl-tests does.
+
+For each size, every rank allocates float32 buffers, runs warm-up iterations,
+meets the others at a barrier, then runs timed iterations back to back and
+waits for the device once at the end. Each rank's time is its mean iteration
+time; the reported time is the **maximum over ranks** of those means, because
+a collective is not done until its slowest rank is (nccl-tests' ``-a 3``; its
+default ``-a 1`` reports the mean over ranks, kept here as
+``extra["time_s_mean"]`` next to ``extra["time_s_min"]``).
+
+Sizes mean what they mean in nccl-tests and :mod:`parsim.results`: the whole
+buffer for all-reduce, broadcast, reduce and send/recv; the total of all
+ranks' chunks (``nranks x chunk``) for all-gather, reduce-scatter, gather,
+scatter and all-to-all. A size is rounded down to whole float32 elements, and
+for chunked operations to a multiple of ``nranks`` elements; the size measured
+is the one reported (the request is kept in ``extra``).
+
+Iteration counts adapt to the size: warm-up calls estimate the time of one
+iteration (the slowest rank's estimate, so every rank runs the same count),
+and the timed loop runs about ``target_time_s`` worth of iterations, at least
+:data:`MIN_ITERS` and at most :data:`MAX_ITERS`.
+
+Two single-process microbenchmarks, :func:`measure_reduce_bandwidth` and
+:func:`measure_copy_bandwidth`, time the local steps inside collectives
+(summing two buffers, copying one) for calibration.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from parsim.errors import ParsimError
+from parsim.results import CollectiveResult, canonical_op
+from parsim.units import format_size
+
+from ._torch import require_distributed, require_torch
+from .launch import in_torchrun_job, launch, rank_device, run_in_job
+
+DTYPE_BYTES = 4  # float32, as nccl-tests' default -d float
+DEFAULT_WARMUP = 5
+DEFAULT_TARGET_TIME_S = 0.25
+MIN_ITERS = 5
+MAX_ITERS = 1000
+ROOT = 0  # root of broadcast, reduce, gather and scatter, as in nccl-tests
+
+# Operations whose size is nranks x a per-rank chunk.
+CHUNKED_OPS = frozenset({"all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"})
+ROOTED_OPS = frozenset({"broadcast", "reduce", "gather", "scatter"})
+
+# What ProcessGroupGloo (torch 2.13) runs on CPU tensors, read from
+# torch/csrc/distributed/c10d/ProcessGroupGloo.cpp and gloo's allreduce.cc,
+# allgather.cc, broadcast.cc, reduce.cc, gather.cc, scatter.cc, alltoall.cc.
+GLOO_ALGORITHMS = {
+    "all_reduce": "ring",
+    "all_gather": "ring",
+    "reduce_scatter": "ring all-reduce + local copy",
+    "broadcast": "binomial tree",
+    "reduce": "ring reduce-scatter + gather to root",
+    "gather": "direct to root",
+    "scatter": "direct from root",
+    "all_to_all": "pairwise direct",
+    "send_recv": "point-to-point",
+}
+# ProcessGroupGloo::_reduce_scatter_base all-reduces the whole input, then
+# copies this rank's chunk out: it moves all-reduce traffic, not reduce-scatter's.
+GLOO_REDUCE_SCATTER_NOTE = (
+    "ProcessGroupGloo runs reduce_scatter_tensor as an all-reduce of the whole buffer "
+    "followed by a copy of this rank's chunk, so it moves all-reduce traffic"
+)
+TIMING_RULE = "max over ranks of each rank's mean iteration time"
+SEND_RECV_RULE = "one-way: half of a rank 0 -> 1 -> 0 round trip (max over ranks 0 and 1)"
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What every rank measures; travels to the spawned ranks by pickle."""
+
+    op: str
+    sizes: tuple[tuple[int, int], ...]  # (requested bytes, measured bytes)
+    warmup: int
+    iters: int | None
+    target_time_s: float
+    progress: bool
+
+    @classmethod
+    def build(cls, op: str, sizes: Sequence[int], nranks: int, *, warmup: int = DEFAULT_WARMUP,
+              iters: int | None = None, target_time_s: float = DEFAULT_TARGET_TIME_S,
+              progress: bool = False) -> "BenchSpec":
+        """Check the request and round each size to what can be measured on ``nranks``."""
+        op = canonical_op(op)
+        if warmup < 1:
+            raise ParsimError(f"warm-up iterations must be at least 1, got {warmup}")
+        if iters is not None and iters < 1:
+            raise ParsimError(f"timed iterations must be at least 1, got {iters}")
+        if not sizes:
+            raise ParsimError("no sizes to measure")
+        fewest = 2 if op == "send_recv" else 1
+        if nranks < fewest:
+            raise ParsimError(f"{op.replace('_', '-')} needs at least {fewest} rank(s), got {nranks}")
+        pairs = tuple((size, measured_size(op, size, nranks)) for size in sizes)
+        return cls(op, pairs, warmup, iters, target_time_s, progress)
+
+
+def measured_size(op: str, size_bytes: int, nranks: int) -> int:
+    """The buffer size actually measured for a requested ``size_bytes``.
+
+    Whole float32 elements; for chunked operations a multiple of ``nranks``
+    of them, so every rank's chunk is the same size.
+    """
+    elements = size_bytes // DTYPE_BYTES
+    if op in CHUNKED_OPS:
+        elements -= elements % nranks
+    if elements == 0:
+        smallest = DTYPE_BYTES * (nranks if op in CHUNKED_OPS else 1)
+        raise ParsimError(
+            f"{op.replace('_', '-')} of {size_bytes} B on {nranks} ranks is below the smallest "
+            f"measurable buffer ({smallest} B: one float32 element{' per rank' if op in CHUNKED_OPS else ''})"
+        )
+    return elements * DTYPE_BYTES
+
+
+def default_timeout_s(sizes: Sequence[int]) -> float:
+    """A whole-run budget generous enough for a sweep on slow CPUs: 60 s + 15 s per size."""
+    return 60.0 + 15.0 * len(sizes)
+
+
+def measure_collectives(op: str, sizes: Sequence[int], nproc: int | None, backend: str = "auto", *,
+                        warmup: int = DEFAULT_WARMUP, iters: int | None = None,
+                        target_time_s: float = DEFAULT_TARGET_TIME_S, timeout_s: float | None = None,
+                        progress: bool = False) -> list[CollectiveResult]:
+    """Measure ``op`` at each size on ``nproc`` ranks; one :class:`CollectiveResult` per size.
+
+    Spawns ``nproc`` local ranks, or, inside a torchrun job, runs as this
+    process's rank of it (``nproc`` must then be None or the job's size) and
+    returns the same results on every rank. ``iters=None`` adapts the count
+    to the size. ``progress`` prints "measuring ..." lines to stderr from rank 0.
+    """
+    if in_torchrun_job():
+        world = int(os.environ["WORLD_SIZE"])
+        if nproc is not None and nproc != world:
+            raise ParsimError(f"--nproc {nproc} does not match this torchrun job's WORLD_SIZE {world}")
+    elif nproc is None:
+        raise ParsimError("how many ranks? (--nproc is missing)")
+    else:
+        world = nproc
+    spec = BenchSpec.build(op, sizes, world, warmup=warmup, iters=iters, target_time_s=target_time_s,
+                           progress=progress)
+    timeout_s = timeout_s if timeout_s is not None else default_timeout_s(sizes)
+    if in_torchrun_job():
+        return run_in_job(bench_rank, (spec,), backend, timeout_s)
+    return launch(bench_rank, world, (spec,), backend, timeout_s)[0]
+
+
+def algorithm_name(backend: str, op: str) -> str:
+    """What the backend is known to run for ``op``; NCCL chooses at run time."""
+    return GLOO_ALGORITHMS[op] if backend == "gloo" else "backend-default"
+
+
+# ----------------------------------------------------------------------------- inside a rank
+
+
+def bench_rank(rank: int, world: int, spec: BenchSpec) -> list[CollectiveResult]:
+    """Measure every size of ``spec`` as one rank; all ranks return the same results.
+
+    The body each rank runs under :func:`~executor.launch.launch` or
+    :func:`~executor.launch.run_in_job`; call it directly to measure several
+    operations in one process group.
+    """
+    device, backend = rank_device(), require_distributed().get_backend()
+    results = []
+    for index, (requested, size) in enumerate(spec.sizes, start=1):
+        if spec.progress and rank == 0:
+            print(f"measuring {spec.op.replace('_', '-')} {format_size(size)} ({index}/{len(spec.sizes)})",
+                  file=sys.stderr, flush=True)
+        step, api = _make_step(spec.op, size // DTYPE_BYTES, rank, world, device)
+        per_rank, iters = _time_step(step, spec, device)
+        results.append(_result(spec.op, world, requested, size, per_rank, iters, spec.warmup, api, backend, device))
+        del step  # free this size's buffers before allocating the next
+    return results
+
+
+def _make_step(op: str, elements: int, rank: int, world: int, device: Any) -> tuple[Callable[[], None], str]:
+    """Buffers for one size, and a closure running ``op`` once on them (plus the API's name)."""
+    torch, dist = require_torch(), require_distributed()
+    chunk = elements // world
+
+    def zeros(n: int) -> Any:
+        # Zeros stay zeros under repeated summing: no overflow to inf, no denormals.
+        return torch.zeros(n, dtype=torch.float32, device=device)
+
+    if op == "all_reduce":
+        buf = zeros(elements)
+        return (lambda: dist.all_reduce(buf)), "all_reduce"
+    if op == "all_gather":
+        inp, out = zeros(chunk), zeros(elements)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return (lambda: fn(out, inp)), fn.__name__
+    if op == "reduce_scatter":
+        inp, out = zeros(elements), zeros(chunk)
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return (lambda: fn(out, inp)), fn.__name__
+    if op == "broadcast":
+        buf = zeros(elements)
+        return (lambda: dist.broadcast(buf, src=ROOT)), "broadcast"
+    if op == "reduce":
+        buf = zeros(elements)
+        return (lambda: dist.reduce(buf, dst=ROOT)), "reduce"
+    if op == "gather":
+        inp = zeros(chunk)
+        outs = [zeros(chunk) for _ in range(world)] if rank == ROOT else None
+        return (lambda: dist.gather(inp, gather_list=outs, dst=ROOT)), "gather"
+    if op == "scatter":
+        out = zeros(chunk)
+        ins = [zeros(chunk) for _ in range(world)] if rank == ROOT else None
+        return (lambda: dist.scatter(out, scatter_list=ins, src=ROOT)), "scatter"
+    if op == "all_to_all":
+        inp, out = zeros(elements), zeros(elements)
+        return (lambda: dist.all_to_all_single(out, inp)), "all_to_all_single"
+    if op == "send_recv":
+        buf = zeros(elements)
+        if rank == 0:
+            return (lambda: (dist.send(buf, dst=1), dist.recv(buf, src=1))), "send/recv"
+        if rank == 1:
+            return (lambda: (dist.recv(buf, src=0), dist.send(buf, dst=0))), "send/recv"
+        return (lambda: None), "send/recv"  # ranks beyond 1 only attend the barriers
+    raise AssertionError(f"no benchmark for {op}")
+
+
+def _time_step(step: Callable[[], None], spec: BenchSpec, device: Any) -> tuple[list[float], int]:
+    """Every rank's mean seconds per iteration, and the iteration count they all ran."""
+    torch, dist = require_torch(), require_distributed()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # The first call pays for connection set-up and page faults: it only
+    # estimates the iteration time when it is the sole warm-up call.
+    start = time.perf_counter()
+    step()
+    sync()
+    mean = time.perf_counter() - start
+    if spec.warmup > 1:
+        start = time.perf_counter()
+        for _ in range(spec.warmup - 1):
+            step()
+        sync()
+        mean = (time.perf_counter() - start) / (spec.warmup - 1)
+    iters = spec.iters
+    if iters is None:
+        # Agree on the slowest rank's estimate: every rank must run the same count.
+        estimate = torch.tensor([mean], dtype=torch.float64, device=device)
+        dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
+        iters = min(MAX_ITERS, max(MIN_ITERS, math.ceil(spec.target_time_s / max(estimate.item(), 1e-9))))
+    dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda" else {}))
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    sync()
+    mine = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [t.item() for t in everyone], iters
+
+
+def _result(op: str, world: int, requested: int, size: int, per_rank: list[float], iters: int, warmup: int,
+            api: str, backend: str, device: Any) -> CollectiveResult:
+    torch = require_torch()
+    timed = per_rank[:2] if op == "send_recv" else per_rank  # ranks beyond 1 sit out send/recv
+    scale = 0.5 if op == "send_recv" else 1.0  # one way = half the round trip
+    extra: dict[str, Any] = {
+        "requested_size_bytes": requested,
+        "count": size // DTYPE_BYTES,
+        "dtype": "float32",
+        "warmup": warmup,
+        "iters": iters,
+        "timing": SEND_RECV_RULE if op == "send_recv" else TIMING_RULE,
+        "time_s_min": min(timed) * scale,
+        "time_s_mean": sum(timed) / len(timed) * scale,
+        "time_s_max": max(timed) * scale,
+        "per_rank_time_s": per_rank,
+        "api": f"torch.distributed.{api}",
+        "device": str(device),
+        "host": platform.node(),
+        "torch": torch.__version__,
+    }
+    if op in ROOTED_OPS:
+        extra["root"] = ROOT
+    if backend == "gloo" and op == "reduce_scatter":
+        extra["implementation"] = GLOO_REDUCE_SCATTER_NOTE
+    if backend == "nccl" and os.environ.get("NCCL_ALGO"):
+        extra["NCCL_ALGO"] = os.environ["NCCL_ALGO"]
+    return CollectiveResult(op=op, nranks=world, size_bytes=size, time_s=max(timed) * scale,
+                            algorithm=algorithm_name(backend, op), source="measured", backend=backend, extra=extra)
+
+
+# ----------------------------------------------------------------------------- local microbenchmarks
+
+
+def measure_reduce_bandwidth(sizes: Sequence[int], *, threads: int = 1, device: str = "cpu",
+                             target_time_s: float = 0.1) -> list[tuple[int, float]]:
+    """``(bytes, seconds)`` of ``a.add_(b)`` on float32 buffers of each size, in this process.
+
+    This is the reduction step inside every reducing collective; ``bytes`` is
+    the size of the reduced buffer ``a``, so its reduction speed is
+    ``bytes / seconds``. ``threads=1`` matches a rank of :func:`measure_collectives`.
+    """
+    return _time_local(sizes, lambda a, b: a.add_(b), threads, device, target_time_s)
+
+
+def measure_copy_bandwidth(sizes: Sequence[int], *, threads: int = 1, device: str = "cpu",
+                           target_time_s: float = 0.1) -> list[tuple[int, float]]:
+    """``(bytes, seconds)`` of ``b.copy_(a)`` on float32 buffers of each size: memory-copy speed."""
+    return _time_local(sizes, lambda a, b: b.copy_(a), threads, device, target_time_s)
+
+
+def _time_local(sizes: Sequence[int], op: Callable[[Any, Any], Any], threads: int, device: str,
+                target_time_s: float) -> list[tuple[int, float]]:
+    """Mean seconds of ``op(a, b)`` per size, with adaptive iteration counts."""
+    torch = require_torch()
+    dev = torch.device(device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = []
+        for size in sizes:
+            elements = max(1, size // DTYPE_BYTES)
+            a = torch.zeros(elements, dtype=torch.float32, device=dev)
+            b = torch.zeros(elements, dtype=torch.float32, device=dev)
+            start = time.perf_counter()
+            op(a, b)  # first touch of the pages, and the estimate
+            sync()
+            estimate = time.perf_counter() - start
+            iters = min(MAX_ITERS * 10, max(MIN_ITERS, math.ceil(target_time_s / max(estimate, 1e-9))))
+            start = time.perf_counter()
+            for _ in range(iters):
+                op(a, b)
+            sync()
+            rows.append((elements * DTYPE_BYTES, (time.perf_counter() - start) / iters))
+        return rows
+    finally:
+        torch.set_num_threads(saved_threads)

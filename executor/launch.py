@@ -1,0 +1,350 @@
+"""Run one function on N ranks of torch.distributed, and never leave a mess.
+
+Two ways in, one worker path:
+
+- :func:`launch` spawns N local processes itself (``spawn`` start method, a
+  free TCP port on 127.0.0.1), calls ``fn(rank, world_size, *args)`` in each
+  and returns every rank's return value to the caller.
+- :func:`run_in_job` is for processes that ``torchrun`` started (multi-node
+  runs): the environment already names RANK/WORLD_SIZE/MASTER_ADDR, and this
+  process is one rank of that job.
+
+A distributed run fails in ways a single process does not: one rank raises and
+its peers wait for it forever inside a collective, or one rank hangs and the
+others wait with it. :func:`launch` therefore watches all ranks from the
+parent. The first rank to fail, or the ranks still running when the timeout
+ends, are named in a :class:`RankFailure`; every other rank is terminated and
+reaped, so no orphan processes survive the run.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import os
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from parsim.errors import ParsimError
+
+from ._torch import require_distributed, require_torch
+
+DEFAULT_TIMEOUT_S = 120.0
+BACKENDS = ("auto", "gloo", "nccl")
+MASTER_ADDR = "127.0.0.1"
+
+# After the first failure, wait this long for other ranks' reports: a rank's
+# own error reaches us before the "connection closed" errors it causes in its
+# peers, but not always in the same wake-up, so blame goes to the earliest.
+_BLAME_GRACE_S = 1.0
+# How long a finished rank may take to exit before it is terminated.
+_EXIT_GRACE_S = 5.0
+# How long hung ranks get to write their Python stacks (faulthandler) to disk.
+_STACK_DUMP_WAIT_S = 1.0
+
+RankFn = Callable[..., Any]
+
+
+class RankFailure(ParsimError):
+    """One or more ranks raised, died or hung.
+
+    ``ranks`` are the ranks blamed; ``details`` holds their remote tracebacks
+    (or, for hung ranks, the Python stacks they were stuck in), printed by
+    ``--verbose``.
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int], details: str = ""):
+        super().__init__(message)
+        self.ranks = list(ranks)
+        self.details = details
+
+
+def resolve_backend(backend: str, nproc: int) -> str:
+    """``"auto"`` -> ``"nccl"`` when there is one CUDA GPU per rank, else ``"gloo"``."""
+    if backend not in BACKENDS:
+        raise ParsimError(f"backend {backend!r} is not known (expected one of: {', '.join(BACKENDS)})")
+    torch = require_torch()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if gpus >= nproc else "gloo"
+    if backend == "nccl" and gpus < nproc:
+        raise ParsimError(f"backend nccl needs one CUDA GPU per rank: {nproc} ranks, {gpus} GPU(s) found")
+    return backend
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on right now.
+
+    The port is released before rank 0's store binds it again, so another
+    program could take it in between; that window is milliseconds wide.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((MASTER_ADDR, 0))
+        return sock.getsockname()[1]
+
+
+def in_torchrun_job() -> bool:
+    """Whether this process is one rank of a job that torchrun (or similar) started."""
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def job_rank() -> int | None:
+    """This process's rank in a torchrun job, or None outside one."""
+    return int(os.environ["RANK"]) if in_torchrun_job() else None
+
+
+def rank_device() -> Any:
+    """The device this rank's tensors belong on: its GPU under NCCL, else the CPU."""
+    torch, dist = require_torch(), require_distributed()
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def run_in_job(fn: RankFn, args: Sequence[Any] = (), backend: str = "auto",
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+    """Run ``fn(rank, world_size, *args)`` as this process's rank of a torchrun job.
+
+    torchrun, not this function, stops the other ranks when one fails; the
+    process-group ``timeout_s`` bounds how long a collective waits for a peer.
+    """
+    if not in_torchrun_job():
+        raise ParsimError("not inside a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not all set)")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    return _run_rank(fn, args, resolve_backend(backend, local_world), timeout_s)
+
+
+def launch(fn: RankFn, nproc: int, args: Sequence[Any] = (), backend: str = "auto",
+           timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """Run ``fn(rank, nproc, *args)`` on ``nproc`` local ranks; each rank's return value, in rank order.
+
+    ``fn`` must be importable by name (defined at module level), and its
+    return value picklable, because ranks are fresh ``spawn`` processes.
+    Raises :class:`RankFailure` naming the rank that failed first, or the
+    ranks still running after ``timeout_s`` seconds (the whole run's budget).
+    """
+    if nproc < 1:
+        raise ParsimError(f"need at least 1 rank, got --nproc {nproc}")
+    if timeout_s <= 0:
+        raise ParsimError(f"timeout must be positive, got {timeout_s:g} s")
+    backend = resolve_backend(backend, nproc)
+    # Collectives inside the ranks time out later than the parent's watchdog,
+    # so a hang is diagnosed here (with stacks) rather than as a peer's error.
+    collective_timeout_s = 2 * timeout_s
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    ranks: list[_Rank] = []
+    finished = False
+    with tempfile.TemporaryDirectory(prefix="parsim-ranks-") as tmp:
+        try:
+            for rank in range(nproc):
+                reader, writer = ctx.Pipe(duplex=False)
+                stack_path = Path(tmp) / f"rank{rank}.stack"
+                process = ctx.Process(
+                    target=_rank_main, name=f"parsim-rank-{rank}", daemon=True,
+                    args=(rank, nproc, port, backend, collective_timeout_s, fn, tuple(args), writer, str(stack_path)),
+                )
+                process.start()
+                writer.close()  # the child's copy is the only writer: EOF now means the child is gone
+                ranks.append(_Rank(rank, process, reader, stack_path))
+            values = _collect(ranks, timeout_s)
+            finished = True
+            return values
+        finally:
+            _stop([r.process for r in ranks], _EXIT_GRACE_S if finished else 0.0)
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def _rank_main(rank: int, nproc: int, port: int, backend: str, timeout_s: float, fn: RankFn,
+               args: tuple, conn: Connection, stack_path: str) -> None:
+    """Body of a spawned rank: run, then report ``("ok", value)`` or an error to the parent."""
+    _dump_stacks_on_sigusr1(stack_path)
+    os.environ.update(
+        MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
+    )
+    try:
+        conn.send(("ok", _run_rank(fn, args, backend, timeout_s)))
+    except BaseException as err:  # noqa: BLE001 - every failure must reach the parent
+        conn.send(("error", time.time(), _first_line(err), traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _run_rank(fn: RankFn, args: Sequence[Any], backend: str, timeout_s: float) -> Any:
+    """Join the process group named by the environment, run ``fn``, leave cleanly."""
+    torch, dist = require_torch(), require_distributed()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)  # one core per rank, as one GPU per rank: ranks must not fight over cores
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    value = fn(rank, world, *args)
+    dist.destroy_process_group()
+    return value
+
+
+_stack_file = None  # kept open for faulthandler, which writes to its file descriptor
+
+
+def _dump_stacks_on_sigusr1(path: str) -> None:
+    """Make SIGUSR1 write this rank's Python stacks to ``path`` (how the parent sees a hang)."""
+    global _stack_file
+    if hasattr(signal, "SIGUSR1"):
+        _stack_file = open(path, "w")  # noqa: SIM115 - must outlive this function
+        faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+@dataclass
+class _Rank:
+    index: int
+    process: Any  # multiprocessing.Process
+    reader: Connection
+    stack_path: Path
+
+
+@dataclass
+class _Failure:
+    at: float  # time.time() when it failed, comparable across processes on one host
+    rank: int
+    summary: str
+    details: str
+
+
+def _collect(ranks: list[_Rank], timeout_s: float) -> list[Any]:
+    """Wait for every rank's report; raise :class:`RankFailure` on a failure or at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    waiting = {r.reader: r for r in ranks}
+    values: dict[int, Any] = {}
+    failures: list[_Failure] = []
+    blame_by = float("inf")
+    while waiting:
+        remaining = min(deadline, blame_by) - time.monotonic()
+        if remaining <= 0:
+            break
+        for reader in wait(list(waiting), timeout=remaining):
+            rank = waiting.pop(reader)
+            report = _receive(rank)
+            if isinstance(report, _Failure):
+                failures.append(report)
+                blame_by = min(blame_by, time.monotonic() + _BLAME_GRACE_S)
+            else:
+                values[rank.index] = report
+    if failures:
+        raise _failure_error(failures)
+    if waiting:
+        raise _hang_error(list(waiting.values()), sorted(values), timeout_s)
+    return [values[r.index] for r in ranks]
+
+
+def _receive(rank: _Rank) -> Any:
+    """A rank's return value, or a :class:`_Failure` for an error or a death without report."""
+    try:
+        message = rank.reader.recv()
+    except (EOFError, OSError):
+        rank.process.join(1.0)
+        return _Failure(time.time(), rank.index, _exit_reason(rank.process.exitcode), "")
+    if message[0] == "ok":
+        return message[1]
+    _, at, summary, details = message
+    return _Failure(at, rank.index, summary, details)
+
+
+def _exit_reason(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = " (out of memory?)" if name == "SIGKILL" else ""
+        return f"the process was killed by {name}{hint} before reporting"
+    return f"the process exited with code {exitcode} before reporting"
+
+
+def _failure_error(failures: list[_Failure]) -> RankFailure:
+    failures.sort(key=lambda f: f.at)
+    first = failures[0]
+    message = f"rank {first.rank} failed: {first.summary}"
+    if len(failures) > 1:
+        message += f" (then {_ranks_text([f.rank for f in failures[1:]])} failed too)"
+    details = "\n".join(f"--- rank {f.rank}: {f.summary}\n{f.details}".rstrip() for f in failures)
+    return RankFailure(message, [first.rank], details)
+
+
+def _hang_error(pending: list[_Rank], done: list[int], timeout_s: float) -> RankFailure:
+    """Name the hung ranks; ranks blocked inside torch.distributed are only waiting for them."""
+    stacks = _dump_stacks(pending)
+    waiting = [r.index for r in pending if "torch/distributed" in stacks.get(r.index, "").replace("\\", "/")]
+    hung = [r.index for r in pending if r.index not in waiting] or waiting
+    waiting = [r for r in waiting if r not in hung]
+    message = f"{_ranks_text(hung)} did not finish within {timeout_s:g} s (hung or deadlocked?)"
+    if waiting:
+        message += f"; {_ranks_text(waiting)} was waiting in torch.distributed"
+    if done:
+        message += f"; {_ranks_text(done)} finished"
+    details = "\n".join(f"--- rank {i} stack:\n{s.strip()}" for i, s in sorted(stacks.items()) if s.strip())
+    return RankFailure(message, hung, details)
+
+
+def _dump_stacks(pending: list[_Rank]) -> dict[int, str]:
+    """Ask live ranks for their Python stacks (SIGUSR1 -> faulthandler) and read them back."""
+    if not hasattr(signal, "SIGUSR1"):
+        return {}
+    asked = []
+    for rank in pending:
+        if rank.process.is_alive():
+            try:
+                os.kill(rank.process.pid, signal.SIGUSR1)
+                asked.append(rank)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + _STACK_DUMP_WAIT_S
+    while asked and time.monotonic() < deadline and not all(_size(r.stack_path) for r in asked):
+        time.sleep(0.05)
+    return {r.index: r.stack_path.read_text(errors="replace") for r in asked if _size(r.stack_path)}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _stop(processes: list[Any], grace_s: float) -> None:
+    """Reap every rank: wait ``grace_s`` for a clean exit, then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(2.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -1,0 +1,154 @@
+"""The launcher: ranks return values; a failing or hung rank ends the whole run, leaving no processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from parsim.errors import ParsimError
+
+from executor.launch import RankFailure, in_torchrun_job, launch, resolve_backend, run_in_job
+
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+# Rank functions live at module level: spawned ranks import them by name.
+
+def sum_of_ranks(rank: int, world: int, offset: int) -> tuple[int, int, float]:
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return rank + offset, world, total.item()
+
+
+def rank_one_raises(rank: int, world: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("rank one is broken\nsecond line of the message")
+    dist.all_reduce(torch.ones(4))  # rank 0 waits for rank 1 here, like a real peer would
+    return rank
+
+
+def rank_one_hangs(rank: int, world: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(4))  # both ranks are up and past their imports
+    if rank == 1:
+        time.sleep(3600)
+    dist.all_reduce(torch.ones(4))
+    return rank
+
+
+def rank_zero_dies(rank: int, world: int) -> int:
+    if rank == 0:
+        os._exit(3)
+    return rank
+
+
+def child_processes() -> set[tuple[int, str]]:
+    """Live children of this process, without multiprocessing's shared resource tracker.
+
+    The tracker is started by the first ``spawn`` and stays for the life of
+    the parent by design; it is not a rank.
+    """
+    children = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_text().replace("\0", " ")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        state, ppid = fields[0], int(fields[1])
+        if ppid == os.getpid() and state != "Z" and "resource_tracker" not in cmdline:
+            children.add((int(entry.name), cmdline))
+    return children
+
+
+@pytest.fixture
+def no_leftover_ranks():
+    if not Path("/proc").is_dir():
+        pytest.skip("needs /proc to list child processes")
+    before = child_processes()
+    yield
+    assert child_processes() <= before
+
+
+@needs_torch
+@pytest.mark.multiproc
+def test_every_rank_returns_its_value_in_rank_order(no_leftover_ranks):
+    values = launch(sum_of_ranks, 2, args=(10,), backend="gloo", timeout_s=60)
+    assert values == [(10, 2, 1.0), (11, 2, 1.0)]
+
+
+@needs_torch
+@pytest.mark.multiproc
+def test_a_rank_that_raises_is_named_with_its_error(no_leftover_ranks):
+    with pytest.raises(RankFailure) as caught:
+        launch(rank_one_raises, 2, backend="gloo", timeout_s=60)
+    err = caught.value
+    assert isinstance(err, ParsimError)
+    assert str(err).startswith("rank 1 failed: ValueError: rank one is broken")
+    assert "second line" not in str(err)
+    assert err.ranks == [1]
+    assert "Traceback" in err.details and "rank_one_raises" in err.details
+
+
+@needs_torch
+@pytest.mark.multiproc
+def test_a_hung_rank_is_named_and_every_rank_is_stopped(no_leftover_ranks):
+    with pytest.raises(RankFailure) as caught:
+        launch(rank_one_hangs, 2, backend="gloo", timeout_s=8)
+    err = caught.value
+    assert str(err).startswith("rank 1 did not finish within 8 s")
+    assert "rank 0 was waiting in torch.distributed" in str(err)
+    assert err.ranks == [1]
+    assert "rank_one_hangs" in err.details  # the stacks say where each rank was
+
+
+@needs_torch
+@pytest.mark.multiproc
+def test_a_rank_that_dies_without_reporting_is_named(no_leftover_ranks):
+    with pytest.raises(RankFailure, match=r"^rank 0 failed: the process exited with code 3"):
+        launch(rank_zero_dies, 2, backend="gloo", timeout_s=60)
+
+
+@needs_torch
+def test_auto_backend_is_gloo_without_a_gpu_per_rank():
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs")
+    assert resolve_backend("auto", 2) == "gloo"
+    with pytest.raises(ParsimError, match="backend nccl needs one CUDA GPU per rank"):
+        resolve_backend("nccl", 2)
+
+
+def test_unknown_backend_and_bad_counts_are_user_errors():
+    with pytest.raises(ParsimError, match="backend 'mpi' is not known"):
+        resolve_backend("mpi", 2)
+    with pytest.raises(ParsimError, match="at least 1 rank"):
+        launch(sum_of_ranks, 0)
+
+
+def test_a_torchrun_job_is_recognised_by_its_environment(monkeypatch):
+    for key in TORCHRUN_VARS:
+        monkeypatch.delenv(key, raising=False)
+    assert not in_torchrun_job()
+    with pytest.raises(ParsimError, match="not inside a torchrun job"):
+        run_in_job(sum_of_ranks, (0,))
+    for key, value in zip(TORCHRUN_VARS, ("0", "2", "127.0.0.1", "29500")):
+        monkeypatch.setenv(key, value)
+    assert in_torchrun_job()
