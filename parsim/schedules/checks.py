@@ -1,0 +1,140 @@
+"""Dependencies between passes, a deadlock check, and activation memory.
+
+The data dependencies of a pipeline (stage ``s`` of ``S``, microbatch ``i``):
+
+- ``F(s, i)`` needs ``F(s-1, i)`` (the activations it consumes);
+- ``B(s, i)`` and ``I(s, i)`` need ``F(s, i)`` (its saved activations) and the
+  input-gradient pass of ``(s+1, i)``, which is ``B`` or ``I`` (the last stage
+  starts its backward from its own forward, through the loss);
+- ``W(s, i)`` needs ``I(s, i)`` (the output gradient ``I`` received).
+
+Each rank runs its list strictly in order, so a schedule deadlocks when the
+heads of all unfinished lists wait on passes behind other heads.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..errors import ParsimError
+from .core import KINDS, Action, Schedule
+
+
+class ScheduleError(ParsimError):
+    """A schedule that is incomplete, misplaced, or cannot run to the end."""
+
+
+def validate(schedule: Schedule) -> None:
+    """Check that every pass appears exactly once, on its stage's owner, and that the schedule runs to the end.
+
+    Per (stage, microbatch) a schedule needs one ``F`` and either one ``B``
+    or one ``I`` and one ``W``. Raises :class:`ScheduleError` otherwise.
+    """
+    execution_order(schedule)
+
+
+def execution_order(schedule: Schedule) -> list[Action]:
+    """All actions in an order that respects every dependency and each rank's list order.
+
+    Ranks take turns running the head of their list as soon as its
+    dependencies are done. Raises :class:`ScheduleError` naming what each
+    stuck rank waits for if no rank can make progress before all lists end.
+    """
+    _check_complete(schedule)
+    done: set[Action] = set()
+    heads = [0] * schedule.pp
+    order: list[Action] = []
+    total = sum(len(a) for a in schedule.actions)
+    while len(order) < total:
+        progressed = False
+        for rank, acts in enumerate(schedule.actions):
+            while heads[rank] < len(acts) and all(d in done for d in dependencies(schedule, acts[heads[rank]])):
+                action = acts[heads[rank]]
+                done.add(action)
+                order.append(action)
+                heads[rank] += 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError(_deadlock_message(schedule, heads, done))
+    return order
+
+
+def dependencies(schedule: Schedule, action: Action) -> list[Action]:
+    """The passes ``action`` needs finished before it can start (see the module docstring)."""
+    s, i = action.stage, action.microbatch
+    if action.kind == "F":
+        return [Action("F", s - 1, i)] if s > 0 else []
+    if action.kind == "W":
+        return [Action("I", s, i)]
+    deps = [Action("F", s, i)]
+    if s + 1 < schedule.num_stages:
+        deps.append(Action("I" if schedule.split_backward else "B", s + 1, i))
+    return deps
+
+
+def peak_in_flight(schedule: Schedule) -> list[int]:
+    """Per rank, the most (stage, microbatch) pairs whose forward ran and whose input-gradient pass has not.
+
+    A pair is in flight from the end of its ``F`` to the end of its ``B``, or
+    of its ``I`` in split schedules: that is when the stage's saved activations
+    are freed. A deferred ``W`` keeps only the inputs of the weight gradients
+    (much less; Qi et al. 2023, table 1), so it is not counted. This is the
+    activation memory of a rank in units of one stage's activations for one
+    microbatch: 1F1B gives ``pp - r`` on rank ``r``, GPipe gives ``m``. With
+    ``v`` stages per rank each unit holds ``1/v`` of the rank's layers.
+    Depends only on the per-rank order, not on timing.
+    """
+    peaks = []
+    for acts in schedule.actions:
+        live = peak = 0
+        for a in acts:
+            if a.kind == "F":
+                live += 1
+                peak = max(peak, live)
+            elif a.kind in ("B", "I"):
+                live -= 1
+        peaks.append(peak)
+    return peaks
+
+
+def _check_complete(schedule: Schedule) -> None:
+    where = f"schedule {schedule.name} (pp={schedule.pp}, m={schedule.num_microbatches})"
+    if len(schedule.actions) != schedule.pp:
+        raise ScheduleError(f"{where}: has {len(schedule.actions)} action lists, expected one per rank")
+    counts = Counter(a for acts in schedule.actions for a in acts)
+    for rank, acts in enumerate(schedule.actions):
+        for a in acts:
+            if a.kind not in KINDS:
+                raise ScheduleError(f"{where}: rank {rank} has pass kind {a.kind!r} (expected one of {KINDS})")
+            if not (0 <= a.stage < schedule.num_stages and 0 <= a.microbatch < schedule.num_microbatches):
+                raise ScheduleError(f"{where}: rank {rank} runs {a.kind} stage={a.stage} mb={a.microbatch}, "
+                                    f"outside {schedule.num_stages} stages x {schedule.num_microbatches} "
+                                    "microbatches")
+            if schedule.stage_to_rank(a.stage) != rank:
+                raise ScheduleError(f"{where}: rank {rank} runs {a.kind} stage={a.stage} mb={a.microbatch}, "
+                                    f"but stage {a.stage} lives on rank {schedule.stage_to_rank(a.stage)}")
+    backward = ("I", "W") if schedule.split_backward else ("B",)
+    for s in range(schedule.num_stages):
+        for i in range(schedule.num_microbatches):
+            for kind in ("F",) + backward:
+                n = counts[Action(kind, s, i)]
+                if n != 1:
+                    raise ScheduleError(f"{where}: {kind} stage={s} mb={i} appears {n} times, expected once")
+    expected = schedule.num_stages * schedule.num_microbatches * (1 + len(backward))
+    if sum(counts.values()) != expected:
+        extra = sorted(a for a in counts if a.kind not in ("F",) + backward)
+        raise ScheduleError(f"{where}: mixes full and split backward passes (e.g. {extra[0].kind} "
+                            f"stage={extra[0].stage} mb={extra[0].microbatch})")
+
+
+def _deadlock_message(schedule: Schedule, heads: list[int], done: set[Action]) -> str:
+    waits = []
+    for rank, acts in enumerate(schedule.actions):
+        if heads[rank] < len(acts):
+            head = acts[heads[rank]]
+            missing = [d for d in dependencies(schedule, head) if d not in done]
+            need = ", ".join(f"{d.kind} stage={d.stage} mb={d.microbatch}" for d in missing)
+            waits.append(f"rank {rank} at {head.kind} stage={head.stage} mb={head.microbatch} "
+                         f"waits for {need}")
+    return (f"schedule {schedule.name} (pp={schedule.pp}, m={schedule.num_microbatches}) deadlocks: "
+            + "; ".join(waits))

@@ -1,0 +1,282 @@
+"""The pipeline schedules, generated once in pure Python as per-rank action lists.
+
+Every generator returns the order in which each rank runs its passes; the
+simulator times these lists and the executor runs them, so both see the same
+schedule. Orders match ``torch.distributed.pipelining`` pass for pass
+(``tests/test_schedules_torch.py`` proves it), so the executor may also run
+PyTorch's class of the same name:
+
+=================  ====================================  ===================================
+name               source                                torch class
+=================  ====================================  ===================================
+gpipe              Huang et al. 2019 (GPipe)             ScheduleGPipe
+1f1b               Narayanan et al. 2021 (PipeDream-     Schedule1F1B
+                   Flush); Megatron-LM's default
+interleaved-1f1b   Narayanan et al. 2021 (Megatron-LM)   ScheduleInterleaved1F1B
+zero-bubble        Qi et al. 2023, ZB-H1 (v = 1)          ScheduleInterleavedZeroBubble
+zbv                Qi et al. 2023, ZB-V (section 6)       ScheduleZBVZeroBubble
+=================  ====================================  ===================================
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import ParsimError
+from .core import Action, Schedule
+
+
+def gpipe(pp: int, num_microbatches: int) -> Schedule:
+    """GPipe (Huang et al. 2019): every rank runs all forwards, then all backwards.
+
+    Fill, then drain: simple, but every rank keeps the activations of all
+    ``m`` microbatches until its backwards start. Backwards run in microbatch
+    order 0, 1, ..., as ``torch``'s ``ScheduleGPipe`` does.
+    """
+    m = num_microbatches
+    actions = [[Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)]
+               for r in range(pp)]
+    return Schedule("gpipe", pp, m, 1, actions)
+
+
+def one_f_one_b(pp: int, num_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-Flush, Narayanan et al. 2021; Megatron-LM's default schedule).
+
+    The one-forward-one-backward order comes from PipeDream (Narayanan et al.
+    2019); the flush at the end of every step keeps the weights synchronous.
+
+    Rank ``r`` runs, in three phases:
+
+    1. warm-up: ``pp - r - 1`` forwards, enough to fill the pipe below it;
+    2. steady state: one forward, one backward, until every forward ran;
+    3. cool-down: the remaining backwards.
+
+    Same bubble as GPipe, but rank ``r`` holds at most ``pp - r`` microbatches
+    of activations instead of ``m``.
+    """
+    m = num_microbatches
+    actions = []
+    for rank in range(pp):
+        warmup = min(pp - rank - 1, m)
+        steady = m - warmup
+        ops = [Action("F", rank, i) for i in range(warmup)]
+        for i in range(steady):
+            ops += [Action("F", rank, warmup + i), Action("B", rank, i)]
+        ops += [Action("B", rank, i) for i in range(steady, m)]
+        actions.append(ops)
+    return Schedule("1f1b", pp, m, 1, actions)
+
+
+def interleaved_1f1b(pp: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): ``v`` stages per rank.
+
+    Rank ``r`` owns stages ``r, r + pp, r + 2pp, ...``. Microbatches go
+    through a rank's stages in rounds of ``pp``: forwards of microbatches
+    0..pp-1 on the first stage, then the same microbatches on the second stage,
+    and so on ("depth first"); backwards walk the stages in reverse. A rank
+    warms up with ``(v - 1) * pp + 2 * (pp - r - 1)`` forwards, then
+    alternates one forward and one backward. Each pass is ``1/v`` as long as
+    in 1F1B, so the bubble shrinks ``v``-fold, for ``v``-fold more
+    point-to-point messages. Requires ``m % pp == 0``, like Megatron-LM.
+    Unlike Megatron-LM, ``m == pp`` is not special-cased to "all forwards
+    first" (PyTorch does not either).
+    """
+    return _looped("interleaved-1f1b", pp, num_microbatches, virtual_stages, warmup_per_hop=2, zero_bubble=False)
+
+
+def zero_bubble(pp: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """Zero-bubble ZB-H1 (Qi et al. 2023, section 2.1; "ZB1P").
+
+    The backward is split into ``I`` (gradient w.r.t. the input, which the
+    previous stage waits for) and ``W`` (gradient w.r.t. the weights, which
+    nobody waits for). Rank ``r`` runs 1F1B's warm-up (``pp - r - 1``
+    forwards), then ``F, I`` pairs, but holds back its first ``r`` ``W``
+    passes; from then on each ``I`` is followed by the oldest pending ``W``.
+    The ``r`` deferred ``W`` s run at the very end, exactly where 1F1B's
+    cool-down leaves rank ``r`` idle. In-flight activations stay those of 1F1B
+    (``pp - r`` on rank ``r``) and, with ``t_F = t_I = t_W``, the bubble is a
+    third of 1F1B's: ``(p - 1)(t_F + t_I - t_W)``.
+
+    With ``virtual_stages > 1`` this is PyTorch's interleaved variant
+    (``ScheduleInterleavedZeroBubble``): Megatron's interleaved order with a
+    warm-up of ``(v - 1) * pp + pp - r - 1`` forwards and the same ``W``
+    deferral. It requires ``m % pp == 0``.
+    """
+    return _looped("zero-bubble", pp, num_microbatches, virtual_stages, warmup_per_hop=1, zero_bubble=True)
+
+
+def _looped(name: str, pp: int, m: int, v: int, *, warmup_per_hop: int, zero_bubble: bool) -> Schedule:
+    """Warm-up / steady / cool-down over ``v`` looped stages per rank (PyTorch's ``_get_1f1b_rank_ops``).
+
+    Pass ``k`` of a rank (counted separately for forwards and backwards)
+    handles microbatch ``(k // (pp v)) pp + k % pp`` on the rank's local stage
+    ``(k // pp) % v`` (forward) or ``v - 1 - (k // pp) % v`` (backward).
+    """
+    total = v * m
+
+    def microbatch(k: int) -> int:
+        return (k // (pp * v)) * pp + k % pp
+
+    actions = []
+    for rank in range(pp):
+        def forward(k: int) -> Action:
+            return Action("F", ((k // pp) % v) * pp + rank, microbatch(k))
+
+        def backward(k: int, kind: str) -> Action:
+            return Action(kind, (v - 1 - (k // pp) % v) * pp + rank, microbatch(k))
+
+        warmup = min((v - 1) * pp + warmup_per_hop * (pp - 1 - rank), total)
+        ops = [forward(k) for k in range(warmup)]
+        pending_w: deque[Action] = deque()
+
+        def run_backward(k: int) -> None:
+            if not zero_bubble:
+                ops.append(backward(k, "B"))
+                return
+            ops.append(backward(k, "I"))
+            pending_w.append(backward(k, "W"))
+            if len(pending_w) > rank:  # rank r keeps r weight-gradient passes for the tail
+                ops.append(pending_w.popleft())
+
+        for k in range(total - warmup):  # steady state: one forward, one backward
+            ops.append(forward(warmup + k))
+            run_backward(k)
+        for k in range(total - warmup, total):  # cool-down: the remaining backwards
+            run_backward(k)
+        ops.extend(pending_w)  # deferred W passes fill the tail bubble
+        actions.append(ops)
+    return Schedule(name, pp, m, v, actions)
+
+
+def zbv(pp: int, num_microbatches: int) -> Schedule:
+    """ZB-V (Qi et al. 2023, section 6): two stages per rank in a V, W passes fill the gaps.
+
+    Rank ``r`` owns stage ``r`` (chunk 0, on the way down) and stage
+    ``2pp - 1 - r`` (chunk 1, on the way up), so the last rank runs the middle
+    two stages back to back and the first rank computes both the first and the
+    last stage. Phases, as in PyTorch's ``ScheduleZBVZeroBubble``:
+
+    1. ``2(pp - r) - 1`` chunk-0 forwards;
+    2. ``r`` pairs (chunk-1 forward, chunk-0 forward);
+    3. ``pp - r`` triples (chunk-1 F, I, W);
+    4. steady: (chunk-0 F, I, W), (chunk-1 F, I, W) until every forward ran;
+    5. cool-down: ``r`` pairs of I (chunk 0, chunk 1), then ``pp - r`` pairs
+       (chunk-0 I, W), then every W still pending.
+
+    The phases are laid out for ``max(m, 2pp - 1)`` microbatches and passes of
+    the microbatches beyond ``m`` are dropped. With equal F, I and W times per
+    chunk the steady state has no bubble, and activations stay those of 1F1B.
+    """
+    m = num_microbatches
+    n = max(2 * pp - 1, m)
+    last = 2 * pp - 1
+    actions = []
+    for rank in range(pp):
+        down, up = rank, last - rank
+        count = {(k, s): 0 for k in "FIW" for s in (down, up)}
+        ops: list[Action] = []
+
+        def run(kind: str, stage: int) -> None:
+            mb = count[kind, stage]
+            count[kind, stage] += 1
+            ops.append(Action(kind, stage, mb))
+
+        for _ in range(2 * (pp - rank) - 1):
+            run("F", down)
+        for _ in range(rank):
+            run("F", up)
+            run("F", down)
+        for _ in range(pp - rank):
+            for kind in "FIW":
+                run(kind, up)
+        while count["F", up] < count["F", down] or count["F", down] < n:
+            if count["F", down] < n:
+                run("F", down)
+            run("I", down)
+            run("W", down)
+            for kind in "FIW":
+                run(kind, up)
+        for _ in range(rank):
+            run("I", down)
+            run("I", up)
+        for _ in range(pp - rank):
+            run("I", down)
+            run("W", down)
+        for stage in (up, down):
+            while count["W", stage] < count["I", stage]:
+                run("W", stage)
+        actions.append([a for a in ops if a.microbatch < m])
+    return Schedule("zbv", pp, m, 2, actions, placement="v")
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """A schedule generator with what people need to know to choose it.
+
+    ``virtual_stages`` is the allowed range of stages per rank (``None``: no
+    upper bound); its lower end is the default. Schedules that loop ``v > 1``
+    stages over the ranks Megatron-style need ``m % pp == 0``.
+    """
+
+    name: str
+    summary: str
+    source: str
+    torch_class: str
+    build: Callable[[int, int, int], Schedule]
+    virtual_stages: tuple[int, int | None] = (1, 1)
+    looped: bool = False  # v > 1 stages per rank loop over the ranks in rounds of pp microbatches
+
+    def check_virtual_stages(self, v: int) -> None:
+        low, high = self.virtual_stages
+        if v < low or (high is not None and v > high):
+            allowed = f"{low}" if low == high else f">= {low}" if high is None else f"{low}..{high}"
+            raise ParsimError(f"schedule {self.name} needs virtual stages per rank {allowed}, got {v}")
+
+    def needs_whole_rounds(self, v: int) -> bool:
+        """True when microbatches must come in whole rounds of ``pp`` (looped stages, Megatron-style)."""
+        return v > 1 and self.looped
+
+
+SCHEDULES: dict[str, ScheduleKind] = {
+    k.name: k for k in (
+        ScheduleKind("gpipe", "all forwards, then all backwards", "Huang et al. 2019, GPipe", "ScheduleGPipe",
+                     lambda p, m, v: gpipe(p, m)),
+        ScheduleKind("1f1b", "warm-up forwards, then one forward / one backward, then cool-down",
+                     "Narayanan et al. 2021, PipeDream-Flush; Megatron-LM", "Schedule1F1B",
+                     lambda p, m, v: one_f_one_b(p, m)),
+        ScheduleKind("interleaved-1f1b", "1F1B over v looped stages per rank",
+                     "Narayanan et al. 2021, Megatron-LM interleaved schedule", "ScheduleInterleaved1F1B",
+                     interleaved_1f1b, (2, None), looped=True),
+        ScheduleKind("zero-bubble", "backward split into I and W; W deferred to fill the bubble",
+                     "Qi et al. 2023, Zero Bubble Pipeline Parallelism (ZB-H1)", "ScheduleInterleavedZeroBubble",
+                     zero_bubble, (1, None), looped=True),
+        ScheduleKind("zbv", "two stages per rank in a V; I and W split to fill the bubble",
+                     "Qi et al. 2023, Zero Bubble Pipeline Parallelism (ZB-V)", "ScheduleZBVZeroBubble",
+                     lambda p, m, v: zbv(p, m), (2, 2)),
+    )
+}
+
+
+def make_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int | None = None) -> Schedule:
+    """Build the schedule called ``name`` for ``pp`` ranks and ``num_microbatches`` microbatches.
+
+    ``virtual_stages`` (stages per rank) defaults to the schedule's own: 1,
+    or 2 for ``interleaved-1f1b`` and ``zbv``. Unknown names and impossible
+    sizes raise :class:`ParsimError` with one line saying what is expected.
+    """
+    kind = SCHEDULES.get(name.lower())
+    if kind is None:
+        raise ParsimError(f"unknown pipeline schedule {name!r} (expected one of {', '.join(SCHEDULES)})")
+    v = kind.virtual_stages[0] if virtual_stages is None else virtual_stages
+    if pp < 1:
+        raise ParsimError(f"pipeline size must be at least 1, got {pp}")
+    if num_microbatches < 1:
+        raise ParsimError(f"number of microbatches must be at least 1, got {num_microbatches}")
+    kind.check_virtual_stages(v)
+    if kind.needs_whole_rounds(v) and num_microbatches % pp:
+        raise ParsimError(f"schedule {kind.name} with {v} virtual stages needs the number of microbatches "
+                          f"to be a multiple of the pipeline size: {num_microbatches} % {pp} = "
+                          f"{num_microbatches % pp}")
+    return kind.build(pp, num_microbatches, v)

@@ -1,0 +1,137 @@
+"""`parsim explain bubble` and the pictures of schedules (PNG and terminal Gantt charts)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parsim.cli.main import main
+from parsim.gantt import ascii_gantt, draw_gantt
+from parsim.schedules import make_schedule, simulate_ideal
+from parsim.trace import Event, Trace, compute_name, p2p_name
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bubble_walks_a_student_through_1f1b(capsys):
+    code, out, _ = run(capsys, "explain", "bubble", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b")
+    assert code == 0
+    assert "rank 0: F0 F1 F2 F3 B0 F4 B1" in out  # 1. the order
+    assert "bubble per rank = (p-1)(t_f + t_b) = (4-1)(1 + 2) = 9" in out  # 2. the closed form
+    assert "(p-1)/(m+p-1) = (4-1)/(8+4-1) = 3/11 = 0.2727" in out
+    assert "step time 33 units; bubble 27.3% of all rank-time, as the closed form says." in out  # 3. simulated
+    assert "Peak per rank: [4, 3, 2, 1]" in out  # 4. memory
+    assert "rank 3: .  .  .  F0 B0 -- F1 B1 --" in out  # 5. the picture
+
+
+def test_interleaving_shows_the_bubble_divided_by_v(capsys):
+    code, out, _ = run(capsys, "explain", "bubble", "--schedule", "interleaved-1f1b", "--virtual-stages", "2")
+    assert code == 0
+    assert "t_f = 0.5, t_b = 1" in out
+    assert "(p-1)/(v*m+p-1) = (4-1)/(2*8+4-1) = 3/19 = 0.1579" in out
+    assert "15.8% of all rank-time, as the closed form says" in out
+    assert "rank 0: 0F0 0F1 0F2 0F3 4F0" in out  # PyTorch's notation when a rank owns several stages
+
+
+def test_zero_bubble_shows_a_third_of_the_1f1b_bubble(capsys):
+    code, out, _ = run(capsys, "explain", "bubble", "--schedule", "zero-bubble")
+    assert code == 0
+    assert "t_b = 2 = t_i + t_w = 1 + 1" in out
+    assert "(p-1)(t_f + t_i - t_w) = (4-1)(1 + 1 - 1) = 3" in out
+    assert "11.1% of all rank-time, as the closed form says" in out
+
+
+def test_zero_bubble_says_when_its_formula_does_not_apply(capsys):
+    code, out, _ = run(capsys, "explain", "bubble", "--schedule", "zero-bubble", "--tw", "1.5")
+    assert code == 0
+    assert "holds when m >= p and t_w <= min(t_f, t_i)" in out
+
+
+def test_zbv_has_only_the_simulation(capsys):
+    code, out, _ = run(capsys, "explain", "bubble", "--schedule", "zbv")
+    assert code == 0
+    assert "no simple closed form" in out and "Peak per rank: [8, 8, 8, 8]" in out
+
+
+def test_communication_shows_up_as_the_gap_to_the_closed_form(capsys):
+    code, out, _ = run(capsys, "explain", "bubble", "--pp", "2", "-m", "2", "--tcomm", "0.5")
+    assert code == 0
+    assert "the closed form says 33.3%: transfers on the critical path add 1 to the step" in out
+
+
+def test_json_is_for_scripts(capsys):
+    code, out, _ = run(capsys, "explain", "bubble", "--pp", "4", "-m", "8", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["simulated"]["bubble_fraction"] == pytest.approx(3 / 11)
+    assert data["closed_form"]["bubble_fraction"] == pytest.approx(3 / 11)
+    assert [r["peak_in_flight"] for r in data["ranks"]] == [4, 3, 2, 1]
+    assert data["ranks"][3]["actions"][:3] == ["3F0", "3B0", "3F1"]
+
+
+def test_gantt_flag_writes_a_png_instead_of_the_terminal_picture(capsys, tmp_path):
+    path = tmp_path / "1f1b.png"
+    code, out, _ = run(capsys, "explain", "bubble", "--gantt", str(path))
+    assert code == 0
+    assert path.read_bytes().startswith(PNG_MAGIC)
+    assert f"wrote {path}" in out and "5. The picture" not in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--schedule", "pipedream"], "unknown pipeline schedule 'pipedream'"),
+    (["--schedule", "interleaved-1f1b", "-m", "6"], "multiple of the pipeline size: 6 % 4 = 2"),
+    (["--pp", "0"], "pipeline size must be at least 1"),
+    (["--tf", "-1"], "--tf must be >= 0"),
+    (["--schedule", "zero-bubble", "--tw", "3"], "--tw (3) is part of the backward and cannot exceed --tb (2)"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, "explain", "bubble", *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("parsim explain: error: ") and message in err and err.count("\n") == 1
+
+
+def test_explain_without_a_topic_lists_the_topics(capsys):
+    code, out, _ = run(capsys, "explain")
+    assert code == 2 and "bubble" in out
+
+
+# --- pictures ------------------------------------------------------------------------------------
+
+
+def test_ascii_gantt_marks_idle_slots_and_long_passes():
+    trace = simulate_ideal(make_schedule("gpipe", 2, 2), 1, 2).to_trace()
+    assert ascii_gantt(trace).splitlines()[1:] == [
+        "rank 0: F0 F1 .  .  .  B0 -- B1 --",
+        "rank 1: .  F0 F1 B0 -- B1 -- .  .",
+    ]
+
+
+def test_ascii_gantt_gives_up_when_times_have_no_small_common_slot():
+    trace = simulate_ideal(make_schedule("1f1b", 2, 2), 1, 2 ** 0.5).to_trace()
+    assert ascii_gantt(trace) is None
+
+
+@pytest.mark.parametrize("name,v,m", [("interleaved-1f1b", 2, 8), ("zbv", 2, 8), ("1f1b", 1, 64)])
+def test_draw_gantt_draws_simulated_schedules(tmp_path, name, v, m):
+    timing = simulate_ideal(make_schedule(name, 4, m, v), 1 / v, 2 / v, 0.5 / v if name == "zbv" else 0, 0.1)
+    path = tmp_path / "g.png"
+    draw_gantt(timing.to_trace(), str(path), f"{name} m={m}")
+    assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_draw_gantt_draws_measured_traces_with_fused_backward_and_collectives(tmp_path):
+    events = [Event(compute_name("F", 0, 0), 0, "compute", "compute", 0.0, 1e-3),
+              Event(compute_name("BW", 0, 0), 0, "compute", "compute", 2e-3, 2e-3),
+              Event(p2p_name("send", "act", 0, 0, 1), 0, "p2p", "send", 1e-3, 1e-4),
+              Event("all_reduce dp bucket=0", 0, "comm", "collective", 4e-3, 1e-3),
+              Event("optimizer", 1, "compute", "optimizer", 5e-3, 1e-3)]
+    path = tmp_path / "measured.png"
+    draw_gantt(Trace("measured", 2, events), str(path), "measured")
+    assert path.read_bytes().startswith(PNG_MAGIC)
