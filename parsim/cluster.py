@@ -36,6 +36,9 @@ class IntraNodeSpec:
     bw_Bps: float  # per GPU, per direction, into the fabric
     latency_s: float  # one GPU-to-GPU step through the fabric
     in_switch_reduction: bool
+    # Everything crossing the fabric together (a host's memory and CPUs for a
+    # PCIe root complex or loopback); None: non-blocking, never the limit.
+    fabric_bw_Bps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
             bw_Bps=intra.number("bw_GBps_per_direction", "GB/s") * 1e9,
             latency_s=intra.number("latency_us", "microseconds", allow_zero=True) * 1e-6,
             in_switch_reduction=intra.boolean("in_switch_reduction", default=False),
+            fabric_bw_Bps=intra.number("fabric_bw_GBps", "GB/s, all traffic together", optional=True) * 1e9 or None,
         ),
         scale_out=ScaleOutSpec(
             nics_per_node=out.integer("nics_per_node"),

@@ -10,7 +10,9 @@ complex anyway) when both ends share leaf switches. NIC ``j`` of every
 node in a scalable unit plugs into the leaf switch of rail ``j`` (a
 rail-optimized fat tree); leaves reach each other through an aggregated spine
 whose uplink per leaf carries ``nodes_per_leaf * nic_bw / oversubscription``
-(ECMP spreading flows evenly over the spine switches is assumed).
+(ECMP spreading flows evenly over the spine switches is assumed). A node's
+fabric may also cap all the traffic through it together (``fabric_bw_GBps``:
+a host's memory and CPUs when the "fabric" is loopback TCP).
 
 Links are numbered so the simulator can keep them in numpy arrays, and routes
 are computed by formula, vectorized, because 16k-GPU collectives need millions
@@ -29,7 +31,7 @@ import numpy as np
 from .cluster import ClusterSpec
 
 SWITCH = -1  # route endpoint meaning "the fabric switch of the other endpoint's node" (in-switch reduction)
-MAX_HOPS = 7
+MAX_HOPS = 9
 
 
 class Topology:
@@ -44,19 +46,23 @@ class Topology:
         self.num_nics = nodes * out.nics_per_node
         self.num_units = -(-nodes // out.nodes_per_leaf)  # scalable units (ceil)
         self.num_leaves = self.num_units * out.nics_per_node
-        # Link index blocks: gpu up | gpu down | nic up | nic down | leaf up | leaf down
+        # Link index blocks: gpu up | gpu down | nic up | nic down | leaf up | leaf down | node fabric
         g, k, leaves = self.num_gpus, self.num_nics, self.num_leaves
         self._gpu_up, self._gpu_down = 0, g
         self._nic_up, self._nic_down = 2 * g, 2 * g + k
         self._leaf_up, self._leaf_down = 2 * g + 2 * k, 2 * g + 2 * k + leaves
-        self.num_links = 2 * g + 2 * k + 2 * leaves
+        self._fabric = 2 * g + 2 * k + 2 * leaves
+        self.num_links = self._fabric + nodes
         leaf_bw = out.nodes_per_leaf * out.nic_bw_Bps / out.oversubscription
+        # The fabric as a whole: non-blocking (every GPU at full speed both ways) unless the file says less.
+        fabric_bw = spec.intra.fabric_bw_Bps or 2 * spec.gpus_per_node * spec.intra.bw_Bps
         self.capacity_Bps = np.concatenate([
             np.full(2 * g, spec.intra.bw_Bps), np.full(2 * k, out.nic_bw_Bps), np.full(2 * leaves, leaf_bw),
+            np.full(nodes, fabric_bw),
         ])
         self.latency_s = np.concatenate([
             np.full(2 * g, spec.intra.latency_s / 2), np.full(2 * k, out.latency_s / 2),
-            np.full(2 * leaves, out.spine_hop_latency_s),
+            np.full(2 * leaves, out.spine_hop_latency_s), np.zeros(nodes),
         ])
 
     # -- placement ---------------------------------------------------------
@@ -93,21 +99,24 @@ class Topology:
         out = np.full((src.size, MAX_HOPS), -1, dtype=np.int64)
         to_switch, from_switch = dst == SWITCH, src == SWITCH
         out[to_switch, 0] = self._gpu_up + src[to_switch]
-        out[from_switch, 0] = self._gpu_down + dst[from_switch]
+        out[to_switch, 1] = self._fabric + self.node_of(src[to_switch])
+        out[from_switch, 0] = self._fabric + self.node_of(dst[from_switch])
+        out[from_switch, 1] = self._gpu_down + dst[from_switch]
         pair = ~(to_switch | from_switch) & (src != dst)
         s, d = src[pair], dst[pair]
         rows = np.flatnonzero(pair)
         same_node = self.node_of(s) == self.node_of(d)
         intra, inter = rows[same_node], rows[~same_node]
         out[intra, 0] = self._gpu_up + s[same_node]
-        out[intra, 1] = self._gpu_down + d[same_node]
+        out[intra, 1] = self._fabric + self.node_of(s[same_node])
+        out[intra, 2] = self._gpu_down + d[same_node]
         s, d = s[~same_node], d[~same_node]
         nic_d = self.nic_of(d)
         via_host = self.spec.intra.fabric == "pcie"  # NICs hang off the PCIe root complex
         if via_host:
             # Every NIC hangs off the root complex: use the one on the destination's rail.
             nic_s = self.node_of(s) * self.nics_per_node + nic_d % self.nics_per_node
-            hops = [self._gpu_up + s]
+            hops = [self._gpu_up + s, self._fabric + self.node_of(s)]
         else:
             # PXN (NCCL >= 2.12): inside one scalable unit, data first crosses NVLink to
             # the GPU beside the destination's rail so it stays under one leaf switch.
@@ -118,13 +127,14 @@ class Topology:
             moved = same_unit & off_rail
             proxy = np.where(moved, proxy, s)
             nic_s = self.nic_of(proxy)
-            hops = [np.where(moved, self._gpu_up + s, -1), np.where(moved, self._gpu_down + proxy, -1)]
+            hops = [np.where(moved, self._gpu_up + s, -1), np.where(moved, self._fabric + self.node_of(s), -1),
+                    np.where(moved, self._gpu_down + proxy, -1)]
         leaf_s, leaf_d = self.leaf_of_nic(nic_s), self.leaf_of_nic(nic_d)
         cross = leaf_s != leaf_d
         hops += [self._nic_up + nic_s, np.where(cross, self._leaf_up + leaf_s, -1),
                  np.where(cross, self._leaf_down + leaf_d, -1), self._nic_down + nic_d]
         if via_host:
-            hops.append(self._gpu_down + d)
+            hops += [self._fabric + self.node_of(d), self._gpu_down + d]
         for col, hop in enumerate(hops):
             out[inter, col] = hop
         return _compact(out)
@@ -161,13 +171,19 @@ class Topology:
             return f"leaf -> NIC node{k // self.nics_per_node}/nic{k % self.nics_per_node}"
         if link < self._leaf_down:
             return f"leaf {self._leaf_label(link - self._leaf_up)} -> spine"
-        return f"spine -> leaf {self._leaf_label(link - self._leaf_down)}"
+        if link < self._fabric:
+            return f"spine -> leaf {self._leaf_label(link - self._leaf_down)}"
+        return f"{fabric} of node {link - self._fabric} (all traffic through it)"
 
     def link_level(self, link: int) -> str:
         """``"intra"``, ``"nic"`` or ``"spine"``: which level of the hierarchy a link belongs to."""
-        if link < self._nic_up:
+        if link < self._nic_up or link >= self._fabric:
             return "intra"
         return "nic" if link < self._leaf_up else "spine"
+
+    def is_fabric_link(self, link: int) -> bool:
+        """True for a node's whole-fabric capacity, which the graph keeps on the fabric vertex."""
+        return link >= self._fabric
 
     def _leaf_label(self, leaf: int) -> str:
         return f"(unit {leaf // self.nics_per_node}, rail {leaf % self.nics_per_node})"
@@ -178,7 +194,8 @@ class Topology:
         """GPUs, fabric switches, NICs, leaves and the spine as a directed graph.
 
         Each edge carries ``link`` (the index used by :meth:`routes`), ``bw_Bps`` and
-        ``latency_s``.
+        ``latency_s``; each fabric vertex carries the ``link`` and ``bw_Bps`` of the
+        node's whole-fabric capacity.
         """
         g = nx.DiGraph(name=f"{self.spec.name} x{self.nodes}")
         gpn, via_host = self.gpus_per_node, self.spec.intra.fabric == "pcie"
@@ -186,6 +203,8 @@ class Topology:
         def add(u, v, link):
             g.add_edge(u, v, link=link, bw_Bps=float(self.capacity_Bps[link]), latency_s=float(self.latency_s[link]))
 
+        for node in range(self.nodes):
+            g.add_node(("fabric", node), link=self._fabric + node, bw_Bps=float(self.capacity_Bps[self._fabric + node]))
         for gpu in range(self.num_gpus):
             fabric = ("fabric", gpu // gpn)
             add(("gpu", gpu), fabric, self._gpu_up + gpu)

@@ -29,6 +29,13 @@ def test_every_route_is_a_path_of_the_graph(fabric):
     for (src, dst), route in zip(pairs, routes):
         here, free = ("gpu", src), 0
         for link in route[route >= 0]:
+            if topo.is_fabric_link(link):  # a capacity of the fabric vertex, not an edge
+                fabric = next(n for n, d in graph.nodes(data=True) if d.get("link") == link)
+                if here != fabric:
+                    assert graph[here][fabric]["link"] == -1
+                    free += 1
+                here = fabric
+                continue
             u, v = links[link]
             if here != u:  # joined by a zero-cost GPU/host-to-NIC attachment
                 assert graph[here][u]["link"] == -1
@@ -37,15 +44,16 @@ def test_every_route_is_a_path_of_the_graph(fabric):
         if here != ("gpu", dst):
             assert graph[here][("gpu", dst)]["link"] == -1
             free += 1
-        hops = int((route >= 0).sum()) + free
+        hops = sum(1 for link in route[route >= 0] if not topo.is_fabric_link(link)) + free
         assert hops == nx.shortest_path_length(graph, ("gpu", src), ("gpu", dst))
 
 
-def test_switch_endpoint_routes_use_one_fabric_link():
+def test_switch_endpoint_routes_end_in_the_fabric():
     topo = ideal_spec().build(1)
     routes = topo.routes([3, SWITCH], [SWITCH, 5])
-    assert [topo.link_name(int(r[0])) for r in routes] == [
-        "NVLink gpu3 -> NVSwitch (node 0)", "NVLink NVSwitch -> gpu5 (node 0)"]
+    names = [[topo.link_name(int(link)) for link in r if link >= 0] for r in routes]
+    fabric = "NVSwitch of node 0 (all traffic through it)"
+    assert names == [["NVLink gpu3 -> NVSwitch (node 0)", fabric], [fabric, "NVLink NVSwitch -> gpu5 (node 0)"]]
 
 
 def test_path_kinds():

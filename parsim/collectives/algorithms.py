@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ParsimError
 from ..topology import SWITCH, Topology
 
-ALGORITHMS = ("ring", "tree", "recursive", "direct", "hierarchical", "in_switch")
+ALGORITHMS = ("ring", "tree", "recursive", "direct", "hierarchical", "in_switch", "via_all_reduce")
 
 # Which algorithms can run which operation.
 SUPPORTS = {
@@ -32,6 +32,8 @@ SUPPORTS = {
                "all_to_all", "send_recv"},
     "hierarchical": {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"},
     "in_switch": {"all_reduce"},
+    # gloo runs reduce_scatter_tensor as a ring all-reduce of the whole buffer, then keeps its chunk.
+    "via_all_reduce": {"reduce_scatter"},
 }
 MAX_DIRECT_FLOWS = 1 << 21  # n*(n-1) flows; ~1448 ranks for all-to-all
 
@@ -101,7 +103,7 @@ def build_phases(topo: Topology, op: str, algorithm: str, group: np.ndarray, siz
     if len(group) == 1:
         return []
     builder = {"ring": _ring, "tree": _tree, "recursive": _recursive, "direct": _direct,
-               "hierarchical": _hierarchical, "in_switch": _in_switch}[algorithm]
+               "hierarchical": _hierarchical, "in_switch": _in_switch, "via_all_reduce": _via_all_reduce}[algorithm]
     return builder(topo, op, group, float(size), root)
 
 
@@ -348,6 +350,11 @@ def _in_switch(topo: Topology, op: str, group: np.ndarray, size: float, root: in
     dst = np.concatenate([np.full(n, SWITCH), group])
     return [Phase.of(f"in-switch reduce + multicast: {n + 1}/{n} of the buffer each way per GPU",
                      src, dst, per_direction, 2)]
+
+
+def _via_all_reduce(topo: Topology, op: str, group: np.ndarray, size: float, root: int) -> list[Phase]:
+    """A reduce-scatter done as a ring all-reduce of the whole buffer (gloo's way)."""
+    return _ring(topo, "all_reduce", group, size, root)
 
 
 # -- helpers ------------------------------------------------------------------------

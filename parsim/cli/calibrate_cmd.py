@@ -1,0 +1,135 @@
+"""``parsim calibrate``: fit a cluster file to the machine it runs on."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+from pathlib import Path
+
+import yaml
+
+from ..calibrate import fit_links, fit_matmul, host_cluster
+from ..cluster import parse_cluster
+from ..errors import ParsimError
+from ..results import canonical_op
+from ..table import render_table
+from ..units import format_size, format_time, parse_size_range
+from .common import print_json, progress
+
+HELP = """\
+Measure this host and write a cluster file the simulator loads like any other.
+
+What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
+  * collectives (default all-reduce and all-gather) at several sizes and rank
+    counts -> latency per step (alpha) and link bandwidth (B), fitted in the
+    simulator's own terms (see parsim/calibrate.py);
+  * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
+  * memory copy speed -> hbm_bw_GBps; matmuls of several shapes -> peak
+    FLOP/s and the shape efficiency (compute.matmul_half_dim).
+Reduce-scatter and broadcast are left out on purpose, so that `parsim compare`
+can check the fit on operations it never saw.
+
+examples:
+  parsim calibrate --out my-host.yaml
+  parsim calibrate --out my-host.yaml --ranks 2,4 --sweep 64KiB:64MiB:4
+"""
+
+FIT_OPS = "all-reduce,all-gather"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("calibrate", help="measure this host and write a cluster file",
+                              description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="my-host.yaml", help="cluster file to write (default my-host.yaml)")
+    p.add_argument("--name", default="my-host", help="cluster name inside the file")
+    p.add_argument("--ranks", default="2", help="comma-separated rank counts to measure (default 2)")
+    p.add_argument("--ops", default=FIT_OPS, help=f"collectives to fit on (default {FIT_OPS})")
+    p.add_argument("--sweep", default="64KiB:64MiB:4", help="sizes to measure (default 64KiB:64MiB:4)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--timeout", type=float, default=None, help="seconds before a stuck measurement is stopped")
+    p.add_argument("--json", action="store_true", help="print the fit as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from executor.collectives import measure_collectives, measure_copy_bandwidth, measure_reduce_bandwidth
+    from executor.compute_bench import measure_matmuls
+    from executor.launch import resolve_backend
+
+    try:
+        rank_counts = sorted({int(r) for r in args.ranks.split(",")})
+    except ValueError:
+        raise ParsimError(f"--ranks {args.ranks!r}: expected comma-separated whole numbers, e.g. 2,4") from None
+    if rank_counts[0] < 2:
+        raise ParsimError("--ranks: collectives need at least 2 ranks")
+    ops = [canonical_op(o) for o in args.ops.split(",")]
+    sizes = parse_size_range(args.sweep)
+    backend = resolve_backend(args.backend, max(rank_counts))
+
+    progress("measuring reduction speed (a.add_(b)) and memory copies")
+    big = [s for s in (2**20, 16 * 2**20, 64 * 2**20)]
+    reduce_bw = _rate(measure_reduce_bandwidth(big))
+    copy_bw = 2 * _rate(measure_copy_bandwidth(big))  # a copy reads and writes every byte
+    progress("measuring matmuls")
+    matmul = fit_matmul(measure_matmuls())
+    results = []
+    for n in rank_counts:
+        for op in ops:
+            progress(f"measuring {op.replace('_', '-')} on {n} ranks over {len(sizes)} sizes")
+            results += measure_collectives(op, sizes, n, args.backend, timeout_s=args.timeout)
+    algorithms = _backend_algorithms(backend)
+    links = fit_links(results, algorithms, reduce_bw)
+
+    mem_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(rank_counts)
+    cpu = platform.processor() or platform.machine()
+    cluster = host_cluster(
+        max(rank_counts), links.latency_s, links.bw_Bps, reduce_bw, name=args.name,
+        description=f"{platform.node()}: {max(rank_counts)} {backend} ranks, calibrated "
+                    f"{datetime.date.today().isoformat()}",
+        cpu=f"CPU rank, 1 thread ({cpu})", peak_flops=matmul.peak_flops, mem_bw_Bps=copy_bw,
+        mem_bytes=mem_bytes, algorithms=algorithms, matmul_half_dim=matmul.half_dim)
+    parse_cluster(cluster, args.out)  # the file must load like any other
+    header = (f"# Written by `parsim calibrate` on {platform.node()} ({datetime.datetime.now():%Y-%m-%d %H:%M}).\n"
+              f"# Measured with torch.distributed/{backend}: {', '.join(ops)} on {rank_counts} ranks, "
+              f"sizes {args.sweep};\n# median |fit error| {links.median_abs_error:.1%} (collectives), "
+              f"{matmul.median_abs_error:.1%} (matmuls). Scale-out figures are placeholders: one host.\n")
+    Path(args.out).write_text(header + yaml.safe_dump(cluster, sort_keys=False))
+
+    if args.json:
+        print_json({"out": args.out, "latency_us": links.latency_s * 1e6, "bw_GBps": links.bw_Bps / 1e9,
+                    "reduce_bw_GBps": reduce_bw / 1e9, "copy_bw_GBps": copy_bw / 1e9,
+                    "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
+                    "median_abs_error": links.median_abs_error,
+                    "rows": [{"op": r.op, "nranks": r.nranks, "size_bytes": r.size_bytes, "measured_s": r.time_s,
+                              "fitted_s": f} for r, f in links.rows]})
+        return 0
+    rows = [[r.op.replace("_", "-"), r.nranks, format_size(r.size_bytes), format_time(r.time_s), format_time(f),
+             f"{f / r.time_s - 1:+.1%}"] for r, f in links.rows]
+    print(render_table(["op", "ranks", "size", "measured", "fitted", "residual"], rows,
+                       title="collective fit (alpha-beta in the simulator's own terms)"))
+    print()
+    print(f"latency per step  {links.latency_s * 1e6:.1f} us")
+    print(f"link bandwidth    {links.bw_Bps / 1e9:.3f} GB/s per direction")
+    print(f"reduction         {reduce_bw / 1e9:.2f} GB/s (a.add_(b), 1 thread)")
+    print(f"memory copies     {copy_bw / 1e9:.2f} GB/s (read + write)")
+    print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
+          f"{matmul.half_dim:.0f} (median |error| {matmul.median_abs_error:.1%})")
+    print(f"median |residual| {links.median_abs_error:.1%} over {len(links.rows)} measurements")
+    print(f"wrote {args.out}: use it as --cluster {args.out}")
+    return 0
+
+
+def _rate(rows: list[tuple[int, float]]) -> float:
+    """Bytes per second over all sizes together."""
+    return sum(b for b, _ in rows) / sum(t for _, t in rows)
+
+
+def _backend_algorithms(backend: str) -> dict[str, str]:
+    """What the backend runs, in the simulator's algorithm names (gloo's are fixed; NCCL's tuner picks)."""
+    if backend != "gloo":
+        return {}
+    return {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "via_all_reduce",
+            "broadcast": "recursive", "reduce": "ring", "gather": "direct", "scatter": "direct",
+            "all_to_all": "direct", "send_recv": "direct"}

@@ -1,0 +1,98 @@
+"""``parsim compare``: prediction and measurement side by side."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..cluster import load_cluster
+from ..compare_collectives import compare_collectives, median_abs_error
+from ..errors import ParsimError
+from ..results import canonical_op, load_results, save_results
+from ..table import render_table
+from ..units import format_size, format_time, parse_size, parse_size_range
+from .common import print_json, progress
+
+HELP = """\
+Run the executor and the simulator on the same thing and show how far apart they are.
+
+  collectives:  parsim compare all-reduce --cluster my-host.yaml --nproc 2 --sweep 1MiB:64MiB
+  a plan:       parsim compare course-pp --cluster my-host.yaml --nproc 2 --trace both.json
+
+The cluster file should describe the machine that measures: make one with
+`parsim calibrate`. For collectives, error = predicted / measured - 1 per
+size, and the median |error| sums it up. --measured reads a saved measurement
+(from `parsim bench --out`) instead of running the executor.
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("compare", help="predicted vs measured, side by side",
+                              description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", help="a collective (all-reduce, ...) or a plan (name or YAML file)")
+    p.add_argument("--cluster", default="my-host.yaml", metavar="NAME|FILE",
+                   help="cluster file describing the measuring machine (default my-host.yaml)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to run (default 2)")
+    p.add_argument("--sweep", default="1MiB:64MiB", help="collectives: sizes (default 1MiB:64MiB)")
+    p.add_argument("--size", help="collectives: one size instead of a sweep")
+    p.add_argument("--measured", metavar="JSON", help="collectives: saved measurements instead of running")
+    p.add_argument("--save-measured", metavar="JSON", help="collectives: save what was measured")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--steps", type=int, default=3, help="plans: measured steps (median is used)")
+    p.add_argument("--trace", metavar="JSON", help="plans: one Chrome/Perfetto trace, predicted and measured")
+    p.add_argument("--plot", metavar="PNG", help="collectives: busbw against size, both lines")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before a stuck run is stopped")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        op = canonical_op(args.target)
+    except ParsimError:
+        op = None
+    if op is None:
+        from .compare_plan import compare_plan_command
+
+        return compare_plan_command(args)
+    return _collectives(args, op)
+
+
+def _collectives(args: argparse.Namespace, op: str) -> int:
+    spec = load_cluster(args.cluster)
+    if args.measured:
+        measured = [r for r in load_results(args.measured) if r.op == op]
+        if not measured:
+            raise ParsimError(f"{args.measured} holds no {op.replace('_', '-')} measurements")
+    else:
+        from executor.collectives import measure_collectives
+
+        sizes = [parse_size(args.size)] if args.size else parse_size_range(args.sweep)
+        progress(f"measuring {op.replace('_', '-')} on {args.nproc} ranks")
+        measured = measure_collectives(op, sizes, args.nproc, args.backend, timeout_s=args.timeout, progress=True)
+        if args.save_measured:
+            save_results(args.save_measured, measured, {"op": op, "nproc": args.nproc})
+    nranks = max(m.nranks for m in measured)
+    nodes = spec.nodes_for(gpus=nranks) if nranks > spec.gpus_per_node else 1
+    rows = compare_collectives(spec.build(nodes), measured)
+    mae = median_abs_error(rows)
+    if args.json:
+        print_json({"op": op, "cluster": spec.name, "median_abs_error": mae,
+                    "rows": [{"size_bytes": r.measured.size_bytes, "nranks": r.measured.nranks,
+                              "measured_s": r.measured.time_s, "predicted_s": r.predicted.time_s,
+                              "algorithm": r.predicted.algorithm, "error": r.error} for r in rows]})
+    else:
+        table = [[format_size(r.measured.size_bytes), format_time(r.measured.time_s),
+                  format_time(r.predicted.time_s), round(r.measured.busbw_Bps / 1e9, 3),
+                  round(r.predicted.busbw_Bps / 1e9, 3), f"{r.error:+.1%}"] for r in rows]
+        print(render_table(["size", "measured", "predicted", "busbw meas", "busbw pred", "error"], table,
+                           title=f"{op.replace('_', '-')} on {nranks} ranks: measured "
+                                 f"({measured[0].backend}) vs predicted ({spec.name}, "
+                                 f"{rows[0].predicted.algorithm})"))
+        print(f"median |error| {mae:.1%} over {len(rows)} sizes")
+    if args.plot:
+        from ..plots import plot_bandwidth
+
+        plot_bandwidth({"measured": [r.measured for r in rows], "predicted": [r.predicted for r in rows]},
+                       args.plot, title=f"{op.replace('_', '-')} on {nranks} ranks")
+        print(f"wrote {args.plot}")
+    return 0
