@@ -9,6 +9,10 @@ problem in the simulator's own terms — whatever algorithm the backend uses.
 Rows are weighted by ``1/t`` so small and large messages count alike
 (relative error). The reduction speed ``R`` comes from its own microbenchmark.
 
+Operations measured besides those that fix the links get a bandwidth
+efficiency of their own (:func:`fit_efficiency`), as NCCL's tuner keeps one per
+algorithm.
+
 Compute: matmul times are fitted to the shape model of :mod:`parsim.compute`
 (peak FLOP/s and the dimension at which efficiency halves).
 """
@@ -26,10 +30,11 @@ from .errors import ParsimError
 from .results import CollectiveResult
 
 
-def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: float, *, name: str = "my-host",
+def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: float, *,
+                 fabric_bw_Bps: float | None = None, name: str = "my-host",
                  description: str = "", cpu: str = "CPU rank", peak_flops: float = 1e11,
                  mem_bw_Bps: float = 1e10, mem_bytes: float = 8e9, algorithms: dict | None = None,
-                 matmul_half_dim: float = 0.0) -> dict:
+                 efficiency: dict | None = None, matmul_half_dim: float = 0.0) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric")."""
     return {
         "name": name,
@@ -38,19 +43,26 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         "gpu": {"model": cpu, "peak_tflops": {"fp32": peak_flops / 1e12},
                 "hbm_capacity_GB": mem_bytes / 1e9, "hbm_bw_GBps": mem_bw_Bps / 1e9},
         "intra_node": {"fabric": "pcie", "bw_GBps_per_direction": bw_Bps / 1e9,
-                       "latency_us": latency_s * 1e6, "in_switch_reduction": False},
+                       "latency_us": latency_s * 1e6, "in_switch_reduction": False,
+                       **({"fabric_bw_GBps": fabric_bw_Bps / 1e9} if fabric_bw_Bps else {})},
         # One host: nothing leaves it, but the file format wants a scale-out section.
         "scale_out": {"nics_per_node": 1, "nic_bw_Gbps": 10.0, "latency_us": 50.0, "spine_hop_latency_us": 1.0,
                       "nodes_per_leaf": 32, "oversubscription": 1.0},
         "reduce_bw_GBps": reduce_bw_Bps / 1e9,
         "algorithms": dict(algorithms or {}),
+        "collective_efficiency": dict(efficiency or {}),
         "compute": {"matmul_efficiency": 1.0, "matmul_half_dim": float(matmul_half_dim)},
     }
 
 
-def collective_features(op: str, nranks: int, size: float, algorithm: str) -> np.ndarray:
-    """(latency steps, bytes over the busiest link, bytes reduced) of one collective."""
-    unit = parse_cluster(host_cluster(max(nranks, 1), 1.0, 1.0, 1.0), "<unit>").build(1)
+def collective_features(op: str, nranks: int, size: float, algorithm: str,
+                        fabric_ratio: float | None = None) -> np.ndarray:
+    """(latency steps, transfer time at 1 byte/s per link, bytes reduced) of one collective.
+
+    ``fabric_ratio`` is the host's total capacity in units of one link's (None: unlimited).
+    """
+    unit = parse_cluster(host_cluster(max(nranks, 1), 1.0, 1.0, 1.0, fabric_bw_Bps=fabric_ratio),
+                         "<unit>").build(1)
     phases = build_phases(unit, op, algorithm, np.arange(nranks), size)
     _, timings = time_phases(unit, phases)
     return np.array([sum(t.latency_s for t in timings), sum(t.transfer_s for t in timings),
@@ -61,30 +73,70 @@ def collective_features(op: str, nranks: int, size: float, algorithm: str) -> np
 class LinkFit:
     latency_s: float
     bw_Bps: float
+    fabric_bw_Bps: float | None  # the host's total, when it limits concurrent transfers
     reduce_bw_Bps: float
     rows: list[tuple[CollectiveResult, float]]  # measurement, fitted time
 
-    @property
-    def median_abs_error(self) -> float:
-        return float(np.median([abs(f / r.time_s - 1) for r, f in self.rows]))
-
 
 def fit_links(results: list[CollectiveResult], algorithms: dict[str, str], reduce_bw_Bps: float) -> LinkFit:
-    """Fit latency per step and link bandwidth to measured collectives (reduction speed given)."""
+    """Fit latency per step, link bandwidth and the host's total bandwidth (reduction speed given).
+
+    For each candidate ratio of total to per-link bandwidth (ranks on one host
+    share its memory and CPUs: two transfers at once may each get half), the
+    features come from the simulator and latency and ``1/B`` from weighted
+    least squares; the ratio with the smallest relative error wins. A single
+    transfer (send/recv) among the measurements pins ``B`` apart from the total.
+    """
     if len(results) < 2:
         raise ParsimError("calibration needs at least two measurements")
-    feats = np.array([collective_features(r.op, r.nranks, r.size_bytes, algorithms.get(r.op, "ring"))
-                      for r in results])
     times = np.array([r.time_s for r in results])
-    target = times - feats[:, 2] / reduce_bw_Bps  # take out the known reduction time
     weights = 1.0 / times
-    a = feats[:, :2] * weights[:, None]
-    coef = _nonnegative_lstsq(a, target * weights)
-    alpha, inv_bw = coef
-    if inv_bw <= 0:
+    best = None
+    max_ranks = max(r.nranks for r in results)
+    for ratio in [None, *np.geomspace(1.0, 2.0 * max_ranks, 24)]:
+        feats = _features(results, algorithms, ratio)
+        target = times - feats[:, 2] / reduce_bw_Bps  # take out the known reduction time
+        coef = _nonnegative_lstsq(feats[:, :2] * weights[:, None], target * weights)
+        if coef[1] <= 0:
+            continue
+        fitted = feats @ np.array([coef[0], coef[1], 1.0 / reduce_bw_Bps])
+        error = float(np.sum(((fitted - times) * weights) ** 2))
+        if best is None or error < best[0]:
+            best = (error, ratio, coef, fitted)
+    if best is None:
         raise ParsimError("the measurements show no bandwidth term: use larger sizes (e.g. up to 64MiB)")
-    fitted = feats @ np.array([alpha, inv_bw, 1.0 / reduce_bw_Bps])
-    return LinkFit(float(alpha), float(1.0 / inv_bw), reduce_bw_Bps, list(zip(results, fitted.tolist())))
+    _, ratio, (alpha, inv_bw), fitted = best
+    bw = 1.0 / inv_bw
+    return LinkFit(float(alpha), float(bw), float(ratio * bw) if ratio else None, reduce_bw_Bps,
+                   list(zip(results, fitted.tolist())))
+
+
+def fit_efficiency(results: list[CollectiveResult], links: LinkFit, algorithms: dict[str, str]) -> tuple[float, list]:
+    """How fast one operation's implementation moves bytes, relative to the fitted links.
+
+    Backends do not run every algorithm at link speed (NCCL's own tuner keeps a
+    bandwidth per algorithm and operation for this reason). With latency and
+    links fixed, the transfer term alone is rescaled: ``t = alpha*steps +
+    transfer / e + reduce``; returns ``e`` and the fitted rows.
+    """
+    ratio = links.fabric_bw_Bps / links.bw_Bps if links.fabric_bw_Bps else None
+    feats = _features(results, algorithms, ratio)
+    times = np.array([r.time_s for r in results])
+    fixed = links.latency_s * feats[:, 0] + feats[:, 2] / links.reduce_bw_Bps
+    transfer = feats[:, 1] / links.bw_Bps
+    weights = 1.0 / times
+    # least squares for 1/e on relative errors
+    a, b = transfer * weights, (times - fixed) * weights
+    inverse = float(a @ b) / float(a @ a)
+    if inverse <= 0:
+        raise ParsimError(f"{results[0].op}: no bandwidth term in its measurements")
+    fitted = fixed + transfer * inverse
+    return 1.0 / inverse, list(zip(results, fitted.tolist()))
+
+
+def _features(results: list[CollectiveResult], algorithms: dict[str, str], ratio: float | None) -> np.ndarray:
+    return np.array([collective_features(r.op, r.nranks, r.size_bytes, algorithms.get(r.op, "ring"), ratio)
+                     for r in results])
 
 
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:

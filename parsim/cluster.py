@@ -68,6 +68,9 @@ class ClusterSpec:
     # Bytes/s at which a rank reduces (sums) a received buffer into its own;
     # None means HBM-bound: read two operands, write one.
     reduce_bw_Bps: float | None = None
+    # Per operation: the fraction of link bandwidth its implementation reaches
+    # (fitted by `parsim calibrate`; absent means 1).
+    collective_efficiency: dict[str, float] = field(default_factory=dict)
     # Matmul efficiency model (see parsim.compute); the defaults are the pure roofline.
     matmul_efficiency: float = 1.0
     matmul_half_dim: float = 0.0
@@ -145,14 +148,18 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     fabric = intra.choice("fabric", FABRICS)
     reduce_bw = r.number("reduce_bw_GBps", "GB/s", optional=True)
     algorithms = r.optional_mapping("algorithms")
+    efficiency = r.optional_mapping("collective_efficiency")
+    for op, value in efficiency.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(source, f"collective_efficiency.{op}", f"is {value!r}", "a positive fraction")
     compute = r.optional_mapping("compute")
-    efficiency = compute.get("matmul_efficiency", 1.0)
+    matmul_efficiency = compute.get("matmul_efficiency", 1.0)
     half_dim = compute.get("matmul_half_dim", 0.0)
     unknown = set(compute) - {"matmul_efficiency", "matmul_half_dim"}
     if unknown:
         raise ConfigError(source, f"compute.{sorted(unknown)[0]}", "unknown key", "matmul_efficiency, matmul_half_dim")
-    if not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
-        raise ConfigError(source, "compute.matmul_efficiency", f"is {efficiency!r}", "a fraction in (0, 1]")
+    if not isinstance(matmul_efficiency, (int, float)) or not 0 < matmul_efficiency <= 1:
+        raise ConfigError(source, "compute.matmul_efficiency", f"is {matmul_efficiency!r}", "a fraction in (0, 1]")
     if not isinstance(half_dim, (int, float)) or half_dim < 0:
         raise ConfigError(source, "compute.matmul_half_dim", f"is {half_dim!r}", "a matrix dimension >= 0")
     spec = ClusterSpec(
@@ -183,7 +190,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         source=source,
         algorithms={str(k): str(v) for k, v in algorithms.items()},
         reduce_bw_Bps=reduce_bw * 1e9 if reduce_bw else None,
-        matmul_efficiency=float(efficiency),
+        collective_efficiency={str(op): float(v) for op, v in efficiency.items()},
+        matmul_efficiency=float(matmul_efficiency),
         matmul_half_dim=float(half_dim),
     )
     for reader in (r, gpu, intra, out):

@@ -8,9 +8,10 @@ import os
 import platform
 from pathlib import Path
 
+import numpy as np
 import yaml
 
-from ..calibrate import fit_links, fit_matmul, host_cluster
+from ..calibrate import fit_efficiency, fit_links, fit_matmul, host_cluster
 from ..cluster import parse_cluster
 from ..errors import ParsimError
 from ..results import canonical_op
@@ -22,9 +23,10 @@ HELP = """\
 Measure this host and write a cluster file the simulator loads like any other.
 
 What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
-  * collectives (default all-reduce and all-gather) at several sizes and rank
-    counts -> latency per step (alpha) and link bandwidth (B), fitted in the
-    simulator's own terms (see parsim/calibrate.py);
+  * all-reduce and send/recv at several sizes and rank counts -> latency per
+    step (alpha), link bandwidth (B) and the host's total bandwidth, fitted in
+    the simulator's own terms (see parsim/calibrate.py); every other measured
+    operation (default: all-gather) -> its own bandwidth efficiency;
   * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
   * memory copy speed -> hbm_bw_GBps; matmuls of several shapes -> peak
     FLOP/s and the shape efficiency (compute.matmul_half_dim).
@@ -36,7 +38,7 @@ examples:
   parsim calibrate --out my-host.yaml --ranks 2,4 --sweep 64KiB:64MiB:4
 """
 
-FIT_OPS = "all-reduce,all-gather"
+FIT_OPS = "all-reduce,send-recv,all-gather"
 
 
 def register(subparsers) -> None:
@@ -77,48 +79,65 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for n in rank_counts:
         for op in ops:
+            if op == "send_recv" and n > 2:
+                continue  # a point-to-point transfer always has 2 ranks
             progress(f"measuring {op.replace('_', '-')} on {n} ranks over {len(sizes)} sizes")
             results += measure_collectives(op, sizes, n, args.backend, timeout_s=args.timeout)
     algorithms = _backend_algorithms(backend)
-    links = fit_links(results, algorithms, reduce_bw)
+    link_ops = {"all_reduce", "send_recv"}
+    links = fit_links([r for r in results if r.op in link_ops], algorithms, reduce_bw)
+    efficiency, rows = {}, list(links.rows)
+    for op in dict.fromkeys(r.op for r in results if r.op not in link_ops):
+        efficiency[op], op_rows = fit_efficiency([r for r in results if r.op == op], links, algorithms)
+        rows += op_rows
 
     mem_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(rank_counts)
     cpu = platform.processor() or platform.machine()
     cluster = host_cluster(
-        max(rank_counts), links.latency_s, links.bw_Bps, reduce_bw, name=args.name,
+        max(rank_counts), links.latency_s, links.bw_Bps, reduce_bw, fabric_bw_Bps=links.fabric_bw_Bps,
+        name=args.name,
         description=f"{platform.node()}: {max(rank_counts)} {backend} ranks, calibrated "
                     f"{datetime.date.today().isoformat()}",
         cpu=f"CPU rank, 1 thread ({cpu})", peak_flops=matmul.peak_flops, mem_bw_Bps=copy_bw,
-        mem_bytes=mem_bytes, algorithms=algorithms, matmul_half_dim=matmul.half_dim)
+        mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, matmul_half_dim=matmul.half_dim)
     parse_cluster(cluster, args.out)  # the file must load like any other
     header = (f"# Written by `parsim calibrate` on {platform.node()} ({datetime.datetime.now():%Y-%m-%d %H:%M}).\n"
               f"# Measured with torch.distributed/{backend}: {', '.join(ops)} on {rank_counts} ranks, "
-              f"sizes {args.sweep};\n# median |fit error| {links.median_abs_error:.1%} (collectives), "
+              f"sizes {args.sweep};\n# median |fit error| {_median_error(rows):.1%} (collectives), "
               f"{matmul.median_abs_error:.1%} (matmuls). Scale-out figures are placeholders: one host.\n")
     Path(args.out).write_text(header + yaml.safe_dump(cluster, sort_keys=False))
 
     if args.json:
         print_json({"out": args.out, "latency_us": links.latency_s * 1e6, "bw_GBps": links.bw_Bps / 1e9,
+                    "fabric_bw_GBps": links.fabric_bw_Bps / 1e9 if links.fabric_bw_Bps else None,
                     "reduce_bw_GBps": reduce_bw / 1e9, "copy_bw_GBps": copy_bw / 1e9,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
-                    "median_abs_error": links.median_abs_error,
+                    "collective_efficiency": efficiency, "median_abs_error": _median_error(rows),
                     "rows": [{"op": r.op, "nranks": r.nranks, "size_bytes": r.size_bytes, "measured_s": r.time_s,
-                              "fitted_s": f} for r, f in links.rows]})
+                              "fitted_s": f} for r, f in rows]})
         return 0
-    rows = [[r.op.replace("_", "-"), r.nranks, format_size(r.size_bytes), format_time(r.time_s), format_time(f),
-             f"{f / r.time_s - 1:+.1%}"] for r, f in links.rows]
-    print(render_table(["op", "ranks", "size", "measured", "fitted", "residual"], rows,
+    table = [[r.op.replace("_", "-"), r.nranks, format_size(r.size_bytes), format_time(r.time_s), format_time(f),
+              f"{f / r.time_s - 1:+.1%}"] for r, f in rows]
+    print(render_table(["op", "ranks", "size", "measured", "fitted", "residual"], table,
                        title="collective fit (alpha-beta in the simulator's own terms)"))
     print()
     print(f"latency per step  {links.latency_s * 1e6:.1f} us")
     print(f"link bandwidth    {links.bw_Bps / 1e9:.3f} GB/s per direction")
+    total = f"{links.fabric_bw_Bps / 1e9:.3f} GB/s" if links.fabric_bw_Bps else "not limiting"
+    print(f"host total        {total} (all transfers at once)")
     print(f"reduction         {reduce_bw / 1e9:.2f} GB/s (a.add_(b), 1 thread)")
     print(f"memory copies     {copy_bw / 1e9:.2f} GB/s (read + write)")
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
           f"{matmul.half_dim:.0f} (median |error| {matmul.median_abs_error:.1%})")
-    print(f"median |residual| {links.median_abs_error:.1%} over {len(links.rows)} measurements")
+    for op, e in efficiency.items():
+        print(f"{op.replace('_', '-'):<17} moves bytes at {e:.0%} of link speed (its own fit)")
+    print(f"median |residual| {_median_error(rows):.1%} over {len(rows)} measurements")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
+
+
+def _median_error(rows: list) -> float:
+    return float(np.median([abs(f / r.time_s - 1) for r, f in rows]))
 
 
 def _rate(rows: list[tuple[int, float]]) -> float:

@@ -104,7 +104,12 @@ def build_phases(topo: Topology, op: str, algorithm: str, group: np.ndarray, siz
         return []
     builder = {"ring": _ring, "tree": _tree, "recursive": _recursive, "direct": _direct,
                "hierarchical": _hierarchical, "in_switch": _in_switch, "via_all_reduce": _via_all_reduce}[algorithm]
-    return builder(topo, op, group, float(size), root)
+    phases = builder(topo, op, group, float(size), root)
+    efficiency = topo.spec.collective_efficiency.get(op, 1.0)
+    if efficiency != 1.0:  # a calibrated backend moves this op's bytes slower than its links allow
+        for phase in phases:
+            phase.nbytes = phase.nbytes / efficiency
+    return phases
 
 
 # -- ring ------------------------------------------------------------------
