@@ -15,9 +15,9 @@ from .common import print_json, progress
 
 
 def compare_plan_command(args: argparse.Namespace) -> int:
+    plan = resolve_plan(args.target)
     from executor.train import run_plan
 
-    plan = resolve_plan(args.target)
     if plan.world != args.nproc:
         raise ParsimError(f"plan {plan.name} needs {plan.world} ranks (dp {plan.dp} x pp {plan.pp} x tp {plan.tp}), "
                           f"not --nproc {args.nproc}")

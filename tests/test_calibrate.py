@@ -1,0 +1,74 @@
+"""Calibration recovers a known host from its own predictions; compare reads saved measurements."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from parsim.calibrate import fit_efficiency, fit_links, fit_matmul, host_cluster
+from parsim.cli.main import main
+from parsim.cluster import parse_cluster
+from parsim.collectives import predict
+from parsim.compute import ComputeModel
+from parsim.results import save_results
+
+GLOO = {"all_reduce": "ring", "send_recv": "direct", "all_gather": "ring", "reduce_scatter": "via_all_reduce",
+        "broadcast": "recursive"}
+SIZES = [2**16, 2**18, 2**20, 2**22, 2**24, 2**26]
+
+
+def host(**kw):
+    data = host_cluster(4, 300e-6, 2.0e9, 6e9, fabric_bw_Bps=3.0e9, algorithms=GLOO, **kw)
+    return parse_cluster(data, "host.yaml")
+
+
+def synthetic(spec, ops_ranks):
+    topo = spec.build(1)
+    return [predict(topo, op, s, np.arange(n)).result() for op, n in ops_ranks for s in SIZES]
+
+
+def test_fit_recovers_latency_link_and_host_bandwidth():
+    measured = synthetic(host(), [("all_reduce", 2), ("all_reduce", 4), ("send_recv", 2)])
+    fit = fit_links(measured, GLOO, 6e9)
+    assert fit.latency_s == pytest.approx(300e-6, rel=0.02)
+    assert fit.bw_Bps == pytest.approx(2.0e9, rel=0.05)
+    assert fit.fabric_bw_Bps == pytest.approx(3.0e9, rel=0.1)
+    assert max(abs(f / r.time_s - 1) for r, f in fit.rows) < 0.05
+
+
+def test_an_operation_with_its_own_efficiency_is_fitted_apart():
+    slow = host(efficiency={"all_gather": 0.4})
+    links = fit_links(synthetic(slow, [("all_reduce", 2), ("send_recv", 2)]), GLOO, 6e9)
+    efficiency, rows = fit_efficiency(synthetic(slow, [("all_gather", 2)]), links, GLOO)
+    assert efficiency == pytest.approx(0.4, rel=0.05)
+
+
+def test_matmul_fit_recovers_peak_and_shape_efficiency():
+    model = ComputeModel(peak_flops=100e9, hbm_bw_Bps=1e15, dtype_bytes=4, half_dim=32.0)
+    shapes = [(32, 64, 64), (128, 128, 128), (512, 512, 512), (64, 1024, 256), (1024, 1024, 1024)]
+    fit = fit_matmul([(s, model.matmul_time(*s)) for s in shapes])
+    assert fit.peak_flops == pytest.approx(100e9, rel=0.05)
+    assert fit.half_dim == pytest.approx(32.0, rel=0.1)
+
+
+def test_compare_reads_saved_measurements(tmp_path, capsys):
+    spec_file = tmp_path / "host.yaml"
+    import yaml
+
+    spec_file.write_text(yaml.safe_dump(host_cluster(4, 300e-6, 2.0e9, 6e9, algorithms=GLOO)))
+    measured = synthetic(host(), [("broadcast", 2)])
+    for r in measured:
+        r.source, r.time_s = "measured", r.time_s * 1.1  # 10% slower than the model says
+    saved = tmp_path / "measured.json"
+    save_results(saved, measured)
+    code = main(["compare", "broadcast", "--cluster", str(spec_file), "--measured", str(saved), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(out["rows"]) == len(SIZES)
+    assert out["median_abs_error"] == pytest.approx(1 - 1 / 1.1, rel=1e-6)
+
+
+def test_compare_of_an_unknown_target_is_one_line(capsys):
+    assert main(["compare", "no-such-plan-or-op", "--cluster", "dgx-h100"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
