@@ -34,7 +34,7 @@ def explain(p: CollectivePrediction, topo: Topology) -> str:
     for i, ph in enumerate(p.phases, 1):
         out.append(f"   {i}) {ph.label}")
         out.append(f"      {ph.flows} concurrent flows; the busiest link, {ph.bottleneck}, carries "
-                   f"{format_size(ph.max_bytes_per_link)} at {ph.bottleneck_bw_Bps / 1e9:.1f} GB/s")
+                   f"{format_size(ph.bottleneck_bytes)} at {ph.bottleneck_bw_Bps / 1e9:.1f} GB/s")
         out.append(f"      latency {format_time(ph.latency_s)} + transfer {format_time(ph.transfer_s)}"
                    f" + reduce {format_time(ph.reduce_s)} = {format_time(ph.time_s)}")
     out.append(f"   total: {format_time(t)}")

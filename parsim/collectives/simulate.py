@@ -29,7 +29,7 @@ class PhaseTiming:
     latency_s: float  # steps x the slowest route's latency
     transfer_s: float  # moving the bytes over shared links
     reduce_s: float  # summing received data
-    max_bytes_per_link: float
+    bottleneck_bytes: float  # what the bottleneck link carried
     bottleneck: str  # the link that needed the most time alone
     bottleneck_bw_Bps: float
 
@@ -89,9 +89,9 @@ def simulate_phases(env: simpy.Environment, net: Network, topo: Topology, phases
             yield env.timeout(reduce)
         if timings is not None:
             moved = net.link_bytes - before
-            busiest = int(np.argmax(moved / net.capacity))
+            busiest = int(np.argmax(moved / net.capacity))  # ties go to the lowest index: GPU links first
             timings.append(PhaseTiming(
-                phase.label, len(phase.src), latency, transfer, reduce, float(moved.max()),
+                phase.label, len(phase.src), latency, transfer, reduce, float(moved[busiest]),
                 topo.link_name(busiest), float(net.capacity[busiest]),
             ))
 
