@@ -2,7 +2,7 @@
 
 Works on any :class:`~parsim.trace.Trace`, simulated or measured: compute
 events named ``F stage=1 mb=3`` (see :func:`parsim.trace.compute_name`) are
-coloured by pass (F, B, I, W; ``BW`` is drawn as B) and labelled with their
+coloured by pass (F, B, I, W) and labelled with their
 microbatch when the box is wide enough; when a rank owns several stages, its
 later stages are drawn lighter. Idle time on a compute row, from the start of
 the step to its end, is drawn hatched and called "bubble". Events on other
@@ -29,7 +29,7 @@ COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B2"}
 LABELS = {"F": "F forward", "B": "B backward", "I": "I backward (input)", "W": "W backward (weights)"}
 COMM_COLOR = "#8C8C8C"
 BUBBLE_STYLE = {"facecolor": "white", "edgecolor": "#BBBBBB", "hatch": "///", "linewidth": 0.0}
-_COMPUTE = re.compile(r"^(F|B|I|W|BW) stage=(\d+) mb=(\d+)$")
+_COMPUTE = re.compile(r"^(F|B|I|W) stage=(\d+) mb=(\d+)$")
 _FONT_PT = 7
 
 
@@ -38,11 +38,14 @@ def draw_gantt(trace: Trace, path: str, title: str = "") -> None:
     compute: dict[int, list[Event]] = defaultdict(list)
     other: dict[tuple[int, str], list[Event]] = defaultdict(list)
     for e in trace.events:
+        if e.kind == "recv":
+            continue  # waiting for a pipeline neighbour: drawn as the bubble it is
         if e.stream == "compute":
             compute[e.rank].append(e)
         else:
             other[e.rank, e.stream].append(e)
-    ranks = sorted(set(range(trace.world_size)) | set(compute) | {r for r, _ in other})
+    # Only ranks with events: a simulated frontier-scale step holds one representative per stage.
+    ranks = sorted(set(compute) | {r for r, _ in other})
     rows = []  # (label, rank, stream) from top to bottom
     for rank in ranks:
         rows.append((f"rank {rank}", rank, "compute"))
@@ -81,7 +84,7 @@ def draw_gantt(trace: Trace, path: str, title: str = "") -> None:
     ax.set_xlabel(f"time ({trace.meta.get('time_unit', 's')})")
     ax.set_title(title or f"{trace.source} trace", pad=24)
     handles = [Patch(facecolor=COLORS[k], label=LABELS[k]) for k in COLORS if k in kinds_seen]
-    handles.append(Patch(label="bubble (idle)", **{**BUBBLE_STYLE, "linewidth": 0.8}))
+    handles.append(Patch(label="bubble (idle or waiting on the pipeline)", **{**BUBBLE_STYLE, "linewidth": 0.8}))
     if any(len(st) > 1 for st in stages.values()):
         handles.append(Patch(facecolor=_shade(COMM_COLOR, 1), label="lighter: a rank's later stage"))
     if other:
@@ -162,11 +165,11 @@ def _gaps(events: list[Event], end: float) -> list[tuple[float, float]]:
 
 
 def _parse(e: Event) -> tuple[str, int | None, int | None]:
-    """(pass kind, stage, microbatch) of a compute event, from its name (``BW`` counts as ``B``)."""
+    """(pass kind, stage, microbatch) of a compute event, from its name."""
     match = _COMPUTE.match(e.name)
     if not match:
         return e.name.split(" ", 1)[0], None, None
-    kind = "B" if match[1] == "BW" else match[1]
+    kind = match[1]
     return kind, int(match[2]), int(match[3])
 
 

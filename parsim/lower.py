@@ -151,6 +151,7 @@ class _Lowering:
     def _stage_rank(self, stage: int) -> int:
         return self.plan.rank_of(dp=0, pp=self.schedule.stage_to_rank(stage), tp=0)
 
+    @functools.cache
     def _pairs(self, src_stage: int, dst_stage: int) -> list[tuple[int, int]]:
         plan, sched = self.plan, self.schedule
         a, b = sched.stage_to_rank(src_stage), sched.stage_to_rank(dst_stage)

@@ -29,10 +29,14 @@ def max_min_rates(routes: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     empty = ~hop_mask.any(axis=1)
     rates[empty] = np.inf
     active = ~empty
-    remaining = capacity.astype(float).copy()
+    # Work on the links in use only: a big cluster has far more links than busy ones.
+    used, local = np.unique(routes[hop_mask], return_inverse=True)
+    routes = np.full(routes.shape, -1, dtype=np.int64)
+    routes[hop_mask] = local
+    remaining = capacity[used].astype(float)
     while active.any():
         live = hop_mask & active[:, None]
-        counts = np.bincount(routes[live], minlength=capacity.size)
+        counts = np.bincount(routes[live], minlength=used.size)
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where(counts > 0, remaining / counts, np.inf)
         level = share.min()

@@ -1,7 +1,9 @@
 """Time a :class:`~parsim.program.Program` on the simulated cluster (simpy).
 
 Every (rank, stream) pair is a simpy process that runs its ops in order; an op
-starts when its stream is free and its ``deps`` have finished. Compute ops take
+starts when its stream is free and its ``deps`` have finished. Mirror flows
+(replicas the representative stands for) are simulated only where they share
+links with it, directly or through each other. Compute ops take
 their roofline time; collectives and sends become flows on one shared
 :class:`~parsim.network.Network`, so data-parallel all-reduces, tensor-parallel
 all-reduces and pipeline sends that overlap in time contend for the same
@@ -32,6 +34,7 @@ class StepSimulator:
         self.topo, self.compute = topo, compute
         self._choose = lru_cache(maxsize=None)(self._choose_algorithm)
         self._phases = lru_cache(maxsize=None)(self._merged_phases)
+        self._send_routes = lru_cache(maxsize=None)(self._pair_routes)
 
     def run(self, program: Program, meta: dict | None = None) -> Trace:
         env = simpy.Environment()
@@ -73,25 +76,64 @@ class StepSimulator:
 
     def _merged_phases(self, collective: str, ranks: tuple[int, ...], mirrors: tuple[tuple[int, ...], ...],
                        nbytes: float) -> list[Phase]:
-        """The group's phases with its mirror groups' flows added (cached: ops repeat every microbatch)."""
+        """The group's phases plus the flows of the mirror groups that contend with it (cached:
+        ops repeat every microbatch)."""
         algorithm = self._choose(collective, ranks, int(nbytes))
         per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes) for g in (ranks, *mirrors)]
-        return [Phase(first.label, np.concatenate([p[i].src for p in per_group]),
-                      np.concatenate([p[i].dst for p in per_group]),
-                      np.concatenate([p[i].nbytes for p in per_group]), first.steps, first.reduce_bytes)
-                for i, first in enumerate(per_group[0])]
+        for phases in per_group:
+            for phase in phases:
+                phase.routes = self.topo.routes(phase.src, phase.dst)
+        kept = [per_group[i] for i in _contending([_links(p) for p in per_group])]
+        return [Phase(first.label, np.concatenate([p[i].src for p in kept]), np.concatenate([p[i].dst for p in kept]),
+                      np.concatenate([p[i].nbytes for p in kept]), first.steps, first.reduce_bytes,
+                      _stack([p[i].routes for p in kept]))
+                for i, first in enumerate(kept[0])]
 
     def _send(self, env, net, op: Op):
-        pairs = np.array([op.ranks, *op.mirrors])
-        routes = self.topo.routes(pairs[:, 0], pairs[:, 1])
+        routes = self._send_routes(op.ranks, op.mirrors)
         latency = float(self.topo.path_latency_s(routes).max(initial=0.0))
         if latency:
             yield env.timeout(latency)
         yield net.transfer(routes, op.nbytes)
 
+    def _pair_routes(self, ranks: tuple[int, ...], mirrors: tuple[tuple[int, ...], ...]) -> np.ndarray:
+        """Routes of a send and of the mirrored sends that share links with it."""
+        pairs = np.array([ranks, *mirrors])
+        routes = self.topo.routes(pairs[:, 0], pairs[:, 1])
+        return routes[_contending([set(r[r >= 0].tolist()) for r in routes])]
+
     def _choose_algorithm(self, collective: str, ranks: tuple[int, ...], nbytes: int) -> str:
         """The algorithm NCCL would pick for this collective alone (cached per group and size)."""
         return predict(self.topo, collective, nbytes, np.asarray(ranks)).algorithm
+
+
+def _links(phases: list[Phase]) -> set[int]:
+    return {int(link) for phase in phases for link in phase.routes.ravel() if link >= 0}
+
+
+def _contending(link_sets: list[set[int]]) -> list[int]:
+    """Indices of the sets connected to the first through shared links (itself included).
+
+    Mirror groups on links nobody else uses cannot change the representative's
+    timing under max-min sharing, so only this connected part is simulated.
+    """
+    kept, reached = [0], set(link_sets[0])
+    rest = list(range(1, len(link_sets)))
+    grew = True
+    while grew:
+        grew = False
+        for i in list(rest):
+            if link_sets[i] & reached:
+                kept.append(i)
+                reached |= link_sets[i]
+                rest.remove(i)
+                grew = True
+    return sorted(kept)
+
+
+def _stack(routes: list[np.ndarray]) -> np.ndarray:
+    width = max(r.shape[1] for r in routes)
+    return np.vstack([np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=-1) for r in routes])
 
 
 def _args(op: Op) -> dict:

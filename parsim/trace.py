@@ -75,7 +75,7 @@ class Trace:
 
 
 def compute_name(phase: str, stage: int, microbatch: int) -> str:
-    """``F stage=1 mb=3``: a pipeline compute action (F, B, W, or BW for a fused backward)."""
+    """``F stage=1 mb=3``: a compute action: F forward, B full backward, I input-grad, W weight-grad."""
     return f"{phase} stage={stage} mb={microbatch}"
 
 
