@@ -1,0 +1,20 @@
+"""Train a parsim plan on torch.distributed and measure it in the simulator's trace schema.
+
+- :func:`run_plan` runs a plan on N ranks (gloo on CPUs, NCCL on GPUs) and
+  returns the measured Trace of the median step plus a summary;
+- :func:`read_torch_profiler_trace` reads a torch.profiler trace of a real
+  run, annotated with the same event names, into the same schema.
+
+Modules, one job each: ``models`` (dense seeded torch modules cut into the
+simulator's pieces), ``comm`` (timed tensor-parallel collectives as autograd
+functions), ``parallel`` (``apply_tensor_parallel``, ``apply_data_parallel``,
+``tie_embeddings``), ``pipeline`` (runs parsim's schedule action lists),
+``runner`` (builds a rank, times its steps), ``trace_recorder``,
+``measure`` (launch and summarize), ``profiler_trace``. torch is imported
+only by the modules that need it, when they are imported.
+"""
+
+from .measure import run_plan, summarize
+from .profiler_trace import read_torch_profiler_trace
+
+__all__ = ["run_plan", "summarize", "read_torch_profiler_trace"]

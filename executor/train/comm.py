@@ -1,0 +1,190 @@
+"""Tensor-parallel collectives as autograd functions, each one timed and named.
+
+Megatron-LM's pair (Shoeybi et al. 2019, section 3): ``f`` is the identity in
+the forward and an all-reduce of the gradient in the backward (it enters a
+column-parallel block, whose input gradient is a partial sum per rank); ``g``
+all-reduces the partial outputs of a row-parallel block in the forward and is
+the identity in the backward. The lecture's style instead all-gathers each
+layer's output columns; autograd turns that gather into a reduce-scatter of
+the (partial) output gradient. :class:`VocabParallelCrossEntropy` is
+Megatron's loss over a vocabulary split across ranks: three small
+all-reduces per token (the logit maximum, the target logit, the sum of
+exponentials) and no gathered logits.
+
+Every collective is an event ``<op> tp layer=<piece> mb=<m> dir=<fwd|bwd><i>``
+with the bytes it moved, the names the simulator gives the same collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from parsim.trace import collective_name
+
+from .._torch import require_distributed, require_torch
+from .trace_recorder import Recorder
+
+torch = require_torch()
+dist = require_distributed()
+nn = torch.nn
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class TPGroup:
+    """This rank's tensor-parallel group: ``rank`` of ``size``, the process group, the recorder."""
+
+    group: Any
+    rank: int
+    size: int
+    recorder: Recorder
+
+    def _span(self, op: str, layer: str, direction: str, nbytes: int):
+        index = self.recorder.next_index(layer, direction)
+        name = collective_name(op, "tp", layer=layer, mb=self.recorder.microbatch, dir=f"{direction}{index}")
+        return self.recorder.span(name, "collective", "comm", phase="tp", bytes=nbytes)
+
+    def all_reduce(self, x, layer: str, direction: str, op: Any = None) -> Any:
+        """All-reduce ``x`` in place (SUM unless ``op``) and return it."""
+        with self._span("all_reduce", layer, direction, x.numel() * x.element_size()):
+            dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=self.group)
+        return x
+
+    def all_gather_last(self, x, layer: str, direction: str) -> Any:
+        """Concatenate every rank's ``x`` along the last dimension."""
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        with self._span("all_gather", layer, direction, out.numel() * out.element_size()):
+            _all_gather(out, x.contiguous(), group=self.group)
+        return out.unflatten(0, (self.size, -1)).movedim(0, -2).flatten(-2)
+
+    def reduce_scatter_last(self, x, layer: str, direction: str) -> Any:
+        """Sum ``x`` over ranks and keep this rank's slice of the last dimension."""
+        chunks = x.unflatten(-1, (self.size, -1)).movedim(-2, 0).contiguous()
+        out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
+        with self._span("reduce_scatter", layer, direction, chunks.numel() * chunks.element_size()):
+            _reduce_scatter(out, chunks.flatten(0, 1), group=self.group)
+        return out
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup, layer: str):
+        ctx.tp, ctx.layer = tp, layer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.all_reduce(grad.contiguous().clone(), ctx.layer, "bwd"), None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup, layer: str):
+        return tp.all_reduce(x.contiguous().clone(), layer, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup, layer: str):
+        ctx.tp, ctx.layer = tp, layer
+        return tp.all_gather_last(x, layer, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.reduce_scatter_last(grad, ctx.layer, "bwd"), None, None
+
+
+class _ShareLoss(torch.autograd.Function):
+    """Identity forward; the backward gives each of the ``size`` ranks 1/size of the gradient."""
+
+    @staticmethod
+    def forward(ctx, loss, size: int):
+        ctx.size = size
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.size, None
+
+
+class CopyToTP(nn.Module):
+    """Megatron's ``f``: enters a column-parallel block."""
+
+    def __init__(self, tp: TPGroup, layer: str):
+        super().__init__()
+        self.tp, self.layer = tp, layer
+
+    def forward(self, x):
+        return _CopyToTP.apply(x, self.tp, self.layer)
+
+
+class ReduceFromTP(CopyToTP):
+    """Megatron's ``g``: leaves a row-parallel block."""
+
+    def forward(self, x):
+        return _ReduceFromTP.apply(x, self.tp, self.layer)
+
+
+class GatherFromTP(CopyToTP):
+    """The lecture's all-gather of a column-parallel layer's output."""
+
+    def forward(self, x):
+        return _GatherFromTP.apply(x, self.tp, self.layer)
+
+
+class SharedLoss(nn.Module):
+    """A loss computed identically on every rank of a group whose gathers sum gradients (the lecture's TP).
+
+    Each gather's backward is a reduce-scatter: it sums the ranks'
+    gradients. A loss replicated on every rank would therefore count ``size``
+    times; each rank back-propagates its share instead. The value is unchanged.
+    """
+
+    def __init__(self, loss, size: int):
+        super().__init__()
+        self.loss, self.size = loss, size
+
+    def forward(self, x, targets=None):
+        return _ShareLoss.apply(self.loss(x, targets), self.size)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, start: int, tp: TPGroup):
+        logits = logits.float()
+        top = tp.all_reduce(logits.max(-1).values, "head", "fwd", dist.ReduceOp.MAX)
+        shifted = logits - top.unsqueeze(-1)
+        local = targets - start
+        mine = (local >= 0) & (local < logits.shape[-1])
+        index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+        target = tp.all_reduce(shifted.gather(-1, index).squeeze(-1) * mine, "head", "fwd")
+        exp = shifted.exp()
+        total = tp.all_reduce(exp.sum(-1), "head", "fwd")
+        ctx.save_for_backward(exp / total.unsqueeze(-1), index, mine)
+        return (total.log() - target).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, mine = ctx.saved_tensors
+        grad_logits = softmax.scatter_add(-1, index, -mine.unsqueeze(-1).to(softmax.dtype))
+        return grad_logits * (grad / index.numel()), None, None, None
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """Cross-entropy over logits split by vocabulary rows ``[start, start + local)`` across the group."""
+
+    def __init__(self, tp: TPGroup, start: int):
+        super().__init__()
+        self.tp, self.start = tp, start
+
+    def forward(self, logits, targets):
+        flat = logits.flatten(0, -2)
+        return _VocabParallelCE.apply(flat, targets.flatten(), self.start, self.tp)

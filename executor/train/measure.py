@@ -1,0 +1,86 @@
+"""Run a plan on torch.distributed and turn what the ranks recorded into a Trace and a summary.
+
+:func:`run_plan` is what ``parsim run`` and ``parsim compare`` call. The
+trace returned is the *median* measured step (by step time: the latest event
+end over all ranks), so one slow step (a page fault, a scheduler hiccup)
+does not stand for the run; the summary keeps every step's time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from parsim.errors import ParsimError
+from parsim.plan import Plan
+from parsim.step_report import breakdown, step_time
+from parsim.trace import Trace
+
+DEFAULT_STEPS = 3
+DEFAULT_WARMUP = 1
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = "auto",
+             timeout_s: float = DEFAULT_TIMEOUT_S, warmup: int = DEFAULT_WARMUP, seed: int = 0,
+             progress: Callable[[str], None] | None = None) -> tuple[Trace, dict]:
+    """Execute ``plan`` on ``nproc`` ranks: the measured Trace of the median step, and a summary dict.
+
+    Spawns the ranks here, or, inside a torchrun job, runs as this process's
+    rank (then only rank 0 gets the result; other ranks get ``(None, {})``).
+    A rank that fails or hangs ends the run with a
+    :class:`executor.launch.RankFailure` naming it, within ``timeout_s``.
+    """
+    from executor.launch import in_torchrun_job, launch, resolve_backend, run_in_job
+
+    from .runner import rank_main
+
+    if nproc != plan.world:
+        raise ParsimError(f"plan {plan.name} needs dp {plan.dp} x pp {plan.pp} x tp {plan.tp} = {plan.world} "
+                          f"ranks, but --nproc is {nproc}")
+    if steps < 1:
+        raise ParsimError(f"steps must be at least 1, got {steps}")
+    if warmup < 0:
+        raise ParsimError(f"warm-up steps cannot be negative, got {warmup}")
+    say = progress or (lambda message: None)
+    args = (plan.to_dict(), steps, warmup, seed)
+    if in_torchrun_job():
+        say(f"running {plan.name} as one rank of a torchrun job")
+        results = run_in_job(rank_main, args + (True, progress is not None), backend, timeout_s)
+        if results is None:
+            return None, {}
+        used = resolve_backend(backend, nproc)
+    else:
+        used = resolve_backend(backend, nproc)
+        say(f"running {plan.name} on {nproc} ranks ({used}): {warmup} warm-up + {steps} measured steps")
+        results = launch(rank_main, nproc, args + (False, progress is not None), backend, timeout_s)
+    traces = [Trace("measured", plan.world, [e for r in results for e in r["steps"][i]],
+                    meta={"plan": plan.name, "backend": used, "step": i}) for i in range(steps)]
+    times = [step_time(t) for t in traces]
+    median = sorted(range(steps), key=lambda i: times[i])[(steps - 1) // 2]
+    losses = _losses(plan, results, steps)
+    return traces[median], summarize(plan, traces[median], times, losses, used)
+
+
+def _losses(plan: Plan, results: list[dict], steps: int) -> list[float]:
+    """Each step's loss over the global batch: the mean over replicas of the last stage's losses."""
+    per_step = []
+    for i in range(steps):
+        values = [r["losses"][i] for r in results if r["losses"][i] is not None]
+        per_step.append(sum(values) / len(values))
+    return per_step
+
+
+def summarize(plan: Plan, trace: Trace, times: list[float], losses: list[float], backend: str) -> dict:
+    """Step times, throughput, losses and each rank's time by phase (of the trace's step)."""
+    median = step_time(trace)
+    unit = "samples" if plan.model.tokens_per_sample == 1 else "tokens"
+    return {
+        "plan": plan.name, "model": plan.model.name, "world_size": plan.world, "backend": backend,
+        "dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "schedule": plan.schedule,
+        "num_microbatches": plan.num_microbatches, "steps": len(times),
+        "step_s": median, "step_s_min": min(times), "step_s_max": max(times), "step_times_s": times,
+        "throughput_unit": f"{unit}/s", "throughput": plan.tokens_per_step / median if median else 0.0,
+        "tokens_per_step": plan.tokens_per_step,
+        "loss": losses[-1], "losses": losses,
+        "ranks": [{"rank": b.rank, "step_s": b.step_s, "seconds": b.seconds} for b in breakdown(trace)],
+    }

@@ -1,0 +1,290 @@
+"""Torch modules for parsim's model descriptions, dense and seeded, cut into the simulator's pieces.
+
+A model is a list of :class:`Piece` s named like the simulator's cost entries
+(``embedding``, ``layer.0`` ... ``layer.{L-1}``, ``head``; the MLP has layers
+only), so a pipeline stage takes exactly the pieces
+:meth:`parsim.plan.Plan.stage_costs` prices, and tensor-parallel collectives
+can be named after the piece they run in. The loss is a separate module
+(:func:`build_loss`) that the last stage applies.
+
+Everything here is the plain single-process model, the reference the
+distributed runs are checked against. Tensor parallelism later swaps weights
+for shards and fills the ``enter`` / ``reduce`` / ``exit`` slots (identities
+here) with collectives, without changing parameter names.
+
+Parameters are registered in the simulator's order within a piece (matmul
+weights in cost order, then norm gains and tables) so data-parallel buckets
+hold the same tensors on both sides. Each parameter carries ``full_name``
+(``layer.0.attn.q.weight``), which survives sharding, to find its reference.
+
+Weights are drawn per piece from a generator seeded by ``(seed, piece index)``:
+any rank builds identical values for the pieces it holds, whatever else it
+builds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+from parsim.errors import ParsimError
+from parsim.model import MLPModel, Model, TransformerModel
+
+from .._torch import require_torch
+
+torch = require_torch()
+nn = torch.nn
+F = torch.nn.functional
+
+INIT_STD = 0.02  # GPT-2 / Megatron-LM's default for transformer weights
+NORM_EPS = 1e-5
+ROPE_THETA = 10000.0
+
+
+class Piece(NamedTuple):
+    """One cost entry's module: ``name`` as in the simulator (``layer.3``), ``module`` the torch module."""
+
+    name: str
+    module: Any  # nn.Module
+
+
+# --------------------------------------------------------------------------- the course MLP
+class CourseLinear(nn.Module):
+    """``x @ W`` with ``W`` of shape (in, out), no bias: the lecture's layout."""
+
+    def __init__(self, fan_in: int, fan_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(fan_in, fan_out))
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+class MLPLayer(nn.Module):
+    """``x = gelu(x @ W)``; ``enter``, ``reduce`` (before gelu) and ``exit`` are slots for collectives."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = CourseLinear(width, width)
+        self.enter, self.reduce, self.exit = nn.Identity(), nn.Identity(), nn.Identity()
+
+    def forward(self, x):
+        return self.exit(F.gelu(self.reduce(self.proj(self.enter(x)))))
+
+
+class SquareMeanLoss(nn.Module):
+    """The lecture's loss: ``x.square().mean()`` (no targets)."""
+
+    def forward(self, x, targets=None):
+        return x.float().square().mean()
+
+
+# --------------------------------------------------------------------------- the transformer
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + NORM_EPS).to(x.dtype) * self.weight
+
+
+def _linear(fan_in: int, fan_out: int):
+    return nn.Linear(fan_in, fan_out, bias=False)
+
+
+def rotary(x, theta: float = ROPE_THETA):
+    """RoPE (Su et al. 2021), rotate-half form, on ``x`` of shape (batch, heads, seq, head_dim)."""
+    seq, dim = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    cos, sin = torch.cat([angles, angles], -1).cos().to(x.dtype), torch.cat([angles, angles], -1).sin().to(x.dtype)
+    half = dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention; the number of heads follows the (possibly sharded) weights."""
+
+    def __init__(self, m: TransformerModel):
+        super().__init__()
+        self.head_dim, self.rope = m.head_dim, m.position_embedding == "rope"
+        self.q = _linear(m.hidden, m.num_heads * m.head_dim)
+        self.k = _linear(m.hidden, m.num_kv_heads * m.head_dim)
+        self.v = _linear(m.hidden, m.num_kv_heads * m.head_dim)
+        self.o = _linear(m.num_heads * m.head_dim, m.hidden)
+        self.enter, self.exit = nn.Identity(), nn.Identity()
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        x = self.enter(x)
+        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        if self.rope:
+            q, k = rotary(q), rotary(k)
+        group = q.shape[1] // k.shape[1]  # query heads per key/value head
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.exit(self.o(out.transpose(1, 2).reshape(b, s, -1)))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU ``down(silu(gate x) * up x)`` or GeLU ``fc2(gelu(fc1 x))``."""
+
+    def __init__(self, m: TransformerModel):
+        super().__init__()
+        self.swiglu = m.ffn_type == "swiglu"
+        if self.swiglu:
+            self.gate, self.up, self.down = (_linear(m.hidden, m.ffn_hidden), _linear(m.hidden, m.ffn_hidden),
+                                             _linear(m.ffn_hidden, m.hidden))
+        else:
+            self.fc1, self.fc2 = _linear(m.hidden, m.ffn_hidden), _linear(m.ffn_hidden, m.hidden)
+        self.enter, self.exit = nn.Identity(), nn.Identity()
+
+    def forward(self, x):
+        x = self.enter(x)
+        if self.swiglu:
+            return self.exit(self.down(F.silu(self.gate(x)) * self.up(x)))
+        return self.exit(self.fc2(F.gelu(self.fc1(x))))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    Submodules are registered matmuls first, norms last: the simulator's order.
+    """
+
+    def __init__(self, m: TransformerModel):
+        super().__init__()
+        self.attn, self.mlp = Attention(m), FeedForward(m)
+        self.norm_attn, self.norm_mlp = RMSNorm(m.hidden), RMSNorm(m.hidden)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm_attn(x))
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class Embedding(nn.Module):
+    """Token table (plus learned positions); ``exit`` is the slot for the vocabulary-parallel all-reduce."""
+
+    def __init__(self, m: TransformerModel):
+        super().__init__()
+        self.tokens = nn.Embedding(m.vocab_size, m.hidden)
+        self.positions = nn.Embedding(m.seq_len, m.hidden) if m.position_embedding == "learned" else None
+        self.exit = nn.Identity()
+
+    def forward(self, ids):
+        x = self.exit(self.tokens(ids))
+        if self.positions is not None:
+            x = x + self.positions.weight[: ids.shape[1]]
+        return x
+
+
+class Head(nn.Module):
+    """Final norm and LM head to logits; registered head matmul first, then the norm (the simulator's order)."""
+
+    def __init__(self, m: TransformerModel):
+        super().__init__()
+        self.out = _linear(m.hidden, m.vocab_size)
+        self.norm = RMSNorm(m.hidden)
+        self.enter = nn.Identity()
+
+    def forward(self, x):
+        return self.out(self.enter(self.norm(x)))
+
+
+class CrossEntropyLoss(nn.Module):
+    """Mean next-token cross-entropy over every position, in fp32."""
+
+    def forward(self, logits, targets):
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+# --------------------------------------------------------------------------- building
+def piece_names(model: Model) -> list[str]:
+    """Names of the pieces in execution order, as the simulator names its cost entries."""
+    layers = [f"layer.{i}" for i in range(model.num_layers)]
+    return layers if isinstance(model, MLPModel) else ["embedding", *layers, "head"]
+
+
+def build_pieces(model: Model, seed: int, only: set[str] | None = None, dtype: Any = None) -> list[Piece]:
+    """The model's pieces (those named in ``only``, or all), seeded per piece, labelled with ``full_name``.
+
+    With tied embeddings the head's weight starts as a copy of the token
+    table; :func:`tie_embeddings` shares or synchronizes the two.
+    """
+    names = piece_names(model)
+    pieces = []
+    for index, name in enumerate(names):
+        if only is not None and name not in only:
+            continue
+        module = _make(model, name)
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        _initialize(module, model, generator)
+        for param_name, param in module.named_parameters():
+            param.full_name = f"{name}.{param_name}"
+        if name == "head" and model.tied_embeddings:
+            table = build_pieces(model, seed, {"embedding"})[0].module.tokens.weight
+            module.out.weight.data.copy_(table.data)
+            module.out.weight.full_name = table.full_name
+        pieces.append(Piece(name, module.to(dtype) if dtype is not None else module))
+    return pieces
+
+
+def build_loss(model: Model):
+    """The module the last stage applies: ``loss(output, targets)``."""
+    return SquareMeanLoss() if isinstance(model, MLPModel) else CrossEntropyLoss()
+
+
+def make_batch(model: Model, global_batch: int, seed: int, dtype: Any = None) -> tuple[Any, Any]:
+    """The step's global batch ``(inputs, targets)``, the same on every rank for a seed.
+
+    MLP: ``randn(batch, width)``, no targets. Transformer: random token ids;
+    the targets are the inputs shifted by one position.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    if isinstance(model, MLPModel):
+        x = torch.randn(global_batch, model.width, generator=generator)
+        return (x.to(dtype) if dtype is not None else x), None
+    tokens = torch.randint(0, model.vocab_size, (global_batch, model.seq_len + 1), generator=generator)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def reference_model(model: Model, seed: int):
+    """The whole model in one process: ``(pieces, loss)``, with a tied head sharing the token table."""
+    pieces = build_pieces(model, seed)
+    if isinstance(model, TransformerModel) and model.tied_embeddings:
+        pieces[-1].module.out.weight = pieces[0].module.tokens.weight
+    return pieces, build_loss(model)
+
+
+def run_pieces(pieces: list[Piece], x: Any) -> Any:
+    for piece in pieces:
+        x = piece.module(x)
+    return x
+
+
+def _make(model: Model, name: str):
+    if isinstance(model, MLPModel):
+        return MLPLayer(model.width)
+    if name == "embedding":
+        return Embedding(model)
+    if name == "head":
+        return Head(model)
+    return DecoderLayer(model)
+
+
+def _initialize(module, model: Model, generator) -> None:
+    """Course MLP: ``randn / sqrt(width)`` (the lecture); transformer: N(0, 0.02) weights, unit norm gains."""
+    scale = 1 / math.sqrt(model.width) if isinstance(model, MLPModel) else INIT_STD
+    for sub in module.modules():
+        if isinstance(sub, RMSNorm):
+            continue  # gains start at one
+        for param in sub.parameters(recurse=False):
+            param.data = torch.randn(param.shape, generator=generator) * scale
+
+
+def check_supported(model: Model) -> None:
+    """Refuse shapes the executor's modules cannot run, in one line."""
+    if isinstance(model, TransformerModel) and model.head_dim % 2 and model.position_embedding == "rope":
+        raise ParsimError(f"model {model.name}: RoPE needs an even head_dim, got {model.head_dim}")

@@ -1,0 +1,274 @@
+"""Parallelism applied to a dense model by small composable functions (torchtitan's ``apply_*`` spirit).
+
+- :func:`apply_tensor_parallel` swaps weights for this rank's shards (sliced
+  from the same seeded dense weights every rank builds) and fills the
+  modules' collective slots: the lecture's all-gather style for the MLP, or
+  Megatron-LM's column/row pairs with ``f`` / ``g`` (and a vocabulary-parallel
+  embedding and cross-entropy for a transformer).
+- :func:`apply_data_parallel` synchronizes gradients across replicas: the
+  lecture's loop of one all-reduce per parameter after the backward, or torch
+  DDP's buckets, all-reduced asynchronously as soon as their gradients are
+  final when ``overlap`` is on.
+- :func:`tie_embeddings` keeps a tied LM head equal to the token table.
+
+Sharded parameters keep their ``full_name`` and gain ``shard`` =
+``(dim, start, stop)``, so :func:`reference_slice` finds their part of the
+dense reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from parsim.errors import ParsimError
+from parsim.model import MLPModel, Model
+from parsim.trace import collective_name
+
+from .._torch import require_distributed, require_torch
+from .comm import CopyToTP, GatherFromTP, ReduceFromTP, SharedLoss, TPGroup, VocabParallelCrossEntropy
+from .models import Piece
+from .trace_recorder import Recorder
+
+torch = require_torch()
+dist = require_distributed()
+nn = torch.nn
+F = torch.nn.functional
+
+
+# --------------------------------------------------------------------------- shards
+def shard_parameter(param, dim: int, start: int, stop: int):
+    """A new parameter holding ``param[start:stop]`` along ``dim``, labelled with where it came from."""
+    shard = nn.Parameter(param.data.narrow(dim, start, stop - start).clone())
+    shard.full_name, shard.shard = param.full_name, (dim, start, stop)
+    return shard
+
+
+def reference_slice(param, full):
+    """The part of the dense tensor ``full`` that ``param`` holds (all of it when not sharded)."""
+    shard = getattr(param, "shard", None)
+    return full if shard is None else full.narrow(shard[0], shard[1], shard[2] - shard[1])
+
+
+def _split(module, attr: str, dim: int, tp: TPGroup) -> None:
+    """Keep this rank's ``1/tp`` of ``module.<attr>`` along ``dim`` (a whole number of rows or heads)."""
+    param = getattr(module, attr)
+    per = param.shape[dim] // tp.size
+    setattr(module, attr, shard_parameter(param, dim, tp.rank * per, (tp.rank + 1) * per))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``[start, stop)`` of the token table; ids outside them look up zeros (summed across ranks later)."""
+
+    def __init__(self, weight, start: int):
+        super().__init__()
+        self.weight, self.start = weight, start
+
+    def forward(self, ids):
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return rows * mine.unsqueeze(-1).to(rows.dtype)
+
+
+# --------------------------------------------------------------------------- tensor parallel
+def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: str, tp: TPGroup) -> Any:
+    """Shard ``pieces`` in place for ``tp``; return the loss module the last stage must use."""
+    if tp.size == 1:
+        return loss
+    if isinstance(model, MLPModel):
+        return _mlp(pieces, loss, style, tp)
+    if style != "megatron":
+        raise ParsimError(f"the executor runs transformers with megatron tensor parallelism, not {style!r}")
+    if model.num_kv_heads % tp.size:
+        raise ParsimError(f"tp {tp.size} > num_kv_heads {model.num_kv_heads}: the executor splits key/value "
+                          f"heads across ranks and does not replicate them")
+    per = -(-model.vocab_size // tp.size)  # padded like Megatron-LM: the last rank may hold fewer rows
+    start, stop = tp.rank * per, min(model.vocab_size, (tp.rank + 1) * per)
+    if start >= stop:
+        raise ParsimError(f"vocab_size {model.vocab_size} is too small to split over tp {tp.size}")
+    for piece in pieces:
+        m = piece.module
+        if piece.name == "embedding":
+            m.tokens = VocabParallelEmbedding(shard_parameter(m.tokens.weight, 0, start, stop), start)
+            m.exit = ReduceFromTP(tp, piece.name)
+        elif piece.name == "head":
+            m.out.weight = shard_parameter(m.out.weight, 0, start, stop)
+            m.enter = CopyToTP(tp, piece.name)
+            loss = VocabParallelCrossEntropy(tp, start)
+        else:
+            _megatron_block(m.attn, ("q", "k", "v"), ("o",), tp, piece.name)
+            columns = ("gate", "up") if m.mlp.swiglu else ("fc1",)
+            _megatron_block(m.mlp, columns, ("down",) if m.mlp.swiglu else ("fc2",), tp, piece.name)
+    return loss
+
+
+def _megatron_block(block, columns: tuple[str, ...], rows: tuple[str, ...], tp: TPGroup, layer: str) -> None:
+    """Column-parallel ``columns`` (output features split), row-parallel ``rows`` (input features split)."""
+    for name in columns:
+        _split(getattr(block, name), "weight", 0, tp)
+    for name in rows:
+        _split(getattr(block, name), "weight", 1, tp)
+    block.enter, block.exit = CopyToTP(tp, layer), ReduceFromTP(tp, layer)
+
+
+def _mlp(pieces: list[Piece], loss: Any, style: str, tp: TPGroup) -> Any:
+    """The course MLP, ``W`` stored (in, out).
+
+    allgather (the lecture): every layer keeps columns of ``W`` and gathers
+    its output. megatron: even layers are column-parallel (``f``, gelu on the
+    shard), odd layers row-parallel (partial sums, ``g``, then gelu), so a
+    layer pair needs one all-reduce each way.
+    """
+    if style == "allgather":
+        for piece in pieces:
+            _split(piece.module.proj, "weight", 1, tp)
+            piece.module.exit = GatherFromTP(tp, piece.name)
+        return SharedLoss(loss, tp.size)
+    indices = [int(p.name.split(".")[1]) for p in pieces]
+    if len(pieces) % 2 or indices[0] % 2:
+        raise ParsimError("megatron tensor parallelism pairs MLP layers (column, row): each stage needs an "
+                          "even number of layers starting at an even layer")
+    for piece, index in zip(pieces, indices):
+        layer = piece.module
+        if index % 2 == 0:
+            _split(layer.proj, "weight", 1, tp)
+            layer.enter = CopyToTP(tp, piece.name)
+        else:
+            _split(layer.proj, "weight", 0, tp)
+            layer.reduce = ReduceFromTP(tp, piece.name)
+    return loss
+
+
+# --------------------------------------------------------------------------- data parallel
+class GradSync:
+    """Averages gradients over a data-parallel group, per parameter or in DDP buckets.
+
+    ``params`` come in the order gradients are synchronized: the reverse of
+    the forward (last layer first), as the simulator orders them. A gradient
+    is final after ``accumulations`` backward passes (one per microbatch);
+    with ``overlap`` a post-accumulate hook counts them, and a bucket's
+    all-reduce starts, asynchronously, once all its gradients are final and
+    every earlier bucket has started (all ranks must issue collectives in the
+    same order).
+    """
+
+    def __init__(self, params: list, group: Any, size: int, grad_sync: str, bucket_size: int, overlap: bool,
+                 accumulations: int, recorder: Recorder):
+        self.params, self.group, self.size = params, group, size
+        self.grad_sync, self.overlap, self.accumulations = grad_sync, overlap, accumulations
+        self.recorder = recorder
+        self.average = _average_op(group)
+        self.buckets = _buckets(params, bucket_size) if grad_sync == "bucketed" else [[p] for p in params]
+        self._bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
+        if grad_sync == "bucketed" and overlap:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self.start_step()
+
+    def start_step(self) -> None:
+        self._counts = {id(p): 0 for p in self.params}
+        self._final = [0] * len(self.buckets)
+        self._launched: list[tuple[Any, Any, float]] = []  # (work, flat buffer, issue time) per started bucket
+
+    def finish(self) -> None:
+        """After the last backward: synchronize whatever has not been, and wait for everything."""
+        if self.grad_sync == "per_param":
+            for k, p in enumerate(self.params):
+                nbytes = p.grad.numel() * p.grad.element_size()
+                with self.recorder.span(collective_name("all_reduce", "dp", param=k), "collective", "comm",
+                                        phase="dp", bytes=nbytes):
+                    dist.all_reduce(p.grad, op=self.average or dist.ReduceOp.SUM, group=self.group)
+                    if self.average is None:
+                        p.grad.div_(self.size)
+            return
+        while len(self._launched) < len(self.buckets):
+            self._launch()
+            if not self.overlap:
+                self._wait(len(self._launched) - 1)
+        if self.overlap:
+            for k in range(len(self.buckets)):
+                self._wait(k)
+
+    def _on_grad(self, param) -> None:
+        self._counts[id(param)] += 1
+        if self._counts[id(param)] == self.accumulations:
+            self._final[self._bucket_of[id(param)]] += 1
+            while (len(self._launched) < len(self.buckets)
+                   and self._final[len(self._launched)] == len(self.buckets[len(self._launched)])):
+                self._launch()
+
+    def _launch(self) -> None:
+        bucket = self.buckets[len(self._launched)]
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        start = self.recorder.now()
+        work = dist.all_reduce(flat, op=self.average or dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._launched.append((work, flat, start))
+
+    def _wait(self, k: int) -> None:
+        work, flat, start = self._launched[k]
+        work.wait()
+        self.recorder.add(collective_name("all_reduce", "dp", bucket=k), "collective", "comm", start,
+                          self.recorder.now(), phase="dp", bytes=flat.numel() * flat.element_size())
+        if self.average is None:
+            flat.div_(self.size)
+        offset = 0
+        for p in self.buckets[k]:
+            p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+            offset += p.grad.numel()
+
+
+def apply_data_parallel(params: list, group: Any, size: int, grad_sync: str, bucket_size: int, overlap: bool,
+                        accumulations: int, recorder: Recorder) -> GradSync | None:
+    """A :class:`GradSync` for ``params`` over ``group`` (None when there is one replica)."""
+    if size == 1:
+        return None
+    return GradSync(params, group, size, grad_sync, bucket_size, overlap, accumulations, recorder)
+
+
+def _average_op(group: Any) -> Any:
+    """``ReduceOp.AVG`` where the backend has it (NCCL; gloo in recent torch), else None: SUM, then divide."""
+    try:
+        dist.all_reduce(torch.zeros(1, device=_device(group)), op=dist.ReduceOp.AVG, group=group)
+        return dist.ReduceOp.AVG
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _device(group: Any) -> Any:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+
+
+def _buckets(params: list, bucket_size: int) -> list[list]:
+    """DDP's buckets: parameters in sync order, up to ``bucket_size`` bytes each, a parameter never split."""
+    buckets: list[list] = [[]]
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1] and size + nbytes > bucket_size:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+# --------------------------------------------------------------------------- tied embeddings
+def tie_embeddings(pieces: list[Piece], group: Any, recorder: Recorder) -> Callable[[], None] | None:
+    """Keep a tied head equal to the token table; returns the gradient sync to run after the backward, if any.
+
+    On one rank the head simply uses the table's parameter. Across pipeline
+    ranks (the table on the first stage, the head on the last) each keeps a
+    copy and their gradients are summed over ``group``, as Megatron-LM does.
+    """
+    by_name = {p.name: p.module for p in pieces}
+    if "embedding" in by_name and "head" in by_name:
+        by_name["head"].out.weight = by_name["embedding"].tokens.weight
+        return None
+    param = by_name["embedding"].tokens.weight if "embedding" in by_name else by_name["head"].out.weight
+
+    def sync() -> None:
+        with recorder.span(collective_name("all_reduce", "embedding"), "collective", "comm", phase="dp",
+                           bytes=param.grad.numel() * param.grad.element_size()):
+            dist.all_reduce(param.grad, group=group)
+
+    return sync

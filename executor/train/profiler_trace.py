@@ -1,0 +1,86 @@
+"""Read a torch.profiler Chrome trace of a real run into parsim's trace schema.
+
+The executor wraps every action, collective, transfer and the optimizer in
+``torch.profiler.record_function(name)`` with the names of the naming
+contract (:mod:`parsim.trace`), so a run under ``torch.profiler`` (ours, or
+any training loop that annotates the same way) carries them as
+``user_annotation`` events. This reader keeps those whose names follow the
+contract and derives kind, stream and phase from the name alone; other
+annotations (``ProfilerStep#3``, a user's own labels) are ignored.
+
+Kineto writes one file per rank; the rank comes from ``distributedInfo`` when
+the run was distributed, else 0. Times become seconds from the first kept
+event, or from the start of ``ProfilerStep#<step>`` when ``step`` is given
+(the profiler's ``prof.step()`` marks steps so).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from parsim.errors import ParsimError
+from parsim.trace import Event, Trace
+
+_COMPUTE = re.compile(r"^([FBIW]) stage=\d+ mb=\d+$")
+_COLLECTIVE = re.compile(r"^(all_reduce|all_gather|reduce_scatter) (\w+)( \w+=\S+)*$")
+_P2P = re.compile(r"^(send|recv) (act|grad) stage=\d+ mb=\d+ peer=\d+$")
+_PHASE = {"F": "forward", "B": "backward", "I": "backward", "W": "weight-grad"}
+_GROUP_PHASE = {"tp": "tp", "dp": "dp", "embedding": "dp"}
+
+
+def classify(name: str) -> tuple[str, str, str] | None:
+    """``(kind, stream, phase)`` of an event named by the contract, or None for any other name."""
+    if name == "optimizer step":
+        return "optimizer", "compute", "optimizer"
+    match = _COMPUTE.match(name)
+    if match:
+        return "compute", "compute", _PHASE[match.group(1)]
+    match = _COLLECTIVE.match(name)
+    if match and match.group(2) in _GROUP_PHASE:
+        return "collective", "comm", _GROUP_PHASE[match.group(2)]
+    match = _P2P.match(name)
+    if match:
+        return match.group(1), "p2p", "pp"
+    return None
+
+
+def read_torch_profiler_trace(path: str | Path, step: int | None = None) -> Trace:
+    """The contract-named ``user_annotation`` events of a ``prof.export_chrome_trace`` file as a Trace."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ParsimError(f"{path}: no such file") from None
+    except json.JSONDecodeError as err:
+        raise ParsimError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise ParsimError(f"{path}: not a torch.profiler Chrome trace (no traceEvents list)")
+    info = data.get("distributedInfo") or {}
+    rank = int(info.get("rank", 0))
+    world = int(info.get("world_size", rank + 1))
+    spans = [e for e in data["traceEvents"]
+             if e.get("ph") == "X" and e.get("cat") == "user_annotation" and "ts" in e]
+    window = _step_window(spans, step, path)
+    kept = []
+    for e in spans:
+        start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+        kinds = classify(e.get("name", ""))
+        if kinds is None or (window and not (window[0] <= start and end <= window[1])):
+            continue
+        kept.append((start, end, e["name"], kinds))
+    if not kept:
+        raise ParsimError(f"{path}: no user annotations named like parsim events (e.g. 'F stage=0 mb=0')")
+    t0 = window[0] if window else min(start for start, *_ in kept)
+    events = [Event(name, rank, stream, kind, (start - t0) * 1e-6, (end - start) * 1e-6, {"phase": phase})
+              for start, end, name, (kind, stream, phase) in sorted(kept)]
+    return Trace("measured", world, events, meta={"source_file": str(path), "reader": "torch.profiler"})
+
+
+def _step_window(spans: list[dict], step: int | None, path: str | Path) -> tuple[float, float] | None:
+    if step is None:
+        return None
+    for e in spans:
+        if e.get("name") == f"ProfilerStep#{step}":
+            return float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+    raise ParsimError(f"{path}: no ProfilerStep#{step} in the trace (call prof.step() once per step)")

@@ -1,0 +1,206 @@
+"""Build one rank of a plan (groups, model shards, pipeline, gradient sync, AdamW) and time its steps.
+
+Every rank builds the same seeded dense weights for the pieces it holds and
+keeps its shards, so a distributed run starts exactly where the single-process
+reference does. The rank grid and groups are the plan's own
+(:meth:`parsim.plan.Plan.groups`), so ranks sit where the simulator put them.
+
+A step is the schedule's actions (without pipelining: stage 0 alone, the
+local batch as ``num_microbatches`` rounds of gradient accumulation), then
+the data-parallel gradient sync, then the optimizer. Each measured step
+starts right after a barrier; its events are seconds from there.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from parsim.errors import ParsimError
+from parsim.model import MLPModel
+from parsim.plan import Plan, load_plan
+from parsim.schedules import Schedule, make_schedule
+
+from .._torch import require_distributed, require_torch
+from .comm import TPGroup
+from .models import Piece, build_loss, build_pieces, check_supported, make_batch
+from .parallel import apply_data_parallel, apply_tensor_parallel, tie_embeddings
+from .pipeline import PipelineRuntime, Stage
+from .trace_recorder import Recorder
+
+torch = require_torch()
+dist = require_distributed()
+
+LEARNING_RATE = 1e-3
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class RankSetup:
+    """Everything one rank needs to run steps of its share of the plan."""
+
+    plan: Plan
+    rank: int
+    stages: dict[int, Stage]
+    runtime: PipelineRuntime
+    grad_sync: Any  # GradSync | None
+    tie_sync: Callable[[], None] | None
+    optimizer: Any
+    recorder: Recorder
+    microbatches: tuple[list, list]  # (inputs, targets) per microbatch
+
+    def parameters(self) -> list:
+        seen: dict[int, Any] = {}
+        for stage in self.stages.values():
+            for p in stage.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def forward_backward(self) -> float | None:
+        """Run the schedule and synchronize gradients; the mean loss on last-stage ranks, else None."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.grad_sync is not None:
+            self.grad_sync.start_step()
+        loss = self.runtime.run(*self.microbatches)
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        if self.tie_sync is not None:
+            self.tie_sync()
+        return loss
+
+    def step(self) -> float | None:
+        loss = self.forward_backward()
+        with self.recorder.span("optimizer step", "optimizer", "compute", phase="optimizer"):
+            self.optimizer.step()
+        return loss
+
+
+def schedule_of(plan: Plan) -> Schedule:
+    return make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
+
+
+def stage_piece_names(plan: Plan, stage: int) -> list[str]:
+    """The pieces of ``stage``: the embedding (first stage), its layers, the head (last), as the simulator prices."""
+    names = [f"layer.{i}" for i in plan.stage_layers(stage)]
+    if isinstance(plan.model, MLPModel):
+        return names
+    return (["embedding"] if stage == 0 else []) + names + (["head"] if stage == plan.num_stages - 1 else [])
+
+
+def build_rank(plan: Plan, rank: int, seed: int = 0, recorder: Recorder | None = None) -> RankSetup:
+    """Set up ``rank`` of ``plan`` inside an initialized process group of ``plan.world`` ranks.
+
+    Every rank must call this together: it creates the process groups.
+    """
+    check_supported(plan.model)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    recorder = recorder or Recorder(rank, torch.cuda.synchronize if device.type == "cuda" else None)
+    schedule = schedule_of(plan)
+    groups = _process_groups(plan, rank, schedule)
+    coords = plan.coords(rank)
+    dtype = DTYPES[plan.dtype]
+    model = plan.model
+
+    tp = TPGroup(groups.get("tp"), coords.tp, plan.tp, recorder)
+    stage_ids = schedule.stages_of(coords.pp)
+    names = {s: stage_piece_names(plan, s) for s in stage_ids}
+    built = {p.name: p for p in build_pieces(model, seed, {n for ns in names.values() for n in ns})}
+    stages = {}
+    for s in stage_ids:
+        pieces = [built[n] for n in names[s]]
+        loss = apply_tensor_parallel(pieces, build_loss(model), model, plan.tp_style, tp)
+        stages[s] = Stage(s, pieces, loss if s == plan.num_stages - 1 else None).to(device=device, dtype=dtype)
+    tie_sync = None
+    if getattr(model, "tied_embeddings", False):
+        if schedule.split_backward and schedule.stage_to_rank(0) == schedule.stage_to_rank(plan.num_stages - 1):
+            raise ParsimError("tied embeddings with a split backward (zero-bubble) need the embedding and the head "
+                              "on different pipeline ranks")
+        tie_sync = tie_embeddings(list(built.values()), groups.get("tie"), recorder)
+
+    sync_order = _unique_last([p for s in reversed(stage_ids) for piece in reversed(stages[s].pieces)
+                               for p in piece.parameters()])
+    grad_sync = apply_data_parallel(sync_order, groups.get("dp"), plan.dp, plan.grad_sync, plan.bucket_size,
+                                    plan.overlap, plan.num_microbatches, recorder)
+    owners = {s: plan.rank_of(dp=coords.dp, pp=schedule.stage_to_rank(s), tp=coords.tp)
+              for s in range(plan.num_stages)}
+    runtime = PipelineRuntime(schedule, coords.pp, stages, owners, rank, recorder, _activation_shape(plan),
+                              dtype, device)
+    optimizer = torch.optim.AdamW(sync_order, lr=LEARNING_RATE)
+    return RankSetup(plan, rank, stages, runtime, grad_sync, tie_sync, optimizer, recorder,
+                     _local_microbatches(plan, coords.dp, seed, dtype, device))
+
+
+def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, seed: int,
+              gather: bool = False, verbose: bool = False) -> dict | list | None:
+    """One rank of ``parsim run``: warm-up, then measured steps; its events and losses.
+
+    With ``gather`` (a torchrun job, where no parent collects return values)
+    rank 0 returns every rank's result and the others None.
+    """
+    plan = load_plan(plan_data)
+    setup = build_rank(plan, rank, seed)
+    recorder = setup.recorder
+    result: dict = {"rank": rank, "steps": [], "losses": []}
+    for i in range(warmup + steps):
+        dist.barrier()
+        recorder.start_step()
+        loss = setup.step()
+        recorder.sync()
+        if i >= warmup:
+            result["steps"].append(list(recorder.events))
+            result["losses"].append(loss)
+        if verbose and rank == 0:
+            kind = "warm-up step" if i < warmup else f"step {i - warmup + 1}/{steps}"
+            end = max((e.end_s for e in recorder.events), default=0.0)
+            print(f"parsim run: {kind} took {end * 1e3:.1f} ms on rank 0", file=sys.stderr, flush=True)
+    if not gather:
+        return result
+    everyone = [None] * world if rank == 0 else None
+    dist.gather_object(result, everyone, dst=0)
+    return everyone
+
+
+def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]:
+    """This rank's dp and tp groups, and the tied-embedding pair; every rank creates every group, in one order."""
+    memberships = {dim: plan.groups(dim) for dim in ("dp", "tp")}
+    if getattr(plan.model, "tied_embeddings", False):
+        first, last = schedule.stage_to_rank(0), schedule.stage_to_rank(plan.num_stages - 1)
+        memberships["tie"] = [[plan.rank_of(dp=d, pp=first, tp=t), plan.rank_of(dp=d, pp=last, tp=t)]
+                              for d in range(plan.dp) for t in range(plan.tp)] if first != last else []
+    mine = {}
+    for key, groups in memberships.items():
+        for members in groups:
+            if len(members) > 1:
+                group = dist.new_group(members)
+                if rank in members:
+                    mine[key] = group
+    return mine
+
+
+def _unique_last(params: list) -> list:
+    """``params`` without repeats, each kept at its last place (a shared table is final last)."""
+    seen: set[int] = set()
+    kept = []
+    for p in reversed(params):
+        if id(p) not in seen:
+            seen.add(id(p))
+            kept.append(p)
+    return kept[::-1]
+
+
+def _activation_shape(plan: Plan) -> tuple[int, ...]:
+    m = plan.model
+    if isinstance(m, MLPModel):
+        return (plan.microbatch_size, m.width)
+    return (plan.microbatch_size, m.seq_len, m.hidden)
+
+
+def _local_microbatches(plan: Plan, dp_rank: int, seed: int, dtype: Any, device: Any) -> tuple[list, list]:
+    """This replica's rows of the seeded global batch, cut into microbatches."""
+    inputs, targets = make_batch(plan.model, plan.global_batch_size, seed, dtype)
+    local = plan.microbatch_size * plan.num_microbatches
+    rows = slice(dp_rank * local, (dp_rank + 1) * local)
+    xs = list(inputs[rows].to(device).split(plan.microbatch_size))
+    ys = list(targets[rows].to(device).split(plan.microbatch_size)) if targets is not None else [None] * len(xs)
+    return xs, ys

@@ -1,0 +1,78 @@
+"""One rank's measured events of one training step, in parsim's trace schema.
+
+Every span the executor times goes through :class:`Recorder`, so measured
+events carry exactly the names the simulator writes (``F stage=1 mb=3``,
+``all_reduce tp layer=layer.0 mb=0 dir=fwd1``, ...) and ``parsim compare`` can
+join the two traces by name. Each span is also a
+``torch.profiler.record_function`` of the same name: a run under
+``torch.profiler`` then shows these names as user annotations, which
+:func:`executor.train.profiler_trace.read_torch_profiler_trace` reads back.
+
+Times are seconds since :meth:`Recorder.start_step`, which the runner calls
+right after a barrier; ``time.perf_counter`` is one system-wide monotonic
+clock on Linux, so the ranks' zeros agree to within the barrier's exit skew.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from parsim.trace import Event
+
+from .._torch import require_torch
+
+
+class Recorder:
+    """Collects the events of one rank; ``sync`` waits for queued device work (CUDA) before reading the clock.
+
+    The tensor-parallel collectives inside an action are numbered per
+    (layer, direction) in the order they run, as the simulator numbers them;
+    :meth:`begin_action` resets the count and names the microbatch.
+    """
+
+    def __init__(self, rank: int, sync: Callable[[], None] | None = None):
+        self.rank = rank
+        self.sync = sync or (lambda: None)
+        self.events: list[Event] = []
+        self.microbatch = 0
+        self._t0 = time.perf_counter()
+        self._counts: dict[tuple[str, str], int] = {}
+
+    def start_step(self) -> None:
+        """Forget earlier events; t = 0 is now."""
+        self.events = []
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        """Seconds since the step started (device work finished first)."""
+        self.sync()
+        return time.perf_counter() - self._t0
+
+    def begin_action(self, microbatch: int) -> None:
+        self.microbatch = microbatch
+        self._counts = {}
+
+    def next_index(self, layer: str, direction: str) -> int:
+        """0, 1, ... for successive collectives of ``layer`` in ``direction`` within this action."""
+        key = (layer, direction)
+        index = self._counts.get(key, 0)
+        self._counts[key] = index + 1
+        return index
+
+    def add(self, name: str, kind: str, stream: str, start_s: float, end_s: float, **args: Any) -> Event:
+        event = Event(name, self.rank, stream, kind, start_s, max(end_s - start_s, 0.0), dict(args))
+        self.events.append(event)
+        return event
+
+    @contextmanager
+    def span(self, name: str, kind: str, stream: str, **args: Any) -> Iterator[dict]:
+        """Time the body as one event; the yielded dict may add args (e.g. bytes) before it ends."""
+        torch = require_torch()
+        extra: dict = {}
+        with torch.profiler.record_function(name):
+            start = self.now()
+            yield extra
+            end = self.now()
+        self.add(name, kind, stream, start, end, **args, **extra)

@@ -1,0 +1,73 @@
+"""Check a distributed run against the same model trained in one process.
+
+The quality bar of the executor: with the same seed, every rank's loss, the
+gradients of every parameter it holds (a shard compared with its slice of the
+dense gradient) and, optionally, the parameters after one AdamW step must
+equal the single-process reference on the whole global batch, to float
+tolerance. :func:`verify_rank` runs on each rank (under
+:func:`executor.launch.launch`); the caller asserts on what it returns.
+"""
+
+from __future__ import annotations
+
+from parsim.plan import Plan, load_plan
+
+from .._torch import require_torch
+from .models import make_batch, reference_model, run_pieces
+from .parallel import reference_slice
+from .runner import DTYPES, LEARNING_RATE, build_rank
+
+torch = require_torch()
+
+
+def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step: bool = False) -> dict:
+    """Run one step of ``plan`` on this rank and of the reference here; the largest differences.
+
+    Errors are relative to the largest reference magnitude of the tensor
+    compared, so one tolerance fits weights and gradients of any scale.
+    ``loss`` is this replica's loss (last-stage ranks only, else None) and
+    ``reference_loss`` the reference's on the same rows; ``events`` the names
+    of the events the rank recorded, to hold against the simulator's.
+    """
+    setup = build_rank(plan, rank, seed)
+    setup.recorder.start_step()
+    loss = setup.step() if optimizer_step else setup.forward_backward()
+    events = sorted({e.name for e in setup.recorder.events})
+
+    dtype = DTYPES[plan.dtype]
+    pieces, loss_fn = reference_model(plan.model, seed)
+    for piece in pieces:
+        piece.module.to(dtype)
+    inputs, targets = make_batch(plan.model, plan.global_batch_size, seed, dtype)
+    coords = plan.coords(rank)
+    local = plan.microbatch_size * plan.num_microbatches
+    rows = slice(coords.dp * local, (coords.dp + 1) * local)
+    with torch.no_grad():
+        local_loss = loss_fn(run_pieces(pieces, inputs[rows]), targets[rows] if targets is not None else None)
+    reference_loss = loss_fn(run_pieces(pieces, inputs), targets)
+    reference_loss.backward()
+    reference = {p.full_name: p for piece in pieces for p in piece.module.parameters()}
+    if optimizer_step:
+        torch.optim.AdamW(list({id(p): p for p in reference.values()}.values()), lr=LEARNING_RATE).step()
+
+    grad_error, param_error, worst = 0.0, 0.0, ""
+    params = setup.parameters()
+    for p in params:
+        full = reference[p.full_name]
+        error = _relative(p.grad, reference_slice(p, full.grad))
+        if error > grad_error:
+            grad_error, worst = error, p.full_name
+        param_error = max(param_error, _relative(p.data, reference_slice(p, full.data)))
+    return {"rank": rank, "plan": plan.name, "loss": loss, "reference_loss": local_loss.item() if loss is not None
+            else None, "max_grad_error": grad_error, "worst_grad": worst, "max_param_error": param_error,
+            "params_checked": len(params), "events": events}
+
+
+def verify_rank(rank: int, world: int, plans: list[dict], seed: int = 0, optimizer_step: bool = False) -> list[dict]:
+    """:func:`compare_with_reference` for each plan (given as ``Plan.to_dict()``) in turn, on one rank."""
+    return [compare_with_reference(load_plan(data), rank, seed, optimizer_step) for data in plans]
+
+
+def _relative(value, reference) -> float:
+    scale = reference.abs().max().item() or 1.0
+    return (value.float() - reference.float()).abs().max().item() / scale
