@@ -9,9 +9,10 @@ problem in the simulator's own terms — whatever algorithm the backend uses.
 Rows are weighted by ``1/t`` so small and large messages count alike
 (relative error). The reduction speed ``R`` comes from its own microbenchmark.
 
-Operations measured besides those that fix the links get a bandwidth
-efficiency of their own (:func:`fit_efficiency`), as NCCL's tuner keeps one per
-algorithm.
+Every measured operation then gets a fixed cost per call and a bandwidth
+efficiency of its own (:func:`fit_operation`), as NCCL's tuner keeps a latency
+and bandwidth per algorithm: backends implement some operations far less
+efficiently than their links allow (gloo's all-gather, for one).
 
 Compute: matmul times are fitted to the shape model of :mod:`parsim.compute`
 (peak FLOP/s and the dimension at which efficiency halves).
@@ -34,7 +35,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  fabric_bw_Bps: float | None = None, name: str = "my-host",
                  description: str = "", cpu: str = "CPU rank", peak_flops: float = 1e11,
                  mem_bw_Bps: float = 1e10, mem_bytes: float = 8e9, algorithms: dict | None = None,
-                 efficiency: dict | None = None, matmul_half_dim: float = 0.0) -> dict:
+                 efficiency: dict | None = None, overhead_s: dict | None = None,
+                 matmul_half_dim: float = 0.0) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric")."""
     return {
         "name": name,
@@ -51,6 +53,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         "reduce_bw_GBps": reduce_bw_Bps / 1e9,
         "algorithms": dict(algorithms or {}),
         "collective_efficiency": dict(efficiency or {}),
+        "collective_overhead_us": {op: t * 1e6 for op, t in (overhead_s or {}).items()},
         "compute": {"matmul_efficiency": 1.0, "matmul_half_dim": float(matmul_half_dim)},
     }
 
@@ -111,13 +114,15 @@ def fit_links(results: list[CollectiveResult], algorithms: dict[str, str], reduc
                    list(zip(results, fitted.tolist())))
 
 
-def fit_efficiency(results: list[CollectiveResult], links: LinkFit, algorithms: dict[str, str]) -> tuple[float, list]:
-    """How fast one operation's implementation moves bytes, relative to the fitted links.
+def fit_operation(results: list[CollectiveResult], links: LinkFit,
+                  algorithms: dict[str, str]) -> tuple[float, float, list]:
+    """One operation's own fixed cost per call and bandwidth efficiency, on top of the fitted links.
 
-    Backends do not run every algorithm at link speed (NCCL's own tuner keeps a
-    bandwidth per algorithm and operation for this reason). With latency and
-    links fixed, the transfer term alone is rescaled: ``t = alpha*steps +
-    transfer / e + reduce``; returns ``e`` and the fitted rows.
+    Backends do not run every operation at link speed, nor with the same fixed
+    cost (NCCL's own tuner keeps a latency and a bandwidth per algorithm and
+    operation for this reason). With latency per step, links and reduction
+    fixed: ``t = overhead + alpha*steps + transfer / e + reduce``; returns
+    ``(overhead_s, e, rows)`` from weighted least squares (both terms >= 0).
     """
     ratio = links.fabric_bw_Bps / links.bw_Bps if links.fabric_bw_Bps else None
     feats = _features(results, algorithms, ratio)
@@ -125,13 +130,12 @@ def fit_efficiency(results: list[CollectiveResult], links: LinkFit, algorithms: 
     fixed = links.latency_s * feats[:, 0] + feats[:, 2] / links.reduce_bw_Bps
     transfer = feats[:, 1] / links.bw_Bps
     weights = 1.0 / times
-    # least squares for 1/e on relative errors
-    a, b = transfer * weights, (times - fixed) * weights
-    inverse = float(a @ b) / float(a @ a)
+    a = np.stack([np.ones_like(times), transfer], axis=1) * weights[:, None]
+    overhead, inverse = _nonnegative_lstsq(a, (times - fixed) * weights)
     if inverse <= 0:
-        raise ParsimError(f"{results[0].op}: no bandwidth term in its measurements")
-    fitted = fixed + transfer * inverse
-    return 1.0 / inverse, list(zip(results, fitted.tolist()))
+        raise ParsimError(f"{results[0].op}: no bandwidth term in its measurements (use larger sizes)")
+    fitted = fixed + overhead + transfer * inverse
+    return float(overhead), float(1.0 / inverse), list(zip(results, fitted.tolist()))
 
 
 def _features(results: list[CollectiveResult], algorithms: dict[str, str], ratio: float | None) -> np.ndarray:

@@ -71,6 +71,8 @@ class ClusterSpec:
     # Per operation: the fraction of link bandwidth its implementation reaches
     # (fitted by `parsim calibrate`; absent means 1).
     collective_efficiency: dict[str, float] = field(default_factory=dict)
+    # Per operation: a backend's fixed cost per call, seconds (fitted by `parsim calibrate`).
+    collective_overhead_s: dict[str, float] = field(default_factory=dict)
     # Matmul efficiency model (see parsim.compute); the defaults are the pure roofline.
     matmul_efficiency: float = 1.0
     matmul_half_dim: float = 0.0
@@ -152,6 +154,10 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     for op, value in efficiency.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(source, f"collective_efficiency.{op}", f"is {value!r}", "a positive fraction")
+    overhead = r.optional_mapping("collective_overhead_us")
+    for op, value in overhead.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(source, f"collective_overhead_us.{op}", f"is {value!r}", "microseconds >= 0")
     compute = r.optional_mapping("compute")
     matmul_efficiency = compute.get("matmul_efficiency", 1.0)
     half_dim = compute.get("matmul_half_dim", 0.0)
@@ -191,6 +197,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         algorithms={str(k): str(v) for k, v in algorithms.items()},
         reduce_bw_Bps=reduce_bw * 1e9 if reduce_bw else None,
         collective_efficiency={str(op): float(v) for op, v in efficiency.items()},
+        collective_overhead_s={str(op): float(v) * 1e-6 for op, v in overhead.items()},
         matmul_efficiency=float(matmul_efficiency),
         matmul_half_dim=float(half_dim),
     )

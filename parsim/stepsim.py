@@ -86,7 +86,7 @@ class StepSimulator:
         kept = [per_group[i] for i in _contending([_links(p) for p in per_group])]
         return [Phase(first.label, np.concatenate([p[i].src for p in kept]), np.concatenate([p[i].dst for p in kept]),
                       np.concatenate([p[i].nbytes for p in kept]), first.steps, first.reduce_bytes,
-                      _stack([p[i].routes for p in kept]))
+                      _stack([p[i].routes for p in kept]), first.overhead_s)
                 for i, first in enumerate(kept[0])]
 
     def _send(self, env, net, op: Op):

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from parsim.calibrate import fit_efficiency, fit_links, fit_matmul, host_cluster
+from parsim.calibrate import fit_links, fit_matmul, fit_operation, host_cluster
 from parsim.cli.main import main
 from parsim.cluster import parse_cluster
 from parsim.collectives import predict
@@ -38,11 +38,12 @@ def test_fit_recovers_latency_link_and_host_bandwidth():
     assert max(abs(f / r.time_s - 1) for r, f in fit.rows) < 0.05
 
 
-def test_an_operation_with_its_own_efficiency_is_fitted_apart():
-    slow = host(efficiency={"all_gather": 0.4})
+def test_an_operation_with_its_own_cost_is_fitted_apart():
+    slow = host(efficiency={"all_gather": 0.4}, overhead_s={"all_gather": 1e-3})
     links = fit_links(synthetic(slow, [("all_reduce", 2), ("send_recv", 2)]), GLOO, 6e9)
-    efficiency, rows = fit_efficiency(synthetic(slow, [("all_gather", 2)]), links, GLOO)
+    overhead, efficiency, rows = fit_operation(synthetic(slow, [("all_gather", 2)]), links, GLOO)
     assert efficiency == pytest.approx(0.4, rel=0.05)
+    assert overhead == pytest.approx(1e-3, rel=0.05)
 
 
 def test_matmul_fit_recovers_peak_and_shape_efficiency():

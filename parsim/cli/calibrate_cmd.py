@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ..calibrate import fit_efficiency, fit_links, fit_matmul, host_cluster
+from ..calibrate import fit_links, fit_matmul, fit_operation, host_cluster
 from ..cluster import parse_cluster
 from ..errors import ParsimError
 from ..results import canonical_op
@@ -25,20 +25,22 @@ Measure this host and write a cluster file the simulator loads like any other.
 What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * all-reduce and send/recv at several sizes and rank counts -> latency per
     step (alpha), link bandwidth (B) and the host's total bandwidth, fitted in
-    the simulator's own terms (see parsim/calibrate.py); every other measured
-    operation (default: all-gather) -> its own bandwidth efficiency;
+    the simulator's own terms (see parsim/calibrate.py);
+  * every measured operation -> its own fixed cost per call and bandwidth
+    efficiency (backends implement some operations far below link speed);
   * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
   * memory copy speed -> hbm_bw_GBps; matmuls of several shapes -> peak
     FLOP/s and the shape efficiency (compute.matmul_half_dim).
-Reduce-scatter and broadcast are left out on purpose, so that `parsim compare`
-can check the fit on operations it never saw.
+The default sizes grow 4x per step (64KiB:64MiB:4), so `parsim compare` with a
+2x sweep checks sizes the fit never saw; `--ops all-reduce,send-recv` leaves
+every other operation to the link model alone.
 
 examples:
   parsim calibrate --out my-host.yaml
   parsim calibrate --out my-host.yaml --ranks 2,4 --sweep 64KiB:64MiB:4
 """
 
-FIT_OPS = "all-reduce,send-recv,all-gather"
+FIT_OPS = "all-reduce,send-recv,all-gather,reduce-scatter,broadcast"
 
 
 def register(subparsers) -> None:
@@ -46,7 +48,8 @@ def register(subparsers) -> None:
                               description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="my-host.yaml", help="cluster file to write (default my-host.yaml)")
     p.add_argument("--name", default="my-host", help="cluster name inside the file")
-    p.add_argument("--ranks", default="2", help="comma-separated rank counts to measure (default 2)")
+    p.add_argument("--ranks", default="2", help="comma-separated rank counts to measure (default 2; more "
+                   "ranks than cores measure CPU contention, not links)")
     p.add_argument("--ops", default=FIT_OPS, help=f"collectives to fit on (default {FIT_OPS})")
     p.add_argument("--sweep", default="64KiB:64MiB:4", help="sizes to measure (default 64KiB:64MiB:4)")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
@@ -86,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
     links = fit_links([r for r in results if r.op in link_ops], algorithms, reduce_bw)
-    efficiency, rows = {}, list(links.rows)
-    for op in dict.fromkeys(r.op for r in results if r.op not in link_ops):
-        efficiency[op], op_rows = fit_efficiency([r for r in results if r.op == op], links, algorithms)
+    efficiency, overhead, rows = {}, {}, []
+    for op in dict.fromkeys(r.op for r in results):
+        overhead[op], efficiency[op], op_rows = fit_operation([r for r in results if r.op == op], links, algorithms)
         rows += op_rows
 
     mem_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(rank_counts)
@@ -99,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         description=f"{platform.node()}: {max(rank_counts)} {backend} ranks, calibrated "
                     f"{datetime.date.today().isoformat()}",
         cpu=f"CPU rank, 1 thread ({cpu})", peak_flops=matmul.peak_flops, mem_bw_Bps=copy_bw,
-        mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, matmul_half_dim=matmul.half_dim)
+        mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, overhead_s=overhead,
+        matmul_half_dim=matmul.half_dim)
     parse_cluster(cluster, args.out)  # the file must load like any other
     header = (f"# Written by `parsim calibrate` on {platform.node()} ({datetime.datetime.now():%Y-%m-%d %H:%M}).\n"
               f"# Measured with torch.distributed/{backend}: {', '.join(ops)} on {rank_counts} ranks, "
@@ -112,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
                     "fabric_bw_GBps": links.fabric_bw_Bps / 1e9 if links.fabric_bw_Bps else None,
                     "reduce_bw_GBps": reduce_bw / 1e9, "copy_bw_GBps": copy_bw / 1e9,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
-                    "collective_efficiency": efficiency, "median_abs_error": _median_error(rows),
+                    "collective_efficiency": efficiency,
+                    "collective_overhead_us": {op: t * 1e6 for op, t in overhead.items()},
+                    "median_abs_error": _median_error(rows),
                     "rows": [{"op": r.op, "nranks": r.nranks, "size_bytes": r.size_bytes, "measured_s": r.time_s,
                               "fitted_s": f} for r, f in rows]})
         return 0
@@ -130,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
           f"{matmul.half_dim:.0f} (median |error| {matmul.median_abs_error:.1%})")
     for op, e in efficiency.items():
-        print(f"{op.replace('_', '-'):<17} moves bytes at {e:.0%} of link speed (its own fit)")
+        print(f"{op.replace('_', '-'):<17} {overhead[op] * 1e6:.0f} us per call, bytes at {e:.0%} of link speed")
     print(f"median |residual| {_median_error(rows):.1%} over {len(rows)} measurements")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0

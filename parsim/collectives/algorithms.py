@@ -53,6 +53,7 @@ class Phase:
     steps: int
     reduce_bytes: float = 0.0
     routes: np.ndarray | None = None  # filled in (and kept) by the first simulation of this phase
+    overhead_s: float = 0.0  # a backend's fixed cost per call (calibrated), paid before the first phase
 
     @classmethod
     def of(cls, label: str, src, dst, nbytes, steps: int, reduce_bytes: float = 0.0) -> "Phase":
@@ -109,6 +110,8 @@ def build_phases(topo: Topology, op: str, algorithm: str, group: np.ndarray, siz
     if efficiency != 1.0:  # a calibrated backend moves this op's bytes slower than its links allow
         for phase in phases:
             phase.nbytes = phase.nbytes / efficiency
+    if phases:
+        phases[0].overhead_s = topo.spec.collective_overhead_s.get(op, 0.0)
     return phases
 
 

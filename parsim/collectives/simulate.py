@@ -77,7 +77,7 @@ def simulate_phases(env: simpy.Environment, net: Network, topo: Topology, phases
         if phase.routes is None:
             phase.routes = topo.routes(phase.src, phase.dst)
         routes = phase.routes
-        latency = phase.steps * float(topo.path_latency_s(routes).max(initial=0.0))
+        latency = phase.steps * float(topo.path_latency_s(routes).max(initial=0.0)) + phase.overhead_s
         before = net.link_bytes.copy() if timings is not None else None
         if latency:
             yield env.timeout(latency)
