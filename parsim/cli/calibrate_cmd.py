@@ -94,10 +94,12 @@ def run(args: argparse.Namespace) -> int:
         overhead[op], efficiency[op], op_rows = fit_operation([r for r in results if r.op == op], links, algorithms)
         rows += op_rows
 
-    mem_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(rank_counts)
+    mem_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(rank_counts)  # per rank
     cpu = platform.processor() or platform.machine()
+    # Every rank of a local run shares this host, so one "node" holds as many as you may launch.
+    ranks_per_host = max(8, os.cpu_count() or 1, *rank_counts)
     cluster = host_cluster(
-        max(rank_counts), links.latency_s, links.bw_Bps, reduce_bw, fabric_bw_Bps=links.fabric_bw_Bps,
+        ranks_per_host, links.latency_s, links.bw_Bps, reduce_bw, fabric_bw_Bps=links.fabric_bw_Bps,
         name=args.name,
         description=f"{platform.node()}: {max(rank_counts)} {backend} ranks, calibrated "
                     f"{datetime.date.today().isoformat()}",
