@@ -7,10 +7,12 @@ from typing import Sequence
 
 from ._torch import require_torch
 
-# Shapes (m, n, k) spanning thin to square, the sizes the course's MLP and the tiny transformer use.
+# Shapes (m, n, k) spanning thin to square, the sizes the course's MLP and the tiny transformer use,
+# including weight-gradient shapes whose inner dimension is the (small) token count.
 DEFAULT_SHAPES = (
     (32, 64, 64), (128, 128, 128), (32, 1024, 1024), (128, 256, 1024), (128, 1024, 256),
     (256, 512, 512), (512, 512, 512), (128, 1024, 1024), (1024, 1024, 1024), (64, 4096, 1024),
+    (1024, 1024, 32), (1024, 1024, 128), (64, 64, 32), (256, 64, 64), (64, 256, 64),
 )
 
 
@@ -40,3 +42,41 @@ def measure_matmuls(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *, 
         return rows
     finally:
         torch.set_num_threads(saved)
+
+
+def measure_optimizer_bandwidth(params: int = 1 << 21, *, threads: int = 1, steps: int = 10) -> float:
+    """Bytes per second a torch AdamW step moves on ``params`` fp32 parameters, one thread.
+
+    Counts parsim's 21 element accesses per parameter (see ``parsim.lower.ADAMW_ACCESSES``),
+    so the figure is the memory bandwidth that elementwise kernels reach, which is
+    what the simulator's optimizer and elementwise costs divide by.
+    """
+    from parsim.lower import ADAMW_ACCESSES
+
+    torch = require_torch()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        weight = torch.nn.Parameter(torch.randn(params))
+        weight.grad = torch.randn(params)
+        optimizer = torch.optim.AdamW([weight], lr=1e-3, foreach=True)
+        optimizer.step()  # allocates the moments
+        start = time.perf_counter()
+        for _ in range(steps):
+            optimizer.step()
+        seconds = (time.perf_counter() - start) / steps
+        return params * ADAMW_ACCESSES * 4 / seconds
+    finally:
+        torch.set_num_threads(saved)
+
+
+def measure_on_every_rank(nproc: int, timeout_s: float = 600.0) -> list[dict]:
+    """Compute microbenchmarks run on ``nproc`` ranks at once, as they compute during a real run
+    (sharing cores, caches and memory bandwidth); one dict per rank."""
+    from .launch import launch
+
+    return launch(_rank_compute, nproc, (), "gloo", timeout_s)
+
+
+def _rank_compute(rank: int, world: int) -> dict:
+    return {"matmuls": measure_matmuls(), "optimizer_Bps": measure_optimizer_bandwidth()}

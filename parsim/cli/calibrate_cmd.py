@@ -29,7 +29,8 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * every measured operation -> its own fixed cost per call and bandwidth
     efficiency (backends implement some operations far below link speed);
   * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
-  * memory copy speed -> hbm_bw_GBps; matmuls of several shapes -> peak
+  * on every rank at once, as in a real run: AdamW steps -> hbm_bw_GBps (the
+    memory speed elementwise kernels reach); matmuls of several shapes -> peak
     FLOP/s and the shape efficiency (compute.matmul_half_dim).
 The default sizes grow 4x per step (64KiB:64MiB:4), so `parsim compare` with a
 2x sweep checks sizes the fit never saw; `--ops all-reduce,send-recv` leaves
@@ -59,8 +60,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from executor.collectives import measure_collectives, measure_copy_bandwidth, measure_reduce_bandwidth
-    from executor.compute_bench import measure_matmuls
+    from executor.collectives import measure_collectives, measure_reduce_bandwidth
+    from executor.compute_bench import measure_on_every_rank
     from executor.launch import resolve_backend
 
     try:
@@ -73,12 +74,12 @@ def run(args: argparse.Namespace) -> int:
     sizes = parse_size_range(args.sweep)
     backend = resolve_backend(args.backend, max(rank_counts))
 
-    progress("measuring reduction speed (a.add_(b)) and memory copies")
-    big = [s for s in (2**20, 16 * 2**20, 64 * 2**20)]
-    reduce_bw = _rate(measure_reduce_bandwidth(big))
-    copy_bw = 2 * _rate(measure_copy_bandwidth(big))  # a copy reads and writes every byte
-    progress("measuring matmuls")
-    matmul = fit_matmul(measure_matmuls())
+    progress("measuring reduction speed (a.add_(b))")
+    reduce_bw = _rate(measure_reduce_bandwidth([2**20, 16 * 2**20, 64 * 2**20]))
+    progress(f"measuring matmuls and optimizer steps on {max(rank_counts)} ranks at once")
+    per_rank = measure_on_every_rank(max(rank_counts))
+    matmul = fit_matmul([sample for rank in per_rank for sample in rank["matmuls"]])
+    memory_bw = float(np.median([rank["optimizer_Bps"] for rank in per_rank]))
     results = []
     for n in rank_counts:
         for op in ops:
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         name=args.name,
         description=f"{platform.node()}: {max(rank_counts)} {backend} ranks, calibrated "
                     f"{datetime.date.today().isoformat()}",
-        cpu=f"CPU rank, 1 thread ({cpu})", peak_flops=matmul.peak_flops, mem_bw_Bps=copy_bw,
+        cpu=f"CPU rank, 1 thread ({cpu})", peak_flops=matmul.peak_flops, mem_bw_Bps=memory_bw,
         mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, overhead_s=overhead,
         matmul_half_dim=matmul.half_dim)
     parse_cluster(cluster, args.out)  # the file must load like any other
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"out": args.out, "latency_us": links.latency_s * 1e6, "bw_GBps": links.bw_Bps / 1e9,
                     "fabric_bw_GBps": links.fabric_bw_Bps / 1e9 if links.fabric_bw_Bps else None,
-                    "reduce_bw_GBps": reduce_bw / 1e9, "copy_bw_GBps": copy_bw / 1e9,
+                    "reduce_bw_GBps": reduce_bw / 1e9, "memory_bw_GBps": memory_bw / 1e9,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
                     "collective_efficiency": efficiency,
                     "collective_overhead_us": {op: t * 1e6 for op, t in overhead.items()},
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     total = f"{links.fabric_bw_Bps / 1e9:.3f} GB/s" if links.fabric_bw_Bps else "not limiting"
     print(f"host total        {total} (all transfers at once)")
     print(f"reduction         {reduce_bw / 1e9:.2f} GB/s (a.add_(b), 1 thread)")
-    print(f"memory copies     {copy_bw / 1e9:.2f} GB/s (read + write)")
+    print(f"memory            {memory_bw / 1e9:.2f} GB/s (AdamW steps on every rank at once)")
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
           f"{matmul.half_dim:.0f} (median |error| {matmul.median_abs_error:.1%})")
     for op, e in efficiency.items():

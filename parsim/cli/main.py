@@ -30,6 +30,10 @@ examples:
   parsim bench all-reduce --nproc 4 --sweep 1MiB:64MiB
   parsim calibrate --out my-host.yaml
   parsim compare all-reduce --cluster my-host.yaml --nproc 2 --sweep 1MiB:64MiB
+  parsim simulate llama3-70b-1024 --cluster dgx-h100 --gantt step.png
+  parsim explain bubble --pp 4 --microbatches 8 --schedule 1f1b
+  parsim run course-pp --nproc 2
+  parsim compare course-pp --cluster my-host.yaml --nproc 2 --trace both.json
 """
 
 
@@ -42,13 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"parsim {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"{__package__}.{name}_cmd")
-        except ModuleNotFoundError as err:
-            if err.name != f"{__package__}.{name}_cmd":
-                raise
-            continue  # not built yet
-        module.register(subparsers)
+        importlib.import_module(f"{__package__}.{name}_cmd").register(subparsers)
     return parser
 
 
