@@ -116,7 +116,8 @@ class _Lowering:
                 tp_ops = []
             for position in ("before", "after"):
                 if position == "after":
-                    last = self._compute(rank, name, phase, block, action.kind)
+                    saved = cost.activation_bytes_per_token(plan.tp) if block is cost.blocks[-1] else 0
+                    last = self._compute(rank, name, phase, block, action.kind, saved)
                     if action.kind in ("B", "W") and mb == last_mb:
                         self.final_grad_ops[(stage, index)] = last
                 for coll in (c for c in tp_ops if c.position == position):
@@ -132,7 +133,13 @@ class _Lowering:
         if action.kind in ("B", "I") and stage > 0:
             self._send(rank, "grad", stage, mb, ("grad", stage, mb), act_bytes, last)
 
-    def _compute(self, rank: int, name: str, phase: str, block, kind: str) -> int:
+    def _compute(self, rank: int, name: str, phase: str, block, kind: str, saved_per_token: int) -> int:
+        """One block's compute: its matmuls by shape, the attention core, and elementwise work.
+
+        Elementwise kernels (activations, norms, softmax, gradient accumulation)
+        are memory-bound: the forward writes the tensors the layer saves for
+        backward, the input-gradient pass reads them and writes as much again.
+        """
         m = self.tokens
         tp = self.plan.tp
         mms, flops = [], 0.0
@@ -149,7 +156,9 @@ class _Lowering:
             flops = attention
         elif kind in ("B", "I"):
             flops = 2 * attention
-        return self._add(rank, Op(name, "compute", "compute", matmuls=tuple(mms), flops=flops, phase=phase))
+        elementwise = {"F": 1, "B": 2, "I": 2, "W": 0}[kind] * saved_per_token * m
+        return self._add(rank, Op(name, "compute", "compute", matmuls=tuple(mms), flops=flops,
+                                  hbm_bytes=elementwise, phase=phase))
 
     # -- pipeline transfers ---------------------------------------------------------
     def _stage_rank(self, stage: int) -> int:
