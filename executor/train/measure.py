@@ -32,7 +32,7 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     """
     from executor.launch import in_torchrun_job, launch, resolve_backend, run_in_job
 
-    from .runner import rank_main
+    from .runner import check_plan, rank_main
 
     if nproc != plan.world:
         raise ParsimError(f"plan {plan.name} needs dp {plan.dp} x pp {plan.pp} x tp {plan.tp} = {plan.world} "
@@ -41,6 +41,7 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
         raise ParsimError(f"steps must be at least 1, got {steps}")
     if warmup < 0:
         raise ParsimError(f"warm-up steps cannot be negative, got {warmup}")
+    check_plan(plan)
     say = progress or (lambda message: None)
     args = (plan.to_dict(), steps, warmup, seed)
     if in_torchrun_job():

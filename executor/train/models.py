@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from parsim.errors import ParsimError
 from parsim.model import MLPModel, Model, TransformerModel
 
 from .._torch import require_torch
@@ -282,9 +281,3 @@ def _initialize(module, model: Model, generator) -> None:
             continue  # gains start at one
         for param in sub.parameters(recurse=False):
             param.data = torch.randn(param.shape, generator=generator) * scale
-
-
-def check_supported(model: Model) -> None:
-    """Refuse shapes the executor's modules cannot run, in one line."""
-    if isinstance(model, TransformerModel) and model.head_dim % 2 and model.position_embedding == "rope":
-        raise ParsimError(f"model {model.name}: RoPE needs an even head_dim, got {model.head_dim}")

@@ -20,11 +20,12 @@ from typing import Any, Callable
 from parsim.errors import ParsimError
 from parsim.model import MLPModel
 from parsim.plan import Plan, load_plan
-from parsim.schedules import Schedule, make_schedule
+from parsim.lower import schedule_of
+from parsim.schedules import Schedule
 
 from .._torch import require_distributed, require_torch
 from .comm import TPGroup
-from .models import Piece, build_loss, build_pieces, check_supported, make_batch
+from .models import build_loss, build_pieces, make_batch
 from .parallel import apply_data_parallel, apply_tensor_parallel, tie_embeddings
 from .pipeline import PipelineRuntime, Stage
 from .trace_recorder import Recorder
@@ -76,10 +77,6 @@ class RankSetup:
         return loss
 
 
-def schedule_of(plan: Plan) -> Schedule:
-    return make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
-
-
 def stage_piece_names(plan: Plan, stage: int) -> list[str]:
     """The pieces of ``stage``: the embedding (first stage), its layers, the head (last), as the simulator prices."""
     names = [f"layer.{i}" for i in plan.stage_layers(stage)]
@@ -88,12 +85,30 @@ def stage_piece_names(plan: Plan, stage: int) -> list[str]:
     return (["embedding"] if stage == 0 else []) + names + (["head"] if stage == plan.num_stages - 1 else [])
 
 
+def check_plan(plan: Plan) -> None:
+    """Refuse, in one line and before any rank starts, a plan the executor's modules cannot run."""
+    m, schedule = plan.model, schedule_of(plan)
+    if isinstance(m, MLPModel):
+        return  # the lecture's layers run under every plan parsim accepts
+    if m.position_embedding == "rope" and m.head_dim % 2:
+        raise ParsimError(f"model {m.name}: RoPE needs an even head_dim, got {m.head_dim}")
+    if m.num_kv_heads % plan.tp:
+        raise ParsimError(f"tp {plan.tp} > num_kv_heads {m.num_kv_heads} of model {m.name}: the executor splits "
+                          f"key/value heads across ranks and does not replicate them")
+    if (plan.tp - 1) * -(-m.vocab_size // plan.tp) >= m.vocab_size:
+        raise ParsimError(f"vocab_size {m.vocab_size} is too small to split over tp {plan.tp}")
+    last = plan.num_stages - 1
+    if m.tied_embeddings and schedule.split_backward and schedule.stage_to_rank(0) == schedule.stage_to_rank(last):
+        raise ParsimError("tied embeddings with a split backward (zero-bubble) need the embedding and the head "
+                          "on different pipeline ranks")
+
+
 def build_rank(plan: Plan, rank: int, seed: int = 0, recorder: Recorder | None = None) -> RankSetup:
     """Set up ``rank`` of ``plan`` inside an initialized process group of ``plan.world`` ranks.
 
     Every rank must call this together: it creates the process groups.
     """
-    check_supported(plan.model)
+    check_plan(plan)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     recorder = recorder or Recorder(rank, torch.cuda.synchronize if device.type == "cuda" else None)
     schedule = schedule_of(plan)
@@ -113,9 +128,6 @@ def build_rank(plan: Plan, rank: int, seed: int = 0, recorder: Recorder | None =
         stages[s] = Stage(s, pieces, loss if s == plan.num_stages - 1 else None).to(device=device, dtype=dtype)
     tie_sync = None
     if getattr(model, "tied_embeddings", False):
-        if schedule.split_backward and schedule.stage_to_rank(0) == schedule.stage_to_rank(plan.num_stages - 1):
-            raise ParsimError("tied embeddings with a split backward (zero-bubble) need the embedding and the head "
-                              "on different pipeline ranks")
         tie_sync = tie_embeddings(list(built.values()), groups.get("tie"), recorder)
 
     sync_order = _unique_last([p for s in reversed(stage_ids) for piece in reversed(stages[s].pieces)

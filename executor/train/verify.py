@@ -27,12 +27,12 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     compared, so one tolerance fits weights and gradients of any scale.
     ``loss`` is this replica's loss (last-stage ranks only, else None) and
     ``reference_loss`` the reference's on the same rows; ``events`` the names
-    of the events the rank recorded, to hold against the simulator's.
+    of the events the rank recorded, in the order they ended.
     """
     setup = build_rank(plan, rank, seed)
     setup.recorder.start_step()
     loss = setup.step() if optimizer_step else setup.forward_backward()
-    events = sorted({e.name for e in setup.recorder.events})
+    events = [e.name for e in setup.recorder.events]
 
     dtype = DTYPES[plan.dtype]
     pieces, loss_fn = reference_model(plan.model, seed)
