@@ -8,6 +8,10 @@ any training loop that annotates the same way) carries them as
 contract and derives kind, stream and phase from the name alone; other
 annotations (``ProfilerStep#3``, a user's own labels) are ignored.
 
+One difference in what the spans cover: the runner times a send from its
+issue to its completion, but only the issue runs on the rank's thread, so a
+profiler's send annotation covers the issue alone.
+
 Kineto writes one file per rank; the rank comes from ``distributedInfo`` when
 the run was distributed, else 0. Times become seconds from the first kept
 event, or from the start of ``ProfilerStep#<step>`` when ``step`` is given

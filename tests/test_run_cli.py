@@ -1,0 +1,116 @@
+"""``parsim run``: refuses what cannot run in one line, reports a measured step, writes traces, never hangs.
+
+Also :func:`executor.train.read_torch_profiler_trace`: a real torch.profiler
+run of one training step, annotated by the runner, reads back as the events
+the runner recorded itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import Counter
+
+import pytest
+
+from parsim.cli.main import main
+from parsim.plan import resolve_plan
+from parsim.step_report import PHASES
+from parsim.trace import Trace
+
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+
+
+def test_nproc_must_equal_the_plan_world_size(capsys):
+    assert main(["run", "course-ddp", "--nproc", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "dp 4 x pp 1 x tp 1 = 4 ranks, but --nproc is 2" in err
+
+
+@needs_torch
+def test_a_plan_the_executor_cannot_shard_is_refused_before_any_rank_starts(capsys):
+    assert main(["run", "tiny-tp2", "--tp", "4", "--nproc", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "num_kv_heads 2" in err
+
+
+@needs_torch
+@pytest.mark.multiproc
+def test_run_reports_the_median_step_and_writes_traces(tmp_path, capsys):
+    trace_path, chrome_path = tmp_path / "measured.json", tmp_path / "chrome.json"
+    assert main(["run", "tiny-pp2", "--nproc", "2", "--steps", "2", "--json",
+                 "--trace", str(trace_path), "--chrome", str(chrome_path)]) == 0
+    out = capsys.readouterr()
+    summary = json.loads(out.out)
+    assert "1 warm-up + 2 measured steps" in out.err  # progress goes to stderr
+    assert summary["world_size"] == 2 and summary["steps"] == 2 and len(summary["step_times_s"]) == 2
+    assert summary["step_s_min"] <= summary["step_s"] <= summary["step_s_max"]
+    assert summary["throughput_unit"] == "tokens/s" and summary["throughput"] > 0
+    assert len(summary["losses"]) == 2 and all(loss > 0 for loss in summary["losses"])
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    assert set(summary["ranks"][0]["seconds"]) == set(PHASES)
+
+    trace = Trace.load(trace_path)
+    assert trace.source == "measured" and trace.world_size == 2
+    names = Counter(e.name for e in trace.for_rank(0))
+    assert names["F stage=0 mb=3"] == 1 and names["send act stage=0 mb=3 peer=1"] == 1
+    assert names["recv grad stage=1 mb=0 peer=1"] == 1 and names["optimizer step"] == 1
+    assert all(e.start_s >= 0 and e.dur_s >= 0 for e in trace.events)
+    assert {e["name"] for e in json.loads(chrome_path.read_text())["traceEvents"]} >= {"B stage=1 mb=2"}
+
+    from parsim.cli.run_cmd import report
+
+    text = report(resolve_plan("tiny-pp2"), summary)
+    assert "step time" in text and "tokens/s" in text and "idle" in text
+
+
+@needs_torch
+@pytest.mark.multiproc
+def test_a_run_that_overruns_its_timeout_names_the_ranks_and_ends(capsys):
+    assert main(["run", "tiny-pp2", "--nproc", "2", "--timeout", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "did not finish within 1 s" in err and "rank" in err
+
+
+@needs_torch
+def test_a_torch_profiler_trace_of_a_step_reads_back_as_the_recorded_events(tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    from executor.train import read_torch_profiler_trace
+    from executor.train.runner import build_rank
+
+    plan = resolve_plan("tiny-pp2", overrides={
+        "parallel": {"pp": 1}, "schedule": "interleaved-1f1b", "virtual_stages": 2,
+        "batch": {"microbatch_size": 1, "num_microbatches": 2}})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        setup = build_rank(plan, 0)
+        setup.step()  # warm-up
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            setup.recorder.start_step()
+            setup.step()
+        prof.export_chrome_trace(str(tmp_path / "profile.json"))
+    finally:
+        dist.destroy_process_group()
+    recorded = setup.recorder.events
+    read = read_torch_profiler_trace(tmp_path / "profile.json")
+    assert read.world_size == 1 and {e.rank for e in read.events} == {0}
+    assert Counter(e.name for e in read.events) == Counter(e.name for e in recorded)
+    kinds = {e.name: (e.kind, e.stream, e.args["phase"]) for e in recorded}
+    assert all(kinds[e.name] == (e.kind, e.stream, e.args["phase"]) for e in read.events)
+    assert "send act stage=0 mb=1 peer=0" in kinds  # two stages on one rank still hand over, as simulated
+    assert min(e.start_s for e in read.events) == 0.0
+
+
+def test_only_names_of_the_contract_are_read_from_a_profile():
+    from executor.train.profiler_trace import classify
+
+    assert classify("W stage=3 mb=7") == ("compute", "compute", "weight-grad")
+    assert classify("I stage=0 mb=0") == ("compute", "compute", "backward")
+    assert classify("all_reduce tp layer=layer.0 mb=1 dir=bwd1") == ("collective", "comm", "tp")
+    assert classify("all_reduce dp bucket=2") == ("collective", "comm", "dp")
+    assert classify("recv grad stage=2 mb=0 peer=1") == ("recv", "p2p", "pp")
+    assert classify("optimizer step") == ("optimizer", "compute", "optimizer")
+    assert classify("ProfilerStep#2") is None and classify("aten::mm") is None
