@@ -30,8 +30,8 @@ GPT = {"kind": "transformer", "name": "gpt", "num_layers": 4, "hidden": 32, "num
 COMPUTE = re.compile(r"^[FBIW] stage=\d+ mb=\d+$")
 
 
-def gpt_plan(schedule: str, virtual_stages: int = 1):
-    return load_plan({"model": GPT, "parallel": {"pp": WORLD}, "batch": {"microbatch_size": 2, "num_microbatches": 4},
+def gpt_plan(schedule: str, virtual_stages: int = 1, model: dict = GPT):
+    return load_plan({"model": model, "parallel": {"pp": WORLD}, "batch": {"microbatch_size": 2, "num_microbatches": 4},
                       "schedule": schedule, "virtual_stages": virtual_stages})
 
 
@@ -40,6 +40,8 @@ PLANS = {
     "1f1b": gpt_plan("1f1b"),
     "interleaved-1f1b v2": gpt_plan("interleaved-1f1b", 2),
     "zero-bubble": gpt_plan("zero-bubble"),
+    "zero-bubble, gelu, learned positions, tied embeddings": gpt_plan(
+        "zero-bubble", model=dict(GPT, ffn_type="gelu", position_embedding="learned", tied_embeddings=True)),
     "course mlp, gpipe": load_plan({"model": MLP, "parallel": {"pp": WORLD}, "batch": {"num_microbatches": 4},
                                     "schedule": "gpipe"}),
     "course mlp, zero-bubble": load_plan({"model": MLP, "parallel": {"pp": WORLD}, "batch": {"num_microbatches": 4},

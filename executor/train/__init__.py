@@ -14,7 +14,7 @@ functions), ``parallel`` (``apply_tensor_parallel``, ``apply_data_parallel``,
 only by the modules that need it, when they are imported.
 """
 
-from .measure import run_plan, summarize
+from .measure import run_plan
 from .profiler_trace import read_torch_profiler_trace
 
-__all__ = ["run_plan", "summarize", "read_torch_profiler_trace"]
+__all__ = ["run_plan", "read_torch_profiler_trace"]

@@ -8,6 +8,7 @@ does not stand for the run; the summary keeps every step's time.
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from parsim.errors import ParsimError
@@ -22,7 +23,7 @@ DEFAULT_TIMEOUT_S = 300.0
 
 def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = "auto",
              timeout_s: float = DEFAULT_TIMEOUT_S, warmup: int = DEFAULT_WARMUP, seed: int = 0,
-             progress: Callable[[str], None] | None = None) -> tuple[Trace, dict]:
+             progress: Callable[[str], None] | None = None) -> tuple[Trace | None, dict]:
     """Execute ``plan`` on ``nproc`` ranks: the measured Trace of the median step, and a summary dict.
 
     Spawns the ranks here, or, inside a torchrun job, runs as this process's
@@ -34,9 +35,11 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
 
     from .runner import check_plan, rank_main
 
-    if nproc != plan.world:
+    in_job = in_torchrun_job()
+    given = int(os.environ["WORLD_SIZE"]) if in_job else nproc
+    if given != plan.world:
         raise ParsimError(f"plan {plan.name} needs dp {plan.dp} x pp {plan.pp} x tp {plan.tp} = {plan.world} "
-                          f"ranks, but --nproc is {nproc}")
+                          f"ranks, but {'the torchrun job has' if in_job else '--nproc is'} {given}")
     if steps < 1:
         raise ParsimError(f"steps must be at least 1, got {steps}")
     if warmup < 0:
@@ -44,12 +47,12 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     check_plan(plan)
     say = progress or (lambda message: None)
     args = (plan.to_dict(), steps, warmup, seed)
-    if in_torchrun_job():
+    if in_job:
         say(f"running {plan.name} as one rank of a torchrun job")
         results = run_in_job(rank_main, args + (True, progress is not None), backend, timeout_s)
         if results is None:
             return None, {}
-        used = resolve_backend(backend, nproc)
+        used = resolve_backend(backend, given)
     else:
         used = resolve_backend(backend, nproc)
         say(f"running {plan.name} on {nproc} ranks ({used}): {warmup} warm-up + {steps} measured steps")
@@ -58,11 +61,11 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
                     meta={"plan": plan.name, "backend": used, "step": i}) for i in range(steps)]
     times = [step_time(t) for t in traces]
     median = sorted(range(steps), key=lambda i: times[i])[(steps - 1) // 2]
-    losses = _losses(plan, results, steps)
+    losses = _losses(results, steps)
     return traces[median], summarize(plan, traces[median], times, losses, used)
 
 
-def _losses(plan: Plan, results: list[dict], steps: int) -> list[float]:
+def _losses(results: list[dict], steps: int) -> list[float]:
     """Each step's loss over the global batch: the mean over replicas of the last stage's losses."""
     per_step = []
     for i in range(steps):

@@ -174,8 +174,8 @@ class Embedding(nn.Module):
 
     def forward(self, ids):
         x = self.exit(self.tokens(ids))
-        if self.positions is not None:
-            x = x + self.positions.weight[: ids.shape[1]]
+        if self.positions is not None:  # a module call, so the split backward sees its output
+            x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
         return x
 
 

@@ -55,7 +55,6 @@ class Stage(nn.Module):
     def __init__(self, index: int, pieces: list[Piece], loss: Any = None):
         super().__init__()
         self.index = index
-        self.names = [p.name for p in pieces]
         self.pieces = nn.ModuleList(p.module for p in pieces)
         self.loss = loss
 

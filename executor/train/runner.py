@@ -103,14 +103,14 @@ def check_plan(plan: Plan) -> None:
                           "on different pipeline ranks")
 
 
-def build_rank(plan: Plan, rank: int, seed: int = 0, recorder: Recorder | None = None) -> RankSetup:
+def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     """Set up ``rank`` of ``plan`` inside an initialized process group of ``plan.world`` ranks.
 
     Every rank must call this together: it creates the process groups.
     """
     check_plan(plan)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    recorder = recorder or Recorder(rank, torch.cuda.synchronize if device.type == "cuda" else None)
+    recorder = Recorder(rank, torch.cuda.synchronize if device.type == "cuda" else None)
     schedule = schedule_of(plan)
     groups = _process_groups(plan, rank, schedule)
     coords = plan.coords(rank)

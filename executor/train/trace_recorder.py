@@ -67,12 +67,11 @@ class Recorder:
         return event
 
     @contextmanager
-    def span(self, name: str, kind: str, stream: str, **args: Any) -> Iterator[dict]:
-        """Time the body as one event; the yielded dict may add args (e.g. bytes) before it ends."""
+    def span(self, name: str, kind: str, stream: str, **args: Any) -> Iterator[None]:
+        """Time the body as one event (and as a ``torch.profiler.record_function`` of the same name)."""
         torch = require_torch()
-        extra: dict = {}
         with torch.profiler.record_function(name):
             start = self.now()
-            yield extra
+            yield
             end = self.now()
-        self.add(name, kind, stream, start, end, **args, **extra)
+        self.add(name, kind, stream, start, end, **args)
