@@ -96,8 +96,8 @@ def rotary(x, theta: float = ROPE_THETA):
     """RoPE (Su et al. 2021), rotate-half form, on ``x`` of shape (batch, heads, seq, head_dim)."""
     seq, dim = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
-    cos, sin = torch.cat([angles, angles], -1).cos().to(x.dtype), torch.cat([angles, angles], -1).sin().to(x.dtype)
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq).repeat(1, 2)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     half = dim // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
     return x * cos + rotated * sin

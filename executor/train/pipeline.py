@@ -52,9 +52,8 @@ PHASES = {"F": "forward", "B": "backward", "I": "backward", "W": "weight-grad"}
 class Stage(nn.Module):
     """One pipeline stage: its pieces in order, and the loss if it is the last stage."""
 
-    def __init__(self, index: int, pieces: list[Piece], loss: Any = None):
+    def __init__(self, pieces: list[Piece], loss: Any = None):
         super().__init__()
-        self.index = index
         self.pieces = nn.ModuleList(p.module for p in pieces)
         self.loss = loss
 

@@ -125,7 +125,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     for s in stage_ids:
         pieces = [built[n] for n in names[s]]
         loss = apply_tensor_parallel(pieces, build_loss(model), model, plan.tp_style, tp)
-        stages[s] = Stage(s, pieces, loss if s == plan.num_stages - 1 else None).to(device=device, dtype=dtype)
+        stages[s] = Stage(pieces, loss if s == plan.num_stages - 1 else None).to(device=device, dtype=dtype)
     tie_sync = None
     if getattr(model, "tied_embeddings", False):
         tie_sync = tie_embeddings(list(built.values()), groups.get("tie"), recorder)
