@@ -101,7 +101,7 @@ def report(plan: Plan, s: dict) -> str:
         f"  step time   {format_time(s['step_s'])}  (median of {s['steps']}; min {format_time(s['step_s_min'])}, "
         f"max {format_time(s['step_s_max'])})",
         f"  throughput  {s['throughput']:,.0f} {s['throughput_unit']} ({s['tokens_per_step']:,} {unit} per step)",
-        f"  loss        " + " -> ".join(f"{x:.5g}" for x in s["losses"]) + f"  (steps 1..{s['steps']})",
+        "  loss        " + " -> ".join(f"{x:.5g}" for x in s["losses"]) + f"  (steps 1..{s['steps']})",
         "",
     ]
     rows = []
