@@ -11,12 +11,14 @@ from ..results import canonical_op, load_results, save_results
 from ..table import render_table
 from ..units import format_size, format_time, parse_size, parse_size_range
 from .common import print_json, progress
+from .plan_cmd import add_plan_args
 
 HELP = """\
 Run the executor and the simulator on the same thing and show how far apart they are.
 
   collectives:  parsim compare all-reduce --cluster my-host.yaml --nproc 2 --sweep 1MiB:64MiB
   a plan:       parsim compare course-pp --cluster my-host.yaml --nproc 2 --trace both.json
+                parsim compare course-ddp --dp 2 --cluster my-host.yaml --nproc 2   (plan overrides)
 
 The cluster file should describe the machine that measures: make one with
 `parsim calibrate`. For collectives, error = predicted / measured - 1 per
@@ -42,6 +44,7 @@ def register(subparsers) -> None:
     p.add_argument("--plot", metavar="PNG", help="collectives: busbw against size, both lines")
     p.add_argument("--timeout", type=float, default=None, help="seconds before a stuck run is stopped")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    add_plan_args(p, positional=False)
     p.set_defaults(func=run)
 
 

@@ -6,16 +6,17 @@ import argparse
 
 from ..cluster import load_cluster
 from ..errors import ParsimError
-from ..plan import resolve_plan
 from ..step import predict_step
 from ..step_report import PHASES, breakdown, step_time
 from ..table import render_table
 from ..units import format_time
 from .common import print_json, progress
+from .plan_cmd import plan_from_args
 
 
 def compare_plan_command(args: argparse.Namespace) -> int:
-    plan = resolve_plan(args.target)
+    args.plan = args.target
+    plan = plan_from_args(args)
     from executor.train import run_plan
 
     if plan.world != args.nproc:

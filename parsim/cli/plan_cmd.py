@@ -52,10 +52,11 @@ def register(subparsers) -> None:
     p.set_defaults(func=lambda args: p.print_help() or 0)
 
 
-def add_plan_args(parser: argparse.ArgumentParser) -> None:
-    """A PLAN argument and flags that override its values."""
-    parser.add_argument("plan", nargs="?", metavar="PLAN",
-                        help=f"example plan ({', '.join(sorted(builtin_plans()))}) or a plan YAML file")
+def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> None:
+    """A PLAN argument (unless the command names its own) and flags that override its values."""
+    if positional:
+        parser.add_argument("plan", nargs="?", metavar="PLAN",
+                            help=f"example plan ({', '.join(sorted(builtin_plans()))}) or a plan YAML file")
     g = parser.add_argument_group("plan overrides")
     g.add_argument("--model", help=f"model preset ({', '.join(sorted(builtin_models()))}) or a model YAML file")
     for dim in DIMS:
