@@ -78,5 +78,25 @@ def measure_on_every_rank(nproc: int, timeout_s: float = 600.0) -> list[dict]:
     return launch(_rank_compute, nproc, (), "gloo", timeout_s)
 
 
+def measure_kernel_overhead(chain: int = 200, repeats: int = 20) -> float:
+    """Seconds of fixed cost per op: a chain of tiny elementwise ops, forward and backward
+    through autograd, divided by the ops it runs (one forward and one backward kernel each)."""
+    torch = require_torch()
+    x = torch.randn(16, requires_grad=True)
+
+    def run() -> None:
+        y = x
+        for _ in range(chain):
+            y = y * 1.0001
+        y.sum().backward()
+
+    run()  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    return (time.perf_counter() - start) / repeats / (2 * chain)
+
+
 def _rank_compute(rank: int, world: int) -> dict:
-    return {"matmuls": measure_matmuls(), "optimizer_Bps": measure_optimizer_bandwidth()}
+    return {"matmuls": measure_matmuls(), "optimizer_Bps": measure_optimizer_bandwidth(),
+            "kernel_s": measure_kernel_overhead()}

@@ -36,7 +36,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  description: str = "", cpu: str = "CPU rank", peak_flops: float = 1e11,
                  mem_bw_Bps: float = 1e10, mem_bytes: float = 8e9, algorithms: dict | None = None,
                  efficiency: dict | None = None, overhead_s: dict | None = None,
-                 matmul_half_dim: float = 0.0) -> dict:
+                 matmul_half_dim: float = 0.0, kernel_overhead_s: float = 0.0) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric")."""
     return {
         "name": name,
@@ -54,7 +54,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         "algorithms": dict(algorithms or {}),
         "collective_efficiency": dict(efficiency or {}),
         "collective_overhead_us": {op: t * 1e6 for op, t in (overhead_s or {}).items()},
-        "compute": {"matmul_efficiency": 1.0, "matmul_half_dim": float(matmul_half_dim)},
+        "compute": {"matmul_efficiency": 1.0, "matmul_half_dim": float(matmul_half_dim),
+                    "kernel_overhead_us": kernel_overhead_s * 1e6},
     }
 
 

@@ -76,6 +76,7 @@ class ClusterSpec:
     # Matmul efficiency model (see parsim.compute); the defaults are the pure roofline.
     matmul_efficiency: float = 1.0
     matmul_half_dim: float = 0.0
+    kernel_overhead_s: float = 0.0  # fixed cost of launching one kernel / dispatching one op
 
     @property
     def reduction_bw_Bps(self) -> float:
@@ -161,9 +162,13 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     compute = r.optional_mapping("compute")
     matmul_efficiency = compute.get("matmul_efficiency", 1.0)
     half_dim = compute.get("matmul_half_dim", 0.0)
-    unknown = set(compute) - {"matmul_efficiency", "matmul_half_dim"}
+    kernel_us = compute.get("kernel_overhead_us", 0.0)
+    unknown = set(compute) - {"matmul_efficiency", "matmul_half_dim", "kernel_overhead_us"}
     if unknown:
-        raise ConfigError(source, f"compute.{sorted(unknown)[0]}", "unknown key", "matmul_efficiency, matmul_half_dim")
+        raise ConfigError(source, f"compute.{sorted(unknown)[0]}", "unknown key",
+                          "matmul_efficiency, matmul_half_dim, kernel_overhead_us")
+    if isinstance(kernel_us, bool) or not isinstance(kernel_us, (int, float)) or kernel_us < 0:
+        raise ConfigError(source, "compute.kernel_overhead_us", f"is {kernel_us!r}", "microseconds >= 0")
     if not isinstance(matmul_efficiency, (int, float)) or not 0 < matmul_efficiency <= 1:
         raise ConfigError(source, "compute.matmul_efficiency", f"is {matmul_efficiency!r}", "a fraction in (0, 1]")
     if not isinstance(half_dim, (int, float)) or half_dim < 0:
@@ -200,6 +205,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         collective_overhead_s={str(op): float(v) * 1e-6 for op, v in overhead.items()},
         matmul_efficiency=float(matmul_efficiency),
         matmul_half_dim=float(half_dim),
+        kernel_overhead_s=float(kernel_us) * 1e-6,
     )
     for reader in (r, gpu, intra, out):
         reader.reject_unknown()

@@ -6,6 +6,10 @@ of the peak, less for thin shapes, so the achievable rate is
 ``peak * efficiency * prod(d / (d + half_dim) for d in (m, n, k))``: with the
 defaults (``efficiency=1``, ``half_dim=0``) this is the pure roofline, an
 optimistic bound; ``parsim calibrate`` fits both numbers to measured matmuls.
+
+Every kernel also costs a fixed launch (GPU) or dispatch (eager CPU) overhead,
+``kernel_overhead_s``; it dominates small models. Built-in clusters leave it
+at 0 (no datasheet gives it); ``parsim calibrate`` measures it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class ComputeModel:
     dtype_bytes: int
     efficiency: float = 1.0
     half_dim: float = 0.0
+    kernel_overhead_s: float = 0.0
 
     @classmethod
     def for_cluster(cls, spec: ClusterSpec, dtype: str, dtype_bytes: int) -> "ComputeModel":
@@ -30,7 +35,8 @@ class ComputeModel:
         if peak is None:
             raise ParsimError(f"{spec.name}: the GPU has no {dtype} peak in its cluster file "
                               f"(it lists {', '.join(spec.gpu.peak_flops)})")
-        return cls(peak, spec.gpu.hbm_bw_Bps, dtype_bytes, spec.matmul_efficiency, spec.matmul_half_dim)
+        return cls(peak, spec.gpu.hbm_bw_Bps, dtype_bytes, spec.matmul_efficiency, spec.matmul_half_dim,
+                   spec.kernel_overhead_s)
 
     def matmul_rate(self, m: float, n: float, k: float) -> float:
         shape = 1.0
@@ -43,7 +49,8 @@ class ComputeModel:
         traffic = (m * k + k * n + m * n) * self.dtype_bytes
         return max(flops / self.matmul_rate(m, n, k), traffic / self.hbm_bw_Bps)
 
-    def time(self, matmuls=(), flops: float = 0.0, hbm_bytes: float = 0.0) -> float:
-        """Matmuls at their shape's rate, then other FLOPs at peak and other bytes at HBM speed."""
+    def time(self, matmuls=(), flops: float = 0.0, hbm_bytes: float = 0.0, kernels: int = 0) -> float:
+        """Matmuls at their shape's rate, other FLOPs at peak and other bytes at HBM speed, plus launches."""
         total = sum(self.matmul_time(*mm) for mm in matmuls)
-        return total + max(flops / (self.peak_flops * self.efficiency), hbm_bytes / self.hbm_bw_Bps)
+        work = max(flops / (self.peak_flops * self.efficiency), hbm_bytes / self.hbm_bw_Bps)
+        return total + work + kernels * self.kernel_overhead_s

@@ -35,6 +35,7 @@ FP32 = 4
 # sqrt, divide and add eps into a temporary (2 + 2 + 2), addcdiv into the weight
 # (3 reads, 1 write): 21 element accesses per parameter, fp32 state.
 ADAMW_ACCESSES = 21
+ADAMW_KERNELS = 8  # those eight passes, per parameter tensor
 
 
 @dataclass
@@ -116,8 +117,7 @@ class _Lowering:
                 tp_ops = []
             for position in ("before", "after"):
                 if position == "after":
-                    saved = cost.activation_bytes_per_token(plan.tp) if block is cost.blocks[-1] else 0
-                    last = self._compute(rank, name, phase, block, action.kind, saved)
+                    last = self._compute(rank, name, phase, block, action.kind, cost, block is cost.blocks[-1])
                     if action.kind in ("B", "W") and mb == last_mb:
                         self.final_grad_ops[(stage, index)] = last
                 for coll in (c for c in tp_ops if c.position == position):
@@ -133,14 +133,19 @@ class _Lowering:
         if action.kind in ("B", "I") and stage > 0:
             self._send(rank, "grad", stage, mb, ("grad", stage, mb), act_bytes, last)
 
-    def _compute(self, rank: int, name: str, phase: str, block, kind: str, saved_per_token: int) -> int:
+    def _compute(self, rank: int, name: str, phase: str, block, kind: str, cost: LayerCost, last: bool) -> int:
         """One block's compute: its matmuls by shape, the attention core, and elementwise work.
 
         Elementwise kernels (activations, norms, softmax, gradient accumulation)
         are memory-bound: the forward writes the tensors the layer saves for
-        backward, the input-gradient pass reads them and writes as much again.
+        backward, the input-gradient pass reads them and writes as much again;
+        charged once per layer, with its last block. Kernels launched: one per
+        matmul of the pass, and one per saved tensor (each is some kernel's
+        output) in the forward, two in the input-gradient pass.
         """
         m = self.tokens
+        saved_per_token = cost.activation_bytes_per_token(self.plan.tp) if last else 0
+        saved_tensors = len(cost.activations) if last else 0
         tp = self.plan.tp
         mms, flops = [], 0.0
         for mm in block.matmuls:
@@ -156,9 +161,10 @@ class _Lowering:
             flops = attention
         elif kind in ("B", "I"):
             flops = 2 * attention
-        elementwise = {"F": 1, "B": 2, "I": 2, "W": 0}[kind] * saved_per_token * m
+        passes = {"F": 1, "B": 2, "I": 2, "W": 0}[kind]
         return self._add(rank, Op(name, "compute", "compute", matmuls=tuple(mms), flops=flops,
-                                  hbm_bytes=elementwise, phase=phase))
+                                  hbm_bytes=passes * saved_per_token * m,
+                                  kernels=len(mms) + passes * saved_tensors, phase=phase))
 
     # -- pipeline transfers ---------------------------------------------------------
     def _stage_rank(self, stage: int) -> int:
@@ -215,8 +221,10 @@ class _Lowering:
                         ranks=group, mirrors=mirrors, nbytes=nbytes, phase="dp")))
         params = plan.params_per_rank(p)
         traffic = params * ADAMW_ACCESSES * FP32
+        tensors = sum(len(_param_tensors(c, plan.tp)) for s in plan.stages_of(p) for c in plan.stage_costs(s))
         self._add(rank, Op("optimizer step", "optimizer", "compute", deps=tuple(sync) or (last_compute,),
-                           flops=12.0 * params, hbm_bytes=traffic, phase="optimizer"))
+                           flops=12.0 * params, hbm_bytes=traffic, kernels=tensors * ADAMW_KERNELS,
+                           phase="optimizer"))
 
     def _add(self, rank: int, op: Op) -> int:
         return self.program.add(rank, op)

@@ -26,6 +26,7 @@ class Op:
     matmuls: tuple[tuple[int, int, int], ...] = ()
     flops: float = 0.0
     hbm_bytes: float = 0.0
+    kernels: int = 0  # kernels launched (each pays the compute model's fixed overhead)
     # communication
     collective: str = ""  # all_reduce, all_gather, reduce_scatter, ...
     group: str = ""  # "tp" | "dp" | "pp"

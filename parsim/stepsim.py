@@ -62,7 +62,7 @@ class StepSimulator:
             if op.kind == "recv":  # the receive lasts until its send has arrived
                 yield done[op.match]
             if op.kind in ("compute", "optimizer"):
-                yield env.timeout(self.compute.time(op.matmuls, op.flops, op.hbm_bytes))
+                yield env.timeout(self.compute.time(op.matmuls, op.flops, op.hbm_bytes, op.kernels))
             elif op.kind == "collective":
                 yield env.process(self._collective(env, net, op))
             elif op.kind == "send":

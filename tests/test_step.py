@@ -95,3 +95,14 @@ def test_simulate_rejects_a_bad_plan_in_one_line(capsys, tmp_path):
     assert main(["simulate", str(bad)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_kernel_overhead_is_charged_per_launched_kernel():
+    from parsim.compute import ComputeModel
+
+    model = ComputeModel(peak_flops=1e12, hbm_bw_Bps=1e12, dtype_bytes=4, kernel_overhead_s=5e-6)
+    assert model.time(kernels=10) == pytest.approx(50e-6)
+    slow = ideal_spec(**FREE_COMM, **{"compute": {"kernel_overhead_us": 100.0}})
+    fast = predict_step(mlp_plan(pp=2, num_microbatches=4), ideal_spec(**FREE_COMM))
+    slowed = predict_step(mlp_plan(pp=2, num_microbatches=4), slow)
+    assert slowed.step_s > fast.step_s + 100e-6 * 8  # at least the 8 passes' matmul launches

@@ -31,7 +31,8 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
   * on every rank at once, as in a real run: AdamW steps -> hbm_bw_GBps (the
     memory speed elementwise kernels reach); matmuls of several shapes -> peak
-    FLOP/s and the shape efficiency (compute.matmul_half_dim).
+    FLOP/s and the shape efficiency (compute.matmul_half_dim); tiny ops through
+    autograd -> the fixed cost per op (compute.kernel_overhead_us).
 The default sizes grow 4x per step (64KiB:64MiB:4), so `parsim compare` with a
 2x sweep checks sizes the fit never saw; `--ops all-reduce,send-recv` leaves
 every other operation to the link model alone.
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     per_rank = measure_on_every_rank(max(rank_counts))
     matmul = fit_matmul([sample for rank in per_rank for sample in rank["matmuls"]])
     memory_bw = float(np.median([rank["optimizer_Bps"] for rank in per_rank]))
+    kernel_s = float(np.median([rank["kernel_s"] for rank in per_rank]))
     results = []
     for n in rank_counts:
         for op in ops:
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{datetime.date.today().isoformat()}",
         cpu=f"CPU rank, 1 thread ({cpu})", peak_flops=matmul.peak_flops, mem_bw_Bps=memory_bw,
         mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, overhead_s=overhead,
-        matmul_half_dim=matmul.half_dim)
+        matmul_half_dim=matmul.half_dim, kernel_overhead_s=kernel_s)
     parse_cluster(cluster, args.out)  # the file must load like any other
     header = (f"# Written by `parsim calibrate` on {platform.node()} ({datetime.datetime.now():%Y-%m-%d %H:%M}).\n"
               f"# Measured with torch.distributed/{backend}: {', '.join(ops)} on {rank_counts} ranks, "
@@ -118,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         print_json({"out": args.out, "latency_us": links.latency_s * 1e6, "bw_GBps": links.bw_Bps / 1e9,
                     "fabric_bw_GBps": links.fabric_bw_Bps / 1e9 if links.fabric_bw_Bps else None,
                     "reduce_bw_GBps": reduce_bw / 1e9, "memory_bw_GBps": memory_bw / 1e9,
+                    "kernel_overhead_us": kernel_s * 1e6,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
                     "collective_efficiency": efficiency,
                     "collective_overhead_us": {op: t * 1e6 for op, t in overhead.items()},
@@ -136,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"host total        {total} (all transfers at once)")
     print(f"reduction         {reduce_bw / 1e9:.2f} GB/s (a.add_(b), 1 thread)")
     print(f"memory            {memory_bw / 1e9:.2f} GB/s (AdamW steps on every rank at once)")
+    print(f"per-op overhead   {kernel_s * 1e6:.1f} us (tiny ops through autograd, forward and backward)")
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
           f"{matmul.half_dim:.0f} (median |error| {matmul.median_abs_error:.1%})")
     for op, e in efficiency.items():
