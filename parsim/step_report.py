@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .lower import schedule_of
 from .plan import Plan
 from .schedules import peak_in_flight
 from .trace import Event, Trace
 
 PHASES = ("forward", "backward", "weight-grad", "tp", "pp", "dp", "optimizer", "idle")
-ADAM_STATE_BYTES = 8
+ADAM_STATE_BYTES = 8  # AdamW's two fp32 moments per parameter
 FP32 = 4
 
 
@@ -35,11 +36,9 @@ def merge_spans(trace: Trace) -> Trace:
     merged: list[Event] = []
     open_span: dict[int, Event] = {}
     for e in sorted(trace.events, key=lambda e: (e.rank, e.start_s)):
-        if e.stream != "compute" or e.kind not in ("compute",):
-            if e.kind == "collective" and e.args.get("phase") == "tp":
-                merged.append(e)  # nested inside the span; does not end it
-                continue
-            open_span.pop(e.rank, None)
+        if e.kind != "compute":
+            if e.args.get("phase") != "tp":  # a nested tensor-parallel collective does not end the span
+                open_span.pop(e.rank, None)
             merged.append(e)
             continue
         span = open_span.get(e.rank)
@@ -134,8 +133,6 @@ def memory(plan: Plan) -> list[Memory]:
     number of (stage, microbatch) forwards awaiting their backward, times what one
     stage saves per microbatch.
     """
-    from .lower import schedule_of
-
     in_flight = peak_in_flight(schedule_of(plan))
     out = []
     for p in range(plan.pp):
