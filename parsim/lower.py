@@ -138,8 +138,9 @@ class _Lowering:
 
         Elementwise kernels (activations, norms, softmax, gradient accumulation)
         are memory-bound: the forward writes the tensors the layer saves for
-        backward, the input-gradient pass reads them and writes as much again;
-        charged once per layer, with its last block. Kernels launched: one per
+        backward, the input-gradient pass reads them and writes as much again
+        (charged once per layer, with its last block); the weight-gradient pass
+        accumulates into ``.grad``. Kernels launched: one per
         matmul of the pass, and one per saved tensor (each is some kernel's
         output) in the forward, two in the input-gradient pass.
         """
@@ -162,8 +163,11 @@ class _Lowering:
         elif kind in ("B", "I"):
             flops = 2 * attention
         passes = {"F": 1, "B": 2, "I": 2, "W": 0}[kind]
+        # Autograd adds each weight gradient into .grad (read both, write one), once per microbatch.
+        accumulate = sum(k * n for k, n in (mm.shape_per_rank(tp) for mm in block.matmuls)) * \
+            self.plan.dtype_bytes * 3 if kind in ("B", "W") else 0
         return self._add(rank, Op(name, "compute", "compute", matmuls=tuple(mms), flops=flops,
-                                  hbm_bytes=passes * saved_per_token * m,
+                                  hbm_bytes=passes * saved_per_token * m + accumulate,
                                   kernels=len(mms) + passes * saved_tensors, phase=phase))
 
     # -- pipeline transfers ---------------------------------------------------------
