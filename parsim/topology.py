@@ -175,12 +175,6 @@ class Topology:
             return f"spine -> leaf {self._leaf_label(link - self._leaf_down)}"
         return f"{fabric} of node {link - self._fabric} (all traffic through it)"
 
-    def link_level(self, link: int) -> str:
-        """``"intra"``, ``"nic"`` or ``"spine"``: which level of the hierarchy a link belongs to."""
-        if link < self._nic_up or link >= self._fabric:
-            return "intra"
-        return "nic" if link < self._leaf_up else "spine"
-
     def is_fabric_link(self, link: int) -> bool:
         """True for a node's whole-fabric capacity, which the graph keeps on the fabric vertex."""
         return link >= self._fabric

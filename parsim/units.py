@@ -1,4 +1,4 @@
-"""Parsing and printing of sizes, times and bandwidths.
+"""Parsing and printing of sizes and times.
 
 Inside parsim everything is SI: seconds, bytes, FLOP. Sizes are accepted the way
 people write them (``1GiB``, ``512MB``, ``4096``); bandwidth is printed in GB/s
@@ -81,12 +81,3 @@ def format_time(seconds: float) -> str:
         if abs(seconds) >= scale:
             return f"{seconds / scale:.3g} {unit}"
     return f"{seconds / 1e-9:.3g} ns"
-
-
-def format_bw(bytes_per_s: float) -> str:
-    """Bandwidth in GB/s (1e9 bytes/s), the nccl-tests unit."""
-    return f"{bytes_per_s / 1e9:.2f} GB/s"
-
-
-GB = 1e9
-US = 1e-6
