@@ -20,6 +20,8 @@ from parsim.lower import lower, schedule_of
 from parsim.plan import load_plan
 from parsim.trace import compute_name
 
+from reference_runs import verify_plans
+
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 pytestmark = needs_torch
 
@@ -51,11 +53,7 @@ PLANS = {
 
 @pytest.fixture(scope="module")
 def results() -> list[list[dict]]:
-    from executor.launch import launch
-    from executor.train.verify import verify_rank
-
-    return launch(verify_rank, WORLD, ([p.to_dict() for p in PLANS.values()], 0, True), backend="gloo",
-                  timeout_s=120)
+    return verify_plans(PLANS, WORLD)
 
 
 @pytest.mark.multiproc
