@@ -285,9 +285,6 @@ def _recursive(topo: Topology, op: str, group: np.ndarray, size: float, root: in
 def _direct(topo: Topology, op: str, group: np.ndarray, size: float, root: int) -> list[Phase]:
     n = len(group)
     others = np.delete(group, root)
-    a, b = np.meshgrid(group, group, indexing="ij")
-    off = a != b
-    src, dst = a[off], b[off]  # every ordered pair of distinct ranks
     if op == "send_recv":
         return [Phase.of("send: one transfer", group[:1], group[1:], size, 1)]
     if op == "broadcast":
@@ -299,6 +296,9 @@ def _direct(topo: Topology, op: str, group: np.ndarray, size: float, root: int) 
         return [Phase.of(f"root sends a 1/{n} chunk to each rank", group[root], others, size / n, 1)]
     if op == "gather":
         return [Phase.of(f"each rank sends its 1/{n} chunk to the root", others, group[root], size / n, 1)]
+    a, b = np.meshgrid(group, group, indexing="ij")
+    off = a != b
+    src, dst = a[off], b[off]  # every ordered pair of distinct ranks
     if op == "all_to_all":
         return [Phase.of(f"each rank sends a 1/{n} chunk to every other rank", src, dst, size / n, 1)]
     rs = Phase.of(f"reduce-scatter: each rank sends chunk j to rank j ({n - 1} chunks)", src, dst, size / n, 1,
