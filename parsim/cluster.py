@@ -14,9 +14,8 @@ import importlib.resources
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from .errors import ConfigError, ParsimError
+from .files import read_yaml
 
 FABRICS = ("nvswitch", "pcie")
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
@@ -124,13 +123,7 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
             raise ParsimError(
                 f"unknown cluster {text!r}: not a built-in ({', '.join(sorted(builtins))}) and no such file"
             )
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(str(path), "(file)", f"malformed YAML{where}") from None
-    return parse_cluster(data, str(path))
+    return parse_cluster(read_yaml(path), str(path))
 
 
 def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:

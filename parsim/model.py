@@ -44,9 +44,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-import yaml
-
 from .errors import ConfigError, ParsimError
+from .files import read_yaml
 from .units import parse_size
 
 FFN_TYPES = ("swiglu", "gelu")
@@ -619,19 +618,6 @@ class ConfigReader:
     def section(self, key: str, allowed: tuple[str, ...]) -> "ConfigReader":
         """A nested mapping (empty when the key is absent)."""
         return ConfigReader(self.data.get(key, {}), self.source, allowed, f"{self.prefix}{key}.")
-
-
-def read_yaml(path: Path) -> object:
-    """A YAML file's contents; a syntax error becomes one ConfigError line with its position."""
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or "syntax error"
-        raise ConfigError(str(path), "(file)", f"malformed YAML{where}: {problem}") from None
-    except OSError as err:
-        raise ParsimError(f"cannot read {path}: {err.strerror}") from None
 
 
 def builtin_models() -> dict[str, Path]:

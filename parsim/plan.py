@@ -42,7 +42,8 @@ from typing import Any, Mapping, NamedTuple, NoReturn
 import numpy as np
 
 from .errors import ConfigError, ParsimError
-from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model, read_yaml
+from .files import read_yaml
+from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 # Schedules with a steady state of one forward and one backward: they need at

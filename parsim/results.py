@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import ParsimError
+from .files import read_json
 
 # Canonical operation names (the torch.distributed spelling, with dashes on the CLI).
 OPERATIONS = (
@@ -97,12 +98,7 @@ def save_results(path: str | Path, rows: list[CollectiveResult], meta: dict | No
 
 def load_results(path: str | Path) -> list[CollectiveResult]:
     """Read a file written by :func:`save_results` (or ``--json`` output)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ParsimError(f"{path}: no such file") from None
-    except json.JSONDecodeError as err:
-        raise ParsimError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    data = read_json(path)
     rows = data.get("results") if isinstance(data, dict) else None
     if not isinstance(rows, list):
         raise ParsimError(f"{path}: expected a JSON object with a 'results' list")

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import ParsimError
+from .files import read_json
 
 STREAMS = ("compute", "comm", "p2p")
 
@@ -66,12 +67,7 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
-        try:
-            return cls.from_json(json.loads(Path(path).read_text()))
-        except FileNotFoundError:
-            raise ParsimError(f"{path}: no such file") from None
-        except json.JSONDecodeError as err:
-            raise ParsimError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        return cls.from_json(read_json(path))
 
 
 def compute_name(phase: str, stage: int, microbatch: int) -> str:

@@ -20,11 +20,11 @@ event, or from the start of ``ProfilerStep#<step>`` when ``step`` is given
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from parsim.errors import ParsimError
+from parsim.files import read_json
 from parsim.trace import Event, Trace
 
 _COMPUTE = re.compile(r"^([FBIW]) stage=\d+ mb=\d+$")
@@ -52,12 +52,7 @@ def classify(name: str) -> tuple[str, str, str] | None:
 
 def read_torch_profiler_trace(path: str | Path, step: int | None = None) -> Trace:
     """The contract-named ``user_annotation`` events of a ``prof.export_chrome_trace`` file as a Trace."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ParsimError(f"{path}: no such file") from None
-    except json.JSONDecodeError as err:
-        raise ParsimError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    data = read_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise ParsimError(f"{path}: not a torch.profiler Chrome trace (no traceEvents list)")
     info = data.get("distributedInfo") or {}

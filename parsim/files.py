@@ -1,0 +1,36 @@
+"""Reading the YAML and JSON files users hand to parsim, with one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from .errors import ConfigError, ParsimError
+
+
+def read_yaml(path: str | Path) -> object:
+    """A YAML file's contents; a syntax error becomes one ConfigError line with its position."""
+    path = Path(path)
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "syntax error"
+        raise ConfigError(str(path), "(file)", f"malformed YAML{where}: {problem}") from None
+    except OSError as err:
+        raise ParsimError(f"cannot read {path}: {err.strerror}") from None
+
+
+def read_json(path: str | Path) -> object:
+    """A JSON file's contents; a missing file or a syntax error becomes one ParsimError line."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ParsimError(f"{path}: no such file") from None
+    except json.JSONDecodeError as err:
+        raise ParsimError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    except OSError as err:
+        raise ParsimError(f"cannot read {path}: {err.strerror}") from None
