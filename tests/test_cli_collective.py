@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -26,6 +27,15 @@ def test_explain_walks_through_the_course_formula(capsys):
     code, out, _ = run(capsys, "collective", "reduce-scatter", "--gpus", "4", "--size", "400MB", "--explain")
     assert code == 0
     assert "busbw / n" in out and "algbw = size / time" in out
+
+
+@pytest.mark.parametrize("op, share", [("all-reduce", 1), ("reduce-scatter", 4)])
+def test_the_course_formula_is_busbw_for_all_reduce_and_busbw_over_n_for_reduce_scatter(capsys, op, share):
+    code, out, _ = run(capsys, "collective", op, "--gpus", "4", "--size", "400MB", "--json")
+    busbw = json.loads(out)["busbw_GBps"]
+    code, out, _ = run(capsys, "collective", op, "--gpus", "4", "--size", "400MB", "--explain")
+    course = float(re.search(r"= ([0-9.]+) GiB/s", out).group(1)) * 2**30 / 1e9
+    assert code == 0 and course == pytest.approx(busbw / share, rel=0.01)
 
 
 def test_json_has_the_shared_result_schema(capsys):

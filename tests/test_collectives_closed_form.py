@@ -96,3 +96,10 @@ def test_phases_carry_the_bytes_of_the_closed_form():
     phases = build_phases(topo, "all_reduce", "ring", np.arange(4), S)
     assert [p.steps for p in phases] == [3, 3]
     assert all(np.allclose(p.nbytes, 3 / 4 * S) for p in phases)
+
+
+def test_a_ring_without_latency_or_reduction_cost_reaches_the_lower_bound():
+    spec = ideal_spec(**{"intra_node.latency_us": 0.0, "reduce_bw_GBps": 1e12})
+    p = predict(spec.build(1), "all_reduce", S, np.arange(8), "ring")
+    assert p.lower_bound_s == pytest.approx(2 * 7 / 8 * S / B)
+    assert p.time_s == pytest.approx(p.lower_bound_s, rel=1e-3)
