@@ -8,14 +8,36 @@ two collectives running at once on the same NICs slow each other down, and
 speed up again when one ends. This is the fluid model used by flow-level
 network simulators (e.g. SimGrid's), far cheaper than packets and exact for
 the steady streams that collectives produce.
+
+Two things keep a training step with hundreds of thousands of transfers cheap
+(see ``docs/engine.md``):
+
+* **Contention is resolved per component.** Transfers (batches of flows) that
+  share no link cannot change each other's max-min rates, so a start or a
+  finish only re-solves the batches connected to it through shared links. A
+  batch alone on its links keeps one wake-up for its whole life.
+* **Solutions are memoized.** A batch started with a ``key`` (the caller's
+  name for its route matrix) contributes that key to the component's
+  signature; the same set of route matrices always has the same rates, so
+  the tenth microbatch's all-reduce next to the same send reuses the first
+  one's solution instead of solving again.
+
+Time cannot freeze: a flow finishes at the time computed when its rate was
+last set (``fin``), and every wake-up finishes at least the flows due at the
+time it was scheduled for, whatever bytes are left after rounding. Each
+wake-up ends at least one flow, so a simulation always terminates.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import simpy
 
-_DONE_BYTES = 1e-6  # a flow with less left than this (bytes) is finished
+# Flows due within this relative distance of the earliest finish end together:
+# they differ only by floating-point rounding of the same arithmetic.
+_SAME_TIME = 1e-12
 
 
 def max_min_rates(routes: np.ndarray, capacity: np.ndarray) -> np.ndarray:
@@ -50,86 +72,269 @@ def max_min_rates(routes: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     return rates
 
 
+class Trajectory:
+    """How a batch of flows drains when nothing else shares its links.
+
+    ``segments`` are ``(seconds, active flow indices, their rates)``: max-min
+    rates hold until the next flow ends. Memoized per route set and sizes, it
+    gives an uncontended transfer's time without simulating it, and its state
+    at any instant if another transfer starts to share its links.
+    """
+
+    def __init__(self, routes: np.ndarray, sizes: np.ndarray, capacity: np.ndarray):
+        self.segments: list[tuple[float, np.ndarray, np.ndarray]] = []
+        left, active = sizes.astype(float, copy=True), np.arange(routes.shape[0])
+        self.duration = 0.0
+        while active.size:
+            rates = max_min_rates(routes[active], capacity)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                due = np.where(left[active] > 0, left[active] / rates, 0.0)
+            step = float(due.min())
+            self.segments.append((step, active, rates))
+            self.duration += step
+            if not np.isfinite(step):
+                break  # a link without bandwidth: never arrives
+            left[active] = np.maximum(left[active] - rates * step, 0.0)
+            active = active[due > step + abs(step) * _SAME_TIME]
+
+    def state_at(self, elapsed: float, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Flows still moving ``elapsed`` seconds in (indices), and the bytes each has left."""
+        left = sizes.astype(float, copy=True)
+        for step, active, rates in self.segments:
+            if elapsed < step:
+                left[active] = np.maximum(left[active] - rates * elapsed, 0.0)
+                return active, left[active]
+            left[active] -= rates * step
+            elapsed -= step
+        return np.empty(0, dtype=np.int64), np.empty(0)
+
+
+class _Batch:
+    """Flows started together by one transfer; done when all have arrived.
+
+    A batch that started alone on its links follows its memoized ``solo``
+    trajectory (one wake-up at its end) until another batch comes to share a
+    link; then it becomes an ordinary batch with per-flow state.
+    """
+
+    __slots__ = ("id", "routes", "sizes", "left", "rate", "fin", "active", "flows", "links", "key", "last",
+                 "generation", "done", "solo", "started")
+
+    def __init__(self, bid: int, routes: np.ndarray, sizes: np.ndarray, links: np.ndarray, key, now: float,
+                 done: Callable[[], None]):
+        self.id, self.routes, self.sizes, self.links, self.key = bid, routes, sizes, links, key
+        self.flows = routes.shape[0]
+        self.active = np.arange(self.flows)  # indices (into the original flows) still moving
+        self.left = sizes
+        self.rate = np.zeros(self.flows)
+        self.fin = np.full(self.flows, np.inf)
+        self.last = self.started = now
+        self.generation, self.done = 0, done
+        self.solo: Trajectory | None = None
+
+    def leave_solo(self, now: float) -> None:
+        """Turn the memoized trajectory into per-flow state at ``now``."""
+        if self.solo is None:
+            return
+        active, left = self.solo.state_at(now - self.started, self.sizes)
+        self.routes, self.left, self.active = self.routes[active], left, active
+        self.rate = np.zeros(active.size)
+        self.last, self.solo = now, None
+
+    def settle(self, now: float) -> None:
+        """Drain bytes at the current rates up to ``now``."""
+        elapsed = now - self.last
+        if elapsed > 0:
+            self.left = np.maximum(self.left - self.rate * elapsed, 0.0)
+        self.last = now
+
+    def signature(self) -> tuple[int, bytes]:
+        """The route set this batch has in flight: its key, and which flows remain if some ended."""
+        return (self.key, b"" if self.active.size == self.flows else self.active.tobytes())
+
+
 class Network:
     """Links with capacities; ``transfer`` starts a batch of flows and returns a simpy event.
 
-    The event fires when every flow of the batch has arrived. Byte counts per link
-    are accumulated in ``link_bytes`` for bottleneck reports.
+    The event fires when every flow of the batch has arrived (:meth:`start`
+    calls a function instead). With ``track_bytes``, byte counts per link
+    accumulate in ``link_bytes`` for bottleneck reports.
     """
 
-    def __init__(self, env: simpy.Environment, capacity_Bps: np.ndarray):
+    def __init__(self, env: simpy.Environment, capacity_Bps: np.ndarray, track_bytes: bool = True):
         self.env = env
         self.capacity = np.asarray(capacity_Bps, dtype=float)
-        self.link_bytes = np.zeros_like(self.capacity)
-        self._routes = np.empty((0, 1), dtype=np.int64)
-        self._left = np.empty(0)
-        self._rate = np.empty(0)
-        self._batch = np.empty(0, dtype=np.int64)
-        self._pending: dict[int, list] = {}  # batch id -> [event, flows not yet done]
-        self._next_batch = 0
-        self._last_update = 0.0
-        self._generation = 0
+        self.link_bytes = np.zeros_like(self.capacity) if track_bytes else None
+        self._batches: dict[int, _Batch] = {}
+        self._users = np.zeros(self.capacity.size, dtype=np.int64)  # active batches per link
+        self._sharing: dict[int, set[int]] = {}  # link -> ids of the batches on it, for links with several
+        self._owner = np.full(self.capacity.size, -1, dtype=np.int64)  # the one batch on a link
+        self._links: dict[int, np.ndarray] = {}  # key -> the links of its routes
+        self._solutions: dict[tuple, list[np.ndarray]] = {}  # component signature -> rates per batch
+        self._trajectories: dict[tuple[int, bytes], Trajectory] = {}
+        self._next_id = 0
+        self.solves = 0  # max-min problems actually solved (the rest came from memory)
 
-    def transfer(self, routes: np.ndarray, nbytes) -> simpy.Event:
-        """Start one flow per row of ``routes`` carrying ``nbytes`` (scalar or per flow)."""
-        routes = np.asarray(routes, dtype=np.int64)
-        sizes = np.broadcast_to(np.asarray(nbytes, dtype=float), (routes.shape[0],)).copy()
+    def transfer(self, routes: np.ndarray, nbytes, key: int | None = None) -> simpy.Event:
+        """Start one flow per row of ``routes`` carrying ``nbytes`` (scalar or per flow).
+
+        ``key`` names the route matrix for memoization: equal keys must mean
+        equal routes. Without one, this batch's components are always solved.
+        """
         done = self.env.event()
-        keep = sizes > _DONE_BYTES
-        routes, sizes = routes[keep], sizes[keep]
-        valid = routes >= 0
-        np.add.at(self.link_bytes, routes[valid], np.repeat(sizes, valid.sum(axis=1)))
-        if routes.shape[0] == 0:
-            done.succeed()
-            return done
-        self._advance()
-        batch = self._next_batch
-        self._next_batch += 1
-        self._pending[batch] = [done, routes.shape[0]]
-        width = max(self._routes.shape[1], routes.shape[1])
-        self._routes = np.vstack([_pad(self._routes, width), _pad(routes, width)])
-        self._left = np.concatenate([self._left, sizes])
-        self._batch = np.concatenate([self._batch, np.full(routes.shape[0], batch)])
-        self._reschedule()
+        self.start(routes, nbytes, done.succeed, key)
         return done
 
-    def _advance(self) -> None:
-        """Drain bytes at the current rates up to now."""
-        elapsed = self.env.now - self._last_update
-        if elapsed > 0 and self._left.size:
-            self._left -= np.minimum(self._rate * elapsed, self._left)
-        self._last_update = self.env.now
-
-    def _reschedule(self) -> None:
-        self._rate = max_min_rates(self._routes, self.capacity)
-        self._generation += 1
-        if not self._left.size:
+    def start(self, routes: np.ndarray, nbytes, on_done: Callable[[], None], key: int | None = None) -> None:
+        """Like :meth:`transfer`, but call ``on_done()`` when the last flow has arrived."""
+        routes = np.asarray(routes, dtype=np.int64)
+        sizes = np.broadcast_to(np.asarray(nbytes, dtype=float), (routes.shape[0],))
+        if not (sizes > 0).all():  # nothing to move on some flows: a different route set, so no key
+            keep = sizes > 0
+            routes, sizes, key = routes[keep], sizes[keep], None
+        if self.link_bytes is not None:
+            valid = routes >= 0
+            np.add.at(self.link_bytes, routes[valid], np.repeat(sizes, valid.sum(axis=1)))
+        if routes.shape[0] == 0:
+            on_done()
             return
-        with np.errstate(divide="ignore"):
-            wait = float(np.min(self._left / self._rate))
-        generation = self._generation
-        wake = self.env.timeout(max(wait, 0.0))
-        wake.callbacks.append(lambda _event: self._on_wake(generation))
+        links = self._links.get(key) if key is not None else None
+        if links is None:
+            links = np.unique(routes[routes >= 0])
+            if key is not None:
+                self._links[key] = links
+        batch = _Batch(self._next_id, routes, sizes, links, key, self.env.now, on_done)
+        self._next_id += 1
+        self._batches[batch.id] = batch
+        if key is not None and not self._users[links].any():
+            self._register(batch)
+            batch.solo = self.trajectory(routes, sizes, key)
+            self._wake_at(batch, batch.started + batch.solo.duration)
+        else:
+            self._register(batch)
+            self._resolve(self._component(batch))
 
-    def _on_wake(self, generation: int) -> None:
-        if generation != self._generation:
-            return  # superseded by a later change of the flow set
-        self._advance()
-        # Finished: nothing left, or less than a rounding error of what the rate moves.
-        finished = (self._left <= _DONE_BYTES) | (self._left <= self._rate * 1e-15)
-        for batch, count in zip(*np.unique(self._batch[finished], return_counts=True)):
-            entry = self._pending[int(batch)]
-            entry[1] -= int(count)
-            if entry[1] == 0:
-                del self._pending[int(batch)]
-                entry[0].succeed()
+    def trajectory(self, routes: np.ndarray, sizes: np.ndarray, key: int) -> Trajectory:
+        """The memoized :class:`Trajectory` of route set ``key`` carrying ``sizes`` alone."""
+        memo = (key, sizes.tobytes())
+        found = self._trajectories.get(memo)
+        if found is None:
+            self.solves += 1
+            found = self._trajectories[memo] = Trajectory(routes, sizes, self.capacity)
+        return found
+
+    # -- which batches contend -------------------------------------------------
+    def _register(self, batch: _Batch) -> None:
+        links = batch.links
+        users = self._users[links]
+        self._users[links] = users + 1
+        self._owner[links[users == 0]] = batch.id
+        for link in links[users > 0].tolist():
+            group = self._sharing.get(link)
+            if group is None:
+                group = self._sharing[link] = {int(self._owner[link])}
+            group.add(batch.id)
+
+    def _unregister(self, batch: _Batch) -> set[int]:
+        """Remove ``batch`` from its links; the ids of the batches it shared links with."""
+        links = batch.links
+        shared = links[self._users[links] > 1].tolist()
+        self._users[links] -= 1
+        neighbours: set[int] = set()
+        for link in shared:
+            group = self._sharing[link]
+            group.discard(batch.id)
+            neighbours |= group
+            if len(group) == 1:
+                self._owner[link] = next(iter(group))
+                del self._sharing[link]
+        return neighbours
+
+    def _component(self, batch: _Batch) -> list[_Batch]:
+        """Every active batch connected to ``batch`` through shared links (itself included)."""
+        seen, todo = {batch.id}, [batch]
+        while todo:
+            b = todo.pop()
+            for link in b.links[self._users[b.links] > 1].tolist():
+                for other in self._sharing[link]:
+                    if other not in seen:
+                        seen.add(other)
+                        todo.append(self._batches[other])
+        return [self._batches[i] for i in sorted(seen)]
+
+    # -- rates and wake-ups ------------------------------------------------------
+    def _resolve(self, component: list[_Batch]) -> None:
+        """New max-min rates for a component of contending batches, and their next wake-ups."""
+        now = self.env.now
+        for b in component:
+            b.leave_solo(now)
+            b.settle(now)
+        for b, rate in zip(component, self._rates(component)):
+            b.rate = rate
+            with np.errstate(divide="ignore", invalid="ignore"):
+                fin = np.where(b.left > 0, now + b.left / rate, now)
+            fin[np.isnan(fin)] = np.inf  # a zero-capacity link never delivers
+            b.fin = fin
+            self._wake_at(b, float(fin.min()) if fin.size else now)  # empty: ended just now
+
+    def _wake_at(self, batch: _Batch, due: float) -> None:
+        batch.generation += 1
+        if due < np.inf:
+            generation = batch.generation
+            self.env.timeout(max(due - self.env.now, 0.0)).callbacks.append(
+                lambda _event: self._wake(batch, generation, due))
+
+    def _rates(self, component: list[_Batch]) -> list[np.ndarray]:
+        signature = None
+        if all(b.key is not None for b in component):
+            signature = tuple(sorted(b.signature() for b in component))
+            order = sorted(range(len(component)), key=lambda i: component[i].signature())
+            known = self._solutions.get(signature)
+            if known is not None:
+                rates: list[np.ndarray] = [np.empty(0)] * len(component)
+                for i, rate in zip(order, known):
+                    rates[i] = rate
+                return rates
+        self.solves += 1
+        routes = component[0].routes if len(component) == 1 else _stack([b.routes for b in component])
+        flat = max_min_rates(routes, self.capacity)
+        split = np.cumsum([b.routes.shape[0] for b in component])[:-1]
+        rates = np.split(flat, split)
+        if signature is not None:
+            self._solutions[signature] = [rates[i] for i in order]
+        return rates
+
+    def _wake(self, batch: _Batch, generation: int, due: float) -> None:
+        if generation != batch.generation:
+            return  # superseded: the component's rates changed since this wake-up was set
+        if batch.solo is None:
+            batch.settle(self.env.now)
+            finished = batch.fin <= due + abs(due) * _SAME_TIME
+        else:
+            finished = None  # a solo trajectory ends with every flow
+        if finished is None or finished.all():
+            del self._batches[batch.id]
+            neighbours = self._unregister(batch)
+            for component in self._components(neighbours):
+                self._resolve(component)
+            batch.done()
+            return
         keep = ~finished
-        self._routes, self._left, self._batch = self._routes[keep], self._left[keep], self._batch[keep]
-        self._reschedule()
+        batch.routes, batch.left, batch.active = batch.routes[keep], batch.left[keep], batch.active[keep]
+        self._resolve(self._component(batch))
+
+    def _components(self, ids: set[int]) -> list[list[_Batch]]:
+        """The distinct components the batches ``ids`` belong to."""
+        components, covered = [], set()
+        for i in sorted(ids):
+            if i not in covered:
+                component = self._component(self._batches[i])
+                covered.update(b.id for b in component)
+                components.append(component)
+        return components
 
 
-def _pad(routes: np.ndarray, width: int) -> np.ndarray:
-    if routes.shape[1] == width:
-        return routes
-    pad = np.full((routes.shape[0], width - routes.shape[1]), -1, dtype=np.int64)
-    return np.hstack([routes, pad])
+def _stack(routes: list[np.ndarray]) -> np.ndarray:
+    width = max(r.shape[1] for r in routes)
+    return np.vstack([r if r.shape[1] == width else
+                      np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=-1) for r in routes])

@@ -1,131 +1,312 @@
 """Time a :class:`~parsim.program.Program` on the simulated cluster (simpy).
 
-Every (rank, stream) pair is a simpy process that runs its ops in order; an op
-starts when its stream is free and its ``deps`` have finished. Mirror flows
-(replicas the representative stands for) are simulated only where they share
-links with it, directly or through each other. Compute ops take
-their roofline time; collectives and sends become flows on one shared
-:class:`~parsim.network.Network`, so data-parallel all-reduces, tensor-parallel
-all-reduces and pipeline sends that overlap in time contend for the same
-links. The result is a :class:`~parsim.trace.Trace` in the schema the executor
-writes.
+The engine is a dependency-driven list scheduler on a simpy clock. Every op
+waits for its prerequisites: the op before it on its (rank, stream), and its
+``deps``. When the last one finishes it starts at that instant; a receive
+lasts until its matching send has arrived. Compute ops take their modelled
+time (one timeout each; identical compute is costed once). Collectives run
+their algorithm's phases and sends their single transfer as flows on one
+shared :class:`~parsim.network.Network`, so data-parallel all-reduces,
+tensor-parallel all-reduces and pipeline sends that overlap in time contend
+for the same links. Mirror flows (replicas the representative stands for) are
+kept only where they share links with it, directly or through each other.
+
+Nothing here polls: an op costs a handful of callbacks, and a transfer alone
+on its links one wake-up, so a step with a million ops runs in seconds (see
+``docs/engine.md``). The result is a :class:`~parsim.trace.Trace` in the
+schema the executor writes.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 import numpy as np
 import simpy
 
-from .collectives.algorithms import Phase, build_phases
-from .collectives.simulate import predict, simulate_phases
+from .collectives.algorithms import build_phases
+from .collectives.simulate import predict
 from .compute import ComputeModel
+from .errors import ParsimError
 from .network import Network
 from .program import Op, Program
 from .topology import Topology
 from .trace import Event, Trace
 
+# progress(ops finished, ops in all) is called at most this often (seconds of wall time)
+PROGRESS_EVERY_S = 0.5
+
+
+@dataclass(frozen=True)
+class CommPhase:
+    """One phase of a collective (or a whole send) ready to run: the flows of the
+    representative and of the mirror groups that contend with it."""
+
+    routes: np.ndarray
+    nbytes: np.ndarray | float
+    latency_s: float  # steps x the slowest route's latency, plus a backend's fixed cost
+    reduce_s: float  # summing received data after the transfer
+    key: int  # names ``routes`` for the network's memo
+    links: np.ndarray  # the links ``routes`` use
+
 
 class StepSimulator:
-    """Runs one program on one topology with one compute model."""
+    """Runs programs on one topology with one compute model; costs are cached across runs."""
 
     def __init__(self, topo: Topology, compute: ComputeModel):
         self.topo, self.compute = topo, compute
         self._choose = lru_cache(maxsize=None)(self._choose_algorithm)
-        self._phases = lru_cache(maxsize=None)(self._merged_phases)
-        self._send_routes = lru_cache(maxsize=None)(self._pair_routes)
+        self.comm_phases = lru_cache(maxsize=None)(self._comm_phases)
+        self.compute_time = lru_cache(maxsize=None)(self.compute.time)
+        self._keys = 0
 
-    def run(self, program: Program, meta: dict | None = None) -> Trace:
-        env = simpy.Environment()
-        net = Network(env, self.topo.capacity_Bps)
-        done = [env.event() for _ in program.ops]
-        events: list[Event] = []
-        for rank in program.ranks:
-            streams: dict[str, list[Op]] = {}
-            for op in program.rank_ops(rank):
-                streams.setdefault(op.stream, []).append(op)
-            for ops in streams.values():
-                env.process(self._stream(env, net, ops, done, events))
-        env.run()
-        unfinished = [op.name for op, ev in zip(program.ops, done) if not ev.triggered]
-        if unfinished:
-            raise RuntimeError(f"program deadlocked: {len(unfinished)} ops never ran, e.g. {unfinished[:3]}")
-        events.sort(key=lambda e: (e.rank, e.start_s))
-        return Trace("simulated", program.world_size, events, dict(meta or {}))
+    def run(self, program: Program, meta: dict | None = None,
+            progress: Callable[[int, int], None] | None = None) -> Trace:
+        """Simulate ``program``; ``progress(finished, total)`` is called now and then on long runs."""
+        return _Run(self, program, progress).trace(meta)
 
-    def _stream(self, env, net, ops: list[Op], done: list[simpy.Event], events: list[Event]):
-        for op in ops:
-            if op.deps:
-                yield simpy.AllOf(env, [done[d] for d in op.deps])
-            start = env.now
-            if op.kind == "recv":  # the receive lasts until its send has arrived
-                yield done[op.match]
-            if op.kind in ("compute", "optimizer"):
-                yield env.timeout(self.compute.time(op.matmuls, op.flops, op.hbm_bytes, op.kernels))
-            elif op.kind == "collective":
-                yield env.process(self._collective(env, net, op))
-            elif op.kind == "send":
-                yield env.process(self._send(env, net, op))
-            events.append(Event(op.name, op.rank, op.stream, op.kind, start, env.now - start, _args(op)))
-            done[op.id].succeed()
-
-    def _collective(self, env, net, op: Op):
-        phases = self._phases(op.collective, op.ranks, op.mirrors, op.nbytes)
-        yield env.process(simulate_phases(env, net, self.topo, phases, self.topo.spec.reduction_bw_Bps))
-
-    def _merged_phases(self, collective: str, ranks: tuple[int, ...], mirrors: tuple[tuple[int, ...], ...],
-                       nbytes: float) -> list[Phase]:
-        """The group's phases plus the flows of the mirror groups that contend with it (cached:
-        ops repeat every microbatch)."""
+    # -- cached costs -------------------------------------------------------------
+    def _comm_phases(self, kind: str, collective: str, ranks: tuple[int, ...],
+                     mirrors: tuple[tuple[int, ...], ...], nbytes: float) -> tuple[CommPhase, ...]:
+        """A send's or a collective's phases, with the flows of the mirror groups that contend
+        with the representative's (cached: ops repeat every microbatch)."""
+        groups = [ranks, *mirrors]
+        if kind == "send":
+            pairs = np.array(groups)
+            routes = self.topo.routes(pairs[:, 0], pairs[:, 1])
+            routes = routes[_contending([r[r >= 0] for r in routes], self.topo.num_links)]
+            return (self._phase(routes, float(nbytes), 1, 0.0, 0.0),)
         algorithm = self._choose(collective, ranks, int(nbytes))
-        per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes) for g in (ranks, *mirrors)]
+        per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes) for g in groups]
         for phases in per_group:
             for phase in phases:
                 phase.routes = self.topo.routes(phase.src, phase.dst)
-        kept = [per_group[i] for i in _contending([_links(p) for p in per_group])]
-        return [Phase(first.label, np.concatenate([p[i].src for p in kept]), np.concatenate([p[i].dst for p in kept]),
-                      np.concatenate([p[i].nbytes for p in kept]), first.steps, first.reduce_bytes,
-                      _stack([p[i].routes for p in kept]), first.overhead_s)
-                for i, first in enumerate(kept[0])]
+        link_sets = [np.unique(np.concatenate([p.routes.ravel() for p in phases])) for phases in per_group]
+        kept = [per_group[i] for i in _contending([links[links >= 0] for links in link_sets], self.topo.num_links)]
+        reduce_bw = self.topo.spec.reduction_bw_Bps
+        return tuple(self._phase(_stack([p[i].routes for p in kept]), np.concatenate([p[i].nbytes for p in kept]),
+                                 first.steps, first.overhead_s, first.reduce_bytes / reduce_bw)
+                     for i, first in enumerate(kept[0]))
 
-    def _send(self, env, net, op: Op):
-        routes = self._send_routes(op.ranks, op.mirrors)
-        latency = float(self.topo.path_latency_s(routes).max(initial=0.0))
-        if latency:
-            yield env.timeout(latency)
-        yield net.transfer(routes, op.nbytes)
-
-    def _pair_routes(self, ranks: tuple[int, ...], mirrors: tuple[tuple[int, ...], ...]) -> np.ndarray:
-        """Routes of a send and of the mirrored sends that share links with it."""
-        pairs = np.array([ranks, *mirrors])
-        routes = self.topo.routes(pairs[:, 0], pairs[:, 1])
-        return routes[_contending([set(r[r >= 0].tolist()) for r in routes])]
+    def _phase(self, routes: np.ndarray, nbytes, steps: int, overhead_s: float, reduce_s: float) -> CommPhase:
+        self._keys += 1
+        latency = steps * float(self.topo.path_latency_s(routes).max(initial=0.0)) + overhead_s
+        return CommPhase(routes, nbytes, latency, reduce_s, self._keys, np.unique(routes[routes >= 0]))
 
     def _choose_algorithm(self, collective: str, ranks: tuple[int, ...], nbytes: int) -> str:
         """The algorithm NCCL would pick for this collective alone (cached per group and size)."""
         return predict(self.topo, collective, nbytes, np.asarray(ranks)).algorithm
 
 
-def _links(phases: list[Phase]) -> set[int]:
-    return {int(link) for phase in phases for link in phase.routes.ravel() if link >= 0}
+@dataclass(frozen=True)
+class _Comm:
+    """How one communication op runs: phase by phase on the network, or, when no op of another
+    stream ever touches its links, in the closed form of its uncontended phases."""
+
+    phases: tuple[CommPhase, ...]
+    closed_form_s: float | None
 
 
-def _contending(link_sets: list[set[int]]) -> list[int]:
-    """Indices of the sets connected to the first through shared links (itself included).
+class _Run:
+    """One simulation of one program: the scheduler state and its callbacks."""
+
+    def __init__(self, sim: StepSimulator, program: Program, progress: Callable[[int, int], None] | None):
+        self.sim, self.program, self.ops = sim, program, program.ops
+        self.env = simpy.Environment()
+        self.net = Network(self.env, sim.topo.capacity_Bps, track_bytes=False)
+        n = len(self.ops)
+        self.start = [0.0] * n
+        self.end = [-1.0] * n  # -1: not finished
+        self.waiting = [0] * n  # prerequisites not yet finished
+        self.dependents: list[list[int]] = [[] for _ in range(n)]
+        self.recv_of: dict[int, int] = {}  # send id -> the receive waiting for it
+        self.finished = 0
+        self._due: deque[int] = deque()  # ops ending now, not yet processed
+        self._draining = False
+        self.progress = progress
+        self._next_report = time.monotonic() + PROGRESS_EVERY_S
+        self.comm: list[_Comm | None] = [None] * n
+        self._plan_comms()
+        ready = self._link_prerequisites()
+        self.env.timeout(0).callbacks.append(lambda _event: self._begin(ready))
+        self.env.run()
+
+    def _link_prerequisites(self) -> list[int]:
+        """Count each op's prerequisites (stream predecessor and deps); the ops with none."""
+        last: dict[tuple[int, str], int] = {}
+        for op in self.ops:
+            stream = (op.rank, op.stream)
+            before = last.get(stream)
+            last[stream] = op.id
+            prereqs = op.deps if before is None else (before, *op.deps)
+            if len(prereqs) > 1:
+                prereqs = tuple(dict.fromkeys(prereqs))
+            self.waiting[op.id] = len(prereqs)
+            for p in prereqs:
+                self.dependents[p].append(op.id)
+        return [op.id for op in self.ops if self.waiting[op.id] == 0]
+
+    def _plan_comms(self) -> None:
+        """Give every send and collective its phases, and a closed form where it cannot contend.
+
+        Ops on one (rank, stream) run one after another, so they never share a
+        link at the same time. A link that only one stream's ops ever use is
+        therefore never contended, and an op whose links are all such links
+        takes exactly its uncontended time: no need to simulate its flows.
+        """
+        sim, ops = self.sim, self.ops
+        phases_of: dict[tuple, tuple[CommPhase, ...]] = {}  # by the identity of the op's group tuples
+        streams: dict[tuple[int, str], int] = {}
+        uses: dict[tuple[int, int], tuple[CommPhase, ...]] = {}  # (stream, id of phases) -> phases
+        use_of: dict[int, tuple[int, int]] = {}
+        for op in ops:
+            if op.kind != "collective" and op.kind != "send":
+                continue
+            key = (op.kind, op.collective, id(op.ranks), id(op.mirrors), op.nbytes)
+            phases = phases_of.get(key)
+            if phases is None:
+                phases = phases_of[key] = sim.comm_phases(op.kind, op.collective, op.ranks, op.mirrors, op.nbytes)
+            stream = streams.setdefault((op.rank, op.stream), len(streams))
+            use = (stream, id(phases))
+            uses.setdefault(use, phases)
+            use_of[op.id] = use
+        if not uses:
+            return
+        nstreams = len(streams)
+        links = [np.unique(np.concatenate([p.links for p in phases])) for phases in uses.values()]
+        pairs = np.unique(np.concatenate([lk * nstreams + stream for lk, (stream, _) in zip(links, uses)]))
+        contended = np.bincount(pairs // nstreams, minlength=sim.topo.num_links) > 1
+        comms = {}
+        for lk, (use, phases) in zip(links, uses.items()):
+            closed = None
+            if not contended[lk].any():
+                closed = sum(p.latency_s + self.net.trajectory(p.routes, _sizes(p), p.key).duration + p.reduce_s
+                             for p in phases)
+            comms[use] = _Comm(phases, closed)
+        for i, use in use_of.items():
+            self.comm[i] = comms[use]
+
+    # -- scheduling ----------------------------------------------------------------
+    def _begin(self, ready: list[int]) -> None:
+        for i in ready:
+            self._start(i)
+
+    def _start(self, i: int) -> None:
+        op = self.ops[i]
+        self.start[i] = self.env.now
+        kind = op.kind
+        if kind == "compute" or kind == "optimizer":
+            duration = self.sim.compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels)
+            if duration > 0:
+                self.env.timeout(duration).callbacks.append(lambda _event: self._finish(i))
+            else:
+                self._finish(i)
+        elif kind == "recv":
+            if self.end[op.match] >= 0:
+                self._finish(i)
+            else:
+                self.recv_of[op.match] = i
+        elif kind == "collective" or kind == "send":
+            comm = self.comm[i]
+            if comm.closed_form_s is not None:
+                self._after(comm.closed_form_s, lambda: self._finish(i))
+            else:
+                self._phase(i, comm.phases, 0)
+        else:
+            raise ParsimError(f"op {op.name!r} on rank {op.rank} has unknown kind {kind!r}")
+
+    def _phase(self, i: int, phases: list[_Phase], k: int) -> None:
+        """Run phase ``k`` of a collective (a send is one phase): latency, transfer, reduction."""
+        if k == len(phases):
+            self._finish(i)
+            return
+        phase = phases[k]
+        next_phase = lambda: self._phase(i, phases, k + 1)  # noqa: E731
+        then = (lambda: self._after(phase.reduce_s, next_phase)) if phase.reduce_s else next_phase
+        self._after(phase.latency_s, lambda: self.net.start(phase.routes, phase.nbytes, then, phase.key))
+
+    def _after(self, seconds: float, then: Callable[[], None]) -> None:
+        if seconds > 0:
+            self.env.timeout(seconds).callbacks.append(lambda _event: then())
+        else:
+            then()
+
+    def _finish(self, i: int) -> None:
+        """End op ``i`` now and start whatever it was the last prerequisite of.
+
+        Ops that end the instant they start (a receive whose send has arrived)
+        are queued rather than finished recursively, so long chains of them
+        cannot overflow the stack.
+        """
+        self._due.append(i)
+        if self._draining:
+            return
+        self._draining = True
+        now = self.env.now
+        while self._due:
+            j = self._due.popleft()
+            self.end[j] = now
+            self.finished += 1
+            for d in self.dependents[j]:
+                self.waiting[d] -= 1
+                if self.waiting[d] == 0:
+                    self._start(d)
+            recv = self.recv_of.pop(j, None)
+            if recv is not None:
+                self._due.append(recv)
+        self._draining = False
+        if self.progress is not None and time.monotonic() > self._next_report:
+            self._next_report = time.monotonic() + PROGRESS_EVERY_S
+            self.progress(self.finished, len(self.ops))
+
+    # -- result ----------------------------------------------------------------------
+    def trace(self, meta: dict | None) -> Trace:
+        if self.finished < len(self.ops):
+            raise ParsimError(_stall_message(self.program, self.end))
+        ops, start, end = self.ops, self.start, self.end
+        events = [Event(op.name, op.rank, op.stream, op.kind, start[op.id], end[op.id] - start[op.id], _args(op))
+                  for op in ops]
+        events.sort(key=lambda e: (e.rank, e.start_s))
+        return Trace("simulated", self.program.world_size, events, dict(meta or {}))
+
+
+def _sizes(phase: CommPhase) -> np.ndarray:
+    return np.broadcast_to(np.asarray(phase.nbytes, dtype=float), (phase.routes.shape[0],))
+
+
+def _stall_message(program: Program, end: list[float]) -> str:
+    """Why a simulation stopped short: the first op of each stuck stream and what it waits on."""
+    stuck = [op for op in program.ops if end[op.id] < 0]
+    first = stuck[0]
+    waits = [program.ops[d].name for d in first.deps if end[d] < 0]
+    if first.kind == "recv" and end[first.match] < 0:
+        waits.append(program.ops[first.match].name)
+    reason = f", waiting for {', '.join(repr(w) for w in waits[:3])}" if waits else \
+        " (a transfer that never completes: a link with no bandwidth?)"
+    return (f"simulation stalled: {len(stuck)} of {len(program.ops)} ops never finished; the first is "
+            f"{first.name!r} on rank {first.rank}{reason}")
+
+
+def _contending(links: list[np.ndarray], num_links: int) -> list[int]:
+    """Indices of the link sets connected to the first through shared links (itself included).
 
     Mirror groups on links nobody else uses cannot change the representative's
     timing under max-min sharing, so only this connected part is simulated.
     """
-    kept, reached = [0], set(link_sets[0])
-    rest = list(range(1, len(link_sets)))
+    reached = np.zeros(num_links, dtype=bool)
+    reached[links[0]] = True
+    kept, rest = [0], list(range(1, len(links)))
     grew = True
-    while grew:
+    while grew and rest:
         grew = False
         for i in list(rest):
-            if link_sets[i] & reached:
+            if reached[links[i]].any():
+                reached[links[i]] = True
                 kept.append(i)
-                reached |= link_sets[i]
                 rest.remove(i)
                 grew = True
     return sorted(kept)
@@ -133,7 +314,8 @@ def _contending(link_sets: list[set[int]]) -> list[int]:
 
 def _stack(routes: list[np.ndarray]) -> np.ndarray:
     width = max(r.shape[1] for r in routes)
-    return np.vstack([np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=-1) for r in routes])
+    return np.vstack([r if r.shape[1] == width else
+                      np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=-1) for r in routes])
 
 
 def _args(op: Op) -> dict:
