@@ -38,6 +38,30 @@ ADAMW_ACCESSES = 21
 ADAMW_KERNELS = 8  # those eight passes, per parameter tensor
 
 
+@dataclass(frozen=True)
+class _ComputePiece:
+    """One block's compute in one pass (see :meth:`_Lowering._compute`); ``layer`` indexes the stage's costs."""
+
+    matmuls: tuple[tuple[int, int, int], ...]
+    flops: float
+    hbm_bytes: float
+    kernels: int
+    phase: str
+    layer: int
+
+
+@dataclass(frozen=True)
+class _TPPiece:
+    """A tensor-parallel collective between blocks; its name is ``name_head + mb + name_tail``."""
+
+    name_head: str
+    name_tail: str
+    collective: str
+    ranks: tuple[int, ...]
+    mirrors: tuple[tuple[int, ...], ...]
+    nbytes: float
+
+
 @dataclass
 class _Pending:
     """A receive whose matching send is created later."""
@@ -93,47 +117,62 @@ class _Lowering:
 
     # -- one schedule action ------------------------------------------------------
     def _action(self, rank: int, p: int, action: Action, last_mb: int) -> None:
-        plan, stage, mb = self.plan, action.stage, action.microbatch
+        plan, stage, mb, kind = self.plan, action.stage, action.microbatch, action.kind
         last_stage = plan.num_stages - 1
-        costs = plan.stage_costs(stage)
         act_bytes = self.tokens * hidden_size(plan) * plan.dtype_bytes
-        name = compute_name(action.kind, stage, mb)
-        if action.kind == "F":
+        if kind == "F" and stage > 0:
+            self._recv(rank, "act", stage - 1, mb, ("act", stage - 1, mb), act_bytes)
+        if kind in ("B", "I") and stage < last_stage:
+            self._recv(rank, "grad", stage + 1, mb, ("grad", stage + 1, mb), act_bytes)
+        name = compute_name(kind, stage, mb)
+        final = kind in ("B", "W") and mb == last_mb
+        last = None
+        for piece in self._pieces(p, stage, kind):
+            if isinstance(piece, _TPPiece):
+                last = self._add(rank, Op(f"{piece.name_head}{mb}{piece.name_tail}", "collective", "compute",
+                                          collective=piece.collective, group="tp", ranks=piece.ranks,
+                                          mirrors=piece.mirrors, nbytes=piece.nbytes, phase="tp"))
+            else:
+                last = self._add(rank, Op(name, "compute", "compute", matmuls=piece.matmuls, flops=piece.flops,
+                                          hbm_bytes=piece.hbm_bytes, kernels=piece.kernels, phase=piece.phase))
+                if final:
+                    self.final_grad_ops[(stage, piece.layer)] = last
+        if kind == "F" and stage < last_stage:
+            self._send(rank, "act", stage, mb, ("act", stage, mb), act_bytes, last)
+        if kind in ("B", "I") and stage > 0:
+            self._send(rank, "grad", stage, mb, ("grad", stage, mb), act_bytes, last)
+
+    @functools.cache
+    def _pieces(self, p: int, stage: int, kind: str) -> tuple[_ComputePiece | _TPPiece, ...]:
+        """What one ``kind`` pass of ``stage`` runs, in order: block compute split by the
+        tensor-parallel collectives between blocks. The same for every microbatch."""
+        plan = self.plan
+        costs = plan.stage_costs(stage)
+        if kind == "F":
             phase = "forward"
-            if stage > 0:
-                self._recv(rank, "act", stage - 1, mb, ("act", stage - 1, mb), act_bytes)
             order = [(i, c, b) for i, c in enumerate(costs) for b in c.blocks]
         else:
-            phase = {"B": "backward", "I": "backward", "W": "weight-grad"}[action.kind]
-            if action.kind != "W" and stage < last_stage:
-                self._recv(rank, "grad", stage + 1, mb, ("grad", stage + 1, mb), act_bytes)
+            phase = {"B": "backward", "I": "backward", "W": "weight-grad"}[kind]
             order = [(i, c, b) for i, c in reversed(list(enumerate(costs))) for b in reversed(c.blocks)]
-        direction = "fwd" if action.kind == "F" else "bwd"
+        direction = "fwd" if kind == "F" else "bwd"
         counters: dict[str, int] = {}
-        last = None
+        pieces: list[_ComputePiece | _TPPiece] = []
+        group, mirrors = self._group(p, "tp")
         for index, cost, block in order:
-            tp_ops = [c for c in block.collectives if c.phase == ("forward" if action.kind == "F" else "backward")]
-            if action.kind == "W" or plan.tp == 1:
+            tp_ops = [c for c in block.collectives if c.phase == ("forward" if kind == "F" else "backward")]
+            if kind == "W" or plan.tp == 1:
                 tp_ops = []
             for position in ("before", "after"):
                 if position == "after":
-                    last = self._compute(rank, name, phase, block, action.kind, cost, block is cost.blocks[-1])
-                    if action.kind in ("B", "W") and mb == last_mb:
-                        self.final_grad_ops[(stage, index)] = last
+                    pieces.append(self._compute(phase, block, kind, cost, block is cost.blocks[-1], index))
                 for coll in (c for c in tp_ops if c.position == position):
                     i = counters.get(cost.name, 0)
                     counters[cost.name] = i + 1
-                    group, mirrors = self._group(p, "tp")
-                    last = self._add(rank, Op(
-                        collective_name(coll.op, "tp", layer=cost.name, mb=mb, dir=f"{direction}{i}"),
-                        "collective", "compute", collective=coll.op, group="tp", ranks=group, mirrors=mirrors,
-                        nbytes=coll.bytes_per_token * self.tokens, phase="tp"))
-        if action.kind == "F" and stage < last_stage:
-            self._send(rank, "act", stage, mb, ("act", stage, mb), act_bytes, last)
-        if action.kind in ("B", "I") and stage > 0:
-            self._send(rank, "grad", stage, mb, ("grad", stage, mb), act_bytes, last)
+                    head, tail = collective_name(coll.op, "tp", layer=cost.name, mb="|", dir=f"{direction}{i}").split("|")
+                    pieces.append(_TPPiece(head, tail, coll.op, group, mirrors, coll.bytes_per_token * self.tokens))
+        return tuple(pieces)
 
-    def _compute(self, rank: int, name: str, phase: str, block, kind: str, cost: LayerCost, last: bool) -> int:
+    def _compute(self, phase: str, block, kind: str, cost: LayerCost, last: bool, layer: int) -> _ComputePiece:
         """One block's compute: its matmuls by shape, the attention core, and elementwise work.
 
         Elementwise kernels (activations, norms, softmax, gradient accumulation)
@@ -166,27 +205,28 @@ class _Lowering:
         # Autograd adds each weight gradient into .grad (read both, write one), once per microbatch.
         accumulate = sum(k * n for k, n in (mm.shape_per_rank(tp) for mm in block.matmuls)) * \
             self.plan.dtype_bytes * 3 if kind in ("B", "W") else 0
-        return self._add(rank, Op(name, "compute", "compute", matmuls=tuple(mms), flops=flops,
-                                  hbm_bytes=passes * saved_per_token * m + accumulate,
-                                  kernels=len(mms) + passes * saved_tensors, phase=phase))
+        return _ComputePiece(tuple(mms), flops, passes * saved_per_token * m + accumulate,
+                             len(mms) + passes * saved_tensors, phase, layer)
 
     # -- pipeline transfers ---------------------------------------------------------
     def _stage_rank(self, stage: int) -> int:
         return self.plan.rank_of(dp=0, pp=self.schedule.stage_to_rank(stage), tp=0)
 
     @functools.cache
-    def _pairs(self, src_stage: int, dst_stage: int) -> list[tuple[int, int]]:
+    def _pairs(self, src_stage: int, dst_stage: int) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
+        """The representative's (src, dst) ranks and its mirrors' (the other replicas' sends)."""
         plan, sched = self.plan, self.schedule
         a, b = sched.stage_to_rank(src_stage), sched.stage_to_rank(dst_stage)
-        return [(plan.rank_of(dp=d, pp=a, tp=t), plan.rank_of(dp=d, pp=b, tp=t))
-                for d in range(plan.dp) for t in range(plan.tp)]
+        pairs = [(plan.rank_of(dp=d, pp=a, tp=t), plan.rank_of(dp=d, pp=b, tp=t))
+                 for d in range(plan.dp) for t in range(plan.tp)]
+        return pairs[0], tuple(pairs[1:])
 
     def _send(self, rank, what, stage, mb, key, nbytes, after) -> None:
         dst_stage = stage + 1 if what == "act" else stage - 1
-        pairs = self._pairs(stage, dst_stage)
-        peer = pairs[0][1]
+        pair, mirrors = self._pairs(stage, dst_stage)
+        peer = pair[1]
         op = Op(p2p_name("send", what, stage, mb, peer), "send", "p2p", deps=(after,) if after is not None else (),
-                ranks=pairs[0], mirrors=tuple(pairs[1:]), nbytes=nbytes, peer=peer, phase="pp")
+                ranks=pair, mirrors=mirrors, nbytes=nbytes, peer=peer, phase="pp")
         if peer == rank:  # both stages on one rank (interleaved, V placement): nothing moves
             op.nbytes, op.ranks, op.mirrors = 0.0, (rank, rank), ()
         self.sends[key] = self._add(rank, op)

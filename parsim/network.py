@@ -124,10 +124,9 @@ class _Batch:
                  done: Callable[[], None]):
         self.id, self.routes, self.sizes, self.links, self.key = bid, routes, sizes, links, key
         self.flows = routes.shape[0]
-        self.active = np.arange(self.flows)  # indices (into the original flows) still moving
+        self.active = None  # indices (into the original flows) still moving; None: all of them
         self.left = sizes
-        self.rate = np.zeros(self.flows)
-        self.fin = np.full(self.flows, np.inf)
+        self.rate = self.fin = None  # set when rates are first solved
         self.last = self.started = now
         self.generation, self.done = 0, done
         self.solo: Trajectory | None = None
@@ -137,20 +136,20 @@ class _Batch:
         if self.solo is None:
             return
         active, left = self.solo.state_at(now - self.started, self.sizes)
-        self.routes, self.left, self.active = self.routes[active], left, active
-        self.rate = np.zeros(active.size)
-        self.last, self.solo = now, None
+        if active.size < self.flows:
+            self.routes, self.active = self.routes[active], active
+        self.left, self.last, self.solo = left, now, None
 
     def settle(self, now: float) -> None:
         """Drain bytes at the current rates up to ``now``."""
         elapsed = now - self.last
-        if elapsed > 0:
+        if elapsed > 0 and self.rate is not None:
             self.left = np.maximum(self.left - self.rate * elapsed, 0.0)
         self.last = now
 
     def signature(self) -> tuple[int, bytes]:
         """The route set this batch has in flight: its key, and which flows remain if some ended."""
-        return (self.key, b"" if self.active.size == self.flows else self.active.tobytes())
+        return (self.key, b"" if self.active is None else self.active.tobytes())
 
 
 class Network:
@@ -169,17 +168,17 @@ class Network:
         self._users = np.zeros(self.capacity.size, dtype=np.int64)  # active batches per link
         self._sharing: dict[int, set[int]] = {}  # link -> ids of the batches on it, for links with several
         self._owner = np.full(self.capacity.size, -1, dtype=np.int64)  # the one batch on a link
-        self._links: dict[int, np.ndarray] = {}  # key -> the links of its routes
+        self._prepared: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # key -> routes, sizes, links
         self._solutions: dict[tuple, list[np.ndarray]] = {}  # component signature -> rates per batch
-        self._trajectories: dict[tuple[int, bytes], Trajectory] = {}
+        self._trajectories: dict[int, Trajectory] = {}
         self._next_id = 0
         self.solves = 0  # max-min problems actually solved (the rest came from memory)
 
     def transfer(self, routes: np.ndarray, nbytes, key: int | None = None) -> simpy.Event:
         """Start one flow per row of ``routes`` carrying ``nbytes`` (scalar or per flow).
 
-        ``key`` names the route matrix for memoization: equal keys must mean
-        equal routes. Without one, this batch's components are always solved.
+        ``key`` names the transfer for memoization: equal keys must mean equal
+        routes and sizes. Without one, every change is solved afresh.
         """
         done = self.env.event()
         self.start(routes, nbytes, done.succeed, key)
@@ -187,40 +186,50 @@ class Network:
 
     def start(self, routes: np.ndarray, nbytes, on_done: Callable[[], None], key: int | None = None) -> None:
         """Like :meth:`transfer`, but call ``on_done()`` when the last flow has arrived."""
-        routes = np.asarray(routes, dtype=np.int64)
-        sizes = np.broadcast_to(np.asarray(nbytes, dtype=float), (routes.shape[0],))
-        if not (sizes > 0).all():  # nothing to move on some flows: a different route set, so no key
-            keep = sizes > 0
-            routes, sizes, key = routes[keep], sizes[keep], None
+        prepared = self._prepared.get(key) if key is not None else None
+        if prepared is None:
+            prepared = self._prepare(routes, nbytes, key)
+        routes, sizes, links = prepared
         if self.link_bytes is not None:
             valid = routes >= 0
             np.add.at(self.link_bytes, routes[valid], np.repeat(sizes, valid.sum(axis=1)))
         if routes.shape[0] == 0:
             on_done()
             return
-        links = self._links.get(key) if key is not None else None
-        if links is None:
-            links = np.unique(routes[routes >= 0])
-            if key is not None:
-                self._links[key] = links
         batch = _Batch(self._next_id, routes, sizes, links, key, self.env.now, on_done)
         self._next_id += 1
         self._batches[batch.id] = batch
-        if key is not None and not self._users[links].any():
-            self._register(batch)
+        alone = key is not None and not self._users[links].any()
+        self._register(batch)
+        if alone:
             batch.solo = self.trajectory(routes, sizes, key)
             self._wake_at(batch, batch.started + batch.solo.duration)
         else:
-            self._register(batch)
             self._resolve(self._component(batch))
 
+    def _prepare(self, routes: np.ndarray, nbytes, key: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Routes and sizes of the flows that move bytes, and the links they use (kept per key)."""
+        routes = np.asarray(routes, dtype=np.int64)
+        sizes = np.broadcast_to(np.asarray(nbytes, dtype=float), (routes.shape[0],))
+        moving = sizes > 0
+        if not moving.all():
+            routes, sizes = routes[moving], sizes[moving]
+        prepared = routes, sizes.copy(), np.unique(routes[routes >= 0])
+        if key is not None:
+            self._prepared[key] = prepared
+        return prepared
+
+    def solo_time(self, routes: np.ndarray, nbytes, key: int) -> float:
+        """Seconds transfer ``key`` takes with nothing else on its links."""
+        routes, sizes, _ = self._prepared.get(key) or self._prepare(routes, nbytes, key)
+        return self.trajectory(routes, sizes, key).duration if routes.shape[0] else 0.0
+
     def trajectory(self, routes: np.ndarray, sizes: np.ndarray, key: int) -> Trajectory:
-        """The memoized :class:`Trajectory` of route set ``key`` carrying ``sizes`` alone."""
-        memo = (key, sizes.tobytes())
-        found = self._trajectories.get(memo)
+        """The memoized :class:`Trajectory` of transfer ``key`` (``routes`` carrying ``sizes``) alone."""
+        found = self._trajectories.get(key)
         if found is None:
             self.solves += 1
-            found = self._trajectories[memo] = Trajectory(routes, sizes, self.capacity)
+            found = self._trajectories[key] = Trajectory(routes, sizes, self.capacity)
         return found
 
     # -- which batches contend -------------------------------------------------
@@ -320,7 +329,8 @@ class Network:
             batch.done()
             return
         keep = ~finished
-        batch.routes, batch.left, batch.active = batch.routes[keep], batch.left[keep], batch.active[keep]
+        active = np.arange(batch.flows) if batch.active is None else batch.active
+        batch.routes, batch.left, batch.active = batch.routes[keep], batch.left[keep], active[keep]
         self._resolve(self._component(batch))
 
     def _components(self, ids: set[int]) -> list[list[_Batch]]:

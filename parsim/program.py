@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Op:
     """One operation of one rank. Ids are assigned by :meth:`Program.add`."""
 

@@ -69,14 +69,16 @@ def step_time(trace: Trace) -> float:
 def breakdown(trace: Trace) -> list[RankBreakdown]:
     """Time by phase for every rank in the trace (the whole step is each rank's denominator)."""
     total = step_time(trace)
+    by_rank: dict[int, list[Event]] = {}
+    for e in trace.events:
+        by_rank.setdefault(e.rank, []).append(e)
     rows = []
-    for rank in sorted({e.rank for e in trace.events}):
-        events = trace.for_rank(rank)
+    for rank in sorted(by_rank):
+        events = by_rank[rank]
         seconds = {p: 0.0 for p in PHASES}
-        tp = [e for e in events if e.args.get("phase") == "tp"]
-        computes = [e for e in events if e.kind == "compute"]
-        for e in computes:
-            nested = sum(_overlap(e, t) for t in tp)
+        tp = sorted((e for e in events if e.args.get("phase") == "tp"), key=lambda e: e.start_s)
+        computes = sorted((e for e in events if e.kind == "compute"), key=lambda e: e.start_s)
+        for e, nested in zip(computes, _nested_time(computes, tp)):
             seconds[e.args.get("phase", "forward")] += max(e.dur_s - nested, 0.0)
         seconds["tp"] = sum(e.dur_s for e in tp)
         seconds["pp"] = sum(e.dur_s for e in events if e.kind == "recv")
@@ -90,8 +92,21 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
     return rows
 
 
-def _overlap(a: Event, b: Event) -> float:
-    return max(0.0, min(a.end_s, b.end_s) - max(a.start_s, b.start_s))
+def _nested_time(spans: list[Event], inner: list[Event]) -> list[float]:
+    """For each span (sorted by start), the time of the ``inner`` events (sorted) overlapping it.
+
+    One sweep: inner events that end before a span starts can overlap no later span.
+    """
+    out, first = [], 0
+    for span in spans:
+        while first < len(inner) and inner[first].end_s <= span.start_s:
+            first += 1
+        nested, j = 0.0, first
+        while j < len(inner) and inner[j].start_s < span.end_s:
+            nested += max(0.0, min(span.end_s, inner[j].end_s) - max(span.start_s, inner[j].start_s))
+            j += 1
+        out.append(nested)
+    return out
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

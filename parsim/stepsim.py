@@ -59,7 +59,7 @@ class StepSimulator:
 
     def __init__(self, topo: Topology, compute: ComputeModel):
         self.topo, self.compute = topo, compute
-        self._choose = lru_cache(maxsize=None)(self._choose_algorithm)
+        self._algorithms: dict[tuple, str] = {}
         self.comm_phases = lru_cache(maxsize=None)(self._comm_phases)
         self.compute_time = lru_cache(maxsize=None)(self.compute.time)
         self._keys = 0
@@ -79,27 +79,41 @@ class StepSimulator:
             pairs = np.array(groups)
             routes = self.topo.routes(pairs[:, 0], pairs[:, 1])
             routes = routes[_contending([r[r >= 0] for r in routes], self.topo.num_links)]
-            return (self._phase(routes, float(nbytes), 1, 0.0, 0.0),)
-        algorithm = self._choose(collective, ranks, int(nbytes))
+            return (self._ready_phase(routes, float(nbytes), 1, 0.0, 0.0),)
+        algorithm = self._algorithm(collective, ranks, int(nbytes))
         per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes) for g in groups]
-        for phases in per_group:
-            for phase in phases:
-                phase.routes = self.topo.routes(phase.src, phase.dst)
+        for i in range(len(per_group[0])):  # every group's routes of phase i at once
+            phases = [p[i] for p in per_group]
+            routes = self.topo.routes(np.concatenate([p.src for p in phases]), np.concatenate([p.dst for p in phases]))
+            for phase, part in zip(phases, np.split(routes, np.cumsum([len(p.src) for p in phases])[:-1])):
+                phase.routes = part
         link_sets = [np.unique(np.concatenate([p.routes.ravel() for p in phases])) for phases in per_group]
         kept = [per_group[i] for i in _contending([links[links >= 0] for links in link_sets], self.topo.num_links)]
         reduce_bw = self.topo.spec.reduction_bw_Bps
-        return tuple(self._phase(_stack([p[i].routes for p in kept]), np.concatenate([p[i].nbytes for p in kept]),
+        return tuple(self._ready_phase(_stack([p[i].routes for p in kept]), np.concatenate([p[i].nbytes for p in kept]),
                                  first.steps, first.overhead_s, first.reduce_bytes / reduce_bw)
                      for i, first in enumerate(kept[0]))
 
-    def _phase(self, routes: np.ndarray, nbytes, steps: int, overhead_s: float, reduce_s: float) -> CommPhase:
+    def _ready_phase(self, routes: np.ndarray, nbytes, steps: int, overhead_s: float, reduce_s: float) -> CommPhase:
         self._keys += 1
         latency = steps * float(self.topo.path_latency_s(routes).max(initial=0.0)) + overhead_s
         return CommPhase(routes, nbytes, latency, reduce_s, self._keys, np.unique(routes[routes >= 0]))
 
-    def _choose_algorithm(self, collective: str, ranks: tuple[int, ...], nbytes: int) -> str:
-        """The algorithm NCCL would pick for this collective alone (cached per group and size)."""
-        return predict(self.topo, collective, nbytes, np.asarray(ranks)).algorithm
+    def _algorithm(self, collective: str, ranks: tuple[int, ...], nbytes: int) -> str:
+        """The algorithm NCCL would pick for this collective alone.
+
+        Cached per group shape and size: nodes are wired alike and scalable
+        units alike, so groups with the same local GPUs, the same node offsets
+        and the same unit offsets choose alike wherever they sit.
+        """
+        group = np.asarray(ranks)
+        nodes, units = self.topo.node_of(group), self.topo.unit_of(group)
+        shape = (tuple((group % self.topo.gpus_per_node).tolist()), tuple((nodes - nodes[0]).tolist()),
+                 tuple((units - units[0]).tolist()))
+        found = self._algorithms.get((collective, shape, nbytes))
+        if found is None:
+            found = self._algorithms[(collective, shape, nbytes)] = predict(self.topo, collective, nbytes, group).algorithm
+        return found
 
 
 @dataclass(frozen=True)
@@ -131,24 +145,54 @@ class _Run:
         self._next_report = time.monotonic() + PROGRESS_EVERY_S
         self.comm: list[_Comm | None] = [None] * n
         self._plan_comms()
+        self.fixed: list[float | None] = [None] * n  # duration, where known before the op starts
+        self.through = [False] * n  # ends by starting its stream successor at once (see _start)
         ready = self._link_prerequisites()
         self.env.timeout(0).callbacks.append(lambda _event: self._begin(ready))
         self.env.run()
 
     def _link_prerequisites(self) -> list[int]:
-        """Count each op's prerequisites (stream predecessor and deps); the ops with none."""
+        """Count each op's prerequisites (stream predecessor and deps) and find the chains.
+
+        Returns the ops with no prerequisites. An op whose only dependent is
+        its stream successor, and whose successor waits for nothing else and
+        has a known duration, is ``through``: when it ends, the successor
+        starts at that instant, so :meth:`_start` times the whole chain with
+        one timeout (the block computes and uncontended tensor-parallel
+        collectives of a pass run back to back).
+        """
+        ops, fixed, waiting, dependents = self.ops, self.fixed, self.waiting, self.dependents
+        compute_time, costs = self.sim.compute_time, {}
         last: dict[tuple[int, str], int] = {}
-        for op in self.ops:
+        successor = [-1] * len(ops)
+        for op in ops:
+            i = op.id
+            if op.kind == "compute" or op.kind == "optimizer":
+                key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels)
+                fixed[i] = costs.get(key)
+                if fixed[i] is None:
+                    fixed[i] = costs[key] = compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels)
+            elif self.comm[i] is not None:
+                fixed[i] = self.comm[i].closed_form_s
             stream = (op.rank, op.stream)
             before = last.get(stream)
-            last[stream] = op.id
-            prereqs = op.deps if before is None else (before, *op.deps)
+            last[stream] = i
+            if before is None:
+                prereqs = op.deps
+            else:
+                successor[before] = i
+                prereqs = (before, *op.deps) if op.deps else (before,)
             if len(prereqs) > 1:
                 prereqs = tuple(dict.fromkeys(prereqs))
-            self.waiting[op.id] = len(prereqs)
+            waiting[i] = len(prereqs)
             for p in prereqs:
-                self.dependents[p].append(op.id)
-        return [op.id for op in self.ops if self.waiting[op.id] == 0]
+                dependents[p].append(i)
+        sent = {op.match for op in ops if op.kind == "recv"}
+        for op in ops:
+            i, k = op.id, successor[op.id]
+            self.through[i] = (k >= 0 and fixed[k] is not None and waiting[k] == 1 and dependents[i] == [k]
+                               and i not in sent)
+        return [op.id for op in ops if waiting[op.id] == 0]
 
     def _plan_comms(self) -> None:
         """Give every send and collective its phases, and a closed form where it cannot contend.
@@ -158,36 +202,40 @@ class _Run:
         therefore never contended, and an op whose links are all such links
         takes exactly its uncontended time: no need to simulate its flows.
         """
-        sim, ops = self.sim, self.ops
+        sim = self.sim
         phases_of: dict[tuple, tuple[CommPhase, ...]] = {}  # by the identity of the op's group tuples
-        streams: dict[tuple[int, str], int] = {}
-        uses: dict[tuple[int, int], tuple[CommPhase, ...]] = {}  # (stream, id of phases) -> phases
-        use_of: dict[int, tuple[int, int]] = {}
-        for op in ops:
-            if op.kind != "collective" and op.kind != "send":
+        uses: dict[tuple, int] = {}  # (rank, stream, op's comm key) -> index of that use
+        use_of: list[tuple[int, int]] = []  # (op id, use index)
+        for op in self.ops:
+            kind = op.kind
+            if kind != "collective" and kind != "send":
                 continue
-            key = (op.kind, op.collective, id(op.ranks), id(op.mirrors), op.nbytes)
-            phases = phases_of.get(key)
-            if phases is None:
-                phases = phases_of[key] = sim.comm_phases(op.kind, op.collective, op.ranks, op.mirrors, op.nbytes)
-            stream = streams.setdefault((op.rank, op.stream), len(streams))
-            use = (stream, id(phases))
-            uses.setdefault(use, phases)
-            use_of[op.id] = use
+            use_key = (op.rank, op.stream, kind, op.collective, id(op.ranks), id(op.mirrors), op.nbytes)
+            use = uses.get(use_key)
+            if use is None:
+                use = uses[use_key] = len(uses)
+                key = use_key[2:]
+                if key not in phases_of:
+                    phases_of[key] = sim.comm_phases(kind, op.collective, op.ranks, op.mirrors, op.nbytes)
+            use_of.append((op.id, use))
         if not uses:
             return
+        streams: dict[tuple[int, str], int] = {}
+        use_phases, use_stream = [], []
+        for rank, stream, *key in uses:
+            use_phases.append(phases_of[tuple(key)])
+            use_stream.append(streams.setdefault((rank, stream), len(streams)))
         nstreams = len(streams)
-        links = [np.unique(np.concatenate([p.links for p in phases])) for phases in uses.values()]
-        pairs = np.unique(np.concatenate([lk * nstreams + stream for lk, (stream, _) in zip(links, uses)]))
+        links = [np.unique(np.concatenate([p.links for p in phases])) for phases in use_phases]
+        pairs = np.unique(np.concatenate([lk * nstreams + s for lk, s in zip(links, use_stream)]))
         contended = np.bincount(pairs // nstreams, minlength=sim.topo.num_links) > 1
-        comms = {}
-        for lk, (use, phases) in zip(links, uses.items()):
+        comms = []
+        for lk, phases in zip(links, use_phases):
             closed = None
             if not contended[lk].any():
-                closed = sum(p.latency_s + self.net.trajectory(p.routes, _sizes(p), p.key).duration + p.reduce_s
-                             for p in phases)
-            comms[use] = _Comm(phases, closed)
-        for i, use in use_of.items():
+                closed = sum(p.latency_s + self.net.solo_time(p.routes, p.nbytes, p.key) + p.reduce_s for p in phases)
+            comms.append(_Comm(phases, closed))
+        for i, use in use_of:
             self.comm[i] = comms[use]
 
     # -- scheduling ----------------------------------------------------------------
@@ -196,30 +244,31 @@ class _Run:
             self._start(i)
 
     def _start(self, i: int) -> None:
+        now = self.env.now
+        self.start[i] = now
+        duration = self.fixed[i]
+        if duration is not None:
+            end, last = now + duration, i
+            while self.through[last]:  # the chain of ops that follow at once (see _link_prerequisites)
+                self.end[last] = end
+                self.finished += 1
+                last = self.dependents[last][0]
+                self.start[last] = end
+                end += self.fixed[last]
+            self._after(end - now, lambda: self._finish(last))
+            return
         op = self.ops[i]
-        self.start[i] = self.env.now
-        kind = op.kind
-        if kind == "compute" or kind == "optimizer":
-            duration = self.sim.compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels)
-            if duration > 0:
-                self.env.timeout(duration).callbacks.append(lambda _event: self._finish(i))
-            else:
-                self._finish(i)
-        elif kind == "recv":
+        if op.kind == "recv":
             if self.end[op.match] >= 0:
                 self._finish(i)
             else:
                 self.recv_of[op.match] = i
-        elif kind == "collective" or kind == "send":
-            comm = self.comm[i]
-            if comm.closed_form_s is not None:
-                self._after(comm.closed_form_s, lambda: self._finish(i))
-            else:
-                self._phase(i, comm.phases, 0)
+        elif op.kind == "collective" or op.kind == "send":
+            self._phase(i, self.comm[i].phases, 0)
         else:
-            raise ParsimError(f"op {op.name!r} on rank {op.rank} has unknown kind {kind!r}")
+            raise ParsimError(f"op {op.name!r} on rank {op.rank} has unknown kind {op.kind!r}")
 
-    def _phase(self, i: int, phases: list[_Phase], k: int) -> None:
+    def _phase(self, i: int, phases: tuple[CommPhase, ...], k: int) -> None:
         """Run phase ``k`` of a collective (a send is one phase): latency, transfer, reduction."""
         if k == len(phases):
             self._finish(i)
@@ -272,10 +321,6 @@ class _Run:
                   for op in ops]
         events.sort(key=lambda e: (e.rank, e.start_s))
         return Trace("simulated", self.program.world_size, events, dict(meta or {}))
-
-
-def _sizes(phase: CommPhase) -> np.ndarray:
-    return np.broadcast_to(np.asarray(phase.nbytes, dtype=float), (phase.routes.shape[0],))
 
 
 def _stall_message(program: Program, end: list[float]) -> str:
