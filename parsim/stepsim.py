@@ -316,9 +316,9 @@ class _Run:
     def trace(self, meta: dict | None) -> Trace:
         if self.finished < len(self.ops):
             raise ParsimError(_stall_message(self.program, self.end))
-        ops, start, end = self.ops, self.start, self.end
-        events = [Event(op.name, op.rank, op.stream, op.kind, start[op.id], end[op.id] - start[op.id], _args(op))
-                  for op in ops]
+        start, end, args = self.start, self.end, _ArgsCache()
+        events = [Event(op.name, op.rank, op.stream, op.kind, start[op.id], end[op.id] - start[op.id], args(op))
+                  for op in self.ops]
         events.sort(key=lambda e: (e.rank, e.start_s))
         return Trace("simulated", self.program.world_size, events, dict(meta or {}))
 
@@ -361,6 +361,21 @@ def _stack(routes: list[np.ndarray]) -> np.ndarray:
     width = max(r.shape[1] for r in routes)
     return np.vstack([r if r.shape[1] == width else
                       np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=-1) for r in routes])
+
+
+class _ArgsCache:
+    """Event args of an op (phase, FLOPs, bytes, group, peer): built once per distinct op
+    shape, copied per event."""
+
+    def __init__(self):
+        self._known: dict[tuple, dict] = {}
+
+    def __call__(self, op: Op) -> dict:
+        key = (op.kind, op.phase, id(op.matmuls), op.flops, op.nbytes, op.group, op.peer)
+        args = self._known.get(key)
+        if args is None:
+            args = self._known[key] = _args(op)
+        return args.copy()
 
 
 def _args(op: Op) -> dict:

@@ -20,7 +20,7 @@ from .files import read_json
 STREAMS = ("compute", "comm", "p2p")
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     """One operation on one rank. Times are seconds from the start of the step."""
 
