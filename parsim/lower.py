@@ -90,6 +90,7 @@ class _Lowering:
         self.schedule = schedule_of(plan)
         self.program = Program(plan.world)
         self.tokens = plan.tokens_per_microbatch
+        self.act_bytes = self.tokens * hidden_size(plan) * plan.dtype_bytes  # one microbatch's activations
         self.sends: dict[tuple, int] = {}
         self.pending: list[_Pending] = []
         last_mb = plan.num_microbatches - 1
@@ -119,7 +120,7 @@ class _Lowering:
     def _action(self, rank: int, p: int, action: Action, last_mb: int) -> None:
         plan, stage, mb, kind = self.plan, action.stage, action.microbatch, action.kind
         last_stage = plan.num_stages - 1
-        act_bytes = self.tokens * hidden_size(plan) * plan.dtype_bytes
+        act_bytes = self.act_bytes
         if kind == "F" and stage > 0:
             self._recv(rank, "act", stage - 1, mb, ("act", stage - 1, mb), act_bytes)
         if kind in ("B", "I") and stage < last_stage:
@@ -209,6 +210,7 @@ class _Lowering:
                              len(mms) + passes * saved_tensors, phase, layer)
 
     # -- pipeline transfers ---------------------------------------------------------
+    @functools.cache
     def _stage_rank(self, stage: int) -> int:
         return self.plan.rank_of(dp=0, pp=self.schedule.stage_to_rank(stage), tp=0)
 

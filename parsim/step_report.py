@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .lower import schedule_of
 from .plan import Plan
 from .schedules import peak_in_flight
@@ -74,20 +76,30 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
         by_rank.setdefault(e.rank, []).append(e)
     rows = []
     for rank in sorted(by_rank):
-        events = by_rank[rank]
         seconds = {p: 0.0 for p in PHASES}
-        tp = sorted((e for e in events if e.args.get("phase") == "tp"), key=lambda e: e.start_s)
-        computes = sorted((e for e in events if e.kind == "compute"), key=lambda e: e.start_s)
+        tp, computes, busy, dp = [], [], [], []
+        for e in by_rank[rank]:  # one pass: sort each event into what it counts towards
+            kind, phase = e.kind, e.args.get("phase")
+            if phase == "tp":
+                tp.append(e)
+            elif phase == "dp":
+                dp.append((e.start_s, e.start_s + e.dur_s))
+            if kind == "compute":
+                computes.append(e)
+            elif kind == "recv":
+                seconds["pp"] += e.dur_s
+            elif kind == "optimizer":
+                seconds["optimizer"] += e.dur_s
+            else:
+                continue
+            busy.append((e.start_s, e.start_s + e.dur_s))
+        tp.sort(key=lambda e: e.start_s)
+        computes.sort(key=lambda e: e.start_s)
         for e, nested in zip(computes, _nested_time(computes, tp)):
             seconds[e.args.get("phase", "forward")] += max(e.dur_s - nested, 0.0)
         seconds["tp"] = sum(e.dur_s for e in tp)
-        seconds["pp"] = sum(e.dur_s for e in events if e.kind == "recv")
-        seconds["optimizer"] = sum(e.dur_s for e in events if e.kind == "optimizer")
-        busy = [(e.start_s, e.end_s) for e in events if e.kind in ("compute", "recv", "optimizer")]
-        dp = [(e.start_s, e.end_s) for e in events if e.args.get("phase") == "dp"]
-        seconds["dp"] = _length(_union(busy + dp)) - _length(_union(busy))
-        everything = _union(busy + dp + [(e.start_s, e.end_s) for e in tp])
-        seconds["idle"] = max(total - _length(everything), 0.0)
+        seconds["dp"] = _covered(busy + dp) - _covered(busy)
+        seconds["idle"] = max(total - _covered(busy + dp + [(e.start_s, e.end_s) for e in tp]), 0.0)
         rows.append(RankBreakdown(rank, total, seconds))
     return rows
 
@@ -109,18 +121,17 @@ def _nested_time(spans: list[Event], inner: list[Event]) -> list[float]:
     return out
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return [(a, b) for a, b in out]
-
-
-def _length(intervals: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in intervals)
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``(start, end)`` intervals."""
+    if not intervals:
+        return 0.0
+    spans = np.array(intervals, dtype=float)
+    spans = spans[np.argsort(spans[:, 0], kind="stable")]
+    starts, reach = spans[:, 0], np.maximum.accumulate(spans[:, 1])
+    # A new stretch begins where an interval starts after everything before it has ended.
+    first = np.flatnonzero(np.concatenate([[True], starts[1:] > reach[:-1]]))
+    last = np.concatenate([first[1:] - 1, [len(spans) - 1]])
+    return float((reach[last] - starts[first]).sum())
 
 
 @dataclass

@@ -87,8 +87,8 @@ class StepSimulator:
             routes = self.topo.routes(np.concatenate([p.src for p in phases]), np.concatenate([p.dst for p in phases]))
             for phase, part in zip(phases, np.split(routes, np.cumsum([len(p.src) for p in phases])[:-1])):
                 phase.routes = part
-        link_sets = [np.unique(np.concatenate([p.routes.ravel() for p in phases])) for phases in per_group]
-        kept = [per_group[i] for i in _contending([links[links >= 0] for links in link_sets], self.topo.num_links)]
+        hops = [np.concatenate([p.routes.ravel() for p in phases]) for phases in per_group]
+        kept = [per_group[i] for i in _contending([h[h >= 0] for h in hops], self.topo.num_links)]
         reduce_bw = self.topo.spec.reduction_bw_Bps
         return tuple(self._ready_phase(_stack([p[i].routes for p in kept]), np.concatenate([p[i].nbytes for p in kept]),
                                  first.steps, first.overhead_s, first.reduce_bytes / reduce_bw)

@@ -14,6 +14,7 @@ ranks' chunks for all-gather, reduce-scatter, gather, scatter and all-to-all.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,6 +202,15 @@ def tree_depth(parent: np.ndarray) -> int:
     return int(depth.max())
 
 
+@functools.cache
+def _tree_shape(n: int) -> tuple[tuple[np.ndarray, np.ndarray], int]:
+    """NCCL's two trees over ``n`` ranks and their depth (cached: every group of ``n`` shares them)."""
+    trees = double_binary_tree(n)
+    for tree in trees:
+        tree.flags.writeable = False
+    return trees, max(tree_depth(t) for t in trees)
+
+
 def _tree(topo: Topology, op: str, group: np.ndarray, size: float, root: int) -> list[Phase]:
     """Double binary tree all-reduce: each tree reduces half the buffer up, then broadcasts it down.
 
@@ -214,8 +224,8 @@ def _tree(topo: Topology, op: str, group: np.ndarray, size: float, root: int) ->
     else:
         channels = [group[:, None]]  # one node: the trees span the GPUs themselves
     part = size / len(channels)
-    trees = double_binary_tree(channels[0].shape[0])
-    steps = max(tree_depth(t) for t in trees) + channels[0].shape[1] - 1
+    trees, depth = _tree_shape(channels[0].shape[0])
+    steps = depth + channels[0].shape[1] - 1
     src, dst, sizes = [], [], []
     loads = np.zeros(topo.num_gpus)
     for per_node in channels:
