@@ -11,6 +11,7 @@ returns a :class:`~parsim.topology.Topology`.
 from __future__ import annotations
 
 import importlib.resources
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,11 +147,11 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     algorithms = r.optional_mapping("algorithms")
     efficiency = r.optional_mapping("collective_efficiency")
     for op, value in efficiency.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        if not _is_number(value) or value <= 0:
             raise ConfigError(source, f"collective_efficiency.{op}", f"is {value!r}", "a positive fraction")
     overhead = r.optional_mapping("collective_overhead_us")
     for op, value in overhead.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        if not _is_number(value) or value < 0:
             raise ConfigError(source, f"collective_overhead_us.{op}", f"is {value!r}", "microseconds >= 0")
     compute = r.optional_mapping("compute")
     matmul_efficiency = compute.get("matmul_efficiency", 1.0)
@@ -160,11 +161,11 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     if unknown:
         raise ConfigError(source, f"compute.{sorted(unknown)[0]}", "unknown key",
                           "matmul_efficiency, matmul_half_dim, kernel_overhead_us")
-    if isinstance(kernel_us, bool) or not isinstance(kernel_us, (int, float)) or kernel_us < 0:
+    if not _is_number(kernel_us) or kernel_us < 0:
         raise ConfigError(source, "compute.kernel_overhead_us", f"is {kernel_us!r}", "microseconds >= 0")
-    if not isinstance(matmul_efficiency, (int, float)) or not 0 < matmul_efficiency <= 1:
+    if not _is_number(matmul_efficiency) or not 0 < matmul_efficiency <= 1:
         raise ConfigError(source, "compute.matmul_efficiency", f"is {matmul_efficiency!r}", "a fraction in (0, 1]")
-    if not isinstance(half_dim, (int, float)) or half_dim < 0:
+    if not _is_number(half_dim) or half_dim < 0:
         raise ConfigError(source, "compute.matmul_half_dim", f"is {half_dim!r}", "a matrix dimension >= 0")
     spec = ClusterSpec(
         name=name,
@@ -208,6 +209,11 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         raise ConfigError(source, "scale_out.oversubscription", f"{spec.scale_out.oversubscription} is below 1",
                           "downlink:uplink ratio >= 1")
     return spec
+
+
+def _is_number(value: object) -> bool:
+    """A real, finite number (YAML's .nan and .inf are not figures of any hardware)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 class _Reader:
@@ -254,8 +260,8 @@ class _Reader:
         value = self._get(key, optional)
         if value is None:
             return 0.0
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(self.source, self.prefix + key, f"is {value!r}", f"a number in {unit}")
+        if not _is_number(value):
+            raise ConfigError(self.source, self.prefix + key, f"is {value!r}", f"a finite number in {unit}")
         if value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(self.source, self.prefix + key, f"is {value}", f"a positive number in {unit}")
         return float(value)

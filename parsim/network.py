@@ -147,9 +147,11 @@ class _Batch:
             self.left = np.maximum(self.left - self.rate * elapsed, 0.0)
         self.last = now
 
-    def signature(self) -> tuple[int, bytes]:
+    def signature(self) -> tuple[int, bool, bytes]:
         """The route set this batch has in flight: its key, and which flows remain if some ended."""
-        return (self.key, b"" if self.active is None else self.active.tobytes())
+        if self.active is None:
+            return (self.key, False, b"")
+        return (self.key, True, self.active.tobytes())
 
 
 class Network:

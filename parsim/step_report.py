@@ -8,7 +8,8 @@ phases that never double count:
   tensor-parallel collectives nested inside them;
 * ``tp``: tensor-parallel collectives (they block compute);
 * ``pp``: waiting for a pipeline receive (transfer time plus the pipeline bubble);
-* ``dp``: data-parallel gradient all-reduce time *not* hidden behind compute;
+* ``dp``: data-parallel gradient all-reduce time *not* hidden behind the compute
+  stream (compute, tensor-parallel collectives, receives);
 * ``optimizer``; and ``idle``: the rest of the step.
 """
 
@@ -98,8 +99,11 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
         for e, nested in zip(computes, _nested_time(computes, tp)):
             seconds[e.args.get("phase", "forward")] += max(e.dur_s - nested, 0.0)
         seconds["tp"] = sum(e.dur_s for e in tp)
-        seconds["dp"] = _covered(busy + dp) - _covered(busy)
-        seconds["idle"] = max(total - _covered(busy + dp + [(e.start_s, e.end_s) for e in tp]), 0.0)
+        # Tensor-parallel collectives block the compute stream: gradient all-reduce time under them is hidden too.
+        busy += [(e.start_s, e.end_s) for e in tp]
+        covered = _covered(busy + dp)
+        seconds["dp"] = covered - _covered(busy)
+        seconds["idle"] = max(total - covered, 0.0)
         rows.append(RankBreakdown(rank, total, seconds))
     return rows
 

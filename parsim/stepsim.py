@@ -19,6 +19,7 @@ schema the executor writes.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -150,6 +151,8 @@ class _Run:
         ready = self._link_prerequisites()
         self.env.timeout(0).callbacks.append(lambda _event: self._begin(ready))
         self.env.run()
+        if progress is not None:
+            progress(self.finished, n)
 
     def _link_prerequisites(self) -> list[int]:
         """Count each op's prerequisites (stream predecessor and deps) and find the chains.
@@ -279,6 +282,8 @@ class _Run:
         self._after(phase.latency_s, lambda: self.net.start(phase.routes, phase.nbytes, then, phase.key))
 
     def _after(self, seconds: float, then: Callable[[], None]) -> None:
+        if not seconds < math.inf:
+            return  # never (a link without bandwidth): the op stays unfinished and the run reports it
         if seconds > 0:
             self.env.timeout(seconds).callbacks.append(lambda _event: then())
         else:

@@ -96,3 +96,30 @@ def test_more_bandwidth_never_makes_a_collective_slower(op_alg, nodes, size, whi
     before = predict(base.build(nodes), op, size, algorithm=alg).time_s
     after = predict(faster.build(nodes), op, size, algorithm=alg).time_s
     assert after <= before * (1 + 1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    start=st.one_of(st.just(32.0), st.floats(min_value=0.0, max_value=1e7)),  # up to months of simulated time
+    small=st.floats(min_value=1e-6, max_value=1e12),
+    extra=st.one_of(st.floats(min_value=1e-9, max_value=1e-3), st.floats(min_value=0.0, max_value=1e12)),
+    capacity=st.floats(min_value=1e3, max_value=1e12),
+)
+def test_transfers_finish_at_any_simulated_time_whatever_the_rounding(start, small, extra, capacity):
+    # Two flows share one link: the small one ends at 2*small/C, the other gets the link and ends at
+    # (small+large)/C. A remainder far below the clock's resolution at ``start`` must still end the flow.
+    env = simpy.Environment()
+    net = Network(env, np.array([capacity]))
+    done = {}
+
+    def send(name, nbytes, key):
+        yield env.timeout(start)
+        yield net.transfer(np.array([[0]]), nbytes, key=key)
+        done[name] = env.now
+
+    large = small + extra
+    env.process(send("small", small, 1))
+    env.process(send("large", large, 2))
+    env.run()
+    assert done["small"] == pytest.approx(start + 2 * small / capacity, rel=1e-9, abs=1e-9)
+    assert done["large"] == pytest.approx(start + (small + large) / capacity, rel=1e-9, abs=1e-9)

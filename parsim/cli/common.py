@@ -38,3 +38,27 @@ def print_json(data: object) -> None:
 def progress(message: str) -> None:
     """One progress line on stderr, so stdout stays clean for tables and JSON."""
     print(message, file=sys.stderr, flush=True)
+
+
+class OpsProgress:
+    """``simulating: 123,456 / 658,883 ops (18%)`` redrawn in place on a terminal's stderr.
+
+    Silent when stderr is not a terminal (pipes, CI logs), so scripted output stays clean.
+    Call it as ``progress(finished, total)``; :meth:`close` erases the line.
+    """
+
+    def __init__(self, label: str = "simulating", stream=None):
+        self.label, self.stream = label, stream or sys.stderr
+        self.active = self.stream.isatty()
+        self.shown = False
+
+    def __call__(self, finished: int, total: int) -> None:
+        if self.active:
+            self.stream.write(f"\r{self.label}: {finished:,} / {total:,} ops ({finished / max(total, 1):.0%})")
+            self.stream.flush()
+            self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()

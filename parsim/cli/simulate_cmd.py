@@ -9,7 +9,7 @@ from ..step import StepPrediction, predict_step
 from ..step_report import PHASES
 from ..table import render_table
 from ..units import format_time
-from .common import DEFAULT_CLUSTER, print_json
+from .common import DEFAULT_CLUSTER, OpsProgress, print_json
 from .plan_cmd import add_plan_args, plan_from_args
 
 DEFAULT_PLAN = "llama3-70b-1024"
@@ -51,7 +51,12 @@ def run(args: argparse.Namespace) -> int:
     if args.plan is None and args.model is None:
         args.plan = DEFAULT_PLAN
     plan = plan_from_args(args)
-    prediction = predict_step(plan, load_cluster(args.cluster))
+    cluster = load_cluster(args.cluster)
+    progress = OpsProgress(f"simulating {plan.name}")
+    try:
+        prediction = predict_step(plan, cluster, progress)
+    finally:
+        progress.close()
     if args.json:
         print_json(to_json(prediction))
     else:

@@ -1,0 +1,107 @@
+"""The step engine on random plans and clusters: every simulation ends, and its timeline is consistent.
+
+Plans cover every schedule, dtype, tensor-parallel style and gradient sync;
+clusters range from starved links (a megabyte per second) to huge ones, and
+from zero latency to a second per hop, so simulated time spans microseconds to
+hours. Whatever is drawn, the simulation must finish, no two ops of one
+stream may overlap, no stream may be busy longer than the step, and the phase
+breakdown must add up to the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, assume, given, reject, settings
+from hypothesis import strategies as st
+
+from parsim.errors import ParsimError
+from parsim.model import load_model
+from parsim.plan import SCHEDULES, Plan
+from parsim.step import predict_step
+from parsim.step_report import PHASES
+
+from ideal_cluster import ideal_spec
+
+MODELS = {
+    "tiny-gpt": load_model("tiny-gpt"),
+    "mlp": load_model({"kind": "mlp", "name": "mlp", "num_layers": 12, "width": 256, "batch_size": 96}),
+}
+
+
+@st.composite
+def plans(draw) -> Plan:
+    model = MODELS[draw(st.sampled_from(sorted(MODELS)))]
+    schedule = draw(st.sampled_from(SCHEDULES))
+    pp = draw(st.sampled_from([1, 2, 3, 4] if model.name == "mlp" else [1, 2, 4]))
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    if model.num_layers % (pp * virtual):
+        pp = 2
+    microbatches = draw(st.integers(min_value=pp, max_value=3 * pp + 2))
+    if schedule == "interleaved-1f1b":
+        microbatches = pp * draw(st.integers(min_value=1, max_value=3))
+    grad_sync = draw(st.sampled_from(["per_param", "bucketed"]))
+    kwargs = dict(model=model, dp=draw(st.sampled_from([1, 2, 3])), tp=draw(st.sampled_from([1, 2, 4])), pp=pp,
+                  schedule=schedule, virtual_stages=virtual, dtype=draw(st.sampled_from(["fp32", "bf16", "fp16"])),
+                  tp_style=draw(st.sampled_from(model.tp_styles)), grad_sync=grad_sync,
+                  overlap=grad_sync == "bucketed" and draw(st.booleans()),
+                  bucket_size=draw(st.sampled_from([4096, 2**16, 2**20])))
+    if model.name == "mlp":
+        kwargs["num_microbatches"] = 1
+        if 96 % (kwargs["dp"] * microbatches) == 0:
+            kwargs["num_microbatches"] = microbatches
+    else:
+        kwargs.update(microbatch_size=draw(st.sampled_from([1, 2])), num_microbatches=microbatches)
+    try:
+        return Plan(**kwargs)
+    except ParsimError:  # a combination the plan rules refuse (e.g. too few microbatches)
+        reject()
+
+
+@st.composite
+def clusters(draw):
+    gpus_per_node = draw(st.sampled_from([2, 4, 8]))
+    fabric = draw(st.sampled_from(["nvswitch", "pcie"]))
+    bandwidth = st.floats(min_value=1e-3, max_value=1e4)  # GB/s: a megabyte per second to 10 TB/s
+    latency = st.one_of(st.just(0.0), st.floats(min_value=0.0, max_value=1e6))  # microseconds, up to a second
+    return ideal_spec(**{
+        "gpus_per_node": gpus_per_node,
+        "intra_node.fabric": fabric,
+        "intra_node.in_switch_reduction": fabric == "nvswitch" and draw(st.booleans()),
+        "intra_node.bw_GBps_per_direction": draw(bandwidth),
+        "intra_node.latency_us": draw(latency),
+        "scale_out.nics_per_node": draw(st.sampled_from([1, 2, gpus_per_node])),
+        "scale_out.nic_bw_Gbps": 8 * draw(bandwidth),
+        "scale_out.latency_us": draw(latency),
+        "scale_out.spine_hop_latency_us": draw(latency),
+        "scale_out.nodes_per_leaf": draw(st.sampled_from([1, 2, 4])),
+        "scale_out.oversubscription": draw(st.sampled_from([1.0, 3.0])),
+        "reduce_bw_GBps": draw(bandwidth),
+        "gpu.hbm_bw_GBps": draw(st.floats(min_value=1.0, max_value=1e4)),
+        "gpu.peak_tflops": {"fp32": 60.0, "bf16": 1000.0, "fp16": 1000.0},
+    })
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(plan=plans(), cluster=clusters())
+def test_every_random_plan_finishes_with_a_consistent_timeline(plan, cluster):
+    assume(plan.world <= cluster.gpus_per_node or plan.world % cluster.gpus_per_node == 0)  # whole nodes
+    prediction = predict_step(plan, cluster)
+    step = prediction.step_s
+    assert math.isfinite(step) and step > 0
+    tolerance = 1e-9 * step
+    streams: dict[tuple[int, str], list] = {}
+    for e in prediction.trace.events:
+        assert e.dur_s >= -tolerance and e.start_s >= 0
+        assert e.end_s <= step + tolerance
+        nested = e.stream == "compute" and e.kind == "collective"  # tensor-parallel, inside a compute span
+        if not nested:
+            streams.setdefault((e.rank, e.stream), []).append(e)
+    for events in streams.values():
+        events.sort(key=lambda e: e.start_s)
+        for before, after in zip(events, events[1:]):
+            assert after.start_s >= before.end_s - tolerance, (before, after)
+        assert sum(e.dur_s for e in events) <= step + tolerance
+    for rank in prediction.ranks:
+        assert sum(rank.seconds[p] for p in PHASES) == pytest.approx(step, rel=1e-6)
