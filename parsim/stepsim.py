@@ -4,15 +4,17 @@ The engine is a dependency-driven list scheduler on a simpy clock. Every op
 waits for its prerequisites: the op before it on its (rank, stream), and its
 ``deps``. When the last one finishes it starts at that instant; a receive
 lasts until its matching send has arrived. Compute ops take their modelled
-time (one timeout each; identical compute is costed once). Collectives run
-their algorithm's phases and sends their single transfer as flows on one
-shared :class:`~parsim.network.Network`, so data-parallel all-reduces,
+time (identical compute is costed once). Collectives run their algorithm's
+phases and sends their single transfer as flows on one shared
+:class:`~parsim.network.Network`, so data-parallel all-reduces,
 tensor-parallel all-reduces and pipeline sends that overlap in time contend
 for the same links. Mirror flows (replicas the representative stands for) are
 kept only where they share links with it, directly or through each other.
 
-Nothing here polls: an op costs a handful of callbacks, and a transfer alone
-on its links one wake-up, so a step with a million ops runs in seconds (see
+Nothing here polls. Runs of ops that follow each other at once are timed with
+one timeout; a collective whose links no other stream ever uses takes its
+uncontended time in closed form; a transfer alone on its links costs one
+wake-up. So a step with hundreds of thousands of ops runs in seconds (see
 ``docs/engine.md``). The result is a :class:`~parsim.trace.Trace` in the
 schema the executor writes.
 """
@@ -51,7 +53,7 @@ class CommPhase:
     nbytes: np.ndarray | float
     latency_s: float  # steps x the slowest route's latency, plus a backend's fixed cost
     reduce_s: float  # summing received data after the transfer
-    key: int  # names ``routes`` for the network's memo
+    key: int  # names this transfer (routes and sizes) for the network's memo
     links: np.ndarray  # the links ``routes`` use
 
 
@@ -85,14 +87,16 @@ class StepSimulator:
         per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes) for g in groups]
         for i in range(len(per_group[0])):  # every group's routes of phase i at once
             phases = [p[i] for p in per_group]
-            routes = self.topo.routes(np.concatenate([p.src for p in phases]), np.concatenate([p.dst for p in phases]))
+            routes = self.topo.routes(np.concatenate([p.src for p in phases]),
+                                      np.concatenate([p.dst for p in phases]))
             for phase, part in zip(phases, np.split(routes, np.cumsum([len(p.src) for p in phases])[:-1])):
                 phase.routes = part
         hops = [np.concatenate([p.routes.ravel() for p in phases]) for phases in per_group]
         kept = [per_group[i] for i in _contending([h[h >= 0] for h in hops], self.topo.num_links)]
         reduce_bw = self.topo.spec.reduction_bw_Bps
-        return tuple(self._ready_phase(_stack([p[i].routes for p in kept]), np.concatenate([p[i].nbytes for p in kept]),
-                                 first.steps, first.overhead_s, first.reduce_bytes / reduce_bw)
+        return tuple(self._ready_phase(_stack([p[i].routes for p in kept]),
+                                       np.concatenate([p[i].nbytes for p in kept]),
+                                       first.steps, first.overhead_s, first.reduce_bytes / reduce_bw)
                      for i, first in enumerate(kept[0]))
 
     def _ready_phase(self, routes: np.ndarray, nbytes, steps: int, overhead_s: float, reduce_s: float) -> CommPhase:
@@ -111,10 +115,10 @@ class StepSimulator:
         nodes, units = self.topo.node_of(group), self.topo.unit_of(group)
         shape = (tuple((group % self.topo.gpus_per_node).tolist()), tuple((nodes - nodes[0]).tolist()),
                  tuple((units - units[0]).tolist()))
-        found = self._algorithms.get((collective, shape, nbytes))
-        if found is None:
-            found = self._algorithms[(collective, shape, nbytes)] = predict(self.topo, collective, nbytes, group).algorithm
-        return found
+        key = (collective, shape, nbytes)
+        if key not in self._algorithms:
+            self._algorithms[key] = predict(self.topo, collective, nbytes, group).algorithm
+        return self._algorithms[key]
 
 
 @dataclass(frozen=True)
