@@ -195,11 +195,11 @@ class _Run:
             for p in prereqs:
                 dependents[p].append(i)
         sent = {op.match for op in ops if op.kind == "recv"}
-        for op in ops:
-            i, k = op.id, successor[op.id]
-            self.through[i] = (k >= 0 and fixed[k] is not None and waiting[k] == 1 and dependents[i] == [k]
-                               and i not in sent)
-        return [op.id for op in ops if waiting[op.id] == 0]
+        through = self.through
+        for i, k in enumerate(successor):
+            if k >= 0 and waiting[k] == 1 and fixed[k] is not None and len(dependents[i]) == 1 and i not in sent:
+                through[i] = True  # its one dependent is then k (k waits for one op: its predecessor, i)
+        return [i for i, count in enumerate(waiting) if count == 0]
 
     def _plan_comms(self) -> None:
         """Give every send and collective its phases, and a closed form where it cannot contend.
