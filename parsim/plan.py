@@ -44,6 +44,7 @@ import numpy as np
 from .errors import ConfigError, ParsimError
 from .files import read_yaml
 from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
+from .stage_split import balanced_split, even_split
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 # Schedules with a steady state of one forward and one backward: they need at
@@ -81,10 +82,13 @@ class Plan:
     buckets of ``bucket_size`` bytes in reverse layer order, each all-reduced as
     soon as it fills, overlapping the rest of the backward when ``overlap``.
 
-    Pipeline stages: the layers split evenly into ``pp · virtual_stages``
-    stages; stage ``s`` runs on pipeline rank ``s % pp`` (Megatron-LM's
-    interleaved placement, Narayanan et al. 2021). The embedding belongs to
-    the first stage and the LM head to the last.
+    Pipeline stages: the layers split into ``pp · virtual_stages`` stages;
+    stage ``s`` runs on pipeline rank ``s % pp`` (Megatron-LM's interleaved
+    placement, Narayanan et al. 2021). The embedding belongs to the first stage
+    and the LM head to the last. ``layers_per_stage`` gives the split
+    explicitly, or ``"balanced"`` asks for the split that makes the slowest
+    stage fastest (:mod:`parsim.stage_split`); left ``None`` it is even when the
+    stage count divides the layers and balanced otherwise.
     """
 
     model: Model
@@ -102,6 +106,7 @@ class Plan:
     bucket_size: int = DEFAULT_BUCKET_SIZE
     overlap: bool | None = None
     order: str = DEFAULT_ORDER
+    layers_per_stage: tuple[int, ...] | str | None = None
     name: str = "plan"
     description: str = ""
 
@@ -167,10 +172,7 @@ class Plan:
                        f"(schedule {self.schedule} runs one stage per pipeline rank)")
         if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
             self._fail("interleaved-1f1b needs virtual_stages >= 2 (with 1 it is plain 1f1b)")
-        stages = self.pp * self.virtual_stages
-        if m.num_layers % stages:
-            self._fail(f"{m.num_layers} layers do not split evenly into pp {self.pp} x virtual_stages "
-                       f"{self.virtual_stages} = {stages} stages")
+        self._check_stage_split()
         for key, size in m.tp_sharded_sizes().items():
             if size % self.tp:
                 self._fail(f"tp {self.tp} does not divide {key} {size} of model {m.name}")
@@ -184,6 +186,23 @@ class Plan:
                        f"{self.num_microbatches} % {self.pp} = {self.num_microbatches % self.pp}")
         if gpus is not None and gpus != self.world:
             self._fail(f"dp {self.dp} x pp {self.pp} x tp {self.tp} = {self.world} ranks, but {gpus} GPUs were given")
+
+    def _check_stage_split(self) -> None:
+        layers, stages = self.model.num_layers, self.pp * self.virtual_stages
+        split = self.layers_per_stage
+        if stages > layers:
+            self._fail(f"{stages} pipeline stages (pp {self.pp} x virtual_stages {self.virtual_stages}) "
+                       f"for {layers} layers: every stage needs at least one layer")
+        if split is None or split == "balanced":
+            return
+        if isinstance(split, str) or not all(isinstance(n, int) and not isinstance(n, bool) for n in split):
+            self._fail(f"layers_per_stage is {split!r}; expected 'balanced' or a list of whole numbers")
+        if len(split) != stages:
+            self._fail(f"layers_per_stage lists {len(split)} stages, but pp {self.pp} x virtual_stages "
+                       f"{self.virtual_stages} = {stages}")
+        if min(split) < 1 or sum(split) != layers:
+            self._fail(f"layers_per_stage {list(split)} must give every stage at least one layer and add up to "
+                       f"the model's {layers} layers (they add up to {sum(split)})")
 
     # -- sizes ----------------------------------------------------------------
     @property
@@ -243,12 +262,27 @@ class Plan:
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
 
+    @cached_property
+    def stage_split(self) -> tuple[int, ...]:
+        """Layers per (virtual) stage, in stage order."""
+        layers, stages = self.model.num_layers, self.num_stages
+        if isinstance(self.layers_per_stage, tuple):
+            return self.layers_per_stage
+        even = even_split(layers, stages)
+        if even is not None and self.layers_per_stage != "balanced":
+            return even
+        embedding, costs, head = self._costs
+        per_layer = costs[0].training_flops_per_token()
+        return balanced_split(per_layer, layers, stages,
+                              embedding.training_flops_per_token() if embedding else 0.0,
+                              head.training_flops_per_token() if head else 0.0)
+
     def stage_layers(self, stage: int) -> range:
-        """The layer indices of (virtual) stage ``stage``: an even, contiguous share."""
+        """The layer indices of (virtual) stage ``stage``: a contiguous run of :attr:`stage_split`."""
         if not 0 <= stage < self.num_stages:
             raise ParsimError(f"stage {stage} is outside 0..{self.num_stages - 1}")
-        per = self.model.num_layers // self.num_stages
-        return range(stage * per, (stage + 1) * per)
+        first = sum(self.stage_split[:stage])
+        return range(first, first + self.stage_split[stage])
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stages pipeline rank ``pp_rank`` runs: ``pp_rank``, ``pp_rank + pp``, ..."""
@@ -294,14 +328,17 @@ class Plan:
             "tensor_parallel": self.tp_style,
             "data_parallel": data_parallel,
         }
+        if self.layers_per_stage is not None:
+            split = self.layers_per_stage
+            data["layers_per_stage"] = split if isinstance(split, str) else list(split)
         if self.description:
             data["description"] = self.description
         return data
 
 
 # --------------------------------------------------------------------------- loading
-_TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "virtual_stages", "dtype",
-             "tensor_parallel", "data_parallel")
+_TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "virtual_stages", "layers_per_stage",
+             "dtype", "tensor_parallel", "data_parallel")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "order")
 _BATCH_KEYS = ("microbatch_size", "num_microbatches", "global_batch_size")
 _DATA_PARALLEL_KEYS = ("grad_sync", "bucket_size", "overlap")
@@ -374,11 +411,22 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         microbatch_size=batch.integer("microbatch_size"), num_microbatches=batch.integer("num_microbatches"),
         global_batch_size=batch.integer("global_batch_size"),
         schedule=top.text("schedule", "1f1b"), virtual_stages=top.integer("virtual_stages", 1),
+        layers_per_stage=_stage_split(top),
         dtype=top.text("dtype", "fp32"), tp_style=top.text("tensor_parallel"),
         grad_sync=grad_sync, bucket_size=sync.size("bucket_size", DEFAULT_BUCKET_SIZE),
         overlap=sync.boolean("overlap"),
         name=top.text("name", default_name), description=top.text("description", ""),
     )
+
+
+def _stage_split(top: ConfigReader) -> tuple[int, ...] | str | None:
+    value = top.data.get("layers_per_stage")
+    if value is None or value == "balanced":
+        return value
+    if isinstance(value, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in value):
+        return tuple(value)
+    raise ConfigError(top.source, "layers_per_stage", f"is {value!r}",
+                      "'balanced' or a list of layer counts, one per stage (e.g. [7, 8, 8, 7])")
 
 
 def _merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

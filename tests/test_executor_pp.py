@@ -32,9 +32,9 @@ GPT = {"kind": "transformer", "name": "gpt", "num_layers": 4, "hidden": 32, "num
 COMPUTE = re.compile(r"^[FBIW] stage=\d+ mb=\d+$")
 
 
-def gpt_plan(schedule: str, virtual_stages: int = 1, model: dict = GPT):
+def gpt_plan(schedule: str, virtual_stages: int = 1, model: dict = GPT, **extra):
     return load_plan({"model": model, "parallel": {"pp": WORLD}, "batch": {"microbatch_size": 2, "num_microbatches": 4},
-                      "schedule": schedule, "virtual_stages": virtual_stages})
+                      "schedule": schedule, "virtual_stages": virtual_stages, **extra})
 
 
 PLANS = {
@@ -42,6 +42,7 @@ PLANS = {
     "1f1b": gpt_plan("1f1b"),
     "interleaved-1f1b v2": gpt_plan("interleaved-1f1b", 2),
     "zero-bubble": gpt_plan("zero-bubble"),
+    "1f1b, uneven stages (1 + 3 layers)": gpt_plan("1f1b", layers_per_stage=[1, 3]),
     "zero-bubble, gelu, learned positions, tied embeddings": gpt_plan(
         "zero-bubble", model=dict(GPT, ffn_type="gelu", position_embedding="learned", tied_embeddings=True)),
     "course mlp, gpipe": load_plan({"model": MLP, "parallel": {"pp": WORLD}, "batch": {"num_microbatches": 4},

@@ -64,9 +64,9 @@ ODD_FFN = load_model({"kind": "transformer", "num_layers": 2, "hidden": 64, "num
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(model=MLP, pp=3), "4 layers do not split evenly into pp 3 x virtual_stages 1 = 3 stages"),
+    (dict(model=MLP, pp=8, schedule="gpipe"), "8 pipeline stages (pp 8 x virtual_stages 1) for 4 layers"),
     (dict(model=TINY, pp=2, num_microbatches=4, schedule="interleaved-1f1b", virtual_stages=4),
-     "4 layers do not split evenly into pp 2 x virtual_stages 4 = 8 stages"),
+     "8 pipeline stages (pp 2 x virtual_stages 4) for 4 layers: every stage needs at least one layer"),
     (dict(model=MLP, tp=3), "tp 3 does not divide width 1024"),
     (dict(model=TINY, tp=8), "tp 8 does not divide num_heads 4"),
     (dict(model=ODD_FFN, tp=4), "tp 4 does not divide ffn_hidden 250"),
@@ -256,3 +256,49 @@ def test_cli_bad_plans_exit_2_with_one_line(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_llama3_405b_splits_into_16_stages_as_meta_did():
+    # 126 layers on 16 stages: one layer less on the first and the last (Dubey et al. 2024, section 3.3.2).
+    plan = Plan(model=load_model("llama3-405b"), tp=8, pp=16, num_microbatches=16)
+    assert plan.stage_split == (7,) + (8,) * 14 + (7,)
+    assert plan.stage_layers(1) == range(7, 15) and plan.stage_layers(15) == range(119, 126)
+    assert [c.name for c in plan.stage_costs(15)][-1] == "head"
+
+
+def test_balanced_split_gives_the_head_stage_fewer_layers():
+    # Llama 3 70B's LM head costs about 1.2 layers, so an even 10-layer split leaves the last stage slowest.
+    plan = Plan(model=load_model("llama3-70b"), tp=8, pp=8, num_microbatches=8, layers_per_stage="balanced")
+    assert sum(plan.stage_split) == 80 and plan.stage_split[-1] < 10
+    even = Plan(model=load_model("llama3-70b"), tp=8, pp=8, num_microbatches=8)
+    assert even.stage_split == (10,) * 8
+
+
+@pytest.mark.parametrize("split, message", [
+    ((8, 8), "lists 2 stages, but pp 4"),
+    ((1, 1, 1, 0), "at least one layer"),
+    ((2, 2, 2, 2), "add up to the model's 4 layers"),
+])
+def test_explicit_stage_splits_are_checked(split, message):
+    with pytest.raises(ParsimError, match=message):
+        Plan(model=load_model("tiny-gpt"), pp=4, num_microbatches=4, layers_per_stage=split)
+
+
+def test_stage_split_from_yaml_and_back(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("model: tiny-gpt\nparallel: {pp: 2}\nbatch: {num_microbatches: 2}\nlayers_per_stage: [1, 3]\n")
+    plan = load_plan(path)
+    assert plan.stage_split == (1, 3) and load_plan(plan.to_dict()).stage_split == (1, 3)
+    path.write_text("model: tiny-gpt\nlayers_per_stage: [a]\n")
+    with pytest.raises(ParsimError, match="layers_per_stage"):
+        load_plan(path)
+
+
+def test_layers_that_do_not_divide_into_stages_are_balanced():
+    plan = Plan(model=MLP, pp=3, schedule="gpipe")
+    assert plan.stage_split == (1, 1, 2)  # equal layers: the later stage takes the extra one
+
+
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(ParsimError, match="every stage needs at least one layer"):
+        Plan(model=load_model("tiny-gpt"), pp=8, num_microbatches=8)

@@ -66,6 +66,9 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
     g.add_argument("--global-batch-size", type=int, help="samples per step, all replicas together")
     g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule")
     g.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved-1f1b)")
+    g.add_argument("--layers-per-stage", type=_stage_split, metavar="N,N,...|balanced",
+                   help="layers of each pipeline stage, e.g. 7,8,8,7; 'balanced' evens out stage time "
+                        "(default: even when the stages divide the layers, else balanced)")
     g.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="compute and activation precision")
     g.add_argument("--tensor-parallel", choices=TP_STYLES, help="tensor-parallel style")
     g.add_argument("--grad-sync", choices=GRAD_SYNCS, help="data-parallel gradient synchronization")
@@ -80,7 +83,8 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
         "model": args.model,
         "parallel": {d: getattr(args, d) for d in DIMS},
         "batch": {k: getattr(args, k) for k in ("microbatch_size", "num_microbatches", "global_batch_size")},
-        "schedule": args.schedule, "virtual_stages": args.virtual_stages, "dtype": args.dtype,
+        "schedule": args.schedule, "virtual_stages": args.virtual_stages,
+        "layers_per_stage": args.layers_per_stage, "dtype": args.dtype,
         "tensor_parallel": args.tensor_parallel,
         "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap},
     }
@@ -90,6 +94,15 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
     if args.model is None:
         raise ParsimError("give a plan (an example name or a YAML file) or --model to build one from flags")
     return load_plan({"name": "command-line"}, gpus=gpus, overrides=overrides)
+
+
+def _stage_split(text: str) -> str | list[int]:
+    if text == "balanced":
+        return text
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'balanced' or layer counts such as 7,8,8,7") from None
 
 
 def _drop_unset(flags: dict[str, Any]) -> dict[str, Any]:
