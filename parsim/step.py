@@ -12,7 +12,8 @@ from .compute import ComputeModel
 from .errors import ParsimError
 from .lower import lower
 from .plan import Plan
-from .step_report import Memory, RankBreakdown, breakdown, memory, merge_spans, step_time
+from .memory import Memory, memory
+from .step_report import RankBreakdown, breakdown, merge_spans, step_time
 from .stepsim import StepSimulator
 from .trace import Trace
 

@@ -1,11 +1,12 @@
-"""What a training step costs, from a trace: time by phase per rank, bubbles, MFU, memory.
+"""What a training step costs, from a trace: time by phase per rank and bubbles.
 
 Works the same on a simulated and a measured :class:`~parsim.trace.Trace`, so
 ``parsim compare`` can put the two side by side. Per rank, the step splits into
 phases that never double count:
 
-* ``forward``, ``backward``, ``weight-grad``: compute spans, minus the
-  tensor-parallel collectives nested inside them;
+* ``forward``, ``backward``, ``weight-grad``, ``recompute`` (a forward rerun
+  for the backward): compute spans, minus the tensor-parallel collectives
+  nested inside them;
 * ``tp``: tensor-parallel collectives (they block compute);
 * ``pp``: waiting for a pipeline receive (transfer time plus the pipeline bubble);
 * ``dp``: data-parallel gradient all-reduce time *not* hidden behind the compute
@@ -19,14 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .lower import schedule_of
-from .plan import Plan
-from .schedules import peak_in_flight
 from .trace import Event, Trace
 
-PHASES = ("forward", "backward", "weight-grad", "tp", "pp", "dp", "optimizer", "idle")
-ADAM_STATE_BYTES = 8  # AdamW's two fp32 moments per parameter
-FP32 = 4
+PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "pp", "dp", "optimizer", "idle")
 
 
 def merge_spans(trace: Trace) -> Trace:
@@ -136,40 +132,3 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
     first = np.flatnonzero(np.concatenate([[True], starts[1:] > reach[:-1]]))
     last = np.concatenate([first[1:] - 1, [len(spans) - 1]])
     return float((reach[last] - starts[first]).sum())
-
-
-@dataclass
-class Memory:
-    """Peak bytes one GPU of a pipeline rank holds."""
-
-    pp_rank: int
-    weights: float
-    gradients: float
-    optimizer: float
-    activations: float
-    in_flight: int
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations
-
-
-def memory(plan: Plan) -> list[Memory]:
-    """Weights, gradients, AdamW state and activations of in-flight microbatches, per pipeline rank.
-
-    Weights and gradients are kept in the plan's dtype; AdamW keeps two fp32
-    moments, plus an fp32 master copy of the weights when training in 16 bits
-    (mixed precision, Micikevicius et al. 2018). Activations: the schedule's peak
-    number of (stage, microbatch) forwards awaiting their backward, times what one
-    stage saves per microbatch.
-    """
-    in_flight = peak_in_flight(schedule_of(plan))
-    out = []
-    for p in range(plan.pp):
-        params = plan.params_per_rank(p)
-        master = FP32 if plan.dtype_bytes < FP32 else 0
-        per_mb = max(sum(c.activation_bytes_per_token(plan.tp) for c in plan.stage_costs(s)) for s in plan.stages_of(p))
-        out.append(Memory(p, params * plan.dtype_bytes, params * plan.dtype_bytes,
-                          params * (ADAM_STATE_BYTES + master), in_flight[p] * per_mb * plan.tokens_per_microbatch,
-                          in_flight[p]))
-    return out

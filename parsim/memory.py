@@ -1,0 +1,55 @@
+"""What one GPU holds at its peak: weights, gradients, optimizer state, activations.
+
+Per pipeline rank, for a plan (no simulation needed): weights and gradients
+in the plan's dtype, AdamW's state, and the activations of the microbatches
+the schedule keeps in flight, each holding what its stage saves for the
+backward (:meth:`~parsim.model.LayerCost.activation_bytes_per_token`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .lower import schedule_of
+from .plan import Plan
+from .schedules import peak_in_flight
+
+ADAM_STATE_BYTES = 8  # AdamW's two fp32 moments per parameter
+FP32 = 4
+
+
+@dataclass
+class Memory:
+    """Peak bytes one GPU of a pipeline rank holds."""
+
+    pp_rank: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    in_flight: int
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def memory(plan: Plan) -> list[Memory]:
+    """Weights, gradients, AdamW state and activations of in-flight microbatches, per pipeline rank.
+
+    Weights and gradients are kept in the plan's dtype; AdamW keeps two fp32
+    moments, plus an fp32 master copy of the weights when training in 16 bits
+    (mixed precision, Micikevicius et al. 2018). Activations: the schedule's peak
+    number of (stage, microbatch) forwards awaiting their backward, times what one
+    stage saves per microbatch.
+    """
+    in_flight = peak_in_flight(schedule_of(plan))
+    out = []
+    for p in range(plan.pp):
+        params = plan.params_per_rank(p)
+        master = FP32 if plan.dtype_bytes < FP32 else 0
+        per_mb = max(sum(c.activation_bytes_per_token(plan.tp) for c in plan.stage_costs(s)) for s in plan.stages_of(p))
+        out.append(Memory(p, params * plan.dtype_bytes, params * plan.dtype_bytes,
+                          params * (ADAM_STATE_BYTES + master), in_flight[p] * per_mb * plan.tokens_per_microbatch,
+                          in_flight[p]))
+    return out
