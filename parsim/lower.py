@@ -125,7 +125,7 @@ class _Lowering:
             self._recv(rank, "act", stage - 1, mb, ("act", stage - 1, mb), act_bytes)
         if kind in ("B", "I") and stage < last_stage:
             self._recv(rank, "grad", stage + 1, mb, ("grad", stage + 1, mb), act_bytes)
-        name = compute_name(kind, stage, mb)
+        name, recompute_name = compute_name(kind, stage, mb), compute_name("R", stage, mb)
         final = kind in ("B", "W") and mb == last_mb
         last = None
         for piece in self._pieces(p, stage, kind):
@@ -134,9 +134,11 @@ class _Lowering:
                                           collective=piece.collective, group="tp", ranks=piece.ranks,
                                           mirrors=piece.mirrors, nbytes=piece.nbytes, phase="tp"))
             else:
-                last = self._add(rank, Op(name, "compute", "compute", matmuls=piece.matmuls, flops=piece.flops,
-                                          hbm_bytes=piece.hbm_bytes, kernels=piece.kernels, phase=piece.phase))
-                if final:
+                recompute = piece.phase == "recompute"
+                last = self._add(rank, Op(recompute_name if recompute else name, "compute", "compute",
+                                          matmuls=piece.matmuls, flops=piece.flops, hbm_bytes=piece.hbm_bytes,
+                                          kernels=piece.kernels, phase=piece.phase))
+                if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
         if kind == "F" and stage < last_stage:
             self._send(rank, "act", stage, mb, ("act", stage, mb), act_bytes, last)
@@ -146,32 +148,45 @@ class _Lowering:
     @functools.cache
     def _pieces(self, p: int, stage: int, kind: str) -> tuple[_ComputePiece | _TPPiece, ...]:
         """What one ``kind`` pass of ``stage`` runs, in order: block compute split by the
-        tensor-parallel collectives between blocks. The same for every microbatch."""
-        plan = self.plan
-        costs = plan.stage_costs(stage)
+        tensor-parallel collectives between blocks. The same for every microbatch.
+
+        With full recomputation, the backward of a recomputed layer starts by
+        running its forward again (compute and collectives, named ``R``)."""
+        costs = self.plan.stage_costs(stage)
         if kind == "F":
-            phase = "forward"
-            order = [(i, c, b) for i, c in enumerate(costs) for b in c.blocks]
-        else:
-            phase = {"B": "backward", "I": "backward", "W": "weight-grad"}[kind]
-            order = [(i, c, b) for i, c in reversed(list(enumerate(costs))) for b in reversed(c.blocks)]
-        direction = "fwd" if kind == "F" else "bwd"
-        counters: dict[str, int] = {}
+            return tuple(piece for index, cost in enumerate(costs) for piece in self._layer_pass(p, index, cost, "F"))
+        recomputed = {c.name for c in self.plan.recomputed(stage)} if kind in ("B", "I") else set()
         pieces: list[_ComputePiece | _TPPiece] = []
+        for index, cost in reversed(list(enumerate(costs))):
+            if cost.name in recomputed:
+                pieces += self._layer_pass(p, index, cost, "R")
+            pieces += self._layer_pass(p, index, cost, kind)
+        return tuple(pieces)
+
+    def _layer_pass(self, p: int, index: int, cost: LayerCost, kind: str) -> list[_ComputePiece | _TPPiece]:
+        """One layer's blocks in one pass (``R``: its forward recomputed), with their TP collectives."""
+        plan = self.plan
+        forward = kind in ("F", "R")
+        phase = {"F": "forward", "R": "recompute", "B": "backward", "I": "backward", "W": "weight-grad"}[kind]
+        direction = {"F": "fwd", "R": "rec"}.get(kind, "bwd")
+        blocks = cost.blocks if forward else tuple(reversed(cost.blocks))
         group, mirrors = self._group(p, "tp")
-        for index, cost, block in order:
-            tp_ops = [c for c in block.collectives if c.phase == ("forward" if kind == "F" else "backward")]
+        pieces: list[_ComputePiece | _TPPiece] = []
+        count = 0
+        for block in blocks:
+            tp_ops = [c for c in block.collectives if c.phase == ("forward" if forward else "backward")]
             if kind == "W" or plan.tp == 1:
                 tp_ops = []
             for position in ("before", "after"):
                 if position == "after":
-                    pieces.append(self._compute(phase, block, kind, cost, block is cost.blocks[-1], index))
+                    pieces.append(self._compute(phase, block, "F" if forward else kind, cost,
+                                                block is cost.blocks[-1], index))
                 for coll in (c for c in tp_ops if c.position == position):
-                    i = counters.get(cost.name, 0)
-                    counters[cost.name] = i + 1
-                    head, tail = collective_name(coll.op, "tp", layer=cost.name, mb="|", dir=f"{direction}{i}").split("|")
+                    head, tail = collective_name(coll.op, "tp", layer=cost.name, mb="|",
+                                                 dir=f"{direction}{count}").split("|")
+                    count += 1
                     pieces.append(_TPPiece(head, tail, coll.op, group, mirrors, coll.bytes_per_token * self.tokens))
-        return tuple(pieces)
+        return pieces
 
     def _compute(self, phase: str, block, kind: str, cost: LayerCost, last: bool, layer: int) -> _ComputePiece:
         """One block's compute: its matmuls by shape, the attention core, and elementwise work.

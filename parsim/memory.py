@@ -41,15 +41,28 @@ def memory(plan: Plan) -> list[Memory]:
     moments, plus an fp32 master copy of the weights when training in 16 bits
     (mixed precision, Micikevicius et al. 2018). Activations: the schedule's peak
     number of (stage, microbatch) forwards awaiting their backward, times what one
-    stage saves per microbatch.
+    stage saves per microbatch. A layer whose forward is recomputed saves only its
+    input; while its backward runs, one such layer's full activations exist again
+    for one microbatch (the recomputation's working set).
     """
     in_flight = peak_in_flight(schedule_of(plan))
+    tokens = plan.tokens_per_microbatch
     out = []
     for p in range(plan.pp):
         params = plan.params_per_rank(p)
         master = FP32 if plan.dtype_bytes < FP32 else 0
-        per_mb = max(sum(c.activation_bytes_per_token(plan.tp) for c in plan.stage_costs(s)) for s in plan.stages_of(p))
+        per_mb = max(saved_bytes_per_token(plan, s) for s in plan.stages_of(p))
+        rebuilt = max((c.activation_bytes_per_token(plan.tp) for s in plan.stages_of(p) for c in plan.recomputed(s)),
+                      default=0)
         out.append(Memory(p, params * plan.dtype_bytes, params * plan.dtype_bytes,
-                          params * (ADAM_STATE_BYTES + master), in_flight[p] * per_mb * plan.tokens_per_microbatch,
+                          params * (ADAM_STATE_BYTES + master), (in_flight[p] * per_mb + rebuilt) * tokens,
                           in_flight[p]))
     return out
+
+
+def saved_bytes_per_token(plan: Plan, stage: int) -> int:
+    """What one microbatch leaves on ``stage`` per token until its backward: every layer's saved
+    activations, or only the input of a layer that is recomputed."""
+    recomputed = {c.name for c in plan.recomputed(stage)}
+    return sum(c.checkpoint_bytes_per_token(plan.tp) if c.name in recomputed else c.activation_bytes_per_token(plan.tp)
+               for c in plan.stage_costs(stage))

@@ -200,6 +200,7 @@ class LayerCost:
     blocks: tuple[Block, ...]
     params: tuple[Param, ...] = ()
     activations: tuple[Activation, ...] = ()
+    checkpoint: tuple[Activation, ...] = ()  # what full recomputation keeps: the layer's input (empty: never)
 
     @property
     def matmuls(self) -> tuple[Matmul, ...]:
@@ -234,6 +235,14 @@ class LayerCost:
     def activation_bytes_per_token(self, tp: int = 1) -> int:
         return sum(a.bytes_per_token(tp) for a in self.activations)
 
+    def checkpoint_bytes_per_token(self, tp: int = 1) -> int:
+        """What the layer keeps per token when its forward is recomputed in the backward."""
+        return sum(a.bytes_per_token(tp) for a in self.checkpoint)
+
+    @property
+    def recomputable(self) -> bool:
+        return bool(self.checkpoint)
+
     def collectives(self, phase: str) -> list[TPCollective]:
         """The tensor-parallel collectives of ``phase``, in execution order."""
         blocks = self.blocks if phase == "forward" else tuple(reversed(self.blocks))
@@ -248,17 +257,22 @@ class LayerCost:
 class _CostTotals:
     """Whole-model parameters and FLOPs, summed over :meth:`costs`."""
 
-    def costs(self, dtype_bytes: int, tp_style: str | None = None) -> list[LayerCost]:
+    def costs(self, dtype_bytes: int, tp_style: str | None = None,
+              sequence_parallel: bool = False) -> list[LayerCost]:
         """Every cost entry in execution order: embedding, layers, head (where the model has them)."""
-        entries = [self.embedding_cost(dtype_bytes, tp_style), *self.layer_costs(dtype_bytes, tp_style),
-                   self.head_cost(dtype_bytes, tp_style)]
+        entries = [self.embedding_cost(dtype_bytes, tp_style, sequence_parallel),
+                   *self.layer_costs(dtype_bytes, tp_style, sequence_parallel),
+                   self.head_cost(dtype_bytes, tp_style, sequence_parallel)]
         return [e for e in entries if e is not None]
 
-    def _check_style(self, tp_style: str | None) -> None:
+    def _check_style(self, tp_style: str | None, sequence_parallel: bool = False) -> None:
         """Refuse a tensor-parallel style this model's costs do not describe (None: its own)."""
         if tp_style is not None and tp_style not in self.tp_styles:
             raise ParsimError(f"model {self.name} ({self.kind}) supports tensor_parallel "
                               f"{' or '.join(self.tp_styles)}, not {tp_style!r}")
+        if sequence_parallel and not self.sequence_parallel:
+            raise ParsimError(f"model {self.name} ({self.kind}) has no sequence-parallel form "
+                              f"(it is Megatron's, for transformers)")
 
     @property
     def num_params(self) -> int:
@@ -300,6 +314,7 @@ class MLPModel(_CostTotals):
 
     kind = "mlp"
     tp_styles = ("allgather",)
+    sequence_parallel = False
     tokens_per_sample = 1
 
     def __post_init__(self) -> None:
@@ -314,27 +329,29 @@ class MLPModel(_CostTotals):
         """Sizes tensor parallelism must divide."""
         return {"width": self.width}
 
-    def layer_costs(self, dtype_bytes: int, tp_style: str | None = None) -> list[LayerCost]:
+    def layer_costs(self, dtype_bytes: int, tp_style: str | None = None,
+                    sequence_parallel: bool = False) -> list[LayerCost]:
         """One entry per layer.
 
         Saved for backward per row: the layer's input (for the weight gradient,
         replicated under TP since every rank holds the gathered input) and the
-        pre-activation (for gelu's backward, sharded).
+        pre-activation (for gelu's backward, sharded). Recomputation keeps the input.
         """
-        self._check_style(tp_style)
+        self._check_style(tp_style, sequence_parallel)
         w, d = self.width, dtype_bytes
         block = Block("linear", (Matmul("w", w, w, "column"),), collectives=(
             TPCollective("out", "all_gather", "forward", "after", w * d),
             TPCollective("out.grad", "reduce_scatter", "backward", "before", w * d),
         ))
         saved = (Activation("in", w, d, sharded=False), Activation("pre_gelu", w, d, sharded=True))
-        return [LayerCost(f"layer.{i}", (block,), activations=saved) for i in range(self.num_layers)]
+        return [LayerCost(f"layer.{i}", (block,), activations=saved, checkpoint=saved[:1])
+                for i in range(self.num_layers)]
 
-    def embedding_cost(self, dtype_bytes: int, tp_style: str | None = None) -> None:
+    def embedding_cost(self, dtype_bytes: int, tp_style: str | None = None, sequence_parallel: bool = False) -> None:
         """The MLP reads its input directly: no embedding."""
         return None
 
-    def head_cost(self, dtype_bytes: int, tp_style: str | None = None) -> None:
+    def head_cost(self, dtype_bytes: int, tp_style: str | None = None, sequence_parallel: bool = False) -> None:
         """The MLP's loss works on the last layer's output: no head."""
         return None
 
@@ -380,6 +397,7 @@ class TransformerModel(_CostTotals):
 
     kind = "transformer"
     tp_styles = ("megatron",)
+    sequence_parallel = True
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -423,7 +441,8 @@ class TransformerModel(_CostTotals):
         """Sizes tensor parallelism must divide (key/value heads have their own rule)."""
         return {"num_heads": self.num_heads, "hidden": self.hidden, "ffn_hidden": self.ffn_hidden}
 
-    def layer_costs(self, dtype_bytes: int, tp_style: str | None = None) -> list[LayerCost]:
+    def layer_costs(self, dtype_bytes: int, tp_style: str | None = None,
+                    sequence_parallel: bool = False) -> list[LayerCost]:
         """One entry per decoder layer (all alike).
 
         Saved activations per token (bytes = width x ``dtype_bytes``): the two
@@ -435,15 +454,23 @@ class TransformerModel(_CostTotals):
         score and softmax terms) and no dropout: for GPT-3's shapes at 2 bytes
         it is ``32·h`` per token, their ``34·h`` less the two dropout masks.
         Flash attention's per-head softmax statistics (fp32) are left out.
-        Under TP (no sequence parallelism) the norm inputs and block inputs are
-        replicated and the rest is split, as in their ``10 + 24/t`` count.
+        Under TP without sequence parallelism the norm inputs and block inputs
+        are replicated and the rest is split, as in their ``10 + 24/t`` count;
+        with it (section 4.2.2) every term is split: ``32·h/t``. Full
+        recomputation keeps only the layer's input (``2·h``, split under SP).
+
+        Sequence parallelism replaces each block's all-reduce by an all-gather
+        of its input and a reduce-scatter of its output (the same bytes on the
+        wire), in the forward and, mirrored, in the backward. Megatron-LM also
+        all-gathers a block's input again for the weight gradient, overlapped
+        with the input-gradient matmul; that overlapped gather is not charged.
         """
-        self._check_style(tp_style)
-        layer = self._layer(dtype_bytes)
-        return [LayerCost(f"layer.{i}", layer.blocks, layer.params, layer.activations)
+        self._check_style(tp_style, sequence_parallel)
+        layer = self._layer(dtype_bytes, sequence_parallel)
+        return [LayerCost(f"layer.{i}", layer.blocks, layer.params, layer.activations, layer.checkpoint)
                 for i in range(self.num_layers)]
 
-    def _layer(self, d: int) -> LayerCost:
+    def _layer(self, d: int, sequence_parallel: bool = False) -> LayerCost:
         h, f, hd = self.hidden, self.ffn_hidden, self.head_dim
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         attention = Block(
@@ -451,8 +478,7 @@ class TransformerModel(_CostTotals):
             (Matmul("attn.q", h, q, "column", hd), Matmul("attn.k", h, kv, "column", hd),
              Matmul("attn.v", h, kv, "column", hd), Matmul("attn.o", q, h, "row", hd)),
             attention_flops_per_token=4 * self.seq_len * q,
-            collectives=(TPCollective("attn.out", "all_reduce", "forward", "after", h * d),
-                         TPCollective("attn.in.grad", "all_reduce", "backward", "after", h * d)),
+            collectives=_block_collectives("attn", h * d, sequence_parallel),
         )
         if self.ffn_type == "swiglu":
             ffn = (Matmul("mlp.gate", h, f, "column"), Matmul("mlp.up", h, f, "column"),
@@ -461,59 +487,68 @@ class TransformerModel(_CostTotals):
         else:
             ffn = (Matmul("mlp.fc1", h, f, "column"), Matmul("mlp.fc2", f, h, "row"))
             intermediates = ("mlp.fc1.out", "mlp.fc2.in")
-        mlp = Block("mlp", ffn, collectives=(
-            TPCollective("mlp.out", "all_reduce", "forward", "after", h * d),
-            TPCollective("mlp.in.grad", "all_reduce", "backward", "after", h * d),
-        ))
+        mlp = Block("mlp", ffn, collectives=_block_collectives("mlp", h * d, sequence_parallel))
+        sp = sequence_parallel
         saved = (
-            Activation("norm.attn.in", h, d, sharded=False), Activation("attn.in", h, d, sharded=False),
+            Activation("norm.attn.in", h, d, sharded=sp), Activation("attn.in", h, d, sharded=sp),
             Activation("attn.q", q, d, sharded=True, unit=hd), Activation("attn.k", kv, d, sharded=True, unit=hd),
             Activation("attn.v", kv, d, sharded=True, unit=hd), Activation("attn.o.in", q, d, sharded=True, unit=hd),
-            Activation("norm.mlp.in", h, d, sharded=False), Activation("mlp.in", h, d, sharded=False),
+            Activation("norm.mlp.in", h, d, sharded=sp), Activation("mlp.in", h, d, sharded=sp),
             *(Activation(name, f, d, sharded=True) for name in intermediates),
         )
         norms = (Param("norm.attn", 1, h), Param("norm.mlp", 1, h))
-        return LayerCost("layer", (attention, mlp), norms, saved)
+        return LayerCost("layer", (attention, mlp), norms, saved, checkpoint=saved[:1])
 
-    def embedding_cost(self, dtype_bytes: int, tp_style: str | None = None) -> LayerCost:
+    def embedding_cost(self, dtype_bytes: int, tp_style: str | None = None,
+                       sequence_parallel: bool = False) -> LayerCost:
         """The token table (vocabulary-parallel under TP) and learned positions if any.
 
         A lookup costs no FLOPs. Under TP each rank looks up the ids in its
         slice of the vocabulary and an all-reduce assembles the embeddings
-        (Megatron-LM's VocabParallelEmbedding). Saved: the token ids.
+        (Megatron-LM's VocabParallelEmbedding); with sequence parallelism a
+        reduce-scatter leaves each rank its part of the sequence. Saved: the
+        token ids.
         """
-        self._check_style(tp_style)
+        self._check_style(tp_style, sequence_parallel)
         h = self.hidden
         params = [Param("embed.tokens", self.vocab_size, h, "rows")]
         if self.position_embedding == "learned":
             params.append(Param("embed.positions", self.seq_len, h))
+        assemble = "reduce_scatter" if sequence_parallel else "all_reduce"
         block = Block("embedding", collectives=(
-            TPCollective("embed.out", "all_reduce", "forward", "after", h * dtype_bytes),))
+            TPCollective("embed.out", assemble, "forward", "after", h * dtype_bytes),))
         return LayerCost("embedding", (block,), tuple(params),
                          (Activation("embed.ids", 1, INDEX_BYTES, sharded=False),))
 
-    def head_cost(self, dtype_bytes: int, tp_style: str | None = None) -> LayerCost:
+    def head_cost(self, dtype_bytes: int, tp_style: str | None = None,
+                  sequence_parallel: bool = False) -> LayerCost:
         """The final norm, the LM head matmul ``hidden x vocab`` and the cross-entropy.
 
         The head is column-parallel over the vocabulary (padded to a multiple of
-        ``tp``), so its input gradient is all-reduced in the backward, and the
-        vocabulary-parallel cross-entropy all-reduces three fp32 numbers per
-        token (the logit maximum, the target logit, the sum of exponentials).
-        With tied embeddings the head reuses the embedding table and owns no
-        parameters; under pipeline parallelism the last stage then keeps a copy
-        whose gradient is all-reduced with the first stage's (Megatron-LM).
-        Saved: the norm and head inputs, and the softmax over the vocabulary in
-        fp32, which dominates for large vocabularies.
+        ``tp``), so its input gradient is all-reduced in the backward (with
+        sequence parallelism: its input is all-gathered in the forward and its
+        gradient reduce-scattered), and the vocabulary-parallel cross-entropy
+        all-reduces three fp32 numbers per token (the logit maximum, the target
+        logit, the sum of exponentials). With tied embeddings the head reuses
+        the embedding table and owns no parameters; under pipeline parallelism
+        the last stage then keeps a copy whose gradient is all-reduced with the
+        first stage's (Megatron-LM). Saved: the norm and head inputs, and the
+        softmax over the vocabulary in fp32, which dominates for large
+        vocabularies.
         """
-        self._check_style(tp_style)
+        self._check_style(tp_style, sequence_parallel)
         h, d, v = self.hidden, dtype_bytes, self.vocab_size
-        collectives = (TPCollective("head.in.grad", "all_reduce", "backward", "after", h * d),
-                       *(TPCollective(f"ce.{n}", "all_reduce", "forward", "after", SOFTMAX_BYTES)
-                         for n in ("max", "target", "sumexp")))
+        if sequence_parallel:
+            entry = (TPCollective("head.in", "all_gather", "forward", "before", h * d),
+                     TPCollective("head.in.grad", "reduce_scatter", "backward", "after", h * d))
+        else:
+            entry = (TPCollective("head.in.grad", "all_reduce", "backward", "after", h * d),)
+        collectives = (*entry, *(TPCollective(f"ce.{n}", "all_reduce", "forward", "after", SOFTMAX_BYTES)
+                                 for n in ("max", "target", "sumexp")))
         block = Block("head", (Matmul("head", h, v, "column", owns_weight=not self.tied_embeddings),),
                       collectives=collectives)
-        saved = (Activation("norm.final.in", h, d, sharded=False), Activation("head.in", h, d, sharded=False),
-                 Activation("ce.softmax", v, SOFTMAX_BYTES, sharded=True))
+        saved = (Activation("norm.final.in", h, d, sharded=sequence_parallel),
+                 Activation("head.in", h, d, sharded=False), Activation("ce.softmax", v, SOFTMAX_BYTES, sharded=True))
         return LayerCost("head", (block,), (Param("norm.final", 1, h),), saved)
 
     def model_flops_per_token(self) -> int:
@@ -538,6 +573,19 @@ class TransformerModel(_CostTotals):
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)
+
+
+def _block_collectives(block: str, nbytes_per_token: int, sequence_parallel: bool) -> tuple[TPCollective, ...]:
+    """A Megatron block's tensor-parallel collectives: an all-reduce after it in the forward and of
+    its input gradient in the backward, or, with sequence parallelism, an all-gather of its input and
+    a reduce-scatter of its output (mirrored in the backward)."""
+    if not sequence_parallel:
+        return (TPCollective(f"{block}.out", "all_reduce", "forward", "after", nbytes_per_token),
+                TPCollective(f"{block}.in.grad", "all_reduce", "backward", "after", nbytes_per_token))
+    return (TPCollective(f"{block}.in", "all_gather", "forward", "before", nbytes_per_token),
+            TPCollective(f"{block}.out", "reduce_scatter", "forward", "after", nbytes_per_token),
+            TPCollective(f"{block}.out.grad", "all_gather", "backward", "before", nbytes_per_token),
+            TPCollective(f"{block}.in.grad", "reduce_scatter", "backward", "after", nbytes_per_token))
 
 
 Model = Union[MLPModel, TransformerModel]

@@ -52,6 +52,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 STEADY_STATE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TP_STYLES = ("megatron", "allgather")
+RECOMPUTE = ("none", "selective", "full")
 GRAD_SYNCS = ("per_param", "bucketed")
 DIMS = ("dp", "pp", "tp")
 DEFAULT_ORDER = "dp,pp,tp"
@@ -89,6 +90,16 @@ class Plan:
     explicitly, or ``"balanced"`` asks for the split that makes the slowest
     stage fastest (:mod:`parsim.stage_split`); left ``None`` it is even when the
     stage count divides the layers and balanced otherwise.
+
+    ``sequence_parallel`` (Megatron TP only) shards norms and block inputs
+    along the sequence, with all-gathers and reduce-scatters in place of the
+    all-reduces. ``activation_recompute`` "full" keeps only each recomputed
+    layer's input and reruns its forward before its backward (the first
+    ``recompute_layers`` layers of each stage, all when unset); "selective"
+    recomputes the attention core (Korthikanti et al. 2022), whose score and
+    softmax tensors flash attention never stores, so it saves nothing more than
+    "none" and costs nothing more (flash attention's backward already recomputes
+    them).
     """
 
     model: Model
@@ -107,12 +118,15 @@ class Plan:
     overlap: bool | None = None
     order: str = DEFAULT_ORDER
     layers_per_stage: tuple[int, ...] | str | None = None
+    sequence_parallel: bool = False
+    activation_recompute: str = "none"
+    recompute_layers: int | None = None
     name: str = "plan"
     description: str = ""
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "virtual_stages", "bucket_size",
-                    "microbatch_size", "num_microbatches", "global_batch_size"):
+                    "microbatch_size", "num_microbatches", "global_batch_size", "recompute_layers"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 self._fail(f"{key} is {value!r}; it must be a whole number >= 1")
@@ -160,6 +174,16 @@ class Plan:
             known = "" if self.tp_style in TP_STYLES else f" (known styles: {', '.join(TP_STYLES)})"
             self._fail(f"tensor_parallel {self.tp_style!r} does not apply to {m.kind} model {m.name}; "
                        f"it supports {', '.join(m.tp_styles)}{known}")
+        if self.activation_recompute not in RECOMPUTE:
+            self._fail(f"activation_recompute {self.activation_recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if self.recompute_layers is not None and self.activation_recompute != "full":
+            self._fail("recompute_layers needs activation_recompute full (it counts the layers of each stage "
+                       "whose forward is recomputed)")
+        if self.sequence_parallel:
+            try:
+                m.costs(1, self.tp_style, sequence_parallel=True)
+            except ParsimError as err:
+                self._fail(f"sequence_parallel: {err}")
         if self.grad_sync not in GRAD_SYNCS:
             self._fail(f"grad_sync {self.grad_sync!r} is not one of {', '.join(GRAD_SYNCS)}")
         if self.overlap and self.grad_sync != "bucketed":
@@ -292,9 +316,9 @@ class Plan:
 
     @cached_property
     def _costs(self) -> tuple[LayerCost | None, list[LayerCost], LayerCost | None]:
-        m, d = self.model, self.dtype_bytes
-        return (m.embedding_cost(d, self.tp_style), m.layer_costs(d, self.tp_style),
-                m.head_cost(d, self.tp_style))
+        m, d, sp = self.model, self.dtype_bytes, self.sequence_parallel
+        return (m.embedding_cost(d, self.tp_style, sp), m.layer_costs(d, self.tp_style, sp),
+                m.head_cost(d, self.tp_style, sp))
 
     def stage_costs(self, stage: int) -> list[LayerCost]:
         """What ``stage`` computes, in order: the embedding (first stage), its layers, the head (last)."""
@@ -305,6 +329,14 @@ class Plan:
         if stage == self.num_stages - 1 and head is not None:
             costs.append(head)
         return costs
+
+    def recomputed(self, stage: int) -> list[LayerCost]:
+        """The layers of ``stage`` whose forward is recomputed in the backward (full recomputation:
+        the first ``recompute_layers`` of the stage, all when unset, as Megatron-LM's block method)."""
+        if self.activation_recompute != "full":
+            return []
+        layers = [c for c in self.stage_costs(stage) if c.recomputable]
+        return layers if self.recompute_layers is None else layers[:self.recompute_layers]
 
     def params_per_rank(self, pp_rank: int) -> int:
         """Parameters one GPU of pipeline rank ``pp_rank`` holds (its tensor-parallel shard)."""
@@ -326,6 +358,9 @@ class Plan:
             "virtual_stages": self.virtual_stages,
             "dtype": self.dtype,
             "tensor_parallel": self.tp_style,
+            "sequence_parallel": self.sequence_parallel,
+            "activation_recompute": ({"granularity": self.activation_recompute, "layers": self.recompute_layers}
+                                     if self.recompute_layers else self.activation_recompute),
             "data_parallel": data_parallel,
         }
         if self.layers_per_stage is not None:
@@ -338,7 +373,8 @@ class Plan:
 
 # --------------------------------------------------------------------------- loading
 _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "virtual_stages", "layers_per_stage",
-             "dtype", "tensor_parallel", "data_parallel")
+             "dtype", "tensor_parallel", "sequence_parallel", "activation_recompute", "data_parallel")
+_RECOMPUTE_KEYS = ("granularity", "layers")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "order")
 _BATCH_KEYS = ("microbatch_size", "num_microbatches", "global_batch_size")
 _DATA_PARALLEL_KEYS = ("grad_sync", "bucket_size", "overlap")
@@ -401,6 +437,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
     batch = top.section("batch", _BATCH_KEYS)
     sync = top.section("data_parallel", _DATA_PARALLEL_KEYS)
     grad_sync = sync.text("grad_sync", "bucketed")
+    recompute = _recompute(top)
     if sync.has("bucket_size") and grad_sync != "bucketed":
         raise ConfigError(source, "data_parallel.bucket_size", f"is set with grad_sync {grad_sync}",
                           "bucket_size only with grad_sync: bucketed")
@@ -412,11 +449,22 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         global_batch_size=batch.integer("global_batch_size"),
         schedule=top.text("schedule", "1f1b"), virtual_stages=top.integer("virtual_stages", 1),
         layers_per_stage=_stage_split(top),
+        sequence_parallel=top.boolean("sequence_parallel", False),
+        activation_recompute=recompute[0], recompute_layers=recompute[1],
         dtype=top.text("dtype", "fp32"), tp_style=top.text("tensor_parallel"),
         grad_sync=grad_sync, bucket_size=sync.size("bucket_size", DEFAULT_BUCKET_SIZE),
         overlap=sync.boolean("overlap"),
         name=top.text("name", default_name), description=top.text("description", ""),
     )
+
+
+def _recompute(top: ConfigReader) -> tuple[str, int | None]:
+    """``activation_recompute: full`` or ``{granularity: full, layers: 4}``."""
+    value = top.data.get("activation_recompute", "none")
+    if isinstance(value, str):
+        return value, None
+    section = top.section("activation_recompute", _RECOMPUTE_KEYS)
+    return section.text("granularity", "full"), section.integer("layers")
 
 
 def _stage_split(top: ConfigReader) -> tuple[int, ...] | str | None:

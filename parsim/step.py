@@ -36,10 +36,26 @@ class StepPrediction:
         return float(self.plan.model.model_flops_per_token()) * self.plan.tokens_per_step
 
     @property
+    def hardware_flops(self) -> float:
+        """FLOPs the GPUs execute per step: the model's plus the forwards recomputed for the backward."""
+        plan = self.plan
+        recomputed = sum(c.forward_flops_per_token() for s in range(plan.num_stages) for c in plan.recomputed(s))
+        return self.model_flops + float(recomputed) * plan.tokens_per_step
+
+    @property
     def mfu(self) -> float:
         """Model FLOPs per second over the peak of every GPU in the plan."""
-        peak = self.cluster.gpu.peak_flops[self.plan.dtype]
-        return self.model_flops / (self.step_s * self.plan.world * peak)
+        return self.model_flops / self._peak_flops_per_step
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs (recomputation included) per second over the peak: MFU's counterpart
+        (Korthikanti et al. 2022, section 6.3)."""
+        return self.hardware_flops / self._peak_flops_per_step
+
+    @property
+    def _peak_flops_per_step(self) -> float:
+        return self.step_s * self.plan.world * self.cluster.gpu.peak_flops[self.plan.dtype]
 
     @property
     def over_memory(self) -> list[Memory]:

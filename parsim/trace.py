@@ -71,7 +71,8 @@ class Trace:
 
 
 def compute_name(phase: str, stage: int, microbatch: int) -> str:
-    """``F stage=1 mb=3``: a compute action: F forward, B full backward, I input-grad, W weight-grad."""
+    """``F stage=1 mb=3``: a compute action: F forward, B full backward, I input-grad, W weight-grad,
+    R a forward recomputed for the backward."""
     return f"{phase} stage={stage} mb={microbatch}"
 
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from ..errors import ParsimError
 from ..model import builtin_models, load_model
-from ..plan import DIMS, DTYPE_BYTES, GRAD_SYNCS, SCHEDULES, TP_STYLES, Plan, builtin_plans, load_plan, resolve_plan
+from ..plan import (DIMS, DTYPE_BYTES, GRAD_SYNCS, RECOMPUTE, SCHEDULES, TP_STYLES, Plan, builtin_plans, load_plan,
+                    resolve_plan)
 from ..table import render_table
 from ..units import format_size
 from .common import add_cluster_args, print_json
@@ -71,6 +72,12 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
                         "(default: even when the stages divide the layers, else balanced)")
     g.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="compute and activation precision")
     g.add_argument("--tensor-parallel", choices=TP_STYLES, help="tensor-parallel style")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
+                   help="Megatron sequence parallelism: norms and block inputs split along the sequence")
+    g.add_argument("--activation-recompute", choices=RECOMPUTE,
+                   help="rerun forwards in the backward to save activations (full: all but each layer's input)")
+    g.add_argument("--recompute-layers", type=int, metavar="N",
+                   help="with full recompute: only the first N layers of each stage")
     g.add_argument("--grad-sync", choices=GRAD_SYNCS, help="data-parallel gradient synchronization")
     g.add_argument("--bucket-size", help="DDP bucket size, e.g. 25MiB")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction,
@@ -85,7 +92,8 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
         "batch": {k: getattr(args, k) for k in ("microbatch_size", "num_microbatches", "global_batch_size")},
         "schedule": args.schedule, "virtual_stages": args.virtual_stages,
         "layers_per_stage": args.layers_per_stage, "dtype": args.dtype,
-        "tensor_parallel": args.tensor_parallel,
+        "tensor_parallel": args.tensor_parallel, "sequence_parallel": args.sequence_parallel,
+        "activation_recompute": _recompute_flags(args),
         "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap},
     }
     overrides = _drop_unset(flags)
@@ -94,6 +102,12 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
     if args.model is None:
         raise ParsimError("give a plan (an example name or a YAML file) or --model to build one from flags")
     return load_plan({"name": "command-line"}, gpus=gpus, overrides=overrides)
+
+
+def _recompute_flags(args: argparse.Namespace) -> str | dict | None:
+    if args.recompute_layers is None:
+        return args.activation_recompute
+    return {"granularity": args.activation_recompute or "full", "layers": args.recompute_layers}
 
 
 def _stage_split(text: str) -> str | list[int]:

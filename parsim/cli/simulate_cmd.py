@@ -85,8 +85,10 @@ def report(r: StepPrediction) -> str:
         f"  throughput  {r.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_step:,} tokens per step)",
         f"  MFU         {r.mfu:.1%}  (model FLOPs {r.model_flops:.3g} per step / (step x {plan.world} GPUs x "
         f"{r.cluster.gpu.peak_flops[plan.dtype] / 1e12:g} TFLOP/s))",
-        "",
     ]
+    if r.hardware_flops != r.model_flops:
+        lines.append(f"  HFU         {r.hfu:.1%}  (with the recomputed forwards: {r.hardware_flops:.3g} FLOPs per step)")
+    lines.append("")
     rows = []
     for b, mem in zip(r.ranks, r.memory):
         rows.append([f"pp {mem.pp_rank} (rank {b.rank})"] + [f"{b.fraction(p):.1%}" for p in PHASES])
@@ -108,7 +110,7 @@ def report(r: StepPrediction) -> str:
 def to_json(r: StepPrediction) -> dict:
     return {
         "plan": r.plan.name, "cluster": r.cluster.name, "world_size": r.plan.world,
-        "step_s": r.step_s, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
+        "step_s": r.step_s, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "hfu": r.hfu,
         "ranks": [{"rank": b.rank, "seconds": b.seconds} for b in r.ranks],
         "memory": [vars(m) | {"total": m.total} for m in r.memory],
         "fits": not r.over_memory,

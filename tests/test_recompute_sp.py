@@ -1,0 +1,118 @@
+"""Activation recomputation and sequence parallelism: memory by Korthikanti et al.'s forms, the extra
+forward, MFU against HFU, and the collectives sequence parallelism swaps in."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from parsim.errors import ParsimError
+from parsim.lower import lower
+from parsim.memory import saved_bytes_per_token
+from parsim.model import load_model
+from parsim.plan import Plan, load_plan
+from parsim.step import predict_step
+
+from ideal_cluster import ideal_spec
+
+# GPT shapes (multi-head, GeLU MLP of 4h) so Korthikanti et al.'s 34sbh-style forms apply directly.
+H = 1024
+GPT = load_model({"kind": "transformer", "name": "gpt", "num_layers": 8, "hidden": H, "num_heads": 16,
+                  "ffn_hidden": 4 * H, "ffn_type": "gelu", "seq_len": 512, "vocab_size": 1000})
+T = 4
+
+
+def plan(**kw) -> Plan:
+    return Plan(model=GPT, tp=T, pp=2, num_microbatches=4, dtype="bf16", **kw)
+
+
+def layer_bytes(p: Plan) -> int:
+    """Saved bytes per token of one decoder layer, from the memory model: the last stage's, less its
+    head (never recomputed), over its layers."""
+    costs = p.stage_costs(1)
+    head = costs[-1].activation_bytes_per_token(T)
+    return (saved_bytes_per_token(p, 1) - head) // (len(costs) - 1)
+
+
+@pytest.mark.parametrize("recompute, sp, expected", [
+    # Korthikanti et al. 2022, Table 2, with flash attention (no 5as/h term) and no dropout masks (-2):
+    ("none", False, 8 * H + 24 * H // T),  # sbh(10 + 24/t) -> 8h + 24h/t bytes per token
+    ("selective", False, 8 * H + 24 * H // T),  # the attention scores it would drop are never stored
+    ("none", True, 32 * H // T),  # sequence parallelism splits every term: 34sbh/t -> 32h/t
+    ("full", False, 2 * H),  # only the layer input: 2sbh
+    ("full", True, 2 * H // T),  # the input, split along the sequence
+])
+def test_activation_memory_per_layer_follows_korthikanti(recompute, sp, expected):
+    assert layer_bytes(plan(activation_recompute=recompute, sequence_parallel=sp)) == expected
+
+
+def test_full_recompute_keeps_one_rebuilt_layer_while_its_backward_runs():
+    p = plan(activation_recompute="full", sequence_parallel=True)
+    mem = predict_step(p, ideal_spec()).memory[1]
+    tokens = p.tokens_per_microbatch
+    layer = 32 * H // T  # a rebuilt layer's full activations (with SP)
+    assert mem.activations == (mem.in_flight * saved_bytes_per_token(p, 1) + layer) * tokens
+
+
+def test_recompute_some_layers_of_each_stage():
+    p = plan(activation_recompute="full", recompute_layers=1)
+    assert [c.name for c in p.recomputed(1)] == ["layer.4"]
+    assert layer_bytes(p) * 4 == 3 * (8 * H + 24 * H // T) + 2 * H
+
+
+def test_recompute_reruns_each_layer_forward_before_its_backward():
+    base, full = lower(plan()), lower(plan(activation_recompute="full"))
+    forward = [op for op in base.ops if op.rank == 0 and op.name == "F stage=0 mb=0"]
+    rerun = [op for op in full.ops if op.rank == 0 and op.name == "R stage=0 mb=0"]
+    assert [op.matmuls for op in rerun] == [op.matmuls for op in forward if op.matmuls]  # the embedding has none
+    # Each recomputed layer's forward all-reduces again, under their own names.
+    assert any(op.name == "all_reduce tp layer=layer.0 mb=0 dir=rec0" for op in full.ops)
+
+
+def test_recompute_costs_a_forward_more_and_shows_as_hfu():
+    spec = ideal_spec()
+    base = predict_step(plan(), spec)
+    full = predict_step(plan(activation_recompute="full"), spec)
+    assert full.step_s > base.step_s
+    assert full.hardware_flops > full.model_flops == base.model_flops
+    layer_forward = GPT.costs(2)[1].forward_flops_per_token()
+    assert full.hardware_flops - full.model_flops == pytest.approx(8 * layer_forward * full.plan.tokens_per_step)
+    assert full.hfu == pytest.approx(full.mfu * full.hardware_flops / full.model_flops)
+    assert full.ranks[0].seconds["recompute"] > 0 and base.ranks[0].seconds["recompute"] == 0
+
+
+def test_sequence_parallelism_swaps_all_reduce_for_all_gather_and_reduce_scatter():
+    ops = Counter(op.collective for op in lower(plan(sequence_parallel=True)).ops if op.group == "tp")
+    plain = Counter(op.collective for op in lower(plan()).ops if op.group == "tp")
+    blocks = 2 * 8 * 4  # attention and MLP, 8 layers, 4 microbatches
+    # Forward and backward: one all-gather and one reduce-scatter per block where an all-reduce was; the head
+    # gathers its input (forward) and scatters its gradient (backward), the embedding scatters its output.
+    assert ops["all_gather"] == 2 * blocks + 4 and ops["reduce_scatter"] == 2 * blocks + 4 + 4
+    assert plain["all_reduce"] - ops["all_reduce"] == 2 * blocks + 4 + 4  # + embedding and head all-reduces
+
+
+def test_sequence_parallelism_moves_the_same_bytes_and_saves_memory():
+    # Against ring all-reduces: an all-gather plus a reduce-scatter is a ring all-reduce, split in two.
+    # (In-switch reduction speeds up the all-reduce only, so there sequence parallelism costs more time.)
+    spec = ideal_spec(**{"intra_node.in_switch_reduction": False})
+    plain, sp = predict_step(plan(), spec), predict_step(plan(sequence_parallel=True), spec)
+    assert sp.memory[1].activations < plain.memory[1].activations
+    assert sp.step_s == pytest.approx(plain.step_s, rel=0.05)
+
+
+def test_plan_rules_for_recompute_and_sequence_parallelism():
+    with pytest.raises(ParsimError, match="activation_recompute 'some' is not one of none, selective, full"):
+        plan(activation_recompute="some")
+    with pytest.raises(ParsimError, match="recompute_layers needs activation_recompute full"):
+        plan(recompute_layers=2)
+    with pytest.raises(ParsimError, match="sequence_parallel: .* has no sequence-parallel form"):
+        Plan(model=load_model("course-mlp"), tp=2, sequence_parallel=True)
+
+
+def test_yaml_keys_round_trip():
+    p = load_plan({"model": "tiny-gpt", "parallel": {"tp": 2}, "sequence_parallel": True,
+                   "activation_recompute": {"granularity": "full", "layers": 2}})
+    assert (p.sequence_parallel, p.activation_recompute, p.recompute_layers) == (True, "full", 2)
+    assert load_plan(p.to_dict()) == p
+    assert load_plan({"model": "tiny-gpt", "activation_recompute": "selective"}).activation_recompute == "selective"
