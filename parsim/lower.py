@@ -20,6 +20,7 @@ optimizer step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ class _ComputePiece:
     kernels: int
     phase: str
     layer: int
+    opens: bool = False  # the first piece of its layer in this pass (FSDP gathers the layer before it)
+    closes: bool = False  # the last (FSDP reduce-scatters the layer's gradients after a backward's)
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,9 @@ class _TPPiece:
     ranks: tuple[int, ...]
     mirrors: tuple[tuple[int, ...], ...]
     nbytes: float
+    layer: int = -1
+    opens: bool = False
+    closes: bool = False
 
 
 @dataclass
@@ -93,11 +99,14 @@ class _Lowering:
         self.act_bytes = self.tokens * hidden_size(plan) * plan.dtype_bytes  # one microbatch's activations
         self.sends: dict[tuple, int] = {}
         self.pending: list[_Pending] = []
+        self.fsdp = plan.zero == 3 and plan.shard_size > 1  # weights sharded: gathered per layer
+        self.split_backward = any(a.kind == "W" for actions in self.schedule.actions for a in actions)
         last_mb = plan.num_microbatches - 1
         for p in range(plan.pp):
             rank = plan.rank_of(dp=0, pp=p, tp=0)
             self.program.represents[rank] = plan.dp * plan.tp
             self.final_grad_ops: dict[tuple[int, int], int] = {}  # (stage, layer index) -> op id
+            self.fsdp_syncs: list[int] = []  # this rank's per-layer gradient reductions
             for action in self.schedule.actions[p]:
                 self._action(rank, p, action, last_mb)
             self._gradient_sync_and_step(rank, p)
@@ -113,6 +122,11 @@ class _Lowering:
             groups = [plan.group_of(plan.rank_of(dp=d, pp=p, tp=0), "tp") for d in range(plan.dp)]
         else:
             groups = [plan.group_of(plan.rank_of(dp=0, pp=p, tp=t), "dp") for t in range(plan.tp)]
+            size = plan.shard_size
+            if dim == "shard":  # ZeRO shards within groups of shard_size consecutive data-parallel ranks
+                groups = [g[k:k + size] for g in groups for k in range(0, plan.dp, size)]
+            elif dim == "replicate":  # HSDP: the ranks holding the same shard, one per shard group
+                groups = [g[j::size] for g in groups for j in range(size)]
         groups = [tuple(g) for g in groups]
         return groups[0], tuple(groups[1:])
 
@@ -127,19 +141,29 @@ class _Lowering:
             self._recv(rank, "grad", stage + 1, mb, ("grad", stage + 1, mb), act_bytes)
         name, recompute_name = compute_name(kind, stage, mb), compute_name("R", stage, mb)
         final = kind in ("B", "W") and mb == last_mb
+        gathers = self.fsdp and (kind == "F" or (kind in ("B", "I") and plan.reshard_after_forward))
+        scatters = self.fsdp and kind == ("W" if self.split_backward else "B")
+        closed: list[int] = []  # per layer of this pass, the op that ended it (FSDP prefetches one layer ahead)
         last = None
         for piece in self._pieces(p, stage, kind):
+            deps = ()
+            if gathers and piece.opens:
+                deps = (self._fsdp_gather(rank, p, stage, piece.layer, mb, kind, closed[-2:-1]),)
             if isinstance(piece, _TPPiece):
                 last = self._add(rank, Op(f"{piece.name_head}{mb}{piece.name_tail}", "collective", "compute",
-                                          collective=piece.collective, group="tp", ranks=piece.ranks,
+                                          deps=deps, collective=piece.collective, group="tp", ranks=piece.ranks,
                                           mirrors=piece.mirrors, nbytes=piece.nbytes, phase="tp"))
             else:
                 recompute = piece.phase == "recompute"
-                last = self._add(rank, Op(recompute_name if recompute else name, "compute", "compute",
+                last = self._add(rank, Op(recompute_name if recompute else name, "compute", "compute", deps=deps,
                                           matmuls=piece.matmuls, flops=piece.flops, hbm_bytes=piece.hbm_bytes,
                                           kernels=piece.kernels, phase=piece.phase))
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
+            if piece.closes:
+                closed.append(last)
+                if scatters:
+                    self._fsdp_reduce(rank, p, stage, piece.layer, mb, last)
         if kind == "F" and stage < last_stage:
             self._send(rank, "act", stage, mb, ("act", stage, mb), act_bytes, last)
         if kind in ("B", "I") and stage > 0:
@@ -153,14 +177,15 @@ class _Lowering:
         With full recomputation, the backward of a recomputed layer starts by
         running its forward again (compute and collectives, named ``R``)."""
         costs = self.plan.stage_costs(stage)
-        if kind == "F":
-            return tuple(piece for index, cost in enumerate(costs) for piece in self._layer_pass(p, index, cost, "F"))
         recomputed = {c.name for c in self.plan.recomputed(stage)} if kind in ("B", "I") else set()
+        order = list(enumerate(costs)) if kind == "F" else list(reversed(list(enumerate(costs))))
         pieces: list[_ComputePiece | _TPPiece] = []
-        for index, cost in reversed(list(enumerate(costs))):
-            if cost.name in recomputed:
-                pieces += self._layer_pass(p, index, cost, "R")
-            pieces += self._layer_pass(p, index, cost, kind)
+        for index, cost in order:
+            layer = self._layer_pass(p, index, cost, "R") if cost.name in recomputed else []
+            layer += self._layer_pass(p, index, cost, kind)
+            layer[0] = dataclasses.replace(layer[0], layer=index, opens=True)
+            layer[-1] = dataclasses.replace(layer[-1], layer=index, closes=True)
+            pieces += layer
         return tuple(pieces)
 
     def _layer_pass(self, p: int, index: int, cost: LayerCost, kind: str) -> list[_ComputePiece | _TPPiece]:
@@ -254,38 +279,84 @@ class _Lowering:
         self._add(rank, op)
         self.pending.append(_Pending(op, key))
 
+    # -- FSDP (ZeRO-3) per layer ------------------------------------------------------
+    def _fsdp_gather(self, rank: int, p: int, stage: int, layer: int, mb: int, kind: str,
+                     after: list[int]) -> int:
+        """All-gather one layer's weight shards before its pass; ``after``: the op that must end first
+        (the layer two back, so one layer is prefetched while the current one computes)."""
+        cost = self.plan.stage_costs(stage)[layer]
+        group, mirrors = self._group(p, "shard")
+        nbytes = sum(_param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
+        name = collective_name("all_gather", "fsdp", layer=cost.name, stage=stage, mb=mb,
+                               dir="fwd" if kind == "F" else "bwd")
+        return self._add(rank, Op(name, "collective", "gather", deps=tuple(after), collective="all_gather",
+                                  group="fsdp", ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
+
+    def _fsdp_reduce(self, rank: int, p: int, stage: int, layer: int, mb: int, ready: int) -> None:
+        """Reduce-scatter one layer's gradients once its backward made them (FSDP2 syncs every
+        microbatch); with HSDP, all-reduce the shard across the replicas."""
+        cost = self.plan.stage_costs(stage)[layer]
+        nbytes = sum(_param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
+        group, mirrors = self._group(p, "shard")
+        op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=cost.name, stage=stage, mb=mb),
+                                "collective", "comm", deps=(ready,), collective="reduce_scatter", group="fsdp",
+                                ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
+        if self.plan.shard_size < self.plan.dp:
+            group, mirrors = self._group(p, "replicate")
+            op = self._add(rank, Op(collective_name("all_reduce", "fsdp", layer=cost.name, stage=stage, mb=mb),
+                                    "collective", "comm", collective="all_reduce", group="fsdp", ranks=group,
+                                    mirrors=mirrors, nbytes=nbytes / self.plan.shard_size, phase="fsdp"))
+        self.fsdp_syncs.append(op)
+
     # -- gradients and optimizer -----------------------------------------------------
     def _gradient_sync_and_step(self, rank: int, p: int) -> None:
+        """Data-parallel gradient sync, then AdamW on this rank's parameters (its shard under ZeRO).
+
+        Without ZeRO, gradients are all-reduced (per parameter, or in DDP buckets).
+        ZeRO-1/2 reduce-scatter the same buckets over the shard group (HSDP: and
+        all-reduce each shard across the replicas), step the optimizer on the
+        shard and all-gather the updated weights. ZeRO-3 synced per layer already.
+        """
         plan = self.plan
         last_compute = self.program.by_rank[rank][-1]
-        sync: list[int] = []
-        if plan.dp > 1:
-            group, mirrors = self._group(p, "dp")
-            grad_bytes = plan.dtype_bytes
+        sync: list[int] = list(self.fsdp_syncs)
+        gather: list[int] = []
+        if plan.dp > 1 and not self.fsdp:
             tensors = []  # (bytes, op id after which the gradient is final), in backward order
             for stage in reversed(self.plan.stages_of(p)):
                 costs = plan.stage_costs(stage)
                 for index in reversed(range(len(costs))):
                     ready = self.final_grad_ops.get((stage, index), last_compute)
-                    tensors += [(n * grad_bytes, ready) for n in _param_tensors(costs[index], plan.tp)]
+                    tensors += [(n * plan.dtype_bytes, ready) for n in _param_tensors(costs[index], plan.tp)]
             if plan.grad_sync == "per_param":
                 for k, (nbytes, _) in enumerate(tensors):
-                    sync.append(self._add(rank, Op(
-                        collective_name("all_reduce", "dp", param=k), "collective", "comm",
-                        deps=(last_compute,), collective="all_reduce", group="dp", ranks=group, mirrors=mirrors,
-                        nbytes=nbytes, phase="dp")))
+                    sync.append(self._dp_collective(rank, p, "all_reduce", "dp", nbytes, (last_compute,), param=k))
             else:
-                for k, (nbytes, ready) in enumerate(_buckets(tensors, plan.bucket_size)):
-                    sync.append(self._add(rank, Op(
-                        collective_name("all_reduce", "dp", bucket=k), "collective", "comm",
-                        deps=(ready if plan.overlap else last_compute,), collective="all_reduce", group="dp",
-                        ranks=group, mirrors=mirrors, nbytes=nbytes, phase="dp")))
-        params = plan.params_per_rank(p)
-        traffic = params * ADAMW_ACCESSES * FP32
+                buckets = _buckets(tensors, plan.bucket_size)
+                for k, (nbytes, ready) in enumerate(buckets):
+                    deps = (ready if plan.overlap else last_compute,)
+                    if not plan.zero:
+                        sync.append(self._dp_collective(rank, p, "all_reduce", "dp", nbytes, deps, bucket=k))
+                        continue
+                    sync.append(self._dp_collective(rank, p, "reduce_scatter", "shard", nbytes, deps, bucket=k))
+                    if plan.shard_size < plan.dp:
+                        sync.append(self._dp_collective(rank, p, "all_reduce", "replicate",
+                                                        nbytes / plan.shard_size, (), bucket=k))
+                gather = [nbytes for nbytes, _ in buckets] if plan.zero else []
+        params = plan.params_per_rank(p) / plan.shard_size
         tensors = sum(len(_param_tensors(c, plan.tp)) for s in plan.stages_of(p) for c in plan.stage_costs(s))
-        self._add(rank, Op("optimizer step", "optimizer", "compute", deps=tuple(sync) or (last_compute,),
-                           flops=12.0 * params, hbm_bytes=traffic, kernels=tensors * ADAMW_KERNELS,
-                           phase="optimizer"))
+        step = self._add(rank, Op("optimizer step", "optimizer", "compute", deps=tuple(sync) or (last_compute,),
+                                  flops=12.0 * params, hbm_bytes=params * ADAMW_ACCESSES * FP32,
+                                  kernels=tensors * ADAMW_KERNELS, phase="optimizer"))
+        for k, nbytes in enumerate(gather):  # ZeRO-1/2: every rank needs the updated weights back
+            self._dp_collective(rank, p, "all_gather", "shard", nbytes, (step,), bucket=k)
+
+    def _dp_collective(self, rank: int, p: int, collective: str, dim: str, nbytes: float, deps: tuple,
+                       **tags) -> int:
+        group, mirrors = self._group(p, dim)
+        return self._add(rank, Op(collective_name(collective, "dp", **tags), "collective", "comm", deps=deps,
+                                  collective=collective, group="dp", ranks=group, mirrors=mirrors, nbytes=nbytes,
+                                  phase="dp"))
 
     def _add(self, rank: int, op: Op) -> int:
         return self.program.add(rank, op)

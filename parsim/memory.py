@@ -28,10 +28,11 @@ class Memory:
     optimizer: float
     activations: float
     in_flight: int
+    buffers: float = 0.0  # FSDP: unsharded weights and gradients of the layers being worked on
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
 
 
 def memory(plan: Plan) -> list[Memory]:
@@ -39,24 +40,35 @@ def memory(plan: Plan) -> list[Memory]:
 
     Weights and gradients are kept in the plan's dtype; AdamW keeps two fp32
     moments, plus an fp32 master copy of the weights when training in 16 bits
-    (mixed precision, Micikevicius et al. 2018). Activations: the schedule's peak
-    number of (stage, microbatch) forwards awaiting their backward, times what one
-    stage saves per microbatch. A layer whose forward is recomputed saves only its
-    input; while its backward runs, one such layer's full activations exist again
-    for one microbatch (the recomputation's working set).
+    (mixed precision, Micikevicius et al. 2018): 2 + 2 + 12 = 16 bytes per
+    parameter in bf16. ZeRO divides by the shard group's size ``N``: stage 1 the
+    optimizer state (``4P + 12P/N``), stage 2 the gradients too (``2P + 14P/N``),
+    stage 3 the weights too (``16P/N``); FSDP then holds, besides its shards, the
+    unsharded weights of two layers (the one computing and the one prefetched)
+    and one layer's unsharded gradients before they are reduce-scattered.
+
+    Activations: the schedule's peak number of (stage, microbatch) forwards
+    awaiting their backward, times what one stage saves per microbatch. A layer
+    whose forward is recomputed saves only its input; while its backward runs,
+    one such layer's full activations exist again for one microbatch (the
+    recomputation's working set).
     """
     in_flight = peak_in_flight(schedule_of(plan))
-    tokens = plan.tokens_per_microbatch
+    tokens, d, n, zero = plan.tokens_per_microbatch, plan.dtype_bytes, plan.shard_size, plan.zero
     out = []
     for p in range(plan.pp):
         params = plan.params_per_rank(p)
-        master = FP32 if plan.dtype_bytes < FP32 else 0
+        master = FP32 if d < FP32 else 0
         per_mb = max(saved_bytes_per_token(plan, s) for s in plan.stages_of(p))
         rebuilt = max((c.activation_bytes_per_token(plan.tp) for s in plan.stages_of(p) for c in plan.recomputed(s)),
                       default=0)
-        out.append(Memory(p, params * plan.dtype_bytes, params * plan.dtype_bytes,
-                          params * (ADAM_STATE_BYTES + master), (in_flight[p] * per_mb + rebuilt) * tokens,
-                          in_flight[p]))
+        buffers = 0
+        if zero == 3 and n > 1:
+            largest = max(c.params_per_rank(plan.tp) for s in plan.stages_of(p) for c in plan.stage_costs(s))
+            buffers = 3 * largest * d
+        out.append(Memory(p, params * d / (n if zero >= 3 else 1), params * d / (n if zero >= 2 else 1),
+                          params * (ADAM_STATE_BYTES + master) / (n if zero >= 1 else 1),
+                          (in_flight[p] * per_mb + rebuilt) * tokens, in_flight[p], buffers))
     return out
 
 

@@ -53,7 +53,8 @@ STEADY_STATE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TP_STYLES = ("megatron", "allgather")
 RECOMPUTE = ("none", "selective", "full")
-GRAD_SYNCS = ("per_param", "bucketed")
+GRAD_SYNCS = ("per_param", "bucketed", "fsdp")  # fsdp: ZeRO-3 with FSDP2's per-layer units
+ZERO_STAGES = (0, 1, 2, 3)
 DIMS = ("dp", "pp", "tp")
 DEFAULT_ORDER = "dp,pp,tp"
 DEFAULT_BUCKET_SIZE = 25 * 2**20  # torch DDP's bucket_cap_mb default
@@ -82,6 +83,16 @@ class Plan:
     after the backward. "bucketed" is torch DDP's: gradients gathered into
     buckets of ``bucket_size`` bytes in reverse layer order, each all-reduced as
     soon as it fills, overlapping the rest of the backward when ``overlap``.
+
+    ``zero`` shards training state over the data-parallel group (Rajbhandari et
+    al. 2020): 1 the optimizer state (gradients reduce-scattered in buckets, the
+    optimizer steps its shard, the weights are all-gathered after: Megatron-LM's
+    distributed optimizer), 2 the gradients too, 3 the weights too, with FSDP2's
+    semantics (``grad_sync: fsdp``): each layer's weights all-gathered before
+    its forward and, with ``reshard_after_forward``, again before its backward,
+    the next layer's gather prefetched, its gradients reduce-scattered after
+    its backward. ``shard_group`` (HSDP) shards within groups of that many
+    data-parallel ranks and all-reduces the shards across the groups.
 
     Pipeline stages: the layers split into ``pp · virtual_stages`` stages;
     stage ``s`` runs on pipeline rank ``s % pp`` (Megatron-LM's interleaved
@@ -118,6 +129,9 @@ class Plan:
     overlap: bool | None = None
     order: str = DEFAULT_ORDER
     layers_per_stage: tuple[int, ...] | str | None = None
+    zero: int | None = None
+    shard_group: int | None = None
+    reshard_after_forward: bool = True
     sequence_parallel: bool = False
     activation_recompute: str = "none"
     recompute_layers: int | None = None
@@ -132,8 +146,10 @@ class Plan:
                 self._fail(f"{key} is {value!r}; it must be a whole number >= 1")
         if self.tp_style is None:
             object.__setattr__(self, "tp_style", self.model.tp_styles[0])
+        if self.zero is None:
+            object.__setattr__(self, "zero", 3 if self.grad_sync == "fsdp" else 0)
         if self.overlap is None:
-            object.__setattr__(self, "overlap", self.grad_sync == "bucketed")
+            object.__setattr__(self, "overlap", self.grad_sync in ("bucketed", "fsdp"))
         self._resolve_batch()
         self.validate()
 
@@ -186,9 +202,22 @@ class Plan:
                 self._fail(f"sequence_parallel: {err}")
         if self.grad_sync not in GRAD_SYNCS:
             self._fail(f"grad_sync {self.grad_sync!r} is not one of {', '.join(GRAD_SYNCS)}")
-        if self.overlap and self.grad_sync != "bucketed":
+        if self.overlap and self.grad_sync == "per_param":
             self._fail("overlap needs grad_sync bucketed (per_param all-reduces after the backward, "
                        "as in the lecture)")
+        if self.zero not in ZERO_STAGES:
+            self._fail(f"zero {self.zero!r} is not a ZeRO stage (0: replicated; 1: optimizer state sharded; "
+                       f"2: and gradients; 3: and weights, as FSDP)")
+        if self.grad_sync == "fsdp" and self.zero != 3:
+            self._fail(f"grad_sync fsdp shards weights, gradients and optimizer state: it is zero 3, not {self.zero}")
+        if self.zero and self.grad_sync == "per_param":
+            self._fail("ZeRO shards gradients in buckets (grad_sync bucketed or fsdp), not per parameter")
+        if self.shard_group is not None:
+            if not self.zero:
+                self._fail("shard_group (HSDP) needs a ZeRO stage >= 1 to shard within the group")
+            if self.dp % self.shard_group:
+                self._fail(f"shard_group {self.shard_group} does not divide dp {self.dp} (HSDP shards within "
+                           f"groups of that size and replicates across them)")
         if sorted(self.order.split(",")) != sorted(DIMS):
             self._fail(f"order {self.order!r} is not a nesting of dp, pp and tp such as {DEFAULT_ORDER!r}")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
@@ -229,6 +258,14 @@ class Plan:
                        f"the model's {layers} layers (they add up to {sum(split)})")
 
     # -- sizes ----------------------------------------------------------------
+    @property
+    def shard_size(self) -> int:
+        """Ranks that share one copy of the sharded state (ZeRO): the data-parallel group, or the HSDP
+        shard group; 1 without ZeRO."""
+        if not self.zero:
+            return 1
+        return self.shard_group or self.dp
+
     @property
     def world(self) -> int:
         return self.dp * self.pp * self.tp
@@ -343,9 +380,29 @@ class Plan:
         return sum(c.params_per_rank(self.tp) for s in self.stages_of(pp_rank) for c in self.stage_costs(s))
 
     # -- output ---------------------------------------------------------------
+    def features(self) -> list[str]:
+        """What this plan does beyond plain DP x TP x PP, in words (for report headers)."""
+        out = []
+        if self.zero and self.shard_size > 1:
+            scope = f"HSDP: shards over {self.shard_group}, replicated {self.dp // self.shard_group}x" \
+                if self.shard_group and self.shard_group < self.dp else f"over {self.shard_size} ranks"
+            out.append(f"{'FSDP (ZeRO-3)' if self.zero == 3 else f'ZeRO-{self.zero}'} {scope}")
+        if self.sequence_parallel and self.tp > 1:
+            out.append("sequence parallel")
+        if self.activation_recompute != "none":
+            layers = f", first {self.recompute_layers} layers per stage" if self.recompute_layers else ""
+            out.append(f"{self.activation_recompute} recompute{layers}")
+        if self.num_stages > 1 and len(set(self.stage_split)) > 1:
+            out.append("layers per stage " + "/".join(map(str, self.stage_split)))
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """The plan as a mapping :func:`load_plan` reads back (the model inline)."""
-        data_parallel: dict[str, Any] = {"grad_sync": self.grad_sync, "overlap": self.overlap}
+        data_parallel: dict[str, Any] = {"grad_sync": self.grad_sync, "overlap": self.overlap, "zero": self.zero}
+        if self.shard_group is not None:
+            data_parallel["shard_group"] = self.shard_group
+        if not self.reshard_after_forward:
+            data_parallel["reshard_after_forward"] = False
         if self.grad_sync == "bucketed":
             data_parallel["bucket_size"] = self.bucket_size
         data = {
@@ -377,7 +434,7 @@ _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "v
 _RECOMPUTE_KEYS = ("granularity", "layers")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "order")
 _BATCH_KEYS = ("microbatch_size", "num_microbatches", "global_batch_size")
-_DATA_PARALLEL_KEYS = ("grad_sync", "bucket_size", "overlap")
+_DATA_PARALLEL_KEYS = ("grad_sync", "bucket_size", "overlap", "zero", "shard_group", "reshard_after_forward")
 
 
 def builtin_plans() -> dict[str, Path]:
@@ -440,7 +497,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
     recompute = _recompute(top)
     if sync.has("bucket_size") and grad_sync != "bucketed":
         raise ConfigError(source, "data_parallel.bucket_size", f"is set with grad_sync {grad_sync}",
-                          "bucket_size only with grad_sync: bucketed")
+                          "bucket_size only with grad_sync: bucketed (fsdp syncs per layer)")
     return Plan(
         model=model,
         dp=parallel.integer("dp", 1), tp=parallel.integer("tp", 1), pp=parallel.integer("pp", 1),
@@ -453,7 +510,8 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         activation_recompute=recompute[0], recompute_layers=recompute[1],
         dtype=top.text("dtype", "fp32"), tp_style=top.text("tensor_parallel"),
         grad_sync=grad_sync, bucket_size=sync.size("bucket_size", DEFAULT_BUCKET_SIZE),
-        overlap=sync.boolean("overlap"),
+        overlap=sync.boolean("overlap"), zero=sync.integer("zero"), shard_group=sync.integer("shard_group"),
+        reshard_after_forward=sync.boolean("reshard_after_forward", True),
         name=top.text("name", default_name), description=top.text("description", ""),
     )
 

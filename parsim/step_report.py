@@ -11,6 +11,8 @@ phases that never double count:
 * ``pp``: waiting for a pipeline receive (transfer time plus the pipeline bubble);
 * ``dp``: data-parallel gradient all-reduce time *not* hidden behind the compute
   stream (compute, tensor-parallel collectives, receives);
+* ``fsdp``: FSDP's weight all-gathers and gradient reduce-scatters hidden by
+  neither the compute stream nor ``dp``;
 * ``optimizer``; and ``idle``: the rest of the step.
 """
 
@@ -22,7 +24,7 @@ import numpy as np
 
 from .trace import Event, Trace
 
-PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "pp", "dp", "optimizer", "idle")
+PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "pp", "dp", "fsdp", "optimizer", "idle")
 
 
 def merge_spans(trace: Trace) -> Trace:
@@ -74,13 +76,15 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
     rows = []
     for rank in sorted(by_rank):
         seconds = {p: 0.0 for p in PHASES}
-        tp, computes, busy, dp = [], [], [], []
+        tp, computes, busy, dp, fsdp = [], [], [], [], []
         for e in by_rank[rank]:  # one pass: sort each event into what it counts towards
             kind, phase = e.kind, e.args.get("phase")
             if phase == "tp":
                 tp.append(e)
             elif phase == "dp":
                 dp.append((e.start_s, e.start_s + e.dur_s))
+            elif phase == "fsdp":
+                fsdp.append((e.start_s, e.start_s + e.dur_s))
             if kind == "compute":
                 computes.append(e)
             elif kind == "recv":
@@ -97,8 +101,10 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
         seconds["tp"] = sum(e.dur_s for e in tp)
         # Tensor-parallel collectives block the compute stream: gradient all-reduce time under them is hidden too.
         busy += [(e.start_s, e.end_s) for e in tp]
-        covered = _covered(busy + dp)
-        seconds["dp"] = covered - _covered(busy)
+        with_dp = _covered(busy + dp)
+        covered = _covered(busy + dp + fsdp)
+        seconds["dp"] = with_dp - _covered(busy)
+        seconds["fsdp"] = covered - with_dp
         seconds["idle"] = max(total - covered, 0.0)
         rows.append(RankBreakdown(rank, total, seconds))
     return rows

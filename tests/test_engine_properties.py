@@ -1,6 +1,8 @@
 """The step engine on random plans and clusters: every simulation ends, and its timeline is consistent.
 
-Plans cover every schedule, dtype, tensor-parallel style and gradient sync;
+Plans cover every schedule, dtype, tensor-parallel style, gradient sync and
+ZeRO stage, with and without recomputation, sequence parallelism and
+balanced stages;
 clusters range from starved links (a megabyte per second) to huge ones, and
 from zero latency to a second per hop, so simulated time spans microseconds to
 hours. Whatever is drawn, the simulation must finish, no two ops of one
@@ -41,12 +43,17 @@ def plans(draw) -> Plan:
     microbatches = draw(st.integers(min_value=pp, max_value=3 * pp + 2))
     if schedule == "interleaved-1f1b":
         microbatches = pp * draw(st.integers(min_value=1, max_value=3))
-    grad_sync = draw(st.sampled_from(["per_param", "bucketed"]))
+    grad_sync = draw(st.sampled_from(["per_param", "bucketed", "fsdp"]))
+    zero = 3 if grad_sync == "fsdp" else 0 if grad_sync == "per_param" else draw(st.sampled_from([0, 1, 2, 3]))
     kwargs = dict(model=model, dp=draw(st.sampled_from([1, 2, 3])), tp=draw(st.sampled_from([1, 2, 4])), pp=pp,
                   schedule=schedule, virtual_stages=virtual, dtype=draw(st.sampled_from(["fp32", "bf16", "fp16"])),
                   tp_style=draw(st.sampled_from(model.tp_styles)), grad_sync=grad_sync,
-                  overlap=grad_sync == "bucketed" and draw(st.booleans()),
-                  bucket_size=draw(st.sampled_from([4096, 2**16, 2**20])))
+                  overlap=grad_sync != "per_param" and draw(st.booleans()),
+                  bucket_size=draw(st.sampled_from([4096, 2**16, 2**20])), zero=zero,
+                  reshard_after_forward=draw(st.booleans()),
+                  activation_recompute=draw(st.sampled_from(["none", "selective", "full"])),
+                  sequence_parallel=model.sequence_parallel and draw(st.booleans()),
+                  layers_per_stage=draw(st.sampled_from([None, "balanced"])))
     if model.name == "mlp":
         kwargs["num_microbatches"] = 1
         if 96 % (kwargs["dp"] * microbatches) == 0:

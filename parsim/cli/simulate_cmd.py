@@ -80,7 +80,7 @@ def report(r: StepPrediction) -> str:
     lines = [
         f"{plan.name}: {plan.model.name} on {plan.world} GPUs of {r.cluster.name} "
         f"(dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, {plan.schedule}, {plan.num_microbatches} microbatches "
-        f"of {plan.microbatch_size}, {plan.dtype})",
+        f"of {plan.microbatch_size}, {plan.dtype}{''.join(', ' + f for f in plan.features())})",
         f"  step time   {format_time(r.step_s)}",
         f"  throughput  {r.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_step:,} tokens per step)",
         f"  MFU         {r.mfu:.1%}  (model FLOPs {r.model_flops:.3g} per step / (step x {plan.world} GPUs x "
@@ -96,14 +96,16 @@ def report(r: StepPrediction) -> str:
                               "(each stands for its dp x tp replicas)"))
     lines.append("")
     rows = [[f"pp {m.pp_rank}", f"{m.weights / gb:.2f}", f"{m.gradients / gb:.2f}", f"{m.optimizer / gb:.2f}",
-             f"{m.activations / gb:.2f}", m.in_flight, f"{m.total / gb:.2f}",
+             f"{m.activations / gb:.2f}", m.in_flight, f"{m.buffers / gb:.2f}", f"{m.total / gb:.2f}",
              "OVER" if m.total > capacity else "ok"] for m in r.memory]
-    lines.append(render_table(["stage", "weights", "grads", "optimizer", "activations", "in flight", "total GB",
-                               f"fits {capacity / gb:g} GB"], rows, title="peak memory per GPU (GB)"))
+    lines.append(render_table(["stage", "weights", "grads", "optimizer", "activations", "in flight",
+                               "fsdp buffers", "total GB", f"fits {capacity / gb:g} GB"], rows,
+                              title="peak memory per GPU (GB)"))
     if r.over_memory:
         worst = max(r.over_memory, key=lambda m: m.total)
         lines.append(f"does not fit: pipeline stage {worst.pp_rank} needs {worst.total / gb:.1f} GB of "
-                     f"{capacity / gb:g} GB (try more tensor/pipeline parallelism or fewer microbatches in flight)")
+                     f"{capacity / gb:g} GB (try ZeRO, activation recompute, more tensor/pipeline parallelism "
+                     f"or fewer microbatches in flight)")
     return "\n".join(lines)
 
 

@@ -1,0 +1,117 @@
+"""ZeRO stages and FSDP: memory per rank by the closed forms, and the collectives each stage adds."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from parsim.errors import ParsimError
+from parsim.lower import lower
+from parsim.memory import memory
+from parsim.model import load_model
+from parsim.plan import Plan, load_plan
+from parsim.step import predict_step
+
+from ideal_cluster import ideal_spec
+
+TINY = load_model("tiny-gpt")  # 4 layers, plus embedding and head: 6 FSDP units
+N = 4
+
+
+def plan(zero: int, **kw) -> Plan:
+    return Plan(model=TINY, dp=N, dtype="bf16", zero=zero, num_microbatches=kw.pop("num_microbatches", 1), **kw)
+
+
+@pytest.mark.parametrize("zero, per_param", [
+    # Rajbhandari et al. 2020, mixed-precision AdamW: 2 bytes of weights, 2 of gradients, 12 of fp32 state.
+    (0, 2 + 2 + 12), (1, 2 + 2 + 12 / N), (2, 2 + (2 + 12) / N), (3, 16 / N),
+])
+def test_zero_divides_training_state_by_the_shard_group(zero, per_param):
+    mem = memory(plan(zero))[0]
+    params = TINY.num_params
+    assert mem.weights + mem.gradients + mem.optimizer == pytest.approx(per_param * params)
+
+
+def test_fsdp_holds_two_gathered_layers_and_one_unsharded_gradient():
+    mem = memory(plan(3))[0]
+    largest = max(c.params_per_rank() for c in plan(3).stage_costs(0))  # the embedding table
+    assert mem.buffers == 3 * largest * 2
+
+
+def test_hsdp_shards_within_the_group_only():
+    p = Plan(model=TINY, dp=8, dtype="bf16", zero=3, shard_group=2)
+    assert p.shard_size == 2 and memory(p)[0].weights == pytest.approx(2 * TINY.num_params / 2)
+
+
+def collectives(p: Plan) -> Counter:
+    return Counter((op.collective, op.group, op.stream) for op in lower(p).ops if op.kind == "collective")
+
+
+def test_zero1_reduce_scatters_buckets_and_gathers_the_weights_after_the_optimizer():
+    p = plan(1, bucket_size=2**16)
+    ops = lower(p).ops
+    names = [op.name for op in ops]
+    buckets = sum(1 for n in names if n.startswith("reduce_scatter dp bucket="))
+    assert buckets > 1 and sum(1 for n in names if n.startswith("all_gather dp bucket=")) == buckets
+    assert not any(n.startswith("all_reduce dp") for n in names)
+    step = names.index("optimizer step")
+    assert all(names.index(f"all_gather dp bucket={k}") > step for k in range(buckets))
+    assert all(op.ranks == (0, 1, 2, 3) for op in ops if op.group == "dp")
+
+
+def test_fsdp_gathers_each_layer_before_its_forward_and_backward_and_reduce_scatters_after():
+    units = 6  # embedding, 4 layers, head
+    m = 2
+    ops = collectives(plan(3, num_microbatches=m, grad_sync="fsdp"))
+    assert ops[("all_gather", "fsdp", "gather")] == 2 * units * m  # forward, and again before the backward
+    assert ops[("reduce_scatter", "fsdp", "comm")] == units * m  # every microbatch (FSDP2's default)
+    kept = collectives(plan(3, num_microbatches=m, reshard_after_forward=False))
+    assert kept[("all_gather", "fsdp", "gather")] == units * m
+
+
+def test_fsdp_gather_precedes_the_layer_compute():
+    ops = lower(plan(3)).ops
+    gated = [op for op in ops if op.name == "F stage=0 mb=0" and op.deps]
+    assert [ops[op.deps[0]].name for op in gated] == [
+        f"all_gather fsdp layer={unit} stage=0 mb=0 dir=fwd"
+        for unit in ("embedding", "layer.0", "layer.1", "layer.2", "layer.3", "head")]
+    # Prefetch: a layer's gather waits only for the layer two before it to finish.
+    third = ops[gated[2].deps[0]]
+    assert ops[third.deps[0]].name == "F stage=0 mb=0" and third.deps[0] < gated[1].id
+
+
+def test_hsdp_all_reduces_each_shard_across_replicas():
+    p = Plan(model=TINY, dp=8, dtype="bf16", grad_sync="fsdp", shard_group=4)
+    ops = [op for op in lower(p).ops if op.group == "fsdp"]
+    scatter = next(op for op in ops if op.collective == "reduce_scatter")
+    reduce = next(op for op in ops if op.collective == "all_reduce")
+    assert scatter.ranks == (0, 1, 2, 3) and reduce.ranks == (0, 4)
+    assert reduce.nbytes == scatter.nbytes / 4
+
+
+def test_sharding_the_optimizer_shortens_its_step_and_fsdp_time_is_reported():
+    spec = ideal_spec()
+    ddp, fsdp = predict_step(plan(0), spec), predict_step(plan(3, grad_sync="fsdp"), spec)
+    assert fsdp.ranks[0].seconds["optimizer"] == pytest.approx(ddp.ranks[0].seconds["optimizer"] / N, rel=0.2)
+    assert "fsdp" in fsdp.ranks[0].seconds
+    assert sum(fsdp.ranks[0].seconds.values()) == pytest.approx(fsdp.step_s)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(zero=4), "zero 4 is not a ZeRO stage"),
+    (dict(zero=1, grad_sync="per_param"), "not per parameter"),
+    (dict(zero=2, grad_sync="fsdp"), "it is zero 3, not 2"),
+    (dict(shard_group=2), "shard_group (HSDP) needs a ZeRO stage"),
+    (dict(zero=3, shard_group=3), "shard_group 3 does not divide dp 4"),
+])
+def test_zero_rules(kwargs, message):
+    with pytest.raises(ParsimError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Plan(model=TINY, dp=N, **kwargs)
+
+
+def test_fsdp_from_yaml():
+    p = load_plan({"model": "llama3-8b", "parallel": {"dp": 8}, "dtype": "bf16",
+                   "data_parallel": {"grad_sync": "fsdp", "reshard_after_forward": False}})
+    assert (p.zero, p.shard_size, p.reshard_after_forward, p.overlap) == (3, 8, False, True)
+    assert load_plan(p.to_dict()) == p
