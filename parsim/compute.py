@@ -28,21 +28,25 @@ class ComputeModel:
     efficiency: float = 1.0
     half_dim: float = 0.0
     kernel_overhead_s: float = 0.0
+    matmul_peak_flops: float | None = None  # matmuls' own peak when they run in another dtype (fp8)
 
     @classmethod
     def for_cluster(cls, spec: ClusterSpec, dtype: str, dtype_bytes: int) -> "ComputeModel":
-        peak = spec.gpu.peak_flops.get(dtype)
-        if peak is None:
-            raise ParsimError(f"{spec.name}: the GPU has no {dtype} peak in its cluster file "
-                              f"(it lists {', '.join(spec.gpu.peak_flops)})")
-        return cls(peak, spec.gpu.hbm_bw_Bps, dtype_bytes, spec.matmul_efficiency, spec.matmul_half_dim,
-                   spec.kernel_overhead_s)
+        """fp8 plans run matmuls at the fp8 peak and the rest (attention core) at the bf16 peak."""
+        other = "bf16" if dtype == "fp8" else dtype
+        for needed in {dtype, other}:
+            if needed not in spec.gpu.peak_flops:
+                raise ParsimError(f"{spec.name}: the GPU has no {needed} peak in its cluster file "
+                                  f"(it lists {', '.join(spec.gpu.peak_flops)})")
+        peaks = spec.gpu.peak_flops
+        return cls(peaks[other], spec.gpu.hbm_bw_Bps, dtype_bytes, spec.matmul_efficiency, spec.matmul_half_dim,
+                   spec.kernel_overhead_s, peaks[dtype] if dtype != other else None)
 
     def matmul_rate(self, m: float, n: float, k: float) -> float:
         shape = 1.0
         for d in (m, n, k):
             shape *= d / (d + self.half_dim)
-        return self.peak_flops * self.efficiency * shape
+        return (self.matmul_peak_flops or self.peak_flops) * self.efficiency * shape
 
     def matmul_time(self, m: float, n: float, k: float) -> float:
         flops = 2.0 * m * n * k

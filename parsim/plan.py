@@ -50,7 +50,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 # Schedules with a steady state of one forward and one backward: they need at
 # least as many microbatches as stages to fill the pipeline.
 STEADY_STATE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Bytes per element of weights, gradients and activations. "fp8" is Transformer Engine's recipe (and
+# DeepSeek-V3's): matmuls in fp8 at the fp8 peak, everything else kept and computed in bf16.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 TP_STYLES = ("megatron", "allgather")
 RECOMPUTE = ("none", "selective", "full")
 GRAD_SYNCS = ("per_param", "bucketed", "fsdp")  # fsdp: ZeRO-3 with FSDP2's per-layer units
@@ -393,7 +395,7 @@ class Plan:
             layers = f", first {self.recompute_layers} layers per stage" if self.recompute_layers else ""
             out.append(f"{self.activation_recompute} recompute{layers}")
         if self.num_stages > 1 and len(set(self.stage_split)) > 1:
-            out.append("layers per stage " + "/".join(map(str, self.stage_split)))
+            out.append("layers per stage " + _runs(self.stage_split))
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -514,6 +516,18 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         reshard_after_forward=sync.boolean("reshard_after_forward", True),
         name=top.text("name", default_name), description=top.text("description", ""),
     )
+
+
+def _runs(values: tuple[int, ...]) -> str:
+    """``7/8x14/7`` for (7, 8, ..., 8, 7): repeats written once with their count."""
+    parts, i = [], 0
+    while i < len(values):
+        j = i
+        while j < len(values) and values[j] == values[i]:
+            j += 1
+        parts.append(f"{values[i]}x{j - i}" if j - i > 1 else str(values[i]))
+        i = j
+    return "/".join(parts)
 
 
 def _recompute(top: ConfigReader) -> tuple[str, int | None]:

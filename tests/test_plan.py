@@ -22,6 +22,7 @@ LLAMA70 = load_model("llama3-70b")
 @pytest.mark.parametrize("name, world, mbs, nmb", [
     ("course-ddp", 4, 32, 1), ("course-tp", 4, 128, 1), ("course-pp", 2, 32, 4),
     ("tiny-pp2", 2, 2, 4), ("tiny-dp2", 2, 4, 1), ("tiny-tp2", 2, 4, 1), ("llama3-70b-1024", 1024, 1, 16),
+    ("llama3-405b-16k", 16384, 1, 16), ("llama3-8b-fsdp8", 8, 1, 1),
 ])
 def test_example_plans_load_with_their_batch_split(name, world, mbs, nmb):
     plan = resolve_plan(name)
@@ -84,7 +85,7 @@ ODD_FFN = load_model({"kind": "transformer", "num_layers": 2, "hidden": 64, "num
     (dict(model=TINY, microbatch_size=0), "microbatch_size is 0; it must be a whole number >= 1"),
     (dict(model=TINY, tp=0), "tp is 0"),
     (dict(model=TINY, schedule="pipedream"), "schedule 'pipedream' is not one of gpipe, 1f1b"),
-    (dict(model=TINY, dtype="fp8"), "dtype 'fp8' is not one of fp32, bf16, fp16"),
+    (dict(model=TINY, dtype="fp4"), "dtype 'fp4' is not one of fp32, bf16, fp16, fp8"),
     (dict(model=TINY, tp_style="allgather"), "tensor_parallel 'allgather' does not apply to transformer model"),
     (dict(model=MLP, tp_style="sequence"), "known styles: megatron, allgather"),
     (dict(model=TINY, grad_sync="zero3"), "grad_sync 'zero3' is not one of per_param, bucketed"),
@@ -302,3 +303,16 @@ def test_layers_that_do_not_divide_into_stages_are_balanced():
 def test_more_stages_than_layers_is_refused():
     with pytest.raises(ParsimError, match="every stage needs at least one layer"):
         Plan(model=load_model("tiny-gpt"), pp=8, num_microbatches=8)
+
+
+def test_frontier_example_plans_fit_and_say_how():
+    from parsim.cluster import load_cluster
+    from parsim.memory import memory
+
+    capacity = load_cluster("dgx-h100").gpu.hbm_capacity_bytes
+    llama405 = resolve_plan("llama3-405b-16k")
+    assert llama405.stage_split == (7,) + (8,) * 14 + (7,) and llama405.zero == 1 and llama405.sequence_parallel
+    fsdp = resolve_plan("llama3-8b-fsdp8")
+    assert (fsdp.zero, fsdp.shard_size, fsdp.activation_recompute) == (3, 8, "full")
+    for plan in (llama405, fsdp):
+        assert all(m.total <= capacity for m in memory(plan))

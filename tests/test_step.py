@@ -106,3 +106,21 @@ def test_kernel_overhead_is_charged_per_launched_kernel():
     fast = predict_step(mlp_plan(pp=2, num_microbatches=4), ideal_spec(**FREE_COMM))
     slowed = predict_step(mlp_plan(pp=2, num_microbatches=4), slow)
     assert slowed.step_s > fast.step_s + 100e-6 * 8  # at least the 8 passes' matmul launches
+
+
+def test_fp8_runs_matmuls_at_the_fp8_peak_and_the_rest_at_bf16():
+    from parsim.compute import ComputeModel
+
+    spec = load_cluster("dgx-h100")
+    fp8 = ComputeModel.for_cluster(spec, "fp8", 2)
+    bf16 = ComputeModel.for_cluster(spec, "bf16", 2)
+    assert fp8.matmul_rate(8192, 8192, 8192) == 2 * bf16.matmul_rate(8192, 8192, 8192)  # 1979 vs 989.5 TFLOP/s
+    assert fp8.time(flops=1e12) == bf16.time(flops=1e12)  # attention core and other FLOPs stay bf16
+    plan = Plan(model=load_model("llama3-8b"), dp=8, dtype="fp8")
+    assert predict_step(plan, spec).step_s < predict_step(Plan(model=load_model("llama3-8b"), dp=8, dtype="bf16"),
+                                                         spec).step_s
+
+
+def test_fp8_on_a_gpu_without_it_is_refused(capsys):
+    assert main(["simulate", "--model", "llama3-8b", "--dp", "8", "--dtype", "fp8", "--cluster", "dgx-a100"]) == 2
+    assert "no fp8 peak" in capsys.readouterr().err
