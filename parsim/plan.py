@@ -395,7 +395,7 @@ class Plan:
             layers = f", first {self.recompute_layers} layers per stage" if self.recompute_layers else ""
             out.append(f"{self.activation_recompute} recompute{layers}")
         if self.num_stages > 1 and len(set(self.stage_split)) > 1:
-            out.append("layers per stage " + _runs(self.stage_split))
+            out.append("layers per stage " + runs_text(self.stage_split))
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -518,7 +518,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
     )
 
 
-def _runs(values: tuple[int, ...]) -> str:
+def runs_text(values: tuple[int, ...]) -> str:
     """``7/8x14/7`` for (7, 8, ..., 8, 7): repeats written once with their count."""
     parts, i = [], 0
     while i < len(values):

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import ParsimError
 from ..model import builtin_models, load_model
 from ..plan import (DIMS, DTYPE_BYTES, GRAD_SYNCS, RECOMPUTE, SCHEDULES, TP_STYLES, Plan, builtin_plans, load_plan,
-                    resolve_plan)
+                    resolve_plan, runs_text)
 from ..table import render_table
 from ..units import format_size
 from .common import add_cluster_args, print_json
@@ -192,10 +192,10 @@ def _link_rank(kind: str) -> tuple[int, str]:
 def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topology=None) -> str:
     m = plan.model
     out = [f"plan {plan.name}" + (f": {plan.description}" if plan.description else ""), ""]
-    sync = (f"bucketed all-reduce, {format_size(plan.bucket_size)} buckets, "
-            f"{'overlapped with' if plan.overlap else 'after'} the backward"
-            if plan.grad_sync == "bucketed" else "one all-reduce per parameter after the backward")
-    stages = f"{plan.num_stages} stages of {m.num_layers // plan.num_stages} layers"
+    sync = _sync_text(plan)
+    split = plan.stage_split
+    stages = (f"{plan.num_stages} stages of {split[0]} layers" if len(set(split)) == 1 else
+              f"{plan.num_stages} stages of {min(split)}-{max(split)} layers ({runs_text(split)})")
     if plan.virtual_stages > 1:
         stages += f", {plan.virtual_stages} per pipeline rank"
     microbatches = f"{plan.num_microbatches} microbatch" + ("es" if plan.num_microbatches > 1 else "")
@@ -208,15 +208,39 @@ def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topolo
                      f"order {plan.order} ({plan.order.split(',')[-1]} innermost)"),
         ("batch", f"{batch} = dp {plan.dp} x microbatch size {plan.microbatch_size} x {microbatches}"),
         ("pipeline", f"{plan.schedule}, {stages}" if plan.pp > 1 else "none (one stage)"),
-        ("precision", f"{plan.dtype} ({plan.dtype_bytes} bytes)"),
-        ("tensor parallel", f"{plan.tp_style}" if plan.tp > 1 else "none"),
+        ("precision", f"{plan.dtype} ({plan.dtype_bytes} bytes)"
+                      + (", matmuls in fp8" if plan.dtype == "fp8" else "")),
+        ("tensor parallel", (plan.tp_style + (" with sequence parallelism" if plan.sequence_parallel else ""))
+                            if plan.tp > 1 else "none"),
         ("gradient sync", sync if plan.dp > 1 else "none (one replica)"),
+        ("recompute", {"none": "none", "selective": "selective (attention core)",
+                       "full": "full" + (f", first {plan.recompute_layers} layers of each stage"
+                                         if plan.recompute_layers else ", every layer")}[plan.activation_recompute]),
         ("model FLOPs/step", f"{m.model_flops_per_token() * plan.tokens_per_step:.4g}"),
     ]
     width = max(len(k) for k, _ in summary)
     out += [f"{k.ljust(width)}  {v}" for k, v in summary]
     out += ["", stage_table(plan), "", grid_text(plan, topology), "", groups_text(plan, links)]
     return "\n".join(out)
+
+
+def _sync_text(plan: Plan) -> str:
+    if plan.grad_sync == "per_param":
+        return "one all-reduce per parameter after the backward"
+    if plan.zero == 3:
+        shards = f"shards over {plan.shard_size} ranks" + (
+            f", replicated {plan.dp // plan.shard_size}x (HSDP)" if plan.shard_size < plan.dp else "")
+        again = "again before its backward, " if plan.reshard_after_forward else ""
+        return (f"FSDP (ZeRO-3), {shards}: each layer's weights all-gathered before its forward, {again}"
+                f"its gradients reduce-scattered after")
+    when = "overlapped with" if plan.overlap else "after"
+    if plan.zero:
+        shards = f"{plan.shard_size} ranks" + (f" (HSDP, replicated {plan.dp // plan.shard_size}x)"
+                                               if plan.shard_size < plan.dp else "")
+        sharded = "optimizer state" if plan.zero == 1 else "optimizer state and gradients"
+        return (f"ZeRO-{plan.zero}: {sharded} sharded over {shards}; {format_size(plan.bucket_size)} buckets "
+                f"reduce-scattered {when} the backward, weights all-gathered after the optimizer")
+    return f"bucketed all-reduce, {format_size(plan.bucket_size)} buckets, {when} the backward"
 
 
 def stage_table(plan: Plan) -> str:
