@@ -7,6 +7,8 @@ import json
 import sys
 
 from ..cluster import builtin_clusters, load_cluster
+from ..memory import Memory
+from ..table import render_table
 from ..topology import Topology
 
 DEFAULT_CLUSTER = "dgx-h100"
@@ -62,3 +64,13 @@ class OpsProgress:
         if self.shown:
             self.stream.write("\r\033[K")
             self.stream.flush()
+
+
+def memory_table(ranks: list[Memory], capacity: float, title: str) -> str:
+    """Memory per GPU of each pipeline rank, in GB, against the GPU's capacity."""
+    gb = 1e9
+    rows = [[f"pp {m.pp_rank}", f"{m.weights / gb:.2f}", f"{m.gradients / gb:.2f}", f"{m.optimizer / gb:.2f}",
+             f"{m.activations / gb:.2f}", m.in_flight, f"{m.buffers / gb:.2f}", f"{m.total / gb:.2f}",
+             "ok" if m.total <= capacity else "OVER"] for m in ranks]
+    return render_table(["stage", "weights", "grads", "optimizer", "activations", "in flight", "fsdp buffers",
+                         "total GB", f"fits {capacity / gb:g} GB"], rows, title=title)

@@ -11,6 +11,7 @@ from ..errors import ParsimError
 from ..schedules import (KIND_NAMES, SCHEDULES, IdealTiming, Schedule, closed_form, make_schedule, peak_in_flight,
                          simulate_ideal)
 from ..table import render_table
+from . import explain_memory
 from .common import print_json
 
 HELP = """\
@@ -18,6 +19,7 @@ Explain a number parsim prints, step by step.
 
 topics:
   bubble   the pipeline bubble of a schedule: closed form, simulation, memory, picture
+  memory   a plan's memory per GPU: bytes per parameter, ZeRO, activations, in-flight microbatches
 """
 
 BUBBLE_HELP = f"""\
@@ -40,7 +42,7 @@ examples:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("explain", help="explain a number step by step (bubble, ...)", description=HELP,
+    p = subparsers.add_parser("explain", help="explain a number step by step (bubble, memory)", description=HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     topics = p.add_subparsers(dest="topic", metavar="TOPIC")
     p.set_defaults(func=lambda args: _missing_topic(p))
@@ -59,6 +61,7 @@ def register(subparsers) -> None:
     b.add_argument("--gantt", metavar="PNG", help="save a Gantt chart of the simulated step")
     b.add_argument("--json", action="store_true", help="print JSON for scripts")
     b.set_defaults(func=run_bubble)
+    explain_memory.register(topics)
 
 
 def _missing_topic(parser: argparse.ArgumentParser) -> int:

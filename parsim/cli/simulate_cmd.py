@@ -9,7 +9,7 @@ from ..step import StepPrediction, predict_step
 from ..step_report import PHASES
 from ..table import render_table
 from ..units import format_time
-from .common import DEFAULT_CLUSTER, OpsProgress, print_json
+from .common import DEFAULT_CLUSTER, OpsProgress, memory_table, print_json
 from .plan_cmd import add_plan_args, plan_from_args
 
 DEFAULT_PLAN = "llama3-70b-1024"
@@ -95,12 +95,7 @@ def report(r: StepPrediction) -> str:
     lines.append(render_table(["stage"] + list(PHASES), rows, title="time by phase, per pipeline stage "
                               "(each stands for its dp x tp replicas)"))
     lines.append("")
-    rows = [[f"pp {m.pp_rank}", f"{m.weights / gb:.2f}", f"{m.gradients / gb:.2f}", f"{m.optimizer / gb:.2f}",
-             f"{m.activations / gb:.2f}", m.in_flight, f"{m.buffers / gb:.2f}", f"{m.total / gb:.2f}",
-             "OVER" if m.total > capacity else "ok"] for m in r.memory]
-    lines.append(render_table(["stage", "weights", "grads", "optimizer", "activations", "in flight",
-                               "fsdp buffers", "total GB", f"fits {capacity / gb:g} GB"], rows,
-                              title="peak memory per GPU (GB)"))
+    lines.append(memory_table(r.memory, capacity, "peak memory per GPU (GB)"))
     if r.over_memory:
         worst = max(r.over_memory, key=lambda m: m.total)
         lines.append(f"does not fit: pipeline stage {worst.pp_rank} needs {worst.total / gb:.1f} GB of "

@@ -1,0 +1,136 @@
+"""``parsim explain memory``: what one GPU holds, line by line, and whether it fits."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..cluster import load_cluster
+from ..errors import ParsimError
+from ..memory import ADAM_STATE_BYTES, FP32, Memory, memory, saved_bytes_per_token
+from ..plan import Plan
+from .common import DEFAULT_CLUSTER, memory_table, print_json
+from .plan_cmd import add_plan_args, plan_from_args
+
+HELP = """\
+Explain a plan's memory per GPU step by step: the bytes per parameter of
+mixed-precision AdamW (2 + 2 + 12), what each ZeRO stage shards, the
+activations each layer saves (Korthikanti et al. 2022, with flash attention),
+what recomputation and sequence parallelism keep, and how many microbatches
+the schedule holds in flight. Explains the pipeline rank that needs the most
+(or --pp-rank), then lists every rank against the GPU's memory.
+
+examples:
+  parsim explain memory llama3-405b-16k
+  parsim explain memory llama3-70b-1024 --activation-recompute full
+  parsim explain memory --model llama3-8b --dp 8 --grad-sync fsdp --dtype bf16
+"""
+
+GB = 1e9
+
+
+def register(topics) -> None:
+    m = topics.add_parser("memory", help="a plan's memory per GPU, step by step", description=HELP,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_args(m)
+    m.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="NAME|FILE",
+                   help=f"cluster whose GPU memory to compare with (default {DEFAULT_CLUSTER})")
+    m.add_argument("--pp-rank", type=int, help="pipeline rank to explain (default: the one needing the most)")
+    m.add_argument("--json", action="store_true", help="print JSON for scripts")
+    m.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args)
+    capacity = load_cluster(args.cluster).gpu.hbm_capacity_bytes
+    ranks = memory(plan)
+    if args.pp_rank is not None and not 0 <= args.pp_rank < plan.pp:
+        raise ParsimError(f"--pp-rank {args.pp_rank} is outside 0..{plan.pp - 1}")
+    worst = ranks[args.pp_rank] if args.pp_rank is not None else max(ranks, key=lambda m: m.total)
+    if args.json:
+        print_json({"plan": plan.name, "capacity_bytes": capacity, "explained_pp_rank": worst.pp_rank,
+                    "ranks": [vars(m) | {"total": m.total, "fits": m.total <= capacity} for m in ranks]})
+    else:
+        print("\n".join(explain(plan, worst, ranks, capacity)))
+    return 0
+
+
+def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> list[str]:
+    p, d, n = mem.pp_rank, plan.dtype_bytes, plan.shard_size
+    params = plan.params_per_rank(p)
+    stages = plan.stages_of(p)
+    layers = ", ".join(f"stage {s}: {len(plan.stage_layers(s))} layers"
+                       + "".join(f" + {c.name}" for c in plan.stage_costs(s) if not c.name.startswith("layer"))
+                       for s in stages)
+    master = FP32 if d < FP32 else 0
+    out = [f"Memory of one GPU on pipeline rank {p} of {plan.name} ({plan.model.name}, {plan.dtype})", ""]
+    out.append(f"1. Parameters it holds: {params:,} ({layers}"
+               + (f"; its 1/{plan.tp} tensor-parallel share" if plan.tp > 1 else "") + ").")
+    state = d + d + ADAM_STATE_BYTES + master
+    out.append(f"2. Mixed-precision AdamW keeps per parameter: {d} bytes of weights + {d} of gradients + "
+               f"{ADAM_STATE_BYTES} of fp32 moments" + (f" + {master} of fp32 master weights" if master else "")
+               + f" = {state} bytes: {state * params / GB:.2f} GB unsharded.")
+    if plan.zero and n > 1:
+        sharded = {1: "the optimizer state", 2: "the optimizer state and the gradients",
+                   3: "the optimizer state, the gradients and the weights"}[plan.zero]
+        out.append(f"3. ZeRO-{plan.zero} shards {sharded} over {n} data-parallel ranks (Rajbhandari et al. 2020):")
+    else:
+        out.append("3. No ZeRO: every data-parallel replica keeps all of it:")
+    out.append(f"   weights {mem.weights / GB:.2f} GB + gradients {mem.gradients / GB:.2f} GB + optimizer "
+               f"{mem.optimizer / GB:.2f} GB = {(mem.weights + mem.gradients + mem.optimizer) / GB:.2f} GB.")
+    out += _activations(plan, mem)
+    if mem.buffers:
+        out.append(f"5. FSDP buffers: two layers' weights gathered (the one computing, the one prefetched) and one "
+                   f"layer's unsharded gradient: {mem.buffers / GB:.2f} GB.")
+    verdict = "fits" if mem.total <= capacity else "does NOT fit"
+    out += ["", f"Total {mem.total / GB:.2f} GB of {capacity / GB:g} GB: it {verdict}"
+            + (f" ({(capacity - mem.total) / GB:.2f} GB to spare)." if mem.total <= capacity
+               else f", {(mem.total - capacity) / GB:.2f} GB over."), ""]
+    if mem.total > capacity:
+        out.append(_advice(plan, mem))
+        out.append("")
+    out.append(memory_table(ranks, capacity, "every pipeline rank (GB)"))
+    return out
+
+
+def _activations(plan: Plan, mem: Memory) -> list[str]:
+    p, tokens = mem.pp_rank, plan.tokens_per_microbatch
+    stage = max(plan.stages_of(p), key=lambda s: saved_bytes_per_token(plan, s))
+    costs = plan.stage_costs(stage)
+    recomputed = {c.name for c in plan.recomputed(stage)}
+    layer = next((c for c in costs if c.name.startswith("layer")), None)
+    out = ["4. Activations saved for the backward, per token (Korthikanti et al. 2022, flash attention, no dropout):"]
+    if layer is not None:
+        terms = " + ".join(f"{a.name} {a.bytes_per_token(plan.tp)}" for a in layer.activations)
+        split = " (split along the sequence too: sequence parallelism)" if plan.sequence_parallel and plan.tp > 1 \
+            else " (tensor parallelism splits the per-head and feed-forward terms)" if plan.tp > 1 else ""
+        out.append(f"   a layer saves {terms} = {layer.activation_bytes_per_token(plan.tp):,} bytes{split}.")
+        if recomputed:
+            out.append(f"   Full recomputation keeps only the input of {len(recomputed)} of the stage's layers: "
+                       f"{layer.checkpoint_bytes_per_token(plan.tp):,} bytes each; their forward reruns in the "
+                       f"backward.")
+    others = [c for c in costs if not c.name.startswith("layer")]
+    for c in others:
+        out.append(f"   the {c.name} saves {c.activation_bytes_per_token(plan.tp):,} bytes.")
+    per_token = saved_bytes_per_token(plan, stage)
+    out.append(f"   Stage {stage} in all: {per_token:,} bytes per token x {tokens:,} tokens per microbatch = "
+               f"{per_token * tokens / GB:.2f} GB per microbatch.")
+    out.append(f"   {plan.schedule} keeps up to {mem.in_flight} microbatch(es) in flight on this rank "
+               f"(forwards awaiting their backward)" + (", plus one recomputed layer's full activations"
+                                                        if recomputed else "")
+               + f": {mem.activations / GB:.2f} GB.")
+    return out
+
+
+def _advice(plan: Plan, mem: Memory) -> str:
+    """The largest share, and what shrinks it."""
+    parts = {"activations": mem.activations, "optimizer state": mem.optimizer,
+             "weights and gradients": mem.weights + mem.gradients}
+    largest = max(parts, key=parts.get)
+    fixes = {
+        "activations": "activation recompute (--activation-recompute full), sequence parallelism "
+                       "(--sequence-parallel), more tensor parallelism, or a schedule with fewer microbatches in "
+                       "flight",
+        "optimizer state": "ZeRO (data_parallel.zero: 1 shards it over the data-parallel group)",
+        "weights and gradients": "ZeRO-2/3 or FSDP (--grad-sync fsdp), or more tensor/pipeline parallelism",
+    }
+    return f"The largest share is {largest} ({parts[largest] / GB:.2f} GB): try {fixes[largest]}."
