@@ -35,6 +35,18 @@ def test_a_plan_the_executor_cannot_shard_is_refused_before_any_rank_starts(caps
     assert err.count("\n") == 0 and "num_kv_heads 2" in err
 
 
+@pytest.mark.parametrize("flags, feature", [
+    (["tiny-tp2", "--sequence-parallel"], "sequence parallelism"),
+    (["tiny-pp2", "--activation-recompute", "full"], "full activation recomputation"),
+    (["tiny-pp2", "--dtype", "fp8"], "fp8 compute"),
+    (["--model", "tiny-gpt", "--dp", "2", "--grad-sync", "fsdp"], "ZeRO-3 / FSDP"),
+])
+def test_features_the_executor_does_not_run_yet_are_refused_not_ignored(flags, feature, capsys):
+    assert main(["run", *flags, "--nproc", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"does not execute {feature}" in err
+
+
 @needs_torch
 @pytest.mark.multiproc
 def test_run_reports_the_median_step_and_writes_traces(tmp_path, capsys):

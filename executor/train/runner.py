@@ -88,6 +88,14 @@ def stage_piece_names(plan: Plan, stage: int) -> list[str]:
 def check_plan(plan: Plan) -> None:
     """Refuse, in one line and before any rank starts, a plan the executor's modules cannot run."""
     m, schedule = plan.model, schedule_of(plan)
+    missing = [what for what, used in (
+        (f"ZeRO-{plan.zero} / FSDP", plan.zero and plan.shard_size > 1),
+        ("sequence parallelism", plan.sequence_parallel and plan.tp > 1),
+        ("full activation recomputation", plan.activation_recompute == "full"),
+        (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
+    if missing:
+        raise ParsimError(f"parsim run does not execute {', '.join(missing)} yet; `parsim simulate` predicts it "
+                          f"(the executor runs DDP, tensor and pipeline parallelism with uneven stages)")
     if isinstance(m, MLPModel):
         return  # the lecture's layers run under every plan parsim accepts
     if m.position_embedding == "rope" and m.head_dim % 2:
