@@ -24,6 +24,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from .errors import ParsimError
 from .model import LayerCost, MLPModel
 from .plan import Plan
 from .program import Op, Program
@@ -87,6 +88,8 @@ def hidden_size(plan: Plan) -> int:
 
 def lower(plan: Plan) -> Program:
     """The representative ranks' programs (one per pipeline rank)."""
+    if plan.cp > 1:
+        raise ParsimError("context parallelism is in the plan's rank grid but not yet simulated")
     return _Lowering(plan).program
 
 

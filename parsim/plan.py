@@ -57,8 +57,9 @@ TP_STYLES = ("megatron", "allgather")
 RECOMPUTE = ("none", "selective", "full")
 GRAD_SYNCS = ("per_param", "bucketed", "fsdp")  # fsdp: ZeRO-3 with FSDP2's per-layer units
 ZERO_STAGES = (0, 1, 2, 3)
-DIMS = ("dp", "pp", "tp")
-DEFAULT_ORDER = "dp,pp,tp"
+DIMS = ("dp", "pp", "cp", "tp")
+CP_STYLES = ("ring", "all_gather")
+DEFAULT_ORDER = "dp,pp,cp,tp"
 DEFAULT_BUCKET_SIZE = 25 * 2**20  # torch DDP's bucket_cap_mb default
 
 
@@ -67,6 +68,7 @@ class RankCoords(NamedTuple):
 
     dp: int
     pp: int
+    cp: int
     tp: int
 
 
@@ -119,6 +121,8 @@ class Plan:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    context_parallel: str = "ring"
     microbatch_size: int | None = None
     num_microbatches: int | None = None
     global_batch_size: int | None = None
@@ -141,7 +145,7 @@ class Plan:
     description: str = ""
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "virtual_stages", "bucket_size",
+        for key in ("dp", "tp", "pp", "cp", "virtual_stages", "bucket_size",
                     "microbatch_size", "num_microbatches", "global_batch_size", "recompute_layers"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -150,6 +154,7 @@ class Plan:
             object.__setattr__(self, "tp_style", self.model.tp_styles[0])
         if self.zero is None:
             object.__setattr__(self, "zero", 3 if self.grad_sync == "fsdp" else 0)
+        object.__setattr__(self, "order", _order(self.order))
         if self.overlap is None:
             object.__setattr__(self, "overlap", self.grad_sync in ("bucketed", "fsdp"))
         self._resolve_batch()
@@ -217,11 +222,19 @@ class Plan:
         if self.shard_group is not None:
             if not self.zero:
                 self._fail("shard_group (HSDP) needs a ZeRO stage >= 1 to shard within the group")
-            if self.dp % self.shard_group:
-                self._fail(f"shard_group {self.shard_group} does not divide dp {self.dp} (HSDP shards within "
-                           f"groups of that size and replicates across them)")
+            if (self.dp * self.cp) % self.shard_group:
+                self._fail(f"shard_group {self.shard_group} does not divide the {self.dp * self.cp} data-parallel "
+                           f"ranks (HSDP shards within groups of that size and replicates across them)")
         if sorted(self.order.split(",")) != sorted(DIMS):
-            self._fail(f"order {self.order!r} is not a nesting of dp, pp and tp such as {DEFAULT_ORDER!r}")
+            self._fail(f"order {self.order!r} is not a nesting of dp, pp, cp and tp such as {DEFAULT_ORDER!r}")
+        if self.context_parallel not in CP_STYLES:
+            self._fail(f"context_parallel {self.context_parallel!r} is not one of {', '.join(CP_STYLES)}")
+        if self.cp > 1:
+            if not isinstance(m, TransformerModel):
+                self._fail(f"cp {self.cp}: context parallelism splits sequences, and {m.kind} model {m.name} has none")
+            if m.seq_len % (2 * self.cp):
+                self._fail(f"cp {self.cp} needs seq_len {m.seq_len} divisible by 2 x cp = {2 * self.cp} (each rank "
+                           f"takes two chunks, one early and one late, to balance the causal mask)")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             self._fail(f"virtual_stages {self.virtual_stages} needs schedule interleaved-1f1b "
                        f"(schedule {self.schedule} runs one stage per pipeline rank)")
@@ -240,7 +253,7 @@ class Plan:
             self._fail(f"interleaved-1f1b needs num_microbatches divisible by pp (Megatron-LM): "
                        f"{self.num_microbatches} % {self.pp} = {self.num_microbatches % self.pp}")
         if gpus is not None and gpus != self.world:
-            self._fail(f"dp {self.dp} x pp {self.pp} x tp {self.tp} = {self.world} ranks, but {gpus} GPUs were given")
+            self._fail(f"{self.degrees_text()} = {self.world} ranks, but {gpus} GPUs were given")
 
     def _check_stage_split(self) -> None:
         layers, stages = self.model.num_layers, self.pp * self.virtual_stages
@@ -262,15 +275,19 @@ class Plan:
     # -- sizes ----------------------------------------------------------------
     @property
     def shard_size(self) -> int:
-        """Ranks that share one copy of the sharded state (ZeRO): the data-parallel group, or the HSDP
-        shard group; 1 without ZeRO."""
+        """Ranks that share one copy of the sharded state (ZeRO): the data-parallel group (context-
+        parallel ranks included, as Megatron-LM's), or the HSDP shard group; 1 without ZeRO."""
         if not self.zero:
             return 1
-        return self.shard_group or self.dp
+        return self.shard_group or self.dp * self.cp
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
+
+    def degrees_text(self) -> str:
+        """``dp 16 x pp 8 x tp 8`` (cp only where it is used)."""
+        return " x ".join(f"{d} {self.degree(d)}" for d in ("dp", "pp", "cp", "tp") if d != "cp" or self.cp > 1)
 
     @property
     def dtype_bytes(self) -> int:
@@ -278,7 +295,13 @@ class Plan:
 
     @property
     def tokens_per_microbatch(self) -> int:
+        """Tokens of one microbatch, every context-parallel rank's share together."""
         return self.microbatch_size * self.model.tokens_per_sample
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens of one microbatch that one GPU computes: its 1/cp of each sequence."""
+        return self.tokens_per_microbatch // self.cp
 
     @property
     def tokens_per_step(self) -> int:
@@ -286,23 +309,24 @@ class Plan:
 
     # -- placement ------------------------------------------------------------
     def degree(self, dim: str) -> int:
-        """The size of ``"dp"``, ``"pp"`` or ``"tp"``."""
+        """The size of ``"dp"``, ``"pp"``, ``"cp"`` or ``"tp"``."""
         if dim not in DIMS:
             raise ParsimError(f"unknown parallel dimension {dim!r} (expected one of {', '.join(DIMS)})")
         return getattr(self, dim)
 
     @cached_property
     def rank_grid(self) -> np.ndarray:
-        """Ranks indexed ``[dp, pp, tp]``: ``arange(world)`` shaped by ``order``, innermost last."""
+        """Ranks indexed ``[dp, pp, cp, tp]``: ``arange(world)`` shaped by ``order``, innermost last."""
         nesting = self.order.split(",")
         grid = np.arange(self.world).reshape([self.degree(d) for d in nesting])
         return grid.transpose([nesting.index(d) for d in DIMS])
 
-    def rank_of(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
-        for dim, index in zip(DIMS, (dp, pp, tp)):
-            if not 0 <= index < self.degree(dim):
-                raise ParsimError(f"{dim} index {index} is outside 0..{self.degree(dim) - 1}")
-        return int(self.rank_grid[dp, pp, tp])
+    def rank_of(self, dp: int = 0, pp: int = 0, tp: int = 0, cp: int = 0) -> int:
+        coords = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+        for dim in DIMS:
+            if not 0 <= coords[dim] < self.degree(dim):
+                raise ParsimError(f"{dim} index {coords[dim]} is outside 0..{self.degree(dim) - 1}")
+        return int(self.rank_grid[tuple(coords[d] for d in DIMS)])
 
     def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world:
@@ -410,13 +434,14 @@ class Plan:
         data = {
             "name": self.name,
             "model": self.model.to_dict(),
-            "parallel": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "order": self.order},
+            "parallel": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "order": self.order},
             "batch": {"microbatch_size": self.microbatch_size, "num_microbatches": self.num_microbatches,
                       "global_batch_size": self.global_batch_size},
             "schedule": self.schedule,
             "virtual_stages": self.virtual_stages,
             "dtype": self.dtype,
             "tensor_parallel": self.tp_style,
+            "context_parallel": self.context_parallel,
             "sequence_parallel": self.sequence_parallel,
             "activation_recompute": ({"granularity": self.activation_recompute, "layers": self.recompute_layers}
                                      if self.recompute_layers else self.activation_recompute),
@@ -432,9 +457,10 @@ class Plan:
 
 # --------------------------------------------------------------------------- loading
 _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "virtual_stages", "layers_per_stage",
-             "dtype", "tensor_parallel", "sequence_parallel", "activation_recompute", "data_parallel")
+             "dtype", "tensor_parallel", "sequence_parallel", "context_parallel", "activation_recompute",
+             "data_parallel")
 _RECOMPUTE_KEYS = ("granularity", "layers")
-_PARALLEL_KEYS = ("dp", "tp", "pp", "order")
+_PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "order")
 _BATCH_KEYS = ("microbatch_size", "num_microbatches", "global_batch_size")
 _DATA_PARALLEL_KEYS = ("grad_sync", "bucket_size", "overlap", "zero", "shard_group", "reshard_after_forward")
 
@@ -503,6 +529,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
     return Plan(
         model=model,
         dp=parallel.integer("dp", 1), tp=parallel.integer("tp", 1), pp=parallel.integer("pp", 1),
+        cp=parallel.integer("cp", 1), context_parallel=top.text("context_parallel", "ring"),
         order=parallel.text("order", DEFAULT_ORDER),
         microbatch_size=batch.integer("microbatch_size"), num_microbatches=batch.integer("num_microbatches"),
         global_batch_size=batch.integer("global_batch_size"),
@@ -516,6 +543,15 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         reshard_after_forward=sync.boolean("reshard_after_forward", True),
         name=top.text("name", default_name), description=top.text("description", ""),
     )
+
+
+def _order(order: str) -> str:
+    """An order of dp, pp and tp alone (written before context parallelism) gets cp just outside tp."""
+    dims = order.split(",") if isinstance(order, str) else []
+    if sorted(dims) == ["dp", "pp", "tp"]:
+        dims.insert(dims.index("tp"), "cp")
+        return ",".join(dims)
+    return order
 
 
 def runs_text(values: tuple[int, ...]) -> str:

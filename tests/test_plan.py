@@ -90,7 +90,7 @@ ODD_FFN = load_model({"kind": "transformer", "num_layers": 2, "hidden": 64, "num
     (dict(model=MLP, tp_style="sequence"), "known styles: megatron, allgather"),
     (dict(model=TINY, grad_sync="zero3"), "grad_sync 'zero3' is not one of per_param, bucketed"),
     (dict(model=TINY, grad_sync="per_param", overlap=True), "overlap needs grad_sync bucketed"),
-    (dict(model=TINY, order="dp,tp"), "order 'dp,tp' is not a nesting of dp, pp and tp"),
+    (dict(model=TINY, order="dp,tp"), "order 'dp,tp' is not a nesting of dp, pp, cp and tp"),
 ])
 def test_each_rule_gives_one_line_naming_the_numbers(kwargs, message):
     with pytest.raises(ParsimError) as err:
@@ -115,11 +115,16 @@ def test_kv_heads_may_split_or_replicate():
 def test_rank_grid_has_tp_innermost():
     plan = resolve_plan("llama3-70b-1024")
     assert plan.rank_of(dp=1, pp=2, tp=3) == 64 + 16 + 3
-    assert plan.coords(83) == (1, 2, 3)
+    assert plan.coords(83) == (1, 2, 0, 3)  # dp, pp, cp, tp
     assert plan.groups("tp")[1] == list(range(8, 16))
     assert plan.groups("pp")[0] == list(range(0, 64, 8))
     assert plan.groups("dp")[0] == list(range(0, 1024, 64))
     assert plan.group_of(83, "dp")[:2] == [19, 83]
+
+
+def test_orders_without_cp_keep_working():
+    plan = Plan(MLP, dp=2, tp=2, num_microbatches=1, order="tp,pp,dp")
+    assert plan.order == "cp,tp,pp,dp"
 
 
 def test_other_orders_place_other_dims_innermost():
@@ -129,11 +134,11 @@ def test_other_orders_place_other_dims_innermost():
 
 
 @settings(max_examples=40, deadline=None)
-@given(dp=st.integers(1, 4), pp=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2, 4]),
-       order=st.permutations(["dp", "pp", "tp"]))
-def test_groups_partition_the_ranks_and_coords_invert_rank_of(dp, pp, tp, order):
-    plan = Plan(TINY, dp=dp, pp=pp, tp=tp, num_microbatches=4, order=",".join(order))
-    for dim in ("dp", "pp", "tp"):
+@given(dp=st.integers(1, 4), pp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2]),
+       tp=st.sampled_from([1, 2, 4]), order=st.permutations(["dp", "pp", "cp", "tp"]))
+def test_groups_partition_the_ranks_and_coords_invert_rank_of(dp, pp, cp, tp, order):
+    plan = Plan(TINY, dp=dp, pp=pp, cp=cp, tp=tp, num_microbatches=4, order=",".join(order))
+    for dim in ("dp", "pp", "cp", "tp"):
         groups = plan.groups(dim)
         assert sorted(r for g in groups for r in g) == list(range(plan.world))
         assert all(len(g) == plan.degree(dim) for g in groups)
@@ -148,8 +153,8 @@ def test_out_of_range_indices_are_refused():
         plan.rank_of(pp=2)
     with pytest.raises(ParsimError, match="rank 2 is outside 0..1"):
         plan.coords(2)
-    with pytest.raises(ParsimError, match="unknown parallel dimension 'cp'"):
-        plan.groups("cp")
+    with pytest.raises(ParsimError, match="unknown parallel dimension 'ep'"):
+        plan.groups("ep")
 
 
 # --------------------------------------------------------------------------- stages
@@ -184,8 +189,8 @@ def test_inline_model_and_overrides():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("model: course-mlp\nparallel: {dp: 4, cp: 2}\n",
-     "parallel.cp: unknown key (expected one of dp, tp, pp, order)"),
+    ("model: course-mlp\nparallel: {dp: 4, ep: 2}\n",
+     "parallel.ep: unknown key (expected one of dp, tp, pp, cp, order)"),
     ("model: course-mlp\nzero: 3\n", "zero: unknown key (expected one of name, description, model, parallel"),
     ("model: course-mlp\nparallel: {dp: two}\n", "parallel.dp: is 'two' (expected a whole number)"),
     ("model: course-mlp\nparallel: 4\n", "parallel: is int 4 (expected a mapping of keys)"),

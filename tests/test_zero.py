@@ -103,7 +103,7 @@ def test_sharding_the_optimizer_shortens_its_step_and_fsdp_time_is_reported():
     (dict(zero=1, grad_sync="per_param"), "not per parameter"),
     (dict(zero=2, grad_sync="fsdp"), "it is zero 3, not 2"),
     (dict(shard_group=2), "shard_group (HSDP) needs a ZeRO stage"),
-    (dict(zero=3, shard_group=3), "shard_group 3 does not divide dp 4"),
+    (dict(zero=3, shard_group=3), "shard_group 3 does not divide the 4 data-parallel ranks"),
 ])
 def test_zero_rules(kwargs, message):
     with pytest.raises(ParsimError, match=message.replace("(", r"\(").replace(")", r"\)")):

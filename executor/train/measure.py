@@ -38,7 +38,7 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     in_job = in_torchrun_job()
     given = int(os.environ["WORLD_SIZE"]) if in_job else nproc
     if given != plan.world:
-        raise ParsimError(f"plan {plan.name} needs dp {plan.dp} x pp {plan.pp} x tp {plan.tp} = {plan.world} "
+        raise ParsimError(f"plan {plan.name} needs {plan.degrees_text()} = {plan.world} "
                           f"ranks, but {'the torchrun job has' if in_job else '--nproc is'} {given}")
     if steps < 1:
         raise ParsimError(f"steps must be at least 1, got {steps}")

@@ -20,7 +20,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
     from executor.train import run_plan
 
     if plan.world != args.nproc:
-        raise ParsimError(f"plan {plan.name} needs {plan.world} ranks (dp {plan.dp} x pp {plan.pp} x tp {plan.tp}), "
+        raise ParsimError(f"plan {plan.name} needs {plan.world} ranks ({plan.degrees_text()}), "
                           f"not --nproc {args.nproc}")
     cluster = load_cluster(args.cluster)
     progress(f"simulating {plan.name} on {cluster.name}")

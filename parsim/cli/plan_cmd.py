@@ -204,7 +204,7 @@ def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topolo
     summary = [
         ("model", m.describe()),
         ("parameters", f"{m.num_params:,} ({_count(m.num_params)})"),
-        ("parallel", f"dp {plan.dp} x pp {plan.pp} x tp {plan.tp} = {plan.world} ranks, "
+        ("parallel", f"{plan.degrees_text()} = {plan.world} ranks, "
                      f"order {plan.order} ({plan.order.split(',')[-1]} innermost)"),
         ("batch", f"{batch} = dp {plan.dp} x microbatch size {plan.microbatch_size} x {microbatches}"),
         ("pipeline", f"{plan.schedule}, {stages}" if plan.pp > 1 else "none (one stage)"),
@@ -263,22 +263,26 @@ def grid_text(plan: Plan, topology=None) -> str:
     strides = {d: int(s) // plan.rank_grid.itemsize for d, s in zip(DIMS, plan.rank_grid.strides)}
     formula = " + ".join(f"{strides[d]}*{d}" if strides[d] != 1 else d
                          for d in plan.order.split(",") if plan.degree(d) > 1) or "0"
-    title = f"Rank grid: dp {plan.dp} x pp {plan.pp} x tp {plan.tp}, rank = {formula}"
+    title = f"Rank grid: {plan.degrees_text()}, rank = {formula}"
     if plan.world > GRID_LIMIT:
         return f"{title} ({plan.world} ranks; the grid is printed up to {GRID_LIMIT})"
     rows = []
     for d in range(plan.dp):
         for p in range(plan.pp):
-            ranks = plan.rank_grid[d, p].tolist()
-            if topology is not None:
-                ranks = [f"{r} (node {int(topology.node_of(r))})" for r in ranks]
-            rows.append([d, p, *ranks])
-    return render_table(["dp", "pp", *(f"tp {t}" for t in range(plan.tp))], rows, title=title)
+            for c in range(plan.cp):
+                ranks = plan.rank_grid[d, p, c].tolist()
+                if topology is not None:
+                    ranks = [f"{r} (node {int(topology.node_of(r))})" for r in ranks]
+                rows.append([d, p, *([c] if plan.cp > 1 else []), *ranks])
+    headers = ["dp", "pp", *(["cp"] if plan.cp > 1 else []), *(f"tp {t}" for t in range(plan.tp))]
+    return render_table(headers, rows, title=title)
 
 
 def groups_text(plan: Plan, links: dict[str, dict[str, int]] | None) -> str:
     rows = []
     for dim in reversed(DIMS):  # innermost first
+        if dim == "cp" and plan.cp == 1:
+            continue
         groups = plan.groups(dim)
         shown = ", ".join(_format_group(g) for g in groups[:GROUPS_SHOWN])
         if len(groups) > GROUPS_SHOWN:

@@ -79,7 +79,7 @@ def report(r: StepPrediction) -> str:
     capacity = r.cluster.gpu.hbm_capacity_bytes
     lines = [
         f"{plan.name}: {plan.model.name} on {plan.world} GPUs of {r.cluster.name} "
-        f"(dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, {plan.schedule}, {plan.num_microbatches} microbatches "
+        f"({plan.degrees_text()}, {plan.schedule}, {plan.num_microbatches} microbatches "
         f"of {plan.microbatch_size}, {plan.dtype}{''.join(', ' + f for f in plan.features())})",
         f"  step time   {format_time(r.step_s)}",
         f"  throughput  {r.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_step:,} tokens per step)",
