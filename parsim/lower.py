@@ -24,8 +24,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from .errors import ParsimError
-from .model import LayerCost, MLPModel
+from .model import LayerCost, MLPModel, shard
 from .plan import Plan
 from .program import Op, Program
 from .schedules import Action, Schedule, make_schedule
@@ -52,11 +51,28 @@ class _ComputePiece:
     layer: int
     opens: bool = False  # the first piece of its layer in this pass (FSDP gathers the layer before it)
     closes: bool = False  # the last (FSDP reduce-scatters the layer's gradients after a backward's)
+    joins: bool = False  # waits for the context-parallel exchanges started since the last join (no work)
 
 
 @dataclass(frozen=True)
 class _TPPiece:
     """A tensor-parallel collective between blocks; its name is ``name_head + mb + name_tail``."""
+
+    name_head: str
+    name_tail: str
+    collective: str
+    ranks: tuple[int, ...]
+    mirrors: tuple[tuple[int, ...], ...]
+    nbytes: float
+    layer: int = -1
+    opens: bool = False
+    closes: bool = False
+
+
+@dataclass(frozen=True)
+class _CPPiece:
+    """Context parallelism exchanging K/V over the cp group on its own stream: it starts when the
+    op before it in the pass ends, and the next join waits for it."""
 
     name_head: str
     name_tail: str
@@ -88,8 +104,6 @@ def hidden_size(plan: Plan) -> int:
 
 def lower(plan: Plan) -> Program:
     """The representative ranks' programs (one per pipeline rank)."""
-    if plan.cp > 1:
-        raise ParsimError("context parallelism is in the plan's rank grid but not yet simulated")
     return _Lowering(plan).program
 
 
@@ -98,7 +112,7 @@ class _Lowering:
         self.plan = plan
         self.schedule = schedule_of(plan)
         self.program = Program(plan.world)
-        self.tokens = plan.tokens_per_microbatch
+        self.tokens = plan.tokens_per_rank  # a context-parallel rank computes 1/cp of each sequence
         self.act_bytes = self.tokens * hidden_size(plan) * plan.dtype_bytes  # one microbatch's activations
         self.sends: dict[tuple, int] = {}
         self.pending: list[_Pending] = []
@@ -107,7 +121,7 @@ class _Lowering:
         last_mb = plan.num_microbatches - 1
         for p in range(plan.pp):
             rank = plan.rank_of(dp=0, pp=p, tp=0)
-            self.program.represents[rank] = plan.dp * plan.tp
+            self.program.represents[rank] = plan.dp * plan.cp * plan.tp
             self.final_grad_ops: dict[tuple[int, int], int] = {}  # (stage, layer index) -> op id
             self.fsdp_syncs: list[int] = []  # this rank's per-layer gradient reductions
             for action in self.schedule.actions[p]:
@@ -121,13 +135,15 @@ class _Lowering:
     def _group(self, p: int, dim: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
         """The representative's ``dim`` group at pipeline rank ``p`` and its mirror groups."""
         plan = self.plan
-        if dim == "tp":
-            groups = [plan.group_of(plan.rank_of(dp=d, pp=p, tp=0), "tp") for d in range(plan.dp)]
-        else:
-            groups = [plan.group_of(plan.rank_of(dp=0, pp=p, tp=t), "dp") for t in range(plan.tp)]
+        if dim in ("tp", "cp"):
+            groups = [plan.group_of(plan.rank_of(dp=d, pp=p, cp=c, tp=t), dim) for d in range(plan.dp)
+                      for c in range(plan.cp if dim == "tp" else 1) for t in range(plan.tp if dim == "cp" else 1)]
+        else:  # gradients are reduced over the data- and context-parallel ranks together (Megatron-LM)
+            groups = [[plan.rank_of(dp=d, pp=p, cp=c, tp=t) for d in range(plan.dp) for c in range(plan.cp)]
+                      for t in range(plan.tp)]
             size = plan.shard_size
             if dim == "shard":  # ZeRO shards within groups of shard_size consecutive data-parallel ranks
-                groups = [g[k:k + size] for g in groups for k in range(0, plan.dp, size)]
+                groups = [g[k:k + size] for g in groups for k in range(0, len(g), size)]
             elif dim == "replicate":  # HSDP: the ranks holding the same shard, one per shard group
                 groups = [g[j::size] for g in groups for j in range(size)]
         groups = [tuple(g) for g in groups]
@@ -137,26 +153,37 @@ class _Lowering:
     def _action(self, rank: int, p: int, action: Action, last_mb: int) -> None:
         plan, stage, mb, kind = self.plan, action.stage, action.microbatch, action.kind
         last_stage = plan.num_stages - 1
-        act_bytes = self.act_bytes
+        act_bytes, last = self.act_bytes, None
         if kind == "F" and stage > 0:
-            self._recv(rank, "act", stage - 1, mb, ("act", stage - 1, mb), act_bytes)
+            last = self._recv(rank, "act", stage - 1, mb, ("act", stage - 1, mb), act_bytes)
         if kind in ("B", "I") and stage < last_stage:
-            self._recv(rank, "grad", stage + 1, mb, ("grad", stage + 1, mb), act_bytes)
+            last = self._recv(rank, "grad", stage + 1, mb, ("grad", stage + 1, mb), act_bytes)
         name, recompute_name = compute_name(kind, stage, mb), compute_name("R", stage, mb)
         final = kind in ("B", "W") and mb == last_mb
         gathers = self.fsdp and (kind == "F" or (kind in ("B", "I") and plan.reshard_after_forward))
         scatters = self.fsdp and kind == ("W" if self.split_backward else "B")
         closed: list[int] = []  # per layer of this pass, the op that ended it (FSDP prefetches one layer ahead)
-        last = None
+        exchanges: list[int] = []  # context-parallel exchanges the next join waits for
+        gathered: tuple[int, ...] = ()  # an FSDP gather the layer's next compute-stream op must wait for
         for piece in self._pieces(p, stage, kind):
-            deps = ()
             if gathers and piece.opens:
-                deps = (self._fsdp_gather(rank, p, stage, piece.layer, mb, kind, closed[-2:-1]),)
-            if isinstance(piece, _TPPiece):
+                gathered = (self._fsdp_gather(rank, p, stage, piece.layer, mb, kind, closed[-2:-1]),)
+            deps = ()
+            if isinstance(piece, _CPPiece):  # on its own stream: starts once the op before its block ends
+                start = gathered + ((last,) if last is not None else ())
+                exchanges.append(self._add(rank, Op(
+                    f"{piece.name_head}{mb}{piece.name_tail}", "collective", "cp", deps=start,
+                    collective=piece.collective, group="cp", ranks=piece.ranks, mirrors=piece.mirrors,
+                    nbytes=piece.nbytes, phase="cp")))
+            elif isinstance(piece, _TPPiece):
+                deps, gathered = gathered, ()
                 last = self._add(rank, Op(f"{piece.name_head}{mb}{piece.name_tail}", "collective", "compute",
                                           deps=deps, collective=piece.collective, group="tp", ranks=piece.ranks,
                                           mirrors=piece.mirrors, nbytes=piece.nbytes, phase="tp"))
             else:
+                deps, gathered = gathered, ()
+                if piece.joins:
+                    deps, exchanges = deps + tuple(exchanges), []
                 recompute = piece.phase == "recompute"
                 last = self._add(rank, Op(recompute_name if recompute else name, "compute", "compute", deps=deps,
                                           matmuls=piece.matmuls, flops=piece.flops, hbm_bytes=piece.hbm_bytes,
@@ -207,14 +234,43 @@ class _Lowering:
                 tp_ops = []
             for position in ("before", "after"):
                 if position == "after":
-                    pieces.append(self._compute(phase, block, "F" if forward else kind, cost,
-                                                block is cost.blocks[-1], index))
+                    compute = self._compute(phase, block, "F" if forward else kind, cost,
+                                            block is cost.blocks[-1], index)
+                    pieces += self._with_context_exchange(p, cost, block, kind, compute)
                 for coll in (c for c in tp_ops if c.position == position):
                     head, tail = collective_name(coll.op, "tp", layer=cost.name, mb="|",
                                                  dir=f"{direction}{count}").split("|")
                     count += 1
                     pieces.append(_TPPiece(head, tail, coll.op, group, mirrors, coll.bytes_per_token * self.tokens))
         return pieces
+
+    def _with_context_exchange(self, p: int, cost: LayerCost, block, kind: str,
+                               compute: _ComputePiece) -> list[_ComputePiece | _CPPiece]:
+        """An attention block's compute with the K/V exchange context parallelism adds around it.
+
+        Ring attention (``context_parallel: ring``, Megatron-LM's) passes K/V
+        chunks around the cp ring while each rank computes on the chunk it has:
+        the exchange (an all-gather of K/V; in the backward also a
+        reduce-scatter of their gradients) overlaps the attention, and the
+        block ends when both have. All-gather attention (Llama 3's) gathers K/V
+        before computing, and reduce-scatters their gradients after.
+        """
+        plan = self.plan
+        if plan.cp == 1 or not block.kv_width or kind == "W":
+            return [compute]
+        group, mirrors = self._group(p, "cp")
+        nbytes = 2 * shard(block.kv_width, plan.tp, block.kv_unit) * plan.dtype_bytes * plan.tokens_per_microbatch
+        direction = {"F": "fwd", "R": "rec"}.get(kind, "bwd")
+
+        def exchange(collective: str) -> _CPPiece:
+            head, tail = collective_name(collective, "cp", layer=cost.name, mb="|", dir=direction).split("|")
+            return _CPPiece(head, tail, collective, group, mirrors, nbytes)
+
+        join = dataclasses.replace(compute, matmuls=(), flops=0.0, hbm_bytes=0.0, kernels=0, joins=True)
+        backward = kind in ("B", "I")
+        if plan.context_parallel == "ring":
+            return [exchange("all_gather"), *([exchange("reduce_scatter")] if backward else []), compute, join]
+        return [exchange("all_gather"), join, compute, *([exchange("reduce_scatter"), join] if backward else [])]
 
     def _compute(self, phase: str, block, kind: str, cost: LayerCost, last: bool, layer: int) -> _ComputePiece:
         """One block's compute: its matmuls by shape, the attention core, and elementwise work.
@@ -262,8 +318,8 @@ class _Lowering:
         """The representative's (src, dst) ranks and its mirrors' (the other replicas' sends)."""
         plan, sched = self.plan, self.schedule
         a, b = sched.stage_to_rank(src_stage), sched.stage_to_rank(dst_stage)
-        pairs = [(plan.rank_of(dp=d, pp=a, tp=t), plan.rank_of(dp=d, pp=b, tp=t))
-                 for d in range(plan.dp) for t in range(plan.tp)]
+        pairs = [(plan.rank_of(dp=d, pp=a, cp=c, tp=t), plan.rank_of(dp=d, pp=b, cp=c, tp=t))
+                 for d in range(plan.dp) for c in range(plan.cp) for t in range(plan.tp)]
         return pairs[0], tuple(pairs[1:])
 
     def _send(self, rank, what, stage, mb, key, nbytes, after) -> None:
@@ -276,11 +332,11 @@ class _Lowering:
             op.nbytes, op.ranks, op.mirrors = 0.0, (rank, rank), ()
         self.sends[key] = self._add(rank, op)
 
-    def _recv(self, rank, what, stage, mb, key, nbytes) -> None:
+    def _recv(self, rank, what, stage, mb, key, nbytes) -> int:
         peer = self._stage_rank(stage)
         op = Op(p2p_name("recv", what, stage, mb, peer), "recv", "compute", nbytes=nbytes, peer=peer, phase="pp")
-        self._add(rank, op)
         self.pending.append(_Pending(op, key))
+        return self._add(rank, op)
 
     # -- FSDP (ZeRO-3) per layer ------------------------------------------------------
     def _fsdp_gather(self, rank: int, p: int, stage: int, layer: int, mb: int, kind: str,
@@ -304,7 +360,7 @@ class _Lowering:
         op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=cost.name, stage=stage, mb=mb),
                                 "collective", "comm", deps=(ready,), collective="reduce_scatter", group="fsdp",
                                 ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
-        if self.plan.shard_size < self.plan.dp:
+        if self.plan.shard_size < self.plan.dp * self.plan.cp:
             group, mirrors = self._group(p, "replicate")
             op = self._add(rank, Op(collective_name("all_reduce", "fsdp", layer=cost.name, stage=stage, mb=mb),
                                     "collective", "comm", collective="all_reduce", group="fsdp", ranks=group,
@@ -324,7 +380,7 @@ class _Lowering:
         last_compute = self.program.by_rank[rank][-1]
         sync: list[int] = list(self.fsdp_syncs)
         gather: list[int] = []
-        if plan.dp > 1 and not self.fsdp:
+        if plan.dp * plan.cp > 1 and not self.fsdp:
             tensors = []  # (bytes, op id after which the gradient is final), in backward order
             for stage in reversed(self.plan.stages_of(p)):
                 costs = plan.stage_costs(stage)
@@ -342,7 +398,7 @@ class _Lowering:
                         sync.append(self._dp_collective(rank, p, "all_reduce", "dp", nbytes, deps, bucket=k))
                         continue
                     sync.append(self._dp_collective(rank, p, "reduce_scatter", "shard", nbytes, deps, bucket=k))
-                    if plan.shard_size < plan.dp:
+                    if plan.shard_size < plan.dp * plan.cp:
                         sync.append(self._dp_collective(rank, p, "all_reduce", "replicate",
                                                         nbytes / plan.shard_size, (), bucket=k))
                 gather = [nbytes for nbytes, _ in buckets] if plan.zero else []

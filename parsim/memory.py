@@ -48,13 +48,14 @@ def memory(plan: Plan) -> list[Memory]:
     and one layer's unsharded gradients before they are reduce-scattered.
 
     Activations: the schedule's peak number of (stage, microbatch) forwards
-    awaiting their backward, times what one stage saves per microbatch. A layer
+    awaiting their backward, times what one stage saves per microbatch (for
+    the 1/cp of each sequence a context-parallel rank computes). A layer
     whose forward is recomputed saves only its input; while its backward runs,
     one such layer's full activations exist again for one microbatch (the
     recomputation's working set).
     """
     in_flight = peak_in_flight(schedule_of(plan))
-    tokens, d, n, zero = plan.tokens_per_microbatch, plan.dtype_bytes, plan.shard_size, plan.zero
+    tokens, d, n, zero = plan.tokens_per_rank, plan.dtype_bytes, plan.shard_size, plan.zero
     out = []
     for p in range(plan.pp):
         params = plan.params_per_rank(p)

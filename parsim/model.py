@@ -174,6 +174,8 @@ class Block:
     matmuls: tuple[Matmul, ...] = ()
     attention_flops_per_token: int = 0
     collectives: tuple[TPCollective, ...] = ()
+    kv_width: int = 0  # K and V elements per token each (attention): what context parallelism exchanges
+    kv_unit: int = 1  # tensor parallelism splits K/V by whole heads of this width
 
     def forward_flops_per_token(self, tp: int = 1) -> int:
         return sum(m.flops_per_token(tp) for m in self.matmuls) + self.attention_flops_per_token // tp
@@ -479,6 +481,7 @@ class TransformerModel(_CostTotals):
              Matmul("attn.v", h, kv, "column", hd), Matmul("attn.o", q, h, "row", hd)),
             attention_flops_per_token=4 * self.seq_len * q,
             collectives=_block_collectives("attn", h * d, sequence_parallel),
+            kv_width=kv, kv_unit=hd,
         )
         if self.ffn_type == "swiglu":
             ffn = (Matmul("mlp.gate", h, f, "column"), Matmul("mlp.up", h, f, "column"),

@@ -106,6 +106,11 @@ class Plan:
     stage fastest (:mod:`parsim.stage_split`); left ``None`` it is even when the
     stage count divides the layers and balanced otherwise.
 
+    ``cp`` splits every sequence over context-parallel ranks (two chunks each,
+    balancing the causal mask); ``context_parallel`` "ring" passes K/V around
+    the cp ring overlapped with attention (Megatron-LM), "all_gather" gathers
+    them first (Llama 3). Gradients are reduced over dp x cp ranks.
+
     ``sequence_parallel`` (Megatron TP only) shards norms and block inputs
     along the sequence, with all-gathers and reduce-scatters in place of the
     all-reduces. ``activation_recompute`` "full" keeps only each recomputed
@@ -415,6 +420,8 @@ class Plan:
             out.append(f"{'FSDP (ZeRO-3)' if self.zero == 3 else f'ZeRO-{self.zero}'} {scope}")
         if self.sequence_parallel and self.tp > 1:
             out.append("sequence parallel")
+        if self.cp > 1:
+            out.append(f"{'ring' if self.context_parallel == 'ring' else 'all-gather'} context parallel")
         if self.activation_recompute != "none":
             layers = f", first {self.recompute_layers} layers per stage" if self.recompute_layers else ""
             out.append(f"{self.activation_recompute} recompute{layers}")

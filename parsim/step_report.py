@@ -8,6 +8,8 @@ phases that never double count:
   for the backward): compute spans, minus the tensor-parallel collectives
   nested inside them;
 * ``tp``: tensor-parallel collectives (they block compute);
+* ``cp``: context-parallel K/V exchanges not hidden behind the attention they
+  overlap (the compute stream waits for them);
 * ``pp``: waiting for a pipeline receive (transfer time plus the pipeline bubble);
 * ``dp``: data-parallel gradient all-reduce time *not* hidden behind the compute
   stream (compute, tensor-parallel collectives, receives);
@@ -24,7 +26,7 @@ import numpy as np
 
 from .trace import Event, Trace
 
-PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "pp", "dp", "fsdp", "optimizer", "idle")
+PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "cp", "pp", "dp", "fsdp", "optimizer", "idle")
 
 
 def merge_spans(trace: Trace) -> Trace:
@@ -76,7 +78,7 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
     rows = []
     for rank in sorted(by_rank):
         seconds = {p: 0.0 for p in PHASES}
-        tp, computes, busy, dp, fsdp = [], [], [], [], []
+        tp, computes, busy, dp, fsdp, cp = [], [], [], [], [], []
         for e in by_rank[rank]:  # one pass: sort each event into what it counts towards
             kind, phase = e.kind, e.args.get("phase")
             if phase == "tp":
@@ -85,6 +87,8 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
                 dp.append((e.start_s, e.start_s + e.dur_s))
             elif phase == "fsdp":
                 fsdp.append((e.start_s, e.start_s + e.dur_s))
+            elif phase == "cp":
+                cp.append((e.start_s, e.start_s + e.dur_s))
             if kind == "compute":
                 computes.append(e)
             elif kind == "recv":
@@ -101,9 +105,11 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
         seconds["tp"] = sum(e.dur_s for e in tp)
         # Tensor-parallel collectives block the compute stream: gradient all-reduce time under them is hidden too.
         busy += [(e.start_s, e.end_s) for e in tp]
-        with_dp = _covered(busy + dp)
-        covered = _covered(busy + dp + fsdp)
-        seconds["dp"] = with_dp - _covered(busy)
+        with_cp = _covered(busy + cp)  # the compute stream waits for exposed exchanges: they come first
+        with_dp = _covered(busy + cp + dp)
+        covered = _covered(busy + cp + dp + fsdp)
+        seconds["cp"] = with_cp - _covered(busy)
+        seconds["dp"] = with_dp - with_cp
         seconds["fsdp"] = covered - with_dp
         seconds["idle"] = max(total - covered, 0.0)
         rows.append(RankBreakdown(rank, total, seconds))

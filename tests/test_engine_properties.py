@@ -45,7 +45,9 @@ def plans(draw) -> Plan:
         microbatches = pp * draw(st.integers(min_value=1, max_value=3))
     grad_sync = draw(st.sampled_from(["per_param", "bucketed", "fsdp"]))
     zero = 3 if grad_sync == "fsdp" else 0 if grad_sync == "per_param" else draw(st.sampled_from([0, 1, 2, 3]))
-    kwargs = dict(model=model, dp=draw(st.sampled_from([1, 2, 3])), tp=draw(st.sampled_from([1, 2, 4])), pp=pp,
+    cp = draw(st.sampled_from([1, 2])) if model.name != "mlp" else 1
+    kwargs = dict(model=model, dp=draw(st.sampled_from([1, 2, 3])), tp=draw(st.sampled_from([1, 2, 4])), pp=pp, cp=cp,
+                  context_parallel=draw(st.sampled_from(["ring", "all_gather"])),
                   schedule=schedule, virtual_stages=virtual, dtype=draw(st.sampled_from(["fp32", "bf16", "fp16"])),
                   tp_style=draw(st.sampled_from(model.tp_styles)), grad_sync=grad_sync,
                   overlap=grad_sync != "per_param" and draw(st.booleans()),

@@ -90,6 +90,7 @@ def check_plan(plan: Plan) -> None:
     m, schedule = plan.model, schedule_of(plan)
     missing = [what for what, used in (
         (f"ZeRO-{plan.zero} / FSDP", plan.zero and plan.shard_size > 1),
+        ("context parallelism", plan.cp > 1),
         ("sequence parallelism", plan.sequence_parallel and plan.tp > 1),
         ("full activation recomputation", plan.activation_recompute == "full"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]

@@ -93,7 +93,7 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
 
 
 def _activations(plan: Plan, mem: Memory) -> list[str]:
-    p, tokens = mem.pp_rank, plan.tokens_per_microbatch
+    p, tokens = mem.pp_rank, plan.tokens_per_rank
     stage = max(plan.stages_of(p), key=lambda s: saved_bytes_per_token(plan, s))
     costs = plan.stage_costs(stage)
     recomputed = {c.name for c in plan.recomputed(stage)}
@@ -112,7 +112,8 @@ def _activations(plan: Plan, mem: Memory) -> list[str]:
     for c in others:
         out.append(f"   the {c.name} saves {c.activation_bytes_per_token(plan.tp):,} bytes.")
     per_token = saved_bytes_per_token(plan, stage)
-    out.append(f"   Stage {stage} in all: {per_token:,} bytes per token x {tokens:,} tokens per microbatch = "
+    share = f" (its 1/{plan.cp} of each sequence: context parallelism)" if plan.cp > 1 else ""
+    out.append(f"   Stage {stage} in all: {per_token:,} bytes per token x {tokens:,} tokens per microbatch{share} = "
                f"{per_token * tokens / GB:.2f} GB per microbatch.")
     out.append(f"   {plan.schedule} keeps up to {mem.in_flight} microbatch(es) in flight on this rank "
                f"(forwards awaiting their backward)" + (", plus one recomputed layer's full activations"

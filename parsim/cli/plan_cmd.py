@@ -12,8 +12,8 @@ from typing import Any
 
 from ..errors import ParsimError
 from ..model import builtin_models, load_model
-from ..plan import (DIMS, DTYPE_BYTES, GRAD_SYNCS, RECOMPUTE, SCHEDULES, TP_STYLES, Plan, builtin_plans, load_plan,
-                    resolve_plan, runs_text)
+from ..plan import (CP_STYLES, DIMS, DTYPE_BYTES, GRAD_SYNCS, RECOMPUTE, SCHEDULES, TP_STYLES, Plan, builtin_plans,
+                    load_plan, resolve_plan, runs_text)
 from ..table import render_table
 from ..units import format_size
 from .common import add_cluster_args, print_json
@@ -72,6 +72,7 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
                         "(default: even when the stages divide the layers, else balanced)")
     g.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="compute and activation precision")
     g.add_argument("--tensor-parallel", choices=TP_STYLES, help="tensor-parallel style")
+    g.add_argument("--context-parallel", choices=CP_STYLES, help="how cp ranks exchange K/V (default ring)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                    help="Megatron sequence parallelism: norms and block inputs split along the sequence")
     g.add_argument("--activation-recompute", choices=RECOMPUTE,
@@ -93,6 +94,7 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
         "schedule": args.schedule, "virtual_stages": args.virtual_stages,
         "layers_per_stage": args.layers_per_stage, "dtype": args.dtype,
         "tensor_parallel": args.tensor_parallel, "sequence_parallel": args.sequence_parallel,
+        "context_parallel": args.context_parallel,
         "activation_recompute": _recompute_flags(args),
         "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap},
     }
@@ -212,6 +214,9 @@ def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topolo
                       + (", matmuls in fp8" if plan.dtype == "fp8" else "")),
         ("tensor parallel", (plan.tp_style + (" with sequence parallelism" if plan.sequence_parallel else ""))
                             if plan.tp > 1 else "none"),
+        ("context parallel", (f"{plan.cp} ranks per sequence, " + (
+            "K/V passed around a ring, overlapped with attention" if plan.context_parallel == "ring"
+            else "K/V all-gathered before attention")) if plan.cp > 1 else "none"),
         ("gradient sync", sync if plan.dp > 1 else "none (one replica)"),
         ("recompute", {"none": "none", "selective": "selective (attention core)",
                        "full": "full" + (f", first {plan.recompute_layers} layers of each stage"
