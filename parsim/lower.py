@@ -64,6 +64,7 @@ class _TPPiece:
     ranks: tuple[int, ...]
     mirrors: tuple[tuple[int, ...], ...]
     nbytes: float
+    group: str = "tp"  # or "ep": a mixture-of-experts all-to-all
     layer: int = -1
     opens: bool = False
     closes: bool = False
@@ -146,6 +147,10 @@ class _Lowering:
                 groups = [g[k:k + size] for g in groups for k in range(0, len(g), size)]
             elif dim == "replicate":  # HSDP: the ranks holding the same shard, one per shard group
                 groups = [g[j::size] for g in groups for j in range(size)]
+            elif dim == "ep":  # expert parallelism: consecutive data-parallel ranks split the experts
+                groups = [g[k:k + plan.ep] for g in groups for k in range(0, len(g), plan.ep)]
+            elif dim == "edp":  # the ranks holding the same experts, one per expert-parallel group
+                groups = [g[j::plan.ep] for g in groups for j in range(plan.ep)]
         groups = [tuple(g) for g in groups]
         return groups[0], tuple(groups[1:])
 
@@ -178,8 +183,9 @@ class _Lowering:
             elif isinstance(piece, _TPPiece):
                 deps, gathered = gathered, ()
                 last = self._add(rank, Op(f"{piece.name_head}{mb}{piece.name_tail}", "collective", "compute",
-                                          deps=deps, collective=piece.collective, group="tp", ranks=piece.ranks,
-                                          mirrors=piece.mirrors, nbytes=piece.nbytes, phase="tp"))
+                                          deps=deps, collective=piece.collective, group=piece.group,
+                                          ranks=piece.ranks, mirrors=piece.mirrors, nbytes=piece.nbytes,
+                                          phase=piece.group))
             else:
                 deps, gathered = gathered, ()
                 if piece.joins:
@@ -225,23 +231,25 @@ class _Lowering:
         phase = {"F": "forward", "R": "recompute", "B": "backward", "I": "backward", "W": "weight-grad"}[kind]
         direction = {"F": "fwd", "R": "rec"}.get(kind, "bwd")
         blocks = cost.blocks if forward else tuple(reversed(cost.blocks))
-        group, mirrors = self._group(p, "tp")
+        degree = {"tp": plan.tp, "ep": plan.ep}
         pieces: list[_ComputePiece | _TPPiece] = []
         count = 0
         for block in blocks:
-            tp_ops = [c for c in block.collectives if c.phase == ("forward" if forward else "backward")]
-            if kind == "W" or plan.tp == 1:
-                tp_ops = []
+            tp_ops = [c for c in block.collectives if c.phase == ("forward" if forward else "backward")
+                      and degree[c.group] > 1 and kind != "W"]
             for position in ("before", "after"):
                 if position == "after":
                     compute = self._compute(phase, block, "F" if forward else kind, cost,
                                             block is cost.blocks[-1], index)
                     pieces += self._with_context_exchange(p, cost, block, kind, compute)
                 for coll in (c for c in tp_ops if c.position == position):
-                    head, tail = collective_name(coll.op, "tp", layer=cost.name, mb="|",
+                    head, tail = collective_name(coll.op, coll.group, layer=cost.name, mb="|",
                                                  dir=f"{direction}{count}").split("|")
                     count += 1
-                    pieces.append(_TPPiece(head, tail, coll.op, group, mirrors, coll.bytes_per_token * self.tokens))
+                    group, mirrors = self._group(p, coll.group)
+                    # Expert all-to-alls carry this rank's 1/tp of the tokens (the tp ranks split the dispatch).
+                    nbytes = coll.bytes_per_token * self.tokens / (plan.tp if coll.group == "ep" else 1)
+                    pieces.append(_TPPiece(head, tail, coll.op, group, mirrors, nbytes, coll.group))
         return pieces
 
     def _with_context_exchange(self, p: int, cost: LayerCost, block, kind: str,
@@ -283,19 +291,24 @@ class _Lowering:
         matmul of the pass, and one per saved tensor (each is some kernel's
         output) in the forward, two in the input-gradient pass.
         """
-        m = self.tokens
-        saved_per_token = cost.activation_bytes_per_token(self.plan.tp) if last else 0
+        plan = self.plan
+        saved_per_token = cost.activation_bytes_per_token(plan.tp) if last else 0
         saved_tensors = len(cost.activations) if last else 0
-        tp = self.plan.tp
+        tp = plan.tp
         mms, flops = [], 0.0
         for mm in block.matmuls:
             k, n = mm.shape_per_rank(tp)
-            if kind == "F":
-                mms.append((m, n, k))
-            if kind in ("B", "I"):
-                mms.append((m, k, n))  # input gradient: dY [m, n] @ W^T [n, k]
-            if kind in ("B", "W"):
-                mms.append((k, n, m))  # weight gradient: X^T [k, m] @ dY [m, n]
+            m = self.tokens
+            if mm.experts > 1:  # each of this rank's experts takes its share of the ep group's routed tokens
+                m = round(self.tokens * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)
+            for _ in range(mm.copies_per_rank(plan.ep)):
+                if kind == "F":
+                    mms.append((m, n, k))
+                if kind in ("B", "I"):
+                    mms.append((m, k, n))  # input gradient: dY [m, n] @ W^T [n, k]
+                if kind in ("B", "W"):
+                    mms.append((k, n, m))  # weight gradient: X^T [k, m] @ dY [m, n]
+        m = self.tokens
         attention = block.attention_flops_per_token // tp * m
         if kind == "F":
             flops = attention
@@ -303,8 +316,8 @@ class _Lowering:
             flops = 2 * attention
         passes = {"F": 1, "B": 2, "I": 2, "W": 0}[kind]
         # Autograd adds each weight gradient into .grad (read both, write one), once per microbatch.
-        accumulate = sum(k * n for k, n in (mm.shape_per_rank(tp) for mm in block.matmuls)) * \
-            self.plan.dtype_bytes * 3 if kind in ("B", "W") else 0
+        accumulate = sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
+                         for mm in block.matmuls) * plan.dtype_bytes * 3 if kind in ("B", "W") else 0
         return _ComputePiece(tuple(mms), flops, passes * saved_per_token * m + accumulate,
                              len(mms) + passes * saved_tensors, phase, layer)
 
@@ -345,7 +358,7 @@ class _Lowering:
         (the layer two back, so one layer is prefetched while the current one computes)."""
         cost = self.plan.stage_costs(stage)[layer]
         group, mirrors = self._group(p, "shard")
-        nbytes = sum(_param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
+        nbytes = sum(n for n, _ in _param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
         name = collective_name("all_gather", "fsdp", layer=cost.name, stage=stage, mb=mb,
                                dir="fwd" if kind == "F" else "bwd")
         return self._add(rank, Op(name, "collective", "gather", deps=tuple(after), collective="all_gather",
@@ -355,7 +368,7 @@ class _Lowering:
         """Reduce-scatter one layer's gradients once its backward made them (FSDP2 syncs every
         microbatch); with HSDP, all-reduce the shard across the replicas."""
         cost = self.plan.stage_costs(stage)[layer]
-        nbytes = sum(_param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
+        nbytes = sum(n for n, _ in _param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
         group, mirrors = self._group(p, "shard")
         op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=cost.name, stage=stage, mb=mb),
                                 "collective", "comm", deps=(ready,), collective="reduce_scatter", group="fsdp",
@@ -375,40 +388,50 @@ class _Lowering:
         ZeRO-1/2 reduce-scatter the same buckets over the shard group (HSDP: and
         all-reduce each shard across the replicas), step the optimizer on the
         shard and all-gather the updated weights. ZeRO-3 synced per layer already.
+        Routed experts' gradients are synced the same way over the ranks that
+        hold the same experts (the expert-data-parallel group), in buckets of
+        their own.
         """
         plan = self.plan
         last_compute = self.program.by_rank[rank][-1]
         sync: list[int] = list(self.fsdp_syncs)
-        gather: list[int] = []
+        gather: list[tuple[str, int, float]] = []  # ZeRO-1/2 weight all-gathers after the step: (dim, bucket, bytes)
         if plan.dp * plan.cp > 1 and not self.fsdp:
-            tensors = []  # (bytes, op id after which the gradient is final), in backward order
+            tensors: dict[bool, list[tuple[float, int]]] = {False: [], True: []}  # expert? -> (bytes, ready op)
             for stage in reversed(self.plan.stages_of(p)):
                 costs = plan.stage_costs(stage)
                 for index in reversed(range(len(costs))):
                     ready = self.final_grad_ops.get((stage, index), last_compute)
-                    tensors += [(n * plan.dtype_bytes, ready) for n in _param_tensors(costs[index], plan.tp)]
+                    for n, expert in _param_tensors(costs[index], plan.tp, plan.ep):
+                        tensors[expert].append((n * plan.dtype_bytes, ready))
             if plan.grad_sync == "per_param":
-                for k, (nbytes, _) in enumerate(tensors):
+                for k, (nbytes, _) in enumerate(tensors[False] + tensors[True]):
                     sync.append(self._dp_collective(rank, p, "all_reduce", "dp", nbytes, (last_compute,), param=k))
             else:
-                buckets = _buckets(tensors, plan.bucket_size)
-                for k, (nbytes, ready) in enumerate(buckets):
-                    deps = (ready if plan.overlap else last_compute,)
-                    if not plan.zero:
-                        sync.append(self._dp_collective(rank, p, "all_reduce", "dp", nbytes, deps, bucket=k))
-                        continue
-                    sync.append(self._dp_collective(rank, p, "reduce_scatter", "shard", nbytes, deps, bucket=k))
-                    if plan.shard_size < plan.dp * plan.cp:
-                        sync.append(self._dp_collective(rank, p, "all_reduce", "replicate",
-                                                        nbytes / plan.shard_size, (), bucket=k))
-                gather = [nbytes for nbytes, _ in buckets] if plan.zero else []
-        params = plan.params_per_rank(p) / plan.shard_size
-        tensors = sum(len(_param_tensors(c, plan.tp)) for s in plan.stages_of(p) for c in plan.stage_costs(s))
+                for expert, dim, shard in ((False, "shard", plan.shard_size), (True, "edp", plan.expert_shard_size)):
+                    if expert and plan.dp * plan.cp // plan.ep == 1:
+                        continue  # every expert lives on one rank only: nothing to sync
+                    for k, (nbytes, ready) in enumerate(_buckets(tensors[expert], plan.bucket_size)):
+                        deps = (ready if plan.overlap else last_compute,)
+                        tag = {"expert_bucket" if expert else "bucket": k}
+                        if not plan.zero:
+                            sync.append(self._dp_collective(rank, p, "all_reduce", "edp" if expert else "dp",
+                                                            nbytes, deps, **tag))
+                            continue
+                        sync.append(self._dp_collective(rank, p, "reduce_scatter", dim, nbytes, deps, **tag))
+                        if not expert and shard < plan.dp * plan.cp:
+                            sync.append(self._dp_collective(rank, p, "all_reduce", "replicate", nbytes / shard, (),
+                                                            **tag))
+                        gather.append((dim, tag, nbytes))
+        expert_params = plan.expert_params_per_rank(p)
+        params = (plan.params_per_rank(p) - expert_params) / plan.shard_size + expert_params / plan.expert_shard_size
+        tensors_count = sum(len(_param_tensors(c, plan.tp, plan.ep)) for s in plan.stages_of(p)
+                            for c in plan.stage_costs(s))
         step = self._add(rank, Op("optimizer step", "optimizer", "compute", deps=tuple(sync) or (last_compute,),
                                   flops=12.0 * params, hbm_bytes=params * ADAMW_ACCESSES * FP32,
-                                  kernels=tensors * ADAMW_KERNELS, phase="optimizer"))
-        for k, nbytes in enumerate(gather):  # ZeRO-1/2: every rank needs the updated weights back
-            self._dp_collective(rank, p, "all_gather", "shard", nbytes, (step,), bucket=k)
+                                  kernels=tensors_count * ADAMW_KERNELS, phase="optimizer"))
+        for dim, tag, nbytes in gather:  # ZeRO-1/2: every rank needs the updated weights back
+            self._dp_collective(rank, p, "all_gather", dim, nbytes, (step,), **tag)
 
     def _dp_collective(self, rank: int, p: int, collective: str, dim: str, nbytes: float, deps: tuple,
                        **tags) -> int:
@@ -421,14 +444,14 @@ class _Lowering:
         return self.program.add(rank, op)
 
 
-def _param_tensors(cost: LayerCost, tp: int) -> list[int]:
-    """Element counts of one rank's parameter tensors of a layer (matmul weights, then others)."""
+def _param_tensors(cost: LayerCost, tp: int, ep: int = 1) -> list[tuple[int, bool]]:
+    """One rank's parameter tensors of a layer (matmul weights, then others): (elements, routed expert?)."""
     sizes = []
     for mm in cost.matmuls:
         if mm.owns_weight:
             k, n = mm.shape_per_rank(tp)
-            sizes.append(k * n)
-    return sizes + [p.numel_per_rank(tp) for p in cost.params]
+            sizes += [(k * n, mm.experts > 1)] * mm.copies_per_rank(ep)
+    return sizes + [(p.numel_per_rank(tp), False) for p in cost.params]
 
 
 def _buckets(tensors: list[tuple[int, int]], bucket_size: int) -> list[tuple[int, int]]:

@@ -67,8 +67,15 @@ def memory(plan: Plan) -> list[Memory]:
         if zero == 3 and n > 1:
             largest = max(c.params_per_rank(plan.tp) for s in plan.stages_of(p) for c in plan.stage_costs(s))
             buffers = 3 * largest * d
-        out.append(Memory(p, params * d / (n if zero >= 3 else 1), params * d / (n if zero >= 2 else 1),
-                          params * (ADAM_STATE_BYTES + master) / (n if zero >= 1 else 1),
+        experts = plan.expert_params_per_rank(p)  # sharded over the ranks holding the same experts
+
+        def held(from_stage: int) -> float:
+            """Parameters' worth of a state ZeRO shards from ``from_stage`` on."""
+            if zero < from_stage:
+                return params
+            return (params - experts) / n + experts / plan.expert_shard_size
+
+        out.append(Memory(p, held(3) * d, held(2) * d, held(1) * (ADAM_STATE_BYTES + master),
                           (in_flight[p] * per_mb + rebuilt) * tokens, in_flight[p], buffers))
     return out
 

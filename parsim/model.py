@@ -40,6 +40,7 @@ Training on GPU Clusters Using Megatron-LM", section 5.1):
 from __future__ import annotations
 
 import importlib.resources
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Union
@@ -74,7 +75,9 @@ class Matmul:
     (each rank computes some output features), ``"row"`` splits ``k`` (each rank
     computes a partial sum over some input features), ``"none"`` replicates it.
     ``owns_weight`` is false for a matmul that reuses another entry's parameters
-    (an LM head tied to the embedding table).
+    (an LM head tied to the embedding table). A routed expert's matmul has
+    ``experts`` copies of its weight, of which each token uses ``active``
+    (top-k); expert parallelism spreads the copies over ranks.
     """
 
     name: str
@@ -83,10 +86,17 @@ class Matmul:
     split: str = "none"
     unit: int = 1
     owns_weight: bool = True
+    experts: int = 1
+    active: int = 1
 
     @property
     def params(self) -> int:
-        return self.k * self.n
+        return self.experts * self.k * self.n
+
+    @property
+    def active_params(self) -> int:
+        """Weights one token is multiplied by (its top-k experts' for a routed matmul)."""
+        return self.active * self.k * self.n
 
     def shape_per_rank(self, tp: int = 1) -> tuple[int, int]:
         """``(k, n)`` of one rank's weight shard."""
@@ -97,9 +107,13 @@ class Matmul:
         return self.k, self.n
 
     def flops_per_token(self, tp: int = 1) -> int:
-        """Forward FLOPs per token on one of ``tp`` ranks: ``2·k·n`` of its shard."""
+        """Forward FLOPs per token on one of ``tp`` ranks: ``2·k·n`` of its shard, per active expert."""
         k, n = self.shape_per_rank(tp)
-        return 2 * k * n
+        return 2 * k * n * self.active
+
+    def copies_per_rank(self, ep: int = 1) -> int:
+        """Copies of the weight one rank holds: its ``1/ep`` of the experts (one for a dense matmul)."""
+        return self.experts // ep if self.experts > 1 else 1
 
 
 @dataclass(frozen=True)
@@ -160,6 +174,7 @@ class TPCollective:
     phase: str
     position: str
     bytes_per_token: int
+    group: str = "tp"  # "ep": an all-to-all over the expert-parallel group, run only when ep > 1
 
 
 @dataclass(frozen=True)
@@ -212,13 +227,18 @@ class LayerCost:
     def num_params(self) -> int:
         return sum(m.params for m in self.matmuls if m.owns_weight) + sum(p.numel for p in self.params)
 
-    def params_per_rank(self, tp: int = 1) -> int:
+    def params_per_rank(self, tp: int = 1, ep: int = 1) -> int:
         owned = 0
         for m in self.matmuls:
             if m.owns_weight:
                 k, n = m.shape_per_rank(tp)
-                owned += k * n
+                owned += k * n * m.copies_per_rank(ep)
         return owned + sum(p.numel_per_rank(tp) for p in self.params)
+
+    def expert_params_per_rank(self, tp: int = 1, ep: int = 1) -> int:
+        """The part of :meth:`params_per_rank` in routed experts (synced over the expert-data-parallel group)."""
+        return sum(m.shape_per_rank(tp)[0] * m.shape_per_rank(tp)[1] * m.copies_per_rank(ep)
+                   for m in self.matmuls if m.experts > 1)
 
     def forward_flops_per_token(self, tp: int = 1) -> int:
         return sum(b.forward_flops_per_token(tp) for b in self.blocks)
@@ -394,6 +414,11 @@ class TransformerModel(_CostTotals):
     ffn_type: str = "swiglu"
     tied_embeddings: bool = False
     position_embedding: str = "rope"
+    num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    experts_per_token: int = 2  # top-k
+    expert_ffn_hidden: int | None = None  # each expert's feed-forward size (None: ffn_hidden)
+    shared_experts: int = 0  # experts every token also goes through (DeepSeek's)
+    dense_layers: int = 0  # the first layers keep a dense feed-forward of ffn_hidden (DeepSeek-V3: 3)
     description: str = ""
     source: str = field(default="", compare=False)  # the file it came from, for messages
 
@@ -416,6 +441,16 @@ class TransformerModel(_CostTotals):
         if self.num_heads % self.num_kv_heads:
             _fail(self, "num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}",
                   "a divisor of num_heads (grouped-query attention)")
+        if self.expert_ffn_hidden is None:
+            object.__setattr__(self, "expert_ffn_hidden", self.ffn_hidden)
+        if self.num_experts:
+            if self.num_experts < 2:
+                _fail(self, "num_experts", f"is {self.num_experts}", "0 (dense) or at least 2 routed experts")
+            if not 1 <= self.experts_per_token <= self.num_experts:
+                _fail(self, "experts_per_token", f"is {self.experts_per_token}",
+                      f"between 1 and num_experts {self.num_experts}")
+            if not 0 <= self.dense_layers < self.num_layers:
+                _fail(self, "dense_layers", f"is {self.dense_layers}", f"0 to {self.num_layers - 1}")
 
     @property
     def tokens_per_sample(self) -> int:
@@ -441,7 +476,14 @@ class TransformerModel(_CostTotals):
 
     def tp_sharded_sizes(self) -> dict[str, int]:
         """Sizes tensor parallelism must divide (key/value heads have their own rule)."""
-        return {"num_heads": self.num_heads, "hidden": self.hidden, "ffn_hidden": self.ffn_hidden}
+        sizes = {"num_heads": self.num_heads, "hidden": self.hidden, "ffn_hidden": self.ffn_hidden}
+        if self.num_experts:
+            sizes["expert_ffn_hidden"] = self.expert_ffn_hidden
+        return sizes
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1
 
     def layer_costs(self, dtype_bytes: int, tp_style: str | None = None,
                     sequence_parallel: bool = False) -> list[LayerCost]:
@@ -468,11 +510,12 @@ class TransformerModel(_CostTotals):
         with the input-gradient matmul; that overlapped gather is not charged.
         """
         self._check_style(tp_style, sequence_parallel)
-        layer = self._layer(dtype_bytes, sequence_parallel)
+        dense = self._layer(dtype_bytes, sequence_parallel)
+        moe = self._layer(dtype_bytes, sequence_parallel, moe=True) if self.is_moe else dense
         return [LayerCost(f"layer.{i}", layer.blocks, layer.params, layer.activations, layer.checkpoint)
-                for i in range(self.num_layers)]
+                for i, layer in ((i, dense if i < self.dense_layers else moe) for i in range(self.num_layers))]
 
-    def _layer(self, d: int, sequence_parallel: bool = False) -> LayerCost:
+    def _layer(self, d: int, sequence_parallel: bool = False, moe: bool = False) -> LayerCost:
         h, f, hd = self.hidden, self.ffn_hidden, self.head_dim
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         attention = Block(
@@ -483,24 +526,55 @@ class TransformerModel(_CostTotals):
             collectives=_block_collectives("attn", h * d, sequence_parallel),
             kv_width=kv, kv_unit=hd,
         )
-        if self.ffn_type == "swiglu":
-            ffn = (Matmul("mlp.gate", h, f, "column"), Matmul("mlp.up", h, f, "column"),
-                   Matmul("mlp.down", f, h, "row"))
-            intermediates = ("mlp.gate.out", "mlp.up.out", "mlp.down.in")
-        else:
-            ffn = (Matmul("mlp.fc1", h, f, "column"), Matmul("mlp.fc2", f, h, "row"))
-            intermediates = ("mlp.fc1.out", "mlp.fc2.in")
-        mlp = Block("mlp", ffn, collectives=_block_collectives("mlp", h * d, sequence_parallel))
         sp = sequence_parallel
+        if moe:
+            mlp, ffn_saved = self._moe_block(d, sp)
+        else:
+            ffn, intermediates = _ffn("mlp", h, f, self.ffn_type)
+            mlp = Block("mlp", ffn, collectives=_block_collectives("mlp", h * d, sequence_parallel))
+            ffn_saved = tuple(Activation(name, f, d, sharded=True) for name in intermediates)
         saved = (
             Activation("norm.attn.in", h, d, sharded=sp), Activation("attn.in", h, d, sharded=sp),
             Activation("attn.q", q, d, sharded=True, unit=hd), Activation("attn.k", kv, d, sharded=True, unit=hd),
             Activation("attn.v", kv, d, sharded=True, unit=hd), Activation("attn.o.in", q, d, sharded=True, unit=hd),
             Activation("norm.mlp.in", h, d, sharded=sp), Activation("mlp.in", h, d, sharded=sp),
-            *(Activation(name, f, d, sharded=True) for name in intermediates),
+            *ffn_saved,
         )
         norms = (Param("norm.attn", 1, h), Param("norm.mlp", 1, h))
         return LayerCost("layer", (attention, mlp), norms, saved, checkpoint=saved[:1])
+
+    def _moe_block(self, d: int, sequence_parallel: bool) -> tuple[Block, tuple[Activation, ...]]:
+        """A mixture-of-experts feed-forward: a router picks ``experts_per_token`` of ``num_experts``
+        experts per token (plus the shared experts every token uses).
+
+        Under expert parallelism each token's hidden state goes to the ranks of
+        its experts and back: an all-to-all (dispatch) before the experts and
+        one (combine) after, in the forward and mirrored in the backward; each
+        moves ``top-k x hidden`` elements per token. Saved: the dispatched
+        tokens and each routed and shared expert's intermediates.
+        """
+        h, fe, k, e = self.hidden, self.expert_ffn_hidden, self.experts_per_token, self.num_experts
+        routed, intermediates = _ffn("moe.expert", h, fe, self.ffn_type, experts=e, active=k)
+        matmuls = (Matmul("moe.router", h, e), *routed)
+        saved = [Activation("moe.dispatched", k * h, d, sharded=False),
+                 *(Activation(name, k * fe, d, sharded=True) for name in intermediates)]
+        if self.shared_experts:
+            shared, names = _ffn("moe.shared", h, self.shared_experts * fe, self.ffn_type)
+            matmuls += shared
+            saved += [Activation(name, self.shared_experts * fe, d, sharded=True) for name in names]
+        tp = _block_collectives("mlp", h * d, sequence_parallel)
+        a2a = k * h * d
+        collectives = (
+            *(c for c in tp if c.phase == "forward" and c.position == "before"),
+            TPCollective("moe.dispatch", "all_to_all", "forward", "before", a2a, group="ep"),
+            TPCollective("moe.combine", "all_to_all", "forward", "after", a2a, group="ep"),
+            *(c for c in tp if c.phase == "forward" and c.position == "after"),
+            *(c for c in tp if c.phase == "backward" and c.position == "before"),
+            TPCollective("moe.combine.grad", "all_to_all", "backward", "before", a2a, group="ep"),
+            TPCollective("moe.dispatch.grad", "all_to_all", "backward", "after", a2a, group="ep"),
+            *(c for c in tp if c.phase == "backward" and c.position == "after"),
+        )
+        return Block("moe", matmuls, collectives=collectives), tuple(saved)
 
     def embedding_cost(self, dtype_bytes: int, tp_style: str | None = None,
                        sequence_parallel: bool = False) -> LayerCost:
@@ -565,17 +639,37 @@ class TransformerModel(_CostTotals):
         It equals :meth:`training_flops_per_token`; recomputed work is never
         model FLOPs.
         """
-        matmul_params = sum(m.params for c in self.costs(1) for m in c.matmuls)
+        matmul_params = sum(m.active_params for c in self.costs(1) for m in c.matmuls)
         return 6 * matmul_params + 12 * self.num_layers * self.seq_len * self.num_heads * self.head_dim
 
     def describe(self) -> str:
-        heads = f"{self.num_heads} heads" + (f" ({self.num_kv_heads} kv)" if self.num_kv_heads != self.num_heads else "")
+        kv = f" ({self.num_kv_heads} kv)" if self.num_kv_heads != self.num_heads else ""
+        heads = f"{self.num_heads} heads{kv}"
+        ffn = f"ffn {self.ffn_hidden} {self.ffn_type}"
+        if self.is_moe:
+            shared = f" + {self.shared_experts} shared" if self.shared_experts else ""
+            dense = f", first {self.dense_layers} layers dense" if self.dense_layers else ""
+            ffn = (f"{self.num_experts} experts{shared} of ffn {self.expert_ffn_hidden} {self.ffn_type}, "
+                   f"top-{self.experts_per_token}{dense}")
         return (f"{self.name} (transformer): {self.num_layers} layers, hidden {self.hidden}, {heads}, "
-                f"ffn {self.ffn_hidden} {self.ffn_type}, seq {self.seq_len}, vocab {self.vocab_size}"
+                f"{ffn}, seq {self.seq_len}, vocab {self.vocab_size}"
                 + (", tied embeddings" if self.tied_embeddings else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)
+
+
+def _ffn(prefix: str, h: int, f: int, ffn_type: str, experts: int = 1,
+         active: int = 1) -> tuple[tuple[Matmul, ...], tuple[str, ...]]:
+    """A feed-forward's matmuls (SwiGLU: gate, up, down; GeLU: fc1, fc2) and the intermediates it saves."""
+    if ffn_type == "swiglu":
+        return ((Matmul(f"{prefix}.gate", h, f, "column", experts=experts, active=active),
+                 Matmul(f"{prefix}.up", h, f, "column", experts=experts, active=active),
+                 Matmul(f"{prefix}.down", f, h, "row", experts=experts, active=active)),
+                (f"{prefix}.gate.out", f"{prefix}.up.out", f"{prefix}.down.in"))
+    return ((Matmul(f"{prefix}.fc1", h, f, "column", experts=experts, active=active),
+             Matmul(f"{prefix}.fc2", f, h, "row", experts=experts, active=active)),
+            (f"{prefix}.fc1.out", f"{prefix}.fc2.in"))
 
 
 def _block_collectives(block: str, nbytes_per_token: int, sequence_parallel: bool) -> tuple[TPCollective, ...]:
@@ -652,6 +746,13 @@ class ConfigReader:
             raise self._bad(key, "a string")
         return value
 
+    def number(self, key: str, default: float | None = None) -> float | None:
+        value = self.data.get(key, default)
+        if key in self.data and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                 or not math.isfinite(value)):
+            raise self._bad(key, "a finite number")
+        return None if value is None else float(value)
+
     def boolean(self, key: str, default: bool | None = None) -> bool | None:
         value = self.data.get(key, default)
         if key in self.data and not isinstance(value, bool):
@@ -703,7 +804,8 @@ _COMMON_KEYS = ("name", "kind", "description")
 _KIND_KEYS = {
     "mlp": ("num_layers", "width", "batch_size"),
     "transformer": ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "ffn_type", "seq_len",
-                    "vocab_size", "tied_embeddings", "position_embedding"),
+                    "vocab_size", "tied_embeddings", "position_embedding", "num_experts", "experts_per_token",
+                    "expert_ffn_hidden", "shared_experts", "dense_layers"),
 }
 _REQUIRED = {
     "mlp": ("num_layers", "width", "batch_size"),

@@ -57,7 +57,7 @@ TP_STYLES = ("megatron", "allgather")
 RECOMPUTE = ("none", "selective", "full")
 GRAD_SYNCS = ("per_param", "bucketed", "fsdp")  # fsdp: ZeRO-3 with FSDP2's per-layer units
 ZERO_STAGES = (0, 1, 2, 3)
-DIMS = ("dp", "pp", "cp", "tp")
+DIMS = ("dp", "pp", "cp", "tp")  # expert parallelism (ep) folds into dp x cp, as Megatron-LM's
 CP_STYLES = ("ring", "all_gather")
 DEFAULT_ORDER = "dp,pp,cp,tp"
 DEFAULT_BUCKET_SIZE = 25 * 2**20  # torch DDP's bucket_cap_mb default
@@ -111,6 +111,12 @@ class Plan:
     the cp ring overlapped with attention (Megatron-LM), "all_gather" gathers
     them first (Llama 3). Gradients are reduced over dp x cp ranks.
 
+    ``ep`` spreads a mixture-of-experts model's routed experts over groups of
+    that many data-parallel ranks (Megatron-LM folds it into dp x cp), tokens
+    travelling to their experts by all-to-all; ``expert_load`` is the busiest
+    expert's share of tokens over the mean (1: perfectly balanced routing),
+    capped by ``capacity_factor`` when tokens beyond capacity are dropped.
+
     ``sequence_parallel`` (Megatron TP only) shards norms and block inputs
     along the sequence, with all-gathers and reduce-scatters in place of the
     all-reduces. ``activation_recompute`` "full" keeps only each recomputed
@@ -128,6 +134,9 @@ class Plan:
     pp: int = 1
     cp: int = 1
     context_parallel: str = "ring"
+    ep: int = 1
+    capacity_factor: float | None = None
+    expert_load: float = 1.0
     microbatch_size: int | None = None
     num_microbatches: int | None = None
     global_batch_size: int | None = None
@@ -150,7 +159,7 @@ class Plan:
     description: str = ""
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "cp", "virtual_stages", "bucket_size",
+        for key in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "bucket_size",
                     "microbatch_size", "num_microbatches", "global_batch_size", "recompute_layers"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -232,6 +241,7 @@ class Plan:
                            f"ranks (HSDP shards within groups of that size and replicates across them)")
         if sorted(self.order.split(",")) != sorted(DIMS):
             self._fail(f"order {self.order!r} is not a nesting of dp, pp, cp and tp such as {DEFAULT_ORDER!r}")
+        self._check_experts()
         if self.context_parallel not in CP_STYLES:
             self._fail(f"context_parallel {self.context_parallel!r} is not one of {', '.join(CP_STYLES)}")
         if self.cp > 1:
@@ -260,6 +270,25 @@ class Plan:
         if gpus is not None and gpus != self.world:
             self._fail(f"{self.degrees_text()} = {self.world} ranks, but {gpus} GPUs were given")
 
+    def _check_experts(self) -> None:
+        m = self.model
+        moe = isinstance(m, TransformerModel) and m.is_moe
+        if self.ep > 1 and not moe:
+            self._fail(f"ep {self.ep}: expert parallelism needs a mixture-of-experts model, and {m.name} is dense")
+        if not moe:
+            return
+        if (self.dp * self.cp) % self.ep:
+            self._fail(f"ep {self.ep} must divide the {self.dp * self.cp} data-parallel ranks (dp x cp) it folds into")
+        if m.num_experts % self.ep:
+            self._fail(f"ep {self.ep} does not divide the {m.num_experts} experts of model {m.name}")
+        if self.expert_load < 1:
+            self._fail(f"expert_load {self.expert_load:g} is below 1: it is the busiest expert's tokens over the mean")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            self._fail(f"capacity_factor {self.capacity_factor:g} must be positive")
+        if self.zero >= 3 or self.shard_group is not None:
+            self._fail("mixture-of-experts plans shard with ZeRO-1/2 over their data-parallel groups; "
+                       "FSDP and HSDP of experts are not modelled yet")
+
     def _check_stage_split(self) -> None:
         layers, stages = self.model.num_layers, self.pp * self.virtual_stages
         split = self.layers_per_stage
@@ -285,6 +314,20 @@ class Plan:
         if not self.zero:
             return 1
         return self.shard_group or self.dp * self.cp
+
+    @property
+    def expert_shard_size(self) -> int:
+        """Ranks sharing one copy of an expert's ZeRO-sharded state: the expert-data-parallel group
+        (dp x cp / ep ranks that hold the same experts); 1 without ZeRO."""
+        return self.dp * self.cp // self.ep if self.zero else 1
+
+    @property
+    def expert_tokens_factor(self) -> float:
+        """The busiest expert's tokens over the mean: ``expert_load``, capped by the capacity factor
+        (tokens beyond an expert's capacity are dropped)."""
+        if self.capacity_factor is None:
+            return self.expert_load
+        return min(self.expert_load, self.capacity_factor)
 
     @property
     def world(self) -> int:
@@ -407,8 +450,13 @@ class Plan:
         return layers if self.recompute_layers is None else layers[:self.recompute_layers]
 
     def params_per_rank(self, pp_rank: int) -> int:
-        """Parameters one GPU of pipeline rank ``pp_rank`` holds (its tensor-parallel shard)."""
-        return sum(c.params_per_rank(self.tp) for s in self.stages_of(pp_rank) for c in self.stage_costs(s))
+        """Parameters one GPU of pipeline rank ``pp_rank`` holds (its tensor-parallel shard, its experts)."""
+        return sum(c.params_per_rank(self.tp, self.ep) for s in self.stages_of(pp_rank) for c in self.stage_costs(s))
+
+    def expert_params_per_rank(self, pp_rank: int) -> int:
+        """The routed experts' part of :meth:`params_per_rank`."""
+        return sum(c.expert_params_per_rank(self.tp, self.ep) for s in self.stages_of(pp_rank)
+                   for c in self.stage_costs(s))
 
     # -- output ---------------------------------------------------------------
     def features(self) -> list[str]:
@@ -422,6 +470,9 @@ class Plan:
             out.append("sequence parallel")
         if self.cp > 1:
             out.append(f"{'ring' if self.context_parallel == 'ring' else 'all-gather'} context parallel")
+        if self.ep > 1:
+            out.append(f"ep {self.ep}" + (f", busiest expert {self.expert_tokens_factor:g}x the mean"
+                                          if self.expert_tokens_factor != 1 else ""))
         if self.activation_recompute != "none":
             layers = f", first {self.recompute_layers} layers per stage" if self.recompute_layers else ""
             out.append(f"{self.activation_recompute} recompute{layers}")
@@ -441,7 +492,8 @@ class Plan:
         data = {
             "name": self.name,
             "model": self.model.to_dict(),
-            "parallel": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "order": self.order},
+            "parallel": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep,
+                         "order": self.order},
             "batch": {"microbatch_size": self.microbatch_size, "num_microbatches": self.num_microbatches,
                       "global_batch_size": self.global_batch_size},
             "schedule": self.schedule,
@@ -454,6 +506,10 @@ class Plan:
                                      if self.recompute_layers else self.activation_recompute),
             "data_parallel": data_parallel,
         }
+        if isinstance(self.model, TransformerModel) and self.model.is_moe:
+            data["moe"] = {"expert_load": self.expert_load}
+            if self.capacity_factor is not None:
+                data["moe"]["capacity_factor"] = self.capacity_factor
         if self.layers_per_stage is not None:
             split = self.layers_per_stage
             data["layers_per_stage"] = split if isinstance(split, str) else list(split)
@@ -465,9 +521,10 @@ class Plan:
 # --------------------------------------------------------------------------- loading
 _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "virtual_stages", "layers_per_stage",
              "dtype", "tensor_parallel", "sequence_parallel", "context_parallel", "activation_recompute",
-             "data_parallel")
+             "data_parallel", "moe")
 _RECOMPUTE_KEYS = ("granularity", "layers")
-_PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "order")
+_PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
+_MOE_KEYS = ("capacity_factor", "expert_load")
 _BATCH_KEYS = ("microbatch_size", "num_microbatches", "global_batch_size")
 _DATA_PARALLEL_KEYS = ("grad_sync", "bucket_size", "overlap", "zero", "shard_group", "reshard_after_forward")
 
@@ -530,6 +587,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
     sync = top.section("data_parallel", _DATA_PARALLEL_KEYS)
     grad_sync = sync.text("grad_sync", "bucketed")
     recompute = _recompute(top)
+    moe = top.section("moe", _MOE_KEYS)
     if sync.has("bucket_size") and grad_sync != "bucketed":
         raise ConfigError(source, "data_parallel.bucket_size", f"is set with grad_sync {grad_sync}",
                           "bucket_size only with grad_sync: bucketed (fsdp syncs per layer)")
@@ -537,6 +595,8 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         model=model,
         dp=parallel.integer("dp", 1), tp=parallel.integer("tp", 1), pp=parallel.integer("pp", 1),
         cp=parallel.integer("cp", 1), context_parallel=top.text("context_parallel", "ring"),
+        ep=parallel.integer("ep", 1), capacity_factor=moe.number("capacity_factor"),
+        expert_load=moe.number("expert_load", 1.0),
         order=parallel.text("order", DEFAULT_ORDER),
         microbatch_size=batch.integer("microbatch_size"), num_microbatches=batch.integer("num_microbatches"),
         global_batch_size=batch.integer("global_batch_size"),

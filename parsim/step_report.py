@@ -8,6 +8,7 @@ phases that never double count:
   for the backward): compute spans, minus the tensor-parallel collectives
   nested inside them;
 * ``tp``: tensor-parallel collectives (they block compute);
+* ``ep``: mixture-of-experts all-to-alls, dispatch and combine (they block compute);
 * ``cp``: context-parallel K/V exchanges not hidden behind the attention they
   overlap (the compute stream waits for them);
 * ``pp``: waiting for a pipeline receive (transfer time plus the pipeline bubble);
@@ -26,7 +27,8 @@ import numpy as np
 
 from .trace import Event, Trace
 
-PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "cp", "pp", "dp", "fsdp", "optimizer", "idle")
+PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "ep", "cp", "pp", "dp", "fsdp", "optimizer", "idle")
+BLOCKING = ("tp", "ep")  # collectives run on the compute stream, between a pass's block computes
 
 
 def merge_spans(trace: Trace) -> Trace:
@@ -40,7 +42,7 @@ def merge_spans(trace: Trace) -> Trace:
     open_span: dict[int, Event] = {}
     for e in sorted(trace.events, key=lambda e: (e.rank, e.start_s)):
         if e.kind != "compute":
-            if e.args.get("phase") != "tp":  # a nested tensor-parallel collective does not end the span
+            if e.args.get("phase") not in BLOCKING:  # a nested tp/ep collective does not end the span
                 open_span.pop(e.rank, None)
             merged.append(e)
             continue
@@ -81,7 +83,7 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
         tp, computes, busy, dp, fsdp, cp = [], [], [], [], [], []
         for e in by_rank[rank]:  # one pass: sort each event into what it counts towards
             kind, phase = e.kind, e.args.get("phase")
-            if phase == "tp":
+            if phase in BLOCKING:
                 tp.append(e)
             elif phase == "dp":
                 dp.append((e.start_s, e.start_s + e.dur_s))
@@ -102,7 +104,8 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
         computes.sort(key=lambda e: e.start_s)
         for e, nested in zip(computes, _nested_time(computes, tp)):
             seconds[e.args.get("phase", "forward")] += max(e.dur_s - nested, 0.0)
-        seconds["tp"] = sum(e.dur_s for e in tp)
+        for e in tp:
+            seconds[e.args["phase"]] += e.dur_s
         # Tensor-parallel collectives block the compute stream: gradient all-reduce time under them is hidden too.
         busy += [(e.start_s, e.end_s) for e in tp]
         with_cp = _covered(busy + cp)  # the compute stream waits for exposed exchanges: they come first

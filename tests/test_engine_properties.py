@@ -28,6 +28,9 @@ from ideal_cluster import ideal_spec
 
 MODELS = {
     "tiny-gpt": load_model("tiny-gpt"),
+    "tiny-moe": load_model({"kind": "transformer", "name": "tiny-moe", "num_layers": 4, "hidden": 64, "num_heads": 4,
+                            "num_kv_heads": 2, "ffn_hidden": 128, "seq_len": 32, "vocab_size": 256, "num_experts": 4,
+                            "experts_per_token": 2, "shared_experts": 1, "dense_layers": 1}),
     "mlp": load_model({"kind": "mlp", "name": "mlp", "num_layers": 12, "width": 256, "batch_size": 96}),
 }
 
@@ -43,8 +46,10 @@ def plans(draw) -> Plan:
     microbatches = draw(st.integers(min_value=pp, max_value=3 * pp + 2))
     if schedule == "interleaved-1f1b":
         microbatches = pp * draw(st.integers(min_value=1, max_value=3))
-    grad_sync = draw(st.sampled_from(["per_param", "bucketed", "fsdp"]))
-    zero = 3 if grad_sync == "fsdp" else 0 if grad_sync == "per_param" else draw(st.sampled_from([0, 1, 2, 3]))
+    moe = model.name == "tiny-moe"
+    grad_sync = draw(st.sampled_from(["per_param", "bucketed"] if moe else ["per_param", "bucketed", "fsdp"]))
+    stages = [0, 1, 2] if moe else [0, 1, 2, 3]  # experts are not FSDP-sharded (yet)
+    zero = 3 if grad_sync == "fsdp" else 0 if grad_sync == "per_param" else draw(st.sampled_from(stages))
     cp = draw(st.sampled_from([1, 2])) if model.name != "mlp" else 1
     kwargs = dict(model=model, dp=draw(st.sampled_from([1, 2, 3])), tp=draw(st.sampled_from([1, 2, 4])), pp=pp, cp=cp,
                   context_parallel=draw(st.sampled_from(["ring", "all_gather"])),
@@ -55,7 +60,9 @@ def plans(draw) -> Plan:
                   reshard_after_forward=draw(st.booleans()),
                   activation_recompute=draw(st.sampled_from(["none", "selective", "full"])),
                   sequence_parallel=model.sequence_parallel and draw(st.booleans()),
-                  layers_per_stage=draw(st.sampled_from([None, "balanced"])))
+                  layers_per_stage=draw(st.sampled_from([None, "balanced"])),
+                  ep=draw(st.sampled_from([1, 2])) if moe else 1,
+                  expert_load=draw(st.sampled_from([1.0, 1.7])) if moe else 1.0)
     if model.name == "mlp":
         kwargs["num_microbatches"] = 1
         if 96 % (kwargs["dp"] * microbatches) == 0:

@@ -217,6 +217,7 @@ def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topolo
         ("context parallel", (f"{plan.cp} ranks per sequence, " + (
             "K/V passed around a ring, overlapped with attention" if plan.context_parallel == "ring"
             else "K/V all-gathered before attention")) if plan.cp > 1 else "none"),
+        ("experts", _experts_text(plan)),
         ("gradient sync", sync if plan.dp > 1 else "none (one replica)"),
         ("recompute", {"none": "none", "selective": "selective (attention core)",
                        "full": "full" + (f", first {plan.recompute_layers} layers of each stage"
@@ -227,6 +228,16 @@ def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topolo
     out += [f"{k.ljust(width)}  {v}" for k, v in summary]
     out += ["", stage_table(plan), "", grid_text(plan, topology), "", groups_text(plan, links)]
     return "\n".join(out)
+
+
+def _experts_text(plan: Plan) -> str:
+    m = plan.model
+    if not getattr(m, "is_moe", False):
+        return "none (dense)"
+    load = "balanced routing" if plan.expert_tokens_factor == 1 else \
+        f"busiest expert {plan.expert_tokens_factor:g}x the mean load"
+    return (f"{m.num_experts} per MoE layer over ep {plan.ep} ranks ({m.num_experts // plan.ep} per GPU), "
+            f"top-{m.experts_per_token}, all-to-all dispatch and combine; {load}")
 
 
 def _sync_text(plan: Plan) -> str:

@@ -1,0 +1,102 @@
+"""Mixture of experts with expert parallelism: parameters, FLOPs, all-to-alls, expert GEMMs, load imbalance."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from parsim.errors import ParsimError
+from parsim.lower import lower
+from parsim.memory import memory
+from parsim.model import load_model
+from parsim.plan import Plan, resolve_plan
+from parsim.step import predict_step
+
+from ideal_cluster import ideal_spec
+
+MOE = load_model({"kind": "transformer", "name": "moe", "num_layers": 4, "hidden": 512, "num_heads": 8,
+                  "num_kv_heads": 4, "ffn_hidden": 2048, "seq_len": 1024, "vocab_size": 1000,
+                  "num_experts": 8, "experts_per_token": 2, "expert_ffn_hidden": 1024, "shared_experts": 1,
+                  "dense_layers": 1})
+
+
+def test_mixtral_8x22b_has_141b_parameters_39b_active():
+    m = load_model("mixtral-8x22b")
+    assert m.num_params == pytest.approx(141e9, rel=0.005)  # Mistral AI: 141B, 39B active
+    active = sum(mm.active_params for c in m.costs(1) for mm in c.matmuls) + m.embedding_params
+    assert active == pytest.approx(39e9, rel=0.01)
+    # MFU counts the FLOPs a token costs: its active experts, not all of them.
+    assert m.model_flops_per_token() < 6 * (m.num_params / 3)
+
+
+def test_dense_first_layers_routed_and_shared_experts():
+    layers = MOE.layer_costs(2)
+    assert not any(mm.experts > 1 for mm in layers[0].matmuls)  # dense_layers: 1
+    routed = [mm for mm in layers[1].matmuls if mm.experts > 1]
+    assert [mm.name for mm in routed] == ["moe.expert.gate", "moe.expert.up", "moe.expert.down"]
+    assert all((mm.experts, mm.active) == (8, 2) for mm in routed)
+    assert any(mm.name == "moe.shared.gate" for mm in layers[1].matmuls)
+
+
+def plan(ep: int, **kw) -> Plan:
+    return Plan(model=MOE, dp=4, ep=ep, dtype="bf16", num_microbatches=1, **kw)
+
+
+def test_expert_parallelism_spreads_the_experts_and_their_state():
+    one, four = plan(1), plan(4)
+    per_expert = 3 * 512 * 1024
+    assert one.params_per_rank(0) - four.params_per_rank(0) == 3 * (8 - 2) * per_expert  # 3 MoE layers, 2 of 8 kept
+    assert four.expert_params_per_rank(0) == 3 * 2 * per_expert
+    m1, m4 = memory(plan(4, zero=1))[0], memory(plan(4))[0]
+    assert m1.optimizer < m4.optimizer  # ZeRO-1 shards the dense state over 4; each expert has a single owner
+    assert m1.optimizer == pytest.approx(12 * (four.params_per_rank(0) - four.expert_params_per_rank(0)) / 4
+                                         + 12 * four.expert_params_per_rank(0))
+
+
+def test_each_moe_layer_dispatches_and_combines_by_all_to_all():
+    program = lower(plan(4))
+    a2a = [op for op in program.ops if op.group == "ep"]
+    assert Counter(op.collective for op in a2a) == {"all_to_all": 3 * 4}  # 3 MoE layers x (2 fwd + 2 bwd)
+    dispatch = next(op for op in a2a if op.name == "all_to_all ep layer=layer.1 mb=0 dir=fwd0")
+    assert dispatch.nbytes == 1024 * 2 * 512 * 2  # tokens x top-2 x hidden x bf16
+    assert dispatch.ranks == (0, 1, 2, 3)
+    assert not any(op.group == "ep" for op in lower(plan(1)).ops)
+
+
+def test_a_rank_runs_one_gemm_per_expert_it_holds():
+    # A hot expert (twice the mean load) sets the pace: each expert GEMM takes 1024 x 2 x 4 / 8 x 2 tokens.
+    program = lower(plan(4, expert_load=2.0))
+    moe = next(op for op in program.ops if op.name == "F stage=0 mb=0" and (1024, 8, 512) in op.matmuls)
+    experts = [mm for mm in moe.matmuls if mm[0] == 2048]
+    assert len(experts) == 2 * 3  # 2 experts held x gate, up, down
+    shared = [mm for mm in moe.matmuls if mm[0] == 1024 and mm != (1024, 8, 512)]
+    assert len(shared) == 3  # the shared expert sees every token once
+
+
+def test_a_hot_expert_slows_the_step_unless_capacity_drops_its_tokens():
+    spec = ideal_spec()
+    balanced = predict_step(plan(4), spec).step_s
+    hot = predict_step(plan(4, expert_load=2.0), spec).step_s
+    capped = predict_step(plan(4, expert_load=2.0, capacity_factor=1.25), spec).step_s
+    assert balanced < capped < hot
+
+
+def test_moe_rules():
+    with pytest.raises(ParsimError, match="ep 3 must divide the 4 data-parallel ranks"):
+        plan(3)
+    with pytest.raises(ParsimError, match="ep 16 must divide"):
+        plan(16)
+    with pytest.raises(ParsimError, match="expert parallelism needs a mixture-of-experts model"):
+        Plan(model=load_model("tiny-gpt"), dp=2, ep=2)
+    with pytest.raises(ParsimError, match="expert_load 0.5 is below 1"):
+        plan(2, expert_load=0.5)
+    with pytest.raises(ParsimError, match="FSDP and HSDP of experts are not modelled yet"):
+        plan(2, grad_sync="fsdp")
+
+
+def test_mixtral_example_plan_simulates_and_fits():
+    p = resolve_plan("mixtral-8x22b")
+    assert (p.world, p.ep, p.pp, p.tp) == (128, 8, 4, 4)
+    r = predict_step(p, ideal_spec(**{"gpu.hbm_capacity_GB": 80}))
+    assert r.ranks[0].seconds["ep"] > 0 and not r.over_memory
