@@ -7,7 +7,8 @@ prediction itself. Three tables:
 
 1. the issue's targets: Llama 3 70B on 1,024 H100 (bf16 and fp32), Megatron's
    146B and 1T plans (Narayanan et al. 2021, Table 1) on A100s, Llama 3 405B on
-   14,336 H100 (PP 14: 126 layers do not split into 16 even stages);
+   16,384 H100 (PP 16 with Meta's 7/8x14/7 layers) and on PP 14 / PP 9 with
+   even stages;
 2. wall time against GPUs, 8 to 16,384 (Llama 3 70B, TP 8, PP 8 where it fits);
 3. wall time against pipeline depth x microbatches, 8 to 32,768 (Megatron 1T
    shape, TP 8).
@@ -51,6 +52,7 @@ TARGETS = [
     ("GPT 146B TP8 PP8 v2 DP24, 48 mb", "dgx-a100",
      plan(GPT_146B, 24, 8, 8, 48, "interleaved-1f1b", 2) | MEGATRON, ""),
     ("GPT 1T TP8 PP64 DP6, 512 mb", "dgx-a100", plan(GPT_1T, 6, 8, 64, 512) | MEGATRON, "10 s"),
+    ("Llama 3 405B TP8 PP16 DP128, 16 mb", "dgx-h100", plan("llama3-405b", 128, 8, 16, 16), "2 s"),
     ("Llama 3 405B TP8 PP14 DP128, 16 mb", "dgx-h100", plan("llama3-405b", 128, 8, 14, 16), "2 s"),
     ("Llama 3 405B TP8 PP9 DP128, 16 mb", "dgx-h100", plan("llama3-405b", 128, 8, 9, 16), "2 s"),
 ]

@@ -123,6 +123,7 @@ class _Lowering:
         for p in range(plan.pp):
             rank = plan.rank_of(dp=0, pp=p, tp=0)
             self.program.represents[rank] = plan.dp * plan.cp * plan.tp
+            self.rank_ids = self.program.by_rank.setdefault(rank, [])
             self.final_grad_ops: dict[tuple[int, int], int] = {}  # (stage, layer index) -> op id
             self.fsdp_syncs: list[int] = []  # this rank's per-layer gradient reductions
             for action in self.schedule.actions[p]:
@@ -174,13 +175,14 @@ class _Lowering:
             if gathers and piece.opens:
                 gathered = (self._fsdp_gather(rank, p, stage, piece.layer, mb, kind, closed[-2:-1]),)
             deps = ()
-            if isinstance(piece, _CPPiece):  # on its own stream: starts once the op before its block ends
+            kind_of = type(piece)
+            if kind_of is _CPPiece:  # on its own stream: starts once the op before its block ends
                 start = gathered + ((last,) if last is not None else ())
                 exchanges.append(self._add(rank, Op(
                     f"{piece.name_head}{mb}{piece.name_tail}", "collective", "cp", deps=start,
                     collective=piece.collective, group="cp", ranks=piece.ranks, mirrors=piece.mirrors,
                     nbytes=piece.nbytes, phase="cp")))
-            elif isinstance(piece, _TPPiece):
+            elif kind_of is _TPPiece:
                 deps, gathered = gathered, ()
                 last = self._add(rank, Op(f"{piece.name_head}{mb}{piece.name_tail}", "collective", "compute",
                                           deps=deps, collective=piece.collective, group=piece.group,
@@ -441,7 +443,13 @@ class _Lowering:
                                   phase="dp"))
 
     def _add(self, rank: int, op: Op) -> int:
-        return self.program.add(rank, op)
+        """Append ``op`` to ``rank``'s program (what :meth:`Program.add` does, without its lookups:
+        a frontier step adds hundreds of thousands of ops, one rank at a time)."""
+        ops = self.program.ops
+        op.id, op.rank = len(ops), rank
+        ops.append(op)
+        self.rank_ids.append(op.id)
+        return op.id
 
 
 def _param_tensors(cost: LayerCost, tp: int, ep: int = 1) -> list[tuple[int, bool]]:

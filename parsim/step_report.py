@@ -80,40 +80,39 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
     rows = []
     for rank in sorted(by_rank):
         seconds = {p: 0.0 for p in PHASES}
-        tp, computes, busy, dp, fsdp, cp = [], [], [], [], [], []
+        tp, computes = [], []
+        spans: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in ("busy", "cp", "dp", "fsdp")}
         for e in by_rank[rank]:  # one pass: sort each event into what it counts towards
             kind, phase = e.kind, e.args.get("phase")
-            if phase in BLOCKING:
+            if phase in BLOCKING:  # they block the compute stream: time under them is busy
                 tp.append(e)
-            elif phase == "dp":
-                dp.append((e.start_s, e.start_s + e.dur_s))
-            elif phase == "fsdp":
-                fsdp.append((e.start_s, e.start_s + e.dur_s))
-            elif phase == "cp":
-                cp.append((e.start_s, e.start_s + e.dur_s))
-            if kind == "compute":
-                computes.append(e)
-            elif kind == "recv":
-                seconds["pp"] += e.dur_s
-            elif kind == "optimizer":
-                seconds["optimizer"] += e.dur_s
+                target = spans["busy"]
+            elif phase in ("cp", "dp", "fsdp"):
+                target = spans[phase]
+            elif kind == "compute":
+                target = spans["busy"]
+            elif kind in ("recv", "optimizer"):
+                seconds["pp" if kind == "recv" else "optimizer"] += e.dur_s
+                target = spans["busy"]
             else:
                 continue
-            busy.append((e.start_s, e.start_s + e.dur_s))
+            if kind == "compute":
+                computes.append(e)
+            target[0].append(e.start_s)
+            target[1].append(e.start_s + e.dur_s)
         tp.sort(key=lambda e: e.start_s)
         computes.sort(key=lambda e: e.start_s)
         for e, nested in zip(computes, _nested_time(computes, tp)):
             seconds[e.args.get("phase", "forward")] += max(e.dur_s - nested, 0.0)
         for e in tp:
             seconds[e.args["phase"]] += e.dur_s
-        # Tensor-parallel collectives block the compute stream: gradient all-reduce time under them is hidden too.
-        busy += [(e.start_s, e.end_s) for e in tp]
-        with_cp = _covered(busy + cp)  # the compute stream waits for exposed exchanges: they come first
-        with_dp = _covered(busy + cp + dp)
-        covered = _covered(busy + cp + dp + fsdp)
-        seconds["cp"] = with_cp - _covered(busy)
-        seconds["dp"] = with_dp - with_cp
-        seconds["fsdp"] = covered - with_dp
+        # Exposed time, in order: context-parallel exchanges hold the compute stream itself, then gradient
+        # reductions, then FSDP's gathers and reductions, each counting only what the ones before leave uncovered.
+        covered, layers = _covered(spans["busy"]), spans["busy"]
+        for phase in ("cp", "dp", "fsdp"):
+            layers = (layers[0] + spans[phase][0], layers[1] + spans[phase][1])
+            more = _covered(layers)
+            seconds[phase], covered = more - covered, more
         seconds["idle"] = max(total - covered, 0.0)
         rows.append(RankBreakdown(rank, total, seconds))
     return rows
@@ -136,14 +135,14 @@ def _nested_time(spans: list[Event], inner: list[Event]) -> list[float]:
     return out
 
 
-def _covered(intervals: list[tuple[float, float]]) -> float:
-    """Seconds covered by the union of ``(start, end)`` intervals."""
-    if not intervals:
+def _covered(spans: tuple[list[float], list[float]]) -> float:
+    """Seconds covered by the union of intervals given as (starts, ends)."""
+    if not spans[0]:
         return 0.0
-    spans = np.array(intervals, dtype=float)
-    spans = spans[np.argsort(spans[:, 0], kind="stable")]
-    starts, reach = spans[:, 0], np.maximum.accumulate(spans[:, 1])
+    starts, ends = np.array(spans[0]), np.array(spans[1])
+    order = np.argsort(starts, kind="stable")
+    starts, reach = starts[order], np.maximum.accumulate(ends[order])
     # A new stretch begins where an interval starts after everything before it has ended.
     first = np.flatnonzero(np.concatenate([[True], starts[1:] > reach[:-1]]))
-    last = np.concatenate([first[1:] - 1, [len(spans) - 1]])
+    last = np.concatenate([first[1:] - 1, [len(starts) - 1]])
     return float((reach[last] - starts[first]).sum())
