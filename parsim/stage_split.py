@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
+
 
 def even_split(layers: int, stages: int) -> tuple[int, ...] | None:
     """``layers / stages`` per stage when that divides, else None."""
@@ -28,36 +30,35 @@ def balanced_split(layer_cost: float, layers: int, stages: int, first_extra: flo
 
     Each layer costs ``layer_cost`` (all decoder layers are alike); the first
     stage also pays ``first_extra`` (embedding) and the last ``last_extra``
-    (head). Costs are compared after rounding to a millionth of a layer, so
+    (head). Costs are compared after rounding to a thousandth of a layer, so
     floating-point noise cannot break ties.
     """
     unit = layer_cost or 1.0
-    return _balanced(layers, stages, round(first_extra / unit * 1e6), round(last_extra / unit * 1e6))
+    return _balanced(layers, stages, round(first_extra / unit * 1000), round(last_extra / unit * 1000))
 
 
 @lru_cache(maxsize=256)
 def _balanced(layers: int, stages: int, first: int, last: int) -> tuple[int, ...]:
-    # best[s][n]: (slowest stage, sum of squared stage costs) for the first n layers in s stages,
-    # costs in millionths of a layer; choice[s][n]: layers given to stage s-1.
-    def cost(stage: int, count: int) -> int:
-        return count * 1_000_000 + (first if stage == 0 else 0) + (last if stage == stages - 1 else 0)
-
-    inf = (float("inf"), float("inf"))
-    best = [[inf] * (layers + 1) for _ in range(stages + 1)]
-    choice = [[0] * (layers + 1) for _ in range(stages + 1)]
-    best[0][0] = (0, 0)
+    # slowest[s][n], squares[s][n]: the best (slowest stage, sum of squared stage costs) for the first n layers
+    # in s stages, costs in thousandths of a layer (sums stay exact in floats); choice[s][n]: the layers given to stage s-1. Ties go to the
+    # largest count for the later stage, so early stages hold less.
+    slowest = np.full((stages + 1, layers + 1), np.inf)
+    squares = np.full((stages + 1, layers + 1), np.inf)
+    choice = np.zeros((stages + 1, layers + 1), dtype=np.int64)
+    slowest[0, 0] = squares[0, 0] = 0.0
     for s in range(1, stages + 1):
+        extra = (first if s == 1 else 0) + (last if s == stages else 0)
         for n in range(s, layers - (stages - s) + 1):
-            for count in range(1, n - (s - 1) + 1):
-                before = best[s - 1][n - count]
-                if before[0] == float("inf"):
-                    continue
-                c = cost(s - 1, count)
-                candidate = (max(before[0], c), before[1] + c * c)
-                if candidate <= best[s][n]:  # ties: the later stage takes more, so early stages hold less
-                    best[s][n], choice[s][n] = candidate, count
+            counts = np.arange(1, n - (s - 1) + 1)
+            cost = counts * 1000.0 + extra
+            worst = np.maximum(slowest[s - 1, n - counts], cost)
+            sq = squares[s - 1, n - counts] + cost * cost
+            best = worst == worst.min()
+            best &= sq == sq[best].min()
+            pick = int(np.flatnonzero(best)[-1])
+            slowest[s, n], squares[s, n], choice[s, n] = worst[pick], sq[pick], counts[pick]
     split, n = [], layers
     for s in range(stages, 0, -1):
-        split.append(choice[s][n])
-        n -= choice[s][n]
+        split.append(int(choice[s, n]))
+        n -= split[-1]
     return tuple(reversed(split))

@@ -84,6 +84,7 @@ class StepSimulator:
             routes = routes[_contending([r[r >= 0] for r in routes], self.topo.num_links)]
             return (self._ready_phase(routes, float(nbytes), 1, 0.0, 0.0),)
         algorithm = self._algorithm(collective, ranks, int(nbytes))
+        groups = self._may_contend(groups)
         per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes) for g in groups]
         for i in range(len(per_group[0])):  # every group's routes of phase i at once
             phases = [p[i] for p in per_group]
@@ -98,6 +99,18 @@ class StepSimulator:
                                        np.concatenate([p[i].nbytes for p in kept]),
                                        first.steps, first.overhead_s, first.reduce_bytes / reduce_bw)
                      for i, first in enumerate(kept[0]))
+
+    def _may_contend(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """The representative group (first) and the mirror groups that could share a link with it.
+
+        A group inside one node moves data over that node's links only, so two
+        such groups on different nodes never meet: those mirrors are dropped
+        before their phases are built (tensor-parallel groups at 16k GPUs).
+        """
+        nodes = [set(np.unique(self.topo.node_of(np.asarray(g))).tolist()) for g in groups]
+        if len(nodes[0]) > 1:
+            return groups
+        return [g for g, n in zip(groups, nodes) if len(n) > 1 or n == nodes[0]]
 
     def _ready_phase(self, routes: np.ndarray, nbytes, steps: int, overhead_s: float, reduce_s: float) -> CommPhase:
         self._keys += 1
