@@ -141,8 +141,7 @@ class _Lowering:
             groups = [plan.group_of(plan.rank_of(dp=d, pp=p, cp=c, tp=t), dim) for d in range(plan.dp)
                       for c in range(plan.cp if dim == "tp" else 1) for t in range(plan.tp if dim == "cp" else 1)]
         else:  # gradients are reduced over the data- and context-parallel ranks together (Megatron-LM)
-            groups = [[plan.rank_of(dp=d, pp=p, cp=c, tp=t) for d in range(plan.dp) for c in range(plan.cp)]
-                      for t in range(plan.tp)]
+            groups = [plan.rank_grid[:, p, :, t].ravel().tolist() for t in range(plan.tp)]
             size = plan.shard_size
             if dim == "shard":  # ZeRO shards within groups of shard_size consecutive data-parallel ranks
                 groups = [g[k:k + size] for g in groups for k in range(0, len(g), size)]
@@ -333,8 +332,8 @@ class _Lowering:
         """The representative's (src, dst) ranks and its mirrors' (the other replicas' sends)."""
         plan, sched = self.plan, self.schedule
         a, b = sched.stage_to_rank(src_stage), sched.stage_to_rank(dst_stage)
-        pairs = [(plan.rank_of(dp=d, pp=a, cp=c, tp=t), plan.rank_of(dp=d, pp=b, cp=c, tp=t))
-                 for d in range(plan.dp) for c in range(plan.cp) for t in range(plan.tp)]
+        grid = plan.rank_grid  # [dp, pp, cp, tp]: the same (dp, cp, tp) position on both pipeline ranks
+        pairs = list(zip(grid[:, a].ravel().tolist(), grid[:, b].ravel().tolist()))
         return pairs[0], tuple(pairs[1:])
 
     def _send(self, rank, what, stage, mb, key, nbytes, after) -> None:
