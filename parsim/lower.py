@@ -1,8 +1,8 @@
 """Lower a plan to per-rank programs the step simulator times.
 
-Symmetry keeps frontier-scale plans cheap: every data-parallel replica and
-every tensor-parallel rank of a pipeline stage runs the same program, so one
-*representative* rank per pipeline rank is simulated (``dp = 0, tp = 0``).
+Symmetry keeps frontier-scale plans cheap: every data-, context- and
+tensor-parallel rank of a pipeline stage runs the same program, so one
+*representative* rank per pipeline rank is simulated (``dp = cp = tp = 0``).
 Its collectives still move the traffic of all the ranks it stands for: each
 collective carries the *mirror* groups (the same op on the other replicas'
 groups) as extra flows, so contention on shared NICs and switches is
@@ -11,11 +11,14 @@ simulated, not assumed.
 For pipeline rank ``p`` the program is the schedule's action list for ``p``.
 Each action becomes: a receive of its input (activations from the previous
 stage, or gradients from the next), the per-block compute split by the
-tensor-parallel collectives the model places between blocks, and a send of
-its output. After the last backward come the data-parallel gradient
-all-reduces (per parameter after the backward, as in the course, or in
-buckets that start as soon as their gradients are final, as DDP does) and the
-optimizer step.
+tensor-parallel collectives (and expert all-to-alls) the model places between
+blocks, context-parallel K/V exchanges beside attention, FSDP's per-layer
+gathers and reductions, recomputed forwards before their backward, and a send
+of its output. After the last backward come the data-parallel gradient
+reductions (per parameter after the backward, as in the course, or in buckets
+that start as soon as their gradients are final, as DDP does; reduce-scatters
+under ZeRO) and the optimizer step. A pass's pieces are built once per stage
+and stamped for every microbatch.
 """
 
 from __future__ import annotations
@@ -84,6 +87,9 @@ class _CPPiece:
     layer: int = -1
     opens: bool = False
     closes: bool = False
+
+
+_Piece = _ComputePiece | _TPPiece | _CPPiece
 
 
 @dataclass
@@ -207,7 +213,7 @@ class _Lowering:
             self._send(rank, "grad", stage, mb, ("grad", stage, mb), act_bytes, last)
 
     @functools.cache
-    def _pieces(self, p: int, stage: int, kind: str) -> tuple[_ComputePiece | _TPPiece, ...]:
+    def _pieces(self, p: int, stage: int, kind: str) -> tuple[_Piece, ...]:
         """What one ``kind`` pass of ``stage`` runs, in order: block compute split by the
         tensor-parallel collectives between blocks. The same for every microbatch.
 
@@ -216,7 +222,7 @@ class _Lowering:
         costs = self.plan.stage_costs(stage)
         recomputed = {c.name for c in self.plan.recomputed(stage)} if kind in ("B", "I") else set()
         order = list(enumerate(costs)) if kind == "F" else list(reversed(list(enumerate(costs))))
-        pieces: list[_ComputePiece | _TPPiece] = []
+        pieces: list[_Piece] = []
         for index, cost in order:
             layer = self._layer_pass(p, index, cost, "R") if cost.name in recomputed else []
             layer += self._layer_pass(p, index, cost, kind)
@@ -225,7 +231,7 @@ class _Lowering:
             pieces += layer
         return tuple(pieces)
 
-    def _layer_pass(self, p: int, index: int, cost: LayerCost, kind: str) -> list[_ComputePiece | _TPPiece]:
+    def _layer_pass(self, p: int, index: int, cost: LayerCost, kind: str) -> list[_Piece]:
         """One layer's blocks in one pass (``R``: its forward recomputed), with their TP collectives."""
         plan = self.plan
         forward = kind in ("F", "R")
@@ -233,7 +239,7 @@ class _Lowering:
         direction = {"F": "fwd", "R": "rec"}.get(kind, "bwd")
         blocks = cost.blocks if forward else tuple(reversed(cost.blocks))
         degree = {"tp": plan.tp, "ep": plan.ep}
-        pieces: list[_ComputePiece | _TPPiece] = []
+        pieces: list[_Piece] = []
         count = 0
         for block in blocks:
             tp_ops = [c for c in block.collectives if c.phase == ("forward" if forward else "backward")
