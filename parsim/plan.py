@@ -46,10 +46,11 @@ from .files import read_yaml
 from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
 from .stage_split import balanced_split, even_split
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 # Schedules with a steady state of one forward and one backward: they need at
 # least as many microbatches as stages to fill the pipeline.
-STEADY_STATE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble")
+STEADY_STATE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+V_SCHEDULES = ("zbv",)  # two stages per rank placed in a V: rank r holds stages r and 2·pp-1-r
 # Bytes per element of weights, gradients and activations. "fp8" is Transformer Engine's recipe (and
 # DeepSeek-V3's): matmuls in fp8 at the fp8 peak, everything else kept and computed in bf16.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
@@ -168,6 +169,8 @@ class Plan:
             object.__setattr__(self, "tp_style", self.model.tp_styles[0])
         if self.zero is None:
             object.__setattr__(self, "zero", 3 if self.grad_sync == "fsdp" else 0)
+        if self.schedule in V_SCHEDULES and self.virtual_stages == 1:
+            object.__setattr__(self, "virtual_stages", 2)  # a V holds two stages per rank by construction
         object.__setattr__(self, "order", _order(self.order))
         if self.overlap is None:
             object.__setattr__(self, "overlap", self.grad_sync in ("bucketed", "fsdp"))
@@ -250,7 +253,10 @@ class Plan:
             if m.seq_len % (2 * self.cp):
                 self._fail(f"cp {self.cp} needs seq_len {m.seq_len} divisible by 2 x cp = {2 * self.cp} (each rank "
                            f"takes two chunks, one early and one late, to balance the causal mask)")
-        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
+        if self.schedule in V_SCHEDULES and self.virtual_stages != 2:
+            self._fail(f"{self.schedule} places two stages per rank in a V: virtual_stages must be 2, "
+                       f"not {self.virtual_stages}")
+        if self.virtual_stages > 1 and self.schedule not in ("interleaved-1f1b", *V_SCHEDULES):
             self._fail(f"virtual_stages {self.virtual_stages} needs schedule interleaved-1f1b "
                        f"(schedule {self.schedule} runs one stage per pipeline rank)")
         if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
@@ -420,9 +426,12 @@ class Plan:
         return range(first, first + self.stage_split[stage])
 
     def stages_of(self, pp_rank: int) -> list[int]:
-        """The stages pipeline rank ``pp_rank`` runs: ``pp_rank``, ``pp_rank + pp``, ..."""
+        """The stages pipeline rank ``pp_rank`` runs: ``pp_rank``, ``pp_rank + pp``, ... (looped), or
+        ``pp_rank`` and ``2·pp - 1 - pp_rank`` (V schedules)."""
         if not 0 <= pp_rank < self.pp:
             raise ParsimError(f"pp index {pp_rank} is outside 0..{self.pp - 1}")
+        if self.schedule in V_SCHEDULES:
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
         return [pp_rank + chunk * self.pp for chunk in range(self.virtual_stages)]
 
     @cached_property
