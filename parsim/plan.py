@@ -282,6 +282,8 @@ class Plan:
         if self.ep > 1 and not moe:
             self._fail(f"ep {self.ep}: expert parallelism needs a mixture-of-experts model, and {m.name} is dense")
         if not moe:
+            if self.expert_load != 1 or self.capacity_factor is not None:
+                self._fail(f"expert_load and capacity_factor describe expert routing; {m.name} is a dense model")
             return
         if (self.dp * self.cp) % self.ep:
             self._fail(f"ep {self.ep} must divide the {self.dp * self.cp} data-parallel ranks (dp x cp) it folds into")

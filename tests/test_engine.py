@@ -103,3 +103,11 @@ def test_contention_between_replicas_still_slows_a_step():
     slow = predict_step(plan, starved)
     assert slow.step_s > fast.step_s
     assert np.isfinite(slow.step_s)
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    # 1.2 MB of JSON (every group of 16,384 ranks): far more than a pipe holds once `head` has gone.
+    shown = subprocess.run(f"{sys.executable} -m parsim plan show llama3-405b-16k --json | head -1; "
+                           f"exit ${{PIPESTATUS[0]}}", shell=True, executable="/bin/bash", capture_output=True,
+                           text=True)
+    assert shown.returncode == 0 and shown.stdout.strip() == "{" and "Traceback" not in shown.stderr

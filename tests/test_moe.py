@@ -100,3 +100,8 @@ def test_mixtral_example_plan_simulates_and_fits():
     assert (p.world, p.ep, p.pp, p.tp) == (128, 8, 4, 4)
     r = predict_step(p, ideal_spec(**{"gpu.hbm_capacity_GB": 80}))
     assert r.ranks[0].seconds["ep"] > 0 and not r.over_memory
+
+
+def test_routing_knobs_on_a_dense_model_are_refused_not_ignored():
+    with pytest.raises(ParsimError, match="expert_load and capacity_factor describe expert routing"):
+        Plan(model=load_model("tiny-gpt"), dp=2, expert_load=2.0)

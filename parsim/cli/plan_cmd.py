@@ -12,8 +12,8 @@ from typing import Any
 
 from ..errors import ParsimError
 from ..model import builtin_models, load_model
-from ..plan import (CP_STYLES, DIMS, DTYPE_BYTES, GRAD_SYNCS, RECOMPUTE, SCHEDULES, TP_STYLES, Plan, builtin_plans,
-                    load_plan, resolve_plan, runs_text)
+from ..plan import (CP_STYLES, DIMS, DTYPE_BYTES, GRAD_SYNCS, RECOMPUTE, SCHEDULES, TP_STYLES, ZERO_STAGES, Plan,
+                    builtin_plans, load_plan, resolve_plan, runs_text)
 from ..table import render_table
 from ..units import format_size
 from .common import add_cluster_args, print_json
@@ -62,6 +62,7 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
     g.add_argument("--model", help=f"model preset ({', '.join(sorted(builtin_models()))}) or a model YAML file")
     for dim in DIMS:
         g.add_argument(f"--{dim}", type=int, help=f"{dim} degree")
+    g.add_argument("--ep", type=int, help="expert-parallel degree (MoE models; folds into dp x cp)")
     g.add_argument("--microbatch-size", type=int, help="samples per microbatch")
     g.add_argument("--num-microbatches", type=int, help="microbatches per step per data-parallel replica")
     g.add_argument("--global-batch-size", type=int, help="samples per step, all replicas together")
@@ -83,20 +84,29 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
     g.add_argument("--bucket-size", help="DDP bucket size, e.g. 25MiB")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction,
                    help="overlap bucketed gradient all-reduces with the backward")
+    g.add_argument("--zero", type=int, choices=ZERO_STAGES,
+                   help="ZeRO stage: 1 shards optimizer state, 2 and gradients, 3 and weights (as --grad-sync fsdp)")
+    g.add_argument("--shard-group", type=int, metavar="N", help="HSDP: shard within groups of N data-parallel ranks")
+    g.add_argument("--expert-load", type=float, metavar="X",
+                   help="MoE: the busiest expert's tokens over the mean (default 1: balanced)")
+    g.add_argument("--capacity-factor", type=float, metavar="X",
+                   help="MoE: tokens beyond X times an expert's mean load are dropped")
 
 
 def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
     """The plan named by ``args.plan`` (or ``--model`` alone), flags overriding its values."""
     flags = {
         "model": args.model,
-        "parallel": {d: getattr(args, d) for d in DIMS},
+        "parallel": {d: getattr(args, d) for d in (*DIMS, "ep")},
         "batch": {k: getattr(args, k) for k in ("microbatch_size", "num_microbatches", "global_batch_size")},
         "schedule": args.schedule, "virtual_stages": args.virtual_stages,
         "layers_per_stage": args.layers_per_stage, "dtype": args.dtype,
         "tensor_parallel": args.tensor_parallel, "sequence_parallel": args.sequence_parallel,
         "context_parallel": args.context_parallel,
         "activation_recompute": _recompute_flags(args),
-        "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap},
+        "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap,
+                          "zero": args.zero, "shard_group": args.shard_group},
+        "moe": {"expert_load": args.expert_load, "capacity_factor": args.capacity_factor},
     }
     overrides = _drop_unset(flags)
     if args.plan:
