@@ -124,7 +124,6 @@ class _Lowering:
         self.sends: dict[tuple, int] = {}
         self.pending: list[_Pending] = []
         self.fsdp = plan.zero == 3 and plan.shard_size > 1  # weights sharded: gathered per layer
-        self.split_backward = any(a.kind == "W" for actions in self.schedule.actions for a in actions)
         last_mb = plan.num_microbatches - 1
         for p in range(plan.pp):
             rank = plan.rank_of(dp=0, pp=p, tp=0)
@@ -172,7 +171,7 @@ class _Lowering:
         name, recompute_name = compute_name(kind, stage, mb), compute_name("R", stage, mb)
         final = kind in ("B", "W") and mb == last_mb
         gathers = self.fsdp and (kind == "F" or (kind in ("B", "I") and plan.reshard_after_forward))
-        scatters = self.fsdp and kind == ("W" if self.split_backward else "B")
+        scatters = self.fsdp and kind in ("B", "W")  # the gradients are whole after a B, or after an I's W
         closed: list[int] = []  # per layer of this pass, the op that ended it (FSDP prefetches one layer ahead)
         exchanges: list[int] = []  # context-parallel exchanges the next join waits for
         gathered: tuple[int, ...] = ()  # an FSDP gather the layer's next compute-stream op must wait for

@@ -44,13 +44,14 @@ import numpy as np
 from .errors import ConfigError, ParsimError
 from .files import read_yaml
 from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
+from .schedules import SCHEDULES as SCHEDULE_KINDS
 from .stage_split import balanced_split, even_split
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipe-v")
 # Schedules with a steady state of one forward and one backward: they need at
 # least as many microbatches as stages to fill the pipeline.
-STEADY_STATE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
-V_SCHEDULES = ("zbv",)  # two stages per rank placed in a V: rank r holds stages r and 2·pp-1-r
+STEADY_STATE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipe-v")
+V_SCHEDULES = ("zbv", "dualpipe-v")  # two stages per rank placed in a V: rank r holds stages r and 2·pp-1-r
 # Bytes per element of weights, gradients and activations. "fp8" is Transformer Engine's recipe (and
 # DeepSeek-V3's): matmuls in fp8 at the fp8 peak, everything else kept and computed in bf16.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
@@ -270,6 +271,9 @@ class Plan:
                        f"the other (kv heads are split across ranks, or each replicated on tp/kv ranks)")
         if self.pp > 1 and self.schedule in STEADY_STATE_SCHEDULES and self.num_microbatches < self.pp:
             self._fail(f"{self.schedule} needs num_microbatches >= pp: {self.num_microbatches} < {self.pp}")
+        if self.num_microbatches < SCHEDULE_KINDS[self.schedule].min_microbatches(self.pp, self.virtual_stages):
+            self._fail(f"{self.schedule} needs num_microbatches >= its {self.num_stages} stages, got "
+                       f"{self.num_microbatches}")
         if self.schedule == "interleaved-1f1b" and self.num_microbatches % self.pp:
             self._fail(f"interleaved-1f1b needs num_microbatches divisible by pp (Megatron-LM): "
                        f"{self.num_microbatches} % {self.pp} = {self.num_microbatches % self.pp}")

@@ -44,6 +44,7 @@ PLANS = {
     "zero-bubble": gpt_plan("zero-bubble"),
     "1f1b, uneven stages (1 + 3 layers)": gpt_plan("1f1b", layers_per_stage=[1, 3]),
     "zbv (two stages per rank in a V)": gpt_plan("zbv", 2),
+    "dualpipe-v": gpt_plan("dualpipe-v", 2),
     "zero-bubble, gelu, learned positions, tied embeddings": gpt_plan(
         "zero-bubble", model=dict(GPT, ffn_type="gelu", position_embedding="learned", tied_embeddings=True)),
     "course mlp, gpipe": load_plan({"model": MLP, "parallel": {"pp": WORLD}, "batch": {"num_microbatches": 4},

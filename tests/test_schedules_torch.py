@@ -70,8 +70,14 @@ def torch_multi_stage_order(cls, pp: int, m: int, stages_per_rank: list[list[int
               for i in stages_per_rank[0]]
     schedule = cls(stages, m)
     return [[Action(a.computation_type.value, a.stage_index, a.microbatch_index)
-             for a in schedule.pipeline_order_with_comms[rank] if a.computation_type.value in COMPUTE]
+             for a in _expand(schedule.pipeline_order_with_comms[rank]) if a.computation_type.value in COMPUTE]
             for rank in range(pp)]
+
+
+def _expand(actions):
+    """DualPipeV's overlapped forward+backward actions, as the two passes they hold (forward first)."""
+    for a in actions:
+        yield from (a.sub_actions or ()) if getattr(a, "sub_actions", None) else (a,)
 
 
 SIZES = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 6, 8, 12, 16)]
@@ -117,6 +123,13 @@ def test_zero_bubble_matches_torch_interleaved_zero_bubble(pp, m, v):
 def test_zbv_matches_torch(pp, m):
     ours = make_schedule("zbv", pp, m)
     theirs = torch_multi_stage_order(S.ScheduleZBVZeroBubble, pp, m, [ours.stages_of(r) for r in range(pp)])
+    assert ours.actions == theirs
+
+
+@pytest.mark.parametrize("pp,m", [(p, m) for p, m in SIZES if m >= 2 * p])  # DualPipeV needs m >= 2 pp
+def test_dualpipe_v_matches_torch(pp, m):
+    ours = make_schedule("dualpipe-v", pp, m)
+    theirs = torch_multi_stage_order(S.ScheduleDualPipeV, pp, m, [ours.stages_of(r) for r in range(pp)])
     assert ours.actions == theirs
 
 

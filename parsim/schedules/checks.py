@@ -28,7 +28,8 @@ def validate(schedule: Schedule) -> None:
     """Check that every pass appears exactly once, on its stage's owner, and that the schedule runs to the end.
 
     Per (stage, microbatch) a schedule needs one ``F`` and either one ``B``
-    or one ``I`` and one ``W``. Raises :class:`ScheduleError` otherwise.
+    or one ``I`` and one ``W`` (DualPipe-V splits some backwards and not
+    others). Raises :class:`ScheduleError` otherwise.
     """
     execution_order(schedule)
 
@@ -68,7 +69,7 @@ def dependencies(schedule: Schedule, action: Action) -> list[Action]:
         return [Action("I", s, i)]
     deps = [Action("F", s, i)]
     if s + 1 < schedule.num_stages:
-        deps.append(Action("I" if schedule.split_backward else "B", s + 1, i))
+        deps.append(Action(schedule.input_gradient_pass(s + 1, i), s + 1, i))
     return deps
 
 
@@ -113,18 +114,19 @@ def _check_complete(schedule: Schedule) -> None:
             if schedule.stage_to_rank(a.stage) != rank:
                 raise ScheduleError(f"{where}: rank {rank} runs {a.kind} stage={a.stage} mb={a.microbatch}, "
                                     f"but stage {a.stage} lives on rank {schedule.stage_to_rank(a.stage)}")
-    backward = ("I", "W") if schedule.split_backward else ("B",)
+    expected = 0
     for s in range(schedule.num_stages):
         for i in range(schedule.num_microbatches):
+            backward = ("I", "W") if schedule.input_gradient_pass(s, i) == "I" else ("B",)
             for kind in ("F",) + backward:
                 n = counts[Action(kind, s, i)]
                 if n != 1:
                     raise ScheduleError(f"{where}: {kind} stage={s} mb={i} appears {n} times, expected once")
-    expected = schedule.num_stages * schedule.num_microbatches * (1 + len(backward))
+            expected += 1 + len(backward)
     if sum(counts.values()) != expected:
-        extra = sorted(a for a in counts if a.kind not in ("F",) + backward)
-        raise ScheduleError(f"{where}: mixes full and split backward passes (e.g. {extra[0].kind} "
-                            f"stage={extra[0].stage} mb={extra[0].microbatch})")
+        extra = sorted(a for a in counts if a.kind == "B" and (a.stage, a.microbatch) in schedule.split_passes)
+        what = f"e.g. B stage={extra[0].stage} mb={extra[0].microbatch}" if extra else "a W without its I"
+        raise ScheduleError(f"{where}: runs a backward both whole and split ({what})")
 
 
 def _deadlock_message(schedule: Schedule, heads: list[int], done: set[Action]) -> str:

@@ -76,6 +76,15 @@ class Schedule:
         """True when the backward runs as separate I and W passes (actions are not to be edited after creation)."""
         return any(a.kind in ("I", "W") for rank in self.actions for a in rank)
 
+    @cached_property
+    def split_passes(self) -> frozenset[tuple[int, int]]:
+        """The (stage, microbatch) pairs whose backward runs as I and W (DualPipe-V splits only some)."""
+        return frozenset((a.stage, a.microbatch) for rank in self.actions for a in rank if a.kind == "I")
+
+    def input_gradient_pass(self, stage: int, microbatch: int) -> str:
+        """``I`` when that backward is split, else ``B``: the pass that sends the gradient upstream."""
+        return "I" if (stage, microbatch) in self.split_passes else "B"
+
     def stage_to_rank(self, stage: int) -> int:
         """The rank that owns (runs every pass of) ``stage``."""
         if not 0 <= stage < self.num_stages:

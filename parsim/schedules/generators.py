@@ -15,6 +15,7 @@ gpipe              Huang et al. 2019 (GPipe)             ScheduleGPipe
 interleaved-1f1b   Narayanan et al. 2021 (Megatron-LM)   ScheduleInterleaved1F1B
 zero-bubble        Qi et al. 2023, ZB-H1 (v = 1)          ScheduleInterleavedZeroBubble
 zbv                Qi et al. 2023, ZB-V (section 6)       ScheduleZBVZeroBubble
+dualpipe-v         DeepSeek-AI 2024 (DualPipe), halved    ScheduleDualPipeV
 =================  ====================================  ===================================
 """
 
@@ -211,6 +212,86 @@ def zbv(pp: int, num_microbatches: int) -> Schedule:
     return Schedule("zbv", pp, m, 2, actions, placement="v")
 
 
+def dualpipe_v(pp: int, num_microbatches: int) -> Schedule:
+    """DualPipe-V: DeepSeek's DualPipe (DeepSeek-AI 2024, DeepSeek-V3 report section 3.2.1) cut in half.
+
+    Two stages per rank in a V, as ZB-V. Its point is the steady state: every
+    step pairs the forward of one microbatch with the full backward of another
+    on the other chunk, so that the communication of one (expert all-to-alls,
+    pipeline transfers) hides behind the computation of the other. Phases for
+    rank ``r``, as in PyTorch's ``ScheduleDualPipeV`` (from deepseek-ai/DualPipe):
+
+    1. ``2(pp - r - 1)`` chunk-0 forwards;
+    2. ``r + 1`` pairs of forwards (chunk 0, chunk 1);
+    3. ``pp - r - 1`` triples: chunk-1 input-gradient, a pending W, chunk-1 forward;
+    4. steady: ``m - 2pp + r + 1`` rounds of (chunk-0 F with chunk-1 B) and
+       (chunk-1 F with chunk-0 B), each pair run forward first;
+    5. ``pp - r - 1`` rounds of a chunk-1 B, then (chunk-1 F with chunk-0 B);
+    6. ``r + 1`` pairs of backwards (chunk 1, chunk 0), split into I with a
+       W deferred from the middle of the pairs on;
+    7. ``pp - r - 1`` rounds of a pending W, then a chunk-0 backward;
+    8. the remaining W passes.
+
+    parsim runs each pair one pass after the other; the overlap of their
+    communication is what the pairing buys on real hardware.
+    """
+    m = num_microbatches
+    last = 2 * pp - 1
+    actions = []
+    for rank in range(pp):
+        down, up = rank, last - rank
+        forwards = {down: 0, up: 0}
+        backwards = {down: 0, up: 0}  # I and full B share one count: a B is that microbatch's I and W at once
+        deferred: deque[Action] = deque()  # W passes owed by earlier I passes, oldest first
+        ops: list[Action] = []
+
+        def forward(stage: int) -> None:
+            ops.append(Action("F", stage, forwards[stage]))
+            forwards[stage] += 1
+
+        def backward(stage: int, split: bool = False) -> None:
+            ops.append(Action("I" if split else "B", stage, backwards[stage]))
+            if split:
+                deferred.append(Action("W", stage, backwards[stage]))
+            backwards[stage] += 1
+
+        def weight() -> None:
+            if deferred:
+                ops.append(deferred.popleft())
+
+        for _ in range(2 * (pp - rank - 1)):
+            forward(down)
+        for _ in range(rank + 1):
+            forward(down)
+            forward(up)
+        for _ in range(pp - rank - 1):
+            backward(up, split=True)
+            weight()
+            forward(up)
+        for _ in range(m - 2 * pp + rank + 1):
+            forward(down)
+            backward(up)
+            forward(up)
+            backward(down)
+        for _ in range(pp - rank - 1):
+            backward(up)
+            forward(up)
+            backward(down)
+        split = False
+        for i in range(rank + 1):
+            split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+            backward(up, split)
+            split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+            backward(down, split)
+        for _ in range(pp - rank - 1):
+            weight()
+            backward(down, split)
+        while deferred:
+            weight()
+        actions.append(ops)
+    return Schedule("dualpipe-v", pp, m, 2, actions, placement="v")
+
+
 @dataclass(frozen=True)
 class ScheduleKind:
     """A schedule generator with what people need to know to choose it.
@@ -227,6 +308,10 @@ class ScheduleKind:
     build: Callable[[int, int, int], Schedule]
     virtual_stages: tuple[int, int | None] = (1, 1)
     looped: bool = False  # v > 1 stages per rank loop over the ranks in rounds of pp microbatches
+    microbatch_per_stage: bool = False  # needs at least as many microbatches as stages (pp x v)
+
+    def min_microbatches(self, pp: int, v: int) -> int:
+        return pp * v if self.microbatch_per_stage else 1
 
     def check_virtual_stages(self, v: int) -> None:
         low, high = self.virtual_stages
@@ -255,6 +340,9 @@ SCHEDULES: dict[str, ScheduleKind] = {
         ScheduleKind("zbv", "two stages per rank in a V; I and W split to fill the bubble",
                      "Qi et al. 2023, Zero Bubble Pipeline Parallelism (ZB-V)", "ScheduleZBVZeroBubble",
                      lambda p, m, v: zbv(p, m), (2, 2)),
+        ScheduleKind("dualpipe-v", "two stages per rank in a V; forward and backward of two microbatches paired",
+                     "DeepSeek-AI 2024, DualPipe (DeepSeek-V3), cut in half", "ScheduleDualPipeV",
+                     lambda p, m, v: dualpipe_v(p, m), (2, 2), microbatch_per_stage=True),
     )
 }
 
@@ -275,6 +363,9 @@ def make_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int
     if num_microbatches < 1:
         raise ParsimError(f"number of microbatches must be at least 1, got {num_microbatches}")
     kind.check_virtual_stages(v)
+    if num_microbatches < kind.min_microbatches(pp, v):
+        raise ParsimError(f"schedule {kind.name} needs at least as many microbatches as stages "
+                          f"({pp} x {v} = {pp * v}), got {num_microbatches}")
     if kind.needs_whole_rounds(v) and num_microbatches % pp:
         raise ParsimError(f"schedule {kind.name} with {v} virtual stages needs the number of microbatches "
                           f"to be a multiple of the pipeline size: {num_microbatches} % {pp} = "
