@@ -39,9 +39,9 @@ def balanced_split(layer_cost: float, layers: int, stages: int, first_extra: flo
 
 @lru_cache(maxsize=256)
 def _balanced(layers: int, stages: int, first: int, last: int) -> tuple[int, ...]:
-    # slowest[s][n], squares[s][n]: the best (slowest stage, sum of squared stage costs) for the first n layers
-    # in s stages, costs in thousandths of a layer (sums stay exact in floats); choice[s][n]: the layers given to stage s-1. Ties go to the
-    # largest count for the later stage, so early stages hold less.
+    # slowest[s][n], squares[s][n]: the best (slowest stage, sum of squared stage costs) for the first n
+    # layers in s stages, costs in thousandths of a layer (sums stay exact in floats); choice[s][n]: the
+    # layers given to stage s-1. Ties go to the largest count for the later stage, so early stages hold less.
     slowest = np.full((stages + 1, layers + 1), np.inf)
     squares = np.full((stages + 1, layers + 1), np.inf)
     choice = np.zeros((stages + 1, layers + 1), dtype=np.int64)

@@ -87,7 +87,8 @@ def report(r: StepPrediction) -> str:
         f"{r.cluster.gpu.peak_flops[plan.dtype] / 1e12:g} TFLOP/s))",
     ]
     if r.hardware_flops != r.model_flops:
-        lines.append(f"  HFU         {r.hfu:.1%}  (with the recomputed forwards: {r.hardware_flops:.3g} FLOPs per step)")
+        lines.append(f"  HFU         {r.hfu:.1%}  (with the recomputed forwards: {r.hardware_flops:.3g} FLOPs "
+                     f"per step)")
     lines.append("")
     rows = []
     for b, mem in zip(r.ranks, r.memory):
