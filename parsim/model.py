@@ -50,6 +50,7 @@ from .files import read_yaml
 from .units import parse_size
 
 FFN_TYPES = ("swiglu", "gelu")
+ATTENTIONS = ("gqa", "mla")
 POSITION_EMBEDDINGS = ("rope", "learned")
 INDEX_BYTES = 8  # token ids are int64
 SOFTMAX_BYTES = 4  # the cross-entropy softmax over the vocabulary is kept in fp32
@@ -414,6 +415,12 @@ class TransformerModel(_CostTotals):
     ffn_type: str = "swiglu"
     tied_embeddings: bool = False
     position_embedding: str = "rope"
+    attention: str = "gqa"  # "gqa" (multi-/grouped-query) or "mla" (DeepSeek's multi-head latent attention)
+    q_lora_rank: int = 0  # MLA: the queries' compressed width (0: queries are not compressed)
+    kv_lora_rank: int = 512  # MLA: the keys' and values' shared compressed width
+    qk_nope_head_dim: int = 128  # MLA: per-head query/key width without position encoding
+    qk_rope_head_dim: int = 64  # MLA: per-head query/key width carrying RoPE (the key part shared by all heads)
+    v_head_dim: int = 128  # MLA: per-head value width
     num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
     experts_per_token: int = 2  # top-k
     expert_ffn_hidden: int | None = None  # each expert's feed-forward size (None: ffn_hidden)
@@ -441,6 +448,8 @@ class TransformerModel(_CostTotals):
         if self.num_heads % self.num_kv_heads:
             _fail(self, "num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}",
                   "a divisor of num_heads (grouped-query attention)")
+        if self.attention not in ATTENTIONS:
+            _fail(self, "attention", f"is {self.attention!r}", " or ".join(ATTENTIONS))
         if self.expert_ffn_hidden is None:
             object.__setattr__(self, "expert_ffn_hidden", self.ffn_hidden)
         if self.num_experts:
@@ -518,15 +527,23 @@ class TransformerModel(_CostTotals):
     def _layer(self, d: int, sequence_parallel: bool = False, moe: bool = False) -> LayerCost:
         h, f, hd = self.hidden, self.ffn_hidden, self.head_dim
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
-        attention = Block(
-            "attention",
-            (Matmul("attn.q", h, q, "column", hd), Matmul("attn.k", h, kv, "column", hd),
-             Matmul("attn.v", h, kv, "column", hd), Matmul("attn.o", q, h, "row", hd)),
-            attention_flops_per_token=4 * self.seq_len * q,
-            collectives=_block_collectives("attn", h * d, sequence_parallel),
-            kv_width=kv, kv_unit=hd,
-        )
         sp = sequence_parallel
+        if self.attention == "mla":
+            attention, attention_saved, attention_params = self._mla_block(d, sp)
+        else:
+            attention = Block(
+                "attention",
+                (Matmul("attn.q", h, q, "column", hd), Matmul("attn.k", h, kv, "column", hd),
+                 Matmul("attn.v", h, kv, "column", hd), Matmul("attn.o", q, h, "row", hd)),
+                attention_flops_per_token=4 * self.seq_len * q,
+                collectives=_block_collectives("attn", h * d, sequence_parallel),
+                kv_width=kv, kv_unit=hd,
+            )
+            attention_saved = (
+                Activation("attn.q", q, d, sharded=True, unit=hd), Activation("attn.k", kv, d, sharded=True, unit=hd),
+                Activation("attn.v", kv, d, sharded=True, unit=hd),
+                Activation("attn.o.in", q, d, sharded=True, unit=hd))
+            attention_params = ()
         if moe:
             mlp, ffn_saved = self._moe_block(d, sp)
         else:
@@ -535,13 +552,42 @@ class TransformerModel(_CostTotals):
             ffn_saved = tuple(Activation(name, f, d, sharded=True) for name in intermediates)
         saved = (
             Activation("norm.attn.in", h, d, sharded=sp), Activation("attn.in", h, d, sharded=sp),
-            Activation("attn.q", q, d, sharded=True, unit=hd), Activation("attn.k", kv, d, sharded=True, unit=hd),
-            Activation("attn.v", kv, d, sharded=True, unit=hd), Activation("attn.o.in", q, d, sharded=True, unit=hd),
+            *attention_saved,
             Activation("norm.mlp.in", h, d, sharded=sp), Activation("mlp.in", h, d, sharded=sp),
             *ffn_saved,
         )
-        norms = (Param("norm.attn", 1, h), Param("norm.mlp", 1, h))
+        norms = (Param("norm.attn", 1, h), Param("norm.mlp", 1, h), *attention_params)
         return LayerCost("layer", (attention, mlp), norms, saved, checkpoint=saved[:1])
+
+    def _mla_block(self, d: int, sp: bool) -> tuple[Block, tuple[Activation, ...], tuple[Param, ...]]:
+        """DeepSeek's multi-head latent attention (DeepSeek-AI 2024, DeepSeek-V2 section 2.1), by its
+        matmuls and FLOPs: queries (optionally through a ``q_lora_rank`` bottleneck), keys and values
+        from one ``kv_lora_rank`` latent plus a shared RoPE key, per-head widths ``qk_nope + qk_rope``
+        for queries and keys and ``v_head_dim`` for values. Tensor parallelism splits the per-head
+        up-projections and the output by heads; the down-projections stay whole."""
+        h, nh = self.hidden, self.num_heads
+        qk, v = self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        if self.q_lora_rank:
+            queries = (Matmul("attn.q_a", h, self.q_lora_rank), Matmul("attn.q_b", self.q_lora_rank, nh * qk, "column", qk))
+        else:
+            queries = (Matmul("attn.q", h, nh * qk, "column", qk),)
+        matmuls = (*queries, Matmul("attn.kv_a", h, latent),
+                   Matmul("attn.kv_b", self.kv_lora_rank, nh * (self.qk_nope_head_dim + v), "column",
+                          self.qk_nope_head_dim + v),
+                   Matmul("attn.o", nh * v, h, "row", v))
+        block = Block("attention", matmuls, attention_flops_per_token=2 * self.seq_len * nh * (qk + v),
+                      collectives=_block_collectives("attn", h * d, sp), kv_width=nh * (qk + v) // 2,
+                      kv_unit=(qk + v) // 2)
+        saved = (*((Activation("attn.q_a.out", self.q_lora_rank, d, sharded=False),) if self.q_lora_rank else ()),
+                 Activation("attn.kv_a.out", latent, d, sharded=False),
+                 Activation("attn.q", nh * qk, d, sharded=True, unit=qk),
+                 Activation("attn.k", nh * qk, d, sharded=True, unit=qk),
+                 Activation("attn.v", nh * v, d, sharded=True, unit=v),
+                 Activation("attn.o.in", nh * v, d, sharded=True, unit=v))
+        norms = ((Param("norm.q_a", 1, self.q_lora_rank),) if self.q_lora_rank else ()) + \
+            (Param("norm.kv_a", 1, self.kv_lora_rank),)
+        return block, saved, norms
 
     def _moe_block(self, d: int, sequence_parallel: bool) -> tuple[Block, tuple[Activation, ...]]:
         """A mixture-of-experts feed-forward: a router picks ``experts_per_token`` of ``num_experts``
@@ -639,8 +685,10 @@ class TransformerModel(_CostTotals):
         It equals :meth:`training_flops_per_token`; recomputed work is never
         model FLOPs.
         """
-        matmul_params = sum(m.active_params for c in self.costs(1) for m in c.matmuls)
-        return 6 * matmul_params + 12 * self.num_layers * self.seq_len * self.num_heads * self.head_dim
+        costs = self.costs(1)
+        matmul_params = sum(m.active_params for c in costs for m in c.matmuls)
+        attention = sum(b.attention_flops_per_token for c in costs for b in c.blocks)  # 4·seq·d_attn per layer
+        return 6 * matmul_params + 3 * attention
 
     def describe(self) -> str:
         kv = f" ({self.num_kv_heads} kv)" if self.num_kv_heads != self.num_heads else ""
@@ -651,6 +699,8 @@ class TransformerModel(_CostTotals):
             dense = f", first {self.dense_layers} layers dense" if self.dense_layers else ""
             ffn = (f"{self.num_experts} experts{shared} of ffn {self.expert_ffn_hidden} {self.ffn_type}, "
                    f"top-{self.experts_per_token}{dense}")
+        if self.attention == "mla":
+            heads += " of latent attention (MLA)"
         return (f"{self.name} (transformer): {self.num_layers} layers, hidden {self.hidden}, {heads}, "
                 f"{ffn}, seq {self.seq_len}, vocab {self.vocab_size}"
                 + (", tied embeddings" if self.tied_embeddings else ""))
@@ -805,7 +855,8 @@ _KIND_KEYS = {
     "mlp": ("num_layers", "width", "batch_size"),
     "transformer": ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "ffn_type", "seq_len",
                     "vocab_size", "tied_embeddings", "position_embedding", "num_experts", "experts_per_token",
-                    "expert_ffn_hidden", "shared_experts", "dense_layers"),
+                    "expert_ffn_hidden", "shared_experts", "dense_layers", "attention", "q_lora_rank",
+                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
 }
 _REQUIRED = {
     "mlp": ("num_layers", "width", "batch_size"),
@@ -830,8 +881,8 @@ def parse_model(data: object, source: str = "<model>", default_name: str = "mode
         "name": reader.text("name", default_name), "description": reader.text("description", ""), "source": source,
     }
     for key in _KIND_KEYS[kind]:
-        if key in ("ffn_type", "position_embedding"):
-            values[key] = reader.text(key, "swiglu" if key == "ffn_type" else "rope")
+        if key in ("ffn_type", "position_embedding", "attention"):
+            values[key] = reader.text(key, {"ffn_type": "swiglu", "position_embedding": "rope", "attention": "gqa"}[key])
         elif key == "tied_embeddings":
             values[key] = reader.boolean(key, False)
         elif reader.has(key):

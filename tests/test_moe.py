@@ -105,3 +105,20 @@ def test_mixtral_example_plan_simulates_and_fits():
 def test_routing_knobs_on_a_dense_model_are_refused_not_ignored():
     with pytest.raises(ParsimError, match="expert_load and capacity_factor describe expert routing"):
         Plan(model=load_model("tiny-gpt"), dp=2, expert_load=2.0)
+
+
+def test_deepseek_v3_has_671b_parameters_37b_active_with_latent_attention():
+    m = load_model("deepseek-v3")
+    assert m.num_params == pytest.approx(671e9, rel=0.002)  # DeepSeek-AI 2024: 671B, 37B activated
+    active = sum(mm.active_params for c in m.costs(1) for mm in c.matmuls)
+    assert active == pytest.approx(37e9, rel=0.02)
+    attention = next(b for b in m.layer_costs(2)[0].blocks if b.name == "attention")
+    assert [mm.name for mm in attention.matmuls] == ["attn.q_a", "attn.q_b", "attn.kv_a", "attn.kv_b", "attn.o"]
+    assert attention.attention_flops_per_token == 2 * 4096 * 128 * (192 + 128)  # scores over 192, values over 128
+
+
+def test_deepseek_example_plan_keeps_expert_groups_on_eight_nodes():
+    p = resolve_plan("deepseek-v3-2048")
+    assert (p.world, p.ep, p.pp, p.schedule, p.dtype) == (2048, 64, 16, "dualpipe-v", "fp8")
+    ep_group = p.rank_grid[:64, 0, 0, 0]  # stage 0's first expert-parallel group, as the lowering forms it
+    assert len(set((ep_group // 8).tolist())) == 8

@@ -23,6 +23,7 @@ LLAMA70 = load_model("llama3-70b")
     ("course-ddp", 4, 32, 1), ("course-tp", 4, 128, 1), ("course-pp", 2, 32, 4),
     ("tiny-pp2", 2, 2, 4), ("tiny-dp2", 2, 4, 1), ("tiny-tp2", 2, 4, 1), ("llama3-70b-1024", 1024, 1, 16),
     ("llama3-405b-16k", 16384, 1, 16), ("llama3-8b-fsdp8", 8, 1, 1), ("llama3-405b-128k-cp16", 16384, 1, 16),
+    ("mixtral-8x22b", 128, 1, 16), ("deepseek-v3-2048", 2048, 1, 120),
 ])
 def test_example_plans_load_with_their_batch_split(name, world, mbs, nmb):
     plan = resolve_plan(name)

@@ -92,6 +92,7 @@ def check_plan(plan: Plan) -> None:
         (f"ZeRO-{plan.zero} / FSDP", plan.zero and plan.shard_size > 1),
         ("context parallelism", plan.cp > 1),
         ("mixture-of-experts layers", getattr(m, "is_moe", False)),
+        ("latent attention (MLA)", getattr(m, "attention", "gqa") == "mla"),
         ("sequence parallelism", plan.sequence_parallel and plan.tp > 1),
         ("full activation recomputation", plan.activation_recompute == "full"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
