@@ -331,9 +331,44 @@ class Network:
             batch.done()
             return
         keep = ~finished
+        component = self._component(batch)
+        unchanged = self._rates_survive(component, batch, finished)
         active = np.arange(batch.flows) if batch.active is None else batch.active
         batch.routes, batch.left, batch.active = batch.routes[keep], batch.left[keep], active[keep]
-        self._resolve(self._component(batch))
+        if unchanged:  # the flows that ended held no capacity anyone still moving could take
+            batch.rate, batch.fin = batch.rate[keep], batch.fin[keep]
+            self._wake_at(batch, float(batch.fin.min()))
+        else:
+            self._resolve(component)
+
+    def _rates_survive(self, component: list[_Batch], batch: _Batch, finished: np.ndarray) -> bool:
+        """True when the max-min rates of every flow still moving stay as they are once ``finished``
+        flows of ``batch`` leave.
+
+        Each finished flow was frozen at a saturated link. Capacity it frees can
+        raise another flow's rate only through a saturated link the two share;
+        if no flow still moving crosses a saturated link a finished flow crossed,
+        progressive filling gives everyone the same rates again (exact, and far
+        cheaper than solving again: an all-to-all's intra-node flows end before
+        its inter-node ones).
+        """
+        load = np.zeros(self.capacity.size)
+        for b in component:
+            hops = b.routes >= 0
+            np.add.at(load, b.routes[hops], np.broadcast_to(b.rate[:, None], b.routes.shape)[hops])
+        with np.errstate(invalid="ignore"):
+            saturated = load >= self.capacity * (1 - 1e-9)
+        gone = batch.routes[finished]
+        touched = np.zeros(self.capacity.size, dtype=bool)
+        touched[gone[gone >= 0]] = True
+        touched &= saturated
+        if not touched.any():
+            return True
+        for b in component:
+            routes = b.routes[~finished] if b is batch else b.routes
+            if touched[routes[routes >= 0]].any():
+                return False
+        return True
 
     def _components(self, ids: set[int]) -> list[list[_Batch]]:
         """The distinct components the batches ``ids`` belong to."""
