@@ -15,12 +15,14 @@ Two things keep a training step with hundreds of thousands of transfers cheap
 * **Contention is resolved per component.** Transfers (batches of flows) that
   share no link cannot change each other's max-min rates, so a start or a
   finish only re-solves the batches connected to it through shared links. A
-  batch alone on its links keeps one wake-up for its whole life.
+  batch alone on its links follows its memoized solo :class:`Trajectory`: one
+  wake-up for its whole life. Flows that end without having held a saturated
+  link that a moving flow crosses leave everyone's rates as they were.
 * **Solutions are memoized.** A batch started with a ``key`` (the caller's
-  name for its route matrix) contributes that key to the component's
-  signature; the same set of route matrices always has the same rates, so
-  the tenth microbatch's all-reduce next to the same send reuses the first
-  one's solution instead of solving again.
+  name for its routes and sizes) contributes that key to the component's
+  signature; the same set of transfers always has the same rates, so the
+  tenth microbatch's all-reduce next to the same send reuses the first one's
+  solution instead of solving again.
 
 Time cannot freeze: a flow finishes at the time computed when its rate was
 last set (``fin``), and every wake-up finishes at least the flows due at the
