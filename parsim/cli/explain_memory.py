@@ -72,7 +72,10 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
     if plan.zero and n > 1:
         sharded = {1: "the optimizer state", 2: "the optimizer state and the gradients",
                    3: "the optimizer state, the gradients and the weights"}[plan.zero]
-        out.append(f"3. ZeRO-{plan.zero} shards {sharded} over {n} data-parallel ranks (Rajbhandari et al. 2020):")
+        experts = (f"; routed experts' over the {plan.expert_shard_size} ranks holding the same experts"
+                   if plan.expert_params_per_rank(p) else "")
+        out.append(f"3. ZeRO-{plan.zero} shards {sharded} over {n} data-parallel ranks{experts} "
+                   f"(Rajbhandari et al. 2020):")
     else:
         out.append("3. No ZeRO: every data-parallel replica keeps all of it:")
     out.append(f"   weights {mem.weights / GB:.2f} GB + gradients {mem.gradients / GB:.2f} GB + optimizer "
