@@ -58,8 +58,14 @@ class _ComputePiece:
 
 
 @dataclass(frozen=True)
-class _TPPiece:
-    """A tensor-parallel collective between blocks; its name is ``name_head + mb + name_tail``."""
+class _CommPiece:
+    """A collective inside a pass; its name is ``name_head + mb + name_tail``.
+
+    ``group`` "tp" (tensor-parallel) and "ep" (an expert all-to-all) run on the
+    compute stream between blocks. "cp" (context parallelism's K/V exchange)
+    runs on its own stream from the moment the op before it ends, and the next
+    join waits for it.
+    """
 
     name_head: str
     name_tail: str
@@ -67,29 +73,13 @@ class _TPPiece:
     ranks: tuple[int, ...]
     mirrors: tuple[tuple[int, ...], ...]
     nbytes: float
-    group: str = "tp"  # or "ep": a mixture-of-experts all-to-all
+    group: str = "tp"
     layer: int = -1
     opens: bool = False
     closes: bool = False
 
 
-@dataclass(frozen=True)
-class _CPPiece:
-    """Context parallelism exchanging K/V over the cp group on its own stream: it starts when the
-    op before it in the pass ends, and the next join waits for it."""
-
-    name_head: str
-    name_tail: str
-    collective: str
-    ranks: tuple[int, ...]
-    mirrors: tuple[tuple[int, ...], ...]
-    nbytes: float
-    layer: int = -1
-    opens: bool = False
-    closes: bool = False
-
-
-_Piece = _ComputePiece | _TPPiece | _CPPiece
+_Piece = _ComputePiece | _CommPiece
 
 
 @dataclass
@@ -178,20 +168,17 @@ class _Lowering:
         for piece in self._pieces(p, stage, kind):
             if gathers and piece.opens:
                 gathered = (self._fsdp_gather(rank, p, stage, piece.layer, mb, kind, closed[-2:-1]),)
-            deps = ()
-            kind_of = type(piece)
-            if kind_of is _CPPiece:  # on its own stream: starts once the op before its block ends
-                start = gathered + ((last,) if last is not None else ())
-                exchanges.append(self._add(rank, Op(
-                    f"{piece.name_head}{mb}{piece.name_tail}", "collective", "cp", deps=start,
-                    collective=piece.collective, group="cp", ranks=piece.ranks, mirrors=piece.mirrors,
-                    nbytes=piece.nbytes, phase="cp")))
-            elif kind_of is _TPPiece:
-                deps, gathered = gathered, ()
-                last = self._add(rank, Op(f"{piece.name_head}{mb}{piece.name_tail}", "collective", "compute",
-                                          deps=deps, collective=piece.collective, group=piece.group,
-                                          ranks=piece.ranks, mirrors=piece.mirrors, nbytes=piece.nbytes,
-                                          phase=piece.group))
+            if type(piece) is _CommPiece:
+                exchange = piece.group == "cp"
+                op = Op(f"{piece.name_head}{mb}{piece.name_tail}", "collective", "cp" if exchange else "compute",
+                        collective=piece.collective, group=piece.group, ranks=piece.ranks, mirrors=piece.mirrors,
+                        nbytes=piece.nbytes, phase=piece.group)
+                if exchange:  # on its own stream: starts once the op before its block ends
+                    op.deps = gathered + ((last,) if last is not None else ())
+                    exchanges.append(self._add(rank, op))
+                else:
+                    op.deps, gathered = gathered, ()
+                    last = self._add(rank, op)
             else:
                 deps, gathered = gathered, ()
                 if piece.joins:
@@ -255,11 +242,11 @@ class _Lowering:
                     group, mirrors = self._group(p, coll.group)
                     # Expert all-to-alls carry this rank's 1/tp of the tokens (the tp ranks split the dispatch).
                     nbytes = coll.bytes_per_token * self.tokens / (plan.tp if coll.group == "ep" else 1)
-                    pieces.append(_TPPiece(head, tail, coll.op, group, mirrors, nbytes, coll.group))
+                    pieces.append(_CommPiece(head, tail, coll.op, group, mirrors, nbytes, coll.group))
         return pieces
 
     def _with_context_exchange(self, p: int, cost: LayerCost, block, kind: str,
-                               compute: _ComputePiece) -> list[_ComputePiece | _CPPiece]:
+                               compute: _ComputePiece) -> list[_Piece]:
         """An attention block's compute with the K/V exchange context parallelism adds around it.
 
         Ring attention (``context_parallel: ring``, Megatron-LM's) passes K/V
@@ -276,9 +263,9 @@ class _Lowering:
         nbytes = 2 * shard(block.kv_width, plan.tp, block.kv_unit) * plan.dtype_bytes * plan.tokens_per_microbatch
         direction = {"F": "fwd", "R": "rec"}.get(kind, "bwd")
 
-        def exchange(collective: str) -> _CPPiece:
+        def exchange(collective: str) -> _CommPiece:
             head, tail = collective_name(collective, "cp", layer=cost.name, mb="|", dir=direction).split("|")
-            return _CPPiece(head, tail, collective, group, mirrors, nbytes)
+            return _CommPiece(head, tail, collective, group, mirrors, nbytes, "cp")
 
         join = dataclasses.replace(compute, matmuls=(), flops=0.0, hbm_bytes=0.0, kernels=0, joins=True)
         backward = kind in ("B", "I")
