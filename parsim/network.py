@@ -309,7 +309,7 @@ class Network:
                     rates[i] = rate
                 return rates
         self.solves += 1
-        routes = component[0].routes if len(component) == 1 else _stack([b.routes for b in component])
+        routes = component[0].routes if len(component) == 1 else stack_routes([b.routes for b in component])
         flat = max_min_rates(routes, self.capacity)
         split = np.cumsum([b.routes.shape[0] for b in component])[:-1]
         rates = np.split(flat, split)
@@ -383,7 +383,8 @@ class Network:
         return components
 
 
-def _stack(routes: list[np.ndarray]) -> np.ndarray:
+def stack_routes(routes: list[np.ndarray]) -> np.ndarray:
+    """Route matrices of different widths stacked into one, padded with -1."""
     width = max(r.shape[1] for r in routes)
     return np.vstack([r if r.shape[1] == width else
                       np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=-1) for r in routes])

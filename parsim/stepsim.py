@@ -35,7 +35,7 @@ from .collectives.algorithms import build_phases
 from .collectives.simulate import predict
 from .compute import ComputeModel
 from .errors import ParsimError
-from .network import Network
+from .network import Network, stack_routes
 from .program import Op, Program
 from .topology import Topology
 from .trace import Event, Trace
@@ -95,7 +95,7 @@ class StepSimulator:
         hops = [np.concatenate([p.routes.ravel() for p in phases]) for phases in per_group]
         kept = [per_group[i] for i in _contending([h[h >= 0] for h in hops], self.topo.num_links)]
         reduce_bw = self.topo.spec.reduction_bw_Bps
-        return tuple(self._ready_phase(_stack([p[i].routes for p in kept]),
+        return tuple(self._ready_phase(stack_routes([p[i].routes for p in kept]),
                                        np.concatenate([p[i].nbytes for p in kept]),
                                        first.steps, first.overhead_s, first.reduce_bytes / reduce_bw)
                      for i, first in enumerate(kept[0]))
@@ -346,7 +346,7 @@ class _Run:
 
 
 def _stall_message(program: Program, end: list[float]) -> str:
-    """Why a simulation stopped short: the first op of each stuck stream and what it waits on."""
+    """Why a simulation stopped short: how many ops never ran, the first of them, and what it waits on."""
     stuck = [op for op in program.ops if end[op.id] < 0]
     first = stuck[0]
     waits = [program.ops[d].name for d in first.deps if end[d] < 0]
@@ -377,12 +377,6 @@ def _contending(links: list[np.ndarray], num_links: int) -> list[int]:
                 rest.remove(i)
                 grew = True
     return sorted(kept)
-
-
-def _stack(routes: list[np.ndarray]) -> np.ndarray:
-    width = max(r.shape[1] for r in routes)
-    return np.vstack([r if r.shape[1] == width else
-                      np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=-1) for r in routes])
 
 
 class _ArgsCache:

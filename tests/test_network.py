@@ -123,3 +123,28 @@ def test_transfers_finish_at_any_simulated_time_whatever_the_rounding(start, sma
     env.run()
     assert done["small"] == pytest.approx(start + 2 * small / capacity, rel=1e-9, abs=1e-9)
     assert done["large"] == pytest.approx(start + (small + large) / capacity, rel=1e-9, abs=1e-9)
+
+
+def test_a_transfer_repeated_alone_is_solved_once_and_contention_is_remembered():
+    env = simpy.Environment()
+    net = Network(env, np.array([100.0, 100.0]))
+    ends = []
+
+    def repeat(key, routes, times):
+        for _ in range(times):
+            yield net.transfer(routes, 100.0, key=key)
+            ends.append((key, env.now))
+
+    env.process(repeat(1, np.array([[0]]), 5))
+    env.run()
+    assert net.solves == 1 and ends[-1] == (1, pytest.approx(5.0))  # alone: one trajectory, five wake-ups
+    # Two transfers that share link 0, started together five times: the first starts alone (one trajectory),
+    # the second joins (one solve of their component), the first ends and the second is alone (one more):
+    # three solves for the first round, none for the four after it.
+    env, ends[:] = simpy.Environment(), []
+    net = Network(env, np.array([100.0, 100.0]))
+    env.process(repeat(1, np.array([[0]]), 5))
+    env.process(repeat(2, np.array([[0, 1]]), 5))
+    env.run()
+    assert [t for _, t in ends[-2:]] == [pytest.approx(10.0)] * 2  # each round: 100 B each at 50 B/s
+    assert net.solves == 3
