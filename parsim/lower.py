@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from .model import LayerCost, MLPModel, shard
 from .plan import Plan
 from .program import Op, Program
-from .schedules import Action, Schedule, make_schedule
+from .schedules import Action
 from .trace import collective_name, compute_name, p2p_name
 
 FP32 = 4
@@ -90,10 +90,6 @@ class _Pending:
     key: tuple
 
 
-def schedule_of(plan: Plan) -> Schedule:
-    return make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
-
-
 def hidden_size(plan: Plan) -> int:
     model = plan.model
     return model.width if isinstance(model, MLPModel) else model.hidden
@@ -107,7 +103,7 @@ def lower(plan: Plan) -> Program:
 class _Lowering:
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.schedule = schedule_of(plan)
+        self.schedule = plan.pipeline
         self.program = Program(plan.world)
         self.tokens = plan.tokens_per_rank  # a context-parallel rank computes 1/cp of each sequence
         self.act_bytes = self.tokens * hidden_size(plan) * plan.dtype_bytes  # one microbatch's activations

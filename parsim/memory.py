@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .lower import schedule_of
 from .plan import Plan
 from .schedules import peak_in_flight
 
@@ -54,7 +53,7 @@ def memory(plan: Plan) -> list[Memory]:
     one such layer's full activations exist again for one microbatch (the
     recomputation's working set).
     """
-    in_flight = peak_in_flight(schedule_of(plan))
+    in_flight = peak_in_flight(plan.pipeline)
     tokens, d, n, zero = plan.tokens_per_rank, plan.dtype_bytes, plan.shard_size, plan.zero
     out = []
     for p in range(plan.pp):

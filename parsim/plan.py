@@ -45,9 +45,10 @@ from .errors import ConfigError, ParsimError
 from .files import read_yaml
 from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
 from .schedules import SCHEDULES as SCHEDULE_KINDS
+from .schedules import Schedule, make_schedule
 from .stage_split import balanced_split, even_split
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipe-v")
+SCHEDULES = tuple(SCHEDULE_KINDS)
 # Schedules with a steady state of one forward and one backward: they need at
 # least as many microbatches as stages to fill the pipeline.
 STEADY_STATE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipe-v")
@@ -431,14 +432,17 @@ class Plan:
         first = sum(self.stage_split[:stage])
         return range(first, first + self.stage_split[stage])
 
+    @cached_property
+    def pipeline(self) -> Schedule:
+        """The schedule's per-rank action lists (built once; the lowering, memory and executor share it)."""
+        return make_schedule(self.schedule, self.pp, self.num_microbatches, self.virtual_stages)
+
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stages pipeline rank ``pp_rank`` runs: ``pp_rank``, ``pp_rank + pp``, ... (looped), or
-        ``pp_rank`` and ``2·pp - 1 - pp_rank`` (V schedules)."""
+        ``pp_rank`` and ``2·pp - 1 - pp_rank`` (V schedules), as the schedule places them."""
         if not 0 <= pp_rank < self.pp:
             raise ParsimError(f"pp index {pp_rank} is outside 0..{self.pp - 1}")
-        if self.schedule in V_SCHEDULES:
-            return [pp_rank, 2 * self.pp - 1 - pp_rank]
-        return [pp_rank + chunk * self.pp for chunk in range(self.virtual_stages)]
+        return self.pipeline.stages_of(pp_rank)
 
     @cached_property
     def _costs(self) -> tuple[LayerCost | None, list[LayerCost], LayerCost | None]:

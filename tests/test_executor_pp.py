@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from parsim.lower import lower, schedule_of
+from parsim.lower import lower
 from parsim.plan import load_plan
 from parsim.trace import compute_name
 
@@ -76,7 +76,7 @@ def test_pipelined_step_equals_single_process(results, name):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", PLANS)
 def test_each_rank_runs_the_schedule_action_list_in_order(results, name):
-    schedule = schedule_of(PLANS[name])
+    schedule = PLANS[name].pipeline
     for rank in range(WORLD):
         ran = [n for n in results[rank][list(PLANS).index(name)]["events"] if COMPUTE.match(n)]
         assert ran == [compute_name(a.kind, a.stage, a.microbatch) for a in schedule.actions[rank]]

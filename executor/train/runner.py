@@ -20,7 +20,6 @@ from typing import Any, Callable
 from parsim.errors import ParsimError
 from parsim.model import MLPModel
 from parsim.plan import Plan, load_plan
-from parsim.lower import schedule_of
 from parsim.schedules import Schedule
 
 from .._torch import require_distributed, require_torch
@@ -87,7 +86,7 @@ def stage_piece_names(plan: Plan, stage: int) -> list[str]:
 
 def check_plan(plan: Plan) -> None:
     """Refuse, in one line and before any rank starts, a plan the executor's modules cannot run."""
-    m, schedule = plan.model, schedule_of(plan)
+    m, schedule = plan.model, plan.pipeline
     missing = [what for what, used in (
         (f"ZeRO-{plan.zero} / FSDP", plan.zero and plan.shard_size > 1),
         ("context parallelism", plan.cp > 1),
@@ -122,7 +121,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     check_plan(plan)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     recorder = Recorder(rank, torch.cuda.synchronize if device.type == "cuda" else None)
-    schedule = schedule_of(plan)
+    schedule = plan.pipeline
     groups = _process_groups(plan, rank, schedule)
     coords = plan.coords(rank)
     dtype = DTYPES[plan.dtype]
