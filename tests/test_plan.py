@@ -322,3 +322,19 @@ def test_frontier_example_plans_fit_and_say_how():
     assert (fsdp.zero, fsdp.shard_size, fsdp.activation_recompute) == (3, 8, "full")
     for plan in (llama405, fsdp):
         assert all(m.total <= capacity for m in memory(plan))
+
+
+def test_plan_show_describes_every_feature(capsys):
+    assert main(["plan", "show", "mixtral-8x22b"]) == 0
+    out = capsys.readouterr().out
+    assert "experts           8 per MoE layer over ep 8 ranks (1 per GPU), top-2" in out
+    assert "tensor parallel   megatron with sequence parallelism" in out
+    assert "ZeRO-1: optimizer state sharded over 8 ranks" in out
+    assert main(["plan", "show", "llama3-405b-128k-cp16"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline          1f1b, 16 stages of 7-8 layers (7/8x14/7)" in out
+    assert "context parallel  16 ranks per sequence, K/V all-gathered before attention" in out
+    assert "dp 8 x pp 16 x cp 16 x tp 8 = 16384 ranks" in out
+    assert main(["plan", "show", "llama3-8b-fsdp8"]) == 0
+    out = capsys.readouterr().out
+    assert "FSDP (ZeRO-3), shards over 8 ranks" in out and "recompute         full, every layer" in out

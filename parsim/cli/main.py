@@ -33,6 +33,7 @@ examples:
   parsim compare all-reduce --cluster my-host.yaml --nproc 2 --sweep 1MiB:64MiB
   parsim simulate llama3-70b-1024 --cluster dgx-h100 --gantt step.png
   parsim explain bubble --pp 4 --microbatches 8 --schedule 1f1b
+  parsim explain memory llama3-405b-16k
   parsim run course-pp --nproc 2
   parsim compare course-pp --cluster my-host.yaml --nproc 2 --trace both.json
 """

@@ -25,13 +25,19 @@ vs HBM bandwidth) and communication on the same flow-level network as
 simulated. One representative rank per pipeline stage is simulated; its
 collectives carry the traffic of every replica it stands for.
 
-phases per rank: forward / backward / weight-grad = compute; tp = tensor-
-parallel collectives; pp = waiting on pipeline receives (bubble + transfer);
-dp = gradient all-reduce not hidden behind compute; idle = the rest.
+phases per rank: forward / backward / weight-grad = compute; recompute =
+forwards rerun for the backward; tp = tensor-parallel collectives; ep = expert
+all-to-alls; cp = context-parallel K/V exchanges not hidden behind attention;
+pp = waiting on pipeline receives (bubble + transfer); dp = gradient
+reductions not hidden behind compute; fsdp = FSDP gathers and reductions not
+hidden; idle = the rest. Memory per GPU is explained by `parsim explain memory`;
+every plan key and its cost: docs/plans.md.
 
 examples:
   parsim simulate llama3-70b-1024 --cluster dgx-h100        (the default plan)
   parsim simulate llama3-70b-1024 --pp 4 --dp 32 --schedule interleaved-1f1b --virtual-stages 2
+  parsim simulate llama3-405b-16k --activation-recompute full --zero 3
+  parsim simulate mixtral-8x22b --expert-load 1.5
   parsim simulate my-plan.yaml --cluster dgx-b200 --trace step.json --gantt step.png
 """
 
