@@ -79,7 +79,7 @@ def measure(cluster: str, plan_data: dict) -> dict:
     prediction = predict_step(p, spec)
     wall = time.perf_counter() - start
     return {"wall_s": wall, "gpus": p.world, "step_s": prediction.step_s, "mfu": prediction.mfu,
-            "ops": sum(1 for _ in prediction.trace.events)}
+            "ops": len(prediction.trace.events)}
 
 
 def run_case(cluster: str, plan_data: dict, timeout: float) -> dict | None:

@@ -338,6 +338,8 @@ class MLPModel(_CostTotals):
     kind = "mlp"
     tp_styles = ("allgather",)
     sequence_parallel = False
+    is_moe = False
+    attention = "none"  # the lecture's layers have no attention
     tokens_per_sample = 1
 
     def __post_init__(self) -> None:

@@ -283,7 +283,7 @@ class Plan:
 
     def _check_experts(self) -> None:
         m = self.model
-        moe = isinstance(m, TransformerModel) and m.is_moe
+        moe = m.is_moe
         if self.ep > 1 and not moe:
             self._fail(f"ep {self.ep}: expert parallelism needs a mixture-of-experts model, and {m.name} is dense")
         if not moe:

@@ -90,8 +90,8 @@ def check_plan(plan: Plan) -> None:
     missing = [what for what, used in (
         (f"ZeRO-{plan.zero} / FSDP", plan.zero and plan.shard_size > 1),
         ("context parallelism", plan.cp > 1),
-        ("mixture-of-experts layers", getattr(m, "is_moe", False)),
-        ("latent attention (MLA)", getattr(m, "attention", "gqa") == "mla"),
+        ("mixture-of-experts layers", m.is_moe),
+        ("latent attention (MLA)", m.attention == "mla"),
         ("sequence parallelism", plan.sequence_parallel and plan.tp > 1),
         ("full activation recomputation", plan.activation_recompute == "full"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]

@@ -242,7 +242,7 @@ def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topolo
 
 def _experts_text(plan: Plan) -> str:
     m = plan.model
-    if not getattr(m, "is_moe", False):
+    if not m.is_moe:
         return "none (dense)"
     load = "balanced routing" if plan.expert_tokens_factor == 1 else \
         f"busiest expert {plan.expert_tokens_factor:g}x the mean load"
