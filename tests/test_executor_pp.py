@@ -1,7 +1,7 @@
 """The pipeline runtime executes parsim's schedules on 2 gloo ranks, and trains exactly like one process.
 
 For every schedule (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages per
-rank, zero-bubble with its split I / W backward), on the tiny transformer and
+rank, ZB-H1 and ZB-H2 with their split I / W backward, ZB-V, DualPipe-V), on the tiny transformer and
 on the course MLP: each rank runs precisely the action list the simulator
 times, in that order; the loss, the gradients and the weights after one AdamW
 step equal the unpipelined model's; and the transfers are the simulator's, by
@@ -42,6 +42,7 @@ PLANS = {
     "1f1b": gpt_plan("1f1b"),
     "interleaved-1f1b v2": gpt_plan("interleaved-1f1b", 2),
     "zero-bubble": gpt_plan("zero-bubble"),
+    "zb-h2": gpt_plan("zb-h2"),
     "1f1b, uneven stages (1 + 3 layers)": gpt_plan("1f1b", layers_per_stage=[1, 3]),
     "zbv (two stages per rank in a V)": gpt_plan("zbv", 2),
     "dualpipe-v": gpt_plan("dualpipe-v", 2),

@@ -92,7 +92,7 @@ def test_no_schedule_deadlocks_and_every_pass_runs_exactly_once(s):
     validate(s)
     counts = Counter(a for acts in s.actions for a in acts)
     def kinds(stage: int, mb: int) -> tuple[str, ...]:  # DualPipe-V splits the backwards of its last pairs only
-        split = s.name in ("zero-bubble", "zbv") or (s.name == "dualpipe-v" and (stage, mb) in s.split_passes)
+        split = s.name in ("zero-bubble", "zb-h2", "zbv") or (s.name == "dualpipe-v" and (stage, mb) in s.split_passes)
         return ("F", "I", "W") if split else ("F", "B")
 
     expected = {Action(k, st_, mb) for st_ in range(s.num_stages) for mb in range(s.num_microbatches)
@@ -126,6 +126,13 @@ def test_peak_in_flight_is_pp_minus_r_for_1f1b_and_zb_h1_and_m_for_gpipe(pp, m):
     assert peak_in_flight(make_schedule("1f1b", pp, m)) == one_f_one_b
     assert peak_in_flight(make_schedule("zero-bubble", pp, m)) == one_f_one_b
     assert peak_in_flight(make_schedule("gpipe", pp, m)) == [m] * pp
+
+
+@FAST
+@given(st.integers(1, 8), st.integers(1, 24))
+def test_zb_h2_holds_twice_the_warmup_of_1f1b(pp, m):
+    """Rank r keeps 2(p-r)-1 microbatches in flight (Qi et al. 2023: ZB-H2 peaks at about 2p on rank 0)."""
+    assert peak_in_flight(make_schedule("zb-h2", pp, m)) == [min(2 * (pp - r) - 1, m) for r in range(pp)]
 
 
 @FAST
@@ -172,6 +179,23 @@ def test_zb_h1_bubble_is_p_minus_1_times_tf_plus_ti_minus_tw(pp, m):
     assert sum(t.idle) == pytest.approx(sum(one_f_one_b.idle) / 3)
 
 
+@pytest.mark.parametrize("pp,m", [(2, 4), (3, 6), (4, 8), (8, 16), (3, 11)])
+def test_zb_h2_works_each_rank_without_a_gap_a_parallelogram(pp, m):
+    """With t_F = t_I = t_W and m >= 2p each rank r is busy over exactly [r, r + 3m]: no gap at all."""
+    t = simulate_ideal(make_schedule("zb-h2", pp, m), t_f=1.0, t_b=2.0, t_w=1.0)
+    for r, intervals in enumerate(t.intervals):
+        assert (intervals[0].start, intervals[-1].end) == pytest.approx((r, r + 3 * m))
+    assert t.idle == pytest.approx([pp - 1.0] * pp)  # only the slanted ends, (p-1) t_f
+
+
+def test_zb_h2_beats_zb_h1_when_the_input_gradient_is_slow():
+    """t_I = 2 t_W: ZB-H1 idles (p-1)(t_f + t_i - t_w), ZB-H2 only the ends (p-1) t_f."""
+    times = dict(t_f=1.0, t_b=3.0, t_w=1.0)
+    h1 = simulate_ideal(make_schedule("zero-bubble", 4, 8), **times)
+    h2 = simulate_ideal(make_schedule("zb-h2", 4, 8), **times)
+    assert h1.idle == pytest.approx([6.0] * 4) and h2.idle == pytest.approx([3.0] * 4)
+
+
 @settings(max_examples=150, deadline=None)
 @given(schedules(), times, times, st.floats(0, 1))
 def test_closed_forms_match_the_simulation_whenever_they_apply(s, t_f, t_b, w_share):
@@ -191,6 +215,12 @@ def test_zb_h1_has_a_closed_form_only_where_it_holds():
     assert closed_form(zb, 1, 3, 2) is None  # t_w > t_f
     assert closed_form(make_schedule("zero-bubble", 4, 3), 1, 2, 1) is None  # m < p
     assert closed_form(make_schedule("zbv", 4, 8), 1, 2, 1) is None
+
+
+def test_zb_h2_has_a_closed_form_only_where_it_holds():
+    assert closed_form(make_schedule("zb-h2", 4, 7), 1, 2, 1).bubble_substituted == "(4-1) 1 = 3"
+    assert closed_form(make_schedule("zb-h2", 4, 6), 1, 2, 1) is None  # m < 2p - 1
+    assert closed_form(make_schedule("zb-h2", 4, 8), 1, 3, 1) is None  # t_i > t_w
 
 
 def test_closed_form_substitutes_the_numbers():

@@ -15,6 +15,12 @@ fraction is bubble / step:
   of 1F1B's bubble); :func:`~parsim.schedules.simulate_ideal` reproduces it
   exactly whenever ``m >= p`` and ``t_w <= min(t_f, t_i)``, and only then is
   it given here.
+- ZB-H2 (Qi et al. 2023, section 2.2): with ``t_i <= min(t_f, t_w)`` and
+  ``m >= 2p - 1`` every rank works without a gap from its first forward to its
+  last ``W`` (a parallelogram), so one step idles only the slanted ends,
+  ``(p-1) t_f`` per rank. The paper's zero bubble is the same schedule with
+  optimizer post-validation, which lets consecutive steps' parallelograms
+  interlock; a step that synchronizes before the optimizer keeps the ends.
 
 ``tests/test_schedules.py`` checks every formula against the simulation.
 """
@@ -46,8 +52,9 @@ def closed_form(schedule: Schedule, t_f: float, t_b: float, t_w: float = 0.0) ->
 
     Times are those of one (virtual) stage, as for
     :func:`~parsim.schedules.simulate_ideal`. There is no closed form here for
-    ``zbv``, for the interleaved zero-bubble variant, and for ZB-H1 outside
-    ``m >= p`` and ``t_w <= min(t_f, t_b - t_w)``.
+    ``zbv``, for the interleaved zero-bubble variant, for ZB-H1 outside
+    ``m >= p`` and ``t_w <= min(t_f, t_b - t_w)``, and for ZB-H2 outside
+    ``m >= 2p - 1`` and ``t_b - t_w <= min(t_f, t_w)``.
     """
     p, m, v = schedule.pp, schedule.num_microbatches, schedule.virtual_stages
     work = v * m * (t_f + t_b)
@@ -80,6 +87,19 @@ def closed_form(schedule: Schedule, t_f: float, t_b: float, t_w: float = 0.0) ->
                           bubble, step, fraction,
                           "the I passes run 1F1B's critical path without the W passes, and each rank's "
                           "deferred W passes fill its cool-down")
+    if schedule.name == "zb-h2":
+        t_i = t_b - t_w
+        if m < 2 * p - 1 or t_i > min(t_f, t_w):
+            return None
+        bubble = (p - 1) * t_f
+        step = work + bubble
+        fraction = bubble / step
+        return ClosedForm("(p-1) t_f", f"({p}-1) {t_f:g} = {bubble:g}", "bubble / (m(t_f + t_b) + bubble)",
+                          f"{bubble:g} / ({m}({t_f:g} + {t_b:g}) + {bubble:g}) = {fraction:.4f}",
+                          bubble, step, fraction,
+                          "2(p-r)-1 warm-up forwards keep rank r busy until its first I, and its 2r+1 deferred "
+                          "W passes fill the cool-down: each rank works without a gap, and only the "
+                          "parallelogram's slanted ends idle (optimizer post-validation would hide them)")
     return None
 
 

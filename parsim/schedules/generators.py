@@ -14,6 +14,7 @@ gpipe              Huang et al. 2019 (GPipe)             ScheduleGPipe
                    Flush); Megatron-LM's default
 interleaved-1f1b   Narayanan et al. 2021 (Megatron-LM)   ScheduleInterleaved1F1B
 zero-bubble        Qi et al. 2023, ZB-H1 (v = 1)          ScheduleInterleavedZeroBubble
+zb-h2              Qi et al. 2023, ZB-H2                  (none; run from the action lists)
 zbv                Qi et al. 2023, ZB-V (section 6)       ScheduleZBVZeroBubble
 dualpipe-v         DeepSeek-AI 2024 (DualPipe), halved    ScheduleDualPipeV
 =================  ====================================  ===================================
@@ -84,7 +85,7 @@ def interleaved_1f1b(pp: int, num_microbatches: int, virtual_stages: int) -> Sch
     Unlike Megatron-LM, ``m == pp`` is not special-cased to "all forwards
     first" (PyTorch does not either).
     """
-    return _looped("interleaved-1f1b", pp, num_microbatches, virtual_stages, warmup_per_hop=2, zero_bubble=False)
+    return _looped("interleaved-1f1b", pp, num_microbatches, virtual_stages, warmup_per_hop=2)
 
 
 def zero_bubble(pp: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
@@ -105,15 +106,43 @@ def zero_bubble(pp: int, num_microbatches: int, virtual_stages: int = 1) -> Sche
     warm-up of ``(v - 1) * pp + pp - r - 1`` forwards and the same ``W``
     deferral. It requires ``m % pp == 0``.
     """
-    return _looped("zero-bubble", pp, num_microbatches, virtual_stages, warmup_per_hop=1, zero_bubble=True)
+    return _looped("zero-bubble", pp, num_microbatches, virtual_stages, warmup_per_hop=1,
+                   deferred_w=lambda rank: rank)
 
 
-def _looped(name: str, pp: int, m: int, v: int, *, warmup_per_hop: int, zero_bubble: bool) -> Schedule:
+def zb_h2(pp: int, num_microbatches: int) -> Schedule:
+    """Zero-bubble ZB-H2 (Qi et al. 2023, section 2.2; "ZB2P"): more warm-up, a parallelogram.
+
+    Rank ``r`` warms up with ``2(pp - r) - 1`` forwards instead of 1F1B's
+    ``pp - r``: exactly enough to stay busy until the first input gradient
+    comes back from the last stage. It then alternates ``I`` and ``F``, and
+    holds back its ``2r + 1`` most recent ``W`` passes, so the last stage
+    sends its input gradients up the pipe as early as possible and the
+    deferred ``W`` s fill the cool-down. With ``t_F = t_I = t_W`` and
+    ``m >= 2p`` every rank then works without a gap from its first
+    forward to its last ``W``: rank ``r`` is busy over ``[r t_F, r t_F +
+    3 m t]``, a parallelogram. The price is memory: rank ``r`` keeps up to
+    ``2(pp - r) - 1`` microbatches of activations (about twice 1F1B's).
+
+    One step still has the parallelogram's slanted ends (the last stage
+    starts ``(p - 1) t_F`` late; the first ends ``(p - 1)`` passes early):
+    the paper's zero bubble needs its optimizer post-validation (section 4),
+    which lets the next step's parallelogram slide into them. parsim times a
+    step with the optimizer synchronized, as a training loop without
+    post-validation runs it.
+    """
+    return _looped("zb-h2", pp, num_microbatches, 1, warmup_per_hop=2, deferred_w=lambda rank: 2 * rank + 1)
+
+
+def _looped(name: str, pp: int, m: int, v: int, *, warmup_per_hop: int,
+            deferred_w: Callable[[int], int] | None = None) -> Schedule:
     """Warm-up / steady / cool-down over ``v`` looped stages per rank (PyTorch's ``_get_1f1b_rank_ops``).
 
     Pass ``k`` of a rank (counted separately for forwards and backwards)
     handles microbatch ``(k // (pp v)) pp + k % pp`` on the rank's local stage
     ``(k // pp) % v`` (forward) or ``v - 1 - (k // pp) % v`` (backward).
+    ``deferred_w`` splits backwards into ``I`` and ``W`` and says how many
+    ``W`` passes rank ``r`` holds back (run after its last ``I``).
     """
     total = v * m
 
@@ -133,12 +162,12 @@ def _looped(name: str, pp: int, m: int, v: int, *, warmup_per_hop: int, zero_bub
         pending_w: deque[Action] = deque()
 
         def run_backward(k: int) -> None:
-            if not zero_bubble:
+            if deferred_w is None:
                 ops.append(backward(k, "B"))
                 return
             ops.append(backward(k, "I"))
             pending_w.append(backward(k, "W"))
-            if len(pending_w) > rank:  # rank r keeps r weight-gradient passes for the tail
+            if len(pending_w) > deferred_w(rank):  # keep that many weight-gradient passes for the tail
                 ops.append(pending_w.popleft())
 
         for k in range(total - warmup):  # steady state: one forward, one backward
@@ -337,6 +366,9 @@ SCHEDULES: dict[str, ScheduleKind] = {
         ScheduleKind("zero-bubble", "backward split into I and W; W deferred to fill the bubble",
                      "Qi et al. 2023, Zero Bubble Pipeline Parallelism (ZB-H1)", "ScheduleInterleavedZeroBubble",
                      zero_bubble, (1, None), looped=True),
+        ScheduleKind("zb-h2", "ZB-H1 with twice the warm-up forwards: no gaps, about twice 1F1B's activations",
+                     "Qi et al. 2023, Zero Bubble Pipeline Parallelism (ZB-H2)", "",
+                     lambda p, m, v: zb_h2(p, m)),
         ScheduleKind("zbv", "two stages per rank in a V; I and W split to fill the bubble",
                      "Qi et al. 2023, Zero Bubble Pipeline Parallelism (ZB-V)", "ScheduleZBVZeroBubble",
                      lambda p, m, v: zbv(p, m), (2, 2)),
