@@ -412,6 +412,8 @@ class _Lowering:
                             sync.append(self._dp_collective(rank, p, "all_reduce", "replicate", nbytes / shard, (),
                                                             **tag))
                         gather.append((dim, tag, nbytes))
+        if plan.sequence_parallel and plan.tp > 1:
+            sync.append(self._sequence_parallel_norms(rank, p, last_compute))
         expert_params = plan.expert_params_per_rank(p)
         params = (plan.params_per_rank(p) - expert_params) / plan.shard_size + expert_params / plan.expert_shard_size
         tensors_count = sum(len(_param_tensors(c, plan.tp, plan.ep)) for s in plan.stages_of(p)
@@ -421,6 +423,17 @@ class _Lowering:
                                   kernels=tensors_count * ADAMW_KERNELS, phase="optimizer"))
         for dim, tag, nbytes in gather:  # ZeRO-1/2: every rank needs the updated weights back
             self._dp_collective(rank, p, "all_gather", dim, nbytes, (step,), **tag)
+
+    def _sequence_parallel_norms(self, rank: int, p: int, after: int) -> int:
+        """Sum the norm gains' gradients over the tp group: under sequence parallelism each rank saw only
+        its part of the sequence (Megatron-LM all-reduces them after the data-parallel sync)."""
+        plan = self.plan
+        elements = sum(param.numel_per_rank(plan.tp) for s in plan.stages_of(p) for cost in plan.stage_costs(s)
+                       for param in cost.params if param.name.startswith("norm."))
+        group, mirrors = self._group(p, "tp")
+        return self._add(rank, Op(collective_name("all_reduce", "tp", params="norms"), "collective", "comm",
+                                  deps=(after,), collective="all_reduce", group="tp", ranks=group, mirrors=mirrors,
+                                  nbytes=elements * plan.dtype_bytes, phase="tp"))
 
     def _dp_collective(self, rank: int, p: int, collective: str, dim: str, nbytes: float, deps: tuple,
                        **tags) -> int:

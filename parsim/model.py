@@ -631,17 +631,21 @@ class TransformerModel(_CostTotals):
         A lookup costs no FLOPs. Under TP each rank looks up the ids in its
         slice of the vocabulary and an all-reduce assembles the embeddings
         (Megatron-LM's VocabParallelEmbedding); with sequence parallelism a
-        reduce-scatter leaves each rank its part of the sequence. Saved: the
-        token ids.
+        reduce-scatter leaves each rank its part of the sequence, and its
+        backward all-gathers the gradient (the all-reduce's backward is the
+        identity). Saved: the token ids.
         """
         self._check_style(tp_style, sequence_parallel)
         h = self.hidden
         params = [Param("embed.tokens", self.vocab_size, h, "rows")]
         if self.position_embedding == "learned":
             params.append(Param("embed.positions", self.seq_len, h))
-        assemble = "reduce_scatter" if sequence_parallel else "all_reduce"
-        block = Block("embedding", collectives=(
-            TPCollective("embed.out", assemble, "forward", "after", h * dtype_bytes),))
+        if sequence_parallel:
+            collectives = (TPCollective("embed.out", "reduce_scatter", "forward", "after", h * dtype_bytes),
+                           TPCollective("embed.out.grad", "all_gather", "backward", "before", h * dtype_bytes))
+        else:
+            collectives = (TPCollective("embed.out", "all_reduce", "forward", "after", h * dtype_bytes),)
+        block = Block("embedding", collectives=collectives)
         return LayerCost("embedding", (block,), tuple(params),
                          (Activation("embed.ids", 1, INDEX_BYTES, sharded=False),))
 

@@ -87,9 +87,12 @@ def test_sequence_parallelism_swaps_all_reduce_for_all_gather_and_reduce_scatter
     plain = Counter(op.collective for op in lower(plan()).ops if op.group == "tp")
     blocks = 2 * 8 * 4  # attention and MLP, 8 layers, 4 microbatches
     # Forward and backward: one all-gather and one reduce-scatter per block where an all-reduce was; the head
-    # gathers its input (forward) and scatters its gradient (backward), the embedding scatters its output.
-    assert ops["all_gather"] == 2 * blocks + 4 and ops["reduce_scatter"] == 2 * blocks + 4 + 4
-    assert plain["all_reduce"] - ops["all_reduce"] == 2 * blocks + 4 + 4  # + embedding and head all-reduces
+    # gathers its input (forward) and scatters its gradient (backward), the embedding scatters its output
+    # (forward) and gathers its gradient (backward).
+    assert ops["all_gather"] == 2 * blocks + 4 + 4 and ops["reduce_scatter"] == 2 * blocks + 4 + 4
+    # Gone: the blocks', embedding's and head's all-reduces; new: one sum of the norm gradients per pipeline rank.
+    assert plain["all_reduce"] - ops["all_reduce"] == 2 * blocks + 4 + 4 - 2
+    assert sum(op.name == "all_reduce tp params=norms" for op in lower(plan(sequence_parallel=True)).ops) == 2
 
 
 def test_sequence_parallelism_moves_the_same_bytes_and_saves_memory():

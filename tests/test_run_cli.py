@@ -36,8 +36,6 @@ def test_a_plan_the_executor_cannot_shard_is_refused_before_any_rank_starts(caps
 
 
 @pytest.mark.parametrize("flags, feature", [
-    (["tiny-tp2", "--sequence-parallel"], "sequence parallelism"),
-    (["tiny-pp2", "--activation-recompute", "full"], "full activation recomputation"),
     (["tiny-pp2", "--dtype", "fp8"], "fp8 compute"),
     (["--model", "tiny-gpt", "--dp", "2", "--grad-sync", "fsdp"], "ZeRO-3 / FSDP"),
 ])
@@ -45,6 +43,17 @@ def test_features_the_executor_does_not_run_yet_are_refused_not_ignored(flags, f
     assert main(["run", *flags, "--nproc", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"does not execute {feature}" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["tiny-pp2", "--activation-recompute", "full", "--schedule", "zero-bubble"],
+     "full activation recomputation with the split backward of zero-bubble"),
+    (["--model", "gpt3-175b", "--tp", "2", "--sequence-parallel"], "sequence parallelism with learned positions"),
+])
+def test_combinations_the_executor_cannot_run_are_refused_in_one_line(flags, message, capsys):
+    assert main(["run", *flags, "--nproc", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err
 
 
 @needs_torch

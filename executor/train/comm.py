@@ -11,6 +11,13 @@ Megatron's loss over a vocabulary split across ranks: three small
 all-reduces per token (the logit maximum, the target logit, the sum of
 exponentials) and no gathered logits.
 
+With sequence parallelism (Korthikanti et al. 2022, section 4.2.2) the
+activations between blocks hold ``1/tp`` of the sequence: a block's entry
+all-gathers the sequence (its backward reduce-scatters the gradient) and its
+exit reduce-scatters the partial outputs (its backward all-gathers), so norms
+run on sequence shards and each ``f`` / ``g`` pair moves the same bytes as
+one all-reduce.
+
 Every collective is an event ``<op> tp layer=<piece> mb=<m> dir=<fwd|bwd><i>``
 with the bytes it moved, the names the simulator gives the same collectives.
 """
@@ -32,6 +39,7 @@ nn = torch.nn
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+SEQUENCE_DIM = 1  # activations are (batch, sequence, hidden)
 
 
 @dataclass
@@ -44,6 +52,7 @@ class TPGroup:
     recorder: Recorder
 
     def _span(self, op: str, layer: str, direction: str, nbytes: int):
+        direction = self.recorder.direction(direction)
         index = self.recorder.next_index(layer, direction)
         name = collective_name(op, "tp", layer=layer, mb=self.recorder.microbatch, dir=f"{direction}{index}")
         return self.recorder.span(name, "collective", "comm", phase="tp", bytes=nbytes)
@@ -54,16 +63,18 @@ class TPGroup:
             dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=self.group)
         return x
 
-    def all_gather_last(self, x, layer: str, direction: str) -> Any:
-        """Concatenate every rank's ``x`` along the last dimension."""
+    def all_gather(self, x, dim: int, layer: str, direction: str) -> Any:
+        """Concatenate every rank's ``x`` along ``dim``, in rank order."""
+        dim %= x.dim()
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         with self._span("all_gather", layer, direction, out.numel() * out.element_size()):
             _all_gather(out, x.contiguous(), group=self.group)
-        return out.unflatten(0, (self.size, -1)).movedim(0, -2).flatten(-2)
+        return out.unflatten(0, (self.size, -1)).movedim(0, dim).flatten(dim, dim + 1)
 
-    def reduce_scatter_last(self, x, layer: str, direction: str) -> Any:
-        """Sum ``x`` over ranks and keep this rank's slice of the last dimension."""
-        chunks = x.unflatten(-1, (self.size, -1)).movedim(-2, 0).contiguous()
+    def reduce_scatter(self, x, dim: int, layer: str, direction: str) -> Any:
+        """Sum ``x`` over ranks and keep this rank's slice of ``dim``."""
+        dim %= x.dim()
+        chunks = x.unflatten(dim, (self.size, -1)).movedim(dim, 0).contiguous()
         out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
         with self._span("reduce_scatter", layer, direction, chunks.numel() * chunks.element_size()):
             _reduce_scatter(out, chunks.flatten(0, 1), group=self.group)
@@ -95,11 +106,38 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp: TPGroup, layer: str):
         ctx.tp, ctx.layer = tp, layer
-        return tp.all_gather_last(x, layer, "fwd")
+        return tp.all_gather(x, -1, layer, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.reduce_scatter_last(grad, ctx.layer, "bwd"), None, None
+        return ctx.tp.reduce_scatter(grad, -1, ctx.layer, "bwd"), None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Megatron-LM's ``gather_from_sequence_parallel_region``: all-gather the sequence, reduce-scatter back."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup, layer: str):
+        ctx.tp, ctx.layer = tp, layer
+        return tp.all_gather(x, SEQUENCE_DIM, layer, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.reduce_scatter(grad, SEQUENCE_DIM, ctx.layer, "bwd"), None, None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Megatron-LM's ``reduce_scatter_to_sequence_parallel_region``: sum partial outputs, keep this rank's
+    part of the sequence; the backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup, layer: str):
+        ctx.tp, ctx.layer = tp, layer
+        return tp.reduce_scatter(x, SEQUENCE_DIM, layer, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.all_gather(grad, SEQUENCE_DIM, ctx.layer, "bwd"), None, None
 
 
 class _ShareLoss(torch.autograd.Function):
@@ -138,6 +176,20 @@ class GatherFromTP(CopyToTP):
 
     def forward(self, x):
         return _GatherFromTP.apply(x, self.tp, self.layer)
+
+
+class GatherSequence(CopyToTP):
+    """Sequence parallelism's entry to a column-parallel block: the whole sequence from every rank's part."""
+
+    def forward(self, x):
+        return _GatherSequence.apply(x, self.tp, self.layer)
+
+
+class ScatterSequence(CopyToTP):
+    """Sequence parallelism's exit from a row-parallel block: partial sums in, this rank's sequence part out."""
+
+    def forward(self, x):
+        return _ScatterSequence.apply(x, self.tp, self.layer)
 
 
 class SharedLoss(nn.Module):

@@ -116,8 +116,8 @@ class Attention(nn.Module):
         self.enter, self.exit = nn.Identity(), nn.Identity()
 
     def forward(self, x):
+        x = self.enter(x)  # under sequence parallelism this gathers the whole sequence
         b, s, _ = x.shape
-        x = self.enter(x)
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         if self.rope:
             q, k = rotary(q), rotary(k)

@@ -25,8 +25,9 @@ from parsim.model import MLPModel, Model
 from parsim.trace import collective_name
 
 from .._torch import require_distributed, require_torch
-from .comm import CopyToTP, GatherFromTP, ReduceFromTP, SharedLoss, TPGroup, VocabParallelCrossEntropy
-from .models import Piece
+from .comm import (CopyToTP, GatherFromTP, GatherSequence, ReduceFromTP, ScatterSequence, SharedLoss, TPGroup,
+                   VocabParallelCrossEntropy)
+from .models import Piece, RMSNorm
 from .trace_recorder import Recorder
 
 torch = require_torch()
@@ -71,8 +72,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 # --------------------------------------------------------------------------- tensor parallel
-def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: str, tp: TPGroup) -> Any:
-    """Shard ``pieces`` in place for ``tp``; return the loss module the last stage must use."""
+def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: str, tp: TPGroup,
+                          sequence_parallel: bool = False) -> Any:
+    """Shard ``pieces`` in place for ``tp``; return the loss module the last stage must use.
+
+    With ``sequence_parallel`` (Megatron-LM's, Korthikanti et al. 2022) the activations between blocks
+    hold this rank's ``1/tp`` of the sequence: blocks enter with an all-gather and leave with a
+    reduce-scatter, the embedding leaves with a reduce-scatter and the head enters with an all-gather.
+    Norm gains then see only part of the sequence: they are marked ``sequence_parallel`` so their
+    gradients can be summed over the group (:func:`sequence_parallel_grad_sync`).
+    """
     if tp.size == 1:
         return loss
     if isinstance(model, MLPModel):
@@ -86,29 +95,36 @@ def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: s
     start, stop = tp.rank * per, min(model.vocab_size, (tp.rank + 1) * per)
     if start >= stop:
         raise ParsimError(f"vocab_size {model.vocab_size} is too small to split over tp {tp.size}")
+    enter, exit_ = (GatherSequence, ScatterSequence) if sequence_parallel else (CopyToTP, ReduceFromTP)
     for piece in pieces:
         m = piece.module
         if piece.name == "embedding":
             m.tokens = VocabParallelEmbedding(shard_parameter(m.tokens.weight, 0, start, stop), start)
-            m.exit = ReduceFromTP(tp, piece.name)
+            m.exit = exit_(tp, piece.name)
         elif piece.name == "head":
             m.out.weight = shard_parameter(m.out.weight, 0, start, stop)
-            m.enter = CopyToTP(tp, piece.name)
+            m.enter = enter(tp, piece.name)
             loss = VocabParallelCrossEntropy(tp, start)
         else:
-            _megatron_block(m.attn, ("q", "k", "v"), ("o",), tp, piece.name)
+            _megatron_block(m.attn, ("q", "k", "v"), ("o",), enter(tp, piece.name), exit_(tp, piece.name), tp)
             columns = ("gate", "up") if m.mlp.swiglu else ("fc1",)
-            _megatron_block(m.mlp, columns, ("down",) if m.mlp.swiglu else ("fc2",), tp, piece.name)
+            _megatron_block(m.mlp, columns, ("down",) if m.mlp.swiglu else ("fc2",), enter(tp, piece.name),
+                            exit_(tp, piece.name), tp)
+        if sequence_parallel:
+            for sub in m.modules():
+                if isinstance(sub, RMSNorm):
+                    sub.weight.sequence_parallel = True
     return loss
 
 
-def _megatron_block(block, columns: tuple[str, ...], rows: tuple[str, ...], tp: TPGroup, layer: str) -> None:
+def _megatron_block(block, columns: tuple[str, ...], rows: tuple[str, ...], enter: Any, exit_: Any,
+                    tp: TPGroup) -> None:
     """Column-parallel ``columns`` (output features split), row-parallel ``rows`` (input features split)."""
     for name in columns:
         _split(getattr(block, name), "weight", 0, tp)
     for name in rows:
         _split(getattr(block, name), "weight", 1, tp)
-    block.enter, block.exit = CopyToTP(tp, layer), ReduceFromTP(tp, layer)
+    block.enter, block.exit = enter, exit_
 
 
 def _mlp(pieces: list[Piece], loss: Any, style: str, tp: TPGroup) -> Any:
@@ -137,6 +153,30 @@ def _mlp(pieces: list[Piece], loss: Any, style: str, tp: TPGroup) -> Any:
             _split(layer.proj, "weight", 0, tp)
             layer.reduce = ReduceFromTP(tp, piece.name)
     return loss
+
+
+def sequence_parallel_grad_sync(params: list, tp: TPGroup) -> Callable[[], None] | None:
+    """Sum the gradients of ``params`` marked ``sequence_parallel`` over ``tp``, in one flat all-reduce.
+
+    Each rank's norm gains saw only its part of the sequence, so their
+    gradients are partial sums; Megatron-LM all-reduces them over the
+    tensor-parallel group after the data-parallel sync (``finalize_model_grads``).
+    """
+    marked = [p for p in params if getattr(p, "sequence_parallel", False)]
+    if not marked:
+        return None
+
+    def sync() -> None:
+        flat = torch.cat([p.grad.reshape(-1) for p in marked])
+        with tp.recorder.span(collective_name("all_reduce", "tp", params="norms"), "collective", "comm",
+                              phase="tp", bytes=flat.numel() * flat.element_size()):
+            dist.all_reduce(flat, group=tp.group)
+        offset = 0
+        for p in marked:
+            p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+            offset += p.grad.numel()
+
+    return sync
 
 
 # --------------------------------------------------------------------------- data parallel

@@ -25,8 +25,9 @@ from parsim.schedules import Schedule
 from .._torch import require_distributed, require_torch
 from .comm import TPGroup
 from .models import build_loss, build_pieces, make_batch
-from .parallel import apply_data_parallel, apply_tensor_parallel, tie_embeddings
+from .parallel import apply_data_parallel, apply_tensor_parallel, sequence_parallel_grad_sync, tie_embeddings
 from .pipeline import PipelineRuntime, Stage
+from .recompute import apply_activation_recompute
 from .trace_recorder import Recorder
 
 torch = require_torch()
@@ -45,7 +46,7 @@ class RankSetup:
     stages: dict[int, Stage]
     runtime: PipelineRuntime
     grad_sync: Any  # GradSync | None
-    tie_sync: Callable[[], None] | None
+    finalize: list[Callable[[], None]]  # gradient fix-ups after the data-parallel sync, in order
     optimizer: Any
     recorder: Recorder
     microbatches: tuple[list, list]  # (inputs, targets) per microbatch
@@ -65,8 +66,8 @@ class RankSetup:
         loss = self.runtime.run(*self.microbatches)
         if self.grad_sync is not None:
             self.grad_sync.finish()
-        if self.tie_sync is not None:
-            self.tie_sync()
+        for fix_up in self.finalize:
+            fix_up()
         return loss
 
     def step(self) -> float | None:
@@ -92,14 +93,18 @@ def check_plan(plan: Plan) -> None:
         ("context parallelism", plan.cp > 1),
         ("mixture-of-experts layers", m.is_moe),
         ("latent attention (MLA)", m.attention == "mla"),
-        ("sequence parallelism", plan.sequence_parallel and plan.tp > 1),
-        ("full activation recomputation", plan.activation_recompute == "full"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
     if missing:
         raise ParsimError(f"parsim run does not execute {', '.join(missing)} yet; `parsim simulate` predicts it "
                           f"(the executor runs DDP, tensor and pipeline parallelism with uneven stages)")
     if isinstance(m, MLPModel):
         return  # the lecture's layers run under every plan parsim accepts
+    if plan.activation_recompute == "full" and schedule.split_backward:
+        raise ParsimError(f"full activation recomputation with the split backward of {schedule.name}: torch's "
+                          f"checkpoint would re-run each layer's forward for every weight-gradient pass")
+    if plan.sequence_parallel and plan.tp > 1 and m.position_embedding == "learned":
+        raise ParsimError("sequence parallelism with learned positions: Megatron-LM all-reduces and then splits "
+                          "those embeddings, which the executor does not do; use rope")
     if m.position_embedding == "rope" and m.head_dim % 2:
         raise ParsimError(f"model {m.name}: RoPE needs an even head_dim, got {m.head_dim}")
     if m.num_kv_heads % plan.tp:
@@ -132,9 +137,11 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     names = {s: stage_piece_names(plan, s) for s in stage_ids}
     built = {p.name: p for p in build_pieces(model, seed, {n for ns in names.values() for n in ns})}
     stages = {}
+    sequence_parallel = plan.sequence_parallel and plan.tp > 1
     for s in stage_ids:
         pieces = [built[n] for n in names[s]]
-        loss = apply_tensor_parallel(pieces, build_loss(model), model, plan.tp_style, tp)
+        loss = apply_tensor_parallel(pieces, build_loss(model), model, plan.tp_style, tp, sequence_parallel)
+        pieces = apply_activation_recompute(pieces, {c.name for c in plan.recomputed(s)}, recorder)
         stages[s] = Stage(pieces, loss if s == plan.num_stages - 1 else None).to(device=device, dtype=dtype)
     tie_sync = None
     if getattr(model, "tied_embeddings", False):
@@ -149,7 +156,9 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     runtime = PipelineRuntime(schedule, coords.pp, stages, owners, rank, recorder, _activation_shape(plan),
                               dtype, device)
     optimizer = torch.optim.AdamW(sync_order, lr=LEARNING_RATE)
-    return RankSetup(plan, rank, stages, runtime, grad_sync, tie_sync, optimizer, recorder,
+    # Megatron-LM's finalize_model_grads order: data-parallel sync, then sequence-parallel norms, then embeddings.
+    finalize = [f for f in (sequence_parallel_grad_sync(sync_order, tp), tie_sync) if f is not None]
+    return RankSetup(plan, rank, stages, runtime, grad_sync, finalize, optimizer, recorder,
                      _local_microbatches(plan, coords.dp, seed, dtype, device))
 
 
@@ -215,7 +224,8 @@ def _activation_shape(plan: Plan) -> tuple[int, ...]:
     m = plan.model
     if isinstance(m, MLPModel):
         return (plan.microbatch_size, m.width)
-    return (plan.microbatch_size, m.seq_len, m.hidden)
+    sequence_shards = plan.tp if plan.sequence_parallel else 1  # sequence parallelism sends 1/tp of it
+    return (plan.microbatch_size, m.seq_len // sequence_shards, m.hidden)
 
 
 def _local_microbatches(plan: Plan, dp_rank: int, seed: int, dtype: Any, device: Any) -> tuple[list, list]:

@@ -39,6 +39,7 @@ class Recorder:
         self.microbatch = 0
         self._t0 = time.perf_counter()
         self._counts: dict[tuple[str, str], int] = {}
+        self._recomputing = 0  # depth of recomputation contexts entered
 
     def start_step(self) -> None:
         """Forget earlier events; t = 0 is now."""
@@ -53,6 +54,16 @@ class Recorder:
     def begin_action(self, microbatch: int) -> None:
         self.microbatch = microbatch
         self._counts = {}
+
+    def recomputing(self) -> "_Recomputing":
+        """A context for a recomputed layer's forward re-run: its forward collectives are named ``rec``.
+
+        Reusable and re-entrant (checkpointing may enter it more than once)."""
+        return _Recomputing(self)
+
+    def direction(self, direction: str) -> str:
+        """The name of a collective's direction: ``fwd`` inside a recomputation is ``rec``."""
+        return "rec" if direction == "fwd" and self._recomputing else direction
 
     def next_index(self, layer: str, direction: str) -> int:
         """0, 1, ... for successive collectives of ``layer`` in ``direction`` within this action."""
@@ -75,3 +86,14 @@ class Recorder:
             yield
             end = self.now()
         self.add(name, kind, stream, start, end, **args)
+
+
+class _Recomputing:
+    def __init__(self, recorder: Recorder):
+        self.recorder = recorder
+
+    def __enter__(self) -> None:
+        self.recorder._recomputing += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.recorder._recomputing -= 1
