@@ -45,7 +45,7 @@ PLANS = {
         "zero2 dp4, hsdp shard_group 2, buckets after the backward": _plan(
             {"dp": 4}, {"grad_sync": "bucketed", "bucket_size": "8KiB", "zero": 2, "shard_group": 2,
                         "overlap": False}),
-        "zero1 dp2 x pp2, 1f1b": _plan({"dp": 2, "pp": 2}, dict(ZERO1, overlap=True)),
+        "zero2 dp2 x pp2, 1f1b, overlapped buckets": _plan({"dp": 2, "pp": 2}, dict(ZERO1, zero=2, overlap=True)),
         "fsdp dp4, hsdp shard_group 2": _plan({"dp": 4}, dict(FSDP, shard_group=2)),
         "fsdp dp2 x tp2 (2-D)": _plan({"dp": 2, "tp": 2}, FSDP),
         "fsdp dp2 x pp2, 1f1b": _plan({"dp": 2, "pp": 2}, FSDP),

@@ -21,6 +21,9 @@ collective, ``all_gather fsdp layer=L stage=S mb=M dir=fwd|bwd`` and
 ``foreach_reduce`` with no comm hook of its own; ``set_all_reduce_hook`` runs
 right after it, so the event spans from the end of the unit's reduce-scatter to
 that hook: the all-reduce, as FSDP2 issues it synchronously between the two.
+The comm objects meet FSDP2's ``AllGather`` / ``ReduceScatter`` interface
+(``allocate`` and ``__call__``) by duck typing: the abstract classes live in a
+private module, and nothing private is imported or patched.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from .trace_recorder import Recorder
 
 torch = require_torch()
 dist = require_distributed()
-nn = torch.nn
 
 
 class _Pass:

@@ -2,7 +2,8 @@
 
 The quality bar of the executor: with the same seed, every rank's loss, the
 gradients of every parameter it holds (a shard compared with its slice of the
-dense gradient) and, optionally, the parameters after one AdamW step must
+dense gradient; under ZeRO-1/2 the reduced part the rank owns, under FSDP the
+DTensor gathered over its mesh) and, optionally, the parameters after one AdamW step must
 equal the single-process reference on the whole global batch, to float
 tolerance. :func:`verify_rank` runs on each rank (under
 :func:`executor.launch.launch`); the caller asserts on what it returns.

@@ -41,7 +41,6 @@ class _Shard:
     """This rank's slice ``[start, start + len(weights))`` of one padded flat bucket."""
 
     offsets: list[int]  # where each of the bucket's parameters starts in the flat bucket
-    numel: int  # the bucket's elements before padding
     start: int
     weights: Any  # a leaf tensor: the owned weights, stepped by AdamW; its ``grad`` the reduced gradient
 
@@ -71,7 +70,7 @@ class ZeroOptimizer(GradSync):
                     offsets.append(offsets[-1] + p.numel())
                 self._offset_of.update((id(p), offset) for p, offset in zip(bucket, offsets))
                 weights = flat[rank * per:(rank + 1) * per].clone().requires_grad_(True)
-                self.shards.append(_Shard(offsets, sum(p.numel() for p in bucket), rank * per, weights))
+                self.shards.append(_Shard(offsets, rank * per, weights))
         self.adamw = torch.optim.AdamW([s.weights for s in self.shards], lr=lr)
 
     # -- the optimizer's face ----------------------------------------------------
