@@ -37,7 +37,8 @@ def test_a_plan_the_executor_cannot_shard_is_refused_before_any_rank_starts(caps
 
 @pytest.mark.parametrize("flags, feature", [
     (["tiny-pp2", "--dtype", "fp8"], "fp8 compute"),
-    (["--model", "tiny-gpt", "--dp", "2", "--grad-sync", "fsdp"], "ZeRO-3 / FSDP"),
+    (["--model", "tiny-gpt", "--dp", "2", "--grad-sync", "fsdp", "--schedule", "zero-bubble"],
+     "FSDP with a split-backward (zero-bubble) schedule"),
 ])
 def test_features_the_executor_does_not_run_yet_are_refused_not_ignored(flags, feature, capsys):
     assert main(["run", *flags, "--nproc", "2"]) == 2

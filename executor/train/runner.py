@@ -24,11 +24,13 @@ from parsim.schedules import Schedule
 
 from .._torch import require_distributed, require_torch
 from .comm import TPGroup
+from .fsdp import apply_fsdp, data_parallel_mesh, dense
 from .models import build_loss, build_pieces, make_batch
 from .parallel import apply_data_parallel, apply_tensor_parallel, sequence_parallel_grad_sync, tie_embeddings
 from .pipeline import PipelineRuntime, Stage
 from .recompute import apply_activation_recompute
 from .trace_recorder import Recorder
+from .zero import ZeroOptimizer
 
 torch = require_torch()
 dist = require_distributed()
@@ -50,6 +52,7 @@ class RankSetup:
     optimizer: Any
     recorder: Recorder
     microbatches: tuple[list, list]  # (inputs, targets) per microbatch
+    after_step: Callable[[], None] | None = None  # ZeRO-1/2: all-gather the updated weights
 
     def parameters(self) -> list:
         seen: dict[int, Any] = {}
@@ -57,6 +60,13 @@ class RankSetup:
             for p in stage.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
+
+    def gradient(self, param, reference) -> tuple[Any, Any]:
+        """This rank's gradient of ``param`` (the reduced part ZeRO-1/2 owns; FSDP's gathered) and the same
+        part of ``reference``, the dense gradient of what ``param`` holds."""
+        if isinstance(self.grad_sync, ZeroOptimizer):
+            return self.grad_sync.owned_gradient(param, reference)
+        return dense(param.grad), reference
 
     def forward_backward(self) -> float | None:
         """Run the schedule and synchronize gradients; the mean loss on last-stage ranks, else None."""
@@ -74,6 +84,8 @@ class RankSetup:
         loss = self.forward_backward()
         with self.recorder.span("optimizer step", "optimizer", "compute", phase="optimizer"):
             self.optimizer.step()
+        if self.after_step is not None:
+            self.after_step()
         return loss
 
 
@@ -88,15 +100,22 @@ def stage_piece_names(plan: Plan, stage: int) -> list[str]:
 def check_plan(plan: Plan) -> None:
     """Refuse, in one line and before any rank starts, a plan the executor's modules cannot run."""
     m, schedule = plan.model, plan.pipeline
+    sharded = plan.zero and plan.shard_size > 1
+    tied = getattr(m, "tied_embeddings", False)
+    tie_across = tied and schedule.stage_to_rank(0) != schedule.stage_to_rank(plan.num_stages - 1)
     missing = [what for what, used in (
-        (f"ZeRO-{plan.zero} / FSDP", plan.zero and plan.shard_size > 1),
+        ("FSDP with a split-backward (zero-bubble) schedule", sharded and plan.zero == 3 and schedule.split_backward),
+        ("tied embeddings under FSDP, or across pipeline ranks under ZeRO",
+         sharded and tied and (plan.zero == 3 or tie_across)),
+        ("sequence parallelism with ZeRO or FSDP", sharded and plan.sequence_parallel and plan.tp > 1),
         ("context parallelism", plan.cp > 1),
         ("mixture-of-experts layers", m.is_moe),
         ("latent attention (MLA)", m.attention == "mla"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
     if missing:
         raise ParsimError(f"parsim run does not execute {', '.join(missing)} yet; `parsim simulate` predicts it "
-                          f"(the executor runs DDP, tensor and pipeline parallelism with uneven stages)")
+                          f"(the executor runs DDP, ZeRO-1/2, FSDP and HSDP, tensor and pipeline "
+                          f"parallelism with uneven stages)")
     if isinstance(m, MLPModel):
         return  # the lecture's layers run under every plan parsim accepts
     if plan.activation_recompute == "full" and schedule.split_backward:
@@ -143,23 +162,38 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
         loss = apply_tensor_parallel(pieces, build_loss(model), model, plan.tp_style, tp, sequence_parallel)
         pieces = apply_activation_recompute(pieces, {c.name for c in plan.recomputed(s)}, recorder)
         stages[s] = Stage(pieces, loss if s == plan.num_stages - 1 else None).to(device=device, dtype=dtype)
+    sharded = plan.zero and plan.shard_size > 1
+    shard_group = groups.get("shard", groups.get("dp"))
+    if sharded and plan.zero == 3:
+        dp_ranks = plan.group_of(rank, "dp")
+        rows = [dp_ranks[k:k + plan.shard_size] for k in range(0, plan.dp, plan.shard_size)]
+        mesh = data_parallel_mesh(rows, shard_group, groups.get("replicate"), device.type)
+        apply_fsdp(stages, names, mesh, plan.reshard_after_forward, recorder)
     tie_sync = None
     if getattr(model, "tied_embeddings", False):
         tie_sync = tie_embeddings(list(built.values()), groups.get("tie"), recorder)
 
     sync_order = _unique_last([p for s in reversed(stage_ids) for piece in reversed(stages[s].pieces)
                                for p in piece.parameters()])
-    grad_sync = apply_data_parallel(sync_order, groups.get("dp"), plan.dp, plan.grad_sync, plan.bucket_size,
-                                    plan.overlap, plan.num_microbatches, recorder)
+    after_step = None
+    if sharded and plan.zero < 3:
+        optimizer = grad_sync = ZeroOptimizer(sync_order, plan.zero, shard_group, groups.get("replicate"),
+                                              plan.bucket_size, plan.overlap, plan.num_microbatches, recorder,
+                                              LEARNING_RATE)
+        after_step = grad_sync.gather_weights
+    else:  # FSDP syncs its own gradients, per unit
+        grad_sync = None if sharded else apply_data_parallel(
+            sync_order, groups.get("dp"), plan.dp, plan.grad_sync, plan.bucket_size, plan.overlap,
+            plan.num_microbatches, recorder)
+        optimizer = torch.optim.AdamW(sync_order, lr=LEARNING_RATE)
     owners = {s: plan.rank_of(dp=coords.dp, pp=schedule.stage_to_rank(s), tp=coords.tp)
               for s in range(plan.num_stages)}
     runtime = PipelineRuntime(schedule, coords.pp, stages, owners, rank, recorder, _activation_shape(plan),
                               dtype, device)
-    optimizer = torch.optim.AdamW(sync_order, lr=LEARNING_RATE)
     # Megatron-LM's finalize_model_grads order: data-parallel sync, then sequence-parallel norms, then embeddings.
     finalize = [f for f in (sequence_parallel_grad_sync(sync_order, tp), tie_sync) if f is not None]
     return RankSetup(plan, rank, stages, runtime, grad_sync, finalize, optimizer, recorder,
-                     _local_microbatches(plan, coords.dp, seed, dtype, device))
+                     _local_microbatches(plan, coords.dp, seed, dtype, device), after_step)
 
 
 def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, seed: int,
@@ -193,8 +227,13 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
 
 
 def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]:
-    """This rank's dp and tp groups, and the tied-embedding pair; every rank creates every group, in one order."""
+    """This rank's dp and tp groups, HSDP's shard and replicate groups, and the tied-embedding pair; every
+    rank creates every group, in one order."""
     memberships = {dim: plan.groups(dim) for dim in ("dp", "tp")}
+    n = plan.shard_size
+    if 1 < n < plan.dp:  # HSDP: shards within consecutive data-parallel ranks, replicas across them
+        memberships["shard"] = [g[k:k + n] for g in memberships["dp"] for k in range(0, len(g), n)]
+        memberships["replicate"] = [g[j::n] for g in memberships["dp"] for j in range(n)]
     if getattr(plan.model, "tied_embeddings", False):
         first, last = schedule.stage_to_rank(0), schedule.stage_to_rank(plan.num_stages - 1)
         memberships["tie"] = [[plan.rank_of(dp=d, pp=first, tp=t), plan.rank_of(dp=d, pp=last, tp=t)]

@@ -2,7 +2,8 @@
 
 The quality bar of the executor: with the same seed, every rank's loss, the
 gradients of every parameter it holds (a shard compared with its slice of the
-dense gradient) and, optionally, the parameters after one AdamW step must
+dense gradient; under ZeRO-1/2 the reduced part the rank owns, under FSDP the
+DTensor gathered over its mesh) and, optionally, the parameters after one AdamW step must
 equal the single-process reference on the whole global batch, to float
 tolerance. :func:`verify_rank` runs on each rank (under
 :func:`executor.launch.launch`); the caller asserts on what it returns.
@@ -13,6 +14,7 @@ from __future__ import annotations
 from parsim.plan import Plan, load_plan
 
 from .._torch import require_torch
+from .fsdp import dense
 from .models import make_batch, reference_model, run_pieces
 from .parallel import reference_slice
 from .runner import DTYPES, LEARNING_RATE, build_rank
@@ -54,10 +56,10 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     params = setup.parameters()
     for p in params:
         full = reference[p.full_name]
-        error = _relative(p.grad, reference_slice(p, full.grad))
+        error = _relative(*setup.gradient(p, reference_slice(p, full.grad)))
         if error > grad_error:
             grad_error, worst = error, p.full_name
-        param_error = max(param_error, _relative(p.data, reference_slice(p, full.data)))
+        param_error = max(param_error, _relative(dense(p.data), reference_slice(p, full.data)))
     return {"rank": rank, "plan": plan.name, "loss": loss, "reference_loss": local_loss.item() if loss is not None
             else None, "max_grad_error": grad_error, "worst_grad": worst, "max_param_error": param_error,
             "params_checked": len(params), "events": events}
@@ -69,5 +71,7 @@ def verify_rank(rank: int, world: int, plans: list[dict], seed: int = 0, optimiz
 
 
 def _relative(value, reference) -> float:
+    if not reference.numel():  # a parameter of which this rank owns no gradient (ZeRO-1/2)
+        return 0.0
     scale = reference.abs().max().item() or 1.0
     return (value.float() - reference.float()).abs().max().item() / scale

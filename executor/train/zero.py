@@ -1,0 +1,134 @@
+"""ZeRO-1/2: gradients reduce-scattered in DDP's buckets, AdamW on this rank's shard, weights all-gathered.
+
+Megatron-LM's distributed optimizer (and DeepSpeed ZeRO stages 1 and 2,
+Rajbhandari et al. 2020): the parameters are flattened, in gradient-sync
+order, into the same buckets DDP all-reduces (:func:`parallel._buckets`);
+each bucket is padded to a multiple of the shard group's size ``N`` and rank
+``i`` of the group owns its ``i``-th ``1/N``. After the backward a bucket's
+gradients are reduce-scattered (averaged) over the shard group, as soon as
+the bucket is final when ``overlap`` is on; under HSDP the owned shard is then
+all-reduced (averaged) across the replicas. AdamW steps only the owned slices
+(its state exists for them alone), and every bucket's updated weights are
+all-gathered back into the parameters. AdamW is elementwise, so this equals
+plain AdamW on the whole model.
+
+ZeRO-1 keeps each parameter's whole local gradient (only the optimizer state
+is sharded); ZeRO-2 frees it once the bucket's reduce-scatter has its copy,
+keeping only the reduced shard. Events are the lowering's
+``reduce_scatter dp bucket=k``, ``all_reduce dp bucket=k`` (HSDP) and
+``all_gather dp bucket=k``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from parsim.trace import collective_name
+
+from .._torch import require_distributed, require_torch
+from .comm import _all_gather, _reduce_scatter
+from .parallel import GradSync
+from .trace_recorder import Recorder
+
+torch = require_torch()
+dist = require_distributed()
+F = torch.nn.functional
+
+
+@dataclass
+class _Shard:
+    """This rank's slice ``[start, start + len(weights))`` of one padded flat bucket."""
+
+    offsets: list[int]  # where each of the bucket's parameters starts in the flat bucket
+    start: int
+    weights: Any  # a leaf tensor: the owned weights, stepped by AdamW; its ``grad`` the reduced gradient
+
+
+class ZeroOptimizer(GradSync):
+    """ZeRO-``stage`` (1 or 2) over ``shard_group``: the gradient sync, the optimizer and the weight gather.
+
+    ``replicate_group`` (HSDP) holds the ranks that own the same shards, one
+    per shard group; None when the shard group is the whole data-parallel group.
+    """
+
+    def __init__(self, params: list, stage: int, shard_group: Any, replicate_group: Any, bucket_size: int,
+                 overlap: bool, accumulations: int, recorder: Recorder, lr: float):
+        size = dist.get_world_size(shard_group)
+        super().__init__(params, shard_group, size, "bucketed", bucket_size, overlap, accumulations, recorder)
+        self.stage, self.replicate_group = stage, replicate_group
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        rank = dist.get_rank(shard_group)
+        self.shards = []
+        self._offset_of: dict[int, int] = {}
+        with torch.no_grad():
+            for bucket in self.buckets:
+                flat = self._padded([p.reshape(-1) for p in bucket])
+                per = flat.numel() // size
+                offsets = [0]
+                for p in bucket[:-1]:
+                    offsets.append(offsets[-1] + p.numel())
+                self._offset_of.update((id(p), offset) for p, offset in zip(bucket, offsets))
+                weights = flat[rank * per:(rank + 1) * per].clone().requires_grad_(True)
+                self.shards.append(_Shard(offsets, rank * per, weights))
+        self.adamw = torch.optim.AdamW([s.weights for s in self.shards], lr=lr)
+
+    # -- the optimizer's face ----------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        self.adamw.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        """AdamW on the owned slices (the weights reach the parameters in :meth:`gather_weights`)."""
+        self.adamw.step()
+
+    def gather_weights(self) -> None:
+        """All-gather every bucket's updated slices into the parameters."""
+        for k, (bucket, shard) in enumerate(zip(self.buckets, self.shards)):
+            flat = torch.empty(shard.weights.numel() * self.size, dtype=shard.weights.dtype,
+                               device=shard.weights.device)
+            with self.recorder.span(collective_name("all_gather", "dp", bucket=k), "collective", "comm",
+                                    phase="dp", bytes=flat.numel() * flat.element_size()):
+                _all_gather(flat, shard.weights.detach(), group=self.group)
+            with torch.no_grad():
+                for p, offset in zip(bucket, shard.offsets):
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+
+    def owned_gradient(self, param, reference) -> tuple[Any, Any]:
+        """The reduced gradient this rank owns of ``param`` (flattened, maybe empty), and that part of ``reference``."""
+        shard, offset = self.shards[self._bucket_of[id(param)]], self._offset_of[id(param)]
+        lo = max(offset, shard.start)
+        hi = max(lo, min(offset + param.numel(), shard.start + shard.weights.numel()))
+        return shard.weights.grad[lo - shard.start:hi - shard.start], reference.reshape(-1)[lo - offset:hi - offset]
+
+    # -- the gradient sync (GradSync's bucket bookkeeping, a reduce-scatter per bucket) ------------------
+    def _padded(self, tensors: list) -> Any:
+        flat = torch.cat(tensors)
+        return F.pad(flat, (0, -flat.numel() % self.size))
+
+    def _launch(self) -> None:
+        k = len(self._launched)
+        flat = self._padded([p.grad.reshape(-1) for p in self.buckets[k]])
+        if self.stage >= 2:  # ZeRO-2: from now on only the reduced shard of these gradients exists
+            for p in self.buckets[k]:
+                p.grad = None
+        shard = torch.empty(flat.numel() // self.size, dtype=flat.dtype, device=flat.device)
+        start = self.recorder.now()
+        work = _reduce_scatter(shard, flat, op=self.average or dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._launched.append((work, shard, start))
+
+    def _wait(self, k: int) -> None:
+        work, shard, start = self._launched[k]
+        work.wait()
+        self.recorder.add(collective_name("reduce_scatter", "dp", bucket=k), "collective", "comm", start,
+                          self.recorder.now(), phase="dp", bytes=shard.numel() * shard.element_size() * self.size)
+        if self.average is None:
+            shard.div_(self.size)
+        if self.replicate_group is not None:
+            with self.recorder.span(collective_name("all_reduce", "dp", bucket=k), "collective", "comm",
+                                    phase="dp", bytes=shard.numel() * shard.element_size()):
+                dist.all_reduce(shard, op=self.average or dist.ReduceOp.SUM, group=self.replicate_group)
+            if self.average is None:
+                shard.div_(self.replicas)
+        self.shards[k].weights.grad = shard
