@@ -92,19 +92,35 @@ def _linear(fan_in: int, fan_out: int):
     return nn.Linear(fan_in, fan_out, bias=False)
 
 
-def rotary(x, theta: float = ROPE_THETA):
-    """RoPE (Su et al. 2021), rotate-half form, on ``x`` of shape (batch, heads, seq, head_dim)."""
+def rotary(x, positions=None, theta: float = ROPE_THETA):
+    """RoPE (Su et al. 2021), rotate-half form, on ``x`` of shape (batch, heads, seq, head_dim).
+
+    ``positions`` are the tokens' places in the whole sequence (``arange(seq)`` when None; a
+    context-parallel rank holds two separate chunks of it).
+    """
     seq, dim = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq).repeat(1, 2)
+    positions = torch.arange(seq, device=x.device) if positions is None else positions
+    angles = torch.outer(positions.to(torch.float32), inv_freq).repeat(1, 2)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     half = dim // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
     return x * cos + rotated * sin
 
 
+def causal_attention(q, k, v):
+    """Causal SDPA of ``q`` (batch, heads, seq, head_dim) on grouped ``k`` / ``v`` (batch, kv_heads, seq, head_dim)."""
+    group = q.shape[1] // k.shape[1]  # query heads per key/value head
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query attention; the number of heads follows the (possibly sharded) weights."""
+    """Causal grouped-query attention; the number of heads follows the (possibly sharded) weights.
+
+    ``core(q, k, v)`` is the attention proper (:func:`causal_attention`, or context parallelism's
+    exchange of K/V across ranks); ``position_ids`` the tokens' global positions for RoPE (None: 0..seq-1).
+    """
 
     def __init__(self, m: TransformerModel):
         super().__init__()
@@ -114,16 +130,16 @@ class Attention(nn.Module):
         self.v = _linear(m.hidden, m.num_kv_heads * m.head_dim)
         self.o = _linear(m.num_heads * m.head_dim, m.hidden)
         self.enter, self.exit = nn.Identity(), nn.Identity()
+        self.core = causal_attention
+        self.register_buffer("position_ids", None, persistent=False)
 
     def forward(self, x):
         x = self.enter(x)  # under sequence parallelism this gathers the whole sequence
         b, s, _ = x.shape
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         if self.rope:
-            q, k = rotary(q), rotary(k)
-        group = q.shape[1] // k.shape[1]  # query heads per key/value head
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            q, k = rotary(q, self.position_ids), rotary(k, self.position_ids)
+        out = self.core(q, k, v)
         return self.exit(self.o(out.transpose(1, 2).reshape(b, s, -1)))
 
 
@@ -164,18 +180,23 @@ class DecoderLayer(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token table (plus learned positions); ``exit`` is the slot for the vocabulary-parallel all-reduce."""
+    """Token table (plus learned positions); ``exit`` is the slot for the vocabulary-parallel all-reduce.
+
+    ``position_ids``: the tokens' global positions (None: 0..seq-1).
+    """
 
     def __init__(self, m: TransformerModel):
         super().__init__()
         self.tokens = nn.Embedding(m.vocab_size, m.hidden)
         self.positions = nn.Embedding(m.seq_len, m.hidden) if m.position_embedding == "learned" else None
         self.exit = nn.Identity()
+        self.register_buffer("position_ids", None, persistent=False)
 
     def forward(self, ids):
         x = self.exit(self.tokens(ids))
         if self.positions is not None:  # a module call, so the split backward sees its output
-            x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
+            where = torch.arange(ids.shape[1], device=ids.device) if self.position_ids is None else self.position_ids
+            x = x + self.positions(where)
         return x
 
 

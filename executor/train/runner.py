@@ -24,6 +24,7 @@ from parsim.schedules import Schedule
 
 from .._torch import require_distributed, require_torch
 from .comm import TPGroup
+from .context_parallel import CPGroup, apply_context_parallel, replica_loss, sequence_positions
 from .fsdp import apply_fsdp, data_parallel_mesh, dense
 from .models import build_loss, build_pieces, make_batch
 from .parallel import apply_data_parallel, apply_tensor_parallel, sequence_parallel_grad_sync, tie_embeddings
@@ -53,6 +54,7 @@ class RankSetup:
     recorder: Recorder
     microbatches: tuple[list, list]  # (inputs, targets) per microbatch
     after_step: Callable[[], None] | None = None  # ZeRO-1/2: all-gather the updated weights
+    cp: CPGroup | None = None
 
     def parameters(self) -> list:
         seen: dict[int, Any] = {}
@@ -78,6 +80,8 @@ class RankSetup:
             self.grad_sync.finish()
         for fix_up in self.finalize:
             fix_up()
+        if self.cp is not None and loss is not None:
+            loss = replica_loss(loss, self.cp)
         return loss
 
     def step(self) -> float | None:
@@ -108,13 +112,13 @@ def check_plan(plan: Plan) -> None:
         ("tied embeddings under FSDP, or across pipeline ranks under ZeRO",
          sharded and tied and (plan.zero == 3 or tie_across)),
         ("sequence parallelism with ZeRO or FSDP", sharded and plan.sequence_parallel and plan.tp > 1),
-        ("context parallelism", plan.cp > 1),
+        ("context parallelism with ZeRO or FSDP", sharded and plan.cp > 1),
         ("mixture-of-experts layers", m.is_moe),
         ("latent attention (MLA)", m.attention == "mla"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
     if missing:
         raise ParsimError(f"parsim run does not execute {', '.join(missing)} yet; `parsim simulate` predicts it "
-                          f"(the executor runs DDP, ZeRO-1/2, FSDP and HSDP, tensor and pipeline "
+                          f"(the executor runs DDP, ZeRO-1/2, FSDP and HSDP, tensor, pipeline and context "
                           f"parallelism with uneven stages)")
     if isinstance(m, MLPModel):
         return  # the lecture's layers run under every plan parsim accepts
@@ -152,6 +156,8 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     model = plan.model
 
     tp = TPGroup(groups.get("tp"), coords.tp, plan.tp, recorder)
+    cp = CPGroup(groups["cp"], coords.cp, plan.cp, plan.group_of(rank, "cp"), plan.context_parallel,
+                 recorder) if plan.cp > 1 else None
     stage_ids = schedule.stages_of(coords.pp)
     names = {s: stage_piece_names(plan, s) for s in stage_ids}
     built = {p.name: p for p in build_pieces(model, seed, {n for ns in names.values() for n in ns})}
@@ -160,6 +166,8 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     for s in stage_ids:
         pieces = [built[n] for n in names[s]]
         loss = apply_tensor_parallel(pieces, build_loss(model), model, plan.tp_style, tp, sequence_parallel)
+        if cp is not None:
+            apply_context_parallel(pieces, cp, model.seq_len)
         pieces = apply_activation_recompute(pieces, {c.name for c in plan.recomputed(s)}, recorder)
         stages[s] = Stage(pieces, loss if s == plan.num_stages - 1 else None).to(device=device, dtype=dtype)
     sharded = plan.zero and plan.shard_size > 1
@@ -183,17 +191,17 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
         after_step = grad_sync.gather_weights
     else:  # FSDP syncs its own gradients, per unit
         grad_sync = None if sharded else apply_data_parallel(
-            sync_order, groups.get("dp"), plan.dp, plan.grad_sync, plan.bucket_size, plan.overlap,
+            sync_order, groups.get("dp"), plan.dp * plan.cp, plan.grad_sync, plan.bucket_size, plan.overlap,
             plan.num_microbatches, recorder)
         optimizer = torch.optim.AdamW(sync_order, lr=LEARNING_RATE)
-    owners = {s: plan.rank_of(dp=coords.dp, pp=schedule.stage_to_rank(s), tp=coords.tp)
+    owners = {s: plan.rank_of(dp=coords.dp, pp=schedule.stage_to_rank(s), cp=coords.cp, tp=coords.tp)
               for s in range(plan.num_stages)}
     runtime = PipelineRuntime(schedule, coords.pp, stages, owners, rank, recorder, _activation_shape(plan),
                               dtype, device)
     # Megatron-LM's finalize_model_grads order: data-parallel sync, then sequence-parallel norms, then embeddings.
     finalize = [f for f in (sequence_parallel_grad_sync(sync_order, tp), tie_sync) if f is not None]
     return RankSetup(plan, rank, stages, runtime, grad_sync, finalize, optimizer, recorder,
-                     _local_microbatches(plan, coords.dp, seed, dtype, device), after_step)
+                     _local_microbatches(plan, coords.dp, coords.cp, seed, dtype, device), after_step, cp)
 
 
 def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, seed: int,
@@ -227,17 +235,24 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
 
 
 def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]:
-    """This rank's dp and tp groups, HSDP's shard and replicate groups, and the tied-embedding pair; every
-    rank creates every group, in one order."""
-    memberships = {dim: plan.groups(dim) for dim in ("dp", "tp")}
+    """This rank's dp, cp and tp groups, HSDP's shard and replicate groups, and the tied-embedding pair; every
+    rank creates every group, in one order.
+
+    Gradients are averaged over the data- and context-parallel ranks together (Megatron-LM), so "dp"
+    is the dp x cp ranks of each (pipeline, tensor) coordinate, as the simulator's lowering groups them.
+    """
+    grid = plan.rank_grid
+    memberships = {"dp": [grid[:, p, :, t].ravel().tolist() for p in range(plan.pp) for t in range(plan.tp)],
+                   "cp": plan.groups("cp"), "tp": plan.groups("tp")}
     n = plan.shard_size
-    if 1 < n < plan.dp:  # HSDP: shards within consecutive data-parallel ranks, replicas across them
+    if 1 < n < plan.dp * plan.cp:  # HSDP: shards within consecutive data-parallel ranks, replicas across them
         memberships["shard"] = [g[k:k + n] for g in memberships["dp"] for k in range(0, len(g), n)]
         memberships["replicate"] = [g[j::n] for g in memberships["dp"] for j in range(n)]
     if getattr(plan.model, "tied_embeddings", False):
         first, last = schedule.stage_to_rank(0), schedule.stage_to_rank(plan.num_stages - 1)
-        memberships["tie"] = [[plan.rank_of(dp=d, pp=first, tp=t), plan.rank_of(dp=d, pp=last, tp=t)]
-                              for d in range(plan.dp) for t in range(plan.tp)] if first != last else []
+        memberships["tie"] = [[plan.rank_of(dp=d, pp=first, cp=c, tp=t), plan.rank_of(dp=d, pp=last, cp=c, tp=t)]
+                              for d in range(plan.dp) for c in range(plan.cp) for t in range(plan.tp)
+                              ] if first != last else []
     mine = {}
     for key, groups in memberships.items():
         for members in groups:
@@ -263,15 +278,21 @@ def _activation_shape(plan: Plan) -> tuple[int, ...]:
     m = plan.model
     if isinstance(m, MLPModel):
         return (plan.microbatch_size, m.width)
-    sequence_shards = plan.tp if plan.sequence_parallel else 1  # sequence parallelism sends 1/tp of it
+    # Context parallelism keeps 1/cp of the sequence on each rank; sequence parallelism sends 1/tp of that.
+    sequence_shards = plan.cp * (plan.tp if plan.sequence_parallel else 1)
     return (plan.microbatch_size, m.seq_len // sequence_shards, m.hidden)
 
 
-def _local_microbatches(plan: Plan, dp_rank: int, seed: int, dtype: Any, device: Any) -> tuple[list, list]:
-    """This replica's rows of the seeded global batch, cut into microbatches."""
+def _local_microbatches(plan: Plan, dp_rank: int, cp_rank: int, seed: int, dtype: Any,
+                        device: Any) -> tuple[list, list]:
+    """This replica's rows of the seeded global batch (this cp rank's tokens of them), cut into microbatches."""
     inputs, targets = make_batch(plan.model, plan.global_batch_size, seed, dtype)
     local = plan.microbatch_size * plan.num_microbatches
     rows = slice(dp_rank * local, (dp_rank + 1) * local)
-    xs = list(inputs[rows].to(device).split(plan.microbatch_size))
-    ys = list(targets[rows].to(device).split(plan.microbatch_size)) if targets is not None else [None] * len(xs)
+    inputs, targets = inputs[rows], targets[rows] if targets is not None else None
+    if plan.cp > 1:
+        tokens = sequence_positions(plan.model.seq_len, plan.cp, cp_rank)
+        inputs, targets = inputs[:, tokens], targets[:, tokens]
+    xs = list(inputs.to(device).split(plan.microbatch_size))
+    ys = list(targets.to(device).split(plan.microbatch_size)) if targets is not None else [None] * len(xs)
     return xs, ys

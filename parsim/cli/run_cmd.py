@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("run", help="execute a plan with torch.distributed and measure it",
                               description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plan_args(p)
-    p.add_argument("--nproc", type=int, help="ranks to spawn; must equal the plan's dp x tp x pp (default: that)")
+    p.add_argument("--nproc", type=int, help="ranks to spawn; must equal the plan's dp x tp x pp x cp (default: that)")
     p.add_argument("--steps", type=int, default=3, help="measured steps (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
@@ -95,9 +95,10 @@ def report(plan: Plan, s: dict) -> str:
     """Step time, throughput, loss and each rank's time by phase, for people."""
     unit = s["throughput_unit"].split("/")[0]
     mb = "microbatch" if plan.num_microbatches == 1 else "microbatches"
+    cp = f" x cp {plan.cp}" if plan.cp > 1 else ""
     lines = [
         f"{plan.name}: {plan.model.name} on {s['world_size']} ranks, {s['backend']} (dp {plan.dp} x tp {plan.tp} x "
-        f"pp {plan.pp}, {plan.schedule}, {plan.num_microbatches} {mb} of {plan.microbatch_size}, {plan.dtype})",
+        f"pp {plan.pp}{cp}, {plan.schedule}, {plan.num_microbatches} {mb} of {plan.microbatch_size}, {plan.dtype})",
         f"  step time   {format_time(s['step_s'])}  (median of {s['steps']}; min {format_time(s['step_s_min'])}, "
         f"max {format_time(s['step_s_max'])})",
         f"  throughput  {s['throughput']:,.0f} {s['throughput_unit']} ({s['tokens_per_step']:,} {unit} per step)",
@@ -105,10 +106,11 @@ def report(plan: Plan, s: dict) -> str:
         "",
     ]
     rows = []
+    dims = ("dp", "pp", "cp", "tp") if plan.cp > 1 else ("dp", "pp", "tp")
     for r in s["ranks"]:
         coords = plan.coords(r["rank"])
-        rows.append([r["rank"], f"{coords.dp}/{coords.pp}/{coords.tp}"]
+        rows.append([r["rank"], "/".join(str(getattr(coords, d)) for d in dims)]
                     + [round(r["seconds"][p] * 1e3, 2) for p in PHASES])
-    lines.append(render_table(["rank", "dp/pp/tp"] + list(PHASES), rows,
+    lines.append(render_table(["rank", "/".join(dims)] + list(PHASES), rows,
                               title=f"time by phase per rank, ms (median step, {format_time(s['step_s'])})"))
     return "\n".join(lines)
