@@ -23,9 +23,10 @@ from parsim.plan import Plan, load_plan
 from parsim.schedules import Schedule
 
 from .._torch import require_distributed, require_torch
-from .comm import TPGroup
+from .comm import EPGroup, TPGroup
 from .models import build_loss, build_pieces, make_batch
-from .parallel import apply_data_parallel, apply_tensor_parallel, tie_embeddings
+from .parallel import (apply_data_parallel, apply_expert_parallel, apply_tensor_parallel, routed_expert_parameters,
+                       tie_embeddings)
 from .pipeline import PipelineRuntime, Stage
 from .trace_recorder import Recorder
 
@@ -90,14 +91,15 @@ def check_plan(plan: Plan) -> None:
     missing = [what for what, used in (
         (f"ZeRO-{plan.zero} / FSDP", plan.zero and plan.shard_size > 1),
         ("context parallelism", plan.cp > 1),
-        ("mixture-of-experts layers", m.is_moe),
+        ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),
+        ("dropping tokens over an expert capacity (capacity_factor)", plan.capacity_factor is not None),
         ("latent attention (MLA)", m.attention == "mla"),
         ("sequence parallelism", plan.sequence_parallel and plan.tp > 1),
         ("full activation recomputation", plan.activation_recompute == "full"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
     if missing:
         raise ParsimError(f"parsim run does not execute {', '.join(missing)} yet; `parsim simulate` predicts it "
-                          f"(the executor runs DDP, tensor and pipeline parallelism with uneven stages)")
+                          f"(the executor runs DDP, tensor, pipeline and expert parallelism with uneven stages)")
     if isinstance(m, MLPModel):
         return  # the lecture's layers run under every plan parsim accepts
     if m.position_embedding == "rope" and m.head_dim % 2:
@@ -128,6 +130,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     model = plan.model
 
     tp = TPGroup(groups.get("tp"), coords.tp, plan.tp, recorder)
+    ep = EPGroup(groups.get("ep"), _expert_groups(plan, "ep", rank).index(rank), plan.ep, recorder)
     stage_ids = schedule.stages_of(coords.pp)
     names = {s: stage_piece_names(plan, s) for s in stage_ids}
     built = {p.name: p for p in build_pieces(model, seed, {n for ns in names.values() for n in ns})}
@@ -135,6 +138,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     for s in stage_ids:
         pieces = [built[n] for n in names[s]]
         loss = apply_tensor_parallel(pieces, build_loss(model), model, plan.tp_style, tp)
+        apply_expert_parallel(pieces, ep)
         stages[s] = Stage(pieces, loss if s == plan.num_stages - 1 else None).to(device=device, dtype=dtype)
     tie_sync = None
     if getattr(model, "tied_embeddings", False):
@@ -142,8 +146,11 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
 
     sync_order = _unique_last([p for s in reversed(stage_ids) for piece in reversed(stages[s].pieces)
                                for p in piece.parameters()])
-    grad_sync = apply_data_parallel(sync_order, groups.get("dp"), plan.dp, plan.grad_sync, plan.bucket_size,
-                                    plan.overlap, plan.num_microbatches, recorder)
+    routed = {id(p) for p in routed_expert_parameters(list(stages.values()))}
+    grad_sync = apply_data_parallel([p for p in sync_order if id(p) not in routed], groups.get("dp"), plan.dp,
+                                    plan.grad_sync, plan.bucket_size, plan.overlap, plan.num_microbatches, recorder,
+                                    [p for p in sync_order if id(p) in routed], groups.get("edp"),
+                                    plan.dp // plan.ep, plan.dp)
     owners = {s: plan.rank_of(dp=coords.dp, pp=schedule.stage_to_rank(s), tp=coords.tp)
               for s in range(plan.num_stages)}
     runtime = PipelineRuntime(schedule, coords.pp, stages, owners, rank, recorder, _activation_shape(plan),
@@ -184,8 +191,11 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
 
 
 def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]:
-    """This rank's dp and tp groups, and the tied-embedding pair; every rank creates every group, in one order."""
+    """This rank's dp and tp groups, the tied-embedding pair, and a MoE model's expert-parallel (ep) and
+    expert-data-parallel (edp) groups; every rank creates every group, in one order."""
     memberships = {dim: plan.groups(dim) for dim in ("dp", "tp")}
+    if plan.model.is_moe:
+        memberships.update({dim: _expert_groups(plan, dim) for dim in ("ep", "edp")})
     if getattr(plan.model, "tied_embeddings", False):
         first, last = schedule.stage_to_rank(0), schedule.stage_to_rank(plan.num_stages - 1)
         memberships["tie"] = [[plan.rank_of(dp=d, pp=first, tp=t), plan.rank_of(dp=d, pp=last, tp=t)]
@@ -198,6 +208,21 @@ def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]
                 if rank in members:
                     mine[key] = group
     return mine
+
+
+def _expert_groups(plan: Plan, dim: str, rank: int | None = None) -> list:
+    """Every ``ep`` group (``ep`` consecutive data-parallel ranks of a pipeline rank and tp index) or ``edp``
+    group (the ranks holding the same experts, one per ep group), as :mod:`parsim.lower` builds them; with
+    ``rank``, only the one holding it."""
+    groups = []
+    for p in range(plan.pp):
+        for t in range(plan.tp):
+            ranks = plan.rank_grid[:, p, :, t].ravel().tolist()  # dp x cp, as the gradient sync spans them
+            if dim == "ep":
+                groups += [ranks[k:k + plan.ep] for k in range(0, len(ranks), plan.ep)]
+            else:
+                groups += [ranks[j::plan.ep] for j in range(plan.ep)]
+    return groups if rank is None else next(g for g in groups if rank in g)
 
 
 def _unique_last(params: list) -> list:
