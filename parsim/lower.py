@@ -379,7 +379,8 @@ class _Lowering:
         shard and all-gather the updated weights. ZeRO-3 synced per layer already.
         Routed experts' gradients are synced the same way over the ranks that
         hold the same experts (the expert-data-parallel group), in buckets of
-        their own.
+        their own (per parameter: numbered after the dense tensors), and not at
+        all when each expert lives on one rank only.
         """
         plan = self.plan
         last_compute = self.program.by_rank[rank][-1]
@@ -393,12 +394,14 @@ class _Lowering:
                     ready = self.final_grad_ops.get((stage, index), last_compute)
                     for n, expert in _param_tensors(costs[index], plan.tp, plan.ep):
                         tensors[expert].append((n * plan.dtype_bytes, ready))
-            if plan.grad_sync == "per_param":
-                for k, (nbytes, _) in enumerate(tensors[False] + tensors[True]):
-                    sync.append(self._dp_collective(rank, p, "all_reduce", "dp", nbytes, (last_compute,), param=k))
+            expert_replicas = plan.dp * plan.cp // plan.ep  # ranks holding the same experts
+            if plan.grad_sync == "per_param":  # dense tensors over dp, then experts over edp (if replicated)
+                dims = ["dp"] * len(tensors[False]) + ["edp"] * len(tensors[True] if expert_replicas > 1 else [])
+                for k, ((nbytes, _), dim) in enumerate(zip(tensors[False] + tensors[True], dims)):
+                    sync.append(self._dp_collective(rank, p, "all_reduce", dim, nbytes, (last_compute,), param=k))
             else:
                 for expert, dim, shard in ((False, "shard", plan.shard_size), (True, "edp", plan.expert_shard_size)):
-                    if expert and plan.dp * plan.cp // plan.ep == 1:
+                    if expert and expert_replicas == 1:
                         continue  # every expert lives on one rank only: nothing to sync
                     for k, (nbytes, ready) in enumerate(_buckets(tensors[expert], plan.bucket_size)):
                         deps = (ready if plan.overlap else last_compute,)

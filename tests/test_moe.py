@@ -64,6 +64,28 @@ def test_each_moe_layer_dispatches_and_combines_by_all_to_all():
     assert not any(op.group == "ep" for op in lower(plan(1)).ops)
 
 
+@pytest.mark.parametrize("grad_sync", ["per_param", "bucketed"])
+def test_expert_gradients_sync_over_the_ranks_holding_the_same_experts(grad_sync):
+    """Dense gradients over dp; each routed expert's over edp (dp / ep ranks), numbered after the dense
+    ones per parameter, and not at all when every expert lives on a single rank."""
+    def dp_syncs(ep: int) -> list:
+        program = lower(plan(ep, grad_sync=grad_sync))
+        return [op for op in program.rank_ops(0) if op.phase == "dp"]
+
+    dense = 9 + 3 * 10 + 1 + 2  # layer 0: q, k, v, o, 3 matmuls, 2 norms; MoE: router, 3 shared; embedding; head
+    held = 3 * 3 * 4  # 3 MoE layers x gate, up, down x 4 of the 8 experts (ep 2)
+    edp2 = dp_syncs(2)  # ep 2 of dp 4: ranks 0 and 2 hold the same experts
+    expert_ops = [op for op in edp2 if op.ranks == (0, 2)]
+    assert expert_ops and all(op.ranks == (0, 1, 2, 3) for op in edp2 if op not in expert_ops)
+    if grad_sync == "per_param":
+        assert [op.name for op in dp_syncs(4)] == [f"all_reduce dp param={k}" for k in range(dense)]  # edp 1
+        assert [op.name for op in edp2] == [f"all_reduce dp param={k}" for k in range(dense + held)]
+        assert [op.name for op in expert_ops] == [f"all_reduce dp param={k}" for k in range(dense, dense + held)]
+    else:
+        assert not any("expert_bucket" in op.name for op in dp_syncs(4))
+        assert all(op.name.startswith("all_reduce dp expert_bucket=") for op in expert_ops)
+
+
 def test_a_rank_runs_one_gemm_per_expert_it_holds():
     # A hot expert (twice the mean load) sets the pace: each expert GEMM takes 1024 x 2 x 4 / 8 x 2 tokens.
     program = lower(plan(4, expert_load=2.0))

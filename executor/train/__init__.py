@@ -6,10 +6,12 @@
   run, annotated with the same event names, into the same schema.
 
 Modules, one job each: ``models`` (dense seeded torch modules cut into the
-simulator's pieces), ``comm`` (timed tensor-parallel collectives as autograd
-functions), ``parallel`` (``apply_tensor_parallel``, ``apply_data_parallel``,
-``tie_embeddings``), ``pipeline`` (runs parsim's schedule action lists),
-``runner`` (builds a rank, times its steps), ``trace_recorder``,
+simulator's pieces), ``moe`` (the mixture-of-experts feed-forward and its
+all-to-all dispatcher), ``comm`` (timed tensor- and expert-parallel
+collectives as autograd functions), ``parallel`` (``apply_tensor_parallel``,
+``apply_expert_parallel``, ``apply_data_parallel``, ``tie_embeddings``),
+``pipeline`` (runs parsim's schedule action lists), ``runner`` (builds a
+rank, times its steps), ``trace_recorder``,
 ``measure`` (launch and summarize), ``profiler_trace``. torch is imported
 only by the modules that need it, when they are imported.
 """

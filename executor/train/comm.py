@@ -18,14 +18,23 @@ exit reduce-scatters the partial outputs (its backward all-gathers), so norms
 run on sequence shards and each ``f`` / ``g`` pair moves the same bytes as
 one all-reduce.
 
-Every collective is an event ``<op> tp layer=<piece> mb=<m> dir=<fwd|bwd><i>``
-with the bytes it moved, the names the simulator gives the same collectives.
+Expert parallelism's pair is Megatron-LM's all-to-all token dispatcher:
+:func:`dispatch` sends each routed token row to the rank holding its expert
+(the per-expert row counts are exchanged first, inside the same timed span,
+so every rank knows how many rows it will receive), and :func:`combine` sends
+the experts' outputs back; the backward of each is the other's all-to-all with
+the split sizes swapped.
+
+Every collective is an event ``<op> <tp|ep> layer=<piece> mb=<m> dir=<fwd|bwd><i>``
+with the bytes it moved, the names the simulator gives the same collectives;
+``i`` counts the collectives of the layer in that pass, whatever their group.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from parsim.trace import collective_name
 
@@ -43,19 +52,27 @@ SEQUENCE_DIM = 1  # activations are (batch, sequence, hidden)
 
 
 @dataclass
-class TPGroup:
-    """This rank's tensor-parallel group: ``rank`` of ``size``, the process group, the recorder."""
+class _LayerGroup:
+    """A group whose collectives run inside a layer's pass: ``rank`` of ``size``, the process group, the recorder."""
 
     group: Any
     rank: int
     size: int
     recorder: Recorder
+    dim: ClassVar[str]
 
     def _span(self, op: str, layer: str, direction: str, nbytes: int):
         direction = self.recorder.direction(direction)
         index = self.recorder.next_index(layer, direction)
-        name = collective_name(op, "tp", layer=layer, mb=self.recorder.microbatch, dir=f"{direction}{index}")
-        return self.recorder.span(name, "collective", "comm", phase="tp", bytes=nbytes)
+        name = collective_name(op, self.dim, layer=layer, mb=self.recorder.microbatch, dir=f"{direction}{index}")
+        return self.recorder.span(name, "collective", "comm", phase=self.dim, bytes=nbytes)
+
+
+@dataclass
+class TPGroup(_LayerGroup):
+    """This rank's tensor-parallel group."""
+
+    dim: ClassVar[str] = "tp"
 
     def all_reduce(self, x, layer: str, direction: str, op: Any = None) -> Any:
         """All-reduce ``x`` in place (SUM unless ``op``) and return it."""
@@ -240,3 +257,88 @@ class VocabParallelCrossEntropy(nn.Module):
     def forward(self, logits, targets):
         flat = logits.flatten(0, -2)
         return _VocabParallelCE.apply(flat, targets.flatten(), self.start, self.tp)
+
+
+# --------------------------------------------------------------------------- expert parallelism
+@dataclass
+class EPGroup(_LayerGroup):
+    """This rank's expert-parallel group: rank ``rank`` holds experts ``[rank*E/size, (rank+1)*E/size)``."""
+
+    dim: ClassVar[str] = "ep"
+
+    def all_to_all(self, x, send: list[int], receive: list[int], layer: str, direction: str, nbytes: int):
+        """Send ``send[r]`` rows of ``x`` (in rank order) to rank ``r``; receive ``receive[r]`` rows from each.
+
+        ``nbytes`` is what the event records: the simulator's bytes, this
+        rank's own routed rows (what it dispatches, or gets back).
+        """
+        with self._span("all_to_all", layer, direction, nbytes):
+            return self._exchange(x, send, receive)
+
+    def all_to_all_counted(self, x, counts, layer: str, nbytes: int) -> tuple[Any, Any]:
+        """The forward dispatch: ``counts[e]`` rows of ``x`` go to expert ``e``'s rank.
+
+        The counts are exchanged first, inside the same span (Megatron-LM's
+        dispatcher does the same before its token all-to-all), so each rank
+        knows what it receives. Returns the rows and the counts received,
+        ``[size, experts per rank]``.
+        """
+        with self._span("all_to_all", layer, "fwd", nbytes):
+            received = torch.empty_like(counts)
+            dist.all_to_all_single(received, counts, group=self.group)
+            received = received.view(self.size, -1)
+            out = self._exchange(x, counts.view(self.size, -1).sum(1).tolist(), received.sum(1).tolist())
+        return out, received
+
+    def _exchange(self, x, send: list[int], receive: list[int]):
+        out = x.new_empty((sum(receive), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), receive, send, group=self.group)
+        return out
+
+
+def _row_bytes(x) -> int:
+    return math.prod(x.shape[1:]) * x.element_size()
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, counts, ep: EPGroup, layer: str):
+        ctx.own_bytes = x.shape[0] * _row_bytes(x)  # this rank's routed rows: what all four spans record
+        out, received = ep.all_to_all_counted(x, counts, layer, ctx.own_bytes)
+        ctx.ep, ctx.layer = ep, layer
+        ctx.send, ctx.receive = counts.view(ep.size, -1).sum(1).tolist(), received.sum(1).tolist()
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        return ctx.ep.all_to_all(grad, ctx.receive, ctx.send, ctx.layer, "bwd", ctx.own_bytes), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, ep: EPGroup, layer: str, send: list[int], receive: list[int]):
+        ctx.ep, ctx.layer, ctx.send, ctx.receive = ep, layer, send, receive
+        ctx.own_bytes = sum(receive) * _row_bytes(y)
+        return ep.all_to_all(y, send, receive, layer, "fwd", ctx.own_bytes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = ctx.ep.all_to_all(grad, ctx.receive, ctx.send, ctx.layer, "bwd", ctx.own_bytes)
+        return out, None, None, None, None
+
+
+def dispatch(x, counts, ep: EPGroup, layer: str) -> tuple[Any, Any]:
+    """Send each row of ``x`` (sorted by expert; ``counts[e]`` rows for expert ``e``) to its expert's rank.
+
+    Returns the rows received, ordered by source rank and within a source
+    by local expert, and the counts received, ``[ep.size, local experts]``.
+    The backward sends the rows' gradients back.
+    """
+    return _Dispatch.apply(x, counts, ep, layer)
+
+
+def combine(y, ep: EPGroup, layer: str, send: list[int], receive: list[int]):
+    """Send the experts' outputs back: ``send[r]`` rows of ``y`` to rank ``r`` (the rows :func:`dispatch`
+    received from it), ``receive[r]`` rows from each (what this rank dispatched to it)."""
+    return _Combine.apply(y, ep, layer, send, receive)

@@ -80,7 +80,7 @@ def summarize(plan: Plan, trace: Trace, times: list[float], losses: list[float],
     unit = "samples" if plan.model.tokens_per_sample == 1 else "tokens"
     return {
         "plan": plan.name, "model": plan.model.name, "world_size": plan.world, "backend": backend,
-        "dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "schedule": plan.schedule,
+        "dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "ep": plan.ep, "schedule": plan.schedule,
         "num_microbatches": plan.num_microbatches, "steps": len(times),
         "step_s": median, "step_s_min": min(times), "step_s_max": max(times), "step_times_s": times,
         "throughput_unit": f"{unit}/s", "throughput": plan.tokens_per_step / median if median else 0.0,

@@ -10,7 +10,9 @@ can be named after the piece they run in. The loss is a separate module
 Everything here is the plain single-process model, the reference the
 distributed runs are checked against. Tensor parallelism later swaps weights
 for shards and fills the ``enter`` / ``reduce`` / ``exit`` slots (identities
-here) with collectives, without changing parameter names.
+here) with collectives, without changing parameter names; expert parallelism
+keeps a rank's slice of the routed experts and gives the MoE layers
+(:mod:`executor.train.moe`, from ``dense_layers`` on) an all-to-all dispatcher.
 
 Parameters are registered in the simulator's order within a piece (matmul
 weights in cost order, then norm gains and tables) so data-parallel buckets
@@ -144,16 +146,16 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU ``down(silu(gate x) * up x)`` or GeLU ``fc2(gelu(fc1 x))``."""
+    """SwiGLU ``down(silu(gate x) * up x)`` or GeLU ``fc2(gelu(fc1 x))``, of ``ffn_hidden`` (the model's by default)."""
 
-    def __init__(self, m: TransformerModel):
+    def __init__(self, m: TransformerModel, ffn_hidden: int | None = None):
         super().__init__()
         self.swiglu = m.ffn_type == "swiglu"
+        f = ffn_hidden or m.ffn_hidden
         if self.swiglu:
-            self.gate, self.up, self.down = (_linear(m.hidden, m.ffn_hidden), _linear(m.hidden, m.ffn_hidden),
-                                             _linear(m.ffn_hidden, m.hidden))
+            self.gate, self.up, self.down = _linear(m.hidden, f), _linear(m.hidden, f), _linear(f, m.hidden)
         else:
-            self.fc1, self.fc2 = _linear(m.hidden, m.ffn_hidden), _linear(m.ffn_hidden, m.hidden)
+            self.fc1, self.fc2 = _linear(m.hidden, f), _linear(f, m.hidden)
         self.enter, self.exit = nn.Identity(), nn.Identity()
 
     def forward(self, x):
@@ -166,12 +168,14 @@ class FeedForward(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
-    Submodules are registered matmuls first, norms last: the simulator's order.
+    ``mlp`` is a dense :class:`FeedForward`, or with ``moe`` a
+    :class:`executor.train.moe.MoEFeedForward`. Submodules are registered
+    matmuls first, norms last: the simulator's order.
     """
 
-    def __init__(self, m: TransformerModel):
+    def __init__(self, m: TransformerModel, moe: bool = False):
         super().__init__()
-        self.attn, self.mlp = Attention(m), FeedForward(m)
+        self.attn, self.mlp = Attention(m), _moe_feed_forward(m) if moe else FeedForward(m)
         self.norm_attn, self.norm_mlp = RMSNorm(m.hidden), RMSNorm(m.hidden)
 
     def forward(self, x):
@@ -291,7 +295,13 @@ def _make(model: Model, name: str):
         return Embedding(model)
     if name == "head":
         return Head(model)
-    return DecoderLayer(model)
+    return DecoderLayer(model, moe=model.is_moe and int(name.split(".")[1]) >= model.dense_layers)
+
+
+def _moe_feed_forward(m: TransformerModel):
+    from .moe import MoEFeedForward  # moe builds on this module's FeedForward
+
+    return MoEFeedForward(m, FeedForward(m, m.shared_experts * m.expert_ffn_hidden) if m.shared_experts else None)
 
 
 def _initialize(module, model: Model, generator) -> None:

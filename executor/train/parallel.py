@@ -9,6 +9,9 @@
   lecture's loop of one all-reduce per parameter after the backward, or torch
   DDP's buckets, all-reduced asynchronously as soon as their gradients are
   final when ``overlap`` is on.
+- :func:`apply_expert_parallel` keeps a rank's slice of each MoE layer's
+  routed experts and dispatches tokens to them by all-to-all; their
+  gradients are then synchronized over the expert-data-parallel group.
 - :func:`tie_embeddings` keeps a tied LM head equal to the token table.
 
 Sharded parameters keep their ``full_name`` and gain ``shard`` =
@@ -25,9 +28,10 @@ from parsim.model import MLPModel, Model
 from parsim.trace import collective_name
 
 from .._torch import require_distributed, require_torch
-from .comm import (CopyToTP, GatherFromTP, GatherSequence, ReduceFromTP, ScatterSequence, SharedLoss, TPGroup,
-                   VocabParallelCrossEntropy)
+from .comm import (CopyToTP, EPGroup, GatherFromTP, GatherSequence, ReduceFromTP, ScatterSequence, SharedLoss,
+                   TPGroup, VocabParallelCrossEntropy)
 from .models import Piece, RMSNorm
+from .moe import AllToAllDispatcher, MoEFeedForward, RoutedExperts
 from .trace_recorder import Recorder
 
 torch = require_torch()
@@ -88,6 +92,9 @@ def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: s
         return _mlp(pieces, loss, style, tp)
     if style != "megatron":
         raise ParsimError(f"the executor runs transformers with megatron tensor parallelism, not {style!r}")
+    if model.is_moe:
+        raise ParsimError(f"the executor does not split the mixture-of-experts layers of {model.name} with tensor "
+                          f"parallelism (tp {tp.size}); use ep")
     if model.num_kv_heads % tp.size:
         raise ParsimError(f"tp {tp.size} > num_kv_heads {model.num_kv_heads}: the executor splits key/value "
                           f"heads across ranks and does not replicate them")
@@ -179,6 +186,30 @@ def sequence_parallel_grad_sync(params: list, tp: TPGroup) -> Callable[[], None]
     return sync
 
 
+# --------------------------------------------------------------------------- expert parallel
+def apply_expert_parallel(pieces: list[Piece], ep: EPGroup) -> None:
+    """Keep this rank's ``1/ep`` of every MoE layer's routed experts and dispatch their tokens by all-to-all.
+
+    Rank ``e`` of the group holds experts ``[e*E/ep, (e+1)*E/ep)``: dim 0 of
+    each routed expert weight, sliced from the dense weights every rank built.
+    """
+    if ep.size == 1:
+        return
+    for piece in pieces:
+        for module in piece.module.modules():
+            if isinstance(module, MoEFeedForward):
+                experts = module.experts
+                per = module.num_experts // ep.size
+                for name, param in list(experts.named_parameters(recurse=False)):
+                    setattr(experts, name, shard_parameter(param, 0, ep.rank * per, (ep.rank + 1) * per))
+                module.dispatcher = AllToAllDispatcher(ep, piece.name)
+
+
+def routed_expert_parameters(modules: list) -> list:
+    """The routed experts' weights among ``modules`` (synchronized over the expert-data-parallel group)."""
+    return [p for m in modules for sub in m.modules() if isinstance(sub, RoutedExperts) for p in sub.parameters()]
+
+
 # --------------------------------------------------------------------------- data parallel
 class GradSync:
     """Averages gradients over a data-parallel group, per parameter or in DDP buckets.
@@ -190,20 +221,66 @@ class GradSync:
     all-reduce starts, asynchronously, once all its gradients are final and
     every earlier bucket has started (all ranks must issue collectives in the
     same order).
+
+    Routed experts' weights (``experts``, in the same order) are synchronized
+    over ``expert_group`` of ``expert_size`` ranks, the ranks holding the same
+    experts, in buckets of their own (``expert_bucket=k``; per parameter they
+    are numbered after the dense ones), one expert's slice of a weight at a
+    time as the simulator counts them. Their gradients are sums of the
+    contributions of every rank of the expert-parallel group (the all-to-all
+    brought its tokens), so the sum over the expert-data-parallel group is the
+    sum over all ``expert_divisor`` (= dp) replicas' losses: it is divided by
+    ``expert_divisor``, not by the group's size (Megatron-LM's expert gradient
+    scaling). With ``expert_size`` 1 nothing is sent and the gradients are
+    only divided.
     """
 
     def __init__(self, params: list, group: Any, size: int, grad_sync: str, bucket_size: int, overlap: bool,
-                 accumulations: int, recorder: Recorder):
-        self.params, self.group, self.size = params, group, size
+                 accumulations: int, recorder: Recorder, experts: list = (), expert_group: Any = None,
+                 expert_size: int = 1, expert_divisor: int = 1):
         self.grad_sync, self.overlap, self.accumulations = grad_sync, overlap, accumulations
         self.recorder = recorder
-        self.average = _average_op(group)
-        self.buckets = _buckets(params, bucket_size) if grad_sync == "bucketed" else [[p] for p in params]
-        self._bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
-        if grad_sync == "bucketed" and overlap:
-            for p in params:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+        self.reducers = [BucketReducer([(p, None) for p in params], group, size, size, "bucket", 0, self, bucket_size)]
+        if experts:
+            units = [(p, i) for p in experts for i in range(p.shape[0])]
+            self.reducers.append(BucketReducer(units, expert_group, expert_size, expert_divisor, "expert_bucket",
+                                          len(params), self, bucket_size))
         self.start_step()
+
+    def start_step(self) -> None:
+        for reducer in self.reducers:
+            reducer.start_step()
+
+    def finish(self) -> None:
+        """After the last backward: synchronize whatever has not been, and wait for everything."""
+        for reducer in self.reducers:
+            reducer.finish()
+
+
+class BucketReducer:
+    """One group's share of :class:`GradSync`: gradient units ``(param, None)`` (the whole gradient) or
+    ``(param, i)`` (its slice ``i`` along dim 0), summed over ``group`` and divided by ``divisor``."""
+
+    def __init__(self, units: list, group: Any, size: int, divisor: int, tag: str, first_param: int,
+                 sync: GradSync, bucket_size: int):
+        self.units, self.group, self.size, self.divisor, self.tag = units, group, size, divisor, tag
+        self.first_param, self.sync, self.recorder = first_param, sync, sync.recorder
+        self.params = list({id(p): p for p, _ in units}.values())
+        # ReduceOp.AVG divides by the group's size; another divisor needs SUM, then a division.
+        self.average = _average_op(group) if size > 1 and divisor == size else None
+        if size == 1:
+            self.buckets: list[list] = []
+        elif sync.grad_sync == "bucketed":
+            self.buckets = _buckets(units, bucket_size, lambda u: _grad_numel(u) * u[0].element_size())
+        else:
+            self.buckets = [[u] for u in units]
+        self._buckets_of: dict[int, list[int]] = {}
+        for k, bucket in enumerate(self.buckets):
+            for p, _ in bucket:
+                self._buckets_of.setdefault(id(p), []).append(k)
+        if self.buckets and sync.grad_sync == "bucketed" and sync.overlap:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._on_grad)
 
     def start_step(self) -> None:
         self._counts = {id(p): 0 for p in self.params}
@@ -211,35 +288,40 @@ class GradSync:
         self._launched: list[tuple[Any, Any, float]] = []  # (work, flat buffer, issue time) per started bucket
 
     def finish(self) -> None:
-        """After the last backward: synchronize whatever has not been, and wait for everything."""
-        if self.grad_sync == "per_param":
-            for k, p in enumerate(self.params):
-                nbytes = p.grad.numel() * p.grad.element_size()
-                with self.recorder.span(collective_name("all_reduce", "dp", param=k), "collective", "comm",
-                                        phase="dp", bytes=nbytes):
-                    dist.all_reduce(p.grad, op=self.average or dist.ReduceOp.SUM, group=self.group)
+        if not self.buckets:  # nothing to send: every replica's share is already here
+            if self.divisor != 1:
+                for p in self.params:
+                    p.grad.div_(self.divisor)
+            return
+        if self.sync.grad_sync == "per_param":
+            for k, (unit,) in enumerate(self.buckets):
+                grad = _grad(unit)
+                with self.recorder.span(collective_name("all_reduce", "dp", param=self.first_param + k),
+                                        "collective", "comm", phase="dp", bytes=grad.numel() * grad.element_size()):
+                    dist.all_reduce(grad, op=self.average or dist.ReduceOp.SUM, group=self.group)
                     if self.average is None:
-                        p.grad.div_(self.size)
+                        grad.div_(self.divisor)
             return
         while len(self._launched) < len(self.buckets):
             self._launch()
-            if not self.overlap:
+            if not self.sync.overlap:
                 self._wait(len(self._launched) - 1)
-        if self.overlap:
+        if self.sync.overlap:
             for k in range(len(self.buckets)):
                 self._wait(k)
 
     def _on_grad(self, param) -> None:
         self._counts[id(param)] += 1
-        if self._counts[id(param)] == self.accumulations:
-            self._final[self._bucket_of[id(param)]] += 1
+        if self._counts[id(param)] == self.sync.accumulations:
+            for k in self._buckets_of[id(param)]:
+                self._final[k] += 1
             while (len(self._launched) < len(self.buckets)
                    and self._final[len(self._launched)] == len(self.buckets[len(self._launched)])):
                 self._launch()
 
     def _launch(self) -> None:
         bucket = self.buckets[len(self._launched)]
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        flat = torch.cat([_grad(u).reshape(-1) for u in bucket])
         start = self.recorder.now()
         work = dist.all_reduce(flat, op=self.average or dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._launched.append((work, flat, start))
@@ -247,22 +329,37 @@ class GradSync:
     def _wait(self, k: int) -> None:
         work, flat, start = self._launched[k]
         work.wait()
-        self.recorder.add(collective_name("all_reduce", "dp", bucket=k), "collective", "comm", start,
+        self.recorder.add(collective_name("all_reduce", "dp", **{self.tag: k}), "collective", "comm", start,
                           self.recorder.now(), phase="dp", bytes=flat.numel() * flat.element_size())
         if self.average is None:
-            flat.div_(self.size)
+            flat.div_(self.divisor)
         offset = 0
-        for p in self.buckets[k]:
-            p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
-            offset += p.grad.numel()
+        for unit in self.buckets[k]:
+            grad = _grad(unit)
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def _grad(unit: tuple) -> Any:
+    """A unit's gradient: the parameter's, or its slice ``i`` along dim 0 (a view)."""
+    param, index = unit
+    return param.grad if index is None else param.grad[index]
+
+
+def _grad_numel(unit: tuple) -> int:
+    param, index = unit
+    return param.numel() if index is None else param[index].numel()
 
 
 def apply_data_parallel(params: list, group: Any, size: int, grad_sync: str, bucket_size: int, overlap: bool,
-                        accumulations: int, recorder: Recorder) -> GradSync | None:
-    """A :class:`GradSync` for ``params`` over ``group`` (None when there is one replica)."""
+                        accumulations: int, recorder: Recorder, experts: list = (), expert_group: Any = None,
+                        expert_size: int = 1, expert_divisor: int = 1) -> GradSync | None:
+    """A :class:`GradSync` for ``params`` over ``group`` (None when there is one replica), and for the routed
+    ``experts`` over ``expert_group``."""
     if size == 1:
         return None
-    return GradSync(params, group, size, grad_sync, bucket_size, overlap, accumulations, recorder)
+    return GradSync(params, group, size, grad_sync, bucket_size, overlap, accumulations, recorder, experts,
+                    expert_group, expert_size, expert_divisor)
 
 
 def _average_op(group: Any) -> Any:
@@ -278,17 +375,19 @@ def _device(group: Any) -> Any:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
 
 
-def _buckets(params: list, bucket_size: int) -> list[list]:
-    """DDP's buckets: parameters in sync order, up to ``bucket_size`` bytes each, a parameter never split."""
+def _buckets(items: list, bucket_size: int, nbytes: Callable[[Any], int] | None = None) -> list[list]:
+    """DDP's buckets: parameters (or gradient units, sized by ``nbytes``) in sync order, up to ``bucket_size``
+    bytes each, one never split."""
+    nbytes = nbytes or (lambda p: p.numel() * p.element_size())
     buckets: list[list] = [[]]
     size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if buckets[-1] and size + nbytes > bucket_size:
+    for item in items:
+        n = nbytes(item)
+        if buckets[-1] and size + n > bucket_size:
             buckets.append([])
             size = 0
-        buckets[-1].append(p)
-        size += nbytes
+        buckets[-1].append(item)
+        size += n
     return buckets
 
 

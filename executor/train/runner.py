@@ -23,11 +23,12 @@ from parsim.plan import Plan, load_plan
 from parsim.schedules import Schedule
 
 from .._torch import require_distributed, require_torch
-from .comm import TPGroup
+from .comm import EPGroup, TPGroup
 from .context_parallel import CPGroup, apply_context_parallel, replica_loss, sequence_positions
 from .fsdp import apply_fsdp, data_parallel_mesh, dense
 from .models import build_loss, build_pieces, make_batch
-from .parallel import apply_data_parallel, apply_tensor_parallel, sequence_parallel_grad_sync, tie_embeddings
+from .parallel import (apply_data_parallel, apply_expert_parallel, apply_tensor_parallel, routed_expert_parameters,
+                       sequence_parallel_grad_sync, tie_embeddings)
 from .pipeline import PipelineRuntime, Stage
 from .recompute import apply_activation_recompute
 from .trace_recorder import Recorder
@@ -113,13 +114,15 @@ def check_plan(plan: Plan) -> None:
          sharded and tied and (plan.zero == 3 or tie_across)),
         ("sequence parallelism with ZeRO or FSDP", sharded and plan.sequence_parallel and plan.tp > 1),
         ("context parallelism with ZeRO or FSDP", sharded and plan.cp > 1),
-        ("mixture-of-experts layers", m.is_moe),
+        ("mixture-of-experts layers with ZeRO", sharded and m.is_moe),
+        ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),
+        ("dropping tokens over an expert capacity (capacity_factor)", plan.capacity_factor is not None),
         ("latent attention (MLA)", m.attention == "mla"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
     if missing:
         raise ParsimError(f"parsim run does not execute {', '.join(missing)} yet; `parsim simulate` predicts it "
-                          f"(the executor runs DDP, ZeRO-1/2, FSDP and HSDP, tensor, pipeline and context "
-                          f"parallelism with uneven stages)")
+                          f"(the executor runs DDP, ZeRO-1/2, FSDP and HSDP, tensor, pipeline, context and "
+                          f"expert parallelism with uneven stages)")
     if isinstance(m, MLPModel):
         return  # the lecture's layers run under every plan parsim accepts
     if plan.activation_recompute == "full" and schedule.split_backward:
@@ -158,6 +161,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     tp = TPGroup(groups.get("tp"), coords.tp, plan.tp, recorder)
     cp = CPGroup(groups["cp"], coords.cp, plan.cp, plan.group_of(rank, "cp"), plan.context_parallel,
                  recorder) if plan.cp > 1 else None
+    ep = EPGroup(groups.get("ep"), _expert_groups(plan, "ep", rank).index(rank), plan.ep, recorder)
     stage_ids = schedule.stages_of(coords.pp)
     names = {s: stage_piece_names(plan, s) for s in stage_ids}
     built = {p.name: p for p in build_pieces(model, seed, {n for ns in names.values() for n in ns})}
@@ -168,6 +172,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
         loss = apply_tensor_parallel(pieces, build_loss(model), model, plan.tp_style, tp, sequence_parallel)
         if cp is not None:
             apply_context_parallel(pieces, cp, model.seq_len)
+        apply_expert_parallel(pieces, ep)
         pieces = apply_activation_recompute(pieces, {c.name for c in plan.recomputed(s)}, recorder)
         stages[s] = Stage(pieces, loss if s == plan.num_stages - 1 else None).to(device=device, dtype=dtype)
     sharded = plan.zero and plan.shard_size > 1
@@ -184,15 +189,18 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     sync_order = _unique_last([p for s in reversed(stage_ids) for piece in reversed(stages[s].pieces)
                                for p in piece.parameters()])
     after_step = None
+    replicas = plan.dp * plan.cp  # gradients are averaged over dp x cp
     if sharded and plan.zero < 3:
         optimizer = grad_sync = ZeroOptimizer(sync_order, plan.zero, shard_group, groups.get("replicate"),
                                               plan.bucket_size, plan.overlap, plan.num_microbatches, recorder,
                                               LEARNING_RATE)
         after_step = grad_sync.gather_weights
     else:  # FSDP syncs its own gradients, per unit
+        routed = {id(p) for p in routed_expert_parameters(list(stages.values()))}
         grad_sync = None if sharded else apply_data_parallel(
-            sync_order, groups.get("dp"), plan.dp * plan.cp, plan.grad_sync, plan.bucket_size, plan.overlap,
-            plan.num_microbatches, recorder)
+            [p for p in sync_order if id(p) not in routed], groups.get("dp"), replicas, plan.grad_sync,
+            plan.bucket_size, plan.overlap, plan.num_microbatches, recorder,
+            [p for p in sync_order if id(p) in routed], groups.get("edp"), replicas // plan.ep, replicas)
         optimizer = torch.optim.AdamW(sync_order, lr=LEARNING_RATE)
     owners = {s: plan.rank_of(dp=coords.dp, pp=schedule.stage_to_rank(s), cp=coords.cp, tp=coords.tp)
               for s in range(plan.num_stages)}
@@ -235,8 +243,9 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
 
 
 def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]:
-    """This rank's dp, cp and tp groups, HSDP's shard and replicate groups, and the tied-embedding pair; every
-    rank creates every group, in one order.
+    """This rank's dp, cp and tp groups, HSDP's shard and replicate groups, the tied-embedding pair, and a MoE
+    model's expert-parallel (ep) and expert-data-parallel (edp) groups; every rank creates every group, in one
+    order.
 
     Gradients are averaged over the data- and context-parallel ranks together (Megatron-LM), so "dp"
     is the dp x cp ranks of each (pipeline, tensor) coordinate, as the simulator's lowering groups them.
@@ -248,6 +257,8 @@ def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]
     if 1 < n < plan.dp * plan.cp:  # HSDP: shards within consecutive data-parallel ranks, replicas across them
         memberships["shard"] = [g[k:k + n] for g in memberships["dp"] for k in range(0, len(g), n)]
         memberships["replicate"] = [g[j::n] for g in memberships["dp"] for j in range(n)]
+    if plan.model.is_moe:
+        memberships.update({dim: _expert_groups(plan, dim) for dim in ("ep", "edp")})
     if getattr(plan.model, "tied_embeddings", False):
         first, last = schedule.stage_to_rank(0), schedule.stage_to_rank(plan.num_stages - 1)
         memberships["tie"] = [[plan.rank_of(dp=d, pp=first, cp=c, tp=t), plan.rank_of(dp=d, pp=last, cp=c, tp=t)]
@@ -261,6 +272,21 @@ def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]
                 if rank in members:
                     mine[key] = group
     return mine
+
+
+def _expert_groups(plan: Plan, dim: str, rank: int | None = None) -> list:
+    """Every ``ep`` group (``ep`` consecutive data-parallel ranks of a pipeline rank and tp index) or ``edp``
+    group (the ranks holding the same experts, one per ep group), as :mod:`parsim.lower` builds them; with
+    ``rank``, only the one holding it."""
+    groups = []
+    for p in range(plan.pp):
+        for t in range(plan.tp):
+            ranks = plan.rank_grid[:, p, :, t].ravel().tolist()  # dp x cp, as the gradient sync spans them
+            if dim == "ep":
+                groups += [ranks[k:k + plan.ep] for k in range(0, len(ranks), plan.ep)]
+            else:
+                groups += [ranks[j::plan.ep] for j in range(plan.ep)]
+    return groups if rank is None else next(g for g in groups if rank in g)
 
 
 def _unique_last(params: list) -> list:

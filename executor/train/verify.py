@@ -16,7 +16,7 @@ from parsim.plan import Plan, load_plan
 from .._torch import require_torch
 from .fsdp import dense
 from .models import make_batch, reference_model, run_pieces
-from .parallel import reference_slice
+from .parallel import reference_slice, routed_expert_parameters
 from .runner import DTYPES, LEARNING_RATE, build_rank
 
 torch = require_torch()
@@ -29,7 +29,9 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     compared, so one tolerance fits weights and gradients of any scale.
     ``loss`` is this replica's loss (last-stage ranks only, else None) and
     ``reference_loss`` the reference's on the same rows; ``events`` the names
-    of the events the rank recorded, in the order they ended.
+    of the events the rank recorded, in the order they ended. The routed
+    experts' weights (a MoE model) are also reported on their own:
+    ``max_expert_grad_error`` over ``expert_params_checked`` of them.
     """
     setup = build_rank(plan, rank, seed)
     setup.recorder.start_step()
@@ -52,17 +54,21 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     if optimizer_step:
         torch.optim.AdamW(list({id(p): p for p in reference.values()}.values()), lr=LEARNING_RATE).step()
 
-    grad_error, param_error, worst = 0.0, 0.0, ""
+    grad_error, param_error, expert_error, worst = 0.0, 0.0, 0.0, ""
     params = setup.parameters()
+    experts = {id(p) for p in routed_expert_parameters(list(setup.stages.values()))}
     for p in params:
         full = reference[p.full_name]
         error = _relative(*setup.gradient(p, reference_slice(p, full.grad)))
         if error > grad_error:
             grad_error, worst = error, p.full_name
+        if id(p) in experts:
+            expert_error = max(expert_error, error)
         param_error = max(param_error, _relative(dense(p.data), reference_slice(p, full.data)))
     return {"rank": rank, "plan": plan.name, "loss": loss, "reference_loss": local_loss.item() if loss is not None
             else None, "max_grad_error": grad_error, "worst_grad": worst, "max_param_error": param_error,
-            "params_checked": len(params), "events": events}
+            "params_checked": len(params), "max_expert_grad_error": expert_error,
+            "expert_params_checked": len(experts), "events": events}
 
 
 def verify_rank(rank: int, world: int, plans: list[dict], seed: int = 0, optimizer_step: bool = False) -> list[dict]:

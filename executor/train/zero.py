@@ -22,13 +22,14 @@ keeping only the reduced shard. Events are the lowering's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from parsim.trace import collective_name
 
 from .._torch import require_distributed, require_torch
 from .comm import _all_gather, _reduce_scatter
-from .parallel import GradSync
+from .parallel import BucketReducer
 from .trace_recorder import Recorder
 
 torch = require_torch()
@@ -45,7 +46,7 @@ class _Shard:
     weights: Any  # a leaf tensor: the owned weights, stepped by AdamW; its ``grad`` the reduced gradient
 
 
-class ZeroOptimizer(GradSync):
+class ZeroOptimizer(BucketReducer):
     """ZeRO-``stage`` (1 or 2) over ``shard_group``: the gradient sync, the optimizer and the weight gather.
 
     ``replicate_group`` (HSDP) holds the ranks that own the same shards, one
@@ -55,14 +56,19 @@ class ZeroOptimizer(GradSync):
     def __init__(self, params: list, stage: int, shard_group: Any, replicate_group: Any, bucket_size: int,
                  overlap: bool, accumulations: int, recorder: Recorder, lr: float):
         size = dist.get_world_size(shard_group)
-        super().__init__(params, shard_group, size, "bucketed", bucket_size, overlap, accumulations, recorder)
+        # The data-parallel sync's bucket bookkeeping (when a bucket is final, in which order buckets
+        # launch), with a reduce-scatter where it all-reduces.
+        settings = SimpleNamespace(grad_sync="bucketed", overlap=overlap, accumulations=accumulations,
+                                   recorder=recorder)
+        super().__init__([(p, None) for p in params], shard_group, size, size, "bucket", 0, settings, bucket_size)
+        self.param_buckets = [[p for p, _ in bucket] for bucket in self.buckets]
         self.stage, self.replicate_group = stage, replicate_group
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         rank = dist.get_rank(shard_group)
         self.shards = []
         self._offset_of: dict[int, int] = {}
         with torch.no_grad():
-            for bucket in self.buckets:
+            for bucket in self.param_buckets:
                 flat = self._padded([p.reshape(-1) for p in bucket])
                 per = flat.numel() // size
                 offsets = [0]
@@ -85,7 +91,7 @@ class ZeroOptimizer(GradSync):
 
     def gather_weights(self) -> None:
         """All-gather every bucket's updated slices into the parameters."""
-        for k, (bucket, shard) in enumerate(zip(self.buckets, self.shards)):
+        for k, (bucket, shard) in enumerate(zip(self.param_buckets, self.shards)):
             flat = torch.empty(shard.weights.numel() * self.size, dtype=shard.weights.dtype,
                                device=shard.weights.device)
             with self.recorder.span(collective_name("all_gather", "dp", bucket=k), "collective", "comm",
@@ -97,21 +103,21 @@ class ZeroOptimizer(GradSync):
 
     def owned_gradient(self, param, reference) -> tuple[Any, Any]:
         """The reduced gradient this rank owns of ``param`` (flattened, maybe empty), and that part of ``reference``."""
-        shard, offset = self.shards[self._bucket_of[id(param)]], self._offset_of[id(param)]
+        shard, offset = self.shards[self._buckets_of[id(param)][0]], self._offset_of[id(param)]
         lo = max(offset, shard.start)
         hi = max(lo, min(offset + param.numel(), shard.start + shard.weights.numel()))
         return shard.weights.grad[lo - shard.start:hi - shard.start], reference.reshape(-1)[lo - offset:hi - offset]
 
-    # -- the gradient sync (GradSync's bucket bookkeeping, a reduce-scatter per bucket) ------------------
+    # -- the gradient sync (BucketReducer's bookkeeping, a reduce-scatter per bucket) ------------------
     def _padded(self, tensors: list) -> Any:
         flat = torch.cat(tensors)
         return F.pad(flat, (0, -flat.numel() % self.size))
 
     def _launch(self) -> None:
         k = len(self._launched)
-        flat = self._padded([p.grad.reshape(-1) for p in self.buckets[k]])
+        flat = self._padded([p.grad.reshape(-1) for p in self.param_buckets[k]])
         if self.stage >= 2:  # ZeRO-2: from now on only the reduced shard of these gradients exists
-            for p in self.buckets[k]:
+            for p in self.param_buckets[k]:
                 p.grad = None
         shard = torch.empty(flat.numel() // self.size, dtype=flat.dtype, device=flat.device)
         start = self.recorder.now()

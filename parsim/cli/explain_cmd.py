@@ -101,8 +101,9 @@ def explain_bubble(schedule: Schedule, timing: IdealTiming, peaks: list[int], t_
     """The bubble of ``schedule`` walked through: order, closed form, simulation, memory, picture."""
     kind = SCHEDULES[schedule.name]
     p, m, v = schedule.pp, schedule.num_microbatches, schedule.virtual_stages
+    torch_class = kind.torch_class or "no class; parsim runs its action lists"
     out = [f"Pipeline bubble of {kind.name}: p = {p} ranks, m = {m} microbatches, "
-           f"v = {v} stage{'s' if v > 1 else ''} per rank", f"({kind.source}; PyTorch: {kind.torch_class or 'no class; parsim runs its action lists'})", ""]
+           f"v = {v} stage{'s' if v > 1 else ''} per rank", f"({kind.source}; PyTorch: {torch_class})", ""]
 
     out.append(f"1. The schedule: {kind.summary}")
     kinds = sorted({a.kind for acts in schedule.actions for a in acts}, key="FBIW".index)

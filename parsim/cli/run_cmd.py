@@ -98,7 +98,8 @@ def report(plan: Plan, s: dict) -> str:
     cp = f" x cp {plan.cp}" if plan.cp > 1 else ""
     lines = [
         f"{plan.name}: {plan.model.name} on {s['world_size']} ranks, {s['backend']} (dp {plan.dp} x tp {plan.tp} x "
-        f"pp {plan.pp}{cp}, {plan.schedule}, {plan.num_microbatches} {mb} of {plan.microbatch_size}, {plan.dtype})",
+        f"pp {plan.pp}{cp}{f', ep {plan.ep}' if plan.ep > 1 else ''}, {plan.schedule}, "
+        f"{plan.num_microbatches} {mb} of {plan.microbatch_size}, {plan.dtype})",
         f"  step time   {format_time(s['step_s'])}  (median of {s['steps']}; min {format_time(s['step_s_min'])}, "
         f"max {format_time(s['step_s_max'])})",
         f"  throughput  {s['throughput']:,.0f} {s['throughput_unit']} ({s['tokens_per_step']:,} {unit} per step)",

@@ -1,0 +1,121 @@
+"""The mixture-of-experts feed-forward of parsim's ``TransformerModel`` (``num_experts`` > 1), and its
+expert-parallel token dispatch.
+
+Routing follows Mixtral (Jiang et al. 2024, "Mixtral of Experts", section
+2.1): a bias-free router ``hidden x num_experts`` scores every expert, each
+token keeps its ``experts_per_token`` highest logits, and its gate weights are
+the softmax over those k logits only, ``G(x) = Softmax(TopK(x W_g))`` (the same
+as renormalizing the full softmax's top k, as Hugging Face's Mixtral does).
+The output is ``sum_i G_i(x) E_i(x)`` over the chosen experts, each expert a
+feed-forward of the model's ``ffn_type`` and ``expert_ffn_hidden``. Routing is
+dropless (no capacity, as MegaBlocks and Megatron-LM's dropless mode): every
+token reaches its k experts; there is no auxiliary load-balancing loss.
+Shared experts are DeepSeekMoE's (Dai et al. 2024): one dense feed-forward of
+``shared_experts x expert_ffn_hidden`` that every token goes through, added
+to the routed output.
+
+The routed experts' weights are 3-D parameters ``[num_experts, in, out]``
+(:class:`RoutedExperts`), so expert parallelism keeps a rank's experts by
+slicing dim 0. Parameters register in the simulator's matmul order: the
+router, the routed experts (gate, up, down or fc1, fc2), the shared experts.
+
+Token flow: each (token, choice) row is sorted by expert, the experts run on
+their contiguous rows, and the rows are put back and weighted. With
+:class:`AllToAllDispatcher` (expert parallelism) the sorted rows travel to
+their experts' ranks and back between those steps, as Megatron-LM's
+all-to-all token dispatcher does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parsim.model import TransformerModel
+
+from .._torch import require_torch
+from .comm import EPGroup, combine, dispatch
+
+torch = require_torch()
+nn = torch.nn
+F = torch.nn.functional
+
+
+class RoutedExperts(nn.Module):
+    """Feed-forward experts stored as ``[experts, in, out]`` weights: SwiGLU ``gate``, ``up``, ``down``
+    (``down(silu(x gate) * x up)``) or GeLU ``fc1``, ``fc2``.
+
+    ``forward(x, counts)`` runs expert ``j`` (of the experts held here) on the
+    next ``counts[j]`` rows of ``x``.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, ffn_type: str):
+        super().__init__()
+        self.swiglu = ffn_type == "swiglu"
+        inner = ("gate", "up") if self.swiglu else ("fc1",)
+        for name in inner:
+            setattr(self, name, nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden)))
+        setattr(self, "down" if self.swiglu else "fc2", nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden)))
+
+    def forward(self, x, counts: list[int]):
+        if self.swiglu:
+            weights = zip(self.gate.unbind(0), self.up.unbind(0), self.down.unbind(0))
+            outs = [(F.silu(rows @ gate) * (rows @ up)) @ down
+                    for rows, (gate, up, down) in zip(x.split(counts), weights)]
+        else:
+            outs = [F.gelu(rows @ fc1) @ fc2 for rows, (fc1, fc2) in
+                    zip(x.split(counts), zip(self.fc1.unbind(0), self.fc2.unbind(0)))]
+        return torch.cat(outs)
+
+
+class AllToAllDispatcher:
+    """Expert parallelism: runs the sorted rows on the experts of their ranks of ``ep`` (Megatron-LM's
+    all-to-all token dispatcher).
+
+    The dispatch all-to-all (after exchanging the per-expert counts) gives this
+    rank the rows for its experts, grouped by source rank; they are regrouped
+    by local expert, run, put back in source order and returned by the
+    combine all-to-all, in the order they were sent.
+    """
+
+    def __init__(self, ep: EPGroup, layer: str):
+        self.ep, self.layer = ep, layer
+
+    def __call__(self, rows, counts, experts: RoutedExperts):
+        received, received_counts = dispatch(rows, counts, self.ep, self.layer)  # [source rank, local expert]
+        size, local = received_counts.shape
+        expert_of_row = torch.arange(local, device=rows.device).repeat(size).repeat_interleave(
+            received_counts.flatten())
+        order = expert_of_row.argsort(stable=True)  # by local expert, then source rank
+        out = experts(received.index_select(0, order), received_counts.sum(0).tolist())
+        out = out.index_select(0, order.argsort())  # back in the order received
+        return combine(out, self.ep, self.layer, received_counts.sum(1).tolist(),
+                       counts.view(size, -1).sum(1).tolist())
+
+
+class MoEFeedForward(nn.Module):
+    """Router, routed experts and shared experts of one MoE layer (see the module docstring)."""
+
+    def __init__(self, m: TransformerModel, shared: Any = None):
+        super().__init__()
+        self.num_experts, self.top_k = m.num_experts, m.experts_per_token
+        self.router = nn.Linear(m.hidden, m.num_experts, bias=False)
+        self.experts = RoutedExperts(m.num_experts, m.hidden, m.expert_ffn_hidden, m.ffn_type)
+        self.shared = shared  # a dense FeedForward of shared_experts x expert_ffn_hidden, or None
+        self.dispatcher: AllToAllDispatcher | None = None  # expert parallelism sets it
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        top, chosen = self.router(tokens).topk(self.top_k, dim=-1)
+        gates = F.softmax(top.float(), dim=-1).to(tokens.dtype)  # [tokens, k]
+        order = chosen.flatten().argsort(stable=True)  # (token, choice) rows sorted by expert
+        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)
+        rows = tokens.index_select(0, order // self.top_k)
+        if self.dispatcher is None:
+            out = self.experts(rows, counts.tolist())
+        else:
+            out = self.dispatcher(rows, counts, self.experts)
+        out = out.index_select(0, order.argsort()).view(len(tokens), self.top_k, -1)  # back per token
+        y = (out * gates.unsqueeze(-1)).sum(1)
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        return y.view_as(x)

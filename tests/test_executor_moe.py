@@ -1,0 +1,196 @@
+"""Mixture-of-experts layers with expert parallelism train exactly like one process, on 2 and 4 gloo ranks.
+
+The layer itself (one process) equals a plain loop over tokens and their
+top-k experts, output and gradients. Plans of a tiny MoE transformer (one
+dense layer, then routed top-2 experts plus one shared expert) take one step,
+AdamW included: ep over all data-parallel ranks (each expert on one rank, the
+expert-data-parallel group of size 1: nothing to sync, gradients only
+divided), ep 2 of dp 4 (experts synced over 2 ranks), ep 1 (experts synced
+over dp like the dense weights, in buckets of their own), and ep with
+pipeline stages (1F1B and zero-bubble's split backward). Every rank's loss,
+gradients (the routed experts' reported apart: their gradients gather every
+expert-parallel rank's tokens, so the division is the easy thing to get
+wrong) and weights must equal the reference, and every rank the simulator
+times must record exactly its events: the all-to-alls by layer, microbatch
+and direction, and the dense and expert gradient syncs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+
+import pytest
+
+from parsim.errors import ParsimError
+from parsim.lower import lower
+from parsim.model import load_model
+from parsim.plan import load_plan
+
+from reference_runs import verify_plans
+
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+pytestmark = needs_torch
+
+MOE = {"kind": "transformer", "name": "moe", "num_layers": 4, "hidden": 32, "num_heads": 4, "num_kv_heads": 2,
+       "ffn_hidden": 64, "seq_len": 16, "vocab_size": 64, "num_experts": 4, "experts_per_token": 2,
+       "expert_ffn_hidden": 32, "shared_experts": 1, "dense_layers": 1}
+BATCH = {"microbatch_size": 2, "num_microbatches": 2}
+BUCKETS = {"grad_sync": "bucketed", "bucket_size": "8KiB", "overlap": True}  # several dense and expert buckets
+PER_PARAM = {"grad_sync": "per_param"}
+
+
+def moe_plan(dp: int, ep: int, pp: int = 1, model: dict = MOE, schedule: str = "1f1b", sync: dict = BUCKETS):
+    return load_plan({"model": model, "parallel": {"dp": dp, "ep": ep, "pp": pp}, "batch": BATCH,
+                      "schedule": schedule, "data_parallel": sync})
+
+
+PLANS_2 = {
+    "ep2 x dp2 (edp 1), buckets": moe_plan(2, 2),
+    "ep2 x dp2 (edp 1), per-parameter sync, gelu, 8 experts": moe_plan(
+        2, 2, model=dict(MOE, ffn_type="gelu", num_experts=8), sync=PER_PARAM),
+    "dp2, ep1 (experts synced over dp)": moe_plan(2, 1),
+}
+PLANS_4 = {
+    "dp4 ep2 (edp 2), buckets": moe_plan(4, 2),
+    "dp4 ep2 (edp 2), per-parameter sync": moe_plan(4, 2, sync=PER_PARAM),
+    "dp4 ep4 (edp 1)": moe_plan(4, 4),
+    "ep2 x pp2, 1f1b": moe_plan(2, 2, pp=2),
+    "ep2 x pp2, zero-bubble, per-parameter sync": moe_plan(2, 2, pp=2, schedule="zero-bubble", sync=PER_PARAM),
+}
+
+
+# --------------------------------------------------------------------------- one process
+def loop_over_tokens(moe, x):
+    """The MoE feed-forward written token by token: Mixtral's softmax over the top-k logits, each chosen
+    expert's feed-forward on the token, weighted and summed, plus the shared experts."""
+    import torch
+    import torch.nn.functional as F
+
+    experts, outs = moe.experts, []
+    for token in x.reshape(-1, x.shape[-1]):
+        top, chosen = (token @ moe.router.weight.T).topk(moe.top_k)
+        y = moe.shared(token) if moe.shared is not None else torch.zeros_like(token)
+        for gate, e in zip(F.softmax(top, -1), chosen.tolist()):
+            if experts.swiglu:
+                y = y + gate * ((F.silu(token @ experts.gate[e]) * (token @ experts.up[e])) @ experts.down[e])
+            else:
+                y = y + gate * (F.gelu(token @ experts.fc1[e]) @ experts.fc2[e])
+        outs.append(y)
+    return torch.stack(outs).view_as(x)
+
+
+@pytest.mark.parametrize("ffn_type", ["swiglu", "gelu"])
+def test_the_moe_layer_equals_a_loop_over_tokens_and_their_experts(ffn_type):
+    import torch
+
+    from executor.train.models import build_pieces
+    from executor.train.moe import MoEFeedForward
+
+    model = load_model(dict(MOE, ffn_type=ffn_type, num_experts=8, experts_per_token=3))
+    moe = build_pieces(model, seed=3, only={"layer.1"})[0].module.mlp
+    assert isinstance(moe, MoEFeedForward)
+    assert [name for name, _ in moe.named_parameters()][:4] == (  # the simulator's order: router, experts, shared
+        ["router.weight", "experts.gate", "experts.up", "experts.down"] if ffn_type == "swiglu"
+        else ["router.weight", "experts.fc1", "experts.fc2", "shared.fc1.weight"])
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    params = [x, *moe.parameters()]
+    out, expected = moe(x), loop_over_tokens(moe, x)
+    assert torch.allclose(out, expected, atol=1e-6)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    grads = torch.autograd.grad((out * weights).sum(), params)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), params)
+    for p, g, e in zip(params, grads, expected_grads):
+        assert torch.allclose(g, e, atol=1e-6), getattr(p, "full_name", "input")
+
+
+def test_only_the_layers_after_the_dense_ones_are_moe():
+    from executor.train.models import build_pieces
+    from executor.train.moe import MoEFeedForward
+
+    pieces = build_pieces(load_model(MOE), seed=0)
+    assert [isinstance(getattr(p.module, "mlp", None), MoEFeedForward) for p in pieces] == \
+        [False, False, True, True, True, False]  # embedding, layer.0 (dense_layers: 1), 3 MoE layers, head
+
+
+def test_expert_groups_are_the_ones_the_lowering_simulates():
+    """ep: consecutive data-parallel ranks of a pipeline rank; edp: the ranks holding the same experts."""
+    from executor.train.runner import _expert_groups
+
+    plan = moe_plan(4, 2, pp=2)
+    program = lower(plan)
+    for group in ("ep", "dp"):
+        ops = [op for op in program.ops if op.group == group and (group == "ep" or "expert_bucket" in op.name)]
+        simulated = {tuple(sorted(g)) for op in ops for g in (op.ranks, *op.mirrors)}
+        assert simulated == {tuple(g) for g in _expert_groups(plan, "ep" if group == "ep" else "edp")}
+    assert plan.coords(5)[:2] == (2, 1)  # dp 2 of pipeline rank 1 (pipeline ranks alternate)
+    assert _expert_groups(plan, "ep", rank=5) == [5, 7]  # dp 2 and 3: experts 0-1 and 2-3
+    assert _expert_groups(plan, "edp", rank=5) == [1, 5]  # dp 0 and 2: both hold experts 0-1
+
+
+@pytest.mark.parametrize("plan, message", [
+    (load_plan({"model": MOE, "parallel": {"tp": 2}}), "mixture-of-experts layers with tensor parallelism"),
+    (load_plan({"model": MOE, "parallel": {"dp": 2, "ep": 2}, "moe": {"capacity_factor": 1.25}}),
+     r"dropping tokens over an expert capacity \(capacity_factor\)"),
+])
+def test_what_the_executor_does_not_run_is_refused_in_one_line(plan, message):
+    from executor.train.runner import check_plan
+
+    with pytest.raises(ParsimError, match=message) as err:
+        check_plan(plan)
+    assert "\n" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- on ranks
+@pytest.fixture(scope="module")
+def results_2() -> list[list[dict]]:
+    return verify_plans(PLANS_2, 2, timeout_s=150)
+
+
+@pytest.fixture(scope="module")
+def results_4() -> list[list[dict]]:
+    return verify_plans(PLANS_4, 4, timeout_s=200)
+
+
+CASES = [(2, name) for name in PLANS_2] + [(4, name) for name in PLANS_4]
+
+
+def _run(request, world: int, name: str) -> tuple:
+    plans = PLANS_2 if world == 2 else PLANS_4
+    results = request.getfixturevalue(f"results_{world}")
+    index = list(plans).index(name)
+    return plans[name], [results[rank][index] for rank in range(world)]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world, name", CASES)
+def test_moe_step_equals_single_process(request, world, name):
+    plan, ranks = _run(request, world, name)
+    losses = 0
+    for rank, r in enumerate(ranks):
+        if r["loss"] is not None:
+            losses += 1
+            assert r["loss"] == pytest.approx(r["reference_loss"], rel=1e-5), f"rank {rank}"
+        assert r["expert_params_checked"] and r["max_expert_grad_error"] < 1e-5, f"rank {rank}"
+        assert r["max_grad_error"] < 1e-5, f"rank {rank}: {r['worst_grad']}"
+        assert r["max_param_error"] < 1e-4, f"rank {rank}"
+    assert losses == plan.dp  # every last-stage rank reports its replica's loss
+    per_layer = 3 if plan.model.ffn_type == "swiglu" else 2  # gate, up, down or fc1, fc2: one tensor each
+    assert sum(r["expert_params_checked"] for r in ranks) == plan.dp * 3 * per_layer  # 3 MoE layers per replica
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world, name", CASES)
+def test_moe_events_match_the_simulated_program(request, world, name):
+    """Same names, and the same number of each communication event, on every simulated rank."""
+    plan, ranks = _run(request, world, name)
+    program = lower(plan)
+    for rank in program.ranks:
+        predicted = program.rank_ops(rank)
+        measured = ranks[rank]["events"]
+        assert set(measured) == {op.name for op in predicted}, f"rank {rank}"
+        comm = Counter(op.name for op in predicted if op.kind in ("collective", "send", "recv"))
+        assert Counter(n for n in measured if n in comm) == comm, f"rank {rank}"
+    names = {n for r in ranks for n in r["events"]}
+    assert "all_to_all ep layer=layer.1 mb=1 dir=bwd1" in names or plan.ep == 1  # dispatch.grad
+    assert any("expert_bucket" in n for n in names) == (plan.grad_sync == "bucketed" and plan.dp > plan.ep)
