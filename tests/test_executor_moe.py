@@ -40,8 +40,9 @@ BUCKETS = {"grad_sync": "bucketed", "bucket_size": "8KiB", "overlap": True}  # s
 PER_PARAM = {"grad_sync": "per_param"}
 
 
-def moe_plan(dp: int, ep: int, pp: int = 1, model: dict = MOE, schedule: str = "1f1b", sync: dict = BUCKETS):
-    return load_plan({"model": model, "parallel": {"dp": dp, "ep": ep, "pp": pp}, "batch": BATCH,
+def moe_plan(dp: int, ep: int, pp: int = 1, model: dict = MOE, schedule: str = "1f1b", sync: dict = BUCKETS,
+             cp: int = 1):
+    return load_plan({"model": model, "parallel": {"dp": dp, "ep": ep, "pp": pp, "cp": cp}, "batch": BATCH,
                       "schedule": schedule, "data_parallel": sync})
 
 
@@ -50,11 +51,13 @@ PLANS_2 = {
     "ep2 x dp2 (edp 1), per-parameter sync, gelu, 8 experts": moe_plan(
         2, 2, model=dict(MOE, ffn_type="gelu", num_experts=8), sync=PER_PARAM),
     "dp2, ep1 (experts synced over dp)": moe_plan(2, 1),
+    "cp2 x ep2 (experts over the context-parallel ranks)": moe_plan(1, 2, cp=2),
 }
 PLANS_4 = {
     "dp4 ep2 (edp 2), buckets": moe_plan(4, 2),
     "dp4 ep2 (edp 2), per-parameter sync": moe_plan(4, 2, sync=PER_PARAM),
     "dp4 ep4 (edp 1)": moe_plan(4, 4),
+    "dp2 x cp2, ep2 (edp 2 over dp x cp)": moe_plan(2, 2, cp=2),
     "ep2 x pp2, 1f1b": moe_plan(2, 2, pp=2),
     "ep2 x pp2, zero-bubble, per-parameter sync": moe_plan(2, 2, pp=2, schedule="zero-bubble", sync=PER_PARAM),
 }
@@ -174,9 +177,10 @@ def test_moe_step_equals_single_process(request, world, name):
         assert r["expert_params_checked"] and r["max_expert_grad_error"] < 1e-5, f"rank {rank}"
         assert r["max_grad_error"] < 1e-5, f"rank {rank}: {r['worst_grad']}"
         assert r["max_param_error"] < 1e-4, f"rank {rank}"
-    assert losses == plan.dp  # every last-stage rank reports its replica's loss
+    assert losses == plan.dp * plan.cp  # every last-stage rank reports its replica's loss
     per_layer = 3 if plan.model.ffn_type == "swiglu" else 2  # gate, up, down or fc1, fc2: one tensor each
-    assert sum(r["expert_params_checked"] for r in ranks) == plan.dp * 3 * per_layer  # 3 MoE layers per replica
+    # 3 MoE layers per replica, and each of its context-parallel ranks holds a share of the experts
+    assert sum(r["expert_params_checked"] for r in ranks) == plan.dp * plan.cp * 3 * per_layer
 
 
 @pytest.mark.multiproc
@@ -193,4 +197,4 @@ def test_moe_events_match_the_simulated_program(request, world, name):
         assert Counter(n for n in measured if n in comm) == comm, f"rank {rank}"
     names = {n for r in ranks for n in r["events"]}
     assert "all_to_all ep layer=layer.1 mb=1 dir=bwd1" in names or plan.ep == 1  # dispatch.grad
-    assert any("expert_bucket" in n for n in names) == (plan.grad_sync == "bucketed" and plan.dp > plan.ep)
+    assert any("expert_bucket" in n for n in names) == (plan.grad_sync == "bucketed" and plan.dp * plan.cp > plan.ep)
