@@ -17,7 +17,7 @@ from pathlib import Path
 from .errors import ParsimError
 from .files import read_json
 
-STREAMS = ("compute", "comm", "p2p", "gather")  # gather: FSDP's weight all-gathers, beside comm's reductions
+STREAMS = ("compute", "comm", "p2p", "gather", "cp")  # gather: FSDP's weight all-gathers; cp: K/V exchanges
 
 
 @dataclass(slots=True)

@@ -89,6 +89,15 @@ def test_simulate_cli_writes_chrome_trace(capsys, tmp_path):
     assert any(e["ph"] == "s" for e in doc["traceEvents"])  # send -> recv flows
 
 
+def test_context_parallel_exchanges_get_their_own_named_track(capsys, tmp_path):
+    trace = tmp_path / "step.json"
+    assert main(["simulate", "--model", "tiny-gpt", "--cp", "2", "--cluster", "dgx-h100", "--trace", str(trace)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    exchanges = [e for e in events if e["ph"] == "X" and e["name"].startswith("all_gather cp ")]
+    assert exchanges and {tracks[e["pid"], e["tid"]] for e in exchanges} == {"cp"}
+
+
 def test_simulate_rejects_a_bad_plan_in_one_line(capsys, tmp_path):
     bad = tmp_path / "plan.yaml"
     bad.write_text("model: course-mlp\nparallel: {dp: 3}\n")
