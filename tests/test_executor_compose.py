@@ -11,14 +11,12 @@ for the ranks it simulates.
 from __future__ import annotations
 
 import importlib.util
-from collections import Counter
 
 import pytest
 
-from parsim.lower import lower
 from parsim.plan import load_plan
 
-from reference_runs import verify_plans
+from reference_runs import assert_events_as_simulated, assert_step_equals_reference, verify_plans
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 pytestmark = needs_torch
@@ -58,26 +56,12 @@ def results() -> list[list[dict]]:
 @pytest.mark.parametrize("name", PLANS)
 def test_composed_step_equals_single_process(results, name):
     index = list(PLANS).index(name)
-    losses = 0
-    for rank in range(WORLD):
-        r = results[rank][index]
-        if r["loss"] is not None:
-            losses += 1
-            assert r["loss"] == pytest.approx(r["reference_loss"], rel=1e-5), f"rank {rank}"
-        assert r["max_grad_error"] < 1e-5, f"rank {rank}: {r['worst_grad']}"
-        assert r["max_param_error"] < 1e-4, f"rank {rank}"
-    plan = PLANS[name]
-    assert losses == plan.dp * plan.tp  # every last-stage rank reports its replica's loss
+    assert_step_equals_reference(PLANS[name], [results[rank][index] for rank in range(WORLD)])
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", UNTIED)
 def test_events_match_the_simulated_program(results, name):
     """Same names, and the same number of each communication event, on every simulated rank."""
-    program = lower(PLANS[name])
-    for rank in program.ranks:
-        predicted = program.rank_ops(rank)
-        measured = results[rank][list(PLANS).index(name)]["events"]
-        assert set(measured) == {op.name for op in predicted}, f"rank {rank}"
-        comm = Counter(op.name for op in predicted if op.kind in ("collective", "send", "recv"))
-        assert Counter(n for n in measured if n in comm) == comm, f"rank {rank}"
+    index = list(PLANS).index(name)
+    assert_events_as_simulated(PLANS[name], [results[rank][index] for rank in range(WORLD)])

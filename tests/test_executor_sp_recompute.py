@@ -20,7 +20,7 @@ import pytest
 from parsim.lower import lower
 from parsim.plan import load_plan
 
-from reference_runs import verify_plans
+from reference_runs import assert_step_equals_reference, verify_plans
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 
@@ -56,15 +56,7 @@ def results() -> list[list[dict]]:
 @pytest.mark.parametrize("name", PLANS)
 def test_step_equals_single_process(results, name):
     index = list(PLANS).index(name)
-    losses = 0
-    for rank in range(WORLD):
-        r = results[rank][index]
-        if r["loss"] is not None:
-            losses += 1
-            assert r["loss"] == pytest.approx(r["reference_loss"], rel=1e-5), f"rank {rank}"
-        assert r["max_grad_error"] < 1e-5, f"rank {rank}: {r['worst_grad']}"
-        assert r["max_param_error"] < 1e-4, f"rank {rank}"
-    assert losses == PLANS[name].dp * PLANS[name].tp
+    assert_step_equals_reference(PLANS[name], [results[rank][index] for rank in range(WORLD)])
 
 
 @pytest.mark.multiproc
