@@ -1,102 +1,205 @@
-"""Single-rank compute microbenchmarks for `parsim calibrate`: matmul time by shape."""
+"""Compute microbenchmarks for ``parsim calibrate``, run on every rank at once and in lock-step.
+
+The ranks of a local run share the host's cores, caches and memory bandwidth,
+so every figure here is measured the way ranks compute during a step: all of
+them run the same benchmark at the same moment (a barrier before each, one
+agreed repeat count), with one thread each. Each figure is the **median**
+over repeats, so a burst of other work on the host does not stand for the run.
+
+Nothing here runs a plan's model: the benchmarks are generic operations.
+
+* :func:`measure_matmuls`: ``x @ w`` in fp32 by shape, operands *cold*: cycled
+  through distinct buffers larger than the caches, as a stack of layers finds
+  its weights when it runs (fits peak, shape efficiency and the speed at which
+  operands stream in).
+* :func:`measure_dispatch`: generic eager blocks (a pre-norm GeLU MLP block of
+  ``torch.nn`` modules, a softmax self-attention block, a chain of elementwise
+  ops and reductions) at sizes where fixed costs dominate; each reports its
+  forward and backward time and the ATen ops it dispatches (counted with a
+  ``TorchDispatchMode``), and the matmuls it runs (fits the cost per op).
+* :func:`measure_optimizer`: ``torch.optim.AdamW`` steps on many small and a
+  few large parameter tensors (fits the cost per tensor and the memory speed).
+"""
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from ._torch import require_torch
 
-# Shapes (m, n, k) spanning thin to square, the sizes the course's MLP and the tiny transformer use,
-# including weight-gradient shapes whose inner dimension is the (small) token count.
+# Shapes (m, n, k) spanning thin to square, including weight-gradient shapes whose inner dimension is a
+# (small) token count.
 DEFAULT_SHAPES = (
     (32, 64, 64), (128, 128, 128), (32, 1024, 1024), (128, 256, 1024), (128, 1024, 256),
     (256, 512, 512), (512, 512, 512), (128, 1024, 1024), (1024, 1024, 1024), (64, 4096, 1024),
     (1024, 1024, 32), (1024, 1024, 128), (64, 64, 32), (256, 64, 64), (64, 256, 64),
 )
-
-
-def measure_matmuls(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *, threads: int = 1,
-                    target_time_s: float = 0.1) -> list[tuple[tuple[int, int, int], float]]:
-    """Mean seconds of ``x[m, k] @ w[k, n]`` in fp32 for each shape, on ``threads`` CPU threads
-    (one per rank, like the executor's ranks)."""
-    torch = require_torch()
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        rows = []
-        for m, n, k in shapes:
-            x, w = torch.randn(m, k), torch.randn(k, n)
-            out = torch.empty(m, n)
-            torch.matmul(x, w, out=out)  # warm-up
-            iters, elapsed = 1, 0.0
-            while True:
-                start = time.perf_counter()
-                for _ in range(iters):
-                    torch.matmul(x, w, out=out)
-                elapsed = time.perf_counter() - start
-                if elapsed >= target_time_s or iters >= 1 << 16:
-                    break
-                iters *= 2
-            rows.append(((m, n, k), elapsed / iters))
-        return rows
-    finally:
-        torch.set_num_threads(saved)
-
-
-def measure_optimizer_bandwidth(params: int = 1 << 21, *, threads: int = 1, steps: int = 10) -> float:
-    """Bytes per second a torch AdamW step moves on ``params`` fp32 parameters, one thread.
-
-    Counts parsim's 21 element accesses per parameter (see ``parsim.lower.ADAMW_ACCESSES``),
-    so the figure is the memory bandwidth that elementwise kernels reach, which is
-    what the simulator's optimizer and elementwise costs divide by.
-    """
-    from parsim.lower import ADAMW_ACCESSES
-
-    torch = require_torch()
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        weight = torch.nn.Parameter(torch.randn(params))
-        weight.grad = torch.randn(params)
-        optimizer = torch.optim.AdamW([weight], lr=1e-3, foreach=True)
-        optimizer.step()  # allocates the moments
-        start = time.perf_counter()
-        for _ in range(steps):
-            optimizer.step()
-        seconds = (time.perf_counter() - start) / steps
-        return params * ADAMW_ACCESSES * 4 / seconds
-    finally:
-        torch.set_num_threads(saved)
+COLD_FOOTPRINT_BYTES = 64 << 20  # operands cycled per shape: well above a server's last-level cache share
+MAX_SLOTS = 4096
+# AdamW runs: (parameter tensors, elements each): fixed cost per tensor and bytes per second.
+OPTIMIZER_RUNS = ((64, 256), (16, 16384), (4, 1 << 20))
+REPEATS = 15
+BATCH_S = 0.002  # each repeat runs the benchmark for at least this long
 
 
 def measure_on_every_rank(nproc: int, timeout_s: float = 600.0) -> list[dict]:
-    """Compute microbenchmarks run on ``nproc`` ranks at once, as they compute during a real run
-    (sharing cores, caches and memory bandwidth); one dict per rank."""
+    """Every compute microbenchmark on ``nproc`` ranks at once; one dict per rank."""
     from .launch import launch
 
     return launch(_rank_compute, nproc, (), "gloo", timeout_s)
 
 
-def measure_kernel_overhead(chain: int = 200, repeats: int = 20) -> float:
-    """Seconds of fixed cost per op: a chain of tiny elementwise ops, forward and backward
-    through autograd, divided by the ops it runs (one forward and one backward kernel each)."""
-    torch = require_torch()
-    x = torch.randn(16, requires_grad=True)
-
-    def run() -> None:
-        y = x
-        for _ in range(chain):
-            y = y * 1.0001
-        y.sum().backward()
-
-    run()  # warm-up
-    start = time.perf_counter()
-    for _ in range(repeats):
-        run()
-    return (time.perf_counter() - start) / repeats / (2 * chain)
-
-
 def _rank_compute(rank: int, world: int) -> dict:
-    return {"matmuls": measure_matmuls(), "optimizer_Bps": measure_optimizer_bandwidth(),
-            "kernel_s": measure_kernel_overhead()}
+    return {"matmuls": measure_matmuls(), "dispatch": measure_dispatch(), "optimizer": measure_optimizer()}
+
+
+# ----------------------------------------------------------------------------- timing
+def _agree(count: int) -> int:
+    """The largest of every rank's ``count`` (inside a process group), so all ranks run alike."""
+    torch = require_torch()
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return count
+    value = torch.tensor([count], dtype=torch.int64)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return int(value.item())
+
+
+def _barrier() -> None:
+    torch = require_torch()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def median_time(fn: Callable[[], Any], repeats: int = REPEATS, batch_s: float = BATCH_S) -> float:
+    """Median seconds of one ``fn()`` over ``repeats`` batches of at least ``batch_s`` each, every rank in step."""
+    fn()  # warm-up: allocations, first-call paths
+    start = time.perf_counter()
+    fn()
+    once = time.perf_counter() - start
+    batch = _agree(max(1, math.ceil(batch_s / max(once, 1e-7))))
+    _barrier()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        times.append((time.perf_counter() - start) / batch)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- matmuls
+def measure_matmuls(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *,
+                    footprint_bytes: int = COLD_FOOTPRINT_BYTES) -> list[tuple[tuple[int, int, int], float]]:
+    """Median seconds of ``x[m, k] @ w[k, n]`` (fp32, a new output) per shape, every call on operands not
+    used since ``footprint_bytes`` of others: cold, as a layer's weights are."""
+    torch = require_torch()
+    rows = []
+    for m, n, k in shapes:
+        slots = max(2, min(MAX_SLOTS, math.ceil(footprint_bytes / ((m * k + k * n) * 4))))
+        xs = list(torch.full((slots, m, k), 0.01).unbind(0))
+        ws = list(torch.full((slots, k, n), 0.02).unbind(0))
+        turn = [0]
+
+        def step() -> None:
+            j = turn[0]
+            turn[0] = (j + 1) % slots
+            torch.matmul(xs[j], ws[j])
+
+        rows.append(((m, n, k), median_time(step)))
+    return rows
+
+
+# ----------------------------------------------------------------------------- eager dispatch
+WIDTH, TOKENS, DEPTH, HEADS = 32, 16, 8, 4  # small: fixed costs, not arithmetic, dominate
+
+
+def _generic_blocks() -> dict[str, tuple[Any, list[tuple[int, int, int]]]]:
+    """name -> (a stack of ``DEPTH`` generic blocks, the matmuls one forward runs as (m, n, k))."""
+    torch = require_torch()
+    nn, F = torch.nn, torch.nn.functional
+    w, t, h = WIDTH, 2 * TOKENS, HEADS
+
+    class MLPBlock(nn.Module):  # pre-norm GeLU MLP with a residual, as in GPT-2 or BERT
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc1, self.fc2 = nn.LayerNorm(w), nn.Linear(w, 4 * w), nn.Linear(4 * w, w)
+
+        def forward(self, x):
+            return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+    class AttentionBlock(nn.Module):  # pre-norm multi-head softmax attention with a residual
+        def __init__(self):
+            super().__init__()
+            self.norm, self.qkv, self.out = nn.LayerNorm(w), nn.Linear(w, 3 * w), nn.Linear(w, w)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = (z.view(b, s, h, w // h).transpose(1, 2) for z in self.qkv(self.norm(x)).split(w, -1))
+            scores = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(w // h), dim=-1)
+            return x + self.out((scores @ v).transpose(1, 2).reshape(b, s, w))
+
+    class Elementwise(nn.Module):  # activations, scalar arithmetic and a reduction
+        def forward(self, x):
+            return torch.tanh(x * 0.5 + torch.sigmoid(x)) - x.mean(-1, keepdim=True)
+
+    s = TOKENS
+    attention_mm = [(s, s, w // h)] * (2 * h) + [(s, w // h, s)] * (2 * h)  # per sequence and head
+    return {
+        "mlp block": (nn.Sequential(*[MLPBlock() for _ in range(DEPTH)]), [(t, 4 * w, w), (t, w, 4 * w)] * DEPTH),
+        "attention block": (nn.Sequential(*[AttentionBlock() for _ in range(DEPTH)]),
+                            [(t, 3 * w, w), (t, w, w), *attention_mm] * DEPTH),
+        "elementwise": (nn.Sequential(*[Elementwise() for _ in range(DEPTH)]), []),
+    }
+
+
+def count_ops(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """``fn()``'s result and the ATen ops it dispatched."""
+    require_torch()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as counter:
+        result = fn()
+    return result, counter.ops
+
+
+def measure_dispatch() -> list[dict]:
+    """Per generic block stack: forward and backward seconds (medians), ATen ops of each, and its matmuls."""
+    torch = require_torch()
+    rows = []
+    for name, (stack, matmuls) in _generic_blocks().items():
+        x = torch.randn(2, TOKENS, WIDTH, requires_grad=True)
+        grad = torch.randn(2, TOKENS, WIDTH)
+        out, forward_ops = count_ops(lambda: stack(x))
+        _, backward_ops = count_ops(lambda: torch.autograd.backward(out, grad))
+        forward_s = median_time(lambda: stack(x))
+        both_s = median_time(lambda: torch.autograd.backward(stack(x), grad))
+        rows.append({"name": name, "forward_s": forward_s, "backward_s": max(both_s - forward_s, 0.0),
+                     "forward_ops": forward_ops, "backward_ops": backward_ops - 1,  # less x's own accumulation
+                     "matmuls": matmuls})
+    return rows
+
+
+# ----------------------------------------------------------------------------- optimizer
+def measure_optimizer(runs: Sequence[tuple[int, int]] = OPTIMIZER_RUNS) -> list[tuple[int, int, float]]:
+    """Median seconds of one ``torch.optim.AdamW`` step (torch's defaults, as the executor builds it) on
+    ``tensors`` parameters of ``numel`` fp32 elements each: (tensors, numel, seconds) per run."""
+    torch = require_torch()
+    rows = []
+    for tensors, numel in runs:
+        params = [torch.nn.Parameter(torch.full((numel,), 0.01)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.full((numel,), 1e-3)
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        rows.append((tensors, numel, median_time(optimizer.step, repeats=9)))
+        del optimizer, params
+    return rows

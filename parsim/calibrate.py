@@ -14,8 +14,12 @@ efficiency of its own (:func:`fit_operation`), as NCCL's tuner keeps a latency
 and bandwidth per algorithm: backends implement some operations far less
 efficiently than their links allow (gloo's all-gather, for one).
 
-Compute: matmul times are fitted to the shape model of :mod:`parsim.compute`
-(peak FLOP/s and the dimension at which efficiency halves).
+Compute (:mod:`executor.compute_bench` measures, on every rank at once):
+matmul times are fitted to the shape model of :mod:`parsim.compute` (peak
+FLOP/s, the dimension at which efficiency halves, and the speed at which a CPU
+streams cold operands in); generic eager blocks give the fixed cost per op of
+a forward and of a backward (:func:`fit_dispatch`); AdamW steps give the cost
+per parameter tensor and the memory speed (:func:`fit_optimizer`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 from .cluster import parse_cluster
 from .collectives.algorithms import build_phases
 from .collectives.simulate import time_phases
+from .compute import ComputeModel
 from .errors import ParsimError
 from .results import CollectiveResult
 
@@ -36,8 +41,14 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  description: str = "", cpu: str = "CPU rank", peak_flops: float = 1e11,
                  mem_bw_Bps: float = 1e10, mem_bytes: float = 8e9, algorithms: dict | None = None,
                  efficiency: dict | None = None, overhead_s: dict | None = None,
-                 matmul_half_dim: float = 0.0, kernel_overhead_s: float = 0.0) -> dict:
+                 matmul_half_dim: float = 0.0, kernel_overhead_s: float = 0.0, op_forward_s: float = 0.0,
+                 op_backward_s: float = 0.0, optimizer_tensor_s: float = 0.0,
+                 matmul_stream_bw_Bps: float | None = None) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric")."""
+    host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
+                  "optimizer_tensor_us": optimizer_tensor_s * 1e6}
+    if matmul_stream_bw_Bps:
+        host_costs["matmul_stream_bw_GBps"] = matmul_stream_bw_Bps / 1e9
     return {
         "name": name,
         "description": description or f"{ranks} ranks on one host, calibrated",
@@ -55,7 +66,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         "collective_efficiency": dict(efficiency or {}),
         "collective_overhead_us": {op: t * 1e6 for op, t in (overhead_s or {}).items()},
         "compute": {"matmul_efficiency": 1.0, "matmul_half_dim": float(matmul_half_dim),
-                    "kernel_overhead_us": kernel_overhead_s * 1e6},
+                    "kernel_overhead_us": kernel_overhead_s * 1e6,
+                    **{k: v for k, v in host_costs.items() if v}},
     }
 
 
@@ -166,28 +178,105 @@ class MatmulFit:
     peak_flops: float
     half_dim: float
     rows: list[tuple[tuple[int, int, int], float, float]]  # shape, measured s, fitted s
+    stream_bw_Bps: float | None = None  # operands streamed in on top of the arithmetic (None: not seen)
 
     @property
     def median_abs_error(self) -> float:
         return float(np.median([abs(f / m - 1) for _, m, f in self.rows]))
 
+    def model(self, dtype_bytes: int = 4) -> ComputeModel:
+        """A compute model with these matmul figures (fp32 by default)."""
+        return ComputeModel(self.peak_flops, 1e30, dtype_bytes, half_dim=self.half_dim,
+                            matmul_stream_bw_Bps=self.stream_bw_Bps)
 
-def fit_matmul(samples: list[tuple[tuple[int, int, int], float]]) -> MatmulFit:
-    """Fit ``rate = peak * prod(d / (d + h))`` to measured matmul times (grid over h, closed form for peak)."""
+
+def fit_matmul(samples: list[tuple[tuple[int, int, int], float]], stream: bool = True,
+               dtype_bytes: int = 4) -> MatmulFit:
+    """Fit ``t = flops / (peak * prod(d / (d + h))) + bytes / stream_bw`` to measured matmul times.
+
+    A grid over ``h``; for each, ``1/peak`` and ``1/stream_bw`` by least squares on relative error
+    (both >= 0). ``bytes`` are the operands and the output, ``(mk + kn + mn) * dtype_bytes``. With
+    ``stream=False`` (or no stream term in the data) ``stream_bw_Bps`` is None: the pure shape model.
+    """
     if not samples:
         raise ParsimError("no matmul measurements to fit")
     shapes = np.array([s for s, _ in samples], dtype=float)
     times = np.array([t for _, t in samples])
     flops = 2 * shapes.prod(axis=1)
+    m, n, k = shapes.T
+    traffic = (m * k + k * n + m * n) * dtype_bytes
+    weights = 1.0 / times
     best = None
     for h in np.concatenate([[0.0], np.geomspace(1, 4096, 200)]):
-        shape_factor = np.prod(shapes / (shapes + h), axis=1)
-        # t = flops / (peak * shape_factor): log-space least squares for peak
-        log_peak = float(np.mean(np.log(flops / (shape_factor * times))))
-        fitted = flops / (np.exp(log_peak) * shape_factor)
-        err = float(np.mean(np.log(fitted / times) ** 2))
+        work = flops / np.prod(shapes / (shapes + h), axis=1)
+        columns = [work, traffic] if stream else [work]
+        coef = _nonnegative_lstsq(np.stack(columns, axis=1) * weights[:, None], np.ones_like(times))
+        if coef[0] <= 0:
+            continue
+        fitted = np.stack(columns, axis=1) @ coef
+        err = float(np.mean((fitted / times - 1) ** 2))
         if best is None or err < best[0]:
-            best = (err, float(np.exp(log_peak)), float(h), fitted)
-    _, peak, h, fitted = best
-    return MatmulFit(peak, h, [(tuple(int(d) for d in s), float(t), float(f))
-                               for s, t, f in zip(shapes, times, fitted)])
+            best = (err, float(h), coef, fitted)
+    if best is None:
+        raise ParsimError("the matmul measurements show no arithmetic term")
+    _, h, coef, fitted = best
+    stream_bw = float(1.0 / coef[1]) if stream and coef[1] > 0 else None
+    return MatmulFit(float(1.0 / coef[0]), h, [(tuple(int(d) for d in s), float(t), float(f))
+                                        for s, t, f in zip(shapes, times, fitted)], stream_bw)
+
+
+@dataclass
+class DispatchFit:
+    forward_s: float  # fixed cost of one op dispatched in a forward
+    backward_s: float  # of one op autograd runs in a backward
+    rows: list[dict]  # the measurements, each with its matmul time taken out ("matmul_forward_s", ...)
+
+
+def fit_dispatch(rows: list[dict], matmuls: ComputeModel) -> DispatchFit:
+    """The fixed cost per eager op, forward and backward, from generic blocks' times and op counts.
+
+    Each row (see :func:`executor.compute_bench.measure_dispatch`) has its forward and backward
+    seconds, the ATen ops of each, and the matmuls its forward runs; their time (from the fitted
+    matmul model; the backward runs an input- and a weight-gradient matmul for each) is taken out,
+    and what remains, pooled over every row, is divided by the pooled op count.
+    """
+    if not rows:
+        raise ParsimError("no dispatch measurements to fit")
+    forward_work = backward_work = forward_ops = backward_ops = 0.0
+    kept = []
+    for row in rows:
+        mm = [tuple(s) for s in row["matmuls"]]
+        mm_forward = sum(matmuls.matmul_time(*s) for s in mm)
+        mm_backward = sum(matmuls.matmul_time(m, k, n) + matmuls.matmul_time(k, n, m) for m, n, k in mm)
+        forward_work += max(row["forward_s"] - mm_forward, 0.0)
+        backward_work += max(row["backward_s"] - mm_backward, 0.0)
+        forward_ops += row["forward_ops"]
+        backward_ops += row["backward_ops"]
+        kept.append({**row, "matmul_forward_s": mm_forward, "matmul_backward_s": mm_backward})
+    if forward_ops <= 0 or backward_ops <= 0:
+        raise ParsimError("the dispatch measurements counted no ops")
+    return DispatchFit(float(forward_work / forward_ops), float(backward_work / backward_ops), kept)
+
+
+@dataclass
+class OptimizerFit:
+    tensor_s: float  # fixed cost per parameter tensor
+    bw_Bps: float  # bytes per second over parsim's ADAMW_ACCESSES fp32 accesses per parameter
+    rows: list[tuple[int, int, float, float]]  # tensors, elements each, measured s, fitted s
+
+
+def fit_optimizer(rows: list[tuple[int, int, float]], accesses: int, element_bytes: int = 4) -> OptimizerFit:
+    """``t = tensors * c + params * accesses * element_bytes / bw`` by least squares on relative error
+    (both terms >= 0), from AdamW steps on few large and many small tensors."""
+    if len(rows) < 2:
+        raise ParsimError("the optimizer fit needs at least two measurements")
+    tensors = np.array([r[0] for r in rows], dtype=float)
+    nbytes = np.array([r[0] * r[1] for r in rows], dtype=float) * accesses * element_bytes
+    times = np.array([r[2] for r in rows])
+    a = np.stack([tensors, nbytes], axis=1) / times[:, None]
+    tensor_s, inverse_bw = _nonnegative_lstsq(a, np.ones_like(times))
+    if inverse_bw <= 0:
+        raise ParsimError("the optimizer measurements show no bandwidth term (use larger tensors)")
+    fitted = tensors * tensor_s + nbytes * inverse_bw
+    return OptimizerFit(float(tensor_s), float(1.0 / inverse_bw),
+                        [(int(r[0]), int(r[1]), float(r[2]), float(f)) for r, f in zip(rows, fitted)])

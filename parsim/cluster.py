@@ -19,6 +19,8 @@ from .errors import ConfigError, ParsimError
 from .files import read_yaml
 
 FABRICS = ("nvswitch", "pcie")
+COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "kernel_overhead_us", "op_forward_us", "op_backward_us",
+                "optimizer_tensor_us", "matmul_stream_bw_GBps")
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 
 
@@ -77,6 +79,11 @@ class ClusterSpec:
     matmul_efficiency: float = 1.0
     matmul_half_dim: float = 0.0
     kernel_overhead_s: float = 0.0  # fixed cost of launching one kernel / dispatching one op
+    # Eager-CPU host costs (parsim.compute; written by `parsim calibrate`, absent on GPU clusters).
+    op_forward_s: float = 0.0  # one op dispatched in a forward
+    op_backward_s: float = 0.0  # one op autograd runs in a backward
+    optimizer_tensor_s: float = 0.0  # AdamW's fixed cost per parameter tensor
+    matmul_stream_bw_Bps: float | None = None  # operands streamed in addition to the arithmetic (None: roofline)
 
     @property
     def reduction_bw_Bps(self) -> float:
@@ -157,12 +164,17 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     matmul_efficiency = compute.get("matmul_efficiency", 1.0)
     half_dim = compute.get("matmul_half_dim", 0.0)
     kernel_us = compute.get("kernel_overhead_us", 0.0)
-    unknown = set(compute) - {"matmul_efficiency", "matmul_half_dim", "kernel_overhead_us"}
+    unknown = set(compute) - set(COMPUTE_KEYS)
     if unknown:
-        raise ConfigError(source, f"compute.{sorted(unknown)[0]}", "unknown key",
-                          "matmul_efficiency, matmul_half_dim, kernel_overhead_us")
-    if not _is_number(kernel_us) or kernel_us < 0:
-        raise ConfigError(source, "compute.kernel_overhead_us", f"is {kernel_us!r}", "microseconds >= 0")
+        raise ConfigError(source, f"compute.{sorted(unknown)[0]}", "unknown key", ", ".join(COMPUTE_KEYS))
+    host_us = {}
+    for key in ("kernel_overhead_us", "op_forward_us", "op_backward_us", "optimizer_tensor_us"):
+        host_us[key] = compute.get(key, 0.0)
+        if not _is_number(host_us[key]) or host_us[key] < 0:
+            raise ConfigError(source, f"compute.{key}", f"is {host_us[key]!r}", "microseconds >= 0")
+    stream_bw = compute.get("matmul_stream_bw_GBps")
+    if stream_bw is not None and (not _is_number(stream_bw) or stream_bw <= 0):
+        raise ConfigError(source, "compute.matmul_stream_bw_GBps", f"is {stream_bw!r}", "a positive number in GB/s")
     if not _is_number(matmul_efficiency) or not 0 < matmul_efficiency <= 1:
         raise ConfigError(source, "compute.matmul_efficiency", f"is {matmul_efficiency!r}", "a fraction in (0, 1]")
     if not _is_number(half_dim) or half_dim < 0:
@@ -200,6 +212,10 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         matmul_efficiency=float(matmul_efficiency),
         matmul_half_dim=float(half_dim),
         kernel_overhead_s=float(kernel_us) * 1e-6,
+        op_forward_s=float(host_us["op_forward_us"]) * 1e-6,
+        op_backward_s=float(host_us["op_backward_us"]) * 1e-6,
+        optimizer_tensor_s=float(host_us["optimizer_tensor_us"]) * 1e-6,
+        matmul_stream_bw_Bps=float(stream_bw) * 1e9 if stream_bw is not None else None,
     )
     for reader in (r, gpu, intra, out):
         reader.reject_unknown()

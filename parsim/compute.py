@@ -9,7 +9,22 @@ optimistic bound; ``parsim calibrate`` fits both numbers to measured matmuls.
 
 Every kernel also costs a fixed launch (GPU) or dispatch (eager CPU) overhead,
 ``kernel_overhead_s``; it dominates small models. Built-in clusters leave it
-at 0 (no datasheet gives it); ``parsim calibrate`` measures it.
+at 0 (no datasheet gives it).
+
+Host costs of eager PyTorch on CPUs (all 0 / None by default, so GPU
+predictions do not change; ``parsim calibrate`` measures them on a CPU host):
+
+* ``op_forward_s`` / ``op_backward_s``: the fixed cost of one op dispatched in
+  a forward (Python, the dispatcher, autograd's graph recording, allocation)
+  and of one op autograd runs in a backward; the lowering counts the ops of
+  the eager reference implementation per block (``forward_ops``,
+  ``backward_ops``, see :mod:`parsim.eager_ops`).
+* ``optimizer_tensor_s``: AdamW's fixed cost per parameter tensor (torch's
+  per-tensor loop on CPU), on top of its bytes at ``hbm_bw_Bps``.
+* ``matmul_stream_bw_Bps``: a CPU core does not hide streaming a matmul's
+  operands from memory behind its arithmetic (a layer's weights are cold when
+  it runs); when set, a matmul costs its FLOPs at the shape's rate *plus* its
+  operand bytes at this speed, instead of the roofline's maximum of the two.
 """
 
 from __future__ import annotations
@@ -29,6 +44,11 @@ class ComputeModel:
     half_dim: float = 0.0
     kernel_overhead_s: float = 0.0
     matmul_peak_flops: float | None = None  # matmuls' own peak when they run in another dtype (fp8)
+    # Eager-CPU host costs (see the module docstring); the defaults leave every GPU prediction unchanged.
+    op_forward_s: float = 0.0
+    op_backward_s: float = 0.0
+    optimizer_tensor_s: float = 0.0
+    matmul_stream_bw_Bps: float | None = None
 
     @classmethod
     def for_cluster(cls, spec: ClusterSpec, dtype: str, dtype_bytes: int) -> "ComputeModel":
@@ -40,7 +60,8 @@ class ComputeModel:
                                   f"(it lists {', '.join(spec.gpu.peak_flops)})")
         peaks = spec.gpu.peak_flops
         return cls(peaks[other], spec.gpu.hbm_bw_Bps, dtype_bytes, spec.matmul_efficiency, spec.matmul_half_dim,
-                   spec.kernel_overhead_s, peaks[dtype] if dtype != other else None)
+                   spec.kernel_overhead_s, peaks[dtype] if dtype != other else None,
+                   spec.op_forward_s, spec.op_backward_s, spec.optimizer_tensor_s, spec.matmul_stream_bw_Bps)
 
     def matmul_rate(self, m: float, n: float, k: float) -> float:
         shape = 1.0
@@ -51,10 +72,16 @@ class ComputeModel:
     def matmul_time(self, m: float, n: float, k: float) -> float:
         flops = 2.0 * m * n * k
         traffic = (m * k + k * n + m * n) * self.dtype_bytes
+        if self.matmul_stream_bw_Bps:  # eager CPU: operands streamed in, not hidden behind the arithmetic
+            return flops / self.matmul_rate(m, n, k) + traffic / self.matmul_stream_bw_Bps
         return max(flops / self.matmul_rate(m, n, k), traffic / self.hbm_bw_Bps)
 
-    def time(self, matmuls=(), flops: float = 0.0, hbm_bytes: float = 0.0, kernels: int = 0) -> float:
-        """Matmuls at their shape's rate, other FLOPs at peak and other bytes at HBM speed, plus launches."""
+    def time(self, matmuls=(), flops: float = 0.0, hbm_bytes: float = 0.0, kernels: int = 0,
+             forward_ops: int = 0, backward_ops: int = 0, optimizer_tensors: int = 0) -> float:
+        """Matmuls at their shape's rate, other FLOPs at peak and other bytes at HBM speed, plus launches;
+        on an eager CPU host also each dispatched op's and each optimizer tensor's fixed cost."""
         total = sum(self.matmul_time(*mm) for mm in matmuls)
         work = max(flops / (self.peak_flops * self.efficiency), hbm_bytes / self.hbm_bw_Bps)
-        return total + work + kernels * self.kernel_overhead_s
+        host = (forward_ops * self.op_forward_s + backward_ops * self.op_backward_s
+                + optimizer_tensors * self.optimizer_tensor_s)
+        return total + work + kernels * self.kernel_overhead_s + host

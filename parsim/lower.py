@@ -27,6 +27,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from . import eager_ops
 from .model import LayerCost, MLPModel, shard
 from .plan import Plan
 from .program import Op, Program
@@ -52,6 +53,8 @@ class _ComputePiece:
     kernels: int
     phase: str
     layer: int
+    forward_ops: int = 0  # eager ops dispatched (parsim.eager_ops; the CPU host's fixed costs)
+    backward_ops: int = 0
     opens: bool = False  # the first piece of its layer in this pass (FSDP gathers the layer before it)
     closes: bool = False  # the last (FSDP reduce-scatters the layer's gradients after a backward's)
     joins: bool = False  # waits for the context-parallel exchanges started since the last join (no work)
@@ -182,7 +185,8 @@ class _Lowering:
                 recompute = piece.phase == "recompute"
                 last = self._add(rank, Op(recompute_name if recompute else name, "compute", "compute", deps=deps,
                                           matmuls=piece.matmuls, flops=piece.flops, hbm_bytes=piece.hbm_bytes,
-                                          kernels=piece.kernels, phase=piece.phase))
+                                          kernels=piece.kernels, phase=piece.phase,
+                                          forward_ops=piece.forward_ops, backward_ops=piece.backward_ops))
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
             if piece.closes:
@@ -263,7 +267,8 @@ class _Lowering:
             head, tail = collective_name(collective, "cp", layer=cost.name, mb="|", dir=direction).split("|")
             return _CommPiece(head, tail, collective, group, mirrors, nbytes, "cp")
 
-        join = dataclasses.replace(compute, matmuls=(), flops=0.0, hbm_bytes=0.0, kernels=0, joins=True)
+        join = dataclasses.replace(compute, matmuls=(), flops=0.0, hbm_bytes=0.0, kernels=0, forward_ops=0,
+                                   backward_ops=0, joins=True)
         backward = kind in ("B", "I")
         if plan.context_parallel == "ring":
             return [exchange("all_gather"), *([exchange("reduce_scatter")] if backward else []), compute, join]
@@ -304,11 +309,27 @@ class _Lowering:
         elif kind in ("B", "I"):
             flops = 2 * attention
         passes = {"F": 1, "B": 2, "I": 2, "W": 0}[kind]
-        # Autograd adds each weight gradient into .grad (read both, write one), once per microbatch.
+        # Autograd adds each weight gradient into .grad (read both, write one) for every microbatch but the
+        # first, whose gradient becomes .grad as it is: on average (m - 1) / m of a pass.
         accumulate = sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
                          for mm in block.matmuls) * plan.dtype_bytes * 3 if kind in ("B", "W") else 0
+        accumulate *= (plan.num_microbatches - 1) / plan.num_microbatches
+        forward_ops, backward_ops = self._eager_ops(block, kind)
         return _ComputePiece(tuple(mms), flops, passes * saved_per_token * m + accumulate,
-                             len(mms) + passes * saved_tensors, phase, layer)
+                             len(mms) + passes * saved_tensors, phase, layer, forward_ops, backward_ops)
+
+    def _eager_ops(self, block, kind: str) -> tuple[int, int]:
+        """(forward, backward) ops an eager implementation dispatches for ``block`` in a ``kind`` pass
+        (:mod:`parsim.eager_ops`): a recomputed forward dispatches the forward's again; zero-bubble's
+        weight-gradient pass runs a few per matmul and the input-gradient pass the rest."""
+        forward, backward = block.eager_ops
+        degree = {"tp": self.plan.tp, "ep": self.plan.ep}
+        around = eager_ops.TP_COLLECTIVE_OPS * sum(1 for c in block.collectives if degree[c.group] > 1
+                                                   and c.phase == ("forward" if kind in ("F", "R") else "backward"))
+        if kind in ("F", "R"):
+            return forward + around, 0
+        weight_grad = eager_ops.WEIGHT_GRAD_OPS * len(block.matmuls)
+        return 0, {"B": backward + around, "I": max(backward - weight_grad, 0) + around, "W": weight_grad}[kind]
 
     # -- pipeline transfers ---------------------------------------------------------
     @functools.cache
@@ -423,7 +444,8 @@ class _Lowering:
                             for c in plan.stage_costs(s))
         step = self._add(rank, Op("optimizer step", "optimizer", "compute", deps=tuple(sync) or (last_compute,),
                                   flops=12.0 * params, hbm_bytes=params * ADAMW_ACCESSES * FP32,
-                                  kernels=tensors_count * ADAMW_KERNELS, phase="optimizer"))
+                                  kernels=tensors_count * ADAMW_KERNELS, phase="optimizer",
+                                  optimizer_tensors=tensors_count))
         for dim, tag, nbytes in gather:  # ZeRO-1/2: every rank needs the updated weights back
             self._dp_collective(rank, p, "all_gather", dim, nbytes, (step,), **tag)
 

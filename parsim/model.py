@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Union
 
+from . import eager_ops
 from .errors import ConfigError, ParsimError
 from .files import read_yaml
 from .units import parse_size
@@ -192,6 +193,9 @@ class Block:
     collectives: tuple[TPCollective, ...] = ()
     kv_width: int = 0  # K and V elements per token each (attention): what context parallelism exchanges
     kv_unit: int = 1  # tensor parallelism splits K/V by whole heads of this width
+    # (forward, backward) ops an eager PyTorch implementation dispatches for the block, per microbatch
+    # (parsim.eager_ops; the CPU host's fixed costs). (0, 0): not counted.
+    eager_ops: tuple[int, int] = (0, 0)
 
     def forward_flops_per_token(self, tp: int = 1) -> int:
         return sum(m.flops_per_token(tp) for m in self.matmuls) + self.attention_flops_per_token // tp
@@ -367,7 +371,7 @@ class MLPModel(_CostTotals):
         block = Block("linear", (Matmul("w", w, w, "column"),), collectives=(
             TPCollective("out", "all_gather", "forward", "after", w * d),
             TPCollective("out.grad", "reduce_scatter", "backward", "before", w * d),
-        ))
+        ), eager_ops=eager_ops.MLP_LAYER)
         saved = (Activation("in", w, d, sharded=False), Activation("pre_gelu", w, d, sharded=True))
         return [LayerCost(f"layer.{i}", (block,), activations=saved, checkpoint=saved[:1])
                 for i in range(self.num_layers)]
@@ -530,6 +534,9 @@ class TransformerModel(_CostTotals):
         h, f, hd = self.hidden, self.ffn_hidden, self.head_dim
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         sp = sequence_parallel
+        attention_ops, ffn_ops = eager_ops.transformer_layer_ops(
+            self.position_embedding == "rope", self.ffn_type, self.num_kv_heads != self.num_heads,
+            self.num_experts if moe else 0, self.attention == "mla")
         if self.attention == "mla":
             attention, attention_saved, attention_params = self._mla_block(d, sp)
         else:
@@ -539,7 +546,7 @@ class TransformerModel(_CostTotals):
                  Matmul("attn.v", h, kv, "column", hd), Matmul("attn.o", q, h, "row", hd)),
                 attention_flops_per_token=4 * self.seq_len * q,
                 collectives=_block_collectives("attn", h * d, sequence_parallel),
-                kv_width=kv, kv_unit=hd,
+                kv_width=kv, kv_unit=hd, eager_ops=attention_ops,
             )
             attention_saved = (
                 Activation("attn.q", q, d, sharded=True, unit=hd), Activation("attn.k", kv, d, sharded=True, unit=hd),
@@ -550,7 +557,7 @@ class TransformerModel(_CostTotals):
             mlp, ffn_saved = self._moe_block(d, sp)
         else:
             ffn, intermediates = _ffn("mlp", h, f, self.ffn_type)
-            mlp = Block("mlp", ffn, collectives=_block_collectives("mlp", h * d, sequence_parallel))
+            mlp = Block("mlp", ffn, collectives=_block_collectives("mlp", h * d, sequence_parallel), eager_ops=ffn_ops)
             ffn_saved = tuple(Activation(name, f, d, sharded=True) for name in intermediates)
         saved = (
             Activation("norm.attn.in", h, d, sharded=sp), Activation("attn.in", h, d, sharded=sp),
@@ -622,7 +629,8 @@ class TransformerModel(_CostTotals):
             TPCollective("moe.dispatch.grad", "all_to_all", "backward", "after", a2a, group="ep"),
             *(c for c in tp if c.phase == "backward" and c.position == "after"),
         )
-        return Block("moe", matmuls, collectives=collectives), tuple(saved)
+        ops = eager_ops.transformer_layer_ops(False, self.ffn_type, False, self.num_experts)[1]
+        return Block("moe", matmuls, collectives=collectives, eager_ops=ops), tuple(saved)
 
     def embedding_cost(self, dtype_bytes: int, tp_style: str | None = None,
                        sequence_parallel: bool = False) -> LayerCost:
@@ -645,7 +653,8 @@ class TransformerModel(_CostTotals):
                            TPCollective("embed.out.grad", "all_gather", "backward", "before", h * dtype_bytes))
         else:
             collectives = (TPCollective("embed.out", "all_reduce", "forward", "after", h * dtype_bytes),)
-        block = Block("embedding", collectives=collectives)
+        block = Block("embedding", collectives=collectives,
+                      eager_ops=eager_ops.embedding_ops(self.position_embedding == "learned"))
         return LayerCost("embedding", (block,), tuple(params),
                          (Activation("embed.ids", 1, INDEX_BYTES, sharded=False),))
 
@@ -675,7 +684,7 @@ class TransformerModel(_CostTotals):
         collectives = (*entry, *(TPCollective(f"ce.{n}", "all_reduce", "forward", "after", SOFTMAX_BYTES)
                                  for n in ("max", "target", "sumexp")))
         block = Block("head", (Matmul("head", h, v, "column", owns_weight=not self.tied_embeddings),),
-                      collectives=collectives)
+                      collectives=collectives, eager_ops=eager_ops.HEAD)
         saved = (Activation("norm.final.in", h, d, sharded=sequence_parallel),
                  Activation("head.in", h, d, sharded=False), Activation("ce.softmax", v, SOFTMAX_BYTES, sharded=True))
         return LayerCost("head", (block,), (Param("norm.final", 1, h),), saved)

@@ -27,6 +27,11 @@ class Op:
     flops: float = 0.0
     hbm_bytes: float = 0.0
     kernels: int = 0  # kernels launched (each pays the compute model's fixed overhead)
+    # eager CPU host costs (parsim.compute): ops dispatched in a forward / run by autograd in a backward,
+    # and parameter tensors an optimizer step updates
+    forward_ops: int = 0
+    backward_ops: int = 0
+    optimizer_tensors: int = 0
     # communication
     collective: str = ""  # all_reduce, all_gather, reduce_scatter, ...
     group: str = ""  # "tp" | "dp" | "pp"

@@ -188,10 +188,12 @@ class _Run:
         for op in ops:
             i = op.id
             if op.kind == "compute" or op.kind == "optimizer":
-                key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels)
+                key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels, op.forward_ops, op.backward_ops,
+                       op.optimizer_tensors)
                 fixed[i] = costs.get(key)
                 if fixed[i] is None:
-                    fixed[i] = costs[key] = compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels)
+                    fixed[i] = costs[key] = compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels,
+                                                         op.forward_ops, op.backward_ops, op.optimizer_tensors)
             elif self.comm[i] is not None:
                 fixed[i] = self.comm[i].closed_form_s
             stream = (op.rank, op.stream)

@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ..calibrate import fit_links, fit_matmul, fit_operation, host_cluster
+from ..calibrate import fit_dispatch, fit_links, fit_matmul, fit_operation, fit_optimizer, host_cluster
 from ..cluster import parse_cluster
 from ..errors import ParsimError
+from ..host_load import ForeignLoad
+from ..lower import ADAMW_ACCESSES
 from ..results import canonical_op
 from ..table import render_table
 from ..units import format_size, format_time, parse_size_range
@@ -29,10 +31,13 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * every measured operation -> its own fixed cost per call and bandwidth
     efficiency (backends implement some operations far below link speed);
   * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
-  * on every rank at once, as in a real run: AdamW steps -> hbm_bw_GBps (the
-    memory speed elementwise kernels reach); matmuls of several shapes -> peak
-    FLOP/s and the shape efficiency (compute.matmul_half_dim); tiny ops through
-    autograd -> the fixed cost per op (compute.kernel_overhead_us).
+  * on every rank at once and in step, as ranks compute in a real run:
+    AdamW steps on small and large tensors -> hbm_bw_GBps (the memory speed)
+    and compute.optimizer_tensor_us; matmuls of several shapes on cold
+    operands -> peak FLOP/s, the shape efficiency (compute.matmul_half_dim) and
+    compute.matmul_stream_bw_GBps; generic eager blocks (a GeLU MLP block, a
+    softmax attention block, elementwise ops) -> the fixed cost of an op in a
+    forward and in a backward (compute.op_forward_us, compute.op_backward_us).
 The default sizes grow 4x per step (64KiB:64MiB:4), so `parsim compare` with a
 2x sweep checks sizes the fit never saw; `--ops all-reduce,send-recv` leaves
 every other operation to the link model alone.
@@ -75,20 +80,24 @@ def run(args: argparse.Namespace) -> int:
     sizes = parse_size_range(args.sweep)
     backend = resolve_backend(args.backend, max(rank_counts))
 
-    progress("measuring reduction speed (a.add_(b))")
-    reduce_bw = _rate(measure_reduce_bandwidth([2**20, 16 * 2**20, 64 * 2**20]))
-    progress(f"measuring matmuls and optimizer steps on {max(rank_counts)} ranks at once")
-    per_rank = measure_on_every_rank(max(rank_counts))
-    matmul = fit_matmul([sample for rank in per_rank for sample in rank["matmuls"]])
-    memory_bw = float(np.median([rank["optimizer_Bps"] for rank in per_rank]))
-    kernel_s = float(np.median([rank["kernel_s"] for rank in per_rank]))
-    results = []
-    for n in rank_counts:
-        for op in ops:
-            if op == "send_recv" and n > 2:
-                continue  # a point-to-point transfer always has 2 ranks
-            progress(f"measuring {op.replace('_', '-')} on {n} ranks over {len(sizes)} sizes")
-            results += measure_collectives(op, sizes, n, args.backend, timeout_s=args.timeout)
+    with ForeignLoad() as load:
+        progress("measuring reduction speed (a.add_(b))")
+        reduce_bw = _rate(measure_reduce_bandwidth([2**20, 16 * 2**20, 64 * 2**20]))
+        progress(f"measuring matmuls, eager ops and optimizer steps on {max(rank_counts)} ranks at once")
+        per_rank = measure_on_every_rank(max(rank_counts))
+        results = []
+        for n in rank_counts:
+            for op in ops:
+                if op == "send_recv" and n > 2:
+                    continue  # a point-to-point transfer always has 2 ranks
+                progress(f"measuring {op.replace('_', '-')} on {n} ranks over {len(sizes)} sizes")
+                results += measure_collectives(op, sizes, n, args.backend, timeout_s=args.timeout)
+    if load.warning("calibration"):
+        progress(load.warning("calibration"))
+    matmul = fit_matmul([(tuple(s), t) for rank in per_rank for s, t in rank["matmuls"]])
+    dispatch = fit_dispatch([row for rank in per_rank for row in rank["dispatch"]], matmul.model())
+    optimizer = fit_optimizer([tuple(row) for rank in per_rank for row in rank["optimizer"]], ADAMW_ACCESSES)
+    memory_bw = optimizer.bw_Bps
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
     links = fit_links([r for r in results if r.op in link_ops], algorithms, reduce_bw)
@@ -108,23 +117,27 @@ def run(args: argparse.Namespace) -> int:
                     f"{datetime.date.today().isoformat()}",
         cpu=f"CPU rank, 1 thread ({cpu})", peak_flops=matmul.peak_flops, mem_bw_Bps=memory_bw,
         mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, overhead_s=overhead,
-        matmul_half_dim=matmul.half_dim, kernel_overhead_s=kernel_s)
+        matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
+        optimizer_tensor_s=optimizer.tensor_s, matmul_stream_bw_Bps=matmul.stream_bw_Bps)
     parse_cluster(cluster, args.out)  # the file must load like any other
     header = (f"# Written by `parsim calibrate` on {platform.node()} ({datetime.datetime.now():%Y-%m-%d %H:%M}).\n"
               f"# Measured with torch.distributed/{backend}: {', '.join(ops)} on {rank_counts} ranks, "
               f"sizes {args.sweep};\n# median |fit error| {_median_error(rows):.1%} (collectives), "
-              f"{matmul.median_abs_error:.1%} (matmuls). Scale-out figures are placeholders: one host.\n")
+              f"{matmul.median_abs_error:.1%} (matmuls). Scale-out figures are placeholders: one host.\n"
+              + (f"# Other processes kept {load.cores:.2f} cores busy meanwhile.\n" if load.cores is not None else ""))
     Path(args.out).write_text(header + yaml.safe_dump(cluster, sort_keys=False))
 
     if args.json:
         print_json({"out": args.out, "latency_us": links.latency_s * 1e6, "bw_GBps": links.bw_Bps / 1e9,
                     "fabric_bw_GBps": links.fabric_bw_Bps / 1e9 if links.fabric_bw_Bps else None,
                     "reduce_bw_GBps": reduce_bw / 1e9, "memory_bw_GBps": memory_bw / 1e9,
-                    "kernel_overhead_us": kernel_s * 1e6,
+                    "op_forward_us": dispatch.forward_s * 1e6, "op_backward_us": dispatch.backward_s * 1e6,
+                    "optimizer_tensor_us": optimizer.tensor_s * 1e6,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
+                    "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
                     "collective_efficiency": efficiency,
                     "collective_overhead_us": {op: t * 1e6 for op, t in overhead.items()},
-                    "median_abs_error": _median_error(rows),
+                    "median_abs_error": _median_error(rows), "foreign_load_cores": load.cores,
                     "rows": [{"op": r.op, "nranks": r.nranks, "size_bytes": r.size_bytes, "measured_s": r.time_s,
                               "fitted_s": f} for r, f in rows]})
         return 0
@@ -138,10 +151,13 @@ def run(args: argparse.Namespace) -> int:
     total = f"{links.fabric_bw_Bps / 1e9:.3f} GB/s" if links.fabric_bw_Bps else "not limiting"
     print(f"host total        {total} (all transfers at once)")
     print(f"reduction         {reduce_bw / 1e9:.2f} GB/s (a.add_(b), 1 thread)")
-    print(f"memory            {memory_bw / 1e9:.2f} GB/s (AdamW steps on every rank at once)")
-    print(f"per-op overhead   {kernel_s * 1e6:.1f} us (tiny ops through autograd, forward and backward)")
+    print(f"memory            {memory_bw / 1e9:.2f} GB/s, {optimizer.tensor_s * 1e6:.0f} us per tensor "
+          f"(AdamW steps on every rank at once)")
+    print(f"per-op overhead   {dispatch.forward_s * 1e6:.1f} us forward, {dispatch.backward_s * 1e6:.1f} us backward "
+          f"(generic eager blocks, every rank at once)")
+    stream = (f", operands stream in at {matmul.stream_bw_Bps / 1e9:.1f} GB/s" if matmul.stream_bw_Bps else "")
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
-          f"{matmul.half_dim:.0f} (median |error| {matmul.median_abs_error:.1%})")
+          f"{matmul.half_dim:.0f}{stream} (median |error| {matmul.median_abs_error:.1%})")
     for op, e in efficiency.items():
         print(f"{op.replace('_', '-'):<17} {overhead[op] * 1e6:.0f} us per call, bytes at {e:.0%} of link speed")
     print(f"median |residual| {_median_error(rows):.1%} over {len(rows)} measurements")

@@ -6,6 +6,7 @@ import argparse
 
 from ..cluster import load_cluster
 from ..errors import ParsimError
+from ..host_load import ForeignLoad
 from ..step import predict_step
 from ..step_report import PHASES, breakdown, step_time
 from ..table import render_table
@@ -26,14 +27,18 @@ def compare_plan_command(args: argparse.Namespace) -> int:
     progress(f"simulating {plan.name} on {cluster.name}")
     predicted = predict_step(plan, cluster)
     progress(f"running {plan.name} on {args.nproc} ranks ({args.steps} measured steps)")
-    measured, _ = run_plan(plan, args.nproc, args.steps, backend=args.backend,
-                           **({"timeout_s": args.timeout} if args.timeout else {}))
+    with ForeignLoad() as load:
+        measured, _ = run_plan(plan, args.nproc, args.steps, backend=args.backend,
+                               **({"timeout_s": args.timeout} if args.timeout else {}))
+    if load.warning("the measured run"):
+        progress(load.warning("the measured run"))
     rows = compare_phases(plan, predicted, measured)
     measured_step = step_time(measured)
     step_error = predicted.step_s / measured_step - 1
     if args.json:
         print_json({"plan": plan.name, "cluster": cluster.name, "predicted_step_s": predicted.step_s,
-                    "measured_step_s": measured_step, "step_error": step_error, "phases": rows})
+                    "measured_step_s": measured_step, "step_error": step_error, "phases": rows,
+                    "foreign_load_cores": load.cores})
     else:
         table = [[f"rank {r['rank']} (pp {r['pp']})", r["phase"], format_time(r["predicted_s"]),
                   format_time(r["measured_s"]), _error_text(r)] for r in rows]
