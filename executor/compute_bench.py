@@ -17,8 +17,15 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
   ops and reductions) at sizes where fixed costs dominate; each reports its
   forward and backward time and the ATen ops it dispatches (counted with a
   ``TorchDispatchMode``), and the matmuls it runs (fits the cost per op).
+* :func:`measure_elementwise`: activation functions, a softmax and a norm on
+  a mid-size tensor, forward and backward (fits the speed of elementwise
+  work, which on a CPU is often arithmetic-bound: GeLU's erf, softmax's exp).
 * :func:`measure_optimizer`: ``torch.optim.AdamW`` steps on many small and a
   few large parameter tensors (fits the cost per tensor and the memory speed).
+* :func:`measure_p2p_rendezvous`: pairs of ranks pass small messages between
+  bursts of compute, the way the executor's pipeline runtime does (a send
+  issued and handed to a watcher thread; a receive posted after the data was
+  sent): the host time of one transfer beyond its bytes.
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ DEFAULT_SHAPES = (
 )
 COLD_FOOTPRINT_BYTES = 64 << 20  # operands cycled per shape: well above a server's last-level cache share
 MAX_SLOTS = 4096
-# AdamW runs: (parameter tensors, elements each): fixed cost per tensor and bytes per second.
-OPTIMIZER_RUNS = ((64, 256), (16, 16384), (4, 1 << 20))
+# AdamW runs: (parameter tensors, elements each): many small tensors give the fixed cost per tensor, few
+# large ones (each tensor's state well above a core's L2) the memory speed.
+OPTIMIZER_RUNS = ((64, 256), (8, 1 << 19), (4, 1 << 20))
 REPEATS = 15
 BATCH_S = 0.002  # each repeat runs the benchmark for at least this long
 
@@ -53,7 +61,8 @@ def measure_on_every_rank(nproc: int, timeout_s: float = 600.0) -> list[dict]:
 
 
 def _rank_compute(rank: int, world: int) -> dict:
-    return {"matmuls": measure_matmuls(), "dispatch": measure_dispatch(), "optimizer": measure_optimizer()}
+    return {"matmuls": measure_matmuls(), "dispatch": measure_dispatch(), "elementwise": measure_elementwise(),
+            "optimizer": measure_optimizer(), "p2p": measure_p2p_rendezvous()}
 
 
 # ----------------------------------------------------------------------------- timing
@@ -189,6 +198,31 @@ def measure_dispatch() -> list[dict]:
     return rows
 
 
+ELEMENTWISE_SHAPE = (64, 1024)  # 64Ki elements (256 KiB in fp32): a mid-size layer's activations
+
+
+def measure_elementwise(shape: tuple[int, int] = ELEMENTWISE_SHAPE) -> dict:
+    """Generic elementwise work through autograd on tensors of ``shape``, large enough that the
+    elements, not the dispatch, dominate: GeLU, sigmoid, a product, softmax, SiLU, a sum and a
+    LayerNorm. Forward and backward seconds (medians), the ATen ops of each, and the elements of
+    one tensor (each forward op writes one such tensor)."""
+    torch = require_torch()
+    F = torch.nn.functional
+    norm = torch.nn.LayerNorm(shape[-1])
+
+    def chain(x):
+        return norm(torch.softmax(F.gelu(x) * torch.sigmoid(x), dim=-1) + F.silu(x))
+
+    x = torch.randn(*shape, requires_grad=True)
+    grad = torch.randn(*shape)
+    out, forward_ops = count_ops(lambda: chain(x))
+    _, backward_ops = count_ops(lambda: torch.autograd.backward(out, grad))
+    forward_s = median_time(lambda: chain(x))
+    both_s = median_time(lambda: torch.autograd.backward(chain(x), grad))
+    return {"forward_s": forward_s, "backward_s": max(both_s - forward_s, 0.0), "forward_ops": forward_ops,
+            "backward_ops": backward_ops - 1, "elements": shape[0] * shape[1]}
+
+
 # ----------------------------------------------------------------------------- optimizer
 def measure_optimizer(runs: Sequence[tuple[int, int]] = OPTIMIZER_RUNS) -> list[tuple[int, int, float]]:
     """Median seconds of one ``torch.optim.AdamW`` step (torch's defaults, as the executor builds it) on
@@ -203,3 +237,58 @@ def measure_optimizer(runs: Sequence[tuple[int, int]] = OPTIMIZER_RUNS) -> list[
         rows.append((tensors, numel, median_time(optimizer.step, repeats=9)))
         del optimizer, params
     return rows
+
+
+# ----------------------------------------------------------------------------- point-to-point
+def _compute_for(seconds: float) -> None:
+    """Keep this rank's core busy with small matmuls for ``seconds`` (as a pipeline stage computes)."""
+    torch = require_torch()
+    a, b = torch.full((64, 256), 0.01), torch.full((256, 256), 0.01)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ b
+
+
+def measure_p2p_rendezvous(repeats: int = 41, nbytes: int = 4096, busy_s: float = 0.002) -> float | None:
+    """Seconds of host time one point-to-point transfer costs a CPU rank pair beyond moving its bytes:
+    the median time to issue an ``isend`` (handed to a thread that waits for it, as the executor
+    does) plus the median time an ``irecv(...).wait()`` takes when the send was issued earlier (gloo
+    moves a message only once the receiver asks for it). Ranks pair up (0-1, 2-3, ...) and take turns
+    sending; None on a rank without a partner."""
+    import queue
+    import threading
+
+    torch = require_torch()
+    dist = torch.distributed
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = rank ^ 1
+    buffer = torch.zeros(max(nbytes // 4, 1))
+    pending: queue.Queue = queue.Queue()
+
+    def watch() -> None:
+        while True:
+            work = pending.get()
+            work.wait()
+            pending.task_done()
+
+    threading.Thread(target=watch, daemon=True).start()
+    issue, receive = [], []
+    for i in range(repeats + 1):
+        dist.barrier()
+        if peer >= world:
+            continue
+        _compute_for(busy_s)
+        if i % 2 == rank % 2:  # this rank sends
+            start = time.perf_counter()
+            pending.put(dist.isend(buffer, peer, tag=i))
+            issue.append(time.perf_counter() - start)
+            _compute_for(busy_s)
+            pending.join()
+        else:
+            _compute_for(busy_s)  # post the receive after the peer has sent
+            start = time.perf_counter()
+            dist.irecv(buffer, peer, tag=i).wait()
+            receive.append(time.perf_counter() - start)
+    if peer >= world:
+        return None
+    return statistics.median(issue[1:]) + statistics.median(receive[1:])

@@ -19,7 +19,8 @@ matmul times are fitted to the shape model of :mod:`parsim.compute` (peak
 FLOP/s, the dimension at which efficiency halves, and the speed at which a CPU
 streams cold operands in); generic eager blocks give the fixed cost per op of
 a forward and of a backward (:func:`fit_dispatch`); AdamW steps give the cost
-per parameter tensor and the memory speed (:func:`fit_optimizer`).
+per parameter tensor and the memory speed (:func:`fit_optimizer`); activation
+functions, norms and softmax give the speed of elementwise work (:func:`fit_elementwise`).
 """
 
 from __future__ import annotations
@@ -43,12 +44,15 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  efficiency: dict | None = None, overhead_s: dict | None = None,
                  matmul_half_dim: float = 0.0, kernel_overhead_s: float = 0.0, op_forward_s: float = 0.0,
                  op_backward_s: float = 0.0, optimizer_tensor_s: float = 0.0,
-                 matmul_stream_bw_Bps: float | None = None) -> dict:
+                 matmul_stream_bw_Bps: float | None = None, p2p_rendezvous_s: float = 0.0,
+                 elementwise_bw_Bps: float | None = None) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric")."""
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
-                  "optimizer_tensor_us": optimizer_tensor_s * 1e6}
+                  "optimizer_tensor_us": optimizer_tensor_s * 1e6, "p2p_rendezvous_us": p2p_rendezvous_s * 1e6}
     if matmul_stream_bw_Bps:
         host_costs["matmul_stream_bw_GBps"] = matmul_stream_bw_Bps / 1e9
+    if elementwise_bw_Bps:
+        host_costs["elementwise_bw_GBps"] = elementwise_bw_Bps / 1e9
     return {
         "name": name,
         "description": description or f"{ranks} ranks on one host, calibrated",
@@ -157,19 +161,20 @@ def _features(results: list[CollectiveResult], algorithms: dict[str, str], ratio
 
 
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0 (two unknowns: try the free fit, then each alone)."""
-    best, best_err = None, np.inf
-    candidates = [np.linalg.lstsq(a, b, rcond=None)[0]]
-    for j in range(a.shape[1]):
-        x = np.zeros(a.shape[1])
-        col = a[:, j]
-        x[j] = max(float(col @ b) / float(col @ col), 0.0) if col @ col > 0 else 0.0
-        candidates.append(x)
-    for x in candidates:
-        if (x >= 0).all():
-            err = float(np.sum((a @ x - b) ** 2))
-            if err < best_err:
-                best, best_err = x, err
+    """Least squares with every coefficient >= 0: the best unconstrained fit over every subset of the
+    columns whose coefficients all come out >= 0 (a handful of unknowns: exhaustive is exact and cheap)."""
+    columns = a.shape[1]
+    best, best_err = np.zeros(columns), float(np.sum(b ** 2))
+    for mask in range(1, 1 << columns):
+        kept = [j for j in range(columns) if mask >> j & 1]
+        coef = np.linalg.lstsq(a[:, kept], b, rcond=None)[0]
+        if (coef < 0).any():
+            continue
+        x = np.zeros(columns)
+        x[kept] = coef
+        err = float(np.sum((a @ x - b) ** 2))
+        if err < best_err:
+            best, best_err = x, err
     return best
 
 
@@ -179,6 +184,7 @@ class MatmulFit:
     half_dim: float
     rows: list[tuple[tuple[int, int, int], float, float]]  # shape, measured s, fitted s
     stream_bw_Bps: float | None = None  # operands streamed in on top of the arithmetic (None: not seen)
+    call_s: float = 0.0  # fixed cost per call (its dispatch: charged per op by the eager-op costs, not here)
 
     @property
     def median_abs_error(self) -> float:
@@ -190,26 +196,30 @@ class MatmulFit:
                             matmul_stream_bw_Bps=self.stream_bw_Bps)
 
 
-def fit_matmul(samples: list[tuple[tuple[int, int, int], float]], stream: bool = True,
+def fit_matmul(samples: list[tuple[tuple[int, int, int], float]], stream: bool = True, call: bool = False,
                dtype_bytes: int = 4) -> MatmulFit:
-    """Fit ``t = flops / (peak * prod(d / (d + h))) + bytes / stream_bw`` to measured matmul times.
+    """Fit ``t = flops / (peak * prod(d / (d + h))) + bytes / stream_bw (+ call)`` to measured matmul times.
 
-    A grid over ``h``; for each, ``1/peak`` and ``1/stream_bw`` by least squares on relative error
-    (both >= 0). ``bytes`` are the operands and the output, ``(mk + kn + mn) * dtype_bytes``. With
-    ``stream=False`` (or no stream term in the data) ``stream_bw_Bps`` is None: the pure shape model.
+    A grid over ``h``; for each, ``1/peak``, ``1/stream_bw`` and the fixed cost per call by least
+    squares on relative error (all >= 0). ``bytes`` are the second operand's, ``k n dtype_bytes``
+    (what a thin matmul streams from memory; see :mod:`parsim.compute`). With ``stream=False`` (or no
+    stream term in the data)
+    ``stream_bw_Bps`` is None: the pure shape model. With ``call`` a fixed cost per call is fitted
+    too and kept apart (``call_s``): on an eager CPU host it is the op's dispatch, which the
+    per-op costs charge, so the shape model describes the arithmetic alone.
     """
     if not samples:
         raise ParsimError("no matmul measurements to fit")
     shapes = np.array([s for s, _ in samples], dtype=float)
     times = np.array([t for _, t in samples])
     flops = 2 * shapes.prod(axis=1)
-    m, n, k = shapes.T
-    traffic = (m * k + k * n + m * n) * dtype_bytes
+    _, n, k = shapes.T
+    traffic = k * n * dtype_bytes
     weights = 1.0 / times
     best = None
     for h in np.concatenate([[0.0], np.geomspace(1, 4096, 200)]):
         work = flops / np.prod(shapes / (shapes + h), axis=1)
-        columns = [work, traffic] if stream else [work]
+        columns = [work, *([traffic] if stream else []), *([np.ones_like(times)] if call else [])]
         coef = _nonnegative_lstsq(np.stack(columns, axis=1) * weights[:, None], np.ones_like(times))
         if coef[0] <= 0:
             continue
@@ -222,7 +232,8 @@ def fit_matmul(samples: list[tuple[tuple[int, int, int], float]], stream: bool =
     _, h, coef, fitted = best
     stream_bw = float(1.0 / coef[1]) if stream and coef[1] > 0 else None
     return MatmulFit(float(1.0 / coef[0]), h, [(tuple(int(d) for d in s), float(t), float(f))
-                                        for s, t, f in zip(shapes, times, fitted)], stream_bw)
+                                        for s, t, f in zip(shapes, times, fitted)], stream_bw,
+                     float(coef[-1]) if call else 0.0)
 
 
 @dataclass
@@ -230,6 +241,7 @@ class DispatchFit:
     forward_s: float  # fixed cost of one op dispatched in a forward
     backward_s: float  # of one op autograd runs in a backward
     rows: list[dict]  # the measurements, each with its matmul time taken out ("matmul_forward_s", ...)
+    elementwise_bw_Bps: float | None = None  # elementwise work, in the lowering's bytes (see fit_elementwise)
 
 
 def fit_dispatch(rows: list[dict], matmuls: ComputeModel) -> DispatchFit:
@@ -256,6 +268,24 @@ def fit_dispatch(rows: list[dict], matmuls: ComputeModel) -> DispatchFit:
     if forward_ops <= 0 or backward_ops <= 0:
         raise ParsimError("the dispatch measurements counted no ops")
     return DispatchFit(float(forward_work / forward_ops), float(backward_work / backward_ops), kept)
+
+
+def fit_elementwise(rows: list[dict], dispatch: DispatchFit, element_bytes: int = 4) -> float:
+    """Bytes per second of elementwise work, counted as the lowering counts it (:mod:`parsim.lower`):
+    each forward op writes one tensor (one pass over its bytes), and the backward makes two passes.
+
+    Each row (:func:`executor.compute_bench.measure_elementwise`) gives forward and backward
+    seconds on tensors of ``elements``; the ops' fixed costs (``dispatch``) are taken out, and the
+    rate is the pooled bytes, ``3 x forward ops x elements x element_bytes``, over the pooled rest.
+    """
+    nbytes = seconds = 0.0
+    for row in rows:
+        nbytes += 3 * row["forward_ops"] * row["elements"] * element_bytes
+        seconds += max(row["forward_s"] + row["backward_s"] - row["forward_ops"] * dispatch.forward_s
+                       - row["backward_ops"] * dispatch.backward_s, 0.0)
+    if not rows or seconds <= 0:
+        raise ParsimError("the elementwise measurements show no time beyond the ops' fixed costs")
+    return float(nbytes / seconds)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from .files import read_yaml
 
 FABRICS = ("nvswitch", "pcie")
 COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "kernel_overhead_us", "op_forward_us", "op_backward_us",
-                "optimizer_tensor_us", "matmul_stream_bw_GBps")
+                "optimizer_tensor_us", "matmul_stream_bw_GBps", "p2p_rendezvous_us", "elementwise_bw_GBps")
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 
 
@@ -84,6 +84,8 @@ class ClusterSpec:
     op_backward_s: float = 0.0  # one op autograd runs in a backward
     optimizer_tensor_s: float = 0.0  # AdamW's fixed cost per parameter tensor
     matmul_stream_bw_Bps: float | None = None  # operands streamed in addition to the arithmetic (None: roofline)
+    p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to its receive
+    elementwise_bw_Bps: float | None = None  # elementwise work's bytes (None: at hbm_bw, as the optimizer's)
 
     @property
     def reduction_bw_Bps(self) -> float:
@@ -168,13 +170,15 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     if unknown:
         raise ConfigError(source, f"compute.{sorted(unknown)[0]}", "unknown key", ", ".join(COMPUTE_KEYS))
     host_us = {}
-    for key in ("kernel_overhead_us", "op_forward_us", "op_backward_us", "optimizer_tensor_us"):
+    for key in ("kernel_overhead_us", "op_forward_us", "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us"):
         host_us[key] = compute.get(key, 0.0)
         if not _is_number(host_us[key]) or host_us[key] < 0:
             raise ConfigError(source, f"compute.{key}", f"is {host_us[key]!r}", "microseconds >= 0")
-    stream_bw = compute.get("matmul_stream_bw_GBps")
-    if stream_bw is not None and (not _is_number(stream_bw) or stream_bw <= 0):
-        raise ConfigError(source, "compute.matmul_stream_bw_GBps", f"is {stream_bw!r}", "a positive number in GB/s")
+    host_GBps = {}
+    for key in ("matmul_stream_bw_GBps", "elementwise_bw_GBps"):
+        host_GBps[key] = compute.get(key)
+        if host_GBps[key] is not None and (not _is_number(host_GBps[key]) or host_GBps[key] <= 0):
+            raise ConfigError(source, f"compute.{key}", f"is {host_GBps[key]!r}", "a positive number in GB/s")
     if not _is_number(matmul_efficiency) or not 0 < matmul_efficiency <= 1:
         raise ConfigError(source, "compute.matmul_efficiency", f"is {matmul_efficiency!r}", "a fraction in (0, 1]")
     if not _is_number(half_dim) or half_dim < 0:
@@ -215,7 +219,9 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         op_forward_s=float(host_us["op_forward_us"]) * 1e-6,
         op_backward_s=float(host_us["op_backward_us"]) * 1e-6,
         optimizer_tensor_s=float(host_us["optimizer_tensor_us"]) * 1e-6,
-        matmul_stream_bw_Bps=float(stream_bw) * 1e9 if stream_bw is not None else None,
+        p2p_rendezvous_s=float(host_us["p2p_rendezvous_us"]) * 1e-6,
+        matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
+        elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),
     )
     for reader in (r, gpu, intra, out):
         reader.reject_unknown()
@@ -225,6 +231,10 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         raise ConfigError(source, "scale_out.oversubscription", f"{spec.scale_out.oversubscription} is below 1",
                           "downlink:uplink ratio >= 1")
     return spec
+
+
+def _GBps(value: float | None) -> float | None:
+    return float(value) * 1e9 if value is not None else None
 
 
 def _is_number(value: object) -> bool:

@@ -22,9 +22,18 @@ predictions do not change; ``parsim calibrate`` measures them on a CPU host):
 * ``optimizer_tensor_s``: AdamW's fixed cost per parameter tensor (torch's
   per-tensor loop on CPU), on top of its bytes at ``hbm_bw_Bps``.
 * ``matmul_stream_bw_Bps``: a CPU core does not hide streaming a matmul's
-  operands from memory behind its arithmetic (a layer's weights are cold when
-  it runs); when set, a matmul costs its FLOPs at the shape's rate *plus* its
-  operand bytes at this speed, instead of the roofline's maximum of the two.
+  second operand ``w[k, n]`` (a layer's weight in the forward and the
+  input-gradient matmul) from memory behind its arithmetic; when set, a
+  matmul costs its FLOPs at the shape's rate *plus* ``k n`` elements at this
+  speed, instead of the roofline's maximum of compute and all bytes.
+* ``elementwise_bw_Bps``: the speed of a block's elementwise work (the
+  lowering's bytes: activations, norms, softmax), which on a CPU core is often
+  arithmetic-bound (GeLU's erf, exp) and far below the memory speed the
+  optimizer's streams reach (``hbm_bw_Bps``).
+* ``p2p_rendezvous_s``: the host time of one pipeline transfer on CPU ranks
+  (gloo moves a message only once the receiver has asked for it, and issuing
+  a send hands it to other threads): the step simulator ends every receive
+  this long after its data could have arrived.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ class ComputeModel:
     op_backward_s: float = 0.0
     optimizer_tensor_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
+    p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to its receive (parsim.stepsim)
+    elementwise_bw_Bps: float | None = None  # a block's elementwise bytes (None: at hbm_bw_Bps)
 
     @classmethod
     def for_cluster(cls, spec: ClusterSpec, dtype: str, dtype_bytes: int) -> "ComputeModel":
@@ -61,7 +72,8 @@ class ComputeModel:
         peaks = spec.gpu.peak_flops
         return cls(peaks[other], spec.gpu.hbm_bw_Bps, dtype_bytes, spec.matmul_efficiency, spec.matmul_half_dim,
                    spec.kernel_overhead_s, peaks[dtype] if dtype != other else None,
-                   spec.op_forward_s, spec.op_backward_s, spec.optimizer_tensor_s, spec.matmul_stream_bw_Bps)
+                   spec.op_forward_s, spec.op_backward_s, spec.optimizer_tensor_s, spec.matmul_stream_bw_Bps,
+                   spec.p2p_rendezvous_s, spec.elementwise_bw_Bps)
 
     def matmul_rate(self, m: float, n: float, k: float) -> float:
         shape = 1.0
@@ -71,9 +83,9 @@ class ComputeModel:
 
     def matmul_time(self, m: float, n: float, k: float) -> float:
         flops = 2.0 * m * n * k
+        if self.matmul_stream_bw_Bps:  # eager CPU: the second operand streams in, not hidden behind the arithmetic
+            return flops / self.matmul_rate(m, n, k) + k * n * self.dtype_bytes / self.matmul_stream_bw_Bps
         traffic = (m * k + k * n + m * n) * self.dtype_bytes
-        if self.matmul_stream_bw_Bps:  # eager CPU: operands streamed in, not hidden behind the arithmetic
-            return flops / self.matmul_rate(m, n, k) + traffic / self.matmul_stream_bw_Bps
         return max(flops / self.matmul_rate(m, n, k), traffic / self.hbm_bw_Bps)
 
     def time(self, matmuls=(), flops: float = 0.0, hbm_bytes: float = 0.0, kernels: int = 0,
@@ -81,7 +93,9 @@ class ComputeModel:
         """Matmuls at their shape's rate, other FLOPs at peak and other bytes at HBM speed, plus launches;
         on an eager CPU host also each dispatched op's and each optimizer tensor's fixed cost."""
         total = sum(self.matmul_time(*mm) for mm in matmuls)
-        work = max(flops / (self.peak_flops * self.efficiency), hbm_bytes / self.hbm_bw_Bps)
+        # A block's elementwise bytes at the host's elementwise speed where calibrated (the optimizer's at HBM's).
+        bw = self.elementwise_bw_Bps if self.elementwise_bw_Bps and not optimizer_tensors else self.hbm_bw_Bps
+        work = max(flops / (self.peak_flops * self.efficiency), hbm_bytes / bw)
         host = (forward_ops * self.op_forward_s + backward_ops * self.op_backward_s
                 + optimizer_tensors * self.optimizer_tensor_s)
         return total + work + kernels * self.kernel_overhead_s + host

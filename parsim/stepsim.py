@@ -282,13 +282,24 @@ class _Run:
         op = self.ops[i]
         if op.kind == "recv":
             if self.end[op.match] >= 0:
-                self._finish(i)
+                self._received(i)
             else:
                 self.recv_of[op.match] = i
         elif op.kind == "collective" or op.kind == "send":
             self._phase(i, self.comm[i].phases, 0)
         else:
             raise ParsimError(f"op {op.name!r} on rank {op.rank} has unknown kind {op.kind!r}")
+
+    def _received(self, i: int) -> None:
+        """Receive ``i``'s data has arrived: it ends now, or after the host's rendezvous cost
+        (``ComputeModel.p2p_rendezvous_s``: a CPU rank's handshake and hand-over of a transfer)."""
+        rendezvous = self.sim.compute.p2p_rendezvous_s
+        if rendezvous and self.ops[i].nbytes:
+            self._after(rendezvous, lambda: self._finish(i))
+        elif self._draining:
+            self._due.append(i)
+        else:
+            self._finish(i)
 
     def _phase(self, i: int, phases: tuple[CommPhase, ...], k: int) -> None:
         """Run phase ``k`` of a collective (a send is one phase): latency, transfer, reduction."""
@@ -330,7 +341,7 @@ class _Run:
                     self._start(d)
             recv = self.recv_of.pop(j, None)
             if recv is not None:
-                self._due.append(recv)
+                self._received(recv)
         self._draining = False
         if self.progress is not None and time.monotonic() > self._next_report:
             self._next_report = time.monotonic() + PROGRESS_EVERY_S

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ..calibrate import fit_dispatch, fit_links, fit_matmul, fit_operation, fit_optimizer, host_cluster
+from ..calibrate import (fit_dispatch, fit_elementwise, fit_links, fit_matmul, fit_operation, fit_optimizer,
+                         host_cluster)
 from ..cluster import parse_cluster
 from ..errors import ParsimError
 from ..host_load import ForeignLoad
@@ -94,10 +95,13 @@ def run(args: argparse.Namespace) -> int:
                 results += measure_collectives(op, sizes, n, args.backend, timeout_s=args.timeout)
     if load.warning("calibration"):
         progress(load.warning("calibration"))
-    matmul = fit_matmul([(tuple(s), t) for rank in per_rank for s, t in rank["matmuls"]])
+    matmul = fit_matmul([(tuple(s), t) for rank in per_rank for s, t in rank["matmuls"]], call=True)
     dispatch = fit_dispatch([row for rank in per_rank for row in rank["dispatch"]], matmul.model())
+    elementwise_bw = fit_elementwise([rank["elementwise"] for rank in per_rank], dispatch)
     optimizer = fit_optimizer([tuple(row) for rank in per_rank for row in rank["optimizer"]], ADAMW_ACCESSES)
     memory_bw = optimizer.bw_Bps
+    p2p = [rank["p2p"] for rank in per_rank if rank["p2p"] is not None]
+    p2p_rendezvous = float(np.median(p2p)) if p2p else 0.0
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
     links = fit_links([r for r in results if r.op in link_ops], algorithms, reduce_bw)
@@ -118,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         cpu=f"CPU rank, 1 thread ({cpu})", peak_flops=matmul.peak_flops, mem_bw_Bps=memory_bw,
         mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, overhead_s=overhead,
         matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
-        optimizer_tensor_s=optimizer.tensor_s, matmul_stream_bw_Bps=matmul.stream_bw_Bps)
+        optimizer_tensor_s=optimizer.tensor_s, matmul_stream_bw_Bps=matmul.stream_bw_Bps,
+        p2p_rendezvous_s=p2p_rendezvous, elementwise_bw_Bps=elementwise_bw)
     parse_cluster(cluster, args.out)  # the file must load like any other
     header = (f"# Written by `parsim calibrate` on {platform.node()} ({datetime.datetime.now():%Y-%m-%d %H:%M}).\n"
               f"# Measured with torch.distributed/{backend}: {', '.join(ops)} on {rank_counts} ranks, "
@@ -132,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
                     "fabric_bw_GBps": links.fabric_bw_Bps / 1e9 if links.fabric_bw_Bps else None,
                     "reduce_bw_GBps": reduce_bw / 1e9, "memory_bw_GBps": memory_bw / 1e9,
                     "op_forward_us": dispatch.forward_s * 1e6, "op_backward_us": dispatch.backward_s * 1e6,
-                    "optimizer_tensor_us": optimizer.tensor_s * 1e6,
+                    "optimizer_tensor_us": optimizer.tensor_s * 1e6, "p2p_rendezvous_us": p2p_rendezvous * 1e6,
+                    "elementwise_bw_GBps": elementwise_bw / 1e9,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
                     "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
                     "collective_efficiency": efficiency,
@@ -155,6 +161,10 @@ def run(args: argparse.Namespace) -> int:
           f"(AdamW steps on every rank at once)")
     print(f"per-op overhead   {dispatch.forward_s * 1e6:.1f} us forward, {dispatch.backward_s * 1e6:.1f} us backward "
           f"(generic eager blocks, every rank at once)")
+    print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (activations, softmax, norms; as the lowering counts "
+          f"their bytes)")
+    print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer (issue a send, wait for a "
+          f"posted one)")
     stream = (f", operands stream in at {matmul.stream_bw_Bps / 1e9:.1f} GB/s" if matmul.stream_bw_Bps else "")
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
           f"{matmul.half_dim:.0f}{stream} (median |error| {matmul.median_abs_error:.1%})")
