@@ -351,3 +351,50 @@ def _time_local(sizes: Sequence[int], op: Callable[[Any, Any], Any], threads: in
         return rows
     finally:
         torch.set_num_threads(saved_threads)
+
+
+# ----------------------------------------------------------------------------- calls inside a step
+IN_STEP_SIZES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+IN_STEP_CALLS = 30
+IN_STEP_COMPUTE_S = 0.002
+
+
+def measure_in_step(ops: Sequence[str], nproc: int, sizes: Sequence[int] = IN_STEP_SIZES, *,
+                    calls: int = IN_STEP_CALLS, compute_s: float = IN_STEP_COMPUTE_S,
+                    timeout_s: float = 300.0) -> list[CollectiveResult]:
+    """Collectives as a training step issues them: each call after a barrier and ``compute_s`` of
+    matmuls on every rank, timed alone. One result per (op, size): the slowest rank's **mean** over
+    ``calls`` calls (stalls included, as they are in a step's sum), next to the loop benchmark's
+    back-to-back figure this differs from (threads asleep, cold buffers)."""
+    ops = [canonical_op(op) for op in ops]
+    rows = launch(_in_step_rank, nproc, (tuple(ops), tuple(sizes), calls, compute_s), "gloo", timeout_s)
+    results = []
+    for k, (op, size) in enumerate((op, size) for op in ops for size in sizes):
+        per_rank = [rank_rows[k] for rank_rows in rows]
+        results.append(CollectiveResult(op=op, nranks=nproc, size_bytes=measured_size(op, size, nproc),
+                                        time_s=max(per_rank), algorithm=algorithm_name("gloo", op),
+                                        source="measured", backend="gloo",
+                                        extra={"timing": "max over ranks of each rank's mean, one call after "
+                                                         f"{compute_s * 1e3:g} ms of compute", "calls": calls}))
+    return results
+
+
+def _in_step_rank(rank: int, world: int, ops: tuple, sizes: tuple, calls: int, compute_s: float) -> list[float]:
+    torch, dist = require_torch(), require_distributed()
+    a, b = torch.full((64, 256), 0.01), torch.full((256, 256), 0.01)
+    means = []
+    for op in ops:
+        for size in sizes:
+            step, _ = _make_step(op, measured_size(op, size, world) // DTYPE_BYTES, rank, world, rank_device())
+            times = []
+            for call in range(calls + 3):
+                dist.barrier()
+                end = time.perf_counter() + compute_s
+                while time.perf_counter() < end:
+                    a @ b
+                start = time.perf_counter()
+                step()
+                if call >= 3:
+                    times.append(time.perf_counter() - start)
+            means.append(sum(times) / len(times))
+    return means

@@ -45,7 +45,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  matmul_half_dim: float = 0.0, kernel_overhead_s: float = 0.0, op_forward_s: float = 0.0,
                  op_backward_s: float = 0.0, optimizer_tensor_s: float = 0.0,
                  matmul_stream_bw_Bps: float | None = None, p2p_rendezvous_s: float = 0.0,
-                 elementwise_bw_Bps: float | None = None) -> dict:
+                 elementwise_bw_Bps: float | None = None, step_overhead_s: dict | None = None) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric")."""
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
                   "optimizer_tensor_us": optimizer_tensor_s * 1e6, "p2p_rendezvous_us": p2p_rendezvous_s * 1e6}
@@ -69,6 +69,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         "algorithms": dict(algorithms or {}),
         "collective_efficiency": dict(efficiency or {}),
         "collective_overhead_us": {op: t * 1e6 for op, t in (overhead_s or {}).items()},
+        **({"collective_step_overhead_us": {op: t * 1e6 for op, t in step_overhead_s.items()}}
+           if step_overhead_s else {}),
         "compute": {"matmul_efficiency": 1.0, "matmul_half_dim": float(matmul_half_dim),
                     "kernel_overhead_us": kernel_overhead_s * 1e6,
                     **{k: v for k, v in host_costs.items() if v}},
@@ -176,6 +178,20 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         if err < best_err:
             best, best_err = x, err
     return best
+
+
+def fit_step_overhead(measured: list[CollectiveResult], spec) -> dict[str, float]:
+    """Per operation, the extra fixed cost of calls issued between bursts of compute (as in a training
+    step) over what the fitted cluster ``spec`` predicts from back-to-back loops: the median over sizes
+    of measured minus predicted, at least 0. ``measured`` times are means over calls, stalls included."""
+    from .collectives import predict
+
+    topo = spec.build(1)
+    extra: dict[str, list[float]] = {}
+    for r in measured:
+        predicted = predict(topo, r.op, r.size_bytes, np.arange(r.nranks)).result().time_s
+        extra.setdefault(r.op, []).append(r.time_s - predicted)
+    return {op: max(float(np.median(values)), 0.0) for op, values in extra.items()}
 
 
 @dataclass

@@ -75,6 +75,10 @@ class ClusterSpec:
     collective_efficiency: dict[str, float] = field(default_factory=dict)
     # Per operation: a backend's fixed cost per call, seconds (fitted by `parsim calibrate`).
     collective_overhead_s: dict[str, float] = field(default_factory=dict)
+    # Per operation: the extra fixed cost of a call issued between bursts of compute, as in a training
+    # step, over one in a back-to-back loop (threads asleep, tail stalls), seconds; only the step
+    # simulator charges it (`parsim calibrate` measures it on CPU hosts).
+    collective_step_overhead_s: dict[str, float] = field(default_factory=dict)
     # Matmul efficiency model (see parsim.compute); the defaults are the pure roofline.
     matmul_efficiency: float = 1.0
     matmul_half_dim: float = 0.0
@@ -159,9 +163,11 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         if not _is_number(value) or value <= 0:
             raise ConfigError(source, f"collective_efficiency.{op}", f"is {value!r}", "a positive fraction")
     overhead = r.optional_mapping("collective_overhead_us")
-    for op, value in overhead.items():
-        if not _is_number(value) or value < 0:
-            raise ConfigError(source, f"collective_overhead_us.{op}", f"is {value!r}", "microseconds >= 0")
+    step_overhead = r.optional_mapping("collective_step_overhead_us")
+    for key, mapping in (("collective_overhead_us", overhead), ("collective_step_overhead_us", step_overhead)):
+        for op, value in mapping.items():
+            if not _is_number(value) or value < 0:
+                raise ConfigError(source, f"{key}.{op}", f"is {value!r}", "microseconds >= 0")
     compute = r.optional_mapping("compute")
     matmul_efficiency = compute.get("matmul_efficiency", 1.0)
     half_dim = compute.get("matmul_half_dim", 0.0)
@@ -213,6 +219,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         reduce_bw_Bps=reduce_bw * 1e9 if reduce_bw else None,
         collective_efficiency={str(op): float(v) for op, v in efficiency.items()},
         collective_overhead_s={str(op): float(v) * 1e-6 for op, v in overhead.items()},
+        collective_step_overhead_s={str(op): float(v) * 1e-6 for op, v in step_overhead.items()},
         matmul_efficiency=float(matmul_efficiency),
         matmul_half_dim=float(half_dim),
         kernel_overhead_s=float(kernel_us) * 1e-6,

@@ -28,8 +28,9 @@ predictions do not change; ``parsim calibrate`` measures them on a CPU host):
   speed, instead of the roofline's maximum of compute and all bytes.
 * ``elementwise_bw_Bps``: the speed of a block's elementwise work (the
   lowering's bytes: activations, norms, softmax), which on a CPU core is often
-  arithmetic-bound (GeLU's erf, exp) and far below the memory speed the
-  optimizer's streams reach (``hbm_bw_Bps``).
+  arithmetic-bound (GeLU's erf, exp) and far below the memory speed that
+  plain streams reach (``hbm_bw_Bps``: gradient accumulation and the
+  optimizer, the ``stream_bytes`` part of an op's ``hbm_bytes``).
 * ``p2p_rendezvous_s``: the host time of one pipeline transfer on CPU ranks
   (gloo moves a message only once the receiver has asked for it, and issuing
   a send hands it to other threads): the step simulator ends every receive
@@ -89,13 +90,18 @@ class ComputeModel:
         return max(flops / self.matmul_rate(m, n, k), traffic / self.hbm_bw_Bps)
 
     def time(self, matmuls=(), flops: float = 0.0, hbm_bytes: float = 0.0, kernels: int = 0,
-             forward_ops: int = 0, backward_ops: int = 0, optimizer_tensors: int = 0) -> float:
+             forward_ops: int = 0, backward_ops: int = 0, optimizer_tensors: int = 0,
+             stream_bytes: float = 0.0) -> float:
         """Matmuls at their shape's rate, other FLOPs at peak and other bytes at HBM speed, plus launches;
-        on an eager CPU host also each dispatched op's and each optimizer tensor's fixed cost."""
+        on an eager CPU host also each dispatched op's and each optimizer tensor's fixed cost, and the
+        elementwise part of ``hbm_bytes`` (all but ``stream_bytes``) at the host's elementwise speed."""
         total = sum(self.matmul_time(*mm) for mm in matmuls)
-        # A block's elementwise bytes at the host's elementwise speed where calibrated (the optimizer's at HBM's).
-        bw = self.elementwise_bw_Bps if self.elementwise_bw_Bps and not optimizer_tensors else self.hbm_bw_Bps
-        work = max(flops / (self.peak_flops * self.efficiency), hbm_bytes / bw)
+        peak_time = flops / (self.peak_flops * self.efficiency)
+        if self.elementwise_bw_Bps:
+            elementwise = max(hbm_bytes - stream_bytes, 0.0)
+            work = max(peak_time, elementwise / self.elementwise_bw_Bps) + stream_bytes / self.hbm_bw_Bps
+        else:
+            work = max(peak_time, hbm_bytes / self.hbm_bw_Bps)
         host = (forward_ops * self.op_forward_s + backward_ops * self.op_backward_s
                 + optimizer_tensors * self.optimizer_tensor_s)
         return total + work + kernels * self.kernel_overhead_s + host

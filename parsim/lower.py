@@ -55,6 +55,7 @@ class _ComputePiece:
     layer: int
     forward_ops: int = 0  # eager ops dispatched (parsim.eager_ops; the CPU host's fixed costs)
     backward_ops: int = 0
+    stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation)
     opens: bool = False  # the first piece of its layer in this pass (FSDP gathers the layer before it)
     closes: bool = False  # the last (FSDP reduce-scatters the layer's gradients after a backward's)
     joins: bool = False  # waits for the context-parallel exchanges started since the last join (no work)
@@ -186,7 +187,8 @@ class _Lowering:
                 last = self._add(rank, Op(recompute_name if recompute else name, "compute", "compute", deps=deps,
                                           matmuls=piece.matmuls, flops=piece.flops, hbm_bytes=piece.hbm_bytes,
                                           kernels=piece.kernels, phase=piece.phase,
-                                          forward_ops=piece.forward_ops, backward_ops=piece.backward_ops))
+                                          forward_ops=piece.forward_ops, backward_ops=piece.backward_ops,
+                                          stream_bytes=piece.stream_bytes))
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
             if piece.closes:
@@ -268,7 +270,7 @@ class _Lowering:
             return _CommPiece(head, tail, collective, group, mirrors, nbytes, "cp")
 
         join = dataclasses.replace(compute, matmuls=(), flops=0.0, hbm_bytes=0.0, kernels=0, forward_ops=0,
-                                   backward_ops=0, joins=True)
+                                   backward_ops=0, stream_bytes=0.0, joins=True)
         backward = kind in ("B", "I")
         if plan.context_parallel == "ring":
             return [exchange("all_gather"), *([exchange("reduce_scatter")] if backward else []), compute, join]
@@ -316,7 +318,7 @@ class _Lowering:
         accumulate *= (plan.num_microbatches - 1) / plan.num_microbatches
         forward_ops, backward_ops = self._eager_ops(block, kind)
         return _ComputePiece(tuple(mms), flops, passes * saved_per_token * m + accumulate,
-                             len(mms) + passes * saved_tensors, phase, layer, forward_ops, backward_ops)
+                             len(mms) + passes * saved_tensors, phase, layer, forward_ops, backward_ops, accumulate)
 
     def _eager_ops(self, block, kind: str) -> tuple[int, int]:
         """(forward, backward) ops an eager implementation dispatches for ``block`` in a ``kind`` pass
@@ -445,7 +447,7 @@ class _Lowering:
         step = self._add(rank, Op("optimizer step", "optimizer", "compute", deps=tuple(sync) or (last_compute,),
                                   flops=12.0 * params, hbm_bytes=params * ADAMW_ACCESSES * FP32,
                                   kernels=tensors_count * ADAMW_KERNELS, phase="optimizer",
-                                  optimizer_tensors=tensors_count))
+                                  optimizer_tensors=tensors_count, stream_bytes=params * ADAMW_ACCESSES * FP32))
         for dim, tag, nbytes in gather:  # ZeRO-1/2: every rank needs the updated weights back
             self._dp_collective(rank, p, "all_gather", dim, nbytes, (step,), **tag)
 

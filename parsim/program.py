@@ -32,6 +32,7 @@ class Op:
     forward_ops: int = 0
     backward_ops: int = 0
     optimizer_tensors: int = 0
+    stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation, AdamW)
     # communication
     collective: str = ""  # all_reduce, all_gather, reduce_scatter, ...
     group: str = ""  # "tp" | "dp" | "pp"

@@ -95,9 +95,12 @@ class StepSimulator:
         hops = [np.concatenate([p.routes.ravel() for p in phases]) for phases in per_group]
         kept = [per_group[i] for i in _contending([h[h >= 0] for h in hops], self.topo.num_links)]
         reduce_bw = self.topo.spec.reduction_bw_Bps
+        # A call between bursts of compute pays the backend's in-step extra (calibrated on CPU hosts) up front.
+        in_step = self.topo.spec.collective_step_overhead_s.get(collective, 0.0)
         return tuple(self._ready_phase(stack_routes([p[i].routes for p in kept]),
                                        np.concatenate([p[i].nbytes for p in kept]),
-                                       first.steps, first.overhead_s, first.reduce_bytes / reduce_bw)
+                                       first.steps, first.overhead_s + (in_step if i == 0 else 0.0),
+                                       first.reduce_bytes / reduce_bw)
                      for i, first in enumerate(kept[0]))
 
     def _may_contend(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -189,11 +192,12 @@ class _Run:
             i = op.id
             if op.kind == "compute" or op.kind == "optimizer":
                 key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels, op.forward_ops, op.backward_ops,
-                       op.optimizer_tensors)
+                       op.optimizer_tensors, op.stream_bytes)
                 fixed[i] = costs.get(key)
                 if fixed[i] is None:
                     fixed[i] = costs[key] = compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels,
-                                                         op.forward_ops, op.backward_ops, op.optimizer_tensors)
+                                                         op.forward_ops, op.backward_ops, op.optimizer_tensors,
+                                                         op.stream_bytes)
             elif self.comm[i] is not None:
                 fixed[i] = self.comm[i].closed_form_s
             stream = (op.rank, op.stream)

@@ -12,7 +12,7 @@ import numpy as np
 import yaml
 
 from ..calibrate import (fit_dispatch, fit_elementwise, fit_links, fit_matmul, fit_operation, fit_optimizer,
-                         host_cluster)
+                         fit_step_overhead, host_cluster)
 from ..cluster import parse_cluster
 from ..errors import ParsimError
 from ..host_load import ForeignLoad
@@ -31,6 +31,9 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     the simulator's own terms (see parsim/calibrate.py);
   * every measured operation -> its own fixed cost per call and bandwidth
     efficiency (backends implement some operations far below link speed);
+    on gloo also, from calls issued between bursts of compute as a training
+    step issues them, the extra cost per call the step simulator charges
+    (collective_step_overhead_us);
   * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
   * on every rank at once and in step, as ranks compute in a real run:
     AdamW steps on small and large tensors -> hbm_bw_GBps (the memory speed)
@@ -67,7 +70,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from executor.collectives import measure_collectives, measure_reduce_bandwidth
+    from executor.collectives import measure_collectives, measure_in_step, measure_reduce_bandwidth
     from executor.compute_bench import measure_on_every_rank
     from executor.launch import resolve_backend
 
@@ -93,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
                     continue  # a point-to-point transfer always has 2 ranks
                 progress(f"measuring {op.replace('_', '-')} on {n} ranks over {len(sizes)} sizes")
                 results += measure_collectives(op, sizes, n, args.backend, timeout_s=args.timeout)
+        in_step_ops = [op for op in ops if op != "send_recv"]
+        in_step = []
+        if backend == "gloo" and in_step_ops:
+            progress(f"measuring {', '.join(o.replace('_', '-') for o in in_step_ops)} between bursts of compute")
+            in_step = measure_in_step(in_step_ops, max(rank_counts))
     if load.warning("calibration"):
         progress(load.warning("calibration"))
     matmul = fit_matmul([(tuple(s), t) for rank in per_rank for s, t in rank["matmuls"]], call=True)
@@ -124,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
         matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
         optimizer_tensor_s=optimizer.tensor_s, matmul_stream_bw_Bps=matmul.stream_bw_Bps,
         p2p_rendezvous_s=p2p_rendezvous, elementwise_bw_Bps=elementwise_bw)
+    step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
+    if step_overhead:
+        cluster["collective_step_overhead_us"] = {op: t * 1e6 for op, t in step_overhead.items()}
     parse_cluster(cluster, args.out)  # the file must load like any other
     header = (f"# Written by `parsim calibrate` on {platform.node()} ({datetime.datetime.now():%Y-%m-%d %H:%M}).\n"
               f"# Measured with torch.distributed/{backend}: {', '.join(ops)} on {rank_counts} ranks, "
@@ -143,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
                     "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
                     "collective_efficiency": efficiency,
                     "collective_overhead_us": {op: t * 1e6 for op, t in overhead.items()},
+                    "collective_step_overhead_us": {op: t * 1e6 for op, t in step_overhead.items()},
                     "median_abs_error": _median_error(rows), "foreign_load_cores": load.cores,
                     "rows": [{"op": r.op, "nranks": r.nranks, "size_bytes": r.size_bytes, "measured_s": r.time_s,
                               "fitted_s": f} for r, f in rows]})
@@ -169,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
           f"{matmul.half_dim:.0f}{stream} (median |error| {matmul.median_abs_error:.1%})")
     for op, e in efficiency.items():
-        print(f"{op.replace('_', '-'):<17} {overhead[op] * 1e6:.0f} us per call, bytes at {e:.0%} of link speed")
+        extra = f", +{step_overhead[op] * 1e6:.0f} us between compute" if op in step_overhead else ""
+        print(f"{op.replace('_', '-'):<17} {overhead[op] * 1e6:.0f} us per call{extra}, bytes at {e:.0%} of link speed")
     print(f"median |residual| {_median_error(rows):.1%} over {len(rows)} measurements")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
