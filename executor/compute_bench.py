@@ -47,8 +47,9 @@ DEFAULT_SHAPES = (
 COLD_FOOTPRINT_BYTES = 64 << 20  # operands cycled per shape: well above a server's last-level cache share
 MAX_SLOTS = 4096
 # AdamW runs: (parameter tensors, elements each): many small tensors give the fixed cost per tensor, few
-# large ones (each tensor's state well above a core's L2) the memory speed.
-OPTIMIZER_RUNS = ((64, 256), (8, 1 << 19), (4, 1 << 20))
+# large ones (each tensor's state, 16 bytes per element, well above a server's last-level cache share)
+# the memory speed.
+OPTIMIZER_RUNS = ((64, 256), (4, 1 << 20), (2, 1 << 21))
 REPEATS = 15
 BATCH_S = 0.002  # each repeat runs the benchmark for at least this long
 
@@ -249,11 +250,12 @@ def _compute_for(seconds: float) -> None:
         a @ b
 
 
-def measure_p2p_rendezvous(repeats: int = 41, nbytes: int = 4096, busy_s: float = 0.002) -> float | None:
+def measure_p2p_rendezvous(repeats: int = 61, nbytes: int = 4096, busy_s: float = 0.002) -> float | None:
     """Seconds of host time one point-to-point transfer costs a CPU rank pair beyond moving its bytes:
-    the median time to issue an ``isend`` (handed to a thread that waits for it, as the executor
-    does) plus the median time an ``irecv(...).wait()`` takes when the send was issued earlier (gloo
-    moves a message only once the receiver asks for it). Ranks pair up (0-1, 2-3, ...) and take turns
+    the mean time to issue an ``isend`` (handed to a thread that waits for it, as the executor does)
+    plus the mean time an ``irecv(...).wait()`` takes when the send was issued earlier (gloo moves a
+    message only once the receiver asks for it). Means, not medians: a step pays the occasional
+    multi-millisecond stall of a loaded host too. Ranks pair up (0-1, 2-3, ...) and take turns
     sending; None on a rank without a partner."""
     import queue
     import threading
@@ -291,4 +293,4 @@ def measure_p2p_rendezvous(repeats: int = 41, nbytes: int = 4096, busy_s: float 
             receive.append(time.perf_counter() - start)
     if peer >= world:
         return None
-    return statistics.median(issue[1:]) + statistics.median(receive[1:])
+    return statistics.fmean(issue[1:]) + statistics.fmean(receive[1:])

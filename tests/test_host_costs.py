@@ -1,0 +1,182 @@
+"""The CPU host's costs: fits recover known figures from synthetic data, the cluster file reads and
+checks the new keys, and the step simulator charges them (without changing GPU predictions)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import yaml
+
+from ideal_cluster import IDEAL, ideal_spec
+from parsim.calibrate import (DispatchFit, fit_dispatch, fit_elementwise, fit_matmul, fit_optimizer,
+                              fit_step_overhead, host_cluster)
+from parsim.cli.main import main
+from parsim.cluster import load_cluster, parse_cluster
+from parsim.collectives import predict
+from parsim.compute import ComputeModel
+from parsim.errors import ConfigError
+from parsim.lower import ADAMW_ACCESSES, lower
+from parsim.model import load_model
+from parsim.plan import Plan, resolve_plan
+from parsim.step import predict_step
+
+SHAPES = [(32, 64, 64), (128, 128, 128), (32, 1024, 1024), (128, 256, 1024), (512, 512, 512),
+          (128, 1024, 1024), (1024, 1024, 32), (64, 4096, 1024), (256, 64, 64)]
+HOST_KEYS = {"op_forward_us": 7.0, "op_backward_us": 6.0, "optimizer_tensor_us": 50.0,
+             "matmul_stream_bw_GBps": 15.0, "p2p_rendezvous_us": 150.0, "elementwise_bw_GBps": 6.0}
+
+
+def cpu_host(**compute) -> dict:
+    data = host_cluster(8, 100e-6, 3e9, 9e9, peak_flops=70e9, mem_bw_Bps=20e9, matmul_half_dim=8.0,
+                        algorithms={"all_reduce": "ring", "send_recv": "direct"})
+    data["compute"].update(compute)
+    return data
+
+
+# ----------------------------------------------------------------------------- fits on synthetic data
+def test_matmul_fit_recovers_the_streamed_operand_and_keeps_the_call_cost_apart():
+    truth = ComputeModel(peak_flops=70e9, hbm_bw_Bps=1e12, dtype_bytes=4, half_dim=8.0, matmul_stream_bw_Bps=15e9)
+    samples = [(s, truth.matmul_time(*s) + 4e-6) for s in SHAPES]  # each call also pays 4 us of dispatch
+    fit = fit_matmul(samples, call=True)
+    assert fit.peak_flops == pytest.approx(70e9, rel=0.05)
+    assert fit.stream_bw_Bps == pytest.approx(15e9, rel=0.1)
+    assert fit.call_s == pytest.approx(4e-6, rel=0.2)
+    assert fit.median_abs_error < 0.02
+    model = fit.model()  # the arithmetic alone: the dispatch is charged per op elsewhere
+    assert model.matmul_time(64, 1024, 1024) == pytest.approx(truth.matmul_time(64, 1024, 1024), rel=0.05)
+
+
+def test_matmul_fit_without_a_stream_term_in_the_data_keeps_the_roofline():
+    truth = ComputeModel(peak_flops=100e9, hbm_bw_Bps=1e15, dtype_bytes=4, half_dim=32.0)
+    fit = fit_matmul([(s, truth.matmul_time(*s)) for s in SHAPES])
+    assert fit.stream_bw_Bps is None and fit.half_dim == pytest.approx(32.0, rel=0.1)
+
+
+def test_dispatch_fit_takes_the_matmuls_out_and_divides_by_the_ops():
+    matmuls = ComputeModel(peak_flops=50e9, hbm_bw_Bps=1e12, dtype_bytes=4)
+    rows = []
+    for mm, forward_ops, backward_ops in (([(32, 128, 32), (32, 32, 128)], 88, 232), ([], 64, 88)):
+        mm_forward = sum(matmuls.matmul_time(*s) for s in mm)
+        mm_backward = sum(matmuls.matmul_time(m, k, n) + matmuls.matmul_time(k, n, m) for m, n, k in mm)
+        rows.append({"name": "x", "forward_s": forward_ops * 7e-6 + mm_forward,
+                     "backward_s": backward_ops * 5e-6 + mm_backward, "forward_ops": forward_ops,
+                     "backward_ops": backward_ops, "matmuls": mm})
+    fit = fit_dispatch(rows, matmuls)
+    assert fit.forward_s == pytest.approx(7e-6) and fit.backward_s == pytest.approx(5e-6)
+
+
+def test_elementwise_fit_counts_bytes_as_the_lowering_does():
+    dispatch = DispatchFit(7e-6, 5e-6, [])
+    elements, forward_ops, backward_ops = 65536, 7, 12
+    seconds = 3 * forward_ops * elements * 4 / 6e9  # one forward pass and two backward passes at 6 GB/s
+    row = {"forward_s": seconds / 3 + forward_ops * 7e-6, "backward_s": 2 * seconds / 3 + backward_ops * 5e-6,
+           "forward_ops": forward_ops, "backward_ops": backward_ops, "elements": elements}
+    assert fit_elementwise([row], dispatch) == pytest.approx(6e9)
+
+
+def test_optimizer_fit_separates_the_cost_per_tensor_from_the_bytes():
+    def step(tensors, numel):
+        return tensors * 50e-6 + tensors * numel * ADAMW_ACCESSES * 4 / 20e9
+
+    fit = fit_optimizer([(t, n, step(t, n)) for t, n in ((64, 256), (8, 1 << 19), (4, 1 << 20))], ADAMW_ACCESSES)
+    assert fit.tensor_s == pytest.approx(50e-6, rel=1e-6) and fit.bw_Bps == pytest.approx(20e9, rel=1e-6)
+
+
+def test_step_overhead_is_what_calls_between_compute_add_over_the_fitted_loops():
+    spec = parse_cluster(cpu_host(), "host.yaml")
+    topo = spec.build(1)
+    measured = []
+    for size in (1 << 18, 1 << 20, 1 << 22):
+        r = predict(topo, "all_reduce", size, np.arange(2)).result()
+        r.time_s += 700e-6
+        measured.append(r)
+    assert fit_step_overhead(measured, spec) == {"all_reduce": pytest.approx(700e-6)}
+
+
+# ----------------------------------------------------------------------------- the cluster file
+def test_host_keys_are_read_in_si_units():
+    spec = parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")
+    assert spec.op_forward_s == pytest.approx(7e-6) and spec.op_backward_s == pytest.approx(6e-6)
+    assert spec.optimizer_tensor_s == pytest.approx(50e-6) and spec.p2p_rendezvous_s == pytest.approx(150e-6)
+    assert spec.matmul_stream_bw_Bps == pytest.approx(15e9) and spec.elementwise_bw_Bps == pytest.approx(6e9)
+    model = ComputeModel.for_cluster(spec, "fp32", 4)
+    assert model.time(forward_ops=10, backward_ops=20, optimizer_tensors=2) == pytest.approx(
+        10 * 7e-6 + 20 * 6e-6 + 2 * 50e-6)
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("op_forward_us", -1.0, "microseconds >= 0"), ("op_backward_us", "fast", "microseconds >= 0"),
+    ("optimizer_tensor_us", float("nan"), "microseconds >= 0"), ("p2p_rendezvous_us", True, "microseconds >= 0"),
+    ("matmul_stream_bw_GBps", 0, "a positive number in GB/s"), ("elementwise_bw_GBps", -3, "a positive number"),
+    ("op_overhead_us", 1.0, "unknown key"),
+])
+def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, capsys):
+    with pytest.raises(ConfigError, match=expected):
+        parse_cluster(cpu_host(**{key: value}), "host.yaml")
+    path = tmp_path / "host.yaml"
+    path.write_text(yaml.safe_dump(cpu_host(**{key: value})))
+    assert main(["simulate", "course-pp", "--cluster", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"compute.{key}" in err
+
+
+def test_bad_step_overhead_is_refused(capsys, tmp_path):
+    data = cpu_host()
+    data["collective_step_overhead_us"] = {"all_reduce": -5}
+    path = tmp_path / "host.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["simulate", "course-ddp", "--dp", "2", "--cluster", str(path)]) == 2
+    assert "collective_step_overhead_us.all_reduce" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the model charges them
+def test_gpu_clusters_have_no_host_costs():
+    for name in ("dgx-h100", "dgx-a100", "pcie-4x-rtx6000ada"):
+        spec = load_cluster(name)
+        model = ComputeModel.for_cluster(spec, "bf16", 2)
+        assert model.time(forward_ops=100, backward_ops=100, optimizer_tensors=10) == 0.0
+        assert spec.p2p_rendezvous_s == 0 and spec.collective_step_overhead_s == {}
+
+
+def test_blocks_carry_eager_op_counts_into_the_program():
+    plan = resolve_plan("tiny-pp2")
+    ops = lower(plan).ops
+    forward = [op for op in ops if op.name == "F stage=0 mb=0"]
+    backward = [op for op in ops if op.name == "B stage=0 mb=0"]
+    assert sum(op.forward_ops for op in forward) == 1 + 2 * (80 + 22)  # embedding + 2 layers (tests/test_eager_ops)
+    assert sum(op.backward_ops for op in backward) == 2 + 2 * (93 + 50)
+    assert all(op.backward_ops == 0 for op in forward) and all(op.forward_ops == 0 for op in backward)
+    step = next(op for op in ops if op.kind == "optimizer")
+    assert step.optimizer_tensors > 0 and step.stream_bytes == step.hbm_bytes
+
+
+def test_host_costs_slow_a_cpu_step_by_what_they_charge():
+    plan = resolve_plan("tiny-pp2")
+    base = copy.deepcopy(IDEAL)
+    base["gpu"]["peak_tflops"]["fp32"] = 0.07
+    plain = predict_step(plan, parse_cluster(base, "cpu.yaml")).step_s
+    with_ops = copy.deepcopy(base)
+    with_ops["compute"] = {"op_forward_us": 7.0, "op_backward_us": 6.0}
+    slowed = predict_step(plan, parse_cluster(with_ops, "cpu.yaml")).step_s
+    per_stage = 4 * ((1 + 2 * 102) * 7e-6 + (2 + 2 * 143) * 6e-6)  # 4 microbatches of stage 0, at least
+    assert slowed > plain + per_stage
+
+
+def test_rendezvous_is_charged_to_every_receive():
+    plan = resolve_plan("course-pp")
+    fast = predict_step(plan, ideal_spec())
+    slow = predict_step(plan, ideal_spec(**{"compute": {"p2p_rendezvous_us": 500.0}}))
+    received = {b.rank: b.seconds["pp"] for b in slow.ranks}
+    assert all(received[r] >= 4 * 500e-6 for r in received)  # 4 microbatches' receives on each rank
+    assert slow.step_s > fast.step_s
+
+
+def test_in_step_collective_overhead_is_charged_per_call():
+    plan = Plan(model=load_model("course-mlp"), dp=2, grad_sync="per_param")
+    base = predict_step(plan, ideal_spec())
+    data = copy.deepcopy(IDEAL)
+    data["collective_step_overhead_us"] = {"all_reduce": 1000.0}
+    slowed = predict_step(plan, parse_cluster(data, "ideal.yaml"))
+    assert slowed.step_s == pytest.approx(base.step_s + 4 * 1e-3, rel=0.01)  # one per parameter, in a row
