@@ -8,15 +8,18 @@ over repeats, so a burst of other work on the host does not stand for the run.
 
 Nothing here runs a plan's model: the benchmarks are generic operations.
 
-* :func:`measure_matmuls`: ``x @ w`` in fp32 by shape, operands *cold*: cycled
-  through distinct buffers larger than the caches, as a stack of layers finds
-  its weights when it runs (fits peak, shape efficiency and the speed at which
-  operands stream in).
+* :func:`measure_matmuls`: ``x @ w`` in fp32 by shape, operands *cold* and the
+  caches full of written data, as a step's layers find their weights after the
+  optimizer or the gradients of a backward (fits peak, shape efficiency and
+  the speed at which the weight streams in).
 * :func:`measure_dispatch`: generic eager blocks (a pre-norm GeLU MLP block of
   ``torch.nn`` modules, a softmax self-attention block, a chain of elementwise
   ops and reductions) at sizes where fixed costs dominate; each reports its
   forward and backward time and the ATen ops it dispatches (counted with a
   ``TorchDispatchMode``), and the matmuls it runs (fits the cost per op).
+  Like the matmuls, each timed run starts behind caches full of other written
+  data: eager dispatch is mostly memory traffic to code and bookkeeping, and a
+  step's actions find it evicted by the work before them (a 30-40% effect).
 * :func:`measure_elementwise`: activation functions, a softmax and a norm on
   a mid-size tensor, forward and backward (fits the speed of elementwise
   work, which on a CPU is often arithmetic-bound: GeLU's erf, softmax's exp).
@@ -44,8 +47,8 @@ DEFAULT_SHAPES = (
     (256, 512, 512), (512, 512, 512), (128, 1024, 1024), (1024, 1024, 1024), (64, 4096, 1024),
     (1024, 1024, 32), (1024, 1024, 128), (64, 64, 32), (256, 64, 64), (64, 256, 64),
 )
-COLD_FOOTPRINT_BYTES = 64 << 20  # operands cycled per shape: well above a server's last-level cache share
-MAX_SLOTS = 4096
+COLD_FOOTPRINT_BYTES = 64 << 20  # weights per run of calls: well above a server's last-level cache share
+RUN_S = 0.03
 # AdamW runs: (parameter tensors, elements each): many small tensors give the fixed cost per tensor, few
 # large ones (each tensor's state, 16 bytes per element, well above a server's last-level cache share)
 # the memory speed.
@@ -102,23 +105,34 @@ def median_time(fn: Callable[[], Any], repeats: int = REPEATS, batch_s: float = 
 
 # ----------------------------------------------------------------------------- matmuls
 def measure_matmuls(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *,
-                    footprint_bytes: int = COLD_FOOTPRINT_BYTES) -> list[tuple[tuple[int, int, int], float]]:
-    """Median seconds of ``x[m, k] @ w[k, n]`` (fp32, a new output) per shape, every call on operands not
-    used since ``footprint_bytes`` of others: cold, as a layer's weights are."""
+                    footprint_bytes: int = COLD_FOOTPRINT_BYTES,
+                    repeats: int = 11) -> list[tuple[tuple[int, int, int], float]]:
+    """Median seconds of ``x[m, k] @ w[k, n]`` (fp32, a new output) per shape, as a stack of layers
+    runs them in a training step: a run of calls, each on its own weight, the weights together
+    larger than the caches, and the run starting behind caches full of written data (as the
+    forward starts after the optimizer, or the backward after the loss). Each repeat writes
+    ``footprint_bytes / 2`` of other memory, then times a run of up to 64 calls (enough for their
+    weights to fill ``footprint_bytes``, or to last about ``RUN_S``); seconds per call."""
     torch = require_torch()
+    dirty = torch.zeros(footprint_bytes // 8)
     rows = []
     for m, n, k in shapes:
-        slots = max(2, min(MAX_SLOTS, math.ceil(footprint_bytes / ((m * k + k * n) * 4))))
-        xs = list(torch.full((slots, m, k), 0.01).unbind(0))
-        ws = list(torch.full((slots, k, n), 0.02).unbind(0))
-        turn = [0]
-
-        def step() -> None:
-            j = turn[0]
-            turn[0] = (j + 1) % slots
-            torch.matmul(xs[j], ws[j])
-
-        rows.append(((m, n, k), median_time(step)))
+        x = torch.full((m, k), 0.01)
+        start = time.perf_counter()
+        torch.matmul(x, torch.full((k, n), 0.02))  # warm-up, and how long a call takes
+        once = time.perf_counter() - start
+        # Enough calls for their weights to fill the footprint, within about RUN_S (big shapes are compute-bound).
+        run = _agree(max(2, min(64, math.ceil(footprint_bytes / (k * n * 4)), int(RUN_S / max(once, 1e-7)))))
+        ws = list(torch.full((run, k, n), 0.02).unbind(0))
+        _barrier()
+        times = []
+        for _ in range(repeats):
+            dirty.add_(1.0)
+            start = time.perf_counter()
+            for w in ws:
+                torch.matmul(x, w)
+            times.append((time.perf_counter() - start) / run)
+        rows.append(((m, n, k), statistics.median(times)))
     return rows
 
 
@@ -182,8 +196,26 @@ def count_ops(fn: Callable[[], Any]) -> tuple[Any, int]:
     return result, counter.ops
 
 
+def after_dirty_caches(fn: Callable[[], Any], repeats: int = REPEATS,
+                       footprint_bytes: int = COLD_FOOTPRINT_BYTES) -> float:
+    """Median seconds of ``fn()``, each call run right after writing ``footprint_bytes / 2`` of other
+    memory (untimed): as a training step's work finds the caches, full of other data and code."""
+    torch = require_torch()
+    dirty = torch.zeros(footprint_bytes // 8)
+    fn()
+    _barrier()
+    times = []
+    for _ in range(repeats):
+        dirty.add_(1.0)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def measure_dispatch() -> list[dict]:
-    """Per generic block stack: forward and backward seconds (medians), ATen ops of each, and its matmuls."""
+    """Per generic block stack: forward and backward seconds (medians, each run behind dirty caches as a
+    step's actions are), the ATen ops of each, and its matmuls."""
     torch = require_torch()
     rows = []
     for name, (stack, matmuls) in _generic_blocks().items():
@@ -191,8 +223,8 @@ def measure_dispatch() -> list[dict]:
         grad = torch.randn(2, TOKENS, WIDTH)
         out, forward_ops = count_ops(lambda: stack(x))
         _, backward_ops = count_ops(lambda: torch.autograd.backward(out, grad))
-        forward_s = median_time(lambda: stack(x))
-        both_s = median_time(lambda: torch.autograd.backward(stack(x), grad))
+        forward_s = after_dirty_caches(lambda: stack(x))
+        both_s = after_dirty_caches(lambda: torch.autograd.backward(stack(x), grad))
         rows.append({"name": name, "forward_s": forward_s, "backward_s": max(both_s - forward_s, 0.0),
                      "forward_ops": forward_ops, "backward_ops": backward_ops - 1,  # less x's own accumulation
                      "matmuls": matmuls})
@@ -218,8 +250,8 @@ def measure_elementwise(shape: tuple[int, int] = ELEMENTWISE_SHAPE) -> dict:
     grad = torch.randn(*shape)
     out, forward_ops = count_ops(lambda: chain(x))
     _, backward_ops = count_ops(lambda: torch.autograd.backward(out, grad))
-    forward_s = median_time(lambda: chain(x))
-    both_s = median_time(lambda: torch.autograd.backward(chain(x), grad))
+    forward_s = after_dirty_caches(lambda: chain(x))
+    both_s = after_dirty_caches(lambda: torch.autograd.backward(chain(x), grad))
     return {"forward_s": forward_s, "backward_s": max(both_s - forward_s, 0.0), "forward_ops": forward_ops,
             "backward_ops": backward_ops - 1, "elements": shape[0] * shape[1]}
 
