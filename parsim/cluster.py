@@ -20,7 +20,8 @@ from .files import read_yaml
 
 FABRICS = ("nvswitch", "pcie")
 COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "kernel_overhead_us", "op_forward_us", "op_backward_us",
-                "optimizer_tensor_us", "matmul_stream_bw_GBps", "p2p_rendezvous_us", "elementwise_bw_GBps")
+                "optimizer_tensor_us", "matmul_stream_bw_GBps", "p2p_rendezvous_us", "elementwise_bw_GBps",
+                "cpu_cores")
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 
 
@@ -90,6 +91,7 @@ class ClusterSpec:
     matmul_stream_bw_Bps: float | None = None  # operands streamed in addition to the arithmetic (None: roofline)
     p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to its receive
     elementwise_bw_Bps: float | None = None  # elementwise work's bytes (None: at hbm_bw, as the optimizer's)
+    cpu_cores: int | None = None  # cores a CPU host's ranks share (more ranks than this time-share them)
 
     @property
     def reduction_bw_Bps(self) -> float:
@@ -185,6 +187,9 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         host_GBps[key] = compute.get(key)
         if host_GBps[key] is not None and (not _is_number(host_GBps[key]) or host_GBps[key] <= 0):
             raise ConfigError(source, f"compute.{key}", f"is {host_GBps[key]!r}", "a positive number in GB/s")
+    cores = compute.get("cpu_cores")
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+        raise ConfigError(source, "compute.cpu_cores", f"is {cores!r}", "a positive whole number")
     if not _is_number(matmul_efficiency) or not 0 < matmul_efficiency <= 1:
         raise ConfigError(source, "compute.matmul_efficiency", f"is {matmul_efficiency!r}", "a fraction in (0, 1]")
     if not _is_number(half_dim) or half_dim < 0:
@@ -229,6 +234,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         p2p_rendezvous_s=float(host_us["p2p_rendezvous_us"]) * 1e-6,
         matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),
+        cpu_cores=cores,
     )
     for reader in (r, gpu, intra, out):
         reader.reject_unknown()

@@ -31,6 +31,11 @@ predictions do not change; ``parsim calibrate`` measures them on a CPU host):
   arithmetic-bound (GeLU's erf, exp) and far below the memory speed that
   plain streams reach (``hbm_bw_Bps``: gradient accumulation and the
   optimizer, the ``stream_bytes`` part of an op's ``hbm_bytes``).
+* ``time_share``: a CPU host running more ranks than it has cores
+  (``compute.cpu_cores`` in the cluster file) time-shares them: while every
+  rank computes, each gets ``cores / ranks`` of a core, so compute and host
+  costs stretch by ``ranks / cores`` (a rank waiting in gloo sleeps and frees
+  its core, which this static factor does not see).
 * ``p2p_rendezvous_s``: the host time of one pipeline transfer on CPU ranks
   (gloo moves a message only once the receiver has asked for it, and issuing
   a send hands it to other threads): the step simulator ends every receive
@@ -61,10 +66,15 @@ class ComputeModel:
     matmul_stream_bw_Bps: float | None = None
     p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to its receive (parsim.stepsim)
     elementwise_bw_Bps: float | None = None  # a block's elementwise bytes (None: at hbm_bw_Bps)
+    time_share: float = 1.0  # > 1 when a host runs more ranks than it has cores: each gets 1/time_share of one
 
     @classmethod
-    def for_cluster(cls, spec: ClusterSpec, dtype: str, dtype_bytes: int) -> "ComputeModel":
-        """fp8 plans run matmuls at the fp8 peak and the rest (attention core) at the bf16 peak."""
+    def for_cluster(cls, spec: ClusterSpec, dtype: str, dtype_bytes: int,
+                    ranks_per_host: int | None = None) -> "ComputeModel":
+        """fp8 plans run matmuls at the fp8 peak and the rest (attention core) at the bf16 peak.
+
+        ``ranks_per_host``: how many ranks of the plan share one host; beyond the host's
+        ``cpu_cores`` (CPU clusters) they time-share its cores."""
         other = "bf16" if dtype == "fp8" else dtype
         for needed in {dtype, other}:
             if needed not in spec.gpu.peak_flops:
@@ -74,7 +84,8 @@ class ComputeModel:
         return cls(peaks[other], spec.gpu.hbm_bw_Bps, dtype_bytes, spec.matmul_efficiency, spec.matmul_half_dim,
                    spec.kernel_overhead_s, peaks[dtype] if dtype != other else None,
                    spec.op_forward_s, spec.op_backward_s, spec.optimizer_tensor_s, spec.matmul_stream_bw_Bps,
-                   spec.p2p_rendezvous_s, spec.elementwise_bw_Bps)
+                   spec.p2p_rendezvous_s, spec.elementwise_bw_Bps,
+                   max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0)
 
     def matmul_rate(self, m: float, n: float, k: float) -> float:
         shape = 1.0
@@ -104,4 +115,9 @@ class ComputeModel:
             work = max(peak_time, hbm_bytes / self.hbm_bw_Bps)
         host = (forward_ops * self.op_forward_s + backward_ops * self.op_backward_s
                 + optimizer_tensors * self.optimizer_tensor_s)
-        return total + work + kernels * self.kernel_overhead_s + host
+        return (total + work + kernels * self.kernel_overhead_s + host) * self.time_share
+
+    @property
+    def rendezvous_s(self) -> float:
+        """Host time of one pipeline transfer, stretched like compute when ranks time-share cores."""
+        return self.p2p_rendezvous_s * self.time_share

@@ -91,7 +91,7 @@ def predict_step(plan: Plan, cluster: ClusterSpec,
         raise ParsimError(f"the plan needs {plan.world} GPUs, which is not a whole number of "
                           f"{gpn}-GPU nodes of {cluster.name}")
     topo = cluster.build(max(1, plan.world // gpn))
-    compute = ComputeModel.for_cluster(cluster, plan.dtype, plan.dtype_bytes)
+    compute = ComputeModel.for_cluster(cluster, plan.dtype, plan.dtype_bytes, min(plan.world, gpn))
     with _gc_paused():
         program = lower(plan)
         meta = {"plan": plan.name, "cluster": cluster.name, "world_size": plan.world,

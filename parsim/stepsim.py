@@ -297,7 +297,7 @@ class _Run:
     def _received(self, i: int) -> None:
         """Receive ``i``'s data has arrived: it ends now, or after the host's rendezvous cost
         (``ComputeModel.p2p_rendezvous_s``: a CPU rank's handshake and hand-over of a transfer)."""
-        rendezvous = self.sim.compute.p2p_rendezvous_s
+        rendezvous = self.sim.compute.rendezvous_s
         if rendezvous and self.ops[i].nbytes:
             self._after(rendezvous, lambda: self._finish(i))
         elif self._draining:

@@ -110,7 +110,8 @@ def test_host_keys_are_read_in_si_units():
     ("op_forward_us", -1.0, "microseconds >= 0"), ("op_backward_us", "fast", "microseconds >= 0"),
     ("optimizer_tensor_us", float("nan"), "microseconds >= 0"), ("p2p_rendezvous_us", True, "microseconds >= 0"),
     ("matmul_stream_bw_GBps", 0, "a positive number in GB/s"), ("elementwise_bw_GBps", -3, "a positive number"),
-    ("op_overhead_us", 1.0, "unknown key"),
+    ("op_overhead_us", 1.0, "unknown key"), ("cpu_cores", 0, "a positive whole number"),
+    ("cpu_cores", 2.5, "a positive whole number"),
 ])
 def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, capsys):
     with pytest.raises(ConfigError, match=expected):
@@ -180,3 +181,16 @@ def test_in_step_collective_overhead_is_charged_per_call():
     data["collective_step_overhead_us"] = {"all_reduce": 1000.0}
     slowed = predict_step(plan, parse_cluster(data, "ideal.yaml"))
     assert slowed.step_s == pytest.approx(base.step_s + 4 * 1e-3, rel=0.01)  # one per parameter, in a row
+
+
+def test_more_ranks_than_cores_time_share_them():
+    spec = parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=2), "host.yaml")
+    two, four = (ComputeModel.for_cluster(spec, "fp32", 4, ranks) for ranks in (2, 4))
+    assert two.time_share == 1.0 and four.time_share == 2.0
+    assert four.time(matmuls=((64, 1024, 1024),), forward_ops=100) == pytest.approx(
+        2 * two.time(matmuls=((64, 1024, 1024),), forward_ops=100))
+    assert four.rendezvous_s == pytest.approx(2 * 150e-6)
+    dp = resolve_plan("tiny-pp2", overrides={"parallel": {"dp": 2}})
+    shared = predict_step(dp, spec).step_s
+    alone = predict_step(dp, parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")).step_s
+    assert shared > 1.5 * alone

@@ -134,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
         mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, overhead_s=overhead,
         matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
         optimizer_tensor_s=optimizer.tensor_s, matmul_stream_bw_Bps=matmul.stream_bw_Bps,
-        p2p_rendezvous_s=p2p_rendezvous, elementwise_bw_Bps=elementwise_bw)
+        p2p_rendezvous_s=p2p_rendezvous, elementwise_bw_Bps=elementwise_bw,
+        cpu_cores=_usable_cores() if backend == "gloo" else None)
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
     if step_overhead:
         cluster["collective_step_overhead_us"] = {op: t * 1e6 for op, t in step_overhead.items()}
@@ -189,6 +190,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"median |residual| {_median_error(rows):.1%} over {len(rows)} measurements")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (a container's share, not the whole machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _median_error(rows: list) -> float:
