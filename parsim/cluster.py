@@ -20,6 +20,8 @@ from .files import read_yaml
 
 FABRICS = ("nvswitch", "pcie")
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
+COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "kernel_overhead_us", "memory_efficiency",
+                "attention_efficiency")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class GPUSpec:
     peak_flops: dict[str, float]  # dtype -> FLOP/s, dense
     hbm_capacity_bytes: float
     hbm_bw_Bps: float
+    sm_count: int = 0  # streaming multiprocessors (wave quantization of matmuls); 0: not a GPU / unknown
 
 
 @dataclass(frozen=True)
@@ -73,10 +76,19 @@ class ClusterSpec:
     collective_efficiency: dict[str, float] = field(default_factory=dict)
     # Per operation: a backend's fixed cost per call, seconds (fitted by `parsim calibrate`).
     collective_overhead_s: dict[str, float] = field(default_factory=dict)
-    # Matmul efficiency model (see parsim.compute); the defaults are the pure roofline.
-    matmul_efficiency: float = 1.0
+    # Kernel cost model (see parsim.compute); the defaults are the pure roofline.
+    matmul_efficiency: float = 1.0  # best fraction of peak matmuls reach, every dtype without its own figure
+    matmul_efficiency_by_dtype: dict[str, float] = field(default_factory=dict)
     matmul_half_dim: float = 0.0
     kernel_overhead_s: float = 0.0  # fixed cost of launching one kernel / dispatching one op
+    memory_efficiency: float = 1.0  # fraction of the HBM bandwidth memory-bound kernels reach
+    attention_efficiency: tuple[float, float] = (1.0, 1.0)  # the attention kernel's fraction of peak: fwd, bwd
+
+    def matmul_efficiency_for(self, dtype: str) -> float:
+        """The dtype's own figure; fp16 and bf16 run at the same rate, so each stands in for the other."""
+        table = self.matmul_efficiency_by_dtype
+        twin = {"fp16": "bf16", "bf16": "fp16"}.get(dtype, "")
+        return table.get(dtype, table.get(twin, self.matmul_efficiency))
 
     @property
     def reduction_bw_Bps(self) -> float:
@@ -157,16 +169,32 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     matmul_efficiency = compute.get("matmul_efficiency", 1.0)
     half_dim = compute.get("matmul_half_dim", 0.0)
     kernel_us = compute.get("kernel_overhead_us", 0.0)
-    unknown = set(compute) - {"matmul_efficiency", "matmul_half_dim", "kernel_overhead_us"}
+    unknown = set(compute) - set(COMPUTE_KEYS)
     if unknown:
-        raise ConfigError(source, f"compute.{sorted(unknown)[0]}", "unknown key",
-                          "matmul_efficiency, matmul_half_dim, kernel_overhead_us")
+        raise ConfigError(source, f"compute.{sorted(unknown)[0]}", "unknown key", ", ".join(COMPUTE_KEYS))
     if not _is_number(kernel_us) or kernel_us < 0:
         raise ConfigError(source, "compute.kernel_overhead_us", f"is {kernel_us!r}", "microseconds >= 0")
-    if not _is_number(matmul_efficiency) or not 0 < matmul_efficiency <= 1:
-        raise ConfigError(source, "compute.matmul_efficiency", f"is {matmul_efficiency!r}", "a fraction in (0, 1]")
+    by_dtype = {}
+    if isinstance(matmul_efficiency, dict):  # per dtype: {bf16: 0.80, fp8: 0.71}
+        for dtype, value in matmul_efficiency.items():
+            if dtype not in DTYPES:
+                raise ConfigError(source, f"compute.matmul_efficiency.{dtype}", "unknown dtype", ", ".join(DTYPES))
+            by_dtype[dtype] = _fraction(source, f"compute.matmul_efficiency.{dtype}", value)
+        matmul_efficiency = 1.0
+    matmul_efficiency = _fraction(source, "compute.matmul_efficiency", matmul_efficiency)
+    memory_efficiency = _fraction(source, "compute.memory_efficiency", compute.get("memory_efficiency", 1.0))
+    attention = compute.get("attention_efficiency", {})
+    if not isinstance(attention, dict) or set(attention) - {"forward", "backward"}:
+        raise ConfigError(source, "compute.attention_efficiency", f"is {attention!r}",
+                          "a mapping with forward and backward fractions")
+    attention_efficiency = tuple(_fraction(source, f"compute.attention_efficiency.{p}", attention.get(p, 1.0))
+                                 for p in ("forward", "backward"))
     if not _is_number(half_dim) or half_dim < 0:
         raise ConfigError(source, "compute.matmul_half_dim", f"is {half_dim!r}", "a matrix dimension >= 0")
+    sm_count = gpu.data.get("sm_count", 0)
+    gpu.used.add("sm_count")
+    if isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 0:
+        raise ConfigError(source, "gpu.sm_count", f"is {sm_count!r}", "a whole number of SMs")
     spec = ClusterSpec(
         name=name,
         description=description,
@@ -176,6 +204,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
             peak_flops=peak_flops,
             hbm_capacity_bytes=gpu.number("hbm_capacity_GB", "GB") * 1e9,
             hbm_bw_Bps=gpu.number("hbm_bw_GBps", "GB/s") * 1e9,
+            sm_count=sm_count,
         ),
         intra=IntraNodeSpec(
             fabric=fabric,
@@ -197,9 +226,12 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         reduce_bw_Bps=reduce_bw * 1e9 if reduce_bw else None,
         collective_efficiency={str(op): float(v) for op, v in efficiency.items()},
         collective_overhead_s={str(op): float(v) * 1e-6 for op, v in overhead.items()},
-        matmul_efficiency=float(matmul_efficiency),
+        matmul_efficiency=matmul_efficiency,
+        matmul_efficiency_by_dtype=by_dtype,
         matmul_half_dim=float(half_dim),
         kernel_overhead_s=float(kernel_us) * 1e-6,
+        memory_efficiency=memory_efficiency,
+        attention_efficiency=attention_efficiency,
     )
     for reader in (r, gpu, intra, out):
         reader.reject_unknown()
@@ -209,6 +241,12 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         raise ConfigError(source, "scale_out.oversubscription", f"{spec.scale_out.oversubscription} is below 1",
                           "downlink:uplink ratio >= 1")
     return spec
+
+
+def _fraction(source: str, key: str, value: object) -> float:
+    if not _is_number(value) or not 0 < value <= 1:
+        raise ConfigError(source, key, f"is {value!r}", "a fraction in (0, 1]")
+    return float(value)
 
 
 def _is_number(value: object) -> bool:

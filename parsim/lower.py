@@ -27,7 +27,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from .model import LayerCost, MLPModel, shard
+from .model import LayerCost, MLPModel, flash_softmax_factor, shard
 from .plan import Plan
 from .program import Op, Program
 from .schedules import Action
@@ -52,6 +52,8 @@ class _ComputePiece:
     kernels: int
     phase: str
     layer: int
+    attention_flops: float = 0.0  # the FlashAttention core's, forward
+    attention_grad_flops: float = 0.0  # and backward
     opens: bool = False  # the first piece of its layer in this pass (FSDP gathers the layer before it)
     closes: bool = False  # the last (FSDP reduce-scatters the layer's gradients after a backward's)
     joins: bool = False  # waits for the context-parallel exchanges started since the last join (no work)
@@ -182,7 +184,9 @@ class _Lowering:
                 recompute = piece.phase == "recompute"
                 last = self._add(rank, Op(recompute_name if recompute else name, "compute", "compute", deps=deps,
                                           matmuls=piece.matmuls, flops=piece.flops, hbm_bytes=piece.hbm_bytes,
-                                          kernels=piece.kernels, phase=piece.phase))
+                                          kernels=piece.kernels, phase=piece.phase,
+                                          attention_flops=piece.attention_flops,
+                                          attention_grad_flops=piece.attention_grad_flops))
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
             if piece.closes:
@@ -263,52 +267,72 @@ class _Lowering:
             head, tail = collective_name(collective, "cp", layer=cost.name, mb="|", dir=direction).split("|")
             return _CommPiece(head, tail, collective, group, mirrors, nbytes, "cp")
 
-        join = dataclasses.replace(compute, matmuls=(), flops=0.0, hbm_bytes=0.0, kernels=0, joins=True)
+        join = dataclasses.replace(compute, matmuls=(), flops=0.0, hbm_bytes=0.0, kernels=0, attention_flops=0.0,
+                                   attention_grad_flops=0.0, joins=True)
         backward = kind in ("B", "I")
         if plan.context_parallel == "ring":
             return [exchange("all_gather"), *([exchange("reduce_scatter")] if backward else []), compute, join]
         return [exchange("all_gather"), join, compute, *([exchange("reduce_scatter"), join] if backward else [])]
 
     def _compute(self, phase: str, block, kind: str, cost: LayerCost, last: bool, layer: int) -> _ComputePiece:
-        """One block's compute: its matmuls by shape, the attention core, and elementwise work.
+        """One block's compute: its matmuls by shape, the attention core, and its memory-bound kernels.
 
-        Elementwise kernels (activations, norms, softmax, gradient accumulation)
-        are memory-bound: the forward writes the tensors the layer saves for
-        backward, the input-gradient pass reads them and writes as much again
-        (charged once per layer, with its last block); the weight-gradient pass
-        accumulates into ``.grad``. Kernels launched: one per
-        matmul of the pass, and one per saved tensor (each is some kernel's
-        output) in the forward, two in the input-gradient pass.
+        The memory-bound kernels (norms, activations, residuals, softmax; see
+        :class:`~parsim.model.Elementwise`) move their forward bytes in a
+        forward and their backward bytes in an input-gradient pass; the
+        weight-gradient pass accumulates into ``.grad`` (read both, write one,
+        once per microbatch). Kernels launched: one per matmul and one per
+        memory-bound kernel of the pass.
         """
         plan = self.plan
-        saved_per_token = cost.activation_bytes_per_token(plan.tp) if last else 0
-        saved_tensors = len(cost.activations) if last else 0
-        tp = plan.tp
-        mms, flops = [], 0.0
+        tp, m = plan.tp, self.tokens
+        mms: list[tuple[int, int, int]] = []
         for mm in block.matmuls:
             k, n = mm.shape_per_rank(tp)
-            m = self.tokens
+            rows = m
             if mm.experts > 1:  # each of this rank's experts takes its share of the ep group's routed tokens
-                m = round(self.tokens * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)
+                rows = round(m * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)
             for _ in range(mm.copies_per_rank(plan.ep)):
                 if kind == "F":
-                    mms.append((m, n, k))
+                    mms.append((rows, n, k))
                 if kind in ("B", "I"):
-                    mms.append((m, k, n))  # input gradient: dY [m, n] @ W^T [n, k]
+                    mms.append((rows, k, n))  # input gradient: dY [m, n] @ W^T [n, k]
                 if kind in ("B", "W"):
-                    mms.append((k, n, m))  # weight gradient: X^T [k, m] @ dY [m, n]
-        m = self.tokens
+                    mms.append((k, n, rows))  # weight gradient: X^T [k, m] @ dY [m, n]
         attention = block.attention_flops_per_token // tp * m
-        if kind == "F":
-            flops = attention
-        elif kind in ("B", "I"):
-            flops = 2 * attention
-        passes = {"F": 1, "B": 2, "I": 2, "W": 0}[kind]
+        attention_fwd = attention_bwd = 0.0
+        core = block.core
+        if core is not None and core.kernel == "unfused":
+            mms += self._unfused_attention(core, kind)
+        elif attention:
+            work = attention * core.executed_fraction() * flash_softmax_factor(core.head_dim) if core else attention
+            attention_fwd = work if kind == "F" else 0.0
+            attention_bwd = 2 * work if kind in ("B", "I") else 0.0
+        backward = kind in ("B", "I")
+        elementwise = 0.0
+        kernels = len(mms)
+        if kind != "W":
+            elementwise = m * sum(e.bytes_per_token(backward, plan.dtype_bytes, tp, plan.sequence_parallel)
+                                  for e in block.elementwise)
+            kernels += len(block.elementwise)
         # Autograd adds each weight gradient into .grad (read both, write one), once per microbatch.
         accumulate = sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
                          for mm in block.matmuls) * plan.dtype_bytes * 3 if kind in ("B", "W") else 0
-        return _ComputePiece(tuple(mms), flops, passes * saved_per_token * m + accumulate,
-                             len(mms) + passes * saved_tensors, phase, layer)
+        return _ComputePiece(tuple(mms), 0.0, elementwise + accumulate, kernels, phase, layer,
+                             attention_flops=attention_fwd, attention_grad_flops=attention_bwd)
+
+    def _unfused_attention(self, core, kind: str) -> list[tuple[int, int, int]]:
+        """The unfused core's batched matmuls, the batch (microbatch x this rank's heads) folded into
+        the rows: scores ``Q Kᵀ`` ``(s, s, d)`` and ``P V`` ``(s, d, s)`` per head forward; the backward
+        computes ``dP = dO Vᵀ``, ``dV = Pᵀ dO``, ``dQ = dS K`` and ``dK = dSᵀ Q``."""
+        if kind == "W":
+            return []
+        heads = shard(core.heads, self.plan.tp)
+        rows = self.tokens * heads  # every local query position of every head
+        d, s = core.head_dim, core.seq
+        if kind == "F":
+            return [(rows, s, d), (rows, d, s)]
+        return [(rows, s, d), (rows, d, s), (rows, d, s), (rows, d, s)]
 
     # -- pipeline transfers ---------------------------------------------------------
     @functools.cache

@@ -188,10 +188,11 @@ class _Run:
         for op in ops:
             i = op.id
             if op.kind == "compute" or op.kind == "optimizer":
-                key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels)
+                key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops)
                 fixed[i] = costs.get(key)
                 if fixed[i] is None:
-                    fixed[i] = costs[key] = compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels)
+                    fixed[i] = costs[key] = compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels,
+                                                         op.attention_flops, op.attention_grad_flops)
             elif self.comm[i] is not None:
                 fixed[i] = self.comm[i].closed_form_s
             stream = (op.rank, op.stream)
@@ -387,7 +388,7 @@ class _ArgsCache:
         self._known: dict[tuple, dict] = {}
 
     def __call__(self, op: Op) -> dict:
-        key = (op.kind, op.phase, id(op.matmuls), op.flops, op.nbytes, op.group, op.peer)
+        key = (op.kind, op.phase, id(op.matmuls), op.flops, op.attention_flops, op.nbytes, op.group, op.peer)
         args = self._known.get(key)
         if args is None:
             args = self._known[key] = _args(op)
@@ -397,7 +398,8 @@ class _ArgsCache:
 def _args(op: Op) -> dict:
     args = {"phase": op.phase}
     if op.kind in ("compute", "optimizer"):
-        args["flops"] = op.flops + sum(2.0 * m * n * k for m, n, k in op.matmuls)
+        args["flops"] = (op.flops + op.attention_flops + op.attention_grad_flops
+                         + sum(2.0 * m * n * k for m, n, k in op.matmuls))
     if op.nbytes:
         args["bytes"] = op.nbytes
     if op.group:
