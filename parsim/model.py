@@ -58,7 +58,7 @@ POSITION_EMBEDDINGS = ("rope", "learned")
 # the scores, a fused scale-mask-softmax, dropout, bmm with V), which writes and rereads them.
 ATTENTION_KERNELS = ("flash", "unfused")
 SOFTMAX_COST = 20  # FlashAttention's softmax time per score in matmul FLOPs per head-dim unit (flash_softmax_factor)
-FLASH_BLOCK = 128  # FlashAttention-2's query/key tile (Br = Bc = 128 at head dim 128): the causal mask skips whole tiles
+FLASH_BLOCK = 128  # FlashAttention-2's Q/K tile (Br = Bc = 128 at head dim 128) (causal masking skips whole tiles)
 INDEX_BYTES = 8  # token ids are int64
 SOFTMAX_BYTES = 4  # the cross-entropy softmax over the vocabulary is kept in fp32
 
