@@ -27,7 +27,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from .model import LayerCost, MLPModel, flash_softmax_factor, shard
+from .kernels import block_work
+from .model import LayerCost, MLPModel, shard
 from .plan import Plan
 from .program import Op, Program
 from .schedules import Action
@@ -232,8 +233,7 @@ class _Lowering:
                       and degree[c.group] > 1 and kind != "W"]
             for position in ("before", "after"):
                 if position == "after":
-                    compute = self._compute(phase, block, "F" if forward else kind, cost,
-                                            block is cost.blocks[-1], index)
+                    compute = self._compute(phase, block, "F" if forward else kind, index)
                     pieces += self._with_context_exchange(p, cost, block, kind, compute)
                 for coll in (c for c in tp_ops if c.position == position):
                     head, tail = collective_name(coll.op, coll.group, layer=cost.name, mb="|",
@@ -274,65 +274,12 @@ class _Lowering:
             return [exchange("all_gather"), *([exchange("reduce_scatter")] if backward else []), compute, join]
         return [exchange("all_gather"), join, compute, *([exchange("reduce_scatter"), join] if backward else [])]
 
-    def _compute(self, phase: str, block, kind: str, cost: LayerCost, last: bool, layer: int) -> _ComputePiece:
-        """One block's compute: its matmuls by shape, the attention core, and its memory-bound kernels.
-
-        The memory-bound kernels (norms, activations, residuals, softmax; see
-        :class:`~parsim.model.Elementwise`) move their forward bytes in a
-        forward and their backward bytes in an input-gradient pass; the
-        weight-gradient pass accumulates into ``.grad`` (read both, write one,
-        once per microbatch). Kernels launched: one per matmul and one per
-        memory-bound kernel of the pass.
-        """
-        plan = self.plan
-        tp, m = plan.tp, self.tokens
-        mms: list[tuple[int, int, int]] = []
-        for mm in block.matmuls:
-            k, n = mm.shape_per_rank(tp)
-            rows = m
-            if mm.experts > 1:  # each of this rank's experts takes its share of the ep group's routed tokens
-                rows = round(m * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)
-            for _ in range(mm.copies_per_rank(plan.ep)):
-                if kind == "F":
-                    mms.append((rows, n, k))
-                if kind in ("B", "I"):
-                    mms.append((rows, k, n))  # input gradient: dY [m, n] @ W^T [n, k]
-                if kind in ("B", "W"):
-                    mms.append((k, n, rows))  # weight gradient: X^T [k, m] @ dY [m, n]
-        attention = block.attention_flops_per_token // tp * m
-        attention_fwd = attention_bwd = 0.0
-        core = block.core
-        if core is not None and core.kernel == "unfused":
-            mms += self._unfused_attention(core, kind)
-        elif attention:
-            work = attention * core.executed_fraction() * flash_softmax_factor(core.head_dim) if core else attention
-            attention_fwd = work if kind == "F" else 0.0
-            attention_bwd = 2 * work if kind in ("B", "I") else 0.0
-        backward = kind in ("B", "I")
-        elementwise = 0.0
-        kernels = len(mms)
-        if kind != "W":
-            elementwise = m * sum(e.bytes_per_token(backward, plan.dtype_bytes, tp, plan.sequence_parallel)
-                                  for e in block.elementwise)
-            kernels += len(block.elementwise)
-        # Autograd adds each weight gradient into .grad (read both, write one), once per microbatch.
-        accumulate = sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
-                         for mm in block.matmuls) * plan.dtype_bytes * 3 if kind in ("B", "W") else 0
-        return _ComputePiece(tuple(mms), 0.0, elementwise + accumulate, kernels, phase, layer,
-                             attention_flops=attention_fwd, attention_grad_flops=attention_bwd)
-
-    def _unfused_attention(self, core, kind: str) -> list[tuple[int, int, int]]:
-        """The unfused core's batched matmuls, the batch (microbatch x this rank's heads) folded into
-        the rows: scores ``Q Kᵀ`` ``(s, s, d)`` and ``P V`` ``(s, d, s)`` per head forward; the backward
-        computes ``dP = dO Vᵀ``, ``dV = Pᵀ dO``, ``dQ = dS K`` and ``dK = dSᵀ Q``."""
-        if kind == "W":
-            return []
-        heads = shard(core.heads, self.plan.tp)
-        rows = self.tokens * heads  # every local query position of every head
-        d, s = core.head_dim, core.seq
-        if kind == "F":
-            return [(rows, s, d), (rows, d, s)]
-        return [(rows, s, d), (rows, d, s), (rows, d, s), (rows, d, s)]
+    def _compute(self, phase: str, block, kind: str, layer: int) -> _ComputePiece:
+        """One block's compute in one pass (see :func:`~parsim.kernels.block_work`)."""
+        work = block_work(self.plan, block, kind, self.tokens)
+        return _ComputePiece(work.matmuls, 0.0, work.elementwise_bytes + work.accumulate_bytes, work.kernels, phase,
+                             layer, attention_flops=work.attention_flops,
+                             attention_grad_flops=work.attention_grad_flops)
 
     # -- pipeline transfers ---------------------------------------------------------
     @functools.cache

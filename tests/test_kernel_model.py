@@ -89,3 +89,20 @@ def test_bad_kernel_rates_are_refused_in_one_line(tmp_path, capsys, compute):
     assert main(["collective", "all-reduce", "--cluster", str(path), "--size", "1MiB"]) == 2
     err = capsys.readouterr().err
     assert "compute." in err and len(err.strip().splitlines()) == 1
+
+
+def test_explain_compute_lists_every_kernel_and_sums_to_its_passes(capsys):
+    assert main(["explain", "compute", "--model", "gpt3-175b", "--tp", "8", "--cluster", "dgx-a100",
+                 "--dtype", "fp16", "--json"]) == 0
+    import json
+
+    data = json.loads(capsys.readouterr().out)
+    for kind, total in data["pass_s"].items():
+        assert sum(k["time_s"] for k in data["kernels"] if k["pass"] == kind) == pytest.approx(total)
+    labels = {k["kernel"] for k in data["kernels"]}
+    assert {"attn.q", "mlp.fc1 weight grad", "attention core (flash)"} <= labels
+
+
+def test_explain_compute_refuses_an_unknown_layer(capsys):
+    assert main(["explain", "compute", "llama3-70b-1024", "--layer", "layer.99"]) == 2
+    assert "--layer" in capsys.readouterr().err
