@@ -59,7 +59,11 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
     attention = block.attention_flops_per_token // tp * tokens
     attention_fwd = attention_bwd = 0.0
     core = block.core
+    recompute_core = core is not None and core.kernel == "unfused" and plan.activation_recompute == "selective"
     if core is not None and core.kernel == "unfused":
+        if recompute_core and kind in ("B", "I"):  # selective recompute: rerun the scores before their backward
+            for shape, label in unfused_attention(plan, core, "F", tokens)[:1]:
+                mms.append(shape), labels.append(f"{label} (recomputed)")
         for shape, label in unfused_attention(plan, core, kind, tokens):
             mms.append(shape), labels.append(label)
     elif attention:
@@ -72,6 +76,11 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         elementwise = tokens * sum(e.bytes_per_token(backward, plan.dtype_bytes, tp, plan.sequence_parallel)
                                    for e in block.elementwise)
         kernels += len(block.elementwise)
+        if recompute_core and backward:  # and the softmax and dropout forward over them
+            rerun = [e for e in block.elementwise if e.name.startswith(("attn.softmax", "attn.dropout"))]
+            elementwise += tokens * sum(e.bytes_per_token(False, plan.dtype_bytes, tp, plan.sequence_parallel)
+                                        for e in rerun)
+            kernels += len(rerun)
     accumulate = sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
                      for mm in block.matmuls) * plan.dtype_bytes * 3 if kind in ("B", "W") else 0
     return BlockWork(tuple(mms), tuple(labels), attention_fwd, attention_bwd, elementwise, accumulate, kernels)

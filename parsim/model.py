@@ -159,6 +159,7 @@ class Activation:
     element_bytes: int
     sharded: bool
     unit: int = 1
+    attention_core: bool = False  # kept only for the attention core's backward: selective recompute drops it
 
     def bytes_per_token(self, tp: int = 1) -> int:
         width = shard(self.width, tp, self.unit) if self.sharded else self.width
@@ -753,10 +754,10 @@ class TransformerModel(_CostTotals):
         if self.attention_kernel == "flash":
             return ()
         scores = self.num_heads * self.seq_len
-        saved = [Activation("attn.softmax.out", scores, d, sharded=True, unit=self.seq_len)]
+        saved = [Activation("attn.softmax.out", scores, d, sharded=True, unit=self.seq_len, attention_core=True)]
         if self.dropout:
-            saved += [Activation("attn.dropout.mask", scores, 1, sharded=True, unit=self.seq_len),
-                      Activation("attn.dropout.out", scores, d, sharded=True, unit=self.seq_len)]
+            saved += [Activation("attn.dropout.mask", scores, 1, sharded=True, unit=self.seq_len, attention_core=True),
+                      Activation("attn.dropout.out", scores, d, sharded=True, unit=self.seq_len, attention_core=True)]
         return tuple(saved)
 
     def embedding_cost(self, dtype_bytes: int, tp_style: str | None = None,

@@ -106,3 +106,17 @@ def test_explain_compute_lists_every_kernel_and_sums_to_its_passes(capsys):
 def test_explain_compute_refuses_an_unknown_layer(capsys):
     assert main(["explain", "compute", "llama3-70b-1024", "--layer", "layer.99"]) == 2
     assert "--layer" in capsys.readouterr().err
+
+
+def test_selective_recompute_drops_the_unfused_scores_and_reruns_them():
+    gpt = {"kind": "transformer", "num_layers": 2, "hidden": 1024, "num_heads": 16, "ffn_hidden": 4096,
+           "seq_len": 2048, "vocab_size": 1000, "dropout": 0.1, "attention_kernel": "unfused"}
+    spec = load_cluster("dgx-a100")
+    from parsim.memory import memory
+    from parsim.step import predict_step
+
+    plans = {r: Plan(model=load_model(gpt), dp=8, dtype="fp16", activation_recompute=r) for r in ("none", "selective")}
+    saved = {r: plans[r].stage_costs(0)[1].activation_bytes_per_token() for r in plans}
+    assert saved["none"] - saved["selective"] == 5 * 16 * 2048  # Korthikanti et al.'s 5as
+    assert memory(plans["selective"])[0].activations < memory(plans["none"])[0].activations
+    assert predict_step(plans["selective"], spec).step_s > predict_step(plans["none"], spec).step_s
