@@ -55,6 +55,24 @@ class ScaleOutSpec:
 
 
 @dataclass(frozen=True)
+class NcclSpec:
+    """What NCCL's topology detection would find on a node (the optional ``nccl:`` section).
+
+    A cluster file with this section is timed with NCCL's own cost model
+    (:mod:`parsim.collectives.nccl`): protocols, channels and the tuner's choice.
+    Files without it (ideal clusters, calibrated gloo hosts) keep the pure
+    flow model at the links' peak bandwidth.
+    """
+
+    compute_capability: int  # e.g. 80 (A100), 90 (H100), 100 (B200)
+    nvlinks_per_gpu: int = 0  # NVLink links from each GPU into the fabric (0: PCIe only)
+    pcie_gen: int = 4  # PCIe generation between a GPU and its NIC (and host)
+    pcie_lanes: int = 16
+    cpu_vendor: str = "intel"  # intel | amd | arm: NCCL's LL bandwidth caps and network overheads differ
+    collnet: bool = False  # in-network reduction (InfiniBand SHARP) that NCCL's CollNet algorithms can use
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """One node's hardware and the fabric between nodes, as read from a file."""
 
@@ -83,6 +101,7 @@ class ClusterSpec:
     kernel_overhead_s: float = 0.0  # fixed cost of launching one kernel / dispatching one op
     memory_efficiency: float = 1.0  # fraction of the HBM bandwidth memory-bound kernels reach
     attention_efficiency: tuple[float, float] = (1.0, 1.0)  # the attention kernel's fraction of peak: fwd, bwd
+    nccl: NcclSpec | None = None  # NCCL's view of the node; None: collectives use the flow model alone
 
     def matmul_efficiency_for(self, dtype: str) -> float:
         """The dtype's own figure; fp16 and bf16 run at the same rate, so each stands in for the other."""
@@ -195,6 +214,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     gpu.used.add("sm_count")
     if isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 0:
         raise ConfigError(source, "gpu.sm_count", f"is {sm_count!r}", "a whole number of SMs")
+    nccl = _parse_nccl(r.optional_mapping("nccl"), source) if "nccl" in r.data else None
     spec = ClusterSpec(
         name=name,
         description=description,
@@ -232,6 +252,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         kernel_overhead_s=float(kernel_us) * 1e-6,
         memory_efficiency=memory_efficiency,
         attention_efficiency=attention_efficiency,
+        nccl=nccl,
     )
     for reader in (r, gpu, intra, out):
         reader.reject_unknown()
@@ -247,6 +268,33 @@ def _fraction(source: str, key: str, value: object) -> float:
     if not _is_number(value) or not 0 < value <= 1:
         raise ConfigError(source, key, f"is {value!r}", "a fraction in (0, 1]")
     return float(value)
+
+
+CPU_VENDORS = ("intel", "amd", "arm")
+NCCL_KEYS = ("compute_capability", "nvlinks_per_gpu", "pcie_gen", "pcie_lanes", "cpu_vendor", "collnet")
+
+
+def _parse_nccl(data: dict, source: str) -> NcclSpec:
+    """The optional ``nccl:`` section (see :class:`NcclSpec`)."""
+    unknown = sorted(set(data) - set(NCCL_KEYS))
+    if unknown:
+        raise ConfigError(source, f"nccl.{unknown[0]}", "unknown key", ", ".join(NCCL_KEYS))
+    cc = data.get("compute_capability")
+    if isinstance(cc, bool) or not isinstance(cc, int) or not 60 <= cc < 200:
+        raise ConfigError(source, "nccl.compute_capability", f"is {cc!r}", "an SM number such as 80, 90 or 100")
+    for key, low, high in (("nvlinks_per_gpu", 0, 64), ("pcie_gen", 1, 6), ("pcie_lanes", 1, 32)):
+        value = data.get(key, getattr(NcclSpec, key))
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(source, f"nccl.{key}", f"is {value!r}", f"a whole number from {low} to {high}")
+    vendor = data.get("cpu_vendor", NcclSpec.cpu_vendor)
+    if vendor not in CPU_VENDORS:
+        raise ConfigError(source, "nccl.cpu_vendor", f"is {vendor!r}", f"one of {', '.join(CPU_VENDORS)}")
+    collnet = data.get("collnet", False)
+    if not isinstance(collnet, bool):
+        raise ConfigError(source, "nccl.collnet", f"is {collnet!r}", "true or false")
+    return NcclSpec(compute_capability=cc, nvlinks_per_gpu=data.get("nvlinks_per_gpu", 0),
+                    pcie_gen=data.get("pcie_gen", NcclSpec.pcie_gen), pcie_lanes=data.get("pcie_lanes", 16),
+                    cpu_vendor=vendor, collnet=collnet)
 
 
 def _is_number(value: object) -> bool:

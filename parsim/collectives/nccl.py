@@ -1,0 +1,588 @@
+"""NCCL's own cost model: the channels its topology search finds and the algorithm and protocol its tuner picks.
+
+Everything here transcribes NVIDIA/nccl v2.30.7 (commit 5067397c, 2026), file by file:
+
+* ``src/graph/topo.h`` and ``src/graph/topo.cc``: the bandwidth NCCL assigns to
+  each link of a node (``SMxx_NVLINK_BW`` per NVLink, PCIe ``lanes x GT/s / 80``,
+  a NIC's ``Mb/s / 8000``);
+* ``src/graph/search.cc`` (``ncclTopoCompute``, ``ncclTopoSearchTryNvls``,
+  ``ncclTopoDupChannels``): how many channels the search finds and at which
+  per-channel speed (``speedArrayIntra/Inter`` and their SM90/SM100 variants).
+  :func:`search` is a closed-form emulation of that search for the symmetric
+  nodes parsim describes (all GPUs alike, one NIC per rail): it tries the same
+  speeds in the same order under the same link budgets;
+* ``src/graph/connect.cc`` (``ncclTopoPostset``): channels duplicated for the
+  kernels (``comm->nChannels``);
+* ``src/graph/tuning.cc`` (``ncclTopoTuneModel``, ``ncclTopoGetAlgoTime``):
+  per algorithm and protocol a latency (base + per-hop hardware latencies) and
+  a bandwidth (channels x per-channel speed x protocol factors);
+* ``src/enqueue.cc`` (``topoGetAlgoInfo``): the tuner keeps the (algorithm,
+  protocol) of least ``latency + bytes / bandwidth``, then lowers the channel
+  count for messages too small to fill every channel.
+
+Latencies are microseconds and bandwidths GB/s, as in NCCL; callers convert.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from ..cluster import NcclSpec
+
+# NCCL's algorithm and protocol indices (src/include/device.h), in its order.
+ALGOS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")
+PROTOS = ("LL", "LL128", "Simple")
+TREE, RING, COLLNET_DIRECT, COLLNET_CHAIN, NVLS, NVLS_TREE, PAT = ALGOS
+LL, LL128, SIMPLE = PROTOS
+
+# The parsim algorithm (phase builder in algorithms.py) that moves each NCCL algorithm's bytes.
+PARSIM_ALGORITHM = {RING: "ring", TREE: "tree", NVLS: "in_switch", NVLS_TREE: "nvls_tree", PAT: "pat",
+                    COLLNET_DIRECT: "collnet", COLLNET_CHAIN: "collnet"}
+# NCCL's collectives; everything else (all-to-all, send/recv, gather, scatter) is point-to-point in NCCL.
+COLLECTIVES = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce")
+
+# -- tuning.cc: tuner constants (ncclTunerConstantsDefaults) -------------------------------------------
+# baseLatencies[algo][proto], us
+BASE_LAT = {TREE: (6.8, 14.0, 8.4), RING: (6.6, 14.0, 8.4), COLLNET_DIRECT: (0, 0, 0), COLLNET_CHAIN: (0, 0, 0),
+            NVLS: (0, 0, 0), NVLS_TREE: (0, 0, 0), PAT: (8.0, 8.0, 8.0)}
+# hwLatencies[hw][algo][proto], us per hop
+HW_LAT = {
+    "nvlink": {TREE: (0.6, 1.25, 4.0), RING: (0.6, 1.9, 3.4), COLLNET_DIRECT: (0, 0, 3.7),
+               COLLNET_CHAIN: (0, 0, 2.8), NVLS: (0, 0, 25), NVLS_TREE: (0, 0, 25), PAT: (0, 0, 4.0)},
+    "pci": {TREE: (1.0, 1.9, 4.0), RING: (1.0, 2.5, 5.7), COLLNET_DIRECT: (0, 0, 3.7), COLLNET_CHAIN: (0, 0, 2.8),
+            NVLS: (0, 0, 0), NVLS_TREE: (0, 0, 0), PAT: (0, 0, 4.0)},
+    "net": {TREE: (5.0, 8.5, 14), RING: (2.7, 4.0, 14.0), COLLNET_DIRECT: (0, 0, 31), COLLNET_CHAIN: (0, 0, 30),
+            NVLS: (0, 0, 18), NVLS_TREE: (0, 0, 20.9), PAT: (0, 0, 14)},
+}
+# llMaxBws[index1][index2]: index1 the GPU generation on one node, the CPU vendor across nodes; index2 nodes 1/2/>2
+LL_MAX_BW = ((39.0, 39.0, 20.4), (87.7, 22.5, 19.0), (141.0, 45.0, 35.0), (2 * 141.0, 2 * 45.0, 2 * 35.0))
+# per-channel caps [compcap index][index2], GB/s
+PER_CH_MAX_RING_LL128 = ((20.0, 20.0, 20.0), (20.0, 20.0, 20.0), (36.7, 36.7, 36.7), (40.0, 40.0, 40.0))
+PER_CH_MAX_TREE_LL128 = ((20.0, 20.0, 20.0), (20.0, 20.0, 20.0), (36.7, 36.7, 29.0), (55.6, 31.67, 20.0))
+PER_CH_MAX_TREE = ((26.5, 18.5, 10.0), (24.0, 23.6, 17.8), (38.7, 41.4, 36.0), (70.0, 42.8, 24.0))
+PER_CH_MAX_NVLS_TREE = ((26.5, 18.5, 10.0), (24.0, 23.6, 17.8), (0.0, 57.7, 45.5), (0.0, 96.0, 80.0))
+NVLS_EFFICIENCY = (0.0, 0.0, 0.85, 0.74)  # Volta, Ampere, Hopper, Blackwell
+# treeCorrectionFactor[proto][log2(bytes / 64)]: "trees are not perfectly sticking to the model for medium sizes"
+TREE_CORRECTION = (
+    (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0, 1.0, 1.0),
+    (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0, 1.0, 1.0),
+    (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9, .9),
+)
+PCI_BW = 12.0  # topo.h: PCI Gen3 x16, the threshold for 256-thread Simple rings
+
+# -- topo.h / topo.cc: link bandwidths NCCL assigns, GB/s ------------------------------------------------
+NVLINK_BW = {60: 18.0, 70: 20.0, 80: 20.0, 86: 12.0, 90: 20.6, 100: 40.1}  # SMxx_NVLINK_BW, per link
+# kvDictPciGen: 100 Mb/s per lane by PCIe generation; a link's bw = lanes x speed / 80
+PCI_GEN_SPEED = {1: 15, 2: 30, 3: 60, 4: 120, 5: 240, 6: 480}
+INTEL_P2P_OVERHEAD = 6 / 5  # topo.h: Intel CPUs turn GPU P2P traffic into 64 B TLPs
+
+# -- search.cc: per-channel speeds the search tries, GB/s ---------------------------------------------------
+SPEEDS_INTRA = {0: (40.0, 30.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0),
+                90: (60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0),
+                100: (90.0, 80.0, 70.0, 60.0, 50.0, 45.0, 40.0, 30.0, 24.0, 20.0, 19.0, 18.0)}
+SPEEDS_INTER = {0: (48.0, 30.0, 28.0, 24.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.4, 1.2,
+                    0.24, 0.12),
+                90: (48.0, 45.0, 42.0, 40.0, 30.0, 24.0, 22.0, 20.0, 17.5, 15.0, 12.0, 6.0, 3.0, 2.4, 1.2, 0.24, 0.12),
+                100: (96.0, 86.0, 80.0, 48.0, 45.1, 42.0, 40.0, 30.0, 24.0, 22.0, 20.0, 17.5, 15.0, 12.0, 6.0, 3.0, 2.4,
+                      1.2, 0.24, 0.12)}
+MAXCHANNELS = 64  # device.h
+NCCL_MAX_NVLS_ARITY = 32
+NCCL_MAX_DIRECT_ARITY = 7
+# device.h / comm.h: threads per channel and the bytes per thread below which enqueue.cc drops channels
+MAX_THREADS = {LL: 512, LL128: 640, SIMPLE: 512}
+THREAD_THRESHOLD = {LL: 8, LL128: 8, SIMPLE: 64}
+
+
+def log2i(n: int) -> int:
+    """NCCL's ``log2i``: floor(log2 n), -1 for 0."""
+    return int(n).bit_length() - 1
+
+
+def compcap_index(cc: int) -> int:
+    return 3 if cc >= 100 else 2 if cc >= 90 else 1 if cc >= 80 else 0
+
+
+def _speeds(table: dict, cc: int) -> tuple[float, ...]:
+    return table[100] if cc >= 100 else table[90] if cc >= 90 else table[0]
+
+
+@dataclass(frozen=True)
+class Graph:
+    """One search result (``struct ncclTopoGraph``): channels and the per-channel speed inside and across nodes."""
+
+    channels: int
+    bw_intra: float
+    bw_inter: float
+
+    def describe(self) -> str:
+        if self.bw_intra == self.bw_inter:
+            return f"{self.channels} x {self.bw_intra:g} GB/s"
+        return f"{self.channels} x {self.bw_intra:g} GB/s (inside nodes) / {self.bw_inter:g} GB/s (across)"
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """The node as NCCL's topology code sees it, for one communicator (the group's GPUs on each node)."""
+
+    cc: int
+    ppn: int  # the group's GPUs per node
+    nodes: int
+    nvlink_bw: float  # per GPU, all its NVLinks together; 0 on a PCIe-only node
+    pci_bw: float  # GPU <-> PCIe switch / NIC
+    nic_bw: float  # per NIC
+    nics: int  # NICs the group's GPUs sit next to, per node
+    cpu_vendor: str
+    nvls: bool  # NVLink SHARP (in-switch reduction) on this fabric
+    collnet: bool
+
+    @property
+    def ranks(self) -> int:
+        return self.ppn * self.nodes
+
+    @property
+    def nvswitch(self) -> bool:
+        return self.nvlink_bw > 0
+
+    @property
+    def p2p_overhead(self) -> float:
+        """GPU-to-GPU traffic through an Intel root complex costs 6/5 of its bytes (topo.h)."""
+        return INTEL_P2P_OVERHEAD if not self.nvswitch and self.cpu_vendor == "intel" else 1.0
+
+
+def node_view(spec, nccl: NcclSpec, ppn: int, nodes: int, nics: int) -> NodeView:
+    """NCCL's link bandwidths for ``spec`` (topo.h, topo.cc), for a group of ``ppn`` GPUs on each of ``nodes``."""
+    cc = nccl.compute_capability
+    sm = max((k for k in NVLINK_BW if k <= cc), default=60)
+    nvlink = nccl.nvlinks_per_gpu * NVLINK_BW[sm] if spec.intra.fabric == "nvswitch" else 0.0
+    pci = nccl.pcie_lanes * PCI_GEN_SPEED[nccl.pcie_gen] / 80.0
+    nic = spec.scale_out.nic_bw_Bps * 8 / 1e6 / 8000.0  # Mb/s / 8000, as topo.cc converts a NIC's speed
+    return NodeView(cc, ppn, nodes, nvlink, pci, nic, nics, nccl.cpu_vendor,
+                    spec.intra.in_switch_reduction and cc >= 90 and spec.intra.fabric == "nvswitch",
+                    nccl.collnet)
+
+
+# -- search.cc ----------------------------------------------------------------------------------------------
+
+def search(view: NodeView) -> dict[str, Graph]:
+    """The graphs ``ncclTopoCompute`` finds for ring, tree and NVLS (and CollNet), emulated in closed form.
+
+    The search tries speeds from the fastest the paths allow downwards; a
+    channel costs its speed on every link it crosses, so the channel count at
+    a speed is the tightest link budget divided by the speed. It keeps the most
+    total bandwidth (channels x speed), stops once that reaches the GPU's total
+    or the next speed is under 0.49 of the best, then (pass 2) raises the
+    ring's speed while the same channel count still fits, and finally
+    duplicates channels at half speed (``ncclTopoDupChannels``).
+    """
+    inter = view.nodes > 1
+    speeds = _speeds(SPEEDS_INTER if inter else SPEEDS_INTRA, view.cc)
+    total_bw = max(view.nvlink_bw, view.pci_bw)
+    if inter:
+        max_bw = min(view.pci_bw, view.nic_bw)  # GPU -> PCIe switch -> NIC
+    elif view.nvswitch:
+        max_bw = view.nvlink_bw
+    else:
+        max_bw = view.pci_bw / view.p2p_overhead
+
+    def ring_channels(bw: float) -> int:
+        limits = [MAXCHANNELS // 2]
+        if view.ppn > 1:  # every GPU forwards each channel to the next (through NVLink, or the host's PCIe)
+            link = view.nvlink_bw if view.nvswitch else view.pci_bw
+            limits.append(int(link / (bw * view.p2p_overhead) + 1e-9))
+        if inter:  # each channel enters and leaves a node through one NIC (same rail, NCCL_CROSS_NIC=0 first)
+            limits.append(view.nics * int(min(view.nic_bw, view.pci_bw) / bw + 1e-9))
+        return min(limits)
+
+    ring = _search_speeds(speeds, max_bw, total_bw, 1, MAXCHANNELS // 2, ring_channels)
+    ring = _dup_channels(ring, view.cc, MAXCHANNELS // 2)
+    graphs = {RING: ring}
+
+    if inter and view.ppn > 1:
+        # Trees use the ring's channel count; across nodes a channel is a chain through the node's GPUs
+        # (ppn - 1 NVLink hops) between one NIC and itself. Pass 2 then raises the speed inside the node
+        # while it stays under twice the speed across (search.cc, "increase bwIntra for trees").
+        def tree_channels(bw_inter: float, bw_intra: float) -> int:
+            link = view.nvlink_bw if view.nvswitch else view.pci_bw / view.p2p_overhead
+            nvl = int(link / (bw_intra * (view.ppn - 1) / view.ppn) + 1e-9)
+            return min(nvl, view.nics * int(min(view.nic_bw, view.pci_bw) / bw_inter + 1e-9))
+
+        want = ring.channels  # treeGraph min = max = the ring's channels (init.cc)
+        base = next((s for s in speeds if s <= max_bw and tree_channels(s, s) >= want), speeds[-1])
+        intra = base
+        for s in reversed(speeds):
+            if base < s < 2 * base and tree_channels(base, s) >= want:
+                intra = max(intra, s)
+        graphs[TREE] = _dup_channels(Graph(want, intra, base), view.cc, want)
+    else:
+        graphs[TREE] = ring
+
+    if view.nvls and view.ppn > 1:
+        graphs[NVLS] = _nvls_graph(view, speeds, max_bw)
+    if view.collnet and inter:
+        heads = min(view.ppn, view.nics)
+        graphs[COLLNET_DIRECT] = Graph(heads, graphs[TREE].bw_intra, graphs[TREE].bw_inter)
+        graphs[COLLNET_CHAIN] = graphs[TREE]
+    return graphs
+
+
+def _search_speeds(speeds, max_bw: float, total_bw: float, min_channels: int, max_channels: int,
+                   channels_at) -> Graph:
+    """Pass 1 and pass 2 of ``ncclTopoCompute`` for a ring, as described in :func:`search`."""
+    start = 0
+    while start < len(speeds) - 1 and (speeds[start] > max_bw or speeds[start] * min_channels > total_bw):
+        start += 1
+    best: Graph | None = None
+    i = start
+    while True:
+        s = speeds[i]
+        ch = min(max_channels, channels_at(s))
+        if ch >= min_channels and (best is None or ch * s > best.channels * best.bw_intra):
+            best = Graph(ch, s, s)
+        if best is not None and (best.channels >= max_channels or best.channels * best.bw_intra >= total_bw):
+            break
+        if i + 1 < len(speeds) and (best is None or speeds[i + 1] / best.bw_intra > 0.49):
+            i += 1
+            continue
+        break
+    if best is None:  # "Could not find a path": NCCL falls back to one slow channel
+        return Graph(1, speeds[-1], speeds[-1])
+    k = speeds.index(best.bw_intra)
+    while k > 0 and channels_at(speeds[k - 1]) >= best.channels:  # pass 2: faster with as many channels
+        k -= 1
+        best = Graph(best.channels, speeds[k], speeds[k])
+    return best
+
+
+def _dup_channels(graph: Graph, cc: int, max_channels: int) -> Graph:
+    """``ncclTopoDupChannels``: fast channels are split in two of half the speed."""
+    if graph.bw_intra < 25.0 or (cc > 80 and graph.bw_intra < 50.0 and graph.channels > 4):
+        return graph
+    dup = min(graph.channels * 2, max_channels)
+    div = -(-dup // graph.channels)
+    return Graph(dup, graph.bw_intra / div, graph.bw_inter / div)
+
+
+def _nvls_graph(view: NodeView, speeds, max_bw: float) -> Graph:
+    """``ncclTopoSearchTryNvls``: one channel per head GPU; each channel costs every GPU's NVLink its speed
+    both ways, twice for its head, so n channels at speed s need ``s (n + 1)`` per GPU. More channels win;
+    then pass 2 raises the speed across nodes while it is under twice the speed inside."""
+    heads = min(view.ppn, view.nics) if view.nodes > 1 else view.ppn
+    heads = min(heads, NCCL_MAX_NVLS_ARITY)
+    intra_speeds = [s for s in speeds if view.nodes == 1 or s <= max_bw]
+    for ch in range(heads, 0, -1):
+        fit = [s for s in intra_speeds if s * (ch + 1) <= view.nvlink_bw + 1e-9]
+        if fit:
+            bw_intra = fit[0]
+            break
+    else:
+        return Graph(0, 0.0, 0.0)
+    if view.nodes > 1:
+        cap = min(view.pci_bw, view.nic_bw)
+        bw_inter = bw_intra
+        for s in reversed(speeds):
+            if bw_inter < s <= cap and bw_inter < 2 * bw_intra:
+                bw_inter = s
+    else:
+        bw_inter = bw_intra
+        for s in reversed(speeds):  # nothing crosses a NIC on one node: the search raises it to the top
+            if s > bw_inter and bw_inter < 2 * bw_intra:
+                bw_inter = s
+    return Graph(ch, bw_intra, bw_inter)
+
+
+# -- tuning.cc ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Candidate:
+    """One cell of NCCL's tuning table for a collective: ``time = latency + bytes / bandwidth``."""
+
+    algo: str
+    proto: str
+    latency_us: float
+    bw_GBps: float  # the tuner's bandwidth: bytes / this = the transfer time
+    time_us: float = 0.0  # for a given size, with the tree correction and ring plateau applied
+
+    @property
+    def name(self) -> str:
+        return f"{self.algo}/{self.proto}"
+
+
+@dataclass
+class Choice:
+    """What NCCL's tuner does for one collective and size: every candidate, the pick, the channels it runs on."""
+
+    op: str
+    nbytes: int
+    candidates: list[Candidate]  # sorted by the tuner's time
+    chosen: Candidate
+    latency_us: float  # the chosen candidate's latency (with the ring plateau factor)
+    bw_GBps: float  # its bandwidth with every channel (with the tree correction factor)
+    channels: int  # channels the kernel runs on (enqueue.cc drops channels for small messages)
+    max_channels: int  # channels the communicator has for this algorithm
+    graph: Graph
+    disabled: dict[str, str] = field(default_factory=dict)  # algorithm -> why NCCL cannot use it here
+
+    @property
+    def effective_bw_GBps(self) -> float:
+        """The bandwidth on the channels the kernel really runs on."""
+        return self.bw_GBps * self.channels / self.max_channels
+
+    @property
+    def time_us(self) -> float:
+        return self.latency_us + self.nbytes / (1000.0 * self.effective_bw_GBps)
+
+
+class NcclModel:
+    """NCCL's tuner for one communicator shape (``ppn`` GPUs on each of ``nodes`` nodes)."""
+
+    def __init__(self, view: NodeView):
+        self.view = view
+        self.graphs = search(view)
+
+    @cached_property
+    def comm_channels(self) -> int:
+        """``comm->nChannels`` (connect.cc): the ring's channels doubled, doubled again on Hopper and newer
+        across nodes when the ring's channels are fast and few."""
+        ring = self.graphs[RING]
+        nc = min(MAXCHANNELS, ring.channels * 2)
+        if self.view.cc >= 90 and self.view.nodes > 1 and ring.bw_intra > 45.0 and nc < 16:
+            nc *= 2
+        return nc
+
+    def max_threads(self, algo: str, proto: str) -> int:
+        if proto == SIMPLE and algo == RING:
+            ring = self.graphs[RING]
+            return 256 if ring.bw_intra * ring.channels <= PCI_BW else MAX_THREADS[SIMPLE]
+        if algo in (NVLS, NVLS_TREE, COLLNET_DIRECT, COLLNET_CHAIN):
+            return 640  # NCCL_MAX_NTHREADS
+        return MAX_THREADS[proto]
+
+    def _graph(self, algo: str) -> Graph | None:
+        if algo == PAT:
+            return self.graphs[RING]
+        if algo == NVLS_TREE:
+            return self.graphs.get(NVLS)
+        return self.graphs.get(algo)
+
+    @cached_property
+    def _tables(self) -> dict[str, tuple[dict[tuple[str, str], Candidate], dict[str, str]]]:
+        return {op: self._tune(op) for op in COLLECTIVES}
+
+    def table(self, op: str) -> tuple[dict[tuple[str, str], Candidate], dict[str, str]]:
+        """Latency and bandwidth of every usable (algorithm, protocol) for ``op``; and why the others are not."""
+        return self._tables[op]
+
+    def _tune(self, op: str):
+        """``ncclTopoTuneModel`` for one collective."""
+        v = self.view
+        n, nodes, ppn = v.ranks, v.nodes, v.ppn
+        cci = compcap_index(v.cc)
+        index2 = min(nodes, 3) - 1
+        index1 = cci if nodes == 1 else (1 if v.cpu_vendor == "amd" else 0)
+        ll_max_bw = LL_MAX_BW[index1][index2]
+        nsteps = 2 * (n - 1) if op == "all_reduce" else n - 1 if op in ("all_gather", "reduce_scatter") else n
+        intra_hw = "nvlink" if v.nvswitch else "pci"
+        table: dict[tuple[str, str], Candidate] = {}
+        disabled: dict[str, str] = {}
+        for a in ALGOS:
+            why = self._unavailable(op, a)
+            if why:
+                disabled[a] = why
+                continue
+            g = self._graph(a)
+            for pi, p in enumerate(PROTOS):
+                if a in (NVLS, NVLS_TREE, PAT, COLLNET_DIRECT, COLLNET_CHAIN) and p != SIMPLE:
+                    continue
+                if p == LL128 and not v.nvswitch:
+                    continue  # LL128 only over NVLink paths (typeIntra <= PATH_NVB)
+                collnet = a in (COLLNET_DIRECT, COLLNET_CHAIN)
+                bw = g.bw_intra if nodes <= 2 or collnet else g.bw_inter
+                if a in (NVLS, NVLS_TREE):
+                    intra = g.bw_intra * NVLS_EFFICIENCY[cci] * (g.channels - 1) / g.channels
+                    intra *= 2.0 if op == "all_reduce" else (ppn - 1) / ppn
+                    across = g.bw_inter * (2 if nodes <= 2 and a == NVLS_TREE else 1)
+                    bw = min(intra, across, PER_CH_MAX_NVLS_TREE[cci][index2] if a == NVLS_TREE else math.inf)
+                bus = g.channels * bw
+                if a == RING and p == LL:
+                    bus = min(ll_max_bw, bus * .5)
+                if a == RING and p == LL128:
+                    bus = min(bus * 0.92, g.channels * PER_CH_MAX_RING_LL128[cci][index2])
+                if a == TREE and op == "all_reduce":
+                    bus = min(bus * .92, g.channels * PER_CH_MAX_TREE[cci][index2])
+                if a == TREE and p == LL:
+                    bus = min(bus / 3.8, ll_max_bw)
+                if a == TREE and p == LL128:
+                    bus = min(bus * (7.0 / 9.0 if nodes == 1 else 120.0 / 128.0),
+                              g.channels * PER_CH_MAX_TREE_LL128[cci][index2])
+                if a == PAT:
+                    bus *= .75
+                if a == COLLNET_DIRECT:
+                    if op in ("all_gather", "reduce_scatter"):
+                        bus = ppn * min(g.bw_intra, g.bw_inter * 0.9)
+                    else:
+                        factor = ppn / g.channels
+                        factor -= (factor - 1) / 2
+                        bus /= factor
+                        if v.cc >= 90:
+                            bus *= .85
+                if not (a != RING and op in ("all_gather", "reduce_scatter")):
+                    bus *= n / nsteps if a in (RING, NVLS, NVLS_TREE) else .5
+                if bus <= 0:
+                    continue
+                lat = BASE_LAT[a][pi]
+                intra_lat = HW_LAT[intra_hw][a][pi]
+                inter_lat = HW_LAT["net"][TREE][pi] if ppn == 1 else HW_LAT["net"][a][pi]  # + latencyInter (IB: 0)
+                if a == RING:
+                    hw = "net" if nodes > 1 else intra_hw
+                    if op in ("broadcast", "reduce"):
+                        lat += HW_LAT[hw][RING][pi]  # the search keeps the same channels: one hop of latency
+                    else:
+                        overhead = 0.0
+                        if nodes > 1:
+                            overhead = 2.0 if v.cpu_vendor == "amd" else 1.0
+                            if p == SIMPLE:
+                                overhead *= 3
+                        intra_lat = max(intra_lat, overhead)
+                        inter_steps = 0 if nodes == 1 else 2 * (nodes - 1) if op == "all_reduce" else nodes - 1
+                        lat += (nsteps - inter_steps) * intra_lat + inter_steps * inter_lat
+                elif a == TREE:
+                    lat += 2 * ((ppn - 1) * intra_lat + log2i(nodes) * inter_lat)
+                elif a == COLLNET_DIRECT:
+                    lat += 2 * (min(1, ppn - 1) * intra_lat + (ppn - 1) * 0.4) + inter_lat
+                elif a == COLLNET_CHAIN:
+                    lat += 2 * (ppn - 1) * intra_lat + inter_lat
+                elif a == NVLS:
+                    lat = intra_lat + (inter_lat if nodes > 1 else 0.0)
+                elif a == NVLS_TREE:
+                    lat += intra_lat + 2 * log2i(nodes) * inter_lat
+                elif a == PAT:
+                    lat += log2i(nodes) * (inter_lat / 3.5) + n * 2.8
+                table[(a, p)] = Candidate(a, p, lat, bus)
+        return table, disabled
+
+    def _unavailable(self, op: str, a: str) -> str:
+        """Why NCCL would not run algorithm ``a`` for ``op`` on this communicator ("" if it would)."""
+        v = self.view
+        if op in ("broadcast", "reduce") and a != RING:
+            return "broadcast and reduce run on rings only"
+        if op in ("all_gather", "reduce_scatter") and a not in (PAT, RING, NVLS, COLLNET_DIRECT):
+            return f"{op.replace('_', '-')} has no {a} implementation"
+        if op == "all_reduce" and a == PAT:
+            return "PAT implements all-gather and reduce-scatter only"
+        if a == TREE and v.ranks < 2:
+            return "needs two ranks"
+        if a == PAT and (v.ppn != 1 or v.cc < 60):
+            return "PAT runs with one GPU per node only"
+        if a in (NVLS, NVLS_TREE):
+            if not v.nvls:
+                return "no NVLink SHARP on this fabric (needs an NVSwitch with in-switch reduction, SM90+)"
+            g = self.graphs.get(NVLS)
+            if g is None or g.channels < 2:
+                return "NVLS needs at least 2 channels (2 GPUs on the node)"
+            if a == NVLS_TREE and v.nodes == 1:
+                return "NVLSTree is disabled on a single node"
+            if a == NVLS and v.nodes > 1 and not v.collnet:
+                return "NVLS across nodes needs CollNet (SHARP); NVLSTree runs instead"
+            if op in ("all_gather", "reduce_scatter") and v.nodes > 1:
+                return "NVLS all-gather/reduce-scatter across nodes needs CollNet all-gather support"
+        if a in (COLLNET_DIRECT, COLLNET_CHAIN):
+            if not v.collnet:
+                return "the cluster file declares no CollNet/SHARP network (nccl.collnet)"
+            if v.nodes < 2:
+                return "CollNet reduces across nodes"
+            if v.ppn > NCCL_MAX_DIRECT_ARITY + 1:
+                return f"CollNet supports up to {NCCL_MAX_DIRECT_ARITY + 1} GPUs per node"
+            if a == COLLNET_DIRECT and not v.nvswitch:
+                return "CollNetDirect needs an NVSwitch"
+            if op in ("all_gather", "reduce_scatter"):
+                return "CollNet all-gather/reduce-scatter need one NIC per GPU and plugin support (not modelled)"
+        return ""
+
+    def time_us(self, op: str, c: Candidate, nbytes: int) -> float:
+        """``ncclTopoGetAlgoTime``: latency + bytes / bandwidth, with NCCL's corrections."""
+        bw, lat = c.bw_GBps, c.latency_us
+        log_size = log2i(nbytes >> 6)
+        if c.algo == TREE and op == "all_reduce" and 0 <= log_size < 23:
+            bw *= TREE_CORRECTION[PROTOS.index(c.proto)][log_size]
+        if (c.algo == NVLS_TREE and op == "all_reduce" and 0 <= log_size < 24 and self.view.cc >= 100
+                and self.view.cpu_vendor != "arm"):
+            bw *= TREE_CORRECTION[PROTOS.index(c.proto)][log_size]
+        lat *= self._plateau(op, c, nbytes)
+        return lat + nbytes / (1000.0 * bw)
+
+    def _plateau(self, op: str, c: Candidate, nbytes: int) -> float:
+        """"Plateau effect of ring": multi-node Simple ring all-reduce latency x1.4 (x1.9 before SM80)."""
+        if (c.algo == RING and c.proto == SIMPLE and self.view.nodes > 1 and op == "all_reduce"
+                and nbytes / (self.comm_channels * self.view.ranks) >= 64):
+            return 1.9 if self.view.cc < 80 else 1.4
+        return 1.0
+
+    def choose(self, op: str, nbytes: int, algos: tuple[str, ...] | None = None,
+               proto: str | None = None) -> Choice | None:
+        """The candidate of least time (``topoGetAlgoInfo``), optionally restricted like NCCL_ALGO/NCCL_PROTO."""
+        table, disabled = self.table(op)
+        cands = sorted((Candidate(c.algo, c.proto, c.latency_us, c.bw_GBps, self.time_us(op, c, nbytes))
+                        for c in table.values()), key=lambda c: c.time_us)
+        pool = [c for c in cands if (algos is None or c.algo in algos) and (proto is None or c.proto == proto)]
+        if not pool:
+            return None
+        chosen = pool[0]
+        latency = chosen.latency_us * self._plateau(op, chosen, nbytes)
+        transfer = chosen.time_us - latency
+        bw = nbytes / (1000.0 * transfer) if transfer > 0 else chosen.bw_GBps  # the tree correction folded in
+        nc, max_nc = self._channels(chosen, nbytes)
+        return Choice(op, int(nbytes), cands, chosen, latency, bw, nc, max_nc, self._graph(chosen.algo), disabled)
+
+    def _channels(self, c: Candidate, nbytes: int) -> tuple[int, int]:
+        """Channels the kernel runs on (enqueue.cc ``topoGetAlgoInfo``): ring and tree drop channels while
+        ``bytes < channels x threads x threshold``; NVLS keeps its own; the model's bandwidth assumed all."""
+        if c.algo in (NVLS, NVLS_TREE, COLLNET_DIRECT, COLLNET_CHAIN):
+            g = self._graph(c.algo)
+            return g.channels, g.channels
+        total = self.comm_channels
+        nt = self.max_threads(c.algo, c.proto)
+        threshold = THREAD_THRESHOLD[c.proto] * (self.view.ranks if c.algo == RING and c.proto == LL else 1)
+        nc = total
+        while nbytes < nc * nt * threshold and nc >= 2:
+            nc -= 1
+        return nc, total
+
+
+# -- parsim glue ---------------------------------------------------------------------------------------------
+
+NCCL_ALGOS_OF = {"ring": (RING,), "tree": (TREE,), "in_switch": (NVLS,), "nvls_tree": (NVLS_TREE,), "pat": (PAT,),
+                 "collnet": (COLLNET_DIRECT, COLLNET_CHAIN)}
+
+
+def model_for(topo, group) -> NcclModel | None:
+    """NCCL's tuner for ``group`` on ``topo`` (cached per shape), or None where the cluster file has no
+    ``nccl:`` section."""
+    nccl = topo.spec.nccl
+    if nccl is None or len(group) < 2:
+        return None
+    group = np.asarray(group)
+    nodes = topo.node_of(group)
+    uniq, counts = np.unique(nodes, return_counts=True)
+    first = group[nodes == uniq[0]]
+    nics = len(np.unique(topo.nic_of(first)))
+    key = (len(uniq), int(counts.max()), nics)
+    cache = topo.__dict__.setdefault("_nccl_models", {})
+    if key not in cache:
+        cache[key] = NcclModel(node_view(topo.spec, nccl, int(counts.max()), len(uniq), nics))
+    return cache[key]
+
+
+def nccl_choice(topo, op: str, algorithm: str, group, size: float, protocol: str | None = None) -> Choice | None:
+    """NCCL's latency and bandwidth for parsim's ``algorithm`` (and ``protocol``, default the best for it),
+    or None where NCCL's model does not apply (no ``nccl:`` section, not an NCCL collective or algorithm,
+    or one NCCL would not run here: the flow model then times it alone)."""
+    if op not in COLLECTIVES or algorithm not in NCCL_ALGOS_OF:
+        return None
+    model = model_for(topo, group)
+    if model is None:
+        return None
+    return model.choose(op, int(size), NCCL_ALGOS_OF[algorithm], protocol)
