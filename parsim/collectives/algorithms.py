@@ -156,13 +156,15 @@ def apply_nccl(topo: Topology, op: str, algorithm: str, group: np.ndarray, phase
     channels cap what one collective can draw), so when collectives contend
     in the step simulator each pays NCCL's overheads on the links it shares;
     spine links and oversubscription, which NCCL's model does not know, still
-    slow it down. The reduction is part of NCCL's bandwidth (the kernels sum
+    slow it down (and should NCCL's figure ever exceed the links' peak, the
+    links win: bytes are never scaled down). The reduction is part of NCCL's bandwidth (the kernels sum
     as they copy), so no separate reduction time is charged.
     """
     size = float(choice.nbytes)
     per_byte = _flow_seconds_per_byte(topo, op, algorithm, group, phases, size)
     nccl_s = size / (choice.effective_bw_GBps * 1e9)
-    factor = nccl_s / (per_byte * size) if per_byte > 0 else 1.0
+    # Never below 1: should NCCL's figure ever exceed what the links carry at their peak, the links win.
+    factor = max(1.0, nccl_s / (per_byte * size)) if per_byte > 0 else 1.0
     steps = sum(p.steps for p in phases) or 1
     for phase in phases:
         phase.nbytes = phase.nbytes * factor

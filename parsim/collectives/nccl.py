@@ -325,6 +325,7 @@ class Choice:
     max_channels: int  # channels the communicator has for this algorithm
     graph: Graph
     disabled: dict[str, str] = field(default_factory=dict)  # algorithm -> why NCCL cannot use it here
+    graphs: dict[str, Graph] = field(default_factory=dict)  # every search result of the communicator
 
     @property
     def effective_bw_GBps(self) -> float:
@@ -535,7 +536,8 @@ class NcclModel:
         transfer = chosen.time_us - latency
         bw = nbytes / (1000.0 * transfer) if transfer > 0 else chosen.bw_GBps  # the tree correction folded in
         nc, max_nc = self._channels(chosen, nbytes)
-        return Choice(op, int(nbytes), cands, chosen, latency, bw, nc, max_nc, self._graph(chosen.algo), disabled)
+        return Choice(op, int(nbytes), cands, chosen, latency, bw, nc, max_nc, self._graph(chosen.algo), disabled,
+                      self.graphs)
 
     def _channels(self, c: Candidate, nbytes: int) -> tuple[int, int]:
         """Channels the kernel runs on (enqueue.cc ``topoGetAlgoInfo``): ring and tree drop channels while

@@ -33,6 +33,7 @@ class PhaseTiming:
     bottleneck_bytes: float  # what the bottleneck link carried
     bottleneck: str  # the link that needed the most time alone
     bottleneck_bw_Bps: float
+    efficiency: float = 1.0  # payload / bytes on the links (NCCL's protocol and channel limits, or calibrated)
 
     @property
     def time_s(self) -> float:
@@ -97,7 +98,7 @@ def simulate_phases(env: simpy.Environment, net: Network, topo: Topology, phases
             busiest = int(np.argmax(moved / net.capacity))  # ties go to the lowest index: GPU links first
             timings.append(PhaseTiming(
                 phase.label, len(phase.src), latency, transfer, reduce, float(moved[busiest]),
-                topo.link_name(busiest), float(net.capacity[busiest]),
+                topo.link_name(busiest), float(net.capacity[busiest]), phase.efficiency,
             ))
 
 
