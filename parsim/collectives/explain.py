@@ -31,7 +31,8 @@ def explain(p: CollectivePrediction, topo: Topology) -> str:
         out.append(f"2. The algorithm: {p.algorithm}")
         if p.candidates:
             for alg, time in sorted(p.candidates.items(), key=lambda kv: kv[1]):
-                out.append(f"   {alg:<12} {format_time(time)}" + ("   <- fastest, chosen" if alg == p.algorithm else ""))
+                mark = "   <- fastest, chosen" if alg == p.algorithm else ""
+                out.append(f"   {alg:<12} {format_time(time)}{mark}")
     out.append("")
     out.append("3. Phase by phase (time = latency steps + bytes over the busiest link + reduction)")
     for i, ph in enumerate(p.phases, 1):
@@ -75,7 +76,8 @@ def _nccl_tuner(p: CollectivePrediction) -> list[str]:
             f"   {'algorithm/protocol':<20} {'latency':>10} {'bandwidth':>12} {'time':>10}"]
     for cand in c.candidates:
         mark = "   <- least time, chosen" if cand.name == chosen.name else ""
-        out.append(f"   {cand.name:<20} {cand.latency_us:>7.1f} us {cand.bw_GBps:>7.1f} GB/s {cand.time_us:>7.1f} us{mark}")
+        out.append(f"   {cand.name:<20} {cand.latency_us:>7.1f} us {cand.bw_GBps:>7.1f} GB/s "
+                   f"{cand.time_us:>7.1f} us{mark}")
     for algo, why in c.disabled.items():
         out.append(f"   {algo:<20} not used: {why}")
     out.append("   (bandwidth here is what the tuner divides the bytes by: busbw-like figures are converted")

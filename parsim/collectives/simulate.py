@@ -95,7 +95,8 @@ def simulate_phases(env: simpy.Environment, net: Network, topo: Topology, phases
             yield env.timeout(reduce)
         if timings is not None:
             moved = net.link_bytes - before
-            busiest = int(np.argmax(moved / net.capacity))  # ties go to the lowest index: GPU links first
+            busy = moved / net.capacity
+            busiest = int(np.argmax(busy >= busy.max() * (1 - 1e-9)))  # ties (to rounding) go to GPU links first
             timings.append(PhaseTiming(
                 phase.label, len(phase.src), latency, transfer, reduce, float(moved[busiest]),
                 topo.link_name(busiest), float(net.capacity[busiest]), phase.efficiency,
