@@ -20,6 +20,13 @@ Transfers travel over the cluster's links (NVLink/NVSwitch or PCIe inside a
 node, NICs, leaf and spine switches between nodes) in a discrete-event,
 flow-level simulation; links shared by several transfers split their bandwidth.
 
+On clusters whose file has an nccl: section (the built-in GPU clusters) the
+algorithm and protocol (LL, LL128, Simple) are the ones NCCL's tuner picks, and
+the time is NCCL's own cost model (its channels, latencies and protocol
+efficiencies, from NCCL's source) carried onto those links; --explain prints
+NCCL's tuning table. Accuracy against published nccl-tests runs:
+docs/nccl-accuracy.md.
+
 Bandwidths follow nccl-tests: algbw = size / time; busbw = algbw x a factor
 (2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for
 broadcast) that makes it comparable to a link's speed whatever the rank count.
@@ -28,6 +35,7 @@ For all-gather and reduce-scatter, --size is the total of all ranks' chunks.
 examples:
   parsim collective all-reduce --cluster dgx-h100 --gpus 8 --size 1GiB --explain
   parsim collective all-reduce --cluster dgx-h100 --nodes 64 --size 1GiB
+  parsim collective all-reduce --cluster dgx-a100 --gpus 8 --size 16MiB --algorithm ring --protocol Simple
   parsim collective reduce-scatter --gpus 8 --sweep 1KiB:8GiB --plot bw.png
 """
 
@@ -113,7 +121,8 @@ def _candidates(prediction) -> str:
     ranked = sorted(prediction.candidates.items(), key=lambda kv: kv[1])
     others = ", ".join(f"{a} {format_time(t)}" for a, t in ranked[:4])
     more = f", +{len(ranked) - 4} more" if len(ranked) > 4 else ""
-    return f"\n              (fastest of: {others}{more}; --explain lists them)"
+    what = "NCCL's tuning table" if prediction.nccl is not None else "fastest of"
+    return f"\n              ({what}: {others}{more}; --explain lists them)"
 
 
 def sweep_table(predictions, cluster: str) -> str:
