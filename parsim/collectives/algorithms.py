@@ -181,8 +181,8 @@ def _flow_seconds_per_byte(topo: Topology, op: str, algorithm: str, group: np.nd
     algorithm choice is), since every group of one shape loads its links alike."""
     cache = topo.__dict__.setdefault("_nccl_flow_cache", {})
     nodes, units = topo.node_of(group), topo.unit_of(group)
-    key = (op, algorithm, tuple((group % topo.gpus_per_node).tolist()), tuple((nodes - nodes[0]).tolist()),
-           tuple((units - units[0]).tolist()))
+    key = (op, algorithm, (group % topo.gpus_per_node).tobytes(), (nodes - nodes[0]).tobytes(),
+           (units - units[0]).tobytes())
     if key not in cache:
         local = topo.non_spine_links
         total = 0.0
