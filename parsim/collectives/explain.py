@@ -112,8 +112,8 @@ def _pipeline(c) -> list[str]:
            f"{pipe.channel_bytes:,.0f} B per channel",
            f"     b) chunk: {pipe.chunk_steps[0]}"]
     out += [f"        {note}" for note in pipe.chunk_steps[1:]]
-    unit = {"Ring": "one per rank", "NVLS": "one per NVLS head", "NVLSTree": "one per NVLS head"}.get(
-        c.chosen.algo, "one")
+    unit = ("one" if pipe.chunks_per_loop == 1 else
+            "one per NVLS head" if nvls else "one per rank")
     out.append(f"     c) a loop moves {pipe.chunks_per_loop} chunk(s) ({unit}) = {pipe.loop_bytes:,} B per channel: "
                f"{pipe.loops} loop(s)")
     per_channel = c.effective_bw_GBps / pipe.channels

@@ -686,10 +686,13 @@ class NcclModel:
                 chunk //= 2
             while nb // chunk < nsteps * 16 / ppn and chunk > 32768:
                 chunk //= 2
+            notes.append(f"Tree/LL128 halves it while a channel's share holds fewer than {nsteps:.3g} x 64/ppn chunks "
+                         f"(while above 128 KiB), then {nsteps:.3g} x 16/ppn (while above 32 KiB): {chunk:,} B")
         elif algo == PAT:
             k = 32 if op == "all_gather" else 16
             while chunk * k > nb and chunk > 65536:
                 chunk //= 2
+            notes.append(f"PAT halves it while {k} chunks exceed a channel's share (while above 64 KiB): {chunk:,} B")
         aligned = chunk // GRAIN[proto] * GRAIN[proto]
         if aligned != chunk:
             notes.append(f"aligned to {GRAIN[proto]} B: {aligned:,} B")
