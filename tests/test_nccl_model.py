@@ -78,10 +78,11 @@ def test_the_tuner_picks_ll_for_small_messages_and_nvls_for_large_ones():
     ("dgx-h100", 2, "all_reduce", 256 << 20), ("dgx-a100", 2, "all_gather", GIB),
     ("dgx-h100", 4, "reduce_scatter", 32 << 20), ("dgx-a100", 1, "broadcast", 1 << 20),
 ])
-def test_an_idle_network_reproduces_nccls_time(cluster, nodes, op, size):
+def test_an_idle_network_reproduces_nccls_time_plus_the_pipeline_fill(cluster, nodes, op, size):
     topo = load_cluster(cluster).build(nodes)
     p = predict(topo, op, size)
-    assert p.time_s == pytest.approx(p.nccl.time_us * 1e-6, rel=1e-3)
+    assert p.time_s == pytest.approx((p.nccl.time_us + p.nccl.fill_us) * 1e-6, rel=1e-3)
+    assert p.nccl.predicted_us == p.nccl.time_us + p.nccl.fill_us
 
 
 def test_small_messages_run_on_fewer_channels():
@@ -123,7 +124,8 @@ def test_collectives_that_share_links_each_carry_nccls_wire_bytes():
         env.run()
         return env.now
 
-    latency = predict(topo, "all_reduce", GIB, protocol="Simple").nccl.latency_us * 1e-6
+    choice = predict(topo, "all_reduce", GIB, protocol="Simple").nccl
+    latency = (choice.latency_us + choice.fill_us) * 1e-6  # the fill is time, not bytes: it does not scale
     assert run(2) - latency == pytest.approx(2 * (run(1) - latency), rel=1e-3)
 
 
@@ -177,3 +179,91 @@ def test_the_cli_forces_a_protocol(capsys):
     assert main(["collective", "all-reduce", "--cluster", "dgx-h100", "--gpus", "8", "--size", "1GiB",
                  "--algorithm", "ring", "--protocol", "LL128"]) == 0
     assert "protocol LL128" in capsys.readouterr().out
+
+
+# -- the kernel's pipeline (enqueue.cc calcCollChunking, device/all_reduce.h) -----------------------------------
+
+def _choice(cluster: str, nodes: int, op: str, size: int, algos=None, proto=None):
+    return model(cluster, nodes)[2].choose(op, size, algos, proto)
+
+
+@pytest.mark.parametrize("loops", [1, 2, 3, 5])
+def test_a_ring_all_reduce_of_k_full_loops_takes_k_loop_times_and_no_fill(loops):
+    # dgx-a100, one node: 24 kernel channels, Simple chunk = 4 MiB / NCCL_STEPS x ALLREDUCE_CHUNKSTEPS = 2 MiB,
+    # a loop = 8 ranks x 2 MiB per channel.
+    size = 24 * loops * 8 * (2 << 20)
+    c = _choice("dgx-a100", 1, "all_reduce", size, ("Ring",), "Simple")
+    pipe = c.pipeline
+    assert (pipe.channels, pipe.chunk, pipe.chunks_per_loop, pipe.loops) == (24, 2 << 20, 8, loops)
+    assert pipe.handoffs == 0 and c.fill_us == 0.0
+    assert pipe.loop_us == pytest.approx(8 * (2 << 20) / (1000 * c.effective_bw_GBps / 24))
+    assert c.predicted_us == pytest.approx(c.latency_us + loops * pipe.loop_us)
+
+
+@pytest.mark.parametrize("nodes, depth", [(2, 1), (4, 2), (8, 3)])
+@pytest.mark.parametrize("loops", [8, 16, 40])
+def test_nvls_tree_pays_one_loop_per_tree_level_and_one_for_the_nvls_stages(nodes, depth, loops):
+    # dgx-h100: 16 NVLS channels (NVLS_NCHANNELS_SM90), 8 heads; chunks 128 KiB on 2 nodes, 64 KiB from 4 on.
+    chunk = 128 << 10 if nodes == 2 else 64 << 10
+    size = 16 * loops * 8 * chunk
+    c = _choice("dgx-h100", nodes, "all_reduce", size, ("NVLSTree",))
+    pipe = c.pipeline
+    assert (pipe.channels, pipe.chunk, pipe.chunks_per_loop, pipe.loops) == (16, chunk, 8, loops)
+    assert (pipe.handoffs, pipe.flows) == (2 + 2 * depth, 2)
+    loop_us = 8 * chunk / (1000 * c.effective_bw_GBps / 16)
+    assert c.predicted_us == pytest.approx(c.latency_us + (loops + 1 + depth) * loop_us)
+
+
+def test_nvls_on_one_node_pays_one_loop_and_shrinks_chunks_for_smaller_shares():
+    big = _choice("dgx-h100", 1, "all_reduce", 4 * GIB, ("NVLS",))
+    mid = _choice("dgx-h100", 1, "all_reduce", 128 << 20, ("NVLS",))
+    small = _choice("dgx-h100", 1, "all_reduce", 16 << 20, ("NVLS",))
+    # 8 MiB per channel < 64 x 8 heads x 128 KiB: 64 KiB; 1 MiB < 8 x 8 x 64 KiB: 32 KiB (enqueue.cc)
+    assert [c.pipeline.chunk for c in (big, mid, small)] == [128 << 10, 64 << 10, 32 << 10]
+    for c in (big, mid, small):
+        assert c.fill_us == pytest.approx(c.pipeline.loop_us)  # 2 hand-offs / 2 flows
+
+
+def test_a_simple_broadcast_chain_pays_one_chunk_per_extra_rank_and_ll_none():
+    c = _choice("dgx-a100", 1, "broadcast", 64 << 20, proto="Simple")
+    pipe = c.pipeline
+    assert (pipe.chunk, pipe.chunks_per_loop, pipe.handoffs, pipe.flows) == (512 << 10, 1, 8 - 2, 1)
+    assert c.fill_us == pytest.approx(6 * (512 << 10) / (1000 * c.effective_bw_GBps / pipe.channels))
+    assert _choice("dgx-a100", 1, "broadcast", 64 << 20, proto="LL").fill_us == 0.0
+
+
+def test_tiny_messages_keep_nccls_latency():
+    # two H100 nodes, 8 bytes: published 24.7 us (nccl-tests#309); NCCL picks Tree/LL, which has no fill
+    topo = load_cluster("dgx-h100").build(2)
+    p = predict(topo, "all_reduce", 8)
+    assert p.nccl.chosen.name == "Tree/LL" and p.nccl.fill_us == 0.0
+    assert p.time_s * 1e6 == pytest.approx(25.2, abs=0.1)
+
+
+def test_the_tuner_still_picks_by_nccls_own_estimate():
+    # The fill is parsim's, not the tuner's: NCCL picks NVLSTree at 16 MiB on two nodes although it pays more fill.
+    c = _choice("dgx-h100", 2, "all_reduce", 16 << 20)
+    assert c.chosen.name == "NVLSTree/Simple" and c.fill_us > 0
+    assert c.candidates[0].name == c.chosen.name
+
+
+def test_the_fill_is_latency_in_the_phases_the_step_simulator_runs():
+    topo = load_cluster("dgx-h100").build(2)
+    group = np.arange(16)
+    c = predict(topo, "all_reduce", 128 << 20).nccl
+    phases = build_phases(topo, "all_reduce", "nvls_tree", group, 128 << 20)
+    assert sum(p.latency_s for p in phases) == pytest.approx((c.latency_us + c.fill_us) * 1e-6)
+
+
+def test_explain_shows_the_pipeline_step_by_step(capsys):
+    assert main(["collective", "all-reduce", "--cluster", "dgx-h100", "--gpus", "16", "--size", "16MiB",
+                 "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "16 channels (NCCL_NVLS_NCHANNELS): 16,777,216 B / 16 = 1,048,576 B per channel" in out
+    assert "1,048,576 B < 4 x 8 heads x 131,072 B: chunk 65,536 B" in out
+    assert "2 loop(s)" in out and "4 hand-offs" in out
+    assert "fill + drain = 4 x 34.1 us / 2 = 68.1 us" in out
+    assert "134.9 us + 68.1 us = 203.1 us" in out
+    assert main(["collective", "all-reduce", "--cluster", "dgx-a100", "--gpus", "8", "--size", "128MiB",
+                 "--explain"]) == 0
+    assert "no fill to pay: every rank sends its own chunk" in capsys.readouterr().out

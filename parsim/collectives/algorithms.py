@@ -147,8 +147,13 @@ def build_phases(topo: Topology, op: str, algorithm: str, group: np.ndarray, siz
 def apply_nccl(topo: Topology, op: str, algorithm: str, group: np.ndarray, phases: list[Phase], choice) -> None:
     """Give ``phases`` NCCL's time for ``choice`` (a :class:`~parsim.collectives.nccl.Choice`).
 
-    Latency: NCCL's (base + per-hop hardware latencies), shared among the
-    phases by their steps. Bandwidth: every phase's bytes are scaled by one
+    Latency: NCCL's (base + per-hop hardware latencies) plus the kernel's
+    pipeline fill and drain (``choice.fill_us``: the loops of chunks that
+    cross the kernel's stages before the last one starts and after the first
+    one is done, which NCCL's estimate leaves out; see
+    :meth:`~parsim.collectives.nccl.NcclModel.pipeline`), shared among the
+    phases by their steps: the links sit idle for this collective meanwhile,
+    so it is time, not bytes. Bandwidth: every phase's bytes are scaled by one
     factor so that, alone on the cluster's GPU, NVLink and NIC links, the
     phases take exactly ``bytes / NCCL's bandwidth`` (its channels x
     per-channel speed x protocol factors). The scaled bytes are what the links
@@ -169,7 +174,7 @@ def apply_nccl(topo: Topology, op: str, algorithm: str, group: np.ndarray, phase
     for phase in phases:
         phase.nbytes = phase.nbytes * factor
         phase.reduce_bytes = 0.0
-        phase.latency_s = choice.latency_us * 1e-6 * phase.steps / steps
+        phase.latency_s = (choice.latency_us + choice.fill_us) * 1e-6 * phase.steps / steps
         phase.efficiency = 1.0 / factor
         phase.label = f"{phase.label} [NCCL {choice.chosen.name}]"
 
@@ -292,6 +297,11 @@ def _tree_shape(n: int) -> tuple[tuple[np.ndarray, np.ndarray], int]:
     for tree in trees:
         tree.flags.writeable = False
     return trees, max(tree_depth(t) for t in trees)
+
+
+def double_tree_depth(n: int) -> int:
+    """Depth of NCCL's double binary tree over ``n`` ranks (or nodes): the deeper of its two trees."""
+    return _tree_shape(n)[1]
 
 
 def _tree(topo: Topology, op: str, group: np.ndarray, size: float, root: int) -> list[Phase]:

@@ -91,11 +91,48 @@ def _nccl_tuner(p: CollectivePrediction) -> list[str]:
         out.append(f"   The kernel runs on {share}.")
     out.append(f"   NCCL's estimate: {c.latency_us:.1f} us + {c.nbytes:,} B / {c.effective_bw_GBps:.1f} GB/s "
                f"= {c.time_us:.1f} us.")
+    out += _pipeline(c)
     efficiency = p.phases[0].efficiency if p.phases else 1.0
     out.append("   On the links each phase carries its bytes / efficiency (here "
                f"{efficiency:.3g}: payload per byte on the wire at")
     out.append("   the links' peak), so that alone on this cluster it takes NCCL's time, and collectives that")
     out.append("   overlap in a training step share links with NCCL's real wire traffic.")
+    return out
+
+
+def _pipeline(c) -> list[str]:
+    """How the kernel streams the message in chunks and loops, and the fill and drain NCCL's estimate omits."""
+    pipe = c.pipeline
+    if pipe is None:
+        return []
+    nvls = c.chosen.algo in ("NVLS", "NVLSTree")
+    source = "NCCL_NVLS_NCHANNELS" if nvls else "enqueue.cc"
+    out = ["   How the kernel streams it (enqueue.cc calcCollChunking, device/*.h), which that estimate leaves out:",
+           f"     a) {pipe.channels} channels ({source}): {c.nbytes:,} B / {pipe.channels} = "
+           f"{pipe.channel_bytes:,.0f} B per channel",
+           f"     b) chunk: {pipe.chunk_steps[0]}"]
+    out += [f"        {note}" for note in pipe.chunk_steps[1:]]
+    unit = ("one" if pipe.chunks_per_loop == 1 else
+            "one per NVLS head" if nvls else "one per rank")
+    out.append(f"     c) a loop moves {pipe.chunks_per_loop} chunk(s) ({unit}) = {pipe.loop_bytes:,} B per channel: "
+               f"{pipe.loops} loop(s)")
+    per_channel = c.effective_bw_GBps / pipe.channels
+    out.append(f"     d) the largest loop at NCCL's bandwidth: {pipe.first_loop_bytes:,.0f} B / "
+               f"({c.effective_bw_GBps:.1f} GB/s / {pipe.channels}) = {pipe.loop_us:.1f} us "
+               f"({per_channel:.2f} GB/s per channel)")
+    out.append(f"     e) a chunk's path: {pipe.path}")
+    if pipe.handoffs == 0:
+        out.append(f"     f) no fill to pay: {pipe.why}.")
+        return out
+    share = " / 2" if pipe.flows == 2 else ""
+    out.append(f"     f) {pipe.handoffs} hand-offs, each passing a chunk on only once it holds all of it (a FIFO of "
+               "NCCL_STEPS = 8 chunk slots)")
+    if pipe.flows == 2:
+        out.append("        the reducing and broadcasting halves share every link, so while the pipe fills (only the")
+        out.append("        first runs) and drains (only the second) a hand-off takes half a loop")
+    out.append(f"        fill + drain = {pipe.handoffs} x {pipe.loop_us:.1f} us{share} = {pipe.fill_us:.1f} us")
+    out.append(f"   parsim's time alone: {c.time_us:.1f} us + {pipe.fill_us:.1f} us = {c.predicted_us:.1f} us "
+               "(the fill is paid as latency below).")
     return out
 
 

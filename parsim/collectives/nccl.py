@@ -294,6 +294,86 @@ def _nvls_graph(view: NodeView, speeds, max_bw: float) -> Graph:
     return Graph(ch, bw_intra, bw_inter)
 
 
+# -- enqueue.cc and the device kernels: chunks, loops and the pipeline ----------------------------------------
+NCCL_STEPS = 8  # device.h: slots in every connection's FIFO
+# init.cc DEFAULT_LL_BUFFSIZE (NCCL_LL_LINES_PER_THREAD 8 x NCCL_LL_MAX_NTHREADS 512 x NCCL_STEPS x 16-byte lines),
+# DEFAULT_LL128_BUFFSIZE (NCCL_LL128_ELEMS_PER_THREAD 120 x NCCL_LL128_MAX_NTHREADS 640 x NCCL_STEPS x 8 bytes),
+# DEFAULT_BUFFSIZE (4 MiB): each connection's buffer per protocol, cut into NCCL_STEPS steps
+BUFFSIZE = {LL: 8 * 512 * NCCL_STEPS * 16, LL128: 120 * 640 * NCCL_STEPS * 8, SIMPLE: 1 << 22}
+LL128_DATA_PER_LINE = (15, 16)  # device.h: NCCL_LL128_DATAELEMS / NCCL_LL128_LINEELEMS (8-byte words per 128 B line)
+GRAIN = {LL: 16, LL128: 32 * 8 // 16 * 15 * 8, SIMPLE: 512}  # device.h ncclProtoGrainSize: chunks align to these
+# collectives.h: steps per chunk and per slice of a Simple ring (ALLREDUCE_CHUNKSTEPS = NCCL_STEPS / 2, ...)
+CHUNK_STEPS = {"all_reduce": NCCL_STEPS // 2, "all_gather": NCCL_STEPS // 2, "reduce_scatter": NCCL_STEPS // 2,
+               "broadcast": 1, "reduce": 1}
+SLICE_STEPS = {"all_reduce": NCCL_STEPS // 4, "all_gather": NCCL_STEPS // 4, "reduce_scatter": NCCL_STEPS // 4,
+               "broadcast": 1, "reduce": 1}
+NVLS_CHUNKSIZE = 128 * 1024  # transport/nvls.cc NCCL_NVLS_CHUNKSIZE default
+# transport/nvls.cc: NVLS kernels' channels (CTAs): NVLS_NCHANNELS_SM90, _SM100 (across nodes), _SM100_NVL (one node)
+NVLS_NCHANNELS_SM90, NVLS_NCHANNELS_SM100, NVLS_NCHANNELS_SM100_NVL = 16, 32, 24
+
+
+def nvls_tuning(view: NodeView) -> tuple[int, int, int]:
+    """``ncclNvlsTuning`` (transport/nvls.cc): the NVLS kernels' channels (CTAs), chunk size and NVLSTree's chunk
+    cap. Blackwell across nodes follows ``ncclNvlsTreeSm100Tuning``, which needs the GPU-to-NIC path: taken as
+    through a PCIe switch (``PATH_PXB``) where every GPU has its own NIC, as on DGX/HGX nodes."""
+    channels, chunk, tree_max = NVLS_NCHANNELS_SM90, NVLS_CHUNKSIZE, 0
+    if view.cc >= 100:
+        channels = NVLS_NCHANNELS_SM100 if view.nodes > 1 else NVLS_NCHANNELS_SM100_NVL
+        if view.nodes > 1:
+            nic, ppn, pxb = view.nic_bw, view.ppn, view.nics >= view.ppn
+            if view.nodes == 2 and nic >= 48.0:
+                channels, tree_max = 32, 128 * 1024
+                if ppn <= 4:
+                    chunk = tree_max = 256 * 1024
+                elif ppn >= 16 or (ppn <= 8 and pxb and nic < 96.0):
+                    tree_max = 64 * 1024
+            elif nic >= 96.0:
+                if ppn <= 8:
+                    channels, chunk, tree_max = 24, 256 * 1024, 256 * 1024
+                else:
+                    channels, tree_max = 32, (128 if ppn < 32 else 64) * 1024
+            elif nic >= 48.0:
+                channels, tree_max = 24, (64 if pxb else 128) * 1024
+    if tree_max == 0:
+        tree_max = 65536 if view.nodes >= 4 else chunk
+    return channels, chunk, tree_max
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How NCCL's kernel moves one collective: the message split over channels, each channel's share cut into
+    chunks (``calcCollChunking``, enqueue.cc), chunks grouped into loops, and the loops streamed through the
+    kernel's stages (device/all_reduce.h ...).
+
+    NCCL's tuning model charges ``latency + bytes / bandwidth``: every stage busy from the first byte to the
+    last. But a stage hands a chunk on only once it holds all of it (Simple protocol: a FIFO step is posted
+    when the whole chunk is written), so the first loop must cross every hand-off before the last stage
+    starts, and the last loop must still cross them after the first stage is done. That costs
+    ``handoffs x loop_us / flows``: see :meth:`NcclModel.pipeline`.
+    """
+
+    channels: int  # kernel channels (CTAs) the message is split over
+    channel_bytes: float  # each channel's share
+    chunk: int  # bytes per chunk
+    chunks_per_loop: int  # chunks a channel moves per loop (ring: one per rank; NVLS: one per head)
+    loops: int  # loops per channel (the last one rebalanced by the kernel, not padded)
+    first_loop_bytes: float  # the largest loop's bytes per channel
+    loop_us: float  # that loop at NCCL's bandwidth per channel
+    handoffs: int  # store-and-forward hand-offs a chunk crosses after its first stage
+    flows: int  # 2 where a reduce half and a broadcast half share every resource; 1 otherwise
+    path: str  # the stages a chunk goes through
+    why: str  # where handoffs is 0: why the kernel has no fill to pay
+    chunk_steps: list[str] = field(default_factory=list)  # how calcCollChunking arrived at the chunk
+
+    @property
+    def loop_bytes(self) -> int:
+        return self.chunks_per_loop * self.chunk
+
+    @property
+    def fill_us(self) -> float:
+        return self.handoffs * self.loop_us / self.flows
+
+
 # -- tuning.cc ------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -326,6 +406,7 @@ class Choice:
     graph: Graph
     disabled: dict[str, str] = field(default_factory=dict)  # algorithm -> why NCCL cannot use it here
     graphs: dict[str, Graph] = field(default_factory=dict)  # every search result of the communicator
+    pipeline: Pipeline | None = None  # how the kernel streams the message (chunks, loops, fill)
 
     @property
     def effective_bw_GBps(self) -> float:
@@ -334,7 +415,18 @@ class Choice:
 
     @property
     def time_us(self) -> float:
+        """NCCL's own estimate: latency + bytes / bandwidth (on the channels the kernel runs on)."""
         return self.latency_us + self.nbytes / (1000.0 * self.effective_bw_GBps)
+
+    @property
+    def fill_us(self) -> float:
+        """The kernel's pipeline fill and drain, which NCCL's estimate leaves out."""
+        return self.pipeline.fill_us if self.pipeline is not None else 0.0
+
+    @property
+    def predicted_us(self) -> float:
+        """parsim's time alone on the cluster: NCCL's estimate + the pipeline fill and drain."""
+        return self.time_us + self.fill_us
 
 
 class NcclModel:
@@ -353,6 +445,11 @@ class NcclModel:
         if self.view.cc >= 90 and self.view.nodes > 1 and ring.bw_intra > 45.0 and nc < 16:
             nc *= 2
         return nc
+
+    @cached_property
+    def nvls_tuning(self) -> tuple[int, int, int]:
+        """NVLS channels, chunk size and NVLSTree chunk cap (:func:`nvls_tuning`)."""
+        return nvls_tuning(self.view)
 
     def max_threads(self, algo: str, proto: str) -> int:
         if proto == SIMPLE and algo == RING:
@@ -536,13 +633,147 @@ class NcclModel:
         transfer = chosen.time_us - latency
         bw = nbytes / (1000.0 * transfer) if transfer > 0 else chosen.bw_GBps  # the tree correction folded in
         nc, max_nc = self._channels(chosen, nbytes)
+        pipe = self.pipeline(op, chosen, int(nbytes), nc, bw * nc / max_nc)
         return Choice(op, int(nbytes), cands, chosen, latency, bw, nc, max_nc, self._graph(chosen.algo), disabled,
-                      self.graphs)
+                      self.graphs, pipe)
+
+    # -- enqueue.cc calcCollChunking and the kernels' loops ----------------------------------------------------
+
+    def chunk_size(self, op: str, c: Candidate, channel_bytes: float) -> tuple[int, list[str]]:
+        """``calcCollChunking`` (enqueue.cc) for one channel's share: the chunk, and how it was arrived at."""
+        algo, proto = c.algo, c.proto
+        step = BUFFSIZE[proto] // NCCL_STEPS
+        steps = CHUNK_STEPS[op] if algo == RING and proto == SIMPLE else 1
+        chunk = step * steps
+        name = op.replace("_", "").upper()
+        notes = [f"{proto} buffer {BUFFSIZE[proto]:,} B / NCCL_STEPS {NCCL_STEPS} = {step:,} B per step"
+                 + (f", {steps} steps per chunk ({name}_CHUNKSTEPS): {chunk:,} B" if steps > 1 else
+                    ", one step per chunk")]
+        if proto == LL:
+            chunk //= 2
+            notes.append(f"LL lines carry 8 data bytes in 16: {chunk:,} B of data")
+        elif proto == LL128:
+            chunk = chunk // LL128_DATA_PER_LINE[1] * LL128_DATA_PER_LINE[0]
+            notes.append(f"LL128 lines carry 120 data bytes in 128: {chunk:,} B of data")
+        nb = int(channel_bytes)
+        heads = self.graphs[NVLS].channels if NVLS in self.graphs else 1
+
+        def shrink(rules, why):
+            nonlocal chunk
+            for mult, floor in rules:
+                if nb < mult * heads * chunk and chunk > floor:
+                    notes.append(f"{nb:,} B < {mult} x {heads} heads x {chunk:,} B: chunk {floor:,} B ({why})")
+                    chunk = floor
+
+        if algo == NVLS:
+            cap = self.nvls_tuning[1]
+            nvls = self.table("all_reduce")[0].get((NVLS, SIMPLE))
+            if self.view.nodes > 1 and nvls is not None and nvls.bw_GBps < 150:
+                cap = 32768
+            chunk = min(chunk, cap)
+            notes.append(f"NVLS chunks are at most {cap:,} B (NCCL_NVLS_CHUNKSIZE): {chunk:,} B")
+            shrink(((64, 65536), (8, 32768), (2, 16384)), "smaller chunks for a smaller share")
+        elif algo == NVLS_TREE:
+            _, nvls_chunk, tree_max = self.nvls_tuning
+            chunk = min(nvls_chunk, tree_max)
+            notes.append(f"NVLSTree chunks are at most min(NCCL_NVLS_CHUNKSIZE {nvls_chunk:,}, "
+                         f"tree cap {tree_max:,}) = {chunk:,} B (nvls.cc: 64 KiB from 4 nodes on)")
+            shrink(((32, 262144), (16, 131072), (4, 65536), (1, 32768)), "smaller chunks for a smaller share")
+        elif algo == TREE and proto == LL128:
+            ppn = self.view.ranks / self.view.nodes
+            nsteps = 1 + log2i(self.view.nodes) + 0.1 * ppn
+            while nb // chunk < nsteps * 64 / ppn and chunk > 131072:
+                chunk //= 2
+            while nb // chunk < nsteps * 16 / ppn and chunk > 32768:
+                chunk //= 2
+            notes.append(f"Tree/LL128 halves it while a channel's share holds fewer than {nsteps:.3g} x 64/ppn chunks "
+                         f"(while above 128 KiB), then {nsteps:.3g} x 16/ppn (while above 32 KiB): {chunk:,} B")
+        elif algo == PAT:
+            k = 32 if op == "all_gather" else 16
+            while chunk * k > nb and chunk > 65536:
+                chunk //= 2
+            notes.append(f"PAT halves it while {k} chunks exceed a channel's share (while above 64 KiB): {chunk:,} B")
+        aligned = chunk // GRAIN[proto] * GRAIN[proto]
+        if aligned != chunk:
+            notes.append(f"aligned to {GRAIN[proto]} B: {aligned:,} B")
+        return aligned, notes
+
+    def pipeline(self, op: str, c: Candidate, nbytes: int, channels: int, bw_GBps: float) -> Pipeline:
+        """How the kernel streams ``nbytes`` of ``op`` with candidate ``c`` over ``channels`` channels at
+        ``bw_GBps`` in all, and the fill and drain that NCCL's estimate leaves out.
+
+        Each channel moves its share in loops of ``chunks_per_loop`` chunks. At NCCL's bandwidth a loop takes
+        ``loop_us``; the tuner's ``bytes / bandwidth`` is every loop back to back. A chunk is handed from stage
+        to stage (rank to rank, warp group to warp group, over NVLink or a NIC) through FIFOs of NCCL_STEPS
+        slots, and a stage passes a chunk on only once it holds all of it, so the first loop crosses
+        ``handoffs`` hand-offs before the last stage starts, and the last loop crosses them again after the
+        first stage is done. Where the reducing half of an all-reduce and its broadcasting half share every
+        resource (scatter and gather the SMs and memory, switch reduction and multicast the NVLinks, the up and
+        down tree the NICs: NCCL alternates two trees over the channels), the steady loop time is both halves'
+        work and a half running alone during fill or drain goes twice as fast: ``flows`` = 2. Fill and drain
+        cost ``handoffs x loop_us / flows``.
+
+        Rings (all-reduce, all-gather, reduce-scatter) pay none: every rank starts by sending its own chunk,
+        and the chunk it forwards next has arrived while it sent the previous one.
+        """
+        v, algo, proto = self.view, c.algo, c.proto
+        channel_bytes = nbytes / channels
+        chunk, notes = self.chunk_size(op, c, channel_bytes)
+        heads = self.graphs[NVLS].channels if NVLS in self.graphs else 1
+        ring_like = op in ("all_reduce", "all_gather", "reduce_scatter")
+        per_loop = {RING: v.ranks if ring_like else 1, NVLS: heads, NVLS_TREE: heads,
+                    COLLNET_DIRECT: heads}.get(algo, 1)
+        loop = per_loop * chunk
+        loops = max(1, math.ceil(channel_bytes / loop)) if loop > 0 else 1
+        first = min(loop, channel_bytes)
+        loop_us = first / (1000.0 * bw_GBps / channels) if bw_GBps > 0 else 0.0
+        handoffs, flows, why = 0, 1, ""
+        n = v.ranks
+        if algo == RING and ring_like:
+            steps = {"all_reduce": 2 * (n - 1)}.get(op, n - 1)
+            path = f"a ring: {steps} steps per loop, each passing one chunk to the next rank"
+            slices = f" in {CHUNK_STEPS[op] // SLICE_STEPS[op]} slices" if proto == SIMPLE else " line by line"
+            why = ("every rank sends its own chunk at the first step, and the chunk it forwards next arrives"
+                   f"{slices} while it sends the previous one: no rank waits for the pipe to fill (the last"
+                   " loop is rebalanced, not padded)")
+        elif algo == RING:
+            path = f"a chain through {n} ranks: each chunk crosses {n - 1} links"
+            if proto == SIMPLE:
+                handoffs = n - 2
+            else:
+                why = f"{proto} flags every line, so a rank forwards data as it arrives: nothing is stored whole"
+        elif algo == NVLS and v.nodes == 1:
+            if op == "all_reduce":
+                path = "scatter into the NVLS buffer -> switch reduction + multicast (head GPU) -> gather"
+                handoffs, flows = 2, 2
+            elif op == "all_gather":
+                path, handoffs = "multicast into the NVLS buffer -> gather", 1
+            else:
+                path, handoffs = "scatter into the NVLS buffer -> switch reduction", 1
+        elif algo == NVLS_TREE:
+            from .algorithms import double_tree_depth
+            d = double_tree_depth(v.nodes)
+            path = (f"scatter -> switch reduction (head GPU) -> {d} network hop(s) up the tree to the root -> "
+                    f"{d} down -> multicast -> gather")
+            handoffs, flows = 2 + 2 * d, 2
+        else:
+            path = {TREE: "a double binary tree, reduced up and broadcast down in chunks",
+                    PAT: "PAT's aggregated trees", NVLS: "NVLS with in-network (SHARP) reduction across nodes"
+                    }.get(algo, "CollNet (SHARP)")
+            why = ("NCCL's treeCorrectionFactor (tuning.cc) already slows trees at medium sizes" if algo == TREE
+                   else "not modelled")
+        return Pipeline(channels, channel_bytes, chunk, per_loop, loops, first, loop_us, handoffs, flows, path,
+                        why, notes)
 
     def _channels(self, c: Candidate, nbytes: int) -> tuple[int, int]:
         """Channels the kernel runs on (enqueue.cc ``topoGetAlgoInfo``): ring and tree drop channels while
         ``bytes < channels x threads x threshold``; NVLS keeps its own; the model's bandwidth assumed all."""
-        if c.algo in (NVLS, NVLS_TREE, COLLNET_DIRECT, COLLNET_CHAIN):
+        if c.algo in (NVLS, NVLS_TREE):  # NCCL_NVLS_NCHANNELS CTAs; NVLS across nodes at most comm->nChannels
+            nc = self.nvls_tuning[0]
+            if c.algo == NVLS and self.view.nodes > 1:
+                nc = min(nc, self.comm_channels)
+            return nc, nc
+        if c.algo in (COLLNET_DIRECT, COLLNET_CHAIN):
             g = self._graph(c.algo)
             return g.channels, g.channels
         total = self.comm_channels

@@ -60,7 +60,8 @@ class CollectivePrediction:
         extra = {"lower_bound_s": self.lower_bound_s, "bottleneck": bottleneck, "candidates_s": self.candidates}
         if self.nccl is not None:
             extra.update(protocol=self.protocol, nccl_algorithm=self.nccl.chosen.algo, channels=self.nccl.channels,
-                         max_channels=self.nccl.max_channels, nccl_estimate_s=self.nccl.chosen.time_us * 1e-6)
+                         max_channels=self.nccl.max_channels, nccl_estimate_s=self.nccl.chosen.time_us * 1e-6,
+                         pipeline_fill_s=self.nccl.fill_us * 1e-6)
         return CollectiveResult(
             op=self.op, nranks=self.nranks, size_bytes=self.size_bytes, time_s=self.time_s,
             algorithm=self.algorithm, source="simulated", backend="simpy", cluster=self.cluster, extra=extra,
