@@ -19,10 +19,12 @@ from .errors import ConfigError, ParsimError
 from .files import read_yaml
 
 FABRICS = ("nvswitch", "pcie")
-COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "kernel_overhead_us", "op_forward_us", "op_backward_us",
-                "optimizer_tensor_us", "matmul_stream_bw_GBps", "p2p_rendezvous_us", "elementwise_bw_GBps",
-                "cpu_cores")
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
+COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "kernel_overhead_us", "memory_efficiency",
+                "attention_efficiency",
+                # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
+                "op_forward_us", "op_backward_us", "optimizer_tensor_us", "matmul_stream_bw_GBps",
+                "p2p_rendezvous_us", "elementwise_bw_GBps", "cpu_cores")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class GPUSpec:
     peak_flops: dict[str, float]  # dtype -> FLOP/s, dense
     hbm_capacity_bytes: float
     hbm_bw_Bps: float
+    sm_count: int = 0  # streaming multiprocessors (wave quantization of matmuls); 0: not a GPU / unknown
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,24 @@ class ScaleOutSpec:
 
 
 @dataclass(frozen=True)
+class NcclSpec:
+    """What NCCL's topology detection would find on a node (the optional ``nccl:`` section).
+
+    A cluster file with this section is timed with NCCL's own cost model
+    (:mod:`parsim.collectives.nccl`): protocols, channels and the tuner's choice.
+    Files without it (ideal clusters, calibrated gloo hosts) keep the pure
+    flow model at the links' peak bandwidth.
+    """
+
+    compute_capability: int  # e.g. 80 (A100), 90 (H100), 100 (B200)
+    nvlinks_per_gpu: int = 0  # NVLink links from each GPU into the fabric (0: PCIe only)
+    pcie_gen: int = 4  # PCIe generation between a GPU and its NIC (and host)
+    pcie_lanes: int = 16
+    cpu_vendor: str = "intel"  # intel | amd | arm: NCCL's LL bandwidth caps and network overheads differ
+    collnet: bool = False  # in-network reduction (InfiniBand SHARP) that NCCL's CollNet algorithms can use
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """One node's hardware and the fabric between nodes, as read from a file."""
 
@@ -76,21 +97,31 @@ class ClusterSpec:
     collective_efficiency: dict[str, float] = field(default_factory=dict)
     # Per operation: a backend's fixed cost per call, seconds (fitted by `parsim calibrate`).
     collective_overhead_s: dict[str, float] = field(default_factory=dict)
+    # Kernel cost model (see parsim.compute); the defaults are the pure roofline.
+    matmul_efficiency: float = 1.0  # best fraction of peak matmuls reach, every dtype without its own figure
+    matmul_efficiency_by_dtype: dict[str, float] = field(default_factory=dict)
+    matmul_half_dim: float = 0.0
+    kernel_overhead_s: float = 0.0  # fixed cost of launching one kernel / dispatching one op
+    memory_efficiency: float = 1.0  # fraction of the HBM bandwidth memory-bound kernels reach
+    attention_efficiency: tuple[float, float] = (1.0, 1.0)  # the attention kernel's fraction of peak: fwd, bwd
+    nccl: NcclSpec | None = None  # NCCL's view of the node; None: collectives use the flow model alone
+
+    def matmul_efficiency_for(self, dtype: str) -> float:
+        """The dtype's own figure; fp16 and bf16 run at the same rate, so each stands in for the other."""
+        table = self.matmul_efficiency_by_dtype
+        twin = {"fp16": "bf16", "bf16": "fp16"}.get(dtype, "")
+        return table.get(dtype, table.get(twin, self.matmul_efficiency))
     # Per operation: the extra fixed cost of a call issued between bursts of compute, as in a training
     # step, over one in a back-to-back loop (threads asleep, tail stalls), seconds; only the step
     # simulator charges it (`parsim calibrate` measures it on CPU hosts).
     collective_step_overhead_s: dict[str, float] = field(default_factory=dict)
-    # Matmul efficiency model (see parsim.compute); the defaults are the pure roofline.
-    matmul_efficiency: float = 1.0
-    matmul_half_dim: float = 0.0
-    kernel_overhead_s: float = 0.0  # fixed cost of launching one kernel / dispatching one op
     # Eager-CPU host costs (parsim.compute; written by `parsim calibrate`, absent on GPU clusters).
     op_forward_s: float = 0.0  # one op dispatched in a forward
     op_backward_s: float = 0.0  # one op autograd runs in a backward
     optimizer_tensor_s: float = 0.0  # AdamW's fixed cost per parameter tensor
-    matmul_stream_bw_Bps: float | None = None  # operands streamed in addition to the arithmetic (None: roofline)
+    matmul_stream_bw_Bps: float | None = None  # a matmul's weight streamed in addition to its arithmetic
     p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to its receive
-    elementwise_bw_Bps: float | None = None  # elementwise work's bytes (None: at hbm_bw, as the optimizer's)
+    elementwise_bw_Bps: float | None = None  # memory-bound kernels' bytes (None: at the memory speed)
     cpu_cores: int | None = None  # cores a CPU host's ranks share (more ranks than this time-share them)
 
     @property
@@ -177,8 +208,25 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     unknown = set(compute) - set(COMPUTE_KEYS)
     if unknown:
         raise ConfigError(source, f"compute.{sorted(unknown)[0]}", "unknown key", ", ".join(COMPUTE_KEYS))
+    if not _is_number(kernel_us) or kernel_us < 0:
+        raise ConfigError(source, "compute.kernel_overhead_us", f"is {kernel_us!r}", "microseconds >= 0")
+    by_dtype = {}
+    if isinstance(matmul_efficiency, dict):  # per dtype: {bf16: 0.80, fp8: 0.71}
+        for dtype, value in matmul_efficiency.items():
+            if dtype not in DTYPES:
+                raise ConfigError(source, f"compute.matmul_efficiency.{dtype}", "unknown dtype", ", ".join(DTYPES))
+            by_dtype[dtype] = _fraction(source, f"compute.matmul_efficiency.{dtype}", value)
+        matmul_efficiency = 1.0
+    matmul_efficiency = _fraction(source, "compute.matmul_efficiency", matmul_efficiency)
+    memory_efficiency = _fraction(source, "compute.memory_efficiency", compute.get("memory_efficiency", 1.0))
+    attention = compute.get("attention_efficiency", {})
+    if not isinstance(attention, dict) or set(attention) - {"forward", "backward"}:
+        raise ConfigError(source, "compute.attention_efficiency", f"is {attention!r}",
+                          "a mapping with forward and backward fractions")
+    attention_efficiency = tuple(_fraction(source, f"compute.attention_efficiency.{p}", attention.get(p, 1.0))
+                                 for p in ("forward", "backward"))
     host_us = {}
-    for key in ("kernel_overhead_us", "op_forward_us", "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us"):
+    for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us"):
         host_us[key] = compute.get(key, 0.0)
         if not _is_number(host_us[key]) or host_us[key] < 0:
             raise ConfigError(source, f"compute.{key}", f"is {host_us[key]!r}", "microseconds >= 0")
@@ -190,10 +238,13 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     cores = compute.get("cpu_cores")
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
         raise ConfigError(source, "compute.cpu_cores", f"is {cores!r}", "a positive whole number")
-    if not _is_number(matmul_efficiency) or not 0 < matmul_efficiency <= 1:
-        raise ConfigError(source, "compute.matmul_efficiency", f"is {matmul_efficiency!r}", "a fraction in (0, 1]")
     if not _is_number(half_dim) or half_dim < 0:
         raise ConfigError(source, "compute.matmul_half_dim", f"is {half_dim!r}", "a matrix dimension >= 0")
+    sm_count = gpu.data.get("sm_count", 0)
+    gpu.used.add("sm_count")
+    if isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 0:
+        raise ConfigError(source, "gpu.sm_count", f"is {sm_count!r}", "a whole number of SMs")
+    nccl = _parse_nccl(r.optional_mapping("nccl"), source) if "nccl" in r.data else None
     spec = ClusterSpec(
         name=name,
         description=description,
@@ -203,6 +254,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
             peak_flops=peak_flops,
             hbm_capacity_bytes=gpu.number("hbm_capacity_GB", "GB") * 1e9,
             hbm_bw_Bps=gpu.number("hbm_bw_GBps", "GB/s") * 1e9,
+            sm_count=sm_count,
         ),
         intra=IntraNodeSpec(
             fabric=fabric,
@@ -224,10 +276,14 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         reduce_bw_Bps=reduce_bw * 1e9 if reduce_bw else None,
         collective_efficiency={str(op): float(v) for op, v in efficiency.items()},
         collective_overhead_s={str(op): float(v) * 1e-6 for op, v in overhead.items()},
-        collective_step_overhead_s={str(op): float(v) * 1e-6 for op, v in step_overhead.items()},
-        matmul_efficiency=float(matmul_efficiency),
+        matmul_efficiency=matmul_efficiency,
+        matmul_efficiency_by_dtype=by_dtype,
         matmul_half_dim=float(half_dim),
         kernel_overhead_s=float(kernel_us) * 1e-6,
+        memory_efficiency=memory_efficiency,
+        attention_efficiency=attention_efficiency,
+        nccl=nccl,
+        collective_step_overhead_s={str(op): float(v) * 1e-6 for op, v in step_overhead.items()},
         op_forward_s=float(host_us["op_forward_us"]) * 1e-6,
         op_backward_s=float(host_us["op_backward_us"]) * 1e-6,
         optimizer_tensor_s=float(host_us["optimizer_tensor_us"]) * 1e-6,
@@ -248,6 +304,39 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
 
 def _GBps(value: float | None) -> float | None:
     return float(value) * 1e9 if value is not None else None
+
+
+def _fraction(source: str, key: str, value: object) -> float:
+    if not _is_number(value) or not 0 < value <= 1:
+        raise ConfigError(source, key, f"is {value!r}", "a fraction in (0, 1]")
+    return float(value)
+
+
+CPU_VENDORS = ("intel", "amd", "arm")
+NCCL_KEYS = ("compute_capability", "nvlinks_per_gpu", "pcie_gen", "pcie_lanes", "cpu_vendor", "collnet")
+
+
+def _parse_nccl(data: dict, source: str) -> NcclSpec:
+    """The optional ``nccl:`` section (see :class:`NcclSpec`)."""
+    unknown = sorted(set(data) - set(NCCL_KEYS))
+    if unknown:
+        raise ConfigError(source, f"nccl.{unknown[0]}", "unknown key", ", ".join(NCCL_KEYS))
+    cc = data.get("compute_capability")
+    if isinstance(cc, bool) or not isinstance(cc, int) or not 60 <= cc < 200:
+        raise ConfigError(source, "nccl.compute_capability", f"is {cc!r}", "an SM number such as 80, 90 or 100")
+    for key, low, high in (("nvlinks_per_gpu", 0, 64), ("pcie_gen", 1, 6), ("pcie_lanes", 1, 32)):
+        value = data.get(key, getattr(NcclSpec, key))
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(source, f"nccl.{key}", f"is {value!r}", f"a whole number from {low} to {high}")
+    vendor = data.get("cpu_vendor", NcclSpec.cpu_vendor)
+    if vendor not in CPU_VENDORS:
+        raise ConfigError(source, "nccl.cpu_vendor", f"is {vendor!r}", f"one of {', '.join(CPU_VENDORS)}")
+    collnet = data.get("collnet", False)
+    if not isinstance(collnet, bool):
+        raise ConfigError(source, "nccl.collnet", f"is {collnet!r}", "true or false")
+    return NcclSpec(compute_capability=cc, nvlinks_per_gpu=data.get("nvlinks_per_gpu", 0),
+                    pcie_gen=data.get("pcie_gen", NcclSpec.pcie_gen), pcie_lanes=data.get("pcie_lanes", 16),
+                    cpu_vendor=vendor, collnet=collnet)
 
 
 def _is_number(value: object) -> bool:

@@ -1,15 +1,29 @@
-"""Roofline compute cost: FLOPs against peak, bytes against HBM bandwidth.
+"""Kernel cost model: how long one block's compute takes on one GPU (or CPU rank).
 
-A matmul of ``(m, n, k)`` does ``2mnk`` FLOPs and touches ``(mk + kn + mn)``
-elements; it takes the longer of the two times. Real kernels reach only part
-of the peak, less for thin shapes, so the achievable rate is
-``peak * efficiency * prod(d / (d + half_dim) for d in (m, n, k))``: with the
-defaults (``efficiency=1``, ``half_dim=0``) this is the pure roofline, an
-optimistic bound; ``parsim calibrate`` fits both numbers to measured matmuls.
+Four kinds of work, each at the rate such kernels reach on the hardware:
 
-Every kernel also costs a fixed launch (GPU) or dispatch (eager CPU) overhead,
-``kernel_overhead_s``; it dominates small models. Built-in clusters leave it
-at 0 (no datasheet gives it).
+* **Matmuls** ``(m, n, k)`` do ``2mnk`` FLOPs and touch ``(mk + kn + mn)``
+  elements; they take the longer of the two times. The FLOP rate is
+  ``peak x matmul_efficiency x waves(m, n) x shape(m, n, k)``:
+  ``matmul_efficiency`` is the best fraction of peak cuBLAS reaches at any
+  shape (the "maximum achievable matmul FLOPS", measured per GPU);
+  ``waves`` is tile and wave quantization (NVIDIA, "Matrix Multiplication
+  Background User's Guide", sections 3.1-3.2): the output splits into
+  128 x 128 tiles, one per SM at a time; edge tiles cost whole tiles and a
+  last, partly filled wave of tiles costs a whole wave;
+  ``shape`` is ``prod(d / (d + half_dim))``, a smooth penalty for thin shapes
+  that ``parsim calibrate`` fits on CPUs (``half_dim`` 0 for GPUs).
+* **The attention core** (FlashAttention): its FLOPs at the fraction of peak
+  the kernel reaches, forward and backward separately.
+* **Memory-bound kernels** (norms, activations, residuals, softmax, the
+  optimizer): bytes over the HBM bandwidth such kernels measure
+  (``memory_efficiency`` of the spec sheet's figure); other FLOPs at peak.
+* **A fixed cost per kernel**, ``kernel_overhead_s``: launch (GPU) or
+  dispatch (eager CPU). It dominates small models.
+
+The defaults (every efficiency 1, no tiles, no overhead) are the pure
+roofline, an optimistic bound; built-in clusters give sourced figures and
+``parsim calibrate`` measured ones.
 
 Host costs of eager PyTorch on CPUs (all 0 / None by default, so GPU
 predictions do not change; ``parsim calibrate`` measures them on a CPU host):
@@ -20,17 +34,17 @@ predictions do not change; ``parsim calibrate`` measures them on a CPU host):
   the eager reference implementation per block (``forward_ops``,
   ``backward_ops``, see :mod:`parsim.eager_ops`).
 * ``optimizer_tensor_s``: AdamW's fixed cost per parameter tensor (torch's
-  per-tensor loop on CPU), on top of its bytes at ``hbm_bw_Bps``.
+  per-tensor loop on CPU), on top of its bytes at the memory speed.
 * ``matmul_stream_bw_Bps``: a CPU core does not hide streaming a matmul's
   second operand ``w[k, n]`` (a layer's weight in the forward and the
   input-gradient matmul) from memory behind its arithmetic; when set, a
   matmul costs its FLOPs at the shape's rate *plus* ``k n`` elements at this
   speed, instead of the roofline's maximum of compute and all bytes.
-* ``elementwise_bw_Bps``: the speed of a block's elementwise work (the
-  lowering's bytes: activations, norms, softmax), which on a CPU core is often
+* ``elementwise_bw_Bps``: the speed of a block's memory-bound kernels'
+  bytes (activations, norms, softmax), which on a CPU core are often
   arithmetic-bound (GeLU's erf, exp) and far below the memory speed that
-  plain streams reach (``hbm_bw_Bps``: gradient accumulation and the
-  optimizer, the ``stream_bytes`` part of an op's ``hbm_bytes``).
+  plain streams reach (gradient accumulation and the optimizer: the
+  ``stream_bytes`` part of an op's ``hbm_bytes``).
 * ``time_share``: a CPU host running more ranks than it has cores
   (``compute.cpu_cores`` in the cluster file) time-shares them: while every
   rank computes, each gets ``cores / ranks`` of a core, so compute and host
@@ -49,23 +63,28 @@ from dataclasses import dataclass
 from .cluster import ClusterSpec
 from .errors import ParsimError
 
+MATMUL_TILE = 128  # cuBLAS/CUTLASS's common 128 x 128 output tile per thread block (SM80/SM90)
+
 
 @dataclass(frozen=True)
 class ComputeModel:
     peak_flops: float  # FLOP/s for the plan's dtype
     hbm_bw_Bps: float
     dtype_bytes: int
-    efficiency: float = 1.0
+    efficiency: float = 1.0  # matmuls' best fraction of peak
     half_dim: float = 0.0
     kernel_overhead_s: float = 0.0
     matmul_peak_flops: float | None = None  # matmuls' own peak when they run in another dtype (fp8)
+    sm_count: int = 0  # 0: no wave quantization (CPUs)
+    memory_efficiency: float = 1.0
+    attention_efficiency: tuple[float, float] = (1.0, 1.0)  # forward, backward
     # Eager-CPU host costs (see the module docstring); the defaults leave every GPU prediction unchanged.
     op_forward_s: float = 0.0
     op_backward_s: float = 0.0
     optimizer_tensor_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
     p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to its receive (parsim.stepsim)
-    elementwise_bw_Bps: float | None = None  # a block's elementwise bytes (None: at hbm_bw_Bps)
+    elementwise_bw_Bps: float | None = None  # a block's memory-bound bytes (None: at memory_bw_Bps)
     time_share: float = 1.0  # > 1 when a host runs more ranks than it has cores: each gets 1/time_share of one
 
     @classmethod
@@ -81,38 +100,56 @@ class ComputeModel:
                 raise ParsimError(f"{spec.name}: the GPU has no {needed} peak in its cluster file "
                                   f"(it lists {', '.join(spec.gpu.peak_flops)})")
         peaks = spec.gpu.peak_flops
-        return cls(peaks[other], spec.gpu.hbm_bw_Bps, dtype_bytes, spec.matmul_efficiency, spec.matmul_half_dim,
-                   spec.kernel_overhead_s, peaks[dtype] if dtype != other else None,
+        return cls(peaks[other], spec.gpu.hbm_bw_Bps, dtype_bytes, spec.matmul_efficiency_for(dtype),
+                   spec.matmul_half_dim, spec.kernel_overhead_s, peaks[dtype] if dtype != other else None,
+                   spec.gpu.sm_count, spec.memory_efficiency, spec.attention_efficiency,
                    spec.op_forward_s, spec.op_backward_s, spec.optimizer_tensor_s, spec.matmul_stream_bw_Bps,
                    spec.p2p_rendezvous_s, spec.elementwise_bw_Bps,
                    max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0)
+
+    def waves(self, m: float, n: float) -> float:
+        """Share of the tile work that is useful: tile quantization (edge tiles partly filled still
+        cost whole tiles) times wave quantization (a last, partly filled wave costs a whole one)."""
+        if not self.sm_count:
+            return 1.0
+        rows, cols = -(-int(m) // MATMUL_TILE), -(-int(n) // MATMUL_TILE)
+        tiles = rows * cols
+        filled = m * n / (tiles * MATMUL_TILE * MATMUL_TILE)
+        return filled * tiles / (-(-tiles // self.sm_count) * self.sm_count)
 
     def matmul_rate(self, m: float, n: float, k: float) -> float:
         shape = 1.0
         for d in (m, n, k):
             shape *= d / (d + self.half_dim)
-        return (self.matmul_peak_flops or self.peak_flops) * self.efficiency * shape
+        return (self.matmul_peak_flops or self.peak_flops) * self.efficiency * shape * self.waves(m, n)
+
+    @property
+    def memory_bw_Bps(self) -> float:
+        return self.hbm_bw_Bps * self.memory_efficiency
 
     def matmul_time(self, m: float, n: float, k: float) -> float:
         flops = 2.0 * m * n * k
         if self.matmul_stream_bw_Bps:  # eager CPU: the second operand streams in, not hidden behind the arithmetic
             return flops / self.matmul_rate(m, n, k) + k * n * self.dtype_bytes / self.matmul_stream_bw_Bps
         traffic = (m * k + k * n + m * n) * self.dtype_bytes
-        return max(flops / self.matmul_rate(m, n, k), traffic / self.hbm_bw_Bps)
+        return max(flops / self.matmul_rate(m, n, k), traffic / self.memory_bw_Bps)
 
     def time(self, matmuls=(), flops: float = 0.0, hbm_bytes: float = 0.0, kernels: int = 0,
-             forward_ops: int = 0, backward_ops: int = 0, optimizer_tensors: int = 0,
-             stream_bytes: float = 0.0) -> float:
-        """Matmuls at their shape's rate, other FLOPs at peak and other bytes at HBM speed, plus launches;
-        on an eager CPU host also each dispatched op's and each optimizer tensor's fixed cost, and the
-        elementwise part of ``hbm_bytes`` (all but ``stream_bytes``) at the host's elementwise speed."""
+             attention_flops: float = 0.0, attention_grad_flops: float = 0.0, forward_ops: int = 0,
+             backward_ops: int = 0, optimizer_tensors: int = 0, stream_bytes: float = 0.0) -> float:
+        """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
+        kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; on an
+        eager CPU host also each dispatched op's and each optimizer tensor's fixed cost, and the
+        memory-bound bytes but ``stream_bytes`` at the host's elementwise speed."""
         total = sum(self.matmul_time(*mm) for mm in matmuls)
-        peak_time = flops / (self.peak_flops * self.efficiency)
+        forward, backward = self.attention_efficiency
+        total += (attention_flops / forward + attention_grad_flops / backward) / self.peak_flops
         if self.elementwise_bw_Bps:
             elementwise = max(hbm_bytes - stream_bytes, 0.0)
-            work = max(peak_time, elementwise / self.elementwise_bw_Bps) + stream_bytes / self.hbm_bw_Bps
+            work = (max(flops / self.peak_flops, elementwise / self.elementwise_bw_Bps)
+                    + stream_bytes / self.memory_bw_Bps)
         else:
-            work = max(peak_time, hbm_bytes / self.hbm_bw_Bps)
+            work = max(flops / self.peak_flops, hbm_bytes / self.memory_bw_Bps)
         host = (forward_ops * self.op_forward_s + backward_ops * self.op_backward_s
                 + optimizer_tensors * self.optimizer_tensor_s)
         return (total + work + kernels * self.kernel_overhead_s + host) * self.time_share

@@ -28,6 +28,7 @@ import functools
 from dataclasses import dataclass
 
 from . import eager_ops
+from .kernels import block_work
 from .model import LayerCost, MLPModel, shard
 from .plan import Plan
 from .program import Op, Program
@@ -53,6 +54,8 @@ class _ComputePiece:
     kernels: int
     phase: str
     layer: int
+    attention_flops: float = 0.0  # the FlashAttention core's, forward
+    attention_grad_flops: float = 0.0  # and backward
     forward_ops: int = 0  # eager ops dispatched (parsim.eager_ops; the CPU host's fixed costs)
     backward_ops: int = 0
     stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation)
@@ -187,6 +190,8 @@ class _Lowering:
                 last = self._add(rank, Op(recompute_name if recompute else name, "compute", "compute", deps=deps,
                                           matmuls=piece.matmuls, flops=piece.flops, hbm_bytes=piece.hbm_bytes,
                                           kernels=piece.kernels, phase=piece.phase,
+                                          attention_flops=piece.attention_flops,
+                                          attention_grad_flops=piece.attention_grad_flops,
                                           forward_ops=piece.forward_ops, backward_ops=piece.backward_ops,
                                           stream_bytes=piece.stream_bytes))
                 if final and not recompute:
@@ -234,8 +239,7 @@ class _Lowering:
                       and degree[c.group] > 1 and kind != "W"]
             for position in ("before", "after"):
                 if position == "after":
-                    compute = self._compute(phase, block, "F" if forward else kind, cost,
-                                            block is cost.blocks[-1], index)
+                    compute = self._compute(phase, block, "F" if forward else kind, index)
                     pieces += self._with_context_exchange(p, cost, block, kind, compute)
                 for coll in (c for c in tp_ops if c.position == position):
                     head, tail = collective_name(coll.op, coll.group, layer=cost.name, mb="|",
@@ -269,56 +273,24 @@ class _Lowering:
             head, tail = collective_name(collective, "cp", layer=cost.name, mb="|", dir=direction).split("|")
             return _CommPiece(head, tail, collective, group, mirrors, nbytes, "cp")
 
-        join = dataclasses.replace(compute, matmuls=(), flops=0.0, hbm_bytes=0.0, kernels=0, forward_ops=0,
-                                   backward_ops=0, stream_bytes=0.0, joins=True)
+        join = dataclasses.replace(compute, matmuls=(), flops=0.0, hbm_bytes=0.0, kernels=0, attention_flops=0.0,
+                                   attention_grad_flops=0.0, forward_ops=0, backward_ops=0, stream_bytes=0.0,
+                                   joins=True)
         backward = kind in ("B", "I")
         if plan.context_parallel == "ring":
             return [exchange("all_gather"), *([exchange("reduce_scatter")] if backward else []), compute, join]
         return [exchange("all_gather"), join, compute, *([exchange("reduce_scatter"), join] if backward else [])]
 
-    def _compute(self, phase: str, block, kind: str, cost: LayerCost, last: bool, layer: int) -> _ComputePiece:
-        """One block's compute: its matmuls by shape, the attention core, and elementwise work.
-
-        Elementwise kernels (activations, norms, softmax, gradient accumulation)
-        are memory-bound: the forward writes the tensors the layer saves for
-        backward, the input-gradient pass reads them and writes as much again
-        (charged once per layer, with its last block); the weight-gradient pass
-        accumulates into ``.grad``. Kernels launched: one per
-        matmul of the pass, and one per saved tensor (each is some kernel's
-        output) in the forward, two in the input-gradient pass.
-        """
-        plan = self.plan
-        saved_per_token = cost.activation_bytes_per_token(plan.tp) if last else 0
-        saved_tensors = len(cost.activations) if last else 0
-        tp = plan.tp
-        mms, flops = [], 0.0
-        for mm in block.matmuls:
-            k, n = mm.shape_per_rank(tp)
-            m = self.tokens
-            if mm.experts > 1:  # each of this rank's experts takes its share of the ep group's routed tokens
-                m = round(self.tokens * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)
-            for _ in range(mm.copies_per_rank(plan.ep)):
-                if kind == "F":
-                    mms.append((m, n, k))
-                if kind in ("B", "I"):
-                    mms.append((m, k, n))  # input gradient: dY [m, n] @ W^T [n, k]
-                if kind in ("B", "W"):
-                    mms.append((k, n, m))  # weight gradient: X^T [k, m] @ dY [m, n]
-        m = self.tokens
-        attention = block.attention_flops_per_token // tp * m
-        if kind == "F":
-            flops = attention
-        elif kind in ("B", "I"):
-            flops = 2 * attention
-        passes = {"F": 1, "B": 2, "I": 2, "W": 0}[kind]
-        # Autograd adds each weight gradient into .grad (read both, write one) for every microbatch but the
-        # first, whose gradient becomes .grad as it is: on average (m - 1) / m of a pass.
-        accumulate = sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
-                         for mm in block.matmuls) * plan.dtype_bytes * 3 if kind in ("B", "W") else 0
-        accumulate *= (plan.num_microbatches - 1) / plan.num_microbatches
+    def _compute(self, phase: str, block, kind: str, layer: int) -> _ComputePiece:
+        """One block's compute in one pass (see :func:`~parsim.kernels.block_work`), with the ops an
+        eager implementation dispatches for it (:meth:`_eager_ops`)."""
+        work = block_work(self.plan, block, kind, self.tokens)
+        accumulate = work.accumulate_bytes
         forward_ops, backward_ops = self._eager_ops(block, kind)
-        return _ComputePiece(tuple(mms), flops, passes * saved_per_token * m + accumulate,
-                             len(mms) + passes * saved_tensors, phase, layer, forward_ops, backward_ops, accumulate)
+        return _ComputePiece(work.matmuls, 0.0, work.elementwise_bytes + accumulate, work.kernels, phase,
+                             layer, attention_flops=work.attention_flops,
+                             attention_grad_flops=work.attention_grad_flops, forward_ops=forward_ops,
+                             backward_ops=backward_ops, stream_bytes=accumulate)
 
     def _eager_ops(self, block, kind: str) -> tuple[int, int]:
         """(forward, backward) ops an eager implementation dispatches for ``block`` in a ``kind`` pass

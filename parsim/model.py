@@ -28,7 +28,8 @@ Training on GPU Clusters Using Megatron-LM", section 5.1):
   ``d_attn = num_heads·head_dim``, counted over the full sequence: no halving
   for the causal mask (as Narayanan et al. and PaLM do).
 - Element-wise work (norms, activations, softmax, residuals, the loss) and the
-  embedding lookup are not counted.
+  embedding lookup are not counted as FLOPs; they are memory-bound kernels,
+  priced by the bytes they read and write (:class:`Elementwise`).
 - Backward costs twice the forward: for a matmul, the input gradient and the
   weight gradient each cost one forward; the attention core has no weights, so
   both of its backward products belong to the input gradient. The split feeds
@@ -53,6 +54,12 @@ from .units import parse_size
 FFN_TYPES = ("swiglu", "gelu")
 ATTENTIONS = ("gqa", "mla")
 POSITION_EMBEDDINGS = ("rope", "learned")
+# How the attention core runs: "flash" is one fused kernel (FlashAttention, Dao et al. 2022/2023) that
+# never writes the scores to memory; "unfused" is Megatron-LM's pre-2022 core attention (baddbmm for
+# the scores, a fused scale-mask-softmax, dropout, bmm with V), which writes and rereads them.
+ATTENTION_KERNELS = ("flash", "unfused")
+SOFTMAX_COST = 20  # FlashAttention's softmax time per score in matmul FLOPs per head-dim unit (flash_softmax_factor)
+FLASH_BLOCK = 128  # FlashAttention-2's Q/K tile (Br = Bc = 128 at head dim 128) (causal masking skips whole tiles)
 INDEX_BYTES = 8  # token ids are int64
 SOFTMAX_BYTES = 4  # the cross-entropy softmax over the vocabulary is kept in fp32
 
@@ -153,6 +160,7 @@ class Activation:
     element_bytes: int
     sharded: bool
     unit: int = 1
+    attention_core: bool = False  # kept only for the attention core's backward: selective recompute drops it
 
     def bytes_per_token(self, tp: int = 1) -> int:
         width = shard(self.width, tp, self.unit) if self.sharded else self.width
@@ -180,6 +188,61 @@ class TPCollective:
 
 
 @dataclass(frozen=True)
+class Elementwise:
+    """A memory-bound kernel of a block (norm, activation, residual add, softmax, dropout, ...).
+
+    ``forward`` and ``backward`` count the elements it reads plus writes per
+    token in each pass (a LayerNorm reads ``h`` and writes ``h``: 2h forward;
+    its backward reads the input and the output gradient and writes the input
+    gradient: 3h). ``element_bytes`` 0 means the plan's dtype. ``sharded``
+    kernels split over tensor-parallel ranks (by whole ``unit`` s); the others
+    run replicated on every rank, unless sequence parallelism splits them.
+    """
+
+    name: str
+    forward: int
+    backward: int
+    sharded: bool = True
+    unit: int = 1
+    element_bytes: int = 0
+
+    def bytes_per_token(self, backward: bool, dtype_bytes: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+        elements = self.backward if backward else self.forward
+        split = tp if (self.sharded or sequence_parallel) else 1
+        width = shard(elements, split, self.unit) if split > 1 else elements
+        return width * (self.element_bytes or dtype_bytes)
+
+
+@dataclass(frozen=True)
+class AttentionCore:
+    """The attention core's shape, for the kernels that run it: ``heads`` query heads of
+    ``head_dim`` attending over ``seq`` positions with a causal mask, run by ``kernel``
+    (one of :data:`ATTENTION_KERNELS`)."""
+
+    heads: int
+    head_dim: int
+    seq: int
+    kernel: str = "flash"
+
+    def executed_fraction(self) -> float:
+        """Share of the full ``seq x seq`` score matrix the kernel computes: FlashAttention skips the
+        tiles above the causal diagonal, ``(n+1)/2n`` of ``n x n`` tiles; the unfused path computes
+        every score and masks after."""
+        if self.kernel != "flash":
+            return 1.0
+        n = -(-self.seq // FLASH_BLOCK)
+        return (n + 1) / (2 * n)
+
+
+def flash_softmax_factor(head_dim: int) -> float:
+    """FlashAttention's time per matmul FLOP at ``head_dim`` relative to head dim 128, where its
+    efficiency is measured. Per score the kernel does ``4·d`` matmul FLOPs on tensor cores and about
+    5 softmax FLOPs (scale, max, subtract, exp, sum) on the FP32 units, 16x slower (Dao 2023,
+    FlashAttention-2, section 3.1: A100 312 vs 19.5 TFLOP/s): ``5·16 / 4d = 20/d`` of extra time."""
+    return (1 + SOFTMAX_COST / head_dim) / (1 + SOFTMAX_COST / 128)
+
+
+@dataclass(frozen=True)
 class Block:
     """A run of compute between tensor-parallel collectives: attention, MLP, linear, ...
 
@@ -193,6 +256,8 @@ class Block:
     collectives: tuple[TPCollective, ...] = ()
     kv_width: int = 0  # K and V elements per token each (attention): what context parallelism exchanges
     kv_unit: int = 1  # tensor parallelism splits K/V by whole heads of this width
+    elementwise: tuple[Elementwise, ...] = ()  # its memory-bound kernels
+    core: AttentionCore | None = None  # the attention core's shape (attention blocks)
     # (forward, backward) ops an eager PyTorch implementation dispatches for the block, per microbatch
     # (parsim.eager_ops; the CPU host's fixed costs). (0, 0): not counted.
     eager_ops: tuple[int, int] = (0, 0)
@@ -368,7 +433,8 @@ class MLPModel(_CostTotals):
         """
         self._check_style(tp_style, sequence_parallel)
         w, d = self.width, dtype_bytes
-        block = Block("linear", (Matmul("w", w, w, "column"),), collectives=(
+        block = Block("linear", (Matmul("w", w, w, "column"),), elementwise=(Elementwise("gelu", 2 * w, 3 * w),),
+                      collectives=(
             TPCollective("out", "all_gather", "forward", "after", w * d),
             TPCollective("out.grad", "reduce_scatter", "backward", "before", w * d),
         ), eager_ops=eager_ops.MLP_LAYER)
@@ -432,6 +498,8 @@ class TransformerModel(_CostTotals):
     expert_ffn_hidden: int | None = None  # each expert's feed-forward size (None: ffn_hidden)
     shared_experts: int = 0  # experts every token also goes through (DeepSeek's)
     dense_layers: int = 0  # the first layers keep a dense feed-forward of ffn_hidden (DeepSeek-V3: 3)
+    attention_kernel: str = "flash"  # how the attention core runs (see ATTENTION_KERNELS)
+    dropout: float = 0.0  # dropout probability (GPT-3 and Megatron-LM's GPT: 0.1; Llama: none)
     description: str = ""
     source: str = field(default="", compare=False)  # the file it came from, for messages
 
@@ -456,6 +524,12 @@ class TransformerModel(_CostTotals):
                   "a divisor of num_heads (grouped-query attention)")
         if self.attention not in ATTENTIONS:
             _fail(self, "attention", f"is {self.attention!r}", " or ".join(ATTENTIONS))
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            _fail(self, "attention_kernel", f"is {self.attention_kernel!r}", " or ".join(ATTENTION_KERNELS))
+        if self.attention_kernel == "unfused" and self.attention == "mla":
+            _fail(self, "attention_kernel", "unfused is not modelled for latent attention (mla)", "flash")
+        if not 0 <= self.dropout < 1:
+            _fail(self, "dropout", f"is {self.dropout!r}", "a probability in [0, 1)")
         if self.expert_ffn_hidden is None:
             object.__setattr__(self, "expert_ffn_hidden", self.ffn_hidden)
         if self.num_experts:
@@ -540,24 +614,27 @@ class TransformerModel(_CostTotals):
         if self.attention == "mla":
             attention, attention_saved, attention_params = self._mla_block(d, sp)
         else:
+            core = AttentionCore(self.num_heads, hd, self.seq_len, self.attention_kernel)
             attention = Block(
                 "attention",
                 (Matmul("attn.q", h, q, "column", hd), Matmul("attn.k", h, kv, "column", hd),
                  Matmul("attn.v", h, kv, "column", hd), Matmul("attn.o", q, h, "row", hd)),
                 attention_flops_per_token=4 * self.seq_len * q,
                 collectives=_block_collectives("attn", h * d, sequence_parallel),
-                kv_width=kv, kv_unit=hd, eager_ops=attention_ops,
+                kv_width=kv, kv_unit=hd, elementwise=self._attention_kernels(q, kv, hd), core=core,
+                eager_ops=attention_ops,
             )
             attention_saved = (
                 Activation("attn.q", q, d, sharded=True, unit=hd), Activation("attn.k", kv, d, sharded=True, unit=hd),
                 Activation("attn.v", kv, d, sharded=True, unit=hd),
-                Activation("attn.o.in", q, d, sharded=True, unit=hd))
+                Activation("attn.o.in", q, d, sharded=True, unit=hd), *self._score_activations(d))
             attention_params = ()
         if moe:
             mlp, ffn_saved = self._moe_block(d, sp)
         else:
             ffn, intermediates = _ffn("mlp", h, f, self.ffn_type)
-            mlp = Block("mlp", ffn, collectives=_block_collectives("mlp", h * d, sequence_parallel), eager_ops=ffn_ops)
+            mlp = Block("mlp", ffn, collectives=_block_collectives("mlp", h * d, sequence_parallel),
+                        elementwise=self._mlp_kernels(f), eager_ops=ffn_ops)
             ffn_saved = tuple(Activation(name, f, d, sharded=True) for name in intermediates)
         saved = (
             Activation("norm.attn.in", h, d, sharded=sp), Activation("attn.in", h, d, sharded=sp),
@@ -587,7 +664,8 @@ class TransformerModel(_CostTotals):
                    Matmul("attn.o", nh * v, h, "row", v))
         block = Block("attention", matmuls, attention_flops_per_token=2 * self.seq_len * nh * (qk + v),
                       collectives=_block_collectives("attn", h * d, sp), kv_width=nh * (qk + v) // 2,
-                      kv_unit=(qk + v) // 2)
+                      kv_unit=(qk + v) // 2, elementwise=self._attention_kernels(nh * qk, nh * (qk + v) // 2, qk),
+                      core=AttentionCore(nh, (qk + v) // 2, self.seq_len, self.attention_kernel))
         saved = (*((Activation("attn.q_a.out", self.q_lora_rank, d, sharded=False),) if self.q_lora_rank else ()),
                  Activation("attn.kv_a.out", latent, d, sharded=False),
                  Activation("attn.q", nh * qk, d, sharded=True, unit=qk),
@@ -629,8 +707,67 @@ class TransformerModel(_CostTotals):
             TPCollective("moe.dispatch.grad", "all_to_all", "backward", "after", a2a, group="ep"),
             *(c for c in tp if c.phase == "backward" and c.position == "after"),
         )
+        active_ffn = k * fe + self.shared_experts * fe
+        kernels = (Elementwise("moe.norm", 2 * h, 3 * h, sharded=False),
+                   Elementwise("moe.permute", 2 * k * h, 2 * k * h, sharded=False),  # tokens sorted to their experts
+                   self._activation("moe.act", active_ffn), *self._residual("moe", h))
         ops = eager_ops.transformer_layer_ops(False, self.ffn_type, False, self.num_experts)[1]
-        return Block("moe", matmuls, collectives=collectives, eager_ops=ops), tuple(saved)
+        return Block("moe", matmuls, collectives=collectives, elementwise=kernels, eager_ops=ops), tuple(saved)
+
+    # -- memory-bound kernels, per token (elements read + written; see Elementwise) ------------------
+    def _attention_kernels(self, q: int, kv: int, unit: int) -> tuple[Elementwise, ...]:
+        """The attention block's memory-bound kernels: its norm, RoPE on queries and keys, the core's
+        own traffic, and the residual add (with a dropout mask if the model has dropout).
+
+        FlashAttention reads Q, K, V and writes O (and its backward reads Q, K, V, O, dO and writes
+        dQ, dK, dV); the unfused core's batched matmuls write and read the scores (priced as matmul
+        traffic) and its softmax, and dropout, touch every score: ``heads x seq`` per token."""
+        h = self.hidden
+        kernels = [Elementwise("attn.norm", 2 * h, 3 * h, sharded=False)]
+        if self.position_embedding == "rope":
+            kernels.append(Elementwise("attn.rope", 2 * (q + kv), 2 * (q + kv), unit=unit))
+        if self.attention_kernel == "flash":
+            kernels.append(Elementwise("attn.core", 2 * q + 2 * kv, 4 * q + 4 * kv, unit=unit))
+        else:
+            scores = self.num_heads * self.seq_len
+            kernels.append(Elementwise("attn.softmax", 2 * scores, 3 * scores, unit=self.seq_len))
+            if self.dropout:
+                kernels += [Elementwise("attn.dropout", 2 * scores, 2 * scores, unit=self.seq_len),
+                            Elementwise("attn.dropout.mask", scores, scores, unit=self.seq_len, element_bytes=1)]
+        return tuple(kernels + self._residual("attn", h))
+
+    def _mlp_kernels(self, f: int) -> tuple[Elementwise, ...]:
+        h = self.hidden
+        return (Elementwise("mlp.norm", 2 * h, 3 * h, sharded=False), self._activation("mlp.act", f),
+                *self._residual("mlp", h))
+
+    def _activation(self, name: str, f: int) -> Elementwise:
+        """GeLU reads f and writes f (backward: reads input and gradient, writes one); SwiGLU reads
+        gate and up (2f) and writes f (backward: reads 3f, writes 2f)."""
+        if self.ffn_type == "swiglu":
+            return Elementwise(name, 3 * f, 5 * f)
+        return Elementwise(name, 2 * f, 3 * f)
+
+    def _residual(self, block: str, h: int) -> list[Elementwise]:
+        """The residual add (two reads, one write; its backward sums the two gradients), and with
+        dropout its one-byte mask (Megatron-LM fuses bias, dropout and add into one kernel)."""
+        kernels = [Elementwise(f"{block}.residual", 3 * h, 3 * h, sharded=False)]
+        if self.dropout:
+            kernels.append(Elementwise(f"{block}.dropout.mask", h, h, sharded=False, element_bytes=1))
+        return kernels
+
+    def _score_activations(self, d: int) -> tuple[Activation, ...]:
+        """The unfused core keeps its softmax output for the backward and, with dropout, the mask and
+        the dropped-out scores: ``2·a·s`` or ``5·a·s`` bytes per token at 2 bytes (Korthikanti et al.
+        2022, section 4.1); FlashAttention keeps none (it recomputes them)."""
+        if self.attention_kernel == "flash":
+            return ()
+        scores = self.num_heads * self.seq_len
+        saved = [Activation("attn.softmax.out", scores, d, sharded=True, unit=self.seq_len, attention_core=True)]
+        if self.dropout:
+            saved += [Activation("attn.dropout.mask", scores, 1, sharded=True, unit=self.seq_len, attention_core=True),
+                      Activation("attn.dropout.out", scores, d, sharded=True, unit=self.seq_len, attention_core=True)]
+        return tuple(saved)
 
     def embedding_cost(self, dtype_bytes: int, tp_style: str | None = None,
                        sequence_parallel: bool = False) -> LayerCost:
@@ -653,7 +790,8 @@ class TransformerModel(_CostTotals):
                            TPCollective("embed.out.grad", "all_gather", "backward", "before", h * dtype_bytes))
         else:
             collectives = (TPCollective("embed.out", "all_reduce", "forward", "after", h * dtype_bytes),)
-        block = Block("embedding", collectives=collectives,
+        lookup = Elementwise("embed.lookup", h, 2 * h, sharded=False)  # write the rows; backward: scatter-add
+        block = Block("embedding", collectives=collectives, elementwise=(lookup,),
                       eager_ops=eager_ops.embedding_ops(self.position_embedding == "learned"))
         return LayerCost("embedding", (block,), tuple(params),
                          (Activation("embed.ids", 1, INDEX_BYTES, sharded=False),))
@@ -683,8 +821,11 @@ class TransformerModel(_CostTotals):
             entry = (TPCollective("head.in.grad", "all_reduce", "backward", "after", h * d),)
         collectives = (*entry, *(TPCollective(f"ce.{n}", "all_reduce", "forward", "after", SOFTMAX_BYTES)
                                  for n in ("max", "target", "sumexp")))
+        loss = (Elementwise("head.norm", 2 * h, 3 * h, sharded=False),
+                Elementwise("ce.logits", v, v),  # the softmax reads the logits; its backward writes their gradient
+                Elementwise("ce.softmax", v, v, element_bytes=SOFTMAX_BYTES))  # written in fp32, reread backward
         block = Block("head", (Matmul("head", h, v, "column", owns_weight=not self.tied_embeddings),),
-                      collectives=collectives, eager_ops=eager_ops.HEAD)
+                      collectives=collectives, elementwise=loss, eager_ops=eager_ops.HEAD)
         saved = (Activation("norm.final.in", h, d, sharded=sequence_parallel),
                  Activation("head.in", h, d, sharded=False), Activation("ce.softmax", v, SOFTMAX_BYTES, sharded=True))
         return LayerCost("head", (block,), (Param("norm.final", 1, h),), saved)
@@ -871,7 +1012,8 @@ _KIND_KEYS = {
     "transformer": ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "ffn_type", "seq_len",
                     "vocab_size", "tied_embeddings", "position_embedding", "num_experts", "experts_per_token",
                     "expert_ffn_hidden", "shared_experts", "dense_layers", "attention", "q_lora_rank",
-                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_kernel",
+                    "dropout"),
 }
 _REQUIRED = {
     "mlp": ("num_layers", "width", "batch_size"),
@@ -896,8 +1038,11 @@ def parse_model(data: object, source: str = "<model>", default_name: str = "mode
         "name": reader.text("name", default_name), "description": reader.text("description", ""), "source": source,
     }
     for key in _KIND_KEYS[kind]:
-        if key in ("ffn_type", "position_embedding", "attention"):
-            values[key] = reader.text(key, {"ffn_type": "swiglu", "position_embedding": "rope", "attention": "gqa"}[key])
+        if key in ("ffn_type", "position_embedding", "attention", "attention_kernel"):
+            values[key] = reader.text(key, {"ffn_type": "swiglu", "position_embedding": "rope", "attention": "gqa",
+                                            "attention_kernel": "flash"}[key])
+        elif key == "dropout":
+            values[key] = reader.number(key, 0.0)
         elif key == "tied_embeddings":
             values[key] = reader.boolean(key, False)
         elif reader.has(key):

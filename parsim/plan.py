@@ -33,6 +33,7 @@ Plans load from YAML (:func:`load_plan`, :func:`resolve_plan`)::
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 from dataclasses import dataclass
 from functools import cached_property
@@ -125,10 +126,11 @@ class Plan:
     all-reduces. ``activation_recompute`` "full" keeps only each recomputed
     layer's input and reruns its forward before its backward (the first
     ``recompute_layers`` layers of each stage, all when unset); "selective"
-    recomputes the attention core (Korthikanti et al. 2022), whose score and
-    softmax tensors flash attention never stores, so it saves nothing more than
-    "none" and costs nothing more (flash attention's backward already recomputes
-    them).
+    recomputes the attention core (Korthikanti et al. 2022): an unfused core
+    (``attention_kernel: unfused``) then keeps no scores, softmax or dropout
+    tensors and reruns its scores, softmax and dropout before its backward;
+    flash attention never stores them, so there it saves and costs nothing
+    (its backward already recomputes them).
     """
 
     model: Model
@@ -447,8 +449,11 @@ class Plan:
     @cached_property
     def _costs(self) -> tuple[LayerCost | None, list[LayerCost], LayerCost | None]:
         m, d, sp = self.model, self.dtype_bytes, self.sequence_parallel
-        return (m.embedding_cost(d, self.tp_style, sp), m.layer_costs(d, self.tp_style, sp),
-                m.head_cost(d, self.tp_style, sp))
+        layers = m.layer_costs(d, self.tp_style, sp)
+        if self.activation_recompute == "selective":  # the attention core's own tensors are recomputed, not kept
+            layers = [dataclasses.replace(c, activations=tuple(a for a in c.activations if not a.attention_core))
+                      for c in layers]
+        return m.embedding_cost(d, self.tp_style, sp), layers, m.head_cost(d, self.tp_style, sp)
 
     def stage_costs(self, stage: int) -> list[LayerCost]:
         """What ``stage`` computes, in order: the embedding (first stage), its layers, the head (last)."""

@@ -27,6 +27,8 @@ class Op:
     flops: float = 0.0
     hbm_bytes: float = 0.0
     kernels: int = 0  # kernels launched (each pays the compute model's fixed overhead)
+    attention_flops: float = 0.0  # the fused attention core's FLOPs as executed: forward
+    attention_grad_flops: float = 0.0  # and backward
     # eager CPU host costs (parsim.compute): ops dispatched in a forward / run by autograd in a backward,
     # and parameter tensors an optimizer step updates
     forward_ops: int = 0

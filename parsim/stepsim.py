@@ -62,7 +62,7 @@ class StepSimulator:
 
     def __init__(self, topo: Topology, compute: ComputeModel):
         self.topo, self.compute = topo, compute
-        self._algorithms: dict[tuple, str] = {}
+        self._algorithms: dict[tuple, tuple[str, str | None]] = {}
         self.comm_phases = lru_cache(maxsize=None)(self._comm_phases)
         self.compute_time = lru_cache(maxsize=None)(self.compute.time)
         self._keys = 0
@@ -82,10 +82,11 @@ class StepSimulator:
             pairs = np.array(groups)
             routes = self.topo.routes(pairs[:, 0], pairs[:, 1])
             routes = routes[_contending([r[r >= 0] for r in routes], self.topo.num_links)]
-            return (self._ready_phase(routes, float(nbytes), 1, 0.0, 0.0),)
-        algorithm = self._algorithm(collective, ranks, int(nbytes))
+            return (self._ready_phase(routes, float(nbytes), 1, 0.0, 0.0, None),)
+        algorithm, protocol = self._algorithm(collective, ranks, int(nbytes))
         groups = self._may_contend(groups)
-        per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes) for g in groups]
+        per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes, protocol=protocol)
+                     for g in groups]
         for i in range(len(per_group[0])):  # every group's routes of phase i at once
             phases = [p[i] for p in per_group]
             routes = self.topo.routes(np.concatenate([p.src for p in phases]),
@@ -100,7 +101,7 @@ class StepSimulator:
         return tuple(self._ready_phase(stack_routes([p[i].routes for p in kept]),
                                        np.concatenate([p[i].nbytes for p in kept]),
                                        first.steps, first.overhead_s + (in_step if i == 0 else 0.0),
-                                       first.reduce_bytes / reduce_bw)
+                                       first.reduce_bytes / reduce_bw, first.latency_s)
                      for i, first in enumerate(kept[0]))
 
     def _may_contend(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -115,13 +116,18 @@ class StepSimulator:
             return groups
         return [g for g, n in zip(groups, nodes) if len(n) > 1 or n == nodes[0]]
 
-    def _ready_phase(self, routes: np.ndarray, nbytes, steps: int, overhead_s: float, reduce_s: float) -> CommPhase:
+    def _ready_phase(self, routes: np.ndarray, nbytes, steps: int, overhead_s: float, reduce_s: float,
+                     latency_s: float | None) -> CommPhase:
         self._keys += 1
-        latency = steps * float(self.topo.path_latency_s(routes).max(initial=0.0)) + overhead_s
+        if latency_s is not None:  # NCCL's latency (nccl.py), not the routes'
+            latency = latency_s + overhead_s
+        else:
+            latency = steps * float(self.topo.path_latency_s(routes).max(initial=0.0)) + overhead_s
         return CommPhase(routes, nbytes, latency, reduce_s, self._keys, np.unique(routes[routes >= 0]))
 
-    def _algorithm(self, collective: str, ranks: tuple[int, ...], nbytes: int) -> str:
-        """The algorithm NCCL would pick for this collective alone.
+    def _algorithm(self, collective: str, ranks: tuple[int, ...], nbytes: int) -> tuple[str, str | None]:
+        """The algorithm (and, on clusters timed with NCCL's model, protocol) NCCL would pick for this
+        collective alone.
 
         Cached per group shape and size: nodes are wired alike and scalable
         units alike, so groups with the same local GPUs, the same node offsets
@@ -133,7 +139,8 @@ class StepSimulator:
                  tuple((units - units[0]).tolist()))
         key = (collective, shape, nbytes)
         if key not in self._algorithms:
-            self._algorithms[key] = predict(self.topo, collective, nbytes, group).algorithm
+            p = predict(self.topo, collective, nbytes, group)
+            self._algorithms[key] = (p.algorithm, p.protocol or None)
         return self._algorithms[key]
 
 
@@ -191,11 +198,12 @@ class _Run:
         for op in ops:
             i = op.id
             if op.kind == "compute" or op.kind == "optimizer":
-                key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels, op.forward_ops, op.backward_ops,
-                       op.optimizer_tensors, op.stream_bytes)
+                key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
+                       op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes)
                 fixed[i] = costs.get(key)
                 if fixed[i] is None:
                     fixed[i] = costs[key] = compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels,
+                                                         op.attention_flops, op.attention_grad_flops,
                                                          op.forward_ops, op.backward_ops, op.optimizer_tensors,
                                                          op.stream_bytes)
             elif self.comm[i] is not None:
@@ -404,7 +412,7 @@ class _ArgsCache:
         self._known: dict[tuple, dict] = {}
 
     def __call__(self, op: Op) -> dict:
-        key = (op.kind, op.phase, id(op.matmuls), op.flops, op.nbytes, op.group, op.peer)
+        key = (op.kind, op.phase, id(op.matmuls), op.flops, op.attention_flops, op.nbytes, op.group, op.peer)
         args = self._known.get(key)
         if args is None:
             args = self._known[key] = _args(op)
@@ -414,7 +422,8 @@ class _ArgsCache:
 def _args(op: Op) -> dict:
     args = {"phase": op.phase}
     if op.kind in ("compute", "optimizer"):
-        args["flops"] = op.flops + sum(2.0 * m * n * k for m, n, k in op.matmuls)
+        args["flops"] = (op.flops + op.attention_flops + op.attention_grad_flops
+                         + sum(2.0 * m * n * k for m, n, k in op.matmuls))
     if op.nbytes:
         args["bytes"] = op.nbytes
     if op.group:

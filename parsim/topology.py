@@ -31,6 +31,7 @@ import numpy as np
 from .cluster import ClusterSpec
 
 SWITCH = -1  # route endpoint meaning "the fabric switch of the other endpoint's node" (in-switch reduction)
+NET_SWITCH = -2  # route endpoint meaning "the leaf switch of the other endpoint's NIC" (in-network reduction)
 MAX_HOPS = 9
 
 
@@ -97,12 +98,15 @@ class Topology:
         src, dst = np.atleast_1d(np.asarray(src, dtype=np.int64)), np.atleast_1d(np.asarray(dst, dtype=np.int64))
         src, dst = np.broadcast_arrays(src, dst)
         out = np.full((src.size, MAX_HOPS), -1, dtype=np.int64)
+        to_net, from_net = dst == NET_SWITCH, src == NET_SWITCH
+        out[to_net, 0] = self._nic_up + self.nic_of(src[to_net])
+        out[from_net, 0] = self._nic_down + self.nic_of(dst[from_net])
         to_switch, from_switch = dst == SWITCH, src == SWITCH
         out[to_switch, 0] = self._gpu_up + src[to_switch]
         out[to_switch, 1] = self._fabric + self.node_of(src[to_switch])
         out[from_switch, 0] = self._fabric + self.node_of(dst[from_switch])
         out[from_switch, 1] = self._gpu_down + dst[from_switch]
-        pair = ~(to_switch | from_switch) & (src != dst)
+        pair = ~(to_switch | from_switch | to_net | from_net) & (src != dst)
         s, d = src[pair], dst[pair]
         rows = np.flatnonzero(pair)
         same_node = self.node_of(s) == self.node_of(d)
@@ -138,6 +142,13 @@ class Topology:
         for col, hop in enumerate(hops):
             out[inter, col] = hop
         return _compact(out)
+
+    @cached_property
+    def non_spine_links(self) -> np.ndarray:
+        """Mask of the links inside nodes and of the NICs (everything but leaf <-> spine)."""
+        mask = np.ones(self.num_links, dtype=bool)
+        mask[self._leaf_up:self._fabric] = False
+        return mask
 
     def path_latency_s(self, routes: np.ndarray) -> np.ndarray:
         """Sum of link latencies along each route."""

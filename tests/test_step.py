@@ -123,7 +123,9 @@ def test_fp8_runs_matmuls_at_the_fp8_peak_and_the_rest_at_bf16():
     spec = load_cluster("dgx-h100")
     fp8 = ComputeModel.for_cluster(spec, "fp8", 2)
     bf16 = ComputeModel.for_cluster(spec, "bf16", 2)
-    assert fp8.matmul_rate(8192, 8192, 8192) == 2 * bf16.matmul_rate(8192, 8192, 8192)  # 1979 vs 989.5 TFLOP/s
+    # 1979 x 0.709 vs 989.5 x 0.803 TFLOP/s: each dtype at its own maximum achievable matmul rate
+    assert fp8.matmul_rate(8192, 8192, 8192) / bf16.matmul_rate(8192, 8192, 8192) == pytest.approx(
+        1979 * 0.709 / (989.5 * 0.803))
     assert fp8.time(flops=1e12) == bf16.time(flops=1e12)  # attention core and other FLOPs stay bf16
     plan = Plan(model=load_model("llama3-8b"), dp=8, dtype="fp8")
     assert predict_step(plan, spec).step_s < predict_step(Plan(model=load_model("llama3-8b"), dp=8, dtype="bf16"),

@@ -20,6 +20,13 @@ Transfers travel over the cluster's links (NVLink/NVSwitch or PCIe inside a
 node, NICs, leaf and spine switches between nodes) in a discrete-event,
 flow-level simulation; links shared by several transfers split their bandwidth.
 
+On clusters whose file has an nccl: section (the built-in GPU clusters) the
+algorithm and protocol (LL, LL128, Simple) are the ones NCCL's tuner picks, and
+the time is NCCL's own cost model (its channels, latencies and protocol
+efficiencies, from NCCL's source) carried onto those links; --explain prints
+NCCL's tuning table. Accuracy against published nccl-tests runs:
+docs/nccl-accuracy.md.
+
 Bandwidths follow nccl-tests: algbw = size / time; busbw = algbw x a factor
 (2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for
 broadcast) that makes it comparable to a link's speed whatever the rank count.
@@ -28,6 +35,7 @@ For all-gather and reduce-scatter, --size is the total of all ranks' chunks.
 examples:
   parsim collective all-reduce --cluster dgx-h100 --gpus 8 --size 1GiB --explain
   parsim collective all-reduce --cluster dgx-h100 --nodes 64 --size 1GiB
+  parsim collective all-reduce --cluster dgx-a100 --gpus 8 --size 16MiB --algorithm ring --protocol Simple
   parsim collective reduce-scatter --gpus 8 --sweep 1KiB:8GiB --plot bw.png
 """
 
@@ -42,6 +50,8 @@ def register(subparsers) -> None:
     p.add_argument("--sweep", metavar="MIN:MAX[:FACTOR]", help="a table over sizes, e.g. 1KiB:8GiB")
     p.add_argument("--algorithm", default="auto", choices=("auto",) + ALGORITHMS,
                    help="force an algorithm (default: the fastest NCCL would pick)")
+    p.add_argument("--protocol", default="auto", choices=("auto", "LL", "LL128", "Simple"),
+                   help="force NCCL's protocol (clusters with an nccl: section; default: the tuner's pick)")
     p.add_argument("--explain", action="store_true", help="walk through the arithmetic step by step")
     p.add_argument("--plot", metavar="PNG", help="with --sweep: save bandwidth against size")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -54,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     group = np.arange(gpus)
     if args.sweep:
         sizes = parse_size_range(args.sweep)
-        predictions = [predict(topo, op, size, group, args.algorithm) for size in sizes]
+        predictions = [predict(topo, op, size, group, args.algorithm, protocol=args.protocol) for size in sizes]
         if args.json:
             print_json([p.result().to_dict() for p in predictions])
         else:
@@ -66,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                            title=f"{op.replace('_', '-')} on {gpus} GPUs of {topo.spec.name}")
             print(f"wrote {args.plot}")
         return 0
-    prediction = predict(topo, op, parse_size(args.size), group, args.algorithm)
+    prediction = predict(topo, op, parse_size(args.size), group, args.algorithm, protocol=args.protocol)
     if args.json:
         row = prediction.result().to_dict()
         row["phases"] = [vars(p) for p in prediction.phases]
@@ -85,8 +95,9 @@ def summary(prediction, topo) -> str:
         f"{name} of {format_size(r.size_bytes)} on {r.nranks} GPUs of {topo.spec.name} ({topo.nodes} node(s))",
         f"  time        {format_time(r.time_s)}",
         f"  algbw       {r.algbw_Bps / 1e9:.1f} GB/s   (size / time)",
-        f"  busbw       {r.busbw_Bps / 1e9:.1f} GB/s   (algbw x {r.busbw_Bps / r.algbw_Bps:.3g}, comparable to link speed)",
-        f"  algorithm   {prediction.algorithm}" + _candidates(prediction),
+        f"  busbw       {r.busbw_Bps / 1e9:.1f} GB/s   "
+        f"(algbw x {r.busbw_Bps / r.algbw_Bps:.3g}, comparable to link speed)",
+        f"  algorithm   {_algorithm(prediction)}" + _candidates(prediction),
         f"  bottleneck  {r.extra['bottleneck'] or '-'}",
         f"  lower bound {format_time(prediction.lower_bound_s)}: {prediction.lower_bound_reason}",
         f"  reached     {prediction.lower_bound_s / r.time_s:.0%} of the lower bound",
@@ -95,11 +106,23 @@ def summary(prediction, topo) -> str:
     return "\n".join(lines)
 
 
+def _algorithm(prediction) -> str:
+    """The algorithm, with NCCL's name, protocol and channels where NCCL's model timed it."""
+    c = prediction.nccl
+    if c is None:
+        return prediction.algorithm
+    return (f"{prediction.algorithm} (NCCL {c.chosen.algo}, protocol {c.chosen.proto}, "
+            f"{c.channels}/{c.max_channels} channels)")
+
+
 def _candidates(prediction) -> str:
     if not prediction.candidates:
         return ""
-    others = ", ".join(f"{a} {format_time(t)}" for a, t in sorted(prediction.candidates.items(), key=lambda kv: kv[1]))
-    return f"   (fastest of: {others})"
+    ranked = sorted(prediction.candidates.items(), key=lambda kv: kv[1])
+    others = ", ".join(f"{a} {format_time(t)}" for a, t in ranked[:4])
+    more = f", +{len(ranked) - 4} more" if len(ranked) > 4 else ""
+    what = "NCCL's tuning table" if prediction.nccl is not None else "fastest of"
+    return f"\n              ({what}: {others}{more}; --explain lists them)"
 
 
 def sweep_table(predictions, cluster: str) -> str:
@@ -107,7 +130,7 @@ def sweep_table(predictions, cluster: str) -> str:
     for p in predictions:
         r = p.result()
         rows.append([format_size(r.size_bytes), r.size_bytes, format_time(r.time_s),
-                     round(r.algbw_Bps / 1e9, 2), round(r.busbw_Bps / 1e9, 2), p.algorithm])
+                     round(r.algbw_Bps / 1e9, 2), round(r.busbw_Bps / 1e9, 2), p.algorithm, p.protocol or "-"])
     first = predictions[0]
     title = f"{first.op.replace('_', '-')} on {first.nranks} GPUs of {cluster} (simulated)"
-    return render_table(["size", "bytes", "time", "algbw GB/s", "busbw GB/s", "algorithm"], rows, title)
+    return render_table(["size", "bytes", "time", "algbw GB/s", "busbw GB/s", "algorithm", "protocol"], rows, title)

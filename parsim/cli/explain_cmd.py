@@ -11,7 +11,7 @@ from ..errors import ParsimError
 from ..schedules import (KIND_NAMES, SCHEDULES, IdealTiming, Schedule, closed_form, make_schedule, peak_in_flight,
                          simulate_ideal)
 from ..table import render_table
-from . import explain_memory
+from . import explain_compute, explain_memory
 from .common import print_json
 
 HELP = """\
@@ -20,6 +20,7 @@ Explain a number parsim prints, step by step.
 topics:
   bubble   the pipeline bubble of a schedule: closed form, simulation, memory, picture
   memory   a plan's memory per GPU: bytes per parameter, ZeRO, activations, in-flight microbatches
+  compute  one layer's kernels on one GPU: matmul shapes and rates, attention, memory-bound work
 """
 
 BUBBLE_HELP = f"""\
@@ -42,7 +43,7 @@ examples:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("explain", help="explain a number step by step (bubble, memory)", description=HELP,
+    p = subparsers.add_parser("explain", help="explain a number step by step (bubble, memory, compute)", description=HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     topics = p.add_subparsers(dest="topic", metavar="TOPIC")
     p.set_defaults(func=lambda args: _missing_topic(p))
@@ -62,6 +63,7 @@ def register(subparsers) -> None:
     b.add_argument("--json", action="store_true", help="print JSON for scripts")
     b.set_defaults(func=run_bubble)
     explain_memory.register(topics)
+    explain_compute.register(topics)
 
 
 def _missing_topic(parser: argparse.ArgumentParser) -> int:

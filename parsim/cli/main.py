@@ -18,7 +18,7 @@ from ..errors import ParsimError
 # Subcommand modules, in the order --help lists them.
 COMMANDS = (
     "clusters", "collective", "bench", "calibrate", "compare",
-    "plan", "simulate", "explain", "run",
+    "plan", "simulate", "explain", "run", "validate",
 )
 
 DESCRIPTION = """\
@@ -36,6 +36,7 @@ examples:
   parsim explain memory llama3-405b-16k
   parsim run course-pp --nproc 2
   parsim compare course-pp --cluster my-host.yaml --nproc 2 --trace both.json
+  parsim validate megatron-sc21-table1
 """
 
 

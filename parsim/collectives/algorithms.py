@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ParsimError
-from ..topology import SWITCH, Topology
+from ..topology import NET_SWITCH, SWITCH, Topology
+from .nccl import nccl_choice
 
-ALGORITHMS = ("ring", "tree", "recursive", "direct", "hierarchical", "in_switch", "via_all_reduce")
+ALGORITHMS = ("ring", "tree", "recursive", "direct", "hierarchical", "in_switch", "nvls_tree", "pat", "collnet",
+              "via_all_reduce")
 
 # Which algorithms can run which operation.
 SUPPORTS = {
@@ -32,7 +34,10 @@ SUPPORTS = {
     "direct": {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
                "all_to_all", "send_recv"},
     "hierarchical": {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"},
-    "in_switch": {"all_reduce"},
+    "in_switch": {"all_reduce", "all_gather", "reduce_scatter"},  # NCCL's NVLS
+    "nvls_tree": {"all_reduce"},  # NCCL's NVLSTree: NVLS inside nodes, trees between them
+    "pat": {"all_gather", "reduce_scatter"},  # NCCL's PAT (parallel aggregated trees), one GPU per node
+    "collnet": {"all_reduce"},  # NCCL's CollNet: reduction inside the InfiniBand switches (SHARP)
     # gloo runs reduce_scatter_tensor as a ring all-reduce of the whole buffer, then keeps its chunk.
     "via_all_reduce": {"reduce_scatter"},
 }
@@ -55,6 +60,8 @@ class Phase:
     reduce_bytes: float = 0.0
     routes: np.ndarray | None = None  # filled in (and kept) by the first simulation of this phase
     overhead_s: float = 0.0  # a backend's fixed cost per call (calibrated), paid before the first phase
+    latency_s: float | None = None  # when set (NCCL's model), replaces steps x the slowest route's latency
+    efficiency: float = 1.0  # payload bytes / bytes the links carry (protocol and channel limits; see nccl.py)
 
     @classmethod
     def of(cls, label: str, src, dst, nbytes, steps: int, reduce_bytes: float = 0.0) -> "Phase":
@@ -80,6 +87,16 @@ def applicable_algorithms(topo: Topology, op: str, group: np.ndarray) -> dict[st
             reasons[name] = f"{topo.spec.name} has no in-switch reduction (NVLS)"
         elif name == "in_switch" and len(nodes) > 1:
             reasons[name] = "in-switch reduction works inside one NVLink domain (node)"
+        elif name == "nvls_tree" and not topo.spec.intra.in_switch_reduction:
+            reasons[name] = f"{topo.spec.name} has no in-switch reduction (NVLS)"
+        elif name == "nvls_tree" and (len(nodes) < 2 or not _uniform_nodes(topo, group)):
+            reasons[name] = "NVLSTree needs ranks on several nodes, the same number on each"
+        elif name == "pat" and len(nodes) != n:
+            reasons[name] = "PAT runs with one GPU per node"
+        elif name == "collnet" and not (topo.spec.nccl and topo.spec.nccl.collnet):
+            reasons[name] = f"{topo.spec.name} declares no in-network reduction (nccl.collnet: true)"
+        elif name == "collnet" and (len(nodes) < 2 or not _uniform_nodes(topo, group)):
+            reasons[name] = "CollNet needs ranks on several nodes, the same number on each"
         elif name == "direct" and op in ("all_gather", "reduce_scatter", "all_reduce") and len(nodes) > 1:
             reasons[name] = f"direct {op.replace('_', '-')} (one-shot exchange) is an intra-node algorithm"
         elif name == "direct" and op == "all_to_all" and n * (n - 1) > MAX_DIRECT_FLOWS:
@@ -94,8 +111,13 @@ def applicable_algorithms(topo: Topology, op: str, group: np.ndarray) -> dict[st
 
 
 def build_phases(topo: Topology, op: str, algorithm: str, group: np.ndarray, size: float,
-                 root: int = 0) -> list[Phase]:
-    """Phases of ``op`` on ``group`` (GPU ids, in rank order) with ``algorithm``."""
+                 root: int = 0, protocol: str | None = None) -> list[Phase]:
+    """Phases of ``op`` on ``group`` (GPU ids, in rank order) with ``algorithm``.
+
+    On a cluster whose file describes NCCL (``nccl:``), an algorithm NCCL runs
+    gets NCCL's latency and bandwidth for ``protocol`` (default: the protocol
+    NCCL's tuner would pick for it at this size): see :func:`apply_nccl`.
+    """
     reason = applicable_algorithms(topo, op, group).get(algorithm)
     if reason is None:
         raise ParsimError(f"unknown algorithm {algorithm!r} (expected one of: {', '.join(ALGORITHMS)})")
@@ -105,15 +127,81 @@ def build_phases(topo: Topology, op: str, algorithm: str, group: np.ndarray, siz
     if len(group) == 1:
         return []
     builder = {"ring": _ring, "tree": _tree, "recursive": _recursive, "direct": _direct,
-               "hierarchical": _hierarchical, "in_switch": _in_switch, "via_all_reduce": _via_all_reduce}[algorithm]
+               "hierarchical": _hierarchical, "in_switch": _in_switch, "nvls_tree": _nvls_tree, "pat": _pat,
+               "collnet": _collnet, "via_all_reduce": _via_all_reduce}[algorithm]
     phases = builder(topo, op, group, float(size), root)
+    choice = nccl_choice(topo, op, algorithm, group, size, protocol)
+    if choice is not None:
+        apply_nccl(topo, op, algorithm, group, phases, choice)
+        return phases
     efficiency = topo.spec.collective_efficiency.get(op, 1.0)
     if efficiency != 1.0:  # a calibrated backend moves this op's bytes slower than its links allow
         for phase in phases:
             phase.nbytes = phase.nbytes / efficiency
+            phase.efficiency = efficiency
     if phases:
         phases[0].overhead_s = topo.spec.collective_overhead_s.get(op, 0.0)
     return phases
+
+
+def apply_nccl(topo: Topology, op: str, algorithm: str, group: np.ndarray, phases: list[Phase], choice) -> None:
+    """Give ``phases`` NCCL's time for ``choice`` (a :class:`~parsim.collectives.nccl.Choice`).
+
+    Latency: NCCL's (base + per-hop hardware latencies) plus the kernel's
+    pipeline fill and drain (``choice.fill_us``: the loops of chunks that
+    cross the kernel's stages before the last one starts and after the first
+    one is done, which NCCL's estimate leaves out; see
+    :meth:`~parsim.collectives.nccl.NcclModel.pipeline`), shared among the
+    phases by their steps: the links sit idle for this collective meanwhile,
+    so it is time, not bytes. Bandwidth: every phase's bytes are scaled by one
+    factor so that, alone on the cluster's GPU, NVLink and NIC links, the
+    phases take exactly ``bytes / NCCL's bandwidth`` (its channels x
+    per-channel speed x protocol factors). The scaled bytes are what the links
+    carry (LL sends 8 bytes per 4 of data, Simple loses ~20% to its protocol,
+    channels cap what one collective can draw), so when collectives contend
+    in the step simulator each pays NCCL's overheads on the links it shares;
+    spine links and oversubscription, which NCCL's model does not know, still
+    slow it down (and should NCCL's figure ever exceed the links' peak, the
+    links win: bytes are never scaled down). The reduction is part of NCCL's bandwidth (the kernels sum
+    as they copy), so no separate reduction time is charged.
+    """
+    size = float(choice.nbytes)
+    per_byte = _flow_seconds_per_byte(topo, op, algorithm, group, phases, size)
+    nccl_s = size / (choice.effective_bw_GBps * 1e9)
+    # Never below 1: should NCCL's figure ever exceed what the links carry at their peak, the links win.
+    factor = max(1.0, nccl_s / (per_byte * size)) if per_byte > 0 else 1.0
+    steps = sum(p.steps for p in phases) or 1
+    for phase in phases:
+        phase.nbytes = phase.nbytes * factor
+        phase.reduce_bytes = 0.0
+        phase.latency_s = (choice.latency_us + choice.fill_us) * 1e-6 * phase.steps / steps
+        phase.efficiency = 1.0 / factor
+        phase.label = f"{phase.label} [NCCL {choice.chosen.name}]"
+
+
+def _flow_seconds_per_byte(topo: Topology, op: str, algorithm: str, group: np.ndarray, phases: list[Phase],
+                           size: float) -> float:
+    """Seconds per byte of ``size`` the phases need at the links' peak, counting GPU, fabric and NIC links
+    (not the spine). Every phase's busiest link bounds it; cached per group shape (as the step simulator's
+    algorithm choice is), since every group of one shape loads its links alike."""
+    cache = topo.__dict__.setdefault("_nccl_flow_cache", {})
+    nodes, units = topo.node_of(group), topo.unit_of(group)
+    key = (op, algorithm, (group % topo.gpus_per_node).tobytes(), (nodes - nodes[0]).tobytes(),
+           (units - units[0]).tobytes())
+    if key not in cache:
+        local = topo.non_spine_links
+        total = 0.0
+        for phase in phases:
+            if phase.routes is None:
+                phase.routes = topo.routes(phase.src, phase.dst)
+            valid = phase.routes >= 0
+            load = np.bincount(phase.routes[valid], weights=np.repeat(phase.nbytes, valid.sum(axis=1)),
+                               minlength=topo.num_links)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                busy = np.where(local & (load > 0), load / topo.capacity_Bps, 0.0)
+            total += float(busy.max(initial=0.0))
+        cache[key] = total / size
+    return cache[key]
 
 
 # -- ring ------------------------------------------------------------------
@@ -209,6 +297,11 @@ def _tree_shape(n: int) -> tuple[tuple[np.ndarray, np.ndarray], int]:
     for tree in trees:
         tree.flags.writeable = False
     return trees, max(tree_depth(t) for t in trees)
+
+
+def double_tree_depth(n: int) -> int:
+    """Depth of NCCL's double binary tree over ``n`` ranks (or nodes): the deeper of its two trees."""
+    return _tree_shape(n)[1]
 
 
 def _tree(topo: Topology, op: str, group: np.ndarray, size: float, root: int) -> list[Phase]:
@@ -361,13 +454,90 @@ def _in_switch(topo: Topology, op: str, group: np.ndarray, size: float, root: in
     """NVLS all-reduce: the switch sums each 1/n chunk as GPUs read it (multimem.ld_reduce)
     and multicasts the result (multimem.st). Each GPU sends its whole buffer plus
     one reduced chunk and receives one reduced chunk plus the whole result:
-    ``(n+1)/n`` of the buffer each way, against ``2(n-1)/n`` for a ring."""
+    ``(n+1)/n`` of the buffer each way, against ``2(n-1)/n`` for a ring.
+    All-gather is the multicast half, reduce-scatter the reducing half."""
     n = len(group)
+    up, down = np.full(n, SWITCH), np.full(n, SWITCH)
+    if op == "all_gather":  # each GPU writes its chunk once; the switch copies it to the others
+        return [Phase.of(f"in-switch multicast: each GPU sends its 1/{n} chunk once, receives the other {n - 1}",
+                         np.concatenate([group, down]), np.concatenate([up, group]),
+                         np.concatenate([np.full(n, size / n), np.full(n, (n - 1) / n * size)]), 1)]
+    if op == "reduce_scatter":  # the switch reads every GPU's copy of a chunk and returns the sum
+        return [Phase.of(f"in-switch reduce: each GPU's buffer is read once, each receives its summed 1/{n}",
+                         np.concatenate([group, down]), np.concatenate([up, group]),
+                         np.concatenate([np.full(n, (n - 1) / n * size), np.full(n, size / n)]), 1)]
     per_direction = (n + 1) / n * size
-    src = np.concatenate([group, np.full(n, SWITCH)])
-    dst = np.concatenate([np.full(n, SWITCH), group])
+    src = np.concatenate([group, down])
+    dst = np.concatenate([up, group])
     return [Phase.of(f"in-switch reduce + multicast: {n + 1}/{n} of the buffer each way per GPU",
                      src, dst, per_direction, 2)]
+
+
+def _nvls_tree(topo: Topology, op: str, group: np.ndarray, size: float, root: int) -> list[Phase]:
+    """NCCL's NVLSTree all-reduce, one pipelined phase: inside each node the NVSwitch sums the buffer into
+    one share per head GPU (the GPU beside each NIC, as NCCL's NVLS search picks heads); the heads of each
+    rail run double binary trees across nodes on their share; the switch multicasts the result back."""
+    per_node = _by_node(topo, group)  # nodes x g
+    heads = _heads(topo, per_node)
+    nodes, h = heads.shape
+    share = size / h
+    trees, depth = _tree_shape(nodes)
+    src = [per_node.ravel(), np.full(heads.size, SWITCH)]  # every GPU into the switch, each head's sum out
+    dst = [np.full(per_node.size, SWITCH), heads.ravel()]
+    sizes = [np.full(per_node.size, size), np.full(heads.size, share)]
+    src += [heads.ravel(), np.full(per_node.size, SWITCH)]  # each head's result multicast to every GPU
+    dst += [np.full(heads.size, SWITCH), per_node.ravel()]
+    sizes += [np.full(heads.size, share), np.full(per_node.size, size)]
+    for column in heads.T:  # one pair of trees per head (rail), each tree carrying half of the head's share
+        for tree in trees:
+            kids = np.flatnonzero(tree >= 0)
+            src += [column[kids], column[tree[kids]]]
+            dst += [column[tree[kids]], column[kids]]
+            sizes += [np.full(2 * len(kids), share / 2)]
+    return [Phase.of(f"NVLS inside {nodes} nodes ({h} heads) + trees across them, depth {depth}, pipelined",
+                     np.concatenate(src), np.concatenate(dst), np.concatenate(sizes), 2 + 2 * depth,
+                     reduce_bytes=share)]
+
+
+def _pat(topo: Topology, op: str, group: np.ndarray, size: float, root: int) -> list[Phase]:
+    """NCCL's PAT (parallel aggregated trees) all-gather / reduce-scatter for one GPU per node: log2(n)
+    rounds of doubling distances, moving the bandwidth-optimal (n-1)/n of the buffer (a ring where n is
+    not a power of two)."""
+    n = len(group)
+    phases = _recursive(topo, op, group, size, root) if n & (n - 1) == 0 else _ring(topo, op, group, size, root)
+    for phase in phases:
+        phase.label = f"PAT: {phase.label}"
+    return phases
+
+
+def _collnet(topo: Topology, op: str, group: np.ndarray, size: float, root: int) -> list[Phase]:
+    """NCCL's CollNet all-reduce, one pipelined phase: inside each node the GPUs reduce-scatter to the
+    heads (GPUs beside a NIC) over NVLink; each head sends its share into the InfiniBand switch, which
+    sums it across nodes (SHARP) and returns it; the heads all-gather inside the node. Aggregation above
+    the leaf switches is not modelled."""
+    per_node = _by_node(topo, group)
+    heads = _heads(topo, per_node)
+    nodes, h = heads.shape
+    share = size / h
+    src, dst = [], []
+    for node in range(nodes):
+        a, b = np.meshgrid(per_node[node], heads[node], indexing="ij")
+        off = a != b
+        src += [a[off], b[off]]  # reduce-scatter to the heads, then all-gather from them
+        dst += [b[off], a[off]]
+    n_intra = sum(len(x) for x in src)
+    src += [heads.ravel(), np.full(heads.size, NET_SWITCH)]
+    dst += [np.full(heads.size, NET_SWITCH), heads.ravel()]
+    sizes = np.concatenate([np.full(n_intra, share), np.full(2 * heads.size, share)])
+    return [Phase.of(f"CollNet: reduce-scatter to {h} heads per node, in-network reduction, all-gather",
+                     np.concatenate(src), np.concatenate(dst), sizes, 4, reduce_bytes=(per_node.shape[1] - 1) * share)]
+
+
+def _heads(topo: Topology, per_node: np.ndarray) -> np.ndarray:
+    """The first GPU of the group on each NIC of each node (nodes x heads): NCCL's NVLS / CollNet heads."""
+    rails = topo.nic_of(per_node[0]) % topo.nics_per_node
+    _, first = np.unique(rails, return_index=True)
+    return per_node[:, np.sort(first)]
 
 
 def _via_all_reduce(topo: Topology, op: str, group: np.ndarray, size: float, root: int) -> list[Phase]:

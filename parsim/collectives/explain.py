@@ -25,16 +25,21 @@ def explain(p: CollectivePrediction, topo: Topology) -> str:
         out.append(f"   Between nodes: {topo.nics_per_node} NICs per node at {so.nic_bw_Bps * 8 / 1e9:.0f} Gb/s "
                    f"= {so.nic_bw_Bps / 1e9:.1f} GB/s each, {so.latency_s * 1e6:.2g} us NIC to NIC.")
     out.append("")
-    out.append(f"2. The algorithm: {p.algorithm}")
-    if p.candidates:
-        for alg, time in sorted(p.candidates.items(), key=lambda kv: kv[1]):
-            out.append(f"   {alg:<12} {format_time(time)}" + ("   <- fastest, chosen" if alg == p.algorithm else ""))
+    if p.nccl is not None:
+        out += _nccl_tuner(p)
+    else:
+        out.append(f"2. The algorithm: {p.algorithm}")
+        if p.candidates:
+            for alg, time in sorted(p.candidates.items(), key=lambda kv: kv[1]):
+                mark = "   <- fastest, chosen" if alg == p.algorithm else ""
+                out.append(f"   {alg:<12} {format_time(time)}{mark}")
     out.append("")
     out.append("3. Phase by phase (time = latency steps + bytes over the busiest link + reduction)")
     for i, ph in enumerate(p.phases, 1):
         out.append(f"   {i}) {ph.label}")
+        carried = f" (payload / {ph.efficiency:.3g})" if ph.efficiency != 1.0 else ""
         out.append(f"      {ph.flows} concurrent flows; the busiest link, {ph.bottleneck}, carries "
-                   f"{format_size(ph.bottleneck_bytes)} at {ph.bottleneck_bw_Bps / 1e9:.1f} GB/s")
+                   f"{format_size(ph.bottleneck_bytes)}{carried} at {ph.bottleneck_bw_Bps / 1e9:.1f} GB/s")
         out.append(f"      latency {format_time(ph.latency_s)} + transfer {format_time(ph.transfer_s)}"
                    f" + reduce {format_time(ph.reduce_s)} = {format_time(ph.time_s)}")
     out.append(f"   total: {format_time(t)}")
@@ -56,6 +61,79 @@ def explain(p: CollectivePrediction, topo: Topology) -> str:
     out.append(f"   reached {p.lower_bound_s / t:.0%} of it (latency and reduction are the rest; in-switch")
     out.append("   reduction can beat this bound, because the switch does part of the moving).")
     return "\n".join(out)
+
+
+def _nccl_tuner(p: CollectivePrediction) -> list[str]:
+    """Section 2 on clusters timed with NCCL's model: its channels, its tuning table, its pick."""
+    c = p.nccl
+    chosen = c.chosen
+    out = [f"2. The algorithm and protocol, as NCCL's tuner picks them: {chosen.algo} / {chosen.proto} "
+           f"(parsim's {p.algorithm})",
+           "   NCCL's topology search found these channels (channels x GB/s per channel, NCCL's link units):"]
+    for name, graph in c.graphs.items():
+        out.append(f"     {name:<13} {graph.describe()}")
+    out += ["   Each cell of NCCL's tuning table is  time = latency + bytes / bandwidth  (tuning.cc):",
+            f"   {'algorithm/protocol':<20} {'latency':>10} {'bandwidth':>12} {'time':>10}"]
+    for cand in c.candidates:
+        mark = "   <- least time, chosen" if cand.name == chosen.name else ""
+        out.append(f"   {cand.name:<20} {cand.latency_us:>7.1f} us {cand.bw_GBps:>7.1f} GB/s "
+                   f"{cand.time_us:>7.1f} us{mark}")
+    for algo, why in c.disabled.items():
+        out.append(f"   {algo:<20} not used: {why}")
+    out.append("   (bandwidth here is what the tuner divides the bytes by: busbw-like figures are converted")
+    out.append("   to the message's own rate, e.g. x n / 2(n-1) for a ring all-reduce; LL pays half the wire")
+    out.append("   for its flags, LL128 8/128, trees and NVLS the efficiencies NCCL measured.)")
+    share = f"{c.channels} of {c.max_channels} channels"
+    if c.channels < c.max_channels:
+        out.append(f"   The message is small, so the kernel runs on {share} (enqueue.cc: fewer channels when")
+        out.append("   bytes < channels x threads x threshold): bandwidth scales down with them.")
+    else:
+        out.append(f"   The kernel runs on {share}.")
+    out.append(f"   NCCL's estimate: {c.latency_us:.1f} us + {c.nbytes:,} B / {c.effective_bw_GBps:.1f} GB/s "
+               f"= {c.time_us:.1f} us.")
+    out += _pipeline(c)
+    efficiency = p.phases[0].efficiency if p.phases else 1.0
+    out.append("   On the links each phase carries its bytes / efficiency (here "
+               f"{efficiency:.3g}: payload per byte on the wire at")
+    out.append("   the links' peak), so that alone on this cluster it takes NCCL's time, and collectives that")
+    out.append("   overlap in a training step share links with NCCL's real wire traffic.")
+    return out
+
+
+def _pipeline(c) -> list[str]:
+    """How the kernel streams the message in chunks and loops, and the fill and drain NCCL's estimate omits."""
+    pipe = c.pipeline
+    if pipe is None:
+        return []
+    nvls = c.chosen.algo in ("NVLS", "NVLSTree")
+    source = "NCCL_NVLS_NCHANNELS" if nvls else "enqueue.cc"
+    out = ["   How the kernel streams it (enqueue.cc calcCollChunking, device/*.h), which that estimate leaves out:",
+           f"     a) {pipe.channels} channels ({source}): {c.nbytes:,} B / {pipe.channels} = "
+           f"{pipe.channel_bytes:,.0f} B per channel",
+           f"     b) chunk: {pipe.chunk_steps[0]}"]
+    out += [f"        {note}" for note in pipe.chunk_steps[1:]]
+    unit = ("one" if pipe.chunks_per_loop == 1 else
+            "one per NVLS head" if nvls else "one per rank")
+    out.append(f"     c) a loop moves {pipe.chunks_per_loop} chunk(s) ({unit}) = {pipe.loop_bytes:,} B per channel: "
+               f"{pipe.loops} loop(s)")
+    per_channel = c.effective_bw_GBps / pipe.channels
+    out.append(f"     d) the largest loop at NCCL's bandwidth: {pipe.first_loop_bytes:,.0f} B / "
+               f"({c.effective_bw_GBps:.1f} GB/s / {pipe.channels}) = {pipe.loop_us:.1f} us "
+               f"({per_channel:.2f} GB/s per channel)")
+    out.append(f"     e) a chunk's path: {pipe.path}")
+    if pipe.handoffs == 0:
+        out.append(f"     f) no fill to pay: {pipe.why}.")
+        return out
+    share = " / 2" if pipe.flows == 2 else ""
+    out.append(f"     f) {pipe.handoffs} hand-offs, each passing a chunk on only once it holds all of it (a FIFO of "
+               "NCCL_STEPS = 8 chunk slots)")
+    if pipe.flows == 2:
+        out.append("        the reducing and broadcasting halves share every link, so while the pipe fills (only the")
+        out.append("        first runs) and drains (only the second) a hand-off takes half a loop")
+    out.append(f"        fill + drain = {pipe.handoffs} x {pipe.loop_us:.1f} us{share} = {pipe.fill_us:.1f} us")
+    out.append(f"   parsim's time alone: {c.time_us:.1f} us + {pipe.fill_us:.1f} us = {c.predicted_us:.1f} us "
+               "(the fill is paid as latency below).")
+    return out
 
 
 def _factor_text(op: str) -> str:

@@ -18,6 +18,7 @@ from ..network import Network
 from ..results import CollectiveResult
 from ..topology import Topology
 from .algorithms import Phase, applicable_algorithms, build_phases
+from .nccl import PARSIM_ALGORITHM, PROTOS, Choice, model_for, nccl_choice
 
 
 @dataclass
@@ -32,6 +33,7 @@ class PhaseTiming:
     bottleneck_bytes: float  # what the bottleneck link carried
     bottleneck: str  # the link that needed the most time alone
     bottleneck_bw_Bps: float
+    efficiency: float = 1.0  # payload / bytes on the links (NCCL's protocol and channel limits, or calibrated)
 
     @property
     def time_s(self) -> float:
@@ -50,14 +52,19 @@ class CollectivePrediction:
     lower_bound_reason: str
     candidates: dict[str, float] = field(default_factory=dict)  # algorithm -> time, when chosen automatically
     cluster: str = ""
+    protocol: str = ""  # NCCL's protocol (LL, LL128, Simple) where the cluster is timed with NCCL's model
+    nccl: Choice | None = None  # NCCL's tuning table and channels, for --explain
 
     def result(self) -> CollectiveResult:
         bottleneck = max(self.phases, key=lambda p: p.transfer_s).bottleneck if self.phases else ""
+        extra = {"lower_bound_s": self.lower_bound_s, "bottleneck": bottleneck, "candidates_s": self.candidates}
+        if self.nccl is not None:
+            extra.update(protocol=self.protocol, nccl_algorithm=self.nccl.chosen.algo, channels=self.nccl.channels,
+                         max_channels=self.nccl.max_channels, nccl_estimate_s=self.nccl.chosen.time_us * 1e-6,
+                         pipeline_fill_s=self.nccl.fill_us * 1e-6)
         return CollectiveResult(
             op=self.op, nranks=self.nranks, size_bytes=self.size_bytes, time_s=self.time_s,
-            algorithm=self.algorithm, source="simulated", backend="simpy", cluster=self.cluster,
-            extra={"lower_bound_s": self.lower_bound_s, "bottleneck": bottleneck,
-                   "candidates_s": self.candidates},
+            algorithm=self.algorithm, source="simulated", backend="simpy", cluster=self.cluster, extra=extra,
         )
 
 
@@ -77,7 +84,7 @@ def simulate_phases(env: simpy.Environment, net: Network, topo: Topology, phases
         if phase.routes is None:
             phase.routes = topo.routes(phase.src, phase.dst)
         routes = phase.routes
-        latency = phase.steps * float(topo.path_latency_s(routes).max(initial=0.0)) + phase.overhead_s
+        latency = phase_latency_s(topo, phase, routes)
         before = net.link_bytes.copy() if timings is not None else None
         if latency:
             yield env.timeout(latency)
@@ -89,11 +96,20 @@ def simulate_phases(env: simpy.Environment, net: Network, topo: Topology, phases
             yield env.timeout(reduce)
         if timings is not None:
             moved = net.link_bytes - before
-            busiest = int(np.argmax(moved / net.capacity))  # ties go to the lowest index: GPU links first
+            busy = moved / net.capacity
+            busiest = int(np.argmax(busy >= busy.max() * (1 - 1e-9)))  # ties (to rounding) go to GPU links first
             timings.append(PhaseTiming(
                 phase.label, len(phase.src), latency, transfer, reduce, float(moved[busiest]),
-                topo.link_name(busiest), float(net.capacity[busiest]),
+                topo.link_name(busiest), float(net.capacity[busiest]), phase.efficiency,
             ))
+
+
+def phase_latency_s(topo: Topology, phase: Phase, routes: np.ndarray) -> float:
+    """A phase's latency: NCCL's share of its collective's latency where the NCCL model set one, else
+    ``steps`` x the slowest route's latency; plus a calibrated backend's fixed cost."""
+    if phase.latency_s is not None:
+        return phase.latency_s + phase.overhead_s
+    return phase.steps * float(topo.path_latency_s(routes).max(initial=0.0)) + phase.overhead_s
 
 
 def time_phases(topo: Topology, phases: list[Phase]) -> tuple[float, list[PhaseTiming]]:
@@ -107,21 +123,38 @@ def time_phases(topo: Topology, phases: list[Phase]) -> tuple[float, list[PhaseT
 
 
 def predict(topo: Topology, op: str, size: int, group=None, algorithm: str = "auto",
-            root: int = 0) -> CollectivePrediction:
+            root: int = 0, protocol: str = "auto") -> CollectivePrediction:
     """Predict ``op`` of ``size`` bytes on ``group`` (default: every GPU) of an idle cluster.
 
     ``algorithm="auto"`` uses the cluster file's choice for ``op`` if it names one
-    (calibrated backends), else simulates every algorithm NCCL has for ``op`` and
-    keeps the fastest, as NCCL's tuner picks the fastest for the size.
+    (calibrated backends). On a cluster with an ``nccl:`` section it then takes
+    the algorithm and protocol NCCL's tuner picks (least latency + bytes /
+    bandwidth in NCCL's own model, :mod:`~parsim.collectives.nccl`) and runs
+    that on the network; elsewhere it simulates every algorithm NCCL has for
+    ``op`` at the links' peak speeds and keeps the fastest.
     """
     group = np.arange(topo.num_gpus) if group is None else np.asarray(group, dtype=np.int64)
     if not 0 <= root < len(group):
         raise ParsimError(f"root {root} is not a rank of the {len(group)}-rank group")
+    proto = None if protocol in (None, "auto") else protocol
+    if proto is not None and proto not in PROTOS:
+        raise ParsimError(f"unknown protocol {protocol!r} (expected auto or one of: {', '.join(PROTOS)})")
     candidates: dict[str, float] = {}
     if algorithm == "auto" and op in topo.spec.algorithms:
         algorithm = topo.spec.algorithms[op]
+    model = model_for(topo, group)
+    choice = None
+    if algorithm == "auto" and model is not None and op in NCCL_TUNED:
+        usable = [a for a, why in applicable_algorithms(topo, op, group).items() if not why]
+        algos = tuple(a for a, name in PARSIM_ALGORITHM.items() if name in usable)
+        choice = model.choose(op, int(size), algos, proto)
+        if choice is None:
+            raise ParsimError(f"NCCL has no {protocol} protocol for {op.replace('_', '-')} on {len(group)} ranks")
+        algorithm = PARSIM_ALGORITHM[choice.chosen.algo]
+        candidates = {c.name: c.time_us * 1e-6 for c in choice.candidates}
     if algorithm == "auto":
-        usable = [a for a, why in applicable_algorithms(topo, op, group).items() if not why and a in NCCL_ALGORITHMS[op]]
+        usable = [a for a, why in applicable_algorithms(topo, op, group).items()
+                  if not why and a in NCCL_ALGORITHMS[op]]
         if not usable:
             raise ParsimError(f"no algorithm can run {op.replace('_', '-')} on {len(group)} ranks")
         runs = {a: time_phases(topo, build_phases(topo, op, a, group, size, root)) for a in usable}
@@ -129,10 +162,20 @@ def predict(topo: Topology, op: str, size: int, group=None, algorithm: str = "au
         algorithm = min(candidates, key=candidates.get)
         time_s, timings = runs[algorithm]
     else:
-        time_s, timings = time_phases(topo, build_phases(topo, op, algorithm, group, size, root))
+        if choice is None:
+            choice = nccl_choice(topo, op, algorithm, group, size, proto)
+            if choice is not None:
+                candidates = {c.name: c.time_us * 1e-6 for c in choice.candidates}
+            elif proto is not None and model is not None and op in NCCL_TUNED:
+                raise ParsimError(f"NCCL cannot run {algorithm} with protocol {protocol} here")
+        phases = build_phases(topo, op, algorithm, group, size, root, choice.chosen.proto if choice else None)
+        time_s, timings = time_phases(topo, phases)
     bound, reason = lower_bound(topo, op, size, group)
     return CollectivePrediction(op, algorithm, len(group), int(size), time_s, timings, bound, reason,
-                                candidates, topo.spec.name)
+                                candidates, topo.spec.name, choice.chosen.proto if choice else "", choice)
+
+
+NCCL_TUNED = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce")
 
 
 def lower_bound(topo: Topology, op: str, size: float, group: np.ndarray) -> tuple[float, str]:

@@ -1,0 +1,128 @@
+"""``parsim explain compute``: one layer's kernels on one GPU, each with its rate and time."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..cluster import load_cluster
+from ..compute import MATMUL_TILE, ComputeModel
+from ..errors import ParsimError
+from ..kernels import BlockWork, block_work
+from ..table import render_table
+from ..units import format_time
+from .common import DEFAULT_CLUSTER, print_json
+from .plan_cmd import add_plan_args, plan_from_args
+
+HELP = f"""\
+Explain how long one layer's compute takes on one GPU, kernel by kernel.
+
+Each matmul (m x n x k) runs at the GPU's maximum achievable matmul rate
+(compute.matmul_efficiency x peak, a measured best case) times its tile fill:
+the output splits into {MATMUL_TILE} x {MATMUL_TILE} tiles, one per SM at a time, so
+edge tiles and a last partial wave cost whole ones; or, if it moves more bytes
+than it can compute in that time, at HBM speed. The attention core runs in
+FlashAttention at its measured fraction of peak (or, unfused, as batched
+matmuls); norms, activations, residuals and softmax are memory-bound, at the
+measured fraction of HBM bandwidth. Every rate is in the cluster file, with its
+source.
+
+examples:
+  parsim explain compute llama3-70b-1024
+  parsim explain compute --model gpt3-175b --tp 8 --cluster dgx-a100 --dtype fp16
+  parsim explain compute llama3-8b-fsdp8 --layer head
+"""
+
+
+def register(topics) -> None:
+    c = topics.add_parser("compute", help="one layer's kernels on one GPU, step by step", description=HELP,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_args(c)
+    c.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="NAME|FILE",
+                   help=f"cluster whose GPU runs it (default {DEFAULT_CLUSTER})")
+    c.add_argument("--layer", default="layer.0", help="entry to explain: layer.N, embedding or head (default layer.0)")
+    c.add_argument("--json", action="store_true", help="print JSON for scripts")
+    c.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args)
+    spec = load_cluster(args.cluster)
+    model = ComputeModel.for_cluster(spec, plan.dtype, plan.dtype_bytes)
+    costs = {c.name: c for s in range(plan.num_stages) for c in plan.stage_costs(s)}
+    if args.layer not in costs:
+        names = [n for n in costs if not n.startswith("layer.")] + ["layer.0", f"layer.{plan.model.num_layers - 1}"]
+        raise ParsimError(f"--layer {args.layer!r}: the model has {', '.join(names)}")
+    cost = costs[args.layer]
+    passes = ("F", "I", "W") if plan.pipeline.split_backward else ("F", "B")
+    rows, totals = [], {}
+    for kind in passes:
+        totals[kind] = 0.0
+        for block in cost.blocks:
+            work = block_work(plan, block, kind, plan.tokens_per_rank)
+            for row in _rows(model, block.name, work):
+                rows.append({"pass": kind, **row})
+                totals[kind] += row["time_s"]
+    if args.json:
+        print_json({"plan": plan.name, "cluster": spec.name, "layer": cost.name, "tokens": plan.tokens_per_rank,
+                    "kernels": rows, "pass_s": totals})
+        return 0
+    print(_report(plan, spec, model, cost.name, rows, totals))
+    return 0
+
+
+def _rows(model: ComputeModel, block: str, work: BlockWork) -> list[dict]:
+    rows = []
+    for (m, n, k), label in zip(work.matmuls, work.labels):
+        rate, flops = model.matmul_rate(m, n, k), 2.0 * m * n * k
+        time = model.matmul_time(m, n, k)
+        bound = "compute" if time == flops / rate else "memory"
+        rows.append({"block": block, "kernel": label, "shape": f"{m:,} x {n:,} x {k:,}", "flops": flops,
+                     "fill": model.waves(m, n), "bound": bound, "time_s": time})
+    if work.attention_flops or work.attention_grad_flops:
+        backward = bool(work.attention_grad_flops)
+        flops = work.attention_grad_flops or work.attention_flops
+        time = model.time(attention_flops=0 if backward else flops, attention_grad_flops=flops if backward else 0)
+        rows.append({"block": block, "kernel": "attention core (flash" + (", backward)" if backward else ")"),
+                     "shape": "", "flops": flops, "fill": None, "bound": "compute", "time_s": time})
+    for what, nbytes in (("norms, activations, residuals, softmax", work.elementwise_bytes),
+                         ("add weight gradients into .grad", work.accumulate_bytes)):
+        if nbytes:
+            rows.append({"block": block, "kernel": what, "shape": f"{nbytes / 1e6:,.1f} MB", "flops": 0.0,
+                         "fill": None, "bound": "memory", "time_s": model.time(hbm_bytes=nbytes)})
+    if work.kernels and model.kernel_overhead_s:
+        rows.append({"block": block, "kernel": f"{work.kernels} launches", "shape": "", "flops": 0.0, "fill": None,
+                     "bound": "launch", "time_s": work.kernels * model.kernel_overhead_s})
+    return rows
+
+
+PASS_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
+
+
+def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], totals: dict) -> str:
+    peak = (model.matmul_peak_flops or model.peak_flops) / 1e12
+    fwd, bwd = model.attention_efficiency
+    lines = [
+        f"{plan.name}: {layer} on one GPU of {spec.name} (tp {plan.tp}), {plan.tokens_per_rank:,} tokens per "
+        f"microbatch, {plan.dtype}",
+        f"  matmuls     {model.efficiency:g} x {peak:g} TFLOP/s = {model.efficiency * peak:.1f} TFLOP/s at best, "
+        f"x tile fill ({model.sm_count or 'no'} SMs)",
+        f"  attention   forward {fwd:g}, backward {bwd:g} of {model.peak_flops / 1e12:g} TFLOP/s",
+        f"  memory      {model.memory_efficiency:g} x {model.hbm_bw_Bps / 1e9:g} GB/s = "
+        f"{model.memory_bw_Bps / 1e9:.0f} GB/s",
+        "",
+    ]
+    table = [[PASS_NAMES[r["pass"]], r["block"], r["kernel"], r["shape"],
+              f"{r['flops'] / 1e9:,.1f}" if r["flops"] else "",
+              f"{r['fill']:.0%}" if r["fill"] is not None else "",
+              f"{r['flops'] / r['time_s'] / 1e12:.0f}" if r["flops"] else "", r["bound"], format_time(r["time_s"])]
+             for r in rows]
+    lines.append(render_table(["pass", "block", "kernel", "m x n x k", "GFLOP", "fill", "TFLOP/s", "bound", "time"],
+                              table))
+    lines.append("")
+    lines += [f"  {PASS_NAMES[k]:<16} {format_time(t)}" for k, t in totals.items()]
+    flops = sum(r["flops"] for r in rows)
+    total = sum(totals.values())
+    lines.append(f"  {'all passes':<16} {format_time(total)}: {flops / total / 1e12:.0f} TFLOP/s, "
+                 f"{flops / total / 1e12 / (model.peak_flops / 1e12):.0%} of the {model.peak_flops / 1e12:g} "
+                 f"TFLOP/s peak (FLOPs as executed)")
+    return "\n".join(lines)

@@ -1,0 +1,100 @@
+"""What one block's pass runs on a GPU: matmul shapes, attention work, memory-bound bytes.
+
+:func:`block_work` turns a model block (:class:`~parsim.model.Block`) into the
+kernels one rank launches for one microbatch in one pass (``F`` forward, ``B``
+full backward, ``I`` input gradient, ``W`` weight gradient). The lowering
+times it with the cluster's kernel model (:mod:`parsim.compute`);
+``parsim explain compute`` prints it line by line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model import Block, flash_softmax_factor, shard
+from .plan import Plan
+
+
+@dataclass(frozen=True)
+class BlockWork:
+    """One block's kernels in one pass, for one rank and one microbatch."""
+
+    matmuls: tuple[tuple[int, int, int], ...]  # (m, n, k)
+    labels: tuple[str, ...]  # what each matmul computes, for explanations
+    attention_flops: float  # the fused attention core's FLOPs as executed, forward
+    attention_grad_flops: float  # and backward
+    elementwise_bytes: float  # memory-bound kernels' reads and writes
+    accumulate_bytes: float  # adding weight gradients into .grad
+    kernels: int
+
+
+def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
+    """The kernels of ``block`` in a ``kind`` pass over ``tokens`` tokens on one rank.
+
+    Matmuls: a forward ``x[m, k] @ W[k, n]`` per weight; the backward's input
+    gradient ``dY @ Wᵀ`` ``(m, k, n)`` and weight gradient ``Xᵀ @ dY`` ``(k, n, m)``.
+    The attention core runs in FlashAttention (its FLOPs, less the tiles above
+    the causal diagonal, scaled for the softmax's share at small head dims) or
+    unfused (batched matmuls, :func:`unfused_attention`). The memory-bound
+    kernels (:class:`~parsim.model.Elementwise`) move their forward bytes in a
+    forward and their backward bytes in an input-gradient pass; the
+    weight-gradient pass accumulates into ``.grad`` (read both, write one).
+    Kernels launched: one per matmul and one per memory-bound kernel.
+    """
+    tp = plan.tp
+    mms: list[tuple[int, int, int]] = []
+    labels: list[str] = []
+    for mm in block.matmuls:
+        k, n = mm.shape_per_rank(tp)
+        rows = tokens
+        if mm.experts > 1:  # each of this rank's experts takes its share of the ep group's routed tokens
+            rows = round(tokens * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)
+        for _ in range(mm.copies_per_rank(plan.ep)):
+            if kind == "F":
+                mms.append((rows, n, k)), labels.append(mm.name)
+            if kind in ("B", "I"):
+                mms.append((rows, k, n)), labels.append(f"{mm.name} input grad")
+            if kind in ("B", "W"):
+                mms.append((k, n, rows)), labels.append(f"{mm.name} weight grad")
+    attention = block.attention_flops_per_token // tp * tokens
+    attention_fwd = attention_bwd = 0.0
+    core = block.core
+    recompute_core = core is not None and core.kernel == "unfused" and plan.activation_recompute == "selective"
+    if core is not None and core.kernel == "unfused":
+        if recompute_core and kind in ("B", "I"):  # selective recompute: rerun the scores before their backward
+            for shape, label in unfused_attention(plan, core, "F", tokens)[:1]:
+                mms.append(shape), labels.append(f"{label} (recomputed)")
+        for shape, label in unfused_attention(plan, core, kind, tokens):
+            mms.append(shape), labels.append(label)
+    elif attention:
+        work = attention * core.executed_fraction() * flash_softmax_factor(core.head_dim) if core else attention
+        attention_fwd = work if kind == "F" else 0.0
+        attention_bwd = 2 * work if kind in ("B", "I") else 0.0
+    elementwise, kernels = 0.0, len(mms)
+    if kind != "W":
+        backward = kind in ("B", "I")
+        elementwise = tokens * sum(e.bytes_per_token(backward, plan.dtype_bytes, tp, plan.sequence_parallel)
+                                   for e in block.elementwise)
+        kernels += len(block.elementwise)
+        if recompute_core and backward:  # and the softmax and dropout forward over them
+            rerun = [e for e in block.elementwise if e.name.startswith(("attn.softmax", "attn.dropout"))]
+            elementwise += tokens * sum(e.bytes_per_token(False, plan.dtype_bytes, tp, plan.sequence_parallel)
+                                        for e in rerun)
+            kernels += len(rerun)
+    accumulate = sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
+                     for mm in block.matmuls) * plan.dtype_bytes * 3 if kind in ("B", "W") else 0
+    return BlockWork(tuple(mms), tuple(labels), attention_fwd, attention_bwd, elementwise, accumulate, kernels)
+
+
+def unfused_attention(plan: Plan, core, kind: str, tokens: int) -> list[tuple[tuple[int, int, int], str]]:
+    """The unfused core's batched matmuls, the batch (this rank's heads) folded into the rows: scores
+    ``Q Kᵀ`` ``(s, s, d)`` and ``P V`` ``(s, d, s)`` per head forward; the backward computes
+    ``dP = dO Vᵀ``, ``dV = Pᵀ dO``, ``dQ = dS K`` and ``dK = dSᵀ Q``."""
+    if kind == "W":
+        return []
+    rows = tokens * shard(core.heads, plan.tp)  # every local query position of every head
+    d, s = core.head_dim, core.seq
+    if kind == "F":
+        return [((rows, s, d), "scores Q Kᵀ"), ((rows, d, s), "softmax(scores) V")]
+    return [((rows, s, d), "dP = dO Vᵀ"), ((rows, d, s), "dV = Pᵀ dO"), ((rows, d, s), "dQ = dS K"),
+            ((rows, d, s), "dK = dSᵀ Q")]

@@ -1,0 +1,122 @@
+"""The GPU kernel model (parsim.compute) against closed forms, and its cluster-file keys."""
+
+import pytest
+
+from parsim.cli.main import main
+from parsim.cluster import load_cluster
+from parsim.compute import MATMUL_TILE, ComputeModel
+from parsim.model import AttentionCore, flash_softmax_factor, load_model
+from parsim.plan import Plan
+
+A100 = ComputeModel(peak_flops=312e12, hbm_bw_Bps=2039e9, dtype_bytes=2, efficiency=0.869, sm_count=108,
+                    memory_efficiency=0.852, attention_efficiency=(0.73, 0.63))
+
+
+def test_a_matmul_filling_whole_waves_runs_at_the_maximum_achievable_rate():
+    m, n = 108 * MATMUL_TILE, 4 * MATMUL_TILE  # 432 tiles: exactly 4 waves of 108 SMs
+    assert A100.matmul_rate(m, n, 4096) == pytest.approx(312e12 * 0.869)
+
+
+def test_a_last_partial_wave_costs_a_whole_wave():
+    m, n = 109 * MATMUL_TILE, MATMUL_TILE  # 109 tiles: a full wave and one tile alone in the second
+    assert A100.waves(m, n) == pytest.approx(109 / 216)
+
+
+def test_edge_tiles_cost_whole_tiles():
+    # 96 columns fill three quarters of one 128-wide tile; 108 of them fill one wave
+    assert A100.waves(108 * MATMUL_TILE, 96) == pytest.approx(0.75)
+
+
+def test_memory_bound_kernels_run_at_the_measured_fraction_of_hbm():
+    assert A100.time(hbm_bytes=1.737e9) == pytest.approx(1.737e9 / (2039e9 * 0.852))
+
+
+def test_attention_core_forward_and_backward_run_at_their_own_rates():
+    assert A100.time(attention_flops=1e12) == pytest.approx(1e12 / (312e12 * 0.73))
+    assert A100.time(attention_grad_flops=1e12) == pytest.approx(1e12 / (312e12 * 0.63))
+
+
+def test_flash_skips_tiles_above_the_causal_diagonal():
+    core = AttentionCore(heads=32, head_dim=128, seq=4096)
+    n = 4096 // 128
+    assert core.executed_fraction() == pytest.approx((n + 1) / (2 * n))
+    assert AttentionCore(32, 128, 4096, kernel="unfused").executed_fraction() == 1.0
+
+
+def test_smaller_heads_spend_relatively_longer_in_the_softmax():
+    assert flash_softmax_factor(128) == 1.0
+    assert flash_softmax_factor(64) == pytest.approx((1 + 20 / 64) / (1 + 20 / 128))
+
+
+def test_unfused_attention_keeps_the_scores_korthikanti_5as():
+    flash = load_model({"kind": "transformer", "num_layers": 1, "hidden": 1024, "num_heads": 16,
+                        "ffn_hidden": 4096, "seq_len": 2048, "vocab_size": 1000, "dropout": 0.1})
+    unfused = load_model(flash.to_dict() | {"attention_kernel": "unfused"})
+    extra = (unfused.layer_costs(2)[0].activation_bytes_per_token()
+             - flash.layer_costs(2)[0].activation_bytes_per_token())
+    assert extra == 5 * 16 * 2048  # 5·a·s bytes per token: softmax out, dropout mask, dropout out
+
+
+def test_unfused_attention_is_slower_than_flash_on_a_gpu():
+    spec = load_cluster("dgx-a100")
+    from parsim.step import predict_step
+
+    gpt = {"kind": "transformer", "num_layers": 4, "hidden": 2048, "num_heads": 16, "ffn_hidden": 8192,
+           "seq_len": 2048, "vocab_size": 50000, "ffn_type": "gelu"}
+    flash = predict_step(Plan(model=load_model(gpt), dp=8, microbatch_size=4), spec).step_s
+    unfused = predict_step(Plan(model=load_model(gpt | {"attention_kernel": "unfused"}), dp=8, microbatch_size=4),
+                           spec).step_s
+    assert unfused > flash
+
+
+def test_builtin_clusters_carry_sourced_kernel_rates():
+    h100 = load_cluster("dgx-h100")
+    assert h100.gpu.sm_count == 132
+    assert h100.matmul_efficiency_for("bf16") == 0.803 and h100.matmul_efficiency_for("fp16") == 0.803
+    assert h100.matmul_efficiency_for("fp8") == 0.709
+    assert 0 < h100.memory_efficiency < 1 and all(0 < e < 1 for e in h100.attention_efficiency)
+
+
+@pytest.mark.parametrize("compute", [
+    "  matmul_efficiency: 1.5", "  matmul_efficiency: {bf17: 0.8}", "  memory_efficiency: 0",
+    "  attention_efficiency: {forward: .nan}", "  attention_efficiency: 0.7",
+])
+def test_bad_kernel_rates_are_refused_in_one_line(tmp_path, capsys, compute):
+    text = (load_cluster("dgx-a100").source and open(load_cluster("dgx-a100").source).read())
+    start, end = text.index("compute:"), text.index("intra_node:")
+    path = tmp_path / "bad.yaml"
+    path.write_text(text[:start] + "compute:\n" + compute + "\n" + text[end:])
+    assert main(["collective", "all-reduce", "--cluster", str(path), "--size", "1MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "compute." in err and len(err.strip().splitlines()) == 1
+
+
+def test_explain_compute_lists_every_kernel_and_sums_to_its_passes(capsys):
+    assert main(["explain", "compute", "--model", "gpt3-175b", "--tp", "8", "--cluster", "dgx-a100",
+                 "--dtype", "fp16", "--json"]) == 0
+    import json
+
+    data = json.loads(capsys.readouterr().out)
+    for kind, total in data["pass_s"].items():
+        assert sum(k["time_s"] for k in data["kernels"] if k["pass"] == kind) == pytest.approx(total)
+    labels = {k["kernel"] for k in data["kernels"]}
+    assert {"attn.q", "mlp.fc1 weight grad", "attention core (flash)"} <= labels
+
+
+def test_explain_compute_refuses_an_unknown_layer(capsys):
+    assert main(["explain", "compute", "llama3-70b-1024", "--layer", "layer.99"]) == 2
+    assert "--layer" in capsys.readouterr().err
+
+
+def test_selective_recompute_drops_the_unfused_scores_and_reruns_them():
+    gpt = {"kind": "transformer", "num_layers": 2, "hidden": 1024, "num_heads": 16, "ffn_hidden": 4096,
+           "seq_len": 2048, "vocab_size": 1000, "dropout": 0.1, "attention_kernel": "unfused"}
+    spec = load_cluster("dgx-a100")
+    from parsim.memory import memory
+    from parsim.step import predict_step
+
+    plans = {r: Plan(model=load_model(gpt), dp=8, dtype="fp16", activation_recompute=r) for r in ("none", "selective")}
+    saved = {r: plans[r].stage_costs(0)[1].activation_bytes_per_token() for r in plans}
+    assert saved["none"] - saved["selective"] == 5 * 16 * 2048  # Korthikanti et al.'s 5as
+    assert memory(plans["selective"])[0].activations < memory(plans["none"])[0].activations
+    assert predict_step(plans["selective"], spec).step_s > predict_step(plans["none"], spec).step_s

@@ -1,0 +1,64 @@
+"""``parsim validate``: published results against predictions, with no per-row knobs."""
+
+import json
+
+import pytest
+
+from parsim.cli.main import main
+from parsim.validate import validate
+
+SMALL_TABLE = """\
+source: "a test table"
+cluster: dgx-a100
+seq: 2048
+vocab: 51200
+recompute: full
+metric: tflops_per_gpu
+model: {kind: transformer, ffn_type: gelu, position_embedding: learned, tied_embeddings: true}
+plan: {dtype: fp16}
+rows:
+  - {params: 1.7B, heads: 24, hidden: 2304, layers: 24, tp: 1, pp: 1, dp: 8, gpus: 8, global_batch: 64,
+     microbatch: 8, v: 1, tflops_per_gpu: 137}
+  - {params: 3.6B, heads: 32, hidden: 3072, layers: 30, tp: 2, pp: 2, dp: 2, gpus: 8, global_batch: 64,
+     microbatch: 4, v: 3, tflops_per_gpu: 138}
+"""
+
+
+def test_the_metric_is_the_papers_formula_over_the_predicted_step(tmp_path):
+    path = tmp_path / "table.yaml"
+    path.write_text(SMALL_TABLE)
+    result = validate(str(path))
+    first = result.rows[0]
+    flops = 96 * 64 * 2048 * 24 * 2304**2 * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304))
+    assert first.predicted == pytest.approx(flops / first.step_s / 8 / 1e12)
+    assert first.error == pytest.approx(first.predicted / 137 - 1)
+    assert result.rows[1].layout == "tp 2 x pp 2 x dp 2, v 3"
+
+
+def test_megatron_table_stays_within_the_measured_accuracy(capsys):
+    assert main(["validate", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["rows"]) == 10 and data["cluster"] == "dgx-a100"
+    # A regression guard at the level reached (docs/kernel-model.md), not the issue's target:
+    # every row is predicted faster than published, by 10-25%.
+    assert data["median_abs_error"] < 0.20 and data["max_abs_error"] < 0.25
+    assert all(row["error"] > 0 for row in data["rows"])
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("rows: []\nmetric: tflops_per_gpu\n", "rows"),
+    (SMALL_TABLE.replace("metric: tflops_per_gpu", "metric: speed"), "metric"),
+    (SMALL_TABLE.replace("dp: 8, gpus: 8", "dp: 8, gpus: 9"), "gpus"),
+    (SMALL_TABLE.replace("heads: 24, ", ""), "heads"),
+])
+def test_bad_tables_are_refused_in_one_line(tmp_path, capsys, text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_unknown_table_names_the_built_in_ones(capsys):
+    assert main(["validate", "no-such-table"]) == 2
+    assert "megatron-sc21-table1" in capsys.readouterr().err
