@@ -285,7 +285,10 @@ class _Lowering:
         """One block's compute in one pass (see :func:`~parsim.kernels.block_work`), with the ops an
         eager implementation dispatches for it (:meth:`_eager_ops`)."""
         work = block_work(self.plan, block, kind, self.tokens)
-        accumulate = work.accumulate_bytes
+        # Autograd adds each weight gradient into .grad for every microbatch but the first, whose
+        # gradient becomes .grad as it is: on average (m - 1) / m of the accumulation.
+        m = self.plan.num_microbatches
+        accumulate = work.accumulate_bytes * (m - 1) / m
         forward_ops, backward_ops = self._eager_ops(block, kind)
         return _ComputePiece(work.matmuls, 0.0, work.elementwise_bytes + accumulate, work.kernels, phase,
                              layer, attention_flops=work.attention_flops,
