@@ -290,16 +290,17 @@ def fit_dispatch(rows: list[dict], matmuls: ComputeModel) -> DispatchFit:
 
 
 def fit_elementwise(rows: list[dict], dispatch: DispatchFit, element_bytes: int = 4) -> float:
-    """Bytes per second of elementwise work, counted as the lowering counts it (:mod:`parsim.lower`):
-    each forward op writes one tensor (one pass over its bytes), and the backward makes two passes.
+    """Bytes per second of memory-bound kernels' work, counted as :class:`parsim.model.Elementwise`
+    counts a unary kernel (an activation, a norm): it reads and writes its tensor in the forward
+    (2 elements), reads two and writes one in the backward (3).
 
     Each row (:func:`executor.compute_bench.measure_elementwise`) gives forward and backward
     seconds on tensors of ``elements``; the ops' fixed costs (``dispatch``) are taken out, and the
-    rate is the pooled bytes, ``3 x forward ops x elements x element_bytes``, over the pooled rest.
+    rate is the pooled bytes, ``5 x forward ops x elements x element_bytes``, over the pooled rest.
     """
     nbytes = seconds = 0.0
     for row in rows:
-        nbytes += 3 * row["forward_ops"] * row["elements"] * element_bytes
+        nbytes += (2 + 3) * row["forward_ops"] * row["elements"] * element_bytes
         seconds += max(row["forward_s"] + row["backward_s"] - row["forward_ops"] * dispatch.forward_s
                        - row["backward_ops"] * dispatch.backward_s, 0.0)
     if not rows or seconds <= 0:

@@ -67,11 +67,11 @@ def test_dispatch_fit_takes_the_matmuls_out_and_divides_by_the_ops():
     assert fit.forward_s == pytest.approx(7e-6) and fit.backward_s == pytest.approx(5e-6)
 
 
-def test_elementwise_fit_counts_bytes_as_the_lowering_does():
+def test_elementwise_fit_counts_bytes_as_the_model_counts_a_unary_kernel():
     dispatch = DispatchFit(7e-6, 5e-6, [])
     elements, forward_ops, backward_ops = 65536, 7, 12
-    seconds = 3 * forward_ops * elements * 4 / 6e9  # one forward pass and two backward passes at 6 GB/s
-    row = {"forward_s": seconds / 3 + forward_ops * 7e-6, "backward_s": 2 * seconds / 3 + backward_ops * 5e-6,
+    seconds = 5 * forward_ops * elements * 4 / 6e9  # forward reads + writes (2), backward 3, at 6 GB/s
+    row = {"forward_s": 2 * seconds / 5 + forward_ops * 7e-6, "backward_s": 3 * seconds / 5 + backward_ops * 5e-6,
            "forward_ops": forward_ops, "backward_ops": backward_ops, "elements": elements}
     assert fit_elementwise([row], dispatch) == pytest.approx(6e9)
 

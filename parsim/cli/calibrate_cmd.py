@@ -177,8 +177,8 @@ def run(args: argparse.Namespace) -> int:
           f"(AdamW steps on every rank at once)")
     print(f"per-op overhead   {dispatch.forward_s * 1e6:.1f} us forward, {dispatch.backward_s * 1e6:.1f} us backward "
           f"(generic eager blocks, every rank at once)")
-    print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (activations, softmax, norms; as the lowering counts "
-          f"their bytes)")
+    print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (activations, softmax, norms; bytes as "
+          f"parsim.model.Elementwise counts them)")
     print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer (issue a send, wait for a "
           f"posted one)")
     stream = (f", operands stream in at {matmul.stream_bw_Bps / 1e9:.1f} GB/s" if matmul.stream_bw_Bps else "")
