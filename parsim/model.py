@@ -655,7 +655,8 @@ class TransformerModel(_CostTotals):
         qk, v = self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
         latent = self.kv_lora_rank + self.qk_rope_head_dim
         if self.q_lora_rank:
-            queries = (Matmul("attn.q_a", h, self.q_lora_rank), Matmul("attn.q_b", self.q_lora_rank, nh * qk, "column", qk))
+            queries = (Matmul("attn.q_a", h, self.q_lora_rank),
+                       Matmul("attn.q_b", self.q_lora_rank, nh * qk, "column", qk))
         else:
             queries = (Matmul("attn.q", h, nh * qk, "column", qk),)
         matmuls = (*queries, Matmul("attn.kv_a", h, latent),

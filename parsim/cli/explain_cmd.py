@@ -43,7 +43,8 @@ examples:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("explain", help="explain a number step by step (bubble, memory, compute)", description=HELP,
+    p = subparsers.add_parser("explain", help="explain a number step by step (bubble, memory, compute)",
+                              description=HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     topics = p.add_subparsers(dest="topic", metavar="TOPIC")
     p.set_defaults(func=lambda args: _missing_topic(p))
