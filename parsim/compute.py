@@ -100,22 +100,25 @@ class ComputeModel:
                 raise ParsimError(f"{spec.name}: the GPU has no {needed} peak in its cluster file "
                                   f"(it lists {', '.join(spec.gpu.peak_flops)})")
         peaks = spec.gpu.peak_flops
-        return cls(peaks[other], spec.gpu.hbm_bw_Bps, dtype_bytes, spec.matmul_efficiency_for(dtype),
-                   spec.matmul_half_dim, spec.kernel_overhead_s, peaks[dtype] if dtype != other else None,
-                   spec.gpu.sm_count, spec.memory_efficiency, spec.attention_efficiency,
-                   spec.op_forward_s, spec.op_backward_s, spec.optimizer_tensor_s, spec.matmul_stream_bw_Bps,
-                   spec.p2p_rendezvous_s, spec.elementwise_bw_Bps,
-                   max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0)
+        return cls(
+            peak_flops=peaks[other], hbm_bw_Bps=spec.gpu.hbm_bw_Bps, dtype_bytes=dtype_bytes,
+            efficiency=spec.matmul_efficiency_for(dtype), half_dim=spec.matmul_half_dim,
+            kernel_overhead_s=spec.kernel_overhead_s, matmul_peak_flops=peaks[dtype] if dtype != other else None,
+            sm_count=spec.gpu.sm_count, memory_efficiency=spec.memory_efficiency,
+            attention_efficiency=spec.attention_efficiency, op_forward_s=spec.op_forward_s,
+            op_backward_s=spec.op_backward_s, optimizer_tensor_s=spec.optimizer_tensor_s,
+            matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, p2p_rendezvous_s=spec.p2p_rendezvous_s,
+            elementwise_bw_Bps=spec.elementwise_bw_Bps,
+            time_share=max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0)
 
     def waves(self, m: float, n: float) -> float:
         """Share of the tile work that is useful: tile quantization (edge tiles partly filled still
         cost whole tiles) times wave quantization (a last, partly filled wave costs a whole one)."""
         if not self.sm_count:
             return 1.0
-        rows, cols = -(-int(m) // MATMUL_TILE), -(-int(n) // MATMUL_TILE)
-        tiles = rows * cols
-        filled = m * n / (tiles * MATMUL_TILE * MATMUL_TILE)
-        return filled * tiles / (-(-tiles // self.sm_count) * self.sm_count)
+        tiles = -(-int(m) // MATMUL_TILE) * -(-int(n) // MATMUL_TILE)
+        waves = -(-tiles // self.sm_count)
+        return m * n / (waves * self.sm_count * MATMUL_TILE * MATMUL_TILE)  # useful area / area of all slots
 
     def matmul_rate(self, m: float, n: float, k: float) -> float:
         shape = 1.0

@@ -38,12 +38,18 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
     unfused (batched matmuls, :func:`unfused_attention`). The memory-bound
     kernels (:class:`~parsim.model.Elementwise`) move their forward bytes in a
     forward and their backward bytes in an input-gradient pass; the
-    weight-gradient pass accumulates into ``.grad`` (read both, write one).
+    weight-gradient pass accumulates into ``.grad`` (read both, write one)
+    for every microbatch but the first.
     Kernels launched: one per matmul and one per memory-bound kernel.
     """
     tp = plan.tp
     mms: list[tuple[int, int, int]] = []
     labels: list[str] = []
+
+    def launch(shape: tuple[int, int, int], label: str) -> None:
+        mms.append(shape)
+        labels.append(label)
+
     for mm in block.matmuls:
         k, n = mm.shape_per_rank(tp)
         rows = tokens
@@ -51,38 +57,42 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
             rows = round(tokens * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)
         for _ in range(mm.copies_per_rank(plan.ep)):
             if kind == "F":
-                mms.append((rows, n, k)), labels.append(mm.name)
+                launch((rows, n, k), mm.name)
             if kind in ("B", "I"):
-                mms.append((rows, k, n)), labels.append(f"{mm.name} input grad")
+                launch((rows, k, n), f"{mm.name} input grad")
             if kind in ("B", "W"):
-                mms.append((k, n, rows)), labels.append(f"{mm.name} weight grad")
-    attention = block.attention_flops_per_token // tp * tokens
-    attention_fwd = attention_bwd = 0.0
+                launch((k, n, rows), f"{mm.name} weight grad")
+    backward = kind in ("B", "I")
     core = block.core
-    recompute_core = core is not None and core.kernel == "unfused" and plan.activation_recompute == "selective"
+    # Selective recompute of an unfused core reruns its scores, softmax and dropout before their backward.
+    rerun_core = backward and core is not None and core.kernel == "unfused" and plan.activation_recompute == "selective"
+    attention_fwd = attention_bwd = 0.0
     if core is not None and core.kernel == "unfused":
-        if recompute_core and kind in ("B", "I"):  # selective recompute: rerun the scores before their backward
-            for shape, label in unfused_attention(plan, core, "F", tokens)[:1]:
-                mms.append(shape), labels.append(f"{label} (recomputed)")
+        if rerun_core:
+            scores, label = unfused_attention(plan, core, "F", tokens)[0]
+            launch(scores, f"{label} (recomputed)")
         for shape, label in unfused_attention(plan, core, kind, tokens):
-            mms.append(shape), labels.append(label)
-    elif attention:
+            launch(shape, label)
+    elif block.attention_flops_per_token:
+        attention = block.attention_flops_per_token // tp * tokens
         work = attention * core.executed_fraction() * flash_softmax_factor(core.head_dim) if core else attention
         attention_fwd = work if kind == "F" else 0.0
-        attention_bwd = 2 * work if kind in ("B", "I") else 0.0
+        attention_bwd = 2 * work if backward else 0.0
     elementwise, kernels = 0.0, len(mms)
     if kind != "W":
-        backward = kind in ("B", "I")
-        elementwise = tokens * sum(e.bytes_per_token(backward, plan.dtype_bytes, tp, plan.sequence_parallel)
-                                   for e in block.elementwise)
-        kernels += len(block.elementwise)
-        if recompute_core and backward:  # and the softmax and dropout forward over them
-            rerun = [e for e in block.elementwise if e.name.startswith(("attn.softmax", "attn.dropout"))]
-            elementwise += tokens * sum(e.bytes_per_token(False, plan.dtype_bytes, tp, plan.sequence_parallel)
-                                        for e in rerun)
-            kernels += len(rerun)
-    accumulate = sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
-                     for mm in block.matmuls) * plan.dtype_bytes * 3 if kind in ("B", "W") else 0
+        passes = [(e, backward) for e in block.elementwise]
+        passes += [(e, False) for e in block.elementwise if rerun_core and e.attention_core]
+        elementwise = tokens * sum(e.bytes_per_token(direction, plan.dtype_bytes, tp, plan.sequence_parallel)
+                                   for e, direction in passes)
+        kernels += len(passes)
+    # Autograd adds each weight gradient into .grad for every microbatch but the first, whose gradient
+    # becomes .grad as it is: on average (m - 1) / m of a read-both, write-one pass over the weights.
+    accumulate = 0.0
+    if kind in ("B", "W"):
+        weights = sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
+                      for mm in block.matmuls)
+        m = plan.num_microbatches
+        accumulate = weights * plan.dtype_bytes * 3 * (m - 1) / m
     return BlockWork(tuple(mms), tuple(labels), attention_fwd, attention_bwd, elementwise, accumulate, kernels)
 
 

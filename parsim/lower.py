@@ -49,7 +49,6 @@ class _ComputePiece:
     """One block's compute in one pass (see :meth:`_Lowering._compute`); ``layer`` indexes the stage's costs."""
 
     matmuls: tuple[tuple[int, int, int], ...]
-    flops: float
     hbm_bytes: float
     kernels: int
     phase: str
@@ -188,7 +187,7 @@ class _Lowering:
                     deps, exchanges = deps + tuple(exchanges), []
                 recompute = piece.phase == "recompute"
                 last = self._add(rank, Op(recompute_name if recompute else name, "compute", "compute", deps=deps,
-                                          matmuls=piece.matmuls, flops=piece.flops, hbm_bytes=piece.hbm_bytes,
+                                          matmuls=piece.matmuls, hbm_bytes=piece.hbm_bytes,
                                           kernels=piece.kernels, phase=piece.phase,
                                           attention_flops=piece.attention_flops,
                                           attention_grad_flops=piece.attention_grad_flops,
@@ -273,7 +272,7 @@ class _Lowering:
             head, tail = collective_name(collective, "cp", layer=cost.name, mb="|", dir=direction).split("|")
             return _CommPiece(head, tail, collective, group, mirrors, nbytes, "cp")
 
-        join = dataclasses.replace(compute, matmuls=(), flops=0.0, hbm_bytes=0.0, kernels=0, attention_flops=0.0,
+        join = dataclasses.replace(compute, matmuls=(), hbm_bytes=0.0, kernels=0, attention_flops=0.0,
                                    attention_grad_flops=0.0, forward_ops=0, backward_ops=0, stream_bytes=0.0,
                                    joins=True)
         backward = kind in ("B", "I")
@@ -285,15 +284,11 @@ class _Lowering:
         """One block's compute in one pass (see :func:`~parsim.kernels.block_work`), with the ops an
         eager implementation dispatches for it (:meth:`_eager_ops`)."""
         work = block_work(self.plan, block, kind, self.tokens)
-        # Autograd adds each weight gradient into .grad for every microbatch but the first, whose
-        # gradient becomes .grad as it is: on average (m - 1) / m of the accumulation.
-        m = self.plan.num_microbatches
-        accumulate = work.accumulate_bytes * (m - 1) / m
         forward_ops, backward_ops = self._eager_ops(block, kind)
-        return _ComputePiece(work.matmuls, 0.0, work.elementwise_bytes + accumulate, work.kernels, phase,
+        return _ComputePiece(work.matmuls, work.elementwise_bytes + work.accumulate_bytes, work.kernels, phase,
                              layer, attention_flops=work.attention_flops,
                              attention_grad_flops=work.attention_grad_flops, forward_ops=forward_ops,
-                             backward_ops=backward_ops, stream_bytes=accumulate)
+                             backward_ops=backward_ops, stream_bytes=work.accumulate_bytes)
 
     def _eager_ops(self, block, kind: str) -> tuple[int, int]:
         """(forward, backward) ops an eager implementation dispatches for ``block`` in a ``kind`` pass

@@ -205,6 +205,7 @@ class Elementwise:
     sharded: bool = True
     unit: int = 1
     element_bytes: int = 0
+    attention_core: bool = False  # over the unfused core's scores: selective recompute reruns it
 
     def bytes_per_token(self, backward: bool, dtype_bytes: int, tp: int = 1, sequence_parallel: bool = False) -> int:
         elements = self.backward if backward else self.forward
@@ -731,10 +732,13 @@ class TransformerModel(_CostTotals):
             kernels.append(Elementwise("attn.core", 2 * q + 2 * kv, 4 * q + 4 * kv, unit=unit))
         else:
             scores = self.num_heads * self.seq_len
-            kernels.append(Elementwise("attn.softmax", 2 * scores, 3 * scores, unit=self.seq_len))
+            kernels.append(Elementwise("attn.softmax", 2 * scores, 3 * scores, unit=self.seq_len,
+                                       attention_core=True))
             if self.dropout:
-                kernels += [Elementwise("attn.dropout", 2 * scores, 2 * scores, unit=self.seq_len),
-                            Elementwise("attn.dropout.mask", scores, scores, unit=self.seq_len, element_bytes=1)]
+                kernels += [Elementwise("attn.dropout", 2 * scores, 2 * scores, unit=self.seq_len,
+                                        attention_core=True),
+                            Elementwise("attn.dropout.mask", scores, scores, unit=self.seq_len, element_bytes=1,
+                                        attention_core=True)]
         return tuple(kernels + self._residual("attn", h))
 
     def _mlp_kernels(self, f: int) -> tuple[Elementwise, ...]:

@@ -120,3 +120,15 @@ def test_selective_recompute_drops_the_unfused_scores_and_reruns_them():
     assert saved["none"] - saved["selective"] == 5 * 16 * 2048  # Korthikanti et al.'s 5as
     assert memory(plans["selective"])[0].activations < memory(plans["none"])[0].activations
     assert predict_step(plans["selective"], spec).step_s > predict_step(plans["none"], spec).step_s
+
+
+def test_the_first_microbatch_adds_nothing_into_grad():
+    from parsim.kernels import block_work
+
+    model = load_model("llama3-8b")
+    block = model.layer_costs(2)[0].blocks[1]
+    weights = sum(m.k * m.n for m in block.matmuls)
+    for microbatches in (1, 4):
+        plan = Plan(model=model, dp=1, num_microbatches=microbatches)
+        work = block_work(plan, block, "W", plan.tokens_per_rank)
+        assert work.accumulate_bytes == pytest.approx(weights * plan.dtype_bytes * 3 * (microbatches - 1) / microbatches)
