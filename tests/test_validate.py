@@ -5,7 +5,7 @@ import json
 import pytest
 
 from parsim.cli.main import main
-from parsim.validate import validate
+from parsim.validation.training import validate
 
 SMALL_TABLE = """\
 source: "a test table"
@@ -35,6 +35,17 @@ def test_the_metric_is_the_papers_formula_over_the_predicted_step(tmp_path):
     assert result.rows[1].layout == "tp 2 x pp 2 x dp 2, v 3"
 
 
+def test_the_report_prints_every_row_and_the_summary(tmp_path, capsys):
+    path = tmp_path / "table.yaml"
+    path.write_text(SMALL_TABLE)
+    assert main(["validate", str(path)]) == 0
+    out = capsys.readouterr().out
+    result = validate(str(path))
+    for row in result.rows:
+        assert f"{row.predicted:.1f}" in out and f"{row.error:+.1%}" in out
+    assert f"median |error| {result.median_abs_error:.1%}, max |error| {result.max_abs_error:.1%}" in out
+
+
 def test_megatron_table_stays_within_the_measured_accuracy(capsys):
     assert main(["validate", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -46,7 +57,13 @@ def test_megatron_table_stays_within_the_measured_accuracy(capsys):
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("rows: []\nmetric: tflops_per_gpu\n", "rows"),
+    (SMALL_TABLE.split("rows:")[0] + "rows: []\n", "rows"),
+    (SMALL_TABLE.split("rows:")[0] + "rows:\n  - 7\n", "rows[0]"),
+    (SMALL_TABLE.replace("cluster: dgx-a100\n", ""), "cluster"),
+    (SMALL_TABLE.replace("seq: 2048\n", ""), "seq"),
+    (SMALL_TABLE.replace("hidden: 2304", "hidden: null"), "rows[0].hidden"),
+    (SMALL_TABLE.replace("tflops_per_gpu: 137", "tflops_per_gpu: fast"), "rows[0].tflops_per_gpu"),
+    (SMALL_TABLE.replace("heads: 24", "heads: 25"), "rows[0] (1.7B)"),
     (SMALL_TABLE.replace("metric: tflops_per_gpu", "metric: speed"), "metric"),
     (SMALL_TABLE.replace("dp: 8, gpus: 8", "dp: 8, gpus: 9"), "gpus"),
     (SMALL_TABLE.replace("heads: 24, ", ""), "heads"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..table import render_table
-from ..validate import Validation, builtin_tables, validate
+from ..validation.training import Validation, builtin_tables, validate
 from .common import OpsProgress, print_json
 
 HELP = """\
@@ -17,7 +17,7 @@ sourced defaults and the table's description of the software the publication
 ran (in the table file, with sources); nothing is tuned per row or to these
 results. A positive error means parsim predicts a faster run than was measured.
 
-tables: parsim/validation/*.yaml (a path to your own table works too)
+tables: parsim/validation/training_runs/*.yaml (a path to your own table works too)
 
 examples:
   parsim validate                              (Megatron-LM SC21, Table 1)

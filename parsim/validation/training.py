@@ -1,0 +1,154 @@
+"""Published training runs, and parsim's predictions of them: the data behind ``parsim validate``.
+
+A validation table (``parsim/validation/training_runs/*.yaml``) names a cluster, the model
+and plan settings every row shares (the software the publication ran), and
+one row per published run: its model shape, parallel degrees, batch and the
+published figure. Each row becomes a :class:`~parsim.plan.Plan`, is simulated
+on the cluster, and the prediction is expressed in the publication's own
+metric. Nothing here is fitted: a table is a check of the defaults.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..cluster import load_cluster
+from ..errors import ConfigError, ParsimError
+from ..files import read_yaml
+from ..plan import parse_plan
+from ..step import predict_step
+
+
+@dataclass
+class RowResult:
+    label: str
+    gpus: int
+    layout: str  # "tp 8 x pp 4 x dp 32, v 3"
+    published: float
+    predicted: float
+    step_s: float
+
+    @property
+    def error(self) -> float:
+        """Predicted over published, minus one: positive when parsim predicts too fast a run."""
+        return self.predicted / self.published - 1
+
+
+@dataclass
+class Validation:
+    name: str
+    source: str
+    metric: str
+    cluster: str
+    rows: list[RowResult]
+
+    @property
+    def median_abs_error(self) -> float:
+        return statistics.median(abs(r.error) for r in self.rows)
+
+    @property
+    def max_abs_error(self) -> float:
+        return max(abs(r.error) for r in self.rows)
+
+
+def builtin_tables() -> dict[str, Path]:
+    folder = importlib.resources.files("parsim.validation").joinpath("training_runs")
+    return {Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".yaml")}
+
+
+# What a table and each of its rows must give, besides the metric's own column.
+TABLE_NUMBERS = ("seq", "vocab")
+ROW_NUMBERS = ("heads", "hidden", "layers", "tp", "pp", "dp", "global_batch", "microbatch")
+
+
+def load_table(name_or_path: str) -> tuple[dict[str, Any], str]:
+    """A validation table, checked key by key: one ConfigError line naming the file and the key."""
+    tables = builtin_tables()
+    path = tables.get(name_or_path) or Path(name_or_path)
+    if not path.is_file():
+        raise ParsimError(f"unknown validation table {name_or_path!r}: not a built-in "
+                          f"({', '.join(sorted(tables))}) and no such file")
+    source = str(path)
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError(source, "(file)", f"is {type(data).__name__}", "a mapping of keys")
+    if data.get("metric") not in METRICS:
+        raise ConfigError(source, "metric", f"is {data.get('metric')!r}", " or ".join(METRICS))
+    if not isinstance(data.get("cluster"), str):
+        found = "missing" if data.get("cluster") is None else f"is {data['cluster']!r}"
+        raise ConfigError(source, "cluster", found, "a built-in cluster name or a file")
+    for key in TABLE_NUMBERS:
+        _whole(data, key, source, key)
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not rows:
+        raise ConfigError(source, "rows", "missing or empty", "a list of published runs")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ConfigError(source, f"rows[{i}]", f"is {row!r}", "a mapping of one run's keys")
+        for key in ROW_NUMBERS + (("v",) if "v" in row else ()) + (("gpus",) if "gpus" in row else ()):
+            _whole(row, key, source, f"rows[{i}].{key}")
+        published = row.get(data["metric"])
+        if isinstance(published, bool) or not isinstance(published, (int, float)) or not published > 0:
+            raise ConfigError(source, f"rows[{i}].{data['metric']}", f"is {published!r}", "a positive number")
+    return data, source
+
+
+def _whole(mapping: Mapping[str, Any], key: str, source: str, where: str) -> None:
+    value = mapping.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(source, where, "missing" if value is None else f"is {value!r}", "a positive whole number")
+
+
+def validate(name_or_path: str, progress: Callable[[int, int], None] | None = None) -> Validation:
+    """Predict every row of a validation table on its cluster."""
+    table, source = load_table(name_or_path)
+    cluster = load_cluster(table["cluster"])
+    metric = METRICS[table["metric"]]
+    results = []
+    for i, row in enumerate(table["rows"]):
+        if progress:
+            progress(i, len(table["rows"]))
+        label = str(row.get("params", f"row {i}"))
+        try:
+            plan = parse_plan(_plan_mapping(table, row, label), f"{source}: rows[{i}]")
+            step_s = predict_step(plan, cluster).step_s
+        except ParsimError as err:
+            raise ParsimError(f"{source}: rows[{i}] ({label}): {err}") from None
+        if plan.world != row.get("gpus", plan.world):
+            raise ConfigError(source, f"rows[{i}].gpus", f"is {row['gpus']}", f"dp x pp x tp = {plan.world}")
+        layout = f"tp {plan.tp} x pp {plan.pp} x dp {plan.dp}" + (f", v {plan.virtual_stages}"
+                                                                   if plan.virtual_stages > 1 else "")
+        results.append(RowResult(label, plan.world, layout, float(row[table["metric"]]),
+                                 metric(table, row, step_s, plan.world), step_s))
+    if progress:
+        progress(len(table["rows"]), len(table["rows"]))
+    return Validation(table.get("name", Path(source).stem), table.get("source", ""), table["metric"],
+                      cluster.name, results)
+
+
+def _plan_mapping(table: Mapping[str, Any], row: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """The row as a plan: the table's shared model and plan settings plus the row's shape and layout."""
+    h, v = row["hidden"], row.get("v", 1)
+    model = dict(table.get("model", {}), name=label, num_layers=row["layers"], hidden=h, num_heads=row["heads"],
+                 ffn_hidden=row.get("ffn_hidden", 4 * h), seq_len=table["seq"], vocab_size=table["vocab"])
+    return dict(table.get("plan", {}), model=model,
+                parallel={"dp": row["dp"], "tp": row["tp"], "pp": row["pp"]},
+                batch={"microbatch_size": row["microbatch"], "global_batch_size": row["global_batch"]},
+                schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v,
+                activation_recompute=table.get("recompute", "none"))
+
+
+def _megatron_tflops(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> float:
+    """Narayanan et al. 2021, eq. 3: ``96·B·s·l·h²·(1 + s/6h + V/16lh)`` FLOPs per iteration (with
+    the forward recomputed), over the iteration time, per GPU, in TFLOP/s."""
+    s, vocab = table["seq"], table["vocab"]
+    b, layers, h = row["global_batch"], row["layers"], row["hidden"]
+    flops = 96 * b * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
+    return flops / step_s / gpus / 1e12
+
+
+METRICS = {"tflops_per_gpu": _megatron_tflops}
