@@ -19,21 +19,13 @@ TINY = {"name": "t", "kind": "transformer", "num_layers": 2, "hidden": 64, "num_
 def counted(fn, x, grad=None) -> tuple[int, int]:
     """(forward, backward) ATen ops of ``fn(x)``; ``x`` is a leaf whose own gradient accumulation is not counted."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Count(TorchDispatchMode):
-        n = 0
+    from executor.compute_bench import count_ops
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count() as forward:
-        y = fn(x)
+    y, forward = count_ops(lambda: fn(x))
     grad = torch.ones_like(y) if grad is None else grad
-    with Count() as backward:
-        torch.autograd.backward(y, grad)
-    return forward.n, backward.n - (1 if x.requires_grad else 0)
+    _, backward = count_ops(lambda: torch.autograd.backward(y, grad))
+    return forward, backward - (1 if x.requires_grad else 0)
 
 
 def block_counts(spec: dict) -> dict[str, tuple[int, int]]:
