@@ -118,6 +118,44 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
     return rows
 
 
+def comm_overlap(trace: Trace) -> dict[int, float | None]:
+    """Per rank, the share of communication time during which the rank also computes (None: no communication).
+
+    Holistic Trace Analysis's *comm/comp overlap*: the union of communication spans (collectives, sends,
+    receives) against the union of compute spans, where compute excludes the tensor-parallel and expert
+    collectives that block it. One sweep over every span's start and end.
+    """
+    out: dict[int, float | None] = {}
+    for rank in sorted({e.rank for e in trace.events}):
+        kinds = {"comm": [], "compute": [], "blocked": []}
+        for e in trace.for_rank(rank):
+            if e.kind in ("collective", "send", "recv"):
+                kinds["comm"].append(e)
+                if e.args.get("phase") in BLOCKING:
+                    kinds["blocked"].append(e)
+            elif e.kind in ("compute", "optimizer"):
+                kinds["compute"].append(e)
+        times, depth = _sweep(kinds)
+        seconds = np.diff(times)
+        comm, computing = depth["comm"][:-1] > 0, (depth["compute"][:-1] > 0) & (depth["blocked"][:-1] == 0)
+        comm_s = float(seconds[comm].sum())
+        out[rank] = float(seconds[comm & computing].sum()) / comm_s if comm_s else None
+    return out
+
+
+def _sweep(kinds: dict[str, list[Event]]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Every span boundary in time order, and per kind how many of its spans are open from each boundary on."""
+    times = np.array([t for events in kinds.values() for e in events for t in (e.start_s, e.end_s)])
+    order = np.argsort(times, kind="stable")
+    depth, offset = {}, 0
+    for kind, events in kinds.items():
+        step = np.zeros(len(times))
+        step[offset:offset + 2 * len(events)] = np.tile([1.0, -1.0], len(events))
+        depth[kind] = np.cumsum(step[order])
+        offset += 2 * len(events)
+    return times[order], depth
+
+
 def _nested_time(spans: list[Event], inner: list[Event]) -> list[float]:
     """For each span (sorted by start), the time of the ``inner`` events (sorted) overlapping it.
 

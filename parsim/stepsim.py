@@ -364,8 +364,10 @@ class _Run:
         if self.finished < len(self.ops):
             raise ParsimError(_stall_message(self.program, self.end))
         start, end, args = self.start, self.end, _ArgsCache()
-        events = [Event(op.name, op.rank, op.stream, op.kind, start[op.id], end[op.id] - start[op.id], args(op))
-                  for op in self.ops]
+        # A receive holds the compute stream (what runs next needs its data), but it is a transfer: it is drawn
+        # on the p2p track, where the executor records it too.
+        events = [Event(op.name, op.rank, "p2p" if op.kind == "recv" else op.stream, op.kind, start[op.id],
+                        end[op.id] - start[op.id], args(op)) for op in self.ops]
         events.sort(key=lambda e: (e.rank, e.start_s))
         return Trace("simulated", self.program.world_size, events, dict(meta or {}))
 

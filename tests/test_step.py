@@ -94,7 +94,7 @@ def test_context_parallel_exchanges_get_their_own_named_track(capsys, tmp_path):
     assert main(["simulate", "--model", "tiny-gpt", "--cp", "2", "--cluster", "dgx-h100", "--trace", str(trace)]) == 0
     events = json.loads(trace.read_text())["traceEvents"]
     tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
-    exchanges = [e for e in events if e["ph"] == "X" and e["name"].startswith("all_gather cp ")]
+    exchanges = [e for e in events if e["ph"] == "X" and e["args"].get("parsim_name", "").startswith("all_gather cp ")]
     assert exchanges and {tracks[e["pid"], e["tid"]] for e in exchanges} == {"cp"}
 
 

@@ -1,9 +1,8 @@
 """Train a parsim plan on torch.distributed and measure it in the simulator's trace schema.
 
-- :func:`run_plan` runs a plan on N ranks (gloo on CPUs, NCCL on GPUs) and
-  returns the measured Trace of the median step plus a summary;
-- :func:`read_torch_profiler_trace` reads a torch.profiler trace of a real
-  run, annotated with the same event names, into the same schema.
+:func:`run_plan` runs a plan on N ranks (gloo on CPUs, NCCL on GPUs) and
+returns the measured Trace of the median step plus a summary (and, asked,
+each rank's torch.profiler trace, which :mod:`parsim.kineto.read` reads back).
 
 Modules, one job each: ``models`` (dense seeded torch modules cut into the
 simulator's pieces), ``moe`` (the mixture-of-experts feed-forward and its
@@ -15,11 +14,10 @@ optimizer), ``fsdp`` (FSDP2 units with named collectives), ``context_parallel``
 (ring and all-gather attention), ``recompute`` (full recomputation),
 ``pipeline`` (runs parsim's schedule action lists), ``runner`` (builds a
 rank, times its steps), ``trace_recorder``,
-``measure`` (launch and summarize), ``profiler_trace``. torch is imported
+``measure`` (launch and summarize). torch is imported
 only by the modules that need it, when they are imported.
 """
 
 from .measure import run_plan
-from .profiler_trace import read_torch_profiler_trace
 
-__all__ = ["run_plan", "read_torch_profiler_trace"]
+__all__ = ["run_plan"]

@@ -9,6 +9,7 @@ does not stand for the run; the summary keeps every step's time.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Callable
 
 from parsim.errors import ParsimError
@@ -23,11 +24,14 @@ DEFAULT_TIMEOUT_S = 300.0
 
 def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = "auto",
              timeout_s: float = DEFAULT_TIMEOUT_S, warmup: int = DEFAULT_WARMUP, seed: int = 0,
-             progress: Callable[[str], None] | None = None) -> tuple[Trace | None, dict]:
+             progress: Callable[[str], None] | None = None,
+             profile_dir: str | None = None) -> tuple[Trace | None, dict]:
     """Execute ``plan`` on ``nproc`` ranks: the measured Trace of the median step, and a summary dict.
 
     Spawns the ranks here, or, inside a torchrun job, runs as this process's
     rank (then only rank 0 gets the result; other ranks get ``(None, {})``).
+    With ``profile_dir``, each rank also writes a torch.profiler trace of the
+    measured steps there (``rank<r>.pt.trace.json``).
     A rank that fails or hangs ends the run with a
     :class:`executor.launch.RankFailure` naming it, within ``timeout_s``.
     """
@@ -46,17 +50,21 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
         raise ParsimError(f"warm-up steps cannot be negative, got {warmup}")
     check_plan(plan)
     say = progress or (lambda message: None)
+    if profile_dir is not None:
+        if Path(profile_dir).exists() and not Path(profile_dir).is_dir():
+            raise ParsimError(f"--profile {profile_dir}: is a file; give a folder for one trace per rank")
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
     args = (plan.to_dict(), steps, warmup, seed)
     if in_job:
         say(f"running {plan.name} as one rank of a torchrun job")
-        results = run_in_job(rank_main, args + (True, progress is not None), backend, timeout_s)
+        results = run_in_job(rank_main, args + (True, progress is not None, profile_dir), backend, timeout_s)
         if results is None:
             return None, {}
         used = resolve_backend(backend, given)
     else:
         used = resolve_backend(backend, nproc)
         say(f"running {plan.name} on {nproc} ranks ({used}): {warmup} warm-up + {steps} measured steps")
-        results = launch(rank_main, nproc, args + (False, progress is not None), backend, timeout_s)
+        results = launch(rank_main, nproc, args + (False, progress is not None, profile_dir), backend, timeout_s)
     traces = [Trace("measured", plan.world, [e for r in results for e in r["steps"][i]],
                     meta={"plan": plan.name, "backend": used, "step": i}) for i in range(steps)]
     times = [step_time(t) for t in traces]

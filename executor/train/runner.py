@@ -14,7 +14,9 @@ starts right after a barrier; its events are seconds from there.
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from parsim.errors import ParsimError
@@ -213,33 +215,58 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
 
 
 def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, seed: int,
-              gather: bool = False, verbose: bool = False) -> dict | list | None:
+              gather: bool = False, verbose: bool = False, profile_dir: str | None = None) -> dict | list | None:
     """One rank of ``parsim run``: warm-up, then measured steps; its events and losses.
 
     With ``gather`` (a torchrun job, where no parent collects return values)
-    rank 0 returns every rank's result and the others None.
+    rank 0 returns every rank's result and the others None. With
+    ``profile_dir``, every step runs under ``torch.profiler`` (one
+    ``ProfilerStep#N`` each) and the rank writes its Kineto trace of the
+    measured steps there.
     """
     plan = load_plan(plan_data)
     setup = build_rank(plan, rank, seed)
     recorder = setup.recorder
     result: dict = {"rank": rank, "steps": [], "losses": []}
-    for i in range(warmup + steps):
-        dist.barrier()
-        recorder.start_step()
-        loss = setup.step()
-        recorder.sync()
-        if i >= warmup:
-            result["steps"].append(list(recorder.events))
-            result["losses"].append(loss)
-        if verbose and rank == 0:
-            kind = "warm-up step" if i < warmup else f"step {i - warmup + 1}/{steps}"
-            end = max((e.end_s for e in recorder.events), default=0.0)
-            print(f"parsim run: {kind} took {end * 1e3:.1f} ms on rank 0", file=sys.stderr, flush=True)
+    with _profiler(profile_dir, rank, warmup, steps) as profiler:
+        for i in range(warmup + steps):
+            dist.barrier()
+            if profiler is not None:
+                profiler.step()  # ProfilerStep#N starts here, as the recorded step does
+            recorder.start_step()
+            loss = setup.step()
+            recorder.sync()
+            if i >= warmup:
+                result["steps"].append(list(recorder.events))
+                result["losses"].append(loss)
+            if verbose and rank == 0:
+                kind = "warm-up step" if i < warmup else f"step {i - warmup + 1}/{steps}"
+                end = max((e.end_s for e in recorder.events), default=0.0)
+                print(f"parsim run: {kind} took {end * 1e3:.1f} ms on rank 0", file=sys.stderr, flush=True)
     if not gather:
         return result
     everyone = [None] * world if rank == 0 else None
     dist.gather_object(result, everyone, dst=0)
     return everyone
+
+
+def _profiler(folder: str | None, rank: int, warmup: int, steps: int) -> Any:
+    """``torch.profiler`` over the measured steps (warm-up steps are its warm-up), exporting
+    ``<folder>/rank<r>.pt.trace.json``; a context doing nothing without a folder.
+
+    Each step is marked right after its barrier, so the profiler's first "step" is the first barrier
+    (skipped: ``wait=1``) and the last one closes when the profiler does.
+    """
+    if folder is None:
+        return nullcontext()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    path = Path(folder) / f"rank{rank}.pt.trace.json"
+    return torch.profiler.profile(
+        activities=activities, record_shapes=True,
+        schedule=torch.profiler.schedule(wait=1, warmup=warmup, active=steps),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)))
 
 
 def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]:

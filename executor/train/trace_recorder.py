@@ -6,7 +6,7 @@ events carry exactly the names the simulator writes (``F stage=1 mb=3``,
 join the two traces by name. Each span is also a
 ``torch.profiler.record_function`` of the same name: a run under
 ``torch.profiler`` then shows these names as user annotations, which
-:func:`executor.train.profiler_trace.read_torch_profiler_trace` reads back.
+:mod:`parsim.kineto.read` reads back.
 
 Times are seconds since :meth:`Recorder.start_step`, which the runner calls
 right after a barrier; ``time.perf_counter`` is one system-wide monotonic

@@ -19,12 +19,26 @@ Run the executor and the simulator on the same thing and show how far apart they
   collectives:  parsim compare all-reduce --cluster my-host.yaml --nproc 2 --sweep 1MiB:64MiB
   a plan:       parsim compare course-pp --cluster my-host.yaml --nproc 2 --trace both.json
                 parsim compare course-ddp --dp 2 --cluster my-host.yaml --nproc 2   (plan overrides)
+  a profile:    parsim compare course-ddp --cluster my-host.yaml --measured profiles/
 
 The cluster file should describe the machine that measures: make one with
 `parsim calibrate`. For collectives, error = predicted / measured - 1 per
-size, and the median |error| sums it up. --measured reads a saved measurement
-(from `parsim bench --out`) instead of running the executor.
+size, and the median |error| sums it up.
+
+--measured reads a measurement instead of running the executor: for a
+collective, a JSON file from `parsim bench --out`; for a plan, a folder of
+torch.profiler traces, one per rank, of any run of that plan (annotated by
+`parsim run --profile` or not: compute, collectives and transfers are
+recognized from torch's own events). The report says which collectives it
+could set beside the plan's, one to one or as a group, and which it could not.
+Options that do not apply to the target are refused.
 """
+
+
+DEFAULT_SWEEP = "1MiB:64MiB"
+COLLECTIVE_ONLY = ("sweep", "size", "save_measured", "plot")
+PLAN_ONLY = ("steps", "trace")
+RUN_ONLY = ("nproc", "backend", "steps", "timeout", "save_measured")  # nothing to run with --measured
 
 
 def register(subparsers) -> None:
@@ -33,14 +47,18 @@ def register(subparsers) -> None:
     p.add_argument("target", help="a collective (all-reduce, ...) or a plan (name or YAML file)")
     p.add_argument("--cluster", default="my-host.yaml", metavar="NAME|FILE",
                    help="cluster file describing the measuring machine (default my-host.yaml)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to run (default 2)")
-    p.add_argument("--sweep", default="1MiB:64MiB", help="collectives: sizes (default 1MiB:64MiB)")
+    p.add_argument("--nproc", type=int, help="ranks to run (default 2 for collectives, the plan's world for plans)")
+    p.add_argument("--sweep", help=f"collectives: sizes (default {DEFAULT_SWEEP})")
     p.add_argument("--size", help="collectives: one size instead of a sweep")
-    p.add_argument("--measured", metavar="JSON", help="collectives: saved measurements instead of running")
+    p.add_argument("--measured", metavar="JSON|DIR",
+                   help="a measurement instead of running: collectives, a `bench --out` JSON file; plans, a folder "
+                        "of torch.profiler traces (one per rank)")
     p.add_argument("--save-measured", metavar="JSON", help="collectives: save what was measured")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    p.add_argument("--steps", type=int, default=3, help="plans: measured steps (median is used)")
-    p.add_argument("--trace", metavar="JSON", help="plans: one Chrome/Perfetto trace, predicted and measured")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="auto, gloo or nccl (default auto)")
+    p.add_argument("--steps", type=int, help="plans: measured steps, the median is used (default 3)")
+    p.add_argument("--trace", metavar="DIR|FILE.json",
+                   help="plans: predicted and measured traces, a folder of per-rank Kineto files each or one "
+                        "merged .json file")
     p.add_argument("--plot", metavar="PNG", help="collectives: busbw against size, both lines")
     p.add_argument("--timeout", type=float, default=None, help="seconds before a stuck run is stopped")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -53,11 +71,23 @@ def run(args: argparse.Namespace) -> int:
         op = canonical_op(args.target)
     except ParsimError:
         op = None
+    _refuse(args, COLLECTIVE_ONLY if op is None else PLAN_ONLY + args.plan_overrides,
+            "a collective" if op is None else "a plan")
+    if args.measured:
+        _refuse(args, RUN_ONLY, "a run (not with --measured)")
     if op is None:
         from .compare_plan import compare_plan_command
 
         return compare_plan_command(args)
     return _collectives(args, op)
+
+
+def _refuse(args: argparse.Namespace, names: tuple[str, ...], target: str) -> None:
+    """One line naming the options given that apply only to something else."""
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) not in (None, False)]
+    if given:
+        raise ParsimError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to {target}, "
+                          f"not to {args.target}")
 
 
 def _collectives(args: argparse.Namespace, op: str) -> int:
@@ -69,11 +99,13 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
     else:
         from executor.collectives import measure_collectives
 
-        sizes = [parse_size(args.size)] if args.size else parse_size_range(args.sweep)
-        progress(f"measuring {op.replace('_', '-')} on {args.nproc} ranks")
-        measured = measure_collectives(op, sizes, args.nproc, args.backend, timeout_s=args.timeout, progress=True)
+        sizes = [parse_size(args.size)] if args.size else parse_size_range(args.sweep or DEFAULT_SWEEP)
+        nproc = args.nproc or 2
+        progress(f"measuring {op.replace('_', '-')} on {nproc} ranks")
+        measured = measure_collectives(op, sizes, nproc, args.backend or "auto", timeout_s=args.timeout,
+                                       progress=True)
         if args.save_measured:
-            save_results(args.save_measured, measured, {"op": op, "nproc": args.nproc})
+            save_results(args.save_measured, measured, {"op": op, "nproc": nproc})
     nranks = max(m.nranks for m in measured)
     nodes = spec.nodes_for(gpus=nranks) if nranks > spec.gpus_per_node else 1
     rows = compare_collectives(spec.build(nodes), measured)

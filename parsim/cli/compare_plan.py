@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..cluster import load_cluster
 from ..errors import ParsimError
@@ -10,7 +11,11 @@ from ..host_load import ForeignLoad
 from ..step import predict_step
 from ..step_report import PHASES, breakdown, step_time
 from ..table import render_table
-from ..units import format_time
+from ..kineto.match import CollectiveRow, match_collectives
+from ..kineto.read import measured_trace, read_profiles
+from ..plan import Plan
+from ..trace import Trace
+from ..units import format_size, format_time
 from .common import print_json, progress
 from .plan_cmd import plan_from_args
 
@@ -18,40 +23,73 @@ from .plan_cmd import plan_from_args
 def compare_plan_command(args: argparse.Namespace) -> int:
     args.plan = args.target
     plan = plan_from_args(args)
-    from executor.train import run_plan
-
-    if plan.world != args.nproc:
-        raise ParsimError(f"plan {plan.name} needs {plan.world} ranks ({plan.degrees_text()}), "
-                          f"not --nproc {args.nproc}")
     cluster = load_cluster(args.cluster)
+    if args.measured:
+        measured, source = _profiled(plan, args.measured), f"torch.profiler traces in {args.measured}"
+    nproc = plan.world if args.nproc is None else args.nproc
+    if not args.measured and plan.world != nproc:
+        raise ParsimError(f"plan {plan.name} needs {plan.world} ranks ({plan.degrees_text()}), not --nproc {nproc}")
     progress(f"simulating {plan.name} on {cluster.name}")
     predicted = predict_step(plan, cluster)
-    progress(f"running {plan.name} on {args.nproc} ranks ({args.steps} measured steps)")
-    with ForeignLoad() as load:
-        measured, _ = run_plan(plan, args.nproc, args.steps, backend=args.backend,
-                               **({"timeout_s": args.timeout} if args.timeout else {}))
-    if load.warning("the measured run"):
-        progress(load.warning("the measured run"))
+    load = None
+    if not args.measured:
+        from executor.train import run_plan
+
+        steps = 3 if args.steps is None else args.steps
+        progress(f"running {plan.name} on {nproc} ranks ({steps} measured steps)")
+        with ForeignLoad() as load:
+            measured, _ = run_plan(plan, nproc, steps, backend=args.backend or "auto",
+                                   **({"timeout_s": args.timeout} if args.timeout else {}))
+        if load.warning("the measured run"):
+            progress(load.warning("the measured run"))
+        source = f"run here, median of {steps} steps"
+    collectives = match_collectives(plan, predicted.trace, measured)
     rows = compare_phases(plan, predicted, measured)
     measured_step = step_time(measured)
-    step_error = predicted.step_s / measured_step - 1
+    step_error = predicted.step_s / measured_step - 1 if measured_step else None
     if args.json:
-        print_json({"plan": plan.name, "cluster": cluster.name, "predicted_step_s": predicted.step_s,
-                    "measured_step_s": measured_step, "step_error": step_error, "phases": rows,
-                    "foreign_load_cores": load.cores})
+        print_json({"plan": plan.name, "cluster": cluster.name, "measured_from": source,
+                    "predicted_step_s": predicted.step_s, "measured_step_s": measured_step, "step_error": step_error,
+                    "phases": rows, "collectives": [r.to_json() for r in collectives],
+                    "foreign_load_cores": load.cores if load else None})
     else:
         table = [[f"rank {r['rank']} (pp {r['pp']})", r["phase"], format_time(r["predicted_s"]),
                   format_time(r["measured_s"]), _error_text(r)] for r in rows]
         print(render_table(["rank", "phase", "predicted", "measured", "error"], table,
-                           title=f"{plan.name}: predicted ({cluster.name}) vs measured, per rank and phase"))
-        print(f"step time: predicted {format_time(predicted.step_s)}, measured {format_time(measured_step)} "
-              f"({step_error:+.1%})")
+                           title=f"{plan.name}: predicted ({cluster.name}) vs measured ({source}), "
+                                 "per rank and phase"))
+        print()
+        print(collectives_table(collectives))
+        error = "" if step_error is None else f" ({step_error:+.1%})"
+        print(f"step time: predicted {format_time(predicted.step_s)}, measured {format_time(measured_step)}{error}")
     if args.trace:
-        from ..chrome import write_chrome_trace
+        from ..kineto.write import write_trace
 
-        write_chrome_trace(args.trace, {"predicted": predicted.trace, "measured": measured})
-        print(f"wrote {args.trace}: predicted and measured tracks side by side")
+        print(f"wrote {write_trace(args.trace, {'predicted': predicted.trace, 'measured': measured})}",
+              file=sys.stderr)
     return 0
+
+
+def _profiled(plan: Plan, folder: str) -> Trace:
+    """The measured step of a folder of per-rank torch.profiler traces of a run of ``plan``."""
+    profiles = read_profiles(folder)
+    if profiles[0].world_size != plan.world:
+        raise ParsimError(f"{folder}: the traces are of {profiles[0].world_size} ranks, but plan {plan.name} "
+                          f"has {plan.world} ({plan.degrees_text()})")
+    return measured_trace(profiles)
+
+
+def collectives_table(rows: list[CollectiveRow]) -> str:
+    """Per rank and (group, operation): the plan's collectives beside the profile's, and how they matched."""
+    def sizes(events: list) -> str:
+        total = sum(int(e.args.get("bytes") or 0) for e in events)
+        return f"{len(events)} x, {format_size(total)}" if events else "-"
+
+    table = [[f"rank {r.rank}", r.group or "?", r.op, sizes(r.predicted), sizes(r.measured),
+              format_time(sum(e.dur_s for e in r.predicted)) if r.predicted else "-",
+              format_time(sum(e.dur_s for e in r.measured)) if r.measured else "-", r.status] for r in rows]
+    return render_table(["rank", "group", "collective", "predicted", "measured", "time pred", "time meas", "match"],
+                        table, title="collectives: the plan's beside the measured ones (count, bytes, time)")
 
 
 def compare_phases(plan, predicted, measured) -> list[dict]:

@@ -91,6 +91,7 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
                    help="MoE: the busiest expert's tokens over the mean (default 1: balanced)")
     g.add_argument("--capacity-factor", type=float, metavar="X",
                    help="MoE: tokens beyond X times an expert's mean load are dropped")
+    parser.set_defaults(plan_overrides=tuple(action.dest for action in g._group_actions))
 
 
 def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:

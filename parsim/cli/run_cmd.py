@@ -34,6 +34,7 @@ examples:
   parsim run course-tp --nproc 4 --steps 5
   parsim run course-pp --nproc 2 --trace measured.json --chrome measured-chrome.json
   parsim run tiny-pp2 --nproc 2 --schedule zero-bubble --json
+  parsim run course-tp --nproc 2 --profile profiles/   (then: parsim compare course-tp --measured profiles/)
 """
 
 
@@ -50,7 +51,12 @@ def register(subparsers) -> None:
                    help="end the run if it takes longer, naming the ranks that hang (default 300)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch (default 0)")
     p.add_argument("--trace", metavar="JSON", help="save the median step's measured trace (parsim trace schema)")
-    p.add_argument("--chrome", metavar="JSON", help="write it as a Chrome/Perfetto trace too")
+    p.add_argument("--chrome", metavar="DIR|FILE.json",
+                   help="write it as Kineto traces too: a folder gets one file per rank (Perfetto, Holistic Trace "
+                        "Analysis), a .json name one merged file")
+    p.add_argument("--profile", metavar="DIR",
+                   help="also profile the measured steps with torch.profiler: one Kineto trace per rank in DIR "
+                        "(TensorBoard, Perfetto, HTA; `parsim compare PLAN --measured DIR` reads them back)")
     p.add_argument("--json", action="store_true", help="print a JSON summary for scripts")
     p.add_argument("--verbose", action="store_true", help="on failure, print the ranks' tracebacks or stacks")
     p.set_defaults(func=run)
@@ -67,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         trace, summary = run_plan(plan, nproc, steps=args.steps, backend=args.backend, timeout_s=args.timeout,
-                                  warmup=args.warmup, seed=args.seed, progress=progress)
+                                  warmup=args.warmup, seed=args.seed, progress=progress,
+                                  profile_dir=args.profile)
     except RankFailure as err:
         if args.verbose and err.details:
             print(err.details, file=sys.stderr)
@@ -79,11 +86,12 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         trace.save(args.trace)
         print(f"wrote {args.trace}", file=sys.stderr)
+    if args.profile:
+        print(f"wrote {args.profile}/rank*.pt.trace.json (torch.profiler, one per rank)", file=sys.stderr)
     if args.chrome:
-        from ..chrome import write_chrome_trace
+        from ..kineto.write import write_trace
 
-        write_chrome_trace(args.chrome, {"measured": trace})
-        print(f"wrote {args.chrome}", file=sys.stderr)
+        print(f"wrote {write_trace(args.chrome, {'measured': trace})}", file=sys.stderr)
     if args.json:
         print_json(summary)
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..cluster import load_cluster
 from ..step import StepPrediction, predict_step
@@ -48,7 +49,9 @@ def register(subparsers) -> None:
     add_plan_args(p)
     p.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="NAME|FILE", help="cluster (default dgx-h100)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
-    p.add_argument("--trace", metavar="JSON", help="write a Chrome/Perfetto trace (open in ui.perfetto.dev)")
+    p.add_argument("--trace", metavar="DIR|FILE.json",
+                   help="write the step's trace: a folder gets one Kineto file per rank (Perfetto, Holistic Trace "
+                        "Analysis), a .json name one merged file (ui.perfetto.dev)")
     p.add_argument("--gantt", metavar="PNG", help="draw the pipeline schedule with its bubbles")
     p.set_defaults(func=run)
 
@@ -68,10 +71,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(report(prediction))
     if args.trace:
-        from ..chrome import write_chrome_trace
+        from ..kineto.write import write_trace
 
-        write_chrome_trace(args.trace, {"predicted": prediction.trace})
-        print(f"wrote {args.trace}")
+        print(f"wrote {write_trace(args.trace, {'predicted': prediction.trace})}", file=sys.stderr)
     if args.gantt:
         from ..gantt import draw_gantt
 
