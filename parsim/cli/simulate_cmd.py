@@ -7,7 +7,7 @@ import sys
 
 from ..cluster import load_cluster
 from ..step import StepPrediction, predict_step
-from ..step_report import PHASES
+from ..step_report import PHASES, comm_overlap
 from ..table import render_table
 from ..units import format_time
 from .common import DEFAULT_CLUSTER, OpsProgress, memory_table, print_json
@@ -99,10 +99,14 @@ def report(r: StepPrediction) -> str:
                      f"per step)")
     lines.append("")
     rows = []
+    overlap = comm_overlap(r.trace)
     for b, mem in zip(r.ranks, r.memory):
-        rows.append([f"pp {mem.pp_rank} (rank {b.rank})"] + [f"{b.fraction(p):.1%}" for p in PHASES])
-    lines.append(render_table(["stage"] + list(PHASES), rows, title="time by phase, per pipeline stage "
-                              "(each stands for its dp x tp replicas)"))
+        hidden = overlap.get(b.rank)
+        rows.append([f"pp {mem.pp_rank} (rank {b.rank})"] + [f"{b.fraction(p):.1%}" for p in PHASES]
+                    + ["-" if hidden is None else f"{hidden:.0%}"])
+    lines.append(render_table(["stage"] + list(PHASES) + ["comm overlap"], rows,
+                              title="time by phase, per pipeline stage (each stands for its dp x tp replicas); "
+                                    "comm overlap: communication time with compute running beside it (as HTA)"))
     lines.append("")
     lines.append(memory_table(r.memory, capacity, "peak memory per GPU (GB)"))
     if r.over_memory:
@@ -114,10 +118,11 @@ def report(r: StepPrediction) -> str:
 
 
 def to_json(r: StepPrediction) -> dict:
+    overlap = comm_overlap(r.trace)
     return {
         "plan": r.plan.name, "cluster": r.cluster.name, "world_size": r.plan.world,
         "step_s": r.step_s, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "hfu": r.hfu,
-        "ranks": [{"rank": b.rank, "seconds": b.seconds} for b in r.ranks],
+        "ranks": [{"rank": b.rank, "seconds": b.seconds, "comm_overlap": overlap.get(b.rank)} for b in r.ranks],
         "memory": [vars(m) | {"total": m.total} for m in r.memory],
         "fits": not r.over_memory,
     }
