@@ -59,7 +59,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
                            title=f"{plan.name}: predicted ({cluster.name}) vs measured ({source}), "
                                  "per rank and phase"))
         print()
-        print(collectives_table(collectives))
+        print(collectives_table(collectives) if collectives else "collectives: none in the plan, none measured")
         error = "" if step_error is None else f" ({step_error:+.1%})"
         print(f"step time: predicted {format_time(predicted.step_s)}, measured {format_time(measured_step)}{error}")
     if args.trace:
