@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .errors import ParsimError
 from .files import read_json
+from .jsondoc import envelope
 
 # Canonical operation names (the torch.distributed spelling, with dashes on the CLI).
 OPERATIONS = (
@@ -92,12 +93,13 @@ class CollectiveResult:
 
 
 def save_results(path: str | Path, rows: list[CollectiveResult], meta: dict | None = None) -> None:
-    """Write results as ``{"meta": ..., "results": [...]}`` JSON."""
-    Path(path).write_text(json.dumps({"meta": meta or {}, "results": [r.to_dict() for r in rows]}, indent=2))
+    """Write results as the ``parsim bench --json`` document (``parsim.bench/1``), with ``meta``."""
+    doc = envelope("bench", {"meta": meta or {}, "results": [r.to_dict() for r in rows]})
+    Path(path).write_text(json.dumps(doc, indent=2, allow_nan=False))
 
 
 def load_results(path: str | Path) -> list[CollectiveResult]:
-    """Read a file written by :func:`save_results` (or ``--json`` output)."""
+    """Read a file written by :func:`save_results`, or the ``--json`` output of bench or collective."""
     data = read_json(path)
     rows = data.get("results") if isinstance(data, dict) else None
     if not isinstance(rows, list):

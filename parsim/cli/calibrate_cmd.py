@@ -20,7 +20,8 @@ from ..lower import ADAMW_ACCESSES
 from ..results import canonical_op
 from ..table import render_table
 from ..units import format_size, format_time, parse_size_range
-from .common import print_json, progress
+from .common import progress
+from ..jsondoc import print_json
 
 HELP = """\
 Measure this host and write a cluster file the simulator loads like any other.
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     Path(args.out).write_text(header + yaml.safe_dump(cluster, sort_keys=False))
 
     if args.json:
-        print_json({"out": args.out, "latency_us": links.latency_s * 1e6, "bw_GBps": links.bw_Bps / 1e9,
+        print_json("calibrate", {"out": args.out, "latency_us": links.latency_s * 1e6, "bw_GBps": links.bw_Bps / 1e9,
                     "fabric_bw_GBps": links.fabric_bw_Bps / 1e9 if links.fabric_bw_Bps else None,
                     "reduce_bw_GBps": reduce_bw / 1e9, "memory_bw_GBps": memory_bw / 1e9,
                     "op_forward_us": dispatch.forward_s * 1e6, "op_backward_us": dispatch.backward_s * 1e6,

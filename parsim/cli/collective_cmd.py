@@ -11,7 +11,8 @@ from ..collectives.explain import explain
 from ..results import OPERATIONS, canonical_op
 from ..table import render_table
 from ..units import format_size, format_time, parse_size, parse_size_range
-from .common import add_cluster_args, print_json, topology_from_args
+from .common import add_cluster_args, topology_from_args
+from ..jsondoc import print_json
 
 HELP = """\
 Predict the time of one collective on a simulated cluster, and say why.
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         sizes = parse_size_range(args.sweep)
         predictions = [predict(topo, op, size, group, args.algorithm, protocol=args.protocol) for size in sizes]
         if args.json:
-            print_json([p.result().to_dict() for p in predictions])
+            print_json("collective", {"results": [p.result().to_dict() for p in predictions]})
         else:
             print(sweep_table(predictions, topo.spec.name))
         if args.plot:
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         row = prediction.result().to_dict()
         row["phases"] = [vars(p) for p in prediction.phases]
-        print_json(row)
+        print_json("collective", {"results": [row]})
     elif args.explain:
         print(explain(prediction, topo))
     else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from ..cluster import builtin_clusters, load_cluster
@@ -30,11 +29,6 @@ def topology_from_args(args: argparse.Namespace) -> tuple[Topology, int]:
     topo = spec.build(nodes)
     gpus = args.gpus if args.gpus is not None else topo.num_gpus
     return topo, gpus
-
-
-def print_json(data: object) -> None:
-    json.dump(data, sys.stdout, indent=2)
-    sys.stdout.write("\n")
 
 
 def progress(message: str) -> None:

@@ -10,7 +10,8 @@ from ..errors import ParsimError
 from ..results import canonical_op, load_results, save_results
 from ..table import render_table
 from ..units import format_size, format_time, parse_size, parse_size_range
-from .common import print_json, progress
+from .common import progress
+from ..jsondoc import print_json
 from .plan_cmd import add_plan_args
 
 HELP = """\
@@ -79,7 +80,7 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
     rows = compare_collectives(spec.build(nodes), measured)
     mae = median_abs_error(rows)
     if args.json:
-        print_json({"op": op, "cluster": spec.name, "median_abs_error": mae,
+        print_json("compare.collective", {"op": op, "cluster": spec.name, "median_abs_error": mae,
                     "rows": [{"size_bytes": r.measured.size_bytes, "nranks": r.measured.nranks,
                               "measured_s": r.measured.time_s, "predicted_s": r.predicted.time_s,
                               "algorithm": r.predicted.algorithm, "error": r.error} for r in rows]})

@@ -11,7 +11,8 @@ from ..step import predict_step
 from ..step_report import PHASES, breakdown, step_time
 from ..table import render_table
 from ..units import format_time
-from .common import print_json, progress
+from .common import progress
+from ..jsondoc import print_json
 from .plan_cmd import plan_from_args
 
 
@@ -36,7 +37,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
     measured_step = step_time(measured)
     step_error = predicted.step_s / measured_step - 1
     if args.json:
-        print_json({"plan": plan.name, "cluster": cluster.name, "predicted_step_s": predicted.step_s,
+        print_json("compare.plan", {"plan": plan.name, "cluster": cluster.name, "predicted_step_s": predicted.step_s,
                     "measured_step_s": measured_step, "step_error": step_error, "phases": rows,
                     "foreign_load_cores": load.cores})
     else:

@@ -12,7 +12,7 @@ from ..schedules import (KIND_NAMES, SCHEDULES, IdealTiming, Schedule, closed_fo
                          simulate_ideal)
 from ..table import render_table
 from . import explain_compute, explain_memory
-from .common import print_json
+from ..jsondoc import print_json
 
 HELP = """\
 Explain a number parsim prints, step by step.
@@ -87,7 +87,7 @@ def run_bubble(args: argparse.Namespace) -> int:
     timing = simulate_ideal(schedule, t_f, t_b, t_w, args.tcomm, time_unit="units")
     peaks = peak_in_flight(schedule)
     if args.json:
-        print_json(_as_json(schedule, timing, peaks, t_f, t_b, t_w))
+        print_json("explain.bubble", _as_json(schedule, timing, peaks, t_f, t_b, t_w))
     else:
         print(explain_bubble(schedule, timing, peaks, t_f, t_b, t_w, picture=not args.gantt))
     if args.gantt:

@@ -10,7 +10,8 @@ from ..errors import ParsimError
 from ..kernels import BlockWork, block_work
 from ..table import render_table
 from ..units import format_time
-from .common import DEFAULT_CLUSTER, print_json
+from .common import DEFAULT_CLUSTER
+from ..jsondoc import print_json
 from .plan_cmd import add_plan_args, plan_from_args
 
 HELP = f"""\
@@ -63,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
                 rows.append({"pass": kind, **row})
                 totals[kind] += row["time_s"]
     if args.json:
-        print_json({"plan": plan.name, "cluster": spec.name, "layer": cost.name, "tokens": plan.tokens_per_rank,
-                    "kernels": rows, "pass_s": totals})
+        print_json("explain.compute", {"plan": plan.name, "cluster": spec.name, "layer": cost.name,
+                                       "tokens": plan.tokens_per_rank, "kernels": rows, "pass_s": totals})
         return 0
     print(_report(plan, spec, model, cost.name, rows, totals))
     return 0

@@ -10,7 +10,8 @@ from ..plan import Plan
 from ..step_report import PHASES
 from ..table import render_table
 from ..units import format_time
-from .common import print_json, progress
+from .common import progress
+from ..jsondoc import print_json
 from .plan_cmd import add_plan_args, plan_from_args
 
 HELP = """\
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         write_chrome_trace(args.chrome, {"measured": trace})
         print(f"wrote {args.chrome}", file=sys.stderr)
     if args.json:
-        print_json(summary)
+        print_json("run", summary)
     else:
         print(report(plan, summary))
     return 0

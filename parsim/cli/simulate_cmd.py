@@ -9,7 +9,8 @@ from ..step import StepPrediction, predict_step
 from ..step_report import PHASES
 from ..table import render_table
 from ..units import format_time
-from .common import DEFAULT_CLUSTER, OpsProgress, memory_table, print_json
+from .common import DEFAULT_CLUSTER, OpsProgress, memory_table
+from ..jsondoc import print_json
 from .plan_cmd import add_plan_args, plan_from_args
 
 DEFAULT_PLAN = "llama3-70b-1024"
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     if args.json:
-        print_json(to_json(prediction))
+        print_json("simulate", to_json(prediction))
     else:
         print(report(prediction))
     if args.trace:
