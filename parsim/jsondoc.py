@@ -14,6 +14,7 @@ described in ``docs/json.md``. Errors under ``--json`` are documents too
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import math
 import sys
@@ -27,6 +28,11 @@ SCHEMA_VERSION = 1
 def schema_id(name: str) -> str:
     """``"simulate"`` -> ``"parsim.simulate/1"``."""
     return f"parsim.{name}/{SCHEMA_VERSION}"
+
+
+def published_schema(name: str) -> dict[str, Any]:
+    """The JSON Schema of ``parsim.<name>/1`` documents, as shipped in ``parsim/schemas/``."""
+    return json.loads(importlib.resources.files("parsim").joinpath("schemas", f"{name}.json").read_text())
 
 
 def envelope(name: str, payload: dict[str, Any]) -> dict[str, Any]:

@@ -117,7 +117,8 @@ def fake_results(op: str = "all_gather", wrong: int = 0) -> list[CollectiveResul
     return [CollectiveResult(op=op, nranks=2, size_bytes=size, time_s=size / 1e9, algorithm="ring",
                              source="measured", backend="gloo",
                              extra={"requested_size_bytes": size, "count": size // 4, "host": "here",
-                                    "form": "out_of_place", "wrong": wrong,
+                                    "form": "out_of_place", "wrong": wrong, "iters": 5,
+                                    "per_rank_time_s": [size / 1e9, size / 1e9],
                                     "out_of_place": {"time_s": size / 1e9, "iters": 5, "wrong": wrong},
                                     "in_place": {"time_s": size / 2e9, "iters": 5, "wrong": 0}})
             for size in (1 << 20, 1 << 21)]

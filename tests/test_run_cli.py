@@ -18,6 +18,8 @@ from parsim.plan import resolve_plan
 from parsim.step_report import PHASES
 from parsim.trace import Trace
 
+from test_json_schema import conforms
+
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 
 
@@ -65,6 +67,7 @@ def test_run_reports_the_median_step_and_writes_traces(tmp_path, capsys):
                  "--trace", str(trace_path), "--chrome", str(chrome_path)]) == 0
     out = capsys.readouterr()
     summary = json.loads(out.out)
+    assert conforms(summary) == "run"
     assert "1 warm-up + 2 measured steps" in out.err  # progress goes to stderr
     assert summary["world_size"] == 2 and summary["steps"] == 2 and len(summary["step_times_s"]) == 2
     assert summary["step_s_min"] <= summary["step_s"] <= summary["step_s_max"]
