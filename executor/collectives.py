@@ -44,13 +44,15 @@ from parsim.units import format_size
 
 from ._torch import require_distributed, require_torch
 from .collective_buffers import CHUNKED_OPS, ROOT, ROOTED_OPS, forms_of, make_buffers
-from .launch import in_torchrun_job, launch, rank_device, run_in_job
+from .launch import check_request, in_torchrun_job, launch, rank_device, run_in_job
 
 DTYPE_BYTES = 4  # float32, as nccl-tests' default -d float
 DEFAULT_WARMUP = 5
 DEFAULT_TARGET_TIME_S = 0.25
 MIN_ITERS = 5
-MAX_ITERS = 1000
+MAX_ITERS = 1000  # adaptive counts stop here; counts given by hand may go to MAX_GIVEN_ITERS
+MAX_GIVEN_ITERS = 100_000
+BUFFERS_PER_RANK = 4
 
 # What ProcessGroupGloo (torch 2.13) runs on CPU tensors, read from
 # torch/csrc/distributed/c10d/ProcessGroupGloo.cpp and gloo's allreduce.cc,
@@ -97,10 +99,10 @@ class BenchSpec:
         ``both_forms`` times in-place as well as out-of-place where torch.distributed has both.
         """
         op = canonical_op(op)
-        if warmup < 1:
-            raise ParsimError(f"warm-up iterations must be at least 1, got {warmup}")
-        if iters is not None and iters < 1:
-            raise ParsimError(f"timed iterations must be at least 1, got {iters}")
+        if not 1 <= warmup <= MAX_GIVEN_ITERS:
+            raise ParsimError(f"warm-up iterations must be 1 to {MAX_GIVEN_ITERS:,}, got {warmup}")
+        if iters is not None and not 1 <= iters <= MAX_GIVEN_ITERS:
+            raise ParsimError(f"timed iterations must be 1 to {MAX_GIVEN_ITERS:,}, got {iters}")
         if not sizes:
             raise ParsimError("no sizes to measure")
         fewest = 2 if op == "send_recv" else 1
@@ -129,6 +131,16 @@ def measured_size(op: str, size_bytes: int, nranks: int) -> int:
     return elements * DTYPE_BYTES
 
 
+def check_host_memory(size: int, local_ranks: int) -> None:
+    """Refuse a size whose buffers cannot fit in this host's memory: each rank holds up to
+    ``BUFFERS_PER_RANK`` buffers of it (input, output, and the check's pattern and expected result)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = BUFFERS_PER_RANK * size * local_ranks
+    if need > memory:
+        raise ParsimError(f"{format_size(size)} on {local_ranks} ranks needs about {need / 1e9:.3g} GB of buffers; "
+                          f"this host has {memory / 1e9:.3g} GB")
+
+
 def default_timeout_s(sizes: Sequence[int]) -> float:
     """A whole-run budget generous enough for a sweep on slow CPUs: 60 s + 15 s per size."""
     return 60.0 + 15.0 * len(sizes)
@@ -143,7 +155,7 @@ def measure_collectives(op: str, sizes: Sequence[int], nproc: int | None, backen
     Spawns ``nproc`` local ranks, or, inside a torchrun job, runs as this
     process's rank of it (``nproc`` must then be None or the job's size) and
     returns the same results on every rank. ``iters=None`` adapts the count
-    to the size. ``progress`` prints "measuring ..." lines to stderr from rank 0. ``both_forms``
+    to the size. ``progress`` prints "measuring ..." lines from rank 0 when stderr is a terminal. ``both_forms``
     measures in-place next to out-of-place, as nccl-tests does (each result's ``time_s`` is the
     first of :func:`~executor.collective_buffers.forms_of`; ``extra`` holds both).
     """
@@ -155,9 +167,12 @@ def measure_collectives(op: str, sizes: Sequence[int], nproc: int | None, backen
         raise ParsimError("how many ranks? (--nproc is missing)")
     else:
         world = nproc
-    spec = BenchSpec.build(op, sizes, world, warmup=warmup, iters=iters, target_time_s=target_time_s,
-                           progress=progress, both_forms=both_forms)
     timeout_s = timeout_s if timeout_s is not None else default_timeout_s(sizes)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if in_torchrun_job() else world
+    check_request(local, timeout_s)
+    spec = BenchSpec.build(op, sizes, world, warmup=warmup, iters=iters, target_time_s=target_time_s,
+                           progress=progress and sys.stderr.isatty(), both_forms=both_forms)
+    check_host_memory(max(measured for _, measured in spec.sizes), local)
     if in_torchrun_job():
         return run_in_job(bench_rank, (spec,), backend, timeout_s)
     return launch(bench_rank, world, (spec,), backend, timeout_s)[0]

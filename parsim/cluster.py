@@ -21,13 +21,13 @@ from .files import read_yaml
 FABRICS = ("nvswitch", "pcie")
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 # What a figure of any hardware can be, per unit. The bounds lie far outside every real device (tests
-# use 1e9 GB/s links as "free"), so only a NaN-like typo is refused: 1e-300 GB/s or 1e300 us would
-# stall the simulation or dwarf every other figure.
-BANDWIDTH_GBPS = (1e-6, 1e12, "GB/s")  # from 1 kB/s
-LINK_GBITS = (1e-5, 1e13, "Gb/s (gigabits)")
+# use 1e9 GB/s links as "free", calibration a unit host of 1 B/s), so only a NaN-like typo is refused:
+# 1e-300 GB/s or 1e300 us would stall the simulation or dwarf every other figure.
+BANDWIDTH_GBPS = (1e-12, 1e12, "GB/s")  # from 1 mB/s
+LINK_GBITS = (1e-11, 1e13, "Gb/s (gigabits)")
 LATENCY_US = (0.0, 1e9, "microseconds")  # up to 1,000 s
-TFLOPS = (1e-6, 1e12, "TFLOP/s, dense")  # from 1 MFLOP/s
-CAPACITY_GB = (1e-6, 1e12, "GB")
+TFLOPS = (1e-12, 1e12, "TFLOP/s, dense")  # from 1 FLOP/s
+CAPACITY_GB = (1e-12, 1e12, "GB")
 OVERSUBSCRIPTION = (1.0, 1e6, "downlink:uplink ratio, e.g. 1.0 for non-blocking")
 FRACTION = (1e-6, 1.0, "fraction")
 EFFICIENCY = (1e-6, 1e6, "fraction of link speed")

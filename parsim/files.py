@@ -15,6 +15,10 @@ def read_yaml(path: str | Path) -> object:
     path = Path(path)
     try:
         return yaml.safe_load(path.read_text())
+    except UnicodeDecodeError:
+        raise ConfigError(str(path), "(file)", "is not text (not UTF-8)", "a YAML file") from None
+    except RecursionError:
+        raise ConfigError(str(path), "(file)", "nests deeper than Python can read", "a YAML file") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -32,5 +36,9 @@ def read_json(path: str | Path) -> object:
         raise ParsimError(f"{path}: no such file") from None
     except json.JSONDecodeError as err:
         raise ParsimError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    except UnicodeDecodeError:
+        raise ParsimError(f"{path}: not valid JSON (not UTF-8 text)") from None
+    except RecursionError:
+        raise ParsimError(f"{path}: not valid JSON (nested deeper than Python can read)") from None
     except OSError as err:
         raise ParsimError(f"cannot read {path}: {err.strerror}") from None

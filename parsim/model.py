@@ -1044,7 +1044,7 @@ def parse_model(data: object, source: str = "<model>", default_name: str = "mode
     if not isinstance(data, Mapping):
         raise ConfigError(source, "(file)", f"is {type(data).__name__} {data!r}", "a mapping of keys")
     kind = data.get("kind")
-    if kind not in MODEL_KINDS:
+    if not isinstance(kind, str) or kind not in MODEL_KINDS:
         found = "missing" if kind is None else f"is {kind!r}"
         raise ConfigError(source, "kind", found, " or ".join(MODEL_KINDS))
     reader = ConfigReader(data, source, _COMMON_KEYS + _KIND_KEYS[kind])

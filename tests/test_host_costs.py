@@ -109,7 +109,7 @@ def test_host_keys_are_read_in_si_units():
 @pytest.mark.parametrize("key, value, expected", [
     ("op_forward_us", -1.0, "0 to 1e[+]09 microseconds"), ("op_backward_us", "fast", "a finite number in micro"),
     ("optimizer_tensor_us", float("nan"), "a finite number"), ("p2p_rendezvous_us", True, "a finite number"),
-    ("matmul_stream_bw_GBps", 0, "1e-06 to 1e[+]12 GB/s"), ("elementwise_bw_GBps", -3, "1e-06 to 1e[+]12 GB/s"),
+    ("matmul_stream_bw_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("elementwise_bw_GBps", -3, "1e-12 to 1e[+]12 GB/s"),
     ("op_overhead_us", 1.0, "unknown key"), ("cpu_cores", 0, "a whole number from 1 to 65,536"),
     ("cpu_cores", 2.5, "a whole number from 1 to 65,536"),
 ])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from collections import Counter
 
 import pytest
@@ -61,7 +62,8 @@ def test_combinations_the_executor_cannot_run_are_refused_in_one_line(flags, mes
 
 @needs_torch
 @pytest.mark.multiproc
-def test_run_reports_the_median_step_and_writes_traces(tmp_path, capsys):
+def test_run_reports_the_median_step_and_writes_traces(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # progress shows on a terminal only
     trace_path, chrome_path = tmp_path / "measured.json", tmp_path / "chrome.json"
     assert main(["run", "tiny-pp2", "--nproc", "2", "--steps", "2", "--json",
                  "--trace", str(trace_path), "--chrome", str(chrome_path)]) == 0

@@ -20,9 +20,11 @@ event, or from the start of ``ProfilerStep#<step>`` when ``step`` is given
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
+from parsim.cluster import MAX_GPUS
 from parsim.errors import ParsimError
 from parsim.files import read_json
 from parsim.trace import Event, Trace
@@ -55,16 +57,16 @@ def read_torch_profiler_trace(path: str | Path, step: int | None = None) -> Trac
     data = read_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise ParsimError(f"{path}: not a torch.profiler Chrome trace (no traceEvents list)")
-    info = data.get("distributedInfo") or {}
-    rank = int(info.get("rank", 0))
-    world = int(info.get("world_size", rank + 1))
-    spans = [e for e in data["traceEvents"]
+    rank, world = _rank_and_world(data.get("distributedInfo") or {}, path)
+    if not all(isinstance(e, dict) for e in data["traceEvents"]):
+        raise ParsimError(f"{path}: not a torch.profiler Chrome trace (an event is not an object)")
+    spans = [_checked_span(e, path) for e in data["traceEvents"]
              if e.get("ph") == "X" and e.get("cat") == "user_annotation" and "ts" in e]
     window = _step_window(spans, step, path)
     kept = []
     for e in spans:
-        start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
-        kinds = classify(e.get("name", ""))
+        start, end = e["ts"], e["ts"] + e["dur"]
+        kinds = classify(e["name"])
         if kinds is None or (window and not (window[0] <= start and end <= window[1])):
             continue
         kept.append((start, end, e["name"], kinds))
@@ -76,10 +78,28 @@ def read_torch_profiler_trace(path: str | Path, step: int | None = None) -> Trac
     return Trace("measured", world, events, meta={"source_file": str(path), "reader": "torch.profiler"})
 
 
+def _rank_and_world(info: object, path: str | Path) -> tuple[int, int]:
+    """The rank and world size ``distributedInfo`` gives (0 of 1 without it)."""
+    rank = info.get("rank", 0) if isinstance(info, dict) else None
+    world = info.get("world_size", (rank if isinstance(rank, int) else 0) + 1) if isinstance(info, dict) else None
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (rank, world)) or not 0 <= rank < world <= MAX_GPUS:
+        raise ParsimError(f"{path}: distributedInfo {info!r:.80} does not give a rank below its world_size")
+    return rank, world
+
+
+def _checked_span(e: dict, path: str | Path) -> dict:
+    """A complete event with a string name, a finite start and a finite duration >= 0 (0 when absent)."""
+    ts, dur = e["ts"], e.get("dur", 0.0)
+    numbers = all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in (ts, dur))
+    if not isinstance(e.get("name"), str) or not numbers or dur < 0:
+        raise ParsimError(f"{path}: event {e!r:.120} needs a name, a finite ts and a finite dur >= 0")
+    return {"name": e["name"], "ts": float(ts), "dur": float(dur)}
+
+
 def _step_window(spans: list[dict], step: int | None, path: str | Path) -> tuple[float, float] | None:
     if step is None:
         return None
     for e in spans:
         if e.get("name") == f"ProfilerStep#{step}":
-            return float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+            return e["ts"], e["ts"] + e["dur"]
     raise ParsimError(f"{path}: no ProfilerStep#{step} in the trace (call prof.step() once per step)")

@@ -11,10 +11,10 @@ import argparse
 import platform
 import sys
 
-from ..errors import ParsimError
 from ..jsondoc import print_json
 from ..results import OPERATIONS, CollectiveResult, busbw_factor, canonical_op, save_results
 from ..units import parse_size, parse_size_range
+from .common import check_outputs
 
 DEFAULT_SWEEP = "1MiB:64MiB"
 DEFAULT_NPROC = 2
@@ -82,11 +82,8 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     op = canonical_op(args.op)
+    check_outputs(args, files=("--out",), pictures=("--plot",))
     sizes = [parse_size(args.size)] if args.size else parse_size_range(args.sweep or DEFAULT_SWEEP)
-    if args.nproc is not None and args.nproc < 1:
-        raise ParsimError(f"--nproc must be at least 1, got {args.nproc}")
-    if args.timeout is not None and not args.timeout > 0:
-        raise ParsimError(f"--timeout must be positive, got {args.timeout:g}")
 
     from executor.collectives import measure_collectives
     from executor.launch import RankFailure, in_torchrun_job, job_rank

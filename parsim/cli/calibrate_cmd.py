@@ -16,12 +16,12 @@ from ..calibrate import (fit_dispatch, fit_elementwise, fit_links, fit_matmul, f
 from ..cluster import parse_cluster
 from ..errors import ParsimError
 from ..host_load import ForeignLoad
+from ..jsondoc import print_json
 from ..lower import ADAMW_ACCESSES
 from ..results import canonical_op
 from ..table import render_table
 from ..units import format_size, format_time, parse_size_range
-from .common import progress
-from ..jsondoc import print_json
+from .common import check_outputs, note, progress
 
 HELP = """\
 Measure this host and write a cluster file the simulator loads like any other.
@@ -71,9 +71,11 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from executor.collectives import measure_collectives, measure_in_step, measure_reduce_bandwidth
+    check_outputs(args, files=("--out",))
+    from executor.collectives import (check_host_memory, default_timeout_s, measure_collectives, measure_in_step,
+                                      measure_reduce_bandwidth)
     from executor.compute_bench import measure_on_every_rank
-    from executor.launch import resolve_backend
+    from executor.launch import check_request, resolve_backend
 
     try:
         rank_counts = sorted({int(r) for r in args.ranks.split(",")})
@@ -83,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         raise ParsimError("--ranks: collectives need at least 2 ranks")
     ops = [canonical_op(o) for o in args.ops.split(",")]
     sizes = parse_size_range(args.sweep)
+    if not args.name.strip():
+        raise ParsimError("--name: the cluster file needs a name")
+    check_request(max(rank_counts), args.timeout if args.timeout is not None else default_timeout_s(sizes))
+    check_host_memory(sizes[-1], max(rank_counts))
     backend = resolve_backend(args.backend, max(rank_counts))
 
     with ForeignLoad() as load:
@@ -106,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         progress(f"measuring matmuls, eager ops and optimizer steps again on {max(rank_counts)} ranks")
         per_rank += measure_on_every_rank(max(rank_counts))
     if load.warning("calibration"):
-        progress(load.warning("calibration"))
+        note(load.warning("calibration"))
     matmul = fit_matmul([(tuple(s), t) for rank in per_rank for s, t in rank["matmuls"]], call=True)
     dispatch = fit_dispatch([row for rank in per_rank for row in rank["dispatch"]], matmul.model())
     elementwise_bw = fit_elementwise([rank["elementwise"] for rank in per_rank], dispatch)

@@ -6,8 +6,8 @@ import argparse
 from dataclasses import asdict
 
 from ..cluster import ClusterSpec, builtin_clusters, load_cluster
-from ..table import render_table
 from ..jsondoc import print_json
+from ..table import render_table
 
 HELP = """\
 List the built-in clusters with their key figures, or show one cluster file.
@@ -33,7 +33,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.cluster:
+    if args.cluster is not None:
         spec = load_cluster(args.cluster)
         if args.json:
             print_json("clusters", {"clusters": [asdict(spec)]})

@@ -8,11 +8,12 @@ import numpy as np
 
 from ..collectives import ALGORITHMS, predict
 from ..collectives.explain import explain
+from ..errors import ParsimError
+from ..jsondoc import print_json
 from ..results import OPERATIONS, canonical_op
 from ..table import render_table
 from ..units import format_size, format_time, parse_size, parse_size_range
-from .common import add_cluster_args, topology_from_args
-from ..jsondoc import print_json
+from .common import add_cluster_args, check_buffer, check_outputs, topology_from_args
 
 HELP = """\
 Predict the time of one collective on a simulated cluster, and say why.
@@ -61,10 +62,14 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     op = canonical_op(args.op)
+    if args.plot is not None and not args.sweep:
+        raise ParsimError("--plot draws bandwidth against size: it needs --sweep")
+    check_outputs(args, pictures=("--plot",))
     topo, gpus = topology_from_args(args)
     group = np.arange(gpus)
     if args.sweep:
         sizes = parse_size_range(args.sweep)
+        check_buffer(sizes[-1], topo.spec)
         predictions = [predict(topo, op, size, group, args.algorithm, protocol=args.protocol) for size in sizes]
         if args.json:
             print_json("collective", {"results": [p.result().to_dict() for p in predictions]})
@@ -77,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
                            title=f"{op.replace('_', '-')} on {gpus} GPUs of {topo.spec.name}")
             print(f"wrote {args.plot}")
         return 0
-    prediction = predict(topo, op, parse_size(args.size), group, args.algorithm, protocol=args.protocol)
+    size = parse_size(args.size)
+    check_buffer(size, topo.spec)
+    prediction = predict(topo, op, size, group, args.algorithm, protocol=args.protocol)
     if args.json:
         row = prediction.result().to_dict()
         row["phases"] = [vars(p) for p in prediction.phases]

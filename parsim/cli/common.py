@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
-from ..cluster import builtin_clusters, load_cluster
+from ..cluster import ClusterSpec, builtin_clusters, load_cluster
+from ..errors import ParsimError
 from ..memory import Memory
 from ..table import render_table
 from ..topology import Topology
+from ..units import format_size
 
 DEFAULT_CLUSTER = "dgx-h100"
 
@@ -31,8 +35,55 @@ def topology_from_args(args: argparse.Namespace) -> tuple[Topology, int]:
     return topo, gpus
 
 
+def check_buffer(size: int, spec: ClusterSpec) -> None:
+    """A collective's buffer must hold something and fit in one GPU's memory (every operation keeps
+    at least its whole buffer on some rank: the output of all-gather, the input of reduce-scatter)."""
+    if size <= 0:
+        raise ParsimError(f"size {size} B: a collective moves at least one byte")
+    if size > spec.gpu.hbm_capacity_bytes:
+        raise ParsimError(f"size {format_size(size)} does not fit in one GPU's memory on {spec.name} "
+                          f"({spec.gpu.hbm_capacity_bytes / 1e9:g} GB)")
+
+
+def check_outputs(args: argparse.Namespace, files: tuple[str, ...] = (), pictures: tuple[str, ...] = ()) -> None:
+    """Refuse, before any work, output paths of ``args`` that cannot be written.
+
+    ``files`` and ``pictures`` name flags (``"--trace"``); pictures must also end in a format
+    matplotlib writes. Unset flags are skipped.
+    """
+    for flag in files + pictures:
+        path = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if path is None:
+            continue
+        _check_writable(path, flag)
+        if flag in pictures:
+            from matplotlib.backend_bases import FigureCanvasBase
+
+            formats = FigureCanvasBase.get_supported_filetypes()
+            if Path(path).suffix.lstrip(".").lower() not in formats:
+                raise ParsimError(f"{flag} {path}: not a picture name (end it in .{', .'.join(sorted(formats))})")
+
+
+def _check_writable(path: str, flag: str) -> None:
+    target = Path(path)
+    if not path.strip():
+        raise ParsimError(f"{flag}: the path is empty")
+    if target.is_dir():
+        raise ParsimError(f"{flag} {path}: is a directory (give a file name)")
+    if not target.parent.is_dir():
+        raise ParsimError(f"{flag} {path}: {target.parent} is not a folder")
+    if not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ParsimError(f"{flag} {path}: not writable")
+
+
 def progress(message: str) -> None:
-    """One progress line on stderr, so stdout stays clean for tables and JSON."""
+    """One progress line on stderr when it is a terminal (pipes and CI logs stay clean; stdout always)."""
+    if sys.stderr.isatty():
+        print(message, file=sys.stderr, flush=True)
+
+
+def note(message: str) -> None:
+    """A line on stderr that matters after the run too (a warning), wherever stderr goes."""
     print(message, file=sys.stderr, flush=True)
 
 

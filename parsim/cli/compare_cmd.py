@@ -7,11 +7,11 @@ import argparse
 from ..cluster import load_cluster
 from ..compare_collectives import compare_collectives, median_abs_error
 from ..errors import ParsimError
+from ..jsondoc import print_json
 from ..results import canonical_op, load_results, save_results
 from ..table import render_table
 from ..units import format_size, format_time, parse_size, parse_size_range
-from .common import progress
-from ..jsondoc import print_json
+from .common import check_outputs, progress
 from .plan_cmd import add_plan_args
 
 HELP = """\
@@ -50,6 +50,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_outputs(args, files=("--save-measured", "--trace"), pictures=("--plot",))
     try:
         op = canonical_op(args.target)
     except ParsimError:

@@ -7,12 +7,12 @@ import argparse
 from ..cluster import load_cluster
 from ..errors import ParsimError
 from ..host_load import ForeignLoad
+from ..jsondoc import print_json
 from ..step import predict_step
 from ..step_report import PHASES, breakdown, step_time
 from ..table import render_table
 from ..units import format_time
-from .common import progress
-from ..jsondoc import print_json
+from .common import note, progress
 from .plan_cmd import plan_from_args
 
 
@@ -32,7 +32,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         measured, _ = run_plan(plan, args.nproc, args.steps, backend=args.backend,
                                **({"timeout_s": args.timeout} if args.timeout else {}))
     if load.warning("the measured run"):
-        progress(load.warning("the measured run"))
+        note(load.warning("the measured run"))
     rows = compare_phases(plan, predicted, measured)
     measured_step = step_time(measured)
     step_error = predicted.step_s / measured_step - 1

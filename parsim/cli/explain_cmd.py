@@ -6,13 +6,15 @@ Topics are sub-subcommands (``parsim explain bubble``), so more can join.
 from __future__ import annotations
 
 import argparse
+import math
 
 from ..errors import ParsimError
+from ..jsondoc import print_json
 from ..schedules import (KIND_NAMES, SCHEDULES, IdealTiming, Schedule, closed_form, make_schedule, peak_in_flight,
                          simulate_ideal)
 from ..table import render_table
 from . import explain_compute, explain_memory
-from ..jsondoc import print_json
+from .common import check_outputs
 
 HELP = """\
 Explain a number parsim prints, step by step.
@@ -73,10 +75,11 @@ def _missing_topic(parser: argparse.ArgumentParser) -> int:
 
 
 def run_bubble(args: argparse.Namespace) -> int:
+    check_outputs(args, pictures=("--gantt",))
     schedule = make_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
     for flag in ("tf", "tb", "tcomm") + (("tw",) if args.tw is not None else ()):
-        if getattr(args, flag) < 0:
-            raise ParsimError(f"--{flag} must be >= 0, got {getattr(args, flag):g}")
+        if not 0 <= getattr(args, flag) < math.inf:
+            raise ParsimError(f"--{flag} must be a finite time >= 0, got {getattr(args, flag):g}")
     if args.tf + args.tb <= 0:
         raise ParsimError("--tf and --tb are both 0: there is nothing to time")
     v = schedule.virtual_stages

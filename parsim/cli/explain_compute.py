@@ -7,11 +7,11 @@ import argparse
 from ..cluster import load_cluster
 from ..compute import MATMUL_TILE, ComputeModel
 from ..errors import ParsimError
+from ..jsondoc import print_json
 from ..kernels import BlockWork, block_work
 from ..table import render_table
 from ..units import format_time
 from .common import DEFAULT_CLUSTER
-from ..jsondoc import print_json
 from .plan_cmd import add_plan_args, plan_from_args
 
 HELP = f"""\

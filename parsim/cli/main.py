@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fail(prog: str, message: str, as_json: bool) -> int:
     """Exit code 2 with one line on stderr, and an error document on stdout for scripts that asked for JSON."""
+    message = message.replace("\r", "\\r").replace("\n", "\\n")  # a quoted key or path may hold line breaks
     print(f"{prog}: error: {message}", file=sys.stderr)
     if as_json:
         print_error(prog.removeprefix("parsim").strip(), message)

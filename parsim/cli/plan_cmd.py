@@ -11,13 +11,13 @@ import argparse
 from typing import Any
 
 from ..errors import ParsimError
+from ..jsondoc import print_json
 from ..model import builtin_models, load_model
 from ..plan import (CP_STYLES, DIMS, DTYPE_BYTES, GRAD_SYNCS, RECOMPUTE, SCHEDULES, TP_STYLES, ZERO_STAGES, Plan,
                     builtin_plans, load_plan, resolve_plan, runs_text)
 from ..table import render_table
 from ..units import format_size
 from .common import add_cluster_args
-from ..jsondoc import print_json
 
 HELP = """\
 Show a parallelism plan: the model and its size, the degrees and the batch,

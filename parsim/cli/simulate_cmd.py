@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 
 from ..cluster import load_cluster
+from ..jsondoc import print_json
 from ..step import StepPrediction, predict_step
 from ..step_report import PHASES
 from ..table import render_table
 from ..units import format_time
-from .common import DEFAULT_CLUSTER, OpsProgress, memory_table
-from ..jsondoc import print_json
+from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, memory_table
 from .plan_cmd import add_plan_args, plan_from_args
 
 DEFAULT_PLAN = "llama3-70b-1024"
@@ -55,6 +55,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_outputs(args, files=("--trace",), pictures=("--gantt",))
     if args.plan is None and args.model is None:
         args.plan = DEFAULT_PLAN
     plan = plan_from_args(args)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from ..jsondoc import print_json
 from ..table import render_table
 from ..validation.training import Validation, builtin_tables, validate
 from .common import OpsProgress
-from ..jsondoc import print_json
 
 HELP = """\
 Run parsim on published training results and print published vs predicted,
