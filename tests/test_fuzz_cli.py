@@ -167,10 +167,11 @@ def broken_cluster_file(draw):
         return put(base, draw(st.sampled_from(REQUIRED_CLUSTER_KEYS)), DELETE)
     if kind == "section":
         section = draw(st.sampled_from(["gpu", "intra_node", "scale_out", "compute", "nccl", "gpu.peak_tflops"]))
-        return put(base, tuple(section.split(".")), draw(st.sampled_from(WRONG_TYPES[:4] + [7, None])))
+        required = section in ("gpu", "intra_node", "scale_out", "gpu.peak_tflops")  # the others may be empty
+        return put(base, tuple(section.split(".")), draw(st.sampled_from(WRONG_TYPES[:4] + [7] + [None] * required)))
     if kind == "unknown":
         where = draw(st.sampled_from([(), ("gpu",), ("intra_node",), ("scale_out",)]))
-        return put(base, where + (draw(st.text(min_size=1, max_size=12)).strip() or "x" + "_typo",), 1)
+        return put(base, where + (draw(st.text(max_size=12)) + "_typo",), 1)
     if kind == "text":
         return draw(st.text(max_size=200))
     if kind == "bytes":
@@ -211,7 +212,7 @@ MODELS = {name: read_yaml(path) for name, path in builtin_models().items()
           if name in ("tiny-gpt", "course-mlp", "mixtral-8x22b", "deepseek-v3")}
 # Shape keys a model cannot have zero of.
 POSITIVE_MODEL_KEYS = {"num_layers", "width", "batch_size", "hidden", "num_heads", "ffn_hidden", "seq_len",
-                       "vocab_size", "num_kv_heads", "num_experts", "experts_per_token", "expert_ffn_hidden"}
+                       "vocab_size", "num_kv_heads", "experts_per_token", "expert_ffn_hidden"}  # num_experts 0: dense
 
 
 def model_commands(path: str) -> list[list[str]]:
@@ -326,6 +327,7 @@ FLAG_CASES = [  # (command, flag, bad values)
     *[(["collective", "all-reduce", "--gpus", "8", "--size", "1MiB"], flag, values) for flag, values in [
         ("--size", SIZE_TEXT), ("--sweep", SWEEP_TEXT), ("--gpus", INT_TEXT + ["0", "12", "1000000000"])]],
     (["collective", "all-gather"], "--nodes", INT_TEXT + ["0", "100000000"]),
+    (["compare", "all-reduce", "--cluster", "dgx-h100"], "--measured", ["", "no-such-file.json"]),
     *[([cmd, "tiny-pp2"] + extra, flag, INT_TEXT + ["0", "1000000000"])
       for cmd, extra in [("simulate", []), ("explain memory", []), ("explain compute", []), ("plan show", []),
                          ("run", []), ("compare", ["--cluster", "dgx-h100"])] for flag in PLAN_INT_FLAGS],
@@ -361,7 +363,7 @@ FLAG_CASES = [  # (command, flag, bad values)
     (["calibrate", "--out", "x.yaml"], "--timeout", FLOAT_TEXT + ["0"]),
     (["calibrate", "--out", "x.yaml"], "--name", ["", " "]),
     (["validate"], "table", ["no-such-table", ""]),
-    (["collective"], "op", ["all-shuffle", "", "all_reduce_"]),
+    (["collective"], "op", ["all-shuffle", "", "all reduce"]),
     (["simulate"], "plan", ["no-such-plan", ""]),
     (["clusters"], "cluster", ["no-such-cluster", ""]),
 ]

@@ -83,7 +83,8 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     op = canonical_op(args.op)
     check_outputs(args, files=("--out",), pictures=("--plot",))
-    sizes = [parse_size(args.size)] if args.size else parse_size_range(args.sweep or DEFAULT_SWEEP)
+    sizes = [parse_size(args.size)] if args.size is not None else \
+        parse_size_range(DEFAULT_SWEEP if args.sweep is None else args.sweep)
 
     from executor.collectives import measure_collectives
     from executor.launch import RankFailure, in_torchrun_job, job_rank

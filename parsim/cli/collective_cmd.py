@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     check_outputs(args, pictures=("--plot",))
     topo, gpus = topology_from_args(args)
     group = np.arange(gpus)
-    if args.sweep:
+    if args.sweep is not None:
         sizes = parse_size_range(args.sweep)
         check_buffer(sizes[-1], topo.spec)
         predictions = [predict(topo, op, size, group, args.algorithm, protocol=args.protocol) for size in sizes]

@@ -64,14 +64,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _collectives(args: argparse.Namespace, op: str) -> int:
     spec = load_cluster(args.cluster)
-    if args.measured:
+    if args.measured is not None:
         measured = [r for r in load_results(args.measured) if r.op == op]
         if not measured:
             raise ParsimError(f"{args.measured} holds no {op.replace('_', '-')} measurements")
     else:
         from executor.collectives import measure_collectives
 
-        sizes = [parse_size(args.size)] if args.size else parse_size_range(args.sweep)
+        sizes = [parse_size(args.size)] if args.size is not None else parse_size_range(args.sweep)
         progress(f"measuring {op.replace('_', '-')} on {args.nproc} ranks")
         measured = measure_collectives(op, sizes, args.nproc, args.backend, timeout_s=args.timeout, progress=True)
         if args.save_measured:

@@ -30,7 +30,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
     progress(f"running {plan.name} on {args.nproc} ranks ({args.steps} measured steps)")
     with ForeignLoad() as load:
         measured, _ = run_plan(plan, args.nproc, args.steps, backend=args.backend,
-                               **({"timeout_s": args.timeout} if args.timeout else {}))
+                               **({"timeout_s": args.timeout} if args.timeout is not None else {}))
     if load.warning("the measured run"):
         note(load.warning("the measured run"))
     rows = compare_phases(plan, predicted, measured)

@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fail(prog: str, message: str, as_json: bool) -> int:
     """Exit code 2 with one line on stderr, and an error document on stdout for scripts that asked for JSON."""
-    message = message.replace("\r", "\\r").replace("\n", "\\n")  # a quoted key or path may hold line breaks
+    # A quoted key or path may hold line breaks or control characters: escape them, one line whatever it quotes.
+    message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
     print(f"{prog}: error: {message}", file=sys.stderr)
     if as_json:
         print_error(prog.removeprefix("parsim").strip(), message)
