@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import re
 
+from typing import Iterable
+
 from .errors import ParsimError
 
 _SIZE_UNITS = {
@@ -92,3 +94,18 @@ def format_time(seconds: float) -> str:
         if abs(seconds) >= scale:
             return f"{seconds / scale:.3g} {unit}"
     return f"{seconds / 1e-9:.3g} ns"
+
+
+def time_unit(seconds: Iterable[float]) -> tuple[str, float]:
+    """One unit for a table column of times, ``("ms", 1e-3)``: the largest of s, ms, us, ns that keeps
+    the column's smallest non-zero time at 1 or more, so every row reads in the same unit."""
+    smallest = min((abs(t) for t in seconds if t), default=1.0)
+    return next(((unit, scale) for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)) if smallest >= scale),
+                ("ns", 1e-9))
+
+
+def size_unit(sizes: Iterable[float]) -> tuple[str, float]:
+    """One binary unit for a table column of sizes, ``("MiB", 2**20)``, chosen as :func:`time_unit` does."""
+    smallest = min((s for s in sizes if s), default=1)
+    return next(((unit, scale) for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+                 if smallest >= scale), ("B", 1))

@@ -20,7 +20,7 @@ from ..jsondoc import print_json
 from ..lower import ADAMW_ACCESSES
 from ..results import canonical_op
 from ..table import render_table
-from ..units import format_size, format_time, parse_size_range
+from ..units import parse_size_range, size_unit, time_unit
 from .common import check_outputs, note, progress
 
 HELP = """\
@@ -170,9 +170,11 @@ def run(args: argparse.Namespace) -> int:
                     "rows": [{"op": r.op, "nranks": r.nranks, "size_bytes": r.size_bytes, "measured_s": r.time_s,
                               "fitted_s": f} for r, f in rows]})
         return 0
-    table = [[r.op.replace("_", "-"), r.nranks, format_size(r.size_bytes), format_time(r.time_s), format_time(f),
+    size, size_scale = size_unit(r.size_bytes for r, _ in rows)
+    time, time_scale = time_unit([r.time_s for r, _ in rows] + [f for _, f in rows])
+    table = [[r.op.replace("_", "-"), r.nranks, r.size_bytes / size_scale, r.time_s / time_scale, f / time_scale,
               f"{f / r.time_s - 1:+.1%}"] for r, f in rows]
-    print(render_table(["op", "ranks", "size", "measured", "fitted", "residual"], table,
+    print(render_table(["op", "ranks", f"size ({size})", f"measured ({time})", f"fitted ({time})", "residual"], table,
                        title="collective fit (alpha-beta in the simulator's own terms)"))
     print()
     print(f"latency per step  {links.latency_s * 1e6:.1f} us")

@@ -12,8 +12,8 @@ from ..errors import ParsimError
 from ..jsondoc import print_json
 from ..results import OPERATIONS, canonical_op
 from ..table import render_table
-from ..units import format_size, format_time, parse_size, parse_size_range
-from .common import add_cluster_args, check_buffer, check_outputs, topology_from_args
+from ..units import format_size, format_time, parse_size, parse_size_range, size_unit, time_unit
+from .common import OpsProgress, add_cluster_args, check_buffer, check_outputs, topology_from_args
 
 HELP = """\
 Predict the time of one collective on a simulated cluster, and say why.
@@ -70,7 +70,13 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep is not None:
         sizes = parse_size_range(args.sweep)
         check_buffer(sizes[-1], topo.spec)
-        predictions = [predict(topo, op, size, group, args.algorithm, protocol=args.protocol) for size in sizes]
+        progress, predictions = OpsProgress(f"predicting {op.replace('_', '-')}", unit="sizes"), []
+        try:
+            for size in sizes:
+                progress(len(predictions), len(sizes))
+                predictions.append(predict(topo, op, size, group, args.algorithm, protocol=args.protocol))
+        finally:
+            progress.close()
         if args.json:
             print_json("collective", {"results": [p.result().to_dict() for p in predictions]})
         else:
@@ -134,11 +140,12 @@ def _candidates(prediction) -> str:
 
 
 def sweep_table(predictions, cluster: str) -> str:
-    rows = []
-    for p in predictions:
-        r = p.result()
-        rows.append([format_size(r.size_bytes), r.size_bytes, format_time(r.time_s),
-                     round(r.algbw_Bps / 1e9, 2), round(r.busbw_Bps / 1e9, 2), p.algorithm, p.protocol or "-"])
+    results = [p.result() for p in predictions]
+    size, size_scale = size_unit(r.size_bytes for r in results)
+    time, time_scale = time_unit(r.time_s for r in results)
+    rows = [[r.size_bytes / size_scale, r.size_bytes, r.time_s / time_scale, round(r.algbw_Bps / 1e9, 2),
+             round(r.busbw_Bps / 1e9, 2), p.algorithm, p.protocol or "-"] for p, r in zip(predictions, results)]
     first = predictions[0]
     title = f"{first.op.replace('_', '-')} on {first.nranks} GPUs of {cluster} (simulated)"
-    return render_table(["size", "bytes", "time", "algbw GB/s", "busbw GB/s", "algorithm", "protocol"], rows, title)
+    return render_table([f"size ({size})", "bytes", f"time ({time})", "algbw GB/s", "busbw GB/s", "algorithm",
+                         "protocol"], rows, title)

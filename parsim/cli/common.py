@@ -94,14 +94,14 @@ class OpsProgress:
     Call it as ``progress(finished, total)``; :meth:`close` erases the line.
     """
 
-    def __init__(self, label: str = "simulating", stream=None):
-        self.label, self.stream = label, stream or sys.stderr
+    def __init__(self, label: str = "simulating", stream=None, unit: str = "ops"):
+        self.label, self.stream, self.unit = label, stream or sys.stderr, unit
         self.active = self.stream.isatty()
         self.shown = False
 
     def __call__(self, finished: int, total: int) -> None:
         if self.active:
-            self.stream.write(f"\r{self.label}: {finished:,} / {total:,} ops ({finished / max(total, 1):.0%})")
+            self.stream.write(f"\r{self.label}: {finished:,} / {total:,} {self.unit} ({finished / max(total, 1):.0%})")
             self.stream.flush()
             self.shown = True
 

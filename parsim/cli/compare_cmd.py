@@ -10,7 +10,7 @@ from ..errors import ParsimError
 from ..jsondoc import print_json
 from ..results import canonical_op, load_results, save_results
 from ..table import render_table
-from ..units import format_size, format_time, parse_size, parse_size_range
+from ..units import parse_size, parse_size_range, size_unit, time_unit
 from .common import check_outputs, progress
 from .plan_cmd import add_plan_args
 
@@ -86,10 +86,13 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
                               "measured_s": r.measured.time_s, "predicted_s": r.predicted.time_s,
                               "algorithm": r.predicted.algorithm, "error": r.error} for r in rows]})
     else:
-        table = [[format_size(r.measured.size_bytes), format_time(r.measured.time_s),
-                  format_time(r.predicted.time_s), round(r.measured.busbw_Bps / 1e9, 3),
+        size, size_scale = size_unit(r.measured.size_bytes for r in rows)
+        time, time_scale = time_unit([r.measured.time_s for r in rows] + [r.predicted.time_s for r in rows])
+        table = [[r.measured.size_bytes / size_scale, r.measured.time_s / time_scale,
+                  r.predicted.time_s / time_scale, round(r.measured.busbw_Bps / 1e9, 3),
                   round(r.predicted.busbw_Bps / 1e9, 3), f"{r.error:+.1%}"] for r in rows]
-        print(render_table(["size", "measured", "predicted", "busbw meas", "busbw pred", "error"], table,
+        print(render_table([f"size ({size})", f"measured ({time})", f"predicted ({time})", "busbw meas",
+                            "busbw pred", "error"], table,
                            title=f"{op.replace('_', '-')} on {nranks} ranks: measured "
                                  f"({measured[0].backend}) vs predicted ({spec.name}, "
                                  f"{rows[0].predicted.algorithm})"))

@@ -11,7 +11,7 @@ from ..jsondoc import print_json
 from ..step import predict_step
 from ..step_report import PHASES, breakdown, step_time
 from ..table import render_table
-from ..units import format_time
+from ..units import format_time, time_unit
 from .common import note, progress
 from .plan_cmd import plan_from_args
 
@@ -41,9 +41,10 @@ def compare_plan_command(args: argparse.Namespace) -> int:
                     "measured_step_s": measured_step, "step_error": step_error, "phases": rows,
                     "foreign_load_cores": load.cores})
     else:
-        table = [[f"rank {r['rank']} (pp {r['pp']})", r["phase"], format_time(r["predicted_s"]),
-                  format_time(r["measured_s"]), _error_text(r)] for r in rows]
-        print(render_table(["rank", "phase", "predicted", "measured", "error"], table,
+        unit, scale = time_unit([r["predicted_s"] for r in rows] + [r["measured_s"] for r in rows])
+        table = [[f"rank {r['rank']} (pp {r['pp']})", r["phase"], r["predicted_s"] / scale, r["measured_s"] / scale,
+                  _error_text(r)] for r in rows]
+        print(render_table(["rank", "phase", f"predicted ({unit})", f"measured ({unit})", "error"], table,
                            title=f"{plan.name}: predicted ({cluster.name}) vs measured, per rank and phase"))
         print(f"step time: predicted {format_time(predicted.step_s)}, measured {format_time(measured_step)} "
               f"({step_error:+.1%})")
