@@ -91,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # The reader went away (`parsim ... | head`): stop quietly, and keep Python from
-        # complaining again when it flushes stdout at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _reader_gone()
         return 0
     except OSError as err:
         # The file system refused a path that looked fine when checked (full disk, a race).
@@ -107,8 +105,18 @@ def _fail(prog: str, message: str, as_json: bool) -> int:
     message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
     print(f"{prog}: error: {message}", file=sys.stderr)
     if as_json:
-        print_error(prog.removeprefix("parsim").strip(), message)
+        try:
+            print_error(prog.removeprefix("parsim").strip(), message)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _reader_gone()
     return 2
+
+
+def _reader_gone() -> None:
+    """The reader went away (`parsim ... | head`): stop quietly, and keep Python from complaining
+    again when it flushes stdout at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":
