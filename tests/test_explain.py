@@ -97,9 +97,10 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
     assert err.startswith("parsim explain: error: ") and message in err and err.count("\n") == 1
 
 
-def test_explain_without_a_topic_lists_the_topics(capsys):
-    code, out, _ = run(capsys, "explain")
-    assert code == 2 and "bubble" in out
+def test_explain_without_a_topic_names_the_topics_in_one_line(capsys):
+    code, _, err = run(capsys, "explain")
+    assert code == 2 and err == "parsim explain: error: which topic? bubble, memory or compute " \
+                               "(see 'parsim explain --help')\n"
 
 
 # --- pictures ------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ never reaching the executor (which is replaced by a tripwire, so no ranks are
 ever spawned here). A few properties feed sensible-but-extreme values instead
 and only ask for a clean outcome: done, or refused in one line.
 
-CI runs a bounded number of cases (``PARSIM_FUZZ_EXAMPLES``, default 15 per
-property, derandomized); a campaign runs thousands, e.g.
+CI runs a bounded number of cases (``PARSIM_FUZZ_EXAMPLES``, default 40 per
+property, derandomized: about 600 cases in half a minute); a campaign runs thousands, e.g.
 ``PARSIM_FUZZ_EXAMPLES=300 PARSIM_FUZZ_RANDOM=1 pytest tests/test_fuzz_cli.py --hypothesis-show-statistics``.
 """
 
@@ -36,7 +36,7 @@ from parsim.validation.training import builtin_tables
 from fuzz_harness import assert_clean, assert_refused, block_executor, run_cli
 from ideal_cluster import IDEAL
 
-EXAMPLES = int(os.environ.get("PARSIM_FUZZ_EXAMPLES", "15"))
+EXAMPLES = int(os.environ.get("PARSIM_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("PARSIM_FUZZ_RANDOM"),
                 database=None, suppress_health_check=list(HealthCheck))
 
@@ -367,6 +367,7 @@ FLAG_CASES = [  # (command, flag, bad values)
     (["collective"], "op", ["all-shuffle", "", "all reduce"]),
     (["simulate"], "plan", ["no-such-plan", ""]),
     (["clusters"], "cluster", ["no-such-cluster", ""]),
+    (["explain"], "topic", ["", "bubbles"]),
 ]
 
 

@@ -49,7 +49,7 @@ def register(subparsers) -> None:
                               description=HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     topics = p.add_subparsers(dest="topic", metavar="TOPIC")
-    p.set_defaults(func=lambda args: _missing_topic(p))
+    p.set_defaults(func=_missing_topic)
 
     b = topics.add_parser("bubble", help="the pipeline bubble of a schedule", description=BUBBLE_HELP,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,9 +69,8 @@ def register(subparsers) -> None:
     explain_compute.register(topics)
 
 
-def _missing_topic(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2
+def _missing_topic(args: argparse.Namespace) -> int:
+    raise ParsimError("which topic? bubble, memory or compute (see 'parsim explain --help')")
 
 
 def run_bubble(args: argparse.Namespace) -> int:
