@@ -105,6 +105,13 @@ def put(data: object, path: tuple, value: object) -> object:
 DELETE = object()
 
 
+def alias_bomb(key: str) -> str:
+    """YAML whose ``key`` is nine levels of aliases nine wide: a few lines, 9**9 values once expanded."""
+    lines = ["l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+    return "\n".join(lines + [f"{key}: *l8", ""])
+
+
 def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -162,7 +169,7 @@ def test_a_cluster_file_with_a_nonsense_figure_is_refused(data, work):
 @st.composite
 def broken_cluster_file(draw):
     base = CLUSTERS[draw(st.sampled_from(sorted(CLUSTERS)))]
-    kind = draw(st.sampled_from(["delete", "section", "unknown", "text", "bytes", "scalar"]))
+    kind = draw(st.sampled_from(["delete", "section", "unknown", "text", "bytes", "scalar", "aliases"]))
     if kind == "delete":
         return put(base, draw(st.sampled_from(REQUIRED_CLUSTER_KEYS)), DELETE)
     if kind == "section":
@@ -176,6 +183,8 @@ def broken_cluster_file(draw):
         return draw(st.text(max_size=200))
     if kind == "bytes":
         return draw(st.binary(max_size=200))
+    if kind == "aliases":
+        return alias_bomb(draw(st.sampled_from(["name", "gpus_per_node", "gpu"])))
     return draw(st.sampled_from([[], [1, 2], 7, None, "dgx-h100", {}]))
 
 
@@ -303,7 +312,7 @@ def test_a_plan_file_with_a_nonsense_setting_is_refused(data, work):
 @given(data=st.data())
 @FUZZ
 def test_a_broken_plan_file_is_refused(data, work):
-    kind = data.draw(st.sampled_from(["text", "bytes", "scalar", "unknown", "nested"]))
+    kind = data.draw(st.sampled_from(["text", "bytes", "scalar", "unknown", "nested", "aliases"]))
     base = PLANS[data.draw(st.sampled_from(sorted(PLANS)))]
     if kind == "text":
         broken = data.draw(st.text(max_size=200))
@@ -313,6 +322,8 @@ def test_a_broken_plan_file_is_refused(data, work):
         broken = data.draw(st.sampled_from([[], 7, None, "course-pp"]))
     elif kind == "unknown":
         broken = put(base, (data.draw(st.sampled_from(["paralel", "batches", "Schedule"])),), 1)
+    elif kind == "aliases":
+        broken = alias_bomb(data.draw(st.sampled_from(["model", "parallel", "name"])))
     else:
         broken = put(base, (data.draw(st.sampled_from(["parallel", "batch", "data_parallel", "moe"])),),
                      data.draw(st.sampled_from([7, "x", [1, 2]])))
