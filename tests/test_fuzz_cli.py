@@ -10,7 +10,7 @@ ever spawned here). A few properties feed sensible-but-extreme values instead
 and only ask for a clean outcome: done, or refused in one line.
 
 CI runs a bounded number of cases (``PARSIM_FUZZ_EXAMPLES``, default 40 per
-property, derandomized: about 600 cases in half a minute); a campaign runs thousands, e.g.
+property, derandomized: about 500 cases in 10 to 40 s); a campaign runs thousands, e.g.
 ``PARSIM_FUZZ_EXAMPLES=300 PARSIM_FUZZ_RANDOM=1 pytest tests/test_fuzz_cli.py --hypothesis-show-statistics``.
 """
 
