@@ -83,8 +83,6 @@ def main(argv: list[str] | None = None) -> int:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a reader gone by now must fail here, not in the interpreter's exit flush
         return code
-    except UsageError as err:
-        return _fail(err.prog, str(err), wants_json)
     except ParsimError as err:
         return _fail(prog, str(err), getattr(args, "json", False))
     except KeyboardInterrupt:
