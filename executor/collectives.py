@@ -2,7 +2,10 @@
 
 For each size, every rank allocates float32 buffers, runs warm-up iterations,
 meets the others at a barrier, then runs timed iterations back to back and
-waits for the device once at the end. Each rank's time is its mean iteration
+waits for the device once at the end; then it runs the call once more on a
+known pattern and counts the wrong elements of the result
+(:mod:`executor.collective_buffers`, which also holds nccl-tests' two forms:
+out-of-place and in-place). Each rank's time is its mean iteration
 time; the reported time is the **maximum over ranks** of those means, because
 a collective is not done until its slowest rank is (nccl-tests' ``-a 3``; its
 default ``-a 1`` reports the mean over ranks, kept here as
@@ -40,18 +43,16 @@ from parsim.results import CollectiveResult, canonical_op
 from parsim.units import format_size
 
 from ._torch import require_distributed, require_torch
-from .launch import in_torchrun_job, launch, rank_device, run_in_job
+from .collective_buffers import CHUNKED_OPS, ROOT, ROOTED_OPS, forms_of, make_buffers
+from .launch import check_request, in_torchrun_job, launch, rank_device, run_in_job
 
 DTYPE_BYTES = 4  # float32, as nccl-tests' default -d float
 DEFAULT_WARMUP = 5
 DEFAULT_TARGET_TIME_S = 0.25
 MIN_ITERS = 5
-MAX_ITERS = 1000
-ROOT = 0  # root of broadcast, reduce, gather and scatter, as in nccl-tests
-
-# Operations whose size is nranks x a per-rank chunk.
-CHUNKED_OPS = frozenset({"all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"})
-ROOTED_OPS = frozenset({"broadcast", "reduce", "gather", "scatter"})
+MAX_ITERS = 1000  # adaptive counts stop here; counts given by hand may go to MAX_GIVEN_ITERS
+MAX_GIVEN_ITERS = 100_000
+BUFFERS_PER_RANK = 4
 
 # What ProcessGroupGloo (torch 2.13) runs on CPU tensors, read from
 # torch/csrc/distributed/c10d/ProcessGroupGloo.cpp and gloo's allreduce.cc,
@@ -87,24 +88,29 @@ class BenchSpec:
     iters: int | None
     target_time_s: float
     progress: bool
+    forms: tuple[str, ...]  # the first is the one each result's time_s reports
 
     @classmethod
     def build(cls, op: str, sizes: Sequence[int], nranks: int, *, warmup: int = DEFAULT_WARMUP,
               iters: int | None = None, target_time_s: float = DEFAULT_TARGET_TIME_S,
-              progress: bool = False) -> "BenchSpec":
-        """Check the request and round each size to what can be measured on ``nranks``."""
+              progress: bool = False, both_forms: bool = False) -> "BenchSpec":
+        """Check the request and round each size to what can be measured on ``nranks``.
+
+        ``both_forms`` times in-place as well as out-of-place where torch.distributed has both.
+        """
         op = canonical_op(op)
-        if warmup < 1:
-            raise ParsimError(f"warm-up iterations must be at least 1, got {warmup}")
-        if iters is not None and iters < 1:
-            raise ParsimError(f"timed iterations must be at least 1, got {iters}")
+        if not 1 <= warmup <= MAX_GIVEN_ITERS:
+            raise ParsimError(f"warm-up iterations must be 1 to {MAX_GIVEN_ITERS:,}, got {warmup}")
+        if iters is not None and not 1 <= iters <= MAX_GIVEN_ITERS:
+            raise ParsimError(f"timed iterations must be 1 to {MAX_GIVEN_ITERS:,}, got {iters}")
         if not sizes:
             raise ParsimError("no sizes to measure")
         fewest = 2 if op == "send_recv" else 1
         if nranks < fewest:
             raise ParsimError(f"{op.replace('_', '-')} needs at least {fewest} rank(s), got {nranks}")
         pairs = tuple((size, measured_size(op, size, nranks)) for size in sizes)
-        return cls(op, pairs, warmup, iters, target_time_s, progress)
+        forms = forms_of(op) if both_forms else forms_of(op)[:1]
+        return cls(op, pairs, warmup, iters, target_time_s, progress, forms)
 
 
 def measured_size(op: str, size_bytes: int, nranks: int) -> int:
@@ -125,6 +131,16 @@ def measured_size(op: str, size_bytes: int, nranks: int) -> int:
     return elements * DTYPE_BYTES
 
 
+def check_host_memory(size: int, local_ranks: int) -> None:
+    """Refuse a size whose buffers cannot fit in this host's memory: each rank holds up to
+    ``BUFFERS_PER_RANK`` buffers of it (input, output, and the check's pattern and expected result)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = BUFFERS_PER_RANK * size * local_ranks
+    if need > memory:
+        raise ParsimError(f"{format_size(size)} on {local_ranks} ranks needs about {need / 1e9:.3g} GB of buffers; "
+                          f"this host has {memory / 1e9:.3g} GB")
+
+
 def default_timeout_s(sizes: Sequence[int]) -> float:
     """A whole-run budget generous enough for a sweep on slow CPUs: 60 s + 15 s per size."""
     return 60.0 + 15.0 * len(sizes)
@@ -133,13 +149,15 @@ def default_timeout_s(sizes: Sequence[int]) -> float:
 def measure_collectives(op: str, sizes: Sequence[int], nproc: int | None, backend: str = "auto", *,
                         warmup: int = DEFAULT_WARMUP, iters: int | None = None,
                         target_time_s: float = DEFAULT_TARGET_TIME_S, timeout_s: float | None = None,
-                        progress: bool = False) -> list[CollectiveResult]:
+                        progress: bool = False, both_forms: bool = False) -> list[CollectiveResult]:
     """Measure ``op`` at each size on ``nproc`` ranks; one :class:`CollectiveResult` per size.
 
     Spawns ``nproc`` local ranks, or, inside a torchrun job, runs as this
     process's rank of it (``nproc`` must then be None or the job's size) and
     returns the same results on every rank. ``iters=None`` adapts the count
-    to the size. ``progress`` prints "measuring ..." lines to stderr from rank 0.
+    to the size. ``progress`` prints "measuring ..." lines from rank 0 when stderr is a terminal. ``both_forms``
+    measures in-place next to out-of-place, as nccl-tests does (each result's ``time_s`` is the
+    first of :func:`~executor.collective_buffers.forms_of`; ``extra`` holds both).
     """
     if in_torchrun_job():
         world = int(os.environ["WORLD_SIZE"])
@@ -149,9 +167,12 @@ def measure_collectives(op: str, sizes: Sequence[int], nproc: int | None, backen
         raise ParsimError("how many ranks? (--nproc is missing)")
     else:
         world = nproc
-    spec = BenchSpec.build(op, sizes, world, warmup=warmup, iters=iters, target_time_s=target_time_s,
-                           progress=progress)
     timeout_s = timeout_s if timeout_s is not None else default_timeout_s(sizes)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if in_torchrun_job() else world
+    check_request(local, timeout_s)
+    spec = BenchSpec.build(op, sizes, world, warmup=warmup, iters=iters, target_time_s=target_time_s,
+                           progress=progress and sys.stderr.isatty(), both_forms=both_forms)
+    check_host_memory(max(measured for _, measured in spec.sizes), local)
     if in_torchrun_job():
         return run_in_job(bench_rank, (spec,), backend, timeout_s)
     return launch(bench_rank, world, (spec,), backend, timeout_s)[0]
@@ -178,58 +199,30 @@ def bench_rank(rank: int, world: int, spec: BenchSpec) -> list[CollectiveResult]
         if spec.progress and rank == 0:
             print(f"measuring {spec.op.replace('_', '-')} {format_size(size)} ({index}/{len(spec.sizes)})",
                   file=sys.stderr, flush=True)
-        step, api = _make_step(spec.op, size // DTYPE_BYTES, rank, world, device)
-        per_rank, iters = _time_step(step, spec, device)
-        results.append(_result(spec.op, world, requested, size, per_rank, iters, spec.warmup, api, backend, device))
-        del step  # free this size's buffers before allocating the next
+        forms = {}
+        for form in spec.forms:
+            buffers = make_buffers(spec.op, form, size // DTYPE_BYTES, rank, world, device)
+            per_rank, iters = _time_step(buffers.run, spec, device)
+            forms[form] = _Timing(per_rank, iters, _everyone(buffers.check(), device), buffers.api)
+            del buffers  # free this form's buffers before allocating the next
+        results.append(_result(spec.op, world, requested, size, forms, spec.warmup, backend, device))
     return results
 
 
-def _make_step(op: str, elements: int, rank: int, world: int, device: Any) -> tuple[Callable[[], None], str]:
-    """Buffers for one size, and a closure running ``op`` once on them (plus the API's name)."""
+@dataclass(frozen=True)
+class _Timing:
+    per_rank: list[float]  # each rank's mean seconds per iteration
+    iters: int
+    wrong: int  # wrong elements over every rank's output
+    api: str
+
+
+def _everyone(count: int, device: Any) -> int:
+    """The sum of ``count`` over all ranks."""
     torch, dist = require_torch(), require_distributed()
-    chunk = elements // world
-
-    def zeros(n: int) -> Any:
-        # Zeros stay zeros under repeated summing: no overflow to inf, no denormals.
-        return torch.zeros(n, dtype=torch.float32, device=device)
-
-    if op == "all_reduce":
-        buf = zeros(elements)
-        return (lambda: dist.all_reduce(buf)), "all_reduce"
-    if op == "all_gather":
-        inp, out = zeros(chunk), zeros(elements)
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return (lambda: fn(out, inp)), fn.__name__
-    if op == "reduce_scatter":
-        inp, out = zeros(elements), zeros(chunk)
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return (lambda: fn(out, inp)), fn.__name__
-    if op == "broadcast":
-        buf = zeros(elements)
-        return (lambda: dist.broadcast(buf, src=ROOT)), "broadcast"
-    if op == "reduce":
-        buf = zeros(elements)
-        return (lambda: dist.reduce(buf, dst=ROOT)), "reduce"
-    if op == "gather":
-        inp = zeros(chunk)
-        outs = [zeros(chunk) for _ in range(world)] if rank == ROOT else None
-        return (lambda: dist.gather(inp, gather_list=outs, dst=ROOT)), "gather"
-    if op == "scatter":
-        out = zeros(chunk)
-        ins = [zeros(chunk) for _ in range(world)] if rank == ROOT else None
-        return (lambda: dist.scatter(out, scatter_list=ins, src=ROOT)), "scatter"
-    if op == "all_to_all":
-        inp, out = zeros(elements), zeros(elements)
-        return (lambda: dist.all_to_all_single(out, inp)), "all_to_all_single"
-    if op == "send_recv":
-        buf = zeros(elements)
-        if rank == 0:
-            return (lambda: (dist.send(buf, dst=1), dist.recv(buf, src=1))), "send/recv"
-        if rank == 1:
-            return (lambda: (dist.recv(buf, src=0), dist.send(buf, dst=0))), "send/recv"
-        return (lambda: None), "send/recv"  # ranks beyond 1 only attend the barriers
-    raise AssertionError(f"no benchmark for {op}")
+    total = torch.tensor([float(count)], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return int(total.item())
 
 
 def _time_step(step: Callable[[], None], spec: BenchSpec, device: Any) -> tuple[list[float], int]:
@@ -269,23 +262,33 @@ def _time_step(step: Callable[[], None], spec: BenchSpec, device: Any) -> tuple[
     return [t.item() for t in everyone], iters
 
 
-def _result(op: str, world: int, requested: int, size: int, per_rank: list[float], iters: int, warmup: int,
-            api: str, backend: str, device: Any) -> CollectiveResult:
+def _result(op: str, world: int, requested: int, size: int, forms: dict[str, _Timing], warmup: int,
+            backend: str, device: Any) -> CollectiveResult:
     torch = require_torch()
-    timed = per_rank[:2] if op == "send_recv" else per_rank  # ranks beyond 1 sit out send/recv
     scale = 0.5 if op == "send_recv" else 1.0  # one way = half the round trip
+
+    def seconds(t: _Timing) -> list[float]:
+        return [x * scale for x in (t.per_rank[:2] if op == "send_recv" else t.per_rank)]  # ranks > 1 sit out
+
+    form = next(iter(forms))
+    main = forms[form]
+    timed = seconds(main)
     extra: dict[str, Any] = {
         "requested_size_bytes": requested,
         "count": size // DTYPE_BYTES,
         "dtype": "float32",
         "warmup": warmup,
-        "iters": iters,
+        "iters": main.iters,
         "timing": SEND_RECV_RULE if op == "send_recv" else TIMING_RULE,
-        "time_s_min": min(timed) * scale,
-        "time_s_mean": sum(timed) / len(timed) * scale,
-        "time_s_max": max(timed) * scale,
-        "per_rank_time_s": per_rank,
-        "api": f"torch.distributed.{api}",
+        "time_s_min": min(timed),
+        "time_s_mean": sum(timed) / len(timed),
+        "time_s_max": max(timed),
+        "per_rank_time_s": main.per_rank,
+        "form": form,
+        **{f: {"time_s": max(seconds(forms[f])), "iters": forms[f].iters, "wrong": forms[f].wrong}
+           if f in forms else None for f in ("out_of_place", "in_place")},
+        "wrong": sum(t.wrong for t in forms.values()),
+        "api": f"torch.distributed.{main.api}",
         "device": str(device),
         "host": platform.node(),
         "torch": torch.__version__,
@@ -296,7 +299,7 @@ def _result(op: str, world: int, requested: int, size: int, per_rank: list[float
         extra["implementation"] = GLOO_REDUCE_SCATTER_NOTE
     if backend == "nccl" and os.environ.get("NCCL_ALGO"):
         extra["NCCL_ALGO"] = os.environ["NCCL_ALGO"]
-    return CollectiveResult(op=op, nranks=world, size_bytes=size, time_s=max(timed) * scale,
+    return CollectiveResult(op=op, nranks=world, size_bytes=size, time_s=max(timed),
                             algorithm=algorithm_name(backend, op), source="measured", backend=backend, extra=extra)
 
 
@@ -385,7 +388,8 @@ def _in_step_rank(rank: int, world: int, ops: tuple, sizes: tuple, calls: int, c
     means = []
     for op in ops:
         for size in sizes:
-            step, _ = _make_step(op, measured_size(op, size, world) // DTYPE_BYTES, rank, world, rank_device())
+            step = make_buffers(op, forms_of(op)[0], measured_size(op, size, world) // DTYPE_BYTES, rank, world,
+                                rank_device()).run
             times = []
             for call in range(calls + 3):
                 dist.barrier()

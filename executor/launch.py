@@ -20,6 +20,7 @@ reaped, so no orphan processes survive the run.
 from __future__ import annotations
 
 import faulthandler
+import math
 import multiprocessing
 import os
 import signal
@@ -38,6 +39,7 @@ from parsim.errors import ParsimError
 from ._torch import require_distributed, require_torch
 
 DEFAULT_TIMEOUT_S = 120.0
+MAX_LOCAL_RANKS = 1024  # processes one machine spawns: beyond any node's GPUs, and a CPU's cores many times over
 BACKENDS = ("auto", "gloo", "nccl")
 MASTER_ADDR = "127.0.0.1"
 
@@ -122,6 +124,14 @@ def run_in_job(fn: RankFn, args: Sequence[Any] = (), backend: str = "auto",
     return _run_rank(fn, args, resolve_backend(backend, local_world), timeout_s)
 
 
+def check_request(nproc: int, timeout_s: float) -> None:
+    """Refuse, before anything starts, a rank count or a time limit no run can have."""
+    if not 1 <= nproc <= MAX_LOCAL_RANKS:
+        raise ParsimError(f"--nproc {nproc}: between 1 and {MAX_LOCAL_RANKS} ranks on one machine")
+    if not 0 < timeout_s < math.inf:
+        raise ParsimError(f"--timeout {timeout_s:g}: a positive number of seconds")
+
+
 def launch(fn: RankFn, nproc: int, args: Sequence[Any] = (), backend: str = "auto",
            timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
     """Run ``fn(rank, nproc, *args)`` on ``nproc`` local ranks; each rank's return value, in rank order.
@@ -131,10 +141,7 @@ def launch(fn: RankFn, nproc: int, args: Sequence[Any] = (), backend: str = "aut
     Raises :class:`RankFailure` naming the rank that failed first, or the
     ranks still running after ``timeout_s`` seconds (the whole run's budget).
     """
-    if nproc < 1:
-        raise ParsimError(f"need at least 1 rank, got --nproc {nproc}")
-    if timeout_s <= 0:
-        raise ParsimError(f"timeout must be positive, got {timeout_s:g} s")
+    check_request(nproc, timeout_s)
     backend = resolve_backend(backend, nproc)
     # Collectives inside the ranks time out later than the parent's watchdog,
     # so a hang is diagnosed here (with stacks) rather than as a peer's error.

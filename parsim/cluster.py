@@ -20,6 +20,23 @@ from .files import read_yaml
 
 FABRICS = ("nvswitch", "pcie")
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
+# What a figure of any hardware can be, per unit. The bounds lie far outside every real device (tests
+# use 1e9 GB/s links as "free", calibration a unit host of 1 B/s), so only a NaN-like typo is refused:
+# 1e-300 GB/s or 1e300 us would stall the simulation or dwarf every other figure.
+BANDWIDTH_GBPS = (1e-12, 1e12, "GB/s")  # from 1 mB/s
+LINK_GBITS = (1e-11, 1e13, "Gb/s (gigabits)")
+LATENCY_US = (0.0, 1e9, "microseconds")  # up to 1,000 s
+TFLOPS = (1e-12, 1e12, "TFLOP/s, dense")  # from 1 FLOP/s
+CAPACITY_GB = (1e-12, 1e12, "GB")
+OVERSUBSCRIPTION = (1.0, 1e6, "downlink:uplink ratio, e.g. 1.0 for non-blocking")
+FRACTION = (1e-6, 1.0, "fraction")
+EFFICIENCY = (1e-6, 1e6, "fraction of link speed")
+MATRIX_DIM = (0.0, 1e9, "matrix dimension")
+# GPUs in one run: beyond the largest clusters built (about 100,000 GPUs); a topology of this many
+# takes seconds and 0.4 GB to build, ten times more would take minutes.
+MAX_GPUS = 2**17
+COUNTS = {"gpus_per_node": MAX_GPUS, "nics_per_node": 2**12, "nodes_per_leaf": MAX_GPUS}
+
 COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "kernel_overhead_us", "memory_efficiency",
                 "attention_efficiency",
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
@@ -132,6 +149,10 @@ class ClusterSpec:
         """Node count from ``--nodes`` or ``--gpus`` (whole nodes; one node by default)."""
         if nodes is not None and gpus is not None:
             raise ParsimError("give either --nodes or --gpus, not both")
+        if max(gpus or 0, (nodes or 0) * self.gpus_per_node) > MAX_GPUS:
+            asked = (f"--gpus {gpus:,}" if gpus is not None
+                     else f"--nodes {nodes:,} ({nodes * self.gpus_per_node:,} GPUs)")
+            raise ParsimError(f"{asked} is more than parsim simulates (at most {MAX_GPUS:,} GPUs)")
         if gpus is not None:
             if gpus < 1:
                 raise ParsimError(f"--gpus {gpus}: need at least one GPU")
@@ -185,22 +206,20 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     for dtype in peak.keys():
         if dtype not in DTYPES:
             raise ConfigError(source, f"gpu.peak_tflops.{dtype}", "unknown dtype", f"one of {', '.join(DTYPES)}")
-        peak_flops[dtype] = peak.number(dtype, "TFLOP/s, dense") * 1e12
+        peak_flops[dtype] = peak.number(dtype, TFLOPS) * 1e12
     if not peak_flops:
         raise ConfigError(source, "gpu.peak_tflops", "no dtype given", "e.g. bf16: 989.4 (TFLOP/s)")
     fabric = intra.choice("fabric", FABRICS)
-    reduce_bw = r.number("reduce_bw_GBps", "GB/s", optional=True)
+    reduce_bw = r.number("reduce_bw_GBps", BANDWIDTH_GBPS, optional=True)
     algorithms = r.optional_mapping("algorithms")
     efficiency = r.optional_mapping("collective_efficiency")
     for op, value in efficiency.items():
-        if not _is_number(value) or value <= 0:
-            raise ConfigError(source, f"collective_efficiency.{op}", f"is {value!r}", "a positive fraction")
+        _figure(source, f"collective_efficiency.{op}", value, EFFICIENCY)
     overhead = r.optional_mapping("collective_overhead_us")
     step_overhead = r.optional_mapping("collective_step_overhead_us")
     for key, mapping in (("collective_overhead_us", overhead), ("collective_step_overhead_us", step_overhead)):
         for op, value in mapping.items():
-            if not _is_number(value) or value < 0:
-                raise ConfigError(source, f"{key}.{op}", f"is {value!r}", "microseconds >= 0")
+            _figure(source, f"{key}.{op}", value, LATENCY_US)
     compute = r.optional_mapping("compute")
     matmul_efficiency = compute.get("matmul_efficiency", 1.0)
     half_dim = compute.get("matmul_half_dim", 0.0)
@@ -208,8 +227,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     unknown = set(compute) - set(COMPUTE_KEYS)
     if unknown:
         raise ConfigError(source, f"compute.{sorted(unknown)[0]}", "unknown key", ", ".join(COMPUTE_KEYS))
-    if not _is_number(kernel_us) or kernel_us < 0:
-        raise ConfigError(source, "compute.kernel_overhead_us", f"is {kernel_us!r}", "microseconds >= 0")
+    _figure(source, "compute.kernel_overhead_us", kernel_us, LATENCY_US)
     by_dtype = {}
     if isinstance(matmul_efficiency, dict):  # per dtype: {bf16: 0.80, fp8: 0.71}
         for dtype, value in matmul_efficiency.items():
@@ -227,23 +245,18 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
                                  for p in ("forward", "backward"))
     host_us = {}
     for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us"):
-        host_us[key] = compute.get(key, 0.0)
-        if not _is_number(host_us[key]) or host_us[key] < 0:
-            raise ConfigError(source, f"compute.{key}", f"is {host_us[key]!r}", "microseconds >= 0")
+        host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
     host_GBps = {}
     for key in ("matmul_stream_bw_GBps", "elementwise_bw_GBps"):
-        host_GBps[key] = compute.get(key)
-        if host_GBps[key] is not None and (not _is_number(host_GBps[key]) or host_GBps[key] <= 0):
-            raise ConfigError(source, f"compute.{key}", f"is {host_GBps[key]!r}", "a positive number in GB/s")
+        value = compute.get(key)
+        host_GBps[key] = None if value is None else _figure(source, f"compute.{key}", value, BANDWIDTH_GBPS)
     cores = compute.get("cpu_cores")
-    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
-        raise ConfigError(source, "compute.cpu_cores", f"is {cores!r}", "a positive whole number")
-    if not _is_number(half_dim) or half_dim < 0:
-        raise ConfigError(source, "compute.matmul_half_dim", f"is {half_dim!r}", "a matrix dimension >= 0")
+    if cores is not None:
+        _whole(source, "compute.cpu_cores", cores, 1, 2**16)
+    _figure(source, "compute.matmul_half_dim", half_dim, MATRIX_DIM)
     sm_count = gpu.data.get("sm_count", 0)
     gpu.used.add("sm_count")
-    if isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 0:
-        raise ConfigError(source, "gpu.sm_count", f"is {sm_count!r}", "a whole number of SMs")
+    _whole(source, "gpu.sm_count", sm_count, 0, 2**16)
     nccl = _parse_nccl(r.optional_mapping("nccl"), source) if "nccl" in r.data else None
     spec = ClusterSpec(
         name=name,
@@ -252,24 +265,24 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         gpu=GPUSpec(
             model=gpu.text("model"),
             peak_flops=peak_flops,
-            hbm_capacity_bytes=gpu.number("hbm_capacity_GB", "GB") * 1e9,
-            hbm_bw_Bps=gpu.number("hbm_bw_GBps", "GB/s") * 1e9,
+            hbm_capacity_bytes=gpu.number("hbm_capacity_GB", CAPACITY_GB) * 1e9,
+            hbm_bw_Bps=gpu.number("hbm_bw_GBps", BANDWIDTH_GBPS) * 1e9,
             sm_count=sm_count,
         ),
         intra=IntraNodeSpec(
             fabric=fabric,
-            bw_Bps=intra.number("bw_GBps_per_direction", "GB/s") * 1e9,
-            latency_s=intra.number("latency_us", "microseconds", allow_zero=True) * 1e-6,
+            bw_Bps=intra.number("bw_GBps_per_direction", BANDWIDTH_GBPS) * 1e9,
+            latency_s=intra.number("latency_us", LATENCY_US) * 1e-6,
             in_switch_reduction=intra.boolean("in_switch_reduction", default=False),
-            fabric_bw_Bps=intra.number("fabric_bw_GBps", "GB/s, all traffic together", optional=True) * 1e9 or None,
+            fabric_bw_Bps=intra.number("fabric_bw_GBps", BANDWIDTH_GBPS, optional=True) * 1e9 or None,
         ),
         scale_out=ScaleOutSpec(
             nics_per_node=out.integer("nics_per_node"),
-            nic_bw_Bps=out.number("nic_bw_Gbps", "Gb/s (gigabits)") * 1e9 / 8,
-            latency_s=out.number("latency_us", "microseconds", allow_zero=True) * 1e-6,
-            spine_hop_latency_s=out.number("spine_hop_latency_us", "microseconds", allow_zero=True) * 1e-6,
+            nic_bw_Bps=out.number("nic_bw_Gbps", LINK_GBITS) * 1e9 / 8,
+            latency_s=out.number("latency_us", LATENCY_US) * 1e-6,
+            spine_hop_latency_s=out.number("spine_hop_latency_us", LATENCY_US) * 1e-6,
             nodes_per_leaf=out.integer("nodes_per_leaf"),
-            oversubscription=out.number("oversubscription", "ratio >= 1, e.g. 1.0 for non-blocking"),
+            oversubscription=out.number("oversubscription", OVERSUBSCRIPTION),
         ),
         source=source,
         algorithms={str(k): str(v) for k, v in algorithms.items()},
@@ -296,9 +309,6 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         reader.reject_unknown()
     if spec.intra.in_switch_reduction and spec.intra.fabric != "nvswitch":
         raise ConfigError(source, "intra_node.in_switch_reduction", "needs fabric: nvswitch")
-    if spec.scale_out.oversubscription < 1:
-        raise ConfigError(source, "scale_out.oversubscription", f"{spec.scale_out.oversubscription} is below 1",
-                          "downlink:uplink ratio >= 1")
     return spec
 
 
@@ -307,9 +317,23 @@ def _GBps(value: float | None) -> float | None:
 
 
 def _fraction(source: str, key: str, value: object) -> float:
-    if not _is_number(value) or not 0 < value <= 1:
-        raise ConfigError(source, key, f"is {value!r}", "a fraction in (0, 1]")
+    return _figure(source, key, value, FRACTION)
+
+
+def _figure(source: str, key: str, value: object, limits: tuple[float, float, str]) -> float:
+    """``value`` as a float when it is a finite number within ``limits`` (low, high, unit)."""
+    low, high, unit = limits
+    if not _is_number(value):
+        raise ConfigError(source, key, f"is {value!r}", f"a finite number in {unit}")
+    if not low <= value <= high:
+        raise ConfigError(source, key, f"is {value!r}", f"{low:g} to {high:g} {unit}")
     return float(value)
+
+
+def _whole(source: str, key: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(source, key, f"is {value!r}", f"a whole number from {low} to {high:,}")
+    return value
 
 
 CPU_VENDORS = ("intel", "amd", "arm")
@@ -384,21 +408,14 @@ class _Reader:
             raise ConfigError(self.source, self.prefix + key, f"is {value!r}", "a string")
         return value
 
-    def number(self, key: str, unit: str, allow_zero: bool = False, optional: bool = False) -> float:
+    def number(self, key: str, limits: tuple[float, float, str], optional: bool = False) -> float:
         value = self._get(key, optional)
         if value is None:
             return 0.0
-        if not _is_number(value):
-            raise ConfigError(self.source, self.prefix + key, f"is {value!r}", f"a finite number in {unit}")
-        if value < 0 or (value == 0 and not allow_zero):
-            raise ConfigError(self.source, self.prefix + key, f"is {value}", f"a positive number in {unit}")
-        return float(value)
+        return _figure(self.source, self.prefix + key, value, limits)
 
     def integer(self, key: str) -> int:
-        value = self._get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(self.source, self.prefix + key, f"is {value!r}", "a positive whole number")
-        return value
+        return _whole(self.source, self.prefix + key, self._get(key), 1, COUNTS[key])
 
     def boolean(self, key: str, default: bool) -> bool:
         value = self._get(key, optional=True)

@@ -10,11 +10,25 @@ import yaml
 from .errors import ConfigError, ParsimError
 
 
+# Values a config file may hold once YAML aliases are expanded: real files hold hundreds, while a few
+# lines of nested aliases ("billion laughs") expand to billions and hang whatever walks or prints them.
+MAX_YAML_VALUES = 1_000_000
+
+
 def read_yaml(path: str | Path) -> object:
     """A YAML file's contents; a syntax error becomes one ConfigError line with its position."""
     path = Path(path)
     try:
-        return yaml.safe_load(path.read_text())
+        text = path.read_text()
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None and _expanded_size(node, {}) > MAX_YAML_VALUES:
+            raise ConfigError(str(path), "(file)", f"expands to more than {MAX_YAML_VALUES:,} values through "
+                                                   f"its aliases (&name / *name)", "a configuration file")
+        return yaml.safe_load(text)
+    except UnicodeDecodeError:
+        raise ConfigError(str(path), "(file)", "is not text (not UTF-8)", "a YAML file") from None
+    except RecursionError:
+        raise ConfigError(str(path), "(file)", "nests deeper than Python can read", "a YAML file") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -22,6 +36,18 @@ def read_yaml(path: str | Path) -> object:
         raise ConfigError(str(path), "(file)", f"malformed YAML{where}: {problem}") from None
     except OSError as err:
         raise ParsimError(f"cannot read {path}: {err.strerror}") from None
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Values under ``node`` with every alias expanded (an alias is the same node object again)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    sizes[id(node)] = 1  # a node inside itself (a recursive alias) counts once
+    if isinstance(node, yaml.SequenceNode):
+        sizes[id(node)] = 1 + sum(_expanded_size(child, sizes) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        sizes[id(node)] = 1 + sum(_expanded_size(k, sizes) + _expanded_size(v, sizes) for k, v in node.value)
+    return sizes[id(node)]
 
 
 def read_json(path: str | Path) -> object:
@@ -32,5 +58,9 @@ def read_json(path: str | Path) -> object:
         raise ParsimError(f"{path}: no such file") from None
     except json.JSONDecodeError as err:
         raise ParsimError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    except UnicodeDecodeError:
+        raise ParsimError(f"{path}: not valid JSON (not UTF-8 text)") from None
+    except RecursionError:
+        raise ParsimError(f"{path}: not valid JSON (nested deeper than Python can read)") from None
     except OSError as err:
         raise ParsimError(f"cannot read {path}: {err.strerror}") from None

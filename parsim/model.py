@@ -511,8 +511,11 @@ class TransformerModel(_CostTotals):
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
-        for key in ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "seq_len", "vocab_size"):
+        for key in ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "seq_len", "vocab_size",
+                    "experts_per_token", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             _check_positive(self, key)
+        for key in ("num_experts", "shared_experts", "dense_layers", "q_lora_rank"):  # 0: not used
+            _check_positive(self, key, low=0)
         if self.ffn_type not in FFN_TYPES:
             _fail(self, "ffn_type", f"is {self.ffn_type!r}", " or ".join(FFN_TYPES))
         if self.position_embedding not in POSITION_EMBEDDINGS:
@@ -533,6 +536,7 @@ class TransformerModel(_CostTotals):
             _fail(self, "dropout", f"is {self.dropout!r}", "a probability in [0, 1)")
         if self.expert_ffn_hidden is None:
             object.__setattr__(self, "expert_ffn_hidden", self.ffn_hidden)
+        _check_positive(self, "expert_ffn_hidden")
         if self.num_experts:
             if self.num_experts < 2:
                 _fail(self, "num_experts", f"is {self.num_experts}", "0 (dense) or at least 2 routed experts")
@@ -900,10 +904,19 @@ Model = Union[MLPModel, TransformerModel]
 MODEL_KINDS: dict[str, type] = {"mlp": MLPModel, "transformer": TransformerModel}
 
 
-def _check_positive(model: Model, key: str) -> None:
-    value = getattr(model, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        _fail(model, key, f"is {value!r}", "a positive whole number")
+# The largest each shape can be: far beyond every published model (the deepest have about 130 layers,
+# the widest hidden sizes 25,600), so a typo is refused instead of a step too large to simulate.
+SHAPE_LIMITS = {"num_layers": 2**14, "width": 2**20, "hidden": 2**20, "ffn_hidden": 2**22, "expert_ffn_hidden": 2**22,
+                "num_heads": 2**14, "num_kv_heads": 2**14, "seq_len": 2**27, "vocab_size": 2**24,
+                "batch_size": 2**31, "num_experts": 2**16, "experts_per_token": 2**16, "shared_experts": 2**10,
+                "dense_layers": 2**14, "q_lora_rank": 2**20, "kv_lora_rank": 2**20, "qk_nope_head_dim": 2**16,
+                "qk_rope_head_dim": 2**16, "v_head_dim": 2**16}
+
+
+def _check_positive(model: Model, key: str, low: int = 1) -> None:
+    value, high = getattr(model, key), SHAPE_LIMITS[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        _fail(model, key, f"is {value!r}", f"a whole number from {low} to {high:,}")
 
 
 def _fail(model: Model, key: str, problem: str, expected: str) -> None:
@@ -1031,7 +1044,7 @@ def parse_model(data: object, source: str = "<model>", default_name: str = "mode
     if not isinstance(data, Mapping):
         raise ConfigError(source, "(file)", f"is {type(data).__name__} {data!r}", "a mapping of keys")
     kind = data.get("kind")
-    if kind not in MODEL_KINDS:
+    if not isinstance(kind, str) or kind not in MODEL_KINDS:
         found = "missing" if kind is None else f"is {kind!r}"
         raise ConfigError(source, "kind", found, " or ".join(MODEL_KINDS))
     reader = ConfigReader(data, source, _COMMON_KEYS + _KIND_KEYS[kind])

@@ -42,6 +42,7 @@ from typing import Any, Mapping, NamedTuple, NoReturn
 
 import numpy as np
 
+from .cluster import MAX_GPUS
 from .errors import ConfigError, ParsimError
 from .files import read_yaml
 from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
@@ -65,6 +66,8 @@ DIMS = ("dp", "pp", "cp", "tp")  # expert parallelism (ep) folds into dp x cp, a
 CP_STYLES = ("ring", "all_gather")
 DEFAULT_ORDER = "dp,pp,cp,tp"
 DEFAULT_BUCKET_SIZE = 25 * 2**20  # torch DDP's bucket_cap_mb default
+# Batch figures beyond any training step: refused as typos rather than simulated for minutes.
+BATCH_LIMITS = {"microbatch_size": 2**24, "num_microbatches": 2**16}
 
 
 class RankCoords(NamedTuple):
@@ -165,10 +168,13 @@ class Plan:
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "bucket_size",
-                    "microbatch_size", "num_microbatches", "global_batch_size", "recompute_layers"):
+                    "microbatch_size", "num_microbatches", "global_batch_size", "recompute_layers", "shard_group"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 self._fail(f"{key} is {value!r}; it must be a whole number >= 1")
+        if self.dp * self.tp * self.pp * self.cp > MAX_GPUS:
+            self._fail(f"{self.degrees_text()} = {self.dp * self.tp * self.pp * self.cp:,} ranks, more than parsim "
+                       f"simulates (at most {MAX_GPUS:,} GPUs)")
         if self.tp_style is None:
             object.__setattr__(self, "tp_style", self.model.tp_styles[0])
         if self.zero is None:
@@ -179,6 +185,9 @@ class Plan:
         if self.overlap is None:
             object.__setattr__(self, "overlap", self.grad_sync in ("bucketed", "fsdp"))
         self._resolve_batch()
+        for key, high in BATCH_LIMITS.items():
+            if getattr(self, key) > high:
+                self._fail(f"{key} is {getattr(self, key):,}, beyond any training step (at most {high:,})")
         self.validate()
 
     def _fail(self, message: str) -> NoReturn:
@@ -266,6 +275,9 @@ class Plan:
         if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
             self._fail("interleaved-1f1b needs virtual_stages >= 2 (with 1 it is plain 1f1b)")
         self._check_stage_split()
+        if self.recompute_layers is not None and self.recompute_layers > max(self.stage_split):
+            self._fail(f"recompute_layers {self.recompute_layers} is more than the {max(self.stage_split)} layers "
+                       f"of the largest stage")
         for key, size in m.tp_sharded_sizes().items():
             if size % self.tp:
                 self._fail(f"tp {self.tp} does not divide {key} {size} of model {m.name}")
@@ -298,6 +310,9 @@ class Plan:
             self._fail(f"ep {self.ep} does not divide the {m.num_experts} experts of model {m.name}")
         if self.expert_load < 1:
             self._fail(f"expert_load {self.expert_load:g} is below 1: it is the busiest expert's tokens over the mean")
+        if self.expert_load > m.num_experts / m.experts_per_token:
+            self._fail(f"expert_load {self.expert_load:g} is more than all tokens on one expert "
+                       f"(num_experts / experts_per_token = {m.num_experts / m.experts_per_token:g})")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             self._fail(f"capacity_factor {self.capacity_factor:g} must be positive")
         if self.zero >= 3 or self.shard_group is not None:

@@ -18,13 +18,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import ParsimError
+from .cluster import MAX_GPUS
 from .files import read_json
+from .jsondoc import envelope
+from .units import MAX_SIZE
 
 # Canonical operation names (the torch.distributed spelling, with dashes on the CLI).
 OPERATIONS = (
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
     "gather", "scatter", "all_to_all", "send_recv",
 )
+
+
+MAX_TIME_S = 1e6  # one collective measured for longer than 11 days is not a measurement
 
 
 def canonical_op(name: str) -> str:
@@ -79,27 +85,46 @@ class CollectiveResult:
         return row
 
     @classmethod
-    def from_dict(cls, row: dict) -> "CollectiveResult":
-        known = {k: row[k] for k in ("op", "nranks", "size_bytes", "time_s", "algorithm", "source") if k in row}
-        missing = {"op", "nranks", "size_bytes", "time_s"} - set(known)
+    def from_dict(cls, row: object, where: str = "result") -> "CollectiveResult":
+        """A result from its :meth:`to_dict` form, every field checked (``where`` names it in errors)."""
+        if not isinstance(row, dict):
+            raise ParsimError(f"{where} is {row!r:.80} (expected a mapping of op, nranks, size_bytes, time_s)")
+        missing = {"op", "nranks", "size_bytes", "time_s"} - set(row)
         if missing:
-            raise ParsimError(f"result row lacks {', '.join(sorted(missing))}: {row}")
-        return cls(
-            algorithm=row.get("algorithm", ""), source=row.get("source", ""),
-            backend=row.get("backend", ""), cluster=row.get("cluster", ""),
-            extra=row.get("extra", {}), **{k: v for k, v in known.items() if k not in ("algorithm", "source")},
-        )
+            raise ParsimError(f"{where} lacks {', '.join(sorted(missing))}")
+
+        def bad(key: str, expected: str) -> ParsimError:
+            return ParsimError(f"{where}.{key} is {row[key]!r:.80} (expected {expected})")
+
+        if not isinstance(row["op"], str):
+            raise bad("op", "an operation name")
+        for key, high in (("nranks", MAX_GPUS), ("size_bytes", MAX_SIZE)):
+            value = row[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                raise bad(key, f"a whole number from 1 to {high:,}")
+        time_s = row["time_s"]
+        if isinstance(time_s, bool) or not isinstance(time_s, (int, float)) or not 0 < time_s <= MAX_TIME_S:
+            raise bad("time_s", f"seconds, above 0 and at most {MAX_TIME_S:g}")
+        for key in ("algorithm", "source", "backend", "cluster"):
+            if not isinstance(row.get(key, ""), str):
+                raise bad(key, "a string")
+        if not isinstance(row.get("extra", {}), dict):
+            raise bad("extra", "a mapping")
+        return cls(op=canonical_op(row["op"]), nranks=row["nranks"], size_bytes=row["size_bytes"],
+                   time_s=float(time_s), algorithm=row.get("algorithm", ""), source=row.get("source", ""),
+                   backend=row.get("backend", ""), cluster=row.get("cluster", ""), extra=row.get("extra", {}))
 
 
 def save_results(path: str | Path, rows: list[CollectiveResult], meta: dict | None = None) -> None:
-    """Write results as ``{"meta": ..., "results": [...]}`` JSON."""
-    Path(path).write_text(json.dumps({"meta": meta or {}, "results": [r.to_dict() for r in rows]}, indent=2))
+    """Write results as the ``parsim bench --json`` document (``parsim.bench/1``), with ``meta``."""
+    doc = envelope("bench", {"meta": meta or {}, "results": [r.to_dict() for r in rows]})
+    Path(path).write_text(json.dumps(doc, indent=2, allow_nan=False))
 
 
 def load_results(path: str | Path) -> list[CollectiveResult]:
-    """Read a file written by :func:`save_results` (or ``--json`` output)."""
+    """Read a file written by :func:`save_results`, or the ``--json`` output of bench or collective."""
     data = read_json(path)
     rows = data.get("results") if isinstance(data, dict) else None
     if not isinstance(rows, list):
         raise ParsimError(f"{path}: expected a JSON object with a 'results' list")
-    return [CollectiveResult.from_dict(r) for r in rows]
+    return [CollectiveResult.from_dict(r, f"{path}: results[{i}]") for i, r in enumerate(rows)]

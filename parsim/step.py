@@ -18,6 +18,11 @@ from .stepsim import StepSimulator
 from .trace import Trace
 
 
+# Forward and backward passes of one layer over one microbatch that one step may hold: about four ops
+# each to simulate, so this bound is some 2 million ops, a quarter of a minute (real steps: < 200,000).
+MAX_LAYER_PASSES = 2**19
+
+
 @dataclass
 class StepPrediction:
     plan: Plan
@@ -86,6 +91,11 @@ def predict_step(plan: Plan, cluster: ClusterSpec,
 
     ``progress(ops finished, ops in all)`` is called now and then while a long step simulates.
     """
+    passes = plan.num_microbatches * plan.model.num_layers * (3 if plan.pipeline.split_backward else 2)
+    if passes > MAX_LAYER_PASSES:
+        raise ParsimError(f"plan {plan.name}: {plan.num_microbatches:,} microbatches x {plan.model.num_layers:,} "
+                          f"layers is {passes:,} layer passes per step, more than parsim simulates "
+                          f"({MAX_LAYER_PASSES:,}); fewer microbatches take the same time each")
     gpn = cluster.gpus_per_node
     if plan.world > gpn and plan.world % gpn:
         raise ParsimError(f"the plan needs {plan.world} GPUs, which is not a whole number of "

@@ -24,7 +24,7 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], title
 
 def _cell(value: object) -> str:
     if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"  # .4g would print 1e4..1e5 as 1.234e+04
     return str(value)
 
 

@@ -11,13 +11,16 @@ one process per rank, one thread per stream, ``distributedInfo`` metadata).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .cluster import MAX_GPUS
 from .errors import ParsimError
 from .files import read_json
 
 STREAMS = ("compute", "comm", "p2p", "gather", "cp")  # gather: FSDP's weight all-gathers; cp: K/V exchanges
+KINDS = ("compute", "collective", "send", "recv", "optimizer")
 
 
 @dataclass(slots=True)
@@ -57,17 +60,40 @@ class Trace:
         Path(path).write_text(json.dumps(self.to_json()))
 
     @classmethod
-    def from_json(cls, data: dict) -> "Trace":
-        try:
-            events = [Event(**e) for e in data["events"]]
-            return cls(source=data["source"], world_size=int(data["world_size"]),
-                       events=events, meta=data.get("meta", {}))
-        except (KeyError, TypeError) as err:
-            raise ParsimError(f"not a parsim trace ({err})") from None
+    def from_json(cls, data: object) -> "Trace":
+        """A trace from its :meth:`to_json` form, every event checked (one line naming what is wrong)."""
+        if not isinstance(data, dict) or not isinstance(data.get("events"), list):
+            raise ParsimError("not a parsim trace (expected an object with an events list)")
+        world = data.get("world_size")
+        if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_GPUS:
+            raise ParsimError(f"not a parsim trace: world_size is {world!r:.40} (expected 1 to {MAX_GPUS:,})")
+        if not isinstance(data.get("source"), str) or not isinstance(data.get("meta", {}), dict):
+            raise ParsimError("not a parsim trace: source must be a string and meta a mapping")
+        return cls(source=data["source"], world_size=world, events=[_event(e, i, world)
+                                                                     for i, e in enumerate(data["events"])],
+                   meta=data.get("meta", {}))
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
         return cls.from_json(read_json(path))
+
+
+def _event(e: object, i: int, world: int) -> Event:
+    """Event ``i`` of a saved trace, checked: names and streams are strings, times finite, ranks in the world."""
+    fields = ("name", "rank", "stream", "kind", "start_s", "dur_s")
+    if not isinstance(e, dict) or not set(fields) <= set(e) or set(e) - {*fields, "args"}:
+        raise ParsimError(f"not a parsim trace: events[{i}] is {e!r:.80} (expected {', '.join(fields)}, args)")
+    rank, start, dur = e["rank"], e["start_s"], e["dur_s"]
+    problems = [
+        not isinstance(e["name"], str) or e["stream"] not in STREAMS or e["kind"] not in KINDS,
+        isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world,
+        not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in (start, dur)),
+        not isinstance(e.get("args", {}), dict),
+    ]
+    if any(problems) or start < 0 or dur < 0:
+        raise ParsimError(f"not a parsim trace: events[{i}] is {e!r:.120} (expected a name, a stream of "
+                          f"{', '.join(STREAMS)}, a kind of {', '.join(KINDS)}, a rank below {world}, times >= 0)")
+    return Event(e["name"], rank, e["stream"], e["kind"], float(start), float(dur), e.get("args", {}))
 
 
 def compute_name(phase: str, stage: int, microbatch: int) -> str:

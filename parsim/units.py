@@ -7,7 +7,10 @@ people write them (``1GiB``, ``512MB``, ``4096``); bandwidth is printed in GB/s
 
 from __future__ import annotations
 
+import math
 import re
+
+from typing import Iterable
 
 from .errors import ParsimError
 
@@ -17,12 +20,16 @@ _SIZE_UNITS = {
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
     "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,
 }
+MAX_SIZE = 2**60  # 1 EiB: more than any machine's memory, so a larger size is a typo
+MAX_SWEEP_SIZES = 1000
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(text: str | int | float) -> int:
     """Bytes from ``"1GiB"``, ``"512MB"``, ``"4096"`` or a number."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if not math.isfinite(text) or abs(text) > MAX_SIZE:
+            raise ParsimError(f"size {text!r} is not a size in bytes (at most 1 EiB)")
         value = int(text)
     else:
         match = _SIZE_RE.match(str(text))
@@ -32,7 +39,10 @@ def parse_size(text: str | int | float) -> int:
                 f"size {text!r} is not understood (expected a number of bytes with an "
                 f"optional unit, e.g. 4096, 512MB, 1GiB)"
             )
-        value = int(round(float(match.group(1)) * _SIZE_UNITS[unit]))
+        number = float(match.group(1)) * _SIZE_UNITS[unit]
+        if number > MAX_SIZE:
+            raise ParsimError(f"size {text!r} is more than any machine holds (at most 1 EiB)")
+        value = int(round(number))
     if value < 0:
         raise ParsimError(f"size {text!r} is negative")
     return value
@@ -53,10 +63,13 @@ def parse_size_range(text: str) -> list[int]:
             factor = float(parts[2])
         except ValueError:
             factor = 0.0
-        if factor <= 1:
+        if not 1 < factor < math.inf:
             raise ParsimError(f"sweep {text!r}: the factor must be a number above 1")
     if low <= 0 or high < low:
         raise ParsimError(f"sweep {text!r}: need 0 < MIN <= MAX")
+    steps = math.floor(math.log(high / low * (1 + 1e-9), factor)) + 1
+    if steps > MAX_SWEEP_SIZES:
+        raise ParsimError(f"sweep {text!r} has {steps:,} sizes; at most {MAX_SWEEP_SIZES} (use a larger factor)")
     sizes, size = [], float(low)
     while size <= high * (1 + 1e-9):
         sizes.append(int(round(size)))
@@ -81,3 +94,18 @@ def format_time(seconds: float) -> str:
         if abs(seconds) >= scale:
             return f"{seconds / scale:.3g} {unit}"
     return f"{seconds / 1e-9:.3g} ns"
+
+
+def time_unit(seconds: Iterable[float]) -> tuple[str, float]:
+    """One unit for a table column of times, ``("ms", 1e-3)``: the largest of s, ms, us, ns that keeps
+    the column's smallest non-zero time at 1 or more, so every row reads in the same unit."""
+    smallest = min((abs(t) for t in seconds if t), default=1.0)
+    return next(((unit, scale) for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)) if smallest >= scale),
+                ("ns", 1e-9))
+
+
+def size_unit(sizes: Iterable[float]) -> tuple[str, float]:
+    """One binary unit for a table column of sizes, ``("MiB", 2**20)``, chosen as :func:`time_unit` does."""
+    smallest = min((s for s in sizes if s), default=1)
+    return next(((unit, scale) for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+                 if smallest >= scale), ("B", 1))

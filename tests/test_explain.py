@@ -88,7 +88,7 @@ def test_gantt_flag_writes_a_png_instead_of_the_terminal_picture(capsys, tmp_pat
     (["--schedule", "pipedream"], "unknown pipeline schedule 'pipedream'"),
     (["--schedule", "interleaved-1f1b", "-m", "6"], "multiple of the pipeline size: 6 % 4 = 2"),
     (["--pp", "0"], "pipeline size must be at least 1"),
-    (["--tf", "-1"], "--tf must be >= 0"),
+    (["--tf", "-1"], "--tf must be a finite time >= 0"),
     (["--schedule", "zero-bubble", "--tw", "3"], "--tw (3) is part of the backward and cannot exceed --tb (2)"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
@@ -97,9 +97,10 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
     assert err.startswith("parsim explain: error: ") and message in err and err.count("\n") == 1
 
 
-def test_explain_without_a_topic_lists_the_topics(capsys):
-    code, out, _ = run(capsys, "explain")
-    assert code == 2 and "bubble" in out
+def test_explain_without_a_topic_names_the_topics_in_one_line(capsys):
+    code, _, err = run(capsys, "explain")
+    assert code == 2 and err == "parsim explain: error: which topic? bubble, memory or compute " \
+                               "(see 'parsim explain --help')\n"
 
 
 # --- pictures ------------------------------------------------------------------------------------

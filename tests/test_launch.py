@@ -139,8 +139,10 @@ def test_auto_backend_is_gloo_without_a_gpu_per_rank():
 def test_unknown_backend_and_bad_counts_are_user_errors():
     with pytest.raises(ParsimError, match="backend 'mpi' is not known"):
         resolve_backend("mpi", 2)
-    with pytest.raises(ParsimError, match="at least 1 rank"):
+    with pytest.raises(ParsimError, match="--nproc 0: between 1 and 1024 ranks"):
         launch(sum_of_ranks, 0)
+    with pytest.raises(ParsimError, match="--timeout nan: a positive number of seconds"):
+        launch(sum_of_ranks, 2, timeout_s=float("nan"))
 
 
 def test_a_torchrun_job_is_recognised_by_its_environment(monkeypatch):

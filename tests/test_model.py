@@ -202,7 +202,7 @@ def test_malformed_yaml_names_the_file_and_line(tmp_path):
     ({"kind": "mlp", "num_layers": "four", "width": 8, "batch_size": 4},
      "<model>: num_layers: is 'four' (expected a whole number)"),
     ({"kind": "mlp", "num_layers": 0, "width": 8, "batch_size": 4},
-     "num_layers: is 0 (expected a positive whole number)"),
+     "num_layers: is 0 (expected a whole number from 1 to 16,384)"),
     ({"kind": "mlp", "num_layers": 2, "batch_size": 4}, "<model>: width: missing"),
     ({"kind": "cnn"}, "<model>: kind: is 'cnn' (expected mlp or transformer)"),
     ({"num_layers": 2}, "<model>: kind: missing"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from collections import Counter
 
 import pytest
@@ -17,6 +18,8 @@ from parsim.cli.main import main
 from parsim.plan import resolve_plan
 from parsim.step_report import PHASES
 from parsim.trace import Trace
+
+from test_json_schema import conforms
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 
@@ -59,12 +62,14 @@ def test_combinations_the_executor_cannot_run_are_refused_in_one_line(flags, mes
 
 @needs_torch
 @pytest.mark.multiproc
-def test_run_reports_the_median_step_and_writes_traces(tmp_path, capsys):
+def test_run_reports_the_median_step_and_writes_traces(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # progress shows on a terminal only
     trace_path, chrome_path = tmp_path / "measured.json", tmp_path / "chrome.json"
     assert main(["run", "tiny-pp2", "--nproc", "2", "--steps", "2", "--json",
                  "--trace", str(trace_path), "--chrome", str(chrome_path)]) == 0
     out = capsys.readouterr()
     summary = json.loads(out.out)
+    assert conforms(summary) == "run"
     assert "1 warm-up + 2 measured steps" in out.err  # progress goes to stderr
     assert summary["world_size"] == 2 and summary["steps"] == 2 and len(summary["step_times_s"]) == 2
     assert summary["step_s_min"] <= summary["step_s"] <= summary["step_s_max"]

@@ -20,6 +20,7 @@ from parsim.trace import Trace
 DEFAULT_STEPS = 3
 DEFAULT_WARMUP = 1
 DEFAULT_TIMEOUT_S = 300.0
+MAX_STEPS = 10_000  # measured or warm-up steps of one run: beyond any use, and hours of CPU time
 
 
 def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = "auto",
@@ -35,7 +36,7 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     A rank that fails or hangs ends the run with a
     :class:`executor.launch.RankFailure` naming it, within ``timeout_s``.
     """
-    from executor.launch import in_torchrun_job, launch, resolve_backend, run_in_job
+    from executor.launch import check_request, in_torchrun_job, launch, resolve_backend, run_in_job
 
     from .runner import check_plan, rank_main
 
@@ -44,10 +45,11 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     if given != plan.world:
         raise ParsimError(f"plan {plan.name} needs {plan.degrees_text()} = {plan.world} "
                           f"ranks, but {'the torchrun job has' if in_job else '--nproc is'} {given}")
-    if steps < 1:
-        raise ParsimError(f"steps must be at least 1, got {steps}")
-    if warmup < 0:
-        raise ParsimError(f"warm-up steps cannot be negative, got {warmup}")
+    if not 1 <= steps <= MAX_STEPS:
+        raise ParsimError(f"steps must be 1 to {MAX_STEPS:,}, got {steps}")
+    if not 0 <= warmup <= MAX_STEPS:
+        raise ParsimError(f"warm-up steps must be 0 to {MAX_STEPS:,}, got {warmup}")
+    check_request(int(os.environ.get("LOCAL_WORLD_SIZE", given)) if in_job else given, timeout_s)
     check_plan(plan)
     say = progress or (lambda message: None)
     if profile_dir is not None:

@@ -11,11 +11,10 @@ import argparse
 import platform
 import sys
 
-from ..errors import ParsimError
+from ..jsondoc import print_json
 from ..results import OPERATIONS, CollectiveResult, busbw_factor, canonical_op, save_results
-from ..table import render_table
-from ..units import format_size, format_time, parse_size, parse_size_range
-from .common import print_json
+from ..units import parse_size, parse_size_range
+from .common import check_outputs
 
 DEFAULT_SWEEP = "1MiB:64MiB"
 DEFAULT_NPROC = 2
@@ -83,11 +82,9 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     op = canonical_op(args.op)
-    sizes = [parse_size(args.size)] if args.size else parse_size_range(args.sweep or DEFAULT_SWEEP)
-    if args.nproc is not None and args.nproc < 1:
-        raise ParsimError(f"--nproc must be at least 1, got {args.nproc}")
-    if args.timeout is not None and args.timeout <= 0:
-        raise ParsimError(f"--timeout must be positive, got {args.timeout:g}")
+    check_outputs(args, files=("--out",), pictures=("--plot",))
+    sizes = [parse_size(args.size)] if args.size is not None else \
+        parse_size_range(DEFAULT_SWEEP if args.sweep is None else args.sweep)
 
     from executor.collectives import measure_collectives
     from executor.launch import RankFailure, in_torchrun_job, job_rank
@@ -95,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     nproc = args.nproc if args.nproc is not None or in_torchrun_job() else DEFAULT_NPROC
     try:
         results = measure_collectives(op, sizes, nproc, args.backend, warmup=args.warmup, iters=args.iters,
-                                      timeout_s=args.timeout, progress=True)
+                                      timeout_s=args.timeout, progress=True, both_forms=True)
     except RankFailure as err:
         if args.verbose and err.details:
             print(err.details, file=sys.stderr)
@@ -104,42 +101,113 @@ def run(args: argparse.Namespace) -> int:
         raise
     if job_rank() not in (None, 0):
         return 0  # in a torchrun job, rank 0 speaks for everyone
+    first = results[0]
+    meta = {"command": "parsim bench", "op": op, "nranks": first.nranks, "backend": first.backend,
+            "host": platform.node()}
+    wrong = sum(r.extra.get("wrong", 0) for r in results)
     if args.json:
-        print_json([r.to_dict() for r in results])
+        print_json("bench", {"meta": meta, "results": [r.to_dict() for r in results], "wrong": wrong,
+                             "avg_busbw_GBps": average_busbw(results) / 1e9})
     else:
-        print(render(results))
+        print(render(results, args.warmup, args.iters))
     if args.out:
-        save_results(args.out, results, meta={"command": "parsim bench", "op": op, "nranks": results[0].nranks,
-                                              "backend": results[0].backend, "host": platform.node()})
+        save_results(args.out, results, meta=meta)
         print(f"wrote {args.out}", file=sys.stderr)
     if args.plot:
         from ..plots import plot_bandwidth
 
-        first = results[0]
         plot_bandwidth({f"measured ({first.backend})": results}, args.plot,
                        title=f"{op.replace('_', '-')} on {first.nranks} ranks ({first.backend})")
         print(f"wrote {args.plot}", file=sys.stderr)
+    if wrong:
+        print(f"parsim bench: {wrong:,} elements of the results were wrong (#wrong)", file=sys.stderr)
+        return 1
     return 0
 
 
-def render(results: list[CollectiveResult]) -> str:
-    """An nccl-tests-like table, with the notes needed to read it right."""
+FORMS = ("out_of_place", "in_place")
+REDOPS = {"all_reduce": "sum", "reduce_scatter": "sum", "reduce": "sum"}
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
+
+
+def form_busbw(r: CollectiveResult, form: str) -> float | None:
+    """Bus bandwidth of one form of a result in bytes/s; None where it was not measured."""
+    timing = r.extra.get(form)
+    if not timing or not timing["time_s"] > 0:
+        return None
+    return r.size_bytes / timing["time_s"] * busbw_factor(r.op, r.nranks)
+
+
+def average_busbw(results: list[CollectiveResult]) -> float:
+    """nccl-tests' "Avg bus bandwidth": the mean over every size and form measured."""
+    values = [bw for r in results for f in FORMS if (bw := form_busbw(r, f)) is not None]
+    return sum(values) / len(values) if values else 0.0
+
+
+def render(results: list[CollectiveResult], warmup: int, iters: int | None) -> str:
+    """nccl-tests' table: size, count, type, redop, root, then time (us), algbw, busbw (GB/s) and #wrong
+    out-of-place and in-place; every other line starts with ``#``."""
     first = results[0]
     name = first.op.replace("_", "-")
-    rows = [[format_size(r.size_bytes), r.size_bytes, r.extra.get("count", r.size_bytes // 4), format_time(r.time_s),
-             r.algbw_Bps / 1e9, r.busbw_Bps / 1e9] for r in results]
     host = first.extra.get("host", "")
-    title = f"{name} on {first.nranks} ranks, {first.backend} ({first.algorithm}), measured{' on ' + host if host else ''}"
-    table = render_table(["size", "bytes", "count", "time", "algbw GB/s", "busbw GB/s"], rows, title)
-    notes = [f"time: {first.extra.get('timing', 'max over ranks')}; "
-             f"busbw = algbw x {busbw_factor(first.op, first.nranks):.3g}"]
+    lines = [
+        f"# parsim bench {name}: nranks {first.nranks} backend {first.backend} ({first.algorithm}) "
+        f"minBytes {results[0].size_bytes} maxBytes {results[-1].size_bytes}",
+        f"# warmup iters: {warmup} iters: {iters if iters else 'adaptive'} validation: 1"
+        + (f" host: {host}" if host else "") + f" device: {first.extra.get('device', '?')}",
+        "#",
+        "#" + " " * 61 + "out-of-place" + " " * 22 + "in-place",
+        "#       size         count      type   redop    root     time   algbw   busbw #wrong"
+        "     time   algbw   busbw #wrong",
+        "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)       "
+        "     (us)  (GB/s)  (GB/s)",
+    ]
+    for r in results:
+        root = r.extra.get("root", 0) if r.op in ROOTED else -1
+        row = (f"{r.size_bytes:12d}  {r.extra.get('count', r.size_bytes // 4):12d}  "
+               f"{'float':>8}  {REDOPS.get(r.op, 'none'):>6}  {root:6d}")
+        for form in FORMS:
+            row += _form_cells(r, form)
+        lines.append(row)
+    wrong = sum(r.extra.get("wrong", 0) for r in results)
+    lines += [f"# Out of bounds values : {wrong} {'FAILED' if wrong else 'OK'}",
+              f"# Avg bus bandwidth    : {average_busbw(results) / 1e9:g}", "#"]
+    lines += [f"# {note}" for note in notes(results)]
+    return "\n".join(lines)
+
+
+def _form_cells(r: CollectiveResult, form: str) -> str:
+    timing = r.extra.get(form)
+    if not timing:
+        return f"  {'N/A':>7}  {'N/A':>6}  {'N/A':>6}  {'N/A':>5}"
+    us = timing["time_s"] * 1e6
+    time_text = f"{us:7.0f}" if us >= 10000 else f"{us:7.1f}" if us >= 100 else f"{us:7.2f}"
+    algbw = r.size_bytes / timing["time_s"] / 1e9
+    return f"  {time_text}  {algbw:6.2f}  {algbw * busbw_factor(r.op, r.nranks):6.2f}  {timing['wrong']:5d}"
+
+
+def notes(results: list[CollectiveResult]) -> list[str]:
+    """What a reader needs to read the table right."""
+    first = results[0]
+    out = [f"time: {first.extra.get('timing', 'max over ranks')}; busbw = algbw x "
+           f"{busbw_factor(first.op, first.nranks):.3g}; compare and --out use the "
+           f"{first.extra.get('form', 'out_of_place').replace('_', '-')} time"]
+    missing = [f.replace("_", "-") for f in FORMS if not first.extra.get(f)]
+    if missing:
+        out.append(f"N/A: torch.distributed runs {first.op.replace('_', '-')} {FORM_NOTES[missing[0]]}")
     rounded = [r for r in results if r.extra.get("requested_size_bytes", r.size_bytes) != r.size_bytes]
     if rounded:
         r = rounded[0]
-        notes.append(f"sizes rounded down to what can be measured: whole float32 elements, "
-                     f"equal chunks per rank (e.g. {r.extra['requested_size_bytes']} B -> {r.size_bytes} B)")
+        out.append(f"sizes rounded down to what can be measured: whole float32 elements, "
+                   f"equal chunks per rank (e.g. {r.extra['requested_size_bytes']} B -> {r.size_bytes} B)")
     if "implementation" in first.extra:
-        notes.append(first.extra["implementation"])
+        out.append(first.extra["implementation"])
     if first.backend == "gloo":
-        notes.append("gloo on one host: loopback TCP + memcpy + CPU reduction, not a network")
-    return "\n".join([table, *notes])
+        out.append("gloo on one host: loopback TCP + memcpy + CPU reduction, not a network")
+    return out
+
+
+FORM_NOTES = {
+    "out-of-place": "on one buffer only (no out-of-place form in its API)",
+    "in-place": "out of place only (gloo corrupts an all-to-all whose input is its output)",
+}

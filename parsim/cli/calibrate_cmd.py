@@ -16,11 +16,12 @@ from ..calibrate import (fit_dispatch, fit_elementwise, fit_links, fit_matmul, f
 from ..cluster import parse_cluster
 from ..errors import ParsimError
 from ..host_load import ForeignLoad
+from ..jsondoc import print_json
 from ..lower import ADAMW_ACCESSES
 from ..results import canonical_op
 from ..table import render_table
-from ..units import format_size, format_time, parse_size_range
-from .common import print_json, progress
+from ..units import parse_size_range, size_unit, time_unit
+from .common import check_outputs, note, progress
 
 HELP = """\
 Measure this host and write a cluster file the simulator loads like any other.
@@ -70,9 +71,11 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from executor.collectives import measure_collectives, measure_in_step, measure_reduce_bandwidth
+    check_outputs(args, files=("--out",))
+    from executor.collectives import (check_host_memory, default_timeout_s, measure_collectives, measure_in_step,
+                                      measure_reduce_bandwidth)
     from executor.compute_bench import measure_on_every_rank
-    from executor.launch import resolve_backend
+    from executor.launch import check_request, resolve_backend
 
     try:
         rank_counts = sorted({int(r) for r in args.ranks.split(",")})
@@ -82,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         raise ParsimError("--ranks: collectives need at least 2 ranks")
     ops = [canonical_op(o) for o in args.ops.split(",")]
     sizes = parse_size_range(args.sweep)
+    if not args.name.strip():
+        raise ParsimError("--name: the cluster file needs a name")
+    check_request(max(rank_counts), args.timeout if args.timeout is not None else default_timeout_s(sizes))
+    check_host_memory(sizes[-1], max(rank_counts))
     backend = resolve_backend(args.backend, max(rank_counts))
 
     with ForeignLoad() as load:
@@ -105,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         progress(f"measuring matmuls, eager ops and optimizer steps again on {max(rank_counts)} ranks")
         per_rank += measure_on_every_rank(max(rank_counts))
     if load.warning("calibration"):
-        progress(load.warning("calibration"))
+        note(load.warning("calibration"))
     matmul = fit_matmul([(tuple(s), t) for rank in per_rank for s, t in rank["matmuls"]], call=True)
     dispatch = fit_dispatch([row for rank in per_rank for row in rank["dispatch"]], matmul.model())
     elementwise_bw = fit_elementwise([rank["elementwise"] for rank in per_rank], dispatch)
@@ -148,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     Path(args.out).write_text(header + yaml.safe_dump(cluster, sort_keys=False))
 
     if args.json:
-        print_json({"out": args.out, "latency_us": links.latency_s * 1e6, "bw_GBps": links.bw_Bps / 1e9,
+        print_json("calibrate", {"out": args.out, "latency_us": links.latency_s * 1e6, "bw_GBps": links.bw_Bps / 1e9,
                     "fabric_bw_GBps": links.fabric_bw_Bps / 1e9 if links.fabric_bw_Bps else None,
                     "reduce_bw_GBps": reduce_bw / 1e9, "memory_bw_GBps": memory_bw / 1e9,
                     "op_forward_us": dispatch.forward_s * 1e6, "op_backward_us": dispatch.backward_s * 1e6,
@@ -163,9 +170,11 @@ def run(args: argparse.Namespace) -> int:
                     "rows": [{"op": r.op, "nranks": r.nranks, "size_bytes": r.size_bytes, "measured_s": r.time_s,
                               "fitted_s": f} for r, f in rows]})
         return 0
-    table = [[r.op.replace("_", "-"), r.nranks, format_size(r.size_bytes), format_time(r.time_s), format_time(f),
+    size, size_scale = size_unit(r.size_bytes for r, _ in rows)
+    time, time_scale = time_unit([r.time_s for r, _ in rows] + [f for _, f in rows])
+    table = [[r.op.replace("_", "-"), r.nranks, r.size_bytes / size_scale, r.time_s / time_scale, f / time_scale,
               f"{f / r.time_s - 1:+.1%}"] for r, f in rows]
-    print(render_table(["op", "ranks", "size", "measured", "fitted", "residual"], table,
+    print(render_table(["op", "ranks", f"size ({size})", f"measured ({time})", f"fitted ({time})", "residual"], table,
                        title="collective fit (alpha-beta in the simulator's own terms)"))
     print()
     print(f"latency per step  {links.latency_s * 1e6:.1f} us")

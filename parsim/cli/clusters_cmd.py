@@ -6,8 +6,8 @@ import argparse
 from dataclasses import asdict
 
 from ..cluster import ClusterSpec, builtin_clusters, load_cluster
+from ..jsondoc import print_json
 from ..table import render_table
-from .common import print_json
 
 HELP = """\
 List the built-in clusters with their key figures, or show one cluster file.
@@ -33,16 +33,16 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.cluster:
+    if args.cluster is not None:
         spec = load_cluster(args.cluster)
         if args.json:
-            print_json(asdict(spec))
+            print_json("clusters", {"clusters": [asdict(spec)]})
         else:
             print(describe(spec, spec.nodes_for(args.nodes)))
         return 0
     specs = [load_cluster(name) for name in sorted(builtin_clusters())]
     if args.json:
-        print_json([asdict(s) for s in specs])
+        print_json("clusters", {"clusters": [asdict(s) for s in specs]})
         return 0
     rows = [row(s) for s in specs]
     print(render_table(["name", "GPU", "GPUs/node", "bf16 TFLOP/s", "HBM GB", "HBM TB/s", "intra-node",

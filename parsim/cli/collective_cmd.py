@@ -8,10 +8,12 @@ import numpy as np
 
 from ..collectives import ALGORITHMS, predict
 from ..collectives.explain import explain
+from ..errors import ParsimError
+from ..jsondoc import print_json
 from ..results import OPERATIONS, canonical_op
 from ..table import render_table
-from ..units import format_size, format_time, parse_size, parse_size_range
-from .common import add_cluster_args, print_json, topology_from_args
+from ..units import format_size, format_time, parse_size, parse_size_range, size_unit, time_unit
+from .common import OpsProgress, add_cluster_args, check_buffer, check_outputs, topology_from_args
 
 HELP = """\
 Predict the time of one collective on a simulated cluster, and say why.
@@ -60,13 +62,23 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     op = canonical_op(args.op)
+    if args.plot is not None and not args.sweep:
+        raise ParsimError("--plot draws bandwidth against size: it needs --sweep")
+    check_outputs(args, pictures=("--plot",))
     topo, gpus = topology_from_args(args)
     group = np.arange(gpus)
-    if args.sweep:
+    if args.sweep is not None:
         sizes = parse_size_range(args.sweep)
-        predictions = [predict(topo, op, size, group, args.algorithm, protocol=args.protocol) for size in sizes]
+        check_buffer(sizes[-1], topo.spec)
+        progress, predictions = OpsProgress(f"predicting {op.replace('_', '-')}", unit="sizes"), []
+        try:
+            for size in sizes:
+                progress(len(predictions), len(sizes))
+                predictions.append(predict(topo, op, size, group, args.algorithm, protocol=args.protocol))
+        finally:
+            progress.close()
         if args.json:
-            print_json([p.result().to_dict() for p in predictions])
+            print_json("collective", {"results": [p.result().to_dict() for p in predictions]})
         else:
             print(sweep_table(predictions, topo.spec.name))
         if args.plot:
@@ -76,11 +88,13 @@ def run(args: argparse.Namespace) -> int:
                            title=f"{op.replace('_', '-')} on {gpus} GPUs of {topo.spec.name}")
             print(f"wrote {args.plot}")
         return 0
-    prediction = predict(topo, op, parse_size(args.size), group, args.algorithm, protocol=args.protocol)
+    size = parse_size(args.size)
+    check_buffer(size, topo.spec)
+    prediction = predict(topo, op, size, group, args.algorithm, protocol=args.protocol)
     if args.json:
         row = prediction.result().to_dict()
         row["phases"] = [vars(p) for p in prediction.phases]
-        print_json(row)
+        print_json("collective", {"results": [row]})
     elif args.explain:
         print(explain(prediction, topo))
     else:
@@ -126,11 +140,12 @@ def _candidates(prediction) -> str:
 
 
 def sweep_table(predictions, cluster: str) -> str:
-    rows = []
-    for p in predictions:
-        r = p.result()
-        rows.append([format_size(r.size_bytes), r.size_bytes, format_time(r.time_s),
-                     round(r.algbw_Bps / 1e9, 2), round(r.busbw_Bps / 1e9, 2), p.algorithm, p.protocol or "-"])
+    results = [p.result() for p in predictions]
+    size, size_scale = size_unit(r.size_bytes for r in results)
+    time, time_scale = time_unit(r.time_s for r in results)
+    rows = [[r.size_bytes / size_scale, r.size_bytes, r.time_s / time_scale, round(r.algbw_Bps / 1e9, 2),
+             round(r.busbw_Bps / 1e9, 2), p.algorithm, p.protocol or "-"] for p, r in zip(predictions, results)]
     first = predictions[0]
     title = f"{first.op.replace('_', '-')} on {first.nranks} GPUs of {cluster} (simulated)"
-    return render_table(["size", "bytes", "time", "algbw GB/s", "busbw GB/s", "algorithm", "protocol"], rows, title)
+    return render_table([f"size ({size})", "bytes", f"time ({time})", "algbw GB/s", "busbw GB/s", "algorithm",
+                         "protocol"], rows, title)

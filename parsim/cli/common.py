@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
+from pathlib import Path
 
-from ..cluster import builtin_clusters, load_cluster
+from ..cluster import ClusterSpec, builtin_clusters, load_cluster
+from ..errors import ParsimError
 from ..memory import Memory
 from ..table import render_table
 from ..topology import Topology
+from ..units import format_size
 
 DEFAULT_CLUSTER = "dgx-h100"
 
@@ -32,13 +35,74 @@ def topology_from_args(args: argparse.Namespace) -> tuple[Topology, int]:
     return topo, gpus
 
 
-def print_json(data: object) -> None:
-    json.dump(data, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+def check_buffer(size: int, spec: ClusterSpec) -> None:
+    """A collective's buffer must hold something and fit in one GPU's memory (every operation keeps
+    at least its whole buffer on some rank: the output of all-gather, the input of reduce-scatter)."""
+    if size <= 0:
+        raise ParsimError(f"size {size} B: a collective moves at least one byte")
+    if size > spec.gpu.hbm_capacity_bytes:
+        raise ParsimError(f"size {format_size(size)} does not fit in one GPU's memory on {spec.name} "
+                          f"({spec.gpu.hbm_capacity_bytes / 1e9:g} GB)")
+
+
+def check_outputs(args: argparse.Namespace, files: tuple[str, ...] = (), pictures: tuple[str, ...] = (),
+                  folders: tuple[str, ...] = (), traces: tuple[str, ...] = ()) -> None:
+    """Refuse, before any work, output paths of ``args`` that cannot be written.
+
+    ``files``, ``pictures``, ``folders`` and ``traces`` name flags (``"--trace"``); pictures must also
+    end in a format matplotlib writes; a folder may not exist yet (it is made); a trace is a folder
+    (one file per rank) or, named ``*.json``, one file. Unset flags are skipped.
+    """
+    for flag in files + pictures + folders + traces:
+        path = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if path is None:
+            continue
+        if flag in folders or (flag in traces and not path.endswith(".json")):
+            _check_folder(path, flag)
+            continue
+        _check_writable(path, flag)
+        if flag in pictures:
+            from matplotlib.backend_bases import FigureCanvasBase
+
+            formats = FigureCanvasBase.get_supported_filetypes()
+            if Path(path).suffix.lstrip(".").lower() not in formats:
+                raise ParsimError(f"{flag} {path}: not a picture name (end it in .{', .'.join(sorted(formats))})")
+
+
+def _check_folder(path: str, flag: str) -> None:
+    """A folder that exists, or can be made under the nearest folder that does."""
+    if not path.strip():
+        raise ParsimError(f"{flag}: the path is empty")
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ParsimError(f"{flag} {path}: is a file (give a folder)")
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise ParsimError(f"{flag} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK):
+        raise ParsimError(f"{flag} {path}: {existing} is not writable")
+
+
+def _check_writable(path: str, flag: str) -> None:
+    target = Path(path)
+    if not path.strip():
+        raise ParsimError(f"{flag}: the path is empty")
+    if target.is_dir():
+        raise ParsimError(f"{flag} {path}: is a directory (give a file name)")
+    if not target.parent.is_dir():
+        raise ParsimError(f"{flag} {path}: {target.parent} is not a folder")
+    if not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ParsimError(f"{flag} {path}: not writable")
 
 
 def progress(message: str) -> None:
-    """One progress line on stderr, so stdout stays clean for tables and JSON."""
+    """One progress line on stderr when it is a terminal (pipes and CI logs stay clean; stdout always)."""
+    if sys.stderr.isatty():
+        print(message, file=sys.stderr, flush=True)
+
+
+def note(message: str) -> None:
+    """A line on stderr that matters after the run too (a warning), wherever stderr goes."""
     print(message, file=sys.stderr, flush=True)
 
 
@@ -49,14 +113,14 @@ class OpsProgress:
     Call it as ``progress(finished, total)``; :meth:`close` erases the line.
     """
 
-    def __init__(self, label: str = "simulating", stream=None):
-        self.label, self.stream = label, stream or sys.stderr
+    def __init__(self, label: str = "simulating", stream=None, unit: str = "ops"):
+        self.label, self.stream, self.unit = label, stream or sys.stderr, unit
         self.active = self.stream.isatty()
         self.shown = False
 
     def __call__(self, finished: int, total: int) -> None:
         if self.active:
-            self.stream.write(f"\r{self.label}: {finished:,} / {total:,} ops ({finished / max(total, 1):.0%})")
+            self.stream.write(f"\r{self.label}: {finished:,} / {total:,} {self.unit} ({finished / max(total, 1):.0%})")
             self.stream.flush()
             self.shown = True
 

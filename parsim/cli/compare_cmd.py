@@ -7,10 +7,11 @@ import argparse
 from ..cluster import load_cluster
 from ..compare_collectives import compare_collectives, median_abs_error
 from ..errors import ParsimError
+from ..jsondoc import print_json
 from ..results import canonical_op, load_results, save_results
 from ..table import render_table
-from ..units import format_size, format_time, parse_size, parse_size_range
-from .common import print_json, progress
+from ..units import parse_size, parse_size_range, size_unit, time_unit
+from .common import check_outputs, progress
 from .plan_cmd import add_plan_args
 
 HELP = """\
@@ -67,6 +68,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_outputs(args, files=("--save-measured",), pictures=("--plot",), traces=("--trace",))
     try:
         op = canonical_op(args.target)
     except ParsimError:
@@ -92,15 +94,16 @@ def _refuse(args: argparse.Namespace, names: tuple[str, ...], target: str) -> No
 
 def _collectives(args: argparse.Namespace, op: str) -> int:
     spec = load_cluster(args.cluster)
-    if args.measured:
+    if args.measured is not None:
         measured = [r for r in load_results(args.measured) if r.op == op]
         if not measured:
             raise ParsimError(f"{args.measured} holds no {op.replace('_', '-')} measurements")
     else:
         from executor.collectives import measure_collectives
 
-        sizes = [parse_size(args.size)] if args.size else parse_size_range(args.sweep or DEFAULT_SWEEP)
-        nproc = args.nproc or 2
+        sizes = ([parse_size(args.size)] if args.size is not None
+                 else parse_size_range(DEFAULT_SWEEP if args.sweep is None else args.sweep))
+        nproc = 2 if args.nproc is None else args.nproc
         progress(f"measuring {op.replace('_', '-')} on {nproc} ranks")
         measured = measure_collectives(op, sizes, nproc, args.backend or "auto", timeout_s=args.timeout,
                                        progress=True)
@@ -111,15 +114,18 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
     rows = compare_collectives(spec.build(nodes), measured)
     mae = median_abs_error(rows)
     if args.json:
-        print_json({"op": op, "cluster": spec.name, "median_abs_error": mae,
+        print_json("compare.collective", {"op": op, "cluster": spec.name, "median_abs_error": mae,
                     "rows": [{"size_bytes": r.measured.size_bytes, "nranks": r.measured.nranks,
                               "measured_s": r.measured.time_s, "predicted_s": r.predicted.time_s,
                               "algorithm": r.predicted.algorithm, "error": r.error} for r in rows]})
     else:
-        table = [[format_size(r.measured.size_bytes), format_time(r.measured.time_s),
-                  format_time(r.predicted.time_s), round(r.measured.busbw_Bps / 1e9, 3),
+        size, size_scale = size_unit(r.measured.size_bytes for r in rows)
+        time, time_scale = time_unit([r.measured.time_s for r in rows] + [r.predicted.time_s for r in rows])
+        table = [[r.measured.size_bytes / size_scale, r.measured.time_s / time_scale,
+                  r.predicted.time_s / time_scale, round(r.measured.busbw_Bps / 1e9, 3),
                   round(r.predicted.busbw_Bps / 1e9, 3), f"{r.error:+.1%}"] for r in rows]
-        print(render_table(["size", "measured", "predicted", "busbw meas", "busbw pred", "error"], table,
+        print(render_table([f"size ({size})", f"measured ({time})", f"predicted ({time})", "busbw meas",
+                            "busbw pred", "error"], table,
                            title=f"{op.replace('_', '-')} on {nranks} ranks: measured "
                                  f"({measured[0].backend}) vs predicted ({spec.name}, "
                                  f"{rows[0].predicted.algorithm})"))

@@ -1,4 +1,4 @@
-"""``parsim compare PLAN``: a predicted step next to a measured one, phase by phase."""
+"""``parsim compare PLAN``: a predicted step next to a measured one, phase by phase and collective by collective."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ import sys
 from ..cluster import load_cluster
 from ..errors import ParsimError
 from ..host_load import ForeignLoad
-from ..step import predict_step
-from ..step_report import PHASES, breakdown, step_time
-from ..table import render_table
+from ..jsondoc import print_json
 from ..kineto.match import CollectiveRow, match_collectives
 from ..kineto.read import measured_trace, read_profiles
 from ..plan import Plan
+from ..step import predict_step
+from ..step_report import PHASES, breakdown, step_time
+from ..table import render_table
 from ..trace import Trace
-from ..units import format_size, format_time
-from .common import print_json, progress
+from ..units import format_time, size_unit, time_unit
+from .common import note, progress
 from .plan_cmd import plan_from_args
 
 
@@ -24,38 +25,40 @@ def compare_plan_command(args: argparse.Namespace) -> int:
     args.plan = args.target
     plan = plan_from_args(args)
     cluster = load_cluster(args.cluster)
-    if args.measured:
+    if args.measured is not None:
         measured, source = _profiled(plan, args.measured), f"torch.profiler traces in {args.measured}"
     nproc = plan.world if args.nproc is None else args.nproc
-    if not args.measured and plan.world != nproc:
+    if args.measured is None and plan.world != nproc:
         raise ParsimError(f"plan {plan.name} needs {plan.world} ranks ({plan.degrees_text()}), not --nproc {nproc}")
     progress(f"simulating {plan.name} on {cluster.name}")
     predicted = predict_step(plan, cluster)
     load = None
-    if not args.measured:
+    if args.measured is None:
         from executor.train import run_plan
 
         steps = 3 if args.steps is None else args.steps
         progress(f"running {plan.name} on {nproc} ranks ({steps} measured steps)")
         with ForeignLoad() as load:
             measured, _ = run_plan(plan, nproc, steps, backend=args.backend or "auto",
-                                   **({"timeout_s": args.timeout} if args.timeout else {}))
+                                   **({"timeout_s": args.timeout} if args.timeout is not None else {}))
         if load.warning("the measured run"):
-            progress(load.warning("the measured run"))
+            note(load.warning("the measured run"))
         source = f"run here, median of {steps} steps"
     collectives = match_collectives(plan, predicted.trace, measured)
     rows = compare_phases(plan, predicted, measured)
     measured_step = step_time(measured)
     step_error = predicted.step_s / measured_step - 1 if measured_step else None
     if args.json:
-        print_json({"plan": plan.name, "cluster": cluster.name, "measured_from": source,
-                    "predicted_step_s": predicted.step_s, "measured_step_s": measured_step, "step_error": step_error,
-                    "phases": rows, "collectives": [r.to_json() for r in collectives],
-                    "foreign_load_cores": load.cores if load else None})
+        print_json("compare.plan", {
+            "plan": plan.name, "cluster": cluster.name, "measured_from": source,
+            "predicted_step_s": predicted.step_s, "measured_step_s": measured_step, "step_error": step_error,
+            "phases": rows, "collectives": [r.to_json() for r in collectives],
+            "foreign_load_cores": load.cores if load else None})
     else:
-        table = [[f"rank {r['rank']} (pp {r['pp']})", r["phase"], format_time(r["predicted_s"]),
-                  format_time(r["measured_s"]), _error_text(r)] for r in rows]
-        print(render_table(["rank", "phase", "predicted", "measured", "error"], table,
+        unit, scale = time_unit([r["predicted_s"] for r in rows] + [r["measured_s"] for r in rows])
+        table = [[f"rank {r['rank']} (pp {r['pp']})", r["phase"], r["predicted_s"] / scale, r["measured_s"] / scale,
+                  _error_text(r)] for r in rows]
+        print(render_table(["rank", "phase", f"predicted ({unit})", f"measured ({unit})", "error"], table,
                            title=f"{plan.name}: predicted ({cluster.name}) vs measured ({source}), "
                                  "per rank and phase"))
         print()
@@ -80,16 +83,24 @@ def _profiled(plan: Plan, folder: str) -> Trace:
 
 
 def collectives_table(rows: list[CollectiveRow]) -> str:
-    """Per rank and (group, operation): the plan's collectives beside the profile's, and how they matched."""
-    def sizes(events: list) -> str:
-        total = sum(int(e.args.get("bytes") or 0) for e in events)
-        return f"{len(events)} x, {format_size(total)}" if events else "-"
+    """Per rank and (group, operation): the plan's collectives beside the profile's (count, bytes, time),
+    and how they matched."""
+    def total_bytes(events: list) -> float:
+        return sum(float(e.args.get("bytes") or 0) for e in events)
 
-    table = [[f"rank {r.rank}", r.group or "?", r.op, sizes(r.predicted), sizes(r.measured),
-              format_time(sum(e.dur_s for e in r.predicted)) if r.predicted else "-",
-              format_time(sum(e.dur_s for e in r.measured)) if r.measured else "-", r.status] for r in rows]
-    return render_table(["rank", "group", "collective", "predicted", "measured", "time pred", "time meas", "match"],
-                        table, title="collectives: the plan's beside the measured ones (count, bytes, time)")
+    def total_time(events: list) -> float:
+        return sum(e.dur_s for e in events)
+
+    sides = [(r.predicted, r.measured) for r in rows]
+    size, size_scale = size_unit([total_bytes(e) for pair in sides for e in pair])
+    unit, scale = time_unit([total_time(e) for pair in sides for e in pair])
+    table = [[f"rank {r.rank}", r.group or "?", r.op, len(r.predicted), len(r.measured),
+              round(total_bytes(r.predicted) / size_scale, 3), round(total_bytes(r.measured) / size_scale, 3),
+              round(total_time(r.predicted) / scale, 3), round(total_time(r.measured) / scale, 3), r.status]
+             for r in rows]
+    return render_table(["rank", "group", "collective", "n pred", "n meas", f"{size} pred", f"{size} meas",
+                         f"{unit} pred", f"{unit} meas", "match"], table,
+                        title="collectives: the plan's beside the measured ones (count, bytes, time per step)")
 
 
 def compare_phases(plan, predicted, measured) -> list[dict]:

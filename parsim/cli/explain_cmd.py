@@ -6,13 +6,15 @@ Topics are sub-subcommands (``parsim explain bubble``), so more can join.
 from __future__ import annotations
 
 import argparse
+import math
 
 from ..errors import ParsimError
+from ..jsondoc import print_json
 from ..schedules import (KIND_NAMES, SCHEDULES, IdealTiming, Schedule, closed_form, make_schedule, peak_in_flight,
                          simulate_ideal)
 from ..table import render_table
 from . import explain_compute, explain_memory
-from .common import print_json
+from .common import check_outputs
 
 HELP = """\
 Explain a number parsim prints, step by step.
@@ -47,7 +49,7 @@ def register(subparsers) -> None:
                               description=HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     topics = p.add_subparsers(dest="topic", metavar="TOPIC")
-    p.set_defaults(func=lambda args: _missing_topic(p))
+    p.set_defaults(func=_missing_topic)
 
     b = topics.add_parser("bubble", help="the pipeline bubble of a schedule", description=BUBBLE_HELP,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,16 +69,16 @@ def register(subparsers) -> None:
     explain_compute.register(topics)
 
 
-def _missing_topic(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2
+def _missing_topic(args: argparse.Namespace) -> int:
+    raise ParsimError("which topic? bubble, memory or compute (see 'parsim explain --help')")
 
 
 def run_bubble(args: argparse.Namespace) -> int:
+    check_outputs(args, pictures=("--gantt",))
     schedule = make_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
     for flag in ("tf", "tb", "tcomm") + (("tw",) if args.tw is not None else ()):
-        if getattr(args, flag) < 0:
-            raise ParsimError(f"--{flag} must be >= 0, got {getattr(args, flag):g}")
+        if not 0 <= getattr(args, flag) < math.inf:
+            raise ParsimError(f"--{flag} must be a finite time >= 0, got {getattr(args, flag):g}")
     if args.tf + args.tb <= 0:
         raise ParsimError("--tf and --tb are both 0: there is nothing to time")
     v = schedule.virtual_stages
@@ -87,7 +89,7 @@ def run_bubble(args: argparse.Namespace) -> int:
     timing = simulate_ideal(schedule, t_f, t_b, t_w, args.tcomm, time_unit="units")
     peaks = peak_in_flight(schedule)
     if args.json:
-        print_json(_as_json(schedule, timing, peaks, t_f, t_b, t_w))
+        print_json("explain.bubble", _as_json(schedule, timing, peaks, t_f, t_b, t_w))
     else:
         print(explain_bubble(schedule, timing, peaks, t_f, t_b, t_w, picture=not args.gantt))
     if args.gantt:

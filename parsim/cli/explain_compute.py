@@ -7,10 +7,11 @@ import argparse
 from ..cluster import load_cluster
 from ..compute import MATMUL_TILE, ComputeModel
 from ..errors import ParsimError
+from ..jsondoc import print_json
 from ..kernels import BlockWork, block_work
 from ..table import render_table
-from ..units import format_time
-from .common import DEFAULT_CLUSTER, print_json
+from ..units import format_time, time_unit
+from .common import DEFAULT_CLUSTER
 from .plan_cmd import add_plan_args, plan_from_args
 
 HELP = f"""\
@@ -63,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
                 rows.append({"pass": kind, **row})
                 totals[kind] += row["time_s"]
     if args.json:
-        print_json({"plan": plan.name, "cluster": spec.name, "layer": cost.name, "tokens": plan.tokens_per_rank,
-                    "kernels": rows, "pass_s": totals})
+        print_json("explain.compute", {"plan": plan.name, "cluster": spec.name, "layer": cost.name,
+                                       "tokens": plan.tokens_per_rank, "kernels": rows, "pass_s": totals})
         return 0
     print(_report(plan, spec, model, cost.name, rows, totals))
     return 0
@@ -111,13 +112,14 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
         f"{model.memory_bw_Bps / 1e9:.0f} GB/s",
         "",
     ]
+    unit, scale = time_unit(r["time_s"] for r in rows)
     table = [[PASS_NAMES[r["pass"]], r["block"], r["kernel"], r["shape"],
               f"{r['flops'] / 1e9:,.1f}" if r["flops"] else "",
               f"{r['fill']:.0%}" if r["fill"] is not None else "",
-              f"{r['flops'] / r['time_s'] / 1e12:.0f}" if r["flops"] else "", r["bound"], format_time(r["time_s"])]
+              f"{r['flops'] / r['time_s'] / 1e12:.0f}" if r["flops"] else "", r["bound"], r["time_s"] / scale]
              for r in rows]
-    lines.append(render_table(["pass", "block", "kernel", "m x n x k", "GFLOP", "fill", "TFLOP/s", "bound", "time"],
-                              table))
+    lines.append(render_table(["pass", "block", "kernel", "m x n x k", "GFLOP", "fill", "TFLOP/s", "bound",
+                               f"time ({unit})"], table))
     lines.append("")
     lines += [f"  {PASS_NAMES[k]:<16} {format_time(t)}" for k, t in totals.items()]
     flops = sum(r["flops"] for r in rows)

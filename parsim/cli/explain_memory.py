@@ -6,9 +6,10 @@ import argparse
 
 from ..cluster import load_cluster
 from ..errors import ParsimError
+from ..jsondoc import print_json
 from ..memory import ADAM_STATE_BYTES, FP32, Memory, memory, saved_bytes_per_token
 from ..plan import Plan
-from .common import DEFAULT_CLUSTER, memory_table, print_json
+from .common import DEFAULT_CLUSTER, memory_table
 from .plan_cmd import add_plan_args, plan_from_args
 
 HELP = """\
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         raise ParsimError(f"--pp-rank {args.pp_rank} is outside 0..{plan.pp - 1}")
     worst = ranks[args.pp_rank] if args.pp_rank is not None else max(ranks, key=lambda m: m.total)
     if args.json:
-        print_json({"plan": plan.name, "capacity_bytes": capacity, "explained_pp_rank": worst.pp_rank,
+        print_json("explain.memory", {"plan": plan.name, "capacity_bytes": capacity, "explained_pp_rank": worst.pp_rank,
                     "ranks": [vars(m) | {"total": m.total, "fits": m.total <= capacity} for m in ranks]})
     else:
         print("\n".join(explain(plan, worst, ranks, capacity)))

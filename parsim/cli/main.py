@@ -14,6 +14,7 @@ import os
 import sys
 
 from ..errors import ParsimError
+from ..jsondoc import print_error
 
 # Subcommand modules, in the order --help lists them.
 COMMANDS = (
@@ -40,10 +41,23 @@ examples:
 """
 
 
+class UsageError(ParsimError):
+    """A command line argparse refused; ``prog`` is the (sub)command it belongs to."""
+
+    def __init__(self, prog: str, message: str):
+        self.prog = prog
+        super().__init__(message)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line (usage is one ``--help`` away), not usage + error."""
+
+    def error(self, message: str):
+        raise UsageError(self.prog, f"{message} (see '{self.prog} --help')")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="parsim", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = Parser(prog="parsim", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"parsim {__version__}")
@@ -54,24 +68,53 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    wants_json = "--json" in argv
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as err:
+        return _fail(err.prog, str(err), wants_json)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    prog = f"parsim {args.command}"
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader gone by now must fail here, not in the interpreter's exit flush
+        return code
     except ParsimError as err:
-        print(f"parsim {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(prog, str(err), getattr(args, "json", False))
     except KeyboardInterrupt:
-        print(f"parsim {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # The reader went away (`parsim ... | head`): stop quietly, and keep Python from
-        # complaining again when it flushes stdout at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _reader_gone()
         return 0
+    except OSError as err:
+        # The file system refused a path that looked fine when checked (full disk, a race).
+        where = f" {err.filename}" if err.filename else ""
+        return _fail(prog, f"cannot use{where}: {err.strerror or err}", getattr(args, "json", False))
+
+
+def _fail(prog: str, message: str, as_json: bool) -> int:
+    """Exit code 2 with one line on stderr, and an error document on stdout for scripts that asked for JSON."""
+    # A quoted key or path may hold line breaks or control characters: escape them, one line whatever it quotes.
+    message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    if as_json:
+        try:
+            print_error(prog.removeprefix("parsim").strip(), message)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _reader_gone()
+    return 2
+
+
+def _reader_gone() -> None:
+    """The reader went away (`parsim ... | head`): stop quietly, and keep Python from complaining
+    again when it flushes stdout at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

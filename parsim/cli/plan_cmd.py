@@ -11,12 +11,13 @@ import argparse
 from typing import Any
 
 from ..errors import ParsimError
+from ..jsondoc import print_json
 from ..model import builtin_models, load_model
 from ..plan import (CP_STYLES, DIMS, DTYPE_BYTES, GRAD_SYNCS, RECOMPUTE, SCHEDULES, TP_STYLES, ZERO_STAGES, Plan,
                     builtin_plans, load_plan, resolve_plan, runs_text)
 from ..table import render_table
 from ..units import format_size
-from .common import add_cluster_args, print_json
+from .common import add_cluster_args
 
 HELP = """\
 Show a parallelism plan: the model and its size, the degrees and the batch,
@@ -49,6 +50,7 @@ def register(subparsers) -> None:
     show.add_argument("--json", action="store_true", help="print JSON for scripts")
     show.set_defaults(func=run_show)
     listing = actions.add_parser("list", help="list the model presets and example plans")
+    listing.add_argument("--json", action="store_true", help="print JSON for scripts")
     listing.set_defaults(func=run_list)
     p.set_defaults(func=lambda args: p.print_help() or 0)
 
@@ -143,16 +145,19 @@ def _drop_unset(flags: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    rows = []
-    for name, path in sorted(builtin_models().items()):
-        model = load_model(path)
-        rows.append([name, model.kind, f"{model.num_params:,}", model.description])
+    models = [load_model(path) for _, path in sorted(builtin_models().items())]
+    plans = [resolve_plan(name) for name in sorted(builtin_plans())]
+    if args.json:
+        print_json("plan.list", {
+            "models": [{"name": m.name, "kind": m.kind, "params": m.num_params, "description": m.description}
+                       for m in models],
+            "plans": [{"name": p.name, "model": p.model.name, "gpus": p.world, "description": p.description}
+                      for p in plans]})
+        return 0
+    rows = [[m.name, m.kind, f"{m.num_params:,}", m.description] for m in models]
     print(render_table(["model", "kind", "params", "description"], rows, title="Model presets"))
     print()
-    rows = []
-    for name in sorted(builtin_plans()):
-        plan = resolve_plan(name)
-        rows.append([name, plan.model.name, plan.world, plan.description])
+    rows = [[p.name, p.model.name, p.world, p.description] for p in plans]
     print(render_table(["plan", "model", "GPUs", "description"], rows, title="Example plans"))
     return 0
 
@@ -173,7 +178,7 @@ def run_show(args: argparse.Namespace) -> int:
         topology = spec.build(spec.nodes_for(gpus=plan.world))
     links = {dim: group_links(plan, dim, topology.path_kind) for dim in DIMS} if topology else None
     if args.json:
-        print_json(plan_json(plan, links))
+        print_json("plan.show", plan_json(plan, links))
     else:
         print(plan_text(plan, links, topology))
     return 0

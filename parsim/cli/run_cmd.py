@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import ParsimError
+from ..jsondoc import print_json
 from ..plan import Plan
 from ..step_report import PHASES
 from ..table import render_table
 from ..units import format_time
-from .common import print_json, progress
+from .common import check_outputs, progress
 from .plan_cmd import add_plan_args, plan_from_args
 
 HELP = """\
@@ -63,10 +63,9 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_outputs(args, files=("--trace",), folders=("--profile",), traces=("--chrome",))
     plan = plan_from_args(args)
     nproc = plan.world if args.nproc is None else args.nproc
-    if args.timeout <= 0:
-        raise ParsimError(f"--timeout must be positive, got {args.timeout:g}")
 
     from executor.launch import RankFailure
     from executor.train import run_plan
@@ -93,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"wrote {write_trace(args.chrome, {'measured': trace})}", file=sys.stderr)
     if args.json:
-        print_json(summary)
+        print_json("run", summary)
     else:
         print(report(plan, summary))
     return 0

@@ -6,11 +6,12 @@ import argparse
 import sys
 
 from ..cluster import load_cluster
+from ..jsondoc import print_json
 from ..step import StepPrediction, predict_step
 from ..step_report import PHASES, comm_overlap
 from ..table import render_table
 from ..units import format_time
-from .common import DEFAULT_CLUSTER, OpsProgress, memory_table, print_json
+from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, memory_table
 from .plan_cmd import add_plan_args, plan_from_args
 
 DEFAULT_PLAN = "llama3-70b-1024"
@@ -57,6 +58,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_outputs(args, pictures=("--gantt",), traces=("--trace",))
     if args.plan is None and args.model is None:
         args.plan = DEFAULT_PLAN
     plan = plan_from_args(args)
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     if args.json:
-        print_json(to_json(prediction))
+        print_json("simulate", to_json(prediction))
     else:
         print(report(prediction))
     if args.trace:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from ..jsondoc import print_json
 from ..table import render_table
 from ..validation.training import Validation, builtin_tables, validate
-from .common import OpsProgress, print_json
+from .common import OpsProgress
 
 HELP = """\
 Run parsim on published training results and print published vs predicted,
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     if args.json:
-        print_json(to_json(result))
+        print_json("validate", to_json(result))
     else:
         print(report(result))
     return 0

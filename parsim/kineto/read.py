@@ -25,10 +25,12 @@ the profile alone does not say which group a gloo call used.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cluster import MAX_GPUS
 from ..errors import ParsimError
 from ..files import read_json
 from ..trace import Event, Trace
@@ -81,29 +83,36 @@ def _read_one(path: Path) -> RankProfile:
     data = read_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise ParsimError(f"{path}: not a torch.profiler trace (no traceEvents list)")
-    info = data.get("distributedInfo") or {}
-    try:
-        rank, world = int(info.get("rank", 0)), int(info.get("world_size", 1))
-    except (TypeError, ValueError):
-        raise ParsimError(f"{path}: distributedInfo has a rank or world_size that is not a number") from None
-    if not 0 <= rank < world:
-        raise ParsimError(f"{path}: distributedInfo says rank {rank} of a world of {world}")
-    events = []
-    for e in data["traceEvents"]:
-        if not isinstance(e, dict) or e.get("ph") != "X" or not isinstance(e.get("name"), str):
-            continue
-        try:
-            e["ts"], e["dur"] = float(e["ts"]), float(e.get("dur", 0.0))
-        except (KeyError, TypeError, ValueError):
-            continue
-        if e["dur"] >= 0 and e["ts"] == e["ts"] and e["dur"] != float("inf"):  # drop NaN and infinite spans
-            events.append(e)
+    rank, world = _rank_and_world(data.get("distributedInfo") or {}, path)
+    events = [_checked(e, path) for e in data["traceEvents"] if not isinstance(e, dict) or e.get("ph") == "X"]
     steps = {}
     for e in events:
         number = recognize.profiler_step(e)
         if number is not None:
             steps[number] = (e["ts"], e["ts"] + e["dur"])
     return RankProfile(path, rank, world, events, steps)
+
+
+def _rank_and_world(info: object, path: Path) -> tuple[int, int]:
+    """The rank and world size ``distributedInfo`` gives (rank 0 of 1 without it)."""
+    if not isinstance(info, dict):
+        raise ParsimError(f"{path}: distributedInfo is not an object")
+    rank, world = info.get("rank", 0), info.get("world_size", 1)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (rank, world)) or not 0 <= rank < world <= MAX_GPUS:
+        raise ParsimError(f"{path}: distributedInfo {info!r:.80} does not give a rank below its world_size")
+    return rank, world
+
+
+def _checked(e: object, path: Path) -> dict:
+    """A complete event with a string name, a finite start and a finite duration >= 0 (0 when absent)."""
+    if not isinstance(e, dict):
+        raise ParsimError(f"{path}: an event is not an object ({e!r:.40})")
+    ts, dur = e.get("ts"), e.get("dur", 0.0)
+    numbers = all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in (ts, dur))
+    if not isinstance(e.get("name"), str) or not numbers or dur < 0 or not isinstance(e.get("args", {}), dict):
+        raise ParsimError(f"{path}: event {e!r:.120} needs a name, a finite ts, a finite dur >= 0 and args that "
+                          "are an object")
+    return dict(e, ts=float(ts), dur=float(dur))
 
 
 def _median_step(profiles: list[RankProfile]) -> int | None:

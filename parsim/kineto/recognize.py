@@ -15,6 +15,7 @@ Collectives come out named ``<op> ?`` with their size in ``args``; :mod:`.match`
 from __future__ import annotations
 
 import bisect
+import math
 import re
 
 from ..trace import Event
@@ -227,10 +228,10 @@ def _gloo_bytes(event: dict) -> int | None:
     size = _DTYPE_BYTES.get(str(types[0]).lower())
     if size is None:
         return None
-    count = 1
-    for d in dims[0]:
-        count *= int(d)
-    return count * size
+    try:
+        return math.prod(int(d) for d in dims[0]) * size
+    except (TypeError, ValueError):  # shapes recorded in a form this reader does not know: size unknown
+        return None
 
 
 def _nccl_args(op: str, args: dict, name: str) -> dict:

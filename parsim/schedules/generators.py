@@ -379,6 +379,11 @@ SCHEDULES: dict[str, ScheduleKind] = {
 }
 
 
+# Stage-microbatch pairs of one schedule: generating and timing them is linear in this (up to about
+# 10 s at this bound, zbv being the slowest), and no real step comes near it.
+MAX_STAGE_MICROBATCHES = 2**17
+
+
 def make_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int | None = None) -> Schedule:
     """Build the schedule called ``name`` for ``pp`` ranks and ``num_microbatches`` microbatches.
 
@@ -395,6 +400,10 @@ def make_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int
     if num_microbatches < 1:
         raise ParsimError(f"number of microbatches must be at least 1, got {num_microbatches}")
     kind.check_virtual_stages(v)
+    if pp * v * num_microbatches > MAX_STAGE_MICROBATCHES:
+        raise ParsimError(f"pp {pp:,} x {v} virtual stages x {num_microbatches:,} microbatches is more than parsim "
+                          f"schedules ({MAX_STAGE_MICROBATCHES:,} stage-microbatches; each stage's time per "
+                          f"microbatch does not depend on their number)")
     if num_microbatches < kind.min_microbatches(pp, v):
         raise ParsimError(f"schedule {kind.name} needs at least as many microbatches as stages "
                           f"({pp} x {v} = {pp * v}), got {num_microbatches}")

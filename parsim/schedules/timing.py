@@ -10,6 +10,7 @@ the closed forms describe (bubble ``(p-1)/(m+p-1)`` for GPipe and 1F1B).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple, Sequence
 
 from ..errors import ParsimError
@@ -45,7 +46,7 @@ class IdealTiming:
     t_comm: float
     time_unit: str = "s"
 
-    @property
+    @cached_property  # callers index it rank by rank: once per timing, not once per rank
     def busy(self) -> list[float]:
         """Per rank, the total time spent in passes."""
         return [sum(iv.end - iv.start for iv in ivs) for ivs in self.intervals]

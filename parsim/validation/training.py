@@ -11,6 +11,7 @@ metric. Nothing here is fitted: a table is a check of the defaults.
 from __future__ import annotations
 
 import importlib.resources
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,8 +93,8 @@ def load_table(name_or_path: str) -> tuple[dict[str, Any], str]:
         for key in ROW_NUMBERS + (("v",) if "v" in row else ()) + (("gpus",) if "gpus" in row else ()):
             _whole(row, key, source, f"rows[{i}].{key}")
         published = row.get(data["metric"])
-        if isinstance(published, bool) or not isinstance(published, (int, float)) or not published > 0:
-            raise ConfigError(source, f"rows[{i}].{data['metric']}", f"is {published!r}", "a positive number")
+        if isinstance(published, bool) or not isinstance(published, (int, float)) or not 0 < published < math.inf:
+            raise ConfigError(source, f"rows[{i}].{data['metric']}", f"is {published!r}", "a positive finite number")
     return data, source
 
 
