@@ -32,7 +32,7 @@ from .kernels import block_work
 from .model import LayerCost, MLPModel, shard
 from .plan import Plan
 from .program import Op, Program
-from .schedules import Action
+from .schedules import Action, Schedule
 from .trace import collective_name, compute_name, p2p_name
 
 FP32 = 4
@@ -112,13 +112,17 @@ class Lowering:
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.schedule = plan.pipeline
         self.program = Program(plan.world)
         self.tokens = plan.tokens_per_rank  # a context-parallel rank computes 1/cp of each sequence
         self.act_bytes = self.tokens * hidden_size(plan) * plan.dtype_bytes  # one microbatch's activations
         self.sends: dict[tuple, int] = {}
         self.pending: list[_Pending] = []
         self.fsdp = plan.zero == 3 and plan.shard_size > 1  # weights sharded: gathered per layer
+
+    @property
+    def schedule(self) -> Schedule:
+        """The plan's schedule (built on first use: pricing one pass needs none)."""
+        return self.plan.pipeline
 
     def build(self) -> Program:
         """Lower every pipeline rank's schedule actions, gradient sync and optimizer step."""
