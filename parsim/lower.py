@@ -146,11 +146,13 @@ class Lowering:
     def group(self, p: int, dim: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
         """The representative's ``dim`` group at pipeline rank ``p`` and its mirror groups."""
         plan = self.plan
-        if dim in ("tp", "cp"):
-            groups = [plan.group_of(plan.rank_of(dp=d, pp=p, cp=c, tp=t), dim) for d in range(plan.dp)
-                      for c in range(plan.cp if dim == "tp" else 1) for t in range(plan.tp if dim == "cp" else 1)]
+        grid = plan.rank_grid  # [dp, pp, cp, tp]
+        if dim == "tp":
+            groups = grid[:, p, :, :].reshape(-1, plan.tp).tolist()
+        elif dim == "cp":
+            groups = grid[:, p, :, :].transpose(0, 2, 1).reshape(-1, plan.cp).tolist()
         else:  # gradients are reduced over the data- and context-parallel ranks together (Megatron-LM)
-            groups = [plan.rank_grid[:, p, :, t].ravel().tolist() for t in range(plan.tp)]
+            groups = [grid[:, p, :, t].ravel().tolist() for t in range(plan.tp)]
             size = plan.shard_size
             if dim == "shard":  # ZeRO shards within groups of shard_size consecutive data-parallel ranks
                 groups = [g[k:k + size] for g in groups for k in range(0, len(g), size)]

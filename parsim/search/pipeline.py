@@ -45,6 +45,7 @@ class CompiledSchedule:
     """
 
     schedule: Schedule
+    rank: np.ndarray  # per pass: the rank that runs it
     var: np.ndarray  # per pass: stage * 4 + kind
     waits: np.ndarray  # [passes, 3]: rows of the end-time table each pass waits for (padding: the zero row)
     hop: np.ndarray  # [passes, 3]: the boundary each wait crosses (padding and same rank: the zero boundary)
@@ -90,9 +91,10 @@ def compile_schedule(name: str, pp: int, m: int, v: int) -> CompiledSchedule:
     for a, i in index.items():
         if a.microbatch == m - 1 and a.kind in ("B", "W"):
             final[a.stage] = i
+    rank = np.array([schedule.stage_to_rank(a.stage) for a in order])
     counts = np.zeros((pp, stages * 4))
-    np.add.at(counts, (np.array([schedule.stage_to_rank(a.stage) for a in order]), var), 1)
-    return CompiledSchedule(schedule, var, waits, hop, waves, last, final, counts)
+    np.add.at(counts, (rank, var), 1)
+    return CompiledSchedule(schedule, rank, var, waits, hop, waves, last, final, counts)
 
 
 @dataclass
@@ -102,22 +104,32 @@ class PipelineTiming:
 
     rank_end: np.ndarray  # [batch, pp]
     final_start: np.ndarray  # [batch, stages]
+    starts: np.ndarray | None = None  # [batch, passes] every pass's start (``sweep(..., every_pass=True)``)
+    compiled: CompiledSchedule | None = None  # whose passes ``starts`` are
 
 
-def sweep(compiled: CompiledSchedule, durations: np.ndarray, hops: np.ndarray,
-          start: np.ndarray | None = None) -> PipelineTiming:
+def sweep(compiled: CompiledSchedule, durations: np.ndarray, hops: np.ndarray, start: np.ndarray | None = None,
+          every_pass: bool = False, lead: np.ndarray | None = None) -> PipelineTiming:
     """Time ``compiled`` for a batch: ``durations`` [batch, stages * 4], ``hops`` [batch, stages - 1],
-    ``start`` [batch, pp] the time each rank can begin (default 0)."""
+    ``start`` [batch, pp] the time each rank can begin (default 0); ``every_pass`` keeps every pass's start.
+
+    ``lead`` [batch, stages * 4] is the part of a pass that needs only its rank, not its inputs (FSDP's
+    prefetched weights): it runs while the rank waits for them, so a pass ends at
+    ``max(rank free + lead, inputs ready) + duration - lead``."""
     batch, n, pp = durations.shape[0], len(compiled.var), compiled.pp
     dur = durations.T[compiled.var]  # [passes, batch]
+    ahead = np.zeros_like(dur) if lead is None else lead.T[compiled.var]
     hop = np.vstack([hops.T, np.zeros((1, batch))])
     end = np.zeros((n + pp + 1, batch))
     if start is not None:
         end[n:n + pp] = start.T
     for wave in compiled.waves:
-        end[wave] = (end[compiled.waits[wave]] + hop[compiled.hop[wave]]).max(axis=1) + dur[wave]
+        ready = end[compiled.waits[wave]] + hop[compiled.hop[wave]]  # [passes, 3, batch]; 0: the rank's previous
+        ready[:, 0] += ahead[wave]
+        end[wave] = ready.max(axis=1) + dur[wave] - ahead[wave]
     final = end[compiled.final_grad] - dur[compiled.final_grad]
-    return PipelineTiming(end[compiled.last_of_rank].T.copy(), final.T.copy())
+    starts = (end[:n] - dur).T.copy() if every_pass else None
+    return PipelineTiming(end[compiled.last_of_rank].T.copy(), final.T.copy(), starts, compiled if every_pass else None)
 
 
 def round_length(name: str, pp: int, v: int) -> int:
@@ -127,8 +139,10 @@ def round_length(name: str, pp: int, v: int) -> int:
 
 
 def time_schedule(name: str, pp: int, m: int, v: int, durations: np.ndarray, hops: np.ndarray,
-                  start: np.ndarray | None = None) -> PipelineTiming:
-    """:func:`sweep` of the schedule, extended along its steady state when ``m`` is long.
+                  start: np.ndarray | None = None, every_pass: bool = False,
+                  lead: np.ndarray | None = None) -> PipelineTiming:
+    """:func:`sweep` of the schedule, extended along its steady state when ``m`` is long (unless
+    ``every_pass`` asks for every pass's start).
 
     The schedule is timed at three shorter lengths a round apart; where the
     two increments agree (the steady state is reached) the line through them is
@@ -136,9 +150,10 @@ def time_schedule(name: str, pp: int, m: int, v: int, durations: np.ndarray, hop
     """
     step = 2 * round_length(name, pp, v)
     short = SWEEP_ROUNDS * pp * v + (m % step)
-    if m <= short + 3 * step:
-        return sweep(compile_schedule(name, pp, m, v), durations, hops, start)
-    a, b, c = (sweep(compile_schedule(name, pp, short + k * step, v), durations, hops, start) for k in range(3))
+    if m <= short + 3 * step or every_pass:
+        return sweep(compile_schedule(name, pp, m, v), durations, hops, start, every_pass, lead)
+    a, b, c = (sweep(compile_schedule(name, pp, short + k * step, v), durations, hops, start, lead=lead)
+               for k in range(3))
     rounds = (m - short) / step
     out = PipelineTiming(a.rank_end + rounds * (b.rank_end - a.rank_end),
                          a.final_start + rounds * (b.final_start - a.final_start))
@@ -148,6 +163,6 @@ def time_schedule(name: str, pp: int, m: int, v: int, durations: np.ndarray, hop
     if not steady.all():
         rest = ~steady
         full = sweep(compile_schedule(name, pp, m, v), durations[rest], hops[rest],
-                     None if start is None else start[rest])
+                     None if start is None else start[rest], lead=None if lead is None else lead[rest])
         out.rank_end[rest], out.final_start[rest] = full.rank_end, full.final_start
     return out
