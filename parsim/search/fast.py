@@ -385,10 +385,10 @@ class FastModel:
         final backward (B, or W where split), entries in backward order."""
         table = self.pass_table(s, v)
         seconds = table.seconds(s.num_microbatches)
-        k = KINDS.index("W" if s.schedule in SPLIT_SCHEDULES else "B")
+        final = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[2]
         out = {}
         for st, entries in enumerate(self.layout(s).stage_entries):
-            order = list(entries[::-1])
+            order, k = list(entries[::-1]), final[st]
             out[st] = np.cumsum(seconds[order, k]) - table.trailing[order, k]
         return out
 
@@ -541,13 +541,15 @@ def _shape(s: Setting) -> tuple[str, int, int, int]:
     return (s.schedule, s.pp, s.num_microbatches, s.virtual_stages)
 
 
-def schedule_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per pipeline rank, the peak of microbatches in flight and [pp, stages * 4] the passes of each
-    (stage, kind) it runs. Past a few rounds of microbatches a schedule only repeats its steady state: one
-    more forward and backward of every stage per microbatch, and no more in flight (GPipe aside, which
-    holds them all); so a long schedule is read off one of three rounds (``tests/test_search_fast.py``)."""
+def schedule_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per pipeline rank, the peak of microbatches in flight; [pp, stages * 4] the passes of each
+    (stage, kind) it runs; per stage, the kind of its last microbatch's weight-gradient pass (B or W).
+
+    Past a few rounds of microbatches a schedule only repeats its steady state: one more forward and
+    backward of every stage per microbatch, and no more in flight (GPipe aside, which holds them all);
+    so a long schedule is read off one of three rounds (``tests/test_search_fast.py``)."""
     short = min(m, 3 * pp)
-    in_flight, counts = _short_facts(name, pp, short, v)
+    in_flight, counts, final = _short_facts(name, pp, short, v)
     if m > short:
         in_flight, counts = in_flight.copy(), counts.copy()
         own = counts[:, 0::4] > 0
@@ -556,17 +558,20 @@ def schedule_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.n
             counts[:, k::4] += (m - short) * own
         if name == "gpipe":
             in_flight[:] = m
-    return in_flight, counts
+    return in_flight, counts, final
 
 
 @lru_cache(maxsize=None)
-def _short_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray]:
+def _short_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     schedule = make_schedule(name, pp, m, v)
     counts = np.zeros((pp, schedule.num_stages * 4))
+    final = np.zeros(schedule.num_stages, dtype=int)
     for r, actions in enumerate(schedule.actions):
         for a in actions:
             counts[r, a.stage * 4 + KINDS.index(a.kind)] += 1
-    return np.array(peak_in_flight(schedule), dtype=float), counts
+            if a.microbatch == m - 1 and a.kind in ("B", "W"):
+                final[a.stage] = KINDS.index(a.kind)
+    return np.array(peak_in_flight(schedule), dtype=float), counts, final
 
 
 @lru_cache(maxsize=None)
