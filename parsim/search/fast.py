@@ -56,6 +56,7 @@ class Prepared:
     setting: Setting
     variants: tuple[Variant, ...]
     memory: np.ndarray  # [variants] peak bytes per GPU
+    state: np.ndarray  # [variants] the same without activations: weights, gradients, optimizer, FSDP buffers
     bound: np.ndarray  # [variants] seconds (inf where the plan does not fit)
     inputs: dict[int, "_Inputs"]  # by variant index: its pipeline's inputs (shared by variants alike)
 
@@ -72,6 +73,8 @@ class _Inputs:
     waits: np.ndarray  # [stages * 4]: FSDP's waits for gathers inside each pass
     lead: np.ndarray  # [stages * 4]: the part of those a rank spends before the pass's inputs matter
     ends: list[list[np.ndarray]] | None = None  # FSDP: per distinct stage and kind, entry ends within the pass
+    fsdp_tables: tuple[np.ndarray, np.ndarray] | None = None  # the same per (stage, kind), with the scatters
+    offsets: dict[int, np.ndarray] | None = None  # per stage, when its entries' gradients are final in its last pass
     timing: PipelineTiming | None = None
 
 
@@ -88,13 +91,14 @@ class Estimate:
 class FastModel:
     """Fast estimates for the plans of one :class:`SearchSpace` on one cluster."""
 
-    def __init__(self, space: SearchSpace, cluster: ClusterSpec):
+    def __init__(self, space: SearchSpace, cluster: ClusterSpec, capacity: float | None = None):
+        """``capacity``: bytes a plan may use per GPU (default: the GPU's memory)."""
         self.space, self.cluster = space, cluster
         self.dtype_bytes = d = DTYPE_BYTES[space.dtype]
         self.compute = ComputeModel.for_cluster(cluster, space.dtype, d, min(space.gpus, cluster.gpus_per_node))
         self.comm = CommCosts(cluster, space.gpus, self.compute)
         self.passes = PassCosts(self.compute, self.comm)
-        self.capacity = cluster.gpu.hbm_capacity_bytes
+        self.capacity = capacity or cluster.gpu.hbm_capacity_bytes
         self._plans: dict[tuple, Plan] = {}
         self._cache: dict[tuple, object] = {}
 
@@ -180,9 +184,9 @@ class FastModel:
         in_flight = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[0]
         tokens = s.microbatch_size * self.space.model.tokens_per_sample // s.cp
         ranks = [self._ranks(s, v) for v in arrays.activation_keys]
-        memory = peak_memory(ranks, arrays.activation_index, arrays.sync, in_flight, tokens, self.dtype_bytes)
+        memory, state = peak_memory(ranks, arrays.activation_index, arrays.sync, in_flight, tokens, self.dtype_bytes)
         bound = np.full(len(variants), np.inf)
-        prepared = Prepared(s, variants, memory, bound, {})
+        prepared = Prepared(s, variants, memory, state, bound, {})
         fits = np.flatnonzero(memory <= self.capacity)
         if not len(fits):
             return prepared
@@ -330,7 +334,8 @@ class FastModel:
                                    np.array([x.start for x in batch]), every_pass, np.array([x.lead for x in batch]))
             for j, x in enumerate(batch):
                 x.timing = PipelineTiming(timing.rank_end[j], timing.final_start[j],
-                                          None if timing.starts is None else timing.starts[j], timing.compiled)
+                                          None if timing.starts is None else timing.starts[j], timing.compiled,
+                                          None if timing.starts_end is None else timing.starts_end[j])
         return [self._finish(prep, i) for prep, i in jobs]
 
     def _finish(self, prep: Prepared, i: int) -> Estimate:
@@ -348,29 +353,24 @@ class FastModel:
         phases["fsdp"] += float(counts @ x.waits)
         phases["fsdp" if v.fsdp else "dp"] += max(sync_end - compute_end, 0.0) + gathers
         phases["optimizer"] = optimizer
-        phases["pp"] = max(compute_end - float(counts @ x.durations), 0.0)
+        start = float(x.start[rank])  # FSDP: the first weights gathered before the rank's first pass
+        phases["fsdp"] += start
+        phases["pp"] = max(compute_end - start - float(counts @ x.durations), 0.0)
         return Estimate(float(step), float(prep.memory[i]), phases, rank)
 
     def _rank_tail(self, s: Setting, v: Variant, x: _Inputs, p: int) -> tuple[float, float, float, float, float]:
         """Pipeline rank ``p``: (its end, its last pass's end, its gradient sync's end, optimizer seconds,
         ZeRO's all-gather seconds after the step)."""
+        if x.ends is not None:  # FSDP: each entry's reduce-scatter as each backward makes its gradients
+            return self._fsdp_tail(s, v, x, p)
         end = float(x.timing.rank_end[p])
         start = x.timing.final_start
+        if x.offsets is None:
+            x.offsets = self._final_offsets(s, v)
         ready, costs = [], []
-        if x.ends is not None:  # FSDP: each entry's reduce-scatter as each backward makes its gradients
-            scatter = self._fsdp(s, v)[1]
-            layout, compiled = self.layout(s), x.timing.compiled
-            kind = compiled.var % 4
-            mine = (compiled.rank == p) & ((kind == KINDS.index("B")) | (kind == KINDS.index("W")))
-            for j in np.flatnonzero(mine):  # in the order the rank runs them
-                stage, k = divmod(int(compiled.var[j]), 4)
-                ready.append(x.timing.starts[j] + x.ends[layout.distinct_of[stage]][k])
-                costs.append(scatter[list(layout.stage_entries[stage][::-1])])
-        else:
-            offsets = self._final_offsets(s, v)
-            for marks, seconds in self._bucket_plan(s, v, p):
-                ready.append(np.array([start[st] + offsets[st][j] for st, j in marks]))
-                costs.append(seconds)
+        for marks, seconds in self._bucket_plan(s, v, p):
+            ready.append(np.array([start[st] + x.offsets[st][j] for st, j in marks]))
+            costs.append(seconds)
         sync = end
         if ready:
             r, c = np.concatenate(ready), np.concatenate(costs)
@@ -379,6 +379,46 @@ class FastModel:
         optimizer = self._optimizer(s, v, p)
         gathers = sum(self._zero_gathers(s, v, p))
         return sync + optimizer + gathers, end, sync, optimizer, gathers
+
+    def _fsdp_tail(self, s: Setting, v: Variant, x: _Inputs, p: int) -> tuple[float, float, float, float, float]:
+        """:meth:`_rank_tail` under FSDP: the communication stream reduce-scatters every entry's gradients after
+        every backward, in the order the rank runs them. A long schedule's passes are read off a shorter one of
+        the same shape: its stream ends as late as the short one's shifted by the extra rounds, or, if it
+        cannot keep up, as late as its first reduction plus all of them."""
+        timing = x.timing
+        end = float(timing.rank_end[p])
+        compiled = timing.compiled
+        kind = compiled.var % 4
+        mine = np.flatnonzero((compiled.rank == p) & ((kind == KINDS.index("B")) | (kind == KINDS.index("W"))))
+        ends, scatters = self._fsdp_tables(s, v, x)
+        which = compiled.var[mine]  # the rank's passes in the order it runs them: rows of the tables
+        r = (timing.starts[mine, None] + ends[which]).ravel()
+        c = scatters[which].ravel()  # padding: ready at its pass's end, costing nothing
+        sync = float((r + np.cumsum(c[::-1])[::-1]).max())
+        extra = s.num_microbatches - compiled.schedule.num_microbatches
+        if extra:
+            per_microbatch = float(c.sum()) / compiled.schedule.num_microbatches
+            sync = max(sync + end - float(timing.starts_end[p]), float(r.min()) + per_microbatch * s.num_microbatches)
+        sync = max(sync, end) + self._norm_sync(s, v, p)
+        optimizer = self._optimizer(s, v, p)
+        return sync + optimizer, end, sync, optimizer, 0.0
+
+    def _fsdp_tables(self, s: Setting, v: Variant, x: _Inputs) -> tuple[np.ndarray, np.ndarray]:
+        """[stages * 4, most entries]: per (stage, kind) pass, each entry's end within the pass and its
+        reduce-scatter's seconds, in backward order (rows padded with the pass's end and no cost)."""
+        if x.fsdp_tables is None:
+            scatter = self._fsdp(s, v)[1]
+            layout = self.layout(s)
+            width = max(len(e) for e in layout.stage_entries)
+            ends, costs = np.zeros((len(layout.stage_entries) * 4, width)), np.zeros((len(layout.stage_entries) * 4,
+                                                                                       width))
+            for stage, entries in enumerate(layout.stage_entries):
+                for k in (KINDS.index("B"), KINDS.index("W")):
+                    e = x.ends[layout.distinct_of[stage]][k]
+                    ends[stage * 4 + k, :len(e)], ends[stage * 4 + k, len(e):] = e, e[-1]
+                    costs[stage * 4 + k, :len(e)] = scatter[list(entries[::-1])]
+            x.fsdp_tables = ends, costs
+        return x.fsdp_tables
 
     def _final_offsets(self, s: Setting, v: Variant) -> dict[int, np.ndarray]:
         """Per stage, when each entry's gradients are final (its last kernel), seconds into the stage's

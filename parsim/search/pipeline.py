@@ -24,11 +24,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..schedules import SCHEDULES, Schedule, dependencies, execution_order, make_schedule
+from ..errors import ParsimError
+from ..schedules import SCHEDULES, Schedule, dependencies, make_schedule
 
 KINDS = ("F", "B", "I", "W")
 # Above this many microbatches a schedule is timed at two shorter lengths and extended (see the module docstring).
-SWEEP_ROUNDS = 4
+SWEEP_ROUNDS = 2
 
 
 @dataclass(frozen=True)
@@ -65,36 +66,68 @@ class CompiledSchedule:
 
 @lru_cache(maxsize=None)
 def compile_schedule(name: str, pp: int, m: int, v: int) -> CompiledSchedule:
-    """Rows of the end-time table: one per pass, then one per rank's start, then a row of zeros."""
+    """Rows of the end-time table: one per pass (in a dependency order), then one per rank's start, then a
+    row of zeros."""
     schedule = make_schedule(name, pp, m, v)
-    order = execution_order(schedule)
-    n, stages = len(order), schedule.num_stages
-    index = {a: i for i, a in enumerate(order)}
+    actions = [a for acts in schedule.actions for a in acts]
+    rank_of = [r for r, acts in enumerate(schedule.actions) for _ in acts]
+    where = {a: i for i, a in enumerate(actions)}
+    prereqs = []  # per action (in rank order): the actions it waits for, the rank's previous one first
+    for i, a in enumerate(actions):
+        before = [i - 1] if i > 0 and rank_of[i - 1] == rank_of[i] else [-1]
+        prereqs.append(before + [where[d] for d in dependencies(schedule, a)])
+    order = _topological(prereqs)
+    if len(order) != len(actions):
+        raise ParsimError(f"schedule {name} (pp={pp}, m={m}) deadlocks")
+    n, stages = len(actions), schedule.num_stages
+    row = [0] * n
+    for j, i in enumerate(order):
+        row[i] = j  # action -> its row (its place in the dependency order)
     zero_row, zero_hop = n + pp, stages - 1
-    var = np.empty(n, dtype=np.int64)
-    waits = np.full((n, 3), zero_row, dtype=np.int64)
-    hop = np.full((n, 3), zero_hop, dtype=np.int64)
-    depth = np.zeros(n, dtype=np.int64)
-    previous = [n + r for r in range(pp)]  # each rank's first pass waits for the rank's start
-    for a in order:
-        i, r = index[a], schedule.stage_to_rank(a.stage)
-        var[i] = a.stage * 4 + KINDS.index(a.kind)
-        waits[i, 0], previous[r] = previous[r], i
-        for k, d in enumerate(dependencies(schedule, a), start=1):
-            waits[i, k] = index[d]
-            if schedule.stage_to_rank(d.stage) != r:
-                hop[i, k] = min(d.stage, a.stage)
-        depth[i] = 1 + max((depth[w] for w in waits[i] if w < n), default=-1)
+    var, rank, depth = [0] * n, [0] * n, [0] * n
+    waits = [[zero_row] * 3 for _ in range(n)]
+    hop = [[zero_hop] * 3 for _ in range(n)]
+    for i in order:
+        a, r, j = actions[i], rank_of[i], row[i]
+        var[j], rank[j] = a.stage * 4 + KINDS.index(a.kind), r
+        first, *deps = prereqs[i]
+        waits[j][0] = n + r if first < 0 else row[first]
+        for k, d in enumerate(deps, start=1):
+            waits[j][k] = row[d]
+            if rank_of[d] != r:
+                hop[j][k] = min(actions[d].stage, a.stage)
+        depth[j] = 1 + max((depth[w] for w in waits[j] if w < n), default=-1)
+    var, rank, depth = np.array(var), np.array(rank), np.array(depth)
+    waits, hop = np.array(waits, dtype=np.int64), np.array(hop, dtype=np.int64)
     waves = tuple(np.flatnonzero(depth == k) for k in range(depth.max() + 1))
-    last = np.array([index[acts[-1]] for acts in schedule.actions])
+    last = np.array([row[where[acts[-1]]] for acts in schedule.actions])
     final = np.empty(stages, dtype=np.int64)
-    for a, i in index.items():
+    for i, a in enumerate(actions):
         if a.microbatch == m - 1 and a.kind in ("B", "W"):
-            final[a.stage] = i
-    rank = np.array([schedule.stage_to_rank(a.stage) for a in order])
+            final[a.stage] = row[i]
     counts = np.zeros((pp, stages * 4))
     np.add.at(counts, (rank, var), 1)
     return CompiledSchedule(schedule, rank, var, waits, hop, waves, last, final, counts)
+
+
+def _topological(prereqs: list[list[int]]) -> list[int]:
+    """Kahn's order of the actions (-1 in ``prereqs`` stands for none)."""
+    waiting = [sum(1 for p in ps if p >= 0) for ps in prereqs]
+    followers: list[list[int]] = [[] for _ in prereqs]
+    for i, ps in enumerate(prereqs):
+        for p in ps:
+            if p >= 0:
+                followers[p].append(i)
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    order = []
+    while ready:
+        i = ready.pop()
+        order.append(i)
+        for f in followers[i]:
+            waiting[f] -= 1
+            if waiting[f] == 0:
+                ready.append(f)
+    return order
 
 
 @dataclass
@@ -104,8 +137,10 @@ class PipelineTiming:
 
     rank_end: np.ndarray  # [batch, pp]
     final_start: np.ndarray  # [batch, stages]
-    starts: np.ndarray | None = None  # [batch, passes] every pass's start (``sweep(..., every_pass=True)``)
-    compiled: CompiledSchedule | None = None  # whose passes ``starts`` are
+    starts: np.ndarray | None = None  # [batch, passes] every pass's start (``every_pass``)
+    compiled: CompiledSchedule | None = None  # whose passes ``starts`` are: the schedule timed, or a shorter
+    # one of the same shape that a long schedule extends (its last passes are the long one's, shifted)
+    starts_end: np.ndarray | None = None  # [batch, pp] rank ends of that schedule
 
 
 def sweep(compiled: CompiledSchedule, durations: np.ndarray, hops: np.ndarray, start: np.ndarray | None = None,
@@ -129,7 +164,9 @@ def sweep(compiled: CompiledSchedule, durations: np.ndarray, hops: np.ndarray, s
         end[wave] = ready.max(axis=1) + dur[wave] - ahead[wave]
     final = end[compiled.final_grad] - dur[compiled.final_grad]
     starts = (end[:n] - dur).T.copy() if every_pass else None
-    return PipelineTiming(end[compiled.last_of_rank].T.copy(), final.T.copy(), starts, compiled if every_pass else None)
+    rank_end = end[compiled.last_of_rank].T.copy()
+    return PipelineTiming(rank_end, final.T.copy(), starts, compiled if every_pass else None,
+                          rank_end if every_pass else None)
 
 
 def round_length(name: str, pp: int, v: int) -> int:
@@ -141,22 +178,22 @@ def round_length(name: str, pp: int, v: int) -> int:
 def time_schedule(name: str, pp: int, m: int, v: int, durations: np.ndarray, hops: np.ndarray,
                   start: np.ndarray | None = None, every_pass: bool = False,
                   lead: np.ndarray | None = None) -> PipelineTiming:
-    """:func:`sweep` of the schedule, extended along its steady state when ``m`` is long (unless
-    ``every_pass`` asks for every pass's start).
+    """:func:`sweep` of the schedule, extended along its steady state when ``m`` is long.
 
     The schedule is timed at three shorter lengths a round apart; where the
     two increments agree (the steady state is reached) the line through them is
-    extended to ``m``, and the plans of the batch where they do not are swept in full.
+    extended to ``m``, and the plans of the batch where they do not are swept in
+    full. With ``every_pass``, every pass's start of the shortest is kept.
     """
-    step = 2 * round_length(name, pp, v)
+    step = max(2, round_length(name, pp, v))
     short = SWEEP_ROUNDS * pp * v + (m % step)
-    if m <= short + 3 * step or every_pass:
+    if m <= short + 3 * step:
         return sweep(compile_schedule(name, pp, m, v), durations, hops, start, every_pass, lead)
-    a, b, c = (sweep(compile_schedule(name, pp, short + k * step, v), durations, hops, start, lead=lead)
-               for k in range(3))
+    a, b, c = (sweep(compile_schedule(name, pp, short + k * step, v), durations, hops, start, every_pass and k == 0,
+                     lead) for k in range(3))
     rounds = (m - short) / step
     out = PipelineTiming(a.rank_end + rounds * (b.rank_end - a.rank_end),
-                         a.final_start + rounds * (b.final_start - a.final_start))
+                         a.final_start + rounds * (b.final_start - a.final_start), a.starts, a.compiled, a.starts_end)
     tolerance = 1e-9 * np.abs(c.rank_end).max(axis=1)
     steady = ((np.abs((c.rank_end - b.rank_end) - (b.rank_end - a.rank_end)).max(axis=1) <= tolerance)
               & (np.abs((c.final_start - b.final_start) - (b.final_start - a.final_start)).max(axis=1) <= tolerance))

@@ -143,13 +143,14 @@ def sync_arrays(zero: np.ndarray, shard: np.ndarray, expert_shard: int, dtype_by
 
 
 def peak_memory(ranks: list[RankTables], which: np.ndarray, sync: SyncArrays, in_flight: np.ndarray,
-                tokens: int, dtype_bytes: int) -> np.ndarray:
-    """Per variant, the largest per-GPU total over the pipeline ranks: ``ranks[which[i]]`` are variant
-    ``i``'s rank tables (by its sequence parallelism and recomputation)."""
+                tokens: int, dtype_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per variant, the largest per-GPU total over the pipeline ranks, and the largest without activations
+    (weights, gradients, optimizer state, FSDP buffers): ``ranks[which[i]]`` are variant ``i``'s rank
+    tables (by its sequence parallelism and recomputation)."""
     params = np.array([r.params for r in ranks])[which]
     experts = np.array([r.experts for r in ranks])[which]
     activations = np.array([(in_flight * r.per_microbatch + r.rebuilt) * tokens for r in ranks])[which]
     buffers = np.array([3 * r.largest * dtype_bytes for r in ranks])[which]
-    total = (sync.whole[:, None] * params + sync.dense[:, None] * (params - experts) + sync.expert[:, None] * experts
-             + activations + np.where(sync.buffers[:, None], buffers, 0.0))
-    return total.max(axis=1)
+    state = (sync.whole[:, None] * params + sync.dense[:, None] * (params - experts) + sync.expert[:, None] * experts
+             + np.where(sync.buffers[:, None], buffers, 0.0))
+    return (state + activations).max(axis=1), state.max(axis=1)
