@@ -15,7 +15,10 @@ through the event simulation (:func:`~parsim.step.predict_step`).
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -151,14 +154,29 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
             min(_objectives(request, r, False)[2] for r in front)
         front = [r for r in front if _objectives(request, r, False)[0] <= FRONT_SPAN * fastest
                  and _objectives(request, r, False)[2] <= FRONT_SPAN * cheapest]
-    for k, r in enumerate(top[:request.simulate]):
-        report(f"simulating {k + 1}/{min(request.simulate, len(top))}", k / max(request.simulate, 1))
-        r.simulated = predict_step(r.candidate.plan(r.space, f"rank{k + 1}"), request.cluster)
-    top.sort(key=lambda r: _metric(request, r, simulated=True))
+    _simulate(request, top[:request.simulate], report)
+    # The simulated plans first, by their simulation (the answer, checked event by event); then the rest.
+    top.sort(key=lambda r: (r.simulated is None, _metric(request, r, simulated=True)))
     fits = sum(s.fits for s in spaces)
     return SearchResult(request, spaces, top, front, evaluated, len(evaluated), fits - len(evaluated), {
         "bound": bounded_at - started, "estimate": estimated_at - bounded_at,
         "simulate": time.perf_counter() - estimated_at})
+
+
+def _simulate(request: SearchRequest, rows: list[Ranked], report) -> None:
+    """Event-simulate ``rows``, on as many processes as the machine has cores (each plan alone is serial)."""
+    plans = [r.candidate.plan(r.space, f"rank{k + 1}") for k, r in enumerate(rows)]
+    workers = min(os.cpu_count() or 1, len(plans))
+    if workers < 2:
+        for k, (r, plan) in enumerate(zip(rows, plans)):
+            report(f"simulating {k + 1}/{len(rows)}", k / len(rows))
+            r.simulated = predict_step(plan, request.cluster)
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = {pool.submit(predict_step, plan, request.cluster): r for r, plan in zip(rows, plans)}
+        for k, future in enumerate(as_completed(futures)):
+            futures[future].simulated = future.result()
+            report(f"simulated {k + 1}/{len(rows)}", (k + 1) / len(rows))
 
 
 def _count_memory(counts: SpaceCounts, prep: Prepared, capacity: float) -> None:
