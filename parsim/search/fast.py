@@ -35,7 +35,7 @@ import numpy as np
 
 from ..cluster import ClusterSpec
 from ..compute import ComputeModel
-from ..lower import ADAMW_ACCESSES, ADAMW_KERNELS, FP32, Lowering, buckets, hidden_size, param_tensors
+from ..lower import ADAMW_ACCESSES, ADAMW_KERNELS, FP32, Lowering, buckets, param_tensors
 from ..model import MLPModel
 from ..plan import DTYPE_BYTES, Plan
 from ..schedules import make_schedule, peak_in_flight
@@ -101,6 +101,7 @@ class FastModel:
         self.capacity = capacity or cluster.gpu.hbm_capacity_bytes
         self._plans: dict[tuple, Plan] = {}
         self._cache: dict[tuple, object] = {}
+        self._hidden = space.model.width if isinstance(space.model, MLPModel) else space.model.hidden
 
     def _cached(self, key: tuple, make):
         value = self._cache.get(key)
@@ -136,7 +137,7 @@ class FastModel:
         placement = s.schedule in V_SCHEDULES
         schedule = "zbv" if placement else "interleaved-1f1b" if s.virtual_stages > 1 else "1f1b"
         plain = Variant(v.order, v.sequence_parallel, "none", "ring", v.grad_sync, v.zero, v.shard_group)
-        return self.plan(s, plain, m=2 * s.pp, schedule=schedule)
+        return self.plan(s._replace(microbatch_size=1), plain, m=2 * s.pp, schedule=schedule)
 
     def _structure(self, s: Setting, v: Variant) -> tuple:
         """What :meth:`layout_plan` depends on: a cache key."""
@@ -191,8 +192,7 @@ class FastModel:
         if not len(fits):
             return prepared
         layout, counts = self.layout(s), _pass_counts(s)
-        m = s.num_microbatches
-        tables = np.array([self.pass_table(s, v).seconds(m) for v in arrays.table_keys])  # [K, types, 4]
+        tables = np.array([self.pass_table(s, v).seconds(s.num_microbatches) for v in arrays.table_keys])
         durations = np.einsum("st,ktc->ksc", layout.counts, tables)  # [K, stages, 4]
         busy = durations.reshape(len(tables), -1) @ counts.T  # [K, pp]
         hops = np.array([self._hops(s, v, layout) for v in arrays.order_keys])  # [O, stages - 1]
@@ -290,12 +290,14 @@ class FastModel:
                s.virtual_stages, v.order)
 
         def make() -> np.ndarray:
-            plan = self.layout_plan(s, v)
-            nbytes = s.microbatch_size * self.space.model.tokens_per_sample // s.cp * hidden_size(plan) \
-                * plan.dtype_bytes
-            first = [plan.rank_of(pp=r) for r in range(s.pp)]
-            ranks = [first[r] for r in layout.stage_rank]
-            return np.array([self.comm.time("send", "send_recv", (a, b), nbytes) for a, b in zip(ranks, ranks[1:])])
+            nbytes = s.microbatch_size * self.space.model.tokens_per_sample // s.cp * self._hidden * self.dtype_bytes
+            first = self._cached(("pp ranks", s.dp, s.tp, s.pp, s.cp, v.order),
+                                 lambda: [self.layout_plan(s, v).rank_of(pp=r) for r in range(s.pp)])
+            pairs = {}  # boundaries between the same two ranks cost the same
+            for a, b in zip(layout.stage_rank, layout.stage_rank[1:]):
+                if (a, b) not in pairs:
+                    pairs[a, b] = self.comm.time("send", "send_recv", (first[a], first[b]), nbytes)
+            return np.array([pairs[a, b] for a, b in zip(layout.stage_rank, layout.stage_rank[1:])])
         return self._cached(key, make)
 
     def _fsdp(self, s: Setting, v: Variant) -> tuple[np.ndarray, np.ndarray] | None:

@@ -148,7 +148,7 @@ def front_table(result: SearchResult) -> str:
                *(["$/M tok"] if priced else [])]
     what = "step time, memory and cost" if len(result.request.gpus) > 1 else "step time and memory"
     return render_table(headers, rows, title=f"Pareto front of {what} (fast tier; none is beaten on all of them, "
-                                             f"up to twice the best)")
+                                             f"up to 1.5 times the best)")
 
 
 # --------------------------------------------------------------------------- explain

@@ -33,8 +33,8 @@ from .pareto import front_indices, pareto_front
 from .space import Candidate, Rejections, SearchSpace, enumerate_settings
 
 SORTS = ("time", "cost", "mfu", "memory")
-CHUNK = 2048  # plans estimated per round: big enough to batch pipelines, small enough to bound early
-FRONT_SPAN = 2.0  # the Pareto front covers plans up to this many times slower (or costlier) than the best
+CHUNK = 256  # plans estimated per round: big enough to batch pipelines, small enough to bound early
+FRONT_SPAN = 1.5  # the Pareto front covers plans up to this many times slower (or costlier) than the best
 
 
 @dataclass(frozen=True)
@@ -211,16 +211,16 @@ def _metric(request: SearchRequest, r: Ranked, simulated: bool) -> float:
 
 def _branch_and_bound(request: SearchRequest, models, prepared, report) -> list[Ranked]:
     """Estimate plans best bound first until none left can enter the top ``keep`` or the front."""
-    index, memory, bound, gpus = [], [], [], []
+    index, memory, gpus = [], [], []
     for m, (model, prep) in enumerate(prepared):
         fits = np.flatnonzero(np.isfinite(prep.bound))
         index += [(m, int(i)) for i in fits]
         memory.append(prep.memory[fits])
-        bound.append(prep.bound[fits])
         gpus.append(np.full(len(fits), models[model][0].gpus))
     if not index:
         return []
-    memory, bound, gpus = (np.concatenate(x) for x in (memory, bound, gpus))
+    memory, gpus = np.concatenate(memory), np.concatenate(gpus)
+    bound = np.concatenate([prep.bound[np.isfinite(prep.bound)] for _, prep in prepared])
     cost_w = gpus * (request.price or 1.0) / 3600
     lower = np.stack([bound, memory, bound * cost_w], axis=1)  # the bounds of the three objectives
     key = {"time": bound, "cost": bound * cost_w, "mfu": bound * cost_w, "memory": memory + bound * 1e-9}[request.sort]
@@ -239,11 +239,11 @@ def _branch_and_bound(request: SearchRequest, models, prepared, report) -> list[
         if not alive.any():
             break
         chosen = np.flatnonzero(alive)
-        chosen = chosen[np.argsort(key[chosen], kind="stable")[:CHUNK]]
+        if len(chosen) > CHUNK:
+            chosen = chosen[np.argpartition(key[chosen], CHUNK - 1)[:CHUNK]]
         pending[chosen] = False
-        jobs = [index[c] for c in chosen]
         by_model: dict[int, list[tuple[Prepared, int]]] = {}
-        for m, i in jobs:
+        for m, i in (index[c] for c in chosen):
             by_model.setdefault(prepared[m][0], []).append((prepared[m][1], i))
         for model, model_jobs in by_model.items():
             space, fast = models[model]
