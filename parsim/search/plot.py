@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from matplotlib.ticker import ScalarFormatter
+
 from ..plots import plt
 from .report import figures
 from .search import SearchResult
@@ -31,6 +33,8 @@ def plot_front(result: SearchResult, path: str) -> None:
                     textcoords="offset points", xytext=(8, 8), fontsize=8)
     ax.axhline(result.request.capacity / 1e9, c="C1", ls="--", lw=0.8, label="memory per GPU")
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xlabel("step time (s)")
     ax.set_ylabel("peak memory per GPU (GB)")
     req = result.request

@@ -170,8 +170,9 @@ def explain(result: SearchResult) -> str:
                                f"pipeline rank)")
     gap = b.step_s - a.step_s
     biggest = [f"{p} {_signed(d)}" for p, _, _, d in rows[:3] if d]
-    lines = [table, (f"plans #2 to #{ties + 1} run within {TIE:.2%} of #1: the runner-up is #{ties + 2}\n"
-                     if ties else "") + f"#1 is {format_time(gap)} ({gap / b.step_s:.1%}) faster per step"
+    tied = "plan #2 runs" if ties == 1 else f"plans #2 to #{ties + 1} run"
+    lines = [table, (f"{tied} within {TIE:.2%} of #1: the runner-up is #{ties + 2}\n" if ties else "")
+             + f"#1 is {format_time(gap)} ({gap / b.step_s:.1%}) faster per step"
              + (f"; the phases that differ most: {', '.join(biggest)}" if biggest else ""),
              "the plans differ in: " + (", ".join(_differences(a, b)) or "nothing but their names")]
     if a.simulated is not None:
