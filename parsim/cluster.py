@@ -122,6 +122,7 @@ class ClusterSpec:
     memory_efficiency: float = 1.0  # fraction of the HBM bandwidth memory-bound kernels reach
     attention_efficiency: tuple[float, float] = (1.0, 1.0)  # the attention kernel's fraction of peak: fwd, bwd
     nccl: NcclSpec | None = None  # NCCL's view of the node; None: collectives use the flow model alone
+    price_per_gpu_hour: float | None = None  # US dollars to rent one GPU for an hour (the search's cost figures)
 
     def matmul_efficiency_for(self, dtype: str) -> float:
         """The dtype's own figure; fp16 and bf16 run at the same rate, so each stands in for the other."""
@@ -258,6 +259,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     gpu.used.add("sm_count")
     _whole(source, "gpu.sm_count", sm_count, 0, 2**16)
     nccl = _parse_nccl(r.optional_mapping("nccl"), source) if "nccl" in r.data else None
+    price = r.number("price_usd_per_gpu_hour", "US dollars per GPU-hour", optional=True) or None
     spec = ClusterSpec(
         name=name,
         description=description,
@@ -296,6 +298,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         memory_efficiency=memory_efficiency,
         attention_efficiency=attention_efficiency,
         nccl=nccl,
+        price_per_gpu_hour=price,
         collective_step_overhead_s={str(op): float(v) * 1e-6 for op, v in step_overhead.items()},
         op_forward_s=float(host_us["op_forward_us"]) * 1e-6,
         op_backward_s=float(host_us["op_backward_us"]) * 1e-6,

@@ -32,7 +32,7 @@ from .kernels import block_work
 from .model import LayerCost, MLPModel, shard
 from .plan import Plan
 from .program import Op, Program
-from .schedules import Action
+from .schedules import Action, Schedule
 from .trace import collective_name, compute_name, p2p_name
 
 FP32 = 4
@@ -45,8 +45,8 @@ ADAMW_KERNELS = 8  # those eight passes, per parameter tensor
 
 
 @dataclass(frozen=True)
-class _ComputePiece:
-    """One block's compute in one pass (see :meth:`_Lowering._compute`); ``layer`` indexes the stage's costs."""
+class ComputePiece:
+    """One block's compute in one pass (see :meth:`Lowering._compute`); ``layer`` indexes the stage's costs."""
 
     matmuls: tuple[tuple[int, int, int], ...]
     hbm_bytes: float
@@ -64,7 +64,7 @@ class _ComputePiece:
 
 
 @dataclass(frozen=True)
-class _CommPiece:
+class CommPiece:
     """A collective inside a pass; its name is ``name_head + mb + name_tail``.
 
     ``group`` "tp" (tensor-parallel) and "ep" (an expert all-to-all) run on the
@@ -85,7 +85,7 @@ class _CommPiece:
     closes: bool = False
 
 
-_Piece = _ComputePiece | _CommPiece
+_Piece = ComputePiece | CommPiece
 
 
 @dataclass
@@ -103,19 +103,30 @@ def hidden_size(plan: Plan) -> int:
 
 def lower(plan: Plan) -> Program:
     """The representative ranks' programs (one per pipeline rank)."""
-    return _Lowering(plan).program
+    return Lowering(plan).build()
 
 
-class _Lowering:
+class Lowering:
+    """Builds a plan's program; its pieces (:meth:`layer_pass`, :meth:`group`) also serve the
+    search's fast model (:mod:`parsim.search`), which prices the same pieces without a simulation."""
+
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.schedule = plan.pipeline
         self.program = Program(plan.world)
         self.tokens = plan.tokens_per_rank  # a context-parallel rank computes 1/cp of each sequence
         self.act_bytes = self.tokens * hidden_size(plan) * plan.dtype_bytes  # one microbatch's activations
         self.sends: dict[tuple, int] = {}
         self.pending: list[_Pending] = []
         self.fsdp = plan.zero == 3 and plan.shard_size > 1  # weights sharded: gathered per layer
+
+    @property
+    def schedule(self) -> Schedule:
+        """The plan's schedule (built on first use: pricing one pass needs none)."""
+        return self.plan.pipeline
+
+    def build(self) -> Program:
+        """Lower every pipeline rank's schedule actions, gradient sync and optimizer step."""
+        plan = self.plan
         last_mb = plan.num_microbatches - 1
         for p in range(plan.pp):
             rank = plan.rank_of(dp=0, pp=p, tp=0)
@@ -128,17 +139,20 @@ class _Lowering:
             self._gradient_sync_and_step(rank, p)
         for pending in self.pending:
             pending.op.match = self.sends[pending.key]
+        return self.program
 
     # -- groups ---------------------------------------------------------------
     @functools.cache
-    def _group(self, p: int, dim: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    def group(self, p: int, dim: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
         """The representative's ``dim`` group at pipeline rank ``p`` and its mirror groups."""
         plan = self.plan
-        if dim in ("tp", "cp"):
-            groups = [plan.group_of(plan.rank_of(dp=d, pp=p, cp=c, tp=t), dim) for d in range(plan.dp)
-                      for c in range(plan.cp if dim == "tp" else 1) for t in range(plan.tp if dim == "cp" else 1)]
+        grid = plan.rank_grid  # [dp, pp, cp, tp]
+        if dim == "tp":
+            groups = grid[:, p, :, :].reshape(-1, plan.tp).tolist()
+        elif dim == "cp":
+            groups = grid[:, p, :, :].transpose(0, 2, 1).reshape(-1, plan.cp).tolist()
         else:  # gradients are reduced over the data- and context-parallel ranks together (Megatron-LM)
-            groups = [plan.rank_grid[:, p, :, t].ravel().tolist() for t in range(plan.tp)]
+            groups = [grid[:, p, :, t].ravel().tolist() for t in range(plan.tp)]
             size = plan.shard_size
             if dim == "shard":  # ZeRO shards within groups of shard_size consecutive data-parallel ranks
                 groups = [g[k:k + size] for g in groups for k in range(0, len(g), size)]
@@ -170,7 +184,7 @@ class _Lowering:
         for piece in self._pieces(p, stage, kind):
             if gathers and piece.opens:
                 gathered = (self._fsdp_gather(rank, p, stage, piece.layer, mb, kind, closed[-2:-1]),)
-            if type(piece) is _CommPiece:
+            if type(piece) is CommPiece:
                 exchange = piece.group == "cp"
                 op = Op(f"{piece.name_head}{mb}{piece.name_tail}", "collective", "cp" if exchange else "compute",
                         collective=piece.collective, group=piece.group, ranks=piece.ranks, mirrors=piece.mirrors,
@@ -216,14 +230,14 @@ class _Lowering:
         order = list(enumerate(costs)) if kind == "F" else list(reversed(list(enumerate(costs))))
         pieces: list[_Piece] = []
         for index, cost in order:
-            layer = self._layer_pass(p, index, cost, "R") if cost.name in recomputed else []
-            layer += self._layer_pass(p, index, cost, kind)
+            layer = self.layer_pass(p, index, cost, "R") if cost.name in recomputed else []
+            layer += self.layer_pass(p, index, cost, kind)
             layer[0] = dataclasses.replace(layer[0], layer=index, opens=True)
             layer[-1] = dataclasses.replace(layer[-1], layer=index, closes=True)
             pieces += layer
         return tuple(pieces)
 
-    def _layer_pass(self, p: int, index: int, cost: LayerCost, kind: str) -> list[_Piece]:
+    def layer_pass(self, p: int, index: int, cost: LayerCost, kind: str) -> list[_Piece]:
         """One layer's blocks in one pass (``R``: its forward recomputed), with their TP collectives."""
         plan = self.plan
         forward = kind in ("F", "R")
@@ -244,14 +258,14 @@ class _Lowering:
                     head, tail = collective_name(coll.op, coll.group, layer=cost.name, mb="|",
                                                  dir=f"{direction}{count}").split("|")
                     count += 1
-                    group, mirrors = self._group(p, coll.group)
+                    group, mirrors = self.group(p, coll.group)
                     # Expert all-to-alls carry this rank's 1/tp of the tokens (the tp ranks split the dispatch).
                     nbytes = coll.bytes_per_token * self.tokens / (plan.tp if coll.group == "ep" else 1)
-                    pieces.append(_CommPiece(head, tail, coll.op, group, mirrors, nbytes, coll.group))
+                    pieces.append(CommPiece(head, tail, coll.op, group, mirrors, nbytes, coll.group))
         return pieces
 
     def _with_context_exchange(self, p: int, cost: LayerCost, block, kind: str,
-                               compute: _ComputePiece) -> list[_Piece]:
+                               compute: ComputePiece) -> list[_Piece]:
         """An attention block's compute with the K/V exchange context parallelism adds around it.
 
         Ring attention (``context_parallel: ring``, Megatron-LM's) passes K/V
@@ -264,13 +278,13 @@ class _Lowering:
         plan = self.plan
         if plan.cp == 1 or not block.kv_width or kind == "W":
             return [compute]
-        group, mirrors = self._group(p, "cp")
+        group, mirrors = self.group(p, "cp")
         nbytes = 2 * shard(block.kv_width, plan.tp, block.kv_unit) * plan.dtype_bytes * plan.tokens_per_microbatch
         direction = {"F": "fwd", "R": "rec"}.get(kind, "bwd")
 
-        def exchange(collective: str) -> _CommPiece:
+        def exchange(collective: str) -> CommPiece:
             head, tail = collective_name(collective, "cp", layer=cost.name, mb="|", dir=direction).split("|")
-            return _CommPiece(head, tail, collective, group, mirrors, nbytes, "cp")
+            return CommPiece(head, tail, collective, group, mirrors, nbytes, "cp")
 
         join = dataclasses.replace(compute, matmuls=(), hbm_bytes=0.0, kernels=0, attention_flops=0.0,
                                    attention_grad_flops=0.0, forward_ops=0, backward_ops=0, stream_bytes=0.0,
@@ -280,12 +294,12 @@ class _Lowering:
             return [exchange("all_gather"), *([exchange("reduce_scatter")] if backward else []), compute, join]
         return [exchange("all_gather"), join, compute, *([exchange("reduce_scatter"), join] if backward else [])]
 
-    def _compute(self, phase: str, block, kind: str, layer: int) -> _ComputePiece:
+    def _compute(self, phase: str, block, kind: str, layer: int) -> ComputePiece:
         """One block's compute in one pass (see :func:`~parsim.kernels.block_work`), with the ops an
         eager implementation dispatches for it (:meth:`_eager_ops`)."""
         work = block_work(self.plan, block, kind, self.tokens)
         forward_ops, backward_ops = self._eager_ops(block, kind)
-        return _ComputePiece(work.matmuls, work.elementwise_bytes + work.accumulate_bytes, work.kernels, phase,
+        return ComputePiece(work.matmuls, work.elementwise_bytes + work.accumulate_bytes, work.kernels, phase,
                              layer, attention_flops=work.attention_flops,
                              attention_grad_flops=work.attention_grad_flops, forward_ops=forward_ops,
                              backward_ops=backward_ops, stream_bytes=work.accumulate_bytes)
@@ -339,8 +353,8 @@ class _Lowering:
         """All-gather one layer's weight shards before its pass; ``after``: the op that must end first
         (the layer two back, so one layer is prefetched while the current one computes)."""
         cost = self.plan.stage_costs(stage)[layer]
-        group, mirrors = self._group(p, "shard")
-        nbytes = sum(n for n, _ in _param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
+        group, mirrors = self.group(p, "shard")
+        nbytes = sum(n for n, _ in param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
         name = collective_name("all_gather", "fsdp", layer=cost.name, stage=stage, mb=mb,
                                dir="fwd" if kind == "F" else "bwd")
         return self._add(rank, Op(name, "collective", "gather", deps=tuple(after), collective="all_gather",
@@ -350,13 +364,13 @@ class _Lowering:
         """Reduce-scatter one layer's gradients once its backward made them (FSDP2 syncs every
         microbatch); with HSDP, all-reduce the shard across the replicas."""
         cost = self.plan.stage_costs(stage)[layer]
-        nbytes = sum(n for n, _ in _param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
-        group, mirrors = self._group(p, "shard")
+        nbytes = sum(n for n, _ in param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
+        group, mirrors = self.group(p, "shard")
         op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=cost.name, stage=stage, mb=mb),
                                 "collective", "comm", deps=(ready,), collective="reduce_scatter", group="fsdp",
                                 ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
         if self.plan.shard_size < self.plan.dp * self.plan.cp:
-            group, mirrors = self._group(p, "replicate")
+            group, mirrors = self.group(p, "replicate")
             op = self._add(rank, Op(collective_name("all_reduce", "fsdp", layer=cost.name, stage=stage, mb=mb),
                                     "collective", "comm", collective="all_reduce", group="fsdp", ranks=group,
                                     mirrors=mirrors, nbytes=nbytes / self.plan.shard_size, phase="fsdp"))
@@ -385,7 +399,7 @@ class _Lowering:
                 costs = plan.stage_costs(stage)
                 for index in reversed(range(len(costs))):
                     ready = self.final_grad_ops.get((stage, index), last_compute)
-                    for n, expert in _param_tensors(costs[index], plan.tp, plan.ep):
+                    for n, expert in param_tensors(costs[index], plan.tp, plan.ep):
                         tensors[expert].append((n * plan.dtype_bytes, ready))
             expert_replicas = plan.dp * plan.cp // plan.ep  # ranks holding the same experts
             if plan.grad_sync == "per_param":  # dense tensors over dp, then experts over edp (if replicated)
@@ -396,7 +410,7 @@ class _Lowering:
                 for expert, dim, shard in ((False, "shard", plan.shard_size), (True, "edp", plan.expert_shard_size)):
                     if expert and expert_replicas == 1:
                         continue  # every expert lives on one rank only: nothing to sync
-                    for k, (nbytes, ready) in enumerate(_buckets(tensors[expert], plan.bucket_size)):
+                    for k, (nbytes, ready) in enumerate(buckets(tensors[expert], plan.bucket_size)):
                         deps = (ready if plan.overlap else last_compute,)
                         tag = {"expert_bucket" if expert else "bucket": k}
                         if not plan.zero:
@@ -412,7 +426,7 @@ class _Lowering:
             sync.append(self._sequence_parallel_norms(rank, p, last_compute))
         expert_params = plan.expert_params_per_rank(p)
         params = (plan.params_per_rank(p) - expert_params) / plan.shard_size + expert_params / plan.expert_shard_size
-        tensors_count = sum(len(_param_tensors(c, plan.tp, plan.ep)) for s in plan.stages_of(p)
+        tensors_count = sum(len(param_tensors(c, plan.tp, plan.ep)) for s in plan.stages_of(p)
                             for c in plan.stage_costs(s))
         step = self._add(rank, Op("optimizer step", "optimizer", "compute", deps=tuple(sync) or (last_compute,),
                                   flops=12.0 * params, hbm_bytes=params * ADAMW_ACCESSES * FP32,
@@ -427,14 +441,14 @@ class _Lowering:
         plan = self.plan
         elements = sum(param.numel_per_rank(plan.tp) for s in plan.stages_of(p) for cost in plan.stage_costs(s)
                        for param in cost.params if param.name.startswith("norm."))
-        group, mirrors = self._group(p, "tp")
+        group, mirrors = self.group(p, "tp")
         return self._add(rank, Op(collective_name("all_reduce", "tp", params="norms"), "collective", "comm",
                                   deps=(after,), collective="all_reduce", group="tp", ranks=group, mirrors=mirrors,
                                   nbytes=elements * plan.dtype_bytes, phase="tp"))
 
     def _dp_collective(self, rank: int, p: int, collective: str, dim: str, nbytes: float, deps: tuple,
                        **tags) -> int:
-        group, mirrors = self._group(p, dim)
+        group, mirrors = self.group(p, dim)
         return self._add(rank, Op(collective_name(collective, "dp", **tags), "collective", "comm", deps=deps,
                                   collective=collective, group="dp", ranks=group, mirrors=mirrors, nbytes=nbytes,
                                   phase="dp"))
@@ -449,7 +463,7 @@ class _Lowering:
         return op.id
 
 
-def _param_tensors(cost: LayerCost, tp: int, ep: int = 1) -> list[tuple[int, bool]]:
+def param_tensors(cost: LayerCost, tp: int, ep: int = 1) -> list[tuple[int, bool]]:
     """One rank's parameter tensors of a layer (matmul weights, then others): (elements, routed expert?)."""
     sizes = []
     for mm in cost.matmuls:
@@ -459,7 +473,7 @@ def _param_tensors(cost: LayerCost, tp: int, ep: int = 1) -> list[tuple[int, boo
     return sizes + [(p.numel_per_rank(tp), False) for p in cost.params]
 
 
-def _buckets(tensors: list[tuple[int, int]], bucket_size: int) -> list[tuple[int, int]]:
+def buckets(tensors: list[tuple[int, int]], bucket_size: int) -> list[tuple[int, int]]:
     """DDP-style buckets: gradients in backward order, filled up to ``bucket_size`` bytes.
 
     Returns (bytes, op id) per bucket, the op after which its last gradient is final.

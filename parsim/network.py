@@ -268,11 +268,11 @@ class Network:
         seen, todo = {batch.id}, [batch]
         while todo:
             b = todo.pop()
-            for link in b.links[self._users[b.links] > 1].tolist():
-                for other in self._sharing[link]:
-                    if other not in seen:
-                        seen.add(other)
-                        todo.append(self._batches[other])
+            shared = b.links[self._users[b.links] > 1].tolist()
+            if shared:  # one union of the links' sharing sets (big groups share thousands of links)
+                others = set().union(*map(self._sharing.__getitem__, shared)) - seen
+                seen |= others
+                todo.extend(self._batches[other] for other in others)
         return [self._batches[i] for i in sorted(seen)]
 
     # -- rates and wake-ups ------------------------------------------------------

@@ -32,7 +32,7 @@ import numpy as np
 import simpy
 
 from .collectives.algorithms import build_phases
-from .collectives.simulate import predict
+from .collectives.simulate import choose_algorithm
 from .compute import ComputeModel
 from .errors import ParsimError
 from .network import Network, stack_routes
@@ -139,8 +139,8 @@ class StepSimulator:
                  tuple((units - units[0]).tolist()))
         key = (collective, shape, nbytes)
         if key not in self._algorithms:
-            p = predict(self.topo, collective, nbytes, group)
-            self._algorithms[key] = (p.algorithm, p.protocol or None)
+            algorithm, protocol = choose_algorithm(self.topo, collective, nbytes, group)
+            self._algorithms[key] = (algorithm, protocol or None)
         return self._algorithms[key]
 
 

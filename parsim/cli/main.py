@@ -19,7 +19,7 @@ from ..jsondoc import print_error
 # Subcommand modules, in the order --help lists them.
 COMMANDS = (
     "clusters", "collective", "bench", "calibrate", "compare",
-    "plan", "simulate", "explain", "run", "validate",
+    "plan", "simulate", "search", "explain", "run", "validate",
 )
 
 DESCRIPTION = """\
@@ -33,6 +33,7 @@ examples:
   parsim calibrate --out my-host.yaml
   parsim compare all-reduce --cluster my-host.yaml --nproc 2 --sweep 1MiB:64MiB
   parsim simulate llama3-70b-1024 --cluster dgx-h100 --gantt step.png
+  parsim search --model llama3-70b --gpus 1024 --global-batch 4M-tokens --explain
   parsim explain bubble --pp 4 --microbatches 8 --schedule 1f1b
   parsim explain memory llama3-405b-16k
   parsim run course-pp --nproc 2

@@ -65,6 +65,7 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
     for dim in DIMS:
         g.add_argument(f"--{dim}", type=int, help=f"{dim} degree")
     g.add_argument("--ep", type=int, help="expert-parallel degree (MoE models; folds into dp x cp)")
+    g.add_argument("--order", metavar="DIMS", help="rank placement, outermost first (default dp,pp,cp,tp)")
     g.add_argument("--microbatch-size", type=int, help="samples per microbatch")
     g.add_argument("--num-microbatches", type=int, help="microbatches per step per data-parallel replica")
     g.add_argument("--global-batch-size", type=int, help="samples per step, all replicas together")
@@ -100,7 +101,7 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
     """The plan named by ``args.plan`` (or ``--model`` alone), flags overriding its values."""
     flags = {
         "model": args.model,
-        "parallel": {d: getattr(args, d) for d in (*DIMS, "ep")},
+        "parallel": {d: getattr(args, d) for d in (*DIMS, "ep", "order")},
         "batch": {k: getattr(args, k) for k in ("microbatch_size", "num_microbatches", "global_batch_size")},
         "schedule": args.schedule, "virtual_stages": args.virtual_stages,
         "layers_per_stage": args.layers_per_stage, "dtype": args.dtype,

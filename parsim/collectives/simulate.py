@@ -178,6 +178,25 @@ def predict(topo: Topology, op: str, size: int, group=None, algorithm: str = "au
 NCCL_TUNED = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce")
 
 
+def choose_algorithm(topo: Topology, op: str, size: int, group) -> tuple[str, str]:
+    """The (algorithm, NCCL protocol or "") :func:`predict` picks by default, without timing the pick
+    where NCCL's tuner or a lone candidate decides it (the step simulator times it on its own network)."""
+    group = np.asarray(group, dtype=np.int64)
+    if op not in topo.spec.algorithms:
+        model = model_for(topo, group)
+        usable = [a for a, why in applicable_algorithms(topo, op, group).items() if not why]
+        if model is not None and op in NCCL_TUNED:
+            algos = tuple(a for a, name in PARSIM_ALGORITHM.items() if name in usable)
+            choice = model.choose(op, int(size), algos, None)
+            if choice is not None:
+                return PARSIM_ALGORITHM[choice.chosen.algo], choice.chosen.proto
+        candidates = [a for a in usable if a in NCCL_ALGORITHMS[op]]
+        if len(candidates) == 1 and (model is None or op not in NCCL_TUNED):
+            return candidates[0], ""
+    p = predict(topo, op, size, group)
+    return p.algorithm, p.protocol
+
+
 def lower_bound(topo: Topology, op: str, size: float, group: np.ndarray) -> tuple[float, str]:
     """Bandwidth lower bound: bytes that must cross each level of the hierarchy over its bandwidth.
 

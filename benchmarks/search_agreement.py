@@ -1,0 +1,86 @@
+"""Does the fast tier agree with the event simulation? The top 50 plans of three searches, both ways.
+
+For each search the fast tier's 50 best plans are all event-simulated; the
+table gives how far the fast step time is from the simulated one (median,
+worst, share within 5%) and where the simulated best sits in the fast
+ranking. The plans where they disagree most are listed with the phase that
+differs most, and the best plan of the published structure (TP inside a
+node, PP across nodes, DP for the rest) is placed in the ranking.
+
+Run:  python benchmarks/search_agreement.py          (about 5 minutes here)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from parsim.cluster import load_cluster
+from parsim.model import load_model
+from parsim.search.report import _phases, describe
+from parsim.search.fast import FastModel
+from parsim.search.search import Ranked, SearchRequest, run_search
+from parsim.search.space import Candidate, SearchSpace, enumerate_settings
+from parsim.step import predict_step
+from parsim.step_report import PHASES
+from parsim.table import render_table
+
+SEARCHES = (("llama3-8b", 8, 128), ("llama3-8b", 64, 128), ("llama3-70b", 1024, 512))
+TOP = 50
+
+
+def main() -> None:
+    cluster = load_cluster("dgx-h100")
+    summary, worst_rows, structure = [], [], []
+    for model, gpus, batch in SEARCHES:
+        request = SearchRequest(load_model(model), model, cluster, (gpus,), batch, keep=TOP, simulate=TOP)
+        result = run_search(request)
+        rows = [r for r in result.ranked if r.simulated is not None]
+        errors = np.array([r.estimate.step_s / r.simulated.step_s - 1 for r in rows])
+        best = min(rows, key=lambda r: r.simulated.step_s)
+        name = f"{model} on {gpus:,} ({batch} x 8,192 tokens)"
+        summary.append([name, len(rows), f"{np.median(np.abs(errors)):.2%}", f"{np.abs(errors).max():.2%}",
+                        f"{np.mean(np.abs(errors) <= 0.05):.0%}", best.fast_rank,
+                        f"{result.seconds['simulate']:.0f}"])
+        for r, e in sorted(zip(rows, errors), key=lambda x: -abs(x[1]))[:3]:
+            fast, sim = r.estimate.phases, _phases(r)
+            phase = max(PHASES, key=lambda p: abs(fast[p] - sim[p]))
+            worst_rows.append([name, describe(r)["plan"], r.candidate.schedule_text(), describe(r)["sync"],
+                               f"{e:+.2%}", f"{phase} {fast[phase] - sim[phase]:+.3f} s"])
+        p = best_published(request)
+        if p is not None:
+            slower = sum(1 for r in result.estimated_plans if r.estimate.step_s < p.estimate.step_s)
+            simulated = predict_step(p.candidate.plan(p.space), cluster).step_s
+            structure.append([name, describe(p)["plan"], p.candidate.schedule_text(), describe(p)["sync"],
+                              f"{simulated:.3f}", f">= {slower + 1}", describe(best)["plan"],
+                              f"{best.simulated.step_s:.3f}", f"{simulated / best.simulated.step_s - 1:+.1%}"])
+        print(f"done {name}", flush=True)
+    print(render_table(["search", "simulated", "median |fast/sim - 1|", "worst", "within 5%", "sim best's fast rank",
+                        "simulate s"], summary, title=f"fast tier vs event simulation over each search's top {TOP}"))
+    print()
+    print(render_table(["search", "plan", "schedule", "sync", "fast vs sim", "phase differing most (fast - sim)"],
+                       worst_rows, title="where they disagree most"))
+    print()
+    print(render_table(["search", "best TP-in-node, PP-across plan", "schedule", "sync", "its step s (sim)",
+                        "its rank", "winner", "winner's step s (sim)", "slower by"], structure,
+                       title="the published structure (TP = GPUs per node, PP > 1, DP the rest) against the winner"))
+
+
+def best_published(request: SearchRequest) -> Ranked | None:
+    """The fast tier's best plan with TP filling a node and PP > 1 (its 200 best bounds estimated)."""
+    gpus = request.gpus[0]
+    space = SearchSpace(request.model, gpus, request.global_batch, model_spec=request.model_spec)
+    fast = FastModel(space, request.cluster)
+    jobs = []
+    for setting, variants in enumerate_settings(space):
+        if setting.tp == request.cluster.gpus_per_node and setting.pp > 1:
+            prep = fast.prepare(setting, variants)
+            jobs += [(prep.bound[i], len(jobs), prep, int(i)) for i in np.flatnonzero(np.isfinite(prep.bound))]
+    if not jobs:
+        return None
+    jobs = [(prep, i) for *_, prep, i in sorted(jobs)[:200]]
+    (prep, i), estimate = min(zip(jobs, fast.estimate(jobs)), key=lambda x: x[1].step_s)
+    return Ranked(Candidate(prep.setting, prep.variants[i]), gpus, space, estimate)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""``parsim search``: every parallelism plan of a model on some GPUs, ranked; the best simulated."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+import sys
+
+from ..cluster import load_cluster
+from ..errors import ParsimError
+from ..model import TransformerModel, builtin_models, load_model
+from ..plan import DTYPE_BYTES
+from ..search.search import SORTS, SearchRequest, run_search
+from ..units import parse_size
+from .common import DEFAULT_CLUSTER, print_json
+
+HELP = """\
+Search every parallelism plan the simulator can express for a model on some
+GPUs -- dp, tp, pp, cp, ep, virtual stages, microbatch size and count,
+schedule, ZeRO stage or FSDP, recomputation, sequence parallelism, placement --
+drop those that do not fit in memory (counted by reason), rank the rest with a
+fast analytical tier built on the simulator's own costs, and run the best
+through the event simulation. The table marks which figures are simulated and
+how far the fast tier was from them; every row prints a `parsim simulate`
+command (or, with --save-plans, a plan file) that re-runs it.
+
+The fast tier prices each plan's passes, pipeline schedule, gradient sync and
+optimizer as the simulator does, without contention between overlapping
+collectives; how it compares: docs/search.md.
+
+examples:
+  parsim search --model llama3-70b --gpus 1024 --global-batch 4M-tokens
+  parsim search --model llama3-8b --gpus 8,64 --global-batch 1M-tokens --tokens 15T --explain
+  parsim search --model llama3-70b --gpus 256,512,1024 --global-batch 512 --sort cost --plot front.png
+  parsim search --model llama3-405b --gpus 16384 --global-batch 16M-tokens --max-memory 75GB --json
+"""
+
+_TOKENS = re.compile(r"^\s*(.+?)\s*-?\s*tok(en)?s?\s*$", re.IGNORECASE)
+_COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*$")
+_DECIMAL = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("search", help="search every plan of a model on some GPUs: ranked, best simulated",
+                              description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="NAME|FILE",
+                   help=f"model preset ({', '.join(sorted(builtin_models()))}) or a model YAML file")
+    p.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="NAME|FILE", help="cluster (default dgx-h100)")
+    p.add_argument("--gpus", required=True, metavar="N[,N...]", help="GPU count, or several to compare (whole nodes)")
+    p.add_argument("--global-batch", metavar="SEQUENCES|TOKENS",
+                   help="samples per step (512), or tokens (4M-tokens: K, M, G are powers of two, as papers count "
+                        "batches); default: the model's batch (MLP) or 4M tokens")
+    p.add_argument("--seq", type=int, metavar="N", help="sequence length (default: the model's)")
+    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="compute precision (default bf16)")
+    p.add_argument("--max-memory", metavar="SIZE", help="memory a plan may use per GPU, e.g. 75GB (default: all)")
+    p.add_argument("--price-per-gpu-hour", type=float, metavar="USD",
+                   help="US dollars per GPU-hour (default: the cluster file's, an example rate)")
+    p.add_argument("--tokens", metavar="N", help="tokens to train on, e.g. 15T (decimal K, M, B, T): days and cost")
+    p.add_argument("--sort", choices=SORTS, default="time",
+                   help="rank by step time (= days to train), cost (= $ per token; and MFU per GPU-second), mfu, "
+                        "or memory (default time)")
+    p.add_argument("--top", type=int, default=10, metavar="N", help="rows shown (default 10)")
+    p.add_argument("--simulate", type=int, default=10, metavar="N",
+                   help="best plans run through the event simulation (default 10; 0: fast tier only)")
+    p.add_argument("--explain", action="store_true", help="why the winner beats the runner-up, phase by phase")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.add_argument("--plot", metavar="PNG", help="draw the Pareto front of step time, memory and cost")
+    p.add_argument("--save-plans", metavar="DIR", help="write each shown row as a plan file parsim simulate reads")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    request = request_from_args(args)
+    progress = _Progress()
+    try:
+        result = run_search(request, progress)
+    finally:
+        progress.close()
+    from ..search import report as rep
+
+    rows = result.ranked[:args.top]
+    files = rep.save_plans(result, rows, args.save_plans) if args.save_plans else [None] * len(rows)
+    commands = [rep.command(result, r, f) for r, f in zip(rows, files)]
+    if args.json:
+        print_json(rep.to_json(result, rows, commands))
+    else:
+        print(rep.report(result, commands, args.top))
+        if args.explain:
+            print()
+            print(rep.explain(result))
+    if args.plot:
+        from ..search.plot import plot_front
+
+        plot_front(result, args.plot)
+    written = [f"wrote {args.plot}"] if args.plot else []
+    written += [f"wrote {len(files)} plan files to {args.save_plans}"] if args.save_plans else []
+    for line in written:
+        print(line, file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def request_from_args(args: argparse.Namespace) -> SearchRequest:
+    cluster = load_cluster(args.cluster)
+    model = load_model(args.model)
+    spec = args.model
+    if args.seq is not None:
+        if not isinstance(model, TransformerModel):
+            raise ParsimError(f"--seq: model {model.name} ({model.kind}) has no sequence")
+        if args.seq < 1:
+            raise ParsimError(f"--seq {args.seq}: a sequence needs at least one token")
+        model = dataclasses.replace(model, seq_len=args.seq)
+        spec = model.to_dict()  # plan files then carry the model inline
+    gpus = _gpus(args.gpus, cluster)
+    for name, value in (("--top", args.top), ("--simulate", args.simulate)):
+        if value < 0:
+            raise ParsimError(f"{name} {value}: give a count >= 0")
+    if args.price_per_gpu_hour is not None and not (math.isfinite(args.price_per_gpu_hour)
+                                                    and args.price_per_gpu_hour > 0):
+        raise ParsimError(f"--price-per-gpu-hour {args.price_per_gpu_hour}: give a positive number of US dollars")
+    max_memory = None
+    if args.max_memory is not None:
+        max_memory = parse_size(args.max_memory)
+        if not max_memory:
+            raise ParsimError(f"--max-memory {args.max_memory!r}: give a size such as 75GB")
+    return SearchRequest(model, spec, cluster, gpus, _global_batch(args.global_batch, model), args.dtype, max_memory,
+                         args.price_per_gpu_hour, None if args.tokens is None else parse_count(args.tokens, "--tokens"),
+                         args.sort, keep=max(50, args.top, args.simulate), simulate=args.simulate)
+
+
+def _gpus(text: str, cluster) -> tuple[int, ...]:
+    counts = []
+    for part in str(text).split(","):
+        try:
+            n = int(part)
+        except ValueError:
+            raise ParsimError(f"--gpus {text!r}: give whole numbers separated by commas, e.g. 256,512,1024") from None
+        cluster.nodes_for(gpus=n)  # whole nodes, at least one GPU
+        counts.append(n)
+    return tuple(dict.fromkeys(counts))
+
+
+def _global_batch(text: str | None, model) -> int:
+    """Samples per step from ``512`` or ``4M-tokens`` (default 4M tokens, or an MLP model's own batch)."""
+    per_sample = model.tokens_per_sample
+    if text is None:
+        if per_sample == 1:
+            return model.batch_size
+        text = "4M-tokens"
+    match = _TOKENS.match(text)
+    if match:
+        tokens = parse_size(match.group(1))
+        if tokens % per_sample or not tokens:
+            raise ParsimError(f"--global-batch {text}: {tokens:,} tokens is not a whole number of "
+                              f"{per_sample:,}-token sequences")
+        return tokens // per_sample
+    try:
+        samples = int(text)
+    except ValueError:
+        raise ParsimError(f"--global-batch {text!r}: give sequences (512) or tokens (4M-tokens)") from None
+    if samples < 1:
+        raise ParsimError(f"--global-batch {text}: give at least one sequence")
+    return samples
+
+
+def parse_count(text: str, flag: str) -> float:
+    """``15T`` -> 1.5e13 (decimal K, M, B or G, T), ``2.5e12`` as written."""
+    match = _COUNT.match(str(text))
+    if not match:
+        raise ParsimError(f"{flag} {text!r}: give a count such as 15T, 300B or 2.5e12")
+    value = float(match.group(1)) * _DECIMAL[match.group(2).upper()]
+    if value <= 0:
+        raise ParsimError(f"{flag} {text!r}: give a positive count")
+    return value
+
+
+class _Progress:
+    """``search: estimating 45%`` redrawn on a terminal's stderr; silent elsewhere."""
+
+    def __init__(self):
+        self.active, self.shown = sys.stderr.isatty(), False
+
+    def __call__(self, stage: str, done: float) -> None:
+        if self.active:
+            sys.stderr.write(f"\r\033[Ksearch: {stage} {done:.0%}")
+            sys.stderr.flush()
+            self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()

@@ -1,0 +1,184 @@
+"""What the fast model charges: the simulator's own pieces, priced once per shape.
+
+:class:`CommCosts` times a collective or a send the way the step simulator
+times one that nothing else contends with: its algorithm's phases (NCCL's
+choice and protocol on clusters that describe NCCL), latency plus the flows'
+uncontended transfer plus any reduction. Groups of the same shape (the same
+local GPUs, node and scalable-unit offsets) cost the same, so each shape and
+size is priced once.
+
+:class:`PassCosts` times one pass (forward, backward, input- or
+weight-gradient) of one entry (the embedding, a layer, the LM head) from the
+pieces the lowering builds (:meth:`~parsim.lower.Lowering.layer_pass`): each
+block's kernels at the compute model's rates, tensor-parallel collectives and
+expert all-to-alls blocking the compute stream, context-parallel exchanges
+overlapping the attention they serve, recomputed forwards before their
+backward. Gradient accumulation into ``.grad`` grows with the microbatch count
+as ``(m - 1)/m``; it is priced once and scaled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+import numpy as np
+import simpy
+
+from ..cluster import ClusterSpec
+from ..compute import ComputeModel
+from ..lower import CommPiece, Lowering
+from ..network import Network
+from ..plan import Plan
+from ..stepsim import StepSimulator
+from .tables import entry_types
+
+# Where a pass's time on the compute stream goes (the step report's phases that compute-stream work fills).
+PASS_PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "ep", "cp")
+KINDS = ("F", "B", "I", "W")
+
+
+class CommCosts:
+    """Uncontended collective and send times on ``gpus`` GPUs of ``cluster`` (see the module docstring)."""
+
+    def __init__(self, cluster: ClusterSpec, gpus: int, compute: ComputeModel):
+        self.topo = cluster.build(max(1, gpus // cluster.gpus_per_node))
+        self.sim = StepSimulator(self.topo, compute)
+        self.net = Network(simpy.Environment(), self.topo.capacity_Bps, track_bytes=False)
+        self._by_shape: dict[tuple, dict[float, float]] = {}
+        self._shapes: dict[tuple[int, ...], tuple] = {}
+
+    def time(self, kind: str, collective: str, ranks: tuple[int, ...], nbytes: float) -> float:
+        """Seconds for ``collective`` over ``ranks`` (``kind`` "send": ``ranks[0]`` sends to ``ranks[1]``)."""
+        return self.pricer(kind, collective, ranks)(nbytes)
+
+    def pricer(self, kind: str, collective: str, ranks: tuple[int, ...]) -> Callable[[float], float]:
+        """:meth:`time` of one group for any size (the group's shape looked up once)."""
+        if len(ranks) < 2 or (kind == "send" and ranks[0] == ranks[1]):
+            return no_cost
+        shape = self._shapes.get(ranks)
+        if shape is None:
+            group = np.asarray(ranks)
+            nodes, units = self.topo.node_of(group), self.topo.unit_of(group)
+            shape = self._shapes[ranks] = ((group % self.topo.gpus_per_node).tobytes(),
+                                           (nodes - nodes[0]).tobytes(), (units - units[0]).tobytes())
+        memo = self._by_shape.setdefault((kind, collective, shape), {})
+
+        def price(nbytes: float) -> float:
+            seconds = memo.get(nbytes)
+            if seconds is None:
+                if not nbytes:
+                    return 0.0
+                phases = self.sim.comm_phases(kind, collective, ranks, (), nbytes)
+                seconds = memo[nbytes] = sum(p.latency_s + self.net.solo_time(p.routes, p.nbytes, p.key)
+                                             + p.reduce_s for p in phases)
+            return seconds
+        return price
+
+
+def no_cost(nbytes: float) -> float:
+    return 0.0
+
+
+@dataclass(frozen=True)
+class PassTable:
+    """Per entry type (:func:`~parsim.search.tables.entry_types`) and pass kind (F, B, I, W), one
+    microbatch's seconds on the compute stream.
+
+    ``phases`` splits them by :data:`PASS_PHASES`, without gradient accumulation;
+    ``accumulate`` is the accumulation's time in the limit of many microbatches,
+    of which ``(m-1)/m`` is charged, to the pass's compute phase. ``trailing`` is
+    the blocking communication after an entry's last kernel (its gradients are
+    final before it).
+    """
+
+    phases: np.ndarray  # [types, 4, phases]
+    accumulate: np.ndarray  # [types, 4]
+    trailing: np.ndarray  # [types, 4]
+
+    def seconds(self, m: int) -> np.ndarray:
+        """[types, 4]: each entry's pass with ``m`` microbatches per step."""
+        return self.phases.sum(axis=2) + self.accumulate * ((m - 1) / m)
+
+    def phase_seconds(self, m: int) -> np.ndarray:
+        """[types, 4, phases]."""
+        out = self.phases.copy()
+        compute = out[..., :4].argmax(axis=2)  # the pass's own compute phase takes the accumulation
+        np.put_along_axis(out, compute[..., None], np.take_along_axis(out, compute[..., None], axis=2)
+                          + self.accumulate[..., None] * ((m - 1) / m), axis=2)
+        return out
+
+
+class PassCosts:
+    """Entry pass times for one search's plans, cached by what they depend on."""
+
+    def __init__(self, compute: ComputeModel, comm: CommCosts):
+        self.compute, self.comm = compute, comm
+        self.compute_time = lru_cache(maxsize=None)(compute.time)
+        self._tables: dict[tuple, PassTable] = {}
+
+    def table(self, key: tuple, prototype: Callable[[], Plan]) -> PassTable:
+        """The passes of ``prototype()``'s entries, cached under ``key`` (what they depend on); the
+        prototype is any plan with those settings and at least two microbatches (the accumulation's scale)."""
+        cached = self._tables.get(key)
+        if cached is None:
+            cached = self._tables[key] = self._price(prototype())
+        return cached
+
+    def derived(self, key: tuple, make: Callable[[], PassTable]) -> PassTable:
+        """A table made from others (``make``), cached under ``key``."""
+        cached = self._tables.get(key)
+        if cached is None:
+            cached = self._tables[key] = make()
+        return cached
+
+    def _price(self, plan: Plan) -> PassTable:
+        lowering = Lowering(plan)
+        recomputed = {c.name for s in range(plan.num_stages) for c in plan.recomputed(s)}
+        types = entry_types(plan)
+        phases = np.zeros((len(types), len(KINDS), len(PASS_PHASES)))
+        accumulate = np.zeros((len(types), len(KINDS)))
+        trailing = np.zeros((len(types), len(KINDS)))
+        for e, cost in enumerate(types):
+            for k, kind in enumerate(KINDS):
+                pieces = lowering.layer_pass(0, 0, cost, "R") if cost.name in recomputed and kind in "BI" else []
+                phases[e, k], accumulate[e, k], trailing[e, k] = self._time(
+                    pieces + lowering.layer_pass(0, 0, cost, kind), plan.num_microbatches)
+        return PassTable(phases, accumulate, trailing)
+
+    def _time(self, pieces, m0: int) -> tuple[np.ndarray, float, float]:
+        """Seconds of ``pieces`` on the compute stream by phase, the accumulation's limit, and the blocking
+        communication after the last kernel: collectives in line, context-parallel exchanges on their own
+        stream from the op before them until the next join."""
+        phases = np.zeros(len(PASS_PHASES))
+        t = cp_free = last_kernel = accumulate = 0.0
+        pending: list[float] = []
+        for piece in pieces:
+            if type(piece) is CommPiece:
+                cost = self.comm.time("collective", piece.collective, piece.ranks, piece.nbytes)
+                if piece.group == "cp":
+                    cp_free = max(t, cp_free) + cost
+                    pending.append(cp_free)
+                else:
+                    t += cost
+                    phases[PASS_PHASES.index(piece.group)] += cost
+                continue
+            if piece.joins:
+                wait = max(max(pending, default=t) - t, 0.0)
+                t += wait
+                phases[PASS_PHASES.index("cp")] += wait
+                pending = []
+                continue
+            acc = piece.stream_bytes
+            seconds = self.compute_time(piece.matmuls, 0.0, piece.hbm_bytes - acc, piece.kernels,
+                                        piece.attention_flops, piece.attention_grad_flops, piece.forward_ops,
+                                        piece.backward_ops, 0, 0.0)
+            if acc:  # streaming bytes into .grad adds its own time (ComputeModel.time is linear in them)
+                extra = self.compute_time((), 0.0, acc, 0, 0.0, 0.0, 0, 0, 0, acc)
+                accumulate += extra * m0 / (m0 - 1)
+                t += extra
+            t += seconds
+            phases[PASS_PHASES.index(piece.phase)] += seconds
+            last_kernel = t
+        return phases, accumulate, t - last_kernel

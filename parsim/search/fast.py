@@ -1,0 +1,621 @@
+"""The fast tier: a plan's step time and memory in closed form over the simulator's own costs.
+
+For one :class:`~parsim.search.space.Setting` and its variants, the fast
+model charges what the step simulator charges, priced without simulating:
+
+* **passes** — per stage and pass kind, the sum of its entries' passes
+  (:mod:`parsim.search.costs`); with FSDP, each entry also waits for the
+  all-gather of its weights, prefetched one entry ahead on a stream of its
+  own, as the lowering orders them;
+* **the pipeline** — the schedule timed by its dependencies
+  (:mod:`parsim.search.pipeline`), a transfer between ranks costing an
+  uncontended send;
+* **the tail** of each pipeline rank — gradient buckets reduced on the
+  communication stream as the final backward makes them (all-reduce, or
+  reduce-scatter under ZeRO, plus the HSDP all-reduce across replicas),
+  FSDP's per-layer reduce-scatters, the sequence-parallel norm sync, the
+  optimizer step, and ZeRO-1/2's weight all-gathers after it;
+* **memory** — :func:`parsim.memory.memory`'s account (:mod:`parsim.search.tables`).
+
+What it leaves out is contention: collectives that overlap in time share
+links in the simulator and are priced alone here (``docs/search.md`` measures
+the difference). :meth:`FastModel.prepare` gives every variant's memory and a
+lower bound of its step time (each rank's own work, its earliest start and
+its tail) in a few array operations per setting; :meth:`FastModel.estimate`
+times the pipelines of many plans in batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ..cluster import ClusterSpec
+from ..compute import ComputeModel
+from ..lower import ADAMW_ACCESSES, ADAMW_KERNELS, FP32, Lowering, buckets, param_tensors
+from ..model import MLPModel
+from ..plan import DTYPE_BYTES, Plan
+from ..schedules import make_schedule, peak_in_flight
+from ..step_report import PHASES
+from .costs import KINDS, PASS_PHASES, CommCosts, PassCosts, PassTable, no_cost
+from .pipeline import PipelineTiming, time_schedule
+from .space import SearchSpace, Setting, Variant
+from .tables import Layout, entry_tables, entry_types, layout_of, peak_memory, rank_tables, sync_arrays
+
+SPLIT_SCHEDULES = ("zero-bubble", "zb-h2", "zbv")  # every backward runs as I, then W
+V_SCHEDULES = ("zbv", "dualpipe-v")
+
+
+@dataclass
+class Prepared:
+    """A setting's variants: memory, and for those that fit a lower bound of the step time."""
+
+    setting: Setting
+    variants: tuple[Variant, ...]
+    memory: np.ndarray  # [variants] peak bytes per GPU
+    state: np.ndarray  # [variants] the same without activations: weights, gradients, optimizer, FSDP buffers
+    bound: np.ndarray  # [variants] seconds (inf where the plan does not fit)
+    inputs: dict[int, "_Inputs"]  # by variant index: its pipeline's inputs (shared by variants alike)
+
+
+@dataclass
+class _Inputs:
+    """The pipeline of one group of variants that run the same passes: per-stage pass seconds, transfers
+    between ranks, when each rank can start, and (once timed) the timing."""
+
+    key: tuple
+    durations: np.ndarray  # [stages * 4]
+    hops: np.ndarray  # [stages - 1]
+    start: np.ndarray  # [pp]
+    waits: np.ndarray  # [stages * 4]: FSDP's waits for gathers inside each pass
+    lead: np.ndarray  # [stages * 4]: the part of those a rank spends before the pass's inputs matter
+    ends: list[list[np.ndarray]] | None = None  # FSDP: per distinct stage and kind, entry ends within the pass
+    fsdp_tables: tuple[np.ndarray, np.ndarray] | None = None  # the same per (stage, kind), with the scatters
+    offsets: dict[int, np.ndarray] | None = None  # per stage, when its entries' gradients are final in its last pass
+    timing: PipelineTiming | None = None
+
+
+@dataclass
+class Estimate:
+    """The fast model's figures for one plan."""
+
+    step_s: float
+    memory_bytes: float
+    phases: dict[str, float]  # the slowest pipeline rank's step, by the step report's phases
+    rank: int  # that pipeline rank
+
+
+class FastModel:
+    """Fast estimates for the plans of one :class:`SearchSpace` on one cluster."""
+
+    def __init__(self, space: SearchSpace, cluster: ClusterSpec, capacity: float | None = None):
+        """``capacity``: bytes a plan may use per GPU (default: the GPU's memory)."""
+        self.space, self.cluster = space, cluster
+        self.dtype_bytes = d = DTYPE_BYTES[space.dtype]
+        self.compute = ComputeModel.for_cluster(cluster, space.dtype, d, min(space.gpus, cluster.gpus_per_node))
+        self.comm = CommCosts(cluster, space.gpus, self.compute)
+        self.passes = PassCosts(self.compute, self.comm)
+        self.capacity = capacity or cluster.gpu.hbm_capacity_bytes
+        self._plans: dict[tuple, Plan] = {}
+        self._cache: dict[tuple, object] = {}
+        self._hidden = space.model.width if isinstance(space.model, MLPModel) else space.model.hidden
+
+    def _cached(self, key: tuple, make):
+        value = self._cache.get(key)
+        if value is None:
+            value = self._cache[key] = make()
+        return value
+
+    # -- plans standing in for settings --------------------------------------------------
+    def plan(self, s: Setting, v: Variant, *, pp: int | None = None, dp: int | None = None,
+             m: int | None = None, schedule: str | None = None, vs: int | None = None) -> Plan:
+        """A plan with the setting's and variant's values, some replaced (cached)."""
+        pp, dp = pp or s.pp, dp or s.dp
+        m, schedule, vs = m or s.num_microbatches, schedule or s.schedule, vs or s.virtual_stages
+        if schedule in V_SCHEDULES:
+            vs = 2
+        key = (pp, dp, m, schedule, vs, s.tp, s.cp, s.ep, s.microbatch_size, v)
+        plan = self._plans.get(key)
+        if plan is None:
+            model = self.space.model
+            if isinstance(model, MLPModel):  # its batch is the model's: a stand-in gets one that fits it
+                model = dataclasses.replace(model, batch_size=dp * s.microbatch_size * m)
+            plan = self._plans[key] = Plan(
+                model=model, dp=dp, tp=s.tp, pp=pp, cp=s.cp, ep=s.ep, microbatch_size=s.microbatch_size,
+                num_microbatches=m, schedule=schedule, virtual_stages=vs, dtype=self.space.dtype,
+                order=v.order, sequence_parallel=v.sequence_parallel, activation_recompute=v.recompute,
+                context_parallel=v.context_parallel, grad_sync=v.grad_sync, zero=v.zero,
+                shard_group=v.shard_group, bucket_size=self.space.bucket_size, name="search")
+        return plan
+
+    def layout_plan(self, s: Setting, v: Variant) -> Plan:
+        """A plan with the setting's degrees, stage placement and the variant's groups and sharding, standing in
+        for every microbatch split and schedule of that shape: what groups, buckets and stages need."""
+        placement = s.schedule in V_SCHEDULES
+        schedule = "zbv" if placement else "interleaved-1f1b" if s.virtual_stages > 1 else "1f1b"
+        plain = Variant(v.order, v.sequence_parallel, "none", "ring", v.grad_sync, v.zero, v.shard_group)
+        return self.plan(s._replace(microbatch_size=1), plain, m=2 * s.pp, schedule=schedule)
+
+    def _structure(self, s: Setting, v: Variant) -> tuple:
+        """What :meth:`layout_plan` depends on: a cache key."""
+        return (s.dp, s.tp, s.pp, s.cp, s.ep, s.schedule in V_SCHEDULES, s.virtual_stages, v.order,
+                v.sequence_parallel, v.grad_sync, v.zero, v.shard_group)
+
+    def _prototype(self, s: Setting, v: Variant, pp: int = 1, vs: int = 1) -> Plan:
+        """``pp`` pipeline ranks of ``vs`` stages (one by default), a schedule that allows them, and two
+        microbatches per rank: what entries and stages need, unless expert all-to-alls need the
+        data-parallel ranks' real layout. Its schedule is never built."""
+        plain = Variant(v.order, v.sequence_parallel, v.recompute, v.context_parallel, "bucketed", 0, None)
+        schedule = "interleaved-1f1b" if vs > 1 else "1f1b"
+        if s.ep > 1:
+            return self.plan(s, plain, m=2 * s.pp, schedule=schedule, vs=vs)
+        return self.plan(s, plain, pp=pp, dp=1, m=2 * pp, schedule=schedule, vs=vs)
+
+    def pass_table(self, s: Setting, v: Variant) -> PassTable:
+        key = (s.tp, s.cp, s.ep, s.microbatch_size, v.sequence_parallel, v.recompute, v.context_parallel,
+               (s.dp, s.pp, v.order) if s.ep > 1 else None)
+        if v.recompute == "full":  # a recomputed layer's backward starts with its forward again
+            return self.passes.derived(key, lambda: _with_recompute(
+                self.pass_table(s, v._replace(recompute="none")), self._entry_tables(s, v).recomputed))
+        return self.passes.table(key, lambda: self._prototype(s, v))
+
+    def layout(self, s: Setting) -> Layout:
+        placement = "v" if s.schedule in V_SCHEDULES else "loop"
+        return self._cached(("layout", s.pp, s.virtual_stages, placement),
+                            lambda: layout_of(self._prototype(s, _PLAIN, pp=s.pp, vs=s.virtual_stages), placement))
+
+    def _ranks(self, s: Setting, v: Variant):
+        placement = "v" if s.schedule in V_SCHEDULES else "loop"
+        return self._cached(("ranks", s.pp, s.virtual_stages, placement, s.tp, s.ep, v.sequence_parallel,
+                             v.recompute), lambda: rank_tables(self.layout(s), self._entry_tables(s, v)))
+
+    def _entry_tables(self, s: Setting, v: Variant):
+        return self._cached(("entries", s.tp, s.ep, v.sequence_parallel, v.recompute),
+                            lambda: entry_tables(self._prototype(s, v)))
+
+    # -- memory and bounds ----------------------------------------------------------------
+    def prepare(self, s: Setting, variants: tuple[Variant, ...]) -> Prepared:
+        """Memory of every variant, and for those that fit a lower bound of the step time: each rank's
+        forward chain before its first pass, its passes and its optimizer step (FSDP's waits for weights
+        and every gradient sync left out, so the bound never exceeds the estimate)."""
+        arrays = self._variant_arrays(s, variants)
+        in_flight = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[0]
+        tokens = s.microbatch_size * self.space.model.tokens_per_sample // s.cp
+        ranks = [self._ranks(s, v) for v in arrays.activation_keys]
+        memory, state = peak_memory(ranks, arrays.activation_index, arrays.sync, in_flight, tokens, self.dtype_bytes)
+        bound = np.full(len(variants), np.inf)
+        prepared = Prepared(s, variants, memory, state, bound, {})
+        fits = np.flatnonzero(memory <= self.capacity)
+        if not len(fits):
+            return prepared
+        layout, counts = self.layout(s), _pass_counts(s)
+        tables = np.array([self.pass_table(s, v).seconds(s.num_microbatches) for v in arrays.table_keys])
+        durations = np.einsum("st,ktc->ksc", layout.counts, tables)  # [K, stages, 4]
+        busy = durations.reshape(len(tables), -1) @ counts.T  # [K, pp]
+        hops = np.array([self._hops(s, v, layout) for v in arrays.order_keys])  # [O, stages - 1]
+        chain = np.zeros((len(tables), len(hops), durations.shape[1]))
+        chain[:, :, 1:] = np.cumsum(durations[:, None, :-1, 0] + hops[None], axis=2)
+        work = chain[:, :, layout.rank_stages[:, 0]] + busy[:, None, :]  # [K, O, pp]
+        optimizer = np.array([self._tail_bound(s, v) for v in arrays.sync_keys])  # [Z, pp]
+        total = work[arrays.table_index[fits], arrays.order_index[fits]] + optimizer[arrays.sync_index[fits]]
+        bound[fits] = total.max(axis=1)
+        return prepared
+
+    def _variant_arrays(self, s: Setting, variants: tuple[Variant, ...]) -> "_VariantArrays":
+        def make() -> _VariantArrays:
+            index: dict[str, dict[tuple, Variant]] = {k: {} for k in ("activation", "table", "order", "sync")}
+            positions: dict[str, list[int]] = {k: [] for k in index}
+            for v in variants:
+                for name, key in (("activation", (v.sequence_parallel, v.recompute)),
+                                  ("table", (v.sequence_parallel, v.recompute, v.context_parallel)),
+                                  ("order", v.order), ("sync", (v.zero, v.shard_group))):
+                    keys = index[name]
+                    if key not in keys:
+                        keys[key] = v
+                    positions[name].append(list(keys).index(key))
+            zero = np.array([v.zero for v in variants])
+            shard = np.array([(v.shard_group or s.dp * s.cp) if v.zero else 1 for v in variants])
+            sync = sync_arrays(zero, shard, s.dp * s.cp // s.ep, self.dtype_bytes)
+            return _VariantArrays(*(list(index[k].values()) for k in index),
+                                  *(np.array(positions[k]) for k in index), sync)
+        return self._cached(("variants", id(variants), s.dp, s.cp, s.ep), make)
+
+    def _tail_bound(self, s: Setting, v: Variant) -> np.ndarray:
+        """Per pipeline rank, what surely follows its last pass: its optimizer step (the gradient sync
+        before it may hide entirely; ZeRO's all-gathers after it are left to the estimate)."""
+        key = ("optimizer", s.pp, s.virtual_stages, s.schedule in V_SCHEDULES, s.tp, s.ep, s.dp * s.cp, v.zero,
+               v.shard_group)
+        return self._cached(key, lambda: np.array([self._optimizer(s, v, p) for p in range(s.pp)]))
+
+    # -- pipeline inputs ---------------------------------------------------------------------
+    def _inputs_of(self, prep: Prepared, i: int) -> _Inputs:
+        """Variant ``i``'s pipeline inputs, shared with the setting's variants that run the same passes."""
+        v = prep.variants[i]
+        key = (v.order, v.sequence_parallel, v.recompute, v.context_parallel, v.fsdp, v.shard_group)
+        for x in prep.inputs.values():
+            if x.key == key:
+                break
+        else:
+            x = self._inputs(prep.setting, v, self.layout(prep.setting))
+        prep.inputs[i] = x
+        return x
+
+    def _inputs(self, s: Setting, v: Variant, layout: Layout) -> _Inputs:
+        m = s.num_microbatches
+        seconds = self.pass_table(s, v).seconds(m)  # [types, 4]
+        waits = lead = np.zeros(len(layout.stage_entries) * 4)
+        fsdp = self._fsdp(s, v)
+        ends = None
+        if fsdp is None:
+            durations = (layout.counts @ seconds).ravel()
+        else:
+            # Per distinct stage and kind: the pass after another (the gather stream still busy with that one's
+            # last gathers), its part before its inputs matter (the first gathers, issued as soon as the stream
+            # is free, ahead of the pass: the lead), and the rank's very first pass (nothing gathered yet).
+            shape = (len(layout.distinct), 4)
+            after, ahead, first, waited = np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape)
+            ends = []
+            for d, entries in enumerate(layout.distinct):
+                ends.append([])
+                for k, kind in enumerate(KINDS):
+                    order = list(entries if kind == "F" else entries[::-1])
+                    if kind == "W":  # the weight gradients need no weights
+                        ends[d].append(np.cumsum(seconds[order, k]))
+                        after[d, k] = first[d, k] = ends[d][-1][-1]
+                        continue
+                    d_, g = seconds[order, k], fsdp[0][order]
+                    waited[d, k], entry_ends = _gathered_pass(d_, g, min(g[-1] - d_[-2:].sum(), -d_[-1]))
+                    after[d, k] = entry_ends[-1]
+                    ahead[d, k] = after[d, k] - _gathered_pass(d_, g, -np.inf)[1][-1]
+                    first[d, k] = _gathered_pass(d_, g, 0.0)[1][-1]
+                    ends[d].append(entry_ends)
+            durations = after[layout.distinct_of].ravel()
+            lead = ahead[layout.distinct_of].ravel()
+            waits = waited[layout.distinct_of].ravel()
+        hops = self._hops(s, v, layout)
+        start = np.zeros(s.pp)
+        if fsdp is not None:  # a rank's first forward gathers from nothing: the part beyond the usual lead
+            d = layout.distinct_of[layout.rank_stages[:, 0]]
+            start = np.maximum(first[d, 0] - (after[d, 0] - ahead[d, 0]) - ahead[d, 0], 0.0)
+        return _Inputs((v.order, v.sequence_parallel, v.recompute, v.context_parallel, v.fsdp, v.shard_group),
+                       durations, hops, start, waits, lead, ends)
+
+    def _hops(self, s: Setting, v: Variant, layout: Layout) -> np.ndarray:
+        """Per stage boundary, the send of one microbatch's activations (or their gradients) between the
+        representative ranks of the two stages."""
+        key = ("hops", s.dp, s.tp, s.pp, s.cp, s.ep, s.microbatch_size, s.schedule in V_SCHEDULES,
+               s.virtual_stages, v.order)
+
+        def make() -> np.ndarray:
+            nbytes = s.microbatch_size * self.space.model.tokens_per_sample // s.cp * self._hidden * self.dtype_bytes
+            first = self._cached(("pp ranks", s.dp, s.tp, s.pp, s.cp, v.order),
+                                 lambda: [self.layout_plan(s, v).rank_of(pp=r) for r in range(s.pp)])
+            pairs = {}  # boundaries between the same two ranks cost the same
+            for a, b in zip(layout.stage_rank, layout.stage_rank[1:]):
+                if (a, b) not in pairs:
+                    pairs[a, b] = self.comm.time("send", "send_recv", (first[a], first[b]), nbytes)
+            return np.array([pairs[a, b] for a, b in zip(layout.stage_rank, layout.stage_rank[1:])])
+        return self._cached(key, make)
+
+    def _fsdp(self, s: Setting, v: Variant) -> tuple[np.ndarray, np.ndarray] | None:
+        """FSDP, per entry type: the all-gather of its weights, and the reduce-scatter of its gradients (plus
+        the HSDP all-reduce across replicas) over the shard group; None without FSDP."""
+        if not (v.fsdp and (v.shard_group or s.dp * s.cp) > 1):
+            return None
+
+        def make() -> tuple[np.ndarray, np.ndarray]:
+            plan = self.layout_plan(s, v)
+            lowering = Lowering(plan)
+            shard = lowering.group(0, "shard")[0]
+            replicas = plan.shard_size < plan.dp * plan.cp
+            gather, scatter = [], []
+            for cost in entry_types(plan):
+                nbytes = sum(n for n, _ in param_tensors(cost, plan.tp)) * plan.dtype_bytes
+                gather.append(self.comm.time("collective", "all_gather", shard, nbytes))
+                scatter.append(self.comm.time("collective", "reduce_scatter", shard, nbytes) + (
+                    self.comm.time("collective", "all_reduce", lowering.group(0, "replicate")[0],
+                                   nbytes / plan.shard_size) if replicas else 0.0))
+            return np.array(gather), np.array(scatter)
+        return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, v.order, v.shard_group), make)
+
+    # -- estimates ------------------------------------------------------------------------------
+    def estimate(self, jobs: list[tuple[Prepared, int]]) -> list[Estimate]:
+        """Estimates of variant ``i`` of each prepared setting; pipelines of one shape are timed together."""
+        groups: dict[tuple, dict[int, _Inputs]] = {}
+        for prep, i in jobs:
+            x = self._inputs_of(prep, i)
+            if x.timing is None:  # FSDP reduces every pass's gradients: it needs every pass's start
+                groups.setdefault(_shape(prep.setting) + (x.ends is not None,), {})[id(x)] = x
+        for (name, pp, m, vs, every_pass), members in groups.items():
+            batch = list(members.values())
+            timing = time_schedule(name, pp, m, vs, np.array([x.durations for x in batch]),
+                                   np.array([x.hops for x in batch]).reshape(len(batch), -1),
+                                   np.array([x.start for x in batch]), every_pass, np.array([x.lead for x in batch]))
+            for j, x in enumerate(batch):
+                x.timing = PipelineTiming(timing.rank_end[j], timing.final_start[j],
+                                          None if timing.starts is None else timing.starts[j], timing.compiled,
+                                          None if timing.starts_end is None else timing.starts_end[j])
+        return [self._finish(prep, i) for prep, i in jobs]
+
+    def _finish(self, prep: Prepared, i: int) -> Estimate:
+        s, v, x = prep.setting, prep.variants[i], prep.inputs[i]
+        tails = [self._rank_tail(s, v, x, p) for p in range(s.pp)]
+        rank = max(range(s.pp), key=lambda p: tails[p][0])
+        step, compute_end, sync_end, optimizer, gathers = tails[rank]
+        counts = _pass_counts(s)[rank]
+        table = self.pass_table(s, v).phase_seconds(s.num_microbatches)  # [types, 4, phases]
+        layout = self.layout(s)
+        per_stage = np.einsum("st,tkp->skp", layout.counts, table).reshape(-1, len(PASS_PHASES))
+        phases = dict.fromkeys(PHASES, 0.0)
+        for name, seconds in zip(PASS_PHASES, counts @ per_stage):
+            phases[name] += float(seconds)
+        phases["fsdp"] += float(counts @ x.waits)
+        phases["fsdp" if v.fsdp else "dp"] += max(sync_end - compute_end, 0.0) + gathers
+        phases["optimizer"] = optimizer
+        start = float(x.start[rank])  # FSDP: the first weights gathered before the rank's first pass
+        phases["fsdp"] += start
+        phases["pp"] = max(compute_end - start - float(counts @ x.durations), 0.0)
+        return Estimate(float(step), float(prep.memory[i]), phases, rank)
+
+    def _rank_tail(self, s: Setting, v: Variant, x: _Inputs, p: int) -> tuple[float, float, float, float, float]:
+        """Pipeline rank ``p``: (its end, its last pass's end, its gradient sync's end, optimizer seconds,
+        ZeRO's all-gather seconds after the step)."""
+        if x.ends is not None:  # FSDP: each entry's reduce-scatter as each backward makes its gradients
+            return self._fsdp_tail(s, v, x, p)
+        end = float(x.timing.rank_end[p])
+        start = x.timing.final_start
+        if x.offsets is None:
+            x.offsets = self._final_offsets(s, v)
+        ready, costs = [], []
+        for marks, seconds in self._bucket_plan(s, v, p):
+            ready.append(np.array([start[st] + x.offsets[st][j] for st, j in marks]))
+            costs.append(seconds)
+        sync = end
+        if ready:
+            r, c = np.concatenate(ready), np.concatenate(costs)
+            sync = max(end, float((r + np.cumsum(c[::-1])[::-1]).max()))
+        sync += self._norm_sync(s, v, p)
+        optimizer = self._optimizer(s, v, p)
+        gathers = sum(self._zero_gathers(s, v, p))
+        return sync + optimizer + gathers, end, sync, optimizer, gathers
+
+    def _fsdp_tail(self, s: Setting, v: Variant, x: _Inputs, p: int) -> tuple[float, float, float, float, float]:
+        """:meth:`_rank_tail` under FSDP: the communication stream reduce-scatters every entry's gradients after
+        every backward, in the order the rank runs them. A long schedule's passes are read off a shorter one of
+        the same shape: its stream ends as late as the short one's shifted by the extra rounds, or, if it
+        cannot keep up, as late as its first reduction plus all of them."""
+        timing = x.timing
+        end = float(timing.rank_end[p])
+        compiled = timing.compiled
+        kind = compiled.var % 4
+        mine = np.flatnonzero((compiled.rank == p) & ((kind == KINDS.index("B")) | (kind == KINDS.index("W"))))
+        ends, scatters = self._fsdp_tables(s, v, x)
+        which = compiled.var[mine]  # the rank's passes in the order it runs them: rows of the tables
+        r = (timing.starts[mine, None] + ends[which]).ravel()
+        c = scatters[which].ravel()  # padding: ready at its pass's end, costing nothing
+        sync = float((r + np.cumsum(c[::-1])[::-1]).max())
+        extra = s.num_microbatches - compiled.schedule.num_microbatches
+        if extra:
+            per_microbatch = float(c.sum()) / compiled.schedule.num_microbatches
+            sync = max(sync + end - float(timing.starts_end[p]), float(r.min()) + per_microbatch * s.num_microbatches)
+        sync = max(sync, end) + self._norm_sync(s, v, p)
+        optimizer = self._optimizer(s, v, p)
+        return sync + optimizer, end, sync, optimizer, 0.0
+
+    def _fsdp_tables(self, s: Setting, v: Variant, x: _Inputs) -> tuple[np.ndarray, np.ndarray]:
+        """[stages * 4, most entries]: per (stage, kind) pass, each entry's end within the pass and its
+        reduce-scatter's seconds, in backward order (rows padded with the pass's end and no cost)."""
+        if x.fsdp_tables is None:
+            scatter = self._fsdp(s, v)[1]
+            layout = self.layout(s)
+            width = max(len(e) for e in layout.stage_entries)
+            ends, costs = np.zeros((len(layout.stage_entries) * 4, width)), np.zeros((len(layout.stage_entries) * 4,
+                                                                                       width))
+            for stage, entries in enumerate(layout.stage_entries):
+                for k in (KINDS.index("B"), KINDS.index("W")):
+                    e = x.ends[layout.distinct_of[stage]][k]
+                    ends[stage * 4 + k, :len(e)], ends[stage * 4 + k, len(e):] = e, e[-1]
+                    costs[stage * 4 + k, :len(e)] = scatter[list(entries[::-1])]
+            x.fsdp_tables = ends, costs
+        return x.fsdp_tables
+
+    def _final_offsets(self, s: Setting, v: Variant) -> dict[int, np.ndarray]:
+        """Per stage, when each entry's gradients are final (its last kernel), seconds into the stage's
+        final backward (B, or W where split), entries in backward order."""
+        table = self.pass_table(s, v)
+        seconds = table.seconds(s.num_microbatches)
+        final = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[2]
+        out = {}
+        for st, entries in enumerate(self.layout(s).stage_entries):
+            order, k = list(entries[::-1]), final[st]
+            out[st] = np.cumsum(seconds[order, k]) - table.trailing[order, k]
+        return out
+
+    # -- the tail's pieces ---------------------------------------------------------------------
+    def _bucket_sizes(self, s: Setting, v: Variant, p: int, expert: bool) -> tuple[tuple[float, tuple], ...]:
+        """Pipeline rank ``p``'s gradient buckets (dense or experts'), as the lowering fills them: (bytes,
+        (stage, entry position in the final backward) of the bucket's last gradient)."""
+        placement = s.schedule in V_SCHEDULES
+        key = ("bucket sizes", s.pp, s.virtual_stages, placement, s.tp, s.ep, p, expert)
+
+        def make():
+            plan = self._prototype(s, _PLAIN)
+            per_type = [[n * self.dtype_bytes for n, e in param_tensors(c, plan.tp, plan.ep) if e == expert]
+                        for c in entry_types(plan)]
+            layout = self.layout(s)
+            tensors = [(nbytes, (int(st), position)) for st in layout.rank_stages[p][::-1]
+                       for position, e in enumerate(layout.stage_entries[st][::-1]) for nbytes in per_type[e]]
+            return tuple(buckets(tensors, self.space.bucket_size))
+        return self._cached(key, make)
+
+    def _bucket_plan(self, s: Setting, v: Variant, p: int) -> tuple[tuple[tuple, np.ndarray], ...]:
+        """Gradient buckets of pipeline rank ``p``, as the lowering makes them and in the order the
+        communication stream runs them (dense buckets, then the experts'): per bucket, (stage, entry
+        position in the final backward) of its last gradient, and its seconds."""
+        return self._cached(("buckets", p) + self._structure(s, v), lambda: self._buckets(s, v, p))
+
+    def _buckets(self, s: Setting, v: Variant, p: int):
+        plan = self.layout_plan(s, v)
+        if plan.dp * plan.cp == 1 or v.fsdp:
+            return ()
+        lowering = Lowering(plan)
+        replicas = plan.shard_size < plan.dp * plan.cp
+        out = []
+        for expert, dim in ((False, "shard"), (True, "edp")):
+            if expert and plan.dp * plan.cp // plan.ep == 1:
+                continue  # every expert lives on one rank only: nothing to sync
+            filled = self._bucket_sizes(s, v, p, expert)
+            if not filled:
+                continue
+            if not plan.zero:
+                reduce = self.comm.pricer("collective", "all_reduce", lowering.group(p, "edp" if expert else "dp")[0])
+            else:
+                scatter = self.comm.pricer("collective", "reduce_scatter", lowering.group(p, dim)[0])
+                across = self.comm.pricer("collective", "all_reduce", lowering.group(p, "replicate")[0]) \
+                    if replicas and not expert else no_cost
+
+                def reduce(nbytes: float) -> float:
+                    return scatter(nbytes) + across(nbytes / plan.shard_size)
+            sizes = np.array([nbytes for nbytes, _ in filled])
+            unique, index = np.unique(sizes, return_inverse=True)
+            seconds = np.array([reduce(float(n)) for n in unique])[index]
+            out.append((tuple(mark for _, mark in filled), seconds))
+        return tuple(out)
+
+    def _zero_gathers(self, s: Setting, v: Variant, p: int) -> tuple[float, ...]:
+        """ZeRO-1/2: each bucket's updated weights all-gathered after the optimizer step."""
+        if v.zero not in (1, 2) or s.dp * s.cp == 1:
+            return ()
+        return self._cached(("gathers", p) + self._structure(s, v), lambda: self._gathers(s, v, p))
+
+    def _gathers(self, s: Setting, v: Variant, p: int) -> tuple[float, ...]:
+        plan = self.layout_plan(s, v)
+        lowering = Lowering(plan)
+        out = []
+        for expert, dim in ((False, "shard"), (True, "edp")):
+            if expert and plan.dp * plan.cp // plan.ep == 1:
+                continue
+            gather = self.comm.pricer("collective", "all_gather", lowering.group(p, dim)[0])
+            sizes = [nbytes for nbytes, _ in self._bucket_sizes(s, v, p, expert)]
+            out += [gather(n) * sizes.count(n) for n in set(sizes)]
+        return tuple(out)
+
+    def _norm_sync(self, s: Setting, v: Variant, p: int) -> float:
+        """Sequence parallelism: the norm gains' gradients all-reduced over the tp group."""
+        if not (v.sequence_parallel and s.tp > 1):
+            return 0.0
+        return self._cached(("norms", p) + self._structure(s, v), lambda: self._norms(s, v, p))
+
+    def _norms(self, s: Setting, v: Variant, p: int) -> float:
+        plan = self.layout_plan(s, v)
+        per_type = np.array([sum(param.numel_per_rank(plan.tp) for param in cost.params
+                                 if param.name.startswith("norm.")) for cost in entry_types(plan)], dtype=float)
+        elements = self.layout(s).rank_counts[p] @ per_type
+        return self.comm.time("collective", "all_reduce", Lowering(plan).group(p, "tp")[0],
+                              elements * plan.dtype_bytes)
+
+    def _optimizer(self, s: Setting, v: Variant, p: int) -> float:
+        """AdamW on pipeline rank ``p``'s parameters (its shard under ZeRO), as the lowering charges it."""
+        ranks = self._ranks(s, v)
+        shard = (v.shard_group or s.dp * s.cp) if v.zero else 1
+        expert_shard = s.dp * s.cp // s.ep if v.zero else 1
+        experts = ranks.experts[p]
+        params = (ranks.params[p] - experts) / shard + experts / expert_shard
+        tensors = int(ranks.tensors[p])
+        return self.compute.time((), 12.0 * params, params * ADAMW_ACCESSES * FP32, tensors * ADAMW_KERNELS,
+                                 optimizer_tensors=tensors, stream_bytes=params * ADAMW_ACCESSES * FP32)
+
+
+_PLAIN = Variant("dp,pp,cp,tp", False, "none", "ring", "bucketed", 0, None)
+
+
+def _with_recompute(table: PassTable, recomputed: np.ndarray) -> PassTable:
+    """``table`` with the recomputed entries' forward rerun before their backward passes (B and I): the
+    same pieces (:meth:`~parsim.lower.Lowering.layer_pass` ``R``), their compute in the recompute phase."""
+    forward = table.phases[:, KINDS.index("F")].copy()
+    forward[:, PASS_PHASES.index("recompute")] = forward[:, PASS_PHASES.index("forward")]
+    forward[:, PASS_PHASES.index("forward")] = 0.0
+    phases = table.phases.copy()
+    for kind in ("B", "I"):
+        phases[recomputed, KINDS.index(kind)] += forward[recomputed]
+    return PassTable(phases, table.accumulate, table.trailing)
+
+
+@dataclass(frozen=True)
+class _VariantArrays:
+    """A layout's variants as arrays: for each thing some variants share (activation tables, pass tables,
+    placement, ZeRO sharding), one variant standing for each distinct value, and each variant's index."""
+
+    activation_keys: list[Variant]
+    table_keys: list[Variant]
+    order_keys: list[Variant]
+    sync_keys: list[Variant]
+    activation_index: np.ndarray
+    table_index: np.ndarray
+    order_index: np.ndarray
+    sync_index: np.ndarray
+    sync: object
+
+
+def _gathered_pass(seconds: np.ndarray, gathers: np.ndarray, stream: float) -> tuple[float, np.ndarray]:
+    """A pass's entries back to back, each first waiting for its FSDP all-gather, on a stream of its own
+    that is free from ``stream`` (seconds from the pass's start) and issues each gather once the entry two
+    back has ended (the first two at once). Returns the seconds spent waiting and each entry's end."""
+    d, g = seconds.tolist(), gathers.tolist()
+    first = stream + g[0]
+    if first <= 0 and (len(g) < 2 or first + g[1] <= d[0]) and all(gi <= di for gi, di in zip(g[2:], d[1:])):
+        return 0.0, np.cumsum(seconds)  # every gather hides behind the entry before the one it serves
+    out = [0.0] * len(d)
+    t = waited = 0.0
+    for i, (di, gi) in enumerate(zip(d, g)):
+        stream = (stream if i < 2 or stream > out[i - 2] else out[i - 2]) + gi
+        if stream > t:
+            waited, t = waited + stream - t, stream
+        t += di
+        out[i] = t
+    return waited, np.array(out)
+
+
+def _shape(s: Setting) -> tuple[str, int, int, int]:
+    return (s.schedule, s.pp, s.num_microbatches, s.virtual_stages)
+
+
+def schedule_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per pipeline rank, the peak of microbatches in flight; [pp, stages * 4] the passes of each
+    (stage, kind) it runs; per stage, the kind of its last microbatch's weight-gradient pass (B or W).
+
+    Past a few rounds of microbatches a schedule only repeats its steady state: one more forward and
+    backward of every stage per microbatch, and no more in flight (GPipe aside, which holds them all);
+    so a long schedule is read off one of three rounds (``tests/test_search_fast.py``)."""
+    short = min(m, 3 * pp)
+    in_flight, counts, final = _short_facts(name, pp, short, v)
+    if m > short:
+        in_flight, counts = in_flight.copy(), counts.copy()
+        own = counts[:, 0::4] > 0
+        counts[:, 0::4] += (m - short) * own
+        for k in ((2, 3) if name in SPLIT_SCHEDULES else (1,)):
+            counts[:, k::4] += (m - short) * own
+        if name == "gpipe":
+            in_flight[:] = m
+    return in_flight, counts, final
+
+
+@lru_cache(maxsize=None)
+def _short_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    schedule = make_schedule(name, pp, m, v)
+    counts = np.zeros((pp, schedule.num_stages * 4))
+    final = np.zeros(schedule.num_stages, dtype=int)
+    for r, actions in enumerate(schedule.actions):
+        for a in actions:
+            counts[r, a.stage * 4 + KINDS.index(a.kind)] += 1
+            if a.microbatch == m - 1 and a.kind in ("B", "W"):
+                final[a.stage] = KINDS.index(a.kind)
+    return np.array(peak_in_flight(schedule), dtype=float), counts, final
+
+
+@lru_cache(maxsize=None)
+def _pass_counts(s: Setting) -> np.ndarray:
+    return schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[1]

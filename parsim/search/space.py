@@ -1,0 +1,278 @@
+"""The plans a search considers: every distinct plan the simulator accepts for a model, a GPU count and a batch.
+
+A :class:`SearchSpace` names the fixed part (model, GPUs, global batch,
+dtype); :func:`enumerate_space` walks the free part level by level, outermost
+first, and counts what each level rejects and why:
+
+1. **layouts** — ``dp x tp x pp x cp = GPUs`` (and ``ep`` for mixtures of
+   experts): tensor parallelism must divide the heads, hidden and feed-forward
+   sizes, context parallelism the sequence into ``2 cp`` chunks, the stages
+   must not outnumber the layers, and ``dp`` must divide the global batch;
+2. **pipelines** — microbatch size (every divisor of the replica's batch, the
+   count following), schedule and virtual stages, under each schedule's rules
+   (1F1B-like schedules need ``m >= pp``, looped ones whole rounds of ``pp``,
+   DualPipe-V ``m >= 2 pp``); interleaved stages only where they split the
+   layers evenly (Megatron-LM's rule), and zero-bubble with one stage per rank
+   (as plans take it);
+3. **variants** — placement (``dp,pp,cp,tp`` or ``pp,dp,cp,tp``), sequence
+   parallelism, activation recomputation, the context-parallel exchange, and
+   gradient sync (DDP buckets, ZeRO-1/2, FSDP, and HSDP inside a node).
+
+Variants that are the same plan under another name are generated once: with
+one pipeline rank every schedule is 1F1B (GPipe only holds more activations),
+sequence parallelism needs ``tp > 1``, the two placements coincide when
+``dp`` or ``pp`` is 1, ZeRO needs more than one data-parallel rank, and
+selective recomputation of a flash-attention core saves and costs nothing
+(:class:`~parsim.plan.Plan`). ``tests/test_search_space.py`` checks on small
+spaces that every enumerated plan is one :func:`~parsim.plan.parse_plan`
+accepts and that the rejected ones are exactly those it refuses.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator, NamedTuple
+
+from ..model import Model, TransformerModel
+from ..plan import DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, STEADY_STATE_SCHEDULES, Plan, parse_plan
+from ..schedules import SCHEDULES as SCHEDULE_KINDS
+
+ORDERS = (DEFAULT_ORDER, "pp,dp,cp,tp")  # parsim's default, and Megatron-LM's (pp outermost, dp inside it)
+V_PAIRS = ("zbv", "dualpipe-v")  # two stages per rank in a V
+
+
+class Setting(NamedTuple):
+    """The degrees, batch split and schedule of a plan: what its pipeline timing depends on."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    microbatch_size: int
+    num_microbatches: int
+    schedule: str
+    virtual_stages: int
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+class Variant(NamedTuple):
+    """The rest of a plan: placement, sequence parallelism, recomputation, K/V exchange, gradient sync."""
+
+    order: str
+    sequence_parallel: bool
+    recompute: str
+    context_parallel: str
+    grad_sync: str  # "bucketed" or "fsdp"
+    zero: int
+    shard_group: int | None
+
+    @property
+    def fsdp(self) -> bool:
+        return self.grad_sync == "fsdp"
+
+    def sync_text(self) -> str:
+        """``ddp``, ``zero-1``, ``fsdp``, ``hsdp 8``: how gradients and training state are synced and sharded."""
+        if self.fsdp:
+            return f"hsdp {self.shard_group}" if self.shard_group else "fsdp"
+        return f"zero-{self.zero}" if self.zero else "ddp"
+
+
+class Candidate(NamedTuple):
+    """One plan of the space (:meth:`plan` builds the real one)."""
+
+    setting: Setting
+    variant: Variant
+
+    def label(self) -> str:
+        """``dp 16 x pp 8 x tp 8`` (cp and ep only where used)."""
+        s = self.setting
+        parts = [f"dp {s.dp}", f"pp {s.pp}", *([f"cp {s.cp}"] if s.cp > 1 else []), f"tp {s.tp}"]
+        return " x ".join(parts) + (f", ep {s.ep}" if s.ep > 1 else "")
+
+    def schedule_text(self) -> str:
+        s = self.setting
+        return f"{s.schedule} v{s.virtual_stages}" if s.schedule == "interleaved-1f1b" else s.schedule
+
+    def mapping(self, space: "SearchSpace", name: str = "plan") -> dict[str, Any]:
+        """The plan as a plan file's mapping (what ``parsim simulate FILE`` reads)."""
+        s, v = self
+        data: dict[str, Any] = {
+            "name": name,
+            "model": space.model_spec,
+            "parallel": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "cp": s.cp, "ep": s.ep, "order": v.order},
+            "batch": {"microbatch_size": s.microbatch_size, "num_microbatches": s.num_microbatches},
+            "schedule": s.schedule,
+            "virtual_stages": s.virtual_stages,
+            "dtype": space.dtype,
+            "sequence_parallel": v.sequence_parallel,
+            "activation_recompute": v.recompute,
+            "data_parallel": {"grad_sync": v.grad_sync, "zero": v.zero},
+        }
+        if s.cp > 1:
+            data["context_parallel"] = v.context_parallel
+        if v.grad_sync == "bucketed":
+            data["data_parallel"]["bucket_size"] = space.bucket_size
+        if v.shard_group:
+            data["data_parallel"]["shard_group"] = v.shard_group
+        return data
+
+    def plan(self, space: "SearchSpace", name: str = "plan") -> Plan:
+        """The :class:`~parsim.plan.Plan` itself, through the same parser plan files go through."""
+        return parse_plan(self.mapping(space, name), f"search plan {name}")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What is fixed: the model, the GPUs, the global batch (in samples) and the dtype."""
+
+    model: Model
+    gpus: int
+    global_batch: int
+    dtype: str = "bf16"
+    gpus_per_node: int = 8
+    bucket_size: int = DEFAULT_BUCKET_SIZE
+    model_spec: Any = None  # how a plan file names the model (a preset name); None: the model inline
+
+    def __post_init__(self) -> None:
+        if self.model_spec is None:
+            object.__setattr__(self, "model_spec", self.model.to_dict())
+
+
+@dataclass
+class Rejections:
+    """What each level of the space rejected, by reason (counts in that level's units)."""
+
+    layouts: Counter = field(default_factory=Counter)
+    pipelines: Counter = field(default_factory=Counter)
+    layouts_valid: int = 0
+    pipelines_valid: int = 0
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_reason(space: SearchSpace, dp: int, tp: int, pp: int, cp: int) -> str:
+    """Why ``dp x tp x pp x cp`` cannot run this model and batch, or "" when it can."""
+    m = space.model
+    for key, size in m.tp_sharded_sizes().items():
+        if size % tp:
+            return f"tp does not divide {key}"
+    if isinstance(m, TransformerModel) and m.num_kv_heads % tp and tp % m.num_kv_heads:
+        return "tp and the kv heads do not divide one another"
+    if cp > 1 and (not isinstance(m, TransformerModel) or m.seq_len % (2 * cp)):
+        return "cp does not split the sequence into 2 cp chunks"
+    if pp > m.num_layers:
+        return "more pipeline stages than layers"
+    if space.global_batch % dp:
+        return "dp does not divide the global batch"
+    return ""
+
+
+def schedule_reason(schedule: str, pp: int, m: int, v: int, layers: int) -> str:
+    """Why ``schedule`` with ``v`` stages per rank cannot run ``m`` microbatches on ``pp`` ranks, or ""."""
+    kind = SCHEDULE_KINDS[schedule]
+    if pp * v > layers:
+        return "more stages than layers"
+    if pp > 1 and schedule in STEADY_STATE_SCHEDULES and m < pp:
+        return "fewer microbatches than pipeline stages"
+    if m < kind.min_microbatches(pp, v):
+        return "fewer microbatches than stages (dualpipe-v)"
+    if kind.needs_whole_rounds(v) and m % pp:
+        return "looped stages need whole rounds of pp microbatches"
+    return ""
+
+
+def schedule_options(pp: int, layers: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs worth trying on ``pp`` ranks (see the module docstring)."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    options = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1), ("zb-h2", 1), ("zbv", 2), ("dualpipe-v", 2)]
+    for v in range(2, layers // pp + 1):
+        if layers % (pp * v) == 0:
+            options.append(("interleaved-1f1b", v))
+    return options
+
+
+def sync_options(space: SearchSpace, dp: int, tp: int, cp: int) -> list[tuple[str, int, int | None]]:
+    """(grad_sync, zero, shard_group) choices for ``dp x cp`` data-parallel ranks."""
+    ranks = dp * cp
+    if ranks == 1:
+        return [("bucketed", 0, None)]
+    options: list[tuple[str, int, int | None]] = [("bucketed", z, None) for z in (0, 1, 2)]
+    if space.model.is_moe:
+        return options  # experts shard with ZeRO-1/2 only (Plan)
+    options.append(("fsdp", 3, None))
+    local = max(1, space.gpus_per_node // (tp * cp)) if tp * cp <= space.gpus_per_node else 1
+    if 1 < local < ranks and ranks % local == 0:
+        options.append(("fsdp", 3, local))  # HSDP: shard inside a node, replicate across nodes
+    return options
+
+
+def recompute_options(model: Model) -> tuple[str, ...]:
+    core = getattr(model, "attention_kernel", "flash")
+    return ("none", "full") if core == "flash" else ("none", "selective", "full")
+
+
+def enumerate_space(space: SearchSpace, rejections: Rejections | None = None) -> Iterator[Candidate]:
+    """Every distinct plan of ``space`` (see :func:`enumerate_settings`)."""
+    for setting, variants in enumerate_settings(space, rejections):
+        for variant in variants:
+            yield Candidate(setting, variant)
+
+
+def enumerate_settings(space: SearchSpace, rejections: Rejections | None = None
+                       ) -> Iterator[tuple[Setting, tuple[Variant, ...]]]:
+    """Every valid setting of ``space`` with the variants that go with it, outermost level first;
+    rejected combinations are counted in ``rejections``."""
+    rej = rejections if rejections is not None else Rejections()
+    m = space.model
+    for tp in divisors(space.gpus):
+        for cp in divisors(space.gpus // tp):
+            for pp in divisors(space.gpus // (tp * cp)):
+                dp = space.gpus // (tp * cp * pp)
+                reason = layout_reason(space, dp, tp, pp, cp)
+                if reason:
+                    rej.layouts[reason] += 1
+                    continue
+                variants = _variants(space, dp, tp, pp, cp)
+                for ep in _expert_options(m, dp * cp):
+                    rej.layouts_valid += 1
+                    for setting in _settings(space, rej, dp, tp, pp, cp, ep):
+                        yield setting, variants
+
+
+def _expert_options(model: Model, data_ranks: int) -> list[int]:
+    if not model.is_moe:
+        return [1]
+    return [e for e in divisors(data_ranks) if model.num_experts % e == 0]
+
+
+def _settings(space: SearchSpace, rej: Rejections, dp: int, tp: int, pp: int, cp: int, ep: int
+              ) -> Iterator[Setting]:
+    layers = space.model.num_layers
+    per_replica = space.global_batch // dp
+    for mbs in divisors(per_replica):
+        nmb = per_replica // mbs
+        for schedule, v in schedule_options(pp, layers):
+            reason = schedule_reason(schedule, pp, nmb, v, layers)
+            if reason:
+                rej.pipelines[reason] += 1
+                continue
+            rej.pipelines_valid += 1
+            yield Setting(dp, tp, pp, cp, ep, mbs, nmb, schedule, v)
+
+
+def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int) -> tuple[Variant, ...]:
+    transformer = isinstance(space.model, TransformerModel)
+    orders = ORDERS if dp > 1 and pp > 1 else ORDERS[:1]
+    sps = (False, True) if tp > 1 and transformer else (False,)
+    cp_styles = ("ring", "all_gather") if cp > 1 else ("ring",)
+    return tuple(Variant(order, sp, recompute, cp_style, grad_sync, zero, shard)
+                 for order in orders for sp in sps for recompute in recompute_options(space.model)
+                 for cp_style in cp_styles for grad_sync, zero, shard in sync_options(space, dp, tp, cp))

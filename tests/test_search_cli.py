@@ -1,0 +1,109 @@
+"""`parsim search`: ranking with bounds equals ranking everything, the front, the CLI, JSON and plan files."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import numpy as np
+import pytest
+
+from parsim.cli.main import main
+from parsim.cluster import load_cluster, parse_cluster
+from parsim.errors import ConfigError
+from parsim.model import load_model
+from parsim.search.fast import FastModel
+from parsim.search.search import SearchRequest, run_search
+from parsim.search.space import SearchSpace, enumerate_settings
+
+from ideal_cluster import IDEAL
+
+TINY = ["search", "--model", "tiny-gpt", "--gpus", "8", "--global-batch", "8", "--simulate", "2", "--top", "4"]
+
+
+def run_json(capsys, argv: list[str]) -> dict:
+    assert main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bounding_keeps_exactly_the_top_plans_and_the_front_of_estimating_everything():
+    cluster = load_cluster("dgx-h100")
+    request = SearchRequest(load_model("tiny-gpt"), "tiny-gpt", cluster, (8,), 8, keep=20, simulate=0)
+    result = run_search(request)
+    assert result.bounded > 0  # the bounds did spare work
+    space = SearchSpace(request.model, 8, 8, model_spec="tiny-gpt")
+    fast = FastModel(space, cluster)
+    prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
+    jobs = [(p, int(i)) for p in prepared for i in np.flatnonzero(np.isfinite(p.bound))]
+    everything = sorted(e.step_s for e in fast.estimate(jobs))
+    assert [r.estimate.step_s for r in result.ranked] == pytest.approx(everything[:20], rel=1e-12)
+    front = result.front
+    for r in front:  # nothing estimated beats a front plan on both step time and memory
+        assert not any(o.estimate.step_s < r.estimate.step_s and o.memory_bytes < r.memory_bytes
+                       for o in result.estimated_plans)
+
+
+def test_json_lists_ranked_plans_with_both_tiers_and_is_the_same_for_the_same_input(capsys):
+    first = run_json(capsys, TINY)
+    assert run_json(capsys, TINY) == first
+    assert first["spaces"][0]["plans"] == first["spaces"][0]["fit"] + sum(first["spaces"][0]["over_memory"].values())
+    top = first["ranked"][0]
+    assert set(top) >= {"rank", "gpus", "plan", "fast", "simulated", "figures", "command"}
+    assert top["simulated"]["step_s"] > 0 and first["ranked"][3]["simulated"] is None
+    assert top["figures"]["usd_per_million_tokens"] > 0  # dgx-h100's example price
+    assert first["pareto_front"]
+
+
+def test_a_saved_plan_and_a_printed_command_simulate_to_the_ranked_figure(capsys, tmp_path):
+    result = run_json(capsys, TINY + ["--save-plans", str(tmp_path)])
+    capsys.readouterr()
+    top = result["ranked"][0]
+    by_file = run_json(capsys, ["simulate", str(tmp_path / "rank01.yaml")])
+    assert by_file["step_s"] == pytest.approx(top["simulated"]["step_s"], rel=1e-12)
+    flags = run_json(capsys, ["search", "--model", "tiny-gpt", "--gpus", "8", "--global-batch", "8", "--simulate", "1",
+                              "--top", "1"])["ranked"][0]
+    by_flags = run_json(capsys, shlex.split(flags["command"])[1:])
+    assert by_flags["step_s"] == pytest.approx(flags["simulated"]["step_s"], rel=1e-12)
+
+
+def test_text_report_explains_the_winner_and_draws_the_front(capsys, tmp_path):
+    png = tmp_path / "front.png"
+    assert main(TINY + ["--tokens", "2B", "--explain", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "ranked plans" in out and "Pareto front" in out and "parsim simulate --model tiny-gpt" in out
+    assert "why #1 beats" in out and "days" in out
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "nope", "--gpus", "8"], "unknown model 'nope'"),
+    (["--model", "tiny-gpt", "--gpus", "12"], "does not fill whole nodes"),
+    (["--model", "tiny-gpt", "--gpus", "eight"], "whole numbers separated by commas"),
+    (["--model", "tiny-gpt", "--gpus", "8", "--global-batch", "100-tokens"], "not a whole number of 32-token"),
+    (["--model", "tiny-gpt", "--gpus", "8", "--global-batch", "lots"], "give sequences"),
+    (["--model", "tiny-gpt", "--gpus", "8", "--tokens=-5T"], "--tokens"),
+    (["--model", "tiny-gpt", "--gpus", "8", "--tokens", "0"], "positive count"),
+    (["--model", "tiny-gpt", "--gpus", "8", "--price-per-gpu-hour", "0"], "positive number of US dollars"),
+    (["--model", "tiny-gpt", "--gpus", "8", "--max-memory", "lots"], "size"),
+    (["--model", "course-mlp", "--gpus", "8", "--seq", "64"], "has no sequence"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    assert main(["search", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_sorting_by_cost_needs_a_price(capsys, tmp_path):
+    import yaml
+
+    path = tmp_path / "unpriced.yaml"
+    path.write_text(yaml.safe_dump(IDEAL))
+    assert main(["search", "--model", "tiny-gpt", "--gpus", "8", "--cluster", str(path), "--sort", "cost"]) == 2
+    assert "needs a price" in capsys.readouterr().err
+
+
+def test_cluster_price_is_optional_and_must_be_positive():
+    assert parse_cluster(IDEAL).price_per_gpu_hour is None
+    assert parse_cluster({**IDEAL, "price_usd_per_gpu_hour": 2.5}).price_per_gpu_hour == 2.5
+    with pytest.raises(ConfigError, match="price_usd_per_gpu_hour"):
+        parse_cluster({**IDEAL, "price_usd_per_gpu_hour": -1})
