@@ -23,6 +23,7 @@ DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 # What a figure of any hardware can be, per unit. The bounds lie far outside every real device (tests
 # use 1e9 GB/s links as "free", calibration a unit host of 1 B/s), so only a NaN-like typo is refused:
 # 1e-300 GB/s or 1e300 us would stall the simulation or dwarf every other figure.
+PRICE_USD_PER_GPU_HOUR = (1e-6, 1e6, "US dollars per GPU-hour")
 BANDWIDTH_GBPS = (1e-12, 1e12, "GB/s")  # from 1 mB/s
 LINK_GBITS = (1e-11, 1e13, "Gb/s (gigabits)")
 LATENCY_US = (0.0, 1e9, "microseconds")  # up to 1,000 s
@@ -259,7 +260,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     gpu.used.add("sm_count")
     _whole(source, "gpu.sm_count", sm_count, 0, 2**16)
     nccl = _parse_nccl(r.optional_mapping("nccl"), source) if "nccl" in r.data else None
-    price = r.number("price_usd_per_gpu_hour", "US dollars per GPU-hour", optional=True) or None
+    price = r.number("price_usd_per_gpu_hour", PRICE_USD_PER_GPU_HOUR, optional=True) or None
     spec = ClusterSpec(
         name=name,
         description=description,

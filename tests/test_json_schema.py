@@ -58,6 +58,8 @@ def test_every_published_schema_is_a_json_schema_named_after_its_file(name):
     (["explain", "memory", "course-pp"], "explain.memory"),
     (["explain", "compute", "course-pp"], "explain.compute"),
     (["validate"], "validate"),
+    (["search", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "256K-tokens", "--top", "3",
+      "--simulate", "1"], "search"),
 ])
 def test_each_command_prints_its_schema(argv, name, capsys):
     assert conforms(json_of(capsys, *argv)) == name

@@ -14,7 +14,8 @@ from ..model import TransformerModel, builtin_models, load_model
 from ..plan import DTYPE_BYTES
 from ..search.search import SORTS, SearchRequest, run_search
 from ..units import parse_size
-from .common import DEFAULT_CLUSTER, print_json
+from ..jsondoc import print_json
+from .common import DEFAULT_CLUSTER, check_outputs
 
 HELP = """\
 Search every parallelism plan the simulator can express for a model on some
@@ -72,6 +73,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_outputs(args, pictures=("--plot",), folders=("--save-plans",))
     request = request_from_args(args)
     progress = _Progress()
     try:
@@ -84,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     files = rep.save_plans(result, rows, args.save_plans) if args.save_plans else [None] * len(rows)
     commands = [rep.command(result, r, f) for r, f in zip(rows, files)]
     if args.json:
-        print_json(rep.to_json(result, rows, commands))
+        print_json("search", rep.to_json(result, rows, commands))
     else:
         print(rep.report(result, commands, args.top))
         if args.explain:
