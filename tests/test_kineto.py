@@ -146,6 +146,17 @@ def test_an_unannotated_ddp_loops_profile_is_compared_with_the_plan(tmp_path, ca
     assert all(measured[rank, phase] > 0 for rank in (0, 1) for phase in ("forward", "backward", "optimizer"))
     assert out["measured_step_s"] > 0 and out["measured_from"].startswith("torch.profiler traces")
 
+    assert main(["compare", "course-ddp", "--dp", "2", "--cluster", "dgx-a100", "--measured", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if line.startswith("rank    group")).split()
+    assert header[:11] == ["rank", "group", "collective", "n", "pred", "n", "meas", "MiB", "pred", "MiB", "meas"]
+    rows = [line.split() for line in text.splitlines() if " all_reduce " in line]
+    assert [row[:9] for row in rows] == [["rank", str(r), "dp", "all_reduce", "4", "4", "16", "16", row[8]]
+                                          for r, row in zip((0, 1), rows)]  # 4 x 4 MiB on both sides
+    predicted_us = sum(r["predicted"]["seconds"] for r in out["collectives"] if r["rank"] == 0) * 1e6
+    assert float(rows[0][8].replace(",", "")) == pytest.approx(predicted_us, abs=0.05)
+    assert text.rstrip().endswith("%)") and "matched one to one" in text
+
 
 def test_gpu_kernels_take_the_phase_of_the_operator_that_launched_them():
     def span(name, cat, ts, dur, tid=1, **args):

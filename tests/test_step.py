@@ -81,7 +81,7 @@ def test_simulate_cli_writes_chrome_trace(capsys, tmp_path):
     trace = tmp_path / "step.json"
     assert main(["simulate", "course-pp", "--cluster", "dgx-h100", "--trace", str(trace)]) == 0
     out = capsys.readouterr().out
-    assert "step time" in out and "MFU" in out
+    assert "step time" in out and "MFU" in out and "comm overlap" in out
     doc = json.loads(trace.read_text())
     assert doc["distributedInfo"]["world_size"] == 2
     names = {e["name"] for e in doc["traceEvents"] if e["ph"] == "X"}

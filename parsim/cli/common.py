@@ -119,8 +119,12 @@ class OpsProgress:
         self.shown = False
 
     def __call__(self, finished: int, total: int) -> None:
+        self.show(f"{self.label}: {finished:,} / {total:,} {self.unit} ({finished / max(total, 1):.0%})")
+
+    def show(self, text: str) -> None:
+        """Redraw the line as ``text`` (on a terminal only)."""
         if self.active:
-            self.stream.write(f"\r{self.label}: {finished:,} / {total:,} {self.unit} ({finished / max(total, 1):.0%})")
+            self.stream.write(f"\r\033[K{text}")
             self.stream.flush()
             self.shown = True
 

@@ -15,7 +15,7 @@ from ..plan import DTYPE_BYTES
 from ..search.search import SORTS, SearchRequest, run_search
 from ..units import parse_size
 from ..jsondoc import print_json
-from .common import DEFAULT_CLUSTER, check_outputs
+from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs
 
 HELP = """\
 Search every parallelism plan the simulator can express for a model on some
@@ -177,19 +177,8 @@ def parse_count(text: str, flag: str) -> float:
     return value
 
 
-class _Progress:
+class _Progress(OpsProgress):
     """``search: estimating 45%`` redrawn on a terminal's stderr; silent elsewhere."""
 
-    def __init__(self):
-        self.active, self.shown = sys.stderr.isatty(), False
-
-    def __call__(self, stage: str, done: float) -> None:
-        if self.active:
-            sys.stderr.write(f"\r\033[Ksearch: {stage} {done:.0%}")
-            sys.stderr.flush()
-            self.shown = True
-
-    def close(self) -> None:
-        if self.shown:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
+    def __call__(self, stage: str, done: float) -> None:  # type: ignore[override]
+        self.show(f"search: {stage} {done:.0%}")

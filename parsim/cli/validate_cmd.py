@@ -54,10 +54,7 @@ class _RowProgress(OpsProgress):
     """``validating: row 3 / 10`` on a terminal."""
 
     def __call__(self, finished: int, total: int) -> None:
-        if self.active:
-            self.stream.write(f"\rvalidating: row {finished + 1 if finished < total else total} / {total}")
-            self.stream.flush()
-            self.shown = True
+        self.show(f"validating: row {finished + 1 if finished < total else total} / {total}")
 
 
 def report(v: Validation) -> str:
