@@ -53,7 +53,7 @@ def test_progress_line_is_drawn_in_place_on_a_terminal_and_erased():
     progress(1000, 1000)
     progress.close()
     text = terminal.getvalue()
-    assert "\rsimulating x: 500 / 1,000 ops (50%)" in text and text.endswith("\r\033[K")
+    assert "\r\033[Ksimulating x: 500 / 1,000 ops (50%)" in text and text.endswith("\r\033[K")
 
 
 def test_progress_is_silent_when_stderr_is_not_a_terminal():
