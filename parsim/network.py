@@ -169,9 +169,13 @@ class Network:
         self.capacity = np.asarray(capacity_Bps, dtype=float)
         self.link_bytes = np.zeros_like(self.capacity) if track_bytes else None
         self._batches: dict[int, _Batch] = {}
-        self._users = np.zeros(self.capacity.size, dtype=np.int64)  # active batches per link
-        self._sharing: dict[int, set[int]] = {}  # link -> ids of the batches on it, for links with several
-        self._owner = np.full(self.capacity.size, -1, dtype=np.int64)  # the one batch on a link
+        # Which batches are on each link, as an id into a table of interned sets of batch ids: the links
+        # of one transfer mostly carry the same batches, so a start or finish updates a few sets and one
+        # numpy array instead of thousands of per-link Python sets.
+        self._set_of = np.zeros(self.capacity.size, dtype=np.int64)  # link -> set id (0: no batch)
+        self._sets: list[frozenset[int]] = [frozenset()]
+        self._set_ids: dict[frozenset[int], int] = {frozenset(): 0}
+        self._neighbours: dict[int, set[int]] = {}  # batch id -> ids of the batches sharing a link with it
         self._prepared: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # key -> routes, sizes, links
         self._solutions: dict[tuple, list[np.ndarray]] = {}  # component signature -> rates per batch
         self._trajectories: dict[int, Trajectory] = {}
@@ -203,7 +207,7 @@ class Network:
         batch = _Batch(self._next_id, routes, sizes, links, key, self.env.now, on_done)
         self._next_id += 1
         self._batches[batch.id] = batch
-        alone = key is not None and not self._users[links].any()
+        alone = key is not None and not self._set_of[links].any()
         self._register(batch)
         if alone:
             batch.solo = self.trajectory(routes, sizes, key)
@@ -237,42 +241,43 @@ class Network:
         return found
 
     # -- which batches contend -------------------------------------------------
+    def _intern(self, batches: frozenset[int]) -> int:
+        found = self._set_ids.get(batches)
+        if found is None:
+            found = self._set_ids[batches] = len(self._sets)
+            self._sets.append(batches)
+        return found
+
+    def _relabel(self, links: np.ndarray, change: Callable[[frozenset[int]], frozenset[int]]) -> list[frozenset[int]]:
+        """Replace the batch set of every link in ``links`` by ``change(set)``; the distinct old sets."""
+        ids, where = np.unique(self._set_of[links], return_inverse=True)
+        old = [self._sets[i] for i in ids.tolist()]
+        self._set_of[links] = np.array([self._intern(change(s)) for s in old], dtype=np.int64)[where]
+        return old
+
     def _register(self, batch: _Batch) -> None:
-        links = batch.links
-        users = self._users[links]
-        self._users[links] = users + 1
-        self._owner[links[users == 0]] = batch.id
-        for link in links[users > 0].tolist():
-            group = self._sharing.get(link)
-            if group is None:
-                group = self._sharing[link] = {int(self._owner[link])}
-            group.add(batch.id)
+        added = frozenset((batch.id,))
+        neighbours = set().union(*self._relabel(batch.links, added.union))
+        self._neighbours[batch.id] = neighbours
+        for other in neighbours:
+            self._neighbours[other].add(batch.id)
 
     def _unregister(self, batch: _Batch) -> set[int]:
         """Remove ``batch`` from its links; the ids of the batches it shared links with."""
-        links = batch.links
-        shared = links[self._users[links] > 1].tolist()
-        self._users[links] -= 1
-        neighbours: set[int] = set()
-        for link in shared:
-            group = self._sharing[link]
-            group.discard(batch.id)
-            neighbours |= group
-            if len(group) == 1:
-                self._owner[link] = next(iter(group))
-                del self._sharing[link]
+        gone = frozenset((batch.id,))
+        self._relabel(batch.links, lambda s: s - gone)
+        neighbours = self._neighbours.pop(batch.id)
+        for other in neighbours:
+            self._neighbours[other].discard(batch.id)
         return neighbours
 
     def _component(self, batch: _Batch) -> list[_Batch]:
         """Every active batch connected to ``batch`` through shared links (itself included)."""
-        seen, todo = {batch.id}, [batch]
+        seen, todo = {batch.id}, [batch.id]
         while todo:
-            b = todo.pop()
-            shared = b.links[self._users[b.links] > 1].tolist()
-            if shared:  # one union of the links' sharing sets (big groups share thousands of links)
-                others = set().union(*map(self._sharing.__getitem__, shared)) - seen
-                seen |= others
-                todo.extend(self._batches[other] for other in others)
+            others = self._neighbours[todo.pop()] - seen
+            seen |= others
+            todo.extend(others)
         return [self._batches[i] for i in sorted(seen)]
 
     # -- rates and wake-ups ------------------------------------------------------
@@ -354,21 +359,25 @@ class Network:
         cheaper than solving again: an all-to-all's intra-node flows end before
         its inter-node ones).
         """
-        load = np.zeros(self.capacity.size)
+        # Only the links the finished flows crossed matter; index n stands for the -1 padding.
+        links = self.capacity.size
+        gone = np.zeros(links + 1, dtype=bool)
+        gone[batch.routes[finished]] = True
+        gone[links] = False
+        load = np.zeros(links + 1)
         for b in component:
-            hops = b.routes >= 0
-            np.add.at(load, b.routes[hops], np.broadcast_to(b.rate[:, None], b.routes.shape)[hops])
+            hit = gone[b.routes]
+            if hit.any():
+                load += np.bincount(b.routes[hit], weights=np.broadcast_to(b.rate[:, None], hit.shape)[hit],
+                                    minlength=links + 1)
         with np.errstate(invalid="ignore"):
-            saturated = load >= self.capacity * (1 - 1e-9)
-        gone = batch.routes[finished]
-        touched = np.zeros(self.capacity.size, dtype=bool)
-        touched[gone[gone >= 0]] = True
-        touched &= saturated
+            touched = gone[:links] & (load[:links] >= self.capacity * (1 - 1e-9))
         if not touched.any():
             return True
+        touched = np.append(touched, False)
         for b in component:
             routes = b.routes[~finished] if b is batch else b.routes
-            if touched[routes[routes >= 0]].any():
+            if touched[routes].any():
                 return False
         return True
 
