@@ -397,3 +397,21 @@ def stack_routes(routes: list[np.ndarray]) -> np.ndarray:
     width = max(r.shape[1] for r in routes)
     return np.vstack([r if r.shape[1] == width else
                       np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=-1) for r in routes])
+
+
+def chain_routes(routes: np.ndarray, nbytes: np.ndarray, chain: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flows (``routes`` flows x hops, ``nbytes`` per flow) whose every ``chain`` consecutive ones form a
+    pipelined chain, as one flow per chain over all its hops' links (a link used by several hops counts
+    once per hop), carrying what each hop carries.
+
+    In a ring or a chain every hop forwards only what it has received, through a few buffer slots
+    (NCCL_STEPS = 8 per channel: NCCL ``src/device/prims_simple.h``, ``waitPeer``/``postPeer``), so the
+    chain moves at its slowest hop's rate. Alone on its links this times it exactly as separate flows
+    do (the slowest hop sets the end either way); sharing links, a fast hop no longer runs ahead and
+    takes bandwidth the chain cannot use.
+    """
+    if chain <= 1 or routes.shape[0] <= 1:
+        return routes, nbytes
+    chains = routes.reshape(-1, chain * routes.shape[1])
+    chains = -np.sort(-chains, axis=1)  # each chain's links first, the -1 padding last
+    return chains[:, :int((chains >= 0).sum(axis=1).max())], nbytes[::chain]

@@ -35,7 +35,7 @@ from .collectives.algorithms import build_phases
 from .collectives.simulate import choose_algorithm
 from .compute import ComputeModel
 from .errors import ParsimError
-from .network import Network, stack_routes
+from .network import Network, chain_routes, stack_routes
 from .program import Op, Program
 from .topology import Topology
 from .trace import Event, Trace
@@ -101,7 +101,7 @@ class StepSimulator:
         return tuple(self._ready_phase(stack_routes([p[i].routes for p in kept]),
                                        np.concatenate([p[i].nbytes for p in kept]),
                                        first.steps, first.overhead_s + (in_step if i == 0 else 0.0),
-                                       first.reduce_bytes / reduce_bw, first.latency_s)
+                                       first.reduce_bytes / reduce_bw, first.latency_s, first.chain)
                      for i, first in enumerate(kept[0]))
 
     def _may_contend(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -117,12 +117,15 @@ class StepSimulator:
         return [g for g, n in zip(groups, nodes) if len(n) > 1 or n == nodes[0]]
 
     def _ready_phase(self, routes: np.ndarray, nbytes, steps: int, overhead_s: float, reduce_s: float,
-                     latency_s: float | None) -> CommPhase:
+                     latency_s: float | None, chain: int = 1) -> CommPhase:
+        """``routes`` per hop; the network gets each pipelined ``chain`` of hops as one flow."""
         self._keys += 1
         if latency_s is not None:  # NCCL's latency (nccl.py), not the routes'
             latency = latency_s + overhead_s
         else:
             latency = steps * float(self.topo.path_latency_s(routes).max(initial=0.0)) + overhead_s
+        routes, nbytes = chain_routes(routes, np.broadcast_to(np.asarray(nbytes, dtype=float), routes.shape[:1]),
+                                      chain)
         return CommPhase(routes, nbytes, latency, reduce_s, self._keys, np.unique(routes[routes >= 0]))
 
     def _algorithm(self, collective: str, ranks: tuple[int, ...], nbytes: int) -> tuple[str, str | None]:

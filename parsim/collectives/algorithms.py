@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ParsimError
+from ..network import chain_routes
 from ..topology import NET_SWITCH, SWITCH, Topology
 from .nccl import nccl_choice
 
@@ -62,12 +63,20 @@ class Phase:
     overhead_s: float = 0.0  # a backend's fixed cost per call (calibrated), paid before the first phase
     latency_s: float | None = None  # when set (NCCL's model), replaces steps x the slowest route's latency
     efficiency: float = 1.0  # payload bytes / bytes the links carry (protocol and channel limits; see nccl.py)
+    # Consecutive flows that form one pipelined chain (a ring channel, a broadcast chain): a hop forwards
+    # only what it has received, so the whole chain moves at one rate (see network.chain_routes).
+    chain: int = 1
 
     @classmethod
-    def of(cls, label: str, src, dst, nbytes, steps: int, reduce_bytes: float = 0.0) -> "Phase":
+    def of(cls, label: str, src, dst, nbytes, steps: int, reduce_bytes: float = 0.0, chain: int = 1) -> "Phase":
         src, dst = np.asarray(src, dtype=np.int64).ravel(), np.asarray(dst, dtype=np.int64).ravel()
         sizes = np.broadcast_to(np.asarray(nbytes, dtype=float), src.shape).copy()
-        return cls(label, src, dst, sizes, steps, float(reduce_bytes))
+        return cls(label, src, dst, sizes, steps, float(reduce_bytes), chain=chain)
+
+    def flows(self) -> tuple[np.ndarray, np.ndarray]:
+        """What the network runs: the routes (filled in) and bytes of the phase's flows, each pipelined
+        chain as one flow over all its hops' links."""
+        return chain_routes(self.routes, self.nbytes, self.chain)
 
 
 def applicable_algorithms(topo: Topology, op: str, group: np.ndarray) -> dict[str, str]:
@@ -232,8 +241,8 @@ def _ring(topo: Topology, op: str, group: np.ndarray, size: float, root: int) ->
     dst = np.concatenate([np.roll(r, -1) for r in rings])
     share = (n - 1) / n * size / c  # bytes each rank passes on, per channel
     rs = Phase.of(f"reduce-scatter: ring, {n - 1} steps of {1 / n:.3g} of the buffer", src, dst, share, n - 1,
-                  reduce_bytes=(n - 1) / n * size)
-    ag = Phase.of(f"all-gather: ring, {n - 1} steps of {1 / n:.3g} of the buffer", src, dst, share, n - 1)
+                  reduce_bytes=(n - 1) / n * size, chain=n)
+    ag = Phase.of(f"all-gather: ring, {n - 1} steps of {1 / n:.3g} of the buffer", src, dst, share, n - 1, chain=n)
     if op == "all_reduce":
         return [rs, ag]
     if op == "reduce_scatter":
@@ -245,8 +254,9 @@ def _ring(topo: Topology, op: str, group: np.ndarray, size: float, root: int) ->
     a = np.concatenate([ch[:-1] for ch in chains])
     b = np.concatenate([ch[1:] for ch in chains])
     if op == "broadcast":
-        return [Phase.of(f"broadcast: pipelined chain through {n} ranks", a, b, size / c, n - 1)]
-    return [Phase.of(f"reduce: pipelined chain through {n} ranks", b, a, size / c, n - 1, reduce_bytes=size)]
+        return [Phase.of(f"broadcast: pipelined chain through {n} ranks", a, b, size / c, n - 1, chain=n - 1)]
+    return [Phase.of(f"reduce: pipelined chain through {n} ranks", b, a, size / c, n - 1, reduce_bytes=size,
+                     chain=n - 1)]
 
 
 # -- double binary tree ------------------------------------------------------
@@ -423,7 +433,7 @@ def _hierarchical(topo: Topology, op: str, group: np.ndarray, size: float, root:
         src, dst = members.ravel(), np.roll(members, -1, axis=1).ravel()
         share = (k - 1) / k * data
         return Phase.of(f"{first}: {members.shape[0]} rings of {k} ({what})", src, dst, share, k - 1,
-                        reduce_bytes=share if reduce else 0.0)
+                        reduce_bytes=share if reduce else 0.0, chain=k)
 
     if op == "all_reduce":
         return [rings(per_node, size, "inside each node", "reduce-scatter", True),
@@ -441,11 +451,12 @@ def _hierarchical(topo: Topology, op: str, group: np.ndarray, size: float, root:
     local = int(np.argmax(per_node[root_node] == group[root]))
     across = np.roll(per_node[:, local], -root_node)
     inside = np.stack([np.roll(row, -local) for row in per_node])
-    inter = Phase.of(f"chain across {nodes} nodes", across[:-1], across[1:], size, nodes - 1)
-    intra = Phase.of(f"chains inside each node ({g} GPUs)", inside[:, :-1], inside[:, 1:], size, g - 1)
+    inter = Phase.of(f"chain across {nodes} nodes", across[:-1], across[1:], size, nodes - 1, chain=nodes - 1)
+    intra = Phase.of(f"chains inside each node ({g} GPUs)", inside[:, :-1], inside[:, 1:], size, g - 1,
+                     chain=g - 1)
     if op == "broadcast":
         return [inter, intra]
-    return [Phase.of(p.label, p.dst, p.src, size, p.steps, reduce_bytes=size) for p in (intra, inter)]
+    return [Phase.of(p.label, p.dst, p.src, size, p.steps, reduce_bytes=size, chain=p.chain) for p in (intra, inter)]
 
 
 # -- in-switch reduction (NVLink SHARP) ---------------------------------------------

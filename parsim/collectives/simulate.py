@@ -83,13 +83,12 @@ def simulate_phases(env: simpy.Environment, net: Network, topo: Topology, phases
     for phase in phases:
         if phase.routes is None:
             phase.routes = topo.routes(phase.src, phase.dst)
-        routes = phase.routes
-        latency = phase_latency_s(topo, phase, routes)
+        latency = phase_latency_s(topo, phase, phase.routes)
         before = net.link_bytes.copy() if timings is not None else None
         if latency:
             yield env.timeout(latency)
         start = env.now
-        yield net.transfer(routes, phase.nbytes)
+        yield net.transfer(*phase.flows())
         transfer = env.now - start
         reduce = phase.reduce_bytes / reduce_bw_Bps if phase.reduce_bytes else 0.0
         if reduce:
