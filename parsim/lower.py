@@ -42,6 +42,7 @@ FP32 = 4
 # (3 reads, 1 write): 21 element accesses per parameter, fp32 state.
 ADAMW_ACCESSES = 21
 ADAMW_KERNELS = 8  # those eight passes, per parameter tensor
+PASS_PHASE = {"F": "forward", "R": "recompute", "B": "backward", "I": "backward", "W": "weight-grad"}
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class Lowering:
         gathered: tuple[int, ...] = ()  # an FSDP gather the layer's next compute-stream op must wait for
         for piece in self._pieces(p, stage, kind):
             if gathers and piece.opens:
-                gathered = (self._fsdp_gather(rank, p, stage, piece.layer, mb, kind, closed[-2:-1]),)
+                gathered = (self._fsdp_gather(rank, p, stage, piece.layer, mb, kind, closed[-2:-1], name),)
             if type(piece) is CommPiece:
                 exchange = piece.group == "cp"
                 op = Op(f"{piece.name_head}{mb}{piece.name_tail}", "collective", "cp" if exchange else "compute",
@@ -210,9 +211,9 @@ class Lowering:
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
             if piece.closes:
-                closed.append(last)
                 if scatters:
-                    self._fsdp_reduce(rank, p, stage, piece.layer, mb, last)
+                    last = self._fsdp_reduce(rank, p, stage, piece.layer, mb, kind, last, name)
+                closed.append(last)
         if kind == "F" and stage < last_stage:
             self._send(rank, "act", stage, mb, ("act", stage, mb), act_bytes, last)
         if kind in ("B", "I") and stage > 0:
@@ -241,7 +242,7 @@ class Lowering:
         """One layer's blocks in one pass (``R``: its forward recomputed), with their TP collectives."""
         plan = self.plan
         forward = kind in ("F", "R")
-        phase = {"F": "forward", "R": "recompute", "B": "backward", "I": "backward", "W": "weight-grad"}[kind]
+        phase = PASS_PHASE[kind]
         direction = {"F": "fwd", "R": "rec"}.get(kind, "bwd")
         blocks = cost.blocks if forward else tuple(reversed(cost.blocks))
         degree = {"tp": plan.tp, "ep": plan.ep}
@@ -349,25 +350,30 @@ class Lowering:
 
     # -- FSDP (ZeRO-3) per layer ------------------------------------------------------
     def _fsdp_gather(self, rank: int, p: int, stage: int, layer: int, mb: int, kind: str,
-                     after: list[int]) -> int:
+                     after: list[int], compute: str) -> int:
         """All-gather one layer's weight shards before its pass; ``after``: the op that must end first
-        (the layer two back, so one layer is prefetched while the current one computes)."""
+        (the layer two back, so one layer is prefetched while the current one computes). Returns the
+        copy-out that follows it on the compute stream (named and phased as the pass, ``compute``)."""
         cost = self.plan.stage_costs(stage)[layer]
         group, mirrors = self.group(p, "shard")
-        nbytes = sum(n for n, _ in param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
+        nbytes = self._fsdp_bytes(cost)
         name = collective_name("all_gather", "fsdp", layer=cost.name, stage=stage, mb=mb,
                                dir="fwd" if kind == "F" else "bwd")
-        return self._add(rank, Op(name, "collective", "gather", deps=tuple(after), collective="all_gather",
-                                  group="fsdp", ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
+        gather = self._add(rank, Op(name, "collective", "gather", deps=tuple(after), collective="all_gather",
+                                    group="fsdp", ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
+        return self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], nbytes, (gather,)))
 
-    def _fsdp_reduce(self, rank: int, p: int, stage: int, layer: int, mb: int, ready: int) -> None:
+    def _fsdp_reduce(self, rank: int, p: int, stage: int, layer: int, mb: int, kind: str, ready: int,
+                     compute: str) -> int:
         """Reduce-scatter one layer's gradients once its backward made them (FSDP2 syncs every
-        microbatch); with HSDP, all-reduce the shard across the replicas."""
+        microbatch), after copying them into the collective's input on the compute stream (returned);
+        with HSDP, all-reduce the shard across the replicas."""
         cost = self.plan.stage_costs(stage)[layer]
-        nbytes = sum(n for n, _ in param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
+        nbytes = self._fsdp_bytes(cost)
+        copied = self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], nbytes, (ready,)))
         group, mirrors = self.group(p, "shard")
         op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=cost.name, stage=stage, mb=mb),
-                                "collective", "comm", deps=(ready,), collective="reduce_scatter", group="fsdp",
+                                "collective", "comm", deps=(copied,), collective="reduce_scatter", group="fsdp",
                                 ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
         if self.plan.shard_size < self.plan.dp * self.plan.cp:
             group, mirrors = self.group(p, "replicate")
@@ -375,6 +381,21 @@ class Lowering:
                                     "collective", "comm", collective="all_reduce", group="fsdp", ranks=group,
                                     mirrors=mirrors, nbytes=nbytes / self.plan.shard_size, phase="fsdp"))
         self.fsdp_syncs.append(op)
+        return copied
+
+    def _fsdp_bytes(self, cost: LayerCost) -> float:
+        """One layer's unsharded weights (or gradients) on this rank: what FSDP gathers and scatters."""
+        return sum(n for n, _ in param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
+
+    @staticmethod
+    def _fsdp_copy(compute: str, phase: str, nbytes: float, deps: tuple[int, ...]) -> Op:
+        """FSDP2's copy between its flat collective buffer and the layer's tensors, on the compute stream:
+        after a gather, ``foreach_all_gather_copy_out`` (``split_with_sizes_copy``, from
+        ``FSDPParamGroup.wait_for_unshard``); before a reduce-scatter, ``foreach_reduce_scatter_copy_in``
+        (``chunk_cat``, in ``foreach_reduce`` before the reduce-scatter stream waits on the compute stream).
+        Each reads and writes the layer's bytes once (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
+        return Op(compute, "compute", "compute", deps=deps, hbm_bytes=2 * nbytes, kernels=1, phase=phase,
+                  stream_bytes=2 * nbytes)
 
     # -- gradients and optimizer -----------------------------------------------------
     def _gradient_sync_and_step(self, rank: int, p: int) -> None:

@@ -70,15 +70,27 @@ def test_fsdp_gathers_each_layer_before_its_forward_and_backward_and_reduce_scat
     assert kept[("all_gather", "fsdp", "gather")] == units * m
 
 
-def test_fsdp_gather_precedes_the_layer_compute():
+def test_fsdp_gather_then_copy_out_precede_the_layer_compute():
     ops = lower(plan(3)).ops
-    gated = [op for op in ops if op.name == "F stage=0 mb=0" and op.deps]
-    assert [ops[op.deps[0]].name for op in gated] == [
+    copies = [op for op in ops if op.name == "F stage=0 mb=0" and op.deps and ops[op.deps[0]].collective]
+    gathers = [ops[op.deps[0]] for op in copies]
+    assert [g.name for g in gathers] == [
         f"all_gather fsdp layer={unit} stage=0 mb=0 dir=fwd"
         for unit in ("embedding", "layer.0", "layer.1", "layer.2", "layer.3", "head")]
+    # FSDP2's copy-out on the compute stream reads the gathered buffer and writes the layer's weights.
+    assert all(c.stream == "compute" and c.hbm_bytes == 2 * g.nbytes and c.kernels == 1
+               for c, g in zip(copies, gathers))
+    assert all(ops[c.id + 1].stream == "compute" and ops[c.id + 1].matmuls for c in copies[1:-1])
     # Prefetch: a layer's gather waits only for the layer two before it to finish.
-    third = ops[gated[2].deps[0]]
-    assert ops[third.deps[0]].name == "F stage=0 mb=0" and third.deps[0] < gated[1].id
+    assert ops[gathers[2].deps[0]].name == "F stage=0 mb=0" and gathers[2].deps[0] < copies[1].id
+
+
+def test_fsdp_copies_gradients_in_before_each_reduce_scatter():
+    ops = lower(plan(3)).ops
+    scatters = [op for op in ops if op.collective == "reduce_scatter" and op.group == "fsdp"]
+    copies = [ops[op.deps[0]] for op in scatters]
+    assert all(c.name.startswith("B stage=0") and c.stream == "compute" and c.hbm_bytes == 2 * r.nbytes
+               for c, r in zip(copies, scatters))
 
 
 def test_hsdp_all_reduces_each_shard_across_replicas():

@@ -46,6 +46,11 @@ from .space import SearchSpace, Setting, Variant
 from .tables import Layout, entry_tables, entry_types, layout_of, peak_memory, rank_tables, sync_arrays
 
 SPLIT_SCHEDULES = ("zero-bubble", "zb-h2", "zbv")  # every backward runs as I, then W
+# FSDP2's copies per entry and pass kind (F, B, I, W), as the lowering adds them: out of the gathered buffer
+# before a pass that gathers (F, B, I), into the reduce-scatter's buffer after one that finishes gradients
+# (B, W).
+FSDP_COPIES = np.array([1.0, 2.0, 1.0, 1.0])
+COPY_PHASES = ("forward", "backward", "backward", "weight-grad")
 V_SCHEDULES = ("zbv", "dualpipe-v")
 
 
@@ -262,11 +267,12 @@ class FastModel:
                 ends.append([])
                 for k, kind in enumerate(KINDS):
                     order = list(entries if kind == "F" else entries[::-1])
+                    d_ = seconds[order, k] + fsdp[2][order] * FSDP_COPIES[k]
                     if kind == "W":  # the weight gradients need no weights
-                        ends[d].append(np.cumsum(seconds[order, k]))
+                        ends[d].append(np.cumsum(d_))
                         after[d, k] = first[d, k] = ends[d][-1][-1]
                         continue
-                    d_, g = seconds[order, k], fsdp[0][order]
+                    g = fsdp[0][order]
                     waited[d, k], entry_ends = _gathered_pass(d_, g, min(g[-1] - d_[-2:].sum(), -d_[-1]))
                     after[d, k] = entry_ends[-1]
                     ahead[d, k] = after[d, k] - _gathered_pass(d_, g, -np.inf)[1][-1]
@@ -300,25 +306,28 @@ class FastModel:
             return np.array([pairs[a, b] for a, b in zip(layout.stage_rank, layout.stage_rank[1:])])
         return self._cached(key, make)
 
-    def _fsdp(self, s: Setting, v: Variant) -> tuple[np.ndarray, np.ndarray] | None:
-        """FSDP, per entry type: the all-gather of its weights, and the reduce-scatter of its gradients (plus
-        the HSDP all-reduce across replicas) over the shard group; None without FSDP."""
+    def _fsdp(self, s: Setting, v: Variant) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """FSDP, per entry type: the all-gather of its weights, the reduce-scatter of its gradients (plus
+        the HSDP all-reduce across replicas) over the shard group, and one of FSDP2's copies between its
+        flat buffer and the entry's tensors on the compute stream (see :data:`FSDP_COPIES`); None without
+        FSDP."""
         if not (v.fsdp and (v.shard_group or s.dp * s.cp) > 1):
             return None
 
-        def make() -> tuple[np.ndarray, np.ndarray]:
+        def make() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             plan = self.layout_plan(s, v)
             lowering = Lowering(plan)
             shard = lowering.group(0, "shard")[0]
             replicas = plan.shard_size < plan.dp * plan.cp
-            gather, scatter = [], []
+            gather, scatter, copy = [], [], []
             for cost in entry_types(plan):
                 nbytes = sum(n for n, _ in param_tensors(cost, plan.tp)) * plan.dtype_bytes
                 gather.append(self.comm.time("collective", "all_gather", shard, nbytes))
                 scatter.append(self.comm.time("collective", "reduce_scatter", shard, nbytes) + (
                     self.comm.time("collective", "all_reduce", lowering.group(0, "replicate")[0],
                                    nbytes / plan.shard_size) if replicas else 0.0))
-            return np.array(gather), np.array(scatter)
+                copy.append(self.compute.time((), 0.0, 2 * nbytes, 1, stream_bytes=2 * nbytes))
+            return np.array(gather), np.array(scatter), np.array(copy)
         return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, v.order, v.shard_group), make)
 
     # -- estimates ------------------------------------------------------------------------------
@@ -353,6 +362,11 @@ class FastModel:
         for name, seconds in zip(PASS_PHASES, counts @ per_stage):
             phases[name] += float(seconds)
         phases["fsdp"] += float(counts @ x.waits)
+        fsdp = self._fsdp(s, v)
+        if fsdp is not None:  # FSDP2's copies, in the phase of the pass that makes them
+            copies = (layout.counts @ (fsdp[2][:, None] * FSDP_COPIES)).ravel()  # [stages * 4]
+            for k, name in enumerate(COPY_PHASES):
+                phases[name] += float(counts[k::4] @ copies[k::4])
         phases["fsdp" if v.fsdp else "dp"] += max(sync_end - compute_end, 0.0) + gathers
         phases["optimizer"] = optimizer
         start = float(x.start[rank])  # FSDP: the first weights gathered before the rank's first pass
