@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parsim.collectives import build_phases, predict, simulate_phases
-from parsim.network import Network, max_min_rates
+from parsim.network import Network, chain_routes, max_min_rates
 
 from ideal_cluster import ideal_spec
 
@@ -148,3 +148,43 @@ def test_a_transfer_repeated_alone_is_solved_once_and_contention_is_remembered()
     env.run()
     assert [t for _, t in ends[-2:]] == [pytest.approx(10.0)] * 2  # each round: 100 B each at 50 B/s
     assert net.solves == 3
+
+
+def test_a_pipelined_chain_is_one_flow_over_all_its_hops():
+    # Two chains of two hops each: hop routes (flows x hops) become one row per chain, links first.
+    routes = np.array([[0, -1], [1, 2], [3, -1], [4, -1]])
+    chains, sizes = chain_routes(routes, np.array([5.0, 5.0, 7.0, 7.0]), 2)
+    assert sorted(chains[0][chains[0] >= 0].tolist()) == [0, 1, 2] and sizes.tolist() == [5.0, 7.0]
+    assert sorted(chains[1][chains[1] >= 0].tolist()) == [3, 4]
+
+
+def test_a_chain_takes_only_its_slowest_hops_rate_on_a_shared_link():
+    # A chain A->B (link 0, 10 B/s) -> C (link 1, 1 B/s) next to a flow on link 0 alone. As separate hops,
+    # A->B would take half of link 0 (5 B/s) and the flow 9 bytes would take 1.8 s; a chain forwards only what
+    # its slow hop passes on, 1 B/s, so the flow gets 9 B/s and ends at 1 s. The chain's time is unchanged.
+    env = simpy.Environment()
+    net = Network(env, np.array([10.0, 1.0]))
+    done = {}
+
+    def send(name, routes, nbytes):
+        yield net.transfer(routes, nbytes)
+        done[name] = env.now
+
+    chain, sizes = chain_routes(np.array([[0], [1]]), np.array([2.0, 2.0]), 2)
+    env.process(send("chain", chain, sizes))
+    env.process(send("flow", np.array([[0]]), 9.0))
+    env.run()
+    assert done["flow"] == pytest.approx(1.0) and done["chain"] == pytest.approx(2.0)
+
+
+def test_a_ring_alone_takes_as_long_with_chained_hops():
+    topo = ideal_spec().build(2)
+    for op in ("all_gather", "all_reduce"):
+        chained = predict(topo, op, 64e6, np.arange(16), algorithm="ring").time_s
+        phases = build_phases(topo, op, "ring", np.arange(16), 64e6)
+        for phase in phases:
+            phase.chain = 1  # every hop its own flow
+        env = simpy.Environment()
+        env.process(simulate_phases(env, Network(env, topo.capacity_Bps), topo, phases, topo.spec.reduction_bw_Bps))
+        env.run()
+        assert env.now == pytest.approx(chained, rel=1e-9)
