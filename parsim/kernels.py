@@ -40,6 +40,8 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
     forward and their backward bytes in an input-gradient pass; the
     weight-gradient pass accumulates into ``.grad`` (read both, write one)
     for every microbatch but the first.
+    A tensor-parallel collective over the feature dimension adds a copy of its
+    tensor (:class:`~parsim.model.TPCollective` ``regroups``).
     Kernels launched: one per matmul and one per memory-bound kernel.
     """
     tp = plan.tp
@@ -85,6 +87,11 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         elementwise = tokens * sum(e.bytes_per_token(direction, plan.dtype_bytes, tp, plan.sequence_parallel)
                                    for e, direction in passes)
         kernels += len(passes)
+        # A tensor-parallel collective over features regroups its buffer with a copy: read and write it once.
+        phase = "backward" if backward else "forward"
+        regrouped = [c for c in block.collectives if c.regroups and c.group == "tp" and c.phase == phase and tp > 1]
+        elementwise += tokens * sum(2 * c.bytes_per_token for c in regrouped)
+        kernels += len(regrouped)
     # Autograd adds each weight gradient into .grad for every microbatch but the first, whose gradient
     # becomes .grad as it is: on average (m - 1) / m of a read-both, write-one pass over the weights.
     accumulate = 0.0

@@ -177,6 +177,11 @@ class TPCollective:
     or ``"after"`` the block's compute in that phase's execution order.
     ``bytes_per_token`` is the whole (unsharded) tensor's size per token, the
     nccl-tests convention: for an all-gather, all ranks' chunks together.
+    ``regroups``: the tensor is split along its last (feature) dimension, so the
+    rank-major collective buffer is regrouped by a copy of the whole tensor
+    (after an all-gather, ``torch.cat(dim=-1)`` as the lecture and Megatron-LM's
+    ``_gather_along_last_dim`` do; before a reduce-scatter, the chunks made
+    contiguous).
     """
 
     name: str
@@ -185,6 +190,7 @@ class TPCollective:
     position: str
     bytes_per_token: int
     group: str = "tp"  # "ep": an all-to-all over the expert-parallel group, run only when ep > 1
+    regroups: bool = False
 
 
 @dataclass(frozen=True)
@@ -436,8 +442,8 @@ class MLPModel(_CostTotals):
         w, d = self.width, dtype_bytes
         block = Block("linear", (Matmul("w", w, w, "column"),), elementwise=(Elementwise("gelu", 2 * w, 3 * w),),
                       collectives=(
-            TPCollective("out", "all_gather", "forward", "after", w * d),
-            TPCollective("out.grad", "reduce_scatter", "backward", "before", w * d),
+            TPCollective("out", "all_gather", "forward", "after", w * d, regroups=True),
+            TPCollective("out.grad", "reduce_scatter", "backward", "before", w * d, regroups=True),
         ), eager_ops=eager_ops.MLP_LAYER)
         saved = (Activation("in", w, d, sharded=False), Activation("pre_gelu", w, d, sharded=True))
         return [LayerCost(f"layer.{i}", (block,), activations=saved, checkpoint=saved[:1])

@@ -132,3 +132,17 @@ def test_the_first_microbatch_adds_nothing_into_grad():
         plan = Plan(model=model, dp=1, num_microbatches=microbatches)
         work = block_work(plan, block, "W", plan.tokens_per_rank)
         assert work.accumulate_bytes == pytest.approx(weights * plan.dtype_bytes * 3 * (microbatches - 1) / microbatches)
+
+
+def test_a_tensor_parallel_gather_over_features_copies_its_tensor_once():
+    from parsim.kernels import block_work
+
+    model = load_model("course-mlp")
+    block = model.layer_costs(4)[0].blocks[0]
+    rows, width = 128, model.width
+    for kind in ("F", "B"):
+        work = {tp: block_work(Plan(model=model, tp=tp, dtype="fp32"), block, kind, rows) for tp in (1, 2)}
+        # torch.cat of the gathered columns (forward) or the contiguous chunks (backward): read + write.
+        unsharded = block.elementwise[0].bytes_per_token(kind != "F", 4) * rows
+        assert work[2].elementwise_bytes - unsharded / 2 == pytest.approx(2 * width * 4 * rows)
+        assert work[1].elementwise_bytes == unsharded and work[2].kernels == work[1].kernels + 1

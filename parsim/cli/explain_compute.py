@@ -85,7 +85,7 @@ def _rows(model: ComputeModel, block: str, work: BlockWork) -> list[dict]:
         time = model.time(attention_flops=0 if backward else flops, attention_grad_flops=flops if backward else 0)
         rows.append({"block": block, "kernel": "attention core (flash" + (", backward)" if backward else ")"),
                      "shape": "", "flops": flops, "fill": None, "bound": "compute", "time_s": time})
-    for what, nbytes in (("norms, activations, residuals, softmax", work.elementwise_bytes),
+    for what, nbytes in (("norms, activations, residuals, softmax, copies", work.elementwise_bytes),
                          ("add weight gradients into .grad", work.accumulate_bytes)):
         if nbytes:
             rows.append({"block": block, "kernel": what, "shape": f"{nbytes / 1e6:,.1f} MB", "flops": 0.0,
