@@ -229,11 +229,20 @@ class FastModel:
         return self._cached(("variants", id(variants), s.dp, s.cp, s.ep), make)
 
     def _tail_bound(self, s: Setting, v: Variant) -> np.ndarray:
-        """Per pipeline rank, what surely follows its last pass: its optimizer step (the gradient sync
-        before it may hide entirely; ZeRO's all-gathers after it are left to the estimate)."""
+        """Per pipeline rank, what the sharding surely adds to its passes and what surely follows its last
+        one: FSDP2's copies, and its optimizer step (the gradient sync before it may hide entirely; ZeRO's
+        all-gathers after it are left to the estimate)."""
         key = ("optimizer", s.pp, s.virtual_stages, s.schedule in V_SCHEDULES, s.tp, s.ep, s.dp * s.cp, v.zero,
                v.shard_group)
-        return self._cached(key, lambda: np.array([self._optimizer(s, v, p) for p in range(s.pp)]))
+        optimizer = self._cached(key, lambda: np.array([self._optimizer(s, v, p) for p in range(s.pp)]))
+        if not self._shards_weights(s, v):
+            return optimizer
+        return optimizer + self._cached(("copies", s.tp, s.ep, s.pp, s.virtual_stages, s.num_microbatches,
+                                         s.schedule), lambda: _pass_counts(s) @ self._copies_per_pass(s))
+
+    def _copies_per_pass(self, s: Setting) -> np.ndarray:
+        """[stages * 4]: FSDP2's copies in one pass of each (stage, kind)."""
+        return (self.layout(s).counts @ (self._fsdp_copies(s)[:, None] * FSDP_COPIES)).ravel()
 
     # -- pipeline inputs ---------------------------------------------------------------------
     def _inputs_of(self, prep: Prepared, i: int) -> _Inputs:
@@ -311,7 +320,7 @@ class FastModel:
         the HSDP all-reduce across replicas) over the shard group, and one of FSDP2's copies between its
         flat buffer and the entry's tensors on the compute stream (see :data:`FSDP_COPIES`); None without
         FSDP."""
-        if not (v.fsdp and (v.shard_group or s.dp * s.cp) > 1):
+        if not self._shards_weights(s, v):
             return None
 
         def make() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -319,16 +328,27 @@ class FastModel:
             lowering = Lowering(plan)
             shard = lowering.group(0, "shard")[0]
             replicas = plan.shard_size < plan.dp * plan.cp
-            gather, scatter, copy = [], [], []
+            gather, scatter = [], []
             for cost in entry_types(plan):
                 nbytes = sum(n for n, _ in param_tensors(cost, plan.tp)) * plan.dtype_bytes
                 gather.append(self.comm.time("collective", "all_gather", shard, nbytes))
                 scatter.append(self.comm.time("collective", "reduce_scatter", shard, nbytes) + (
                     self.comm.time("collective", "all_reduce", lowering.group(0, "replicate")[0],
                                    nbytes / plan.shard_size) if replicas else 0.0))
-                copy.append(self.compute.time((), 0.0, 2 * nbytes, 1, stream_bytes=2 * nbytes))
-            return np.array(gather), np.array(scatter), np.array(copy)
+            return np.array(gather), np.array(scatter), self._fsdp_copies(s)
         return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, v.order, v.shard_group), make)
+
+    @staticmethod
+    def _shards_weights(s: Setting, v: Variant) -> bool:
+        return v.fsdp and (v.shard_group or s.dp * s.cp) > 1
+
+    def _fsdp_copies(self, s: Setting) -> np.ndarray:
+        """Per entry type, one of FSDP2's copies of its weights (or gradients) on the compute stream."""
+        def make() -> np.ndarray:
+            plan = self._prototype(s, _PLAIN)
+            nbytes = [sum(n for n, _ in param_tensors(cost, plan.tp)) * plan.dtype_bytes for cost in entry_types(plan)]
+            return np.array([self.compute.time((), 0.0, 2 * n, 1, stream_bytes=2 * n) for n in nbytes])
+        return self._cached(("fsdp copies", s.tp, s.ep), make)
 
     # -- estimates ------------------------------------------------------------------------------
     def estimate(self, jobs: list[tuple[Prepared, int]]) -> list[Estimate]:
@@ -362,9 +382,8 @@ class FastModel:
         for name, seconds in zip(PASS_PHASES, counts @ per_stage):
             phases[name] += float(seconds)
         phases["fsdp"] += float(counts @ x.waits)
-        fsdp = self._fsdp(s, v)
-        if fsdp is not None:  # FSDP2's copies, in the phase of the pass that makes them
-            copies = (layout.counts @ (fsdp[2][:, None] * FSDP_COPIES)).ravel()  # [stages * 4]
+        if self._shards_weights(s, v):  # FSDP2's copies, in the phase of the pass that makes them
+            copies = self._copies_per_pass(s)
             for k, name in enumerate(COPY_PHASES):
                 phases[name] += float(counts[k::4] @ copies[k::4])
         phases["fsdp" if v.fsdp else "dp"] += max(sync_end - compute_end, 0.0) + gathers
