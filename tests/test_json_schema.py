@@ -90,6 +90,10 @@ def test_compare_plan_prints_its_schema(monkeypatch, capsys):
     plan = resolve_plan("course-pp")
     doc = json_of(capsys, "compare", "course-pp", "--cluster", "dgx-h100", "--nproc", str(plan.world))
     assert conforms(doc) == "compare.plan" and doc["step_error"] == pytest.approx(0.0)
+    # The executor names its collectives as the lowering does (no recognized "op"): each matches one to one.
+    doc = json_of(capsys, "compare", "course-tp", "--tp", "2", "--cluster", "dgx-h100", "--nproc", "2")
+    assert conforms(doc) == "compare.plan" and doc["collectives"]
+    assert {row["status"] for row in doc["collectives"]} == {"matched one to one"}
 
 
 @pytest.mark.parametrize("argv", [

@@ -72,7 +72,7 @@ def match_collectives(plan: Plan, predicted: Trace, measured: Trace) -> list[Col
             e.args["group"] = group
             if group:
                 e.args["phase"] = next(p.args.get("phase") for p in planned if p.args.get("group") == group)
-            by_key.setdefault((group, e.args["op"]), ([], []))[1].append(e)
+            by_key.setdefault((group, _op(e)), ([], []))[1].append(e)
         for (group, op), (plan_events, measured_events) in sorted(by_key.items()):
             row = CollectiveRow(rank, group, op, plan_events, measured_events)
             _name(row)
@@ -82,7 +82,7 @@ def match_collectives(plan: Plan, predicted: Trace, measured: Trace) -> list[Col
 
 def _group(plan: Plan, rank: int, event: Event, planned: list[Event]) -> str:
     """The plan group a measured collective ran on, or "" when none fits."""
-    op = event.args["op"]
+    op = _op(event)
     groups = sorted({e.args.get("group", "") for e in planned if e.name.startswith(op + " ")})
     ranks = event.args.get("group_ranks")
     if ranks is not None:  # NCCL says which ranks: find the plan dimension with exactly those
@@ -108,7 +108,7 @@ def _bytes_in(plan: Plan, event: Event, group: str) -> int:
     if "bytes" in event.args and "input_bytes" not in event.args:
         return event.args["bytes"]
     size = event.args.get("input_bytes") or 0
-    return size * _group_size(plan, group) if event.args["op"] == "all_gather" else size
+    return size * _group_size(plan, group) if _op(event) == "all_gather" else size
 
 
 def _group_size(plan: Plan, group: str) -> int:
@@ -130,6 +130,12 @@ def _name(row: CollectiveRow) -> None:
             e.name = row.predicted[i].name
         else:
             e.name = f"{row.op} {row.group or '(not in the plan)'} #{i}"
+
+
+def _op(event: Event) -> str:
+    """The collective a measured event ran: recognized in a profile, or the first word of the executor's
+    name for it (the lowering's, e.g. ``all_reduce tp layer=...``)."""
+    return event.args.get("op") or event.name.split(" ", 1)[0]
 
 
 def _bytes(event: Event) -> int:
