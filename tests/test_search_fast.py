@@ -83,3 +83,21 @@ def test_long_schedules_are_read_off_three_rounds(name):
             for a in actions:
                 full[r, a.stage * 4 + KINDS.index(a.kind)] += 1
         assert (full == counts).all()
+
+
+def test_an_exchange_beside_a_gather_on_the_same_nics_moves_at_half_speed():
+    from parsim.compute import ComputeModel
+    from parsim.search.costs import CommCosts
+
+    from ideal_cluster import ideal_spec
+
+    spec = ideal_spec()
+    comm = CommCosts(spec, 32, ComputeModel.for_cluster(spec, "bf16", 2, 8))
+    pair, inside = (0, 8), (0, 1)  # one GPU on each of two nodes: each ring crosses the same two NICs
+    alone = comm.time("collective", "all_gather", pair, 64e6)
+    latency = sum(p.latency_s for p in comm.sim.comm_phases("collective", "all_gather", pair, (), 64e6))
+    beside = comm.beside("all_gather", pair, 64e6, "all_gather", pair, 64e6)
+    assert beside - latency == pytest.approx(2 * (alone - latency), rel=1e-6)
+    # A ring inside node 1 shares no link with one inside node 0: no change.
+    assert comm.beside("all_gather", (8, 9), 64e6, "all_gather", inside, 64e6) == pytest.approx(
+        comm.time("collective", "all_gather", (8, 9), 64e6))

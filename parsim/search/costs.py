@@ -20,7 +20,7 @@ as ``(m - 1)/m``; it is priced once and scaled.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable
 
 import numpy as np
@@ -29,7 +29,7 @@ import simpy
 from ..cluster import ClusterSpec
 from ..compute import ComputeModel
 from ..lower import CommPiece, Lowering
-from ..network import Network
+from ..network import Network, max_min_rates, stack_routes
 from ..plan import Plan
 from ..stepsim import StepSimulator
 from .tables import entry_types
@@ -37,6 +37,7 @@ from .tables import entry_types
 # Where a pass's time on the compute stream goes (the step report's phases that compute-stream work fills).
 PASS_PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "ep", "cp")
 KINDS = ("F", "B", "I", "W")
+ExchangeCost = Callable[[int, CommPiece], float]  # (entry type, a context-parallel exchange) -> seconds
 
 
 class CommCosts:
@@ -48,6 +49,7 @@ class CommCosts:
         self.net = Network(simpy.Environment(), self.topo.capacity_Bps, track_bytes=False)
         self._by_shape: dict[tuple, dict[float, float]] = {}
         self._shapes: dict[tuple[int, ...], tuple] = {}
+        self._beside: dict[tuple, float] = {}
 
     def time(self, kind: str, collective: str, ranks: tuple[int, ...], nbytes: float) -> float:
         """Seconds for ``collective`` over ``ranks`` (``kind`` "send": ``ranks[0]`` sends to ``ranks[1]``)."""
@@ -75,6 +77,30 @@ class CommCosts:
                                              + p.reduce_s for p in phases)
             return seconds
         return price
+
+
+    def beside(self, collective: str, ranks: tuple[int, ...], nbytes: float, other: str,
+               other_ranks: tuple[int, ...], other_bytes: float) -> float:
+        """Seconds for ``collective`` over ``ranks`` while ``other`` (over ``other_ranks``) streams through the
+        whole of it: each phase's uncontended time stretched by how much slower its slowest flow gets at the
+        max-min rates it has beside the other's busiest phase (1 where they share no link)."""
+        key = ("beside", collective, ranks, nbytes, other, other_ranks, other_bytes)
+        found = self._beside.get(key)
+        if found is None:
+            theirs = self.sim.comm_phases("collective", other, other_ranks, (), other_bytes)
+            busy = max(theirs, key=lambda p: float(np.sum(p.nbytes))) if theirs else None
+            found = 0.0
+            for p in self.sim.comm_phases("collective", collective, ranks, (), nbytes):
+                alone = self.net.solo_time(p.routes, p.nbytes, p.key)
+                if busy is not None and alone > 0 and np.intersect1d(p.links, busy.links).size:
+                    flows = len(p.routes)
+                    both = max_min_rates(stack_routes([p.routes, busy.routes]), self.net.capacity)[:flows]
+                    own = max_min_rates(p.routes, self.net.capacity)
+                    with np.errstate(divide="ignore"):
+                        alone *= float(np.max(p.nbytes / both) / np.max(p.nbytes / own))
+                found += p.latency_s + alone + p.reduce_s
+            self._beside[key] = found
+        return found
 
 
 def no_cost(nbytes: float) -> float:
@@ -118,12 +144,13 @@ class PassCosts:
         self.compute_time = lru_cache(maxsize=None)(compute.time)
         self._tables: dict[tuple, PassTable] = {}
 
-    def table(self, key: tuple, prototype: Callable[[], Plan]) -> PassTable:
+    def table(self, key: tuple, prototype: Callable[[], Plan], exchange: ExchangeCost | None = None) -> PassTable:
         """The passes of ``prototype()``'s entries, cached under ``key`` (what they depend on); the
-        prototype is any plan with those settings and at least two microbatches (the accumulation's scale)."""
+        prototype is any plan with those settings and at least two microbatches (the accumulation's scale).
+        ``exchange(entry, piece)`` prices context-parallel exchanges instead of :class:`CommCosts` alone."""
         cached = self._tables.get(key)
         if cached is None:
-            cached = self._tables[key] = self._price(prototype())
+            cached = self._tables[key] = self._price(prototype(), exchange)
         return cached
 
     def derived(self, key: tuple, make: Callable[[], PassTable]) -> PassTable:
@@ -133,7 +160,7 @@ class PassCosts:
             cached = self._tables[key] = make()
         return cached
 
-    def _price(self, plan: Plan) -> PassTable:
+    def _price(self, plan: Plan, exchange: ExchangeCost | None = None) -> PassTable:
         lowering = Lowering(plan)
         recomputed = {c.name for s in range(plan.num_stages) for c in plan.recomputed(s)}
         types = entry_types(plan)
@@ -144,10 +171,12 @@ class PassCosts:
             for k, kind in enumerate(KINDS):
                 pieces = lowering.layer_pass(0, 0, cost, "R") if cost.name in recomputed and kind in "BI" else []
                 phases[e, k], accumulate[e, k], trailing[e, k] = self._time(
-                    pieces + lowering.layer_pass(0, 0, cost, kind), plan.num_microbatches)
+                    pieces + lowering.layer_pass(0, 0, cost, kind), plan.num_microbatches,
+                    None if exchange is None else partial(exchange, e))
         return PassTable(phases, accumulate, trailing)
 
-    def _time(self, pieces, m0: int) -> tuple[np.ndarray, float, float]:
+    def _time(self, pieces, m0: int, exchange: Callable[[CommPiece], float] | None = None
+              ) -> tuple[np.ndarray, float, float]:
         """Seconds of ``pieces`` on the compute stream by phase, the accumulation's limit, and the blocking
         communication after the last kernel: collectives in line, context-parallel exchanges on their own
         stream from the op before them until the next join."""
@@ -156,7 +185,10 @@ class PassCosts:
         pending: list[float] = []
         for piece in pieces:
             if type(piece) is CommPiece:
-                cost = self.comm.time("collective", piece.collective, piece.ranks, piece.nbytes)
+                if piece.group == "cp" and exchange is not None:
+                    cost = exchange(piece)
+                else:
+                    cost = self.comm.time("collective", piece.collective, piece.ranks, piece.nbytes)
                 if piece.group == "cp":
                     cp_free = max(t, cp_free) + cost
                     pending.append(cp_free)

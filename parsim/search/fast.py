@@ -17,9 +17,11 @@ model charges what the step simulator charges, priced without simulating:
   optimizer step, and ZeRO-1/2's weight all-gathers after it;
 * **memory** — :func:`parsim.memory.memory`'s account (:mod:`parsim.search.tables`).
 
-What it leaves out is contention: collectives that overlap in time share
-links in the simulator and are priced alone here (``docs/search.md`` measures
-the difference). :meth:`FastModel.prepare` gives every variant's memory and a
+Collectives are priced alone, as if nothing else used their links, with
+one exception: under FSDP, a context-parallel exchange shares the NICs with
+the weights the gather stream brings in meanwhile, and is priced beside that
+gather (:meth:`FastModel.pass_table`). Other contention is left out
+(``docs/search.md`` measures the difference). :meth:`FastModel.prepare` gives every variant's memory and a
 lower bound of its step time (each rank's own work, its earliest start and
 its tail) in a few array operations per setting; :meth:`FastModel.estimate`
 times the pipelines of many plans in batches.
@@ -159,13 +161,37 @@ class FastModel:
             return self.plan(s, plain, m=2 * s.pp, schedule=schedule, vs=vs)
         return self.plan(s, plain, pp=pp, dp=1, m=2 * pp, schedule=schedule, vs=vs)
 
-    def pass_table(self, s: Setting, v: Variant) -> PassTable:
+    def pass_table(self, s: Setting, v: Variant, beside_gathers: bool = False) -> PassTable:
+        """Each entry type's passes; with ``beside_gathers`` (FSDP with context parallelism), each
+        context-parallel exchange is priced beside the FSDP all-gather streaming next to it
+        (:meth:`_exchange_beside_gathers`)."""
+        beside_gathers = beside_gathers and s.cp > 1 and self._shards_weights(s, v)
         key = (s.tp, s.cp, s.ep, s.microbatch_size, v.sequence_parallel, v.recompute, v.context_parallel,
-               (s.dp, s.pp, v.order) if s.ep > 1 else None)
+               (s.dp, s.pp, v.order) if s.ep > 1 else None,
+               (s.dp, s.pp, v.order, v.shard_group) if beside_gathers else None)
         if v.recompute == "full":  # a recomputed layer's backward starts with its forward again
             return self.passes.derived(key, lambda: _with_recompute(
-                self.pass_table(s, v._replace(recompute="none")), self._entry_tables(s, v).recomputed))
-        return self.passes.table(key, lambda: self._prototype(s, v))
+                self.pass_table(s, v._replace(recompute="none"), beside_gathers),
+                self._entry_tables(s, v).recomputed))
+        exchange = self._exchange_beside_gathers(s, v) if beside_gathers else None
+        return self.passes.table(key, lambda: self._prototype(s, v), exchange)
+
+    def _exchange_beside_gathers(self, s: Setting, v: Variant):
+        """Prices a context-parallel exchange of an entry's pass as it runs under FSDP: from the pass's start
+        the next entry's weights stream in over the shard group, which holds every rank of the cp group, so
+        the two share NICs and NVLink for as long as the gather lasts (``CommCosts.beside``); the exchange
+        pays that contention over the part of it the gather covers."""
+        plan = self.layout_plan(s, v)
+        lowering = Lowering(plan)
+        shard, cp = lowering.group(0, "shard")[0], lowering.group(0, "cp")[0]
+        weights = [sum(n for n, _ in param_tensors(cost, plan.tp)) * plan.dtype_bytes for cost in entry_types(plan)]
+        gathers = self._fsdp(s, v)[0]
+
+        def exchange(entry: int, piece) -> float:
+            alone = self.comm.time("collective", piece.collective, cp, piece.nbytes)
+            beside = self.comm.beside(piece.collective, cp, piece.nbytes, "all_gather", shard, weights[entry])
+            return alone + (beside - alone) * min(1.0, gathers[entry] / beside) if beside > alone else alone
+        return exchange
 
     def layout(self, s: Setting) -> Layout:
         placement = "v" if s.schedule in V_SCHEDULES else "loop"
@@ -259,7 +285,7 @@ class FastModel:
 
     def _inputs(self, s: Setting, v: Variant, layout: Layout) -> _Inputs:
         m = s.num_microbatches
-        seconds = self.pass_table(s, v).seconds(m)  # [types, 4]
+        seconds = self.pass_table(s, v, beside_gathers=True).seconds(m)  # [types, 4]
         waits = lead = np.zeros(len(layout.stage_entries) * 4)
         fsdp = self._fsdp(s, v)
         ends = None
@@ -375,7 +401,7 @@ class FastModel:
         rank = max(range(s.pp), key=lambda p: tails[p][0])
         step, compute_end, sync_end, optimizer, gathers = tails[rank]
         counts = _pass_counts(s)[rank]
-        table = self.pass_table(s, v).phase_seconds(s.num_microbatches)  # [types, 4, phases]
+        table = self.pass_table(s, v, beside_gathers=True).phase_seconds(s.num_microbatches)  # [types, 4, phases]
         layout = self.layout(s)
         per_stage = np.einsum("st,tkp->skp", layout.counts, table).reshape(-1, len(PASS_PHASES))
         phases = dict.fromkeys(PHASES, 0.0)
