@@ -356,7 +356,7 @@ class Lowering:
         copy-out that follows it on the compute stream (named and phased as the pass, ``compute``)."""
         cost = self.plan.stage_costs(stage)[layer]
         group, mirrors = self.group(p, "shard")
-        nbytes = self._fsdp_bytes(cost)
+        nbytes = fsdp_bytes(cost, self.plan)
         name = collective_name("all_gather", "fsdp", layer=cost.name, stage=stage, mb=mb,
                                dir="fwd" if kind == "F" else "bwd")
         gather = self._add(rank, Op(name, "collective", "gather", deps=tuple(after), collective="all_gather",
@@ -369,7 +369,7 @@ class Lowering:
         microbatch), after copying them into the collective's input on the compute stream (returned);
         with HSDP, all-reduce the shard across the replicas."""
         cost = self.plan.stage_costs(stage)[layer]
-        nbytes = self._fsdp_bytes(cost)
+        nbytes = fsdp_bytes(cost, self.plan)
         copied = self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], nbytes, (ready,)))
         group, mirrors = self.group(p, "shard")
         op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=cost.name, stage=stage, mb=mb),
@@ -383,9 +383,6 @@ class Lowering:
         self.fsdp_syncs.append(op)
         return copied
 
-    def _fsdp_bytes(self, cost: LayerCost) -> float:
-        """One layer's unsharded weights (or gradients) on this rank: what FSDP gathers and scatters."""
-        return sum(n for n, _ in param_tensors(cost, self.plan.tp)) * self.plan.dtype_bytes
 
     @staticmethod
     def _fsdp_copy(compute: str, phase: str, nbytes: float, deps: tuple[int, ...]) -> Op:
@@ -482,6 +479,11 @@ class Lowering:
         ops.append(op)
         self.rank_ids.append(op.id)
         return op.id
+
+
+def fsdp_bytes(cost: LayerCost, plan: Plan) -> float:
+    """One layer's unsharded weights (or gradients) on a rank: what FSDP gathers and reduce-scatters."""
+    return sum(n for n, _ in param_tensors(cost, plan.tp)) * plan.dtype_bytes
 
 
 def param_tensors(cost: LayerCost, tp: int, ep: int = 1) -> list[tuple[int, bool]]:

@@ -21,8 +21,10 @@ Collectives are priced alone, as if nothing else used their links, with
 one exception: under FSDP, a context-parallel exchange shares the NICs with
 the weights the gather stream brings in meanwhile, and is priced beside that
 gather (:meth:`FastModel.pass_table`). Other contention is left out
-(``docs/search.md`` measures the difference). :meth:`FastModel.prepare` gives every variant's memory and a
-lower bound of its step time (each rank's own work, its earliest start and
+(``docs/search.md`` measures the difference).
+
+:meth:`FastModel.prepare` gives every variant's memory and a lower bound of
+its step time (each rank's own work, its earliest start and
 its tail) in a few array operations per setting; :meth:`FastModel.estimate`
 times the pipelines of many plans in batches.
 """
@@ -37,12 +39,13 @@ import numpy as np
 
 from ..cluster import ClusterSpec
 from ..compute import ComputeModel
-from ..lower import ADAMW_ACCESSES, ADAMW_KERNELS, FP32, Lowering, buckets, param_tensors
+from ..lower import (ADAMW_ACCESSES, ADAMW_KERNELS, FP32, CommPiece, Lowering, buckets, fsdp_bytes,
+                     param_tensors)
 from ..model import MLPModel
 from ..plan import DTYPE_BYTES, Plan
 from ..schedules import make_schedule, peak_in_flight
 from ..step_report import PHASES
-from .costs import KINDS, PASS_PHASES, CommCosts, PassCosts, PassTable, no_cost
+from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
 from .pipeline import PipelineTiming, time_schedule
 from .space import SearchSpace, Setting, Variant
 from .tables import Layout, entry_tables, entry_types, layout_of, peak_memory, rank_tables, sync_arrays
@@ -176,21 +179,21 @@ class FastModel:
         exchange = self._exchange_beside_gathers(s, v) if beside_gathers else None
         return self.passes.table(key, lambda: self._prototype(s, v), exchange)
 
-    def _exchange_beside_gathers(self, s: Setting, v: Variant):
+    def _exchange_beside_gathers(self, s: Setting, v: Variant) -> ExchangeCost:
         """Prices a context-parallel exchange of an entry's pass as it runs under FSDP: from the pass's start
         the next entry's weights stream in over the shard group, which holds every rank of the cp group, so
         the two share NICs and NVLink for as long as the gather lasts (``CommCosts.beside``); the exchange
         pays that contention over the part of it the gather covers."""
-        plan = self.layout_plan(s, v)
-        lowering = Lowering(plan)
+        lowering = Lowering(self.layout_plan(s, v))
         shard, cp = lowering.group(0, "shard")[0], lowering.group(0, "cp")[0]
-        weights = [sum(n for n, _ in param_tensors(cost, plan.tp)) * plan.dtype_bytes for cost in entry_types(plan)]
-        gathers = self._fsdp(s, v)[0]
+        weights, gathers = self._weight_bytes(s), self._fsdp(s, v)[0]
 
-        def exchange(entry: int, piece) -> float:
+        def exchange(entry: int, piece: CommPiece) -> float:
             alone = self.comm.time("collective", piece.collective, cp, piece.nbytes)
             beside = self.comm.beside(piece.collective, cp, piece.nbytes, "all_gather", shard, weights[entry])
-            return alone + (beside - alone) * min(1.0, gathers[entry] / beside) if beside > alone else alone
+            if beside <= alone:
+                return alone
+            return alone + (beside - alone) * min(1.0, gathers[entry] / beside)
         return exchange
 
     def layout(self, s: Setting) -> Layout:
@@ -355,8 +358,7 @@ class FastModel:
             shard = lowering.group(0, "shard")[0]
             replicas = plan.shard_size < plan.dp * plan.cp
             gather, scatter = [], []
-            for cost in entry_types(plan):
-                nbytes = sum(n for n, _ in param_tensors(cost, plan.tp)) * plan.dtype_bytes
+            for nbytes in self._weight_bytes(s):
                 gather.append(self.comm.time("collective", "all_gather", shard, nbytes))
                 scatter.append(self.comm.time("collective", "reduce_scatter", shard, nbytes) + (
                     self.comm.time("collective", "all_reduce", lowering.group(0, "replicate")[0],
@@ -368,13 +370,17 @@ class FastModel:
     def _shards_weights(s: Setting, v: Variant) -> bool:
         return v.fsdp and (v.shard_group or s.dp * s.cp) > 1
 
+    def _weight_bytes(self, s: Setting) -> list[float]:
+        """Per entry type, one rank's unsharded weights: what FSDP gathers (and reduce-scatters as gradients)."""
+        def make() -> list[float]:
+            plan = self._prototype(s, _PLAIN)
+            return [fsdp_bytes(cost, plan) for cost in entry_types(plan)]
+        return self._cached(("weight bytes", s.tp, s.ep), make)
+
     def _fsdp_copies(self, s: Setting) -> np.ndarray:
         """Per entry type, one of FSDP2's copies of its weights (or gradients) on the compute stream."""
-        def make() -> np.ndarray:
-            plan = self._prototype(s, _PLAIN)
-            nbytes = [sum(n for n, _ in param_tensors(cost, plan.tp)) * plan.dtype_bytes for cost in entry_types(plan)]
-            return np.array([self.compute.time((), 0.0, 2 * n, 1, stream_bytes=2 * n) for n in nbytes])
-        return self._cached(("fsdp copies", s.tp, s.ep), make)
+        return self._cached(("fsdp copies", s.tp, s.ep), lambda: np.array([
+            self.compute.time((), 0.0, 2 * n, 1, stream_bytes=2 * n) for n in self._weight_bytes(s)]))
 
     # -- estimates ------------------------------------------------------------------------------
     def estimate(self, jobs: list[tuple[Prepared, int]]) -> list[Estimate]:
