@@ -75,7 +75,26 @@ def test_text_report_explains_the_winner_and_draws_the_front(capsys, tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_degrees_restrict_the_space_and_say_what_they_left_out(capsys):
+    doc = run_json(capsys, TINY + ["--tp", "2,4", "--pp", "1"])
+    assert doc["degrees"] == {"tp": [2, 4], "pp": [1]}
+    assert {(r["plan"]["parallel"]["tp"], r["plan"]["parallel"]["pp"]) for r in doc["ranked"]} <= {(2, 1), (4, 1)}
+    rejected = doc["spaces"][0]["layouts_rejected"]
+    assert rejected["tp outside --tp 2,4"] > 0 and rejected["pp outside --pp 1"] > 0
+    everything = run_json(capsys, TINY)
+    assert doc["spaces"][0]["plans"] < everything["spaces"][0]["plans"]
+
+
+def test_a_space_with_no_plan_says_so_and_draws_nothing(capsys, tmp_path):
+    png = tmp_path / "front.png"
+    assert main(TINY + ["--tp", "3", "--explain", "--plot", str(png)]) == 0
+    out, err = capsys.readouterr()
+    assert "no plan to rank" in out and "--plot: no plan to draw" in err and not png.exists()
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--model", "tiny-gpt", "--gpus", "8", "--tp", "two"], "--tp 'two': give whole numbers"),
+    (["--model", "tiny-gpt", "--gpus", "8", "--pp", "0,2"], "--pp '0,2': degrees are positive"),
     (["--model", "nope", "--gpus", "8"], "unknown model 'nope'"),
     (["--model", "tiny-gpt", "--gpus", "12"], "does not fill whole nodes"),
     (["--model", "tiny-gpt", "--gpus", "eight"], "whole numbers separated by commas"),

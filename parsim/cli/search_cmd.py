@@ -15,7 +15,7 @@ from ..plan import DTYPE_BYTES
 from ..search.search import SORTS, SearchRequest, run_search
 from ..units import parse_size
 from ..jsondoc import print_json
-from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs
+from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, note
 
 HELP = """\
 Search every parallelism plan the simulator can express for a model on some
@@ -28,16 +28,20 @@ how far the fast tier was from them; every row prints a `parsim simulate`
 command (or, with --save-plans, a plan file) that re-runs it.
 
 The fast tier prices each plan's passes, pipeline schedule, gradient sync and
-optimizer as the simulator does, without contention between overlapping
-collectives; how it compares: docs/search.md.
+optimizer as the simulator does; of the contention between overlapping
+collectives it counts only a context-parallel exchange's beside FSDP's
+gathers. How it compares: docs/search.md.
 
 examples:
   parsim search --model llama3-70b --gpus 1024 --global-batch 4M-tokens
   parsim search --model llama3-8b --gpus 8,64 --global-batch 1M-tokens --tokens 15T --explain
   parsim search --model llama3-70b --gpus 256,512,1024 --global-batch 512 --sort cost --plot front.png
+  parsim search --model llama3-70b --gpus 1024 --tp 8 --pp 2,4,8      # only Megatron-style layouts
   parsim search --model llama3-405b --gpus 16384 --global-batch 16M-tokens --max-memory 75GB --json
 """
 
+DEGREES = {"dp": "data-parallel", "tp": "tensor-parallel", "pp": "pipeline-parallel", "cp": "context-parallel",
+           "ep": "expert-parallel"}
 _TOKENS = re.compile(r"^\s*(.+?)\s*-?\s*tok(en)?s?\s*$", re.IGNORECASE)
 _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*$")
 _DECIMAL = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -55,6 +59,8 @@ def register(subparsers) -> None:
                         "batches); default: the model's batch (MLP) or 4M tokens")
     p.add_argument("--seq", type=int, metavar="N", help="sequence length (default: the model's)")
     p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="compute precision (default bf16)")
+    for dim, what in DEGREES.items():
+        p.add_argument(f"--{dim}", metavar="N[,N...]", help=f"search only these {what} degrees (default: all)")
     p.add_argument("--max-memory", metavar="SIZE", help="memory a plan may use per GPU, e.g. 75GB (default: all)")
     p.add_argument("--price-per-gpu-hour", type=float, metavar="USD",
                    help="US dollars per GPU-hour (default: the cluster file's, an example rate)")
@@ -92,11 +98,14 @@ def run(args: argparse.Namespace) -> int:
         if args.explain:
             print()
             print(rep.explain(result))
-    if args.plot:
+    drawn = args.plot and result.estimated_plans
+    if drawn:
         from ..search.plot import plot_front
 
         plot_front(result, args.plot)
-    written = [f"wrote {args.plot}"] if args.plot else []
+    elif args.plot:
+        note(f"--plot: no plan to draw; {args.plot} not written")
+    written = [f"wrote {args.plot}"] if drawn else []
     written += [f"wrote {len(files)} plan files to {args.save_plans}"] if args.save_plans else []
     for line in written:
         print(line, file=sys.stderr if args.json else sys.stdout)
@@ -128,7 +137,25 @@ def request_from_args(args: argparse.Namespace) -> SearchRequest:
             raise ParsimError(f"--max-memory {args.max_memory!r}: give a size such as 75GB")
     return SearchRequest(model, spec, cluster, gpus, _global_batch(args.global_batch, model), args.dtype, max_memory,
                          args.price_per_gpu_hour, None if args.tokens is None else parse_count(args.tokens, "--tokens"),
-                         args.sort, keep=max(50, args.top, args.simulate), simulate=args.simulate)
+                         args.sort, keep=max(50, args.top, args.simulate), simulate=args.simulate,
+                         degrees=_degrees(args))
+
+
+def _degrees(args: argparse.Namespace) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``--tp 8 --pp 2,4`` as ``(("tp", (8,)), ("pp", (2, 4)))``."""
+    out = []
+    for dim in DEGREES:
+        text = getattr(args, dim)
+        if text is None:
+            continue
+        try:
+            values = tuple(sorted({int(part) for part in str(text).split(",")}))
+        except ValueError:
+            raise ParsimError(f"--{dim} {text!r}: give whole numbers separated by commas, e.g. 2,4,8") from None
+        if not values or values[0] < 1:
+            raise ParsimError(f"--{dim} {text!r}: degrees are positive")
+        out.append((dim, values))
+    return tuple(out)
 
 
 def _gpus(text: str, cluster) -> tuple[int, ...]:

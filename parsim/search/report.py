@@ -58,6 +58,9 @@ def report(result: SearchResult, commands: list[str], top: int) -> str:
     lines = [_header(result), ""]
     lines += _summary(result)
     lines.append("")
+    if not result.ranked:
+        lines.append("no plan to rank: every layout or setting was rejected, or none fits in memory (above)")
+        return "\n".join(lines)
     lines.append(ranking_table(result, result.ranked[:top]))
     lines.append("")
     lines.append(front_table(result))
@@ -277,7 +280,7 @@ def to_json(result: SearchResult, rows: list[Ranked], commands: list[str]) -> di
         "model": req.model.name, "cluster": req.cluster.name, "gpus": list(req.gpus),
         "global_batch": req.global_batch, "dtype": req.dtype, "sort": req.sort,
         "price_usd_per_gpu_hour": req.price, "train_tokens": req.train_tokens,
-        "memory_capacity_bytes": req.capacity,
+        "memory_capacity_bytes": req.capacity, "degrees": {dim: list(values) for dim, values in req.degrees},
         "spaces": [{"gpus": s.gpus, "plans": s.plans, "fit": s.fits, "over_memory": s.over_memory,
                     "layouts": s.rejections.layouts_valid, "layouts_rejected": dict(s.rejections.layouts),
                     "pipelines": s.rejections.pipelines_valid, "pipelines_rejected": dict(s.rejections.pipelines)}

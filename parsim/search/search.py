@@ -53,6 +53,7 @@ class SearchRequest:
     sort: str = "time"
     keep: int = 50  # plans ranked exactly by the fast tier
     simulate: int = 10  # of them, the best run through the event simulation
+    degrees: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (dim, allowed values): search only those
 
     @property
     def price(self) -> float | None:
@@ -128,7 +129,7 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
     spaces, models, prepared = [], [], []
     for gpus in request.gpus:
         space = SearchSpace(request.model, gpus, request.global_batch, request.dtype,
-                            request.cluster.gpus_per_node, model_spec=request.model_spec)
+                            request.cluster.gpus_per_node, model_spec=request.model_spec, degrees=request.degrees)
         fast = FastModel(space, request.cluster, request.capacity)
         counts = SpaceCounts(gpus)
         settings = list(enumerate_settings(space, counts.rejections))

@@ -8,6 +8,7 @@ first, and counts what each level rejects and why:
    experts): tensor parallelism must divide the heads, hidden and feed-forward
    sizes, context parallelism the sequence into ``2 cp`` chunks, the stages
    must not outnumber the layers, and ``dp`` must divide the global batch;
+   ``degrees`` may restrict any of them to some values (``--tp 8 --pp 2,4``);
 2. **pipelines** — microbatch size (every divisor of the replica's batch, the
    count following), schedule and virtual stages, under each schedule's rules
    (1F1B-like schedules need ``m >= pp``, looped ones whole rounds of ``pp``,
@@ -137,6 +138,11 @@ class SearchSpace:
     gpus_per_node: int = 8
     bucket_size: int = DEFAULT_BUCKET_SIZE
     model_spec: Any = None  # how a plan file names the model (a preset name); None: the model inline
+    degrees: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (dim, allowed values): only those (``--tp 8``)
+
+    def allows(self, dim: str, value: int) -> bool:
+        """Whether ``dim`` (dp, tp, pp, cp or ep) may take ``value`` (``degrees`` restricts some)."""
+        return all(value in values for name, values in self.degrees if name == dim)
 
     def __post_init__(self) -> None:
         if self.model_spec is None:
@@ -236,15 +242,27 @@ def enumerate_settings(space: SearchSpace, rejections: Rejections | None = None
         for cp in divisors(space.gpus // tp):
             for pp in divisors(space.gpus // (tp * cp)):
                 dp = space.gpus // (tp * cp * pp)
-                reason = layout_reason(space, dp, tp, pp, cp)
+                reason = _outside(space, dp=dp, tp=tp, pp=pp, cp=cp) or layout_reason(space, dp, tp, pp, cp)
                 if reason:
                     rej.layouts[reason] += 1
                     continue
                 variants = _variants(space, dp, tp, pp, cp)
                 for ep in _expert_options(m, dp * cp):
+                    if not space.allows("ep", ep):
+                        rej.layouts[_outside(space, ep=ep)] += 1
+                        continue
                     rej.layouts_valid += 1
                     for setting in _settings(space, rej, dp, tp, pp, cp, ep):
                         yield setting, variants
+
+
+def _outside(space: SearchSpace, **degrees: int) -> str:
+    """Which restricted degree (``--tp 8``) a layout is outside of, or ""."""
+    for dim, value in degrees.items():
+        if not space.allows(dim, value):
+            allowed = ",".join(map(str, dict(space.degrees)[dim]))
+            return f"{dim} outside --{dim} {allowed}"
+    return ""
 
 
 def _expert_options(model: Model, data_ranks: int) -> list[int]:
