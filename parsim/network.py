@@ -37,6 +37,7 @@ from typing import Callable
 import numpy as np
 import simpy
 
+_FEW_LINKS = 64  # below this many links, a transfer's link sets are relabelled in plain Python
 # Flows due within this relative distance of the earliest finish end together:
 # they differ only by floating-point rounding of the same arithmetic.
 _SAME_TIME = 1e-12
@@ -250,7 +251,13 @@ class Network:
 
     def _relabel(self, links: np.ndarray, change: Callable[[frozenset[int]], frozenset[int]]) -> list[frozenset[int]]:
         """Replace the batch set of every link in ``links`` by ``change(set)``; the distinct old sets."""
-        ids, where = np.unique(self._set_of[links], return_inverse=True)
+        current = self._set_of[links]
+        if links.size <= _FEW_LINKS:  # a send's handful of links: plain Python beats numpy's unique
+            ids = current.tolist()
+            new = {i: self._intern(change(self._sets[i])) for i in dict.fromkeys(ids)}
+            self._set_of[links] = [new[i] for i in ids]
+            return [self._sets[i] for i in new]
+        ids, where = np.unique(current, return_inverse=True)
         old = [self._sets[i] for i in ids.tolist()]
         self._set_of[links] = np.array([self._intern(change(s)) for s in old], dtype=np.int64)[where]
         return old
