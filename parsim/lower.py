@@ -383,7 +383,6 @@ class Lowering:
         self.fsdp_syncs.append(op)
         return copied
 
-
     @staticmethod
     def _fsdp_copy(compute: str, phase: str, nbytes: float, deps: tuple[int, ...]) -> Op:
         """FSDP2's copy between its flat collective buffer and the layer's tensors, on the compute stream:

@@ -78,7 +78,6 @@ class CommCosts:
             return seconds
         return price
 
-
     def beside(self, collective: str, ranks: tuple[int, ...], nbytes: float, other: str,
                other_ranks: tuple[int, ...], other_bytes: float) -> float:
         """Seconds for ``collective`` over ``ranks`` while ``other`` (over ``other_ranks``) streams through the
