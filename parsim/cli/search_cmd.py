@@ -28,9 +28,9 @@ how far the fast tier was from them; every row prints a `parsim simulate`
 command (or, with --save-plans, a plan file) that re-runs it.
 
 The fast tier prices each plan's passes, pipeline schedule, gradient sync and
-optimizer as the simulator does; of the contention between overlapping
-collectives it counts only a context-parallel exchange's beside FSDP's
-gathers. How it compares: docs/search.md.
+optimizer as the simulator does; contention between overlapping collectives
+is left out, except a context-parallel exchange slowed by the FSDP gathers
+beside it. How it compares: docs/search.md.
 
 examples:
   parsim search --model llama3-70b --gpus 1024 --global-batch 4M-tokens
