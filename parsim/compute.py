@@ -111,40 +111,49 @@ class ComputeModel:
             elementwise_bw_Bps=spec.elementwise_bw_Bps,
             time_share=max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0)
 
-    def waves(self, m: float, n: float) -> float:
+    def waves(self, m: float, n: float, sms: int = 0) -> float:
         """Share of the tile work that is useful: tile quantization (edge tiles partly filled still
-        cost whole tiles) times wave quantization (a last, partly filled wave costs a whole one)."""
+        cost whole tiles) times wave quantization (a last, partly filled wave costs a whole one), on
+        ``sms`` of the GPU's SMs (0: all of them)."""
         if not self.sm_count:
             return 1.0
+        sms = sms or self.sm_count
         tiles = -(-int(m) // MATMUL_TILE) * -(-int(n) // MATMUL_TILE)
-        waves = -(-tiles // self.sm_count)
-        return m * n / (waves * self.sm_count * MATMUL_TILE * MATMUL_TILE)  # useful area / area of all slots
+        waves = -(-tiles // sms)
+        return m * n / (waves * sms * MATMUL_TILE * MATMUL_TILE)  # useful area / area of all slots
 
-    def matmul_rate(self, m: float, n: float, k: float) -> float:
+    def matmul_rate(self, m: float, n: float, k: float, sm_reserved: int = 0) -> float:
+        """FLOP/s of one ``(m, n, k)`` matmul; ``sm_reserved`` SMs are held by a communication kernel
+        running beside it (:mod:`parsim.tp_overlap`), so it runs on the others."""
         shape = 1.0
         for d in (m, n, k):
             shape *= d / (d + self.half_dim)
-        return (self.matmul_peak_flops or self.peak_flops) * self.efficiency * shape * self.waves(m, n)
+        sms = max(self.sm_count - sm_reserved, 1) if self.sm_count else 0
+        share = sms / self.sm_count if self.sm_count else 1.0
+        return (self.matmul_peak_flops or self.peak_flops) * self.efficiency * shape * share * self.waves(m, n, sms)
 
     @property
     def memory_bw_Bps(self) -> float:
         return self.hbm_bw_Bps * self.memory_efficiency
 
-    def matmul_time(self, m: float, n: float, k: float) -> float:
+    def matmul_time(self, m: float, n: float, k: float, sm_reserved: int = 0) -> float:
         flops = 2.0 * m * n * k
+        rate = self.matmul_rate(m, n, k, sm_reserved)
         if self.matmul_stream_bw_Bps:  # eager CPU: the second operand streams in, not hidden behind the arithmetic
-            return flops / self.matmul_rate(m, n, k) + k * n * self.dtype_bytes / self.matmul_stream_bw_Bps
+            return flops / rate + k * n * self.dtype_bytes / self.matmul_stream_bw_Bps
         traffic = (m * k + k * n + m * n) * self.dtype_bytes
-        return max(flops / self.matmul_rate(m, n, k), traffic / self.memory_bw_Bps)
+        return max(flops / rate, traffic / self.memory_bw_Bps)
 
     def time(self, matmuls=(), flops: float = 0.0, hbm_bytes: float = 0.0, kernels: int = 0,
              attention_flops: float = 0.0, attention_grad_flops: float = 0.0, forward_ops: int = 0,
-             backward_ops: int = 0, optimizer_tensors: int = 0, stream_bytes: float = 0.0) -> float:
+             backward_ops: int = 0, optimizer_tensors: int = 0, stream_bytes: float = 0.0,
+             sm_reserved: int = 0) -> float:
         """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
         kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; on an
         eager CPU host also each dispatched op's and each optimizer tensor's fixed cost, and the
-        memory-bound bytes but ``stream_bytes`` at the host's elementwise speed."""
-        total = sum(self.matmul_time(*mm) for mm in matmuls)
+        memory-bound bytes but ``stream_bytes`` at the host's elementwise speed. ``sm_reserved``: SMs
+        a communication kernel beside the matmuls holds."""
+        total = sum(self.matmul_time(*mm, sm_reserved) for mm in matmuls)
         forward, backward = self.attention_efficiency
         total += (attention_flops / forward + attention_grad_flops / backward) / self.peak_flops
         if self.elementwise_bw_Bps:

@@ -21,6 +21,7 @@ class BlockWork:
 
     matmuls: tuple[tuple[int, int, int], ...]  # (m, n, k)
     labels: tuple[str, ...]  # what each matmul computes, for explanations
+    sources: tuple[tuple[str, str], ...]  # each matmul's (weight split, role): role "fwd", "dgrad", "wgrad" or "core"
     attention_flops: float  # the fused attention core's FLOPs as executed, forward
     attention_grad_flops: float  # and backward
     elementwise_bytes: float  # memory-bound kernels' reads and writes
@@ -47,10 +48,12 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
     tp = plan.tp
     mms: list[tuple[int, int, int]] = []
     labels: list[str] = []
+    sources: list[tuple[str, str]] = []
 
-    def launch(shape: tuple[int, int, int], label: str) -> None:
+    def launch(shape: tuple[int, int, int], label: str, source: tuple[str, str] = ("none", "core")) -> None:
         mms.append(shape)
         labels.append(label)
+        sources.append(source)
 
     for mm in block.matmuls:
         k, n = mm.shape_per_rank(tp)
@@ -58,12 +61,13 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         if mm.experts > 1:  # each of this rank's experts takes its share of the ep group's routed tokens
             rows = round(tokens * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)
         for _ in range(mm.copies_per_rank(plan.ep)):
+            split = mm.split if mm.experts == 1 else "experts"
             if kind == "F":
-                launch((rows, n, k), mm.name)
+                launch((rows, n, k), mm.name, (split, "fwd"))
             if kind in ("B", "I"):
-                launch((rows, k, n), f"{mm.name} input grad")
+                launch((rows, k, n), f"{mm.name} input grad", (split, "dgrad"))
             if kind in ("B", "W"):
-                launch((k, n, rows), f"{mm.name} weight grad")
+                launch((k, n, rows), f"{mm.name} weight grad", (split, "wgrad"))
     backward = kind in ("B", "I")
     core = block.core
     # Selective recompute of an unfused core reruns its scores, softmax and dropout before their backward.
@@ -100,7 +104,8 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
                       for mm in block.matmuls)
         m = plan.num_microbatches
         accumulate = weights * plan.dtype_bytes * 3 * (m - 1) / m
-    return BlockWork(tuple(mms), tuple(labels), attention_fwd, attention_bwd, elementwise, accumulate, kernels)
+    return BlockWork(tuple(mms), tuple(labels), tuple(sources), attention_fwd, attention_bwd, elementwise, accumulate,
+                     kernels)
 
 
 def unfused_attention(plan: Plan, core, kind: str, tokens: int) -> list[tuple[tuple[int, int, int], str]]:

@@ -27,9 +27,10 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from . import eager_ops
+from . import eager_ops, tp_overlap
 from .kernels import block_work
 from .model import LayerCost, MLPModel, shard
+from .pieces import CommPiece, ComputePiece, Piece
 from .plan import Plan
 from .program import Op, Program
 from .schedules import Action, Schedule
@@ -45,48 +46,6 @@ ADAMW_KERNELS = 8  # those eight passes, per parameter tensor
 PASS_PHASE = {"F": "forward", "R": "recompute", "B": "backward", "I": "backward", "W": "weight-grad"}
 
 
-@dataclass(frozen=True)
-class ComputePiece:
-    """One block's compute in one pass (see :meth:`Lowering._compute`); ``layer`` indexes the stage's costs."""
-
-    matmuls: tuple[tuple[int, int, int], ...]
-    hbm_bytes: float
-    kernels: int
-    phase: str
-    layer: int
-    attention_flops: float = 0.0  # the FlashAttention core's, forward
-    attention_grad_flops: float = 0.0  # and backward
-    forward_ops: int = 0  # eager ops dispatched (parsim.eager_ops; the CPU host's fixed costs)
-    backward_ops: int = 0
-    stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation)
-    opens: bool = False  # the first piece of its layer in this pass (FSDP gathers the layer before it)
-    closes: bool = False  # the last (FSDP reduce-scatters the layer's gradients after a backward's)
-    joins: bool = False  # waits for the context-parallel exchanges started since the last join (no work)
-
-
-@dataclass(frozen=True)
-class CommPiece:
-    """A collective inside a pass; its name is ``name_head + mb + name_tail``.
-
-    ``group`` "tp" (tensor-parallel) and "ep" (an expert all-to-all) run on the
-    compute stream between blocks. "cp" (context parallelism's K/V exchange)
-    runs on its own stream from the moment the op before it ends, and the next
-    join waits for it.
-    """
-
-    name_head: str
-    name_tail: str
-    collective: str
-    ranks: tuple[int, ...]
-    mirrors: tuple[tuple[int, ...], ...]
-    nbytes: float
-    group: str = "tp"
-    layer: int = -1
-    opens: bool = False
-    closes: bool = False
-
-
-_Piece = ComputePiece | CommPiece
 
 
 @dataclass
@@ -180,26 +139,25 @@ class Lowering:
         gathers = self.fsdp and (kind == "F" or (kind in ("B", "I") and plan.reshard_after_forward))
         scatters = self.fsdp and kind in ("B", "W")  # the gradients are whole after a B, or after an I's W
         closed: list[int] = []  # per layer of this pass, the op that ended it (FSDP prefetches one layer ahead)
-        exchanges: list[int] = []  # context-parallel exchanges the next join waits for
+        beside: dict[str, list[int]] = {"cp": [], "tp": []}  # side-stream collectives the next join waits for
         gathered: tuple[int, ...] = ()  # an FSDP gather the layer's next compute-stream op must wait for
         for piece in self._pieces(p, stage, kind):
             if gathers and piece.opens:
                 gathered = (self._fsdp_gather(rank, p, stage, piece.layer, mb, kind, closed[-2:-1], name),)
             if type(piece) is CommPiece:
-                exchange = piece.group == "cp"
-                op = Op(f"{piece.name_head}{mb}{piece.name_tail}", "collective", "cp" if exchange else "compute",
+                op = Op(f"{piece.name_head}{mb}{piece.name_tail}", "collective", piece.stream,
                         collective=piece.collective, group=piece.group, ranks=piece.ranks, mirrors=piece.mirrors,
                         nbytes=piece.nbytes, phase=piece.group)
-                if exchange:  # on its own stream: starts once the op before its block ends
+                if piece.beside:  # on its own stream: starts once the compute-stream op before it ends
                     op.deps = gathered + ((last,) if last is not None else ())
-                    exchanges.append(self._add(rank, op))
+                    beside[piece.stream].append(self._add(rank, op))
                 else:
                     op.deps, gathered = gathered, ()
                     last = self._add(rank, op)
             else:
                 deps, gathered = gathered, ()
                 if piece.joins:
-                    deps, exchanges = deps + tuple(exchanges), []
+                    deps, beside[piece.joins] = deps + tuple(beside[piece.joins]), []
                 recompute = piece.phase == "recompute"
                 last = self._add(rank, Op(recompute_name if recompute else name, "compute", "compute", deps=deps,
                                           matmuls=piece.matmuls, hbm_bytes=piece.hbm_bytes,
@@ -207,7 +165,7 @@ class Lowering:
                                           attention_flops=piece.attention_flops,
                                           attention_grad_flops=piece.attention_grad_flops,
                                           forward_ops=piece.forward_ops, backward_ops=piece.backward_ops,
-                                          stream_bytes=piece.stream_bytes))
+                                          stream_bytes=piece.stream_bytes, sm_reserved=piece.sm_reserved))
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
             if piece.closes:
@@ -220,7 +178,7 @@ class Lowering:
             self._send(rank, "grad", stage, mb, ("grad", stage, mb), act_bytes, last)
 
     @functools.cache
-    def _pieces(self, p: int, stage: int, kind: str) -> tuple[_Piece, ...]:
+    def _pieces(self, p: int, stage: int, kind: str) -> tuple[Piece, ...]:
         """What one ``kind`` pass of ``stage`` runs, in order: block compute split by the
         tensor-parallel collectives between blocks. The same for every microbatch.
 
@@ -229,7 +187,7 @@ class Lowering:
         costs = self.plan.stage_costs(stage)
         recomputed = {c.name for c in self.plan.recomputed(stage)} if kind in ("B", "I") else set()
         order = list(enumerate(costs)) if kind == "F" else list(reversed(list(enumerate(costs))))
-        pieces: list[_Piece] = []
+        pieces: list[Piece] = []
         for index, cost in order:
             layer = self.layer_pass(p, index, cost, "R") if cost.name in recomputed else []
             layer += self.layer_pass(p, index, cost, kind)
@@ -238,7 +196,7 @@ class Lowering:
             pieces += layer
         return tuple(pieces)
 
-    def layer_pass(self, p: int, index: int, cost: LayerCost, kind: str) -> list[_Piece]:
+    def layer_pass(self, p: int, index: int, cost: LayerCost, kind: str) -> list[Piece]:
         """One layer's blocks in one pass (``R``: its forward recomputed), with their TP collectives."""
         plan = self.plan
         forward = kind in ("F", "R")
@@ -246,27 +204,44 @@ class Lowering:
         direction = {"F": "fwd", "R": "rec"}.get(kind, "bwd")
         blocks = cost.blocks if forward else tuple(reversed(cost.blocks))
         degree = {"tp": plan.tp, "ep": plan.ep}
-        pieces: list[_Piece] = []
+        pieces: list[Piece] = []
         count = 0
         for block in blocks:
             tp_ops = [c for c in block.collectives if c.phase == ("forward" if forward else "backward")
                       and degree[c.group] > 1 and kind != "W"]
-            for position in ("before", "after"):
-                if position == "after":
-                    compute = self._compute(phase, block, "F" if forward else kind, index)
-                    pieces += self._with_context_exchange(p, cost, block, kind, compute)
-                for coll in (c for c in tp_ops if c.position == position):
-                    head, tail = collective_name(coll.op, coll.group, layer=cost.name, mb="|",
-                                                 dir=f"{direction}{count}").split("|")
-                    count += 1
-                    group, mirrors = self.group(p, coll.group)
-                    # Expert all-to-alls carry this rank's 1/tp of the tokens (the tp ranks split the dispatch).
-                    nbytes = coll.bytes_per_token * self.tokens / (plan.tp if coll.group == "ep" else 1)
-                    pieces.append(CommPiece(head, tail, coll.op, group, mirrors, nbytes, coll.group))
+            around: dict[str, list[CommPiece]] = {"before": [], "after": []}
+            for coll in tp_ops:
+                head, tail = collective_name(coll.op, coll.group, layer=cost.name, mb="|",
+                                             dir=f"{direction}{count}").split("|")
+                count += 1
+                group, mirrors = self.group(p, coll.group)
+                # Expert all-to-alls carry this rank's 1/tp of the tokens (the tp ranks split the dispatch).
+                nbytes = coll.bytes_per_token * self.tokens / (plan.tp if coll.group == "ep" else 1)
+                around[coll.position].append(CommPiece(head, tail, coll.op, group, mirrors, nbytes, coll.group))
+            compute, sources = self._compute(phase, block, "F" if forward else kind, index)
+            if plan.tp_comm_overlap and block.name in tp_overlap.PIPELINE_SMS and tp_ops:
+                pieces += self._overlapped(p, cost, block, kind, around, compute, sources)
+            else:
+                pieces += around["before"]
+                pieces += self._with_context_exchange(p, cost, block, kind, compute)
+                pieces += around["after"]
         return pieces
 
+    def _overlapped(self, p: int, cost: LayerCost, block, kind: str, around: dict[str, list[CommPiece]],
+                    compute: ComputePiece, sources: tuple[tuple[str, str], ...]) -> list[Piece]:
+        """A sequence-parallel block whose all-gather and reduce-scatter hide behind its GEMMs
+        (:mod:`parsim.tp_overlap`)."""
+        (gather,), (scatter,) = around["before"], around["after"]
+        forward = kind in ("F", "R")
+        lead, body, trail = tp_overlap.split_partners(compute, sources, forward, backward_weights=kind == "B")
+        pieces = tp_overlap.ring_exchange(gather, lead, self.plan.tp) if lead else [gather]
+        pieces += self._with_context_exchange(p, cost, block, kind, body)
+        if trail is None:
+            return pieces + [scatter]
+        return pieces + (tp_overlap.pipelined if forward else tp_overlap.bulk)(scatter, trail, block.name)
+
     def _with_context_exchange(self, p: int, cost: LayerCost, block, kind: str,
-                               compute: ComputePiece) -> list[_Piece]:
+                               compute: ComputePiece) -> list[Piece]:
         """An attention block's compute with the K/V exchange context parallelism adds around it.
 
         Ring attention (``context_parallel: ring``, Megatron-LM's) passes K/V
@@ -285,25 +260,25 @@ class Lowering:
 
         def exchange(collective: str) -> CommPiece:
             head, tail = collective_name(collective, "cp", layer=cost.name, mb="|", dir=direction).split("|")
-            return CommPiece(head, tail, collective, group, mirrors, nbytes, "cp")
+            return CommPiece(head, tail, collective, group, mirrors, nbytes, "cp", beside=True)
 
-        join = dataclasses.replace(compute, matmuls=(), hbm_bytes=0.0, kernels=0, attention_flops=0.0,
-                                   attention_grad_flops=0.0, forward_ops=0, backward_ops=0, stream_bytes=0.0,
-                                   joins=True)
+        join = compute.join("cp")
         backward = kind in ("B", "I")
         if plan.context_parallel == "ring":
             return [exchange("all_gather"), *([exchange("reduce_scatter")] if backward else []), compute, join]
         return [exchange("all_gather"), join, compute, *([exchange("reduce_scatter"), join] if backward else [])]
 
-    def _compute(self, phase: str, block, kind: str, layer: int) -> ComputePiece:
+    def _compute(self, phase: str, block, kind: str, layer: int
+                 ) -> tuple[ComputePiece, tuple[tuple[str, str], ...]]:
         """One block's compute in one pass (see :func:`~parsim.kernels.block_work`), with the ops an
-        eager implementation dispatches for it (:meth:`_eager_ops`)."""
+        eager implementation dispatches for it (:meth:`_eager_ops`), and its matmuls' sources."""
         work = block_work(self.plan, block, kind, self.tokens)
         forward_ops, backward_ops = self._eager_ops(block, kind)
-        return ComputePiece(work.matmuls, work.elementwise_bytes + work.accumulate_bytes, work.kernels, phase,
+        piece = ComputePiece(work.matmuls, work.elementwise_bytes + work.accumulate_bytes, work.kernels, phase,
                              layer, attention_flops=work.attention_flops,
                              attention_grad_flops=work.attention_grad_flops, forward_ops=forward_ops,
                              backward_ops=backward_ops, stream_bytes=work.accumulate_bytes)
+        return piece, work.sources
 
     def _eager_ops(self, block, kind: str) -> tuple[int, int]:
         """(forward, backward) ops an eager implementation dispatches for ``block`` in a ``kind`` pass

@@ -126,7 +126,9 @@ class Plan:
 
     ``sequence_parallel`` (Megatron TP only) shards norms and block inputs
     along the sequence, with all-gathers and reduce-scatters in place of the
-    all-reduces. ``activation_recompute`` "full" keeps only each recomputed
+    all-reduces; ``tp_comm_overlap`` hides those behind the GEMMs they feed
+    and drain, as Megatron-LM's ``--tp-comm-overlap`` does
+    (:mod:`parsim.tp_overlap`). ``activation_recompute`` "full" keeps only each recomputed
     layer's input and reruns its forward before its backward (the first
     ``recompute_layers`` layers of each stage, all when unset); "selective"
     recomputes the attention core (Korthikanti et al. 2022): an unfused core
@@ -161,6 +163,7 @@ class Plan:
     shard_group: int | None = None
     reshard_after_forward: bool = True
     sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
     activation_recompute: str = "none"
     recompute_layers: int | None = None
     name: str = "plan"
@@ -237,6 +240,12 @@ class Plan:
                 m.costs(1, self.tp_style, sequence_parallel=True)
             except ParsimError as err:
                 self._fail(f"sequence_parallel: {err}")
+        if self.tp_comm_overlap and not (self.sequence_parallel and self.tp > 1 and self.tp_style == "megatron"
+                                         and isinstance(m, TransformerModel)):
+            self._fail(f"tp_comm_overlap hides a transformer's sequence-parallel all-gathers and reduce-scatters "
+                       f"(Megatron-LM's --tp-comm-overlap): it needs tensor_parallel megatron with tp > 1 and "
+                       f"sequence_parallel: true (this plan: {m.kind} model, tp {self.tp}, {self.tp_style}, "
+                       f"sequence_parallel {str(self.sequence_parallel).lower()})")
         if self.grad_sync not in GRAD_SYNCS:
             self._fail(f"grad_sync {self.grad_sync!r} is not one of {', '.join(GRAD_SYNCS)}")
         if self.overlap and self.grad_sync == "per_param":
@@ -541,6 +550,7 @@ class Plan:
             "tensor_parallel": self.tp_style,
             "context_parallel": self.context_parallel,
             "sequence_parallel": self.sequence_parallel,
+            "tp_comm_overlap": self.tp_comm_overlap,
             "activation_recompute": ({"granularity": self.activation_recompute, "layers": self.recompute_layers}
                                      if self.recompute_layers else self.activation_recompute),
             "data_parallel": data_parallel,
@@ -559,8 +569,8 @@ class Plan:
 
 # --------------------------------------------------------------------------- loading
 _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "virtual_stages", "layers_per_stage",
-             "dtype", "tensor_parallel", "sequence_parallel", "context_parallel", "activation_recompute",
-             "data_parallel", "moe")
+             "dtype", "tensor_parallel", "sequence_parallel", "tp_comm_overlap", "context_parallel",
+             "activation_recompute", "data_parallel", "moe")
 _RECOMPUTE_KEYS = ("granularity", "layers")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
 _MOE_KEYS = ("capacity_factor", "expert_load")
@@ -642,6 +652,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         schedule=top.text("schedule", "1f1b"), virtual_stages=top.integer("virtual_stages", 1),
         layers_per_stage=_stage_split(top),
         sequence_parallel=top.boolean("sequence_parallel", False),
+        tp_comm_overlap=top.boolean("tp_comm_overlap", False),
         activation_recompute=recompute[0], recompute_layers=recompute[1],
         dtype=top.text("dtype", "fp32"), tp_style=top.text("tensor_parallel"),
         grad_sync=grad_sync, bucket_size=sync.size("bucket_size", DEFAULT_BUCKET_SIZE),

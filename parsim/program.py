@@ -35,6 +35,7 @@ class Op:
     backward_ops: int = 0
     optimizer_tensors: int = 0
     stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation, AdamW)
+    sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.tp_overlap)
     # communication
     collective: str = ""  # all_reduce, all_gather, reduce_scatter, ...
     group: str = ""  # "tp" | "dp" | "pp"

@@ -7,7 +7,9 @@ phases that never double count:
 * ``forward``, ``backward``, ``weight-grad``, ``recompute`` (a forward rerun
   for the backward): compute spans, minus the tensor-parallel collectives
   nested inside them;
-* ``tp``: tensor-parallel collectives (they block compute);
+* ``tp``: tensor-parallel collectives on the compute stream (they block it),
+  and those overlapped with GEMMs (stream ``tp``, :mod:`parsim.tp_overlap`)
+  where the compute stream waits for them;
 * ``ep``: mixture-of-experts all-to-alls, dispatch and combine (they block compute);
 * ``cp``: context-parallel K/V exchanges not hidden behind the attention they
   overlap (the compute stream waits for them);
@@ -29,6 +31,13 @@ from .trace import Event, Trace
 
 PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "ep", "cp", "pp", "dp", "fsdp", "optimizer", "idle")
 BLOCKING = ("tp", "ep")  # collectives run on the compute stream, between a pass's block computes
+HIDEABLE = ("cp", "tp", "dp", "fsdp")  # communication beside the compute stream, in the order it is exposed
+OVERLAPPED_TP = "tp"  # the stream of tensor-parallel collectives hidden behind GEMMs: they block nothing
+
+
+def blocks_compute(e: Event) -> bool:
+    """Whether ``e`` is a collective the compute stream stops for (a tensor-parallel or expert one in line)."""
+    return e.args.get("phase") in BLOCKING and e.stream != OVERLAPPED_TP
 
 
 def merge_spans(trace: Trace) -> Trace:
@@ -36,25 +45,45 @@ def merge_spans(trace: Trace) -> Trace:
 
     The simulator splits a forward into blocks around tensor-parallel collectives;
     the executor times the whole action. Merged, both have one span per action
-    that includes its nested collectives.
+    that includes its nested collectives. Where the compute stream waited inside
+    the action (for a context-parallel exchange or an overlapped tensor-parallel
+    collective), the span keeps the wait as a gap (``args["gaps"]``): it counts
+    towards what the stream waited for, not towards compute (:func:`busy_parts`).
     """
     merged: list[Event] = []
     open_span: dict[int, Event] = {}
+    busy_until: dict[int, float] = {}  # when the rank's compute stream last stopped working
     for e in sorted(trace.events, key=lambda e: (e.rank, e.start_s)):
         if e.kind != "compute":
-            if e.args.get("phase") not in BLOCKING:  # a nested tp/ep collective does not end the span
+            if not blocks_compute(e):  # a nested tp/ep collective does not end the span
                 open_span.pop(e.rank, None)
+            else:
+                busy_until[e.rank] = max(busy_until.get(e.rank, 0.0), e.end_s)
             merged.append(e)
             continue
         span = open_span.get(e.rank)
         if span is not None and span.name == e.name:
+            idle = busy_until.get(e.rank, span.end_s)
+            if e.start_s > idle:
+                span.args.setdefault("gaps", []).append((idle, e.start_s))
             span.dur_s = e.end_s - span.start_s
             span.args["flops"] = span.args.get("flops", 0.0) + e.args.get("flops", 0.0)
-            continue
-        span = Event(e.name, e.rank, e.stream, e.kind, e.start_s, e.dur_s, dict(e.args))
-        open_span[e.rank] = span
-        merged.append(span)
+        else:
+            span = Event(e.name, e.rank, e.stream, e.kind, e.start_s, e.dur_s, dict(e.args))
+            open_span[e.rank] = span
+            merged.append(span)
+        busy_until[e.rank] = max(busy_until.get(e.rank, 0.0), e.end_s)
     return Trace(trace.source, trace.world_size, merged, dict(trace.meta))
+
+
+def busy_parts(e: Event) -> list[tuple[float, float]]:
+    """The intervals of ``e`` its stream was working: all of it, less a merged span's gaps."""
+    parts, start = [], e.start_s
+    for gap_start, gap_end in e.args.get("gaps", ()):
+        parts.append((start, gap_start))
+        start = gap_end
+    parts.append((start, e.end_s))
+    return parts
 
 
 @dataclass
@@ -81,13 +110,13 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
     for rank in sorted(by_rank):
         seconds = {p: 0.0 for p in PHASES}
         tp, computes = [], []
-        spans: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in ("busy", "cp", "dp", "fsdp")}
+        spans: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in ("busy", *HIDEABLE)}
         for e in by_rank[rank]:  # one pass: sort each event into what it counts towards
             kind, phase = e.kind, e.args.get("phase")
-            if phase in BLOCKING:  # they block the compute stream: time under them is busy
+            if blocks_compute(e):  # time under them is busy
                 tp.append(e)
                 target = spans["busy"]
-            elif phase in ("cp", "dp", "fsdp"):
+            elif phase in HIDEABLE:
                 target = spans[phase]
             elif kind == "compute":
                 target = spans["busy"]
@@ -98,21 +127,24 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
                 continue
             if kind == "compute":
                 computes.append(e)
-            target[0].append(e.start_s)
-            target[1].append(e.start_s + e.dur_s)
+            for start, end in busy_parts(e):
+                target[0].append(start)
+                target[1].append(end)
         tp.sort(key=lambda e: e.start_s)
         computes.sort(key=lambda e: e.start_s)
         for e, nested in zip(computes, _nested_time(computes, tp)):
-            seconds[e.args.get("phase", "forward")] += max(e.dur_s - nested, 0.0)
+            waited = sum(end - start for start, end in e.args.get("gaps", ()))
+            seconds[e.args.get("phase", "forward")] += max(e.dur_s - nested - waited, 0.0)
         for e in tp:
             seconds[e.args["phase"]] += e.dur_s
-        # Exposed time, in order: context-parallel exchanges hold the compute stream itself, then gradient
-        # reductions, then FSDP's gathers and reductions, each counting only what the ones before leave uncovered.
+        # Exposed time, in order: context-parallel exchanges and overlapped tensor-parallel collectives hold
+        # the compute stream itself, then gradient reductions, then FSDP's gathers and reductions, each
+        # counting only what the ones before leave uncovered.
         covered, layers = _covered(spans["busy"]), spans["busy"]
-        for phase in ("cp", "dp", "fsdp"):
+        for phase in HIDEABLE:
             layers = (layers[0] + spans[phase][0], layers[1] + spans[phase][1])
             more = _covered(layers)
-            seconds[phase], covered = more - covered, more
+            seconds[phase], covered = seconds[phase] + more - covered, more
         seconds["idle"] = max(total - covered, 0.0)
         rows.append(RankBreakdown(rank, total, seconds))
     return rows
@@ -127,14 +159,14 @@ def comm_overlap(trace: Trace) -> dict[int, float | None]:
     """
     out: dict[int, float | None] = {}
     for rank in sorted({e.rank for e in trace.events}):
-        kinds = {"comm": [], "compute": [], "blocked": []}
+        kinds: dict[str, list[tuple[float, float]]] = {"comm": [], "compute": [], "blocked": []}
         for e in trace.for_rank(rank):
             if e.kind in ("collective", "send", "recv"):
-                kinds["comm"].append(e)
-                if e.args.get("phase") in BLOCKING:
-                    kinds["blocked"].append(e)
+                kinds["comm"].append((e.start_s, e.end_s))
+                if blocks_compute(e):
+                    kinds["blocked"].append((e.start_s, e.end_s))
             elif e.kind in ("compute", "optimizer"):
-                kinds["compute"].append(e)
+                kinds["compute"] += busy_parts(e)
         times, depth = _sweep(kinds)
         seconds = np.diff(times)
         comm, computing = depth["comm"][:-1] > 0, (depth["compute"][:-1] > 0) & (depth["blocked"][:-1] == 0)
@@ -143,16 +175,16 @@ def comm_overlap(trace: Trace) -> dict[int, float | None]:
     return out
 
 
-def _sweep(kinds: dict[str, list[Event]]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def _sweep(kinds: dict[str, list[tuple[float, float]]]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Every span boundary in time order, and per kind how many of its spans are open from each boundary on."""
-    times = np.array([t for events in kinds.values() for e in events for t in (e.start_s, e.end_s)])
+    times = np.array([t for spans in kinds.values() for span in spans for t in span])
     order = np.argsort(times, kind="stable")
     depth, offset = {}, 0
-    for kind, events in kinds.items():
+    for kind, spans in kinds.items():
         step = np.zeros(len(times))
-        step[offset:offset + 2 * len(events)] = np.tile([1.0, -1.0], len(events))
+        step[offset:offset + 2 * len(spans)] = np.tile([1.0, -1.0], len(spans))
         depth[kind] = np.cumsum(step[order])
-        offset += 2 * len(events)
+        offset += 2 * len(spans)
     return times[order], depth
 
 

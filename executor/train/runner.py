@@ -115,6 +115,7 @@ def check_plan(plan: Plan) -> None:
         ("tied embeddings under FSDP, or across pipeline ranks under ZeRO",
          sharded and tied and (plan.zero == 3 or tie_across)),
         ("sequence parallelism with ZeRO or FSDP", sharded and plan.sequence_parallel and plan.tp > 1),
+        ("tensor-parallel communication overlapped with GEMMs (tp_comm_overlap)", plan.tp_comm_overlap),
         ("context parallelism with ZeRO or FSDP", sharded and plan.cp > 1),
         ("mixture-of-experts layers with ZeRO", sharded and m.is_moe),
         ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),

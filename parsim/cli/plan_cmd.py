@@ -79,6 +79,9 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
     g.add_argument("--context-parallel", choices=CP_STYLES, help="how cp ranks exchange K/V (default ring)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                    help="Megatron sequence parallelism: norms and block inputs split along the sequence")
+    g.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction,
+                   help="hide the sequence-parallel all-gathers and reduce-scatters behind the GEMMs they feed "
+                        "and drain (Megatron-LM's --tp-comm-overlap; needs --sequence-parallel)")
     g.add_argument("--activation-recompute", choices=RECOMPUTE,
                    help="rerun forwards in the backward to save activations (full: all but each layer's input)")
     g.add_argument("--recompute-layers", type=int, metavar="N",
@@ -106,7 +109,7 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
         "schedule": args.schedule, "virtual_stages": args.virtual_stages,
         "layers_per_stage": args.layers_per_stage, "dtype": args.dtype,
         "tensor_parallel": args.tensor_parallel, "sequence_parallel": args.sequence_parallel,
-        "context_parallel": args.context_parallel,
+        "tp_comm_overlap": args.tp_comm_overlap, "context_parallel": args.context_parallel,
         "activation_recompute": _recompute_flags(args),
         "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap,
                           "zero": args.zero, "shard_group": args.shard_group},
@@ -229,7 +232,8 @@ def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topolo
         ("pipeline", f"{plan.schedule}, {stages}" if plan.pp > 1 else "none (one stage)"),
         ("precision", f"{plan.dtype} ({plan.dtype_bytes} bytes)"
                       + (", matmuls in fp8" if plan.dtype == "fp8" else "")),
-        ("tensor parallel", (plan.tp_style + (" with sequence parallelism" if plan.sequence_parallel else ""))
+        ("tensor parallel", (plan.tp_style + (" with sequence parallelism" if plan.sequence_parallel else "")
+                             + (", communication overlapped with GEMMs" if plan.tp_comm_overlap else ""))
                             if plan.tp > 1 else "none"),
         ("context parallel", (f"{plan.cp} ranks per sequence, " + (
             "K/V passed around a ring, overlapped with attention" if plan.context_parallel == "ring"

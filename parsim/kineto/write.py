@@ -33,7 +33,7 @@ import re
 from pathlib import Path
 
 from ..errors import ParsimError
-from ..step_report import BLOCKING
+from ..step_report import blocks_compute
 from ..trace import STREAMS, Event, Trace
 
 # CUDA-like stream ids per parsim stream: 7 is PyTorch's default stream in Kineto traces.
@@ -149,7 +149,7 @@ def _meta(kind: str, pid: int, tid: int | None = None, **args: object) -> dict:
 def _cut_blocked_compute(events: list[Event]) -> list[Event]:
     """Compute spans less the blocking collectives nested in them: a forward that ran a tensor-parallel
     all-reduce becomes the pieces before, between and after."""
-    blocking = sorted((e for e in events if e.args.get("phase") in BLOCKING), key=lambda e: e.start_s)
+    blocking = sorted((e for e in events if blocks_compute(e)), key=lambda e: e.start_s)
     if not blocking:
         return events
     out = []

@@ -177,34 +177,36 @@ class PassCosts:
     def _time(self, pieces, m0: int, exchange: Callable[[CommPiece], float] | None = None
               ) -> tuple[np.ndarray, float, float]:
         """Seconds of ``pieces`` on the compute stream by phase, the accumulation's limit, and the blocking
-        communication after the last kernel: collectives in line, context-parallel exchanges on their own
-        stream from the op before them until the next join."""
+        communication after the last kernel: collectives in line, or on their side stream (context-parallel
+        exchanges, overlapped tensor-parallel collectives) from the op before them until their stream's
+        next join, whose wait counts in that group's phase."""
         phases = np.zeros(len(PASS_PHASES))
-        t = cp_free = last_kernel = accumulate = 0.0
-        pending: list[float] = []
+        t = last_kernel = accumulate = 0.0
+        free = {"cp": 0.0, "tp": 0.0}  # when each side stream finishes what it was given
+        pending: dict[str, list[float]] = {"cp": [], "tp": []}
         for piece in pieces:
             if type(piece) is CommPiece:
                 if piece.group == "cp" and exchange is not None:
                     cost = exchange(piece)
                 else:
                     cost = self.comm.time("collective", piece.collective, piece.ranks, piece.nbytes)
-                if piece.group == "cp":
-                    cp_free = max(t, cp_free) + cost
-                    pending.append(cp_free)
+                if piece.beside:
+                    free[piece.stream] = max(t, free[piece.stream]) + cost
+                    pending[piece.stream].append(free[piece.stream])
                 else:
                     t += cost
                     phases[PASS_PHASES.index(piece.group)] += cost
                 continue
             if piece.joins:
-                wait = max(max(pending, default=t) - t, 0.0)
+                wait = max(max(pending[piece.joins], default=t) - t, 0.0)
                 t += wait
-                phases[PASS_PHASES.index("cp")] += wait
-                pending = []
+                phases[PASS_PHASES.index(piece.joins)] += wait
+                pending[piece.joins] = []
                 continue
             acc = piece.stream_bytes
             seconds = self.compute_time(piece.matmuls, 0.0, piece.hbm_bytes - acc, piece.kernels,
                                         piece.attention_flops, piece.attention_grad_flops, piece.forward_ops,
-                                        piece.backward_ops, 0, 0.0)
+                                        piece.backward_ops, 0, 0.0, piece.sm_reserved)
             if acc:  # streaming bytes into .grad adds its own time (ComputeModel.time is linear in them)
                 extra = self.compute_time((), 0.0, acc, 0, 0.0, 0.0, 0, 0, 0, acc)
                 accumulate += extra * m0 / (m0 - 1)

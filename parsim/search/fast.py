@@ -136,7 +136,8 @@ class FastModel:
             plan = self._plans[key] = Plan(
                 model=model, dp=dp, tp=s.tp, pp=pp, cp=s.cp, ep=s.ep, microbatch_size=s.microbatch_size,
                 num_microbatches=m, schedule=schedule, virtual_stages=vs, dtype=self.space.dtype,
-                order=v.order, sequence_parallel=v.sequence_parallel, activation_recompute=v.recompute,
+                order=v.order, sequence_parallel=v.sequence_parallel, tp_comm_overlap=v.tp_overlap,
+                activation_recompute=v.recompute,
                 context_parallel=v.context_parallel, grad_sync=v.grad_sync, zero=v.zero,
                 shard_group=v.shard_group, bucket_size=self.space.bucket_size, name="search")
         return plan
@@ -146,7 +147,7 @@ class FastModel:
         for every microbatch split and schedule of that shape: what groups, buckets and stages need."""
         placement = s.schedule in V_SCHEDULES
         schedule = "zbv" if placement else "interleaved-1f1b" if s.virtual_stages > 1 else "1f1b"
-        plain = Variant(v.order, v.sequence_parallel, "none", "ring", v.grad_sync, v.zero, v.shard_group)
+        plain = v._replace(recompute="none", context_parallel="ring", tp_overlap=False)
         return self.plan(s._replace(microbatch_size=1), plain, m=2 * s.pp, schedule=schedule)
 
     def _structure(self, s: Setting, v: Variant) -> tuple:
@@ -158,7 +159,7 @@ class FastModel:
         """``pp`` pipeline ranks of ``vs`` stages (one by default), a schedule that allows them, and two
         microbatches per rank: what entries and stages need, unless expert all-to-alls need the
         data-parallel ranks' real layout. Its schedule is never built."""
-        plain = Variant(v.order, v.sequence_parallel, v.recompute, v.context_parallel, "bucketed", 0, None)
+        plain = v._replace(grad_sync="bucketed", zero=0, shard_group=None)
         schedule = "interleaved-1f1b" if vs > 1 else "1f1b"
         if s.ep > 1:
             return self.plan(s, plain, m=2 * s.pp, schedule=schedule, vs=vs)
@@ -169,7 +170,8 @@ class FastModel:
         context-parallel exchange is priced beside the FSDP all-gather streaming next to it
         (:meth:`_exchange_beside_gathers`)."""
         beside_gathers = beside_gathers and s.cp > 1 and self._shards_weights(s, v)
-        key = (s.tp, s.cp, s.ep, s.microbatch_size, v.sequence_parallel, v.recompute, v.context_parallel,
+        key = (s.tp, s.cp, s.ep, s.microbatch_size, v.sequence_parallel, v.tp_overlap, v.recompute,
+               v.context_parallel,
                (s.dp, s.pp, v.order) if s.ep > 1 else None,
                (s.dp, s.pp, v.order, v.shard_group) if beside_gathers else None)
         if v.recompute == "full":  # a recomputed layer's backward starts with its forward again
@@ -244,7 +246,7 @@ class FastModel:
             positions: dict[str, list[int]] = {k: [] for k in index}
             for v in variants:
                 for name, key in (("activation", (v.sequence_parallel, v.recompute)),
-                                  ("table", (v.sequence_parallel, v.recompute, v.context_parallel)),
+                                  ("table", (v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel)),
                                   ("order", v.order), ("sync", (v.zero, v.shard_group))):
                     keys = index[name]
                     if key not in keys:
@@ -276,13 +278,12 @@ class FastModel:
     # -- pipeline inputs ---------------------------------------------------------------------
     def _inputs_of(self, prep: Prepared, i: int) -> _Inputs:
         """Variant ``i``'s pipeline inputs, shared with the setting's variants that run the same passes."""
-        v = prep.variants[i]
-        key = (v.order, v.sequence_parallel, v.recompute, v.context_parallel, v.fsdp, v.shard_group)
+        key = _inputs_key(prep.variants[i])
         for x in prep.inputs.values():
             if x.key == key:
                 break
         else:
-            x = self._inputs(prep.setting, v, self.layout(prep.setting))
+            x = self._inputs(prep.setting, prep.variants[i], self.layout(prep.setting))
         prep.inputs[i] = x
         return x
 
@@ -324,8 +325,7 @@ class FastModel:
         if fsdp is not None:  # a rank's first forward gathers from nothing: the part beyond the usual lead
             d = layout.distinct_of[layout.rank_stages[:, 0]]
             start = np.maximum(first[d, 0] - (after[d, 0] - ahead[d, 0]) - ahead[d, 0], 0.0)
-        return _Inputs((v.order, v.sequence_parallel, v.recompute, v.context_parallel, v.fsdp, v.shard_group),
-                       durations, hops, start, waits, lead, ends)
+        return _Inputs(_inputs_key(v), durations, hops, start, waits, lead, ends)
 
     def _hops(self, s: Setting, v: Variant, layout: Layout) -> np.ndarray:
         """Per stage boundary, the send of one microbatch's activations (or their gradients) between the
@@ -595,6 +595,11 @@ class FastModel:
 
 
 _PLAIN = Variant("dp,pp,cp,tp", False, "none", "ring", "bucketed", 0, None)
+
+
+def _inputs_key(v: Variant) -> tuple:
+    """What a variant's pipeline inputs (:meth:`FastModel._inputs`) depend on."""
+    return v.order, v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel, v.fsdp, v.shard_group
 
 
 def _with_recompute(table: PassTable, recomputed: np.ndarray) -> PassTable:

@@ -48,7 +48,8 @@ def describe(r: Ranked) -> dict[str, str]:
     sync = v.sync_text()
     return {"plan": r.candidate.label() + (f" ({'placed ' + v.order})" if v.order != DEFAULT_ORDER else ""),
             "schedule": r.candidate.schedule_text(), "microbatches": f"{s.num_microbatches} x {s.microbatch_size}",
-            "sync": sync, "recompute": v.recompute, "sp": "yes" if v.sequence_parallel else "no",
+            "sync": sync, "recompute": v.recompute,
+            "sp": ("overlap" if v.tp_overlap else "yes") if v.sequence_parallel else "no",
             "cp": v.context_parallel.replace("_", "-") if s.cp > 1 else "-"}
 
 
@@ -226,6 +227,7 @@ def command(result: SearchResult, r: Ranked, plan_file: str | None) -> str:
     args += ["--dtype", req.dtype]
     args += ["--order", v.order] if v.order != DEFAULT_ORDER else []
     args += ["--sequence-parallel"] if v.sequence_parallel else []
+    args += ["--tp-comm-overlap"] if v.tp_overlap else []
     args += ["--activation-recompute", v.recompute] if v.recompute != "none" else []
     args += ["--context-parallel", v.context_parallel] if s.cp > 1 and v.context_parallel != "ring" else []
     if v.grad_sync == "fsdp":

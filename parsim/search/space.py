@@ -16,8 +16,9 @@ first, and counts what each level rejects and why:
    layers evenly (Megatron-LM's rule), and zero-bubble with one stage per rank
    (as plans take it);
 3. **variants** — placement (``dp,pp,cp,tp`` or ``pp,dp,cp,tp``), sequence
-   parallelism, activation recomputation, the context-parallel exchange, and
-   gradient sync (DDP buckets, ZeRO-1/2, FSDP, and HSDP inside a node).
+   parallelism (its collectives in line or overlapped with GEMMs), activation
+   recomputation, the context-parallel exchange, and gradient sync (DDP
+   buckets, ZeRO-1/2, FSDP, and HSDP inside a node).
 
 Variants that are the same plan under another name are generated once: with
 one pipeline rank every schedule is 1F1B (GPipe only holds more activations),
@@ -62,7 +63,8 @@ class Setting(NamedTuple):
 
 
 class Variant(NamedTuple):
-    """The rest of a plan: placement, sequence parallelism, recomputation, K/V exchange, gradient sync."""
+    """The rest of a plan: placement, sequence parallelism, recomputation, K/V exchange, gradient sync,
+    and whether the sequence-parallel collectives hide behind GEMMs (``tp_comm_overlap``)."""
 
     order: str
     sequence_parallel: bool
@@ -71,6 +73,7 @@ class Variant(NamedTuple):
     grad_sync: str  # "bucketed" or "fsdp"
     zero: int
     shard_group: int | None
+    tp_overlap: bool = False
 
     @property
     def fsdp(self) -> bool:
@@ -111,6 +114,7 @@ class Candidate(NamedTuple):
             "virtual_stages": s.virtual_stages,
             "dtype": space.dtype,
             "sequence_parallel": v.sequence_parallel,
+            "tp_comm_overlap": v.tp_overlap,
             "activation_recompute": v.recompute,
             "data_parallel": {"grad_sync": v.grad_sync, "zero": v.zero},
         }
@@ -289,8 +293,9 @@ def _settings(space: SearchSpace, rej: Rejections, dp: int, tp: int, pp: int, cp
 def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int) -> tuple[Variant, ...]:
     transformer = isinstance(space.model, TransformerModel)
     orders = ORDERS if dp > 1 and pp > 1 else ORDERS[:1]
-    sps = (False, True) if tp > 1 and transformer else (False,)
+    # (sequence parallel, tp_comm_overlap): the overlap hides the sequence-parallel collectives
+    sps = ((False, False), (True, False), (True, True)) if tp > 1 and transformer else ((False, False),)
     cp_styles = ("ring", "all_gather") if cp > 1 else ("ring",)
-    return tuple(Variant(order, sp, recompute, cp_style, grad_sync, zero, shard)
-                 for order in orders for sp in sps for recompute in recompute_options(space.model)
+    return tuple(Variant(order, sp, recompute, cp_style, grad_sync, zero, shard, overlap)
+                 for order in orders for sp, overlap in sps for recompute in recompute_options(space.model)
                  for cp_style in cp_styles for grad_sync, zero, shard in sync_options(space, dp, tp, cp))

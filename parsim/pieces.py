@@ -1,0 +1,71 @@
+"""The pieces one pass of a layer lowers to, in order: block compute and the collectives between blocks.
+
+:meth:`parsim.lower.Lowering.layer_pass` builds them once per stage; the lowering
+stamps them into ops for every microbatch, and the search's fast tier
+(:mod:`parsim.search.costs`) prices the same pieces without a simulation.
+Collectives run in line on the compute stream, or beside it on a side stream
+("cp": context parallelism's K/V exchange, "tp": an overlapped tensor-parallel
+collective, :mod:`parsim.tp_overlap`) until a join piece waits for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ComputePiece:
+    """One block's compute in one pass (see :meth:`Lowering._compute`), or part of it; ``layer`` indexes the
+    stage's costs. A join piece (``joins`` names a side stream) has no work: it waits for that stream's
+    collectives started since the last join."""
+
+    matmuls: tuple[tuple[int, int, int], ...]
+    hbm_bytes: float
+    kernels: int
+    phase: str
+    layer: int
+    attention_flops: float = 0.0  # the FlashAttention core's, forward
+    attention_grad_flops: float = 0.0  # and backward
+    forward_ops: int = 0  # eager ops dispatched (parsim.eager_ops; the CPU host's fixed costs)
+    backward_ops: int = 0
+    stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation)
+    opens: bool = False  # the first piece of its layer in this pass (FSDP gathers the layer before it)
+    closes: bool = False  # the last (FSDP reduce-scatters the layer's gradients after a backward's)
+    joins: str = ""  # "cp" or "tp": a join of that side stream
+    sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.tp_overlap)
+
+    def join(self, stream: str) -> "ComputePiece":
+        """A join of ``stream`` in this piece's phase and layer."""
+        return ComputePiece((), 0.0, 0, self.phase, self.layer, joins=stream)
+
+
+@dataclass(frozen=True)
+class CommPiece:
+    """A collective inside a pass; its name is ``name_head + mb + name_tail``.
+
+    ``group`` "tp" (tensor-parallel) and "ep" (an expert all-to-all) run on the
+    compute stream between blocks unless ``beside``; "cp" (context parallelism's
+    K/V exchange) always runs beside. A collective beside the compute runs on its
+    group's stream from the moment the op before it ends, and the next join of
+    that stream waits for it.
+    """
+
+    name_head: str
+    name_tail: str
+    collective: str
+    ranks: tuple[int, ...]
+    mirrors: tuple[tuple[int, ...], ...]
+    nbytes: float
+    group: str = "tp"
+    layer: int = -1
+    opens: bool = False
+    closes: bool = False
+    beside: bool = False
+
+    @property
+    def stream(self) -> str:
+        """The stream it runs on: "compute", or its group's side stream."""
+        return self.group if self.beside else "compute"
+
+
+Piece = ComputePiece | CommPiece

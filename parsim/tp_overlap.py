@@ -1,0 +1,118 @@
+"""Tensor-parallel communication overlap: Megatron-LM's ``--tp-comm-overlap``.
+
+With sequence parallelism every transformer block all-gathers its input
+before its first GEMMs and reduce-scatters its output after its last, and the
+backward mirrors both. Megatron-LM's ``--tp-comm-overlap`` has Transformer
+Engine hide each of them behind the GEMM it feeds or drains ("userbuffers",
+``transformer_engine/pytorch/module/base.py`` ``initialize_ub``). NeMo's
+recipes name the method per GEMM (``nemo/collections/llm/recipes/
+tp_overlap_configs/userbuffers.py``, ``userbuffers_bf16_h100_h8192_tp4_mbs1_
+seqlen8192``, the Llama 3 70B H100 setting), and parsim models those three:
+
+* **ring exchange** (``qkv_fprop``, ``fc1_fprop``, ``proj_dgrad``,
+  ``fc2_dgrad``): the GEMM runs in ``tp`` chunks of rows. While a rank
+  multiplies the chunk it holds, it passes that chunk to the next rank
+  (peer-to-peer copies, no SMs taken). ``tp - 1`` chunks hide the
+  all-gather; the last waits for it: ``max(G (tp-1)/tp, C) + G/tp``.
+* **pipeline** (``proj_fprop``, ``fc2_fprop``): the GEMM runs in 4 splits and
+  each split's rows are reduce-scattered while the next computes, by a kernel
+  holding 24 (attention) or 16 (MLP) SMs that the GEMM does without
+  (``set_sm_margin``): ``G/4 + max(3G'/4, 3C/4) + C/4``, ``G'`` the GEMM on
+  the remaining SMs.
+* **bulk** (``qkv_wgrad``, ``fc1_wgrad``): the input gradient's
+  reduce-scatter runs beside the weight-gradient GEMM, its kernel holding 24
+  (attention) or 4 (MLP) SMs: ``max(G', C)``.
+
+The GEMMs that read one input run fused, as Transformer Engine's ``linear_qkv`` and
+``linear_fc1`` do. Not modelled, with or without the overlap: the backward's re-gather of the
+block input for the weight gradient (sequence parallelism keeps the input
+sharded; Megatron-LM gathers it again beside the input-gradient GEMM, and
+Transformer Engine's ``qkv_dgrad`` / ``fc1_dgrad`` bulk overlap does the same).
+The communication buffers are not counted in memory.
+A split-backward schedule's input-gradient pass has no weight-gradient GEMM to
+hide the reduce-scatter behind, so there it stays in line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from .pieces import CommPiece, ComputePiece, Piece
+
+PIPELINE_SPLITS = 4  # num_splits of the pipelined reduce-scatters
+# SMs the communication kernel holds, by block: the attention's and the MLP's GEMMs
+PIPELINE_SMS = {"attention": 24, "mlp": 16}  # proj_fprop, fc2_fprop
+BULK_SMS = {"attention": 24, "mlp": 4}  # qkv_wgrad, fc1_wgrad
+
+
+class Partners(NamedTuple):
+    """A block's compute split around its overlapped collectives: ``lead`` (the GEMMs the collective
+    before the block feeds), ``body`` (the rest) and ``trail`` (the GEMMs the collective after drains)."""
+
+    lead: ComputePiece | None
+    body: ComputePiece
+    trail: ComputePiece | None
+
+
+def split_partners(compute: ComputePiece, sources: tuple[tuple[str, str], ...], forward: bool,
+                   backward_weights: bool) -> Partners:
+    """Split ``compute`` by its matmuls' ``(weight split, role)`` (:attr:`~parsim.kernels.BlockWork.sources`).
+
+    Forward: the all-gathered input feeds every matmul that reads it (column and replicated weights) and
+    the row-parallel matmuls' output is reduce-scattered. Backward: the all-gathered output gradient feeds
+    the row-parallel input gradients; the column input gradients' sum is reduce-scattered beside the
+    weight gradients of the matmuls that read the block's input (when this pass computes them)."""
+    if forward:
+        lead_of = {(s, "fwd") for s in ("column", "none")}
+        trail_of = {("row", "fwd")}
+    else:
+        lead_of = {("row", "dgrad")}
+        trail_of = {(s, "wgrad") for s in ("column", "none")} if backward_weights else set()
+    lead, body, trail = [], [], []
+    for shape, source in zip(compute.matmuls, sources):
+        (lead if source in lead_of else trail if source in trail_of else body).append(shape)
+
+    def part(shapes: list) -> ComputePiece | None:
+        fused = _fused(shapes)
+        return ComputePiece(fused, 0.0, len(fused), compute.phase, compute.layer) if fused else None
+
+    rest = dataclasses.replace(compute, matmuls=tuple(body), kernels=compute.kernels - len(lead) - len(trail))
+    return Partners(part(lead), rest, part(trail))
+
+
+def _fused(shapes: list[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """Matmuls of one input fused into one GEMM, as Transformer Engine runs them (``linear_qkv``,
+    ``linear_fc1``'s gate and up): shapes ``(a, b, c)`` with the same ``a`` and ``c`` add their ``b``
+    (forward ``(rows, n, k)``; weight gradient ``(k, n, rows)``)."""
+    widths: dict[tuple[int, int], int] = {}
+    for a, b, c in shapes:
+        widths[a, c] = widths.get((a, c), 0) + b
+    return tuple((a, b, c) for (a, c), b in widths.items())
+
+
+def chunks(piece: ComputePiece, count: int, of: int, sm_reserved: int = 0) -> ComputePiece:
+    """``count`` of ``of`` row chunks of every matmul of ``piece`` (Transformer Engine splits the
+    GEMM along its token rows), on the SMs a communication kernel leaves."""
+    shapes = tuple((-(-m // of), n, k) for m, n, k in piece.matmuls for _ in range(count))
+    return dataclasses.replace(piece, matmuls=shapes, kernels=len(shapes), sm_reserved=sm_reserved)
+
+
+def ring_exchange(gather: CommPiece, lead: ComputePiece, tp: int) -> list[Piece]:
+    """An all-gather hidden behind the GEMMs it feeds, ``tp`` chunks, the last after the gather."""
+    return [dataclasses.replace(gather, beside=True), chunks(lead, tp - 1, tp), lead.join("tp"),
+            chunks(lead, 1, tp)]
+
+
+def pipelined(scatter: CommPiece, trail: ComputePiece, block: str) -> list[Piece]:
+    """A reduce-scatter of the GEMMs' output, split by split as the next split computes."""
+    n, sms = PIPELINE_SPLITS, PIPELINE_SMS[block]
+    hidden = dataclasses.replace(scatter, nbytes=scatter.nbytes * (n - 1) / n, beside=True)
+    last = dataclasses.replace(scatter, nbytes=scatter.nbytes / n)
+    return [chunks(trail, 1, n, sms), hidden, chunks(trail, n - 1, n, sms), trail.join("tp"), last]
+
+
+def bulk(scatter: CommPiece, trail: ComputePiece, block: str) -> list[Piece]:
+    """The input gradient's reduce-scatter beside the weight-gradient GEMMs."""
+    return [dataclasses.replace(scatter, beside=True),
+            dataclasses.replace(trail, sm_reserved=BULK_SMS[block]), trail.join("tp")]

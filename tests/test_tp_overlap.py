@@ -1,0 +1,128 @@
+"""Tensor-parallel communication overlap (Megatron-LM's --tp-comm-overlap): the pieces a block lowers to,
+their exposed time in the simulator against closed forms, the SM margin, and the plan rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from parsim.cluster import load_cluster
+from parsim.compute import ComputeModel
+from parsim.errors import ParsimError
+from parsim.lower import Lowering
+from parsim.model import load_model
+from parsim.pieces import CommPiece, ComputePiece
+from parsim.plan import Plan, load_plan
+from parsim.search.costs import CommCosts
+from parsim.step import predict_step
+from parsim.tp_overlap import BULK_SMS, PIPELINE_SMS, PIPELINE_SPLITS
+
+from ideal_cluster import ideal_spec
+
+H, T, SEQ = 1024, 4, 512
+GPT = load_model({"kind": "transformer", "name": "gpt", "num_layers": 2, "hidden": H, "num_heads": 16,
+                  "ffn_hidden": 4 * H, "ffn_type": "gelu", "seq_len": SEQ, "vocab_size": 1000})
+
+
+def plan(overlap: bool = True, **kw) -> Plan:
+    return Plan(model=GPT, tp=T, num_microbatches=2, dtype="bf16", sequence_parallel=True,
+                tp_comm_overlap=overlap, **kw)
+
+
+def layer_pieces(p: Plan, kind: str):
+    lowering = Lowering(p)
+    index, cost = next((i, c) for i, c in enumerate(p.stage_costs(0)) if c.name.startswith("layer"))
+    return lowering.layer_pass(0, index, cost, kind)
+
+
+def test_forward_hides_the_gather_in_a_ring_and_the_scatter_in_four_splits():
+    pieces = layer_pieces(plan(), "F")
+    gather, chunks, join, last = pieces[:4]
+    assert type(gather) is CommPiece and gather.collective == "all_gather" and gather.beside
+    # q, k and v run as one GEMM, in T chunks of the rows: T - 1 beside the ring, the last after it
+    assert chunks.matmuls == ((SEQ // T, 3 * H // T, H),) * (T - 1) and join.joins == "tp"
+    assert last.matmuls == ((SEQ // T, 3 * H // T, H),)
+    first, hidden, rest, join, tail = pieces[5:10]  # pieces[4]: the attention core and the memory-bound kernels
+    assert first.matmuls == ((SEQ // PIPELINE_SPLITS, H, H // T),) and first.sm_reserved == PIPELINE_SMS["attention"]
+    assert rest.matmuls == first.matmuls * (PIPELINE_SPLITS - 1) and join.joins == "tp"
+    assert hidden.beside and not tail.beside and hidden.collective == tail.collective == "reduce_scatter"
+    assert hidden.nbytes == pytest.approx(3 * tail.nbytes)
+    assert hidden.nbytes + tail.nbytes == pytest.approx(SEQ * H * 2)
+
+
+def test_backward_gathers_in_a_ring_and_scatters_beside_the_weight_gradients():
+    pieces = layer_pieces(plan(), "B")
+    mlp = pieces[:len(pieces) // 2]  # the backward runs the MLP first
+    gather, scatter = mlp[0], mlp[-3]
+    assert gather.beside and gather.collective == "all_gather" and mlp[1].matmuls[0] == (SEQ // T, 4 * H // T, H)
+    assert scatter.beside and scatter.collective == "reduce_scatter"
+    wgrad = mlp[-2]
+    assert wgrad.matmuls == ((H, 4 * H // T, SEQ),) and wgrad.sm_reserved == BULK_SMS["mlp"] and mlp[-1].joins == "tp"
+
+
+def test_a_split_backward_scatters_in_line_without_weight_gradients_to_hide_behind():
+    pieces = layer_pieces(plan(schedule="zero-bubble", pp=1), "I")
+    scatters = [pc for pc in pieces if type(pc) is CommPiece and pc.collective == "reduce_scatter"]
+    assert scatters and not any(pc.beside for pc in scatters)
+    assert any(pc.beside for pc in pieces if type(pc) is CommPiece)  # the gathers still ride the ring
+
+
+def exposed(p: Plan, compute: ComputeModel, comm: CommCosts, kind: str) -> float:
+    """Closed form of the tensor-parallel time the compute stream waits for in one layer's ``kind`` pass:
+    ring ``max(C - G (T-1)/T, 0)``, pipeline ``max(3C/4 - 3G'/4, 0) + C/4``, bulk ``max(C - G', 0)``."""
+    pieces = layer_pieces(p, kind)
+
+    def c(pc: CommPiece) -> float:
+        return comm.time("collective", pc.collective, pc.ranks, pc.nbytes)
+
+    def g(pc: ComputePiece) -> float:
+        return compute.time(pc.matmuls, kernels=pc.kernels, sm_reserved=pc.sm_reserved)
+
+    total = 0.0
+    for i, pc in enumerate(pieces):
+        if type(pc) is not CommPiece:
+            continue
+        if not pc.beside:
+            total += c(pc)
+        else:  # beside: the compute pieces up to the join hide it
+            join = next(j for j in range(i + 1, len(pieces)) if getattr(pieces[j], "joins", ""))
+            total += max(c(pc) - sum(g(x) for x in pieces[i + 1:join]), 0.0)
+    return total
+
+
+@pytest.mark.parametrize("nic", [200, 25])  # fast links: the GEMMs hide most; slow ones: comm-bound
+def test_exposed_tensor_parallel_time_is_the_closed_form(nic):
+    cluster = ideal_spec(**{"intra_node.bw_GBps_per_direction": nic})
+    p = plan()
+    compute = ComputeModel.for_cluster(cluster, p.dtype, p.dtype_bytes, T)
+    comm = CommCosts(cluster, T, compute)
+    prediction = predict_step(p, cluster)
+    layers = sum(1 for c in p.stage_costs(0) if c.name.startswith("layer"))
+    in_line = sum(comm.time("collective", pc.collective, pc.ranks, pc.nbytes)
+                  for cost in p.stage_costs(0) if not cost.name.startswith("layer")
+                  for kind in "FB" for pc in Lowering(p).layer_pass(0, 0, cost, kind) if type(pc) is CommPiece)
+    norms = sum(param.numel_per_rank(T) for cost in p.stage_costs(0) for param in cost.params
+                if param.name.startswith("norm."))  # their gradients are summed over tp once per step
+    norm_sync = comm.time("collective", "all_reduce", Lowering(p).group(0, "tp")[0], norms * p.dtype_bytes)
+    expected = p.num_microbatches * (layers * (exposed(p, compute, comm, "F") + exposed(p, compute, comm, "B"))
+                                     + in_line) + norm_sync
+    assert prediction.ranks[0].seconds["tp"] == pytest.approx(expected, rel=1e-9)
+    assert prediction.ranks[0].seconds["tp"] < predict_step(plan(overlap=False), cluster).ranks[0].seconds["tp"]
+
+
+def test_a_communication_kernel_takes_its_sms_from_the_gemm():
+    """A compute-bound GEMM's time is its count of waves of 128 x 128 tiles over the SMs it runs on."""
+    h100 = load_cluster("dgx-h100")
+    compute = ComputeModel.for_cluster(h100, "bf16", 2)
+    sms, m = h100.gpu.sm_count, 8192
+    tiles = (m // 128) ** 2
+    ratio = compute.matmul_time(m, m, m, sm_reserved=24) / compute.matmul_time(m, m, m)
+    assert ratio == pytest.approx(-(-tiles // (sms - 24)) / -(-tiles // sms), rel=1e-12)
+
+
+def test_plan_rules_and_yaml():
+    with pytest.raises(ParsimError, match="needs tensor_parallel megatron with tp > 1 and sequence_parallel"):
+        Plan(model=GPT, tp=T, tp_comm_overlap=True)
+    with pytest.raises(ParsimError, match="tp 1"):
+        Plan(model=GPT, tp=1, sequence_parallel=True, tp_comm_overlap=True)
+    p = load_plan({"model": "llama3-8b", "parallel": {"tp": 8}, "sequence_parallel": True, "tp_comm_overlap": True})
+    assert p.tp_comm_overlap and load_plan(p.to_dict()).tp_comm_overlap
