@@ -9,7 +9,8 @@ from parsim.cluster import parse_cluster
 IDEAL = {
     "name": "ideal",
     "gpus_per_node": 8,
-    "gpu": {"model": "ideal", "peak_tflops": {"bf16": 1000.0, "fp32": 500.0}, "hbm_capacity_GB": 80, "hbm_bw_GBps": 3000},
+    "gpu": {"model": "ideal", "peak_tflops": {"bf16": 1000.0, "fp32": 500.0},
+            "hbm_capacity_GB": 80, "hbm_bw_GBps": 3000},
     "intra_node": {"fabric": "nvswitch", "bw_GBps_per_direction": 100, "latency_us": 2.0,
                    "in_switch_reduction": True},
     "scale_out": {"nics_per_node": 8, "nic_bw_Gbps": 200, "latency_us": 5.0, "spine_hop_latency_us": 1.0,

@@ -131,7 +131,8 @@ def test_the_first_microbatch_adds_nothing_into_grad():
     for microbatches in (1, 4):
         plan = Plan(model=model, dp=1, num_microbatches=microbatches)
         work = block_work(plan, block, "W", plan.tokens_per_rank)
-        assert work.accumulate_bytes == pytest.approx(weights * plan.dtype_bytes * 3 * (microbatches - 1) / microbatches)
+        expected = weights * plan.dtype_bytes * 3 * (microbatches - 1) / microbatches
+        assert work.accumulate_bytes == pytest.approx(expected)
 
 
 def test_a_tensor_parallel_gather_over_features_copies_its_tensor_once():

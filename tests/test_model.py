@@ -75,9 +75,9 @@ def test_backward_splits_into_input_and_weight_gradients_for_zero_bubble():
 
 
 def test_gpt3_model_flops_match_narayanan_without_recomputation():
-    l, h, s, V = 96, 12288, 2048, 50257
+    layers, h, s, V = 96, 12288, 2048, 50257
     # 72·l·h²·(1 + s/6h + V/12lh) per token, expanded to stay in integers
-    narayanan = 72 * l * h * h + 12 * l * s * h + 6 * h * V
+    narayanan = 72 * layers * h * h + 12 * layers * s * h + 6 * h * V
     m = load_model("gpt3-175b")
     assert m.model_flops_per_token() == narayanan
     assert m.model_flops_per_token() == m.training_flops_per_token()
