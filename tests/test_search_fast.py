@@ -101,3 +101,21 @@ def test_an_exchange_beside_a_gather_on_the_same_nics_moves_at_half_speed():
     # A ring inside node 1 shares no link with one inside node 0: no change.
     assert comm.beside("all_gather", (8, 9), 64e6, "all_gather", inside, 64e6) == pytest.approx(
         comm.time("collective", "all_gather", (8, 9), 64e6))
+
+
+def test_a_send_beside_a_gather_on_the_same_nics_moves_at_half_speed():
+    """A pipeline send under FSDP shares the sender's NIC with the next pass's gather (``FastModel._hops``)."""
+    from parsim.compute import ComputeModel
+    from parsim.search.costs import CommCosts
+
+    from ideal_cluster import ideal_spec
+
+    spec = ideal_spec()
+    comm = CommCosts(spec, 32, ComputeModel.for_cluster(spec, "bf16", 2, 8))
+    pair = (0, 8)  # a pipeline boundary between nodes 0 and 1
+    alone = comm.time("send", "send_recv", pair, 64e6)
+    latency = sum(p.latency_s for p in comm.sim.comm_phases("send", "send_recv", pair, (), 64e6))
+    beside = comm.beside("send_recv", pair, 64e6, "all_gather", pair, 64e6, kind="send")
+    assert beside - latency == pytest.approx(2 * (alone - latency), rel=1e-6)
+    assert comm.beside("send_recv", (8, 9), 64e6, "all_gather", (0, 1), 64e6, kind="send") == pytest.approx(
+        comm.time("send", "send_recv", (8, 9), 64e6))

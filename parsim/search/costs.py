@@ -79,17 +79,18 @@ class CommCosts:
         return price
 
     def beside(self, collective: str, ranks: tuple[int, ...], nbytes: float, other: str,
-               other_ranks: tuple[int, ...], other_bytes: float) -> float:
-        """Seconds for ``collective`` over ``ranks`` while ``other`` (over ``other_ranks``) streams through the
-        whole of it: each phase's uncontended time stretched by how much slower its slowest flow gets at the
-        max-min rates it has beside the other's busiest phase (1 where they share no link)."""
-        key = ("beside", collective, ranks, nbytes, other, other_ranks, other_bytes)
+               other_ranks: tuple[int, ...], other_bytes: float, kind: str = "collective") -> float:
+        """Seconds for ``collective`` over ``ranks`` (``kind`` "send": a send from ``ranks[0]`` to
+        ``ranks[1]``) while ``other`` (over ``other_ranks``) streams through the whole of it: each phase's
+        uncontended time stretched by how much slower its slowest flow gets at the max-min rates it has
+        beside the other's busiest phase (1 where they share no link)."""
+        key = ("beside", kind, collective, ranks, nbytes, other, other_ranks, other_bytes)
         found = self._beside.get(key)
         if found is None:
             theirs = self.sim.comm_phases("collective", other, other_ranks, (), other_bytes)
             busy = max(theirs, key=lambda p: float(np.sum(p.nbytes))) if theirs else None
             found = 0.0
-            for p in self.sim.comm_phases("collective", collective, ranks, (), nbytes):
+            for p in self.sim.comm_phases(kind, collective, ranks, (), nbytes):
                 alone = self.net.solo_time(p.routes, p.nbytes, p.key)
                 if busy is not None and alone > 0 and np.intersect1d(p.links, busy.links).size:
                     flows = len(p.routes)

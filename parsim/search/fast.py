@@ -329,18 +329,34 @@ class FastModel:
 
     def _hops(self, s: Setting, v: Variant, layout: Layout) -> np.ndarray:
         """Per stage boundary, the send of one microbatch's activations (or their gradients) between the
-        representative ranks of the two stages."""
+        representative ranks of the two stages. Under FSDP the sender's next pass is gathering its weights
+        as the send leaves (the gather stream runs ahead of the passes), so the send shares NICs and NVLink
+        with that gather for as long as the gather covers it (``CommCosts.beside``)."""
+        fsdp = self._shards_weights(s, v)
         key = ("hops", s.dp, s.tp, s.pp, s.cp, s.ep, s.microbatch_size, s.schedule in V_SCHEDULES,
-               s.virtual_stages, v.order)
+               s.virtual_stages, v.order, (v.shard_group,) if fsdp else None)
 
         def make() -> np.ndarray:
             nbytes = s.microbatch_size * self.space.model.tokens_per_sample // s.cp * self._hidden * self.dtype_bytes
+            plan = self.layout_plan(s, v)
             first = self._cached(("pp ranks", s.dp, s.tp, s.pp, s.cp, v.order),
-                                 lambda: [self.layout_plan(s, v).rank_of(pp=r) for r in range(s.pp)])
+                                 lambda: [plan.rank_of(pp=r) for r in range(s.pp)])
+            lowering = Lowering(plan) if fsdp else None
+            # The gather beside a send: the largest entry's (a layer's) weights, which most passes gather.
+            weights = max(self._weight_bytes(s)) if fsdp else 0.0
+            gather = self.comm.time("collective", "all_gather", lowering.group(0, "shard")[0], weights) if fsdp else 0
+
+            def send(a: int, b: int) -> float:
+                alone = self.comm.time("send", "send_recv", (first[a], first[b]), nbytes)
+                if not fsdp:
+                    return alone
+                beside = self.comm.beside("send_recv", (first[a], first[b]), nbytes, "all_gather",
+                                          lowering.group(a, "shard")[0], weights, kind="send")
+                return alone + max(beside - alone, 0.0) * min(1.0, gather / beside) if beside else alone
             pairs = {}  # boundaries between the same two ranks cost the same
             for a, b in zip(layout.stage_rank, layout.stage_rank[1:]):
                 if (a, b) not in pairs:
-                    pairs[a, b] = self.comm.time("send", "send_recv", (first[a], first[b]), nbytes)
+                    pairs[a, b] = send(a, b)
             return np.array([pairs[a, b] for a, b in zip(layout.stage_rank, layout.stage_rank[1:])])
         return self._cached(key, make)
 
