@@ -97,7 +97,8 @@ class Trajectory:
             self.duration += step
             if not np.isfinite(step):
                 break  # a link without bandwidth: never arrives
-            left[active] = np.maximum(left[active] - rates * step, 0.0)
+            with np.errstate(invalid="ignore"):  # a flow with no link to cross (infinite rate) in a zero step
+                left[active] = np.maximum(np.nan_to_num(left[active] - rates * step, nan=0.0), 0.0)
             active = active[due > step + abs(step) * _SAME_TIME]
 
     def state_at(self, elapsed: float, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

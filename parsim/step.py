@@ -100,6 +100,13 @@ def predict_step(plan: Plan, cluster: ClusterSpec,
     if plan.world > gpn and plan.world % gpn:
         raise ParsimError(f"the plan needs {plan.world} GPUs, which is not a whole number of "
                           f"{gpn}-GPU nodes of {cluster.name}")
+    nodes = plan.rank_grid // gpn  # [dp, pp, cp, tp]
+    if plan.tp_comm_overlap and (nodes != nodes[..., :1]).any():
+        # Transformer Engine's userbuffers exchange over NVLink within one node (examples/pytorch/
+        # comm_gemm_overlap/README.md: "Tensor-parallel GPUs must be on a single node").
+        raise ParsimError(f"plan {plan.name}: tp_comm_overlap needs each tensor-parallel group inside one node "
+                          f"(Transformer Engine's userbuffers run over NVLink), but tp {plan.tp} spans nodes of "
+                          f"{gpn} GPUs of {cluster.name}")
     topo = cluster.build(max(1, plan.world // gpn))
     compute = ComputeModel.for_cluster(cluster, plan.dtype, plan.dtype_bytes, min(plan.world, gpn))
     with _gc_paused():

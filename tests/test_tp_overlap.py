@@ -126,3 +126,17 @@ def test_plan_rules_and_yaml():
         Plan(model=GPT, tp=1, sequence_parallel=True, tp_comm_overlap=True)
     p = load_plan({"model": "llama3-8b", "parallel": {"tp": 8}, "sequence_parallel": True, "tp_comm_overlap": True})
     assert p.tp_comm_overlap and load_plan(p.to_dict()).tp_comm_overlap
+
+
+def test_a_tensor_parallel_group_across_nodes_cannot_overlap():
+    """Userbuffers run over NVLink inside a node: simulate refuses the plan, search never proposes it."""
+    from parsim.search.space import SearchSpace, enumerate_settings
+
+    spec = ideal_spec()  # 8 GPUs per node
+    wide = Plan(model=GPT, tp=16, sequence_parallel=True, tp_comm_overlap=True)
+    with pytest.raises(ParsimError, match="tp_comm_overlap needs each tensor-parallel group inside one node"):
+        predict_step(wide, spec)
+    assert predict_step(Plan(model=GPT, tp=8, sequence_parallel=True, tp_comm_overlap=True), spec).step_s > 0
+    space = SearchSpace(GPT, 16, 2, gpus_per_node=8)
+    overlapped = {s.tp for s, variants in enumerate_settings(space) for v in variants if v.tp_overlap}
+    assert overlapped == {2, 4, 8}

@@ -293,8 +293,11 @@ def _settings(space: SearchSpace, rej: Rejections, dp: int, tp: int, pp: int, cp
 def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int) -> tuple[Variant, ...]:
     transformer = isinstance(space.model, TransformerModel)
     orders = ORDERS if dp > 1 and pp > 1 else ORDERS[:1]
-    # (sequence parallel, tp_comm_overlap): the overlap hides the sequence-parallel collectives
-    sps = ((False, False), (True, False), (True, True)) if tp > 1 and transformer else ((False, False),)
+    # (sequence parallel, tp_comm_overlap): the overlap hides the sequence-parallel collectives, over NVLink
+    # inside a node (tp is the innermost dimension of every order searched)
+    in_node = space.gpus_per_node % tp == 0
+    sps = ((False, False), (True, False)) + (((True, True),) if in_node else ()) if tp > 1 and transformer \
+        else ((False, False),)
     cp_styles = ("ring", "all_gather") if cp > 1 else ("ring",)
     return tuple(Variant(order, sp, recompute, cp_style, grad_sync, zero, shard, overlap)
                  for order in orders for sp, overlap in sps for recompute in recompute_options(space.model)
