@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import TypeVar
 
 from . import eager_ops, tp_overlap
 from .kernels import block_work
@@ -35,6 +36,8 @@ from .plan import Plan
 from .program import Op, Program
 from .schedules import Action, Schedule
 from .trace import collective_name, compute_name, p2p_name
+
+T = TypeVar("T")
 
 FP32 = 4
 # torch.optim.AdamW (foreach) passes over whole tensors: decay the weight (read+write),
@@ -94,6 +97,7 @@ class Lowering:
             self.rank_ids = self.program.by_rank.setdefault(rank, [])
             self.final_grad_ops: dict[tuple[int, int], int] = {}  # (stage, layer index) -> op id
             self.fsdp_syncs: list[int] = []  # this rank's per-layer gradient reductions
+            self.param_gathers = self._prefetch_weights(rank, p) if plan.overlap_param_gather else {}
             for action in self.schedule.actions[p]:
                 self._action(rank, p, action, last_mb)
             self._gradient_sync_and_step(rank, p)
@@ -144,6 +148,8 @@ class Lowering:
         for piece in self._pieces(p, stage, kind):
             if gathers and piece.opens:
                 gathered = (self._fsdp_gather(rank, p, stage, piece.layer, mb, kind, closed[-2:-1], name),)
+            if piece.opens and kind == "F":  # ZeRO-1/2 overlapping the weights' gather: the first forward waits
+                gathered += self.param_gathers.pop((stage, piece.layer), ())
             if type(piece) is CommPiece:
                 op = Op(f"{piece.name_head}{mb}{piece.name_tail}", "collective", piece.stream,
                         collective=piece.collective, group=piece.group, ranks=piece.ranks, mirrors=piece.mirrors,
@@ -385,35 +391,27 @@ class Lowering:
         last_compute = self.program.by_rank[rank][-1]
         sync: list[int] = list(self.fsdp_syncs)
         gather: list[tuple[str, int, float]] = []  # ZeRO-1/2 weight all-gathers after the step: (dim, bucket, bytes)
-        if plan.dp * plan.cp > 1 and not self.fsdp:
-            tensors: dict[bool, list[tuple[float, int]]] = {False: [], True: []}  # expert? -> (bytes, ready op)
-            for stage in reversed(self.plan.stages_of(p)):
-                costs = plan.stage_costs(stage)
-                for index in reversed(range(len(costs))):
-                    ready = self.final_grad_ops.get((stage, index), last_compute)
-                    for n, expert in param_tensors(costs[index], plan.tp, plan.ep):
-                        tensors[expert].append((n * plan.dtype_bytes, ready))
+        if plan.grad_sync == "per_param" and plan.dp * plan.cp > 1:  # dense tensors over dp, then experts over edp
+            tensors = self._grad_tensors(p)
             expert_replicas = plan.dp * plan.cp // plan.ep  # ranks holding the same experts
-            if plan.grad_sync == "per_param":  # dense tensors over dp, then experts over edp (if replicated)
-                dims = ["dp"] * len(tensors[False]) + ["edp"] * len(tensors[True] if expert_replicas > 1 else [])
-                for k, ((nbytes, _), dim) in enumerate(zip(tensors[False] + tensors[True], dims)):
-                    sync.append(self._dp_collective(rank, p, "all_reduce", dim, nbytes, (last_compute,), param=k))
-            else:
-                for expert, dim, shard in ((False, "shard", plan.shard_size), (True, "edp", plan.expert_shard_size)):
-                    if expert and expert_replicas == 1:
-                        continue  # every expert lives on one rank only: nothing to sync
-                    for k, (nbytes, ready) in enumerate(buckets(tensors[expert], plan.bucket_size)):
-                        deps = (ready if plan.overlap else last_compute,)
-                        tag = {"expert_bucket" if expert else "bucket": k}
-                        if not plan.zero:
-                            sync.append(self._dp_collective(rank, p, "all_reduce", "edp" if expert else "dp",
-                                                            nbytes, deps, **tag))
-                            continue
-                        sync.append(self._dp_collective(rank, p, "reduce_scatter", dim, nbytes, deps, **tag))
-                        if not expert and shard < plan.dp * plan.cp:
-                            sync.append(self._dp_collective(rank, p, "all_reduce", "replicate", nbytes / shard, (),
-                                                            **tag))
-                        gather.append((dim, tag, nbytes))
+            dims = ["dp"] * len(tensors[False]) + ["edp"] * len(tensors[True] if expert_replicas > 1 else [])
+            for k, ((nbytes, _), dim) in enumerate(zip(tensors[False] + tensors[True], dims)):
+                sync.append(self._dp_collective(rank, p, "all_reduce", dim, nbytes, (last_compute,), param=k))
+        elif plan.grad_sync != "per_param":
+            for expert, dim, k, nbytes, members in self._sync_buckets(p):
+                ready = self.final_grad_ops.get(members[-1], last_compute)
+                deps = (ready if plan.overlap else last_compute,)
+                tag = {"expert_bucket" if expert else "bucket": k}
+                if not plan.zero:
+                    sync.append(self._dp_collective(rank, p, "all_reduce", "edp" if expert else "dp",
+                                                    nbytes, deps, **tag))
+                    continue
+                sync.append(self._dp_collective(rank, p, "reduce_scatter", dim, nbytes, deps, **tag))
+                if not expert and plan.shard_size < plan.dp * plan.cp:
+                    sync.append(self._dp_collective(rank, p, "all_reduce", "replicate", nbytes / plan.shard_size,
+                                                    (), **tag))
+                if not plan.overlap_param_gather:
+                    gather.append((dim, tag, nbytes))
         if plan.sequence_parallel and plan.tp > 1:
             sync.append(self._sequence_parallel_norms(rank, p, last_compute))
         expert_params = plan.expert_params_per_rank(p)
@@ -426,6 +424,49 @@ class Lowering:
                                   optimizer_tensors=tensors_count, stream_bytes=params * ADAMW_ACCESSES * FP32))
         for dim, tag, nbytes in gather:  # ZeRO-1/2: every rank needs the updated weights back
             self._dp_collective(rank, p, "all_gather", dim, nbytes, (step,), **tag)
+
+    def _grad_tensors(self, p: int) -> dict[bool, list[tuple[float, tuple[int, int]]]]:
+        """Pipeline rank ``p``'s gradient tensors in backward order, dense and routed-expert apart:
+        (bytes, (stage, layer index))."""
+        plan = self.plan
+        tensors: dict[bool, list[tuple[float, tuple[int, int]]]] = {False: [], True: []}
+        for stage in reversed(plan.stages_of(p)):
+            costs = plan.stage_costs(stage)
+            for index in reversed(range(len(costs))):
+                for n, expert in param_tensors(costs[index], plan.tp, plan.ep):
+                    tensors[expert].append((n * plan.dtype_bytes, (stage, index)))
+        return tensors
+
+    @functools.cache
+    def _sync_buckets(self, p: int) -> tuple[tuple[bool, str, int, float, tuple[tuple[int, int], ...]], ...]:
+        """Pipeline rank ``p``'s gradient buckets in backward order: (expert?, group dim, index, bytes, the
+        (stage, layer) of each of its tensors). None when nothing syncs: one data-parallel rank, or
+        experts each living on one rank only."""
+        plan = self.plan
+        if plan.dp * plan.cp == 1 or self.fsdp:
+            return ()
+        tensors = self._grad_tensors(p)
+        out = []
+        for expert, dim in ((False, "shard"), (True, "edp")):
+            if expert and plan.dp * plan.cp // plan.ep == 1:
+                continue  # every expert lives on one rank only: nothing to sync
+            for k, (nbytes, members) in enumerate(bucket_members(tensors[expert], plan.bucket_size)):
+                out.append((expert, dim, k, nbytes, tuple(members)))
+        return tuple(out)
+
+    def _prefetch_weights(self, rank: int, p: int) -> dict[tuple[int, int], tuple[int, ...]]:
+        """ZeRO-1/2 with ``overlap_param_gather``: the last step's updated weights all-gathered from the start
+        of this one, bucket by bucket in the order the forward needs them (Megatron-LM dispatches the
+        buckets' all-gathers in reverse bucket order and waits for each in the forward pre-hook of its
+        first layer: megatron/core/distributed/distributed_data_parallel.py). Returns, per (stage, layer),
+        the gathers its first forward waits for."""
+        waits: dict[tuple[int, int], tuple[int, ...]] = {}
+        for expert, dim, k, nbytes, members in reversed(self._sync_buckets(p)):
+            tag = {"expert_bucket" if expert else "bucket": k}
+            op = self._dp_collective(rank, p, "all_gather", dim, nbytes, (), **tag)
+            for member in set(members):
+                waits[member] = waits.get(member, ()) + (op,)
+        return waits
 
     def _sequence_parallel_norms(self, rank: int, p: int, after: int) -> int:
         """Sum the norm gains' gradients over the tp group: under sequence parallelism each rank saw only
@@ -474,15 +515,21 @@ def buckets(tensors: list[tuple[int, int]], bucket_size: int) -> list[tuple[int,
     """DDP-style buckets: gradients in backward order, filled up to ``bucket_size`` bytes.
 
     Returns (bytes, op id) per bucket, the op after which its last gradient is final.
-    A gradient is never split; one larger than a bucket gets a bucket of its own.
     """
-    buckets: list[tuple[int, int]] = []
-    size, ready = 0, None
-    for nbytes, op in tensors:
+    return [(size, members[-1]) for size, members in bucket_members(tensors, bucket_size)]
+
+
+def bucket_members(tensors: list[tuple[float, T]], bucket_size: int) -> list[tuple[float, list[T]]]:
+    """The same buckets with every tensor's tag: (bytes, tags in order). A gradient is never split; one
+    larger than a bucket gets a bucket of its own."""
+    out: list[tuple[float, list[T]]] = []
+    size, members = 0, []
+    for nbytes, tag in tensors:
         if size and size + nbytes > bucket_size:
-            buckets.append((size, ready))
-            size = 0
-        size, ready = size + nbytes, op
+            out.append((size, members))
+            size, members = 0, []
+        size += nbytes
+        members.append(tag)
     if size:
-        buckets.append((size, ready))
-    return buckets
+        out.append((size, members))
+    return out

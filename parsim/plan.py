@@ -104,6 +104,9 @@ class Plan:
     the next layer's gather prefetched, its gradients reduce-scattered after
     its backward. ``shard_group`` (HSDP) shards within groups of that many
     data-parallel ranks and all-reduces the shards across the groups.
+    ``overlap_param_gather`` (ZeRO-1/2) moves the weight all-gathers from after
+    the optimizer step to the next step's forward, each layer's first forward
+    waiting for its bucket (Megatron-LM's ``--overlap-param-gather``).
 
     Pipeline stages: the layers split into ``pp · virtual_stages`` stages;
     stage ``s`` runs on pipeline rank ``s % pp`` (Megatron-LM's interleaved
@@ -162,6 +165,7 @@ class Plan:
     zero: int | None = None
     shard_group: int | None = None
     reshard_after_forward: bool = True
+    overlap_param_gather: bool = False
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
     activation_recompute: str = "none"
@@ -258,6 +262,9 @@ class Plan:
             self._fail(f"grad_sync fsdp shards weights, gradients and optimizer state: it is zero 3, not {self.zero}")
         if self.zero and self.grad_sync == "per_param":
             self._fail("ZeRO shards gradients in buckets (grad_sync bucketed or fsdp), not per parameter")
+        if self.overlap_param_gather and self.zero not in (1, 2):
+            self._fail(f"overlap_param_gather hides ZeRO-1/2's weight all-gathers behind the next step's forward "
+                       f"(Megatron-LM's --overlap-param-gather): it needs zero 1 or 2, not {self.zero}")
         if self.shard_group is not None:
             if not self.zero:
                 self._fail("shard_group (HSDP) needs a ZeRO stage >= 1 to shard within the group")
@@ -535,6 +542,8 @@ class Plan:
             data_parallel["shard_group"] = self.shard_group
         if not self.reshard_after_forward:
             data_parallel["reshard_after_forward"] = False
+        if self.overlap_param_gather:
+            data_parallel["overlap_param_gather"] = True
         if self.grad_sync == "bucketed":
             data_parallel["bucket_size"] = self.bucket_size
         data = {
@@ -575,7 +584,8 @@ _RECOMPUTE_KEYS = ("granularity", "layers")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
 _MOE_KEYS = ("capacity_factor", "expert_load")
 _BATCH_KEYS = ("microbatch_size", "num_microbatches", "global_batch_size")
-_DATA_PARALLEL_KEYS = ("grad_sync", "bucket_size", "overlap", "zero", "shard_group", "reshard_after_forward")
+_DATA_PARALLEL_KEYS = ("grad_sync", "bucket_size", "overlap", "zero", "shard_group", "reshard_after_forward",
+                       "overlap_param_gather")
 
 
 def builtin_plans() -> dict[str, Path]:
@@ -658,6 +668,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         grad_sync=grad_sync, bucket_size=sync.size("bucket_size", DEFAULT_BUCKET_SIZE),
         overlap=sync.boolean("overlap"), zero=sync.integer("zero"), shard_group=sync.integer("shard_group"),
         reshard_after_forward=sync.boolean("reshard_after_forward", True),
+        overlap_param_gather=sync.boolean("overlap_param_gather", False),
         name=top.text("name", default_name), description=top.text("description", ""),
     )
 

@@ -144,3 +144,12 @@ def test_fsdp_with_a_split_backward_or_tied_embeddings_is_refused_in_one_line():
                       "data_parallel": FSDP})
     with pytest.raises(ParsimError, match="tied embeddings under FSDP"):
         check_plan(tied)
+
+
+def test_overlapped_param_gathers_are_refused_in_one_line():
+    from executor.train.runner import check_plan
+
+    overlapped = load_plan({"model": GPT, "parallel": {"dp": 2}, "batch": BATCH,
+                            "data_parallel": {"zero": 1, "overlap_param_gather": True}})
+    with pytest.raises(ParsimError, match="overlap_param_gather"):
+        check_plan(overlapped)

@@ -60,6 +60,40 @@ def test_zero1_reduce_scatters_buckets_and_gathers_the_weights_after_the_optimiz
     assert all(op.ranks == (0, 1, 2, 3) for op in ops if op.group == "dp")
 
 
+def test_overlapped_param_gathers_start_the_step_and_each_layer_waits_for_its_bucket():
+    """Megatron-LM's --overlap-param-gather: the buckets' all-gathers open the step in forward order (the
+    last bucket, holding the first layers, first) and each layer's first forward waits for its buckets."""
+    p = plan(1, bucket_size=2**16, overlap_param_gather=True, num_microbatches=2)
+    program = lower(p)
+    ops, names = program.ops, [op.name for op in program.ops]
+    gathers = [op for op in ops if op.name.startswith("all_gather dp bucket=")]
+    buckets = sum(1 for n in names if n.startswith("reduce_scatter dp bucket="))
+    assert [op.name for op in gathers] == [f"all_gather dp bucket={k}" for k in reversed(range(buckets))]
+    assert max(op.id for op in gathers) < min(op.id for op in ops if op.kind == "compute")
+    assert names.index("optimizer step") == len(names) - 1  # nothing gathered after the step
+    first_forwards = [op for op in ops if op.kind == "compute" and op.name.startswith("F") and op.deps]
+    waited = {d for op in first_forwards for d in op.deps}
+    assert {op.id for op in gathers} <= waited  # every bucket is waited for by some layer's first forward
+    later = [op for op in ops if op.kind == "compute" and op.name.endswith(" mb=1")]
+    assert later and not any(set(op.deps) & {g.id for g in gathers} for op in later)  # later microbatches don't
+
+
+def test_overlapping_the_param_gathers_takes_them_off_the_step_end():
+    spec = ideal_spec()
+    after, during = (predict_step(plan(1, bucket_size=2**16, num_microbatches=4, overlap_param_gather=o), spec)
+                     for o in (False, True))
+    gathered = [e for e in after.trace.events if e.rank == 0 and e.name.startswith("all_gather dp")]
+    step_end = max(e.start_s + e.dur_s for e in after.trace.events if e.kind == "optimizer")
+    assert min(e.start_s for e in gathered) == pytest.approx(step_end)  # after the optimizer: exposed
+    assert after.step_s == pytest.approx(max(e.start_s + e.dur_s for e in gathered))
+    events = [e for e in during.trace.events if e.rank == 0]
+    first = min((e for e in events if e.name.startswith("all_gather dp")), key=lambda e: e.start_s)
+    compute = min((e for e in events if e.kind == "compute"), key=lambda e: e.start_s)
+    assert first.start_s == 0.0 and compute.start_s == pytest.approx(first.start_s + first.dur_s)
+    assert during.step_s == pytest.approx(max(e.start_s + e.dur_s for e in events if e.kind == "optimizer"))
+    assert during.step_s < after.step_s
+
+
 def test_fsdp_gathers_each_layer_before_its_forward_and_backward_and_reduce_scatters_after():
     units = 6  # embedding, 4 layers, head
     m = 2
@@ -116,10 +150,18 @@ def test_sharding_the_optimizer_shortens_its_step_and_fsdp_time_is_reported():
     (dict(zero=2, grad_sync="fsdp"), "it is zero 3, not 2"),
     (dict(shard_group=2), "shard_group (HSDP) needs a ZeRO stage"),
     (dict(zero=3, shard_group=3), "shard_group 3 does not divide the 4 data-parallel ranks"),
+    (dict(zero=3, overlap_param_gather=True), "it needs zero 1 or 2, not 3"),
+    (dict(overlap_param_gather=True), "it needs zero 1 or 2, not 0"),
 ])
 def test_zero_rules(kwargs, message):
     with pytest.raises(ParsimError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Plan(model=TINY, dp=N, **kwargs)
+
+
+def test_overlap_param_gather_from_yaml():
+    p = load_plan({"model": "llama3-8b", "parallel": {"dp": 8}, "dtype": "bf16",
+                   "data_parallel": {"zero": 1, "overlap_param_gather": True}})
+    assert p.overlap_param_gather and load_plan(p.to_dict()) == p
 
 
 def test_fsdp_from_yaml():

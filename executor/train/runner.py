@@ -116,6 +116,8 @@ def check_plan(plan: Plan) -> None:
          sharded and tied and (plan.zero == 3 or tie_across)),
         ("sequence parallelism with ZeRO or FSDP", sharded and plan.sequence_parallel and plan.tp > 1),
         ("tensor-parallel communication overlapped with GEMMs (tp_comm_overlap)", plan.tp_comm_overlap),
+        ("ZeRO weight all-gathers overlapped with the next forward (overlap_param_gather)",
+         plan.overlap_param_gather),
         ("context parallelism with ZeRO or FSDP", sharded and plan.cp > 1),
         ("mixture-of-experts layers with ZeRO", sharded and m.is_moe),
         ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),

@@ -90,6 +90,9 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
     g.add_argument("--bucket-size", help="DDP bucket size, e.g. 25MiB")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction,
                    help="overlap bucketed gradient all-reduces with the backward")
+    g.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction,
+                   help="ZeRO-1/2: all-gather the updated weights during the next step's forward, each layer "
+                        "waiting for its bucket (Megatron-LM's --overlap-param-gather), not after the optimizer")
     g.add_argument("--zero", type=int, choices=ZERO_STAGES,
                    help="ZeRO stage: 1 shards optimizer state, 2 and gradients, 3 and weights (as --grad-sync fsdp)")
     g.add_argument("--shard-group", type=int, metavar="N", help="HSDP: shard within groups of N data-parallel ranks")
@@ -112,7 +115,8 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
         "tp_comm_overlap": args.tp_comm_overlap, "context_parallel": args.context_parallel,
         "activation_recompute": _recompute_flags(args),
         "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap,
-                          "zero": args.zero, "shard_group": args.shard_group},
+                          "zero": args.zero, "shard_group": args.shard_group,
+                          "overlap_param_gather": args.overlap_param_gather},
         "moe": {"expert_load": args.expert_load, "capacity_factor": args.capacity_factor},
     }
     overrides = _drop_unset(flags)
@@ -275,8 +279,10 @@ def _sync_text(plan: Plan) -> str:
         shards = f"{plan.shard_size} ranks" + (f" (HSDP, replicated {plan.dp // plan.shard_size}x)"
                                                if plan.shard_size < plan.dp else "")
         sharded = "optimizer state" if plan.zero == 1 else "optimizer state and gradients"
+        gathered = ("during the next step's forward, each layer waiting for its bucket"
+                    if plan.overlap_param_gather else "after the optimizer")
         return (f"ZeRO-{plan.zero}: {sharded} sharded over {shards}; {format_size(plan.bucket_size)} buckets "
-                f"reduce-scattered {when} the backward, weights all-gathered after the optimizer")
+                f"reduce-scattered {when} the backward, weights all-gathered {gathered}")
     return f"bucketed all-reduce, {format_size(plan.bucket_size)} buckets, {when} the backward"
 
 
