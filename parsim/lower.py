@@ -511,17 +511,10 @@ def param_tensors(cost: LayerCost, tp: int, ep: int = 1) -> list[tuple[int, bool
     return sizes + [(p.numel_per_rank(tp), False) for p in cost.params]
 
 
-def buckets(tensors: list[tuple[int, int]], bucket_size: int) -> list[tuple[int, int]]:
-    """DDP-style buckets: gradients in backward order, filled up to ``bucket_size`` bytes.
-
-    Returns (bytes, op id) per bucket, the op after which its last gradient is final.
-    """
-    return [(size, members[-1]) for size, members in bucket_members(tensors, bucket_size)]
-
-
 def bucket_members(tensors: list[tuple[float, T]], bucket_size: int) -> list[tuple[float, list[T]]]:
-    """The same buckets with every tensor's tag: (bytes, tags in order). A gradient is never split; one
-    larger than a bucket gets a bucket of its own."""
+    """DDP-style buckets: gradients in backward order, filled up to ``bucket_size`` bytes; per bucket its
+    bytes and its tensors' tags in order. A gradient is never split; one larger than a bucket gets a
+    bucket of its own."""
     out: list[tuple[float, list[T]]] = []
     size, members = 0, []
     for nbytes, tag in tensors:

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..cluster import ClusterSpec
 from ..compute import ComputeModel
-from ..lower import (ADAMW_ACCESSES, ADAMW_KERNELS, FP32, CommPiece, Lowering, buckets, fsdp_bytes,
+from ..lower import (ADAMW_ACCESSES, ADAMW_KERNELS, FP32, CommPiece, Lowering, bucket_members, fsdp_bytes,
                      param_tensors)
 from ..model import MLPModel
 from ..plan import DTYPE_BYTES, Plan
@@ -139,7 +139,8 @@ class FastModel:
                 order=v.order, sequence_parallel=v.sequence_parallel, tp_comm_overlap=v.tp_overlap,
                 activation_recompute=v.recompute,
                 context_parallel=v.context_parallel, grad_sync=v.grad_sync, zero=v.zero,
-                shard_group=v.shard_group, bucket_size=self.space.bucket_size, name="search")
+                overlap_param_gather=v.param_overlap, shard_group=v.shard_group,
+                bucket_size=self.space.bucket_size, name="search")
         return plan
 
     def layout_plan(self, s: Setting, v: Variant) -> Plan:
@@ -325,6 +326,8 @@ class FastModel:
         if fsdp is not None:  # a rank's first forward gathers from nothing: the part beyond the usual lead
             d = layout.distinct_of[layout.rank_stages[:, 0]]
             start = np.maximum(first[d, 0] - (after[d, 0] - ahead[d, 0]) - ahead[d, 0], 0.0)
+        elif v.param_overlap and s.dp * s.cp > 1:
+            start = self._param_gather_starts(s, v, seconds)
         return _Inputs(_inputs_key(v), durations, hops, start, waits, lead, ends)
 
     def _hops(self, s: Setting, v: Variant, layout: Layout) -> np.ndarray:
@@ -436,8 +439,8 @@ class FastModel:
                 phases[name] += float(counts[k::4] @ copies[k::4])
         phases["fsdp" if v.fsdp else "dp"] += max(sync_end - compute_end, 0.0) + gathers
         phases["optimizer"] = optimizer
-        start = float(x.start[rank])  # FSDP: the first weights gathered before the rank's first pass
-        phases["fsdp"] += start
+        start = float(x.start[rank])  # the first weights gathered before the rank's first pass (FSDP, ZeRO)
+        phases["fsdp" if v.fsdp else "dp"] += start
         phases["pp"] = max(compute_end - start - float(counts @ x.durations), 0.0)
         return Estimate(float(step), float(prep.memory[i]), phases, rank)
 
@@ -519,8 +522,12 @@ class FastModel:
     def _bucket_sizes(self, s: Setting, v: Variant, p: int, expert: bool) -> tuple[tuple[float, tuple], ...]:
         """Pipeline rank ``p``'s gradient buckets (dense or experts'), as the lowering fills them: (bytes,
         (stage, entry position in the final backward) of the bucket's last gradient)."""
+        return tuple((size, members[-1]) for size, members in self._bucket_members(s, p, expert))
+
+    def _bucket_members(self, s: Setting, p: int, expert: bool) -> tuple[tuple[float, tuple], ...]:
+        """:meth:`_bucket_sizes` with every tensor's (stage, entry position in backward order): (bytes, tags)."""
         placement = s.schedule in V_SCHEDULES
-        key = ("bucket sizes", s.pp, s.virtual_stages, placement, s.tp, s.ep, p, expert)
+        key = ("bucket members", s.pp, s.virtual_stages, placement, s.tp, s.ep, p, expert)
 
         def make():
             plan = self._prototype(s, _PLAIN)
@@ -529,7 +536,7 @@ class FastModel:
             layout = self.layout(s)
             tensors = [(nbytes, (int(st), position)) for st in layout.rank_stages[p][::-1]
                        for position, e in enumerate(layout.stage_entries[st][::-1]) for nbytes in per_type[e]]
-            return tuple(buckets(tensors, self.space.bucket_size))
+            return tuple((size, tuple(members)) for size, members in bucket_members(tensors, self.space.bucket_size))
         return self._cached(key, make)
 
     def _bucket_plan(self, s: Setting, v: Variant, p: int) -> tuple[tuple[tuple, np.ndarray], ...]:
@@ -567,8 +574,9 @@ class FastModel:
         return tuple(out)
 
     def _zero_gathers(self, s: Setting, v: Variant, p: int) -> tuple[float, ...]:
-        """ZeRO-1/2: each bucket's updated weights all-gathered after the optimizer step."""
-        if v.zero not in (1, 2) or s.dp * s.cp == 1:
+        """ZeRO-1/2: each bucket's updated weights all-gathered after the optimizer step (unless the next
+        step's forward overlaps them: :meth:`_param_gather_starts`)."""
+        if v.zero not in (1, 2) or s.dp * s.cp == 1 or v.param_overlap:
             return ()
         return self._cached(("gathers", p) + self._structure(s, v), lambda: self._gathers(s, v, p))
 
@@ -583,6 +591,47 @@ class FastModel:
             sizes = [nbytes for nbytes, _ in self._bucket_sizes(s, v, p, expert)]
             out += [gather(n) * sizes.count(n) for n in set(sizes)]
         return tuple(out)
+
+    def _param_gather_starts(self, s: Setting, v: Variant, seconds: np.ndarray) -> np.ndarray:
+        """ZeRO-1/2 overlapping the weights' gather with the forward (``overlap_param_gather``): per pipeline
+        rank, the earliest its first forward can start and not wait mid-pass. The buckets' all-gathers run
+        back to back from the step's start in the order the lowering issues them (reverse bucket order), and
+        each entry starts no earlier than the last of its buckets: a pass starting at ``t`` with entry ``e``
+        ``o_e`` into it ends as if it had started at ``max(t, max_e(G_e - o_e))``. Later stages' first
+        forwards (interleaved and V schedules) are taken to find their weights there."""
+        key = ("param gathers", s.dp, s.tp, s.pp, s.cp, s.ep, s.virtual_stages, s.schedule in V_SCHEDULES,
+               v.order, v.shard_group)
+
+        def done() -> list[dict[tuple[int, int], float]]:
+            """Per rank, when the last gather each (stage, entry position in backward order) needs ends."""
+            plan = self.layout_plan(s, v)
+            lowering = Lowering(plan)
+            out = []
+            for p in range(s.pp):
+                issued = []  # (gather seconds, its tensors' tags) in issue order
+                for expert, dim in ((True, "edp"), (False, "shard")):
+                    if expert and plan.dp * plan.cp // plan.ep == 1:
+                        continue
+                    gather = self.comm.pricer("collective", "all_gather", lowering.group(p, dim)[0])
+                    issued += [(gather(nbytes), members) for nbytes, members in
+                               reversed(self._bucket_members(s, p, expert))]
+                ends, clock = {}, 0.0
+                for cost, members in issued:
+                    clock += cost
+                    for member in members:
+                        ends[member] = clock
+                out.append(ends)
+            return out
+        ends = self._cached(key, done)
+        layout = self.layout(s)
+        start = np.zeros(s.pp)
+        for p in range(s.pp):
+            stage = int(layout.rank_stages[p][0])
+            entries = layout.stage_entries[stage]
+            offsets = np.concatenate([[0.0], np.cumsum(seconds[list(entries), KINDS.index("F")])[:-1]])
+            waits = [ends[p].get((stage, len(entries) - 1 - i), 0.0) - offsets[i] for i in range(len(entries))]
+            start[p] = max(0.0, *waits)
+        return start
 
     def _norm_sync(self, s: Setting, v: Variant, p: int) -> float:
         """Sequence parallelism: the norm gains' gradients all-reduced over the tp group."""
@@ -615,7 +664,8 @@ _PLAIN = Variant("dp,pp,cp,tp", False, "none", "ring", "bucketed", 0, None)
 
 def _inputs_key(v: Variant) -> tuple:
     """What a variant's pipeline inputs (:meth:`FastModel._inputs`) depend on."""
-    return v.order, v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel, v.fsdp, v.shard_group
+    return (v.order, v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel, v.fsdp, v.shard_group,
+            v.param_overlap)
 
 
 def _with_recompute(table: PassTable, recomputed: np.ndarray) -> PassTable:

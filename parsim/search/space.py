@@ -79,6 +79,12 @@ class Variant(NamedTuple):
     def fsdp(self) -> bool:
         return self.grad_sync == "fsdp"
 
+    @property
+    def param_overlap(self) -> bool:
+        """ZeRO-1/2 run as Megatron-LM's distributed optimizer in NVIDIA's recipes: the weights' all-gathers
+        overlapped with the next step's forward (``overlap_param_gather``)."""
+        return self.zero in (1, 2)
+
     def sync_text(self) -> str:
         """``ddp``, ``zero-1``, ``fsdp``, ``hsdp 8``: how gradients and training state are synced and sharded."""
         if self.fsdp:
@@ -116,7 +122,7 @@ class Candidate(NamedTuple):
             "sequence_parallel": v.sequence_parallel,
             "tp_comm_overlap": v.tp_overlap,
             "activation_recompute": v.recompute,
-            "data_parallel": {"grad_sync": v.grad_sync, "zero": v.zero},
+            "data_parallel": {"grad_sync": v.grad_sync, "zero": v.zero, "overlap_param_gather": v.param_overlap},
         }
         if s.cp > 1:
             data["context_parallel"] = v.context_parallel
