@@ -87,6 +87,12 @@ class RankSetup:
             loss = replica_loss(loss, self.cp)
         return loss
 
+    def settle(self) -> None:
+        """Bring every parameter up to date (ZeRO-1/2 overlapping the weights' gather leaves it to the next
+        forward)."""
+        if isinstance(self.grad_sync, ZeroOptimizer):
+            self.grad_sync.settle()
+
     def step(self) -> float | None:
         loss = self.forward_backward()
         with self.recorder.span("optimizer step", "optimizer", "compute", phase="optimizer"):
@@ -116,8 +122,6 @@ def check_plan(plan: Plan) -> None:
          sharded and tied and (plan.zero == 3 or tie_across)),
         ("sequence parallelism with ZeRO or FSDP", sharded and plan.sequence_parallel and plan.tp > 1),
         ("tensor-parallel communication overlapped with GEMMs (tp_comm_overlap)", plan.tp_comm_overlap),
-        ("ZeRO weight all-gathers overlapped with the next forward (overlap_param_gather)",
-         plan.overlap_param_gather),
         ("context parallelism with ZeRO or FSDP", sharded and plan.cp > 1),
         ("mixture-of-experts layers with ZeRO", sharded and m.is_moe),
         ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),
@@ -198,8 +202,12 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     if sharded and plan.zero < 3:
         optimizer = grad_sync = ZeroOptimizer(sync_order, plan.zero, shard_group, groups.get("replicate"),
                                               plan.bucket_size, plan.overlap, plan.num_microbatches, recorder,
-                                              LEARNING_RATE)
+                                              LEARNING_RATE, plan.overlap_param_gather)
         after_step = grad_sync.gather_weights
+        if plan.overlap_param_gather:  # each piece's forward waits for its parameters' buckets
+            for stage in stages.values():
+                for piece in stage.pieces:
+                    piece.register_forward_pre_hook(lambda module, args: grad_sync.await_weights(module.parameters()))
     else:  # FSDP syncs its own gradients, per unit
         routed = {id(p) for p in routed_expert_parameters(list(stages.values()))}
         grad_sync = None if sharded else apply_data_parallel(

@@ -36,6 +36,7 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     setup = build_rank(plan, rank, seed)
     setup.recorder.start_step()
     loss = setup.step() if optimizer_step else setup.forward_backward()
+    setup.settle()
     events = [e.name for e in setup.recorder.events]
 
     dtype = DTYPES[plan.dtype]
@@ -74,6 +75,21 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
 def verify_rank(rank: int, world: int, plans: list[dict], seed: int = 0, optimizer_step: bool = False) -> list[dict]:
     """:func:`compare_with_reference` for each plan (given as ``Plan.to_dict()``) in turn, on one rank."""
     return [compare_with_reference(load_plan(data), rank, seed, optimizer_step) for data in plans]
+
+
+def steps_rank(rank: int, world: int, plans: list[dict], steps: int, seed: int = 0) -> list[dict]:
+    """Each plan (``Plan.to_dict()``) trained ``steps`` steps from the same seed on this rank: its loss per
+    step (last-stage ranks; else None) and its dense parameters at the end, by full name. Two plans that
+    must train alike (an overlap on or off) compare step for step, whatever runs across the step boundary."""
+    out = []
+    for data in plans:
+        setup = build_rank(load_plan(data), rank, seed)
+        losses = [setup.step() for _ in range(steps)]
+        setup.settle()
+        # numpy, not tensors: a tensor crosses to the parent as a shared-memory handle the exiting rank frees
+        out.append({"losses": losses,
+                    "params": {p.full_name: dense(p.data).detach().cpu().numpy() for p in setup.parameters()}})
+    return out
 
 
 def _relative(value, reference) -> float:

@@ -14,7 +14,11 @@ plain AdamW on the whole model.
 
 ZeRO-1 keeps each parameter's whole local gradient (only the optimizer state
 is sharded); ZeRO-2 frees it once the bucket's reduce-scatter has its copy,
-keeping only the reduced shard. Events are the lowering's
+keeping only the reduced shard. With ``overlap_param_gather`` (Megatron-LM's
+``--overlap-param-gather``) the updated weights are not gathered after the
+step: the next step opens by issuing every bucket's all-gather, last bucket
+first (it holds the first layers), and each piece's forward pre-hook waits
+for the buckets of its parameters before it runs. Events are the lowering's
 ``reduce_scatter dp bucket=k``, ``all_reduce dp bucket=k`` (HSDP) and
 ``all_gather dp bucket=k``.
 """
@@ -54,8 +58,12 @@ class ZeroOptimizer(BucketReducer):
     """
 
     def __init__(self, params: list, stage: int, shard_group: Any, replicate_group: Any, bucket_size: int,
-                 overlap: bool, accumulations: int, recorder: Recorder, lr: float):
+                 overlap: bool, accumulations: int, recorder: Recorder, lr: float,
+                 overlap_param_gather: bool = False):
         size = dist.get_world_size(shard_group)
+        self.overlap_param_gather = overlap_param_gather
+        self._stale = False  # the optimizer has stepped; the parameters wait for the buckets' all-gathers
+        self._gathering: dict[int, tuple[Any, Any, float]] = {}  # bucket -> (work, flat buffer, issue time)
         # The data-parallel sync's bucket bookkeeping (when a bucket is final, in which order buckets
         # launch), with a reduce-scatter where it all-reduces.
         settings = SimpleNamespace(grad_sync="bucketed", overlap=overlap, accumulations=accumulations,
@@ -90,16 +98,50 @@ class ZeroOptimizer(BucketReducer):
         self.adamw.step()
 
     def gather_weights(self) -> None:
-        """All-gather every bucket's updated slices into the parameters."""
+        """All-gather every bucket's updated slices into the parameters (with ``overlap_param_gather``: at
+        the next step's start, see :meth:`start_step`)."""
+        if self.overlap_param_gather:
+            self._stale = True
+            return
         for k, (bucket, shard) in enumerate(zip(self.param_buckets, self.shards)):
-            flat = torch.empty(shard.weights.numel() * self.size, dtype=shard.weights.dtype,
-                               device=shard.weights.device)
+            flat = self._gather_buffer(shard)
             with self.recorder.span(collective_name("all_gather", "dp", bucket=k), "collective", "comm",
                                     phase="dp", bytes=flat.numel() * flat.element_size()):
                 _all_gather(flat, shard.weights.detach(), group=self.group)
-            with torch.no_grad():
-                for p, offset in zip(bucket, shard.offsets):
-                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            self._copy_in(k, flat)
+
+    def start_step(self) -> None:
+        super().start_step()
+        if self._stale:  # issue the buckets' all-gathers in the order the forward needs them
+            for k in reversed(range(len(self.shards))):
+                flat = self._gather_buffer(self.shards[k])
+                start = self.recorder.now()
+                work = _all_gather(flat, self.shards[k].weights.detach(), group=self.group, async_op=True)
+                self._gathering[k] = (work, flat, start)
+            self._stale = False
+
+    def await_weights(self, params) -> None:
+        """Before a piece's forward: wait for the all-gathers of its parameters' buckets, copy them in."""
+        for k in sorted({k for p in params for k in self._buckets_of.get(id(p), ())}, reverse=True):
+            if k in self._gathering:
+                work, flat, start = self._gathering.pop(k)
+                work.wait()
+                self.recorder.add(collective_name("all_gather", "dp", bucket=k), "collective", "comm", start,
+                                  self.recorder.now(), phase="dp", bytes=flat.numel() * flat.element_size())
+                self._copy_in(k, flat)
+
+    def settle(self) -> None:
+        """Gather whatever updated weights are still pending (a run's end, a check of the weights)."""
+        self.start_step()
+        self.await_weights(self.params)
+
+    def _gather_buffer(self, shard: _Shard) -> Any:
+        return torch.empty(shard.weights.numel() * self.size, dtype=shard.weights.dtype, device=shard.weights.device)
+
+    def _copy_in(self, k: int, flat: Any) -> None:
+        with torch.no_grad():
+            for p, offset in zip(self.param_buckets[k], self.shards[k].offsets):
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
 
     def owned_gradient(self, param, reference) -> tuple[Any, Any]:
         """The reduced gradient this rank owns of ``param`` (flattened, maybe empty), and that part of ``reference``."""
