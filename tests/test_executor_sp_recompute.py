@@ -1,4 +1,5 @@
-"""Sequence parallelism and full activation recomputation on 4 gloo ranks train exactly like one process.
+"""Sequence parallelism (its collectives in line or beside the GEMMs) and full activation recomputation
+on 4 gloo ranks train exactly like one process.
 
 Megatron-style TP with sequence parallelism (all-gather into each block,
 reduce-scatter out of it, norm gradients summed over the tp group) and
@@ -44,6 +45,12 @@ PLANS = {
         {"dp": 2, "pp": 2}, activation_recompute={"granularity": "full", "layers": 1}, schedule="gpipe"),
     "tp2 x pp2, sequence parallel + full recompute": plan({"tp": 2, "pp": 2}, sequence_parallel=True,
                                                           activation_recompute="full"),
+    # tp_comm_overlap: the same collectives beside the GEMMs (executor.train.tp_overlap), the same numbers.
+    "dp2 x tp2, TP overlap": plan({"dp": 2, "tp": 2}, sequence_parallel=True, tp_comm_overlap=True),
+    "tp4, TP overlap, gelu": plan({"tp": 4}, sequence_parallel=True, tp_comm_overlap=True,
+                                  model=dict(GPT, num_kv_heads=4, ffn_type="gelu")),
+    "tp2 x pp2, TP overlap + full recompute": plan({"tp": 2, "pp": 2}, sequence_parallel=True,
+                                                   tp_comm_overlap=True, activation_recompute="full"),
 }
 
 
@@ -77,3 +84,14 @@ def test_every_layer_collective_runs_again_in_the_recomputation(results):
         events = results[rank][list(PLANS).index("tp2 x pp2, full recompute")]["events"]
         forward = [n for n in events if "layer=layer." in n and "dir=fwd" in n]
         assert forward and len([n for n in events if "dir=rec" in n]) == len(forward)
+
+
+def test_tp_overlap_the_executor_cannot_split_is_refused_in_one_line():
+    from parsim.errors import ParsimError
+
+    from executor.train.runner import check_plan
+
+    with pytest.raises(ParsimError, match="with a split backward"):
+        check_plan(plan({"tp": 2, "pp": 2}, sequence_parallel=True, tp_comm_overlap=True, schedule="zero-bubble"))
+    with pytest.raises(ParsimError, match="splits into 4 equal parts"):
+        check_plan(plan({"tp": 2}, sequence_parallel=True, tp_comm_overlap=True, model=dict(GPT, seq_len=12)))

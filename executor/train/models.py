@@ -132,17 +132,23 @@ class Attention(nn.Module):
         self.v = _linear(m.hidden, m.num_kv_heads * m.head_dim)
         self.o = _linear(m.num_heads * m.head_dim, m.hidden)
         self.enter, self.exit = nn.Identity(), nn.Identity()
+        self.overlap = None  # tensor-parallel collectives beside the GEMMs (executor.train.tp_overlap)
         self.core = causal_attention
         self.register_buffer("position_ids", None, persistent=False)
 
     def forward(self, x):
-        x = self.enter(x)  # under sequence parallelism this gathers the whole sequence
-        b, s, _ = x.shape
-        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        projections = (self.q, self.k, self.v)
+        if self.overlap is not None:
+            q, k, v = self.overlap.entry(x, projections)
+        else:
+            x = self.enter(x)  # under sequence parallelism this gathers the whole sequence
+            q, k, v = (proj(x) for proj in projections)
+        b, s, _ = q.shape
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if self.rope:
             q, k = rotary(q, self.position_ids), rotary(k, self.position_ids)
-        out = self.core(q, k, v)
-        return self.exit(self.o(out.transpose(1, 2).reshape(b, s, -1)))
+        out = self.core(q, k, v).transpose(1, 2).reshape(b, s, -1)
+        return self.overlap.exit(out, self.o) if self.overlap is not None else self.exit(self.o(out))
 
 
 class FeedForward(nn.Module):
@@ -157,12 +163,17 @@ class FeedForward(nn.Module):
         else:
             self.fc1, self.fc2 = _linear(m.hidden, f), _linear(f, m.hidden)
         self.enter, self.exit = nn.Identity(), nn.Identity()
+        self.overlap = None  # tensor-parallel collectives beside the GEMMs (executor.train.tp_overlap)
 
     def forward(self, x):
-        x = self.enter(x)
-        if self.swiglu:
-            return self.exit(self.down(F.silu(self.gate(x)) * self.up(x)))
-        return self.exit(self.fc2(F.gelu(self.fc1(x))))
+        if self.overlap is not None:
+            hidden = self.overlap.entry(x, (self.gate, self.up) if self.swiglu else (self.fc1,))
+        else:
+            x = self.enter(x)
+            hidden = tuple(proj(x) for proj in ((self.gate, self.up) if self.swiglu else (self.fc1,)))
+        h = F.silu(hidden[0]) * hidden[1] if self.swiglu else F.gelu(hidden[0])
+        out = self.down if self.swiglu else self.fc2
+        return self.overlap.exit(h, out) if self.overlap is not None else self.exit(out(h))
 
 
 class DecoderLayer(nn.Module):

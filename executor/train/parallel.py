@@ -30,6 +30,7 @@ from parsim.trace import collective_name
 from .._torch import require_distributed, require_torch
 from .comm import (CopyToTP, EPGroup, GatherFromTP, GatherSequence, ReduceFromTP, ScatterSequence, SharedLoss,
                    TPGroup, VocabParallelCrossEntropy)
+from .tp_overlap import TPOverlap
 from .models import Piece, RMSNorm
 from .moe import AllToAllDispatcher, MoEFeedForward, RoutedExperts
 from .trace_recorder import Recorder
@@ -77,14 +78,16 @@ class VocabParallelEmbedding(nn.Module):
 
 # --------------------------------------------------------------------------- tensor parallel
 def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: str, tp: TPGroup,
-                          sequence_parallel: bool = False) -> Any:
+                          sequence_parallel: bool = False, overlap: bool = False) -> Any:
     """Shard ``pieces`` in place for ``tp``; return the loss module the last stage must use.
 
     With ``sequence_parallel`` (Megatron-LM's, Korthikanti et al. 2022) the activations between blocks
     hold this rank's ``1/tp`` of the sequence: blocks enter with an all-gather and leave with a
     reduce-scatter, the embedding leaves with a reduce-scatter and the head enters with an all-gather.
     Norm gains then see only part of the sequence: they are marked ``sequence_parallel`` so their
-    gradients can be summed over the group (:func:`sequence_parallel_grad_sync`).
+    gradients can be summed over the group (:func:`sequence_parallel_grad_sync`). With ``overlap``
+    (``tp_comm_overlap``) each block's entry and exit collectives run beside its GEMMs
+    (:mod:`executor.train.tp_overlap`).
     """
     if tp.size == 1:
         return loss
@@ -117,6 +120,8 @@ def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: s
             columns = ("gate", "up") if m.mlp.swiglu else ("fc1",)
             _megatron_block(m.mlp, columns, ("down",) if m.mlp.swiglu else ("fc2",), enter(tp, piece.name),
                             exit_(tp, piece.name), tp)
+            if overlap:
+                m.attn.overlap = m.mlp.overlap = TPOverlap(tp, piece.name)
         if sequence_parallel:
             for sub in m.modules():
                 if isinstance(sub, RMSNorm):

@@ -23,6 +23,7 @@ from parsim.errors import ParsimError
 from parsim.model import MLPModel
 from parsim.plan import Plan, load_plan
 from parsim.schedules import Schedule
+from parsim.tp_overlap import PIPELINE_SPLITS
 
 from .._torch import require_distributed, require_torch
 from .comm import EPGroup, TPGroup
@@ -121,7 +122,12 @@ def check_plan(plan: Plan) -> None:
         ("tied embeddings under FSDP, or across pipeline ranks under ZeRO",
          sharded and tied and (plan.zero == 3 or tie_across)),
         ("sequence parallelism with ZeRO or FSDP", sharded and plan.sequence_parallel and plan.tp > 1),
-        ("tensor-parallel communication overlapped with GEMMs (tp_comm_overlap)", plan.tp_comm_overlap),
+        ("tensor-parallel communication overlapped with GEMMs (tp_comm_overlap) with a split backward "
+         "(its weight gradients are computed with the input gradient)",
+         plan.tp_comm_overlap and schedule.split_backward),
+        (f"tensor-parallel communication overlapped with GEMMs (tp_comm_overlap) unless each rank's share of "
+         f"the sequence splits into {PIPELINE_SPLITS} equal parts",
+         plan.tp_comm_overlap and (m.seq_len // (plan.cp * plan.tp)) % PIPELINE_SPLITS != 0),
         ("context parallelism with ZeRO or FSDP", sharded and plan.cp > 1),
         ("mixture-of-experts layers with ZeRO", sharded and m.is_moe),
         ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),
@@ -178,7 +184,8 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     sequence_parallel = plan.sequence_parallel and plan.tp > 1
     for s in stage_ids:
         pieces = [built[n] for n in names[s]]
-        loss = apply_tensor_parallel(pieces, build_loss(model), model, plan.tp_style, tp, sequence_parallel)
+        loss = apply_tensor_parallel(pieces, build_loss(model), model, plan.tp_style, tp, sequence_parallel,
+                                     plan.tp_comm_overlap)
         if cp is not None:
             apply_context_parallel(pieces, cp, model.seq_len)
         apply_expert_parallel(pieces, ep)

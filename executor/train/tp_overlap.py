@@ -1,0 +1,161 @@
+"""Tensor-parallel collectives overlapped with the GEMMs they feed and drain (``tp_comm_overlap``).
+
+The executor's counterpart of :mod:`parsim.tp_overlap`, which models
+Transformer Engine's userbuffers methods as NeMo configures them. Under
+sequence parallelism a block's entry all-gathers the sequence before its
+column-parallel GEMMs and its exit reduce-scatters the row-parallel GEMM's
+partial output; here both move beside the GEMMs, with asynchronous
+``torch.distributed`` operations (gloo or NCCL) instead of userbuffers:
+
+* **entry, forward** (ring exchange): ``tp`` steps; at each, this rank
+  multiplies the sequence chunk it holds by every column weight while the
+  chunk travels one rank on around the ring.
+* **exit, forward** (pipelined): the GEMM in :data:`PIPELINE_SPLITS` row
+  chunks, each chunk's reduce-scatter issued as soon as it is computed; the
+  first ones run beside the later GEMM chunks, the last one in line.
+* **exit, backward** (ring exchange): the output gradient's chunks travel the
+  ring while the input-gradient GEMM runs on each.
+* **entry, backward** (bulk): the input gradient's reduce-scatter runs beside
+  the weight-gradient GEMMs.
+
+Each is recorded under the name the simulator gives the collective it
+replaces (``all_gather tp layer=... dir=fwd0``); the pipelined scatter as two
+events of that name, the part overlapped and the part in line, as the
+lowering splits it. The results equal the plain collectives' to rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parsim.trace import collective_name
+from parsim.tp_overlap import PIPELINE_SPLITS
+
+from .._torch import require_distributed, require_torch
+from .comm import SEQUENCE_DIM, TPGroup, _reduce_scatter
+
+torch = require_torch()
+dist = require_distributed()
+
+
+def _name(tp: TPGroup, op: str, layer: str, direction: str) -> str:
+    direction = tp.recorder.direction(direction)
+    index = tp.recorder.next_index(layer, direction)
+    return collective_name(op, "tp", layer=layer, mb=tp.recorder.microbatch, dir=f"{direction}{index}")
+
+
+def _ring(tp: TPGroup, local: Any, multiply, name: str) -> tuple[Any, list]:
+    """Pass ``local`` (batch, seq/tp, ...) around the ring: ``multiply(chunk)`` on every rank's chunk as it
+    arrives, while the next one travels. Returns the gathered input (sequence in rank order) and each
+    chunk's product, in rank order; the exchange is recorded as one event ``name``."""
+    size, rank = tp.size, tp.rank
+    chunks, products = [None] * size, [None] * size
+    chunk, start = local.contiguous(), tp.recorder.now()
+    for step in range(size):
+        source = (rank - step) % size
+        chunks[source] = chunk
+        pending = []
+        if step < size - 1:
+            incoming = torch.empty_like(chunk)
+            # One batch, so NCCL does not serialize the send before the receive its peer waits on.
+            pending = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, chunk, group=tp.group, group_peer=(rank + 1) % size),
+                dist.P2POp(dist.irecv, incoming, group=tp.group, group_peer=(rank - 1) % size)])
+        products[source] = multiply(chunk)
+        for work in pending:
+            work.wait()
+        if step < size - 1:
+            chunk = incoming
+    gathered = torch.cat(chunks, SEQUENCE_DIM)
+    tp.recorder.add(name, "collective", "tp", start, tp.recorder.now(), phase="tp",
+                    bytes=gathered.numel() * gathered.element_size())
+    return gathered, products
+
+
+class _EntryLinears(torch.autograd.Function):
+    """All-gather the sequence into several column-parallel GEMMs (ring exchange); backward: their
+    input gradient reduce-scattered beside the weight gradients (bulk)."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup, layer: str, *weights):
+        ctx.tp, ctx.layer = tp, layer
+        cat = torch.cat(weights, 0)
+        name = _name(tp, "all_gather", layer, "fwd")
+        gathered, products = _ring(tp, x, lambda chunk: chunk @ cat.t(), name)
+        ctx.save_for_backward(gathered, *weights)
+        out = torch.cat(products, SEQUENCE_DIM)
+        return tuple(out.split([w.shape[0] for w in weights], -1))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        tp = ctx.tp
+        gathered, *weights = ctx.saved_tensors
+        grad = torch.cat(grads, -1)
+        grad_input = grad @ torch.cat(weights, 0)
+        chunks = grad_input.unflatten(SEQUENCE_DIM, (tp.size, -1)).movedim(SEQUENCE_DIM, 0).contiguous()
+        out = torch.empty(chunks.shape[1:], dtype=grad_input.dtype, device=grad_input.device)
+        name = _name(tp, "reduce_scatter", ctx.layer, "bwd")
+        start = tp.recorder.now()
+        work = _reduce_scatter(out, chunks.flatten(0, 1), group=tp.group, async_op=True)
+        flat_grad, flat_in = grad.flatten(0, -2), gathered.flatten(0, -2)
+        weight_grads = [g.t() @ flat_in for g in flat_grad.split([w.shape[0] for w in weights], -1)]
+        work.wait()
+        tp.recorder.add(name, "collective", "tp", start, tp.recorder.now(), phase="tp",
+                        bytes=chunks.numel() * chunks.element_size())
+        return (out, None, None, *weight_grads)
+
+
+class _ExitLinear(torch.autograd.Function):
+    """A row-parallel GEMM whose partial output is reduce-scattered over the sequence in pipelined chunks;
+    backward: the output gradient all-gathered into the input-gradient GEMM (ring exchange)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, tp: TPGroup, layer: str):
+        ctx.tp, ctx.layer = tp, layer
+        ctx.save_for_backward(h, weight)
+        name = _name(tp, "reduce_scatter", layer, "fwd")
+        # Split each rank's share of the sequence into PIPELINE_SPLITS parts; chunk j takes part j of every
+        # share, so its reduce-scatter leaves this rank part j of its own share, in order.
+        shares = h.unflatten(SEQUENCE_DIM, (tp.size, PIPELINE_SPLITS, -1))
+        parts, works, start = [], [], tp.recorder.now()
+        for j in range(PIPELINE_SPLITS):
+            partial = (shares.select(SEQUENCE_DIM + 1, j) @ weight.t()).movedim(SEQUENCE_DIM, 0).contiguous()
+            part = torch.empty(partial.shape[1:], dtype=partial.dtype, device=partial.device)
+            if j == PIPELINE_SPLITS - 1:  # the side stream's share done, the last part in line
+                for work in works:
+                    work.wait()
+                joined = tp.recorder.now()
+                tp.recorder.add(name, "collective", "tp", start, joined, phase="tp",
+                                bytes=partial.numel() * partial.element_size() * (PIPELINE_SPLITS - 1))
+                _reduce_scatter(part, partial.flatten(0, 1), group=tp.group)
+                tp.recorder.add(name, "collective", "compute", joined, tp.recorder.now(), phase="tp",
+                                bytes=partial.numel() * partial.element_size())
+            else:
+                works.append(_reduce_scatter(part, partial.flatten(0, 1), group=tp.group, async_op=True))
+            parts.append(part)
+        return torch.stack(parts, SEQUENCE_DIM).flatten(SEQUENCE_DIM, SEQUENCE_DIM + 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tp = ctx.tp
+        h, weight = ctx.saved_tensors
+        name = _name(tp, "all_gather", ctx.layer, "bwd")
+        gathered, products = _ring(tp, grad, lambda chunk: chunk @ weight, name)
+        grad_input = torch.cat(products, SEQUENCE_DIM)
+        grad_weight = gathered.flatten(0, -2).t() @ h.flatten(0, -2)
+        return grad_input, grad_weight, None, None
+
+
+class TPOverlap:
+    """One block's entry and exit collectives, overlapped with its GEMMs (``block.overlap``)."""
+
+    def __init__(self, tp: TPGroup, layer: str):
+        self.tp, self.layer = tp, layer
+
+    def entry(self, x, linears) -> tuple:
+        """Every column-parallel linear of the block applied to the gathered sequence."""
+        return _EntryLinears.apply(x, self.tp, self.layer, *(linear.weight for linear in linears))
+
+    def exit(self, h, linear) -> Any:
+        """The row-parallel linear, its output reduce-scattered over the sequence."""
+        return _ExitLinear.apply(h, linear.weight, self.tp, self.layer)
