@@ -49,8 +49,6 @@ ADAMW_KERNELS = 8  # those eight passes, per parameter tensor
 PASS_PHASE = {"F": "forward", "R": "recompute", "B": "backward", "I": "backward", "W": "weight-grad"}
 
 
-
-
 @dataclass
 class _Pending:
     """A receive whose matching send is created later."""
@@ -440,7 +438,7 @@ class Lowering:
     @functools.cache
     def _sync_buckets(self, p: int) -> tuple[tuple[bool, str, int, float, tuple[tuple[int, int], ...]], ...]:
         """Pipeline rank ``p``'s gradient buckets in backward order: (expert?, group dim, index, bytes, the
-        (stage, layer) of each of its tensors). None when nothing syncs: one data-parallel rank, or
+        (stage, layer) of each of its tensors). Empty when nothing syncs: one data-parallel rank, FSDP, or
         experts each living on one rank only."""
         plan = self.plan
         if plan.dp * plan.cp == 1 or self.fsdp:

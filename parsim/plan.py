@@ -520,9 +520,10 @@ class Plan:
         if self.zero and self.shard_size > 1:
             scope = f"HSDP: shards over {self.shard_group}, replicated {self.dp // self.shard_group}x" \
                 if self.shard_group and self.shard_group < self.dp else f"over {self.shard_size} ranks"
-            out.append(f"{'FSDP (ZeRO-3)' if self.zero == 3 else f'ZeRO-{self.zero}'} {scope}")
+            out.append(f"{'FSDP (ZeRO-3)' if self.zero == 3 else f'ZeRO-{self.zero}'} {scope}"
+                       + (", weights gathered in the next forward" if self.overlap_param_gather else ""))
         if self.sequence_parallel and self.tp > 1:
-            out.append("sequence parallel")
+            out.append("sequence parallel" + (", its collectives beside the GEMMs" if self.tp_comm_overlap else ""))
         if self.cp > 1:
             out.append(f"{'ring' if self.context_parallel == 'ring' else 'all-gather'} context parallel")
         if self.ep > 1:
