@@ -61,6 +61,7 @@ class CommPiece:
     opens: bool = False
     closes: bool = False
     beside: bool = False
+    method: str = ""  # how it overlaps the GEMMs (parsim.tp_overlap: "ring exchange", "pipelined", "bulk")
 
     @property
     def stream(self) -> str:

@@ -13,11 +13,12 @@ seqlen8192``, the Llama 3 70B H100 setting), and parsim models those three:
   ``fc2_dgrad``): the GEMM runs in ``tp`` chunks of rows. While a rank
   multiplies the chunk it holds, it passes that chunk to the next rank
   (peer-to-peer copies, no SMs taken). ``tp - 1`` chunks hide the
-  all-gather; the last waits for it: ``max(G (tp-1)/tp, C) + G/tp``.
+  all-gather; the last waits for it: ``max(G (tp-1)/tp, C) + G/tp``, ``G`` the
+  GEMM's time and ``C`` the collective's.
 * **pipeline** (``proj_fprop``, ``fc2_fprop``): the GEMM runs in 4 splits and
   each split's rows are reduce-scattered while the next computes, by a kernel
   holding 24 (attention) or 16 (MLP) SMs that the GEMM does without
-  (``set_sm_margin``): ``G/4 + max(3G'/4, 3C/4) + C/4``, ``G'`` the GEMM on
+  (``set_sm_margin``): ``G'/4 + max(3G'/4, 3C/4) + C/4``, ``G'`` the GEMM on
   the remaining SMs.
 * **bulk** (``qkv_wgrad``, ``fc1_wgrad``): the input gradient's
   reduce-scatter runs beside the weight-gradient GEMM, its kernel holding 24
@@ -100,19 +101,19 @@ def chunks(piece: ComputePiece, count: int, of: int, sm_reserved: int = 0) -> Co
 
 def ring_exchange(gather: CommPiece, lead: ComputePiece, tp: int) -> list[Piece]:
     """An all-gather hidden behind the GEMMs it feeds, ``tp`` chunks, the last after the gather."""
-    return [dataclasses.replace(gather, beside=True), chunks(lead, tp - 1, tp), lead.join("tp"),
-            chunks(lead, 1, tp)]
+    return [dataclasses.replace(gather, beside=True, method="ring exchange"), chunks(lead, tp - 1, tp),
+            lead.join("tp"), chunks(lead, 1, tp)]
 
 
 def pipelined(scatter: CommPiece, trail: ComputePiece, block: str) -> list[Piece]:
     """A reduce-scatter of the GEMMs' output, split by split as the next split computes."""
     n, sms = PIPELINE_SPLITS, PIPELINE_SMS[block]
-    hidden = dataclasses.replace(scatter, nbytes=scatter.nbytes * (n - 1) / n, beside=True)
-    last = dataclasses.replace(scatter, nbytes=scatter.nbytes / n)
+    hidden = dataclasses.replace(scatter, nbytes=scatter.nbytes * (n - 1) / n, beside=True, method="pipelined")
+    last = dataclasses.replace(scatter, nbytes=scatter.nbytes / n, method="pipelined")
     return [chunks(trail, 1, n, sms), hidden, chunks(trail, n - 1, n, sms), trail.join("tp"), last]
 
 
 def bulk(scatter: CommPiece, trail: ComputePiece, block: str) -> list[Piece]:
     """The input gradient's reduce-scatter beside the weight-gradient GEMMs."""
-    return [dataclasses.replace(scatter, beside=True),
+    return [dataclasses.replace(scatter, beside=True, method="bulk"),
             dataclasses.replace(trail, sm_reserved=BULK_SMS[block]), trail.join("tp")]

@@ -57,6 +57,7 @@ def test_every_published_schema_is_a_json_schema_named_after_its_file(name):
     (["explain", "bubble", "--pp", "4", "-m", "8", "--schedule", "zero-bubble"], "explain.bubble"),
     (["explain", "memory", "course-pp"], "explain.memory"),
     (["explain", "compute", "course-pp"], "explain.compute"),
+    (["explain", "compute", "tiny-tp2", "--sequence-parallel", "--tp-comm-overlap"], "explain.compute"),
     (["validate"], "validate"),
     (["search", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "256K-tokens", "--top", "3",
       "--simulate", "1"], "search"),

@@ -140,3 +140,23 @@ def test_a_tensor_parallel_group_across_nodes_cannot_overlap():
     space = SearchSpace(GPT, 16, 2, gpus_per_node=8)
     overlapped = {s.tp for s, variants in enumerate_settings(space) for v in variants if v.tp_overlap}
     assert overlapped == {2, 4, 8}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_explain_compute_prices_each_collective_and_what_the_pass_exposes(overlap):
+    """``parsim explain compute``'s collectives section: each priced alone, each pass exposing the closed form
+    (all of every collective in line; with the overlap, what the GEMMs beside it leave)."""
+    from parsim.cli.explain_compute import _collectives
+
+    cluster = ideal_spec(**{"intra_node.bw_GBps_per_direction": 25})
+    p = plan(overlap)
+    compute = ComputeModel.for_cluster(cluster, p.dtype, p.dtype_bytes)
+    comm = CommCosts(cluster, T, compute)
+    rows, passes = _collectives(p, cluster, compute, "layer.0")
+    for summary in passes:
+        assert summary["exposed_s"] == pytest.approx(exposed(p, compute, comm, summary["pass"]), rel=1e-9)
+        assert summary["time_s"] == pytest.approx(summary["compute_s"] + summary["exposed_s"])
+        mine = [r for r in rows if r["pass"] == summary["pass"]]
+        assert sum(r["exposed_s"] for r in mine) == pytest.approx(summary["exposed_s"])
+        assert ("in_line_s" in summary) == overlap  # (on slow links the split collectives' latency can lose)
+    assert all(r["method"] == "in line" and r["exposed_s"] == r["alone_s"] for r in rows) != overlap

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from ..cluster import load_cluster
 from ..compute import MATMUL_TILE, ComputeModel
 from ..errors import ParsimError
 from ..jsondoc import print_json
 from ..kernels import BlockWork, block_work
+from ..lower import Lowering
+from ..pieces import CommPiece, Piece
 from ..table import render_table
-from ..units import format_time, time_unit
+from ..units import format_size, format_time, time_unit
 from .common import DEFAULT_CLUSTER
 from .plan_cmd import add_plan_args, plan_from_args
 
@@ -27,10 +30,19 @@ matmuls); norms, activations, residuals and softmax are memory-bound, at the
 measured fraction of HBM bandwidth. Every rate is in the cluster file, with its
 source.
 
+With tensor, context or expert parallelism the layer's collectives follow,
+each priced alone on the cluster's links as the simulator prices one that
+nothing contends with: in line on the compute stream (all exposed), or beside
+the GEMMs (context parallelism's K/V exchange; with --tp-comm-overlap the ring
+exchange, pipelined and bulk methods of Transformer Engine), exposed only where
+the compute beside them runs out. Each pass's time is then compute plus the
+exposed collectives.
+
 examples:
   parsim explain compute llama3-70b-1024
   parsim explain compute --model gpt3-175b --tp 8 --cluster dgx-a100 --dtype fp16
   parsim explain compute llama3-8b-fsdp8 --layer head
+  parsim explain compute llama3-70b-1024 --sequence-parallel --tp-comm-overlap
 """
 
 
@@ -63,12 +75,95 @@ def run(args: argparse.Namespace) -> int:
             for row in _rows(model, block.name, work):
                 rows.append({"pass": kind, **row})
                 totals[kind] += row["time_s"]
+    collectives, passes = _collectives(plan, spec, model, args.layer)
     if args.json:
         print_json("explain.compute", {"plan": plan.name, "cluster": spec.name, "layer": cost.name,
-                                       "tokens": plan.tokens_per_rank, "kernels": rows, "pass_s": totals})
+                                       "tokens": plan.tokens_per_rank, "kernels": rows, "pass_s": totals,
+                                       "collectives": collectives, "passes": passes})
         return 0
     print(_report(plan, spec, model, cost.name, rows, totals))
+    if collectives:
+        print()
+        print(_collectives_report(plan, cost.name, collectives, passes))
     return 0
+
+
+def _collectives(plan, spec, model: ComputeModel, layer: str) -> tuple[list[dict], list[dict]]:
+    """The layer's collectives in each pass, priced alone, and how much of each the pass exposes; and per
+    pass its compute, exposed collectives and total, beside the same with the collectives in line."""
+    if plan.tp * plan.cp * plan.ep == 1:
+        return [], []
+    from ..search.costs import CommCosts  # the simulator's pricing of one uncontended collective
+
+    comm = CommCosts(spec, plan.world, model)
+    stage, index = next((s, i) for s in range(plan.num_stages) for i, c in enumerate(plan.stage_costs(s))
+                        if c.name == layer)
+    p, cost = plan.pipeline.stage_to_rank(stage), plan.stage_costs(stage)[index]
+    in_line = dataclasses.replace(plan, tp_comm_overlap=False) if plan.tp_comm_overlap else None
+    rows, passes = [], []
+    for kind in ("F", "I", "W") if plan.pipeline.split_backward else ("F", "B"):
+        pieces = Lowering(plan).layer_pass(p, index, cost, kind)
+        collectives, compute_s, pass_s = _timeline(pieces, model, comm)
+        rows += [{"pass": kind, **row} for row in collectives]
+        summary = {"pass": kind, "compute_s": compute_s, "exposed_s": pass_s - compute_s, "time_s": pass_s}
+        if in_line is not None:
+            summary["in_line_s"] = _timeline(Lowering(in_line).layer_pass(p, index, cost, kind), model, comm)[2]
+        passes.append(summary)
+    return rows, passes
+
+
+def _timeline(pieces: list[Piece], model: ComputeModel, comm) -> tuple[list[dict], float, float]:
+    """One rank running ``pieces`` alone: the compute stream in order, each side-stream collective from
+    the end of the op before it until the next join of its stream. Returns the collectives (each with the
+    time it holds the compute stream up), the compute time and the pass time."""
+    t = compute_s = 0.0
+    side_end: dict[str, float] = {}
+    waiting: dict[str, list[dict]] = {}
+    rows = []
+    for piece in pieces:
+        if type(piece) is CommPiece:
+            alone = comm.time("collective", piece.collective, piece.ranks, piece.nbytes)
+            row = {"collective": f"{piece.name_head}{piece.name_tail}".replace(" mb=", ""), "group": piece.group,
+                   "method": piece.method or ("beside" if piece.beside else "in line"), "bytes": piece.nbytes,
+                   "alone_s": alone, "exposed_s": 0.0 if piece.beside else alone}
+            rows.append(row)
+            if piece.beside:
+                side_end[piece.stream] = max(side_end.get(piece.stream, 0.0), t) + alone
+                waiting.setdefault(piece.stream, []).append(row)
+            else:
+                t += alone
+        elif piece.joins:
+            pending = waiting.pop(piece.joins, [])
+            wait = side_end.get(piece.joins, 0.0) - t
+            if wait > 0 and pending:
+                pending[-1]["exposed_s"] += wait
+                t += wait
+        else:
+            seconds = model.time(piece.matmuls, 0.0, piece.hbm_bytes, piece.kernels, piece.attention_flops,
+                                 piece.attention_grad_flops, piece.forward_ops, piece.backward_ops, 0,
+                                 piece.stream_bytes, piece.sm_reserved)
+            t += seconds
+            compute_s += seconds
+    return rows, compute_s, t
+
+
+def _collectives_report(plan, layer: str, rows: list[dict], passes: list[dict]) -> str:
+    unit, scale = time_unit(r["alone_s"] for r in rows)
+    table = [[PASS_NAMES[r["pass"]], r["collective"], r["method"], format_size(r["bytes"]),
+              r["alone_s"] / scale, r["exposed_s"] / scale] for r in rows]
+    lines = [f"{layer}'s collectives, each priced alone on the cluster's links (the simulator's uncontended "
+             f"time; contention in a step adds to it)",
+             render_table(["pass", "collective", "how", "size", f"alone ({unit})", f"exposed ({unit})"], table), ""]
+    for s in passes:
+        line = (f"  {PASS_NAMES[s['pass']]:<16} {format_time(s['time_s'])} = compute {format_time(s['compute_s'])}"
+                f" + exposed collectives {format_time(s['exposed_s'])}")
+        if "in_line_s" in s:
+            line += f" (collectives in line: {format_time(s['in_line_s'])})"
+        lines.append(line)
+    if plan.tp_comm_overlap:
+        lines.append("  With the overlap the GEMMs run in chunks, some on the SMs a communication kernel leaves, so "
+                     "their compute is longer than the kernels above.")
+    return "\n".join(lines)
 
 
 def _rows(model: ComputeModel, block: str, work: BlockWork) -> list[dict]:
