@@ -95,3 +95,18 @@ def test_tp_overlap_the_executor_cannot_split_is_refused_in_one_line():
         check_plan(plan({"tp": 2, "pp": 2}, sequence_parallel=True, tp_comm_overlap=True, schedule="zero-bubble"))
     with pytest.raises(ParsimError, match="splits into 4 equal parts"):
         check_plan(plan({"tp": 2}, sequence_parallel=True, tp_comm_overlap=True, model=dict(GPT, seq_len=12)))
+
+
+def test_a_compute_span_keeps_the_waits_for_collectives_beside_it_as_gaps():
+    """The executor's measured spans read like the simulator's merged ones: the compute stream's waits for
+    an overlapped collective are gaps of the action's span (counted towards tp, not compute)."""
+    from executor.train.trace_recorder import Recorder
+
+    recorder = Recorder(0)
+    with recorder.span("F stage=0 mb=0", "compute", "compute"):
+        recorder.waited(1.0, 1.5)
+        with recorder.span("reduce_scatter tp layer=layer.0 mb=0 dir=fwd1", "collective", "compute", phase="tp"):
+            recorder.waited(2.0, 2.0)  # no wait at all: no gap
+        recorder.waited(3.0, 3.25)
+    collective, compute = recorder.events
+    assert compute.args["gaps"] == [(1.0, 1.5), (3.0, 3.25)] and "gaps" not in collective.args

@@ -44,6 +44,15 @@ def _name(tp: TPGroup, op: str, layer: str, direction: str) -> str:
     return collective_name(op, "tp", layer=layer, mb=tp.recorder.microbatch, dir=f"{direction}{index}")
 
 
+def _wait(tp: TPGroup, works: list) -> None:
+    """Wait for collectives beside the compute; the time the compute stream stood still is a gap."""
+    if works:
+        start = tp.recorder.now()
+        for work in works:
+            work.wait()
+        tp.recorder.waited(start, tp.recorder.now())
+
+
 def _ring(tp: TPGroup, local: Any, multiply, name: str) -> tuple[Any, list]:
     """Pass ``local`` (batch, seq/tp, ...) around the ring: ``multiply(chunk)`` on every rank's chunk as it
     arrives, while the next one travels. Returns the gathered input (sequence in rank order) and each
@@ -62,8 +71,7 @@ def _ring(tp: TPGroup, local: Any, multiply, name: str) -> tuple[Any, list]:
                 dist.P2POp(dist.isend, chunk, group=tp.group, group_peer=(rank + 1) % size),
                 dist.P2POp(dist.irecv, incoming, group=tp.group, group_peer=(rank - 1) % size)])
         products[source] = multiply(chunk)
-        for work in pending:
-            work.wait()
+        _wait(tp, pending)
         if step < size - 1:
             chunk = incoming
     gathered = torch.cat(chunks, SEQUENCE_DIM)
@@ -99,7 +107,7 @@ class _EntryLinears(torch.autograd.Function):
         work = _reduce_scatter(out, chunks.flatten(0, 1), group=tp.group, async_op=True)
         flat_grad, flat_in = grad.flatten(0, -2), gathered.flatten(0, -2)
         weight_grads = [g.t() @ flat_in for g in flat_grad.split([w.shape[0] for w in weights], -1)]
-        work.wait()
+        _wait(tp, [work])
         tp.recorder.add(name, "collective", "tp", start, tp.recorder.now(), phase="tp",
                         bytes=chunks.numel() * chunks.element_size())
         return (out, None, None, *weight_grads)
@@ -122,8 +130,7 @@ class _ExitLinear(torch.autograd.Function):
             partial = (shares.select(SEQUENCE_DIM + 1, j) @ weight.t()).movedim(SEQUENCE_DIM, 0).contiguous()
             part = torch.empty(partial.shape[1:], dtype=partial.dtype, device=partial.device)
             if j == PIPELINE_SPLITS - 1:  # the side stream's share done, the last part in line
-                for work in works:
-                    work.wait()
+                _wait(tp, works)
                 joined = tp.recorder.now()
                 tp.recorder.add(name, "collective", "tp", start, joined, phase="tp",
                                 bytes=partial.numel() * partial.element_size() * (PIPELINE_SPLITS - 1))

@@ -40,6 +40,7 @@ class Recorder:
         self._t0 = time.perf_counter()
         self._counts: dict[tuple[str, str], int] = {}
         self._recomputing = 0  # depth of recomputation contexts entered
+        self._gaps: list[tuple[float, float]] = []  # waits of the compute stream inside the open compute span
 
     def start_step(self) -> None:
         """Forget earlier events; t = 0 is now."""
@@ -77,14 +78,26 @@ class Recorder:
         self.events.append(event)
         return event
 
+    def waited(self, start_s: float, end_s: float) -> None:
+        """The compute stream waited from ``start_s`` to ``end_s`` for a collective beside it: the compute span
+        around it keeps the wait as a gap (``args["gaps"]``, as the simulator's merged spans do), so the wait
+        counts towards that collective, not towards compute."""
+        if end_s > start_s:
+            self._gaps.append((start_s, end_s))
+
     @contextmanager
     def span(self, name: str, kind: str, stream: str, **args: Any) -> Iterator[None]:
         """Time the body as one event (and as a ``torch.profiler.record_function`` of the same name)."""
         torch = require_torch()
+        first = len(self._gaps)
         with torch.profiler.record_function(name):
             start = self.now()
             yield
             end = self.now()
+        gaps = self._gaps[first:]
+        del self._gaps[first:]
+        if gaps and kind == "compute":
+            args["gaps"] = gaps
         self.add(name, kind, stream, start, end, **args)
 
 
