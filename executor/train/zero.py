@@ -112,13 +112,18 @@ class ZeroOptimizer(BucketReducer):
 
     def start_step(self) -> None:
         super().start_step()
-        if self._stale:  # issue the buckets' all-gathers in the order the forward needs them
-            for k in reversed(range(len(self.shards))):
-                flat = self._gather_buffer(self.shards[k])
-                start = self.recorder.now()
-                work = _all_gather(flat, self.shards[k].weights.detach(), group=self.group, async_op=True)
-                self._gathering[k] = (work, flat, start)
-            self._stale = False
+        self._issue_gathers()
+
+    def _issue_gathers(self) -> None:
+        """After a step: every bucket's all-gather, in the order the forward needs them."""
+        if not self._stale:
+            return
+        for k in reversed(range(len(self.shards))):
+            flat = self._gather_buffer(self.shards[k])
+            start = self.recorder.now()
+            work = _all_gather(flat, self.shards[k].weights.detach(), group=self.group, async_op=True)
+            self._gathering[k] = (work, flat, start)
+        self._stale = False
 
     def await_weights(self, params) -> None:
         """Before a piece's forward: wait for the all-gathers of its parameters' buckets, copy them in."""
@@ -132,7 +137,7 @@ class ZeroOptimizer(BucketReducer):
 
     def settle(self) -> None:
         """Gather whatever updated weights are still pending (a run's end, a check of the weights)."""
-        self.start_step()
+        self._issue_gathers()
         self.await_weights(self.params)
 
     def _gather_buffer(self, shard: _Shard) -> Any:
