@@ -20,17 +20,20 @@ from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, note
 HELP = """\
 Search every parallelism plan the simulator can express for a model on some
 GPUs -- dp, tp, pp, cp, ep, virtual stages, microbatch size and count,
-schedule, ZeRO stage or FSDP, recomputation, sequence parallelism, placement --
+schedule, ZeRO stage or FSDP, recomputation, sequence parallelism (its
+collectives in line or overlapped with the GEMMs, within a node), placement --
 drop those that do not fit in memory (counted by reason), rank the rest with a
 fast analytical tier built on the simulator's own costs, and run the best
 through the event simulation. The table marks which figures are simulated and
 how far the fast tier was from them; every row prints a `parsim simulate`
-command (or, with --save-plans, a plan file) that re-runs it.
+command (or, with --save-plans, a plan file) that re-runs it. ZeRO-1/2 plans
+run as Megatron-LM's distributed optimizer does in NVIDIA's recipes, the
+weights' all-gather overlapped with the next forward (--overlap-param-gather).
 
 The fast tier prices each plan's passes, pipeline schedule, gradient sync and
 optimizer as the simulator does; contention between overlapping collectives
-is left out, except a context-parallel exchange slowed by the FSDP gathers
-beside it. How it compares: docs/search.md.
+is left out, except a context-parallel exchange or a pipeline send slowed by
+the FSDP gather beside it. How it compares: docs/search.md.
 
 examples:
   parsim search --model llama3-70b --gpus 1024 --global-batch 4M-tokens
