@@ -327,7 +327,7 @@ class FastModel:
             d = layout.distinct_of[layout.rank_stages[:, 0]]
             start = np.maximum(first[d, 0] - (after[d, 0] - ahead[d, 0]) - ahead[d, 0], 0.0)
         elif v.param_overlap and s.dp * s.cp > 1:
-            start = self._param_gather_starts(s, v, seconds)
+            start = self._param_gather_starts(s, v, seconds, durations)
         return _Inputs(_inputs_key(v), durations, hops, start, waits, lead, ends)
 
     def _hops(self, s: Setting, v: Variant, layout: Layout) -> np.ndarray:
@@ -592,13 +592,15 @@ class FastModel:
             out += [gather(n) * sizes.count(n) for n in set(sizes)]
         return tuple(out)
 
-    def _param_gather_starts(self, s: Setting, v: Variant, seconds: np.ndarray) -> np.ndarray:
+    def _param_gather_starts(self, s: Setting, v: Variant, seconds: np.ndarray, durations: np.ndarray
+                             ) -> np.ndarray:
         """ZeRO-1/2 overlapping the weights' gather with the forward (``overlap_param_gather``): per pipeline
-        rank, the earliest its first forward can start and not wait mid-pass. The buckets' all-gathers run
-        back to back from the step's start in the order the lowering issues them (reverse bucket order), and
-        each entry starts no earlier than the last of its buckets: a pass starting at ``t`` with entry ``e``
-        ``o_e`` into it ends as if it had started at ``max(t, max_e(G_e - o_e))``. Later stages' first
-        forwards (interleaved and V schedules) are taken to find their weights there."""
+        rank, the earliest its first pass can start for no first forward to wait mid-pass. The buckets'
+        all-gathers run back to back from the step's start in the order the lowering issues them (reverse
+        bucket order), and each entry starts no earlier than the last of its buckets: a pass starting at
+        ``t`` with entry ``e`` ``o_e`` into it ends as if it had started at ``max(t, max_e(G_e - o_e))``.
+        A later stage's first forward (interleaved and V schedules) comes after the rank's passes ahead of
+        it (``durations`` per stage and kind), which it may need to push back too."""
         key = ("param gathers", s.dp, s.tp, s.pp, s.cp, s.ep, s.virtual_stages, s.schedule in V_SCHEDULES,
                v.order, v.shard_group)
 
@@ -624,13 +626,15 @@ class FastModel:
             return out
         ends = self._cached(key, done)
         layout = self.layout(s)
+        ahead = _ahead_of_first_forwards(s.schedule, s.pp, s.num_microbatches, s.virtual_stages) @ durations
         start = np.zeros(s.pp)
         for p in range(s.pp):
-            stage = int(layout.rank_stages[p][0])
-            entries = layout.stage_entries[stage]
-            offsets = np.concatenate([[0.0], np.cumsum(seconds[list(entries), KINDS.index("F")])[:-1]])
-            waits = [ends[p].get((stage, len(entries) - 1 - i), 0.0) - offsets[i] for i in range(len(entries))]
-            start[p] = max(0.0, *waits)
+            for stage in layout.rank_stages[p]:
+                entries = layout.stage_entries[stage]
+                forward = seconds[list(entries), KINDS.index("F")]
+                offsets = np.cumsum(forward) - forward  # each entry's start within the pass
+                start[p] = max(start[p], *(ends[p].get((int(stage), len(entries) - 1 - i), 0.0) - offsets[i]
+                                           - ahead[p, stage] for i in range(len(entries))))
         return start
 
     def _norm_sync(self, s: Setting, v: Variant, p: int) -> float:
@@ -750,6 +754,21 @@ def _short_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.nda
             if a.microbatch == m - 1 and a.kind in ("B", "W"):
                 final[a.stage] = KINDS.index(a.kind)
     return np.array(peak_in_flight(schedule), dtype=float), counts, final
+
+
+@lru_cache(maxsize=None)
+def _ahead_of_first_forwards(name: str, pp: int, m: int, v: int) -> np.ndarray:
+    """[pp, stages, stages * 4]: per rank and stage, the passes of each (stage, kind) the rank runs before
+    that stage's first forward (all in the warm-up, which a schedule of three rounds already holds)."""
+    schedule = make_schedule(name, pp, min(m, 3 * pp), v)
+    out = np.zeros((pp, schedule.num_stages, schedule.num_stages * 4))
+    for r, actions in enumerate(schedule.actions):
+        seen = np.zeros(schedule.num_stages * 4)
+        for a in actions:
+            if a.kind == "F" and a.microbatch == 0:
+                out[r, a.stage] = seen
+            seen[a.stage * 4 + KINDS.index(a.kind)] += 1
+    return out
 
 
 @lru_cache(maxsize=None)
