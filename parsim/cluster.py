@@ -144,6 +144,13 @@ class ClusterSpec:
     cpu_cores: int | None = None  # cores a CPU host's ranks share (more ranks than this time-share them)
 
     @property
+    def overlaps_tp_comm(self) -> bool:
+        """Whether tensor-parallel collectives can run beside the GEMMs (``tp_comm_overlap``): Transformer
+        Engine's userbuffers need the GPUs joined by NVLink (examples/pytorch/comm_gemm_overlap/README.md);
+        a CPU host's ranks (the executor's asynchronous collectives) always can."""
+        return self.intra.fabric != "pcie" or self.cpu_cores is not None
+
+    @property
     def reduction_bw_Bps(self) -> float:
         return self.reduce_bw_Bps if self.reduce_bw_Bps else self.gpu.hbm_bw_Bps / 3
 

@@ -107,6 +107,9 @@ def predict_step(plan: Plan, cluster: ClusterSpec,
         raise ParsimError(f"plan {plan.name}: tp_comm_overlap needs each tensor-parallel group inside one node "
                           f"(Transformer Engine's userbuffers run over NVLink), but tp {plan.tp} spans nodes of "
                           f"{gpn} GPUs of {cluster.name}")
+    if plan.tp_comm_overlap and not cluster.overlaps_tp_comm:
+        raise ParsimError(f"plan {plan.name}: tp_comm_overlap needs the tensor-parallel GPUs joined by NVLink "
+                          f"(Transformer Engine's userbuffers), but {cluster.name} joins its GPUs by PCIe")
     topo = cluster.build(max(1, plan.world // gpn))
     compute = ComputeModel.for_cluster(cluster, plan.dtype, plan.dtype_bytes, min(plan.world, gpn))
     with _gc_paused():

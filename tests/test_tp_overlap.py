@@ -3,6 +3,8 @@ their exposed time in the simulator against closed forms, the SM margin, and the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from parsim.cluster import load_cluster
@@ -140,6 +142,22 @@ def test_a_tensor_parallel_group_across_nodes_cannot_overlap():
     space = SearchSpace(GPT, 16, 2, gpus_per_node=8)
     overlapped = {s.tp for s, variants in enumerate_settings(space) for v in variants if v.tp_overlap}
     assert overlapped == {2, 4, 8}
+
+
+def test_gpus_joined_by_pcie_cannot_overlap_but_a_cpu_host_can():
+    """Userbuffers need NVLink: a PCIe GPU node refuses the overlap; a CPU host runs the executor's."""
+    from parsim.search.space import SearchSpace, enumerate_settings
+
+    tp4 = Plan(model=GPT, tp=T, sequence_parallel=True, tp_comm_overlap=True)
+    pcie = load_cluster("pcie-4x-rtx6000ada")
+    assert not pcie.overlaps_tp_comm
+    with pytest.raises(ParsimError, match="joins its GPUs by PCIe"):
+        predict_step(tp4, pcie)
+    host = dataclasses.replace(ideal_spec(**{"intra_node.fabric": "pcie", "intra_node.in_switch_reduction": False}),
+                               cpu_cores=4)
+    assert host.overlaps_tp_comm and predict_step(tp4, host).step_s > 0
+    space = SearchSpace(GPT, 4, 2, gpus_per_node=4, tp_overlap=False)
+    assert not any(v.tp_overlap for _, variants in enumerate_settings(space) for v in variants)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -129,7 +129,8 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
     spaces, models, prepared = [], [], []
     for gpus in request.gpus:
         space = SearchSpace(request.model, gpus, request.global_batch, request.dtype,
-                            request.cluster.gpus_per_node, model_spec=request.model_spec, degrees=request.degrees)
+                            request.cluster.gpus_per_node, model_spec=request.model_spec, degrees=request.degrees,
+                            tp_overlap=request.cluster.overlaps_tp_comm)
         fast = FastModel(space, request.cluster, request.capacity)
         counts = SpaceCounts(gpus)
         settings = list(enumerate_settings(space, counts.rejections))

@@ -149,6 +149,7 @@ class SearchSpace:
     bucket_size: int = DEFAULT_BUCKET_SIZE
     model_spec: Any = None  # how a plan file names the model (a preset name); None: the model inline
     degrees: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (dim, allowed values): only those (``--tp 8``)
+    tp_overlap: bool = True  # whether the cluster can overlap TP collectives with GEMMs (ClusterSpec.overlaps_tp_comm)
 
     def allows(self, dim: str, value: int) -> bool:
         """Whether ``dim`` (dp, tp, pp, cp or ep) may take ``value`` (``degrees`` restricts some)."""
@@ -301,8 +302,8 @@ def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int) -> tuple[V
     orders = ORDERS if dp > 1 and pp > 1 else ORDERS[:1]
     # (sequence parallel, tp_comm_overlap): the overlap hides the sequence-parallel collectives, over NVLink
     # inside a node (tp is the innermost dimension of every order searched)
-    in_node = space.gpus_per_node % tp == 0
-    sps = ((False, False), (True, False)) + (((True, True),) if in_node else ()) if tp > 1 and transformer \
+    overlap = space.tp_overlap and space.gpus_per_node % tp == 0
+    sps = ((False, False), (True, False)) + (((True, True),) if overlap else ()) if tp > 1 and transformer \
         else ((False, False),)
     cp_styles = ("ring", "all_gather") if cp > 1 else ("ring",)
     return tuple(Variant(order, sp, recompute, cp_style, grad_sync, zero, shard, overlap)
