@@ -61,10 +61,14 @@ class _LayerGroup:
     recorder: Recorder
     dim: ClassVar[str]
 
-    def _span(self, op: str, layer: str, direction: str, nbytes: int):
+    def event_name(self, op: str, layer: str, direction: str) -> str:
+        """The next collective's name in this pass: ``<op> <dim> layer=... mb=... dir=<direction><i>``."""
         direction = self.recorder.direction(direction)
         index = self.recorder.next_index(layer, direction)
-        name = collective_name(op, self.dim, layer=layer, mb=self.recorder.microbatch, dir=f"{direction}{index}")
+        return collective_name(op, self.dim, layer=layer, mb=self.recorder.microbatch, dir=f"{direction}{index}")
+
+    def _span(self, op: str, layer: str, direction: str, nbytes: int):
+        name = self.event_name(op, layer, direction)
         return self.recorder.span(name, "collective", "comm", phase=self.dim, bytes=nbytes)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from parsim.trace import collective_name
 from parsim.tp_overlap import PIPELINE_SPLITS
 
 from .._torch import require_distributed, require_torch
@@ -36,12 +35,6 @@ from .comm import SEQUENCE_DIM, TPGroup, _reduce_scatter
 
 torch = require_torch()
 dist = require_distributed()
-
-
-def _name(tp: TPGroup, op: str, layer: str, direction: str) -> str:
-    direction = tp.recorder.direction(direction)
-    index = tp.recorder.next_index(layer, direction)
-    return collective_name(op, "tp", layer=layer, mb=tp.recorder.microbatch, dir=f"{direction}{index}")
 
 
 def _wait(tp: TPGroup, works: list) -> None:
@@ -88,7 +81,7 @@ class _EntryLinears(torch.autograd.Function):
     def forward(ctx, x, tp: TPGroup, layer: str, *weights):
         ctx.tp, ctx.layer = tp, layer
         cat = torch.cat(weights, 0)
-        name = _name(tp, "all_gather", layer, "fwd")
+        name = tp.event_name("all_gather", layer, "fwd")
         gathered, products = _ring(tp, x, lambda chunk: chunk @ cat.t(), name)
         ctx.save_for_backward(gathered, *weights)
         out = torch.cat(products, SEQUENCE_DIM)
@@ -102,7 +95,7 @@ class _EntryLinears(torch.autograd.Function):
         grad_input = grad @ torch.cat(weights, 0)
         chunks = grad_input.unflatten(SEQUENCE_DIM, (tp.size, -1)).movedim(SEQUENCE_DIM, 0).contiguous()
         out = torch.empty(chunks.shape[1:], dtype=grad_input.dtype, device=grad_input.device)
-        name = _name(tp, "reduce_scatter", ctx.layer, "bwd")
+        name = tp.event_name("reduce_scatter", ctx.layer, "bwd")
         start = tp.recorder.now()
         work = _reduce_scatter(out, chunks.flatten(0, 1), group=tp.group, async_op=True)
         flat_grad, flat_in = grad.flatten(0, -2), gathered.flatten(0, -2)
@@ -121,7 +114,7 @@ class _ExitLinear(torch.autograd.Function):
     def forward(ctx, h, weight, tp: TPGroup, layer: str):
         ctx.tp, ctx.layer = tp, layer
         ctx.save_for_backward(h, weight)
-        name = _name(tp, "reduce_scatter", layer, "fwd")
+        name = tp.event_name("reduce_scatter", layer, "fwd")
         # Split each rank's share of the sequence into PIPELINE_SPLITS parts; chunk j takes part j of every
         # share, so its reduce-scatter leaves this rank part j of its own share, in order.
         shares = h.unflatten(SEQUENCE_DIM, (tp.size, PIPELINE_SPLITS, -1))
@@ -146,7 +139,7 @@ class _ExitLinear(torch.autograd.Function):
     def backward(ctx, grad):
         tp = ctx.tp
         h, weight = ctx.saved_tensors
-        name = _name(tp, "all_gather", ctx.layer, "bwd")
+        name = tp.event_name("all_gather", ctx.layer, "bwd")
         gathered, products = _ring(tp, grad, lambda chunk: chunk @ weight, name)
         grad_input = torch.cat(products, SEQUENCE_DIM)
         grad_weight = gathered.flatten(0, -2).t() @ h.flatten(0, -2)
