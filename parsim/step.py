@@ -85,6 +85,20 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _check_tp_overlap(plan: Plan, cluster: ClusterSpec) -> None:
+    """Transformer Engine's userbuffers need each tensor-parallel group inside one node, its GPUs joined by
+    NVLink (examples/pytorch/comm_gemm_overlap/README.md: "Tensor-parallel GPUs must be on a single node,
+    and connected over NVLink/NVSwitch")."""
+    nodes = plan.rank_grid // cluster.gpus_per_node  # [dp, pp, cp, tp]
+    if (nodes != nodes[..., :1]).any():
+        raise ParsimError(f"plan {plan.name}: tp_comm_overlap needs each tensor-parallel group inside one node "
+                          f"(Transformer Engine's userbuffers run over NVLink), but tp {plan.tp} spans nodes of "
+                          f"{cluster.gpus_per_node} GPUs of {cluster.name}")
+    if not cluster.overlaps_tp_comm:
+        raise ParsimError(f"plan {plan.name}: tp_comm_overlap needs the tensor-parallel GPUs joined by NVLink "
+                          f"(Transformer Engine's userbuffers), but {cluster.name} joins its GPUs by PCIe")
+
+
 def predict_step(plan: Plan, cluster: ClusterSpec,
                  progress: Callable[[int, int], None] | None = None) -> StepPrediction:
     """Simulate one step of ``plan`` on ``cluster`` (nodes enough for the plan's world size).
@@ -100,16 +114,8 @@ def predict_step(plan: Plan, cluster: ClusterSpec,
     if plan.world > gpn and plan.world % gpn:
         raise ParsimError(f"the plan needs {plan.world} GPUs, which is not a whole number of "
                           f"{gpn}-GPU nodes of {cluster.name}")
-    nodes = plan.rank_grid // gpn  # [dp, pp, cp, tp]
-    if plan.tp_comm_overlap and (nodes != nodes[..., :1]).any():
-        # Transformer Engine's userbuffers exchange over NVLink within one node (examples/pytorch/
-        # comm_gemm_overlap/README.md: "Tensor-parallel GPUs must be on a single node").
-        raise ParsimError(f"plan {plan.name}: tp_comm_overlap needs each tensor-parallel group inside one node "
-                          f"(Transformer Engine's userbuffers run over NVLink), but tp {plan.tp} spans nodes of "
-                          f"{gpn} GPUs of {cluster.name}")
-    if plan.tp_comm_overlap and not cluster.overlaps_tp_comm:
-        raise ParsimError(f"plan {plan.name}: tp_comm_overlap needs the tensor-parallel GPUs joined by NVLink "
-                          f"(Transformer Engine's userbuffers), but {cluster.name} joins its GPUs by PCIe")
+    if plan.tp_comm_overlap:
+        _check_tp_overlap(plan, cluster)
     topo = cluster.build(max(1, plan.world // gpn))
     compute = ComputeModel.for_cluster(cluster, plan.dtype, plan.dtype_bytes, min(plan.world, gpn))
     with _gc_paused():

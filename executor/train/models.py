@@ -166,11 +166,12 @@ class FeedForward(nn.Module):
         self.overlap = None  # tensor-parallel collectives beside the GEMMs (executor.train.tp_overlap)
 
     def forward(self, x):
+        columns = (self.gate, self.up) if self.swiglu else (self.fc1,)
         if self.overlap is not None:
-            hidden = self.overlap.entry(x, (self.gate, self.up) if self.swiglu else (self.fc1,))
+            hidden = self.overlap.entry(x, columns)
         else:
             x = self.enter(x)
-            hidden = tuple(proj(x) for proj in ((self.gate, self.up) if self.swiglu else (self.fc1,)))
+            hidden = tuple(proj(x) for proj in columns)
         h = F.silu(hidden[0]) * hidden[1] if self.swiglu else F.gelu(hidden[0])
         out = self.down if self.swiglu else self.fc2
         return self.overlap.exit(h, out) if self.overlap is not None else self.exit(out(h))

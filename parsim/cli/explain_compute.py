@@ -11,7 +11,6 @@ from ..errors import ParsimError
 from ..jsondoc import print_json
 from ..kernels import BlockWork, block_work
 from ..lower import Lowering
-from ..pieces import CommPiece, Piece
 from ..table import render_table
 from ..units import format_size, format_time, time_unit
 from .common import DEFAULT_CLUSTER
@@ -90,61 +89,41 @@ def run(args: argparse.Namespace) -> int:
 
 def _collectives(plan, spec, model: ComputeModel, layer: str) -> tuple[list[dict], list[dict]]:
     """The layer's collectives in each pass, priced alone, and how much of each the pass exposes; and per
-    pass its compute, exposed collectives and total, beside the same with the collectives in line."""
+    pass its compute, exposed collectives and total, beside the same with the collectives in line. The
+    passes are timed as the search's fast tier times them (:meth:`PassCosts.time_pieces`): one rank alone,
+    a side-stream collective running from the op before it to its stream's next join."""
     if plan.tp * plan.cp * plan.ep == 1:
         return [], []
-    from ..search.costs import CommCosts  # the simulator's pricing of one uncontended collective
+    from ..search.costs import PASS_PHASES, CommCosts, PassCosts  # the simulator's uncontended pricing
 
-    comm = CommCosts(spec, plan.world, model)
+    costs = PassCosts(model, CommCosts(spec, plan.world, model))
     stage, index = next((s, i) for s in range(plan.num_stages) for i, c in enumerate(plan.stage_costs(s))
                         if c.name == layer)
     p, cost = plan.pipeline.stage_to_rank(stage), plan.stage_costs(stage)[index]
+    m = max(plan.num_microbatches, 2)  # the accumulation into .grad is priced per microbatch count (none for 1)
+
+    def timed(of_plan, kind: str, exposure: list | None = None) -> tuple[float, float]:
+        """(pass seconds, of which collectives hold the compute stream up)."""
+        phases, accumulate, _ = costs.time_pieces(Lowering(of_plan).layer_pass(p, index, cost, kind), m,
+                                                  exposure=exposure)
+        exposed = sum(phases[PASS_PHASES.index(g)] for g in ("tp", "ep", "cp"))
+        return float(phases.sum() + accumulate * (m - 1) / m), float(exposed)
+
     in_line = dataclasses.replace(plan, tp_comm_overlap=False) if plan.tp_comm_overlap else None
     rows, passes = [], []
     for kind in ("F", "I", "W") if plan.pipeline.split_backward else ("F", "B"):
-        pieces = Lowering(plan).layer_pass(p, index, cost, kind)
-        collectives, compute_s, pass_s = _timeline(pieces, model, comm)
-        rows += [{"pass": kind, **row} for row in collectives]
-        summary = {"pass": kind, "compute_s": compute_s, "exposed_s": pass_s - compute_s, "time_s": pass_s}
+        exposure: list[dict] = []
+        pass_s, exposed_s = timed(plan, kind, exposure)
+        for row in exposure:
+            piece = row["piece"]
+            rows.append({"pass": kind, "collective": f"{piece.name_head}{piece.name_tail}".replace(" mb=", ""),
+                         "group": piece.group, "method": piece.method or ("beside" if piece.beside else "in line"),
+                         "bytes": piece.nbytes, "alone_s": row["alone_s"], "exposed_s": row["exposed_s"]})
+        summary = {"pass": kind, "compute_s": pass_s - exposed_s, "exposed_s": exposed_s, "time_s": pass_s}
         if in_line is not None:
-            summary["in_line_s"] = _timeline(Lowering(in_line).layer_pass(p, index, cost, kind), model, comm)[2]
+            summary["in_line_s"] = timed(in_line, kind)[0]
         passes.append(summary)
     return rows, passes
-
-
-def _timeline(pieces: list[Piece], model: ComputeModel, comm) -> tuple[list[dict], float, float]:
-    """One rank running ``pieces`` alone: the compute stream in order, each side-stream collective from
-    the end of the op before it until the next join of its stream. Returns the collectives (each with the
-    time it holds the compute stream up), the compute time and the pass time."""
-    t = compute_s = 0.0
-    side_end: dict[str, float] = {}
-    waiting: dict[str, list[dict]] = {}
-    rows = []
-    for piece in pieces:
-        if type(piece) is CommPiece:
-            alone = comm.time("collective", piece.collective, piece.ranks, piece.nbytes)
-            row = {"collective": f"{piece.name_head}{piece.name_tail}".replace(" mb=", ""), "group": piece.group,
-                   "method": piece.method or ("beside" if piece.beside else "in line"), "bytes": piece.nbytes,
-                   "alone_s": alone, "exposed_s": 0.0 if piece.beside else alone}
-            rows.append(row)
-            if piece.beside:
-                side_end[piece.stream] = max(side_end.get(piece.stream, 0.0), t) + alone
-                waiting.setdefault(piece.stream, []).append(row)
-            else:
-                t += alone
-        elif piece.joins:
-            pending = waiting.pop(piece.joins, [])
-            wait = side_end.get(piece.joins, 0.0) - t
-            if wait > 0 and pending:
-                pending[-1]["exposed_s"] += wait
-                t += wait
-        else:
-            seconds = model.time(piece.matmuls, 0.0, piece.hbm_bytes, piece.kernels, piece.attention_flops,
-                                 piece.attention_grad_flops, piece.forward_ops, piece.backward_ops, 0,
-                                 piece.stream_bytes, piece.sm_reserved)
-            t += seconds
-            compute_s += seconds
-    return rows, compute_s, t
 
 
 def _collectives_report(plan, layer: str, rows: list[dict], passes: list[dict]) -> str:

@@ -170,30 +170,35 @@ class PassCosts:
         for e, cost in enumerate(types):
             for k, kind in enumerate(KINDS):
                 pieces = lowering.layer_pass(0, 0, cost, "R") if cost.name in recomputed and kind in "BI" else []
-                phases[e, k], accumulate[e, k], trailing[e, k] = self._time(
+                phases[e, k], accumulate[e, k], trailing[e, k] = self.time_pieces(
                     pieces + lowering.layer_pass(0, 0, cost, kind), plan.num_microbatches,
                     None if exchange is None else partial(exchange, e))
         return PassTable(phases, accumulate, trailing)
 
-    def _time(self, pieces, m0: int, exchange: Callable[[CommPiece], float] | None = None
-              ) -> tuple[np.ndarray, float, float]:
+    def time_pieces(self, pieces, m0: int, exchange: Callable[[CommPiece], float] | None = None,
+                    exposure: list[dict] | None = None) -> tuple[np.ndarray, float, float]:
         """Seconds of ``pieces`` on the compute stream by phase, the accumulation's limit, and the blocking
         communication after the last kernel: collectives in line, or on their side stream (context-parallel
         exchanges, overlapped tensor-parallel collectives) from the op before them until their stream's
-        next join, whose wait counts in that group's phase."""
+        next join, whose wait counts in that group's phase. ``exposure``, if given, receives one row per
+        collective: the piece, its seconds alone and the seconds it holds the compute stream up."""
         phases = np.zeros(len(PASS_PHASES))
         t = last_kernel = accumulate = 0.0
         free = {"cp": 0.0, "tp": 0.0}  # when each side stream finishes what it was given
         pending: dict[str, list[float]] = {"cp": [], "tp": []}
+        waiting: dict[str, list[dict]] = {"cp": [], "tp": []}  # exposure rows of each side stream before its join
+        rows = exposure if exposure is not None else []
         for piece in pieces:
             if type(piece) is CommPiece:
                 if piece.group == "cp" and exchange is not None:
                     cost = exchange(piece)
                 else:
                     cost = self.comm.time("collective", piece.collective, piece.ranks, piece.nbytes)
+                rows.append({"piece": piece, "alone_s": cost, "exposed_s": 0.0 if piece.beside else cost})
                 if piece.beside:
                     free[piece.stream] = max(t, free[piece.stream]) + cost
                     pending[piece.stream].append(free[piece.stream])
+                    waiting[piece.stream].append(rows[-1])
                 else:
                     t += cost
                     phases[PASS_PHASES.index(piece.group)] += cost
@@ -202,7 +207,9 @@ class PassCosts:
                 wait = max(max(pending[piece.joins], default=t) - t, 0.0)
                 t += wait
                 phases[PASS_PHASES.index(piece.joins)] += wait
-                pending[piece.joins] = []
+                if wait and waiting[piece.joins]:  # the stream's last collective is the one still running
+                    waiting[piece.joins][-1]["exposed_s"] += wait
+                pending[piece.joins], waiting[piece.joins] = [], []
                 continue
             acc = piece.stream_bytes
             seconds = self.compute_time(piece.matmuls, 0.0, piece.hbm_bytes - acc, piece.kernels,

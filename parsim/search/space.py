@@ -302,8 +302,8 @@ def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int) -> tuple[V
     orders = ORDERS if dp > 1 and pp > 1 else ORDERS[:1]
     # (sequence parallel, tp_comm_overlap): the overlap hides the sequence-parallel collectives, over NVLink
     # inside a node (tp is the innermost dimension of every order searched)
-    overlap = space.tp_overlap and space.gpus_per_node % tp == 0
-    sps = ((False, False), (True, False)) + (((True, True),) if overlap else ()) if tp > 1 and transformer \
+    can_overlap = space.tp_overlap and space.gpus_per_node % tp == 0
+    sps = ((False, False), (True, False)) + (((True, True),) if can_overlap else ()) if tp > 1 and transformer \
         else ((False, False),)
     cp_styles = ("ring", "all_gather") if cp > 1 else ("ring",)
     return tuple(Variant(order, sp, recompute, cp_style, grad_sync, zero, shard, overlap)
