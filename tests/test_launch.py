@@ -11,7 +11,7 @@ import pytest
 
 from parsim.errors import ParsimError
 
-from executor.launch import RankFailure, in_torchrun_job, launch, resolve_backend, run_in_job
+from executor.launch import RANK_ALLOCATOR_ENV, RankFailure, in_torchrun_job, launch, resolve_backend, run_in_job
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -26,6 +26,10 @@ def sum_of_ranks(rank: int, world: int, offset: int) -> tuple[int, int, float]:
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
     return rank + offset, world, total.item()
+
+
+def allocator_settings(rank: int, world: int) -> dict[str, str | None]:
+    return {key: os.environ.get(key) for key in RANK_ALLOCATOR_ENV}
 
 
 def rank_one_raises(rank: int, world: int) -> int:
@@ -91,6 +95,19 @@ def no_leftover_ranks():
 def test_every_rank_returns_its_value_in_rank_order(no_leftover_ranks):
     values = launch(sum_of_ranks, 2, args=(10,), backend="gloo", timeout_s=60)
     assert values == [(10, 2, 1.0), (11, 2, 1.0)]
+
+
+@needs_torch
+@pytest.mark.multiproc
+def test_ranks_keep_freed_memory_unless_the_user_set_the_allocator(no_leftover_ranks, monkeypatch):
+    """Spawned ranks get glibc settings that keep freed blocks (no page faults each step); a value the
+    user exported wins, and the parent's own environment is left as it was."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")
+    values = launch(allocator_settings, 2, backend="gloo", timeout_s=60)
+    assert values == [{"MALLOC_MMAP_THRESHOLD_": RANK_ALLOCATOR_ENV["MALLOC_MMAP_THRESHOLD_"],
+                       "MALLOC_TRIM_THRESHOLD_": "12345"}] * 2
+    assert "MALLOC_MMAP_THRESHOLD_" not in os.environ and os.environ["MALLOC_TRIM_THRESHOLD_"] == "12345"
 
 
 @needs_torch

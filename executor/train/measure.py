@@ -18,7 +18,7 @@ from parsim.step_report import breakdown, step_time
 from parsim.trace import Trace
 
 DEFAULT_STEPS = 3
-DEFAULT_WARMUP = 1
+DEFAULT_WARMUP = 2  # the first steps allocate AdamW's state and grow the host heap
 DEFAULT_TIMEOUT_S = 300.0
 MAX_STEPS = 10_000  # measured or warm-up steps of one run: beyond any use, and hours of CPU time
 

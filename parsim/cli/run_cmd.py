@@ -44,7 +44,8 @@ def register(subparsers) -> None:
     add_plan_args(p)
     p.add_argument("--nproc", type=int, help="ranks to spawn; must equal the plan's dp x tp x pp x cp (default: that)")
     p.add_argument("--steps", type=int, default=3, help="measured steps (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps first (default 2: the first steps allocate AdamW's state and grow the heap)")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                    help="auto = nccl with one GPU per rank, else gloo (default auto)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
