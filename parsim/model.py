@@ -58,6 +58,15 @@ POSITION_EMBEDDINGS = ("rope", "learned")
 # never writes the scores to memory; "unfused" is Megatron-LM's pre-2022 core attention (baddbmm for
 # the scores, a fused scale-mask-softmax, dropout, bmm with V), which writes and rereads them.
 ATTENTION_KERNELS = ("flash", "unfused")
+# How the loss runs over the vocabulary: "fused" reads the logits once and writes the fp32 softmax its
+# backward rereads (Megatron-LM's --cross-entropy-loss-fusion, Liger, TE); "unfused" is Megatron-LM's
+# vocab_parallel_cross_entropy on logits cast to fp32 (megatron/mpu/cross_entropy.py, the default before
+# the fusion): cast, max, subtract, exp, sum, divide forward; multiply and cast back backward.
+CROSS_ENTROPY_KERNELS = ("fused", "unfused")
+# fp32 element accesses per vocabulary entry of the unfused loss beyond reading the logits and writing
+# their gradient. Forward: the cast writes 1, max reads 1, sub_ 2, exp 2, sum 1, div_ 2 (9); backward:
+# mul_ by the loss gradient 2, the cast back reads 1 (3). 38 and 14 bytes with the fp16 logits.
+UNFUSED_CE_FP32_ACCESSES = (9, 3)
 SOFTMAX_COST = 20  # FlashAttention's softmax time per score in matmul FLOPs per head-dim unit (flash_softmax_factor)
 FLASH_BLOCK = 128  # FlashAttention-2's Q/K tile (Br = Bc = 128 at head dim 128) (causal masking skips whole tiles)
 INDEX_BYTES = 8  # token ids are int64
@@ -507,6 +516,7 @@ class TransformerModel(_CostTotals):
     dense_layers: int = 0  # the first layers keep a dense feed-forward of ffn_hidden (DeepSeek-V3: 3)
     attention_kernel: str = "flash"  # how the attention core runs (see ATTENTION_KERNELS)
     dropout: float = 0.0  # dropout probability (GPT-3 and Megatron-LM's GPT: 0.1; Llama: none)
+    cross_entropy: str = "fused"  # how the loss runs (see CROSS_ENTROPY_KERNELS)
     description: str = ""
     source: str = field(default="", compare=False)  # the file it came from, for messages
 
@@ -538,6 +548,8 @@ class TransformerModel(_CostTotals):
             _fail(self, "attention_kernel", f"is {self.attention_kernel!r}", " or ".join(ATTENTION_KERNELS))
         if self.attention_kernel == "unfused" and self.attention == "mla":
             _fail(self, "attention_kernel", "unfused is not modelled for latent attention (mla)", "flash")
+        if self.cross_entropy not in CROSS_ENTROPY_KERNELS:
+            _fail(self, "cross_entropy", f"is {self.cross_entropy!r}", " or ".join(CROSS_ENTROPY_KERNELS))
         if not 0 <= self.dropout < 1:
             _fail(self, "dropout", f"is {self.dropout!r}", "a probability in [0, 1)")
         if self.expert_ffn_hidden is None:
@@ -744,6 +756,10 @@ class TransformerModel(_CostTotals):
             scores = self.num_heads * self.seq_len
             kernels.append(Elementwise("attn.softmax", 2 * scores, 3 * scores, unit=self.seq_len,
                                        attention_core=True))
+            # Megatron-LM's core copies the context from [b, np, s, d] back to [s, b, np·d] (read and
+            # write q), and the backward of splitting the fused QKV output writes the three gradients
+            # into one tensor (read and write q + 2kv): megatron/model/transformer.py, ParallelAttention.
+            kernels.append(Elementwise("attn.core.copies", 2 * q, 2 * (q + 2 * kv), unit=unit))
             if self.dropout:
                 kernels += [Elementwise("attn.dropout", 2 * scores, 2 * scores, unit=self.seq_len,
                                         attention_core=True),
@@ -837,13 +853,21 @@ class TransformerModel(_CostTotals):
         collectives = (*entry, *(TPCollective(f"ce.{n}", "all_reduce", "forward", "after", SOFTMAX_BYTES)
                                  for n in ("max", "target", "sumexp")))
         loss = (Elementwise("head.norm", 2 * h, 3 * h, sharded=False),
-                Elementwise("ce.logits", v, v),  # the softmax reads the logits; its backward writes their gradient
-                Elementwise("ce.softmax", v, v, element_bytes=SOFTMAX_BYTES))  # written in fp32, reread backward
+                Elementwise("ce.logits", v, v),  # the loss reads the logits; its backward writes their gradient
+                self._loss_kernel(v))
         block = Block("head", (Matmul("head", h, v, "column", owns_weight=not self.tied_embeddings),),
                       collectives=collectives, elementwise=loss, eager_ops=eager_ops.HEAD)
         saved = (Activation("norm.final.in", h, d, sharded=sequence_parallel),
                  Activation("head.in", h, d, sharded=False), Activation("ce.softmax", v, SOFTMAX_BYTES, sharded=True))
         return LayerCost("head", (block,), (Param("norm.final", 1, h),), saved)
+
+    def _loss_kernel(self, v: int) -> Elementwise:
+        """The loss's fp32 traffic per token over ``v`` vocabulary entries: the fused kernel writes the
+        softmax and its backward rereads it; the unfused one runs UNFUSED_CE_FP32_ACCESSES passes."""
+        if self.cross_entropy == "unfused":
+            forward, backward = UNFUSED_CE_FP32_ACCESSES
+            return Elementwise("ce.fp32", forward * v, backward * v, element_bytes=SOFTMAX_BYTES)
+        return Elementwise("ce.softmax", v, v, element_bytes=SOFTMAX_BYTES)
 
     def model_flops_per_token(self) -> int:
         """FLOPs per token for MFU: ``6·N_matmul + 12·L·seq·d_attn``.
@@ -1037,12 +1061,16 @@ _KIND_KEYS = {
                     "vocab_size", "tied_embeddings", "position_embedding", "num_experts", "experts_per_token",
                     "expert_ffn_hidden", "shared_experts", "dense_layers", "attention", "q_lora_rank",
                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_kernel",
-                    "dropout"),
+                    "dropout", "cross_entropy"),
 }
 _REQUIRED = {
     "mlp": ("num_layers", "width", "batch_size"),
     "transformer": ("num_layers", "hidden", "num_heads", "ffn_hidden", "seq_len", "vocab_size"),
 }
+
+
+TEXT_DEFAULTS = {"ffn_type": "swiglu", "position_embedding": "rope", "attention": "gqa", "attention_kernel": "flash",
+                 "cross_entropy": "fused"}
 
 
 def parse_model(data: object, source: str = "<model>", default_name: str = "model") -> Model:
@@ -1062,9 +1090,8 @@ def parse_model(data: object, source: str = "<model>", default_name: str = "mode
         "name": reader.text("name", default_name), "description": reader.text("description", ""), "source": source,
     }
     for key in _KIND_KEYS[kind]:
-        if key in ("ffn_type", "position_embedding", "attention", "attention_kernel"):
-            values[key] = reader.text(key, {"ffn_type": "swiglu", "position_embedding": "rope", "attention": "gqa",
-                                            "attention_kernel": "flash"}[key])
+        if key in TEXT_DEFAULTS:
+            values[key] = reader.text(key, TEXT_DEFAULTS[key])
         elif key == "dropout":
             values[key] = reader.number(key, 0.0)
         elif key == "tied_embeddings":

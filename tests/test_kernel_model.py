@@ -147,3 +147,41 @@ def test_a_tensor_parallel_gather_over_features_copies_its_tensor_once():
         unsharded = block.elementwise[0].bytes_per_token(kind != "F", 4) * rows
         assert work[2].elementwise_bytes - unsharded / 2 == pytest.approx(2 * width * 4 * rows)
         assert work[1].elementwise_bytes == unsharded and work[2].kernels == work[1].kernels + 1
+
+
+def _kernel_bytes(layer, backward: bool, tp: int = 1) -> int:
+    """Memory-bound bytes per token of a layer's pass, over every block's elementwise kernels (fp16)."""
+    return sum(k.bytes_per_token(backward, 2, tp) for b in layer.blocks for k in b.elementwise)
+
+
+def test_unfused_cross_entropy_runs_megatrons_fp32_passes():
+    """Megatron-LM's vocab_parallel_cross_entropy on logits cast to fp32: 38 bytes per vocabulary entry
+    forward (read the fp16 logits 2, cast write 4, max 4, sub_ 8, exp 8, sum 4, div_ 8) and 14 backward
+    (mul_ 8, cast back 4 + 2), against the fused kernel's 2 + 4 each way; split over TP by the vocabulary."""
+    gpt = {"kind": "transformer", "num_layers": 1, "hidden": 1024, "num_heads": 16, "ffn_hidden": 4096,
+           "seq_len": 2048, "vocab_size": 51200, "ffn_type": "gelu"}
+    fused = load_model(gpt).head_cost(2)
+    unfused = load_model(gpt | {"cross_entropy": "unfused"}).head_cost(2)
+    assert _kernel_bytes(unfused, False) - _kernel_bytes(fused, False) == (38 - 6) * 51200
+    assert _kernel_bytes(unfused, True) - _kernel_bytes(fused, True) == (14 - 6) * 51200
+    assert _kernel_bytes(unfused, False, tp=8) - _kernel_bytes(fused, False, tp=8) == (38 - 6) * 51200 // 8
+
+
+def test_unfused_attention_copies_the_context_and_the_qkv_gradient():
+    """Megatron-LM's core attention copies the context back to [s, b, h] (forward: read and write h) and
+    the split of the fused QKV output gathers three gradients into one (backward: read and write 3h)."""
+    gpt = {"kind": "transformer", "num_layers": 1, "hidden": 1024, "num_heads": 16, "ffn_hidden": 4096,
+           "seq_len": 2048, "vocab_size": 1000, "ffn_type": "gelu", "attention_kernel": "unfused"}
+    layer = load_model(gpt).layer_costs(2)[0]
+    copies = next(k for b in layer.blocks for k in b.elementwise if k.name == "attn.core.copies")
+    assert (copies.bytes_per_token(False, 2), copies.bytes_per_token(True, 2)) == (2 * 1024 * 2, 6 * 1024 * 2)
+    assert copies.bytes_per_token(True, 2, tp=4) == 6 * 1024 * 2 // 4
+
+
+def test_an_unknown_loss_kernel_is_refused_in_one_line(tmp_path, capsys):
+    plan = tmp_path / "p.yaml"
+    plan.write_text("model: {kind: transformer, num_layers: 2, hidden: 256, num_heads: 4, ffn_hidden: 1024,"
+                    " seq_len: 128, vocab_size: 1000, cross_entropy: liger}\nparallel: {dp: 8}\n")
+    assert main(["simulate", str(plan), "--cluster", "dgx-a100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cross_entropy" in err and "fused or unfused" in err and len(err.splitlines()) == 1
