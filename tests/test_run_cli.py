@@ -70,7 +70,7 @@ def test_run_reports_the_median_step_and_writes_traces(tmp_path, capsys, monkeyp
     out = capsys.readouterr()
     summary = json.loads(out.out)
     assert conforms(summary) == "run"
-    assert "1 warm-up + 2 measured steps" in out.err  # progress goes to stderr
+    assert "2 warm-up + 2 measured steps" in out.err  # progress goes to stderr
     assert summary["world_size"] == 2 and summary["steps"] == 2 and len(summary["step_times_s"]) == 2
     assert summary["step_s_min"] <= summary["step_s"] <= summary["step_s_max"]
     assert summary["throughput_unit"] == "tokens/s" and summary["throughput"] > 0
