@@ -46,6 +46,20 @@ def test_the_report_prints_every_row_and_the_summary(tmp_path, capsys):
     assert f"median |error| {result.median_abs_error:.1%}, max |error| {result.max_abs_error:.1%}" in out
 
 
+def test_a_row_runs_with_the_settings_it_names(tmp_path):
+    """A table's per-row settings (the SC21 rows' --DDP-impl) apply to the rows that name them: torch DDP
+    all-reduces during the backward, Megatron-LM's local DDP after it, which takes longer."""
+    def step(ddp: str) -> float:
+        text = SMALL_TABLE.replace("plan: {dtype: fp16}\n", "plan: {dtype: fp16}\nsettings:\n  ddp:\n"
+                                   "    torch: {data_parallel: {overlap: true}}\n"
+                                   "    local: {data_parallel: {overlap: false}}\n")
+        path = tmp_path / f"{ddp}.yaml"
+        path.write_text(text.replace("{params: 1.7B,", f"{{ddp: {ddp}, params: 1.7B,"))
+        return validate(str(path)).rows[0].step_s
+
+    assert step("local") > step("torch")
+
+
 def test_megatron_table_stays_within_the_measured_accuracy(capsys):
     assert main(["validate", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -67,6 +81,9 @@ def test_megatron_table_stays_within_the_measured_accuracy(capsys):
     (SMALL_TABLE.replace("metric: tflops_per_gpu", "metric: speed"), "metric"),
     (SMALL_TABLE.replace("dp: 8, gpus: 8", "dp: 8, gpus: 9"), "gpus"),
     (SMALL_TABLE.replace("heads: 24, ", ""), "heads"),
+    (SMALL_TABLE.replace("plan: {dtype: fp16}\n", "plan: {dtype: fp16}\nsettings: {ddp: {torch: 3}}\n"), "settings"),
+    (SMALL_TABLE.replace("plan: {dtype: fp16}\n", "plan: {dtype: fp16}\nsettings: {ddp: {torch: {}}}\n")
+     .replace("{params: 1.7B,", "{ddp: horovod, params: 1.7B,"), "rows[0].ddp"),
 ])
 def test_bad_tables_are_refused_in_one_line(tmp_path, capsys, text, expected):
     path = tmp_path / "bad.yaml"

@@ -92,10 +92,25 @@ def load_table(name_or_path: str) -> tuple[dict[str, Any], str]:
             raise ConfigError(source, f"rows[{i}]", f"is {row!r}", "a mapping of one run's keys")
         for key in ROW_NUMBERS + (("v",) if "v" in row else ()) + (("gpus",) if "gpus" in row else ()):
             _whole(row, key, source, f"rows[{i}].{key}")
+        for key, options in _settings(data, source).items():
+            if key in row and row[key] not in options:
+                raise ConfigError(source, f"rows[{i}].{key}", f"is {row[key]!r}", " or ".join(map(str, options)))
         published = row.get(data["metric"])
         if isinstance(published, bool) or not isinstance(published, (int, float)) or not 0 < published < math.inf:
             raise ConfigError(source, f"rows[{i}].{data['metric']}", f"is {published!r}", "a positive finite number")
     return data, source
+
+
+def _settings(data: Mapping[str, Any], source: str) -> dict[str, dict[Any, dict]]:
+    """The table's per-row settings: ``{key: {value: plan settings}}``. A row naming ``key: value`` runs
+    with those plan settings over the table's shared ones (e.g. the software one row ran differently)."""
+    settings = data.get("settings", {})
+    if not isinstance(settings, dict) or not all(
+            isinstance(options, dict) and all(isinstance(plan, dict) for plan in options.values())
+            for options in settings.values()):
+        raise ConfigError(source, "settings", f"is {settings!r}",
+                          "a mapping of row keys to {value: plan settings}")
+    return settings
 
 
 def _whole(mapping: Mapping[str, Any], key: str, source: str, where: str) -> None:
@@ -136,7 +151,11 @@ def _plan_mapping(table: Mapping[str, Any], row: Mapping[str, Any], label: str) 
     h, v = row["hidden"], row.get("v", 1)
     model = dict(table.get("model", {}), name=label, num_layers=row["layers"], hidden=h, num_heads=row["heads"],
                  ffn_hidden=row.get("ffn_hidden", 4 * h), seq_len=table["seq"], vocab_size=table["vocab"])
-    return dict(table.get("plan", {}), model=model,
+    plan = dict(table.get("plan", {}))
+    for key, options in table.get("settings", {}).items():
+        if key in row:
+            plan.update(options[row[key]])
+    return dict(plan, model=model,
                 parallel={"dp": row["dp"], "tp": row["tp"], "pp": row["pp"]},
                 batch={"microbatch_size": row["microbatch"], "global_batch_size": row["global_batch"]},
                 schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v,
