@@ -27,6 +27,18 @@ class BlockWork:
     elementwise_bytes: float  # memory-bound kernels' reads and writes
     accumulate_bytes: float  # adding weight gradients into .grad
     kernels: int
+    quantize_bytes: float = 0.0  # fp8 plans: casting the GEMMs' operands (see fp8_cast_bytes)
+
+
+# Transformer Engine's FP8 (current scaling, TE 2.x): before a GEMM, each bf16 operand is reduced to its
+# absolute maximum (read 2 bytes per element), then cast to fp8 together with its transpose, which the
+# backward's GEMMs need on Hopper (read 2, write 1 + 1): 6 bytes per element of a layer's input in the
+# forward and of its output gradient in the backward. Weights are cast once per step, their fp8 copies
+# kept across microbatches (Megatron-LM passes is_first_microbatch), and are not counted.
+FP8_CAST_BYTES = 6
+# Megatron-LM's output layer is its own ColumnParallelLinear, not a Transformer Engine module: it runs
+# in bf16 and casts nothing.
+FP8_EXEMPT_BLOCKS = ("head",)
 
 
 def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
@@ -104,8 +116,35 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
                       for mm in block.matmuls)
         m = plan.num_microbatches
         accumulate = weights * plan.dtype_bytes * 3 * (m - 1) / m
+    quantize, casts = fp8_cast_bytes(plan, block, kind, tokens)
     return BlockWork(tuple(mms), tuple(labels), tuple(sources), attention_fwd, attention_bwd, elementwise, accumulate,
-                     kernels)
+                     kernels + 2 * casts, quantize)
+
+
+def fp8_cast_bytes(plan: Plan, block: Block, kind: str, tokens: int) -> tuple[float, int]:
+    """Bytes an fp8 plan's casts move in ``block``'s ``kind`` pass, and how many tensors they cast (each
+    an amax kernel and a cast-transpose kernel): FP8_CAST_BYTES per element of every GEMM input in the
+    forward (column-split GEMMs of one block share theirs, as a fused QKV or gate-and-up GEMM does) and
+    of every GEMM's output gradient in the input-gradient pass."""
+    if plan.dtype != "fp8" or block.name in FP8_EXEMPT_BLOCKS or kind == "W":
+        return 0.0, 0
+    elements, casts, shared_input = 0.0, 0, False
+    for mm in block.matmuls:
+        k, n = mm.shape_per_rank(plan.tp)
+        rows = tokens
+        if mm.experts > 1:
+            rows = round(tokens * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)
+        copies = mm.copies_per_rank(plan.ep)
+        if kind == "F":
+            if mm.split == "column" and mm.experts == 1:
+                if shared_input:
+                    continue
+                shared_input = True
+            elements += rows * k * copies
+        else:
+            elements += rows * n * copies
+        casts += copies
+    return elements * FP8_CAST_BYTES, casts
 
 
 def unfused_attention(plan: Plan, core, kind: str, tokens: int) -> list[tuple[tuple[int, int, int], str]]:

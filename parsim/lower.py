@@ -278,8 +278,9 @@ class Lowering:
         eager implementation dispatches for it (:meth:`_eager_ops`), and its matmuls' sources."""
         work = block_work(self.plan, block, kind, self.tokens)
         forward_ops, backward_ops = self._eager_ops(block, kind)
-        piece = ComputePiece(work.matmuls, work.elementwise_bytes + work.accumulate_bytes, work.kernels, phase,
-                             layer, attention_flops=work.attention_flops,
+        memory_bytes = work.elementwise_bytes + work.quantize_bytes + work.accumulate_bytes
+        piece = ComputePiece(work.matmuls, memory_bytes, work.kernels, phase, layer,
+                             attention_flops=work.attention_flops,
                              attention_grad_flops=work.attention_grad_flops, forward_ops=forward_ops,
                              backward_ops=backward_ops, stream_bytes=work.accumulate_bytes)
         return piece, work.sources

@@ -185,3 +185,27 @@ def test_an_unknown_loss_kernel_is_refused_in_one_line(tmp_path, capsys):
     assert main(["simulate", str(plan), "--cluster", "dgx-a100"]) == 2
     err = capsys.readouterr().err.strip()
     assert "cross_entropy" in err and "fused or unfused" in err and len(err.splitlines()) == 1
+
+
+def test_fp8_casts_every_gemm_input_forward_and_every_output_gradient_backward():
+    """Transformer Engine's current scaling: amax then cast-and-transpose, 6 bytes per element of each
+    GEMM input (the fused QKV and gate-and-up GEMMs share theirs) and of each output gradient; the LM
+    head stays in bf16 and bf16 plans cast nothing."""
+    from parsim.kernels import block_work
+
+    model = load_model({"kind": "transformer", "num_layers": 2, "hidden": 1024, "num_heads": 16, "num_kv_heads": 4,
+                        "ffn_hidden": 4096, "seq_len": 2048, "vocab_size": 32000})
+    h, kv, f, tokens = 1024, 4 * 64, 4096, 2048
+    plan = Plan(model=model, dp=8, microbatch_size=1, dtype="fp8")
+    attention, mlp = model.layer_costs(2)[0].blocks
+    cast = {(b.name, kind): block_work(plan, b, kind, tokens).quantize_bytes
+            for b in (attention, mlp) for kind in "FBIW"}
+    assert cast["attention", "F"] == 6 * tokens * (h + h)  # x into QKV, the context into the output projection
+    assert cast["attention", "B"] == cast["attention", "I"] == 6 * tokens * (h + 2 * kv + h)
+    assert cast["mlp", "F"] == 6 * tokens * (h + f)  # x into gate and up, the product into down
+    assert cast["mlp", "B"] == 6 * tokens * (2 * f + h)
+    assert cast["attention", "W"] == cast["mlp", "W"] == 0
+    head = model.head_cost(2).blocks[0]
+    assert block_work(plan, head, "F", tokens).quantize_bytes == 0
+    bf16 = Plan(model=model, dp=8, microbatch_size=1, dtype="bf16")
+    assert block_work(bf16, attention, "F", tokens).quantize_bytes == 0

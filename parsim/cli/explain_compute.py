@@ -160,6 +160,7 @@ def _rows(model: ComputeModel, block: str, work: BlockWork) -> list[dict]:
         rows.append({"block": block, "kernel": "attention core (flash" + (", backward)" if backward else ")"),
                      "shape": "", "flops": flops, "fill": None, "bound": "compute", "time_s": time})
     for what, nbytes in (("norms, activations, residuals, softmax, copies", work.elementwise_bytes),
+                         ("fp8 casts (amax, cast and transpose)", work.quantize_bytes),
                          ("add weight gradients into .grad", work.accumulate_bytes)):
         if nbytes:
             rows.append({"block": block, "kernel": what, "shape": f"{nbytes / 1e6:,.1f} MB", "flops": 0.0,
