@@ -75,6 +75,8 @@ class ComputeModel:
     half_dim: float = 0.0
     kernel_overhead_s: float = 0.0
     matmul_peak_flops: float | None = None  # matmuls' own peak when they run in another dtype (fp8)
+    # fp8 plans: the efficiency of the matmuls kept in the plan's other dtype (bf16), which run at peak_flops
+    other_efficiency: float | None = None
     sm_count: int = 0  # 0: no wave quantization (CPUs)
     memory_efficiency: float = 1.0
     attention_efficiency: tuple[float, float] = (1.0, 1.0)  # forward, backward
@@ -104,6 +106,7 @@ class ComputeModel:
             peak_flops=peaks[other], hbm_bw_Bps=spec.gpu.hbm_bw_Bps, dtype_bytes=dtype_bytes,
             efficiency=spec.matmul_efficiency_for(dtype), half_dim=spec.matmul_half_dim,
             kernel_overhead_s=spec.kernel_overhead_s, matmul_peak_flops=peaks[dtype] if dtype != other else None,
+            other_efficiency=spec.matmul_efficiency_for(other) if dtype != other else None,
             sm_count=spec.gpu.sm_count, memory_efficiency=spec.memory_efficiency,
             attention_efficiency=spec.attention_efficiency, op_forward_s=spec.op_forward_s,
             op_backward_s=spec.op_backward_s, optimizer_tensor_s=spec.optimizer_tensor_s,
@@ -122,23 +125,28 @@ class ComputeModel:
         waves = -(-tiles // sms)
         return m * n / (waves * sms * MATMUL_TILE * MATMUL_TILE)  # useful area / area of all slots
 
-    def matmul_rate(self, m: float, n: float, k: float, sm_reserved: int = 0) -> float:
+    def matmul_rate(self, m: float, n: float, k: float, sm_reserved: int = 0, high_precision: bool = False) -> float:
         """FLOP/s of one ``(m, n, k)`` matmul; ``sm_reserved`` SMs are held by a communication kernel
-        running beside it (:mod:`parsim.tp_overlap`), so it runs on the others."""
+        running beside it (:mod:`parsim.tp_overlap`), so it runs on the others. ``high_precision``: in an
+        fp8 plan, a matmul kept in bf16 (the LM head), at the bf16 peak and efficiency."""
         shape = 1.0
         for d in (m, n, k):
             shape *= d / (d + self.half_dim)
         sms = max(self.sm_count - sm_reserved, 1) if self.sm_count else 0
         share = sms / self.sm_count if self.sm_count else 1.0
-        return (self.matmul_peak_flops or self.peak_flops) * self.efficiency * shape * share * self.waves(m, n, sms)
+        if high_precision and self.other_efficiency is not None:
+            peak, efficiency = self.peak_flops, self.other_efficiency
+        else:
+            peak, efficiency = self.matmul_peak_flops or self.peak_flops, self.efficiency
+        return peak * efficiency * shape * share * self.waves(m, n, sms)
 
     @property
     def memory_bw_Bps(self) -> float:
         return self.hbm_bw_Bps * self.memory_efficiency
 
-    def matmul_time(self, m: float, n: float, k: float, sm_reserved: int = 0) -> float:
+    def matmul_time(self, m: float, n: float, k: float, sm_reserved: int = 0, high_precision: bool = False) -> float:
         flops = 2.0 * m * n * k
-        rate = self.matmul_rate(m, n, k, sm_reserved)
+        rate = self.matmul_rate(m, n, k, sm_reserved, high_precision)
         if self.matmul_stream_bw_Bps:  # eager CPU: the second operand streams in, not hidden behind the arithmetic
             return flops / rate + k * n * self.dtype_bytes / self.matmul_stream_bw_Bps
         traffic = (m * k + k * n + m * n) * self.dtype_bytes
@@ -147,13 +155,14 @@ class ComputeModel:
     def time(self, matmuls=(), flops: float = 0.0, hbm_bytes: float = 0.0, kernels: int = 0,
              attention_flops: float = 0.0, attention_grad_flops: float = 0.0, forward_ops: int = 0,
              backward_ops: int = 0, optimizer_tensors: int = 0, stream_bytes: float = 0.0,
-             sm_reserved: int = 0) -> float:
+             sm_reserved: int = 0, high_precision: bool = False) -> float:
         """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
         kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; on an
         eager CPU host also each dispatched op's and each optimizer tensor's fixed cost, and the
         memory-bound bytes but ``stream_bytes`` at the host's elementwise speed. ``sm_reserved``: SMs
-        a communication kernel beside the matmuls holds."""
-        total = sum(self.matmul_time(*mm, sm_reserved) for mm in matmuls)
+        a communication kernel beside the matmuls holds; ``high_precision``: the matmuls run in bf16 in
+        an fp8 plan (:meth:`matmul_rate`)."""
+        total = sum(self.matmul_time(*mm, sm_reserved, high_precision) for mm in matmuls)
         forward, backward = self.attention_efficiency
         total += (attention_flops / forward + attention_grad_flops / backward) / self.peak_flops
         if self.elementwise_bw_Bps:

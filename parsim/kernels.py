@@ -28,6 +28,7 @@ class BlockWork:
     accumulate_bytes: float  # adding weight gradients into .grad
     kernels: int
     quantize_bytes: float = 0.0  # fp8 plans: casting the GEMMs' operands (see fp8_cast_bytes)
+    high_precision: bool = False  # fp8 plans: this block's matmuls stay in bf16 (FP8_EXEMPT_BLOCKS)
 
 
 # Transformer Engine's FP8 (current scaling, TE 2.x): before a GEMM, each bf16 operand is reduced to its
@@ -37,7 +38,7 @@ class BlockWork:
 # kept across microbatches (Megatron-LM passes is_first_microbatch), and are not counted.
 FP8_CAST_BYTES = 6
 # Megatron-LM's output layer is its own ColumnParallelLinear, not a Transformer Engine module: it runs
-# in bf16 and casts nothing.
+# in bf16 and casts nothing (torchtitan's float8 conversion also leaves the output layer out).
 FP8_EXEMPT_BLOCKS = ("head",)
 
 
@@ -118,7 +119,7 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         accumulate = weights * plan.dtype_bytes * 3 * (m - 1) / m
     quantize, casts = fp8_cast_bytes(plan, block, kind, tokens)
     return BlockWork(tuple(mms), tuple(labels), tuple(sources), attention_fwd, attention_bwd, elementwise, accumulate,
-                     kernels + 2 * casts, quantize)
+                     kernels + 2 * casts, quantize, plan.dtype == "fp8" and block.name in FP8_EXEMPT_BLOCKS)
 
 
 def fp8_cast_bytes(plan: Plan, block: Block, kind: str, tokens: int) -> tuple[float, int]:

@@ -169,7 +169,8 @@ class Lowering:
                                           attention_flops=piece.attention_flops,
                                           attention_grad_flops=piece.attention_grad_flops,
                                           forward_ops=piece.forward_ops, backward_ops=piece.backward_ops,
-                                          stream_bytes=piece.stream_bytes, sm_reserved=piece.sm_reserved))
+                                          stream_bytes=piece.stream_bytes, sm_reserved=piece.sm_reserved,
+                                          high_precision=piece.high_precision))
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
             if piece.closes:
@@ -282,7 +283,8 @@ class Lowering:
         piece = ComputePiece(work.matmuls, memory_bytes, work.kernels, phase, layer,
                              attention_flops=work.attention_flops,
                              attention_grad_flops=work.attention_grad_flops, forward_ops=forward_ops,
-                             backward_ops=backward_ops, stream_bytes=work.accumulate_bytes)
+                             backward_ops=backward_ops, stream_bytes=work.accumulate_bytes,
+                             high_precision=work.high_precision)
         return piece, work.sources
 
     def _eager_ops(self, block, kind: str) -> tuple[int, int]:

@@ -33,6 +33,7 @@ class ComputePiece:
     closes: bool = False  # the last (FSDP reduce-scatters the layer's gradients after a backward's)
     joins: str = ""  # "cp" or "tp": a join of that side stream
     sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.tp_overlap)
+    high_precision: bool = False  # fp8 plans: these matmuls run in bf16 (the LM head)
 
     def join(self, stream: str) -> "ComputePiece":
         """A join of ``stream`` in this piece's phase and layer."""

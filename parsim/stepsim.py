@@ -202,13 +202,14 @@ class _Run:
             i = op.id
             if op.kind == "compute" or op.kind == "optimizer":
                 key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
-                       op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes, op.sm_reserved)
+                       op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes, op.sm_reserved,
+                       op.high_precision)
                 fixed[i] = costs.get(key)
                 if fixed[i] is None:
                     fixed[i] = costs[key] = compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels,
                                                          op.attention_flops, op.attention_grad_flops,
                                                          op.forward_ops, op.backward_ops, op.optimizer_tensors,
-                                                         op.stream_bytes, op.sm_reserved)
+                                                         op.stream_bytes, op.sm_reserved, op.high_precision)
             elif self.comm[i] is not None:
                 fixed[i] = self.comm[i].closed_form_s
             stream = (op.rank, op.stream)

@@ -209,3 +209,23 @@ def test_fp8_casts_every_gemm_input_forward_and_every_output_gradient_backward()
     assert block_work(plan, head, "F", tokens).quantize_bytes == 0
     bf16 = Plan(model=model, dp=8, microbatch_size=1, dtype="bf16")
     assert block_work(bf16, attention, "F", tokens).quantize_bytes == 0
+
+
+def test_an_fp8_plan_keeps_the_lm_head_in_bf16():
+    """The LM head is not a Transformer Engine module: in an fp8 plan it runs at the bf16 peak and
+    efficiency, every block GEMM at fp8's."""
+    from parsim.compute import ComputeModel
+    from parsim.kernels import block_work
+
+    spec = load_cluster("dgx-h100")
+    model = load_model({"kind": "transformer", "num_layers": 2, "hidden": 4096, "num_heads": 32, "ffn_hidden": 14336,
+                        "seq_len": 8192, "vocab_size": 128256})
+    plan = Plan(model=model, dp=8, microbatch_size=1, dtype="fp8")
+    fp8 = ComputeModel.for_cluster(spec, "fp8", 2)
+    bf16 = ComputeModel.for_cluster(spec, "bf16", 2)
+    head = block_work(plan, model.head_cost(2).blocks[0], "F", 8192)
+    mlp = block_work(plan, model.layer_costs(2)[0].blocks[1], "F", 8192)
+    assert head.high_precision and not mlp.high_precision
+    shape = head.matmuls[0]
+    assert fp8.matmul_time(*shape, 0, head.high_precision) == pytest.approx(bf16.matmul_time(*shape))
+    assert fp8.matmul_time(*shape) < 0.6 * bf16.matmul_time(*shape)

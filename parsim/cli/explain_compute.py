@@ -148,8 +148,8 @@ def _collectives_report(plan, layer: str, rows: list[dict], passes: list[dict]) 
 def _rows(model: ComputeModel, block: str, work: BlockWork) -> list[dict]:
     rows = []
     for (m, n, k), label in zip(work.matmuls, work.labels):
-        rate, flops = model.matmul_rate(m, n, k), 2.0 * m * n * k
-        time = model.matmul_time(m, n, k)
+        rate, flops = model.matmul_rate(m, n, k, 0, work.high_precision), 2.0 * m * n * k
+        time = model.matmul_time(m, n, k, 0, work.high_precision)
         bound = "compute" if time == flops / rate else "memory"
         rows.append({"block": block, "kernel": label, "shape": f"{m:,} x {n:,} x {k:,}", "flops": flops,
                      "fill": model.waves(m, n), "bound": bound, "time_s": time})
