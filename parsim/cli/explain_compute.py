@@ -199,7 +199,7 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
     lines += [f"  {PASS_NAMES[k]:<16} {format_time(t)}" for k, t in totals.items()]
     flops = sum(r["flops"] for r in rows)
     total = sum(totals.values())
+    peak = model.matmul_peak_flops or model.peak_flops  # an fp8 plan's matmuls run at the fp8 peak
     lines.append(f"  {'all passes':<16} {format_time(total)}: {flops / total / 1e12:.0f} TFLOP/s, "
-                 f"{flops / total / 1e12 / (model.peak_flops / 1e12):.0%} of the {model.peak_flops / 1e12:g} "
-                 f"TFLOP/s peak (FLOPs as executed)")
+                 f"{flops / total / peak:.0%} of the {peak / 1e12:g} TFLOP/s {plan.dtype} peak (FLOPs as executed)")
     return "\n".join(lines)
