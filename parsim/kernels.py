@@ -70,9 +70,7 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
 
     for mm in block.matmuls:
         k, n = mm.shape_per_rank(tp)
-        rows = tokens
-        if mm.experts > 1:  # each of this rank's experts takes its share of the ep group's routed tokens
-            rows = round(tokens * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)
+        rows = _rows(plan, mm, tokens)
         for _ in range(mm.copies_per_rank(plan.ep)):
             split = mm.split if mm.experts == 1 else "experts"
             if kind == "F":
@@ -122,28 +120,34 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
                      kernels + 2 * casts, quantize, plan.dtype == "fp8" and block.name in FP8_EXEMPT_BLOCKS)
 
 
+def _rows(plan: Plan, mm, tokens: int) -> int:
+    """Rows of ``mm``'s input on this rank: every token, or for a routed expert its share of the ep group's
+    routed tokens."""
+    if mm.experts == 1:
+        return tokens
+    return round(tokens * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)
+
+
 def fp8_cast_bytes(plan: Plan, block: Block, kind: str, tokens: int) -> tuple[float, int]:
     """Bytes an fp8 plan's casts move in ``block``'s ``kind`` pass, and how many tensors they cast (each
     an amax kernel and a cast-transpose kernel): FP8_CAST_BYTES per element of every GEMM input in the
-    forward (column-split GEMMs of one block share theirs, as a fused QKV or gate-and-up GEMM does) and
-    of every GEMM's output gradient in the input-gradient pass."""
+    forward and of every GEMM's output gradient in the input-gradient pass. Unsplit and column-split GEMMs
+    of one block reading an input of the same width read the same tensor and share its cast (a fused QKV
+    or gate-and-up GEMM; MLA's two down-projections of the block input)."""
     if plan.dtype != "fp8" or block.name in FP8_EXEMPT_BLOCKS or kind == "W":
         return 0.0, 0
-    elements, casts, shared_input = 0.0, 0, False
+    elements, casts, cast_inputs = 0.0, 0, set()
     for mm in block.matmuls:
         k, n = mm.shape_per_rank(plan.tp)
-        rows = tokens
-        if mm.experts > 1:
-            rows = round(tokens * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)
         copies = mm.copies_per_rank(plan.ep)
         if kind == "F":
-            if mm.split == "column" and mm.experts == 1:
-                if shared_input:
+            if mm.split != "row" and mm.experts == 1:
+                if k in cast_inputs:
                     continue
-                shared_input = True
-            elements += rows * k * copies
+                cast_inputs.add(k)
+            elements += _rows(plan, mm, tokens) * k * copies
         else:
-            elements += rows * n * copies
+            elements += _rows(plan, mm, tokens) * n * copies
         casts += copies
     return elements * FP8_CAST_BYTES, casts
 
