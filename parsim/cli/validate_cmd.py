@@ -21,7 +21,8 @@ results. A positive error means parsim predicts a faster run than was measured.
 tables: parsim/validation/training_runs/*.yaml (a path to your own table works too)
 
 examples:
-  parsim validate                              (Megatron-LM SC21, Table 1)
+  parsim validate                              (Megatron-LM SC21, Table 1: GPT on A100s, 2021)
+  parsim validate megatron-bridge-h100-fp8     (NVIDIA's Llama 3 FP8 runs on H100s, 2025)
   parsim validate megatron-sc21-table1 --json
 """
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 from ..cluster import load_cluster
 from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
+from ..model import load_model
 from ..plan import parse_plan
 from ..step import predict_step
 
@@ -61,9 +62,12 @@ def builtin_tables() -> dict[str, Path]:
     return {Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".yaml")}
 
 
-# What a table and each of its rows must give, besides the metric's own column.
-TABLE_NUMBERS = ("seq", "vocab")
-ROW_NUMBERS = ("heads", "hidden", "layers", "tp", "pp", "dp", "global_batch", "microbatch")
+# What a table and each of its rows must give, besides the metric's own column. A row naming a model
+# (a built-in name or a file) takes its shape from it instead of SHAPE_NUMBERS; cp and v default to 1.
+TABLE_NUMBERS = ("seq",)
+SHAPE_NUMBERS = ("heads", "hidden", "layers")
+ROW_NUMBERS = ("tp", "pp", "dp", "global_batch", "microbatch")
+OPTIONAL_ROW_NUMBERS = ("cp", "v", "gpus")
 
 
 def load_table(name_or_path: str) -> tuple[dict[str, Any], str]:
@@ -90,8 +94,11 @@ def load_table(name_or_path: str) -> tuple[dict[str, Any], str]:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ConfigError(source, f"rows[{i}]", f"is {row!r}", "a mapping of one run's keys")
-        for key in ROW_NUMBERS + (("v",) if "v" in row else ()) + (("gpus",) if "gpus" in row else ()):
+        shape = () if "model" in row else SHAPE_NUMBERS + (("vocab",) if "vocab" not in data else ())
+        for key in shape + ROW_NUMBERS + tuple(k for k in OPTIONAL_ROW_NUMBERS if k in row):
             _whole(row, key, source, f"rows[{i}].{key}")
+        if "model" not in row and "vocab" in data:
+            _whole(data, "vocab", source, "vocab")
         for key, options in _settings(data, source).items():
             if key in row and row[key] not in options:
                 raise ConfigError(source, f"rows[{i}].{key}", f"is {row[key]!r}", " or ".join(map(str, options)))
@@ -135,9 +142,9 @@ def validate(name_or_path: str, progress: Callable[[int, int], None] | None = No
         except ParsimError as err:
             raise ParsimError(f"{source}: rows[{i}] ({label}): {err}") from None
         if plan.world != row.get("gpus", plan.world):
-            raise ConfigError(source, f"rows[{i}].gpus", f"is {row['gpus']}", f"dp x pp x tp = {plan.world}")
-        layout = f"tp {plan.tp} x pp {plan.pp} x dp {plan.dp}" + (f", v {plan.virtual_stages}"
-                                                                   if plan.virtual_stages > 1 else "")
+            raise ConfigError(source, f"rows[{i}].gpus", f"is {row['gpus']}", f"dp x pp x cp x tp = {plan.world}")
+        layout = (f"tp {plan.tp} x pp {plan.pp}" + (f" x cp {plan.cp}" if plan.cp > 1 else "") + f" x dp {plan.dp}"
+                  + (f", v {plan.virtual_stages}" if plan.virtual_stages > 1 else ""))
         results.append(RowResult(label, plan.world, layout, float(row[table["metric"]]),
                                  metric(table, row, step_s, plan.world), step_s))
     if progress:
@@ -147,19 +154,23 @@ def validate(name_or_path: str, progress: Callable[[int, int], None] | None = No
 
 
 def _plan_mapping(table: Mapping[str, Any], row: Mapping[str, Any], label: str) -> dict[str, Any]:
-    """The row as a plan: the table's shared model and plan settings plus the row's shape and layout."""
-    h, v = row["hidden"], row.get("v", 1)
-    model = dict(table.get("model", {}), name=label, num_layers=row["layers"], hidden=h, num_heads=row["heads"],
-                 ffn_hidden=row.get("ffn_hidden", 4 * h), seq_len=table["seq"], vocab_size=table["vocab"])
-    plan = dict(table.get("plan", {}))
+    """The row as a plan: its model (named, or the table's shared settings with the row's shape) at the
+    table's sequence length, the table's plan settings, the settings the row names, and its layout."""
+    if "model" in row:
+        model = dict(load_model(row["model"]).to_dict(), seq_len=table["seq"])
+    else:
+        h = row["hidden"]
+        model = dict(table.get("model", {}), name=label, num_layers=row["layers"], hidden=h, num_heads=row["heads"],
+                     ffn_hidden=row.get("ffn_hidden", 4 * h), seq_len=table["seq"], vocab_size=table["vocab"])
+    v = row.get("v", 1)
+    plan = {"schedule": "interleaved-1f1b" if v > 1 else "1f1b", "virtual_stages": v,
+            "activation_recompute": table.get("recompute", "none"), **table.get("plan", {})}
     for key, options in table.get("settings", {}).items():
         if key in row:
             plan.update(options[row[key]])
     return dict(plan, model=model,
-                parallel={"dp": row["dp"], "tp": row["tp"], "pp": row["pp"]},
-                batch={"microbatch_size": row["microbatch"], "global_batch_size": row["global_batch"]},
-                schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v,
-                activation_recompute=table.get("recompute", "none"))
+                parallel={"dp": row["dp"], "tp": row["tp"], "pp": row["pp"], "cp": row.get("cp", 1)},
+                batch={"microbatch_size": row["microbatch"], "global_batch_size": row["global_batch"]})
 
 
 def _megatron_tflops(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> float:
@@ -171,4 +182,9 @@ def _megatron_tflops(table: Mapping[str, Any], row: Mapping[str, Any], step_s: f
     return flops / step_s / gpus / 1e12
 
 
-METRICS = {"tflops_per_gpu": _megatron_tflops}
+def _tokens_per_gpu(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> float:
+    """Tokens per second per GPU: the global batch's tokens over the iteration time and the GPUs."""
+    return row["global_batch"] * table["seq"] / step_s / gpus
+
+
+METRICS = {"tflops_per_gpu": _megatron_tflops, "tokens_per_sec_per_gpu": _tokens_per_gpu}
