@@ -100,7 +100,12 @@ def test_megatron_bridge_table_stays_within_the_measured_accuracy(capsys):
     (SMALL_TABLE.replace("metric: tflops_per_gpu", "metric: speed"), "metric"),
     (SMALL_TABLE.replace("dp: 8, gpus: 8", "dp: 8, gpus: 9"), "gpus"),
     (SMALL_TABLE.replace("heads: 24, ", ""), "heads"),
-    (SMALL_TABLE.replace("{params: 1.7B,", "{params: 1.7B, model: no-such-model,"), "rows[0] (1.7B)"),
+    (SMALL_TABLE.replace("{params: 1.7B,", "{params: 1.7B, model: tiny-gpt,"), "rows[0].model"),
+    (SMALL_TABLE.replace("vocab: 51200\n", ""), "vocab"),
+    (SMALL_TABLE.replace("metric: tflops_per_gpu", "metric: tokens_per_sec_per_gpu")
+     .replace("tflops_per_gpu: 137", "tokens_per_sec_per_gpu: 137")
+     .replace("tflops_per_gpu: 138", "tokens_per_sec_per_gpu: 138")
+     .replace("{params: 1.7B,", "{params: 1.7B, model: no-such-model,"), "rows[0] (1.7B)"),
     (SMALL_TABLE.replace("plan: {dtype: fp16}\n", "plan: {dtype: fp16}\nsettings: {ddp: {torch: 3}}\n"), "settings"),
     (SMALL_TABLE.replace("plan: {dtype: fp16}\n", "plan: {dtype: fp16}\nsettings: {ddp: {torch: {}}}\n")
      .replace("{params: 1.7B,", "{ddp: horovod, params: 1.7B,"), "rows[0].ddp"),

@@ -94,11 +94,14 @@ def load_table(name_or_path: str) -> tuple[dict[str, Any], str]:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ConfigError(source, f"rows[{i}]", f"is {row!r}", "a mapping of one run's keys")
-        shape = () if "model" in row else SHAPE_NUMBERS + (("vocab",) if "vocab" not in data else ())
+        if "model" in row and data["metric"] in SHAPE_METRICS:
+            raise ConfigError(source, f"rows[{i}].model", f"is {row['model']!r}",
+                              f"the row's own {', '.join(SHAPE_NUMBERS)}: {data['metric']} counts FLOPs from them")
+        if "model" not in row:
+            _whole(data, "vocab", source, "vocab")
+        shape = () if "model" in row else SHAPE_NUMBERS
         for key in shape + ROW_NUMBERS + tuple(k for k in OPTIONAL_ROW_NUMBERS if k in row):
             _whole(row, key, source, f"rows[{i}].{key}")
-        if "model" not in row and "vocab" in data:
-            _whole(data, "vocab", source, "vocab")
         for key, options in _settings(data, source).items():
             if key in row and row[key] not in options:
                 raise ConfigError(source, f"rows[{i}].{key}", f"is {row[key]!r}", " or ".join(map(str, options)))
@@ -188,3 +191,4 @@ def _tokens_per_gpu(table: Mapping[str, Any], row: Mapping[str, Any], step_s: fl
 
 
 METRICS = {"tflops_per_gpu": _megatron_tflops, "tokens_per_sec_per_gpu": _tokens_per_gpu}
+SHAPE_METRICS = ("tflops_per_gpu",)  # metrics computed from the row's own shape (no named model)
