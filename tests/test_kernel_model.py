@@ -103,6 +103,32 @@ def test_explain_compute_lists_every_kernel_and_sums_to_its_passes(capsys):
     assert {"attn.q", "mlp.fc1 weight grad", "attention core (flash)"} <= labels
 
 
+def test_explain_compute_shows_an_fp8_plans_casts_and_its_fp8_peak(capsys):
+    """The casts get their own row, priced at the memory-bound rate from fp8_cast_bytes; the executed rate
+    is set against the fp8 peak, the one an fp8 plan's matmuls run at."""
+    import json
+
+    from parsim.compute import ComputeModel
+    from parsim.kernels import fp8_cast_bytes
+
+    args = ["explain", "compute", "--model", "llama3-8b", "--cluster", "dgx-h100", "--dtype", "fp8"]
+    assert main(args + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    casts = [k for k in data["kernels"] if k["kernel"] == "fp8 casts (amax, cast and transpose)"]
+    assert {k["pass"] for k in casts} == {"F", "B"}
+    llama = load_model("llama3-8b")
+    plan = Plan(model=llama, dp=1, microbatch_size=1, dtype="fp8")
+    model = ComputeModel.for_cluster(load_cluster("dgx-h100"), "fp8", 2)
+    for row in casts:
+        block = next(b for b in llama.layer_costs(2)[0].blocks if b.name == row["block"])
+        nbytes, _ = fp8_cast_bytes(plan, block, row["pass"], data["tokens"])
+        assert nbytes and row["time_s"] == pytest.approx(model.time(hbm_bytes=nbytes))
+    for kind, total in data["pass_s"].items():
+        assert sum(k["time_s"] for k in data["kernels"] if k["pass"] == kind) == pytest.approx(total)
+    assert main(args) == 0
+    assert "of the 1979 TFLOP/s fp8 peak" in capsys.readouterr().out
+
+
 def test_explain_compute_refuses_an_unknown_layer(capsys):
     assert main(["explain", "compute", "llama3-70b-1024", "--layer", "layer.99"]) == 2
     assert "--layer" in capsys.readouterr().err

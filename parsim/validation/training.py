@@ -140,7 +140,7 @@ def validate(name_or_path: str, progress: Callable[[int, int], None] | None = No
             progress(i, len(table["rows"]))
         label = str(row.get("params", f"row {i}"))
         try:
-            plan = parse_plan(_plan_mapping(table, row, label), f"{source}: rows[{i}]")
+            plan = parse_plan(_plan_mapping(table, row, label), "plan")  # the except below names the file and row
             step_s = predict_step(plan, cluster).step_s
         except ParsimError as err:
             raise ParsimError(f"{source}: rows[{i}] ({label}): {err}") from None
