@@ -23,6 +23,7 @@ tables: parsim/validation/training_runs/*.yaml (a path to your own table works t
 examples:
   parsim validate                              (Megatron-LM SC21, Table 1: GPT on A100s, 2021)
   parsim validate megatron-bridge-h100-fp8     (NVIDIA's Llama 3 FP8 runs on H100s, 2025)
+  parsim validate megatron-korthikanti-2022-table5  (GPT 22B-1T iteration times on A100s, 2022)
   parsim validate megatron-sc21-table1 --json
 """
 
@@ -59,16 +60,28 @@ class _RowProgress(OpsProgress):
 
 
 def report(v: Validation) -> str:
-    rows = [[r.label, f"{r.gpus:,}", r.layout, f"{r.published:g}", f"{r.predicted:.1f}", f"{r.error:+.1%}"]
-            for r in v.rows]
+    settings = any(r.settings for r in v.rows)  # a column only for tables whose rows differ in software
+    rows = [[r.label, f"{r.gpus:,}", r.layout, *([_settings(r)] if settings else []), _figure(r.published),
+             _figure(r.predicted), f"{r.error:+.1%}"] for r in v.rows]
     title = f"{v.name}: {v.source}, on {v.cluster} ({v.metric.replace('_', ' ')})"
-    table = render_table(["model", "GPUs", "layout", "published", "predicted", "error"], rows, title=title)
+    headers = ["model", "GPUs", "layout", *(["settings"] if settings else []), "published", "predicted", "error"]
+    table = render_table(headers, rows, title=title)
     return (f"{table}\n\nmedian |error| {v.median_abs_error:.1%}, max |error| {v.max_abs_error:.1%} "
             f"over {len(v.rows)} rows (positive: parsim predicts faster than measured)")
+
+
+def _settings(row) -> str:
+    return ", ".join(f"{key} {value}" for key, value in row.settings.items())
+
+
+def _figure(value: float) -> str:
+    """Four significant digits, whole numbers from 1,000 up: 168.4, 1.351 s, 14,451 tokens/s."""
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.4g}"
 
 
 def to_json(v: Validation) -> dict:
     return {"table": v.name, "source": v.source, "cluster": v.cluster, "metric": v.metric,
             "rows": [{"model": r.label, "gpus": r.gpus, "layout": r.layout, "published": r.published,
-                      "predicted": r.predicted, "error": r.error, "step_s": r.step_s} for r in v.rows],
+                      "predicted": r.predicted, "error": r.error, "step_s": r.step_s, "settings": r.settings}
+                     for r in v.rows],
             "median_abs_error": v.median_abs_error, "max_abs_error": v.max_abs_error}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.resources
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -33,10 +33,15 @@ class RowResult:
     published: float
     predicted: float
     step_s: float
+    duration: bool = False  # the metric is a time (lower is faster), not a rate
+    settings: dict[str, str] = field(default_factory=dict)  # the table's per-row settings this row names
 
     @property
     def error(self) -> float:
-        """Predicted over published, minus one: positive when parsim predicts too fast a run."""
+        """How much faster parsim predicts the run than published, as a ratio minus one: predicted over
+        published for a rate, published over predicted for a time. Positive: parsim predicts too fast."""
+        if self.duration:
+            return self.published / self.predicted - 1
         return self.predicted / self.published - 1
 
 
@@ -148,8 +153,10 @@ def validate(name_or_path: str, progress: Callable[[int, int], None] | None = No
             raise ConfigError(source, f"rows[{i}].gpus", f"is {row['gpus']}", f"dp x pp x cp x tp = {plan.world}")
         layout = (f"tp {plan.tp} x pp {plan.pp}" + (f" x cp {plan.cp}" if plan.cp > 1 else "") + f" x dp {plan.dp}"
                   + (f", v {plan.virtual_stages}" if plan.virtual_stages > 1 else ""))
+        named = {key: str(row[key]) for key in table.get("settings", {}) if key in row}
         results.append(RowResult(label, plan.world, layout, float(row[table["metric"]]),
-                                 metric(table, row, step_s, plan.world), step_s))
+                                 metric(table, row, step_s, plan.world), step_s, table["metric"] in DURATION_METRICS,
+                                 named))
     if progress:
         progress(len(table["rows"]), len(table["rows"]))
     return Validation(table.get("name", Path(source).stem), table.get("source", ""), table["metric"],
@@ -190,5 +197,11 @@ def _tokens_per_gpu(table: Mapping[str, Any], row: Mapping[str, Any], step_s: fl
     return row["global_batch"] * table["seq"] / step_s / gpus
 
 
-METRICS = {"tflops_per_gpu": _megatron_tflops, "tokens_per_sec_per_gpu": _tokens_per_gpu}
+def _iteration_s(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> float:
+    """The iteration (training step) time in seconds."""
+    return step_s
+
+
+METRICS = {"tflops_per_gpu": _megatron_tflops, "tokens_per_sec_per_gpu": _tokens_per_gpu, "iteration_s": _iteration_s}
+DURATION_METRICS = ("iteration_s",)  # lower is faster
 SHAPE_METRICS = ("tflops_per_gpu",)  # metrics computed from the row's own shape (no named model)
