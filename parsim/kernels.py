@@ -108,9 +108,10 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         elementwise += tokens * sum(2 * c.bytes_per_token for c in regrouped)
         kernels += len(regrouped)
     # Autograd adds each weight gradient into .grad for every microbatch but the first, whose gradient
-    # becomes .grad as it is: on average (m - 1) / m of a read-both, write-one pass over the weights.
+    # becomes .grad as it is: on average (m - 1) / m of a read-both, write-one pass over the weights. A fused
+    # accumulation does it in the weight-gradient matmul's epilogue, hidden by its FLOPs (k = tokens).
     accumulate = 0.0
-    if kind in ("B", "W"):
+    if kind in ("B", "W") and plan.grad_accumulation == "autograd":
         weights = sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
                       for mm in block.matmuls)
         m = plan.num_microbatches

@@ -62,6 +62,10 @@ TP_STYLES = ("megatron", "allgather")
 RECOMPUTE = ("none", "selective", "full")
 GRAD_SYNCS = ("per_param", "bucketed", "fsdp")  # fsdp: ZeRO-3 with FSDP2's per-layer units
 ZERO_STAGES = (0, 1, 2, 3)
+# How each microbatch's weight gradient joins the step's sum: "autograd" adds it into .grad in a pass of
+# its own (torch; Megatron-LM without the fusion); "fused" has the weight-gradient matmul accumulate into the
+# gradient buffer in its epilogue (Megatron-LM's gradient_accumulation_fusion, TE's fuse_wgrad_accumulation).
+GRAD_ACCUMULATIONS = ("autograd", "fused")
 DIMS = ("dp", "pp", "cp", "tp")  # expert parallelism (ep) folds into dp x cp, as Megatron-LM's
 CP_STYLES = ("ring", "all_gather")
 DEFAULT_ORDER = "dp,pp,cp,tp"
@@ -107,6 +111,10 @@ class Plan:
     ``overlap_param_gather`` (ZeRO-1/2) moves the weight all-gathers from after
     the optimizer step to the next step's forward, each layer's first forward
     waiting for its bucket (Megatron-LM's ``--overlap-param-gather``).
+    ``grad_accumulation`` "autograd" adds every microbatch's weight gradients
+    but the first into ``.grad`` in a memory pass of their own; "fused" lets the
+    weight-gradient matmul accumulate in place (Megatron-LM's
+    ``gradient_accumulation_fusion``), which costs no pass.
 
     Pipeline stages: the layers split into ``pp · virtual_stages`` stages;
     stage ``s`` runs on pipeline rank ``s % pp`` (Megatron-LM's interleaved
@@ -166,6 +174,7 @@ class Plan:
     shard_group: int | None = None
     reshard_after_forward: bool = True
     overlap_param_gather: bool = False
+    grad_accumulation: str = "autograd"
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
     activation_recompute: str = "none"
@@ -255,6 +264,8 @@ class Plan:
         if self.overlap and self.grad_sync == "per_param":
             self._fail("overlap needs grad_sync bucketed (per_param all-reduces after the backward, "
                        "as in the lecture)")
+        if self.grad_accumulation not in GRAD_ACCUMULATIONS:
+            self._fail(f"grad_accumulation {self.grad_accumulation!r} is not one of {', '.join(GRAD_ACCUMULATIONS)}")
         if self.zero not in ZERO_STAGES:
             self._fail(f"zero {self.zero!r} is not a ZeRO stage (0: replicated; 1: optimizer state sharded; "
                        f"2: and gradients; 3: and weights, as FSDP)")
@@ -532,6 +543,8 @@ class Plan:
         if self.activation_recompute != "none":
             layers = f", first {self.recompute_layers} layers per stage" if self.recompute_layers else ""
             out.append(f"{self.activation_recompute} recompute{layers}")
+        if self.grad_accumulation == "fused":
+            out.append("weight gradients accumulated by their matmuls")
         if self.num_stages > 1 and len(set(self.stage_split)) > 1:
             out.append("layers per stage " + runs_text(self.stage_split))
         return out
@@ -561,6 +574,7 @@ class Plan:
             "context_parallel": self.context_parallel,
             "sequence_parallel": self.sequence_parallel,
             "tp_comm_overlap": self.tp_comm_overlap,
+            "grad_accumulation": self.grad_accumulation,
             "activation_recompute": ({"granularity": self.activation_recompute, "layers": self.recompute_layers}
                                      if self.recompute_layers else self.activation_recompute),
             "data_parallel": data_parallel,
@@ -580,7 +594,7 @@ class Plan:
 # --------------------------------------------------------------------------- loading
 _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "virtual_stages", "layers_per_stage",
              "dtype", "tensor_parallel", "sequence_parallel", "tp_comm_overlap", "context_parallel",
-             "activation_recompute", "data_parallel", "moe")
+             "activation_recompute", "data_parallel", "grad_accumulation", "moe")
 _RECOMPUTE_KEYS = ("granularity", "layers")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
 _MOE_KEYS = ("capacity_factor", "expert_load")
@@ -664,6 +678,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         layers_per_stage=_stage_split(top),
         sequence_parallel=top.boolean("sequence_parallel", False),
         tp_comm_overlap=top.boolean("tp_comm_overlap", False),
+        grad_accumulation=top.text("grad_accumulation", "autograd"),
         activation_recompute=recompute[0], recompute_layers=recompute[1],
         dtype=top.text("dtype", "fp32"), tp_style=top.text("tensor_parallel"),
         grad_sync=grad_sync, bucket_size=sync.size("bucket_size", DEFAULT_BUCKET_SIZE),

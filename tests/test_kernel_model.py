@@ -161,6 +161,31 @@ def test_the_first_microbatch_adds_nothing_into_grad():
         assert work.accumulate_bytes == pytest.approx(expected)
 
 
+def test_a_fused_accumulation_adds_no_pass_and_shortens_only_multi_microbatch_steps(tmp_path, capsys):
+    """grad_accumulation: fused (Megatron-LM's gradient_accumulation_fusion) accumulates in the weight-gradient
+    matmul: no pass over the weights, so a step of 4 microbatches gets shorter and a step of 1 does not."""
+    from parsim.kernels import block_work
+    from parsim.step import predict_step
+
+    spec = load_cluster("dgx-h100")
+    model = load_model("llama3-8b")
+    block = model.layer_costs(2)[0].blocks[1]
+    steps = {}
+    for mode in ("autograd", "fused"):
+        for microbatches in (1, 4):
+            plan = Plan(model=model, dp=8, num_microbatches=microbatches, dtype="bf16", grad_accumulation=mode)
+            if mode == "fused":
+                assert block_work(plan, block, "W", plan.tokens_per_rank).accumulate_bytes == 0
+            steps[mode, microbatches] = predict_step(plan, spec).step_s
+    assert steps["fused", 1] == pytest.approx(steps["autograd", 1])
+    assert steps["fused", 4] < steps["autograd", 4]
+    path = tmp_path / "plan.yaml"
+    path.write_text("model: tiny-gpt\nparallel: {dp: 2}\ngrad_accumulation: fusedd\n")
+    assert main(["simulate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "grad_accumulation 'fusedd' is not one of autograd, fused" in err and len(err.strip().splitlines()) == 1
+
+
 def test_a_tensor_parallel_gather_over_features_copies_its_tensor_once():
     from parsim.kernels import block_work
 

@@ -133,6 +133,8 @@ def check_plan(plan: Plan) -> None:
         ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),
         ("dropping tokens over an expert capacity (capacity_factor)", plan.capacity_factor is not None),
         ("latent attention (MLA)", m.attention == "mla"),
+        ("weight-gradient matmuls that accumulate in place (grad_accumulation: fused)",
+         plan.grad_accumulation == "fused"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
     if missing:
         raise ParsimError(f"parsim run does not execute {', '.join(missing)} yet; `parsim simulate` predicts it "
