@@ -414,7 +414,7 @@ class Lowering:
                 if not plan.overlap_param_gather:
                     gather.append((dim, tag, nbytes))
         if plan.sequence_parallel and plan.tp > 1:
-            sync.append(self._sequence_parallel_norms(rank, p, last_compute))
+            sync.append(self._sequence_parallel_norms(rank, p, tuple(sync) or (last_compute,)))
         expert_params = plan.expert_params_per_rank(p)
         params = (plan.params_per_rank(p) - expert_params) / plan.shard_size + expert_params / plan.expert_shard_size
         tensors_count = sum(len(param_tensors(c, plan.tp, plan.ep)) for s in plan.stages_of(p)
@@ -469,15 +469,17 @@ class Lowering:
                 waits[member] = waits.get(member, ()) + (op,)
         return waits
 
-    def _sequence_parallel_norms(self, rank: int, p: int, after: int) -> int:
+    def _sequence_parallel_norms(self, rank: int, p: int, after: tuple[int, ...]) -> int:
         """Sum the norm gains' gradients over the tp group: under sequence parallelism each rank saw only
-        its part of the sequence (Megatron-LM all-reduces them after the data-parallel sync)."""
+        its part of the sequence. Megatron-LM all-reduces them after the data-parallel sync, in line on
+        the compute stream (``finalize_model_grads``), where the other tp collectives run: no other stream
+        shares their links, so the simulator times them all in closed form."""
         plan = self.plan
         elements = sum(param.numel_per_rank(plan.tp) for s in plan.stages_of(p) for cost in plan.stage_costs(s)
                        for param in cost.params if param.name.startswith("norm."))
         group, mirrors = self.group(p, "tp")
-        return self._add(rank, Op(collective_name("all_reduce", "tp", params="norms"), "collective", "comm",
-                                  deps=(after,), collective="all_reduce", group="tp", ranks=group, mirrors=mirrors,
+        return self._add(rank, Op(collective_name("all_reduce", "tp", params="norms"), "collective", "compute",
+                                  deps=after, collective="all_reduce", group="tp", ranks=group, mirrors=mirrors,
                                   nbytes=elements * plan.dtype_bytes, phase="tp"))
 
     def _dp_collective(self, rank: int, p: int, collective: str, dim: str, nbytes: float, deps: tuple,
