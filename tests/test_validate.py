@@ -150,6 +150,15 @@ def test_bad_tables_are_refused_in_one_line(tmp_path, capsys, text, expected):
     assert expected in err and len(err.strip().splitlines()) == 1
 
 
+def test_the_help_examples_name_built_in_tables():
+    from parsim.cli.validate_cmd import HELP
+    from parsim.validation.training import builtin_tables
+
+    examples = [line.split()[2:] for line in HELP.splitlines() if line.strip().startswith("parsim validate")]
+    named = [words[0] for words in examples if words and not words[0].startswith(("(", "-"))]
+    assert len(named) >= 3 and all(name in builtin_tables() for name in named)
+
+
 def test_an_unknown_table_names_the_built_in_ones(capsys):
     assert main(["validate", "no-such-table"]) == 2
     assert "megatron-sc21-table1" in capsys.readouterr().err

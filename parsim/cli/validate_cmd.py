@@ -6,7 +6,7 @@ import argparse
 
 from ..jsondoc import print_json
 from ..table import render_table
-from ..validation.training import Validation, builtin_tables, validate
+from ..validation.training import RowResult, Validation, builtin_tables, validate
 from .common import OpsProgress
 
 HELP = """\
@@ -23,7 +23,7 @@ tables: parsim/validation/training_runs/*.yaml (a path to your own table works t
 examples:
   parsim validate                              (Megatron-LM SC21, Table 1: GPT on A100s, 2021)
   parsim validate megatron-bridge-h100-fp8     (NVIDIA's Llama 3 FP8 runs on H100s, 2025)
-  parsim validate megatron-korthikanti-2022-table5  (GPT 22B-1T iteration times on A100s, 2022)
+  parsim validate megatron-mlsys23-table5      (GPT 22B-1T iteration times on A100s, 2022)
   parsim validate megatron-sc21-table1 --json
 """
 
@@ -70,7 +70,7 @@ def report(v: Validation) -> str:
             f"over {len(v.rows)} rows (positive: parsim predicts faster than measured)")
 
 
-def _settings(row) -> str:
+def _settings(row: RowResult) -> str:
     return ", ".join(f"{key} {value}" for key, value in row.settings.items())
 
 
