@@ -19,7 +19,7 @@ import time
 
 from parsim.cluster import load_cluster
 from parsim.model import load_model
-from parsim.plan import resolve_plan
+from parsim.plan import DEFAULT_ADAMW, resolve_plan
 from parsim.search.report import describe, figures
 from parsim.search.search import SearchRequest, run_search
 from parsim.step import predict_step
@@ -34,8 +34,9 @@ CASES = {  # name: (model, GPUs, global batch in sequences of 8,192 tokens)
 EXAMPLES = ("llama3-8b-fsdp8", "llama3-70b-1024", "llama3-405b-16k")
 
 
-def search(model: str, gpus: int, batch: int, simulate: int = 10):
-    request = SearchRequest(load_model(model), model, load_cluster("dgx-h100"), (gpus,), batch, simulate=simulate)
+def search(model: str, gpus: int, batch: int, simulate: int = 10, adamw: str = DEFAULT_ADAMW):
+    request = SearchRequest(load_model(model), model, load_cluster("dgx-h100"), (gpus,), batch, simulate=simulate,
+                            adamw=adamw)
     started = time.perf_counter()
     result = run_search(request)
     return result, time.perf_counter() - started
@@ -70,7 +71,7 @@ def examples() -> None:
     for name in EXAMPLES:
         plan = resolve_plan(name)
         by_hand = predict_step(plan, cluster)
-        result, _ = search(plan.model.name, plan.world, plan.global_batch_size, simulate=5)
+        result, _ = search(plan.model.name, plan.world, plan.global_batch_size, simulate=5, adamw=plan.adamw)
         best = result.ranked[0]
         rows.append([name, f"{plan.world:,}", f"{plan.global_batch_size:,}", plan.degrees_text(),
                      f"{by_hand.step_s:.3f}", describe(best)["plan"], f"{best.step_s:.3f}",

@@ -66,6 +66,10 @@ ZERO_STAGES = (0, 1, 2, 3)
 # its own (torch; Megatron-LM without the fusion); "fused" has the weight-gradient matmul accumulate into the
 # gradient buffer in its epilogue (Megatron-LM's gradient_accumulation_fusion, TE's fuse_wgrad_accumulation).
 GRAD_ACCUMULATIONS = ("autograd", "fused")
+# AdamW's implementation: torch's "foreach" (and for-loop) steps pass over each tensor several times; "fused"
+# (torch's fused=True, Apex's and Transformer Engine's FusedAdam) updates weight and moments in one pass.
+ADAMW_IMPLEMENTATIONS = ("foreach", "fused")
+DEFAULT_ADAMW = "foreach"  # what the executor's torch.optim.AdamW runs by default
 DIMS = ("dp", "pp", "cp", "tp")  # expert parallelism (ep) folds into dp x cp, as Megatron-LM's
 CP_STYLES = ("ring", "all_gather")
 DEFAULT_ORDER = "dp,pp,cp,tp"
@@ -114,7 +118,10 @@ class Plan:
     ``grad_accumulation`` "autograd" adds every microbatch's weight gradients
     but the first into ``.grad`` in a memory pass of their own; "fused" lets the
     weight-gradient matmul accumulate in place (Megatron-LM's
-    ``gradient_accumulation_fusion``), which costs no pass.
+    ``gradient_accumulation_fusion``), which costs no pass. ``adamw`` "foreach"
+    prices torch's default AdamW step (several passes per tensor), "fused" one
+    pass over weight, gradient and moments (``torch.optim.AdamW(fused=True)``,
+    Apex's and Transformer Engine's ``FusedAdam``).
 
     Pipeline stages: the layers split into ``pp · virtual_stages`` stages;
     stage ``s`` runs on pipeline rank ``s % pp`` (Megatron-LM's interleaved
@@ -175,6 +182,7 @@ class Plan:
     reshard_after_forward: bool = True
     overlap_param_gather: bool = False
     grad_accumulation: str = "autograd"
+    adamw: str = DEFAULT_ADAMW
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
     activation_recompute: str = "none"
@@ -266,6 +274,8 @@ class Plan:
                        "as in the lecture)")
         if self.grad_accumulation not in GRAD_ACCUMULATIONS:
             self._fail(f"grad_accumulation {self.grad_accumulation!r} is not one of {', '.join(GRAD_ACCUMULATIONS)}")
+        if self.adamw not in ADAMW_IMPLEMENTATIONS:
+            self._fail(f"adamw {self.adamw!r} is not one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
         if self.zero not in ZERO_STAGES:
             self._fail(f"zero {self.zero!r} is not a ZeRO stage (0: replicated; 1: optimizer state sharded; "
                        f"2: and gradients; 3: and weights, as FSDP)")
@@ -545,6 +555,8 @@ class Plan:
             out.append(f"{self.activation_recompute} recompute{layers}")
         if self.grad_accumulation == "fused":
             out.append("weight gradients accumulated by their matmuls")
+        if self.adamw == "fused":
+            out.append("fused AdamW")
         if self.num_stages > 1 and len(set(self.stage_split)) > 1:
             out.append("layers per stage " + runs_text(self.stage_split))
         return out
@@ -575,6 +587,7 @@ class Plan:
             "sequence_parallel": self.sequence_parallel,
             "tp_comm_overlap": self.tp_comm_overlap,
             "grad_accumulation": self.grad_accumulation,
+            "adamw": self.adamw,
             "activation_recompute": ({"granularity": self.activation_recompute, "layers": self.recompute_layers}
                                      if self.recompute_layers else self.activation_recompute),
             "data_parallel": data_parallel,
@@ -594,7 +607,7 @@ class Plan:
 # --------------------------------------------------------------------------- loading
 _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "virtual_stages", "layers_per_stage",
              "dtype", "tensor_parallel", "sequence_parallel", "tp_comm_overlap", "context_parallel",
-             "activation_recompute", "data_parallel", "grad_accumulation", "moe")
+             "activation_recompute", "data_parallel", "grad_accumulation", "adamw", "moe")
 _RECOMPUTE_KEYS = ("granularity", "layers")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
 _MOE_KEYS = ("capacity_factor", "expert_load")
@@ -678,7 +691,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         layers_per_stage=_stage_split(top),
         sequence_parallel=top.boolean("sequence_parallel", False),
         tp_comm_overlap=top.boolean("tp_comm_overlap", False),
-        grad_accumulation=top.text("grad_accumulation", "autograd"),
+        grad_accumulation=top.text("grad_accumulation", "autograd"), adamw=top.text("adamw", DEFAULT_ADAMW),
         activation_recompute=recompute[0], recompute_layers=recompute[1],
         dtype=top.text("dtype", "fp32"), tp_style=top.text("tensor_parallel"),
         grad_sync=grad_sync, bucket_size=sync.size("bucket_size", DEFAULT_BUCKET_SIZE),

@@ -38,6 +38,9 @@ PLANS = {
     "buckets after the backward": load_plan({
         "model": MLP, "parallel": {"dp": WORLD},
         "data_parallel": {"grad_sync": "bucketed", "bucket_size": 3 * LAYER_BYTES, "overlap": False}}),
+    "buckets after the backward, fused AdamW": load_plan({
+        "model": MLP, "parallel": {"dp": WORLD}, "adamw": "fused",
+        "data_parallel": {"grad_sync": "bucketed", "bucket_size": 3 * LAYER_BYTES, "overlap": False}}),
     "transformer buckets overlapped": load_plan({
         "model": GPT, "parallel": {"dp": WORLD}, "batch": {"microbatch_size": 1, "num_microbatches": 2},
         "data_parallel": {"grad_sync": "bucketed", "bucket_size": "8KiB", "overlap": True}}),

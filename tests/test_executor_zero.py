@@ -28,9 +28,9 @@ GPT = {"kind": "transformer", "name": "gpt", "num_layers": 4, "hidden": 32, "num
 BATCH = {"microbatch_size": 2, "num_microbatches": 2}
 
 
-def _plan(parallel: dict, data_parallel: dict, schedule: str = "1f1b") -> object:
+def _plan(parallel: dict, data_parallel: dict, schedule: str = "1f1b", **settings) -> object:
     return load_plan({"model": GPT, "parallel": parallel, "batch": BATCH, "schedule": schedule,
-                      "data_parallel": data_parallel})
+                      "data_parallel": data_parallel, **settings})
 
 
 ZERO1 = {"grad_sync": "bucketed", "bucket_size": "8KiB", "zero": 1}
@@ -41,6 +41,8 @@ PLANS = {
         "zero1 dp2, weights gathered in the next forward": _plan({"dp": 2}, dict(ZERO1, overlap_param_gather=True)),
         "fsdp dp2": _plan({"dp": 2}, FSDP),
         "fsdp dp2, kept unsharded after forward": _plan({"dp": 2}, dict(FSDP, reshard_after_forward=False)),
+        "zero1 dp2, fused AdamW": _plan({"dp": 2}, ZERO1, adamw="fused"),
+        "fsdp dp2, fused AdamW": _plan({"dp": 2}, FSDP, adamw="fused"),
     },
     4: {
         "zero2 dp4, hsdp shard_group 2, buckets after the backward": _plan(

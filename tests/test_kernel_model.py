@@ -186,6 +186,25 @@ def test_a_fused_accumulation_adds_no_pass_and_shortens_only_multi_microbatch_st
     assert "grad_accumulation 'fusedd' is not one of autograd, fused" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_fused_adamw_makes_one_pass_of_seven_fp32_accesses():
+    """adamw: fused reads weight, gradient and both moments and writes weight and moments (7 x 4 bytes per
+    parameter) in a launch per 36 tensors; torch's foreach AdamW makes 21 accesses in 8 passes per tensor."""
+    from parsim.lower import lower
+
+    model = load_model("llama3-8b")
+    steps = {}
+    for adamw in ("foreach", "fused"):
+        plan = Plan(model=model, dp=8, dtype="bf16", adamw=adamw)
+        (op,) = [op for op in lower(plan).rank_ops(0) if op.phase == "optimizer"]
+        params = plan.params_per_rank(0)
+        assert op.flops == 12.0 * params
+        steps[adamw] = op
+    assert steps["fused"].hbm_bytes == 7 * 4 * params and steps["foreach"].hbm_bytes == 21 * 4 * params
+    tensors = steps["foreach"].optimizer_tensors
+    assert steps["foreach"].kernels == 8 * tensors and steps["fused"].kernels == -(-tensors // 36)
+    assert steps["fused"].optimizer_tensors == 0 and steps["fused"].forward_ops == tensors
+
+
 def test_a_tensor_parallel_gather_over_features_copies_its_tensor_once():
     from parsim.kernels import block_work
 

@@ -51,15 +51,18 @@ def test_step_times_agree_with_the_event_simulation_over_the_whole_space(small):
     assert np.abs(fsdp).max() < 0.25  # docs/search.md: FSDP gathers on a latency-bound model
 
 
-def test_llama_plans_agree_within_a_few_percent():
-    space = SearchSpace(load_model("llama3-8b"), 8, 32, model_spec="llama3-8b")
+@pytest.mark.parametrize("adamw", ["foreach", "fused"])
+def test_llama_plans_agree_within_a_few_percent(adamw):
+    space = SearchSpace(load_model("llama3-8b"), 8, 32, model_spec="llama3-8b", adamw=adamw)
     cluster = load_cluster("dgx-h100")
     fast = FastModel(space, cluster)
     prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
     fits = [(p, int(i)) for p in prepared for i in np.flatnonzero(np.isfinite(p.bound))]
     picks = [fits[k] for k in np.random.default_rng(1).choice(len(fits), 12, replace=False)]
     for (prep, i), estimate in zip(picks, fast.estimate(picks)):
-        simulated = predict_step(Candidate(prep.setting, prep.variants[i]).plan(space), cluster)
+        plan = Candidate(prep.setting, prep.variants[i]).plan(space)
+        assert plan.adamw == adamw
+        simulated = predict_step(plan, cluster)
         assert estimate.step_s == pytest.approx(simulated.step_s, rel=0.05)
         assert estimate.memory_bytes == pytest.approx(max(m.total for m in simulated.memory), rel=1e-12)
 

@@ -211,7 +211,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     if sharded and plan.zero < 3:
         optimizer = grad_sync = ZeroOptimizer(sync_order, plan.zero, shard_group, groups.get("replicate"),
                                               plan.bucket_size, plan.overlap, plan.num_microbatches, recorder,
-                                              LEARNING_RATE, plan.overlap_param_gather)
+                                              LEARNING_RATE, plan.overlap_param_gather, plan.adamw == "fused")
         after_step = grad_sync.gather_weights
         if plan.overlap_param_gather:  # each piece's forward waits for its parameters' buckets
             for stage in stages.values():
@@ -223,7 +223,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
             [p for p in sync_order if id(p) not in routed], groups.get("dp"), replicas, plan.grad_sync,
             plan.bucket_size, plan.overlap, plan.num_microbatches, recorder,
             [p for p in sync_order if id(p) in routed], groups.get("edp"), replicas // plan.ep, replicas)
-        optimizer = torch.optim.AdamW(sync_order, lr=LEARNING_RATE)
+        optimizer = torch.optim.AdamW(sync_order, lr=LEARNING_RATE, fused=plan.adamw == "fused")
     owners = {s: plan.rank_of(dp=coords.dp, pp=schedule.stage_to_rank(s), cp=coords.cp, tp=coords.tp)
               for s in range(plan.num_stages)}
     runtime = PipelineRuntime(schedule, coords.pp, stages, owners, rank, recorder, _activation_shape(plan),

@@ -59,7 +59,7 @@ class ZeroOptimizer(BucketReducer):
 
     def __init__(self, params: list, stage: int, shard_group: Any, replicate_group: Any, bucket_size: int,
                  overlap: bool, accumulations: int, recorder: Recorder, lr: float,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, fused: bool = False):
         size = dist.get_world_size(shard_group)
         self.overlap_param_gather = overlap_param_gather
         self._stale = False  # the optimizer has stepped; the parameters wait for the buckets' all-gathers
@@ -85,7 +85,7 @@ class ZeroOptimizer(BucketReducer):
                 self._offset_of.update((id(p), offset) for p, offset in zip(bucket, offsets))
                 weights = flat[rank * per:(rank + 1) * per].clone().requires_grad_(True)
                 self.shards.append(_Shard(offsets, rank * per, weights))
-        self.adamw = torch.optim.AdamW([s.weights for s in self.shards], lr=lr)
+        self.adamw = torch.optim.AdamW([s.weights for s in self.shards], lr=lr, fused=fused)
 
     # -- the optimizer's face ----------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:

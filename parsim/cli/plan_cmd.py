@@ -13,8 +13,8 @@ from typing import Any
 from ..errors import ParsimError
 from ..jsondoc import print_json
 from ..model import builtin_models, load_model
-from ..plan import (CP_STYLES, DIMS, DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_SYNCS, RECOMPUTE, SCHEDULES, TP_STYLES,
-                    ZERO_STAGES, Plan, builtin_plans, load_plan, resolve_plan, runs_text)
+from ..plan import (ADAMW_IMPLEMENTATIONS, CP_STYLES, DIMS, DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_SYNCS, RECOMPUTE,
+                    SCHEDULES, TP_STYLES, ZERO_STAGES, Plan, builtin_plans, load_plan, resolve_plan, runs_text)
 from ..table import render_table
 from ..units import format_size
 from .common import add_cluster_args
@@ -97,6 +97,9 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
                    help="how microbatches' weight gradients are summed: autograd adds each into .grad in a pass of "
                         "its own; fused has the weight-gradient matmul accumulate (Megatron-LM's "
                         "gradient_accumulation_fusion)")
+    g.add_argument("--adamw", choices=ADAMW_IMPLEMENTATIONS,
+                   help="AdamW's implementation: foreach (torch's default, several passes per tensor) or fused "
+                        "(one pass: torch's fused=True, Apex's and Transformer Engine's FusedAdam)")
     g.add_argument("--zero", type=int, choices=ZERO_STAGES,
                    help="ZeRO stage: 1 shards optimizer state, 2 and gradients, 3 and weights (as --grad-sync fsdp)")
     g.add_argument("--shard-group", type=int, metavar="N", help="HSDP: shard within groups of N data-parallel ranks")
@@ -118,6 +121,7 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
         "tensor_parallel": args.tensor_parallel, "sequence_parallel": args.sequence_parallel,
         "tp_comm_overlap": args.tp_comm_overlap, "context_parallel": args.context_parallel,
         "activation_recompute": _recompute_flags(args), "grad_accumulation": args.grad_accumulation,
+        "adamw": args.adamw,
         "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap,
                           "zero": args.zero, "shard_group": args.shard_group,
                           "overlap_param_gather": args.overlap_param_gather},

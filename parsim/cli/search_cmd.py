@@ -11,7 +11,7 @@ import sys
 from ..cluster import load_cluster
 from ..errors import ParsimError
 from ..model import TransformerModel, builtin_models, load_model
-from ..plan import DTYPE_BYTES
+from ..plan import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW, DTYPE_BYTES
 from ..search.search import SORTS, SearchRequest, run_search
 from ..units import parse_size
 from ..jsondoc import print_json
@@ -62,6 +62,9 @@ def register(subparsers) -> None:
                         "batches); default: the model's batch (MLP) or 4M tokens")
     p.add_argument("--seq", type=int, metavar="N", help="sequence length (default: the model's)")
     p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="compute precision (default bf16)")
+    p.add_argument("--adamw", choices=ADAMW_IMPLEMENTATIONS, default=DEFAULT_ADAMW,
+                   help="AdamW's implementation in every plan: foreach (torch's default) or fused (torch's "
+                        "fused=True, torchtitan's default; Apex's and TE's FusedAdam)")
     for dim, what in DEGREES.items():
         p.add_argument(f"--{dim}", metavar="N[,N...]", help=f"search only these {what} degrees (default: all)")
     p.add_argument("--max-memory", metavar="SIZE", help="memory a plan may use per GPU, e.g. 75GB (default: all)")
@@ -141,7 +144,7 @@ def request_from_args(args: argparse.Namespace) -> SearchRequest:
     return SearchRequest(model, spec, cluster, gpus, _global_batch(args.global_batch, model), args.dtype, max_memory,
                          args.price_per_gpu_hour, None if args.tokens is None else parse_count(args.tokens, "--tokens"),
                          args.sort, keep=max(50, args.top, args.simulate), simulate=args.simulate,
-                         degrees=_degrees(args))
+                         degrees=_degrees(args), adamw=args.adamw)
 
 
 def _degrees(args: argparse.Namespace) -> tuple[tuple[str, tuple[int, ...]], ...]:

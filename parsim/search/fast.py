@@ -39,8 +39,7 @@ import numpy as np
 
 from ..cluster import ClusterSpec
 from ..compute import ComputeModel
-from ..lower import (ADAMW_ACCESSES, ADAMW_KERNELS, FP32, CommPiece, Lowering, bucket_members, fsdp_bytes,
-                     param_tensors)
+from ..lower import CommPiece, Lowering, adamw_costs, bucket_members, fsdp_bytes, param_tensors
 from ..model import MLPModel
 from ..plan import DTYPE_BYTES, Plan
 from ..schedules import make_schedule, peak_in_flight
@@ -136,8 +135,8 @@ class FastModel:
             plan = self._plans[key] = Plan(
                 model=model, dp=dp, tp=s.tp, pp=pp, cp=s.cp, ep=s.ep, microbatch_size=s.microbatch_size,
                 num_microbatches=m, schedule=schedule, virtual_stages=vs, dtype=self.space.dtype,
-                order=v.order, sequence_parallel=v.sequence_parallel, tp_comm_overlap=v.tp_overlap,
-                activation_recompute=v.recompute,
+                adamw=self.space.adamw, order=v.order, sequence_parallel=v.sequence_parallel,
+                tp_comm_overlap=v.tp_overlap, activation_recompute=v.recompute,
                 context_parallel=v.context_parallel, grad_sync=v.grad_sync, zero=v.zero,
                 overlap_param_gather=v.param_overlap, shard_group=v.shard_group,
                 bucket_size=self.space.bucket_size, name="search")
@@ -659,8 +658,7 @@ class FastModel:
         experts = ranks.experts[p]
         params = (ranks.params[p] - experts) / shard + experts / expert_shard
         tensors = int(ranks.tensors[p])
-        return self.compute.time((), 12.0 * params, params * ADAMW_ACCESSES * FP32, tensors * ADAMW_KERNELS,
-                                 optimizer_tensors=tensors, stream_bytes=params * ADAMW_ACCESSES * FP32)
+        return self.compute.time((), **adamw_costs(self.space.adamw, params, tensors))
 
 
 _PLAIN = Variant("dp,pp,cp,tp", False, "none", "ring", "bucketed", 0, None)

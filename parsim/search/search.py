@@ -27,6 +27,7 @@ import numpy as np
 from ..cluster import ClusterSpec
 from ..errors import ParsimError
 from ..model import Model
+from ..plan import DEFAULT_ADAMW
 from ..step import StepPrediction, predict_step
 from .fast import Estimate, FastModel, Prepared
 from .pareto import front_indices, pareto_front
@@ -54,6 +55,7 @@ class SearchRequest:
     keep: int = 50  # plans ranked exactly by the fast tier
     simulate: int = 10  # of them, the best run through the event simulation
     degrees: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (dim, allowed values): search only those
+    adamw: str = DEFAULT_ADAMW  # AdamW's implementation in every plan
 
     @property
     def price(self) -> float | None:
@@ -130,7 +132,7 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
     for gpus in request.gpus:
         space = SearchSpace(request.model, gpus, request.global_batch, request.dtype,
                             request.cluster.gpus_per_node, model_spec=request.model_spec, degrees=request.degrees,
-                            tp_overlap=request.cluster.overlaps_tp_comm)
+                            tp_overlap=request.cluster.overlaps_tp_comm, adamw=request.adamw)
         fast = FastModel(space, request.cluster, request.capacity)
         counts = SpaceCounts(gpus)
         settings = list(enumerate_settings(space, counts.rejections))

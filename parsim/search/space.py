@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple
 
 from ..model import Model, TransformerModel
-from ..plan import DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, STEADY_STATE_SCHEDULES, Plan, parse_plan
+from ..plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, STEADY_STATE_SCHEDULES, Plan, parse_plan
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
 
 ORDERS = (DEFAULT_ORDER, "pp,dp,cp,tp")  # parsim's default, and Megatron-LM's (pp outermost, dp inside it)
@@ -119,6 +119,7 @@ class Candidate(NamedTuple):
             "schedule": s.schedule,
             "virtual_stages": s.virtual_stages,
             "dtype": space.dtype,
+            "adamw": space.adamw,
             "sequence_parallel": v.sequence_parallel,
             "tp_comm_overlap": v.tp_overlap,
             "activation_recompute": v.recompute,
@@ -150,6 +151,7 @@ class SearchSpace:
     model_spec: Any = None  # how a plan file names the model (a preset name); None: the model inline
     degrees: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (dim, allowed values): only those (``--tp 8``)
     tp_overlap: bool = True  # whether the cluster can overlap TP collectives with GEMMs (ClusterSpec.overlaps_tp_comm)
+    adamw: str = DEFAULT_ADAMW  # AdamW's implementation, the same for every plan
 
     def allows(self, dim: str, value: int) -> bool:
         """Whether ``dim`` (dp, tp, pp, cp or ep) may take ``value`` (``degrees`` restricts some)."""
