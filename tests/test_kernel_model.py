@@ -161,7 +161,7 @@ def test_the_first_microbatch_adds_nothing_into_grad():
         assert work.accumulate_bytes == pytest.approx(expected)
 
 
-def test_a_fused_accumulation_adds_no_pass_and_shortens_only_multi_microbatch_steps(tmp_path, capsys):
+def test_a_fused_accumulation_adds_no_pass_and_shortens_only_multi_microbatch_steps():
     """grad_accumulation: fused (Megatron-LM's gradient_accumulation_fusion) accumulates in the weight-gradient
     matmul: no pass over the weights, so a step of 4 microbatches gets shorter and a step of 1 does not."""
     from parsim.kernels import block_work
@@ -179,11 +179,15 @@ def test_a_fused_accumulation_adds_no_pass_and_shortens_only_multi_microbatch_st
             steps[mode, microbatches] = predict_step(plan, spec).step_s
     assert steps["fused", 1] == pytest.approx(steps["autograd", 1])
     assert steps["fused", 4] < steps["autograd", 4]
+
+
+@pytest.mark.parametrize("key, expected", [("grad_accumulation", "autograd, fused"), ("adamw", "foreach, fused")])
+def test_an_unknown_implementation_is_refused_in_one_line(tmp_path, capsys, key, expected):
     path = tmp_path / "plan.yaml"
-    path.write_text("model: tiny-gpt\nparallel: {dp: 2}\ngrad_accumulation: fusedd\n")
+    path.write_text(f"model: tiny-gpt\nparallel: {{dp: 2}}\n{key}: fusedd\n")
     assert main(["simulate", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "grad_accumulation 'fusedd' is not one of autograd, fused" in err and len(err.strip().splitlines()) == 1
+    assert f"{key} 'fusedd' is not one of {expected}" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_fused_adamw_makes_one_pass_of_seven_fp32_accesses():

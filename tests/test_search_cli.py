@@ -66,6 +66,19 @@ def test_a_saved_plan_and_a_printed_command_simulate_to_the_ranked_figure(capsys
     assert by_flags["step_s"] == pytest.approx(flags["simulated"]["step_s"], rel=1e-12)
 
 
+def test_a_fused_adamw_search_prints_it_and_its_commands_simulate_to_the_ranked_figure(capsys):
+    """--adamw fused reaches the header, the JSON, and each printed command, which simulates to the same step."""
+    argv = ["search", "--model", "tiny-gpt", "--gpus", "8", "--global-batch", "8", "--simulate", "1", "--top", "1",
+            "--adamw", "fused"]
+    doc = run_json(capsys, argv)
+    top = doc["ranked"][0]
+    assert doc["adamw"] == "fused" and top["plan"]["adamw"] == "fused" and "--adamw fused" in top["command"]
+    by_flags = run_json(capsys, shlex.split(top["command"])[1:])
+    assert by_flags["step_s"] == pytest.approx(top["simulated"]["step_s"], rel=1e-12)
+    assert main(argv) == 0
+    assert "bf16, fused AdamW, sorted by time" in capsys.readouterr().out
+
+
 def test_text_report_explains_the_winner_and_draws_the_front(capsys, tmp_path):
     png = tmp_path / "front.png"
     assert main(TINY + ["--tokens", "2B", "--explain", "--plot", str(png)]) == 0
