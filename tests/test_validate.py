@@ -48,6 +48,10 @@ def test_the_report_prints_every_row_and_the_summary(tmp_path, capsys):
     assert f"median |error| {result.median_abs_error:.1%}, max |error| {result.max_abs_error:.1%}" in out
 
 
+def test_figures_keep_four_significant_digits_and_group_thousands():
+    assert [_figure(x) for x in (1.35149, 16.853, 168.04, 14451.2)] == ["1.351", "16.85", "168", "14,451"]
+
+
 def test_a_row_runs_with_the_settings_it_names(tmp_path):
     """A table's per-row settings (the SC21 rows' --DDP-impl) apply to the rows that name them: torch DDP
     all-reduces during the backward, Megatron-LM's local DDP after it, which takes longer."""
