@@ -16,8 +16,11 @@ be tried.
 The batch: ``global_batch_size = dp · microbatch_size · num_microbatches``,
 counted in samples (sequences for a transformer, rows for the MLP). Any two of
 the three determine the third; given one of ``microbatch_size`` and
-``num_microbatches`` with a known global batch, the other is derived; otherwise
-the missing ones default to 1. The MLP's global batch is its ``batch_size``.
+``num_microbatches`` with a known global batch, the other is derived. Given the
+global batch alone, a pipeline-parallel plan runs microbatches of 1 sample
+(torchtitan's ``pipeline_parallel_microbatch_size`` default) and any other plan
+one microbatch; otherwise the missing ones default to 1. The MLP's global batch
+is its ``batch_size``.
 
 Plans load from YAML (:func:`load_plan`, :func:`resolve_plan`)::
 
@@ -229,6 +232,8 @@ class Plan:
                 self._fail(f"dp {dp} x microbatch_size {mbs} x num_microbatches {nmb} = {dp * mbs * nmb}, "
                            f"not the global batch {gbs}")
         elif gbs is not None:
+            if mbs is None and nmb is None and self.pp > 1:
+                mbs = 1  # a pipeline needs microbatches to fill it: torchtitan's default microbatch size
             given, known = ("microbatch_size", mbs) if mbs is not None else ("num_microbatches", nmb or 1)
             if gbs % (dp * known):
                 self._fail(f"the global batch {gbs} does not split evenly over dp {dp} x {given} {known}")

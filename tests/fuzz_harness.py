@@ -78,10 +78,14 @@ def run_cli(argv: list[str], timeout_s: float = CASE_TIMEOUT_S) -> Outcome:
     return Outcome(list(argv), code, out.getvalue(), err.getvalue())
 
 
+MAX_ERROR_CHARS = 500
+
+
 def assert_refused(outcome: Outcome) -> None:
     """Exit code 2 and exactly one line on stderr naming parsim; with --json, an error document on stdout."""
     lines = outcome.err.splitlines()
     assert outcome.code == 2 and len(lines) == 1 and lines[0].startswith("parsim"), str(outcome)
+    assert len(lines[0]) <= MAX_ERROR_CHARS, str(outcome)  # one line a person reads, not a file echoed back
     assert "Traceback" not in outcome.err, str(outcome)
     if "--json" in outcome.argv:
         import json

@@ -309,6 +309,17 @@ def test_a_plan_file_with_a_nonsense_setting_is_refused(data, work):
     assert_refused(run_cli(maybe_json(data.draw, data.draw(st.sampled_from(plan_commands(path))))))
 
 
+@pytest.mark.parametrize("flag", ["plan", "--model", "--cluster"])
+def test_a_long_text_file_is_refused_without_echoing_it(flag, work):
+    """A file that is not YAML keys at all (here a password file's worth of text) parses as one long
+    string; the refusal names its type and quotes a little of it, not all of it."""
+    path = write(work / "notes.yaml", "\n".join(f"user{i}:x:{i}:{i}:someone:/home/user{i}:/bin/sh" for i in range(80)))
+    argv = ["simulate", path] if flag == "plan" else ["simulate", "tiny-pp2", flag, path]
+    outcome = run_cli(argv)
+    assert_refused(outcome)
+    assert "user79" not in outcome.err
+
+
 @given(data=st.data())
 @FUZZ
 def test_a_broken_plan_file_is_refused(data, work):

@@ -58,6 +58,14 @@ def test_transformer_batch_from_global_batch_size():
     assert Plan(TINY).global_batch_size == 1
 
 
+def test_a_pipeline_given_only_its_global_batch_runs_microbatches_of_one():
+    """As torchtitan does (pipeline_parallel_microbatch_size = 1), rather than one microbatch that 1F1B
+    must refuse; without a pipeline the replica's whole batch is one microbatch."""
+    plan = Plan(TINY, dp=2, pp=2, global_batch_size=16)
+    assert (plan.microbatch_size, plan.num_microbatches) == (1, 8)
+    assert (Plan(TINY, dp=2, global_batch_size=16).microbatch_size, Plan(MLP, pp=2).num_microbatches) == (8, 128)
+
+
 # --------------------------------------------------------------------------- validation
 KV3 = load_model({"kind": "transformer", "num_layers": 2, "hidden": 96, "num_heads": 6, "num_kv_heads": 3,
                   "ffn_hidden": 192, "seq_len": 8, "vocab_size": 100})
