@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from parsim.calibrate import fit_links, fit_matmul, fit_operation, host_cluster
+from parsim.cli.common import warn_other_machine
 from parsim.cli.main import main
-from parsim.cluster import parse_cluster
+from parsim.cluster import load_cluster, parse_cluster
 from parsim.collectives import predict
 from parsim.compute import ComputeModel
 from parsim.results import save_results
@@ -73,3 +74,22 @@ def test_compare_reads_saved_measurements(tmp_path, capsys):
 def test_compare_of_an_unknown_target_is_one_line(capsys):
     assert main(["compare", "no-such-plan-or-op", "--cluster", "dgx-h100"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_a_comparison_of_different_machines_is_flagged(capsys):
+    """A GPU cluster against gloo on this CPU host, or a CPU host's file against NCCL: a warning each; a
+    calibrated host against gloo, or a GPU cluster against NCCL: nothing."""
+    cpu_host = host(cpu_cores=2)
+    gpu = load_cluster("dgx-h100")
+    for cluster, backend in ((gpu, "gloo"), (cpu_host, "nccl"), (cpu_host, "gloo"), (gpu, "nccl")):
+        warn_other_machine(cluster, backend)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2
+    assert "dgx-h100 describes GPUs, but the run measures gloo" in lines[0]
+    assert "describes a CPU host, but the run measures NCCL" in lines[1]
+
+
+def test_comparing_a_gpu_cluster_with_a_run_here_warns_once_it_has_measured(capsys):
+    assert main(["compare", "all-reduce", "--cluster", "dgx-h100", "--nproc", "2", "--size", "4KiB"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: dgx-h100 describes GPUs") == 1

@@ -106,6 +106,18 @@ def note(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def warn_other_machine(cluster: ClusterSpec, backend: str) -> None:
+    """Warn (``note``) when a comparison's cluster file and its run describe different machines: a GPU
+    cluster against gloo on this machine's CPUs, or a CPU host's calibration against NCCL on GPUs."""
+    cpu_host = cluster.cpu_cores is not None or cluster.op_forward_s > 0
+    if backend == "gloo" and not cpu_host:
+        note(f"parsim compare: warning: {cluster.name} describes GPUs, but the run measures gloo on this "
+             "machine's CPUs; for a like-for-like comparison, describe this host: parsim calibrate --out my-host.yaml")
+    elif backend == "nccl" and cpu_host:
+        note(f"parsim compare: warning: {cluster.name} describes a CPU host, but the run measures NCCL on GPUs; "
+             "calibrate on this GPU host for a like-for-like comparison: parsim calibrate --out gpu-host.yaml")
+
+
 class OpsProgress:
     """``simulating: 123,456 / 658,883 ops (18%)`` redrawn in place on a terminal's stderr.
 

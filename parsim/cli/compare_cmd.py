@@ -11,7 +11,7 @@ from ..jsondoc import print_json
 from ..results import canonical_op, load_results, save_results
 from ..table import render_table
 from ..units import parse_size, parse_size_range, size_unit, time_unit
-from .common import check_outputs, progress
+from .common import check_outputs, progress, warn_other_machine
 from .plan_cmd import add_plan_args
 
 HELP = """\
@@ -107,6 +107,7 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
         progress(f"measuring {op.replace('_', '-')} on {nproc} ranks")
         measured = measure_collectives(op, sizes, nproc, args.backend or "auto", timeout_s=args.timeout,
                                        progress=True)
+        warn_other_machine(spec, measured[0].backend)
         if args.save_measured:
             save_results(args.save_measured, measured, {"op": op, "nproc": nproc})
     nranks = max(m.nranks for m in measured)
