@@ -366,7 +366,7 @@ class Lowering:
                                dir="fwd" if kind == "F" else "bwd")
         gather = self._add(rank, Op(name, "collective", "gather", deps=tuple(after), collective="all_gather",
                                     group="fsdp", ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
-        return self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], nbytes, (gather,)))
+        return self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], 2 * nbytes, (gather,)))
 
     def _fsdp_reduce(self, rank: int, p: int, stage: int, layer: int, mb: int, kind: str, ready: int,
                      compute: str) -> int:
@@ -374,8 +374,9 @@ class Lowering:
         microbatch), after copying them into the collective's input on the compute stream (returned);
         with HSDP, all-reduce the shard across the replicas."""
         cost = self.plan.stage_costs(stage)[layer]
-        nbytes = fsdp_bytes(cost, self.plan)
-        copied = self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], nbytes, (ready,)))
+        nbytes = fsdp_bytes(cost, self.plan, gradients=True)
+        moved = fsdp_bytes(cost, self.plan) + nbytes  # reads gradients in the weights' dtype, writes the reduce dtype
+        copied = self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], moved, (ready,)))
         group, mirrors = self.group(p, "shard")
         op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=cost.name, stage=stage, mb=mb),
                                 "collective", "comm", deps=(copied,), collective="reduce_scatter", group="fsdp",
@@ -389,14 +390,15 @@ class Lowering:
         return copied
 
     @staticmethod
-    def _fsdp_copy(compute: str, phase: str, nbytes: float, deps: tuple[int, ...]) -> Op:
+    def _fsdp_copy(compute: str, phase: str, moved: float, deps: tuple[int, ...]) -> Op:
         """FSDP2's copy between its flat collective buffer and the layer's tensors, on the compute stream:
         after a gather, ``foreach_all_gather_copy_out`` (``split_with_sizes_copy``, from
         ``FSDPParamGroup.wait_for_unshard``); before a reduce-scatter, ``foreach_reduce_scatter_copy_in``
         (``chunk_cat``, in ``foreach_reduce`` before the reduce-scatter stream waits on the compute stream).
-        Each reads and writes the layer's bytes once (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
-        return Op(compute, "compute", "compute", deps=deps, hbm_bytes=2 * nbytes, kernels=1, phase=phase,
-                  stream_bytes=2 * nbytes)
+        Each reads and writes the layer's bytes once, ``moved`` in all; the copy-in casts the gradients to the
+        reduce dtype (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
+        return Op(compute, "compute", "compute", deps=deps, hbm_bytes=moved, kernels=1, phase=phase,
+                  stream_bytes=moved)
 
     # -- gradients and optimizer -----------------------------------------------------
     def _gradient_sync_and_step(self, rank: int, p: int) -> None:
@@ -434,8 +436,8 @@ class Lowering:
                 if not expert and plan.shard_size < plan.dp * plan.cp:
                     sync.append(self._dp_collective(rank, p, "all_reduce", "replicate", nbytes / plan.shard_size,
                                                     (), **tag))
-                if not plan.overlap_param_gather:
-                    gather.append((dim, tag, nbytes))
+                if not plan.overlap_param_gather:  # the weights come back in their own dtype
+                    gather.append((dim, tag, nbytes * plan.dtype_bytes / plan.grad_bytes))
         if plan.sequence_parallel and plan.tp > 1:
             sync.append(self._sequence_parallel_norms(rank, p, tuple(sync) or (last_compute,)))
         expert_params = plan.expert_params_per_rank(p)
@@ -456,7 +458,7 @@ class Lowering:
             costs = plan.stage_costs(stage)
             for index in reversed(range(len(costs))):
                 for n, expert in param_tensors(costs[index], plan.tp, plan.ep):
-                    tensors[expert].append((n * plan.dtype_bytes, (stage, index)))
+                    tensors[expert].append((n * plan.grad_bytes, (stage, index)))
         return tensors
 
     @functools.cache
@@ -485,7 +487,8 @@ class Lowering:
         waits: dict[tuple[int, int], tuple[int, ...]] = {}
         for expert, dim, k, nbytes, members in reversed(self._sync_buckets(p)):
             tag = {"expert_bucket" if expert else "bucket": k}
-            op = self._dp_collective(rank, p, "all_gather", dim, nbytes, (), **tag)
+            op = self._dp_collective(rank, p, "all_gather", dim, nbytes * self.plan.dtype_bytes / self.plan.grad_bytes,
+                                     (), **tag)
             for member in set(members):
                 waits[member] = waits.get(member, ()) + (op,)
         return waits
@@ -501,7 +504,7 @@ class Lowering:
         group, mirrors = self.group(p, "tp")
         return self._add(rank, Op(collective_name("all_reduce", "tp", params="norms"), "collective", "compute",
                                   deps=after, collective="all_reduce", group="tp", ranks=group, mirrors=mirrors,
-                                  nbytes=elements * plan.dtype_bytes, phase="tp"))
+                                  nbytes=elements * plan.grad_bytes, phase="tp"))
 
     def _dp_collective(self, rank: int, p: int, collective: str, dim: str, nbytes: float, deps: tuple,
                        **tags) -> int:
@@ -520,9 +523,10 @@ class Lowering:
         return op.id
 
 
-def fsdp_bytes(cost: LayerCost, plan: Plan) -> float:
-    """One layer's unsharded weights (or gradients) on a rank: what FSDP gathers and reduce-scatters."""
-    return sum(n for n, _ in param_tensors(cost, plan.tp)) * plan.dtype_bytes
+def fsdp_bytes(cost: LayerCost, plan: Plan, gradients: bool = False) -> float:
+    """One layer's unsharded weights on a rank, what FSDP gathers, or with ``gradients`` its gradients in the
+    reduce dtype, what it reduce-scatters (FSDP2's ``reduce_dtype``: its copy-in casts them)."""
+    return sum(n for n, _ in param_tensors(cost, plan.tp)) * (plan.grad_bytes if gradients else plan.dtype_bytes)
 
 
 def param_tensors(cost: LayerCost, tp: int, ep: int = 1) -> list[tuple[int, bool]]:

@@ -37,12 +37,15 @@ class Memory:
 def memory(plan: Plan) -> list[Memory]:
     """Weights, gradients, AdamW state and activations of in-flight microbatches, per pipeline rank.
 
-    Weights and gradients are kept in the plan's dtype; AdamW keeps two fp32
-    moments, plus an fp32 master copy of the weights when training in 16 bits
-    (mixed precision, Micikevicius et al. 2018): 2 + 2 + 12 = 16 bytes per
-    parameter in bf16. ZeRO divides by the shard group's size ``N``: stage 1 the
-    optimizer state (``4P + 12P/N``), stage 2 the gradients too (``2P + 14P/N``),
-    stage 3 the weights too (``16P/N``); FSDP then holds, besides its shards, the
+    Weights are kept in the plan's dtype, gradients in its ``reduce_dtype``;
+    AdamW keeps two fp32 moments, plus an fp32 master copy of the weights when
+    training in 16 bits (mixed precision, Micikevicius et al. 2018). In bf16
+    with fp32 gradients (the default) that is 2 + 4 + 12 = 18 bytes per
+    parameter, Megatron-LM's figure (docs/user-guide/features/dist_optimizer.md:
+    "bf16 param, fp32 grads"). ZeRO divides by the shard group's size ``N``:
+    stage 1 the optimizer state (``6P + 12P/N``, Megatron-LM's distributed
+    optimizer), stage 2 the gradients too (``2P + 16P/N``), stage 3 the weights
+    too (``18P/N``); FSDP then holds, besides its shards, the
     unsharded weights of two layers (the one computing and the one prefetched)
     and one layer's unsharded gradients before they are reduce-scattered.
 
@@ -54,7 +57,7 @@ def memory(plan: Plan) -> list[Memory]:
     recomputation's working set).
     """
     in_flight = peak_in_flight(plan.pipeline)
-    tokens, d, n, zero = plan.tokens_per_rank, plan.dtype_bytes, plan.shard_size, plan.zero
+    tokens, d, g, n, zero = plan.tokens_per_rank, plan.dtype_bytes, plan.grad_bytes, plan.shard_size, plan.zero
     out = []
     for p in range(plan.pp):
         params = plan.params_per_rank(p)
@@ -65,7 +68,7 @@ def memory(plan: Plan) -> list[Memory]:
         buffers = 0
         if zero == 3 and n > 1:
             largest = max(c.params_per_rank(plan.tp) for s in plan.stages_of(p) for c in plan.stage_costs(s))
-            buffers = 3 * largest * d
+            buffers = largest * (2 * d + g)
         experts = plan.expert_params_per_rank(p)  # sharded over the ranks holding the same experts
 
         def held(from_stage: int) -> float:
@@ -74,7 +77,7 @@ def memory(plan: Plan) -> list[Memory]:
                 return params
             return (params - experts) / n + experts / plan.expert_shard_size
 
-        out.append(Memory(p, held(3) * d, held(2) * d, held(1) * (ADAM_STATE_BYTES + master),
+        out.append(Memory(p, held(3) * d, held(2) * g, held(1) * (ADAM_STATE_BYTES + master),
                           (in_flight[p] * per_mb + rebuilt) * tokens, in_flight[p], buffers))
     return out
 

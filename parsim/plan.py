@@ -73,6 +73,18 @@ GRAD_ACCUMULATIONS = ("autograd", "fused")
 # (torch's fused=True, Apex's and Transformer Engine's FusedAdam) updates weight and moments in one pass.
 ADAMW_IMPLEMENTATIONS = ("foreach", "fused")
 DEFAULT_ADAMW = "foreach"  # what the executor's torch.optim.AdamW runs by default
+# The dtype data parallelism reduces gradients in (and keeps them in for the optimizer). Mixed precision
+# with bf16 weights reduces in fp32 by default: Megatron-LM ("bfloat16 requires gradient accumulation and
+# all-reduce to be done in fp32", megatron/training/arguments.py, unless --grad-reduce-in-bf16) and
+# torchtitan's FSDP2 (mixed_precision_reduce = "float32"). fp16 training reduces in fp16 (Megatron-LM's
+# --accumulate-allreduce-grads-in-fp32 is off by default), fp32 in fp32.
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def default_reduce_dtype(dtype: str) -> str:
+    return "fp32" if dtype in ("bf16", "fp8") else dtype
+
+
 DIMS = ("dp", "pp", "cp", "tp")  # expert parallelism (ep) folds into dp x cp, as Megatron-LM's
 CP_STYLES = ("ring", "all_gather")
 DEFAULT_ORDER = "dp,pp,cp,tp"
@@ -118,7 +130,11 @@ class Plan:
     ``overlap_param_gather`` (ZeRO-1/2) moves the weight all-gathers from after
     the optimizer step to the next step's forward, each layer's first forward
     waiting for its bucket (Megatron-LM's ``--overlap-param-gather``).
-    ``grad_accumulation`` "autograd" adds every microbatch's weight gradients
+    ``reduce_dtype`` is the dtype gradients are kept and reduced in (fp32 by
+    default with bf16 or fp8 weights, as Megatron-LM and torchtitan do; else the
+    weights' dtype): it sets the bytes of every gradient all-reduce and
+    reduce-scatter and the gradients' memory, while weight all-gathers move the
+    weights' dtype. ``grad_accumulation`` "autograd" adds every microbatch's weight gradients
     but the first into ``.grad`` in a memory pass of their own; "fused" lets the
     weight-gradient matmul accumulate in place (Megatron-LM's
     ``gradient_accumulation_fusion``), which costs no pass. ``adamw`` "foreach"
@@ -184,6 +200,7 @@ class Plan:
     shard_group: int | None = None
     reshard_after_forward: bool = True
     overlap_param_gather: bool = False
+    reduce_dtype: str | None = None  # None: default_reduce_dtype(dtype)
     grad_accumulation: str = "autograd"
     adamw: str = DEFAULT_ADAMW
     sequence_parallel: bool = False
@@ -206,6 +223,8 @@ class Plan:
             object.__setattr__(self, "tp_style", self.model.tp_styles[0])
         if self.zero is None:
             object.__setattr__(self, "zero", 3 if self.grad_sync == "fsdp" else 0)
+        if self.reduce_dtype is None:
+            object.__setattr__(self, "reduce_dtype", default_reduce_dtype(self.dtype))
         if self.schedule in V_SCHEDULES and self.virtual_stages == 1:
             object.__setattr__(self, "virtual_stages", 2)  # a V holds two stages per rank by construction
         object.__setattr__(self, "order", _order(self.order))
@@ -277,6 +296,8 @@ class Plan:
         if self.overlap and self.grad_sync == "per_param":
             self._fail("overlap needs grad_sync bucketed (per_param all-reduces after the backward, "
                        "as in the lecture)")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            self._fail(f"reduce_dtype {self.reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}")
         if self.grad_accumulation not in GRAD_ACCUMULATIONS:
             self._fail(f"grad_accumulation {self.grad_accumulation!r} is not one of {', '.join(GRAD_ACCUMULATIONS)}")
         if self.adamw not in ADAMW_IMPLEMENTATIONS:
@@ -412,6 +433,11 @@ class Plan:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element as data parallelism reduces and keeps it (``reduce_dtype``)."""
+        return DTYPE_BYTES[self.reduce_dtype]
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -558,6 +584,8 @@ class Plan:
         if self.activation_recompute != "none":
             layers = f", first {self.recompute_layers} layers per stage" if self.recompute_layers else ""
             out.append(f"{self.activation_recompute} recompute{layers}")
+        if self.reduce_dtype != self.dtype and self.dp * self.cp > 1:
+            out.append(f"gradients reduced in {self.reduce_dtype}")
         if self.grad_accumulation == "fused":
             out.append("weight gradients accumulated by their matmuls")
         if self.adamw == "fused":
@@ -577,6 +605,8 @@ class Plan:
             data_parallel["overlap_param_gather"] = True
         if self.grad_sync == "bucketed":
             data_parallel["bucket_size"] = self.bucket_size
+        if self.reduce_dtype != default_reduce_dtype(self.dtype):
+            data_parallel["reduce_dtype"] = self.reduce_dtype
         data = {
             "name": self.name,
             "model": self.model.to_dict(),
@@ -618,7 +648,7 @@ _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
 _MOE_KEYS = ("capacity_factor", "expert_load")
 _BATCH_KEYS = ("microbatch_size", "num_microbatches", "global_batch_size")
 _DATA_PARALLEL_KEYS = ("grad_sync", "bucket_size", "overlap", "zero", "shard_group", "reshard_after_forward",
-                       "overlap_param_gather")
+                       "overlap_param_gather", "reduce_dtype")
 
 
 def builtin_plans() -> dict[str, Path]:
@@ -703,6 +733,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         overlap=sync.boolean("overlap"), zero=sync.integer("zero"), shard_group=sync.integer("shard_group"),
         reshard_after_forward=sync.boolean("reshard_after_forward", True),
         overlap_param_gather=sync.boolean("overlap_param_gather", False),
+        reduce_dtype=sync.text("reduce_dtype"),
         name=top.text("name", default_name), description=top.text("description", ""),
     )
 

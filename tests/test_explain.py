@@ -142,16 +142,17 @@ def test_explain_memory_walks_through_the_rank_that_needs_the_most(capsys):
     assert main(["explain", "memory", "llama3-405b-16k"]) == 0
     out = capsys.readouterr().out
     assert "pipeline rank 1 of llama3-405b-16k" in out  # 15 microbatches of 8 layers beat stage 0's 16 of 7
-    assert "= 16 bytes" in out and "ZeRO-1 shards the optimizer state over 128" in out
+    assert "4 of fp32 gradients" in out and "= 18 bytes" in out
+    assert "ZeRO-2 shards the optimizer state and the gradients over 128" in out
     assert "65,024 bytes (split along the sequence too" in out  # 32h/t with h 16384, t 8: Llama's GQA/SwiGLU sum
     assert "it fits" in out and out.count("\npp ") == 16
 
 
 def test_explain_memory_says_what_to_change_when_a_plan_does_not_fit(capsys):
-    assert main(["explain", "memory", "llama3-70b-1024", "--pp", "4", "--dp", "32", "--json"]) == 0
+    assert main(["explain", "memory", "llama3-70b-1024", "--pp", "4", "--dp", "32", "--zero", "0", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["explained_pp_rank"] == 0 and data["ranks"][0]["fits"] is False
-    assert main(["explain", "memory", "llama3-70b-1024", "--pp", "4", "--dp", "32"]) == 0
+    assert main(["explain", "memory", "llama3-70b-1024", "--pp", "4", "--dp", "32", "--zero", "0"]) == 0
     assert "try activation recompute" in capsys.readouterr().out
     assert main(["explain", "memory", "llama3-70b-1024", "--pp-rank", "9"]) == 2
     assert "--pp-rank 9 is outside 0..7" in capsys.readouterr().err

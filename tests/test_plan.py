@@ -325,7 +325,7 @@ def test_frontier_example_plans_fit_and_say_how():
 
     capacity = load_cluster("dgx-h100").gpu.hbm_capacity_bytes
     llama405 = resolve_plan("llama3-405b-16k")
-    assert llama405.stage_split == (7,) + (8,) * 14 + (7,) and llama405.zero == 1 and llama405.sequence_parallel
+    assert llama405.stage_split == (7,) + (8,) * 14 + (7,) and llama405.zero == 2 and llama405.sequence_parallel
     fsdp = resolve_plan("llama3-8b-fsdp8")
     assert (fsdp.zero, fsdp.shard_size, fsdp.activation_recompute) == (3, 8, "full")
     for plan in (llama405, fsdp):

@@ -104,7 +104,7 @@ def test_exposed_tensor_parallel_time_is_the_closed_form(nic):
                   for kind in "FB" for pc in Lowering(p).layer_pass(0, 0, cost, kind) if type(pc) is CommPiece)
     norms = sum(param.numel_per_rank(T) for cost in p.stage_costs(0) for param in cost.params
                 if param.name.startswith("norm."))  # their gradients are summed over tp once per step
-    norm_sync = comm.time("collective", "all_reduce", Lowering(p).group(0, "tp")[0], norms * p.dtype_bytes)
+    norm_sync = comm.time("collective", "all_reduce", Lowering(p).group(0, "tp")[0], norms * p.grad_bytes)
     expected = p.num_microbatches * (layers * (exposed(p, compute, comm, "F") + exposed(p, compute, comm, "B"))
                                      + in_line) + norm_sync
     assert prediction.ranks[0].seconds["tp"] == pytest.approx(expected, rel=1e-9)

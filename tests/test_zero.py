@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
 
+from parsim.cli.main import main
 from parsim.errors import ParsimError
 from parsim.lower import lower
 from parsim.memory import memory
@@ -24,8 +26,9 @@ def plan(zero: int, **kw) -> Plan:
 
 
 @pytest.mark.parametrize("zero, per_param", [
-    # Rajbhandari et al. 2020, mixed-precision AdamW: 2 bytes of weights, 2 of gradients, 12 of fp32 state.
-    (0, 2 + 2 + 12), (1, 2 + 2 + 12 / N), (2, 2 + (2 + 12) / N), (3, 16 / N),
+    # Rajbhandari et al. 2020, mixed-precision AdamW: 2 bytes of bf16 weights, 4 of fp32 gradients, 12 of fp32
+    # state: Megatron-LM's 18 and, with its distributed optimizer, 6 + 12/d (dist_optimizer.md).
+    (0, 2 + 4 + 12), (1, 2 + 4 + 12 / N), (2, 2 + (4 + 12) / N), (3, 18 / N),
 ])
 def test_zero_divides_training_state_by_the_shard_group(zero, per_param):
     mem = memory(plan(zero))[0]
@@ -33,10 +36,15 @@ def test_zero_divides_training_state_by_the_shard_group(zero, per_param):
     assert mem.weights + mem.gradients + mem.optimizer == pytest.approx(per_param * params)
 
 
+def test_bf16_gradients_kept_in_bf16_take_two_bytes():
+    mem = memory(plan(0, reduce_dtype="bf16"))[0]
+    assert mem.weights + mem.gradients + mem.optimizer == pytest.approx((2 + 2 + 12) * TINY.num_params)
+
+
 def test_fsdp_holds_two_gathered_layers_and_one_unsharded_gradient():
     mem = memory(plan(3))[0]
     largest = max(c.params_per_rank() for c in plan(3).stage_costs(0))  # the embedding table
-    assert mem.buffers == 3 * largest * 2
+    assert mem.buffers == largest * (2 * 2 + 4)  # bf16 weights twice, the fp32 gradient once
 
 
 def test_hsdp_shards_within_the_group_only():
@@ -120,11 +128,31 @@ def test_fsdp_gather_then_copy_out_precede_the_layer_compute():
 
 
 def test_fsdp_copies_gradients_in_before_each_reduce_scatter():
+    """FSDP2's copy-in reads the bf16 gradients and writes the fp32 reduce-scatter buffer (reduce_dtype)."""
     ops = lower(plan(3)).ops
     scatters = [op for op in ops if op.collective == "reduce_scatter" and op.group == "fsdp"]
     copies = [ops[op.deps[0]] for op in scatters]
-    assert all(c.name.startswith("B stage=0") and c.stream == "compute" and c.hbm_bytes == 2 * r.nbytes
+    assert all(c.name.startswith("B stage=0") and c.stream == "compute" and c.hbm_bytes == 1.5 * r.nbytes
                for c, r in zip(copies, scatters))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_gradients_travel_in_the_reduce_dtype_and_weights_in_their_own(zero):
+    """bf16 weights reduce fp32 gradients by default (Megatron-LM, torchtitan): twice the bytes of
+    reduce_dtype bf16 in every gradient all-reduce and reduce-scatter; weight all-gathers do not change."""
+    kw = dict(bucket_size=2**16, grad_sync="fsdp" if zero == 3 else "bucketed")
+
+    def moved(p: Plan) -> dict[str, float]:
+        out: Counter = Counter()
+        for op in lower(p).ops:
+            if op.kind == "collective":
+                out[op.collective] += op.nbytes
+        return out
+    fp32, bf16 = moved(plan(zero, **kw)), moved(plan(zero, reduce_dtype="bf16", **kw))
+    assert plan(zero).reduce_dtype == "fp32" and Plan(model=TINY, dtype="fp16").reduce_dtype == "fp16"
+    reduced = "all_reduce" if zero == 0 else "reduce_scatter"
+    assert fp32[reduced] == pytest.approx(2 * bf16[reduced]) and bf16[reduced] > 0
+    assert fp32["all_gather"] == pytest.approx(bf16["all_gather"]) and (zero == 0 or bf16["all_gather"] > 0)
 
 
 def test_hsdp_all_reduces_each_shard_across_replicas():
@@ -169,3 +197,24 @@ def test_fsdp_from_yaml():
                    "data_parallel": {"grad_sync": "fsdp", "reshard_after_forward": False}})
     assert (p.zero, p.shard_size, p.reshard_after_forward, p.overlap) == (3, 8, False, True)
     assert load_plan(p.to_dict()) == p
+
+
+def test_reduce_dtype_from_yaml_and_the_command_line(tmp_path, capsys):
+    p = load_plan({"model": "llama3-8b", "parallel": {"dp": 8}, "dtype": "bf16",
+                   "data_parallel": {"zero": 1, "reduce_dtype": "bf16"}})
+    assert p.reduce_dtype == "bf16" and p.grad_bytes == 2 and load_plan(p.to_dict()) == p
+    default = load_plan({"model": "llama3-8b", "parallel": {"dp": 8}, "dtype": "bf16"})
+    assert "reduce_dtype" not in default.to_dict()["data_parallel"]
+    assert "gradients reduced in fp32" in default.features()
+    assert main(["plan", "show", "tiny-dp2", "--dtype", "bf16", "--reduce-dtype", "bf16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["data_parallel"]["reduce_dtype"] == "bf16"
+    path = tmp_path / "plan.yaml"
+    path.write_text("model: tiny-gpt\nparallel: {dp: 2}\ndata_parallel: {reduce_dtype: fp8}\n")
+    assert main(["simulate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "reduce_dtype 'fp8' is not one of fp32, bf16, fp16" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_executor_refuses_gradients_reduced_in_another_dtype_than_it_trains_in(capsys):
+    assert main(["run", "tiny-dp2", "--dtype", "bf16", "--nproc", "2"]) == 2
+    assert "--reduce-dtype bf16" in capsys.readouterr().err

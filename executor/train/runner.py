@@ -135,7 +135,10 @@ def check_plan(plan: Plan) -> None:
         ("latent attention (MLA)", m.attention == "mla"),
         ("weight-gradient matmuls that accumulate in place (grad_accumulation: fused)",
          plan.grad_accumulation == "fused"),
-        (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
+        (f"{plan.dtype} compute", plan.dtype not in DTYPES),
+        (f"gradients reduced in {plan.reduce_dtype} beside {plan.dtype} weights (it trains in one dtype: "
+         f"--reduce-dtype {plan.dtype})",
+         plan.reduce_dtype != plan.dtype and plan.dtype in DTYPES and plan.dp * plan.cp > 1)) if used]
     if missing:
         raise ParsimError(f"parsim run does not execute {', '.join(missing)} yet; `parsim simulate` predicts it "
                           f"(the executor runs DDP, ZeRO-1/2, FSDP and HSDP, tensor, pipeline, context and "

@@ -14,8 +14,8 @@ from .plan_cmd import add_plan_args, plan_from_args
 
 HELP = """\
 Explain a plan's memory per GPU step by step: the bytes per parameter of
-mixed-precision AdamW (2 + 2 + 12), what each ZeRO stage shards, the
-activations each layer saves (Korthikanti et al. 2022, with flash attention),
+mixed-precision AdamW (in bf16 2 + 4 + 12: fp32 gradients), what each ZeRO
+stage shards, the activations each layer saves (Korthikanti et al. 2022, with flash attention),
 what recomputation and sequence parallelism keep, and how many microbatches
 the schedule holds in flight. Explains the pipeline rank that needs the most
 (or --pp-rank), then lists every rank against the GPU's memory.
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> list[str]:
-    p, d, n = mem.pp_rank, plan.dtype_bytes, plan.shard_size
+    p, d, g, n = mem.pp_rank, plan.dtype_bytes, plan.grad_bytes, plan.shard_size
     params = plan.params_per_rank(p)
     stages = plan.stages_of(p)
     layers = ", ".join(f"stage {s}: {len(plan.stage_layers(s))} layers"
@@ -66,8 +66,9 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
     out = [f"Memory of one GPU on pipeline rank {p} of {plan.name} ({plan.model.name}, {plan.dtype})", ""]
     out.append(f"1. Parameters it holds: {params:,} ({layers}"
                + (f"; its 1/{plan.tp} tensor-parallel share" if plan.tp > 1 else "") + ").")
-    state = d + d + ADAM_STATE_BYTES + master
-    out.append(f"2. Mixed-precision AdamW keeps per parameter: {d} bytes of weights + {d} of gradients + "
+    state = d + g + ADAM_STATE_BYTES + master
+    grads = f"{g} of {plan.reduce_dtype} gradients" if g != d else f"{g} of gradients"
+    out.append(f"2. Mixed-precision AdamW keeps per parameter: {d} bytes of weights + {grads} + "
                f"{ADAM_STATE_BYTES} of fp32 moments" + (f" + {master} of fp32 master weights" if master else "")
                + f" = {state} bytes: {state * params / GB:.2f} GB unsharded.")
     if plan.zero and n > 1:

@@ -14,7 +14,8 @@ from ..errors import ParsimError
 from ..jsondoc import print_json
 from ..model import builtin_models, load_model
 from ..plan import (ADAMW_IMPLEMENTATIONS, CP_STYLES, DIMS, DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_SYNCS, RECOMPUTE,
-                    SCHEDULES, TP_STYLES, ZERO_STAGES, Plan, builtin_plans, load_plan, resolve_plan, runs_text)
+                    REDUCE_DTYPES, SCHEDULES, TP_STYLES, ZERO_STAGES, Plan, builtin_plans, load_plan, resolve_plan,
+                    runs_text)
 from ..table import render_table
 from ..units import format_size
 from .common import add_cluster_args
@@ -93,6 +94,9 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
     g.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction,
                    help="ZeRO-1/2: all-gather the updated weights during the next step's forward, each layer "
                         "waiting for its bucket (Megatron-LM's --overlap-param-gather), not after the optimizer")
+    g.add_argument("--reduce-dtype", choices=REDUCE_DTYPES,
+                   help="the dtype data parallelism reduces gradients in (default fp32 with bf16 or fp8 weights, as "
+                        "Megatron-LM and torchtitan do; else the weights' dtype)")
     g.add_argument("--grad-accumulation", choices=GRAD_ACCUMULATIONS,
                    help="how microbatches' weight gradients are summed: autograd adds each into .grad in a pass of "
                         "its own; fused has the weight-gradient matmul accumulate (Megatron-LM's "
@@ -124,7 +128,7 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
         "adamw": args.adamw,
         "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap,
                           "zero": args.zero, "shard_group": args.shard_group,
-                          "overlap_param_gather": args.overlap_param_gather},
+                          "overlap_param_gather": args.overlap_param_gather, "reduce_dtype": args.reduce_dtype},
         "moe": {"expert_load": args.expert_load, "capacity_factor": args.capacity_factor},
     }
     overrides = _drop_unset(flags)

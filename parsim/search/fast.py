@@ -41,7 +41,7 @@ from ..cluster import ClusterSpec
 from ..compute import ComputeModel
 from ..lower import CommPiece, Lowering, adamw_costs, bucket_members, fsdp_bytes, param_tensors
 from ..model import MLPModel
-from ..plan import DTYPE_BYTES, Plan
+from ..plan import DTYPE_BYTES, Plan, default_reduce_dtype
 from ..schedules import make_schedule, peak_in_flight
 from ..step_report import PHASES
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
@@ -50,10 +50,10 @@ from .space import SearchSpace, Setting, Variant
 from .tables import Layout, entry_tables, entry_types, layout_of, peak_memory, rank_tables, sync_arrays
 
 SPLIT_SCHEDULES = ("zero-bubble", "zb-h2", "zbv")  # every backward runs as I, then W
-# FSDP2's copies per entry and pass kind (F, B, I, W), as the lowering adds them: out of the gathered buffer
-# before a pass that gathers (F, B, I), into the reduce-scatter's buffer after one that finishes gradients
-# (B, W).
-FSDP_COPIES = np.array([1.0, 2.0, 1.0, 1.0])
+# FSDP2's copies per pass kind (F, B, I, W), as the lowering adds them: out of the gathered buffer before a
+# pass that gathers (F, B, I), into the reduce-scatter's buffer after one that finishes gradients (B, W).
+GATHER_COPIES = np.array([1.0, 1.0, 1.0, 0.0])
+SCATTER_COPIES = np.array([0.0, 1.0, 0.0, 1.0])
 COPY_PHASES = ("forward", "backward", "backward", "weight-grad")
 V_SCHEDULES = ("zbv", "dualpipe-v")
 
@@ -104,6 +104,7 @@ class FastModel:
         """``capacity``: bytes a plan may use per GPU (default: the GPU's memory)."""
         self.space, self.cluster = space, cluster
         self.dtype_bytes = d = DTYPE_BYTES[space.dtype]
+        self.grad_bytes = DTYPE_BYTES[default_reduce_dtype(space.dtype)]  # every plan of the space reduces so
         self.compute = ComputeModel.for_cluster(cluster, space.dtype, d, min(space.gpus, cluster.gpus_per_node))
         self.comm = CommCosts(cluster, space.gpus, self.compute)
         self.passes = PassCosts(self.compute, self.comm)
@@ -221,7 +222,8 @@ class FastModel:
         in_flight = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[0]
         tokens = s.microbatch_size * self.space.model.tokens_per_sample // s.cp
         ranks = [self._ranks(s, v) for v in arrays.activation_keys]
-        memory, state = peak_memory(ranks, arrays.activation_index, arrays.sync, in_flight, tokens, self.dtype_bytes)
+        memory, state = peak_memory(ranks, arrays.activation_index, arrays.sync, in_flight, tokens, self.dtype_bytes,
+                                    self.grad_bytes)
         bound = np.full(len(variants), np.inf)
         prepared = Prepared(s, variants, memory, state, bound, {})
         fits = np.flatnonzero(memory <= self.capacity)
@@ -254,7 +256,7 @@ class FastModel:
                     positions[name].append(list(keys).index(key))
             zero = np.array([v.zero for v in variants])
             shard = np.array([(v.shard_group or s.dp * s.cp) if v.zero else 1 for v in variants])
-            sync = sync_arrays(zero, shard, s.dp * s.cp // s.ep, self.dtype_bytes)
+            sync = sync_arrays(zero, shard, s.dp * s.cp // s.ep, self.dtype_bytes, self.grad_bytes)
             return _VariantArrays(*(list(index[k].values()) for k in index),
                                   *(np.array(positions[k]) for k in index), sync)
         return self._cached(("variants", id(variants), s.dp, s.cp, s.ep), make)
@@ -273,7 +275,7 @@ class FastModel:
 
     def _copies_per_pass(self, s: Setting) -> np.ndarray:
         """[stages * 4]: FSDP2's copies in one pass of each (stage, kind)."""
-        return (self.layout(s).counts @ (self._fsdp_copies(s)[:, None] * FSDP_COPIES)).ravel()
+        return (self.layout(s).counts @ self._fsdp_copies(s)).ravel()
 
     # -- pipeline inputs ---------------------------------------------------------------------
     def _inputs_of(self, prep: Prepared, i: int) -> _Inputs:
@@ -306,7 +308,7 @@ class FastModel:
                 ends.append([])
                 for k, kind in enumerate(KINDS):
                     order = list(entries if kind == "F" else entries[::-1])
-                    d_ = seconds[order, k] + fsdp[2][order] * FSDP_COPIES[k]
+                    d_ = seconds[order, k] + fsdp[2][order, k]
                     if kind == "W":  # the weight gradients need no weights
                         ends[d].append(np.cumsum(d_))
                         after[d, k] = first[d, k] = ends[d][-1][-1]
@@ -376,11 +378,11 @@ class FastModel:
             shard = lowering.group(0, "shard")[0]
             replicas = plan.shard_size < plan.dp * plan.cp
             gather, scatter = [], []
-            for nbytes in self._weight_bytes(s):
-                gather.append(self.comm.time("collective", "all_gather", shard, nbytes))
-                scatter.append(self.comm.time("collective", "reduce_scatter", shard, nbytes) + (
+            for weights, grads in zip(self._weight_bytes(s), self._weight_bytes(s, gradients=True)):
+                gather.append(self.comm.time("collective", "all_gather", shard, weights))
+                scatter.append(self.comm.time("collective", "reduce_scatter", shard, grads) + (
                     self.comm.time("collective", "all_reduce", lowering.group(0, "replicate")[0],
-                                   nbytes / plan.shard_size) if replicas else 0.0))
+                                   grads / plan.shard_size) if replicas else 0.0))
             return np.array(gather), np.array(scatter), self._fsdp_copies(s)
         return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, v.order, v.shard_group), make)
 
@@ -388,17 +390,25 @@ class FastModel:
     def _shards_weights(s: Setting, v: Variant) -> bool:
         return v.fsdp and (v.shard_group or s.dp * s.cp) > 1
 
-    def _weight_bytes(self, s: Setting) -> list[float]:
-        """Per entry type, one rank's unsharded weights: what FSDP gathers (and reduce-scatters as gradients)."""
+    def _weight_bytes(self, s: Setting, gradients: bool = False) -> list[float]:
+        """Per entry type, one rank's unsharded weights, what FSDP gathers, or its gradients in the reduce
+        dtype, what it reduce-scatters (:func:`~parsim.lower.fsdp_bytes`)."""
         def make() -> list[float]:
             plan = self._prototype(s, _PLAIN)
-            return [fsdp_bytes(cost, plan) for cost in entry_types(plan)]
-        return self._cached(("weight bytes", s.tp, s.ep), make)
+            return [fsdp_bytes(cost, plan, gradients) for cost in entry_types(plan)]
+        return self._cached(("weight bytes", s.tp, s.ep, gradients), make)
 
     def _fsdp_copies(self, s: Setting) -> np.ndarray:
-        """Per entry type, one of FSDP2's copies of its weights (or gradients) on the compute stream."""
-        return self._cached(("fsdp copies", s.tp, s.ep), lambda: np.array([
-            self.compute.time((), 0.0, 2 * n, 1, stream_bytes=2 * n) for n in self._weight_bytes(s)]))
+        """[entry types, 4]: FSDP2's copies on the compute stream in each kind of pass (F, B, I, W): out of the
+        gathered weights' buffer (reading and writing the weights), into the reduce-scatter's (reading the
+        gradients in the weights' dtype, writing the reduce dtype), as the lowering adds them."""
+        def make() -> np.ndarray:
+            def copy(moved: float) -> float:
+                return self.compute.time((), 0.0, moved, 1, stream_bytes=moved)
+            weights, grads = self._weight_bytes(s), self._weight_bytes(s, gradients=True)
+            return np.array([copy(2 * w) * GATHER_COPIES + copy(w + g) * SCATTER_COPIES
+                             for w, g in zip(weights, grads)])
+        return self._cached(("fsdp copies", s.tp, s.ep), make)
 
     # -- estimates ------------------------------------------------------------------------------
     def estimate(self, jobs: list[tuple[Prepared, int]]) -> list[Estimate]:
@@ -530,7 +540,7 @@ class FastModel:
 
         def make():
             plan = self._prototype(s, _PLAIN)
-            per_type = [[n * self.dtype_bytes for n, e in param_tensors(c, plan.tp, plan.ep) if e == expert]
+            per_type = [[n * plan.grad_bytes for n, e in param_tensors(c, plan.tp, plan.ep) if e == expert]
                         for c in entry_types(plan)]
             layout = self.layout(s)
             tensors = [(nbytes, (int(st), position)) for st in layout.rank_stages[p][::-1]
@@ -588,7 +598,8 @@ class FastModel:
                 continue
             gather = self.comm.pricer("collective", "all_gather", lowering.group(p, dim)[0])
             sizes = [nbytes for nbytes, _ in self._bucket_sizes(s, v, p, expert)]
-            out += [gather(n) * sizes.count(n) for n in set(sizes)]
+            weights = plan.dtype_bytes / plan.grad_bytes  # the buckets hold gradients; the weights come back
+            out += [gather(n * weights) * sizes.count(n) for n in set(sizes)]
         return tuple(out)
 
     def _param_gather_starts(self, s: Setting, v: Variant, seconds: np.ndarray, durations: np.ndarray
@@ -607,6 +618,7 @@ class FastModel:
             """Per rank, when the last gather each (stage, entry position in backward order) needs ends."""
             plan = self.layout_plan(s, v)
             lowering = Lowering(plan)
+            weights = plan.dtype_bytes / plan.grad_bytes  # the buckets hold gradients; the weights come back
             out = []
             for p in range(s.pp):
                 issued = []  # (gather seconds, its tensors' tags) in issue order
@@ -614,7 +626,7 @@ class FastModel:
                     if expert and plan.dp * plan.cp // plan.ep == 1:
                         continue
                     gather = self.comm.pricer("collective", "all_gather", lowering.group(p, dim)[0])
-                    issued += [(gather(nbytes), members) for nbytes, members in
+                    issued += [(gather(nbytes * weights), members) for nbytes, members in
                                reversed(self._bucket_members(s, p, expert))]
                 ends, clock = {}, 0.0
                 for cost, members in issued:
@@ -648,7 +660,7 @@ class FastModel:
                                  if param.name.startswith("norm.")) for cost in entry_types(plan)], dtype=float)
         elements = self.layout(s).rank_counts[p] @ per_type
         return self.comm.time("collective", "all_reduce", Lowering(plan).group(p, "tp")[0],
-                              elements * plan.dtype_bytes)
+                              elements * plan.grad_bytes)
 
     def _optimizer(self, s: Setting, v: Variant, p: int) -> float:
         """AdamW on pipeline rank ``p``'s parameters (its shard under ZeRO), as the lowering charges it."""

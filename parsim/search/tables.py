@@ -133,24 +133,25 @@ class SyncArrays:
     buffers: np.ndarray
 
 
-def sync_arrays(zero: np.ndarray, shard: np.ndarray, expert_shard: int, dtype_bytes: int) -> SyncArrays:
+def sync_arrays(zero: np.ndarray, shard: np.ndarray, expert_shard: int, dtype_bytes: int,
+                grad_bytes: int) -> SyncArrays:
     """ZeRO stage ``k`` shards a state from stage ``k`` on: the weights (3), gradients (2), optimizer (1)."""
     master = FP32 if dtype_bytes < FP32 else 0
-    states = ((3, dtype_bytes), (2, dtype_bytes), (1, ADAM_STATE_BYTES + master))
+    states = ((3, dtype_bytes), (2, grad_bytes), (1, ADAM_STATE_BYTES + master))
     whole = sum(np.where(zero < k, b, 0.0) for k, b in states)
     sharded = sum(np.where(zero >= k, b, 0.0) for k, b in states)
     return SyncArrays(whole, sharded / shard, sharded / expert_shard, (zero == 3) & (shard > 1))
 
 
 def peak_memory(ranks: list[RankTables], which: np.ndarray, sync: SyncArrays, in_flight: np.ndarray,
-                tokens: int, dtype_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+                tokens: int, dtype_bytes: int, grad_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """Per variant, the largest per-GPU total over the pipeline ranks, and the largest without activations
     (weights, gradients, optimizer state, FSDP buffers): ``ranks[which[i]]`` are variant ``i``'s rank
     tables (by its sequence parallelism and recomputation)."""
     params = np.array([r.params for r in ranks])[which]
     experts = np.array([r.experts for r in ranks])[which]
     activations = np.array([(in_flight * r.per_microbatch + r.rebuilt) * tokens for r in ranks])[which]
-    buffers = np.array([3 * r.largest * dtype_bytes for r in ranks])[which]
+    buffers = np.array([r.largest * (2 * dtype_bytes + grad_bytes) for r in ranks])[which]  # as parsim.memory
     state = (sync.whole[:, None] * params + sync.dense[:, None] * (params - experts) + sync.expert[:, None] * experts
              + np.where(sync.buffers[:, None], buffers, 0.0))
     return (state + activations).max(axis=1), state.max(axis=1)
