@@ -313,7 +313,7 @@ class FastModel:
                         ends[d].append(np.cumsum(d_))
                         after[d, k] = first[d, k] = ends[d][-1][-1]
                         continue
-                    g = fsdp[0][order]
+                    g = fsdp[0 if kind == "F" else 3][order]  # a backward's gathers share links with reductions
                     waited[d, k], entry_ends = _gathered_pass(d_, g, min(g[-1] - d_[-2:].sum(), -d_[-1]))
                     after[d, k] = entry_ends[-1]
                     ahead[d, k] = after[d, k] - _gathered_pass(d_, g, -np.inf)[1][-1]
@@ -364,11 +364,16 @@ class FastModel:
             return np.array([pairs[a, b] for a, b in zip(layout.stage_rank, layout.stage_rank[1:])])
         return self._cached(key, make)
 
-    def _fsdp(self, s: Setting, v: Variant) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def _fsdp(self, s: Setting, v: Variant) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """FSDP, per entry type: the all-gather of its weights, the reduce-scatter of its gradients (plus
-        the HSDP all-reduce across replicas) over the shard group, and one of FSDP2's copies between its
-        flat buffer and the entry's tensors on the compute stream (see :data:`FSDP_COPIES`); None without
-        FSDP."""
+        the HSDP all-reduce across replicas) over the shard group, FSDP2's copies between its flat buffers
+        and the entry's tensors on the compute stream in each kind of pass (:meth:`_fsdp_copies`), and the
+        all-gather in a backward pass; None without FSDP.
+
+        In a backward, a layer's gather (for the next layer) and the reduce-scatter of the gradients just
+        made run at once over the same links, as the simulation has them: the gather is priced beside the
+        reduce-scatter (:meth:`CommCosts.beside`), and the reduce-scatter pays what the gather took from it
+        (both share the links until the gather ends), so the links carry both for as long as they do."""
         if not self._shards_weights(s, v):
             return None
 
@@ -377,13 +382,16 @@ class FastModel:
             lowering = Lowering(plan)
             shard = lowering.group(0, "shard")[0]
             replicas = plan.shard_size < plan.dp * plan.cp
-            gather, scatter = [], []
+            gather, scatter, backward = [], [], []
             for weights, grads in zip(self._weight_bytes(s), self._weight_bytes(s, gradients=True)):
-                gather.append(self.comm.time("collective", "all_gather", shard, weights))
-                scatter.append(self.comm.time("collective", "reduce_scatter", shard, grads) + (
+                alone = self.comm.time("collective", "all_gather", shard, weights)
+                beside = max(alone, self.comm.beside("all_gather", shard, weights, "reduce_scatter", shard, grads))
+                gather.append(alone)
+                backward.append(beside)
+                scatter.append(self.comm.time("collective", "reduce_scatter", shard, grads) + beside - alone + (
                     self.comm.time("collective", "all_reduce", lowering.group(0, "replicate")[0],
                                    grads / plan.shard_size) if replicas else 0.0))
-            return np.array(gather), np.array(scatter), self._fsdp_copies(s)
+            return np.array(gather), np.array(scatter), self._fsdp_copies(s), np.array(backward)
         return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, v.order, v.shard_group), make)
 
     @staticmethod
