@@ -76,7 +76,23 @@ def test_a_fused_adamw_search_prints_it_and_its_commands_simulate_to_the_ranked_
     by_flags = run_json(capsys, shlex.split(top["command"])[1:])
     assert by_flags["step_s"] == pytest.approx(top["simulated"]["step_s"], rel=1e-12)
     assert main(argv) == 0
-    assert "bf16, fused AdamW, sorted by time" in capsys.readouterr().out
+    assert "bf16, gradients in fp32, fused AdamW, sorted by time" in capsys.readouterr().out
+
+
+def test_a_bf16_reduction_search_prices_it_in_both_tiers_and_its_commands_simulate_to_the_ranked_figure(capsys):
+    """--reduce-dtype bf16 reaches the header, the JSON and each command; the fast tier and the simulation
+    of the same plan agree with each other as they do with fp32 gradients (the default)."""
+    argv = ["search", "--model", "tiny-gpt", "--gpus", "8", "--global-batch", "8", "--simulate", "1", "--top", "1",
+            "--dp", "8", "--reduce-dtype", "bf16"]
+    doc = run_json(capsys, argv)
+    top = doc["ranked"][0]
+    assert doc["reduce_dtype"] == "bf16" and top["plan"]["data_parallel"]["reduce_dtype"] == "bf16"
+    assert "--reduce-dtype bf16" in top["command"]
+    by_flags = run_json(capsys, shlex.split(top["command"])[1:])
+    assert by_flags["step_s"] == pytest.approx(top["simulated"]["step_s"], rel=1e-12)
+    assert run_json(capsys, argv[:-2])["reduce_dtype"] == "fp32"
+    assert main(argv) == 0
+    assert "bf16, gradients in bf16, sorted by time" in capsys.readouterr().out
 
 
 def test_text_report_explains_the_winner_and_draws_the_front(capsys, tmp_path):

@@ -11,7 +11,7 @@ import sys
 from ..cluster import load_cluster
 from ..errors import ParsimError
 from ..model import TransformerModel, builtin_models, load_model
-from ..plan import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW, DTYPE_BYTES
+from ..plan import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW, DTYPE_BYTES, REDUCE_DTYPES
 from ..search.search import SORTS, SearchRequest, run_search
 from ..units import parse_size
 from ..jsondoc import print_json
@@ -65,6 +65,9 @@ def register(subparsers) -> None:
     p.add_argument("--adamw", choices=ADAMW_IMPLEMENTATIONS, default=DEFAULT_ADAMW,
                    help="AdamW's implementation in every plan: foreach (torch's default) or fused (torch's "
                         "fused=True, torchtitan's default; Apex's and TE's FusedAdam)")
+    p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES,
+                   help="the dtype every plan reduces gradients in (default fp32 with bf16 or fp8 weights, as "
+                        "Megatron-LM and torchtitan do; else the weights' dtype)")
     for dim, what in DEGREES.items():
         p.add_argument(f"--{dim}", metavar="N[,N...]", help=f"search only these {what} degrees (default: all)")
     p.add_argument("--max-memory", metavar="SIZE", help="memory a plan may use per GPU, e.g. 75GB (default: all)")
@@ -144,7 +147,7 @@ def request_from_args(args: argparse.Namespace) -> SearchRequest:
     return SearchRequest(model, spec, cluster, gpus, _global_batch(args.global_batch, model), args.dtype, max_memory,
                          args.price_per_gpu_hour, None if args.tokens is None else parse_count(args.tokens, "--tokens"),
                          args.sort, keep=max(50, args.top, args.simulate), simulate=args.simulate,
-                         degrees=_degrees(args), adamw=args.adamw)
+                         degrees=_degrees(args), adamw=args.adamw, reduce_dtype=args.reduce_dtype)
 
 
 def _degrees(args: argparse.Namespace) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -104,7 +104,7 @@ class FastModel:
         """``capacity``: bytes a plan may use per GPU (default: the GPU's memory)."""
         self.space, self.cluster = space, cluster
         self.dtype_bytes = d = DTYPE_BYTES[space.dtype]
-        self.grad_bytes = DTYPE_BYTES[default_reduce_dtype(space.dtype)]  # every plan of the space reduces so
+        self.grad_bytes = DTYPE_BYTES[space.reduce_dtype or default_reduce_dtype(space.dtype)]
         self.compute = ComputeModel.for_cluster(cluster, space.dtype, d, min(space.gpus, cluster.gpus_per_node))
         self.comm = CommCosts(cluster, space.gpus, self.compute)
         self.passes = PassCosts(self.compute, self.comm)
@@ -136,8 +136,8 @@ class FastModel:
             plan = self._plans[key] = Plan(
                 model=model, dp=dp, tp=s.tp, pp=pp, cp=s.cp, ep=s.ep, microbatch_size=s.microbatch_size,
                 num_microbatches=m, schedule=schedule, virtual_stages=vs, dtype=self.space.dtype,
-                adamw=self.space.adamw, order=v.order, sequence_parallel=v.sequence_parallel,
-                tp_comm_overlap=v.tp_overlap, activation_recompute=v.recompute,
+                adamw=self.space.adamw, reduce_dtype=self.space.reduce_dtype, order=v.order,
+                sequence_parallel=v.sequence_parallel, tp_comm_overlap=v.tp_overlap, activation_recompute=v.recompute,
                 context_parallel=v.context_parallel, grad_sync=v.grad_sync, zero=v.zero,
                 overlap_param_gather=v.param_overlap, shard_group=v.shard_group,
                 bucket_size=self.space.bucket_size, name="search")

@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from ..plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER
+from ..plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, default_reduce_dtype
 from ..step_report import PHASES
 from ..table import render_table
 from ..units import format_size, format_time
@@ -82,7 +82,8 @@ def _header(result: SearchResult) -> str:
     batch = (f"global batch {req.global_batch:,} x {seq:,} = {req.global_batch * seq:,} tokens"
              if seq > 1 else f"global batch {req.global_batch:,}")
     return (f"search: {r0.name} on {gpus} GPUs of {req.cluster.name} ({req.cluster.gpu.model}), {batch}, "
-            f"{req.dtype}{', fused AdamW' if req.adamw == 'fused' else ''}, sorted by {req.sort}")
+            f"{req.dtype}, gradients in {req.reduce_dtype or default_reduce_dtype(req.dtype)}"
+            f"{', fused AdamW' if req.adamw == 'fused' else ''}, sorted by {req.sort}")
 
 
 def _summary(result: SearchResult) -> list[str]:
@@ -225,6 +226,7 @@ def command(result: SearchResult, r: Ranked, plan_file: str | None) -> str:
     args += ["--microbatch-size", s.microbatch_size, "--num-microbatches", s.num_microbatches]
     args += ["--schedule", s.schedule] + (["--virtual-stages", s.virtual_stages] if s.virtual_stages > 1 else [])
     args += ["--dtype", req.dtype] + (["--adamw", req.adamw] if req.adamw != DEFAULT_ADAMW else [])
+    args += ["--reduce-dtype", req.reduce_dtype] if req.reduce_dtype else []
     args += ["--order", v.order] if v.order != DEFAULT_ORDER else []
     args += ["--sequence-parallel"] if v.sequence_parallel else []
     args += ["--tp-comm-overlap"] if v.tp_overlap else []
@@ -281,7 +283,8 @@ def to_json(result: SearchResult, rows: list[Ranked], commands: list[str]) -> di
 
     return {
         "model": req.model.name, "cluster": req.cluster.name, "gpus": list(req.gpus),
-        "global_batch": req.global_batch, "dtype": req.dtype, "adamw": req.adamw, "sort": req.sort,
+        "global_batch": req.global_batch, "dtype": req.dtype, "adamw": req.adamw,
+        "reduce_dtype": req.reduce_dtype or default_reduce_dtype(req.dtype), "sort": req.sort,
         "price_usd_per_gpu_hour": req.price, "train_tokens": req.train_tokens,
         "memory_capacity_bytes": req.capacity, "degrees": {dim: list(values) for dim, values in req.degrees},
         "spaces": [{"gpus": s.gpus, "plans": s.plans, "fit": s.fits, "over_memory": s.over_memory,

@@ -56,6 +56,7 @@ class SearchRequest:
     simulate: int = 10  # of them, the best run through the event simulation
     degrees: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (dim, allowed values): search only those
     adamw: str = DEFAULT_ADAMW  # AdamW's implementation in every plan
+    reduce_dtype: str | None = None  # the gradients' dtype in every plan (None: the dtype's default)
 
     @property
     def price(self) -> float | None:
@@ -132,7 +133,8 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
     for gpus in request.gpus:
         space = SearchSpace(request.model, gpus, request.global_batch, request.dtype,
                             request.cluster.gpus_per_node, model_spec=request.model_spec, degrees=request.degrees,
-                            tp_overlap=request.cluster.overlaps_tp_comm, adamw=request.adamw)
+                            tp_overlap=request.cluster.overlaps_tp_comm, adamw=request.adamw,
+                            reduce_dtype=request.reduce_dtype)
         fast = FastModel(space, request.cluster, request.capacity)
         counts = SpaceCounts(gpus)
         settings = list(enumerate_settings(space, counts.rejections))

@@ -125,6 +125,8 @@ class Candidate(NamedTuple):
             "activation_recompute": v.recompute,
             "data_parallel": {"grad_sync": v.grad_sync, "zero": v.zero, "overlap_param_gather": v.param_overlap},
         }
+        if space.reduce_dtype:
+            data["data_parallel"]["reduce_dtype"] = space.reduce_dtype
         if s.cp > 1:
             data["context_parallel"] = v.context_parallel
         if v.grad_sync == "bucketed":
@@ -152,6 +154,7 @@ class SearchSpace:
     degrees: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (dim, allowed values): only those (``--tp 8``)
     tp_overlap: bool = True  # whether the cluster can overlap TP collectives with GEMMs (ClusterSpec.overlaps_tp_comm)
     adamw: str = DEFAULT_ADAMW  # AdamW's implementation, the same for every plan
+    reduce_dtype: str | None = None  # the gradients' dtype in every plan (None: the dtype's default)
 
     def allows(self, dim: str, value: int) -> bool:
         """Whether ``dim`` (dp, tp, pp, cp or ep) may take ``value`` (``degrees`` restricts some)."""
