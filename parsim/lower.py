@@ -485,10 +485,10 @@ class Lowering:
         first layer: megatron/core/distributed/distributed_data_parallel.py). Returns, per (stage, layer),
         the gathers its first forward waits for."""
         waits: dict[tuple[int, int], tuple[int, ...]] = {}
+        weights = self.plan.dtype_bytes / self.plan.grad_bytes  # the buckets hold gradients; the weights come back
         for expert, dim, k, nbytes, members in reversed(self._sync_buckets(p)):
             tag = {"expert_bucket" if expert else "bucket": k}
-            op = self._dp_collective(rank, p, "all_gather", dim, nbytes * self.plan.dtype_bytes / self.plan.grad_bytes,
-                                     (), **tag)
+            op = self._dp_collective(rank, p, "all_gather", dim, nbytes * weights, (), **tag)
             for member in set(members):
                 waits[member] = waits.get(member, ()) + (op,)
         return waits

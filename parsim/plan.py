@@ -79,18 +79,17 @@ DEFAULT_ADAMW = "foreach"  # what the executor's torch.optim.AdamW runs by defau
 # torchtitan's FSDP2 (mixed_precision_reduce = "float32"). fp16 training reduces in fp16 (Megatron-LM's
 # --accumulate-allreduce-grads-in-fp32 is off by default), fp32 in fp32.
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
-
-
-def default_reduce_dtype(dtype: str) -> str:
-    return "fp32" if dtype in ("bf16", "fp8") else dtype
-
-
 DIMS = ("dp", "pp", "cp", "tp")  # expert parallelism (ep) folds into dp x cp, as Megatron-LM's
 CP_STYLES = ("ring", "all_gather")
 DEFAULT_ORDER = "dp,pp,cp,tp"
 DEFAULT_BUCKET_SIZE = 25 * 2**20  # torch DDP's bucket_cap_mb default
 # Batch figures beyond any training step: refused as typos rather than simulated for minutes.
 BATCH_LIMITS = {"microbatch_size": 2**24, "num_microbatches": 2**16}
+
+
+def default_reduce_dtype(dtype: str) -> str:
+    """The gradients' dtype a plan in ``dtype`` reduces in unless it says otherwise (``REDUCE_DTYPES``)."""
+    return "fp32" if dtype in ("bf16", "fp8") else dtype
 
 
 class RankCoords(NamedTuple):
