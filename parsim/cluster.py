@@ -125,6 +125,13 @@ class ClusterSpec:
     nccl: NcclSpec | None = None  # NCCL's view of the node; None: collectives use the flow model alone
     price_per_gpu_hour: float | None = None  # US dollars to rent one GPU for an hour (the search's cost figures)
 
+    def lacks_matmul_rate(self, dtype: str) -> bool:
+        """Whether the file measures matmul rates per dtype (the GPU clusters) but not for ``dtype``'s, which
+        then runs at the plain ``matmul_efficiency`` (1 unless given): an upper bound, not a measurement."""
+        table = self.matmul_efficiency_by_dtype
+        twin = {"fp16": "bf16", "bf16": "fp16"}.get(dtype, "")
+        return bool(table) and dtype not in table and twin not in table
+
     def matmul_efficiency_for(self, dtype: str) -> float:
         """The dtype's own figure; fp16 and bf16 run at the same rate, so each stands in for the other."""
         table = self.matmul_efficiency_by_dtype

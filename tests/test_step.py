@@ -70,6 +70,18 @@ def test_memory_of_the_course_ddp_plan():
     assert mem.activations == 32 * 4 * 2 * 1024 * 4
 
 
+def test_a_dtype_without_a_measured_matmul_rate_is_noted_once_it_has_simulated(capsys):
+    """fp32 on an H100 has no measured rate in dgx-h100.yaml (only bf16 and fp8): its matmuls run at the
+    plain peak, an upper bound the output must own up to; bf16 has one, and a CPU host's fit covers all."""
+    assert main(["simulate", "tiny-dp2", "--cluster", "dgx-h100"]) == 0
+    err = capsys.readouterr().err
+    assert "note: dgx-h100 gives no measured fp32 matmul rate" in err and "compute.matmul_efficiency.fp32" in err
+    assert main(["simulate", "tiny-dp2", "--cluster", "dgx-h100", "--dtype", "bf16"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    h100 = load_cluster("dgx-h100")
+    assert h100.lacks_matmul_rate("fp32") and not h100.lacks_matmul_rate("fp16")
+
+
 def test_a_plan_that_does_not_fit_is_flagged(capsys):
     code = main(["simulate", "llama3-70b-1024", "--pp", "4", "--dp", "32", "--zero", "0", "--json"])
     out = json.loads(capsys.readouterr().out)

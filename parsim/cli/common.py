@@ -106,6 +106,15 @@ def note(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def note_unmeasured_matmuls(command: str, cluster: ClusterSpec, dtype: str) -> None:
+    """Say so when the cluster file has no measured matmul rate for ``dtype`` (fp32 on a GPU, say)."""
+    if cluster.lacks_matmul_rate(dtype):
+        peak = cluster.gpu.peak_flops.get(dtype, 0.0) / 1e12
+        note(f"parsim {command}: note: {cluster.name} gives no measured {dtype} matmul rate, so {dtype} matmuls run "
+             f"at {cluster.matmul_efficiency:.0%} of the {peak:g} TFLOP/s peak: an upper bound (MFU may read above "
+             f"what the GPU reaches); add compute.matmul_efficiency.{dtype} to the cluster file")
+
+
 def warn_other_machine(cluster: ClusterSpec, backend: str) -> None:
     """Warn (``note``) when a comparison's cluster file and its run describe different machines: a GPU
     cluster against gloo on this machine's CPUs, or a CPU host's calibration against NCCL on GPUs."""

@@ -15,7 +15,7 @@ from ..plan import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW, DTYPE_BYTES, REDUCE_DTY
 from ..search.search import SORTS, SearchRequest, run_search
 from ..units import parse_size
 from ..jsondoc import print_json
-from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, note
+from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, note, note_unmeasured_matmuls
 
 HELP = """\
 Search every parallelism plan the simulator can express for a model on some
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_search(request, progress)
     finally:
         progress.close()
+    note_unmeasured_matmuls("search", request.cluster, request.dtype)
     from ..search import report as rep
 
     rows = result.ranked[:args.top]

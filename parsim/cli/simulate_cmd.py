@@ -11,7 +11,7 @@ from ..step import StepPrediction, predict_step
 from ..step_report import PHASES, comm_overlap
 from ..table import render_table
 from ..units import format_time
-from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, memory_table
+from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, memory_table, note_unmeasured_matmuls
 from .plan_cmd import add_plan_args, plan_from_args
 
 DEFAULT_PLAN = "llama3-70b-1024"
@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         prediction = predict_step(plan, cluster, progress)
     finally:
         progress.close()
+    note_unmeasured_matmuls("simulate", cluster, plan.dtype)
     if args.json:
         print_json("simulate", to_json(prediction))
     else:
