@@ -125,18 +125,6 @@ class ClusterSpec:
     nccl: NcclSpec | None = None  # NCCL's view of the node; None: collectives use the flow model alone
     price_per_gpu_hour: float | None = None  # US dollars to rent one GPU for an hour (the search's cost figures)
 
-    def lacks_matmul_rate(self, dtype: str) -> bool:
-        """Whether the file measures matmul rates per dtype (the GPU clusters) but not for ``dtype``'s, which
-        then runs at the plain ``matmul_efficiency`` (1 unless given): an upper bound, not a measurement."""
-        table = self.matmul_efficiency_by_dtype
-        twin = {"fp16": "bf16", "bf16": "fp16"}.get(dtype, "")
-        return bool(table) and dtype not in table and twin not in table
-
-    def matmul_efficiency_for(self, dtype: str) -> float:
-        """The dtype's own figure; fp16 and bf16 run at the same rate, so each stands in for the other."""
-        table = self.matmul_efficiency_by_dtype
-        twin = {"fp16": "bf16", "bf16": "fp16"}.get(dtype, "")
-        return table.get(dtype, table.get(twin, self.matmul_efficiency))
     # Per operation: the extra fixed cost of a call issued between bursts of compute, as in a training
     # step, over one in a back-to-back loop (threads asleep, tail stalls), seconds; only the step
     # simulator charges it (`parsim calibrate` measures it on CPU hosts).
@@ -149,6 +137,27 @@ class ClusterSpec:
     p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to its receive
     elementwise_bw_Bps: float | None = None  # memory-bound kernels' bytes (None: at the memory speed)
     cpu_cores: int | None = None  # cores a CPU host's ranks share (more ranks than this time-share them)
+
+    def _own_matmul_efficiency(self, dtype: str) -> float | None:
+        """The file's figure for ``dtype``; fp16 and bf16 run at the same rate, so each stands in for the other."""
+        table = self.matmul_efficiency_by_dtype
+        return table.get(dtype, table.get({"fp16": "bf16", "bf16": "fp16"}.get(dtype, "")))
+
+    def matmul_efficiency_for(self, dtype: str) -> float:
+        """The dtype's own figure, else the plain ``matmul_efficiency``."""
+        own = self._own_matmul_efficiency(dtype)
+        return self.matmul_efficiency if own is None else own
+
+    def lacks_matmul_rate(self, dtype: str) -> bool:
+        """Whether the file measures matmul rates per dtype (the GPU clusters) but not for ``dtype``'s, which
+        then runs at the plain ``matmul_efficiency`` (1 unless given): an upper bound, not a measurement."""
+        return bool(self.matmul_efficiency_by_dtype) and self._own_matmul_efficiency(dtype) is None
+
+    @property
+    def describes_cpu_host(self) -> bool:
+        """Whether the file describes ranks on CPU cores (``parsim calibrate`` over gloo writes their eager
+        host costs), not GPUs."""
+        return self.cpu_cores is not None or self.op_forward_s > 0
 
     @property
     def overlaps_tp_comm(self) -> bool:

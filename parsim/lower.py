@@ -436,8 +436,8 @@ class Lowering:
                 if not expert and plan.shard_size < plan.dp * plan.cp:
                     sync.append(self._dp_collective(rank, p, "all_reduce", "replicate", nbytes / plan.shard_size,
                                                     (), **tag))
-                if not plan.overlap_param_gather:  # the weights come back in their own dtype
-                    gather.append((dim, tag, nbytes * plan.dtype_bytes / plan.grad_bytes))
+                if not plan.overlap_param_gather:
+                    gather.append((dim, tag, gathered_bytes(plan, nbytes)))
         if plan.sequence_parallel and plan.tp > 1:
             sync.append(self._sequence_parallel_norms(rank, p, tuple(sync) or (last_compute,)))
         expert_params = plan.expert_params_per_rank(p)
@@ -485,10 +485,9 @@ class Lowering:
         first layer: megatron/core/distributed/distributed_data_parallel.py). Returns, per (stage, layer),
         the gathers its first forward waits for."""
         waits: dict[tuple[int, int], tuple[int, ...]] = {}
-        weights = self.plan.dtype_bytes / self.plan.grad_bytes  # the buckets hold gradients; the weights come back
         for expert, dim, k, nbytes, members in reversed(self._sync_buckets(p)):
             tag = {"expert_bucket" if expert else "bucket": k}
-            op = self._dp_collective(rank, p, "all_gather", dim, nbytes * weights, (), **tag)
+            op = self._dp_collective(rank, p, "all_gather", dim, gathered_bytes(self.plan, nbytes), (), **tag)
             for member in set(members):
                 waits[member] = waits.get(member, ()) + (op,)
         return waits
@@ -521,6 +520,12 @@ class Lowering:
         ops.append(op)
         self.rank_ids.append(op.id)
         return op.id
+
+
+def gathered_bytes(plan: Plan, bucket_bytes: float) -> float:
+    """What ZeRO-1/2's all-gather of a bucket's updated weights moves: the bucket holds gradients (in the
+    reduce dtype), the weights come back in their own dtype."""
+    return bucket_bytes * plan.dtype_bytes / plan.grad_bytes
 
 
 def fsdp_bytes(cost: LayerCost, plan: Plan, gradients: bool = False) -> float:

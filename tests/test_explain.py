@@ -148,6 +148,14 @@ def test_explain_memory_walks_through_the_rank_that_needs_the_most(capsys):
     assert "it fits" in out and out.count("\npp ") == 16
 
 
+def test_explain_memory_names_the_gradients_dtype_when_it_is_not_the_weights(capsys):
+    argv = ["explain", "memory", "--model", "llama3-8b", "--dp", "8", "--zero", "1"]
+    assert main(argv + ["--dtype", "fp16", "--reduce-dtype", "bf16"]) == 0
+    assert "2 bytes of weights + 2 of bf16 gradients + 8 of fp32 moments" in capsys.readouterr().out
+    assert main(argv + ["--dtype", "fp16"]) == 0
+    assert "2 bytes of weights + 2 of gradients + 8 of fp32 moments" in capsys.readouterr().out
+
+
 def test_explain_memory_says_what_to_change_when_a_plan_does_not_fit(capsys):
     assert main(["explain", "memory", "llama3-70b-1024", "--pp", "4", "--dp", "32", "--zero", "0", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -118,11 +118,10 @@ def note_unmeasured_matmuls(command: str, cluster: ClusterSpec, dtype: str) -> N
 def warn_other_machine(cluster: ClusterSpec, backend: str) -> None:
     """Warn (``note``) when a comparison's cluster file and its run describe different machines: a GPU
     cluster against gloo on this machine's CPUs, or a CPU host's calibration against NCCL on GPUs."""
-    cpu_host = cluster.cpu_cores is not None or cluster.op_forward_s > 0
-    if backend == "gloo" and not cpu_host:
+    if backend == "gloo" and not cluster.describes_cpu_host:
         note(f"parsim compare: warning: {cluster.name} describes GPUs, but the run measures gloo on this "
              "machine's CPUs; for a like-for-like comparison, describe this host: parsim calibrate --out my-host.yaml")
-    elif backend == "nccl" and cpu_host:
+    elif backend == "nccl" and cluster.describes_cpu_host:
         note(f"parsim compare: warning: {cluster.name} describes a CPU host, but the run measures NCCL on GPUs; "
              "calibrate on this GPU host for a like-for-like comparison: parsim calibrate --out gpu-host.yaml")
 

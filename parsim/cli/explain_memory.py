@@ -15,10 +15,11 @@ from .plan_cmd import add_plan_args, plan_from_args
 HELP = """\
 Explain a plan's memory per GPU step by step: the bytes per parameter of
 mixed-precision AdamW (in bf16 2 + 4 + 12: fp32 gradients), what each ZeRO
-stage shards, the activations each layer saves (Korthikanti et al. 2022, with flash attention),
-what recomputation and sequence parallelism keep, and how many microbatches
-the schedule holds in flight. Explains the pipeline rank that needs the most
-(or --pp-rank), then lists every rank against the GPU's memory.
+stage shards, the activations each layer saves (Korthikanti et al. 2022,
+with flash attention), what recomputation and sequence parallelism keep, and
+how many microbatches the schedule holds in flight. Explains the pipeline rank
+that needs the most (or --pp-rank), then lists every rank against the GPU's
+memory.
 
 examples:
   parsim explain memory llama3-405b-16k
@@ -67,7 +68,7 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
     out.append(f"1. Parameters it holds: {params:,} ({layers}"
                + (f"; its 1/{plan.tp} tensor-parallel share" if plan.tp > 1 else "") + ").")
     state = d + g + ADAM_STATE_BYTES + master
-    grads = f"{g} of {plan.reduce_dtype} gradients" if g != d else f"{g} of gradients"
+    grads = f"{g} of gradients" if plan.reduce_dtype == plan.dtype else f"{g} of {plan.reduce_dtype} gradients"
     out.append(f"2. Mixed-precision AdamW keeps per parameter: {d} bytes of weights + {grads} + "
                f"{ADAM_STATE_BYTES} of fp32 moments" + (f" + {master} of fp32 master weights" if master else "")
                + f" = {state} bytes: {state * params / GB:.2f} GB unsharded.")

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..cluster import ClusterSpec
 from ..compute import ComputeModel
-from ..lower import CommPiece, Lowering, adamw_costs, bucket_members, fsdp_bytes, param_tensors
+from ..lower import CommPiece, Lowering, adamw_costs, bucket_members, fsdp_bytes, gathered_bytes, param_tensors
 from ..model import MLPModel
 from ..plan import DTYPE_BYTES, Plan, default_reduce_dtype
 from ..schedules import make_schedule, peak_in_flight
@@ -606,8 +606,7 @@ class FastModel:
                 continue
             gather = self.comm.pricer("collective", "all_gather", lowering.group(p, dim)[0])
             sizes = [nbytes for nbytes, _ in self._bucket_sizes(s, v, p, expert)]
-            weights = plan.dtype_bytes / plan.grad_bytes  # the buckets hold gradients; the weights come back
-            out += [gather(n * weights) * sizes.count(n) for n in set(sizes)]
+            out += [gather(gathered_bytes(plan, n)) * sizes.count(n) for n in set(sizes)]
         return tuple(out)
 
     def _param_gather_starts(self, s: Setting, v: Variant, seconds: np.ndarray, durations: np.ndarray
@@ -626,7 +625,6 @@ class FastModel:
             """Per rank, when the last gather each (stage, entry position in backward order) needs ends."""
             plan = self.layout_plan(s, v)
             lowering = Lowering(plan)
-            weights = plan.dtype_bytes / plan.grad_bytes  # the buckets hold gradients; the weights come back
             out = []
             for p in range(s.pp):
                 issued = []  # (gather seconds, its tensors' tags) in issue order
@@ -634,7 +632,7 @@ class FastModel:
                     if expert and plan.dp * plan.cp // plan.ep == 1:
                         continue
                     gather = self.comm.pricer("collective", "all_gather", lowering.group(p, dim)[0])
-                    issued += [(gather(nbytes * weights), members) for nbytes, members in
+                    issued += [(gather(gathered_bytes(plan, nbytes)), members) for nbytes, members in
                                reversed(self._bucket_members(s, p, expert))]
                 ends, clock = {}, 0.0
                 for cost, members in issued:

@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from ..plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, default_reduce_dtype
+from ..plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER
 from ..step_report import PHASES
 from ..table import render_table
 from ..units import format_size, format_time
@@ -82,7 +82,7 @@ def _header(result: SearchResult) -> str:
     batch = (f"global batch {req.global_batch:,} x {seq:,} = {req.global_batch * seq:,} tokens"
              if seq > 1 else f"global batch {req.global_batch:,}")
     return (f"search: {r0.name} on {gpus} GPUs of {req.cluster.name} ({req.cluster.gpu.model}), {batch}, "
-            f"{req.dtype}, gradients in {req.reduce_dtype or default_reduce_dtype(req.dtype)}"
+            f"{req.dtype}, gradients in {req.gradient_dtype}"
             f"{', fused AdamW' if req.adamw == 'fused' else ''}, sorted by {req.sort}")
 
 
@@ -284,7 +284,7 @@ def to_json(result: SearchResult, rows: list[Ranked], commands: list[str]) -> di
     return {
         "model": req.model.name, "cluster": req.cluster.name, "gpus": list(req.gpus),
         "global_batch": req.global_batch, "dtype": req.dtype, "adamw": req.adamw,
-        "reduce_dtype": req.reduce_dtype or default_reduce_dtype(req.dtype), "sort": req.sort,
+        "reduce_dtype": req.gradient_dtype, "sort": req.sort,
         "price_usd_per_gpu_hour": req.price, "train_tokens": req.train_tokens,
         "memory_capacity_bytes": req.capacity, "degrees": {dim: list(values) for dim, values in req.degrees},
         "spaces": [{"gpus": s.gpus, "plans": s.plans, "fit": s.fits, "over_memory": s.over_memory,

@@ -27,7 +27,7 @@ import numpy as np
 from ..cluster import ClusterSpec
 from ..errors import ParsimError
 from ..model import Model
-from ..plan import DEFAULT_ADAMW
+from ..plan import DEFAULT_ADAMW, default_reduce_dtype
 from ..step import StepPrediction, predict_step
 from .fast import Estimate, FastModel, Prepared
 from .pareto import front_indices, pareto_front
@@ -57,6 +57,11 @@ class SearchRequest:
     degrees: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (dim, allowed values): search only those
     adamw: str = DEFAULT_ADAMW  # AdamW's implementation in every plan
     reduce_dtype: str | None = None  # the gradients' dtype in every plan (None: the dtype's default)
+
+    @property
+    def gradient_dtype(self) -> str:
+        """The dtype every plan keeps and reduces gradients in."""
+        return self.reduce_dtype or default_reduce_dtype(self.dtype)
 
     @property
     def price(self) -> float | None:
