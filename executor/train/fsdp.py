@@ -7,7 +7,9 @@ before its backward; its gradients are reduce-scattered after its backward,
 after every microbatch's (FSDP2 accumulates the sharded gradients, so the
 sum over microbatches stays exact). The mesh is the shard group, or for HSDP
 the 2-D (replicate, shard) mesh, whose replicas all-reduce the shards.
-Mixed precision is off: the plan's dtype is the parameter dtype. With
+With bf16 or fp16 plans the parameters are fp32 and FSDP2's
+``MixedPrecisionPolicy`` gathers them in the plan's dtype and reduces the
+gradients in its ``reduce_dtype``, as torchtitan sets it. With
 Megatron tensor parallelism (:mod:`executor.train.parallel`) the parameters
 FSDP receives are already this rank's TP shards, plain tensors, so FSDP shards
 the TP shards over the data-parallel ranks: the 2-D case.
@@ -104,22 +106,23 @@ def data_parallel_mesh(rows: list[list[int]], shard_group: Any, replicate_group:
 
 
 def apply_fsdp(stages: dict, names: dict[int, list[str]], mesh: Any, reshard_after_forward: bool,
-               recorder: Recorder) -> None:
+               recorder: Recorder, param_dtype: Any, reduce_dtype: Any) -> None:
     """``fully_shard`` every piece of every stage (``names[s]`` in order), then the stage as the root.
 
     Sharded parameters are new DTensor parameters; they keep the originals'
     ``full_name`` and tensor-parallel ``shard`` so the reference check finds
     their dense counterparts.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     hsdp = mesh.ndim == 2
     for s, stage in stages.items():
         passes = _Pass()
         units = list(stage.pieces)
         for name, module in zip(names[s], units):
             labels = {key: (p.full_name, getattr(p, "shard", None)) for key, p in module.named_parameters()}
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
             module.set_custom_all_gather(TimedAllGather(name, s, recorder, passes))
             reduce_scatter = TimedReduceScatter(name, s, recorder)
             module.set_custom_reduce_scatter(reduce_scatter)
@@ -136,7 +139,7 @@ def apply_fsdp(stages: dict, names: dict[int, list[str]], mesh: Any, reshard_aft
         # unsharded then: a no-op, which switches the default off).
         for k, module in enumerate(units):
             module.set_modules_to_backward_prefetch([units[max(k - 1, 0)]])
-        fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         stage.register_forward_pre_hook(lambda *_, passes=passes: setattr(passes, "forward", True))
         stage.register_forward_hook(lambda *_, passes=passes: setattr(passes, "forward", False))
 

@@ -31,6 +31,7 @@ from .._torch import require_distributed, require_torch
 from .comm import (CopyToTP, EPGroup, GatherFromTP, GatherSequence, ReduceFromTP, ScatterSequence, SharedLoss,
                    TPGroup, VocabParallelCrossEntropy)
 from .tp_overlap import TPOverlap
+from .mixed_precision import gradient, reduced
 from .models import Piece, RMSNorm
 from .moe import AllToAllDispatcher, MoEFeedForward, RoutedExperts
 from .trace_recorder import Recorder
@@ -179,14 +180,15 @@ def sequence_parallel_grad_sync(params: list, tp: TPGroup) -> Callable[[], None]
         return None
 
     def sync() -> None:
-        flat = torch.cat([p.grad.reshape(-1) for p in marked])
+        flat = torch.cat([gradient(p).reshape(-1) for p in marked])
         with tp.recorder.span(collective_name("all_reduce", "tp", params="norms"), "collective", "comm",
                               phase="tp", bytes=flat.numel() * flat.element_size()):
             dist.all_reduce(flat, group=tp.group)
         offset = 0
         for p in marked:
-            p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
-            offset += p.grad.numel()
+            grad = gradient(p)
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     return sync
 
@@ -241,9 +243,10 @@ class GradSync:
     """
 
     def __init__(self, params: list, group: Any, size: int, grad_sync: str, bucket_size: int, overlap: bool,
-                 accumulations: int, recorder: Recorder, experts: list = (), expert_group: Any = None,
-                 expert_size: int = 1, expert_divisor: int = 1):
+                 accumulations: int, recorder: Recorder, reduce_dtype: Any, experts: list = (),
+                 expert_group: Any = None, expert_size: int = 1, expert_divisor: int = 1):
         self.grad_sync, self.overlap, self.accumulations = grad_sync, overlap, accumulations
+        self.reduce_dtype = reduce_dtype
         self.recorder = recorder
         self.reducers = [BucketReducer([(p, None) for p in params], group, size, size, "bucket", 0, self, bucket_size)]
         if experts:
@@ -275,8 +278,9 @@ class BucketReducer:
         self.average = _average_op(group) if size > 1 and divisor == size else None
         if size == 1:
             self.buckets: list[list] = []
-        elif sync.grad_sync == "bucketed":
-            self.buckets = _buckets(units, bucket_size, lambda u: _grad_numel(u) * u[0].element_size())
+        elif sync.grad_sync == "bucketed":  # sized in the reduce dtype, as the simulator sizes them
+            itemsize = torch.empty((), dtype=sync.reduce_dtype).element_size()
+            self.buckets = _buckets(units, bucket_size, lambda u: _grad_numel(u) * itemsize)
         else:
             self.buckets = [[u] for u in units]
         self._buckets_of: dict[int, list[int]] = {}
@@ -296,16 +300,20 @@ class BucketReducer:
         if not self.buckets:  # nothing to send: every replica's share is already here
             if self.divisor != 1:
                 for p in self.params:
-                    p.grad.div_(self.divisor)
+                    gradient(p).div_(self.divisor)
             return
         if self.sync.grad_sync == "per_param":
             for k, (unit,) in enumerate(self.buckets):
                 grad = _grad(unit)
+                buffer = reduced(grad, self.sync.reduce_dtype)
                 with self.recorder.span(collective_name("all_reduce", "dp", param=self.first_param + k),
-                                        "collective", "comm", phase="dp", bytes=grad.numel() * grad.element_size()):
-                    dist.all_reduce(grad, op=self.average or dist.ReduceOp.SUM, group=self.group)
+                                        "collective", "comm", phase="dp",
+                                        bytes=buffer.numel() * buffer.element_size()):
+                    dist.all_reduce(buffer, op=self.average or dist.ReduceOp.SUM, group=self.group)
                     if self.average is None:
-                        grad.div_(self.divisor)
+                        buffer.div_(self.divisor)
+                if buffer is not grad:
+                    grad.copy_(buffer)
             return
         while len(self._launched) < len(self.buckets):
             self._launch()
@@ -326,7 +334,7 @@ class BucketReducer:
 
     def _launch(self) -> None:
         bucket = self.buckets[len(self._launched)]
-        flat = torch.cat([_grad(u).reshape(-1) for u in bucket])
+        flat = reduced(torch.cat([_grad(u).reshape(-1) for u in bucket]), self.sync.reduce_dtype)
         start = self.recorder.now()
         work = dist.all_reduce(flat, op=self.average or dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._launched.append((work, flat, start))
@@ -348,7 +356,7 @@ class BucketReducer:
 def _grad(unit: tuple) -> Any:
     """A unit's gradient: the parameter's, or its slice ``i`` along dim 0 (a view)."""
     param, index = unit
-    return param.grad if index is None else param.grad[index]
+    return gradient(param) if index is None else gradient(param)[index]
 
 
 def _grad_numel(unit: tuple) -> int:
@@ -357,14 +365,15 @@ def _grad_numel(unit: tuple) -> int:
 
 
 def apply_data_parallel(params: list, group: Any, size: int, grad_sync: str, bucket_size: int, overlap: bool,
-                        accumulations: int, recorder: Recorder, experts: list = (), expert_group: Any = None,
-                        expert_size: int = 1, expert_divisor: int = 1) -> GradSync | None:
+                        accumulations: int, recorder: Recorder, reduce_dtype: Any, experts: list = (),
+                        expert_group: Any = None, expert_size: int = 1,
+                        expert_divisor: int = 1) -> GradSync | None:
     """A :class:`GradSync` for ``params`` over ``group`` (None when there is one replica), and for the routed
     ``experts`` over ``expert_group``."""
     if size == 1:
         return None
-    return GradSync(params, group, size, grad_sync, bucket_size, overlap, accumulations, recorder, experts,
-                    expert_group, expert_size, expert_divisor)
+    return GradSync(params, group, size, grad_sync, bucket_size, overlap, accumulations, recorder, reduce_dtype,
+                    experts, expert_group, expert_size, expert_divisor)
 
 
 def _average_op(group: Any) -> Any:
@@ -411,8 +420,9 @@ def tie_embeddings(pieces: list[Piece], group: Any, recorder: Recorder) -> Calla
     param = by_name["embedding"].tokens.weight if "embedding" in by_name else by_name["head"].out.weight
 
     def sync() -> None:
+        grad = gradient(param)
         with recorder.span(collective_name("all_reduce", "embedding"), "collective", "comm", phase="dp",
-                           bytes=param.grad.numel() * param.grad.element_size()):
-            dist.all_reduce(param.grad, group=group)
+                           bytes=grad.numel() * grad.element_size()):
+            dist.all_reduce(grad, group=group)
 
     return sync

@@ -29,6 +29,7 @@ from .._torch import require_distributed, require_torch
 from .comm import EPGroup, TPGroup
 from .context_parallel import CPGroup, apply_context_parallel, replica_loss, sequence_positions
 from .fsdp import apply_fsdp, data_parallel_mesh, dense
+from .mixed_precision import MasterWeightsAdamW, attach_main_grads, gradient
 from .models import build_loss, build_pieces, make_batch
 from .parallel import (apply_data_parallel, apply_expert_parallel, apply_tensor_parallel, routed_expert_parameters,
                        sequence_parallel_grad_sync, tie_embeddings)
@@ -72,7 +73,7 @@ class RankSetup:
         part of ``reference``, the dense gradient of what ``param`` holds."""
         if isinstance(self.grad_sync, ZeroOptimizer):
             return self.grad_sync.owned_gradient(param, reference)
-        return dense(param.grad), reference
+        return dense(gradient(param)), reference
 
     def forward_backward(self) -> float | None:
         """Run the schedule and synchronize gradients; the mean loss on last-stage ranks, else None."""
@@ -135,10 +136,7 @@ def check_plan(plan: Plan) -> None:
         ("latent attention (MLA)", m.attention == "mla"),
         ("weight-gradient matmuls that accumulate in place (grad_accumulation: fused)",
          plan.grad_accumulation == "fused"),
-        (f"{plan.dtype} compute", plan.dtype not in DTYPES),
-        (f"gradients reduced in {plan.reduce_dtype} beside {plan.dtype} weights (it trains in one dtype: "
-         f"--reduce-dtype {plan.dtype})",
-         plan.reduce_dtype != plan.dtype and plan.dtype in DTYPES and plan.dp * plan.cp > 1)) if used]
+        (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
     if missing:
         raise ParsimError(f"parsim run does not execute {', '.join(missing)} yet; `parsim simulate` predicts it "
                           f"(the executor runs DDP, ZeRO-1/2, FSDP and HSDP, tensor, pipeline, context and "
@@ -175,7 +173,10 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     schedule = plan.pipeline
     groups = _process_groups(plan, rank, schedule)
     coords = plan.coords(rank)
-    dtype = DTYPES[plan.dtype]
+    dtype, reduce_dtype = DTYPES[plan.dtype], DTYPES[plan.reduce_dtype]
+    mixed = dtype != torch.float32  # fp32 master weights beside bf16 / fp16 ones
+    sharded = plan.zero and plan.shard_size > 1
+    fsdp = sharded and plan.zero == 3
     model = plan.model
 
     tp = TPGroup(groups.get("tp"), coords.tp, plan.tp, recorder)
@@ -195,14 +196,15 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
             apply_context_parallel(pieces, cp, model.seq_len)
         apply_expert_parallel(pieces, ep)
         pieces = apply_activation_recompute(pieces, {c.name for c in plan.recomputed(s)}, recorder)
-        stages[s] = Stage(pieces, loss if s == plan.num_stages - 1 else None).to(device=device, dtype=dtype)
-    sharded = plan.zero and plan.shard_size > 1
+        # FSDP2 keeps fp32 parameters and computes in the plan's dtype (its MixedPrecisionPolicy)
+        stages[s] = Stage(pieces, loss if s == plan.num_stages - 1 else None).to(
+            device=device, dtype=torch.float32 if fsdp else dtype)
     shard_group = groups.get("shard", groups.get("dp"))
-    if sharded and plan.zero == 3:
+    if fsdp:
         dp_ranks = plan.group_of(rank, "dp")
         rows = [dp_ranks[k:k + plan.shard_size] for k in range(0, plan.dp, plan.shard_size)]
         mesh = data_parallel_mesh(rows, shard_group, groups.get("replicate"), device.type)
-        apply_fsdp(stages, names, mesh, plan.reshard_after_forward, recorder)
+        apply_fsdp(stages, names, mesh, plan.reshard_after_forward, recorder, dtype, reduce_dtype)
     tie_sync = None
     if getattr(model, "tied_embeddings", False):
         tie_sync = tie_embeddings(list(built.values()), groups.get("tie"), recorder)
@@ -210,11 +212,14 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     sync_order = _unique_last([p for s in reversed(stage_ids) for piece in reversed(stages[s].pieces)
                                for p in piece.parameters()])
     after_step = None
+    if mixed and not fsdp:  # before the gradient sync's hooks, which then see the sums
+        attach_main_grads(sync_order, reduce_dtype)
     replicas = plan.dp * plan.cp  # gradients are averaged over dp x cp
+    fused = plan.adamw == "fused"
     if sharded and plan.zero < 3:
         optimizer = grad_sync = ZeroOptimizer(sync_order, plan.zero, shard_group, groups.get("replicate"),
                                               plan.bucket_size, plan.overlap, plan.num_microbatches, recorder,
-                                              LEARNING_RATE, plan.overlap_param_gather, plan.adamw == "fused")
+                                              LEARNING_RATE, reduce_dtype, plan.overlap_param_gather, fused)
         after_step = grad_sync.gather_weights
         if plan.overlap_param_gather:  # each piece's forward waits for its parameters' buckets
             for stage in stages.values():
@@ -224,9 +229,10 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
         routed = {id(p) for p in routed_expert_parameters(list(stages.values()))}
         grad_sync = None if sharded else apply_data_parallel(
             [p for p in sync_order if id(p) not in routed], groups.get("dp"), replicas, plan.grad_sync,
-            plan.bucket_size, plan.overlap, plan.num_microbatches, recorder,
+            plan.bucket_size, plan.overlap, plan.num_microbatches, recorder, reduce_dtype,
             [p for p in sync_order if id(p) in routed], groups.get("edp"), replicas // plan.ep, replicas)
-        optimizer = torch.optim.AdamW(sync_order, lr=LEARNING_RATE, fused=plan.adamw == "fused")
+        optimizer = (MasterWeightsAdamW(sync_order, LEARNING_RATE, fused) if mixed and not fsdp
+                     else torch.optim.AdamW(sync_order, lr=LEARNING_RATE, fused=fused))
     owners = {s: plan.rank_of(dp=coords.dp, pp=schedule.stage_to_rank(s), cp=coords.cp, tp=coords.tp)
               for s in range(plan.num_stages)}
     runtime = PipelineRuntime(schedule, coords.pp, stages, owners, rank, recorder, _activation_shape(plan),

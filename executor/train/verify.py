@@ -15,6 +15,7 @@ from parsim.plan import Plan, load_plan
 
 from .._torch import require_torch
 from .fsdp import dense
+from .mixed_precision import MasterWeightsAdamW
 from .models import make_batch, reference_model, run_pieces
 from .parallel import reference_slice, routed_expert_parameters
 from .runner import DTYPES, LEARNING_RATE, build_rank
@@ -29,7 +30,8 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     compared, so one tolerance fits weights and gradients of any scale.
     ``loss`` is this replica's loss (last-stage ranks only, else None) and
     ``reference_loss`` the reference's on the same rows; ``events`` the names
-    of the events the rank recorded, in the order they ended. The routed
+    of the events the rank recorded, in the order they ended, and ``comm_bytes``
+    the bytes of each communication event by name. The routed
     experts' weights (a MoE model) are also reported on their own:
     ``max_expert_grad_error`` over ``expert_params_checked`` of them.
     """
@@ -38,6 +40,7 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     loss = setup.step() if optimizer_step else setup.forward_backward()
     setup.settle()
     events = [e.name for e in setup.recorder.events]
+    comm_bytes = {e.name: e.args["bytes"] for e in setup.recorder.events if e.kind != "compute" and "bytes" in e.args}
 
     dtype = DTYPES[plan.dtype]
     pieces, loss_fn = reference_model(plan.model, seed)
@@ -53,7 +56,10 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     reference_loss.backward()
     reference = {p.full_name: p for piece in pieces for p in piece.module.parameters()}
     if optimizer_step:
-        torch.optim.AdamW(list({id(p): p for p in reference.values()}.values()), lr=LEARNING_RATE).step()
+        unique = list({id(p): p for p in reference.values()}.values())
+        adamw = (MasterWeightsAdamW(unique, LEARNING_RATE) if dtype != torch.float32
+                 else torch.optim.AdamW(unique, lr=LEARNING_RATE))
+        adamw.step()
 
     grad_error, param_error, expert_error, worst = 0.0, 0.0, 0.0, ""
     params = setup.parameters()
@@ -69,7 +75,7 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     return {"rank": rank, "plan": plan.name, "loss": loss, "reference_loss": local_loss.item() if loss is not None
             else None, "max_grad_error": grad_error, "worst_grad": worst, "max_param_error": param_error,
             "params_checked": len(params), "max_expert_grad_error": expert_error,
-            "expert_params_checked": len(experts), "events": events}
+            "expert_params_checked": len(experts), "events": events, "comm_bytes": comm_bytes}
 
 
 def verify_rank(rank: int, world: int, plans: list[dict], seed: int = 0, optimizer_step: bool = False) -> list[dict]:

@@ -7,10 +7,11 @@ each bucket is padded to a multiple of the shard group's size ``N`` and rank
 ``i`` of the group owns its ``i``-th ``1/N``. After the backward a bucket's
 gradients are reduce-scattered (averaged) over the shard group, as soon as
 the bucket is final when ``overlap`` is on; under HSDP the owned shard is then
-all-reduced (averaged) across the replicas. AdamW steps only the owned slices
-(its state exists for them alone), and every bucket's updated weights are
-all-gathered back into the parameters. AdamW is elementwise, so this equals
-plain AdamW on the whole model.
+all-reduced (averaged) across the replicas. Gradients travel in the plan's
+reduce dtype. AdamW steps only the owned slices, kept in fp32 (master weights
+beside bf16 or fp16 parameters; its state exists for them alone), and every
+bucket's updated weights are all-gathered back into the parameters in their
+own dtype. AdamW is elementwise, so this equals AdamW on the whole model.
 
 ZeRO-1 keeps each parameter's whole local gradient (only the optimizer state
 is sharded); ZeRO-2 frees it once the bucket's reduce-scatter has its copy,
@@ -33,6 +34,7 @@ from parsim.trace import collective_name
 
 from .._torch import require_distributed, require_torch
 from .comm import _all_gather, _reduce_scatter
+from .mixed_precision import drop_gradient, gradient, reduced
 from .parallel import BucketReducer
 from .trace_recorder import Recorder
 
@@ -58,7 +60,7 @@ class ZeroOptimizer(BucketReducer):
     """
 
     def __init__(self, params: list, stage: int, shard_group: Any, replicate_group: Any, bucket_size: int,
-                 overlap: bool, accumulations: int, recorder: Recorder, lr: float,
+                 overlap: bool, accumulations: int, recorder: Recorder, lr: float, reduce_dtype: Any,
                  overlap_param_gather: bool = False, fused: bool = False):
         size = dist.get_world_size(shard_group)
         self.overlap_param_gather = overlap_param_gather
@@ -67,7 +69,7 @@ class ZeroOptimizer(BucketReducer):
         # The data-parallel sync's bucket bookkeeping (when a bucket is final, in which order buckets
         # launch), with a reduce-scatter where it all-reduces.
         settings = SimpleNamespace(grad_sync="bucketed", overlap=overlap, accumulations=accumulations,
-                                   recorder=recorder)
+                                   recorder=recorder, reduce_dtype=reduce_dtype)
         super().__init__([(p, None) for p in params], shard_group, size, size, "bucket", 0, settings, bucket_size)
         self.param_buckets = [[p for p, _ in bucket] for bucket in self.buckets]
         self.stage, self.replicate_group = stage, replicate_group
@@ -83,14 +85,15 @@ class ZeroOptimizer(BucketReducer):
                 for p in bucket[:-1]:
                     offsets.append(offsets[-1] + p.numel())
                 self._offset_of.update((id(p), offset) for p, offset in zip(bucket, offsets))
-                weights = flat[rank * per:(rank + 1) * per].clone().requires_grad_(True)
+                # fp32 master weights beside low-precision parameters (Megatron-LM's distributed optimizer)
+                weights = flat[rank * per:(rank + 1) * per].to(torch.float32, copy=True).requires_grad_(True)
                 self.shards.append(_Shard(offsets, rank * per, weights))
         self.adamw = torch.optim.AdamW([s.weights for s in self.shards], lr=lr, fused=fused)
 
     # -- the optimizer's face ----------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
-            p.grad = None
+            drop_gradient(p)
         self.adamw.zero_grad(set_to_none)
 
     def step(self) -> None:
@@ -107,7 +110,7 @@ class ZeroOptimizer(BucketReducer):
             flat = self._gather_buffer(shard)
             with self.recorder.span(collective_name("all_gather", "dp", bucket=k), "collective", "comm",
                                     phase="dp", bytes=flat.numel() * flat.element_size()):
-                _all_gather(flat, shard.weights.detach(), group=self.group)
+                _all_gather(flat, self._gathered_shard(shard), group=self.group)
             self._copy_in(k, flat)
 
     def start_step(self) -> None:
@@ -121,7 +124,7 @@ class ZeroOptimizer(BucketReducer):
         for k in reversed(range(len(self.shards))):
             flat = self._gather_buffer(self.shards[k])
             start = self.recorder.now()
-            work = _all_gather(flat, self.shards[k].weights.detach(), group=self.group, async_op=True)
+            work = _all_gather(flat, self._gathered_shard(self.shards[k]), group=self.group, async_op=True)
             self._gathering[k] = (work, flat, start)
         self._stale = False
 
@@ -141,7 +144,11 @@ class ZeroOptimizer(BucketReducer):
         self.await_weights(self.params)
 
     def _gather_buffer(self, shard: _Shard) -> Any:
-        return torch.empty(shard.weights.numel() * self.size, dtype=shard.weights.dtype, device=shard.weights.device)
+        return torch.empty(shard.weights.numel() * self.size, dtype=self.params[0].dtype, device=shard.weights.device)
+
+    def _gathered_shard(self, shard: _Shard) -> Any:
+        """The updated weights a rank sends: its master slice in the parameters' own dtype."""
+        return shard.weights.detach().to(self.params[0].dtype)
 
     def _copy_in(self, k: int, flat: Any) -> None:
         with torch.no_grad():
@@ -162,10 +169,11 @@ class ZeroOptimizer(BucketReducer):
 
     def _launch(self) -> None:
         k = len(self._launched)
-        flat = self._padded([p.grad.reshape(-1) for p in self.param_buckets[k]])
+        flat = reduced(self._padded([gradient(p).reshape(-1) for p in self.param_buckets[k]]),
+                       self.sync.reduce_dtype)
         if self.stage >= 2:  # ZeRO-2: from now on only the reduced shard of these gradients exists
             for p in self.param_buckets[k]:
-                p.grad = None
+                drop_gradient(p)
         shard = torch.empty(flat.numel() // self.size, dtype=flat.dtype, device=flat.device)
         start = self.recorder.now()
         work = _reduce_scatter(shard, flat, op=self.average or dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -184,4 +192,4 @@ class ZeroOptimizer(BucketReducer):
                 dist.all_reduce(shard, op=self.average or dist.ReduceOp.SUM, group=self.replicate_group)
             if self.average is None:
                 shard.div_(self.replicas)
-        self.shards[k].weights.grad = shard
+        self.shards[k].weights.grad = shard.float()
