@@ -132,7 +132,10 @@ class Lowering:
         """The representative's ``dim`` group at pipeline rank ``p`` and its mirror groups."""
         plan = self.plan
         grid = plan.rank_grid  # [dp, pp, cp, tp]
-        if dim == "tp":
+        if dim == "embedding":  # a tied table's two copies: the first and the last pipeline ranks' (p is either)
+            groups = [[int(grid[d, 0, c, t]), int(grid[d, -1, c, t])]
+                      for d in range(plan.dp) for c in range(plan.cp) for t in range(plan.tp)]
+        elif dim == "tp":
             groups = grid[:, p, :, :].reshape(-1, plan.tp).tolist()
         elif dim == "cp":
             groups = grid[:, p, :, :].transpose(0, 2, 1).reshape(-1, plan.cp).tolist()
@@ -440,6 +443,8 @@ class Lowering:
                     gather.append((dim, tag, gathered_bytes(plan, nbytes)))
         if plan.sequence_parallel and plan.tp > 1:
             sync.append(self._sequence_parallel_norms(rank, p, tuple(sync) or (last_compute,)))
+        if plan.ties_across_stages and p in (0, plan.pp - 1):
+            sync.append(self._tied_table_sum(rank, p, tuple(sync) or (last_compute,)))
         expert_params = plan.expert_params_per_rank(p)
         params = (plan.params_per_rank(p) - expert_params) / plan.shard_size + expert_params / plan.expert_shard_size
         tensors_count = sum(len(param_tensors(c, plan.tp, plan.ep)) for s in plan.stages_of(p)
@@ -504,6 +509,19 @@ class Lowering:
         return self._add(rank, Op(collective_name("all_reduce", "tp", params="norms"), "collective", "compute",
                                   deps=after, collective="all_reduce", group="tp", ranks=group, mirrors=mirrors,
                                   nbytes=elements * plan.grad_bytes, phase="tp"))
+
+    def _tied_table_sum(self, rank: int, p: int, after: tuple[int, ...]) -> int:
+        """Sum the gradients of a tied table's two copies (the embedding's on the first pipeline rank, the
+        head's on the last) after the data-parallel sync, as Megatron-LM's ``finalize_model_grads`` does last.
+
+        Each side times the sum from the moment it is ready; the first stage, which finishes its backward
+        last under every schedule placing the head elsewhere, sets the step with it."""
+        plan = self.plan
+        elements = param_tensors(plan._costs[2], plan.tp)[0][0] / (plan.shard_size if self.fsdp else 1)
+        group, mirrors = self.group(p, "embedding")
+        return self._add(rank, Op(collective_name("all_reduce", "embedding"), "collective", "comm", deps=after,
+                                  collective="all_reduce", group="embedding", ranks=group, mirrors=mirrors,
+                                  nbytes=elements * plan.grad_bytes, phase="dp"))
 
     def _dp_collective(self, rank: int, p: int, collective: str, dim: str, nbytes: float, deps: tuple,
                        **tags) -> int:

@@ -462,7 +462,8 @@ class MLPModel(_CostTotals):
         """The MLP reads its input directly: no embedding."""
         return None
 
-    def head_cost(self, dtype_bytes: int, tp_style: str | None = None, sequence_parallel: bool = False) -> None:
+    def head_cost(self, dtype_bytes: int, tp_style: str | None = None, sequence_parallel: bool = False,
+                  copies_table: bool = False) -> None:
         """The MLP's loss works on the last layer's output: no head."""
         return None
 
@@ -828,7 +829,7 @@ class TransformerModel(_CostTotals):
                          (Activation("embed.ids", 1, INDEX_BYTES, sharded=False),))
 
     def head_cost(self, dtype_bytes: int, tp_style: str | None = None,
-                  sequence_parallel: bool = False) -> LayerCost:
+                  sequence_parallel: bool = False, copies_table: bool = False) -> LayerCost:
         """The final norm, the LM head matmul ``hidden x vocab`` and the cross-entropy.
 
         The head is column-parallel over the vocabulary (padded to a multiple of
@@ -837,9 +838,10 @@ class TransformerModel(_CostTotals):
         gradient reduce-scattered), and the vocabulary-parallel cross-entropy
         all-reduces three fp32 numbers per token (the logit maximum, the target
         logit, the sum of exponentials). With tied embeddings the head reuses
-        the embedding table and owns no parameters; under pipeline parallelism
-        the last stage then keeps a copy whose gradient is all-reduced with the
-        first stage's (Megatron-LM). Saved: the norm and head inputs, and the
+        the embedding table and owns no parameters, unless it runs on another
+        pipeline rank than the embedding (``copies_table``): that rank keeps a
+        copy of the table, with its gradient and optimizer state, and its
+        gradient is summed with the first stage's (Megatron-LM). Saved: the norm and head inputs, and the
         softmax over the vocabulary in fp32, which dominates for large
         vocabularies.
         """
@@ -855,7 +857,8 @@ class TransformerModel(_CostTotals):
         loss = (Elementwise("head.norm", 2 * h, 3 * h, sharded=False),
                 Elementwise("ce.logits", v, v),  # the loss reads the logits; its backward writes their gradient
                 self._loss_kernel(v))
-        block = Block("head", (Matmul("head", h, v, "column", owns_weight=not self.tied_embeddings),),
+        owns_weight = not self.tied_embeddings or copies_table
+        block = Block("head", (Matmul("head", h, v, "column", owns_weight=owns_weight),),
                       collectives=collectives, elementwise=loss, eager_ops=eager_ops.HEAD)
         saved = (Activation("norm.final.in", h, d, sharded=sequence_parallel),
                  Activation("head.in", h, d, sharded=False), Activation("ce.softmax", v, SOFTMAX_BYTES, sharded=True))

@@ -535,7 +535,15 @@ class Plan:
         if self.activation_recompute == "selective":  # the attention core's own tensors are recomputed, not kept
             layers = [dataclasses.replace(c, activations=tuple(a for a in c.activations if not a.attention_core))
                       for c in layers]
-        return m.embedding_cost(d, self.tp_style, sp), layers, m.head_cost(d, self.tp_style, sp)
+        return (m.embedding_cost(d, self.tp_style, sp), layers,
+                m.head_cost(d, self.tp_style, sp, copies_table=self.ties_across_stages))
+
+    @property
+    def ties_across_stages(self) -> bool:
+        """A tied LM head on another pipeline rank than the embedding (every placement but a V's, which puts
+        the first and last stages on rank 0): that rank keeps a copy of the table, whose gradient is summed
+        with the first stage's after the data-parallel sync (Megatron-LM's ``_allreduce_embedding_grads``)."""
+        return getattr(self.model, "tied_embeddings", False) and self.pp > 1 and self.schedule not in V_SCHEDULES
 
     def stage_costs(self, stage: int) -> list[LayerCost]:
         """What ``stage`` computes, in order: the embedding (first stage), its layers, the head (last)."""

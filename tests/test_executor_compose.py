@@ -4,7 +4,7 @@ Each plan of the tiny transformer (and the lecture's TP on 4 ranks) takes one
 step, AdamW included, and every rank's loss, gradients and weights must equal
 the single-process reference. Tied embeddings are covered on one rank (one
 shared table) and across pipeline ranks (two copies whose gradients are
-summed). Untied plans must record exactly the events the simulator predicts
+summed). Every plan must record exactly the events the simulator predicts
 for the ranks it simulates.
 """
 
@@ -44,7 +44,6 @@ PLANS = {
         "model": {"kind": "mlp", "name": "mlp", "num_layers": 4, "width": 64, "batch_size": 16},
         "parallel": {"tp": WORLD}, "tensor_parallel": "allgather"}),
 }
-UNTIED = [name for name, plan in PLANS.items() if not getattr(plan.model, "tied_embeddings", False)]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +59,7 @@ def test_composed_step_equals_single_process(results, name):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", UNTIED)
+@pytest.mark.parametrize("name", PLANS)
 def test_events_match_the_simulated_program(results, name):
     """Same names, and the same number of each communication event, on every simulated rank."""
     index = list(PLANS).index(name)

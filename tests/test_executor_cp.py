@@ -6,8 +6,8 @@ equal full causal SDPA; so does attention on gathered K/V under the global
 causal mask. Plan level: ring and all-gather attention alone (cp 2, cp 4) and
 composed with dp, pp (1F1B and zero-bubble), tp and tied embeddings take one
 step, AdamW included, and every rank's loss (the replica's, over whole
-sequences), gradients and weights equal the single-process reference; untied
-plans record exactly the events the lowering predicts.
+sequences), gradients and weights equal the single-process reference, and
+every plan records exactly the events the lowering predicts.
 """
 
 from __future__ import annotations
@@ -49,8 +49,6 @@ PLANS_4 = {
     "cp2 x pp2 ring, tied across stages": cp_plan(dict(GPT, num_layers=4, tied_embeddings=True), "ring", cp=2, pp=2),
 }
 RUNS = [(name, 2) for name in PLANS_2] + [(name, 4) for name in PLANS_4]
-UNTIED = [(name, world) for name, world in RUNS
-          if not getattr({**PLANS_2, **PLANS_4}[name].model, "tied_embeddings", False)]
 
 
 # --------------------------------------------------------------------------- the math, in one process
@@ -167,7 +165,7 @@ def test_context_parallel_step_equals_single_process(results, name, world):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name,world", UNTIED)
+@pytest.mark.parametrize("name,world", RUNS)
 def test_events_match_the_simulated_program(results, name, world):
     """Same names, and the same number of each communication event (K/V exchanges included), per simulated rank."""
     plan, runs = _plan_and_runs(results, name, world)

@@ -80,8 +80,7 @@ def test_a_bf16_step_equals_the_single_process_step(results, world, name):
         assert r["max_grad_error"] < 4 * BF16_EPS, f"rank {rank}: {r['worst_grad']}"
         assert r["max_param_error"] < FIRST_STEP_SIGN_FLIP, f"rank {rank}"
     assert losses == plan.dp * plan.tp
-    if not plan.model.tied_embeddings:  # the lowering does not sum a tied table's copies across stages yet
-        assert_events_as_simulated(plan, runs)
+    assert_events_as_simulated(plan, runs)
 
 
 @pytest.mark.multiproc
@@ -91,8 +90,6 @@ def test_every_collective_moves_the_bytes_the_simulator_prices(results, world, n
     activations in bf16: what each rank measured, name by name, against the lowered program (padding to a
     multiple of the group's size aside)."""
     plan = PLANS[world][name]
-    if plan.model.tied_embeddings:
-        pytest.skip("the lowering does not sum a tied table's copies across stages yet")
     program = lower(plan)
     for rank in program.ranks:
         measured = _runs(results, world, name)[rank]["comm_bytes"]

@@ -181,6 +181,38 @@ def test_embedding_on_first_stage_and_head_on_last():
     assert sum(plan.params_per_rank(r) for r in range(plan.pp)) == TINY.num_params
 
 
+def test_a_tied_head_on_another_pipeline_rank_keeps_a_copy_whose_gradient_is_summed_with_the_table():
+    """Megatron-LM: the last stage holds its own copy of a tied table (weights, gradients, optimizer state,
+    and its share of the data-parallel sync), and after that sync the two copies' gradients are all-reduced
+    between the first and last pipeline ranks. A V schedule puts both ends on rank 0: one table, no sum."""
+    from parsim.lower import lower
+
+    gpt3 = load_model("gpt3-175b")
+    table = -(-gpt3.vocab_size // 8) * gpt3.hidden  # one tensor-parallel rank's rows of the padded table
+    looped = Plan(model=gpt3, dp=2, tp=8, pp=4, num_microbatches=8, dtype="bf16")
+    untied = Plan(model=load_model(dict(gpt3.to_dict(), tied_embeddings=False)), dp=2, tp=8, pp=4, num_microbatches=8,
+                  dtype="bf16")
+    assert looped.ties_across_stages
+    assert looped.params_per_rank(3) == untied.params_per_rank(3)
+    assert looped.params_per_rank(0) == untied.params_per_rank(0)
+
+    program = lower(looped)
+    sums = {rank: [op for op in program.rank_ops(rank) if op.name == "all_reduce embedding"] for rank in program.ranks}
+    first, last = looped.rank_of(dp=0, pp=0, tp=0), looped.rank_of(dp=0, pp=3, tp=0)
+    for rank in (first, last):
+        (op,) = sums[rank]
+        assert op.ranks == (first, last) and len(op.mirrors) == looped.dp * looped.tp - 1
+        assert op.nbytes == table * 4  # the gradients in fp32, bf16's default reduce dtype
+        step = next(o for o in program.rank_ops(rank) if o.name == "optimizer step")
+        assert op.id in step.deps
+    assert not any(sums[r] for r in program.ranks if r not in (first, last))
+    assert not any(op.name == "all_reduce embedding" for op in lower(untied).ops)
+
+    v = Plan(model=gpt3, dp=2, tp=8, pp=4, num_microbatches=8, dtype="bf16", schedule="zbv")
+    assert not v.ties_across_stages
+    assert v.params_per_rank(0) < untied.params_per_rank(0) + untied.params_per_rank(3)
+    assert not any(op.name == "all_reduce embedding" for op in lower(v).ops)
+
 # --------------------------------------------------------------------------- YAML
 def test_plan_yaml_with_model_path_relative_to_the_plan(tmp_path):
     (tmp_path / "m.yaml").write_text("kind: mlp\nnum_layers: 2\nwidth: 8\nbatch_size: 8\n")

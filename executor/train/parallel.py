@@ -168,8 +168,9 @@ def _mlp(pieces: list[Piece], loss: Any, style: str, tp: TPGroup) -> Any:
     return loss
 
 
-def sequence_parallel_grad_sync(params: list, tp: TPGroup) -> Callable[[], None] | None:
-    """Sum the gradients of ``params`` marked ``sequence_parallel`` over ``tp``, in one flat all-reduce.
+def sequence_parallel_grad_sync(params: list, tp: TPGroup, reduce_dtype: Any) -> Callable[[], None] | None:
+    """Sum the gradients of ``params`` marked ``sequence_parallel`` over ``tp``, in one flat all-reduce in
+    ``reduce_dtype``.
 
     Each rank's norm gains saw only its part of the sequence, so their
     gradients are partial sums; Megatron-LM all-reduces them over the
@@ -180,7 +181,7 @@ def sequence_parallel_grad_sync(params: list, tp: TPGroup) -> Callable[[], None]
         return None
 
     def sync() -> None:
-        flat = torch.cat([gradient(p).reshape(-1) for p in marked])
+        flat = reduced(torch.cat([gradient(p).reshape(-1) for p in marked]), reduce_dtype)
         with tp.recorder.span(collective_name("all_reduce", "tp", params="norms"), "collective", "comm",
                               phase="tp", bytes=flat.numel() * flat.element_size()):
             dist.all_reduce(flat, group=tp.group)
@@ -406,7 +407,8 @@ def _buckets(items: list, bucket_size: int, nbytes: Callable[[Any], int] | None 
 
 
 # --------------------------------------------------------------------------- tied embeddings
-def tie_embeddings(pieces: list[Piece], group: Any, recorder: Recorder) -> Callable[[], None] | None:
+def tie_embeddings(pieces: list[Piece], group: Any, recorder: Recorder,
+                   reduce_dtype: Any) -> Callable[[], None] | None:
     """Keep a tied head equal to the token table; returns the gradient sync to run after the backward, if any.
 
     On one rank the head simply uses the table's parameter. Across pipeline
@@ -421,8 +423,11 @@ def tie_embeddings(pieces: list[Piece], group: Any, recorder: Recorder) -> Calla
 
     def sync() -> None:
         grad = gradient(param)
+        buffer = reduced(grad, reduce_dtype)
         with recorder.span(collective_name("all_reduce", "embedding"), "collective", "comm", phase="dp",
-                           bytes=grad.numel() * grad.element_size()):
-            dist.all_reduce(grad, group=group)
+                           bytes=buffer.numel() * buffer.element_size()):
+            dist.all_reduce(buffer, group=group)
+        if buffer is not grad:
+            grad.copy_(buffer)
 
     return sync

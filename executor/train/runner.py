@@ -207,7 +207,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
         apply_fsdp(stages, names, mesh, plan.reshard_after_forward, recorder, dtype, reduce_dtype)
     tie_sync = None
     if getattr(model, "tied_embeddings", False):
-        tie_sync = tie_embeddings(list(built.values()), groups.get("tie"), recorder)
+        tie_sync = tie_embeddings(list(built.values()), groups.get("tie"), recorder, reduce_dtype)
 
     sync_order = _unique_last([p for s in reversed(stage_ids) for piece in reversed(stages[s].pieces)
                                for p in piece.parameters()])
@@ -238,7 +238,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     runtime = PipelineRuntime(schedule, coords.pp, stages, owners, rank, recorder, _activation_shape(plan),
                               dtype, device)
     # Megatron-LM's finalize_model_grads order: data-parallel sync, then sequence-parallel norms, then embeddings.
-    finalize = [f for f in (sequence_parallel_grad_sync(sync_order, tp), tie_sync) if f is not None]
+    finalize = [f for f in (sequence_parallel_grad_sync(sync_order, tp, reduce_dtype), tie_sync) if f is not None]
     return RankSetup(plan, rank, stages, runtime, grad_sync, finalize, optimizer, recorder,
                      _local_microbatches(plan, coords.dp, coords.cp, seed, dtype, device), after_step, cp)
 
