@@ -52,8 +52,8 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
     unfused (batched matmuls, :func:`unfused_attention`). The memory-bound
     kernels (:class:`~parsim.model.Elementwise`) move their forward bytes in a
     forward and their backward bytes in an input-gradient pass; the
-    weight-gradient pass accumulates into ``.grad`` (read both, write one)
-    for every microbatch but the first.
+    weight-gradient pass adds its gradients into the step's sum
+    (:attr:`~parsim.plan.Plan.accumulation_bytes`).
     A tensor-parallel collective over the feature dimension adds a copy of its
     tensor (:class:`~parsim.model.TPCollective` ``regroups``).
     Kernels launched: one per matmul and one per memory-bound kernel.
@@ -107,15 +107,14 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         regrouped = [c for c in block.collectives if c.regroups and c.group == "tp" and c.phase == phase and tp > 1]
         elementwise += tokens * sum(2 * c.bytes_per_token for c in regrouped)
         kernels += len(regrouped)
-    # Autograd adds each weight gradient into .grad for every microbatch but the first, whose gradient
-    # becomes .grad as it is: on average (m - 1) / m of a read-both, write-one pass over the weights. A fused
+    # Each weight gradient joins the step's sum in a pass over the weights (Plan.accumulation_bytes: into
+    # Megatron-LM's main_grad every microbatch, or into autograd's .grad after the first). A fused
     # accumulation does it in the weight-gradient matmul's epilogue, hidden by its FLOPs (k = tokens).
     accumulate = 0.0
     if kind in ("B", "W") and plan.grad_accumulation == "autograd":
         weights = sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
                       for mm in block.matmuls)
-        m = plan.num_microbatches
-        accumulate = weights * plan.dtype_bytes * 3 * (m - 1) / m
+        accumulate = weights * plan.accumulation_bytes
     quantize, casts = fp8_cast_bytes(plan, block, kind, tokens)
     return BlockWork(tuple(mms), tuple(labels), tuple(sources), attention_fwd, attention_bwd, elementwise, accumulate,
                      kernels + 2 * casts, quantize, plan.dtype == "fp8" and block.name in FP8_EXEMPT_BLOCKS)

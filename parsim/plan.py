@@ -65,9 +65,9 @@ TP_STYLES = ("megatron", "allgather")
 RECOMPUTE = ("none", "selective", "full")
 GRAD_SYNCS = ("per_param", "bucketed", "fsdp")  # fsdp: ZeRO-3 with FSDP2's per-layer units
 ZERO_STAGES = (0, 1, 2, 3)
-# How each microbatch's weight gradient joins the step's sum: "autograd" adds it into .grad in a pass of
-# its own (torch; Megatron-LM without the fusion); "fused" has the weight-gradient matmul accumulate into the
-# gradient buffer in its epilogue (Megatron-LM's gradient_accumulation_fusion, TE's fuse_wgrad_accumulation).
+# How each microbatch's weight gradient joins the step's sum: "autograd" adds it in a pass of its own (see
+# accumulation_bytes); "fused" has the weight-gradient matmul accumulate into the gradient buffer in its
+# epilogue (Megatron-LM's gradient_accumulation_fusion, TE's fuse_wgrad_accumulation).
 GRAD_ACCUMULATIONS = ("autograd", "fused")
 # AdamW's implementation: torch's "foreach" (and for-loop) steps pass over each tensor several times; "fused"
 # (torch's fused=True, Apex's and Transformer Engine's FusedAdam) updates weight and moments in one pass.
@@ -85,6 +85,21 @@ DEFAULT_ORDER = "dp,pp,cp,tp"
 DEFAULT_BUCKET_SIZE = 25 * 2**20  # torch DDP's bucket_cap_mb default
 # Batch figures beyond any training step: refused as typos rather than simulated for minutes.
 BATCH_LIMITS = {"microbatch_size": 2**24, "num_microbatches": 2**16}
+
+
+def accumulation_bytes(dtype_bytes: int, grad_bytes: int, main_grads: bool, microbatches: int) -> float:
+    """Bytes per weight that adding a microbatch's weight gradient into the step's sum streams, on average
+    over the step's microbatches (``grad_accumulation: autograd``).
+
+    With ``main_grads`` (Megatron-LM's gradient buffer beside bf16/fp16 weights, which the executor keeps too)
+    a hook adds every microbatch's fresh gradient into ``main_grad`` in the reduce dtype: read the gradient,
+    read and write the buffer (``param.main_grad.add_(param.grad.data)``,
+    ``megatron/core/distributed/distributed_data_parallel.py``). Otherwise autograd adds into ``.grad`` for
+    every microbatch but the first, whose gradient becomes ``.grad``: read both, write one.
+    """
+    if main_grads:
+        return dtype_bytes + 2 * grad_bytes
+    return 3 * dtype_bytes * (microbatches - 1) / microbatches
 
 
 def default_reduce_dtype(dtype: str) -> str:
@@ -432,6 +447,17 @@ class Plan:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def main_grads(self) -> bool:
+        """Whether gradients add up in a buffer of their own in the reduce dtype (:func:`accumulation_bytes`):
+        with bf16, fp16 or fp8 weights, except under FSDP, whose gradients FSDP2 keeps sharded."""
+        return self.dtype_bytes < DTYPE_BYTES["fp32"] and not (self.zero == 3 and self.shard_size > 1)
+
+    @property
+    def accumulation_bytes(self) -> float:
+        """Bytes per weight each microbatch streams adding its gradient into the sum, on average."""
+        return accumulation_bytes(self.dtype_bytes, self.grad_bytes, self.main_grads, self.num_microbatches)
 
     @property
     def grad_bytes(self) -> int:

@@ -148,22 +148,32 @@ def test_selective_recompute_drops_the_unfused_scores_and_reruns_them():
     assert predict_step(plans["selective"], spec).step_s > predict_step(plans["none"], spec).step_s
 
 
-def test_the_first_microbatch_adds_nothing_into_grad():
+def test_gradients_add_up_in_autograds_grad_or_in_megatrons_main_grad():
+    """fp32 weights: autograd adds each microbatch's weight gradient into .grad but the first's (read both,
+    write one). bf16 weights: a hook adds every microbatch's into main_grad in the reduce dtype (read the
+    gradient, read and write main_grad), as Megatron-LM does and the executor does; not under FSDP."""
     from parsim.kernels import block_work
 
     model = load_model("llama3-8b")
     block = model.layer_costs(2)[0].blocks[1]
     weights = sum(m.k * m.n for m in block.matmuls)
     for microbatches in (1, 4):
-        plan = Plan(model=model, dp=1, num_microbatches=microbatches)
-        work = block_work(plan, block, "W", plan.tokens_per_rank)
-        expected = weights * plan.dtype_bytes * 3 * (microbatches - 1) / microbatches
-        assert work.accumulate_bytes == pytest.approx(expected)
+        fp32 = Plan(model=model, dp=1, num_microbatches=microbatches)
+        expected = weights * 4 * 3 * (microbatches - 1) / microbatches
+        assert block_work(fp32, block, "W", fp32.tokens_per_rank).accumulate_bytes == pytest.approx(expected)
+        for reduce_dtype, grad_bytes in (("fp32", 4), ("bf16", 2)):
+            bf16 = Plan(model=model, dp=8, num_microbatches=microbatches, dtype="bf16", reduce_dtype=reduce_dtype)
+            work = block_work(bf16, block, "W", bf16.tokens_per_rank)
+            assert work.accumulate_bytes == pytest.approx(weights * (2 + 2 * grad_bytes))
+        fsdp = Plan(model=model, dp=8, num_microbatches=microbatches, dtype="bf16", zero=3, grad_sync="fsdp")
+        assert not fsdp.main_grads
+        expected = weights * 2 * 3 * (microbatches - 1) / microbatches
+        assert block_work(fsdp, block, "W", fsdp.tokens_per_rank).accumulate_bytes == pytest.approx(expected)
 
 
-def test_a_fused_accumulation_adds_no_pass_and_shortens_only_multi_microbatch_steps():
-    """grad_accumulation: fused (Megatron-LM's gradient_accumulation_fusion) accumulates in the weight-gradient
-    matmul: no pass over the weights, so a step of 4 microbatches gets shorter and a step of 1 does not."""
+def test_a_fused_accumulation_adds_no_pass_and_shortens_every_step_with_a_gradient_buffer():
+    """grad_accumulation: fused (Megatron-LM's gradient_accumulation_fusion) accumulates into main_grad in the
+    weight-gradient matmul: no pass over the weights, so bf16 steps get shorter with one microbatch too."""
     from parsim.kernels import block_work
     from parsim.step import predict_step
 
@@ -177,7 +187,7 @@ def test_a_fused_accumulation_adds_no_pass_and_shortens_only_multi_microbatch_st
             if mode == "fused":
                 assert block_work(plan, block, "W", plan.tokens_per_rank).accumulate_bytes == 0
             steps[mode, microbatches] = predict_step(plan, spec).step_s
-    assert steps["fused", 1] == pytest.approx(steps["autograd", 1])
+    assert steps["fused", 1] < steps["autograd", 1]
     assert steps["fused", 4] < steps["autograd", 4]
 
 

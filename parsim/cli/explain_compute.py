@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         totals[kind] = 0.0
         for block in cost.blocks:
             work = block_work(plan, block, kind, plan.tokens_per_rank)
-            for row in _rows(model, block.name, work):
+            for row in _rows(model, block.name, work, "main_grad" if plan.main_grads else ".grad"):
                 rows.append({"pass": kind, **row})
                 totals[kind] += row["time_s"]
     collectives, passes = _collectives(plan, spec, model, args.layer)
@@ -100,14 +100,13 @@ def _collectives(plan, spec, model: ComputeModel, layer: str) -> tuple[list[dict
     stage, index = next((s, i) for s in range(plan.num_stages) for i, c in enumerate(plan.stage_costs(s))
                         if c.name == layer)
     p, cost = plan.pipeline.stage_to_rank(stage), plan.stage_costs(stage)[index]
-    m = max(plan.num_microbatches, 2)  # the accumulation into .grad is priced per microbatch count (none for 1)
 
     def timed(of_plan, kind: str, exposure: list | None = None) -> tuple[float, float]:
         """(pass seconds, of which collectives hold the compute stream up)."""
-        phases, accumulate, _ = costs.time_pieces(Lowering(of_plan).layer_pass(p, index, cost, kind), m,
-                                                  exposure=exposure)
+        phases, accumulate, _ = costs.time_pieces(Lowering(of_plan).layer_pass(p, index, cost, kind),
+                                                  of_plan.accumulation_bytes, exposure=exposure)
         exposed = sum(phases[PASS_PHASES.index(g)] for g in ("tp", "ep", "cp"))
-        return float(phases.sum() + accumulate * (m - 1) / m), float(exposed)
+        return float(phases.sum() + accumulate * of_plan.accumulation_bytes), float(exposed)
 
     in_line = dataclasses.replace(plan, tp_comm_overlap=False) if plan.tp_comm_overlap else None
     rows, passes = [], []
@@ -145,7 +144,7 @@ def _collectives_report(plan, layer: str, rows: list[dict], passes: list[dict]) 
     return "\n".join(lines)
 
 
-def _rows(model: ComputeModel, block: str, work: BlockWork) -> list[dict]:
+def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str) -> list[dict]:
     rows = []
     for (m, n, k), label in zip(work.matmuls, work.labels):
         rate, flops = model.matmul_rate(m, n, k, 0, work.high_precision), 2.0 * m * n * k
@@ -161,7 +160,7 @@ def _rows(model: ComputeModel, block: str, work: BlockWork) -> list[dict]:
                      "shape": "", "flops": flops, "fill": None, "bound": "compute", "time_s": time})
     for what, nbytes in (("norms, activations, residuals, softmax, copies", work.elementwise_bytes),
                          ("fp8 casts (amax, cast and transpose)", work.quantize_bytes),
-                         ("add weight gradients into .grad", work.accumulate_bytes)):
+                         (f"add weight gradients into {gradient_sum}", work.accumulate_bytes)):
         if nbytes:
             rows.append({"block": block, "kernel": what, "shape": f"{nbytes / 1e6:,.1f} MB", "flops": 0.0,
                          "fill": None, "bound": "memory", "time_s": model.time(hbm_bytes=nbytes)})

@@ -13,8 +13,9 @@ pieces the lowering builds (:meth:`~parsim.lower.Lowering.layer_pass`): each
 block's kernels at the compute model's rates, tensor-parallel collectives and
 expert all-to-alls blocking the compute stream, context-parallel exchanges
 overlapping the attention they serve, recomputed forwards before their
-backward. Gradient accumulation into ``.grad`` grows with the microbatch count
-as ``(m - 1)/m``; it is priced once and scaled.
+backward. Gradient accumulation is linear in the bytes per weight it streams
+(:func:`~parsim.plan.accumulation_bytes`: the dtypes, the microbatch count,
+FSDP or not); it is priced once per byte and scaled.
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ class PassTable:
     microbatch's seconds on the compute stream.
 
     ``phases`` splits them by :data:`PASS_PHASES`, without gradient accumulation;
-    ``accumulate`` is the accumulation's time in the limit of many microbatches,
-    of which ``(m-1)/m`` is charged, to the pass's compute phase. ``trailing`` is
+    ``accumulate`` is the accumulation's time per byte per weight, charged times
+    :func:`~parsim.plan.accumulation_bytes` to the pass's compute phase. ``trailing`` is
     the blocking communication after an entry's last kernel (its gradients are
     final before it).
     """
@@ -123,16 +124,16 @@ class PassTable:
     accumulate: np.ndarray  # [types, 4]
     trailing: np.ndarray  # [types, 4]
 
-    def seconds(self, m: int) -> np.ndarray:
-        """[types, 4]: each entry's pass with ``m`` microbatches per step."""
-        return self.phases.sum(axis=2) + self.accumulate * ((m - 1) / m)
+    def seconds(self, accumulation_bytes: float) -> np.ndarray:
+        """[types, 4]: each entry's pass when accumulating streams ``accumulation_bytes`` per weight."""
+        return self.phases.sum(axis=2) + self.accumulate * accumulation_bytes
 
-    def phase_seconds(self, m: int) -> np.ndarray:
+    def phase_seconds(self, accumulation_bytes: float) -> np.ndarray:
         """[types, 4, phases]."""
         out = self.phases.copy()
         compute = out[..., :4].argmax(axis=2)  # the pass's own compute phase takes the accumulation
         np.put_along_axis(out, compute[..., None], np.take_along_axis(out, compute[..., None], axis=2)
-                          + self.accumulate[..., None] * ((m - 1) / m), axis=2)
+                          + self.accumulate[..., None] * accumulation_bytes, axis=2)
         return out
 
 
@@ -146,7 +147,7 @@ class PassCosts:
 
     def table(self, key: tuple, prototype: Callable[[], Plan], exchange: ExchangeCost | None = None) -> PassTable:
         """The passes of ``prototype()``'s entries, cached under ``key`` (what they depend on); the
-        prototype is any plan with those settings and at least two microbatches (the accumulation's scale).
+        prototype is any plan with those settings whose accumulation streams bytes (its scale).
         ``exchange(entry, piece)`` prices context-parallel exchanges instead of :class:`CommCosts` alone."""
         cached = self._tables.get(key)
         if cached is None:
@@ -171,13 +172,14 @@ class PassCosts:
             for k, kind in enumerate(KINDS):
                 pieces = lowering.layer_pass(0, 0, cost, "R") if cost.name in recomputed and kind in "BI" else []
                 phases[e, k], accumulate[e, k], trailing[e, k] = self.time_pieces(
-                    pieces + lowering.layer_pass(0, 0, cost, kind), plan.num_microbatches,
+                    pieces + lowering.layer_pass(0, 0, cost, kind), plan.accumulation_bytes,
                     None if exchange is None else partial(exchange, e))
         return PassTable(phases, accumulate, trailing)
 
-    def time_pieces(self, pieces, m0: int, exchange: Callable[[CommPiece], float] | None = None,
+    def time_pieces(self, pieces, accumulation_bytes: float, exchange: Callable[[CommPiece], float] | None = None,
                     exposure: list[dict] | None = None) -> tuple[np.ndarray, float, float]:
-        """Seconds of ``pieces`` on the compute stream by phase, the accumulation's limit, and the blocking
+        """Seconds of ``pieces`` on the compute stream by phase, the accumulation's per byte per weight (the
+        pieces stream ``accumulation_bytes`` per weight), and the blocking
         communication after the last kernel: collectives in line, or on their side stream (context-parallel
         exchanges, overlapped tensor-parallel collectives) from the op before them until their stream's
         next join, whose wait counts in that group's phase. ``exposure``, if given, receives one row per
@@ -215,9 +217,9 @@ class PassCosts:
             seconds = self.compute_time(piece.matmuls, 0.0, piece.hbm_bytes - acc, piece.kernels,
                                         piece.attention_flops, piece.attention_grad_flops, piece.forward_ops,
                                         piece.backward_ops, 0, 0.0, piece.sm_reserved, piece.high_precision)
-            if acc:  # streaming bytes into .grad adds its own time (ComputeModel.time is linear in them)
+            if acc:  # streaming the gradients into their sum adds its own time (ComputeModel.time is linear in it)
                 extra = self.compute_time((), 0.0, acc, 0, 0.0, 0.0, 0, 0, 0, acc)
-                accumulate += extra * m0 / (m0 - 1)
+                accumulate += extra / accumulation_bytes
                 t += extra
             t += seconds
             phases[PASS_PHASES.index(piece.phase)] += seconds

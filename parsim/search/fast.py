@@ -41,7 +41,7 @@ from ..cluster import ClusterSpec
 from ..compute import ComputeModel
 from ..lower import CommPiece, Lowering, adamw_costs, bucket_members, fsdp_bytes, gathered_bytes, param_tensors
 from ..model import MLPModel
-from ..plan import DTYPE_BYTES, Plan, default_reduce_dtype
+from ..plan import DTYPE_BYTES, Plan, accumulation_bytes, default_reduce_dtype
 from ..schedules import make_schedule, peak_in_flight
 from ..step_report import PHASES
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
@@ -230,7 +230,8 @@ class FastModel:
         if not len(fits):
             return prepared
         layout, counts = self.layout(s), _pass_counts(s)
-        tables = np.array([self.pass_table(s, v).seconds(s.num_microbatches) for v in arrays.table_keys])
+        least = min(self._accumulation(s, main_grads) for main_grads in (False, True))  # any variant's, at most
+        tables = np.array([self.pass_table(s, v).seconds(least) for v in arrays.table_keys])
         durations = np.einsum("st,ktc->ksc", layout.counts, tables)  # [K, stages, 4]
         busy = durations.reshape(len(tables), -1) @ counts.T  # [K, pp]
         hops = np.array([self._hops(s, v, layout) for v in arrays.order_keys])  # [O, stages - 1]
@@ -290,8 +291,7 @@ class FastModel:
         return x
 
     def _inputs(self, s: Setting, v: Variant, layout: Layout) -> _Inputs:
-        m = s.num_microbatches
-        seconds = self.pass_table(s, v, beside_gathers=True).seconds(m)  # [types, 4]
+        seconds = self.pass_table(s, v, beside_gathers=True).seconds(self._accumulation_of(s, v))  # [types, 4]
         waits = lead = np.zeros(len(layout.stage_entries) * 4)
         fsdp = self._fsdp(s, v)
         ends = None
@@ -394,6 +394,16 @@ class FastModel:
             return np.array(gather), np.array(scatter), self._fsdp_copies(s), np.array(backward)
         return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, v.order, v.shard_group), make)
 
+    def _accumulation(self, s: Setting, main_grads: bool) -> float:
+        """Bytes per weight a microbatch's gradients stream into their sum (:func:`accumulation_bytes`)."""
+        low_precision = self.dtype_bytes < DTYPE_BYTES["fp32"]
+        return accumulation_bytes(self.dtype_bytes, self.grad_bytes, main_grads and low_precision,
+                                  s.num_microbatches)
+
+    def _accumulation_of(self, s: Setting, v: Variant) -> float:
+        """:meth:`_accumulation` of ``v``: a buffer of their own beside low-precision weights but under FSDP."""
+        return self._accumulation(s, not self._shards_weights(s, v))
+
     @staticmethod
     def _shards_weights(s: Setting, v: Variant) -> bool:
         return v.fsdp and (v.shard_group or s.dp * s.cp) > 1
@@ -443,7 +453,8 @@ class FastModel:
         rank = max(range(s.pp), key=lambda p: tails[p][0])
         step, compute_end, sync_end, optimizer, gathers = tails[rank]
         counts = _pass_counts(s)[rank]
-        table = self.pass_table(s, v, beside_gathers=True).phase_seconds(s.num_microbatches)  # [types, 4, phases]
+        table = self.pass_table(s, v, beside_gathers=True).phase_seconds(
+            self._accumulation_of(s, v))  # [types, 4, phases]
         layout = self.layout(s)
         per_stage = np.einsum("st,tkp->skp", layout.counts, table).reshape(-1, len(PASS_PHASES))
         phases = dict.fromkeys(PHASES, 0.0)
@@ -527,7 +538,7 @@ class FastModel:
         """Per stage, when each entry's gradients are final (its last kernel), seconds into the stage's
         final backward (B, or W where split), entries in backward order."""
         table = self.pass_table(s, v)
-        seconds = table.seconds(s.num_microbatches)
+        seconds = table.seconds(self._accumulation_of(s, v))
         final = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[2]
         out = {}
         for st, entries in enumerate(self.layout(s).stage_entries):
