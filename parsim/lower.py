@@ -58,18 +58,35 @@ FUSED_ADAMW_TENSORS_PER_KERNEL = 36
 PASS_PHASE = {"F": "forward", "R": "recompute", "B": "backward", "I": "backward", "W": "weight-grad"}
 
 
-def adamw_costs(implementation: str, params: float, tensors: int) -> dict[str, float]:
+def adamw_costs(implementation: str, params: float, tensors: int,
+                mixed: tuple[int, int] | None = None) -> dict[str, float]:
     """What one AdamW step (``foreach`` or ``fused``) over ``params`` parameters in ``tensors`` tensors
     costs, as keyword arguments of :meth:`ComputeModel.time <parsim.compute.ComputeModel.time>` (and of
     :class:`Op`): 12 FLOPs per parameter, its fp32 passes and launches, and on an eager CPU host its
-    per-tensor cost (calibrated on the foreach step; one dispatched op's for the fused one)."""
+    per-tensor cost (calibrated on the foreach step; one dispatched op's for the fused one).
+
+    ``mixed`` (the weights' and the gradients' bytes) where AdamW steps fp32 master weights beside
+    low-precision ones (:attr:`Plan.main_grads <parsim.plan.Plan.main_grads>`): gradients kept narrower than
+    fp32 are cast to it first, and the updated masters are copied back into the weights, a pass and an op
+    per tensor each (``executor/train/mixed_precision.py``; Megatron-LM's ``Float16OptimizerWithFloat16Params``
+    copies main grads in and main params out the same way)."""
     if implementation == "fused":
         traffic = params * FUSED_ADAMW_ACCESSES * FP32
-        return {"flops": 12.0 * params, "hbm_bytes": traffic, "stream_bytes": traffic, "forward_ops": tensors,
-                "kernels": -(-tensors // FUSED_ADAMW_TENSORS_PER_KERNEL), "optimizer_tensors": 0}
-    traffic = params * ADAMW_ACCESSES * FP32
-    return {"flops": 12.0 * params, "hbm_bytes": traffic, "stream_bytes": traffic, "forward_ops": 0,
-            "kernels": tensors * ADAMW_KERNELS, "optimizer_tensors": tensors}
+        costs = {"flops": 12.0 * params, "hbm_bytes": traffic, "stream_bytes": traffic, "forward_ops": tensors,
+                 "kernels": -(-tensors // FUSED_ADAMW_TENSORS_PER_KERNEL), "optimizer_tensors": 0}
+    else:
+        traffic = params * ADAMW_ACCESSES * FP32
+        costs = {"flops": 12.0 * params, "hbm_bytes": traffic, "stream_bytes": traffic, "forward_ops": 0,
+                 "kernels": tensors * ADAMW_KERNELS, "optimizer_tensors": tensors}
+    if mixed is not None:
+        weight_bytes, grad_bytes = mixed
+        copies = [(FP32, weight_bytes)] + ([(grad_bytes, FP32)] if grad_bytes < FP32 else [])
+        moved = params * sum(read + write for read, write in copies)
+        costs["hbm_bytes"] += moved
+        costs["stream_bytes"] += moved
+        costs["forward_ops"] += tensors * len(copies)
+        costs["kernels"] += tensors * len(copies)
+    return costs
 
 
 @dataclass
@@ -449,8 +466,9 @@ class Lowering:
         params = (plan.params_per_rank(p) - expert_params) / plan.shard_size + expert_params / plan.expert_shard_size
         tensors_count = sum(len(param_tensors(c, plan.tp, plan.ep)) for s in plan.stages_of(p)
                             for c in plan.stage_costs(s))
+        adamw = adamw_costs(plan.adamw, params, tensors_count, plan.master_weights)
         step = self._add(rank, Op("optimizer step", "optimizer", "compute", deps=tuple(sync) or (last_compute,),
-                                  phase="optimizer", **adamw_costs(plan.adamw, params, tensors_count)))
+                                  phase="optimizer", **adamw))
         for dim, tag, nbytes in gather:  # ZeRO-1/2: every rank needs the updated weights back
             self._dp_collective(rank, p, "all_gather", dim, nbytes, (step,), **tag)
 

@@ -455,6 +455,12 @@ class Plan:
         return self.dtype_bytes < DTYPE_BYTES["fp32"] and not (self.zero == 3 and self.shard_size > 1)
 
     @property
+    def master_weights(self) -> tuple[int, int] | None:
+        """(weight bytes, gradient bytes) where AdamW steps fp32 master copies of the weights and copies them
+        back (with :attr:`main_grads`, Megatron-LM's mixed precision; FSDP2 keeps fp32 shards instead)."""
+        return (self.dtype_bytes, self.grad_bytes) if self.main_grads else None
+
+    @property
     def accumulation_bytes(self) -> float:
         """Bytes per weight each microbatch streams adding its gradient into the sum, on average."""
         return accumulation_bytes(self.dtype_bytes, self.grad_bytes, self.main_grads, self.num_microbatches)

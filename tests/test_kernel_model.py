@@ -202,13 +202,14 @@ def test_an_unknown_implementation_is_refused_in_one_line(tmp_path, capsys, key,
 
 def test_a_fused_adamw_makes_one_pass_of_seven_fp32_accesses():
     """adamw: fused reads weight, gradient and both moments and writes weight and moments (7 x 4 bytes per
-    parameter) in a launch per 36 tensors; torch's foreach AdamW makes 21 accesses in 8 passes per tensor."""
+    parameter) in a launch per 36 tensors; torch's foreach AdamW makes 21 accesses in 8 passes per tensor.
+    fp32 weights: nothing else."""
     from parsim.lower import lower
 
     model = load_model("llama3-8b")
     steps = {}
     for adamw in ("foreach", "fused"):
-        plan = Plan(model=model, dp=8, dtype="bf16", adamw=adamw)
+        plan = Plan(model=model, dp=8, adamw=adamw)
         (op,) = [op for op in lower(plan).rank_ops(0) if op.phase == "optimizer"]
         params = plan.params_per_rank(0)
         assert op.flops == 12.0 * params
@@ -217,6 +218,32 @@ def test_a_fused_adamw_makes_one_pass_of_seven_fp32_accesses():
     tensors = steps["foreach"].optimizer_tensors
     assert steps["foreach"].kernels == 8 * tensors and steps["fused"].kernels == -(-tensors // 36)
     assert steps["fused"].optimizer_tensors == 0 and steps["fused"].forward_ops == tensors
+
+
+def test_bf16_weights_step_fp32_masters_and_copy_them_back():
+    """Mixed precision (Megatron-LM's, the executor's): gradients narrower than fp32 are cast to it (2 + 4
+    bytes per parameter), the updated fp32 masters copied into the bf16 weights (4 + 2), a pass per tensor
+    each; ZeRO copies only the owned shard; FSDP2 keeps fp32 shards and copies nothing."""
+    from parsim.lower import lower
+
+    model = load_model("llama3-8b")
+
+    def optimizer(**settings):
+        plan = Plan(model=model, dp=8, dtype="bf16", adamw="fused", **settings)
+        (op,) = [op for op in lower(plan).rank_ops(0) if op.phase == "optimizer"]
+        return op, plan.params_per_rank(0)
+
+    op, params = optimizer()
+    tensors = op.forward_ops // 2  # fused AdamW's one op per tensor, and the copy's
+    assert op.hbm_bytes == pytest.approx(params * (7 * 4 + 4 + 2))
+    assert op.kernels == -(-tensors // 36) + tensors
+    cast, _ = optimizer(reduce_dtype="bf16")
+    assert cast.hbm_bytes == pytest.approx(params * (7 * 4 + 4 + 2 + 2 + 4))
+    assert cast.kernels == op.kernels + tensors and cast.forward_ops == 3 * tensors
+    zero1, _ = optimizer(zero=1, grad_sync="bucketed")
+    assert zero1.hbm_bytes == pytest.approx(params / 8 * (7 * 4 + 4 + 2))
+    fsdp, _ = optimizer(zero=3, grad_sync="fsdp")
+    assert fsdp.hbm_bytes == pytest.approx(params / 8 * 7 * 4)
 
 
 def test_a_tensor_parallel_gather_over_features_copies_its_tensor_once():

@@ -687,7 +687,9 @@ class FastModel:
         experts = ranks.experts[p]
         params = (ranks.params[p] - experts) / shard + experts / expert_shard
         tensors = int(ranks.tensors[p])
-        return self.compute.time((), **adamw_costs(self.space.adamw, params, tensors))
+        low_precision = self.dtype_bytes < DTYPE_BYTES["fp32"] and not self._shards_weights(s, v)
+        mixed = (self.dtype_bytes, self.grad_bytes) if low_precision else None
+        return self.compute.time((), **adamw_costs(self.space.adamw, params, tensors, mixed))
 
 
 _PLAIN = Variant("dp,pp,cp,tp", False, "none", "ring", "bucketed", 0, None)
