@@ -280,8 +280,7 @@ class BucketReducer:
         if size == 1:
             self.buckets: list[list] = []
         elif sync.grad_sync == "bucketed":  # sized in the reduce dtype, as the simulator sizes them
-            itemsize = torch.empty((), dtype=sync.reduce_dtype).element_size()
-            self.buckets = _buckets(units, bucket_size, lambda u: _grad_numel(u) * itemsize)
+            self.buckets = _buckets(units, bucket_size, lambda u: _grad_numel(u) * sync.reduce_dtype.itemsize)
         else:
             self.buckets = [[u] for u in units]
         self._buckets_of: dict[int, list[int]] = {}

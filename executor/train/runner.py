@@ -174,7 +174,6 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     groups = _process_groups(plan, rank, schedule)
     coords = plan.coords(rank)
     dtype, reduce_dtype = DTYPES[plan.dtype], DTYPES[plan.reduce_dtype]
-    mixed = dtype != torch.float32  # fp32 master weights beside bf16 / fp16 ones
     sharded = plan.zero and plan.shard_size > 1
     fsdp = sharded and plan.zero == 3
     model = plan.model
@@ -212,7 +211,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     sync_order = _unique_last([p for s in reversed(stage_ids) for piece in reversed(stages[s].pieces)
                                for p in piece.parameters()])
     after_step = None
-    if mixed and not fsdp:  # before the gradient sync's hooks, which then see the sums
+    if plan.main_grads:  # bf16/fp16 weights outside FSDP; before the gradient sync's hooks, which see the sums
         attach_main_grads(sync_order, reduce_dtype)
     replicas = plan.dp * plan.cp  # gradients are averaged over dp x cp
     fused = plan.adamw == "fused"
@@ -231,7 +230,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
             [p for p in sync_order if id(p) not in routed], groups.get("dp"), replicas, plan.grad_sync,
             plan.bucket_size, plan.overlap, plan.num_microbatches, recorder, reduce_dtype,
             [p for p in sync_order if id(p) in routed], groups.get("edp"), replicas // plan.ep, replicas)
-        optimizer = (MasterWeightsAdamW(sync_order, LEARNING_RATE, fused) if mixed and not fsdp
+        optimizer = (MasterWeightsAdamW(sync_order, LEARNING_RATE, fused) if plan.main_grads
                      else torch.optim.AdamW(sync_order, lr=LEARNING_RATE, fused=fused))
     owners = {s: plan.rank_of(dp=coords.dp, pp=schedule.stage_to_rank(s), cp=coords.cp, tp=coords.tp)
               for s in range(plan.num_stages)}

@@ -394,15 +394,16 @@ class FastModel:
             return np.array(gather), np.array(scatter), self._fsdp_copies(s), np.array(backward)
         return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, v.order, v.shard_group), make)
 
+    def _main_grads(self, s: Setting, v: Variant) -> bool:
+        """:attr:`Plan.main_grads <parsim.plan.Plan.main_grads>` of ``v``: low-precision weights, not FSDP."""
+        return self.dtype_bytes < DTYPE_BYTES["fp32"] and not self._shards_weights(s, v)
+
     def _accumulation(self, s: Setting, main_grads: bool) -> float:
         """Bytes per weight a microbatch's gradients stream into their sum (:func:`accumulation_bytes`)."""
-        low_precision = self.dtype_bytes < DTYPE_BYTES["fp32"]
-        return accumulation_bytes(self.dtype_bytes, self.grad_bytes, main_grads and low_precision,
-                                  s.num_microbatches)
+        return accumulation_bytes(self.dtype_bytes, self.grad_bytes, main_grads, s.num_microbatches)
 
     def _accumulation_of(self, s: Setting, v: Variant) -> float:
-        """:meth:`_accumulation` of ``v``: a buffer of their own beside low-precision weights but under FSDP."""
-        return self._accumulation(s, not self._shards_weights(s, v))
+        return self._accumulation(s, self._main_grads(s, v))
 
     @staticmethod
     def _shards_weights(s: Setting, v: Variant) -> bool:
@@ -687,8 +688,7 @@ class FastModel:
         experts = ranks.experts[p]
         params = (ranks.params[p] - experts) / shard + experts / expert_shard
         tensors = int(ranks.tensors[p])
-        low_precision = self.dtype_bytes < DTYPE_BYTES["fp32"] and not self._shards_weights(s, v)
-        mixed = (self.dtype_bytes, self.grad_bytes) if low_precision else None
+        mixed = (self.dtype_bytes, self.grad_bytes) if self._main_grads(s, v) else None
         return self.compute.time((), **adamw_costs(self.space.adamw, params, tensors, mixed))
 
 
