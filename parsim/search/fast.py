@@ -230,8 +230,7 @@ class FastModel:
         if not len(fits):
             return prepared
         layout, counts = self.layout(s), _pass_counts(s)
-        least = min(self._accumulation(s, main_grads) for main_grads in (False, True))  # any variant's, at most
-        tables = np.array([self.pass_table(s, v).seconds(least) for v in arrays.table_keys])
+        tables = np.array([self.pass_table(s, v).seconds(self._accumulation_of(s, v)) for v in arrays.table_keys])
         durations = np.einsum("st,ktc->ksc", layout.counts, tables)  # [K, stages, 4]
         busy = durations.reshape(len(tables), -1) @ counts.T  # [K, pp]
         hops = np.array([self._hops(s, v, layout) for v in arrays.order_keys])  # [O, stages - 1]
@@ -249,7 +248,8 @@ class FastModel:
             positions: dict[str, list[int]] = {k: [] for k in index}
             for v in variants:
                 for name, key in (("activation", (v.sequence_parallel, v.recompute)),
-                                  ("table", (v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel)),
+                                  ("table", (v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel,
+                                             self._main_grads(s, v))),
                                   ("order", v.order), ("sync", (v.zero, v.shard_group))):
                     keys = index[name]
                     if key not in keys:
