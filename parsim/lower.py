@@ -534,12 +534,10 @@ class Lowering:
 
         Each side times the sum from the moment it is ready; the first stage, which finishes its backward
         last under every schedule placing the head elsewhere, sets the step with it."""
-        plan = self.plan
-        elements = param_tensors(plan._costs[2], plan.tp)[0][0] / (plan.shard_size if self.fsdp else 1)
         group, mirrors = self.group(p, "embedding")
         return self._add(rank, Op(collective_name("all_reduce", "embedding"), "collective", "comm", deps=after,
                                   collective="all_reduce", group="embedding", ranks=group, mirrors=mirrors,
-                                  nbytes=elements * plan.grad_bytes, phase="dp"))
+                                  nbytes=tied_table_bytes(self.plan), phase="dp"))
 
     def _dp_collective(self, rank: int, p: int, collective: str, dim: str, nbytes: float, deps: tuple,
                        **tags) -> int:
@@ -556,6 +554,13 @@ class Lowering:
         ops.append(op)
         self.rank_ids.append(op.id)
         return op.id
+
+
+def tied_table_bytes(plan: Plan) -> float:
+    """What summing a tied table's two copies moves per rank: the head's weight on this tensor-parallel rank (its
+    FSDP shard under FSDP), in the reduce dtype."""
+    fsdp = plan.zero == 3 and plan.shard_size > 1
+    return param_tensors(plan._costs[2], plan.tp)[0][0] / (plan.shard_size if fsdp else 1) * plan.grad_bytes
 
 
 def gathered_bytes(plan: Plan, bucket_bytes: float) -> float:

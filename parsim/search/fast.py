@@ -39,7 +39,8 @@ import numpy as np
 
 from ..cluster import ClusterSpec
 from ..compute import ComputeModel
-from ..lower import CommPiece, Lowering, adamw_costs, bucket_members, fsdp_bytes, gathered_bytes, param_tensors
+from ..lower import (CommPiece, Lowering, adamw_costs, bucket_members, fsdp_bytes, gathered_bytes, param_tensors,
+                     tied_table_bytes)
 from ..model import MLPModel
 from ..plan import DTYPE_BYTES, Plan, accumulation_bytes, default_reduce_dtype
 from ..schedules import make_schedule, peak_in_flight
@@ -210,8 +211,12 @@ class FastModel:
                              v.recompute), lambda: rank_tables(self.layout(s), self._entry_tables(s, v)))
 
     def _entry_tables(self, s: Setting, v: Variant):
-        return self._cached(("entries", s.tp, s.ep, v.sequence_parallel, v.recompute),
-                            lambda: entry_tables(self._prototype(s, v)))
+        # A tied head on another pipeline rank than the embedding keeps its own copy of the table
+        # (Plan.ties_across_stages): priced from a two-rank prototype, where the head has that copy.
+        tied = getattr(self.space.model, "tied_embeddings", False)
+        copies_table = tied and s.pp > 1 and s.schedule not in V_SCHEDULES
+        return self._cached(("entries", s.tp, s.ep, v.sequence_parallel, v.recompute, copies_table),
+                            lambda: entry_tables(self._prototype(s, v, pp=2 if copies_table else 1)))
 
     # -- memory and bounds ----------------------------------------------------------------
     def prepare(self, s: Setting, variants: tuple[Variant, ...]) -> Prepared:
@@ -490,7 +495,7 @@ class FastModel:
         if ready:
             r, c = np.concatenate(ready), np.concatenate(costs)
             sync = max(end, float((r + np.cumsum(c[::-1])[::-1]).max()))
-        sync += self._norm_sync(s, v, p)
+        sync += self._finalize(s, v, p)
         optimizer = self._optimizer(s, v, p)
         gathers = sum(self._zero_gathers(s, v, p))
         return sync + optimizer + gathers, end, sync, optimizer, gathers
@@ -514,7 +519,7 @@ class FastModel:
         if extra:
             per_microbatch = float(c.sum()) / compiled.schedule.num_microbatches
             sync = max(sync + end - float(timing.starts_end[p]), float(r.min()) + per_microbatch * s.num_microbatches)
-        sync = max(sync, end) + self._norm_sync(s, v, p)
+        sync = max(sync, end) + self._finalize(s, v, p)
         optimizer = self._optimizer(s, v, p)
         return sync + optimizer, end, sync, optimizer, 0.0
 
@@ -666,11 +671,20 @@ class FastModel:
                                            - ahead[p, stage] for i in range(len(entries))))
         return start
 
-    def _norm_sync(self, s: Setting, v: Variant, p: int) -> float:
-        """Sequence parallelism: the norm gains' gradients all-reduced over the tp group."""
-        if not (v.sequence_parallel and s.tp > 1):
+    def _finalize(self, s: Setting, v: Variant, p: int) -> float:
+        """What follows the gradient sync on pipeline rank ``p``: with sequence parallelism, the norm gains'
+        gradients all-reduced over the tp group; with a tied table split across pipeline ranks, its two copies'
+        gradients summed (the lowering's ``all_reduce embedding``)."""
+        norms = self._cached(("norms", p) + self._structure(s, v), lambda: self._norms(s, v, p)) if (
+            v.sequence_parallel and s.tp > 1) else 0.0
+        return norms + self._cached(("tied", p) + self._structure(s, v), lambda: self._tied_sum(s, v, p))
+
+    def _tied_sum(self, s: Setting, v: Variant, p: int) -> float:
+        plan = self.layout_plan(s, v)
+        if not plan.ties_across_stages or p not in (0, s.pp - 1):
             return 0.0
-        return self._cached(("norms", p) + self._structure(s, v), lambda: self._norms(s, v, p))
+        return self.comm.time("collective", "all_reduce", Lowering(plan).group(p, "embedding")[0],
+                              tied_table_bytes(plan))
 
     def _norms(self, s: Setting, v: Variant, p: int) -> float:
         plan = self.layout_plan(s, v)
