@@ -10,7 +10,8 @@ all-to-all dispatcher), ``comm`` (timed tensor- and expert-parallel
 collectives as autograd functions), ``parallel`` (``apply_tensor_parallel``,
 ``apply_expert_parallel``, ``apply_data_parallel``, ``tie_embeddings``,
 sequence parallelism's norm-gradient sum), ``zero`` (ZeRO-1/2's distributed
-optimizer), ``fsdp`` (FSDP2 units with named collectives), ``context_parallel``
+optimizer), ``fsdp`` (FSDP2 units with named collectives), ``mixed_precision``
+(main grads in the reduce dtype, AdamW on fp32 master weights), ``context_parallel``
 (ring and all-gather attention), ``recompute`` (full recomputation),
 ``pipeline`` (runs parsim's schedule action lists), ``runner`` (builds a
 rank, times its steps), ``trace_recorder``,

@@ -1,10 +1,10 @@
 """Mixed precision as Megatron-LM runs it: weights and activations in the plan's ``dtype``, gradients kept and
 reduced in its ``reduce_dtype``, AdamW on fp32 master weights.
 
-With bf16 or fp16 weights every parameter gets a ``main_grad`` in the reduce
-dtype (Megatron-LM's gradient buffer, fp32 unless ``--grad-reduce-in-bf16``):
-a post-accumulate hook adds each backward's ``.grad`` into it and frees
-``.grad`` (``megatron/core/distributed/param_and_grad_buffer.py``,
+With bf16 or fp16 weights (outside FSDP: ``Plan.main_grads``) every parameter
+gets a ``main_grad`` in the reduce dtype (Megatron-LM's gradient buffer): a
+post-accumulate hook adds each backward's ``.grad`` into it and frees ``.grad``
+(``megatron/core/distributed/distributed_data_parallel.py``,
 ``param.main_grad.add_(param.grad.data); param.grad = None``), so gradients
 add up over microbatches in the reduce dtype. The data-parallel sync, the
 sequence-parallel norms' sum and the tied embeddings' sum then read
