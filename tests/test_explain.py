@@ -156,6 +156,15 @@ def test_explain_memory_names_the_gradients_dtype_when_it_is_not_the_weights(cap
     assert "2 bytes of weights + 2 of gradients + 8 of fp32 moments" in capsys.readouterr().out
 
 
+def test_explain_memory_names_the_last_stages_copy_of_a_tied_table(capsys):
+    argv = ["explain", "memory", "--model", "gpt3-175b", "--tp", "8", "--pp", "8", "--dp", "4",
+            "--num-microbatches", "16", "--microbatch-size", "1", "--dtype", "bf16", "--pp-rank"]
+    assert main(argv + ["7"]) == 0
+    assert "+ head with its own copy of the tied embedding table" in capsys.readouterr().out
+    assert main(argv + ["0", "--schedule", "zbv"]) == 0
+    assert "copy of the tied embedding table" not in capsys.readouterr().out
+
+
 def test_explain_memory_says_what_to_change_when_a_plan_does_not_fit(capsys):
     assert main(["explain", "memory", "llama3-70b-1024", "--pp", "4", "--dp", "32", "--zero", "0", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
