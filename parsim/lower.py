@@ -118,7 +118,7 @@ class Lowering:
         self.act_bytes = self.tokens * hidden_size(plan) * plan.dtype_bytes  # one microbatch's activations
         self.sends: dict[tuple, int] = {}
         self.pending: list[_Pending] = []
-        self.fsdp = plan.zero == 3 and plan.shard_size > 1  # weights sharded: gathered per layer
+        self.fsdp = plan.shards_weights  # gathered per layer
 
     @property
     def schedule(self) -> Schedule:
@@ -559,8 +559,8 @@ class Lowering:
 def tied_table_bytes(plan: Plan) -> float:
     """What summing a tied table's two copies moves per rank: the head's weight on this tensor-parallel rank (its
     FSDP shard under FSDP), in the reduce dtype."""
-    fsdp = plan.zero == 3 and plan.shard_size > 1
-    return param_tensors(plan._costs[2], plan.tp)[0][0] / (plan.shard_size if fsdp else 1) * plan.grad_bytes
+    shards = plan.shard_size if plan.shards_weights else 1
+    return param_tensors(plan._costs[2], plan.tp)[0][0] / shards * plan.grad_bytes
 
 
 def gathered_bytes(plan: Plan, bucket_bytes: float) -> float:

@@ -66,7 +66,7 @@ def memory(plan: Plan) -> list[Memory]:
         rebuilt = max((c.activation_bytes_per_token(plan.tp) for s in plan.stages_of(p) for c in plan.recomputed(s)),
                       default=0)
         buffers = 0
-        if zero == 3 and n > 1:
+        if plan.shards_weights:
             largest = max(c.params_per_rank(plan.tp) for s in plan.stages_of(p) for c in plan.stage_costs(s))
             buffers = largest * (2 * d + g)
         experts = plan.expert_params_per_rank(p)  # sharded over the ranks holding the same experts

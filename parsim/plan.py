@@ -87,6 +87,20 @@ DEFAULT_BUCKET_SIZE = 25 * 2**20  # torch DDP's bucket_cap_mb default
 BATCH_LIMITS = {"microbatch_size": 2**24, "num_microbatches": 2**16}
 
 
+def keeps_main_grads(dtype_bytes: int, shards_weights: bool) -> bool:
+    """Whether gradients add up in a buffer of their own in the reduce dtype (:func:`accumulation_bytes`) and
+    AdamW steps fp32 master weights: with bf16, fp16 or fp8 weights, except under FSDP, whose FSDP2 keeps fp32
+    shards and sharded gradients."""
+    return dtype_bytes < DTYPE_BYTES["fp32"] and not shards_weights
+
+
+def ties_across_stages(model: Any, pp: int, schedule: str) -> bool:
+    """A tied LM head on another pipeline rank than the embedding (every placement but a V's, which puts the
+    first and last stages on rank 0): that rank keeps a copy of the table, whose gradient is summed with the
+    first stage's after the data-parallel sync (Megatron-LM's ``_allreduce_embedding_grads``)."""
+    return getattr(model, "tied_embeddings", False) and pp > 1 and schedule not in V_SCHEDULES
+
+
 def accumulation_bytes(dtype_bytes: int, grad_bytes: int, main_grads: bool, microbatches: int) -> float:
     """Bytes per weight that adding a microbatch's weight gradient into the step's sum streams, on average
     over the step's microbatches (``grad_accumulation: autograd``).
@@ -449,10 +463,14 @@ class Plan:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def shards_weights(self) -> bool:
+        """FSDP (ZeRO-3 over more than one rank): weights sharded, gathered per layer."""
+        return self.zero == 3 and self.shard_size > 1
+
+    @property
     def main_grads(self) -> bool:
-        """Whether gradients add up in a buffer of their own in the reduce dtype (:func:`accumulation_bytes`):
-        with bf16, fp16 or fp8 weights, except under FSDP, whose gradients FSDP2 keeps sharded."""
-        return self.dtype_bytes < DTYPE_BYTES["fp32"] and not (self.zero == 3 and self.shard_size > 1)
+        """:func:`keeps_main_grads`: a gradient buffer in the reduce dtype and fp32 master weights."""
+        return keeps_main_grads(self.dtype_bytes, self.shards_weights)
 
     @property
     def master_weights(self) -> tuple[int, int] | None:
@@ -572,10 +590,8 @@ class Plan:
 
     @property
     def ties_across_stages(self) -> bool:
-        """A tied LM head on another pipeline rank than the embedding (every placement but a V's, which puts
-        the first and last stages on rank 0): that rank keeps a copy of the table, whose gradient is summed
-        with the first stage's after the data-parallel sync (Megatron-LM's ``_allreduce_embedding_grads``)."""
-        return getattr(self.model, "tied_embeddings", False) and self.pp > 1 and self.schedule not in V_SCHEDULES
+        """:func:`ties_across_stages` for this plan."""
+        return ties_across_stages(self.model, self.pp, self.schedule)
 
     def stage_costs(self, stage: int) -> list[LayerCost]:
         """What ``stage`` computes, in order: the embedding (first stage), its layers, the head (last)."""

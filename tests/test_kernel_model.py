@@ -101,6 +101,11 @@ def test_explain_compute_lists_every_kernel_and_sums_to_its_passes(capsys):
         assert sum(k["time_s"] for k in data["kernels"] if k["pass"] == kind) == pytest.approx(total)
     labels = {k["kernel"] for k in data["kernels"]}
     assert {"attn.q", "mlp.fc1 weight grad", "attention core (flash)"} <= labels
+    # fp16 weights keep Megatron-LM's main_grad (in fp16): 2 + 2 x 2 bytes per weight, every microbatch
+    (mlp,) = [k for k in data["kernels"] if k["block"] == "mlp" and k["kernel"].startswith("add weight gradients")]
+    assert mlp["kernel"] == "add weight gradients into main_grad"
+    gpt3 = load_model("gpt3-175b")
+    assert mlp["shape"] == f"{2 * gpt3.hidden * gpt3.ffn_hidden // 8 * 6 / 1e6:,.1f} MB"
 
 
 def test_explain_compute_shows_an_fp8_plans_casts_and_its_fp8_peak(capsys):

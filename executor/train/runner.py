@@ -175,7 +175,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     coords = plan.coords(rank)
     dtype, reduce_dtype = DTYPES[plan.dtype], DTYPES[plan.reduce_dtype]
     sharded = plan.zero and plan.shard_size > 1
-    fsdp = sharded and plan.zero == 3
+    fsdp = plan.shards_weights
     model = plan.model
 
     tp = TPGroup(groups.get("tp"), coords.tp, plan.tp, recorder)

@@ -42,7 +42,7 @@ from ..compute import ComputeModel
 from ..lower import (CommPiece, Lowering, adamw_costs, bucket_members, fsdp_bytes, gathered_bytes, param_tensors,
                      tied_table_bytes)
 from ..model import MLPModel
-from ..plan import DTYPE_BYTES, Plan, accumulation_bytes, default_reduce_dtype
+from ..plan import DTYPE_BYTES, Plan, accumulation_bytes, default_reduce_dtype, keeps_main_grads, ties_across_stages
 from ..schedules import make_schedule, peak_in_flight
 from ..step_report import PHASES
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
@@ -211,10 +211,9 @@ class FastModel:
                              v.recompute), lambda: rank_tables(self.layout(s), self._entry_tables(s, v)))
 
     def _entry_tables(self, s: Setting, v: Variant):
-        # A tied head on another pipeline rank than the embedding keeps its own copy of the table
-        # (Plan.ties_across_stages): priced from a two-rank prototype, where the head has that copy.
-        tied = getattr(self.space.model, "tied_embeddings", False)
-        copies_table = tied and s.pp > 1 and s.schedule not in V_SCHEDULES
+        # A tied head on another pipeline rank than the embedding keeps its own copy of the table: priced
+        # from a two-rank prototype, where the head has that copy.
+        copies_table = ties_across_stages(self.space.model, s.pp, s.schedule)
         return self._cached(("entries", s.tp, s.ep, v.sequence_parallel, v.recompute, copies_table),
                             lambda: entry_tables(self._prototype(s, v, pp=2 if copies_table else 1)))
 
@@ -401,7 +400,7 @@ class FastModel:
 
     def _main_grads(self, s: Setting, v: Variant) -> bool:
         """:attr:`Plan.main_grads <parsim.plan.Plan.main_grads>` of ``v``: low-precision weights, not FSDP."""
-        return self.dtype_bytes < DTYPE_BYTES["fp32"] and not self._shards_weights(s, v)
+        return keeps_main_grads(self.dtype_bytes, self._shards_weights(s, v))
 
     def _accumulation(self, s: Setting, main_grads: bool) -> float:
         """Bytes per weight a microbatch's gradients stream into their sum (:func:`accumulation_bytes`)."""
