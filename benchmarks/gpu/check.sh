@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# What a host with one GPU can check (docs/kernel-model.md, "Measured on a GPU"):
+#   1. the kernel model, kernel by kernel (benchmarks/gpu_kernels.py);
+#   2. one training step, measured by the executor on NCCL and predicted (parsim compare --nproc 1),
+#      for a compute-bound plan (benchmarks/gpu/one-gpu-step.yaml) and a launch-bound one (tiny-gpt);
+#   3. a torch.profiler trace of the compute-bound step, for `parsim compare --measured` anywhere.
+# Collectives need two GPUs: NCCL refuses two ranks on one.
+# Usage: bash benchmarks/gpu/check.sh [OUT_DIR]     (default gpu-check/; python3 with torch and CUDA)
+set -uo pipefail
+out=${1:-gpu-check}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+case "$gpu" in
+  *H200*) cluster=dgx-h200 ;;
+  *H100*) cluster=dgx-h100 ;;
+  *A100*) cluster=dgx-a100 ;;
+  *B200*) cluster=dgx-b200 ;;
+  *) echo "no built-in cluster for GPU '$gpu'"; exit 2 ;;
+esac
+step=benchmarks/gpu/one-gpu-step.yaml
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,power.limit,memory.total --format=csv \
+  | tee "$out/gpu.txt"
+$py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" \
+  | tee -a "$out/gpu.txt"
+echo "== kernels against $cluster"
+timeout 150 $py benchmarks/gpu_kernels.py --cluster "$cluster" --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt"
+echo "== one step of $step"
+timeout 180 $py -m parsim compare "$step" --cluster "$cluster" --nproc 1 --backend nccl --steps 5 --timeout 170 \
+  --trace "$out/step-trace.json" 2>&1 | tee "$out/step.txt"
+echo "== one step of tiny-gpt"
+timeout 90 $py -m parsim compare tiny-dp2 --dp 1 --cluster "$cluster" --nproc 1 --backend nccl --steps 5 \
+  --timeout 80 2>&1 | tee "$out/tiny.txt"
+echo "== profile of $step"
+timeout 150 $py -m parsim run "$step" --nproc 1 --backend nccl --steps 2 --timeout 140 --profile "$out/profile" 2>&1 \
+  | tail -4
+ls -la "$out" "$out/profile"

@@ -1,0 +1,231 @@
+"""The GPU kernel model against this machine's GPU, kernel by kernel.
+
+Takes the kernels one plan's layer and head launch in a forward and a backward
+(:func:`parsim.kernels.block_work`, what ``parsim explain compute`` prints),
+runs each kind on this GPU with torch, and sets the time beside what the
+cluster file's kernel model predicts (:class:`parsim.compute.ComputeModel`):
+
+* every distinct matmul shape, as ``a[m, k] @ b[k, n]`` in the plan's dtype
+  with the operand layouts ``nn.Linear`` uses, and the 8192 x 8192 x 8192
+  shape the MAMF figures come from;
+* the attention core, ``F.scaled_dot_product_attention`` with torch's
+  default backend (what the executor runs) and with FlashAttention-2 and
+  cuDNN alone: the forward, and forward + backward less the forward, at the
+  FLOPs the model counts (causal tiles skipped);
+* memory-bound kernels on 1 GiB tensors (copy, add, multiply, SiLU), at the
+  bytes each reads and writes;
+* a stream of tiny kernels: the GPU time per kernel and the host's time to
+  issue one (eager PyTorch), beside the cluster's ``kernel_overhead_us``.
+
+Nothing is fitted: the cluster file is only read. Times are CUDA-event means
+after warm-up. Needs a CUDA GPU; on a CPU it runs (slowly, with wall-clock
+timing) only so the script itself can be checked.
+
+Run:  python benchmarks/gpu_kernels.py                      (cluster from the GPU's name)
+      python benchmarks/gpu_kernels.py --cluster dgx-h100 --json kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from parsim.cluster import load_cluster
+from parsim.compute import ComputeModel
+from parsim.kernels import block_work
+from parsim.plan import load_plan
+from parsim.table import render_table
+
+DEFAULT_PLAN = Path(__file__).parent / "gpu" / "one-gpu-step.yaml"
+CLUSTER_BY_GPU = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100"), ("B200", "dgx-b200"))
+MAMF_SHAPE = (8192, 8192, 8192)
+MEMORY_ELEMENTS = 1 << 29  # 1 GiB of bf16 per operand
+
+
+def timed(fn, device: torch.device, min_s: float = 0.05, max_iters: int = 200) -> float:
+    """Mean seconds per call of ``fn`` after three warm-up calls, over at least ``min_s`` of calls."""
+    for _ in range(3):
+        fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    iters = int(min(max_iters, max(3, min_s / max(time.perf_counter() - start, 1e-9))))
+    if device.type == "cuda":
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3 / iters
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def row(kind: str, what: str, measured: float, predicted: float, **extra) -> dict:
+    return {"kind": kind, "what": what, "measured_s": measured, "predicted_s": predicted,
+            "error": predicted / measured - 1 if measured > 0 else None, **extra}
+
+
+def matmul_rows(plan, model: ComputeModel, dtype, device) -> list[dict]:
+    """Every distinct matmul of the plan's layer and head, forward and backward, and the MAMF shape."""
+    costs = {c.name: c for c in plan.stage_costs(0)}
+    # The shape the MAMF figures come from; hours on a CPU core, so only on a GPU.
+    shapes: dict[tuple[int, int, int], tuple[str, str]] = {MAMF_SHAPE: ("MAMF shape", "dgrad")} \
+        if device.type == "cuda" else {}
+    for name in ("layer.0", "head"):
+        for block in costs[name].blocks:
+            for kind in ("F", "B"):
+                work = block_work(plan, block, kind, plan.tokens_per_rank)
+                for shape, label, (_, role) in zip(work.matmuls, work.labels, work.sources):
+                    shapes.setdefault(shape, (label, role))
+    rows = []
+    for (m, n, k), (label, role) in shapes.items():
+        a, b = operands(m, n, k, role, dtype, device)
+        seconds = timed(lambda: torch.matmul(a, b), device)
+        rows.append(row("matmul", label, seconds, model.matmul_time(m, n, k), shape=f"{m}x{n}x{k}",
+                        tflops=2 * m * n * k / seconds / 1e12))
+    return rows
+
+
+def operands(m: int, n: int, k: int, role: str, dtype, device) -> tuple:
+    """``a[m, k]`` and ``b[k, n]`` laid out as ``nn.Linear`` hands them to cuBLAS: the forward multiplies
+    by the transposed weight ``W[n, k]ᵀ``, the input gradient by ``W`` as stored, and the weight gradient
+    is ``dYᵀ X``, its first operand a transposed activation."""
+    a = torch.randn(k, m, device=device, dtype=dtype).t() if role == "wgrad" else \
+        torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(n, k, device=device, dtype=dtype).t() if role == "fwd" else \
+        torch.randn(k, n, device=device, dtype=dtype)
+    return a, b
+
+
+def attention_rows(plan, model: ComputeModel, dtype, device) -> list[dict]:
+    """The attention core as the executor runs it (causal SDPA, torch's default backend), forward and
+    backward; on a GPU also each of SDPA's fused backends alone (FlashAttention-2, cuDNN)."""
+    m = plan.model
+    layer = next(c for c in plan.stage_costs(0) if c.name == "layer.0")
+    block = next(b for b in layer.blocks if b.attention_flops_per_token)
+    forward = block_work(plan, block, "F", plan.tokens_per_rank).attention_flops
+    backward = block_work(plan, block, "B", plan.tokens_per_rank).attention_grad_flops
+    f_eff, b_eff = model.attention_efficiency
+    shape = (plan.microbatch_size, m.num_heads, m.seq_len, m.head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=dtype)
+
+    def fwd():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def fwd_bwd():
+        torch.autograd.grad(fwd(), (q, k, v), grad)
+
+    backends = {"default": None}
+    if device.type == "cuda":
+        backends |= {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    what = f"b{shape[0]} h{shape[1]} s{shape[2]} d{shape[3]} causal"
+    rows = []
+    for name, backend in backends.items():
+        try:
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                t_fwd, t_both = timed(fwd, device), timed(fwd_bwd, device)
+        except RuntimeError as error:  # this backend does not take these inputs on this GPU
+            print(f"attention, {name}: not run ({str(error).splitlines()[0][:120]})")
+            continue
+        rows += [row("attention", f"{name} forward, {what}", t_fwd, forward / (f_eff * model.peak_flops),
+                     tflops=forward / t_fwd / 1e12),
+                 row("attention", f"{name} backward, {what}", t_both - t_fwd, backward / (b_eff * model.peak_flops),
+                     tflops=backward / (t_both - t_fwd) / 1e12)]
+    return rows
+
+
+def memory_rows(model: ComputeModel, dtype, device, elements: int = MEMORY_ELEMENTS) -> list[dict]:
+    """Memory-bound kernels at the bytes they read and write, against HBM x memory_efficiency."""
+    x, y = torch.randn(elements, device=device, dtype=dtype), torch.randn(elements, device=device, dtype=dtype)
+    out = torch.empty_like(x)
+    size = x.element_size() * elements
+    kernels = {
+        "copy (read 1, write 1)": (lambda: out.copy_(x), 2),
+        "add (read 2, write 1)": (lambda: torch.add(x, y, out=out), 3),
+        "silu (read 1, write 1)": (lambda: torch.nn.functional.silu(x, inplace=False), 2),
+        "multiply (read 2, write 1)": (lambda: torch.mul(x, y, out=out), 3),
+    }
+    rows = []
+    for what, (fn, passes) in kernels.items():
+        seconds = timed(fn, device)
+        rows.append(row("memory", what, seconds, passes * size / model.memory_bw_Bps,
+                        GBps=passes * size / seconds / 1e9))
+    return rows
+
+
+def launch_rows(model: ComputeModel, device, kernels: int = 2000) -> list[dict]:
+    """Tiny kernels back to back: GPU time per kernel, and the host's time to issue one."""
+    x = torch.zeros(1, device=device)
+    gpu = timed(lambda: [x.add_(1) for _ in range(kernels)], device) / kernels
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(kernels):
+        x.add_(1)
+    host = (time.perf_counter() - start) / kernels
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return [row("launch", "tiny kernel, GPU time each (back to back)", gpu, model.kernel_overhead_s),
+            row("launch", "tiny kernel, host time to issue one (eager)", host, model.kernel_overhead_s)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plan", default=str(DEFAULT_PLAN), help="plan whose kernels to run (default %(default)s)")
+    parser.add_argument("--cluster", help="cluster file predicting them (default: from the GPU's name)")
+    parser.add_argument("--json", metavar="FILE", help="also write every row as JSON")
+    parser.add_argument("--memory-elements", type=int, default=MEMORY_ELEMENTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    cluster = args.cluster or next((c for gpu, c in CLUSTER_BY_GPU if gpu in name), None)
+    if cluster is None:
+        raise SystemExit(f"no built-in cluster for {name!r}: name one with --cluster")
+    plan = load_plan(args.plan)
+    spec = load_cluster(cluster)
+    model = ComputeModel.for_cluster(spec, plan.dtype, plan.dtype_bytes)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.dtype]
+    print(f"{name}, torch {torch.__version__}; predicted by {spec.name}; kernels of {plan.name} ({plan.dtype})",
+          flush=True)
+
+    rows = []
+    for part in (lambda: matmul_rows(plan, model, dtype, device), lambda: attention_rows(plan, model, dtype, device),
+                 lambda: memory_rows(model, dtype, device, args.memory_elements), lambda: launch_rows(model, device)):
+        rows += part()
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    table = [[r["kind"], r["what"], r.get("shape", ""), r["measured_s"] * 1e6, r["predicted_s"] * 1e6,
+              "" if r["error"] is None else f"{r['error']:+.1%}",
+              f"{r['tflops']:.0f}" if "tflops" in r else f"{r['GBps']:.0f} GB/s" if "GBps" in r else ""]
+             for r in rows]
+    print(render_table(["kind", "kernel", "m x n x k", "measured (us)", "predicted (us)", "error", "TFLOP/s"],
+                       table))
+    summary = {}
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        errors = [abs(r["error"]) for r in rows if r["kind"] == kind and r["error"] is not None and r["predicted_s"]]
+        if errors:
+            summary[kind] = {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors)}
+            print(f"{kind}: median |error| {summary[kind]['median_abs_error']:.1%}, "
+                  f"max {summary[kind]['max_abs_error']:.1%} over {len(errors)} kernels")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "cluster": spec.name,
+                                               "plan": plan.name, "rows": rows, "summary": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
