@@ -41,7 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from parsim.cluster import load_cluster
 from parsim.compute import ComputeModel
 from parsim.kernels import block_work
-from parsim.plan import load_plan
+from parsim.plan import DTYPE_BYTES, load_plan
 from parsim.table import render_table
 
 DEFAULT_PLAN = Path(__file__).parent / "gpu" / "one-gpu-step.yaml"
@@ -74,12 +74,25 @@ def timed(fn, device: torch.device, min_s: float = 0.05, max_iters: int = 200) -
     return (time.perf_counter() - start) / iters
 
 
-def row(kind: str, what: str, measured: float, predicted: float, **extra) -> dict:
-    return {"kind": kind, "what": what, "measured_s": measured, "predicted_s": predicted,
-            "error": predicted / measured - 1 if measured > 0 else None, **extra}
+def row(kind: str, what: str, measured: float, work: dict, **extra) -> dict:
+    """One measured kernel and the work the model prices for it (:func:`predict`)."""
+    return {"kind": kind, "what": what, "measured_s": measured, "work": work, **extra}
 
 
-def matmul_rows(plan, model: ComputeModel, dtype, device) -> list[dict]:
+def predict(r: dict, model: ComputeModel) -> float:
+    """The kernel model's seconds for a measured row's work."""
+    work = r["work"]
+    if r["kind"] == "matmul":
+        return model.matmul_time(*work["mnk"])
+    if r["kind"] == "attention":
+        forward, backward = model.attention_efficiency
+        return work["flops"] / ((forward if work["pass"] == "forward" else backward) * model.peak_flops)
+    if r["kind"] == "memory":
+        return work["bytes"] / model.memory_bw_Bps
+    return work["kernels"] * model.kernel_overhead_s
+
+
+def matmul_rows(plan, dtype, device) -> list[dict]:
     """Every distinct matmul of the plan's layer and head, forward and backward, and the MAMF shape."""
     costs = {c.name: c for c in plan.stage_costs(0)}
     # The shape the MAMF figures come from; hours on a CPU core, so only on a GPU.
@@ -95,7 +108,7 @@ def matmul_rows(plan, model: ComputeModel, dtype, device) -> list[dict]:
     for (m, n, k), (label, role) in shapes.items():
         a, b = operands(m, n, k, role, dtype, device)
         seconds = timed(lambda: torch.matmul(a, b), device)
-        rows.append(row("matmul", label, seconds, model.matmul_time(m, n, k), shape=f"{m}x{n}x{k}",
+        rows.append(row("matmul", label, seconds, {"mnk": [m, n, k]}, shape=f"{m}x{n}x{k}",
                         tflops=2 * m * n * k / seconds / 1e12))
     return rows
 
@@ -111,7 +124,7 @@ def operands(m: int, n: int, k: int, role: str, dtype, device) -> tuple:
     return a, b
 
 
-def attention_rows(plan, model: ComputeModel, dtype, device) -> list[dict]:
+def attention_rows(plan, dtype, device) -> list[dict]:
     """The attention core as the executor runs it (causal SDPA, torch's default backend), forward and
     backward; on a GPU also each of SDPA's fused backends alone (FlashAttention-2, cuDNN)."""
     m = plan.model
@@ -119,7 +132,6 @@ def attention_rows(plan, model: ComputeModel, dtype, device) -> list[dict]:
     block = next(b for b in layer.blocks if b.attention_flops_per_token)
     forward = block_work(plan, block, "F", plan.tokens_per_rank).attention_flops
     backward = block_work(plan, block, "B", plan.tokens_per_rank).attention_grad_flops
-    f_eff, b_eff = model.attention_efficiency
     shape = (plan.microbatch_size, m.num_heads, m.seq_len, m.head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn(shape, device=device, dtype=dtype)
@@ -142,14 +154,14 @@ def attention_rows(plan, model: ComputeModel, dtype, device) -> list[dict]:
         except RuntimeError as error:  # this backend does not take these inputs on this GPU
             print(f"attention, {name}: not run ({str(error).splitlines()[0][:120]})")
             continue
-        rows += [row("attention", f"{name} forward, {what}", t_fwd, forward / (f_eff * model.peak_flops),
+        rows += [row("attention", f"{name} forward, {what}", t_fwd, {"flops": forward, "pass": "forward"},
                      tflops=forward / t_fwd / 1e12),
-                 row("attention", f"{name} backward, {what}", t_both - t_fwd, backward / (b_eff * model.peak_flops),
+                 row("attention", f"{name} backward, {what}", t_both - t_fwd, {"flops": backward, "pass": "backward"},
                      tflops=backward / (t_both - t_fwd) / 1e12)]
     return rows
 
 
-def memory_rows(model: ComputeModel, dtype, device, elements: int = MEMORY_ELEMENTS) -> list[dict]:
+def memory_rows(dtype, device, elements: int = MEMORY_ELEMENTS) -> list[dict]:
     """Memory-bound kernels at the bytes they read and write, against HBM x memory_efficiency."""
     x, y = torch.randn(elements, device=device, dtype=dtype), torch.randn(elements, device=device, dtype=dtype)
     out = torch.empty_like(x)
@@ -163,12 +175,11 @@ def memory_rows(model: ComputeModel, dtype, device, elements: int = MEMORY_ELEME
     rows = []
     for what, (fn, passes) in kernels.items():
         seconds = timed(fn, device)
-        rows.append(row("memory", what, seconds, passes * size / model.memory_bw_Bps,
-                        GBps=passes * size / seconds / 1e9))
+        rows.append(row("memory", what, seconds, {"bytes": passes * size}, GBps=passes * size / seconds / 1e9))
     return rows
 
 
-def launch_rows(model: ComputeModel, device, kernels: int = 2000) -> list[dict]:
+def launch_rows(device, kernels: int = 2000) -> list[dict]:
     """Tiny kernels back to back: GPU time per kernel, and the host's time to issue one."""
     x = torch.zeros(1, device=device)
     gpu = timed(lambda: [x.add_(1) for _ in range(kernels)], device) / kernels
@@ -180,8 +191,39 @@ def launch_rows(model: ComputeModel, device, kernels: int = 2000) -> list[dict]:
     host = (time.perf_counter() - start) / kernels
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return [row("launch", "tiny kernel, GPU time each (back to back)", gpu, model.kernel_overhead_s),
-            row("launch", "tiny kernel, host time to issue one (eager)", host, model.kernel_overhead_s)]
+    return [row("launch", "tiny kernel, GPU time each (back to back)", gpu, {"kernels": 1}),
+            row("launch", "tiny kernel, host time to issue one (eager)", host, {"kernels": 1})]
+
+
+def measure(plan, device, memory_elements: int) -> list[dict]:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.dtype]
+    rows = []
+    for part in (lambda: matmul_rows(plan, dtype, device), lambda: attention_rows(plan, dtype, device),
+                 lambda: memory_rows(dtype, device, memory_elements), lambda: launch_rows(device)):
+        rows += part()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def report(rows: list[dict], model: ComputeModel) -> dict:
+    """Print measured beside predicted, kernel by kernel, and the median |error| per kind."""
+    for r in rows:
+        r["predicted_s"] = predict(r, model)
+        r["error"] = r["predicted_s"] / r["measured_s"] - 1
+    table = [[r["kind"], r["what"], r.get("shape", ""), r["measured_s"] * 1e6, r["predicted_s"] * 1e6,
+              f"{r['error']:+.1%}", f"{r['tflops']:.0f}" if "tflops" in r else f"{r['GBps']:.0f} GB/s" if "GBps" in r
+              else ""] for r in rows]
+    print(render_table(["kind", "kernel", "m x n x k", "measured (us)", "predicted (us)", "error", "TFLOP/s"],
+                       table))
+    summary = {}
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        errors = [abs(r["error"]) for r in rows if r["kind"] == kind and r["predicted_s"]]
+        if errors:
+            summary[kind] = {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors)}
+            print(f"{kind}: median |error| {summary[kind]['median_abs_error']:.1%}, "
+                  f"max {summary[kind]['max_abs_error']:.1%} over {len(errors)} kernels")
+    return summary
 
 
 def main() -> None:
@@ -189,42 +231,33 @@ def main() -> None:
     parser.add_argument("--plan", default=str(DEFAULT_PLAN), help="plan whose kernels to run (default %(default)s)")
     parser.add_argument("--cluster", help="cluster file predicting them (default: from the GPU's name)")
     parser.add_argument("--json", metavar="FILE", help="also write every row as JSON")
+    parser.add_argument("--measured", metavar="JSON", help="predict an earlier --json file's kernels instead of "
+                        "measuring (no GPU needed)")
     parser.add_argument("--memory-elements", type=int, default=MEMORY_ELEMENTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    if args.measured:
+        earlier = json.loads(Path(args.measured).read_text())
+        name, version, plan_name, rows = earlier["device"], earlier["torch"], earlier["plan"], earlier["rows"]
+        dtype = earlier["dtype"]
+    else:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+        version, plan = torch.__version__, load_plan(args.plan)
+        plan_name, rows, dtype = plan.name, None, plan.dtype
     cluster = args.cluster or next((c for gpu, c in CLUSTER_BY_GPU if gpu in name), None)
     if cluster is None:
         raise SystemExit(f"no built-in cluster for {name!r}: name one with --cluster")
-    plan = load_plan(args.plan)
     spec = load_cluster(cluster)
-    model = ComputeModel.for_cluster(spec, plan.dtype, plan.dtype_bytes)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.dtype]
-    print(f"{name}, torch {torch.__version__}; predicted by {spec.name}; kernels of {plan.name} ({plan.dtype})",
-          flush=True)
-
-    rows = []
-    for part in (lambda: matmul_rows(plan, model, dtype, device), lambda: attention_rows(plan, model, dtype, device),
-                 lambda: memory_rows(model, dtype, device, args.memory_elements), lambda: launch_rows(model, device)):
-        rows += part()
-        torch.cuda.empty_cache() if device.type == "cuda" else None
-    table = [[r["kind"], r["what"], r.get("shape", ""), r["measured_s"] * 1e6, r["predicted_s"] * 1e6,
-              "" if r["error"] is None else f"{r['error']:+.1%}",
-              f"{r['tflops']:.0f}" if "tflops" in r else f"{r['GBps']:.0f} GB/s" if "GBps" in r else ""]
-             for r in rows]
-    print(render_table(["kind", "kernel", "m x n x k", "measured (us)", "predicted (us)", "error", "TFLOP/s"],
-                       table))
-    summary = {}
-    for kind in dict.fromkeys(r["kind"] for r in rows):
-        errors = [abs(r["error"]) for r in rows if r["kind"] == kind and r["error"] is not None and r["predicted_s"]]
-        if errors:
-            summary[kind] = {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors)}
-            print(f"{kind}: median |error| {summary[kind]['median_abs_error']:.1%}, "
-                  f"max {summary[kind]['max_abs_error']:.1%} over {len(errors)} kernels")
+    model = ComputeModel.for_cluster(spec, dtype, DTYPE_BYTES[dtype])
+    print(f"{name}, torch {version}; predicted by {spec.name}; kernels of {plan_name} ({dtype})", flush=True)
+    if rows is None:
+        rows = measure(plan, device, args.memory_elements)
+    summary = report(rows, model)
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "cluster": spec.name,
-                                               "plan": plan.name, "rows": rows, "summary": summary}, indent=1))
+        Path(args.json).write_text(json.dumps({"device": name, "torch": version, "cluster": spec.name,
+                                               "plan": plan_name, "dtype": dtype, "rows": rows,
+                                               "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":

@@ -107,13 +107,23 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         regrouped = [c for c in block.collectives if c.regroups and c.group == "tp" and c.phase == phase and tp > 1]
         elementwise += tokens * sum(2 * c.bytes_per_token for c in regrouped)
         kernels += len(regrouped)
+    # A lookup table's gradient is dense (torch's embedding_dense_backward, under Megatron-LM's
+    # VocabParallelEmbedding too): the backward zeroes a table-sized tensor before scattering the rows in.
+    tables = sum(t.numel_per_rank(tp) for t in block.tables)
+    if kind in ("B", "I") and tables:
+        elementwise += tables * plan.dtype_bytes
+        kernels += len(block.tables)
     # Each weight gradient joins the step's sum in a pass over the weights (Plan.accumulation_bytes: into
     # Megatron-LM's main_grad every microbatch, or into autograd's .grad after the first). A fused
-    # accumulation does it in the weight-gradient matmul's epilogue, hidden by its FLOPs (k = tokens).
+    # accumulation does it in the weight-gradient matmul's epilogue, hidden by its FLOPs (k = tokens); a
+    # table's gradient has no matmul and always takes the pass. A tied head's weight is the embedding
+    # table's (owns_weight False): its gradient joins the table's and is added once, with the table.
     accumulate = 0.0
-    if kind in ("B", "W") and plan.grad_accumulation == "autograd":
-        weights = sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
-                      for mm in block.matmuls)
+    if kind in ("B", "W"):
+        weights = tables
+        if plan.grad_accumulation == "autograd":
+            weights += sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
+                           for mm in block.matmuls if mm.owns_weight)
         accumulate = weights * plan.accumulation_bytes
     quantize, casts = fp8_cast_bytes(plan, block, kind, tokens)
     return BlockWork(tuple(mms), tuple(labels), tuple(sources), attention_fwd, attention_bwd, elementwise, accumulate,

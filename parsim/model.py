@@ -274,6 +274,9 @@ class Block:
     kv_unit: int = 1  # tensor parallelism splits K/V by whole heads of this width
     elementwise: tuple[Elementwise, ...] = ()  # its memory-bound kernels
     core: AttentionCore | None = None  # the attention core's shape (attention blocks)
+    # Lookup tables (the embedding's) whose backward writes a dense gradient: zeroed, rows scattered into it,
+    # then added into the step's sum like a matmul weight's (parsim.kernels.block_work)
+    tables: tuple[Param, ...] = ()
     # (forward, backward) ops an eager PyTorch implementation dispatches for the block, per microbatch
     # (parsim.eager_ops; the CPU host's fixed costs). (0, 0): not counted.
     eager_ops: tuple[int, int] = (0, 0)
@@ -823,7 +826,7 @@ class TransformerModel(_CostTotals):
         else:
             collectives = (TPCollective("embed.out", "all_reduce", "forward", "after", h * dtype_bytes),)
         lookup = Elementwise("embed.lookup", h, 2 * h, sharded=False)  # write the rows; backward: scatter-add
-        block = Block("embedding", collectives=collectives, elementwise=(lookup,),
+        block = Block("embedding", collectives=collectives, elementwise=(lookup,), tables=tuple(params),
                       eager_ops=eager_ops.embedding_ops(self.position_embedding == "learned"))
         return LayerCost("embedding", (block,), tuple(params),
                          (Activation("embed.ids", 1, INDEX_BYTES, sharded=False),))

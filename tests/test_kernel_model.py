@@ -196,6 +196,31 @@ def test_a_fused_accumulation_adds_no_pass_and_shortens_every_step_with_a_gradie
     assert steps["fused", 4] < steps["autograd", 4]
 
 
+def test_the_embedding_backward_zeroes_a_dense_table_gradient_and_adds_it_into_the_sum():
+    """torch's embedding_dense_backward writes a table-sized gradient (zeroed, then the rows scattered in),
+    which joins main_grad like a weight's, also under fused accumulation (only linear layers fuse it); a
+    tied head on the same rank shares the table, whose gradient is added once."""
+    from parsim.kernels import block_work
+
+    model = load_model("llama3-8b")
+    table = 128256 * 4096
+    for mode in ("autograd", "fused"):
+        plan = Plan(model=model, dp=8, num_microbatches=4, dtype="bf16", grad_accumulation=mode, tp=2)
+        embedding = plan.stage_costs(0)[0].blocks[0]
+        backward = block_work(plan, embedding, "B", plan.tokens_per_rank)
+        forward = block_work(plan, embedding, "F", plan.tokens_per_rank)
+        assert backward.accumulate_bytes == pytest.approx(table / 2 * plan.accumulation_bytes)
+        assert backward.elementwise_bytes - 2 * forward.elementwise_bytes == pytest.approx(table / 2 * 2)
+        assert forward.accumulate_bytes == 0
+    tied = load_model({"kind": "transformer", "num_layers": 2, "hidden": 64, "num_heads": 4, "ffn_hidden": 128,
+                       "seq_len": 32, "vocab_size": 1000, "tied_embeddings": True})
+    plan = Plan(model=tied, dp=2, num_microbatches=2, dtype="bf16")
+    embedding, *_, head = plan.stage_costs(0)
+    accumulated = sum(block_work(plan, b, "B", plan.tokens_per_rank).accumulate_bytes
+                      for cost in (embedding, head) for b in cost.blocks)
+    assert accumulated == pytest.approx(1000 * 64 * plan.accumulation_bytes)
+
+
 @pytest.mark.parametrize("key, expected", [("grad_accumulation", "autograd, fused"), ("adamw", "foreach, fused")])
 def test_an_unknown_implementation_is_refused_in_one_line(tmp_path, capsys, key, expected):
     path = tmp_path / "plan.yaml"
