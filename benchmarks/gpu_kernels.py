@@ -11,7 +11,8 @@ cluster file's kernel model predicts (:class:`parsim.compute.ComputeModel`):
 * the attention core, ``F.scaled_dot_product_attention`` with torch's
   default backend (what the executor runs) and with FlashAttention-2 and
   cuDNN alone: the forward, and forward + backward less the forward, at the
-  FLOPs the model counts (causal tiles skipped);
+  FLOPs the model counts (causal tiles skipped); the default backend also at
+  1k to 16k tokens per sequence (the model's efficiency varies by length);
 * memory-bound kernels on 1 GiB tensors (copy, add, multiply, SiLU), at the
   bytes each reads and writes;
 * a stream of tiny kernels: the GPU time per kernel and the host's time to
@@ -38,9 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from parsim.cluster import load_cluster
+from parsim.cluster import ClusterSpec, load_cluster
 from parsim.compute import ComputeModel
 from parsim.kernels import block_work
+from parsim.model import AttentionCore, flash_softmax_factor
 from parsim.plan import DTYPE_BYTES, load_plan
 from parsim.table import render_table
 
@@ -48,6 +50,7 @@ DEFAULT_PLAN = Path(__file__).parent / "gpu" / "one-gpu-step.yaml"
 CLUSTER_BY_GPU = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100"), ("B200", "dgx-b200"))
 MAMF_SHAPE = (8192, 8192, 8192)
 MEMORY_ELEMENTS = 1 << 29  # 1 GiB of bf16 per operand
+ATTENTION_LENGTHS = (1024, 2048, 4096, 8192, 16384)  # the default backend's, beside the plan's own (GPU only)
 
 
 def timed(fn, device: torch.device, min_s: float = 0.05, max_iters: int = 200) -> float:
@@ -79,9 +82,10 @@ def row(kind: str, what: str, measured: float, work: dict, **extra) -> dict:
     return {"kind": kind, "what": what, "measured_s": measured, "work": work, **extra}
 
 
-def predict(r: dict, model: ComputeModel) -> float:
-    """The kernel model's seconds for a measured row's work."""
+def predict(r: dict, spec: ClusterSpec, dtype: str) -> float:
+    """The kernel model's seconds for a measured row's work on ``spec``'s GPU."""
     work = r["work"]
+    model = ComputeModel.for_cluster(spec, dtype, DTYPE_BYTES[dtype], attention_seq=work.get("seq", 0))
     if r["kind"] == "matmul":
         return model.matmul_time(*work["mnk"])
     if r["kind"] == "attention":
@@ -124,15 +128,35 @@ def operands(m: int, n: int, k: int, role: str, dtype, device) -> tuple:
     return a, b
 
 
-def attention_rows(plan, dtype, device) -> list[dict]:
+def attention_flops(batch: int, seq: int, heads: int, head_dim: int) -> float:
+    """Forward FLOPs of causal attention as the model counts them (:func:`parsim.kernels.block_work`):
+    ``4·s·d`` per token and head over the tiles executed; the backward is twice that."""
+    core = AttentionCore(heads, head_dim, seq)
+    return 4.0 * batch * seq * seq * heads * head_dim * core.executed_fraction() * flash_softmax_factor(head_dim)
+
+
+def attention_rows(plan, dtype, device, lengths: tuple[int, ...] = ATTENTION_LENGTHS) -> list[dict]:
     """The attention core as the executor runs it (causal SDPA, torch's default backend), forward and
-    backward; on a GPU also each of SDPA's fused backends alone (FlashAttention-2, cuDNN)."""
+    backward, at the plan's shape; on a GPU also each of SDPA's fused backends alone (FlashAttention-2,
+    cuDNN) there, and the default backend at other ``lengths`` with as many tokens in all."""
     m = plan.model
-    layer = next(c for c in plan.stage_costs(0) if c.name == "layer.0")
-    block = next(b for b in layer.blocks if b.attention_flops_per_token)
-    forward = block_work(plan, block, "F", plan.tokens_per_rank).attention_flops
-    backward = block_work(plan, block, "B", plan.tokens_per_rank).attention_grad_flops
-    shape = (plan.microbatch_size, m.num_heads, m.seq_len, m.head_dim)
+    batch, seq = plan.microbatch_size, m.seq_len
+    backends = {"default": None}
+    if device.type == "cuda":
+        backends |= {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    rows = []
+    for name, backend in backends.items():
+        rows += attention_at(name, backend, batch, seq, m.num_heads, m.head_dim, dtype, device)
+    for length in lengths:
+        if length != seq:
+            rows += attention_at("default", None, max(1, batch * seq // length), length, m.num_heads, m.head_dim,
+                                 dtype, device)
+    return rows
+
+
+def attention_at(name: str, backend, batch: int, seq: int, heads: int, head_dim: int, dtype, device) -> list[dict]:
+    """Causal SDPA on ``backend`` (None: torch's choice): forward, and forward + backward less it."""
+    shape = (batch, heads, seq, head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn(shape, device=device, dtype=dtype)
 
@@ -142,23 +166,18 @@ def attention_rows(plan, dtype, device) -> list[dict]:
     def fwd_bwd():
         torch.autograd.grad(fwd(), (q, k, v), grad)
 
-    backends = {"default": None}
-    if device.type == "cuda":
-        backends |= {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-    what = f"b{shape[0]} h{shape[1]} s{shape[2]} d{shape[3]} causal"
-    rows = []
-    for name, backend in backends.items():
-        try:
-            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
-                t_fwd, t_both = timed(fwd, device), timed(fwd_bwd, device)
-        except RuntimeError as error:  # this backend does not take these inputs on this GPU
-            print(f"attention, {name}: not run ({str(error).splitlines()[0][:120]})")
-            continue
-        rows += [row("attention", f"{name} forward, {what}", t_fwd, {"flops": forward, "pass": "forward"},
-                     tflops=forward / t_fwd / 1e12),
-                 row("attention", f"{name} backward, {what}", t_both - t_fwd, {"flops": backward, "pass": "backward"},
-                     tflops=backward / (t_both - t_fwd) / 1e12)]
-    return rows
+    try:
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            t_fwd, t_both = timed(fwd, device), timed(fwd_bwd, device)
+    except RuntimeError as error:  # this backend does not take these inputs on this GPU
+        print(f"attention, {name}: not run ({str(error).splitlines()[0][:120]})")
+        return []
+    forward = attention_flops(*shape)
+    what = f"{name}, b{batch} h{heads} s{seq} d{head_dim} causal"
+    return [row("attention", f"{what}, forward", t_fwd, {"flops": forward, "pass": "forward", "seq": seq},
+                tflops=forward / t_fwd / 1e12),
+            row("attention", f"{what}, backward", t_both - t_fwd,
+                {"flops": 2 * forward, "pass": "backward", "seq": seq}, tflops=2 * forward / (t_both - t_fwd) / 1e12)]
 
 
 def memory_rows(dtype, device, elements: int = MEMORY_ELEMENTS) -> list[dict]:
@@ -198,7 +217,8 @@ def launch_rows(device, kernels: int = 2000) -> list[dict]:
 def measure(plan, device, memory_elements: int) -> list[dict]:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.dtype]
     rows = []
-    for part in (lambda: matmul_rows(plan, dtype, device), lambda: attention_rows(plan, dtype, device),
+    lengths = ATTENTION_LENGTHS if device.type == "cuda" else (plan.model.seq_len // 2,)
+    for part in (lambda: matmul_rows(plan, dtype, device), lambda: attention_rows(plan, dtype, device, lengths),
                  lambda: memory_rows(dtype, device, memory_elements), lambda: launch_rows(device)):
         rows += part()
         if device.type == "cuda":
@@ -206,10 +226,10 @@ def measure(plan, device, memory_elements: int) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], model: ComputeModel) -> dict:
+def report(rows: list[dict], spec: ClusterSpec, dtype: str) -> dict:
     """Print measured beside predicted, kernel by kernel, and the median |error| per kind."""
     for r in rows:
-        r["predicted_s"] = predict(r, model)
+        r["predicted_s"] = predict(r, spec, dtype)
         r["error"] = r["predicted_s"] / r["measured_s"] - 1
     table = [[r["kind"], r["what"], r.get("shape", ""), r["measured_s"] * 1e6, r["predicted_s"] * 1e6,
               f"{r['error']:+.1%}", f"{r['tflops']:.0f}" if "tflops" in r else f"{r['GBps']:.0f} GB/s" if "GBps" in r
@@ -249,11 +269,10 @@ def main() -> None:
     if cluster is None:
         raise SystemExit(f"no built-in cluster for {name!r}: name one with --cluster")
     spec = load_cluster(cluster)
-    model = ComputeModel.for_cluster(spec, dtype, DTYPE_BYTES[dtype])
     print(f"{name}, torch {version}; predicted by {spec.name}; kernels of {plan_name} ({dtype})", flush=True)
     if rows is None:
         rows = measure(plan, device, args.memory_elements)
-    summary = report(rows, model)
+    summary = report(rows, spec, dtype)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "torch": version, "cluster": spec.name,
                                                "plan": plan_name, "dtype": dtype, "rows": rows,

@@ -93,6 +93,9 @@ class NcclSpec:
     collnet: bool = False  # in-network reduction (InfiniBand SHARP) that NCCL's CollNet algorithms can use
 
 
+Curve = tuple[tuple[int, float], ...]  # (x, y) points, x ascending
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """One node's hardware and the fabric between nodes, as read from a file."""
@@ -121,7 +124,9 @@ class ClusterSpec:
     matmul_half_dim: float = 0.0
     kernel_overhead_s: float = 0.0  # fixed cost of launching one kernel / dispatching one op
     memory_efficiency: float = 1.0  # fraction of the HBM bandwidth memory-bound kernels reach
-    attention_efficiency: tuple[float, float] = (1.0, 1.0)  # the attention kernel's fraction of peak: fwd, bwd
+    # The attention kernel's fraction of peak, forward and backward, each as (kernel sequence length,
+    # fraction) points (parsim.compute.attention_efficiency_at); one point (0, x): x at every length
+    attention_efficiency: tuple[Curve, Curve] = (((0, 1.0),), ((0, 1.0),))
     nccl: NcclSpec | None = None  # NCCL's view of the node; None: collectives use the flow model alone
     price_per_gpu_hour: float | None = None  # US dollars to rent one GPU for an hour (the search's cost figures)
 
@@ -266,7 +271,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     if not isinstance(attention, dict) or set(attention) - {"forward", "backward"}:
         raise ConfigError(source, "compute.attention_efficiency", f"is {attention!r}",
                           "a mapping with forward and backward fractions")
-    attention_efficiency = tuple(_fraction(source, f"compute.attention_efficiency.{p}", attention.get(p, 1.0))
+    attention_efficiency = tuple(_curve(source, f"compute.attention_efficiency.{p}", attention.get(p, 1.0))
                                  for p in ("forward", "backward"))
     host_us = {}
     for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us"):
@@ -345,6 +350,16 @@ def _GBps(value: float | None) -> float | None:
 
 def _fraction(source: str, key: str, value: object) -> float:
     return _figure(source, key, value, FRACTION)
+
+
+def _curve(source: str, key: str, value: object) -> Curve:
+    """A fraction, or fractions by sequence length (``{2048: 0.53, 8192: 0.61}``), as sorted points."""
+    if not isinstance(value, dict):
+        return ((0, _fraction(source, key, value)),)
+    if not value or not all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in value):
+        raise ConfigError(source, key, f"is {value!r}", "a fraction, or fractions keyed by sequence lengths "
+                          "(whole numbers of tokens)")
+    return tuple((k, _fraction(source, f"{key}.{k}", value[k])) for k in sorted(value))
 
 
 def _figure(source: str, key: str, value: object, limits: tuple[float, float, str]) -> float:

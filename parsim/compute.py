@@ -58,12 +58,27 @@ predictions do not change; ``parsim calibrate`` measures them on a CPU host):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .cluster import ClusterSpec
+from .cluster import ClusterSpec, Curve
 from .errors import ParsimError
 
 MATMUL_TILE = 128  # cuBLAS/CUTLASS's common 128 x 128 output tile per thread block (SM80/SM90)
+
+
+def attention_efficiency_at(curve: Curve, seq: int) -> float:
+    """The attention kernel's efficiency at sequence length ``seq`` from the cluster's points: linear in
+    log2(length) between them (FlashAttention's rate climbs by about the same step per doubling), the
+    end points' values beyond them; ``seq`` 0 (not known) takes the longest length's."""
+    if seq <= 0 or seq >= curve[-1][0]:
+        return curve[-1][1]
+    if seq <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if seq <= x1:
+            return y0 + (y1 - y0) * math.log2(seq / x0) / math.log2(x1 / x0)
+    raise AssertionError("unreachable: seq is below the last point")
 
 
 @dataclass(frozen=True)
@@ -91,11 +106,13 @@ class ComputeModel:
 
     @classmethod
     def for_cluster(cls, spec: ClusterSpec, dtype: str, dtype_bytes: int,
-                    ranks_per_host: int | None = None) -> "ComputeModel":
+                    ranks_per_host: int | None = None, attention_seq: int = 0) -> "ComputeModel":
         """fp8 plans run matmuls at the fp8 peak and the rest (attention core) at the bf16 peak.
 
         ``ranks_per_host``: how many ranks of the plan share one host; beyond the host's
-        ``cpu_cores`` (CPU clusters) they time-share its cores."""
+        ``cpu_cores`` (CPU clusters) they time-share its cores. ``attention_seq``: the query length each
+        attention kernel runs over (:attr:`~parsim.plan.Plan.attention_seq`), which picks the kernel's
+        efficiency where the cluster file gives it by length."""
         other = "bf16" if dtype == "fp8" else dtype
         for needed in {dtype, other}:
             if needed not in spec.gpu.peak_flops:
@@ -108,7 +125,8 @@ class ComputeModel:
             kernel_overhead_s=spec.kernel_overhead_s, matmul_peak_flops=peaks[dtype] if dtype != other else None,
             other_efficiency=spec.matmul_efficiency_for(other) if dtype != other else None,
             sm_count=spec.gpu.sm_count, memory_efficiency=spec.memory_efficiency,
-            attention_efficiency=spec.attention_efficiency, op_forward_s=spec.op_forward_s,
+            attention_efficiency=tuple(attention_efficiency_at(c, attention_seq) for c in spec.attention_efficiency),
+            op_forward_s=spec.op_forward_s,
             op_backward_s=spec.op_backward_s, optimizer_tensor_s=spec.optimizer_tensor_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, p2p_rendezvous_s=spec.p2p_rendezvous_s,
             elementwise_bw_Bps=spec.elementwise_bw_Bps,

@@ -94,6 +94,13 @@ def keeps_main_grads(dtype_bytes: int, shards_weights: bool) -> bool:
     return dtype_bytes < DTYPE_BYTES["fp32"] and not shards_weights
 
 
+def attention_seq(model: Model, cp: int) -> int:
+    """Query positions one attention kernel runs over: the whole sequence, or a context-parallel rank's
+    1/cp of it (ring attention runs a kernel per K/V block; the all-gather form one over all keys, but
+    still on this rank's queries). 0 without attention."""
+    return model.seq_len // cp if isinstance(model, TransformerModel) else 0
+
+
 def ties_across_stages(model: Any, pp: int, schedule: str) -> bool:
     """A tied LM head on another pipeline rank than the embedding (every placement but a V's, which puts the
     first and last stages on rank 0): that rank keeps a copy of the table, whose gradient is summed with the
@@ -497,6 +504,11 @@ class Plan:
     def tokens_per_rank(self) -> int:
         """Tokens of one microbatch that one GPU computes: its 1/cp of each sequence."""
         return self.tokens_per_microbatch // self.cp
+
+    @property
+    def attention_seq(self) -> int:
+        """:func:`attention_seq` for this plan."""
+        return attention_seq(self.model, self.cp)
 
     @property
     def tokens_per_step(self) -> int:

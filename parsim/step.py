@@ -117,7 +117,7 @@ def predict_step(plan: Plan, cluster: ClusterSpec,
     if plan.tp_comm_overlap:
         _check_tp_overlap(plan, cluster)
     topo = cluster.build(max(1, plan.world // gpn))
-    compute = ComputeModel.for_cluster(cluster, plan.dtype, plan.dtype_bytes, min(plan.world, gpn))
+    compute = ComputeModel.for_cluster(cluster, plan.dtype, plan.dtype_bytes, min(plan.world, gpn), plan.attention_seq)
     with _gc_paused():
         program = lower(plan)
         meta = {"plan": plan.name, "cluster": cluster.name, "world_size": plan.world,

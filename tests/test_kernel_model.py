@@ -36,6 +36,44 @@ def test_attention_core_forward_and_backward_run_at_their_own_rates():
     assert A100.time(attention_grad_flops=1e12) == pytest.approx(1e12 / (312e12 * 0.63))
 
 
+def test_attention_efficiency_by_length_is_linear_in_log_length_between_points_and_flat_beyond():
+    from parsim.compute import attention_efficiency_at
+
+    curve = ((2048, 0.5), (8192, 0.6))
+    assert attention_efficiency_at(curve, 4096) == pytest.approx(0.55)  # halfway in log2
+    assert attention_efficiency_at(curve, 1024) == 0.5 and attention_efficiency_at(curve, 65536) == 0.6
+    assert attention_efficiency_at(curve, 0) == 0.6  # length not known: the longest's
+    assert attention_efficiency_at(((0, 0.7),), 4096) == 0.7  # one figure for every length
+
+
+def test_a_context_parallel_rank_runs_its_attention_kernels_over_its_share_of_the_sequence():
+    """On Hopper, FlashAttention-3 runs shorter sequences at a lower rate: cp 4 on an 8k sequence runs
+    kernels over 2,048 query positions, and the attention core takes longer per FLOP than at cp 1."""
+    spec = load_cluster("dgx-h100")
+    model = load_model("llama3-8b")
+    rates = {}
+    for cp in (1, 4):
+        plan = Plan(model=model, dp=8 // cp, cp=cp, dtype="bf16")
+        assert plan.attention_seq == 8192 // cp
+        compute = ComputeModel.for_cluster(spec, "bf16", 2, attention_seq=plan.attention_seq)
+        rates[cp] = 1e12 / compute.time(attention_flops=1e12)
+    assert rates[1] == pytest.approx(0.618 * 989.5e12) and rates[4] == pytest.approx(0.559 * 989.5e12)
+
+
+@pytest.mark.parametrize("value", ["{fast: 0.6}", "{}", "{2048: 1.5}"])
+def test_a_bad_attention_curve_is_refused_in_one_line(tmp_path, capsys, value):
+    from parsim.cluster import builtin_clusters
+
+    text = builtin_clusters()["dgx-h100"].read_text()
+    assert "    forward: {512: 0.369" in text
+    path = tmp_path / "c.yaml"
+    path.write_text(text.replace("    forward: {512: 0.369, 1024: 0.481, 2048: 0.559, 4096: 0.603, 8192: 0.618, "
+                                 "16384: 0.627}", f"    forward: {value}"))
+    assert main(["simulate", "--model", "tiny-gpt", "--dp", "2", "--cluster", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "attention_efficiency" in err and len(err.strip().splitlines()) == 1
+
+
 def test_flash_skips_tiles_above_the_causal_diagonal():
     core = AttentionCore(heads=32, head_dim=128, seq=4096)
     n = 4096 // 128
@@ -74,7 +112,11 @@ def test_builtin_clusters_carry_sourced_kernel_rates():
     assert h100.gpu.sm_count == 132
     assert h100.matmul_efficiency_for("bf16") == 0.803 and h100.matmul_efficiency_for("fp16") == 0.803
     assert h100.matmul_efficiency_for("fp8") == 0.709
-    assert 0 < h100.memory_efficiency < 1 and all(0 < e < 1 for e in h100.attention_efficiency)
+    assert 0 < h100.memory_efficiency < 1
+    for curve in h100.attention_efficiency:  # by query length, rising with it (FlashAttention-3's figures)
+        lengths, fractions = zip(*curve)
+        assert lengths == (512, 1024, 2048, 4096, 8192, 16384) and all(0 < e < 1 for e in fractions)
+        assert list(fractions) == sorted(fractions)
 
 
 @pytest.mark.parametrize("compute", [

@@ -59,7 +59,7 @@ def register(topics) -> None:
 def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     spec = load_cluster(args.cluster)
-    model = ComputeModel.for_cluster(spec, plan.dtype, plan.dtype_bytes)
+    model = ComputeModel.for_cluster(spec, plan.dtype, plan.dtype_bytes, attention_seq=plan.attention_seq)
     costs = {c.name: c for s in range(plan.num_stages) for c in plan.stage_costs(s)}
     if args.layer not in costs:
         names = [n for n in costs if not n.startswith("layer.")] + ["layer.0", f"layer.{plan.model.num_layers - 1}"]
@@ -181,7 +181,8 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
         f"microbatch, {plan.dtype}",
         f"  matmuls     {model.efficiency:g} x {peak:g} TFLOP/s = {model.efficiency * peak:.1f} TFLOP/s at best, "
         f"x tile fill ({model.sm_count or 'no'} SMs)",
-        f"  attention   forward {fwd:g}, backward {bwd:g} of {model.peak_flops / 1e12:g} TFLOP/s",
+        f"  attention   forward {fwd:.3g}, backward {bwd:.3g} of {model.peak_flops / 1e12:g} TFLOP/s"
+        f"{f' (kernels over {plan.attention_seq:,} tokens)' if plan.attention_seq else ''}",
         f"  memory      {model.memory_efficiency:g} x {model.hbm_bw_Bps / 1e9:g} GB/s = "
         f"{model.memory_bw_Bps / 1e9:.0f} GB/s",
         "",

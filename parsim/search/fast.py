@@ -42,7 +42,8 @@ from ..compute import ComputeModel
 from ..lower import (CommPiece, Lowering, adamw_costs, bucket_members, fsdp_bytes, gathered_bytes, param_tensors,
                      tied_table_bytes)
 from ..model import MLPModel
-from ..plan import DTYPE_BYTES, Plan, accumulation_bytes, default_reduce_dtype, keeps_main_grads, ties_across_stages
+from ..plan import (DTYPE_BYTES, Plan, accumulation_bytes, attention_seq, default_reduce_dtype, keeps_main_grads,
+                    ties_across_stages)
 from ..schedules import make_schedule, peak_in_flight
 from ..step_report import PHASES
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
@@ -108,7 +109,7 @@ class FastModel:
         self.grad_bytes = DTYPE_BYTES[space.reduce_dtype or default_reduce_dtype(space.dtype)]
         self.compute = ComputeModel.for_cluster(cluster, space.dtype, d, min(space.gpus, cluster.gpus_per_node))
         self.comm = CommCosts(cluster, space.gpus, self.compute)
-        self.passes = PassCosts(self.compute, self.comm)
+        self._passes: dict[int, PassCosts] = {}  # by cp degree, which sets the attention kernels' length
         self.capacity = capacity or cluster.gpu.hbm_capacity_bytes
         self._plans: dict[tuple, Plan] = {}
         self._cache: dict[tuple, object] = {}
@@ -176,12 +177,26 @@ class FastModel:
                v.context_parallel,
                (s.dp, s.pp, v.order) if s.ep > 1 else None,
                (s.dp, s.pp, v.order, v.shard_group) if beside_gathers else None)
+        passes = self.passes(s.cp)
         if v.recompute == "full":  # a recomputed layer's backward starts with its forward again
-            return self.passes.derived(key, lambda: _with_recompute(
+            return passes.derived(key, lambda: _with_recompute(
                 self.pass_table(s, v._replace(recompute="none"), beside_gathers),
                 self._entry_tables(s, v).recomputed))
         exchange = self._exchange_beside_gathers(s, v) if beside_gathers else None
-        return self.passes.table(key, lambda: self._prototype(s, v), exchange)
+        return passes.table(key, lambda: self._prototype(s, v), exchange)
+
+    def passes(self, cp: int) -> PassCosts:
+        """Pass pricing for plans of context-parallel degree ``cp``: their attention kernels run over
+        1/cp of the sequence (:attr:`~parsim.plan.Plan.attention_seq`), at the cluster's rate for that
+        length."""
+        passes = self._passes.get(cp)
+        if passes is None:
+            cluster = self.cluster
+            compute = ComputeModel.for_cluster(cluster, self.space.dtype, self.dtype_bytes,
+                                               min(self.space.gpus, cluster.gpus_per_node),
+                                               attention_seq(self.space.model, cp))
+            passes = self._passes[cp] = PassCosts(compute, self.comm)
+        return passes
 
     def _exchange_beside_gathers(self, s: Setting, v: Variant) -> ExchangeCost:
         """Prices a context-parallel exchange of an entry's pass as it runs under FSDP: from the pass's start
