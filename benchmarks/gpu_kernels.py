@@ -172,7 +172,7 @@ def attention_at(name: str, backend, batch: int, seq: int, heads: int, head_dim:
     except RuntimeError as error:  # this backend does not take these inputs on this GPU
         print(f"attention, {name}: not run ({str(error).splitlines()[0][:120]})")
         return []
-    forward = attention_flops(*shape)
+    forward = attention_flops(batch, seq, heads, head_dim)
     what = f"{name}, b{batch} h{heads} s{seq} d{head_dim} causal"
     return [row("attention", f"{what}, forward", t_fwd, {"flops": forward, "pass": "forward", "seq": seq},
                 tflops=forward / t_fwd / 1e12),
