@@ -24,6 +24,7 @@ timing) only so the script itself can be checked.
 
 Run:  python benchmarks/gpu_kernels.py                      (cluster from the GPU's name)
       python benchmarks/gpu_kernels.py --cluster dgx-h100 --json kernels.json
+      python benchmarks/gpu_kernels.py --measured benchmarks/gpu/h100-kernels-2026-11-26.json   (no GPU)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -42,7 +44,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from parsim.cluster import ClusterSpec, load_cluster
 from parsim.compute import ComputeModel
 from parsim.kernels import block_work
-from parsim.model import AttentionCore, flash_softmax_factor
+from parsim.errors import ParsimError
+from parsim.model import AttentionCore, TransformerModel, flash_softmax_factor
 from parsim.plan import DTYPE_BYTES, load_plan
 from parsim.table import render_table
 
@@ -98,12 +101,12 @@ def predict(r: dict, spec: ClusterSpec, dtype: str) -> float:
 
 def matmul_rows(plan, dtype, device) -> list[dict]:
     """Every distinct matmul of the plan's layer and head, forward and backward, and the MAMF shape."""
-    costs = {c.name: c for c in plan.stage_costs(0)}
+    costs = {c.name: c for c in plan.stage_costs(plan.num_stages - 1) + plan.stage_costs(0)}
     # The shape the MAMF figures come from; hours on a CPU core, so only on a GPU.
     shapes: dict[tuple[int, int, int], tuple[str, str]] = {MAMF_SHAPE: ("MAMF shape", "dgrad")} \
         if device.type == "cuda" else {}
     for name in ("layer.0", "head"):
-        for block in costs[name].blocks:
+        for block in costs[name].blocks if name in costs else ():
             for kind in ("F", "B"):
                 work = block_work(plan, block, kind, plan.tokens_per_rank)
                 for shape, label, (_, role) in zip(work.matmuls, work.labels, work.sources):
@@ -188,7 +191,7 @@ def memory_rows(dtype, device, elements: int = MEMORY_ELEMENTS) -> list[dict]:
     kernels = {
         "copy (read 1, write 1)": (lambda: out.copy_(x), 2),
         "add (read 2, write 1)": (lambda: torch.add(x, y, out=out), 3),
-        "silu (read 1, write 1)": (lambda: torch.nn.functional.silu(x, inplace=False), 2),
+        "silu (read 1, write 1)": (lambda: F.silu(x), 2),
         "multiply (read 2, write 1)": (lambda: torch.mul(x, y, out=out), 3),
     }
     rows = []
@@ -215,11 +218,15 @@ def launch_rows(device, kernels: int = 2000) -> list[dict]:
 
 
 def measure(plan, device, memory_elements: int) -> list[dict]:
+    """Every kind of kernel above, on ``device``; attention only for a transformer plan."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.dtype]
     rows = []
-    lengths = ATTENTION_LENGTHS if device.type == "cuda" else (plan.model.seq_len // 2,)
-    for part in (lambda: matmul_rows(plan, dtype, device), lambda: attention_rows(plan, dtype, device, lengths),
-                 lambda: memory_rows(dtype, device, memory_elements), lambda: launch_rows(device)):
+    lengths = ATTENTION_LENGTHS if device.type == "cuda" else (getattr(plan.model, "seq_len", 2) // 2,)
+    parts = [lambda: matmul_rows(plan, dtype, device), lambda: memory_rows(dtype, device, memory_elements),
+             lambda: launch_rows(device)]
+    if isinstance(plan.model, TransformerModel):
+        parts.insert(1, lambda: attention_rows(plan, dtype, device, lengths))
+    for part in parts:
         rows += part()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -247,6 +254,14 @@ def report(rows: list[dict], spec: ClusterSpec, dtype: str) -> dict:
 
 
 def main() -> None:
+    try:
+        run()
+    except (ParsimError, OSError, KeyError, ValueError) as error:  # bad input: one line, exit 2
+        print(f"gpu_kernels.py: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", default=str(DEFAULT_PLAN), help="plan whose kernels to run (default %(default)s)")
     parser.add_argument("--cluster", help="cluster file predicting them (default: from the GPU's name)")
@@ -267,7 +282,7 @@ def main() -> None:
         plan_name, rows, dtype = plan.name, None, plan.dtype
     cluster = args.cluster or next((c for gpu, c in CLUSTER_BY_GPU if gpu in name), None)
     if cluster is None:
-        raise SystemExit(f"no built-in cluster for {name!r}: name one with --cluster")
+        raise ParsimError(f"no built-in cluster for {name!r}: name one with --cluster")
     spec = load_cluster(cluster)
     print(f"{name}, torch {version}; predicted by {spec.name}; kernels of {plan_name} ({dtype})", flush=True)
     if rows is None:
