@@ -30,59 +30,26 @@ Run:  python benchmarks/gpu_kernels.py                      (cluster from the GP
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
-from parsim.cluster import ClusterSpec, load_cluster
+from executor.gpu_bench import MEMORY_ELEMENTS, attention_at, launch_rows, matmul_row, memory_rows
+from parsim.cluster import ClusterSpec, builtin_for_gpu, load_cluster
 from parsim.compute import ComputeModel
 from parsim.kernels import block_work
 from parsim.errors import ParsimError
-from parsim.model import AttentionCore, TransformerModel, flash_softmax_factor
+from parsim.model import TransformerModel
 from parsim.plan import DTYPE_BYTES, load_plan
 from parsim.table import render_table
 
 DEFAULT_PLAN = Path(__file__).parent / "gpu" / "one-gpu-step.yaml"
-CLUSTER_BY_GPU = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100"), ("B200", "dgx-b200"))
 MAMF_SHAPE = (8192, 8192, 8192)
-MEMORY_ELEMENTS = 1 << 29  # 1 GiB of bf16 per operand
 ATTENTION_LENGTHS = (1024, 2048, 4096, 8192, 16384)  # the default backend's, beside the plan's own (GPU only)
-
-
-def timed(fn, device: torch.device, min_s: float = 0.05, max_iters: int = 200) -> float:
-    """Mean seconds per call of ``fn`` after three warm-up calls, over at least ``min_s`` of calls."""
-    for _ in range(3):
-        fn()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    iters = int(min(max_iters, max(3, min_s / max(time.perf_counter() - start, 1e-9))))
-    if device.type == "cuda":
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3 / iters
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - start) / iters
-
-
-def row(kind: str, what: str, measured: float, work: dict, **extra) -> dict:
-    """One measured kernel and the work the model prices for it (:func:`predict`)."""
-    return {"kind": kind, "what": what, "measured_s": measured, "work": work, **extra}
 
 
 def predict(r: dict, spec: ClusterSpec, dtype: str) -> float:
@@ -111,31 +78,7 @@ def matmul_rows(plan, dtype, device) -> list[dict]:
                 work = block_work(plan, block, kind, plan.tokens_per_rank)
                 for shape, label, (_, role) in zip(work.matmuls, work.labels, work.sources):
                     shapes.setdefault(shape, (label, role))
-    rows = []
-    for (m, n, k), (label, role) in shapes.items():
-        a, b = operands(m, n, k, role, dtype, device)
-        seconds = timed(lambda: torch.matmul(a, b), device)
-        rows.append(row("matmul", label, seconds, {"mnk": [m, n, k]}, shape=f"{m}x{n}x{k}",
-                        tflops=2 * m * n * k / seconds / 1e12))
-    return rows
-
-
-def operands(m: int, n: int, k: int, role: str, dtype, device) -> tuple:
-    """``a[m, k]`` and ``b[k, n]`` laid out as ``nn.Linear`` hands them to cuBLAS: the forward multiplies
-    by the transposed weight ``W[n, k]ᵀ``, the input gradient by ``W`` as stored, and the weight gradient
-    is ``dYᵀ X``, its first operand a transposed activation."""
-    a = torch.randn(k, m, device=device, dtype=dtype).t() if role == "wgrad" else \
-        torch.randn(m, k, device=device, dtype=dtype)
-    b = torch.randn(n, k, device=device, dtype=dtype).t() if role == "fwd" else \
-        torch.randn(k, n, device=device, dtype=dtype)
-    return a, b
-
-
-def attention_flops(batch: int, seq: int, heads: int, head_dim: int) -> float:
-    """Forward FLOPs of causal attention as the model counts them (:func:`parsim.kernels.block_work`):
-    ``4·s·d`` per token and head over the tiles executed; the backward is twice that."""
-    core = AttentionCore(heads, head_dim, seq)
-    return 4.0 * batch * seq * seq * heads * head_dim * core.executed_fraction() * flash_softmax_factor(head_dim)
+    return [matmul_row(m, n, k, role, label, dtype, device) for (m, n, k), (label, role) in shapes.items()]
 
 
 def attention_rows(plan, dtype, device, lengths: tuple[int, ...] = ATTENTION_LENGTHS) -> list[dict]:
@@ -155,66 +98,6 @@ def attention_rows(plan, dtype, device, lengths: tuple[int, ...] = ATTENTION_LEN
             rows += attention_at("default", None, max(1, batch * seq // length), length, m.num_heads, m.head_dim,
                                  dtype, device)
     return rows
-
-
-def attention_at(name: str, backend, batch: int, seq: int, heads: int, head_dim: int, dtype, device) -> list[dict]:
-    """Causal SDPA on ``backend`` (None: torch's choice): forward, and forward + backward less it."""
-    shape = (batch, heads, seq, head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(shape, device=device, dtype=dtype)
-
-    def fwd():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    def fwd_bwd():
-        torch.autograd.grad(fwd(), (q, k, v), grad)
-
-    try:
-        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
-            t_fwd, t_both = timed(fwd, device), timed(fwd_bwd, device)
-    except RuntimeError as error:  # this backend does not take these inputs on this GPU
-        print(f"attention, {name}: not run ({str(error).splitlines()[0][:120]})")
-        return []
-    forward = attention_flops(batch, seq, heads, head_dim)
-    what = f"{name}, b{batch} h{heads} s{seq} d{head_dim} causal"
-    return [row("attention", f"{what}, forward", t_fwd, {"flops": forward, "pass": "forward", "seq": seq},
-                tflops=forward / t_fwd / 1e12),
-            row("attention", f"{what}, backward", t_both - t_fwd,
-                {"flops": 2 * forward, "pass": "backward", "seq": seq}, tflops=2 * forward / (t_both - t_fwd) / 1e12)]
-
-
-def memory_rows(dtype, device, elements: int = MEMORY_ELEMENTS) -> list[dict]:
-    """Memory-bound kernels at the bytes they read and write, against HBM x memory_efficiency."""
-    x, y = torch.randn(elements, device=device, dtype=dtype), torch.randn(elements, device=device, dtype=dtype)
-    out = torch.empty_like(x)
-    size = x.element_size() * elements
-    kernels = {
-        "copy (read 1, write 1)": (lambda: out.copy_(x), 2),
-        "add (read 2, write 1)": (lambda: torch.add(x, y, out=out), 3),
-        "silu (read 1, write 1)": (lambda: F.silu(x), 2),
-        "multiply (read 2, write 1)": (lambda: torch.mul(x, y, out=out), 3),
-    }
-    rows = []
-    for what, (fn, passes) in kernels.items():
-        seconds = timed(fn, device)
-        rows.append(row("memory", what, seconds, {"bytes": passes * size}, GBps=passes * size / seconds / 1e9))
-    return rows
-
-
-def launch_rows(device, kernels: int = 2000) -> list[dict]:
-    """Tiny kernels back to back: GPU time per kernel, and the host's time to issue one."""
-    x = torch.zeros(1, device=device)
-    gpu = timed(lambda: [x.add_(1) for _ in range(kernels)], device) / kernels
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(kernels):
-        x.add_(1)
-    host = (time.perf_counter() - start) / kernels
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return [row("launch", "tiny kernel, GPU time each (back to back)", gpu, {"kernels": 1}),
-            row("launch", "tiny kernel, host time to issue one (eager)", host, {"kernels": 1})]
 
 
 def measure(plan, device, memory_elements: int) -> list[dict]:
@@ -280,10 +163,7 @@ def run() -> None:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
         version, plan = torch.__version__, load_plan(args.plan)
         plan_name, rows, dtype = plan.name, None, plan.dtype
-    cluster = args.cluster or next((c for gpu, c in CLUSTER_BY_GPU if gpu in name), None)
-    if cluster is None:
-        raise ParsimError(f"no built-in cluster for {name!r}: name one with --cluster")
-    spec = load_cluster(cluster)
+    spec = load_cluster(args.cluster or builtin_for_gpu(name))
     print(f"{name}, torch {version}; predicted by {spec.name}; kernels of {plan_name} ({dtype})", flush=True)
     if rows is None:
         rows = measure(plan, device, args.memory_elements)

@@ -203,6 +203,19 @@ class ClusterSpec:
         return Topology(self, nodes)
 
 
+# What torch.cuda.get_device_name() contains, and the built-in cluster of that GPU
+CLUSTER_OF_GPU = (("H200", "dgx-h200"), ("H800", "hgx-h800"), ("H100", "dgx-h100"), ("A100", "dgx-a100"),
+                  ("GB200", "gb200-nvl72"), ("B200", "dgx-b200"), ("RTX 6000 Ada", "pcie-4x-rtx6000ada"))
+
+
+def builtin_for_gpu(device_name: str) -> str:
+    """The built-in cluster whose GPU is ``device_name`` (as CUDA names it, e.g. "NVIDIA H100 80GB HBM3")."""
+    for gpu, cluster in CLUSTER_OF_GPU:
+        if gpu in device_name:
+            return cluster
+    raise ParsimError(f"no built-in cluster has a {device_name!r}: name one with --cluster")
+
+
 def builtin_clusters() -> dict[str, Path]:
     """Built-in cluster names and their files."""
     folder = importlib.resources.files("topologies")

@@ -13,7 +13,10 @@ import yaml
 
 from ..calibrate import (fit_dispatch, fit_elementwise, fit_links, fit_matmul, fit_operation, fit_optimizer,
                          fit_step_overhead, host_cluster)
-from ..cluster import parse_cluster
+from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload
+from ..cluster import builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
+from ..compute import attention_efficiency_at
+from ..files import read_yaml
 from ..errors import ParsimError
 from ..host_load import ForeignLoad
 from ..jsondoc import print_json
@@ -50,6 +53,14 @@ every other operation to the link model alone.
 examples:
   parsim calibrate --out my-host.yaml
   parsim calibrate --out my-host.yaml --ranks 2,4 --sweep 64KiB:64MiB:4
+  parsim calibrate --out my-gpu.yaml --ranks 1      (one GPU: its compute figures only)
+
+With --ranks 1 on a host with a CUDA GPU, it times matmuls, causal attention
+at 1k-16k tokens and memory-bound kernels on that GPU, and writes the built-in
+cluster with that GPU (dgx-h100 for an H100, ...) with its compute figures
+replaced: matmul efficiency (the best shape, as MAMF), memory efficiency and
+attention efficiency by length. One GPU measures no collective, so links and
+NCCL stay the spec sheets'.
 """
 
 FIT_OPS = "all-reduce,send-recv,all-gather,reduce-scatter,broadcast"
@@ -61,7 +72,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="my-host.yaml", help="cluster file to write (default my-host.yaml)")
     p.add_argument("--name", default="my-host", help="cluster name inside the file")
     p.add_argument("--ranks", default="2", help="comma-separated rank counts to measure (default 2; more "
-                   "ranks than cores measure CPU contention, not links)")
+                   "ranks than cores measure CPU contention, not links; 1: one GPU's compute)")
     p.add_argument("--ops", default=FIT_OPS, help=f"collectives to fit on (default {FIT_OPS})")
     p.add_argument("--sweep", default="64KiB:64MiB:4", help="sizes to measure (default 64KiB:64MiB:4)")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
@@ -72,6 +83,8 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_outputs(args, files=("--out",))
+    if args.ranks.strip() == "1":
+        return _run_one_gpu(args)
     from executor.collectives import (check_host_memory, default_timeout_s, measure_collectives, measure_in_step,
                                       measure_reduce_bandwidth)
     from executor.compute_bench import measure_on_every_rank
@@ -82,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         raise ParsimError(f"--ranks {args.ranks!r}: expected comma-separated whole numbers, e.g. 2,4") from None
     if rank_counts[0] < 2:
-        raise ParsimError("--ranks: collectives need at least 2 ranks")
+        raise ParsimError("--ranks: collectives need at least 2 ranks (--ranks 1 alone calibrates one GPU's compute)")
     ops = [canonical_op(o) for o in args.ops.split(",")]
     sizes = parse_size_range(args.sweep)
     if not args.name.strip():
@@ -197,6 +210,46 @@ def run(args: argparse.Namespace) -> int:
         extra = f", +{step_overhead[op] * 1e6:.0f} us between compute" if op in step_overhead else ""
         print(f"{op.replace('_', '-'):<17} {overhead[op] * 1e6:.0f} us per call{extra}, bytes at {e:.0%} of link speed")
     print(f"median |residual| {_median_error(rows):.1%} over {len(rows)} measurements")
+    print(f"wrote {args.out}: use it as --cluster {args.out}")
+    return 0
+
+
+def _run_one_gpu(args: argparse.Namespace) -> int:
+    """``--ranks 1``: this GPU's compute figures, over the built-in cluster with that GPU."""
+    from executor._torch import require_torch
+    from executor.gpu_bench import calibration_rows
+
+    torch = require_torch()
+    if not torch.cuda.is_available():
+        raise ParsimError("--ranks 1 calibrates one GPU's compute, and this host has no CUDA GPU; "
+                          "a CPU host measures with 2 ranks or more")
+    if not args.name.strip():
+        raise ParsimError("--name: the cluster file needs a name")
+    device_name = torch.cuda.get_device_name()
+    base_name = builtin_for_gpu(device_name)
+    spec = load_cluster(base_name)
+    progress(f"timing matmuls, attention and memory-bound kernels on the {device_name}")
+    rows = calibration_rows(torch.device("cuda"), torch.bfloat16)
+    fit = fit_gpu(rows, spec)
+    description = (f"{platform.node()}: one {device_name}, compute calibrated {datetime.date.today().isoformat()} "
+                   f"over {base_name}")
+    cluster = gpu_cluster(read_yaml(builtin_clusters()[base_name]), fit, args.name, description)
+    parse_cluster(cluster, args.out)  # the file must load like any other
+    header = (f"# Written by `parsim calibrate --ranks 1` on {platform.node()} "
+              f"({datetime.datetime.now():%Y-%m-%d %H:%M}): the compute figures\n# measured on one {device_name} "
+              f"(torch {torch.__version__}); everything else is {base_name}'s, from its spec sheets.\n")
+    Path(args.out).write_text(header + yaml.safe_dump(cluster, sort_keys=False))
+    before = spec.attention_efficiency
+    if args.json:
+        print_json("calibrate.gpu", gpu_payload(args.out, device_name, base_name, fit, rows))
+        return 0
+    table = [["matmul_efficiency.bf16", spec.matmul_efficiency_for("bf16"), fit.matmul_efficiency],
+             ["memory_efficiency", spec.memory_efficiency, fit.memory_efficiency]]
+    for p, curve in zip(("forward", "backward"), before):
+        table += [[f"attention_efficiency.{p} at {seq:,}", attention_efficiency_at(curve, seq), f]
+                  for seq, f in fit.attention[p].items()]
+    print(render_table(["figure", base_name, "measured"], [[n, f"{a:.3f}", f"{b:.3f}"] for n, a, b in table],
+                       title=f"{device_name}: compute figures (links and NCCL stay {base_name}'s)"))
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
 

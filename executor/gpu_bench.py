@@ -1,0 +1,158 @@
+"""Time a GPU's kernels the way the kernel model prices them (:mod:`parsim.compute`).
+
+Each measurement is a row: what ran, its mean seconds (CUDA events after
+warm-up; wall clock on a CPU, only so the code can be checked there) and the
+work the model prices for it (``work``: a matmul's ``mnk``, attention FLOPs as
+the model counts them with their pass and sequence length, memory-bound
+bytes, or kernels launched). ``benchmarks/gpu_kernels.py`` sets them beside a
+cluster file's predictions; ``parsim calibrate --ranks 1`` fits a GPU's
+figures on them (:func:`parsim.calibrate.fit_gpu`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from parsim.model import AttentionCore, flash_softmax_factor
+
+from ._torch import require_torch
+
+torch = require_torch()
+F = torch.nn.functional
+
+MEMORY_ELEMENTS = 1 << 29  # 1 GiB of bf16 per operand
+
+
+def timed(fn, device: torch.device, min_s: float = 0.05, max_iters: int = 200) -> float:
+    """Mean seconds per call of ``fn`` after three warm-up calls, over at least ``min_s`` of calls."""
+    for _ in range(3):
+        fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    iters = int(min(max_iters, max(3, min_s / max(time.perf_counter() - start, 1e-9))))
+    if device.type == "cuda":
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3 / iters
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def row(kind: str, what: str, measured: float, work: dict, **extra) -> dict:
+    """One measured kernel and the work the model prices for it (:func:`predict`)."""
+    return {"kind": kind, "what": what, "measured_s": measured, "work": work, **extra}
+
+
+def operands(m: int, n: int, k: int, role: str, dtype, device) -> tuple:
+    """``a[m, k]`` and ``b[k, n]`` laid out as ``nn.Linear`` hands them to cuBLAS: the forward multiplies
+    by the transposed weight ``W[n, k]ᵀ``, the input gradient by ``W`` as stored, and the weight gradient
+    is ``dYᵀ X``, its first operand a transposed activation."""
+    a = torch.randn(k, m, device=device, dtype=dtype).t() if role == "wgrad" else \
+        torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(n, k, device=device, dtype=dtype).t() if role == "fwd" else \
+        torch.randn(k, n, device=device, dtype=dtype)
+    return a, b
+
+
+def matmul_row(m: int, n: int, k: int, role: str, label: str, dtype, device) -> dict:
+    """One ``(m, n, k)`` matmul laid out for its ``role`` (:func:`operands`)."""
+    a, b = operands(m, n, k, role, dtype, device)
+    seconds = timed(lambda: torch.matmul(a, b), device)
+    return row("matmul", label, seconds, {"mnk": [m, n, k]}, shape=f"{m}x{n}x{k}",
+               tflops=2 * m * n * k / seconds / 1e12)
+
+
+def attention_flops(batch: int, seq: int, heads: int, head_dim: int) -> float:
+    """Forward FLOPs of causal attention as the model counts them (:func:`parsim.kernels.block_work`):
+    ``4·s·d`` per token and head over the tiles executed; the backward is twice that."""
+    core = AttentionCore(heads, head_dim, seq)
+    return 4.0 * batch * seq * seq * heads * head_dim * core.executed_fraction() * flash_softmax_factor(head_dim)
+
+
+def attention_at(name: str, backend, batch: int, seq: int, heads: int, head_dim: int, dtype, device) -> list[dict]:
+    """Causal SDPA on ``backend`` (a ``torch.nn.attention.SDPBackend``; None: torch's choice): forward, and
+    forward + backward less it."""
+    from torch.nn.attention import sdpa_kernel
+    shape = (batch, heads, seq, head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=dtype)
+
+    def fwd():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def fwd_bwd():
+        torch.autograd.grad(fwd(), (q, k, v), grad)
+
+    try:
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            t_fwd, t_both = timed(fwd, device), timed(fwd_bwd, device)
+    except RuntimeError as error:  # this backend does not take these inputs on this GPU
+        print(f"attention, {name}: not run ({str(error).splitlines()[0][:120]})")
+        return []
+    forward = attention_flops(batch, seq, heads, head_dim)
+    what = f"{name}, b{batch} h{heads} s{seq} d{head_dim} causal"
+    return [row("attention", f"{what}, forward", t_fwd, {"flops": forward, "pass": "forward", "seq": seq},
+                tflops=forward / t_fwd / 1e12),
+            row("attention", f"{what}, backward", t_both - t_fwd,
+                {"flops": 2 * forward, "pass": "backward", "seq": seq}, tflops=2 * forward / (t_both - t_fwd) / 1e12)]
+
+
+def memory_rows(dtype, device, elements: int = MEMORY_ELEMENTS) -> list[dict]:
+    """Memory-bound kernels at the bytes they read and write, against HBM x memory_efficiency."""
+    x, y = torch.randn(elements, device=device, dtype=dtype), torch.randn(elements, device=device, dtype=dtype)
+    out = torch.empty_like(x)
+    size = x.element_size() * elements
+    kernels = {
+        "copy (read 1, write 1)": (lambda: out.copy_(x), 2),
+        "add (read 2, write 1)": (lambda: torch.add(x, y, out=out), 3),
+        "silu (read 1, write 1)": (lambda: F.silu(x), 2),
+        "multiply (read 2, write 1)": (lambda: torch.mul(x, y, out=out), 3),
+    }
+    rows = []
+    for what, (fn, passes) in kernels.items():
+        seconds = timed(fn, device)
+        rows.append(row("memory", what, seconds, {"bytes": passes * size}, GBps=passes * size / seconds / 1e9))
+    return rows
+
+
+def launch_rows(device, kernels: int = 2000) -> list[dict]:
+    """Tiny kernels back to back: GPU time per kernel, and the host's time to issue one."""
+    x = torch.zeros(1, device=device)
+    gpu = timed(lambda: [x.add_(1) for _ in range(kernels)], device) / kernels
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(kernels):
+        x.add_(1)
+    host = (time.perf_counter() - start) / kernels
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return [row("launch", "tiny kernel, GPU time each (back to back)", gpu, {"kernels": 1}),
+            row("launch", "tiny kernel, host time to issue one (eager)", host, {"kernels": 1})]
+
+
+# What `parsim calibrate --ranks 1` times (parsim.calibrate_gpu): square-ish matmuls, where cuBLAS reaches its
+# best rate (the MAMF rule takes the best shape); causal attention at the lengths FlashAttention-3's figures
+# give, 16k tokens each, at the models' head dim 128; memory-bound kernels on 1 GiB.
+CALIBRATION_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192))
+CALIBRATION_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+CALIBRATION_TOKENS, CALIBRATION_HEADS, CALIBRATION_HEAD_DIM = 16384, 32, 128
+
+
+def calibration_rows(device, dtype) -> list[dict]:
+    """The kernels one GPU's compute figures are fitted on."""
+    rows = [matmul_row(m, n, k, "dgrad", f"{m} x {n} x {k}", dtype, device) for m, n, k in CALIBRATION_SHAPES]
+    for length in CALIBRATION_LENGTHS:
+        rows += attention_at("default", None, CALIBRATION_TOKENS // length, length, CALIBRATION_HEADS,
+                             CALIBRATION_HEAD_DIM, dtype, device)
+    return rows + memory_rows(dtype, device)

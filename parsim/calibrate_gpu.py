@@ -1,0 +1,85 @@
+"""Fit one GPU's kernel figures (:mod:`parsim.compute`) to measurements of it.
+
+``parsim calibrate --ranks 1`` times kernels on the GPU at hand
+(:mod:`executor.gpu_bench`) and rewrites the ``compute:`` figures of the
+built-in cluster with that GPU; everything else (peaks, links, NCCL) stays the
+spec sheet's, since one GPU measures no collective. Each figure follows the
+rule its built-in value was sourced by:
+
+* ``matmul_efficiency``: the best rate over the matmuls timed, divided by the
+  peak and by the shape's tile and wave fill, as the maximum achievable matmul
+  FLOPS (MAMF) takes the best shape of a sweep;
+* ``memory_efficiency``: the median rate of plain memory-bound kernels (copy,
+  add, multiply, SiLU) over the spec sheet's HBM bandwidth, as a STREAM figure;
+* ``attention_efficiency``: causal attention's rate by sequence length, forward
+  and backward, over the FLOPs the model counts, as FlashAttention-3's figures.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from .cluster import ClusterSpec
+from .compute import ComputeModel
+from .errors import ParsimError
+from .plan import DTYPE_BYTES
+
+
+@dataclass(frozen=True)
+class GpuFit:
+    matmul_efficiency: float
+    memory_efficiency: float
+    attention: dict[str, dict[int, float]]  # "forward" / "backward" -> {sequence length: fraction of peak}
+
+
+def fit_gpu(rows: list[dict], spec: ClusterSpec, dtype: str = "bf16") -> GpuFit:
+    """The compute figures of ``spec``'s GPU that reproduce ``rows`` (:mod:`executor.gpu_bench`'s)."""
+    model = ComputeModel.for_cluster(spec, dtype, DTYPE_BYTES[dtype])
+    peak = model.matmul_peak_flops or model.peak_flops
+    matmuls = [r for r in rows if r["kind"] == "matmul"]
+    memory = [r for r in rows if r["kind"] == "memory"]
+    if not matmuls or not memory:
+        raise ParsimError("a GPU calibration needs matmul and memory-bound measurements")
+    best = max(2 * m * n * k / r["measured_s"] / (peak * model.waves(m, n))
+               for r in matmuls for m, n, k in [r["work"]["mnk"]])
+    streamed = statistics.median(r["work"]["bytes"] / r["measured_s"] for r in memory)
+    attention: dict[str, dict[int, list[float]]] = {"forward": {}, "backward": {}}
+    for r in rows:
+        if r["kind"] == "attention":
+            work = r["work"]
+            attention[work["pass"]].setdefault(work["seq"], []).append(work["flops"] / r["measured_s"] / peak)
+    return GpuFit(_fraction(best), _fraction(streamed / spec.gpu.hbm_bw_Bps),
+                  {p: {seq: _fraction(statistics.median(v)) for seq, v in sorted(by_seq.items())}
+                   for p, by_seq in attention.items()})
+
+
+def gpu_cluster(base: dict[str, Any], fit: GpuFit, name: str, description: str, dtype: str = "bf16") -> dict:
+    """``base`` (a cluster file's mapping) with its GPU's compute figures replaced by ``fit``'s."""
+    data = copy.deepcopy(base)
+    data["name"], data["description"] = name, description
+    compute = data.setdefault("compute", {})
+    matmul = compute.get("matmul_efficiency", 1.0)
+    others = matmul if isinstance(matmul, dict) else {d: matmul for d in data["gpu"]["peak_tflops"]}
+    compute["matmul_efficiency"] = {**others, dtype: round(fit.matmul_efficiency, 4)}
+    compute["memory_efficiency"] = round(fit.memory_efficiency, 4)
+    measured = {p: {seq: round(f, 4) for seq, f in by_seq.items()} for p, by_seq in fit.attention.items() if by_seq}
+    if measured:
+        compute["attention_efficiency"] = {**compute.get("attention_efficiency", {}), **measured}
+    return data
+
+
+def gpu_payload(out: str, device: str, base_cluster: str, fit: GpuFit, rows: list[dict]) -> dict:
+    """What ``parsim calibrate --ranks 1 --json`` prints (``parsim.calibrate.gpu/1``)."""
+    return {"out": out, "device": device, "base_cluster": base_cluster,
+            "matmul_efficiency": fit.matmul_efficiency, "memory_efficiency": fit.memory_efficiency,
+            "attention_efficiency": {p: {str(seq): f for seq, f in by_seq.items()}
+                                     for p, by_seq in fit.attention.items()},
+            "rows": [{k: r[k] for k in ("kind", "what", "measured_s", "work")} for r in rows]}
+
+
+def _fraction(value: float) -> float:
+    """A measured fraction of a spec-sheet figure, at most the figure itself (as cluster files require)."""
+    return min(float(value), 1.0)

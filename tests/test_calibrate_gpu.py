@@ -1,0 +1,87 @@
+"""`parsim calibrate --ranks 1`: one GPU's compute figures recovered from the model's own kernel times."""
+
+from __future__ import annotations
+
+import pytest
+
+from parsim.calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload
+from parsim.cli.main import main
+from parsim.cluster import builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
+from parsim.compute import ComputeModel
+from parsim.errors import ParsimError
+from parsim.files import read_yaml
+from parsim.jsondoc import envelope, published_schema
+
+from json_schema import errors
+
+SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192))
+LENGTHS = (1024, 4096, 16384)
+
+
+def measured_by(model: ComputeModel, spec) -> list[dict]:
+    """Rows as executor.gpu_bench writes them, timed by ``model`` (a GPU whose figures we know)."""
+    rows = [{"kind": "matmul", "what": "mm", "measured_s": model.matmul_time(*mnk), "work": {"mnk": list(mnk)}}
+            for mnk in SHAPES]
+    forward, backward = model.attention_efficiency
+    for seq in LENGTHS:
+        flops = 1e12 * seq / 1024  # any FLOPs: the rate is what is fitted
+        slower = 1 + 1024 / seq  # shorter sequences run slower, as FlashAttention's do
+        rows += [{"kind": "attention", "what": "a", "measured_s": flops * slower / (forward * model.peak_flops),
+                  "work": {"flops": flops, "pass": "forward", "seq": seq}},
+                 {"kind": "attention", "what": "a", "measured_s": 2 * flops * slower / (backward * model.peak_flops),
+                  "work": {"flops": 2 * flops, "pass": "backward", "seq": seq}}]
+    rows += [{"kind": "memory", "what": "copy", "measured_s": b / model.memory_bw_Bps, "work": {"bytes": b}}
+             for b in (2 << 30, 3 << 30)]
+    return rows
+
+
+def test_a_gpu_calibration_recovers_the_figures_its_measurements_were_made_with():
+    spec = load_cluster("dgx-h100")
+    gpu = ComputeModel(peak_flops=989.5e12, hbm_bw_Bps=3350e9, dtype_bytes=2, efficiency=0.7, sm_count=132,
+                       memory_efficiency=0.9, attention_efficiency=(0.6, 0.45))
+    fit = fit_gpu(measured_by(gpu, spec), spec)
+    assert fit.matmul_efficiency == pytest.approx(0.7)
+    assert fit.memory_efficiency == pytest.approx(0.9)
+    for seq in LENGTHS:
+        assert fit.attention["forward"][seq] == pytest.approx(0.6 / (1 + 1024 / seq))
+        assert fit.attention["backward"][seq] == pytest.approx(0.45 / (1 + 1024 / seq))
+
+
+def test_the_calibrated_file_keeps_the_base_clusters_links_and_replaces_its_compute():
+    spec = load_cluster("dgx-h100")
+    gpu = ComputeModel(peak_flops=989.5e12, hbm_bw_Bps=3350e9, dtype_bytes=2, efficiency=0.7, sm_count=132,
+                       memory_efficiency=0.9, attention_efficiency=(0.6, 0.45))
+    rows = measured_by(gpu, spec)
+    fit = fit_gpu(rows, spec)
+    data = gpu_cluster(read_yaml(builtin_clusters()["dgx-h100"]), fit, "my-gpu", "one H100")
+    mine = parse_cluster(data, "my-gpu.yaml")
+    assert mine.name == "my-gpu" and mine.matmul_efficiency_for("bf16") == pytest.approx(0.7, abs=1e-4)
+    assert mine.matmul_efficiency_for("fp8") == spec.matmul_efficiency_for("fp8")  # not measured: kept
+    assert mine.memory_efficiency == pytest.approx(0.9, abs=1e-4)
+    assert [seq for seq, _ in mine.attention_efficiency[0]] == list(LENGTHS)
+    assert (mine.intra, mine.scale_out, mine.nccl, mine.gpu) == (spec.intra, spec.scale_out, spec.nccl, spec.gpu)
+    doc = envelope("calibrate.gpu", gpu_payload("my-gpu.yaml", "NVIDIA H100 80GB HBM3", "dgx-h100", fit, rows))
+    assert errors(doc, published_schema("calibrate.gpu")) == []
+
+
+@pytest.mark.parametrize("device, cluster", [("NVIDIA H100 80GB HBM3", "dgx-h100"), ("NVIDIA H200", "dgx-h200"),
+                                             ("NVIDIA A100-SXM4-80GB", "dgx-a100"), ("NVIDIA H800", "hgx-h800")])
+def test_a_gpu_is_matched_to_the_built_in_cluster_with_it(device, cluster):
+    assert builtin_for_gpu(device) == cluster
+
+
+def test_a_gpu_without_a_built_in_cluster_is_refused():
+    with pytest.raises(ParsimError, match="no built-in cluster has a 'Tesla T4'"):
+        builtin_for_gpu("Tesla T4")
+
+
+def test_one_rank_without_a_gpu_is_refused_in_one_line(tmp_path, capsys):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    assert main(["calibrate", "--ranks", "1", "--out", str(tmp_path / "gpu.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no CUDA GPU" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "gpu.yaml").exists()
