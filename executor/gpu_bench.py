@@ -6,7 +6,7 @@ work the model prices for it (``work``: a matmul's ``mnk``, attention FLOPs as
 the model counts them with their pass and sequence length, memory-bound
 bytes, or kernels launched). ``benchmarks/gpu_kernels.py`` sets them beside a
 cluster file's predictions; ``parsim calibrate --ranks 1`` fits a GPU's
-figures on them (:func:`parsim.calibrate.fit_gpu`).
+figures on them (:func:`parsim.calibrate_gpu.fit_gpu`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def timed(fn, device: torch.device, min_s: float = 0.05, max_iters: int = 200) -
 
 
 def row(kind: str, what: str, measured: float, work: dict, **extra) -> dict:
-    """One measured kernel and the work the model prices for it (:func:`predict`)."""
+    """One measured kernel and the work the kernel model prices for it."""
     return {"kind": kind, "what": what, "measured_s": measured, "work": work, **extra}
 
 

@@ -30,6 +30,8 @@ from .plan import DTYPE_BYTES
 
 @dataclass(frozen=True)
 class GpuFit:
+    """One GPU's fitted compute figures, as the cluster file's ``compute:`` keys take them."""
+
     matmul_efficiency: float
     memory_efficiency: float
     attention: dict[str, dict[int, float]]  # "forward" / "backward" -> {sequence length: fraction of peak}

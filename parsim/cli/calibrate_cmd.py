@@ -16,8 +16,8 @@ from ..calibrate import (fit_dispatch, fit_elementwise, fit_links, fit_matmul, f
 from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload
 from ..cluster import builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from ..compute import attention_efficiency_at
-from ..files import read_yaml
 from ..errors import ParsimError
+from ..files import read_yaml
 from ..host_load import ForeignLoad
 from ..jsondoc import print_json
 from ..lower import ADAMW_ACCESSES
@@ -60,7 +60,7 @@ at 1k-16k tokens and memory-bound kernels on that GPU, and writes the built-in
 cluster with that GPU (dgx-h100 for an H100, ...) with its compute figures
 replaced: matmul efficiency (the best shape, as MAMF), memory efficiency and
 attention efficiency by length. One GPU measures no collective, so links and
-NCCL stay the spec sheets'.
+NCCL stay the spec sheets' (--ops, --sweep and --backend do not apply).
 """
 
 FIT_OPS = "all-reduce,send-recv,all-gather,reduce-scatter,broadcast"
@@ -239,13 +239,12 @@ def _run_one_gpu(args: argparse.Namespace) -> int:
               f"({datetime.datetime.now():%Y-%m-%d %H:%M}): the compute figures\n# measured on one {device_name} "
               f"(torch {torch.__version__}); everything else is {base_name}'s, from its spec sheets.\n")
     Path(args.out).write_text(header + yaml.safe_dump(cluster, sort_keys=False))
-    before = spec.attention_efficiency
     if args.json:
         print_json("calibrate.gpu", gpu_payload(args.out, device_name, base_name, fit, rows))
         return 0
     table = [["matmul_efficiency.bf16", spec.matmul_efficiency_for("bf16"), fit.matmul_efficiency],
              ["memory_efficiency", spec.memory_efficiency, fit.memory_efficiency]]
-    for p, curve in zip(("forward", "backward"), before):
+    for p, curve in zip(("forward", "backward"), spec.attention_efficiency):
         table += [[f"attention_efficiency.{p} at {seq:,}", attention_efficiency_at(curve, seq), f]
                   for seq, f in fit.attention[p].items()]
     print(render_table(["figure", base_name, "measured"], [[n, f"{a:.3f}", f"{b:.3f}"] for n, a, b in table],
