@@ -214,10 +214,13 @@ def _run_rank(fn: RankFn, args: Sequence[Any], backend: str, timeout_s: float) -
     torch, dist = require_torch(), require_distributed()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)  # one core per rank, as one GPU per rank: ranks must not fight over cores
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    # Under NCCL each rank binds its GPU, and tells the process group which (device_id): barriers and the
+    # communicator then use it rather than guessing from the rank, which hangs when ranks and GPUs differ.
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if backend == "nccl" else None
+    if device is not None:
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=timeout_s), device_id=device)
     value = fn(rank, world, *args)
     dist.destroy_process_group()
     return value
