@@ -59,11 +59,10 @@ def predict(r: dict, spec: ClusterSpec, dtype: str) -> float:
     if r["kind"] == "matmul":
         return model.matmul_time(*work["mnk"])
     if r["kind"] == "attention":
-        forward, backward = model.attention_efficiency
-        return work["flops"] / ((forward if work["pass"] == "forward" else backward) * model.peak_flops)
+        return model.time(**{"attention_flops" if work["pass"] == "forward" else "attention_grad_flops": work["flops"]})
     if r["kind"] == "memory":
-        return work["bytes"] / model.memory_bw_Bps
-    return work["kernels"] * model.kernel_overhead_s
+        return model.time(hbm_bytes=work["bytes"])
+    return model.time(kernels=work["kernels"])
 
 
 def matmul_rows(plan, dtype, device) -> list[dict]:
@@ -104,10 +103,10 @@ def measure(plan, device, memory_elements: int) -> list[dict]:
     """Every kind of kernel above, on ``device``; attention only for a transformer plan."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.dtype]
     rows = []
-    lengths = ATTENTION_LENGTHS if device.type == "cuda" else (getattr(plan.model, "seq_len", 2) // 2,)
     parts = [lambda: matmul_rows(plan, dtype, device), lambda: memory_rows(dtype, device, memory_elements),
              lambda: launch_rows(device)]
     if isinstance(plan.model, TransformerModel):
+        lengths = ATTENTION_LENGTHS if device.type == "cuda" else (plan.model.seq_len // 2,)
         parts.insert(1, lambda: attention_rows(plan, dtype, device, lengths))
     for part in parts:
         rows += part()

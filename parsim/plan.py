@@ -94,6 +94,12 @@ def keeps_main_grads(dtype_bytes: int, shards_weights: bool) -> bool:
     return dtype_bytes < DTYPE_BYTES["fp32"] and not shards_weights
 
 
+def master_weights(dtype_bytes: int, grad_bytes: int, main_grads: bool) -> tuple[int, int] | None:
+    """(weight bytes, gradient bytes) where AdamW steps fp32 master copies of the weights and copies them back
+    (with main grads, :func:`keeps_main_grads`: Megatron-LM's mixed precision; FSDP2 keeps fp32 shards instead)."""
+    return (dtype_bytes, grad_bytes) if main_grads else None
+
+
 def attention_seq(model: Model, cp: int) -> int:
     """Query positions one attention kernel runs over: the whole sequence, or a context-parallel rank's
     1/cp of it (ring attention runs a kernel per K/V block; the all-gather form one over all keys, but
@@ -481,9 +487,8 @@ class Plan:
 
     @property
     def master_weights(self) -> tuple[int, int] | None:
-        """(weight bytes, gradient bytes) where AdamW steps fp32 master copies of the weights and copies them
-        back (with :attr:`main_grads`, Megatron-LM's mixed precision; FSDP2 keeps fp32 shards instead)."""
-        return (self.dtype_bytes, self.grad_bytes) if self.main_grads else None
+        """:func:`master_weights` for this plan."""
+        return master_weights(self.dtype_bytes, self.grad_bytes, self.main_grads)
 
     @property
     def accumulation_bytes(self) -> float:

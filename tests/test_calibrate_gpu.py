@@ -10,6 +10,7 @@ from parsim.cluster import builtin_clusters, builtin_for_gpu, load_cluster, pars
 from parsim.compute import ComputeModel
 from parsim.errors import ParsimError
 from parsim.files import read_yaml
+from parsim.model import load_model
 from parsim.jsondoc import envelope, published_schema
 
 from json_schema import errors
@@ -85,3 +86,43 @@ def test_one_rank_without_a_gpu_is_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "no CUDA GPU" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "gpu.yaml").exists()
+
+
+def test_one_rank_on_a_gpu_prints_each_figure_beside_the_base_clusters_and_writes_a_loadable_file(
+        tmp_path, capsys, monkeypatch):
+    """The command's own path, the GPU's timings standing in (the kernel model of a known GPU)."""
+    torch = pytest.importorskip("torch")
+    import executor.gpu_bench as gpu_bench
+
+    spec = load_cluster("dgx-h100")
+    gpu = ComputeModel(peak_flops=989.5e12, hbm_bw_Bps=3350e9, dtype_bytes=2, efficiency=0.7, sm_count=132,
+                       memory_efficiency=0.9, attention_efficiency=(0.6, 0.45))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(gpu_bench, "calibration_rows", lambda device, dtype: measured_by(gpu, spec))
+    out = tmp_path / "my-gpu.yaml"
+    assert main(["calibrate", "--ranks", "1", "--name", "my-gpu", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for line in ("matmul_efficiency.bf16                   0.803     0.700",
+                 "memory_efficiency                        0.852     0.900",
+                 "attention_efficiency.forward at 4,096    0.603     0.480",  # 0.6 / (1 + 1024/4096)
+                 "attention_efficiency.backward at 16,384  0.543     0.424"):  # 0.45 / (1 + 1024/16384)
+        assert line in printed
+    mine = load_cluster(str(out))
+    assert mine.name == "my-gpu" and mine.memory_efficiency == pytest.approx(0.9, abs=1e-4)
+
+
+def test_the_benchmarks_attention_flops_are_the_kernel_models():
+    """executor.gpu_bench counts causal attention's FLOPs as parsim.kernels.block_work does."""
+    pytest.importorskip("torch")
+    from executor.gpu_bench import attention_flops
+    from parsim.kernels import block_work
+    from parsim.plan import Plan
+
+    plan = Plan(model=load_model("llama3-8b"), dp=8, dtype="bf16")
+    layer = next(c for c in plan.stage_costs(0) if c.name == "layer.0")
+    block = next(b for b in layer.blocks if b.attention_flops_per_token)
+    m = plan.model
+    forward = attention_flops(plan.microbatch_size, m.seq_len, m.num_heads, m.head_dim)
+    assert block_work(plan, block, "F", plan.tokens_per_rank).attention_flops == pytest.approx(forward)
+    assert block_work(plan, block, "B", plan.tokens_per_rank).attention_grad_flops == pytest.approx(2 * forward)

@@ -173,3 +173,14 @@ def test_explain_memory_says_what_to_change_when_a_plan_does_not_fit(capsys):
     assert "try activation recompute" in capsys.readouterr().out
     assert main(["explain", "memory", "llama3-70b-1024", "--pp-rank", "9"]) == 2
     assert "--pp-rank 9 is outside 0..7" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, line", [
+    ([], "attention   forward 0.618, backward 0.535 of 989.5 TFLOP/s (kernels over 8,192 tokens)"),
+    (["--cp", "2", "--dp", "4"],
+     "attention   forward 0.603, backward 0.513 of 989.5 TFLOP/s (kernels over 4,096 tokens)"),
+])
+def test_explain_compute_prints_attentions_rate_at_the_kernels_length(capsys, argv, line):
+    """FlashAttention-3's figures by length (dgx-h100): a context-parallel rank's kernels run over 1/cp of it."""
+    assert main(["explain", "compute", "llama3-8b-fsdp8", *argv]) == 0
+    assert line in capsys.readouterr().out

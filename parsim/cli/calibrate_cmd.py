@@ -83,6 +83,8 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_outputs(args, files=("--out",))
+    if not args.name.strip():
+        raise ParsimError("--name: the cluster file needs a name")
     if args.ranks.strip() == "1":
         return _run_one_gpu(args)
     from executor.collectives import (check_host_memory, default_timeout_s, measure_collectives, measure_in_step,
@@ -98,8 +100,6 @@ def run(args: argparse.Namespace) -> int:
         raise ParsimError("--ranks: collectives need at least 2 ranks (--ranks 1 alone calibrates one GPU's compute)")
     ops = [canonical_op(o) for o in args.ops.split(",")]
     sizes = parse_size_range(args.sweep)
-    if not args.name.strip():
-        raise ParsimError("--name: the cluster file needs a name")
     check_request(max(rank_counts), args.timeout if args.timeout is not None else default_timeout_s(sizes))
     check_host_memory(sizes[-1], max(rank_counts))
     backend = resolve_backend(args.backend, max(rank_counts))
@@ -223,8 +223,6 @@ def _run_one_gpu(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ParsimError("--ranks 1 calibrates one GPU's compute, and this host has no CUDA GPU; "
                           "a CPU host measures with 2 ranks or more")
-    if not args.name.strip():
-        raise ParsimError("--name: the cluster file needs a name")
     device_name = torch.cuda.get_device_name()
     base_name = builtin_for_gpu(device_name)
     spec = load_cluster(base_name)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -43,7 +43,7 @@ from ..lower import (CommPiece, Lowering, adamw_costs, bucket_members, fsdp_byte
                      tied_table_bytes)
 from ..model import MLPModel
 from ..plan import (DTYPE_BYTES, Plan, accumulation_bytes, attention_seq, default_reduce_dtype, keeps_main_grads,
-                    ties_across_stages)
+                    master_weights, ties_across_stages)
 from ..schedules import make_schedule, peak_in_flight
 from ..step_report import PHASES
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
@@ -107,7 +107,10 @@ class FastModel:
         self.space, self.cluster = space, cluster
         self.dtype_bytes = d = DTYPE_BYTES[space.dtype]
         self.grad_bytes = DTYPE_BYTES[space.reduce_dtype or default_reduce_dtype(space.dtype)]
-        self.compute = ComputeModel.for_cluster(cluster, space.dtype, d, min(space.gpus, cluster.gpus_per_node))
+        # The kernel model, for attention kernels over a given sequence length (0: the longest the cluster gives)
+        self._compute_for = partial(ComputeModel.for_cluster, cluster, space.dtype, d,
+                                    min(space.gpus, cluster.gpus_per_node))
+        self.compute = self._compute_for()
         self.comm = CommCosts(cluster, space.gpus, self.compute)
         self._passes: dict[int, PassCosts] = {}  # by cp degree, which sets the attention kernels' length
         self.capacity = capacity or cluster.gpu.hbm_capacity_bytes
@@ -191,10 +194,7 @@ class FastModel:
         length."""
         passes = self._passes.get(cp)
         if passes is None:
-            cluster = self.cluster
-            compute = ComputeModel.for_cluster(cluster, self.space.dtype, self.dtype_bytes,
-                                               min(self.space.gpus, cluster.gpus_per_node),
-                                               attention_seq(self.space.model, cp))
+            compute = self._compute_for(attention_seq=attention_seq(self.space.model, cp))
             passes = self._passes[cp] = PassCosts(compute, self.comm)
         return passes
 
@@ -417,12 +417,9 @@ class FastModel:
         """:attr:`Plan.main_grads <parsim.plan.Plan.main_grads>` of ``v``: low-precision weights, not FSDP."""
         return keeps_main_grads(self.dtype_bytes, self._shards_weights(s, v))
 
-    def _accumulation(self, s: Setting, main_grads: bool) -> float:
-        """Bytes per weight a microbatch's gradients stream into their sum (:func:`accumulation_bytes`)."""
-        return accumulation_bytes(self.dtype_bytes, self.grad_bytes, main_grads, s.num_microbatches)
-
     def _accumulation_of(self, s: Setting, v: Variant) -> float:
-        return self._accumulation(s, self._main_grads(s, v))
+        """Bytes per weight a microbatch's gradients stream into their sum (:func:`accumulation_bytes`)."""
+        return accumulation_bytes(self.dtype_bytes, self.grad_bytes, self._main_grads(s, v), s.num_microbatches)
 
     @staticmethod
     def _shards_weights(s: Setting, v: Variant) -> bool:
@@ -716,7 +713,7 @@ class FastModel:
         experts = ranks.experts[p]
         params = (ranks.params[p] - experts) / shard + experts / expert_shard
         tensors = int(ranks.tensors[p])
-        mixed = (self.dtype_bytes, self.grad_bytes) if self._main_grads(s, v) else None
+        mixed = master_weights(self.dtype_bytes, self.grad_bytes, self._main_grads(s, v))
         return self.compute.time((), **adamw_costs(self.space.adamw, params, tensors, mixed))
 
 
