@@ -86,11 +86,21 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def median_time(fn: Callable[[], Any], repeats: int = REPEATS, batch_s: float = BATCH_S) -> float:
-    """Median seconds of one ``fn()`` over ``repeats`` batches of at least ``batch_s`` each, every rank in step."""
+def synchronizer(device: Any = "cpu") -> Callable[[], None]:
+    """What waits for ``device``'s queued work: a CUDA device runs kernels after the host returns."""
+    torch = require_torch()
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
+def median_time(fn: Callable[[], Any], repeats: int = REPEATS, batch_s: float = BATCH_S,
+                sync: Callable[[], None] = lambda: None) -> float:
+    """Median seconds of one ``fn()`` over ``repeats`` batches of at least ``batch_s`` each, every rank in step;
+    ``sync`` waits for a GPU's queue at the end of each batch."""
     fn()  # warm-up: allocations, first-call paths
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     once = time.perf_counter() - start
     batch = _agree(max(1, math.ceil(batch_s / max(once, 1e-7))))
     _barrier()
@@ -99,6 +109,7 @@ def median_time(fn: Callable[[], Any], repeats: int = REPEATS, batch_s: float = 
         start = time.perf_counter()
         for _ in range(batch):
             fn()
+        sync()
         times.append((time.perf_counter() - start) / batch)
     return statistics.median(times)
 
@@ -197,9 +208,10 @@ def count_ops(fn: Callable[[], Any]) -> tuple[Any, int]:
 
 
 def after_dirty_caches(fn: Callable[[], Any], repeats: int = REPEATS,
-                       footprint_bytes: int = COLD_FOOTPRINT_BYTES) -> float:
+                       footprint_bytes: int = COLD_FOOTPRINT_BYTES, sync: Callable[[], None] = lambda: None) -> float:
     """Median seconds of ``fn()``, each call run right after writing ``footprint_bytes / 2`` of other
-    memory (untimed): as a training step's work finds the caches, full of other data and code."""
+    host memory (untimed): as a training step's work finds the caches, full of other data and code.
+    ``sync`` waits for a GPU's queue before and after each call."""
     torch = require_torch()
     dirty = torch.zeros(footprint_bytes // 8)
     fn()
@@ -207,24 +219,29 @@ def after_dirty_caches(fn: Callable[[], Any], repeats: int = REPEATS,
     times = []
     for _ in range(repeats):
         dirty.add_(1.0)
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def measure_dispatch() -> list[dict]:
+def measure_dispatch(device: Any = "cpu") -> list[dict]:
     """Per generic block stack: forward and backward seconds (medians, each run behind dirty caches as a
-    step's actions are), the ATen ops of each, and its matmuls."""
+    step's actions are), the ATen ops of each, and its matmuls. On a GPU the blocks are so small that the
+    kernels wait on the host: the times are the host's (Python, dispatch, autograd and launches)."""
     torch = require_torch()
+    sync = synchronizer(device)
     rows = []
     for name, (stack, matmuls) in _generic_blocks().items():
-        x = torch.randn(2, TOKENS, WIDTH, requires_grad=True)
-        grad = torch.randn(2, TOKENS, WIDTH)
+        stack = stack.to(device)
+        x = torch.randn(2, TOKENS, WIDTH, device=device, requires_grad=True)
+        grad = torch.randn(2, TOKENS, WIDTH, device=device)
         out, forward_ops = count_ops(lambda: stack(x))
         _, backward_ops = count_ops(lambda: torch.autograd.backward(out, grad))
-        forward_s = after_dirty_caches(lambda: stack(x))
-        both_s = after_dirty_caches(lambda: torch.autograd.backward(stack(x), grad))
+        forward_s = after_dirty_caches(lambda: stack(x), sync=sync)
+        both_s = after_dirty_caches(lambda: torch.autograd.backward(stack(x), grad), sync=sync)
         rows.append({"name": name, "forward_s": forward_s, "backward_s": max(both_s - forward_s, 0.0),
                      "forward_ops": forward_ops, "backward_ops": backward_ops - 1,  # less x's own accumulation
                      "matmuls": matmuls})
@@ -257,17 +274,18 @@ def measure_elementwise(shape: tuple[int, int] = ELEMENTWISE_SHAPE) -> dict:
 
 
 # ----------------------------------------------------------------------------- optimizer
-def measure_optimizer(runs: Sequence[tuple[int, int]] = OPTIMIZER_RUNS) -> list[tuple[int, int, float]]:
+def measure_optimizer(runs: Sequence[tuple[int, int]] = OPTIMIZER_RUNS, device: Any = "cpu"
+                      ) -> list[tuple[int, int, float]]:
     """Median seconds of one ``torch.optim.AdamW`` step (torch's defaults, as the executor builds it) on
     ``tensors`` parameters of ``numel`` fp32 elements each: (tensors, numel, seconds) per run."""
     torch = require_torch()
     rows = []
     for tensors, numel in runs:
-        params = [torch.nn.Parameter(torch.full((numel,), 0.01)) for _ in range(tensors)]
+        params = [torch.nn.Parameter(torch.full((numel,), 0.01, device=device)) for _ in range(tensors)]
         for p in params:
-            p.grad = torch.full((numel,), 1e-3)
+            p.grad = torch.full((numel,), 1e-3, device=device)
         optimizer = torch.optim.AdamW(params, lr=1e-3)
-        rows.append((tensors, numel, median_time(optimizer.step, repeats=9)))
+        rows.append((tensors, numel, median_time(optimizer.step, repeats=9, sync=synchronizer(device))))
         del optimizer, params
     return rows
 

@@ -17,6 +17,7 @@ import time
 from parsim.model import AttentionCore, flash_softmax_factor
 
 from ._torch import require_torch
+from .compute_bench import measure_dispatch, measure_optimizer
 
 torch = require_torch()
 F = torch.nn.functional
@@ -141,9 +142,24 @@ def launch_rows(device, kernels: int = 2000) -> list[dict]:
             row("launch", "tiny kernel, host time to issue one (eager)", host, {"kernels": 1})]
 
 
+OPTIMIZER_TENSORS = 64  # small parameter tensors per timed AdamW step: a few layers' worth
+
+
+def host_rows(device) -> list[dict]:
+    """Eager PyTorch's host time per op on blocks too small to keep a GPU busy (its kernels wait on the
+    host): generic blocks' forward and backward, with the ATen ops each dispatches
+    (:func:`executor.compute_bench.measure_dispatch`), and torch's default AdamW step on small tensors."""
+    rows = []
+    for r in measure_dispatch(device):
+        for p in ("forward", "backward"):
+            rows.append(row("host", f"{r['name']}, {p}", r[f"{p}_s"], {"pass": p, "ops": r[f"{p}_ops"]}))
+    [(tensors, numel, seconds)] = measure_optimizer(((OPTIMIZER_TENSORS, 256),), device)
+    return rows + [row("host", f"AdamW step, {tensors} tensors of {numel}", seconds, {"optimizer_tensors": tensors})]
+
+
 # What `parsim calibrate --ranks 1` times (parsim.calibrate_gpu): square-ish matmuls, where cuBLAS reaches its
 # best rate (the MAMF rule takes the best shape); causal attention at the lengths FlashAttention-3's figures
-# give, 16k tokens each, at the models' head dim 128; memory-bound kernels on 1 GiB.
+# give, 16k tokens each, at the models' head dim 128; memory-bound kernels on 1 GiB; the host's time per eager op.
 CALIBRATION_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192))
 CALIBRATION_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 CALIBRATION_TOKENS, CALIBRATION_HEADS, CALIBRATION_HEAD_DIM = 16384, 32, 128
@@ -155,4 +171,4 @@ def calibration_rows(device, dtype) -> list[dict]:
     for length in CALIBRATION_LENGTHS:
         rows += attention_at("default", None, CALIBRATION_TOKENS // length, length, CALIBRATION_HEADS,
                              CALIBRATION_HEAD_DIM, dtype, device)
-    return rows + memory_rows(dtype, device)
+    return rows + memory_rows(dtype, device) + host_rows(device)

@@ -12,7 +12,13 @@ rule its built-in value was sourced by:
 * ``memory_efficiency``: the median rate of plain memory-bound kernels (copy,
   add, multiply, SiLU) over the spec sheet's HBM bandwidth, as a STREAM figure;
 * ``attention_efficiency``: causal attention's rate by sequence length, forward
-  and backward, over the FLOPs the model counts, as FlashAttention-3's figures.
+  and backward, over the FLOPs the model counts, as FlashAttention-3's figures;
+* ``op_forward_us``, ``op_backward_us``: the host's time per eager op, forward
+  and backward, pooled over generic blocks too small to keep the GPU busy (as
+  ``parsim calibrate`` fits a CPU host's); ``optimizer_tensor_us``: torch's
+  default AdamW step on small tensors, per tensor. A GPU runs its kernels while
+  the host issues the next, so these bind only small models
+  (:class:`parsim.compute.ComputeModel`, ``host_overlaps_device``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ class GpuFit:
     matmul_efficiency: float
     memory_efficiency: float
     attention: dict[str, dict[int, float]]  # "forward" / "backward" -> {sequence length: fraction of peak}
+    op_forward_s: float = 0.0  # host time per eager op (0: not measured)
+    op_backward_s: float = 0.0
+    optimizer_tensor_s: float = 0.0
 
 
 def fit_gpu(rows: list[dict], spec: ClusterSpec, dtype: str = "bf16") -> GpuFit:
@@ -55,7 +64,16 @@ def fit_gpu(rows: list[dict], spec: ClusterSpec, dtype: str = "bf16") -> GpuFit:
             attention[work["pass"]].setdefault(work["seq"], []).append(work["flops"] / r["measured_s"] / peak)
     return GpuFit(_fraction(best), _fraction(streamed / spec.gpu.hbm_bw_Bps),
                   {p: {seq: _fraction(statistics.median(v)) for seq, v in sorted(by_seq.items())}
-                   for p, by_seq in attention.items()})
+                   for p, by_seq in attention.items()},
+                  *(_per_unit([r for r in rows if r["kind"] == "host" and r["work"].get("pass") == p], "ops")
+                    for p in ("forward", "backward")),
+                  _per_unit([r for r in rows if r["kind"] == "host"], "optimizer_tensors"))
+
+
+def _per_unit(rows: list[dict], unit: str) -> float:
+    """Pooled seconds over pooled ``unit`` (ops, tensors) of the rows that count it; 0 without any."""
+    counted = [r for r in rows if r["work"].get(unit)]
+    return sum(r["measured_s"] for r in counted) / sum(r["work"][unit] for r in counted) if counted else 0.0
 
 
 def gpu_cluster(base: dict[str, Any], fit: GpuFit, name: str, description: str, dtype: str = "bf16") -> dict:
@@ -70,6 +88,10 @@ def gpu_cluster(base: dict[str, Any], fit: GpuFit, name: str, description: str, 
     measured = {p: {seq: round(f, 4) for seq, f in by_seq.items()} for p, by_seq in fit.attention.items() if by_seq}
     if measured:
         compute["attention_efficiency"] = {**compute.get("attention_efficiency", {}), **measured}
+    for key, seconds in (("op_forward_us", fit.op_forward_s), ("op_backward_us", fit.op_backward_s),
+                         ("optimizer_tensor_us", fit.optimizer_tensor_s)):
+        if seconds:
+            compute[key] = round(seconds * 1e6, 3)
     return data
 
 
@@ -79,6 +101,8 @@ def gpu_payload(out: str, device: str, base_cluster: str, fit: GpuFit, rows: lis
             "matmul_efficiency": fit.matmul_efficiency, "memory_efficiency": fit.memory_efficiency,
             "attention_efficiency": {p: {str(seq): f for seq, f in by_seq.items()}
                                      for p, by_seq in fit.attention.items()},
+            "host_us": {"op_forward": fit.op_forward_s * 1e6, "op_backward": fit.op_backward_s * 1e6,
+                        "optimizer_tensor": fit.optimizer_tensor_s * 1e6},
             "rows": [{k: r[k] for k in ("kind", "what", "measured_s", "work")} for r in rows]}
 
 

@@ -161,8 +161,9 @@ class ClusterSpec:
     @property
     def describes_cpu_host(self) -> bool:
         """Whether the file describes ranks on CPU cores (``parsim calibrate`` over gloo writes their eager
-        host costs), not GPUs."""
-        return self.cpu_cores is not None or self.op_forward_s > 0
+        host costs), not GPUs. A GPU's file may give eager host costs too (``calibrate --ranks 1`` writes
+        them), beside the GPU's ``sm_count``."""
+        return self.cpu_cores is not None or (self.op_forward_s > 0 and not self.gpu.sm_count)
 
     @property
     def overlaps_tp_comm(self) -> bool:

@@ -25,14 +25,20 @@ The defaults (every efficiency 1, no tiles, no overhead) are the pure
 roofline, an optimistic bound; built-in clusters give sourced figures and
 ``parsim calibrate`` measured ones.
 
-Host costs of eager PyTorch on CPUs (all 0 / None by default, so GPU
-predictions do not change; ``parsim calibrate`` measures them on a CPU host):
+Host costs of eager PyTorch (all 0 / None by default; ``parsim calibrate``
+measures them on a CPU host, ``parsim calibrate --ranks 1`` the first two on a
+GPU host):
 
 * ``op_forward_s`` / ``op_backward_s``: the fixed cost of one op dispatched in
   a forward (Python, the dispatcher, autograd's graph recording, allocation)
   and of one op autograd runs in a backward; the lowering counts the ops of
   the eager reference implementation per block (``forward_ops``,
-  ``backward_ops``, see :mod:`parsim.eager_ops`).
+  ``backward_ops``, see :mod:`parsim.eager_ops`). On a CPU rank the host *is*
+  the device, so these add to the block's compute. A GPU runs its stream
+  while the host issues the next kernels (``host_overlaps_device``): a block
+  takes the longer of the two, its kernels' time or the host's time to issue
+  them. Big models' kernels outlast the host (their steps do not change);
+  small models wait on the host ("launch-bound").
 * ``optimizer_tensor_s``: AdamW's fixed cost per parameter tensor (torch's
   per-tensor loop on CPU), on top of its bytes at the memory speed.
 * ``matmul_stream_bw_Bps``: a CPU core does not hide streaming a matmul's
@@ -103,6 +109,7 @@ class ComputeModel:
     p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to its receive (parsim.stepsim)
     elementwise_bw_Bps: float | None = None  # a block's memory-bound bytes (None: at memory_bw_Bps)
     time_share: float = 1.0  # > 1 when a host runs more ranks than it has cores: each gets 1/time_share of one
+    host_overlaps_device: bool = False  # a GPU: the host issues kernels while earlier ones run (see above)
 
     @classmethod
     def for_cluster(cls, spec: ClusterSpec, dtype: str, dtype_bytes: int,
@@ -130,7 +137,8 @@ class ComputeModel:
             op_backward_s=spec.op_backward_s, optimizer_tensor_s=spec.optimizer_tensor_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, p2p_rendezvous_s=spec.p2p_rendezvous_s,
             elementwise_bw_Bps=spec.elementwise_bw_Bps,
-            time_share=max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0)
+            time_share=max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0,
+            host_overlaps_device=not spec.describes_cpu_host)
 
     def waves(self, m: float, n: float, sms: int = 0) -> float:
         """Share of the tile work that is useful: tile quantization (edge tiles partly filled still
@@ -175,8 +183,9 @@ class ComputeModel:
              backward_ops: int = 0, optimizer_tensors: int = 0, stream_bytes: float = 0.0,
              sm_reserved: int = 0, high_precision: bool = False) -> float:
         """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
-        kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; on an
-        eager CPU host also each dispatched op's and each optimizer tensor's fixed cost, and the
+        kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; and
+        each dispatched op's and each optimizer tensor's fixed host cost: added on an eager CPU host,
+        the longer of host and kernels on a GPU (``host_overlaps_device``). On a CPU host, too, the
         memory-bound bytes but ``stream_bytes`` at the host's elementwise speed. ``sm_reserved``: SMs
         a communication kernel beside the matmuls holds; ``high_precision``: the matmuls run in bf16 in
         an fp8 plan (:meth:`matmul_rate`)."""
@@ -191,7 +200,9 @@ class ComputeModel:
             work = max(flops / self.peak_flops, hbm_bytes / self.memory_bw_Bps)
         host = (forward_ops * self.op_forward_s + backward_ops * self.op_backward_s
                 + optimizer_tensors * self.optimizer_tensor_s)
-        return (total + work + kernels * self.kernel_overhead_s + host) * self.time_share
+        device = total + work + kernels * self.kernel_overhead_s
+        both = max(device, host) if self.host_overlaps_device else device + host
+        return both * self.time_share
 
     @property
     def rendezvous_s(self) -> float:

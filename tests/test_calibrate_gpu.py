@@ -17,6 +17,7 @@ from json_schema import errors
 
 SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192))
 LENGTHS = (1024, 4096, 16384)
+HOST_US = {"forward": 9.0, "backward": 6.0, "optimizer_tensor": 2.5}  # the host a measured_by GPU has
 
 
 def measured_by(model: ComputeModel, spec) -> list[dict]:
@@ -33,7 +34,10 @@ def measured_by(model: ComputeModel, spec) -> list[dict]:
                   "work": {"flops": 2 * flops, "pass": "backward", "seq": seq}}]
     rows += [{"kind": "memory", "what": "copy", "measured_s": b / model.memory_bw_Bps, "work": {"bytes": b}}
              for b in (2 << 30, 3 << 30)]
-    return rows
+    rows += [{"kind": "host", "what": f"block, {p}", "measured_s": ops * HOST_US[p] * 1e-6,
+              "work": {"pass": p, "ops": ops}} for ops in (88, 312) for p in ("forward", "backward")]
+    return rows + [{"kind": "host", "what": "AdamW", "measured_s": 64 * HOST_US["optimizer_tensor"] * 1e-6,
+                    "work": {"optimizer_tensors": 64}}]
 
 
 def test_a_gpu_calibration_recovers_the_figures_its_measurements_were_made_with():
@@ -46,6 +50,8 @@ def test_a_gpu_calibration_recovers_the_figures_its_measurements_were_made_with(
     for seq in LENGTHS:
         assert fit.attention["forward"][seq] == pytest.approx(0.6 / (1 + 1024 / seq))
         assert fit.attention["backward"][seq] == pytest.approx(0.45 / (1 + 1024 / seq))
+    assert (fit.op_forward_s, fit.op_backward_s, fit.optimizer_tensor_s) == pytest.approx(
+        (9e-6, 6e-6, 2.5e-6))
 
 
 def test_the_calibrated_file_keeps_the_base_clusters_links_and_replaces_its_compute():
@@ -61,6 +67,9 @@ def test_the_calibrated_file_keeps_the_base_clusters_links_and_replaces_its_comp
     assert mine.memory_efficiency == pytest.approx(0.9, abs=1e-4)
     assert [seq for seq, _ in mine.attention_efficiency[0]] == list(LENGTHS)
     assert (mine.intra, mine.scale_out, mine.nccl, mine.gpu) == (spec.intra, spec.scale_out, spec.nccl, spec.gpu)
+    assert (mine.op_forward_s, mine.op_backward_s) == pytest.approx((9e-6, 6e-6))
+    assert not mine.describes_cpu_host  # a GPU whose host costs are known, not a CPU host
+    assert ComputeModel.for_cluster(mine, "bf16", 2).host_overlaps_device
     doc = envelope("calibrate.gpu", gpu_payload("my-gpu.yaml", "NVIDIA H100 80GB HBM3", "dgx-h100", fit, rows))
     assert errors(doc, published_schema("calibrate.gpu")) == []
 
@@ -106,7 +115,8 @@ def test_one_rank_on_a_gpu_prints_each_figure_beside_the_base_clusters_and_write
     for line in ("matmul_efficiency.bf16                   0.803     0.700",
                  "memory_efficiency                        0.852     0.900",
                  "attention_efficiency.forward at 4,096    0.603     0.480",  # 0.6 / (1 + 1024/4096)
-                 "attention_efficiency.backward at 16,384  0.543     0.424"):  # 0.45 / (1 + 1024/16384)
+                 "attention_efficiency.backward at 16,384  0.543     0.424",  # 0.45 / (1 + 1024/16384)
+                 "op_forward_us (host, µs)                 0.0       9.0"):
         assert line in printed
     mine = load_cluster(str(out))
     assert mine.name == "my-gpu" and mine.memory_efficiency == pytest.approx(0.9, abs=1e-4)

@@ -13,10 +13,11 @@ from ideal_cluster import IDEAL, ideal_spec
 from parsim.calibrate import (DispatchFit, fit_dispatch, fit_elementwise, fit_matmul, fit_optimizer,
                               fit_step_overhead, host_cluster)
 from parsim.cli.main import main
-from parsim.cluster import load_cluster, parse_cluster
+from parsim.cluster import builtin_clusters, load_cluster, parse_cluster
 from parsim.collectives import predict
 from parsim.compute import ComputeModel
 from parsim.errors import ConfigError
+from parsim.files import read_yaml
 from parsim.lower import ADAMW_ACCESSES, lower
 from parsim.model import load_model
 from parsim.plan import Plan, resolve_plan
@@ -139,6 +140,30 @@ def test_gpu_clusters_have_no_host_costs():
         model = ComputeModel.for_cluster(spec, "bf16", 2)
         assert model.time(forward_ops=100, backward_ops=100, optimizer_tensors=10) == 0.0
         assert spec.p2p_rendezvous_s == 0 and spec.collective_step_overhead_s == {}
+
+
+def test_a_gpu_runs_its_kernels_while_the_host_issues_the_next():
+    """On a GPU a block takes the longer of its kernels and the host's time to issue them; on a CPU rank,
+    where the host is the device, the sum."""
+    gpu = ComputeModel(peak_flops=989e12, hbm_bw_Bps=3.35e12, dtype_bytes=2, sm_count=132, op_forward_s=7e-6,
+                       op_backward_s=5e-6, host_overlaps_device=True)
+    big = gpu.matmul_time(8192, 8192, 8192)
+    assert gpu.time(matmuls=[(8192, 8192, 8192)], forward_ops=40) == pytest.approx(big)  # the kernels bind
+    assert gpu.time(matmuls=[(64, 64, 64)], forward_ops=40, backward_ops=10) == pytest.approx(40 * 7e-6 + 10 * 5e-6)
+    cpu = ComputeModel(peak_flops=70e9, hbm_bw_Bps=20e9, dtype_bytes=4, op_forward_s=7e-6)
+    assert cpu.time(matmuls=[(64, 64, 64)], forward_ops=40) == pytest.approx(cpu.matmul_time(64, 64, 64) + 40 * 7e-6)
+
+
+def test_host_costs_on_a_gpu_bind_a_small_model_and_leave_a_big_one():
+    with_host = read_yaml(builtin_clusters()["dgx-h100"])
+    with_host["compute"].update(op_forward_us=7.0, op_backward_us=5.0, optimizer_tensor_us=2.0)
+    spec, bare = parse_cluster(with_host, "h100-host.yaml"), load_cluster("dgx-h100")
+    tiny = resolve_plan("tiny-dp2", overrides={"parallel": {"dp": 1}})
+    ops = lower(tiny).ops
+    host_s = sum(op.forward_ops * 7e-6 + op.backward_ops * 5e-6 + op.optimizer_tensors * 2e-6 for op in ops)
+    assert predict_step(tiny, spec).step_s >= host_s > 5 * predict_step(tiny, bare).step_s
+    big = Plan(model=load_model("llama3-8b"), dp=8, dtype="bf16")
+    assert predict_step(big, spec).step_s == pytest.approx(predict_step(big, bare).step_s, rel=1e-9)
 
 
 def test_blocks_carry_eager_op_counts_into_the_program():

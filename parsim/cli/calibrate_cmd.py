@@ -58,9 +58,12 @@ examples:
 With --ranks 1 on a host with a CUDA GPU, it times matmuls, causal attention
 at 1k-16k tokens and memory-bound kernels on that GPU, and writes the built-in
 cluster with that GPU (dgx-h100 for an H100, ...) with its compute figures
-replaced: matmul efficiency (the best shape, as MAMF), memory efficiency and
-attention efficiency by length. One GPU measures no collective, so links and
-NCCL stay the spec sheets' (--ops, --sweep and --backend do not apply).
+replaced: matmul efficiency (the best shape, as MAMF), memory efficiency,
+attention efficiency by length, and the host's time per eager op and per AdamW
+tensor (generic blocks too small to keep the GPU busy). A GPU runs its kernels
+while the host issues the next, so the host's time binds only small models.
+One GPU measures no collective, so links and NCCL stay the spec sheets'
+(--ops, --sweep and --backend do not apply).
 """
 
 FIT_OPS = "all-reduce,send-recv,all-gather,reduce-scatter,broadcast"
@@ -245,7 +248,12 @@ def _run_one_gpu(args: argparse.Namespace) -> int:
     for p, curve in zip(("forward", "backward"), spec.attention_efficiency):
         table += [[f"attention_efficiency.{p} at {seq:,}", attention_efficiency_at(curve, seq), f]
                   for seq, f in fit.attention[p].items()]
-    print(render_table(["figure", base_name, "measured"], [[n, f"{a:.3f}", f"{b:.3f}"] for n, a, b in table],
+    rows = [[n, f"{a:.3f}", f"{b:.3f}"] for n, a, b in table]
+    rows += [[f"{key} (host, µs)", f"{base * 1e6:.1f}", f"{mine * 1e6:.1f}"] for key, base, mine in
+             (("op_forward_us", spec.op_forward_s, fit.op_forward_s),
+              ("op_backward_us", spec.op_backward_s, fit.op_backward_s),
+              ("optimizer_tensor_us", spec.optimizer_tensor_s, fit.optimizer_tensor_s))]
+    print(render_table(["figure", base_name, "measured"], rows,
                        title=f"{device_name}: compute figures (links and NCCL stay {base_name}'s)"))
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
