@@ -3,7 +3,7 @@
 #   1. the kernel model, kernel by kernel (benchmarks/gpu_kernels.py);
 #   2. one training step, measured by the executor on NCCL and predicted (parsim compare --nproc 1),
 #      for a compute-bound plan (benchmarks/gpu/one-gpu-step.yaml) and a launch-bound one (tiny-gpt);
-#   3. parsim calibrate --ranks 1 (this GPU's compute figures) and the compute-bound step again with them;
+#   3. parsim calibrate --ranks 1 (this GPU's compute and host figures) and both steps again with them;
 #   4. a torch.profiler trace of the compute-bound step, for `parsim compare --measured` anywhere.
 # Collectives need two GPUs: NCCL refuses two ranks on one.
 # Usage: bash benchmarks/gpu/check.sh [OUT_DIR]     (default gpu-check/; python3 with torch and CUDA)
@@ -37,6 +37,8 @@ echo "== calibrate this GPU, then the step with its figures"
 timeout 120 $py -m parsim calibrate --ranks 1 --name "this-gpu" --out "$out/this-gpu.yaml" 2>&1 | tee -a "$out/step.txt"
 timeout 180 $py -m parsim compare "$step" --cluster "$out/this-gpu.yaml" --nproc 1 --backend nccl --steps 5 \
   --timeout 170 2>&1 | tee -a "$out/step.txt"
+timeout 90 $py -m parsim compare tiny-dp2 --dp 1 --cluster "$out/this-gpu.yaml" --nproc 1 --backend nccl --steps 5 \
+  --timeout 80 2>&1 | tee -a "$out/tiny.txt"
 echo "== profile of $step"
 timeout 150 $py -m parsim run "$step" --nproc 1 --backend nccl --steps 2 --timeout 140 --profile "$out/profile" 2>&1 \
   | tail -4

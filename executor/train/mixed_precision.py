@@ -58,6 +58,14 @@ def reduced(tensor: Any, dtype: Any) -> Any:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
+def adamw(params: list, lr: float, fused: bool = False) -> Any:
+    """torch's AdamW as the plan names it: ``fused`` (one kernel for many tensors), else torch's default
+    implementation, the multi-tensor ``foreach`` one on GPUs. Passing ``fused=False`` would not do: torch
+    then takes the choice as the user's and runs its one-tensor-at-a-time loop (torch/optim/adam.py,
+    ``if fused is None and foreach is None``), ten eager ops per tensor."""
+    return torch.optim.AdamW(params, lr=lr, fused=True) if fused else torch.optim.AdamW(params, lr=lr)
+
+
 class MasterWeightsAdamW:
     """AdamW on fp32 master copies of low-precision parameters, which get the updated weights after each step.
 
@@ -68,7 +76,7 @@ class MasterWeightsAdamW:
     def __init__(self, params: list, lr: float, fused: bool = False):
         self.params = params
         self.masters = [p.detach().float() for p in params]
-        self.adamw = torch.optim.AdamW(self.masters, lr=lr, fused=fused)
+        self.adamw = adamw(self.masters, lr, fused)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:

@@ -29,7 +29,7 @@ from .._torch import require_distributed, require_torch
 from .comm import EPGroup, TPGroup
 from .context_parallel import CPGroup, apply_context_parallel, replica_loss, sequence_positions
 from .fsdp import apply_fsdp, data_parallel_mesh, dense
-from .mixed_precision import MasterWeightsAdamW, attach_main_grads, gradient
+from .mixed_precision import MasterWeightsAdamW, adamw, attach_main_grads, gradient
 from .models import build_loss, build_pieces, make_batch
 from .parallel import (apply_data_parallel, apply_expert_parallel, apply_tensor_parallel, routed_expert_parameters,
                        sequence_parallel_grad_sync, tie_embeddings)
@@ -231,7 +231,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
             plan.bucket_size, plan.overlap, plan.num_microbatches, recorder, reduce_dtype,
             [p for p in sync_order if id(p) in routed], groups.get("edp"), replicas // plan.ep, replicas)
         optimizer = (MasterWeightsAdamW(sync_order, LEARNING_RATE, fused) if plan.main_grads
-                     else torch.optim.AdamW(sync_order, lr=LEARNING_RATE, fused=fused))
+                     else adamw(sync_order, LEARNING_RATE, fused))
     owners = {s: plan.rank_of(dp=coords.dp, pp=schedule.stage_to_rank(s), cp=coords.cp, tp=coords.tp)
               for s in range(plan.num_stages)}
     runtime = PipelineRuntime(schedule, coords.pp, stages, owners, rank, recorder, _activation_shape(plan),

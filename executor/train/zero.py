@@ -34,7 +34,7 @@ from parsim.trace import collective_name
 
 from .._torch import require_distributed, require_torch
 from .comm import _all_gather, _reduce_scatter
-from .mixed_precision import drop_gradient, gradient, reduced
+from .mixed_precision import adamw, drop_gradient, gradient, reduced
 from .parallel import BucketReducer
 from .trace_recorder import Recorder
 
@@ -88,7 +88,7 @@ class ZeroOptimizer(BucketReducer):
                 # fp32 master weights beside low-precision parameters (Megatron-LM's distributed optimizer)
                 weights = flat[rank * per:(rank + 1) * per].to(torch.float32, copy=True).requires_grad_(True)
                 self.shards.append(_Shard(offsets, rank * per, weights))
-        self.adamw = torch.optim.AdamW([s.weights for s in self.shards], lr=lr, fused=fused)
+        self.adamw = adamw([s.weights for s in self.shards], lr, fused)
 
     # -- the optimizer's face ----------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
