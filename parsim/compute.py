@@ -200,8 +200,13 @@ class ComputeModel:
             work = max(flops / self.peak_flops, hbm_bytes / self.memory_bw_Bps)
         host = (forward_ops * self.op_forward_s + backward_ops * self.op_backward_s
                 + optimizer_tensors * self.optimizer_tensor_s)
-        device = total + work + kernels * self.kernel_overhead_s
-        both = max(device, host) if self.host_overlaps_device else device + host
+        return self.with_host(total + work + kernels * self.kernel_overhead_s, host)
+
+    def with_host(self, device_s: float, host_s: float) -> float:
+        """A block's time from its kernels' and its host's: the longer on a GPU, which runs kernels while
+        the host issues the next; the sum on a CPU rank, whose host is the device; stretched when ranks
+        time-share cores."""
+        both = max(device_s, host_s) if self.host_overlaps_device else device_s + host_s
         return both * self.time_share
 
     @property

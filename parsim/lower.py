@@ -319,9 +319,9 @@ class Lowering:
     def _compute(self, phase: str, block, kind: str, layer: int
                  ) -> tuple[ComputePiece, tuple[tuple[str, str], ...]]:
         """One block's compute in one pass (see :func:`~parsim.kernels.block_work`), with the ops an
-        eager implementation dispatches for it (:meth:`_eager_ops`), and its matmuls' sources."""
+        eager implementation dispatches for it (:meth:`eager_ops`), and its matmuls' sources."""
         work = block_work(self.plan, block, kind, self.tokens)
-        forward_ops, backward_ops = self._eager_ops(block, kind)
+        forward_ops, backward_ops = self.eager_ops(block, kind)
         memory_bytes = work.elementwise_bytes + work.quantize_bytes + work.accumulate_bytes
         piece = ComputePiece(work.matmuls, memory_bytes, work.kernels, phase, layer,
                              attention_flops=work.attention_flops,
@@ -330,7 +330,7 @@ class Lowering:
                              high_precision=work.high_precision)
         return piece, work.sources
 
-    def _eager_ops(self, block, kind: str) -> tuple[int, int]:
+    def eager_ops(self, block, kind: str) -> tuple[int, int]:
         """(forward, backward) ops an eager implementation dispatches for ``block`` in a ``kind`` pass
         (:mod:`parsim.eager_ops`): a recomputed forward dispatches the forward's again; zero-bubble's
         weight-gradient pass runs a few per matmul and the input-gradient pass the rest."""

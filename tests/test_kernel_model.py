@@ -1,5 +1,7 @@
 """The GPU kernel model (parsim.compute) against closed forms, and its cluster-file keys."""
 
+from pathlib import Path
+
 import pytest
 
 from parsim.cli.main import main
@@ -148,6 +150,31 @@ def test_explain_compute_lists_every_kernel_and_sums_to_its_passes(capsys):
     assert mlp["kernel"] == "add weight gradients into main_grad"
     gpt3 = load_model("gpt3-175b")
     assert mlp["shape"] == f"{2 * gpt3.hidden * gpt3.ffn_hidden // 8 * 6 / 1e6:,.1f} MB"
+
+
+def test_explain_compute_shows_the_host_racing_a_gpus_kernels(capsys, tmp_path):
+    """With the host's time per op in a GPU's file, each block shows its host row and takes the longer of
+    that and its kernels (pinned against the H100 host's figures measured by calibrate --ranks 1)."""
+    import json
+
+    gpu_file = str(Path(__file__).parents[1] / "benchmarks/gpu/h100-calibrated-2026-11-26.yaml")
+    assert main(["explain", "compute", "tiny-dp2", "--dp", "1", "--cluster", gpu_file, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    spec = load_cluster(gpu_file)
+    for kind, total in data["pass_s"].items():
+        blocks = {k["block"] for k in data["kernels"] if k["pass"] == kind}
+        expected = 0.0
+        for block in blocks:
+            rows = [k for k in data["kernels"] if k["pass"] == kind and k["block"] == block]
+            (host,) = [k for k in rows if k["bound"] == "host"]
+            expected += max(host["time_s"], sum(k["time_s"] for k in rows if k is not host))
+        assert total == pytest.approx(expected)
+    (attention,) = [k for k in data["kernels"]
+                    if (k["pass"], k["block"], k["bound"]) == ("F", "attention", "host")]
+    assert attention["kernel"] == "host: 80 eager ops (races the kernels)"  # parsim/eager_ops.py: 42 + 2 x 19
+    assert attention["time_s"] == pytest.approx(80 * spec.op_forward_s)
+    assert main(["explain", "compute", "tiny-dp2", "--dp", "1", "--cluster", gpu_file]) == 0
+    assert "host        9.2 us per forward op, 11.0 us per backward op" in capsys.readouterr().out
 
 
 def test_explain_compute_shows_an_fp8_plans_casts_and_its_fp8_peak(capsys):

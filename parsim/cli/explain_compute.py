@@ -27,7 +27,9 @@ than it can compute in that time, at HBM speed. The attention core runs in
 FlashAttention at its measured fraction of peak (or, unfused, as batched
 matmuls); norms, activations, residuals and softmax are memory-bound, at the
 measured fraction of HBM bandwidth. Every rate is in the cluster file, with its
-source.
+source. Where the file gives eager PyTorch's host time per op (parsim calibrate
+writes it), each block also shows the host issuing its ops: on a GPU the block
+takes the longer of that and its kernels, on a CPU rank the sum.
 
 With tensor, context or expert parallelism the layer's collectives follow,
 each priced alone on the cluster's links as the simulator prices one that
@@ -66,14 +68,17 @@ def run(args: argparse.Namespace) -> int:
         raise ParsimError(f"--layer {args.layer!r}: the model has {', '.join(names)}")
     cost = costs[args.layer]
     passes = ("F", "I", "W") if plan.pipeline.split_backward else ("F", "B")
+    lowering = Lowering(plan)
     rows, totals = [], {}
     for kind in passes:
         totals[kind] = 0.0
         for block in cost.blocks:
             work = block_work(plan, block, kind, plan.tokens_per_rank)
-            for row in _rows(model, block.name, work, "main_grad" if plan.main_grads else ".grad"):
-                rows.append({"pass": kind, **row})
-                totals[kind] += row["time_s"]
+            kernels = [{"pass": kind, **row}
+                       for row in _rows(model, block.name, work, "main_grad" if plan.main_grads else ".grad")]
+            host = _host_row(model, block.name, *lowering.eager_ops(block, kind))
+            rows += kernels + ([{"pass": kind, **host}] if host else [])
+            totals[kind] += model.with_host(sum(r["time_s"] for r in kernels), host["time_s"] if host else 0.0)
     collectives, passes = _collectives(plan, spec, model, args.layer)
     if args.json:
         print_json("explain.compute", {"plan": plan.name, "cluster": spec.name, "layer": cost.name,
@@ -170,6 +175,16 @@ def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str) -
     return rows
 
 
+def _host_row(model: ComputeModel, block: str, forward_ops: int, backward_ops: int) -> dict | None:
+    """The host issuing the block's eager ops, where the cluster file gives its time per op."""
+    seconds = forward_ops * model.op_forward_s + backward_ops * model.op_backward_s
+    if not seconds:
+        return None
+    how = "races the kernels" if model.host_overlaps_device else "adds to the kernels"
+    return {"block": block, "kernel": f"host: {forward_ops + backward_ops} eager ops ({how})", "shape": "",
+            "flops": 0.0, "fill": None, "bound": "host", "time_s": seconds}
+
+
 PASS_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
 
 
@@ -185,8 +200,12 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
         f"{f' (kernels over {plan.attention_seq:,} tokens)' if plan.attention_seq else ''}",
         f"  memory      {model.memory_efficiency:g} x {model.hbm_bw_Bps / 1e9:g} GB/s = "
         f"{model.memory_bw_Bps / 1e9:.0f} GB/s",
-        "",
     ]
+    if model.op_forward_s or model.op_backward_s:
+        how = "a block takes the longer of its kernels and its host" if model.host_overlaps_device else "added"
+        lines.append(f"  host        {model.op_forward_s * 1e6:.1f} us per forward op, "
+                     f"{model.op_backward_s * 1e6:.1f} us per backward op: {how}")
+    lines.append("")
     unit, scale = time_unit(r["time_s"] for r in rows)
     table = [[PASS_NAMES[r["pass"]], r["block"], r["kernel"], r["shape"],
               f"{r['flops'] / 1e9:,.1f}" if r["flops"] else "",
