@@ -202,7 +202,8 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
         f"{model.memory_bw_Bps / 1e9:.0f} GB/s",
     ]
     if model.op_forward_s or model.op_backward_s:
-        how = "a block takes the longer of its kernels and its host" if model.host_overlaps_device else "added"
+        how = ("a block takes the longer of its kernels and its host" if model.host_overlaps_device
+               else "added to each block's kernels")
         lines.append(f"  host        {model.op_forward_s * 1e6:.1f} us per forward op, "
                      f"{model.op_backward_s * 1e6:.1f} us per backward op: {how}")
     lines.append("")
