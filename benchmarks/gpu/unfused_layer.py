@@ -1,0 +1,114 @@
+"""Time one GPT layer as Megatron-LM ran it in 2021 (SC21): fp16, unfused attention, dropout 0.1.
+
+The layer is the 1.7B row of `parsim validate` (hidden 2304, 24 heads, seq 2048, microbatch 16), in
+Megatron-LM's [seq, batch, hidden] layout: LayerNorm, one QKV linear, scores by baddbmm, softmax,
+dropout, context by bmm, output linear, dropout and residual; LayerNorm, GeLU MLP of 4h, dropout and
+residual. It prints the forward's and the backward's time (CUDA events, mean of 10) and, from a
+torch.profiler trace of one of each, the GPU time by kind of kernel, to set beside
+`parsim explain compute` of the same row on the GPU's cluster.
+
+    python benchmarks/gpu/unfused_layer.py [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HIDDEN, HEADS, SEQ, MICROBATCH, DROPOUT = 2304, 24, 2048, 16, 0.1
+
+
+class Layer(nn.Module):
+    def __init__(self, h: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, h // heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.dense = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        s, b, h = x.shape
+        a, d = self.heads, self.head_dim
+        q, k, v = self.qkv(self.ln1(x)).view(s, b, a, 3 * d).split(d, dim=-1)
+        q, k, v = (t.reshape(s, b * a, d).transpose(0, 1) for t in (q, k, v))  # [b*a, s, d]
+        scores = torch.baddbmm(torch.empty(b * a, s, s, dtype=x.dtype, device=x.device), q, k.transpose(1, 2),
+                               beta=0.0, alpha=1.0 / math.sqrt(d))
+        probs = F.dropout(torch.softmax(scores, dim=-1), DROPOUT)
+        context = torch.bmm(probs, v).view(b, a, s, d).permute(2, 0, 1, 3).reshape(s, b, h)
+        x = x + F.dropout(self.dense(context), DROPOUT)
+        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), DROPOUT)
+
+
+def kind_of(kernel: str) -> str:
+    name = kernel.lower()
+    for key, kind in (("gemm", "matmul"), ("cutlass", "matmul"), ("xmma", "matmul"), ("nvjet", "matmul"),
+                      ("softmax", "softmax"),
+                      ("dropout", "dropout"), ("layer_norm", "layernorm"), ("gelu", "gelu")):
+        if key in name:
+            return kind
+    return "other elementwise"
+
+
+def by_kind(fn, names: dict[str, float] | None = None) -> dict[str, float]:
+    """GPU seconds per kind of kernel in one call of ``fn`` (and per kernel name into ``names``)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[kind_of(event.name)] += event.device_time / 1e6
+            if names is not None:
+                names[event.name[:90]] = names.get(event.name[:90], 0.0) + event.device_time / 1e6
+    return dict(sorted(totals.items()))
+
+
+def mean_s(fn, iters: int = 10) -> float:
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / iters
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("unfused_layer.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    layer = Layer(HIDDEN, HEADS).cuda().half()
+    x = torch.randn(SEQ, MICROBATCH, HIDDEN, device="cuda", dtype=torch.half, requires_grad=True)
+    grad = torch.randn_like(x)
+    for _ in range(3):
+        layer(x).backward(grad)
+    forward_s = mean_s(lambda: layer(x))
+    both_s = mean_s(lambda: layer(x).backward(grad))
+    out = layer(x)
+    forward_kernels: dict[str, float] = {}
+    backward_kernels: dict[str, float] = {}
+    figures = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "forward_s": forward_s, "backward_s": both_s - forward_s,
+               "forward_by_kind_s": by_kind(lambda: layer(x), forward_kernels),
+               "backward_by_kind_s": by_kind(lambda: out.backward(grad), backward_kernels),
+               "forward_kernels_s": forward_kernels, "backward_kernels_s": backward_kernels}
+    print(json.dumps(figures, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
