@@ -62,11 +62,24 @@ ATTENTION_KERNELS = ("flash", "unfused")
 # backward rereads (Megatron-LM's --cross-entropy-loss-fusion, Liger, TE); "unfused" is Megatron-LM's
 # vocab_parallel_cross_entropy on logits cast to fp32 (megatron/mpu/cross_entropy.py, the default before
 # the fusion): cast, max, subtract, exp, sum, divide forward; multiply and cast back backward.
-CROSS_ENTROPY_KERNELS = ("fused", "unfused")
+CROSS_ENTROPY_KERNELS = ("fused", "unfused", "torch")
 # fp32 element accesses per vocabulary entry of the unfused loss beyond reading the logits and writing
 # their gradient. Forward: the cast writes 1, max reads 1, sub_ 2, exp 2, sum 1, div_ 2 (9); backward:
 # mul_ by the loss gradient 2, the cast back reads 1 (3). 38 and 14 bytes with the fp16 logits.
 UNFUSED_CE_FP32_ACCESSES = (9, 3)
+# "torch" is F.cross_entropy on logits cast to fp32 (HF transformers, torchtitan, parsim's executor):
+# log_softmax writes 1 (its read is the logits'); the backward zero-fills the log-probabilities' gradient
+# before scattering the targets' (1) and log_softmax's backward reads 2 (its write is the logits'
+# gradient): (1, 3); with 16-bit logits, the cast writes 1 that log_softmax reads (2) and the cast back
+# reads 1 that log_softmax's backward wrote (2).
+TORCH_CE_FP32_ACCESSES = (1, 3)
+TORCH_CE_CAST_ACCESSES = (2, 2)
+# How a layer's memory-bound work around the matmuls and the attention core runs: "fused" is Megatron-LM /
+# Transformer Engine's kernels (one pass each for a norm, RoPE, the SwiGLU gate); "eager" is plain PyTorch
+# ops, one kernel each (HF transformers' Llama, torchtitan without torch.compile, parsim's executor): RMSNorm
+# in fp32 in seven kernels, RoPE by rotate-half and cat, grouped K/V heads copied by repeat_interleave, the
+# attention output's heads copied back together. ``tests/test_eager_kernels.py`` counts the executor's bytes.
+LAYER_KERNELS = ("fused", "eager")
 SOFTMAX_COST = 20  # FlashAttention's softmax time per score in matmul FLOPs per head-dim unit (flash_softmax_factor)
 FLASH_BLOCK = 128  # FlashAttention-2's Q/K tile (Br = Bc = 128 at head dim 128) (causal masking skips whole tiles)
 INDEX_BYTES = 8  # token ids are int64
@@ -221,8 +234,11 @@ class Elementwise:
     unit: int = 1
     element_bytes: int = 0
     attention_core: bool = False  # over the unfused core's scores: selective recompute reruns it
+    cast: bool = False  # one side of a cast to or from fp32, which an fp32 plan does not run
 
     def bytes_per_token(self, backward: bool, dtype_bytes: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+        if self.cast and dtype_bytes == 4:
+            return 0
         elements = self.backward if backward else self.forward
         split = tp if (self.sharded or sequence_parallel) else 1
         width = shard(elements, split, self.unit) if split > 1 else elements
@@ -521,6 +537,7 @@ class TransformerModel(_CostTotals):
     attention_kernel: str = "flash"  # how the attention core runs (see ATTENTION_KERNELS)
     dropout: float = 0.0  # dropout probability (GPT-3 and Megatron-LM's GPT: 0.1; Llama: none)
     cross_entropy: str = "fused"  # how the loss runs (see CROSS_ENTROPY_KERNELS)
+    layer_kernels: str = "fused"  # how norms, RoPE and activations run (see LAYER_KERNELS)
     description: str = ""
     source: str = field(default="", compare=False)  # the file it came from, for messages
 
@@ -554,6 +571,10 @@ class TransformerModel(_CostTotals):
             _fail(self, "attention_kernel", "unfused is not modelled for latent attention (mla)", "flash")
         if self.cross_entropy not in CROSS_ENTROPY_KERNELS:
             _fail(self, "cross_entropy", f"is {self.cross_entropy!r}", " or ".join(CROSS_ENTROPY_KERNELS))
+        if self.layer_kernels not in LAYER_KERNELS:
+            _fail(self, "layer_kernels", f"is {self.layer_kernels!r}", " or ".join(LAYER_KERNELS))
+        if self.layer_kernels == "eager" and (self.attention == "mla" or self.attention_kernel == "unfused"):
+            _fail(self, "layer_kernels", "eager is modelled for grouped-query flash attention only", "fused")
         if not 0 <= self.dropout < 1:
             _fail(self, "dropout", f"is {self.dropout!r}", "a probability in [0, 1)")
         if self.expert_ffn_hidden is None:
@@ -736,7 +757,7 @@ class TransformerModel(_CostTotals):
             *(c for c in tp if c.phase == "backward" and c.position == "after"),
         )
         active_ffn = k * fe + self.shared_experts * fe
-        kernels = (Elementwise("moe.norm", 2 * h, 3 * h, sharded=False),
+        kernels = (*self._norm("moe.norm", h),
                    Elementwise("moe.permute", 2 * k * h, 2 * k * h, sharded=False),  # tokens sorted to their experts
                    self._activation("moe.act", active_ffn), *self._residual("moe", h))
         ops = eager_ops.transformer_layer_ops(False, self.ffn_type, False, self.num_experts)[1]
@@ -751,7 +772,9 @@ class TransformerModel(_CostTotals):
         dQ, dK, dV); the unfused core's batched matmuls write and read the scores (priced as matmul
         traffic) and its softmax, and dropout, touch every score: ``heads x seq`` per token."""
         h = self.hidden
-        kernels = [Elementwise("attn.norm", 2 * h, 3 * h, sharded=False)]
+        if self.layer_kernels == "eager":
+            return (*self._norm("attn.norm", h), *self._eager_attention(q, kv, unit), *self._residual("attn", h))
+        kernels = [*self._norm("attn.norm", h)]
         if self.position_embedding == "rope":
             kernels.append(Elementwise("attn.rope", 2 * (q + kv), 2 * (q + kv), unit=unit))
         if self.attention_kernel == "flash":
@@ -771,16 +794,65 @@ class TransformerModel(_CostTotals):
                                         attention_core=True)]
         return tuple(kernels + self._residual("attn", h))
 
+    def _eager_attention(self, q: int, kv: int, unit: int) -> list[Elementwise]:
+        """The attention block's memory-bound kernels between its norm and its residual as eager PyTorch runs
+        them (``executor/train/models.py``: ``rotary``, ``causal_attention``, ``Attention.forward``), per token.
+
+        RoPE per rotated tensor of width ``w`` (queries, then keys): the angles rebuilt in fp32 for the
+        ``head_dim`` ``d`` (outer product, repeat, cos, sin: 6d fp32 elements) and cast (2d read, 2d
+        written); then ``-x[..., d/2:]`` (1w), ``cat`` (2w), ``x * cos`` and ``rotated * sin`` (2w each, plus
+        the d-wide tables) and their sum (3w): 10w + 2d. Backward: two products by the tables (4w + 2d),
+        two slice backwards writing zero-padded halves (3w), two sums (6w) and the negation (1w): 14w + 2d.
+        K/V heads are copied to every query head (``repeat_interleave``: read kv, write q, twice) and, when
+        grouped, their gradients summed back (read q, write kv, twice). The attention kernel then reads the
+        expanded K and V (4q; backward 5q read, 3q written); its output, laid out token-major, needs no
+        copy to merge the heads. Backward, the K and V gradients are copied from the heads' layout back
+        into the projections' (2kv each), and the three projections' input gradients are added (two sums
+        of 3h); with as many K/V heads as query heads, the gradients need neither sum nor copy."""
+        d = self.head_dim
+        kernels = []
+        if self.position_embedding == "rope":
+            for w, name in ((q, "q"), (kv, "k")):
+                kernels += [Elementwise(f"attn.rope.{name}", 10 * w + 2 * d, 14 * w + 2 * d, unit=unit),
+                            Elementwise(f"attn.rope.{name}.angles", 6 * d, 0, sharded=False, element_bytes=4),
+                            Elementwise(f"attn.rope.{name}.angles.cast", 2 * d, 0, sharded=False, element_bytes=4,
+                                        cast=True),
+                            Elementwise(f"attn.rope.{name}.angles.cast.out", 2 * d, 0, sharded=False, cast=True)]
+        grouped = kv < q  # repeat_interleave by 1 still copies, but its backward passes the gradient as it is
+        kernels.append(Elementwise("attn.kv.repeat", 2 * (q + kv), 2 * (q + kv) if grouped else 0, unit=unit))
+        return kernels + [Elementwise("attn.core", 4 * q, 8 * q, unit=unit),
+                          Elementwise("attn.kv.grad.copy", 0, 4 * kv if grouped else 0, unit=unit),
+                          Elementwise("attn.in.grad.sum", 0, 6 * self.hidden, sharded=False)]
+
+    def _norm(self, name: str, h: int) -> tuple[Elementwise, ...]:
+        """An RMSNorm or LayerNorm over ``h``: one fused kernel reads h and writes h (backward: reads 2h,
+        writes h). Eager (the executor's ``RMSNorm``: ``x * rsqrt(x.float().pow(2).mean(-1) + eps).to(x.dtype)
+        * weight``): the cast to fp32 (read h, write h fp32) and, backward, back (read h fp32, write h);
+        ``pow`` and ``mean`` in fp32 (3h fp32); two products in the dtype (4h). Backward: the weight's
+        gradient (a product, 3h, and a sum over tokens, h), the input's through both products (2h, 3h, 2h)
+        and the row sum (h), ``mean``'s and ``pow``'s backward in fp32 (8h fp32), and the two paths added
+        (3h): 15h and 8h fp32."""
+        if self.layer_kernels != "eager":
+            return (Elementwise(name, 2 * h, 3 * h, sharded=False),)
+        return (Elementwise(name, 4 * h, 15 * h, sharded=False),
+                Elementwise(f"{name}.fp32", 3 * h, 8 * h, sharded=False, element_bytes=4),
+                Elementwise(f"{name}.cast", h, h, sharded=False, cast=True),
+                Elementwise(f"{name}.cast.fp32", h, h, sharded=False, element_bytes=4, cast=True))
+
     def _mlp_kernels(self, f: int) -> tuple[Elementwise, ...]:
+        """The norm, the activation and the residual; eager SwiGLU's gate and up projections also add their
+        input gradients (3h), where Megatron-LM runs them as one matmul."""
         h = self.hidden
-        return (Elementwise("mlp.norm", 2 * h, 3 * h, sharded=False), self._activation("mlp.act", f),
-                *self._residual("mlp", h))
+        summed = (Elementwise("mlp.in.grad.sum", 0, 3 * h, sharded=False),) \
+            if self.layer_kernels == "eager" and self.ffn_type == "swiglu" else ()
+        return (*self._norm("mlp.norm", h), self._activation("mlp.act", f), *summed, *self._residual("mlp", h))
 
     def _activation(self, name: str, f: int) -> Elementwise:
         """GeLU reads f and writes f (backward: reads input and gradient, writes one); SwiGLU reads
-        gate and up (2f) and writes f (backward: reads 3f, writes 2f)."""
+        gate and up (2f) and writes f (backward: reads 3f, writes 2f). Eager SwiGLU is ``silu(gate) * up``:
+        SiLU (2f) and the product (3f); backward, the two products' gradients (3f each) and SiLU's (3f)."""
         if self.ffn_type == "swiglu":
-            return Elementwise(name, 3 * f, 5 * f)
+            return Elementwise(name, 5 * f, 9 * f) if self.layer_kernels == "eager" else Elementwise(name, 3 * f, 5 * f)
         return Elementwise(name, 2 * f, 3 * f)
 
     def _residual(self, block: str, h: int) -> list[Elementwise]:
@@ -857,9 +929,9 @@ class TransformerModel(_CostTotals):
             entry = (TPCollective("head.in.grad", "all_reduce", "backward", "after", h * d),)
         collectives = (*entry, *(TPCollective(f"ce.{n}", "all_reduce", "forward", "after", SOFTMAX_BYTES)
                                  for n in ("max", "target", "sumexp")))
-        loss = (Elementwise("head.norm", 2 * h, 3 * h, sharded=False),
+        loss = (*self._norm("head.norm", h),
                 Elementwise("ce.logits", v, v),  # the loss reads the logits; its backward writes their gradient
-                self._loss_kernel(v))
+                *self._loss_kernels(v))
         owns_weight = not self.tied_embeddings or copies_table
         block = Block("head", (Matmul("head", h, v, "column", owns_weight=owns_weight),),
                       collectives=collectives, elementwise=loss, eager_ops=eager_ops.HEAD)
@@ -867,13 +939,19 @@ class TransformerModel(_CostTotals):
                  Activation("head.in", h, d, sharded=False), Activation("ce.softmax", v, SOFTMAX_BYTES, sharded=True))
         return LayerCost("head", (block,), (Param("norm.final", 1, h),), saved)
 
-    def _loss_kernel(self, v: int) -> Elementwise:
+    def _loss_kernels(self, v: int) -> tuple[Elementwise, ...]:
         """The loss's fp32 traffic per token over ``v`` vocabulary entries: the fused kernel writes the
-        softmax and its backward rereads it; the unfused one runs UNFUSED_CE_FP32_ACCESSES passes."""
+        softmax and its backward rereads it; the unfused one runs UNFUSED_CE_FP32_ACCESSES passes, torch's
+        TORCH_CE_FP32_ACCESSES and, on 16-bit logits, TORCH_CE_CAST_ACCESSES."""
         if self.cross_entropy == "unfused":
             forward, backward = UNFUSED_CE_FP32_ACCESSES
-            return Elementwise("ce.fp32", forward * v, backward * v, element_bytes=SOFTMAX_BYTES)
-        return Elementwise("ce.softmax", v, v, element_bytes=SOFTMAX_BYTES)
+            return (Elementwise("ce.fp32", forward * v, backward * v, element_bytes=SOFTMAX_BYTES),)
+        if self.cross_entropy == "torch":
+            (forward, backward), (cast_forward, cast_backward) = TORCH_CE_FP32_ACCESSES, TORCH_CE_CAST_ACCESSES
+            return (Elementwise("ce.fp32", forward * v, backward * v, element_bytes=SOFTMAX_BYTES),
+                    Elementwise("ce.fp32.cast", cast_forward * v, cast_backward * v, element_bytes=SOFTMAX_BYTES,
+                                cast=True))
+        return (Elementwise("ce.softmax", v, v, element_bytes=SOFTMAX_BYTES),)
 
     def model_flops_per_token(self) -> int:
         """FLOPs per token for MFU: ``6·N_matmul + 12·L·seq·d_attn``.
@@ -1067,7 +1145,7 @@ _KIND_KEYS = {
                     "vocab_size", "tied_embeddings", "position_embedding", "num_experts", "experts_per_token",
                     "expert_ffn_hidden", "shared_experts", "dense_layers", "attention", "q_lora_rank",
                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_kernel",
-                    "dropout", "cross_entropy"),
+                    "dropout", "cross_entropy", "layer_kernels"),
 }
 _REQUIRED = {
     "mlp": ("num_layers", "width", "batch_size"),
@@ -1076,7 +1154,7 @@ _REQUIRED = {
 
 
 TEXT_DEFAULTS = {"ffn_type": "swiglu", "position_embedding": "rope", "attention": "gqa", "attention_kernel": "flash",
-                 "cross_entropy": "fused"}
+                 "cross_entropy": "fused", "layer_kernels": "fused"}
 
 
 def parse_model(data: object, source: str = "<model>", default_name: str = "model") -> Model:

@@ -1,0 +1,101 @@
+"""``layer_kernels: eager`` and ``cross_entropy: torch`` count the bytes the executor's eager modules move.
+
+Every ATen op the executor's layer and head dispatch is one kernel that reads its inputs and writes its
+outputs; a ``TorchDispatchMode`` adds up those bytes (views move none) and the model's memory-bound bytes
+per token must match them. Left out on both sides: the matmuls and the attention kernel, which the model
+prices by their shapes and FLOPs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parsim.model import TransformerModel
+from parsim.plan import Plan
+
+torch = pytest.importorskip("torch")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from executor.train.models import CrossEntropyLoss, DecoderLayer, Head  # noqa: E402
+
+PRICED_ELSEWHERE = ("mm", "addmm", "bmm", "_scaled_dot_product")  # by shape and FLOPs, not bytes
+TOKENS = 128
+
+
+class Traffic(TorchDispatchMode):
+    """Bytes read and written by the ops dispatched under it: every tensor argument and result, each at most
+    its storage (a broadcast operand is read once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name in ("detach", "_unsafe_view") or name.startswith(PRICED_ELSEWHERE):
+            return out
+        # nll_loss reads one log-probability per token and its backward writes the whole gradient
+        inputs = () if name.startswith("nll_loss") else (args, kwargs)
+        tensors = torch.utils._pytree.tree_leaves((inputs, out))
+        self.bytes += sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+                          for t in tensors if isinstance(t, torch.Tensor))
+        return out
+
+
+def measured(fn, grad=None) -> tuple[float, float]:
+    """Bytes per token of ``fn()``'s forward and of its backward."""
+    with Traffic() as forward:
+        out = fn()
+    with Traffic() as backward:
+        out.backward(grad)
+    return forward.bytes / TOKENS, backward.bytes / TOKENS
+
+
+def modelled(plan: Plan, entry: str, skip: tuple[str, ...] = ()) -> tuple[int, int]:
+    cost = next(c for c in plan.stage_costs(0) if c.name == entry)
+    kernels = [e for block in cost.blocks for e in block.elementwise if e.name not in skip]
+    return tuple(sum(e.bytes_per_token(backward, plan.dtype_bytes) for e in kernels) for backward in (False, True))
+
+
+def model(**shape) -> TransformerModel:
+    defaults = dict(name="eager", num_layers=1, hidden=512, num_heads=8, num_kv_heads=2, ffn_hidden=1536,
+                    seq_len=TOKENS, vocab_size=4096, layer_kernels="eager", cross_entropy="torch")
+    return TransformerModel(**{**defaults, **shape})
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [{}, {"num_kv_heads": 8, "ffn_type": "gelu", "position_embedding": "learned"}],
+                         ids=["llama", "gpt"])
+def test_an_eager_layer_moves_the_bytes_the_executors_layer_moves(dtype, shape):
+    m = model(**shape)
+    torch.manual_seed(0)
+    layer = DecoderLayer(m).to(getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype]))
+    x = torch.randn(1, TOKENS, m.hidden, dtype=layer.norm_attn.weight.dtype, requires_grad=True)
+    forward, backward = measured(lambda: layer(x), torch.randn_like(x))
+    # the attention kernel's own traffic is priced with it, beside its FLOPs
+    expected = modelled(Plan(model=m, dp=1, dtype=dtype), "layer.0", skip=("attn.core",))
+    assert expected == (pytest.approx(forward, rel=0.005), pytest.approx(backward, rel=0.005))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_eager_head_and_torchs_cross_entropy_move_the_bytes_the_executors_do(dtype):
+    m = model()
+    torch.manual_seed(0)
+    head = Head(m).to(getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype]))
+    x = torch.randn(1, TOKENS, m.hidden, dtype=head.norm.weight.dtype, requires_grad=True)
+    targets = torch.randint(0, m.vocab_size, (1, TOKENS))
+    forward, backward = measured(lambda: CrossEntropyLoss()(head(x), targets))
+    expected = modelled(Plan(model=m, dp=1, dtype=dtype), "head")
+    assert expected == (pytest.approx(forward, rel=0.005), pytest.approx(backward, rel=0.005))
+
+
+def test_eager_kernels_move_more_than_fused_ones_and_leave_the_matmuls():
+    fused, eager = model(layer_kernels="fused", cross_entropy="fused"), model()
+    for entry in ("layer.0", "head"):
+        plain, slow = (modelled(Plan(model=m, dp=1, dtype="bf16"), entry) for m in (fused, eager))
+        assert slow[0] > plain[0] and slow[1] > plain[1]
+    layers = [next(c for c in Plan(model=m, dp=1, dtype="bf16").stage_costs(0) if c.name == "layer.0")
+              for m in (fused, eager)]
+    assert [b.matmuls for b in layers[0].blocks] == [b.matmuls for b in layers[1].blocks]
