@@ -74,6 +74,12 @@ UNFUSED_CE_FP32_ACCESSES = (9, 3)
 # reads 1 that log_softmax's backward wrote (2).
 TORCH_CE_FP32_ACCESSES = (1, 3)
 TORCH_CE_CAST_ACCESSES = (2, 2)
+# A vocabulary row of more fp32 than one block's default shared memory (48 KiB, sharedMemPerBlock) makes
+# torch's log_softmax reread its input from memory: cunn_SoftMaxForward reads it for the max, again for the
+# sum of exponentials and again to write the output (2 more reads); cunn_SoftMaxBackward reads the gradient
+# for its sum and again beside the output (1 more). aten/src/ATen/native/cuda/SoftMax.cu, host_softmax.
+SOFTMAX_SMEM_ELEMENTS = 48 * 1024 // 4
+LOG_SOFTMAX_REREADS = (2, 1)
 # How a layer's memory-bound work around the matmuls and the attention core runs: "fused" is Megatron-LM /
 # Transformer Engine's kernels (one pass each for a norm, RoPE, the SwiGLU gate); "eager" is plain PyTorch
 # ops, one kernel each (HF transformers' Llama, torchtitan without torch.compile, parsim's executor): RMSNorm
@@ -942,15 +948,20 @@ class TransformerModel(_CostTotals):
     def _loss_kernels(self, v: int) -> tuple[Elementwise, ...]:
         """The loss's fp32 traffic per token over ``v`` vocabulary entries: the fused kernel writes the
         softmax and its backward rereads it; the unfused one runs UNFUSED_CE_FP32_ACCESSES passes, torch's
-        TORCH_CE_FP32_ACCESSES and, on 16-bit logits, TORCH_CE_CAST_ACCESSES."""
+        TORCH_CE_FP32_ACCESSES, on 16-bit logits TORCH_CE_CAST_ACCESSES, and over a vocabulary too wide for
+        shared memory LOG_SOFTMAX_REREADS."""
         if self.cross_entropy == "unfused":
             forward, backward = UNFUSED_CE_FP32_ACCESSES
             return (Elementwise("ce.fp32", forward * v, backward * v, element_bytes=SOFTMAX_BYTES),)
         if self.cross_entropy == "torch":
             (forward, backward), (cast_forward, cast_backward) = TORCH_CE_FP32_ACCESSES, TORCH_CE_CAST_ACCESSES
-            return (Elementwise("ce.fp32", forward * v, backward * v, element_bytes=SOFTMAX_BYTES),
-                    Elementwise("ce.fp32.cast", cast_forward * v, cast_backward * v, element_bytes=SOFTMAX_BYTES,
-                                cast=True))
+            kernels = (Elementwise("ce.fp32", forward * v, backward * v, element_bytes=SOFTMAX_BYTES),
+                       Elementwise("ce.fp32.cast", cast_forward * v, cast_backward * v, element_bytes=SOFTMAX_BYTES,
+                                   cast=True))
+            if v > SOFTMAX_SMEM_ELEMENTS:  # rereads inside the kernels, which a count of ops does not see
+                kernels += (Elementwise("ce.log_softmax.rereads", LOG_SOFTMAX_REREADS[0] * v,
+                                        LOG_SOFTMAX_REREADS[1] * v, element_bytes=SOFTMAX_BYTES),)
+            return kernels
         return (Elementwise("ce.softmax", v, v, element_bytes=SOFTMAX_BYTES),)
 
     def model_flops_per_token(self) -> int:

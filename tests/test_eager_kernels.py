@@ -91,6 +91,15 @@ def test_the_eager_head_and_torchs_cross_entropy_move_the_bytes_the_executors_do
     assert expected == (pytest.approx(forward, rel=0.005), pytest.approx(backward, rel=0.005))
 
 
+def test_torchs_log_softmax_rereads_a_vocabulary_row_too_wide_for_shared_memory():
+    """Past 12,288 fp32 entries (48 KiB) cunn_SoftMaxForward reads the row three times and its backward reads
+    the gradient twice: 2 and 1 accesses more than the ops' own inputs and outputs."""
+    narrow, wide = (modelled(Plan(model=model(vocab_size=v, cross_entropy="torch"), dp=1, dtype="bf16"), "head")
+                    for v in (12288, 12289))
+    grown = [b / 12289 - a / 12288 for a, b in zip(narrow, wide)]
+    assert grown == [pytest.approx(2 * 4, abs=0.2), pytest.approx(1 * 4, abs=0.2)]
+
+
 def test_eager_kernels_move_more_than_fused_ones_and_leave_the_matmuls():
     fused, eager = model(layer_kernels="fused", cross_entropy="fused"), model()
     for entry in ("layer.0", "head"):
