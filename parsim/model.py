@@ -83,8 +83,8 @@ LOG_SOFTMAX_REREADS = (2, 1)
 # How a layer's memory-bound work around the matmuls and the attention core runs: "fused" is Megatron-LM /
 # Transformer Engine's kernels (one pass each for a norm, RoPE, the SwiGLU gate); "eager" is plain PyTorch
 # ops, one kernel each (HF transformers' Llama, torchtitan without torch.compile, parsim's executor): RMSNorm
-# in fp32 in seven kernels, RoPE by rotate-half and cat, grouped K/V heads copied by repeat_interleave, the
-# attention output's heads copied back together. ``tests/test_eager_kernels.py`` counts the executor's bytes.
+# in fp32 in seven kernels, RoPE by rotate-half and cat, K/V heads copied by repeat_interleave, separate
+# projections whose input gradients are added. ``tests/test_eager_kernels.py`` counts the executor's bytes.
 LAYER_KERNELS = ("fused", "eager")
 SOFTMAX_COST = 20  # FlashAttention's softmax time per score in matmul FLOPs per head-dim unit (flash_softmax_factor)
 FLASH_BLOCK = 128  # FlashAttention-2's Q/K tile (Br = Bc = 128 at head dim 128) (causal masking skips whole tiles)
@@ -958,7 +958,8 @@ class TransformerModel(_CostTotals):
             kernels = (Elementwise("ce.fp32", forward * v, backward * v, element_bytes=SOFTMAX_BYTES),
                        Elementwise("ce.fp32.cast", cast_forward * v, cast_backward * v, element_bytes=SOFTMAX_BYTES,
                                    cast=True))
-            if v > SOFTMAX_SMEM_ELEMENTS:  # rereads inside the kernels, which a count of ops does not see
+            # rereads inside the kernels, which a count of ops does not see (torch's loss runs on whole rows)
+            if v > SOFTMAX_SMEM_ELEMENTS:
                 kernels += (Elementwise("ce.log_softmax.rereads", LOG_SOFTMAX_REREADS[0] * v,
                                         LOG_SOFTMAX_REREADS[1] * v, element_bytes=SOFTMAX_BYTES),)
             return kernels

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from parsim.cli.main import main
 from parsim.model import TransformerModel
 from parsim.plan import Plan
 
@@ -108,3 +109,14 @@ def test_eager_kernels_move_more_than_fused_ones_and_leave_the_matmuls():
     layers = [next(c for c in Plan(model=m, dp=1, dtype="bf16").stage_costs(0) if c.name == "layer.0")
               for m in (fused, eager)]
     assert [b.matmuls for b in layers[0].blocks] == [b.matmuls for b in layers[1].blocks]
+
+
+@pytest.mark.parametrize("extra, expected", [("layer_kernels: compiled", "fused or eager"),
+                                             ("layer_kernels: eager, attention: mla", "grouped-query flash")])
+def test_layer_kernels_that_are_not_modelled_are_refused_in_one_line(tmp_path, capsys, extra, expected):
+    plan = tmp_path / "p.yaml"
+    plan.write_text("model: {kind: transformer, num_layers: 2, hidden: 256, num_heads: 4, ffn_hidden: 1024,"
+                    f" seq_len: 128, vocab_size: 1000, {extra}}}\nparallel: {{dp: 8}}\n")
+    assert main(["simulate", str(plan), "--cluster", "dgx-h100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "layer_kernels" in err and expected in err and len(err.splitlines()) == 1
