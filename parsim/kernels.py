@@ -29,6 +29,7 @@ class BlockWork:
     kernels: int
     quantize_bytes: float = 0.0  # fp8 plans: casting the GEMMs' operands (see fp8_cast_bytes)
     high_precision: bool = False  # fp8 plans: this block's matmuls stay in bf16 (FP8_EXEMPT_BLOCKS)
+    elementwise_parts: tuple[tuple[str, float], ...] = ()  # elementwise_bytes kernel by kernel, for explanations
 
 
 # Transformer Engine's FP8 (current scaling, TE 2.x): before a GEMM, each bf16 operand is reduced to its
@@ -95,24 +96,27 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         work = attention * core.executed_fraction() * flash_softmax_factor(core.head_dim) if core else attention
         attention_fwd = work if kind == "F" else 0.0
         attention_bwd = 2 * work if backward else 0.0
-    elementwise, kernels = 0.0, len(mms)
+    parts: list[tuple[str, float]] = []  # memory-bound kernels: (name, bytes)
+    kernels = len(mms)
     if kind != "W":
-        passes = [(e, backward) for e in block.elementwise]
-        passes += [(e, False) for e in block.elementwise if rerun_core and e.attention_core]
-        elementwise = tokens * sum(e.bytes_per_token(direction, plan.dtype_bytes, tp, plan.sequence_parallel)
-                                   for e, direction in passes)
+        passes = [(e, backward, e.name) for e in block.elementwise]
+        passes += [(e, False, f"{e.name} (recomputed)") for e in block.elementwise if rerun_core and e.attention_core]
+        parts += [(name, tokens * e.bytes_per_token(direction, plan.dtype_bytes, tp, plan.sequence_parallel))
+                  for e, direction, name in passes]
         kernels += len(passes)
         # A tensor-parallel collective over features regroups its buffer with a copy: read and write it once.
         phase = "backward" if backward else "forward"
         regrouped = [c for c in block.collectives if c.regroups and c.group == "tp" and c.phase == phase and tp > 1]
-        elementwise += tokens * sum(2 * c.bytes_per_token for c in regrouped)
+        parts += [(f"{c.name} regrouping copy", tokens * 2 * c.bytes_per_token) for c in regrouped]
         kernels += len(regrouped)
     # A lookup table's gradient is dense (torch's embedding_dense_backward, under Megatron-LM's
     # VocabParallelEmbedding too): the backward zeroes a table-sized tensor before scattering the rows in.
     tables = sum(t.numel_per_rank(tp) for t in block.tables)
     if kind in ("B", "I") and tables:
-        elementwise += tables * plan.dtype_bytes
+        parts.append(("zero the table's gradient", tables * plan.dtype_bytes))
         kernels += len(block.tables)
+    parts = [(name, nbytes) for name, nbytes in parts if nbytes]
+    elementwise = float(sum(nbytes for _, nbytes in parts))
     # Each weight gradient joins the step's sum in a pass over the weights (Plan.accumulation_bytes: into
     # Megatron-LM's main_grad every microbatch, or into autograd's .grad after the first). A fused
     # accumulation does it in the weight-gradient matmul's epilogue, hidden by its FLOPs (k = tokens); a
@@ -127,7 +131,8 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         accumulate = weights * plan.accumulation_bytes
     quantize, casts = fp8_cast_bytes(plan, block, kind, tokens)
     return BlockWork(tuple(mms), tuple(labels), tuple(sources), attention_fwd, attention_bwd, elementwise, accumulate,
-                     kernels + 2 * casts, quantize, plan.dtype == "fp8" and block.name in FP8_EXEMPT_BLOCKS)
+                     kernels + 2 * casts, quantize, plan.dtype == "fp8" and block.name in FP8_EXEMPT_BLOCKS,
+                     tuple(parts))
 
 
 def _rows(plan: Plan, mm, tokens: int) -> int:

@@ -152,6 +152,25 @@ def test_explain_compute_lists_every_kernel_and_sums_to_its_passes(capsys):
     assert mlp["shape"] == f"{2 * gpt3.hidden * gpt3.ffn_hidden // 8 * 6 / 1e6:,.1f} MB"
 
 
+def test_explain_compute_lists_each_memory_bound_kernel_by_its_model_name(capsys):
+    """One row per Elementwise kernel with bytes in the pass, named as the model names it, adding up to the
+    block's memory-bound bytes."""
+    import json
+
+    from parsim.kernels import block_work
+
+    assert main(["explain", "compute", "--model", "llama3-8b", "--cluster", "dgx-h100", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = data["kernels"]
+    plan = Plan(model=load_model("llama3-8b"), dp=8, dtype="bf16")
+    attention = next(c for c in plan.stage_costs(0) if c.name == "layer.0").blocks[0]
+    named = [r for r in rows if r["pass"] == "F" and r["block"] == "attention" and r["bound"] == "memory"]
+    assert [r["kernel"] for r in named] == [e.name for e in attention.elementwise]
+    work = block_work(plan, attention, "F", data["tokens"])
+    assert sum(float(r["shape"].split()[0].replace(",", "")) for r in named) == pytest.approx(
+        work.elementwise_bytes / 1e6, rel=1e-3)
+
+
 def test_explain_compute_shows_the_host_racing_a_gpus_kernels(capsys, tmp_path):
     """With the host's time per op in a GPU's file, each block shows its host row and takes the longer of
     that and its kernels (pinned against the H100 host's figures measured by calibrate --ranks 1)."""

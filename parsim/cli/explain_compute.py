@@ -163,7 +163,7 @@ def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str) -
         time = model.time(attention_flops=0 if backward else flops, attention_grad_flops=flops if backward else 0)
         rows.append({"block": block, "kernel": "attention core (flash" + (", backward)" if backward else ")"),
                      "shape": "", "flops": flops, "fill": None, "bound": "compute", "time_s": time})
-    for what, nbytes in (("norms, activations, residuals, softmax, copies", work.elementwise_bytes),
+    for what, nbytes in (*work.elementwise_parts,
                          ("fp8 casts (amax, cast and transpose)", work.quantize_bytes),
                          (f"add weight gradients into {gradient_sum}", work.accumulate_bytes)):
         if nbytes:
