@@ -159,7 +159,8 @@ def test_explain_compute_lists_each_memory_bound_kernel_by_its_model_name(capsys
 
     from parsim.kernels import block_work
 
-    assert main(["explain", "compute", "--model", "llama3-8b", "--cluster", "dgx-h100", "--json"]) == 0
+    args = ["explain", "compute", "--model", "llama3-8b", "--cluster", "dgx-h100", "--dtype", "bf16", "--json"]
+    assert main(args) == 0
     data = json.loads(capsys.readouterr().out)
     rows = data["kernels"]
     plan = Plan(model=load_model("llama3-8b"), dp=8, dtype="bf16")
