@@ -166,3 +166,22 @@ def test_the_help_examples_name_built_in_tables():
 def test_an_unknown_table_names_the_built_in_ones(capsys):
     assert main(["validate", "no-such-table"]) == 2
     assert "megatron-sc21-table1" in capsys.readouterr().err
+
+
+def test_the_gpu_checks_sc21_plan_is_the_tables_first_row():
+    """benchmarks/gpu/sc21-1.7b.yaml, which the GPU check predicts beside a measured layer, is the plan
+    `parsim validate` builds for SC21's 1.7B row."""
+    from pathlib import Path
+
+    from parsim.cluster import load_cluster
+    from parsim.plan import resolve_plan
+    from parsim.step import predict_step
+
+    from parsim.plan import parse_plan
+    from parsim.validation.training import _plan_mapping
+
+    table, _ = load_table("megatron-sc21-table1")
+    row = parse_plan(_plan_mapping(table, table["rows"][0], "1.7B"), "plan")
+    plan = resolve_plan(Path(__file__).parents[1] / "benchmarks/gpu/sc21-1.7b.yaml")
+    a100 = load_cluster("dgx-a100")
+    assert predict_step(plan, a100).step_s == pytest.approx(predict_step(row, a100).step_s, rel=1e-9)

@@ -4,7 +4,8 @@
 #   2. one training step, measured by the executor on NCCL and predicted (parsim compare --nproc 1),
 #      for a compute-bound plan (benchmarks/gpu/one-gpu-step.yaml) and a launch-bound one (tiny-gpt);
 #   3. parsim calibrate --ranks 1 (this GPU's compute and host figures) and both steps again with them;
-#   4. a torch.profiler trace of the compute-bound step, for `parsim compare --measured` anywhere.
+#   4. SC21's 1.7B layer as Megatron-LM ran it (benchmarks/gpu/unfused_layer.py) beside its prediction;
+#   5. a torch.profiler trace of the compute-bound step, for `parsim compare --measured` anywhere.
 # Collectives need two GPUs: NCCL refuses two ranks on one.
 # Usage: bash benchmarks/gpu/check.sh [OUT_DIR]     (default gpu-check/; python3 with torch and CUDA)
 set -uo pipefail
@@ -39,6 +40,9 @@ timeout 180 $py -m parsim compare "$step" --cluster "$out/this-gpu.yaml" --nproc
   --timeout 170 2>&1 | tee -a "$out/step.txt"
 timeout 90 $py -m parsim compare tiny-dp2 --dp 1 --cluster "$out/this-gpu.yaml" --nproc 1 --backend nccl --steps 5 \
   --timeout 80 2>&1 | tee -a "$out/tiny.txt"
+echo "== SC21's 1.7B layer (unfused attention, fp16): measured, then predicted"
+timeout 90 $py benchmarks/gpu/unfused_layer.py --json "$out/unfused-layer.json" 2>&1 | grep -v -i warn
+$py -m parsim explain compute benchmarks/gpu/sc21-1.7b.yaml --cluster "$cluster" | tail -3
 echo "== profile of $step"
 timeout 150 $py -m parsim run "$step" --nproc 1 --backend nccl --steps 2 --timeout 140 --profile "$out/profile" 2>&1 \
   | tail -4

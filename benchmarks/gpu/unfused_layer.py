@@ -5,7 +5,7 @@ Megatron-LM's [seq, batch, hidden] layout: LayerNorm, one QKV linear, scores by 
 dropout, context by bmm, output linear, dropout and residual; LayerNorm, GeLU MLP of 4h, dropout and
 residual. It prints the forward's and the backward's time (CUDA events, mean of 10) and, from a
 torch.profiler trace of one of each, the GPU time by kind of kernel, to set beside
-`parsim explain compute` of the same row on the GPU's cluster.
+`parsim explain compute benchmarks/gpu/sc21-1.7b.yaml --cluster CLUSTER` (benchmarks/gpu/check.sh does).
 
     python benchmarks/gpu/unfused_layer.py [--json OUT]
 """
@@ -103,7 +103,11 @@ def main() -> int:
                "forward_by_kind_s": by_kind(lambda: layer(x), forward_kernels),
                "backward_by_kind_s": by_kind(lambda: out.backward(grad), backward_kernels),
                "forward_kernels_s": forward_kernels, "backward_kernels_s": backward_kernels}
-    print(json.dumps(figures, indent=1))
+    print(f"{figures['gpu']} (torch {figures['torch']}): forward {forward_s * 1e3:.2f} ms, "
+          f"backward {figures['backward_s'] * 1e3:.2f} ms")
+    for kind in sorted(set(figures["forward_by_kind_s"]) | set(figures["backward_by_kind_s"])):
+        print(f"  {kind:<18} forward {figures['forward_by_kind_s'].get(kind, 0) * 1e3:6.2f} ms, "
+              f"backward {figures['backward_by_kind_s'].get(kind, 0) * 1e3:6.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
