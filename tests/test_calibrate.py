@@ -89,6 +89,19 @@ def test_a_comparison_of_different_machines_is_flagged(capsys):
     assert "describes a CPU host, but the run measures NCCL" in lines[1]
 
 
+def test_a_gpu_comparison_of_a_plan_pricing_fused_kernels_says_what_the_executor_ran(capsys):
+    from parsim.cli.common import note_executor_kernels
+    from parsim.plan import resolve_plan
+
+    fused = resolve_plan("tiny-dp2")
+    eager = resolve_plan("tiny-dp2", overrides={"model": {**fused.model.to_dict(), "layer_kernels": "eager",
+                                                          "cross_entropy": "torch"}})
+    for plan, backend in ((fused, "nccl"), (fused, "gloo"), (eager, "nccl"), (resolve_plan("course-ddp"), "nccl")):
+        note_executor_kernels(plan, backend)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "tiny-dp2 prices layer_kernels: fused and cross_entropy: fused" in line
+
+
 def test_comparing_a_gpu_cluster_with_a_run_here_warns_once_it_has_measured(capsys):
     assert main(["compare", "all-reduce", "--cluster", "dgx-h100", "--nproc", "2", "--size", "4KiB"]) == 0
     err = capsys.readouterr().err

@@ -126,6 +126,19 @@ def warn_other_machine(cluster: ClusterSpec, backend: str) -> None:
              "calibrate on this GPU host for a like-for-like comparison: parsim calibrate --out gpu-host.yaml")
 
 
+def note_executor_kernels(plan, backend: str) -> None:
+    """On GPUs, say so when a transformer plan prices other kernels than the executor ran: it runs plain eager
+    PyTorch layers and torch's cross-entropy (``layer_kernels: eager``, ``cross_entropy: torch``), while a
+    plan's defaults price Megatron-LM's fused ones. On CPUs the calibration's rates absorb the difference."""
+    model = plan.model
+    if backend != "nccl" or getattr(model, "kind", "") != "transformer":
+        return
+    if (model.layer_kernels, model.cross_entropy) != ("eager", "torch"):
+        note(f"parsim compare: note: the executor ran eager PyTorch layers and torch's cross-entropy, but "
+             f"{plan.name} prices layer_kernels: {model.layer_kernels} and cross_entropy: {model.cross_entropy}; "
+             "to price what ran, set layer_kernels: eager and cross_entropy: torch in its model (docs/plans.md)")
+
+
 class OpsProgress:
     """``simulating: 123,456 / 658,883 ops (18%)`` redrawn in place on a terminal's stderr.
 
