@@ -219,3 +219,18 @@ def test_more_ranks_than_cores_time_share_them():
     shared = predict_step(dp, spec).step_s
     alone = predict_step(dp, parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")).step_s
     assert shared > 1.5 * alone
+
+
+def test_a_plan_too_small_to_hide_the_host_is_flagged_on_a_gpu_cluster_without_host_costs(capsys, tmp_path):
+    """tiny-gpt's ~1,000 eager ops take longer to issue than its kernels run on an H100; a big plan's do not;
+    a file with measured host costs prices the host instead of flagging it."""
+    assert main(["simulate", "tiny-dp2", "--cluster", "dgx-h100"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "too short to hide the host" in line]
+    assert len(notes) == 1 and "tiny-dp2" in notes[0] and "calibrate --ranks 1" in notes[0]
+    with_host = read_yaml(builtin_clusters()["dgx-h100"])
+    with_host["compute"].update(op_forward_us=9.0, op_backward_us=11.0)
+    path = tmp_path / "h100-host.yaml"
+    path.write_text(yaml.safe_dump(with_host))
+    for plan, cluster in (("tiny-dp2", str(path)), ("llama3-8b-fsdp8", "dgx-h100")):
+        assert main(["simulate", plan, "--cluster", cluster]) == 0
+        assert "too short to hide the host" not in capsys.readouterr().err

@@ -12,7 +12,7 @@ from ..errors import ParsimError
 from ..memory import Memory
 from ..table import render_table
 from ..topology import Topology
-from ..units import format_size
+from ..units import format_size, format_time
 
 DEFAULT_CLUSTER = "dgx-h100"
 
@@ -124,6 +124,25 @@ def warn_other_machine(cluster: ClusterSpec, backend: str) -> None:
     elif backend == "nccl" and cluster.describes_cpu_host:
         note(f"parsim compare: warning: {cluster.name} describes a CPU host, but the run measures NCCL on GPUs; "
              "calibrate on this GPU host for a like-for-like comparison: parsim calibrate --out gpu-host.yaml")
+
+
+# Eager PyTorch's host time per op on a GPU host, to the nearest order: 9.2 to 17 us measured per forward or
+# backward op on two GPU hosts by `parsim calibrate --ranks 1` (docs/kernel-model.md). Only for note_launch_bound.
+HOST_OP_S = 10e-6
+
+
+def note_launch_bound(command: str, plan, cluster: ClusterSpec, step_s: float) -> None:
+    """On a GPU cluster without host costs, say so when a plan's kernels are too short to hide the host: issuing
+    its eager ops at about HOST_OP_S each would take longer than the step predicted, which leaves the host out."""
+    if cluster.describes_cpu_host or cluster.op_forward_s or cluster.op_backward_s:
+        return
+    ops = sum(sum(block.eager_ops) for stage in range(plan.num_stages) for cost in plan.stage_costs(stage)
+              for block in cost.blocks) * plan.num_microbatches // plan.pp
+    if ops * HOST_OP_S > step_s:
+        note(f"parsim {command}: note: {plan.name}'s kernels are too short to hide the host on {cluster.name}: "
+             f"issuing its ~{ops:,} eager ops per step takes about {format_time(ops * HOST_OP_S)} at "
+             f"{HOST_OP_S * 1e6:g} us each, against {format_time(step_s)} predicted without the host; "
+             "parsim calibrate --ranks 1 on the GPU host measures it (docs/kernel-model.md)")
 
 
 def note_executor_kernels(plan, backend: str) -> None:

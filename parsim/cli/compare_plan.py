@@ -17,7 +17,7 @@ from ..step_report import PHASES, breakdown, step_time
 from ..table import render_table
 from ..trace import Trace
 from ..units import format_time, size_unit, time_unit
-from .common import note, note_executor_kernels, progress, warn_other_machine
+from .common import note, note_executor_kernels, note_launch_bound, progress, warn_other_machine
 from .plan_cmd import plan_from_args
 
 
@@ -43,6 +43,8 @@ def compare_plan_command(args: argparse.Namespace) -> int:
                                    **({"timeout_s": args.timeout} if args.timeout is not None else {}))
         warn_other_machine(cluster, measured.meta.get("backend", ""))
         note_executor_kernels(plan, measured.meta.get("backend", ""))
+        if measured.meta.get("backend") == "nccl":
+            note_launch_bound("compare", plan, cluster, predicted.step_s)
         if load.warning("the measured run"):
             note(load.warning("the measured run"))
         source = f"run here, median of {steps} steps"

@@ -11,7 +11,8 @@ from ..step import StepPrediction, predict_step
 from ..step_report import PHASES, comm_overlap
 from ..table import render_table
 from ..units import format_time
-from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, memory_table, note_unmeasured_matmuls
+from .common import (DEFAULT_CLUSTER, OpsProgress, check_outputs, memory_table, note_launch_bound,
+                     note_unmeasured_matmuls)
 from .plan_cmd import add_plan_args, plan_from_args
 
 DEFAULT_PLAN = "llama3-70b-1024"
@@ -69,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     note_unmeasured_matmuls("simulate", cluster, plan.dtype)
+    note_launch_bound("simulate", plan, cluster, prediction.step_s)
     if args.json:
         print_json("simulate", to_json(prediction))
     else:
