@@ -77,7 +77,7 @@ def test_a_dtype_without_a_measured_matmul_rate_is_noted_once_it_has_simulated(c
     err = capsys.readouterr().err
     assert "note: dgx-h100 gives no measured fp32 matmul rate" in err and "compute.matmul_efficiency.fp32" in err
     assert main(["simulate", "tiny-dp2", "--cluster", "dgx-h100", "--dtype", "bf16"]) == 0
-    assert "note:" not in capsys.readouterr().err
+    assert "matmul rate" not in capsys.readouterr().err  # (tiny-gpt's launch-bound note stays)
     h100 = load_cluster("dgx-h100")
     assert h100.lacks_matmul_rate("fp32") and not h100.lacks_matmul_rate("fp16")
 

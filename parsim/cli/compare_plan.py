@@ -41,9 +41,10 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         with ForeignLoad() as load:
             measured, _ = run_plan(plan, nproc, steps, backend=args.backend or "auto",
                                    **({"timeout_s": args.timeout} if args.timeout is not None else {}))
-        warn_other_machine(cluster, measured.meta.get("backend", ""))
-        note_executor_kernels(plan, measured.meta.get("backend", ""))
-        if measured.meta.get("backend") == "nccl":
+        backend = measured.meta.get("backend", "")
+        warn_other_machine(cluster, backend)
+        note_executor_kernels(plan, backend)
+        if backend == "nccl":
             note_launch_bound("compare", plan, cluster, predicted.step_s)
         if load.warning("the measured run"):
             note(load.warning("the measured run"))
