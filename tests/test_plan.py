@@ -378,3 +378,10 @@ def test_plan_show_describes_every_feature(capsys):
     assert main(["plan", "show", "llama3-8b-fsdp8"]) == 0
     out = capsys.readouterr().out
     assert "FSDP (ZeRO-3), shards over 8 ranks" in out and "recompute         full, every layer" in out
+
+
+def test_plan_show_says_which_kernels_a_transformer_plan_prices(capsys):
+    assert main(["plan", "show", "llama3-8b-fsdp8"]) == 0
+    assert "kernels           attention flash, layers fused, loss fused" in capsys.readouterr().out
+    assert main(["plan", "show", "course-ddp"]) == 0
+    assert "kernels " not in capsys.readouterr().out  # the lecture's MLP has no attention or loss kernels to name

@@ -248,6 +248,8 @@ def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topolo
         ("pipeline", f"{plan.schedule}, {stages}" if plan.pp > 1 else "none (one stage)"),
         ("precision", f"{plan.dtype} ({plan.dtype_bytes} bytes)"
                       + (", matmuls in fp8" if plan.dtype == "fp8" else "")),
+        *([("kernels", f"attention {m.attention_kernel}, layers {m.layer_kernels}, loss {m.cross_entropy}")]
+          if m.kind == "transformer" else []),
         ("tensor parallel", (plan.tp_style + (" with sequence parallelism" if plan.sequence_parallel else "")
                              + (", communication overlapped with GEMMs" if plan.tp_comm_overlap else ""))
                             if plan.tp > 1 else "none"),
