@@ -198,9 +198,13 @@ class ComputeModel:
                     + stream_bytes / self.memory_bw_Bps)
         else:
             work = max(flops / self.peak_flops, hbm_bytes / self.memory_bw_Bps)
-        host = (forward_ops * self.op_forward_s + backward_ops * self.op_backward_s
-                + optimizer_tensors * self.optimizer_tensor_s)
+        host = self.host_time(forward_ops, backward_ops, optimizer_tensors)
         return self.with_host(total + work + kernels * self.kernel_overhead_s, host)
+
+    def host_time(self, forward_ops: int = 0, backward_ops: int = 0, optimizer_tensors: int = 0) -> float:
+        """The host's fixed costs of dispatching these eager ops and stepping these AdamW tensors."""
+        return (forward_ops * self.op_forward_s + backward_ops * self.op_backward_s
+                + optimizer_tensors * self.optimizer_tensor_s)
 
     def with_host(self, device_s: float, host_s: float) -> float:
         """A block's time from its kernels' and its host's: the longer on a GPU, which runs kernels while

@@ -177,7 +177,7 @@ def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str) -
 
 def _host_row(model: ComputeModel, block: str, forward_ops: int, backward_ops: int) -> dict | None:
     """The host issuing the block's eager ops, where the cluster file gives its time per op."""
-    seconds = forward_ops * model.op_forward_s + backward_ops * model.op_backward_s
+    seconds = model.host_time(forward_ops, backward_ops)
     if not seconds:
         return None
     how = "races the kernels" if model.host_overlaps_device else "adds to the kernels"
