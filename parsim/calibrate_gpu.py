@@ -34,6 +34,15 @@ from .errors import ParsimError
 from .plan import DTYPE_BYTES
 
 
+# The host's figures: ``{name}_us`` in a cluster file, ``{name}_s`` on a GpuFit and a ClusterSpec.
+HOST_FIGURES = ("op_forward", "op_backward", "optimizer_tensor")
+
+
+def host_us(figures: Any) -> dict[str, float]:
+    """A GpuFit's or a ClusterSpec's host figures in microseconds, by name (HOST_FIGURES)."""
+    return {name: getattr(figures, f"{name}_s") * 1e6 for name in HOST_FIGURES}
+
+
 @dataclass(frozen=True)
 class GpuFit:
     """One GPU's fitted compute figures, as the cluster file's ``compute:`` keys take them."""
@@ -88,10 +97,7 @@ def gpu_cluster(base: dict[str, Any], fit: GpuFit, name: str, description: str, 
     measured = {p: {seq: round(f, 4) for seq, f in by_seq.items()} for p, by_seq in fit.attention.items() if by_seq}
     if measured:
         compute["attention_efficiency"] = {**compute.get("attention_efficiency", {}), **measured}
-    for key, seconds in (("op_forward_us", fit.op_forward_s), ("op_backward_us", fit.op_backward_s),
-                         ("optimizer_tensor_us", fit.optimizer_tensor_s)):
-        if seconds:
-            compute[key] = round(seconds * 1e6, 3)
+    compute.update({f"{name}_us": round(us, 3) for name, us in host_us(fit).items() if us})
     return data
 
 
@@ -101,8 +107,7 @@ def gpu_payload(out: str, device: str, base_cluster: str, fit: GpuFit, rows: lis
             "matmul_efficiency": fit.matmul_efficiency, "memory_efficiency": fit.memory_efficiency,
             "attention_efficiency": {p: {str(seq): f for seq, f in by_seq.items()}
                                      for p, by_seq in fit.attention.items()},
-            "host_us": {"op_forward": fit.op_forward_s * 1e6, "op_backward": fit.op_backward_s * 1e6,
-                        "optimizer_tensor": fit.optimizer_tensor_s * 1e6},
+            "host_us": host_us(fit),
             "rows": [{k: r[k] for k in ("kind", "what", "measured_s", "work")} for r in rows]}
 
 

@@ -13,7 +13,7 @@ import yaml
 
 from ..calibrate import (fit_dispatch, fit_elementwise, fit_links, fit_matmul, fit_operation, fit_optimizer,
                          fit_step_overhead, host_cluster)
-from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload
+from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..cluster import builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from ..compute import attention_efficiency_at
 from ..errors import ParsimError
@@ -249,10 +249,8 @@ def _run_one_gpu(args: argparse.Namespace) -> int:
         table += [[f"attention_efficiency.{p} at {seq:,}", attention_efficiency_at(curve, seq), f]
                   for seq, f in fit.attention[p].items()]
     rows = [[n, f"{a:.3f}", f"{b:.3f}"] for n, a, b in table]
-    rows += [[f"{key} (host, µs)", f"{base * 1e6:.1f}", f"{mine * 1e6:.1f}"] for key, base, mine in
-             (("op_forward_us", spec.op_forward_s, fit.op_forward_s),
-              ("op_backward_us", spec.op_backward_s, fit.op_backward_s),
-              ("optimizer_tensor_us", spec.optimizer_tensor_s, fit.optimizer_tensor_s))]
+    base, mine = host_us(spec), host_us(fit)
+    rows += [[f"{name}_us (host, µs)", f"{base[name]:.1f}", f"{mine[name]:.1f}"] for name in base]
     print(render_table(["figure", base_name, "measured"], rows,
                        title=f"{device_name}: compute figures (links and NCCL stay {base_name}'s)"))
     print(f"wrote {args.out}: use it as --cluster {args.out}")
