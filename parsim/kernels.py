@@ -24,12 +24,16 @@ class BlockWork:
     sources: tuple[tuple[str, str], ...]  # each matmul's (weight split, role): role "fwd", "dgrad", "wgrad" or "core"
     attention_flops: float  # the fused attention core's FLOPs as executed, forward
     attention_grad_flops: float  # and backward
-    elementwise_bytes: float  # memory-bound kernels' reads and writes
+    elementwise_parts: tuple[tuple[str, float], ...]  # memory-bound kernels: (name, bytes read and written)
     accumulate_bytes: float  # adding weight gradients into .grad
     kernels: int
     quantize_bytes: float = 0.0  # fp8 plans: casting the GEMMs' operands (see fp8_cast_bytes)
     high_precision: bool = False  # fp8 plans: this block's matmuls stay in bf16 (FP8_EXEMPT_BLOCKS)
-    elementwise_parts: tuple[tuple[str, float], ...] = ()  # elementwise_bytes kernel by kernel, for explanations
+
+    @property
+    def elementwise_bytes(self) -> float:
+        """The memory-bound kernels' reads and writes, all together."""
+        return float(sum(nbytes for _, nbytes in self.elementwise_parts))
 
 
 # Transformer Engine's FP8 (current scaling, TE 2.x): before a GEMM, each bf16 operand is reduced to its
@@ -57,7 +61,7 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
     (:attr:`~parsim.plan.Plan.accumulation_bytes`).
     A tensor-parallel collective over the feature dimension adds a copy of its
     tensor (:class:`~parsim.model.TPCollective` ``regroups``).
-    Kernels launched: one per matmul and one per memory-bound kernel.
+    Kernels launched: one per matmul and one per memory-bound kernel with bytes to move.
     """
     tp = plan.tp
     mms: list[tuple[int, int, int]] = []
@@ -97,26 +101,21 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         attention_fwd = work if kind == "F" else 0.0
         attention_bwd = 2 * work if backward else 0.0
     parts: list[tuple[str, float]] = []  # memory-bound kernels: (name, bytes)
-    kernels = len(mms)
     if kind != "W":
         passes = [(e, backward, e.name) for e in block.elementwise]
         passes += [(e, False, f"{e.name} (recomputed)") for e in block.elementwise if rerun_core and e.attention_core]
         parts += [(name, tokens * e.bytes_per_token(direction, plan.dtype_bytes, tp, plan.sequence_parallel))
                   for e, direction, name in passes]
-        kernels += len(passes)
         # A tensor-parallel collective over features regroups its buffer with a copy: read and write it once.
         phase = "backward" if backward else "forward"
         regrouped = [c for c in block.collectives if c.regroups and c.group == "tp" and c.phase == phase and tp > 1]
         parts += [(f"{c.name} regrouping copy", tokens * 2 * c.bytes_per_token) for c in regrouped]
-        kernels += len(regrouped)
     # A lookup table's gradient is dense (torch's embedding_dense_backward, under Megatron-LM's
     # VocabParallelEmbedding too): the backward zeroes a table-sized tensor before scattering the rows in.
     tables = sum(t.numel_per_rank(tp) for t in block.tables)
     if kind in ("B", "I") and tables:
-        parts.append(("zero the table's gradient", tables * plan.dtype_bytes))
-        kernels += len(block.tables)
-    parts = [(name, nbytes) for name, nbytes in parts if nbytes]
-    elementwise = float(sum(nbytes for _, nbytes in parts))
+        parts += [(f"zero {t.name}'s gradient", t.numel_per_rank(tp) * plan.dtype_bytes) for t in block.tables]
+    parts = [(name, nbytes) for name, nbytes in parts if nbytes]  # a kernel with nothing to move does not run
     # Each weight gradient joins the step's sum in a pass over the weights (Plan.accumulation_bytes: into
     # Megatron-LM's main_grad every microbatch, or into autograd's .grad after the first). A fused
     # accumulation does it in the weight-gradient matmul's epilogue, hidden by its FLOPs (k = tokens); a
@@ -130,9 +129,9 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
                            for mm in block.matmuls if mm.owns_weight)
         accumulate = weights * plan.accumulation_bytes
     quantize, casts = fp8_cast_bytes(plan, block, kind, tokens)
-    return BlockWork(tuple(mms), tuple(labels), tuple(sources), attention_fwd, attention_bwd, elementwise, accumulate,
-                     kernels + 2 * casts, quantize, plan.dtype == "fp8" and block.name in FP8_EXEMPT_BLOCKS,
-                     tuple(parts))
+    kernels = len(mms) + len(parts) + 2 * casts
+    return BlockWork(tuple(mms), tuple(labels), tuple(sources), attention_fwd, attention_bwd, tuple(parts), accumulate,
+                     kernels, quantize, plan.dtype == "fp8" and block.name in FP8_EXEMPT_BLOCKS)
 
 
 def _rows(plan: Plan, mm, tokens: int) -> int:
