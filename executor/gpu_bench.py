@@ -17,7 +17,7 @@ import time
 from parsim.model import AttentionCore, flash_softmax_factor
 
 from ._torch import require_torch
-from .compute_bench import measure_dispatch, measure_optimizer
+from .compute_bench import measure_dispatch, measure_optimizer, synchronizer
 
 torch = require_torch()
 F = torch.nn.functional
@@ -29,7 +29,7 @@ def timed(fn, device: torch.device, min_s: float = 0.05, max_iters: int = 200) -
     """Mean seconds per call of ``fn`` after three warm-up calls, over at least ``min_s`` of calls."""
     for _ in range(3):
         fn()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     sync()
     start = time.perf_counter()
     fn()
@@ -128,16 +128,14 @@ def memory_rows(dtype, device, elements: int = MEMORY_ELEMENTS) -> list[dict]:
 
 def launch_rows(device, kernels: int = 2000) -> list[dict]:
     """Tiny kernels back to back: GPU time per kernel, and the host's time to issue one."""
-    x = torch.zeros(1, device=device)
+    x, sync = torch.zeros(1, device=device), synchronizer(device)
     gpu = timed(lambda: [x.add_(1) for _ in range(kernels)], device) / kernels
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(kernels):
         x.add_(1)
     host = (time.perf_counter() - start) / kernels
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync()
     return [row("launch", "tiny kernel, GPU time each (back to back)", gpu, {"kernels": 1}),
             row("launch", "tiny kernel, host time to issue one (eager)", host, {"kernels": 1})]
 

@@ -13,14 +13,16 @@ out=${1:-gpu-check}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-case "$gpu" in
-  *H200*) cluster=dgx-h200 ;;
-  *H100*) cluster=dgx-h100 ;;
-  *A100*) cluster=dgx-a100 ;;
-  *B200*) cluster=dgx-b200 ;;
-  *) echo "no built-in cluster for GPU '$gpu'"; exit 2 ;;
-esac
+# The built-in cluster with this GPU, as parsim calibrate --ranks 1 picks it (parsim.cluster.builtin_for_gpu)
+cluster=$($py -c "import sys, torch
+from parsim.cluster import builtin_for_gpu
+from parsim.errors import ParsimError
+if not torch.cuda.is_available():
+    sys.exit('check.sh: this host has no CUDA GPU')
+try:
+    print(builtin_for_gpu(torch.cuda.get_device_name()))
+except ParsimError as error:
+    sys.exit(f'check.sh: {error}')") || exit 2
 step=benchmarks/gpu/one-gpu-step.yaml
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,power.limit,memory.total --format=csv \
   | tee "$out/gpu.txt"

@@ -3,9 +3,10 @@
 The layer is the 1.7B row of `parsim validate` (hidden 2304, 24 heads, seq 2048, microbatch 16), in
 Megatron-LM's [seq, batch, hidden] layout: LayerNorm, one QKV linear, scores by baddbmm, softmax,
 dropout, context by bmm, output linear, dropout and residual; LayerNorm, GeLU MLP of 4h, dropout and
-residual. It prints the forward's and the backward's time (CUDA events, mean of 10) and, from a
-torch.profiler trace of one of each, the GPU time by kind of kernel, to set beside
-`parsim explain compute benchmarks/gpu/sc21-1.7b.yaml --cluster CLUSTER` (benchmarks/gpu/check.sh does).
+residual. It prints the forward's and the backward's time (CUDA events, the mean over at least
+0.3 s after warm-up: executor.gpu_bench.timed) and, from a torch.profiler trace of one of each, the
+GPU time by kind of kernel, to set beside `parsim explain compute benchmarks/gpu/sc21-1.7b.yaml
+--cluster CLUSTER` (benchmarks/gpu/check.sh does).
 
     python benchmarks/gpu/unfused_layer.py [--json OUT]
 """
@@ -21,6 +22,8 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from executor.gpu_bench import timed
 
 HIDDEN, HEADS, SEQ, MICROBATCH, DROPOUT = 2304, 24, 2048, 16, 0.1
 
@@ -49,8 +52,7 @@ class Layer(nn.Module):
 def kind_of(kernel: str) -> str:
     name = kernel.lower()
     for key, kind in (("gemm", "matmul"), ("cutlass", "matmul"), ("xmma", "matmul"), ("nvjet", "matmul"),
-                      ("softmax", "softmax"),
-                      ("dropout", "dropout"), ("layer_norm", "layernorm"), ("gelu", "gelu")):
+                      ("softmax", "softmax"), ("dropout", "dropout"), ("layer_norm", "layernorm"), ("gelu", "gelu")):
         if key in name:
             return kind
     return "other elementwise"
@@ -70,16 +72,6 @@ def by_kind(fn, names: dict[str, float] | None = None) -> dict[str, float]:
     return dict(sorted(totals.items()))
 
 
-def mean_s(fn, iters: int = 10) -> float:
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3 / iters
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
@@ -90,11 +82,9 @@ def main() -> int:
     torch.manual_seed(0)
     layer = Layer(HIDDEN, HEADS).cuda().half()
     x = torch.randn(SEQ, MICROBATCH, HIDDEN, device="cuda", dtype=torch.half, requires_grad=True)
-    grad = torch.randn_like(x)
-    for _ in range(3):
-        layer(x).backward(grad)
-    forward_s = mean_s(lambda: layer(x))
-    both_s = mean_s(lambda: layer(x).backward(grad))
+    grad, cuda = torch.randn_like(x), torch.device("cuda")
+    forward_s = timed(lambda: layer(x), cuda, min_s=0.3)
+    both_s = timed(lambda: layer(x).backward(grad), cuda, min_s=0.3)
     out = layer(x)
     forward_kernels: dict[str, float] = {}
     backward_kernels: dict[str, float] = {}
