@@ -1,0 +1,48 @@
+"""The GPU benchmark scripts as a host without a GPU runs them: a kept GPU measurement re-predicted with
+today's kernel model (its figures pinned), and bad input or a missing GPU refused in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).parents[1]
+H100_KERNELS = "benchmarks/gpu/h100-kernels-2026-11-26.json"
+
+
+def script(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_kept_h100_measurement_is_repredicted_kernel_by_kernel():
+    done = script("benchmarks/gpu_kernels.py", "--measured", H100_KERNELS)
+    assert done.returncode == 0, done.stderr
+    assert "predicted by dgx-h100; kernels of one-gpu-step (bf16)" in done.stdout
+    for line in ("matmul: median |error| 3.6%, max 16.5% over 13 kernels",
+                 "memory: median |error| 6.7%, max 7.4% over 4 kernels"):
+        assert line in done.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("benchmarks/gpu_kernels.py", "--measured", "no-such.json"), "No such file"),
+    (("benchmarks/gpu_kernels.py", "--measured", H100_KERNELS, "--cluster", "nosuch"), "unknown cluster 'nosuch'"),
+])
+def test_bad_input_to_the_kernel_benchmark_is_one_line(args, expected):
+    done = script(*args)
+    assert done.returncode == 2 and expected in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_sc21_layer_benchmark_needs_a_gpu_and_says_so_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    done = script("benchmarks/gpu/unfused_layer.py")
+    assert done.returncode == 2 and done.stderr.strip() == "unfused_layer.py needs a CUDA GPU"
