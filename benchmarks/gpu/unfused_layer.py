@@ -79,6 +79,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("unfused_layer.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    try:
+        out_file = open(args.json, "w") if args.json else None  # refused now, not after minutes of timing
+    except OSError as error:
+        print(f"unfused_layer.py: --json: {error}", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     layer = Layer(HIDDEN, HEADS).cuda().half()
     x = torch.randn(SEQ, MICROBATCH, HIDDEN, device="cuda", dtype=torch.half, requires_grad=True)
@@ -98,9 +103,9 @@ def main() -> int:
     for kind in sorted(set(figures["forward_by_kind_s"]) | set(figures["backward_by_kind_s"])):
         print(f"  {kind:<18} forward {figures['forward_by_kind_s'].get(kind, 0) * 1e3:6.2f} ms, "
               f"backward {figures['backward_by_kind_s'].get(kind, 0) * 1e3:6.2f} ms")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    if out_file:
+        with out_file:
+            json.dump(figures, out_file, indent=1)
     return 0
 
 
