@@ -29,6 +29,7 @@ LINK_GBITS = (1e-11, 1e13, "Gb/s (gigabits)")
 LATENCY_US = (0.0, 1e9, "microseconds")  # up to 1,000 s
 TFLOPS = (1e-12, 1e12, "TFLOP/s, dense")  # from 1 FLOP/s
 CAPACITY_GB = (1e-12, 1e12, "GB")
+CLOCK_MHZ = (1.0, 1e5, "MHz")
 OVERSUBSCRIPTION = (1.0, 1e6, "downlink:uplink ratio, e.g. 1.0 for non-blocking")
 FRACTION = (1e-6, 1.0, "fraction")
 EFFICIENCY = (1e-6, 1e6, "fraction of link speed")
@@ -52,6 +53,12 @@ class GPUSpec:
     hbm_capacity_bytes: float
     hbm_bw_Bps: float
     sm_count: int = 0  # streaming multiprocessors (wave quantization of matmuls); 0: not a GPU / unknown
+    sm_clock_Hz: float = 0.0  # the SMs' boost clock (the SM side of memory-bound kernels); 0: not known
+
+    @property
+    def sm_cycles_per_s(self) -> float:
+        """SM cycles the whole GPU runs per second (0 where the SM count or the clock is not known)."""
+        return self.sm_count * self.sm_clock_Hz
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,7 @@ class ClusterSpec:
     kernel_overhead_s: float = 0.0  # fixed cost of launching one kernel / dispatching one op
     memory_efficiency: float = 1.0  # fraction of the HBM bandwidth memory-bound kernels reach
     # The attention kernel's fraction of peak, forward and backward, each as (kernel sequence length,
-    # fraction) points (parsim.compute.attention_efficiency_at); one point (0, x): x at every length
+    # fraction) points (parsim.compute.at_length); one point (0, x): x at every length
     attention_efficiency: tuple[Curve, Curve] = (((0, 1.0),), ((0, 1.0),))
     nccl: NcclSpec | None = None  # NCCL's view of the node; None: collectives use the flow model alone
     price_per_gpu_hour: float | None = None  # US dollars to rent one GPU for an hour (the search's cost figures)
@@ -313,6 +320,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
             hbm_capacity_bytes=gpu.number("hbm_capacity_GB", CAPACITY_GB) * 1e9,
             hbm_bw_Bps=gpu.number("hbm_bw_GBps", BANDWIDTH_GBPS) * 1e9,
             sm_count=sm_count,
+            sm_clock_Hz=gpu.number("sm_clock_MHz", CLOCK_MHZ, optional=True) * 1e6,
         ),
         intra=IntraNodeSpec(
             fabric=fabric,

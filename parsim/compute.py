@@ -18,6 +18,11 @@ Four kinds of work, each at the rate such kernels reach on the hardware:
 * **Memory-bound kernels** (norms, activations, residuals, softmax, the
   optimizer): bytes over the HBM bandwidth such kernels measure
   (``memory_efficiency`` of the spec sheet's figure); other FLOPs at peak.
+  Some do enough arithmetic per element (a softmax's exponentials and row
+  reductions, dropout's random numbers, GeLU's erf, a norm's reductions) that
+  the SMs, not the memory, bound them: each takes the longer of its bytes and
+  its SM cycles over ``sm_count x sm_clock`` (cycles per element measured on
+  Hopper, :data:`parsim.model.SOFTMAX_SM_CYCLES`).
 * **A fixed cost per kernel**, ``kernel_overhead_s``: launch (GPU) or
   dispatch (eager CPU). It dominates small models.
 
@@ -73,10 +78,10 @@ from .errors import ParsimError
 MATMUL_TILE = 128  # cuBLAS/CUTLASS's common 128 x 128 output tile per thread block (SM80/SM90)
 
 
-def attention_efficiency_at(curve: Curve, seq: int) -> float:
-    """The attention kernel's efficiency at sequence length ``seq`` from the cluster's points: linear in
-    log2(length) between them (FlashAttention's rate climbs by about the same step per doubling), the
-    end points' values beyond them; ``seq`` 0 (not known) takes the longest length's."""
+def at_length(curve: Curve, seq: int) -> float:
+    """A kernel's figure at sequence length ``seq`` from (length, figure) points: linear in log2(length)
+    between them (FlashAttention's rate climbs by about the same step per doubling, a softmax's cost per
+    score too), the end points' values beyond them; ``seq`` 0 (not known) takes the longest length's."""
     if seq <= 0 or seq >= curve[-1][0]:
         return curve[-1][1]
     if seq <= curve[0][0]:
@@ -110,6 +115,7 @@ class ComputeModel:
     elementwise_bw_Bps: float | None = None  # a block's memory-bound bytes (None: at memory_bw_Bps)
     time_share: float = 1.0  # > 1 when a host runs more ranks than it has cores: each gets 1/time_share of one
     host_overlaps_device: bool = False  # a GPU: the host issues kernels while earlier ones run (see above)
+    sm_cycles_per_s: float = 0.0  # SMs x clock: the speed of memory-bound kernels' arithmetic (0: not priced)
 
     @classmethod
     def for_cluster(cls, spec: ClusterSpec, dtype: str, dtype_bytes: int,
@@ -132,13 +138,13 @@ class ComputeModel:
             kernel_overhead_s=spec.kernel_overhead_s, matmul_peak_flops=peaks[dtype] if dtype != other else None,
             other_efficiency=spec.matmul_efficiency_for(other) if dtype != other else None,
             sm_count=spec.gpu.sm_count, memory_efficiency=spec.memory_efficiency,
-            attention_efficiency=tuple(attention_efficiency_at(c, attention_seq) for c in spec.attention_efficiency),
+            attention_efficiency=tuple(at_length(c, attention_seq) for c in spec.attention_efficiency),
             op_forward_s=spec.op_forward_s,
             op_backward_s=spec.op_backward_s, optimizer_tensor_s=spec.optimizer_tensor_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, p2p_rendezvous_s=spec.p2p_rendezvous_s,
             elementwise_bw_Bps=spec.elementwise_bw_Bps,
             time_share=max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0,
-            host_overlaps_device=not spec.describes_cpu_host)
+            host_overlaps_device=not spec.describes_cpu_host, sm_cycles_per_s=spec.gpu.sm_cycles_per_s)
 
     def waves(self, m: float, n: float, sms: int = 0) -> float:
         """Share of the tile work that is useful: tile quantization (edge tiles partly filled still
@@ -181,14 +187,17 @@ class ComputeModel:
     def time(self, matmuls=(), flops: float = 0.0, hbm_bytes: float = 0.0, kernels: int = 0,
              attention_flops: float = 0.0, attention_grad_flops: float = 0.0, forward_ops: int = 0,
              backward_ops: int = 0, optimizer_tensors: int = 0, stream_bytes: float = 0.0,
-             sm_reserved: int = 0, high_precision: bool = False) -> float:
+             sm_reserved: int = 0, high_precision: bool = False,
+             sm_bound: tuple[tuple[float, float], ...] = ()) -> float:
         """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
         kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; and
         each dispatched op's and each optimizer tensor's fixed host cost: added on an eager CPU host,
         the longer of host and kernels on a GPU (``host_overlaps_device``). On a CPU host, too, the
         memory-bound bytes but ``stream_bytes`` at the host's elementwise speed. ``sm_reserved``: SMs
         a communication kernel beside the matmuls holds; ``high_precision``: the matmuls run in bf16 in
-        an fp8 plan (:meth:`matmul_rate`)."""
+        an fp8 plan (:meth:`matmul_rate`). ``sm_bound``: (bytes, SM cycles) of memory-bound kernels
+        whose arithmetic can outlast their bytes (their bytes are in ``hbm_bytes`` too): each takes the
+        longer of the two on a GPU whose SM clock is known (:meth:`sm_excess`)."""
         total = sum(self.matmul_time(*mm, sm_reserved, high_precision) for mm in matmuls)
         forward, backward = self.attention_efficiency
         total += (attention_flops / forward + attention_grad_flops / backward) / self.peak_flops
@@ -199,7 +208,14 @@ class ComputeModel:
         else:
             work = max(flops / self.peak_flops, hbm_bytes / self.memory_bw_Bps)
         host = self.host_time(forward_ops, backward_ops, optimizer_tensors)
-        return self.with_host(total + work + kernels * self.kernel_overhead_s, host)
+        return self.with_host(total + work + self.sm_excess(sm_bound) + kernels * self.kernel_overhead_s, host)
+
+    def sm_excess(self, sm_bound: tuple[tuple[float, float], ...]) -> float:
+        """How much longer than their bytes take these (bytes, SM cycles) kernels run, their arithmetic
+        on every SM being the slower side (0 without an SM clock: a CPU, or a GPU file that gives none)."""
+        if not self.sm_cycles_per_s:
+            return 0.0
+        return sum(max(cycles / self.sm_cycles_per_s - nbytes / self.memory_bw_Bps, 0.0) for nbytes, cycles in sm_bound)
 
     def host_time(self, forward_ops: int = 0, backward_ops: int = 0, optimizer_tensors: int = 0) -> float:
         """The host's fixed costs of dispatching these eager ops and stepping these AdamW tensors."""

@@ -213,7 +213,7 @@ class Lowering:
                                           attention_grad_flops=piece.attention_grad_flops,
                                           forward_ops=piece.forward_ops, backward_ops=piece.backward_ops,
                                           stream_bytes=piece.stream_bytes, sm_reserved=piece.sm_reserved,
-                                          high_precision=piece.high_precision))
+                                          high_precision=piece.high_precision, sm_bound=piece.sm_bound))
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
             if piece.closes:
@@ -327,7 +327,7 @@ class Lowering:
                              attention_flops=work.attention_flops,
                              attention_grad_flops=work.attention_grad_flops, forward_ops=forward_ops,
                              backward_ops=backward_ops, stream_bytes=work.accumulate_bytes,
-                             high_precision=work.high_precision)
+                             high_precision=work.high_precision, sm_bound=work.sm_bound)
         return piece, work.sources
 
     def eager_ops(self, block, kind: str) -> tuple[int, int]:

@@ -37,6 +37,7 @@ class Op:
     stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation, AdamW)
     sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.tp_overlap)
     high_precision: bool = False  # fp8 plans: these matmuls run in bf16 (the LM head)
+    sm_bound: tuple[tuple[float, float], ...] = ()  # (bytes, SM cycles) of kernels the SMs may bound (in hbm_bytes)
     # communication
     collective: str = ""  # all_reduce, all_gather, reduce_scatter, ...
     group: str = ""  # "tp" | "dp" | "pp"

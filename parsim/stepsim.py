@@ -203,13 +203,14 @@ class _Run:
             if op.kind == "compute" or op.kind == "optimizer":
                 key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
                        op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes, op.sm_reserved,
-                       op.high_precision)
+                       op.high_precision, op.sm_bound)
                 fixed[i] = costs.get(key)
                 if fixed[i] is None:
                     fixed[i] = costs[key] = compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels,
                                                          op.attention_flops, op.attention_grad_flops,
                                                          op.forward_ops, op.backward_ops, op.optimizer_tensors,
-                                                         op.stream_bytes, op.sm_reserved, op.high_precision)
+                                                         op.stream_bytes, op.sm_reserved, op.high_precision,
+                                                         op.sm_bound)
             elif self.comm[i] is not None:
                 fixed[i] = self.comm[i].closed_form_s
             stream = (op.rank, op.stream)

@@ -39,10 +39,11 @@ def test_bad_input_to_the_kernel_benchmark_is_one_line(args, expected):
     assert done.returncode == 2 and expected in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
-def test_the_sc21_layer_benchmark_needs_a_gpu_and_says_so_in_one_line():
+@pytest.mark.parametrize("name", ["unfused_layer.py", "score_kernels.py"])
+def test_the_gpu_benchmarks_need_a_gpu_and_say_so_in_one_line(name):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this host has a GPU")
-    done = script("benchmarks/gpu/unfused_layer.py")
-    assert done.returncode == 2 and done.stderr.strip() == "unfused_layer.py needs a CUDA GPU"
+    done = script(f"benchmarks/gpu/{name}")
+    assert done.returncode == 2 and done.stderr.strip() == f"{name} needs a CUDA GPU"

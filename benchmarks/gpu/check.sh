@@ -4,7 +4,8 @@
 #   2. one training step, measured by the executor on NCCL and predicted (parsim compare --nproc 1),
 #      for a compute-bound plan (benchmarks/gpu/one-gpu-step.yaml) and a launch-bound one (tiny-gpt);
 #   3. parsim calibrate --ranks 1 (this GPU's compute and host figures) and both steps again with them;
-#   4. SC21's 1.7B layer as Megatron-LM ran it (benchmarks/gpu/unfused_layer.py) beside its prediction;
+#   4. SC21's 1.7B layer as Megatron-LM ran it (benchmarks/gpu/unfused_layer.py) beside its prediction, and
+#      the kernels whose SM cycles the model prices (benchmarks/gpu/score_kernels.py);
 #   5. a torch.profiler trace of the compute-bound step, for `parsim compare --measured` anywhere.
 # Collectives need two GPUs: NCCL refuses two ranks on one.
 # Usage: bash benchmarks/gpu/check.sh [OUT_DIR]     (default gpu-check/; python3 with torch and CUDA)
@@ -45,6 +46,7 @@ timeout 90 $py -m parsim compare tiny-dp2 --dp 1 --cluster "$out/this-gpu.yaml" 
 echo "== SC21's 1.7B layer (unfused attention, fp16): measured, then predicted"
 timeout 90 $py benchmarks/gpu/unfused_layer.py --json "$out/unfused-layer.json" 2>&1 | grep -v -i warn
 $py -m parsim explain compute benchmarks/gpu/sc21-1.7b.yaml --cluster "$cluster" | tail -3
+timeout 90 $py benchmarks/gpu/score_kernels.py --json "$out/score-kernels.json" 2>&1 | grep -v -i warn
 echo "== profile of $step"
 timeout 150 $py -m parsim run "$step" --nproc 1 --backend nccl --steps 2 --timeout 140 --profile "$out/profile" 2>&1 \
   | tail -4

@@ -15,7 +15,7 @@ from ..calibrate import (fit_dispatch, fit_elementwise, fit_links, fit_matmul, f
                          fit_step_overhead, host_cluster)
 from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..cluster import builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
-from ..compute import attention_efficiency_at
+from ..compute import at_length
 from ..errors import ParsimError
 from ..files import read_yaml
 from ..host_load import ForeignLoad
@@ -246,7 +246,7 @@ def _run_one_gpu(args: argparse.Namespace) -> int:
     table = [["matmul_efficiency.bf16", spec.matmul_efficiency_for("bf16"), fit.matmul_efficiency],
              ["memory_efficiency", spec.memory_efficiency, fit.memory_efficiency]]
     for p, curve in zip(("forward", "backward"), spec.attention_efficiency):
-        table += [[f"attention_efficiency.{p} at {seq:,}", attention_efficiency_at(curve, seq), f]
+        table += [[f"attention_efficiency.{p} at {seq:,}", at_length(curve, seq), f]
                   for seq, f in fit.attention[p].items()]
     rows = [[n, f"{a:.3f}", f"{b:.3f}"] for n, a, b in table]
     base, mine = host_us(spec), host_us(fit)

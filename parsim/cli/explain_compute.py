@@ -163,12 +163,14 @@ def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str) -
         time = model.time(attention_flops=0 if backward else flops, attention_grad_flops=flops if backward else 0)
         rows.append({"block": block, "kernel": "attention core (flash" + (", backward)" if backward else ")"),
                      "shape": "", "flops": flops, "fill": None, "bound": "compute", "time_s": time})
-    for what, nbytes in (*work.elementwise_parts,
-                         ("fp8 casts (amax, cast and transpose)", work.quantize_bytes),
-                         (f"add weight gradients into {gradient_sum}", work.accumulate_bytes)):
+    for what, nbytes, cycles in (*work.elementwise_parts,
+                                 ("fp8 casts (amax, cast and transpose)", work.quantize_bytes, 0.0),
+                                 (f"add weight gradients into {gradient_sum}", work.accumulate_bytes, 0.0)):
         if nbytes:
+            bound = "SMs" if model.sm_excess(((nbytes, cycles),)) else "memory"
             rows.append({"block": block, "kernel": what, "shape": f"{nbytes / 1e6:,.1f} MB", "flops": 0.0,
-                         "fill": None, "bound": "memory", "time_s": model.time(hbm_bytes=nbytes)})
+                         "fill": None, "bound": bound, "time_s": model.time(hbm_bytes=nbytes,
+                                                                            sm_bound=((nbytes, cycles),))})
     if work.kernels and model.kernel_overhead_s:
         rows.append({"block": block, "kernel": f"{work.kernels} launches", "shape": "", "flops": 0.0, "fill": None,
                      "bound": "launch", "time_s": work.kernels * model.kernel_overhead_s})
@@ -201,6 +203,9 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
         f"  memory      {model.memory_efficiency:g} x {model.hbm_bw_Bps / 1e9:g} GB/s = "
         f"{model.memory_bw_Bps / 1e9:.0f} GB/s",
     ]
+    if model.sm_cycles_per_s:
+        lines.append(f"  SMs         {model.sm_count} x {model.sm_cycles_per_s / model.sm_count / 1e6:,.0f} MHz: "
+                     "softmax, dropout, GeLU and norms take the longer of their bytes and their SM cycles")
     if model.op_forward_s or model.op_backward_s:
         how = ("a block takes the longer of its kernels and its host" if model.host_overlaps_device
                else "added to each block's kernels")
