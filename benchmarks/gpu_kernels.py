@@ -14,7 +14,9 @@ cluster file's kernel model predicts (:class:`parsim.compute.ComputeModel`):
   FLOPs the model counts (causal tiles skipped); the default backend also at
   1k to 16k tokens per sequence (the model's efficiency varies by length);
 * memory-bound kernels on 1 GiB tensors (copy, add, multiply, SiLU), at the
-  bytes each reads and writes;
+  bytes each reads and writes; and those whose arithmetic may outlast their
+  bytes (softmax by row length, dropout, GeLU, LayerNorm), at their bytes and
+  SM cycles (``compute.sm_cycles``);
 * a stream of tiny kernels: the GPU time per kernel and the host's time to
   issue one (eager PyTorch), beside the cluster's ``kernel_overhead_us``.
 
@@ -38,9 +40,10 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend
 
-from executor.gpu_bench import MEMORY_ELEMENTS, attention_at, launch_rows, matmul_row, memory_rows
+from executor.gpu_bench import (MEMORY_ELEMENTS, SM_ELEMENTS, SM_ROW_LENGTHS, SM_TOKENS, attention_at, launch_rows,
+                                matmul_row, memory_rows, sm_rows)
 from parsim.cluster import ClusterSpec, builtin_for_gpu, load_cluster
-from parsim.compute import ComputeModel
+from parsim.compute import ComputeModel, SmWork
 from parsim.kernels import block_work
 from parsim.errors import ParsimError
 from parsim.model import TransformerModel
@@ -62,6 +65,9 @@ def predict(r: dict, spec: ClusterSpec, dtype: str) -> float:
         return model.time(**{"attention_flops" if work["pass"] == "forward" else "attention_grad_flops": work["flops"]})
     if r["kind"] == "memory":
         return model.time(hbm_bytes=work["bytes"])
+    if r["kind"] == "sm":  # a memory-bound kernel whose arithmetic may outlast its bytes
+        arithmetic = SmWork(work["sm"], work["elements"], work["pass"] == "backward", work.get("row", 0))
+        return model.time(hbm_bytes=work["bytes"], sm_bound=((work["bytes"], (arithmetic,)),))
     return model.time(kernels=work["kernels"])
 
 
@@ -103,8 +109,10 @@ def measure(plan, device, memory_elements: int) -> list[dict]:
     """Every kind of kernel above, on ``device``; attention only for a transformer plan."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.dtype]
     rows = []
+    on_gpu = device.type == "cuda"
+    scores, tokens = (SM_ELEMENTS, SM_TOKENS) if on_gpu else (4 * max(SM_ROW_LENGTHS), 4)  # a CPU: a quick look
     parts = [lambda: matmul_rows(plan, dtype, device), lambda: memory_rows(dtype, device, memory_elements),
-             lambda: launch_rows(device)]
+             lambda: sm_rows(device, dtype, scores, tokens), lambda: launch_rows(device)]
     if isinstance(plan.model, TransformerModel):
         lengths = ATTENTION_LENGTHS if device.type == "cuda" else (plan.model.seq_len // 2,)
         parts.insert(1, lambda: attention_rows(plan, dtype, device, lengths))

@@ -126,6 +126,46 @@ def memory_rows(dtype, device, elements: int = MEMORY_ELEMENTS) -> list[dict]:
     return rows
 
 
+SM_ELEMENTS = 1 << 28  # scores for the softmax and dropout rows: 512 MiB at 2 bytes
+SM_ROW_LENGTHS = (512, 1024, 2048, 4096, 8192)
+SM_TOKENS, SM_HIDDEN = 16384, 4096  # the norm's and GeLU's rows (GeLU over 4 x SM_HIDDEN)
+
+
+def sm_row(kind: str, what: str, seconds: float, elements: float, nbytes: float, pass_: str = "forward",
+           length: int = 0) -> dict:
+    """A memory-bound kernel whose arithmetic may outlast its bytes, with the elements the model counts for
+    it (:class:`parsim.compute.SmWork`): read and written, or for dropout drawn."""
+    return row("sm", what, seconds, {"sm": kind, "pass": pass_, "elements": elements, "bytes": nbytes,
+                                     "row": length})
+
+
+def sm_rows(device, dtype, elements: int = SM_ELEMENTS, tokens: int = SM_TOKENS) -> list[dict]:
+    """Softmax forward by row length, dropout's forward, and GeLU and LayerNorm forward and backward (their
+    forward + backward less the forward), each with its elements and bytes: ``elements`` scores, ``tokens``
+    rows of SM_HIDDEN."""
+    x = torch.randn(elements, device=device, dtype=dtype)
+    size = x.element_size()
+    rows = []
+    for length in SM_ROW_LENGTHS:
+        scores = x.view(-1, length)
+        rows.append(sm_row("softmax", f"softmax forward, rows of {length}", timed(lambda: torch.softmax(scores, -1),
+                           device), 2 * elements, 2 * size * elements, length=length))
+    rows.append(sm_row("dropout", "dropout forward, p 0.1", timed(lambda: torch.native_dropout(x, 0.1, True), device),
+                       elements, (2 * size + 1) * elements))
+    a = torch.randn(tokens, SM_HIDDEN, device=device, dtype=dtype, requires_grad=True)
+    norm = torch.nn.LayerNorm(SM_HIDDEN).to(device, dtype)
+    b = torch.randn(tokens, 4 * SM_HIDDEN, device=device, dtype=dtype, requires_grad=True)
+    da, db = torch.randn_like(a), torch.randn_like(b)
+    width = tokens * SM_HIDDEN
+    kernels = (("norm", lambda: norm(a), lambda: torch.autograd.grad(norm(a), (a, norm.weight, norm.bias), da), width),
+               ("gelu", lambda: F.gelu(b), lambda: torch.autograd.grad(F.gelu(b), b, db), 4 * width))
+    for kind, forward, both, n in kernels:
+        forward_s, both_s = timed(forward, device), timed(both, device)
+        rows += [sm_row(kind, f"{kind} forward", forward_s, 2 * n, 2 * size * n),
+                 sm_row(kind, f"{kind} backward", both_s - forward_s, 3 * n, 3 * size * n, "backward")]
+    return rows
+
+
 def launch_rows(device, kernels: int = 2000) -> list[dict]:
     """Tiny kernels back to back: GPU time per kernel, and the host's time to issue one."""
     x, sync = torch.zeros(1, device=device), synchronizer(device)
@@ -157,7 +197,8 @@ def host_rows(device) -> list[dict]:
 
 # What `parsim calibrate --ranks 1` times (parsim.calibrate_gpu): square-ish matmuls, where cuBLAS reaches its
 # best rate (the MAMF rule takes the best shape); causal attention at the lengths FlashAttention-3's figures
-# give, 16k tokens each, at the models' head dim 128; memory-bound kernels on 1 GiB; the host's time per eager op.
+# give, 16k tokens each, at the models' head dim 128; memory-bound kernels on 1 GiB, and those whose arithmetic
+# may outlast their bytes; the host's time per eager op.
 CALIBRATION_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192))
 CALIBRATION_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 CALIBRATION_TOKENS, CALIBRATION_HEADS, CALIBRATION_HEAD_DIM = 16384, 32, 128
@@ -169,4 +210,4 @@ def calibration_rows(device, dtype) -> list[dict]:
     for length in CALIBRATION_LENGTHS:
         rows += attention_at("default", None, CALIBRATION_TOKENS // length, length, CALIBRATION_HEADS,
                              CALIBRATION_HEAD_DIM, dtype, device)
-    return rows + memory_rows(dtype, device) + host_rows(device)
+    return rows + memory_rows(dtype, device) + sm_rows(device, dtype) + host_rows(device)

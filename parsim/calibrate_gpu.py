@@ -13,6 +13,10 @@ rule its built-in value was sourced by:
   add, multiply, SiLU) over the spec sheet's HBM bandwidth, as a STREAM figure;
 * ``attention_efficiency``: causal attention's rate by sequence length, forward
   and backward, over the FLOPs the model counts, as FlashAttention-3's figures;
+* ``sm_cycles``: the SM cycles per element of the memory-bound kernels whose
+  arithmetic may outlast their bytes (softmax by row length, dropout, GeLU, a
+  norm): seconds x SMs x clock over the elements the model counts, as the
+  built-in figures were measured (:data:`parsim.cluster.HOPPER_SM_CYCLES`);
 * ``op_forward_us``, ``op_backward_us``: the host's time per eager op, forward
   and backward, pooled over generic blocks too small to keep the GPU busy (as
   ``parsim calibrate`` fits a CPU host's); ``optimizer_tensor_us``: torch's
@@ -28,7 +32,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from .cluster import ClusterSpec
+from .cluster import ClusterSpec, SmCycles
 from .compute import ComputeModel
 from .errors import ParsimError
 from .plan import DTYPE_BYTES
@@ -53,6 +57,38 @@ class GpuFit:
     op_forward_s: float = 0.0  # host time per eager op (0: not measured)
     op_backward_s: float = 0.0
     optimizer_tensor_s: float = 0.0
+    sm_cycles: SmCycles | None = None  # None: not measured (no such rows, or the GPU's SM clock is not known)
+
+
+def fit_sm_cycles(rows: list[dict], sm_cycles_per_s: float, base: SmCycles) -> SmCycles | None:
+    """SM cycles per element of the ``sm`` rows (:func:`executor.gpu_bench.sm_rows`): seconds x SMs x clock
+    over the elements the model counts, the median where a kernel was timed more than once; ``base``'s
+    figures for kinds not timed."""
+    timed = [r for r in rows if r["kind"] == "sm"]
+    if not timed or not sm_cycles_per_s:
+        return None
+    per_element: dict[tuple[str, str, int], list[float]] = {}
+    for r in timed:
+        work = r["work"]
+        key = (work["sm"], work["pass"], work.get("row", 0))
+        per_element.setdefault(key, []).append(r["measured_s"] * sm_cycles_per_s / work["elements"])
+    figure = {key: statistics.median(values) for key, values in per_element.items()}
+
+    def passes(kind: str, fallback: tuple[float, float]) -> tuple[float, float]:
+        return tuple(figure.get((kind, p, 0), old) for p, old in zip(("forward", "backward"), fallback))
+
+    softmax = tuple(sorted((row, f) for (kind, _, row), f in figure.items() if kind == "softmax"))
+    return SmCycles(softmax=softmax or base.softmax, dropout=figure.get(("dropout", "forward", 0), base.dropout),
+                    gelu=passes("gelu", base.gelu), norm=passes("norm", base.norm))
+
+
+def sm_cycles_mapping(figures: SmCycles) -> dict[str, Any]:
+    """``figures`` as a cluster file's ``compute.sm_cycles`` takes them."""
+    def both(pair: tuple[float, float]) -> dict[str, float]:
+        return {"forward": round(pair[0], 4), "backward": round(pair[1], 4)}
+
+    return {"softmax": {row: round(f, 4) for row, f in figures.softmax}, "dropout": round(figures.dropout, 4),
+            "gelu": both(figures.gelu), "norm": both(figures.norm)}
 
 
 def fit_gpu(rows: list[dict], spec: ClusterSpec, dtype: str = "bf16") -> GpuFit:
@@ -76,7 +112,8 @@ def fit_gpu(rows: list[dict], spec: ClusterSpec, dtype: str = "bf16") -> GpuFit:
                    for p, by_seq in attention.items()},
                   *(_per_unit([r for r in rows if r["kind"] == "host" and r["work"].get("pass") == p], "ops")
                     for p in ("forward", "backward")),
-                  _per_unit([r for r in rows if r["kind"] == "host"], "optimizer_tensors"))
+                  _per_unit([r for r in rows if r["kind"] == "host"], "optimizer_tensors"),
+                  fit_sm_cycles(rows, spec.gpu.sm_cycles_per_s, spec.sm_cycles))
 
 
 def _per_unit(rows: list[dict], unit: str) -> float:
@@ -98,6 +135,8 @@ def gpu_cluster(base: dict[str, Any], fit: GpuFit, name: str, description: str, 
     if measured:
         compute["attention_efficiency"] = {**compute.get("attention_efficiency", {}), **measured}
     compute.update({f"{name}_us": round(us, 3) for name, us in host_us(fit).items() if us})
+    if fit.sm_cycles is not None:
+        compute["sm_cycles"] = sm_cycles_mapping(fit.sm_cycles)
     return data
 
 
@@ -108,6 +147,7 @@ def gpu_payload(out: str, device: str, base_cluster: str, fit: GpuFit, rows: lis
             "attention_efficiency": {p: {str(seq): f for seq, f in by_seq.items()}
                                      for p, by_seq in fit.attention.items()},
             "host_us": host_us(fit),
+            "sm_cycles": None if fit.sm_cycles is None else sm_cycles_mapping(fit.sm_cycles),
             "rows": [{k: r[k] for k in ("kind", "what", "measured_s", "work")} for r in rows]}
 
 

@@ -39,7 +39,7 @@ MATRIX_DIM = (0.0, 1e9, "matrix dimension")
 MAX_GPUS = 2**17
 COUNTS = {"gpus_per_node": MAX_GPUS, "nics_per_node": 2**12, "nodes_per_leaf": MAX_GPUS}
 
-COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "kernel_overhead_us", "memory_efficiency",
+COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "kernel_overhead_us", "memory_efficiency", "sm_cycles",
                 "attention_efficiency",
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "matmul_stream_bw_GBps",
@@ -104,6 +104,33 @@ Curve = tuple[tuple[int, float], ...]  # (x, y) points, x ascending
 
 
 @dataclass(frozen=True)
+class SmCycles:
+    """SM cycles per element of the memory-bound kernels whose arithmetic, not their bytes, can bound them
+    (:class:`parsim.compute.SmWork`): a softmax's forward per element read or written, by row length; dropout
+    per random number drawn (one per mask element); GeLU and a fused norm per element read or written,
+    forward and backward. A softmax's backward and dropout's stream at the memory speed."""
+
+    softmax: Curve
+    dropout: float
+    gelu: tuple[float, float]
+    norm: tuple[float, float]
+
+
+# Measured on an H100 SXM and an H200 (132 SMs at 1,980 MHz each; the mean of the two) by
+# benchmarks/gpu/score_kernels.py, kept in benchmarks/gpu/h100-score-kernels-2026-11-26.json and h200-...:
+# these kernels run as long as the SMs need, however fast the memory (torch's softmax over rows of 2,048 fp16
+# scores took 2.49 ms on H100 and 2.30 ms on H200 for 4.3 GB, which copies in 1.42 and 1.01 ms). The softmax
+# is torch's softmax_warp_forward to 2,048 entries and cunn_SoftMaxForward beyond (Megatron-LM's fused
+# scale-mask-softmax is a warp-per-row kernel of the same design); the norm is torch's LayerNorm (RMSNorm is
+# priced alike). Every cluster file without figures of its own takes these; for a GPU other than Hopper that is
+# an assumption (A100's SMs have half the FP32 lanes of Hopper's and as many special-function units: there the
+# cost is a lower bound). `parsim calibrate --ranks 1` measures them on the GPU at hand.
+HOPPER_SM_CYCLES = SmCycles(softmax=((512, 0.193), (1024, 0.205), (2048, 0.291), (4096, 0.407), (8192, 0.503)),
+                            dropout=0.468, gelu=(0.170, 0.158), norm=(0.235, 0.356))
+SM_CYCLES = (1e-6, 1e6, "SM cycles per element")
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """One node's hardware and the fabric between nodes, as read from a file."""
 
@@ -134,6 +161,7 @@ class ClusterSpec:
     # The attention kernel's fraction of peak, forward and backward, each as (kernel sequence length,
     # fraction) points (parsim.compute.at_length); one point (0, x): x at every length
     attention_efficiency: tuple[Curve, Curve] = (((0, 1.0),), ((0, 1.0),))
+    sm_cycles: SmCycles = HOPPER_SM_CYCLES  # priced where the GPU's SM clock is known (gpu.sm_clock_MHz)
     nccl: NcclSpec | None = None  # NCCL's view of the node; None: collectives use the flow model alone
     price_per_gpu_hour: float | None = None  # US dollars to rent one GPU for an hour (the search's cost figures)
 
@@ -294,6 +322,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
                           "a mapping with forward and backward fractions")
     attention_efficiency = tuple(_curve(source, f"compute.attention_efficiency.{p}", attention.get(p, 1.0))
                                  for p in ("forward", "backward"))
+    sm_cycles = _sm_cycles(source, compute.get("sm_cycles", {}))
     host_us = {}
     for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us"):
         host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
@@ -348,6 +377,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         kernel_overhead_s=float(kernel_us) * 1e-6,
         memory_efficiency=memory_efficiency,
         attention_efficiency=attention_efficiency,
+        sm_cycles=sm_cycles,
         nccl=nccl,
         price_per_gpu_hour=price,
         collective_step_overhead_s={str(op): float(v) * 1e-6 for op, v in step_overhead.items()},
@@ -374,14 +404,35 @@ def _fraction(source: str, key: str, value: object) -> float:
     return _figure(source, key, value, FRACTION)
 
 
-def _curve(source: str, key: str, value: object) -> Curve:
-    """A fraction, or fractions by sequence length (``{2048: 0.53, 8192: 0.61}``), as sorted points."""
+def _curve(source: str, key: str, value: object, limits: tuple[float, float, str] = FRACTION) -> Curve:
+    """A figure, or figures by sequence length (``{2048: 0.53, 8192: 0.61}``), as sorted points."""
     if not isinstance(value, dict):
-        return ((0, _fraction(source, key, value)),)
+        return ((0, _figure(source, key, value, limits)),)
     if not value or not all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in value):
-        raise ConfigError(source, key, f"is {value!r}", "a fraction, or fractions keyed by sequence lengths "
-                          "(whole numbers of tokens)")
-    return tuple((k, _fraction(source, f"{key}.{k}", value[k])) for k in sorted(value))
+        raise ConfigError(source, key, f"is {value!r}", f"a {limits[2]} figure, or figures keyed by sequence "
+                          "lengths (whole numbers of tokens)")
+    return tuple((k, _figure(source, f"{key}.{k}", value[k], limits)) for k in sorted(value))
+
+
+def _sm_cycles(source: str, value: object) -> SmCycles:
+    """``compute.sm_cycles``: any of softmax (by row length), dropout, gelu and norm ({forward, backward});
+    the others are Hopper's (HOPPER_SM_CYCLES)."""
+    key, default = "compute.sm_cycles", HOPPER_SM_CYCLES
+    if not isinstance(value, dict) or set(value) - {"softmax", "dropout", "gelu", "norm"}:
+        raise ConfigError(source, key, f"is {value!r}", "a mapping of softmax, dropout, gelu and norm")
+
+    def passes(kind: str, fallback: tuple[float, float]) -> tuple[float, float]:
+        given = value.get(kind)
+        if given is None:
+            return fallback
+        if not isinstance(given, dict) or set(given) != {"forward", "backward"}:
+            raise ConfigError(source, f"{key}.{kind}", f"is {given!r}", "a mapping of forward and backward")
+        return (_figure(source, f"{key}.{kind}.forward", given["forward"], SM_CYCLES),
+                _figure(source, f"{key}.{kind}.backward", given["backward"], SM_CYCLES))
+
+    softmax = _curve(source, f"{key}.softmax", value["softmax"], SM_CYCLES) if "softmax" in value else default.softmax
+    dropout = _figure(source, f"{key}.dropout", value["dropout"], SM_CYCLES) if "dropout" in value else default.dropout
+    return SmCycles(softmax, dropout, gelu=passes("gelu", default.gelu), norm=passes("norm", default.norm))
 
 
 def _figure(source: str, key: str, value: object, limits: tuple[float, float, str]) -> float:

@@ -22,7 +22,8 @@ Four kinds of work, each at the rate such kernels reach on the hardware:
   reductions, dropout's random numbers, GeLU's erf, a norm's reductions) that
   the SMs, not the memory, bound them: each takes the longer of its bytes and
   its SM cycles over ``sm_count x sm_clock`` (cycles per element measured on
-  Hopper, :data:`parsim.model.SOFTMAX_SM_CYCLES`).
+  Hopper, :data:`parsim.cluster.HOPPER_SM_CYCLES`, or on the GPU at hand by
+  ``parsim calibrate --ranks 1``).
 * **A fixed cost per kernel**, ``kernel_overhead_s``: launch (GPU) or
   dispatch (eager CPU). It dominates small models.
 
@@ -72,7 +73,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .cluster import ClusterSpec, Curve
+from .cluster import HOPPER_SM_CYCLES, ClusterSpec, Curve, SmCycles
 from .errors import ParsimError
 
 MATMUL_TILE = 128  # cuBLAS/CUTLASS's common 128 x 128 output tile per thread block (SM80/SM90)
@@ -90,6 +91,19 @@ def at_length(curve: Curve, seq: int) -> float:
         if seq <= x1:
             return y0 + (y1 - y0) * math.log2(seq / x0) / math.log2(x1 / x0)
     raise AssertionError("unreachable: seq is below the last point")
+
+
+@dataclass(frozen=True)
+class SmWork:
+    """The arithmetic of a memory-bound kernel that may outlast its bytes (:meth:`ComputeModel.sm_excess`):
+    ``elements`` read or written by a ``kind`` kernel ("softmax", forward, over rows of ``row`` entries;
+    "gelu"; "norm"), in a forward or a ``backward``, or drawn ("dropout": one random number per mask
+    element)."""
+
+    kind: str
+    elements: float
+    backward: bool = False
+    row: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,6 +130,7 @@ class ComputeModel:
     time_share: float = 1.0  # > 1 when a host runs more ranks than it has cores: each gets 1/time_share of one
     host_overlaps_device: bool = False  # a GPU: the host issues kernels while earlier ones run (see above)
     sm_cycles_per_s: float = 0.0  # SMs x clock: the speed of memory-bound kernels' arithmetic (0: not priced)
+    sm_cycles: SmCycles = HOPPER_SM_CYCLES  # their SM cycles per element
 
     @classmethod
     def for_cluster(cls, spec: ClusterSpec, dtype: str, dtype_bytes: int,
@@ -144,7 +159,8 @@ class ComputeModel:
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, p2p_rendezvous_s=spec.p2p_rendezvous_s,
             elementwise_bw_Bps=spec.elementwise_bw_Bps,
             time_share=max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0,
-            host_overlaps_device=not spec.describes_cpu_host, sm_cycles_per_s=spec.gpu.sm_cycles_per_s)
+            host_overlaps_device=not spec.describes_cpu_host, sm_cycles_per_s=spec.gpu.sm_cycles_per_s,
+            sm_cycles=spec.sm_cycles)
 
     def waves(self, m: float, n: float, sms: int = 0) -> float:
         """Share of the tile work that is useful: tile quantization (edge tiles partly filled still
@@ -188,14 +204,14 @@ class ComputeModel:
              attention_flops: float = 0.0, attention_grad_flops: float = 0.0, forward_ops: int = 0,
              backward_ops: int = 0, optimizer_tensors: int = 0, stream_bytes: float = 0.0,
              sm_reserved: int = 0, high_precision: bool = False,
-             sm_bound: tuple[tuple[float, float], ...] = ()) -> float:
+             sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...] = ()) -> float:
         """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
         kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; and
         each dispatched op's and each optimizer tensor's fixed host cost: added on an eager CPU host,
         the longer of host and kernels on a GPU (``host_overlaps_device``). On a CPU host, too, the
         memory-bound bytes but ``stream_bytes`` at the host's elementwise speed. ``sm_reserved``: SMs
         a communication kernel beside the matmuls holds; ``high_precision``: the matmuls run in bf16 in
-        an fp8 plan (:meth:`matmul_rate`). ``sm_bound``: (bytes, SM cycles) of memory-bound kernels
+        an fp8 plan (:meth:`matmul_rate`). ``sm_bound``: (bytes, arithmetic) of memory-bound kernels
         whose arithmetic can outlast their bytes (their bytes are in ``hbm_bytes`` too): each takes the
         longer of the two on a GPU whose SM clock is known (:meth:`sm_excess`)."""
         total = sum(self.matmul_time(*mm, sm_reserved, high_precision) for mm in matmuls)
@@ -210,12 +226,24 @@ class ComputeModel:
         host = self.host_time(forward_ops, backward_ops, optimizer_tensors)
         return self.with_host(total + work + self.sm_excess(sm_bound) + kernels * self.kernel_overhead_s, host)
 
-    def sm_excess(self, sm_bound: tuple[tuple[float, float], ...]) -> float:
-        """How much longer than their bytes take these (bytes, SM cycles) kernels run, their arithmetic
-        on every SM being the slower side (0 without an SM clock: a CPU, or a GPU file that gives none)."""
+    def sm_excess(self, sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...]) -> float:
+        """How much longer than their bytes these (bytes, arithmetic) kernels run, their SM cycles over every
+        SM being the slower side (0 without an SM clock: a CPU, or a GPU file that gives none)."""
         if not self.sm_cycles_per_s:
             return 0.0
-        return sum(max(cycles / self.sm_cycles_per_s - nbytes / self.memory_bw_Bps, 0.0) for nbytes, cycles in sm_bound)
+        return sum(max(sum(map(self.cycles, works)) / self.sm_cycles_per_s - nbytes / self.memory_bw_Bps, 0.0)
+                   for nbytes, works in sm_bound)
+
+    def cycles(self, work: SmWork) -> float:
+        """SM cycles of ``work`` at this GPU's cycles per element (:class:`~parsim.cluster.SmCycles`)."""
+        figures = self.sm_cycles
+        if work.kind == "softmax":
+            per_element = at_length(figures.softmax, work.row)
+        elif work.kind == "dropout":
+            per_element = figures.dropout
+        else:
+            per_element = getattr(figures, work.kind)[work.backward]
+        return per_element * work.elements
 
     def host_time(self, forward_ops: int = 0, backward_ops: int = 0, optimizer_tensors: int = 0) -> float:
         """The host's fixed costs of dispatching these eager ops and stepping these AdamW tensors."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .compute import SmWork
 from .model import Block, flash_softmax_factor, shard
 from .plan import Plan
 
@@ -24,7 +25,8 @@ class BlockWork:
     sources: tuple[tuple[str, str], ...]  # each matmul's (weight split, role): role "fwd", "dgrad", "wgrad" or "core"
     attention_flops: float  # the fused attention core's FLOPs as executed, forward
     attention_grad_flops: float  # and backward
-    elementwise_parts: tuple[tuple[str, float, float], ...]  # memory-bound kernels: (name, bytes moved, SM cycles)
+    # memory-bound kernels: (name, bytes, the arithmetic that may outlast the bytes)
+    elementwise_parts: tuple[tuple[str, float, tuple[SmWork, ...]], ...]
     accumulate_bytes: float  # adding weight gradients into .grad
     kernels: int
     quantize_bytes: float = 0.0  # fp8 plans: casting the GEMMs' operands (see fp8_cast_bytes)
@@ -36,10 +38,10 @@ class BlockWork:
         return float(sum(nbytes for _, nbytes, _ in self.elementwise_parts))
 
     @property
-    def sm_bound(self) -> tuple[tuple[float, float], ...]:
-        """(bytes, SM cycles) of the memory-bound kernels whose arithmetic may outlast their bytes
+    def sm_bound(self) -> tuple[tuple[float, tuple[SmWork, ...]], ...]:
+        """(bytes, arithmetic) of the memory-bound kernels whose arithmetic may outlast their bytes
         (:attr:`ComputeModel.time <parsim.compute.ComputeModel.time>`'s ``sm_bound``)."""
-        return tuple((nbytes, cycles) for _, nbytes, cycles in self.elementwise_parts if cycles)
+        return tuple((nbytes, works) for _, nbytes, works in self.elementwise_parts if works)
 
 
 # Transformer Engine's FP8 (current scaling, TE 2.x): before a GEMM, each bf16 operand is reduced to its
@@ -106,22 +108,22 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         work = attention * core.executed_fraction() * flash_softmax_factor(core.head_dim) if core else attention
         attention_fwd = work if kind == "F" else 0.0
         attention_bwd = 2 * work if backward else 0.0
-    parts: list[tuple[str, float, float]] = []  # memory-bound kernels: (name, bytes, SM cycles)
+    parts: list[tuple[str, float, tuple[SmWork, ...]]] = []  # memory-bound kernels: (name, bytes, arithmetic)
     if kind != "W":
         passes = [(e, backward, e.name) for e in block.elementwise]
         passes += [(e, False, f"{e.name} (recomputed)") for e in block.elementwise if rerun_core and e.attention_core]
         split = (plan.dtype_bytes, tp, plan.sequence_parallel)
-        parts += [(name, tokens * e.bytes_per_token(direction, *split), tokens * e.cycles_per_token(direction, *split))
+        parts += [(name, tokens * e.bytes_per_token(direction, *split), e.sm_work(tokens, direction, *split))
                   for e, direction, name in passes]
         # A tensor-parallel collective over features regroups its buffer with a copy: read and write it once.
         phase = "backward" if backward else "forward"
         regrouped = [c for c in block.collectives if c.regroups and c.group == "tp" and c.phase == phase and tp > 1]
-        parts += [(f"{c.name} regrouping copy", tokens * 2 * c.bytes_per_token, 0.0) for c in regrouped]
+        parts += [(f"{c.name} regrouping copy", tokens * 2 * c.bytes_per_token, ()) for c in regrouped]
     # A lookup table's gradient is dense (torch's embedding_dense_backward, under Megatron-LM's
     # VocabParallelEmbedding too): the backward zeroes a table-sized tensor before scattering the rows in.
     tables = sum(t.numel_per_rank(tp) for t in block.tables)
     if kind in ("B", "I") and tables:
-        parts += [(f"zero {t.name}'s gradient", t.numel_per_rank(tp) * plan.dtype_bytes, 0.0) for t in block.tables]
+        parts += [(f"zero {t.name}'s gradient", t.numel_per_rank(tp) * plan.dtype_bytes, ()) for t in block.tables]
     parts = [part for part in parts if part[1]]  # a kernel with nothing to move does not run
     # Each weight gradient joins the step's sum in a pass over the weights (Plan.accumulation_bytes: into
     # Megatron-LM's main_grad every microbatch, or into autograd's .grad after the first). A fused

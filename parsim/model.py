@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Mapping, Union
 
 from . import eager_ops
-from .compute import at_length
+from .compute import SmWork
 from .errors import ConfigError, ParsimError
 from .files import read_yaml
 from .units import parse_size
@@ -87,20 +87,6 @@ LOG_SOFTMAX_REREADS = (2, 1)
 # in fp32 in seven kernels, RoPE by rotate-half and cat, K/V heads copied by repeat_interleave, separate
 # projections whose input gradients are added. ``tests/test_eager_kernels.py`` counts the executor's bytes.
 LAYER_KERNELS = ("fused", "eager")
-# Memory-bound kernels whose arithmetic, not their bytes, bounds them on a GPU: SM cycles per element they
-# read or write, measured on H100 SXM and H200 (132 SMs at 1,980 MHz each; the mean of the two) by
-# benchmarks/gpu/score_kernels.py, kept in benchmarks/gpu/h100-score-kernels-2026-11-26.json and h200-...
-# On both GPUs these kernels run as long as the SMs need, however fast the memory: torch's softmax over rows of
-# 2,048 fp16 scores took 2.49 ms on H100 and 2.26 ms on H200 for 4.3 GB, which copies in 1.42 and 1.00 ms.
-# A kernel takes the longer of its bytes at the memory speed and its cycles over SMs x clock (parsim.compute);
-# other GPUs are assumed to take the same cycles per element (A100's SMs have half the FP32 lanes of Hopper's
-# and the same number of special-function units: there it is a lower bound).
-# Softmax forward over rows of n scores (torch's softmax_warp_forward to 2,048 entries, cunn_SoftMaxForward
-# beyond; Megatron-LM's fused scale-mask-softmax is a warp-per-row kernel of the same design), by n:
-SOFTMAX_SM_CYCLES = ((512, 0.198), (1024, 0.218), (2048, 0.289), (4096, 0.405), (8192, 0.497))
-DROPOUT_SM_CYCLES = 0.464  # per mask element (one Philox random number each): dropout's forward
-GELU_SM_CYCLES = (0.170, 0.162)  # forward, backward (erf)
-NORM_SM_CYCLES = (0.227, 0.355)  # forward, backward: a fused LayerNorm (torch's kernels; applied to RMSNorm too)
 SOFTMAX_COST = 20  # FlashAttention's softmax time per score in matmul FLOPs per head-dim unit (flash_softmax_factor)
 FLASH_BLOCK = 128  # FlashAttention-2's Q/K tile (Br = Bc = 128 at head dim 128) (causal masking skips whole tiles)
 INDEX_BYTES = 8  # token ids are int64
@@ -256,9 +242,12 @@ class Elementwise:
     element_bytes: int = 0
     attention_core: bool = False  # over the unfused core's scores: selective recompute reruns it
     cast: bool = False  # one side of a cast to or from fp32, which an fp32 plan does not run
-    sm_cycles: tuple[float, float] = (0.0, 0.0)  # SM cycles per element accessed, forward and backward
-    # elements per token of a one-byte dropout mask the kernel draws and writes in the forward (Philox random
-    # numbers, DROPOUT_SM_CYCLES each) and reads in the backward
+    # a kernel whose arithmetic the SMs may take longer over than its bytes (parsim.compute.SmWork): "softmax"
+    # (forward, over rows of ``row`` entries), "gelu" or "norm"
+    sm_kind: str = ""
+    row: int = 0
+    # elements per token of a one-byte dropout mask the kernel draws (Philox random numbers) and writes in the
+    # forward and reads in the backward
     mask: int = 0
 
     def _per_rank(self, elements: int, tp: int, sequence_parallel: bool) -> int:
@@ -271,13 +260,19 @@ class Elementwise:
         elements = self._per_rank(self.backward if backward else self.forward, tp, sequence_parallel)
         return elements * (self.element_bytes or dtype_bytes) + self._per_rank(self.mask, tp, sequence_parallel)
 
-    def cycles_per_token(self, backward: bool, dtype_bytes: int, tp: int = 1, sequence_parallel: bool = False) -> float:
-        """SM cycles per token on one rank (:data:`SOFTMAX_SM_CYCLES`); 0 for a kernel only its bytes bound."""
+    def sm_work(self, tokens: int, backward: bool, dtype_bytes: int, tp: int = 1,
+                sequence_parallel: bool = False) -> tuple[SmWork, ...]:
+        """The arithmetic of this kernel over ``tokens`` tokens on one rank that may outlast its bytes: none for
+        a kernel only its bytes bound, nor for a softmax's backward (it streams)."""
         if self.cast and dtype_bytes == 4:
-            return 0.0
-        cycles = self.sm_cycles[1] if backward else self.sm_cycles[0]
-        total = cycles * self._per_rank(self.backward if backward else self.forward, tp, sequence_parallel)
-        return total + (0.0 if backward else DROPOUT_SM_CYCLES * self._per_rank(self.mask, tp, sequence_parallel))
+            return ()
+        works = []
+        if self.sm_kind and not (backward and self.sm_kind == "softmax"):
+            elements = self._per_rank(self.backward if backward else self.forward, tp, sequence_parallel)
+            works.append(SmWork(self.sm_kind, float(tokens * elements), backward, self.row))
+        if self.mask and not backward:
+            works.append(SmWork("dropout", float(tokens * self._per_rank(self.mask, tp, sequence_parallel))))
+        return tuple(works)
 
 
 @dataclass(frozen=True)
@@ -816,9 +811,8 @@ class TransformerModel(_CostTotals):
             kernels.append(Elementwise("attn.core", 2 * q + 2 * kv, 4 * q + 4 * kv, unit=unit))
         else:
             scores = self.num_heads * self.seq_len
-            softmax_cycles = (at_length(SOFTMAX_SM_CYCLES, self.seq_len), 0.0)
             kernels.append(Elementwise("attn.softmax", 2 * scores, 3 * scores, unit=self.seq_len,
-                                       attention_core=True, sm_cycles=softmax_cycles))
+                                       attention_core=True, sm_kind="softmax", row=self.seq_len))
             # Megatron-LM's core copies the context from [b, np, s, d] back to [s, b, np·d] (read and
             # write q), and the backward of splitting the fused QKV output writes the three gradients
             # into one tensor (read and write q + 2kv): megatron/model/transformer.py, ParallelAttention.
@@ -867,7 +861,7 @@ class TransformerModel(_CostTotals):
         and the row sum (h), ``mean``'s and ``pow``'s backward in fp32 (8h fp32), and the two paths added
         (3h): 15h and 8h fp32."""
         if self.layer_kernels != "eager":
-            return (Elementwise(name, 2 * h, 3 * h, sharded=False, sm_cycles=NORM_SM_CYCLES),)
+            return (Elementwise(name, 2 * h, 3 * h, sharded=False, sm_kind="norm"),)
         return (Elementwise(name, 4 * h, 15 * h, sharded=False),
                 Elementwise(f"{name}.fp32", 3 * h, 8 * h, sharded=False, element_bytes=4),
                 Elementwise(f"{name}.cast", h, h, sharded=False, cast=True),
@@ -887,7 +881,7 @@ class TransformerModel(_CostTotals):
         SiLU (2f) and the product (3f); backward, the two products' gradients (3f each) and SiLU's (3f)."""
         if self.ffn_type == "swiglu":
             return Elementwise(name, 5 * f, 9 * f) if self.layer_kernels == "eager" else Elementwise(name, 3 * f, 5 * f)
-        return Elementwise(name, 2 * f, 3 * f, sm_cycles=GELU_SM_CYCLES)
+        return Elementwise(name, 2 * f, 3 * f, sm_kind="gelu")
 
     def _residual(self, block: str, h: int) -> list[Elementwise]:
         """The residual add (two reads, one write; its backward sums the two gradients), with dropout

@@ -6,8 +6,8 @@ import pytest
 
 from parsim.calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload
 from parsim.cli.main import main
-from parsim.cluster import builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
-from parsim.compute import ComputeModel
+from parsim.cluster import SmCycles, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
+from parsim.compute import ComputeModel, SmWork
 from parsim.errors import ParsimError
 from parsim.files import read_yaml
 from parsim.model import load_model
@@ -18,6 +18,7 @@ from json_schema import errors
 SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192))
 LENGTHS = (1024, 4096, 16384)
 HOST_US = {"forward": 9.0, "backward": 6.0, "optimizer_tensor": 2.5}  # the host a measured_by GPU has
+SM_CYCLES = SmCycles(softmax=((1024, 0.25), (4096, 0.45)), dropout=0.4, gelu=(0.2, 0.15), norm=(0.3, 0.5))
 
 
 def measured_by(model: ComputeModel, spec) -> list[dict]:
@@ -36,6 +37,13 @@ def measured_by(model: ComputeModel, spec) -> list[dict]:
              for b in (2 << 30, 3 << 30)]
     rows += [{"kind": "host", "what": f"block, {p}", "measured_s": ops * HOST_US[p] * 1e-6,
               "work": {"pass": p, "ops": ops}} for ops in (88, 312) for p in ("forward", "backward")]
+    sm = ComputeModel(peak_flops=1.0, hbm_bw_Bps=1.0, dtype_bytes=2, sm_cycles_per_s=spec.gpu.sm_cycles_per_s,
+                      sm_cycles=SM_CYCLES)
+    works = [SmWork("softmax", 1e9, row=row) for row, _ in SM_CYCLES.softmax] + [SmWork("dropout", 5e8)]
+    works += [SmWork(kind, 3e8, backward) for kind in ("gelu", "norm") for backward in (False, True)]
+    rows += [{"kind": "sm", "what": w.kind, "measured_s": sm.cycles(w) / spec.gpu.sm_cycles_per_s,
+              "work": {"sm": w.kind, "pass": "backward" if w.backward else "forward", "elements": w.elements,
+                       "bytes": 2 * w.elements, "row": w.row}} for w in works]
     return rows + [{"kind": "host", "what": "AdamW", "measured_s": 64 * HOST_US["optimizer_tensor"] * 1e-6,
                     "work": {"optimizer_tensors": 64}}]
 
@@ -52,6 +60,9 @@ def test_a_gpu_calibration_recovers_the_figures_its_measurements_were_made_with(
         assert fit.attention["backward"][seq] == pytest.approx(0.45 / (1 + 1024 / seq))
     assert (fit.op_forward_s, fit.op_backward_s, fit.optimizer_tensor_s) == pytest.approx(
         (9e-6, 6e-6, 2.5e-6))
+    assert dict(fit.sm_cycles.softmax) == pytest.approx(dict(SM_CYCLES.softmax))
+    assert (fit.sm_cycles.dropout, *fit.sm_cycles.gelu, *fit.sm_cycles.norm) == pytest.approx(
+        (SM_CYCLES.dropout, *SM_CYCLES.gelu, *SM_CYCLES.norm))
 
 
 def test_the_calibrated_file_keeps_the_base_clusters_links_and_replaces_its_compute():
@@ -68,6 +79,7 @@ def test_the_calibrated_file_keeps_the_base_clusters_links_and_replaces_its_comp
     assert [seq for seq, _ in mine.attention_efficiency[0]] == list(LENGTHS)
     assert (mine.intra, mine.scale_out, mine.nccl, mine.gpu) == (spec.intra, spec.scale_out, spec.nccl, spec.gpu)
     assert (mine.op_forward_s, mine.op_backward_s) == pytest.approx((9e-6, 6e-6))
+    assert mine.sm_cycles == SM_CYCLES  # four decimals written, these need no more
     assert not mine.describes_cpu_host  # a GPU whose host costs are known, not a CPU host
     assert ComputeModel.for_cluster(mine, "bf16", 2).host_overlaps_device
     doc = envelope("calibrate.gpu", gpu_payload("my-gpu.yaml", "NVIDIA H100 80GB HBM3", "dgx-h100", fit, rows))
@@ -116,6 +128,8 @@ def test_one_rank_on_a_gpu_prints_each_figure_beside_the_base_clusters_and_write
                  "memory_efficiency                        0.852     0.900",
                  "attention_efficiency.forward at 4,096    0.603     0.480",  # 0.6 / (1 + 1024/4096)
                  "attention_efficiency.backward at 16,384  0.543     0.424",  # 0.45 / (1 + 1024/16384)
+                 "sm_cycles.softmax at 4,096               0.407     0.450",
+                 "sm_cycles.norm backward                  0.356     0.500",
                  "op_forward_us (host, µs)                 0.0       9.0"):
         assert line in printed
     mine = load_cluster(str(out))
@@ -136,3 +150,22 @@ def test_the_benchmarks_attention_flops_are_the_kernel_models():
     forward = attention_flops(plan.microbatch_size, m.seq_len, m.num_heads, m.head_dim)
     assert block_work(plan, block, "F", plan.tokens_per_rank).attention_flops == pytest.approx(forward)
     assert block_work(plan, block, "B", plan.tokens_per_rank).attention_grad_flops == pytest.approx(2 * forward)
+
+
+def test_the_sm_kernels_calibrate_times_run_and_are_fitted_here():
+    """executor.gpu_bench.sm_rows on this host's CPU (tiny sizes): every kind the model prices, each with the
+    elements it counts, and a figure fitted for each."""
+    torch = pytest.importorskip("torch")
+    from executor.gpu_bench import SM_ROW_LENGTHS, sm_rows
+    from parsim.calibrate_gpu import fit_sm_cycles
+    from parsim.cluster import HOPPER_SM_CYCLES
+
+    rows = sm_rows(torch.device("cpu"), torch.float32, elements=4 * max(SM_ROW_LENGTHS), tokens=4)
+    kinds = {(r["work"]["sm"], r["work"]["pass"], r["work"]["row"]) for r in rows}
+    assert kinds == {("softmax", "forward", n) for n in SM_ROW_LENGTHS} | {("dropout", "forward", 0)} | {
+        (k, p, 0) for k in ("gelu", "norm") for p in ("forward", "backward")}
+    dropout = next(r for r in rows if r["work"]["sm"] == "dropout")["work"]
+    assert dropout["bytes"] == 9 * dropout["elements"]  # fp32 read and written, a one-byte mask
+    fit = fit_sm_cycles(rows, 1e9, HOPPER_SM_CYCLES)
+    assert [n for n, _ in fit.softmax] == list(SM_ROW_LENGTHS) and fit.dropout > 0 and min(fit.gelu + fit.norm) > 0
+    assert fit_sm_cycles(rows, 0.0, HOPPER_SM_CYCLES) is None  # no SM clock: nothing to fit against

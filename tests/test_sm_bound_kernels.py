@@ -4,10 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from parsim.cluster import builtin_clusters, load_cluster
-from parsim.compute import ComputeModel, at_length
+from parsim.cluster import HOPPER_SM_CYCLES, builtin_clusters, load_cluster
+from parsim.compute import ComputeModel, SmWork, at_length
 from parsim.kernels import block_work
-from parsim.model import DROPOUT_SM_CYCLES, GELU_SM_CYCLES, NORM_SM_CYCLES, SOFTMAX_SM_CYCLES
 from parsim.files import read_yaml
 from parsim.plan import load_plan
 
@@ -17,20 +16,34 @@ H100 = ComputeModel(peak_flops=989.5e12, hbm_bw_Bps=3350e9, dtype_bytes=2, sm_co
                     sm_cycles_per_s=132 * 1.98e9)
 
 
+def dropout_drawing(seconds: float) -> tuple[SmWork, ...]:
+    """Dropout whose random numbers take ``seconds`` on H100's SMs."""
+    return (SmWork("dropout", seconds * 132 * 1.98e9 / HOPPER_SM_CYCLES.dropout),)
+
+
 def test_a_kernel_takes_the_longer_of_its_bytes_and_its_sm_cycles():
     nbytes = 4.3e9
     memory_s = nbytes / (3350e9 * 0.852)
-    slow, fast = 1.2 * memory_s * 132 * 1.98e9, 0.5 * memory_s * 132 * 1.98e9  # cycles: 1.2x and 0.5x the bytes' time
+    slow, fast = dropout_drawing(1.2 * memory_s), dropout_drawing(0.5 * memory_s)
     assert H100.time(hbm_bytes=nbytes, sm_bound=((nbytes, slow),)) == pytest.approx(1.2 * memory_s)
     assert H100.time(hbm_bytes=nbytes, sm_bound=((nbytes, fast),)) == pytest.approx(memory_s)
     # each kernel on its own: a memory-bound one does not hide another's cycles
     both = H100.time(hbm_bytes=2 * nbytes, sm_bound=((nbytes, slow), (nbytes, fast)))
     assert both == pytest.approx(2.2 * memory_s)
+    # a kernel's kinds of arithmetic add up: a residual add drawing a dropout mask
+    assert H100.time(hbm_bytes=nbytes, sm_bound=((nbytes, slow + fast),)) == pytest.approx(1.7 * memory_s)
+
+
+def test_each_kind_at_its_cycles_per_element():
+    figures = HOPPER_SM_CYCLES
+    assert H100.cycles(SmWork("softmax", 1e9, row=2048)) == pytest.approx(1e9 * at_length(figures.softmax, 2048))
+    assert H100.cycles(SmWork("gelu", 1e9, backward=True)) == pytest.approx(1e9 * figures.gelu[1])
+    assert H100.cycles(SmWork("norm", 1e9)) == pytest.approx(1e9 * figures.norm[0])
 
 
 def test_without_an_sm_clock_only_bytes_count():
     cpu_like = ComputeModel(peak_flops=1e12, hbm_bw_Bps=100e9, dtype_bytes=4, memory_efficiency=0.5)
-    assert cpu_like.time(hbm_bytes=1e9, sm_bound=((1e9, 1e15),)) == pytest.approx(1e9 / 50e9)
+    assert cpu_like.time(hbm_bytes=1e9, sm_bound=((1e9, dropout_drawing(100.0)),)) == pytest.approx(1e9 / 50e9)
 
 
 def test_built_in_gpu_clocks_are_the_ones_behind_their_fp32_peaks():
@@ -56,7 +69,7 @@ def sc21_layer(dropout: float = 0.1):
 
 def parts(plan, block, kind):
     work = block_work(plan, block, kind, plan.tokens_per_rank)
-    return {name: (nbytes, cycles) for name, nbytes, cycles in work.elementwise_parts}
+    return {name: (nbytes, works) for name, nbytes, works in work.elementwise_parts}
 
 
 def test_the_unfused_cores_softmax_and_dropout_cycles_per_score():
@@ -64,11 +77,11 @@ def test_the_unfused_cores_softmax_and_dropout_cycles_per_score():
     attention = layer.blocks[0]
     scores = plan.tokens_per_rank * 24 * 2048
     forward = parts(plan, attention, "F")
-    assert forward["attn.softmax"] == pytest.approx((4 * scores, 2 * scores * SOFTMAX_SM_CYCLES[2][1]))
+    assert forward["attn.softmax"] == (4 * scores, (SmWork("softmax", 2 * scores, row=2048),))
     # dropout reads and writes the scores and writes a one-byte mask in one kernel, a random number per score
-    assert forward["attn.dropout"] == pytest.approx((5 * scores, DROPOUT_SM_CYCLES * scores))
+    assert forward["attn.dropout"] == (5 * scores, (SmWork("dropout", scores),))
     backward = parts(plan, attention, "B")
-    assert backward["attn.dropout"] == (5 * scores, 0.0) and backward["attn.softmax"] == (6 * scores, 0.0)
+    assert backward["attn.dropout"] == (5 * scores, ()) and backward["attn.softmax"] == (6 * scores, ())
 
 
 def test_norm_gelu_and_residual_dropout_cycles_per_token():
@@ -76,18 +89,19 @@ def test_norm_gelu_and_residual_dropout_cycles_per_token():
     mlp = layer.blocks[1]
     tokens, h, f = plan.tokens_per_rank, 2304, 9216
     forward, backward = parts(plan, mlp, "F"), parts(plan, mlp, "B")
-    assert forward["mlp.norm"] == pytest.approx((4 * h * tokens, 2 * h * tokens * NORM_SM_CYCLES[0]))
-    assert backward["mlp.norm"] == pytest.approx((6 * h * tokens, 3 * h * tokens * NORM_SM_CYCLES[1]))
-    assert forward["mlp.act"] == pytest.approx((4 * f * tokens, 2 * f * tokens * GELU_SM_CYCLES[0]))
-    assert forward["mlp.residual"] == pytest.approx((7 * h * tokens, DROPOUT_SM_CYCLES * h * tokens))
+    assert forward["mlp.norm"] == (4 * h * tokens, (SmWork("norm", 2 * h * tokens),))
+    assert backward["mlp.norm"] == (6 * h * tokens, (SmWork("norm", 3 * h * tokens, backward=True),))
+    assert forward["mlp.act"] == (4 * f * tokens, (SmWork("gelu", 2 * f * tokens),))
+    assert forward["mlp.residual"] == (7 * h * tokens, (SmWork("dropout", h * tokens),))
     plan, layer = sc21_layer(dropout=0.0)
-    assert parts(plan, layer.blocks[1], "F")["mlp.residual"] == (6 * h * tokens, 0.0)
+    assert parts(plan, layer.blocks[1], "F")["mlp.residual"] == (6 * h * tokens, ())
 
 
 def test_softmax_cycles_follow_the_row_length_in_log2():
-    assert at_length(SOFTMAX_SM_CYCLES, 2048) == SOFTMAX_SM_CYCLES[2][1]
-    middle = (SOFTMAX_SM_CYCLES[2][1] + SOFTMAX_SM_CYCLES[3][1]) / 2
-    assert at_length(SOFTMAX_SM_CYCLES, round(2048 * 2 ** 0.5)) == pytest.approx(middle, rel=1e-3)
+    curve = HOPPER_SM_CYCLES.softmax
+    assert at_length(curve, 2048) == dict(curve)[2048]
+    middle = (dict(curve)[2048] + dict(curve)[4096]) / 2
+    assert at_length(curve, round(2048 * 2 ** 0.5)) == pytest.approx(middle, rel=1e-3)
 
 
 def test_explain_compute_marks_the_kernels_the_sms_bound(capsys):
@@ -100,28 +114,59 @@ def test_explain_compute_marks_the_kernels_the_sms_bound(capsys):
     softmax = rows[("F", "attn.softmax")]
     scores = 32768 * 24 * 2048
     assert softmax["bound"] == "SMs"
-    assert softmax["time_s"] == pytest.approx(2 * scores * SOFTMAX_SM_CYCLES[2][1] / (132 * 1.98e9))
+    assert softmax["time_s"] == pytest.approx(2 * scores * dict(HOPPER_SM_CYCLES.softmax)[2048] / (132 * 1.98e9))
     assert rows[("F", "attn.core.copies")]["bound"] == "memory"
 
 
-def test_the_cycles_are_the_mean_of_the_kept_h100_and_h200_runs():
-    """parsim.model's SM cycles come from benchmarks/gpu/score_kernels.py's runs kept beside it."""
+def h100_with(sm_cycles: object) -> dict:
+    from parsim.files import read_yaml as read
+
+    data = read(builtin_clusters()["dgx-h100"])
+    data["compute"]["sm_cycles"] = sm_cycles
+    return data
+
+
+def test_a_cluster_file_gives_its_own_cycles_and_keeps_hoppers_for_the_rest():
+    from parsim.cluster import parse_cluster
+
+    spec = parse_cluster(h100_with({"softmax": {2048: 0.5}, "norm": {"forward": 0.1, "backward": 0.2}}), "mine")
+    assert spec.sm_cycles.softmax == ((2048, 0.5),) and spec.sm_cycles.norm == (0.1, 0.2)
+    assert (spec.sm_cycles.dropout, spec.sm_cycles.gelu) == (HOPPER_SM_CYCLES.dropout, HOPPER_SM_CYCLES.gelu)
+    assert parse_cluster(h100_with({"softmax": 0.3}), "mine").sm_cycles.softmax == ((0, 0.3),)  # every length
+
+
+@pytest.mark.parametrize("value, where", [
+    ({"exp": 1.0}, "compute.sm_cycles"),
+    ({"dropout": -1}, "compute.sm_cycles.dropout"),
+    ({"gelu": 0.2}, "compute.sm_cycles.gelu"),
+    ({"norm": {"forward": 0.2, "backward": "slow"}}, "compute.sm_cycles.norm.backward"),
+    ({"softmax": {"2k": 0.3}}, "compute.sm_cycles.softmax"),
+])
+def test_bad_sm_cycles_are_refused_naming_the_key(value, where):
+    from parsim.cluster import parse_cluster
+    from parsim.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
+        parse_cluster(h100_with(value), "mine")
+
+
+def test_hoppers_cycles_are_the_mean_of_the_kept_h100_and_h200_runs():
+    """parsim.cluster.HOPPER_SM_CYCLES: benchmarks/gpu/score_kernels.py's fits on both GPUs, averaged."""
     import json
 
-    runs = [json.loads((SC21_LAYER.parent / f"{gpu}-score-kernels-2026-11-26.json").read_text())
+    fits = [json.loads((SC21_LAYER.parent / f"{gpu}-score-kernels-2026-11-26.json").read_text())["sm_cycles"]
             for gpu in ("h100", "h200")]
 
-    def mean(what, per_run=lambda run, row: row["sm_cycles_per_access"]):
-        return sum(per_run(run, next(r for r in run["rows"] if r["what"] == what)) for run in runs) / len(runs)
+    def mean(*keys):
+        values = []
+        for fit in fits:
+            for key in keys:
+                fit = fit[key]
+            values.append(fit)
+        return sum(values) / 2
 
-    def backward(what, accesses):  # the backward's share of a forward + backward timing, per access
-        return lambda run, row: (row["s"] - next(r for r in run["rows"] if r["what"] == f"{what} fwd")["s"]) \
-            * run["sm_cycles_per_s"] / accesses
-
-    for length, cycles in SOFTMAX_SM_CYCLES:
-        assert cycles == pytest.approx(mean(f"softmax fwd, rows of {length}"), abs=6e-4)
-    assert DROPOUT_SM_CYCLES == pytest.approx(mean("dropout fwd p=0.1"), abs=6e-4)
-    n = 32768 * 2304  # the layer's tokens x hidden
-    assert GELU_SM_CYCLES == pytest.approx((mean("gelu fwd"), mean("gelu fwd+bwd", backward("gelu", 12 * n))), abs=6e-4)
-    norm = (mean("layernorm fwd"), mean("layernorm fwd+bwd", backward("layernorm", 3 * n)))
-    assert NORM_SM_CYCLES == pytest.approx(norm, abs=6e-4)
+    figures = HOPPER_SM_CYCLES
+    assert dict(figures.softmax) == pytest.approx({n: mean("softmax", str(n)) for n, _ in figures.softmax}, abs=6e-4)
+    assert figures.dropout == pytest.approx(mean("dropout"), abs=6e-4)
+    for kind in ("gelu", "norm"):
+        assert getattr(figures, kind) == pytest.approx((mean(kind, "forward"), mean(kind, "backward")), abs=6e-4)

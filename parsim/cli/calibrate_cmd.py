@@ -229,7 +229,7 @@ def _run_one_gpu(args: argparse.Namespace) -> int:
     device_name = torch.cuda.get_device_name()
     base_name = builtin_for_gpu(device_name)
     spec = load_cluster(base_name)
-    progress(f"timing matmuls, attention and memory-bound kernels on the {device_name}")
+    progress(f"timing matmuls, attention, memory-bound kernels and the host on the {device_name}")
     rows = calibration_rows(torch.device("cuda"), torch.bfloat16)
     fit = fit_gpu(rows, spec)
     description = (f"{platform.node()}: one {device_name}, compute calibrated {datetime.date.today().isoformat()} "
@@ -248,6 +248,12 @@ def _run_one_gpu(args: argparse.Namespace) -> int:
     for p, curve in zip(("forward", "backward"), spec.attention_efficiency):
         table += [[f"attention_efficiency.{p} at {seq:,}", at_length(curve, seq), f]
                   for seq, f in fit.attention[p].items()]
+    if fit.sm_cycles is not None:  # SM cycles per element of the kernels their arithmetic may bound
+        old, new = spec.sm_cycles, fit.sm_cycles
+        table += [[f"sm_cycles.softmax at {row:,}", at_length(old.softmax, row), f] for row, f in new.softmax]
+        table += [["sm_cycles.dropout", old.dropout, new.dropout]]
+        table += [[f"sm_cycles.{kind} {p}", getattr(old, kind)[i], getattr(new, kind)[i]]
+                  for kind in ("gelu", "norm") for i, p in enumerate(("forward", "backward"))]
     rows = [[n, f"{a:.3f}", f"{b:.3f}"] for n, a, b in table]
     base, mine = host_us(spec), host_us(fit)
     rows += [[f"{name}_us (host, µs)", f"{base[name]:.1f}", f"{mine[name]:.1f}"] for name in base]

@@ -163,14 +163,14 @@ def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str) -
         time = model.time(attention_flops=0 if backward else flops, attention_grad_flops=flops if backward else 0)
         rows.append({"block": block, "kernel": "attention core (flash" + (", backward)" if backward else ")"),
                      "shape": "", "flops": flops, "fill": None, "bound": "compute", "time_s": time})
-    for what, nbytes, cycles in (*work.elementwise_parts,
-                                 ("fp8 casts (amax, cast and transpose)", work.quantize_bytes, 0.0),
-                                 (f"add weight gradients into {gradient_sum}", work.accumulate_bytes, 0.0)):
+    for what, nbytes, works in (*work.elementwise_parts,
+                                ("fp8 casts (amax, cast and transpose)", work.quantize_bytes, ()),
+                                (f"add weight gradients into {gradient_sum}", work.accumulate_bytes, ())):
         if nbytes:
-            bound = "SMs" if model.sm_excess(((nbytes, cycles),)) else "memory"
+            kernel = ((nbytes, works),)
             rows.append({"block": block, "kernel": what, "shape": f"{nbytes / 1e6:,.1f} MB", "flops": 0.0,
-                         "fill": None, "bound": bound, "time_s": model.time(hbm_bytes=nbytes,
-                                                                            sm_bound=((nbytes, cycles),))})
+                         "fill": None, "bound": "SMs" if model.sm_excess(kernel) else "memory",
+                         "time_s": model.time(hbm_bytes=nbytes, sm_bound=kernel)})
     if work.kernels and model.kernel_overhead_s:
         rows.append({"block": block, "kernel": f"{work.kernels} launches", "shape": "", "flops": 0.0, "fill": None,
                      "bound": "launch", "time_s": work.kernels * model.kernel_overhead_s})
