@@ -145,17 +145,27 @@ def note_launch_bound(command: str, plan, cluster: ClusterSpec, step_s: float) -
              "parsim calibrate --ranks 1 on the GPU host measures it (docs/kernel-model.md)")
 
 
+# What the executor's transformer runs (executor/train/models.py), as the model keys that price it: plain eager
+# PyTorch layers, torch's cross-entropy, and causal attention by scaled_dot_product_attention with no dropout.
+EXECUTOR_KERNELS = {"layer_kernels": "eager", "cross_entropy": "torch", "attention_kernel": "flash", "dropout": 0.0}
+KERNEL_FLAVOURS = ("layer_kernels", "cross_entropy")  # on CPUs, calibrated rates absorb these two
+
+
 def note_executor_kernels(plan, backend: str) -> None:
-    """On GPUs, say so when a transformer plan prices other kernels than the executor ran: it runs plain eager
-    PyTorch layers and torch's cross-entropy (``layer_kernels: eager``, ``cross_entropy: torch``), while a
-    plan's defaults price Megatron-LM's fused ones. On CPUs the calibration's rates absorb the difference."""
+    """Say so when a transformer plan prices other work than the executor ran (:data:`EXECUTOR_KERNELS`): a plan's
+    defaults price Megatron-LM's fused kernels, and a model may give unfused attention or dropout, which the
+    executor does not run. On CPUs the calibration's rates absorb the kernels' flavours, so only attention and
+    dropout are noted there."""
     model = plan.model
-    if backend != "nccl" or getattr(model, "kind", "") != "transformer":
+    if getattr(model, "kind", "") != "transformer":
         return
-    if (model.layer_kernels, model.cross_entropy) != ("eager", "torch"):
-        note(f"parsim compare: note: the executor ran eager PyTorch layers and torch's cross-entropy, but "
-             f"{plan.name} prices layer_kernels: {model.layer_kernels} and cross_entropy: {model.cross_entropy}; "
-             "to price what ran, set layer_kernels: eager and cross_entropy: torch in its model (docs/plans.md)")
+    keys = [k for k, ran in EXECUTOR_KERNELS.items()
+            if getattr(model, k) != ran and (backend == "nccl" or k not in KERNEL_FLAVOURS)]
+    if keys:
+        priced = " and ".join(f"{k}: {getattr(model, k)}" for k in keys)
+        ran = ", ".join(f"{k}: {EXECUTOR_KERNELS[k]}" for k in keys)
+        note(f"parsim compare: note: {plan.name} prices {priced}, but the executor ran {ran}; to price what ran, "
+             "set those in its model (docs/plans.md)")
 
 
 class OpsProgress:

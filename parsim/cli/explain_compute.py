@@ -26,10 +26,13 @@ edge tiles and a last partial wave cost whole ones; or, if it moves more bytes
 than it can compute in that time, at HBM speed. The attention core runs in
 FlashAttention at its measured fraction of peak (or, unfused, as batched
 matmuls); norms, activations, residuals and softmax are memory-bound, at the
-measured fraction of HBM bandwidth. Every rate is in the cluster file, with its
-source. Where the file gives eager PyTorch's host time per op (parsim calibrate
-writes it), each block also shows the host issuing its ops: on a GPU the block
-takes the longer of that and its kernels, on a CPU rank the sum.
+measured fraction of HBM bandwidth, except that a softmax, dropout, GeLU or a
+norm takes its SM cycles where those are longer (bound "SMs": their arithmetic,
+per element, over every SM at the GPU's clock). Every rate is in the cluster
+file, with its source. Where the file gives eager PyTorch's host time per op
+(parsim calibrate writes it), each block also shows the host issuing its ops:
+on a GPU the block takes the longer of that and its kernels, on a CPU rank the
+sum.
 
 With tensor, context or expert parallelism the layer's collectives follow,
 each priced alone on the cluster's links as the simulator prices one that
