@@ -75,6 +75,7 @@ def describe(spec: ClusterSpec, nodes: int) -> str:
         f"  scale-out   {so.nics_per_node} NICs x {so.nic_bw_Bps * 8 / 1e9:g} Gb/s per node, rail-optimized leaves "
         f"of {so.nodes_per_leaf} nodes, oversubscription {so.oversubscription:g}:1, "
         f"{so.latency_s * 1e6:g} us NIC to NIC (+{so.spine_hop_latency_s * 1e6:g} us per spine hop)",
+        f"  kernels     {_kernel_rates(spec)}",
         f"  reduction   {spec.reduction_bw_Bps / 1e9:g} GB/s per GPU",
         f"  on {nodes} node(s): {topo.num_gpus} GPUs, graph of {g.number_of_nodes()} vertices and "
         f"{g.number_of_edges()} directed links",
@@ -82,3 +83,16 @@ def describe(spec: ClusterSpec, nodes: int) -> str:
     if spec.algorithms:
         lines.append("  algorithms  " + ", ".join(f"{op}: {alg}" for op, alg in spec.algorithms.items()))
     return "\n".join(lines)
+
+
+def _kernel_rates(spec: ClusterSpec) -> str:
+    """The kernel model's figures for this GPU (parsim.compute): matmuls' best fraction of peak, memory-bound
+    kernels' of HBM, attention's at its longest length, and the SMs that price arithmetic-heavy kernels."""
+    matmul = ", ".join(f"{d} {spec.matmul_efficiency_for(d):.3g}" for d in spec.gpu.peak_flops
+                       if d in spec.matmul_efficiency_by_dtype) or f"{spec.matmul_efficiency:.3g}"
+    forward, backward = (curve[-1][1] for curve in spec.attention_efficiency)
+    longest = spec.attention_efficiency[0][-1][0]
+    sms = (f"; {spec.gpu.sm_count} SMs at {spec.gpu.sm_clock_Hz / 1e6:,.0f} MHz for softmax, dropout, GeLU and norms"
+           if spec.gpu.sm_cycles_per_s else "")
+    return (f"matmuls {matmul} of peak; memory-bound {spec.memory_efficiency:.3g} of HBM; attention "
+            f"{forward:.3g} forward, {backward:.3g} backward{f' at {longest:,} tokens' if longest else ''}{sms}")
