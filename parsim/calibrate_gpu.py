@@ -7,8 +7,9 @@ spec sheet's, since one GPU measures no collective. Each figure follows the
 rule its built-in value was sourced by:
 
 * ``matmul_efficiency``: the best rate over the matmuls timed, divided by the
-  peak and by the shape's tile and wave fill, as the maximum achievable matmul
-  FLOPS (MAMF) takes the best shape of a sweep;
+  peak, the shape's tile and wave fill and its tile cost in k
+  (``k / (k + matmul_k_overhead)``, the base file's), as the maximum achievable
+  matmul FLOPS (MAMF) takes the best shape of a sweep;
 * ``memory_efficiency``: the median rate of plain memory-bound kernels (copy,
   add, multiply, SiLU) over the spec sheet's HBM bandwidth, as a STREAM figure;
 * ``attention_efficiency``: causal attention's rate by sequence length, forward
@@ -99,7 +100,8 @@ def fit_gpu(rows: list[dict], spec: ClusterSpec, dtype: str = "bf16") -> GpuFit:
     memory = [r for r in rows if r["kind"] == "memory"]
     if not matmuls or not memory:
         raise ParsimError("a GPU calibration needs matmul and memory-bound measurements")
-    best = max(2 * m * n * k / r["measured_s"] / (peak * model.waves(m, n))
+    # over the rate at efficiency 1: the peak, the tile fill and the tile's fixed cost in k (matmul_k_overhead)
+    best = max(2 * m * n * k / r["measured_s"] / (model.matmul_rate(m, n, k) / model.efficiency)
                for r in matmuls for m, n, k in [r["work"]["mnk"]])
     streamed = statistics.median(r["work"]["bytes"] / r["measured_s"] for r in memory)
     attention: dict[str, dict[int, list[float]]] = {"forward": {}, "backward": {}}

@@ -39,7 +39,8 @@ MATRIX_DIM = (0.0, 1e9, "matrix dimension")
 MAX_GPUS = 2**17
 COUNTS = {"gpus_per_node": MAX_GPUS, "nics_per_node": 2**12, "nodes_per_leaf": MAX_GPUS}
 
-COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "kernel_overhead_us", "memory_efficiency", "sm_cycles",
+COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "kernel_overhead_us", "memory_efficiency",
+                "sm_cycles",
                 "attention_efficiency",
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "matmul_stream_bw_GBps",
@@ -156,6 +157,7 @@ class ClusterSpec:
     matmul_efficiency: float = 1.0  # best fraction of peak matmuls reach, every dtype without its own figure
     matmul_efficiency_by_dtype: dict[str, float] = field(default_factory=dict)
     matmul_half_dim: float = 0.0
+    matmul_k_overhead: float = 0.0  # a GEMM tile's fixed cost, in elements of k: rate x k / (k + this)
     kernel_overhead_s: float = 0.0  # fixed cost of launching one kernel / dispatching one op
     memory_efficiency: float = 1.0  # fraction of the HBM bandwidth memory-bound kernels reach
     # The attention kernel's fraction of peak, forward and backward, each as (kernel sequence length,
@@ -334,6 +336,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     if cores is not None:
         _whole(source, "compute.cpu_cores", cores, 1, 2**16)
     _figure(source, "compute.matmul_half_dim", half_dim, MATRIX_DIM)
+    k_overhead = _figure(source, "compute.matmul_k_overhead", compute.get("matmul_k_overhead", 0.0), MATRIX_DIM)
     sm_count = gpu.data.get("sm_count", 0)
     gpu.used.add("sm_count")
     _whole(source, "gpu.sm_count", sm_count, 0, 2**16)
@@ -374,6 +377,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         matmul_efficiency=matmul_efficiency,
         matmul_efficiency_by_dtype=by_dtype,
         matmul_half_dim=float(half_dim),
+        matmul_k_overhead=k_overhead,
         kernel_overhead_s=float(kernel_us) * 1e-6,
         memory_efficiency=memory_efficiency,
         attention_efficiency=attention_efficiency,

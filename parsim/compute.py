@@ -12,7 +12,12 @@ Four kinds of work, each at the rate such kernels reach on the hardware:
   128 x 128 tiles, one per SM at a time; edge tiles cost whole tiles and a
   last, partly filled wave of tiles costs a whole wave;
   ``shape`` is ``prod(d / (d + half_dim))``, a smooth penalty for thin shapes
-  that ``parsim calibrate`` fits on CPUs (``half_dim`` 0 for GPUs).
+  that ``parsim calibrate`` fits on CPUs (``half_dim`` 0 for GPUs), times
+  ``k / (k + k_overhead)`` on GPUs: each output tile pays a fixed cost (its
+  pipeline's fill, its epilogue) worth ``k_overhead`` elements of its
+  reduction, so a GEMM with a short ``k`` runs further below the best
+  shape's rate (192 on Hopper, fitted on two GPUs' sweeps of a training
+  step's shapes).
 * **The attention core** (FlashAttention): its FLOPs at the fraction of peak
   the kernel reaches, forward and backward separately.
 * **Memory-bound kernels** (norms, activations, residuals, softmax, the
@@ -113,6 +118,7 @@ class ComputeModel:
     dtype_bytes: int
     efficiency: float = 1.0  # matmuls' best fraction of peak
     half_dim: float = 0.0
+    k_overhead: float = 0.0  # a tile's fixed cost in elements of k (matmul_rate)
     kernel_overhead_s: float = 0.0
     matmul_peak_flops: float | None = None  # matmuls' own peak when they run in another dtype (fp8)
     # fp8 plans: the efficiency of the matmuls kept in the plan's other dtype (bf16), which run at peak_flops
@@ -150,6 +156,7 @@ class ComputeModel:
         return cls(
             peak_flops=peaks[other], hbm_bw_Bps=spec.gpu.hbm_bw_Bps, dtype_bytes=dtype_bytes,
             efficiency=spec.matmul_efficiency_for(dtype), half_dim=spec.matmul_half_dim,
+            k_overhead=spec.matmul_k_overhead,
             kernel_overhead_s=spec.kernel_overhead_s, matmul_peak_flops=peaks[dtype] if dtype != other else None,
             other_efficiency=spec.matmul_efficiency_for(other) if dtype != other else None,
             sm_count=spec.gpu.sm_count, memory_efficiency=spec.memory_efficiency,
@@ -180,6 +187,7 @@ class ComputeModel:
         shape = 1.0
         for d in (m, n, k):
             shape *= d / (d + self.half_dim)
+        shape *= k / (k + self.k_overhead)
         sms = max(self.sm_count - sm_reserved, 1) if self.sm_count else 0
         share = sms / self.sm_count if self.sm_count else 1.0
         if high_precision and self.other_efficiency is not None:

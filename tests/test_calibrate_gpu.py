@@ -51,7 +51,7 @@ def measured_by(model: ComputeModel, spec) -> list[dict]:
 def test_a_gpu_calibration_recovers_the_figures_its_measurements_were_made_with():
     spec = load_cluster("dgx-h100")
     gpu = ComputeModel(peak_flops=989.5e12, hbm_bw_Bps=3350e9, dtype_bytes=2, efficiency=0.7, sm_count=132,
-                       memory_efficiency=0.9, attention_efficiency=(0.6, 0.45))
+                       memory_efficiency=0.9, attention_efficiency=(0.6, 0.45), k_overhead=spec.matmul_k_overhead)
     fit = fit_gpu(measured_by(gpu, spec), spec)
     assert fit.matmul_efficiency == pytest.approx(0.7)
     assert fit.memory_efficiency == pytest.approx(0.9)
@@ -68,7 +68,7 @@ def test_a_gpu_calibration_recovers_the_figures_its_measurements_were_made_with(
 def test_the_calibrated_file_keeps_the_base_clusters_links_and_replaces_its_compute():
     spec = load_cluster("dgx-h100")
     gpu = ComputeModel(peak_flops=989.5e12, hbm_bw_Bps=3350e9, dtype_bytes=2, efficiency=0.7, sm_count=132,
-                       memory_efficiency=0.9, attention_efficiency=(0.6, 0.45))
+                       memory_efficiency=0.9, attention_efficiency=(0.6, 0.45), k_overhead=spec.matmul_k_overhead)
     rows = measured_by(gpu, spec)
     fit = fit_gpu(rows, spec)
     data = gpu_cluster(read_yaml(builtin_clusters()["dgx-h100"]), fit, "my-gpu", "one H100")
@@ -117,7 +117,7 @@ def test_one_rank_on_a_gpu_prints_each_figure_beside_the_base_clusters_and_write
 
     spec = load_cluster("dgx-h100")
     gpu = ComputeModel(peak_flops=989.5e12, hbm_bw_Bps=3350e9, dtype_bytes=2, efficiency=0.7, sm_count=132,
-                       memory_efficiency=0.9, attention_efficiency=(0.6, 0.45))
+                       memory_efficiency=0.9, attention_efficiency=(0.6, 0.45), k_overhead=spec.matmul_k_overhead)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(gpu_bench, "calibration_rows", lambda device, dtype: measured_by(gpu, spec))

@@ -25,7 +25,7 @@ def test_a_kept_h100_measurement_is_repredicted_kernel_by_kernel():
     done = script("benchmarks/gpu_kernels.py", "--measured", H100_KERNELS)
     assert done.returncode == 0, done.stderr
     assert "predicted by dgx-h100; kernels of one-gpu-step (bf16)" in done.stdout
-    for line in ("matmul: median |error| 3.6%, max 16.5% over 13 kernels",
+    for line in ("matmul: median |error| 2.3%, max 7.3% over 13 kernels",
                  "memory: median |error| 6.7%, max 7.4% over 4 kernels"):
         assert line in done.stdout
 

@@ -161,7 +161,7 @@ def test_host_costs_on_a_gpu_bind_a_small_model_and_leave_a_big_one():
     tiny = resolve_plan("tiny-dp2", overrides={"parallel": {"dp": 1}})
     ops = lower(tiny).ops
     host_s = sum(op.forward_ops * 7e-6 + op.backward_ops * 5e-6 + op.optimizer_tensors * 2e-6 for op in ops)
-    assert predict_step(tiny, spec).step_s >= host_s > 5 * predict_step(tiny, bare).step_s
+    assert predict_step(tiny, spec).step_s >= host_s > 3 * predict_step(tiny, bare).step_s
     big = Plan(model=load_model("llama3-8b"), dp=8, dtype="bf16")
     assert predict_step(big, spec).step_s == pytest.approx(predict_step(big, bare).step_s, rel=1e-9)
 

@@ -22,8 +22,10 @@ Explain how long one layer's compute takes on one GPU, kernel by kernel.
 Each matmul (m x n x k) runs at the GPU's maximum achievable matmul rate
 (compute.matmul_efficiency x peak, a measured best case) times its tile fill:
 the output splits into {MATMUL_TILE} x {MATMUL_TILE} tiles, one per SM at a time, so
-edge tiles and a last partial wave cost whole ones; or, if it moves more bytes
-than it can compute in that time, at HBM speed. The attention core runs in
+edge tiles and a last partial wave cost whole ones; and times k / (k + k0),
+each tile's fixed cost being worth k0 (compute.matmul_k_overhead) steps of its
+reduction; or, if it moves more bytes than it can compute in that time, at HBM
+speed. The attention core runs in
 FlashAttention at its measured fraction of peak (or, unfused, as batched
 matmuls); norms, activations, residuals and softmax are memory-bound, at the
 measured fraction of HBM bandwidth, except that a softmax, dropout, GeLU or a
@@ -200,7 +202,8 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
         f"{plan.name}: {layer} on one GPU of {spec.name} (tp {plan.tp}), {plan.tokens_per_rank:,} tokens per "
         f"microbatch, {plan.dtype}",
         f"  matmuls     {model.efficiency:g} x {peak:g} TFLOP/s = {model.efficiency * peak:.1f} TFLOP/s at best, "
-        f"x tile fill ({model.sm_count or 'no'} SMs)",
+        f"x tile fill ({model.sm_count or 'no'} SMs)"
+        + (f" x k / (k + {model.k_overhead:g})" if model.k_overhead else ""),
         f"  attention   forward {fwd:.3g}, backward {bwd:.3g} of {model.peak_flops / 1e12:g} TFLOP/s"
         f"{f' (kernels over {plan.attention_seq:,} tokens)' if plan.attention_seq else ''}",
         f"  memory      {model.memory_efficiency:g} x {model.hbm_bw_Bps / 1e9:g} GB/s = "
