@@ -12,6 +12,7 @@ figures on them (:func:`parsim.calibrate_gpu.fit_gpu`).
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 
 from parsim.model import AttentionCore, flash_softmax_factor
@@ -47,6 +48,19 @@ def timed(fn, device: torch.device, min_s: float = 0.05, max_iters: int = 200) -
     for _ in range(iters):
         fn()
     return (time.perf_counter() - start) / iters
+
+
+def open_json_out(script: str, path: str | None):
+    """A GPU benchmark script's ``--json`` file, opened (None without one) before any timing: without a CUDA GPU,
+    or where the file cannot be written, one line on stderr and exit 2, not a traceback after minutes of work."""
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        return open(path, "w") if path else None
+    except OSError as error:
+        print(f"{script}: --json: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def row(kind: str, what: str, measured: float, work: dict, **extra) -> dict:

@@ -413,7 +413,7 @@ def _curve(source: str, key: str, value: object, limits: tuple[float, float, str
     if not isinstance(value, dict):
         return ((0, _figure(source, key, value, limits)),)
     if not value or not all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in value):
-        raise ConfigError(source, key, f"is {value!r}", f"a {limits[2]} figure, or figures keyed by sequence "
+        raise ConfigError(source, key, f"is {value!r}", f"{limits[2]}: one figure, or figures keyed by sequence "
                           "lengths (whole numbers of tokens)")
     return tuple((k, _figure(source, f"{key}.{k}", value[k], limits)) for k in sorted(value))
 

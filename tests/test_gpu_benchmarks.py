@@ -47,3 +47,15 @@ def test_the_gpu_benchmarks_need_a_gpu_and_say_so_in_one_line(name):
         pytest.skip("this host has a GPU")
     done = script(f"benchmarks/gpu/{name}")
     assert done.returncode == 2 and done.stderr.strip() == f"{name} needs a CUDA GPU"
+
+
+def test_a_gpu_benchmark_refuses_an_unwritable_json_in_one_line_before_timing(tmp_path, monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    from executor.gpu_bench import open_json_out
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit) as done:
+        open_json_out("score_kernels.py", str(tmp_path / "no-such-dir" / "out.json"))
+    err = capsys.readouterr().err.strip()
+    assert done.value.code == 2 and err.startswith("score_kernels.py: --json: ") and len(err.splitlines()) == 1
+    assert open_json_out("score_kernels.py", None) is None

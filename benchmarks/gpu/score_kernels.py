@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from executor.gpu_bench import row, sm_rows, timed  # noqa: E402
+from executor.gpu_bench import open_json_out, row, sm_rows, timed  # noqa: E402
 from parsim.calibrate_gpu import fit_sm_cycles, sm_cycles_mapping  # noqa: E402
 from parsim.cluster import builtin_for_gpu, load_cluster  # noqa: E402
 from parsim.errors import ParsimError  # noqa: E402
@@ -102,15 +102,7 @@ def layer_ops(device: torch.device) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("score_kernels.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    try:
-        out_file = open(args.json, "w") if args.json else None  # refused now, not after the timing
-    except OSError as error:
-        print(f"score_kernels.py: --json: {error}", file=sys.stderr)
-        return 2
+    out_file = open_json_out("score_kernels.py", parser.parse_args().json)
     name = torch.cuda.get_device_name()
     try:  # the built-in cluster with this GPU: its SMs x clock and its figures, beside which the fit prints
         spec = load_cluster(builtin_for_gpu(name))

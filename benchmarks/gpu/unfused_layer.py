@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.gpu_bench import timed
+from executor.gpu_bench import open_json_out, timed
 
 HIDDEN, HEADS, SEQ, MICROBATCH, DROPOUT = 2304, 24, 2048, 16, 0.1
 
@@ -75,15 +75,7 @@ def by_kind(fn, names: dict[str, float] | None = None) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("unfused_layer.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    try:
-        out_file = open(args.json, "w") if args.json else None  # refused now, not after minutes of timing
-    except OSError as error:
-        print(f"unfused_layer.py: --json: {error}", file=sys.stderr)
-        return 2
+    out_file = open_json_out("unfused_layer.py", parser.parse_args().json)
     torch.manual_seed(0)
     layer = Layer(HIDDEN, HEADS).cuda().half()
     x = torch.randn(SEQ, MICROBATCH, HIDDEN, device="cuda", dtype=torch.half, requires_grad=True)
