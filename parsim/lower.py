@@ -55,6 +55,20 @@ ADAMW_KERNELS = 8  # those eight passes, per parameter tensor
 FUSED_ADAMW_ACCESSES = 7
 FUSED_ADAMW_TENSORS_PER_KERNEL = 36
 
+# Gradient clipping (Plan.grad_clip) as torch.nn.utils.clip_grad_norm_ runs it, and parsim's executor
+# (executor/train/clip.py): torch._foreach_norm reads every gradient once, then torch._foreach_mul_ scales each
+# (reads and writes it) whatever the coefficient. Megatron-LM's clip_grad_norm_fp32 runs the same two
+# multi-tensor passes (multi_tensor_l2norm, then multi_tensor_scale, which it skips when nothing is clipped).
+# On a GPU each pass launches one kernel per 110 tensors (depth_to_max_tensors[0], one tensor list, in
+# PyTorch's aten/src/ATen/native/cuda/MultiTensorApply.cuh); the norm of the norms and the coefficient are a
+# few scalar ops more. On a CPU host a foreach op visits the tensors one by one, about a sixth of a
+# dispatched op each (this 2-core host: 2.2 us per tensor for _foreach_norm and 0.7 for _foreach_mul_,
+# against 13 us for one dispatched op).
+CLIP_NORM_ACCESSES, CLIP_SCALE_ACCESSES = 1, 2
+FOREACH_TENSORS_PER_KERNEL = 110
+CLIP_NORM_OPS = 6  # stack the per-tensor norms, square, weigh, sum, the square root, the coefficient
+FOREACH_TENSORS_PER_OP = 6
+
 PASS_PHASE = {"F": "forward", "R": "recompute", "B": "backward", "I": "backward", "W": "weight-grad"}
 
 
@@ -87,6 +101,38 @@ def adamw_costs(implementation: str, params: float, tensors: int,
         costs["forward_ops"] += tensors * len(copies)
         costs["kernels"] += tensors * len(copies)
     return costs
+
+
+def clip_costs(params: float, tensors: int, grad_bytes: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Clipping ``params`` gradients of ``grad_bytes`` each, in ``tensors`` tensors, to a global norm: (the local
+    norm, the scaling), as keyword arguments of :meth:`ComputeModel.time <parsim.compute.ComputeModel.time>`."""
+    kernels = -(-tensors // FOREACH_TENSORS_PER_KERNEL)
+    visits = tensors // FOREACH_TENSORS_PER_OP
+    norm_bytes, scale_bytes = (params * grad_bytes * n for n in (CLIP_NORM_ACCESSES, CLIP_SCALE_ACCESSES))
+    return ({"flops": 2.0 * params, "hbm_bytes": norm_bytes, "stream_bytes": norm_bytes,
+             "kernels": kernels + CLIP_NORM_OPS, "forward_ops": CLIP_NORM_OPS + visits},
+            {"flops": float(params), "hbm_bytes": scale_bytes, "stream_bytes": scale_bytes, "kernels": kernels,
+             "forward_ops": 1 + visits})
+
+
+def step_costs(implementation: str, params: float, tensors: int, mixed: tuple[int, int] | None,
+               clipped_bytes: int = 0) -> dict[str, float]:
+    """The optimizer step over ``params`` parameters in ``tensors`` tensors (a rank's, or its shard): AdamW
+    (:func:`adamw_costs`), after scaling the gradients of ``clipped_bytes`` each where the plan clips them
+    (:func:`clip_costs`; 0: it does not)."""
+    adamw = adamw_costs(implementation, params, tensors, mixed)
+    if not clipped_bytes:
+        return adamw
+    scale = clip_costs(params, tensors, clipped_bytes)[1]
+    return {key: adamw.get(key, 0) + scale.get(key, 0) for key in adamw.keys() | scale.keys()}
+
+
+def grad_norm_dims(plan: Plan) -> tuple[str, ...]:
+    """The dimensions whose ranks hold different gradients, over which clipping sums the squares, in the order
+    the executor sums them: ZeRO's or FSDP's shards, the experts, tensor-parallel slices, pipeline stages.
+    Data- and context-parallel replicas hold the same gradients once they are synced."""
+    used = {"shard": bool(plan.zero) and plan.shard_size > 1, "ep": plan.ep > 1, "tp": plan.tp > 1, "pp": plan.pp > 1}
+    return tuple(dim for dim, on in used.items() if on)
 
 
 @dataclass
@@ -141,6 +187,7 @@ class Lowering:
             self._gradient_sync_and_step(rank, p)
         for pending in self.pending:
             pending.op.match = self.sends[pending.key]
+        self._sum_norms_across_stages()
         return self.program
 
     # -- groups ---------------------------------------------------------------
@@ -156,6 +203,8 @@ class Lowering:
             groups = grid[:, p, :, :].reshape(-1, plan.tp).tolist()
         elif dim == "cp":
             groups = grid[:, p, :, :].transpose(0, 2, 1).reshape(-1, plan.cp).tolist()
+        elif dim == "pp":  # every pipeline rank (p is any of them)
+            groups = grid.transpose(0, 2, 3, 1).reshape(-1, plan.pp).tolist()
         else:  # gradients are reduced over the data- and context-parallel ranks together (Megatron-LM)
             groups = [grid[:, p, :, t].ravel().tolist() for t in range(plan.tp)]
             size = plan.shard_size
@@ -466,11 +515,32 @@ class Lowering:
         params = (plan.params_per_rank(p) - expert_params) / plan.shard_size + expert_params / plan.expert_shard_size
         tensors_count = sum(len(param_tensors(c, plan.tp, plan.ep)) for s in plan.stages_of(p)
                             for c in plan.stage_costs(s))
-        adamw = adamw_costs(plan.adamw, params, tensors_count, plan.master_weights)
-        step = self._add(rank, Op("optimizer step", "optimizer", "compute", deps=tuple(sync) or (last_compute,),
-                                  phase="optimizer", **adamw))
+        ready = tuple(sync) or (last_compute,)
+        if plan.grad_clip is not None:
+            ready = (self._global_grad_norm(rank, p, clip_costs(params, tensors_count, plan.grad_bytes)[0], ready),)
+        step = self._add(rank, Op("optimizer step", "optimizer", "compute", deps=ready, phase="optimizer",
+                                  **step_costs(plan.adamw, params, tensors_count, plan.master_weights,
+                                               plan.grad_bytes if plan.grad_clip is not None else 0)))
         for dim, tag, nbytes in gather:  # ZeRO-1/2: every rank needs the updated weights back
             self._dp_collective(rank, p, "all_gather", dim, nbytes, (step,), **tag)
+
+    def _global_grad_norm(self, rank: int, p: int, norm: dict[str, float], after: tuple[int, ...]) -> int:
+        """Clipping's norm (:data:`CLIP_NORM_ACCESSES`): the rank's own, then one all-reduce of a number over each
+        of :func:`grad_norm_dims`. The ops have no mirrors: four bytes contend for nothing. Returns the last op."""
+        last = self._add(rank, Op("grad norm", "compute", "compute", deps=after, phase="optimizer", **norm))
+        for dim in grad_norm_dims(self.plan):
+            last = self._add(rank, Op(collective_name("all_reduce", "grad_norm", dim=dim), "collective", "comm",
+                                      deps=(last,), collective="all_reduce", group=dim, ranks=self.group(p, dim)[0],
+                                      nbytes=FP32, phase="optimizer"))
+        return last
+
+    def _sum_norms_across_stages(self) -> None:
+        """The pipeline ranks' sum of squares is one collective over simulated ranks (:attr:`Op.joins`): it runs
+        once every pipeline rank has reached it, so the ranks that finish their backward early wait in it."""
+        name = collective_name("all_reduce", "grad_norm", dim="pp")
+        sums = [op.id for op in self.program.ops if op.name == name]
+        for i in sums:
+            self.program.ops[i].joins = tuple(j for j in sums if j != i)
 
     def _grad_tensors(self, p: int) -> dict[bool, list[tuple[float, tuple[int, int]]]]:
         """Pipeline rank ``p``'s gradient tensors in backward order, dense and routed-expert apart:

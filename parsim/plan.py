@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -181,7 +182,12 @@ class Plan:
     ``gradient_accumulation_fusion``), which costs no pass. ``adamw`` "foreach"
     prices torch's default AdamW step (several passes per tensor), "fused" one
     pass over weight, gradient and moments (``torch.optim.AdamW(fused=True)``,
-    Apex's and Transformer Engine's ``FusedAdam``).
+    Apex's and Transformer Engine's ``FusedAdam``). ``grad_clip`` scales the
+    gradients down so that their global L2 norm is at most that much before the
+    step (``torch.nn.utils.clip_grad_norm_``, Megatron-LM's ``--clip-grad``):
+    each rank takes the norm of the gradients it holds, the ranks holding
+    different parts sum the squares (one all-reduce of a number per group),
+    and every gradient is scaled.
 
     Pipeline stages: the layers split into ``pp · virtual_stages`` stages;
     stage ``s`` runs on pipeline rank ``s % pp`` (Megatron-LM's interleaved
@@ -244,6 +250,7 @@ class Plan:
     reduce_dtype: str | None = None  # None: default_reduce_dtype(dtype)
     grad_accumulation: str = "autograd"
     adamw: str = DEFAULT_ADAMW
+    grad_clip: float | None = None
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
     activation_recompute: str = "none"
@@ -343,6 +350,10 @@ class Plan:
             self._fail(f"grad_accumulation {self.grad_accumulation!r} is not one of {', '.join(GRAD_ACCUMULATIONS)}")
         if self.adamw not in ADAMW_IMPLEMENTATIONS:
             self._fail(f"adamw {self.adamw!r} is not one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
+        if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float))
+                                               and not isinstance(self.grad_clip, bool)
+                                               and 0 < self.grad_clip < math.inf):
+            self._fail(f"grad_clip {self.grad_clip!r} is not a positive number (the largest gradient norm kept)")
         if self.zero not in ZERO_STAGES:
             self._fail(f"zero {self.zero!r} is not a ZeRO stage (0: replicated; 1: optimizer state sharded; "
                        f"2: and gradients; 3: and weights, as FSDP)")
@@ -662,6 +673,8 @@ class Plan:
             out.append("weight gradients accumulated by their matmuls")
         if self.adamw == "fused":
             out.append("fused AdamW")
+        if self.grad_clip is not None:
+            out.append(f"gradients clipped to norm {self.grad_clip:g}")
         if self.num_stages > 1 and len(set(self.stage_split)) > 1:
             out.append("layers per stage " + runs_text(self.stage_split))
         return out
@@ -703,6 +716,8 @@ class Plan:
             data["moe"] = {"expert_load": self.expert_load}
             if self.capacity_factor is not None:
                 data["moe"]["capacity_factor"] = self.capacity_factor
+        if self.grad_clip is not None:
+            data["grad_clip"] = self.grad_clip
         if self.layers_per_stage is not None:
             split = self.layers_per_stage
             data["layers_per_stage"] = split if isinstance(split, str) else list(split)
@@ -714,7 +729,7 @@ class Plan:
 # --------------------------------------------------------------------------- loading
 _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "virtual_stages", "layers_per_stage",
              "dtype", "tensor_parallel", "sequence_parallel", "tp_comm_overlap", "context_parallel",
-             "activation_recompute", "data_parallel", "grad_accumulation", "adamw", "moe")
+             "activation_recompute", "data_parallel", "grad_accumulation", "adamw", "grad_clip", "moe")
 _RECOMPUTE_KEYS = ("granularity", "layers")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
 _MOE_KEYS = ("capacity_factor", "expert_load")
@@ -799,6 +814,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         sequence_parallel=top.boolean("sequence_parallel", False),
         tp_comm_overlap=top.boolean("tp_comm_overlap", False),
         grad_accumulation=top.text("grad_accumulation", "autograd"), adamw=top.text("adamw", DEFAULT_ADAMW),
+        grad_clip=top.number("grad_clip"),
         activation_recompute=recompute[0], recompute_layers=recompute[1],
         dtype=top.text("dtype", "fp32"), tp_style=top.text("tensor_parallel"),
         grad_sync=grad_sync, bucket_size=sync.size("bucket_size", DEFAULT_BUCKET_SIZE),

@@ -46,6 +46,9 @@ class Op:
     nbytes: float = 0.0
     peer: int = -1  # send: destination rank; recv: source rank
     match: int = -1  # recv: id of the matching send
+    # a collective whose group spans simulated ranks: the same collective's ops on the others. Each starts when
+    # its rank is ready for it; the collective runs once all have, and ends for all of them together.
+    joins: tuple[int, ...] = ()
     phase: str = ""  # report category: forward, backward, weight-grad, optimizer, tp, dp, pp
     id: int = -1
     rank: int = -1

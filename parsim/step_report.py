@@ -120,7 +120,7 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
                 target = spans[phase]
             elif kind == "compute":
                 target = spans["busy"]
-            elif kind in ("recv", "optimizer"):
+            elif kind in ("recv", "optimizer") or phase == "optimizer":  # the optimizer waits for its collectives
                 seconds["pp" if kind == "recv" else "optimizer"] += e.dur_s
                 target = spans["busy"]
             else:

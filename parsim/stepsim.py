@@ -169,6 +169,7 @@ class _Run:
         self.waiting = [0] * n  # prerequisites not yet finished
         self.dependents: list[list[int]] = [[] for _ in range(n)]
         self.recv_of: dict[int, int] = {}  # send id -> the receive waiting for it
+        self.joined: dict[int, list[int]] = {}  # a collective over simulated ranks: its lowest op id -> ops arrived
         self.finished = 0
         self._due: deque[int] = deque()  # ops ending now, not yet processed
         self._draining = False
@@ -211,7 +212,7 @@ class _Run:
                                                          op.forward_ops, op.backward_ops, op.optimizer_tensors,
                                                          op.stream_bytes, op.sm_reserved, op.high_precision,
                                                          op.sm_bound)
-            elif self.comm[i] is not None:
+            elif self.comm[i] is not None and not op.joins:
                 fixed[i] = self.comm[i].closed_form_s
             stream = (op.rank, op.stream)
             before = last.get(stream)
@@ -297,7 +298,9 @@ class _Run:
             self._after(end - now, lambda: self._finish(last))
             return
         op = self.ops[i]
-        if op.kind == "recv":
+        if op.joins:
+            self._join(i, op)
+        elif op.kind == "recv":
             if self.end[op.match] >= 0:
                 self._received(i)
             else:
@@ -306,6 +309,19 @@ class _Run:
             self._phase(i, self.comm[i].phases, 0)
         else:
             raise ParsimError(f"op {op.name!r} on rank {op.rank} has unknown kind {op.kind!r}")
+
+    def _join(self, i: int, op: Op) -> None:
+        """Op ``i`` reached a collective it shares with other simulated ranks: the last to arrive runs it, and
+        it ends for every one of them at once."""
+        arrived = self.joined.setdefault(min(i, *op.joins), [])
+        arrived.append(i)
+        if len(arrived) <= len(op.joins):
+            return
+        comm = self.comm[i]
+        if comm.closed_form_s is not None:
+            self._after(comm.closed_form_s, lambda: [self._finish(j) for j in arrived])
+        else:
+            self._phase(i, comm.phases, 0, done=lambda: [self._finish(j) for j in arrived])
 
     def _received(self, i: int) -> None:
         """Receive ``i``'s data has arrived: it ends now, or after the host's rendezvous cost
@@ -318,13 +334,14 @@ class _Run:
         else:
             self._finish(i)
 
-    def _phase(self, i: int, phases: tuple[CommPhase, ...], k: int) -> None:
-        """Run phase ``k`` of a collective (a send is one phase): latency, transfer, reduction."""
+    def _phase(self, i: int, phases: tuple[CommPhase, ...], k: int, done: Callable[[], None] | None = None) -> None:
+        """Run phase ``k`` of a collective (a send is one phase): latency, transfer, reduction; then ``done``
+        (by default, op ``i`` ends)."""
         if k == len(phases):
-            self._finish(i)
+            (done or (lambda: self._finish(i)))()
             return
         phase = phases[k]
-        next_phase = lambda: self._phase(i, phases, k + 1)  # noqa: E731
+        next_phase = lambda: self._phase(i, phases, k + 1, done)  # noqa: E731
         then = (lambda: self._after(phase.reduce_s, next_phase)) if phase.reduce_s else next_phase
         self._after(phase.latency_s, lambda: self.net.start(phase.routes, phase.nbytes, then, phase.key))
 

@@ -26,6 +26,7 @@ from parsim.schedules import Schedule
 from parsim.tp_overlap import PIPELINE_SPLITS
 
 from .._torch import require_distributed, require_torch
+from .clip import GradClipper, build_clipper
 from .comm import EPGroup, TPGroup
 from .context_parallel import CPGroup, apply_context_parallel, replica_loss, sequence_positions
 from .fsdp import apply_fsdp, data_parallel_mesh, dense
@@ -60,6 +61,8 @@ class RankSetup:
     microbatches: tuple[list, list]  # (inputs, targets) per microbatch
     after_step: Callable[[], None] | None = None  # ZeRO-1/2: all-gather the updated weights
     cp: CPGroup | None = None
+    clipper: GradClipper | None = None  # the plan's grad_clip
+    grad_norm: float | None = None  # the global gradient norm the last clip found
 
     def parameters(self) -> list:
         seen: dict[int, Any] = {}
@@ -95,9 +98,18 @@ class RankSetup:
         if isinstance(self.grad_sync, ZeroOptimizer):
             self.grad_sync.settle()
 
+    def clip_gradients(self) -> None:
+        """Clip the gradients to the plan's ``grad_clip`` (every rank together), keeping their norm before."""
+        self.grad_norm = self.clipper.norm()
+        self.clipper.scale()
+
     def step(self) -> float | None:
         loss = self.forward_backward()
+        if self.clipper is not None:
+            self.grad_norm = self.clipper.norm()
         with self.recorder.span("optimizer step", "optimizer", "compute", phase="optimizer"):
+            if self.clipper is not None:
+                self.clipper.scale()
             self.optimizer.step()
         if self.after_step is not None:
             self.after_step()
@@ -238,8 +250,14 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
                               dtype, device)
     # Megatron-LM's finalize_model_grads order: data-parallel sync, then sequence-parallel norms, then embeddings.
     finalize = [f for f in (sequence_parallel_grad_sync(sync_order, tp, reduce_dtype), tie_sync) if f is not None]
+    clipper = None
+    if plan.grad_clip is not None:
+        tied_copy = built["head"].module.out.weight if tie_sync is not None and "embedding" not in built else None
+        experts = {id(p) for p in routed_expert_parameters(list(stages.values()))}
+        clipper = build_clipper(plan, sync_order, groups, grad_sync if isinstance(grad_sync, ZeroOptimizer) else None,
+                                tied_copy, experts, recorder, device)
     return RankSetup(plan, rank, stages, runtime, grad_sync, finalize, optimizer, recorder,
-                     _local_microbatches(plan, coords.dp, coords.cp, seed, dtype, device), after_step, cp)
+                     _local_microbatches(plan, coords.dp, coords.cp, seed, dtype, device), after_step, cp, clipper)
 
 
 def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, seed: int,
@@ -314,6 +332,8 @@ def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]
         memberships["replicate"] = [g[j::n] for g in memberships["dp"] for j in range(n)]
     if plan.model.is_moe:
         memberships.update({dim: _expert_groups(plan, dim) for dim in ("ep", "edp")})
+    if plan.grad_clip is not None:  # the pipeline ranks sum their gradients' squares
+        memberships["pp"] = plan.groups("pp")
     if getattr(plan.model, "tied_embeddings", False):
         first, last = schedule.stage_to_rank(0), schedule.stage_to_rank(plan.num_stages - 1)
         memberships["tie"] = [[plan.rank_of(dp=d, pp=first, cp=c, tp=t), plan.rank_of(dp=d, pp=last, cp=c, tp=t)]

@@ -31,13 +31,16 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     ``loss`` is this replica's loss (last-stage ranks only, else None) and
     ``reference_loss`` the reference's on the same rows; ``events`` the names
     of the events the rank recorded, in the order they ended, and ``comm_bytes``
-    the bytes of each communication event by name. The routed
+    the bytes of each communication event by name; ``grad_norm`` the global gradient norm the rank's
+    clipping found (``reference_grad_norm`` the reference's; None without ``grad_clip``). The routed
     experts' weights (a MoE model) are also reported on their own:
     ``max_expert_grad_error`` over ``expert_params_checked`` of them.
     """
     setup = build_rank(plan, rank, seed)
     setup.recorder.start_step()
     loss = setup.step() if optimizer_step else setup.forward_backward()
+    if plan.grad_clip is not None and not optimizer_step:  # step() clips before it updates
+        setup.clip_gradients()
     setup.settle()
     events = [e.name for e in setup.recorder.events]
     comm_bytes = {e.name: e.args["bytes"] for e in setup.recorder.events if e.kind != "compute" and "bytes" in e.args}
@@ -55,8 +58,11 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     reference_loss = loss_fn(run_pieces(pieces, inputs), targets)
     reference_loss.backward()
     reference = {p.full_name: p for piece in pieces for p in piece.module.parameters()}
+    unique = list({id(p): p for p in reference.values()}.values())
+    reference_norm = None
+    if plan.grad_clip is not None:
+        reference_norm = torch.nn.utils.clip_grad_norm_(unique, plan.grad_clip).item()
     if optimizer_step:
-        unique = list({id(p): p for p in reference.values()}.values())
         adamw = (MasterWeightsAdamW(unique, LEARNING_RATE) if dtype != torch.float32
                  else torch.optim.AdamW(unique, lr=LEARNING_RATE))
         adamw.step()
@@ -75,7 +81,8 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     return {"rank": rank, "plan": plan.name, "loss": loss, "reference_loss": local_loss.item() if loss is not None
             else None, "max_grad_error": grad_error, "worst_grad": worst, "max_param_error": param_error,
             "params_checked": len(params), "max_expert_grad_error": expert_error,
-            "expert_params_checked": len(experts), "events": events, "comm_bytes": comm_bytes}
+            "expert_params_checked": len(experts), "events": events, "comm_bytes": comm_bytes,
+            "grad_norm": setup.grad_norm, "reference_grad_norm": reference_norm}
 
 
 def verify_rank(rank: int, world: int, plans: list[dict], seed: int = 0, optimizer_step: bool = False) -> list[dict]:

@@ -157,10 +157,21 @@ class ZeroOptimizer(BucketReducer):
 
     def owned_gradient(self, param, reference) -> tuple[Any, Any]:
         """The reduced gradient this rank owns of ``param`` (flattened, maybe empty), and that part of ``reference``."""
+        lo, hi = self._owned_range(param)
+        offset = self._offset_of[id(param)]
+        return self.owned(param), reference.reshape(-1)[lo - offset:hi - offset]
+
+    def owned(self, param) -> Any:
+        """The reduced gradient this rank owns of ``param``: a view of its shard's (flattened, maybe empty)."""
+        shard = self.shards[self._buckets_of[id(param)][0]]
+        lo, hi = self._owned_range(param)
+        return shard.weights.grad[lo - shard.start:hi - shard.start]
+
+    def _owned_range(self, param) -> tuple[int, int]:
+        """Where in its flat bucket the part of ``param`` this rank owns starts and stops."""
         shard, offset = self.shards[self._buckets_of[id(param)][0]], self._offset_of[id(param)]
         lo = max(offset, shard.start)
-        hi = max(lo, min(offset + param.numel(), shard.start + shard.weights.numel()))
-        return shard.weights.grad[lo - shard.start:hi - shard.start], reference.reshape(-1)[lo - offset:hi - offset]
+        return lo, max(lo, min(offset + param.numel(), shard.start + shard.weights.numel()))
 
     # -- the gradient sync (BucketReducer's bookkeeping, a reduce-scatter per bucket) ------------------
     def _padded(self, tensors: list) -> Any:

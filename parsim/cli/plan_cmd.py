@@ -104,6 +104,9 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
     g.add_argument("--adamw", choices=ADAMW_IMPLEMENTATIONS,
                    help="AdamW's implementation: foreach (torch's default, several passes per tensor) or fused "
                         "(one pass: torch's fused=True, Apex's and Transformer Engine's FusedAdam)")
+    g.add_argument("--grad-clip", type=float, metavar="NORM",
+                   help="scale the gradients down to this global L2 norm before the optimizer step "
+                        "(torch's clip_grad_norm_, Megatron-LM's --clip-grad; default: no clipping)")
     g.add_argument("--zero", type=int, choices=ZERO_STAGES,
                    help="ZeRO stage: 1 shards optimizer state, 2 and gradients, 3 and weights (as --grad-sync fsdp)")
     g.add_argument("--shard-group", type=int, metavar="N", help="HSDP: shard within groups of N data-parallel ranks")
@@ -125,7 +128,7 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
         "tensor_parallel": args.tensor_parallel, "sequence_parallel": args.sequence_parallel,
         "tp_comm_overlap": args.tp_comm_overlap, "context_parallel": args.context_parallel,
         "activation_recompute": _recompute_flags(args), "grad_accumulation": args.grad_accumulation,
-        "adamw": args.adamw,
+        "adamw": args.adamw, "grad_clip": args.grad_clip,
         "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap,
                           "zero": args.zero, "shard_group": args.shard_group,
                           "overlap_param_gather": args.overlap_param_gather, "reduce_dtype": args.reduce_dtype},

@@ -65,6 +65,9 @@ def register(subparsers) -> None:
     p.add_argument("--adamw", choices=ADAMW_IMPLEMENTATIONS, default=DEFAULT_ADAMW,
                    help="AdamW's implementation in every plan: foreach (torch's default) or fused (torch's "
                         "fused=True, torchtitan's default; Apex's and TE's FusedAdam)")
+    p.add_argument("--grad-clip", type=float, metavar="NORM",
+                   help="every plan clips its gradients to this global L2 norm before its optimizer step (torch's "
+                        "clip_grad_norm_, Megatron-LM's --clip-grad; default: no clipping)")
     p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES,
                    help="the dtype every plan reduces gradients in (default fp32 with bf16 or fp8 weights, as "
                         "Megatron-LM and torchtitan do; else the weights' dtype)")
@@ -148,7 +151,8 @@ def request_from_args(args: argparse.Namespace) -> SearchRequest:
     return SearchRequest(model, spec, cluster, gpus, _global_batch(args.global_batch, model), args.dtype, max_memory,
                          args.price_per_gpu_hour, None if args.tokens is None else parse_count(args.tokens, "--tokens"),
                          args.sort, keep=max(50, args.top, args.simulate), simulate=args.simulate,
-                         degrees=_degrees(args), adamw=args.adamw, reduce_dtype=args.reduce_dtype)
+                         degrees=_degrees(args), adamw=args.adamw, reduce_dtype=args.reduce_dtype,
+                         grad_clip=args.grad_clip)
 
 
 def _degrees(args: argparse.Namespace) -> tuple[tuple[str, tuple[int, ...]], ...]:

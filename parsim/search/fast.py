@@ -39,8 +39,8 @@ import numpy as np
 
 from ..cluster import ClusterSpec
 from ..compute import ComputeModel
-from ..lower import (CommPiece, Lowering, adamw_costs, bucket_members, fsdp_bytes, gathered_bytes, param_tensors,
-                     tied_table_bytes)
+from ..lower import (FP32, CommPiece, Lowering, bucket_members, clip_costs, fsdp_bytes, gathered_bytes, grad_norm_dims,
+                     param_tensors, step_costs, tied_table_bytes)
 from ..model import MLPModel
 from ..plan import (DTYPE_BYTES, Plan, accumulation_bytes, attention_seq, default_reduce_dtype, keeps_main_grads,
                     master_weights, ties_across_stages)
@@ -466,7 +466,7 @@ class FastModel:
 
     def _finish(self, prep: Prepared, i: int) -> Estimate:
         s, v, x = prep.setting, prep.variants[i], prep.inputs[i]
-        tails = [self._rank_tail(s, v, x, p) for p in range(s.pp)]
+        tails = self._clipped(s, v, [self._rank_tail(s, v, x, p) for p in range(s.pp)])
         rank = max(range(s.pp), key=lambda p: tails[p][0])
         step, compute_end, sync_end, optimizer, gathers = tails[rank]
         counts = _pass_counts(s)[rank]
@@ -706,15 +706,37 @@ class FastModel:
                               elements * plan.grad_bytes)
 
     def _optimizer(self, s: Setting, v: Variant, p: int) -> float:
-        """AdamW on pipeline rank ``p``'s parameters (its shard under ZeRO), as the lowering charges it."""
+        """AdamW on pipeline rank ``p``'s parameters (its shard under ZeRO), after clipping's scaling of their
+        gradients where the plans clip them, as the lowering charges it."""
+        params, tensors = self._params_of(s, v, p)
+        mixed = master_weights(self.dtype_bytes, self.grad_bytes, self._main_grads(s, v))
+        clipped = self.grad_bytes if self.space.grad_clip is not None else 0
+        return self.compute.time((), **step_costs(self.space.adamw, params, tensors, mixed, clipped))
+
+    def _params_of(self, s: Setting, v: Variant, p: int) -> tuple[float, int]:
+        """Pipeline rank ``p``'s parameters the optimizer steps (its shard under ZeRO) and its tensors."""
         ranks = self._ranks(s, v)
         shard = (v.shard_group or s.dp * s.cp) if v.zero else 1
         expert_shard = s.dp * s.cp // s.ep if v.zero else 1
         experts = ranks.experts[p]
-        params = (ranks.params[p] - experts) / shard + experts / expert_shard
-        tensors = int(ranks.tensors[p])
-        mixed = master_weights(self.dtype_bytes, self.grad_bytes, self._main_grads(s, v))
-        return self.compute.time((), **adamw_costs(self.space.adamw, params, tensors, mixed))
+        return (ranks.params[p] - experts) / shard + experts / expert_shard, int(ranks.tensors[p])
+
+    def _clipped(self, s: Setting, v: Variant, tails: list[tuple]) -> list[tuple]:
+        """Each rank's tail (:meth:`_rank_tail`) with clipping's norm between its gradient sync and its step, as
+        optimizer time: the rank's norm and its sums of squares; the pipeline ranks' sum starts when the last of
+        them is ready for it, so the others wait in it (the lowering's ``all_reduce grad_norm dim=pp``)."""
+        if self.space.grad_clip is None:
+            return tails
+        plan = self.layout_plan(s, v)
+        group = Lowering(plan).group
+        sums = {p: [self.comm.time("collective", "all_reduce", group(p, dim)[0], FP32)
+                    for dim in grad_norm_dims(plan)] for p in range(s.pp)}
+        ready = [tail[2] + self.compute.time((), **clip_costs(*self._params_of(s, v, p), self.grad_bytes)[0])
+                 + sum(sums[p][:-1] if s.pp > 1 else sums[p]) for p, tail in enumerate(tails)]
+        if s.pp > 1:
+            ready = [max(ready) + max(sums[p][-1] for p in range(s.pp))] * s.pp
+        return [(r + optimizer + gathers, end, sync, optimizer + r - sync, gathers)
+                for r, (_, end, sync, optimizer, gathers) in zip(ready, tails)]
 
 
 _PLAIN = Variant("dp,pp,cp,tp", False, "none", "ring", "bucketed", 0, None)

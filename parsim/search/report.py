@@ -83,7 +83,9 @@ def _header(result: SearchResult) -> str:
              if seq > 1 else f"global batch {req.global_batch:,}")
     return (f"search: {r0.name} on {gpus} GPUs of {req.cluster.name} ({req.cluster.gpu.model}), {batch}, "
             f"{req.dtype}, gradients in {req.gradient_dtype}"
-            f"{', fused AdamW' if req.adamw == 'fused' else ''}, sorted by {req.sort}")
+            f"{', fused AdamW' if req.adamw == 'fused' else ''}"
+            f"{'' if req.grad_clip is None else f', gradients clipped to norm {req.grad_clip:g}'}"
+            f", sorted by {req.sort}")
 
 
 def _summary(result: SearchResult) -> list[str]:
@@ -227,6 +229,7 @@ def command(result: SearchResult, r: Ranked, plan_file: str | None) -> str:
     args += ["--schedule", s.schedule] + (["--virtual-stages", s.virtual_stages] if s.virtual_stages > 1 else [])
     args += ["--dtype", req.dtype] + (["--adamw", req.adamw] if req.adamw != DEFAULT_ADAMW else [])
     args += ["--reduce-dtype", req.reduce_dtype] if req.reduce_dtype else []
+    args += ["--grad-clip", f"{req.grad_clip:g}"] if req.grad_clip is not None else []
     args += ["--order", v.order] if v.order != DEFAULT_ORDER else []
     args += ["--sequence-parallel"] if v.sequence_parallel else []
     args += ["--tp-comm-overlap"] if v.tp_overlap else []
@@ -284,7 +287,7 @@ def to_json(result: SearchResult, rows: list[Ranked], commands: list[str]) -> di
     return {
         "model": req.model.name, "cluster": req.cluster.name, "gpus": list(req.gpus),
         "global_batch": req.global_batch, "dtype": req.dtype, "adamw": req.adamw,
-        "reduce_dtype": req.gradient_dtype, "sort": req.sort,
+        "reduce_dtype": req.gradient_dtype, "grad_clip": req.grad_clip, "sort": req.sort,
         "price_usd_per_gpu_hour": req.price, "train_tokens": req.train_tokens,
         "memory_capacity_bytes": req.capacity, "degrees": {dim: list(values) for dim, values in req.degrees},
         "spaces": [{"gpus": s.gpus, "plans": s.plans, "fit": s.fits, "over_memory": s.over_memory,

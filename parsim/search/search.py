@@ -15,6 +15,7 @@ through the event simulation (:func:`~parsim.step.predict_step`).
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import time
@@ -57,6 +58,7 @@ class SearchRequest:
     degrees: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (dim, allowed values): search only those
     adamw: str = DEFAULT_ADAMW  # AdamW's implementation in every plan
     reduce_dtype: str | None = None  # the gradients' dtype in every plan (None: the dtype's default)
+    grad_clip: float | None = None  # every plan clips its gradients to this global norm (None: no clipping)
 
     @property
     def gradient_dtype(self) -> str:
@@ -127,6 +129,8 @@ class SearchResult:
 
 def run_search(request: SearchRequest, progress: Callable[[str, float], None] | None = None) -> SearchResult:
     """Search every GPU count of ``request``; ``progress(stage, fraction done)`` now and then."""
+    if request.grad_clip is not None and not 0 < request.grad_clip < math.inf:
+        raise ParsimError(f"--grad-clip {request.grad_clip:g}: give a positive gradient norm, such as 1.0")
     if request.sort not in SORTS:
         raise ParsimError(f"--sort {request.sort!r} is not one of {', '.join(SORTS)}")
     if request.sort == "cost" and request.price is None:
@@ -139,7 +143,7 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
         space = SearchSpace(request.model, gpus, request.global_batch, request.dtype,
                             request.cluster.gpus_per_node, model_spec=request.model_spec, degrees=request.degrees,
                             tp_overlap=request.cluster.overlaps_tp_comm, adamw=request.adamw,
-                            reduce_dtype=request.reduce_dtype)
+                            reduce_dtype=request.reduce_dtype, grad_clip=request.grad_clip)
         fast = FastModel(space, request.cluster, request.capacity)
         counts = SpaceCounts(gpus)
         settings = list(enumerate_settings(space, counts.rejections))

@@ -127,6 +127,8 @@ class Candidate(NamedTuple):
         }
         if space.reduce_dtype:
             data["data_parallel"]["reduce_dtype"] = space.reduce_dtype
+        if space.grad_clip is not None:
+            data["grad_clip"] = space.grad_clip
         if s.cp > 1:
             data["context_parallel"] = v.context_parallel
         if v.grad_sync == "bucketed":
@@ -155,6 +157,7 @@ class SearchSpace:
     tp_overlap: bool = True  # whether the cluster can overlap TP collectives with GEMMs (ClusterSpec.overlaps_tp_comm)
     adamw: str = DEFAULT_ADAMW  # AdamW's implementation, the same for every plan
     reduce_dtype: str | None = None  # the gradients' dtype in every plan (None: the dtype's default)
+    grad_clip: float | None = None  # every plan clips its gradients to this global norm (None: no clipping)
 
     def allows(self, dim: str, value: int) -> bool:
         """Whether ``dim`` (dp, tp, pp, cp or ep) may take ``value`` (``degrees`` restricts some)."""
