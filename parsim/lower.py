@@ -67,6 +67,10 @@ FUSED_ADAMW_TENSORS_PER_KERNEL = 36
 # elementwise speed rather than its streaming speed (course DDP's 16.8 MB of gradients: 2.2 ms measured,
 # 1.0 ms at the calibrated streaming speed, 1.9 ms at the calibrated elementwise speed); the scaling streams.
 CLIP_NORM_ACCESSES, CLIP_SCALE_ACCESSES = 1, 2
+# fp16's loss scaling (Plan.scales_loss): torch._amp_foreach_non_finite_check_and_unscale_ (torch.amp.GradScaler,
+# Megatron-LM's _unscale_main_grads_and_check_for_nan, and parsim's executor) multiplies every gradient by
+# 1/scale and flags any that is not finite, in one multi-tensor pass: a read and a write.
+UNSCALE_ACCESSES = 2
 FOREACH_TENSORS_PER_KERNEL = 110
 CLIP_NORM_OPS = 6  # stack the per-tensor norms, square, weigh, sum, the square root, the coefficient
 FOREACH_TENSORS_PER_OP = 6
@@ -129,9 +133,19 @@ def step_costs(implementation: str, params: float, tensors: int, mixed: tuple[in
     return {key: adamw.get(key, 0) + scale.get(key, 0) for key in adamw.keys() | scale.keys()}
 
 
+def unscale_costs(params: float, tensors: int, grad_bytes: int) -> dict[str, float]:
+    """Unscaling ``params`` gradients of ``grad_bytes`` each, in ``tensors`` tensors, and checking them for
+    infinities (:data:`UNSCALE_ACCESSES`), as keyword arguments of :meth:`ComputeModel.time`."""
+    moved = params * grad_bytes * UNSCALE_ACCESSES
+    visits = tensors // FOREACH_TENSORS_PER_OP
+    return {"flops": 2.0 * params, "hbm_bytes": moved, "stream_bytes": moved,
+            "kernels": -(-tensors // FOREACH_TENSORS_PER_KERNEL) + 1, "forward_ops": 2 + visits}
+
+
 def grad_norm_dims(plan: Plan) -> tuple[str, ...]:
-    """The dimensions whose ranks hold different gradients, over which clipping sums the squares, in the order
-    the executor sums them: ZeRO's or FSDP's shards, the experts, tensor-parallel slices, pipeline stages.
+    """The dimensions whose ranks hold different gradients, over which clipping sums the squares (and fp16's loss
+    scaling looks for an overflow), in the order the executor reduces them: ZeRO's or FSDP's shards, the experts,
+    tensor-parallel slices, pipeline stages.
     Data- and context-parallel replicas hold the same gradients once they are synced."""
     used = {"shard": bool(plan.zero) and plan.shard_size > 1, "ep": plan.ep > 1, "tp": plan.tp > 1, "pp": plan.pp > 1}
     return tuple(dim for dim, on in used.items() if on)
@@ -167,6 +181,7 @@ class Lowering:
         self.sends: dict[tuple, int] = {}
         self.pending: list[_Pending] = []
         self.fsdp = plan.shards_weights  # gathered per layer
+        self.stage_checks: dict[str, list[int]] = {}  # a check's all-reduce over the pipeline ranks: its ops
 
     @property
     def schedule(self) -> Schedule:
@@ -189,7 +204,7 @@ class Lowering:
             self._gradient_sync_and_step(rank, p)
         for pending in self.pending:
             pending.op.match = self.sends[pending.key]
-        self._sum_norms_across_stages()
+        self._join_checks_across_stages()
         return self.program
 
     # -- groups ---------------------------------------------------------------
@@ -518,31 +533,39 @@ class Lowering:
         tensors_count = sum(len(param_tensors(c, plan.tp, plan.ep)) for s in plan.stages_of(p)
                             for c in plan.stage_costs(s))
         ready = tuple(sync) or (last_compute,)
+        if plan.scales_loss:
+            ready = (self._reduced_check(rank, p, "unscale grads", "found_inf",
+                                         unscale_costs(params, tensors_count, plan.grad_bytes), ready),)
         if plan.grad_clip is not None:
-            ready = (self._global_grad_norm(rank, p, clip_costs(params, tensors_count, plan.grad_bytes)[0], ready),)
+            ready = (self._reduced_check(rank, p, "grad norm", "grad_norm",
+                                         clip_costs(params, tensors_count, plan.grad_bytes)[0], ready),)
         step = self._add(rank, Op("optimizer step", "optimizer", "compute", deps=ready, phase="optimizer",
                                   **step_costs(plan.adamw, params, tensors_count, plan.master_weights,
                                                plan.grad_bytes if plan.grad_clip is not None else 0)))
         for dim, tag, nbytes in gather:  # ZeRO-1/2: every rank needs the updated weights back
             self._dp_collective(rank, p, "all_gather", dim, nbytes, (step,), **tag)
 
-    def _global_grad_norm(self, rank: int, p: int, norm: dict[str, float], after: tuple[int, ...]) -> int:
-        """Clipping's norm (:data:`CLIP_NORM_ACCESSES`): the rank's own, then one all-reduce of a number over each
-        of :func:`grad_norm_dims`. The ops have no mirrors: four bytes contend for nothing. Returns the last op."""
-        last = self._add(rank, Op("grad norm", "compute", "compute", deps=after, phase="optimizer", **norm))
+    def _reduced_check(self, rank: int, p: int, name: str, what: str, costs: dict[str, float],
+                       after: tuple[int, ...]) -> int:
+        """A check over all the gradients: the rank's own pass ``name`` (clipping's norm, fp16's unscaling and
+        overflow check), then one all-reduce of a number (``what``) over each of :func:`grad_norm_dims`. The
+        ops have no mirrors: four bytes contend for nothing. Returns the last op."""
+        last = self._add(rank, Op(name, "compute", "compute", deps=after, phase="optimizer", **costs))
         for dim in grad_norm_dims(self.plan):
-            last = self._add(rank, Op(collective_name("all_reduce", "grad_norm", dim=dim), "collective", "comm",
+            last = self._add(rank, Op(collective_name("all_reduce", what, dim=dim), "collective", "comm",
                                       deps=(last,), collective="all_reduce", group=dim, ranks=self.group(p, dim)[0],
                                       nbytes=FP32, phase="optimizer"))
+            if dim == "pp":
+                self.stage_checks.setdefault(what, []).append(last)
         return last
 
-    def _sum_norms_across_stages(self) -> None:
-        """The pipeline ranks' sum of squares is one collective over simulated ranks (:attr:`Op.joins`): it runs
-        once every pipeline rank has reached it, so the ranks that finish their backward early wait in it."""
-        name = collective_name("all_reduce", "grad_norm", dim="pp")
-        sums = [op.id for op in self.program.ops if op.name == name]
-        for i in sums:
-            self.program.ops[i].joins = tuple(j for j in sums if j != i)
+    def _join_checks_across_stages(self) -> None:
+        """The pipeline ranks' all-reduce of a check (:meth:`_reduced_check`) is one collective over simulated
+        ranks (:attr:`Op.joins`): it runs once every pipeline rank has reached it, so the ranks that finish their
+        backward early wait in it."""
+        for ops in self.stage_checks.values():
+            for i in ops:
+                self.program.ops[i].joins = tuple(j for j in ops if j != i)
 
     def _grad_tensors(self, p: int) -> dict[bool, list[tuple[float, tuple[int, int]]]]:
         """Pipeline rank ``p``'s gradient tensors in backward order, dense and routed-expert apart:

@@ -497,6 +497,13 @@ class Plan:
         return keeps_main_grads(self.dtype_bytes, self.shards_weights)
 
     @property
+    def scales_loss(self) -> bool:
+        """fp16 training scales the loss up so small gradients survive fp16, and unscales the gradients before
+        the step, skipping it when they overflowed: Megatron-LM's ``DynamicGradScaler`` under ``--fp16``,
+        ``torch.amp.GradScaler`` (bf16 and fp8 plans keep bf16's range and scale nothing)."""
+        return self.dtype == "fp16"
+
+    @property
     def master_weights(self) -> tuple[int, int] | None:
         """:func:`master_weights` for this plan."""
         return master_weights(self.dtype_bytes, self.grad_bytes, self.main_grads)

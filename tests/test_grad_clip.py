@@ -1,10 +1,13 @@
-"""Gradient clipping as the simulator prices it (``grad_clip``): the plan key, the lowered ops, closed forms.
+"""Checks over all gradients before the step, as the simulator prices them: the plan's ``grad_clip``, fp16's
+loss scaling; the lowered ops and their closed forms.
 
 Clipping reads every gradient once for the rank's norm, sums the squares over
 each dimension whose ranks hold different gradients (one all-reduce of four
 bytes each), and scales every gradient (a read and a write) in the optimizer
 step. The pipeline ranks' sum is one collective: the ranks that finish their
-backward first wait in it, as they do in the executor's ``all_reduce``.
+backward first wait in it, as they do in the executor's ``all_reduce``. fp16
+plans first unscale every gradient and look for an overflow (a read and a
+write, then the same all-reduces of a flag).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from parsim.cli.main import main
-from parsim.lower import FP32, clip_costs, grad_norm_dims, lower
+from parsim.lower import FP32, UNSCALE_ACCESSES, clip_costs, grad_norm_dims, lower
 from parsim.model import load_model
 from parsim.plan import Plan, load_plan
 from parsim.step import predict_step
@@ -105,3 +108,18 @@ def test_grad_clip_round_trips_and_is_shown():
     course = Plan(model=load_model("course-mlp"), dp=2, grad_clip=1.0)
     assert predict_step(course, ideal_spec()).step_s > predict_step(Plan(model=load_model("course-mlp"), dp=2),
                                                                    ideal_spec()).step_s
+
+
+def test_fp16_plans_unscale_and_look_for_an_overflow_before_clipping():
+    plan = _plan({"dp": 2, "tp": 2, "pp": 2}, dtype="fp16")
+    assert plan.scales_loss and not _plan({"dp": 2}, dtype="bf16").scales_loss
+    names = [op.name for op in lower(plan).rank_ops(0)]
+    assert names[names.index("unscale grads"):] == [
+        "unscale grads", "all_reduce found_inf dim=tp", "all_reduce found_inf dim=pp",
+        "grad norm", "all_reduce grad_norm dim=tp", "all_reduce grad_norm dim=pp", "optimizer step"]
+    cluster = ideal_spec(**{"gpu.peak_tflops": {"bf16": 1000.0, "fp16": 1000.0, "fp32": 500.0}})
+    one = _plan({"dp": 1}, None, dtype="fp16")
+    unscale = next(e for e in predict_step(one, cluster).trace.events if e.name == "unscale grads")
+    params, grad_bytes = one.params_per_rank(0), one.grad_bytes
+    assert grad_bytes == 2  # fp16 weights keep and reduce fp16 gradients by default
+    assert unscale.dur_s == pytest.approx(UNSCALE_ACCESSES * params * grad_bytes / cluster.gpu.hbm_bw_Bps, rel=1e-6)

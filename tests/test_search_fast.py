@@ -89,13 +89,15 @@ def test_llama_plans_agree_within_a_few_percent(adamw):
         assert estimate.memory_bytes == pytest.approx(max(m.total for m in simulated.memory), rel=1e-12)
 
 
-def test_clipping_costs_the_same_in_both_tiers():
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_clipping_and_loss_scaling_cost_the_same_in_both_tiers(dtype):
     """Llama 3 8B on 16 H100s, plans with pipeline, tensor and sharded data parallelism, each clipping its
-    gradients: the norm pass, its sums of squares (the pipeline ranks' waiting for the last of them), and the
-    scaling in the step agree with the event simulation as the unclipped plans do, and the clip costs time."""
+    gradients (and in fp16 unscaling them first): each check's pass, its all-reduces (the pipeline ranks'
+    waiting for the last of them), and the scaling in the step agree with the event simulation as other plans
+    do, and the clip costs time."""
     cluster = load_cluster("dgx-h100")
-    spaces = {clip: SearchSpace(load_model("llama3-8b"), 16, 64, model_spec="llama3-8b", grad_clip=clip,
-                                degrees=(("pp", (2, 4)),)) for clip in (None, 1.0)}
+    spaces = {clip: SearchSpace(load_model("llama3-8b"), 16, 64, dtype=dtype, model_spec="llama3-8b",
+                                grad_clip=clip, degrees=(("pp", (2, 4)),)) for clip in (None, 1.0)}
     fast = {clip: FastModel(space, cluster) for clip, space in spaces.items()}
     prepared = [fast[1.0].prepare(s, variants) for s, variants in enumerate_settings(spaces[1.0])]
     fits = [(p, int(i)) for p in prepared for i in np.flatnonzero(np.isfinite(p.bound))]
@@ -103,7 +105,7 @@ def test_clipping_costs_the_same_in_both_tiers():
     unclipped = fast[None].estimate([(fast[None].prepare(p.setting, p.variants), i) for p, i in picks])
     for (prep, i), estimate, plain in zip(picks, fast[1.0].estimate(picks), unclipped):
         plan = Candidate(prep.setting, prep.variants[i]).plan(spaces[1.0])
-        assert plan.grad_clip == 1.0 and estimate.step_s > plain.step_s
+        assert plan.grad_clip == 1.0 and plan.scales_loss == (dtype == "fp16") and estimate.step_s > plain.step_s
         simulated = predict_step(plan, cluster)
         assert estimate.step_s == pytest.approx(simulated.step_s, rel=0.05)
         ranks = {b.rank: b for b in simulated.ranks}

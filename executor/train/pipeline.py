@@ -74,7 +74,7 @@ class PipelineRuntime:
     data- and tensor-parallel slice; ``shape`` is the activation shape of one
     microbatch between stages. The loss of each microbatch is scaled by
     ``1 / num_microbatches`` so the accumulated gradients are those of the
-    mean over the local batch.
+    mean over the local batch (times ``loss_scale`` in fp16).
     """
 
     def __init__(self, schedule: Schedule, pp_rank: int, stages: dict[int, Stage], owners: dict[int, int],
@@ -84,6 +84,7 @@ class PipelineRuntime:
         self.recorder, self.shape, self.dtype, self.device = recorder, shape, dtype, device
         self.last_stage = schedule.num_stages - 1
         self.m = schedule.num_microbatches
+        self.loss_scale = 1.0  # fp16: the loss scaler's current scale, by which the backward starts
         self._capturing: list | None = None
         self._sends = SendWatcher(recorder)
         if schedule.split_backward:
@@ -123,7 +124,7 @@ class PipelineRuntime:
             out = self.stages[s](x, targets)
             if s == self.last_stage:
                 self._loss += out.item() / self.m
-                out = out / self.m
+                out = out * (self.loss_scale / self.m)
         self._inputs[s, mb], self._outputs[s, mb] = x, out
         if self._capturing is not None:
             self._ops[s, mb], self._capturing = self._capturing, None

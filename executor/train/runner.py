@@ -26,10 +26,12 @@ from parsim.schedules import Schedule
 from parsim.tp_overlap import PIPELINE_SPLITS
 
 from .._torch import require_distributed, require_torch
-from .clip import GradClipper, build_clipper
+from .clip import GradClipper
 from .comm import EPGroup, TPGroup
 from .context_parallel import CPGroup, apply_context_parallel, replica_loss, sequence_positions
 from .fsdp import apply_fsdp, data_parallel_mesh, dense
+from .held_gradients import held_gradients
+from .loss_scale import DynamicLossScaler
 from .mixed_precision import MasterWeightsAdamW, adamw, attach_main_grads, gradient
 from .models import build_loss, build_pieces, make_batch
 from .parallel import (apply_data_parallel, apply_expert_parallel, apply_tensor_parallel, routed_expert_parameters,
@@ -62,6 +64,7 @@ class RankSetup:
     after_step: Callable[[], None] | None = None  # ZeRO-1/2: all-gather the updated weights
     cp: CPGroup | None = None
     clipper: GradClipper | None = None  # the plan's grad_clip
+    scaler: DynamicLossScaler | None = None  # fp16's loss scaling
     grad_norm: float | None = None  # the global gradient norm the last clip found
 
     def parameters(self) -> list:
@@ -98,19 +101,25 @@ class RankSetup:
         if isinstance(self.grad_sync, ZeroOptimizer):
             self.grad_sync.settle()
 
-    def clip_gradients(self) -> None:
-        """Clip the gradients to the plan's ``grad_clip`` (every rank together), keeping their norm before."""
-        self.grad_norm = self.clipper.norm()
-        self.clipper.scale()
+    def check_gradients(self) -> bool:
+        """After the sync, every rank together: unscale fp16's gradients, then take clipping's global norm
+        (kept as ``grad_norm``); False when the gradients overflowed, and the step is to be skipped."""
+        finite = self.scaler.unscale() if self.scaler is not None else True
+        if finite and self.clipper is not None:
+            self.grad_norm = self.clipper.norm()
+        return finite
 
     def step(self) -> float | None:
         loss = self.forward_backward()
-        if self.clipper is not None:
-            self.grad_norm = self.clipper.norm()
+        finite = self.check_gradients()
         with self.recorder.span("optimizer step", "optimizer", "compute", phase="optimizer"):
-            if self.clipper is not None:
-                self.clipper.scale()
-            self.optimizer.step()
+            if finite:
+                if self.clipper is not None:
+                    self.clipper.scale()
+                self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update(finite)
+            self.runtime.loss_scale = self.scaler.scale
         if self.after_step is not None:
             self.after_step()
         return loss
@@ -250,14 +259,19 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
                               dtype, device)
     # Megatron-LM's finalize_model_grads order: data-parallel sync, then sequence-parallel norms, then embeddings.
     finalize = [f for f in (sequence_parallel_grad_sync(sync_order, tp, reduce_dtype), tie_sync) if f is not None]
-    clipper = None
-    if plan.grad_clip is not None:
+    clipper = scaler = None
+    if plan.grad_clip is not None or plan.scales_loss:  # checks over every rank's gradients before the step
         tied_copy = built["head"].module.out.weight if tie_sync is not None and "embedding" not in built else None
-        experts = {id(p) for p in routed_expert_parameters(list(stages.values()))}
-        clipper = build_clipper(plan, sync_order, groups, grad_sync if isinstance(grad_sync, ZeroOptimizer) else None,
-                                tied_copy, experts, recorder, device)
+        held = held_gradients(plan, sync_order, groups, grad_sync if isinstance(grad_sync, ZeroOptimizer) else None,
+                              tied_copy, {id(p) for p in routed_expert_parameters(list(stages.values()))}, recorder,
+                              device)
+        clipper = GradClipper(plan.grad_clip, held) if plan.grad_clip is not None else None
+        scaler = DynamicLossScaler(held) if plan.scales_loss else None
+        if scaler is not None:
+            runtime.loss_scale = scaler.scale
     return RankSetup(plan, rank, stages, runtime, grad_sync, finalize, optimizer, recorder,
-                     _local_microbatches(plan, coords.dp, coords.cp, seed, dtype, device), after_step, cp, clipper)
+                     _local_microbatches(plan, coords.dp, coords.cp, seed, dtype, device), after_step, cp, clipper,
+                     scaler)
 
 
 def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, seed: int,
@@ -332,7 +346,7 @@ def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]
         memberships["replicate"] = [g[j::n] for g in memberships["dp"] for j in range(n)]
     if plan.model.is_moe:
         memberships.update({dim: _expert_groups(plan, dim) for dim in ("ep", "edp")})
-    if plan.grad_clip is not None:  # the pipeline ranks sum their gradients' squares
+    if plan.grad_clip is not None or plan.scales_loss:  # checks over every pipeline rank's gradients
         memberships["pp"] = plan.groups("pp")
     if getattr(plan.model, "tied_embeddings", False):
         first, last = schedule.stage_to_rank(0), schedule.stage_to_rank(plan.num_stages - 1)

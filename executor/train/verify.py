@@ -15,6 +15,7 @@ from parsim.plan import Plan, load_plan
 
 from .._torch import require_torch
 from .fsdp import dense
+from .loss_scale import INITIAL_SCALE
 from .mixed_precision import MasterWeightsAdamW
 from .models import make_batch, reference_model, run_pieces
 from .parallel import reference_slice, routed_expert_parameters
@@ -39,8 +40,8 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     setup = build_rank(plan, rank, seed)
     setup.recorder.start_step()
     loss = setup.step() if optimizer_step else setup.forward_backward()
-    if plan.grad_clip is not None and not optimizer_step:  # step() clips before it updates
-        setup.clip_gradients()
+    if not optimizer_step and setup.check_gradients() and setup.clipper is not None:  # step() does it all
+        setup.clipper.scale()
     setup.settle()
     events = [e.name for e in setup.recorder.events]
     comm_bytes = {e.name: e.args["bytes"] for e in setup.recorder.events if e.kind != "compute" and "bytes" in e.args}
@@ -56,9 +57,14 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     with torch.no_grad():
         local_loss = loss_fn(run_pieces(pieces, inputs[rows]), targets[rows] if targets is not None else None)
     reference_loss = loss_fn(run_pieces(pieces, inputs), targets)
-    reference_loss.backward()
     reference = {p.full_name: p for piece in pieces for p in piece.module.parameters()}
     unique = list({id(p): p for p in reference.values()}.values())
+    if plan.scales_loss:  # the same scale the rank's first step uses, divided out as its scaler does
+        (reference_loss * INITIAL_SCALE).backward()
+        for p in unique:
+            p.grad /= INITIAL_SCALE
+    else:
+        reference_loss.backward()
     reference_norm = None
     if plan.grad_clip is not None:
         reference_norm = torch.nn.utils.clip_grad_norm_(unique, plan.grad_clip).item()

@@ -40,7 +40,7 @@ import numpy as np
 from ..cluster import ClusterSpec
 from ..compute import ComputeModel
 from ..lower import (FP32, CommPiece, Lowering, bucket_members, clip_costs, fsdp_bytes, gathered_bytes, grad_norm_dims,
-                     param_tensors, step_costs, tied_table_bytes)
+                     param_tensors, step_costs, tied_table_bytes, unscale_costs)
 from ..model import MLPModel
 from ..plan import (DTYPE_BYTES, Plan, accumulation_bytes, attention_seq, default_reduce_dtype, keeps_main_grads,
                     master_weights, ties_across_stages)
@@ -466,7 +466,7 @@ class FastModel:
 
     def _finish(self, prep: Prepared, i: int) -> Estimate:
         s, v, x = prep.setting, prep.variants[i], prep.inputs[i]
-        tails = self._clipped(s, v, [self._rank_tail(s, v, x, p) for p in range(s.pp)])
+        tails = self._checked(s, v, [self._rank_tail(s, v, x, p) for p in range(s.pp)])
         rank = max(range(s.pp), key=lambda p: tails[p][0])
         step, compute_end, sync_end, optimizer, gathers = tails[rank]
         counts = _pass_counts(s)[rank]
@@ -721,20 +721,25 @@ class FastModel:
         experts = ranks.experts[p]
         return (ranks.params[p] - experts) / shard + experts / expert_shard, int(ranks.tensors[p])
 
-    def _clipped(self, s: Setting, v: Variant, tails: list[tuple]) -> list[tuple]:
-        """Each rank's tail (:meth:`_rank_tail`) with clipping's norm between its gradient sync and its step, as
-        optimizer time: the rank's norm and its sums of squares; the pipeline ranks' sum starts when the last of
-        them is ready for it, so the others wait in it (the lowering's ``all_reduce grad_norm dim=pp``)."""
-        if self.space.grad_clip is None:
+    def _checked(self, s: Setting, v: Variant, tails: list[tuple]) -> list[tuple]:
+        """Each rank's tail (:meth:`_rank_tail`) with the checks between its gradient sync and its step, as
+        optimizer time: fp16's unscaling and overflow check, then clipping's norm, each the rank's own pass and
+        an all-reduce of a number per dimension holding other gradients. The pipeline ranks' all-reduce starts
+        when the last of them is ready for it, so the others wait in it (the lowering's ``_reduced_check``)."""
+        if self.space.dtype != "fp16" and self.space.grad_clip is None:
             return tails
         plan = self.layout_plan(s, v)
+        checks = [unscale_costs] if plan.scales_loss else []
+        checks += [lambda *a: clip_costs(*a)[0]] if plan.grad_clip is not None else []
         group = Lowering(plan).group
         sums = {p: [self.comm.time("collective", "all_reduce", group(p, dim)[0], FP32)
                     for dim in grad_norm_dims(plan)] for p in range(s.pp)}
-        ready = [tail[2] + self.compute.time((), **clip_costs(*self._params_of(s, v, p), self.grad_bytes)[0])
-                 + sum(sums[p][:-1] if s.pp > 1 else sums[p]) for p, tail in enumerate(tails)]
-        if s.pp > 1:
-            ready = [max(ready) + max(sums[p][-1] for p in range(s.pp))] * s.pp
+        ready = [tail[2] for tail in tails]
+        for costs in checks:
+            ready = [r + self.compute.time((), **costs(*self._params_of(s, v, p), self.grad_bytes))
+                     + sum(sums[p][:-1] if s.pp > 1 else sums[p]) for p, r in enumerate(ready)]
+            if s.pp > 1:
+                ready = [max(ready) + max(sums[p][-1] for p in range(s.pp))] * s.pp
         return [(r + optimizer + gathers, end, sync, optimizer + r - sync, gathers)
                 for r, (_, end, sync, optimizer, gathers) in zip(ready, tails)]
 
