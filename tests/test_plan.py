@@ -385,3 +385,11 @@ def test_plan_show_says_which_kernels_a_transformer_plan_prices(capsys):
     assert "kernels           attention flash, layers fused, loss fused" in capsys.readouterr().out
     assert main(["plan", "show", "course-ddp"]) == 0
     assert "kernels " not in capsys.readouterr().out  # the lecture's MLP has no attention or loss kernels to name
+
+
+def test_plan_show_says_what_runs_around_the_optimizer_step(capsys):
+    assert main(["plan", "show", "llama3-8b-fsdp8"]) == 0
+    assert "optimizer         AdamW fused\n" in capsys.readouterr().out  # FSDP2 steps its fp32 shards
+    assert main(["plan", "show", "tiny-pp2", "--dtype", "fp16", "--grad-clip", "0.5"]) == 0
+    assert ("optimizer         AdamW foreach on fp32 master weights, fp16 loss scaling (gradients unscaled and "
+            "checked for overflow), gradients clipped to global norm 0.5") in capsys.readouterr().out

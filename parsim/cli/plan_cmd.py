@@ -264,12 +264,23 @@ def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topolo
         ("recompute", {"none": "none", "selective": "selective (attention core)",
                        "full": "full" + (f", first {plan.recompute_layers} layers of each stage"
                                          if plan.recompute_layers else ", every layer")}[plan.activation_recompute]),
+        ("optimizer", _optimizer_text(plan)),
         ("model FLOPs/step", f"{m.model_flops_per_token() * plan.tokens_per_step:.4g}"),
     ]
     width = max(len(k) for k, _ in summary)
     out += [f"{k.ljust(width)}  {v}" for k, v in summary]
     out += ["", stage_table(plan), "", grid_text(plan, topology), "", groups_text(plan, links)]
     return "\n".join(out)
+
+
+def _optimizer_text(plan: Plan) -> str:
+    """AdamW's implementation and what runs before it: fp16's loss scaling, the clip."""
+    out = [f"AdamW {plan.adamw}" + (" on fp32 master weights" if plan.master_weights else "")]
+    if plan.scales_loss:
+        out.append("fp16 loss scaling (gradients unscaled and checked for overflow)")
+    if plan.grad_clip is not None:
+        out.append(f"gradients clipped to global norm {plan.grad_clip:g}")
+    return ", ".join(out)
 
 
 def _experts_text(plan: Plan) -> str:
