@@ -318,10 +318,15 @@ class _Run:
         if len(arrived) <= len(op.joins):
             return
         comm = self.comm[i]
+
+        def end_all() -> None:
+            for j in arrived:
+                self._finish(j)
+
         if comm.closed_form_s is not None:
-            self._after(comm.closed_form_s, lambda: [self._finish(j) for j in arrived])
+            self._after(comm.closed_form_s, end_all)
         else:
-            self._phase(i, comm.phases, 0, done=lambda: [self._finish(j) for j in arrived])
+            self._phase(i, comm.phases, 0, done=end_all)
 
     def _received(self, i: int) -> None:
         """Receive ``i``'s data has arrived: it ends now, or after the host's rendezvous cost

@@ -726,22 +726,27 @@ class FastModel:
         optimizer time: fp16's unscaling and overflow check, then clipping's norm, each the rank's own pass and
         an all-reduce of a number per dimension holding other gradients. The pipeline ranks' all-reduce starts
         when the last of them is ready for it, so the others wait in it (the lowering's ``_reduced_check``)."""
-        if self.space.dtype != "fp16" and self.space.grad_clip is None:
-            return tails
         plan = self.layout_plan(s, v)
-        checks = [unscale_costs] if plan.scales_loss else []
-        checks += [lambda *a: clip_costs(*a)[0]] if plan.grad_clip is not None else []
+        checks = ([unscale_costs] if plan.scales_loss else []) + ([_norm_pass] if plan.grad_clip is not None else [])
+        if not checks:
+            return tails
         group = Lowering(plan).group
         sums = {p: [self.comm.time("collective", "all_reduce", group(p, dim)[0], FP32)
                     for dim in grad_norm_dims(plan)] for p in range(s.pp)}
+        own = slice(None, -1) if s.pp > 1 else slice(None)  # the pipeline's all-reduce, the last, waits for all
         ready = [tail[2] for tail in tails]
         for costs in checks:
-            ready = [r + self.compute.time((), **costs(*self._params_of(s, v, p), self.grad_bytes))
-                     + sum(sums[p][:-1] if s.pp > 1 else sums[p]) for p, r in enumerate(ready)]
+            ready = [r + self.compute.time((), **costs(*self._params_of(s, v, p), self.grad_bytes)) + sum(sums[p][own])
+                     for p, r in enumerate(ready)]
             if s.pp > 1:
                 ready = [max(ready) + max(sums[p][-1] for p in range(s.pp))] * s.pp
         return [(r + optimizer + gathers, end, sync, optimizer + r - sync, gathers)
                 for r, (_, end, sync, optimizer, gathers) in zip(ready, tails)]
+
+
+def _norm_pass(params: float, tensors: int, grad_bytes: int) -> dict[str, float]:
+    """Clipping's norm pass (the first of :func:`~parsim.lower.clip_costs`; the scaling is in the step)."""
+    return clip_costs(params, tensors, grad_bytes)[0]
 
 
 _PLAIN = Variant("dp,pp,cp,tp", False, "none", "ring", "bucketed", 0, None)

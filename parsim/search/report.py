@@ -229,7 +229,7 @@ def command(result: SearchResult, r: Ranked, plan_file: str | None) -> str:
     args += ["--schedule", s.schedule] + (["--virtual-stages", s.virtual_stages] if s.virtual_stages > 1 else [])
     args += ["--dtype", req.dtype] + (["--adamw", req.adamw] if req.adamw != DEFAULT_ADAMW else [])
     args += ["--reduce-dtype", req.reduce_dtype] if req.reduce_dtype else []
-    args += ["--grad-clip", f"{req.grad_clip:g}"] if req.grad_clip is not None else []
+    args += ["--grad-clip", str(req.grad_clip)] if req.grad_clip is not None else []
     args += ["--order", v.order] if v.order != DEFAULT_ORDER else []
     args += ["--sequence-parallel"] if v.sequence_parallel else []
     args += ["--tp-comm-overlap"] if v.tp_overlap else []
