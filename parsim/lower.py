@@ -548,13 +548,13 @@ class Lowering:
     def _reduced_check(self, rank: int, p: int, name: str, what: str, costs: dict[str, float],
                        after: tuple[int, ...]) -> int:
         """A check over all the gradients: the rank's own pass ``name`` (clipping's norm, fp16's unscaling and
-        overflow check), then one all-reduce of a number (``what``) over each of :func:`grad_norm_dims`. The
-        ops have no mirrors: four bytes contend for nothing. Returns the last op."""
+        overflow check), then one all-reduce of a number (``what``) over each of :func:`grad_norm_dims`. Four
+        bytes contend for nothing: the all-reduces have no mirrors and are ``negligible``. Returns the last op."""
         last = self._add(rank, Op(name, "compute", "compute", deps=after, phase="optimizer", **costs))
         for dim in grad_norm_dims(self.plan):
             last = self._add(rank, Op(collective_name("all_reduce", what, dim=dim), "collective", "comm",
                                       deps=(last,), collective="all_reduce", group=dim, ranks=self.group(p, dim)[0],
-                                      nbytes=FP32, phase="optimizer"))
+                                      nbytes=FP32, phase="optimizer", negligible=True))
             if dim == "pp":
                 self.stage_checks.setdefault(what, []).append(last)
         return last

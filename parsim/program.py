@@ -49,6 +49,7 @@ class Op:
     # a collective whose group spans simulated ranks: the same collective's ops on the others. Each starts when
     # its rank is ready for it; the collective runs once all have, and ends for all of them together.
     joins: tuple[int, ...] = ()
+    negligible: bool = False  # so few bytes that it takes no link's bandwidth from others: timed alone
     phase: str = ""  # report category: forward, backward, weight-grad, optimizer, tp, dp, pp
     id: int = -1
     rank: int = -1

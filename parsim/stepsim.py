@@ -240,7 +240,10 @@ class _Run:
         Ops on one (rank, stream) run one after another, so they never share a
         link at the same time. A link that only one stream's ops ever use is
         therefore never contended, and an op whose links are all such links
-        takes exactly its uncontended time: no need to simulate its flows.
+        takes exactly its uncontended time: no need to simulate its flows. A
+        ``negligible`` op (a few bytes: the checks before the optimizer step)
+        takes its uncontended time, its latency, and leaves every link to the
+        others.
         """
         sim = self.sim
         phases_of: dict[tuple, tuple[CommPhase, ...]] = {}  # by the identity of the op's group tuples
@@ -249,6 +252,11 @@ class _Run:
         for op in self.ops:
             kind = op.kind
             if kind != "collective" and kind != "send":
+                continue
+            if op.negligible:
+                phases = sim.comm_phases(kind, op.collective, op.ranks, op.mirrors, op.nbytes)
+                self.comm[op.id] = _Comm(phases, sum(p.latency_s + self.net.solo_time(p.routes, p.nbytes, p.key)
+                                                     + p.reduce_s for p in phases))
                 continue
             use_key = (op.rank, op.stream, kind, op.collective, id(op.ranks), id(op.mirrors), op.nbytes)
             use = uses.get(use_key)
