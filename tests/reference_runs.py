@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+BF16_EPS = 2.0 ** -7  # the gap between 1 and the next bf16 value
+FP16_EPS = 2.0 ** -10  # the gap between 1 and the next fp16 value
+# A first AdamW step moves every weight by ±lr (1e-3) whatever the size of its gradient, so a gradient that
+# bf16 or fp16 rounds to the other sign moves its weight 2e-3 the other way: 3% of the tiny model's largest weights.
+FIRST_STEP_SIGN_FLIP = 0.05
+
 
 def verify_plans(plans: dict, world: int, timeout_s: float = 120) -> list[list[dict]]:
     """Per rank, per plan: the rank's loss, gradient and weight errors against the single-process model."""
@@ -10,6 +16,12 @@ def verify_plans(plans: dict, world: int, timeout_s: float = 120) -> list[list[d
 
     return launch(verify_rank, world, ([p.to_dict() for p in plans.values()], 0, True), backend="gloo",
                   timeout_s=timeout_s)
+
+
+def plan_runs(results: list[list[dict]], plans: dict, name: str) -> list[dict]:
+    """Every rank's result for plan ``name`` out of :func:`verify_plans` over ``plans``."""
+    index = list(plans).index(name)
+    return [per_rank[index] for per_rank in results]
 
 
 def assert_step_equals_reference(plan, runs: list[dict]) -> None:

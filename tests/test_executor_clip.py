@@ -20,15 +20,14 @@ import pytest
 
 from parsim.plan import load_plan
 
-from reference_runs import assert_events_as_simulated, assert_step_equals_reference, verify_plans
+from reference_runs import (BF16_EPS, FIRST_STEP_SIGN_FLIP, assert_events_as_simulated, assert_step_equals_reference,
+                            plan_runs, verify_plans)
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 pytestmark = needs_torch
 
 WORLD = 4
 CLIP = 0.05
-BF16_EPS = 2.0 ** -7  # as tests/test_executor_mixed_precision.py: the gap between 1 and the next bf16 value
-FIRST_STEP_SIGN_FLIP = 0.05  # and a first AdamW step moves a weight whose gradient bf16 flips by 2 x lr
 GPT = {"kind": "transformer", "name": "gpt", "num_layers": 4, "hidden": 32, "num_heads": 4, "num_kv_heads": 2,
        "ffn_hidden": 64, "seq_len": 16, "vocab_size": 64}
 MOE = dict(GPT, name="moe", num_experts=4, experts_per_token=2, expert_ffn_hidden=32, shared_experts=1,
@@ -62,7 +61,7 @@ def results() -> list[list[dict]]:
 
 
 def _runs(results, name: str) -> list[dict]:
-    return [results[rank][list(PLANS).index(name)] for rank in range(WORLD)]
+    return plan_runs(results, PLANS, name)
 
 
 @pytest.mark.multiproc

@@ -17,14 +17,12 @@ import pytest
 
 from parsim.plan import load_plan
 
-from reference_runs import assert_events_as_simulated, verify_plans
+from reference_runs import FIRST_STEP_SIGN_FLIP, FP16_EPS, assert_events_as_simulated, plan_runs, verify_plans
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 pytestmark = needs_torch
 
 WORLD = 4
-FP16_EPS = 2.0 ** -10  # the gap between 1 and the next fp16 value
-FIRST_STEP_SIGN_FLIP = 0.05  # a first AdamW step moves a weight whose gradient rounds to the other sign by 2 x lr
 GPT = {"kind": "transformer", "name": "gpt", "num_layers": 4, "hidden": 32, "num_heads": 4, "num_kv_heads": 2,
        "ffn_hidden": 64, "seq_len": 16, "vocab_size": 64}
 BATCH = {"microbatch_size": 2, "num_microbatches": 2}
@@ -50,7 +48,7 @@ def results() -> list[list[dict]]:
 
 
 def _runs(results, name: str) -> list[dict]:
-    return [results[rank][list(PLANS).index(name)] for rank in range(WORLD)]
+    return plan_runs(results, PLANS, name)
 
 
 @pytest.mark.multiproc

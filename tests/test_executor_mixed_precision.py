@@ -17,7 +17,7 @@ import pytest
 from parsim.lower import lower
 from parsim.plan import load_plan
 
-from reference_runs import assert_events_as_simulated, verify_plans
+from reference_runs import BF16_EPS, FIRST_STEP_SIGN_FLIP, assert_events_as_simulated, plan_runs, verify_plans
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 pytestmark = needs_torch
@@ -27,10 +27,6 @@ GPT = {"kind": "transformer", "name": "gpt", "num_layers": 4, "hidden": 32, "num
 TIED = dict(GPT, tied_embeddings=True)
 BATCH = {"microbatch_size": 2, "num_microbatches": 2}
 BUCKETS = {"grad_sync": "bucketed", "bucket_size": "8KiB", "overlap": True}
-BF16_EPS = 2.0 ** -7  # the gap between 1 and the next bf16 value
-# A first AdamW step moves every weight by ±lr (1e-3) whatever the size of its gradient, so a gradient that
-# bf16 rounds to the other sign moves its weight 2e-3 the other way: 3% of the tiny model's largest weights.
-FIRST_STEP_SIGN_FLIP = 0.05
 
 
 def _plan(parallel: dict, data_parallel: dict, model: dict = GPT, dtype: str = "bf16", **settings) -> object:
@@ -63,8 +59,7 @@ def results() -> dict[int, list[list[dict]]]:
 
 
 def _runs(results, world: int, name: str) -> list[dict]:
-    index = list(PLANS[world]).index(name)
-    return [per_rank[index] for per_rank in results[world]]
+    return plan_runs(results[world], PLANS[world], name)
 
 
 @pytest.mark.multiproc
