@@ -97,6 +97,9 @@ def test_a_bad_grad_clip_is_one_line_and_exit_2(capsys):
         assert main(["simulate", "tiny-pp2", "--grad-clip", value]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "grad_clip" in err[0]
+    assert main(["search", "--model", "tiny-gpt", "--gpus", "8", "--grad-clip", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--grad-clip -1: give a positive gradient norm" in err[0]
     with pytest.raises(Exception, match="grad_clip"):
         load_plan({"model": "course-mlp", "grad_clip": "high"})
 

@@ -66,17 +66,24 @@ def test_a_saved_plan_and_a_printed_command_simulate_to_the_ranked_figure(capsys
     assert by_flags["step_s"] == pytest.approx(flags["simulated"]["step_s"], rel=1e-12)
 
 
-def test_a_fused_adamw_search_prints_it_and_its_commands_simulate_to_the_ranked_figure(capsys):
-    """--adamw fused reaches the header, the JSON, and each printed command, which simulates to the same step."""
+@pytest.mark.parametrize("flags,key,value,header", [
+    (["--adamw", "fused"], "adamw", "fused", "bf16, gradients in fp32, fused AdamW, sorted by time"),
+    (["--grad-clip", "0.5"], "grad_clip", 0.5,
+     "bf16, gradients in fp32, gradients clipped to norm 0.5, sorted by time"),
+])
+def test_an_optimizer_setting_reaches_the_header_the_json_and_commands_that_simulate_to_the_ranked_figure(
+        capsys, flags, key, value, header):
+    """--adamw fused and --grad-clip reach the header, the JSON, every plan, and each printed command, which
+    simulates to the same step."""
     argv = ["search", "--model", "tiny-gpt", "--gpus", "8", "--global-batch", "8", "--simulate", "1", "--top", "1",
-            "--adamw", "fused"]
+            *flags]
     doc = run_json(capsys, argv)
     top = doc["ranked"][0]
-    assert doc["adamw"] == "fused" and top["plan"]["adamw"] == "fused" and "--adamw fused" in top["command"]
+    assert doc[key] == value and top["plan"][key] == value and " ".join(flags) in top["command"]
     by_flags = run_json(capsys, shlex.split(top["command"])[1:])
     assert by_flags["step_s"] == pytest.approx(top["simulated"]["step_s"], rel=1e-12)
     assert main(argv) == 0
-    assert "bf16, gradients in fp32, fused AdamW, sorted by time" in capsys.readouterr().out
+    assert header in capsys.readouterr().out
 
 
 def test_a_bf16_reduction_search_prices_it_in_both_tiers_and_its_commands_simulate_to_the_ranked_figure(capsys):
