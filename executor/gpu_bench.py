@@ -154,9 +154,10 @@ def sm_row(kind: str, what: str, seconds: float, elements: float, nbytes: float,
 
 
 def sm_rows(device, dtype, elements: int = SM_ELEMENTS, tokens: int = SM_TOKENS) -> list[dict]:
-    """Softmax forward by row length, dropout's forward, and GeLU and LayerNorm forward and backward (their
-    forward + backward less the forward), each with its elements and bytes: ``elements`` scores, ``tokens``
-    rows of SM_HIDDEN."""
+    """Softmax forward by row length, dropout's forward, GeLU and LayerNorm forward and backward (their
+    forward + backward less the forward), and a bias added in place over rows of 3 x SM_HIDDEN (a broadcast add,
+    which torch runs unvectorized), each with its elements and bytes: ``elements`` scores, ``tokens`` rows of
+    SM_HIDDEN."""
     x = torch.randn(elements, device=device, dtype=dtype)
     size = x.element_size()
     rows = []
@@ -177,6 +178,10 @@ def sm_rows(device, dtype, elements: int = SM_ELEMENTS, tokens: int = SM_TOKENS)
         forward_s, both_s = timed(forward, device), timed(both, device)
         rows += [sm_row(kind, f"{kind} forward", forward_s, 2 * n, 2 * size * n),
                  sm_row(kind, f"{kind} backward", both_s - forward_s, 3 * n, 3 * size * n, "backward")]
+    out = torch.randn(tokens, 3 * SM_HIDDEN, device=device, dtype=dtype)
+    bias = torch.randn(3 * SM_HIDDEN, device=device, dtype=dtype)
+    n = out.numel()
+    rows.append(sm_row("bias_add", "bias add, in place", timed(lambda: out.add_(bias), device), 2 * n, 2 * size * n))
     return rows
 
 

@@ -80,7 +80,8 @@ def fit_sm_cycles(rows: list[dict], sm_cycles_per_s: float, base: SmCycles) -> S
 
     softmax = tuple(sorted((row, f) for (kind, _, row), f in figure.items() if kind == "softmax"))
     return SmCycles(softmax=softmax or base.softmax, dropout=figure.get(("dropout", "forward", 0), base.dropout),
-                    gelu=passes("gelu", base.gelu), norm=passes("norm", base.norm))
+                    gelu=passes("gelu", base.gelu), norm=passes("norm", base.norm),
+                    bias_add=figure.get(("bias_add", "forward", 0), base.bias_add))
 
 
 def sm_cycles_mapping(figures: SmCycles) -> dict[str, Any]:
@@ -89,7 +90,7 @@ def sm_cycles_mapping(figures: SmCycles) -> dict[str, Any]:
         return {"forward": round(pair[0], 4), "backward": round(pair[1], 4)}
 
     return {"softmax": {row: round(f, 4) for row, f in figures.softmax}, "dropout": round(figures.dropout, 4),
-            "gelu": both(figures.gelu), "norm": both(figures.norm)}
+            "gelu": both(figures.gelu), "norm": both(figures.norm), "bias_add": round(figures.bias_add, 4)}
 
 
 def fit_gpu(rows: list[dict], spec: ClusterSpec, dtype: str = "bf16") -> GpuFit:

@@ -109,12 +109,14 @@ class SmCycles:
     """SM cycles per element of the memory-bound kernels whose arithmetic, not their bytes, can bound them
     (:class:`parsim.compute.SmWork`): a softmax's forward per element read or written, by row length; dropout
     per random number drawn (one per mask element); GeLU and a fused norm per element read or written,
-    forward and backward. A softmax's backward and dropout's stream at the memory speed."""
+    forward and backward; a bias added in a kernel of its own (a broadcast add, which torch does not vectorize)
+    per element read or written. A softmax's backward and dropout's stream at the memory speed."""
 
     softmax: Curve
     dropout: float
     gelu: tuple[float, float]
     norm: tuple[float, float]
+    bias_add: float
 
 
 # Measured on an H100 SXM and an H200 (132 SMs at 1,980 MHz each; the mean of the two) by
@@ -125,9 +127,11 @@ class SmCycles:
 # scale-mask-softmax is a warp-per-row kernel of the same design); the norm is torch's LayerNorm (RMSNorm is
 # priced alike). Every cluster file without figures of its own takes these; for a GPU other than Hopper that is
 # an assumption (A100's SMs have half the FP32 lanes of Hopper's and as many special-function units: there the
-# cost is a lower bound). `parsim calibrate --ranks 1` measures them on the GPU at hand.
+# cost is a lower bound). `parsim calibrate --ranks 1` measures them on the GPU at hand. The bias add is from a
+# later run of the same script on both GPUs (h100-score-kernels-bias-2026-11-26.json and h200-...): a bias added
+# in place over 16,384 x 12,288 fp16 took 0.580 and 0.548 ms, against 0.27 and 0.19 ms for its bytes.
 HOPPER_SM_CYCLES = SmCycles(softmax=((512, 0.193), (1024, 0.205), (2048, 0.291), (4096, 0.407), (8192, 0.503)),
-                            dropout=0.468, gelu=(0.170, 0.158), norm=(0.235, 0.356))
+                            dropout=0.468, gelu=(0.170, 0.158), norm=(0.235, 0.356), bias_add=0.366)
 SM_CYCLES = (1e-6, 1e6, "SM cycles per element")
 
 
@@ -419,11 +423,11 @@ def _curve(source: str, key: str, value: object, limits: tuple[float, float, str
 
 
 def _sm_cycles(source: str, value: object) -> SmCycles:
-    """``compute.sm_cycles``: any of softmax (by row length), dropout, gelu and norm ({forward, backward});
-    the others are Hopper's (HOPPER_SM_CYCLES)."""
+    """``compute.sm_cycles``: any of softmax (by row length), dropout, gelu and norm ({forward, backward}) and
+    bias_add; the others are Hopper's (HOPPER_SM_CYCLES)."""
     key, default = "compute.sm_cycles", HOPPER_SM_CYCLES
-    if not isinstance(value, dict) or set(value) - {"softmax", "dropout", "gelu", "norm"}:
-        raise ConfigError(source, key, f"is {value!r}", "a mapping of softmax, dropout, gelu and norm")
+    if not isinstance(value, dict) or set(value) - {"softmax", "dropout", "gelu", "norm", "bias_add"}:
+        raise ConfigError(source, key, f"is {value!r}", "a mapping of softmax, dropout, gelu, norm and bias_add")
 
     def passes(kind: str, fallback: tuple[float, float]) -> tuple[float, float]:
         given = value.get(kind)
@@ -435,8 +439,10 @@ def _sm_cycles(source: str, value: object) -> SmCycles:
                 _figure(source, f"{key}.{kind}.backward", given["backward"], SM_CYCLES))
 
     softmax = _curve(source, f"{key}.softmax", value["softmax"], SM_CYCLES) if "softmax" in value else default.softmax
-    dropout = _figure(source, f"{key}.dropout", value["dropout"], SM_CYCLES) if "dropout" in value else default.dropout
-    return SmCycles(softmax, dropout, gelu=passes("gelu", default.gelu), norm=passes("norm", default.norm))
+    dropout, bias_add = (_figure(source, f"{key}.{kind}", value[kind], SM_CYCLES) if kind in value
+                         else getattr(default, kind) for kind in ("dropout", "bias_add"))
+    return SmCycles(softmax, dropout, gelu=passes("gelu", default.gelu), norm=passes("norm", default.norm),
+                    bias_add=bias_add)
 
 
 def _figure(source: str, key: str, value: object, limits: tuple[float, float, str]) -> float:

@@ -102,8 +102,8 @@ def at_length(curve: Curve, seq: int) -> float:
 class SmWork:
     """The arithmetic of a memory-bound kernel that may outlast its bytes (:meth:`ComputeModel.sm_excess`):
     ``elements`` read or written by a ``kind`` kernel ("softmax", forward, over rows of ``row`` entries;
-    "gelu"; "norm"), in a forward or a ``backward``, or drawn ("dropout": one random number per mask
-    element)."""
+    "gelu"; "norm"; "bias_add", a bias added in its own kernel), in a forward or a ``backward``, or drawn
+    ("dropout": one random number per mask element)."""
 
     kind: str
     elements: float
@@ -247,8 +247,8 @@ class ComputeModel:
         figures = self.sm_cycles
         if work.kind == "softmax":
             per_element = at_length(figures.softmax, work.row)
-        elif work.kind == "dropout":
-            per_element = figures.dropout
+        elif work.kind in ("dropout", "bias_add"):
+            per_element = getattr(figures, work.kind)
         else:
             per_element = getattr(figures, work.kind)[work.backward]
         return per_element * work.elements

@@ -18,7 +18,8 @@ from json_schema import errors
 SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192))
 LENGTHS = (1024, 4096, 16384)
 HOST_US = {"forward": 9.0, "backward": 6.0, "optimizer_tensor": 2.5}  # the host a measured_by GPU has
-SM_CYCLES = SmCycles(softmax=((1024, 0.25), (4096, 0.45)), dropout=0.4, gelu=(0.2, 0.15), norm=(0.3, 0.5))
+SM_CYCLES = SmCycles(softmax=((1024, 0.25), (4096, 0.45)), dropout=0.4, gelu=(0.2, 0.15), norm=(0.3, 0.5),
+                     bias_add=0.35)
 
 
 def measured_by(model: ComputeModel, spec) -> list[dict]:
@@ -39,7 +40,8 @@ def measured_by(model: ComputeModel, spec) -> list[dict]:
               "work": {"pass": p, "ops": ops}} for ops in (88, 312) for p in ("forward", "backward")]
     sm = ComputeModel(peak_flops=1.0, hbm_bw_Bps=1.0, dtype_bytes=2, sm_cycles_per_s=spec.gpu.sm_cycles_per_s,
                       sm_cycles=SM_CYCLES)
-    works = [SmWork("softmax", 1e9, row=row) for row, _ in SM_CYCLES.softmax] + [SmWork("dropout", 5e8)]
+    works = [SmWork("softmax", 1e9, row=row) for row, _ in SM_CYCLES.softmax]
+    works += [SmWork("dropout", 5e8), SmWork("bias_add", 4e8)]
     works += [SmWork(kind, 3e8, backward) for kind in ("gelu", "norm") for backward in (False, True)]
     rows += [{"kind": "sm", "what": w.kind, "measured_s": sm.cycles(w) / spec.gpu.sm_cycles_per_s,
               "work": {"sm": w.kind, "pass": "backward" if w.backward else "forward", "elements": w.elements,
@@ -61,8 +63,8 @@ def test_a_gpu_calibration_recovers_the_figures_its_measurements_were_made_with(
     assert (fit.op_forward_s, fit.op_backward_s, fit.optimizer_tensor_s) == pytest.approx(
         (9e-6, 6e-6, 2.5e-6))
     assert dict(fit.sm_cycles.softmax) == pytest.approx(dict(SM_CYCLES.softmax))
-    assert (fit.sm_cycles.dropout, *fit.sm_cycles.gelu, *fit.sm_cycles.norm) == pytest.approx(
-        (SM_CYCLES.dropout, *SM_CYCLES.gelu, *SM_CYCLES.norm))
+    assert (fit.sm_cycles.dropout, *fit.sm_cycles.gelu, *fit.sm_cycles.norm, fit.sm_cycles.bias_add) == \
+        pytest.approx((SM_CYCLES.dropout, *SM_CYCLES.gelu, *SM_CYCLES.norm, SM_CYCLES.bias_add))
 
 
 def test_the_calibrated_file_keeps_the_base_clusters_links_and_replaces_its_compute():
@@ -130,6 +132,7 @@ def test_one_rank_on_a_gpu_prints_each_figure_beside_the_base_clusters_and_write
                  "attention_efficiency.backward at 16,384  0.543     0.424",  # 0.45 / (1 + 1024/16384)
                  "sm_cycles.softmax at 4,096               0.407     0.450",
                  "sm_cycles.norm backward                  0.356     0.500",
+                 "sm_cycles.bias_add                       0.366     0.350",
                  "op_forward_us (host, µs)                 0.0       9.0"):
         assert line in printed
     mine = load_cluster(str(out))
@@ -163,9 +166,10 @@ def test_the_sm_kernels_calibrate_times_run_and_are_fitted_here():
     rows = sm_rows(torch.device("cpu"), torch.float32, elements=4 * max(SM_ROW_LENGTHS), tokens=4)
     kinds = {(r["work"]["sm"], r["work"]["pass"], r["work"]["row"]) for r in rows}
     assert kinds == {("softmax", "forward", n) for n in SM_ROW_LENGTHS} | {("dropout", "forward", 0)} | {
-        (k, p, 0) for k in ("gelu", "norm") for p in ("forward", "backward")}
+        (k, p, 0) for k in ("gelu", "norm") for p in ("forward", "backward")} | {("bias_add", "forward", 0)}
     dropout = next(r for r in rows if r["work"]["sm"] == "dropout")["work"]
     assert dropout["bytes"] == 9 * dropout["elements"]  # fp32 read and written, a one-byte mask
     fit = fit_sm_cycles(rows, 1e9, HOPPER_SM_CYCLES)
     assert [n for n, _ in fit.softmax] == list(SM_ROW_LENGTHS) and fit.dropout > 0 and min(fit.gelu + fit.norm) > 0
+    assert fit.bias_add > 0
     assert fit_sm_cycles(rows, 0.0, HOPPER_SM_CYCLES) is None  # no SM clock: nothing to fit against

@@ -129,8 +129,10 @@ def h100_with(sm_cycles: object) -> dict:
 def test_a_cluster_file_gives_its_own_cycles_and_keeps_hoppers_for_the_rest():
     from parsim.cluster import parse_cluster
 
-    spec = parse_cluster(h100_with({"softmax": {2048: 0.5}, "norm": {"forward": 0.1, "backward": 0.2}}), "mine")
+    spec = parse_cluster(h100_with({"softmax": {2048: 0.5}, "norm": {"forward": 0.1, "backward": 0.2},
+                                    "bias_add": 0.3}), "mine")
     assert spec.sm_cycles.softmax == ((2048, 0.5),) and spec.sm_cycles.norm == (0.1, 0.2)
+    assert spec.sm_cycles.bias_add == 0.3
     assert (spec.sm_cycles.dropout, spec.sm_cycles.gelu) == (HOPPER_SM_CYCLES.dropout, HOPPER_SM_CYCLES.gelu)
     assert parse_cluster(h100_with({"softmax": 0.3}), "mine").sm_cycles.softmax == ((0, 0.3),)  # every length
 
@@ -138,6 +140,7 @@ def test_a_cluster_file_gives_its_own_cycles_and_keeps_hoppers_for_the_rest():
 @pytest.mark.parametrize("value, where", [
     ({"exp": 1.0}, "compute.sm_cycles"),
     ({"dropout": -1}, "compute.sm_cycles.dropout"),
+    ({"bias_add": "fast"}, "compute.sm_cycles.bias_add"),
     ({"gelu": 0.2}, "compute.sm_cycles.gelu"),
     ({"norm": {"forward": 0.2, "backward": "slow"}}, "compute.sm_cycles.norm.backward"),
     ({"softmax": {"2k": 0.3}}, "compute.sm_cycles.softmax"),
@@ -170,3 +173,16 @@ def test_hoppers_cycles_are_the_mean_of_the_kept_h100_and_h200_runs():
     assert figures.dropout == pytest.approx(mean("dropout"), abs=6e-4)
     for kind in ("gelu", "norm"):
         assert getattr(figures, kind) == pytest.approx((mean(kind, "forward"), mean(kind, "backward")), abs=6e-4)
+
+
+def test_hoppers_bias_add_is_the_mean_of_the_kept_h100_and_h200_runs():
+    """The bias add's cycles, from the later runs of benchmarks/gpu/score_kernels.py that timed it (its row of
+    executor.gpu_bench.sm_rows): seconds x SMs x clock over the elements read and written."""
+    import json
+
+    fits = []
+    for gpu in ("h100", "h200"):
+        run = json.loads((SC21_LAYER.parent / f"{gpu}-score-kernels-bias-2026-11-26.json").read_text())
+        [timed] = [r for r in run["rows"] if r["work"].get("sm") == "bias_add"]
+        fits.append(timed["measured_s"] * run["sm_cycles_per_s"] / timed["work"]["elements"])
+    assert HOPPER_SM_CYCLES.bias_add == pytest.approx(sum(fits) / 2, abs=6e-4)

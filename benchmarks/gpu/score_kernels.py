@@ -1,7 +1,8 @@
 """Time the memory-bound kernels the SMs, not the memory, may bound, as `parsim calibrate --ranks 1` does
 (executor.gpu_bench.sm_rows: softmax forward by row length, dropout, GeLU and LayerNorm) on 1.07e9 fp16 scores,
-and beside them a plain copy, the backward of softmax and of dropout, a causal mask, the unfused attention core's
-batched matmuls, and what launched each kernel of SC21's 1.7B layer (benchmarks/gpu/unfused_layer.py).
+and beside them a plain copy, the backward of softmax and of dropout, a causal mask, the linear biases' add and
+gradient sums, the unfused attention core's batched matmuls, and what launched each kernel of SC21's 1.7B layer
+(benchmarks/gpu/unfused_layer.py).
 
 Prints each kernel's time and rate, and the SM cycles per element the kernel model takes from them
 (parsim.calibrate_gpu.fit_sm_cycles: seconds x SMs x clock over the elements the model counts).
@@ -63,6 +64,19 @@ def streaming(bench: Bench) -> None:
                  4 * SCORES)
 
 
+def bias_kernels(bench: Bench) -> None:
+    """The linear biases' own kernels at SC21 1.7B's shapes (32,768 tokens, hidden 2,304), as Megatron-LM ran them:
+    the QKV bias added after its matmul (torch 1.8's ``F.linear`` on 3-D input: ``output += bias``), and each
+    bias gradient summed over the tokens (``grad_output.sum(dim=0)``; autograd's sum to the bias's shape)."""
+    tokens, h = 32768, 2304
+    qkv = torch.randn(tokens, 3 * h, device=bench.device, dtype=HALF)
+    bias = torch.randn(3 * h, device=bench.device, dtype=HALF)
+    bench.kernel("QKV bias add, in place (3h)", lambda: qkv.add_(bias), 2 * qkv.numel() * 2)
+    for width, what in ((3 * h, "QKV"), (4 * h, "fc1"), (h, "dense or fc2")):
+        grad = torch.randn(tokens, width, device=bench.device, dtype=HALF)
+        bench.kernel(f"{what} bias gradient, sum over tokens", lambda grad=grad: grad.sum(0), grad.numel() * 2)
+
+
 def core_matmuls(bench: Bench) -> None:
     """The unfused core's batched matmuls at SC21 1.7B's shapes: 16 x 24 heads of 2,048 x 96."""
     heads, seq, dim = 384, 2048, 96
@@ -117,7 +131,7 @@ def main() -> int:
               f"  {cycles:6.3f} SM cycles per element", flush=True)
     torch.cuda.empty_cache()
     bench = Bench(device)
-    for measure in (streaming, core_matmuls):
+    for measure in (streaming, bias_kernels, core_matmuls):
         measure(bench)
         torch.cuda.empty_cache()
     ops = layer_ops(device)

@@ -1,8 +1,8 @@
 """Time one GPT layer as Megatron-LM ran it in 2021 (SC21): fp16, unfused attention, dropout 0.1.
 
 The layer is the 1.7B row of `parsim validate` (hidden 2304, 24 heads, seq 2048, microbatch 16), in
-Megatron-LM's [seq, batch, hidden] layout: LayerNorm, one QKV linear, scores by baddbmm, softmax,
-dropout, context by bmm, output linear, dropout and residual; LayerNorm, GeLU MLP of 4h, dropout and
+Megatron-LM's [seq, batch, hidden] layout: LayerNorm, one QKV linear (its bias added after the matmul, as
+torch 1.8 ran it), scores by baddbmm, softmax, dropout, context by bmm, output linear, dropout and
 residual. It prints the forward's and the backward's time (CUDA events, the mean over at least
 0.3 s after warm-up: executor.gpu_bench.timed) and, from a torch.profiler trace of one of each, the
 GPU time by kind of kernel, to set beside `parsim explain compute benchmarks/gpu/sc21-1.7b.yaml
@@ -39,7 +39,9 @@ class Layer(nn.Module):
     def forward(self, x):
         s, b, h = x.shape
         a, d = self.heads, self.head_dim
-        q, k, v = self.qkv(self.ln1(x)).view(s, b, a, 3 * d).split(d, dim=-1)
+        qkv = F.linear(self.ln1(x), self.qkv.weight)
+        qkv += self.qkv.bias  # torch 1.8's F.linear on 3-D input: the bias in a kernel of its own
+        q, k, v = qkv.view(s, b, a, 3 * d).split(d, dim=-1)
         q, k, v = (t.reshape(s, b * a, d).transpose(0, 1) for t in (q, k, v))  # [b*a, s, d]
         scores = torch.baddbmm(torch.empty(b * a, s, s, dtype=x.dtype, device=x.device), q, k.transpose(1, 2),
                                beta=0.0, alpha=1.0 / math.sqrt(d))

@@ -254,6 +254,7 @@ def _run_one_gpu(args: argparse.Namespace) -> int:
         table += [["sm_cycles.dropout", old.dropout, new.dropout]]
         table += [[f"sm_cycles.{kind} {p}", getattr(old, kind)[i], getattr(new, kind)[i]]
                   for kind in ("gelu", "norm") for i, p in enumerate(("forward", "backward"))]
+        table += [["sm_cycles.bias_add", old.bias_add, new.bias_add]]
     rows = [[n, f"{a:.3f}", f"{b:.3f}"] for n, a, b in table]
     base, mine = host_us(spec), host_us(fit)
     rows += [[f"{name}_us (host, µs)", f"{base[name]:.1f}", f"{mine[name]:.1f}"] for name in base]
