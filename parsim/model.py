@@ -8,9 +8,9 @@ Two kinds of model, both frozen dataclasses loadable from YAML
   ``batch_size`` of rows, loss ``x.square().mean()``, trained with AdamW in fp32.
 - :class:`TransformerModel` — a GPT-style dense decoder (Llama or GPT-3 shaped):
   pre-norm attention with grouped-query heads, and a SwiGLU (3 matrices) or GeLU
-  (2 matrices) feed-forward block. Biases are not modelled: Llama has none, and
-  GPT-3's (a few hundred thousand per layer, <0.01% of its parameters, with the
-  LayerNorm shifts) are left out. Each norm counts one gain vector.
+  (2 matrices) feed-forward block. Llama's linears have no biases; GPT-3's and
+  Megatron-LM's GPT have them (``linear_bias``), priced as Megatron-LM's layers
+  run them. Each norm counts one gain vector (LayerNorm's shift is left out).
 
 Costs are described per token, so a lowering step can price any microbatch
 without knowing model internals: :meth:`layer_costs`, :meth:`embedding_cost`
@@ -53,6 +53,7 @@ from .files import read_yaml
 from .units import parse_size
 
 FFN_TYPES = ("swiglu", "gelu")
+STREAMING_BACKWARDS = ("softmax", "bias_add")  # SM-bound kinds whose backward runs at the memory speed
 ATTENTIONS = ("gqa", "mla")
 POSITION_EMBEDDINGS = ("rope", "learned")
 # How the attention core runs: "flash" is one fused kernel (FlashAttention, Dao et al. 2022/2023) that
@@ -156,10 +157,11 @@ class Matmul:
 
 @dataclass(frozen=True)
 class Param:
-    """A parameter tensor that is not a matmul weight: a norm gain or an embedding table.
+    """A parameter tensor that is not a matmul weight: a norm gain, a linear's bias or an embedding table.
 
     ``split="rows"`` shards its rows under tensor parallelism (a vocabulary-
-    parallel embedding); ``"none"`` replicates it on every rank.
+    parallel embedding, a column-parallel linear's bias); ``"none"`` replicates
+    it on every rank.
     """
 
     name: str
@@ -174,6 +176,13 @@ class Param:
     def numel_per_rank(self, tp: int = 1) -> int:
         rows = shard(self.rows, tp) if self.split == "rows" else self.rows
         return rows * self.cols
+
+    @property
+    def sums_over_sequence_shards(self) -> bool:
+        """A replicated parameter applied to the activations sequence parallelism splits (a norm's gain, a
+        row-parallel linear's bias): each tensor-parallel rank's gradient covers its part of the sequence,
+        and Megatron-LM all-reduces them over the group (``finalize_model_grads``)."""
+        return self.split == "none" and self.name.startswith(("norm.", "bias."))
 
 
 @dataclass(frozen=True)
@@ -243,7 +252,7 @@ class Elementwise:
     attention_core: bool = False  # over the unfused core's scores: selective recompute reruns it
     cast: bool = False  # one side of a cast to or from fp32, which an fp32 plan does not run
     # a kernel whose arithmetic the SMs may take longer over than its bytes (parsim.compute.SmWork): "softmax"
-    # (forward, over rows of ``row`` entries), "gelu" or "norm"
+    # (forward, over rows of ``row`` entries), "gelu", "norm" or "bias_add" (forward)
     sm_kind: str = ""
     row: int = 0
     # elements per token of a one-byte dropout mask the kernel draws (Philox random numbers) and writes in the
@@ -263,11 +272,11 @@ class Elementwise:
     def sm_work(self, tokens: int, backward: bool, dtype_bytes: int, tp: int = 1,
                 sequence_parallel: bool = False) -> tuple[SmWork, ...]:
         """The arithmetic of this kernel over ``tokens`` tokens on one rank that may outlast its bytes: none for
-        a kernel only its bytes bound, nor for a softmax's backward (it streams)."""
+        a kernel only its bytes bound, nor for the backward of a softmax or a bias add (they stream)."""
         if self.cast and dtype_bytes == 4:
             return ()
         works = []
-        if self.sm_kind and not (backward and self.sm_kind == "softmax"):
+        if self.sm_kind and not (backward and self.sm_kind in STREAMING_BACKWARDS):
             elements = self._per_rank(self.backward if backward else self.forward, tp, sequence_parallel)
             works.append(SmWork(self.sm_kind, float(tokens * elements), backward, self.row))
         if self.mask and not backward:
@@ -568,6 +577,7 @@ class TransformerModel(_CostTotals):
     dropout: float = 0.0  # dropout probability (GPT-3 and Megatron-LM's GPT: 0.1; Llama: none)
     cross_entropy: str = "fused"  # how the loss runs (see CROSS_ENTROPY_KERNELS)
     layer_kernels: str = "fused"  # how norms, RoPE and activations run (see LAYER_KERNELS)
+    linear_bias: bool = False  # the layers' linears add biases (GPT-3, Megatron-LM's GPT; Llama: none)
     description: str = ""
     source: str = field(default="", compare=False)  # the file it came from, for messages
 
@@ -605,6 +615,9 @@ class TransformerModel(_CostTotals):
             _fail(self, "layer_kernels", f"is {self.layer_kernels!r}", " or ".join(LAYER_KERNELS))
         if self.layer_kernels == "eager" and (self.attention == "mla" or self.attention_kernel == "unfused"):
             _fail(self, "layer_kernels", "eager is modelled for grouped-query flash attention only", "fused")
+        if self.linear_bias and (self.attention == "mla" or self.num_experts):
+            _fail(self, "linear_bias", "is modelled for dense layers of grouped-query attention",
+                  "false with attention mla or num_experts")
         if not 0 <= self.dropout < 1:
             _fail(self, "dropout", f"is {self.dropout!r}", "a probability in [0, 1)")
         if self.expert_ffn_hidden is None:
@@ -720,8 +733,22 @@ class TransformerModel(_CostTotals):
             Activation("norm.mlp.in", h, d, sharded=sp), Activation("mlp.in", h, d, sharded=sp),
             *ffn_saved,
         )
-        norms = (Param("norm.attn", 1, h), Param("norm.mlp", 1, h), *attention_params)
-        return LayerCost("layer", (attention, mlp), norms, saved, checkpoint=saved[:1])
+        params = (Param("norm.attn", 1, h), Param("norm.mlp", 1, h), *attention_params, *self._biases(q, kv, f))
+        return LayerCost("layer", (attention, mlp), params, saved, checkpoint=saved[:1])
+
+    def _biases(self, q: int, kv: int, f: int) -> tuple[Param, ...]:
+        """The linears' biases: a column-parallel linear's splits with its outputs; a row-parallel linear's is
+        whole on every tensor-parallel rank, added after the partial outputs are summed (Megatron-LM's
+        ``RowParallelLinear``)."""
+        if not self.linear_bias:
+            return ()
+        h = self.hidden
+        return (Param("bias.attn.qkv", q + 2 * kv, 1, "rows"), Param("bias.attn.o", h, 1),
+                Param("bias.mlp.in", self._ffn_in(f), 1, "rows"), Param("bias.mlp.out", h, 1))
+
+    def _ffn_in(self, f: int) -> int:
+        """The column-parallel feed-forward matmuls' outputs per token: SwiGLU's gate and up, or fc1."""
+        return 2 * f if self.ffn_type == "swiglu" else f
 
     def _mla_block(self, d: int, sp: bool) -> tuple[Block, tuple[Activation, ...], tuple[Param, ...]]:
         """DeepSeek's multi-head latent attention (DeepSeek-AI 2024, DeepSeek-V2 section 2.1), by its
@@ -803,8 +830,9 @@ class TransformerModel(_CostTotals):
         traffic) and its softmax, and dropout, touch every score: ``heads x seq`` per token."""
         h = self.hidden
         if self.layer_kernels == "eager":
-            return (*self._norm("attn.norm", h), *self._eager_attention(q, kv, unit), *self._residual("attn", h))
-        kernels = [*self._norm("attn.norm", h)]
+            return (*self._norm("attn.norm", h), *self._attention_biases(q, kv, unit),
+                    *self._eager_attention(q, kv, unit), *self._residual("attn", h))
+        kernels = [*self._norm("attn.norm", h), *self._attention_biases(q, kv, unit)]
         if self.position_embedding == "rope":
             kernels.append(Elementwise("attn.rope", 2 * (q + kv), 2 * (q + kv), unit=unit))
         if self.attention_kernel == "flash":
@@ -821,6 +849,22 @@ class TransformerModel(_CostTotals):
                 kernels.append(Elementwise("attn.dropout", 2 * scores, 2 * scores, unit=self.seq_len,
                                            attention_core=True, mask=scores))
         return tuple(kernels + self._residual("attn", h))
+
+    def _attention_biases(self, q: int, kv: int, unit: int) -> tuple[Elementwise, ...]:
+        """The attention block's bias kernels (``linear_bias``). Megatron-LM adds the QKV bias in a kernel of
+        its own after the matmul (torch 1.8's ``F.linear`` on 3-D input, ``output += bias``; from 2022 its
+        ``LinearWithGradAccumulationAndAsyncCommunication``, ``output + bias``): it reads and writes q + 2kv,
+        a broadcast add the SMs bound (``sm_cycles.bias_add``). The output projection's bias goes into the
+        fused bias-dropout-add, which reads it at no cost. Backward, each bias's gradient is its output's
+        gradient summed over the tokens, a reduction reading q + 2kv and h (``grad_output.sum(dim=0)``,
+        ``megatron/mpu/layers.py``; autograd's sum to the bias's shape). Eager torch adds biases in the
+        matmul's epilogue (cuBLASLt) and sums their gradients alike."""
+        if not self.linear_bias:
+            return ()
+        qkv = q + 2 * kv
+        forward = (Elementwise("attn.qkv.bias", 2 * qkv, qkv, unit=unit, sm_kind="bias_add")
+                   if self.layer_kernels == "fused" else Elementwise("attn.qkv.bias.grad", 0, qkv, unit=unit))
+        return forward, Elementwise("attn.o.bias.grad", 0, self.hidden, sharded=False)
 
     def _eager_attention(self, q: int, kv: int, unit: int) -> list[Elementwise]:
         """The attention block's memory-bound kernels between its norm and its residual as eager PyTorch runs
@@ -869,11 +913,16 @@ class TransformerModel(_CostTotals):
 
     def _mlp_kernels(self, f: int) -> tuple[Elementwise, ...]:
         """The norm, the activation and the residual; eager SwiGLU's gate and up projections also add their
-        input gradients (3h), where Megatron-LM runs them as one matmul."""
+        input gradients (3h), where Megatron-LM runs them as one matmul. With ``linear_bias`` the biases go
+        into the activation's kernel (Megatron-LM's bias-GeLU) and the bias-dropout-add; their gradients are
+        sums over the tokens of the column-parallel outputs' gradients and of the block output's."""
         h = self.hidden
         summed = (Elementwise("mlp.in.grad.sum", 0, 3 * h, sharded=False),) \
             if self.layer_kernels == "eager" and self.ffn_type == "swiglu" else ()
-        return (*self._norm("mlp.norm", h), self._activation("mlp.act", f), *summed, *self._residual("mlp", h))
+        biases = (Elementwise("mlp.in.bias.grad", 0, self._ffn_in(f)),
+                  Elementwise("mlp.out.bias.grad", 0, h, sharded=False)) if self.linear_bias else ()
+        return (*self._norm("mlp.norm", h), self._activation("mlp.act", f), *summed, *biases,
+                *self._residual("mlp", h))
 
     def _activation(self, name: str, f: int) -> Elementwise:
         """GeLU reads f and writes f (backward: reads input and gradient, writes one); SwiGLU reads
@@ -1013,7 +1062,8 @@ class TransformerModel(_CostTotals):
             heads += " of latent attention (MLA)"
         return (f"{self.name} (transformer): {self.num_layers} layers, hidden {self.hidden}, {heads}, "
                 f"{ffn}, seq {self.seq_len}, vocab {self.vocab_size}"
-                + (", tied embeddings" if self.tied_embeddings else ""))
+                + (", tied embeddings" if self.tied_embeddings else "")
+                + (", linear biases" if self.linear_bias else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)
@@ -1176,7 +1226,7 @@ _KIND_KEYS = {
                     "vocab_size", "tied_embeddings", "position_embedding", "num_experts", "experts_per_token",
                     "expert_ffn_hidden", "shared_experts", "dense_layers", "attention", "q_lora_rank",
                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_kernel",
-                    "dropout", "cross_entropy", "layer_kernels"),
+                    "dropout", "cross_entropy", "layer_kernels", "linear_bias"),
 }
 _REQUIRED = {
     "mlp": ("num_layers", "width", "batch_size"),
@@ -1209,7 +1259,7 @@ def parse_model(data: object, source: str = "<model>", default_name: str = "mode
             values[key] = reader.text(key, TEXT_DEFAULTS[key])
         elif key == "dropout":
             values[key] = reader.number(key, 0.0)
-        elif key == "tied_embeddings":
+        elif key in ("tied_embeddings", "linear_bias"):
             values[key] = reader.boolean(key, False)
         elif reader.has(key):
             values[key] = reader.integer(key)

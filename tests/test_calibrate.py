@@ -103,17 +103,17 @@ def test_a_gpu_comparison_of_a_plan_pricing_fused_kernels_says_what_the_executor
            "eager, cross_entropy: torch" in line
 
 
-def test_a_comparison_of_unfused_attention_or_dropout_says_the_executor_ran_neither(capsys):
-    """The executor's attention is SDPA without dropout, on every backend."""
+def test_a_comparison_of_unfused_attention_dropout_or_biases_says_the_executor_ran_none(capsys):
+    """The executor's attention is SDPA without dropout, and its linears have no biases, on every backend."""
     from parsim.cli.common import note_executor_kernels
     from parsim.plan import resolve_plan
 
     plan = resolve_plan("tiny-dp2")
-    model = {**plan.model.to_dict(), "attention_kernel": "unfused", "dropout": 0.1}
+    model = {**plan.model.to_dict(), "attention_kernel": "unfused", "dropout": 0.1, "linear_bias": True}
     note_executor_kernels(resolve_plan("tiny-dp2", overrides={"model": model}), "gloo")  # flavours not noted on CPUs
     (line,) = capsys.readouterr().err.splitlines()
-    assert "prices attention_kernel: unfused and dropout: 0.1, but the executor ran attention_kernel: flash, " \
-           "dropout: 0.0" in line
+    assert "prices attention_kernel: unfused, dropout: 0.1 and linear_bias: True, but the executor ran " \
+           "attention_kernel: flash, dropout: 0.0, linear_bias: False" in line
 
 
 def test_comparing_a_gpu_cluster_with_a_run_here_warns_once_it_has_measured(capsys):

@@ -146,23 +146,26 @@ def note_launch_bound(command: str, plan, cluster: ClusterSpec, step_s: float) -
 
 
 # What the executor's transformer runs (executor/train/models.py), as the model keys that price it: plain eager
-# PyTorch layers, torch's cross-entropy, and causal attention by scaled_dot_product_attention with no dropout.
-EXECUTOR_KERNELS = {"layer_kernels": "eager", "cross_entropy": "torch", "attention_kernel": "flash", "dropout": 0.0}
+# PyTorch layers with no biases, torch's cross-entropy, and causal attention by scaled_dot_product_attention with
+# no dropout.
+EXECUTOR_KERNELS = {"layer_kernels": "eager", "cross_entropy": "torch", "attention_kernel": "flash", "dropout": 0.0,
+                    "linear_bias": False}
 KERNEL_FLAVOURS = ("layer_kernels", "cross_entropy")  # on CPUs, calibrated rates absorb these two
 
 
 def note_executor_kernels(plan, backend: str) -> None:
     """Say so when a transformer plan prices other work than the executor ran (:data:`EXECUTOR_KERNELS`): a plan's
-    defaults price Megatron-LM's fused kernels, and a model may give unfused attention or dropout, which the
-    executor does not run. On CPUs the calibration's rates absorb the kernels' flavours, so only attention and
-    dropout are noted there."""
+    defaults price Megatron-LM's fused kernels, and a model may give unfused attention, dropout or linear biases,
+    which the executor does not run. On CPUs the calibration's rates absorb the kernels' flavours, so only
+    attention, dropout and biases are noted there."""
     model = plan.model
     if getattr(model, "kind", "") != "transformer":
         return
     keys = [k for k, ran in EXECUTOR_KERNELS.items()
             if getattr(model, k) != ran and (backend == "nccl" or k not in KERNEL_FLAVOURS)]
     if keys:
-        priced = " and ".join(f"{k}: {getattr(model, k)}" for k in keys)
+        pairs = [f"{k}: {getattr(model, k)}" for k in keys]
+        priced = " and ".join([", ".join(pairs[:-1]), pairs[-1]] if len(pairs) > 1 else pairs)
         ran = ", ".join(f"{k}: {EXECUTOR_KERNELS[k]}" for k in keys)
         note(f"parsim compare: note: {plan.name} prices {priced}, but the executor ran {ran}; to price what ran, "
              "set those in its model (docs/plans.md)")

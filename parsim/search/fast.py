@@ -683,9 +683,9 @@ class FastModel:
         return start
 
     def _finalize(self, s: Setting, v: Variant, p: int) -> float:
-        """What follows the gradient sync on pipeline rank ``p``: with sequence parallelism, the norm gains'
-        gradients all-reduced over the tp group; with a tied table split across pipeline ranks, its two copies'
-        gradients summed (the lowering's ``all_reduce embedding``)."""
+        """What follows the gradient sync on pipeline rank ``p``: with sequence parallelism, the norm gains' (and
+        row-parallel biases') gradients all-reduced over the tp group; with a tied table split across pipeline
+        ranks, its two copies' gradients summed (the lowering's ``all_reduce embedding``)."""
         norms = self._cached(("norms", p) + self._structure(s, v), lambda: self._norms(s, v, p)) if (
             v.sequence_parallel and s.tp > 1) else 0.0
         return norms + self._cached(("tied", p) + self._structure(s, v), lambda: self._tied_sum(s, v, p))
@@ -700,7 +700,7 @@ class FastModel:
     def _norms(self, s: Setting, v: Variant, p: int) -> float:
         plan = self.layout_plan(s, v)
         per_type = np.array([sum(param.numel_per_rank(plan.tp) for param in cost.params
-                                 if param.name.startswith("norm.")) for cost in entry_types(plan)], dtype=float)
+                                 if param.sums_over_sequence_shards) for cost in entry_types(plan)], dtype=float)
         elements = self.layout(s).rank_counts[p] @ per_type
         return self.comm.time("collective", "all_reduce", Lowering(plan).group(p, "tp")[0],
                               elements * plan.grad_bytes)
