@@ -163,7 +163,7 @@ def test_the_sm_kernels_calibrate_times_run_and_are_fitted_here():
     from parsim.calibrate_gpu import fit_sm_cycles
     from parsim.cluster import HOPPER_SM_CYCLES
 
-    rows = sm_rows(torch.device("cpu"), torch.float32, elements=4 * max(SM_ROW_LENGTHS), tokens=4)
+    rows = sm_rows(torch.device("cpu"), torch.float32, elements=4 * max(SM_ROW_LENGTHS), tokens=64)
     kinds = {(r["work"]["sm"], r["work"]["pass"], r["work"]["row"]) for r in rows}
     assert kinds == {("softmax", "forward", n) for n in SM_ROW_LENGTHS} | {("dropout", "forward", 0)} | {
         (k, p, 0) for k in ("gelu", "norm") for p in ("forward", "backward")} | {("bias_add", "forward", 0)}
