@@ -26,6 +26,7 @@ timing) only so the script itself can be checked.
 
 Run:  python benchmarks/gpu_kernels.py                      (cluster from the GPU's name)
       python benchmarks/gpu_kernels.py --cluster dgx-h100 --json kernels.json
+      python benchmarks/gpu_kernels.py --dtype fp8        (the same shapes' GEMMs in fp8)
       python benchmarks/gpu_kernels.py --measured benchmarks/gpu/h100-kernels-2026-11-26.json   (no GPU)
 """
 
@@ -106,12 +107,14 @@ def attention_rows(plan, dtype, device, lengths: tuple[int, ...] = ATTENTION_LEN
 
 
 def measure(plan, device, memory_elements: int) -> list[dict]:
-    """Every kind of kernel above, on ``device``; attention only for a transformer plan."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.dtype]
+    """Every kind of kernel above, on ``device``; attention only for a transformer plan. An fp8 plan runs its
+    matmuls in fp8 and the rest in bf16, as Transformer Engine's recipe does."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}[plan.dtype]
+    matmul_dtype = torch.float8_e4m3fn if plan.dtype == "fp8" else dtype
     rows = []
     on_gpu = device.type == "cuda"
     scores, tokens = (SM_ELEMENTS, SM_TOKENS) if on_gpu else (4 * max(SM_ROW_LENGTHS), 4)  # a CPU: a quick look
-    parts = [lambda: matmul_rows(plan, dtype, device), lambda: memory_rows(dtype, device, memory_elements),
+    parts = [lambda: matmul_rows(plan, matmul_dtype, device), lambda: memory_rows(dtype, device, memory_elements),
              lambda: sm_rows(device, dtype, scores, tokens), lambda: launch_rows(device)]
     if isinstance(plan.model, TransformerModel):
         lengths = ATTENTION_LENGTHS if device.type == "cuda" else (plan.model.seq_len // 2,)
@@ -154,6 +157,9 @@ def main() -> None:
 def run() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", default=str(DEFAULT_PLAN), help="plan whose kernels to run (default %(default)s)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "fp8"),
+                        help="run them in this dtype instead of the plan's (fp8: the matmuls by torch._scaled_mm, as "
+                             "Transformer Engine runs them, the rest in bf16)")
     parser.add_argument("--cluster", help="cluster file predicting them (default: from the GPU's name)")
     parser.add_argument("--json", metavar="FILE", help="also write every row as JSON")
     parser.add_argument("--measured", metavar="JSON", help="predict an earlier --json file's kernels instead of "
@@ -168,7 +174,8 @@ def run() -> None:
     else:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-        version, plan = torch.__version__, load_plan(args.plan)
+        plan = load_plan(args.plan, overrides={"dtype": args.dtype} if args.dtype else None)
+        version = torch.__version__
         plan_name, rows, dtype = plan.name, None, plan.dtype
     spec = load_cluster(args.cluster or builtin_for_gpu(name))
     print(f"{name}, torch {version}; predicted by {spec.name}; kernels of {plan_name} ({dtype})", flush=True)

@@ -80,9 +80,18 @@ def operands(m: int, n: int, k: int, role: str, dtype, device) -> tuple:
 
 
 def matmul_row(m: int, n: int, k: int, role: str, label: str, dtype, device) -> dict:
-    """One ``(m, n, k)`` matmul laid out for its ``role`` (:func:`operands`)."""
-    a, b = operands(m, n, k, role, dtype, device)
-    seconds = timed(lambda: torch.matmul(a, b), device)
+    """One ``(m, n, k)`` matmul laid out for its ``role`` (:func:`operands`); in fp8 (``torch.float8_e4m3fn``), as
+    Transformer Engine runs every fp8 GEMM whatever its role: ``torch._scaled_mm`` of a row-major ``a[m, k]`` by
+    a column-major ``b[k, n]`` (its cast-transpose leaves both operands so), per-tensor scales, bf16 out."""
+    if dtype == torch.float8_e4m3fn:
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(n, k, device=device).to(dtype).t()
+        scale = torch.ones((), device=device)
+        seconds = timed(lambda: torch._scaled_mm(a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16),
+                        device)
+    else:
+        a, b = operands(m, n, k, role, dtype, device)
+        seconds = timed(lambda: torch.matmul(a, b), device)
     return row("matmul", label, seconds, {"mnk": [m, n, k]}, shape=f"{m}x{n}x{k}",
                tflops=2 * m * n * k / seconds / 1e12)
 
