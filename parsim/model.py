@@ -642,7 +642,7 @@ class TransformerModel(_CostTotals):
 
     @property
     def params_per_layer(self) -> int:
-        """Q, K, V, O, the feed-forward matrices and two norm gains."""
+        """Q, K, V, O, the feed-forward matrices, two norm gains and any biases."""
         return self._layer(1).num_params
 
     @property

@@ -21,11 +21,12 @@ def test_preset_parameter_counts_match_published_totals(name, params):
 
 def test_gpt3_parameters_follow_the_12_h_squared_formula():
     L, h, V, s = 96, 12288, 50257, 2048
-    per_layer = 4 * h * h + 2 * h * 4 * h + 2 * h  # Q K V O, fc1 fc2, two norm gains; biases ignored
+    # Q K V O, fc1 fc2, two norm gains, and the biases: QKV 3h, output h, fc1 4h, fc2 h
+    per_layer = 4 * h * h + 2 * h * 4 * h + 2 * h + 9 * h
     expected = L * per_layer + V * h + s * h + h  # tied token table, learned positions, final norm
     model = load_model("gpt3-175b")
     assert model.params_per_layer == per_layer
-    assert model.num_params == expected == 174_591_270_912
+    assert model.num_params == expected == 174_601_887_744
 
 
 def test_llama3_8b_splits_into_layers_embedding_and_head():
