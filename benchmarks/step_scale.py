@@ -8,7 +8,8 @@ prediction itself. Three tables:
 1. the issue's targets: Llama 3 70B on 1,024 H100 (bf16 and fp32), Megatron's
    146B and 1T plans (Narayanan et al. 2021, Table 1) on A100s, Llama 3 405B on
    16,384 H100 (PP 16 with Meta's 7/8x14/7 layers) and on PP 14 / PP 9 with
-   even stages;
+   even stages, and the ``llama3-405b-16k`` example (ZeRO-2, sequence
+   parallelism) with its gradients clipped;
 2. wall time against GPUs, 8 to 16,384 (Llama 3 70B, TP 8, PP 8 where it fits);
 3. wall time against pipeline depth x microbatches, 8 to 32,768 (Megatron 1T
    shape, TP 8).
@@ -46,6 +47,13 @@ def plan(model, dp: int, tp: int, pp: int, mb: int, schedule: str = "1f1b", v: i
             "data_parallel": {"grad_sync": "bucketed", "bucket_size": "25MiB", "overlap": True}}
 
 
+def example(name: str, **changes) -> dict:
+    """A built-in example plan's file as data, with ``changes``."""
+    from parsim.files import read_yaml
+    from parsim.plan import builtin_plans
+    return read_yaml(builtin_plans()[name]) | changes
+
+
 TARGETS = [
     ("Llama 3 70B TP8 PP8 DP16, 16 mb, bf16", "dgx-h100", plan("llama3-70b", 16, 8, 8, 16), "1 s"),
     ("Llama 3 70B TP8 PP8 DP16, 16 mb, fp32", "dgx-h100", plan("llama3-70b", 16, 8, 8, 16, dtype="fp32"), "1 s"),
@@ -55,6 +63,9 @@ TARGETS = [
     ("Llama 3 405B TP8 PP16 DP128, 16 mb", "dgx-h100", plan("llama3-405b", 128, 8, 16, 16), "2 s"),
     ("Llama 3 405B TP8 PP14 DP128, 16 mb", "dgx-h100", plan("llama3-405b", 128, 8, 14, 16), "2 s"),
     ("Llama 3 405B TP8 PP9 DP128, 16 mb", "dgx-h100", plan("llama3-405b", 128, 8, 9, 16), "2 s"),
+    # Meta's layout with ZeRO-2, sequence parallelism and gradient clipping: the examples' heaviest flow
+    # simulation (the most transfers contending at once)
+    ("llama3-405b-16k example, clipped", "dgx-h100", example("llama3-405b-16k", grad_clip=1.0), ""),
 ]
 
 GPU_SWEEP = [(f"{tp * pp * dp:,} GPUs: TP{tp} PP{pp} DP{dp}", "dgx-h100", plan("llama3-70b", dp, tp, pp, 16), "")

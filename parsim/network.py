@@ -45,33 +45,39 @@ _SAME_TIME = 1e-12
 
 def max_min_rates(routes: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     """Max-min fair rate (bytes/s) of each flow; ``routes`` is flows x hops, -1 padded."""
-    flows = routes.shape[0]
-    rates = np.zeros(flows)
-    if flows == 0:
-        return rates
     hop_mask = routes >= 0
-    # A flow with an empty route (source == destination) is instantaneous.
-    empty = ~hop_mask.any(axis=1)
-    rates[empty] = np.inf
-    active = ~empty
+    return fair_rates(routes[hop_mask], np.nonzero(hop_mask)[0], routes.shape[0], capacity)
+
+
+def fair_rates(hops: np.ndarray, owners: np.ndarray, flows: int, capacity: np.ndarray) -> np.ndarray:
+    """Max-min fair rate (bytes/s) of each of ``flows`` flows whose hops are the links ``hops``, hop ``i``
+    belonging to flow ``owners[i]`` (a link crossed twice counts twice). A flow without hops (source ==
+    destination) is instantaneous.
+
+    Progressive filling on the hops still moving only: every round freezes the flows crossing the most
+    contended links and drops their hops, so a round costs what is left, and no route matrix is padded to
+    the widest route (a chained ring's runs to hundreds of links, a send's to a few)."""
+    rates = np.full(flows, np.inf)
+    if hops.size == 0:
+        return rates
     # Work on the links in use only: a big cluster has far more links than busy ones.
-    used, local = np.unique(routes[hop_mask], return_inverse=True)
-    routes = np.full(routes.shape, -1, dtype=np.int64)
-    routes[hop_mask] = local
+    used, links = np.unique(hops, return_inverse=True)
     remaining = capacity[used].astype(float)
-    while active.any():
-        live = hop_mask & active[:, None]
-        counts = np.bincount(routes[live], minlength=used.size)
+    counts = np.bincount(links, minlength=used.size)
+    frozen = np.zeros(flows, dtype=bool)
+    while links.size:
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where(counts > 0, remaining / counts, np.inf)
         level = share.min()
         bottleneck = share <= level * (1 + 1e-12)
-        # Flows crossing a bottleneck link are frozen at the fair level.
-        frozen = active & (live & bottleneck[np.maximum(routes, 0)]).any(axis=1)
-        rates[frozen] = level
-        np.subtract.at(remaining, routes[hop_mask & frozen[:, None]], level)
-        np.maximum(remaining, 0.0, out=remaining)
-        active &= ~frozen
+        # Flows crossing a bottleneck link are frozen at the fair level, and their hops leave.
+        frozen[owners[bottleneck[links]]] = True
+        leaving = frozen[owners]
+        rates[owners[leaving]] = level
+        freed = np.bincount(links[leaving], minlength=used.size)
+        remaining = np.maximum(remaining - level * freed, 0.0)
+        counts -= freed
+        links, owners = links[~leaving], owners[~leaving]
     return rates
 
 
@@ -122,7 +128,7 @@ class _Batch:
     """
 
     __slots__ = ("id", "routes", "sizes", "left", "rate", "fin", "active", "flows", "links", "key", "last",
-                 "generation", "done", "solo", "started")
+                 "generation", "done", "solo", "started", "flat")
 
     def __init__(self, bid: int, routes: np.ndarray, sizes: np.ndarray, links: np.ndarray, key, now: float,
                  done: Callable[[], None]):
@@ -134,6 +140,7 @@ class _Batch:
         self.last = self.started = now
         self.generation, self.done = 0, done
         self.solo: Trajectory | None = None
+        self.flat: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # routes, and their hops unpadded
 
     def leave_solo(self, now: float) -> None:
         """Turn the memoized trajectory into per-flow state at ``now``."""
@@ -150,6 +157,13 @@ class _Batch:
         if elapsed > 0 and self.rate is not None:
             self.left = np.maximum(self.left - self.rate * elapsed, 0.0)
         self.last = now
+
+    def hops(self) -> tuple[np.ndarray, np.ndarray]:
+        """The links of the flows in flight, hop by hop, and the flow (row of ``routes``) of each hop."""
+        if self.flat is None or self.flat[0] is not self.routes:
+            valid = self.routes >= 0
+            self.flat = (self.routes, self.routes[valid], np.nonzero(valid)[0])
+        return self.flat[1], self.flat[2]
 
     def signature(self) -> tuple[int, bool, bytes]:
         """The route set this batch has in flight: its key, and which flows remain if some ended."""
@@ -322,10 +336,12 @@ class Network:
                     rates[i] = rate
                 return rates
         self.solves += 1
-        routes = component[0].routes if len(component) == 1 else stack_routes([b.routes for b in component])
-        flat = max_min_rates(routes, self.capacity)
-        split = np.cumsum([b.routes.shape[0] for b in component])[:-1]
-        rates = np.split(flat, split)
+        flows = [b.routes.shape[0] for b in component]
+        parts = [b.hops() for b in component]
+        starts = np.cumsum(flows) - flows
+        hops = np.concatenate([links for links, _ in parts])
+        owners = np.concatenate([owner + start for (_, owner), start in zip(parts, starts.tolist())])
+        rates = np.split(fair_rates(hops, owners, sum(flows), self.capacity), np.cumsum(flows)[:-1])
         if signature is not None:
             self._solutions[signature] = [rates[i] for i in order]
         return rates
