@@ -24,6 +24,18 @@ def test_a_last_partial_wave_costs_a_whole_wave():
     assert A100.waves(m, n) == pytest.approx(109 / 216)
 
 
+def test_a_tiles_fixed_cost_in_k_is_a_time_worth_twice_the_steps_in_fp8():
+    """rate x k / (k + k0): k0 steps along k at the bf16 rate; fp8's steps take half as long, so its GEMMs pay
+    2 k0, and an fp8 plan's LM head (kept in bf16) pays k0."""
+    spec = load_cluster("dgx-h100")
+    m, n, k = 132 * MATMUL_TILE, 2 * MATMUL_TILE, 1024  # whole waves: the k term is all that is left
+    k0 = spec.matmul_k_overhead
+    bf16, fp8 = (ComputeModel.for_cluster(spec, dtype, 2) for dtype in ("bf16", "fp8"))
+    assert bf16.matmul_rate(m, n, k) == pytest.approx(989.5e12 * 0.803 * k / (k + k0))
+    assert fp8.matmul_rate(m, n, k) == pytest.approx(1979e12 * 0.709 * k / (k + 2 * k0))
+    assert fp8.matmul_rate(m, n, k, high_precision=True) == pytest.approx(bf16.matmul_rate(m, n, k))
+
+
 def test_edge_tiles_cost_whole_tiles():
     # 96 columns fill three quarters of one 128-wide tile; 108 of them fill one wave
     assert A100.waves(108 * MATMUL_TILE, 96) == pytest.approx(0.75)

@@ -24,8 +24,9 @@ Each matmul (m x n x k) runs at the GPU's maximum achievable matmul rate
 the output splits into {MATMUL_TILE} x {MATMUL_TILE} tiles, one per SM at a time, so
 edge tiles and a last partial wave cost whole ones; and times k / (k + k0),
 each tile's fixed cost being worth k0 (compute.matmul_k_overhead) steps of its
-reduction; or, if it moves more bytes than it can compute in that time, at HBM
-speed. The attention core runs in
+reduction (twice as many in fp8, whose steps take half the time); or, if it
+moves more bytes than it can compute in that time, at HBM speed. The attention
+core runs in
 FlashAttention at its measured fraction of peak (or, unfused, as batched
 matmuls); norms, activations, residuals and softmax are memory-bound, at the
 measured fraction of HBM bandwidth, except that a softmax, dropout, GeLU or a
@@ -203,7 +204,7 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
         f"microbatch, {plan.dtype}",
         f"  matmuls     {model.efficiency:g} x {peak:g} TFLOP/s = {model.efficiency * peak:.1f} TFLOP/s at best, "
         f"x tile fill ({model.sm_count or 'no'} SMs)"
-        + (f" x k / (k + {model.k_overhead:g})" if model.k_overhead else ""),
+        + (f" x k / (k + {model.k_overhead * peak * 1e12 / model.peak_flops:g})" if model.k_overhead else ""),
         f"  attention   forward {fwd:.3g}, backward {bwd:.3g} of {model.peak_flops / 1e12:g} TFLOP/s"
         f"{f' (kernels over {plan.attention_seq:,} tokens)' if plan.attention_seq else ''}",
         f"  memory      {model.memory_efficiency:g} x {model.hbm_bw_Bps / 1e9:g} GB/s = "
