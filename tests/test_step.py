@@ -135,9 +135,11 @@ def test_fp8_runs_matmuls_at_the_fp8_peak_and_the_rest_at_bf16():
     spec = load_cluster("dgx-h100")
     fp8 = ComputeModel.for_cluster(spec, "fp8", 2)
     bf16 = ComputeModel.for_cluster(spec, "bf16", 2)
-    # 1979 x 0.709 vs 989.5 x 0.803 TFLOP/s: each dtype at its own maximum achievable matmul rate
-    assert fp8.matmul_rate(8192, 8192, 8192) / bf16.matmul_rate(8192, 8192, 8192) == pytest.approx(
-        1979 * 0.709 / (989.5 * 0.803))
+    # 1979 x 0.709 vs 989.5 x 0.803 TFLOP/s: each dtype at its own maximum achievable matmul rate, times its
+    # tiles' fixed cost in k (k0 steps at the bf16 rate, twice as many at fp8's)
+    k, k0 = 8192, spec.matmul_k_overhead
+    assert fp8.matmul_rate(8192, 8192, k) / bf16.matmul_rate(8192, 8192, k) == pytest.approx(
+        1979 * 0.709 * k / (k + 2 * k0) / (989.5 * 0.803 * k / (k + k0)))
     assert fp8.time(flops=1e12) == bf16.time(flops=1e12)  # attention core and other FLOPs stay bf16
     plan = Plan(model=load_model("llama3-8b"), dp=8, dtype="fp8")
     assert predict_step(plan, spec).step_s < predict_step(Plan(model=load_model("llama3-8b"), dp=8, dtype="bf16"),
