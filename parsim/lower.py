@@ -164,6 +164,16 @@ def hidden_size(plan: Plan) -> int:
     return model.width if isinstance(model, MLPModel) else model.hidden
 
 
+def pipeline_bytes(plan: Plan) -> float:
+    """What one pipeline rank sends the next for one microbatch (its activations, or their gradients back): a
+    context-parallel rank's part of the sequence, and under sequence parallelism a tensor-parallel rank's part
+    of that, the stage's output being split along the sequence (Megatron-LM: ``get_tensor_shapes`` divides the
+    sequence by the tensor-parallel size, ``megatron/core/pipeline_parallel/schedules.py``; the executor sends
+    its stage's output as it is)."""
+    split = plan.tp if plan.sequence_parallel else 1
+    return plan.tokens_per_rank * hidden_size(plan) * plan.dtype_bytes / split
+
+
 def lower(plan: Plan) -> Program:
     """The representative ranks' programs (one per pipeline rank)."""
     return Lowering(plan).build()
@@ -177,7 +187,7 @@ class Lowering:
         self.plan = plan
         self.program = Program(plan.world)
         self.tokens = plan.tokens_per_rank  # a context-parallel rank computes 1/cp of each sequence
-        self.act_bytes = self.tokens * hidden_size(plan) * plan.dtype_bytes  # one microbatch's activations
+        self.act_bytes = pipeline_bytes(plan)
         self.sends: dict[tuple, int] = {}
         self.pending: list[_Pending] = []
         self.fsdp = plan.shards_weights  # gathered per layer

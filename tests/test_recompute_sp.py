@@ -95,6 +95,15 @@ def test_sequence_parallelism_swaps_all_reduce_for_all_gather_and_reduce_scatter
     assert sum(op.name == "all_reduce tp params=norms" for op in lower(plan(sequence_parallel=True)).ops) == 2
 
 
+def test_sequence_parallel_pipeline_sends_carry_each_ranks_part_of_the_sequence():
+    """Under sequence parallelism a stage's output is split along the sequence, so each tensor-parallel rank sends
+    the next stage its part: 1/t of a microbatch's activations (Megatron-LM's get_tensor_shapes)."""
+    tokens = 512 * plan().microbatch_size
+    for sp, split in ((False, 1), (True, T)):
+        sends = {op.nbytes for op in lower(plan(sequence_parallel=sp)).ops if op.kind == "send"}
+        assert sends == {tokens * H * 2 / split}  # bf16 activations, or their gradients back
+
+
 def test_sequence_parallelism_moves_the_same_bytes_and_saves_memory():
     # Against ring all-reduces: an all-gather plus a reduce-scatter is a ring all-reduce, split in two.
     # (In-switch reduction speeds up the all-reduce only, so there sequence parallelism costs more time.)

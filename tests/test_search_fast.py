@@ -109,8 +109,11 @@ def test_clipping_and_loss_scaling_cost_the_same_in_both_tiers(dtype):
         simulated = predict_step(plan, cluster)
         assert estimate.step_s == pytest.approx(simulated.step_s, rel=0.05)
         ranks = {b.rank: b for b in simulated.ranks}
+        # The phase holds a pipeline rank's wait for the others in the check's all-reduce: a difference of two
+        # ranks' finishing times, each as close as the step (FSDP's gathers beside its reduce-scatters, which the
+        # fast tier prices alone, docs/search.md), so it is held to 5% of itself or 1% of the step.
         assert estimate.phases["optimizer"] == pytest.approx(
-            ranks[plan.rank_of(pp=estimate.rank)].seconds["optimizer"], rel=0.05)
+            ranks[plan.rank_of(pp=estimate.rank)].seconds["optimizer"], rel=0.05, abs=0.01 * simulated.step_s)
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))

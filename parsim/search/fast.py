@@ -40,7 +40,7 @@ import numpy as np
 from ..cluster import ClusterSpec
 from ..compute import ComputeModel
 from ..lower import (FP32, CommPiece, Lowering, bucket_members, clip_costs, fsdp_bytes, gathered_bytes, grad_norm_dims,
-                     param_tensors, step_costs, tied_table_bytes, unscale_costs)
+                     param_tensors, pipeline_bytes, step_costs, tied_table_bytes, unscale_costs)
 from ..model import MLPModel
 from ..plan import (DTYPE_BYTES, Plan, accumulation_bytes, attention_seq, default_reduce_dtype, keeps_main_grads,
                     master_weights, ties_across_stages)
@@ -116,7 +116,6 @@ class FastModel:
         self.capacity = capacity or cluster.gpu.hbm_capacity_bytes
         self._plans: dict[tuple, Plan] = {}
         self._cache: dict[tuple, object] = {}
-        self._hidden = space.model.width if isinstance(space.model, MLPModel) else space.model.hidden
 
     def _cached(self, key: tuple, make):
         value = self._cache.get(key)
@@ -357,11 +356,11 @@ class FastModel:
         with that gather for as long as the gather covers it (``CommCosts.beside``)."""
         fsdp = self._shards_weights(s, v)
         key = ("hops", s.dp, s.tp, s.pp, s.cp, s.ep, s.microbatch_size, s.schedule in V_SCHEDULES,
-               s.virtual_stages, v.order, (v.shard_group,) if fsdp else None)
+               s.virtual_stages, v.order, v.sequence_parallel, (v.shard_group,) if fsdp else None)
 
         def make() -> np.ndarray:
-            nbytes = s.microbatch_size * self.space.model.tokens_per_sample // s.cp * self._hidden * self.dtype_bytes
             plan = self.layout_plan(s, v)
+            nbytes = pipeline_bytes(plan)
             first = self._cached(("pp ranks", s.dp, s.tp, s.pp, s.cp, v.order),
                                  lambda: [plan.rank_of(pp=r) for r in range(s.pp)])
             lowering = Lowering(plan) if fsdp else None
