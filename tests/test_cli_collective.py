@@ -91,4 +91,4 @@ def test_a_cluster_shows_its_kernel_rates(capsys):
     code, out, _ = run(capsys, "clusters", "dgx-a100")
     assert code == 0
     assert ("  kernels     matmuls bf16 0.869 of peak; memory-bound 0.852 of HBM; attention 0.73 forward, 0.63 "
-            "backward; 108 SMs at 1,410 MHz for softmax, dropout, GeLU and norms") in out
+            "backward; 108 SMs at 1,410 MHz for softmax, dropout, GeLU, norms and bias adds") in out

@@ -92,7 +92,8 @@ def _kernel_rates(spec: ClusterSpec) -> str:
                        if d in spec.matmul_efficiency_by_dtype) or f"{spec.matmul_efficiency:.3g}"
     forward, backward = (curve[-1][1] for curve in spec.attention_efficiency)
     longest = spec.attention_efficiency[0][-1][0]
-    sms = (f"; {spec.gpu.sm_count} SMs at {spec.gpu.sm_clock_Hz / 1e6:,.0f} MHz for softmax, dropout, GeLU and norms"
+    sms = (f"; {spec.gpu.sm_count} SMs at {spec.gpu.sm_clock_Hz / 1e6:,.0f} MHz for softmax, dropout, GeLU, norms "
+           "and bias adds"
            if spec.gpu.sm_cycles_per_s else "")
     return (f"matmuls {matmul} of peak; memory-bound {spec.memory_efficiency:.3g} of HBM; attention "
             f"{forward:.3g} forward, {backward:.3g} backward{f' at {longest:,} tokens' if longest else ''}{sms}")

@@ -26,12 +26,12 @@ edge tiles and a last partial wave cost whole ones; and times k / (k + k0),
 each tile's fixed cost being worth k0 (compute.matmul_k_overhead) steps of its
 reduction (twice as many in fp8, whose steps take half the time); or, if it
 moves more bytes than it can compute in that time, at HBM speed. The attention
-core runs in
-FlashAttention at its measured fraction of peak (or, unfused, as batched
-matmuls); norms, activations, residuals and softmax are memory-bound, at the
-measured fraction of HBM bandwidth, except that a softmax, dropout, GeLU or a
-norm takes its SM cycles where those are longer (bound "SMs": their arithmetic,
-per element, over every SM at the GPU's clock). Every rate is in the cluster
+core runs in FlashAttention at its measured fraction of peak (or, unfused, as
+batched matmuls); norms, activations, residuals and softmax are memory-bound,
+at the measured fraction of HBM bandwidth, except that a softmax, dropout,
+GeLU, a norm or a bias added on its own (linear_bias) takes its SM cycles where
+those are longer (bound "SMs": their arithmetic, per element, over every SM at
+the GPU's clock). Every rate is in the cluster
 file, with its source. Where the file gives eager PyTorch's host time per op
 (parsim calibrate writes it), each block also shows the host issuing its ops:
 on a GPU the block takes the longer of that and its kernels, on a CPU rank the
@@ -212,7 +212,7 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
     ]
     if model.sm_cycles_per_s:
         lines.append(f"  SMs         {model.sm_count} x {model.sm_cycles_per_s / model.sm_count / 1e6:,.0f} MHz: "
-                     "softmax, dropout, GeLU and norms take the longer of their bytes and their SM cycles")
+                     "softmax, dropout, GeLU, norms and bias adds take the longer of their bytes and their SM cycles")
     if model.op_forward_s or model.op_backward_s:
         how = ("a block takes the longer of its kernels and its host" if model.host_overlaps_device
                else "added to each block's kernels")
