@@ -232,7 +232,9 @@ def test_explain_compute_shows_an_fp8_plans_casts_and_its_fp8_peak(capsys):
     for kind, total in data["pass_s"].items():
         assert sum(k["time_s"] for k in data["kernels"] if k["pass"] == kind) == pytest.approx(total)
     assert main(args) == 0
-    assert "of the 1979 TFLOP/s fp8 peak" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "of the 1979 TFLOP/s fp8 peak" in out
+    assert "x k / (k + 384)" in out  # a tile's fixed cost: 192 steps at bf16's rate, twice as many at fp8's
 
 
 def test_explain_compute_refuses_an_unknown_layer(capsys):

@@ -64,6 +64,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="how long each shape runs (default 4)")
     parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
     args = parser.parse_args()
+    if args.seconds < 1:  # nvidia-smi's first samples are skipped: a shorter run may leave none
+        parser.error(f"--seconds {args.seconds:g}: give at least 1")
     out_file = open_json_out("sustained_gemm.py", args.json)
     rows = []
     for shape in SHAPES:
