@@ -29,6 +29,9 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
   bursts of compute, the way the executor's pipeline runtime does (a send
   issued and handed to a watcher thread; a receive posted after the data was
   sent): the host time of one transfer beyond its bytes.
+
+Between them, :mod:`executor.speed_probe` times the host's speed, which
+``parsim compare`` times again during its run.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from ._torch import require_torch
+from .speed_probe import SpeedProbe, probes_on
 
 # Shapes (m, n, k) spanning thin to square, including weight-gradient shapes whose inner dimension is a
 # (small) token count.
@@ -65,8 +69,24 @@ def measure_on_every_rank(nproc: int, timeout_s: float = 600.0) -> list[dict]:
 
 
 def _rank_compute(rank: int, world: int) -> dict:
-    return {"matmuls": measure_matmuls(), "dispatch": measure_dispatch(), "elementwise": measure_elementwise(),
-            "optimizer": measure_optimizer(), "p2p": measure_p2p_rendezvous()}
+    """Every benchmark, with the host-speed probes timed before each and at the end (``speed_probes``, pairs
+    of matmul FLOP/s and eager seconds): their medians are the host's speed while these figures were measured."""
+    probe = SpeedProbe() if probes_on(rank, world) else None
+    speeds: list[tuple[float, float]] = []
+
+    def probe_now() -> None:
+        _barrier()
+        if probe is not None:
+            speeds.append(probe())
+
+    results = {}
+    for name, benchmark in (("matmuls", measure_matmuls), ("dispatch", measure_dispatch),
+                            ("elementwise", measure_elementwise), ("optimizer", measure_optimizer),
+                            ("p2p", measure_p2p_rendezvous)):
+        probe_now()
+        results[name] = benchmark()
+    probe_now()
+    return {**results, "speed_probes": speeds}
 
 
 # ----------------------------------------------------------------------------- timing

@@ -46,8 +46,9 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  op_backward_s: float = 0.0, optimizer_tensor_s: float = 0.0,
                  matmul_stream_bw_Bps: float | None = None, p2p_rendezvous_s: float = 0.0,
                  elementwise_bw_Bps: float | None = None, step_overhead_s: dict | None = None,
-                 cpu_cores: int | None = None) -> dict:
-    """A cluster mapping for ``ranks`` processes on one host (loopback "fabric")."""
+                 cpu_cores: int | None = None, speed_probe: tuple[float, float] | None = None) -> dict:
+    """A cluster mapping for ``ranks`` processes on one host (loopback "fabric"); ``speed_probe`` is the
+    host-speed probes' (matmul FLOP/s, seconds per eager pass) while the compute figures were measured."""
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
                   "optimizer_tensor_us": optimizer_tensor_s * 1e6, "p2p_rendezvous_us": p2p_rendezvous_s * 1e6}
     if matmul_stream_bw_Bps:
@@ -56,6 +57,9 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         host_costs["elementwise_bw_GBps"] = elementwise_bw_Bps / 1e9
     if cpu_cores:
         host_costs["cpu_cores"] = int(cpu_cores)
+    if speed_probe:
+        host_costs["speed_probe_gflops"] = speed_probe[0] / 1e9
+        host_costs["speed_probe_eager_us"] = speed_probe[1] * 1e6
     return {
         "name": name,
         "description": description or f"{ranks} ranks on one host, calibrated",

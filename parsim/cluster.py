@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.resources
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import ConfigError, ParsimError
@@ -28,6 +28,7 @@ BANDWIDTH_GBPS = (1e-12, 1e12, "GB/s")  # from 1 mB/s
 LINK_GBITS = (1e-11, 1e13, "Gb/s (gigabits)")
 LATENCY_US = (0.0, 1e9, "microseconds")  # up to 1,000 s
 TFLOPS = (1e-12, 1e12, "TFLOP/s, dense")  # from 1 FLOP/s
+GFLOPS = (1e-9, 1e15, "GFLOP/s")  # from 1 FLOP/s
 CAPACITY_GB = (1e-12, 1e12, "GB")
 CLOCK_MHZ = (1.0, 1e5, "MHz")
 OVERSUBSCRIPTION = (1.0, 1e6, "downlink:uplink ratio, e.g. 1.0 for non-blocking")
@@ -44,7 +45,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "attention_efficiency",
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "matmul_stream_bw_GBps",
-                "p2p_rendezvous_us", "elementwise_bw_GBps", "cpu_cores")
+                "p2p_rendezvous_us", "elementwise_bw_GBps", "cpu_cores", "speed_probe_gflops", "speed_probe_eager_us")
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,28 @@ class ClusterSpec:
     p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to its receive
     elementwise_bw_Bps: float | None = None  # memory-bound kernels' bytes (None: at the memory speed)
     cpu_cores: int | None = None  # cores a CPU host's ranks share (more ranks than this time-share them)
+    # executor.speed_probe while the compute figures were measured: its matmul's FLOP/s and its eager pass's
+    # seconds (None: not timed)
+    speed_probe_flops: float | None = None
+    speed_probe_eager_s: float | None = None
+
+    def at_host_speed(self, arithmetic: float, eager: float) -> "ClusterSpec":
+        """This CPU host running ``arithmetic`` times as fast as when it was calibrated in matmuls and memory
+        (matmul peak and weight stream, memory and elementwise speed), and ``eager`` times as fast in its
+        fixed costs (per op, per kernel, per optimizer tensor). Collectives and pipeline transfers keep
+        their own fits: gloo's calls were not measured to follow the probes (executor.speed_probe)."""
+        if arithmetic <= 0 or eager <= 0:
+            raise ParsimError(f"host speed factors must be positive, got {arithmetic} and {eager}")
+        gpu = replace(self.gpu, peak_flops={d: f * arithmetic for d, f in self.gpu.peak_flops.items()},
+                      hbm_bw_Bps=self.gpu.hbm_bw_Bps * arithmetic)
+        return replace(
+            self, gpu=gpu,
+            matmul_stream_bw_Bps=self.matmul_stream_bw_Bps and self.matmul_stream_bw_Bps * arithmetic,
+            elementwise_bw_Bps=self.elementwise_bw_Bps and self.elementwise_bw_Bps * arithmetic,
+            op_forward_s=self.op_forward_s / eager, op_backward_s=self.op_backward_s / eager,
+            optimizer_tensor_s=self.optimizer_tensor_s / eager, kernel_overhead_s=self.kernel_overhead_s / eager,
+            speed_probe_flops=self.speed_probe_flops and self.speed_probe_flops * arithmetic,
+            speed_probe_eager_s=self.speed_probe_eager_s and self.speed_probe_eager_s / eager)
 
     def _own_matmul_efficiency(self, dtype: str) -> float | None:
         """The file's figure for ``dtype``; fp16 and bf16 run at the same rate, so each stands in for the other."""
@@ -339,6 +362,13 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     cores = compute.get("cpu_cores")
     if cores is not None:
         _whole(source, "compute.cpu_cores", cores, 1, 2**16)
+    probe_gflops, probe_us = compute.get("speed_probe_gflops"), compute.get("speed_probe_eager_us")
+    if (probe_gflops is None) != (probe_us is None):
+        raise ConfigError(source, "compute.speed_probe_gflops", "given without compute.speed_probe_eager_us, or "
+                          "the other way round", "both (parsim calibrate writes them together) or neither")
+    if probe_gflops is not None:
+        probe_gflops = _figure(source, "compute.speed_probe_gflops", probe_gflops, GFLOPS)
+        probe_us = _figure(source, "compute.speed_probe_eager_us", probe_us, (1e-6, 1e9, "microseconds"))
     _figure(source, "compute.matmul_half_dim", half_dim, MATRIX_DIM)
     k_overhead = _figure(source, "compute.matmul_k_overhead", compute.get("matmul_k_overhead", 0.0), MATRIX_DIM)
     sm_count = gpu.data.get("sm_count", 0)
@@ -396,6 +426,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),
         cpu_cores=cores,
+        speed_probe_flops=probe_gflops and probe_gflops * 1e9,
+        speed_probe_eager_s=probe_us and probe_us * 1e-6,
     )
     for reader in (r, gpu, intra, out):
         reader.reject_unknown()

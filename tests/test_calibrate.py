@@ -120,3 +120,63 @@ def test_comparing_a_gpu_cluster_with_a_run_here_warns_once_it_has_measured(caps
     assert main(["compare", "all-reduce", "--cluster", "dgx-h100", "--nproc", "2", "--size", "4KiB"]) == 0
     err = capsys.readouterr().err
     assert err.count("warning: dgx-h100 describes GPUs") == 1
+
+
+@pytest.mark.parametrize("extra, probed", [([], True), (["--no-speed-probe"], False)])
+def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, monkeypatch, tmp_path, capsys):
+    """A calibrated CPU host's compute figures follow the host-speed probe timed during the run: the
+    prediction is the simulator's at that speed, and the one at the calibration's speed is kept beside it."""
+    import executor.train
+    from parsim.plan import resolve_plan
+    from parsim.step import predict_step
+
+    data = host_cluster(2, 300e-6, 2.0e9, 6e9, algorithms=GLOO, peak_flops=80e9, op_forward_s=10e-6,
+                        cpu_cores=2, speed_probe=(60e9, 1e-3))
+    path = tmp_path / "host.yaml"
+    path.write_text(json.dumps(data))
+    spec, plan = load_cluster(str(path)), resolve_plan("course-pp")
+    asked = {}
+
+    def run_plan(plan, nproc, steps, probe_speed=False, **kwargs):  # the simulator stands in for the executor
+        asked["probe_speed"] = probe_speed
+        return predict_step(plan, spec).trace, ({"speed_probe": {"matmul_flops": 45e9, "eager_s": 1.25e-3}}
+                                                if probe_speed else {})
+
+    monkeypatch.setattr(executor.train, "run_plan", run_plan)
+    assert main(["compare", "course-pp", "--cluster", str(path), "--backend", "gloo", "--json", *extra]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert asked["probe_speed"] is probed
+    unscaled = predict_step(plan, spec).step_s
+    if not probed:
+        assert doc["host_speed"] is None and doc["predicted_step_s"] == pytest.approx(unscaled)
+        return
+    slower = predict_step(plan, spec.at_host_speed(0.75, 0.8)).step_s
+    assert doc["host_speed"] == {"calibrated_gflops": pytest.approx(60.0), "measured_gflops": pytest.approx(45.0),
+                                 "arithmetic_factor": pytest.approx(0.75), "calibrated_eager_us": pytest.approx(1000),
+                                 "measured_eager_us": pytest.approx(1250), "eager_factor": pytest.approx(0.8),
+                                 "unscaled_predicted_step_s": pytest.approx(unscaled),
+                                 "unscaled_step_error": pytest.approx(0.0, abs=1e-9)}
+    assert doc["predicted_step_s"] == pytest.approx(slower) and slower > unscaled
+    assert main(["compare", "course-pp", "--cluster", str(path), "--backend", "gloo"]) == 0
+    assert "host speed between the measured steps: matmuls x0.75 of calibration's (probe 45.0 vs 60.0 GFLOP/s), " \
+           "eager ops x0.80 (probe 1250 vs 1000 us per pass)" in capsys.readouterr().out
+
+
+def test_a_gpu_cluster_runs_no_speed_probe(monkeypatch, capsys):
+    import executor.train
+    from parsim.step import predict_step
+
+    asked = {}
+
+    def run_plan(plan, nproc, steps, probe_speed=False, **kwargs):
+        asked["probe_speed"] = probe_speed
+        return predict_step(plan, load_cluster("dgx-h100")).trace, {}
+
+    monkeypatch.setattr(executor.train, "run_plan", run_plan)
+    assert main(["compare", "course-pp", "--cluster", "dgx-h100", "--json"]) == 0
+    assert asked["probe_speed"] is False and json.loads(capsys.readouterr().out)["host_speed"] is None
+
+
+def test_no_speed_probe_applies_only_to_a_plan_run(capsys):
+    assert main(["compare", "all-reduce", "--no-speed-probe", "--measured", "x.json"]) == 2
+    assert "--no-speed-probe" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from parsim.cli.main import main
 from parsim.cluster import builtin_clusters, load_cluster, parse_cluster
 from parsim.collectives import predict
 from parsim.compute import ComputeModel
-from parsim.errors import ConfigError
+from parsim.errors import ConfigError, ParsimError
 from parsim.files import read_yaml
 from parsim.lower import ADAMW_ACCESSES, lower
 from parsim.model import load_model
@@ -113,6 +113,7 @@ def test_host_keys_are_read_in_si_units():
     ("matmul_stream_bw_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("elementwise_bw_GBps", -3, "1e-12 to 1e[+]12 GB/s"),
     ("op_overhead_us", 1.0, "unknown key"), ("cpu_cores", 0, "a whole number from 1 to 65,536"),
     ("cpu_cores", 2.5, "a whole number from 1 to 65,536"),
+    ("speed_probe_eager_us", 1.0, "given without compute.speed_probe_eager_us, or the other way round"),
 ])
 def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, capsys):
     with pytest.raises(ConfigError, match=expected):
@@ -122,6 +123,44 @@ def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, c
     assert main(["simulate", "course-pp", "--cluster", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"compute.{key}" in err
+
+
+def test_the_host_speed_scales_the_compute_figures_by_their_probe_and_no_collective():
+    data = cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0)
+    data["collective_step_overhead_us"] = {"all_reduce": 300.0}
+    spec = parse_cluster(data, "host.yaml")
+    assert (spec.speed_probe_flops, spec.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
+    assert host_cluster(2, 1e-4, 1e9, 1e9, speed_probe=(50e9, 800e-6))["compute"] == {
+        **host_cluster(2, 1e-4, 1e9, 1e9)["compute"], "speed_probe_gflops": 50.0, "speed_probe_eager_us": 800.0}
+    moved = spec.at_host_speed(1.25, 0.5)
+    # Arithmetic and memory follow the matmul probe ...
+    assert moved.gpu.peak_flops["fp32"] == pytest.approx(1.25 * 70e9)
+    assert moved.gpu.hbm_bw_Bps == pytest.approx(1.25 * 20e9)
+    assert moved.matmul_stream_bw_Bps == pytest.approx(1.25 * 15e9)
+    assert moved.elementwise_bw_Bps == pytest.approx(1.25 * 6e9)
+    # ... fixed costs the eager probe.
+    assert (moved.op_forward_s, moved.op_backward_s, moved.optimizer_tensor_s) == pytest.approx(
+        (7e-6 / 0.5, 6e-6 / 0.5, 50e-6 / 0.5))
+    assert (moved.speed_probe_flops, moved.speed_probe_eager_s) == pytest.approx((62.5e9, 1600e-6))
+    # Collectives and pipeline transfers keep their fits.
+    assert moved.p2p_rendezvous_s == spec.p2p_rendezvous_s and moved.intra == spec.intra
+    assert moved.reduce_bw_Bps == spec.reduce_bw_Bps
+    assert moved.collective_step_overhead_s == spec.collective_step_overhead_s
+    with pytest.raises(ParsimError, match="positive"):
+        spec.at_host_speed(0.0, 1.0)
+    with pytest.raises(ConfigError, match="compute.speed_probe_gflops: is 0 .*1e-09 to 1e[+]15 GFLOP/s"):
+        parse_cluster(cpu_host(speed_probe_gflops=0, speed_probe_eager_us=800.0), "host.yaml")
+
+
+def test_a_step_without_communication_runs_in_proportion_to_the_host_speed():
+    spec = parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=2), "host.yaml")
+    plan = Plan(model=load_model("course-mlp"), dp=1)
+    base = predict_step(plan, spec)
+    halved = predict_step(plan, spec.at_host_speed(2.0, 2.0))
+    assert halved.step_s == pytest.approx(base.step_s / 2, rel=1e-9)
+    assert halved.ranks[0].seconds["forward"] == pytest.approx(base.ranks[0].seconds["forward"] / 2, rel=1e-9)
+    # A faster host in one respect alone lands in between.
+    assert base.step_s / 2 < predict_step(plan, spec.at_host_speed(2.0, 1.0)).step_s < base.step_s
 
 
 def test_bad_step_overhead_is_refused(capsys, tmp_path):

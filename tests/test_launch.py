@@ -11,7 +11,8 @@ import pytest
 
 from parsim.errors import ParsimError
 
-from executor.launch import RANK_ALLOCATOR_ENV, RankFailure, in_torchrun_job, launch, resolve_backend, run_in_job
+from executor.launch import (HOST_CORES_ENV, RANK_ALLOCATOR_ENV, RankFailure, in_torchrun_job, launch,
+                             resolve_backend, run_in_job, usable_cores)
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -30,6 +31,10 @@ def sum_of_ranks(rank: int, world: int, offset: int) -> tuple[int, int, float]:
 
 def allocator_settings(rank: int, world: int) -> dict[str, str | None]:
     return {key: os.environ.get(key) for key in RANK_ALLOCATOR_ENV}
+
+
+def binding(rank: int, world: int) -> tuple[list[int], int]:
+    return sorted(os.sched_getaffinity(0)), usable_cores()
 
 
 def rank_one_raises(rank: int, world: int) -> int:
@@ -108,6 +113,17 @@ def test_ranks_keep_freed_memory_unless_the_user_set_the_allocator(no_leftover_r
     assert values == [{"MALLOC_MMAP_THRESHOLD_": RANK_ALLOCATOR_ENV["MALLOC_MMAP_THRESHOLD_"],
                        "MALLOC_TRIM_THRESHOLD_": "12345"}] * 2
     assert "MALLOC_MMAP_THRESHOLD_" not in os.environ and os.environ["MALLOC_TRIM_THRESHOLD_"] == "12345"
+
+
+@needs_torch
+@pytest.mark.multiproc
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="binds cores through Linux's affinity calls")
+def test_gloo_ranks_are_bound_one_per_core_round_robin(no_leftover_ranks):
+    """Each CPU rank runs on one core of the parent's, in rank order, and still knows how many the job has."""
+    cores = sorted(os.sched_getaffinity(0))
+    values = launch(binding, 3, backend="gloo", timeout_s=60)
+    assert values == [([cores[r % len(cores)]], len(cores)) for r in range(3)]
+    assert HOST_CORES_ENV not in os.environ and usable_cores() == len(cores)
 
 
 @needs_torch

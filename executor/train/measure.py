@@ -9,6 +9,7 @@ does not stand for the run; the summary keeps every step's time.
 from __future__ import annotations
 
 import os
+import statistics
 from pathlib import Path
 from typing import Callable
 
@@ -26,13 +27,15 @@ MAX_STEPS = 10_000  # measured or warm-up steps of one run: beyond any use, and 
 def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = "auto",
              timeout_s: float = DEFAULT_TIMEOUT_S, warmup: int = DEFAULT_WARMUP, seed: int = 0,
              progress: Callable[[str], None] | None = None,
-             profile_dir: str | None = None) -> tuple[Trace | None, dict]:
+             profile_dir: str | None = None, probe_speed: bool = False) -> tuple[Trace | None, dict]:
     """Execute ``plan`` on ``nproc`` ranks: the measured Trace of the median step, and a summary dict.
 
     Spawns the ranks here, or, inside a torchrun job, runs as this process's
     rank (then only rank 0 gets the result; other ranks get ``(None, {})``).
     With ``profile_dir``, each rank also writes a torch.profiler trace of the
-    measured steps there (``rank<r>.pt.trace.json``).
+    measured steps there (``rank<r>.pt.trace.json``). With ``probe_speed``, the
+    summary's ``speed_probe`` holds the host-speed probes' medians over the
+    measured steps (:mod:`executor.speed_probe`; timed between them).
     A rank that fails or hangs ends the run with a
     :class:`executor.launch.RankFailure` naming it, within ``timeout_s``.
     """
@@ -59,20 +62,26 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     args = (plan.to_dict(), steps, warmup, seed)
     if in_job:
         say(f"running {plan.name} as one rank of a torchrun job")
-        results = run_in_job(rank_main, args + (True, progress is not None, profile_dir), backend, timeout_s)
+        results = run_in_job(rank_main, args + (True, progress is not None, profile_dir, probe_speed), backend,
+                             timeout_s)
         if results is None:
             return None, {}
         used = resolve_backend(backend, given)
     else:
         used = resolve_backend(backend, nproc)
         say(f"running {plan.name} on {nproc} ranks ({used}): {warmup} warm-up + {steps} measured steps")
-        results = launch(rank_main, nproc, args + (False, progress is not None, profile_dir), backend, timeout_s)
+        results = launch(rank_main, nproc, args + (False, progress is not None, profile_dir, probe_speed), backend,
+                         timeout_s)
     traces = [Trace("measured", plan.world, [e for r in results for e in r["steps"][i]],
                     meta={"plan": plan.name, "backend": used, "step": i}) for i in range(steps)]
     times = [step_time(t) for t in traces]
     median = sorted(range(steps), key=lambda i: times[i])[(steps - 1) // 2]
     losses = _losses(results, steps)
-    return traces[median], summarize(plan, traces[median], times, losses, used)
+    probes = [p for r in results for p in r["speed_probes"]]
+    summary = summarize(plan, traces[median], times, losses, used)
+    summary["speed_probe"] = ({"matmul_flops": statistics.median(f for f, _ in probes),
+                               "eager_s": statistics.median(s for _, s in probes)} if probes else None)
+    return traces[median], summary
 
 
 def _losses(results: list[dict], steps: int) -> list[float]:

@@ -26,6 +26,7 @@ from parsim.schedules import Schedule
 from parsim.tp_overlap import PIPELINE_SPLITS
 
 from .._torch import require_distributed, require_torch
+from ..speed_probe import SpeedProbe, probes_on
 from .clip import GradClipper
 from .comm import EPGroup, TPGroup
 from .context_parallel import CPGroup, apply_context_parallel, replica_loss, sequence_positions
@@ -275,21 +276,29 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
 
 
 def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, seed: int,
-              gather: bool = False, verbose: bool = False, profile_dir: str | None = None) -> dict | list | None:
+              gather: bool = False, verbose: bool = False, profile_dir: str | None = None,
+              probe_speed: bool = False) -> dict | list | None:
     """One rank of ``parsim run``: warm-up, then measured steps; its events and losses.
 
     With ``gather`` (a torchrun job, where no parent collects return values)
     rank 0 returns every rank's result and the others None. With
     ``profile_dir``, every step runs under ``torch.profiler`` (one
     ``ProfilerStep#N`` each) and the rank writes its Kineto trace of the
-    measured steps there.
+    measured steps there. With ``probe_speed``, the host-speed probe
+    (:mod:`executor.speed_probe`) runs before each measured step, every
+    probing rank at once, outside the step's time (``speed_probes``).
     """
     plan = load_plan(plan_data)
     setup = build_rank(plan, rank, seed)
     recorder = setup.recorder
-    result: dict = {"rank": rank, "steps": [], "losses": []}
+    probe = SpeedProbe(seed) if probe_speed and probes_on(rank, world) else None
+    result: dict = {"rank": rank, "steps": [], "losses": [], "speed_probes": []}
     with _profiler(profile_dir, rank, warmup, steps) as profiler:
         for i in range(warmup + steps):
+            if probe_speed and i >= warmup:
+                dist.barrier()
+                if probe is not None:
+                    result["speed_probes"].append(probe())
             dist.barrier()
             if profiler is not None:
                 profiler.step()  # ProfilerStep#N starts here, as the recorded step does

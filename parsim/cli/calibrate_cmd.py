@@ -45,7 +45,12 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     operands -> peak FLOP/s, the shape efficiency (compute.matmul_half_dim) and
     compute.matmul_stream_bw_GBps; generic eager blocks (a GeLU MLP block, a
     softmax attention block, elementwise ops) -> the fixed cost of an op in a
-    forward and in a backward (compute.op_forward_us, compute.op_backward_us).
+    forward and in a backward (compute.op_forward_us, compute.op_backward_us);
+  * between those benchmarks, the host's speed: a fixed fp32 matmul's rate
+    and a stack of tiny eager layers' time (compute.speed_probe_gflops,
+    compute.speed_probe_eager_us). A VM's cores drift by 10-30% over minutes,
+    its cost per eager op by up to 2x; `parsim compare` times the same probes
+    during its run and scales the compute figures by the ratios.
 The default sizes grow 4x per step (64KiB:64MiB:4), so `parsim compare` with a
 2x sweep checks sizes the fit never saw; `--ops all-reduce,send-recv` leaves
 every other operation to the link model alone.
@@ -93,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from executor.collectives import (check_host_memory, default_timeout_s, measure_collectives, measure_in_step,
                                       measure_reduce_bandwidth)
     from executor.compute_bench import measure_on_every_rank
-    from executor.launch import check_request, resolve_backend
+    from executor.launch import check_request, resolve_backend, usable_cores
 
     try:
         rank_counts = sorted({int(r) for r in args.ranks.split(",")})
@@ -136,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     memory_bw = optimizer.bw_Bps
     p2p = [rank["p2p"] for rank in per_rank if rank["p2p"] is not None]
     p2p_rendezvous = float(np.median(p2p)) if p2p else 0.0
+    probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
+    probe_flops, probe_eager_s = (float(v) for v in np.median(probes, axis=0))
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
     links = fit_links([r for r in results if r.op in link_ops], algorithms, reduce_bw)
@@ -158,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
         optimizer_tensor_s=optimizer.tensor_s, matmul_stream_bw_Bps=matmul.stream_bw_Bps,
         p2p_rendezvous_s=p2p_rendezvous, elementwise_bw_Bps=elementwise_bw,
-        cpu_cores=_usable_cores() if backend == "gloo" else None)
+        cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s))
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
     if step_overhead:
         cluster["collective_step_overhead_us"] = {op: t * 1e6 for op, t in step_overhead.items()}
@@ -176,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
                     "reduce_bw_GBps": reduce_bw / 1e9, "memory_bw_GBps": memory_bw / 1e9,
                     "op_forward_us": dispatch.forward_s * 1e6, "op_backward_us": dispatch.backward_s * 1e6,
                     "optimizer_tensor_us": optimizer.tensor_s * 1e6, "p2p_rendezvous_us": p2p_rendezvous * 1e6,
-                    "elementwise_bw_GBps": elementwise_bw / 1e9,
+                    "elementwise_bw_GBps": elementwise_bw / 1e9, "speed_probe_gflops": probe_flops / 1e9,
+                    "speed_probe_eager_us": probe_eager_s * 1e6,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
                     "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
                     "collective_efficiency": efficiency,
@@ -213,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
         extra = f", +{step_overhead[op] * 1e6:.0f} us between compute" if op in step_overhead else ""
         print(f"{op.replace('_', '-'):<17} {overhead[op] * 1e6:.0f} us per call{extra}, bytes at {e:.0%} of link speed")
     print(f"median |residual| {_median_error(rows):.1%} over {len(rows)} measurements")
+    print(f"host speed        {probe_flops / 1e9:.1f} GFLOP/s, {probe_eager_s * 1e6:.0f} us per eager pass (the "
+          f"probes timed between the compute benchmarks; `parsim compare` times them again and follows them)")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
 
@@ -262,14 +272,6 @@ def _run_one_gpu(args: argparse.Namespace) -> int:
                        title=f"{device_name}: compute figures (links and NCCL stay {base_name}'s)"))
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (a container's share, not the whole machine's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _median_error(rows: list) -> float:

@@ -26,6 +26,13 @@ The cluster file should describe the machine that measures: make one with
 `parsim calibrate`. For collectives, error = predicted / measured - 1 per
 size, and the median |error| sums it up.
 
+On a CPU host the cores' speed drifts (on a shared VM by 10-30% within
+minutes). A file from `parsim calibrate` holds the rate of a fixed matmul
+timed during its compute benchmarks (the host-speed probe); `compare` runs the
+same probe before each measured step, scales the compute figures by its rate
+now over its rate then, and also prints the prediction at the calibration's
+speed. --no-speed-probe predicts at the calibration's speed alone.
+
 --measured reads a measurement instead of running the executor: for a
 collective, a JSON file from `parsim bench --out`; for a plan, a folder of
 torch.profiler traces, one per rank, of any run of that plan (annotated by
@@ -38,8 +45,8 @@ Options that do not apply to the target are refused.
 
 DEFAULT_SWEEP = "1MiB:64MiB"
 COLLECTIVE_ONLY = ("sweep", "size", "save_measured", "plot")
-PLAN_ONLY = ("steps", "trace")
-RUN_ONLY = ("nproc", "backend", "steps", "timeout", "save_measured")  # nothing to run with --measured
+PLAN_ONLY = ("steps", "trace", "no_speed_probe")
+RUN_ONLY = ("nproc", "backend", "steps", "timeout", "save_measured", "no_speed_probe")  # nothing to run: --measured
 
 
 def register(subparsers) -> None:
@@ -60,6 +67,9 @@ def register(subparsers) -> None:
     p.add_argument("--trace", metavar="DIR|FILE.json",
                    help="plans: predicted and measured traces, a folder of per-rank Kineto files each or one "
                         "merged .json file")
+    p.add_argument("--no-speed-probe", action="store_true",
+                   help="plans on a calibrated CPU host: predict at the calibration's speed (by default the "
+                        "host-speed probe runs before each measured step and the compute figures follow it)")
     p.add_argument("--plot", metavar="PNG", help="collectives: busbw against size, both lines")
     p.add_argument("--timeout", type=float, default=None, help="seconds before a stuck run is stopped")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 from ..cluster import load_cluster
 from ..errors import ParsimError
@@ -32,15 +33,24 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         raise ParsimError(f"plan {plan.name} needs {plan.world} ranks ({plan.degrees_text()}), not --nproc {nproc}")
     progress(f"simulating {plan.name} on {cluster.name}")
     predicted = predict_step(plan, cluster)
-    load = None
+    load, speed = None, None
     if args.measured is None:
+        from executor.launch import resolve_backend
         from executor.train import run_plan
 
         steps = 3 if args.steps is None else args.steps
-        progress(f"running {plan.name} on {nproc} ranks ({steps} measured steps)")
+        probe = (cluster.speed_probe_flops is not None and not args.no_speed_probe
+                 and resolve_backend(args.backend or "auto", nproc) == "gloo")
+        progress(f"running {plan.name} on {nproc} ranks ({steps} measured steps"
+                 f"{', the host-speed probe before each' if probe else ''})")
         with ForeignLoad() as load:
-            measured, _ = run_plan(plan, nproc, steps, backend=args.backend or "auto",
-                                   **({"timeout_s": args.timeout} if args.timeout is not None else {}))
+            measured, summary = run_plan(plan, nproc, steps, backend=args.backend or "auto", probe_speed=probe,
+                                         **({"timeout_s": args.timeout} if args.timeout is not None else {}))
+        if summary.get("speed_probe"):
+            measured_probe = summary["speed_probe"]
+            speed = HostSpeed(cluster.speed_probe_flops, cluster.speed_probe_eager_s, measured_probe["matmul_flops"],
+                              measured_probe["eager_s"], predicted.step_s)
+            predicted = predict_step(plan, cluster.at_host_speed(speed.arithmetic, speed.eager))
         backend = measured.meta.get("backend", "")
         warn_other_machine(cluster, backend)
         note_executor_kernels(plan, backend)
@@ -58,7 +68,8 @@ def compare_plan_command(args: argparse.Namespace) -> int:
             "plan": plan.name, "cluster": cluster.name, "measured_from": source,
             "predicted_step_s": predicted.step_s, "measured_step_s": measured_step, "step_error": step_error,
             "phases": rows, "collectives": [r.to_json() for r in collectives],
-            "foreign_load_cores": load.cores if load else None})
+            "foreign_load_cores": load.cores if load else None,
+            "host_speed": speed.to_json(measured_step) if speed else None})
     else:
         unit, scale = time_unit([r["predicted_s"] for r in rows] + [r["measured_s"] for r in rows])
         table = [[f"rank {r['rank']} (pp {r['pp']})", r["phase"], r["predicted_s"] / scale, r["measured_s"] / scale,
@@ -68,6 +79,8 @@ def compare_plan_command(args: argparse.Namespace) -> int:
                                  "per rank and phase"))
         print()
         print(collectives_table(collectives) if collectives else "collectives: none in the plan, none measured")
+        if speed:
+            print(speed.text(measured_step))
         error = "" if step_error is None else f" ({step_error:+.1%})"
         print(f"step time: predicted {format_time(predicted.step_s)}, measured {format_time(measured_step)}{error}")
     if args.trace:
@@ -76,6 +89,42 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         print(f"wrote {write_trace(args.trace, {'predicted': predicted.trace, 'measured': measured})}",
               file=sys.stderr)
     return 0
+
+
+@dataclass(frozen=True)
+class HostSpeed:
+    """The host-speed probes (:mod:`executor.speed_probe`) at calibration and between the measured steps."""
+
+    calibrated_flops: float  # the matmul probe
+    calibrated_eager_s: float  # the eager probe, per pass
+    measured_flops: float
+    measured_eager_s: float
+    unscaled_step_s: float  # the step predicted at the calibration's speed
+
+    @property
+    def arithmetic(self) -> float:
+        """How many times as fast as at calibration the host ran matmuls (and memory-bound work)."""
+        return self.measured_flops / self.calibrated_flops
+
+    @property
+    def eager(self) -> float:
+        """How many times as fast as at calibration the host ran its fixed cost per eager op."""
+        return self.calibrated_eager_s / self.measured_eager_s
+
+    def text(self, measured_step_s: float) -> str:
+        error = f" ({self.unscaled_step_s / measured_step_s - 1:+.1%})" if measured_step_s else ""
+        return (f"host speed between the measured steps: matmuls x{self.arithmetic:.2f} of calibration's "
+                f"(probe {self.measured_flops / 1e9:.1f} vs {self.calibrated_flops / 1e9:.1f} GFLOP/s), eager ops "
+                f"x{self.eager:.2f} (probe {self.measured_eager_s * 1e6:.0f} vs {self.calibrated_eager_s * 1e6:.0f} "
+                f"us per pass); the compute figures follow them, collectives and transfers keep theirs. At the "
+                f"calibration's speed: predicted {format_time(self.unscaled_step_s)}{error}")
+
+    def to_json(self, measured_step_s: float) -> dict:
+        return {"calibrated_gflops": self.calibrated_flops / 1e9, "measured_gflops": self.measured_flops / 1e9,
+                "arithmetic_factor": self.arithmetic, "calibrated_eager_us": self.calibrated_eager_s * 1e6,
+                "measured_eager_us": self.measured_eager_s * 1e6, "eager_factor": self.eager,
+                "unscaled_predicted_step_s": self.unscaled_step_s,
+                "unscaled_step_error": self.unscaled_step_s / measured_step_s - 1 if measured_step_s else None}
 
 
 def _profiled(plan: Plan, folder: str) -> Trace:

@@ -1,0 +1,93 @@
+"""How fast this host's cores run right now: two short, fixed probes, timed the same way everywhere.
+
+A CPU host's speed drifts: on a shared VM a core's throughput wanders by
+10-30% over minutes with nothing else running inside it (other tenants), and
+the cost of an eager op by up to 2x. A calibration taken minutes before a run
+then describes a faster or slower machine than the one that runs it.
+``parsim calibrate`` times these probes between its compute benchmarks and
+writes their medians to the cluster file; ``parsim compare`` times them again
+before every measured step, on the same ranks, and scales the calibrated
+compute figures by the ratios:
+
+* the **matmul probe** (FLOP/s of a thin fp32 matmul, its weight streamed in)
+  stands for arithmetic and memory: matmuls, elementwise work, AdamW's bytes;
+* the **eager probe** (seconds per forward and backward of a stack of tiny
+  ``nn.Linear`` layers, all fixed cost) stands for the host's cost per op and
+  per optimizer tensor.
+
+On this project's 2-core VM, over 10 minutes of probes alternating with
+steps on both cores (docs/calibration.md, "Host speed"), the host's speed
+moved by 15% (matmuls) and 2x (eager ops) from minute to minute. Scaling a
+calibration taken minutes earlier by the probes took the median error of a
+course-MLP step from 12% to 3-4% (matmul probe) and of a small transformer's
+step from 22% to 7-9% (eager probe; the matmul probe alone: 12-14%).
+
+Only the first ``min(ranks, cores)`` ranks probe, at once, so the probes read
+one core's speed with as many cores busy as the calibration had, whatever
+the number of ranks sharing them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ._torch import require_torch
+from .launch import usable_cores
+
+SHAPE = (64, 1024, 1024)  # (m, k, n) of the matmul probe
+WEIGHTS = 16  # distinct weights, 64 MiB together: beyond a core's share of a server's last-level cache
+EAGER_LAYERS, EAGER_WIDTH, EAGER_ROWS = 8, 32, 16  # the eager probe: fixed cost per op, no arithmetic to speak of
+SECONDS = 0.3  # both probes together: long enough to average over scheduler ticks, short enough between steps
+
+
+def probes_on(rank: int, world: int) -> bool:
+    """Whether ``rank`` runs the probes: one rank per core, the others wait."""
+    return rank < min(world, usable_cores())
+
+
+class SpeedProbe:
+    """``probe()``: (FLOP/s of the matmul probe, seconds per pass of the eager probe), half the time each.
+
+    The operands are allocated once (random values, as a model's are), so timing does not page in memory.
+    """
+
+    def __init__(self, seed: int = 0):
+        torch = require_torch()
+        m, k, n = SHAPE
+        generator = torch.Generator().manual_seed(seed)
+        self._x = torch.randn(m, k, generator=generator)
+        self._weights = list(torch.randn(WEIGHTS, k, n, generator=generator).unbind(0))
+        self._flops = 2 * m * k * n
+        self._matmul = torch.matmul
+        torch.manual_seed(seed)
+        self._layers = torch.nn.Sequential(*[torch.nn.Linear(EAGER_WIDTH, EAGER_WIDTH)
+                                             for _ in range(EAGER_LAYERS)])
+        self._input = torch.randn(EAGER_ROWS, EAGER_WIDTH, generator=generator)
+
+    def __call__(self, seconds: float = SECONDS) -> tuple[float, float]:
+        return self.matmul_flops(seconds / 2), self.eager_s(seconds / 2)
+
+    def matmul_flops(self, seconds: float) -> float:
+        self._matmul(self._x, self._weights[0])  # first-call paths out of the timing
+        calls, start = 0, time.perf_counter()
+        while True:
+            for w in self._weights:
+                self._matmul(self._x, w)
+            calls += len(self._weights)
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                return calls * self._flops / elapsed
+
+    def eager_s(self, seconds: float) -> float:
+        self._eager_pass()
+        passes, start = 0, time.perf_counter()
+        while True:
+            self._eager_pass()
+            passes += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                return elapsed / passes
+
+    def _eager_pass(self) -> None:
+        self._layers(self._input).sum().backward()
+        self._layers.zero_grad(set_to_none=True)
