@@ -1,0 +1,58 @@
+"""How far apart a CPU run's ranks reach each collective, and what the call costs once both are there.
+
+Runs a plan on gloo ranks (as ``parsim run`` does) and, for every collective,
+transfer or receive that two or more ranks record under the same name, takes
+the spread of their start times (arrival skew: time the earlier ranks wait)
+and the time from the last arrival to the first return (the call's own cost).
+On a 2-core VM, ranks not bound to cores reached course TP's collectives
+1-2 ms apart on average; bound (``executor/launch.py``), 0.2-0.5 ms.
+
+Run:  python benchmarks/cpu_rank_skew.py course-tp --tp 2 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("plan", help="a plan name or YAML file (course-tp, tiny-pp2, ...)")
+    parser.add_argument("--tp", type=int, help="tensor-parallel degree override")
+    parser.add_argument("--dp", type=int, help="data-parallel degree override")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
+    args = parser.parse_args()
+
+    from executor.launch import launch
+    from executor.train.runner import rank_main
+    from parsim.plan import resolve_plan
+
+    degrees = {k: v for k, v in (("tp", args.tp), ("dp", args.dp)) if v is not None}
+    plan = resolve_plan(args.plan, overrides={"parallel": degrees} if degrees else None)
+    results = launch(rank_main, plan.world, (plan.to_dict(), args.steps, 2, 0), "gloo", 300.0)
+    skew, cost = defaultdict(list), defaultdict(list)
+    for step in range(args.steps):
+        by_name = defaultdict(list)
+        for result in results:
+            for event in result["steps"][step]:
+                if event.kind in ("collective", "send", "recv"):
+                    by_name[event.name].append(event)
+        for name, events in by_name.items():
+            if len(events) < 2:
+                continue
+            kind = name.split()[0]
+            last_arrival = max(e.start_s for e in events)
+            skew[kind].append(last_arrival - min(e.start_s for e in events))
+            cost[kind].append(min(e.end_s for e in events) - last_arrival)
+    print(f"{plan.name} on {plan.world} gloo ranks, {args.steps} steps (ms)")
+    print(f"{'operation':<16} {'calls':>5} {'skew median':>11} {'skew mean':>9} {'cost median':>11} {'cost mean':>9}")
+    for kind in skew:
+        s, c = [1e3 * v for v in skew[kind]], [1e3 * v for v in cost[kind]]
+        print(f"{kind:<16} {len(s):>5} {statistics.median(s):>11.2f} {statistics.fmean(s):>9.2f} "
+              f"{statistics.median(c):>11.2f} {statistics.fmean(c):>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
