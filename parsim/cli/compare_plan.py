@@ -113,11 +113,11 @@ class HostSpeed:
 
     def text(self, measured_step_s: float) -> str:
         error = f" ({self.unscaled_step_s / measured_step_s - 1:+.1%})" if measured_step_s else ""
-        return (f"host speed between the measured steps: matmuls x{self.arithmetic:.2f} of calibration's "
+        return (f"host speed between the measured steps, against calibration: matmuls x{self.arithmetic:.2f} "
                 f"(probe {self.measured_flops / 1e9:.1f} vs {self.calibrated_flops / 1e9:.1f} GFLOP/s), eager ops "
                 f"x{self.eager:.2f} (probe {self.measured_eager_s * 1e6:.0f} vs {self.calibrated_eager_s * 1e6:.0f} "
-                f"us per pass); the compute figures follow them, collectives and transfers keep theirs. At the "
-                f"calibration's speed: predicted {format_time(self.unscaled_step_s)}{error}")
+                f"us per pass)\n  the compute figures follow them (collectives and transfers keep their fits); "
+                f"at the calibration's speed the step is predicted at {format_time(self.unscaled_step_s)}{error}")
 
     def to_json(self, measured_step_s: float) -> dict:
         return {"calibrated_gflops": self.calibrated_flops / 1e9, "measured_gflops": self.measured_flops / 1e9,
