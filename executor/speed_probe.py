@@ -20,7 +20,9 @@ steps on both cores (docs/calibration.md, "Host speed"), the host's speed
 moved by 15% (matmuls) and 2x (eager ops) from minute to minute. Scaling a
 calibration taken minutes earlier by the probes took the median error of a
 course-MLP step from 12% to 3-4% (matmul probe) and of a small transformer's
-step from 22% to 7-9% (eager probe; the matmul probe alone: 12-14%).
+step from 22% to 7-8.5% (eager probe; the matmul probe alone: 12-14%). Inside
+``parsim compare``, where a step's own noise is as large, they gain less: a
+median |step error| of 15.0% against 17.6% over 81 runs.
 
 Only the first ``min(ranks, cores)`` ranks probe, at once, so the probes read
 one core's speed with as many cores busy as the calibration had, whatever
