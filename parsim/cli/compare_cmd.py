@@ -27,11 +27,13 @@ The cluster file should describe the machine that measures: make one with
 size, and the median |error| sums it up.
 
 On a CPU host the cores' speed drifts (on a shared VM by 10-30% within
-minutes). A file from `parsim calibrate` holds the rate of a fixed matmul
-timed during its compute benchmarks (the host-speed probe); `compare` runs the
-same probe before each measured step, scales the compute figures by its rate
-now over its rate then, and also prints the prediction at the calibration's
-speed. --no-speed-probe predicts at the calibration's speed alone.
+minutes). A file from `parsim calibrate` holds two host-speed probes timed
+during its compute benchmarks: a fixed matmul's rate and a small eager pass's
+time. `compare` times them again before each measured step and scales the
+compute figures by their ratios (matmuls and memory by the matmul's, costs per
+op and per tensor by the eager pass's; collectives keep their fits), and also
+prints the prediction at the calibration's speed. --no-speed-probe predicts at
+the calibration's speed alone.
 
 --measured reads a measurement instead of running the executor: for a
 collective, a JSON file from `parsim bench --out`; for a plan, a folder of
