@@ -180,3 +180,45 @@ def test_a_gpu_cluster_runs_no_speed_probe(monkeypatch, capsys):
 def test_no_speed_probe_applies_only_to_a_plan_run(capsys):
     assert main(["compare", "all-reduce", "--no-speed-probe", "--measured", "x.json"]) == 2
     assert "--no-speed-probe" in capsys.readouterr().err
+
+
+def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, tmp_path, capsys):
+    """Every measurement faked from a known host: the file, the text and the JSON carry the probes' medians
+    over every rank and round (the matmul's FLOP/s, the eager pass's time), which compare scales by."""
+    import executor.collectives
+    import executor.compute_bench
+    from parsim.lower import ADAMW_ACCESSES
+    from test_json_schema import conforms
+
+    truth = ComputeModel(peak_flops=70e9, hbm_bw_Bps=1e12, dtype_bytes=4, half_dim=8.0, matmul_stream_bw_Bps=15e9)
+    shapes = [(32, 64, 64), (128, 128, 128), (32, 1024, 1024), (512, 512, 512), (1024, 1024, 32), (64, 4096, 1024)]
+    dispatch = [{"name": "mlp", "forward_s": 88 * 7e-6, "backward_s": 232 * 5e-6, "forward_ops": 88,
+                 "backward_ops": 232, "matmuls": []},
+                {"name": "chain", "forward_s": 64 * 7e-6, "backward_s": 120 * 5e-6, "forward_ops": 64,
+                 "backward_ops": 120, "matmuls": []}]
+    elementwise = {"forward_s": 7 * 7e-6 + 2e-4, "backward_s": 12 * 5e-6 + 3e-4, "forward_ops": 7,
+                   "backward_ops": 12, "elements": 65536}
+    optimizer = [(t, n, t * 50e-6 + t * n * ADAMW_ACCESSES * 4 / 20e9) for t, n in ((64, 256), (4, 1 << 20))]
+    probes = {0: [(48e9, 820e-6), (50e9, 800e-6)], 1: [(52e9, 780e-6), (50e9, 800e-6)]}
+
+    def every_rank(nproc):
+        return [{"matmuls": [(s, truth.matmul_time(*s)) for s in shapes], "dispatch": dispatch,
+                 "elementwise": elementwise, "optimizer": optimizer, "p2p": 300e-6, "speed_probes": probes[r]}
+                for r in range(nproc)]
+
+    spec = host()
+    monkeypatch.setattr(executor.compute_bench, "measure_on_every_rank", every_rank)
+    monkeypatch.setattr(executor.collectives, "measure_reduce_bandwidth", lambda sizes: [(s, s / 6e9) for s in sizes])
+    monkeypatch.setattr(executor.collectives, "measure_collectives",
+                        lambda op, sizes, n, backend, timeout_s=None: synthetic(spec, [(op, n)]))
+    monkeypatch.setattr(executor.collectives, "measure_in_step", lambda ops, n: [])
+    out = tmp_path / "host.yaml"
+    assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv"]) == 0
+    assert "host speed        50.0 GFLOP/s, 800 us per eager pass" in capsys.readouterr().out
+    written = load_cluster(str(out))
+    assert (written.speed_probe_flops, written.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
+    assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert conforms(doc) == "calibrate"
+    assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"]) == pytest.approx((50.0, 800.0))
