@@ -40,7 +40,7 @@ from parsim.trace import compute_name, p2p_name
 
 from .._torch import require_distributed, require_torch
 from .models import Piece
-from .trace_recorder import Recorder
+from .trace_recorder import Recorder, annotation
 
 torch = require_torch()
 dist = require_distributed()
@@ -177,7 +177,7 @@ class PipelineRuntime:
             return
         tensor = tensor.contiguous()
         start = self.recorder.now()
-        with torch.profiler.record_function(name):  # a profiler sees the issue; the watcher times completion
+        with annotation(name):  # a profiler sees the issue; the watcher times completion
             work = dist.isend(tensor, peer, tag=self._tag(what, stage, mb))
         self._sends.watch(work, tensor, name, start)
 

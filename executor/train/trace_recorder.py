@@ -92,9 +92,8 @@ class Recorder:
     def span(self, name: str, kind: str, stream: str, **args: Any) -> Iterator[None]:
         """Time the body as one event (and, under a profiler, as a ``torch.profiler.record_function`` of the
         same name)."""
-        torch = require_torch()
         first = len(self._gaps)
-        with torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else nullcontext():
+        with annotation(name):
             start = self.now()
             yield
             end = self.now()
@@ -103,6 +102,13 @@ class Recorder:
         if gaps and kind == "compute":
             args["gaps"] = gaps
         self.add(name, kind, stream, start, end, **args)
+
+
+def annotation(name: str) -> Any:
+    """A ``torch.profiler.record_function`` of ``name`` while a profiler runs, else nothing (see the module's
+    docstring: outside a profiler it only costs time)."""
+    torch = require_torch()
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 class _Recomputing:
