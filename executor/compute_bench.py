@@ -29,6 +29,9 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
   bursts of compute, the way the executor's pipeline runtime does (a send
   issued and handed to a watcher thread; a receive posted after the data was
   sent): the host time of one transfer beyond its bytes.
+* :func:`measure_action_gap`: pairs of ranks run the executor's pipeline
+  runtime, 1F1B over two stages that only stream memory: the loop's own host
+  time between one action and the next.
 
 Between them, :mod:`executor.speed_probe` times the host's speed, which
 ``parsim compare`` times again during its run.
@@ -82,7 +85,7 @@ def _rank_compute(rank: int, world: int) -> dict:
     results = {}
     for name, benchmark in (("matmuls", measure_matmuls), ("dispatch", measure_dispatch),
                             ("elementwise", measure_elementwise), ("optimizer", measure_optimizer),
-                            ("p2p", measure_p2p_rendezvous)):
+                            ("p2p", measure_p2p_rendezvous), ("actions", measure_action_gap)):
         probe_now()
         results[name] = benchmark()
     probe_now()
@@ -364,3 +367,61 @@ def measure_p2p_rendezvous(repeats: int = 61, nbytes: int = 4096, busy_s: float 
     if peer >= world:
         return None
     return statistics.fmean(issue[1:]) + statistics.fmean(receive[1:])
+
+
+def measure_action_gap(microbatches: int = 4, steps: int = 23, warmup: int = 3) -> float | None:
+    """Host seconds the executor's training loop spends before each action of a step, beyond the actions
+    themselves: the pipeline runtime's Python between a pass, a receive and the next, and each send's issue.
+
+    Ranks pair up (0-1, 2-3, ...) and run :class:`executor.train.pipeline.PipelineRuntime` as a 1F1B pipeline
+    of two stages, each an ``nn.Linear(8, 8)`` that first writes half of :data:`COLD_FOOTPRINT_BYTES` of other
+    memory: the loop's Python then finds the caches as a real stage's kernels leave them (its time doubles
+    against warm caches). Per step, the time not covered by an action (from the step's start to the last
+    action's end, less the union of the rank's passes and receives) over its actions; the median over steps,
+    the slower rank's. None on a rank without a partner."""
+    from parsim.schedules.generators import make_schedule
+
+    from .train.pipeline import PipelineRuntime
+    from .train.trace_recorder import Recorder
+
+    torch = require_torch()
+    dist, nn = torch.distributed, torch.nn
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = rank ^ 1
+    schedule = make_schedule("1f1b", 2, microbatches)
+    dirty = torch.zeros(COLD_FOOTPRINT_BYTES // 8)
+
+    class Stage(nn.Module):
+        def __init__(self, last: bool):
+            super().__init__()
+            self.linear, self.last = nn.Linear(8, 8), last
+
+        def forward(self, x, targets=None):
+            dirty.add_(1.0)
+            y = self.linear(x)
+            return y.square().mean() if self.last else y
+
+    pp_rank, first = rank % 2, rank - rank % 2
+    recorder = Recorder(rank)
+    runtime = None
+    if peer < world:
+        runtime = PipelineRuntime(schedule, pp_rank, {pp_rank: Stage(pp_rank == 1)}, {0: first, 1: first + 1},
+                                  rank, recorder, (4, 8), torch.float32, torch.device("cpu"))
+    inputs = [torch.randn(4, 8) for _ in range(microbatches)]
+    per_action = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        if runtime is None:
+            continue
+        recorder.start_step()
+        runtime.run(inputs, [None] * microbatches)
+        if i >= warmup:
+            busy = sorted((e.start_s, e.end_s) for e in recorder.events if e.kind != "send")
+            covered, reach = 0.0, 0.0
+            for start, end in busy:
+                covered += max(end - max(start, reach), 0.0)
+                reach = max(reach, end)
+            per_action.append((reach - covered) / len(schedule.actions[pp_rank]))
+    slowest = torch.tensor([statistics.median(per_action) if per_action else 0.0])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank joins; an unpaired one adds 0
+    return None if runtime is None else float(slowest.item())

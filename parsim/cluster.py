@@ -45,7 +45,8 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "attention_efficiency",
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "matmul_stream_bw_GBps",
-                "p2p_rendezvous_us", "elementwise_bw_GBps", "cpu_cores", "speed_probe_gflops", "speed_probe_eager_us")
+                "p2p_rendezvous_us", "action_overhead_us", "elementwise_bw_GBps", "cpu_cores", "speed_probe_gflops",
+                "speed_probe_eager_us")
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,7 @@ class ClusterSpec:
     optimizer_tensor_s: float = 0.0  # AdamW's fixed cost per parameter tensor
     matmul_stream_bw_Bps: float | None = None  # a matmul's weight streamed in addition to its arithmetic
     p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to its receive
+    action_overhead_s: float = 0.0  # host time between a training step's actions (the loop's own Python)
     elementwise_bw_Bps: float | None = None  # memory-bound kernels' bytes (None: at the memory speed)
     cpu_cores: int | None = None  # cores a CPU host's ranks share (more ranks than this time-share them)
     # executor.speed_probe while the compute figures were measured: its matmul's FLOP/s and its eager pass's
@@ -192,7 +194,7 @@ class ClusterSpec:
     def at_host_speed(self, arithmetic: float, eager: float) -> "ClusterSpec":
         """This CPU host running ``arithmetic`` times as fast as when it was calibrated in matmuls and memory
         (matmul peak and weight stream, memory and elementwise speed), and ``eager`` times as fast in its
-        fixed costs (per op, per kernel, per optimizer tensor). Collectives and pipeline transfers keep
+        fixed costs (per op, per kernel, per optimizer tensor, between actions). Collectives and pipeline transfers keep
         their own fits: gloo's calls were not measured to follow the probes (executor.speed_probe)."""
         if arithmetic <= 0 or eager <= 0:
             raise ParsimError(f"host speed factors must be positive, got {arithmetic} and {eager}")
@@ -204,6 +206,7 @@ class ClusterSpec:
             elementwise_bw_Bps=self.elementwise_bw_Bps and self.elementwise_bw_Bps * arithmetic,
             op_forward_s=self.op_forward_s / eager, op_backward_s=self.op_backward_s / eager,
             optimizer_tensor_s=self.optimizer_tensor_s / eager, kernel_overhead_s=self.kernel_overhead_s / eager,
+            action_overhead_s=self.action_overhead_s / eager,
             speed_probe_flops=self.speed_probe_flops and self.speed_probe_flops * arithmetic,
             speed_probe_eager_s=self.speed_probe_eager_s and self.speed_probe_eager_s / eager)
 
@@ -353,7 +356,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
                                  for p in ("forward", "backward"))
     sm_cycles = _sm_cycles(source, compute.get("sm_cycles", {}))
     host_us = {}
-    for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us"):
+    for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us", "action_overhead_us"):
         host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
     host_GBps = {}
     for key in ("matmul_stream_bw_GBps", "elementwise_bw_GBps"):
@@ -423,6 +426,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         op_backward_s=float(host_us["op_backward_us"]) * 1e-6,
         optimizer_tensor_s=float(host_us["optimizer_tensor_us"]) * 1e-6,
         p2p_rendezvous_s=float(host_us["p2p_rendezvous_us"]) * 1e-6,
+        action_overhead_s=float(host_us["action_overhead_us"]) * 1e-6,
         matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),
         cpu_cores=cores,

@@ -69,6 +69,11 @@ GPU host):
   rank computes, each gets ``cores / ranks`` of a core, so compute and host
   costs stretch by ``ranks / cores`` (a rank waiting in gloo sleeps and frees
   its core, which this static factor does not see).
+* ``action_overhead_s``: on CPU ranks, the training loop's own host time
+  before each action of a step (a pass of one microbatch, a receive, a
+  gradient-sync call, the optimizer step): the runtime's Python between one
+  action and the next, and a send's issue. The step simulator starts each such
+  op this long after it could, so it shows as idle time, as measured.
 * ``p2p_rendezvous_s``: the host time of one pipeline transfer on CPU ranks
   (gloo moves a message only once the receiver has asked for it, and issuing
   a send hands it to other threads): the step simulator ends every receive
@@ -134,6 +139,7 @@ class ComputeModel:
     optimizer_tensor_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
     p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to its receive (parsim.stepsim)
+    action_overhead_s: float = 0.0  # host time before each action of a step (parsim.stepsim; see the docstring)
     elementwise_bw_Bps: float | None = None  # a block's memory-bound bytes (None: at memory_bw_Bps)
     time_share: float = 1.0  # > 1 when a host runs more ranks than it has cores: each gets 1/time_share of one
     host_overlaps_device: bool = False  # a GPU: the host issues kernels while earlier ones run (see above)
@@ -166,6 +172,7 @@ class ComputeModel:
             op_forward_s=spec.op_forward_s,
             op_backward_s=spec.op_backward_s, optimizer_tensor_s=spec.optimizer_tensor_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, p2p_rendezvous_s=spec.p2p_rendezvous_s,
+            action_overhead_s=spec.action_overhead_s,
             elementwise_bw_Bps=spec.elementwise_bw_Bps,
             time_share=max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0,
             host_overlaps_device=not spec.describes_cpu_host, sm_cycles_per_s=spec.gpu.sm_cycles_per_s,
@@ -276,3 +283,8 @@ class ComputeModel:
     def rendezvous_s(self) -> float:
         """Host time of one pipeline transfer, stretched like compute when ranks time-share cores."""
         return self.p2p_rendezvous_s * self.time_share
+
+    @property
+    def action_gap_s(self) -> float:
+        """Host time before each action of a step, stretched like compute when ranks time-share cores."""
+        return self.action_overhead_s * self.time_share

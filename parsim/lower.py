@@ -210,12 +210,22 @@ class Lowering:
             self.fsdp_syncs: list[int] = []  # this rank's per-layer gradient reductions
             self.param_gathers = self._prefetch_weights(rank, p) if plan.overlap_param_gather else {}
             for action in self.schedule.actions[p]:
+                first = len(self.program.ops)
                 self._action(rank, p, action, last_mb)
+                self._opens_action(first)
             self._gradient_sync_and_step(rank, p)
         for pending in self.pending:
             pending.op.match = self.sends[pending.key]
         self._join_checks_across_stages()
         return self.program
+
+    def _opens_action(self, first: int) -> None:
+        """Mark the first compute-stream op from id ``first`` on (a pass's receive or its first block): the
+        training loop's host time before the action goes there (``ComputeModel.action_gap_s``)."""
+        for op in self.program.ops[first:]:
+            if op.stream == "compute":
+                op.opens_action = True
+                return
 
     # -- groups ---------------------------------------------------------------
     @functools.cache
@@ -519,6 +529,7 @@ class Lowering:
             dims = ["dp"] * len(tensors[False]) + ["edp"] * len(tensors[True] if expert_replicas > 1 else [])
             for k, ((nbytes, _), dim) in enumerate(zip(tensors[False] + tensors[True], dims)):
                 sync.append(self._dp_collective(rank, p, "all_reduce", dim, nbytes, (last_compute,), param=k))
+                self.program.ops[sync[-1]].opens_action = True  # the loop issues one call after another
         elif plan.grad_sync != "per_param":
             for expert, dim, k, nbytes, members in self._sync_buckets(p):
                 ready = self.final_grad_ops.get(members[-1], last_compute)
@@ -527,6 +538,7 @@ class Lowering:
                 if not plan.zero:
                     sync.append(self._dp_collective(rank, p, "all_reduce", "edp" if expert else "dp",
                                                     nbytes, deps, **tag))
+                    self.program.ops[sync[-1]].opens_action = not plan.overlap  # else a hook issues it mid-pass
                     continue
                 sync.append(self._dp_collective(rank, p, "reduce_scatter", dim, nbytes, deps, **tag))
                 if not expert and plan.shard_size < plan.dp * plan.cp:
@@ -550,6 +562,7 @@ class Lowering:
             ready = (self._reduced_check(rank, p, "grad norm", "grad_norm",
                                          clip_costs(params, tensors_count, plan.grad_bytes)[0], ready),)
         step = self._add(rank, Op("optimizer step", "optimizer", "compute", deps=ready, phase="optimizer",
+                                  opens_action=True,
                                   **step_costs(plan.adamw, params, tensors_count, plan.master_weights,
                                                plan.grad_bytes if plan.grad_clip is not None else 0)))
         for dim, tag, nbytes in gather:  # ZeRO-1/2: every rank needs the updated weights back

@@ -51,6 +51,7 @@ class Op:
     joins: tuple[int, ...] = ()
     negligible: bool = False  # so few bytes that it takes no link's bandwidth from others: timed alone
     phase: str = ""  # report category: forward, backward, weight-grad, optimizer, tp, dp, pp
+    opens_action: bool = False  # the first op of one of the training loop's actions (a pass, a sync call, ...)
     id: int = -1
     rank: int = -1
 

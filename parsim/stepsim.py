@@ -179,6 +179,9 @@ class _Run:
         self._plan_comms()
         self.fixed: list[float | None] = [None] * n  # duration, where known before the op starts
         self.through = [False] * n  # ends by starting its stream successor at once (see _start)
+        # A CPU host's loop runs this long before each op that opens one of its actions (ComputeModel.action_gap_s):
+        # a fixed op's duration includes it, any other op begins that much later; the trace shows it as idle.
+        self.lead = sim.compute.action_gap_s
         ready = self._link_prerequisites()
         self.env.timeout(0).callbacks.append(lambda _event: self._begin(ready))
         self.env.run()
@@ -214,6 +217,8 @@ class _Run:
                                                          op.sm_bound)
             elif self.comm[i] is not None and not op.joins:
                 fixed[i] = self.comm[i].closed_form_s
+            if op.opens_action and fixed[i] is not None:
+                fixed[i] += self.lead
             stream = (op.rank, op.stream)
             before = last.get(stream)
             last[stream] = i
@@ -304,7 +309,13 @@ class _Run:
                 self.start[last] = end
                 end += self.fixed[last]
             self._after(end - now, lambda: self._finish(last))
-            return
+        elif self.ops[i].opens_action and self.lead:
+            self._after(self.lead, lambda: self._proceed(i))
+        else:
+            self._proceed(i)
+
+    def _proceed(self, i: int) -> None:
+        """Op ``i``, whose duration depends on others (a receive, a collective that may contend), begins now."""
         op = self.ops[i]
         if op.joins:
             self._join(i, op)
@@ -398,11 +409,15 @@ class _Run:
     def trace(self, meta: dict | None) -> Trace:
         if self.finished < len(self.ops):
             raise ParsimError(_stall_message(self.program, self.end))
-        start, end, args = self.start, self.end, _ArgsCache()
+        start, end, args, lead = self.start, self.end, _ArgsCache(), self.lead
         # A receive holds the compute stream (what runs next needs its data), but it is a transfer: it is drawn
-        # on the p2p track, where the executor records it too.
-        events = [Event(op.name, op.rank, "p2p" if op.kind == "recv" else op.stream, op.kind, start[op.id],
-                        end[op.id] - start[op.id], args(op)) for op in self.ops]
+        # on the p2p track, where the executor records it too. An op that opens an action starts after the
+        # host's time before it, which the trace leaves idle.
+        events = []
+        for op in self.ops:
+            begins = start[op.id] + (lead if op.opens_action else 0.0)
+            events.append(Event(op.name, op.rank, "p2p" if op.kind == "recv" else op.stream, op.kind, begins,
+                                end[op.id] - begins, args(op)))
         events.sort(key=lambda e: (e.rank, e.start_s))
         return Trace("simulated", self.program.world_size, events, dict(meta or {}))
 

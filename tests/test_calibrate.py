@@ -184,7 +184,8 @@ def test_no_speed_probe_applies_only_to_a_plan_run(capsys):
 
 def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, tmp_path, capsys):
     """Every measurement faked from a known host: the file, the text and the JSON carry the probes' medians
-    over every rank and round (the matmul's FLOP/s, the eager pass's time), which compare scales by."""
+    over every rank and round (the matmul's FLOP/s, the eager pass's time), which compare scales by, and the
+    loop's time between actions (the median over ranks and rounds)."""
     import executor.collectives
     import executor.compute_bench
     from parsim.lower import ADAMW_ACCESSES
@@ -203,8 +204,8 @@ def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, t
 
     def every_rank(nproc):
         return [{"matmuls": [(s, truth.matmul_time(*s)) for s in shapes], "dispatch": dispatch,
-                 "elementwise": elementwise, "optimizer": optimizer, "p2p": 300e-6, "speed_probes": probes[r]}
-                for r in range(nproc)]
+                 "elementwise": elementwise, "optimizer": optimizer, "p2p": 300e-6, "speed_probes": probes[r],
+                 "actions": (70e-6, 90e-6)[r % 2]} for r in range(nproc)]
 
     spec = host()
     monkeypatch.setattr(executor.compute_bench, "measure_on_every_rank", every_rank)
@@ -214,11 +215,15 @@ def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, t
     monkeypatch.setattr(executor.collectives, "measure_in_step", lambda ops, n: [])
     out = tmp_path / "host.yaml"
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv"]) == 0
-    assert "host speed        50.0 GFLOP/s, 800 us per eager pass" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "host speed        50.0 GFLOP/s, 800 us per eager pass" in text
+    assert "between actions   80 us before each pass" in text
     written = load_cluster(str(out))
     assert (written.speed_probe_flops, written.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
+    assert written.action_overhead_s == pytest.approx(80e-6)
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv",
                  "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert conforms(doc) == "calibrate"
     assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"]) == pytest.approx((50.0, 800.0))
+    assert doc["action_overhead_us"] == pytest.approx(80.0)

@@ -26,7 +26,8 @@ from parsim.step import predict_step
 SHAPES = [(32, 64, 64), (128, 128, 128), (32, 1024, 1024), (128, 256, 1024), (512, 512, 512),
           (128, 1024, 1024), (1024, 1024, 32), (64, 4096, 1024), (256, 64, 64)]
 HOST_KEYS = {"op_forward_us": 7.0, "op_backward_us": 6.0, "optimizer_tensor_us": 50.0,
-             "matmul_stream_bw_GBps": 15.0, "p2p_rendezvous_us": 150.0, "elementwise_bw_GBps": 6.0}
+             "matmul_stream_bw_GBps": 15.0, "p2p_rendezvous_us": 150.0, "elementwise_bw_GBps": 6.0,
+             "action_overhead_us": 40.0}
 
 
 def cpu_host(**compute) -> dict:
@@ -102,6 +103,7 @@ def test_host_keys_are_read_in_si_units():
     assert spec.op_forward_s == pytest.approx(7e-6) and spec.op_backward_s == pytest.approx(6e-6)
     assert spec.optimizer_tensor_s == pytest.approx(50e-6) and spec.p2p_rendezvous_s == pytest.approx(150e-6)
     assert spec.matmul_stream_bw_Bps == pytest.approx(15e9) and spec.elementwise_bw_Bps == pytest.approx(6e9)
+    assert spec.action_overhead_s == pytest.approx(40e-6)
     model = ComputeModel.for_cluster(spec, "fp32", 4)
     assert model.time(forward_ops=10, backward_ops=20, optimizer_tensors=2) == pytest.approx(
         10 * 7e-6 + 20 * 6e-6 + 2 * 50e-6)
@@ -110,6 +112,7 @@ def test_host_keys_are_read_in_si_units():
 @pytest.mark.parametrize("key, value, expected", [
     ("op_forward_us", -1.0, "0 to 1e[+]09 microseconds"), ("op_backward_us", "fast", "a finite number in micro"),
     ("optimizer_tensor_us", float("nan"), "a finite number"), ("p2p_rendezvous_us", True, "a finite number"),
+    ("action_overhead_us", -5.0, "0 to 1e[+]09 microseconds"),
     ("matmul_stream_bw_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("elementwise_bw_GBps", -3, "1e-12 to 1e[+]12 GB/s"),
     ("op_overhead_us", 1.0, "unknown key"), ("cpu_cores", 0, "a whole number from 1 to 65,536"),
     ("cpu_cores", 2.5, "a whole number from 1 to 65,536"),
@@ -139,8 +142,8 @@ def test_the_host_speed_scales_the_compute_figures_by_their_probe_and_no_collect
     assert moved.matmul_stream_bw_Bps == pytest.approx(1.25 * 15e9)
     assert moved.elementwise_bw_Bps == pytest.approx(1.25 * 6e9)
     # ... fixed costs the eager probe.
-    assert (moved.op_forward_s, moved.op_backward_s, moved.optimizer_tensor_s) == pytest.approx(
-        (7e-6 / 0.5, 6e-6 / 0.5, 50e-6 / 0.5))
+    assert (moved.op_forward_s, moved.op_backward_s, moved.optimizer_tensor_s, moved.action_overhead_s) == \
+        pytest.approx((7e-6 / 0.5, 6e-6 / 0.5, 50e-6 / 0.5, 40e-6 / 0.5))
     assert (moved.speed_probe_flops, moved.speed_probe_eager_s) == pytest.approx((62.5e9, 1600e-6))
     # Collectives and pipeline transfers keep their fits.
     assert moved.p2p_rendezvous_s == spec.p2p_rendezvous_s and moved.intra == spec.intra
@@ -179,6 +182,7 @@ def test_gpu_clusters_have_no_host_costs():
         model = ComputeModel.for_cluster(spec, "bf16", 2)
         assert model.time(forward_ops=100, backward_ops=100, optimizer_tensors=10) == 0.0
         assert spec.p2p_rendezvous_s == 0 and spec.collective_step_overhead_s == {}
+        assert spec.action_overhead_s == 0
 
 
 def test_a_gpu_runs_its_kernels_while_the_host_issues_the_next():
@@ -236,6 +240,23 @@ def test_rendezvous_is_charged_to_every_receive():
     received = {b.rank: b.seconds["pp"] for b in slow.ranks}
     assert all(received[r] >= 4 * 500e-6 for r in received)  # 4 microbatches' receives on each rank
     assert slow.step_s > fast.step_s
+
+
+def test_the_loop_s_time_before_each_action_shows_as_idle():
+    """Before each pass, each gradient all-reduce the loop issues in turn and the optimizer step, the host's
+    loop runs ``action_overhead_us``: the step grows by it per action, and only the idle time does."""
+    plan = Plan(model=load_model("course-mlp"), dp=2, grad_sync="per_param")
+    base = predict_step(plan, ideal_spec())
+    slowed = predict_step(plan, ideal_spec(**{"compute": {"action_overhead_us": 1000.0}}))
+    actions = 1 + 1 + 4 + 1  # forward, backward, an all-reduce per parameter, the optimizer step
+    assert slowed.step_s == pytest.approx(base.step_s + actions * 1e-3, rel=1e-6)
+    before, after = base.ranks[0].seconds, slowed.ranks[0].seconds
+    assert after["idle"] == pytest.approx(before["idle"] + actions * 1e-3, rel=1e-6)
+    assert all(after[p] == pytest.approx(before[p]) for p in ("forward", "backward", "dp", "optimizer"))
+    pipelined = resolve_plan("course-pp")
+    ranks = [b.seconds["idle"] for b in predict_step(pipelined, ideal_spec()).ranks]
+    gapped = predict_step(pipelined, ideal_spec(**{"compute": {"action_overhead_us": 1000.0}}))
+    assert all(b.seconds["idle"] > idle for b, idle in zip(gapped.ranks, ranks))
 
 
 def test_in_step_collective_overhead_is_charged_per_call():

@@ -46,6 +46,10 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     compute.matmul_stream_bw_GBps; generic eager blocks (a GeLU MLP block, a
     softmax attention block, elementwise ops) -> the fixed cost of an op in a
     forward and in a backward (compute.op_forward_us, compute.op_backward_us);
+    pairs of ranks passing tensors between bursts of compute -> the host time
+    of a pipeline transfer (compute.p2p_rendezvous_us); the executor's own
+    pipeline loop over trivial stages -> its time before each action
+    (compute.action_overhead_us);
   * between those benchmarks, the host's speed: a fixed fp32 matmul's rate
     and a stack of tiny eager layers' time (compute.speed_probe_gflops,
     compute.speed_probe_eager_us). A VM's cores drift by 10-30% over minutes,
@@ -141,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     memory_bw = optimizer.bw_Bps
     p2p = [rank["p2p"] for rank in per_rank if rank["p2p"] is not None]
     p2p_rendezvous = float(np.median(p2p)) if p2p else 0.0
+    gaps = [rank["actions"] for rank in per_rank if rank["actions"] is not None]
+    action_overhead = float(np.median(gaps)) if gaps else 0.0
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s = (float(v) for v in np.median(probes, axis=0))
     algorithms = _backend_algorithms(backend)
@@ -164,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, overhead_s=overhead,
         matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
         optimizer_tensor_s=optimizer.tensor_s, matmul_stream_bw_Bps=matmul.stream_bw_Bps,
-        p2p_rendezvous_s=p2p_rendezvous, elementwise_bw_Bps=elementwise_bw,
+        p2p_rendezvous_s=p2p_rendezvous, action_overhead_s=action_overhead, elementwise_bw_Bps=elementwise_bw,
         cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s))
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
     if step_overhead:
@@ -183,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
                     "reduce_bw_GBps": reduce_bw / 1e9, "memory_bw_GBps": memory_bw / 1e9,
                     "op_forward_us": dispatch.forward_s * 1e6, "op_backward_us": dispatch.backward_s * 1e6,
                     "optimizer_tensor_us": optimizer.tensor_s * 1e6, "p2p_rendezvous_us": p2p_rendezvous * 1e6,
+                    "action_overhead_us": action_overhead * 1e6,
                     "elementwise_bw_GBps": elementwise_bw / 1e9, "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
@@ -214,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
           f"parsim.model.Elementwise counts them)")
     print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer (issue a send, wait for a "
           f"posted one)")
+    print(f"between actions   {action_overhead * 1e6:.0f} us before each pass, sync call or optimizer step (the "
+          f"executor's loop on a 2-stage pipeline of trivial stages)")
     stream = (f", operands stream in at {matmul.stream_bw_Bps / 1e9:.1f} GB/s" if matmul.stream_bw_Bps else "")
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
           f"{matmul.half_dim:.0f}{stream} (median |error| {matmul.median_abs_error:.1%})")
