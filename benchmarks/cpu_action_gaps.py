@@ -1,0 +1,74 @@
+"""Where a CPU run's idle time goes: the host's gaps between a step's actions, and each send's issue.
+
+Runs a plan on gloo ranks (as ``parsim run`` does) and, per rank, takes every
+gap between one recorded action (a pass, a receive, a collective, the
+optimizer step) and the next, by the kinds on either side; the step's idle
+time (what no action covers); and, per send, the time from its issue to the
+rank's next action, which is the host time the issue takes (a send runs on
+beside the rank's compute, so it is not an action of its own). The simulator
+prices these as ``compute.action_overhead_us`` before each action, which
+``parsim calibrate`` measures on the executor's loop over trivial stages.
+On the 2-core VM (2026-11-26): course DDP's gap medians were 0.04-0.17 ms
+(0.57 ms idle per step); tiny PP's sends took a median 0.10 and 0.13 ms to
+issue on its two stages, and a few took 6 ms (gloo's stalls).
+
+Run:  python benchmarks/cpu_action_gaps.py tiny-pp2 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("plan", help="a plan name or YAML file (course-ddp, tiny-pp2, ...)")
+    parser.add_argument("--tp", type=int, help="tensor-parallel degree override")
+    parser.add_argument("--dp", type=int, help="data-parallel degree override")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps (default 20)")
+    args = parser.parse_args()
+
+    from executor.launch import launch
+    from executor.train.runner import rank_main
+    from parsim.plan import resolve_plan
+
+    degrees = {k: v for k, v in (("tp", args.tp), ("dp", args.dp)) if v is not None}
+    plan = resolve_plan(args.plan, overrides={"parallel": degrees} if degrees else None)
+    results = launch(rank_main, plan.world, (plan.to_dict(), args.steps, 2, 0), "gloo", 300.0)
+    print(f"{plan.name} on {plan.world} gloo ranks, {args.steps} steps (ms)")
+    for result in results:
+        gaps, idle, issue = defaultdict(list), [], []
+        for events in result["steps"]:
+            actions = sorted((e for e in events if e.kind != "send"), key=lambda e: e.start_s)
+            end = max(e.end_s for e in events)
+            reach, before, uncovered = 0.0, "start", 0.0
+            for e in actions:
+                if e.start_s > reach:
+                    gaps[f"{before} -> {e.kind}"].append(e.start_s - reach)
+                    uncovered += e.start_s - reach
+                reach, before = max(reach, e.end_s), e.kind
+            idle.append(uncovered + max(end - reach, 0.0))
+            starts = [e.start_s for e in actions]
+            for send in (e for e in events if e.kind == "send"):
+                later = [s for s in starts if s >= send.start_s]
+                if later:
+                    issue.append(min(later) - send.start_s)
+        print(f"rank {result['rank']}: idle per step, median {1e3 * statistics.median(idle):.2f}")
+        print(f"  {'gap':<24} {'count':>5} {'median':>7} {'p90':>7}")
+        for name, values in gaps.items():
+            print(f"  {name:<24} {len(values):>5} {1e3 * statistics.median(values):>7.3f} "
+                  f"{1e3 * _quantile(values, 0.9):>7.3f}")
+        if issue:
+            print(f"  {'send issued -> next':<24} {len(issue):>5} {1e3 * statistics.median(issue):>7.3f} "
+                  f"{1e3 * _quantile(issue, 0.9):>7.3f}  (max {1e3 * max(issue):.2f})")
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+if __name__ == "__main__":
+    main()
