@@ -70,9 +70,9 @@ GPU host):
   costs stretch by ``ranks / cores`` (a rank waiting in gloo sleeps and frees
   its core, which this static factor does not see).
 * ``action_overhead_s``: on CPU ranks, the training loop's own host time
-  before each action of a step (a pass of one microbatch, a receive, a
-  gradient-sync call, the optimizer step): the runtime's Python between one
-  action and the next, and a send's issue. The step simulator starts each such
+  before each action of a step (a pass of one microbatch, from its receive; a
+  gradient all-reduce the loop issues in turn; the optimizer step): the
+  runtime's Python between one action and the next, and a send's issue. The step simulator starts each such
   op this long after it could, so it shows as idle time, as measured.
 * ``p2p_rendezvous_s``: the host time of one pipeline transfer on CPU ranks
   (gloo moves a message only once the receiver has asked for it, and issuing

@@ -254,9 +254,9 @@ def test_the_loop_s_time_before_each_action_shows_as_idle():
     assert after["idle"] == pytest.approx(before["idle"] + actions * 1e-3, rel=1e-6)
     assert all(after[p] == pytest.approx(before[p]) for p in ("forward", "backward", "dp", "optimizer"))
     pipelined = resolve_plan("course-pp")
-    ranks = [b.seconds["idle"] for b in predict_step(pipelined, ideal_spec()).ranks]
+    idle_before = [b.seconds["idle"] for b in predict_step(pipelined, ideal_spec()).ranks]
     gapped = predict_step(pipelined, ideal_spec(**{"compute": {"action_overhead_us": 1000.0}}))
-    assert all(b.seconds["idle"] > idle for b, idle in zip(gapped.ranks, ranks))
+    assert all(b.seconds["idle"] > idle for b, idle in zip(gapped.ranks, idle_before))
 
 
 def test_in_step_collective_overhead_is_charged_per_call():
