@@ -177,6 +177,29 @@ def test_a_gpu_cluster_runs_no_speed_probe(monkeypatch, capsys):
     assert asked["probe_speed"] is False and json.loads(capsys.readouterr().out)["host_speed"] is None
 
 
+def test_compare_says_when_the_measured_steps_spread(monkeypatch, capsys):
+    """Steps whose slowest is over 1.25x their fastest get a one-line note on stderr; the range is printed
+    beside the step time and written to the JSON either way."""
+    import executor.train
+    from parsim.step import predict_step
+
+    spec = load_cluster("dgx-h100")
+    times = {}
+
+    def run_plan(plan, nproc, steps, **kwargs):
+        return predict_step(plan, spec).trace, {"step_times_s": times["now"]}
+
+    monkeypatch.setattr(executor.train, "run_plan", run_plan)
+    for steps, noted in (([0.010, 0.011, 0.0105], False), ([0.010, 0.014, 0.011], True)):
+        times["now"] = steps
+        assert main(["compare", "course-pp", "--cluster", "dgx-h100"]) == 0
+        out, err = capsys.readouterr()
+        assert ("measured steps spread from 10 ms to 14 ms" in err) is noted
+        assert f"its steps 10 ms to {max(steps) * 1e3:g} ms" in out
+        assert main(["compare", "course-pp", "--cluster", "dgx-h100", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["measured_step_range_s"] == pytest.approx([0.010, max(steps)])
+
+
 def test_no_speed_probe_applies_only_to_a_plan_run(capsys):
     assert main(["compare", "all-reduce", "--no-speed-probe", "--measured", "x.json"]) == 2
     assert "--no-speed-probe" in capsys.readouterr().err

@@ -22,6 +22,10 @@ from .common import note, note_executor_kernels, note_launch_bound, progress, wa
 from .plan_cmd import plan_from_args
 
 
+# Measured steps whose slowest is this many times their fastest make one run's median a poor estimate.
+SPREAD_NOTE = 1.25
+
+
 def compare_plan_command(args: argparse.Namespace) -> int:
     args.plan = args.target
     plan = plan_from_args(args)
@@ -33,7 +37,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         raise ParsimError(f"plan {plan.name} needs {plan.world} ranks ({plan.degrees_text()}), not --nproc {nproc}")
     progress(f"simulating {plan.name} on {cluster.name}")
     predicted = predict_step(plan, cluster)
-    load, speed = None, None
+    load, speed, spread = None, None, None
     if args.measured is None:
         from executor.launch import resolve_backend
         from executor.train import run_plan
@@ -59,6 +63,12 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         if load.warning("the measured run"):
             note(load.warning("the measured run"))
         source = f"run here, median of {steps} steps"
+        times = summary.get("step_times_s")
+        spread = (min(times), max(times)) if times else None
+        if spread and spread[1] > SPREAD_NOTE * spread[0]:
+            note(f"the {steps} measured steps spread from {format_time(spread[0])} to {format_time(spread[1])}: "
+                 "the host's speed or its transfers moved during the run (docs/calibration.md); the median of "
+                 "several runs, or of more steps (--steps), is steadier")
     collectives = match_collectives(plan, predicted.trace, measured)
     rows = compare_phases(plan, predicted, measured)
     measured_step = step_time(measured)
@@ -69,6 +79,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
             "predicted_step_s": predicted.step_s, "measured_step_s": measured_step, "step_error": step_error,
             "phases": rows, "collectives": [r.to_json() for r in collectives],
             "foreign_load_cores": load.cores if load else None,
+            "measured_step_range_s": list(spread) if spread else None,
             "host_speed": speed.to_json(measured_step) if speed else None})
     else:
         unit, scale = time_unit([r["predicted_s"] for r in rows] + [r["measured_s"] for r in rows])
@@ -82,7 +93,10 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         if speed:
             print(speed.text(measured_step))
         error = "" if step_error is None else f" ({step_error:+.1%})"
-        print(f"step time: predicted {format_time(predicted.step_s)}, measured {format_time(measured_step)}{error}")
+        steps_range = (f"; its steps {format_time(spread[0])} to {format_time(spread[1])}"
+                       if spread and spread[1] > spread[0] else "")
+        print(f"step time: predicted {format_time(predicted.step_s)}, measured {format_time(measured_step)}{error}"
+              f"{steps_range}")
     if args.trace:
         from ..kineto.write import write_trace
 
