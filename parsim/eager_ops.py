@@ -27,7 +27,8 @@ forward, then the backward):
   22, 50; GeLU 17, 38;
 * embedding: 1, 2 (learned positions add 3, 4); LM head with its final norm
   and the cross-entropy: 16, 31;
-* the lecture's MLP layer (``gelu(x @ W)``): 2, 6.
+* the lecture's MLP layer (``gelu(x @ W)``): 2, 6; its first layer 2, 4
+  (its input is the data, whose gradient autograd does not compute).
 
 Tensor-parallel collectives add a few ops around each (contiguous copies,
 views): :data:`TP_COLLECTIVE_OPS` per collective that runs. Mixture-of-experts
@@ -46,6 +47,7 @@ EMBEDDING = (1, 2)
 LEARNED_POSITIONS = (3, 4)
 HEAD = (16, 31)
 MLP_LAYER = (2, 6)
+MLP_FIRST_LAYER = (2, 4)  # its input is data: no input gradient (its transpose and matmul)
 WEIGHT_GRAD_OPS = 3  # per matmul in a split backward's weight-gradient pass: transpose, mm, accumulate
 TP_COLLECTIVE_OPS = 3  # contiguous copies, views and the output buffer around each tensor-parallel collective
 NORM_AND_RESIDUAL = (8, 18)  # a feed-forward block's RMSNorm and residual add (MoE estimate below)

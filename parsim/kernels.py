@@ -88,7 +88,7 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
             split = mm.split if mm.experts == 1 else "experts"
             if kind == "F":
                 launch((rows, n, k), mm.name, (split, "fwd"))
-            if kind in ("B", "I"):
+            if kind in ("B", "I") and not block.data_input:
                 launch((rows, k, n), f"{mm.name} input grad", (split, "dgrad"))
             if kind in ("B", "W"):
                 launch((k, n, rows), f"{mm.name} weight grad", (split, "wgrad"))

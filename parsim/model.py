@@ -34,15 +34,16 @@ Training on GPU Clusters Using Megatron-LM", section 5.1):
   weight gradient each cost one forward; the attention core has no weights, so
   both of its backward products belong to the input gradient. The split feeds
   zero-bubble schedules (Qi et al. 2023), which run the weight-gradient half
-  later. As in the 3x rule, the first layer's input gradient is counted even
-  where autograd skips it (the MLP's data input needs none).
+  later. As in the 3x rule, the FLOP counts include the first layer's input
+  gradient even where autograd skips it (the MLP's data input needs none);
+  the kernels priced for time leave it out (``Block.data_input``).
 """
 
 from __future__ import annotations
 
 import importlib.resources
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Union
 
@@ -335,6 +336,9 @@ class Block:
     # (forward, backward) ops an eager PyTorch implementation dispatches for the block, per microbatch
     # (parsim.eager_ops; the CPU host's fixed costs). (0, 0): not counted.
     eager_ops: tuple[int, int] = (0, 0)
+    # Its input is the model's data (the MLP's first layer): nothing needs that input's gradient, so autograd
+    # runs no input-gradient matmul for it (parsim.kernels.block_work); FLOP counts keep the 3x rule.
+    data_input: bool = False
 
     def forward_flops_per_token(self, tp: int = 1) -> int:
         return sum(m.flops_per_token(tp) for m in self.matmuls) + self.attention_flops_per_token // tp
@@ -512,8 +516,9 @@ class MLPModel(_CostTotals):
             TPCollective("out", "all_gather", "forward", "after", w * d, regroups=True),
             TPCollective("out.grad", "reduce_scatter", "backward", "before", w * d, regroups=True),
         ), eager_ops=eager_ops.MLP_LAYER)
+        first = replace(block, data_input=True, eager_ops=eager_ops.MLP_FIRST_LAYER)
         saved = (Activation("in", w, d, sharded=False), Activation("pre_gelu", w, d, sharded=True))
-        return [LayerCost(f"layer.{i}", (block,), activations=saved, checkpoint=saved[:1])
+        return [LayerCost(f"layer.{i}", (first if i == 0 else block,), activations=saved, checkpoint=saved[:1])
                 for i in range(self.num_layers)]
 
     def embedding_cost(self, dtype_bytes: int, tp_style: str | None = None, sequence_parallel: bool = False) -> None:

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from parsim.eager_ops import MLP_LAYER, embedding_ops, transformer_layer_ops
+from parsim.eager_ops import MLP_FIRST_LAYER, MLP_LAYER, embedding_ops, transformer_layer_ops
 from parsim.model import load_model
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
@@ -74,4 +74,7 @@ def test_course_layer_counts_match_the_executor():
     model = load_model("course-mlp")
     layer = build_pieces(model, 0, {"layer.0"})[0].module
     assert counted(layer, torch.randn(4, model.width, requires_grad=True)) == MLP_LAYER
-    assert model.costs(4)[0].blocks[0].eager_ops == MLP_LAYER
+    assert model.costs(4)[1].blocks[0].eager_ops == MLP_LAYER
+    # The first layer's input is the data: autograd computes no gradient for it.
+    assert counted(layer, torch.randn(4, model.width)) == MLP_FIRST_LAYER
+    assert model.costs(4)[0].blocks[0].eager_ops == MLP_FIRST_LAYER

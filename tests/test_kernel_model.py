@@ -473,3 +473,16 @@ def test_an_fp8_plan_keeps_the_lm_head_in_bf16():
     shape = head.matmuls[0]
     assert fp8.matmul_time(*shape, 0, head.high_precision) == pytest.approx(bf16.matmul_time(*shape))
     assert fp8.matmul_time(*shape) < 0.6 * bf16.matmul_time(*shape)
+
+
+def test_the_mlp_s_first_layer_runs_no_input_gradient():
+    """autograd computes no gradient for the data the MLP's first layer reads: its backward is the weight
+    gradient alone, every later layer's both; the FLOP counts keep the 3x rule."""
+    from parsim.kernels import block_work
+
+    plan = Plan(model=load_model("course-mlp"), dp=1)
+    first, second = (plan.stage_costs(0)[i].blocks[0] for i in (0, 1))
+    labels = [block_work(plan, b, "B", plan.tokens_per_rank).labels for b in (first, second)]
+    assert [label for label in labels[0] if "grad" in label] == ["w weight grad"]
+    assert [label for label in labels[1] if "grad" in label] == ["w input grad", "w weight grad"]
+    assert first.backward_input_flops_per_token() == second.backward_input_flops_per_token()
