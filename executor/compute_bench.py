@@ -142,11 +142,12 @@ def measure_matmuls(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *,
                     footprint_bytes: int = COLD_FOOTPRINT_BYTES,
                     repeats: int = 11) -> list[tuple[tuple[int, int, int], float]]:
     """Median seconds of ``x[m, k] @ w[k, n]`` (fp32, a new output) per shape, as a stack of layers
-    runs them in a training step: a run of calls, each on its own weight, the weights together
-    larger than the caches, and the run starting behind caches full of written data (as the
+    runs them in a training step: a run of calls, each on its own weight and each output kept (a step
+    keeps its activations and gradients, so each is written to memory of its own), weights and outputs
+    together larger than the caches, and the run starting behind caches full of written data (as the
     forward starts after the optimizer, or the backward after the loss). Each repeat writes
     ``footprint_bytes / 2`` of other memory, then times a run of up to 64 calls (enough for their
-    weights to fill ``footprint_bytes``, or to last about ``RUN_S``); seconds per call."""
+    weights and outputs to fill ``footprint_bytes``, or to last about ``RUN_S``); seconds per call."""
     torch = require_torch()
     dirty = torch.zeros(footprint_bytes // 8)
     rows = []
@@ -156,16 +157,17 @@ def measure_matmuls(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *,
         torch.matmul(x, torch.full((k, n), 0.02))  # warm-up, and how long a call takes
         once = time.perf_counter() - start
         # Enough calls for their weights to fill the footprint, within about RUN_S (big shapes are compute-bound).
-        run = _agree(max(2, min(64, math.ceil(footprint_bytes / (k * n * 4)), int(RUN_S / max(once, 1e-7)))))
+        run = _agree(max(2, min(64, math.ceil(footprint_bytes / ((k * n + m * n) * 4)),
+                                int(RUN_S / max(once, 1e-7)))))
         ws = list(torch.full((run, k, n), 0.02).unbind(0))
         _barrier()
         times = []
         for _ in range(repeats):
             dirty.add_(1.0)
             start = time.perf_counter()
-            for w in ws:
-                torch.matmul(x, w)
+            outputs = [torch.matmul(x, w) for w in ws]
             times.append((time.perf_counter() - start) / run)
+            del outputs
         rows.append(((m, n, k), statistics.median(times)))
     return rows
 

@@ -226,8 +226,9 @@ def fit_matmul(samples: list[tuple[tuple[int, int, int], float]], stream: bool =
     """Fit ``t = flops / (peak * prod(d / (d + h))) + bytes / stream_bw (+ call)`` to measured matmul times.
 
     A grid over ``h``; for each, ``1/peak``, ``1/stream_bw`` and the fixed cost per call by least
-    squares on relative error (all >= 0). ``bytes`` are the second operand's, ``k n dtype_bytes``
-    (what a thin matmul streams from memory; see :mod:`parsim.compute`). With ``stream=False`` (or no
+    squares on relative error (all >= 0). ``bytes`` are the second operand's and the output's,
+    ``(k n + m n) dtype_bytes`` (what a matmul streams in and out; see :mod:`parsim.compute`). With
+    ``stream=False`` (or no
     stream term in the data)
     ``stream_bw_Bps`` is None: the pure shape model. With ``call`` a fixed cost per call is fitted
     too and kept apart (``call_s``): on an eager CPU host it is the op's dispatch, which the
@@ -238,8 +239,8 @@ def fit_matmul(samples: list[tuple[tuple[int, int, int], float]], stream: bool =
     shapes = np.array([s for s, _ in samples], dtype=float)
     times = np.array([t for _, t in samples])
     flops = 2 * shapes.prod(axis=1)
-    _, n, k = shapes.T
-    traffic = k * n * dtype_bytes
+    m, n, k = shapes.T
+    traffic = (k * n + m * n) * dtype_bytes
     weights = 1.0 / times
     best = None
     for h in np.concatenate([[0.0], np.geomspace(1, 4096, 200)]):

@@ -56,9 +56,12 @@ GPU host):
   per-tensor loop on CPU), on top of its bytes at the memory speed.
 * ``matmul_stream_bw_Bps``: a CPU core does not hide streaming a matmul's
   second operand ``w[k, n]`` (a layer's weight in the forward and the
-  input-gradient matmul) from memory behind its arithmetic; when set, a
-  matmul costs its FLOPs at the shape's rate *plus* ``k n`` elements at this
-  speed, instead of the roofline's maximum of compute and all bytes.
+  input-gradient matmul) in from memory, nor its output ``[m, n]`` out to
+  memory of its own (a step keeps its activations and gradients: a weight
+  gradient's output is as large as the weight), behind its arithmetic; when
+  set, a matmul costs its FLOPs at the shape's rate *plus* ``k n + m n``
+  elements at this speed, instead of the roofline's maximum of compute and
+  all bytes.
 * ``elementwise_bw_Bps``: the speed of a block's memory-bound kernels'
   bytes (activations, norms, softmax), which on a CPU core are often
   arithmetic-bound (GeLU's erf, exp) and far below the memory speed that
@@ -217,8 +220,8 @@ class ComputeModel:
     def matmul_time(self, m: float, n: float, k: float, sm_reserved: int = 0, high_precision: bool = False) -> float:
         flops = 2.0 * m * n * k
         rate = self.matmul_rate(m, n, k, sm_reserved, high_precision)
-        if self.matmul_stream_bw_Bps:  # eager CPU: the second operand streams in, not hidden behind the arithmetic
-            return flops / rate + k * n * self.dtype_bytes / self.matmul_stream_bw_Bps
+        if self.matmul_stream_bw_Bps:  # eager CPU: the weight streams in and the output out, beside the arithmetic
+            return flops / rate + (k * n + m * n) * self.dtype_bytes / self.matmul_stream_bw_Bps
         traffic = (m * k + k * n + m * n) * self.dtype_bytes
         return max(flops / rate, traffic / self.memory_bw_Bps)
 
