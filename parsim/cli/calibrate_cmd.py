@@ -223,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
           f"posted one)")
     print(f"between actions   {action_overhead * 1e6:.0f} us before each pass, sync call or optimizer step (the "
           f"executor's loop on a 2-stage pipeline of trivial stages)")
-    stream = (f", weights stream in and outputs out at {matmul.stream_bw_Bps / 1e9:.1f} GB/s" if matmul.stream_bw_Bps else "")
+    stream = (f", weights stream in and outputs out at {matmul.stream_bw_Bps / 1e9:.1f} GB/s"
+              if matmul.stream_bw_Bps else "")
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
           f"{matmul.half_dim:.0f}{stream} (median |error| {matmul.median_abs_error:.1%})")
     for op, e in efficiency.items():
