@@ -228,9 +228,8 @@ def fit_matmul(samples: list[tuple[tuple[int, int, int], float]], stream: bool =
     A grid over ``h``; for each, ``1/peak``, ``1/stream_bw`` and the fixed cost per call by least
     squares on relative error (all >= 0). ``bytes`` are the second operand's and the output's,
     ``(k n + m n) dtype_bytes`` (what a matmul streams in and out; see :mod:`parsim.compute`). With
-    ``stream=False`` (or no
-    stream term in the data)
-    ``stream_bw_Bps`` is None: the pure shape model. With ``call`` a fixed cost per call is fitted
+    ``stream=False`` (or no stream term in the data) ``stream_bw_Bps`` is None: the pure shape model.
+    With ``call`` a fixed cost per call is fitted
     too and kept apart (``call_s``): on an eager CPU host it is the op's dispatch, which the
     per-op costs charge, so the shape model describes the arithmetic alone.
     """
