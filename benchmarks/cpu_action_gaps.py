@@ -17,27 +17,15 @@ Run:  python benchmarks/cpu_action_gaps.py tiny-pp2 --steps 20
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections import defaultdict
 
+from plan_on_ranks import run_from_command_line
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("plan", help="a plan name or YAML file (course-ddp, tiny-pp2, ...)")
-    parser.add_argument("--tp", type=int, help="tensor-parallel degree override")
-    parser.add_argument("--dp", type=int, help="data-parallel degree override")
-    parser.add_argument("--steps", type=int, default=20, help="measured steps (default 20)")
-    args = parser.parse_args()
-
-    from executor.launch import launch
-    from executor.train.runner import rank_main
-    from parsim.plan import resolve_plan
-
-    degrees = {k: v for k, v in (("tp", args.tp), ("dp", args.dp)) if v is not None}
-    plan = resolve_plan(args.plan, overrides={"parallel": degrees} if degrees else None)
-    results = launch(rank_main, plan.world, (plan.to_dict(), args.steps, 2, 0), "gloo", 300.0)
-    print(f"{plan.name} on {plan.world} gloo ranks, {args.steps} steps (ms)")
+    plan, steps, results = run_from_command_line(__doc__, "course-ddp", 20)
+    print(f"{plan.name} on {plan.world} gloo ranks, {steps} steps (ms)")
     for result in results:
         gaps, idle, issue = defaultdict(list), [], []
         for events in result["steps"]:

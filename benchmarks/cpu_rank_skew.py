@@ -12,28 +12,16 @@ Run:  python benchmarks/cpu_rank_skew.py course-tp --tp 2 --steps 10
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections import defaultdict
 
+from plan_on_ranks import run_from_command_line
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("plan", help="a plan name or YAML file (course-tp, tiny-pp2, ...)")
-    parser.add_argument("--tp", type=int, help="tensor-parallel degree override")
-    parser.add_argument("--dp", type=int, help="data-parallel degree override")
-    parser.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
-    args = parser.parse_args()
-
-    from executor.launch import launch
-    from executor.train.runner import rank_main
-    from parsim.plan import resolve_plan
-
-    degrees = {k: v for k, v in (("tp", args.tp), ("dp", args.dp)) if v is not None}
-    plan = resolve_plan(args.plan, overrides={"parallel": degrees} if degrees else None)
-    results = launch(rank_main, plan.world, (plan.to_dict(), args.steps, 2, 0), "gloo", 300.0)
+    plan, steps, results = run_from_command_line(__doc__, "course-tp", 10)
     skew, cost = defaultdict(list), defaultdict(list)
-    for step in range(args.steps):
+    for step in range(steps):
         by_name = defaultdict(list)
         for result in results:
             for event in result["steps"][step]:
@@ -46,7 +34,7 @@ def main() -> None:
             last_arrival = max(e.start_s for e in events)
             skew[kind].append(last_arrival - min(e.start_s for e in events))
             cost[kind].append(min(e.end_s for e in events) - last_arrival)
-    print(f"{plan.name} on {plan.world} gloo ranks, {args.steps} steps (ms)")
+    print(f"{plan.name} on {plan.world} gloo ranks, {steps} steps (ms)")
     print(f"{'operation':<16} {'calls':>5} {'skew median':>11} {'skew mean':>9} {'cost median':>11} {'cost mean':>9}")
     for kind in skew:
         s, c = [1e3 * v for v in skew[kind]], [1e3 * v for v in cost[kind]]

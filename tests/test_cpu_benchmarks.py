@@ -1,0 +1,40 @@
+"""The CPU-run benchmark scripts (benchmarks/cpu_*.py): they run a plan on gloo ranks and print what they
+measured, and refuse a bad plan in one line before any rank starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).parents[1]
+
+
+def script(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", ["cpu_action_gaps.py", "cpu_rank_skew.py"])
+@pytest.mark.parametrize("args, expected", [(["nosuch"], "unknown plan 'nosuch'"),
+                                            (["course-tp", "--tp", "3"], "tp 3 does not divide width 1024")])
+def test_a_bad_plan_is_refused_in_one_line(name, args, expected):
+    done = script(f"benchmarks/{name}", *args)
+    assert done.returncode == 2 and expected in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert done.stderr.startswith(f"{name}: ")
+
+
+def test_the_action_gaps_of_a_pipeline_run_are_printed_per_rank():
+    done = script("benchmarks/cpu_action_gaps.py", "tiny-pp2", "--steps", "2")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "tiny-pp2 on 2 gloo ranks, 2 steps (ms)"
+    for rank in (0, 1):
+        assert any(line.startswith(f"rank {rank}: idle per step, median ") for line in lines)
+    # Each rank sends its 4 microbatches' activations or gradients per step: 8 issues over 2 steps.
+    assert sum(line.strip().startswith("send issued -> next") and line.split()[4] == "8" for line in lines) == 2
