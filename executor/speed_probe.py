@@ -32,6 +32,7 @@ the number of ranks sharing them.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from ._torch import require_torch
 from .launch import usable_cores
@@ -71,25 +72,30 @@ class SpeedProbe:
 
     def matmul_flops(self, seconds: float) -> float:
         self._matmul(self._x, self._weights[0])  # first-call paths out of the timing
-        calls, start = 0, time.perf_counter()
-        while True:
-            for w in self._weights:
-                self._matmul(self._x, w)
-            calls += len(self._weights)
-            elapsed = time.perf_counter() - start
-            if elapsed >= seconds:
-                return calls * self._flops / elapsed
+        calls, elapsed = _repeat_for(seconds, self._over_the_weights)
+        return calls * self._flops / elapsed
 
     def eager_s(self, seconds: float) -> float:
         self._eager_pass()
-        passes, start = 0, time.perf_counter()
-        while True:
-            self._eager_pass()
-            passes += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= seconds:
-                return elapsed / passes
+        passes, elapsed = _repeat_for(seconds, self._eager_pass)
+        return elapsed / passes
 
-    def _eager_pass(self) -> None:
+    def _over_the_weights(self) -> int:
+        for w in self._weights:
+            self._matmul(self._x, w)
+        return len(self._weights)
+
+    def _eager_pass(self) -> int:
         self._layers(self._input).sum().backward()
         self._layers.zero_grad(set_to_none=True)
+        return 1
+
+
+def _repeat_for(seconds: float, work: Callable[[], int]) -> tuple[int, float]:
+    """Run ``work`` (it returns how many units it did) until ``seconds`` have passed: (units, seconds taken)."""
+    done, start = 0, time.perf_counter()
+    while True:
+        done += work()
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return done, elapsed
