@@ -125,8 +125,13 @@ class HostSpeed:
         """How many times as fast as at calibration the host ran its fixed cost per eager op."""
         return self.calibrated_eager_s / self.measured_eager_s
 
+    def unscaled_error(self, measured_step_s: float) -> float | None:
+        """The error of the prediction at the calibration's speed (None without a measured step)."""
+        return self.unscaled_step_s / measured_step_s - 1 if measured_step_s else None
+
     def text(self, measured_step_s: float) -> str:
-        error = f" ({self.unscaled_step_s / measured_step_s - 1:+.1%})" if measured_step_s else ""
+        unscaled = self.unscaled_error(measured_step_s)
+        error = "" if unscaled is None else f" ({unscaled:+.1%})"
         return (f"host speed between the measured steps, against calibration: matmuls x{self.arithmetic:.2f} "
                 f"(probe {self.measured_flops / 1e9:.1f} vs {self.calibrated_flops / 1e9:.1f} GFLOP/s), eager ops "
                 f"x{self.eager:.2f} (probe {self.measured_eager_s * 1e6:.0f} vs {self.calibrated_eager_s * 1e6:.0f} "
@@ -138,7 +143,7 @@ class HostSpeed:
                 "arithmetic_factor": self.arithmetic, "calibrated_eager_us": self.calibrated_eager_s * 1e6,
                 "measured_eager_us": self.measured_eager_s * 1e6, "eager_factor": self.eager,
                 "unscaled_predicted_step_s": self.unscaled_step_s,
-                "unscaled_step_error": self.unscaled_step_s / measured_step_s - 1 if measured_step_s else None}
+                "unscaled_step_error": self.unscaled_error(measured_step_s)}
 
 
 def _profiled(plan: Plan, folder: str) -> Trace:
