@@ -23,8 +23,10 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
 * :func:`measure_elementwise`: activation functions, a softmax and a norm on
   a mid-size tensor, forward and backward (fits the speed of elementwise
   work, which on a CPU is often arithmetic-bound: GeLU's erf, softmax's exp).
-* :func:`measure_optimizer`: ``torch.optim.AdamW`` steps on many small and a
-  few large parameter tensors (fits the cost per tensor and the memory speed).
+* :func:`measure_host_optimizer`: ``torch.optim.AdamW`` steps on many small and
+  a few large parameter tensors, every rank at once (fits the cost per tensor
+  and the memory speed each rank gets when all stream), and the large ones on
+  each rank alone (the speed of one rank streaming while the others wait).
 * :func:`measure_p2p_rendezvous`: pairs of ranks pass small messages between
   bursts of compute, the way the executor's pipeline runtime does (a send
   issued and handed to a watcher thread; a receive posted after the data was
@@ -60,6 +62,7 @@ RUN_S = 0.03
 # large ones (each tensor's state, 16 bytes per element, well above a server's last-level cache share)
 # the memory speed.
 OPTIMIZER_RUNS = ((64, 256), (4, 1 << 20), (2, 1 << 21))
+OPTIMIZER_ALONE = (2, 1 << 21)  # the run each rank repeats alone: its memory speed without the others streaming
 REPEATS = 15
 BATCH_S = 0.002  # each repeat runs the benchmark for at least this long
 
@@ -84,7 +87,7 @@ def _rank_compute(rank: int, world: int) -> dict:
 
     results = {}
     for name, benchmark in (("matmuls", measure_matmuls), ("dispatch", measure_dispatch),
-                            ("elementwise", measure_elementwise), ("optimizer", measure_optimizer),
+                            ("elementwise", measure_elementwise), ("optimizer", measure_host_optimizer),
                             ("p2p", measure_p2p_rendezvous), ("actions", measure_action_gap)):
         probe_now()
         results[name] = benchmark()
@@ -233,14 +236,17 @@ def count_ops(fn: Callable[[], Any]) -> tuple[Any, int]:
 
 
 def after_dirty_caches(fn: Callable[[], Any], repeats: int = REPEATS,
-                       footprint_bytes: int = COLD_FOOTPRINT_BYTES, sync: Callable[[], None] = lambda: None) -> float:
+                       footprint_bytes: int = COLD_FOOTPRINT_BYTES, sync: Callable[[], None] = lambda: None,
+                       together: bool = True) -> float:
     """Median seconds of ``fn()``, each call run right after writing ``footprint_bytes / 2`` of other
     host memory (untimed): as a training step's work finds the caches, full of other data and code.
-    ``sync`` waits for a GPU's queue before and after each call."""
+    ``sync`` waits for a GPU's queue before and after each call; ``together``: every rank starts at once
+    (False: this rank runs alone, the others wait elsewhere)."""
     torch = require_torch()
     dirty = torch.zeros(footprint_bytes // 8)
     fn()
-    _barrier()
+    if together:
+        _barrier()
     times = []
     for _ in range(repeats):
         dirty.add_(1.0)
@@ -299,20 +305,43 @@ def measure_elementwise(shape: tuple[int, int] = ELEMENTWISE_SHAPE) -> dict:
 
 
 # ----------------------------------------------------------------------------- optimizer
+def _adamw(tensors: int, numel: int, device: Any = "cpu") -> Any:
+    """A ``torch.optim.AdamW`` (torch's defaults, as the executor builds it) over ``tensors`` fp32 parameters of
+    ``numel`` elements, each with a gradient."""
+    torch = require_torch()
+    params = [torch.nn.Parameter(torch.full((numel,), 0.01, device=device)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.full((numel,), 1e-3, device=device)
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
 def measure_optimizer(runs: Sequence[tuple[int, int]] = OPTIMIZER_RUNS, device: Any = "cpu"
                       ) -> list[tuple[int, int, float]]:
-    """Median seconds of one ``torch.optim.AdamW`` step (torch's defaults, as the executor builds it) on
-    ``tensors`` parameters of ``numel`` fp32 elements each: (tensors, numel, seconds) per run."""
+    """Median seconds of one AdamW step (:func:`_adamw`) on ``tensors`` parameters of ``numel`` fp32 elements
+    each, steps run back to back: (tensors, numel, seconds) per run."""
+    return [(tensors, numel, median_time(_adamw(tensors, numel, device).step, repeats=9, sync=synchronizer(device)))
+            for tensors, numel in runs]
+
+
+def measure_host_optimizer(runs: Sequence[tuple[int, int]] = OPTIMIZER_RUNS, alone: tuple[int, int] = OPTIMIZER_ALONE
+                           ) -> dict[str, list[tuple[int, int, float]]]:
+    """AdamW steps on a CPU host, each behind dirty caches as a step's optimizer finds them after the backward
+    (a tensor's fixed cost is 10-20% above a warm loop's): ``together``, every rank at once, one row per run
+    (tensors, numel, seconds); and ``alone``, the ``alone`` run on each rank in turn while the others wait (a
+    core streaming alone gets more of the host's memory bandwidth than its share when every core streams)."""
     torch = require_torch()
-    rows = []
+    together = []
     for tensors, numel in runs:
-        params = [torch.nn.Parameter(torch.full((numel,), 0.01, device=device)) for _ in range(tensors)]
-        for p in params:
-            p.grad = torch.full((numel,), 1e-3, device=device)
-        optimizer = torch.optim.AdamW(params, lr=1e-3)
-        rows.append((tensors, numel, median_time(optimizer.step, repeats=9, sync=synchronizer(device))))
-        del optimizer, params
-    return rows
+        _barrier()
+        together.append((tensors, numel, after_dirty_caches(_adamw(tensors, numel).step, repeats=9)))
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    optimizer, solo = _adamw(*alone), []
+    for turn in range(world):
+        _barrier()
+        if turn == rank:
+            solo.append((*alone, after_dirty_caches(optimizer.step, repeats=9, together=False)))
+    return {"together": together, "alone": solo}
 
 
 # ----------------------------------------------------------------------------- point-to-point

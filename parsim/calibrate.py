@@ -46,6 +46,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  op_backward_s: float = 0.0, optimizer_tensor_s: float = 0.0,
                  matmul_stream_bw_Bps: float | None = None, p2p_rendezvous_s: float = 0.0,
                  action_overhead_s: float = 0.0, elementwise_bw_Bps: float | None = None,
+                 memory_alone_bw_Bps: float | None = None, memory_host_bw_Bps: float | None = None,
                  step_overhead_s: dict | None = None,
                  cpu_cores: int | None = None, speed_probe: tuple[float, float] | None = None) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric"); ``speed_probe`` is the
@@ -57,6 +58,9 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         host_costs["matmul_stream_bw_GBps"] = matmul_stream_bw_Bps / 1e9
     if elementwise_bw_Bps:
         host_costs["elementwise_bw_GBps"] = elementwise_bw_Bps / 1e9
+    if memory_alone_bw_Bps and memory_host_bw_Bps:
+        host_costs["memory_alone_bw_GBps"] = memory_alone_bw_Bps / 1e9
+        host_costs["memory_host_bw_GBps"] = memory_host_bw_Bps / 1e9
     if cpu_cores:
         host_costs["cpu_cores"] = int(cpu_cores)
     if speed_probe:
@@ -336,3 +340,15 @@ def fit_optimizer(rows: list[tuple[int, int, float]], accesses: int, element_byt
     fitted = tensors * tensor_s + nbytes * inverse_bw
     return OptimizerFit(float(tensor_s), float(1.0 / inverse_bw),
                         [(int(r[0]), int(r[1]), float(r[2]), float(f)) for r, f in zip(rows, fitted)])
+
+
+def fit_alone_memory(rows: list[tuple[int, int, float]], tensor_s: float, accesses: int,
+                     element_bytes: int = 4) -> float:
+    """The memory speed of one rank streaming while the host's other ranks wait: the median over ``rows``
+    (tensors, elements each, seconds: each rank's AdamW step alone) of its bytes over its time less the fixed
+    cost per tensor (``tensor_s``, from :func:`fit_optimizer`)."""
+    speeds = [tensors * numel * accesses * element_bytes / (seconds - tensors * tensor_s)
+              for tensors, numel, seconds in rows if seconds > tensors * tensor_s]
+    if not speeds:
+        raise ParsimError("the optimizer steps run alone show no bandwidth term (use larger tensors)")
+    return float(np.median(speeds))

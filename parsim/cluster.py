@@ -45,8 +45,8 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "attention_efficiency",
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "matmul_stream_bw_GBps",
-                "p2p_rendezvous_us", "action_overhead_us", "elementwise_bw_GBps", "cpu_cores", "speed_probe_gflops",
-                "speed_probe_eager_us")
+                "p2p_rendezvous_us", "action_overhead_us", "elementwise_bw_GBps", "memory_alone_bw_GBps",
+                "memory_host_bw_GBps", "cpu_cores", "speed_probe_gflops", "speed_probe_eager_us")
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,10 @@ class ClusterSpec:
     p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to its receive
     action_overhead_s: float = 0.0  # host time between a training step's actions (the loop's own Python)
     elementwise_bw_Bps: float | None = None  # memory-bound kernels' bytes (None: at the memory speed)
+    # A CPU host's memory, shared by its ranks' streaming work (None: each rank streams at gpu.hbm_bw_Bps, its
+    # share with every rank streaming): one rank's speed while the others wait, and the host's with all streaming.
+    memory_alone_bw_Bps: float | None = None
+    memory_host_bw_Bps: float | None = None
     cpu_cores: int | None = None  # cores a CPU host's ranks share (more ranks than this time-share them)
     # executor.speed_probe while the compute figures were measured: its matmul's FLOP/s and its eager pass's
     # seconds (None: not timed)
@@ -193,7 +197,7 @@ class ClusterSpec:
 
     def at_host_speed(self, arithmetic: float, eager: float) -> "ClusterSpec":
         """This CPU host running ``arithmetic`` times as fast as when it was calibrated in matmuls and memory
-        (matmul peak and weight stream, memory and elementwise speed), and ``eager`` times as fast in its
+        (matmul peak and weight stream, memory speeds, elementwise speed), and ``eager`` times as fast in its
         fixed costs (per op, per kernel, per optimizer tensor, between actions). Collectives and pipeline transfers keep
         their own fits: gloo's calls were not measured to follow the probes (executor.speed_probe)."""
         if arithmetic <= 0 or eager <= 0:
@@ -204,6 +208,8 @@ class ClusterSpec:
             self, gpu=gpu,
             matmul_stream_bw_Bps=self.matmul_stream_bw_Bps and self.matmul_stream_bw_Bps * arithmetic,
             elementwise_bw_Bps=self.elementwise_bw_Bps and self.elementwise_bw_Bps * arithmetic,
+            memory_alone_bw_Bps=self.memory_alone_bw_Bps and self.memory_alone_bw_Bps * arithmetic,
+            memory_host_bw_Bps=self.memory_host_bw_Bps and self.memory_host_bw_Bps * arithmetic,
             op_forward_s=self.op_forward_s / eager, op_backward_s=self.op_backward_s / eager,
             optimizer_tensor_s=self.optimizer_tensor_s / eager, kernel_overhead_s=self.kernel_overhead_s / eager,
             action_overhead_s=self.action_overhead_s / eager,
@@ -359,9 +365,12 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us", "action_overhead_us"):
         host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
     host_GBps = {}
-    for key in ("matmul_stream_bw_GBps", "elementwise_bw_GBps"):
+    for key in ("matmul_stream_bw_GBps", "elementwise_bw_GBps", "memory_alone_bw_GBps", "memory_host_bw_GBps"):
         value = compute.get(key)
         host_GBps[key] = None if value is None else _figure(source, f"compute.{key}", value, BANDWIDTH_GBPS)
+    if (host_GBps["memory_alone_bw_GBps"] is None) != (host_GBps["memory_host_bw_GBps"] is None):
+        raise ConfigError(source, "compute.memory_alone_bw_GBps", "given without compute.memory_host_bw_GBps, or "
+                          "the other way round", "both (parsim calibrate writes them together) or neither")
     cores = compute.get("cpu_cores")
     if cores is not None:
         _whole(source, "compute.cpu_cores", cores, 1, 2**16)
@@ -429,6 +438,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         action_overhead_s=float(host_us["action_overhead_us"]) * 1e-6,
         matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),
+        memory_alone_bw_Bps=_GBps(host_GBps["memory_alone_bw_GBps"]),
+        memory_host_bw_Bps=_GBps(host_GBps["memory_host_bw_GBps"]),
         cpu_cores=cores,
         speed_probe_flops=probe_gflops and probe_gflops * 1e9,
         speed_probe_eager_s=probe_us and probe_us * 1e-6,

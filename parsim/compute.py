@@ -67,6 +67,15 @@ GPU host):
   arithmetic-bound (GeLU's erf, exp) and far below the memory speed that
   plain streams reach (gradient accumulation and the optimizer: the
   ``stream_bytes`` part of an op's ``hbm_bytes``).
+* ``memory_alone_bw_Bps`` / ``memory_host_bw_Bps``: a CPU host's cores share
+  its memory bandwidth. One core streaming alone (an AdamW step while the
+  other ranks wait) gets more than its share with every core streaming (on the
+  2-core VM, 44-53 GB/s against 34-38 GB/s each). When both are set (``parsim
+  calibrate`` measures them), the step simulator times each op's
+  ``stream_bytes`` as a flow on the host's memory: capped at one rank's speed
+  alone, the host's total shared max-min fair with the ranks streaming at that
+  moment (:meth:`time` leaves them out with ``stream_apart``). Without them, a
+  rank streams at ``hbm_bw_Bps``, its share when all stream at once.
 * ``time_share``: a CPU host running more ranks than it has cores
   (``compute.cpu_cores`` in the cluster file) time-shares them: while every
   rank computes, each gets ``cores / ranks`` of a core, so compute and host
@@ -144,6 +153,8 @@ class ComputeModel:
     p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to its receive (parsim.stepsim)
     action_overhead_s: float = 0.0  # host time before each action of a step (parsim.stepsim; see the docstring)
     elementwise_bw_Bps: float | None = None  # a block's memory-bound bytes (None: at memory_bw_Bps)
+    memory_alone_bw_Bps: float | None = None  # one CPU rank streaming while the host's others wait (see above)
+    memory_host_bw_Bps: float | None = None  # the CPU host's memory speed, all ranks streaming
     time_share: float = 1.0  # > 1 when a host runs more ranks than it has cores: each gets 1/time_share of one
     host_overlaps_device: bool = False  # a GPU: the host issues kernels while earlier ones run (see above)
     sm_cycles_per_s: float = 0.0  # SMs x clock: the speed of memory-bound kernels' arithmetic (0: not priced)
@@ -176,7 +187,8 @@ class ComputeModel:
             op_backward_s=spec.op_backward_s, optimizer_tensor_s=spec.optimizer_tensor_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, p2p_rendezvous_s=spec.p2p_rendezvous_s,
             action_overhead_s=spec.action_overhead_s,
-            elementwise_bw_Bps=spec.elementwise_bw_Bps,
+            elementwise_bw_Bps=spec.elementwise_bw_Bps, memory_alone_bw_Bps=spec.memory_alone_bw_Bps,
+            memory_host_bw_Bps=spec.memory_host_bw_Bps,
             time_share=max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0,
             host_overlaps_device=not spec.describes_cpu_host, sm_cycles_per_s=spec.gpu.sm_cycles_per_s,
             sm_cycles=spec.sm_cycles)
@@ -229,7 +241,7 @@ class ComputeModel:
              attention_flops: float = 0.0, attention_grad_flops: float = 0.0, forward_ops: int = 0,
              backward_ops: int = 0, optimizer_tensors: int = 0, stream_bytes: float = 0.0,
              sm_reserved: int = 0, high_precision: bool = False,
-             sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...] = ()) -> float:
+             sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...] = (), stream_apart: bool = False) -> float:
         """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
         kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; and
         each dispatched op's and each optimizer tensor's fixed host cost: added on an eager CPU host,
@@ -238,14 +250,16 @@ class ComputeModel:
         a communication kernel beside the matmuls holds; ``high_precision``: the matmuls run in bf16 in
         an fp8 plan (:meth:`matmul_rate`). ``sm_bound``: (bytes, arithmetic) of memory-bound kernels
         whose arithmetic can outlast their bytes (their bytes are in ``hbm_bytes`` too): each takes the
-        longer of the two on a GPU whose SM clock is known (:meth:`sm_excess`)."""
+        longer of the two on a GPU whose SM clock is known (:meth:`sm_excess`). ``stream_apart``: on a CPU
+        host, leave ``stream_bytes`` out; the caller times them on its shared memory (:attr:`shares_host_memory`)."""
         total = sum(self.matmul_time(*mm, sm_reserved, high_precision) for mm in matmuls)
         forward, backward = self.attention_efficiency
         total += (attention_flops / forward + attention_grad_flops / backward) / self.peak_flops
         if self.elementwise_bw_Bps:
             elementwise = max(hbm_bytes - stream_bytes, 0.0)
-            work = (max(flops / self.peak_flops, elementwise / self.elementwise_bw_Bps)
-                    + stream_bytes / self.memory_bw_Bps)
+            work = max(flops / self.peak_flops, elementwise / self.elementwise_bw_Bps)
+            if not stream_apart:
+                work += stream_bytes / self.memory_bw_Bps
         else:
             work = max(flops / self.peak_flops, hbm_bytes / self.memory_bw_Bps)
         host = self.host_time(forward_ops, backward_ops, optimizer_tensors)
@@ -281,6 +295,17 @@ class ComputeModel:
         time-share cores."""
         both = max(device_s, host_s) if self.host_overlaps_device else device_s + host_s
         return both * self.time_share
+
+    @property
+    def shares_host_memory(self) -> bool:
+        """Whether ranks stream on a CPU host's shared memory, timed by the step simulator (see above)."""
+        return bool(self.memory_alone_bw_Bps and self.memory_host_bw_Bps and self.elementwise_bw_Bps
+                    and not self.host_overlaps_device)
+
+    @property
+    def rank_stream_cap_Bps(self) -> float:
+        """The most one rank streams at: a core's speed alone, shared when ranks time-share cores."""
+        return (self.memory_alone_bw_Bps or self.memory_bw_Bps) / self.time_share
 
     @property
     def rendezvous_s(self) -> float:

@@ -204,7 +204,7 @@ class Lowering:
         last_mb = plan.num_microbatches - 1
         for p in range(plan.pp):
             rank = plan.rank_of(dp=0, pp=p, tp=0)
-            self.program.represents[rank] = plan.dp * plan.cp * plan.tp
+            self.program.replicas[rank] = tuple(plan.rank_grid[:, p].ravel().tolist())
             self.rank_ids = self.program.by_rank.setdefault(rank, [])
             self.final_grad_ops: dict[tuple[int, int], int] = {}  # (stage, layer index) -> op id
             self.fsdp_syncs: list[int] = []  # this rank's per-layer gradient reductions

@@ -58,12 +58,18 @@ class Op:
 
 @dataclass
 class Program:
-    """Ops of every simulated rank; ``represents[r]`` counts the real ranks rank ``r`` stands for."""
+    """Ops of every simulated rank; ``replicas[r]``: the real ranks rank ``r`` stands for (itself included),
+    which run its program at the same time."""
 
     world_size: int
     ops: list[Op] = field(default_factory=list)
     by_rank: dict[int, list[int]] = field(default_factory=dict)
-    represents: dict[int, int] = field(default_factory=dict)
+    replicas: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def represents(self) -> dict[int, int]:
+        """How many real ranks each simulated rank stands for."""
+        return {rank: len(ranks) for rank, ranks in self.replicas.items()}
 
     def add(self, rank: int, op: Op) -> int:
         op.id, op.rank = len(self.ops), rank

@@ -182,6 +182,10 @@ class _Run:
         # A CPU host's loop runs this long before each op that opens one of its actions (ComputeModel.action_gap_s):
         # a fixed op's duration includes it, any other op begins that much later; the trace shows it as idle.
         self.lead = sim.compute.action_gap_s
+        # On a CPU host whose ranks share the memory bandwidth, an op's streamed bytes are a flow on it (HostMemory),
+        # after the rest of its work, which takes ``beside[i]``.
+        self.memory = HostMemory(self.env, sim.topo, sim.compute, program) if sim.compute.shares_host_memory else None
+        self.beside: dict[int, float] = {}
         ready = self._link_prerequisites()
         self.env.timeout(0).callbacks.append(lambda _event: self._begin(ready))
         self.env.run()
@@ -205,16 +209,21 @@ class _Run:
         for op in ops:
             i = op.id
             if op.kind == "compute" or op.kind == "optimizer":
+                apart = self.memory is not None and op.stream_bytes > 0
                 key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
                        op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes, op.sm_reserved,
-                       op.high_precision, op.sm_bound)
-                fixed[i] = costs.get(key)
-                if fixed[i] is None:
-                    fixed[i] = costs[key] = compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels,
-                                                         op.attention_flops, op.attention_grad_flops,
-                                                         op.forward_ops, op.backward_ops, op.optimizer_tensors,
-                                                         op.stream_bytes, op.sm_reserved, op.high_precision,
-                                                         op.sm_bound)
+                       op.high_precision, op.sm_bound, apart)
+                time_s = costs.get(key)
+                if time_s is None:
+                    time_s = costs[key] = compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels,
+                                                       op.attention_flops, op.attention_grad_flops,
+                                                       op.forward_ops, op.backward_ops, op.optimizer_tensors,
+                                                       op.stream_bytes, op.sm_reserved, op.high_precision,
+                                                       op.sm_bound, apart)
+                if apart:
+                    self.beside[i] = time_s
+                else:
+                    fixed[i] = time_s
             elif self.comm[i] is not None and not op.joins:
                 fixed[i] = self.comm[i].closed_form_s
             if op.opens_action and fixed[i] is not None:
@@ -315,7 +324,8 @@ class _Run:
             self._proceed(i)
 
     def _proceed(self, i: int) -> None:
-        """Op ``i``, whose duration depends on others (a receive, a collective that may contend), begins now."""
+        """Op ``i``, whose duration depends on others (a receive, a collective that may contend, compute that
+        streams on a host's shared memory), begins now."""
         op = self.ops[i]
         if op.joins:
             self._join(i, op)
@@ -326,6 +336,8 @@ class _Run:
                 self.recv_of[op.match] = i
         elif op.kind == "collective" or op.kind == "send":
             self._phase(i, self.comm[i].phases, 0)
+        elif i in self.beside:
+            self._after(self.beside[i], lambda: self.memory.stream(op.rank, op.stream_bytes, lambda: self._finish(i)))
         else:
             raise ParsimError(f"op {op.name!r} on rank {op.rank} has unknown kind {op.kind!r}")
 
@@ -420,6 +432,39 @@ class _Run:
                                 end[op.id] - begins, args(op)))
         events.sort(key=lambda e: (e.rank, e.start_s))
         return Trace("simulated", self.program.world_size, events, dict(meta or {}))
+
+
+class HostMemory:
+    """The memory bandwidth of CPU hosts, shared by their ranks' streaming work
+    (:attr:`ComputeModel.shares_host_memory <parsim.compute.ComputeModel.shares_host_memory>`).
+
+    Each rank's stream is a flow over two links: its own, at the speed one
+    core reaches alone, and its host's, at the host's total with every core
+    streaming. Max-min sharing on :class:`~parsim.network.Network` then gives a
+    rank streaming alone its core's speed, and ranks streaming at once an equal
+    share of the host's. A simulated rank's replicas on the same host (the
+    data- and tensor-parallel ranks that run its program at the same moment)
+    stream beside it as flows of their own.
+    """
+
+    def __init__(self, env: simpy.Environment, topo: Topology, compute: ComputeModel, program: Program):
+        world = program.world_size
+        host_of = topo.node_of(np.arange(world))
+        capacity = np.concatenate([np.full(world, compute.rank_stream_cap_Bps),
+                                   np.full(int(host_of.max()) + 1, compute.memory_host_bw_Bps)])
+        self.net = Network(env, capacity, track_bytes=False)
+        self.routes = {}
+        for rank, replicas in program.replicas.items():
+            together = np.asarray(replicas)
+            together = together[host_of[together] == host_of[rank]]
+            self.routes[rank] = np.stack([together, world + host_of[together]], axis=1)
+        self._keys: dict[tuple[int, float], int] = {}
+
+    def stream(self, rank: int, nbytes: float, then: Callable[[], None]) -> None:
+        """Stream ``nbytes`` on ``rank`` (and on each of its replicas on its host); ``then()`` when done."""
+        key = self._keys.setdefault((rank, nbytes), len(self._keys))
+        routes = self.routes[rank]
+        self.net.start(routes, np.full(len(routes), nbytes), then, key)
 
 
 def _stall_message(program: Program, end: list[float]) -> str:

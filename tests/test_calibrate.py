@@ -222,7 +222,10 @@ def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, t
                  "backward_ops": 120, "matmuls": []}]
     elementwise = {"forward_s": 7 * 7e-6 + 2e-4, "backward_s": 12 * 5e-6 + 3e-4, "forward_ops": 7,
                    "backward_ops": 12, "elements": 65536}
-    optimizer = [(t, n, t * 50e-6 + t * n * ADAMW_ACCESSES * 4 / 20e9) for t, n in ((64, 256), (4, 1 << 20))]
+    def adamw(tensors, numel, bw):
+        return tensors, numel, tensors * 50e-6 + tensors * numel * ADAMW_ACCESSES * 4 / bw
+
+    optimizer = {"together": [adamw(64, 256, 20e9), adamw(4, 1 << 20, 20e9)], "alone": [adamw(2, 1 << 21, 32e9)]}
     probes = {0: [(48e9, 820e-6), (50e9, 800e-6)], 1: [(52e9, 780e-6), (50e9, 800e-6)]}
 
     def every_rank(nproc):
@@ -244,9 +247,14 @@ def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, t
     written = load_cluster(str(out))
     assert (written.speed_probe_flops, written.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
     assert written.action_overhead_s == pytest.approx(80e-6)
+    assert "memory            20.00 GB/s per rank with every rank streaming (40.0 GB/s in all), 32.00 GB/s for a " \
+           "rank alone, 50 us per tensor" in text
+    assert (written.gpu.hbm_bw_Bps, written.memory_alone_bw_Bps, written.memory_host_bw_Bps) == pytest.approx(
+        (20e9, 32e9, 40e9))
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv",
                  "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert conforms(doc) == "calibrate"
     assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"]) == pytest.approx((50.0, 800.0))
     assert doc["action_overhead_us"] == pytest.approx(80.0)
+    assert (doc["memory_alone_bw_GBps"], doc["memory_host_bw_GBps"]) == pytest.approx((32.0, 40.0))

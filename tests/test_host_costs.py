@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from ideal_cluster import IDEAL, ideal_spec
-from parsim.calibrate import (DispatchFit, fit_dispatch, fit_elementwise, fit_matmul, fit_optimizer,
-                              fit_step_overhead, host_cluster)
+from parsim.calibrate import (DispatchFit, fit_alone_memory, fit_dispatch, fit_elementwise, fit_matmul,
+                              fit_optimizer, fit_step_overhead, host_cluster)
 from parsim.cli.main import main
 from parsim.cluster import builtin_clusters, load_cluster, parse_cluster
 from parsim.collectives import predict
@@ -86,6 +86,13 @@ def test_optimizer_fit_separates_the_cost_per_tensor_from_the_bytes():
     assert fit.tensor_s == pytest.approx(50e-6, rel=1e-6) and fit.bw_Bps == pytest.approx(20e9, rel=1e-6)
 
 
+def test_the_memory_speed_alone_takes_out_the_cost_per_tensor():
+    rows = [(2, 1 << 21, 2 * 50e-6 + 2 * (1 << 21) * ADAMW_ACCESSES * 4 / s) for s in (40e9, 44e9, 60e9)]
+    assert fit_alone_memory(rows, 50e-6, ADAMW_ACCESSES) == pytest.approx(44e9)
+    with pytest.raises(ParsimError, match="no bandwidth term"):
+        fit_alone_memory([(64, 256, 1e-3)], 50e-6, ADAMW_ACCESSES)
+
+
 def test_step_overhead_is_what_calls_between_compute_add_over_the_fitted_loops():
     spec = parse_cluster(cpu_host(), "host.yaml")
     topo = spec.build(1)
@@ -117,6 +124,8 @@ def test_host_keys_are_read_in_si_units():
     ("op_overhead_us", 1.0, "unknown key"), ("cpu_cores", 0, "a whole number from 1 to 65,536"),
     ("cpu_cores", 2.5, "a whole number from 1 to 65,536"),
     ("speed_probe_eager_us", 1.0, "given without compute.speed_probe_eager_us, or the other way round"),
+    ("memory_alone_bw_GBps", 40.0, "given without compute.memory_host_bw_GBps, or the other way round"),
+    ("memory_host_bw_GBps", -1.0, "1e-12 to 1e[+]12 GB/s"),
 ])
 def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, capsys):
     with pytest.raises(ConfigError, match=expected):
@@ -125,11 +134,12 @@ def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, c
     path.write_text(yaml.safe_dump(cpu_host(**{key: value})))
     assert main(["simulate", "course-pp", "--cluster", str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"compute.{key}" in err
+    assert len(err.splitlines()) == 1 and "compute." in err
 
 
 def test_the_host_speed_scales_the_compute_figures_by_their_probe_and_no_collective():
-    data = cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0)
+    data = cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0, memory_alone_bw_GBps=30.0,
+                    memory_host_bw_GBps=45.0)
     data["collective_step_overhead_us"] = {"all_reduce": 300.0}
     spec = parse_cluster(data, "host.yaml")
     assert (spec.speed_probe_flops, spec.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
@@ -141,6 +151,7 @@ def test_the_host_speed_scales_the_compute_figures_by_their_probe_and_no_collect
     assert moved.gpu.hbm_bw_Bps == pytest.approx(1.25 * 20e9)
     assert moved.matmul_stream_bw_Bps == pytest.approx(1.25 * 15e9)
     assert moved.elementwise_bw_Bps == pytest.approx(1.25 * 6e9)
+    assert (moved.memory_alone_bw_Bps, moved.memory_host_bw_Bps) == pytest.approx((1.25 * 30e9, 1.25 * 45e9))
     # ... fixed costs the eager probe.
     assert (moved.op_forward_s, moved.op_backward_s, moved.optimizer_tensor_s, moved.action_overhead_s) == \
         pytest.approx((7e-6 / 0.5, 6e-6 / 0.5, 50e-6 / 0.5, 40e-6 / 0.5))
@@ -257,6 +268,48 @@ def test_the_loop_s_time_before_each_action_shows_as_idle():
     idle_before = [b.seconds["idle"] for b in predict_step(pipelined, ideal_spec()).ranks]
     gapped = predict_step(pipelined, ideal_spec(**{"compute": {"action_overhead_us": 1000.0}}))
     assert all(b.seconds["idle"] > idle for b, idle in zip(gapped.ranks, idle_before))
+
+
+def _static_memory(bw_GBps: float, **compute) -> object:
+    """A CPU host whose every core streams at ``bw_GBps``, however many stream at once."""
+    data = cpu_host(**HOST_KEYS, **compute)
+    data["gpu"]["hbm_bw_GBps"] = bw_GBps
+    return parse_cluster(data, "host.yaml")
+
+
+@pytest.mark.parametrize("plan, cores, alone, host, each", [
+    # one rank streams alone: its core's speed
+    (Plan(model=load_model("course-mlp"), dp=1), None, 30.0, 45.0, 30.0),
+    # two data-parallel replicas step at once: they split the host's speed ...
+    (Plan(model=load_model("course-mlp"), dp=2), None, 30.0, 45.0, 22.5),
+    # ... up to a core's speed each
+    (Plan(model=load_model("course-mlp"), dp=2), None, 20.0, 100.0, 20.0),
+    # four ranks on two cores: each core streams at min(alone, host / 2), its two ranks taking turns
+    (Plan(model=load_model("course-mlp"), dp=4), 2, 30.0, 100.0, 30.0),
+    (Plan(model=load_model("course-mlp"), dp=4), 2, 60.0, 100.0, 50.0),
+])
+def test_ranks_streaming_at_once_share_the_host_s_memory(plan, cores, alone, host, each):
+    """A step whose ranks all stream at the same moments takes exactly as long as on a host where every core
+    streams at ``each`` = min(a core's speed alone, the host's / the cores streaming)."""
+    cores = {"cpu_cores": cores} if cores else {}
+    shared = predict_step(plan, parse_cluster(cpu_host(**HOST_KEYS, **cores, memory_alone_bw_GBps=alone,
+                                                       memory_host_bw_GBps=host), "host.yaml"))
+    static = predict_step(plan, _static_memory(each, **cores))
+    assert shared.step_s == pytest.approx(static.step_s, rel=1e-9)
+    assert shared.ranks[0].seconds == pytest.approx(static.ranks[0].seconds, rel=1e-9)
+
+
+def test_a_pipeline_s_stages_stream_faster_when_they_step_apart():
+    """course PP's stages finish their backward at different times: each optimizer step runs at least as fast
+    as with both ranks streaming, no faster than alone, and one of them faster than shared."""
+    plan = resolve_plan("course-pp")
+    shared = predict_step(plan, parse_cluster(cpu_host(**HOST_KEYS, memory_alone_bw_GBps=40.0,
+                                                       memory_host_bw_GBps=40.0), "host.yaml"))
+    both, alone = predict_step(plan, _static_memory(20.0)), predict_step(plan, _static_memory(40.0))
+    steps = [(r.seconds["optimizer"], b.seconds["optimizer"], a.seconds["optimizer"])
+             for r, b, a in zip(shared.ranks, both.ranks, alone.ranks)]
+    assert all(a - 1e-12 <= s <= b + 1e-12 for s, b, a in steps)
+    assert any(s < b * 0.95 for s, b, _ in steps)
 
 
 def test_in_step_collective_overhead_is_charged_per_call():

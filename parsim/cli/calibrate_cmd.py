@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ..calibrate import (fit_dispatch, fit_elementwise, fit_links, fit_matmul, fit_operation, fit_optimizer,
-                         fit_step_overhead, host_cluster)
+from ..calibrate import (fit_alone_memory, fit_dispatch, fit_elementwise, fit_links, fit_matmul, fit_operation,
+                         fit_optimizer, fit_step_overhead, host_cluster)
 from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..cluster import builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from ..compute import at_length
@@ -40,8 +40,9 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     (collective_step_overhead_us);
   * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
   * on every rank at once and in step, as ranks compute in a real run:
-    AdamW steps on small and large tensors -> hbm_bw_GBps (the memory speed)
-    and compute.optimizer_tensor_us; matmuls of several shapes on cold
+    AdamW steps on small and large tensors -> hbm_bw_GBps (each rank's memory
+    speed with every rank streaming; times the ranks, the host's,
+    compute.memory_host_bw_GBps) and compute.optimizer_tensor_us; matmuls of several shapes on cold
     operands -> peak FLOP/s, the shape efficiency (compute.matmul_half_dim) and
     compute.matmul_stream_bw_GBps; generic eager blocks (a GeLU MLP block, a
     softmax attention block, elementwise ops) -> the fixed cost of an op in a
@@ -50,6 +51,9 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     of a pipeline transfer (compute.p2p_rendezvous_us); the executor's own
     pipeline loop over trivial stages -> its time before each action
     (compute.action_overhead_us);
+  * on each rank in turn, the others waiting: AdamW steps on large tensors ->
+    the memory speed of one rank alone (compute.memory_alone_bw_GBps; the step
+    simulator shares the host's memory among the ranks streaming at once);
   * between those benchmarks, the host's speed: a fixed fp32 matmul's rate
     and a stack of tiny eager layers' time (compute.speed_probe_gflops,
     compute.speed_probe_eager_us). A VM's cores drift by 10-30% over minutes,
@@ -141,8 +145,12 @@ def run(args: argparse.Namespace) -> int:
     matmul = fit_matmul([(tuple(s), t) for rank in per_rank for s, t in rank["matmuls"]], call=True)
     dispatch = fit_dispatch([row for rank in per_rank for row in rank["dispatch"]], matmul.model())
     elementwise_bw = fit_elementwise([rank["elementwise"] for rank in per_rank], dispatch)
-    optimizer = fit_optimizer([tuple(row) for rank in per_rank for row in rank["optimizer"]], ADAMW_ACCESSES)
-    memory_bw = optimizer.bw_Bps
+    optimizer = fit_optimizer([tuple(row) for rank in per_rank for row in rank["optimizer"]["together"]],
+                              ADAMW_ACCESSES)
+    memory_bw = optimizer.bw_Bps  # each rank's, all streaming at once
+    memory_alone_bw = fit_alone_memory([tuple(row) for rank in per_rank for row in rank["optimizer"]["alone"]],
+                                       optimizer.tensor_s, ADAMW_ACCESSES)
+    memory_host_bw = memory_bw * max(rank_counts)
     p2p = [rank["p2p"] for rank in per_rank if rank["p2p"] is not None]
     p2p_rendezvous = float(np.median(p2p)) if p2p else 0.0
     gaps = [rank["actions"] for rank in per_rank if rank["actions"] is not None]
@@ -171,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
         optimizer_tensor_s=optimizer.tensor_s, matmul_stream_bw_Bps=matmul.stream_bw_Bps,
         p2p_rendezvous_s=p2p_rendezvous, action_overhead_s=action_overhead, elementwise_bw_Bps=elementwise_bw,
+        memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw,
         cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s))
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
     if step_overhead:
@@ -187,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         print_json("calibrate", {"out": args.out, "latency_us": links.latency_s * 1e6, "bw_GBps": links.bw_Bps / 1e9,
                     "fabric_bw_GBps": links.fabric_bw_Bps / 1e9 if links.fabric_bw_Bps else None,
                     "reduce_bw_GBps": reduce_bw / 1e9, "memory_bw_GBps": memory_bw / 1e9,
+                    "memory_alone_bw_GBps": memory_alone_bw / 1e9, "memory_host_bw_GBps": memory_host_bw / 1e9,
                     "op_forward_us": dispatch.forward_s * 1e6, "op_backward_us": dispatch.backward_s * 1e6,
                     "optimizer_tensor_us": optimizer.tensor_s * 1e6, "p2p_rendezvous_us": p2p_rendezvous * 1e6,
                     "action_overhead_us": action_overhead * 1e6,
@@ -213,8 +223,9 @@ def run(args: argparse.Namespace) -> int:
     total = f"{links.fabric_bw_Bps / 1e9:.3f} GB/s" if links.fabric_bw_Bps else "not limiting"
     print(f"host total        {total} (all transfers at once)")
     print(f"reduction         {reduce_bw / 1e9:.2f} GB/s (a.add_(b), 1 thread)")
-    print(f"memory            {memory_bw / 1e9:.2f} GB/s, {optimizer.tensor_s * 1e6:.0f} us per tensor "
-          f"(AdamW steps on every rank at once)")
+    print(f"memory            {memory_bw / 1e9:.2f} GB/s per rank with every rank streaming "
+          f"({memory_host_bw / 1e9:.1f} GB/s in all), {memory_alone_bw / 1e9:.2f} GB/s for a rank alone, "
+          f"{optimizer.tensor_s * 1e6:.0f} us per tensor (AdamW steps)")
     print(f"per-op overhead   {dispatch.forward_s * 1e6:.1f} us forward, {dispatch.backward_s * 1e6:.1f} us backward "
           f"(generic eager blocks, every rank at once)")
     print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (activations, softmax, norms; bytes as "
