@@ -27,10 +27,10 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
   a few large parameter tensors, every rank at once (fits the cost per tensor
   and the memory speed each rank gets when all stream), and the large ones on
   each rank alone (the speed of one rank streaming while the others wait).
-* :func:`measure_p2p_rendezvous`: pairs of ranks pass small messages between
-  bursts of compute, the way the executor's pipeline runtime does (a send
-  issued and handed to a watcher thread; a receive posted after the data was
-  sent): the host time of one transfer beyond its bytes.
+* :func:`measure_p2p`: pairs of ranks pass small messages between bursts of
+  compute, the way the executor's pipeline runtime does (a send issued and
+  handed to a watcher thread): the host time of a transfer whose receive is
+  posted late, and the latency of one whose receiver waits.
 * :func:`measure_action_gap`: pairs of ranks run the executor's pipeline
   runtime, 1F1B over two stages that only stream memory: the loop's own host
   time between one action and the next.
@@ -88,7 +88,7 @@ def _rank_compute(rank: int, world: int) -> dict:
     results = {}
     for name, benchmark in (("matmuls", measure_matmuls), ("dispatch", measure_dispatch),
                             ("elementwise", measure_elementwise), ("optimizer", measure_host_optimizer),
-                            ("p2p", measure_p2p_rendezvous), ("actions", measure_action_gap)):
+                            ("p2p", measure_p2p), ("actions", measure_action_gap)):
         probe_now()
         results[name] = benchmark()
     probe_now()
@@ -354,13 +354,19 @@ def _compute_for(seconds: float) -> None:
         a @ b
 
 
-def measure_p2p_rendezvous(repeats: int = 61, nbytes: int = 4096, busy_s: float = 0.002) -> float | None:
-    """Seconds of host time one point-to-point transfer costs a CPU rank pair beyond moving its bytes:
-    the mean time to issue an ``isend`` (handed to a thread that waits for it, as the executor does)
-    plus the mean time an ``irecv(...).wait()`` takes when the send was issued earlier (gloo moves a
-    message only once the receiver asks for it). Means, not medians: a step pays the occasional
-    multi-millisecond stall of a loaded host too. Ranks pair up (0-1, 2-3, ...) and take turns
-    sending; None on a rank without a partner."""
+def measure_p2p(repeats: int = 61, nbytes: int = 4096, busy_s: float = 0.002) -> dict[str, float] | None:
+    """What one point-to-point transfer costs a CPU rank pair, as the executor's pipeline runtime moves
+    activations between bursts of compute. Ranks pair up (0-1, 2-3, ...) and take turns sending a message of
+    ``nbytes``, in two kinds of turns:
+
+    * ``rendezvous``: the receive is posted after the send was issued (gloo moves a message only once the
+      receiver asks for it): the mean time to issue the ``isend`` (handed to a thread that waits for it, as
+      the executor does) plus the mean time the late ``irecv(...).wait()`` takes;
+    * ``latency``: the receiver waits first, the sender issues after its compute: the mean time from the
+      ``isend``'s issue to the receive's return (one clock: both ranks read the host's monotonic clock).
+
+    Means, not medians: a step pays the occasional multi-millisecond stall of a loaded host too. None on a
+    rank without a partner."""
     import queue
     import threading
 
@@ -378,26 +384,43 @@ def measure_p2p_rendezvous(repeats: int = 61, nbytes: int = 4096, busy_s: float 
             pending.task_done()
 
     threading.Thread(target=watch, daemon=True).start()
-    issue, receive = [], []
-    for i in range(repeats + 1):
+    issue, late_receive, sent_at, received_at = [], [], [], []
+    turns = 2 * (repeats + 1)
+    for i in range(turns):
         dist.barrier()
         if peer >= world:
             continue
-        _compute_for(busy_s)
+        receiver_waits = i >= turns // 2
         if i % 2 == rank % 2:  # this rank sends
+            _compute_for(busy_s)
             start = time.perf_counter()
             pending.put(dist.isend(buffer, peer, tag=i))
-            issue.append(time.perf_counter() - start)
+            if receiver_waits:
+                sent_at.append(start)
+            else:
+                issue.append(time.perf_counter() - start)
             _compute_for(busy_s)
             pending.join()
+        elif receiver_waits:
+            dist.irecv(buffer, peer, tag=i).wait()
+            received_at.append(time.perf_counter())
         else:
-            _compute_for(busy_s)  # post the receive after the peer has sent
+            _compute_for(2 * busy_s)  # post the receive after the peer has sent
             start = time.perf_counter()
             dist.irecv(buffer, peer, tag=i).wait()
-            receive.append(time.perf_counter() - start)
+            late_receive.append(time.perf_counter() - start)
+    # Each rank's receive times beside its partner's send times: exchanged after the timed turns.
+    mine = torch.tensor(sent_at + received_at, dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
     if peer >= world:
         return None
-    return statistics.fmean(issue[1:]) + statistics.fmean(receive[1:])
+    half = len(sent_at)
+    theirs = every[peer].tolist()
+    one_way = [got - sent for got, sent in zip(received_at, theirs[:half])]
+    one_way += [got - sent for got, sent in zip(theirs[half:], sent_at)]
+    return {"rendezvous": statistics.fmean(issue[1:]) + statistics.fmean(late_receive[1:]),
+            "latency": statistics.fmean(one_way[1:])}
 
 
 def measure_action_gap(microbatches: int = 4, steps: int = 23, warmup: int = 3) -> float | None:

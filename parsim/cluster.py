@@ -45,8 +45,9 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "attention_efficiency",
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "matmul_stream_bw_GBps",
-                "p2p_rendezvous_us", "action_overhead_us", "elementwise_bw_GBps", "memory_alone_bw_GBps",
-                "memory_host_bw_GBps", "cpu_cores", "speed_probe_gflops", "speed_probe_eager_us")
+                "p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us", "elementwise_bw_GBps",
+                "memory_alone_bw_GBps", "memory_host_bw_GBps", "cpu_cores", "speed_probe_gflops",
+                "speed_probe_eager_us")
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,8 @@ class ClusterSpec:
     op_backward_s: float = 0.0  # one op autograd runs in a backward
     optimizer_tensor_s: float = 0.0  # AdamW's fixed cost per parameter tensor
     matmul_stream_bw_Bps: float | None = None  # a matmul's weight streamed in addition to its arithmetic
-    p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to its receive
+    p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to a receive posted late
+    p2p_latency_s: float | None = None  # a pipeline transfer's latency when its receiver waits (None: the links')
     action_overhead_s: float = 0.0  # host time between a training step's actions (the loop's own Python)
     elementwise_bw_Bps: float | None = None  # memory-bound kernels' bytes (None: at the memory speed)
     # A CPU host's memory, shared by its ranks' streaming work (None: each rank streams at gpu.hbm_bw_Bps, its
@@ -364,6 +366,9 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     host_us = {}
     for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us", "action_overhead_us"):
         host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
+    p2p_latency = compute.get("p2p_latency_us")
+    if p2p_latency is not None:
+        p2p_latency = _figure(source, "compute.p2p_latency_us", p2p_latency, LATENCY_US)
     host_GBps = {}
     for key in ("matmul_stream_bw_GBps", "elementwise_bw_GBps", "memory_alone_bw_GBps", "memory_host_bw_GBps"):
         value = compute.get(key)
@@ -435,6 +440,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         op_backward_s=float(host_us["op_backward_us"]) * 1e-6,
         optimizer_tensor_s=float(host_us["optimizer_tensor_us"]) * 1e-6,
         p2p_rendezvous_s=float(host_us["p2p_rendezvous_us"]) * 1e-6,
+        p2p_latency_s=p2p_latency and float(p2p_latency) * 1e-6,
         action_overhead_s=float(host_us["action_overhead_us"]) * 1e-6,
         matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),

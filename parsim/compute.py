@@ -87,9 +87,11 @@ GPU host):
   runtime's Python between one action and the next, and a send's issue. The step simulator starts each such
   op this long after it could, so it shows as idle time, as measured.
 * ``p2p_rendezvous_s``: the host time of one pipeline transfer on CPU ranks
-  (gloo moves a message only once the receiver has asked for it, and issuing
-  a send hands it to other threads): the step simulator ends every receive
-  this long after its data could have arrived.
+  whose receive is posted late (gloo moves a message only once the receiver
+  has asked for it, and issuing a send hands it to other threads): the step
+  simulator ends such a receive this long after it begins. A receiver that
+  waits has its data after the send's latency (``compute.p2p_latency_us`` in
+  the cluster file, which the step simulator's sends take).
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ class ComputeModel:
     op_backward_s: float = 0.0
     optimizer_tensor_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
-    p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to its receive (parsim.stepsim)
+    p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to a late receive (parsim.stepsim)
     action_overhead_s: float = 0.0  # host time before each action of a step (parsim.stepsim; see the docstring)
     elementwise_bw_Bps: float | None = None  # a block's memory-bound bytes (None: at memory_bw_Bps)
     memory_alone_bw_Bps: float | None = None  # one CPU rank streaming while the host's others wait (see above)

@@ -82,7 +82,8 @@ class StepSimulator:
             pairs = np.array(groups)
             routes = self.topo.routes(pairs[:, 0], pairs[:, 1])
             routes = routes[_contending([r[r >= 0] for r in routes], self.topo.num_links)]
-            return (self._ready_phase(routes, float(nbytes), 1, 0.0, 0.0, None),)
+            # CPU hosts: a pipeline transfer's own measured latency (compute.p2p_latency_us), not the links'
+            return (self._ready_phase(routes, float(nbytes), 1, 0.0, 0.0, self.topo.spec.p2p_latency_s),)
         algorithm, protocol = self._algorithm(collective, ranks, int(nbytes))
         groups = self._may_contend(groups)
         per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes, protocol=protocol)
@@ -331,7 +332,7 @@ class _Run:
             self._join(i, op)
         elif op.kind == "recv":
             if self.end[op.match] >= 0:
-                self._received(i)
+                self._received(i, late=True)
             else:
                 self.recv_of[op.match] = i
         elif op.kind == "collective" or op.kind == "send":
@@ -359,11 +360,12 @@ class _Run:
         else:
             self._phase(i, comm.phases, 0, done=end_all)
 
-    def _received(self, i: int) -> None:
-        """Receive ``i``'s data has arrived: it ends now, or after the host's rendezvous cost
-        (``ComputeModel.p2p_rendezvous_s``: a CPU rank's handshake and hand-over of a transfer)."""
+    def _received(self, i: int, late: bool = False) -> None:
+        """Receive ``i``'s data has arrived: it ends now, or, posted ``late`` (after the data could have
+        arrived), after the host's rendezvous (``ComputeModel.p2p_rendezvous_s``: gloo moves a CPU rank's message
+        only once its receiver asks; a receiver that waits has it after the send's latency)."""
         rendezvous = self.sim.compute.rendezvous_s
-        if rendezvous and self.ops[i].nbytes:
+        if late and rendezvous and self.ops[i].nbytes:
             self._after(rendezvous, lambda: self._finish(i))
         elif self._draining:
             self._due.append(i)

@@ -230,8 +230,8 @@ def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, t
 
     def every_rank(nproc):
         return [{"matmuls": [(s, truth.matmul_time(*s)) for s in shapes], "dispatch": dispatch,
-                 "elementwise": elementwise, "optimizer": optimizer, "p2p": 300e-6, "speed_probes": probes[r],
-                 "actions": (70e-6, 90e-6)[r % 2]} for r in range(nproc)]
+                 "elementwise": elementwise, "optimizer": optimizer, "p2p": {"rendezvous": 300e-6, "latency": 60e-6},
+                 "speed_probes": probes[r], "actions": (70e-6, 90e-6)[r % 2]} for r in range(nproc)]
 
     spec = host()
     monkeypatch.setattr(executor.compute_bench, "measure_on_every_rank", every_rank)
@@ -247,6 +247,8 @@ def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, t
     written = load_cluster(str(out))
     assert (written.speed_probe_flops, written.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
     assert written.action_overhead_s == pytest.approx(80e-6)
+    assert (written.p2p_rendezvous_s, written.p2p_latency_s) == pytest.approx((300e-6, 60e-6))
+    assert "p2p latency       60 us per pipeline transfer whose receiver waits" in text
     assert "memory            20.00 GB/s per rank with every rank streaming (40.0 GB/s in all), 32.00 GB/s for a " \
            "rank alone, 50 us per tensor" in text
     assert (written.gpu.hbm_bw_Bps, written.memory_alone_bw_Bps, written.memory_host_bw_Bps) == pytest.approx(
@@ -257,4 +259,5 @@ def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, t
     assert conforms(doc) == "calibrate"
     assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"]) == pytest.approx((50.0, 800.0))
     assert doc["action_overhead_us"] == pytest.approx(80.0)
+    assert (doc["p2p_rendezvous_us"], doc["p2p_latency_us"]) == pytest.approx((300.0, 60.0))
     assert (doc["memory_alone_bw_GBps"], doc["memory_host_bw_GBps"]) == pytest.approx((32.0, 40.0))

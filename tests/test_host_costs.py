@@ -21,7 +21,9 @@ from parsim.files import read_yaml
 from parsim.lower import ADAMW_ACCESSES, lower
 from parsim.model import load_model
 from parsim.plan import Plan, resolve_plan
+from parsim.program import Op, Program
 from parsim.step import predict_step
+from parsim.stepsim import StepSimulator
 
 SHAPES = [(32, 64, 64), (128, 128, 128), (32, 1024, 1024), (128, 256, 1024), (512, 512, 512),
           (128, 1024, 1024), (1024, 1024, 32), (64, 4096, 1024), (256, 64, 64)]
@@ -119,7 +121,7 @@ def test_host_keys_are_read_in_si_units():
 @pytest.mark.parametrize("key, value, expected", [
     ("op_forward_us", -1.0, "0 to 1e[+]09 microseconds"), ("op_backward_us", "fast", "a finite number in micro"),
     ("optimizer_tensor_us", float("nan"), "a finite number"), ("p2p_rendezvous_us", True, "a finite number"),
-    ("action_overhead_us", -5.0, "0 to 1e[+]09 microseconds"),
+    ("action_overhead_us", -5.0, "0 to 1e[+]09 microseconds"), ("p2p_latency_us", "slow", "a finite number in micro"),
     ("matmul_stream_bw_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("elementwise_bw_GBps", -3, "1e-12 to 1e[+]12 GB/s"),
     ("op_overhead_us", 1.0, "unknown key"), ("cpu_cores", 0, "a whole number from 1 to 65,536"),
     ("cpu_cores", 2.5, "a whole number from 1 to 65,536"),
@@ -244,13 +246,40 @@ def test_host_costs_slow_a_cpu_step_by_what_they_charge():
     assert slowed > plain + per_stage
 
 
-def test_rendezvous_is_charged_to_every_receive():
-    plan = resolve_plan("course-pp")
-    fast = predict_step(plan, ideal_spec())
-    slow = predict_step(plan, ideal_spec(**{"compute": {"p2p_rendezvous_us": 500.0}}))
-    received = {b.rank: b.seconds["pp"] for b in slow.ranks}
-    assert all(received[r] >= 4 * 500e-6 for r in received)  # 4 microbatches' receives on each rank
-    assert slow.step_s > fast.step_s
+def _one_transfer(spec, sender_busy_s: float, receiver_busy_s: float) -> tuple[float, float]:
+    """Rank 0 computes, then sends 1 MB to rank 1, which computes, then receives it: (when the send's bytes
+    arrived, when the receive ended)."""
+    program = Program(world_size=2)
+    peak = ComputeModel.for_cluster(spec, "fp32", 4).peak_flops
+    program.add(0, Op("compute", "compute", "compute", flops=sender_busy_s * peak))
+    send = program.add(0, Op("send act stage=0 mb=0 peer=1", "send", "p2p", deps=(0,), ranks=(0, 1), nbytes=1e6,
+                             peer=1))
+    program.add(1, Op("compute", "compute", "compute", flops=receiver_busy_s * peak))
+    program.add(1, Op("recv act stage=0 mb=0 peer=0", "recv", "compute", nbytes=1e6, peer=0, match=send))
+    trace = StepSimulator(spec.build(1), ComputeModel.for_cluster(spec, "fp32", 4)).run(program)
+    (sent,) = [e for e in trace.events if e.kind == "send"]
+    (received,) = [e for e in trace.events if e.kind == "recv"]
+    return sent.end_s, received.end_s
+
+
+def test_a_waiting_receiver_has_its_data_after_the_send_s_own_latency():
+    """A CPU host's pipeline transfer takes ``p2p_latency_us`` (measured between bursts of compute) instead of
+    the links' latency per step, plus its bytes; a receive posted before the data arrives pays no rendezvous."""
+    links = ideal_spec(**{"compute": {"p2p_rendezvous_us": 500.0}})
+    own = ideal_spec(**{"compute": {"p2p_rendezvous_us": 500.0, "p2p_latency_us": 300.0}})
+    bytes_s = 1e6 / links.intra.bw_Bps
+    arrived, received = _one_transfer(links, 1e-3, 0.0)
+    assert arrived == pytest.approx(1e-3 + links.intra.latency_s + bytes_s, rel=1e-9) and received == arrived
+    arrived, received = _one_transfer(own, 1e-3, 0.0)
+    assert arrived == pytest.approx(1e-3 + 300e-6 + bytes_s, rel=1e-9) and received == arrived
+
+
+def test_a_receive_posted_after_its_data_arrived_pays_the_rendezvous():
+    """gloo moves a message only once its receiver asks: a late receive ends ``p2p_rendezvous_us`` after it
+    begins."""
+    spec = ideal_spec(**{"compute": {"p2p_rendezvous_us": 500.0, "p2p_latency_us": 300.0}})
+    arrived, received = _one_transfer(spec, 0.0, 5e-3)
+    assert arrived < 5e-3 and received == pytest.approx(5e-3 + 500e-6, rel=1e-9)
 
 
 def test_the_loop_s_time_before_each_action_shows_as_idle():

@@ -42,13 +42,17 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * on every rank at once and in step, as ranks compute in a real run:
     AdamW steps on small and large tensors -> hbm_bw_GBps (each rank's memory
     speed with every rank streaming; times the ranks, the host's,
-    compute.memory_host_bw_GBps) and compute.optimizer_tensor_us; matmuls of several shapes on cold
-    operands -> peak FLOP/s, the shape efficiency (compute.matmul_half_dim) and
+    compute.memory_host_bw_GBps) and compute.optimizer_tensor_us; matmuls of
+    several shapes on cold operands -> peak FLOP/s, the shape efficiency (compute.matmul_half_dim) and
     compute.matmul_stream_bw_GBps; generic eager blocks (a GeLU MLP block, a
     softmax attention block, elementwise ops) -> the fixed cost of an op in a
     forward and in a backward (compute.op_forward_us, compute.op_backward_us);
     pairs of ranks passing tensors between bursts of compute -> the host time
-    of a pipeline transfer (compute.p2p_rendezvous_us); the executor's own
+    of a pipeline transfer received late (compute.p2p_rendezvous_us) and the
+    latency of one whose receiver waits (compute.p2p_latency_us, which the
+    step simulator's pipeline sends take instead of the collective fit's
+    latency per step: back-to-back loops of calls stall far longer than one
+    transfer between bursts of compute); the executor's own
     pipeline loop over trivial stages -> its time before each action
     (compute.action_overhead_us);
   * on each rank in turn, the others waiting: AdamW steps on large tensors ->
@@ -152,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
                                        optimizer.tensor_s, ADAMW_ACCESSES)
     memory_host_bw = memory_bw * max(rank_counts)
     p2p = [rank["p2p"] for rank in per_rank if rank["p2p"] is not None]
-    p2p_rendezvous = float(np.median(p2p)) if p2p else 0.0
+    p2p_rendezvous = float(np.median([pair["rendezvous"] for pair in p2p])) if p2p else 0.0
+    p2p_latency = float(np.median([pair["latency"] for pair in p2p])) if p2p else None
     gaps = [rank["actions"] for rank in per_rank if rank["actions"] is not None]
     action_overhead = float(np.median(gaps)) if gaps else 0.0
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
@@ -178,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, overhead_s=overhead,
         matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
         optimizer_tensor_s=optimizer.tensor_s, matmul_stream_bw_Bps=matmul.stream_bw_Bps,
-        p2p_rendezvous_s=p2p_rendezvous, action_overhead_s=action_overhead, elementwise_bw_Bps=elementwise_bw,
+        p2p_rendezvous_s=p2p_rendezvous, p2p_latency_s=p2p_latency, action_overhead_s=action_overhead,
+        elementwise_bw_Bps=elementwise_bw,
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw,
         cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s))
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
@@ -199,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
                     "memory_alone_bw_GBps": memory_alone_bw / 1e9, "memory_host_bw_GBps": memory_host_bw / 1e9,
                     "op_forward_us": dispatch.forward_s * 1e6, "op_backward_us": dispatch.backward_s * 1e6,
                     "optimizer_tensor_us": optimizer.tensor_s * 1e6, "p2p_rendezvous_us": p2p_rendezvous * 1e6,
+                    "p2p_latency_us": p2p_latency * 1e6 if p2p_latency is not None else None,
                     "action_overhead_us": action_overhead * 1e6,
                     "elementwise_bw_GBps": elementwise_bw / 1e9, "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
@@ -230,8 +237,11 @@ def run(args: argparse.Namespace) -> int:
           f"(generic eager blocks, every rank at once)")
     print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (activations, softmax, norms; bytes as "
           f"parsim.model.Elementwise counts them)")
-    print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer (issue a send, wait for a "
-          f"posted one)")
+    print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer received late (issue a send, "
+          f"post its receive after it)")
+    if p2p_latency is not None:
+        print(f"p2p latency       {p2p_latency * 1e6:.0f} us per pipeline transfer whose receiver waits (from the "
+              f"send's issue to the receive's return)")
     print(f"between actions   {action_overhead * 1e6:.0f} us before each pass, sync call or optimizer step (the "
           f"executor's loop on a 2-stage pipeline of trivial stages)")
     stream = (f", weights stream in and outputs out at {matmul.stream_bw_Bps / 1e9:.1f} GB/s"
