@@ -410,7 +410,7 @@ def measure_p2p(repeats: int = 61, nbytes: int = 4096, busy_s: float = 0.002) ->
             dist.irecv(buffer, peer, tag=i).wait()
             late_receive.append(time.perf_counter() - start)
     # Each rank's receive times beside its partner's send times: exchanged after the timed turns.
-    mine = torch.tensor(sent_at + received_at, dtype=torch.float64)
+    mine = torch.tensor(sent_at + received_at if peer < world else [0.0] * (turns // 2), dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     if peer >= world:
