@@ -8,9 +8,14 @@ rank's next action, which is the host time the issue takes (a send runs on
 beside the rank's compute, so it is not an action of its own). The simulator
 prices these as ``compute.action_overhead_us`` before each action, which
 ``parsim calibrate`` measures on the executor's loop over trivial stages.
-On the 2-core VM (2026-11-26): course DDP's gap medians were 0.04-0.17 ms
-(0.57 ms idle per step); tiny PP's sends took a median 0.10 and 0.13 ms to
-issue on its two stages, and a few took 6 ms (gloo's stalls).
+Last, every pipeline transfer's time, apart for a receiver that waited (from
+the send's issue to the receive's end: priced as ``compute.p2p_latency_us``
+plus the bytes) and a receive posted after its send (the receive's own time:
+``compute.p2p_rendezvous_us``). On the 2-core VM (2026-11-26): course DDP's
+gap medians were 0.04-0.17 ms (0.57 ms idle per step); tiny PP's sends took a
+median 0.10 and 0.13 ms to issue on its two stages, and a few took 6 ms
+(gloo's stalls); its transfers took a median 83 us with the receiver waiting
+(mean 157 us, one of 5.2 ms) and 74 us posted late (mean 112 us).
 
 Run:  python benchmarks/cpu_action_gaps.py tiny-pp2 --steps 20
 """
@@ -51,6 +56,32 @@ def main() -> None:
         if issue:
             print(f"  {'send issued -> next':<24} {len(issue):>5} {1e3 * statistics.median(issue):>7.3f} "
                   f"{1e3 * _quantile(issue, 0.9):>7.3f}  (max {1e3 * max(issue):.2f})")
+    _print_transfers(results)
+
+
+def _print_transfers(results: list[dict]) -> None:
+    """Every pipeline transfer's time, its receiver waiting or its receive posted late (see the docstring)."""
+    waiting, late = [], []
+    for step in zip(*(result["steps"] for result in results)):
+        events = [e for rank_events in step for e in rank_events]
+        sent = {_transfer(e.name): e for e in events if e.kind == "send"}
+        for receive in (e for e in events if e.kind == "recv" and _transfer(e.name) in sent):
+            send = sent[_transfer(receive.name)]
+            if receive.start_s < send.start_s:
+                waiting.append(receive.end_s - send.start_s)
+            else:
+                late.append(receive.end_s - receive.start_s)
+    for name, values in (("receiver waiting", waiting), ("receive posted late", late)):
+        if values:
+            print(f"transfers, {name}: {len(values)}, median {1e3 * statistics.median(values):.3f}, "
+                  f"p90 {1e3 * _quantile(values, 0.9):.3f}, mean {1e3 * statistics.fmean(values):.3f}, "
+                  f"max {1e3 * max(values):.2f}")
+
+
+def _transfer(name: str) -> str:
+    """``send act stage=0 mb=3 peer=1`` and ``recv act stage=0 mb=3 peer=0`` name one transfer: ``act stage=0
+    mb=3``."""
+    return name.split(" ", 1)[1].rsplit(" peer=", 1)[0]
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -305,11 +305,6 @@ class ComputeModel:
                     and not self.host_overlaps_device)
 
     @property
-    def rank_stream_cap_Bps(self) -> float:
-        """The most one rank streams at: a core's speed alone, shared when ranks time-share cores."""
-        return (self.memory_alone_bw_Bps or self.memory_bw_Bps) / self.time_share
-
-    @property
     def rendezvous_s(self) -> float:
         """Host time of one pipeline transfer, stretched like compute when ranks time-share cores."""
         return self.p2p_rendezvous_s * self.time_share

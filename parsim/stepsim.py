@@ -441,31 +441,36 @@ class HostMemory:
     (:attr:`ComputeModel.shares_host_memory <parsim.compute.ComputeModel.shares_host_memory>`).
 
     Each rank's stream is a flow over two links: its own, at the speed one
-    core reaches alone, and its host's, at the host's total with every core
-    streaming. Max-min sharing on :class:`~parsim.network.Network` then gives a
-    rank streaming alone its core's speed, and ranks streaming at once an equal
-    share of the host's. A simulated rank's replicas on the same host (the
-    data- and tensor-parallel ranks that run its program at the same moment)
-    stream beside it as flows of their own.
+    core reaches alone (shared when ranks time-share cores), and its host's,
+    at the host's total with every core streaming. Max-min sharing on
+    :class:`~parsim.network.Network` then gives a rank streaming alone its
+    core's speed, and ranks streaming at once an equal share of the host's. A
+    simulated rank's replicas on the same host (the data-, context- and
+    tensor-parallel ranks that run its program at the same moment) stream
+    beside it as flows of their own.
     """
 
     def __init__(self, env: simpy.Environment, topo: Topology, compute: ComputeModel, program: Program):
-        world = program.world_size
-        host_of = topo.node_of(np.arange(world))
-        capacity = np.concatenate([np.full(world, compute.rank_stream_cap_Bps),
-                                   np.full(int(host_of.max()) + 1, compute.memory_host_bw_Bps)])
+        self.world = program.world_size
+        self.host_of = topo.node_of(np.arange(self.world))
+        capacity = np.concatenate([np.full(self.world, compute.memory_alone_bw_Bps / compute.time_share),
+                                   np.full(int(self.host_of.max()) + 1, compute.memory_host_bw_Bps)])
         self.net = Network(env, capacity, track_bytes=False)
-        self.routes = {}
-        for rank, replicas in program.replicas.items():
-            together = np.asarray(replicas)
-            together = together[host_of[together] == host_of[rank]]
-            self.routes[rank] = np.stack([together, world + host_of[together]], axis=1)
+        self.routes = {rank: self._routes(rank, replicas) for rank, replicas in program.replicas.items()}
         self._keys: dict[tuple[int, float], int] = {}
+
+    def _routes(self, rank: int, replicas: tuple[int, ...]) -> np.ndarray:
+        """(rank's link, host's link) of ``rank`` and of each of its ``replicas`` on its host."""
+        together = np.asarray(replicas)
+        together = together[self.host_of[together] == self.host_of[rank]]
+        return np.stack([together, self.world + self.host_of[together]], axis=1)
 
     def stream(self, rank: int, nbytes: float, then: Callable[[], None]) -> None:
         """Stream ``nbytes`` on ``rank`` (and on each of its replicas on its host); ``then()`` when done."""
+        routes = self.routes.get(rank)
+        if routes is None:  # a program built without replicas: the rank alone
+            routes = self.routes[rank] = self._routes(rank, (rank,))
         key = self._keys.setdefault((rank, nbytes), len(self._keys))
-        routes = self.routes[rank]
         self.net.start(routes, np.full(len(routes), nbytes), then, key)
 
 

@@ -1,5 +1,5 @@
-"""The CPU-run benchmark scripts (benchmarks/cpu_*.py): they run a plan on gloo ranks and print what they
-measured, and refuse a bad plan in one line before any rank starts."""
+"""The CPU-run benchmark scripts (benchmarks/cpu_*.py): they run a plan (or AdamW steps) on gloo ranks and print
+what they measured, and refuse bad input in one line before any rank starts."""
 
 from __future__ import annotations
 
@@ -38,3 +38,21 @@ def test_the_action_gaps_of_a_pipeline_run_are_printed_per_rank():
         assert any(line.startswith(f"rank {rank}: idle per step, median ") for line in lines)
     # Each rank sends its 4 microbatches' activations or gradients per step: 8 issues over 2 steps.
     assert sum(line.strip().startswith("send issued -> next") and line.split()[4] == "8" for line in lines) == 2
+    # Every transfer is timed once, its receiver waiting or its receive posted late: 8 a step.
+    transfers = [line for line in lines if line.startswith("transfers, ")]
+    assert sum(int(line.split(": ")[1].split(",")[0]) for line in transfers) == 16
+
+
+def test_the_memory_sharing_benchmark_prints_each_rank_alone_and_together():
+    done = script("benchmarks/cpu_memory_sharing.py", "--tensors", "2", "--numel", "4096", "--steps", "2")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("AdamW on 2 x 4,096 fp32 parameters, 2 ranks on ")
+    rows = [line.split() for line in lines[2:]]
+    assert [row[0] for row in rows] == ["0", "1"] and all(float(value) > 0 for row in rows for value in row[1:])
+
+
+def test_the_memory_sharing_benchmark_refuses_an_empty_run_in_one_line():
+    done = script("benchmarks/cpu_memory_sharing.py", "--tensors", "0")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "must be at least 1" in done.stderr

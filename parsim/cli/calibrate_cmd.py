@@ -43,18 +43,18 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     AdamW steps on small and large tensors -> hbm_bw_GBps (each rank's memory
     speed with every rank streaming; times the ranks, the host's,
     compute.memory_host_bw_GBps) and compute.optimizer_tensor_us; matmuls of
-    several shapes on cold operands -> peak FLOP/s, the shape efficiency (compute.matmul_half_dim) and
-    compute.matmul_stream_bw_GBps; generic eager blocks (a GeLU MLP block, a
-    softmax attention block, elementwise ops) -> the fixed cost of an op in a
-    forward and in a backward (compute.op_forward_us, compute.op_backward_us);
-    pairs of ranks passing tensors between bursts of compute -> the host time
-    of a pipeline transfer received late (compute.p2p_rendezvous_us) and the
-    latency of one whose receiver waits (compute.p2p_latency_us, which the
-    step simulator's pipeline sends take instead of the collective fit's
-    latency per step: back-to-back loops of calls stall far longer than one
-    transfer between bursts of compute); the executor's own
-    pipeline loop over trivial stages -> its time before each action
-    (compute.action_overhead_us);
+    several shapes on cold operands -> peak FLOP/s, the shape efficiency
+    (compute.matmul_half_dim) and compute.matmul_stream_bw_GBps; generic eager
+    blocks (a GeLU MLP block, a softmax attention block, elementwise ops) ->
+    the fixed cost of an op in a forward and in a backward
+    (compute.op_forward_us, compute.op_backward_us); pairs of ranks passing
+    tensors between bursts of compute -> the host time of a pipeline transfer
+    received late (compute.p2p_rendezvous_us) and the latency of one whose
+    receiver waits (compute.p2p_latency_us, which the step simulator's
+    pipeline sends take instead of the collective fit's latency per step:
+    back-to-back loops of calls stall far longer than one transfer between
+    bursts of compute); the executor's own pipeline loop over trivial stages
+    -> its time before each action (compute.action_overhead_us);
   * on each rank in turn, the others waiting: AdamW steps on large tensors ->
     the memory speed of one rank alone (compute.memory_alone_bw_GBps; the step
     simulator shares the host's memory among the ranks streaming at once);
