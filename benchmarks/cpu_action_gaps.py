@@ -64,9 +64,11 @@ def _print_transfers(results: list[dict]) -> None:
     waiting, late = [], []
     for step in zip(*(result["steps"] for result in results)):
         events = [e for rank_events in step for e in rank_events]
-        sent = {_transfer(e.name): e for e in events if e.kind == "send"}
-        for receive in (e for e in events if e.kind == "recv" and _transfer(e.name) in sent):
-            send = sent[_transfer(receive.name)]
+        sent = {_transfer(e): e for e in events if e.kind == "send"}
+        for receive in (e for e in events if e.kind == "recv"):
+            send = sent.get(_transfer(receive))
+            if send is None:  # both stages on one rank: nothing moved
+                continue
             if receive.start_s < send.start_s:
                 waiting.append(receive.end_s - send.start_s)
             else:
@@ -78,10 +80,12 @@ def _print_transfers(results: list[dict]) -> None:
                   f"max {1e3 * max(values):.2f}")
 
 
-def _transfer(name: str) -> str:
-    """``send act stage=0 mb=3 peer=1`` and ``recv act stage=0 mb=3 peer=0`` name one transfer: ``act stage=0
-    mb=3``."""
-    return name.split(" ", 1)[1].rsplit(" peer=", 1)[0]
+def _transfer(event) -> tuple[str, int, int]:
+    """``send act stage=0 mb=3 peer=1`` on rank 0 and ``recv act stage=0 mb=3 peer=0`` on rank 1 are one
+    transfer, ``("act stage=0 mb=3", 0, 1)``: what moved, from which rank to which (data-parallel replicas
+    send the same names between other ranks)."""
+    what, peer = event.name.split(" ", 1)[1].rsplit(" peer=", 1)
+    return (what, event.rank, int(peer)) if event.kind == "send" else (what, int(peer), event.rank)
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cluster import parse_cluster
+from .cluster import SharedCoreCosts, parse_cluster
 from .collectives.algorithms import build_phases
 from .collectives.simulate import time_phases
 from .compute import ComputeModel
@@ -48,10 +48,11 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  p2p_latency_s: float | None = None,
                  action_overhead_s: float = 0.0, elementwise_bw_Bps: float | None = None,
                  memory_alone_bw_Bps: float | None = None, memory_host_bw_Bps: float | None = None,
-                 step_overhead_s: dict | None = None,
+                 shared_cores: SharedCoreCosts | None = None, step_overhead_s: dict | None = None,
                  cpu_cores: int | None = None, speed_probe: tuple[float, float] | None = None) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric"); ``speed_probe`` is the
-    host-speed probes' (matmul FLOP/s, seconds per eager pass) while the compute figures were measured."""
+    host-speed probes' (matmul FLOP/s, seconds per eager pass) while the compute figures were measured;
+    ``shared_cores`` the pipeline's host costs with two ranks on each core."""
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
                   "optimizer_tensor_us": optimizer_tensor_s * 1e6, "p2p_rendezvous_us": p2p_rendezvous_s * 1e6,
                   "action_overhead_us": action_overhead_s * 1e6}
@@ -64,6 +65,10 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     if memory_alone_bw_Bps and memory_host_bw_Bps:
         host_costs["memory_alone_bw_GBps"] = memory_alone_bw_Bps / 1e9
         host_costs["memory_host_bw_GBps"] = memory_host_bw_Bps / 1e9
+    if shared_cores:
+        host_costs["shared_cores"] = {"p2p_rendezvous_us": shared_cores.p2p_rendezvous_s * 1e6,
+                                      "p2p_latency_us": shared_cores.p2p_latency_s * 1e6,
+                                      "action_overhead_us": shared_cores.action_overhead_s * 1e6}
     if cpu_cores:
         host_costs["cpu_cores"] = int(cpu_cores)
     if speed_probe:

@@ -46,8 +46,9 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "matmul_stream_bw_GBps",
                 "p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us", "elementwise_bw_GBps",
-                "memory_alone_bw_GBps", "memory_host_bw_GBps", "cpu_cores", "speed_probe_gflops",
+                "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
                 "speed_probe_eager_us")
+SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,17 @@ class NcclSpec:
 
 
 Curve = tuple[tuple[int, float], ...]  # (x, y) points, x ascending
+
+
+@dataclass(frozen=True)
+class SharedCoreCosts:
+    """A CPU host's pipeline costs measured with two ranks on each core (``compute.shared_cores``, written by
+    ``parsim calibrate``; :meth:`parsim.compute.ComputeModel.time_shared`): a late receive's rendezvous, a
+    transfer's latency with its receiver waiting, and the loop's time before each action, in seconds."""
+
+    p2p_rendezvous_s: float
+    p2p_latency_s: float
+    action_overhead_s: float
 
 
 @dataclass(frozen=True)
@@ -191,6 +203,7 @@ class ClusterSpec:
     # share with every rank streaming): one rank's speed while the others wait, and the host's with all streaming.
     memory_alone_bw_Bps: float | None = None
     memory_host_bw_Bps: float | None = None
+    shared_cores: SharedCoreCosts | None = None  # the pipeline's host costs with two ranks on each core
     cpu_cores: int | None = None  # cores a CPU host's ranks share (more ranks than this time-share them)
     # executor.speed_probe while the compute figures were measured: its matmul's FLOP/s and its eager pass's
     # seconds (None: not timed)
@@ -215,6 +228,8 @@ class ClusterSpec:
             op_forward_s=self.op_forward_s / eager, op_backward_s=self.op_backward_s / eager,
             optimizer_tensor_s=self.optimizer_tensor_s / eager, kernel_overhead_s=self.kernel_overhead_s / eager,
             action_overhead_s=self.action_overhead_s / eager,
+            shared_cores=self.shared_cores and replace(
+                self.shared_cores, action_overhead_s=self.shared_cores.action_overhead_s / eager),
             speed_probe_flops=self.speed_probe_flops and self.speed_probe_flops * arithmetic,
             speed_probe_eager_s=self.speed_probe_eager_s and self.speed_probe_eager_s / eager)
 
@@ -369,6 +384,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     p2p_latency = compute.get("p2p_latency_us")
     if p2p_latency is not None:
         p2p_latency = _figure(source, "compute.p2p_latency_us", p2p_latency, LATENCY_US)
+    shared = _shared_cores(source, compute["shared_cores"]) if "shared_cores" in compute else None
     host_GBps = {}
     for key in ("matmul_stream_bw_GBps", "elementwise_bw_GBps", "memory_alone_bw_GBps", "memory_host_bw_GBps"):
         value = compute.get(key)
@@ -446,6 +462,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),
         memory_alone_bw_Bps=_GBps(host_GBps["memory_alone_bw_GBps"]),
         memory_host_bw_Bps=_GBps(host_GBps["memory_host_bw_GBps"]),
+        shared_cores=shared,
         cpu_cores=cores,
         speed_probe_flops=probe_gflops and probe_gflops * 1e9,
         speed_probe_eager_s=probe_us and probe_us * 1e-6,
@@ -473,6 +490,15 @@ def _curve(source: str, key: str, value: object, limits: tuple[float, float, str
         raise ConfigError(source, key, f"is {value!r}", f"{limits[2]}: one figure, or figures keyed by sequence "
                           "lengths (whole numbers of tokens)")
     return tuple((k, _figure(source, f"{key}.{k}", value[k], limits)) for k in sorted(value))
+
+
+def _shared_cores(source: str, value: object) -> SharedCoreCosts:
+    """``compute.shared_cores``: every one of SHARED_CORE_KEYS, in microseconds."""
+    if not isinstance(value, dict) or set(value) != set(SHARED_CORE_KEYS):
+        raise ConfigError(source, "compute.shared_cores", f"is {value!r}",
+                          f"a mapping of {', '.join(SHARED_CORE_KEYS)}")
+    return SharedCoreCosts(*(_figure(source, f"compute.shared_cores.{key}", value[key], LATENCY_US) * 1e-6
+                             for key in SHARED_CORE_KEYS))
 
 
 def _sm_cycles(source: str, value: object) -> SmCycles:

@@ -80,7 +80,11 @@ GPU host):
   (``compute.cpu_cores`` in the cluster file) time-shares them: while every
   rank computes, each gets ``cores / ranks`` of a core, so compute and host
   costs stretch by ``ranks / cores`` (a rank waiting in gloo sleeps and frees
-  its core, which this static factor does not see).
+  its core, which this static factor does not see). The pipeline's host costs
+  (a transfer's latency and rendezvous, the loop between actions) grow far
+  more: a thread woken on a core where another rank computes waits for the
+  scheduler. Where ``parsim calibrate`` measured them with two ranks on each
+  core (``shared_cores``), :meth:`time_shared` takes those figures instead.
 * ``action_overhead_s``: on CPU ranks, the training loop's own host time
   before each action of a step (a pass of one microbatch, from its receive; a
   gradient all-reduce the loop issues in turn; the optimizer step): the
@@ -99,7 +103,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .cluster import HOPPER_SM_CYCLES, ClusterSpec, Curve, SmCycles
+from .cluster import HOPPER_SM_CYCLES, ClusterSpec, Curve, SharedCoreCosts, SmCycles
 from .errors import ParsimError
 
 MATMUL_TILE = 128  # cuBLAS/CUTLASS's common 128 x 128 output tile per thread block (SM80/SM90)
@@ -153,6 +157,8 @@ class ComputeModel:
     optimizer_tensor_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
     p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to a late receive (parsim.stepsim)
+    p2p_latency_s: float | None = None  # a pipeline transfer's latency, receiver waiting (None: the links')
+    shared_cores: SharedCoreCosts | None = None  # the three pipeline host costs with two ranks on each core
     action_overhead_s: float = 0.0  # host time before each action of a step (parsim.stepsim; see the docstring)
     elementwise_bw_Bps: float | None = None  # a block's memory-bound bytes (None: at memory_bw_Bps)
     memory_alone_bw_Bps: float | None = None  # one CPU rank streaming while the host's others wait (see above)
@@ -188,6 +194,7 @@ class ComputeModel:
             op_forward_s=spec.op_forward_s,
             op_backward_s=spec.op_backward_s, optimizer_tensor_s=spec.optimizer_tensor_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, p2p_rendezvous_s=spec.p2p_rendezvous_s,
+            p2p_latency_s=spec.p2p_latency_s, shared_cores=spec.shared_cores,
             action_overhead_s=spec.action_overhead_s,
             elementwise_bw_Bps=spec.elementwise_bw_Bps, memory_alone_bw_Bps=spec.memory_alone_bw_Bps,
             memory_host_bw_Bps=spec.memory_host_bw_Bps,
@@ -304,12 +311,33 @@ class ComputeModel:
         return bool(self.memory_alone_bw_Bps and self.memory_host_bw_Bps and self.elementwise_bw_Bps
                     and not self.host_overlaps_device)
 
+    def time_shared(self, alone_s: float, shared_s: float | None) -> float:
+        """A pipeline host cost when ranks time-share cores: ``alone_s`` with a core each; with two ranks on
+        each core, ``shared_s`` where it was measured (linear between one and two ranks per core, stretched
+        beyond), else ``alone_s`` stretched like compute."""
+        if self.time_share <= 1.0:
+            return alone_s
+        if shared_s is None:
+            return alone_s * self.time_share
+        if self.time_share <= 2.0:
+            return alone_s + (shared_s - alone_s) * (self.time_share - 1.0)
+        return shared_s * self.time_share / 2.0
+
     @property
     def rendezvous_s(self) -> float:
-        """Host time of one pipeline transfer, stretched like compute when ranks time-share cores."""
-        return self.p2p_rendezvous_s * self.time_share
+        """Host time of one pipeline transfer received late (:meth:`time_shared`)."""
+        shared = self.shared_cores.p2p_rendezvous_s if self.shared_cores else None
+        return self.time_shared(self.p2p_rendezvous_s, shared)
 
     @property
     def action_gap_s(self) -> float:
-        """Host time before each action of a step, stretched like compute when ranks time-share cores."""
-        return self.action_overhead_s * self.time_share
+        """Host time before each action of a step (:meth:`time_shared`)."""
+        shared = self.shared_cores.action_overhead_s if self.shared_cores else None
+        return self.time_shared(self.action_overhead_s, shared)
+
+    @property
+    def send_latency_s(self) -> float | None:
+        """A pipeline transfer's latency with its receiver waiting (:meth:`time_shared`); None: the links'."""
+        if self.p2p_latency_s is None:
+            return None
+        return self.time_shared(self.p2p_latency_s, self.shared_cores.p2p_latency_s if self.shared_cores else None)

@@ -83,7 +83,7 @@ class StepSimulator:
             routes = self.topo.routes(pairs[:, 0], pairs[:, 1])
             routes = routes[_contending([r[r >= 0] for r in routes], self.topo.num_links)]
             # CPU hosts: a pipeline transfer's own measured latency (compute.p2p_latency_us), not the links'
-            return (self._ready_phase(routes, float(nbytes), 1, 0.0, 0.0, self.topo.spec.p2p_latency_s),)
+            return (self._ready_phase(routes, float(nbytes), 1, 0.0, 0.0, self.compute.send_latency_s),)
         algorithm, protocol = self._algorithm(collective, ranks, int(nbytes))
         groups = self._may_contend(groups)
         per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes, protocol=protocol)

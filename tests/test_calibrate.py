@@ -10,7 +10,7 @@ import pytest
 from parsim.calibrate import fit_links, fit_matmul, fit_operation, host_cluster
 from parsim.cli.common import warn_other_machine
 from parsim.cli.main import main
-from parsim.cluster import load_cluster, parse_cluster
+from parsim.cluster import SharedCoreCosts, load_cluster, parse_cluster
 from parsim.collectives import predict
 from parsim.compute import ComputeModel
 from parsim.results import save_results
@@ -235,6 +235,9 @@ def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, t
 
     spec = host()
     monkeypatch.setattr(executor.compute_bench, "measure_on_every_rank", every_rank)
+    monkeypatch.setattr(executor.compute_bench, "measure_on_shared_cores", lambda: [
+        {"p2p": {"rendezvous": 2.5e-3 + r * 1e-4, "latency": 200e-6}, "actions": 400e-6}
+        for r in range(4)])
     monkeypatch.setattr(executor.collectives, "measure_reduce_bandwidth", lambda sizes: [(s, s / 6e9) for s in sizes])
     monkeypatch.setattr(executor.collectives, "measure_collectives",
                         lambda op, sizes, n, backend, timeout_s=None: synthetic(spec, [(op, n)]))
@@ -249,6 +252,10 @@ def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, t
     assert written.action_overhead_s == pytest.approx(80e-6)
     assert (written.p2p_rendezvous_s, written.p2p_latency_s) == pytest.approx((300e-6, 60e-6))
     assert "p2p latency       60 us per pipeline transfer whose receiver waits" in text
+    assert "2 ranks per core  200 us latency and 2650 us rendezvous per pipeline transfer, 400 us between actions" \
+        in text
+    assert written.shared_cores == SharedCoreCosts(pytest.approx(2.65e-3), pytest.approx(200e-6),
+                                                   pytest.approx(400e-6))
     assert "memory            20.00 GB/s per rank with every rank streaming (40.0 GB/s in all), 32.00 GB/s for a " \
            "rank alone, 50 us per tensor" in text
     assert (written.gpu.hbm_bw_Bps, written.memory_alone_bw_Bps, written.memory_host_bw_Bps) == pytest.approx(
@@ -260,4 +267,6 @@ def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, t
     assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"]) == pytest.approx((50.0, 800.0))
     assert doc["action_overhead_us"] == pytest.approx(80.0)
     assert (doc["p2p_rendezvous_us"], doc["p2p_latency_us"]) == pytest.approx((300.0, 60.0))
+    assert doc["shared_cores"] == pytest.approx({"p2p_rendezvous_us": 2650.0, "p2p_latency_us": 200.0,
+                                                 "action_overhead_us": 400.0})
     assert (doc["memory_alone_bw_GBps"], doc["memory_host_bw_GBps"]) == pytest.approx((32.0, 40.0))

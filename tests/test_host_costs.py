@@ -30,6 +30,7 @@ SHAPES = [(32, 64, 64), (128, 128, 128), (32, 1024, 1024), (128, 256, 1024), (51
 HOST_KEYS = {"op_forward_us": 7.0, "op_backward_us": 6.0, "optimizer_tensor_us": 50.0,
              "matmul_stream_bw_GBps": 15.0, "p2p_rendezvous_us": 150.0, "elementwise_bw_GBps": 6.0,
              "action_overhead_us": 40.0}
+SHARED = {"p2p_rendezvous_us": 2500.0, "p2p_latency_us": 300.0, "action_overhead_us": 400.0}  # two ranks per core
 
 
 def cpu_host(**compute) -> dict:
@@ -128,6 +129,9 @@ def test_host_keys_are_read_in_si_units():
     ("speed_probe_eager_us", 1.0, "given without compute.speed_probe_eager_us, or the other way round"),
     ("memory_alone_bw_GBps", 40.0, "given without compute.memory_host_bw_GBps, or the other way round"),
     ("memory_host_bw_GBps", -1.0, "1e-12 to 1e[+]12 GB/s"),
+    ("shared_cores", {"p2p_latency_us": 1.0}, "a mapping of p2p_rendezvous_us, p2p_latency_us, action_overhead_us"),
+    ("shared_cores", {"p2p_rendezvous_us": 1.0, "p2p_latency_us": -1.0, "action_overhead_us": 1.0},
+     "shared_cores.p2p_latency_us: is -1"),
 ])
 def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, capsys):
     with pytest.raises(ConfigError, match=expected):
@@ -141,7 +145,7 @@ def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, c
 
 def test_the_host_speed_scales_the_compute_figures_by_their_probe_and_no_collective():
     data = cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0, memory_alone_bw_GBps=30.0,
-                    memory_host_bw_GBps=45.0)
+                    memory_host_bw_GBps=45.0, shared_cores=SHARED)
     data["collective_step_overhead_us"] = {"all_reduce": 300.0}
     spec = parse_cluster(data, "host.yaml")
     assert (spec.speed_probe_flops, spec.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
@@ -158,8 +162,10 @@ def test_the_host_speed_scales_the_compute_figures_by_their_probe_and_no_collect
     assert (moved.op_forward_s, moved.op_backward_s, moved.optimizer_tensor_s, moved.action_overhead_s) == \
         pytest.approx((7e-6 / 0.5, 6e-6 / 0.5, 50e-6 / 0.5, 40e-6 / 0.5))
     assert (moved.speed_probe_flops, moved.speed_probe_eager_s) == pytest.approx((62.5e9, 1600e-6))
+    assert moved.shared_cores.action_overhead_s == pytest.approx(400e-6 / 0.5)
     # Collectives and pipeline transfers keep their fits.
     assert moved.p2p_rendezvous_s == spec.p2p_rendezvous_s and moved.intra == spec.intra
+    assert (moved.shared_cores.p2p_rendezvous_s, moved.shared_cores.p2p_latency_s) == pytest.approx((2.5e-3, 300e-6))
     assert moved.reduce_bw_Bps == spec.reduce_bw_Bps
     assert moved.collective_step_overhead_s == spec.collective_step_overhead_s
     with pytest.raises(ParsimError, match="positive"):
@@ -361,6 +367,31 @@ def test_more_ranks_than_cores_time_share_them():
     shared = predict_step(dp, spec).step_s
     alone = predict_step(dp, parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")).step_s
     assert shared > 1.5 * alone
+
+
+@pytest.mark.parametrize("ranks, shared, expected", [
+    (2, True, (150e-6, 100e-6, 40e-6)),  # a core each: the figures alone
+    (4, False, (300e-6, 200e-6, 80e-6)),  # two ranks per core, not measured: stretched like compute
+    (4, True, (2500e-6, 300e-6, 400e-6)),  # two ranks per core, measured
+    (3, True, (1325e-6, 200e-6, 220e-6)),  # 1.5 ranks per core: halfway
+    (8, True, (5000e-6, 600e-6, 800e-6)),  # four per core: the measured figures stretched 2x
+])
+def test_pipeline_host_costs_on_shared_cores_take_what_was_measured_there(ranks, shared, expected):
+    keys = {**HOST_KEYS, "p2p_latency_us": 100.0, "cpu_cores": 2, **({"shared_cores": SHARED} if shared else {})}
+    model = ComputeModel.for_cluster(parse_cluster(cpu_host(**keys), "host.yaml"), "fp32", 4, ranks)
+    assert (model.rendezvous_s, model.send_latency_s, model.action_gap_s) == pytest.approx(expected)
+
+
+def test_a_time_shared_pipeline_pays_the_shared_core_costs():
+    plan = resolve_plan("tiny-pp2", overrides={"parallel": {"dp": 2}})
+    keys = {**HOST_KEYS, "p2p_latency_us": 100.0, "cpu_cores": 2}
+    stretched = predict_step(plan, parse_cluster(cpu_host(**keys), "host.yaml"))
+    measured = predict_step(plan, parse_cluster(cpu_host(**keys, shared_cores=SHARED), "host.yaml"))
+    assert measured.step_s > stretched.step_s
+    assert all(m.seconds["idle"] > s.seconds["idle"] for m, s in zip(measured.ranks, stretched.ranks))
+    two_ranks = resolve_plan("tiny-pp2")  # a core each: unchanged
+    assert predict_step(two_ranks, parse_cluster(cpu_host(**keys, shared_cores=SHARED), "host.yaml")).step_s == \
+        predict_step(two_ranks, parse_cluster(cpu_host(**keys), "host.yaml")).step_s
 
 
 def test_a_plan_too_small_to_hide_the_host_is_flagged_on_a_gpu_cluster_without_host_costs(capsys, tmp_path):

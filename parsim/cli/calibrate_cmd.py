@@ -14,7 +14,7 @@ import yaml
 from ..calibrate import (fit_alone_memory, fit_dispatch, fit_elementwise, fit_links, fit_matmul, fit_operation,
                          fit_optimizer, fit_step_overhead, host_cluster)
 from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
-from ..cluster import builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
+from ..cluster import SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from ..compute import at_length
 from ..errors import ParsimError
 from ..files import read_yaml
@@ -58,6 +58,10 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * on each rank in turn, the others waiting: AdamW steps on large tensors ->
     the memory speed of one rank alone (compute.memory_alone_bw_GBps; the step
     simulator shares the host's memory among the ranks streaming at once);
+  * on 4 ranks bound to 2 cores (gloo): the pipeline transfers and the loop
+    again -> compute.shared_cores, what runs with more ranks than cores pay
+    (a thread woken on a core where another rank computes waits for the
+    scheduler: 10x the rendezvous, 5x the loop's time on the 2-core VM);
   * between those benchmarks, the host's speed: a fixed fp32 matmul's rate
     and a stack of tiny eager layers' time (compute.speed_probe_gflops,
     compute.speed_probe_eager_us). A VM's cores drift by 10-30% over minutes,
@@ -109,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_one_gpu(args)
     from executor.collectives import (check_host_memory, default_timeout_s, measure_collectives, measure_in_step,
                                       measure_reduce_bandwidth)
-    from executor.compute_bench import measure_on_every_rank
+    from executor.compute_bench import measure_on_every_rank, measure_on_shared_cores
     from executor.launch import check_request, resolve_backend, usable_cores
 
     try:
@@ -141,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
         if backend == "gloo" and in_step_ops:
             progress(f"measuring {', '.join(o.replace('_', '-') for o in in_step_ops)} between bursts of compute")
             in_step = measure_in_step(in_step_ops, max(rank_counts))
+        shared_rows = []
+        if backend == "gloo":
+            progress("measuring pipeline transfers and the loop between actions with two ranks on each core")
+            shared_rows = measure_on_shared_cores()
         # Once more at the end: a host's speed drifts (other tenants), and the fits take both rounds.
         progress(f"measuring matmuls, eager ops and optimizer steps again on {max(rank_counts)} ranks")
         per_rank += measure_on_every_rank(max(rank_counts))
@@ -160,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
     p2p_latency = float(np.median([pair["latency"] for pair in p2p])) if p2p else None
     gaps = [rank["actions"] for rank in per_rank if rank["actions"] is not None]
     action_overhead = float(np.median(gaps)) if gaps else 0.0
+    shared = _shared_cores(shared_rows)
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s = (float(v) for v in np.median(probes, axis=0))
     algorithms = _backend_algorithms(backend)
@@ -185,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer_tensor_s=optimizer.tensor_s, matmul_stream_bw_Bps=matmul.stream_bw_Bps,
         p2p_rendezvous_s=p2p_rendezvous, p2p_latency_s=p2p_latency, action_overhead_s=action_overhead,
         elementwise_bw_Bps=elementwise_bw,
-        memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw,
+        memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
         cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s))
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
     if step_overhead:
@@ -207,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
                     "optimizer_tensor_us": optimizer.tensor_s * 1e6, "p2p_rendezvous_us": p2p_rendezvous * 1e6,
                     "p2p_latency_us": p2p_latency * 1e6 if p2p_latency is not None else None,
                     "action_overhead_us": action_overhead * 1e6,
+                    "shared_cores": shared and {"p2p_rendezvous_us": shared.p2p_rendezvous_s * 1e6,
+                                                "p2p_latency_us": shared.p2p_latency_s * 1e6,
+                                                "action_overhead_us": shared.action_overhead_s * 1e6},
                     "elementwise_bw_GBps": elementwise_bw / 1e9, "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
@@ -244,6 +256,10 @@ def run(args: argparse.Namespace) -> int:
               f"send's issue to the receive's return)")
     print(f"between actions   {action_overhead * 1e6:.0f} us before each pass, sync call or optimizer step (the "
           f"executor's loop on a 2-stage pipeline of trivial stages)")
+    if shared is not None:
+        print(f"2 ranks per core  {shared.p2p_latency_s * 1e6:.0f} us latency and {shared.p2p_rendezvous_s * 1e6:.0f} "
+              f"us rendezvous per pipeline transfer, {shared.action_overhead_s * 1e6:.0f} us between actions "
+              f"(runs with more ranks than cores)")
     stream = (f", weights stream in and outputs out at {matmul.stream_bw_Bps / 1e9:.1f} GB/s"
               if matmul.stream_bw_Bps else "")
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
@@ -256,6 +272,16 @@ def run(args: argparse.Namespace) -> int:
           f"probes timed between the compute benchmarks; `parsim compare` times them again and follows them)")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
+
+
+def _shared_cores(rows: list[dict]) -> SharedCoreCosts | None:
+    """The medians over ranks of :func:`executor.compute_bench.measure_on_shared_cores`' figures (None: not run)."""
+    pairs = [row for row in rows if row["p2p"] is not None]
+    if not pairs:
+        return None
+    return SharedCoreCosts(float(np.median([row["p2p"]["rendezvous"] for row in pairs])),
+                           float(np.median([row["p2p"]["latency"] for row in pairs])),
+                           float(np.median([row["actions"] for row in pairs])))
 
 
 def _run_one_gpu(args: argparse.Namespace) -> int:
