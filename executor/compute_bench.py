@@ -82,11 +82,14 @@ def measure_on_shared_cores(timeout_s: float = 300.0) -> list[dict]:
     to 2 cores (2 ranks on 1 core on a single-core host), pairs 0-1 and 2-3 crossing the cores as the stages of
     a data- and pipeline-parallel run do. One dict per rank. Waking a thread on a core another rank computes on
     waits for the scheduler, so these grow far more than 2x: on the 2-core VM, a late receive took 2.4-2.9 ms
-    against 0.12-0.27 alone, the loop 370-450 us per action against 81."""
+    against 0.12-0.27 alone, the loop 370-740 us per action against 81. Empty where the host cannot bind
+    processes to cores (not Linux)."""
     import os
 
     from .launch import launch
 
+    if not hasattr(os, "sched_setaffinity"):
+        return []
     cores = sorted(os.sched_getaffinity(0))
     shared = cores[:2]
     os.sched_setaffinity(0, shared)  # the ranks bind round robin to the cores they inherit

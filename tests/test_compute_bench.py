@@ -29,3 +29,14 @@ def test_adamw_is_timed_on_every_rank_at_once_and_on_each_rank_alone():
         assert all(row[2] > 0 for row in rows["together"] + rows["alone"])
     fit = fit_optimizer([row for rows in per_rank for row in rows["together"]], ADAMW_ACCESSES)
     assert fit_alone_memory([row for rows in per_rank for row in rows["alone"]], fit.tensor_s, ADAMW_ACCESSES) > 0
+
+
+@pytest.mark.multiproc
+def test_the_pipeline_s_host_costs_are_timed_with_two_ranks_on_each_core():
+    from executor.compute_bench import measure_on_shared_cores
+
+    rows = measure_on_shared_cores(timeout_s=120)
+    assert len(rows) in (2, 4)  # 2 cores (or 1) shared by twice as many ranks
+    for row in rows:
+        assert set(row["p2p"]) == {"rendezvous", "latency"} and min(row["p2p"].values()) > 0
+        assert row["actions"] > 0
