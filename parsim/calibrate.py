@@ -26,6 +26,7 @@ functions, norms and softmax give the speed of elementwise work (:func:`fit_elem
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -154,15 +155,23 @@ def fit_links(results: list[CollectiveResult], algorithms: dict[str, str], reduc
                    list(zip(results, fitted.tolist())))
 
 
-def fit_operation(results: list[CollectiveResult], links: LinkFit,
-                  algorithms: dict[str, str]) -> tuple[float, float, list]:
+class OperationFit(NamedTuple):
+    overhead_s: float
+    efficiency: float
+    rows: list  # (result, fitted seconds)
+    at_link_speed: bool = False  # the times did not grow with size: efficiency kept at 1
+
+
+def fit_operation(results: list[CollectiveResult], links: LinkFit, algorithms: dict[str, str]) -> OperationFit:
     """One operation's own fixed cost per call and bandwidth efficiency, on top of the fitted links.
 
     Backends do not run every operation at link speed, nor with the same fixed
     cost (NCCL's own tuner keeps a latency and a bandwidth per algorithm and
     operation for this reason). With latency per step, links and reduction
-    fixed: ``t = overhead + alpha*steps + transfer / e + reduce``; returns
-    ``(overhead_s, e, rows)`` from weighted least squares (both terms >= 0).
+    fixed: ``t = overhead + alpha*steps + transfer / e + reduce``, from
+    weighted least squares (both terms >= 0). Where the times do not grow with
+    the bytes (stalls on a busy host can outweigh them at every size), the
+    bytes stay at link speed and only the fixed cost is fitted.
     """
     ratio = links.fabric_bw_Bps / links.bw_Bps if links.fabric_bw_Bps else None
     feats = _features(results, algorithms, ratio)
@@ -172,10 +181,12 @@ def fit_operation(results: list[CollectiveResult], links: LinkFit,
     weights = 1.0 / times
     a = np.stack([np.ones_like(times), transfer], axis=1) * weights[:, None]
     overhead, inverse = _nonnegative_lstsq(a, (times - fixed) * weights)
-    if inverse <= 0:
-        raise ParsimError(f"{results[0].op}: no bandwidth term in its measurements (use larger sizes)")
+    at_link_speed = inverse <= 0
+    if at_link_speed:
+        inverse = 1.0
+        overhead = max(float(np.sum(weights ** 2 * (times - fixed - transfer)) / np.sum(weights ** 2)), 0.0)
     fitted = fixed + overhead + transfer * inverse
-    return float(overhead), float(1.0 / inverse), list(zip(results, fitted.tolist()))
+    return OperationFit(float(overhead), float(1.0 / inverse), list(zip(results, fitted.tolist())), at_link_speed)
 
 
 def _features(results: list[CollectiveResult], algorithms: dict[str, str], ratio: float | None) -> np.ndarray:

@@ -42,9 +42,23 @@ def test_fit_recovers_latency_link_and_host_bandwidth():
 def test_an_operation_with_its_own_cost_is_fitted_apart():
     slow = host(efficiency={"all_gather": 0.4}, overhead_s={"all_gather": 1e-3})
     links = fit_links(synthetic(slow, [("all_reduce", 2), ("send_recv", 2)]), GLOO, 6e9)
-    overhead, efficiency, rows = fit_operation(synthetic(slow, [("all_gather", 2)]), links, GLOO)
+    overhead, efficiency, rows, at_link_speed = fit_operation(synthetic(slow, [("all_gather", 2)]), links, GLOO)
     assert efficiency == pytest.approx(0.4, rel=0.05)
     assert overhead == pytest.approx(1e-3, rel=0.05)
+    assert not at_link_speed
+
+
+def test_an_operation_whose_times_do_not_grow_keeps_link_speed_and_fits_its_fixed_cost():
+    """A busy host's stalls can outweigh the bytes at every size: the fit keeps the bytes at link speed
+    instead of refusing the whole calibration."""
+    spec = host()
+    links = fit_links(synthetic(spec, [("all_reduce", 2), ("send_recv", 2)]), GLOO, 6e9)
+    flat = synthetic(spec, [("broadcast", 2)])
+    for r in flat:
+        r.time_s = 20e-3  # stalls as long as the largest transfer, whatever the size
+    fit = fit_operation(flat, links, GLOO)
+    assert fit.at_link_speed and fit.efficiency == 1.0 and fit.overhead_s > 0
+    assert all(f > 0 for _, f in fit.rows)
 
 
 def test_matmul_fit_recovers_peak_and_shape_efficiency():

@@ -176,8 +176,12 @@ def run(args: argparse.Namespace) -> int:
     links = fit_links([r for r in results if r.op in link_ops], algorithms, reduce_bw)
     efficiency, overhead, rows = {}, {}, []
     for op in dict.fromkeys(r.op for r in results):
-        overhead[op], efficiency[op], op_rows = fit_operation([r for r in results if r.op == op], links, algorithms)
-        rows += op_rows
+        fit = fit_operation([r for r in results if r.op == op], links, algorithms)
+        overhead[op], efficiency[op] = fit.overhead_s, fit.efficiency
+        rows += fit.rows
+        if fit.at_link_speed:
+            note(f"{op.replace('_', '-')}: its times did not grow with size (stalls on a busy host?); its bytes "
+                 f"are kept at link speed and only its fixed cost is fitted")
 
     mem_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(rank_counts)  # per rank
     cpu = platform.processor() or platform.machine()
