@@ -1,14 +1,17 @@
-"""How a CPU host's cores share its memory: AdamW steps on one rank alone and on every rank at once.
+"""How a CPU host's cores share its memory: AdamW steps on one rank alone, on every rank at once, and on one
+rank while the others run matmuls.
 
 Each rank is a process bound to its own core, one thread, and times
 ``torch.optim.AdamW`` steps (torch's defaults, as the executor builds them)
 behind dirty caches, first alone, then with every rank stepping at the same
-moment. The speed counts parsim's 21 fp32 accesses per parameter
+moment, then alone again while the other ranks multiply matrices (as a
+pipeline's other stage runs its backward). The speed counts parsim's 21 fp32 accesses per parameter
 (``parsim.lower.ADAMW_ACCESSES``). ``parsim calibrate`` writes the same two
 figures (``compute.memory_alone_bw_GBps``, ``compute.memory_host_bw_GBps``)
 and the step simulator shares the host's memory among the ranks that stream
-at once. On the 2-core VM (2026-11-26): 2 x 2M parameters took 6.7 ms alone
-(53 GB/s) and 10.2 ms on both cores at once (34 GB/s each).
+at once; it does not slow a stream beside another rank's matmuls. On the
+2-core VM (2026-11-26): 2 x 2M parameters took 6.7-7.2 ms alone (53-49
+GB/s) and 10.2-11.4 ms on both cores at once (34-31 GB/s each).
 
 Run:  python benchmarks/cpu_memory_sharing.py [--ranks 2] [--tensors 2] [--numel 2097152]
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 
 def _step_times(tensors: int, numel: int, steps: int) -> float:
@@ -37,19 +41,38 @@ def _step_times(tensors: int, numel: int, steps: int) -> float:
     return statistics.median(times[3:])
 
 
-def _rank(rank: int, world: int, tensors: int, numel: int, steps: int) -> tuple[list[float], float]:
-    """Each rank alone in turn (the others wait at a barrier), then all at once."""
+def _matmuls_for(seconds: float) -> None:
+    import torch
+
+    a, w = torch.full((256, 1024), 0.01), torch.full((1024, 1024), 0.01)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ w
+
+
+def _rank(rank: int, world: int, tensors: int, numel: int, steps: int) -> tuple[float, float, float]:
+    """(alone, all at once, beside the others' matmuls): each rank alone in turn (the others wait at a
+    barrier), then all at once, then each in turn while the others multiply for longer than its steps take."""
     import torch
 
     torch.set_num_threads(1)
     dist = torch.distributed
-    alone = []
-    for turn in range(world):
-        dist.barrier()
-        if turn == rank:
-            alone.append(_step_times(tensors, numel, steps))
+
+    def in_turn(others: Callable[[float], None]) -> float:
+        mine = 0.0
+        for turn in range(world):
+            dist.barrier()
+            if turn == rank:
+                mine = _step_times(tensors, numel, steps)
+            else:
+                others(turn)
+        return mine
+
+    alone = in_turn(lambda turn: None)
     dist.barrier()
-    return alone, _step_times(tensors, numel, steps)
+    together = _step_times(tensors, numel, steps)
+    beside = in_turn(lambda turn: _matmuls_for(3 * (steps + 3) * alone + 0.1))
+    return alone, together, beside
 
 
 def main() -> None:
@@ -69,10 +92,11 @@ def main() -> None:
     nbytes = args.tensors * args.numel * ADAMW_ACCESSES * 4
     print(f"AdamW on {args.tensors} x {args.numel:,} fp32 parameters, {args.ranks} ranks on "
           f"{usable_cores()} cores, median of {args.steps} steps")
-    print(f"{'rank':>4}  {'alone (ms)':>10} {'GB/s':>6}  {'all at once (ms)':>16} {'GB/s':>6}")
-    for rank, (alone, together) in enumerate(results):
-        print(f"{rank:>4}  {alone[0] * 1e3:>10.2f} {nbytes / alone[0] / 1e9:>6.1f}  {together * 1e3:>16.2f} "
-              f"{nbytes / together / 1e9:>6.1f}")
+    print(f"{'rank':>4}  {'alone (ms)':>10} {'GB/s':>6}  {'all at once (ms)':>16} {'GB/s':>6}  "
+          f"{'beside matmuls (ms)':>19} {'GB/s':>6}")
+    for rank, times in enumerate(results):
+        print(f"{rank:>4}  " + "  ".join(f"{t * 1e3:>{width}.2f} {nbytes / t / 1e9:>6.1f}"
+                                         for t, width in zip(times, (10, 16, 19))))
 
 
 if __name__ == "__main__":
