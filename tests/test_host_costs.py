@@ -411,3 +411,12 @@ def test_a_plan_too_small_to_hide_the_host_is_flagged_on_a_gpu_cluster_without_h
     for plan, cluster in (("tiny-dp2", str(path)), ("llama3-8b-fsdp8", "dgx-h100")):
         assert main(["simulate", plan, "--cluster", cluster]) == 0
         assert "too short to hide the host" not in capsys.readouterr().err
+
+
+def test_every_compute_key_of_a_cluster_file_is_documented():
+    from pathlib import Path
+
+    from parsim.cluster import COMPUTE_KEYS
+
+    text = (Path(__file__).parents[1] / "docs" / "clusters.md").read_text()
+    assert [key for key in COMPUTE_KEYS if f"`compute.{key}`" not in text] == []
