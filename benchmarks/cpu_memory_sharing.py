@@ -19,59 +19,21 @@ Run:  python benchmarks/cpu_memory_sharing.py [--ranks 2] [--tensors 2] [--numel
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from typing import Callable
 
-
-def _step_times(tensors: int, numel: int, steps: int) -> float:
-    import torch
-
-    params = [torch.nn.Parameter(torch.full((numel,), 0.01)) for _ in range(tensors)]
-    for p in params:
-        p.grad = torch.full((numel,), 1e-3)
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-    dirty = torch.zeros(8 << 20)
-    times = []
-    for _ in range(steps + 3):
-        dirty.add_(1.0)
-        start = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[3:])
-
-
-def _matmuls_for(seconds: float) -> None:
-    import torch
-
-    a, w = torch.full((256, 1024), 0.01), torch.full((1024, 1024), 0.01)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        a @ w
+BACKWARD_MATMUL = (256, 1024, 1024)  # (m, n, k) the other ranks multiply, as a pipeline stage's backward does
 
 
 def _rank(rank: int, world: int, tensors: int, numel: int, steps: int) -> tuple[float, float, float]:
     """(alone, all at once, beside the others' matmuls): each rank alone in turn (the others wait at a
     barrier), then all at once, then each in turn while the others multiply for longer than its steps take."""
-    import torch
+    from executor.compute_bench import adamw, after_dirty_caches, compute_for, in_turn
 
-    torch.set_num_threads(1)
-    dist = torch.distributed
+    def steps_s(together: bool = False) -> float:
+        return after_dirty_caches(adamw(tensors, numel).step, repeats=steps, together=together)
 
-    def in_turn(others: Callable[[float], None]) -> float:
-        mine = 0.0
-        for turn in range(world):
-            dist.barrier()
-            if turn == rank:
-                mine = _step_times(tensors, numel, steps)
-            else:
-                others(turn)
-        return mine
-
-    alone = in_turn(lambda turn: None)
-    dist.barrier()
-    together = _step_times(tensors, numel, steps)
-    beside = in_turn(lambda turn: _matmuls_for(3 * (steps + 3) * alone + 0.1))
+    alone = in_turn(steps_s)
+    together = steps_s(together=True)
+    beside = in_turn(steps_s, lambda: compute_for(3 * (steps + 1) * alone + 0.1, BACKWARD_MATMUL))
     return alone, together, beside
 
 
@@ -87,6 +49,10 @@ def main() -> None:
 
     from executor.launch import launch, usable_cores
     from parsim.lower import ADAMW_ACCESSES
+
+    if args.ranks > usable_cores():
+        parser.exit(2, f"{parser.prog}: --ranks {args.ranks}: one rank per core, and this host gives "
+                       f"{usable_cores()} cores\n")
 
     results = launch(_rank, args.ranks, (args.tensors, args.numel, args.steps), "gloo", 600.0)
     nbytes = args.tensors * args.numel * ADAMW_ACCESSES * 4

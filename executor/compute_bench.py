@@ -334,7 +334,7 @@ def measure_elementwise(shape: tuple[int, int] = ELEMENTWISE_SHAPE) -> dict:
 
 
 # ----------------------------------------------------------------------------- optimizer
-def _adamw(tensors: int, numel: int, device: Any = "cpu") -> Any:
+def adamw(tensors: int, numel: int, device: Any = "cpu") -> Any:
     """A ``torch.optim.AdamW`` (torch's defaults, as the executor builds it) over ``tensors`` fp32 parameters of
     ``numel`` elements, each with a gradient."""
     torch = require_torch()
@@ -346,9 +346,9 @@ def _adamw(tensors: int, numel: int, device: Any = "cpu") -> Any:
 
 def measure_optimizer(runs: Sequence[tuple[int, int]] = OPTIMIZER_RUNS, device: Any = "cpu"
                       ) -> list[tuple[int, int, float]]:
-    """Median seconds of one AdamW step (:func:`_adamw`) on ``tensors`` parameters of ``numel`` fp32 elements
+    """Median seconds of one AdamW step (:func:`adamw`) on ``tensors`` parameters of ``numel`` fp32 elements
     each, steps run back to back: (tensors, numel, seconds) per run."""
-    return [(tensors, numel, median_time(_adamw(tensors, numel, device).step, repeats=9, sync=synchronizer(device)))
+    return [(tensors, numel, median_time(adamw(tensors, numel, device).step, repeats=9, sync=synchronizer(device)))
             for tensors, numel in runs]
 
 
@@ -358,26 +358,37 @@ def measure_host_optimizer(runs: Sequence[tuple[int, int]] = OPTIMIZER_RUNS, alo
     (a tensor's fixed cost is 10-20% above a warm loop's): ``together``, every rank at once, one row per run
     (tensors, numel, seconds); and ``alone``, the ``alone`` run on each rank in turn while the others wait (a
     core streaming alone gets more of the host's memory bandwidth than its share when every core streams)."""
-    torch = require_torch()
     together = []
     for tensors, numel in runs:
         _barrier()
-        together.append((tensors, numel, after_dirty_caches(_adamw(tensors, numel).step, repeats=9)))
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    optimizer, solo = _adamw(*alone), []
+        together.append((tensors, numel, after_dirty_caches(adamw(tensors, numel).step, repeats=9)))
+    optimizer = adamw(*alone)
+    seconds = in_turn(lambda: after_dirty_caches(optimizer.step, repeats=9, together=False))
+    return {"together": together, "alone": [(*alone, seconds)]}
+
+
+def in_turn(mine: Callable[[], float], others: Callable[[], Any] = lambda: None) -> float:
+    """Every rank in turn runs ``mine`` while the others run ``others`` (by default, wait at the next turn's
+    barrier): this rank's result."""
+    torch = require_torch()
+    dist = torch.distributed
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    result = 0.0
     for turn in range(world):
         _barrier()
         if turn == rank:
-            solo.append((*alone, after_dirty_caches(optimizer.step, repeats=9, together=False)))
-    return {"together": together, "alone": solo}
+            result = mine()
+        else:
+            others()
+    return result
 
 
 # ----------------------------------------------------------------------------- point-to-point
-def _compute_for(seconds: float) -> None:
-    """Keep this rank's core busy with small matmuls for ``seconds`` (as a pipeline stage computes)."""
+def compute_for(seconds: float, shape: tuple[int, int, int] = (64, 256, 256)) -> None:
+    """Keep this rank's core busy with ``(m, n, k)`` matmuls for ``seconds`` (as a pipeline stage computes)."""
     torch = require_torch()
-    a, b = torch.full((64, 256), 0.01), torch.full((256, 256), 0.01)
+    m, n, k = shape
+    a, b = torch.full((m, k), 0.01), torch.full((k, n), 0.01)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         a @ b
@@ -421,20 +432,20 @@ def measure_p2p(repeats: int = 61, nbytes: int = 4096, busy_s: float = 0.002) ->
             continue
         receiver_waits = i >= turns // 2
         if i % 2 == rank % 2:  # this rank sends
-            _compute_for(busy_s)
+            compute_for(busy_s)
             start = time.perf_counter()
             pending.put(dist.isend(buffer, peer, tag=i))
             if receiver_waits:
                 sent_at.append(start)
             else:
                 issue.append(time.perf_counter() - start)
-            _compute_for(busy_s)
+            compute_for(busy_s)
             pending.join()
         elif receiver_waits:
             dist.irecv(buffer, peer, tag=i).wait()
             received_at.append(time.perf_counter())
         else:
-            _compute_for(2 * busy_s)  # post the receive after the peer has sent
+            compute_for(2 * busy_s)  # post the receive after the peer has sent
             start = time.perf_counter()
             dist.irecv(buffer, peer, tag=i).wait()
             late_receive.append(time.perf_counter() - start)

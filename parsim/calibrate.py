@@ -67,9 +67,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         host_costs["memory_alone_bw_GBps"] = memory_alone_bw_Bps / 1e9
         host_costs["memory_host_bw_GBps"] = memory_host_bw_Bps / 1e9
     if shared_cores:
-        host_costs["shared_cores"] = {"p2p_rendezvous_us": shared_cores.p2p_rendezvous_s * 1e6,
-                                      "p2p_latency_us": shared_cores.p2p_latency_s * 1e6,
-                                      "action_overhead_us": shared_cores.action_overhead_s * 1e6}
+        host_costs["shared_cores"] = shared_cores.to_us()
     if cpu_cores:
         host_costs["cpu_cores"] = int(cpu_cores)
     if speed_probe:
@@ -252,9 +250,9 @@ def fit_matmul(samples: list[tuple[tuple[int, int, int], float]], stream: bool =
     squares on relative error (all >= 0). ``bytes`` are the second operand's and the output's,
     ``(k n + m n) dtype_bytes`` (what a matmul streams in and out; see :mod:`parsim.compute`). With
     ``stream=False`` (or no stream term in the data) ``stream_bw_Bps`` is None: the pure shape model.
-    With ``call`` a fixed cost per call is fitted
-    too and kept apart (``call_s``): on an eager CPU host it is the op's dispatch, which the
-    per-op costs charge, so the shape model describes the arithmetic alone.
+    With ``call`` a fixed cost per call is fitted too and kept apart (``call_s``): on an eager CPU host
+    it is the op's dispatch, which the per-op costs charge, so the shape model describes the arithmetic
+    alone.
     """
     if not samples:
         raise ParsimError("no matmul measurements to fit")

@@ -118,6 +118,11 @@ class SharedCoreCosts:
     p2p_latency_s: float
     action_overhead_s: float
 
+    def to_us(self) -> dict[str, float]:
+        """The ``compute.shared_cores`` mapping: each figure in microseconds, by SHARED_CORE_KEYS."""
+        return dict(zip(SHARED_CORE_KEYS, (self.p2p_rendezvous_s * 1e6, self.p2p_latency_s * 1e6,
+                                           self.action_overhead_s * 1e6)))
+
 
 @dataclass(frozen=True)
 class SmCycles:

@@ -219,10 +219,11 @@ def test_no_speed_probe_applies_only_to_a_plan_run(capsys):
     assert "--no-speed-probe" in capsys.readouterr().err
 
 
-def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, tmp_path, capsys):
+def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(monkeypatch, tmp_path, capsys):
     """Every measurement faked from a known host: the file, the text and the JSON carry the probes' medians
-    over every rank and round (the matmul's FLOP/s, the eager pass's time), which compare scales by, and the
-    loop's time between actions (the median over ranks and rounds)."""
+    over every rank and round (the matmul's FLOP/s, the eager pass's time), which compare scales by, the
+    loop's time between actions, the pipeline transfer's costs (alone and with two ranks per core) and the
+    memory speeds (every rank streaming, one alone)."""
     import executor.collectives
     import executor.compute_bench
     from parsim.lower import ADAMW_ACCESSES
@@ -236,6 +237,7 @@ def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, t
                  "backward_ops": 120, "matmuls": []}]
     elementwise = {"forward_s": 7 * 7e-6 + 2e-4, "backward_s": 12 * 5e-6 + 3e-4, "forward_ops": 7,
                    "backward_ops": 12, "elements": 65536}
+
     def adamw(tensors, numel, bw):
         return tensors, numel, tensors * 50e-6 + tensors * numel * ADAMW_ACCESSES * 4 / bw
 
@@ -266,6 +268,7 @@ def test_calibrate_writes_and_prints_the_host_speed_probes_median(monkeypatch, t
     assert written.action_overhead_s == pytest.approx(80e-6)
     assert (written.p2p_rendezvous_s, written.p2p_latency_s) == pytest.approx((300e-6, 60e-6))
     assert "p2p latency       60 us per pipeline transfer whose receiver waits" in text
+    assert "p2p rendezvous    300 us per pipeline transfer received late" in text
     assert "2 ranks per core  200 us latency and 2650 us rendezvous per pipeline transfer, 400 us between actions" \
         in text
     assert written.shared_cores == SharedCoreCosts(pytest.approx(2.65e-3), pytest.approx(200e-6),

@@ -52,7 +52,9 @@ def test_the_memory_sharing_benchmark_prints_each_rank_alone_and_together():
     assert [row[0] for row in rows] == ["0", "1"] and all(float(value) > 0 for row in rows for value in row[1:])
 
 
-def test_the_memory_sharing_benchmark_refuses_an_empty_run_in_one_line():
-    done = script("benchmarks/cpu_memory_sharing.py", "--tensors", "0")
+@pytest.mark.parametrize("args, expected", [(["--tensors", "0"], "must be at least 1"),
+                                            (["--ranks", "4096"], "--ranks 4096: one rank per core")])
+def test_the_memory_sharing_benchmark_refuses_a_bad_run_in_one_line(args, expected):
+    done = script("benchmarks/cpu_memory_sharing.py", *args)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
-    assert "must be at least 1" in done.stderr
+    assert expected in done.stderr
