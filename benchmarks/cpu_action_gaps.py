@@ -6,8 +6,9 @@ optimizer step) and the next, by the kinds on either side; the step's idle
 time (what no action covers); and, per send, the time from its issue to the
 rank's next action, which is the host time the issue takes (a send runs on
 beside the rank's compute, so it is not an action of its own). The simulator
-prices these as ``compute.action_overhead_us`` before each action, which
-``parsim calibrate`` measures on the executor's loop over trivial stages.
+prices these as ``compute.action_overhead_us`` before each action, plus
+``compute.p2p_issue_us`` per send issued since the last, which ``parsim
+calibrate`` measures on the executor's loop over trivial stages.
 Last, every pipeline transfer's time, apart for a receiver that waited (from
 the send's issue to the receive's end: priced as ``compute.p2p_latency_us``
 plus the bytes) and a receive posted after its send (the receive's own time:
@@ -15,7 +16,12 @@ plus the bytes) and a receive posted after its send (the receive's own time:
 gap medians were 0.04-0.17 ms (0.57 ms idle per step); tiny PP's sends took a
 median 0.10 and 0.13 ms to issue on its two stages, and a few took 6 ms
 (gloo's stalls); its transfers took a median 83 us with the receiver waiting
-(mean 157 us, one of 5.2 ms) and 74 us posted late (mean 112 us).
+(mean 157 us, one of 5.2 ms) and 74 us posted late (mean 112 us). Later
+(2026-11-26, night), tiny PP's gaps were 18-27 us before a pass that follows
+a receive or a pass, 168-264 us where a send was issued in between; its late
+receives took a median 0.10 ms but a mean 0.42-0.55 ms (about one in ten
+2.5-5.4 ms: the sender's gloo thread waiting for the core its rank computes
+on).
 
 Run:  python benchmarks/cpu_action_gaps.py tiny-pp2 --steps 20
 """
@@ -61,31 +67,15 @@ def main() -> None:
 
 def _print_transfers(results: list[dict]) -> None:
     """Every pipeline transfer's time, its receiver waiting or its receive posted late (see the docstring)."""
-    waiting, late = [], []
-    for step in zip(*(result["steps"] for result in results)):
-        events = [e for rank_events in step for e in rank_events]
-        sent = {_transfer(e): e for e in events if e.kind == "send"}
-        for receive in (e for e in events if e.kind == "recv"):
-            send = sent.get(_transfer(receive))
-            if send is None:  # both stages on one rank: nothing moved
-                continue
-            if receive.start_s < send.start_s:
-                waiting.append(receive.end_s - send.start_s)
-            else:
-                late.append(receive.end_s - receive.start_s)
+    from executor.compute_bench import transfer_times
+
+    late, waiting = transfer_times([(result["rank"], [[(e.name, e.kind, e.start_s, e.end_s) for e in events]
+                                                      for events in result["steps"]]) for result in results])
     for name, values in (("receiver waiting", waiting), ("receive posted late", late)):
         if values:
             print(f"transfers, {name}: {len(values)}, median {1e3 * statistics.median(values):.3f}, "
                   f"p90 {1e3 * _quantile(values, 0.9):.3f}, mean {1e3 * statistics.fmean(values):.3f}, "
                   f"max {1e3 * max(values):.2f}")
-
-
-def _transfer(event) -> tuple[str, int, int]:
-    """``send act stage=0 mb=3 peer=1`` on rank 0 and ``recv act stage=0 mb=3 peer=0`` on rank 1 are one
-    transfer, ``("act stage=0 mb=3", 0, 1)``: what moved, from which rank to which (data-parallel replicas
-    send the same names between other ranks)."""
-    what, peer = event.name.split(" ", 1)[1].rsplit(" peer=", 1)
-    return (what, event.rank, int(peer)) if event.kind == "send" else (what, int(peer), event.rank)
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -27,15 +27,12 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
   a few large parameter tensors, every rank at once (fits the cost per tensor
   and the memory speed each rank gets when all stream), and the large ones on
   each rank alone (the speed of one rank streaming while the others wait).
-* :func:`measure_p2p`: pairs of ranks pass small messages between bursts of
-  compute, the way the executor's pipeline runtime does (a send issued and
-  handed to a watcher thread): the host time of a transfer whose receive is
-  posted late, and the latency of one whose receiver waits.
-* :func:`measure_action_gap`: pairs of ranks run the executor's pipeline
+* :func:`measure_pipeline_loop`: pairs of ranks run the executor's pipeline
   runtime, 1F1B over two stages that only stream memory: the loop's own host
-  time between one action and the next.
-* :func:`measure_on_shared_cores`: those two again with two ranks on each
-  core, as a run with more ranks than cores has them.
+  time before each action and per send issued, and its transfers' times, with
+  the receive posted late or the receiver waiting.
+* :func:`measure_on_shared_cores`: that again with two ranks on each core, as
+  a run with more ranks than cores has them.
 
 Between them, :mod:`executor.speed_probe` times the host's speed, which
 ``parsim compare`` times again during its run.
@@ -43,6 +40,7 @@ Between them, :mod:`executor.speed_probe` times the host's speed, which
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import time
@@ -77,8 +75,8 @@ def measure_on_every_rank(nproc: int, timeout_s: float = 600.0) -> list[dict]:
 
 
 def measure_on_shared_cores(timeout_s: float = 300.0) -> list[dict]:
-    """The pipeline's host costs with two ranks on each core (a run with more ranks than cores): pipeline
-    transfers (:func:`measure_p2p`) and the loop between actions (:func:`measure_action_gap`) on 4 ranks bound
+    """The pipeline's host costs with two ranks on each core (a run with more ranks than cores): the pipeline
+    loop's transfers and time between actions (:func:`measure_pipeline_loop`) on 4 ranks bound
     to 2 cores (2 ranks on 1 core on a single-core host), pairs 0-1 and 2-3 crossing the cores as the stages of
     a data- and pipeline-parallel run do. One dict per rank. Waking a thread on a core another rank computes on
     waits for the scheduler, so these grow far more than 2x: on the 2-core VM, a late receive took 2.4-2.9 ms
@@ -100,7 +98,7 @@ def measure_on_shared_cores(timeout_s: float = 300.0) -> list[dict]:
 
 
 def _rank_shared(rank: int, world: int) -> dict:
-    return {"p2p": measure_p2p(), "actions": measure_action_gap()}
+    return {"pipeline": measure_pipeline_loop()}
 
 
 def _rank_compute(rank: int, world: int) -> dict:
@@ -117,7 +115,7 @@ def _rank_compute(rank: int, world: int) -> dict:
     results = {}
     for name, benchmark in (("matmuls", measure_matmuls), ("dispatch", measure_dispatch),
                             ("elementwise", measure_elementwise), ("optimizer", measure_host_optimizer),
-                            ("p2p", measure_p2p), ("actions", measure_action_gap)):
+                            ("pipeline", measure_pipeline_loop)):
         probe_now()
         results[name] = benchmark()
     probe_now()
@@ -383,7 +381,7 @@ def in_turn(mine: Callable[[], float], others: Callable[[], Any] = lambda: None)
     return result
 
 
-# ----------------------------------------------------------------------------- point-to-point
+# ----------------------------------------------------------------------------- the pipeline loop
 def compute_for(seconds: float, shape: tuple[int, int, int] = (64, 256, 256)) -> None:
     """Keep this rank's core busy with ``(m, n, k)`` matmuls for ``seconds`` (as a pipeline stage computes)."""
     torch = require_torch()
@@ -394,85 +392,27 @@ def compute_for(seconds: float, shape: tuple[int, int, int] = (64, 256, 256)) ->
         a @ b
 
 
-def measure_p2p(repeats: int = 61, nbytes: int = 4096, busy_s: float = 0.002) -> dict[str, float] | None:
-    """What one point-to-point transfer costs a CPU rank pair, as the executor's pipeline runtime moves
-    activations between bursts of compute. Ranks pair up (0-1, 2-3, ...) and take turns sending a message of
-    ``nbytes``, in two kinds of turns:
-
-    * ``rendezvous``: the receive is posted after the send was issued (gloo moves a message only once the
-      receiver asks for it): the mean time to issue the ``isend`` (handed to a thread that waits for it, as
-      the executor does) plus the mean time the late ``irecv(...).wait()`` takes;
-    * ``latency``: the receiver waits first, the sender issues after its compute: the mean time from the
-      ``isend``'s issue to the receive's return (one clock: both ranks read the host's monotonic clock).
-
-    Means, not medians: a step pays the occasional multi-millisecond stall of a loaded host too. None on a
-    rank without a partner."""
-    import queue
-    import threading
-
-    torch = require_torch()
-    dist = torch.distributed
-    rank, world = dist.get_rank(), dist.get_world_size()
-    peer = rank ^ 1
-    buffer = torch.zeros(max(nbytes // 4, 1))
-    pending: queue.Queue = queue.Queue()
-
-    def watch() -> None:
-        while True:
-            work = pending.get()
-            work.wait()
-            pending.task_done()
-
-    threading.Thread(target=watch, daemon=True).start()
-    issue, late_receive, sent_at, received_at = [], [], [], []
-    turns = 2 * (repeats + 1)
-    for i in range(turns):
-        dist.barrier()
-        if peer >= world:
-            continue
-        receiver_waits = i >= turns // 2
-        if i % 2 == rank % 2:  # this rank sends
-            compute_for(busy_s)
-            start = time.perf_counter()
-            pending.put(dist.isend(buffer, peer, tag=i))
-            if receiver_waits:
-                sent_at.append(start)
-            else:
-                issue.append(time.perf_counter() - start)
-            compute_for(busy_s)
-            pending.join()
-        elif receiver_waits:
-            dist.irecv(buffer, peer, tag=i).wait()
-            received_at.append(time.perf_counter())
-        else:
-            compute_for(2 * busy_s)  # post the receive after the peer has sent
-            start = time.perf_counter()
-            dist.irecv(buffer, peer, tag=i).wait()
-            late_receive.append(time.perf_counter() - start)
-    # Each rank's receive times beside its partner's send times: exchanged after the timed turns.
-    mine = torch.tensor(sent_at + received_at if peer < world else [0.0] * (turns // 2), dtype=torch.float64)
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    if peer >= world:
-        return None
-    half = len(sent_at)
-    theirs = every[peer].tolist()
-    one_way = [got - sent for got, sent in zip(received_at, theirs[:half])]
-    one_way += [got - sent for got, sent in zip(theirs[half:], sent_at)]
-    return {"rendezvous": statistics.fmean(issue[1:]) + statistics.fmean(late_receive[1:]),
-            "latency": statistics.fmean(one_way[1:])}
-
-
-def measure_action_gap(microbatches: int = 4, steps: int = 23, warmup: int = 3) -> float | None:
-    """Host seconds the executor's training loop spends before each action of a step, beyond the actions
-    themselves: the pipeline runtime's Python between a pass, a receive and the next, and each send's issue.
+def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 3) -> dict[str, float] | None:
+    """The executor's pipeline loop's own host costs, on stages that do almost nothing but leave the caches
+    as a real stage's kernels do.
 
     Ranks pair up (0-1, 2-3, ...) and run :class:`executor.train.pipeline.PipelineRuntime` as a 1F1B pipeline
     of two stages, each an ``nn.Linear(8, 8)`` that first writes half of :data:`COLD_FOOTPRINT_BYTES` of other
-    memory: the loop's Python then finds the caches as a real stage's kernels leave them (its time doubles
-    against warm caches). Per step, the time not covered by an action (from the step's start to the last
-    action's end, less the union of the rank's passes and receives) over its actions; the median over steps,
-    the slower rank's. None on a rank without a partner."""
+    memory (about 0.7 ms on the 2-core VM: the sender of a late receive is computing, as in a real pipeline,
+    and the loop's Python finds the caches cold; its time doubles against warm caches). In seconds:
+
+    * ``action``: the loop's Python before a pass, a receive or the optimizer step: the mean gap, from the
+      step's start or an action's end to the next action, where no send was issued;
+    * ``issue``: what each send's issue adds to such a gap (``isend``, handing it to the thread that waits
+      for it): the mean excess per send of the gaps with sends;
+    * ``rendezvous``: a transfer whose receive is posted after its send was issued (gloo moves a message only
+      once the receiver asks): the mean time the receive takes;
+    * ``latency``: a transfer whose receiver waits first: the mean time from the send's issue to the
+      receive's end (one clock: both ranks read the host's monotonic clock).
+
+    Gaps by the median over steps, each the slower rank's; transfers by the mean over both ranks' (a step pays
+    the occasional multi-millisecond stall of a gloo thread waiting for its core: on the 2-core VM about one
+    late receive in ten). None on a rank without a partner."""
     from parsim.schedules.generators import make_schedule
 
     from .train.pipeline import PipelineRuntime
@@ -502,7 +442,7 @@ def measure_action_gap(microbatches: int = 4, steps: int = 23, warmup: int = 3) 
         runtime = PipelineRuntime(schedule, pp_rank, {pp_rank: Stage(pp_rank == 1)}, {0: first, 1: first + 1},
                                   rank, recorder, (4, 8), torch.float32, torch.device("cpu"))
     inputs = [torch.randn(4, 8) for _ in range(microbatches)]
-    per_action = []
+    steps_run = []  # per step: this rank's events as (name, kind, start, end)
     for i in range(warmup + steps):
         dist.barrier()
         if runtime is None:
@@ -510,12 +450,61 @@ def measure_action_gap(microbatches: int = 4, steps: int = 23, warmup: int = 3) 
         recorder.start_step()
         runtime.run(inputs, [None] * microbatches)
         if i >= warmup:
-            busy = sorted((e.start_s, e.end_s) for e in recorder.events if e.kind != "send")
-            covered, reach = 0.0, 0.0
-            for start, end in busy:
-                covered += max(end - max(start, reach), 0.0)
-                reach = max(reach, end)
-            per_action.append((reach - covered) / len(schedule.actions[pp_rank]))
-    slowest = torch.tensor([statistics.median(per_action) if per_action else 0.0])
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank joins; an unpaired one adds 0
-    return None if runtime is None else float(slowest.item())
+            steps_run.append([(e.name, e.kind, e.start_s, e.end_s) for e in recorder.events])
+    every: list = [None] * world
+    dist.all_gather_object(every, steps_run)  # each pair's events, to match its transfers
+    if runtime is None:
+        return None
+    gaps = [[_split_gaps(step) for step in every[r]] for r in (rank, peer)]
+    late, waiting = transfer_times([(rank, every[rank]), (peer, every[peer])])
+    return {"action": max(statistics.median(g[0] for g in rank_gaps) for rank_gaps in gaps),
+            "issue": max(statistics.median(g[1] for g in rank_gaps) for rank_gaps in gaps),
+            "rendezvous": statistics.fmean(late), "latency": statistics.fmean(waiting)}
+
+
+def _split_gaps(events: Sequence[tuple[str, str, float, float]]) -> tuple[float, float]:
+    """One step's loop time (:func:`measure_pipeline_loop`), from its ``(name, kind, start, end)`` events: the
+    mean gap before an action with no send issued in it, and the mean excess per send of the gaps with sends
+    (0 if the step had none)."""
+    sends = sorted(start for _, kind, start, _ in events if kind == "send")
+    plain, with_sends, issued, reach = [], [], 0, 0.0
+    for _, _, start, end in sorted((e for e in events if e[1] != "send"), key=lambda e: e[2]):
+        if start > reach:
+            count = bisect.bisect_left(sends, start) - bisect.bisect_left(sends, reach)
+            if count:
+                with_sends.append(start - reach)
+                issued += count
+            else:
+                plain.append(start - reach)
+        reach = max(reach, end)
+    action = statistics.fmean(plain) if plain else 0.0
+    return action, max(sum(with_sends) - action * len(with_sends), 0.0) / issued if issued else 0.0
+
+
+def transfer_times(ranks: Sequence[tuple[int, Sequence[Sequence[tuple[str, str, float, float]]]]]
+                   ) -> tuple[list[float], list[float]]:
+    """Every pipeline transfer between these ranks, from ``(rank, steps)`` pairs (each step a list of
+    ``(name, kind, start, end)`` events, as :class:`executor.train.trace_recorder.Recorder` records them):
+    ``(late, waiting)``, the times of those whose receive was posted after the send's issue (the receive's
+    own time) and of those whose receiver waited (from the send's issue to the receive's end)."""
+    late, waiting = [], []
+    for step in zip(*(steps for _, steps in ranks)):
+        events = [(rank, *event) for (rank, _), rank_events in zip(ranks, step) for event in rank_events]
+        sent = {_transfer(rank, name, kind): start for rank, name, kind, start, _ in events if kind == "send"}
+        for rank, name, kind, start, end in events:
+            issued = sent.get(_transfer(rank, name, kind)) if kind == "recv" else None
+            if issued is None:  # not a receive, or both stages on one rank: nothing moved
+                continue
+            if start < issued:
+                waiting.append(end - issued)
+            else:
+                late.append(end - start)
+    return late, waiting
+
+
+def _transfer(rank: int, name: str, kind: str) -> tuple[str, int, int]:
+    """``send act stage=0 mb=3 peer=1`` on rank 0 and ``recv act stage=0 mb=3 peer=0`` on rank 1 are one
+    transfer, ``("act stage=0 mb=3", 0, 1)``: what moved, from which rank to which (data-parallel replicas
+    send the same names between other ranks)."""
+    what, peer = name.split(" ", 1)[1].rsplit(" peer=", 1)
+    return (what, rank, int(peer)) if kind == "send" else (what, int(peer), rank)

@@ -45,10 +45,12 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "attention_efficiency",
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "matmul_stream_bw_GBps",
-                "p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us", "elementwise_bw_GBps",
+                "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us",
+                "elementwise_bw_GBps",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
                 "speed_probe_eager_us")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
+SHARED_CORE_OPTIONAL = ("p2p_issue_us",)  # absent from files calibrated before it was measured: 0
 
 
 @dataclass(frozen=True)
@@ -112,16 +114,20 @@ Curve = tuple[tuple[int, float], ...]  # (x, y) points, x ascending
 class SharedCoreCosts:
     """A CPU host's pipeline costs measured with two ranks on each core (``compute.shared_cores``, written by
     ``parsim calibrate``; :meth:`parsim.compute.ComputeModel.time_shared`): a late receive's rendezvous, a
-    transfer's latency with its receiver waiting, and the loop's time before each action, in seconds."""
+    transfer's latency with its receiver waiting, the loop's time before each action and a send's issue, in
+    seconds."""
 
     p2p_rendezvous_s: float
     p2p_latency_s: float
     action_overhead_s: float
+    p2p_issue_s: float = 0.0
 
     def to_us(self) -> dict[str, float]:
-        """The ``compute.shared_cores`` mapping: each figure in microseconds, by SHARED_CORE_KEYS."""
-        return dict(zip(SHARED_CORE_KEYS, (self.p2p_rendezvous_s * 1e6, self.p2p_latency_s * 1e6,
-                                           self.action_overhead_s * 1e6)))
+        """The ``compute.shared_cores`` mapping: each figure in microseconds, by SHARED_CORE_KEYS (and
+        SHARED_CORE_OPTIONAL)."""
+        return dict(zip(SHARED_CORE_KEYS + SHARED_CORE_OPTIONAL,
+                        (self.p2p_rendezvous_s * 1e6, self.p2p_latency_s * 1e6, self.action_overhead_s * 1e6,
+                         self.p2p_issue_s * 1e6)))
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,7 @@ class ClusterSpec:
     matmul_stream_bw_Bps: float | None = None  # a matmul's weight streamed in addition to its arithmetic
     p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to a receive posted late
     p2p_latency_s: float | None = None  # a pipeline transfer's latency when its receiver waits (None: the links')
+    p2p_issue_s: float = 0.0  # host time a CPU rank's loop spends issuing one pipeline send, before its next action
     action_overhead_s: float = 0.0  # host time between a training step's actions (the loop's own Python)
     elementwise_bw_Bps: float | None = None  # memory-bound kernels' bytes (None: at the memory speed)
     # A CPU host's memory, shared by its ranks' streaming work (None: each rank streams at gpu.hbm_bw_Bps, its
@@ -232,9 +239,10 @@ class ClusterSpec:
             memory_host_bw_Bps=self.memory_host_bw_Bps and self.memory_host_bw_Bps * arithmetic,
             op_forward_s=self.op_forward_s / eager, op_backward_s=self.op_backward_s / eager,
             optimizer_tensor_s=self.optimizer_tensor_s / eager, kernel_overhead_s=self.kernel_overhead_s / eager,
-            action_overhead_s=self.action_overhead_s / eager,
+            action_overhead_s=self.action_overhead_s / eager, p2p_issue_s=self.p2p_issue_s / eager,
             shared_cores=self.shared_cores and replace(
-                self.shared_cores, action_overhead_s=self.shared_cores.action_overhead_s / eager),
+                self.shared_cores, action_overhead_s=self.shared_cores.action_overhead_s / eager,
+                p2p_issue_s=self.shared_cores.p2p_issue_s / eager),
             speed_probe_flops=self.speed_probe_flops and self.speed_probe_flops * arithmetic,
             speed_probe_eager_s=self.speed_probe_eager_s and self.speed_probe_eager_s / eager)
 
@@ -384,7 +392,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
                                  for p in ("forward", "backward"))
     sm_cycles = _sm_cycles(source, compute.get("sm_cycles", {}))
     host_us = {}
-    for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us", "action_overhead_us"):
+    for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us", "action_overhead_us",
+                "p2p_issue_us"):
         host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
     p2p_latency = compute.get("p2p_latency_us")
     if p2p_latency is not None:
@@ -463,6 +472,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         p2p_rendezvous_s=float(host_us["p2p_rendezvous_us"]) * 1e-6,
         p2p_latency_s=p2p_latency and float(p2p_latency) * 1e-6,
         action_overhead_s=float(host_us["action_overhead_us"]) * 1e-6,
+        p2p_issue_s=float(host_us["p2p_issue_us"]) * 1e-6,
         matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),
         memory_alone_bw_Bps=_GBps(host_GBps["memory_alone_bw_GBps"]),
@@ -498,12 +508,14 @@ def _curve(source: str, key: str, value: object, limits: tuple[float, float, str
 
 
 def _shared_cores(source: str, value: object) -> SharedCoreCosts:
-    """``compute.shared_cores``: every one of SHARED_CORE_KEYS, in microseconds."""
-    if not isinstance(value, dict) or set(value) != set(SHARED_CORE_KEYS):
+    """``compute.shared_cores``: every one of SHARED_CORE_KEYS, and any of SHARED_CORE_OPTIONAL, in microseconds."""
+    if (not isinstance(value, dict) or not set(SHARED_CORE_KEYS) <= set(value)
+            or set(value) - set(SHARED_CORE_KEYS) - set(SHARED_CORE_OPTIONAL)):
         raise ConfigError(source, "compute.shared_cores", f"is {value!r}",
-                          f"a mapping of {', '.join(SHARED_CORE_KEYS)}")
+                          f"a mapping of {', '.join(SHARED_CORE_KEYS)} (and optionally "
+                          f"{', '.join(SHARED_CORE_OPTIONAL)})")
     return SharedCoreCosts(*(_figure(source, f"compute.shared_cores.{key}", value[key], LATENCY_US) * 1e-6
-                             for key in SHARED_CORE_KEYS))
+                             for key in SHARED_CORE_KEYS + SHARED_CORE_OPTIONAL if key in value))
 
 
 def _sm_cycles(source: str, value: object) -> SmCycles:

@@ -88,14 +88,21 @@ GPU host):
 * ``action_overhead_s``: on CPU ranks, the training loop's own host time
   before each action of a step (a pass of one microbatch, from its receive; a
   gradient all-reduce the loop issues in turn; the optimizer step): the
-  runtime's Python between one action and the next, and a send's issue. The step simulator starts each such
-  op this long after it could, so it shows as idle time, as measured.
+  runtime's Python between one action and the next. ``p2p_issue_s``: the
+  loop's time issuing each pipeline send (``isend``, handing it to the thread
+  that waits for it), which delays the rank's next action. The step simulator
+  starts each action's first op ``action_overhead_s`` plus ``p2p_issue_s``
+  per send issued since the last action after it could, so it shows as idle
+  time, as measured. (Files calibrated before the issue was measured apart
+  hold it in ``action_overhead_s``, spread over every action.)
 * ``p2p_rendezvous_s``: the host time of one pipeline transfer on CPU ranks
   whose receive is posted late (gloo moves a message only once the receiver
-  has asked for it, and issuing a send hands it to other threads): the step
-  simulator ends such a receive this long after it begins. A receiver that
-  waits has its data after the send's latency (``compute.p2p_latency_us`` in
-  the cluster file, which the step simulator's sends take).
+  has asked for it, and the sender's gloo thread, woken on a core where its
+  rank computes, may wait for the scheduler: on the 2-core VM most such
+  receives took 0.1 ms and about one in ten 2-5 ms): the step simulator ends
+  such a receive this long after it begins, the mean. A receiver that waits
+  has its data after the send's latency (``compute.p2p_latency_us`` in the
+  cluster file, which the step simulator's sends take).
 """
 
 from __future__ import annotations
@@ -158,8 +165,9 @@ class ComputeModel:
     matmul_stream_bw_Bps: float | None = None
     p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to a late receive (parsim.stepsim)
     p2p_latency_s: float | None = None  # a pipeline transfer's latency, receiver waiting (None: the links')
-    shared_cores: SharedCoreCosts | None = None  # the three pipeline host costs with two ranks on each core
+    shared_cores: SharedCoreCosts | None = None  # the pipeline's host costs with two ranks on each core
     action_overhead_s: float = 0.0  # host time before each action of a step (parsim.stepsim; see the docstring)
+    p2p_issue_s: float = 0.0  # host time issuing one pipeline send, before the rank's next action
     elementwise_bw_Bps: float | None = None  # a block's memory-bound bytes (None: at memory_bw_Bps)
     memory_alone_bw_Bps: float | None = None  # one CPU rank streaming while the host's others wait (see above)
     memory_host_bw_Bps: float | None = None  # the CPU host's memory speed, all ranks streaming
@@ -195,7 +203,7 @@ class ComputeModel:
             op_backward_s=spec.op_backward_s, optimizer_tensor_s=spec.optimizer_tensor_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, p2p_rendezvous_s=spec.p2p_rendezvous_s,
             p2p_latency_s=spec.p2p_latency_s, shared_cores=spec.shared_cores,
-            action_overhead_s=spec.action_overhead_s,
+            action_overhead_s=spec.action_overhead_s, p2p_issue_s=spec.p2p_issue_s,
             elementwise_bw_Bps=spec.elementwise_bw_Bps, memory_alone_bw_Bps=spec.memory_alone_bw_Bps,
             memory_host_bw_Bps=spec.memory_host_bw_Bps,
             time_share=max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0,
@@ -334,6 +342,12 @@ class ComputeModel:
         """Host time before each action of a step (:meth:`time_shared`)."""
         shared = self.shared_cores.action_overhead_s if self.shared_cores else None
         return self.time_shared(self.action_overhead_s, shared)
+
+    @property
+    def send_issue_s(self) -> float:
+        """Host time the loop spends issuing one pipeline send before the rank's next action (:meth:`time_shared`)."""
+        shared = self.shared_cores.p2p_issue_s if self.shared_cores else None
+        return self.time_shared(self.p2p_issue_s, shared)
 
     @property
     def send_latency_s(self) -> float | None:

@@ -180,9 +180,9 @@ class _Run:
         self._plan_comms()
         self.fixed: list[float | None] = [None] * n  # duration, where known before the op starts
         self.through = [False] * n  # ends by starting its stream successor at once (see _start)
-        # A CPU host's loop runs this long before each op that opens one of its actions (ComputeModel.action_gap_s):
-        # a fixed op's duration includes it, any other op begins that much later; the trace shows it as idle.
-        self.lead = sim.compute.action_gap_s
+        # A CPU host's loop runs before each op that opens one of its actions (see _leads): a fixed op's duration
+        # includes it, any other op begins that much later; the trace shows it as idle.
+        self.lead = self._leads(sim.compute)
         # On a CPU host whose ranks share the memory bandwidth, an op's streamed bytes are a flow on it (HostMemory),
         # after the rest of its work, which takes ``beside[i]``.
         self.memory = HostMemory(self.env, sim.topo, sim.compute, program) if sim.compute.shares_host_memory else None
@@ -228,7 +228,7 @@ class _Run:
             elif self.comm[i] is not None and not op.joins:
                 fixed[i] = self.comm[i].closed_form_s
             if op.opens_action and fixed[i] is not None:
-                fixed[i] += self.lead
+                fixed[i] += self.lead[i]
             stream = (op.rank, op.stream)
             before = last.get(stream)
             last[stream] = i
@@ -248,6 +248,23 @@ class _Run:
             if k >= 0 and waiting[k] == 1 and fixed[k] is not None and len(dependents[i]) == 1 and i not in sent:
                 through[i] = True  # its one dependent is then k (k waits for one op: its predecessor, i)
         return [i for i, count in enumerate(waiting) if count == 0]
+
+    def _leads(self, compute) -> list[float]:
+        """Each op's host time before it: for the first op of an action, the loop's own time
+        (``ComputeModel.action_gap_s``) plus the issue of each send the rank made since its last action
+        (``send_issue_s``: the loop issues them before it moves on); 0 for every other op. A program lists
+        each rank's ops in the order its loop runs them."""
+        lead = [0.0] * len(self.ops)
+        gap, issue = compute.action_gap_s, compute.send_issue_s
+        if not gap and not issue:
+            return lead
+        issued: dict[int, int] = {}  # rank -> sends since its last action
+        for op in self.ops:
+            if op.kind == "send" and op.nbytes:
+                issued[op.rank] = issued.get(op.rank, 0) + 1
+            elif op.opens_action:
+                lead[op.id] = gap + issue * issued.pop(op.rank, 0)
+        return lead
 
     def _plan_comms(self) -> None:
         """Give every send and collective its phases, and a closed form where it cannot contend.
@@ -319,8 +336,8 @@ class _Run:
                 self.start[last] = end
                 end += self.fixed[last]
             self._after(end - now, lambda: self._finish(last))
-        elif self.ops[i].opens_action and self.lead:
-            self._after(self.lead, lambda: self._proceed(i))
+        elif self.lead[i]:
+            self._after(self.lead[i], lambda: self._proceed(i))
         else:
             self._proceed(i)
 
@@ -429,7 +446,7 @@ class _Run:
         # host's time before it, which the trace leaves idle.
         events = []
         for op in self.ops:
-            begins = start[op.id] + (lead if op.opens_action else 0.0)
+            begins = start[op.id] + lead[op.id]
             events.append(Event(op.name, op.rank, "p2p" if op.kind == "recv" else op.stream, op.kind, begins,
                                 end[op.id] - begins, args(op)))
         events.sort(key=lambda e: (e.rank, e.start_s))

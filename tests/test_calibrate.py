@@ -246,13 +246,14 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
 
     def every_rank(nproc):
         return [{"matmuls": [(s, truth.matmul_time(*s)) for s in shapes], "dispatch": dispatch,
-                 "elementwise": elementwise, "optimizer": optimizer, "p2p": {"rendezvous": 300e-6, "latency": 60e-6},
-                 "speed_probes": probes[r], "actions": (70e-6, 90e-6)[r % 2]} for r in range(nproc)]
+                 "elementwise": elementwise, "optimizer": optimizer, "speed_probes": probes[r],
+                 "pipeline": {"rendezvous": 300e-6, "latency": 60e-6, "action": (70e-6, 90e-6)[r % 2],
+                              "issue": 150e-6}} for r in range(nproc)]
 
     spec = host()
     monkeypatch.setattr(executor.compute_bench, "measure_on_every_rank", every_rank)
     monkeypatch.setattr(executor.compute_bench, "measure_on_shared_cores", lambda: [
-        {"p2p": {"rendezvous": 2.5e-3 + r * 1e-4, "latency": 200e-6}, "actions": 400e-6}
+        {"pipeline": {"rendezvous": 2.5e-3 + r * 1e-4, "latency": 200e-6, "action": 400e-6, "issue": 900e-6}}
         for r in range(4)])
     monkeypatch.setattr(executor.collectives, "measure_reduce_bandwidth", lambda sizes: [(s, s / 6e9) for s in sizes])
     monkeypatch.setattr(executor.collectives, "measure_collectives",
@@ -262,17 +263,17 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv"]) == 0
     text = capsys.readouterr().out
     assert "host speed        50.0 GFLOP/s, 800 us per eager pass" in text
-    assert "between actions   80 us before each pass" in text
+    assert "between actions   80 us before each pass, sync call or optimizer step, 150 us more per send issued" in text
     written = load_cluster(str(out))
     assert (written.speed_probe_flops, written.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
-    assert written.action_overhead_s == pytest.approx(80e-6)
+    assert (written.action_overhead_s, written.p2p_issue_s) == pytest.approx((80e-6, 150e-6))
     assert (written.p2p_rendezvous_s, written.p2p_latency_s) == pytest.approx((300e-6, 60e-6))
     assert "p2p latency       60 us per pipeline transfer whose receiver waits" in text
     assert "p2p rendezvous    300 us per pipeline transfer received late" in text
-    assert "2 ranks per core  200 us latency and 2650 us rendezvous per pipeline transfer, 400 us between actions" \
-        in text
+    assert "2 ranks per core  200 us latency and 2650 us rendezvous per pipeline transfer, 400 us between actions, " \
+           "900 us per send" in text
     assert written.shared_cores == SharedCoreCosts(pytest.approx(2.65e-3), pytest.approx(200e-6),
-                                                   pytest.approx(400e-6))
+                                                   pytest.approx(400e-6), pytest.approx(900e-6))
     assert "memory            20.00 GB/s per rank with every rank streaming (40.0 GB/s in all), 32.00 GB/s for a " \
            "rank alone, 50 us per tensor" in text
     assert (written.gpu.hbm_bw_Bps, written.memory_alone_bw_Bps, written.memory_host_bw_Bps) == pytest.approx(
@@ -282,8 +283,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     doc = json.loads(capsys.readouterr().out)
     assert conforms(doc) == "calibrate"
     assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"]) == pytest.approx((50.0, 800.0))
-    assert doc["action_overhead_us"] == pytest.approx(80.0)
+    assert (doc["action_overhead_us"], doc["p2p_issue_us"]) == pytest.approx((80.0, 150.0))
     assert (doc["p2p_rendezvous_us"], doc["p2p_latency_us"]) == pytest.approx((300.0, 60.0))
     assert doc["shared_cores"] == pytest.approx({"p2p_rendezvous_us": 2650.0, "p2p_latency_us": 200.0,
-                                                 "action_overhead_us": 400.0})
+                                                 "action_overhead_us": 400.0, "p2p_issue_us": 900.0})
     assert (doc["memory_alone_bw_GBps"], doc["memory_host_bw_GBps"]) == pytest.approx((32.0, 40.0))

@@ -123,13 +123,16 @@ def test_host_keys_are_read_in_si_units():
     ("op_forward_us", -1.0, "0 to 1e[+]09 microseconds"), ("op_backward_us", "fast", "a finite number in micro"),
     ("optimizer_tensor_us", float("nan"), "a finite number"), ("p2p_rendezvous_us", True, "a finite number"),
     ("action_overhead_us", -5.0, "0 to 1e[+]09 microseconds"), ("p2p_latency_us", "slow", "a finite number in micro"),
+    ("p2p_issue_us", -1.0, "0 to 1e[+]09 microseconds"),
     ("matmul_stream_bw_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("elementwise_bw_GBps", -3, "1e-12 to 1e[+]12 GB/s"),
     ("op_overhead_us", 1.0, "unknown key"), ("cpu_cores", 0, "a whole number from 1 to 65,536"),
     ("cpu_cores", 2.5, "a whole number from 1 to 65,536"),
     ("speed_probe_eager_us", 1.0, "given without compute.speed_probe_eager_us, or the other way round"),
     ("memory_alone_bw_GBps", 40.0, "given without compute.memory_host_bw_GBps, or the other way round"),
     ("memory_host_bw_GBps", -1.0, "1e-12 to 1e[+]12 GB/s"),
-    ("shared_cores", {"p2p_latency_us": 1.0}, "a mapping of p2p_rendezvous_us, p2p_latency_us, action_overhead_us"),
+    ("shared_cores", {"p2p_latency_us": 1.0}, "a mapping of p2p_rendezvous_us, p2p_latency_us, action_overhead_us "
+     "[(]and optionally p2p_issue_us[)]"),
+    ("shared_cores", {**SHARED, "p2p_issue_us": 1.0, "p2p_lag_us": 1.0}, "a mapping of"),
     ("shared_cores", {"p2p_rendezvous_us": 1.0, "p2p_latency_us": -1.0, "action_overhead_us": 1.0},
      "shared_cores.p2p_latency_us: is -1"),
 ])
@@ -303,6 +306,30 @@ def test_the_loop_s_time_before_each_action_shows_as_idle():
     idle_before = [b.seconds["idle"] for b in predict_step(pipelined, ideal_spec()).ranks]
     gapped = predict_step(pipelined, ideal_spec(**{"compute": {"action_overhead_us": 1000.0}}))
     assert all(b.seconds["idle"] > idle for b, idle in zip(gapped.ranks, idle_before))
+
+
+def test_each_send_s_issue_delays_the_rank_s_next_action():
+    """The loop issues a pass's sends before it moves on: the next action starts ``action_overhead_us`` plus
+    ``p2p_issue_us`` per send after the pass ends (the transfer itself leaves at the pass's end)."""
+    spec = ideal_spec(**{"compute": {"action_overhead_us": 100.0, "p2p_issue_us": 400.0,
+                                     "p2p_latency_us": 300.0}})
+    compute = ComputeModel.for_cluster(spec, "fp32", 4)
+    program = Program(world_size=2)
+    first = program.add(0, Op("F stage=0 mb=0", "compute", "compute", flops=1e-3 * compute.peak_flops,
+                              opens_action=True))
+    sends = [program.add(0, Op(f"send act stage=0 mb={mb} peer=1", "send", "p2p", deps=(first,), ranks=(0, 1),
+                               nbytes=1e3, peer=1)) for mb in range(2)]
+    program.add(0, Op("B stage=0 mb=0", "compute", "compute", flops=1e-3 * compute.peak_flops, opens_action=True))
+    for mb, send in enumerate(sends):
+        program.add(1, Op(f"recv act stage=0 mb={mb} peer=0", "recv", "compute", nbytes=1e3, peer=0, match=send,
+                          opens_action=mb == 0))
+    trace = StepSimulator(spec.build(1), compute).run(program)
+    events = {e.name: e for e in trace.events}
+    assert events["F stage=0 mb=0"].start_s == pytest.approx(100e-6)
+    assert events["B stage=0 mb=0"].start_s == pytest.approx(100e-6 + 1e-3 + 100e-6 + 2 * 400e-6)
+    assert events["send act stage=0 mb=0 peer=1"].start_s == pytest.approx(1.1e-3)
+    assert events["recv act stage=0 mb=0 peer=0"].end_s == pytest.approx(
+        1.1e-3 + 300e-6 + 1e3 / spec.intra.bw_Bps, rel=1e-6)
 
 
 def _static_memory(bw_GBps: float, **compute) -> object:

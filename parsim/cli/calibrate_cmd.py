@@ -47,19 +47,20 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     (compute.matmul_half_dim) and compute.matmul_stream_bw_GBps; generic eager
     blocks (a GeLU MLP block, a softmax attention block, elementwise ops) ->
     the fixed cost of an op in a forward and in a backward
-    (compute.op_forward_us, compute.op_backward_us); pairs of ranks passing
-    tensors between bursts of compute -> the host time of a pipeline transfer
-    received late (compute.p2p_rendezvous_us) and the latency of one whose
-    receiver waits (compute.p2p_latency_us, which the step simulator's
-    pipeline sends take instead of the collective fit's latency per step:
-    back-to-back loops of calls stall far longer than one transfer between
-    bursts of compute); the executor's own pipeline loop over trivial stages
-    -> its time before each action (compute.action_overhead_us);
+    (compute.op_forward_us, compute.op_backward_us); pairs of ranks running
+    the executor's own pipeline loop over trivial stages -> its time before
+    each action (compute.action_overhead_us) and per send it issues
+    (compute.p2p_issue_us), the mean time of a transfer received late
+    (compute.p2p_rendezvous_us: stalls included, a gloo thread waiting for a
+    core where its rank computes) and the latency of one whose receiver
+    waits (compute.p2p_latency_us, which the step simulator's pipeline sends
+    take instead of the collective fit's latency per step: back-to-back
+    loops of calls stall far longer than one transfer between passes);
   * on each rank in turn, the others waiting: AdamW steps on large tensors ->
     the memory speed of one rank alone (compute.memory_alone_bw_GBps; the step
     simulator shares the host's memory among the ranks streaming at once);
-  * on 4 ranks bound to 2 cores (gloo): the pipeline transfers and the loop
-    again -> compute.shared_cores, what runs with more ranks than cores pay
+  * on 4 ranks bound to 2 cores (gloo): the pipeline loop again ->
+    compute.shared_cores, what runs with more ranks than cores pay
     (a thread woken on a core where another rank computes waits for the
     scheduler: 10x the rendezvous, 5x the loop's time on the 2-core VM);
   * between those benchmarks, the host's speed: a fixed fp32 matmul's rate
@@ -163,11 +164,9 @@ def run(args: argparse.Namespace) -> int:
     memory_alone_bw = fit_alone_memory([tuple(row) for rank in per_rank for row in rank["optimizer"]["alone"]],
                                        optimizer.tensor_s, ADAMW_ACCESSES)
     memory_host_bw = memory_bw * max(rank_counts)
-    p2p = [rank["p2p"] for rank in per_rank if rank["p2p"] is not None]
-    p2p_rendezvous = float(np.median([pair["rendezvous"] for pair in p2p])) if p2p else 0.0
-    p2p_latency = float(np.median([pair["latency"] for pair in p2p])) if p2p else None
-    gaps = [rank["actions"] for rank in per_rank if rank["actions"] is not None]
-    action_overhead = float(np.median(gaps)) if gaps else 0.0
+    loops = [rank["pipeline"] for rank in per_rank if rank["pipeline"] is not None]
+    p2p_rendezvous, action_overhead, p2p_issue = (_median(loops, key) for key in ("rendezvous", "action", "issue"))
+    p2p_latency = _median(loops, "latency") if loops else None
     shared = _shared_cores(shared_rows)
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s = (float(v) for v in np.median(probes, axis=0))
@@ -197,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
         optimizer_tensor_s=optimizer.tensor_s, matmul_stream_bw_Bps=matmul.stream_bw_Bps,
         p2p_rendezvous_s=p2p_rendezvous, p2p_latency_s=p2p_latency, action_overhead_s=action_overhead,
+        p2p_issue_s=p2p_issue,
         elementwise_bw_Bps=elementwise_bw,
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
         cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s))
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
                     "op_forward_us": dispatch.forward_s * 1e6, "op_backward_us": dispatch.backward_s * 1e6,
                     "optimizer_tensor_us": optimizer.tensor_s * 1e6, "p2p_rendezvous_us": p2p_rendezvous * 1e6,
                     "p2p_latency_us": p2p_latency * 1e6 if p2p_latency is not None else None,
-                    "action_overhead_us": action_overhead * 1e6,
+                    "action_overhead_us": action_overhead * 1e6, "p2p_issue_us": p2p_issue * 1e6,
                     "shared_cores": shared.to_us() if shared else None,
                     "elementwise_bw_GBps": elementwise_bw / 1e9, "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
@@ -251,17 +251,18 @@ def run(args: argparse.Namespace) -> int:
           f"(generic eager blocks, every rank at once)")
     print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (activations, softmax, norms; bytes as "
           f"parsim.model.Elementwise counts them)")
-    print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer received late (issue a send, "
-          f"post its receive after it)")
+    print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer received late (its receive "
+          f"posted after the send's issue; the mean, stalls included)")
     if p2p_latency is not None:
         print(f"p2p latency       {p2p_latency * 1e6:.0f} us per pipeline transfer whose receiver waits (from the "
-              f"send's issue to the receive's return)")
-    print(f"between actions   {action_overhead * 1e6:.0f} us before each pass, sync call or optimizer step (the "
-          f"executor's loop on a 2-stage pipeline of trivial stages)")
+              f"send's issue to the receive's end)")
+    print(f"between actions   {action_overhead * 1e6:.0f} us before each pass, sync call or optimizer step, "
+          f"{p2p_issue * 1e6:.0f} us more per send issued (the executor's loop on a 2-stage pipeline of trivial "
+          f"stages, which the transfers above are timed on too)")
     if shared is not None:
         print(f"2 ranks per core  {shared.p2p_latency_s * 1e6:.0f} us latency and {shared.p2p_rendezvous_s * 1e6:.0f} "
-              f"us rendezvous per pipeline transfer, {shared.action_overhead_s * 1e6:.0f} us between actions "
-              f"(runs with more ranks than cores)")
+              f"us rendezvous per pipeline transfer, {shared.action_overhead_s * 1e6:.0f} us between actions, "
+              f"{shared.p2p_issue_s * 1e6:.0f} us per send (runs with more ranks than cores)")
     stream = (f", weights stream in and outputs out at {matmul.stream_bw_Bps / 1e9:.1f} GB/s"
               if matmul.stream_bw_Bps else "")
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
@@ -278,12 +279,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _shared_cores(rows: list[dict]) -> SharedCoreCosts | None:
     """The medians over ranks of :func:`executor.compute_bench.measure_on_shared_cores`' figures (None: not run)."""
-    pairs = [row for row in rows if row["p2p"] is not None]
-    if not pairs:
+    loops = [row["pipeline"] for row in rows if row["pipeline"] is not None]
+    if not loops:
         return None
-    return SharedCoreCosts(float(np.median([row["p2p"]["rendezvous"] for row in pairs])),
-                           float(np.median([row["p2p"]["latency"] for row in pairs])),
-                           float(np.median([row["actions"] for row in pairs])))
+    return SharedCoreCosts(*(_median(loops, key) for key in ("rendezvous", "latency", "action", "issue")))
+
+
+def _median(loops: list[dict], key: str) -> float:
+    """The median over ranks of one of :func:`executor.compute_bench.measure_pipeline_loop`'s figures (0: none)."""
+    return float(np.median([loop[key] for loop in loops])) if loops else 0.0
 
 
 def _run_one_gpu(args: argparse.Namespace) -> int:
