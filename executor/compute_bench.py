@@ -397,9 +397,9 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
     as a real stage's kernels do.
 
     Ranks pair up (0-1, 2-3, ...) and run :class:`executor.train.pipeline.PipelineRuntime` as a 1F1B pipeline
-    of two stages, each an ``nn.Linear(8, 8)`` that first writes half of :data:`COLD_FOOTPRINT_BYTES` of other
-    memory (about 0.7 ms on the 2-core VM: the sender of a late receive is computing, as in a real pipeline,
-    and the loop's Python finds the caches cold; its time doubles against warm caches). In seconds:
+    of two stages, each an ``nn.Linear(8, 8)`` that first writes :data:`COLD_FOOTPRINT_BYTES` of other memory
+    (1.4 ms on the 2-core VM, as long as a small model's pass: the sender of a late receive is computing, as
+    in a real pipeline, and the loop's Python finds the caches cold). In seconds:
 
     * ``action``: the loop's Python before a pass, a receive or the optimizer step: the mean gap, from the
       step's start or an action's end to the next action, where no send was issued;
@@ -410,9 +410,9 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
     * ``latency``: a transfer whose receiver waits first: the mean time from the send's issue to the
       receive's end (one clock: both ranks read the host's monotonic clock).
 
-    Gaps by the median over steps, each the slower rank's; transfers by the mean over both ranks' (a step pays
-    the occasional multi-millisecond stall of a gloo thread waiting for its core: on the 2-core VM about one
-    late receive in ten). None on a rank without a partner."""
+    Means over the pair's steps, not medians: a step pays the occasional multi-millisecond stall too (a gloo
+    thread, or the loop itself, waiting for the scheduler to give it the core: on the 2-core VM about one late
+    receive in ten, and one send's issue in twenty). None on a rank without a partner."""
     from parsim.schedules.generators import make_schedule
 
     from .train.pipeline import PipelineRuntime
@@ -423,7 +423,7 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = rank ^ 1
     schedule = make_schedule("1f1b", 2, microbatches)
-    dirty = torch.zeros(COLD_FOOTPRINT_BYTES // 8)
+    dirty = torch.zeros(COLD_FOOTPRINT_BYTES // 4)
 
     class Stage(nn.Module):
         def __init__(self, last: bool):
@@ -455,28 +455,29 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
     dist.all_gather_object(every, steps_run)  # each pair's events, to match its transfers
     if runtime is None:
         return None
-    gaps = [[_split_gaps(step) for step in every[r]] for r in (rank, peer)]
+    action, issue = split_gaps(every[rank] + every[peer])
     late, waiting = transfer_times([(rank, every[rank]), (peer, every[peer])])
-    return {"action": max(statistics.median(g[0] for g in rank_gaps) for rank_gaps in gaps),
-            "issue": max(statistics.median(g[1] for g in rank_gaps) for rank_gaps in gaps),
-            "rendezvous": statistics.fmean(late), "latency": statistics.fmean(waiting)}
+    return {"action": action, "issue": issue, "rendezvous": statistics.fmean(late),
+            "latency": statistics.fmean(waiting)}
 
 
-def _split_gaps(events: Sequence[tuple[str, str, float, float]]) -> tuple[float, float]:
-    """One step's loop time (:func:`measure_pipeline_loop`), from its ``(name, kind, start, end)`` events: the
-    mean gap before an action with no send issued in it, and the mean excess per send of the gaps with sends
-    (0 if the step had none)."""
-    sends = sorted(start for _, kind, start, _ in events if kind == "send")
-    plain, with_sends, issued, reach = [], [], 0, 0.0
-    for _, _, start, end in sorted((e for e in events if e[1] != "send"), key=lambda e: e[2]):
-        if start > reach:
-            count = bisect.bisect_left(sends, start) - bisect.bisect_left(sends, reach)
-            if count:
-                with_sends.append(start - reach)
-                issued += count
-            else:
-                plain.append(start - reach)
-        reach = max(reach, end)
+def split_gaps(steps: Sequence[Sequence[tuple[str, str, float, float]]]) -> tuple[float, float]:
+    """The loop's time (:func:`measure_pipeline_loop`) from steps of ``(name, kind, start, end)`` events: the
+    mean gap, from a step's start or an action's end to the next action, where no send was issued, and the
+    mean excess per send of the gaps where sends were (0 if there were none)."""
+    plain, with_sends, issued = [], [], 0
+    for events in steps:
+        sends = sorted(start for _, kind, start, _ in events if kind == "send")
+        reach = 0.0
+        for _, _, start, end in sorted((e for e in events if e[1] != "send"), key=lambda e: e[2]):
+            if start > reach:
+                count = bisect.bisect_left(sends, start) - bisect.bisect_left(sends, reach)
+                if count:
+                    with_sends.append(start - reach)
+                    issued += count
+                else:
+                    plain.append(start - reach)
+            reach = max(reach, end)
     action = statistics.fmean(plain) if plain else 0.0
     return action, max(sum(with_sends) - action * len(with_sends), 0.0) / issued if issued else 0.0
 

@@ -42,19 +42,20 @@ def test_the_pipeline_s_host_costs_are_timed_with_two_ranks_on_each_core():
         assert min(row["pipeline"].values()) > 0
 
 
-def test_a_step_s_gaps_split_into_the_loop_s_time_and_each_send_s_issue():
+def test_a_loop_s_gaps_split_into_its_own_time_and_each_send_s_issue():
     """Gaps before actions with no send are the loop's own time; a gap with sends in it adds their issue."""
-    from executor.compute_bench import _split_gaps
+    from executor.compute_bench import split_gaps
 
-    events = [("F", "compute", 0.010, 0.020), ("send", "send", 0.021, 0.030),  # gap 0.010 before F: plain
-              ("recv", "recv", 0.025, 0.040),  # 5 ms after F, one send issued: 2 ms of loop + 3 ms of issue
-              ("B", "compute", 0.042, 0.050),  # 2 ms: plain
-              ("send", "send", 0.051, 0.060), ("send", "send", 0.052, 0.060),
-              ("optimizer", "optimizer", 0.058, 0.060)]  # 8 ms with two sends: 2 ms + 2 x 3 ms
-    action, issue = _split_gaps(events)
+    step = [("F", "compute", 0.010, 0.020), ("send", "send", 0.021, 0.030),  # gap 0.010 before F: plain
+            ("recv", "recv", 0.025, 0.040),  # 5 ms after F, one send issued: the loop's time and one issue
+            ("B", "compute", 0.042, 0.050),  # 2 ms: plain
+            ("send", "send", 0.051, 0.060), ("send", "send", 0.052, 0.060),
+            ("optimizer", "optimizer", 0.058, 0.060)]  # 8 ms with two sends
+    action, issue = split_gaps([step])
     assert action == pytest.approx(0.006) and issue == pytest.approx((0.005 + 0.008 - 2 * 0.006) / 3)
-    assert _split_gaps([("F", "compute", 0.001, 0.002), ("B", "compute", 0.003, 0.004)]) == \
-        pytest.approx((0.001, 0.0))
+    other = [("F", "compute", 0.001, 0.002), ("B", "compute", 0.003, 0.004)]  # two more plain gaps of 1 ms
+    assert split_gaps([step, other]) == pytest.approx((0.014 / 4, (0.005 + 0.008 - 2 * 0.0035) / 3))
+    assert split_gaps([other]) == pytest.approx((0.001, 0.0))
 
 
 def test_transfers_split_by_whether_the_receive_was_posted_before_the_send():
