@@ -67,10 +67,13 @@ def main() -> None:
 
 def _print_transfers(results: list[dict]) -> None:
     """Every pipeline transfer's time, its receiver waiting or its receive posted late (see the docstring)."""
-    from executor.compute_bench import transfer_times
+    from executor.compute_bench import on_host_clock, transfer_times
 
-    late, waiting = transfer_times([(result["rank"], [[(e.name, e.kind, e.start_s, e.end_s) for e in events]
-                                                      for events in result["steps"]]) for result in results])
+    late, waiting = transfer_times([(result["rank"], [on_host_clock(origin, [(e.name, e.kind, e.start_s, e.end_s)
+                                                                             for e in events])
+                                                      for origin, events in zip(result["step_origins"],
+                                                                                result["steps"])])
+                                    for result in results])
     for name, values in (("receiver waiting", waiting), ("receive posted late", late)):
         if values:
             print(f"transfers, {name}: {len(values)}, median {1e3 * statistics.median(values):.3f}, "

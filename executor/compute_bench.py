@@ -442,7 +442,7 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
         runtime = PipelineRuntime(schedule, pp_rank, {pp_rank: Stage(pp_rank == 1)}, {0: first, 1: first + 1},
                                   rank, recorder, (4, 8), torch.float32, torch.device("cpu"))
     inputs = [torch.randn(4, 8) for _ in range(microbatches)]
-    steps_run = []  # per step: this rank's events as (name, kind, start, end)
+    steps_run = []  # per step: its start on the host's clock, and this rank's events as (name, kind, start, end)
     for i in range(warmup + steps):
         dist.barrier()
         if runtime is None:
@@ -450,13 +450,14 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
         recorder.start_step()
         runtime.run(inputs, [None] * microbatches)
         if i >= warmup:
-            steps_run.append([(e.name, e.kind, e.start_s, e.end_s) for e in recorder.events])
+            steps_run.append((recorder.origin_s, [(e.name, e.kind, e.start_s, e.end_s) for e in recorder.events]))
     every: list = [None] * world
     dist.all_gather_object(every, steps_run)  # each pair's events, to match its transfers
     if runtime is None:
         return None
-    action, issue = split_gaps(every[rank] + every[peer])
-    late, waiting = transfer_times([(rank, every[rank]), (peer, every[peer])])
+    action, issue = split_gaps([events for _, events in every[rank] + every[peer]])
+    late, waiting = transfer_times([(r, [on_host_clock(origin, events) for origin, events in every[r]])
+                                    for r in (rank, peer)])
     return {"action": action, "issue": issue, "rendezvous": statistics.fmean(late),
             "latency": statistics.fmean(waiting)}
 
@@ -482,10 +483,17 @@ def split_gaps(steps: Sequence[Sequence[tuple[str, str, float, float]]]) -> tupl
     return action, max(sum(with_sends) - action * len(with_sends), 0.0) / issued if issued else 0.0
 
 
+def on_host_clock(origin_s: float, events: Sequence[tuple[str, str, float, float]]
+                  ) -> list[tuple[str, str, float, float]]:
+    """A step's ``(name, kind, start, end)`` events, timed from its start, on the host's clock instead: the
+    ranks' steps start up to a barrier's exit skew apart (milliseconds with ranks sharing a core)."""
+    return [(name, kind, start + origin_s, end + origin_s) for name, kind, start, end in events]
+
+
 def transfer_times(ranks: Sequence[tuple[int, Sequence[Sequence[tuple[str, str, float, float]]]]]
                    ) -> tuple[list[float], list[float]]:
     """Every pipeline transfer between these ranks, from ``(rank, steps)`` pairs (each step a list of
-    ``(name, kind, start, end)`` events, as :class:`executor.train.trace_recorder.Recorder` records them):
+    ``(name, kind, start, end)`` events on the host's clock, :func:`on_host_clock`):
     ``(late, waiting)``, the times of those whose receive was posted after the send's issue (the receive's
     own time) and of those whose receiver waited (from the send's issue to the receive's end)."""
     late, waiting = [], []

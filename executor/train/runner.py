@@ -292,7 +292,7 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
     setup = build_rank(plan, rank, seed)
     recorder = setup.recorder
     probe = SpeedProbe(seed) if probe_speed and probes_on(rank, world) else None
-    result: dict = {"rank": rank, "steps": [], "losses": [], "speed_probes": []}
+    result: dict = {"rank": rank, "steps": [], "step_origins": [], "losses": [], "speed_probes": []}
     with _profiler(profile_dir, rank, warmup, steps) as profiler:
         for i in range(warmup + steps):
             if probe_speed and i >= warmup:
@@ -307,6 +307,7 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
             recorder.sync()
             if i >= warmup:
                 result["steps"].append(list(recorder.events))
+                result["step_origins"].append(recorder.origin_s)
                 result["losses"].append(loss)
             if verbose and rank == 0:
                 kind = "warm-up step" if i < warmup else f"step {i - warmup + 1}/{steps}"

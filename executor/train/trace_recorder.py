@@ -50,6 +50,11 @@ class Recorder:
         self.events = []
         self._t0 = time.perf_counter()
 
+    @property
+    def origin_s(self) -> float:
+        """The step's t = 0 on ``time.perf_counter``'s clock: other ranks' events compare exactly after adding it."""
+        return self._t0
+
     def now(self) -> float:
         """Seconds since the step started (device work finished first)."""
         self.sync()
