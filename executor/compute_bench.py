@@ -79,8 +79,8 @@ def measure_on_shared_cores(timeout_s: float = 300.0) -> list[dict]:
     loop's transfers and time between actions (:func:`measure_pipeline_loop`) on 4 ranks bound
     to 2 cores (2 ranks on 1 core on a single-core host), pairs 0-1 and 2-3 crossing the cores as the stages of
     a data- and pipeline-parallel run do. One dict per rank. Waking a thread on a core another rank computes on
-    waits for the scheduler, so these grow far more than 2x: on the 2-core VM, a late receive took 2.4-2.9 ms
-    against 0.12-0.27 alone, the loop 370-740 us per action against 81. Empty where the host cannot bind
+    waits for the scheduler, so these grow more than 2x: on the 2-core VM, a late receive took 1.0-1.5 ms
+    against 0.3-0.6 alone, a send's issue 0.8-1.3 ms against 0.25-0.43. Empty where the host cannot bind
     processes to cores (not Linux)."""
     import os
 

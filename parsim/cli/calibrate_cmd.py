@@ -62,7 +62,7 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * on 4 ranks bound to 2 cores (gloo): the pipeline loop again ->
     compute.shared_cores, what runs with more ranks than cores pay
     (a thread woken on a core where another rank computes waits for the
-    scheduler: 10x the rendezvous, 5x the loop's time on the 2-core VM);
+    scheduler: 2-4x the rendezvous, 3-5x each send's issue on the 2-core VM);
   * between those benchmarks, the host's speed: a fixed fp32 matmul's rate
     and a stack of tiny eager layers' time (compute.speed_probe_gflops,
     compute.speed_probe_eager_us). A VM's cores drift by 10-30% over minutes,
