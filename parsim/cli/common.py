@@ -150,19 +150,17 @@ def note_launch_bound(command: str, plan, cluster: ClusterSpec, step_s: float) -
 # no dropout.
 EXECUTOR_KERNELS = {"layer_kernels": "eager", "cross_entropy": "torch", "attention_kernel": "flash", "dropout": 0.0,
                     "linear_bias": False}
-KERNEL_FLAVOURS = ("layer_kernels", "cross_entropy")  # on CPUs, calibrated rates absorb these two
 
 
-def note_executor_kernels(plan, backend: str) -> None:
+def note_executor_kernels(plan) -> None:
     """Say so when a transformer plan prices other work than the executor ran (:data:`EXECUTOR_KERNELS`): a plan's
     defaults price Megatron-LM's fused kernels, and a model may give unfused attention, dropout or linear biases,
-    which the executor does not run. On CPUs the calibration's rates absorb the kernels' flavours, so only
-    attention, dropout and biases are noted there."""
+    which the executor does not run. On any backend: a CPU's calibrated elementwise speed is per byte, and
+    eager RMSNorm moves several times a fused one's bytes."""
     model = plan.model
     if getattr(model, "kind", "") != "transformer":
         return
-    keys = [k for k, ran in EXECUTOR_KERNELS.items()
-            if getattr(model, k) != ran and (backend == "nccl" or k not in KERNEL_FLAVOURS)]
+    keys = [k for k, ran in EXECUTOR_KERNELS.items() if getattr(model, k) != ran]
     if keys:
         pairs = [f"{k}: {getattr(model, k)}" for k in keys]
         priced = " and ".join([", ".join(pairs[:-1]), pairs[-1]] if len(pairs) > 1 else pairs)

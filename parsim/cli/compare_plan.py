@@ -57,7 +57,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
             predicted = predict_step(plan, cluster.at_host_speed(speed.arithmetic, speed.eager))
         backend = measured.meta.get("backend", "")
         warn_other_machine(cluster, backend)
-        note_executor_kernels(plan, backend)
+        note_executor_kernels(plan)
         if backend == "nccl":
             note_launch_bound("compare", plan, cluster, predicted.step_s)
         if load.warning("the measured run"):
