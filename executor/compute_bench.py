@@ -412,7 +412,7 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
 
     Means over the pair's steps, not medians: a step pays the occasional multi-millisecond stall too (a gloo
     thread, or the loop itself, waiting for the scheduler to give it the core: on the 2-core VM about one late
-    receive in ten, and one send's issue in twenty). None on a rank without a partner."""
+    receive in ten, and now and then a send's issue). None on a rank without a partner."""
     from parsim.schedules.generators import make_schedule
 
     from .train.pipeline import PipelineRuntime
