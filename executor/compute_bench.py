@@ -381,9 +381,8 @@ def in_turn(mine: Callable[[], float], others: Callable[[], Any] = lambda: None)
     return result
 
 
-# ----------------------------------------------------------------------------- the pipeline loop
 def compute_for(seconds: float, shape: tuple[int, int, int] = (64, 256, 256)) -> None:
-    """Keep this rank's core busy with ``(m, n, k)`` matmuls for ``seconds`` (as a pipeline stage computes)."""
+    """Keep this rank's core busy with ``(m, n, k)`` matmuls for ``seconds`` (as another stage's backward does)."""
     torch = require_torch()
     m, n, k = shape
     a, b = torch.full((m, k), 0.01), torch.full((k, n), 0.01)
@@ -392,6 +391,7 @@ def compute_for(seconds: float, shape: tuple[int, int, int] = (64, 256, 256)) ->
         a @ b
 
 
+# ----------------------------------------------------------------------------- the pipeline loop
 def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 3) -> dict[str, float] | None:
     """The executor's pipeline loop's own host costs, on stages that do almost nothing but leave the caches
     as a real stage's kernels do.
