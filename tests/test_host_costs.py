@@ -409,6 +409,13 @@ def test_pipeline_host_costs_on_shared_cores_take_what_was_measured_there(ranks,
     assert (model.rendezvous_s, model.send_latency_s, model.action_gap_s) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("ranks, expected", [(2, 150e-6), (3, 525e-6), (4, 900e-6), (8, 1800e-6)])
+def test_a_send_s_issue_on_shared_cores_takes_what_was_measured_there(ranks, expected):
+    keys = {**HOST_KEYS, "p2p_issue_us": 150.0, "cpu_cores": 2, "shared_cores": {**SHARED, "p2p_issue_us": 900.0}}
+    model = ComputeModel.for_cluster(parse_cluster(cpu_host(**keys), "host.yaml"), "fp32", 4, ranks)
+    assert model.send_issue_s == pytest.approx(expected)
+
+
 def test_a_time_shared_pipeline_pays_the_shared_core_costs():
     plan = resolve_plan("tiny-pp2", overrides={"parallel": {"dp": 2}})
     keys = {**HOST_KEYS, "p2p_latency_us": 100.0, "cpu_cores": 2}
