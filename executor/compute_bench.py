@@ -80,7 +80,7 @@ def measure_on_shared_cores(timeout_s: float = 300.0) -> list[dict]:
     to 2 cores (2 ranks on 1 core on a single-core host), pairs 0-1 and 2-3 crossing the cores as the stages of
     a data- and pipeline-parallel run do. One dict per rank. Waking a thread on a core another rank computes on
     waits for the scheduler, so these grow more than 2x: on the 2-core VM, a late receive took 1.0-1.5 ms
-    against 0.3-0.6 alone, a send's issue 0.8-1.3 ms against 0.25-0.43. Empty where the host cannot bind
+    against 0.3-0.7 alone, a send's issue 0.8-1.3 ms against 0.18-0.51. Empty where the host cannot bind
     processes to cores (not Linux)."""
     import os
 
