@@ -9,7 +9,7 @@ beside the rank's compute, so it is not an action of its own). The simulator
 prices these as ``compute.action_overhead_us`` before each action, plus
 ``compute.p2p_issue_us`` per send issued since the last, which ``parsim
 calibrate`` measures on the executor's loop over trivial stages.
-Last, every pipeline transfer's time, apart for a receiver that waited (from
+Last, every pipeline transfer's time, split by whether the receiver waited (from
 the send's issue to the receive's end: priced as ``compute.p2p_latency_us``
 plus the bytes) and a receive posted after its send (the receive's own time:
 ``compute.p2p_rendezvous_us``). On the 2-core VM (2026-11-26): course DDP's
@@ -69,11 +69,11 @@ def _print_transfers(results: list[dict]) -> None:
     """Every pipeline transfer's time, its receiver waiting or its receive posted late (see the docstring)."""
     from executor.compute_bench import on_host_clock, transfer_times
 
-    late, waiting = transfer_times([(result["rank"], [on_host_clock(origin, [(e.name, e.kind, e.start_s, e.end_s)
-                                                                             for e in events])
-                                                      for origin, events in zip(result["step_origins"],
-                                                                                result["steps"])])
-                                    for result in results])
+    def steps(result: dict) -> list:
+        return [on_host_clock(origin, [(e.name, e.kind, e.start_s, e.end_s) for e in events])
+                for origin, events in zip(result["step_origins"], result["steps"])]
+
+    late, waiting = transfer_times([(result["rank"], steps(result)) for result in results])
     for name, values in (("receiver waiting", waiting), ("receive posted late", late)):
         if values:
             print(f"transfers, {name}: {len(values)}, median {1e3 * statistics.median(values):.3f}, "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.resources
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from .errors import ConfigError, ParsimError
@@ -123,11 +123,8 @@ class SharedCoreCosts:
     p2p_issue_s: float = 0.0
 
     def to_us(self) -> dict[str, float]:
-        """The ``compute.shared_cores`` mapping: each figure in microseconds, by SHARED_CORE_KEYS (and
-        SHARED_CORE_OPTIONAL)."""
-        return dict(zip(SHARED_CORE_KEYS + SHARED_CORE_OPTIONAL,
-                        (self.p2p_rendezvous_s * 1e6, self.p2p_latency_s * 1e6, self.action_overhead_s * 1e6,
-                         self.p2p_issue_s * 1e6)))
+        """The ``compute.shared_cores`` mapping: each field in microseconds, named ``..._us``."""
+        return {f"{f.name[:-2]}_us": getattr(self, f.name) * 1e6 for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -514,8 +511,8 @@ def _shared_cores(source: str, value: object) -> SharedCoreCosts:
         raise ConfigError(source, "compute.shared_cores", f"is {value!r}",
                           f"a mapping of {', '.join(SHARED_CORE_KEYS)} (and optionally "
                           f"{', '.join(SHARED_CORE_OPTIONAL)})")
-    return SharedCoreCosts(*(_figure(source, f"compute.shared_cores.{key}", value[key], LATENCY_US) * 1e-6
-                             for key in SHARED_CORE_KEYS + SHARED_CORE_OPTIONAL if key in value))
+    return SharedCoreCosts(**{f"{key[:-3]}_s": _figure(source, f"compute.shared_cores.{key}", figure, LATENCY_US)
+                              * 1e-6 for key, figure in value.items()})
 
 
 def _sm_cycles(source: str, value: object) -> SmCycles:

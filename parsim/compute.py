@@ -331,27 +331,26 @@ class ComputeModel:
             return alone_s + (shared_s - alone_s) * (self.time_share - 1.0)
         return shared_s * self.time_share / 2.0
 
+    def _pipeline_cost(self, alone_s: float, field: str) -> float:
+        """A pipeline host cost (:meth:`time_shared`), with the ``shared_cores`` figure ``field`` if measured."""
+        return self.time_shared(alone_s, getattr(self.shared_cores, field) if self.shared_cores else None)
+
     @property
     def rendezvous_s(self) -> float:
-        """Host time of one pipeline transfer received late (:meth:`time_shared`)."""
-        shared = self.shared_cores.p2p_rendezvous_s if self.shared_cores else None
-        return self.time_shared(self.p2p_rendezvous_s, shared)
+        """Host time of one pipeline transfer received late."""
+        return self._pipeline_cost(self.p2p_rendezvous_s, "p2p_rendezvous_s")
 
     @property
     def action_gap_s(self) -> float:
-        """Host time before each action of a step (:meth:`time_shared`)."""
-        shared = self.shared_cores.action_overhead_s if self.shared_cores else None
-        return self.time_shared(self.action_overhead_s, shared)
+        """Host time before each action of a step."""
+        return self._pipeline_cost(self.action_overhead_s, "action_overhead_s")
 
     @property
     def send_issue_s(self) -> float:
-        """Host time the loop spends issuing one pipeline send before the rank's next action (:meth:`time_shared`)."""
-        shared = self.shared_cores.p2p_issue_s if self.shared_cores else None
-        return self.time_shared(self.p2p_issue_s, shared)
+        """Host time the loop spends issuing one pipeline send before the rank's next action."""
+        return self._pipeline_cost(self.p2p_issue_s, "p2p_issue_s")
 
     @property
     def send_latency_s(self) -> float | None:
-        """A pipeline transfer's latency with its receiver waiting (:meth:`time_shared`); None: the links'."""
-        if self.p2p_latency_s is None:
-            return None
-        return self.time_shared(self.p2p_latency_s, self.shared_cores.p2p_latency_s if self.shared_cores else None)
+        """A pipeline transfer's latency with its receiver waiting; None: the links'."""
+        return None if self.p2p_latency_s is None else self._pipeline_cost(self.p2p_latency_s, "p2p_latency_s")

@@ -249,7 +249,7 @@ class _Run:
                 through[i] = True  # its one dependent is then k (k waits for one op: its predecessor, i)
         return [i for i, count in enumerate(waiting) if count == 0]
 
-    def _leads(self, compute) -> list[float]:
+    def _leads(self, compute: ComputeModel) -> list[float]:
         """Each op's host time before it: for the first op of an action, the loop's own time
         (``ComputeModel.action_gap_s``) plus the issue of each send the rank made since its last action
         (``send_issue_s``: the loop issues them before it moves on); 0 for every other op. A program lists
