@@ -222,15 +222,12 @@ def test_no_speed_probe_applies_only_to_a_plan_run(capsys):
     assert "--no-speed-probe" in capsys.readouterr().err
 
 
-def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(monkeypatch, tmp_path, capsys):
-    """Every measurement faked from a known host: the file, the text and the JSON carry the probes' medians
-    over every rank and round (the matmul's FLOP/s, the eager pass's time), which compare scales by, the
-    loop's time between actions, the pipeline transfer's costs (alone and with two ranks per core) and the
-    memory speeds (every rank streaming, one alone)."""
+def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
+    """Every measurement ``parsim calibrate`` takes, faked from a known host; the collectives in ``flat``
+    take 20 ms at every size (a busy host's stalls)."""
     import executor.collectives
     import executor.compute_bench
     from parsim.lower import ADAMW_ACCESSES
-    from test_json_schema import conforms
 
     truth = ComputeModel(peak_flops=70e9, hbm_bw_Bps=1e12, dtype_bytes=4, half_dim=8.0, matmul_stream_bw_Bps=15e9)
     shapes = [(32, 64, 64), (128, 128, 128), (32, 1024, 1024), (512, 512, 512), (1024, 1024, 32), (64, 4096, 1024)]
@@ -259,9 +256,26 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
         {"pipeline": {"rendezvous": 2.5e-3 + r * 1e-4, "latency": 200e-6, "action": 400e-6, "issue": 900e-6}}
         for r in range(4)])
     monkeypatch.setattr(executor.collectives, "measure_reduce_bandwidth", lambda sizes: [(s, s / 6e9) for s in sizes])
-    monkeypatch.setattr(executor.collectives, "measure_collectives",
-                        lambda op, sizes, n, backend, timeout_s=None: synthetic(spec, [(op, n)]))
+
+    def collectives(op, sizes, n, backend, timeout_s=None):
+        results = synthetic(spec, [(op, n)])
+        if op in flat:
+            for r in results:
+                r.time_s = 20e-3
+        return results
+
+    monkeypatch.setattr(executor.collectives, "measure_collectives", collectives)
     monkeypatch.setattr(executor.collectives, "measure_in_step", lambda ops, n: [])
+
+
+def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(monkeypatch, tmp_path, capsys):
+    """Every measurement faked from a known host: the file, the text and the JSON carry the probes' medians
+    over every rank and round (the matmul's FLOP/s, the eager pass's time), which compare scales by, the
+    loop's time between actions, the pipeline transfer's costs (alone and with two ranks per core) and the
+    memory speeds (every rank streaming, one alone)."""
+    from test_json_schema import conforms
+
+    _fake_calibration(monkeypatch)
     out = tmp_path / "host.yaml"
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv"]) == 0
     text = capsys.readouterr().out
@@ -291,3 +305,13 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert doc["shared_cores"] == pytest.approx({"p2p_rendezvous_us": 2650.0, "p2p_latency_us": 200.0,
                                                  "action_overhead_us": 400.0, "p2p_issue_us": 900.0})
     assert (doc["memory_alone_bw_GBps"], doc["memory_host_bw_GBps"]) == pytest.approx((32.0, 40.0))
+
+
+def test_calibrate_notes_in_one_line_an_operation_whose_times_do_not_grow(monkeypatch, tmp_path, capsys):
+    _fake_calibration(monkeypatch, flat=("broadcast",))
+    out = tmp_path / "host.yaml"
+    assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv,broadcast"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "did not grow" in line]
+    assert notes == ["broadcast: its times did not grow with size (stalls on a busy host?); its bytes are kept at "
+                     "link speed and only its fixed cost is fitted"]
+    assert load_cluster(str(out)).collective_efficiency["broadcast"] == 1.0
