@@ -58,10 +58,10 @@ DEFAULT_SHAPES = (
 )
 COLD_FOOTPRINT_BYTES = 64 << 20  # weights per run of calls: well above a server's last-level cache share
 RUN_S = 0.03
-# AdamW runs: (parameter tensors, elements each): many small tensors give the fixed cost per tensor, few
-# large ones (each tensor's state, 16 bytes per element, well above a server's last-level cache share)
-# the memory speed.
-OPTIMIZER_RUNS = ((64, 256), (4, 1 << 20), (2, 1 << 21))
+# AdamW runs: (parameter tensors, elements each): one small tensor gives the fixed cost per step, many the
+# fixed cost per tensor, few large ones (each tensor's state, 16 bytes per element, well above a server's
+# last-level cache share) the memory speed.
+OPTIMIZER_RUNS = ((1, 256), (64, 256), (4, 1 << 20), (2, 1 << 21))
 OPTIMIZER_ALONE = (2, 1 << 21)  # the run each rank repeats alone: its memory speed without the others streaming
 REPEATS = 15
 BATCH_S = 0.002  # each repeat runs the benchmark for at least this long

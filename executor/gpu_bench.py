@@ -208,19 +208,21 @@ def launch_rows(device, kernels: int = 2000) -> list[dict]:
             row("launch", "tiny kernel, host time to issue one (eager)", host, {"kernels": 1})]
 
 
-OPTIMIZER_TENSORS = 64  # small parameter tensors per timed AdamW step: a few layers' worth
+OPTIMIZER_TENSORS = (1, 64)  # small parameter tensors per timed AdamW step: the step's own cost, a few layers'
 
 
 def host_rows(device) -> list[dict]:
     """Eager PyTorch's host time per op on blocks too small to keep a GPU busy (its kernels wait on the
     host): generic blocks' forward and backward, with the ATen ops each dispatches
-    (:func:`executor.compute_bench.measure_dispatch`), and torch's default AdamW step on small tensors."""
+    (:func:`executor.compute_bench.measure_dispatch`), and torch's default AdamW step on one and on many small
+    tensors."""
     rows = []
     for r in measure_dispatch(device):
         for p in ("forward", "backward"):
             rows.append(row("host", f"{r['name']}, {p}", r[f"{p}_s"], {"pass": p, "ops": r[f"{p}_ops"]}))
-    [(tensors, numel, seconds)] = measure_optimizer(((OPTIMIZER_TENSORS, 256),), device)
-    return rows + [row("host", f"AdamW step, {tensors} tensors of {numel}", seconds, {"optimizer_tensors": tensors})]
+    for tensors, numel, seconds in measure_optimizer([(n, 256) for n in OPTIMIZER_TENSORS], device):
+        rows.append(row("host", f"AdamW step, {tensors} tensors of {numel}", seconds, {"optimizer_tensors": tensors}))
+    return rows
 
 
 # What `parsim calibrate --ranks 1` times (parsim.calibrate_gpu): square-ish matmuls, where cuBLAS reaches its

@@ -18,8 +18,8 @@ Compute (:mod:`executor.compute_bench` measures, on every rank at once):
 matmul times are fitted to the shape model of :mod:`parsim.compute` (peak
 FLOP/s, the dimension at which efficiency halves, and the speed at which a CPU
 streams cold operands in); generic eager blocks give the fixed cost per op of
-a forward and of a backward (:func:`fit_dispatch`); AdamW steps give the cost
-per parameter tensor and the memory speed (:func:`fit_optimizer`); activation
+a forward and of a backward (:func:`fit_dispatch`); AdamW steps give the costs
+per step and per parameter tensor and the memory speed (:func:`fit_optimizer`); activation
 functions, norms and softmax give the speed of elementwise work (:func:`fit_elementwise`).
 """
 
@@ -44,7 +44,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  mem_bw_Bps: float = 1e10, mem_bytes: float = 8e9, algorithms: dict | None = None,
                  efficiency: dict | None = None, overhead_s: dict | None = None,
                  matmul_half_dim: float = 0.0, kernel_overhead_s: float = 0.0, op_forward_s: float = 0.0,
-                 op_backward_s: float = 0.0, optimizer_tensor_s: float = 0.0,
+                 op_backward_s: float = 0.0, optimizer_tensor_s: float = 0.0, optimizer_step_s: float = 0.0,
                  matmul_stream_bw_Bps: float | None = None, p2p_rendezvous_s: float = 0.0,
                  p2p_latency_s: float | None = None,
                  action_overhead_s: float = 0.0, p2p_issue_s: float = 0.0, elementwise_bw_Bps: float | None = None,
@@ -55,7 +55,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     host-speed probes' (matmul FLOP/s, seconds per eager pass) while the compute figures were measured;
     ``shared_cores`` the pipeline's host costs with two ranks on each core."""
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
-                  "optimizer_tensor_us": optimizer_tensor_s * 1e6, "p2p_rendezvous_us": p2p_rendezvous_s * 1e6,
+                  "optimizer_tensor_us": optimizer_tensor_s * 1e6, "optimizer_step_us": optimizer_step_s * 1e6,
+                  "p2p_rendezvous_us": p2p_rendezvous_s * 1e6,
                   "action_overhead_us": action_overhead_s * 1e6, "p2p_issue_us": p2p_issue_s * 1e6}
     if p2p_latency_s is not None:
         host_costs["p2p_latency_us"] = p2p_latency_s * 1e6
@@ -338,34 +339,38 @@ def fit_elementwise(rows: list[dict], dispatch: DispatchFit, element_bytes: int 
 @dataclass
 class OptimizerFit:
     tensor_s: float  # fixed cost per parameter tensor
+    step_s: float  # fixed cost per step, whatever its tensors
     bw_Bps: float  # bytes per second over parsim's ADAMW_ACCESSES fp32 accesses per parameter
     rows: list[tuple[int, int, float, float]]  # tensors, elements each, measured s, fitted s
 
 
 def fit_optimizer(rows: list[tuple[int, int, float]], accesses: int, element_bytes: int = 4) -> OptimizerFit:
-    """``t = tensors * c + params * accesses * element_bytes / bw`` by least squares on relative error
-    (both terms >= 0), from AdamW steps on few large and many small tensors."""
-    if len(rows) < 2:
-        raise ParsimError("the optimizer fit needs at least two measurements")
+    """``t = step + tensors * c + params * accesses * element_bytes / bw`` by least squares on relative error
+    (every term >= 0), from AdamW steps on one small tensor, many small ones and a few large ones. torch's
+    foreach AdamW makes a dozen calls per step whatever its tensors, and each loops over the tensors on a
+    CPU: a step over one tensor costs several tensors' worth."""
+    if len(rows) < 3:
+        raise ParsimError("the optimizer fit needs at least three measurements")
     tensors = np.array([r[0] for r in rows], dtype=float)
     nbytes = np.array([r[0] * r[1] for r in rows], dtype=float) * accesses * element_bytes
     times = np.array([r[2] for r in rows])
-    a = np.stack([tensors, nbytes], axis=1) / times[:, None]
-    tensor_s, inverse_bw = _nonnegative_lstsq(a, np.ones_like(times))
+    a = np.stack([np.ones_like(tensors), tensors, nbytes], axis=1) / times[:, None]
+    step_s, tensor_s, inverse_bw = _nonnegative_lstsq(a, np.ones_like(times))
     if inverse_bw <= 0:
         raise ParsimError("the optimizer measurements show no bandwidth term (use larger tensors)")
-    fitted = tensors * tensor_s + nbytes * inverse_bw
-    return OptimizerFit(float(tensor_s), float(1.0 / inverse_bw),
+    fitted = step_s + tensors * tensor_s + nbytes * inverse_bw
+    return OptimizerFit(float(tensor_s), float(step_s), float(1.0 / inverse_bw),
                         [(int(r[0]), int(r[1]), float(r[2]), float(f)) for r, f in zip(rows, fitted)])
 
 
-def fit_alone_memory(rows: list[tuple[int, int, float]], tensor_s: float, accesses: int,
+def fit_alone_memory(rows: list[tuple[int, int, float]], fit: OptimizerFit, accesses: int,
                      element_bytes: int = 4) -> float:
     """The memory speed of one rank streaming while the host's other ranks wait: the median over ``rows``
     (tensors, elements each, seconds: each rank's AdamW step alone) of its bytes over its time less the fixed
-    cost per tensor (``tensor_s``, from :func:`fit_optimizer`)."""
-    speeds = [tensors * numel * accesses * element_bytes / (seconds - tensors * tensor_s)
-              for tensors, numel, seconds in rows if seconds > tensors * tensor_s]
+    costs per step and per tensor (``fit``, from :func:`fit_optimizer`)."""
+    fixed = [fit.step_s + tensors * fit.tensor_s for tensors, _, _ in rows]
+    speeds = [tensors * numel * accesses * element_bytes / (seconds - cost)
+              for (tensors, numel, seconds), cost in zip(rows, fixed) if seconds > cost]
     if not speeds:
         raise ParsimError("the optimizer steps run alone show no bandwidth term (use larger tensors)")
     return float(np.median(speeds))

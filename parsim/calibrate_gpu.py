@@ -20,8 +20,9 @@ rule its built-in value was sourced by:
   built-in figures were measured (:data:`parsim.cluster.HOPPER_SM_CYCLES`);
 * ``op_forward_us``, ``op_backward_us``: the host's time per eager op, forward
   and backward, pooled over generic blocks too small to keep the GPU busy (as
-  ``parsim calibrate`` fits a CPU host's); ``optimizer_tensor_us``: torch's
-  default AdamW step on small tensors, per tensor. A GPU runs its kernels while
+  ``parsim calibrate`` fits a CPU host's); ``optimizer_tensor_us`` and
+  ``optimizer_step_us``: torch's default AdamW step on one and on many small
+  tensors, the line through the two. A GPU runs its kernels while
   the host issues the next, so these bind only small models
   (:class:`parsim.compute.ComputeModel`, ``host_overlaps_device``).
 """
@@ -40,7 +41,7 @@ from .plan import DTYPE_BYTES
 
 
 # The host's figures: ``{name}_us`` in a cluster file, ``{name}_s`` on a GpuFit and a ClusterSpec.
-HOST_FIGURES = ("op_forward", "op_backward", "optimizer_tensor")
+HOST_FIGURES = ("op_forward", "op_backward", "optimizer_tensor", "optimizer_step")
 
 
 def host_us(figures: Any) -> dict[str, float]:
@@ -58,6 +59,7 @@ class GpuFit:
     op_forward_s: float = 0.0  # host time per eager op (0: not measured)
     op_backward_s: float = 0.0
     optimizer_tensor_s: float = 0.0
+    optimizer_step_s: float = 0.0
     sm_cycles: SmCycles | None = None  # None: not measured (no such rows, or the GPU's SM clock is not known)
 
 
@@ -115,14 +117,28 @@ def fit_gpu(rows: list[dict], spec: ClusterSpec, dtype: str = "bf16") -> GpuFit:
                    for p, by_seq in attention.items()},
                   *(_per_unit([r for r in rows if r["kind"] == "host" and r["work"].get("pass") == p], "ops")
                     for p in ("forward", "backward")),
-                  _per_unit([r for r in rows if r["kind"] == "host"], "optimizer_tensors"),
+                  *_optimizer_line([r for r in rows if r["kind"] == "host" and r["work"].get("optimizer_tensors")]),
                   fit_sm_cycles(rows, spec.gpu.sm_cycles_per_s, spec.sm_cycles))
 
 
 def _per_unit(rows: list[dict], unit: str) -> float:
-    """Pooled seconds over pooled ``unit`` (ops, tensors) of the rows that count it; 0 without any."""
+    """Pooled seconds over pooled ``unit`` (ops) of the rows that count it; 0 without any."""
     counted = [r for r in rows if r["work"].get(unit)]
     return sum(r["measured_s"] for r in counted) / sum(r["work"][unit] for r in counted) if counted else 0.0
+
+
+def _optimizer_line(rows: list[dict]) -> tuple[float, float]:
+    """(seconds per tensor, seconds per step) of AdamW steps over different numbers of tensors: the line through
+    the fewest's and the most's (a single count: all of it per tensor; none: 0, 0)."""
+    if not rows:
+        return 0.0, 0.0
+    few, many = (min(rows, key=lambda r: r["work"]["optimizer_tensors"]),
+                 max(rows, key=lambda r: r["work"]["optimizer_tensors"]))
+    n_few, n_many = few["work"]["optimizer_tensors"], many["work"]["optimizer_tensors"]
+    if n_few == n_many:
+        return many["measured_s"] / n_many, 0.0
+    per_tensor = max((many["measured_s"] - few["measured_s"]) / (n_many - n_few), 0.0)
+    return per_tensor, max(few["measured_s"] - n_few * per_tensor, 0.0)
 
 
 def gpu_cluster(base: dict[str, Any], fit: GpuFit, name: str, description: str, dtype: str = "bf16") -> dict:

@@ -44,7 +44,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "sm_cycles",
                 "attention_efficiency",
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
-                "op_forward_us", "op_backward_us", "optimizer_tensor_us", "matmul_stream_bw_GBps",
+                "op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "matmul_stream_bw_GBps",
                 "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us",
                 "elementwise_bw_GBps",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
@@ -202,6 +202,7 @@ class ClusterSpec:
     op_forward_s: float = 0.0  # one op dispatched in a forward
     op_backward_s: float = 0.0  # one op autograd runs in a backward
     optimizer_tensor_s: float = 0.0  # AdamW's fixed cost per parameter tensor
+    optimizer_step_s: float = 0.0  # and per step, whatever its tensors (foreach AdamW's calls and Python)
     matmul_stream_bw_Bps: float | None = None  # a matmul's weight streamed in addition to its arithmetic
     p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to a receive posted late
     p2p_latency_s: float | None = None  # a pipeline transfer's latency when its receiver waits (None: the links')
@@ -235,7 +236,8 @@ class ClusterSpec:
             memory_alone_bw_Bps=self.memory_alone_bw_Bps and self.memory_alone_bw_Bps * arithmetic,
             memory_host_bw_Bps=self.memory_host_bw_Bps and self.memory_host_bw_Bps * arithmetic,
             op_forward_s=self.op_forward_s / eager, op_backward_s=self.op_backward_s / eager,
-            optimizer_tensor_s=self.optimizer_tensor_s / eager, kernel_overhead_s=self.kernel_overhead_s / eager,
+            optimizer_tensor_s=self.optimizer_tensor_s / eager, optimizer_step_s=self.optimizer_step_s / eager,
+            kernel_overhead_s=self.kernel_overhead_s / eager,
             action_overhead_s=self.action_overhead_s / eager, p2p_issue_s=self.p2p_issue_s / eager,
             shared_cores=self.shared_cores and replace(
                 self.shared_cores, action_overhead_s=self.shared_cores.action_overhead_s / eager,
@@ -389,8 +391,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
                                  for p in ("forward", "backward"))
     sm_cycles = _sm_cycles(source, compute.get("sm_cycles", {}))
     host_us = {}
-    for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us", "action_overhead_us",
-                "p2p_issue_us"):
+    for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "p2p_rendezvous_us",
+                "action_overhead_us", "p2p_issue_us"):
         host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
     p2p_latency = compute.get("p2p_latency_us")
     if p2p_latency is not None:
@@ -466,6 +468,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         op_forward_s=float(host_us["op_forward_us"]) * 1e-6,
         op_backward_s=float(host_us["op_backward_us"]) * 1e-6,
         optimizer_tensor_s=float(host_us["optimizer_tensor_us"]) * 1e-6,
+        optimizer_step_s=float(host_us["optimizer_step_us"]) * 1e-6,
         p2p_rendezvous_s=float(host_us["p2p_rendezvous_us"]) * 1e-6,
         p2p_latency_s=p2p_latency and float(p2p_latency) * 1e-6,
         action_overhead_s=float(host_us["action_overhead_us"]) * 1e-6,

@@ -52,8 +52,11 @@ GPU host):
   takes the longer of the two, its kernels' time or the host's time to issue
   them. Big models' kernels outlast the host (their steps do not change);
   small models wait on the host ("launch-bound").
-* ``optimizer_tensor_s``: AdamW's fixed cost per parameter tensor (torch's
-  per-tensor loop on CPU), on top of its bytes at the memory speed.
+* ``optimizer_tensor_s``, ``optimizer_step_s``: AdamW's fixed costs per
+  parameter tensor (torch's foreach ops loop over the tensors on a CPU) and per
+  step (the dozen foreach calls of torch's ``_multi_tensor_adamw``, its
+  grouping and Python, whatever the tensors), on top of its bytes at the
+  memory speed.
 * ``matmul_stream_bw_Bps``: a CPU core does not hide streaming a matmul's
   second operand ``w[k, n]`` (a layer's weight in the forward and the
   input-gradient matmul) in from memory, nor its output ``[m, n]`` out to
@@ -162,6 +165,7 @@ class ComputeModel:
     op_forward_s: float = 0.0
     op_backward_s: float = 0.0
     optimizer_tensor_s: float = 0.0
+    optimizer_step_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
     p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to a late receive (parsim.stepsim)
     p2p_latency_s: float | None = None  # a pipeline transfer's latency, receiver waiting (None: the links')
@@ -201,6 +205,7 @@ class ComputeModel:
             attention_efficiency=tuple(at_length(c, attention_seq) for c in spec.attention_efficiency),
             op_forward_s=spec.op_forward_s,
             op_backward_s=spec.op_backward_s, optimizer_tensor_s=spec.optimizer_tensor_s,
+            optimizer_step_s=spec.optimizer_step_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, p2p_rendezvous_s=spec.p2p_rendezvous_s,
             p2p_latency_s=spec.p2p_latency_s, shared_cores=spec.shared_cores,
             action_overhead_s=spec.action_overhead_s, p2p_issue_s=spec.p2p_issue_s,
@@ -258,17 +263,19 @@ class ComputeModel:
              attention_flops: float = 0.0, attention_grad_flops: float = 0.0, forward_ops: int = 0,
              backward_ops: int = 0, optimizer_tensors: int = 0, stream_bytes: float = 0.0,
              sm_reserved: int = 0, high_precision: bool = False,
-             sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...] = (), stream_apart: bool = False) -> float:
+             sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...] = (), stream_apart: bool = False,
+             optimizer_steps: int = 0) -> float:
         """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
         kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; and
-        each dispatched op's and each optimizer tensor's fixed host cost: added on an eager CPU host,
-        the longer of host and kernels on a GPU (``host_overlaps_device``). On a CPU host, too, the
-        memory-bound bytes but ``stream_bytes`` at the host's elementwise speed. ``sm_reserved``: SMs
-        a communication kernel beside the matmuls holds; ``high_precision``: the matmuls run in bf16 in
-        an fp8 plan (:meth:`matmul_rate`). ``sm_bound``: (bytes, arithmetic) of memory-bound kernels
-        whose arithmetic can outlast their bytes (their bytes are in ``hbm_bytes`` too): each takes the
-        longer of the two on a GPU whose SM clock is known (:meth:`sm_excess`). ``stream_apart``: on a CPU
-        host, leave ``stream_bytes`` out; the caller times them on its shared memory (:attr:`shares_host_memory`)."""
+        each dispatched op's, each optimizer tensor's and each optimizer step's fixed host cost: added
+        on an eager CPU host, the longer of host and kernels on a GPU (``host_overlaps_device``). On a CPU
+        host, too, the memory-bound bytes but ``stream_bytes`` at the host's elementwise speed.
+        ``sm_reserved``: SMs a communication kernel beside the matmuls holds; ``high_precision``: the
+        matmuls run in bf16 in an fp8 plan (:meth:`matmul_rate`). ``sm_bound``: (bytes, arithmetic) of
+        memory-bound kernels whose arithmetic can outlast their bytes (their bytes are in ``hbm_bytes``
+        too): each takes the longer of the two on a GPU whose SM clock is known (:meth:`sm_excess`).
+        ``stream_apart``: on a CPU host, leave ``stream_bytes`` out; the caller times them on its shared
+        memory (:attr:`shares_host_memory`)."""
         total = sum(self.matmul_time(*mm, sm_reserved, high_precision) for mm in matmuls)
         forward, backward = self.attention_efficiency
         total += (attention_flops / forward + attention_grad_flops / backward) / self.peak_flops
@@ -279,7 +286,7 @@ class ComputeModel:
                 work += stream_bytes / self.memory_bw_Bps
         else:
             work = max(flops / self.peak_flops, hbm_bytes / self.memory_bw_Bps)
-        host = self.host_time(forward_ops, backward_ops, optimizer_tensors)
+        host = self.host_time(forward_ops, backward_ops, optimizer_tensors, optimizer_steps)
         return self.with_host(total + work + self.sm_excess(sm_bound) + kernels * self.kernel_overhead_s, host)
 
     def sm_excess(self, sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...]) -> float:
@@ -301,10 +308,11 @@ class ComputeModel:
             per_element = getattr(figures, work.kind)[work.backward]
         return per_element * work.elements
 
-    def host_time(self, forward_ops: int = 0, backward_ops: int = 0, optimizer_tensors: int = 0) -> float:
-        """The host's fixed costs of dispatching these eager ops and stepping these AdamW tensors."""
+    def host_time(self, forward_ops: int = 0, backward_ops: int = 0, optimizer_tensors: int = 0,
+                  optimizer_steps: int = 0) -> float:
+        """The host's fixed costs of dispatching these eager ops and taking these AdamW steps over these tensors."""
         return (forward_ops * self.op_forward_s + backward_ops * self.op_backward_s
-                + optimizer_tensors * self.optimizer_tensor_s)
+                + optimizer_tensors * self.optimizer_tensor_s + optimizer_steps * self.optimizer_step_s)
 
     def with_host(self, device_s: float, host_s: float) -> float:
         """A block's time from its kernels' and its host's: the longer on a GPU, which runs kernels while

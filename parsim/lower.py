@@ -83,7 +83,8 @@ def adamw_costs(implementation: str, params: float, tensors: int,
     """What one AdamW step (``foreach`` or ``fused``) over ``params`` parameters in ``tensors`` tensors
     costs, as keyword arguments of :meth:`ComputeModel.time <parsim.compute.ComputeModel.time>` (and of
     :class:`Op`): 12 FLOPs per parameter, its fp32 passes and launches, and on an eager CPU host its
-    per-tensor cost (calibrated on the foreach step; one dispatched op's for the fused one).
+    per-tensor and per-step costs (calibrated on the foreach step; one dispatched op's per tensor for the
+    fused one).
 
     ``mixed`` (the weights' and the gradients' bytes) where AdamW steps fp32 master weights beside
     low-precision ones (:attr:`Plan.main_grads <parsim.plan.Plan.main_grads>`): gradients kept narrower than
@@ -93,11 +94,13 @@ def adamw_costs(implementation: str, params: float, tensors: int,
     if implementation == "fused":
         traffic = params * FUSED_ADAMW_ACCESSES * FP32
         costs = {"flops": 12.0 * params, "hbm_bytes": traffic, "stream_bytes": traffic, "forward_ops": tensors,
-                 "kernels": -(-tensors // FUSED_ADAMW_TENSORS_PER_KERNEL), "optimizer_tensors": 0}
+                 "kernels": -(-tensors // FUSED_ADAMW_TENSORS_PER_KERNEL), "optimizer_tensors": 0,
+                 "optimizer_steps": 0}
     else:
         traffic = params * ADAMW_ACCESSES * FP32
         costs = {"flops": 12.0 * params, "hbm_bytes": traffic, "stream_bytes": traffic, "forward_ops": 0,
-                 "kernels": tensors * ADAMW_KERNELS, "optimizer_tensors": tensors}
+                 "kernels": tensors * ADAMW_KERNELS, "optimizer_tensors": tensors,
+                 "optimizer_steps": 1}
     if mixed is not None:
         weight_bytes, grad_bytes = mixed
         copies = [(FP32, weight_bytes)] + ([(grad_bytes, FP32)] if grad_bytes < FP32 else [])

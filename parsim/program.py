@@ -30,10 +30,11 @@ class Op:
     attention_flops: float = 0.0  # the fused attention core's FLOPs as executed: forward
     attention_grad_flops: float = 0.0  # and backward
     # eager CPU host costs (parsim.compute): ops dispatched in a forward / run by autograd in a backward,
-    # and parameter tensors an optimizer step updates
+    # and parameter tensors an optimizer step updates, in how many foreach AdamW steps
     forward_ops: int = 0
     backward_ops: int = 0
     optimizer_tensors: int = 0
+    optimizer_steps: int = 0
     stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation, AdamW)
     sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.tp_overlap)
     high_precision: bool = False  # fp8 plans: these matmuls run in bf16 (the LM head)

@@ -239,9 +239,10 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
                    "backward_ops": 12, "elements": 65536}
 
     def adamw(tensors, numel, bw):
-        return tensors, numel, tensors * 50e-6 + tensors * numel * ADAMW_ACCESSES * 4 / bw
+        return tensors, numel, 120e-6 + tensors * 50e-6 + tensors * numel * ADAMW_ACCESSES * 4 / bw
 
-    optimizer = {"together": [adamw(64, 256, 20e9), adamw(4, 1 << 20, 20e9)], "alone": [adamw(2, 1 << 21, 32e9)]}
+    optimizer = {"together": [adamw(1, 256, 20e9), adamw(64, 256, 20e9), adamw(4, 1 << 20, 20e9)],
+                 "alone": [adamw(2, 1 << 21, 32e9)]}
     probes = {0: [(48e9, 820e-6), (50e9, 800e-6)], 1: [(52e9, 780e-6), (50e9, 800e-6)]}
 
     def every_rank(nproc):
@@ -292,7 +293,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert written.shared_cores == SharedCoreCosts(pytest.approx(2.65e-3), pytest.approx(200e-6),
                                                    pytest.approx(400e-6), pytest.approx(900e-6))
     assert "memory            20.00 GB/s per rank with every rank streaming (40.0 GB/s in all), 32.00 GB/s for a " \
-           "rank alone, 50 us per tensor" in text
+           "rank alone, 120 us per AdamW step and 50 us per tensor" in text
+    assert (written.optimizer_step_s, written.optimizer_tensor_s) == pytest.approx((120e-6, 50e-6))
     assert (written.gpu.hbm_bw_Bps, written.memory_alone_bw_Bps, written.memory_host_bw_Bps) == pytest.approx(
         (20e9, 32e9, 40e9))
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv",
@@ -305,6 +307,7 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert doc["shared_cores"] == pytest.approx({"p2p_rendezvous_us": 2650.0, "p2p_latency_us": 200.0,
                                                  "action_overhead_us": 400.0, "p2p_issue_us": 900.0})
     assert (doc["memory_alone_bw_GBps"], doc["memory_host_bw_GBps"]) == pytest.approx((32.0, 40.0))
+    assert (doc["optimizer_step_us"], doc["optimizer_tensor_us"]) == pytest.approx((120.0, 50.0))
 
 
 def test_calibrate_notes_in_one_line_an_operation_whose_times_do_not_grow(monkeypatch, tmp_path, capsys):

@@ -125,7 +125,8 @@ CLUSTERS = {"dgx-h100": read_yaml(builtin_clusters()["dgx-h100"]),
             "pcie": read_yaml(builtin_clusters()["pcie-4x-rtx6000ada"]), "ideal": IDEAL}
 # Figures that may be zero (and so also tiny): latencies, fixed costs, "unknown" counts.
 ZERO_OK = {"latency_us", "spine_hop_latency_us", "kernel_overhead_us", "matmul_half_dim", "op_forward_us",
-           "op_backward_us", "optimizer_tensor_us", "p2p_rendezvous_us", "sm_count", "nvlinks_per_gpu"}
+           "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "p2p_rendezvous_us", "sm_count",
+           "nvlinks_per_gpu"}
 ZERO_OK_SECTIONS = {"collective_overhead_us", "collective_step_overhead_us"}
 REQUIRED_CLUSTER_KEYS = [("name",), ("gpus_per_node",), ("gpu",), ("gpu", "model"), ("gpu", "peak_tflops"),
                          ("gpu", "hbm_capacity_GB"), ("gpu", "hbm_bw_GBps"), ("intra_node",),

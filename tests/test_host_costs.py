@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from ideal_cluster import IDEAL, ideal_spec
-from parsim.calibrate import (DispatchFit, fit_alone_memory, fit_dispatch, fit_elementwise, fit_matmul,
+from parsim.calibrate import (DispatchFit, OptimizerFit, fit_alone_memory, fit_dispatch, fit_elementwise, fit_matmul,
                               fit_optimizer, fit_step_overhead, host_cluster)
 from parsim.cli.main import main
 from parsim.cluster import builtin_clusters, load_cluster, parse_cluster
@@ -27,7 +27,7 @@ from parsim.stepsim import StepSimulator
 
 SHAPES = [(32, 64, 64), (128, 128, 128), (32, 1024, 1024), (128, 256, 1024), (512, 512, 512),
           (128, 1024, 1024), (1024, 1024, 32), (64, 4096, 1024), (256, 64, 64)]
-HOST_KEYS = {"op_forward_us": 7.0, "op_backward_us": 6.0, "optimizer_tensor_us": 50.0,
+HOST_KEYS = {"op_forward_us": 7.0, "op_backward_us": 6.0, "optimizer_tensor_us": 50.0, "optimizer_step_us": 130.0,
              "matmul_stream_bw_GBps": 15.0, "p2p_rendezvous_us": 150.0, "elementwise_bw_GBps": 6.0,
              "action_overhead_us": 40.0}
 SHARED = {"p2p_rendezvous_us": 2500.0, "p2p_latency_us": 300.0, "action_overhead_us": 400.0}  # two ranks per core
@@ -81,19 +81,25 @@ def test_elementwise_fit_counts_bytes_as_the_model_counts_a_unary_kernel():
     assert fit_elementwise([row], dispatch) == pytest.approx(6e9)
 
 
-def test_optimizer_fit_separates_the_cost_per_tensor_from_the_bytes():
+def test_optimizer_fit_separates_the_costs_per_step_and_per_tensor_from_the_bytes():
     def step(tensors, numel):
-        return tensors * 50e-6 + tensors * numel * ADAMW_ACCESSES * 4 / 20e9
+        return 130e-6 + tensors * 50e-6 + tensors * numel * ADAMW_ACCESSES * 4 / 20e9
 
-    fit = fit_optimizer([(t, n, step(t, n)) for t, n in ((64, 256), (8, 1 << 19), (4, 1 << 20))], ADAMW_ACCESSES)
-    assert fit.tensor_s == pytest.approx(50e-6, rel=1e-6) and fit.bw_Bps == pytest.approx(20e9, rel=1e-6)
+    runs = ((1, 256), (64, 256), (8, 1 << 19), (4, 1 << 20))
+    fit = fit_optimizer([(t, n, step(t, n)) for t, n in runs], ADAMW_ACCESSES)
+    assert fit.step_s == pytest.approx(130e-6, rel=1e-6) and fit.tensor_s == pytest.approx(50e-6, rel=1e-6)
+    assert fit.bw_Bps == pytest.approx(20e9, rel=1e-6)
+    assert [row[3] for row in fit.rows] == pytest.approx([step(t, n) for t, n in runs])
+    with pytest.raises(ParsimError, match="at least three"):
+        fit_optimizer([(t, n, step(t, n)) for t, n in runs[:2]], ADAMW_ACCESSES)
 
 
-def test_the_memory_speed_alone_takes_out_the_cost_per_tensor():
-    rows = [(2, 1 << 21, 2 * 50e-6 + 2 * (1 << 21) * ADAMW_ACCESSES * 4 / s) for s in (40e9, 44e9, 60e9)]
-    assert fit_alone_memory(rows, 50e-6, ADAMW_ACCESSES) == pytest.approx(44e9)
+def test_the_memory_speed_alone_takes_out_the_costs_per_step_and_per_tensor():
+    fit = OptimizerFit(tensor_s=50e-6, step_s=130e-6, bw_Bps=20e9, rows=[])
+    rows = [(2, 1 << 21, 130e-6 + 2 * 50e-6 + 2 * (1 << 21) * ADAMW_ACCESSES * 4 / s) for s in (40e9, 44e9, 60e9)]
+    assert fit_alone_memory(rows, fit, ADAMW_ACCESSES) == pytest.approx(44e9)
     with pytest.raises(ParsimError, match="no bandwidth term"):
-        fit_alone_memory([(64, 256, 1e-3)], 50e-6, ADAMW_ACCESSES)
+        fit_alone_memory([(64, 256, 1e-3)], fit, ADAMW_ACCESSES)
 
 
 def test_step_overhead_is_what_calls_between_compute_add_over_the_fitted_loops():
@@ -115,8 +121,9 @@ def test_host_keys_are_read_in_si_units():
     assert spec.matmul_stream_bw_Bps == pytest.approx(15e9) and spec.elementwise_bw_Bps == pytest.approx(6e9)
     assert spec.action_overhead_s == pytest.approx(40e-6)
     model = ComputeModel.for_cluster(spec, "fp32", 4)
-    assert model.time(forward_ops=10, backward_ops=20, optimizer_tensors=2) == pytest.approx(
-        10 * 7e-6 + 20 * 6e-6 + 2 * 50e-6)
+    assert spec.optimizer_step_s == pytest.approx(130e-6)
+    assert model.time(forward_ops=10, backward_ops=20, optimizer_tensors=2, optimizer_steps=1) == pytest.approx(
+        10 * 7e-6 + 20 * 6e-6 + 2 * 50e-6 + 130e-6)
 
 
 @pytest.mark.parametrize("key, value, expected", [
@@ -162,8 +169,8 @@ def test_the_host_speed_scales_the_compute_figures_by_their_probe_and_no_collect
     assert moved.elementwise_bw_Bps == pytest.approx(1.25 * 6e9)
     assert (moved.memory_alone_bw_Bps, moved.memory_host_bw_Bps) == pytest.approx((1.25 * 30e9, 1.25 * 45e9))
     # ... fixed costs the eager probe.
-    assert (moved.op_forward_s, moved.op_backward_s, moved.optimizer_tensor_s, moved.action_overhead_s) == \
-        pytest.approx((7e-6 / 0.5, 6e-6 / 0.5, 50e-6 / 0.5, 40e-6 / 0.5))
+    assert (moved.op_forward_s, moved.op_backward_s, moved.optimizer_tensor_s, moved.optimizer_step_s,
+            moved.action_overhead_s) == pytest.approx((7e-6 / 0.5, 6e-6 / 0.5, 50e-6 / 0.5, 130e-6 / 0.5, 40e-6 / 0.5))
     assert (moved.speed_probe_flops, moved.speed_probe_eager_s) == pytest.approx((62.5e9, 1600e-6))
     assert moved.shared_cores.action_overhead_s == pytest.approx(400e-6 / 0.5)
     # Collectives and pipeline transfers keep their fits.
@@ -240,7 +247,7 @@ def test_blocks_carry_eager_op_counts_into_the_program():
     assert sum(op.backward_ops for op in backward) == 2 + 2 * (93 + 50)
     assert all(op.backward_ops == 0 for op in forward) and all(op.forward_ops == 0 for op in backward)
     step = next(op for op in ops if op.kind == "optimizer")
-    assert step.optimizer_tensors > 0 and step.stream_bytes == step.hbm_bytes
+    assert step.optimizer_tensors > 0 and step.optimizer_steps == 1 and step.stream_bytes == step.hbm_bytes
 
 
 def test_host_costs_slow_a_cpu_step_by_what_they_charge():

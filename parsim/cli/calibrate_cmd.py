@@ -40,9 +40,10 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     (collective_step_overhead_us);
   * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
   * on every rank at once and in step, as ranks compute in a real run:
-    AdamW steps on small and large tensors -> hbm_bw_GBps (each rank's memory
-    speed with every rank streaming; times the ranks, the host's,
-    compute.memory_host_bw_GBps) and compute.optimizer_tensor_us; matmuls of
+    AdamW steps on one small tensor, many small and a few large ones ->
+    hbm_bw_GBps (each rank's memory speed with every rank streaming; times
+    the ranks, the host's, compute.memory_host_bw_GBps),
+    compute.optimizer_tensor_us and compute.optimizer_step_us; matmuls of
     several shapes on cold operands -> peak FLOP/s, the shape efficiency
     (compute.matmul_half_dim) and compute.matmul_stream_bw_GBps; generic eager
     blocks (a GeLU MLP block, a softmax attention block, elementwise ops) ->
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
                               ADAMW_ACCESSES)
     memory_bw = optimizer.bw_Bps  # each rank's, all streaming at once
     memory_alone_bw = fit_alone_memory([tuple(row) for rank in per_rank for row in rank["optimizer"]["alone"]],
-                                       optimizer.tensor_s, ADAMW_ACCESSES)
+                                       optimizer, ADAMW_ACCESSES)
     memory_host_bw = memory_bw * max(rank_counts)
     loops = [rank["pipeline"] for rank in per_rank if rank["pipeline"] is not None]
     p2p_rendezvous, action_overhead, p2p_issue = (_median(loops, key) for key in ("rendezvous", "action", "issue"))
@@ -194,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
         cpu=f"CPU rank, 1 thread ({cpu})", peak_flops=matmul.peak_flops, mem_bw_Bps=memory_bw,
         mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, overhead_s=overhead,
         matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
-        optimizer_tensor_s=optimizer.tensor_s, matmul_stream_bw_Bps=matmul.stream_bw_Bps,
+        optimizer_tensor_s=optimizer.tensor_s, optimizer_step_s=optimizer.step_s,
+        matmul_stream_bw_Bps=matmul.stream_bw_Bps,
         p2p_rendezvous_s=p2p_rendezvous, p2p_latency_s=p2p_latency, action_overhead_s=action_overhead,
         p2p_issue_s=p2p_issue,
         elementwise_bw_Bps=elementwise_bw,
@@ -217,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
                     "reduce_bw_GBps": reduce_bw / 1e9, "memory_bw_GBps": memory_bw / 1e9,
                     "memory_alone_bw_GBps": memory_alone_bw / 1e9, "memory_host_bw_GBps": memory_host_bw / 1e9,
                     "op_forward_us": dispatch.forward_s * 1e6, "op_backward_us": dispatch.backward_s * 1e6,
-                    "optimizer_tensor_us": optimizer.tensor_s * 1e6, "p2p_rendezvous_us": p2p_rendezvous * 1e6,
+                    "optimizer_tensor_us": optimizer.tensor_s * 1e6, "optimizer_step_us": optimizer.step_s * 1e6,
+                    "p2p_rendezvous_us": p2p_rendezvous * 1e6,
                     "p2p_latency_us": p2p_latency * 1e6 if p2p_latency is not None else None,
                     "action_overhead_us": action_overhead * 1e6, "p2p_issue_us": p2p_issue * 1e6,
                     "shared_cores": shared.to_us() if shared else None,
@@ -246,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"reduction         {reduce_bw / 1e9:.2f} GB/s (a.add_(b), 1 thread)")
     print(f"memory            {memory_bw / 1e9:.2f} GB/s per rank with every rank streaming "
           f"({memory_host_bw / 1e9:.1f} GB/s in all), {memory_alone_bw / 1e9:.2f} GB/s for a rank alone, "
-          f"{optimizer.tensor_s * 1e6:.0f} us per tensor (AdamW steps)")
+          f"{optimizer.step_s * 1e6:.0f} us per AdamW step and {optimizer.tensor_s * 1e6:.0f} us per tensor")
     print(f"per-op overhead   {dispatch.forward_s * 1e6:.1f} us forward, {dispatch.backward_s * 1e6:.1f} us backward "
           f"(generic eager blocks, every rank at once)")
     print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (activations, softmax, norms; bytes as "
