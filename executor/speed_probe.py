@@ -6,7 +6,9 @@ the cost of an eager op by up to 2x. A calibration taken minutes before a run
 then describes a faster or slower machine than the one that runs it.
 ``parsim calibrate`` times these probes between its compute benchmarks and
 writes their medians to the cluster file; ``parsim compare`` times them again
-before every measured step, on the same ranks, and scales the calibrated
+before the warm-up and after the measured steps (which run back to back, as
+a training loop's do: a step right after a probe runs its first passes
+cold), on the same ranks, and scales the calibrated
 compute figures by the ratios:
 
 * the **matmul probe** (FLOP/s of a thin fp32 matmul, its weight streamed in)

@@ -1,4 +1,4 @@
-"""The host-speed probe: a fixed matmul's rate, timed on one rank per core, between measured steps."""
+"""The host-speed probe: a fixed matmul's rate, timed on one rank per core, before and after the measured steps."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_one_rank_per_core_probes(monkeypatch):
 
 
 @pytest.mark.multiproc
-def test_a_run_asked_to_probe_reports_the_host_speed_between_its_steps():
+def test_a_run_asked_to_probe_reports_the_host_speed_around_its_steps():
     from executor.train import run_plan
     from parsim.plan import resolve_plan
 

@@ -35,7 +35,7 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     With ``profile_dir``, each rank also writes a torch.profiler trace of the
     measured steps there (``rank<r>.pt.trace.json``). With ``probe_speed``, the
     summary's ``speed_probe`` holds the host-speed probes' medians over the
-    measured steps (:mod:`executor.speed_probe`; timed between them).
+    measured steps (:mod:`executor.speed_probe`; timed before the warm-up and after the measured steps).
     A rank that fails or hangs ends the run with a
     :class:`executor.launch.RankFailure` naming it, within ``timeout_s``.
     """

@@ -285,20 +285,29 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
     ``profile_dir``, every step runs under ``torch.profiler`` (one
     ``ProfilerStep#N`` each) and the rank writes its Kineto trace of the
     measured steps there. With ``probe_speed``, the host-speed probe
-    (:mod:`executor.speed_probe`) runs before each measured step, every
-    probing rank at once, outside the step's time (``speed_probes``).
+    (:mod:`executor.speed_probe`) runs before the warm-up and after the
+    measured steps, every probing rank at once (``speed_probes``): the steps
+    themselves run back to back, as a training loop's do. Probed right before
+    it, a step is not the loop's: on a 2-core VM the first pass after the probe
+    took 1.1-1.8 ms longer than the passes after it (tiny-gpt's two layers,
+    forward and backward, 1.8 ms warm), and tiny PP's measured steps 14.8-19.6 ms
+    against 12.5-12.8 ms without it (2026-11-27).
     """
     plan = load_plan(plan_data)
     setup = build_rank(plan, rank, seed)
     recorder = setup.recorder
     probe = SpeedProbe(seed) if probe_speed and probes_on(rank, world) else None
     result: dict = {"rank": rank, "steps": [], "step_origins": [], "losses": [], "speed_probes": []}
+    def probe_now() -> None:  # every rank waits out the probes: none computes or exits beside them
+        dist.barrier()
+        if probe is not None:
+            result["speed_probes"].append(probe())
+        dist.barrier()
+
+    if probe_speed:
+        probe_now()
     with _profiler(profile_dir, rank, warmup, steps) as profiler:
         for i in range(warmup + steps):
-            if probe_speed and i >= warmup:
-                dist.barrier()
-                if probe is not None:
-                    result["speed_probes"].append(probe())
             dist.barrier()
             if profiler is not None:
                 profiler.step()  # ProfilerStep#N starts here, as the recorded step does
@@ -313,6 +322,8 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
                 kind = "warm-up step" if i < warmup else f"step {i - warmup + 1}/{steps}"
                 end = max((e.end_s for e in recorder.events), default=0.0)
                 print(f"parsim run: {kind} took {end * 1e3:.1f} ms on rank 0", file=sys.stderr, flush=True)
+    if probe_speed:
+        probe_now()
     if not gather:
         return result
     everyone = [None] * world if rank == 0 else None

@@ -29,8 +29,9 @@ size, and the median |error| sums it up.
 On a CPU host the cores' speed drifts (on a shared VM by 10-30% within
 minutes). A file from `parsim calibrate` holds two host-speed probes timed
 during its compute benchmarks: a fixed matmul's rate and a small eager pass's
-time. `compare` times them again before each measured step and scales the
-compute figures by their ratios (matmuls and memory by the matmul's, costs per
+time. `compare` times them again before the warm-up and after the measured
+steps (which run back to back, as in training) and scales the compute
+figures by their ratios (matmuls and memory by the matmul's, costs per
 op and per tensor by the eager pass's; collectives keep their fits), and also
 prints the prediction at the calibration's speed. --no-speed-probe predicts at
 the calibration's speed alone.
@@ -71,7 +72,8 @@ def register(subparsers) -> None:
                         "merged .json file")
     p.add_argument("--no-speed-probe", action="store_true",
                    help="plans on a calibrated CPU host: predict at the calibration's speed (by default the "
-                        "host-speed probe runs before each measured step and the compute figures follow it)")
+                        "host-speed probe runs before the warm-up and after the measured steps, and the compute "
+                        "figures follow it)")
     p.add_argument("--plot", metavar="PNG", help="collectives: busbw against size, both lines")
     p.add_argument("--timeout", type=float, default=None, help="seconds before a stuck run is stopped")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
