@@ -28,9 +28,9 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
   and the memory speed each rank gets when all stream), and the large ones on
   each rank alone (the speed of one rank streaming while the others wait).
 * :func:`measure_pipeline_loop`: pairs of ranks run the executor's pipeline
-  runtime, 1F1B over two stages that only stream memory: the loop's own host
-  time before each action and per send issued, and its transfers' times, with
-  the receive posted late or the receiver waiting.
+  runtime, 1F1B over two stages whose forward is a string of small eager ops:
+  the loop's own host time before each action and per send issued, and its
+  transfers' times, with the receive posted late or the receiver waiting.
 * :func:`measure_on_shared_cores`: that again with two ranks on each core, as
   a run with more ranks than cores has them.
 
@@ -385,6 +385,16 @@ def in_turn(mine: Callable[[], float], others: Callable[[], Any] = lambda: None)
     return result
 
 
+def eager_for(seconds: float) -> None:
+    """Keep this rank's core busy with small eager ops (microseconds each, dispatch-bound, as a small model's
+    pass runs) for ``seconds``."""
+    torch = require_torch()
+    x = torch.zeros(4, 32)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        x = torch.tanh(x + 0.5) * 0.9
+
+
 def compute_for(seconds: float, shape: tuple[int, int, int] = (64, 256, 256)) -> None:
     """Keep this rank's core busy with ``(m, n, k)`` matmuls for ``seconds`` (as another stage's backward does)."""
     torch = require_torch()
@@ -396,14 +406,21 @@ def compute_for(seconds: float, shape: tuple[int, int, int] = (64, 256, 256)) ->
 
 
 # ----------------------------------------------------------------------------- the pipeline loop
+STAGE_PASS_S = 1.4e-3  # each trivial stage's forward: as long as a small model's pass (tiny-gpt's two layers)
+
+
 def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 3) -> dict[str, float] | None:
-    """The executor's pipeline loop's own host costs, on stages that do almost nothing but leave the caches
-    as a real stage's kernels do.
+    """The executor's pipeline loop's own host costs, on stages that do almost nothing but keep the core busy as
+    a small model's pass does.
 
     Ranks pair up (0-1, 2-3, ...) and run :class:`executor.train.pipeline.PipelineRuntime` as a 1F1B pipeline
-    of two stages, each an ``nn.Linear(8, 8)`` that first writes :data:`COLD_FOOTPRINT_BYTES` of other memory
-    (1.4 ms on the 2-core VM, as long as a small model's pass: the sender of a late receive is computing, as
-    in a real pipeline, and the loop's Python finds the caches cold). In seconds:
+    of two stages, each an ``nn.Linear(8, 8)`` whose forward first runs small eager ops for
+    :data:`STAGE_PASS_S` (:func:`eager_for`: the sender of a late receive is computing, as in a real pipeline,
+    and its gloo thread waits for the core). On the 2-core VM (2026-11-27) these stages gave transfers
+    and issues like the plans' own: late receives a mean 0.16-0.32 ms (course PP's 0.16, tiny PP's 0.35),
+    each send's issue 0.10-0.18 ms. Stages that wrote 64 MiB each forward instead (the caches all cold, one
+    1.4 ms op the gloo thread waits behind) gave late receives 0.32-0.60 ms and issues 0.18-0.28 ms. In
+    seconds:
 
     * ``action``: the loop's Python before a pass, a receive or the optimizer step: the mean gap, from the
       step's start or an action's end to the next action, where no send was issued;
@@ -427,7 +444,6 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = rank ^ 1
     schedule = make_schedule("1f1b", 2, microbatches)
-    dirty = torch.zeros(COLD_FOOTPRINT_BYTES // 4)
 
     class Stage(nn.Module):
         def __init__(self, last: bool):
@@ -435,7 +451,7 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
             self.linear, self.last = nn.Linear(8, 8), last
 
         def forward(self, x, targets=None):
-            dirty.add_(1.0)
+            eager_for(STAGE_PASS_S)
             y = self.linear(x)
             return y.square().mean() if self.last else y
 

@@ -115,16 +115,16 @@ def fit_gpu(rows: list[dict], spec: ClusterSpec, dtype: str = "bf16") -> GpuFit:
     return GpuFit(_fraction(best), _fraction(streamed / spec.gpu.hbm_bw_Bps),
                   {p: {seq: _fraction(statistics.median(v)) for seq, v in sorted(by_seq.items())}
                    for p, by_seq in attention.items()},
-                  *(_per_unit([r for r in rows if r["kind"] == "host" and r["work"].get("pass") == p], "ops")
+                  *(_per_op([r for r in rows if r["kind"] == "host" and r["work"].get("pass") == p])
                     for p in ("forward", "backward")),
                   *_optimizer_line([r for r in rows if r["kind"] == "host" and r["work"].get("optimizer_tensors")]),
                   fit_sm_cycles(rows, spec.gpu.sm_cycles_per_s, spec.sm_cycles))
 
 
-def _per_unit(rows: list[dict], unit: str) -> float:
-    """Pooled seconds over pooled ``unit`` (ops) of the rows that count it; 0 without any."""
-    counted = [r for r in rows if r["work"].get(unit)]
-    return sum(r["measured_s"] for r in counted) / sum(r["work"][unit] for r in counted) if counted else 0.0
+def _per_op(rows: list[dict]) -> float:
+    """Pooled seconds over the pooled ops of the rows that count them; 0 without any."""
+    counted = [r for r in rows if r["work"].get("ops")]
+    return sum(r["measured_s"] for r in counted) / sum(r["work"]["ops"] for r in counted) if counted else 0.0
 
 
 def _optimizer_line(rows: list[dict]) -> tuple[float, float]:
