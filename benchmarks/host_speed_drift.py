@@ -62,7 +62,7 @@ def _cycles(core: int, seconds: float) -> list[tuple[float, ...]]:
 
     rows, start = [], time.perf_counter()
     while time.perf_counter() - start < seconds:
-        flops, eager_s, _ = probe()  # the memory probe's rate is not studied here
+        flops, eager_s = probe()
         rows.append((time.perf_counter() - start, flops, eager_s, median_s(mlp_step, 4), median_s(block_step, 10)))
     return rows
 

@@ -1,4 +1,4 @@
-"""How fast this host's cores and memory run right now: three short, fixed probes, timed the same way everywhere.
+"""How fast this host's cores run right now: two short, fixed probes, timed the same way everywhere.
 
 A CPU host's speed drifts: on a shared VM a core's throughput wanders by
 10-30% over minutes with nothing else running inside it (other tenants), and
@@ -12,13 +12,7 @@ cold), on the same ranks, and scales the calibrated
 compute figures by the ratios:
 
 * the **matmul probe** (FLOP/s of a thin fp32 matmul, its weight streamed in)
-  stands for arithmetic: matmuls and elementwise work;
-* the **memory probe** (bytes per second of a 32 MiB copy, every probing rank
-  at once) stands for the memory the ranks share: AdamW's and the gradients'
-  streams. On the 2-core VM, a step of AdamW over 4 x 1M parameters took
-  6.8-7.6 ms on one rank alone and 7.7 to 11 ms on both at once, from one
-  minute to the next (2026-11-27); the matmul probe needs its weights at a
-  fraction of the memory's speed and does not see that;
+  stands for arithmetic and memory: matmuls, elementwise work, AdamW's bytes;
 * the **eager probe** (seconds per forward and backward of a stack of tiny
   ``nn.Linear`` layers, all fixed cost) stands for the host's cost per op and
   per optimizer tensor.
@@ -48,8 +42,7 @@ from .launch import usable_cores
 SHAPE = (64, 1024, 1024)  # (m, k, n) of the matmul probe
 WEIGHTS = 16  # distinct weights, 64 MiB together: beyond a core's share of a server's last-level cache
 EAGER_LAYERS, EAGER_WIDTH, EAGER_ROWS = 8, 32, 16  # the eager probe: fixed cost per op, no arithmetic to speak of
-MEMORY_BYTES = 32 << 20  # the memory probe's copy: source and destination beyond a core's share of the cache
-SECONDS = 0.3  # all probes together: long enough to average over scheduler ticks, short enough between steps
+SECONDS = 0.3  # both probes together: long enough to average over scheduler ticks, short enough between steps
 
 
 def probes_on(rank: int, world: int) -> bool:
@@ -58,8 +51,7 @@ def probes_on(rank: int, world: int) -> bool:
 
 
 class SpeedProbe:
-    """``probe()``: (FLOP/s of the matmul probe, seconds per pass of the eager probe, bytes per second of the
-    memory probe, reads and writes), a third of the time each.
+    """``probe()``: (FLOP/s of the matmul probe, seconds per pass of the eager probe), half the time each.
 
     The operands are allocated once (random values, as a model's are), so timing does not page in memory.
     """
@@ -76,11 +68,9 @@ class SpeedProbe:
         self._layers = torch.nn.Sequential(*[torch.nn.Linear(EAGER_WIDTH, EAGER_WIDTH)
                                              for _ in range(EAGER_LAYERS)])
         self._input = torch.randn(EAGER_ROWS, EAGER_WIDTH, generator=generator)
-        self._source = torch.randn(MEMORY_BYTES // 4, generator=generator)
-        self._destination = torch.empty_like(self._source)
 
-    def __call__(self, seconds: float = SECONDS) -> tuple[float, float, float]:
-        return self.matmul_flops(seconds / 3), self.eager_s(seconds / 3), self.memory_Bps(seconds / 3)
+    def __call__(self, seconds: float = SECONDS) -> tuple[float, float]:
+        return self.matmul_flops(seconds / 2), self.eager_s(seconds / 2)
 
     def matmul_flops(self, seconds: float) -> float:
         self._matmul(self._x, self._weights[0])  # first-call paths out of the timing
@@ -91,15 +81,6 @@ class SpeedProbe:
         self._eager_pass()
         passes, elapsed = _repeat_for(seconds, self._eager_pass)
         return elapsed / passes
-
-    def memory_Bps(self, seconds: float) -> float:
-        self._copy()
-        copies, elapsed = _repeat_for(seconds, self._copy)
-        return copies * 2 * MEMORY_BYTES / elapsed
-
-    def _copy(self) -> int:
-        self._destination.copy_(self._source)
-        return 1
 
     def _over_the_weights(self) -> int:
         for w in self._weights:

@@ -50,10 +50,9 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  action_overhead_s: float = 0.0, p2p_issue_s: float = 0.0, elementwise_bw_Bps: float | None = None,
                  memory_alone_bw_Bps: float | None = None, memory_host_bw_Bps: float | None = None,
                  shared_cores: SharedCoreCosts | None = None, step_overhead_s: dict | None = None,
-                 cpu_cores: int | None = None, speed_probe: tuple[float, ...] | None = None) -> dict:
+                 cpu_cores: int | None = None, speed_probe: tuple[float, float] | None = None) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric"); ``speed_probe`` is the
-    host-speed probes' (matmul FLOP/s, seconds per eager pass, and optionally the memory probe's bytes per
-    second) while the compute figures were measured;
+    host-speed probes' (matmul FLOP/s, seconds per eager pass) while the compute figures were measured;
     ``shared_cores`` the pipeline's host costs with two ranks on each core."""
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
                   "optimizer_tensor_us": optimizer_tensor_s * 1e6, "optimizer_step_us": optimizer_step_s * 1e6,
@@ -75,8 +74,6 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     if speed_probe:
         host_costs["speed_probe_gflops"] = speed_probe[0] / 1e9
         host_costs["speed_probe_eager_us"] = speed_probe[1] * 1e6
-        if len(speed_probe) > 2:
-            host_costs["speed_probe_memory_GBps"] = speed_probe[2] / 1e9
     return {
         "name": name,
         "description": description or f"{ranks} ranks on one host, calibrated",

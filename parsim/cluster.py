@@ -48,7 +48,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us",
                 "elementwise_bw_GBps",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
-                "speed_probe_eager_us", "speed_probe_memory_GBps")
+                "speed_probe_eager_us")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
 SHARED_CORE_OPTIONAL = ("p2p_issue_us",)  # absent from files calibrated before it was measured: 0
 
@@ -215,34 +215,26 @@ class ClusterSpec:
     memory_host_bw_Bps: float | None = None
     shared_cores: SharedCoreCosts | None = None  # the pipeline's host costs with two ranks on each core
     cpu_cores: int | None = None  # cores a CPU host's ranks share (more ranks than this time-share them)
-    # executor.speed_probe while the compute figures were measured: its matmul's FLOP/s, its eager pass's
-    # seconds and its copy's bytes per second, every probing rank at once (None: not timed)
+    # executor.speed_probe while the compute figures were measured: its matmul's FLOP/s and its eager pass's
+    # seconds (None: not timed)
     speed_probe_flops: float | None = None
     speed_probe_eager_s: float | None = None
-    speed_probe_memory_Bps: float | None = None
 
-    def at_host_speed(self, arithmetic: float, eager: float, memory: float | None = None) -> "ClusterSpec":
-        """This CPU host running ``arithmetic`` times as fast as when it was calibrated in matmuls (their peak
-        and weight stream, elementwise speed), ``eager`` times as fast in its fixed costs (per op, per kernel,
-        per optimizer tensor and step, between actions), and ``memory`` times as fast in the memory its ranks
-        share (each rank's speed and the host's with every rank streaming; one rank alone keeps its own, but
-        no less than that; None: as ``arithmetic``, for files calibrated without the memory probe).
-        Collectives and pipeline transfers keep their own fits: gloo's calls were not measured to follow the
-        probes (executor.speed_probe)."""
-        memory = arithmetic if memory is None else memory
-        if arithmetic <= 0 or eager <= 0 or memory <= 0:
-            raise ParsimError(f"host speed factors must be positive, got {arithmetic}, {eager} and {memory}")
+    def at_host_speed(self, arithmetic: float, eager: float) -> "ClusterSpec":
+        """This CPU host running ``arithmetic`` times as fast as when it was calibrated in matmuls and memory
+        (matmul peak and weight stream, memory speeds, elementwise speed), and ``eager`` times as fast in its
+        fixed costs (per op, per kernel, per optimizer tensor, between actions). Collectives and pipeline transfers keep
+        their own fits: gloo's calls were not measured to follow the probes (executor.speed_probe)."""
+        if arithmetic <= 0 or eager <= 0:
+            raise ParsimError(f"host speed factors must be positive, got {arithmetic} and {eager}")
         gpu = replace(self.gpu, peak_flops={d: f * arithmetic for d, f in self.gpu.peak_flops.items()},
-                      hbm_bw_Bps=self.gpu.hbm_bw_Bps * memory)
-        alone = self.memory_alone_bw_Bps
-        if alone and self.speed_probe_memory_Bps is None:
-            alone *= memory
+                      hbm_bw_Bps=self.gpu.hbm_bw_Bps * arithmetic)
         return replace(
             self, gpu=gpu,
             matmul_stream_bw_Bps=self.matmul_stream_bw_Bps and self.matmul_stream_bw_Bps * arithmetic,
             elementwise_bw_Bps=self.elementwise_bw_Bps and self.elementwise_bw_Bps * arithmetic,
-            memory_alone_bw_Bps=alone and max(alone, gpu.hbm_bw_Bps),
-            memory_host_bw_Bps=self.memory_host_bw_Bps and self.memory_host_bw_Bps * memory,
+            memory_alone_bw_Bps=self.memory_alone_bw_Bps and self.memory_alone_bw_Bps * arithmetic,
+            memory_host_bw_Bps=self.memory_host_bw_Bps and self.memory_host_bw_Bps * arithmetic,
             op_forward_s=self.op_forward_s / eager, op_backward_s=self.op_backward_s / eager,
             optimizer_tensor_s=self.optimizer_tensor_s / eager, optimizer_step_s=self.optimizer_step_s / eager,
             kernel_overhead_s=self.kernel_overhead_s / eager,
@@ -251,8 +243,7 @@ class ClusterSpec:
                 self.shared_cores, action_overhead_s=self.shared_cores.action_overhead_s / eager,
                 p2p_issue_s=self.shared_cores.p2p_issue_s / eager),
             speed_probe_flops=self.speed_probe_flops and self.speed_probe_flops * arithmetic,
-            speed_probe_eager_s=self.speed_probe_eager_s and self.speed_probe_eager_s / eager,
-            speed_probe_memory_Bps=self.speed_probe_memory_Bps and self.speed_probe_memory_Bps * memory)
+            speed_probe_eager_s=self.speed_probe_eager_s and self.speed_probe_eager_s / eager)
 
     def _own_matmul_efficiency(self, dtype: str) -> float | None:
         """The file's figure for ``dtype``; fp16 and bf16 run at the same rate, so each stands in for the other."""
@@ -408,8 +399,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         p2p_latency = _figure(source, "compute.p2p_latency_us", p2p_latency, LATENCY_US)
     shared = _shared_cores(source, compute["shared_cores"]) if "shared_cores" in compute else None
     host_GBps = {}
-    for key in ("matmul_stream_bw_GBps", "elementwise_bw_GBps", "memory_alone_bw_GBps", "memory_host_bw_GBps",
-                "speed_probe_memory_GBps"):
+    for key in ("matmul_stream_bw_GBps", "elementwise_bw_GBps", "memory_alone_bw_GBps", "memory_host_bw_GBps"):
         value = compute.get(key)
         host_GBps[key] = None if value is None else _figure(source, f"compute.{key}", value, BANDWIDTH_GBPS)
     if (host_GBps["memory_alone_bw_GBps"] is None) != (host_GBps["memory_host_bw_GBps"] is None):
@@ -425,9 +415,6 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     if probe_gflops is not None:
         probe_gflops = _figure(source, "compute.speed_probe_gflops", probe_gflops, GFLOPS)
         probe_us = _figure(source, "compute.speed_probe_eager_us", probe_us, (1e-6, 1e9, "microseconds"))
-    elif host_GBps["speed_probe_memory_GBps"] is not None:
-        raise ConfigError(source, "compute.speed_probe_memory_GBps", "given without the other probes",
-                          "compute.speed_probe_gflops and compute.speed_probe_eager_us beside it, or none")
     _figure(source, "compute.matmul_half_dim", half_dim, MATRIX_DIM)
     k_overhead = _figure(source, "compute.matmul_k_overhead", compute.get("matmul_k_overhead", 0.0), MATRIX_DIM)
     sm_count = gpu.data.get("sm_count", 0)
@@ -494,7 +481,6 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         cpu_cores=cores,
         speed_probe_flops=probe_gflops and probe_gflops * 1e9,
         speed_probe_eager_s=probe_us and probe_us * 1e-6,
-        speed_probe_memory_Bps=_GBps(host_GBps["speed_probe_memory_GBps"]),
     )
     for reader in (r, gpu, intra, out):
         reader.reject_unknown()

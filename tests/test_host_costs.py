@@ -184,25 +184,6 @@ def test_the_host_speed_scales_the_compute_figures_by_their_probe_and_no_collect
         parse_cluster(cpu_host(speed_probe_gflops=0, speed_probe_eager_us=800.0), "host.yaml")
 
 
-def test_with_a_memory_probe_the_memory_the_ranks_share_follows_it():
-    """A file calibrated with the memory probe: each rank's memory speed and the host's, every rank streaming,
-    follow the memory probe, not the matmul one; a rank alone keeps its calibrated speed, never below theirs."""
-    probes = {"speed_probe_gflops": 50.0, "speed_probe_eager_us": 800.0, "speed_probe_memory_GBps": 16.0}
-    spec = parse_cluster(cpu_host(**HOST_KEYS, **probes, memory_alone_bw_GBps=30.0, memory_host_bw_GBps=40.0),
-                         "host.yaml")
-    assert spec.speed_probe_memory_Bps == pytest.approx(16e9)
-    assert host_cluster(2, 1e-4, 1e9, 1e9, speed_probe=(50e9, 800e-6, 16e9))["compute"]["speed_probe_memory_GBps"] \
-        == pytest.approx(16.0)
-    slower = spec.at_host_speed(1.25, 1.0, 0.7)
-    assert slower.gpu.peak_flops["fp32"] == pytest.approx(1.25 * 70e9)
-    assert (slower.gpu.hbm_bw_Bps, slower.memory_host_bw_Bps) == pytest.approx((0.7 * 20e9, 0.7 * 40e9))
-    assert slower.memory_alone_bw_Bps == pytest.approx(30e9) and slower.elementwise_bw_Bps == pytest.approx(7.5e9)
-    assert slower.speed_probe_memory_Bps == pytest.approx(0.7 * 16e9)
-    assert spec.at_host_speed(1.0, 1.0, 2.0).memory_alone_bw_Bps == pytest.approx(40e9)  # as fast as together
-    with pytest.raises(ConfigError, match="compute.speed_probe_memory_GBps: given without the other probes"):
-        parse_cluster(cpu_host(speed_probe_memory_GBps=16.0), "host.yaml")
-
-
 def test_a_step_without_communication_runs_in_proportion_to_the_host_speed():
     spec = parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=2), "host.yaml")
     plan = Plan(model=load_model("course-mlp"), dp=1)

@@ -79,9 +79,8 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     losses = _losses(results, steps)
     probes = [p for r in results for p in r["speed_probes"]]
     summary = summarize(plan, traces[median], times, losses, used)
-    summary["speed_probe"] = ({"matmul_flops": statistics.median(p[0] for p in probes),
-                               "eager_s": statistics.median(p[1] for p in probes),
-                               "memory_Bps": statistics.median(p[2] for p in probes)} if probes else None)
+    summary["speed_probe"] = ({"matmul_flops": statistics.median(f for f, _ in probes),
+                               "eager_s": statistics.median(s for _, s in probes)} if probes else None)
     return traces[median], summary
 
 

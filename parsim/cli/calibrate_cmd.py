@@ -64,13 +64,11 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     compute.shared_cores, what runs with more ranks than cores pay
     (a thread woken on a core where another rank computes waits for the
     scheduler: 2-4x the rendezvous, 3-5x each send's issue on the 2-core VM);
-  * between those benchmarks, the host's speed: a fixed fp32 matmul's rate,
-    a stack of tiny eager layers' time and a 32 MiB copy's bytes per second
-    on every core at once (compute.speed_probe_gflops,
-    compute.speed_probe_eager_us, compute.speed_probe_memory_GBps). A VM's
-    cores drift by 10-30% over minutes, its cost per eager op by up to 2x,
-    its memory shared by the cores by up to 1.4x; `parsim compare` times the
-    same probes around its run and scales the compute figures by the ratios.
+  * between those benchmarks, the host's speed: a fixed fp32 matmul's rate
+    and a stack of tiny eager layers' time (compute.speed_probe_gflops,
+    compute.speed_probe_eager_us). A VM's cores drift by 10-30% over minutes,
+    its cost per eager op by up to 2x; `parsim compare` times the same probes
+    during its run and scales the compute figures by the ratios.
 The default sizes grow 4x per step (64KiB:64MiB:4), so `parsim compare` with a
 2x sweep checks sizes the fit never saw; `--ops all-reduce,send-recv` leaves
 every other operation to the link model alone.
@@ -172,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     p2p_latency = _median(loops, "latency") if loops else None
     shared = _shared_cores(shared_rows)
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
-    probe_flops, probe_eager_s, probe_memory_Bps = (float(v) for v in np.median(probes, axis=0))
+    probe_flops, probe_eager_s = (float(v) for v in np.median(probes, axis=0))
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
     links = fit_links([r for r in results if r.op in link_ops], algorithms, reduce_bw)
@@ -203,8 +201,7 @@ def run(args: argparse.Namespace) -> int:
         p2p_issue_s=p2p_issue,
         elementwise_bw_Bps=elementwise_bw,
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
-        cpu_cores=usable_cores() if backend == "gloo" else None,
-        speed_probe=(probe_flops, probe_eager_s, probe_memory_Bps))
+        cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s))
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
     if step_overhead:
         cluster["collective_step_overhead_us"] = {op: t * 1e6 for op, t in step_overhead.items()}
@@ -228,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
                     "action_overhead_us": action_overhead * 1e6, "p2p_issue_us": p2p_issue * 1e6,
                     "shared_cores": shared.to_us() if shared else None,
                     "elementwise_bw_GBps": elementwise_bw / 1e9, "speed_probe_gflops": probe_flops / 1e9,
-                    "speed_probe_eager_us": probe_eager_s * 1e6, "speed_probe_memory_GBps": probe_memory_Bps / 1e9,
+                    "speed_probe_eager_us": probe_eager_s * 1e6,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
                     "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
                     "collective_efficiency": efficiency,
@@ -277,8 +274,7 @@ def run(args: argparse.Namespace) -> int:
         extra = f", +{step_overhead[op] * 1e6:.0f} us between compute" if op in step_overhead else ""
         print(f"{op.replace('_', '-'):<17} {overhead[op] * 1e6:.0f} us per call{extra}, bytes at {e:.0%} of link speed")
     print(f"median |residual| {_median_error(rows):.1%} over {len(rows)} measurements")
-    print(f"host speed        {probe_flops / 1e9:.1f} GFLOP/s, {probe_eager_s * 1e6:.0f} us per eager pass, "
-          f"{probe_memory_Bps / 1e9:.1f} GB/s copying (the "
+    print(f"host speed        {probe_flops / 1e9:.1f} GFLOP/s, {probe_eager_s * 1e6:.0f} us per eager pass (the "
           f"probes timed between the compute benchmarks; `parsim compare` times them again and follows them)")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0

@@ -46,16 +46,15 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         probe = (cluster.speed_probe_flops is not None and not args.no_speed_probe
                  and resolve_backend(args.backend or "auto", nproc) == "gloo")
         progress(f"running {plan.name} on {nproc} ranks ({steps} measured steps"
-                 f"{', the host-speed probe before and after' if probe else ''})")
+                 f"{', the host-speed probe before each' if probe else ''})")
         with ForeignLoad() as load:
             measured, summary = run_plan(plan, nproc, steps, backend=args.backend or "auto", probe_speed=probe,
                                          **({"timeout_s": args.timeout} if args.timeout is not None else {}))
         if summary.get("speed_probe"):
             measured_probe = summary["speed_probe"]
             speed = HostSpeed(cluster.speed_probe_flops, cluster.speed_probe_eager_s, measured_probe["matmul_flops"],
-                              measured_probe["eager_s"], predicted.step_s, cluster.speed_probe_memory_Bps,
-                              measured_probe.get("memory_Bps"))
-            predicted = predict_step(plan, cluster.at_host_speed(speed.arithmetic, speed.eager, speed.memory))
+                              measured_probe["eager_s"], predicted.step_s)
+            predicted = predict_step(plan, cluster.at_host_speed(speed.arithmetic, speed.eager))
         backend = measured.meta.get("backend", "")
         warn_other_machine(cluster, backend)
         note_executor_kernels(plan)
@@ -108,28 +107,18 @@ def compare_plan_command(args: argparse.Namespace) -> int:
 
 @dataclass(frozen=True)
 class HostSpeed:
-    """The host-speed probes (:mod:`executor.speed_probe`) at calibration and around the measured steps."""
+    """The host-speed probes (:mod:`executor.speed_probe`) at calibration and between the measured steps."""
 
     calibrated_flops: float  # the matmul probe
     calibrated_eager_s: float  # the eager probe, per pass
     measured_flops: float
     measured_eager_s: float
     unscaled_step_s: float  # the step predicted at the calibration's speed
-    calibrated_memory_Bps: float | None = None  # the memory probe (None: a file calibrated without it)
-    measured_memory_Bps: float | None = None
 
     @property
     def arithmetic(self) -> float:
-        """How many times as fast as at calibration the host ran matmuls (and elementwise work)."""
+        """How many times as fast as at calibration the host ran matmuls (and memory-bound work)."""
         return self.measured_flops / self.calibrated_flops
-
-    @property
-    def memory(self) -> float | None:
-        """How many times as fast as at calibration the ranks streamed memory together (None: not probed at
-        calibration; memory follows the matmuls)."""
-        if self.calibrated_memory_Bps is None or self.measured_memory_Bps is None:
-            return None
-        return self.measured_memory_Bps / self.calibrated_memory_Bps
 
     @property
     def eager(self) -> float:
@@ -143,23 +132,16 @@ class HostSpeed:
     def text(self, measured_step_s: float) -> str:
         unscaled = self.unscaled_error(measured_step_s)
         error = "" if unscaled is None else f" ({unscaled:+.1%})"
-        memory = ("" if self.memory is None else
-                  f", memory x{self.memory:.2f} (probe {self.measured_memory_Bps / 1e9:.1f} vs "
-                  f"{self.calibrated_memory_Bps / 1e9:.1f} GB/s copying)")
-        return (f"host speed around the measured steps, against calibration: matmuls x{self.arithmetic:.2f} "
+        return (f"host speed between the measured steps, against calibration: matmuls x{self.arithmetic:.2f} "
                 f"(probe {self.measured_flops / 1e9:.1f} vs {self.calibrated_flops / 1e9:.1f} GFLOP/s), eager ops "
                 f"x{self.eager:.2f} (probe {self.measured_eager_s * 1e6:.0f} vs {self.calibrated_eager_s * 1e6:.0f} "
-                f"us per pass){memory}\n  the compute figures follow them (collectives and transfers keep their "
-                f"fits); "
+                f"us per pass)\n  the compute figures follow them (collectives and transfers keep their fits); "
                 f"at the calibration's speed the step is predicted at {format_time(self.unscaled_step_s)}{error}")
 
     def to_json(self, measured_step_s: float) -> dict:
         return {"calibrated_gflops": self.calibrated_flops / 1e9, "measured_gflops": self.measured_flops / 1e9,
                 "arithmetic_factor": self.arithmetic, "calibrated_eager_us": self.calibrated_eager_s * 1e6,
                 "measured_eager_us": self.measured_eager_s * 1e6, "eager_factor": self.eager,
-                "calibrated_memory_GBps": self.calibrated_memory_Bps and self.calibrated_memory_Bps / 1e9,
-                "measured_memory_GBps": self.measured_memory_Bps and self.measured_memory_Bps / 1e9,
-                "memory_factor": self.memory,
                 "unscaled_predicted_step_s": self.unscaled_step_s,
                 "unscaled_step_error": self.unscaled_error(measured_step_s)}
 
