@@ -175,7 +175,7 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
                                  "unscaled_step_error": pytest.approx(0.0, abs=1e-9)}
     assert doc["predicted_step_s"] == pytest.approx(slower) and slower > unscaled
     assert main(["compare", "course-pp", "--cluster", str(path), "--backend", "gloo"]) == 0
-    assert "host speed between the measured steps, against calibration: matmuls x0.75 (probe 45.0 vs 60.0 " \
+    assert "host speed around the measured steps, against calibration: matmuls x0.75 (probe 45.0 vs 60.0 " \
            "GFLOP/s), eager ops x0.80 (probe 1250 vs 1000 us per pass)\n" in capsys.readouterr().out
 
 

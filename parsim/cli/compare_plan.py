@@ -46,7 +46,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         probe = (cluster.speed_probe_flops is not None and not args.no_speed_probe
                  and resolve_backend(args.backend or "auto", nproc) == "gloo")
         progress(f"running {plan.name} on {nproc} ranks ({steps} measured steps"
-                 f"{', the host-speed probe before each' if probe else ''})")
+                 f"{', the host-speed probe before and after' if probe else ''})")
         with ForeignLoad() as load:
             measured, summary = run_plan(plan, nproc, steps, backend=args.backend or "auto", probe_speed=probe,
                                          **({"timeout_s": args.timeout} if args.timeout is not None else {}))
@@ -107,7 +107,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
 
 @dataclass(frozen=True)
 class HostSpeed:
-    """The host-speed probes (:mod:`executor.speed_probe`) at calibration and between the measured steps."""
+    """The host-speed probes (:mod:`executor.speed_probe`) at calibration and around the measured steps."""
 
     calibrated_flops: float  # the matmul probe
     calibrated_eager_s: float  # the eager probe, per pass
@@ -132,7 +132,7 @@ class HostSpeed:
     def text(self, measured_step_s: float) -> str:
         unscaled = self.unscaled_error(measured_step_s)
         error = "" if unscaled is None else f" ({unscaled:+.1%})"
-        return (f"host speed between the measured steps, against calibration: matmuls x{self.arithmetic:.2f} "
+        return (f"host speed around the measured steps, against calibration: matmuls x{self.arithmetic:.2f} "
                 f"(probe {self.measured_flops / 1e9:.1f} vs {self.calibrated_flops / 1e9:.1f} GFLOP/s), eager ops "
                 f"x{self.eager:.2f} (probe {self.measured_eager_s * 1e6:.0f} vs {self.calibrated_eager_s * 1e6:.0f} "
                 f"us per pass)\n  the compute figures follow them (collectives and transfers keep their fits); "
