@@ -84,6 +84,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=15, help="tries per condition (default 15)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.exit(2, f"{parser.prog}: --repeats must be at least 1\n")
     torch.set_num_threads(1)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})

@@ -58,3 +58,19 @@ def test_the_memory_sharing_benchmark_refuses_a_bad_run_in_one_line(args, expect
     done = script("benchmarks/cpu_memory_sharing.py", *args)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert expected in done.stderr
+
+
+def test_the_cold_passes_benchmark_times_both_passes_after_every_condition():
+    done = script("benchmarks/cpu_cold_passes.py", "--repeats", "1")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("before the pass") and "tiny-gpt, 2 layers fwd" in lines[0]
+    labels = [line[:30].strip() for line in lines[1:]]
+    sleeps = [f"after sleeping {ms} ms" for ms in ("0.5", "2", "10", "30", "100", "300")]
+    assert labels == ["warm (the pass just ran)", *sleeps, "after a 64 MiB write", "after AdamW on 4 x 1M params"]
+    assert all(float(value) > 0 for line in lines[1:] for value in line[30:].split())
+
+
+def test_the_cold_passes_benchmark_refuses_no_repeats_in_one_line():
+    done = script("benchmarks/cpu_cold_passes.py", "--repeats", "0")
+    assert done.returncode == 2 and done.stderr == "cpu_cold_passes.py: --repeats must be at least 1\n"
