@@ -68,7 +68,8 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     and a stack of tiny eager layers' time (compute.speed_probe_gflops,
     compute.speed_probe_eager_us). A VM's cores drift by 10-30% over minutes,
     its cost per eager op by up to 2x; `parsim compare` times the same probes
-    during its run and scales the compute figures by the ratios.
+    before the warm-up and after its measured steps and scales the compute
+    figures by the ratios.
 The default sizes grow 4x per step (64KiB:64MiB:4), so `parsim compare` with a
 2x sweep checks sizes the fit never saw; `--ops all-reduce,send-recv` leaves
 every other operation to the link model alone.
@@ -82,8 +83,9 @@ With --ranks 1 on a host with a CUDA GPU, it times matmuls, causal attention
 at 1k-16k tokens and memory-bound kernels on that GPU, and writes the built-in
 cluster with that GPU (dgx-h100 for an H100, ...) with its compute figures
 replaced: matmul efficiency (the best shape, as MAMF), memory efficiency,
-attention efficiency by length, and the host's time per eager op and per AdamW
-tensor (generic blocks too small to keep the GPU busy). A GPU runs its kernels
+attention efficiency by length, and the host's time per eager op (generic
+blocks too small to keep the GPU busy) and per AdamW tensor and step (steps
+over 1 and 64 small tensors). A GPU runs its kernels
 while the host issues the next, so the host's time binds only small models.
 One GPU measures no collective, so links and NCCL stay the spec sheets'
 (--ops, --sweep and --backend do not apply).
