@@ -35,7 +35,7 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
   a run with more ranks than cores has them.
 
 Between them, :mod:`executor.speed_probe` times the host's speed, which
-``parsim compare`` times again during its run.
+``parsim compare`` times again before and after its measured steps.
 """
 
 from __future__ import annotations

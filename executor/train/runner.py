@@ -289,9 +289,9 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
     measured steps, every probing rank at once (``speed_probes``): the steps
     themselves run back to back, as a training loop's do. Probed right before
     it, a step is not the loop's: on a 2-core VM the first pass after the probe
-    took 1.1-1.8 ms longer than the passes after it (tiny-gpt's two layers,
-    forward and backward, 1.8 ms warm), and tiny PP's measured steps 14.8-19.6 ms
-    against 12.5-12.8 ms without it (2026-11-27).
+    took 1.1 ms longer than the passes after it (tiny-gpt's two layers,
+    forward and backward, 1.8-1.9 ms warm), and tiny PP's measured steps
+    14.8-19.6 ms against 12.5-12.8 ms without it (2026-11-27).
     """
     plan = load_plan(plan_data)
     setup = build_rank(plan, rank, seed)
