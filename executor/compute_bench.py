@@ -64,7 +64,6 @@ RUN_S = 0.03
 OPTIMIZER_RUNS = ((1, 256), (64, 256), (4, 1 << 20), (2, 1 << 21))
 OPTIMIZER_ALONE = (2, 1 << 21)  # the run each rank repeats alone: its memory speed without the others streaming
 REPEATS = 15
-BATCH_S = 0.002  # each repeat runs the benchmark for at least this long
 
 
 def measure_on_every_rank(nproc: int, timeout_s: float = 600.0) -> list[dict]:
@@ -143,28 +142,6 @@ def synchronizer(device: Any = "cpu") -> Callable[[], None]:
     """What waits for ``device``'s queued work: a CUDA device runs kernels after the host returns."""
     torch = require_torch()
     return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-
-
-def median_time(fn: Callable[[], Any], repeats: int = REPEATS, batch_s: float = BATCH_S,
-                sync: Callable[[], None] = lambda: None) -> float:
-    """Median seconds of one ``fn()`` over ``repeats`` batches of at least ``batch_s`` each, every rank in step;
-    ``sync`` waits for a GPU's queue at the end of each batch."""
-    fn()  # warm-up: allocations, first-call paths
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    once = time.perf_counter() - start
-    batch = _agree(max(1, math.ceil(batch_s / max(once, 1e-7))))
-    _barrier()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(batch):
-            fn()
-        sync()
-        times.append((time.perf_counter() - start) / batch)
-    return statistics.median(times)
 
 
 # ----------------------------------------------------------------------------- matmuls

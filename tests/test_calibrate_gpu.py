@@ -82,6 +82,7 @@ def test_the_calibrated_file_keeps_the_base_clusters_links_and_replaces_its_comp
     assert [seq for seq, _ in mine.attention_efficiency[0]] == list(LENGTHS)
     assert (mine.intra, mine.scale_out, mine.nccl, mine.gpu) == (spec.intra, spec.scale_out, spec.nccl, spec.gpu)
     assert (mine.op_forward_s, mine.op_backward_s) == pytest.approx((9e-6, 6e-6))
+    assert (mine.optimizer_tensor_s, mine.optimizer_step_s) == pytest.approx((2.5e-6, 90e-6))
     assert mine.sm_cycles == SM_CYCLES  # four decimals written, these need no more
     assert not mine.describes_cpu_host  # a GPU whose host costs are known, not a CPU host
     assert ComputeModel.for_cluster(mine, "bf16", 2).host_overlaps_device
@@ -134,7 +135,9 @@ def test_one_rank_on_a_gpu_prints_each_figure_beside_the_base_clusters_and_write
                  "sm_cycles.softmax at 4,096               0.407     0.450",
                  "sm_cycles.norm backward                  0.356     0.500",
                  "sm_cycles.bias_add                       0.366     0.350",
-                 "op_forward_us (host, µs)                 0.0       9.0"):
+                 "op_forward_us (host, µs)                 0.0       9.0",
+                 "optimizer_tensor_us (host, µs)           0.0       2.5",
+                 "optimizer_step_us (host, µs)             0.0       90.0"):
         assert line in printed
     mine = load_cluster(str(out))
     assert mine.name == "my-gpu" and mine.memory_efficiency == pytest.approx(0.9, abs=1e-4)

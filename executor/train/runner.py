@@ -298,6 +298,7 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
     recorder = setup.recorder
     probe = SpeedProbe(seed) if probe_speed and probes_on(rank, world) else None
     result: dict = {"rank": rank, "steps": [], "step_origins": [], "losses": [], "speed_probes": []}
+
     def probe_now() -> None:  # every rank waits out the probes: none computes or exits beside them
         dist.barrier()
         if probe is not None:
