@@ -305,7 +305,31 @@ def measure_elementwise(shape: tuple[int, int] = ELEMENTWISE_SHAPE) -> dict:
     forward_s = after_dirty_caches(lambda: chain(x))
     both_s = after_dirty_caches(lambda: torch.autograd.backward(chain(x), grad))
     return {"forward_s": forward_s, "backward_s": max(both_s - forward_s, 0.0), "forward_ops": forward_ops,
-            "backward_ops": backward_ops - 1, "elements": shape[0] * shape[1]}
+            "backward_ops": backward_ops - 1, "elements": shape[0] * shape[1], "kinds": measure_kernel_kinds(shape)}
+
+
+def measure_kernel_kinds(shape: tuple[int, int] = ELEMENTWISE_SHAPE) -> list[dict]:
+    """GeLU, a LayerNorm (its weight and bias too) and a softmax over rows of ``shape[-1]``, each on its own
+    through autograd, behind dirty caches: per kind, forward and backward seconds (medians), the ATen ops of
+    each, and the elements of its input. The backward takes the gradients (``torch.autograd.grad``) rather
+    than adding them into ``.grad``, so no other kernel runs."""
+    torch = require_torch()
+    F = torch.nn.functional
+    norm = torch.nn.LayerNorm(shape[-1])
+    kinds = {"gelu": (F.gelu, []), "norm": (norm, list(norm.parameters())),
+             "softmax": (lambda z: torch.softmax(z, dim=-1), [])}
+    rows = []
+    for kind, (kernel, params) in kinds.items():
+        x = torch.randn(*shape, requires_grad=True)
+        grad = torch.randn(*shape)
+        inputs = [x, *params]
+        out, forward_ops = count_ops(lambda: kernel(x))
+        _, backward_ops = count_ops(lambda: torch.autograd.grad(out, inputs, grad))
+        forward_s = after_dirty_caches(lambda: kernel(x))
+        both_s = after_dirty_caches(lambda: torch.autograd.grad(kernel(x), inputs, grad))
+        rows.append({"kind": kind, "forward_s": forward_s, "backward_s": max(both_s - forward_s, 0.0),
+                     "forward_ops": forward_ops, "backward_ops": backward_ops, "elements": shape[0] * shape[1]})
+    return rows
 
 
 # ----------------------------------------------------------------------------- optimizer

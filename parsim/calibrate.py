@@ -20,7 +20,9 @@ FLOP/s, the dimension at which efficiency halves, and the speed at which a CPU
 streams cold operands in); generic eager blocks give the fixed cost per op of
 a forward and of a backward (:func:`fit_dispatch`); AdamW steps give the costs
 per step and per parameter tensor and the memory speed (:func:`fit_optimizer`); activation
-functions, norms and softmax give the speed of elementwise work (:func:`fit_elementwise`).
+functions, norms and softmax give the speed of elementwise work (:func:`fit_elementwise`), and each of
+GeLU, a norm and a softmax on its own a core's time per element of its arithmetic
+(:func:`fit_core_arithmetic`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .cluster import SharedCoreCosts, parse_cluster
+from .cluster import CORE_ARITHMETIC_KINDS, CoreArithmetic, SharedCoreCosts, parse_cluster
 from .collectives.algorithms import build_phases
 from .collectives.simulate import time_phases
 from .compute import ComputeModel
@@ -50,7 +52,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  action_overhead_s: float = 0.0, p2p_issue_s: float = 0.0, elementwise_bw_Bps: float | None = None,
                  memory_alone_bw_Bps: float | None = None, memory_host_bw_Bps: float | None = None,
                  shared_cores: SharedCoreCosts | None = None, step_overhead_s: dict | None = None,
-                 cpu_cores: int | None = None, speed_probe: tuple[float, float] | None = None) -> dict:
+                 cpu_cores: int | None = None, speed_probe: tuple[float, float] | None = None,
+                 core_arithmetic: CoreArithmetic | None = None) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric"); ``speed_probe`` is the
     host-speed probes' (matmul FLOP/s, seconds per eager pass) while the compute figures were measured;
     ``shared_cores`` the pipeline's host costs with two ranks on each core."""
@@ -64,6 +67,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         host_costs["matmul_stream_bw_GBps"] = matmul_stream_bw_Bps / 1e9
     if elementwise_bw_Bps:
         host_costs["elementwise_bw_GBps"] = elementwise_bw_Bps / 1e9
+    if core_arithmetic:
+        host_costs["core_ns_per_element"] = core_ns_mapping(core_arithmetic)
     if memory_alone_bw_Bps and memory_host_bw_Bps:
         host_costs["memory_alone_bw_GBps"] = memory_alone_bw_Bps / 1e9
         host_costs["memory_host_bw_GBps"] = memory_host_bw_Bps / 1e9
@@ -334,6 +339,40 @@ def fit_elementwise(rows: list[dict], dispatch: DispatchFit, element_bytes: int 
     if not rows or seconds <= 0:
         raise ParsimError("the elementwise measurements show no time beyond the ops' fixed costs")
     return float(nbytes / seconds)
+
+
+# Elements each kernel of parsim.model.Elementwise reads or writes per element of its input, forward and
+# backward (a unary kernel: read and write; its backward reads the input and the output's gradient and writes the
+# input's), as SmWork counts them.
+UNARY_ELEMENTS = (2, 3)
+
+
+def fit_core_arithmetic(rows: list[dict], dispatch: DispatchFit) -> CoreArithmetic:
+    """A core's seconds per element of GeLU, norms and softmax, forward and backward, from each kind's times
+    on its own (:func:`executor.compute_bench.measure_kernel_kinds`, pooled over ranks and rounds): the ops'
+    fixed costs (``dispatch``) taken out, over the elements the simulator counts (:data:`UNARY_ELEMENTS`).
+    Everything of the kernel but its dispatch: the model takes the longer of this and its bytes."""
+    figures = {}
+    for kind in CORE_ARITHMETIC_KINDS:
+        mine = [r for r in rows if r["kind"] == kind]
+        if not mine:
+            raise ParsimError(f"no measurement of {kind} kernels to fit a core's time per element")
+        passes = []
+        for direction, per_op, elements in (("forward", dispatch.forward_s, UNARY_ELEMENTS[0]),
+                                            ("backward", dispatch.backward_s, UNARY_ELEMENTS[1])):
+            seconds = sum(max(r[f"{direction}_s"] - r[f"{direction}_ops"] * per_op, 0.0) for r in mine)
+            count = sum(elements * r["elements"] for r in mine)
+            if seconds <= 0:
+                raise ParsimError(f"the {kind} {direction} measurements show no time beyond the ops' fixed costs")
+            passes.append(seconds / count)
+        figures[kind] = tuple(passes)
+    return CoreArithmetic(**figures)
+
+
+def core_ns_mapping(figures: CoreArithmetic) -> dict[str, dict[str, float]]:
+    """``figures`` as a cluster file's ``compute.core_ns_per_element`` takes them."""
+    return {kind: {"forward": getattr(figures, kind)[0] * 1e9, "backward": getattr(figures, kind)[1] * 1e9}
+            for kind in CORE_ARITHMETIC_KINDS}
 
 
 @dataclass

@@ -46,7 +46,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "matmul_stream_bw_GBps",
                 "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us",
-                "elementwise_bw_GBps",
+                "elementwise_bw_GBps", "core_ns_per_element",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
                 "speed_probe_eager_us")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
@@ -159,6 +159,27 @@ SM_CYCLES = (1e-6, 1e6, "SM cycles per element")
 
 
 @dataclass(frozen=True)
+class CoreArithmetic:
+    """Seconds per element on one CPU core, (forward, backward), of the memory-bound kernels whose arithmetic
+    there outlasts their bytes at the host's elementwise speed: GeLU's erf, a norm's reductions, a softmax's
+    exponentials and row sums, counted per element read or written as :class:`parsim.compute.SmWork` counts
+    them. ``parsim calibrate`` measures them (``compute.core_ns_per_element``); on a 2-core EPYC VM GeLU's
+    backward took 3-4 times its bytes' time at the speed fitted on a mix of such kernels (2026-11-27)."""
+
+    gelu: tuple[float, float]
+    norm: tuple[float, float]
+    softmax: tuple[float, float]
+
+    def scaled(self, factor: float) -> "CoreArithmetic":
+        """These figures on a core ``factor`` times as fast."""
+        return CoreArithmetic(*(tuple(x / factor for x in getattr(self, kind)) for kind in CORE_ARITHMETIC_KINDS))
+
+
+CORE_ARITHMETIC_KINDS = ("gelu", "norm", "softmax")
+CORE_NS = (1e-6, 1e6, "ns per element")
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """One node's hardware and the fabric between nodes, as read from a file."""
 
@@ -209,6 +230,7 @@ class ClusterSpec:
     p2p_issue_s: float = 0.0  # host time a CPU rank's loop spends issuing one pipeline send, before its next action
     action_overhead_s: float = 0.0  # host time between a training step's actions (the loop's own Python)
     elementwise_bw_Bps: float | None = None  # memory-bound kernels' bytes (None: at the memory speed)
+    core_arithmetic: CoreArithmetic | None = None  # a CPU core's time per element of GeLU, norms, softmax
     # A CPU host's memory, shared by its ranks' streaming work (None: each rank streams at gpu.hbm_bw_Bps, its
     # share with every rank streaming): one rank's speed while the others wait, and the host's with all streaming.
     memory_alone_bw_Bps: float | None = None
@@ -233,6 +255,7 @@ class ClusterSpec:
             self, gpu=gpu,
             matmul_stream_bw_Bps=self.matmul_stream_bw_Bps and self.matmul_stream_bw_Bps * arithmetic,
             elementwise_bw_Bps=self.elementwise_bw_Bps and self.elementwise_bw_Bps * arithmetic,
+            core_arithmetic=self.core_arithmetic and self.core_arithmetic.scaled(arithmetic),
             memory_alone_bw_Bps=self.memory_alone_bw_Bps and self.memory_alone_bw_Bps * arithmetic,
             memory_host_bw_Bps=self.memory_host_bw_Bps and self.memory_host_bw_Bps * arithmetic,
             op_forward_s=self.op_forward_s / eager, op_backward_s=self.op_backward_s / eager,
@@ -475,6 +498,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         p2p_issue_s=float(host_us["p2p_issue_us"]) * 1e-6,
         matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),
+        core_arithmetic=_core_arithmetic(source, compute["core_ns_per_element"]) if "core_ns_per_element" in compute
+        else None,
         memory_alone_bw_Bps=_GBps(host_GBps["memory_alone_bw_GBps"]),
         memory_host_bw_Bps=_GBps(host_GBps["memory_host_bw_GBps"]),
         shared_cores=shared,
@@ -539,6 +564,20 @@ def _sm_cycles(source: str, value: object) -> SmCycles:
                          else getattr(default, kind) for kind in ("dropout", "bias_add"))
     return SmCycles(softmax, dropout, gelu=passes("gelu", default.gelu), norm=passes("norm", default.norm),
                     bias_add=bias_add)
+
+
+def _core_arithmetic(source: str, value: object) -> CoreArithmetic:
+    """``compute.core_ns_per_element``: gelu, norm and softmax, each {forward, backward} in ns per element."""
+    key = "compute.core_ns_per_element"
+    if not isinstance(value, dict) or set(value) != set(CORE_ARITHMETIC_KINDS):
+        raise ConfigError(source, key, f"is {value!r}", f"a mapping of {', '.join(CORE_ARITHMETIC_KINDS)}")
+    figures = {}
+    for kind, given in value.items():
+        if not isinstance(given, dict) or set(given) != {"forward", "backward"}:
+            raise ConfigError(source, f"{key}.{kind}", f"is {given!r}", "a mapping of forward and backward")
+        figures[kind] = tuple(_figure(source, f"{key}.{kind}.{p}", given[p], CORE_NS) * 1e-9
+                              for p in ("forward", "backward"))
+    return CoreArithmetic(**figures)
 
 
 def _figure(source: str, key: str, value: object, limits: tuple[float, float, str]) -> float:

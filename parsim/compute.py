@@ -70,6 +70,11 @@ GPU host):
   arithmetic-bound (GeLU's erf, exp) and far below the memory speed that
   plain streams reach (gradient accumulation and the optimizer: the
   ``stream_bytes`` part of an op's ``hbm_bytes``).
+* ``core_arithmetic``: a CPU core's seconds per element of GeLU, norms and
+  softmax, forward and backward, whose arithmetic outlasts their bytes even
+  at ``elementwise_bw_Bps`` (a figure fitted on a mix of kernels): each takes
+  the longer of the two, as a GPU's kernels take the longer of their bytes
+  and their SM cycles.
 * ``memory_alone_bw_Bps`` / ``memory_host_bw_Bps``: a CPU host's cores share
   its memory bandwidth. One core streaming alone (an AdamW step while the
   other ranks wait) gets more than its share with every core streaming (on the
@@ -113,7 +118,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .cluster import HOPPER_SM_CYCLES, ClusterSpec, Curve, SharedCoreCosts, SmCycles
+from .cluster import HOPPER_SM_CYCLES, ClusterSpec, CoreArithmetic, Curve, SharedCoreCosts, SmCycles
 from .errors import ParsimError
 
 MATMUL_TILE = 128  # cuBLAS/CUTLASS's common 128 x 128 output tile per thread block (SM80/SM90)
@@ -179,6 +184,7 @@ class ComputeModel:
     host_overlaps_device: bool = False  # a GPU: the host issues kernels while earlier ones run (see above)
     sm_cycles_per_s: float = 0.0  # SMs x clock: the speed of memory-bound kernels' arithmetic (0: not priced)
     sm_cycles: SmCycles = HOPPER_SM_CYCLES  # their SM cycles per element
+    core_arithmetic: CoreArithmetic | None = None  # a CPU core's time per element of such kernels (None: not priced)
 
     @classmethod
     def for_cluster(cls, spec: ClusterSpec, dtype: str, dtype_bytes: int,
@@ -213,7 +219,7 @@ class ComputeModel:
             memory_host_bw_Bps=spec.memory_host_bw_Bps,
             time_share=max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0,
             host_overlaps_device=not spec.describes_cpu_host, sm_cycles_per_s=spec.gpu.sm_cycles_per_s,
-            sm_cycles=spec.sm_cycles)
+            sm_cycles=spec.sm_cycles, core_arithmetic=spec.core_arithmetic if spec.describes_cpu_host else None)
 
     def waves(self, m: float, n: float, sms: int = 0) -> float:
         """Share of the tile work that is useful: tile quantization (edge tiles partly filled still
@@ -290,16 +296,23 @@ class ComputeModel:
         return self.with_host(total + work + self.sm_excess(sm_bound) + kernels * self.kernel_overhead_s, host)
 
     def sm_excess(self, sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...]) -> float:
-        """How much longer than their bytes these (bytes, arithmetic) kernels run, their SM cycles over every
-        SM being the slower side (0 without an SM clock: a CPU, or a GPU file that gives none)."""
-        if not self.sm_cycles_per_s:
-            return 0.0
-        return sum(max(sum(map(self.cycles, works)) / self.sm_cycles_per_s - nbytes / self.memory_bw_Bps, 0.0)
-                   for nbytes, works in sm_bound)
+        """How much longer than their bytes these (bytes, arithmetic) kernels run, their arithmetic being the
+        slower side: over every SM on a GPU whose SM clock is known, on the rank's core on a CPU host whose
+        file gives its time per element (0 otherwise)."""
+        if self.sm_cycles_per_s:
+            return sum(max(sum(map(self.cycles, works)) / self.sm_cycles_per_s - nbytes / self.memory_bw_Bps, 0.0)
+                       for nbytes, works in sm_bound)
+        if self.core_arithmetic is not None and self.elementwise_bw_Bps:
+            return sum(max(sum(map(self.core_seconds, works)) - nbytes / self.elementwise_bw_Bps, 0.0)
+                       for nbytes, works in sm_bound)
+        return 0.0
 
     def cycles(self, work: SmWork) -> float:
-        """SM cycles of ``work`` at this GPU's cycles per element (:class:`~parsim.cluster.SmCycles`)."""
+        """SM cycles of ``work`` at this GPU's cycles per element (:class:`~parsim.cluster.SmCycles`); a softmax's
+        backward streams at the memory speed (none)."""
         figures = self.sm_cycles
+        if work.backward and work.kind == "softmax":
+            return 0.0
         if work.kind == "softmax":
             per_element = at_length(figures.softmax, work.row)
         elif work.kind in ("dropout", "bias_add"):
@@ -307,6 +320,12 @@ class ComputeModel:
         else:
             per_element = getattr(figures, work.kind)[work.backward]
         return per_element * work.elements
+
+    def core_seconds(self, work: SmWork) -> float:
+        """Seconds of ``work`` on a CPU core (:class:`~parsim.cluster.CoreArithmetic`; other kinds: none beyond
+        their bytes)."""
+        figures = getattr(self.core_arithmetic, work.kind, None)
+        return figures[work.backward] * work.elements if figures else 0.0
 
     def host_time(self, forward_ops: int = 0, backward_ops: int = 0, optimizer_tensors: int = 0,
                   optimizer_steps: int = 0) -> float:

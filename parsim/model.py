@@ -54,7 +54,6 @@ from .files import read_yaml
 from .units import parse_size
 
 FFN_TYPES = ("swiglu", "gelu")
-STREAMING_BACKWARDS = ("softmax", "bias_add")  # SM-bound kinds whose backward runs at the memory speed
 ATTENTIONS = ("gqa", "mla")
 POSITION_EMBEDDINGS = ("rope", "learned")
 # How the attention core runs: "flash" is one fused kernel (FlashAttention, Dao et al. 2022/2023) that
@@ -273,11 +272,12 @@ class Elementwise:
     def sm_work(self, tokens: int, backward: bool, dtype_bytes: int, tp: int = 1,
                 sequence_parallel: bool = False) -> tuple[SmWork, ...]:
         """The arithmetic of this kernel over ``tokens`` tokens on one rank that may outlast its bytes: none for
-        a kernel only its bytes bound, nor for the backward of a softmax or a bias add (they stream)."""
+        a kernel only its bytes bound, nor for a bias add's backward (a read of the gradient: it streams). A
+        softmax's backward streams on a GPU (:meth:`~parsim.compute.ComputeModel.cycles`), not on a CPU core."""
         if self.cast and dtype_bytes == 4:
             return ()
         works = []
-        if self.sm_kind and not (backward and self.sm_kind in STREAMING_BACKWARDS):
+        if self.sm_kind and not (backward and self.sm_kind == "bias_add"):
             elements = self._per_rank(self.backward if backward else self.forward, tp, sequence_parallel)
             works.append(SmWork(self.sm_kind, float(tokens * elements), backward, self.row))
         if self.mask and not backward:
@@ -511,8 +511,8 @@ class MLPModel(_CostTotals):
         """
         self._check_style(tp_style, sequence_parallel)
         w, d = self.width, dtype_bytes
-        block = Block("linear", (Matmul("w", w, w, "column"),), elementwise=(Elementwise("gelu", 2 * w, 3 * w),),
-                      collectives=(
+        gelu = Elementwise("gelu", 2 * w, 3 * w, sm_kind="gelu")
+        block = Block("linear", (Matmul("w", w, w, "column"),), elementwise=(gelu,), collectives=(
             TPCollective("out", "all_gather", "forward", "after", w * d, regroups=True),
             TPCollective("out.grad", "reduce_scatter", "backward", "before", w * d, regroups=True),
         ), eager_ops=eager_ops.MLP_LAYER)

@@ -222,6 +222,9 @@ def test_no_speed_probe_applies_only_to_a_plan_run(capsys):
     assert "--no-speed-probe" in capsys.readouterr().err
 
 
+CORE_NS = {"gelu": (0.5, 1.2), "norm": (0.4, 0.9), "softmax": (0.3, 0.6)}  # the faked host's, ns per element
+
+
 def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     """Every measurement ``parsim calibrate`` takes, faked from a known host; the collectives in ``flat``
     take 20 ms at every size (a busy host's stalls)."""
@@ -235,8 +238,12 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
                  "backward_ops": 232, "matmuls": []},
                 {"name": "chain", "forward_s": 64 * 7e-6, "backward_s": 120 * 5e-6, "forward_ops": 64,
                  "backward_ops": 120, "matmuls": []}]
+    # each kind's arithmetic at (forward, backward) ns per element, on top of its ops' fixed costs
+    kinds = [{"kind": kind, "forward_s": 2 * 7e-6 + 2 * 65536 * fwd * 1e-9, "backward_s": 5e-6 + 3 * 65536 * bwd * 1e-9,
+              "forward_ops": 2, "backward_ops": 1, "elements": 65536}
+             for kind, (fwd, bwd) in CORE_NS.items()]
     elementwise = {"forward_s": 7 * 7e-6 + 2e-4, "backward_s": 12 * 5e-6 + 3e-4, "forward_ops": 7,
-                   "backward_ops": 12, "elements": 65536}
+                   "backward_ops": 12, "elements": 65536, "kinds": kinds}
 
     def adamw(tensors, numel, bw):
         return tensors, numel, 120e-6 + tensors * 50e-6 + tensors * numel * ADAMW_ACCESSES * 4 / bw
@@ -295,6 +302,9 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert "memory            20.00 GB/s per rank with every rank streaming (40.0 GB/s in all), 32.00 GB/s for a " \
            "rank alone, 120 us per AdamW step and 50 us per tensor" in text
     assert (written.optimizer_step_s, written.optimizer_tensor_s) == pytest.approx((120e-6, 50e-6))
+    assert "core arithmetic   gelu 0.50 / 1.20, norm 0.40 / 0.90, softmax 0.30 / 0.60 ns per element" in text
+    for kind, figures in CORE_NS.items():
+        assert getattr(written.core_arithmetic, kind) == pytest.approx(tuple(x * 1e-9 for x in figures))
     assert (written.gpu.hbm_bw_Bps, written.memory_alone_bw_Bps, written.memory_host_bw_Bps) == pytest.approx(
         (20e9, 32e9, 40e9))
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv",
@@ -308,6 +318,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
                                                  "action_overhead_us": 400.0, "p2p_issue_us": 900.0})
     assert (doc["memory_alone_bw_GBps"], doc["memory_host_bw_GBps"]) == pytest.approx((32.0, 40.0))
     assert (doc["optimizer_step_us"], doc["optimizer_tensor_us"]) == pytest.approx((120.0, 50.0))
+    assert doc["core_ns_per_element"] == {kind: {"forward": pytest.approx(fwd), "backward": pytest.approx(bwd)}
+                                          for kind, (fwd, bwd) in CORE_NS.items()}
 
 
 def test_calibrate_notes_in_one_line_an_operation_whose_times_do_not_grow(monkeypatch, tmp_path, capsys):

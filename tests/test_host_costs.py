@@ -10,12 +10,12 @@ import pytest
 import yaml
 
 from ideal_cluster import IDEAL, ideal_spec
-from parsim.calibrate import (DispatchFit, OptimizerFit, fit_alone_memory, fit_dispatch, fit_elementwise, fit_matmul,
-                              fit_optimizer, fit_step_overhead, host_cluster)
+from parsim.calibrate import (DispatchFit, OptimizerFit, core_ns_mapping, fit_alone_memory, fit_core_arithmetic,
+                              fit_dispatch, fit_elementwise, fit_matmul, fit_optimizer, fit_step_overhead, host_cluster)
 from parsim.cli.main import main
 from parsim.cluster import builtin_clusters, load_cluster, parse_cluster
 from parsim.collectives import predict
-from parsim.compute import ComputeModel
+from parsim.compute import ComputeModel, SmWork
 from parsim.errors import ConfigError, ParsimError
 from parsim.files import read_yaml
 from parsim.lower import ADAMW_ACCESSES, lower
@@ -30,6 +30,8 @@ SHAPES = [(32, 64, 64), (128, 128, 128), (32, 1024, 1024), (128, 256, 1024), (51
 HOST_KEYS = {"op_forward_us": 7.0, "op_backward_us": 6.0, "optimizer_tensor_us": 50.0, "optimizer_step_us": 130.0,
              "matmul_stream_bw_GBps": 15.0, "p2p_rendezvous_us": 150.0, "elementwise_bw_GBps": 6.0,
              "action_overhead_us": 40.0}
+CORE_NS = {"gelu": {"forward": 0.5, "backward": 1.2}, "norm": {"forward": 0.4, "backward": 0.9},
+           "softmax": {"forward": 0.3, "backward": 0.6}}  # a core's ns per element read or written
 SHARED = {"p2p_rendezvous_us": 2500.0, "p2p_latency_us": 300.0, "action_overhead_us": 400.0}  # two ranks per core
 
 
@@ -79,6 +81,47 @@ def test_elementwise_fit_counts_bytes_as_the_model_counts_a_unary_kernel():
     row = {"forward_s": 2 * seconds / 5 + forward_ops * 7e-6, "backward_s": 3 * seconds / 5 + backward_ops * 5e-6,
            "forward_ops": forward_ops, "backward_ops": backward_ops, "elements": elements}
     assert fit_elementwise([row], dispatch) == pytest.approx(6e9)
+
+
+def test_core_arithmetic_fit_takes_the_ops_out_and_counts_elements_as_the_model_does():
+    dispatch = DispatchFit(7e-6, 5e-6, [])
+    elements = 65536
+    rows = [{"kind": kind, "forward_s": 2 * 7e-6 + 2 * elements * ns["forward"] * 1e-9,
+             "backward_s": 3 * 5e-6 + 3 * elements * ns["backward"] * 1e-9, "forward_ops": 2, "backward_ops": 3,
+             "elements": elements} for kind, ns in CORE_NS.items()]
+    fitted = fit_core_arithmetic(rows + rows, dispatch)  # two ranks alike
+    assert core_ns_mapping(fitted) == {kind: pytest.approx(ns) for kind, ns in CORE_NS.items()}
+    with pytest.raises(ParsimError, match="no measurement of norm"):
+        fit_core_arithmetic([r for r in rows if r["kind"] != "norm"], dispatch)
+    with pytest.raises(ParsimError, match="gelu forward measurements show no time beyond"):
+        fit_core_arithmetic([{**rows[0], "forward_s": 1e-6}, *rows[1:]], dispatch)
+
+
+def test_a_cpu_core_prices_gelu_norms_and_softmax_by_the_longer_of_their_bytes_and_arithmetic():
+    """On a CPU host each kind takes the longer of its bytes at the elementwise speed (6 GB/s here) and its
+    arithmetic: GeLU's forward over 1M elements has 0.5 ms of arithmetic under 0.67 ms of bytes, its
+    backward over 1.5M elements 1.8 ms over 1 ms. Kinds without figures (dropout) take their bytes."""
+    spec = parse_cluster(cpu_host(**HOST_KEYS, core_ns_per_element=CORE_NS), "host.yaml")
+    model = ComputeModel.for_cluster(spec, "fp32", 4)
+    forward = ((4e6, (SmWork("gelu", 1e6),)),)  # 1M elements of 4 bytes: 0.67 ms of bytes, 0.5 ms of arithmetic
+    assert model.time(hbm_bytes=4e6, sm_bound=forward) == pytest.approx(4e6 / 6e9)
+    backward = ((6e6, (SmWork("gelu", 1.5e6, backward=True),)),)  # 1 ms of bytes, 1.8 ms of arithmetic
+    assert model.time(hbm_bytes=6e6, sm_bound=backward) == pytest.approx(1.5e6 * 1.2e-9)
+    softmax = ((6e6, (SmWork("softmax", 1.5e6, backward=True, row=64),)),)  # a CPU's softmax backward computes
+    assert model.time(hbm_bytes=6e6, sm_bound=softmax) == pytest.approx(max(6e6 / 6e9, 1.5e6 * 0.6e-9))
+    assert model.time(hbm_bytes=4e6, sm_bound=((4e6, (SmWork("dropout", 1e6),)),)) == pytest.approx(4e6 / 6e9)
+    faster = ComputeModel.for_cluster(spec.at_host_speed(2.0, 1.0), "fp32", 4)  # follows the matmul probe
+    assert faster.time(hbm_bytes=6e6, sm_bound=backward) == pytest.approx(1.5e6 * 1.2e-9 / 2)
+    assert ComputeModel.for_cluster(parse_cluster(cpu_host(**HOST_KEYS), "host.yaml"), "fp32", 4).time(
+        hbm_bytes=6e6, sm_bound=backward) == pytest.approx(6e6 / 6e9)  # a file without the figures: bytes alone
+
+
+def test_the_course_mlp_s_gelu_carries_its_arithmetic_into_the_step():
+    plan = Plan(model=load_model("course-mlp"), dp=1)
+    plain = parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")
+    timed = parse_cluster(cpu_host(**HOST_KEYS, core_ns_per_element={**CORE_NS, "gelu": {"forward": 9.0,
+                                                                                          "backward": 9.0}}), "h.yaml")
+    assert predict_step(plan, timed).step_s > predict_step(plan, plain).step_s
 
 
 def test_optimizer_fit_separates_the_costs_per_step_and_per_tensor_from_the_bytes():
@@ -137,6 +180,9 @@ def test_host_keys_are_read_in_si_units():
     ("speed_probe_eager_us", 1.0, "given without compute.speed_probe_eager_us, or the other way round"),
     ("memory_alone_bw_GBps", 40.0, "given without compute.memory_host_bw_GBps, or the other way round"),
     ("memory_host_bw_GBps", -1.0, "1e-12 to 1e[+]12 GB/s"),
+    ("core_ns_per_element", {"gelu": {"forward": 1.0, "backward": 1.0}}, "a mapping of gelu, norm, softmax"),
+    ("core_ns_per_element", {**CORE_NS, "norm": {"forward": 1.0}}, "norm: is .* a mapping of forward and backward"),
+    ("core_ns_per_element", {**CORE_NS, "gelu": {"forward": -1.0, "backward": 1.0}}, "gelu.forward: is -1"),
     ("shared_cores", {"p2p_latency_us": 1.0}, "a mapping of p2p_rendezvous_us, p2p_latency_us, action_overhead_us "
      "[(]and optionally p2p_issue_us[)]"),
     ("shared_cores", {**SHARED, "p2p_issue_us": 1.0, "p2p_lag_us": 1.0}, "a mapping of"),

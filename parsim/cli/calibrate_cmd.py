@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ..calibrate import (fit_alone_memory, fit_dispatch, fit_elementwise, fit_links, fit_matmul, fit_operation,
-                         fit_optimizer, fit_step_overhead, host_cluster)
+from ..calibrate import (core_ns_mapping, fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise,
+                         fit_links, fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, host_cluster)
 from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..cluster import SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from ..compute import at_length
@@ -48,7 +48,11 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     (compute.matmul_half_dim) and compute.matmul_stream_bw_GBps; generic eager
     blocks (a GeLU MLP block, a softmax attention block, elementwise ops) ->
     the fixed cost of an op in a forward and in a backward
-    (compute.op_forward_us, compute.op_backward_us); pairs of ranks running
+    (compute.op_forward_us, compute.op_backward_us); GeLU, sigmoid,
+    softmax, SiLU and LayerNorm in a chain -> the speed of memory-bound
+    kernels (compute.elementwise_bw_GBps), and GeLU, a LayerNorm and a
+    softmax each on its own -> a core's time per element of their arithmetic
+    (compute.core_ns_per_element); pairs of ranks running
     the executor's own pipeline loop over trivial stages -> its time before
     each action (compute.action_overhead_us) and per send it issues
     (compute.p2p_issue_us), the mean time of a transfer received late
@@ -161,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     matmul = fit_matmul([(tuple(s), t) for rank in per_rank for s, t in rank["matmuls"]], call=True)
     dispatch = fit_dispatch([row for rank in per_rank for row in rank["dispatch"]], matmul.model())
     elementwise_bw = fit_elementwise([rank["elementwise"] for rank in per_rank], dispatch)
+    arithmetic = fit_core_arithmetic([row for rank in per_rank for row in rank["elementwise"]["kinds"]], dispatch)
     optimizer = fit_optimizer([tuple(row) for rank in per_rank for row in rank["optimizer"]["together"]],
                               ADAMW_ACCESSES)
     memory_bw = optimizer.bw_Bps  # each rank's, all streaming at once
@@ -203,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
         p2p_issue_s=p2p_issue,
         elementwise_bw_Bps=elementwise_bw,
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
-        cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s))
+        cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s),
+        core_arithmetic=arithmetic)
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
     if step_overhead:
         cluster["collective_step_overhead_us"] = {op: t * 1e6 for op, t in step_overhead.items()}
@@ -226,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
                     "p2p_latency_us": p2p_latency * 1e6 if p2p_latency is not None else None,
                     "action_overhead_us": action_overhead * 1e6, "p2p_issue_us": p2p_issue * 1e6,
                     "shared_cores": shared.to_us() if shared else None,
-                    "elementwise_bw_GBps": elementwise_bw / 1e9, "speed_probe_gflops": probe_flops / 1e9,
+                    "elementwise_bw_GBps": elementwise_bw / 1e9, "core_ns_per_element": core_ns_mapping(arithmetic),
+                    "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
                     "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
@@ -256,6 +263,10 @@ def run(args: argparse.Namespace) -> int:
           f"(generic eager blocks, every rank at once)")
     print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (activations, softmax, norms; bytes as "
           f"parsim.model.Elementwise counts them)")
+    ns = core_ns_mapping(arithmetic)
+    print("core arithmetic   " + ", ".join(f"{kind} {ns[kind]['forward']:.2f} / {ns[kind]['backward']:.2f}"
+                                          for kind in ns)
+          + " ns per element forward / backward (each on its own; a kernel takes the longer of this and its bytes)")
     print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer received late (its receive "
           f"posted after the send's issue; the mean, stalls included)")
     if p2p_latency is not None:

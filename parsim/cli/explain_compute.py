@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..cluster import load_cluster
+from ..cluster import CORE_ARITHMETIC_KINDS, load_cluster
 from ..compute import MATMUL_TILE, ComputeModel
 from ..errors import ParsimError
 from ..jsondoc import print_json
@@ -175,12 +175,17 @@ def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str) -
         if nbytes:
             kernel = ((nbytes, works),)
             rows.append({"block": block, "kernel": what, "shape": f"{nbytes / 1e6:,.1f} MB", "flops": 0.0,
-                         "fill": None, "bound": "SMs" if model.sm_excess(kernel) else "memory",
+                         "fill": None, "bound": _arithmetic_bound(model) if model.sm_excess(kernel) else "memory",
                          "time_s": model.time(hbm_bytes=nbytes, sm_bound=kernel)})
     if work.kernels and model.kernel_overhead_s:
         rows.append({"block": block, "kernel": f"{work.kernels} launches", "shape": "", "flops": 0.0, "fill": None,
                      "bound": "launch", "time_s": work.kernels * model.kernel_overhead_s})
     return rows
+
+
+def _arithmetic_bound(model: ComputeModel) -> str:
+    """What bounds a memory-bound kernel whose arithmetic outlasts its bytes: a GPU's SMs or a CPU rank's core."""
+    return "SMs" if model.sm_cycles_per_s else "core"
 
 
 def _host_row(model: ComputeModel, block: str, forward_ops: int, backward_ops: int) -> dict | None:
@@ -213,6 +218,11 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
     if model.sm_cycles_per_s:
         lines.append(f"  SMs         {model.sm_count} x {model.sm_cycles_per_s / model.sm_count / 1e6:,.0f} MHz: "
                      "softmax, dropout, GeLU, norms and bias adds take the longer of their bytes and their SM cycles")
+    if model.core_arithmetic is not None and model.elementwise_bw_Bps:
+        figures = ", ".join(f"{kind} {getattr(model.core_arithmetic, kind)[0] * 1e9:.2f} / "
+                            f"{getattr(model.core_arithmetic, kind)[1] * 1e9:.2f}" for kind in CORE_ARITHMETIC_KINDS)
+        lines.append(f"  core        {figures} ns per element forward / backward: these kernels take the longer of "
+                     f"that and their bytes at {model.elementwise_bw_Bps / 1e9:.3g} GB/s")
     if model.op_forward_s or model.op_backward_s:
         how = ("a block takes the longer of its kernels and its host" if model.host_overlaps_device
                else "added to each block's kernels")
