@@ -32,7 +32,8 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
   the loop's own host time before each action and per send issued, and its
   transfers' times, with the receive posted late or the receiver waiting.
 * :func:`measure_on_shared_cores`: that again with two ranks on each core, as
-  a run with more ranks than cores has them.
+  a run with more ranks than cores has them, and the host-speed probes on
+  every rank at once there (how much longer compute takes on a shared core).
 
 Between them, :mod:`executor.speed_probe` times the host's speed, which
 ``parsim compare`` times again before and after its measured steps.
@@ -79,8 +80,10 @@ def measure_on_shared_cores(timeout_s: float = 300.0) -> list[dict]:
     to 2 cores (2 ranks on 1 core on a single-core host), pairs 0-1 and 2-3 crossing the cores as the stages of
     a data- and pipeline-parallel run do. One dict per rank. Waking a thread on a core another rank computes on
     waits for the scheduler, so these grow more than 2x: on the 2-core VM, a late receive took 1.0-1.5 ms
-    against 0.3-0.7 alone, a send's issue 0.8-1.3 ms against 0.18-0.51. Empty where the host cannot bind
-    processes to cores (not Linux)."""
+    against 0.3-0.7 alone, a send's issue 0.8-1.3 ms against 0.18-0.51. Then the host-speed probes, every rank
+    at once: compute on a shared core takes more than twice as long (2.3-2.6x on the 2-core VM, 2026-11-27),
+    each rank's turn starting in caches the other emptied. Empty where the host cannot bind processes to cores
+    (not Linux)."""
     import os
 
     from .launch import launch
@@ -97,7 +100,12 @@ def measure_on_shared_cores(timeout_s: float = 300.0) -> list[dict]:
 
 
 def _rank_shared(rank: int, world: int) -> dict:
-    return {"pipeline": measure_pipeline_loop()}
+    """The pipeline loop, then the host-speed probes on every rank at once (``speed_probe``: matmul FLOP/s and
+    seconds per eager pass with two ranks computing on each core; each probe's throughput over 0.15 s, so the
+    ranks' turns on the core and each turn's cold start are in it)."""
+    pipeline = measure_pipeline_loop()
+    _barrier()
+    return {"pipeline": pipeline, "speed_probe": SpeedProbe()()}
 
 
 def _rank_compute(rank: int, world: int) -> dict:

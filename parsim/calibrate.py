@@ -73,7 +73,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         host_costs["memory_alone_bw_GBps"] = memory_alone_bw_Bps / 1e9
         host_costs["memory_host_bw_GBps"] = memory_host_bw_Bps / 1e9
     if shared_cores:
-        host_costs["shared_cores"] = shared_cores.to_us()
+        host_costs["shared_cores"] = shared_cores.to_mapping()
     if cpu_cores:
         host_costs["cpu_cores"] = int(cpu_cores)
     if speed_probe:

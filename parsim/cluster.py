@@ -51,6 +51,8 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "speed_probe_eager_us")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
 SHARED_CORE_OPTIONAL = ("p2p_issue_us",)  # absent from files calibrated before it was measured: 0
+SHARED_CORE_STRETCHES = ("matmul_stretch", "eager_stretch")  # optional, times (absent: 2, the fair share)
+STRETCH = (1.0, 100.0, "times as long as with a core each")
 
 
 @dataclass(frozen=True)
@@ -112,19 +114,26 @@ Curve = tuple[tuple[int, float], ...]  # (x, y) points, x ascending
 
 @dataclass(frozen=True)
 class SharedCoreCosts:
-    """A CPU host's pipeline costs measured with two ranks on each core (``compute.shared_cores``, written by
+    """A CPU host's costs measured with two ranks on each core (``compute.shared_cores``, written by
     ``parsim calibrate``; :meth:`parsim.compute.ComputeModel.time_shared`): a late receive's rendezvous, a
     transfer's latency with its receiver waiting, the loop's time before each action and a send's issue, in
-    seconds."""
+    seconds; and how many times as long a matmul and an eager pass take as with a core each, both ranks
+    computing (None: not measured, taken as 2, each rank's fair share). Two ranks switching on a core take
+    more than twice as long: each slice starts in caches the other emptied (2.3-2.6x on a 2-core VM)."""
 
     p2p_rendezvous_s: float
     p2p_latency_s: float
     action_overhead_s: float
     p2p_issue_s: float = 0.0
+    matmul_stretch: float | None = None
+    eager_stretch: float | None = None
 
-    def to_us(self) -> dict[str, float]:
-        """The ``compute.shared_cores`` mapping: each field in microseconds, named ``..._us``."""
-        return {f"{f.name[:-2]}_us": getattr(self, f.name) * 1e6 for f in fields(self)}
+    def to_mapping(self) -> dict[str, float]:
+        """The ``compute.shared_cores`` mapping: each time in microseconds, named ``..._us``, and the
+        stretches measured."""
+        mapping = {f"{f.name[:-2]}_us": getattr(self, f.name) * 1e6 for f in fields(self) if f.name.endswith("_s")}
+        return {**mapping, **{key: getattr(self, key) for key in SHARED_CORE_STRETCHES
+                              if getattr(self, key) is not None}}
 
 
 @dataclass(frozen=True)
@@ -533,14 +542,19 @@ def _curve(source: str, key: str, value: object, limits: tuple[float, float, str
 
 
 def _shared_cores(source: str, value: object) -> SharedCoreCosts:
-    """``compute.shared_cores``: every one of SHARED_CORE_KEYS, and any of SHARED_CORE_OPTIONAL, in microseconds."""
+    """``compute.shared_cores``: every one of SHARED_CORE_KEYS, and any of SHARED_CORE_OPTIONAL, in microseconds,
+    and any of SHARED_CORE_STRETCHES."""
+    optional = set(SHARED_CORE_OPTIONAL) | set(SHARED_CORE_STRETCHES)
     if (not isinstance(value, dict) or not set(SHARED_CORE_KEYS) <= set(value)
-            or set(value) - set(SHARED_CORE_KEYS) - set(SHARED_CORE_OPTIONAL)):
+            or set(value) - set(SHARED_CORE_KEYS) - optional):
         raise ConfigError(source, "compute.shared_cores", f"is {value!r}",
                           f"a mapping of {', '.join(SHARED_CORE_KEYS)} (and optionally "
-                          f"{', '.join(SHARED_CORE_OPTIONAL)})")
-    return SharedCoreCosts(**{f"{key[:-3]}_s": _figure(source, f"compute.shared_cores.{key}", figure, LATENCY_US)
-                              * 1e-6 for key, figure in value.items()})
+                          f"{', '.join(SHARED_CORE_OPTIONAL + SHARED_CORE_STRETCHES)})")
+    times = {f"{key[:-3]}_s": _figure(source, f"compute.shared_cores.{key}", figure, LATENCY_US) * 1e-6
+             for key, figure in value.items() if key not in SHARED_CORE_STRETCHES}
+    stretches = {key: _figure(source, f"compute.shared_cores.{key}", value[key], STRETCH)
+                 for key in SHARED_CORE_STRETCHES if key in value}
+    return SharedCoreCosts(**times, **stretches)
 
 
 def _sm_cycles(source: str, value: object) -> SmCycles:

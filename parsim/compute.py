@@ -92,7 +92,10 @@ GPU host):
   (a transfer's latency and rendezvous, the loop between actions) grow far
   more: a thread woken on a core where another rank computes waits for the
   scheduler. Where ``parsim calibrate`` measured them with two ranks on each
-  core (``shared_cores``), :meth:`time_shared` takes those figures instead.
+  core (``shared_cores``), :meth:`time_shared` takes those figures instead;
+  so does compute, where it measured how much longer a matmul and an eager
+  pass take with two ranks on their core (more than twice: each rank's slice
+  starts in caches the other emptied).
 * ``action_overhead_s``: on CPU ranks, the training loop's own host time
   before each action of a step (a pass of one microbatch, from its receive; a
   gradient all-reduce the loop issues in turn; the optimizer step): the
@@ -335,10 +338,18 @@ class ComputeModel:
 
     def with_host(self, device_s: float, host_s: float) -> float:
         """A block's time from its kernels' and its host's: the longer on a GPU, which runs kernels while
-        the host issues the next; the sum on a CPU rank, whose host is the device; stretched when ranks
-        time-share cores."""
-        both = max(device_s, host_s) if self.host_overlaps_device else device_s + host_s
-        return both * self.time_share
+        the host issues the next; the sum on a CPU rank, whose host is the device, each stretched when
+        ranks time-share cores (:meth:`core_stretch`)."""
+        if self.host_overlaps_device:
+            return max(device_s, host_s) * self.time_share
+        return device_s * self.core_stretch("matmul_stretch") + host_s * self.core_stretch("eager_stretch")
+
+    def core_stretch(self, field: str) -> float:
+        """How many times as long work takes on a core this rank time-shares: ``time_share`` (each rank's fair
+        share), or, where ``calibrate`` measured two ranks on each core computing at once (``shared_cores``'
+        ``matmul_stretch`` for kernels, ``eager_stretch`` for the host's fixed costs), that figure, as
+        :meth:`time_shared` takes it."""
+        return self.time_shared(1.0, getattr(self.shared_cores, field, None) if self.shared_cores else None)
 
     @property
     def shares_host_memory(self) -> bool:

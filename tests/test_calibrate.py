@@ -261,8 +261,8 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     spec = host()
     monkeypatch.setattr(executor.compute_bench, "measure_on_every_rank", every_rank)
     monkeypatch.setattr(executor.compute_bench, "measure_on_shared_cores", lambda: [
-        {"pipeline": {"rendezvous": 2.5e-3 + r * 1e-4, "latency": 200e-6, "action": 400e-6, "issue": 900e-6}}
-        for r in range(4)])
+        {"pipeline": {"rendezvous": 2.5e-3 + r * 1e-4, "latency": 200e-6, "action": 400e-6, "issue": 900e-6},
+         "speed_probe": (20e9, 2000e-6)} for r in range(4)])
     monkeypatch.setattr(executor.collectives, "measure_reduce_bandwidth", lambda sizes: [(s, s / 6e9) for s in sizes])
 
     def collectives(op, sizes, n, backend, timeout_s=None):
@@ -296,9 +296,11 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert "p2p latency       60 us per pipeline transfer whose receiver waits" in text
     assert "p2p rendezvous    300 us per pipeline transfer received late" in text
     assert "2 ranks per core  200 us latency and 2650 us rendezvous per pipeline transfer, 400 us between actions, " \
-           "900 us per send" in text
+           "900 us per send (runs with more ranks than cores); a matmul 2.50x and an eager pass 2.50x as long as " \
+           "with a core each" in text
     assert written.shared_cores == SharedCoreCosts(pytest.approx(2.65e-3), pytest.approx(200e-6),
-                                                   pytest.approx(400e-6), pytest.approx(900e-6))
+                                                   pytest.approx(400e-6), pytest.approx(900e-6), pytest.approx(2.5),
+                                                   pytest.approx(2.5))
     assert "memory            20.00 GB/s per rank with every rank streaming (40.0 GB/s in all), 32.00 GB/s for a " \
            "rank alone, 120 us per AdamW step and 50 us per tensor" in text
     assert (written.optimizer_step_s, written.optimizer_tensor_s) == pytest.approx((120e-6, 50e-6))
@@ -315,7 +317,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert (doc["action_overhead_us"], doc["p2p_issue_us"]) == pytest.approx((80.0, 150.0))
     assert (doc["p2p_rendezvous_us"], doc["p2p_latency_us"]) == pytest.approx((300.0, 60.0))
     assert doc["shared_cores"] == pytest.approx({"p2p_rendezvous_us": 2650.0, "p2p_latency_us": 200.0,
-                                                 "action_overhead_us": 400.0, "p2p_issue_us": 900.0})
+                                                 "action_overhead_us": 400.0, "p2p_issue_us": 900.0,
+                                                 "matmul_stretch": 2.5, "eager_stretch": 2.5})
     assert (doc["memory_alone_bw_GBps"], doc["memory_host_bw_GBps"]) == pytest.approx((32.0, 40.0))
     assert (doc["optimizer_step_us"], doc["optimizer_tensor_us"]) == pytest.approx((120.0, 50.0))
     assert doc["core_ns_per_element"] == {kind: {"forward": pytest.approx(fwd), "backward": pytest.approx(bwd)}

@@ -184,10 +184,11 @@ def test_host_keys_are_read_in_si_units():
     ("core_ns_per_element", {**CORE_NS, "norm": {"forward": 1.0}}, "norm: is .* a mapping of forward and backward"),
     ("core_ns_per_element", {**CORE_NS, "gelu": {"forward": -1.0, "backward": 1.0}}, "gelu.forward: is -1"),
     ("shared_cores", {"p2p_latency_us": 1.0}, "a mapping of p2p_rendezvous_us, p2p_latency_us, action_overhead_us "
-     "[(]and optionally p2p_issue_us[)]"),
+     "[(]and optionally p2p_issue_us, matmul_stretch, eager_stretch[)]"),
     ("shared_cores", {**SHARED, "p2p_issue_us": 1.0, "p2p_lag_us": 1.0}, "a mapping of"),
     ("shared_cores", {"p2p_rendezvous_us": 1.0, "p2p_latency_us": -1.0, "action_overhead_us": 1.0},
      "shared_cores.p2p_latency_us: is -1"),
+    ("shared_cores", {**SHARED, "eager_stretch": 0.5}, "shared_cores.eager_stretch: is 0.5 .*1 to 100 times"),
 ])
 def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, capsys):
     with pytest.raises(ConfigError, match=expected):
@@ -460,6 +461,20 @@ def test_pipeline_host_costs_on_shared_cores_take_what_was_measured_there(ranks,
     keys = {**HOST_KEYS, "p2p_latency_us": 100.0, "cpu_cores": 2, **({"shared_cores": SHARED} if shared else {})}
     model = ComputeModel.for_cluster(parse_cluster(cpu_host(**keys), "host.yaml"), "fp32", 4, ranks)
     assert (model.rendezvous_s, model.send_latency_s, model.action_gap_s) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("ranks, matmul, eager", [(2, 1.0, 1.0), (3, 1.65, 1.8), (4, 2.3, 2.6), (8, 4.6, 5.2)])
+def test_compute_on_shared_cores_stretches_by_what_was_measured_there(ranks, matmul, eager):
+    """Two ranks per core computing at once, measured: a matmul took 2.3x and an eager pass 2.6x as long as
+    with a core each. Kernels stretch by the first, the ops' fixed costs by the second (halfway at 1.5 per
+    core, in proportion beyond two)."""
+    shared = {**SHARED, "matmul_stretch": 2.3, "eager_stretch": 2.6}
+    spec = parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=2, shared_cores=shared), "host.yaml")
+    alone, model = (ComputeModel.for_cluster(spec, "fp32", 4, n) for n in (2, ranks))
+    kernels, host = alone.time(matmuls=((64, 1024, 1024),)), alone.time(forward_ops=100)
+    assert model.time(matmuls=((64, 1024, 1024),), forward_ops=100) == pytest.approx(matmul * kernels + eager * host)
+    assert parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=2, shared_cores=shared), "h.yaml").shared_cores.to_mapping() \
+        == pytest.approx({**SHARED, "p2p_issue_us": 0.0, "matmul_stretch": 2.3, "eager_stretch": 2.6})
 
 
 @pytest.mark.parametrize("ranks, expected", [(2, 150e-6), (3, 525e-6), (4, 900e-6), (8, 1800e-6)])

@@ -6,6 +6,7 @@ import argparse
 import datetime
 import os
 import platform
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -175,9 +176,9 @@ def run(args: argparse.Namespace) -> int:
     loops = [rank["pipeline"] for rank in per_rank if rank["pipeline"] is not None]
     p2p_rendezvous, action_overhead, p2p_issue = (_median(loops, key) for key in ("rendezvous", "action", "issue"))
     p2p_latency = _median(loops, "latency") if loops else None
-    shared = _shared_cores(shared_rows)
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s = (float(v) for v in np.median(probes, axis=0))
+    shared = _shared_cores(shared_rows, probe_flops, probe_eager_s)
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
     links = fit_links([r for r in results if r.op in link_ops], algorithms, reduce_bw)
@@ -231,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
                     "p2p_rendezvous_us": p2p_rendezvous * 1e6,
                     "p2p_latency_us": p2p_latency * 1e6 if p2p_latency is not None else None,
                     "action_overhead_us": action_overhead * 1e6, "p2p_issue_us": p2p_issue * 1e6,
-                    "shared_cores": shared.to_us() if shared else None,
+                    "shared_cores": shared.to_mapping() if shared else None,
                     "elementwise_bw_GBps": elementwise_bw / 1e9, "core_ns_per_element": core_ns_mapping(arithmetic),
                     "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
@@ -278,7 +279,9 @@ def run(args: argparse.Namespace) -> int:
     if shared is not None:
         print(f"2 ranks per core  {shared.p2p_latency_s * 1e6:.0f} us latency and {shared.p2p_rendezvous_s * 1e6:.0f} "
               f"us rendezvous per pipeline transfer, {shared.action_overhead_s * 1e6:.0f} us between actions, "
-              f"{shared.p2p_issue_s * 1e6:.0f} us per send (runs with more ranks than cores)")
+              f"{shared.p2p_issue_s * 1e6:.0f} us per send (runs with more ranks than cores)"
+              + (f"; a matmul {shared.matmul_stretch:.2f}x and an eager pass {shared.eager_stretch:.2f}x as long as "
+                 f"with a core each" if shared.matmul_stretch else ""))
     stream = (f", weights stream in and outputs out at {matmul.stream_bw_Bps / 1e9:.1f} GB/s"
               if matmul.stream_bw_Bps else "")
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
@@ -293,12 +296,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shared_cores(rows: list[dict]) -> SharedCoreCosts | None:
-    """The medians over ranks of :func:`executor.compute_bench.measure_on_shared_cores`' figures (None: not run)."""
+def _shared_cores(rows: list[dict], probe_flops: float, probe_eager_s: float) -> SharedCoreCosts | None:
+    """The medians over ranks of :func:`executor.compute_bench.measure_on_shared_cores`' figures (None: not run),
+    and its probes' against ``probe_flops`` and ``probe_eager_s``, the probes' with a core each: how many times
+    as long a matmul and an eager pass take with two ranks on each core (at least 1)."""
     loops = [row["pipeline"] for row in rows if row["pipeline"] is not None]
     if not loops:
         return None
-    return SharedCoreCosts(*(_median(loops, key) for key in ("rendezvous", "latency", "action", "issue")))
+    costs = SharedCoreCosts(*(_median(loops, key) for key in ("rendezvous", "latency", "action", "issue")))
+    probes = np.array([row["speed_probe"] for row in rows if row.get("speed_probe")])
+    if not len(probes):
+        return costs
+    flops, eager_s = np.median(probes, axis=0)
+    return replace(costs, matmul_stretch=max(float(probe_flops / flops), 1.0),
+                   eager_stretch=max(float(eager_s / probe_eager_s), 1.0))
 
 
 def _median(loops: list[dict], key: str) -> float:
