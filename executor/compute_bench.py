@@ -81,9 +81,9 @@ def measure_on_shared_cores(timeout_s: float = 300.0) -> list[dict]:
     a data- and pipeline-parallel run do. One dict per rank. Waking a thread on a core another rank computes on
     waits for the scheduler, so these grow more than 2x: on the 2-core VM, a late receive took 1.0-1.5 ms
     against 0.3-0.7 alone, a send's issue 0.8-1.3 ms against 0.18-0.51. Then the host-speed probes, every rank
-    at once: compute on a shared core takes more than twice as long (2.3-2.6x on the 2-core VM, 2026-11-27),
-    each rank's turn starting in caches the other emptied. Empty where the host cannot bind processes to cores
-    (not Linux)."""
+    at once: compute on a shared core takes more than twice as long, each rank's turn starting in caches the
+    other emptied (on the 2-core VM a small model's passes 2.25-2.6x, the probes 2.0-2.2x; 2026-11-27).
+    Empty where the host cannot bind processes to cores (not Linux)."""
     import os
 
     from .launch import launch

@@ -119,7 +119,8 @@ class SharedCoreCosts:
     transfer's latency with its receiver waiting, the loop's time before each action and a send's issue, in
     seconds; and how many times as long a matmul and an eager pass take as with a core each, both ranks
     computing (None: not measured, taken as 2, each rank's fair share). Two ranks switching on a core take
-    more than twice as long: each slice starts in caches the other emptied (2.3-2.6x on a 2-core VM)."""
+    more than twice as long, each slice starting in caches the other emptied: on a 2-core VM a small model's
+    passes took 2.25-2.6x, the host-speed probes 2.0-2.2x."""
 
     p2p_rendezvous_s: float
     p2p_latency_s: float
@@ -173,7 +174,7 @@ class CoreArithmetic:
     there outlasts their bytes at the host's elementwise speed: GeLU's erf, a norm's reductions, a softmax's
     exponentials and row sums, counted per element read or written as :class:`parsim.compute.SmWork` counts
     them. ``parsim calibrate`` measures them (``compute.core_ns_per_element``); on a 2-core EPYC VM GeLU's
-    backward took 3-4 times its bytes' time at the speed fitted on a mix of such kernels (2026-11-27)."""
+    backward took 4-5 times its bytes' time at the speed fitted on a mix of such kernels (2026-11-27)."""
 
     gelu: tuple[float, float]
     norm: tuple[float, float]

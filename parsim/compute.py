@@ -314,10 +314,8 @@ class ComputeModel:
         """SM cycles of ``work`` at this GPU's cycles per element (:class:`~parsim.cluster.SmCycles`); a softmax's
         backward streams at the memory speed (none)."""
         figures = self.sm_cycles
-        if work.backward and work.kind == "softmax":
-            return 0.0
         if work.kind == "softmax":
-            per_element = at_length(figures.softmax, work.row)
+            per_element = 0.0 if work.backward else at_length(figures.softmax, work.row)
         elif work.kind in ("dropout", "bias_add"):
             per_element = getattr(figures, work.kind)
         else:

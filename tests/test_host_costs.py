@@ -116,6 +116,17 @@ def test_a_cpu_core_prices_gelu_norms_and_softmax_by_the_longer_of_their_bytes_a
         hbm_bytes=6e6, sm_bound=backward) == pytest.approx(6e6 / 6e9)  # a file without the figures: bytes alone
 
 
+def test_explain_compute_shows_the_core_s_figures_and_the_kernels_they_bound(tmp_path, capsys):
+    path = tmp_path / "host.yaml"
+    path.write_text(yaml.safe_dump(cpu_host(**HOST_KEYS, core_ns_per_element=CORE_NS)))
+    assert main(["explain", "compute", "course-ddp", "--cluster", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "core        gelu 0.50 / 1.20, norm 0.40 / 0.90, softmax 0.30 / 0.60 ns per element" in out
+    gelu = [line.split() for line in out.splitlines() if line.split()[2:3] == ["gelu"]]
+    # at 6 GB/s the forward's bytes outlast its arithmetic; the backward's arithmetic (1.2 ns) outlasts its bytes
+    assert [(row[0], row[-2]) for row in gelu] == [("forward", "memory"), ("backward", "core")]
+
+
 def test_the_course_mlp_s_gelu_carries_its_arithmetic_into_the_step():
     plan = Plan(model=load_model("course-mlp"), dp=1)
     plain = parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")
