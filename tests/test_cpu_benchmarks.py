@@ -74,3 +74,36 @@ def test_the_cold_passes_benchmark_times_both_passes_after_every_condition():
 def test_the_cold_passes_benchmark_refuses_no_repeats_in_one_line():
     done = script("benchmarks/cpu_cold_passes.py", "--repeats", "0")
     assert done.returncode == 2 and done.stderr == "cpu_cold_passes.py: --repeats must be at least 1\n"
+
+
+def _compare_loop():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cpu_compare_loop", ROOT / "benchmarks" / "cpu_compare_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_compare_loop_takes_each_plan_s_error_against_the_median_run():
+    """Three runs: the step's error is the median prediction over the median measured step; each phase's the
+    same per rank, the worst named; the bounds are the issue's (15% a step, 25% a phase)."""
+    def run(predicted, measured, forward, idle):
+        return {"predicted_step_s": predicted, "measured_step_s": measured,
+                "phases": [{"rank": 0, "phase": "forward", "predicted_s": 0.010, "measured_s": forward},
+                           {"rank": 0, "phase": "idle", "predicted_s": 0.001, "measured_s": idle}]}
+
+    summary = _compare_loop().summarize([run(0.040, 0.050, 0.011, 0.001), run(0.042, 0.046, 0.012, 0.002),
+                                         run(0.041, 0.044, 0.020, 0.001)])
+    assert summary["step_error"] == pytest.approx(0.041 / 0.046 - 1) and summary["step_within"]
+    assert [row["error"] for row in summary["phases"]] == pytest.approx([0.010 / 0.012 - 1, 0.0])
+    assert summary["worst_phase"]["phase"] == "forward" and summary["phases_within"]
+    summary = _compare_loop().summarize([run(0.030, 0.050, 0.010, 0.004)] * 3)
+    assert not summary["step_within"] and not summary["phases_within"]
+    assert summary["worst_phase"] == {"rank": 0, "phase": "idle", "predicted_s": 0.001, "measured_s": 0.004,
+                                      "error": pytest.approx(-0.75)}
+
+
+def test_the_compare_loop_refuses_no_runs_in_one_line():
+    done = script("benchmarks/cpu_compare_loop.py", "--runs", "0")
+    assert done.returncode == 2 and done.stderr == "cpu_compare_loop.py: --runs must be at least 1, got 0\n"
