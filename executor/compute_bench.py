@@ -23,6 +23,8 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
 * :func:`measure_elementwise`: activation functions, a softmax and a norm on
   a mid-size tensor, forward and backward (fits the speed of elementwise
   work, which on a CPU is often arithmetic-bound: GeLU's erf, softmax's exp).
+* :func:`measure_kernel_kinds`: GeLU, a LayerNorm and a softmax, each on its
+  own (fits a core's time per element of each one's arithmetic).
 * :func:`measure_host_optimizer`: ``torch.optim.AdamW`` steps on many small and
   a few large parameter tensors, every rank at once (fits the cost per tensor
   and the memory speed each rank gets when all stream), and the large ones on
@@ -121,7 +123,8 @@ def _rank_compute(rank: int, world: int) -> dict:
 
     results = {}
     for name, benchmark in (("matmuls", measure_matmuls), ("dispatch", measure_dispatch),
-                            ("elementwise", measure_elementwise), ("optimizer", measure_host_optimizer),
+                            ("elementwise", measure_elementwise), ("kernel_kinds", measure_kernel_kinds),
+                            ("optimizer", measure_host_optimizer),
                             ("pipeline", measure_pipeline_loop)):
         probe_now()
         results[name] = benchmark()
@@ -313,7 +316,7 @@ def measure_elementwise(shape: tuple[int, int] = ELEMENTWISE_SHAPE) -> dict:
     forward_s = after_dirty_caches(lambda: chain(x))
     both_s = after_dirty_caches(lambda: torch.autograd.backward(chain(x), grad))
     return {"forward_s": forward_s, "backward_s": max(both_s - forward_s, 0.0), "forward_ops": forward_ops,
-            "backward_ops": backward_ops - 1, "elements": shape[0] * shape[1], "kinds": measure_kernel_kinds(shape)}
+            "backward_ops": backward_ops - 1, "elements": shape[0] * shape[1]}
 
 
 def measure_kernel_kinds(shape: tuple[int, int] = ELEMENTWISE_SHAPE) -> list[dict]:

@@ -68,7 +68,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     if elementwise_bw_Bps:
         host_costs["elementwise_bw_GBps"] = elementwise_bw_Bps / 1e9
     if core_arithmetic:
-        host_costs["core_ns_per_element"] = core_ns_mapping(core_arithmetic)
+        host_costs["core_ns_per_element"] = core_arithmetic.to_ns()
     if memory_alone_bw_Bps and memory_host_bw_Bps:
         host_costs["memory_alone_bw_GBps"] = memory_alone_bw_Bps / 1e9
         host_costs["memory_host_bw_GBps"] = memory_host_bw_Bps / 1e9
@@ -367,12 +367,6 @@ def fit_core_arithmetic(rows: list[dict], dispatch: DispatchFit) -> CoreArithmet
             passes.append(seconds / count)
         figures[kind] = tuple(passes)
     return CoreArithmetic(**figures)
-
-
-def core_ns_mapping(figures: CoreArithmetic) -> dict[str, dict[str, float]]:
-    """``figures`` as a cluster file's ``compute.core_ns_per_element`` takes them."""
-    return {kind: {"forward": getattr(figures, kind)[0] * 1e9, "backward": getattr(figures, kind)[1] * 1e9}
-            for kind in CORE_ARITHMETIC_KINDS}
 
 
 @dataclass

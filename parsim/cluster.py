@@ -184,6 +184,11 @@ class CoreArithmetic:
         """These figures on a core ``factor`` times as fast."""
         return CoreArithmetic(*(tuple(x / factor for x in getattr(self, kind)) for kind in CORE_ARITHMETIC_KINDS))
 
+    def to_ns(self) -> dict[str, dict[str, float]]:
+        """The ``compute.core_ns_per_element`` mapping: per kind, forward and backward in ns per element."""
+        return {kind: dict(zip(("forward", "backward"), (x * 1e9 for x in getattr(self, kind))))
+                for kind in CORE_ARITHMETIC_KINDS}
+
 
 CORE_ARITHMETIC_KINDS = ("gelu", "norm", "softmax")
 CORE_NS = (1e-6, 1e6, "ns per element")
@@ -567,12 +572,7 @@ def _sm_cycles(source: str, value: object) -> SmCycles:
 
     def passes(kind: str, fallback: tuple[float, float]) -> tuple[float, float]:
         given = value.get(kind)
-        if given is None:
-            return fallback
-        if not isinstance(given, dict) or set(given) != {"forward", "backward"}:
-            raise ConfigError(source, f"{key}.{kind}", f"is {given!r}", "a mapping of forward and backward")
-        return (_figure(source, f"{key}.{kind}.forward", given["forward"], SM_CYCLES),
-                _figure(source, f"{key}.{kind}.backward", given["backward"], SM_CYCLES))
+        return fallback if given is None else _passes(source, f"{key}.{kind}", given, SM_CYCLES)
 
     softmax = _curve(source, f"{key}.softmax", value["softmax"], SM_CYCLES) if "softmax" in value else default.softmax
     dropout, bias_add = (_figure(source, f"{key}.{kind}", value[kind], SM_CYCLES) if kind in value
@@ -586,13 +586,16 @@ def _core_arithmetic(source: str, value: object) -> CoreArithmetic:
     key = "compute.core_ns_per_element"
     if not isinstance(value, dict) or set(value) != set(CORE_ARITHMETIC_KINDS):
         raise ConfigError(source, key, f"is {value!r}", f"a mapping of {', '.join(CORE_ARITHMETIC_KINDS)}")
-    figures = {}
-    for kind, given in value.items():
-        if not isinstance(given, dict) or set(given) != {"forward", "backward"}:
-            raise ConfigError(source, f"{key}.{kind}", f"is {given!r}", "a mapping of forward and backward")
-        figures[kind] = tuple(_figure(source, f"{key}.{kind}.{p}", given[p], CORE_NS) * 1e-9
-                              for p in ("forward", "backward"))
-    return CoreArithmetic(**figures)
+    return CoreArithmetic(**{kind: tuple(ns * 1e-9 for ns in _passes(source, f"{key}.{kind}", given, CORE_NS))
+                             for kind, given in value.items()})
+
+
+def _passes(source: str, key: str, given: object, limits: tuple[float, float, str]) -> tuple[float, float]:
+    """A ``{forward, backward}`` mapping of figures within ``limits``, as (forward, backward)."""
+    if not isinstance(given, dict) or set(given) != {"forward", "backward"}:
+        raise ConfigError(source, key, f"is {given!r}", "a mapping of forward and backward")
+    return _figure(source, f"{key}.forward", given["forward"], limits), \
+        _figure(source, f"{key}.backward", given["backward"], limits)
 
 
 def _figure(source: str, key: str, value: object, limits: tuple[float, float, str]) -> float:

@@ -243,7 +243,7 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
               "forward_ops": 2, "backward_ops": 1, "elements": 65536}
              for kind, (fwd, bwd) in CORE_NS.items()]
     elementwise = {"forward_s": 7 * 7e-6 + 2e-4, "backward_s": 12 * 5e-6 + 3e-4, "forward_ops": 7,
-                   "backward_ops": 12, "elements": 65536, "kinds": kinds}
+                   "backward_ops": 12, "elements": 65536}
 
     def adamw(tensors, numel, bw):
         return tensors, numel, 120e-6 + tensors * 50e-6 + tensors * numel * ADAMW_ACCESSES * 4 / bw
@@ -254,7 +254,7 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
 
     def every_rank(nproc):
         return [{"matmuls": [(s, truth.matmul_time(*s)) for s in shapes], "dispatch": dispatch,
-                 "elementwise": elementwise, "optimizer": optimizer, "speed_probes": probes[r],
+                 "elementwise": elementwise, "kernel_kinds": kinds, "optimizer": optimizer, "speed_probes": probes[r],
                  "pipeline": {"rendezvous": 300e-6, "latency": 60e-6, "action": (70e-6, 90e-6)[r % 2],
                               "issue": 150e-6}} for r in range(nproc)]
 

@@ -70,3 +70,13 @@ def test_transfers_split_by_whether_the_receive_was_posted_before_the_send():
                    ("send grad stage=1 mb=0 peer=0", "send", 3.0, 3.1)]]
     late, waiting = transfer_times([(0, rank0), (1, rank1_late)])
     assert late == pytest.approx([0.1]) and waiting == pytest.approx([1.0])
+
+
+def test_each_kernel_kind_is_timed_on_its_own_forward_and_backward():
+    from executor.compute_bench import measure_kernel_kinds
+
+    rows = measure_kernel_kinds((8, 64))
+    assert [r["kind"] for r in rows] == ["gelu", "norm", "softmax"]
+    for row in rows:
+        assert row["elements"] == 8 * 64 and row["forward_s"] > 0 and row["backward_s"] >= 0
+        assert row["forward_ops"] >= 1 and row["backward_ops"] >= 1  # autograd.grad: no accumulation op

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from ideal_cluster import IDEAL, ideal_spec
-from parsim.calibrate import (DispatchFit, OptimizerFit, core_ns_mapping, fit_alone_memory, fit_core_arithmetic,
-                              fit_dispatch, fit_elementwise, fit_matmul, fit_optimizer, fit_step_overhead, host_cluster)
+from parsim.calibrate import (DispatchFit, OptimizerFit, fit_alone_memory, fit_core_arithmetic, fit_dispatch,
+                              fit_elementwise, fit_matmul, fit_optimizer, fit_step_overhead, host_cluster)
 from parsim.cli.main import main
 from parsim.cluster import builtin_clusters, load_cluster, parse_cluster
 from parsim.collectives import predict
@@ -90,7 +90,7 @@ def test_core_arithmetic_fit_takes_the_ops_out_and_counts_elements_as_the_model_
              "backward_s": 3 * 5e-6 + 3 * elements * ns["backward"] * 1e-9, "forward_ops": 2, "backward_ops": 3,
              "elements": elements} for kind, ns in CORE_NS.items()]
     fitted = fit_core_arithmetic(rows + rows, dispatch)  # two ranks alike
-    assert core_ns_mapping(fitted) == {kind: pytest.approx(ns) for kind, ns in CORE_NS.items()}
+    assert fitted.to_ns() == {kind: pytest.approx(ns) for kind, ns in CORE_NS.items()}
     with pytest.raises(ParsimError, match="no measurement of norm"):
         fit_core_arithmetic([r for r in rows if r["kind"] != "norm"], dispatch)
     with pytest.raises(ParsimError, match="gelu forward measurements show no time beyond"):

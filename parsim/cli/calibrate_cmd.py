@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ..calibrate import (core_ns_mapping, fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise,
+from ..calibrate import (fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise,
                          fit_links, fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, host_cluster)
 from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..cluster import SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     matmul = fit_matmul([(tuple(s), t) for rank in per_rank for s, t in rank["matmuls"]], call=True)
     dispatch = fit_dispatch([row for rank in per_rank for row in rank["dispatch"]], matmul.model())
     elementwise_bw = fit_elementwise([rank["elementwise"] for rank in per_rank], dispatch)
-    arithmetic = fit_core_arithmetic([row for rank in per_rank for row in rank["elementwise"]["kinds"]], dispatch)
+    arithmetic = fit_core_arithmetic([row for rank in per_rank for row in rank["kernel_kinds"]], dispatch)
     optimizer = fit_optimizer([tuple(row) for rank in per_rank for row in rank["optimizer"]["together"]],
                               ADAMW_ACCESSES)
     memory_bw = optimizer.bw_Bps  # each rank's, all streaming at once
@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
                     "p2p_latency_us": p2p_latency * 1e6 if p2p_latency is not None else None,
                     "action_overhead_us": action_overhead * 1e6, "p2p_issue_us": p2p_issue * 1e6,
                     "shared_cores": shared.to_mapping() if shared else None,
-                    "elementwise_bw_GBps": elementwise_bw / 1e9, "core_ns_per_element": core_ns_mapping(arithmetic),
+                    "elementwise_bw_GBps": elementwise_bw / 1e9, "core_ns_per_element": arithmetic.to_ns(),
                     "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
           f"(generic eager blocks, every rank at once)")
     print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (activations, softmax, norms; bytes as "
           f"parsim.model.Elementwise counts them)")
-    ns = core_ns_mapping(arithmetic)
+    ns = arithmetic.to_ns()
     print("core arithmetic   " + ", ".join(f"{kind} {ns[kind]['forward']:.2f} / {ns[kind]['backward']:.2f}"
                                           for kind in ns)
           + " ns per element forward / backward (each on its own; a kernel takes the longer of this and its bytes)")

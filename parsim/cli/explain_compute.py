@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..cluster import CORE_ARITHMETIC_KINDS, load_cluster
+from ..cluster import load_cluster
 from ..compute import MATMUL_TILE, ComputeModel
 from ..errors import ParsimError
 from ..jsondoc import print_json
@@ -219,8 +219,8 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
         lines.append(f"  SMs         {model.sm_count} x {model.sm_cycles_per_s / model.sm_count / 1e6:,.0f} MHz: "
                      "softmax, dropout, GeLU, norms and bias adds take the longer of their bytes and their SM cycles")
     if model.core_arithmetic is not None and model.elementwise_bw_Bps:
-        figures = ", ".join(f"{kind} {getattr(model.core_arithmetic, kind)[0] * 1e9:.2f} / "
-                            f"{getattr(model.core_arithmetic, kind)[1] * 1e9:.2f}" for kind in CORE_ARITHMETIC_KINDS)
+        figures = ", ".join(f"{kind} {ns['forward']:.2f} / {ns['backward']:.2f}"
+                            for kind, ns in model.core_arithmetic.to_ns().items())
         lines.append(f"  core        {figures} ns per element forward / backward: these kernels take the longer of "
                      f"that and their bytes at {model.elementwise_bw_Bps / 1e9:.3g} GB/s")
     if model.op_forward_s or model.op_backward_s:
