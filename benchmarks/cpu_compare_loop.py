@@ -93,9 +93,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs < 1:
         _fail(f"--runs must be at least 1, got {args.runs}")
+    cluster = args.cluster
+    if cluster is not None:
+        from parsim.cluster import load_cluster
+        from parsim.errors import ParsimError
+
+        try:
+            load_cluster(cluster)
+        except ParsimError as error:  # before any run: one line, as the CLI says it
+            _fail(str(error))
     out = Path(args.out or tempfile.mkdtemp(prefix="parsim-loop-"))
     out.mkdir(parents=True, exist_ok=True)
-    cluster = args.cluster
     if cluster is None:
         cluster = str(out / "host.yaml")
         print(f"calibrating this host into {cluster} ...", file=sys.stderr, flush=True)

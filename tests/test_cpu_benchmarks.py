@@ -104,6 +104,9 @@ def test_the_compare_loop_takes_each_plan_s_error_against_the_median_run():
                                       "error": pytest.approx(-0.75)}
 
 
-def test_the_compare_loop_refuses_no_runs_in_one_line():
+def test_the_compare_loop_refuses_no_runs_and_a_bad_cluster_in_one_line_before_any_run():
     done = script("benchmarks/cpu_compare_loop.py", "--runs", "0")
     assert done.returncode == 2 and done.stderr == "cpu_compare_loop.py: --runs must be at least 1, got 0\n"
+    done = script("benchmarks/cpu_compare_loop.py", "--cluster", "nosuch.yaml")
+    assert done.returncode == 2 and done.stderr.startswith("cpu_compare_loop.py: unknown cluster 'nosuch.yaml'")
+    assert len(done.stderr.strip().splitlines()) == 1 and "run 1/" not in done.stderr
