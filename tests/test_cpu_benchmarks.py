@@ -110,3 +110,25 @@ def test_the_compare_loop_refuses_no_runs_and_a_bad_cluster_in_one_line_before_a
     done = script("benchmarks/cpu_compare_loop.py", "--cluster", "nosuch.yaml")
     assert done.returncode == 2 and done.stderr.startswith("cpu_compare_loop.py: unknown cluster 'nosuch.yaml'")
     assert len(done.stderr.strip().splitlines()) == 1 and "run 1/" not in done.stderr
+
+
+def test_the_compare_loop_prints_each_plan_against_the_bounds(monkeypatch, tmp_path, capsys):
+    """Every compare faked: each plan's prediction, its runs' steps, the error, the worst phase, and the two
+    verdicts, as printed."""
+    import json
+
+    loop = _compare_loop()
+
+    def parsim(*args):
+        doc = {"predicted_step_s": 0.040, "measured_step_s": 0.050 if "course-tp" in args else 0.042,
+               "phases": [{"rank": 1, "phase": "idle", "predicted_s": 0.001, "measured_s": 0.0011}]}
+        return subprocess.CompletedProcess(args, 0, json.dumps(doc), "")
+
+    monkeypatch.setattr(loop, "_parsim", parsim)
+    monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--cluster", "dgx-h100", "--runs", "2",
+                                      "--out", str(tmp_path)])
+    loop.main()
+    rows = {line[:12].strip(): line.split() for line in capsys.readouterr().out.splitlines()[3:]}
+    assert rows["course DDP"][2:] == ["40", "42.0", "42.0", "-4.8%", "yes", "r1", "idle", "-9%", "yes"]
+    assert rows["course TP"][2:] == ["40", "50.0", "50.0", "-20.0%", "no", "r1", "idle", "-9%", "yes"]
+    assert len(list(tmp_path.glob("*.json"))) == 2 * len(loop.PLANS)
