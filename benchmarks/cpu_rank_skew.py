@@ -2,7 +2,7 @@
 
 Runs a plan on gloo ranks (as ``parsim run`` does) and, for every collective,
 transfer or receive that two or more ranks record under the same name, takes
-the spread of their start times (arrival skew: time the earlier ranks wait)
+the spread of their start times on the host's one clock (arrival skew: time the earlier ranks wait)
 and the time from the last arrival to the first return (the call's own cost).
 On a 2-core VM, ranks not bound to cores reached course TP's collectives
 1-2 ms apart on average; bound (``executor/launch.py``), 0.2-0.5 ms.
@@ -17,16 +17,17 @@ from collections import defaultdict
 
 from plan_on_ranks import run_from_command_line
 
+from executor.train.measure import step_events
+
 
 def main() -> None:
     plan, steps, results = run_from_command_line(__doc__, "course-tp", 10)
     skew, cost = defaultdict(list), defaultdict(list)
     for step in range(steps):
         by_name = defaultdict(list)
-        for result in results:
-            for event in result["steps"][step]:
-                if event.kind in ("collective", "send", "recv"):
-                    by_name[event.name].append(event)
+        for event in step_events(results, step):
+            if event.kind in ("collective", "send", "recv"):
+                by_name[event.name].append(event)
         for name, events in by_name.items():
             if len(events) < 2:
                 continue

@@ -17,7 +17,7 @@ import pytest
 from parsim.cli.main import main
 from parsim.plan import resolve_plan
 from parsim.step_report import PHASES
-from parsim.trace import Trace
+from parsim.trace import Event, Trace
 
 from test_json_schema import conforms
 
@@ -91,6 +91,23 @@ def test_run_reports_the_median_step_and_writes_traces(tmp_path, capsys, monkeyp
 
     text = report(resolve_plan("tiny-pp2"), summary)
     assert "step time" in text and "tokens/s" in text and "idle" in text
+
+
+def _rank_result(rank: int, host: str, origin_s: float) -> dict:
+    pass_ = Event("F stage=0 mb=0", rank, "compute", "compute", 0.001, 0.002, {"gaps": [(0.0015, 0.002)]})
+    return {"rank": rank, "host": host, "steps": [[pass_]], "step_origins": [origin_s]}
+
+
+def test_ranks_on_one_host_share_its_clock_and_others_keep_their_own():
+    from executor.train.measure import step_events
+
+    # Rank 1 left the barrier 4 ms after rank 0: on one host, its pass began 4 ms later, its wait with it.
+    late = step_events([_rank_result(0, "a", 10.0), _rank_result(1, "a", 10.004)], 0)
+    assert late[0].start_s == pytest.approx(0.001) and late[1].start_s == pytest.approx(0.005)
+    assert late[1].args["gaps"] == [pytest.approx((0.0055, 0.006))] and late[1].dur_s == pytest.approx(0.002)
+    # On two hosts the clocks are unrelated: each rank stays on its own zero.
+    apart = step_events([_rank_result(0, "a", 10.0), _rank_result(1, "b", 99.0)], 0)
+    assert [e.start_s for e in apart] == [0.001, 0.001] and apart[1].args["gaps"] == [(0.0015, 0.002)]
 
 
 @needs_torch

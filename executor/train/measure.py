@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 from parsim.errors import ParsimError
 from parsim.plan import Plan
 from parsim.step_report import breakdown, step_time
-from parsim.trace import Trace
+from parsim.trace import Event, Trace
 
 DEFAULT_STEPS = 3
 DEFAULT_WARMUP = 2  # the first steps allocate AdamW's state and grow the host heap
@@ -72,7 +73,7 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
         say(f"running {plan.name} on {nproc} ranks ({used}): {warmup} warm-up + {steps} measured steps")
         results = launch(rank_main, nproc, args + (False, progress is not None, profile_dir, probe_speed), backend,
                          timeout_s)
-    traces = [Trace("measured", plan.world, [e for r in results for e in r["steps"][i]],
+    traces = [Trace("measured", plan.world, step_events(results, i),
                     meta={"plan": plan.name, "backend": used, "step": i}) for i in range(steps)]
     times = [step_time(t) for t in traces]
     median = sorted(range(steps), key=lambda i: times[i])[(steps - 1) // 2]
@@ -82,6 +83,29 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     summary["speed_probe"] = ({"matmul_flops": statistics.median(f for f, _ in probes),
                                "eager_s": statistics.median(s for _, s in probes)} if probes else None)
     return traces[median], summary
+
+
+def step_events(results: list[dict], step: int) -> list[Event]:
+    """Every rank's events of measured step ``step``, on one clock where the ranks share a host.
+
+    Each rank times its events from its own exit of the barrier before the step. Ranks on one host share
+    ``time.perf_counter``'s clock, so their events move to the first rank's zero: ranks that time-share a
+    core leave the barrier milliseconds apart (1.5-5 ms, 4 ranks on a 2-core VM), and on their own zeros
+    their passes would seem to run side by side where they took turns. Ranks on several hosts keep their
+    own zeros (their clocks differ by more than the skew).
+    """
+    if len({r.get("host") for r in results}) > 1:
+        return [e for r in results for e in r["steps"][step]]
+    origins = [r["step_origins"][step] for r in results]
+    first = min(origins)
+    return [_shifted(e, origin - first) for r, origin in zip(results, origins) for e in r["steps"][step]]
+
+
+def _shifted(event: Event, by_s: float) -> Event:
+    args = event.args
+    if "gaps" in args:
+        args = {**args, "gaps": [(start + by_s, end + by_s) for start, end in args["gaps"]]}
+    return replace(event, start_s=event.start_s + by_s, args=args)
 
 
 def _losses(results: list[dict], steps: int) -> list[float]:

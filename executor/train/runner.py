@@ -13,6 +13,7 @@ starts right after a barrier; its events are seconds from there.
 
 from __future__ import annotations
 
+import platform
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -297,7 +298,8 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
     setup = build_rank(plan, rank, seed)
     recorder = setup.recorder
     probe = SpeedProbe(seed) if probe_speed and probes_on(rank, world) else None
-    result: dict = {"rank": rank, "steps": [], "step_origins": [], "losses": [], "speed_probes": []}
+    result: dict = {"rank": rank, "host": platform.node(), "steps": [], "step_origins": [], "losses": [],
+                    "speed_probes": []}
 
     def probe_now() -> None:  # every rank waits out the probes: none computes or exits beside them
         dist.barrier()
