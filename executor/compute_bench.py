@@ -124,7 +124,7 @@ def _rank_compute(rank: int, world: int) -> dict:
     results = {}
     for name, benchmark in (("matmuls", measure_matmuls), ("dispatch", measure_dispatch),
                             ("elementwise", measure_elementwise), ("kernel_kinds", measure_kernel_kinds),
-                            ("optimizer", measure_host_optimizer),
+                            ("tp_calls", measure_tp_calls), ("optimizer", measure_host_optimizer),
                             ("pipeline", measure_pipeline_loop)):
         probe_now()
         results[name] = benchmark()
@@ -341,6 +341,63 @@ def measure_kernel_kinds(shape: tuple[int, int] = ELEMENTWISE_SHAPE) -> list[dic
         rows.append({"kind": kind, "forward_s": forward_s, "backward_s": max(both_s - forward_s, 0.0),
                      "forward_ops": forward_ops, "backward_ops": backward_ops, "elements": shape[0] * shape[1]})
     return rows
+
+
+TP_CALL_SHAPE = (4, 8)  # a tiny activation: the call's host time, not its bytes
+TP_CALL_LAYER = (64, 1024, 1024)  # (m, n, k) of the matmul before each call: a layer's, its weight 4 MiB in fp32
+TP_CALL_REPEATS = 31
+
+
+def measure_tp_calls(repeats: int = TP_CALL_REPEATS) -> dict[str, float] | None:
+    """The host time of one tensor-parallel collective call in an eager pass, beyond the collective: the
+    executor's own wrapper (the lecture's all-gather of a layer's output, :class:`executor.train.comm.GatherFromTP`:
+    the module, its autograd function, the output buffer, the regrouping views and the recorder), on every rank
+    of the process group at once.
+
+    ``forward``: the module's call less the all-gather it records. ``backward``: a backward through the call
+    (its reduce-scatter) less that reduce-scatter and less a backward through a plain op, which the call adds
+    to. Medians; each call right after a layer's matmul (:data:`TP_CALL_LAYER`), as in a step, on tensors too
+    small for their bytes to count (the model prices a call's regrouping copy by its bytes). Warm, back to
+    back, a call took 60-70 us forward and 40-45 us backward on the 2-core VM; behind 32 MiB of written memory
+    180-210 and 120; after a layer's matmul 100-140 and 60-80 (inside a `parsim run course-tp --tp 2` step,
+    115-150 us forward, 2026-11-27). None without a process group of two or more ranks."""
+    torch = require_torch()
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    from .train.comm import GatherFromTP, TPGroup
+    from .train.trace_recorder import Recorder
+
+    recorder = Recorder(dist.get_rank())
+    gather = GatherFromTP(TPGroup(None, dist.get_rank(), dist.get_world_size(), recorder), "layer.0")
+    m, n, k = TP_CALL_LAYER
+    activation, weight = torch.full((m, k), 0.01), torch.full((k, n), 0.01)
+    x = torch.full(TP_CALL_SHAPE, 0.5, requires_grad=True)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        activation @ weight
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    forward, backward = [], []
+    _barrier()
+    for i in range(repeats + 1):  # the first round warms up
+        recorder.begin_action(0)
+        out = []
+        call = timed(lambda: out.append(gather(x)))
+        gathered = recorder.events[-1].dur_s
+        (y,) = out
+        through = timed(lambda: torch.autograd.backward(y, torch.ones_like(y)))
+        scattered = recorder.events[-1].dur_s
+        plain = x * 1.0
+        alone = timed(lambda: torch.autograd.backward(plain, torch.ones_like(plain)))
+        x.grad = None
+        recorder.events.clear()
+        if i:
+            forward.append(call - gathered)
+            backward.append(through - scattered - alone)
+    return {"forward": statistics.median(forward), "backward": max(statistics.median(backward), 0.0)}
 
 
 # ----------------------------------------------------------------------------- optimizer

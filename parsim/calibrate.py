@@ -53,10 +53,12 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  memory_alone_bw_Bps: float | None = None, memory_host_bw_Bps: float | None = None,
                  shared_cores: SharedCoreCosts | None = None, step_overhead_s: dict | None = None,
                  cpu_cores: int | None = None, speed_probe: tuple[float, float] | None = None,
-                 core_arithmetic: CoreArithmetic | None = None) -> dict:
+                 core_arithmetic: CoreArithmetic | None = None,
+                 tp_call_s: tuple[float, float] | None = None) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric"); ``speed_probe`` is the
     host-speed probes' (matmul FLOP/s, seconds per eager pass) while the compute figures were measured;
-    ``shared_cores`` the pipeline's host costs with two ranks on each core."""
+    ``shared_cores`` the pipeline's host costs with two ranks on each core; ``tp_call_s`` a tensor-parallel
+    collective call's host time, forward and backward."""
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
                   "optimizer_tensor_us": optimizer_tensor_s * 1e6, "optimizer_step_us": optimizer_step_s * 1e6,
                   "p2p_rendezvous_us": p2p_rendezvous_s * 1e6,
@@ -69,6 +71,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         host_costs["elementwise_bw_GBps"] = elementwise_bw_Bps / 1e9
     if core_arithmetic:
         host_costs["core_ns_per_element"] = core_arithmetic.to_ns()
+    if tp_call_s:
+        host_costs["tp_collective_call_us"] = {"forward": tp_call_s[0] * 1e6, "backward": tp_call_s[1] * 1e6}
     if memory_alone_bw_Bps and memory_host_bw_Bps:
         host_costs["memory_alone_bw_GBps"] = memory_alone_bw_Bps / 1e9
         host_costs["memory_host_bw_GBps"] = memory_host_bw_Bps / 1e9
@@ -367,6 +371,15 @@ def fit_core_arithmetic(rows: list[dict], dispatch: DispatchFit) -> CoreArithmet
             passes.append(seconds / count)
         figures[kind] = tuple(passes)
     return CoreArithmetic(**figures)
+
+
+def fit_tp_calls(rows: list[dict | None]) -> tuple[float, float] | None:
+    """A tensor-parallel collective call's host time, forward and backward: the medians over ranks and rounds
+    of :func:`executor.compute_bench.measure_tp_calls` (None where no rank measured it)."""
+    rows = [r for r in rows if r is not None]
+    if not rows:
+        return None
+    return float(np.median([r["forward"] for r in rows])), float(np.median([r["backward"] for r in rows]))
 
 
 @dataclass

@@ -46,7 +46,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "matmul_stream_bw_GBps",
                 "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us",
-                "elementwise_bw_GBps", "core_ns_per_element",
+                "elementwise_bw_GBps", "core_ns_per_element", "tp_collective_call_us",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
                 "speed_probe_eager_us")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
@@ -246,6 +246,9 @@ class ClusterSpec:
     action_overhead_s: float = 0.0  # host time between a training step's actions (the loop's own Python)
     elementwise_bw_Bps: float | None = None  # memory-bound kernels' bytes (None: at the memory speed)
     core_arithmetic: CoreArithmetic | None = None  # a CPU core's time per element of GeLU, norms, softmax
+    # host time of one tensor-parallel collective call in an eager pass beyond the collective, forward and backward
+    # (None: eager_ops.TP_COLLECTIVE_OPS ops' worth)
+    tp_call_s: tuple[float, float] | None = None
     # A CPU host's memory, shared by its ranks' streaming work (None: each rank streams at gpu.hbm_bw_Bps, its
     # share with every rank streaming): one rank's speed while the others wait, and the host's with all streaming.
     memory_alone_bw_Bps: float | None = None
@@ -260,8 +263,9 @@ class ClusterSpec:
     def at_host_speed(self, arithmetic: float, eager: float) -> "ClusterSpec":
         """This CPU host running ``arithmetic`` times as fast as when it was calibrated in matmuls and memory
         (matmul peak and weight stream, memory speeds, elementwise speed), and ``eager`` times as fast in its
-        fixed costs (per op, per kernel, per optimizer tensor, between actions). Collectives and pipeline transfers keep
-        their own fits: gloo's calls were not measured to follow the probes (executor.speed_probe)."""
+        fixed costs (per op, per tensor-parallel call, per kernel, per optimizer tensor, between actions).
+        Collectives and pipeline transfers keep their own fits: gloo's calls were not measured to follow the
+        probes (executor.speed_probe)."""
         if arithmetic <= 0 or eager <= 0:
             raise ParsimError(f"host speed factors must be positive, got {arithmetic} and {eager}")
         gpu = replace(self.gpu, peak_flops={d: f * arithmetic for d, f in self.gpu.peak_flops.items()},
@@ -274,6 +278,7 @@ class ClusterSpec:
             memory_alone_bw_Bps=self.memory_alone_bw_Bps and self.memory_alone_bw_Bps * arithmetic,
             memory_host_bw_Bps=self.memory_host_bw_Bps and self.memory_host_bw_Bps * arithmetic,
             op_forward_s=self.op_forward_s / eager, op_backward_s=self.op_backward_s / eager,
+            tp_call_s=self.tp_call_s and tuple(s / eager for s in self.tp_call_s),
             optimizer_tensor_s=self.optimizer_tensor_s / eager, optimizer_step_s=self.optimizer_step_s / eager,
             kernel_overhead_s=self.kernel_overhead_s / eager,
             action_overhead_s=self.action_overhead_s / eager, p2p_issue_s=self.p2p_issue_s / eager,
@@ -515,6 +520,9 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),
         core_arithmetic=_core_arithmetic(source, compute["core_ns_per_element"]) if "core_ns_per_element" in compute
         else None,
+        tp_call_s=tuple(us * 1e-6 for us in _passes(source, "compute.tp_collective_call_us",
+                                                    compute["tp_collective_call_us"], LATENCY_US))
+        if "tp_collective_call_us" in compute else None,
         memory_alone_bw_Bps=_GBps(host_GBps["memory_alone_bw_GBps"]),
         memory_host_bw_Bps=_GBps(host_GBps["memory_host_bw_GBps"]),
         shared_cores=shared,

@@ -52,6 +52,13 @@ GPU host):
   takes the longer of the two, its kernels' time or the host's time to issue
   them. Big models' kernels outlast the host (their steps do not change);
   small models wait on the host ("launch-bound").
+* ``tp_call_s``: (forward, backward) host time of one tensor-parallel
+  collective call in an eager pass beyond the collective itself: the wrapping
+  module, its autograd function, the output buffer, the regrouping views and
+  the executor's recorder. Unmeasured (None), a call costs
+  :data:`parsim.eager_ops.TP_COLLECTIVE_OPS` ops. On the 2-core VM a call right
+  after a layer's matmul took 100-140 us forward and 60-80 us backward, where
+  three ops are 10 us.
 * ``optimizer_tensor_s``, ``optimizer_step_s``: AdamW's fixed costs per
   parameter tensor (torch's foreach ops loop over the tensors on a CPU) and per
   step (the dozen foreach calls of torch's ``_multi_tensor_adamw``, its
@@ -122,6 +129,7 @@ import math
 from dataclasses import dataclass
 
 from .cluster import HOPPER_SM_CYCLES, ClusterSpec, CoreArithmetic, Curve, SharedCoreCosts, SmCycles
+from .eager_ops import TP_COLLECTIVE_OPS
 from .errors import ParsimError
 
 MATMUL_TILE = 128  # cuBLAS/CUTLASS's common 128 x 128 output tile per thread block (SM80/SM90)
@@ -172,6 +180,7 @@ class ComputeModel:
     # Eager-CPU host costs (see the module docstring); the defaults leave every GPU prediction unchanged.
     op_forward_s: float = 0.0
     op_backward_s: float = 0.0
+    tp_call_s: tuple[float, float] | None = None  # one tensor-parallel call's host time, forward and backward
     optimizer_tensor_s: float = 0.0
     optimizer_step_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
@@ -213,7 +222,7 @@ class ComputeModel:
             sm_count=spec.gpu.sm_count, memory_efficiency=spec.memory_efficiency,
             attention_efficiency=tuple(at_length(c, attention_seq) for c in spec.attention_efficiency),
             op_forward_s=spec.op_forward_s,
-            op_backward_s=spec.op_backward_s, optimizer_tensor_s=spec.optimizer_tensor_s,
+            op_backward_s=spec.op_backward_s, tp_call_s=spec.tp_call_s, optimizer_tensor_s=spec.optimizer_tensor_s,
             optimizer_step_s=spec.optimizer_step_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, p2p_rendezvous_s=spec.p2p_rendezvous_s,
             p2p_latency_s=spec.p2p_latency_s, shared_cores=spec.shared_cores,
@@ -273,10 +282,11 @@ class ComputeModel:
              backward_ops: int = 0, optimizer_tensors: int = 0, stream_bytes: float = 0.0,
              sm_reserved: int = 0, high_precision: bool = False,
              sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...] = (), stream_apart: bool = False,
-             optimizer_steps: int = 0) -> float:
+             optimizer_steps: int = 0, tp_calls: tuple[int, int] = (0, 0)) -> float:
         """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
         kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; and
-        each dispatched op's, each optimizer tensor's and each optimizer step's fixed host cost: added
+        each dispatched op's, each tensor-parallel call's (``tp_calls``: forward, backward), each optimizer
+        tensor's and each optimizer step's fixed host cost: added
         on an eager CPU host, the longer of host and kernels on a GPU (``host_overlaps_device``). On a CPU
         host, too, the memory-bound bytes but ``stream_bytes`` at the host's elementwise speed.
         ``sm_reserved``: SMs a communication kernel beside the matmuls holds; ``high_precision``: the
@@ -295,7 +305,7 @@ class ComputeModel:
                 work += stream_bytes / self.memory_bw_Bps
         else:
             work = max(flops / self.peak_flops, hbm_bytes / self.memory_bw_Bps)
-        host = self.host_time(forward_ops, backward_ops, optimizer_tensors, optimizer_steps)
+        host = self.host_time(forward_ops, backward_ops, optimizer_tensors, optimizer_steps, tp_calls)
         return self.with_host(total + work + self.sm_excess(sm_bound) + kernels * self.kernel_overhead_s, host)
 
     def sm_excess(self, sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...]) -> float:
@@ -329,9 +339,13 @@ class ComputeModel:
         return figures[work.backward] * work.elements if figures else 0.0
 
     def host_time(self, forward_ops: int = 0, backward_ops: int = 0, optimizer_tensors: int = 0,
-                  optimizer_steps: int = 0) -> float:
-        """The host's fixed costs of dispatching these eager ops and taking these AdamW steps over these tensors."""
+                  optimizer_steps: int = 0, tp_calls: tuple[int, int] = (0, 0)) -> float:
+        """The host's fixed costs of dispatching these eager ops, making these tensor-parallel calls (forward,
+        backward) and taking these AdamW steps over these tensors."""
+        forward_call, backward_call = self.tp_call_s or (TP_COLLECTIVE_OPS * self.op_forward_s,
+                                                         TP_COLLECTIVE_OPS * self.op_backward_s)
         return (forward_ops * self.op_forward_s + backward_ops * self.op_backward_s
+                + tp_calls[0] * forward_call + tp_calls[1] * backward_call
                 + optimizer_tensors * self.optimizer_tensor_s + optimizer_steps * self.optimizer_step_s)
 
     def with_host(self, device_s: float, host_s: float) -> float:

@@ -301,7 +301,8 @@ class Lowering:
                                           attention_flops=piece.attention_flops,
                                           attention_grad_flops=piece.attention_grad_flops,
                                           forward_ops=piece.forward_ops, backward_ops=piece.backward_ops,
-                                          stream_bytes=piece.stream_bytes, sm_reserved=piece.sm_reserved,
+                                          tp_calls=piece.tp_calls, stream_bytes=piece.stream_bytes,
+                                          sm_reserved=piece.sm_reserved,
                                           high_precision=piece.high_precision, sm_bound=piece.sm_bound))
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
@@ -415,22 +416,30 @@ class Lowering:
         piece = ComputePiece(work.matmuls, memory_bytes, work.kernels, phase, layer,
                              attention_flops=work.attention_flops,
                              attention_grad_flops=work.attention_grad_flops, forward_ops=forward_ops,
-                             backward_ops=backward_ops, stream_bytes=work.accumulate_bytes,
+                             backward_ops=backward_ops, tp_calls=self.tp_calls(block, kind),
+                             stream_bytes=work.accumulate_bytes,
                              high_precision=work.high_precision, sm_bound=work.sm_bound)
         return piece, work.sources
 
     def eager_ops(self, block, kind: str) -> tuple[int, int]:
         """(forward, backward) ops an eager implementation dispatches for ``block`` in a ``kind`` pass
         (:mod:`parsim.eager_ops`): a recomputed forward dispatches the forward's again; zero-bubble's
-        weight-gradient pass runs a few per matmul and the input-gradient pass the rest."""
+        weight-gradient pass runs a few per matmul and the input-gradient pass the rest. The ops around its
+        tensor-parallel collectives are their calls' (:meth:`tp_calls`)."""
         forward, backward = block.eager_ops
-        degree = {"tp": self.plan.tp, "ep": self.plan.ep}
-        around = eager_ops.TP_COLLECTIVE_OPS * sum(1 for c in block.collectives if degree[c.group] > 1
-                                                   and c.phase == ("forward" if kind in ("F", "R") else "backward"))
         if kind in ("F", "R"):
-            return forward + around, 0
+            return forward, 0
         weight_grad = eager_ops.WEIGHT_GRAD_OPS * len(block.matmuls)
-        return 0, {"B": backward + around, "I": max(backward - weight_grad, 0) + around, "W": weight_grad}[kind]
+        return 0, {"B": backward, "I": max(backward - weight_grad, 0), "W": weight_grad}[kind]
+
+    def tp_calls(self, block, kind: str) -> tuple[int, int]:
+        """(forward, backward) tensor-parallel and expert collective calls ``block``'s ``kind`` pass makes
+        (each one's host time: :meth:`parsim.compute.ComputeModel.host_time`); a weight-gradient pass makes none."""
+        degree = {"tp": self.plan.tp, "ep": self.plan.ep}
+        forward = kind in ("F", "R")
+        calls = 0 if kind == "W" else sum(1 for c in block.collectives if degree[c.group] > 1
+                                          and c.phase == ("forward" if forward else "backward"))
+        return (calls, 0) if forward else (0, calls)
 
     # -- pipeline transfers ---------------------------------------------------------
     @functools.cache

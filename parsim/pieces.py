@@ -28,6 +28,7 @@ class ComputePiece:
     attention_grad_flops: float = 0.0  # and backward
     forward_ops: int = 0  # eager ops dispatched (parsim.eager_ops; the CPU host's fixed costs)
     backward_ops: int = 0
+    tp_calls: tuple[int, int] = (0, 0)  # tensor-parallel collective calls the block's pass wraps: forward, backward
     stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation)
     opens: bool = False  # the first piece of its layer in this pass (FSDP gathers the layer before it)
     closes: bool = False  # the last (FSDP reduce-scatters the layer's gradients after a backward's)

@@ -33,6 +33,7 @@ class Op:
     # and parameter tensors an optimizer step updates, in how many foreach AdamW steps
     forward_ops: int = 0
     backward_ops: int = 0
+    tp_calls: tuple[int, int] = (0, 0)  # tensor-parallel collective calls the pass wraps: forward, backward
     optimizer_tensors: int = 0
     optimizer_steps: int = 0
     stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation, AdamW)

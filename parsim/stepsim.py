@@ -213,14 +213,14 @@ class _Run:
                 apart = self.memory is not None and op.stream_bytes > 0
                 key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
                        op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes, op.sm_reserved,
-                       op.high_precision, op.sm_bound, apart, op.optimizer_steps)
+                       op.high_precision, op.sm_bound, apart, op.optimizer_steps, op.tp_calls)
                 time_s = costs.get(key)
                 if time_s is None:
                     time_s = costs[key] = compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels,
                                                        op.attention_flops, op.attention_grad_flops,
                                                        op.forward_ops, op.backward_ops, op.optimizer_tensors,
                                                        op.stream_bytes, op.sm_reserved, op.high_precision,
-                                                       op.sm_bound, apart, op.optimizer_steps)
+                                                       op.sm_bound, apart, op.optimizer_steps, op.tp_calls)
                 if apart:
                     self.beside[i] = time_s
                 else:

@@ -255,6 +255,7 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     def every_rank(nproc):
         return [{"matmuls": [(s, truth.matmul_time(*s)) for s in shapes], "dispatch": dispatch,
                  "elementwise": elementwise, "kernel_kinds": kinds, "optimizer": optimizer, "speed_probes": probes[r],
+                 "tp_calls": {"forward": (100e-6, 140e-6)[r % 2], "backward": (60e-6, 80e-6)[r % 2]},
                  "pipeline": {"rendezvous": 300e-6, "latency": 60e-6, "action": (70e-6, 90e-6)[r % 2],
                               "issue": 150e-6}} for r in range(nproc)]
 
@@ -309,6 +310,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
         assert getattr(written.core_arithmetic, kind) == pytest.approx(tuple(x * 1e-9 for x in figures))
     assert (written.gpu.hbm_bw_Bps, written.memory_alone_bw_Bps, written.memory_host_bw_Bps) == pytest.approx(
         (20e9, 32e9, 40e9))
+    assert "tensor-parallel   120 us forward, 70 us backward per collective call beyond the collective" in text
+    assert written.tp_call_s == pytest.approx((120e-6, 70e-6))  # the medians over ranks
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv",
                  "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -323,6 +326,7 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert (doc["optimizer_step_us"], doc["optimizer_tensor_us"]) == pytest.approx((120.0, 50.0))
     assert doc["core_ns_per_element"] == {kind: {"forward": pytest.approx(fwd), "backward": pytest.approx(bwd)}
                                           for kind, (fwd, bwd) in CORE_NS.items()}
+    assert doc["tp_collective_call_us"] == pytest.approx({"forward": 120.0, "backward": 70.0})
 
 
 def test_calibrate_notes_in_one_line_an_operation_whose_times_do_not_grow(monkeypatch, tmp_path, capsys):

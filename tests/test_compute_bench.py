@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
-from parsim.calibrate import fit_alone_memory, fit_optimizer
+from parsim.calibrate import fit_alone_memory, fit_optimizer, fit_tp_calls
 from parsim.lower import ADAMW_ACCESSES
 
 pytest.importorskip("torch")
@@ -40,6 +42,26 @@ def test_the_pipeline_s_host_costs_are_timed_with_two_ranks_on_each_core():
     for row in rows:
         assert set(row["pipeline"]) == {"action", "issue", "rendezvous", "latency"}
         assert min(row["pipeline"].values()) > 0
+
+
+def tp_calls(rank: int, world: int) -> dict | None:
+    from executor.compute_bench import measure_tp_calls
+
+    return measure_tp_calls(repeats=5)
+
+
+@pytest.mark.multiproc
+def test_a_tensor_parallel_call_s_host_time_is_timed_beyond_its_collective_on_every_rank():
+    from executor.compute_bench import measure_tp_calls
+    from executor.launch import launch
+
+    per_rank = launch(tp_calls, 2, backend="gloo", timeout_s=120)
+    for row in per_rank:
+        assert row["forward"] > 0 and row["backward"] >= 0
+    assert fit_tp_calls(per_rank) == pytest.approx(tuple(statistics.median(r[key] for r in per_rank)
+                                                         for key in ("forward", "backward")))
+    assert measure_tp_calls() is None  # no process group here: nothing to time
+    assert fit_tp_calls([None, None]) is None
 
 
 def test_a_loop_s_gaps_split_into_its_own_time_and_each_send_s_issue():

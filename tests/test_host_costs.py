@@ -200,6 +200,8 @@ def test_host_keys_are_read_in_si_units():
     ("shared_cores", {"p2p_rendezvous_us": 1.0, "p2p_latency_us": -1.0, "action_overhead_us": 1.0},
      "shared_cores.p2p_latency_us: is -1"),
     ("shared_cores", {**SHARED, "eager_stretch": 0.5}, "shared_cores.eager_stretch: is 0.5 .*1 to 100 times"),
+    ("tp_collective_call_us", 120.0, "tp_collective_call_us: is 120.0 .*a mapping of forward and backward"),
+    ("tp_collective_call_us", {"forward": 120.0, "backward": -1.0}, "tp_collective_call_us.backward: is -1"),
 ])
 def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, capsys):
     with pytest.raises(ConfigError, match=expected):
@@ -306,6 +308,35 @@ def test_blocks_carry_eager_op_counts_into_the_program():
     assert all(op.backward_ops == 0 for op in forward) and all(op.forward_ops == 0 for op in backward)
     step = next(op for op in ops if op.kind == "optimizer")
     assert step.optimizer_tensors > 0 and step.optimizer_steps == 1 and step.stream_bytes == step.hbm_bytes
+
+
+def test_a_tensor_parallel_pass_counts_its_collective_calls_apart_from_its_ops():
+    plan = resolve_plan("course-tp", overrides={"parallel": {"tp": 2}})
+    layers = [op for op in lower(plan).ops if op.kind == "compute" and op.rank == 0]
+    forward = [op for op in layers if op.phase == "forward"]
+    backward = [op for op in layers if op.phase == "backward"]
+    assert forward and all(op.tp_calls == (1, 0) for op in forward)  # each layer's all-gather of its output
+    assert backward and all(op.tp_calls == (0, 1) for op in backward)  # and its reduce-scatter
+    alone = resolve_plan("course-ddp", overrides={"parallel": {"dp": 2}})
+    assert all(op.tp_calls == (0, 0) for op in lower(alone).ops)
+
+
+def test_a_tensor_parallel_call_costs_what_was_measured_or_three_ops():
+    spec = parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")
+    model = ComputeModel.for_cluster(spec, "fp32", 4)
+    assert model.host_time(forward_ops=2, tp_calls=(1, 0)) == pytest.approx((2 + 3) * 7e-6)
+    assert model.host_time(backward_ops=4, tp_calls=(0, 1)) == pytest.approx((4 + 3) * 6e-6)
+    measured = parse_cluster(cpu_host(**HOST_KEYS, tp_collective_call_us={"forward": 120.0, "backward": 70.0}),
+                             "host.yaml")
+    assert measured.tp_call_s == pytest.approx((120e-6, 70e-6))
+    model = ComputeModel.for_cluster(measured, "fp32", 4)
+    assert model.host_time(forward_ops=2, tp_calls=(1, 0)) == pytest.approx(2 * 7e-6 + 120e-6)
+    assert model.time(backward_ops=4, tp_calls=(0, 2)) == pytest.approx(4 * 6e-6 + 2 * 70e-6)
+    assert measured.at_host_speed(1.0, 2.0).tp_call_s == pytest.approx((60e-6, 35e-6))  # follows the eager probe
+    plan = resolve_plan("course-tp", overrides={"parallel": {"tp": 2}})
+    slower = predict_step(plan, measured).step_s - predict_step(plan, spec).step_s
+    # 4 layers: an all-gather each forward and a reduce-scatter each backward, charged beyond three ops each
+    assert slower == pytest.approx(4 * ((120e-6 - 3 * 7e-6) + (70e-6 - 3 * 6e-6)), rel=0.02)
 
 
 def test_host_costs_slow_a_cpu_step_by_what_they_charge():

@@ -13,7 +13,8 @@ import numpy as np
 import yaml
 
 from ..calibrate import (fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise,
-                         fit_links, fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, host_cluster)
+                         fit_links, fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, fit_tp_calls,
+                         host_cluster)
 from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..cluster import SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from ..compute import at_length
@@ -167,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
     dispatch = fit_dispatch([row for rank in per_rank for row in rank["dispatch"]], matmul.model())
     elementwise_bw = fit_elementwise([rank["elementwise"] for rank in per_rank], dispatch)
     arithmetic = fit_core_arithmetic([row for rank in per_rank for row in rank["kernel_kinds"]], dispatch)
+    tp_calls = fit_tp_calls([rank["tp_calls"] for rank in per_rank])
     optimizer = fit_optimizer([tuple(row) for rank in per_rank for row in rank["optimizer"]["together"]],
                               ADAMW_ACCESSES)
     memory_bw = optimizer.bw_Bps  # each rank's, all streaming at once
@@ -210,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         elementwise_bw_Bps=elementwise_bw,
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
         cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s),
-        core_arithmetic=arithmetic)
+        core_arithmetic=arithmetic, tp_call_s=tp_calls)
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
     if step_overhead:
         cluster["collective_step_overhead_us"] = {op: t * 1e6 for op, t in step_overhead.items()}
@@ -234,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
                     "action_overhead_us": action_overhead * 1e6, "p2p_issue_us": p2p_issue * 1e6,
                     "shared_cores": shared.to_mapping() if shared else None,
                     "elementwise_bw_GBps": elementwise_bw / 1e9, "core_ns_per_element": arithmetic.to_ns(),
+                    "tp_collective_call_us": {"forward": tp_calls[0] * 1e6, "backward": tp_calls[1] * 1e6}
+                    if tp_calls else None,
                     "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
@@ -268,6 +272,9 @@ def run(args: argparse.Namespace) -> int:
     print("core arithmetic   " + ", ".join(f"{kind} {ns[kind]['forward']:.2f} / {ns[kind]['backward']:.2f}"
                                           for kind in ns)
           + " ns per element forward / backward (each on its own; a kernel takes the longer of this and its bytes)")
+    if tp_calls:
+        print(f"tensor-parallel   {tp_calls[0] * 1e6:.0f} us forward, {tp_calls[1] * 1e6:.0f} us backward per "
+              f"collective call beyond the collective (the executor's wrapper, right after a layer's matmul)")
     print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer received late (its receive "
           f"posted after the send's issue; the mean, stalls included)")
     if p2p_latency is not None:

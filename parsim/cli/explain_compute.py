@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             work = block_work(plan, block, kind, plan.tokens_per_rank)
             kernels = [{"pass": kind, **row}
                        for row in _rows(model, block.name, work, "main_grad" if plan.main_grads else ".grad")]
-            host = _host_row(model, block.name, *lowering.eager_ops(block, kind))
+            host = _host_row(model, block.name, *lowering.eager_ops(block, kind), lowering.tp_calls(block, kind))
             rows += kernels + ([{"pass": kind, **host}] if host else [])
             totals[kind] += model.with_host(sum(r["time_s"] for r in kernels), host["time_s"] if host else 0.0)
     collectives, passes = _collectives(plan, spec, model, args.layer)
@@ -188,13 +188,18 @@ def _arithmetic_bound(model: ComputeModel) -> str:
     return "SMs" if model.sm_cycles_per_s else "core"
 
 
-def _host_row(model: ComputeModel, block: str, forward_ops: int, backward_ops: int) -> dict | None:
-    """The host issuing the block's eager ops, where the cluster file gives its time per op."""
-    seconds = model.host_time(forward_ops, backward_ops)
+def _host_row(model: ComputeModel, block: str, forward_ops: int, backward_ops: int,
+              tp_calls: tuple[int, int]) -> dict | None:
+    """The host issuing the block's eager ops and wrapping its tensor-parallel calls, where the cluster file
+    gives its time per op."""
+    seconds = model.host_time(forward_ops, backward_ops, tp_calls=tp_calls)
     if not seconds:
         return None
     how = "races the kernels" if model.host_overlaps_device else "adds to the kernels"
-    return {"block": block, "kernel": f"host: {forward_ops + backward_ops} eager ops ({how})", "shape": "",
+    calls = sum(tp_calls)
+    what = f"{forward_ops + backward_ops} eager ops" + (f", {calls} tensor-parallel call{'s' * (calls > 1)}"
+                                                         if calls else "")
+    return {"block": block, "kernel": f"host: {what} ({how})", "shape": "",
             "flops": 0.0, "fill": None, "bound": "host", "time_s": seconds}
 
 

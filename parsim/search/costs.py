@@ -217,7 +217,7 @@ class PassCosts:
             seconds = self.compute_time(piece.matmuls, 0.0, piece.hbm_bytes - acc, piece.kernels,
                                         piece.attention_flops, piece.attention_grad_flops, piece.forward_ops,
                                         piece.backward_ops, 0, 0.0, piece.sm_reserved, piece.high_precision,
-                                        piece.sm_bound)
+                                        piece.sm_bound, tp_calls=piece.tp_calls)
             if acc:  # streaming the gradients into their sum adds its own time (ComputeModel.time is linear in it)
                 extra = self.compute_time((), 0.0, acc, 0, 0.0, 0.0, 0, 0, 0, acc)
                 accumulate += extra / accumulation_bytes
