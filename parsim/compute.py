@@ -53,7 +53,8 @@ GPU host):
   them. Big models' kernels outlast the host (their steps do not change);
   small models wait on the host ("launch-bound").
 * ``tp_call_s``: (forward, backward) host time of one tensor-parallel
-  collective call in an eager pass beyond the collective itself: the wrapping
+  collective call (an expert all-to-all counts as one) in an eager pass
+  beyond the collective itself: the wrapping
   module, its autograd function, the output buffer, the regrouping views and
   the executor's recorder. Unmeasured (None), a call costs
   :data:`parsim.eager_ops.TP_COLLECTIVE_OPS` ops. On the 2-core VM a call right
