@@ -74,7 +74,8 @@ def _print_transfers(results: list[dict]) -> None:
                 for origin, events in zip(result["step_origins"], result["steps"])]
 
     late, waiting = transfer_times([(result["rank"], steps(result)) for result in results])
-    for name, values in (("receiver waiting", waiting), ("receive posted late", late)):
+    for name, per_step in (("receiver waiting", waiting), ("receive posted late", late)):
+        values = [t for step in per_step for t in step]
         if values:
             print(f"transfers, {name}: {len(values)}, median {1e3 * statistics.median(values):.3f}, "
                   f"p90 {1e3 * _quantile(values, 0.9):.3f}, mean {1e3 * statistics.fmean(values):.3f}, "

@@ -496,13 +496,17 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
     * ``issue``: what each send's issue adds to such a gap (``isend``, handing it to the thread that waits
       for it): the mean excess per send of the gaps with sends;
     * ``rendezvous``: a transfer whose receive is posted after its send was issued (gloo moves a message only
-      once the receiver asks): the mean time the receive takes;
-    * ``latency``: a transfer whose receiver waits first: the mean time from the send's issue to the
-      receive's end (one clock: both ranks read the host's monotonic clock).
+      once the receiver asks): the time the receive takes;
+    * ``latency``: a transfer whose receiver waits first: the time from the send's issue to the receive's end
+      (one clock: both ranks read the host's monotonic clock).
 
-    Means over the pair's steps, not medians: a step pays the occasional multi-millisecond stall too (a gloo
-    thread, or the loop itself, waiting for the scheduler to give it the core: on the 2-core VM about one late
-    receive in ten, and now and then a send's issue). None on a rank without a partner."""
+    A transfer now and then stalls for milliseconds (a gloo thread, or the loop itself, waiting for the
+    scheduler to give it the core), so the transfers' figures are those of the loop's typical step, as
+    ``parsim run`` reports a typical step (:func:`typical_step_mean`). On the 2-core VM (2026-11-27) 3-10%
+    of late receives stalled past 1 ms with a core per rank: most steps had none, and a late receive took
+    a median 56-77 us where the mean over every step swung between 154 and 399 us from one run to the next.
+    With two ranks on each core 40% stalled: every step had some. The gaps' figures are means over the
+    pair's steps. None on a rank without a partner."""
     from parsim.schedules.generators import make_schedule
 
     from .train.pipeline import PipelineRuntime
@@ -547,8 +551,8 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
     action, issue = split_gaps([events for _, events in every[rank] + every[peer]])
     late, waiting = transfer_times([(r, [on_host_clock(origin, events) for origin, events in every[r]])
                                     for r in (rank, peer)])
-    return {"action": action, "issue": issue, "rendezvous": statistics.fmean(late),
-            "latency": statistics.fmean(waiting)}
+    return {"action": action, "issue": issue, "rendezvous": typical_step_mean(late),
+            "latency": typical_step_mean(waiting)}
 
 
 def split_gaps(steps: Sequence[Sequence[tuple[str, str, float, float]]]) -> tuple[float, float]:
@@ -580,24 +584,34 @@ def on_host_clock(origin_s: float, events: Sequence[tuple[str, str, float, float
 
 
 def transfer_times(ranks: Sequence[tuple[int, Sequence[Sequence[tuple[str, str, float, float]]]]]
-                   ) -> tuple[list[float], list[float]]:
-    """Every pipeline transfer between these ranks, from ``(rank, steps)`` pairs (each step a list of
-    ``(name, kind, start, end)`` events on the host's clock, :func:`on_host_clock`):
-    ``(late, waiting)``, the times of those whose receive was posted after the send's issue (the receive's
-    own time) and of those whose receiver waited (from the send's issue to the receive's end)."""
+                   ) -> tuple[list[list[float]], list[list[float]]]:
+    """Every pipeline transfer between these ranks, step by step, from ``(rank, steps)`` pairs (each step a
+    list of ``(name, kind, start, end)`` events on the host's clock, :func:`on_host_clock`):
+    ``(late, waiting)``, per step the times of those whose receive was posted after the send's issue (the
+    receive's own time) and of those whose receiver waited (from the send's issue to the receive's end)."""
     late, waiting = [], []
     for step in zip(*(steps for _, steps in ranks)):
         events = [(rank, *event) for (rank, _), rank_events in zip(ranks, step) for event in rank_events]
         sent = {_transfer(rank, name, kind): start for rank, name, kind, start, _ in events if kind == "send"}
+        late.append([])
+        waiting.append([])
         for rank, name, kind, start, end in events:
             issued = sent.get(_transfer(rank, name, kind)) if kind == "recv" else None
             if issued is None:  # not a receive, or both stages on one rank: nothing moved
                 continue
             if start < issued:
-                waiting.append(end - issued)
+                waiting[-1].append(end - issued)
             else:
-                late.append(end - start)
+                late[-1].append(end - start)
     return late, waiting
+
+
+def typical_step_mean(per_step: Sequence[Sequence[float]]) -> float:
+    """The mean time of a kind of transfer in a typical step: each step's mean, the median over the steps that
+    made any (0 if none did). A rare stall then counts as the typical step sees it, not at all, and stalls in
+    most steps count in full."""
+    means = [statistics.fmean(times) for times in per_step if times]
+    return statistics.median(means) if means else 0.0
 
 
 def _transfer(rank: int, name: str, kind: str) -> tuple[str, int, int]:

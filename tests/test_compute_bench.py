@@ -86,12 +86,24 @@ def test_transfers_split_by_whether_the_receive_was_posted_before_the_send():
     rank0 = [[("send act stage=0 mb=0 peer=1", "send", 1.0, 1.5), ("recv grad stage=1 mb=0 peer=1", "recv", 2.0, 4.0)]]
     rank1 = [[("recv act stage=0 mb=0 peer=0", "recv", 0.5, 1.2), ("send grad stage=1 mb=0 peer=0", "send", 3.0, 3.1)]]
     late, waiting = transfer_times([(0, rank0), (1, rank1)])
-    assert sorted(waiting) == pytest.approx([0.2, 1.0])  # act: issued at 1.0, received at 1.2; grad: 3.0 to 4.0
-    assert late == []
+    assert sorted(waiting[0]) == pytest.approx([0.2, 1.0])  # act: issued at 1.0, received at 1.2; grad: 3.0 to 4.0
+    assert late == [[]]
     rank1_late = [[("recv act stage=0 mb=0 peer=0", "recv", 1.3, 1.4),
                    ("send grad stage=1 mb=0 peer=0", "send", 3.0, 3.1)]]
     late, waiting = transfer_times([(0, rank0), (1, rank1_late)])
-    assert late == pytest.approx([0.1]) and waiting == pytest.approx([1.0])
+    assert late == [pytest.approx([0.1])] and waiting == [pytest.approx([1.0])]
+
+
+def test_a_transfer_s_figure_is_its_mean_in_a_typical_step():
+    from executor.compute_bench import typical_step_mean
+
+    typical, stalled = [60e-6, 80e-6], [60e-6, 5e-3]
+    # one step in four stalls: the typical step has no stall
+    assert typical_step_mean([typical, typical, stalled, typical]) == pytest.approx(70e-6)
+    # three in four do: the typical step pays one
+    assert typical_step_mean([stalled, stalled, typical, stalled]) == pytest.approx((60e-6 + 5e-3) / 2)
+    assert typical_step_mean([[], typical]) == pytest.approx(70e-6)  # steps without such transfers do not count
+    assert typical_step_mean([[], []]) == 0.0
 
 
 def test_each_kernel_kind_is_timed_on_its_own_forward_and_backward():

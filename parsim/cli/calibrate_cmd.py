@@ -57,9 +57,9 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     (compute.core_ns_per_element); pairs of ranks running
     the executor's own pipeline loop over trivial stages -> its time before
     each action (compute.action_overhead_us) and per send it issues
-    (compute.p2p_issue_us), the mean time of a transfer received late
-    (compute.p2p_rendezvous_us: stalls included, a gloo thread waiting for a
-    core where its rank computes) and the latency of one whose receiver
+    (compute.p2p_issue_us), the time of a transfer received late
+    (compute.p2p_rendezvous_us; a gloo thread may wait for the core where its
+    rank computes) and the latency of one whose receiver
     waits (compute.p2p_latency_us, which the step simulator's pipeline sends
     take instead of the collective fit's latency per step: back-to-back
     loops of calls stall far longer than one transfer between passes);
@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tensor-parallel   {tp_calls[0] * 1e6:.0f} us forward, {tp_calls[1] * 1e6:.0f} us backward per "
               f"collective call beyond the collective (the executor's wrapper, right after a layer's matmul)")
     print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer received late (its receive "
-          f"posted after the send's issue; the mean, stalls included)")
+          f"posted after the send's issue; in a typical step, with the stalls it has)")
     if p2p_latency is not None:
         print(f"p2p latency       {p2p_latency * 1e6:.0f} us per pipeline transfer whose receiver waits (from the "
               f"send's issue to the receive's end)")
