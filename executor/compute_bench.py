@@ -505,8 +505,8 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
     ``parsim run`` reports a typical step (:func:`typical_step_mean`). On the 2-core VM (2026-11-27) 3-10%
     of late receives stalled past 1 ms with a core per rank: most steps had none, and a late receive took
     a median 56-77 us where the mean over every step swung between 154 and 399 us from one run to the next.
-    With two ranks on each core 40% stalled: every step had some. The gaps' figures are means over the
-    pair's steps. None on a rank without a partner."""
+    With two ranks on each core 40% stalled: every step had some. The gaps' figures are the typical step's
+    too (:func:`split_gaps`). None on a rank without a partner."""
     from parsim.schedules.generators import make_schedule
 
     from .train.pipeline import PipelineRuntime
@@ -556,13 +556,14 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
 
 
 def split_gaps(steps: Sequence[Sequence[tuple[str, str, float, float]]]) -> tuple[float, float]:
-    """The loop's time (:func:`measure_pipeline_loop`) from steps of ``(name, kind, start, end)`` events: the
-    mean gap, from a step's start or an action's end to the next action, where no send was issued, and the
-    mean excess per send of the gaps where sends were (0 if there were none)."""
-    plain, with_sends, issued = [], [], 0
+    """The loop's time (:func:`measure_pipeline_loop`) from steps of ``(name, kind, start, end)`` events, as a
+    typical step has it (:func:`typical_step_mean`): the mean gap, from a step's start or an action's end to
+    the next action, where no send was issued; and the mean excess per send of the gaps where sends were (the
+    median over the steps that issued any; 0 if none did). A send's issue stalls now and then too."""
+    plain, excess = [], []
     for events in steps:
         sends = sorted(start for _, kind, start, _ in events if kind == "send")
-        reach = 0.0
+        reach, gaps, with_sends, issued = 0.0, [], [], 0
         for _, _, start, end in sorted((e for e in events if e[1] != "send"), key=lambda e: e[2]):
             if start > reach:
                 count = bisect.bisect_left(sends, start) - bisect.bisect_left(sends, reach)
@@ -570,10 +571,13 @@ def split_gaps(steps: Sequence[Sequence[tuple[str, str, float, float]]]) -> tupl
                     with_sends.append(start - reach)
                     issued += count
                 else:
-                    plain.append(start - reach)
+                    gaps.append(start - reach)
             reach = max(reach, end)
-    action = statistics.fmean(plain) if plain else 0.0
-    return action, max(sum(with_sends) - action * len(with_sends), 0.0) / issued if issued else 0.0
+        plain.append(gaps)
+        excess.append((with_sends, issued))
+    action = typical_step_mean(plain)
+    issues = [(sum(gaps) - action * len(gaps)) / issued for gaps, issued in excess if issued]
+    return action, max(statistics.median(issues), 0.0) if issues else 0.0
 
 
 def on_host_clock(origin_s: float, events: Sequence[tuple[str, str, float, float]]

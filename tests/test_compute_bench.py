@@ -76,8 +76,11 @@ def test_a_loop_s_gaps_split_into_its_own_time_and_each_send_s_issue():
     action, issue = split_gaps([step])
     assert action == pytest.approx(0.006) and issue == pytest.approx((0.005 + 0.008 - 2 * 0.006) / 3)
     other = [("F", "compute", 0.001, 0.002), ("B", "compute", 0.003, 0.004)]  # two more plain gaps of 1 ms
-    assert split_gaps([step, other]) == pytest.approx((0.014 / 4, (0.005 + 0.008 - 2 * 0.0035) / 3))
+    # the typical step's: the median of the two steps' mean plain gaps (6 and 1 ms)
+    assert split_gaps([step, other]) == pytest.approx((0.0035, (0.005 + 0.008 - 2 * 0.0035) / 3))
     assert split_gaps([other]) == pytest.approx((0.001, 0.0))
+    stalled = [e if e[0] != "optimizer" else ("optimizer", "optimizer", 0.064, 0.066) for e in step]
+    assert split_gaps([step, step, stalled]) == split_gaps([step])  # one step in three stalls: no one's typical
 
 
 def test_transfers_split_by_whether_the_receive_was_posted_before_the_send():
