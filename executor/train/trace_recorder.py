@@ -13,7 +13,9 @@ measured step would show as idle that no training loop spends.
 
 Times are seconds since :meth:`Recorder.start_step`, which the runner calls
 right after a barrier; ``time.perf_counter`` is one system-wide monotonic
-clock on Linux, so the ranks' zeros agree to within the barrier's exit skew.
+clock on Linux, so the ranks' zeros agree to within the barrier's exit skew
+(milliseconds where ranks share cores: :func:`executor.train.measure.step_events`
+moves a host's ranks onto the first one's zero).
 """
 
 from __future__ import annotations
