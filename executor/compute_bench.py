@@ -125,6 +125,7 @@ def _rank_compute(rank: int, world: int) -> dict:
     for name, benchmark in (("matmuls", measure_matmuls), ("dispatch", measure_dispatch),
                             ("elementwise", measure_elementwise), ("kernel_kinds", measure_kernel_kinds),
                             ("tp_calls", measure_tp_calls), ("optimizer", measure_host_optimizer),
+                            ("zero_grad", measure_zero_grad),
                             ("pipeline", measure_pipeline_loop)):
         probe_now()
         results[name] = benchmark()
@@ -436,6 +437,31 @@ def measure_host_optimizer(runs: Sequence[tuple[int, int]] = OPTIMIZER_RUNS, alo
     optimizer = adamw(*alone)
     seconds = in_turn(lambda: after_dirty_caches(optimizer.step, repeats=9, together=False))
     return {"together": together, "alone": [(*alone, seconds)]}
+
+
+ZERO_GRAD_RUNS = ((1, 1 << 10), (16, 1 << 10), (4, 1 << 20), (16, 1 << 18))  # (tensors, fp32 elements each)
+
+
+def measure_zero_grad(runs: Sequence[tuple[int, int]] = ZERO_GRAD_RUNS, repeats: int = 9
+                      ) -> list[tuple[int, int, float]]:
+    """``optimizer.zero_grad(set_to_none=True)`` after a backward, as a training loop starts its step: the
+    median seconds over ``repeats`` tries of freeing ``tensors`` gradients of ``numel`` fp32 elements each,
+    one row (tensors, numel, seconds) per run, every rank at once. Freeing costs by the bytes: on the 2-core
+    VM (2026-11-27) 7 us for one small tensor, 12 us for 16, 101-106 us for 16 MiB in 4 or 16 tensors."""
+    torch = require_torch()
+    rows = []
+    for tensors, numel in runs:
+        params = [torch.nn.Parameter(torch.full((numel,), 0.01)) for _ in range(tensors)]
+        optimizer = torch.optim.AdamW(params)
+        times = []
+        _barrier()
+        for _ in range(repeats + 1):  # the first round warms up
+            sum((p * 1.0).sum() for p in params).backward()
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        rows.append((tensors, numel, statistics.median(times[1:])))
+    return rows
 
 
 def in_turn(mine: Callable[[], float], others: Callable[[], Any] = lambda: None) -> float:

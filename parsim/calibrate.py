@@ -54,11 +54,11 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  shared_cores: SharedCoreCosts | None = None, step_overhead_s: dict | None = None,
                  cpu_cores: int | None = None, speed_probe: tuple[float, float] | None = None,
                  core_arithmetic: CoreArithmetic | None = None,
-                 tp_call_s: tuple[float, float] | None = None) -> dict:
+                 tp_call_s: tuple[float, float] | None = None, zero_grad: OptimizerFit | None = None) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric"); ``speed_probe`` is the
     host-speed probes' (matmul FLOP/s, seconds per eager pass) while the compute figures were measured;
     ``shared_cores`` the pipeline's host costs with two ranks on each core; ``tp_call_s`` a tensor-parallel
-    collective call's host time, forward and backward."""
+    collective call's host time, forward and backward; ``zero_grad`` what freeing the gradients costs."""
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
                   "optimizer_tensor_us": optimizer_tensor_s * 1e6, "optimizer_step_us": optimizer_step_s * 1e6,
                   "p2p_rendezvous_us": p2p_rendezvous_s * 1e6,
@@ -73,6 +73,9 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         host_costs["core_ns_per_element"] = core_arithmetic.to_ns()
     if tp_call_s:
         host_costs["tp_collective_call_us"] = {"forward": tp_call_s[0] * 1e6, "backward": tp_call_s[1] * 1e6}
+    if zero_grad:
+        host_costs.update(zero_grad_step_us=zero_grad.step_s * 1e6, zero_grad_tensor_us=zero_grad.tensor_s * 1e6,
+                          zero_grad_free_GBps=zero_grad.bw_Bps / 1e9)
     if memory_alone_bw_Bps and memory_host_bw_Bps:
         host_costs["memory_alone_bw_GBps"] = memory_alone_bw_Bps / 1e9
         host_costs["memory_host_bw_GBps"] = memory_host_bw_Bps / 1e9
@@ -384,6 +387,8 @@ def fit_tp_calls(rows: list[dict | None]) -> tuple[float, float] | None:
 
 @dataclass
 class OptimizerFit:
+    """A step's fixed costs and bandwidth: AdamW's (:func:`fit_optimizer`) or zero_grad's (:func:`fit_zero_grad`)."""
+
     tensor_s: float  # fixed cost per parameter tensor
     step_s: float  # fixed cost per step, whatever its tensors
     bw_Bps: float  # bytes per second over parsim's ADAMW_ACCESSES fp32 accesses per parameter
@@ -407,6 +412,13 @@ def fit_optimizer(rows: list[tuple[int, int, float]], accesses: int, element_byt
     fitted = step_s + tensors * tensor_s + nbytes * inverse_bw
     return OptimizerFit(float(tensor_s), float(step_s), float(1.0 / inverse_bw),
                         [(int(r[0]), int(r[1]), float(r[2]), float(f)) for r, f in zip(rows, fitted)])
+
+
+def fit_zero_grad(rows: list[tuple[int, int, float]], element_bytes: int = 4) -> OptimizerFit:
+    """``zero_grad(set_to_none=True)``'s cost from its times over (tensors, fp32 elements each): per step, per
+    tensor, and the speed it frees gradients at (:func:`executor.compute_bench.measure_zero_grad`, pooled over
+    ranks). The same fit as AdamW's, each element freed once: freeing hands the pages back, by the byte."""
+    return fit_optimizer(rows, 1, element_bytes)
 
 
 def fit_alone_memory(rows: list[tuple[int, int, float]], fit: OptimizerFit, accesses: int,

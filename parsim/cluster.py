@@ -47,6 +47,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "matmul_stream_bw_GBps",
                 "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us",
                 "elementwise_bw_GBps", "core_ns_per_element", "tp_collective_call_us",
+                "zero_grad_step_us", "zero_grad_tensor_us", "zero_grad_free_GBps",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
                 "speed_probe_eager_us")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
@@ -249,6 +250,11 @@ class ClusterSpec:
     # host time of one tensor-parallel collective call in an eager pass beyond the collective, forward and backward
     # (None: eager_ops.TP_COLLECTIVE_OPS ops' worth)
     tp_call_s: tuple[float, float] | None = None
+    # zero_grad(set_to_none=True) at a step's start: per step, per gradient tensor, and the bytes it frees per
+    # second (None: not charged)
+    zero_grad_step_s: float = 0.0
+    zero_grad_tensor_s: float = 0.0
+    zero_grad_free_Bps: float | None = None
     # A CPU host's memory, shared by its ranks' streaming work (None: each rank streams at gpu.hbm_bw_Bps, its
     # share with every rank streaming): one rank's speed while the others wait, and the host's with all streaming.
     memory_alone_bw_Bps: float | None = None
@@ -263,7 +269,8 @@ class ClusterSpec:
     def at_host_speed(self, arithmetic: float, eager: float) -> "ClusterSpec":
         """This CPU host running ``arithmetic`` times as fast as when it was calibrated in matmuls and memory
         (matmul peak and weight stream, memory speeds, elementwise speed), and ``eager`` times as fast in its
-        fixed costs (per op, per tensor-parallel call, per kernel, per optimizer tensor, between actions).
+        fixed costs (per op, per tensor-parallel call, per kernel, per optimizer tensor, freeing gradients,
+        between actions).
         Collectives and pipeline transfers keep their own fits: gloo's calls were not measured to follow the
         probes (executor.speed_probe)."""
         if arithmetic <= 0 or eager <= 0:
@@ -279,6 +286,8 @@ class ClusterSpec:
             memory_host_bw_Bps=self.memory_host_bw_Bps and self.memory_host_bw_Bps * arithmetic,
             op_forward_s=self.op_forward_s / eager, op_backward_s=self.op_backward_s / eager,
             tp_call_s=self.tp_call_s and tuple(s / eager for s in self.tp_call_s),
+            zero_grad_step_s=self.zero_grad_step_s / eager, zero_grad_tensor_s=self.zero_grad_tensor_s / eager,
+            zero_grad_free_Bps=self.zero_grad_free_Bps and self.zero_grad_free_Bps * eager,
             optimizer_tensor_s=self.optimizer_tensor_s / eager, optimizer_step_s=self.optimizer_step_s / eager,
             kernel_overhead_s=self.kernel_overhead_s / eager,
             action_overhead_s=self.action_overhead_s / eager, p2p_issue_s=self.p2p_issue_s / eager,
@@ -435,14 +444,15 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     sm_cycles = _sm_cycles(source, compute.get("sm_cycles", {}))
     host_us = {}
     for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "p2p_rendezvous_us",
-                "action_overhead_us", "p2p_issue_us"):
+                "action_overhead_us", "p2p_issue_us", "zero_grad_step_us", "zero_grad_tensor_us"):
         host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
     p2p_latency = compute.get("p2p_latency_us")
     if p2p_latency is not None:
         p2p_latency = _figure(source, "compute.p2p_latency_us", p2p_latency, LATENCY_US)
     shared = _shared_cores(source, compute["shared_cores"]) if "shared_cores" in compute else None
     host_GBps = {}
-    for key in ("matmul_stream_bw_GBps", "elementwise_bw_GBps", "memory_alone_bw_GBps", "memory_host_bw_GBps"):
+    for key in ("matmul_stream_bw_GBps", "elementwise_bw_GBps", "memory_alone_bw_GBps", "memory_host_bw_GBps",
+                "zero_grad_free_GBps"):
         value = compute.get(key)
         host_GBps[key] = None if value is None else _figure(source, f"compute.{key}", value, BANDWIDTH_GBPS)
     if (host_GBps["memory_alone_bw_GBps"] is None) != (host_GBps["memory_host_bw_GBps"] is None):
@@ -516,6 +526,9 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         p2p_latency_s=p2p_latency and float(p2p_latency) * 1e-6,
         action_overhead_s=float(host_us["action_overhead_us"]) * 1e-6,
         p2p_issue_s=float(host_us["p2p_issue_us"]) * 1e-6,
+        zero_grad_step_s=float(host_us["zero_grad_step_us"]) * 1e-6,
+        zero_grad_tensor_s=float(host_us["zero_grad_tensor_us"]) * 1e-6,
+        zero_grad_free_Bps=_GBps(host_GBps["zero_grad_free_GBps"]),
         matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),
         core_arithmetic=_core_arithmetic(source, compute["core_ns_per_element"]) if "core_ns_per_element" in compute

@@ -60,6 +60,12 @@ GPU host):
   :data:`parsim.eager_ops.TP_COLLECTIVE_OPS` ops. On the 2-core VM a call right
   after a layer's matmul took 100-140 us forward and 60-80 us backward, where
   three ops are 10 us.
+* ``zero_grad_step_s``, ``zero_grad_tensor_s``, ``zero_grad_free_Bps``: what
+  ``optimizer.zero_grad(set_to_none=True)`` costs at a step's start, per step,
+  per gradient tensor and by the bytes it frees (freeing hands the pages
+  back: on the 2-core VM 16 MiB of gradients took 101-112 us). The step
+  simulator charges it before each rank's first action, where the trace
+  shows it as idle.
 * ``optimizer_tensor_s``, ``optimizer_step_s``: AdamW's fixed costs per
   parameter tensor (torch's foreach ops loop over the tensors on a CPU) and per
   step (the dozen foreach calls of torch's ``_multi_tensor_adamw``, its
@@ -182,6 +188,9 @@ class ComputeModel:
     op_forward_s: float = 0.0
     op_backward_s: float = 0.0
     tp_call_s: tuple[float, float] | None = None  # one tensor-parallel call's host time, forward and backward
+    zero_grad_step_s: float = 0.0  # zero_grad(set_to_none=True) at a step's start: per step,
+    zero_grad_tensor_s: float = 0.0  # per gradient tensor,
+    zero_grad_free_Bps: float | None = None  # and the bytes it frees per second (None: not charged)
     optimizer_tensor_s: float = 0.0
     optimizer_step_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
@@ -224,6 +233,8 @@ class ComputeModel:
             attention_efficiency=tuple(at_length(c, attention_seq) for c in spec.attention_efficiency),
             op_forward_s=spec.op_forward_s,
             op_backward_s=spec.op_backward_s, tp_call_s=spec.tp_call_s, optimizer_tensor_s=spec.optimizer_tensor_s,
+            zero_grad_step_s=spec.zero_grad_step_s, zero_grad_tensor_s=spec.zero_grad_tensor_s,
+            zero_grad_free_Bps=spec.zero_grad_free_Bps,
             optimizer_step_s=spec.optimizer_step_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, p2p_rendezvous_s=spec.p2p_rendezvous_s,
             p2p_latency_s=spec.p2p_latency_s, shared_cores=spec.shared_cores,
@@ -395,6 +406,14 @@ class ComputeModel:
     def action_gap_s(self) -> float:
         """Host time before each action of a step."""
         return self._pipeline_cost(self.action_overhead_s, "action_overhead_s")
+
+    def zero_grad_s(self, tensors: int, nbytes: float) -> float:
+        """Host time of freeing a step's gradients (``tensors`` of ``nbytes`` in all) as it starts; 0 unless
+        measured (a CPU host's file)."""
+        if not self.zero_grad_free_Bps:
+            return 0.0
+        time_s = self.zero_grad_step_s + tensors * self.zero_grad_tensor_s + nbytes / self.zero_grad_free_Bps
+        return time_s * self.core_stretch("eager_stretch")
 
     @property
     def send_issue_s(self) -> float:

@@ -566,6 +566,10 @@ class Lowering:
         params = (plan.params_per_rank(p) - expert_params) / plan.shard_size + expert_params / plan.expert_shard_size
         tensors_count = sum(len(param_tensors(c, plan.tp, plan.ep)) for s in plan.stages_of(p)
                             for c in plan.stage_costs(s))
+        # What zero_grad frees as the next step starts: every gradient the rank holds (FSDP: its shard).
+        held = (plan.params_per_rank(p) - expert_params) / (plan.shard_size if plan.shards_weights else 1) \
+            + expert_params / (plan.expert_shard_size if plan.shards_weights else 1)
+        self.program.gradients[rank] = (tensors_count, held * plan.dtype_bytes)
         ready = tuple(sync) or (last_compute,)
         if plan.scales_loss:
             ready = (self._reduced_check(rank, p, "unscale grads", "found_inf",

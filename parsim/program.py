@@ -67,6 +67,8 @@ class Program:
     ops: list[Op] = field(default_factory=list)
     by_rank: dict[int, list[int]] = field(default_factory=dict)
     replicas: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # rank -> (gradient tensors, their bytes) its step frees as it starts (zero_grad)
+    gradients: dict[int, tuple[int, float]] = field(default_factory=dict)
 
     @property
     def represents(self) -> dict[int, int]:

@@ -256,6 +256,9 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
         return [{"matmuls": [(s, truth.matmul_time(*s)) for s in shapes], "dispatch": dispatch,
                  "elementwise": elementwise, "kernel_kinds": kinds, "optimizer": optimizer, "speed_probes": probes[r],
                  "tp_calls": {"forward": (100e-6, 140e-6)[r % 2], "backward": (60e-6, 80e-6)[r % 2]},
+                 # zero_grad: 5 us a step, 0.5 us a tensor, freeing at 160 GB/s
+                 "zero_grad": [(t, n, 5e-6 + t * 0.5e-6 + t * n * 4 / 160e9)
+                               for t, n in ((1, 1024), (16, 1024), (4, 1 << 20), (16, 1 << 18))],
                  "pipeline": {"rendezvous": 300e-6, "latency": 60e-6, "action": (70e-6, 90e-6)[r % 2],
                               "issue": 150e-6}} for r in range(nproc)]
 
@@ -312,6 +315,9 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
         (20e9, 32e9, 40e9))
     assert "tensor-parallel   120 us forward, 70 us backward per collective call beyond the collective" in text
     assert written.tp_call_s == pytest.approx((120e-6, 70e-6))  # the medians over ranks
+    assert "zero_grad         5 us per step and 0.5 us per tensor, freeing gradients at 160 GB/s" in text
+    assert (written.zero_grad_step_s, written.zero_grad_tensor_s, written.zero_grad_free_Bps) == pytest.approx(
+        (5e-6, 0.5e-6, 160e9))
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv",
                  "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -327,6 +333,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert doc["core_ns_per_element"] == {kind: {"forward": pytest.approx(fwd), "backward": pytest.approx(bwd)}
                                           for kind, (fwd, bwd) in CORE_NS.items()}
     assert doc["tp_collective_call_us"] == pytest.approx({"forward": 120.0, "backward": 70.0})
+    assert (doc["zero_grad_step_us"], doc["zero_grad_tensor_us"], doc["zero_grad_free_GBps"]) == pytest.approx(
+        (5.0, 0.5, 160.0))
 
 
 def test_calibrate_notes_in_one_line_an_operation_whose_times_do_not_grow(monkeypatch, tmp_path, capsys):

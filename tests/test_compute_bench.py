@@ -117,3 +117,15 @@ def test_each_kernel_kind_is_timed_on_its_own_forward_and_backward():
     for row in rows:
         assert row["elements"] == 8 * 64 and row["forward_s"] > 0 and row["backward_s"] >= 0
         assert row["forward_ops"] >= 1 and row["backward_ops"] >= 1  # autograd.grad: no accumulation op
+
+
+def test_freeing_gradients_is_timed_per_run_and_fits_by_tensors_and_bytes():
+    from executor.compute_bench import measure_zero_grad
+    from parsim.calibrate import fit_zero_grad
+
+    runs = ((1, 256), (8, 256), (2, 1 << 18))
+    rows = measure_zero_grad(runs, repeats=3)
+    assert [row[:2] for row in rows] == list(runs) and all(row[2] > 0 for row in rows)
+    truth = [(t, n, 5e-6 + t * 0.5e-6 + t * n * 4 / 160e9) for t, n in ((1, 1024), (16, 1024), (4, 1 << 20))]
+    fit = fit_zero_grad(truth)
+    assert (fit.step_s, fit.tensor_s, fit.bw_Bps) == pytest.approx((5e-6, 0.5e-6, 160e9))

@@ -202,6 +202,7 @@ def test_host_keys_are_read_in_si_units():
     ("shared_cores", {**SHARED, "eager_stretch": 0.5}, "shared_cores.eager_stretch: is 0.5 .*1 to 100 times"),
     ("tp_collective_call_us", 120.0, "tp_collective_call_us: is 120.0 .*a mapping of forward and backward"),
     ("tp_collective_call_us", {"forward": 120.0, "backward": -1.0}, "tp_collective_call_us.backward: is -1"),
+    ("zero_grad_free_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("zero_grad_tensor_us", "slow", "a finite number"),
 ])
 def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, capsys):
     with pytest.raises(ConfigError, match=expected):
@@ -337,6 +338,24 @@ def test_a_tensor_parallel_call_costs_what_was_measured_or_three_ops():
     slower = predict_step(plan, measured).step_s - predict_step(plan, spec).step_s
     # 4 layers: an all-gather each forward and a reduce-scatter each backward, charged beyond three ops each
     assert slower == pytest.approx(4 * ((120e-6 - 3 * 7e-6) + (70e-6 - 3 * 6e-6)), rel=0.02)
+
+
+def test_freeing_a_step_s_gradients_shows_as_idle_before_each_rank_s_first_action():
+    plan = resolve_plan("course-pp")
+    program = lower(plan)
+    tensors, nbytes = program.gradients[0]
+    assert tensors == 2 and nbytes == pytest.approx(plan.params_per_rank(0) * 4)  # its two layers' weights, fp32
+    keys = {"zero_grad_step_us": 5.0, "zero_grad_tensor_us": 0.5, "zero_grad_free_GBps": 160.0}
+    spec = parse_cluster(cpu_host(**HOST_KEYS, **keys), "host.yaml")
+    model = ComputeModel.for_cluster(spec, "fp32", 4)
+    assert model.zero_grad_s(tensors, nbytes) == pytest.approx(5e-6 + 2 * 0.5e-6 + nbytes / 160e9)
+    assert spec.at_host_speed(1.0, 2.0).zero_grad_free_Bps == pytest.approx(320e9)  # follows the eager probe
+    plain = parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")
+    assert ComputeModel.for_cluster(plain, "fp32", 4).zero_grad_s(tensors, nbytes) == 0.0  # not measured
+    idle = {name: {r.rank: r.seconds["idle"] for r in predict_step(plan, s).ranks}
+            for name, s in (("with", spec), ("without", plain))}
+    for rank, (tensors, nbytes) in program.gradients.items():
+        assert idle["with"][rank] - idle["without"][rank] == pytest.approx(model.zero_grad_s(tensors, nbytes))
 
 
 def test_host_costs_slow_a_cpu_step_by_what_they_charge():

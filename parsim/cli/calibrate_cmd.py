@@ -14,7 +14,7 @@ import yaml
 
 from ..calibrate import (fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise,
                          fit_links, fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, fit_tp_calls,
-                         host_cluster)
+                         fit_zero_grad, host_cluster)
 from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..cluster import SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from ..compute import at_length
@@ -54,7 +54,13 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     softmax, SiLU and LayerNorm in a chain -> the speed of memory-bound
     kernels (compute.elementwise_bw_GBps), and GeLU, a LayerNorm and a
     softmax each on its own -> a core's time per element of their arithmetic
-    (compute.core_ns_per_element); pairs of ranks running
+    (compute.core_ns_per_element); the executor's all-gather of a layer's
+    output on a tiny tensor, right after a layer's matmul -> a
+    tensor-parallel call's host time beyond its collective
+    (compute.tp_collective_call_us); zero_grad(set_to_none=True) after a
+    backward over few and many, small and large tensors -> what freeing the
+    gradients costs as a step starts (compute.zero_grad_step_us,
+    zero_grad_tensor_us, zero_grad_free_GBps); pairs of ranks running
     the executor's own pipeline loop over trivial stages -> its time before
     each action (compute.action_overhead_us) and per send it issues
     (compute.p2p_issue_us), the time of a transfer received late
@@ -169,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     elementwise_bw = fit_elementwise([rank["elementwise"] for rank in per_rank], dispatch)
     arithmetic = fit_core_arithmetic([row for rank in per_rank for row in rank["kernel_kinds"]], dispatch)
     tp_calls = fit_tp_calls([rank["tp_calls"] for rank in per_rank])
+    zero_grad = fit_zero_grad([tuple(row) for rank in per_rank for row in rank["zero_grad"]])
     optimizer = fit_optimizer([tuple(row) for rank in per_rank for row in rank["optimizer"]["together"]],
                               ADAMW_ACCESSES)
     memory_bw = optimizer.bw_Bps  # each rank's, all streaming at once
@@ -212,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         elementwise_bw_Bps=elementwise_bw,
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
         cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s),
-        core_arithmetic=arithmetic, tp_call_s=tp_calls)
+        core_arithmetic=arithmetic, tp_call_s=tp_calls, zero_grad=zero_grad)
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
     if step_overhead:
         cluster["collective_step_overhead_us"] = {op: t * 1e6 for op, t in step_overhead.items()}
@@ -238,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
                     "elementwise_bw_GBps": elementwise_bw / 1e9, "core_ns_per_element": arithmetic.to_ns(),
                     "tp_collective_call_us": {"forward": tp_calls[0] * 1e6, "backward": tp_calls[1] * 1e6}
                     if tp_calls else None,
+                    "zero_grad_step_us": zero_grad.step_s * 1e6, "zero_grad_tensor_us": zero_grad.tensor_s * 1e6,
+                    "zero_grad_free_GBps": zero_grad.bw_Bps / 1e9,
                     "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
@@ -275,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
     if tp_calls:
         print(f"tensor-parallel   {tp_calls[0] * 1e6:.0f} us forward, {tp_calls[1] * 1e6:.0f} us backward per "
               f"collective call beyond the collective (the executor's wrapper, right after a layer's matmul)")
+    print(f"zero_grad         {zero_grad.step_s * 1e6:.0f} us per step and {zero_grad.tensor_s * 1e6:.1f} us per "
+          f"tensor, freeing gradients at {zero_grad.bw_Bps / 1e9:.0f} GB/s (set_to_none, as a step starts)")
     print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer received late (its receive "
           f"posted after the send's issue; in a typical step, with the stalls it has)")
     if p2p_latency is not None:
