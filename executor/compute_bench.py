@@ -25,14 +25,21 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
   work, which on a CPU is often arithmetic-bound: GeLU's erf, softmax's exp).
 * :func:`measure_kernel_kinds`: GeLU, a LayerNorm and a softmax, each on its
   own (fits a core's time per element of each one's arithmetic).
+* :func:`measure_tp_calls`: the executor's all-gather of a layer's output on a
+  tiny tensor, right after a layer's matmul (a tensor-parallel call's host time
+  beyond its collective, forward and backward).
 * :func:`measure_host_optimizer`: ``torch.optim.AdamW`` steps on many small and
   a few large parameter tensors, every rank at once (fits the cost per tensor
   and the memory speed each rank gets when all stream), and the large ones on
   each rank alone (the speed of one rank streaming while the others wait).
+* :func:`measure_zero_grad`: ``zero_grad(set_to_none=True)`` after a backward
+  over few and many, small and large tensors (fits what freeing a step's
+  gradients costs per step, per tensor and by the byte).
 * :func:`measure_pipeline_loop`: pairs of ranks run the executor's pipeline
   runtime, 1F1B over two stages whose forward is a string of small eager ops:
   the loop's own host time before each action and per send issued, and its
-  transfers' times, with the receive posted late or the receiver waiting.
+  transfers' times, with the receive posted late or the receiver waiting (each
+  as a typical step has it: rare stalls left out, stalls most steps have kept).
 * :func:`measure_on_shared_cores`: that again with two ranks on each core, as
   a run with more ranks than cores has them, and the host-speed probes on
   every rank at once there (how much longer compute takes on a shared core).
@@ -447,7 +454,7 @@ def measure_zero_grad(runs: Sequence[tuple[int, int]] = ZERO_GRAD_RUNS, repeats:
     """``optimizer.zero_grad(set_to_none=True)`` after a backward, as a training loop starts its step: the
     median seconds over ``repeats`` tries of freeing ``tensors`` gradients of ``numel`` fp32 elements each,
     one row (tensors, numel, seconds) per run, every rank at once. Freeing costs by the bytes: on the 2-core
-    VM (2026-11-27) 7 us for one small tensor, 12 us for 16, 101-106 us for 16 MiB in 4 or 16 tensors."""
+    VM (2026-11-27) 7-19 us for one small tensor, 12-14 us for 16, 101-112 us for 16 MiB in 4 or 16 tensors."""
     torch = require_torch()
     rows = []
     for tensors, numel in runs:
@@ -517,10 +524,10 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
     1.4 ms op the gloo thread waits behind) gave late receives 0.32-0.60 ms and issues 0.18-0.28 ms. In
     seconds:
 
-    * ``action``: the loop's Python before a pass, a receive or the optimizer step: the mean gap, from the
-      step's start or an action's end to the next action, where no send was issued;
+    * ``action``: the loop's Python before a pass, a receive or the optimizer step: the gap from the step's
+      start or an action's end to the next action, where no send was issued;
     * ``issue``: what each send's issue adds to such a gap (``isend``, handing it to the thread that waits
-      for it): the mean excess per send of the gaps with sends;
+      for it): the excess per send of the gaps with sends;
     * ``rendezvous``: a transfer whose receive is posted after its send was issued (gloo moves a message only
       once the receiver asks): the time the receive takes;
     * ``latency``: a transfer whose receiver waits first: the time from the send's issue to the receive's end
@@ -637,9 +644,9 @@ def transfer_times(ranks: Sequence[tuple[int, Sequence[Sequence[tuple[str, str, 
 
 
 def typical_step_mean(per_step: Sequence[Sequence[float]]) -> float:
-    """The mean time of a kind of transfer in a typical step: each step's mean, the median over the steps that
-    made any (0 if none did). A rare stall then counts as the typical step sees it, not at all, and stalls in
-    most steps count in full."""
+    """The mean of a kind of time (a transfer's, a gap's) in a typical step: each step's mean, the median over
+    the steps that had any (0 if none did). A rare stall then counts as the typical step sees it, not at all,
+    and stalls in most steps count in full."""
     means = [statistics.fmean(times) for times in per_step if times]
     return statistics.median(means) if means else 0.0
 
