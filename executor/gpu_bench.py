@@ -163,8 +163,9 @@ def sm_row(kind: str, what: str, seconds: float, elements: float, nbytes: float,
 
 
 def sm_rows(device, dtype, elements: int = SM_ELEMENTS, tokens: int = SM_TOKENS) -> list[dict]:
-    """Softmax forward by row length, dropout's forward, GeLU and LayerNorm forward and backward (their
-    forward + backward less the forward), and a bias added in place over rows of 3 x SM_HIDDEN (a broadcast add,
+    """Softmax forward by row length, dropout's forward, GeLU and LayerNorm forward and backward (each
+    backward timed alone, on a graph kept for it: a backward as the difference of two timings came out negative
+    now and then on a noisy CPU host), and a bias added in place over rows of 3 x SM_HIDDEN (a broadcast add,
     which torch runs unvectorized), each with its elements and bytes: ``elements`` scores, ``tokens`` rows of
     SM_HIDDEN."""
     x = torch.randn(elements, device=device, dtype=dtype)
@@ -181,12 +182,13 @@ def sm_rows(device, dtype, elements: int = SM_ELEMENTS, tokens: int = SM_TOKENS)
     b = torch.randn(tokens, 4 * SM_HIDDEN, device=device, dtype=dtype, requires_grad=True)
     da, db = torch.randn_like(a), torch.randn_like(b)
     width = tokens * SM_HIDDEN
-    kernels = (("norm", lambda: norm(a), lambda: torch.autograd.grad(norm(a), (a, norm.weight, norm.bias), da), width),
-               ("gelu", lambda: F.gelu(b), lambda: torch.autograd.grad(F.gelu(b), b, db), 4 * width))
-    for kind, forward, both, n in kernels:
-        forward_s, both_s = timed(forward, device), timed(both, device)
-        rows += [sm_row(kind, f"{kind} forward", forward_s, 2 * n, 2 * size * n),
-                 sm_row(kind, f"{kind} backward", both_s - forward_s, 3 * n, 3 * size * n, "backward")]
+    normed, gelued = norm(a), F.gelu(b)  # graphs kept, so each backward is timed alone
+    kernels = (("norm", lambda: norm(a), lambda: torch.autograd.grad(normed, (a, norm.weight, norm.bias), da,
+                                                                     retain_graph=True), width),
+               ("gelu", lambda: F.gelu(b), lambda: torch.autograd.grad(gelued, b, db, retain_graph=True), 4 * width))
+    for kind, forward, backward, n in kernels:
+        rows += [sm_row(kind, f"{kind} forward", timed(forward, device), 2 * n, 2 * size * n),
+                 sm_row(kind, f"{kind} backward", timed(backward, device), 3 * n, 3 * size * n, "backward")]
     out = torch.randn(tokens, 3 * SM_HIDDEN, device=device, dtype=dtype)
     bias = torch.randn(3 * SM_HIDDEN, device=device, dtype=dtype)
     n = out.numel()
