@@ -47,7 +47,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  efficiency: dict | None = None, overhead_s: dict | None = None,
                  matmul_half_dim: float = 0.0, kernel_overhead_s: float = 0.0, op_forward_s: float = 0.0,
                  op_backward_s: float = 0.0, optimizer_tensor_s: float = 0.0, optimizer_step_s: float = 0.0,
-                 matmul_stream_bw_Bps: float | None = None, p2p_rendezvous_s: float = 0.0,
+                 matmul_stream_bw_Bps: float | None = None, matmul_write_bw_Bps: float | None = None,
+                 p2p_rendezvous_s: float = 0.0,
                  p2p_latency_s: float | None = None,
                  action_overhead_s: float = 0.0, p2p_issue_s: float = 0.0, elementwise_bw_Bps: float | None = None,
                  memory_alone_bw_Bps: float | None = None, memory_host_bw_Bps: float | None = None,
@@ -67,6 +68,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         host_costs["p2p_latency_us"] = p2p_latency_s * 1e6
     if matmul_stream_bw_Bps:
         host_costs["matmul_stream_bw_GBps"] = matmul_stream_bw_Bps / 1e9
+    if matmul_write_bw_Bps:
+        host_costs["matmul_write_bw_GBps"] = matmul_write_bw_Bps / 1e9
     if elementwise_bw_Bps:
         host_costs["elementwise_bw_GBps"] = elementwise_bw_Bps / 1e9
     if core_arithmetic:
@@ -242,7 +245,9 @@ class MatmulFit:
     peak_flops: float
     half_dim: float
     rows: list[tuple[tuple[int, int, int], float, float]]  # shape, measured s, fitted s
-    stream_bw_Bps: float | None = None  # operands streamed in on top of the arithmetic (None: not seen)
+    stream_bw_Bps: float | None = None  # the weight streamed in on top of the arithmetic (None: not seen)
+    # the output streamed out, where the fit tells it from the weight (None: at stream_bw_Bps)
+    write_bw_Bps: float | None = None
     call_s: float = 0.0  # fixed cost per call (its dispatch: charged per op by the eager-op costs, not here)
 
     @property
@@ -252,47 +257,71 @@ class MatmulFit:
     def model(self, dtype_bytes: int = 4) -> ComputeModel:
         """A compute model with these matmul figures (fp32 by default)."""
         return ComputeModel(self.peak_flops, 1e30, dtype_bytes, half_dim=self.half_dim,
-                            matmul_stream_bw_Bps=self.stream_bw_Bps)
+                            matmul_stream_bw_Bps=self.stream_bw_Bps, matmul_write_bw_Bps=self.write_bw_Bps)
 
 
 def fit_matmul(samples: list[tuple[tuple[int, int, int], float]], stream: bool = True, call: bool = False,
                dtype_bytes: int = 4) -> MatmulFit:
-    """Fit ``t = flops / (peak * prod(d / (d + h))) + bytes / stream_bw (+ call)`` to measured matmul times.
+    """Fit ``t = flops / (peak * prod(d / (d + h))) + reads / stream_bw + writes / write_bw (+ call)`` to
+    measured matmul times.
 
-    A grid over ``h``; for each, ``1/peak``, ``1/stream_bw`` and the fixed cost per call by least
-    squares on relative error (all >= 0). ``bytes`` are the second operand's and the output's,
-    ``(k n + m n) dtype_bytes`` (what a matmul streams in and out; see :mod:`parsim.compute`). With
-    ``stream=False`` (or no stream term in the data) ``stream_bw_Bps`` is None: the pure shape model.
-    With ``call`` a fixed cost per call is fitted too and kept apart (``call_s``): on an eager CPU host
-    it is the op's dispatch, which the per-op costs charge, so the shape model describes the arithmetic
-    alone.
+    A grid over ``h``; for each, ``1/peak``, the inverse speeds and the fixed cost per call by least squares
+    on relative error (all >= 0). ``reads`` are the second operand's bytes, ``k n dtype_bytes``, and
+    ``writes`` the output's, ``m n dtype_bytes`` (what a matmul streams in and out; see
+    :mod:`parsim.compute`): a core writes a new output sequentially far faster than a thin matmul reads a
+    weight it finds in memory (on the 2-core AMD VM 2.8x: 3.4 and 9.6 GB/s in one calibration, 6.3 and 18
+    in the next; a 32 x 1024 x 1024 matmul took 2.2-2.4 ms, a 1024 x 1024 x 32 one 1.8-1.9 with the same
+    FLOPs and bytes), so each has its speed. Where the data show no cost for one of them the fit falls back
+    to one speed for both (``write_bw_Bps`` None). With ``stream=False`` (or no stream term in the data)
+    ``stream_bw_Bps`` is None: the pure shape model. With ``call`` a fixed cost per call is fitted too and
+    kept apart (``call_s``): on an eager CPU host it is the op's dispatch, which the per-op costs charge, so
+    the shape model describes the arithmetic alone.
     """
     if not samples:
         raise ParsimError("no matmul measurements to fit")
     shapes = np.array([s for s, _ in samples], dtype=float)
     times = np.array([t for _, t in samples])
-    flops = 2 * shapes.prod(axis=1)
     m, n, k = shapes.T
-    traffic = (k * n + m * n) * dtype_bytes
+    reads, writes = k * n * dtype_bytes, m * n * dtype_bytes
+    if stream:
+        split = _fit_shape_model(shapes, times, [reads, writes], call)
+        if split is not None and split[2][1] > 0 and split[2][2] > 0:
+            return _matmul_fit(shapes, times, split, call, write=True)
+    best = _fit_shape_model(shapes, times, [reads + writes] if stream else [], call)
+    if best is None:
+        raise ParsimError("the matmul measurements show no arithmetic term")
+    return _matmul_fit(shapes, times, best, call, write=False)
+
+
+def _fit_shape_model(shapes: np.ndarray, times: np.ndarray, streams: list[np.ndarray],
+                     call: bool) -> tuple[float, float, np.ndarray, np.ndarray] | None:
+    """The best (relative squared error, h, coefficients, fitted times) over the grid of ``h``: coefficients
+    for the arithmetic at the shape's efficiency, each of ``streams`` (bytes) and, with ``call``, a fixed
+    cost; None where no ``h`` gives the arithmetic a cost."""
+    flops = 2 * shapes.prod(axis=1)
     weights = 1.0 / times
     best = None
     for h in np.concatenate([[0.0], np.geomspace(1, 4096, 200)]):
         work = flops / np.prod(shapes / (shapes + h), axis=1)
-        columns = [work, *([traffic] if stream else []), *([np.ones_like(times)] if call else [])]
-        coef = _nonnegative_lstsq(np.stack(columns, axis=1) * weights[:, None], np.ones_like(times))
+        columns = np.stack([work, *streams, *([np.ones_like(times)] if call else [])], axis=1)
+        coef = _nonnegative_lstsq(columns * weights[:, None], np.ones_like(times))
         if coef[0] <= 0:
             continue
-        fitted = np.stack(columns, axis=1) @ coef
+        fitted = columns @ coef
         err = float(np.mean((fitted / times - 1) ** 2))
         if best is None or err < best[0]:
             best = (err, float(h), coef, fitted)
-    if best is None:
-        raise ParsimError("the matmul measurements show no arithmetic term")
+    return best
+
+
+def _matmul_fit(shapes: np.ndarray, times: np.ndarray, best: tuple[float, float, np.ndarray, np.ndarray],
+                call: bool, write: bool) -> MatmulFit:
     _, h, coef, fitted = best
-    stream_bw = float(1.0 / coef[1]) if stream and coef[1] > 0 else None
+    streams = coef[1:-1] if call else coef[1:]
+    stream_bw = float(1.0 / streams[0]) if len(streams) and streams[0] > 0 else None
     return MatmulFit(float(1.0 / coef[0]), h, [(tuple(int(d) for d in s), float(t), float(f))
                                         for s, t, f in zip(shapes, times, fitted)], stream_bw,
-                     float(coef[-1]) if call else 0.0)
+                     float(1.0 / streams[1]) if write else None, float(coef[-1]) if call else 0.0)
 
 
 @dataclass

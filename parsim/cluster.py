@@ -45,6 +45,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "attention_efficiency",
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "matmul_stream_bw_GBps",
+                "matmul_write_bw_GBps",
                 "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us",
                 "elementwise_bw_GBps", "core_ns_per_element", "tp_collective_call_us",
                 "zero_grad_step_us", "zero_grad_tensor_us", "zero_grad_free_GBps",
@@ -241,6 +242,7 @@ class ClusterSpec:
     optimizer_tensor_s: float = 0.0  # AdamW's fixed cost per parameter tensor
     optimizer_step_s: float = 0.0  # and per step, whatever its tensors (foreach AdamW's calls and Python)
     matmul_stream_bw_Bps: float | None = None  # a matmul's weight streamed in addition to its arithmetic
+    matmul_write_bw_Bps: float | None = None  # and its output streamed out (None: at matmul_stream_bw_Bps)
     p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to a receive posted late
     p2p_latency_s: float | None = None  # a pipeline transfer's latency when its receiver waits (None: the links')
     p2p_issue_s: float = 0.0  # host time a CPU rank's loop spends issuing one pipeline send, before its next action
@@ -280,6 +282,7 @@ class ClusterSpec:
         return replace(
             self, gpu=gpu,
             matmul_stream_bw_Bps=self.matmul_stream_bw_Bps and self.matmul_stream_bw_Bps * arithmetic,
+            matmul_write_bw_Bps=self.matmul_write_bw_Bps and self.matmul_write_bw_Bps * arithmetic,
             elementwise_bw_Bps=self.elementwise_bw_Bps and self.elementwise_bw_Bps * arithmetic,
             core_arithmetic=self.core_arithmetic and self.core_arithmetic.scaled(arithmetic),
             memory_alone_bw_Bps=self.memory_alone_bw_Bps and self.memory_alone_bw_Bps * arithmetic,
@@ -451,8 +454,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         p2p_latency = _figure(source, "compute.p2p_latency_us", p2p_latency, LATENCY_US)
     shared = _shared_cores(source, compute["shared_cores"]) if "shared_cores" in compute else None
     host_GBps = {}
-    for key in ("matmul_stream_bw_GBps", "elementwise_bw_GBps", "memory_alone_bw_GBps", "memory_host_bw_GBps",
-                "zero_grad_free_GBps"):
+    for key in ("matmul_stream_bw_GBps", "matmul_write_bw_GBps", "elementwise_bw_GBps", "memory_alone_bw_GBps",
+                "memory_host_bw_GBps", "zero_grad_free_GBps"):
         value = compute.get(key)
         host_GBps[key] = None if value is None else _figure(source, f"compute.{key}", value, BANDWIDTH_GBPS)
     if (host_GBps["memory_alone_bw_GBps"] is None) != (host_GBps["memory_host_bw_GBps"] is None):
@@ -530,6 +533,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         zero_grad_tensor_s=float(host_us["zero_grad_tensor_us"]) * 1e-6,
         zero_grad_free_Bps=_GBps(host_GBps["zero_grad_free_GBps"]),
         matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
+        matmul_write_bw_Bps=_GBps(host_GBps["matmul_write_bw_GBps"]),
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),
         core_arithmetic=_core_arithmetic(source, compute["core_ns_per_element"]) if "core_ns_per_element" in compute
         else None,

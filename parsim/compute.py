@@ -76,9 +76,12 @@ GPU host):
   input-gradient matmul) in from memory, nor its output ``[m, n]`` out to
   memory of its own (a step keeps its activations and gradients: a weight
   gradient's output is as large as the weight), behind its arithmetic; when
-  set, a matmul costs its FLOPs at the shape's rate *plus* ``k n + m n``
-  elements at this speed, instead of the roofline's maximum of compute and
-  all bytes.
+  set, a matmul costs its FLOPs at the shape's rate *plus* its ``k n``
+  weight elements at this speed and its ``m n`` output elements at
+  ``matmul_write_bw_Bps`` (this speed where not set), instead of the
+  roofline's maximum of compute and all bytes. A core writes a new output
+  sequentially far faster than a thin matmul reads its weight (2.8x on the
+  2-core AMD VM, :func:`parsim.calibrate.fit_matmul`).
 * ``elementwise_bw_Bps``: the speed of a block's memory-bound kernels'
   bytes (activations, norms, softmax), which on a CPU core are often
   arithmetic-bound (GeLU's erf, exp) and far below the memory speed that
@@ -194,6 +197,7 @@ class ComputeModel:
     optimizer_tensor_s: float = 0.0
     optimizer_step_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
+    matmul_write_bw_Bps: float | None = None  # a matmul's output streamed out (None: at matmul_stream_bw_Bps)
     p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to a late receive (parsim.stepsim)
     p2p_latency_s: float | None = None  # a pipeline transfer's latency, receiver waiting (None: the links')
     shared_cores: SharedCoreCosts | None = None  # the pipeline's host costs with two ranks on each core
@@ -236,7 +240,8 @@ class ComputeModel:
             zero_grad_step_s=spec.zero_grad_step_s, zero_grad_tensor_s=spec.zero_grad_tensor_s,
             zero_grad_free_Bps=spec.zero_grad_free_Bps,
             optimizer_step_s=spec.optimizer_step_s,
-            matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, p2p_rendezvous_s=spec.p2p_rendezvous_s,
+            matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, matmul_write_bw_Bps=spec.matmul_write_bw_Bps,
+            p2p_rendezvous_s=spec.p2p_rendezvous_s,
             p2p_latency_s=spec.p2p_latency_s, shared_cores=spec.shared_cores,
             action_overhead_s=spec.action_overhead_s, p2p_issue_s=spec.p2p_issue_s,
             elementwise_bw_Bps=spec.elementwise_bw_Bps, memory_alone_bw_Bps=spec.memory_alone_bw_Bps,
@@ -285,7 +290,8 @@ class ComputeModel:
         flops = 2.0 * m * n * k
         rate = self.matmul_rate(m, n, k, sm_reserved, high_precision)
         if self.matmul_stream_bw_Bps:  # eager CPU: the weight streams in and the output out, beside the arithmetic
-            return flops / rate + (k * n + m * n) * self.dtype_bytes / self.matmul_stream_bw_Bps
+            write_bw = self.matmul_write_bw_Bps or self.matmul_stream_bw_Bps
+            return flops / rate + (k * n / self.matmul_stream_bw_Bps + m * n / write_bw) * self.dtype_bytes
         traffic = (m * k + k * n + m * n) * self.dtype_bytes
         return max(flops / rate, traffic / self.memory_bw_Bps)
 

@@ -232,7 +232,8 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     import executor.compute_bench
     from parsim.lower import ADAMW_ACCESSES
 
-    truth = ComputeModel(peak_flops=70e9, hbm_bw_Bps=1e12, dtype_bytes=4, half_dim=8.0, matmul_stream_bw_Bps=15e9)
+    truth = ComputeModel(peak_flops=70e9, hbm_bw_Bps=1e12, dtype_bytes=4, half_dim=8.0, matmul_stream_bw_Bps=15e9,
+                         matmul_write_bw_Bps=45e9)
     shapes = [(32, 64, 64), (128, 128, 128), (32, 1024, 1024), (512, 512, 512), (1024, 1024, 32), (64, 4096, 1024)]
     dispatch = [{"name": "mlp", "forward_s": 88 * 7e-6, "backward_s": 232 * 5e-6, "forward_ops": 88,
                  "backward_ops": 232, "matmuls": []},
@@ -295,6 +296,9 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert "between actions   80 us before each pass, sync call or optimizer step, 150 us more per send issued" in text
     written = load_cluster(str(out))
     assert (written.speed_probe_flops, written.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
+    assert (written.matmul_stream_bw_Bps, written.matmul_write_bw_Bps) == pytest.approx((15e9, 45e9), rel=0.1)
+    assert (f"weights stream in at {written.matmul_stream_bw_Bps / 1e9:.1f} GB/s and outputs out at "
+            f"{written.matmul_write_bw_Bps / 1e9:.1f} GB/s") in text
     assert (written.action_overhead_s, written.p2p_issue_s) == pytest.approx((80e-6, 150e-6))
     assert (written.p2p_rendezvous_s, written.p2p_latency_s) == pytest.approx((300e-6, 60e-6))
     assert "p2p latency       60 us per pipeline transfer whose receiver waits" in text
@@ -323,6 +327,7 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     doc = json.loads(capsys.readouterr().out)
     assert conforms(doc) == "calibrate"
     assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"]) == pytest.approx((50.0, 800.0))
+    assert (doc["matmul_stream_bw_GBps"], doc["matmul_write_bw_GBps"]) == pytest.approx((15.0, 45.0), rel=0.1)
     assert (doc["action_overhead_us"], doc["p2p_issue_us"]) == pytest.approx((80.0, 150.0))
     assert (doc["p2p_rendezvous_us"], doc["p2p_latency_us"]) == pytest.approx((300.0, 60.0))
     assert doc["shared_cores"] == pytest.approx({"p2p_rendezvous_us": 2650.0, "p2p_latency_us": 200.0,

@@ -55,10 +55,32 @@ def test_matmul_fit_recovers_the_streamed_operand_and_keeps_the_call_cost_apart(
     assert model.matmul_time(64, 1024, 1024) == pytest.approx(truth.matmul_time(64, 1024, 1024), rel=0.05)
 
 
+def test_matmul_fit_tells_the_weight_read_from_the_output_write():
+    truth = ComputeModel(peak_flops=70e9, hbm_bw_Bps=1e12, dtype_bytes=4, half_dim=8.0, matmul_stream_bw_Bps=4e9,
+                         matmul_write_bw_Bps=12e9)
+    # A thin matmul reading a 4 MiB weight takes longer than one writing a 4 MiB output, at the same FLOPs.
+    assert truth.matmul_time(32, 1024, 1024) - truth.matmul_time(1024, 1024, 32) == pytest.approx(
+        1024 * 1024 * 4 * (1 / 4e9 - 1 / 12e9) - 32 * 1024 * 4 * (1 / 4e9 - 1 / 12e9))
+    fit = fit_matmul([(s, truth.matmul_time(*s) + 4e-6) for s in SHAPES], call=True)
+    assert (fit.stream_bw_Bps, fit.write_bw_Bps) == pytest.approx((4e9, 12e9), rel=0.1)
+    assert fit.model().matmul_time(64, 1024, 1024) == pytest.approx(truth.matmul_time(64, 1024, 1024), rel=0.05)
+    assert host_cluster(2, 1e-4, 1e9, 1e9, matmul_stream_bw_Bps=4e9, matmul_write_bw_Bps=12e9)["compute"][
+        "matmul_write_bw_GBps"] == pytest.approx(12.0)
+
+
+def test_matmul_fit_with_free_writes_keeps_one_speed_for_both():
+    """A file without the write speed streams the output at the weight's: a fit whose writes cost nothing
+    would be read that way, so it keeps one speed."""
+    truth = ComputeModel(peak_flops=70e9, hbm_bw_Bps=1e12, dtype_bytes=4, half_dim=8.0, matmul_stream_bw_Bps=4e9,
+                         matmul_write_bw_Bps=1e30)
+    fit = fit_matmul([(s, truth.matmul_time(*s)) for s in SHAPES])
+    assert fit.stream_bw_Bps is not None and fit.write_bw_Bps is None
+
+
 def test_matmul_fit_without_a_stream_term_in_the_data_keeps_the_roofline():
     truth = ComputeModel(peak_flops=100e9, hbm_bw_Bps=1e15, dtype_bytes=4, half_dim=32.0)
     fit = fit_matmul([(s, truth.matmul_time(*s)) for s in SHAPES])
-    assert fit.stream_bw_Bps is None and fit.half_dim == pytest.approx(32.0, rel=0.1)
+    assert fit.stream_bw_Bps is None and fit.write_bw_Bps is None and fit.half_dim == pytest.approx(32.0, rel=0.1)
 
 
 def test_dispatch_fit_takes_the_matmuls_out_and_divides_by_the_ops():
@@ -173,7 +195,7 @@ def test_host_keys_are_read_in_si_units():
     assert spec.op_forward_s == pytest.approx(7e-6) and spec.op_backward_s == pytest.approx(6e-6)
     assert spec.optimizer_tensor_s == pytest.approx(50e-6) and spec.p2p_rendezvous_s == pytest.approx(150e-6)
     assert spec.matmul_stream_bw_Bps == pytest.approx(15e9) and spec.elementwise_bw_Bps == pytest.approx(6e9)
-    assert spec.action_overhead_s == pytest.approx(40e-6)
+    assert spec.action_overhead_s == pytest.approx(40e-6) and spec.matmul_write_bw_Bps is None
     model = ComputeModel.for_cluster(spec, "fp32", 4)
     assert spec.optimizer_step_s == pytest.approx(130e-6)
     assert model.time(forward_ops=10, backward_ops=20, optimizer_tensors=2, optimizer_steps=1) == pytest.approx(
@@ -186,6 +208,7 @@ def test_host_keys_are_read_in_si_units():
     ("action_overhead_us", -5.0, "0 to 1e[+]09 microseconds"), ("p2p_latency_us", "slow", "a finite number in micro"),
     ("p2p_issue_us", -1.0, "0 to 1e[+]09 microseconds"),
     ("matmul_stream_bw_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("elementwise_bw_GBps", -3, "1e-12 to 1e[+]12 GB/s"),
+    ("matmul_write_bw_GBps", "fast", "a finite number in GB/s"),
     ("op_overhead_us", 1.0, "unknown key"), ("cpu_cores", 0, "a whole number from 1 to 65,536"),
     ("cpu_cores", 2.5, "a whole number from 1 to 65,536"),
     ("speed_probe_eager_us", 1.0, "given without compute.speed_probe_eager_us, or the other way round"),
@@ -216,7 +239,7 @@ def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, c
 
 def test_the_host_speed_scales_the_compute_figures_by_their_probe_and_no_collective():
     data = cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0, memory_alone_bw_GBps=30.0,
-                    memory_host_bw_GBps=45.0, shared_cores=SHARED)
+                    memory_host_bw_GBps=45.0, shared_cores=SHARED, matmul_write_bw_GBps=40.0)
     data["collective_step_overhead_us"] = {"all_reduce": 300.0}
     spec = parse_cluster(data, "host.yaml")
     assert (spec.speed_probe_flops, spec.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
@@ -226,7 +249,7 @@ def test_the_host_speed_scales_the_compute_figures_by_their_probe_and_no_collect
     # Arithmetic and memory follow the matmul probe ...
     assert moved.gpu.peak_flops["fp32"] == pytest.approx(1.25 * 70e9)
     assert moved.gpu.hbm_bw_Bps == pytest.approx(1.25 * 20e9)
-    assert moved.matmul_stream_bw_Bps == pytest.approx(1.25 * 15e9)
+    assert (moved.matmul_stream_bw_Bps, moved.matmul_write_bw_Bps) == pytest.approx((1.25 * 15e9, 1.25 * 40e9))
     assert moved.elementwise_bw_Bps == pytest.approx(1.25 * 6e9)
     assert (moved.memory_alone_bw_Bps, moved.memory_host_bw_Bps) == pytest.approx((1.25 * 30e9, 1.25 * 45e9))
     # ... fixed costs the eager probe.

@@ -47,7 +47,8 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     the ranks, the host's, compute.memory_host_bw_GBps),
     compute.optimizer_tensor_us and compute.optimizer_step_us; matmuls of
     several shapes on cold operands -> peak FLOP/s, the shape efficiency
-    (compute.matmul_half_dim) and compute.matmul_stream_bw_GBps; generic eager
+    (compute.matmul_half_dim), the speeds a weight streams in and an output out
+    (compute.matmul_stream_bw_GBps, matmul_write_bw_GBps); generic eager
     blocks (a GeLU MLP block, a softmax attention block, elementwise ops) ->
     the fixed cost of an op in a forward and in a backward
     (compute.op_forward_us, compute.op_backward_us); GeLU, sigmoid,
@@ -213,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, overhead_s=overhead,
         matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
         optimizer_tensor_s=optimizer.tensor_s, optimizer_step_s=optimizer.step_s,
-        matmul_stream_bw_Bps=matmul.stream_bw_Bps,
+        matmul_stream_bw_Bps=matmul.stream_bw_Bps, matmul_write_bw_Bps=matmul.write_bw_Bps,
         p2p_rendezvous_s=p2p_rendezvous, p2p_latency_s=p2p_latency, action_overhead_s=action_overhead,
         p2p_issue_s=p2p_issue,
         elementwise_bw_Bps=elementwise_bw,
@@ -251,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
                     "speed_probe_eager_us": probe_eager_s * 1e6,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
                     "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
+                    "matmul_write_bw_GBps": matmul.write_bw_Bps / 1e9 if matmul.write_bw_Bps else None,
                     "collective_efficiency": efficiency,
                     "collective_overhead_us": {op: t * 1e6 for op, t in overhead.items()},
                     "collective_step_overhead_us": {op: t * 1e6 for op, t in step_overhead.items()},
@@ -300,8 +302,12 @@ def run(args: argparse.Namespace) -> int:
               f"{shared.p2p_issue_s * 1e6:.0f} us per send (runs with more ranks than cores)"
               + (f"; a matmul {shared.matmul_stretch:.2f}x and an eager pass {shared.eager_stretch:.2f}x as long as "
                  f"with a core each" if shared.matmul_stretch else ""))
-    stream = (f", weights stream in and outputs out at {matmul.stream_bw_Bps / 1e9:.1f} GB/s"
-              if matmul.stream_bw_Bps else "")
+    stream = ""
+    if matmul.stream_bw_Bps and matmul.write_bw_Bps:
+        stream = (f", weights stream in at {matmul.stream_bw_Bps / 1e9:.1f} GB/s and outputs out at "
+                  f"{matmul.write_bw_Bps / 1e9:.1f} GB/s")
+    elif matmul.stream_bw_Bps:
+        stream = f", weights stream in and outputs out at {matmul.stream_bw_Bps / 1e9:.1f} GB/s"
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
           f"{matmul.half_dim:.0f}{stream} (median |error| {matmul.median_abs_error:.1%})")
     for op, e in efficiency.items():
