@@ -35,6 +35,9 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
 * :func:`measure_zero_grad`: ``zero_grad(set_to_none=True)`` after a backward
   over few and many, small and large tensors (fits what freeing a step's
   gradients costs per step, per tensor and by the byte).
+* :func:`measure_step_gaps`: a generic data-parallel step, its actions timed
+  by the executor's recorder: the loop's host time between actions, which
+  runs cold after passes and collectives that stream megabytes.
 * :func:`measure_pipeline_loop`: pairs of ranks run the executor's pipeline
   runtime, 1F1B over two stages whose forward is a string of small eager ops:
   the loop's own host time before each action and per send issued, and its
@@ -109,12 +112,14 @@ def measure_on_shared_cores(timeout_s: float = 300.0) -> list[dict]:
 
 
 def _rank_shared(rank: int, world: int) -> dict:
-    """The pipeline loop, then the host-speed probes on every rank at once (``speed_probe``: matmul FLOP/s and
+    """The pipeline loop, the generic step's gaps between actions (:func:`measure_step_gaps`), then the
+    host-speed probes on every rank at once (``speed_probe``: matmul FLOP/s and
     seconds per eager pass with two ranks computing on each core; each probe's throughput over 0.15 s, so the
     ranks' turns on the core and each turn's cold start are in it)."""
     pipeline = measure_pipeline_loop()
+    step_gaps = measure_step_gaps()
     _barrier()
-    return {"pipeline": pipeline, "speed_probe": SpeedProbe()()}
+    return {"pipeline": pipeline, "step_gaps": step_gaps, "speed_probe": SpeedProbe()()}
 
 
 def _rank_compute(rank: int, world: int) -> dict:
@@ -132,7 +137,7 @@ def _rank_compute(rank: int, world: int) -> dict:
     for name, benchmark in (("matmuls", measure_matmuls), ("dispatch", measure_dispatch),
                             ("elementwise", measure_elementwise), ("kernel_kinds", measure_kernel_kinds),
                             ("tp_calls", measure_tp_calls), ("optimizer", measure_host_optimizer),
-                            ("zero_grad", measure_zero_grad),
+                            ("zero_grad", measure_zero_grad), ("step_gaps", measure_step_gaps),
                             ("pipeline", measure_pipeline_loop)):
         probe_now()
         results[name] = benchmark()
@@ -469,6 +474,52 @@ def measure_zero_grad(runs: Sequence[tuple[int, int]] = ZERO_GRAD_RUNS, repeats:
             times.append(time.perf_counter() - start)
         rows.append((tensors, numel, statistics.median(times[1:])))
     return rows
+
+
+STEP_GAP_MLP = (4, 768, 64)  # (layers, width, rows) of the generic step: a 2.25 MiB weight and gradient per layer
+
+
+def measure_step_gaps(steps: int = 12, warmup: int = 3, mlp: tuple[int, int, int] = STEP_GAP_MLP) -> float:
+    """The training loop's host time between a step's actions, in a generic data-parallel step on every rank at
+    once: zero_grad, a forward and a backward of a GeLU MLP, an all-reduce of each gradient in turn (averaged),
+    AdamW, each action a span of the executor's :class:`~executor.train.trace_recorder.Recorder`. The median
+    gap between one span's end and the next one's start over the steps after ``warmup``, in seconds.
+
+    The pipeline loop's trivial stages (:func:`measure_pipeline_loop`) leave the interpreter's code and data in
+    the caches; a step's passes and collectives stream megabytes and evict them, so the same Python runs cold:
+    on the 2-core AMD VM (2026-11-27) this step's gaps were 100-150 us where the trivial loop's were 46 us and
+    course DDP's own 110-220 us."""
+    from executor.train.trace_recorder import Recorder
+
+    torch = require_torch()
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    layers, width, rows = mlp
+    net = torch.nn.Sequential(*[module for _ in range(layers)
+                                for module in (torch.nn.Linear(width, width, bias=False), torch.nn.GELU())])
+    optimizer = torch.optim.AdamW(net.parameters())
+    x = torch.full((rows, width), 0.01)
+    recorder = Recorder(0)
+    gaps: list[float] = []
+    for step in range(warmup + steps):
+        _barrier()
+        recorder.start_step()
+        optimizer.zero_grad(set_to_none=True)
+        with recorder.span("forward", "compute", "compute"):
+            loss = net(x).square().mean()
+        with recorder.span("backward", "compute", "compute"):
+            loss.backward()
+        if world > 1:
+            for param in net.parameters():
+                with recorder.span("all_reduce", "collective", "comm"):
+                    dist.all_reduce(param.grad)
+                    param.grad.div_(world)
+        with recorder.span("optimizer", "optimizer", "compute"):
+            optimizer.step()
+        if step >= warmup:
+            events = recorder.events
+            gaps += [after.start_s - before.end_s for before, after in zip(events, events[1:])]
+    return statistics.median(gaps)
 
 
 def in_turn(mine: Callable[[], float], others: Callable[[], Any] = lambda: None) -> float:

@@ -116,7 +116,10 @@ GPU host):
 * ``action_overhead_s``: on CPU ranks, the training loop's own host time
   before each action of a step (a pass of one microbatch, from its receive; a
   gradient all-reduce the loop issues in turn; the optimizer step): the
-  runtime's Python between one action and the next. ``p2p_issue_s``: the
+  runtime's Python between one action and the next, which runs cold after
+  work that streams megabytes (``parsim calibrate`` times it in a generic
+  data-parallel step: 100-120 us on the 2-core AMD VM, where a loop over
+  trivial stages gave 46). ``p2p_issue_s``: the
   loop's time issuing each pipeline send (``isend``, handing it to the thread
   that waits for it), which delays the rank's next action. The step simulator
   starts each action's first op ``action_overhead_s`` plus ``p2p_issue_s``

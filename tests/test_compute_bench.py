@@ -41,7 +41,28 @@ def test_the_pipeline_s_host_costs_are_timed_with_two_ranks_on_each_core():
     assert len(rows) in (2, 4)  # 2 cores (or 1) shared by twice as many ranks
     for row in rows:
         assert set(row["pipeline"]) == {"action", "issue", "rendezvous", "latency"}
-        assert min(row["pipeline"].values()) > 0
+        assert min(row["pipeline"].values()) > 0 and row["step_gaps"] > 0
+
+
+def step_gaps(rank: int, world: int) -> float:
+    from executor.compute_bench import measure_step_gaps
+
+    return measure_step_gaps(steps=3, warmup=1, mlp=(2, 64, 8))
+
+
+@pytest.mark.multiproc
+def test_the_loop_s_time_between_actions_is_timed_in_a_generic_data_parallel_step():
+    """Every rank's median gap between its step's actions (here its passes, two all-reduces and AdamW); alone,
+    the passes and AdamW. calibrate takes the median over ranks, and the pipeline loop's figure without it."""
+    from executor.compute_bench import measure_step_gaps
+    from executor.launch import launch
+    from parsim.cli.calibrate_cmd import _step_gap
+
+    per_rank = launch(step_gaps, 2, backend="gloo", timeout_s=120)
+    assert all(0 < gap < 0.1 for gap in per_rank)
+    assert 0 < measure_step_gaps(steps=2, warmup=1, mlp=(1, 32, 4)) < 0.1
+    assert _step_gap([{"step_gaps": g} for g in (1e-4, 3e-4, 2e-4)], 5e-5) == pytest.approx(2e-4)
+    assert _step_gap([{"pipeline": {}}, {"step_gaps": None}], 5e-5) == 5e-5  # not measured: the loop's
 
 
 def tp_calls(rank: int, world: int) -> dict | None:

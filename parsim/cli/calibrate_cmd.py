@@ -61,9 +61,11 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     (compute.tp_collective_call_us); zero_grad(set_to_none=True) after a
     backward over few and many, small and large tensors -> what freeing the
     gradients costs as a step starts (compute.zero_grad_step_us,
-    zero_grad_tensor_us, zero_grad_free_GBps); pairs of ranks running
-    the executor's own pipeline loop over trivial stages -> its time before
-    each action (compute.action_overhead_us) and per send it issues
+    zero_grad_tensor_us, zero_grad_free_GBps); a generic data-parallel step (an MLP's passes, an all-reduce per
+    gradient, AdamW) timed by the executor's recorder -> the loop's time
+    before each action (compute.action_overhead_us: its Python runs cold
+    after work that streams megabytes); pairs of ranks running the executor's
+    own pipeline loop over trivial stages -> the time per send it issues
     (compute.p2p_issue_us), the time of a transfer received late
     (compute.p2p_rendezvous_us; a gloo thread may wait for the core where its
     rank computes) and the latency of one whose receiver
@@ -73,7 +75,7 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * on each rank in turn, the others waiting: AdamW steps on large tensors ->
     the memory speed of one rank alone (compute.memory_alone_bw_GBps; the step
     simulator shares the host's memory among the ranks streaming at once);
-  * on 4 ranks bound to 2 cores (gloo): the pipeline loop again ->
+  * on 4 ranks bound to 2 cores (gloo): the pipeline loop and the generic step again ->
     compute.shared_cores, what runs with more ranks than cores pay
     (a thread woken on a core where another rank computes waits for the
     scheduler: 2-4x the rendezvous, 3-5x each send's issue on the 2-core VM);
@@ -185,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     memory_host_bw = memory_bw * max(rank_counts)
     loops = [rank["pipeline"] for rank in per_rank if rank["pipeline"] is not None]
     p2p_rendezvous, action_overhead, p2p_issue = (_median(loops, key) for key in ("rendezvous", "action", "issue"))
+    action_overhead = _step_gap(per_rank, action_overhead)
     p2p_latency = _median(loops, "latency") if loops else None
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s = (float(v) for v in np.median(probes, axis=0))
@@ -293,9 +296,9 @@ def run(args: argparse.Namespace) -> int:
     if p2p_latency is not None:
         print(f"p2p latency       {p2p_latency * 1e6:.0f} us per pipeline transfer whose receiver waits (from the "
               f"send's issue to the receive's end)")
-    print(f"between actions   {action_overhead * 1e6:.0f} us before each pass, sync call or optimizer step, "
-          f"{p2p_issue * 1e6:.0f} us more per send issued (the executor's loop on a 2-stage pipeline of trivial "
-          f"stages, which the transfers above are timed on too)")
+    print(f"between actions   {action_overhead * 1e6:.0f} us before each pass, sync call or optimizer step (a "
+          f"generic data-parallel step's loop), {p2p_issue * 1e6:.0f} us more per send issued (the executor's loop "
+          f"on a 2-stage pipeline of trivial stages, which the transfers above are timed on too)")
     if shared is not None:
         print(f"2 ranks per core  {shared.p2p_latency_s * 1e6:.0f} us latency and {shared.p2p_rendezvous_s * 1e6:.0f} "
               f"us rendezvous per pipeline transfer, {shared.action_overhead_s * 1e6:.0f} us between actions, "
@@ -320,6 +323,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _step_gap(rows: list[dict], loop_gap_s: float) -> float:
+    """The loop's time before each action: the median over ranks of a generic data-parallel step's gaps
+    (:func:`executor.compute_bench.measure_step_gaps`), where measured; else the pipeline loop's, ``loop_gap_s``
+    (its trivial stages leave the interpreter warm, which a step's megabytes do not)."""
+    gaps = [row["step_gaps"] for row in rows if row.get("step_gaps") is not None]
+    return float(np.median(gaps)) if gaps else loop_gap_s
+
+
 def _shared_cores(rows: list[dict], probe_flops: float, probe_eager_s: float) -> SharedCoreCosts | None:
     """The medians over ranks of :func:`executor.compute_bench.measure_on_shared_cores`' figures (None: not run),
     and its probes' against ``probe_flops`` and ``probe_eager_s``, the probes' with a core each: how many times
@@ -328,6 +339,7 @@ def _shared_cores(rows: list[dict], probe_flops: float, probe_eager_s: float) ->
     if not loops:
         return None
     costs = SharedCoreCosts(*(_median(loops, key) for key in ("rendezvous", "latency", "action", "issue")))
+    costs = replace(costs, action_overhead_s=_step_gap(rows, costs.action_overhead_s))
     probes = np.array([row["speed_probe"] for row in rows if row.get("speed_probe")])
     if not len(probes):
         return costs
