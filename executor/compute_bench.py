@@ -113,9 +113,9 @@ def measure_on_shared_cores(timeout_s: float = 300.0) -> list[dict]:
 
 def _rank_shared(rank: int, world: int) -> dict:
     """The pipeline loop, the generic step's gaps between actions (:func:`measure_step_gaps`), then the
-    host-speed probes on every rank at once (``speed_probe``: matmul FLOP/s and
-    seconds per eager pass with two ranks computing on each core; each probe's throughput over 0.15 s, so the
-    ranks' turns on the core and each turn's cold start are in it)."""
+    host-speed probes on every rank at once (``speed_probe``: matmul FLOP/s and seconds per eager pass with two
+    ranks computing on each core; each probe's throughput over 0.15 s, so the ranks' turns on the core and each
+    turn's cold start are in it)."""
     pipeline = measure_pipeline_loop()
     step_gaps = measure_step_gaps()
     _barrier()
@@ -489,7 +489,7 @@ def measure_step_gaps(steps: int = 12, warmup: int = 3, mlp: tuple[int, int, int
     the caches; a step's passes and collectives stream megabytes and evict them, so the same Python runs cold:
     on the 2-core AMD VM (2026-11-27) this step's gaps were 100-150 us where the trivial loop's were 46 us and
     course DDP's own 110-220 us."""
-    from executor.train.trace_recorder import Recorder
+    from .train.trace_recorder import Recorder
 
     torch = require_torch()
     dist = torch.distributed

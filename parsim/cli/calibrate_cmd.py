@@ -61,11 +61,12 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     (compute.tp_collective_call_us); zero_grad(set_to_none=True) after a
     backward over few and many, small and large tensors -> what freeing the
     gradients costs as a step starts (compute.zero_grad_step_us,
-    zero_grad_tensor_us, zero_grad_free_GBps); a generic data-parallel step (an MLP's passes, an all-reduce per
-    gradient, AdamW) timed by the executor's recorder -> the loop's time
-    before each action (compute.action_overhead_us: its Python runs cold
-    after work that streams megabytes); pairs of ranks running the executor's
-    own pipeline loop over trivial stages -> the time per send it issues
+    zero_grad_tensor_us, zero_grad_free_GBps); a generic data-parallel
+    step (an MLP's passes, an all-reduce per gradient, AdamW) timed by the
+    executor's recorder -> the loop's time before each action
+    (compute.action_overhead_us: its Python runs cold after work that
+    streams megabytes); pairs of ranks running the executor's own pipeline
+    loop over trivial stages -> the time per send it issues
     (compute.p2p_issue_us), the time of a transfer received late
     (compute.p2p_rendezvous_us; a gloo thread may wait for the core where its
     rank computes) and the latency of one whose receiver
@@ -75,8 +76,8 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * on each rank in turn, the others waiting: AdamW steps on large tensors ->
     the memory speed of one rank alone (compute.memory_alone_bw_GBps; the step
     simulator shares the host's memory among the ranks streaming at once);
-  * on 4 ranks bound to 2 cores (gloo): the pipeline loop and the generic step again ->
-    compute.shared_cores, what runs with more ranks than cores pay
+  * on 4 ranks bound to 2 cores (gloo): the pipeline loop and the generic
+    step again -> compute.shared_cores, what runs with more ranks than cores pay
     (a thread woken on a core where another rank computes waits for the
     scheduler: 2-4x the rendezvous, 3-5x each send's issue on the 2-core VM);
   * between those benchmarks, the host's speed: a fixed fp32 matmul's rate
