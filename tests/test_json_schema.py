@@ -58,12 +58,25 @@ def test_every_published_schema_is_a_json_schema_named_after_its_file(name):
     (["explain", "memory", "course-pp"], "explain.memory"),
     (["explain", "compute", "course-pp"], "explain.compute"),
     (["explain", "compute", "tiny-tp2", "--sequence-parallel", "--tp-comm-overlap"], "explain.compute"),
-    (["validate"], "validate"),
     (["search", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "256K-tokens", "--top", "3",
       "--simulate", "1"], "search"),
 ])
 def test_each_command_prints_its_schema(argv, name, capsys):
     assert conforms(json_of(capsys, *argv)) == name
+
+
+def test_validate_prints_its_schema(tmp_path, capsys):
+    """On two rows of the built-in SC21 table, one of each kind of data parallelism (test_validate runs the
+    whole table)."""
+    import yaml
+
+    table = yaml.safe_load((Path(__file__).parents[1] / "parsim/validation/training_runs/megatron-sc21-table1.yaml")
+                           .read_text())
+    table["rows"] = [next(row for row in table["rows"] if row["ddp"] == ddp) for ddp in ("torch", "local")]
+    path = tmp_path / "table.yaml"
+    path.write_text(yaml.safe_dump(table))
+    doc = json_of(capsys, "validate", str(path))
+    assert conforms(doc) == "validate" and len(doc["rows"]) == 2
 
 
 def test_bench_json_and_its_saved_file_are_one_schema(monkeypatch, tmp_path, capsys):
