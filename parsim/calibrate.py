@@ -268,14 +268,14 @@ def fit_matmul(samples: list[tuple[tuple[int, int, int], float]], stream: bool =
     A grid over ``h``; for each, ``1/peak``, the inverse speeds and the fixed cost per call by least squares
     on relative error (all >= 0). ``reads`` are the second operand's bytes, ``k n dtype_bytes``, and
     ``writes`` the output's, ``m n dtype_bytes`` (what a matmul streams in and out; see
-    :mod:`parsim.compute`): a core writes a new output sequentially far faster than a thin matmul reads a
-    weight it finds in memory (on the 2-core AMD VM 2.8x: 3.4 and 9.6 GB/s in one calibration, 6.3 and 18
-    in the next; a 32 x 1024 x 1024 matmul took 2.2-2.4 ms, a 1024 x 1024 x 32 one 1.8-1.9 with the same
-    FLOPs and bytes), so each has its speed. Where the data show no cost for one of them the fit falls back
-    to one speed for both (``write_bw_Bps`` None). With ``stream=False`` (or no stream term in the data)
-    ``stream_bw_Bps`` is None: the pure shape model. With ``call`` a fixed cost per call is fitted too and
-    kept apart (``call_s``): on an eager CPU host it is the op's dispatch, which the per-op costs charge, so
-    the shape model describes the arithmetic alone.
+    :mod:`parsim.compute`): a core writes a new output sequentially faster than a thin matmul reads a
+    weight it finds in memory (on the 2-core AMD VM a 32 x 1024 x 1024 matmul took 2.2-2.4 ms, a
+    1024 x 1024 x 32 one 1.8-1.9 with the same FLOPs and bytes; fitted, 3.4 and 9.6 GB/s, then 6.3 and 18,
+    in two runs of the benchmark, 1.2-1.8x apart in three calibrations), so each has its speed. Where the
+    data show no cost for one of them the fit falls back to one speed for both (``write_bw_Bps`` None). With
+    ``stream=False`` (or no stream term in the data) ``stream_bw_Bps`` is None: the pure shape model. With
+    ``call`` a fixed cost per call is fitted too and kept apart (``call_s``): on an eager CPU host it is the
+    op's dispatch, which the per-op costs charge, so the shape model describes the arithmetic alone.
     """
     if not samples:
         raise ParsimError("no matmul measurements to fit")
@@ -285,7 +285,7 @@ def fit_matmul(samples: list[tuple[tuple[int, int, int], float]], stream: bool =
     reads, writes = k * n * dtype_bytes, m * n * dtype_bytes
     if stream:
         split = _fit_shape_model(shapes, times, [reads, writes], call)
-        if split is not None and split[2][1] > 0 and split[2][2] > 0:
+        if split is not None and (split[2][1:3] > 0).all():  # coefficients: arithmetic, reads, writes[, call]
             return _matmul_fit(shapes, times, split, call, write=True)
     best = _fit_shape_model(shapes, times, [reads + writes] if stream else [], call)
     if best is None:

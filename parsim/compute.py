@@ -80,8 +80,9 @@ GPU host):
   weight elements at this speed and its ``m n`` output elements at
   ``matmul_write_bw_Bps`` (this speed where not set), instead of the
   roofline's maximum of compute and all bytes. A core writes a new output
-  sequentially far faster than a thin matmul reads its weight (2.8x on the
-  2-core AMD VM, :func:`parsim.calibrate.fit_matmul`).
+  sequentially faster than a thin matmul reads its weight (on the 2-core AMD
+  VM 2.8x in two runs of the matmul benchmark, 1.2-1.8x in three
+  calibrations; :func:`parsim.calibrate.fit_matmul`).
 * ``elementwise_bw_Bps``: the speed of a block's memory-bound kernels'
   bytes (activations, norms, softmax), which on a CPU core are often
   arithmetic-bound (GeLU's erf, exp) and far below the memory speed that
