@@ -39,7 +39,7 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
   by the executor's recorder: the loop's host time between actions, which
   runs cold after passes and collectives that stream megabytes.
 * :func:`measure_pipeline_loop`: pairs of ranks run the executor's pipeline
-  runtime, 1F1B over two stages whose forward is a string of small eager ops:
+  runtime, 1F1B over two stages whose passes are a small generic MLP's:
   the loop's own host time before each action and per send issued, and its
   transfers' times, with the receive posted late or the receiver waiting (each
   as a typical step has it: rare stalls left out, stalls most steps have kept).
@@ -86,16 +86,17 @@ def measure_on_every_rank(nproc: int, timeout_s: float = 600.0) -> list[dict]:
     return launch(_rank_compute, nproc, (), "gloo", timeout_s)
 
 
-def measure_on_shared_cores(timeout_s: float = 300.0) -> list[dict]:
+def measure_on_shared_cores(timeout_s: float = 300.0, pipeline_steps: int = 60) -> list[dict]:
     """The pipeline's host costs with two ranks on each core (a run with more ranks than cores): the pipeline
     loop's transfers and time between actions (:func:`measure_pipeline_loop`) on 4 ranks bound
     to 2 cores (2 ranks on 1 core on a single-core host), pairs 0-1 and 2-3 crossing the cores as the stages of
-    a data- and pipeline-parallel run do. One dict per rank. Waking a thread on a core another rank computes on
-    waits for the scheduler, so these grow more than 2x: on the 2-core VM, a late receive took 1.0-1.5 ms
-    against 0.3-0.7 alone, a send's issue 0.8-1.3 ms against 0.18-0.51. Then the host-speed probes, every rank
-    at once: compute on a shared core takes more than twice as long, each rank's turn starting in caches the
-    other emptied (on the 2-core VM a small model's passes 2.25-2.6x, the probes 2.0-2.2x; 2026-11-27).
-    Empty where the host cannot bind processes to cores (not Linux)."""
+    a data- and pipeline-parallel run do (``pipeline_steps`` steps of it). One dict per rank. Waking a thread on
+    a core another rank computes on waits for the scheduler, so these grow more than 2x: on the 2-core VM
+    (2026-11-27, two runs) a late receive took 1.4-1.9 ms against 0.15-0.20 alone, a send's issue 1.8-2.2 ms
+    against 0.39-0.47, a transfer whose receiver waited 0.48-0.90 ms against 0.31-0.41. Then the host-speed
+    probes, every rank at once: compute on a shared core takes more than twice as long, each rank's turn
+    starting in caches the other emptied (on the 2-core VM a small model's passes 2.25-2.6x, the probes
+    2.0-2.2x; 2026-11-27). Empty where the host cannot bind processes to cores (not Linux)."""
     import os
 
     from .launch import launch
@@ -106,17 +107,17 @@ def measure_on_shared_cores(timeout_s: float = 300.0) -> list[dict]:
     shared = cores[:2]
     os.sched_setaffinity(0, shared)  # the ranks bind round robin to the cores they inherit
     try:
-        return launch(_rank_shared, 2 * len(shared), (), "gloo", timeout_s)
+        return launch(_rank_shared, 2 * len(shared), (pipeline_steps,), "gloo", timeout_s)
     finally:
         os.sched_setaffinity(0, cores)
 
 
-def _rank_shared(rank: int, world: int) -> dict:
+def _rank_shared(rank: int, world: int, pipeline_steps: int) -> dict:
     """The pipeline loop, the generic step's gaps between actions (:func:`measure_step_gaps`), then the
     host-speed probes on every rank at once (``speed_probe``: matmul FLOP/s and seconds per eager pass with two
     ranks computing on each core; each probe's throughput over 0.15 s, so the ranks' turns on the core and each
     turn's cold start are in it)."""
-    pipeline = measure_pipeline_loop()
+    pipeline = measure_pipeline_loop(steps=pipeline_steps)
     step_gaps = measure_step_gaps()
     _barrier()
     return {"pipeline": pipeline, "step_gaps": step_gaps, "speed_probe": SpeedProbe()()}
@@ -479,24 +480,30 @@ def measure_zero_grad(runs: Sequence[tuple[int, int]] = ZERO_GRAD_RUNS, repeats:
 STEP_GAP_MLP = (4, 768, 64)  # (layers, width, rows) of the generic step: a 2.25 MiB weight and gradient per layer
 
 
+def gelu_mlp(layers: int, width: int) -> Any:
+    """``layers`` bias-free ``width``-wide linear layers, each followed by a GeLU: a generic model's pass."""
+    nn = require_torch().nn
+    return nn.Sequential(*[module for _ in range(layers)
+                           for module in (nn.Linear(width, width, bias=False), nn.GELU())])
+
+
 def measure_step_gaps(steps: int = 12, warmup: int = 3, mlp: tuple[int, int, int] = STEP_GAP_MLP) -> float:
     """The training loop's host time between a step's actions, in a generic data-parallel step on every rank at
     once: zero_grad, a forward and a backward of a GeLU MLP, an all-reduce of each gradient in turn (averaged),
     AdamW, each action a span of the executor's :class:`~executor.train.trace_recorder.Recorder`. The median
     gap between one span's end and the next one's start over the steps after ``warmup``, in seconds.
 
-    The pipeline loop's trivial stages (:func:`measure_pipeline_loop`) leave the interpreter's code and data in
-    the caches; a step's passes and collectives stream megabytes and evict them, so the same Python runs cold:
-    on the 2-core AMD VM (2026-11-27) this step's gaps were 100-150 us where the trivial loop's were 46 us and
-    course DDP's own 110-220 us."""
+    A loop over trivial work leaves the interpreter's code and data in the caches; a step's passes and
+    collectives stream megabytes and evict them, so the same Python runs cold: on the 2-core AMD VM
+    (2026-11-27) this step's gaps were 100-150 us where the pipeline loop's over stages of small eager ops had
+    been 46 us, and course DDP's own 110-220 us."""
     from .train.trace_recorder import Recorder
 
     torch = require_torch()
     dist = torch.distributed
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     layers, width, rows = mlp
-    net = torch.nn.Sequential(*[module for _ in range(layers)
-                                for module in (torch.nn.Linear(width, width, bias=False), torch.nn.GELU())])
+    net = gelu_mlp(layers, width)
     optimizer = torch.optim.AdamW(net.parameters())
     x = torch.full((rows, width), 0.01)
     recorder = Recorder(0)
@@ -538,16 +545,6 @@ def in_turn(mine: Callable[[], float], others: Callable[[], Any] = lambda: None)
     return result
 
 
-def eager_for(seconds: float) -> None:
-    """Keep this rank's core busy with small eager ops (microseconds each, dispatch-bound, as a small model's
-    pass runs) for ``seconds``."""
-    torch = require_torch()
-    x = torch.zeros(4, 32)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        x = torch.tanh(x + 0.5) * 0.9
-
-
 def compute_for(seconds: float, shape: tuple[int, int, int] = (64, 256, 256)) -> None:
     """Keep this rank's core busy with ``(m, n, k)`` matmuls for ``seconds`` (as another stage's backward does)."""
     torch = require_torch()
@@ -559,21 +556,27 @@ def compute_for(seconds: float, shape: tuple[int, int, int] = (64, 256, 256)) ->
 
 
 # ----------------------------------------------------------------------------- the pipeline loop
-STAGE_PASS_S = 1.4e-3  # each trivial stage's forward: as long as a small model's pass (tiny-gpt's two layers)
+PIPELINE_STAGE_MLP = (2, 768, 64)  # (layers, width, rows) of each stage's pass: 4.5 MiB of weights
 
 
-def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 3) -> dict[str, float] | None:
-    """The executor's pipeline loop's own host costs, on stages that do almost nothing but keep the core busy as
-    a small model's pass does.
+def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 3,
+                          mlp: tuple[int, int, int] = PIPELINE_STAGE_MLP) -> dict[str, float] | None:
+    """The executor's pipeline loop's own host costs, on stages whose passes are a generic model's.
 
     Ranks pair up (0-1, 2-3, ...) and run :class:`executor.train.pipeline.PipelineRuntime` as a 1F1B pipeline
-    of two stages, each an ``nn.Linear(8, 8)`` whose forward first runs small eager ops for
-    :data:`STAGE_PASS_S` (:func:`eager_for`: the sender of a late receive is computing, as in a real pipeline,
-    and its gloo thread waits for the core). On the 2-core VM (2026-11-27) these stages gave transfers
-    and issues like the plans' own: late receives a mean 0.16-0.32 ms (course PP's 0.16, tiny PP's 0.35),
-    each send's issue 0.10-0.18 ms. Stages that wrote 64 MiB each forward instead (the caches all cold, one
-    1.4 ms op the gloo thread waits behind) gave late receives 0.32-0.60 ms and issues 0.18-0.28 ms. In
-    seconds:
+    of two stages. Each stage's forward runs a GeLU MLP (``mlp``: layers, width, rows; :func:`gelu_mlp`) on rows
+    of its own, and its backward that MLP's, beside an ``nn.Linear(8, 8)`` on the activation the stages pass
+    (4 x 8: the transfers' figures are their fixed costs, the bytes' time is the links'). The sender of a late
+    receive is computing, as in a real pipeline, and its gloo thread waits for the core; the loop runs after
+    passes that have streamed their weights, as a plan's does.
+
+    On the 2-core AMD VM (2026-11-27, three runs) a send's issue took 394-472 us on top of a gap of 106-126 us,
+    where the plans' own took 0.36-0.50 ms (course PP) and 0.44-0.63 ms (tiny PP) from a send's issue to the
+    next action (``benchmarks/cpu_action_gaps.py``); a transfer whose receiver waited took 306-407 us (the
+    plans' a median 0.34-0.40 ms). Stages of small eager ops instead (this loop's stages until then) gave
+    gaps of 48-61 us, issues of 229-346 us and waiting transfers of 153-246 us. What sets it is the weights
+    the pass streams, not its length: one 2.25 MiB layer gave issues of 287-310 us, two 416-424 us, and the
+    same two run six times in a pass 380-429 us. In seconds:
 
     * ``action``: the loop's Python before a pass, a receive or the optimizer step: the gap from the step's
       start or an action's end to the next action, where no send was issued;
@@ -601,15 +604,16 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = rank ^ 1
     schedule = make_schedule("1f1b", 2, microbatches)
+    layers, width, rows = mlp
 
     class Stage(nn.Module):
         def __init__(self, last: bool):
             super().__init__()
-            self.linear, self.last = nn.Linear(8, 8), last
+            self.linear, self.body, self.last = nn.Linear(8, 8), gelu_mlp(layers, width), last
+            self.rows = torch.full((rows, width), 0.01)
 
         def forward(self, x, targets=None):
-            eager_for(STAGE_PASS_S)
-            y = self.linear(x)
+            y = self.linear(x) + self.body(self.rows).mean()  # in the graph: the stage's backward runs the MLP's
             return y.square().mean() if self.last else y
 
     pp_rank, first = rank % 2, rank - rank % 2

@@ -120,9 +120,11 @@ GPU host):
   runtime's Python between one action and the next, which runs cold after
   work that streams megabytes (``parsim calibrate`` times it in a generic
   data-parallel step: 100-120 us on the 2-core AMD VM, where a loop over
-  trivial stages gave 46). ``p2p_issue_s``: the
-  loop's time issuing each pipeline send (``isend``, handing it to the thread
-  that waits for it), which delays the rank's next action. The step simulator
+  stages of small eager ops gave 46). ``p2p_issue_s``: the loop's time
+  issuing each pipeline send (``isend``, handing it to the thread that waits
+  for it), which delays the rank's next action; it too grows after passes
+  that stream their weights (0.39-0.47 ms between a pipeline's generic MLP
+  passes on that VM, 0.23-0.35 between small eager ops). The step simulator
   starts each action's first op ``action_overhead_s`` plus ``p2p_issue_s``
   per send issued since the last action after it could, so it shows as idle
   time, as measured. (Files calibrated before the issue was measured apart

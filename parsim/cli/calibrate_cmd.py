@@ -66,11 +66,11 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     executor's recorder -> the loop's time before each action
     (compute.action_overhead_us: its Python runs cold after work that
     streams megabytes); pairs of ranks running the executor's own pipeline
-    loop over trivial stages -> the time per send it issues
-    (compute.p2p_issue_us), the time of a transfer received late
-    (compute.p2p_rendezvous_us; a gloo thread may wait for the core where its
-    rank computes) and the latency of one whose receiver
-    waits (compute.p2p_latency_us, which the step simulator's pipeline sends
+    loop over stages that each pass a small generic MLP -> the time per
+    send it issues (compute.p2p_issue_us), the time of a transfer received
+    late (compute.p2p_rendezvous_us; a gloo thread may wait for the core
+    where its rank computes) and the latency of one whose receiver waits
+    (compute.p2p_latency_us, which the step simulator's pipeline sends
     take instead of the collective fit's latency per step: back-to-back
     loops of calls stall far longer than one transfer between passes);
   * on each rank in turn, the others waiting: AdamW steps on large tensors ->
@@ -299,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
               f"send's issue to the receive's end)")
     print(f"between actions   {action_overhead * 1e6:.0f} us before each pass, sync call or optimizer step (a "
           f"generic data-parallel step's loop), {p2p_issue * 1e6:.0f} us more per send issued (the executor's loop "
-          f"on a 2-stage pipeline of trivial stages, which the transfers above are timed on too)")
+          f"on a 2-stage pipeline of small MLPs, which the transfers above are timed on too)")
     if shared is not None:
         print(f"2 ranks per core  {shared.p2p_latency_s * 1e6:.0f} us latency and {shared.p2p_rendezvous_s * 1e6:.0f} "
               f"us rendezvous per pipeline transfer, {shared.action_overhead_s * 1e6:.0f} us between actions, "
@@ -327,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
 def _step_gap(rows: list[dict], loop_gap_s: float) -> float:
     """The loop's time before each action: the median over ranks of a generic data-parallel step's gaps
     (:func:`executor.compute_bench.measure_step_gaps`), where measured; else the pipeline loop's, ``loop_gap_s``
-    (its trivial stages leave the interpreter warm, which a step's megabytes do not)."""
+    (measured between a pipeline's passes and receives)."""
     gaps = [row["step_gaps"] for row in rows if row.get("step_gaps") is not None]
     return float(np.median(gaps)) if gaps else loop_gap_s
 
