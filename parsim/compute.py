@@ -115,8 +115,9 @@ GPU host):
   pass take with two ranks on their core (more than twice: each rank's slice
   starts in caches the other emptied).
 * ``action_overhead_s``: on CPU ranks, the training loop's own host time
-  before each action of a step (a pass of one microbatch, from its receive; a
-  gradient all-reduce the loop issues in turn; the optimizer step): the
+  before each action of a step (a pass of one microbatch, before its receive
+  and again between the receive and the pass; a gradient all-reduce the loop
+  issues in turn; the optimizer step): the
   runtime's Python between one action and the next, which runs cold after
   work that streams megabytes (``parsim calibrate`` times it in a generic
   data-parallel step: 100-120 us on the 2-core AMD VM, where a loop over

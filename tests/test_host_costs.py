@@ -446,6 +446,18 @@ def test_the_loop_s_time_before_each_action_shows_as_idle():
     assert all(b.seconds["idle"] > idle for b, idle in zip(gapped.ranks, idle_before))
 
 
+def test_a_pass_after_its_receive_waits_for_the_loop_again():
+    """The loop's Python runs between a receive's end and its pass (the executor's ``_F`` and ``_B``): each pass
+    of a pipeline's later stage begins ``action_overhead_us`` after its receive ends, as the receive began that
+    long after the pass before."""
+    trace = predict_step(resolve_plan("course-pp"), ideal_spec(**{"compute": {"action_overhead_us": 1000.0}})).trace
+    events = {e.name: e for e in trace.events if e.rank == 1}
+    for mb in range(4):
+        received = events[f"recv act stage=0 mb={mb} peer=0"]
+        assert events[f"F stage=1 mb={mb}"].start_s == pytest.approx(received.end_s + 1e-3, rel=1e-9)
+    assert events["recv act stage=0 mb=1 peer=0"].start_s == pytest.approx(events["F stage=1 mb=0"].end_s + 1e-3)
+
+
 def test_each_send_s_issue_delays_the_rank_s_next_action():
     """The loop issues a pass's sends before it moves on: the next action starts ``action_overhead_us`` plus
     ``p2p_issue_us`` per send after the pass ends (the transfer itself leaves at the pass's end)."""
