@@ -5,10 +5,13 @@ gap between one recorded action (a pass, a receive, a collective, the
 optimizer step) and the next, by the kinds on either side; the step's idle
 time (what no action covers); and, per send, the time from its issue to the
 rank's next action, which is the host time the issue takes (a send runs on
-beside the rank's compute, so it is not an action of its own). The simulator
-prices these as ``compute.action_overhead_us`` before each action, plus
-``compute.p2p_issue_us`` per send issued since the last, which ``parsim
-calibrate`` measures on the executor's loop over trivial stages.
+beside the rank's compute, so it is not an action of its own); and, on the
+host's one clock, how long the rank then waits for the last rank to end the
+step (idle in ``parsim compare``'s phases too). The simulator prices the gaps
+as ``compute.action_overhead_us`` before each action (and between a pass's
+receive and the pass), plus ``compute.p2p_issue_us`` per send issued since the
+last, which ``parsim calibrate`` measures in a generic data-parallel step and
+on the executor's pipeline loop over stages that pass a small MLP.
 Last, every pipeline transfer's time, split by whether the receiver waited (from
 the send's issue to the receive's end: priced as ``compute.p2p_latency_us``
 plus the bytes) and a receive posted after its send (the receive's own time:
@@ -37,6 +40,7 @@ from plan_on_ranks import run_from_command_line
 def main() -> None:
     plan, steps, results = run_from_command_line(__doc__, "course-ddp", 20)
     print(f"{plan.name} on {plan.world} gloo ranks, {steps} steps (ms)")
+    waits = _end_waits(results, steps)
     for result in results:
         gaps, idle, issue = defaultdict(list), [], []
         for events in result["steps"]:
@@ -54,7 +58,10 @@ def main() -> None:
                 later = [s for s in starts if s >= send.start_s]
                 if later:
                     issue.append(min(later) - send.start_s)
-        print(f"rank {result['rank']}: idle per step, median {1e3 * statistics.median(idle):.2f}")
+        wait = waits[result["rank"]]
+        print(f"rank {result['rank']}: idle per step, median {1e3 * statistics.median(idle):.2f}; then waiting "
+              f"for the last rank to end the step, median {1e3 * statistics.median(wait):.2f}, "
+              f"p90 {1e3 * _quantile(wait, 0.9):.2f}")
         print(f"  {'gap':<24} {'count':>5} {'median':>7} {'p90':>7}")
         for name, values in gaps.items():
             print(f"  {name:<24} {len(values):>5} {1e3 * statistics.median(values):>7.3f} "
@@ -63,6 +70,20 @@ def main() -> None:
             print(f"  {'send issued -> next':<24} {len(issue):>5} {1e3 * statistics.median(issue):>7.3f} "
                   f"{1e3 * _quantile(issue, 0.9):>7.3f}  (max {1e3 * max(issue):.2f})")
     _print_transfers(results)
+
+
+def _end_waits(results: list[dict], steps: int) -> dict[int, list[float]]:
+    """Per rank and step, the time from its last event's end to the step's (the last rank's), on the host's
+    clock: what a rank's idle holds beyond its own gaps."""
+    from executor.train.measure import step_events
+
+    waits: dict[int, list[float]] = defaultdict(list)
+    for step in range(steps):
+        events = step_events(results, step)
+        end = max(e.end_s for e in events)
+        for result in results:
+            waits[result["rank"]].append(end - max(e.end_s for e in events if e.rank == result["rank"]))
+    return waits
 
 
 def _print_transfers(results: list[dict]) -> None:
