@@ -43,6 +43,32 @@ def test_the_action_gaps_of_a_pipeline_run_are_printed_per_rank():
     assert sum(int(line.split(": ")[1].split(",")[0]) for line in transfers) == 16
 
 
+def test_the_gap_comparison_sums_each_kind_of_gap_in_both_traces(tmp_path):
+    """Each rank's gaps by kind, predicted on a cluster file and measured: tiny PP's second stage opens its
+    step with a receive, and each of its 4 passes follows a receive (2 measured steps: the median one)."""
+    import yaml
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_host_costs import HOST_KEYS, cpu_host
+
+    cluster = tmp_path / "host.yaml"
+    cluster.write_text(yaml.safe_dump(cpu_host(**HOST_KEYS)))
+    done = script("benchmarks/cpu_gap_compare.py", "tiny-pp2", str(cluster), "--steps", "2")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "tiny-pp2: gaps before actions, count x median = sum (ms)"
+    second = lines[lines.index(next(line for line in lines if line.startswith("rank 1:"))) + 1:]
+    rows = {line.split()[0]: line.split() for line in second}
+    assert rows["start->recv"][1] == "1" and rows["start->recv"][6] == "1"  # predicted and measured, once each
+    assert rows["recv->compute"][1] == "4" and rows["recv->compute"][6] == "4"
+
+
+def test_the_gap_comparison_refuses_an_unknown_cluster_in_one_line():
+    done = script("benchmarks/cpu_gap_compare.py", "tiny-pp2", "nosuch.yaml")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert done.stderr.startswith("cpu_gap_compare.py: ")
+
+
 def test_the_memory_sharing_benchmark_prints_each_rank_alone_and_together():
     done = script("benchmarks/cpu_memory_sharing.py", "--tensors", "2", "--numel", "4096", "--steps", "2")
     assert done.returncode == 0, done.stderr
