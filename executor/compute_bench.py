@@ -112,15 +112,39 @@ def measure_on_shared_cores(timeout_s: float = 300.0, pipeline_steps: int = 60) 
         os.sched_setaffinity(0, cores)
 
 
+SHARED_PROBE_ROUNDS = 5
+
+
 def _rank_shared(rank: int, world: int, pipeline_steps: int) -> dict:
     """The pipeline loop, the generic step's gaps between actions (:func:`measure_step_gaps`), then the
-    host-speed probes on every rank at once (``speed_probe``: matmul FLOP/s and seconds per eager pass with two
-    ranks computing on each core; each probe's throughput over 0.15 s, so the ranks' turns on the core and each
-    turn's cold start are in it)."""
+    host-speed probes in :data:`SHARED_PROBE_ROUNDS` rounds, each on every rank at once (two ranks computing on
+    each core) and then on one rank per core (``world // 2`` ranks, one on each core, the others waiting):
+    ``speed_probe`` and ``speed_probe_alone`` (None on a rank that waits), each the medians of matmul FLOP/s and
+    seconds per eager pass over the rounds. Each probe's throughput is over 0.15 s, so the ranks' turns on the
+    core and each turn's cold start are in it.
+
+    A round pairs the two, so the ratio holds while the host's speed drifts: taken against the probes of the
+    compute benchmarks a minute earlier, and with each rank building its probe (64 MiB of weights) after the
+    barrier, so that ranks began up to a build apart and probed partly alone, the eager stretch came out
+    1.70-2.56 over six calibrations on the 2-core AMD VM (2026-11-27)."""
     pipeline = measure_pipeline_loop(steps=pipeline_steps)
     step_gaps = measure_step_gaps()
-    _barrier()
-    return {"pipeline": pipeline, "step_gaps": step_gaps, "speed_probe": SpeedProbe()()}
+    probe = SpeedProbe()
+    together, alone = [], []
+    for _ in range(SHARED_PROBE_ROUNDS):
+        _barrier()
+        together.append(probe())
+        _barrier()
+        if rank < world // 2:
+            alone.append(probe())
+    return {"pipeline": pipeline, "step_gaps": step_gaps, "speed_probe": _medians(together),
+            "speed_probe_alone": _medians(alone) if alone else None}
+
+
+def _medians(readings: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The medians of the probes' (matmul FLOP/s, seconds per eager pass) readings."""
+    flops, eager_s = zip(*readings)
+    return statistics.median(flops), statistics.median(eager_s)
 
 
 def _rank_compute(rank: int, world: int) -> dict:

@@ -269,7 +269,9 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     monkeypatch.setattr(executor.compute_bench, "measure_on_shared_cores", lambda: [
         {"pipeline": {"rendezvous": 2.5e-3 + r * 1e-4, "latency": 200e-6, "action": 400e-6, "issue": 900e-6},
          "step_gaps": 500e-6,
-         "speed_probe": (20e9, 2000e-6)} for r in range(4)])
+         # two ranks on each core, then one per core (ranks 0 and 1) in turn: 2.2x and 2x as long shared
+         "speed_probe": (20e9, 2000e-6), "speed_probe_alone": (44e9, 1000e-6) if r < 2 else None}
+        for r in range(4)])
     monkeypatch.setattr(executor.collectives, "measure_reduce_bandwidth", lambda sizes: [(s, s / 6e9) for s in sizes])
 
     def collectives(op, sizes, n, backend, timeout_s=None):
@@ -307,11 +309,11 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert "p2p latency       60 us per pipeline transfer whose receiver waits" in text
     assert "p2p rendezvous    300 us per pipeline transfer received late" in text
     assert "2 ranks per core  200 us latency and 2650 us rendezvous per pipeline transfer, 500 us between actions, " \
-           "900 us per send (runs with more ranks than cores); a matmul 2.50x and an eager pass 2.50x as long as " \
+           "900 us per send (runs with more ranks than cores); a matmul 2.20x and an eager pass 2.00x as long as " \
            "with a core each" in text
     assert written.shared_cores == SharedCoreCosts(pytest.approx(2.65e-3), pytest.approx(200e-6),
-                                                   pytest.approx(500e-6), pytest.approx(900e-6), pytest.approx(2.5),
-                                                   pytest.approx(2.5))
+                                                   pytest.approx(500e-6), pytest.approx(900e-6), pytest.approx(2.2),
+                                                   pytest.approx(2.0))
     assert "memory            20.00 GB/s per rank with every rank streaming (40.0 GB/s in all), 32.00 GB/s for a " \
            "rank alone, 120 us per AdamW step and 50 us per tensor" in text
     assert (written.optimizer_step_s, written.optimizer_tensor_s) == pytest.approx((120e-6, 50e-6))
@@ -335,7 +337,7 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert (doc["p2p_rendezvous_us"], doc["p2p_latency_us"]) == pytest.approx((300.0, 60.0))
     assert doc["shared_cores"] == pytest.approx({"p2p_rendezvous_us": 2650.0, "p2p_latency_us": 200.0,
                                                  "action_overhead_us": 500.0, "p2p_issue_us": 900.0,
-                                                 "matmul_stretch": 2.5, "eager_stretch": 2.5})
+                                                 "matmul_stretch": 2.2, "eager_stretch": 2.0})
     assert (doc["memory_alone_bw_GBps"], doc["memory_host_bw_GBps"]) == pytest.approx((32.0, 40.0))
     assert (doc["optimizer_step_us"], doc["optimizer_tensor_us"]) == pytest.approx((120.0, 50.0))
     assert doc["core_ns_per_element"] == {kind: {"forward": pytest.approx(fwd), "backward": pytest.approx(bwd)}
@@ -343,6 +345,17 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert doc["tp_collective_call_us"] == pytest.approx({"forward": 120.0, "backward": 70.0})
     assert (doc["zero_grad_step_us"], doc["zero_grad_tensor_us"], doc["zero_grad_free_GBps"]) == pytest.approx(
         (5.0, 0.5, 160.0))
+
+
+def test_shared_cores_stretch_against_the_compute_benchmarks_probes_without_one_per_core_probes():
+    """A shared-core run without its own one-per-core probes: the stretches are against the probes the compute
+    benchmarks took (here 50 GFLOP/s and 800 us a pass)."""
+    from parsim.cli.calibrate_cmd import _shared_cores
+
+    rows = [{"pipeline": {"rendezvous": 1e-3, "latency": 2e-4, "action": 1e-4, "issue": 5e-4}, "step_gaps": 2e-4,
+             "speed_probe": (20e9, 2000e-6)} for _ in range(4)]
+    costs = _shared_cores(rows, 50e9, 800e-6)
+    assert (costs.matmul_stretch, costs.eager_stretch) == pytest.approx((2.5, 2.5))
 
 
 def test_calibrate_notes_in_one_line_an_operation_whose_times_do_not_grow(monkeypatch, tmp_path, capsys):

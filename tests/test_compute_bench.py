@@ -42,6 +42,9 @@ def test_the_pipeline_s_host_costs_are_timed_with_two_ranks_on_each_core():
     for row in rows:
         assert set(row["pipeline"]) == {"action", "issue", "rendezvous", "latency"}
         assert min(row["pipeline"].values()) > 0 and row["step_gaps"] > 0
+        assert min(row["speed_probe"]) > 0
+    # one rank per core probes alone too, in turn with every rank at once
+    assert [row["speed_probe_alone"] is not None for row in rows] == [r < len(rows) // 2 for r in range(len(rows))]
 
 
 def step_gaps(rank: int, world: int) -> float:

@@ -79,7 +79,10 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * on 4 ranks bound to 2 cores (gloo): the pipeline loop and the generic
     step again -> compute.shared_cores, what runs with more ranks than cores pay
     (a thread woken on a core where another rank computes waits for the
-    scheduler: 2-4x the rendezvous, 3-5x each send's issue on the 2-core VM);
+    scheduler: 7-10x the rendezvous, 4-5x each send's issue on the 2-core VM);
+    the host-speed probes there, in turn with one rank per core -> how many
+    times as long a matmul and an eager pass take on a shared core
+    (shared_cores.matmul_stretch, eager_stretch);
   * between those benchmarks, the host's speed: a fixed fp32 matmul's rate
     and a stack of tiny eager layers' time (compute.speed_probe_gflops,
     compute.speed_probe_eager_us). A VM's cores drift by 10-30% over minutes,
@@ -334,8 +337,9 @@ def _step_gap(rows: list[dict], loop_gap_s: float) -> float:
 
 def _shared_cores(rows: list[dict], probe_flops: float, probe_eager_s: float) -> SharedCoreCosts | None:
     """The medians over ranks of :func:`executor.compute_bench.measure_on_shared_cores`' figures (None: not run),
-    and its probes' against ``probe_flops`` and ``probe_eager_s``, the probes' with a core each: how many times
-    as long a matmul and an eager pass take with two ranks on each core (at least 1)."""
+    and its probes with two ranks on each core against those with one rank per core: how many times as long a
+    matmul and an eager pass take there (at least 1). The one-per-core probes are the same run's, taken in turn
+    with the shared ones, where measured; else ``probe_flops`` and ``probe_eager_s``, the compute benchmarks'."""
     loops = [row["pipeline"] for row in rows if row["pipeline"] is not None]
     if not loops:
         return None
@@ -345,6 +349,9 @@ def _shared_cores(rows: list[dict], probe_flops: float, probe_eager_s: float) ->
     if not len(probes):
         return costs
     flops, eager_s = np.median(probes, axis=0)
+    alone = np.array([row["speed_probe_alone"] for row in rows if row.get("speed_probe_alone")])
+    if len(alone):
+        probe_flops, probe_eager_s = np.median(alone, axis=0)
     return replace(costs, matmul_stretch=max(float(probe_flops / flops), 1.0),
                    eager_stretch=max(float(eager_s / probe_eager_s), 1.0))
 
