@@ -79,7 +79,7 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * on 4 ranks bound to 2 cores (gloo): the pipeline loop and the generic
     step again -> compute.shared_cores, what runs with more ranks than cores pay
     (a thread woken on a core where another rank computes waits for the
-    scheduler: 7-10x the rendezvous, 4-5x each send's issue on the 2-core VM);
+    scheduler: 8-9x the rendezvous, 4-5x each send's issue on the 2-core VM);
     the host-speed probes there, in turn with one rank per core -> how many
     times as long a matmul and an eager pass take on a shared core
     (shared_cores.matmul_stretch, eager_stretch);
