@@ -511,17 +511,11 @@ def gelu_mlp(layers: int, width: int) -> Any:
                            for module in (nn.Linear(width, width, bias=False), nn.GELU())])
 
 
-def measure_step_gaps(steps: int = 12, warmup: int = 3, mlp: tuple[int, int, int] = STEP_GAP_MLP
-                      ) -> dict[str, float]:
+def measure_step_gaps(steps: int = 12, warmup: int = 3, mlp: tuple[int, int, int] = STEP_GAP_MLP) -> float:
     """The training loop's host time between a step's actions, in a generic data-parallel step on every rank at
-    once: after a barrier, zero_grad, a forward and a backward of a GeLU MLP, an all-reduce of each gradient in
-    turn (averaged), AdamW, each action a span of the executor's
-    :class:`~executor.train.trace_recorder.Recorder`. In seconds, the medians over the steps after ``warmup``:
-
-    * ``action``: of every gap between one span's end and the next one's start;
-    * ``start``: from the barrier's exit to the first span, less zero_grad's own time: the loop's Python as a
-      step begins, which runs colder still, after the wait (on the 2-core AMD VM, 2026-11-27, the executor's
-      steps took 0.3-0.8 ms from their barrier to their first action, zero_grad in it).
+    once: zero_grad, a forward and a backward of a GeLU MLP, an all-reduce of each gradient in turn (averaged),
+    AdamW, each action a span of the executor's :class:`~executor.train.trace_recorder.Recorder`. The median
+    gap between one span's end and the next one's start over the steps after ``warmup``, in seconds.
 
     A loop over trivial work leaves the interpreter's code and data in the caches; a step's passes and
     collectives stream megabytes and evict them, so the same Python runs cold: on the 2-core AMD VM
@@ -538,13 +532,10 @@ def measure_step_gaps(steps: int = 12, warmup: int = 3, mlp: tuple[int, int, int
     x = torch.full((rows, width), 0.01)
     recorder = Recorder(0)
     gaps: list[float] = []
-    starts: list[float] = []
     for step in range(warmup + steps):
         _barrier()
         recorder.start_step()
-        freeing = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        freed_s = time.perf_counter() - freeing
         with recorder.span("forward", "compute", "compute"):
             loss = net(x).square().mean()
         with recorder.span("backward", "compute", "compute"):
@@ -559,8 +550,7 @@ def measure_step_gaps(steps: int = 12, warmup: int = 3, mlp: tuple[int, int, int
         if step >= warmup:
             events = recorder.events
             gaps += [after.start_s - before.end_s for before, after in zip(events, events[1:])]
-            starts.append(events[0].start_s - freed_s)
-    return {"action": statistics.median(gaps), "start": statistics.median(starts)}
+    return statistics.median(gaps)
 
 
 def in_turn(mine: Callable[[], float], others: Callable[[], Any] = lambda: None) -> float:

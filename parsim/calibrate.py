@@ -50,8 +50,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  matmul_stream_bw_Bps: float | None = None, matmul_write_bw_Bps: float | None = None,
                  p2p_rendezvous_s: float = 0.0,
                  p2p_latency_s: float | None = None,
-                 action_overhead_s: float = 0.0, p2p_issue_s: float = 0.0, step_start_s: float = 0.0,
-                 elementwise_bw_Bps: float | None = None,
+                 action_overhead_s: float = 0.0, p2p_issue_s: float = 0.0, elementwise_bw_Bps: float | None = None,
                  memory_alone_bw_Bps: float | None = None, memory_host_bw_Bps: float | None = None,
                  shared_cores: SharedCoreCosts | None = None, step_overhead_s: dict | None = None,
                  cpu_cores: int | None = None, speed_probe: tuple[float, float] | None = None,
@@ -64,8 +63,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
                   "optimizer_tensor_us": optimizer_tensor_s * 1e6, "optimizer_step_us": optimizer_step_s * 1e6,
                   "p2p_rendezvous_us": p2p_rendezvous_s * 1e6,
-                  "action_overhead_us": action_overhead_s * 1e6, "p2p_issue_us": p2p_issue_s * 1e6,
-                  "step_start_us": step_start_s * 1e6}
+                  "action_overhead_us": action_overhead_s * 1e6, "p2p_issue_us": p2p_issue_s * 1e6}
     if p2p_latency_s is not None:
         host_costs["p2p_latency_us"] = p2p_latency_s * 1e6
     if matmul_stream_bw_Bps:

@@ -46,13 +46,13 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "matmul_stream_bw_GBps",
                 "matmul_write_bw_GBps",
-                "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us", "step_start_us",
+                "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us",
                 "elementwise_bw_GBps", "core_ns_per_element", "tp_collective_call_us",
                 "zero_grad_step_us", "zero_grad_tensor_us", "zero_grad_free_GBps",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
                 "speed_probe_eager_us")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
-SHARED_CORE_OPTIONAL = ("p2p_issue_us", "step_start_us")  # absent from files calibrated before they were measured: 0
+SHARED_CORE_OPTIONAL = ("p2p_issue_us",)  # absent from files calibrated before it was measured: 0
 SHARED_CORE_STRETCHES = ("matmul_stretch", "eager_stretch")  # optional, times (absent: 2, the fair share)
 STRETCH = (1.0, 100.0, "times as long as with a core each")
 
@@ -128,7 +128,6 @@ class SharedCoreCosts:
     p2p_latency_s: float
     action_overhead_s: float
     p2p_issue_s: float = 0.0
-    step_start_s: float = 0.0
     matmul_stretch: float | None = None
     eager_stretch: float | None = None
 
@@ -248,7 +247,6 @@ class ClusterSpec:
     p2p_latency_s: float | None = None  # a pipeline transfer's latency when its receiver waits (None: the links')
     p2p_issue_s: float = 0.0  # host time a CPU rank's loop spends issuing one pipeline send, before its next action
     action_overhead_s: float = 0.0  # host time between a training step's actions (the loop's own Python)
-    step_start_s: float = 0.0  # and from the step's start to its first action, zero_grad aside (0: as between)
     elementwise_bw_Bps: float | None = None  # memory-bound kernels' bytes (None: at the memory speed)
     core_arithmetic: CoreArithmetic | None = None  # a CPU core's time per element of GeLU, norms, softmax
     # host time of one tensor-parallel collective call in an eager pass beyond the collective, forward and backward
@@ -296,10 +294,9 @@ class ClusterSpec:
             optimizer_tensor_s=self.optimizer_tensor_s / eager, optimizer_step_s=self.optimizer_step_s / eager,
             kernel_overhead_s=self.kernel_overhead_s / eager,
             action_overhead_s=self.action_overhead_s / eager, p2p_issue_s=self.p2p_issue_s / eager,
-            step_start_s=self.step_start_s / eager,
             shared_cores=self.shared_cores and replace(
                 self.shared_cores, action_overhead_s=self.shared_cores.action_overhead_s / eager,
-                p2p_issue_s=self.shared_cores.p2p_issue_s / eager, step_start_s=self.shared_cores.step_start_s / eager),
+                p2p_issue_s=self.shared_cores.p2p_issue_s / eager),
             speed_probe_flops=self.speed_probe_flops and self.speed_probe_flops * arithmetic,
             speed_probe_eager_s=self.speed_probe_eager_s and self.speed_probe_eager_s / eager)
 
@@ -450,7 +447,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     sm_cycles = _sm_cycles(source, compute.get("sm_cycles", {}))
     host_us = {}
     for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "p2p_rendezvous_us",
-                "action_overhead_us", "p2p_issue_us", "step_start_us", "zero_grad_step_us", "zero_grad_tensor_us"):
+                "action_overhead_us", "p2p_issue_us", "zero_grad_step_us", "zero_grad_tensor_us"):
         host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
     p2p_latency = compute.get("p2p_latency_us")
     if p2p_latency is not None:
@@ -532,7 +529,6 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         p2p_latency_s=p2p_latency and float(p2p_latency) * 1e-6,
         action_overhead_s=float(host_us["action_overhead_us"]) * 1e-6,
         p2p_issue_s=float(host_us["p2p_issue_us"]) * 1e-6,
-        step_start_s=float(host_us["step_start_us"]) * 1e-6,
         zero_grad_step_s=float(host_us["zero_grad_step_us"]) * 1e-6,
         zero_grad_tensor_s=float(host_us["zero_grad_tensor_us"]) * 1e-6,
         zero_grad_free_Bps=_GBps(host_GBps["zero_grad_free_GBps"]),

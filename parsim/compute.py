@@ -130,10 +130,6 @@ GPU host):
   per send issued since the last action after it could, so it shows as idle
   time, as measured. (Files calibrated before the issue was measured apart
   hold it in ``action_overhead_s``, spread over every action.)
-  ``step_start_s``: the loop's time from a step's start to a rank's first
-  action, zero_grad's freeing aside, which runs colder still after the
-  step's barrier; it stands for ``action_overhead_s`` before that action (0:
-  not measured, a gap like the others).
 * ``p2p_rendezvous_s``: the host time of one pipeline transfer on CPU ranks
   whose receive is posted late (gloo moves a message only once the receiver
   has asked for it, and the sender's gloo thread, woken on a core where its
@@ -214,7 +210,6 @@ class ComputeModel:
     shared_cores: SharedCoreCosts | None = None  # the pipeline's host costs with two ranks on each core
     action_overhead_s: float = 0.0  # host time before each action of a step (parsim.stepsim; see the docstring)
     p2p_issue_s: float = 0.0  # host time issuing one pipeline send, before the rank's next action
-    step_start_s: float = 0.0  # host time from a step's start to its first action, zero_grad aside (0: a gap's)
     elementwise_bw_Bps: float | None = None  # a block's memory-bound bytes (None: at memory_bw_Bps)
     memory_alone_bw_Bps: float | None = None  # one CPU rank streaming while the host's others wait (see above)
     memory_host_bw_Bps: float | None = None  # the CPU host's memory speed, all ranks streaming
@@ -255,7 +250,7 @@ class ComputeModel:
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, matmul_write_bw_Bps=spec.matmul_write_bw_Bps,
             p2p_rendezvous_s=spec.p2p_rendezvous_s,
             p2p_latency_s=spec.p2p_latency_s, shared_cores=spec.shared_cores,
-            action_overhead_s=spec.action_overhead_s, p2p_issue_s=spec.p2p_issue_s, step_start_s=spec.step_start_s,
+            action_overhead_s=spec.action_overhead_s, p2p_issue_s=spec.p2p_issue_s,
             elementwise_bw_Bps=spec.elementwise_bw_Bps, memory_alone_bw_Bps=spec.memory_alone_bw_Bps,
             memory_host_bw_Bps=spec.memory_host_bw_Bps,
             time_share=max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0,
@@ -424,15 +419,6 @@ class ComputeModel:
     def action_gap_s(self) -> float:
         """Host time before each action of a step."""
         return self._pipeline_cost(self.action_overhead_s, "action_overhead_s")
-
-    @property
-    def start_gap_s(self) -> float:
-        """Host time from a step's start to a rank's first action, zero_grad aside (:attr:`action_gap_s` where
-        not measured)."""
-        if not self.step_start_s:
-            return self.action_gap_s
-        shared = self.shared_cores.step_start_s if self.shared_cores and self.shared_cores.step_start_s else None
-        return self.time_shared(self.step_start_s, shared)
 
     def zero_grad_s(self, tensors: int, nbytes: float) -> float:
         """Host time of freeing a step's gradients (``tensors`` of ``nbytes`` in all) as it starts; 0 unless

@@ -260,8 +260,7 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
                  # zero_grad: 5 us a step, 0.5 us a tensor, freeing at 160 GB/s
                  "zero_grad": [(t, n, 5e-6 + t * 0.5e-6 + t * n * 4 / 160e9)
                                for t, n in ((1, 1024), (16, 1024), (4, 1 << 20), (16, 1 << 18))],
-                 # a generic step's, which the loop's time before actions and at a step's start take
-                 "step_gaps": {"action": (110e-6, 130e-6)[r % 2], "start": (250e-6, 350e-6)[r % 2]},
+                 "step_gaps": (110e-6, 130e-6)[r % 2],  # a generic step's, which the loop's time before actions takes
                  "pipeline": {"rendezvous": 300e-6, "latency": 60e-6, "action": (70e-6, 90e-6)[r % 2],
                               "issue": 150e-6}} for r in range(nproc)]
 
@@ -269,7 +268,7 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     monkeypatch.setattr(executor.compute_bench, "measure_on_every_rank", every_rank)
     monkeypatch.setattr(executor.compute_bench, "measure_on_shared_cores", lambda: [
         {"pipeline": {"rendezvous": 2.5e-3 + r * 1e-4, "latency": 200e-6, "action": 400e-6, "issue": 900e-6},
-         "step_gaps": {"action": 500e-6, "start": 900e-6},
+         "step_gaps": 500e-6,
          # two ranks on each core, then one per core (ranks 0 and 1) in turn: 2.2x and 2x as long shared
          "speed_probe": (20e9, 2000e-6), "speed_probe_alone": (44e9, 1000e-6) if r < 2 else None}
         for r in range(4)])
@@ -306,17 +305,15 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert (f"weights stream in at {written.matmul_stream_bw_Bps / 1e9:.1f} GB/s and outputs out at "
             f"{written.matmul_write_bw_Bps / 1e9:.1f} GB/s") in text
     assert (written.action_overhead_s, written.p2p_issue_s) == pytest.approx((120e-6, 150e-6))
-    assert "step start        300 us from a step's start to its first action, zero_grad aside" in text
-    assert written.step_start_s == pytest.approx(300e-6)
     assert (written.p2p_rendezvous_s, written.p2p_latency_s) == pytest.approx((300e-6, 60e-6))
     assert "p2p latency       60 us per pipeline transfer whose receiver waits" in text
     assert "p2p rendezvous    300 us per pipeline transfer received late" in text
     assert "2 ranks per core  200 us latency and 2650 us rendezvous per pipeline transfer, 500 us between actions, " \
-           "900 us to a step's first, 900 us per send (runs with more ranks than cores); a matmul 2.20x and an " \
-           "eager pass 2.00x as long as with a core each" in text
+           "900 us per send (runs with more ranks than cores); a matmul 2.20x and an eager pass 2.00x as long as " \
+           "with a core each" in text
     assert written.shared_cores == SharedCoreCosts(pytest.approx(2.65e-3), pytest.approx(200e-6),
-                                                   pytest.approx(500e-6), pytest.approx(900e-6), pytest.approx(900e-6),
-                                                   pytest.approx(2.2), pytest.approx(2.0))
+                                                   pytest.approx(500e-6), pytest.approx(900e-6), pytest.approx(2.2),
+                                                   pytest.approx(2.0))
     assert "memory            20.00 GB/s per rank with every rank streaming (40.0 GB/s in all), 32.00 GB/s for a " \
            "rank alone, 120 us per AdamW step and 50 us per tensor" in text
     assert (written.optimizer_step_s, written.optimizer_tensor_s) == pytest.approx((120e-6, 50e-6))
@@ -336,12 +333,11 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert conforms(doc) == "calibrate"
     assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"]) == pytest.approx((50.0, 800.0))
     assert (doc["matmul_stream_bw_GBps"], doc["matmul_write_bw_GBps"]) == pytest.approx((15.0, 45.0), rel=0.1)
-    assert (doc["action_overhead_us"], doc["p2p_issue_us"], doc["step_start_us"]) == pytest.approx(
-        (120.0, 150.0, 300.0))
+    assert (doc["action_overhead_us"], doc["p2p_issue_us"]) == pytest.approx((120.0, 150.0))
     assert (doc["p2p_rendezvous_us"], doc["p2p_latency_us"]) == pytest.approx((300.0, 60.0))
     assert doc["shared_cores"] == pytest.approx({"p2p_rendezvous_us": 2650.0, "p2p_latency_us": 200.0,
                                                  "action_overhead_us": 500.0, "p2p_issue_us": 900.0,
-                                                 "step_start_us": 900.0, "matmul_stretch": 2.2, "eager_stretch": 2.0})
+                                                 "matmul_stretch": 2.2, "eager_stretch": 2.0})
     assert (doc["memory_alone_bw_GBps"], doc["memory_host_bw_GBps"]) == pytest.approx((32.0, 40.0))
     assert (doc["optimizer_step_us"], doc["optimizer_tensor_us"]) == pytest.approx((120.0, 50.0))
     assert doc["core_ns_per_element"] == {kind: {"forward": pytest.approx(fwd), "backward": pytest.approx(bwd)}
@@ -356,8 +352,7 @@ def test_shared_cores_stretch_against_the_compute_benchmarks_probes_without_one_
     benchmarks took (here 50 GFLOP/s and 800 us a pass)."""
     from parsim.cli.calibrate_cmd import _shared_cores
 
-    rows = [{"pipeline": {"rendezvous": 1e-3, "latency": 2e-4, "action": 1e-4, "issue": 5e-4},
-             "step_gaps": {"action": 2e-4, "start": 4e-4},
+    rows = [{"pipeline": {"rendezvous": 1e-3, "latency": 2e-4, "action": 1e-4, "issue": 5e-4}, "step_gaps": 2e-4,
              "speed_probe": (20e9, 2000e-6)} for _ in range(4)]
     costs = _shared_cores(rows, 50e9, 800e-6)
     assert (costs.matmul_stretch, costs.eager_stretch) == pytest.approx((2.5, 2.5))

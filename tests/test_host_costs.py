@@ -206,7 +206,7 @@ def test_host_keys_are_read_in_si_units():
     ("op_forward_us", -1.0, "0 to 1e[+]09 microseconds"), ("op_backward_us", "fast", "a finite number in micro"),
     ("optimizer_tensor_us", float("nan"), "a finite number"), ("p2p_rendezvous_us", True, "a finite number"),
     ("action_overhead_us", -5.0, "0 to 1e[+]09 microseconds"), ("p2p_latency_us", "slow", "a finite number in micro"),
-    ("p2p_issue_us", -1.0, "0 to 1e[+]09 microseconds"), ("step_start_us", "late", "a finite number in micro"),
+    ("p2p_issue_us", -1.0, "0 to 1e[+]09 microseconds"),
     ("matmul_stream_bw_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("elementwise_bw_GBps", -3, "1e-12 to 1e[+]12 GB/s"),
     ("matmul_write_bw_GBps", "fast", "a finite number in GB/s"),
     ("op_overhead_us", 1.0, "unknown key"), ("cpu_cores", 0, "a whole number from 1 to 65,536"),
@@ -218,7 +218,7 @@ def test_host_keys_are_read_in_si_units():
     ("core_ns_per_element", {**CORE_NS, "norm": {"forward": 1.0}}, "norm: is .* a mapping of forward and backward"),
     ("core_ns_per_element", {**CORE_NS, "gelu": {"forward": -1.0, "backward": 1.0}}, "gelu.forward: is -1"),
     ("shared_cores", {"p2p_latency_us": 1.0}, "a mapping of p2p_rendezvous_us, p2p_latency_us, action_overhead_us "
-     "[(]and optionally p2p_issue_us, step_start_us, matmul_stretch, eager_stretch[)]"),
+     "[(]and optionally p2p_issue_us, matmul_stretch, eager_stretch[)]"),
     ("shared_cores", {**SHARED, "p2p_issue_us": 1.0, "p2p_lag_us": 1.0}, "a mapping of"),
     ("shared_cores", {"p2p_rendezvous_us": 1.0, "p2p_latency_us": -1.0, "action_overhead_us": 1.0},
      "shared_cores.p2p_latency_us: is -1"),
@@ -379,27 +379,6 @@ def test_freeing_a_step_s_gradients_shows_as_idle_before_each_rank_s_first_actio
             for name, s in (("with", spec), ("without", plain))}
     for rank, (tensors, nbytes) in program.gradients.items():
         assert idle["with"][rank] - idle["without"][rank] == pytest.approx(model.zero_grad_s(tensors, nbytes))
-
-
-def test_the_loop_s_time_as_a_step_starts_comes_before_each_rank_s_first_action():
-    """``step_start_us`` stands for the gap before a rank's first action (with zero_grad's freeing after it);
-    every later action keeps ``action_overhead_us``. Without it, the first action waits a gap like the others.
-    On shared cores it takes what was measured there, and it follows the eager probe."""
-    plan = resolve_plan("course-pp")
-    started = parse_cluster(cpu_host(**HOST_KEYS, step_start_us=540.0), "host.yaml")
-    plain = parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")
-    assert started.step_start_s == pytest.approx(540e-6) and plain.step_start_s == 0.0
-    assert started.at_host_speed(1.0, 2.0).step_start_s == pytest.approx(270e-6)
-    idle = {name: {r.rank: r.seconds["idle"] for r in predict_step(plan, s).ranks}
-            for name, s in (("with", started), ("without", plain))}
-    for rank in (0, 1):
-        assert idle["with"][rank] - idle["without"][rank] == pytest.approx(540e-6 - 40e-6, abs=1e-9)
-    first = min((e for e in predict_step(plan, started).trace.events if e.rank == 0), key=lambda e: e.start_s)
-    assert first.start_s == pytest.approx(540e-6)
-    shared = {**SHARED, "step_start_us": 1500.0}
-    model = ComputeModel.for_cluster(parse_cluster(cpu_host(**HOST_KEYS, step_start_us=540.0, cpu_cores=1,
-                                                            shared_cores=shared), "host.yaml"), "fp32", 4, 2)
-    assert (model.start_gap_s, model.action_gap_s) == pytest.approx((1500e-6, 400e-6))
 
 
 def test_host_costs_slow_a_cpu_step_by_what_they_charge():
@@ -591,8 +570,7 @@ def test_compute_on_shared_cores_stretches_by_what_was_measured_there(ranks, mat
     kernels, host = alone.time(matmuls=((64, 1024, 1024),)), alone.time(forward_ops=100)
     assert model.time(matmuls=((64, 1024, 1024),), forward_ops=100) == pytest.approx(matmul * kernels + eager * host)
     assert parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=2, shared_cores=shared), "h.yaml").shared_cores.to_mapping() \
-        == pytest.approx({**SHARED, "p2p_issue_us": 0.0, "step_start_us": 0.0, "matmul_stretch": 2.3,
-                          "eager_stretch": 2.6})
+        == pytest.approx({**SHARED, "p2p_issue_us": 0.0, "matmul_stretch": 2.3, "eager_stretch": 2.6})
 
 
 @pytest.mark.parametrize("ranks, expected", [(2, 150e-6), (3, 525e-6), (4, 900e-6), (8, 1800e-6)])

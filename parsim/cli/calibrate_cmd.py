@@ -65,16 +65,14 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     step (an MLP's passes, an all-reduce per gradient, AdamW) timed by the
     executor's recorder -> the loop's time before each action
     (compute.action_overhead_us: its Python runs cold after work that
-    streams megabytes) and from the step's barrier to its first action
-    (compute.step_start_us, zero_grad aside); pairs of ranks running the
-    executor's own pipeline loop over stages that each pass a small generic
-    MLP -> the time per send it issues (compute.p2p_issue_us), the time of a
-    transfer received late (compute.p2p_rendezvous_us; a gloo thread may
-    wait for the core where its rank computes) and the latency of one whose
-    receiver waits (compute.p2p_latency_us, which the step simulator's
-    pipeline sends take instead of the collective fit's latency per step:
-    back-to-back loops of calls stall far longer than one transfer between
-    passes);
+    streams megabytes); pairs of ranks running the executor's own pipeline
+    loop over stages that each pass a small generic MLP -> the time per
+    send it issues (compute.p2p_issue_us), the time of a transfer received
+    late (compute.p2p_rendezvous_us; a gloo thread may wait for the core
+    where its rank computes) and the latency of one whose receiver waits
+    (compute.p2p_latency_us, which the step simulator's pipeline sends
+    take instead of the collective fit's latency per step: back-to-back
+    loops of calls stall far longer than one transfer between passes);
   * on each rank in turn, the others waiting: AdamW steps on large tensors ->
     the memory speed of one rank alone (compute.memory_alone_bw_GBps; the step
     simulator shares the host's memory among the ranks streaming at once);
@@ -193,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     memory_host_bw = memory_bw * max(rank_counts)
     loops = [rank["pipeline"] for rank in per_rank if rank["pipeline"] is not None]
     p2p_rendezvous, action_overhead, p2p_issue = (_median(loops, key) for key in ("rendezvous", "action", "issue"))
-    action_overhead, step_start = _step_gap(per_rank, action_overhead), _step_start(per_rank)
+    action_overhead = _step_gap(per_rank, action_overhead)
     p2p_latency = _median(loops, "latency") if loops else None
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s = (float(v) for v in np.median(probes, axis=0))
@@ -225,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer_tensor_s=optimizer.tensor_s, optimizer_step_s=optimizer.step_s,
         matmul_stream_bw_Bps=matmul.stream_bw_Bps, matmul_write_bw_Bps=matmul.write_bw_Bps,
         p2p_rendezvous_s=p2p_rendezvous, p2p_latency_s=p2p_latency, action_overhead_s=action_overhead,
-        p2p_issue_s=p2p_issue, step_start_s=step_start,
+        p2p_issue_s=p2p_issue,
         elementwise_bw_Bps=elementwise_bw,
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
         cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s),
@@ -251,7 +249,6 @@ def run(args: argparse.Namespace) -> int:
                     "p2p_rendezvous_us": p2p_rendezvous * 1e6,
                     "p2p_latency_us": p2p_latency * 1e6 if p2p_latency is not None else None,
                     "action_overhead_us": action_overhead * 1e6, "p2p_issue_us": p2p_issue * 1e6,
-                    "step_start_us": step_start * 1e6,
                     "shared_cores": shared.to_mapping() if shared else None,
                     "elementwise_bw_GBps": elementwise_bw / 1e9, "core_ns_per_element": arithmetic.to_ns(),
                     "tp_collective_call_us": {"forward": tp_calls[0] * 1e6, "backward": tp_calls[1] * 1e6}
@@ -306,12 +303,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"between actions   {action_overhead * 1e6:.0f} us before each pass, sync call or optimizer step (a "
           f"generic data-parallel step's loop), {p2p_issue * 1e6:.0f} us more per send issued (the executor's loop "
           f"on a 2-stage pipeline of small MLPs, which the transfers above are timed on too)")
-    print(f"step start        {step_start * 1e6:.0f} us from a step's start to its first action, zero_grad aside "
-          f"(the generic step's loop, after its barrier)")
     if shared is not None:
         print(f"2 ranks per core  {shared.p2p_latency_s * 1e6:.0f} us latency and {shared.p2p_rendezvous_s * 1e6:.0f} "
               f"us rendezvous per pipeline transfer, {shared.action_overhead_s * 1e6:.0f} us between actions, "
-              f"{shared.step_start_s * 1e6:.0f} us to a step's first, "
               f"{shared.p2p_issue_s * 1e6:.0f} us per send (runs with more ranks than cores)"
               + (f"; a matmul {shared.matmul_stretch:.2f}x and an eager pass {shared.eager_stretch:.2f}x as long as "
                  f"with a core each" if shared.matmul_stretch else ""))
@@ -337,15 +331,8 @@ def _step_gap(rows: list[dict], loop_gap_s: float) -> float:
     """The loop's time before each action: the median over ranks of a generic data-parallel step's gaps
     (:func:`executor.compute_bench.measure_step_gaps`), where measured; else the pipeline loop's, ``loop_gap_s``
     (measured between a pipeline's passes and receives)."""
-    gaps = [row["step_gaps"]["action"] for row in rows if row.get("step_gaps") is not None]
+    gaps = [row["step_gaps"] for row in rows if row.get("step_gaps") is not None]
     return float(np.median(gaps)) if gaps else loop_gap_s
-
-
-def _step_start(rows: list[dict]) -> float:
-    """The loop's time from a step's start to its first action, zero_grad aside: the median over ranks of the
-    generic data-parallel step's (:func:`executor.compute_bench.measure_step_gaps`; 0: not measured)."""
-    starts = [row["step_gaps"]["start"] for row in rows if row.get("step_gaps") is not None]
-    return float(np.median(starts)) if starts else 0.0
 
 
 def _shared_cores(rows: list[dict], probe_flops: float, probe_eager_s: float) -> SharedCoreCosts | None:
@@ -357,7 +344,7 @@ def _shared_cores(rows: list[dict], probe_flops: float, probe_eager_s: float) ->
     if not loops:
         return None
     costs = SharedCoreCosts(*(_median(loops, key) for key in ("rendezvous", "latency", "action", "issue")))
-    costs = replace(costs, action_overhead_s=_step_gap(rows, costs.action_overhead_s), step_start_s=_step_start(rows))
+    costs = replace(costs, action_overhead_s=_step_gap(rows, costs.action_overhead_s))
     probes = np.array([row["speed_probe"] for row in rows if row.get("speed_probe")])
     if not len(probes):
         return costs
