@@ -123,9 +123,9 @@ def _rank_shared(rank: int, world: int, pipeline_steps: int) -> dict:
     seconds per eager pass over the rounds. Each probe's throughput is over 0.15 s, so the ranks' turns on the
     core and each turn's cold start are in it.
 
-    A round pairs the two, so the ratio holds while the host's speed drifts: taken against the probes of the
-    compute benchmarks a minute earlier, and with each rank building its probe (64 MiB of weights) after the
-    barrier, so that ranks began up to a build apart and probed partly alone, the eager stretch came out
+    Pairing the two in each round keeps their ratio while the host's speed drifts. Taken instead against the
+    compute benchmarks' probes a minute earlier, with each rank building its probe (64 MiB of weights) after
+    the barrier (the ranks began up to a build apart and probed partly alone), the eager stretch had come out
     1.70-2.56 over six calibrations on the 2-core AMD VM (2026-11-27)."""
     pipeline = measure_pipeline_loop(steps=pipeline_steps)
     step_gaps = measure_step_gaps()
@@ -316,10 +316,10 @@ def passes_after_dirty_caches(forward: Callable[[], Any], backward: Callable[[An
                               ) -> tuple[float, float]:
     """Median seconds of ``forward()`` and of ``backward(its output)`` right after it, every rank at once, each
     repeat right after writing ``footprint_bytes / 2`` of other host memory (untimed), as a step's pass finds
-    the caches. Both are timed in the same repeat: the backward as the difference of two medians, each over its
-    own run of repeats (forward alone, then forward and backward), took in the host's drift between the runs,
-    and one calibration on the 2-core AMD VM (2026-11-27, set BN) priced a backward op at 7.2 us against
-    10.5-13.8 in the six before it."""
+    the caches. Both are timed in the same repeat. The backward had been the difference of two medians, each
+    over its own run of repeats (forward alone, then forward and backward): that took in the host's drift
+    between the runs, and one calibration on the 2-core AMD VM (2026-11-27, set BN) priced a backward op at
+    7.2 us against 10.5-13.8 in the six before it."""
     torch = require_torch()
     dirty = torch.zeros(footprint_bytes // 8)
     backward(forward())
