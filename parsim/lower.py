@@ -227,14 +227,14 @@ class Lowering:
         training loop's host time before the action goes there (``ComputeModel.action_gap_s``). After a
         receive, the pass's first block too: the loop's Python runs between the two (0.06-0.11 ms a receive in
         tiny PP's and course PP's steps on the 2-core AMD VM)."""
-        after_receive = False
-        for op in self.program.ops[first:]:
-            if op.stream != "compute" or (after_receive and op.kind == "recv"):
-                continue
-            op.opens_action = True
-            if op.kind != "recv" or after_receive:
-                return
-            after_receive = True
+        ops = [op for op in self.program.ops[first:] if op.stream == "compute"]
+        if not ops:
+            return
+        ops[0].opens_action = True
+        if ops[0].kind == "recv":
+            block = next((op for op in ops[1:] if op.kind != "recv"), None)
+            if block is not None:
+                block.opens_action = True
 
     # -- groups ---------------------------------------------------------------
     @functools.cache
