@@ -34,7 +34,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from plan_on_ranks import run_from_command_line
+from plan_on_ranks import gaps_before_actions, run_from_command_line
 
 
 def main() -> None:
@@ -44,16 +44,13 @@ def main() -> None:
     for result in results:
         gaps, idle, issue = defaultdict(list), [], []
         for events in result["steps"]:
-            actions = sorted((e for e in events if e.kind != "send"), key=lambda e: e.start_s)
+            before_actions = gaps_before_actions(events)
+            for kind, gap in before_actions:
+                gaps[kind].append(gap)
+            reach = max((e.end_s for e in events if e.kind != "send"), default=0.0)
             end = max(e.end_s for e in events)
-            reach, before, uncovered = 0.0, "start", 0.0
-            for e in actions:
-                if e.start_s > reach:
-                    gaps[f"{before} -> {e.kind}"].append(e.start_s - reach)
-                    uncovered += e.start_s - reach
-                reach, before = max(reach, e.end_s), e.kind
-            idle.append(uncovered + max(end - reach, 0.0))
-            starts = [e.start_s for e in actions]
+            idle.append(sum(gap for _, gap in before_actions) + max(end - reach, 0.0))
+            starts = [e.start_s for e in events if e.kind != "send"]
             for send in (e for e in events if e.kind == "send"):
                 later = [s for s in starts if s >= send.start_s]
                 if later:
@@ -62,12 +59,12 @@ def main() -> None:
         print(f"rank {result['rank']}: idle per step, median {1e3 * statistics.median(idle):.2f}; then waiting "
               f"for the last rank to end the step, median {1e3 * statistics.median(wait):.2f}, "
               f"p90 {1e3 * _quantile(wait, 0.9):.2f}")
-        print(f"  {'gap':<24} {'count':>5} {'median':>7} {'p90':>7}")
+        print(f"  {'gap':<32} {'count':>5} {'median':>7} {'p90':>7}")
         for name, values in gaps.items():
-            print(f"  {name:<24} {len(values):>5} {1e3 * statistics.median(values):>7.3f} "
+            print(f"  {name:<32} {len(values):>5} {1e3 * statistics.median(values):>7.3f} "
                   f"{1e3 * _quantile(values, 0.9):>7.3f}")
         if issue:
-            print(f"  {'send issued -> next':<24} {len(issue):>5} {1e3 * statistics.median(issue):>7.3f} "
+            print(f"  {'send issued -> next':<32} {len(issue):>5} {1e3 * statistics.median(issue):>7.3f} "
                   f"{1e3 * _quantile(issue, 0.9):>7.3f}  (max {1e3 * max(issue):.2f})")
     _print_transfers(results)
 

@@ -21,21 +21,15 @@ import argparse
 import statistics
 from collections import defaultdict
 
+from plan_on_ranks import gaps_before_actions
+
 
 def gaps_by_kind(events: list) -> dict[int, dict[str, list[float]]]:
-    """Per rank, every gap before an action, keyed ``before->after`` (``+N send`` where N sends were issued
-    in it)."""
+    """Per rank, every gap before an action (:func:`plan_on_ranks.gaps_before_actions`), by its kind."""
     out: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for rank in sorted({e.rank for e in events}):
-        mine = [e for e in events if e.rank == rank]
-        sends = [e.start_s for e in mine if e.kind == "send"]
-        reach, before = 0.0, "start"
-        for e in sorted((e for e in mine if e.kind != "send"), key=lambda e: e.start_s):
-            if e.start_s > reach + 1e-9:
-                issued = sum(1 for s in sends if reach - 1e-9 <= s <= e.start_s)
-                out[rank][f"{before}->{e.kind}{f' +{issued} send' if issued else ''}"].append(e.start_s - reach)
-            if e.end_s > reach:
-                reach, before = e.end_s, e.kind
+        for kind, gap in gaps_before_actions([e for e in events if e.rank == rank]):
+            out[rank][kind].append(gap)
     return out
 
 

@@ -29,3 +29,18 @@ def run_from_command_line(doc: str, example: str, default_steps: int) -> tuple[A
     except ParsimError as error:  # a bad plan, or a rank that failed: one line, as the CLI says it
         parser.exit(2, f"{parser.prog}: {error}\n")
     return plan, args.steps, results
+
+
+def gaps_before_actions(events: list) -> list[tuple[str, float]]:
+    """One rank's gaps before its actions in one step, as ``(kind, seconds)``: from the step's start or an
+    action's end (a pass, a receive, a collective, the optimizer step) to the next action, the kind named by
+    what is on either side (``compute->recv``) and the sends issued in between (``compute->recv +1 send``)."""
+    sends = [e.start_s for e in events if e.kind == "send"]
+    gaps, reach, before = [], 0.0, "start"
+    for e in sorted((e for e in events if e.kind != "send"), key=lambda e: e.start_s):
+        if e.start_s > reach + 1e-9:
+            issued = sum(1 for s in sends if reach - 1e-9 <= s <= e.start_s)
+            gaps.append((f"{before}->{e.kind}{f' +{issued} send' if issued else ''}", e.start_s - reach))
+        if e.end_s > reach:
+            reach, before = e.end_s, e.kind
+    return gaps

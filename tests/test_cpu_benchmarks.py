@@ -35,7 +35,13 @@ def test_the_action_gaps_of_a_pipeline_run_are_printed_per_rank():
     lines = done.stdout.splitlines()
     assert lines[0] == "tiny-pp2 on 2 gloo ranks, 2 steps (ms)"
     for rank in (0, 1):
-        assert any(line.startswith(f"rank {rank}: idle per step, median ") for line in lines)
+        head = next(line for line in lines if line.startswith(f"rank {rank}: idle per step, median "))
+        # then the wait for the last rank to end the step, on the host's clock: one of the two ranks ends it
+        wait = head.split("then waiting for the last rank to end the step, median ")[1]
+        median, p90 = (float(part) for part in wait.split(", p90 "))
+        assert 0 <= median <= p90
+    # on each stage, 4 passes a step follow their receive (stage 1's forwards, stage 0's backwards): 8 in 2 steps
+    assert sum(line.split()[0] == "recv->compute" and line.split()[1] == "8" for line in lines) == 2
     # Each rank sends its 4 microbatches' activations or gradients per step: 8 issues over 2 steps.
     assert sum(line.strip().startswith("send issued -> next") and line.split()[4] == "8" for line in lines) == 2
     # Every transfer is timed once, its receiver waiting or its receive posted late: 8 a step.
