@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+from executor.launch import usable_cores  # noqa: E402
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -164,3 +166,18 @@ def test_the_compare_loop_prints_each_plan_against_the_bounds(monkeypatch, tmp_p
     assert rows["course DDP"][2:] == ["40", "42.0", "42.0", "-4.8%", "yes", "r1", "idle", "-9%", "yes"]
     assert rows["course TP"][2:] == ["40", "50.0", "50.0", "-20.0%", "no", "r1", "idle", "-9%", "yes"]
     assert len(list(tmp_path.glob("*.json"))) == 2 * len(loop.PLANS)
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="binds a rank beside rank 0 on a host of 2 cores or more")
+def test_the_core_sharing_benchmark_times_rank_0_beside_its_core_s_other_rank():
+    done = script("benchmarks/cpu_core_sharing.py", "--blocks", "2", "--matmuls", "1")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("rank 0's block of 1 matmul (256, 1024, 1024), median of 2;")
+    assert [line.split()[0] for line in lines[1:]] == ["alone", "rank", "rank"]
+    assert lines[1].endswith("x1.00") and all(float(line.split()[-3]) > 0 for line in lines[1:])
+
+
+def test_the_core_sharing_benchmark_refuses_no_blocks_in_one_line():
+    done = script("benchmarks/cpu_core_sharing.py", "--blocks", "0")
+    assert done.returncode == 2 and done.stderr.strip().endswith("--blocks and --matmuls must be at least 1")
