@@ -18,7 +18,7 @@ On the 2-core VM (2026-11-27) one calibration and three runs of each plan take
 about 5 minutes (7-9 on a 3-4x slower AMD VM); `docs/calibration.md` lists the
 sets measured so far.
 
-Run:  python benchmarks/cpu_compare_loop.py [--cluster host.yaml] [--runs 3] [--out DIR] [--json]
+Run:  python benchmarks/cpu_compare_loop.py [--cluster host.yaml] [--runs 3] [--steps N] [--out DIR] [--json]
 """
 
 from __future__ import annotations
@@ -89,11 +89,15 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--cluster", help="a calibrated cluster file (default: calibrate this host first)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each plan (default 3)")
+    parser.add_argument("--steps", type=int, help="measured steps of each run (default: compare's)")
     parser.add_argument("--out", help="keep the calibration and every run's JSON in this folder")
     parser.add_argument("--json", action="store_true", help="print a JSON summary for scripts")
     args = parser.parse_args()
     if args.runs < 1:
         _fail(f"--runs must be at least 1, got {args.runs}")
+    if args.steps is not None and args.steps < 1:
+        _fail(f"--steps must be at least 1, got {args.steps}")
+    steps = () if args.steps is None else ("--steps", str(args.steps))
     cluster = args.cluster
     if cluster is not None:
         from parsim.cluster import load_cluster
@@ -115,7 +119,7 @@ def main() -> None:
     for i in range(args.runs):
         for label, plan, ranks in PLANS:
             print(f"run {i + 1}/{args.runs}: {label}", file=sys.stderr, flush=True)
-            done = _parsim("compare", *plan, "--cluster", cluster, "--nproc", str(ranks), "--json")
+            done = _parsim("compare", *plan, "--cluster", cluster, "--nproc", str(ranks), *steps, "--json")
             if done.returncode:
                 _fail(f"parsim compare {' '.join(plan)} failed: {_last_line(done)}")
             (out / f"{label.lower().replace(' ', '-')}-{i + 1}.json").write_text(done.stdout)

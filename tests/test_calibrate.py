@@ -179,6 +179,29 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
            "GFLOP/s), eager ops x0.80 (probe 1250 vs 1000 us per pass)\n" in capsys.readouterr().out
 
 
+def test_compare_takes_each_measured_phase_as_its_median_over_ten_steps(monkeypatch, capsys):
+    """A plan run here: 10 steps by default, and each rank's phases from the run's medians over the steps (the
+    summary's ``ranks``), not from the one median step whose trace comes back."""
+    import executor.train
+    from parsim.plan import resolve_plan
+    from parsim.step import predict_step
+
+    trace = predict_step(resolve_plan("course-pp"), load_cluster("dgx-h100")).trace
+    asked = {}
+
+    def run_plan(plan, nproc, steps, probe_speed=False, **kwargs):
+        asked["steps"] = steps
+        medians = [{"rank": r, "step_s": 0.1, "seconds": {"forward": 0.004, "idle": 0.002 * (r + 1)}} for r in (0, 1)]
+        return trace, {"ranks": medians}
+
+    monkeypatch.setattr(executor.train, "run_plan", run_plan)
+    assert main(["compare", "course-pp", "--cluster", "dgx-h100", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["phases"]
+    assert asked["steps"] == 10
+    assert {(r["rank"], r["phase"]): r["measured_s"] for r in rows if r["measured_s"]} == {
+        (0, "forward"): 0.004, (0, "idle"): 0.002, (1, "forward"): 0.004, (1, "idle"): 0.004}
+
+
 def test_a_gpu_cluster_runs_no_speed_probe(monkeypatch, capsys):
     import executor.train
     from parsim.step import predict_step

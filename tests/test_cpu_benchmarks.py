@@ -141,6 +141,8 @@ def test_the_compare_loop_takes_each_plan_s_error_against_the_median_run():
 def test_the_compare_loop_refuses_no_runs_and_a_bad_cluster_in_one_line_before_any_run():
     done = script("benchmarks/cpu_compare_loop.py", "--runs", "0")
     assert done.returncode == 2 and done.stderr == "cpu_compare_loop.py: --runs must be at least 1, got 0\n"
+    done = script("benchmarks/cpu_compare_loop.py", "--steps", "0")
+    assert done.returncode == 2 and done.stderr == "cpu_compare_loop.py: --steps must be at least 1, got 0\n"
     done = script("benchmarks/cpu_compare_loop.py", "--cluster", "nosuch.yaml")
     assert done.returncode == 2 and done.stderr.startswith("cpu_compare_loop.py: unknown cluster 'nosuch.yaml'")
     assert len(done.stderr.strip().splitlines()) == 1 and "run 1/" not in done.stderr
@@ -154,12 +156,13 @@ def test_the_compare_loop_prints_each_plan_against_the_bounds(monkeypatch, tmp_p
     loop = _compare_loop()
 
     def parsim(*args):
+        assert args[args.index("--steps") + 1] == "7"
         doc = {"predicted_step_s": 0.040, "measured_step_s": 0.050 if "course-tp" in args else 0.042,
                "phases": [{"rank": 1, "phase": "idle", "predicted_s": 0.001, "measured_s": 0.0011}]}
         return subprocess.CompletedProcess(args, 0, json.dumps(doc), "")
 
     monkeypatch.setattr(loop, "_parsim", parsim)
-    monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--cluster", "dgx-h100", "--runs", "2",
+    monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--cluster", "dgx-h100", "--runs", "2", "--steps", "7",
                                       "--out", str(tmp_path)])
     loop.main()
     rows = {line[:12].strip(): line.split() for line in capsys.readouterr().out.splitlines()[3:]}

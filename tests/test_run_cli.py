@@ -110,6 +110,20 @@ def test_ranks_on_one_host_share_its_clock_and_others_keep_their_own():
     assert [e.start_s for e in apart] == [0.001, 0.001] and apart[1].args["gaps"] == [(0.0015, 0.002)]
 
 
+def test_each_phase_is_its_median_over_the_steps_and_the_step_the_median_step():
+    from parsim.step_report import median_breakdown
+
+    def step(forward_ms: tuple[float, float]) -> Trace:  # each rank's forward from 0; the step ends with the later
+        return Trace("measured", 2, [Event("F stage=0 mb=0", r, "compute", "compute", 0.0, ms * 1e-3)
+                                     for r, ms in enumerate(forward_ms)])
+
+    # Rank 1 ends first in every step, by 1, 9 and 2 ms; one slow step of rank 0 does not stand for the run.
+    rows = median_breakdown([step((10, 9)), step((18, 9)), step((11, 9))])
+    assert [r.step_s for r in rows] == [pytest.approx(0.011)] * 2
+    assert rows[0].seconds["forward"] == pytest.approx(0.011) and rows[0].seconds["idle"] == pytest.approx(0.0)
+    assert rows[1].seconds["forward"] == pytest.approx(0.009) and rows[1].seconds["idle"] == pytest.approx(0.002)
+
+
 @needs_torch
 @pytest.mark.multiproc
 def test_a_run_that_overruns_its_timeout_names_the_ranks_and_ends(capsys):

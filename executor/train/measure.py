@@ -3,7 +3,8 @@
 :func:`run_plan` is what ``parsim run`` and ``parsim compare`` call. The
 trace returned is the *median* measured step (by step time: the latest event
 end over all ranks), so one slow step (a page fault, a scheduler hiccup)
-does not stand for the run; the summary keeps every step's time.
+does not stand for the run; the summary keeps every step's time, and each
+rank's time by phase as each phase's median over the steps.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Callable
 
 from parsim.errors import ParsimError
 from parsim.plan import Plan
-from parsim.step_report import breakdown, step_time
+from parsim.step_report import median_breakdown, step_time
 from parsim.trace import Event, Trace
 
 DEFAULT_STEPS = 3
@@ -79,7 +80,7 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     median = sorted(range(steps), key=lambda i: times[i])[(steps - 1) // 2]
     losses = _losses(results, steps)
     probes = [p for r in results for p in r["speed_probes"]]
-    summary = summarize(plan, traces[median], times, losses, used)
+    summary = summarize(plan, traces, times, losses, used)
     summary["speed_probe"] = ({"matmul_flops": statistics.median(f for f, _ in probes),
                                "eager_s": statistics.median(s for _, s in probes)} if probes else None)
     return traces[median], summary
@@ -117,9 +118,9 @@ def _losses(results: list[dict], steps: int) -> list[float]:
     return per_step
 
 
-def summarize(plan: Plan, trace: Trace, times: list[float], losses: list[float], backend: str) -> dict:
-    """Step times, throughput, losses and each rank's time by phase (of the trace's step)."""
-    median = step_time(trace)
+def summarize(plan: Plan, traces: list[Trace], times: list[float], losses: list[float], backend: str) -> dict:
+    """Step times, throughput, losses and each rank's time by phase (each phase's median over the steps)."""
+    median = sorted(times)[(len(times) - 1) // 2]  # the step run_plan returns
     unit = "samples" if plan.model.tokens_per_sample == 1 else "tokens"
     return {
         "plan": plan.name, "model": plan.model.name, "world_size": plan.world, "backend": backend,
@@ -129,5 +130,5 @@ def summarize(plan: Plan, trace: Trace, times: list[float], losses: list[float],
         "throughput_unit": f"{unit}/s", "throughput": plan.tokens_per_step / median if median else 0.0,
         "tokens_per_step": plan.tokens_per_step,
         "loss": losses[-1], "losses": losses,
-        "ranks": [{"rank": b.rank, "step_s": b.step_s, "seconds": b.seconds} for b in breakdown(trace)],
+        "ranks": [{"rank": b.rank, "step_s": b.step_s, "seconds": b.seconds} for b in median_breakdown(traces)],
     }

@@ -24,7 +24,9 @@ Run the executor and the simulator on the same thing and show how far apart they
 
 The cluster file should describe the machine that measures: make one with
 `parsim calibrate`. For collectives, error = predicted / measured - 1 per
-size, and the median |error| sums it up.
+size, and the median |error| sums it up. For a plan run here, the step is
+the median measured step, and each rank's phase its median over the steps:
+one step's idle swings with which rank happened to end last.
 
 On a CPU host the cores' speed drifts (on a shared VM by 10-30% within
 minutes). A file from `parsim calibrate` holds two host-speed probes timed
@@ -48,6 +50,10 @@ Options that do not apply to the target are refused.
 
 DEFAULT_SWEEP = "1MiB:64MiB"
 COLLECTIVE_ONLY = ("sweep", "size", "save_measured", "plot")
+# Measured steps of a plan run here, by default: a CPU rank's idle swings from step to step with which rank
+# ended last, and the median of 10 steadied it (docs/calibration.md, sets BS and BT); a step more costs one
+# step's time, after seconds of start-up.
+COMPARE_STEPS = 10
 PLAN_ONLY = ("steps", "trace", "no_speed_probe")
 RUN_ONLY = ("nproc", "backend", "steps", "timeout", "save_measured", "no_speed_probe")  # nothing to run: --measured
 
@@ -66,7 +72,9 @@ def register(subparsers) -> None:
                         "of torch.profiler traces (one per rank)")
     p.add_argument("--save-measured", metavar="JSON", help="collectives: save what was measured")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="auto, gloo or nccl (default auto)")
-    p.add_argument("--steps", type=int, help="plans: measured steps, the median is used (default 3)")
+    p.add_argument("--steps", type=int,
+                   help="plans: measured steps; the median step, and each phase's median, are used "
+                        f"(default {COMPARE_STEPS})")
     p.add_argument("--trace", metavar="DIR|FILE.json",
                    help="plans: predicted and measured traces, a folder of per-rank Kineto files each or one "
                         "merged .json file")

@@ -14,13 +14,19 @@ from ..kineto.match import CollectiveRow, match_collectives
 from ..kineto.read import measured_trace, read_profiles
 from ..plan import Plan
 from ..step import predict_step
-from ..step_report import PHASES, breakdown, step_time
+from ..step_report import PHASES, RankBreakdown, breakdown, step_time
 from ..table import render_table
 from ..trace import Trace
 from ..units import format_time, size_unit, time_unit
-from .common import note, note_executor_kernels, note_launch_bound, progress, warn_other_machine
+from .common import (
+    note,
+    note_executor_kernels,
+    note_launch_bound,
+    progress,
+    warn_other_machine,
+)
+from .compare_cmd import COMPARE_STEPS
 from .plan_cmd import plan_from_args
-
 
 # Measured steps whose slowest is this many times their fastest make one run's median a poor estimate.
 SPREAD_NOTE = 1.25
@@ -38,11 +44,12 @@ def compare_plan_command(args: argparse.Namespace) -> int:
     progress(f"simulating {plan.name} on {cluster.name}")
     predicted = predict_step(plan, cluster)
     load, speed, spread = None, None, None
+    by_phase = None  # each measured rank's time by phase (None: the measured trace's one step)
     if args.measured is None:
         from executor.launch import resolve_backend
         from executor.train import run_plan
 
-        steps = 3 if args.steps is None else args.steps
+        steps = COMPARE_STEPS if args.steps is None else args.steps
         probe = (cluster.speed_probe_flops is not None and not args.no_speed_probe
                  and resolve_backend(args.backend or "auto", nproc) == "gloo")
         progress(f"running {plan.name} on {nproc} ranks ({steps} measured steps"
@@ -63,6 +70,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         if load.warning("the measured run"):
             note(load.warning("the measured run"))
         source = f"run here, median of {steps} steps"
+        by_phase = [RankBreakdown(r["rank"], r["step_s"], r["seconds"]) for r in summary.get("ranks", ())]
         times = summary.get("step_times_s")
         spread = (min(times), max(times)) if times else None
         if spread and spread[1] > SPREAD_NOTE * spread[0]:
@@ -70,7 +78,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
                  "the host's speed or its transfers moved during the run (docs/calibration.md); the median of "
                  "several runs, or of more steps (--steps), is steadier")
     collectives = match_collectives(plan, predicted.trace, measured)
-    rows = compare_phases(plan, predicted, measured)
+    rows = compare_phases(plan, predicted, by_phase or breakdown(measured))
     measured_step = step_time(measured)
     step_error = predicted.step_s / measured_step - 1 if measured_step else None
     if args.json:
@@ -176,11 +184,11 @@ def collectives_table(rows: list[CollectiveRow]) -> str:
                         title="collectives: the plan's beside the measured ones (count, bytes, time per step)")
 
 
-def compare_phases(plan, predicted, measured) -> list[dict]:
+def compare_phases(plan, predicted, measured: list[RankBreakdown]) -> list[dict]:
     """Per measured rank and phase: predicted seconds (of the rank's representative) and measured seconds."""
     predicted_by_pp = {plan.coords(b.rank).pp: b for b in predicted.ranks}
     rows = []
-    for m in breakdown(measured):
+    for m in measured:
         pp = plan.coords(m.rank).pp
         p = predicted_by_pp[pp]
         for phase in PHASES:

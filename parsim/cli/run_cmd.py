@@ -18,7 +18,8 @@ Run a parallelism plan for real: --nproc ranks on this machine (gloo on CPUs,
 NCCL when there is a GPU per rank), the same rank grid, pipeline schedule,
 tensor-parallel collectives and gradient sync the simulator prices, on the
 plan's model with seeded weights and a seeded random batch. After --warmup
-steps, --steps steps are timed; the trace of the median step is kept.
+steps, --steps steps are timed; the trace of the median step is kept, and
+each rank's time by phase is each phase's median over the steps.
 
 Every event has the simulator's name (F stage=1 mb=3, all_reduce tp
 layer=layer.0 mb=0 dir=fwd0, all_reduce dp bucket=2, send act stage=0 mb=1
@@ -121,5 +122,6 @@ def report(plan: Plan, s: dict) -> str:
         rows.append([r["rank"], "/".join(str(getattr(coords, d)) for d in dims)]
                     + [round(r["seconds"][p] * 1e3, 2) for p in PHASES])
     lines.append(render_table(["rank", "/".join(dims)] + list(PHASES), rows,
-                              title=f"time by phase per rank, ms (median step, {format_time(s['step_s'])})"))
+                              title=f"time by phase per rank, ms (each phase's median over {s['steps']} steps; the "
+                                    f"median step {format_time(s['step_s'])})"))
     return "\n".join(lines)
