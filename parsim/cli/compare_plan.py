@@ -18,15 +18,10 @@ from ..step_report import PHASES, RankBreakdown, breakdown, step_time
 from ..table import render_table
 from ..trace import Trace
 from ..units import format_time, size_unit, time_unit
-from .common import (
-    note,
-    note_executor_kernels,
-    note_launch_bound,
-    progress,
-    warn_other_machine,
-)
+from .common import note, note_executor_kernels, note_launch_bound, progress, warn_other_machine
 from .compare_cmd import COMPARE_STEPS
 from .plan_cmd import plan_from_args
+
 
 # Measured steps whose slowest is this many times their fastest make one run's median a poor estimate.
 SPREAD_NOTE = 1.25
