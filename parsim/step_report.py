@@ -150,16 +150,22 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
     return rows
 
 
+def median_step(traces: list[Trace]) -> int:
+    """Which of several measured steps is the median one by step time (the lower middle one for an even count)."""
+    times = [step_time(trace) for trace in traces]
+    return sorted(range(len(traces)), key=times.__getitem__)[(len(traces) - 1) // 2]
+
+
 def median_breakdown(traces: list[Trace]) -> list[RankBreakdown]:
     """Each rank's time by phase over several measured steps: per phase, its median over the steps (the whole
-    step: the median step's time, the lower middle one for an even count). One step's idle swings with which
-    rank happened to end last (on the 2-core VM a rank waited for the other 0.04 ms at the median step and
-    6.9 ms at the 90th percentile); the median over the steps is what a typical step spends on each."""
+    step: the :func:`median_step`'s time). One step's idle swings with which rank happened to end last (on the
+    2-core VM a rank waited for the other 0.04 ms at the median step and 6.9 ms at the 90th percentile); the
+    median over the steps is what a typical step spends on each."""
     by_rank: dict[int, list[RankBreakdown]] = {}
     for trace in traces:
         for row in breakdown(trace):
             by_rank.setdefault(row.rank, []).append(row)
-    step_s = sorted(step_time(trace) for trace in traces)[(len(traces) - 1) // 2]
+    step_s = step_time(traces[median_step(traces)])
     return [RankBreakdown(rank, step_s, {phase: float(np.median([r.seconds[phase] for r in steps]))
                                          for phase in PHASES})
             for rank, steps in sorted(by_rank.items())]

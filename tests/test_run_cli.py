@@ -16,7 +16,7 @@ import pytest
 
 from parsim.cli.main import main
 from parsim.plan import resolve_plan
-from parsim.step_report import PHASES
+from parsim.step_report import PHASES, step_time
 from parsim.trace import Event, Trace
 
 from test_json_schema import conforms
@@ -85,12 +85,14 @@ def test_run_reports_the_median_step_and_writes_traces(tmp_path, capsys, monkeyp
     assert names["F stage=0 mb=3"] == 1 and names["send act stage=0 mb=3 peer=1"] == 1
     assert names["recv grad stage=1 mb=0 peer=1"] == 1 and names["optimizer step"] == 1
     assert all(e.start_s >= 0 and e.dur_s >= 0 for e in trace.events)
+    assert summary["step_s"] == pytest.approx(step_time(trace))  # the trace kept is the median step
     assert {e["name"] for e in json.loads(chrome_path.read_text())["traceEvents"]} >= {"B stage=1 mb=2"}
 
     from parsim.cli.run_cmd import report
 
     text = report(resolve_plan("tiny-pp2"), summary)
     assert "step time" in text and "tokens/s" in text and "idle" in text
+    assert "time by phase per rank, ms (each phase's median over 2 steps; the median step " in text
 
 
 def _rank_result(rank: int, host: str, origin_s: float) -> dict:
@@ -111,7 +113,7 @@ def test_ranks_on_one_host_share_its_clock_and_others_keep_their_own():
 
 
 def test_each_phase_is_its_median_over_the_steps_and_the_step_the_median_step():
-    from parsim.step_report import median_breakdown
+    from parsim.step_report import median_breakdown, median_step
 
     def step(forward_ms: tuple[float, float]) -> Trace:  # each rank's forward from 0; the step ends with the later
         return Trace("measured", 2, [Event("F stage=0 mb=0", r, "compute", "compute", 0.0, ms * 1e-3)
@@ -122,6 +124,8 @@ def test_each_phase_is_its_median_over_the_steps_and_the_step_the_median_step():
     assert [r.step_s for r in rows] == [pytest.approx(0.011)] * 2
     assert rows[0].seconds["forward"] == pytest.approx(0.011) and rows[0].seconds["idle"] == pytest.approx(0.0)
     assert rows[1].seconds["forward"] == pytest.approx(0.009) and rows[1].seconds["idle"] == pytest.approx(0.002)
+    # Of an even count, the lower middle step: the one run_plan returns and whose time the rows give.
+    assert median_step([step((18, 9)), step((10, 9)), step((12, 9)), step((11, 9))]) == 3
 
 
 @needs_torch

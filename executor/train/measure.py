@@ -17,7 +17,7 @@ from typing import Callable
 
 from parsim.errors import ParsimError
 from parsim.plan import Plan
-from parsim.step_report import median_breakdown, step_time
+from parsim.step_report import median_breakdown, median_step, step_time
 from parsim.trace import Event, Trace
 
 DEFAULT_STEPS = 3
@@ -76,14 +76,12 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
                          timeout_s)
     traces = [Trace("measured", plan.world, step_events(results, i),
                     meta={"plan": plan.name, "backend": used, "step": i}) for i in range(steps)]
-    times = [step_time(t) for t in traces]
-    median = sorted(range(steps), key=lambda i: times[i])[(steps - 1) // 2]
     losses = _losses(results, steps)
     probes = [p for r in results for p in r["speed_probes"]]
-    summary = summarize(plan, traces, times, losses, used)
+    summary = summarize(plan, traces, losses, used)
     summary["speed_probe"] = ({"matmul_flops": statistics.median(f for f, _ in probes),
                                "eager_s": statistics.median(s for _, s in probes)} if probes else None)
-    return traces[median], summary
+    return traces[median_step(traces)], summary
 
 
 def step_events(results: list[dict], step: int) -> list[Event]:
@@ -118,9 +116,10 @@ def _losses(results: list[dict], steps: int) -> list[float]:
     return per_step
 
 
-def summarize(plan: Plan, traces: list[Trace], times: list[float], losses: list[float], backend: str) -> dict:
+def summarize(plan: Plan, traces: list[Trace], losses: list[float], backend: str) -> dict:
     """Step times, throughput, losses and each rank's time by phase (each phase's median over the steps)."""
-    median = sorted(times)[(len(times) - 1) // 2]  # the step run_plan returns
+    times = [step_time(trace) for trace in traces]
+    median = times[median_step(traces)]
     unit = "samples" if plan.model.tokens_per_sample == 1 else "tokens"
     return {
         "plan": plan.name, "model": plan.model.name, "world_size": plan.world, "backend": backend,
