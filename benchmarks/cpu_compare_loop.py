@@ -11,8 +11,10 @@ For each plan: the prediction (the median of the runs', each scaled by the
 host-speed probes around its steps) against the median of the runs' measured
 steps, and the same per rank and phase (forward, backward, optimizer, each
 group's communication, idle). It prints whether each is within the issue's
-bounds: a step within 15%, every phase within 25%. Never run anything else on
-the host meanwhile: other work slows the steps and not the calibration.
+bounds: a step within 15%, every phase within 25%, and how many of the phases
+outside it were predicted within the range their measured steps spanned (the
+host's own noise). Never run anything else on the host meanwhile: other work
+slows the steps and not the calibration.
 
 On the 2-core VM (2026-11-27) one calibration and three runs of each plan take
 about 5 minutes (6-10 on a 3-4x slower AMD VM, 10 measured steps a run);
@@ -44,23 +46,38 @@ STEP_BOUND, PHASE_BOUND = 0.15, 0.25  # the issue's: a step within 15% of the me
 
 def summarize(runs: list[dict]) -> dict:
     """One plan's runs (``parsim compare --json`` documents) against their medians: the step's error, and every
-    (rank, phase)'s, with the worst."""
+    (rank, phase)'s, with the worst. A phase outside the bound is also checked against the least and most any
+    measured step of the runs spent on it: a prediction inside that range misses by less than the host's own
+    step-to-step noise."""
     predicted = statistics.median(r["predicted_step_s"] for r in runs)
     measured = [r["measured_step_s"] for r in runs]
-    by_phase: dict[tuple[int, str], tuple[list[float], list[float]]] = {}
+    by_phase: dict[tuple[int, str], tuple[list[float], list[float], list]] = {}
     for run in runs:
         for row in run["phases"]:
-            pair = by_phase.setdefault((row["rank"], row["phase"]), ([], []))
-            pair[0].append(row["predicted_s"])
-            pair[1].append(row["measured_s"])
-    phases = [{"rank": rank, "phase": phase, "predicted_s": statistics.median(p), "measured_s": statistics.median(m),
-               "error": _error(statistics.median(p), statistics.median(m))}
-              for (rank, phase), (p, m) in sorted(by_phase.items())]
+            seen = by_phase.setdefault((row["rank"], row["phase"]), ([], [], []))
+            seen[0].append(row["predicted_s"])
+            seen[1].append(row["measured_s"])
+            seen[2].append(row.get("measured_range_s"))
+    phases = []
+    for (rank, phase), (p, m, ranges) in sorted(by_phase.items()):
+        row = {"rank": rank, "phase": phase, "predicted_s": statistics.median(p), "measured_s": statistics.median(m),
+               "error": _error(statistics.median(p), statistics.median(m)), "measured_range_s": None}
+        if all(ranges):
+            row["measured_range_s"] = [min(lo for lo, _ in ranges), max(hi for _, hi in ranges)]
+        phases.append(row)
+    misses = [row for row in phases if abs(row["error"]) > PHASE_BOUND]
     worst = max(phases, key=lambda row: abs(row["error"]), default=None)
     error = _error(predicted, statistics.median(measured))
     return {"predicted_step_s": predicted, "measured_step_s": measured, "step_error": error,
             "step_within": abs(error) <= STEP_BOUND, "phases": phases, "worst_phase": worst,
-            "phases_within": all(abs(row["error"]) <= PHASE_BOUND for row in phases)}
+            "phases_within": not misses, "phase_misses": len(misses),
+            "phase_misses_in_range": sum(1 for row in misses if _in_range(row))}
+
+
+def _in_range(row: dict) -> bool:
+    """Whether a phase's prediction lies within the least and most one measured step spent on it."""
+    return row["measured_range_s"] is not None and \
+        row["measured_range_s"][0] <= row["predicted_s"] <= row["measured_range_s"][1]
 
 
 def _error(predicted: float, measured: float) -> float:
@@ -136,9 +153,10 @@ def main() -> None:
         rows.append([label, row["predicted_step_s"] * 1e3, " ".join(f"{m * 1e3:.1f}" for m in row["measured_step_s"]),
                      f"{row['step_error']:+.1%}", "yes" if row["step_within"] else "no",
                      f"r{worst['rank']} {worst['phase']} {worst['error']:+.0%}" if worst else "-",
-                     "yes" if row["phases_within"] else "no"])
+                     "yes" if row["phases_within"] else "no",
+                     f"{row['phase_misses']} ({row['phase_misses_in_range']})"])
     print(render_table(["plan", "predicted (ms)", "measured (ms)", "error", "within 15%", "worst phase",
-                        "phases within 25%"], rows,
+                        "phases within 25%", "misses (inside steps' range)"], rows,
                        title=f"{args.runs} runs of each plan on {cluster} (every run's JSON in {out})"))
 
 if __name__ == "__main__":

@@ -91,6 +91,8 @@ class RankBreakdown:
     rank: int
     step_s: float
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    # phase -> (least, most) seconds over several measured steps (:func:`median_breakdown`; empty: one step)
+    ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def fraction(self, phase: str) -> float:
         return self.seconds.get(phase, 0.0) / self.step_s if self.step_s else 0.0
@@ -158,17 +160,21 @@ def median_step(traces: list[Trace]) -> int:
 
 def median_breakdown(traces: list[Trace]) -> list[RankBreakdown]:
     """Each rank's time by phase over several measured steps: per phase, its median over the steps (the whole
-    step: the :func:`median_step`'s time). One step's idle swings with which rank happened to end last (on the
-    2-core VM a rank waited for the other 0.04 ms at the median step and 6.9 ms at the 90th percentile); the
-    median over the steps is what a typical step spends on each."""
+    step: the :func:`median_step`'s time), and the least and most any step spent on it. One step's idle swings
+    with which rank happened to end last (on the 2-core VM a rank waited for the other 0.04 ms at the median
+    step and 6.9 ms at the 90th percentile); the median over the steps is what a typical step spends on each,
+    the range how far one step may stray from it."""
     by_rank: dict[int, list[RankBreakdown]] = {}
     for trace in traces:
         for row in breakdown(trace):
             by_rank.setdefault(row.rank, []).append(row)
     step_s = step_time(traces[median_step(traces)])
-    return [RankBreakdown(rank, step_s, {phase: float(np.median([r.seconds[phase] for r in steps]))
-                                         for phase in PHASES})
-            for rank, steps in sorted(by_rank.items())]
+    rows = []
+    for rank, steps in sorted(by_rank.items()):
+        per_phase = {phase: [r.seconds[phase] for r in steps] for phase in PHASES}
+        rows.append(RankBreakdown(rank, step_s, {phase: float(np.median(v)) for phase, v in per_phase.items()},
+                                  {phase: (min(v), max(v)) for phase, v in per_phase.items()}))
+    return rows
 
 
 def comm_overlap(trace: Trace) -> dict[int, float | None]:

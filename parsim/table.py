@@ -22,10 +22,13 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], title
     return "\n".join(out)
 
 
+def format_number(value: float) -> str:
+    """A float as a table cell shows it: four significant digits, thousands separated from 10,000 up."""
+    return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"  # .4g would print 1e4..1e5 as 1.234e+04
+
+
 def _cell(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"  # .4g would print 1e4..1e5 as 1.234e+04
-    return str(value)
+    return format_number(value) if isinstance(value, float) else str(value)
 
 
 def _is_number(value: object) -> bool:

@@ -181,7 +181,8 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
 
 def test_compare_takes_each_measured_phase_as_its_median_over_ten_steps(monkeypatch, capsys):
     """A plan run here: 10 steps by default, and each rank's phases from the run's medians over the steps (the
-    summary's ``ranks``), not from the one median step whose trace comes back."""
+    summary's ``ranks``), not from the one median step whose trace comes back; beside each median, the range
+    the steps spent on the phase."""
     import executor.train
     from parsim.plan import resolve_plan
     from parsim.step import predict_step
@@ -191,7 +192,8 @@ def test_compare_takes_each_measured_phase_as_its_median_over_ten_steps(monkeypa
 
     def run_plan(plan, nproc, steps, probe_speed=False, **kwargs):
         asked["steps"] = steps
-        medians = [{"rank": r, "step_s": 0.1, "seconds": {"forward": 0.004, "idle": 0.002 * (r + 1)}} for r in (0, 1)]
+        medians = [{"rank": r, "step_s": 0.1, "seconds": {"forward": 0.004, "idle": 0.002 * (r + 1)},
+                    "ranges": {"forward": [0.0035, 0.005], "idle": [0.001, 0.009]}} for r in (0, 1)]
         return trace, {"ranks": medians}
 
     monkeypatch.setattr(executor.train, "run_plan", run_plan)
@@ -200,6 +202,12 @@ def test_compare_takes_each_measured_phase_as_its_median_over_ten_steps(monkeypa
     assert asked["steps"] == 10
     assert {(r["rank"], r["phase"]): r["measured_s"] for r in rows if r["measured_s"]} == {
         (0, "forward"): 0.004, (0, "idle"): 0.002, (1, "forward"): 0.004, (1, "idle"): 0.004}
+    assert {(r["rank"], r["phase"]): r["measured_range_s"] for r in rows if r["measured_s"]} == {
+        (0, "forward"): [0.0035, 0.005], (0, "idle"): [0.001, 0.009],
+        (1, "forward"): [0.0035, 0.005], (1, "idle"): [0.001, 0.009]}
+    assert main(["compare", "course-pp", "--cluster", "dgx-h100"]) == 0
+    table = capsys.readouterr().out
+    assert "steps' range (us)" in table and "3500-5000" in table and "1000-9000" in table
 
 
 def test_a_gpu_cluster_runs_no_speed_probe(monkeypatch, capsys):

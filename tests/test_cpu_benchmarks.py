@@ -135,7 +135,24 @@ def test_the_compare_loop_takes_each_plan_s_error_against_the_median_run():
     summary = _compare_loop().summarize([run(0.030, 0.050, 0.010, 0.004)] * 3)
     assert not summary["step_within"] and not summary["phases_within"]
     assert summary["worst_phase"] == {"rank": 0, "phase": "idle", "predicted_s": 0.001, "measured_s": 0.004,
-                                      "error": pytest.approx(-0.75)}
+                                      "error": pytest.approx(-0.75), "measured_range_s": None}
+    assert summary["phase_misses"] == 1 and summary["phase_misses_in_range"] == 0
+
+
+def test_the_compare_loop_counts_the_misses_its_steps_own_range_holds():
+    """A phase outside 25% whose prediction one measured step reached (the union of the runs' ranges) is
+    counted apart from one no step came near."""
+    def run(idle_range, forward_range):
+        return {"predicted_step_s": 0.040, "measured_step_s": 0.040,
+                "phases": [{"rank": 0, "phase": "idle", "predicted_s": 0.001, "measured_s": 0.002,
+                            "measured_range_s": idle_range},
+                           {"rank": 0, "phase": "forward", "predicted_s": 0.010, "measured_s": 0.020,
+                            "measured_range_s": forward_range}]}
+
+    summary = _compare_loop().summarize([run([0.0015, 0.003], [0.018, 0.022]), run([0.0009, 0.002], [0.019, 0.03])])
+    idle = next(row for row in summary["phases"] if row["phase"] == "idle")
+    assert idle["measured_range_s"] == [0.0009, 0.003]
+    assert summary["phase_misses"] == 2 and summary["phase_misses_in_range"] == 1
 
 
 def test_the_compare_loop_refuses_no_runs_and_a_bad_cluster_in_one_line_before_any_run():
@@ -166,8 +183,8 @@ def test_the_compare_loop_prints_each_plan_against_the_bounds(monkeypatch, tmp_p
                                       "--out", str(tmp_path)])
     loop.main()
     rows = {line[:12].strip(): line.split() for line in capsys.readouterr().out.splitlines()[3:]}
-    assert rows["course DDP"][2:] == ["40", "42.0", "42.0", "-4.8%", "yes", "r1", "idle", "-9%", "yes"]
-    assert rows["course TP"][2:] == ["40", "50.0", "50.0", "-20.0%", "no", "r1", "idle", "-9%", "yes"]
+    assert rows["course DDP"][2:] == ["40", "42.0", "42.0", "-4.8%", "yes", "r1", "idle", "-9%", "yes", "0", "(0)"]
+    assert rows["course TP"][2:] == ["40", "50.0", "50.0", "-20.0%", "no", "r1", "idle", "-9%", "yes", "0", "(0)"]
     assert len(list(tmp_path.glob("*.json"))) == 2 * len(loop.PLANS)
 
 

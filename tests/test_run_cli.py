@@ -124,6 +124,9 @@ def test_each_phase_is_its_median_over_the_steps_and_the_step_the_median_step():
     assert [r.step_s for r in rows] == [pytest.approx(0.011)] * 2
     assert rows[0].seconds["forward"] == pytest.approx(0.011) and rows[0].seconds["idle"] == pytest.approx(0.0)
     assert rows[1].seconds["forward"] == pytest.approx(0.009) and rows[1].seconds["idle"] == pytest.approx(0.002)
+    # Beside each median, the least and most one step spent on the phase.
+    assert rows[0].ranges["forward"] == pytest.approx((0.010, 0.018))
+    assert rows[1].ranges["idle"] == pytest.approx((0.001, 0.009))
     # Of an even count, the lower middle step: the one run_plan returns and whose time the rows give.
     assert median_step([step((18, 9)), step((10, 9)), step((12, 9)), step((11, 9))]) == 3
 

@@ -117,7 +117,8 @@ def _losses(results: list[dict], steps: int) -> list[float]:
 
 
 def summarize(plan: Plan, traces: list[Trace], losses: list[float], backend: str) -> dict:
-    """Step times, throughput, losses and each rank's time by phase (each phase's median over the steps)."""
+    """Step times, throughput, losses and each rank's time by phase (each phase's median over the steps, and
+    its least and most in any step)."""
     times = [step_time(trace) for trace in traces]
     median = times[median_step(traces)]
     unit = "samples" if plan.model.tokens_per_sample == 1 else "tokens"
@@ -129,5 +130,7 @@ def summarize(plan: Plan, traces: list[Trace], losses: list[float], backend: str
         "throughput_unit": f"{unit}/s", "throughput": plan.tokens_per_step / median if median else 0.0,
         "tokens_per_step": plan.tokens_per_step,
         "loss": losses[-1], "losses": losses,
-        "ranks": [{"rank": b.rank, "step_s": b.step_s, "seconds": b.seconds} for b in median_breakdown(traces)],
+        "ranks": [{"rank": b.rank, "step_s": b.step_s, "seconds": b.seconds,
+                   "ranges": {phase: list(lo_hi) for phase, lo_hi in b.ranges.items()}}
+                  for b in median_breakdown(traces)],
     }

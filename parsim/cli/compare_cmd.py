@@ -26,7 +26,9 @@ The cluster file should describe the machine that measures: make one with
 `parsim calibrate`. For collectives, error = predicted / measured - 1 per
 size, and the median |error| sums it up. For a plan run here, the step is
 the median measured step, and each rank's phase its median over the steps:
-one step's idle swings with which rank happened to end last.
+one step's idle swings with which rank happened to end last. Beside each
+median the table gives the least and most one step spent on the phase, so a
+miss can be told from the run's own noise.
 
 On a CPU host the cores' speed drifts (on a shared VM by 10-30% within
 minutes). A file from `parsim calibrate` holds two host-speed probes timed

@@ -15,7 +15,7 @@ from ..kineto.read import measured_trace, read_profiles
 from ..plan import Plan
 from ..step import predict_step
 from ..step_report import PHASES, RankBreakdown, breakdown, step_time
-from ..table import render_table
+from ..table import format_number, render_table
 from ..trace import Trace
 from ..units import format_time, size_unit, time_unit
 from .common import note, note_executor_kernels, note_launch_bound, progress, warn_other_machine
@@ -65,7 +65,9 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         if load.warning("the measured run"):
             note(load.warning("the measured run"))
         source = f"run here, median of {steps} steps"
-        by_phase = [RankBreakdown(r["rank"], r["step_s"], r["seconds"]) for r in summary.get("ranks", ())]
+        by_phase = [RankBreakdown(r["rank"], r["step_s"], r["seconds"],
+                                  {phase: tuple(lo_hi) for phase, lo_hi in r.get("ranges", {}).items()})
+                    for r in summary.get("ranks", ())]
         times = summary.get("step_times_s")
         spread = (min(times), max(times)) if times else None
         if spread and spread[1] > SPREAD_NOTE * spread[0]:
@@ -85,12 +87,8 @@ def compare_plan_command(args: argparse.Namespace) -> int:
             "measured_step_range_s": list(spread) if spread else None,
             "host_speed": speed.to_json(measured_step) if speed else None})
     else:
-        unit, scale = time_unit([r["predicted_s"] for r in rows] + [r["measured_s"] for r in rows])
-        table = [[f"rank {r['rank']} (pp {r['pp']})", r["phase"], r["predicted_s"] / scale, r["measured_s"] / scale,
-                  _error_text(r)] for r in rows]
-        print(render_table(["rank", "phase", f"predicted ({unit})", f"measured ({unit})", "error"], table,
-                           title=f"{plan.name}: predicted ({cluster.name}) vs measured ({source}), "
-                                 "per rank and phase"))
+        print(phases_table(rows, title=f"{plan.name}: predicted ({cluster.name}) vs measured ({source}), "
+                                       "per rank and phase"))
         print()
         print(collectives_table(collectives) if collectives else "collectives: none in the plan, none measured")
         if speed:
@@ -180,7 +178,8 @@ def collectives_table(rows: list[CollectiveRow]) -> str:
 
 
 def compare_phases(plan, predicted, measured: list[RankBreakdown]) -> list[dict]:
-    """Per measured rank and phase: predicted seconds (of the rank's representative) and measured seconds."""
+    """Per measured rank and phase: predicted seconds (of the rank's representative), measured seconds, and the
+    least and most one measured step spent on the phase (None: one step measured)."""
     predicted_by_pp = {plan.coords(b.rank).pp: b for b in predicted.ranks}
     rows = []
     for m in measured:
@@ -189,9 +188,27 @@ def compare_phases(plan, predicted, measured: list[RankBreakdown]) -> list[dict]
         for phase in PHASES:
             pred, meas = p.seconds.get(phase, 0.0), m.seconds.get(phase, 0.0)
             if pred or meas:
+                lo_hi = m.ranges.get(phase)
                 rows.append({"rank": m.rank, "pp": pp, "phase": phase, "predicted_s": pred, "measured_s": meas,
+                             "measured_range_s": list(lo_hi) if lo_hi else None,
                              "error": pred / meas - 1 if meas else None})
     return rows
+
+
+def phases_table(rows: list[dict], title: str) -> str:
+    """The rows of :func:`compare_phases` for people; with several measured steps, the range a phase took over
+    them beside its median, so a miss can be told from the run's own noise."""
+    unit, scale = time_unit([r["predicted_s"] for r in rows] + [r["measured_s"] for r in rows])
+    ranges = any(r["measured_range_s"] for r in rows)
+    table = []
+    for r in rows:
+        row = [f"rank {r['rank']} (pp {r['pp']})", r["phase"], r["predicted_s"] / scale, r["measured_s"] / scale]
+        if ranges:
+            lo_hi = r["measured_range_s"]
+            row.append(f"{format_number(lo_hi[0] / scale)}-{format_number(lo_hi[1] / scale)}" if lo_hi else "")
+        table.append([*row, _error_text(r)])
+    headers = ["rank", "phase", f"predicted ({unit})", f"measured ({unit})"]
+    return render_table([*headers, *([f"steps' range ({unit})"] if ranges else []), "error"], table, title=title)
 
 
 def _error_text(row: dict) -> str:
