@@ -23,7 +23,7 @@ from ..files import read_yaml
 from ..host_load import ForeignLoad
 from ..jsondoc import print_json
 from ..lower import ADAMW_ACCESSES
-from ..results import canonical_op
+from ..results import CollectiveResult, canonical_op
 from ..table import render_table
 from ..units import parse_size_range, size_unit, time_unit
 from .common import check_outputs, note, progress
@@ -89,6 +89,9 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     its cost per eager op by up to 2x; `parsim compare` times the same probes
     before the warm-up and after its measured steps and scales the compute
     figures by the ratios.
+Each collective is measured in 3 rounds, every operation once a round, and
+each size fitted on its median round: a VM's transfers slow down by a third or
+more for a minute at a time, and a fit on one round keeps such a minute.
 The default sizes grow 4x per step (64KiB:64MiB:4), so `parsim compare` with a
 2x sweep checks sizes the fit never saw; `--ops all-reduce,send-recv` leaves
 every other operation to the link model alone.
@@ -111,6 +114,10 @@ One GPU measures no collective, so links and NCCL stay the spec sheets'
 """
 
 FIT_OPS = "all-reduce,send-recv,all-gather,reduce-scatter,broadcast"
+# Rounds over every collective, each size fitted on its median: on the 2-core VM (2026-11-27) three rounds back
+# to back timed a 16 MiB all-reduce at 16.7, 25.0 and 24.1 ms, and one calibration's single round put the
+# links' speed a third under the others' (set BV in docs/calibration.md).
+COLLECTIVE_ROUNDS = 3
 
 
 def register(subparsers) -> None:
@@ -134,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
         raise ParsimError("--name: the cluster file needs a name")
     if args.ranks.strip() == "1":
         return _run_one_gpu(args)
-    from executor.collectives import (check_host_memory, default_timeout_s, measure_collectives, measure_in_step,
-                                      measure_reduce_bandwidth)
+    from executor.collectives import (DEFAULT_TARGET_TIME_S, check_host_memory, default_timeout_s,
+                                      measure_collectives, measure_in_step, measure_reduce_bandwidth)
     from executor.compute_bench import measure_on_every_rank, measure_on_shared_cores
     from executor.launch import check_request, resolve_backend, usable_cores
 
@@ -156,13 +163,18 @@ def run(args: argparse.Namespace) -> int:
         reduce_bw = _rate(measure_reduce_bandwidth([2**20, 16 * 2**20, 64 * 2**20]))
         progress(f"measuring matmuls, eager ops and optimizer steps on {max(rank_counts)} ranks at once")
         per_rank = measure_on_every_rank(max(rank_counts))
-        results = []
-        for n in rank_counts:
-            for op in ops:
-                if op == "send_recv" and n > 2:
-                    continue  # a point-to-point transfer always has 2 ranks
-                progress(f"measuring {op.replace('_', '-')} on {n} ranks over {len(sizes)} sizes")
-                results += measure_collectives(op, sizes, n, args.backend, timeout_s=args.timeout)
+        rounds = []
+        for i in range(COLLECTIVE_ROUNDS):
+            rounds.append([])
+            for n in rank_counts:
+                for op in ops:
+                    if op == "send_recv" and n > 2:
+                        continue  # a point-to-point transfer always has 2 ranks
+                    progress(f"measuring {op.replace('_', '-')} on {n} ranks over {len(sizes)} sizes "
+                             f"(round {i + 1} of {COLLECTIVE_ROUNDS})")
+                    rounds[-1] += measure_collectives(op, sizes, n, args.backend, timeout_s=args.timeout,
+                                                      target_time_s=DEFAULT_TARGET_TIME_S / COLLECTIVE_ROUNDS)
+        results = median_rounds(rounds)
         in_step_ops = [op for op in ops if op != "send_recv"]
         in_step = []
         if backend == "gloo" and in_step_ops:
@@ -325,6 +337,16 @@ def run(args: argparse.Namespace) -> int:
           f"probes timed between the compute benchmarks; `parsim compare` times them again and follows them)")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
+
+
+def median_rounds(rounds: list[list[CollectiveResult]]) -> list[CollectiveResult]:
+    """One result per (operation, ranks, size) measured in every round: the round with the median time (of an
+    even count, the faster middle one), in the first round's order."""
+    by_key: dict[tuple[str, int, int], list[CollectiveResult]] = {}
+    for results in rounds:
+        for r in results:
+            by_key.setdefault((r.op, r.nranks, r.size_bytes), []).append(r)
+    return [sorted(found, key=lambda r: r.time_s)[(len(found) - 1) // 2] for found in by_key.values()]
 
 
 def _step_gap(rows: list[dict], loop_gap_s: float) -> float:
