@@ -52,7 +52,8 @@ def summarize(runs: list[dict]) -> dict:
     step-to-step noise."""
     predicted = statistics.median(r["predicted_step_s"] for r in runs)
     measured = [r["measured_step_s"] for r in runs]
-    by_phase: dict[tuple[int, str], tuple[list[float], list[float], list]] = {}
+    # (rank, phase) -> each run's predicted and measured seconds and its measured steps' range (None: not kept)
+    by_phase: dict[tuple[int, str], tuple[list[float], list[float], list[list[float] | None]]] = {}
     for run in runs:
         for row in run["phases"]:
             seen = by_phase.setdefault((row["rank"], row["phase"]), ([], [], []))
@@ -77,8 +78,8 @@ def summarize(runs: list[dict]) -> dict:
 
 def _in_range(row: dict) -> bool:
     """Whether a phase's prediction lies within the least and most one measured step spent on it."""
-    return row["measured_range_s"] is not None and \
-        row["measured_range_s"][0] <= row["predicted_s"] <= row["measured_range_s"][1]
+    lo_hi = row["measured_range_s"]
+    return lo_hi is not None and lo_hi[0] <= row["predicted_s"] <= lo_hi[1]
 
 
 def _error(predicted: float, measured: float) -> float:

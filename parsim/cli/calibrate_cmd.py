@@ -90,8 +90,8 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     before the warm-up and after its measured steps and scales the compute
     figures by the ratios.
 Each collective is measured in 3 rounds, every operation once a round, and
-each size fitted on its median round: a VM's transfers slow down by a third or
-more for a minute at a time, and a fit on one round keeps such a minute.
+each size fitted on its median round: a VM's transfers slow down by a third
+for a minute at a time, and a fit on one round keeps such a minute.
 The default sizes grow 4x per step (64KiB:64MiB:4), so `parsim compare` with a
 2x sweep checks sizes the fit never saw; `--ops all-reduce,send-recv` leaves
 every other operation to the link model alone.
@@ -114,9 +114,9 @@ One GPU measures no collective, so links and NCCL stay the spec sheets'
 """
 
 FIT_OPS = "all-reduce,send-recv,all-gather,reduce-scatter,broadcast"
-# Rounds over every collective, each size fitted on its median: on the 2-core VM (2026-11-27) three rounds back
-# to back timed a 16 MiB all-reduce at 16.7, 25.0 and 24.1 ms, and one calibration's single round put the
-# links' speed a third under the others' (set BV in docs/calibration.md).
+# Rounds over every collective, each size fitted on its median: on the 2-core VM (2026-11-27) three runs of
+# `parsim bench all-reduce --nproc 2 --sweep 64KiB:64MiB:4` back to back timed 64 MiB at 76.9, 81.5 and 100.0 ms,
+# and one calibration's single round put the links a third under the others' (set BV in docs/calibration.md).
 COLLECTIVE_ROUNDS = 3
 
 
