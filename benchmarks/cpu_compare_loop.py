@@ -17,8 +17,8 @@ host's own noise). Never run anything else on the host meanwhile: other work
 slows the steps and not the calibration.
 
 On the 2-core VM (2026-11-27) one calibration and three runs of each plan take
-about 5 minutes (6-10 on a 3-4x slower AMD VM, 10 measured steps a run; 7-8 there
-since calibrate measures its collectives in three rounds);
+about 5 minutes (6-10 on a 3-4x slower AMD VM, 10 measured steps a run; 7-7.5
+there since calibrate measures its collectives in three rounds: sets BW, BX);
 `docs/calibration.md` lists the sets measured so far.
 
 Run:  python benchmarks/cpu_compare_loop.py [--cluster host.yaml] [--runs 3] [--steps N] [--out DIR] [--json]
