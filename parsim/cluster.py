@@ -52,7 +52,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
                 "speed_probe_eager_us")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
-SHARED_CORE_OPTIONAL = ("p2p_issue_us",)  # absent from files calibrated before it was measured: 0
+SHARED_CORE_OPTIONAL = ("p2p_issue_us", "time_slice_us")  # absent from files calibrated before they were measured
 SHARED_CORE_STRETCHES = ("matmul_stretch", "eager_stretch")  # optional, times (absent: 2, the fair share)
 STRETCH = (1.0, 100.0, "times as long as with a core each")
 
@@ -130,11 +130,13 @@ class SharedCoreCosts:
     p2p_issue_s: float = 0.0
     matmul_stretch: float | None = None
     eager_stretch: float | None = None
+    time_slice_s: float | None = None  # how long the scheduler runs a rank before the next on its core (parsim.cores)
 
     def to_mapping(self) -> dict[str, float]:
         """The ``compute.shared_cores`` mapping: each time in microseconds, named ``..._us``, and the
         stretches measured."""
-        mapping = {f"{f.name[:-2]}_us": getattr(self, f.name) * 1e6 for f in fields(self) if f.name.endswith("_s")}
+        mapping = {f"{f.name[:-2]}_us": getattr(self, f.name) * 1e6 for f in fields(self)
+                   if f.name.endswith("_s") and getattr(self, f.name) is not None}
         return {**mapping, **{key: getattr(self, key) for key in SHARED_CORE_STRETCHES
                               if getattr(self, key) is not None}}
 

@@ -143,7 +143,7 @@ GPU host):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .cluster import HOPPER_SM_CYCLES, ClusterSpec, CoreArithmetic, Curve, SharedCoreCosts, SmCycles
 from .eager_ops import TP_COLLECTIVE_OPS
@@ -380,6 +380,10 @@ class ComputeModel:
         if self.host_overlaps_device:
             return max(device_s, host_s) * self.time_share
         return device_s * self.core_stretch("matmul_stretch") + host_s * self.core_stretch("eager_stretch")
+
+    def with_core_each(self) -> "ComputeModel":
+        """This model for a rank that has its core to itself (:mod:`parsim.cores` times the turns)."""
+        return replace(self, time_share=1.0)
 
     def core_stretch(self, field: str) -> float:
         """How many times as long work takes on a core this rank time-shares: ``time_share`` (each rank's fair

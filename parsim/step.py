@@ -16,11 +16,15 @@ from .memory import Memory, memory
 from .step_report import RankBreakdown, breakdown, merge_spans, step_time
 from .stepsim import StepSimulator
 from .trace import Trace
+from .unfold import unfold
 
 
 # Forward and backward passes of one layer over one microbatch that one step may hold: about four ops
 # each to simulate, so this bound is some 2 million ops, a quarter of a minute (real steps: < 200,000).
 MAX_LAYER_PASSES = 2**19
+# Ranks that time-share a CPU host's cores take turns on them, each simulated in its own right (parsim.cores)
+# up to this many ranks; more share each core evenly (a stretch of every rank's work).
+MAX_RANKS_IN_TURNS = 256
 
 
 @dataclass
@@ -118,9 +122,10 @@ def predict_step(plan: Plan, cluster: ClusterSpec,
         _check_tp_overlap(plan, cluster)
     topo = cluster.build(max(1, plan.world // gpn))
     compute = ComputeModel.for_cluster(cluster, plan.dtype, plan.dtype_bytes, min(plan.world, gpn), plan.attention_seq)
+    turns = compute.time_share > 1 and plan.world <= MAX_RANKS_IN_TURNS
     with _gc_paused():
-        program = lower(plan)
+        program = unfold(lower(plan)) if turns else lower(plan)
         meta = {"plan": plan.name, "cluster": cluster.name, "world_size": plan.world,
                 "represents": {str(k): v for k, v in program.represents.items()}}
-        trace = merge_spans(StepSimulator(topo, compute).run(program, meta, progress))
+        trace = merge_spans(StepSimulator(topo, compute, take_turns=turns).run(program, meta, progress))
         return StepPrediction(plan, cluster, trace, step_time(trace), breakdown(trace), memory(plan))

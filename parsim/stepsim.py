@@ -34,6 +34,7 @@ import simpy
 from .collectives.algorithms import build_phases
 from .collectives.simulate import choose_algorithm
 from .compute import ComputeModel
+from .cores import SharedCores, eevdf_slice_s
 from .errors import ParsimError
 from .network import Network, chain_routes, stack_routes
 from .program import Op, Program
@@ -60,11 +61,18 @@ class CommPhase:
 class StepSimulator:
     """Runs programs on one topology with one compute model; costs are cached across runs."""
 
-    def __init__(self, topo: Topology, compute: ComputeModel):
+    def __init__(self, topo: Topology, compute: ComputeModel, take_turns: bool = False):
+        """``take_turns``: where ranks time-share a CPU host's cores (``compute.time_share`` > 1), run them in
+        turns on each core (:mod:`parsim.cores`; the program must simulate every rank, :func:`parsim.unfold.unfold`)
+        rather than stretch every rank's work by the share."""
         self.topo, self.compute = topo, compute
+        self.turns = take_turns and compute.time_share > 1
+        if self.turns:  # each rank's work alone on its core; the stretched model gives the penalty of turns
+            self.shared, self.compute = compute, compute.with_core_each()
         self._algorithms: dict[tuple, tuple[str, str | None]] = {}
         self.comm_phases = lru_cache(maxsize=None)(self._comm_phases)
         self.compute_time = lru_cache(maxsize=None)(self.compute.time)
+        self.shared_time = lru_cache(maxsize=None)(self.shared.time) if self.turns else None
         self._keys = 0
 
     def run(self, program: Program, meta: dict | None = None,
@@ -183,15 +191,60 @@ class _Run:
         # A CPU host's loop runs before each op that opens one of its actions (see _leads): a fixed op's duration
         # includes it, any other op begins that much later; the trace shows it as idle.
         self.lead = self._leads(sim.compute)
+        # Ranks taking turns on shared cores (StepSimulator's take_turns): their ops' work alone on the core, and
+        # how many times as slowly it runs while another rank waits for the core (parsim.cores); the same for the
+        # loop's time before an op, from the host's costs measured with two ranks on each core.
+        self.cores = self._shared_cores() if sim.turns else None
+        self.work: dict[int, tuple[float, float]] = {}
+        if self.cores is not None:
+            self.lead_penalty = {i: self._penalty(alone, shared)
+                                 for i, (alone, shared) in enumerate(zip(self.lead, self._leads(sim.shared))) if alone}
         # On a CPU host whose ranks share the memory bandwidth, an op's streamed bytes are a flow on it (HostMemory),
         # after the rest of its work, which takes ``beside[i]``.
-        self.memory = HostMemory(self.env, sim.topo, sim.compute, program) if sim.compute.shares_host_memory else None
+        shares_memory = sim.compute.shares_host_memory and self.cores is None
+        self.memory = HostMemory(self.env, sim.topo, sim.compute, program) if shares_memory else None
         self.beside: dict[int, float] = {}
         ready = self._link_prerequisites()
         self.env.timeout(0).callbacks.append(lambda _event: self._begin(ready))
         self.env.run()
         if progress is not None:
             progress(self.finished, n)
+
+    def _shared_cores(self) -> SharedCores:
+        """The cores ranks share and take turns on: the executor binds a host's local rank ``r`` to its core
+        ``r % cores`` (``executor/launch.py``)."""
+        program, topo = self.program, self.sim.topo
+        if len(program.ranks) < program.world_size or any(len(r) > 1 for r in program.replicas.values()):
+            raise ParsimError("ranks take turns on their cores only in a program that simulates every rank "
+                              "(parsim.unfold)")
+        cores = topo.spec.cpu_cores
+        core_of = {r: (r // topo.gpus_per_node, r % topo.gpus_per_node % cores) for r in program.ranks}
+        sharing = {core for core in core_of.values() if sum(1 for c in core_of.values() if c == core) > 1}
+        shared = self.sim.shared.shared_cores
+        slice_s = (shared.time_slice_s if shared else None) or eevdf_slice_s(cores)
+        return SharedCores(self.env, {r: c for r, c in core_of.items() if c in sharing}, slice_s)
+
+    def _penalty(self, alone_s: float, shared_s: float) -> float:
+        """How many times as slowly work runs while another rank waits for its core: its time with two ranks on
+        each core all along (``shared_s``, the stretched model's) over the share of it that is its own."""
+        return max(shared_s / (self.sim.shared.time_share * alone_s), 1.0) if alone_s > 0 else 1.0
+
+    def _turn_work(self, op: Op) -> tuple[float, float]:
+        """Op ``op``'s work alone on its core, and its :meth:`_penalty`. On a host whose memory speed was measured
+        (``shares_host_memory``), its streamed bytes at a core's speed alone, at most the host's shared by all
+        its cores: which cores stream at each moment is not followed here."""
+        sim = self.sim
+        args = (op.matmuls, op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
+                op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes, op.sm_reserved,
+                op.high_precision, op.sm_bound)
+        tail = (op.optimizer_steps, op.tp_calls)
+        compute = sim.compute
+        stream_bw = (min(compute.memory_alone_bw_Bps, compute.memory_host_bw_Bps / sim.topo.spec.cpu_cores)
+                     if compute.shares_host_memory else None)
+        streams = op.stream_bytes / stream_bw if stream_bw else 0.0
+        alone = sim.compute_time(*args, bool(stream_bw), *tail) + streams
+        shared = sim.shared_time(*args, bool(stream_bw), *tail) + streams * sim.shared.time_share
+        return alone, self._penalty(alone, shared)
 
     def _link_prerequisites(self) -> list[int]:
         """Count each op's prerequisites (stream predecessor and deps) and find the chains.
@@ -207,9 +260,13 @@ class _Run:
         compute_time, costs = self.sim.compute_time, {}
         last: dict[tuple[int, str], int] = {}
         successor = [-1] * len(ops)
+        cores = self.cores
         for op in ops:
             i = op.id
-            if op.kind == "compute" or op.kind == "optimizer":
+            if cores is not None and cores.shares(op.rank):
+                if op.kind == "compute" or op.kind == "optimizer":
+                    self.work[i] = self._turn_work(op)
+            elif op.kind == "compute" or op.kind == "optimizer":
                 apart = self.memory is not None and op.stream_bytes > 0
                 key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
                        op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes, op.sm_reserved,
@@ -328,6 +385,9 @@ class _Run:
     def _start(self, i: int) -> None:
         now = self.env.now
         self.start[i] = now
+        if self.cores is not None and self.cores.shares(self.ops[i].rank):
+            self._take_turn(i)
+            return
         duration = self.fixed[i]
         if duration is not None:
             end, last = now + duration, i
@@ -342,6 +402,33 @@ class _Run:
             self._after(self.lead[i], lambda: self._proceed(i))
         else:
             self._proceed(i)
+
+    def _take_turn(self, i: int) -> None:
+        """Op ``i`` of a rank that takes turns on its core: the loop's time before it (``lead``) and its compute
+        run on the core (:class:`~parsim.cores.SharedCores`); the op begins once the loop's time is done."""
+        op = self.ops[i]
+
+        def begin() -> None:
+            self.start[i], self.lead[i] = self.env.now, 0.0
+            if i in self.work:
+                work, penalty = self.work[i]
+                self.cores.run(op.rank, work, penalty, lambda: self._finish(i))
+            else:
+                self._proceed(i)
+
+        if self.lead[i]:
+            self.cores.run(op.rank, self.lead[i], self.lead_penalty[i], begin)
+        else:
+            begin()
+
+    def _end(self, i: int) -> None:
+        """Op ``i``, a wait (a receive, a collective), is over; a rank taking turns on its core goes on once it
+        has the core again."""
+        rank = self.ops[i].rank
+        if self.cores is not None and self.cores.shares(rank):
+            self.cores.wake(rank, lambda: self._finish(i))
+        else:
+            self._finish(i)
 
     def _proceed(self, i: int) -> None:
         """Op ``i``, whose duration depends on others (a receive, a collective that may contend, compute that
@@ -372,7 +459,7 @@ class _Run:
 
         def end_all() -> None:
             for j in arrived:
-                self._finish(j)
+                self._end(j)
 
         if comm.closed_form_s is not None:
             self._after(comm.closed_form_s, end_all)
@@ -385,7 +472,9 @@ class _Run:
         only once its receiver asks; a receiver that waits has it after the send's latency)."""
         rendezvous = self.sim.compute.rendezvous_s
         if late and rendezvous and self.ops[i].nbytes:
-            self._after(rendezvous, lambda: self._finish(i))
+            self._after(rendezvous, lambda: self._end(i))
+        elif self.cores is not None and self.cores.shares(self.ops[i].rank):
+            self._end(i)
         elif self._draining:
             self._due.append(i)
         else:
@@ -395,7 +484,7 @@ class _Run:
         """Run phase ``k`` of a collective (a send is one phase): latency, transfer, reduction; then ``done``
         (by default, op ``i`` ends)."""
         if k == len(phases):
-            (done or (lambda: self._finish(i)))()
+            (done or (lambda: self._end(i)))()
             return
         phase = phases[k]
         next_phase = lambda: self._phase(i, phases, k + 1, done)  # noqa: E731

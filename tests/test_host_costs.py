@@ -218,7 +218,7 @@ def test_host_keys_are_read_in_si_units():
     ("core_ns_per_element", {**CORE_NS, "norm": {"forward": 1.0}}, "norm: is .* a mapping of forward and backward"),
     ("core_ns_per_element", {**CORE_NS, "gelu": {"forward": -1.0, "backward": 1.0}}, "gelu.forward: is -1"),
     ("shared_cores", {"p2p_latency_us": 1.0}, "a mapping of p2p_rendezvous_us, p2p_latency_us, action_overhead_us "
-     "[(]and optionally p2p_issue_us, matmul_stretch, eager_stretch[)]"),
+     "[(]and optionally p2p_issue_us, time_slice_us, matmul_stretch, eager_stretch[)]"),
     ("shared_cores", {**SHARED, "p2p_issue_us": 1.0, "p2p_lag_us": 1.0}, "a mapping of"),
     ("shared_cores", {"p2p_rendezvous_us": 1.0, "p2p_latency_us": -1.0, "action_overhead_us": 1.0},
      "shared_cores.p2p_latency_us: is -1"),
@@ -580,13 +580,46 @@ def test_a_send_s_issue_on_shared_cores_takes_what_was_measured_there(ranks, exp
     assert model.send_issue_s == pytest.approx(expected)
 
 
+def test_ranks_on_one_core_take_turns_rather_than_stretch():
+    """Two ranks on one core, each with half a millisecond of work (shorter than the scheduler's slice, 0.75 ms
+    on one CPU): taking turns, one ends after its half millisecond, the other after its own; stretched, both at
+    once."""
+    spec = parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=1), "host.yaml")
+    compute = ComputeModel.for_cluster(spec, "fp32", 4, 2)
+    flops = 0.5e-3 * spec.gpu.peak_flops["fp32"]
+    program = Program(2)
+    for rank in (0, 1):
+        program.add(rank, Op("F stage=0 mb=0", "compute", "compute", flops=flops, phase="forward"))
+        program.replicas[rank] = (rank,)
+    alone = compute.with_core_each().time(flops=flops)
+    assert alone == pytest.approx(0.5e-3)
+    turns = StepSimulator(spec.build(1), compute, take_turns=True).run(program)
+    assert sorted(e.start_s + e.dur_s for e in turns.events) == pytest.approx([alone, 2 * alone])
+    stretched = StepSimulator(spec.build(1), compute).run(program)
+    assert [e.start_s + e.dur_s for e in stretched.events] == pytest.approx([2 * alone, 2 * alone])
+
+
+def test_a_plan_with_more_ranks_than_cores_simulates_every_rank_and_its_turns():
+    """tiny-gpt's data- x pipeline-parallel plan, 4 ranks on 2 cores: every rank is simulated, and a stage's two
+    replicas, which share a core, spend their step differently; with a core each, one rank per stage."""
+    plan = resolve_plan("tiny-pp2", overrides={"parallel": {"dp": 2}})
+    shared = predict_step(plan, parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=2), "host.yaml"))
+    assert [b.rank for b in shared.ranks] == [0, 1, 2, 3]
+    assert shared.ranks[0].seconds != shared.ranks[2].seconds
+    own = predict_step(plan, parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=4), "host.yaml"))
+    assert [b.rank for b in own.ranks] == [0, 1]
+
+
 def test_a_time_shared_pipeline_pays_the_shared_core_costs():
     plan = resolve_plan("tiny-pp2", overrides={"parallel": {"dp": 2}})
     keys = {**HOST_KEYS, "p2p_latency_us": 100.0, "cpu_cores": 2}
     stretched = predict_step(plan, parse_cluster(cpu_host(**keys), "host.yaml"))
     measured = predict_step(plan, parse_cluster(cpu_host(**keys, shared_cores=SHARED), "host.yaml"))
     assert measured.step_s > stretched.step_s
-    assert all(m.seconds["idle"] > s.seconds["idle"] for m, s in zip(measured.ranks, stretched.ranks))
+    # the loop's time between actions, and the waits on the ranks it delays, grow (which rank waits where
+    # depends on the order the ranks take their turns on each core)
+    waited = [sum(b.seconds["idle"] + b.seconds["pp"] for b in p.ranks) for p in (measured, stretched)]
+    assert waited[0] > waited[1]
     two_ranks = resolve_plan("tiny-pp2")  # a core each: unchanged
     assert predict_step(two_ranks, parse_cluster(cpu_host(**keys, shared_cores=SHARED), "host.yaml")).step_s == \
         predict_step(two_ranks, parse_cluster(cpu_host(**keys), "host.yaml")).step_s

@@ -178,13 +178,15 @@ def collectives_table(rows: list[CollectiveRow]) -> str:
 
 
 def compare_phases(plan, predicted, measured: list[RankBreakdown]) -> list[dict]:
-    """Per measured rank and phase: predicted seconds (of the rank's representative), measured seconds, and the
-    least and most one measured step spent on the phase (None: one step measured)."""
+    """Per measured rank and phase: predicted seconds (of the rank, or where it was not simulated in its own right,
+    of its representative), measured seconds, and the least and most one measured step spent on the phase (None:
+    one step measured)."""
     predicted_by_pp = {plan.coords(b.rank).pp: b for b in predicted.ranks}
+    own = {b.rank: b for b in predicted.ranks}
     rows = []
     for m in measured:
         pp = plan.coords(m.rank).pp
-        p = predicted_by_pp[pp]
+        p = own.get(m.rank) or predicted_by_pp[pp]
         for phase in PHASES:
             pred, meas = p.seconds.get(phase, 0.0), m.seconds.get(phase, 0.0)
             if pred or meas:

@@ -26,7 +26,9 @@ all-reduces, optimizer); compute is timed by a roofline (FLOPs vs peak, bytes
 vs HBM bandwidth) and communication on the same flow-level network as
 `parsim collective`, on separate streams, so overlap and contention are
 simulated. One representative rank per pipeline stage is simulated; its
-collectives carry the traffic of every replica it stands for.
+collectives carry the traffic of every replica it stands for. On a CPU host
+running more ranks than it has cores, every rank is simulated, the ranks on
+one core taking turns as the kernel's scheduler runs them.
 
 phases per rank: forward / backward / weight-grad = compute; recompute =
 forwards rerun for the backward; tp = tensor-parallel collectives; ep = expert
@@ -105,12 +107,15 @@ def report(r: StepPrediction) -> str:
     lines.append("")
     rows = []
     overlap = comm_overlap(r.trace)
-    for b, mem in zip(r.ranks, r.memory):
+    for b in r.ranks:
         hidden = overlap.get(b.rank)
-        rows.append([f"pp {mem.pp_rank} (rank {b.rank})"] + [f"{b.fraction(p):.1%}" for p in PHASES]
+        rows.append([f"pp {plan.coords(b.rank).pp} (rank {b.rank})"] + [f"{b.fraction(p):.1%}" for p in PHASES]
                     + ["-" if hidden is None else f"{hidden:.0%}"])
+    every_rank = len(r.ranks) == plan.world > plan.pp
+    whose = ("per rank (more ranks than the host's cores: each simulated in its own right, taking turns on its "
+             "core)" if every_rank else "per pipeline stage (each stands for its dp x tp replicas)")
     lines.append(render_table(["stage"] + list(PHASES) + ["comm overlap"], rows,
-                              title="time by phase, per pipeline stage (each stands for its dp x tp replicas); "
+                              title=f"time by phase, {whose}; "
                                     "comm overlap: communication time with compute running beside it (as HTA)"))
     lines.append("")
     lines.append(memory_table(r.memory, capacity, "peak memory per GPU (GB)"))
