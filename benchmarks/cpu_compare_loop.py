@@ -21,7 +21,13 @@ about 5 minutes (6-10 on a 3-4x slower AMD VM, 10 measured steps a run; 7-7.5
 there since calibrate measures its collectives in three rounds: sets BW, BX);
 `docs/calibration.md` lists the sets measured so far.
 
+``--again DIR`` runs nothing: it predicts the runs an earlier loop kept in
+DIR (its ``--out``) again with the model as it is now, each at the host speed
+its probes measured, against what was measured then; a change to the model is
+checked on the same measurements.
+
 Run:  python benchmarks/cpu_compare_loop.py [--cluster host.yaml] [--runs 3] [--steps N] [--out DIR] [--json]
+      python benchmarks/cpu_compare_loop.py --again DIR [--json]
 """
 
 from __future__ import annotations
@@ -76,6 +82,32 @@ def summarize(runs: list[dict]) -> dict:
             "phase_misses_in_range": sum(1 for row in misses if _in_range(row))}
 
 
+def predicted_again(run: dict, plan_args: list[str], cluster) -> dict:
+    """A kept run (``parsim compare --json``) with the step and phases predicted by the model as it is now, on
+    ``cluster`` at the host speed the run's probes measured; what was measured stays."""
+    from parsim.cli.compare_plan import compare_phases
+    from parsim.cli.main import build_parser
+    from parsim.cli.plan_cmd import plan_from_args
+    from parsim.step import predict_step
+    from parsim.step_report import RankBreakdown
+
+    plan = plan_from_args(build_parser().parse_args(["simulate", *plan_args]))
+    speed = run.get("host_speed")
+    if speed:
+        cluster = cluster.at_host_speed(speed["arithmetic_factor"], speed["eager_factor"])
+    predicted = predict_step(plan, cluster)
+    kept: dict[int, tuple[dict, dict]] = {}  # rank -> (phase -> seconds, phase -> the steps' range)
+    for row in run["phases"]:
+        seconds, ranges = kept.setdefault(row["rank"], ({}, {}))
+        seconds[row["phase"]] = row["measured_s"]
+        if row.get("measured_range_s"):
+            ranges[row["phase"]] = tuple(row["measured_range_s"])
+    measured = [RankBreakdown(rank, run["measured_step_s"], seconds, ranges)
+                for rank, (seconds, ranges) in sorted(kept.items())]
+    return {**run, "predicted_step_s": predicted.step_s, "step_error": _error(predicted.step_s, run["measured_step_s"]),
+            "phases": compare_phases(plan, predicted, measured)}
+
+
 def _in_range(row: dict) -> bool:
     """Whether a phase's prediction lies within the least and most one measured step spent on it."""
     lo_hi = row["measured_range_s"]
@@ -110,22 +142,46 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs of each plan (default 3)")
     parser.add_argument("--steps", type=int, help="measured steps of each run (default: compare's)")
     parser.add_argument("--out", help="keep the calibration and every run's JSON in this folder")
+    parser.add_argument("--again", metavar="DIR",
+                        help="run nothing: predict the runs kept in DIR (an earlier --out) again with this model")
     parser.add_argument("--json", action="store_true", help="print a JSON summary for scripts")
     args = parser.parse_args()
     if args.runs < 1:
         _fail(f"--runs must be at least 1, got {args.runs}")
     if args.steps is not None and args.steps < 1:
         _fail(f"--steps must be at least 1, got {args.steps}")
+    if args.again is not None:
+        cluster, out, runs = str(Path(args.again) / "host.yaml"), Path(args.again), _kept_runs(Path(args.again))
+        title = f"the runs kept in {out}, predicted again with this model on {cluster}"
+    else:
+        cluster, out, runs = _measure(args)
+        title = f"{args.runs} runs of each plan on {cluster} (every run's JSON in {out})"
+    summary = {label: summarize(plan_runs) for label, plan_runs in runs.items()}
+    if args.json:
+        print(json.dumps({"cluster": cluster, "runs": {label: len(r) for label, r in runs.items()}, "out": str(out),
+                          "plans": summary}, indent=1))
+        return
+    from parsim.table import render_table
+
+    rows = []
+    for label, row in summary.items():
+        worst = row["worst_phase"]
+        rows.append([label, row["predicted_step_s"] * 1e3, " ".join(f"{m * 1e3:.1f}" for m in row["measured_step_s"]),
+                     f"{row['step_error']:+.1%}", "yes" if row["step_within"] else "no",
+                     f"r{worst['rank']} {worst['phase']} {worst['error']:+.0%}" if worst else "-",
+                     "yes" if row["phases_within"] else "no",
+                     f"{row['phase_misses']} ({row['phase_misses_in_range']})"])
+    print(render_table(["plan", "predicted (ms)", "measured (ms)", "error", "within 15%", "worst phase",
+                        "phases within 25%", "misses (inside steps' range)"], rows, title=title))
+
+
+def _measure(args: argparse.Namespace) -> tuple[str, Path, dict[str, list[dict]]]:
+    """Calibrate (unless ``--cluster``), then run every plan ``--runs`` times: (the cluster file, the folder
+    keeping the runs, each plan's runs)."""
     steps = () if args.steps is None else ("--steps", str(args.steps))
     cluster = args.cluster
     if cluster is not None:
-        from parsim.cluster import load_cluster
-        from parsim.errors import ParsimError
-
-        try:
-            load_cluster(cluster)
-        except ParsimError as error:  # before any run: one line, as the CLI says it
-            _fail(str(error))
+        _load_cluster(cluster)  # before any run: one line, as the CLI says it
     out = Path(args.out or tempfile.mkdtemp(prefix="parsim-loop-"))
     out.mkdir(parents=True, exist_ok=True)
     if cluster is None:
@@ -141,25 +197,42 @@ def main() -> None:
             done = _parsim("compare", *plan, "--cluster", cluster, "--nproc", str(ranks), *steps, "--json")
             if done.returncode:
                 _fail(f"parsim compare {' '.join(plan)} failed: {_last_line(done)}")
-            (out / f"{label.lower().replace(' ', '-')}-{i + 1}.json").write_text(done.stdout)
+            (out / f"{_slug(label)}-{i + 1}.json").write_text(done.stdout)
             runs[label].append(json.loads(done.stdout))
-    summary = {label: summarize(plan_runs) for label, plan_runs in runs.items()}
-    if args.json:
-        print(json.dumps({"cluster": cluster, "runs": args.runs, "out": str(out), "plans": summary}, indent=1))
-        return
-    from parsim.table import render_table
+    return cluster, out, runs
 
-    rows = []
-    for label, row in summary.items():
-        worst = row["worst_phase"]
-        rows.append([label, row["predicted_step_s"] * 1e3, " ".join(f"{m * 1e3:.1f}" for m in row["measured_step_s"]),
-                     f"{row['step_error']:+.1%}", "yes" if row["step_within"] else "no",
-                     f"r{worst['rank']} {worst['phase']} {worst['error']:+.0%}" if worst else "-",
-                     "yes" if row["phases_within"] else "no",
-                     f"{row['phase_misses']} ({row['phase_misses_in_range']})"])
-    print(render_table(["plan", "predicted (ms)", "measured (ms)", "error", "within 15%", "worst phase",
-                        "phases within 25%", "misses (inside steps' range)"], rows,
-                       title=f"{args.runs} runs of each plan on {cluster} (every run's JSON in {out})"))
+
+def _kept_runs(folder: Path) -> dict[str, list[dict]]:
+    """Each plan's runs kept in ``folder`` (``--out``), predicted again (:func:`predicted_again`) on the cluster
+    file kept beside them."""
+    cluster = _load_cluster(str(folder / "host.yaml"))
+    runs: dict[str, list[dict]] = {}
+    for label, plan, _ in PLANS:
+        for path in sorted(folder.glob(f"{_slug(label)}-*.json")):
+            try:
+                run = json.loads(path.read_text())
+            except (OSError, ValueError) as error:
+                _fail(f"{path}: not a compare run's JSON ({error})")
+            runs.setdefault(label, []).append(predicted_again(run, plan, cluster))
+    if not runs:
+        _fail(f"no runs kept in {folder} (an earlier loop's --out keeps them as PLAN-N.json)")
+    return runs
+
+
+def _load_cluster(path: str):
+    from parsim.cluster import load_cluster
+    from parsim.errors import ParsimError
+
+    try:
+        return load_cluster(path)
+    except ParsimError as error:
+        _fail(str(error))
+
+
+def _slug(label: str) -> str:
+    """A plan's label as the file names of its runs have it: ``tiny DP x PP`` -> ``tiny-dp-x-pp``."""
+    return label.lower().replace(" ", "-")
+
 
 if __name__ == "__main__":
     main()

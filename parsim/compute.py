@@ -113,7 +113,11 @@ GPU host):
   core (``shared_cores``), :meth:`time_shared` takes those figures instead;
   so does compute, where it measured how much longer a matmul and an eager
   pass take with two ranks on their core (more than twice: each rank's slice
-  starts in caches the other emptied).
+  starts in caches the other emptied). The step simulator uses these
+  stretches as they stand only beyond ``parsim.step.MAX_RANKS_IN_TURNS``
+  ranks; below, it runs every rank with its core to itself
+  (:meth:`with_core_each`) and lets the ranks on one core take turns
+  (:mod:`parsim.cores`), slowed by them only while another rank waits.
 * ``action_overhead_s``: on CPU ranks, the training loop's own host time
   before each action of a step (a pass of one microbatch, before its receive
   and again between the receive and the pass; a gradient all-reduce the loop

@@ -188,6 +188,44 @@ def test_the_compare_loop_prints_each_plan_against_the_bounds(monkeypatch, tmp_p
     assert len(list(tmp_path.glob("*.json"))) == 2 * len(loop.PLANS)
 
 
+def test_the_compare_loop_predicts_kept_runs_again_with_the_model_as_it_is(tmp_path, capsys, monkeypatch):
+    """--again: a kept run's measured step and phases stay; its prediction is the model's now, at the host speed
+    its probes measured (here the arithmetic at 1.25x the calibration's)."""
+    import json
+
+    from parsim.cluster import load_cluster
+    from parsim.plan import resolve_plan
+    from parsim.step import predict_step
+
+    (tmp_path / "host.yaml").write_text((ROOT / "topologies" / "dgx-h100.yaml").read_text())
+    speed = {"arithmetic_factor": 1.25, "eager_factor": 1.0}
+    kept = {"predicted_step_s": 1.0, "measured_step_s": 0.004, "host_speed": speed,
+            "phases": [{"rank": 1, "pp": 1, "phase": "forward", "predicted_s": 1.0, "measured_s": 0.001,
+                        "measured_range_s": [0.0009, 0.0012], "error": 999.0}]}
+    (tmp_path / "tiny-pp-1.json").write_text(json.dumps(kept))
+    loop = _compare_loop()
+    monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--again", str(tmp_path), "--json"])
+    loop.main()
+    doc = json.loads(capsys.readouterr().out)
+    assert list(doc["plans"]) == ["tiny PP"] and doc["runs"] == {"tiny PP": 1}
+    cluster = load_cluster(str(tmp_path / "host.yaml")).at_host_speed(1.25, 1.0)
+    predicted = predict_step(resolve_plan("tiny-pp2"), cluster)
+    plan = doc["plans"]["tiny PP"]
+    assert plan["predicted_step_s"] == pytest.approx(predicted.step_s) and plan["measured_step_s"] == [0.004]
+    forward = next(row for row in plan["phases"] if row["rank"] == 1 and row["phase"] == "forward")
+    assert forward["predicted_s"] == pytest.approx(predicted.ranks[1].seconds["forward"])
+    assert forward["measured_s"] == 0.001 and forward["measured_range_s"] == [0.0009, 0.0012]
+
+
+def test_the_compare_loop_refuses_a_folder_without_kept_runs_in_one_line(tmp_path):
+    done = script("benchmarks/cpu_compare_loop.py", "--again", str(tmp_path))
+    assert done.returncode == 2 and done.stderr.startswith("cpu_compare_loop.py: ") and done.stderr.count("\n") == 1
+    (tmp_path / "host.yaml").write_text((ROOT / "topologies" / "dgx-h100.yaml").read_text())
+    done = script("benchmarks/cpu_compare_loop.py", "--again", str(tmp_path))
+    assert done.returncode == 2 and done.stderr == f"cpu_compare_loop.py: no runs kept in {tmp_path} (an earlier " \
+        "loop's --out keeps them as PLAN-N.json)\n"
+
+
 @pytest.mark.skipif(usable_cores() < 2, reason="binds a rank beside rank 0 on a host of 2 cores or more")
 def test_the_core_sharing_benchmark_times_rank_0_beside_its_core_s_other_rank():
     done = script("benchmarks/cpu_core_sharing.py", "--blocks", "2", "--matmuls", "1")
