@@ -2,14 +2,12 @@
 
 A rank waiting in gloo sleeps and frees its core (``benchmarks/cpu_core_sharing.py``);
 ranks ready to compute on one core take turns, each running for the scheduler's
-time slice, or until it blocks, before the next in line (Linux's EEVDF runs a
-task to the end of its slice rather than preempting it for one that wakes; with
-a 250 Hz tick a slice ends on a tick, about 4 ms: two busy processes on one
-core of the 2-core VM ran in slices of 3.92 ms, ``parsim calibrate`` measures
-it). So work shorter than a slice runs whole while its twin waits, and the
-twin's wait shows where it waits (a receive, a collective), not in its own
-pass, as it does in the measured traces (``docs/calibration.md``, "Ranks
-taking turns on a core").
+slice (Linux EEVDF's base slice: 1.5 ms on 2 CPUs), or until it blocks, before
+the next in line; a rank that wakes waits for the running one's slice to end.
+So work shorter than a slice runs whole while its twin waits, and the twin's
+wait shows where it waits (a receive, a collective), not in its own pass, as
+it does in the measured traces (``docs/calibration.md``, "Ranks taking turns
+on a core", with the other slices and scheduler rules tried against them).
 
 :class:`SharedCores` keeps one round-robin queue per core. A job is a rank's
 work in seconds *alone* on the core; while other ranks wait for the core it

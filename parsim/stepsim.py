@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -219,10 +219,10 @@ class _Run:
                               "(parsim.unfold)")
         cores = topo.spec.cpu_cores
         core_of = {r: (r // topo.gpus_per_node, r % topo.gpus_per_node % cores) for r in program.ranks}
-        sharing = {core for core in core_of.values() if sum(1 for c in core_of.values() if c == core) > 1}
+        ranks_on = Counter(core_of.values())
         shared = self.sim.shared.shared_cores
         slice_s = (shared.time_slice_s if shared else None) or eevdf_slice_s(cores)
-        return SharedCores(self.env, {r: c for r, c in core_of.items() if c in sharing}, slice_s)
+        return SharedCores(self.env, {r: c for r, c in core_of.items() if ranks_on[c] > 1}, slice_s)
 
     def _penalty(self, alone_s: float, shared_s: float) -> float:
         """How many times as slowly work runs while another rank waits for its core: its time with two ranks on
