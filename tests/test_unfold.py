@@ -28,10 +28,16 @@ def _simulate(plan, cluster, program):
     ("tiny-pp2", {"parallel": {"dp": 4}, "data_parallel": {"grad_sync": "fsdp"}}, "dgx-h100"),
     ("tiny-pp2", {"parallel": {"dp": 2, "cp": 2}}, "dgx-h100"),
     ("tiny-pp2", {"parallel": {"dp": 2}}, "ideal"),
+    ("tiny-pp2", {"parallel": {"dp": 2}, "grad_clip": 1.0}, "dgx-h100"),
+    ("tiny-pp2", {"parallel": {"dp": 2}, "schedule": "interleaved-1f1b", "virtual_stages": 2}, "dgx-h100"),
+    ("tiny-pp2", {"parallel": {"dp": 2}, "schedule": "dualpipe-v"}, "dgx-h100"),
+    ("tiny-tp2", {"parallel": {"dp": 2, "tp": 2}, "sequence_parallel": True, "activation_recompute": "full"},
+     "dgx-a100"),
+    ("mixtral-8x22b", {"parallel": {"dp": 2, "tp": 1, "pp": 2, "ep": 2}}, "dgx-h100"),
 ])
 def test_an_unfolded_program_times_as_its_representatives(name, overrides, cluster):
-    """Data-, tensor- and context-parallel replicas, FSDP's shards: each rank's phases are its
-    representative's, to the last bit, and so is the step."""
+    """Data-, tensor- and context-parallel replicas, FSDP's shards, experts, clipping's checks, interleaved and
+    V schedules: each rank's phases are its representative's, to the last bit, and so is the step."""
     plan = resolve_plan(name, overrides=overrides)
     spec = ideal_spec() if cluster == "ideal" else load_cluster(cluster)
     program = lower(plan)
