@@ -61,7 +61,12 @@ def _copy(op: Op, offset: int, replica: dict[int, int]) -> Op:
         copy.match = op.match + offset if op.match >= 0 else -1
         copy.name = _with_peer(op.name, copy.peer)
     elif op.kind == "send":
-        copy.ranks = next((pair for pair in (op.ranks, *op.mirrors) if pair[0] == rank), (rank, rank))
+        if op.ranks == (op.rank, op.rank):  # both stages on one rank: nothing moves
+            copy.ranks = (rank, rank)
+        else:
+            copy.ranks = next((pair for pair in (op.ranks, *op.mirrors) if pair[0] == rank), None)
+            if copy.ranks is None:
+                raise ParsimError(f"op {op.name!r}: no transfer from rank {op.rank}'s replica {rank}")
         copy.peer = copy.ranks[1]
         copy.name = _with_peer(op.name, copy.peer)
     elif op.kind == "collective":
