@@ -207,3 +207,25 @@ def test_bad_profile_folders_get_one_line(tmp_path, capsys):
         assert main(["compare", "course-ddp", "--dp", "2", "--cluster", "dgx-a100", "--measured", str(folder)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and message in err
+
+
+def test_each_rank_s_collectives_are_set_beside_its_own_prediction_where_every_rank_is_simulated():
+    """Four ranks on a 2-core host take turns, so each is simulated and its all-reduce waits its own time: the
+    collectives table sets each measured rank beside its own, not one per pipeline stage."""
+    import dataclasses
+
+    from parsim.calibrate import host_cluster
+    from parsim.cluster import parse_cluster
+    from parsim.kineto.match import match_collectives
+    from parsim.trace import Trace
+
+    data = host_cluster(8, 100e-6, 3e9, 9e9, peak_flops=70e9, mem_bw_Bps=20e9, matmul_half_dim=8.0,
+                        algorithms={"all_reduce": "ring", "send_recv": "direct"})
+    data["compute"].update(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)
+    plan = resolve_plan("tiny-pp2", overrides={"parallel": {"dp": 2}})
+    predicted = predict_step(plan, parse_cluster(data, "host.yaml")).trace
+    own = {r: sum(e.dur_s for e in predicted.for_rank(r) if e.kind == "collective") for r in range(4)}
+    assert len(set(own.values())) > 1  # the twins wait in their all-reduce for different times
+    measured = Trace("measured", 4, [dataclasses.replace(e, args=dict(e.args)) for e in predicted.events], {})
+    rows = match_collectives(plan, predicted, measured)
+    assert {row.rank: sum(e.dur_s for e in row.predicted) for row in rows} == own

@@ -57,12 +57,15 @@ def match_collectives(plan: Plan, predicted: Trace, measured: Trace) -> list[Col
     """Name every measured collective after the plan's (in place) and list each rank's groups side by side.
 
     ``predicted`` holds one representative rank per pipeline rank (as :func:`parsim.step.predict_step`
-    returns it); each measured rank is set beside the representative of its pipeline rank.
+    returns it), or every rank where ranks take turns on shared cores; each measured rank is set beside its
+    own prediction, else the representative of its pipeline rank.
     """
-    representative = {plan.coords(r).pp: r for r in {e.rank for e in predicted.events}}
+    simulated = {e.rank for e in predicted.events}
+    representative = {plan.coords(r).pp: r for r in sorted(simulated, reverse=True)}  # the lowest rank of each
     rows = []
     for rank in sorted({e.rank for e in measured.events}):
-        planned = [e for e in predicted.for_rank(representative[plan.coords(rank).pp]) if e.kind == "collective"]
+        own = rank if rank in simulated else representative[plan.coords(rank).pp]
+        planned = [e for e in predicted.for_rank(own) if e.kind == "collective"]
         seen = sorted((e for e in measured.for_rank(rank) if e.kind == "collective"), key=lambda e: e.start_s)
         by_key: dict[tuple[str, str], tuple[list[Event], list[Event]]] = {}
         for e in planned:
