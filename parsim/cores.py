@@ -13,9 +13,9 @@ on a core", with the other slices and scheduler rules tried against them).
 work in seconds *alone* on the core; while other ranks wait for the core it
 runs ``penalty`` times as slowly (each slice starts in caches the others
 emptied: the stretch ``calibrate`` measured with two ranks computing on each
-core, less the factor two of sharing itself). A rank whose wait ends (its
-receive's data arrived, its collective ended) goes on only once it has the
-core again (:meth:`SharedCores.wake`).
+core, less the factor two of sharing itself). A rank whose receive,
+collective or send ended goes on only once it has the core again
+(:meth:`SharedCores.wake`).
 """
 
 from __future__ import annotations
