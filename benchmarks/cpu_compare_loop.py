@@ -139,13 +139,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--cluster", help="a calibrated cluster file (default: calibrate this host first)")
-    parser.add_argument("--runs", type=int, default=3, help="runs of each plan (default 3)")
+    parser.add_argument("--runs", type=int, help="runs of each plan (default 3)")
     parser.add_argument("--steps", type=int, help="measured steps of each run (default: compare's)")
     parser.add_argument("--out", help="keep the calibration and every run's JSON in this folder")
     parser.add_argument("--again", metavar="DIR",
                         help="run nothing: predict the runs kept in DIR (an earlier --out) again with this model")
     parser.add_argument("--json", action="store_true", help="print a JSON summary for scripts")
     args = parser.parse_args()
+    if args.again is not None:
+        given = [flag for flag, value in (("--cluster", args.cluster), ("--runs", args.runs), ("--steps", args.steps),
+                                          ("--out", args.out)) if value is not None]
+        if given:
+            _fail(f"--again runs nothing, so {', '.join(given)} do{'es' if len(given) == 1 else ''} not apply")
+    args.runs = 3 if args.runs is None else args.runs
     if args.runs < 1:
         _fail(f"--runs must be at least 1, got {args.runs}")
     if args.steps is not None and args.steps < 1:

@@ -224,6 +224,9 @@ def test_the_compare_loop_refuses_a_folder_without_kept_runs_in_one_line(tmp_pat
     done = script("benchmarks/cpu_compare_loop.py", "--again", str(tmp_path))
     assert done.returncode == 2 and done.stderr == f"cpu_compare_loop.py: no runs kept in {tmp_path} (an earlier " \
         "loop's --out keeps them as PLAN-N.json)\n"
+    done = script("benchmarks/cpu_compare_loop.py", "--again", str(tmp_path), "--runs", "2")
+    assert done.returncode == 2
+    assert done.stderr == "cpu_compare_loop.py: --again runs nothing, so --runs does not apply\n"
 
 
 @pytest.mark.skipif(usable_cores() < 2, reason="binds a rank beside rank 0 on a host of 2 cores or more")
