@@ -594,11 +594,13 @@ class Lowering:
                        after: tuple[int, ...]) -> int:
         """A check over all the gradients: the rank's own pass ``name`` (clipping's norm, fp16's unscaling and
         overflow check), then one all-reduce of a number (``what``) over each of :func:`grad_norm_dims`. Four
-        bytes contend for nothing: the all-reduces have no mirrors and are ``negligible``. Returns the last op."""
+        bytes contend for nothing: the all-reduces are ``negligible``, timed alone (their mirror groups name the
+        other replicas' groups, for :func:`parsim.unfold.unfold`). Returns the last op."""
         last = self._add(rank, Op(name, "compute", "compute", deps=after, phase="optimizer", **costs))
         for dim in grad_norm_dims(self.plan):
+            group, mirrors = self.group(p, dim)
             last = self._add(rank, Op(collective_name("all_reduce", what, dim=dim), "collective", "comm",
-                                      deps=(last,), collective="all_reduce", group=dim, ranks=self.group(p, dim)[0],
+                                      deps=(last,), collective="all_reduce", group=dim, ranks=group, mirrors=mirrors,
                                       nbytes=FP32, phase="optimizer", negligible=True))
             if dim == "pp":
                 self.stage_checks.setdefault(what, []).append(last)

@@ -345,7 +345,7 @@ class _Run:
             if kind != "collective" and kind != "send":
                 continue
             if op.negligible:
-                phases = sim.comm_phases(kind, op.collective, op.ranks, op.mirrors, op.nbytes)
+                phases = sim.comm_phases(kind, op.collective, op.ranks, (), op.nbytes)  # alone: no mirror flows
                 self.comm[op.id] = _Comm(phases, sum(p.latency_s + self.net.solo_time(p.routes, p.nbytes, p.key)
                                                      + p.reduce_s for p in phases))
                 continue

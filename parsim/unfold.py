@@ -10,10 +10,8 @@ pipeline rank, :attr:`Program.replicas` order):
 
 * each op moves to the ``j``-th replica of its rank;
 * a collective's group becomes the one of its groups (the representative's or
-  a mirror's) that holds that replica (a group of representatives without its
-  mirrors, as the pipeline ranks' 4-byte checks keep it, becomes its members'
-  replicas); the copies of one collective that land on the same group are one
-  collective over simulated ranks (:attr:`Op.joins`);
+  a mirror's) that holds that replica; the copies of one collective that land
+  on the same group are one collective over simulated ranks (:attr:`Op.joins`);
 * a send's pair becomes the mirror pair leaving that replica, a receive's
   peer the ``j``-th replica of its peer; ``deps`` and a receive's ``match``
   stay within the copy;
@@ -71,8 +69,6 @@ def _copy(op: Op, offset: int, replica: dict[int, int]) -> Op:
         copy.name = _with_peer(op.name, copy.peer)
     elif op.kind == "collective":
         copy.ranks = next((g for g in (op.ranks, *op.mirrors) if rank in g), None)
-        if copy.ranks is None and all(member in replica for member in op.ranks):
-            copy.ranks = tuple(replica[member] for member in op.ranks)  # representatives' group, mirrors not kept
         if copy.ranks is None:
             raise ParsimError(f"op {op.name!r}: no group of rank {op.rank}'s replica {rank}")
     return copy

@@ -47,7 +47,9 @@ def test_the_squares_are_summed_over_each_dimension_holding_other_gradients(para
     assert names[names.index("grad norm") + 1:names.index("optimizer step")] == sums
     for op in ops:
         if op.name in sums:
-            assert op.nbytes == FP32 and op.phase == "optimizer" and not op.mirrors and op.negligible
+            assert op.nbytes == FP32 and op.phase == "optimizer" and op.negligible
+            groups = [op.ranks, *op.mirrors]  # with the other replicas' groups: disjoint, of one size
+            assert len({len(g) for g in groups}) == 1 and len(set().union(*groups)) == len(groups) * len(op.ranks)
     assert "grad norm" not in {op.name for op in lower(_plan(parallel, None, **settings)).rank_ops(0)}
 
 

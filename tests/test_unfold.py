@@ -29,6 +29,8 @@ def _simulate(plan, cluster, program):
     ("tiny-pp2", {"parallel": {"dp": 2, "cp": 2}}, "dgx-h100"),
     ("tiny-pp2", {"parallel": {"dp": 2}}, "ideal"),
     ("tiny-pp2", {"parallel": {"dp": 2}, "grad_clip": 1.0}, "dgx-h100"),
+    ("tiny-tp2", {"parallel": {"dp": 2, "tp": 2}, "grad_clip": 1.0}, "dgx-h100"),
+    ("tiny-pp2", {"parallel": {"dp": 4}, "data_parallel": {"grad_sync": "fsdp"}, "grad_clip": 1.0}, "dgx-h100"),
     ("tiny-pp2", {"parallel": {"dp": 2}, "schedule": "interleaved-1f1b", "virtual_stages": 2}, "dgx-h100"),
     ("tiny-pp2", {"parallel": {"dp": 2}, "schedule": "dualpipe-v"}, "dgx-h100"),
     ("tiny-tp2", {"parallel": {"dp": 2, "tp": 2}, "sequence_parallel": True, "activation_recompute": "full"},
