@@ -248,6 +248,28 @@ def test_compare_says_when_the_measured_steps_spread(monkeypatch, capsys):
         assert json.loads(capsys.readouterr().out)["measured_step_range_s"] == pytest.approx([0.010, max(steps)])
 
 
+def test_compare_says_when_ranks_take_turns_on_the_host_s_cores(monkeypatch, capsys, tmp_path):
+    """Four ranks on a 2-core host: a note says they take turns, and why twins' phases differ between runs; none
+    on a GPU cluster."""
+    import yaml
+
+    import executor.train
+    from parsim.calibrate import host_cluster
+    from parsim.step import predict_step
+
+    data = host_cluster(8, 100e-6, 3e9, 9e9, peak_flops=70e9, mem_bw_Bps=20e9, matmul_half_dim=8.0,
+                        algorithms={"all_reduce": "ring", "send_recv": "direct"})
+    data["compute"].update(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)
+    (tmp_path / "host.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.setattr(executor.train, "run_plan",
+                        lambda plan, nproc, steps, **kwargs: (predict_step(plan, spec).trace, {}))
+    for spec_file, noted in ((str(tmp_path / "host.yaml"), True), ("dgx-h100", False)):
+        spec = load_cluster(spec_file)
+        assert main(["compare", "tiny-pp2", "--dp", "2", "--nproc", "4", "--cluster", spec_file,
+                     "--no-speed-probe"]) == 0
+        assert ("4 ranks on each host's 2 cores take turns on them" in capsys.readouterr().err) is noted
+
+
 def test_no_speed_probe_applies_only_to_a_plan_run(capsys):
     assert main(["compare", "all-reduce", "--no-speed-probe", "--measured", "x.json"]) == 2
     assert "--no-speed-probe" in capsys.readouterr().err

@@ -28,7 +28,9 @@ size, and the median |error| sums it up. For a plan run here, the step is
 the median measured step, and each rank's phase its median over the steps:
 one step's idle swings with which rank happened to end last. Beside each
 median the table gives the least and most one step spent on the phase, so a
-miss can be told from the run's own noise.
+miss can be told from the run's own noise. With more ranks than the host has
+cores, every rank is predicted in its own right, the ranks on one core taking
+turns as the kernel's scheduler runs them.
 
 On a CPU host the cores' speed drifts (on a shared VM by 10-30% within
 minutes). A file from `parsim calibrate` holds two host-speed probes timed

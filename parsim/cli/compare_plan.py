@@ -38,6 +38,11 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         raise ParsimError(f"plan {plan.name} needs {plan.world} ranks ({plan.degrees_text()}), not --nproc {nproc}")
     progress(f"simulating {plan.name} on {cluster.name}")
     predicted = predict_step(plan, cluster)
+    if len(predicted.ranks) == plan.world > plan.pp:  # every rank simulated: more ranks than cores
+        note(f"{min(plan.world, cluster.gpus_per_node)} ranks on each host's {cluster.cpu_cores} cores take turns on "
+             "them, as simulated; which rank of a core runs first changes from run to run, and with it how each "
+             "rank's step splits between computing and waiting (docs/calibration.md, \"Ranks taking turns on a "
+             "core\")")
     load, speed, spread = None, None, None
     by_phase = None  # each measured rank's time by phase (None: the measured trace's one step)
     if args.measured is None:
