@@ -234,16 +234,13 @@ class _Run:
         (``shares_host_memory``), its streamed bytes at a core's speed alone, at most the host's shared by all
         its cores: which cores stream at each moment is not followed here."""
         sim = self.sim
-        args = (op.matmuls, op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
-                op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes, op.sm_reserved,
-                op.high_precision, op.sm_bound)
-        tail = (op.optimizer_steps, op.tp_calls)
         compute = sim.compute
         stream_bw = (min(compute.memory_alone_bw_Bps, compute.memory_host_bw_Bps / sim.topo.spec.cpu_cores)
                      if compute.shares_host_memory else None)
         streams = op.stream_bytes / stream_bw if stream_bw else 0.0
-        alone = sim.compute_time(*args, bool(stream_bw), *tail) + streams
-        shared = sim.shared_time(*args, bool(stream_bw), *tail) + streams * sim.shared.time_share
+        args = _time_args(op, stream_apart=bool(stream_bw))
+        alone = sim.compute_time(*args) + streams
+        shared = sim.shared_time(*args) + streams * sim.shared.time_share
         return alone, self._penalty(alone, shared)
 
     def _link_prerequisites(self) -> list[int]:
@@ -273,11 +270,7 @@ class _Run:
                        op.high_precision, op.sm_bound, apart, op.optimizer_steps, op.tp_calls)
                 time_s = costs.get(key)
                 if time_s is None:
-                    time_s = costs[key] = compute_time(op.matmuls, op.flops, op.hbm_bytes, op.kernels,
-                                                       op.attention_flops, op.attention_grad_flops,
-                                                       op.forward_ops, op.backward_ops, op.optimizer_tensors,
-                                                       op.stream_bytes, op.sm_reserved, op.high_precision,
-                                                       op.sm_bound, apart, op.optimizer_steps, op.tp_calls)
+                    time_s = costs[key] = compute_time(*_time_args(op, apart))
                 if apart:
                     self.beside[i] = time_s
                 else:
@@ -581,6 +574,13 @@ class HostMemory:
             routes = self.routes[rank] = self._routes(rank, (rank,))
         key = self._keys.setdefault((rank, nbytes), len(self._keys))
         self.net.start(routes, np.full(len(routes), nbytes), then, key)
+
+
+def _time_args(op: Op, stream_apart: bool) -> tuple:
+    """Compute op ``op``'s arguments of :meth:`ComputeModel.time <parsim.compute.ComputeModel.time>`, in order."""
+    return (op.matmuls, op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
+            op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes, op.sm_reserved,
+            op.high_precision, op.sm_bound, stream_apart, op.optimizer_steps, op.tp_calls)
 
 
 def _stall_message(program: Program, end: list[float]) -> str:
