@@ -27,14 +27,25 @@ MAX_LAYER_PASSES = 2**19
 MAX_RANKS_IN_TURNS = 256
 
 
+def rank_standing_for(plan: Plan, simulated: set[int], rank: int) -> int:
+    """The simulated rank whose prediction is ``rank``'s: itself where it was simulated (every rank, where ranks
+    take turns on shared cores), else the representative (the lowest simulated rank) of its pipeline rank."""
+    if rank in simulated:
+        return rank
+    pp = plan.coords(rank).pp
+    return min(r for r in simulated if plan.coords(r).pp == pp)
+
+
 @dataclass
 class StepPrediction:
     plan: Plan
     cluster: ClusterSpec
-    trace: Trace  # representative ranks only (one per pipeline rank)
+    trace: Trace  # representative ranks only (one per pipeline rank), or every rank where ranks take turns
     step_s: float
     ranks: list[RankBreakdown]
     memory: list[Memory]
+    takes_turns: bool = False  # more ranks than the host's cores: each simulated, taking turns on its core
+
 
     @property
     def tokens_per_s(self) -> float:
@@ -128,4 +139,4 @@ def predict_step(plan: Plan, cluster: ClusterSpec,
         meta = {"plan": plan.name, "cluster": cluster.name, "world_size": plan.world,
                 "represents": {str(k): v for k, v in program.represents.items()}}
         trace = merge_spans(StepSimulator(topo, compute, take_turns=turns).run(program, meta, progress))
-        return StepPrediction(plan, cluster, trace, step_time(trace), breakdown(trace), memory(plan))
+        return StepPrediction(plan, cluster, trace, step_time(trace), breakdown(trace), memory(plan), turns)

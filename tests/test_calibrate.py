@@ -263,9 +263,11 @@ def test_compare_says_when_ranks_take_turns_on_the_host_s_cores(monkeypatch, cap
     (tmp_path / "host.yaml").write_text(yaml.safe_dump(data))
     monkeypatch.setattr(executor.train, "run_plan",
                         lambda plan, nproc, steps, **kwargs: (predict_step(plan, spec).trace, {}))
-    for spec_file, noted in ((str(tmp_path / "host.yaml"), True), ("dgx-h100", False)):
+    for spec_file, parallel, noted in ((str(tmp_path / "host.yaml"), ["--dp", "2"], True),
+                                       (str(tmp_path / "host.yaml"), ["--pp", "4"], True),  # a stage a rank
+                                       ("dgx-h100", ["--dp", "2"], False)):
         spec = load_cluster(spec_file)
-        assert main(["compare", "tiny-pp2", "--dp", "2", "--nproc", "4", "--cluster", spec_file,
+        assert main(["compare", "tiny-pp2", *parallel, "--nproc", "4", "--cluster", spec_file,
                      "--no-speed-probe"]) == 0
         assert ("4 ranks on each host's 2 cores take turns on them" in capsys.readouterr().err) is noted
 

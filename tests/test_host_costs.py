@@ -580,23 +580,38 @@ def test_a_send_s_issue_on_shared_cores_takes_what_was_measured_there(ranks, exp
     assert model.send_issue_s == pytest.approx(expected)
 
 
-def test_ranks_on_one_core_take_turns_rather_than_stretch():
-    """Two ranks on one core, each with half a millisecond of work (shorter than the scheduler's slice, 0.75 ms
-    on one CPU): taking turns, one ends after its half millisecond, the other after its own; stretched, both at
-    once."""
-    spec = parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=1), "host.yaml")
+def _two_ranks_on_one_core(**compute_keys) -> tuple[object, ComputeModel, Program]:
+    """A host of one core running two ranks, each with half a millisecond of work alone."""
+    spec = parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=1, **compute_keys), "host.yaml")
     compute = ComputeModel.for_cluster(spec, "fp32", 4, 2)
     flops = 0.5e-3 * spec.gpu.peak_flops["fp32"]
+    assert compute.with_core_each().time(flops=flops) == pytest.approx(0.5e-3)
     program = Program(2)
     for rank in (0, 1):
         program.add(rank, Op("F stage=0 mb=0", "compute", "compute", flops=flops, phase="forward"))
         program.replicas[rank] = (rank,)
-    alone = compute.with_core_each().time(flops=flops)
-    assert alone == pytest.approx(0.5e-3)
-    turns = StepSimulator(spec.build(1), compute, take_turns=True).run(program)
-    assert sorted(e.start_s + e.dur_s for e in turns.events) == pytest.approx([alone, 2 * alone])
-    stretched = StepSimulator(spec.build(1), compute).run(program)
-    assert [e.start_s + e.dur_s for e in stretched.events] == pytest.approx([2 * alone, 2 * alone])
+    return spec, compute, program
+
+
+def _ends(spec, compute: ComputeModel, program: Program, take_turns: bool) -> list[float]:
+    trace = StepSimulator(spec.build(1), compute, take_turns=take_turns).run(program)
+    return sorted(e.start_s + e.dur_s for e in trace.events)
+
+
+def test_ranks_on_one_core_take_turns_rather_than_stretch():
+    """Work shorter than the scheduler's slice (0.75 ms on one CPU): taking turns, one rank ends after its half
+    millisecond, the other after its own; stretched, both at once."""
+    spec, compute, program = _two_ranks_on_one_core()
+    assert _ends(spec, compute, program, take_turns=True) == pytest.approx([0.5e-3, 1e-3])
+    assert _ends(spec, compute, program, take_turns=False) == pytest.approx([1e-3, 1e-3])
+
+
+def test_a_cluster_file_s_time_slice_sets_the_turns():
+    """``shared_cores.time_slice_us: 100``: the two ranks' half milliseconds alternate in five slices each, so
+    the first ends a slice before the second."""
+    spec, compute, program = _two_ranks_on_one_core(shared_cores={**SHARED, "time_slice_us": 100.0})
+    assert spec.shared_cores.time_slice_s == pytest.approx(100e-6)
+    assert _ends(spec, compute, program, take_turns=True) == pytest.approx([0.9e-3, 1e-3])
 
 
 def test_a_plan_with_more_ranks_than_cores_simulates_every_rank_and_its_turns():
@@ -606,8 +621,11 @@ def test_a_plan_with_more_ranks_than_cores_simulates_every_rank_and_its_turns():
     shared = predict_step(plan, parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=2), "host.yaml"))
     assert [b.rank for b in shared.ranks] == [0, 1, 2, 3]
     assert shared.ranks[0].seconds != shared.ranks[2].seconds
+    assert shared.takes_turns
     own = predict_step(plan, parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=4), "host.yaml"))
-    assert [b.rank for b in own.ranks] == [0, 1]
+    assert [b.rank for b in own.ranks] == [0, 1] and not own.takes_turns
+    pipeline = resolve_plan("tiny-pp2", overrides={"parallel": {"pp": 4}})  # one rank per stage, two on a core
+    assert predict_step(pipeline, parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=2), "host.yaml")).takes_turns
 
 
 def test_a_time_shared_pipeline_pays_the_shared_core_costs():

@@ -13,7 +13,7 @@ from ..jsondoc import print_json
 from ..kineto.match import CollectiveRow, match_collectives
 from ..kineto.read import measured_trace, read_profiles
 from ..plan import Plan
-from ..step import predict_step
+from ..step import predict_step, rank_standing_for
 from ..step_report import PHASES, RankBreakdown, breakdown, step_time
 from ..table import format_number, render_table
 from ..trace import Trace
@@ -38,7 +38,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         raise ParsimError(f"plan {plan.name} needs {plan.world} ranks ({plan.degrees_text()}), not --nproc {nproc}")
     progress(f"simulating {plan.name} on {cluster.name}")
     predicted = predict_step(plan, cluster)
-    if len(predicted.ranks) == plan.world > plan.pp:  # every rank simulated: more ranks than cores
+    if predicted.takes_turns:
         note(f"{min(plan.world, cluster.gpus_per_node)} ranks on each host's {cluster.cpu_cores} cores take turns on "
              "them, as simulated; which rank of a core runs first changes from run to run, and with it how each "
              "rank's step splits between computing and waiting (docs/calibration.md, \"Ranks taking turns on a "
@@ -186,12 +186,11 @@ def compare_phases(plan, predicted, measured: list[RankBreakdown]) -> list[dict]
     """Per measured rank and phase: predicted seconds (of the rank, or where it was not simulated in its own right,
     of its representative), measured seconds, and the least and most one measured step spent on the phase (None:
     one step measured)."""
-    predicted_by_pp = {plan.coords(b.rank).pp: b for b in predicted.ranks}
-    own = {b.rank: b for b in predicted.ranks}
+    by_rank = {b.rank: b for b in predicted.ranks}
     rows = []
     for m in measured:
         pp = plan.coords(m.rank).pp
-        p = own.get(m.rank) or predicted_by_pp[pp]
+        p = by_rank[rank_standing_for(plan, set(by_rank), m.rank)]
         for phase in PHASES:
             pred, meas = p.seconds.get(phase, 0.0), m.seconds.get(phase, 0.0)
             if pred or meas:

@@ -111,9 +111,8 @@ def report(r: StepPrediction) -> str:
         hidden = overlap.get(b.rank)
         rows.append([f"pp {plan.coords(b.rank).pp} (rank {b.rank})"] + [f"{b.fraction(p):.1%}" for p in PHASES]
                     + ["-" if hidden is None else f"{hidden:.0%}"])
-    every_rank = len(r.ranks) == plan.world > plan.pp
     whose = ("per rank (more ranks than the host's cores: each simulated in its own right, taking turns on its "
-             "core)" if every_rank else "per pipeline stage (each stands for its dp x tp replicas)")
+             "core)" if r.takes_turns else "per pipeline stage (each stands for its dp x tp replicas)")
     lines.append(render_table(["stage"] + list(PHASES) + ["comm overlap"], rows,
                               title=f"time by phase, {whose}; "
                                     "comm overlap: communication time with compute running beside it (as HTA)"))

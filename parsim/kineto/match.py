@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import Plan
+from ..step import rank_standing_for
 from ..trace import Event, Trace
 
 SAME_BYTES = 0.01  # sizes within 1% are the same buffer
@@ -61,11 +62,9 @@ def match_collectives(plan: Plan, predicted: Trace, measured: Trace) -> list[Col
     own prediction, else the representative of its pipeline rank.
     """
     simulated = {e.rank for e in predicted.events}
-    representative = {plan.coords(r).pp: r for r in sorted(simulated, reverse=True)}  # the lowest rank of each
     rows = []
     for rank in sorted({e.rank for e in measured.events}):
-        own = rank if rank in simulated else representative[plan.coords(rank).pp]
-        planned = [e for e in predicted.for_rank(own) if e.kind == "collective"]
+        planned = [e for e in predicted.for_rank(rank_standing_for(plan, simulated, rank)) if e.kind == "collective"]
         seen = sorted((e for e in measured.for_rank(rank) if e.kind == "collective"), key=lambda e: e.start_s)
         by_key: dict[tuple[str, str], tuple[list[Event], list[Event]]] = {}
         for e in planned:
