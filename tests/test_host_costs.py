@@ -628,6 +628,14 @@ def test_a_plan_with_more_ranks_than_cores_simulates_every_rank_and_its_turns():
     assert predict_step(pipeline, parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=2), "host.yaml")).takes_turns
 
 
+def test_simulate_prints_every_rank_that_takes_turns(tmp_path, capsys):
+    (tmp_path / "host.yaml").write_text(yaml.safe_dump(cpu_host(**HOST_KEYS, cpu_cores=2)))
+    assert main(["simulate", "tiny-pp2", "--dp", "2", "--cluster", str(tmp_path / "host.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "time by phase, per rank (more ranks than the host's cores" in out
+    assert all(f"pp {rank % 2} (rank {rank})" in out for rank in range(4))
+
+
 def test_a_time_shared_pipeline_pays_the_shared_core_costs():
     plan = resolve_plan("tiny-pp2", overrides={"parallel": {"dp": 2}})
     keys = {**HOST_KEYS, "p2p_latency_us": 100.0, "cpu_cores": 2}
