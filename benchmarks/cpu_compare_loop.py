@@ -26,8 +26,18 @@ DIR (its ``--out``) again with the model as it is now, each at the host speed
 its probes measured, against what was measured then; a change to the model is
 checked on the same measurements.
 
+``--repeat DIR_A DIR_B`` runs nothing either: it holds two loops' measurements
+against each other, as the model is held against one, to show how far the
+measurement repeats itself. Each plan's median step and phases of DIR_A
+against DIR_B's, each phase as a share of its own loop's median step (a host
+running faster in one loop moves every phase alike, and the model is told of
+that speed by the probes); a repeat of the same runs misses the bounds this
+often with no model at all (``docs/calibration.md``, "How far a measurement
+repeats itself").
+
 Run:  python benchmarks/cpu_compare_loop.py [--cluster host.yaml] [--runs 3] [--steps N] [--out DIR] [--json]
       python benchmarks/cpu_compare_loop.py --again DIR [--json]
+      python benchmarks/cpu_compare_loop.py --repeat DIR_A DIR_B [--json]
 """
 
 from __future__ import annotations
@@ -80,6 +90,33 @@ def summarize(runs: list[dict]) -> dict:
             "step_within": abs(error) <= STEP_BOUND, "phases": phases, "worst_phase": worst,
             "phases_within": not misses, "phase_misses": len(misses),
             "phase_misses_in_range": sum(1 for row in misses if _in_range(row))}
+
+
+def repeated(runs_a: list[dict], runs_b: list[dict]) -> dict:
+    """One plan's runs in two loops against each other: the median steps, how much slower the first loop's
+    was, and every (rank, phase)'s median share of its loop's median step, the first's against the second's
+    (its error as the model's would be)."""
+    step_a, phases_a = _medians(runs_a)
+    step_b, phases_b = _medians(runs_b)
+    phases = []
+    for key in sorted(phases_a.keys() & phases_b.keys()):
+        share_a, share_b = phases_a[key] / step_a, phases_b[key] / step_b
+        phases.append({"rank": key[0], "phase": key[1], "share_a": share_a, "share_b": share_b,
+                       "error": _error(share_a, share_b)})
+    misses = [row for row in phases if abs(row["error"]) > PHASE_BOUND]
+    return {"step_s": [step_a, step_b], "step_change": _error(step_a, step_b), "phases": phases,
+            "worst_phase": max(phases, key=lambda row: abs(row["error"]), default=None),
+            "phases_within": not misses, "phase_misses": len(misses)}
+
+
+def _medians(runs: list[dict]) -> tuple[float, dict[tuple[int, str], float]]:
+    """The runs' median measured step, and each (rank, phase)'s median measured seconds."""
+    seconds: dict[tuple[int, str], list[float]] = {}
+    for run in runs:
+        for row in run["phases"]:
+            seconds.setdefault((row["rank"], row["phase"]), []).append(row["measured_s"])
+    return (statistics.median(r["measured_step_s"] for r in runs),
+            {key: statistics.median(values) for key, values in seconds.items()})
 
 
 def predicted_again(run: dict, plan_args: list[str], cluster) -> dict:
@@ -144,13 +181,21 @@ def main() -> None:
     parser.add_argument("--out", help="keep the calibration and every run's JSON in this folder")
     parser.add_argument("--again", metavar="DIR",
                         help="run nothing: predict the runs kept in DIR (an earlier --out) again with this model")
+    parser.add_argument("--repeat", nargs=2, metavar=("DIR_A", "DIR_B"),
+                        help="run nothing: hold the measurements kept in DIR_A against DIR_B's")
     parser.add_argument("--json", action="store_true", help="print a JSON summary for scripts")
     args = parser.parse_args()
-    if args.again is not None:
-        given = [flag for flag, value in (("--cluster", args.cluster), ("--runs", args.runs), ("--steps", args.steps),
-                                          ("--out", args.out)) if value is not None]
+    for flag, value in (("--again", args.again), ("--repeat", args.repeat)):
+        if value is None:
+            continue
+        given = [other for other, value in (("--cluster", args.cluster), ("--runs", args.runs), ("--steps", args.steps),
+                                            ("--out", args.out), ("--again", args.again), ("--repeat", args.repeat))
+                 if value is not None and other != flag]
         if given:
-            _fail(f"--again runs nothing, so {', '.join(given)} do{'es' if len(given) == 1 else ''} not apply")
+            _fail(f"{flag} runs nothing, so {', '.join(given)} do{'es' if len(given) == 1 else ''} not apply")
+    if args.repeat is not None:
+        _print_repeat(*args.repeat, as_json=args.json)
+        return
     args.runs = 3 if args.runs is None else args.runs
     if args.runs < 1:
         _fail(f"--runs must be at least 1, got {args.runs}")
@@ -179,6 +224,28 @@ def main() -> None:
                      f"{row['phase_misses']} ({row['phase_misses_in_range']})"])
     print(render_table(["plan", "predicted (ms)", "measured (ms)", "error", "within 15%", "worst phase",
                         "phases within 25%", "misses (inside steps' range)"], rows, title=title))
+
+
+def _print_repeat(folder_a: str, folder_b: str, as_json: bool) -> None:
+    runs_a, runs_b = _runs_in(Path(folder_a)), _runs_in(Path(folder_b))
+    summary = {label: repeated(runs_a[label], runs_b[label]) for label in runs_a if label in runs_b}
+    if not summary:
+        _fail(f"{folder_a} and {folder_b} keep no plan's runs in common")
+    if as_json:
+        print(json.dumps({"a": folder_a, "b": folder_b, "plans": summary}, indent=1))
+        return
+    from parsim.table import render_table
+
+    rows = []
+    for label, row in summary.items():
+        worst = row["worst_phase"]
+        rows.append([label, row["step_s"][0] * 1e3, row["step_s"][1] * 1e3, f"{row['step_change']:+.1%}",
+                     f"r{worst['rank']} {worst['phase']} {worst['error']:+.0%}" if worst else "-",
+                     "yes" if row["phases_within"] else "no", row["phase_misses"]])
+    print(render_table(["plan", "A median step (ms)", "B median step (ms)", "A against B", "worst phase (share)",
+                        "phases within 25%", "misses"], rows,
+                       title=f"the measurements kept in {folder_a} (A) against {folder_b} (B), each phase as a share "
+                             "of its loop's median step"))
 
 
 def _measure(args: argparse.Namespace) -> tuple[str, Path, dict[str, list[dict]]]:
@@ -212,14 +279,20 @@ def _kept_runs(folder: Path) -> dict[str, list[dict]]:
     """Each plan's runs kept in ``folder`` (``--out``), predicted again (:func:`predicted_again`) on the cluster
     file kept beside them."""
     cluster = _load_cluster(str(folder / "host.yaml"))
+    arguments = {label: plan for label, plan, _ in PLANS}
+    return {label: [predicted_again(run, arguments[label], cluster) for run in runs]
+            for label, runs in _runs_in(folder).items()}
+
+
+def _runs_in(folder: Path) -> dict[str, list[dict]]:
+    """Each plan's runs (``parsim compare --json`` documents) kept in ``folder`` (``--out``), as they were."""
     runs: dict[str, list[dict]] = {}
-    for label, plan, _ in PLANS:
+    for label, _, _ in PLANS:
         for path in sorted(folder.glob(f"{_slug(label)}-*.json")):
             try:
-                run = json.loads(path.read_text())
+                runs.setdefault(label, []).append(json.loads(path.read_text()))
             except (OSError, ValueError) as error:
                 _fail(f"{path}: not a compare run's JSON ({error})")
-            runs.setdefault(label, []).append(predicted_again(run, plan, cluster))
     if not runs:
         _fail(f"no runs kept in {folder} (an earlier loop's --out keeps them as PLAN-N.json)")
     return runs

@@ -229,6 +229,52 @@ def test_the_compare_loop_refuses_a_folder_without_kept_runs_in_one_line(tmp_pat
     assert done.stderr == "cpu_compare_loop.py: --again runs nothing, so --runs does not apply\n"
 
 
+def test_the_compare_loop_holds_two_loops_measurements_against_each_other(tmp_path, capsys, monkeypatch):
+    """--repeat: each phase's median as a share of its loop's median step, loop A's against loop B's; a loop whose
+    host ran 10% slower throughout misses nothing, a phase that moved from 20% to 30% of the step misses by 50%."""
+    import json
+
+    def keep(folder, label, steps, forward, idle):
+        folder.mkdir(exist_ok=True)
+        for i, (step, f, d) in enumerate(zip(steps, forward, idle)):
+            doc = {"predicted_step_s": 1.0, "measured_step_s": step,
+                   "phases": [{"rank": 0, "phase": "forward", "predicted_s": 1.0, "measured_s": f},
+                              {"rank": 0, "phase": "idle", "predicted_s": 1.0, "measured_s": d}]}
+            (folder / f"{label}-{i + 1}.json").write_text(json.dumps(doc))
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    keep(a, "tiny-pp", [0.110, 0.100, 0.130], [0.055, 0.050, 0.060], [0.022, 0.030, 0.033])
+    keep(b, "tiny-pp", [0.100, 0.090, 0.095], [0.050, 0.045, 0.048], [0.020, 0.019, 0.040])
+    keep(b, "course-tp", [0.1], [0.05], [0.0])  # only in B: left out
+    loop = _compare_loop()
+    summary = loop.repeated(loop._runs_in(a)["tiny PP"], loop._runs_in(b)["tiny PP"])
+    assert summary["step_s"] == [0.110, 0.095] and summary["step_change"] == pytest.approx(0.110 / 0.095 - 1)
+    forward, idle = summary["phases"]
+    assert forward["error"] == pytest.approx((0.055 / 0.110) / (0.048 / 0.095) - 1)
+    assert idle["share_a"] == pytest.approx(0.030 / 0.110) and idle["share_b"] == pytest.approx(0.020 / 0.095)
+    assert summary["phase_misses"] == 1 and summary["worst_phase"]["phase"] == "idle"
+    monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--repeat", str(a), str(b), "--json"])
+    loop.main()
+    doc = json.loads(capsys.readouterr().out)
+    assert list(doc["plans"]) == ["tiny PP"] and doc["plans"]["tiny PP"]["phase_misses"] == 1
+
+
+def test_the_compare_loop_refuses_a_repeat_of_nothing_in_one_line(tmp_path):
+    done = script("benchmarks/cpu_compare_loop.py", "--repeat", str(tmp_path), str(tmp_path), "--runs", "2")
+    assert done.returncode == 2
+    assert done.stderr == "cpu_compare_loop.py: --repeat runs nothing, so --runs does not apply\n"
+    done = script("benchmarks/cpu_compare_loop.py", "--repeat", str(tmp_path), str(tmp_path))
+    assert done.returncode == 2 and done.stderr == f"cpu_compare_loop.py: no runs kept in {tmp_path} (an earlier " \
+        "loop's --out keeps them as PLAN-N.json)\n"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "tiny-pp-1.json").write_text('{"measured_step_s": 0.1, "phases": []}')
+    (tmp_path / "b" / "course-tp-1.json").write_text('{"measured_step_s": 0.1, "phases": []}')
+    done = script("benchmarks/cpu_compare_loop.py", "--repeat", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert done.returncode == 2 and done.stderr == f"cpu_compare_loop.py: {tmp_path / 'a'} and {tmp_path / 'b'} " \
+        "keep no plan's runs in common\n"
+
+
 @pytest.mark.skipif(usable_cores() < 2, reason="binds a rank beside rank 0 on a host of 2 cores or more")
 def test_the_core_sharing_benchmark_times_rank_0_beside_its_core_s_other_rank():
     done = script("benchmarks/cpu_core_sharing.py", "--blocks", "2", "--matmuls", "1")
