@@ -86,10 +86,36 @@ def summarize(runs: list[dict]) -> dict:
     misses = [row for row in phases if abs(row["error"]) > PHASE_BOUND]
     worst = max(phases, key=lambda row: abs(row["error"]), default=None)
     error = _error(predicted, statistics.median(measured))
+    stages = [{"pp": stage, "phase": phase, "predicted_s": p, "measured_s": m, "error": _error(p, m)}
+              for (stage, phase), (p, m) in _median_stages(runs, "predicted_s", "measured_s").items()]
     return {"predicted_step_s": predicted, "measured_step_s": measured, "step_error": error,
             "step_within": abs(error) <= STEP_BOUND, "phases": phases, "worst_phase": worst,
             "phases_within": not misses, "phase_misses": len(misses),
-            "phase_misses_in_range": sum(1 for row in misses if _in_range(row))}
+            "phase_misses_in_range": sum(1 for row in misses if _in_range(row)),
+            "stages": stages, "stage_misses": sum(1 for row in stages if abs(row["error"]) > PHASE_BOUND)}
+
+
+def stage_means(run: dict, key: str) -> dict[tuple[int, str], float]:
+    """One run's seconds (``key``: ``predicted_s`` or ``measured_s``) per (pipeline stage, phase), each the mean
+    over the stage's ranks. A stage's data- and tensor-parallel ranks do the same work; which of them the host
+    runs first, or ends last, changes from run to run (two ranks on a core, one rank's slow spell), and the
+    mean over them does not."""
+    ranks_of: dict[int, set[int]] = {}
+    totals: dict[tuple[int, str], float] = {}
+    for row in run["phases"]:
+        stage = row.get("pp", row["rank"])  # a run kept without stages: each rank stands alone
+        ranks_of.setdefault(stage, set()).add(row["rank"])
+        totals[stage, row["phase"]] = totals.get((stage, row["phase"]), 0.0) + row[key]
+    return {(stage, phase): total / len(ranks_of[stage]) for (stage, phase), total in totals.items()}
+
+
+def _median_stages(runs: list[dict], *keys: str) -> dict[tuple[int, str], tuple[float, ...]]:
+    """Per (stage, phase), the median over the runs of each of ``keys``' :func:`stage_means` (0 in a run without
+    the phase)."""
+    means = [[stage_means(run, key) for run in runs] for key in keys]
+    phases = sorted(set().union(*(m for per_key in means for m in per_key)))
+    return {phase: tuple(statistics.median(m.get(phase, 0.0) for m in per_key) for per_key in means)
+            for phase in phases}
 
 
 def repeated(runs_a: list[dict], runs_b: list[dict]) -> dict:
@@ -104,9 +130,13 @@ def repeated(runs_a: list[dict], runs_b: list[dict]) -> dict:
         phases.append({"rank": key[0], "phase": key[1], "share_a": share_a, "share_b": share_b,
                        "error": _error(share_a, share_b)})
     misses = [row for row in phases if abs(row["error"]) > PHASE_BOUND]
+    stages_a, stages_b = _median_stages(runs_a, "measured_s"), _median_stages(runs_b, "measured_s")
+    stage_misses = sum(1 for key in stages_a.keys() | stages_b.keys()
+                       if abs(_error(stages_a.get(key, (0.0,))[0] / step_a,
+                                     stages_b.get(key, (0.0,))[0] / step_b)) > PHASE_BOUND)
     return {"step_s": [step_a, step_b], "step_change": _error(step_a, step_b), "phases": phases,
             "worst_phase": max(phases, key=lambda row: abs(row["error"]), default=None),
-            "phases_within": not misses, "phase_misses": len(misses)}
+            "phases_within": not misses, "phase_misses": len(misses), "stage_misses": stage_misses}
 
 
 def _medians(runs: list[dict]) -> tuple[float, dict[tuple[int, str], float]]:
@@ -221,9 +251,9 @@ def main() -> None:
                      f"{row['step_error']:+.1%}", "yes" if row["step_within"] else "no",
                      f"r{worst['rank']} {worst['phase']} {worst['error']:+.0%}" if worst else "-",
                      "yes" if row["phases_within"] else "no",
-                     f"{row['phase_misses']} ({row['phase_misses_in_range']})"])
+                     f"{row['phase_misses']} ({row['phase_misses_in_range']})", row["stage_misses"]])
     print(render_table(["plan", "predicted (ms)", "measured (ms)", "error", "within 15%", "worst phase",
-                        "phases within 25%", "misses (inside steps' range)"], rows, title=title))
+                        "phases within 25%", "misses (inside steps' range)", "misses per stage"], rows, title=title))
 
 
 def _print_repeat(folder_a: str, folder_b: str, as_json: bool) -> None:
@@ -241,9 +271,9 @@ def _print_repeat(folder_a: str, folder_b: str, as_json: bool) -> None:
         worst = row["worst_phase"]
         rows.append([label, row["step_s"][0] * 1e3, row["step_s"][1] * 1e3, f"{row['step_change']:+.1%}",
                      f"r{worst['rank']} {worst['phase']} {worst['error']:+.0%}" if worst else "-",
-                     "yes" if row["phases_within"] else "no", row["phase_misses"]])
+                     "yes" if row["phases_within"] else "no", row["phase_misses"], row["stage_misses"]])
     print(render_table(["plan", "A median step (ms)", "B median step (ms)", "A against B", "worst phase (share)",
-                        "phases within 25%", "misses"], rows,
+                        "phases within 25%", "misses", "misses per stage"], rows,
                        title=f"the measurements kept in {folder_a} (A) against {folder_b} (B), each phase as a share "
                              "of its loop's median step"))
 

@@ -139,6 +139,30 @@ def test_the_compare_loop_takes_each_plan_s_error_against_the_median_run():
     assert summary["phase_misses"] == 1 and summary["phase_misses_in_range"] == 0
 
 
+def test_the_compare_loop_also_holds_each_stage_s_phases_the_mean_over_its_ranks():
+    """Per stage, each run's phase is the mean over the stage's ranks (a phase one rank lacks counts 0 there), then
+    the median over the runs: two twins that swap which one waits in `dp` miss per rank, not per stage."""
+    def run(dp_0, dp_2):
+        return {"predicted_step_s": 0.1, "measured_step_s": 0.1,
+                "phases": [{"rank": 0, "pp": 0, "phase": "dp", "predicted_s": 0.005, "measured_s": dp_0},
+                           {"rank": 2, "pp": 0, "phase": "dp", "predicted_s": 0.005, "measured_s": dp_2},
+                           {"rank": 1, "pp": 1, "phase": "idle", "predicted_s": 0.002, "measured_s": 0.004}]}
+
+    loop = _compare_loop()
+    assert loop.stage_means(run(0.009, 0.001), "measured_s") == {(0, "dp"): pytest.approx(0.005),
+                                                                 (1, "idle"): 0.004}
+    summary = loop.summarize([run(0.009, 0.001), run(0.0005, 0.0095), run(0.010, 0.001)])
+    assert summary["phase_misses"] == 3  # rank 0's dp, rank 2's, rank 1's idle
+    assert summary["stages"] == [{"pp": 0, "phase": "dp", "predicted_s": 0.005, "measured_s": pytest.approx(0.005),
+                                  "error": pytest.approx(0.0)},
+                                 {"pp": 1, "phase": "idle", "predicted_s": 0.002, "measured_s": 0.004,
+                                  "error": pytest.approx(-0.5)}]
+    assert summary["stage_misses"] == 1
+    one = {"predicted_step_s": 0.1, "measured_step_s": 0.1,
+           "phases": [{"rank": 0, "phase": "forward", "predicted_s": 0.01, "measured_s": 0.02}]}
+    assert loop.stage_means(one, "measured_s") == {(0, "forward"): 0.02}  # kept without stages: a rank each
+
+
 def test_the_compare_loop_counts_the_misses_its_steps_own_range_holds():
     """A phase outside 25% whose prediction one measured step reached (the union of the runs' ranges) is
     counted apart from one no step came near."""
@@ -183,8 +207,10 @@ def test_the_compare_loop_prints_each_plan_against_the_bounds(monkeypatch, tmp_p
                                       "--out", str(tmp_path)])
     loop.main()
     rows = {line[:12].strip(): line.split() for line in capsys.readouterr().out.splitlines()[3:]}
-    assert rows["course DDP"][2:] == ["40", "42.0", "42.0", "-4.8%", "yes", "r1", "idle", "-9%", "yes", "0", "(0)"]
-    assert rows["course TP"][2:] == ["40", "50.0", "50.0", "-20.0%", "no", "r1", "idle", "-9%", "yes", "0", "(0)"]
+    assert rows["course DDP"][2:] == ["40", "42.0", "42.0", "-4.8%", "yes", "r1", "idle", "-9%", "yes", "0", "(0)",
+                                      "0"]
+    assert rows["course TP"][2:] == ["40", "50.0", "50.0", "-20.0%", "no", "r1", "idle", "-9%", "yes", "0", "(0)",
+                                     "0"]
     assert len(list(tmp_path.glob("*.json"))) == 2 * len(loop.PLANS)
 
 
@@ -253,6 +279,7 @@ def test_the_compare_loop_holds_two_loops_measurements_against_each_other(tmp_pa
     assert forward["error"] == pytest.approx((0.055 / 0.110) / (0.048 / 0.095) - 1)
     assert idle["share_a"] == pytest.approx(0.030 / 0.110) and idle["share_b"] == pytest.approx(0.020 / 0.095)
     assert summary["phase_misses"] == 1 and summary["worst_phase"]["phase"] == "idle"
+    assert summary["stage_misses"] == 1  # kept without stages: each rank its own
     monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--repeat", str(a), str(b), "--json"])
     loop.main()
     doc = json.loads(capsys.readouterr().out)
