@@ -315,3 +315,35 @@ def test_the_core_sharing_benchmark_times_rank_0_beside_its_core_s_other_rank():
 def test_the_core_sharing_benchmark_refuses_no_blocks_in_one_line():
     done = script("benchmarks/cpu_core_sharing.py", "--blocks", "0")
     assert done.returncode == 2 and done.stderr.strip().endswith("--blocks and --matmuls must be at least 1")
+
+
+def _twin_allreduce():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cpu_twin_allreduce", ROOT / "benchmarks" / "cpu_twin_allreduce.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_twin_allreduce_benchmark_sets_the_model_s_turns_beside_what_it_measured():
+    """The model's figure is its round robin's closed form: 2.31 ms each in 1.5 ms slices ends the first at
+    1.5 + 2.31 ms (its second turn after the other's first) and the second at twice 2.31 ms."""
+    first, second = _twin_allreduce()._model_turns(2.31e-3, cores=2)
+    assert first == pytest.approx(1.5e-3 + 2.31e-3) and second == pytest.approx(2 * 2.31e-3)
+    assert _twin_allreduce()._model_turns(1e-3, cores=2) == pytest.approx((1e-3, 2e-3))  # within a slice: whole
+
+
+@pytest.mark.skipif(usable_cores() != 2, reason="binds ranks 0 and 2 to one core of a 2-core host")
+def test_the_twin_allreduce_benchmark_prints_both_pairings_and_the_model():
+    done = script("benchmarks/cpu_twin_allreduce.py", "--rounds", "2", "--kib", "64")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "an all-reduce of 64 KiB, then AdamW on as many fp32 parameters; medians of 2 rounds"
+    assert [line.split()[0] for line in lines[3:]] == ["a", "one", "model,"] and lines[1].startswith("  AdamW alone: ")
+
+
+def test_the_twin_allreduce_benchmark_refuses_no_rounds_in_one_line():
+    done = script("benchmarks/cpu_twin_allreduce.py", "--rounds", "0")
+    assert done.returncode == 2
+    assert done.stderr == "cpu_twin_allreduce.py: --kib must be at least 16 and --rounds at least 1\n"
