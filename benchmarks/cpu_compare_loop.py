@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 # (label, parsim compare arguments, ranks)
 PLANS = (
@@ -87,7 +88,7 @@ def summarize(runs: list[dict]) -> dict:
     worst = max(phases, key=lambda row: abs(row["error"]), default=None)
     error = _error(predicted, statistics.median(measured))
     stages = [{"pp": stage, "phase": phase, "predicted_s": p, "measured_s": m, "error": _error(p, m)}
-              for (stage, phase), (p, m) in _median_stages(runs, "predicted_s", "measured_s").items()]
+              for (stage, phase), (p, m) in _medians(runs, _stage, "predicted_s", "measured_s").items()]
     return {"predicted_step_s": predicted, "measured_step_s": measured, "step_error": error,
             "step_within": abs(error) <= STEP_BOUND, "phases": phases, "worst_phase": worst,
             "phases_within": not misses, "phase_misses": len(misses),
@@ -95,24 +96,32 @@ def summarize(runs: list[dict]) -> dict:
             "stages": stages, "stage_misses": sum(1 for row in stages if abs(row["error"]) > PHASE_BOUND)}
 
 
-def stage_means(run: dict, key: str) -> dict[tuple[int, str], float]:
+def _stage(row: dict) -> int:
+    return row.get("pp", row["rank"])  # a run kept without stages: each rank stands alone
+
+
+def _rank(row: dict) -> int:
+    return row["rank"]
+
+
+def stage_means(run: dict, key: str, by: Callable[[dict], int] = _stage) -> dict[tuple[int, str], float]:
     """One run's seconds (``key``: ``predicted_s`` or ``measured_s``) per (pipeline stage, phase), each the mean
-    over the stage's ranks. A stage's data- and tensor-parallel ranks do the same work; which of them the host
-    runs first, or ends last, changes from run to run (two ranks on a core, one rank's slow spell), and the
-    mean over them does not."""
+    over the stage's ranks (``by=_rank``: per rank). A stage's data- and tensor-parallel ranks do the same work;
+    which of them the host runs first, or ends last, changes from run to run (two ranks on a core, one rank's
+    slow spell), and the mean over them does not."""
     ranks_of: dict[int, set[int]] = {}
     totals: dict[tuple[int, str], float] = {}
     for row in run["phases"]:
-        stage = row.get("pp", row["rank"])  # a run kept without stages: each rank stands alone
-        ranks_of.setdefault(stage, set()).add(row["rank"])
-        totals[stage, row["phase"]] = totals.get((stage, row["phase"]), 0.0) + row[key]
-    return {(stage, phase): total / len(ranks_of[stage]) for (stage, phase), total in totals.items()}
+        group = by(row)
+        ranks_of.setdefault(group, set()).add(row["rank"])
+        totals[group, row["phase"]] = totals.get((group, row["phase"]), 0.0) + row[key]
+    return {(group, phase): total / len(ranks_of[group]) for (group, phase), total in totals.items()}
 
 
-def _median_stages(runs: list[dict], *keys: str) -> dict[tuple[int, str], tuple[float, ...]]:
-    """Per (stage, phase), the median over the runs of each of ``keys``' :func:`stage_means` (0 in a run without
-    the phase)."""
-    means = [[stage_means(run, key) for run in runs] for key in keys]
+def _medians(runs: list[dict], by: Callable[[dict], int], *keys: str) -> dict[tuple[int, str], tuple[float, ...]]:
+    """Per (stage or rank, phase), the median over the runs of each of ``keys``' :func:`stage_means` (0 in a run
+    without the phase)."""
+    means = [[stage_means(run, key, by) for run in runs] for key in keys]
     phases = sorted(set().union(*(m for per_key in means for m in per_key)))
     return {phase: tuple(statistics.median(m.get(phase, 0.0) for m in per_key) for per_key in means)
             for phase in phases}
@@ -121,32 +130,23 @@ def _median_stages(runs: list[dict], *keys: str) -> dict[tuple[int, str], tuple[
 def repeated(runs_a: list[dict], runs_b: list[dict]) -> dict:
     """One plan's runs in two loops against each other: the median steps, how much slower the first loop's
     was, and every (rank, phase)'s median share of its loop's median step, the first's against the second's
-    (its error as the model's would be)."""
-    step_a, phases_a = _medians(runs_a)
-    step_b, phases_b = _medians(runs_b)
-    phases = []
-    for key in sorted(phases_a.keys() & phases_b.keys()):
-        share_a, share_b = phases_a[key] / step_a, phases_b[key] / step_b
-        phases.append({"rank": key[0], "phase": key[1], "share_a": share_a, "share_b": share_b,
-                       "error": _error(share_a, share_b)})
+    (its error as the model's would be); the same per stage."""
+    step_a = statistics.median(r["measured_step_s"] for r in runs_a)
+    step_b = statistics.median(r["measured_step_s"] for r in runs_b)
+
+    def shares(by: Callable[[dict], int]) -> list[tuple[tuple[int, str], float, float]]:
+        a, b = _medians(runs_a, by, "measured_s"), _medians(runs_b, by, "measured_s")
+        return [(key, a.get(key, (0.0,))[0] / step_a, b.get(key, (0.0,))[0] / step_b)
+                for key in sorted(a.keys() | b.keys())]
+
+    phases = [{"rank": rank, "phase": phase, "share_a": share_a, "share_b": share_b, "error": _error(share_a, share_b)}
+              for (rank, phase), share_a, share_b in shares(_rank)]
     misses = [row for row in phases if abs(row["error"]) > PHASE_BOUND]
-    stages_a, stages_b = _median_stages(runs_a, "measured_s"), _median_stages(runs_b, "measured_s")
-    stage_misses = sum(1 for key in stages_a.keys() | stages_b.keys()
-                       if abs(_error(stages_a.get(key, (0.0,))[0] / step_a,
-                                     stages_b.get(key, (0.0,))[0] / step_b)) > PHASE_BOUND)
     return {"step_s": [step_a, step_b], "step_change": _error(step_a, step_b), "phases": phases,
             "worst_phase": max(phases, key=lambda row: abs(row["error"]), default=None),
-            "phases_within": not misses, "phase_misses": len(misses), "stage_misses": stage_misses}
-
-
-def _medians(runs: list[dict]) -> tuple[float, dict[tuple[int, str], float]]:
-    """The runs' median measured step, and each (rank, phase)'s median measured seconds."""
-    seconds: dict[tuple[int, str], list[float]] = {}
-    for run in runs:
-        for row in run["phases"]:
-            seconds.setdefault((row["rank"], row["phase"]), []).append(row["measured_s"])
-    return (statistics.median(r["measured_step_s"] for r in runs),
-            {key: statistics.median(values) for key, values in seconds.items()})
+            "phases_within": not misses, "phase_misses": len(misses),
+            "stage_misses": sum(1 for _, share_a, share_b in shares(_stage)
+                                if abs(_error(share_a, share_b)) > PHASE_BOUND)}
 
 
 def predicted_again(run: dict, plan_args: list[str], cluster) -> dict:
