@@ -88,7 +88,7 @@ def summarize(runs: list[dict]) -> dict:
     worst = max(phases, key=lambda row: abs(row["error"]), default=None)
     error = _error(predicted, statistics.median(measured))
     stages = [{"pp": stage, "phase": phase, "predicted_s": p, "measured_s": m, "error": _error(p, m)}
-              for (stage, phase), (p, m) in _medians(runs, _stage, "predicted_s", "measured_s").items()]
+              for (stage, phase), (p, m) in _medians(runs, _by_stage, "predicted_s", "measured_s").items()]
     return {"predicted_step_s": predicted, "measured_step_s": measured, "step_error": error,
             "step_within": abs(error) <= STEP_BOUND, "phases": phases, "worst_phase": worst,
             "phases_within": not misses, "phase_misses": len(misses),
@@ -96,34 +96,27 @@ def summarize(runs: list[dict]) -> dict:
             "stages": stages, "stage_misses": sum(1 for row in stages if abs(row["error"]) > PHASE_BOUND)}
 
 
-def _stage(row: dict) -> int:
-    return row.get("pp", row["rank"])  # a run kept without stages: each rank stands alone
+def _by_rank(run: dict) -> dict[tuple[int, str], dict]:
+    """One run's phase rows by (rank, phase)."""
+    return {(row["rank"], row["phase"]): row for row in run["phases"]}
 
 
-def _rank(row: dict) -> int:
-    return row["rank"]
+def _by_stage(run: dict) -> dict[tuple[int, str], dict]:
+    """One run's phases by (pipeline stage, phase), each the mean over the stage's ranks (``parsim compare``'s
+    :func:`~parsim.cli.compare_plan.stage_phases`; a stage of one rank is that rank's). A stage's data- and
+    tensor-parallel ranks do the same work; which of them the host runs first, or ends last, changes from run
+    to run (two ranks on a core, one rank's slow spell), and the mean over them does not."""
+    from parsim.cli.compare_plan import stage_phases
+
+    return {(row["pp"], row["phase"]): row for row in stage_phases(run["phases"], min_ranks=1)}
 
 
-def stage_means(run: dict, key: str, by: Callable[[dict], int] = _stage) -> dict[tuple[int, str], float]:
-    """One run's seconds (``key``: ``predicted_s`` or ``measured_s``) per (pipeline stage, phase), each the mean
-    over the stage's ranks (``by=_rank``: per rank). A stage's data- and tensor-parallel ranks do the same work;
-    which of them the host runs first, or ends last, changes from run to run (two ranks on a core, one rank's
-    slow spell), and the mean over them does not."""
-    ranks_of: dict[int, set[int]] = {}
-    totals: dict[tuple[int, str], float] = {}
-    for row in run["phases"]:
-        group = by(row)
-        ranks_of.setdefault(group, set()).add(row["rank"])
-        totals[group, row["phase"]] = totals.get((group, row["phase"]), 0.0) + row[key]
-    return {(group, phase): total / len(ranks_of[group]) for (group, phase), total in totals.items()}
-
-
-def _medians(runs: list[dict], by: Callable[[dict], int], *keys: str) -> dict[tuple[int, str], tuple[float, ...]]:
-    """Per (stage or rank, phase), the median over the runs of each of ``keys``' :func:`stage_means` (0 in a run
-    without the phase)."""
-    means = [[stage_means(run, key, by) for run in runs] for key in keys]
-    phases = sorted(set().union(*(m for per_key in means for m in per_key)))
-    return {phase: tuple(statistics.median(m.get(phase, 0.0) for m in per_key) for per_key in means)
+def _medians(runs: list[dict], rows_of: Callable[[dict], dict[tuple[int, str], dict]],
+             *keys: str) -> dict[tuple[int, str], tuple[float, ...]]:
+    """Per (rank or stage, phase), the median over the runs of each of ``keys`` (0 in a run without the phase)."""
+    rows = [rows_of(run) for run in runs]
+    phases = sorted(set().union(*rows))
+    return {phase: tuple(statistics.median(r[phase][key] if phase in r else 0.0 for r in rows) for key in keys)
             for phase in phases}
 
 
@@ -134,18 +127,18 @@ def repeated(runs_a: list[dict], runs_b: list[dict]) -> dict:
     step_a = statistics.median(r["measured_step_s"] for r in runs_a)
     step_b = statistics.median(r["measured_step_s"] for r in runs_b)
 
-    def shares(by: Callable[[dict], int]) -> list[tuple[tuple[int, str], float, float]]:
-        a, b = _medians(runs_a, by, "measured_s"), _medians(runs_b, by, "measured_s")
+    def shares(rows_of: Callable[[dict], dict]) -> list[tuple[tuple[int, str], float, float]]:
+        a, b = _medians(runs_a, rows_of, "measured_s"), _medians(runs_b, rows_of, "measured_s")
         return [(key, a.get(key, (0.0,))[0] / step_a, b.get(key, (0.0,))[0] / step_b)
                 for key in sorted(a.keys() | b.keys())]
 
     phases = [{"rank": rank, "phase": phase, "share_a": share_a, "share_b": share_b, "error": _error(share_a, share_b)}
-              for (rank, phase), share_a, share_b in shares(_rank)]
+              for (rank, phase), share_a, share_b in shares(_by_rank)]
     misses = [row for row in phases if abs(row["error"]) > PHASE_BOUND]
     return {"step_s": [step_a, step_b], "step_change": _error(step_a, step_b), "phases": phases,
             "worst_phase": max(phases, key=lambda row: abs(row["error"]), default=None),
             "phases_within": not misses, "phase_misses": len(misses),
-            "stage_misses": sum(1 for _, share_a, share_b in shares(_stage)
+            "stage_misses": sum(1 for _, share_a, share_b in shares(_by_stage)
                                 if abs(_error(share_a, share_b)) > PHASE_BOUND)}
 
 

@@ -272,6 +272,51 @@ def test_compare_says_when_ranks_take_turns_on_the_host_s_cores(monkeypatch, cap
         assert ("4 ranks on each host's 2 cores take turns on them" in capsys.readouterr().err) is noted
 
 
+def test_compare_sets_each_stage_s_mean_beside_its_prediction(monkeypatch, capsys, tmp_path):
+    """Where a stage has several measured ranks, compare also prints each phase's mean over them, and keeps it in
+    its JSON: here the simulator stands in for the executor, so every stage's mean matches."""
+    import yaml
+
+    import executor.train
+    from parsim.calibrate import host_cluster
+    from parsim.step import predict_step
+
+    data = host_cluster(8, 100e-6, 3e9, 9e9, peak_flops=70e9, mem_bw_Bps=20e9, matmul_half_dim=8.0,
+                        algorithms={"all_reduce": "ring", "send_recv": "direct"})
+    data["compute"].update(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)
+    (tmp_path / "host.yaml").write_text(yaml.safe_dump(data))
+    spec = load_cluster(str(tmp_path / "host.yaml"))
+    monkeypatch.setattr(executor.train, "run_plan",
+                        lambda plan, nproc, steps, **kwargs: (predict_step(plan, spec).trace, {}))
+    argv = ["compare", "tiny-pp2", "--dp", "2", "--nproc", "4", "--cluster", str(tmp_path / "host.yaml"),
+            "--no-speed-probe"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "per stage, each phase the mean over its ranks" in out and "pp 1 (2 ranks)" in out
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    backward = [row for row in doc["phases"] if row["pp"] == 1 and row["phase"] == "backward"]
+    stage = next(row for row in doc["stages"] if row["pp"] == 1 and row["phase"] == "backward")
+    assert len(backward) == 2 and stage["ranks"] == 2 and stage["error"] == pytest.approx(0.0)
+    assert stage["measured_s"] == pytest.approx(sum(row["measured_s"] for row in backward) / 2)
+
+
+def test_a_stage_s_phase_is_the_mean_over_its_ranks():
+    from parsim.cli.compare_plan import stage_phases
+
+    def row(rank, pp, phase, predicted, measured):
+        return {"rank": rank, "pp": pp, "phase": phase, "predicted_s": predicted, "measured_s": measured}
+
+    rows = [row(0, 0, "dp", 0.004, 0.009), row(2, 0, "dp", 0.006, 0.001), row(2, 0, "idle", 0.002, 0.001),
+            row(1, 1, "forward", 0.010, 0.008)]
+    assert stage_phases(rows) == [  # stage 1 has one measured rank: left out; rank 0's idle counts 0
+        {"pp": 0, "ranks": 2, "phase": "dp", "predicted_s": pytest.approx(0.005), "measured_s": pytest.approx(0.005),
+         "error": pytest.approx(0.0)},
+        {"pp": 0, "ranks": 2, "phase": "idle", "predicted_s": pytest.approx(0.001),
+         "measured_s": pytest.approx(0.0005), "error": pytest.approx(1.0)}]
+    assert [r["pp"] for r in stage_phases(rows, min_ranks=1)] == [0, 0, 1]
+
+
 def test_no_speed_probe_applies_only_to_a_plan_run(capsys):
     assert main(["compare", "all-reduce", "--no-speed-probe", "--measured", "x.json"]) == 2
     assert "--no-speed-probe" in capsys.readouterr().err

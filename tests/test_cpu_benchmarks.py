@@ -124,8 +124,8 @@ def test_the_compare_loop_takes_each_plan_s_error_against_the_median_run():
     same per rank, the worst named; the bounds are the issue's (15% a step, 25% a phase)."""
     def run(predicted, measured, forward, idle):
         return {"predicted_step_s": predicted, "measured_step_s": measured,
-                "phases": [{"rank": 0, "phase": "forward", "predicted_s": 0.010, "measured_s": forward},
-                           {"rank": 0, "phase": "idle", "predicted_s": 0.001, "measured_s": idle}]}
+                "phases": [{"rank": 0, "pp": 0, "phase": "forward", "predicted_s": 0.010, "measured_s": forward},
+                           {"rank": 0, "pp": 0, "phase": "idle", "predicted_s": 0.001, "measured_s": idle}]}
 
     summary = _compare_loop().summarize([run(0.040, 0.050, 0.011, 0.001), run(0.042, 0.046, 0.012, 0.002),
                                          run(0.041, 0.044, 0.020, 0.001)])
@@ -140,8 +140,8 @@ def test_the_compare_loop_takes_each_plan_s_error_against_the_median_run():
 
 
 def test_the_compare_loop_also_holds_each_stage_s_phases_the_mean_over_its_ranks():
-    """Per stage, each run's phase is the mean over the stage's ranks (a phase one rank lacks counts 0 there), then
-    the median over the runs: two twins that swap which one waits in `dp` miss per rank, not per stage."""
+    """Per stage, each run's phase is the mean over the stage's ranks (a stage of one rank: that rank's), then the
+    median over the runs: two twins that swap which one waits in `dp` miss per rank, not per stage."""
     def run(dp_0, dp_2):
         return {"predicted_step_s": 0.1, "measured_step_s": 0.1,
                 "phases": [{"rank": 0, "pp": 0, "phase": "dp", "predicted_s": 0.005, "measured_s": dp_0},
@@ -149,8 +149,6 @@ def test_the_compare_loop_also_holds_each_stage_s_phases_the_mean_over_its_ranks
                            {"rank": 1, "pp": 1, "phase": "idle", "predicted_s": 0.002, "measured_s": 0.004}]}
 
     loop = _compare_loop()
-    assert loop.stage_means(run(0.009, 0.001), "measured_s") == {(0, "dp"): pytest.approx(0.005),
-                                                                 (1, "idle"): 0.004}
     summary = loop.summarize([run(0.009, 0.001), run(0.0005, 0.0095), run(0.010, 0.001)])
     assert summary["phase_misses"] == 3  # rank 0's dp, rank 2's, rank 1's idle
     assert summary["stages"] == [{"pp": 0, "phase": "dp", "predicted_s": 0.005, "measured_s": pytest.approx(0.005),
@@ -158,9 +156,6 @@ def test_the_compare_loop_also_holds_each_stage_s_phases_the_mean_over_its_ranks
                                  {"pp": 1, "phase": "idle", "predicted_s": 0.002, "measured_s": 0.004,
                                   "error": pytest.approx(-0.5)}]
     assert summary["stage_misses"] == 1
-    one = {"predicted_step_s": 0.1, "measured_step_s": 0.1,
-           "phases": [{"rank": 0, "phase": "forward", "predicted_s": 0.01, "measured_s": 0.02}]}
-    assert loop.stage_means(one, "measured_s") == {(0, "forward"): 0.02}  # kept without stages: a rank each
 
 
 def test_the_compare_loop_counts_the_misses_its_steps_own_range_holds():
@@ -168,9 +163,9 @@ def test_the_compare_loop_counts_the_misses_its_steps_own_range_holds():
     counted apart from one no step came near."""
     def run(idle_range, forward_range):
         return {"predicted_step_s": 0.040, "measured_step_s": 0.040,
-                "phases": [{"rank": 0, "phase": "idle", "predicted_s": 0.001, "measured_s": 0.002,
+                "phases": [{"rank": 0, "pp": 0, "phase": "idle", "predicted_s": 0.001, "measured_s": 0.002,
                             "measured_range_s": idle_range},
-                           {"rank": 0, "phase": "forward", "predicted_s": 0.010, "measured_s": 0.020,
+                           {"rank": 0, "pp": 0, "phase": "forward", "predicted_s": 0.010, "measured_s": 0.020,
                             "measured_range_s": forward_range}]}
 
     summary = _compare_loop().summarize([run([0.0015, 0.003], [0.018, 0.022]), run([0.0009, 0.002], [0.019, 0.03])])
@@ -199,7 +194,7 @@ def test_the_compare_loop_prints_each_plan_against_the_bounds(monkeypatch, tmp_p
     def parsim(*args):
         assert args[args.index("--steps") + 1] == "7"
         doc = {"predicted_step_s": 0.040, "measured_step_s": 0.050 if "course-tp" in args else 0.042,
-               "phases": [{"rank": 1, "phase": "idle", "predicted_s": 0.001, "measured_s": 0.0011}]}
+               "phases": [{"rank": 1, "pp": 0, "phase": "idle", "predicted_s": 0.001, "measured_s": 0.0011}]}
         return subprocess.CompletedProcess(args, 0, json.dumps(doc), "")
 
     monkeypatch.setattr(loop, "_parsim", parsim)
@@ -264,8 +259,8 @@ def test_the_compare_loop_holds_two_loops_measurements_against_each_other(tmp_pa
         folder.mkdir(exist_ok=True)
         for i, (step, f, d) in enumerate(zip(steps, forward, idle)):
             doc = {"predicted_step_s": 1.0, "measured_step_s": step,
-                   "phases": [{"rank": 0, "phase": "forward", "predicted_s": 1.0, "measured_s": f},
-                              {"rank": 0, "phase": "idle", "predicted_s": 1.0, "measured_s": d}]}
+                   "phases": [{"rank": 0, "pp": 0, "phase": "forward", "predicted_s": 1.0, "measured_s": f},
+                              {"rank": 0, "pp": 0, "phase": "idle", "predicted_s": 1.0, "measured_s": d}]}
             (folder / f"{label}-{i + 1}.json").write_text(json.dumps(doc))
 
     a, b = tmp_path / "a", tmp_path / "b"
@@ -279,7 +274,7 @@ def test_the_compare_loop_holds_two_loops_measurements_against_each_other(tmp_pa
     assert forward["error"] == pytest.approx((0.055 / 0.110) / (0.048 / 0.095) - 1)
     assert idle["share_a"] == pytest.approx(0.030 / 0.110) and idle["share_b"] == pytest.approx(0.020 / 0.095)
     assert summary["phase_misses"] == 1 and summary["worst_phase"]["phase"] == "idle"
-    assert summary["stage_misses"] == 1  # kept without stages: each rank its own
+    assert summary["stage_misses"] == 1  # a stage of one rank: as that rank
     monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--repeat", str(a), str(b), "--json"])
     loop.main()
     doc = json.loads(capsys.readouterr().out)

@@ -87,7 +87,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         print_json("compare.plan", {
             "plan": plan.name, "cluster": cluster.name, "measured_from": source,
             "predicted_step_s": predicted.step_s, "measured_step_s": measured_step, "step_error": step_error,
-            "phases": rows, "collectives": [r.to_json() for r in collectives],
+            "phases": rows, "stages": stage_phases(rows), "collectives": [r.to_json() for r in collectives],
             "foreign_load_cores": load.cores if load else None,
             "measured_step_range_s": list(spread) if spread else None,
             "host_speed": speed.to_json(measured_step) if speed else None})
@@ -95,6 +95,10 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         print(phases_table(rows, title=f"{plan.name}: predicted ({cluster.name}) vs measured ({source}), "
                                        "per rank and phase"))
         print()
+        stages = stage_phases(rows)
+        if stages:
+            print(stages_table(stages))
+            print()
         print(collectives_table(collectives) if collectives else "collectives: none in the plan, none measured")
         if speed:
             print(speed.text(measured_step))
@@ -199,6 +203,41 @@ def compare_phases(plan, predicted, measured: list[RankBreakdown]) -> list[dict]
                              "measured_range_s": list(lo_hi) if lo_hi else None,
                              "error": pred / meas - 1 if meas else None})
     return rows
+
+
+def stage_phases(rows: list[dict], min_ranks: int = 2) -> list[dict]:
+    """:func:`compare_phases`' rows per pipeline stage of at least ``min_ranks`` measured ranks: each phase's
+    predicted and measured seconds, the mean over the stage's ranks (a phase a rank lacks counts 0 there).
+
+    A stage's data-, tensor- and context-parallel ranks do the same work; which of them a shared core runs
+    first, or which ends its step last, changes from run to run, so one rank's phase can miss where the
+    stage's mean does not (docs/calibration.md, "How far a measurement repeats itself")."""
+    ranks: dict[int, set[int]] = {}
+    sums: dict[tuple[int, str], list[float]] = {}
+    for r in rows:
+        ranks.setdefault(r["pp"], set()).add(r["rank"])
+        total = sums.setdefault((r["pp"], r["phase"]), [0.0, 0.0])
+        total[0] += r["predicted_s"]
+        total[1] += r["measured_s"]
+    stages = []
+    for (pp, phase), (predicted, measured) in sorted(sums.items(), key=lambda item: (item[0][0],
+                                                                                     PHASES.index(item[0][1]))):
+        n = len(ranks[pp])
+        if n >= min_ranks:
+            stages.append({"pp": pp, "ranks": n, "phase": phase, "predicted_s": predicted / n,
+                           "measured_s": measured / n,
+                           "error": predicted / measured - 1 if measured else None})
+    return stages
+
+
+def stages_table(stages: list[dict]) -> str:
+    """The rows of :func:`stage_phases` for people."""
+    unit, scale = time_unit([r["predicted_s"] for r in stages] + [r["measured_s"] for r in stages])
+    return render_table(["stage", "phase", f"predicted ({unit})", f"measured ({unit})", "error"],
+                        [[f"pp {r['pp']} ({r['ranks']} ranks)", r["phase"], r["predicted_s"] / scale,
+                          r["measured_s"] / scale, _error_text(r)] for r in stages],
+                        title="per stage, each phase the mean over its ranks (they do the same work; which of "
+                              "them runs first, or ends last, changes from run to run)")
 
 
 def phases_table(rows: list[dict], title: str) -> str:
