@@ -220,9 +220,8 @@ def stage_phases(rows: list[dict], min_ranks: int = 2) -> list[dict]:
         total[0] += r["predicted_s"]
         total[1] += r["measured_s"]
     stages = []
-    for (pp, phase), (predicted, measured) in sorted(sums.items(), key=lambda item: (item[0][0],
-                                                                                     PHASES.index(item[0][1]))):
-        n = len(ranks[pp])
+    for pp, phase in sorted(sums, key=lambda key: (key[0], PHASES.index(key[1]))):
+        (predicted, measured), n = sums[pp, phase], len(ranks[pp])
         if n >= min_ranks:
             stages.append({"pp": pp, "ranks": n, "phase": phase, "predicted_s": predicted / n,
                            "measured_s": measured / n,
