@@ -30,7 +30,10 @@ one step's idle swings with which rank happened to end last. Beside each
 median the table gives the least and most one step spent on the phase, so a
 miss can be told from the run's own noise. With more ranks than the host has
 cores, every rank is predicted in its own right, the ranks on one core taking
-turns as the kernel's scheduler runs them.
+turns as the kernel's scheduler runs them. Where a pipeline stage has several
+ranks (data or tensor parallel), a second table gives each phase's mean over
+them: they do the same work, and which of them runs first, or ends last,
+changes from run to run.
 
 On a CPU host the cores' speed drifts (on a shared VM by 10-30% within
 minutes). A file from `parsim calibrate` holds two host-speed probes timed
