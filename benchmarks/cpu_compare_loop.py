@@ -13,8 +13,11 @@ steps, and the same per rank and phase (forward, backward, optimizer, each
 group's communication, idle). It prints whether each is within the issue's
 bounds: a step within 15%, every phase within 25%, and how many of the phases
 outside it were predicted within the range their measured steps spanned (the
-host's own noise). Never run anything else on the host meanwhile: other work
-slows the steps and not the calibration.
+host's own noise), and how many miss per stage: each phase the mean over the
+stage's ranks (``parsim compare``'s second table), since which of a stage's
+ranks runs first on a shared core, or ends last, changes from run to run.
+Never run anything else on the host meanwhile: other work slows the steps and
+not the calibration.
 
 On the 2-core VM (2026-11-27) one calibration and three runs of each plan take
 about 5 minutes (6-10 on a 3-4x slower AMD VM, 10 measured steps a run; 7-7.5
