@@ -110,13 +110,18 @@ def test_the_cold_passes_benchmark_refuses_no_repeats_in_one_line():
     assert done.returncode == 2 and done.stderr == "cpu_cold_passes.py: --repeats must be at least 1\n"
 
 
-def _compare_loop():
+def _benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (the benchmarks are not a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("cpu_compare_loop", ROOT / "benchmarks" / "cpu_compare_loop.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _compare_loop():
+    return _benchmark("cpu_compare_loop")
 
 
 def test_the_compare_loop_takes_each_plan_s_error_against_the_median_run():
@@ -313,12 +318,7 @@ def test_the_core_sharing_benchmark_refuses_no_blocks_in_one_line():
 
 
 def _twin_allreduce():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("cpu_twin_allreduce", ROOT / "benchmarks" / "cpu_twin_allreduce.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _benchmark("cpu_twin_allreduce")
 
 
 def test_the_twin_allreduce_benchmark_sets_the_model_s_turns_beside_what_it_measured():
