@@ -46,7 +46,6 @@ class StepPrediction:
     memory: list[Memory]
     takes_turns: bool = False  # more ranks than the host's cores: each simulated, taking turns on its core
 
-
     @property
     def tokens_per_s(self) -> float:
         return self.plan.tokens_per_step / self.step_s

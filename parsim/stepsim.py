@@ -265,12 +265,11 @@ class _Run:
                     self.work[i] = self._turn_work(op)
             elif op.kind == "compute" or op.kind == "optimizer":
                 apart = self.memory is not None and op.stream_bytes > 0
-                key = (id(op.matmuls), op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
-                       op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes, op.sm_reserved,
-                       op.high_precision, op.sm_bound, apart, op.optimizer_steps, op.tp_calls)
+                args = _time_args(op, apart)
+                key = (id(op.matmuls), *args[1:])  # ops of one shape share their matmuls tuple: hash it by identity
                 time_s = costs.get(key)
                 if time_s is None:
-                    time_s = costs[key] = compute_time(*_time_args(op, apart))
+                    time_s = costs[key] = compute_time(*args)
                 if apart:
                     self.beside[i] = time_s
                 else:
