@@ -39,8 +39,8 @@ def _rank(rank: int, world: int, kib: int, rounds: int) -> dict:
     for p in params:
         p.grad = torch.randn_like(p)
     adamw = torch.optim.AdamW(params, foreach=True)
-    pairs = {"a core each": dist.new_group([0, 1]), "one core": dist.new_group([0, 2])}
-    members = {"a core each": (0, 1), "one core": (0, 2)}
+    members = {"a core each": [0, 1], "one core": [0, 2]}
+    pairs = {label: dist.new_group(ranks) for label, ranks in members.items()}
     result: dict = {"alone_s": []}
     for _ in range(rounds):
         dist.barrier()
