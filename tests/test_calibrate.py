@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from cpu_host import cpu_host
 from parsim.calibrate import fit_links, fit_matmul, fit_operation, host_cluster
 from parsim.cli.common import warn_other_machine
 from parsim.cli.main import main
@@ -254,13 +255,9 @@ def test_compare_says_when_ranks_take_turns_on_the_host_s_cores(monkeypatch, cap
     import yaml
 
     import executor.train
-    from parsim.calibrate import host_cluster
     from parsim.step import predict_step
 
-    data = host_cluster(8, 100e-6, 3e9, 9e9, peak_flops=70e9, mem_bw_Bps=20e9, matmul_half_dim=8.0,
-                        algorithms={"all_reduce": "ring", "send_recv": "direct"})
-    data["compute"].update(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)
-    (tmp_path / "host.yaml").write_text(yaml.safe_dump(data))
+    (tmp_path / "host.yaml").write_text(yaml.safe_dump(cpu_host(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)))
     monkeypatch.setattr(executor.train, "run_plan",
                         lambda plan, nproc, steps, **kwargs: (predict_step(plan, spec).trace, {}))
     for spec_file, parallel, noted in ((str(tmp_path / "host.yaml"), ["--dp", "2"], True),
@@ -278,13 +275,9 @@ def test_compare_sets_each_stage_s_mean_beside_its_prediction(monkeypatch, capsy
     import yaml
 
     import executor.train
-    from parsim.calibrate import host_cluster
     from parsim.step import predict_step
 
-    data = host_cluster(8, 100e-6, 3e9, 9e9, peak_flops=70e9, mem_bw_Bps=20e9, matmul_half_dim=8.0,
-                        algorithms={"all_reduce": "ring", "send_recv": "direct"})
-    data["compute"].update(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)
-    (tmp_path / "host.yaml").write_text(yaml.safe_dump(data))
+    (tmp_path / "host.yaml").write_text(yaml.safe_dump(cpu_host(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)))
     spec = load_cluster(str(tmp_path / "host.yaml"))
     monkeypatch.setattr(executor.train, "run_plan",
                         lambda plan, nproc, steps, **kwargs: (predict_step(plan, spec).trace, {}))

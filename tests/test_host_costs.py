@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
+from cpu_host import cpu_host
 from ideal_cluster import IDEAL, ideal_spec
 from parsim.calibrate import (DispatchFit, OptimizerFit, fit_alone_memory, fit_core_arithmetic, fit_dispatch,
                               fit_elementwise, fit_matmul, fit_optimizer, fit_step_overhead, host_cluster)
@@ -33,13 +34,6 @@ HOST_KEYS = {"op_forward_us": 7.0, "op_backward_us": 6.0, "optimizer_tensor_us":
 CORE_NS = {"gelu": {"forward": 0.5, "backward": 1.2}, "norm": {"forward": 0.4, "backward": 0.9},
            "softmax": {"forward": 0.3, "backward": 0.6}}  # a core's ns per element read or written
 SHARED = {"p2p_rendezvous_us": 2500.0, "p2p_latency_us": 300.0, "action_overhead_us": 400.0}  # two ranks per core
-
-
-def cpu_host(**compute) -> dict:
-    data = host_cluster(8, 100e-6, 3e9, 9e9, peak_flops=70e9, mem_bw_Bps=20e9, matmul_half_dim=8.0,
-                        algorithms={"all_reduce": "ring", "send_recv": "direct"})
-    data["compute"].update(compute)
-    return data
 
 
 # ----------------------------------------------------------------------------- fits on synthetic data

@@ -214,14 +214,12 @@ def test_each_rank_s_collectives_are_set_beside_its_own_prediction_where_every_r
     collectives table sets each measured rank beside its own, not one per pipeline stage."""
     import dataclasses
 
-    from parsim.calibrate import host_cluster
+    from cpu_host import cpu_host
     from parsim.cluster import parse_cluster
     from parsim.kineto.match import match_collectives
     from parsim.trace import Trace
 
-    data = host_cluster(8, 100e-6, 3e9, 9e9, peak_flops=70e9, mem_bw_Bps=20e9, matmul_half_dim=8.0,
-                        algorithms={"all_reduce": "ring", "send_recv": "direct"})
-    data["compute"].update(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)
+    data = cpu_host(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)
     plan = resolve_plan("tiny-pp2", overrides={"parallel": {"dp": 2}})
     predicted = predict_step(plan, parse_cluster(data, "host.yaml")).trace
     own = {r: sum(e.dur_s for e in predicted.for_rank(r) if e.kind == "collective") for r in range(4)}
