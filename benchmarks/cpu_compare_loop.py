@@ -325,7 +325,7 @@ def _runs_in(folder: Path) -> dict[str, list[dict]]:
 
 
 def _load_cluster(path: str):
-    from parsim.cluster import load_cluster
+    from parsim.hardware.cluster import load_cluster
     from parsim.errors import ParsimError
 
     try:

@@ -42,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from executor.train import run_plan
-    from parsim.cluster import load_cluster
+    from parsim.hardware.cluster import load_cluster
     from parsim.errors import ParsimError
     from parsim.plan import resolve_plan
     from parsim.step import predict_step

@@ -43,7 +43,7 @@ from torch.nn.attention import SDPBackend
 
 from executor.gpu_bench import (MEMORY_ELEMENTS, SM_ELEMENTS, SM_ROW_LENGTHS, SM_TOKENS, attention_at, launch_rows,
                                 matmul_row, memory_rows, sm_rows)
-from parsim.cluster import ClusterSpec, builtin_for_gpu, load_cluster
+from parsim.hardware.cluster import ClusterSpec, builtin_for_gpu, load_cluster
 from parsim.compute import ComputeModel, SmWork
 from parsim.kernels import block_work
 from parsim.errors import ParsimError

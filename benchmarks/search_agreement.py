@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from parsim.cluster import load_cluster
+from parsim.hardware.cluster import load_cluster
 from parsim.model import load_model
 from parsim.search.report import _phases, describe
 from parsim.search.search import Ranked, SearchRequest, run_search

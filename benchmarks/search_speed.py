@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from parsim.cluster import load_cluster
+from parsim.hardware.cluster import load_cluster
 from parsim.model import load_model
 from parsim.plan import DEFAULT_ADAMW, resolve_plan
 from parsim.search.report import describe, figures

@@ -80,7 +80,7 @@ TABLES = {"targets": ("Targets (issue 6)", TARGETS), "gpus": ("Wall time against
 
 def measure(cluster: str, plan_data: dict) -> dict:
     """Run in a child process: lower and simulate once, report wall time and the prediction."""
-    from parsim.cluster import load_cluster
+    from parsim.hardware.cluster import load_cluster
     from parsim.plan import load_plan
     from parsim.step import predict_step
 

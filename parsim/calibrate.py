@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .cluster import CORE_ARITHMETIC_KINDS, CoreArithmetic, SharedCoreCosts, parse_cluster
+from .hardware.cluster import CORE_ARITHMETIC_KINDS, CoreArithmetic, SharedCoreCosts, parse_cluster
 from .collectives.algorithms import build_phases
 from .collectives.simulate import time_phases
 from .compute import ComputeModel

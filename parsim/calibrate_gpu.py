@@ -17,7 +17,7 @@ rule its built-in value was sourced by:
 * ``sm_cycles``: the SM cycles per element of the memory-bound kernels whose
   arithmetic may outlast their bytes (softmax by row length, dropout, GeLU, a
   norm): seconds x SMs x clock over the elements the model counts, as the
-  built-in figures were measured (:data:`parsim.cluster.HOPPER_SM_CYCLES`);
+  built-in figures were measured (:data:`parsim.hardware.cluster.HOPPER_SM_CYCLES`);
 * ``op_forward_us``, ``op_backward_us``: the host's time per eager op, forward
   and backward, pooled over generic blocks too small to keep the GPU busy (as
   ``parsim calibrate`` fits a CPU host's); ``optimizer_tensor_us`` and
@@ -34,7 +34,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from .cluster import ClusterSpec, SmCycles
+from .hardware.cluster import ClusterSpec, SmCycles
 from .compute import ComputeModel
 from .errors import ParsimError
 from .plan import DTYPE_BYTES

@@ -29,7 +29,7 @@ Four kinds of work, each at the rate such kernels reach on the hardware:
   reductions, dropout's random numbers, GeLU's erf, a norm's reductions) that
   the SMs, not the memory, bound them: each takes the longer of its bytes and
   its SM cycles over ``sm_count x sm_clock`` (cycles per element measured on
-  Hopper, :data:`parsim.cluster.HOPPER_SM_CYCLES`, or on the GPU at hand by
+  Hopper, :data:`parsim.hardware.cluster.HOPPER_SM_CYCLES`, or on the GPU at hand by
   ``parsim calibrate --ranks 1``).
 * **A fixed cost per kernel**, ``kernel_overhead_s``: launch (GPU) or
   dispatch (eager CPU). It dominates small models.
@@ -149,7 +149,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .cluster import HOPPER_SM_CYCLES, ClusterSpec, CoreArithmetic, Curve, SharedCoreCosts, SmCycles
+from .hardware.cluster import HOPPER_SM_CYCLES, ClusterSpec, CoreArithmetic, Curve, SharedCoreCosts, SmCycles
 from .eager_ops import TP_COLLECTIVE_OPS
 from .errors import ParsimError
 
@@ -350,8 +350,8 @@ class ComputeModel:
         return 0.0
 
     def cycles(self, work: SmWork) -> float:
-        """SM cycles of ``work`` at this GPU's cycles per element (:class:`~parsim.cluster.SmCycles`); a softmax's
-        backward streams at the memory speed (none)."""
+        """SM cycles of ``work`` at this GPU's cycles per element (:class:`~parsim.hardware.cluster.SmCycles`);
+        a softmax's backward streams at the memory speed (none)."""
         figures = self.sm_cycles
         if work.kind == "softmax":
             per_element = 0.0 if work.backward else at_length(figures.softmax, work.row)
@@ -362,7 +362,7 @@ class ComputeModel:
         return per_element * work.elements
 
     def core_seconds(self, work: SmWork) -> float:
-        """Seconds of ``work`` on a CPU core (:class:`~parsim.cluster.CoreArithmetic`; other kinds: none beyond
+        """Seconds of ``work`` on a CPU core (:class:`~parsim.hardware.cluster.CoreArithmetic`; other kinds: none beyond
         their bytes)."""
         figures = getattr(self.core_arithmetic, work.kind, None)
         return figures[work.backward] * work.elements if figures else 0.0

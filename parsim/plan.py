@@ -46,7 +46,7 @@ from typing import Any, Mapping, NamedTuple, NoReturn
 
 import numpy as np
 
-from .cluster import MAX_GPUS
+from .hardware.cluster import MAX_GPUS
 from .errors import ConfigError, ParsimError
 from .files import read_yaml
 from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model

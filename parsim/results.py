@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import ParsimError
-from .cluster import MAX_GPUS
+from .hardware.cluster import MAX_GPUS
 from .files import read_json
 from .jsondoc import envelope
 from .units import MAX_SIZE

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .cluster import ClusterSpec
+from .hardware.cluster import ClusterSpec
 from .compute import ComputeModel
 from .errors import ParsimError
 from .lower import lower

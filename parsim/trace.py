@@ -15,7 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .cluster import MAX_GPUS
+from .hardware.cluster import MAX_GPUS
 from .errors import ParsimError
 from .files import read_json
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from parsim.cluster import parse_cluster
+from parsim.hardware.cluster import parse_cluster
 
 IDEAL = {
     "name": "ideal",

@@ -11,7 +11,7 @@ from cpu_host import cpu_host
 from parsim.calibrate import fit_links, fit_matmul, fit_operation, host_cluster
 from parsim.cli.common import warn_other_machine
 from parsim.cli.main import main
-from parsim.cluster import SharedCoreCosts, load_cluster, parse_cluster
+from parsim.hardware.cluster import SharedCoreCosts, load_cluster, parse_cluster
 from parsim.collectives import predict
 from parsim.compute import ComputeModel
 from parsim.results import save_results

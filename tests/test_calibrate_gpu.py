@@ -6,7 +6,7 @@ import pytest
 
 from parsim.calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload
 from parsim.cli.main import main
-from parsim.cluster import SmCycles, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
+from parsim.hardware.cluster import SmCycles, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from parsim.compute import ComputeModel, SmWork
 from parsim.errors import ParsimError
 from parsim.files import read_yaml
@@ -165,7 +165,7 @@ def test_the_sm_kernels_calibrate_times_run_and_are_fitted_here():
     torch = pytest.importorskip("torch")
     from executor.gpu_bench import SM_ROW_LENGTHS, sm_rows
     from parsim.calibrate_gpu import fit_sm_cycles
-    from parsim.cluster import HOPPER_SM_CYCLES
+    from parsim.hardware.cluster import HOPPER_SM_CYCLES
 
     rows = sm_rows(torch.device("cpu"), torch.float32, elements=4 * max(SM_ROW_LENGTHS), tokens=64)
     kinds = {(r["work"]["sm"], r["work"]["pass"], r["work"]["row"]) for r in rows}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parsim.cluster import load_cluster
+from parsim.hardware.cluster import load_cluster
 from parsim.collectives.simulate import choose_algorithm, predict
 
 

@@ -219,7 +219,7 @@ def test_the_compare_loop_predicts_kept_runs_again_with_the_model_as_it_is(tmp_p
     its probes measured (here the arithmetic at 1.25x the calibration's)."""
     import json
 
-    from parsim.cluster import load_cluster
+    from parsim.hardware.cluster import load_cluster
     from parsim.plan import resolve_plan
     from parsim.step import predict_step
 

@@ -14,7 +14,7 @@ import pytest
 
 from parsim.cli.common import OpsProgress
 from parsim.cli.main import main
-from parsim.cluster import load_cluster
+from parsim.hardware.cluster import load_cluster
 from parsim.compute import ComputeModel
 from parsim.errors import ParsimError
 from parsim.plan import resolve_plan

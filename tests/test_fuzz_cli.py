@@ -27,7 +27,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parsim.cluster import builtin_clusters
+from parsim.hardware.cluster import builtin_clusters
 from parsim.files import read_yaml
 from parsim.model import builtin_models
 from parsim.plan import builtin_plans

@@ -14,7 +14,7 @@ from ideal_cluster import IDEAL, ideal_spec
 from parsim.calibrate import (DispatchFit, OptimizerFit, fit_alone_memory, fit_core_arithmetic, fit_dispatch,
                               fit_elementwise, fit_matmul, fit_optimizer, fit_step_overhead, host_cluster)
 from parsim.cli.main import main
-from parsim.cluster import builtin_clusters, load_cluster, parse_cluster
+from parsim.hardware.cluster import builtin_clusters, load_cluster, parse_cluster
 from parsim.collectives import predict
 from parsim.compute import ComputeModel, SmWork
 from parsim.errors import ConfigError, ParsimError
@@ -667,7 +667,7 @@ def test_a_plan_too_small_to_hide_the_host_is_flagged_on_a_gpu_cluster_without_h
 def test_every_compute_key_of_a_cluster_file_is_documented():
     from pathlib import Path
 
-    from parsim.cluster import COMPUTE_KEYS
+    from parsim.hardware.cluster import COMPUTE_KEYS
 
     text = (Path(__file__).parents[1] / "docs" / "clusters.md").read_text()
     assert [key for key in COMPUTE_KEYS if f"`compute.{key}`" not in text] == []

@@ -93,7 +93,7 @@ def test_bench_json_and_its_saved_file_are_one_schema(monkeypatch, tmp_path, cap
 
 def test_compare_plan_prints_its_schema(monkeypatch, capsys):
     import executor.train
-    from parsim.cluster import load_cluster
+    from parsim.hardware.cluster import load_cluster
     from parsim.plan import resolve_plan
     from parsim.step import predict_step
 

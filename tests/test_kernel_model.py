@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from parsim.cli.main import main
-from parsim.cluster import load_cluster
+from parsim.hardware.cluster import load_cluster
 from parsim.compute import MATMUL_TILE, ComputeModel
 from parsim.model import AttentionCore, flash_softmax_factor, load_model
 from parsim.plan import Plan
@@ -76,7 +76,7 @@ def test_a_context_parallel_rank_runs_its_attention_kernels_over_its_share_of_th
 
 @pytest.mark.parametrize("value", ["{fast: 0.6}", "{}", "{2048: 1.5}"])
 def test_a_bad_attention_curve_is_refused_in_one_line(tmp_path, capsys, value):
-    from parsim.cluster import builtin_clusters
+    from parsim.hardware.cluster import builtin_clusters
 
     text = builtin_clusters()["dgx-h100"].read_text()
     assert "    forward: {512: 0.369" in text

@@ -8,7 +8,7 @@ from collections import defaultdict
 import pytest
 
 from parsim.cli.main import main
-from parsim.cluster import load_cluster
+from parsim.hardware.cluster import load_cluster
 from parsim.kineto.read import measured_trace, read_profiles
 from parsim.kineto.recognize import rank_events
 from parsim.kineto.write import write_merged_trace, write_rank_traces
@@ -215,7 +215,7 @@ def test_each_rank_s_collectives_are_set_beside_its_own_prediction_where_every_r
     import dataclasses
 
     from cpu_host import cpu_host
-    from parsim.cluster import parse_cluster
+    from parsim.hardware.cluster import parse_cluster
     from parsim.kineto.match import match_collectives
     from parsim.trace import Trace
 

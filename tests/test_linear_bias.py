@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from parsim.cluster import HOPPER_SM_CYCLES, load_cluster
+from parsim.hardware.cluster import HOPPER_SM_CYCLES, load_cluster
 from parsim.compute import SmWork
 from parsim.errors import ConfigError
 from parsim.kernels import block_work

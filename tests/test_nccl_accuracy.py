@@ -12,7 +12,7 @@ import statistics
 
 import pytest
 
-from parsim.cluster import builtin_clusters
+from parsim.hardware.cluster import builtin_clusters
 from parsim.validation.nccl_tests import compare, sources
 
 

@@ -9,7 +9,7 @@ import pytest
 import simpy
 
 from parsim.cli.main import main
-from parsim.cluster import load_cluster, parse_cluster
+from parsim.hardware.cluster import load_cluster, parse_cluster
 from parsim.collectives import build_phases, predict, simulate_phases
 from parsim.collectives.nccl import model_for
 from parsim.errors import ConfigError

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from parsim.cli.main import main
-from parsim.cluster import load_cluster, parse_cluster
+from parsim.hardware.cluster import load_cluster, parse_cluster
 from parsim.errors import ConfigError
 from parsim.model import load_model
 from parsim.search.fast import FastModel

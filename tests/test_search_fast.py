@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parsim.cluster import load_cluster
+from parsim.hardware.cluster import load_cluster
 from parsim.memory import memory
 from parsim.model import load_model
 from parsim.schedules import SCHEDULES, make_schedule, peak_in_flight

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from parsim.cluster import HOPPER_SM_CYCLES, builtin_clusters, load_cluster
+from parsim.hardware.cluster import HOPPER_SM_CYCLES, builtin_clusters, load_cluster
 from parsim.compute import ComputeModel, SmWork, at_length
 from parsim.kernels import block_work
 from parsim.files import read_yaml
@@ -130,7 +130,7 @@ def h100_with(sm_cycles: object) -> dict:
 
 
 def test_a_cluster_file_gives_its_own_cycles_and_keeps_hoppers_for_the_rest():
-    from parsim.cluster import parse_cluster
+    from parsim.hardware.cluster import parse_cluster
 
     spec = parse_cluster(h100_with({"softmax": {2048: 0.5}, "norm": {"forward": 0.1, "backward": 0.2},
                                     "bias_add": 0.3}), "mine")
@@ -149,7 +149,7 @@ def test_a_cluster_file_gives_its_own_cycles_and_keeps_hoppers_for_the_rest():
     ({"softmax": {"2k": 0.3}}, "compute.sm_cycles.softmax"),
 ])
 def test_bad_sm_cycles_are_refused_naming_the_key(value, where):
-    from parsim.cluster import parse_cluster
+    from parsim.hardware.cluster import parse_cluster
     from parsim.errors import ConfigError
 
     with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
@@ -157,7 +157,7 @@ def test_bad_sm_cycles_are_refused_naming_the_key(value, where):
 
 
 def test_hoppers_cycles_are_the_mean_of_the_kept_h100_and_h200_runs():
-    """parsim.cluster.HOPPER_SM_CYCLES: benchmarks/gpu/score_kernels.py's fits on both GPUs, averaged."""
+    """parsim.hardware.cluster.HOPPER_SM_CYCLES: benchmarks/gpu/score_kernels.py's fits on both GPUs, averaged."""
     import json
 
     fits = [json.loads((SC21_LAYER.parent / f"{gpu}-score-kernels-2026-11-26.json").read_text())["sm_cycles"]

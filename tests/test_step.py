@@ -7,7 +7,7 @@ import json
 import pytest
 
 from parsim.cli.main import main
-from parsim.cluster import load_cluster
+from parsim.hardware.cluster import load_cluster
 from parsim.model import load_model
 from parsim.plan import Plan
 from parsim.step import predict_step

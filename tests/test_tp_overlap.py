@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from parsim.cluster import load_cluster
+from parsim.hardware.cluster import load_cluster
 from parsim.compute import ComputeModel
 from parsim.errors import ParsimError
 from parsim.lower import Lowering

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ideal_cluster import ideal_spec
-from parsim.cluster import load_cluster
+from parsim.hardware.cluster import load_cluster
 from parsim.compute import ComputeModel
 from parsim.lower import lower
 from parsim.plan import resolve_plan

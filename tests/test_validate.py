@@ -173,7 +173,7 @@ def test_the_gpu_checks_sc21_plan_is_the_tables_first_row():
     `parsim validate` builds for SC21's 1.7B row."""
     from pathlib import Path
 
-    from parsim.cluster import load_cluster
+    from parsim.hardware.cluster import load_cluster
     from parsim.plan import resolve_plan
     from parsim.step import predict_step
 

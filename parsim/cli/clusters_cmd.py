@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from ..cluster import ClusterSpec, builtin_clusters, load_cluster
+from ..hardware.cluster import ClusterSpec, builtin_clusters, load_cluster
 from ..jsondoc import print_json
 from ..table import render_table
 

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cluster import ClusterSpec, builtin_clusters, load_cluster
+from ..hardware.cluster import ClusterSpec, builtin_clusters, load_cluster
 from ..errors import ParsimError
 from ..memory import Memory
 from ..table import render_table

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cluster import load_cluster
+from ..hardware.cluster import load_cluster
 from ..compare_collectives import compare_collectives, median_abs_error
 from ..errors import ParsimError
 from ..jsondoc import print_json

@@ -6,7 +6,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from ..cluster import load_cluster
+from ..hardware.cluster import load_cluster
 from ..errors import ParsimError
 from ..host_load import ForeignLoad
 from ..jsondoc import print_json

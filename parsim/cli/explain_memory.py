@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cluster import load_cluster
+from ..hardware.cluster import load_cluster
 from ..errors import ParsimError
 from ..jsondoc import print_json
 from ..memory import ADAM_STATE_BYTES, FP32, Memory, memory, saved_bytes_per_token

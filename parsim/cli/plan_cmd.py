@@ -191,7 +191,7 @@ def run_show(args: argparse.Namespace) -> int:
     spec = topology = None
     gpus = args.gpus
     if args.cluster is not None:
-        from ..cluster import load_cluster
+        from ..hardware.cluster import load_cluster
 
         spec = load_cluster(args.cluster)
         if args.nodes is not None:

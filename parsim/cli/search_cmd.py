@@ -8,7 +8,7 @@ import math
 import re
 import sys
 
-from ..cluster import load_cluster
+from ..hardware.cluster import load_cluster
 from ..errors import ParsimError
 from ..model import TransformerModel, builtin_models, load_model
 from ..plan import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW, DTYPE_BYTES, REDUCE_DTYPES

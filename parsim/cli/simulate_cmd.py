@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cluster import load_cluster
+from ..hardware.cluster import load_cluster
 from ..jsondoc import print_json
 from ..step import StepPrediction, predict_step
 from ..step_report import PHASES, comm_overlap

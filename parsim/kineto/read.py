@@ -30,7 +30,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cluster import MAX_GPUS
+from ..hardware.cluster import MAX_GPUS
 from ..errors import ParsimError
 from ..files import read_json
 from ..trace import Event, Trace

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import simpy
 
-from ..cluster import ClusterSpec
+from ..hardware.cluster import ClusterSpec
 from ..compute import ComputeModel
 from ..lower import CommPiece, Lowering
 from ..network import Network, max_min_rates, stack_routes

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..cluster import ClusterSpec
+from ..hardware.cluster import ClusterSpec
 from ..errors import ParsimError
 from ..model import Model
 from ..plan import DEFAULT_ADAMW, default_reduce_dtype

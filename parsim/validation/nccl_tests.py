@@ -6,7 +6,7 @@ import importlib.resources
 import statistics
 from dataclasses import dataclass
 
-from ..cluster import load_cluster
+from ..hardware.cluster import load_cluster
 from ..collectives import predict
 from ..files import read_yaml
 from ..units import format_size

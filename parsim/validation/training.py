@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..cluster import load_cluster
+from ..hardware.cluster import load_cluster
 from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
 from ..model import load_model

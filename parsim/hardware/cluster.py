@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from .errors import ConfigError, ParsimError
-from .files import read_yaml
+from ..errors import ConfigError, ParsimError
+from ..files import read_yaml
 
 FABRICS = ("nvswitch", "pcie")
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
@@ -358,7 +358,7 @@ class ClusterSpec:
 
     def build(self, nodes: int = 1):
         """The cluster placed on ``nodes`` nodes, as a routable topology."""
-        from .topology import Topology
+        from ..topology import Topology
 
         return Topology(self, nodes)
 

@@ -1,0 +1,1 @@
+"""The hardware: cluster files, a cluster placed on its nodes (links, routes), and the flow-level network."""
