@@ -8,7 +8,7 @@ import numpy as np
 
 from .collectives import predict
 from .results import CollectiveResult
-from .topology import Topology
+from .hardware.topology import Topology
 
 
 @dataclass

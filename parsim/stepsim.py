@@ -38,7 +38,7 @@ from .cores import SharedCores, eevdf_slice_s
 from .errors import ParsimError
 from .network import Network, chain_routes, stack_routes
 from .program import Op, Program
-from .topology import Topology
+from .hardware.topology import Topology
 from .trace import Event, Trace
 
 # progress(ops finished, ops in all) is called at most this often (seconds of wall time)

@@ -8,7 +8,7 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from parsim.topology import SWITCH
+from parsim.hardware.topology import SWITCH
 
 from ideal_cluster import ideal_spec
 

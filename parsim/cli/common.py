@@ -11,7 +11,7 @@ from ..hardware.cluster import ClusterSpec, builtin_clusters, load_cluster
 from ..errors import ParsimError
 from ..memory import Memory
 from ..table import render_table
-from ..topology import Topology
+from ..hardware.topology import Topology
 from ..units import format_size, format_time
 
 DEFAULT_CLUSTER = "dgx-h100"

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import ParsimError
 from ..network import chain_routes
-from ..topology import NET_SWITCH, SWITCH, Topology
+from ..hardware.topology import NET_SWITCH, SWITCH, Topology
 from .nccl import nccl_choice
 
 ALGORITHMS = ("ring", "tree", "recursive", "direct", "hierarchical", "in_switch", "nvls_tree", "pat", "collnet",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..results import busbw_factor
-from ..topology import Topology
+from ..hardware.topology import Topology
 from ..units import format_size, format_time
 from .simulate import CollectivePrediction
 

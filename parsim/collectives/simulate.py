@@ -16,7 +16,7 @@ import simpy
 from ..errors import ParsimError
 from ..network import Network
 from ..results import CollectiveResult
-from ..topology import Topology
+from ..hardware.topology import Topology
 from .algorithms import Phase, applicable_algorithms, build_phases
 from .nccl import PARSIM_ALGORITHM, PROTOS, Choice, model_for, nccl_choice
 

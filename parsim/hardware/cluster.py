@@ -5,7 +5,7 @@ between nodes; the node count is chosen at run time. :func:`load_cluster`
 validates the file (one :class:`~parsim.errors.ConfigError` line per problem,
 naming the file, the key and the expected unit) and returns a
 :class:`ClusterSpec`; :meth:`ClusterSpec.build` places it on ``nodes`` nodes and
-returns a :class:`~parsim.topology.Topology`.
+returns a :class:`~parsim.hardware.topology.Topology`.
 """
 
 from __future__ import annotations
@@ -358,7 +358,7 @@ class ClusterSpec:
 
     def build(self, nodes: int = 1):
         """The cluster placed on ``nodes`` nodes, as a routable topology."""
-        from ..topology import Topology
+        from .topology import Topology
 
         return Topology(self, nodes)
 

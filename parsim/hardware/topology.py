@@ -28,7 +28,7 @@ from functools import cached_property
 import networkx as nx
 import numpy as np
 
-from .hardware.cluster import ClusterSpec
+from .cluster import ClusterSpec
 
 SWITCH = -1  # route endpoint meaning "the fabric switch of the other endpoint's node" (in-switch reduction)
 NET_SWITCH = -2  # route endpoint meaning "the leaf switch of the other endpoint's NIC" (in-network reduction)
