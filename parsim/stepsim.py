@@ -6,7 +6,7 @@ waits for its prerequisites: the op before it on its (rank, stream), and its
 lasts until its matching send has arrived. Compute ops take their modelled
 time (identical compute is costed once). Collectives run their algorithm's
 phases and sends their single transfer as flows on one shared
-:class:`~parsim.network.Network`, so data-parallel all-reduces,
+:class:`~parsim.hardware.network.Network`, so data-parallel all-reduces,
 tensor-parallel all-reduces and pipeline sends that overlap in time contend
 for the same links. Mirror flows (replicas the representative stands for) are
 kept only where they share links with it, directly or through each other.
@@ -36,7 +36,7 @@ from .collectives.simulate import choose_algorithm
 from .compute import ComputeModel
 from .cores import SharedCores, eevdf_slice_s
 from .errors import ParsimError
-from .network import Network, chain_routes, stack_routes
+from .hardware.network import Network, chain_routes, stack_routes
 from .program import Op, Program
 from .hardware.topology import Topology
 from .trace import Event, Trace
@@ -544,7 +544,7 @@ class HostMemory:
     Each rank's stream is a flow over two links: its own, at the speed one
     core reaches alone (shared when ranks time-share cores), and its host's,
     at the host's total with every core streaming. Max-min sharing on
-    :class:`~parsim.network.Network` then gives a rank streaming alone its
+    :class:`~parsim.hardware.network.Network` then gives a rank streaming alone its
     core's speed, and ranks streaming at once an equal share of the host's. A
     simulated rank's replicas on the same host (the data-, context- and
     tensor-parallel ranks that run its program at the same moment) stream

@@ -14,7 +14,7 @@ from parsim.collectives import build_phases, predict, simulate_phases
 from parsim.collectives.nccl import model_for
 from parsim.errors import ConfigError
 from parsim.files import read_yaml
-from parsim.network import Network
+from parsim.hardware.network import Network
 
 from ideal_cluster import ideal_spec
 

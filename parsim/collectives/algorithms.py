@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ParsimError
-from ..network import chain_routes
+from ..hardware.network import chain_routes
 from ..hardware.topology import NET_SWITCH, SWITCH, Topology
 from .nccl import nccl_choice
 

@@ -1,7 +1,7 @@
 """Time a collective by running its phases on the flow-level network.
 
 :func:`simulate_phases` is a simpy process, so the step simulator can run many
-collectives at once on one :class:`~parsim.network.Network` and let them
+collectives at once on one :class:`~parsim.hardware.network.Network` and let them
 contend; :func:`predict` runs one collective alone on an idle cluster, picks
 the fastest algorithm the way NCCL's tuner would, and explains the result.
 """
@@ -14,7 +14,7 @@ import numpy as np
 import simpy
 
 from ..errors import ParsimError
-from ..network import Network
+from ..hardware.network import Network
 from ..results import CollectiveResult
 from ..hardware.topology import Topology
 from .algorithms import Phase, applicable_algorithms, build_phases

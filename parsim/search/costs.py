@@ -30,7 +30,7 @@ import simpy
 from ..hardware.cluster import ClusterSpec
 from ..compute import ComputeModel
 from ..lower import CommPiece, Lowering
-from ..network import Network, max_min_rates, stack_routes
+from ..hardware.network import Network, max_min_rates, stack_routes
 from ..plan import Plan
 from ..stepsim import StepSimulator
 from .tables import entry_types
