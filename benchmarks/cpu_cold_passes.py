@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from executor.train.models import build_pieces
-from parsim.model import load_model
+from parsim.workload.model import load_model
 
 SLEEPS_MS = (0.5, 2.0, 10.0, 30.0, 100.0, 300.0)
 

@@ -47,7 +47,7 @@ from parsim.hardware.cluster import ClusterSpec, builtin_for_gpu, load_cluster
 from parsim.compute import ComputeModel, SmWork
 from parsim.kernels import block_work
 from parsim.errors import ParsimError
-from parsim.model import TransformerModel
+from parsim.workload.model import TransformerModel
 from parsim.plan import DTYPE_BYTES, load_plan
 from parsim.table import render_table
 

@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 
 from parsim.hardware.cluster import load_cluster
-from parsim.model import load_model
+from parsim.workload.model import load_model
 from parsim.search.report import _phases, describe
 from parsim.search.search import Ranked, SearchRequest, run_search
 from parsim.step_report import PHASES

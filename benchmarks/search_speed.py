@@ -18,7 +18,7 @@ import argparse
 import time
 
 from parsim.hardware.cluster import load_cluster
-from parsim.model import load_model
+from parsim.workload.model import load_model
 from parsim.plan import DEFAULT_ADAMW, resolve_plan
 from parsim.search.report import describe, figures
 from parsim.search.search import SearchRequest, run_search

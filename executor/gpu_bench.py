@@ -15,7 +15,7 @@ import contextlib
 import sys
 import time
 
-from parsim.model import AttentionCore, flash_softmax_factor
+from parsim.workload.model import AttentionCore, flash_softmax_factor
 
 from ._torch import require_torch
 from .compute_bench import measure_dispatch, measure_optimizer, synchronizer

@@ -359,7 +359,7 @@ def fit_dispatch(rows: list[dict], matmuls: ComputeModel) -> DispatchFit:
 
 
 def fit_elementwise(rows: list[dict], dispatch: DispatchFit, element_bytes: int = 4) -> float:
-    """Bytes per second of memory-bound kernels' work, counted as :class:`parsim.model.Elementwise`
+    """Bytes per second of memory-bound kernels' work, counted as :class:`parsim.workload.model.Elementwise`
     counts a unary kernel (an activation, a norm): it reads and writes its tensor in the forward
     (2 elements), reads two and writes one in the backward (3).
 
@@ -377,7 +377,7 @@ def fit_elementwise(rows: list[dict], dispatch: DispatchFit, element_bytes: int 
     return float(nbytes / seconds)
 
 
-# Elements each kernel of parsim.model.Elementwise reads or writes per element of its input, forward and
+# Elements each kernel of parsim.workload.model.Elementwise reads or writes per element of its input, forward and
 # backward (a unary kernel: read and write; its backward reads the input and the output's gradient and writes the
 # input's), as SmWork counts them.
 UNARY_ELEMENTS = (2, 3)

@@ -1,6 +1,6 @@
 """What one block's pass runs on a GPU: matmul shapes, attention work, memory-bound bytes.
 
-:func:`block_work` turns a model block (:class:`~parsim.model.Block`) into the
+:func:`block_work` turns a model block (:class:`~parsim.workload.model.Block`) into the
 kernels one rank launches for one microbatch in one pass (``F`` forward, ``B``
 full backward, ``I`` input gradient, ``W`` weight gradient). The lowering
 times it with the cluster's kernel model (:mod:`parsim.compute`);
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .compute import SmWork
-from .model import Block, flash_softmax_factor, shard
+from .workload.model import Block, flash_softmax_factor, shard
 from .plan import Plan
 
 
@@ -63,12 +63,12 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
     The attention core runs in FlashAttention (its FLOPs, less the tiles above
     the causal diagonal, scaled for the softmax's share at small head dims) or
     unfused (batched matmuls, :func:`unfused_attention`). The memory-bound
-    kernels (:class:`~parsim.model.Elementwise`) move their forward bytes in a
+    kernels (:class:`~parsim.workload.model.Elementwise`) move their forward bytes in a
     forward and their backward bytes in an input-gradient pass; the
     weight-gradient pass adds its gradients into the step's sum
     (:attr:`~parsim.plan.Plan.accumulation_bytes`).
     A tensor-parallel collective over the feature dimension adds a copy of its
-    tensor (:class:`~parsim.model.TPCollective` ``regroups``).
+    tensor (:class:`~parsim.workload.model.TPCollective` ``regroups``).
     Kernels launched: one per matmul and one per memory-bound kernel with bytes to move.
     """
     tp = plan.tp

@@ -30,7 +30,7 @@ from typing import TypeVar
 
 from . import eager_ops, tp_overlap
 from .kernels import block_work
-from .model import LayerCost, MLPModel, shard
+from .workload.model import LayerCost, MLPModel, shard
 from .pieces import CommPiece, ComputePiece, Piece
 from .plan import Plan
 from .program import Op, Program

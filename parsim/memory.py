@@ -3,7 +3,7 @@
 Per pipeline rank, for a plan (no simulation needed): weights and gradients
 in the plan's dtype, AdamW's state, and the activations of the microbatches
 the schedule keeps in flight, each holding what its stage saves for the
-backward (:meth:`~parsim.model.LayerCost.activation_bytes_per_token`).
+backward (:meth:`~parsim.workload.model.LayerCost.activation_bytes_per_token`).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ import numpy as np
 from .hardware.cluster import MAX_GPUS
 from .errors import ConfigError, ParsimError
 from .files import read_yaml
-from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
+from .workload.model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
 from .schedules import SCHEDULES as SCHEDULE_KINDS
 from .schedules import Schedule, make_schedule
 from .stage_split import balanced_split, even_split

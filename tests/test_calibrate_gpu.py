@@ -10,7 +10,7 @@ from parsim.hardware.cluster import SmCycles, builtin_clusters, builtin_for_gpu,
 from parsim.compute import ComputeModel, SmWork
 from parsim.errors import ParsimError
 from parsim.files import read_yaml
-from parsim.model import load_model
+from parsim.workload.model import load_model
 from parsim.jsondoc import envelope, published_schema
 
 from json_schema import errors

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from parsim.cli.main import main
-from parsim.model import TransformerModel
+from parsim.workload.model import TransformerModel
 from parsim.plan import Plan
 
 torch = pytest.importorskip("torch")

@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 
 from parsim.lower import lower
-from parsim.model import MLPModel
+from parsim.workload.model import MLPModel
 from parsim.plan import load_plan
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")

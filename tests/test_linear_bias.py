@@ -10,7 +10,7 @@ from parsim.compute import SmWork
 from parsim.errors import ConfigError
 from parsim.kernels import block_work
 from parsim.lower import lower
-from parsim.model import load_model
+from parsim.workload.model import load_model
 from parsim.plan import Plan
 from parsim.search.fast import FastModel
 from parsim.search.space import Candidate, SearchSpace, enumerate_settings

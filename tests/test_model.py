@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from parsim.errors import ConfigError, ParsimError
-from parsim.model import MLPModel, TransformerModel, builtin_models, load_model, shard
+from parsim.workload.model import MLPModel, TransformerModel, builtin_models, load_model, shard
 
 
 # --------------------------------------------------------------------------- parameters

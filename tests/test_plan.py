@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from parsim.cli.main import main
 from parsim.errors import ConfigError, ParsimError
-from parsim.model import load_model
+from parsim.workload.model import load_model
 from parsim.plan import DEFAULT_BUCKET_SIZE, Plan, builtin_plans, load_plan, resolve_plan
 
 MLP = load_model("course-mlp")

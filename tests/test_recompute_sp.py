@@ -10,7 +10,7 @@ import pytest
 from parsim.errors import ParsimError
 from parsim.lower import lower
 from parsim.memory import saved_bytes_per_token
-from parsim.model import load_model
+from parsim.workload.model import load_model
 from parsim.plan import Plan, load_plan
 from parsim.step import predict_step
 

@@ -11,7 +11,7 @@ import pytest
 from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster, parse_cluster
 from parsim.errors import ConfigError
-from parsim.model import load_model
+from parsim.workload.model import load_model
 from parsim.search.fast import FastModel
 from parsim.search.search import SearchRequest, run_search
 from parsim.search.space import SearchSpace, enumerate_settings

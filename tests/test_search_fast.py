@@ -7,7 +7,7 @@ import pytest
 
 from parsim.hardware.cluster import load_cluster
 from parsim.memory import memory
-from parsim.model import load_model
+from parsim.workload.model import load_model
 from parsim.schedules import SCHEDULES, make_schedule, peak_in_flight
 from parsim.search.fast import KINDS, FastModel, schedule_facts
 from parsim.search.space import Candidate, SearchSpace, enumerate_settings

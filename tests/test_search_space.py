@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from parsim.errors import ParsimError
-from parsim.model import load_model
+from parsim.workload.model import load_model
 from parsim.plan import parse_plan
 from parsim.search.space import (Candidate, Rejections, SearchSpace, divisors, enumerate_settings, enumerate_space,
                                  schedule_options, sync_options)

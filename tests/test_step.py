@@ -8,7 +8,7 @@ import pytest
 
 from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
-from parsim.model import load_model
+from parsim.workload.model import load_model
 from parsim.plan import Plan
 from parsim.step import predict_step
 

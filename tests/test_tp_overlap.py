@@ -11,7 +11,7 @@ from parsim.hardware.cluster import load_cluster
 from parsim.compute import ComputeModel
 from parsim.errors import ParsimError
 from parsim.lower import Lowering
-from parsim.model import load_model
+from parsim.workload.model import load_model
 from parsim.pieces import CommPiece, ComputePiece
 from parsim.plan import Plan, load_plan
 from parsim.search.costs import CommCosts

@@ -11,7 +11,7 @@ from parsim.cli.main import main
 from parsim.errors import ParsimError
 from parsim.lower import lower
 from parsim.memory import memory
-from parsim.model import load_model
+from parsim.workload.model import load_model
 from parsim.plan import Plan, load_plan
 from parsim.step import predict_step
 

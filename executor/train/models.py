@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from parsim.model import MLPModel, Model, TransformerModel
+from parsim.workload.model import MLPModel, Model, TransformerModel
 
 from .._torch import require_torch
 

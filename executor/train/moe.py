@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parsim.model import TransformerModel
+from parsim.workload.model import TransformerModel
 
 from .._torch import require_torch
 from .comm import EPGroup, combine, dispatch

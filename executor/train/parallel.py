@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from parsim.errors import ParsimError
-from parsim.model import MLPModel, Model
+from parsim.workload.model import MLPModel, Model
 from parsim.trace import collective_name
 
 from .._torch import require_distributed, require_torch

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from parsim.errors import ParsimError
-from parsim.model import MLPModel
+from parsim.workload.model import MLPModel
 from parsim.plan import Plan, load_plan
 from parsim.schedules import Schedule
 from parsim.tp_overlap import PIPELINE_SPLITS

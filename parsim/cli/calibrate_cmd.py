@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"per-op overhead   {dispatch.forward_s * 1e6:.1f} us forward, {dispatch.backward_s * 1e6:.1f} us backward "
           f"(generic eager blocks, every rank at once)")
     print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (activations, softmax, norms; bytes as "
-          f"parsim.model.Elementwise counts them)")
+          f"parsim.workload.model.Elementwise counts them)")
     ns = arithmetic.to_ns()
     print("core arithmetic   " + ", ".join(f"{kind} {ns[kind]['forward']:.2f} / {ns[kind]['backward']:.2f}"
                                           for kind in ns)

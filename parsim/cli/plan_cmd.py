@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ParsimError
 from ..jsondoc import print_json
-from ..model import builtin_models, load_model
+from ..workload.model import builtin_models, load_model
 from ..plan import (ADAMW_IMPLEMENTATIONS, CP_STYLES, DIMS, DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_SYNCS, RECOMPUTE,
                     REDUCE_DTYPES, SCHEDULES, TP_STYLES, ZERO_STAGES, Plan, builtin_plans, load_plan, resolve_plan,
                     runs_text)

@@ -41,7 +41,7 @@ from ..hardware.cluster import ClusterSpec
 from ..compute import ComputeModel
 from ..lower import (FP32, CommPiece, Lowering, bucket_members, clip_costs, fsdp_bytes, gathered_bytes, grad_norm_dims,
                      param_tensors, pipeline_bytes, step_costs, tied_table_bytes, unscale_costs)
-from ..model import MLPModel
+from ..workload.model import MLPModel
 from ..plan import (DTYPE_BYTES, Plan, accumulation_bytes, attention_seq, default_reduce_dtype, keeps_main_grads,
                     master_weights, ties_across_stages)
 from ..schedules import make_schedule, peak_in_flight

@@ -36,7 +36,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple
 
-from ..model import Model, TransformerModel
+from ..workload.model import Model, TransformerModel
 from ..plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, STEADY_STATE_SCHEDULES, Plan, parse_plan
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..lower import FP32, param_tensors
 from ..memory import ADAM_STATE_BYTES
-from ..model import LayerCost
+from ..workload.model import LayerCost
 from ..plan import Plan
 from ..schedules import Schedule
 

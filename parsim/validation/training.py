@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 from ..hardware.cluster import load_cluster
 from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
-from ..model import load_model
+from ..workload.model import load_model
 from ..plan import parse_plan
 from ..step import predict_step
 

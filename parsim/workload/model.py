@@ -47,11 +47,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-from . import eager_ops
-from .compute import SmWork
-from .errors import ConfigError, ParsimError
-from .files import read_yaml
-from .units import parse_size
+from .. import eager_ops
+from ..compute import SmWork
+from ..errors import ConfigError, ParsimError
+from ..files import read_yaml
+from ..units import parse_size
 
 FFN_TYPES = ("swiglu", "gelu")
 ATTENTIONS = ("gqa", "mla")
