@@ -44,7 +44,7 @@ def main() -> None:
     from executor.train import run_plan
     from parsim.hardware.cluster import load_cluster
     from parsim.errors import ParsimError
-    from parsim.plan import resolve_plan
+    from parsim.workload.plan import resolve_plan
     from parsim.step import predict_step
 
     try:

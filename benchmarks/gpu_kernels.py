@@ -48,7 +48,7 @@ from parsim.compute import ComputeModel, SmWork
 from parsim.kernels import block_work
 from parsim.errors import ParsimError
 from parsim.workload.model import TransformerModel
-from parsim.plan import DTYPE_BYTES, load_plan
+from parsim.workload.plan import DTYPE_BYTES, load_plan
 from parsim.table import render_table
 
 DEFAULT_PLAN = Path(__file__).parent / "gpu" / "one-gpu-step.yaml"

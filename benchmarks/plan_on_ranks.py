@@ -20,7 +20,7 @@ def run_from_command_line(doc: str, example: str, default_steps: int) -> tuple[A
     from executor.launch import launch
     from executor.train.runner import rank_main
     from parsim.errors import ParsimError
-    from parsim.plan import resolve_plan
+    from parsim.workload.plan import resolve_plan
 
     degrees = {k: v for k, v in (("tp", args.tp), ("dp", args.dp)) if v is not None}
     try:

@@ -19,7 +19,7 @@ import time
 
 from parsim.hardware.cluster import load_cluster
 from parsim.workload.model import load_model
-from parsim.plan import DEFAULT_ADAMW, resolve_plan
+from parsim.workload.plan import DEFAULT_ADAMW, resolve_plan
 from parsim.search.report import describe, figures
 from parsim.search.search import SearchRequest, run_search
 from parsim.step import predict_step

@@ -50,7 +50,7 @@ def plan(model, dp: int, tp: int, pp: int, mb: int, schedule: str = "1f1b", v: i
 def example(name: str, **changes) -> dict:
     """A built-in example plan's file as data, with ``changes``."""
     from parsim.files import read_yaml
-    from parsim.plan import builtin_plans
+    from parsim.workload.plan import builtin_plans
     return read_yaml(builtin_plans()[name]) | changes
 
 
@@ -81,7 +81,7 @@ TABLES = {"targets": ("Targets (issue 6)", TARGETS), "gpus": ("Wall time against
 def measure(cluster: str, plan_data: dict) -> dict:
     """Run in a child process: lower and simulate once, report wall time and the prediction."""
     from parsim.hardware.cluster import load_cluster
-    from parsim.plan import load_plan
+    from parsim.workload.plan import load_plan
     from parsim.step import predict_step
 
     spec = load_cluster(cluster)

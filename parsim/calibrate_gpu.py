@@ -37,7 +37,7 @@ from typing import Any
 from .hardware.cluster import ClusterSpec, SmCycles
 from .compute import ComputeModel
 from .errors import ParsimError
-from .plan import DTYPE_BYTES
+from .workload.plan import DTYPE_BYTES
 
 
 # The host's figures: ``{name}_us`` in a cluster file, ``{name}_s`` on a GpuFit and a ClusterSpec.

@@ -230,7 +230,7 @@ class ComputeModel:
 
         ``ranks_per_host``: how many ranks of the plan share one host; beyond the host's
         ``cpu_cores`` (CPU clusters) they time-share its cores. ``attention_seq``: the query length each
-        attention kernel runs over (:attr:`~parsim.plan.Plan.attention_seq`), which picks the kernel's
+        attention kernel runs over (:attr:`~parsim.workload.plan.Plan.attention_seq`), which picks the kernel's
         efficiency where the cluster file gives it by length."""
         other = "bf16" if dtype == "fp8" else dtype
         for needed in {dtype, other}:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .compute import SmWork
 from .workload.model import Block, flash_softmax_factor, shard
-from .plan import Plan
+from .workload.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
     kernels (:class:`~parsim.workload.model.Elementwise`) move their forward bytes in a
     forward and their backward bytes in an input-gradient pass; the
     weight-gradient pass adds its gradients into the step's sum
-    (:attr:`~parsim.plan.Plan.accumulation_bytes`).
+    (:attr:`~parsim.workload.plan.Plan.accumulation_bytes`).
     A tensor-parallel collective over the feature dimension adds a copy of its
     tensor (:class:`~parsim.workload.model.TPCollective` ``regroups``).
     Kernels launched: one per matmul and one per memory-bound kernel with bytes to move.

@@ -32,7 +32,7 @@ from . import eager_ops, tp_overlap
 from .kernels import block_work
 from .workload.model import LayerCost, MLPModel, shard
 from .pieces import CommPiece, ComputePiece, Piece
-from .plan import Plan
+from .workload.plan import Plan
 from .program import Op, Program
 from .schedules import Action, Schedule
 from .trace import collective_name, compute_name, p2p_name
@@ -87,7 +87,7 @@ def adamw_costs(implementation: str, params: float, tensors: int,
     fused one).
 
     ``mixed`` (the weights' and the gradients' bytes) where AdamW steps fp32 master weights beside
-    low-precision ones (:attr:`Plan.main_grads <parsim.plan.Plan.main_grads>`): gradients kept narrower than
+    low-precision ones (:attr:`Plan.main_grads <parsim.workload.plan.Plan.main_grads>`): gradients kept narrower than
     fp32 are cast to it first, and the updated masters are copied back into the weights, a pass and an op
     per tensor each (``executor/train/mixed_precision.py``; Megatron-LM's ``Float16OptimizerWithFloat16Params``
     copies main grads in and main params out the same way)."""

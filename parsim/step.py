@@ -11,7 +11,7 @@ from .hardware.cluster import ClusterSpec
 from .compute import ComputeModel
 from .errors import ParsimError
 from .lower import lower
-from .plan import Plan
+from .workload.plan import Plan
 from .memory import Memory, memory
 from .step_report import RankBreakdown, breakdown, merge_spans, step_time
 from .stepsim import StepSimulator

@@ -108,7 +108,7 @@ def test_a_comparison_of_a_plan_pricing_fused_kernels_says_what_the_executor_ran
     """tiny-gpt says what the executor runs (eager layers, torch's cross-entropy); a plan pricing Megatron-LM's
     fused kernels instead is noted, on GPUs and CPUs alike (an eager RMSNorm moves several times the bytes)."""
     from parsim.cli.common import note_executor_kernels
-    from parsim.plan import resolve_plan
+    from parsim.workload.plan import resolve_plan
 
     eager = resolve_plan("tiny-dp2")
     fused = resolve_plan("tiny-dp2", overrides={"model": {**eager.model.to_dict(), "layer_kernels": "fused",
@@ -123,7 +123,7 @@ def test_a_comparison_of_a_plan_pricing_fused_kernels_says_what_the_executor_ran
 def test_a_comparison_of_unfused_attention_dropout_or_biases_says_the_executor_ran_none(capsys):
     """The executor's attention is SDPA without dropout, and its linears have no biases, on every backend."""
     from parsim.cli.common import note_executor_kernels
-    from parsim.plan import resolve_plan
+    from parsim.workload.plan import resolve_plan
 
     plan = resolve_plan("tiny-dp2")
     model = {**plan.model.to_dict(), "attention_kernel": "unfused", "dropout": 0.1, "linear_bias": True,
@@ -145,7 +145,7 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
     """A calibrated CPU host's compute figures follow the host-speed probe timed during the run: the
     prediction is the simulator's at that speed, and the one at the calibration's speed is kept beside it."""
     import executor.train
-    from parsim.plan import resolve_plan
+    from parsim.workload.plan import resolve_plan
     from parsim.step import predict_step
 
     data = host_cluster(2, 300e-6, 2.0e9, 6e9, algorithms=GLOO, peak_flops=80e9, op_forward_s=10e-6,
@@ -185,7 +185,7 @@ def test_compare_takes_each_measured_phase_as_its_median_over_ten_steps(monkeypa
     summary's ``ranks``), not from the one median step whose trace comes back; beside each median, the range
     the steps spent on the phase."""
     import executor.train
-    from parsim.plan import resolve_plan
+    from parsim.workload.plan import resolve_plan
     from parsim.step import predict_step
 
     trace = predict_step(resolve_plan("course-pp"), load_cluster("dgx-h100")).trace

@@ -148,7 +148,7 @@ def test_the_benchmarks_attention_flops_are_the_kernel_models():
     pytest.importorskip("torch")
     from executor.gpu_bench import attention_flops
     from parsim.kernels import block_work
-    from parsim.plan import Plan
+    from parsim.workload.plan import Plan
 
     plan = Plan(model=load_model("llama3-8b"), dp=8, dtype="bf16")
     layer = next(c for c in plan.stage_costs(0) if c.name == "layer.0")

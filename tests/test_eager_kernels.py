@@ -12,7 +12,7 @@ import pytest
 
 from parsim.cli.main import main
 from parsim.workload.model import TransformerModel
-from parsim.plan import Plan
+from parsim.workload.plan import Plan
 
 torch = pytest.importorskip("torch")
 

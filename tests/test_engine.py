@@ -17,7 +17,7 @@ from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
 from parsim.compute import ComputeModel
 from parsim.errors import ParsimError
-from parsim.plan import resolve_plan
+from parsim.workload.plan import resolve_plan
 from parsim.program import Op, Program
 from parsim.step import predict_step
 from parsim.stepsim import StepSimulator

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from parsim.errors import ParsimError
 from parsim.workload.model import load_model
-from parsim.plan import SCHEDULES, Plan
+from parsim.workload.plan import SCHEDULES, Plan
 from parsim.step import predict_step
 from parsim.step_report import PHASES
 

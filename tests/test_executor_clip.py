@@ -18,7 +18,7 @@ import importlib.util
 
 import pytest
 
-from parsim.plan import load_plan
+from parsim.workload.plan import load_plan
 
 from reference_runs import (BF16_EPS, FIRST_STEP_SIGN_FLIP, assert_events_as_simulated, assert_step_equals_reference,
                             plan_runs, verify_plans)

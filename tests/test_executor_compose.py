@@ -14,7 +14,7 @@ import importlib.util
 
 import pytest
 
-from parsim.plan import load_plan
+from parsim.workload.plan import load_plan
 
 from reference_runs import assert_events_as_simulated, assert_step_equals_reference, verify_plans
 

@@ -17,7 +17,7 @@ import importlib.util
 import pytest
 
 from parsim.lower import lower
-from parsim.plan import load_plan
+from parsim.workload.plan import load_plan
 
 from reference_runs import assert_events_as_simulated, assert_step_equals_reference, verify_plans
 

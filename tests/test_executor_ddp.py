@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 
 from parsim.lower import lower
-from parsim.plan import load_plan
+from parsim.workload.plan import load_plan
 
 from reference_runs import verify_plans
 

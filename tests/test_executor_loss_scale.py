@@ -15,7 +15,7 @@ import importlib.util
 
 import pytest
 
-from parsim.plan import load_plan
+from parsim.workload.plan import load_plan
 
 from reference_runs import FIRST_STEP_SIGN_FLIP, FP16_EPS, assert_events_as_simulated, plan_runs, verify_plans
 

@@ -24,7 +24,7 @@ import pytest
 from parsim.errors import ParsimError
 from parsim.lower import lower
 from parsim.workload.model import load_model
-from parsim.plan import load_plan
+from parsim.workload.plan import load_plan
 
 from reference_runs import assert_events_as_simulated, assert_step_equals_reference, verify_plans
 

@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 
 from parsim.lower import lower
-from parsim.plan import load_plan
+from parsim.workload.plan import load_plan
 from parsim.trace import compute_name
 
 from reference_runs import verify_plans

@@ -18,7 +18,7 @@ import pytest
 
 from parsim.lower import lower
 from parsim.workload.model import MLPModel
-from parsim.plan import load_plan
+from parsim.workload.plan import load_plan
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 pytestmark = needs_torch

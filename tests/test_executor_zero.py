@@ -16,7 +16,7 @@ import pytest
 
 from parsim.errors import ParsimError
 from parsim.lower import lower
-from parsim.plan import load_plan
+from parsim.workload.plan import load_plan
 
 from reference_runs import verify_plans
 

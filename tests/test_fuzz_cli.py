@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from parsim.hardware.cluster import builtin_clusters
 from parsim.files import read_yaml
 from parsim.workload.model import builtin_models
-from parsim.plan import builtin_plans
+from parsim.workload.plan import builtin_plans
 from parsim.validation.training import builtin_tables
 
 from fuzz_harness import assert_clean, assert_refused, block_executor, run_cli

@@ -17,7 +17,7 @@ import pytest
 from parsim.cli.main import main
 from parsim.lower import FP32, UNSCALE_ACCESSES, clip_costs, grad_norm_dims, lower
 from parsim.workload.model import load_model
-from parsim.plan import Plan, load_plan
+from parsim.workload.plan import Plan, load_plan
 from parsim.step import predict_step
 
 from ideal_cluster import ideal_spec

@@ -21,7 +21,7 @@ from parsim.errors import ConfigError, ParsimError
 from parsim.files import read_yaml
 from parsim.lower import ADAMW_ACCESSES, lower
 from parsim.workload.model import load_model
-from parsim.plan import Plan, resolve_plan
+from parsim.workload.plan import Plan, resolve_plan
 from parsim.program import Op, Program
 from parsim.step import predict_step
 from parsim.stepsim import StepSimulator

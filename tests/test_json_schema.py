@@ -94,7 +94,7 @@ def test_bench_json_and_its_saved_file_are_one_schema(monkeypatch, tmp_path, cap
 def test_compare_plan_prints_its_schema(monkeypatch, capsys):
     import executor.train
     from parsim.hardware.cluster import load_cluster
-    from parsim.plan import resolve_plan
+    from parsim.workload.plan import resolve_plan
     from parsim.step import predict_step
 
     def run_plan(plan, nproc, steps, **kwargs):  # the simulator stands in for the executor

@@ -8,7 +8,7 @@ from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
 from parsim.compute import MATMUL_TILE, ComputeModel
 from parsim.workload.model import AttentionCore, flash_softmax_factor, load_model
-from parsim.plan import Plan
+from parsim.workload.plan import Plan
 
 A100 = ComputeModel(peak_flops=312e12, hbm_bw_Bps=2039e9, dtype_bytes=2, efficiency=0.869, sm_count=108,
                     memory_efficiency=0.852, attention_efficiency=(0.73, 0.63))

@@ -12,7 +12,7 @@ from parsim.hardware.cluster import load_cluster
 from parsim.kineto.read import measured_trace, read_profiles
 from parsim.kineto.recognize import rank_events
 from parsim.kineto.write import write_merged_trace, write_rank_traces
-from parsim.plan import resolve_plan
+from parsim.workload.plan import resolve_plan
 from parsim.step import predict_step
 from parsim.step_report import comm_overlap
 

@@ -11,7 +11,7 @@ from parsim.errors import ConfigError
 from parsim.kernels import block_work
 from parsim.lower import lower
 from parsim.workload.model import load_model
-from parsim.plan import Plan
+from parsim.workload.plan import Plan
 from parsim.search.fast import FastModel
 from parsim.search.space import Candidate, SearchSpace, enumerate_settings
 from parsim.step import predict_step

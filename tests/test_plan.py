@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from parsim.cli.main import main
 from parsim.errors import ConfigError, ParsimError
 from parsim.workload.model import load_model
-from parsim.plan import DEFAULT_BUCKET_SIZE, Plan, builtin_plans, load_plan, resolve_plan
+from parsim.workload.plan import DEFAULT_BUCKET_SIZE, Plan, builtin_plans, load_plan, resolve_plan
 
 MLP = load_model("course-mlp")
 TINY = load_model("tiny-gpt")

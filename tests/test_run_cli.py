@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 from parsim.cli.main import main
-from parsim.plan import resolve_plan
+from parsim.workload.plan import resolve_plan
 from parsim.step_report import PHASES, step_time
 from parsim.trace import Event, Trace
 

@@ -8,7 +8,7 @@ import pytest
 
 from parsim.errors import ParsimError
 from parsim.workload.model import load_model
-from parsim.plan import parse_plan
+from parsim.workload.plan import parse_plan
 from parsim.search.space import (Candidate, Rejections, SearchSpace, divisors, enumerate_settings, enumerate_space,
                                  schedule_options, sync_options)
 

@@ -8,7 +8,7 @@ from parsim.hardware.cluster import HOPPER_SM_CYCLES, builtin_clusters, load_clu
 from parsim.compute import ComputeModel, SmWork, at_length
 from parsim.kernels import block_work
 from parsim.files import read_yaml
-from parsim.plan import load_plan
+from parsim.workload.plan import load_plan
 
 SC21_LAYER = Path(__file__).parent.parent / "benchmarks" / "gpu" / "sc21-1.7b.yaml"
 

@@ -34,7 +34,7 @@ def test_one_rank_per_core_probes(monkeypatch):
 @pytest.mark.multiproc
 def test_a_run_asked_to_probe_reports_the_host_speed_around_its_steps():
     from executor.train import run_plan
-    from parsim.plan import resolve_plan
+    from parsim.workload.plan import resolve_plan
 
     plan = resolve_plan("course-pp")
     _, probed = run_plan(plan, 2, steps=2, backend="gloo", timeout_s=120, probe_speed=True)

@@ -9,7 +9,7 @@ import pytest
 from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
 from parsim.workload.model import load_model
-from parsim.plan import Plan
+from parsim.workload.plan import Plan
 from parsim.step import predict_step
 
 from ideal_cluster import ideal_spec

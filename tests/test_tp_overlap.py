@@ -13,7 +13,7 @@ from parsim.errors import ParsimError
 from parsim.lower import Lowering
 from parsim.workload.model import load_model
 from parsim.pieces import CommPiece, ComputePiece
-from parsim.plan import Plan, load_plan
+from parsim.workload.plan import Plan, load_plan
 from parsim.search.costs import CommCosts
 from parsim.step import predict_step
 from parsim.tp_overlap import BULK_SMS, PIPELINE_SMS, PIPELINE_SPLITS

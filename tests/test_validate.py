@@ -174,10 +174,10 @@ def test_the_gpu_checks_sc21_plan_is_the_tables_first_row():
     from pathlib import Path
 
     from parsim.hardware.cluster import load_cluster
-    from parsim.plan import resolve_plan
+    from parsim.workload.plan import resolve_plan
     from parsim.step import predict_step
 
-    from parsim.plan import parse_plan
+    from parsim.workload.plan import parse_plan
     from parsim.validation.training import _plan_mapping
 
     table, _ = load_table("megatron-sc21-table1")

@@ -12,7 +12,7 @@ from parsim.errors import ParsimError
 from parsim.lower import lower
 from parsim.memory import memory
 from parsim.workload.model import load_model
-from parsim.plan import Plan, load_plan
+from parsim.workload.plan import Plan, load_plan
 from parsim.step import predict_step
 
 from ideal_cluster import ideal_spec

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from parsim.lower import grad_norm_dims
-from parsim.plan import Plan
+from parsim.workload.plan import Plan
 from parsim.trace import collective_name
 
 from .._torch import require_distributed, require_torch

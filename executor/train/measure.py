@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from parsim.errors import ParsimError
-from parsim.plan import Plan
+from parsim.workload.plan import Plan
 from parsim.step_report import median_breakdown, median_step, step_time
 from parsim.trace import Event, Trace
 

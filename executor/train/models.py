@@ -3,7 +3,7 @@
 A model is a list of :class:`Piece` s named like the simulator's cost entries
 (``embedding``, ``layer.0`` ... ``layer.{L-1}``, ``head``; the MLP has layers
 only), so a pipeline stage takes exactly the pieces
-:meth:`parsim.plan.Plan.stage_costs` prices, and tensor-parallel collectives
+:meth:`parsim.workload.plan.Plan.stage_costs` prices, and tensor-parallel collectives
 can be named after the piece they run in. The loss is a separate module
 (:func:`build_loss`) that the last stage applies.
 

@@ -3,7 +3,7 @@
 Every rank builds the same seeded dense weights for the pieces it holds and
 keeps its shards, so a distributed run starts exactly where the single-process
 reference does. The rank grid and groups are the plan's own
-(:meth:`parsim.plan.Plan.groups`), so ranks sit where the simulator put them.
+(:meth:`parsim.workload.plan.Plan.groups`), so ranks sit where the simulator put them.
 
 A step is the schedule's actions (without pipelining: stage 0 alone, the
 local batch as ``num_microbatches`` rounds of gradient accumulation), then
@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from parsim.errors import ParsimError
 from parsim.workload.model import MLPModel
-from parsim.plan import Plan, load_plan
+from parsim.workload.plan import Plan, load_plan
 from parsim.schedules import Schedule
 from parsim.tp_overlap import PIPELINE_SPLITS
 

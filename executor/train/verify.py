@@ -11,7 +11,7 @@ tolerance. :func:`verify_rank` runs on each rank (under
 
 from __future__ import annotations
 
-from parsim.plan import Plan, load_plan
+from parsim.workload.plan import Plan, load_plan
 
 from .._torch import require_torch
 from .fsdp import dense

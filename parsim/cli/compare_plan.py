@@ -12,7 +12,7 @@ from ..host_load import ForeignLoad
 from ..jsondoc import print_json
 from ..kineto.match import CollectiveRow, match_collectives
 from ..kineto.read import measured_trace, read_profiles
-from ..plan import Plan
+from ..workload.plan import Plan
 from ..step import predict_step, rank_standing_for
 from ..step_report import PHASES, RankBreakdown, breakdown, step_time
 from ..table import format_number, render_table

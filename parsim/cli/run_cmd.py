@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..jsondoc import print_json
-from ..plan import Plan
+from ..workload.plan import Plan
 from ..step_report import PHASES
 from ..table import render_table
 from ..units import format_time

@@ -11,7 +11,7 @@ import sys
 from ..hardware.cluster import load_cluster
 from ..errors import ParsimError
 from ..workload.model import TransformerModel, builtin_models, load_model
-from ..plan import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW, DTYPE_BYTES, REDUCE_DTYPES
+from ..workload.plan import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW, DTYPE_BYTES, REDUCE_DTYPES
 from ..search.search import SORTS, SearchRequest, run_search
 from ..units import parse_size
 from ..jsondoc import print_json

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan import Plan
+from ..workload.plan import Plan
 from ..step import rank_standing_for
 from ..trace import Event, Trace
 

@@ -14,7 +14,7 @@ block's kernels at the compute model's rates, tensor-parallel collectives and
 expert all-to-alls blocking the compute stream, context-parallel exchanges
 overlapping the attention they serve, recomputed forwards before their
 backward. Gradient accumulation is linear in the bytes per weight it streams
-(:func:`~parsim.plan.accumulation_bytes`: the dtypes, the microbatch count,
+(:func:`~parsim.workload.plan.accumulation_bytes`: the dtypes, the microbatch count,
 FSDP or not); it is priced once per byte and scaled.
 """
 
@@ -31,7 +31,7 @@ from ..hardware.cluster import ClusterSpec
 from ..compute import ComputeModel
 from ..lower import CommPiece, Lowering
 from ..hardware.network import Network, max_min_rates, stack_routes
-from ..plan import Plan
+from ..workload.plan import Plan
 from ..stepsim import StepSimulator
 from .tables import entry_types
 
@@ -115,7 +115,7 @@ class PassTable:
 
     ``phases`` splits them by :data:`PASS_PHASES`, without gradient accumulation;
     ``accumulate`` is the accumulation's time per byte per weight, charged times
-    :func:`~parsim.plan.accumulation_bytes` to the pass's compute phase. ``trailing`` is
+    :func:`~parsim.workload.plan.accumulation_bytes` to the pass's compute phase. ``trailing`` is
     the blocking communication after an entry's last kernel (its gradients are
     final before it).
     """

@@ -42,8 +42,8 @@ from ..compute import ComputeModel
 from ..lower import (FP32, CommPiece, Lowering, bucket_members, clip_costs, fsdp_bytes, gathered_bytes, grad_norm_dims,
                      param_tensors, pipeline_bytes, step_costs, tied_table_bytes, unscale_costs)
 from ..workload.model import MLPModel
-from ..plan import (DTYPE_BYTES, Plan, accumulation_bytes, attention_seq, default_reduce_dtype, keeps_main_grads,
-                    master_weights, ties_across_stages)
+from ..workload.plan import (DTYPE_BYTES, Plan, accumulation_bytes, attention_seq, default_reduce_dtype,
+                             keeps_main_grads, master_weights, ties_across_stages)
 from ..schedules import make_schedule, peak_in_flight
 from ..step_report import PHASES
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
@@ -189,7 +189,7 @@ class FastModel:
 
     def passes(self, cp: int) -> PassCosts:
         """Pass pricing for plans of context-parallel degree ``cp``: their attention kernels run over
-        1/cp of the sequence (:attr:`~parsim.plan.Plan.attention_seq`), at the cluster's rate for that
+        1/cp of the sequence (:attr:`~parsim.workload.plan.Plan.attention_seq`), at the cluster's rate for that
         length."""
         passes = self._passes.get(cp)
         if passes is None:
@@ -413,7 +413,7 @@ class FastModel:
         return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, v.order, v.shard_group), make)
 
     def _main_grads(self, s: Setting, v: Variant) -> bool:
-        """:attr:`Plan.main_grads <parsim.plan.Plan.main_grads>` of ``v``: low-precision weights, not FSDP."""
+        """:attr:`Plan.main_grads <parsim.workload.plan.Plan.main_grads>` of ``v``: low-precision weights, not FSDP."""
         return keeps_main_grads(self.dtype_bytes, self._shards_weights(s, v))
 
     def _accumulation_of(self, s: Setting, v: Variant) -> float:

@@ -28,7 +28,7 @@ import numpy as np
 from ..hardware.cluster import ClusterSpec
 from ..errors import ParsimError
 from ..workload.model import Model
-from ..plan import DEFAULT_ADAMW, default_reduce_dtype
+from ..workload.plan import DEFAULT_ADAMW, default_reduce_dtype
 from ..step import StepPrediction, predict_step
 from .fast import Estimate, FastModel, Prepared
 from .pareto import front_indices, pareto_front

@@ -25,8 +25,8 @@ one pipeline rank every schedule is 1F1B (GPipe only holds more activations),
 sequence parallelism needs ``tp > 1``, the two placements coincide when
 ``dp`` or ``pp`` is 1, ZeRO needs more than one data-parallel rank, and
 selective recomputation of a flash-attention core saves and costs nothing
-(:class:`~parsim.plan.Plan`). ``tests/test_search_space.py`` checks on small
-spaces that every enumerated plan is one :func:`~parsim.plan.parse_plan`
+(:class:`~parsim.workload.plan.Plan`). ``tests/test_search_space.py`` checks on small
+spaces that every enumerated plan is one :func:`~parsim.workload.plan.parse_plan`
 accepts and that the rejected ones are exactly those it refuses.
 """
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple
 
 from ..workload.model import Model, TransformerModel
-from ..plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, STEADY_STATE_SCHEDULES, Plan, parse_plan
+from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, STEADY_STATE_SCHEDULES, Plan, parse_plan
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
 
 ORDERS = (DEFAULT_ORDER, "pp,dp,cp,tp")  # parsim's default, and Megatron-LM's (pp outermost, dp inside it)
@@ -138,7 +138,7 @@ class Candidate(NamedTuple):
         return data
 
     def plan(self, space: "SearchSpace", name: str = "plan") -> Plan:
-        """The :class:`~parsim.plan.Plan` itself, through the same parser plan files go through."""
+        """The :class:`~parsim.workload.plan.Plan` itself, through the same parser plan files go through."""
         return parse_plan(self.mapping(space, name), f"search plan {name}")
 
 

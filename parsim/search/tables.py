@@ -22,7 +22,7 @@ import numpy as np
 from ..lower import FP32, param_tensors
 from ..memory import ADAM_STATE_BYTES
 from ..workload.model import LayerCost
-from ..plan import Plan
+from ..workload.plan import Plan
 from ..schedules import Schedule
 
 

@@ -3,7 +3,7 @@
 A validation table (``parsim/validation/training_runs/*.yaml``) names a cluster, the model
 and plan settings every row shares (the software the publication ran), and
 one row per published run: its model shape, parallel degrees, batch and the
-published figure. Each row becomes a :class:`~parsim.plan.Plan`, is simulated
+published figure. Each row becomes a :class:`~parsim.workload.plan.Plan`, is simulated
 on the cluster, and the prediction is expressed in the publication's own
 metric. Nothing here is fitted: a table is a check of the defaults.
 """
@@ -21,7 +21,7 @@ from ..hardware.cluster import load_cluster
 from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
 from ..workload.model import load_model
-from ..plan import parse_plan
+from ..workload.plan import parse_plan
 from ..step import predict_step
 
 

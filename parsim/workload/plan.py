@@ -46,13 +46,13 @@ from typing import Any, Mapping, NamedTuple, NoReturn
 
 import numpy as np
 
-from .hardware.cluster import MAX_GPUS
-from .errors import ConfigError, ParsimError
-from .files import read_yaml
-from .workload.model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
-from .schedules import SCHEDULES as SCHEDULE_KINDS
-from .schedules import Schedule, make_schedule
-from .stage_split import balanced_split, even_split
+from ..hardware.cluster import MAX_GPUS
+from ..errors import ConfigError, ParsimError
+from ..files import read_yaml
+from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
+from ..schedules import SCHEDULES as SCHEDULE_KINDS
+from ..schedules import Schedule, make_schedule
+from ..stage_split import balanced_split, even_split
 
 SCHEDULES = tuple(SCHEDULE_KINDS)
 # Schedules with a steady state of one forward and one backward: they need at
