@@ -12,7 +12,7 @@ from .compute import ComputeModel
 from .errors import ParsimError
 from .lower import lower
 from .workload.plan import Plan
-from .memory import Memory, memory
+from .workload.memory import Memory, memory
 from .step_report import RankBreakdown, breakdown, merge_spans, step_time
 from .stepsim import StepSimulator
 from .trace import Trace

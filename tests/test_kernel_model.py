@@ -246,7 +246,7 @@ def test_selective_recompute_drops_the_unfused_scores_and_reruns_them():
     gpt = {"kind": "transformer", "num_layers": 2, "hidden": 1024, "num_heads": 16, "ffn_hidden": 4096,
            "seq_len": 2048, "vocab_size": 1000, "dropout": 0.1, "attention_kernel": "unfused"}
     spec = load_cluster("dgx-a100")
-    from parsim.memory import memory
+    from parsim.workload.memory import memory
     from parsim.step import predict_step
 
     plans = {r: Plan(model=load_model(gpt), dp=8, dtype="fp16", activation_recompute=r) for r in ("none", "selective")}

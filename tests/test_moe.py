@@ -8,7 +8,7 @@ import pytest
 
 from parsim.errors import ParsimError
 from parsim.lower import lower
-from parsim.memory import memory
+from parsim.workload.memory import memory
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, resolve_plan
 from parsim.step import predict_step

@@ -353,7 +353,7 @@ def test_more_stages_than_layers_is_refused():
 
 def test_frontier_example_plans_fit_and_say_how():
     from parsim.hardware.cluster import load_cluster
-    from parsim.memory import memory
+    from parsim.workload.memory import memory
 
     capacity = load_cluster("dgx-h100").gpu.hbm_capacity_bytes
     llama405 = resolve_plan("llama3-405b-16k")

@@ -9,7 +9,7 @@ import pytest
 
 from parsim.errors import ParsimError
 from parsim.lower import lower
-from parsim.memory import saved_bytes_per_token
+from parsim.workload.memory import saved_bytes_per_token
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, load_plan
 from parsim.step import predict_step

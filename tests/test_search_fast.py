@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from parsim.hardware.cluster import load_cluster
-from parsim.memory import memory
+from parsim.workload.memory import memory
 from parsim.workload.model import load_model
 from parsim.schedules import SCHEDULES, make_schedule, peak_in_flight
 from parsim.search.fast import KINDS, FastModel, schedule_facts

@@ -15,7 +15,7 @@ model charges what the step simulator charges, priced without simulating:
   reduce-scatter under ZeRO, plus the HSDP all-reduce across replicas),
   FSDP's per-layer reduce-scatters, the sequence-parallel norm sync, the
   optimizer step, and ZeRO-1/2's weight all-gathers after it;
-* **memory** — :func:`parsim.memory.memory`'s account (:mod:`parsim.search.tables`).
+* **memory** — :func:`parsim.workload.memory.memory`'s account (:mod:`parsim.search.tables`).
 
 Collectives are priced alone, as if nothing else used their links, with
 one exception: under FSDP, a context-parallel exchange shares the NICs with

@@ -8,9 +8,9 @@ depth, the virtual stages and their placement); :class:`EntryTables` holds
 the per-type figures (parameters, bytes saved per token, parameter tensors),
 which depend on the tensor- and expert-parallel degrees, sequence parallelism
 and recomputation; :func:`peak_memory` combines them into
-:func:`parsim.memory.memory`'s account for every variant of a setting in a
+:func:`parsim.workload.memory.memory`'s account for every variant of a setting in a
 few array operations (``tests/test_search_fast.py`` checks it against
-:func:`~parsim.memory.memory` plan by plan).
+:func:`~parsim.workload.memory.memory` plan by plan).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..lower import FP32, param_tensors
-from ..memory import ADAM_STATE_BYTES
+from ..workload.memory import ADAM_STATE_BYTES
 from ..workload.model import LayerCost
 from ..workload.plan import Plan
 from ..schedules import Schedule
@@ -151,7 +151,7 @@ def peak_memory(ranks: list[RankTables], which: np.ndarray, sync: SyncArrays, in
     params = np.array([r.params for r in ranks])[which]
     experts = np.array([r.experts for r in ranks])[which]
     activations = np.array([(in_flight * r.per_microbatch + r.rebuilt) * tokens for r in ranks])[which]
-    buffers = np.array([r.largest * (2 * dtype_bytes + grad_bytes) for r in ranks])[which]  # as parsim.memory
+    buffers = np.array([r.largest * (2 * dtype_bytes + grad_bytes) for r in ranks])[which]  # as parsim.workload.memory
     state = (sync.whole[:, None] * params + sync.dense[:, None] * (params - experts) + sync.expert[:, None] * experts
              + np.where(sync.buffers[:, None], buffers, 0.0))
     return (state + activations).max(axis=1), state.max(axis=1)
