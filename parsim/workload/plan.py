@@ -52,7 +52,7 @@ from ..files import read_yaml
 from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
 from ..schedules import Schedule, make_schedule
-from ..stage_split import balanced_split, even_split
+from .stage_split import balanced_split, even_split
 
 SCHEDULES = tuple(SCHEDULE_KINDS)
 # Schedules with a steady state of one forward and one backward: they need at
@@ -194,7 +194,7 @@ class Plan:
     placement, Narayanan et al. 2021). The embedding belongs to the first stage
     and the LM head to the last. ``layers_per_stage`` gives the split
     explicitly, or ``"balanced"`` asks for the split that makes the slowest
-    stage fastest (:mod:`parsim.stage_split`); left ``None`` it is even when the
+    stage fastest (:mod:`parsim.workload.stage_split`); left ``None`` it is even when the
     stage count divides the layers and balanced otherwise.
 
     ``cp`` splits every sequence over context-parallel ranks (two chunks each,
