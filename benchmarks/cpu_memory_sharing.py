@@ -6,7 +6,7 @@ Each rank is a process bound to its own core, one thread, and times
 behind dirty caches, first alone, then with every rank stepping at the same
 moment, then alone again while the other ranks multiply matrices (as a
 pipeline's other stage runs its backward). The speed counts parsim's 21 fp32 accesses per parameter
-(``parsim.lower.ADAMW_ACCESSES``). ``parsim calibrate`` writes the same two
+(``parsim.lowering.lower.ADAMW_ACCESSES``). ``parsim calibrate`` writes the same two
 figures (``compute.memory_alone_bw_GBps``, ``compute.memory_host_bw_GBps``)
 and the step simulator shares the host's memory among the ranks that stream
 at once; it does not slow a stream beside another rank's matmuls. On the
@@ -48,7 +48,7 @@ def main() -> None:
         parser.exit(2, f"{parser.prog}: --ranks, --tensors, --numel and --steps must be at least 1\n")
 
     from executor.launch import launch, usable_cores
-    from parsim.lower import ADAMW_ACCESSES
+    from parsim.lowering.lower import ADAMW_ACCESSES
 
     if args.ranks > usable_cores():
         parser.exit(2, f"{parser.prog}: --ranks {args.ranks}: one rank per core, and this host gives "

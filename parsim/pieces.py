@@ -1,6 +1,6 @@
 """The pieces one pass of a layer lowers to, in order: block compute and the collectives between blocks.
 
-:meth:`parsim.lower.Lowering.layer_pass` builds them once per stage; the lowering
+:meth:`parsim.lowering.lower.Lowering.layer_pass` builds them once per stage; the lowering
 stamps them into ops for every microbatch, and the search's fast tier
 (:mod:`parsim.search.costs`) prices the same pieces without a simulation.
 Collectives run in line on the compute stream, or beside it on a side stream

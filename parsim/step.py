@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 from .hardware.cluster import ClusterSpec
 from .compute import ComputeModel
 from .errors import ParsimError
-from .lower import lower
+from .lowering.lower import lower
 from .workload.plan import Plan
 from .workload.memory import Memory, memory
 from .step_report import RankBreakdown, breakdown, merge_spans, step_time

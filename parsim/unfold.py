@@ -1,4 +1,4 @@
-"""Every rank its own program: a representative program (:func:`parsim.lower.lower`) copied onto each replica.
+"""Every rank its own program: a representative program (:func:`parsim.lowering.lower.lower`) copied onto each replica.
 
 Lowering simulates one representative rank per pipeline rank, which is exact
 while the replicas run alike. Ranks that take turns on a shared CPU core do

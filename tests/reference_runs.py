@@ -44,7 +44,7 @@ def assert_events_as_simulated(plan, runs: list[dict]) -> None:
     many times."""
     from collections import Counter
 
-    from parsim.lower import lower
+    from parsim.lowering.lower import lower
 
     program = lower(plan)
     for rank in program.ranks:

@@ -323,7 +323,7 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     take 20 ms at every size (a busy host's stalls)."""
     import executor.collectives
     import executor.compute_bench
-    from parsim.lower import ADAMW_ACCESSES
+    from parsim.lowering.lower import ADAMW_ACCESSES
 
     truth = ComputeModel(peak_flops=70e9, hbm_bw_Bps=1e12, dtype_bytes=4, half_dim=8.0, matmul_stream_bw_Bps=15e9,
                          matmul_write_bw_Bps=45e9)

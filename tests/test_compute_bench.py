@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from parsim.calibrate import fit_alone_memory, fit_optimizer, fit_tp_calls
-from parsim.lower import ADAMW_ACCESSES
+from parsim.lowering.lower import ADAMW_ACCESSES
 
 pytest.importorskip("torch")
 

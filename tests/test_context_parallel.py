@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from parsim.errors import ParsimError
-from parsim.lower import lower
+from parsim.lowering.lower import lower
 from parsim.workload.memory import memory
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, resolve_plan

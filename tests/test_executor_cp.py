@@ -16,7 +16,7 @@ import importlib.util
 
 import pytest
 
-from parsim.lower import lower
+from parsim.lowering.lower import lower
 from parsim.workload.plan import load_plan
 
 from reference_runs import assert_events_as_simulated, assert_step_equals_reference, verify_plans

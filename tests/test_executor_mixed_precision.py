@@ -14,7 +14,7 @@ import importlib.util
 
 import pytest
 
-from parsim.lower import lower
+from parsim.lowering.lower import lower
 from parsim.workload.plan import load_plan
 
 from reference_runs import BF16_EPS, FIRST_STEP_SIGN_FLIP, assert_events_as_simulated, plan_runs, verify_plans

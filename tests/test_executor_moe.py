@@ -22,7 +22,7 @@ import importlib.util
 import pytest
 
 from parsim.errors import ParsimError
-from parsim.lower import lower
+from parsim.lowering.lower import lower
 from parsim.workload.model import load_model
 from parsim.workload.plan import load_plan
 

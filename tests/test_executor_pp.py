@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from parsim.lower import lower
+from parsim.lowering.lower import lower
 from parsim.workload.plan import load_plan
 from parsim.trace import compute_name
 

@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 
-from parsim.lower import lower
+from parsim.lowering.lower import lower
 from parsim.workload.plan import load_plan
 
 from reference_runs import assert_step_equals_reference, verify_plans

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 from parsim.errors import ParsimError
-from parsim.lower import lower
+from parsim.lowering.lower import lower
 from parsim.workload.plan import load_plan
 
 from reference_runs import verify_plans

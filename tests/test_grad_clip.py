@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from parsim.cli.main import main
-from parsim.lower import FP32, UNSCALE_ACCESSES, clip_costs, grad_norm_dims, lower
+from parsim.lowering.lower import FP32, UNSCALE_ACCESSES, clip_costs, grad_norm_dims, lower
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, load_plan
 from parsim.step import predict_step

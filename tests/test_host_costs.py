@@ -19,7 +19,7 @@ from parsim.collectives import predict
 from parsim.compute import ComputeModel, SmWork
 from parsim.errors import ConfigError, ParsimError
 from parsim.files import read_yaml
-from parsim.lower import ADAMW_ACCESSES, lower
+from parsim.lowering.lower import ADAMW_ACCESSES, lower
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, resolve_plan
 from parsim.program import Op, Program

@@ -337,7 +337,7 @@ def test_a_fused_adamw_makes_one_pass_of_seven_fp32_accesses():
     """adamw: fused reads weight, gradient and both moments and writes weight and moments (7 x 4 bytes per
     parameter) in a launch per 36 tensors; torch's foreach AdamW makes 21 accesses in 8 passes per tensor.
     fp32 weights: nothing else."""
-    from parsim.lower import lower
+    from parsim.lowering.lower import lower
 
     model = load_model("llama3-8b")
     steps = {}
@@ -357,7 +357,7 @@ def test_bf16_weights_step_fp32_masters_and_copy_them_back():
     """Mixed precision (Megatron-LM's, the executor's): gradients narrower than fp32 are cast to it (2 + 4
     bytes per parameter), the updated fp32 masters copied into the bf16 weights (4 + 2), a pass per tensor
     each; ZeRO copies only the owned shard; FSDP2 keeps fp32 shards and copies nothing."""
-    from parsim.lower import lower
+    from parsim.lowering.lower import lower
 
     model = load_model("llama3-8b")
 

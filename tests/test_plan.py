@@ -185,7 +185,7 @@ def test_a_tied_head_on_another_pipeline_rank_keeps_a_copy_whose_gradient_is_sum
     """Megatron-LM: the last stage holds its own copy of a tied table (weights, gradients, optimizer state,
     and its share of the data-parallel sync), and after that sync the two copies' gradients are all-reduced
     between the first and last pipeline ranks. A V schedule puts both ends on rank 0: one table, no sum."""
-    from parsim.lower import lower
+    from parsim.lowering.lower import lower
 
     gpt3 = load_model("gpt3-175b")
     table = -(-gpt3.vocab_size // 8) * gpt3.hidden  # one tensor-parallel rank's rows of the padded table

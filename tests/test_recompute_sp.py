@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from parsim.errors import ParsimError
-from parsim.lower import lower
+from parsim.lowering.lower import lower
 from parsim.workload.memory import saved_bytes_per_token
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, load_plan

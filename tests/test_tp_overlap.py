@@ -10,7 +10,7 @@ import pytest
 from parsim.hardware.cluster import load_cluster
 from parsim.compute import ComputeModel
 from parsim.errors import ParsimError
-from parsim.lower import Lowering
+from parsim.lowering.lower import Lowering
 from parsim.workload.model import load_model
 from parsim.pieces import CommPiece, ComputePiece
 from parsim.workload.plan import Plan, load_plan

@@ -7,7 +7,7 @@ import pytest
 from ideal_cluster import ideal_spec
 from parsim.hardware.cluster import load_cluster
 from parsim.compute import ComputeModel
-from parsim.lower import lower
+from parsim.lowering.lower import lower
 from parsim.workload.plan import resolve_plan
 from parsim.step_report import breakdown, merge_spans, step_time
 from parsim.stepsim import StepSimulator

@@ -9,7 +9,7 @@ import pytest
 
 from parsim.cli.main import main
 from parsim.errors import ParsimError
-from parsim.lower import lower
+from parsim.lowering.lower import lower
 from parsim.workload.memory import memory
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, load_plan

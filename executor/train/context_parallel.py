@@ -21,7 +21,7 @@ needs the keys and values of the whole sequence, in one of two styles:
 
 Both cores compute in fp32 from explicit scores, so the backward of every
 block uses the final log-sum-exp (FlashAttention's ``dS = P * (dP - rowsum(dO * O))``).
-The events are the simulator's (:meth:`parsim.lower.Lowering._with_context_exchange`):
+The events are the simulator's (:meth:`parsim.lowering.lower.Lowering._with_context_exchange`):
 per attention block and pass, ``all_gather cp layer=<piece> mb=<m> dir=<fwd|bwd>``,
 and in the backward ``reduce_scatter cp ...``; a ring exchange is one event from
 its first send to its last receive. Each carries the lowering's bytes, the K/V

@@ -14,7 +14,7 @@ Megatron tensor parallelism (:mod:`executor.train.parallel`) the parameters
 FSDP receives are already this rank's TP shards, plain tensors, so FSDP shards
 the TP shards over the data-parallel ranks: the 2-D case.
 
-Events get the lowering's names (:mod:`parsim.lower`) through FSDP2's public
+Events get the lowering's names (:mod:`parsim.lowering.lower`) through FSDP2's public
 extension points only: ``set_custom_all_gather`` and
 ``set_custom_reduce_scatter`` give each unit a comm object that times its own
 collective, ``all_gather fsdp layer=L stage=S mb=M dir=fwd|bwd`` and

@@ -3,7 +3,7 @@
 A rank holds only part of the gradients: ZeRO-1/2's owned slices, FSDP's
 shards, its tensor-parallel slices, its pipeline stages, its routed experts.
 A check over all of them takes each rank's part and then reduces one number
-per parallel dimension whose ranks hold different parts (``parsim.lower.
+per parallel dimension whose ranks hold different parts (``parsim.lowering.lower.
 grad_norm_dims``, in its order): ``shard`` (ZeRO's or FSDP's shard group;
 HSDP's replicas hold the same shards), ``ep``, ``tp`` and ``pp``. Data- and
 context-parallel replicas hold the same gradients after the sync and take no
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from parsim.lower import grad_norm_dims
+from parsim.lowering.lower import grad_norm_dims
 from parsim.workload.plan import Plan
 from parsim.trace import collective_name
 

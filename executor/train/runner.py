@@ -389,7 +389,7 @@ def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]
 
 def _expert_groups(plan: Plan, dim: str, rank: int | None = None) -> list:
     """Every ``ep`` group (``ep`` consecutive data-parallel ranks of a pipeline rank and tp index) or ``edp``
-    group (the ranks holding the same experts, one per ep group), as :mod:`parsim.lower` builds them; with
+    group (the ranks holding the same experts, one per ep group), as :mod:`parsim.lowering.lower` builds them; with
     ``rank``, only the one holding it."""
     groups = []
     for p in range(plan.pp):

@@ -22,7 +22,7 @@ from ..errors import ParsimError
 from ..files import read_yaml
 from ..host_load import ForeignLoad
 from ..jsondoc import print_json
-from ..lower import ADAMW_ACCESSES
+from ..lowering.lower import ADAMW_ACCESSES
 from ..results import CollectiveResult, canonical_op
 from ..table import render_table
 from ..units import parse_size_range, size_unit, time_unit

@@ -10,7 +10,7 @@ from ..compute import MATMUL_TILE, ComputeModel
 from ..errors import ParsimError
 from ..jsondoc import print_json
 from ..kernels import BlockWork, block_work
-from ..lower import Lowering
+from ..lowering.lower import Lowering
 from ..table import render_table
 from ..units import format_size, format_time, time_unit
 from .common import DEFAULT_CLUSTER

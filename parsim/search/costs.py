@@ -9,7 +9,7 @@ size is priced once.
 
 :class:`PassCosts` times one pass (forward, backward, input- or
 weight-gradient) of one entry (the embedding, a layer, the LM head) from the
-pieces the lowering builds (:meth:`~parsim.lower.Lowering.layer_pass`): each
+pieces the lowering builds (:meth:`~parsim.lowering.lower.Lowering.layer_pass`): each
 block's kernels at the compute model's rates, tensor-parallel collectives and
 expert all-to-alls blocking the compute stream, context-parallel exchanges
 overlapping the attention they serve, recomputed forwards before their
@@ -29,7 +29,7 @@ import simpy
 
 from ..hardware.cluster import ClusterSpec
 from ..compute import ComputeModel
-from ..lower import CommPiece, Lowering
+from ..lowering.lower import CommPiece, Lowering
 from ..hardware.network import Network, max_min_rates, stack_routes
 from ..workload.plan import Plan
 from ..stepsim import StepSimulator

@@ -39,8 +39,9 @@ import numpy as np
 
 from ..hardware.cluster import ClusterSpec
 from ..compute import ComputeModel
-from ..lower import (FP32, CommPiece, Lowering, bucket_members, clip_costs, fsdp_bytes, gathered_bytes, grad_norm_dims,
-                     param_tensors, pipeline_bytes, step_costs, tied_table_bytes, unscale_costs)
+from ..lowering.lower import (FP32, CommPiece, Lowering, bucket_members, clip_costs, fsdp_bytes, gathered_bytes,
+                              grad_norm_dims, param_tensors, pipeline_bytes, step_costs, tied_table_bytes,
+                              unscale_costs)
 from ..workload.model import MLPModel
 from ..workload.plan import (DTYPE_BYTES, Plan, accumulation_bytes, attention_seq, default_reduce_dtype,
                              keeps_main_grads, master_weights, ties_across_stages)
@@ -426,7 +427,7 @@ class FastModel:
 
     def _weight_bytes(self, s: Setting, gradients: bool = False) -> list[float]:
         """Per entry type, one rank's unsharded weights, what FSDP gathers, or its gradients in the reduce
-        dtype, what it reduce-scatters (:func:`~parsim.lower.fsdp_bytes`)."""
+        dtype, what it reduce-scatters (:func:`~parsim.lowering.lower.fsdp_bytes`)."""
         def make() -> list[float]:
             plan = self._prototype(s, _PLAIN)
             return [fsdp_bytes(cost, plan, gradients) for cost in entry_types(plan)]
@@ -744,7 +745,7 @@ class FastModel:
 
 
 def _norm_pass(params: float, tensors: int, grad_bytes: int) -> dict[str, float]:
-    """Clipping's norm pass (the first of :func:`~parsim.lower.clip_costs`; the scaling is in the step)."""
+    """Clipping's norm pass (the first of :func:`~parsim.lowering.lower.clip_costs`; the scaling is in the step)."""
     return clip_costs(params, tensors, grad_bytes)[0]
 
 
@@ -759,7 +760,7 @@ def _inputs_key(v: Variant) -> tuple:
 
 def _with_recompute(table: PassTable, recomputed: np.ndarray) -> PassTable:
     """``table`` with the recomputed entries' forward rerun before their backward passes (B and I): the
-    same pieces (:meth:`~parsim.lower.Lowering.layer_pass` ``R``), their compute in the recompute phase."""
+    same pieces (:meth:`~parsim.lowering.lower.Lowering.layer_pass` ``R``), their compute in the recompute phase."""
     forward = table.phases[:, KINDS.index("F")].copy()
     forward[:, PASS_PHASES.index("recompute")] = forward[:, PASS_PHASES.index("forward")]
     forward[:, PASS_PHASES.index("forward")] = 0.0

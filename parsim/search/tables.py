@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..lower import FP32, param_tensors
+from ..lowering.lower import FP32, param_tensors
 from ..workload.memory import ADAM_STATE_BYTES
 from ..workload.model import LayerCost
 from ..workload.plan import Plan

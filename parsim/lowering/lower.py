@@ -28,14 +28,14 @@ import functools
 from dataclasses import dataclass
 from typing import TypeVar
 
-from . import eager_ops, tp_overlap
-from .kernels import block_work
-from .workload.model import LayerCost, MLPModel, shard
-from .pieces import CommPiece, ComputePiece, Piece
-from .workload.plan import Plan
-from .program import Op, Program
-from .schedules import Action, Schedule
-from .trace import collective_name, compute_name, p2p_name
+from .. import eager_ops, tp_overlap
+from ..kernels import block_work
+from ..workload.model import LayerCost, MLPModel, shard
+from ..pieces import CommPiece, ComputePiece, Piece
+from ..workload.plan import Plan
+from ..program import Op, Program
+from ..schedules import Action, Schedule
+from ..trace import collective_name, compute_name, p2p_name
 
 T = TypeVar("T")
 
