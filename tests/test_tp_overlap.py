@@ -12,7 +12,7 @@ from parsim.compute import ComputeModel
 from parsim.errors import ParsimError
 from parsim.lowering.lower import Lowering
 from parsim.workload.model import load_model
-from parsim.pieces import CommPiece, ComputePiece
+from parsim.lowering.pieces import CommPiece, ComputePiece
 from parsim.workload.plan import Plan, load_plan
 from parsim.search.costs import CommCosts
 from parsim.step import predict_step

@@ -31,7 +31,7 @@ from typing import TypeVar
 from .. import eager_ops, tp_overlap
 from ..kernels import block_work
 from ..workload.model import LayerCost, MLPModel, shard
-from ..pieces import CommPiece, ComputePiece, Piece
+from .pieces import CommPiece, ComputePiece, Piece
 from ..workload.plan import Plan
 from ..program import Op, Program
 from ..schedules import Action, Schedule
