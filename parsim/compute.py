@@ -274,7 +274,7 @@ class ComputeModel:
 
     def matmul_rate(self, m: float, n: float, k: float, sm_reserved: int = 0, high_precision: bool = False) -> float:
         """FLOP/s of one ``(m, n, k)`` matmul; ``sm_reserved`` SMs are held by a communication kernel
-        running beside it (:mod:`parsim.tp_overlap`), so it runs on the others. ``high_precision``: in an
+        running beside it (:mod:`parsim.lowering.tp_overlap`), so it runs on the others. ``high_precision``: in an
         fp8 plan, a matmul kept in bf16 (the LM head), at the bf16 peak and efficiency.
 
         A tile's fixed cost is a time, ``k_overhead`` steps along ``k`` at ``peak_flops``' rate (bf16 in an fp8

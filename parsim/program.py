@@ -37,7 +37,7 @@ class Op:
     optimizer_tensors: int = 0
     optimizer_steps: int = 0
     stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation, AdamW)
-    sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.tp_overlap)
+    sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.lowering.tp_overlap)
     high_precision: bool = False  # fp8 plans: these matmuls run in bf16 (the LM head)
     sm_bound: tuple = ()  # (bytes, SmWork...) of kernels the SMs may bound (their bytes in hbm_bytes too)
     # communication

@@ -8,7 +8,7 @@ phases that never double count:
   for the backward): compute spans, minus the tensor-parallel collectives
   nested inside them;
 * ``tp``: tensor-parallel collectives on the compute stream (they block it),
-  and those overlapped with GEMMs (stream ``tp``, :mod:`parsim.tp_overlap`)
+  and those overlapped with GEMMs (stream ``tp``, :mod:`parsim.lowering.tp_overlap`)
   where the compute stream waits for them;
 * ``ep``: mixture-of-experts all-to-alls, dispatch and combine (they block compute);
 * ``cp``: context-parallel K/V exchanges not hidden behind the attention they

@@ -16,7 +16,7 @@ from parsim.lowering.pieces import CommPiece, ComputePiece
 from parsim.workload.plan import Plan, load_plan
 from parsim.search.costs import CommCosts
 from parsim.step import predict_step
-from parsim.tp_overlap import BULK_SMS, PIPELINE_SMS, PIPELINE_SPLITS
+from parsim.lowering.tp_overlap import BULK_SMS, PIPELINE_SMS, PIPELINE_SPLITS
 
 from ideal_cluster import ideal_spec
 

@@ -24,7 +24,7 @@ from parsim.errors import ParsimError
 from parsim.workload.model import MLPModel
 from parsim.workload.plan import Plan, load_plan
 from parsim.schedules import Schedule
-from parsim.tp_overlap import PIPELINE_SPLITS
+from parsim.lowering.tp_overlap import PIPELINE_SPLITS
 
 from .._torch import require_distributed, require_torch
 from ..speed_probe import SpeedProbe, probes_on

@@ -1,6 +1,6 @@
 """Tensor-parallel collectives overlapped with the GEMMs they feed and drain (``tp_comm_overlap``).
 
-The executor's counterpart of :mod:`parsim.tp_overlap`, which models
+The executor's counterpart of :mod:`parsim.lowering.tp_overlap`, which models
 Transformer Engine's userbuffers methods as NeMo configures them. Under
 sequence parallelism a block's entry all-gathers the sequence before its
 column-parallel GEMMs and its exit reduce-scatters the row-parallel GEMM's
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parsim.tp_overlap import PIPELINE_SPLITS
+from parsim.lowering.tp_overlap import PIPELINE_SPLITS
 
 from .._torch import require_distributed, require_torch
 from .comm import SEQUENCE_DIM, TPGroup, _reduce_scatter

@@ -28,7 +28,8 @@ import functools
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .. import eager_ops, tp_overlap
+from .. import eager_ops
+from . import tp_overlap
 from ..kernels import block_work
 from ..workload.model import LayerCost, MLPModel, shard
 from .pieces import CommPiece, ComputePiece, Piece
@@ -374,7 +375,7 @@ class Lowering:
     def _overlapped(self, p: int, cost: LayerCost, block, kind: str, around: dict[str, list[CommPiece]],
                     compute: ComputePiece, sources: tuple[tuple[str, str], ...]) -> list[Piece]:
         """A sequence-parallel block whose all-gather and reduce-scatter hide behind its GEMMs
-        (:mod:`parsim.tp_overlap`)."""
+        (:mod:`parsim.lowering.tp_overlap`)."""
         (gather,), (scatter,) = around["before"], around["after"]
         forward = kind in ("F", "R")
         lead, body, trail = tp_overlap.split_partners(compute, sources, forward, backward_weights=kind == "B")

@@ -5,7 +5,7 @@ stamps them into ops for every microbatch, and the search's fast tier
 (:mod:`parsim.search.costs`) prices the same pieces without a simulation.
 Collectives run in line on the compute stream, or beside it on a side stream
 ("cp": context parallelism's K/V exchange, "tp": an overlapped tensor-parallel
-collective, :mod:`parsim.tp_overlap`) until a join piece waits for them.
+collective, :mod:`parsim.lowering.tp_overlap`) until a join piece waits for them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class ComputePiece:
     opens: bool = False  # the first piece of its layer in this pass (FSDP gathers the layer before it)
     closes: bool = False  # the last (FSDP reduce-scatters the layer's gradients after a backward's)
     joins: str = ""  # "cp" or "tp": a join of that side stream
-    sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.tp_overlap)
+    sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.lowering.tp_overlap)
     high_precision: bool = False  # fp8 plans: these matmuls run in bf16 (the LM head)
     sm_bound: tuple = ()  # (bytes, SmWork...) of kernels the SMs may bound (parsim.compute.ComputeModel.time)
 
@@ -64,7 +64,7 @@ class CommPiece:
     opens: bool = False
     closes: bool = False
     beside: bool = False
-    method: str = ""  # how it overlaps the GEMMs (parsim.tp_overlap: "ring exchange", "pipelined", "bulk")
+    method: str = ""  # how it overlaps the GEMMs (parsim.lowering.tp_overlap: "ring exchange", "pipelined", "bulk")
 
     @property
     def stream(self) -> str:

@@ -212,7 +212,7 @@ class Plan:
     along the sequence, with all-gathers and reduce-scatters in place of the
     all-reduces; ``tp_comm_overlap`` hides those behind the GEMMs they feed
     and drain, as Megatron-LM's ``--tp-comm-overlap`` does
-    (:mod:`parsim.tp_overlap`). ``activation_recompute`` "full" keeps only each recomputed
+    (:mod:`parsim.lowering.tp_overlap`). ``activation_recompute`` "full" keeps only each recomputed
     layer's input and reruns its forward before its backward (the first
     ``recompute_layers`` layers of each stage, all when unset); "selective"
     recomputes the attention core (Korthikanti et al. 2022): an unfused core

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from .lowering.pieces import CommPiece, ComputePiece, Piece
+from .pieces import CommPiece, ComputePiece, Piece
 
 PIPELINE_SPLITS = 4  # num_splits of the pipelined reduce-scatters
 # SMs the communication kernel holds, by block: the attention's and the MLP's GEMMs
