@@ -16,7 +16,7 @@ from .workload.memory import Memory, memory
 from .step_report import RankBreakdown, breakdown, merge_spans, step_time
 from .stepsim import StepSimulator
 from .trace import Trace
-from .unfold import unfold
+from .lowering.unfold import unfold
 
 
 # Forward and backward passes of one layer over one microbatch that one step may hold: about four ops

@@ -63,8 +63,8 @@ class StepSimulator:
 
     def __init__(self, topo: Topology, compute: ComputeModel, take_turns: bool = False):
         """``take_turns``: where ranks time-share a CPU host's cores (``compute.time_share`` > 1), run them in
-        turns on each core (:mod:`parsim.cores`; the program must simulate every rank, :func:`parsim.unfold.unfold`)
-        rather than stretch every rank's work by the share."""
+        turns on each core (:mod:`parsim.cores`; the program must simulate every rank,
+        :func:`parsim.lowering.unfold.unfold`) rather than stretch every rank's work by the share."""
         self.topo, self.compute = topo, compute
         self.turns = take_turns and compute.time_share > 1
         if self.turns:  # each rank's work alone on its core; the stretched model gives the penalty of turns
@@ -216,7 +216,7 @@ class _Run:
         program, topo = self.program, self.sim.topo
         if len(program.ranks) < program.world_size or any(len(r) > 1 for r in program.replicas.values()):
             raise ParsimError("ranks take turns on their cores only in a program that simulates every rank "
-                              "(parsim.unfold)")
+                              "(parsim.lowering.unfold)")
         cores = topo.spec.cpu_cores
         core_of = {r: (r // topo.gpus_per_node, r % topo.gpus_per_node % cores) for r in program.ranks}
         ranks_on = Counter(core_of.values())

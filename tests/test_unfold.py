@@ -1,4 +1,4 @@
-"""Every rank its own program (parsim.unfold): the same step as the representatives' where ranks run alike."""
+"""Every rank its own program (parsim.lowering.unfold): the same step as the representatives' where ranks run alike."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from parsim.lowering.lower import lower
 from parsim.workload.plan import resolve_plan
 from parsim.step_report import breakdown, merge_spans, step_time
 from parsim.stepsim import StepSimulator
-from parsim.unfold import unfold
+from parsim.lowering.unfold import unfold
 
 
 def _simulate(plan, cluster, program):

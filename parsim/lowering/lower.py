@@ -596,7 +596,7 @@ class Lowering:
         """A check over all the gradients: the rank's own pass ``name`` (clipping's norm, fp16's unscaling and
         overflow check), then one all-reduce of a number (``what``) over each of :func:`grad_norm_dims`. Four
         bytes contend for nothing: the all-reduces are ``negligible``, timed alone (their mirror groups name the
-        other replicas' groups, for :func:`parsim.unfold.unfold`). Returns the last op."""
+        other replicas' groups, for :func:`parsim.lowering.unfold.unfold`). Returns the last op."""
         last = self._add(rank, Op(name, "compute", "compute", deps=after, phase="optimizer", **costs))
         for dim in grad_norm_dims(self.plan):
             group, mirrors = self.group(p, dim)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .errors import ParsimError
-from .program import Op, Program
+from ..errors import ParsimError
+from ..program import Op, Program
 
 
 def unfold(program: Program) -> Program:
