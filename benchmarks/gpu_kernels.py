@@ -1,7 +1,7 @@
 """The GPU kernel model against this machine's GPU, kernel by kernel.
 
 Takes the kernels one plan's layer and head launch in a forward and a backward
-(:func:`parsim.kernels.block_work`, what ``parsim explain compute`` prints),
+(:func:`parsim.lowering.kernels.block_work`, what ``parsim explain compute`` prints),
 runs each kind on this GPU with torch, and sets the time beside what the
 cluster file's kernel model predicts (:class:`parsim.compute.ComputeModel`):
 
@@ -45,7 +45,7 @@ from executor.gpu_bench import (MEMORY_ELEMENTS, SM_ELEMENTS, SM_ROW_LENGTHS, SM
                                 matmul_row, memory_rows, sm_rows)
 from parsim.hardware.cluster import ClusterSpec, builtin_for_gpu, load_cluster
 from parsim.compute import ComputeModel, SmWork
-from parsim.kernels import block_work
+from parsim.lowering.kernels import block_work
 from parsim.errors import ParsimError
 from parsim.workload.model import TransformerModel
 from parsim.workload.plan import DTYPE_BYTES, load_plan

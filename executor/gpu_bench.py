@@ -97,7 +97,7 @@ def matmul_row(m: int, n: int, k: int, role: str, label: str, dtype, device) -> 
 
 
 def attention_flops(batch: int, seq: int, heads: int, head_dim: int) -> float:
-    """Forward FLOPs of causal attention as the model counts them (:func:`parsim.kernels.block_work`):
+    """Forward FLOPs of causal attention as the model counts them (:func:`parsim.lowering.kernels.block_work`):
     ``4·s·d`` per token and head over the tiles executed; the backward is twice that."""
     core = AttentionCore(heads, head_dim, seq)
     return 4.0 * batch * seq * seq * heads * head_dim * core.executed_fraction() * flash_softmax_factor(head_dim)

@@ -144,10 +144,10 @@ def test_one_rank_on_a_gpu_prints_each_figure_beside_the_base_clusters_and_write
 
 
 def test_the_benchmarks_attention_flops_are_the_kernel_models():
-    """executor.gpu_bench counts causal attention's FLOPs as parsim.kernels.block_work does."""
+    """executor.gpu_bench counts causal attention's FLOPs as parsim.lowering.kernels.block_work does."""
     pytest.importorskip("torch")
     from executor.gpu_bench import attention_flops
-    from parsim.kernels import block_work
+    from parsim.lowering.kernels import block_work
     from parsim.workload.plan import Plan
 
     plan = Plan(model=load_model("llama3-8b"), dp=8, dtype="bf16")

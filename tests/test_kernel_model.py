@@ -169,7 +169,7 @@ def test_explain_compute_lists_each_memory_bound_kernel_by_its_model_name(capsys
     block's memory-bound bytes."""
     import json
 
-    from parsim.kernels import block_work
+    from parsim.lowering.kernels import block_work
 
     args = ["explain", "compute", "--model", "llama3-8b", "--cluster", "dgx-h100", "--dtype", "bf16", "--json"]
     assert main(args) == 0
@@ -215,7 +215,7 @@ def test_explain_compute_shows_an_fp8_plans_casts_and_its_fp8_peak(capsys):
     import json
 
     from parsim.compute import ComputeModel
-    from parsim.kernels import fp8_cast_bytes
+    from parsim.lowering.kernels import fp8_cast_bytes
 
     args = ["explain", "compute", "--model", "llama3-8b", "--cluster", "dgx-h100", "--dtype", "fp8"]
     assert main(args + ["--json"]) == 0
@@ -260,7 +260,7 @@ def test_gradients_add_up_in_autograds_grad_or_in_megatrons_main_grad():
     """fp32 weights: autograd adds each microbatch's weight gradient into .grad but the first's (read both,
     write one). bf16 weights: a hook adds every microbatch's into main_grad in the reduce dtype (read the
     gradient, read and write main_grad), as Megatron-LM does and the executor does; not under FSDP."""
-    from parsim.kernels import block_work
+    from parsim.lowering.kernels import block_work
 
     model = load_model("llama3-8b")
     block = model.layer_costs(2)[0].blocks[1]
@@ -282,7 +282,7 @@ def test_gradients_add_up_in_autograds_grad_or_in_megatrons_main_grad():
 def test_a_fused_accumulation_adds_no_pass_and_shortens_every_step_with_a_gradient_buffer():
     """grad_accumulation: fused (Megatron-LM's gradient_accumulation_fusion) accumulates into main_grad in the
     weight-gradient matmul: no pass over the weights, so bf16 steps get shorter with one microbatch too."""
-    from parsim.kernels import block_work
+    from parsim.lowering.kernels import block_work
     from parsim.step import predict_step
 
     spec = load_cluster("dgx-h100")
@@ -303,7 +303,7 @@ def test_the_embedding_backward_zeroes_a_dense_table_gradient_and_adds_it_into_t
     """torch's embedding_dense_backward writes a table-sized gradient (zeroed, then the rows scattered in),
     which joins main_grad like a weight's, also under fused accumulation (only linear layers fuse it); a
     tied head on the same rank shares the table, whose gradient is added once."""
-    from parsim.kernels import block_work
+    from parsim.lowering.kernels import block_work
 
     model = load_model("llama3-8b")
     table = 128256 * 4096
@@ -380,7 +380,7 @@ def test_bf16_weights_step_fp32_masters_and_copy_them_back():
 
 
 def test_a_tensor_parallel_gather_over_features_copies_its_tensor_once():
-    from parsim.kernels import block_work
+    from parsim.lowering.kernels import block_work
 
     model = load_model("course-mlp")
     block = model.layer_costs(4)[0].blocks[0]
@@ -435,7 +435,7 @@ def test_fp8_casts_every_gemm_input_forward_and_every_output_gradient_backward()
     """Transformer Engine's current scaling: amax then cast-and-transpose, 6 bytes per element of each
     GEMM input (the fused QKV and gate-and-up GEMMs share theirs) and of each output gradient; the LM
     head stays in bf16 and bf16 plans cast nothing."""
-    from parsim.kernels import block_work
+    from parsim.lowering.kernels import block_work
 
     model = load_model({"kind": "transformer", "num_layers": 2, "hidden": 1024, "num_heads": 16, "num_kv_heads": 4,
                         "ffn_hidden": 4096, "seq_len": 2048, "vocab_size": 32000})
@@ -459,7 +459,7 @@ def test_an_fp8_plan_keeps_the_lm_head_in_bf16():
     """The LM head is not a Transformer Engine module: in an fp8 plan it runs at the bf16 peak and
     efficiency, every block GEMM at fp8's."""
     from parsim.compute import ComputeModel
-    from parsim.kernels import block_work
+    from parsim.lowering.kernels import block_work
 
     spec = load_cluster("dgx-h100")
     model = load_model({"kind": "transformer", "num_layers": 2, "hidden": 4096, "num_heads": 32, "ffn_hidden": 14336,
@@ -478,7 +478,7 @@ def test_an_fp8_plan_keeps_the_lm_head_in_bf16():
 def test_the_mlp_s_first_layer_runs_no_input_gradient():
     """autograd computes no gradient for the data the MLP's first layer reads: its backward is the weight
     gradient alone, every later layer's both; the FLOP counts keep the 3x rule."""
-    from parsim.kernels import block_work
+    from parsim.lowering.kernels import block_work
 
     plan = Plan(model=load_model("course-mlp"), dp=1)
     first, second = (plan.stage_costs(0)[i].blocks[0] for i in (0, 1))

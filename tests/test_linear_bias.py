@@ -8,7 +8,7 @@ import pytest
 from parsim.hardware.cluster import HOPPER_SM_CYCLES, load_cluster
 from parsim.compute import SmWork
 from parsim.errors import ConfigError
-from parsim.kernels import block_work
+from parsim.lowering.kernels import block_work
 from parsim.lowering.lower import lower
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan

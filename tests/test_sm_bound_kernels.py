@@ -6,7 +6,7 @@ import pytest
 
 from parsim.hardware.cluster import HOPPER_SM_CYCLES, builtin_clusters, load_cluster
 from parsim.compute import ComputeModel, SmWork, at_length
-from parsim.kernels import block_work
+from parsim.lowering.kernels import block_work
 from parsim.files import read_yaml
 from parsim.workload.plan import load_plan
 

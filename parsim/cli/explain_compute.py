@@ -9,7 +9,7 @@ from ..hardware.cluster import load_cluster
 from ..compute import MATMUL_TILE, ComputeModel
 from ..errors import ParsimError
 from ..jsondoc import print_json
-from ..kernels import BlockWork, block_work
+from ..lowering.kernels import BlockWork, block_work
 from ..lowering.lower import Lowering
 from ..table import render_table
 from ..units import format_size, format_time, time_unit

@@ -30,7 +30,7 @@ from typing import TypeVar
 
 from .. import eager_ops
 from . import tp_overlap
-from ..kernels import block_work
+from .kernels import block_work
 from ..workload.model import LayerCost, MLPModel, shard
 from .pieces import CommPiece, ComputePiece, Piece
 from ..workload.plan import Plan
@@ -415,7 +415,7 @@ class Lowering:
 
     def _compute(self, phase: str, block, kind: str, layer: int
                  ) -> tuple[ComputePiece, tuple[tuple[str, str], ...]]:
-        """One block's compute in one pass (see :func:`~parsim.kernels.block_work`), with the ops an
+        """One block's compute in one pass (see :func:`~parsim.lowering.kernels.block_work`), with the ops an
         eager implementation dispatches for it (:meth:`eager_ops`), and its matmuls' sources."""
         work = block_work(self.plan, block, kind, self.tokens)
         forward_ops, backward_ops = self.eager_ops(block, kind)

@@ -58,7 +58,7 @@ class Partners(NamedTuple):
 
 def split_partners(compute: ComputePiece, sources: tuple[tuple[str, str], ...], forward: bool,
                    backward_weights: bool) -> Partners:
-    """Split ``compute`` by its matmuls' ``(weight split, role)`` (:attr:`~parsim.kernels.BlockWork.sources`).
+    """Split ``compute`` by its matmuls' ``(weight split, role)`` (:attr:`~parsim.lowering.kernels.BlockWork.sources`).
 
     Forward: the all-gathered input feeds every matmul that reads it (column and replicated weights) and
     the row-parallel matmuls' output is reduce-scattered. Backward: the all-gathered output gradient feeds

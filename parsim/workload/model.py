@@ -331,13 +331,13 @@ class Block:
     elementwise: tuple[Elementwise, ...] = ()  # its memory-bound kernels
     core: AttentionCore | None = None  # the attention core's shape (attention blocks)
     # Lookup tables (the embedding's) whose backward writes a dense gradient: zeroed, rows scattered into it,
-    # then added into the step's sum like a matmul weight's (parsim.kernels.block_work)
+    # then added into the step's sum like a matmul weight's (parsim.lowering.kernels.block_work)
     tables: tuple[Param, ...] = ()
     # (forward, backward) ops an eager PyTorch implementation dispatches for the block, per microbatch
     # (parsim.eager_ops; the CPU host's fixed costs). (0, 0): not counted.
     eager_ops: tuple[int, int] = (0, 0)
     # Its input is the model's data (the MLP's first layer): nothing needs that input's gradient, so autograd
-    # runs no input-gradient matmul for it (parsim.kernels.block_work); FLOP counts keep the 3x rule.
+    # runs no input-gradient matmul for it (parsim.lowering.kernels.block_work); FLOP counts keep the 3x rule.
     data_input: bool = False
 
     def forward_flops_per_token(self, tp: int = 1) -> int:

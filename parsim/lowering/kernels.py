@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .compute import SmWork
-from .workload.model import Block, flash_softmax_factor, shard
-from .workload.plan import Plan
+from ..compute import SmWork
+from ..workload.model import Block, flash_softmax_factor, shard
+from ..workload.plan import Plan
 
 
 @dataclass(frozen=True)
