@@ -46,7 +46,7 @@ GPU host):
   a forward (Python, the dispatcher, autograd's graph recording, allocation)
   and of one op autograd runs in a backward; the lowering counts the ops of
   the eager reference implementation per block (``forward_ops``,
-  ``backward_ops``, see :mod:`parsim.eager_ops`). On a CPU rank the host *is*
+  ``backward_ops``, see :mod:`parsim.lowering.eager_ops`). On a CPU rank the host *is*
   the device, so these add to the block's compute. A GPU runs its stream
   while the host issues the next kernels (``host_overlaps_device``): a block
   takes the longer of the two, its kernels' time or the host's time to issue
@@ -57,7 +57,7 @@ GPU host):
   beyond the collective itself: the wrapping
   module, its autograd function, the output buffer, the regrouping views and
   the executor's recorder. Unmeasured (None), a call costs
-  :data:`parsim.eager_ops.TP_COLLECTIVE_OPS` ops. On the 2-core VM a call right
+  :data:`parsim.lowering.eager_ops.TP_COLLECTIVE_OPS` ops. On the 2-core VM a call right
   after a layer's matmul took 100-140 us forward and 60-80 us backward, where
   three ops are 10 us.
 * ``zero_grad_step_s``, ``zero_grad_tensor_s``, ``zero_grad_free_Bps``: what
@@ -150,7 +150,7 @@ import math
 from dataclasses import dataclass, replace
 
 from .hardware.cluster import HOPPER_SM_CYCLES, ClusterSpec, CoreArithmetic, Curve, SharedCoreCosts, SmCycles
-from .eager_ops import TP_COLLECTIVE_OPS
+from .lowering.eager_ops import TP_COLLECTIVE_OPS
 from .errors import ParsimError
 
 MATMUL_TILE = 128  # cuBLAS/CUTLASS's common 128 x 128 output tile per thread block (SM80/SM90)

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from parsim.eager_ops import MLP_FIRST_LAYER, MLP_LAYER, embedding_ops, transformer_layer_ops
+from parsim.lowering.eager_ops import MLP_FIRST_LAYER, MLP_LAYER, embedding_ops, transformer_layer_ops
 from parsim.workload.model import load_model
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")

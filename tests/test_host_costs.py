@@ -651,7 +651,7 @@ def test_a_plan_too_small_to_hide_the_host_is_flagged_on_a_gpu_cluster_without_h
     assert main(["simulate", "tiny-dp2", "--cluster", "dgx-h100"]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if "too short to hide the host" in line]
     assert len(notes) == 1 and "calibrate --ranks 1" in notes[0]
-    # One rank's ops per step (parsim/eager_ops.py): the embedding 1 + 2; each of 4 layers, attention 42 + 71
+    # One rank's ops per step (parsim/lowering/eager_ops.py): the embedding 1 + 2; each of 4 layers, attention 42 + 71
     # with RoPE on queries and keys 2 x (19 + 9) and GQA's 0 + 4, SwiGLU 22 + 50; the head 16 + 31.
     ops = 3 + 4 * (113 + 56 + 4 + 72) + 47
     assert f"issuing its ~{ops:,} eager ops per step takes about 10.3 ms at 10 us each" in notes[0]

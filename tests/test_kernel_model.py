@@ -203,7 +203,7 @@ def test_explain_compute_shows_the_host_racing_a_gpus_kernels(capsys, tmp_path):
         assert total == pytest.approx(expected)
     (attention,) = [k for k in data["kernels"]
                     if (k["pass"], k["block"], k["bound"]) == ("F", "attention", "host")]
-    assert attention["kernel"] == "host: 80 eager ops (races the kernels)"  # parsim/eager_ops.py: 42 + 2 x 19
+    assert attention["kernel"] == "host: 80 eager ops (races the kernels)"  # parsim/lowering/eager_ops.py: 42 + 2 x 19
     assert attention["time_s"] == pytest.approx(80 * spec.op_forward_s)
     assert main(["explain", "compute", "tiny-dp2", "--dp", "1", "--cluster", gpu_file]) == 0
     assert "host        9.2 us per forward op, 11.0 us per backward op" in capsys.readouterr().out

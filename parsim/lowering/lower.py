@@ -28,7 +28,7 @@ import functools
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .. import eager_ops
+from . import eager_ops
 from . import tp_overlap
 from .kernels import block_work
 from ..workload.model import LayerCost, MLPModel, shard
@@ -430,7 +430,7 @@ class Lowering:
 
     def eager_ops(self, block, kind: str) -> tuple[int, int]:
         """(forward, backward) ops an eager implementation dispatches for ``block`` in a ``kind`` pass
-        (:mod:`parsim.eager_ops`): a recomputed forward dispatches the forward's again; zero-bubble's
+        (:mod:`parsim.lowering.eager_ops`): a recomputed forward dispatches the forward's again; zero-bubble's
         weight-gradient pass runs a few per matmul and the input-gradient pass the rest. The ops around its
         tensor-parallel collectives are their calls' (:meth:`tp_calls`)."""
         forward, backward = block.eager_ops

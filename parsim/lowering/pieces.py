@@ -26,7 +26,7 @@ class ComputePiece:
     layer: int
     attention_flops: float = 0.0  # the FlashAttention core's, forward
     attention_grad_flops: float = 0.0  # and backward
-    forward_ops: int = 0  # eager ops dispatched (parsim.eager_ops; the CPU host's fixed costs)
+    forward_ops: int = 0  # eager ops dispatched (parsim.lowering.eager_ops; the CPU host's fixed costs)
     backward_ops: int = 0
     tp_calls: tuple[int, int] = (0, 0)  # tensor-parallel collective calls the block's pass wraps: forward, backward
     stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation)

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-from .. import eager_ops
+from ..lowering import eager_ops
 from ..compute import SmWork
 from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
@@ -334,7 +334,7 @@ class Block:
     # then added into the step's sum like a matmul weight's (parsim.lowering.kernels.block_work)
     tables: tuple[Param, ...] = ()
     # (forward, backward) ops an eager PyTorch implementation dispatches for the block, per microbatch
-    # (parsim.eager_ops; the CPU host's fixed costs). (0, 0): not counted.
+    # (parsim.lowering.eager_ops; the CPU host's fixed costs). (0, 0): not counted.
     eager_ops: tuple[int, int] = (0, 0)
     # Its input is the model's data (the MLP's first layer): nothing needs that input's gradient, so autograd
     # runs no input-gradient matmul for it (parsim.lowering.kernels.block_work); FLOP counts keep the 3x rule.
