@@ -1,4 +1,4 @@
-"""Time a :class:`~parsim.program.Program` on the simulated cluster (simpy).
+"""Time a :class:`~parsim.sim.program.Program` on the simulated cluster (simpy).
 
 The engine is a dependency-driven list scheduler on a simpy clock. Every op
 waits for its prerequisites: the op before it on its (rank, stream), and its
@@ -37,7 +37,7 @@ from .compute import ComputeModel
 from .cores import SharedCores, eevdf_slice_s
 from .errors import ParsimError
 from .hardware.network import Network, chain_routes, stack_routes
-from .program import Op, Program
+from .sim.program import Op, Program
 from .hardware.topology import Topology
 from .trace import Event, Trace
 

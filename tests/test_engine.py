@@ -18,7 +18,7 @@ from parsim.hardware.cluster import load_cluster
 from parsim.compute import ComputeModel
 from parsim.errors import ParsimError
 from parsim.workload.plan import resolve_plan
-from parsim.program import Op, Program
+from parsim.sim.program import Op, Program
 from parsim.step import predict_step
 from parsim.stepsim import StepSimulator
 

@@ -22,7 +22,7 @@ from parsim.files import read_yaml
 from parsim.lowering.lower import ADAMW_ACCESSES, lower
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, resolve_plan
-from parsim.program import Op, Program
+from parsim.sim.program import Op, Program
 from parsim.step import predict_step
 from parsim.stepsim import StepSimulator
 

@@ -34,7 +34,7 @@ from .kernels import block_work
 from ..workload.model import LayerCost, MLPModel, shard
 from .pieces import CommPiece, ComputePiece, Piece
 from ..workload.plan import Plan
-from ..program import Op, Program
+from ..sim.program import Op, Program
 from ..schedules import Action, Schedule
 from ..trace import collective_name, compute_name, p2p_name
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ParsimError
-from ..program import Op, Program
+from ..sim.program import Op, Program
 
 
 def unfold(program: Program) -> Program:
