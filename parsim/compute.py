@@ -209,10 +209,10 @@ class ComputeModel:
     optimizer_step_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
     matmul_write_bw_Bps: float | None = None  # a matmul's output streamed out (None: at matmul_stream_bw_Bps)
-    p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to a late receive (parsim.stepsim)
+    p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to a late receive (parsim.sim.stepsim)
     p2p_latency_s: float | None = None  # a pipeline transfer's latency, receiver waiting (None: the links')
     shared_cores: SharedCoreCosts | None = None  # the pipeline's host costs with two ranks on each core
-    action_overhead_s: float = 0.0  # host time before each action of a step (parsim.stepsim; see the docstring)
+    action_overhead_s: float = 0.0  # host time before each action of a step (parsim.sim.stepsim; see the docstring)
     p2p_issue_s: float = 0.0  # host time issuing one pipeline send, before the rank's next action
     elementwise_bw_Bps: float | None = None  # a block's memory-bound bytes (None: at memory_bw_Bps)
     memory_alone_bw_Bps: float | None = None  # one CPU rank streaming while the host's others wait (see above)

@@ -20,7 +20,7 @@ from parsim.errors import ParsimError
 from parsim.workload.plan import resolve_plan
 from parsim.sim.program import Op, Program
 from parsim.step import predict_step
-from parsim.stepsim import StepSimulator
+from parsim.sim.stepsim import StepSimulator
 
 from ideal_cluster import ideal_spec
 

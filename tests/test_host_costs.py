@@ -24,7 +24,7 @@ from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, resolve_plan
 from parsim.sim.program import Op, Program
 from parsim.step import predict_step
-from parsim.stepsim import StepSimulator
+from parsim.sim.stepsim import StepSimulator
 
 SHAPES = [(32, 64, 64), (128, 128, 128), (32, 1024, 1024), (128, 256, 1024), (512, 512, 512),
           (128, 1024, 1024), (1024, 1024, 32), (64, 4096, 1024), (256, 64, 64)]

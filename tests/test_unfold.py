@@ -10,7 +10,7 @@ from parsim.compute import ComputeModel
 from parsim.lowering.lower import lower
 from parsim.workload.plan import resolve_plan
 from parsim.step_report import breakdown, merge_spans, step_time
-from parsim.stepsim import StepSimulator
+from parsim.sim.stepsim import StepSimulator
 from parsim.lowering.unfold import unfold
 
 

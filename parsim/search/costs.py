@@ -32,7 +32,7 @@ from ..compute import ComputeModel
 from ..lowering.lower import CommPiece, Lowering
 from ..hardware.network import Network, max_min_rates, stack_routes
 from ..workload.plan import Plan
-from ..stepsim import StepSimulator
+from ..sim.stepsim import StepSimulator
 from .tables import entry_types
 
 # Where a pass's time on the compute stream goes (the step report's phases that compute-stream work fills).
