@@ -151,7 +151,7 @@ def predicted_again(run: dict, plan_args: list[str], cluster) -> dict:
     from parsim.cli.compare_plan import compare_phases
     from parsim.cli.main import build_parser
     from parsim.cli.plan_cmd import plan_from_args
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
     from parsim.step_report import RankBreakdown
 
     plan = plan_from_args(build_parser().parse_args(["simulate", *plan_args]))

@@ -45,7 +45,7 @@ def main() -> None:
     from parsim.hardware.cluster import load_cluster
     from parsim.errors import ParsimError
     from parsim.workload.plan import resolve_plan
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     try:
         plan = resolve_plan(args.plan, overrides={"parallel": {"dp": args.dp}} if args.dp else None)

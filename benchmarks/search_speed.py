@@ -22,7 +22,7 @@ from parsim.workload.model import load_model
 from parsim.workload.plan import DEFAULT_ADAMW, resolve_plan
 from parsim.search.report import describe, figures
 from parsim.search.search import SearchRequest, run_search
-from parsim.step import predict_step
+from parsim.sim.step import predict_step
 from parsim.table import render_table
 
 CASES = {  # name: (model, GPUs, global batch in sequences of 8,192 tokens)

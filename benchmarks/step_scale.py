@@ -82,7 +82,7 @@ def measure(cluster: str, plan_data: dict) -> dict:
     """Run in a child process: lower and simulate once, report wall time and the prediction."""
     from parsim.hardware.cluster import load_cluster
     from parsim.workload.plan import load_plan
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     spec = load_cluster(cluster)
     p = load_plan(plan_data)

@@ -114,7 +114,7 @@ GPU host):
   so does compute, where it measured how much longer a matmul and an eager
   pass take with two ranks on their core (more than twice: each rank's slice
   starts in caches the other emptied). The step simulator uses these
-  stretches as they stand only beyond ``parsim.step.MAX_RANKS_IN_TURNS``
+  stretches as they stand only beyond ``parsim.sim.step.MAX_RANKS_IN_TURNS``
   ranks; below, it runs every rank with its core to itself
   (:meth:`with_core_each`) and lets the ranks on one core take turns
   (:mod:`parsim.cores`), slowed by them only while another rank waits.

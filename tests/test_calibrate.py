@@ -146,7 +146,7 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
     prediction is the simulator's at that speed, and the one at the calibration's speed is kept beside it."""
     import executor.train
     from parsim.workload.plan import resolve_plan
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     data = host_cluster(2, 300e-6, 2.0e9, 6e9, algorithms=GLOO, peak_flops=80e9, op_forward_s=10e-6,
                         cpu_cores=2, speed_probe=(60e9, 1e-3))
@@ -186,7 +186,7 @@ def test_compare_takes_each_measured_phase_as_its_median_over_ten_steps(monkeypa
     the steps spent on the phase."""
     import executor.train
     from parsim.workload.plan import resolve_plan
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     trace = predict_step(resolve_plan("course-pp"), load_cluster("dgx-h100")).trace
     asked = {}
@@ -213,7 +213,7 @@ def test_compare_takes_each_measured_phase_as_its_median_over_ten_steps(monkeypa
 
 def test_a_gpu_cluster_runs_no_speed_probe(monkeypatch, capsys):
     import executor.train
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     asked = {}
 
@@ -230,7 +230,7 @@ def test_compare_says_when_the_measured_steps_spread(monkeypatch, capsys):
     """Steps whose slowest is over 1.25x their fastest get a one-line note on stderr; the range is printed
     beside the step time and written to the JSON either way."""
     import executor.train
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     spec = load_cluster("dgx-h100")
     times = {}
@@ -255,7 +255,7 @@ def test_compare_says_when_ranks_take_turns_on_the_host_s_cores(monkeypatch, cap
     import yaml
 
     import executor.train
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     (tmp_path / "host.yaml").write_text(yaml.safe_dump(cpu_host(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)))
     monkeypatch.setattr(executor.train, "run_plan",
@@ -275,7 +275,7 @@ def test_compare_sets_each_stage_s_mean_beside_its_prediction(monkeypatch, capsy
     import yaml
 
     import executor.train
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     (tmp_path / "host.yaml").write_text(yaml.safe_dump(cpu_host(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)))
     spec = load_cluster(str(tmp_path / "host.yaml"))

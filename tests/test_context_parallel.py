@@ -11,7 +11,7 @@ from parsim.lowering.lower import lower
 from parsim.workload.memory import memory
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, resolve_plan
-from parsim.step import predict_step
+from parsim.sim.step import predict_step
 
 from ideal_cluster import ideal_spec
 

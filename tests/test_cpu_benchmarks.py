@@ -221,7 +221,7 @@ def test_the_compare_loop_predicts_kept_runs_again_with_the_model_as_it_is(tmp_p
 
     from parsim.hardware.cluster import load_cluster
     from parsim.workload.plan import resolve_plan
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     (tmp_path / "host.yaml").write_text((ROOT / "topologies" / "dgx-h100.yaml").read_text())
     speed = {"arithmetic_factor": 1.25, "eager_factor": 1.0}

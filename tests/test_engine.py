@@ -19,7 +19,7 @@ from parsim.compute import ComputeModel
 from parsim.errors import ParsimError
 from parsim.workload.plan import resolve_plan
 from parsim.sim.program import Op, Program
-from parsim.step import predict_step
+from parsim.sim.step import predict_step
 from parsim.sim.stepsim import StepSimulator
 
 from ideal_cluster import ideal_spec

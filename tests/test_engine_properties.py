@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from parsim.errors import ParsimError
 from parsim.workload.model import load_model
 from parsim.workload.plan import SCHEDULES, Plan
-from parsim.step import predict_step
+from parsim.sim.step import predict_step
 from parsim.step_report import PHASES
 
 from ideal_cluster import ideal_spec

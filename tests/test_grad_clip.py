@@ -18,7 +18,7 @@ from parsim.cli.main import main
 from parsim.lowering.lower import FP32, UNSCALE_ACCESSES, clip_costs, grad_norm_dims, lower
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, load_plan
-from parsim.step import predict_step
+from parsim.sim.step import predict_step
 
 from ideal_cluster import ideal_spec
 

@@ -23,7 +23,7 @@ from parsim.lowering.lower import ADAMW_ACCESSES, lower
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, resolve_plan
 from parsim.sim.program import Op, Program
-from parsim.step import predict_step
+from parsim.sim.step import predict_step
 from parsim.sim.stepsim import StepSimulator
 
 SHAPES = [(32, 64, 64), (128, 128, 128), (32, 1024, 1024), (128, 256, 1024), (512, 512, 512),

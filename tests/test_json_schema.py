@@ -95,7 +95,7 @@ def test_compare_plan_prints_its_schema(monkeypatch, capsys):
     import executor.train
     from parsim.hardware.cluster import load_cluster
     from parsim.workload.plan import resolve_plan
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     def run_plan(plan, nproc, steps, **kwargs):  # the simulator stands in for the executor
         return predict_step(plan, load_cluster("dgx-h100")).trace, {}

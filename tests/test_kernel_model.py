@@ -111,7 +111,7 @@ def test_unfused_attention_keeps_the_scores_korthikanti_5as():
 
 def test_unfused_attention_is_slower_than_flash_on_a_gpu():
     spec = load_cluster("dgx-a100")
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     gpt = {"kind": "transformer", "num_layers": 4, "hidden": 2048, "num_heads": 16, "ffn_hidden": 8192,
            "seq_len": 2048, "vocab_size": 50000, "ffn_type": "gelu"}
@@ -247,7 +247,7 @@ def test_selective_recompute_drops_the_unfused_scores_and_reruns_them():
            "seq_len": 2048, "vocab_size": 1000, "dropout": 0.1, "attention_kernel": "unfused"}
     spec = load_cluster("dgx-a100")
     from parsim.workload.memory import memory
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     plans = {r: Plan(model=load_model(gpt), dp=8, dtype="fp16", activation_recompute=r) for r in ("none", "selective")}
     saved = {r: plans[r].stage_costs(0)[1].activation_bytes_per_token() for r in plans}
@@ -283,7 +283,7 @@ def test_a_fused_accumulation_adds_no_pass_and_shortens_every_step_with_a_gradie
     """grad_accumulation: fused (Megatron-LM's gradient_accumulation_fusion) accumulates into main_grad in the
     weight-gradient matmul: no pass over the weights, so bf16 steps get shorter with one microbatch too."""
     from parsim.lowering.kernels import block_work
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     spec = load_cluster("dgx-h100")
     model = load_model("llama3-8b")

@@ -14,7 +14,7 @@ from parsim.workload.model import load_model
 from parsim.workload.plan import Plan
 from parsim.search.fast import FastModel
 from parsim.search.space import Candidate, SearchSpace, enumerate_settings
-from parsim.step import predict_step
+from parsim.sim.step import predict_step
 
 H, F, HEADS, KV_HEADS, LAYERS = 1024, 4096, 16, 4, 4
 GPT = {"kind": "transformer", "name": "gpt", "num_layers": LAYERS, "hidden": H, "num_heads": HEADS,

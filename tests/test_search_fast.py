@@ -11,7 +11,7 @@ from parsim.workload.model import load_model
 from parsim.schedules import SCHEDULES, make_schedule, peak_in_flight
 from parsim.search.fast import KINDS, FastModel, schedule_facts
 from parsim.search.space import Candidate, SearchSpace, enumerate_settings
-from parsim.step import predict_step
+from parsim.sim.step import predict_step
 
 
 @pytest.fixture(scope="module")

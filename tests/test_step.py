@@ -10,7 +10,7 @@ from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan
-from parsim.step import predict_step
+from parsim.sim.step import predict_step
 
 from ideal_cluster import ideal_spec
 

@@ -15,7 +15,7 @@ from parsim.workload.model import load_model
 from parsim.lowering.pieces import CommPiece, ComputePiece
 from parsim.workload.plan import Plan, load_plan
 from parsim.search.costs import CommCosts
-from parsim.step import predict_step
+from parsim.sim.step import predict_step
 from parsim.lowering.tp_overlap import BULK_SMS, PIPELINE_SMS, PIPELINE_SPLITS
 
 from ideal_cluster import ideal_spec

@@ -175,7 +175,7 @@ def test_the_gpu_checks_sc21_plan_is_the_tables_first_row():
 
     from parsim.hardware.cluster import load_cluster
     from parsim.workload.plan import resolve_plan
-    from parsim.step import predict_step
+    from parsim.sim.step import predict_step
 
     from parsim.workload.plan import parse_plan
     from parsim.validation.training import _plan_mapping

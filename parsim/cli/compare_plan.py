@@ -13,7 +13,7 @@ from ..jsondoc import print_json
 from ..kineto.match import CollectiveRow, match_collectives
 from ..kineto.read import measured_trace, read_profiles
 from ..workload.plan import Plan
-from ..step import predict_step, rank_standing_for
+from ..sim.step import predict_step, rank_standing_for
 from ..step_report import PHASES, RankBreakdown, breakdown, step_time
 from ..table import format_number, render_table
 from ..trace import Trace

@@ -7,7 +7,7 @@ import sys
 
 from ..hardware.cluster import load_cluster
 from ..jsondoc import print_json
-from ..step import StepPrediction, predict_step
+from ..sim.step import StepPrediction, predict_step
 from ..step_report import PHASES, comm_overlap
 from ..table import render_table
 from ..units import format_time

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..workload.plan import Plan
-from ..step import rank_standing_for
+from ..sim.step import rank_standing_for
 from ..trace import Event, Trace
 
 SAME_BYTES = 0.01  # sizes within 1% are the same buffer
@@ -57,7 +57,7 @@ class CollectiveRow:
 def match_collectives(plan: Plan, predicted: Trace, measured: Trace) -> list[CollectiveRow]:
     """Name every measured collective after the plan's (in place) and list each rank's groups side by side.
 
-    ``predicted`` holds one representative rank per pipeline rank (as :func:`parsim.step.predict_step`
+    ``predicted`` holds one representative rank per pipeline rank (as :func:`parsim.sim.step.predict_step`
     returns it), or every rank where ranks take turns on shared cores; each measured rank is set beside its
     own prediction, else the representative of its pipeline rank.
     """

@@ -10,7 +10,7 @@ costlier than the best: a front that runs to steps a hundred times longer helps
 nobody): a plan whose bound is slower than the ``keep``-th estimate, and whose
 bound is dominated on all three by an estimated plan or beyond the span,
 cannot (its estimate is never below its bound). The best ``simulate`` plans are then run
-through the event simulation (:func:`~parsim.step.predict_step`).
+through the event simulation (:func:`~parsim.sim.step.predict_step`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..hardware.cluster import ClusterSpec
 from ..errors import ParsimError
 from ..workload.model import Model
 from ..workload.plan import DEFAULT_ADAMW, default_reduce_dtype
-from ..step import StepPrediction, predict_step
+from ..sim.step import StepPrediction, predict_step
 from .fast import Estimate, FastModel, Prepared
 from .pareto import front_indices, pareto_front
 from .space import Candidate, Rejections, SearchSpace, enumerate_settings

@@ -22,7 +22,7 @@ from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
 from ..workload.model import load_model
 from ..workload.plan import parse_plan
-from ..step import predict_step
+from ..sim.step import predict_step
 
 
 @dataclass

@@ -7,16 +7,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .hardware.cluster import ClusterSpec
-from .compute import ComputeModel
-from .errors import ParsimError
-from .lowering.lower import lower
-from .workload.plan import Plan
-from .workload.memory import Memory, memory
-from .step_report import RankBreakdown, breakdown, merge_spans, step_time
-from .sim.stepsim import StepSimulator
-from .trace import Trace
-from .lowering.unfold import unfold
+from ..hardware.cluster import ClusterSpec
+from ..compute import ComputeModel
+from ..errors import ParsimError
+from ..lowering.lower import lower
+from ..workload.plan import Plan
+from ..workload.memory import Memory, memory
+from ..step_report import RankBreakdown, breakdown, merge_spans, step_time
+from .stepsim import StepSimulator
+from ..trace import Trace
+from ..lowering.unfold import unfold
 
 
 # Forward and backward passes of one layer over one microbatch that one step may hold: about four ops
