@@ -7,7 +7,7 @@ the last rank share core 0. Rank 0 times blocks of matmuls (the median of ``--bl
 the others wait at a barrier; while the last rank waits in ``dist.recv`` for the message rank 0 sends when
 it is done (a pipeline stage waiting for the stage on its own core); and while the last rank multiplies
 matrices itself. The step simulator stretches every op on a host with more ranks than cores by the same
-factor, as if the ranks that share a core computed all the time (``parsim.compute``, ``time_share``).
+factor, as if the ranks that share a core computed all the time (``parsim.sim.compute``, ``time_share``).
 
 On the 2-core VM (2026-11-27, two runs) a block took 17.0 / 22.2 ms alone, 16.5 / 21.8 ms beside a
 receive and 44.3 / 43.4 ms beside a rank computing: a rank waiting in gloo sleeps and gives its core up.

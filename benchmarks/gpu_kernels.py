@@ -3,7 +3,7 @@
 Takes the kernels one plan's layer and head launch in a forward and a backward
 (:func:`parsim.lowering.kernels.block_work`, what ``parsim explain compute`` prints),
 runs each kind on this GPU with torch, and sets the time beside what the
-cluster file's kernel model predicts (:class:`parsim.compute.ComputeModel`):
+cluster file's kernel model predicts (:class:`parsim.sim.compute.ComputeModel`):
 
 * every distinct matmul shape, as ``a[m, k] @ b[k, n]`` in the plan's dtype
   with the operand layouts ``nn.Linear`` uses, and the 8192 x 8192 x 8192
@@ -44,7 +44,7 @@ from torch.nn.attention import SDPBackend
 from executor.gpu_bench import (MEMORY_ELEMENTS, SM_ELEMENTS, SM_ROW_LENGTHS, SM_TOKENS, attention_at, launch_rows,
                                 matmul_row, memory_rows, sm_rows)
 from parsim.hardware.cluster import ClusterSpec, builtin_for_gpu, load_cluster
-from parsim.compute import ComputeModel, SmWork
+from parsim.sim.compute import ComputeModel, SmWork
 from parsim.lowering.kernels import block_work
 from parsim.errors import ParsimError
 from parsim.workload.model import TransformerModel

@@ -1,4 +1,4 @@
-"""Time a GPU's kernels the way the kernel model prices them (:mod:`parsim.compute`).
+"""Time a GPU's kernels the way the kernel model prices them (:mod:`parsim.sim.compute`).
 
 Each measurement is a row: what ran, its mean seconds (CUDA events after
 warm-up; wall clock on a CPU, only so the code can be checked there) and the
@@ -157,7 +157,7 @@ SM_TOKENS, SM_HIDDEN = 16384, 4096  # the norm's and GeLU's rows (GeLU over 4 x 
 def sm_row(kind: str, what: str, seconds: float, elements: float, nbytes: float, pass_: str = "forward",
            length: int = 0) -> dict:
     """A memory-bound kernel whose arithmetic may outlast its bytes, with the elements the model counts for
-    it (:class:`parsim.compute.SmWork`): read and written, or for dropout drawn."""
+    it (:class:`parsim.sim.compute.SmWork`): read and written, or for dropout drawn."""
     return row("sm", what, seconds, {"sm": kind, "pass": pass_, "elements": elements, "bytes": nbytes,
                                      "row": length})
 

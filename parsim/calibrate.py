@@ -15,7 +15,7 @@ and bandwidth per algorithm: backends implement some operations far less
 efficiently than their links allow (gloo's all-gather, for one).
 
 Compute (:mod:`executor.compute_bench` measures, on every rank at once):
-matmul times are fitted to the shape model of :mod:`parsim.compute` (peak
+matmul times are fitted to the shape model of :mod:`parsim.sim.compute` (peak
 FLOP/s, the dimension at which efficiency halves, and the speed at which a CPU
 streams cold operands in); generic eager blocks give the fixed cost per op of
 a forward and of a backward (:func:`fit_dispatch`); AdamW steps give the costs
@@ -35,7 +35,7 @@ import numpy as np
 from .hardware.cluster import CORE_ARITHMETIC_KINDS, CoreArithmetic, SharedCoreCosts, parse_cluster
 from .collectives.algorithms import build_phases
 from .collectives.simulate import time_phases
-from .compute import ComputeModel
+from .sim.compute import ComputeModel
 from .errors import ParsimError
 from .results import CollectiveResult
 
@@ -268,7 +268,7 @@ def fit_matmul(samples: list[tuple[tuple[int, int, int], float]], stream: bool =
     A grid over ``h``; for each, ``1/peak``, the inverse speeds and the fixed cost per call by least squares
     on relative error (all >= 0). ``reads`` are the second operand's bytes, ``k n dtype_bytes``, and
     ``writes`` the output's, ``m n dtype_bytes`` (what a matmul streams in and out; see
-    :mod:`parsim.compute`): a core writes a new output sequentially faster than a thin matmul reads a
+    :mod:`parsim.sim.compute`): a core writes a new output sequentially faster than a thin matmul reads a
     weight it finds in memory (on the 2-core AMD VM a 32 x 1024 x 1024 matmul took 2.2-2.4 ms, a
     1024 x 1024 x 32 one 1.8-1.9 with the same FLOPs and bytes; fitted, 3.4 and 9.6 GB/s, then 6.3 and 18,
     in two runs of the benchmark, 1.2-1.8x apart in three calibrations), so each has its speed. Where the

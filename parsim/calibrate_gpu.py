@@ -1,4 +1,4 @@
-"""Fit one GPU's kernel figures (:mod:`parsim.compute`) to measurements of it.
+"""Fit one GPU's kernel figures (:mod:`parsim.sim.compute`) to measurements of it.
 
 ``parsim calibrate --ranks 1`` times kernels on the GPU at hand
 (:mod:`executor.gpu_bench`) and rewrites the ``compute:`` figures of the
@@ -24,7 +24,7 @@ rule its built-in value was sourced by:
   ``optimizer_step_us``: torch's default AdamW step on one and on many small
   tensors, the line through the two. A GPU runs its kernels while
   the host issues the next, so these bind only small models
-  (:class:`parsim.compute.ComputeModel`, ``host_overlaps_device``).
+  (:class:`parsim.sim.compute.ComputeModel`, ``host_overlaps_device``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .hardware.cluster import ClusterSpec, SmCycles
-from .compute import ComputeModel
+from .sim.compute import ComputeModel
 from .errors import ParsimError
 from .workload.plan import DTYPE_BYTES
 

@@ -13,7 +13,7 @@ from parsim.cli.common import warn_other_machine
 from parsim.cli.main import main
 from parsim.hardware.cluster import SharedCoreCosts, load_cluster, parse_cluster
 from parsim.collectives import predict
-from parsim.compute import ComputeModel
+from parsim.sim.compute import ComputeModel
 from parsim.results import save_results
 
 GLOO = {"all_reduce": "ring", "send_recv": "direct", "all_gather": "ring", "reduce_scatter": "via_all_reduce",

@@ -7,7 +7,7 @@ import pytest
 from parsim.calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload
 from parsim.cli.main import main
 from parsim.hardware.cluster import SmCycles, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
-from parsim.compute import ComputeModel, SmWork
+from parsim.sim.compute import ComputeModel, SmWork
 from parsim.errors import ParsimError
 from parsim.files import read_yaml
 from parsim.workload.model import load_model

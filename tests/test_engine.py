@@ -15,7 +15,7 @@ import pytest
 from parsim.cli.common import OpsProgress
 from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
-from parsim.compute import ComputeModel
+from parsim.sim.compute import ComputeModel
 from parsim.errors import ParsimError
 from parsim.workload.plan import resolve_plan
 from parsim.sim.program import Op, Program

@@ -16,7 +16,7 @@ from parsim.calibrate import (DispatchFit, OptimizerFit, fit_alone_memory, fit_c
 from parsim.cli.main import main
 from parsim.hardware.cluster import builtin_clusters, load_cluster, parse_cluster
 from parsim.collectives import predict
-from parsim.compute import ComputeModel, SmWork
+from parsim.sim.compute import ComputeModel, SmWork
 from parsim.errors import ConfigError, ParsimError
 from parsim.files import read_yaml
 from parsim.lowering.lower import ADAMW_ACCESSES, lower

@@ -1,4 +1,4 @@
-"""The GPU kernel model (parsim.compute) against closed forms, and its cluster-file keys."""
+"""The GPU kernel model (parsim.sim.compute) against closed forms, and its cluster-file keys."""
 
 from pathlib import Path
 
@@ -6,7 +6,7 @@ import pytest
 
 from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
-from parsim.compute import MATMUL_TILE, ComputeModel
+from parsim.sim.compute import MATMUL_TILE, ComputeModel
 from parsim.workload.model import AttentionCore, flash_softmax_factor, load_model
 from parsim.workload.plan import Plan
 
@@ -51,7 +51,7 @@ def test_attention_core_forward_and_backward_run_at_their_own_rates():
 
 
 def test_attention_efficiency_by_length_is_linear_in_log_length_between_points_and_flat_beyond():
-    from parsim.compute import at_length
+    from parsim.sim.compute import at_length
 
     curve = ((2048, 0.5), (8192, 0.6))
     assert at_length(curve, 4096) == pytest.approx(0.55)  # halfway in log2
@@ -214,7 +214,7 @@ def test_explain_compute_shows_an_fp8_plans_casts_and_its_fp8_peak(capsys):
     is set against the fp8 peak, the one an fp8 plan's matmuls run at."""
     import json
 
-    from parsim.compute import ComputeModel
+    from parsim.sim.compute import ComputeModel
     from parsim.lowering.kernels import fp8_cast_bytes
 
     args = ["explain", "compute", "--model", "llama3-8b", "--cluster", "dgx-h100", "--dtype", "fp8"]
@@ -458,7 +458,7 @@ def test_fp8_casts_every_gemm_input_forward_and_every_output_gradient_backward()
 def test_an_fp8_plan_keeps_the_lm_head_in_bf16():
     """The LM head is not a Transformer Engine module: in an fp8 plan it runs at the bf16 peak and
     efficiency, every block GEMM at fp8's."""
-    from parsim.compute import ComputeModel
+    from parsim.sim.compute import ComputeModel
     from parsim.lowering.kernels import block_work
 
     spec = load_cluster("dgx-h100")

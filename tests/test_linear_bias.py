@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from parsim.hardware.cluster import HOPPER_SM_CYCLES, load_cluster
-from parsim.compute import SmWork
+from parsim.sim.compute import SmWork
 from parsim.errors import ConfigError
 from parsim.lowering.kernels import block_work
 from parsim.lowering.lower import lower

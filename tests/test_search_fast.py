@@ -138,7 +138,7 @@ def test_long_schedules_are_read_off_three_rounds(name):
 
 
 def test_an_exchange_beside_a_gather_on_the_same_nics_moves_at_half_speed():
-    from parsim.compute import ComputeModel
+    from parsim.sim.compute import ComputeModel
     from parsim.search.costs import CommCosts
 
     from ideal_cluster import ideal_spec
@@ -157,7 +157,7 @@ def test_an_exchange_beside_a_gather_on_the_same_nics_moves_at_half_speed():
 
 def test_a_send_beside_a_gather_on_the_same_nics_moves_at_half_speed():
     """A pipeline send under FSDP shares the sender's NIC with the next pass's gather (``FastModel._hops``)."""
-    from parsim.compute import ComputeModel
+    from parsim.sim.compute import ComputeModel
     from parsim.search.costs import CommCosts
 
     from ideal_cluster import ideal_spec

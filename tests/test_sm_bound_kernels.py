@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from parsim.hardware.cluster import HOPPER_SM_CYCLES, builtin_clusters, load_cluster
-from parsim.compute import ComputeModel, SmWork, at_length
+from parsim.sim.compute import ComputeModel, SmWork, at_length
 from parsim.lowering.kernels import block_work
 from parsim.files import read_yaml
 from parsim.workload.plan import load_plan

@@ -128,7 +128,7 @@ def test_simulate_rejects_a_bad_plan_in_one_line(capsys, tmp_path):
 
 
 def test_kernel_overhead_is_charged_per_launched_kernel():
-    from parsim.compute import ComputeModel
+    from parsim.sim.compute import ComputeModel
 
     model = ComputeModel(peak_flops=1e12, hbm_bw_Bps=1e12, dtype_bytes=4, kernel_overhead_s=5e-6)
     assert model.time(kernels=10) == pytest.approx(50e-6)
@@ -139,7 +139,7 @@ def test_kernel_overhead_is_charged_per_launched_kernel():
 
 
 def test_fp8_runs_matmuls_at_the_fp8_peak_and_the_rest_at_bf16():
-    from parsim.compute import ComputeModel
+    from parsim.sim.compute import ComputeModel
 
     spec = load_cluster("dgx-h100")
     fp8 = ComputeModel.for_cluster(spec, "fp8", 2)

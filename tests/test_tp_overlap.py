@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from parsim.hardware.cluster import load_cluster
-from parsim.compute import ComputeModel
+from parsim.sim.compute import ComputeModel
 from parsim.errors import ParsimError
 from parsim.lowering.lower import Lowering
 from parsim.workload.model import load_model

@@ -6,7 +6,7 @@ import pytest
 
 from ideal_cluster import ideal_spec
 from parsim.hardware.cluster import load_cluster
-from parsim.compute import ComputeModel
+from parsim.sim.compute import ComputeModel
 from parsim.lowering.lower import lower
 from parsim.workload.plan import resolve_plan
 from parsim.step_report import breakdown, merge_spans, step_time

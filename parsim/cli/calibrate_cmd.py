@@ -17,7 +17,7 @@ from ..calibrate import (fit_alone_memory, fit_core_arithmetic, fit_dispatch, fi
                          fit_zero_grad, host_cluster)
 from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..hardware.cluster import SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
-from ..compute import at_length
+from ..sim.compute import at_length
 from ..errors import ParsimError
 from ..files import read_yaml
 from ..host_load import ForeignLoad

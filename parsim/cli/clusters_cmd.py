@@ -86,7 +86,7 @@ def describe(spec: ClusterSpec, nodes: int) -> str:
 
 
 def _kernel_rates(spec: ClusterSpec) -> str:
-    """The kernel model's figures for this GPU (parsim.compute): matmuls' best fraction of peak, memory-bound
+    """The kernel model's figures for this GPU (parsim.sim.compute): matmuls' best fraction of peak, memory-bound
     kernels' of HBM, attention's at its longest length, and the SMs that price arithmetic-heavy kernels."""
     matmul = ", ".join(f"{d} {spec.matmul_efficiency_for(d):.3g}" for d in spec.gpu.peak_flops
                        if d in spec.matmul_efficiency_by_dtype) or f"{spec.matmul_efficiency:.3g}"

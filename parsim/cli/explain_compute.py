@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from ..hardware.cluster import load_cluster
-from ..compute import MATMUL_TILE, ComputeModel
+from ..sim.compute import MATMUL_TILE, ComputeModel
 from ..errors import ParsimError
 from ..jsondoc import print_json
 from ..lowering.kernels import BlockWork, block_work

@@ -43,7 +43,7 @@ COUNTS = {"gpus_per_node": MAX_GPUS, "nics_per_node": 2**12, "nodes_per_leaf": M
 COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "kernel_overhead_us", "memory_efficiency",
                 "sm_cycles",
                 "attention_efficiency",
-                # eager-CPU host costs (parsim.compute), written by `parsim calibrate`
+                # eager-CPU host costs (parsim.sim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "matmul_stream_bw_GBps",
                 "matmul_write_bw_GBps",
                 "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us",
@@ -117,7 +117,7 @@ Curve = tuple[tuple[int, float], ...]  # (x, y) points, x ascending
 @dataclass(frozen=True)
 class SharedCoreCosts:
     """A CPU host's costs measured with two ranks on each core (``compute.shared_cores``, written by
-    ``parsim calibrate``; :meth:`parsim.compute.ComputeModel.time_shared`): a late receive's rendezvous, a
+    ``parsim calibrate``; :meth:`parsim.sim.compute.ComputeModel.time_shared`): a late receive's rendezvous, a
     transfer's latency with its receiver waiting, the loop's time before each action and a send's issue, in
     seconds; and how many times as long a matmul and an eager pass take as with a core each, both ranks
     computing (None: not measured, taken as 2, each rank's fair share). Two ranks switching on a core take
@@ -144,7 +144,7 @@ class SharedCoreCosts:
 @dataclass(frozen=True)
 class SmCycles:
     """SM cycles per element of the memory-bound kernels whose arithmetic, not their bytes, can bound them
-    (:class:`parsim.compute.SmWork`): a softmax's forward per element read or written, by row length; dropout
+    (:class:`parsim.sim.compute.SmWork`): a softmax's forward per element read or written, by row length; dropout
     per random number drawn (one per mask element); GeLU and a fused norm per element read or written,
     forward and backward; a bias added in a kernel of its own (a broadcast add, which torch does not vectorize)
     per element read or written. A softmax's backward and dropout's stream at the memory speed."""
@@ -176,7 +176,7 @@ SM_CYCLES = (1e-6, 1e6, "SM cycles per element")
 class CoreArithmetic:
     """Seconds per element on one CPU core, (forward, backward), of the memory-bound kernels whose arithmetic
     there outlasts their bytes at the host's elementwise speed: GeLU's erf, a norm's reductions, a softmax's
-    exponentials and row sums, counted per element read or written as :class:`parsim.compute.SmWork` counts
+    exponentials and row sums, counted per element read or written as :class:`parsim.sim.compute.SmWork` counts
     them. ``parsim calibrate`` measures them (``compute.core_ns_per_element``); on a 2-core EPYC VM GeLU's
     backward took 4-5 times its bytes' time at the speed fitted on a mix of such kernels (2026-11-27)."""
 
@@ -220,7 +220,7 @@ class ClusterSpec:
     collective_efficiency: dict[str, float] = field(default_factory=dict)
     # Per operation: a backend's fixed cost per call, seconds (fitted by `parsim calibrate`).
     collective_overhead_s: dict[str, float] = field(default_factory=dict)
-    # Kernel cost model (see parsim.compute); the defaults are the pure roofline.
+    # Kernel cost model (see parsim.sim.compute); the defaults are the pure roofline.
     matmul_efficiency: float = 1.0  # best fraction of peak matmuls reach, every dtype without its own figure
     matmul_efficiency_by_dtype: dict[str, float] = field(default_factory=dict)
     matmul_half_dim: float = 0.0
@@ -228,7 +228,7 @@ class ClusterSpec:
     kernel_overhead_s: float = 0.0  # fixed cost of launching one kernel / dispatching one op
     memory_efficiency: float = 1.0  # fraction of the HBM bandwidth memory-bound kernels reach
     # The attention kernel's fraction of peak, forward and backward, each as (kernel sequence length,
-    # fraction) points (parsim.compute.at_length); one point (0, x): x at every length
+    # fraction) points (parsim.sim.compute.at_length); one point (0, x): x at every length
     attention_efficiency: tuple[Curve, Curve] = (((0, 1.0),), ((0, 1.0),))
     sm_cycles: SmCycles = HOPPER_SM_CYCLES  # priced where the GPU's SM clock is known (gpu.sm_clock_MHz)
     nccl: NcclSpec | None = None  # NCCL's view of the node; None: collectives use the flow model alone
@@ -238,7 +238,7 @@ class ClusterSpec:
     # step, over one in a back-to-back loop (threads asleep, tail stalls), seconds; only the step
     # simulator charges it (`parsim calibrate` measures it on CPU hosts).
     collective_step_overhead_s: dict[str, float] = field(default_factory=dict)
-    # Eager-CPU host costs (parsim.compute; written by `parsim calibrate`, absent on GPU clusters).
+    # Eager-CPU host costs (parsim.sim.compute; written by `parsim calibrate`, absent on GPU clusters).
     op_forward_s: float = 0.0  # one op dispatched in a forward
     op_backward_s: float = 0.0  # one op autograd runs in a backward
     optimizer_tensor_s: float = 0.0  # AdamW's fixed cost per parameter tensor

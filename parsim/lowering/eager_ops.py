@@ -3,7 +3,7 @@
 On a CPU rank running eager PyTorch, a small model's step is mostly fixed
 cost per op, not arithmetic: Python, the dispatcher, autograd recording the
 graph and allocating outputs, then, in the backward, autograd's engine running
-each node's ops. :class:`parsim.compute.ComputeModel` charges
+each node's ops. :class:`parsim.sim.compute.ComputeModel` charges
 ``op_forward_s`` per op of a forward and ``op_backward_s`` per op of a
 backward (both measured by ``parsim calibrate`` on generic blocks, never on a
 plan); this module says how many ops each block dispatches.

@@ -3,7 +3,7 @@
 :func:`block_work` turns a model block (:class:`~parsim.workload.model.Block`) into the
 kernels one rank launches for one microbatch in one pass (``F`` forward, ``B``
 full backward, ``I`` input gradient, ``W`` weight gradient). The lowering
-times it with the cluster's kernel model (:mod:`parsim.compute`);
+times it with the cluster's kernel model (:mod:`parsim.sim.compute`);
 ``parsim explain compute`` prints it line by line.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..compute import SmWork
+from ..sim.compute import SmWork
 from ..workload.model import Block, flash_softmax_factor, shard
 from ..workload.plan import Plan
 
@@ -40,7 +40,7 @@ class BlockWork:
     @property
     def sm_bound(self) -> tuple[tuple[float, tuple[SmWork, ...]], ...]:
         """(bytes, arithmetic) of the memory-bound kernels whose arithmetic may outlast their bytes
-        (:attr:`ComputeModel.time <parsim.compute.ComputeModel.time>`'s ``sm_bound``)."""
+        (:attr:`ComputeModel.time <parsim.sim.compute.ComputeModel.time>`'s ``sm_bound``)."""
         return tuple((nbytes, works) for _, nbytes, works in self.elementwise_parts if works)
 
 

@@ -82,7 +82,7 @@ PASS_PHASE = {"F": "forward", "R": "recompute", "B": "backward", "I": "backward"
 def adamw_costs(implementation: str, params: float, tensors: int,
                 mixed: tuple[int, int] | None = None) -> dict[str, float]:
     """What one AdamW step (``foreach`` or ``fused``) over ``params`` parameters in ``tensors`` tensors
-    costs, as keyword arguments of :meth:`ComputeModel.time <parsim.compute.ComputeModel.time>` (and of
+    costs, as keyword arguments of :meth:`ComputeModel.time <parsim.sim.compute.ComputeModel.time>` (and of
     :class:`Op`): 12 FLOPs per parameter, its fp32 passes and launches, and on an eager CPU host its
     per-tensor and per-step costs (calibrated on the foreach step; one dispatched op's per tensor for the
     fused one).
@@ -115,7 +115,7 @@ def adamw_costs(implementation: str, params: float, tensors: int,
 
 def clip_costs(params: float, tensors: int, grad_bytes: int) -> tuple[dict[str, float], dict[str, float]]:
     """Clipping ``params`` gradients of ``grad_bytes`` each, in ``tensors`` tensors, to a global norm: (the local
-    norm, the scaling), as keyword arguments of :meth:`ComputeModel.time <parsim.compute.ComputeModel.time>`."""
+    norm, the scaling), as keyword arguments of :meth:`ComputeModel.time <parsim.sim.compute.ComputeModel.time>`."""
     kernels = -(-tensors // FOREACH_TENSORS_PER_KERNEL)
     visits = tensors // FOREACH_TENSORS_PER_OP
     norm_bytes, scale_bytes = (params * grad_bytes * n for n in (CLIP_NORM_ACCESSES, CLIP_SCALE_ACCESSES))
@@ -441,7 +441,7 @@ class Lowering:
 
     def tp_calls(self, block, kind: str) -> tuple[int, int]:
         """(forward, backward) tensor-parallel and expert collective calls ``block``'s ``kind`` pass makes
-        (each one's host time: :meth:`parsim.compute.ComputeModel.host_time`); a weight-gradient pass makes none."""
+        (each one's host time: :meth:`parsim.sim.compute.ComputeModel.host_time`); a weight-gradient pass makes none."""
         degree = {"tp": self.plan.tp, "ep": self.plan.ep}
         forward = kind in ("F", "R")
         calls = 0 if kind == "W" else sum(1 for c in block.collectives if degree[c.group] > 1

@@ -35,7 +35,7 @@ class ComputePiece:
     joins: str = ""  # "cp" or "tp": a join of that side stream
     sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.lowering.tp_overlap)
     high_precision: bool = False  # fp8 plans: these matmuls run in bf16 (the LM head)
-    sm_bound: tuple = ()  # (bytes, SmWork...) of kernels the SMs may bound (parsim.compute.ComputeModel.time)
+    sm_bound: tuple = ()  # (bytes, SmWork...) of kernels the SMs may bound (parsim.sim.compute.ComputeModel.time)
 
     def join(self, stream: str) -> "ComputePiece":
         """A join of ``stream`` in this piece's phase and layer."""

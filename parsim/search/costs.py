@@ -28,7 +28,7 @@ import numpy as np
 import simpy
 
 from ..hardware.cluster import ClusterSpec
-from ..compute import ComputeModel
+from ..sim.compute import ComputeModel
 from ..lowering.lower import CommPiece, Lowering
 from ..hardware.network import Network, max_min_rates, stack_routes
 from ..workload.plan import Plan

@@ -38,7 +38,7 @@ from functools import lru_cache, partial
 import numpy as np
 
 from ..hardware.cluster import ClusterSpec
-from ..compute import ComputeModel
+from ..sim.compute import ComputeModel
 from ..lowering.lower import (FP32, CommPiece, Lowering, bucket_members, clip_costs, fsdp_bytes, gathered_bytes,
                               grad_norm_dims, param_tensors, pipeline_bytes, step_costs, tied_table_bytes,
                               unscale_costs)

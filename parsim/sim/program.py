@@ -29,7 +29,7 @@ class Op:
     kernels: int = 0  # kernels launched (each pays the compute model's fixed overhead)
     attention_flops: float = 0.0  # the fused attention core's FLOPs as executed: forward
     attention_grad_flops: float = 0.0  # and backward
-    # eager CPU host costs (parsim.compute): ops dispatched in a forward / run by autograd in a backward,
+    # eager CPU host costs (parsim.sim.compute): ops dispatched in a forward / run by autograd in a backward,
     # and parameter tensors an optimizer step updates, in how many foreach AdamW steps
     forward_ops: int = 0
     backward_ops: int = 0

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from ..hardware.cluster import ClusterSpec
-from ..compute import ComputeModel
+from .compute import ComputeModel
 from ..errors import ParsimError
 from ..lowering.lower import lower
 from ..workload.plan import Plan

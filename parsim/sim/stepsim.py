@@ -33,7 +33,7 @@ import simpy
 
 from ..collectives.algorithms import build_phases
 from ..collectives.simulate import choose_algorithm
-from ..compute import ComputeModel
+from .compute import ComputeModel
 from ..cores import SharedCores, eevdf_slice_s
 from ..errors import ParsimError
 from ..hardware.network import Network, chain_routes, stack_routes
@@ -539,7 +539,7 @@ class _Run:
 
 class HostMemory:
     """The memory bandwidth of CPU hosts, shared by their ranks' streaming work
-    (:attr:`ComputeModel.shares_host_memory <parsim.compute.ComputeModel.shares_host_memory>`).
+    (:attr:`ComputeModel.shares_host_memory <parsim.sim.compute.ComputeModel.shares_host_memory>`).
 
     Each rank's stream is a flow over two links: its own, at the speed one
     core reaches alone (shared when ranks time-share cores), and its host's,
@@ -576,7 +576,7 @@ class HostMemory:
 
 
 def _time_args(op: Op, stream_apart: bool) -> tuple:
-    """Compute op ``op``'s arguments of :meth:`ComputeModel.time <parsim.compute.ComputeModel.time>`, in order."""
+    """Compute op ``op``'s arguments of :meth:`ComputeModel.time <parsim.sim.compute.ComputeModel.time>`, in order."""
     return (op.matmuls, op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
             op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes, op.sm_reserved,
             op.high_precision, op.sm_bound, stream_apart, op.optimizer_steps, op.tp_calls)

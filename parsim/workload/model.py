@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Mapping, Union
 
 from ..lowering import eager_ops
-from ..compute import SmWork
+from ..sim.compute import SmWork
 from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
 from ..units import parse_size
@@ -251,7 +251,7 @@ class Elementwise:
     element_bytes: int = 0
     attention_core: bool = False  # over the unfused core's scores: selective recompute reruns it
     cast: bool = False  # one side of a cast to or from fp32, which an fp32 plan does not run
-    # a kernel whose arithmetic the SMs may take longer over than its bytes (parsim.compute.SmWork): "softmax"
+    # a kernel whose arithmetic the SMs may take longer over than its bytes (parsim.sim.compute.SmWork): "softmax"
     # (forward, over rows of ``row`` entries), "gelu", "norm" or "bias_add" (forward)
     sm_kind: str = ""
     row: int = 0
@@ -273,7 +273,7 @@ class Elementwise:
                 sequence_parallel: bool = False) -> tuple[SmWork, ...]:
         """The arithmetic of this kernel over ``tokens`` tokens on one rank that may outlast its bytes: none for
         a kernel only its bytes bound, nor for a bias add's backward (a read of the gradient: it streams). A
-        softmax's backward streams on a GPU (:meth:`~parsim.compute.ComputeModel.cycles`), not on a CPU core."""
+        softmax's backward streams on a GPU (:meth:`~parsim.sim.compute.ComputeModel.cycles`), not on a CPU core."""
         if self.cast and dtype_bytes == 4:
             return ()
         works = []
