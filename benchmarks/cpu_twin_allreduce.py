@@ -3,7 +3,7 @@
 Tiny DP x PP on a 2-core host puts a stage's two data-parallel replicas (twins) on one core; after their
 backward they all-reduce the stage's gradients and each steps AdamW. The step simulator ends a collective
 for all its ranks at once, and twins on one core then take turns in the scheduler's slices
-(``parsim.cores``), so each AdamW comes out about twice as long as alone. This measures what the host does:
+(``parsim.sim.cores``), so each AdamW comes out about twice as long as alone. This measures what the host does:
 three ranks, rank 0 bound to core 0 with rank 2 and rank 1 to core 1 (``executor/launch.py`` binds rank
 ``r`` to core ``r % cores``); ranks 0 and 1 (a core each), then ranks 0 and 2 (one core), repeat: a barrier,
 an all-reduce of ``--kib`` KiB, an AdamW step on as many fp32 parameters. Printed: how far apart the two left
@@ -66,7 +66,7 @@ def _model_turns(alone_s: float, cores: int) -> tuple[float, float]:
     as the step simulator has them (round robin in the EEVDF base slice)."""
     import simpy
 
-    from parsim.cores import SharedCores, eevdf_slice_s
+    from parsim.sim.cores import SharedCores, eevdf_slice_s
 
     env = simpy.Environment()
     cores_model = SharedCores(env, {0: 0, 1: 0}, eevdf_slice_s(cores))

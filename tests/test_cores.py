@@ -1,11 +1,11 @@
-"""Ranks taking turns on a shared CPU core (parsim.cores): closed forms of round-robin with a time slice."""
+"""Ranks taking turns on a shared CPU core (parsim.sim.cores): closed forms of round-robin with a time slice."""
 
 from __future__ import annotations
 
 import pytest
 import simpy
 
-from parsim.cores import SharedCores, eevdf_slice_s
+from parsim.sim.cores import SharedCores, eevdf_slice_s
 
 SLICE = 1.5e-3
 

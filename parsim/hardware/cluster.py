@@ -130,7 +130,7 @@ class SharedCoreCosts:
     p2p_issue_s: float = 0.0
     matmul_stretch: float | None = None
     eager_stretch: float | None = None
-    time_slice_s: float | None = None  # how long the scheduler runs a rank before the next on its core (parsim.cores)
+    time_slice_s: float | None = None  # how long a rank runs before the next on its core (parsim.sim.cores)
 
     def to_mapping(self) -> dict[str, float]:
         """The ``compute.shared_cores`` mapping: each time in microseconds, named ``..._us``, and the

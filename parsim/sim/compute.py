@@ -117,7 +117,7 @@ GPU host):
   stretches as they stand only beyond ``parsim.sim.step.MAX_RANKS_IN_TURNS``
   ranks; below, it runs every rank with its core to itself
   (:meth:`with_core_each`) and lets the ranks on one core take turns
-  (:mod:`parsim.cores`), slowed by them only while another rank waits.
+  (:mod:`parsim.sim.cores`), slowed by them only while another rank waits.
 * ``action_overhead_s``: on CPU ranks, the training loop's own host time
   before each action of a step (a pass of one microbatch, before its receive
   and again between the receive and the pass; a gradient all-reduce the loop
@@ -386,7 +386,7 @@ class ComputeModel:
         return device_s * self.core_stretch("matmul_stretch") + host_s * self.core_stretch("eager_stretch")
 
     def with_core_each(self) -> "ComputeModel":
-        """This model for a rank that has its core to itself (:mod:`parsim.cores` times the turns)."""
+        """This model for a rank that has its core to itself (:mod:`parsim.sim.cores` times the turns)."""
         return replace(self, time_share=1.0)
 
     def core_stretch(self, field: str) -> float:

@@ -22,7 +22,7 @@ from ..lowering.unfold import unfold
 # Forward and backward passes of one layer over one microbatch that one step may hold: about four ops
 # each to simulate, so this bound is some 2 million ops, a quarter of a minute (real steps: < 200,000).
 MAX_LAYER_PASSES = 2**19
-# Ranks that time-share a CPU host's cores take turns on them, each simulated in its own right (parsim.cores)
+# Ranks that time-share a CPU host's cores take turns on them, each simulated in its own right (parsim.sim.cores)
 # up to this many ranks; more share each core evenly (a stretch of every rank's work).
 MAX_RANKS_IN_TURNS = 256
 

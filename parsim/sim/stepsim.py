@@ -34,7 +34,7 @@ import simpy
 from ..collectives.algorithms import build_phases
 from ..collectives.simulate import choose_algorithm
 from .compute import ComputeModel
-from ..cores import SharedCores, eevdf_slice_s
+from .cores import SharedCores, eevdf_slice_s
 from ..errors import ParsimError
 from ..hardware.network import Network, chain_routes, stack_routes
 from .program import Op, Program
@@ -63,7 +63,7 @@ class StepSimulator:
 
     def __init__(self, topo: Topology, compute: ComputeModel, take_turns: bool = False):
         """``take_turns``: where ranks time-share a CPU host's cores (``compute.time_share`` > 1), run them in
-        turns on each core (:mod:`parsim.cores`; the program must simulate every rank,
+        turns on each core (:mod:`parsim.sim.cores`; the program must simulate every rank,
         :func:`parsim.lowering.unfold.unfold`) rather than stretch every rank's work by the share."""
         self.topo, self.compute = topo, compute
         self.turns = take_turns and compute.time_share > 1
@@ -192,7 +192,7 @@ class _Run:
         # includes it, any other op begins that much later; the trace shows it as idle.
         self.lead = self._leads(sim.compute)
         # Ranks taking turns on shared cores (StepSimulator's take_turns): their ops' work alone on the core, and
-        # how many times as slowly it runs while another rank waits for the core (parsim.cores); the same for the
+        # how many times as slowly it runs while another rank waits for the core (parsim.sim.cores); the same for the
         # loop's time before an op, from the host's costs measured with two ranks on each core.
         self.cores = self._shared_cores() if sim.turns else None
         self.work: dict[int, tuple[float, float]] = {}
@@ -397,7 +397,7 @@ class _Run:
 
     def _take_turn(self, i: int) -> None:
         """Op ``i`` of a rank that takes turns on its core: the loop's time before it (``lead``) and its compute
-        run on the core (:class:`~parsim.cores.SharedCores`); the op begins once the loop's time is done."""
+        run on the core (:class:`~parsim.sim.cores.SharedCores`); the op begins once the loop's time is done."""
         op = self.ops[i]
 
         def begin() -> None:
