@@ -1,7 +1,7 @@
 """Gantt charts of pipeline traces: one row per rank, passes as coloured boxes, bubbles hatched.
 
-Works on any :class:`~parsim.trace.Trace`, simulated or measured: compute
-events named ``F stage=1 mb=3`` (see :func:`parsim.trace.compute_name`) are
+Works on any :class:`~parsim.report.trace.Trace`, simulated or measured: compute
+events named ``F stage=1 mb=3`` (see :func:`parsim.report.trace.compute_name`) are
 coloured by pass (F, B, I, W) and labelled with their
 microbatch when the box is wide enough; when a rank owns several stages, its
 later stages are drawn lighter. Idle time on a compute row, from the start of
@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from .trace import Event, Trace  # noqa: E402
+from .report.trace import Event, Trace  # noqa: E402
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B2"}
 LABELS = {"F": "F forward", "B": "B backward", "I": "I backward (input)", "W": "W backward (weights)"}

@@ -1,6 +1,6 @@
 """What a training step costs, from a trace: time by phase per rank and bubbles.
 
-Works the same on a simulated and a measured :class:`~parsim.trace.Trace`, so
+Works the same on a simulated and a measured :class:`~parsim.report.trace.Trace`, so
 ``parsim compare`` can put the two side by side. Per rank, the step splits into
 phases that never double count:
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .trace import Event, Trace
+from .report.trace import Event, Trace
 
 PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "ep", "cp", "pp", "dp", "fsdp", "optimizer", "idle")
 BLOCKING = ("tp", "ep")  # collectives run on the compute stream, between a pass's block computes

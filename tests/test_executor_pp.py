@@ -18,7 +18,7 @@ import pytest
 
 from parsim.lowering.lower import lower
 from parsim.workload.plan import load_plan
-from parsim.trace import compute_name
+from parsim.report.trace import compute_name
 
 from reference_runs import verify_plans
 

@@ -581,7 +581,7 @@ def broken_parsim_trace(draw):
 @FUZZ
 def test_a_broken_parsim_trace_is_refused_in_one_line(data, work):
     from parsim.errors import ParsimError
-    from parsim.trace import Trace
+    from parsim.report.trace import Trace
 
     path = write(work / "trace.json", data.draw(broken_parsim_trace()))
     with pytest.raises(ParsimError) as refused:

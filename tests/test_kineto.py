@@ -217,7 +217,7 @@ def test_each_rank_s_collectives_are_set_beside_its_own_prediction_where_every_r
     from cpu_host import cpu_host
     from parsim.hardware.cluster import parse_cluster
     from parsim.kineto.match import match_collectives
-    from parsim.trace import Trace
+    from parsim.report.trace import Trace
 
     data = cpu_host(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)
     plan = resolve_plan("tiny-pp2", overrides={"parallel": {"dp": 2}})

@@ -17,7 +17,7 @@ import pytest
 from parsim.cli.main import main
 from parsim.workload.plan import resolve_plan
 from parsim.step_report import PHASES, step_time
-from parsim.trace import Event, Trace
+from parsim.report.trace import Event, Trace
 
 from test_json_schema import conforms
 

@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from parsim.trace import collective_name
+from parsim.report.trace import collective_name
 
 from .._torch import require_distributed, require_torch
 from .trace_recorder import Recorder

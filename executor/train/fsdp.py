@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parsim.trace import collective_name
+from parsim.report.trace import collective_name
 
 from .._torch import require_distributed, require_torch
 from .comm import _all_gather, _reduce_scatter

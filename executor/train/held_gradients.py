@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from parsim.lowering.lower import grad_norm_dims
 from parsim.workload.plan import Plan
-from parsim.trace import collective_name
+from parsim.report.trace import collective_name
 
 from .._torch import require_distributed, require_torch
 from .mixed_precision import gradient

@@ -18,7 +18,7 @@ from typing import Callable
 from parsim.errors import ParsimError
 from parsim.workload.plan import Plan
 from parsim.step_report import median_breakdown, median_step, step_time
-from parsim.trace import Event, Trace
+from parsim.report.trace import Event, Trace
 
 DEFAULT_STEPS = 3
 DEFAULT_WARMUP = 2  # the first steps allocate AdamW's state and grow the host heap

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from parsim.errors import ParsimError
 from parsim.workload.model import MLPModel, Model
-from parsim.trace import collective_name
+from parsim.report.trace import collective_name
 
 from .._torch import require_distributed, require_torch
 from .comm import (CopyToTP, EPGroup, GatherFromTP, GatherSequence, ReduceFromTP, ScatterSequence, SharedLoss,

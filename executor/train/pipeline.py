@@ -36,7 +36,7 @@ import threading
 from typing import Any
 
 from parsim.schedules import Action, Schedule
-from parsim.trace import compute_name, p2p_name
+from parsim.report.trace import compute_name, p2p_name
 
 from .._torch import require_distributed, require_torch
 from .models import Piece

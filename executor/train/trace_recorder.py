@@ -24,7 +24,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
-from parsim.trace import Event
+from parsim.report.trace import Event
 
 from .._torch import require_torch
 

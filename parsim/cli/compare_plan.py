@@ -16,7 +16,7 @@ from ..workload.plan import Plan
 from ..sim.step import predict_step, rank_standing_for
 from ..step_report import PHASES, RankBreakdown, breakdown, step_time
 from ..table import format_number, render_table
-from ..trace import Trace
+from ..report.trace import Trace
 from ..units import format_time, size_unit, time_unit
 from .common import note, note_executor_kernels, note_launch_bound, progress, warn_other_machine
 from .compare_cmd import COMPARE_STEPS

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..workload.plan import Plan
 from ..sim.step import rank_standing_for
-from ..trace import Event, Trace
+from ..report.trace import Event, Trace
 
 SAME_BYTES = 0.01  # sizes within 1% are the same buffer
 

@@ -10,7 +10,7 @@ What is recognized, from torch's own events (:mod:`.recognize` names them):
 
 * **parsim's names** where the loop annotated them (``parsim run --profile``,
   or any loop using ``record_function`` with the names of
-  :mod:`parsim.trace`): compute actions, pipeline transfers, the optimizer;
+  :mod:`parsim.report.trace`): compute actions, pipeline transfers, the optimizer;
 * **collectives** from the backend's own events: ``gloo:all_reduce`` (the
   worker thread's span of the real work) or NCCL's kernels
   (``ncclDevKernel_AllReduce_...``), with their element counts;
@@ -33,7 +33,7 @@ from pathlib import Path
 from ..hardware.cluster import MAX_GPUS
 from ..errors import ParsimError
 from ..files import read_json
-from ..trace import Event, Trace
+from ..report.trace import Event, Trace
 from . import recognize
 
 

@@ -18,7 +18,7 @@ import bisect
 import math
 import re
 
-from ..trace import Event
+from ..report.trace import Event
 
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _COMPUTE = re.compile(r"^([FBIWR]) stage=\d+ mb=\d+$")

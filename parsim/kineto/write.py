@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..errors import ParsimError
 from ..step_report import blocks_compute
-from ..trace import STREAMS, Event, Trace
+from ..report.trace import STREAMS, Event, Trace
 
 # CUDA-like stream ids per parsim stream: 7 is PyTorch's default stream in Kineto traces.
 STREAM_IDS = {"compute": 7, "comm": 21, "p2p": 22, "gather": 23, "cp": 24}

@@ -36,7 +36,7 @@ from .pieces import CommPiece, ComputePiece, Piece
 from ..workload.plan import Plan
 from ..sim.program import Op, Program
 from ..schedules import Action, Schedule
-from ..trace import collective_name, compute_name, p2p_name
+from ..report.trace import collective_name, compute_name, p2p_name
 
 T = TypeVar("T")
 

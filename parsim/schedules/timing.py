@@ -14,7 +14,7 @@ from functools import cached_property
 from typing import NamedTuple, Sequence
 
 from ..errors import ParsimError
-from ..trace import Event, Trace, compute_name, p2p_name
+from ..report.trace import Event, Trace, compute_name, p2p_name
 from .checks import dependencies, execution_order
 from .core import Action, Schedule
 
@@ -67,7 +67,7 @@ class IdealTiming:
         return sum(self.idle) / (self.schedule.pp * self.step_time)
 
     def to_trace(self) -> Trace:
-        """The timing as a :class:`~parsim.trace.Trace` (``source="simulated"``).
+        """The timing as a :class:`~parsim.report.trace.Trace` (``source="simulated"``).
 
         Each pass is an event on stream ``compute`` named like the executor
         names it (``F stage=1 mb=3``). With ``t_comm > 0``, every transfer to

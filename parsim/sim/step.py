@@ -15,7 +15,7 @@ from ..workload.plan import Plan
 from ..workload.memory import Memory, memory
 from ..step_report import RankBreakdown, breakdown, merge_spans, step_time
 from .stepsim import StepSimulator
-from ..trace import Trace
+from ..report.trace import Trace
 from ..lowering.unfold import unfold
 
 

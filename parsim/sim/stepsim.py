@@ -15,7 +15,7 @@ Nothing here polls. Runs of ops that follow each other at once are timed with
 one timeout; a collective whose links no other stream ever uses takes its
 uncontended time in closed form; a transfer alone on its links costs one
 wake-up. So a step with hundreds of thousands of ops runs in seconds (see
-``docs/engine.md``). The result is a :class:`~parsim.trace.Trace` in the
+``docs/engine.md``). The result is a :class:`~parsim.report.trace.Trace` in the
 schema the executor writes.
 """
 
@@ -39,7 +39,7 @@ from ..errors import ParsimError
 from ..hardware.network import Network, chain_routes, stack_routes
 from .program import Op, Program
 from ..hardware.topology import Topology
-from ..trace import Event, Trace
+from ..report.trace import Event, Trace
 
 # progress(ops finished, ops in all) is called at most this often (seconds of wall time)
 PROGRESS_EVERY_S = 0.5
