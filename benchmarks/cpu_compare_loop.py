@@ -152,7 +152,7 @@ def predicted_again(run: dict, plan_args: list[str], cluster) -> dict:
     from parsim.cli.main import build_parser
     from parsim.cli.plan_cmd import plan_from_args
     from parsim.sim.step import predict_step
-    from parsim.step_report import RankBreakdown
+    from parsim.report.step_report import RankBreakdown
 
     plan = plan_from_args(build_parser().parse_args(["simulate", *plan_args]))
     speed = run.get("host_speed")

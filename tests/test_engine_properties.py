@@ -22,7 +22,7 @@ from parsim.errors import ParsimError
 from parsim.workload.model import load_model
 from parsim.workload.plan import SCHEDULES, Plan
 from parsim.sim.step import predict_step
-from parsim.step_report import PHASES
+from parsim.report.step_report import PHASES
 
 from ideal_cluster import ideal_spec
 

@@ -14,7 +14,7 @@ from parsim.kineto.recognize import rank_events
 from parsim.kineto.write import write_merged_trace, write_rank_traces
 from parsim.workload.plan import resolve_plan
 from parsim.sim.step import predict_step
-from parsim.step_report import comm_overlap
+from parsim.report.step_report import comm_overlap
 
 try:
     import torch  # noqa: F401

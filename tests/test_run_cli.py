@@ -16,7 +16,7 @@ import pytest
 
 from parsim.cli.main import main
 from parsim.workload.plan import resolve_plan
-from parsim.step_report import PHASES, step_time
+from parsim.report.step_report import PHASES, step_time
 from parsim.report.trace import Event, Trace
 
 from test_json_schema import conforms
@@ -113,7 +113,7 @@ def test_ranks_on_one_host_share_its_clock_and_others_keep_their_own():
 
 
 def test_each_phase_is_its_median_over_the_steps_and_the_step_the_median_step():
-    from parsim.step_report import median_breakdown, median_step
+    from parsim.report.step_report import median_breakdown, median_step
 
     def step(forward_ms: tuple[float, float]) -> Trace:  # each rank's forward from 0; the step ends with the later
         return Trace("measured", 2, [Event("F stage=0 mb=0", r, "compute", "compute", 0.0, ms * 1e-3)

@@ -9,7 +9,7 @@ from parsim.hardware.cluster import load_cluster
 from parsim.sim.compute import ComputeModel
 from parsim.lowering.lower import lower
 from parsim.workload.plan import resolve_plan
-from parsim.step_report import breakdown, merge_spans, step_time
+from parsim.report.step_report import breakdown, merge_spans, step_time
 from parsim.sim.stepsim import StepSimulator
 from parsim.lowering.unfold import unfold
 

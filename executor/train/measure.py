@@ -17,7 +17,7 @@ from typing import Callable
 
 from parsim.errors import ParsimError
 from parsim.workload.plan import Plan
-from parsim.step_report import median_breakdown, median_step, step_time
+from parsim.report.step_report import median_breakdown, median_step, step_time
 from parsim.report.trace import Event, Trace
 
 DEFAULT_STEPS = 3

@@ -7,7 +7,7 @@ import sys
 
 from ..jsondoc import print_json
 from ..workload.plan import Plan
-from ..step_report import PHASES
+from ..report.step_report import PHASES
 from ..table import render_table
 from ..units import format_time
 from .common import check_outputs, progress

@@ -8,7 +8,7 @@ import sys
 from ..hardware.cluster import load_cluster
 from ..jsondoc import print_json
 from ..sim.step import StepPrediction, predict_step
-from ..step_report import PHASES, comm_overlap
+from ..report.step_report import PHASES, comm_overlap
 from ..table import render_table
 from ..units import format_time
 from .common import (DEFAULT_CLUSTER, OpsProgress, check_outputs, memory_table, note_launch_bound,

@@ -13,7 +13,7 @@ Each rank becomes what a GPU run's profile looks like:
   from computation; ``args.parsim_name`` keeps the name parsim joins on;
 * compute spans are cut around the tensor-parallel (and expert) collectives
   nested in them: those block the compute stream, so no compute runs under
-  them, and HTA's overlap then agrees with :func:`parsim.step_report.comm_overlap`;
+  them, and HTA's overlap then agrees with :func:`parsim.report.step_report.comm_overlap`;
 * a stream whose events overlap (asynchronous sends in flight together) is
   spread over extra lanes, ``p2p`` then ``p2p #2``: a CUDA stream runs one
   kernel at a time, HTA's idle time assumes so, and Perfetto drops a slice
@@ -33,7 +33,7 @@ import re
 from pathlib import Path
 
 from ..errors import ParsimError
-from ..step_report import blocks_compute
+from ..report.step_report import blocks_compute
 from ..report.trace import STREAMS, Event, Trace
 
 # CUDA-like stream ids per parsim stream: 7 is PyTorch's default stream in Kineto traces.

@@ -46,7 +46,7 @@ from ..workload.model import MLPModel
 from ..workload.plan import (DTYPE_BYTES, Plan, accumulation_bytes, attention_seq, default_reduce_dtype,
                              keeps_main_grads, master_weights, ties_across_stages)
 from ..schedules import make_schedule, peak_in_flight
-from ..step_report import PHASES
+from ..report.step_report import PHASES
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
 from .pipeline import PipelineTiming, time_schedule
 from .space import SearchSpace, Setting, Variant

@@ -13,7 +13,7 @@ from ..errors import ParsimError
 from ..lowering.lower import lower
 from ..workload.plan import Plan
 from ..workload.memory import Memory, memory
-from ..step_report import RankBreakdown, breakdown, merge_spans, step_time
+from ..report.step_report import RankBreakdown, breakdown, merge_spans, step_time
 from .stepsim import StepSimulator
 from ..report.trace import Trace
 from ..lowering.unfold import unfold

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .report.trace import Event, Trace
+from .trace import Event, Trace
 
 PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "ep", "cp", "pp", "dp", "fsdp", "optimizer", "idle")
 BLOCKING = ("tp", "ep")  # collectives run on the compute stream, between a pass's block computes
