@@ -12,7 +12,7 @@ import time
 
 from parsim.hardware.cluster import load_cluster
 from parsim.collectives import predict
-from parsim.table import render_table
+from parsim.report.table import render_table
 from parsim.units import format_time, parse_size
 
 

@@ -238,7 +238,7 @@ def main() -> None:
         print(json.dumps({"cluster": cluster, "runs": {label: len(r) for label, r in runs.items()}, "out": str(out),
                           "plans": summary}, indent=1))
         return
-    from parsim.table import render_table
+    from parsim.report.table import render_table
 
     rows = []
     for label, row in summary.items():
@@ -260,7 +260,7 @@ def _print_repeat(folder_a: str, folder_b: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"a": folder_a, "b": folder_b, "plans": summary}, indent=1))
         return
-    from parsim.table import render_table
+    from parsim.report.table import render_table
 
     rows = []
     for label, row in summary.items():

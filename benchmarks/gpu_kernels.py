@@ -49,7 +49,7 @@ from parsim.lowering.kernels import block_work
 from parsim.errors import ParsimError
 from parsim.workload.model import TransformerModel
 from parsim.workload.plan import DTYPE_BYTES, load_plan
-from parsim.table import render_table
+from parsim.report.table import render_table
 
 DEFAULT_PLAN = Path(__file__).parent / "gpu" / "one-gpu-step.yaml"
 MAMF_SHAPE = (8192, 8192, 8192)

@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--only", choices=sorted(TABLES), action="append", help="run only these tables")
     parser.add_argument("--timeout", type=float, default=300, help="seconds before a case counts as not finished")
     args = parser.parse_args()
-    from parsim.table import render_table
+    from parsim.report.table import render_table
     from parsim.units import format_time
 
     for key in args.only or list(TABLES):

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 from ..hardware.cluster import ClusterSpec, builtin_clusters, load_cluster
 from ..jsondoc import print_json
-from ..table import render_table
+from ..report.table import render_table
 
 HELP = """\
 List the built-in clusters with their key figures, or show one cluster file.

@@ -11,7 +11,7 @@ from ..collectives.explain import explain
 from ..errors import ParsimError
 from ..jsondoc import print_json
 from ..results import OPERATIONS, canonical_op
-from ..table import render_table
+from ..report.table import render_table
 from ..units import format_size, format_time, parse_size, parse_size_range, size_unit, time_unit
 from .common import OpsProgress, add_cluster_args, check_buffer, check_outputs, topology_from_args
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..hardware.cluster import ClusterSpec, builtin_clusters, load_cluster
 from ..errors import ParsimError
 from ..workload.memory import Memory
-from ..table import render_table
+from ..report.table import render_table
 from ..hardware.topology import Topology
 from ..units import format_size, format_time
 

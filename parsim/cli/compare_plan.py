@@ -15,7 +15,7 @@ from ..kineto.read import measured_trace, read_profiles
 from ..workload.plan import Plan
 from ..sim.step import predict_step, rank_standing_for
 from ..report.step_report import PHASES, RankBreakdown, breakdown, step_time
-from ..table import format_number, render_table
+from ..report.table import format_number, render_table
 from ..report.trace import Trace
 from ..units import format_time, size_unit, time_unit
 from .common import note, note_executor_kernels, note_launch_bound, progress, warn_other_machine

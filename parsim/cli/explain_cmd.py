@@ -12,7 +12,7 @@ from ..errors import ParsimError
 from ..jsondoc import print_json
 from ..schedules import (KIND_NAMES, SCHEDULES, IdealTiming, Schedule, closed_form, make_schedule, peak_in_flight,
                          simulate_ideal)
-from ..table import render_table
+from ..report.table import render_table
 from . import explain_compute, explain_memory
 from .common import check_outputs
 

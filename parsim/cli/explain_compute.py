@@ -11,7 +11,7 @@ from ..errors import ParsimError
 from ..jsondoc import print_json
 from ..lowering.kernels import BlockWork, block_work
 from ..lowering.lower import Lowering
-from ..table import render_table
+from ..report.table import render_table
 from ..units import format_size, format_time, time_unit
 from .common import DEFAULT_CLUSTER
 from .plan_cmd import add_plan_args, plan_from_args

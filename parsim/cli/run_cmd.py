@@ -8,7 +8,7 @@ import sys
 from ..jsondoc import print_json
 from ..workload.plan import Plan
 from ..report.step_report import PHASES
-from ..table import render_table
+from ..report.table import render_table
 from ..units import format_time
 from .common import check_outputs, progress
 from .plan_cmd import add_plan_args, plan_from_args

@@ -9,7 +9,7 @@ from ..hardware.cluster import load_cluster
 from ..jsondoc import print_json
 from ..sim.step import StepPrediction, predict_step
 from ..report.step_report import PHASES, comm_overlap
-from ..table import render_table
+from ..report.table import render_table
 from ..units import format_time
 from .common import (DEFAULT_CLUSTER, OpsProgress, check_outputs, memory_table, note_launch_bound,
                      note_unmeasured_matmuls)

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER
 from ..report.step_report import PHASES
-from ..table import render_table
+from ..report.table import render_table
 from ..units import format_size, format_time
 from .search import Ranked, SearchResult
 
