@@ -7,7 +7,7 @@ import json
 import pytest
 
 from parsim.cli.main import main
-from parsim.gantt import ascii_gantt, draw_gantt
+from parsim.report.gantt import ascii_gantt, draw_gantt
 from parsim.schedules import make_schedule, simulate_ideal
 from parsim.report.trace import Event, Trace, compute_name, p2p_name
 

@@ -93,7 +93,7 @@ def run_bubble(args: argparse.Namespace) -> int:
     else:
         print(explain_bubble(schedule, timing, peaks, t_f, t_b, t_w, picture=not args.gantt))
     if args.gantt:
-        from ..gantt import draw_gantt
+        from ..report.gantt import draw_gantt
 
         draw_gantt(timing.to_trace(), args.gantt, _title(schedule, timing))
         if not args.json:
@@ -158,7 +158,7 @@ def explain_bubble(schedule: Schedule, timing: IdealTiming, peaks: list[int], t_
     if schedule.split_backward:
         out.append("   A deferred W keeps only its weight-gradient inputs, much less, so it is not counted.")
     if picture:
-        from ..gantt import ascii_gantt
+        from ..report.gantt import ascii_gantt
 
         chart = ascii_gantt(timing.to_trace())
         out.append("")

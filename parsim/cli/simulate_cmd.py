@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"wrote {write_trace(args.trace, {'predicted': prediction.trace})}", file=sys.stderr)
     if args.gantt:
-        from ..gantt import draw_gantt
+        from ..report.gantt import draw_gantt
 
         draw_gantt(prediction.trace, args.gantt, title=f"{plan.name} on {prediction.cluster.name} (simulated)")
         print(f"wrote {args.gantt}")

@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from .report.trace import Event, Trace  # noqa: E402
+from .trace import Event, Trace  # noqa: E402
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B2"}
 LABELS = {"F": "F forward", "B": "B backward", "I": "I backward (input)", "W": "W backward (weights)"}
