@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         save_results(args.out, results, meta=meta)
         print(f"wrote {args.out}", file=sys.stderr)
     if args.plot:
-        from ..plots import plot_bandwidth
+        from ..report.plots import plot_bandwidth
 
         plot_bandwidth({f"measured ({first.backend})": results}, args.plot,
                        title=f"{op.replace('_', '-')} on {first.nranks} ranks ({first.backend})")

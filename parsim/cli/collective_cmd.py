@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(sweep_table(predictions, topo.spec.name))
         if args.plot:
-            from ..plots import plot_bandwidth
+            from ..report.plots import plot_bandwidth
 
             plot_bandwidth({"simulated": [p.result() for p in predictions]}, args.plot,
                            title=f"{op.replace('_', '-')} on {gpus} GPUs of {topo.spec.name}")

@@ -161,7 +161,7 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
                                  f"{rows[0].predicted.algorithm})"))
         print(f"median |error| {mae:.1%} over {len(rows)} sizes")
     if args.plot:
-        from ..plots import plot_bandwidth
+        from ..report.plots import plot_bandwidth
 
         plot_bandwidth({"measured": [r.measured for r in rows], "predicted": [r.predicted for r in rows]},
                        args.plot, title=f"{op.replace('_', '-')} on {nranks} ranks")

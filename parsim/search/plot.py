@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from matplotlib.ticker import ScalarFormatter
 
-from ..plots import plt
+from ..report.plots import plt
 from .report import figures
 from .search import SearchResult
 
