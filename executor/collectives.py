@@ -11,7 +11,7 @@ a collective is not done until its slowest rank is (nccl-tests' ``-a 3``; its
 default ``-a 1`` reports the mean over ranks, kept here as
 ``extra["time_s_mean"]`` next to ``extra["time_s_min"]``).
 
-Sizes mean what they mean in nccl-tests and :mod:`parsim.results`: the whole
+Sizes mean what they mean in nccl-tests and :mod:`parsim.report.results`: the whole
 buffer for all-reduce, broadcast, reduce and send/recv; the total of all
 ranks' chunks (``nranks x chunk``) for all-gather, reduce-scatter, gather,
 scatter and all-to-all. A size is rounded down to whole float32 elements, and
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from parsim.errors import ParsimError
-from parsim.results import CollectiveResult, canonical_op
+from parsim.report.results import CollectiveResult, canonical_op
 from parsim.units import format_size
 
 from ._torch import require_distributed, require_torch

@@ -37,7 +37,7 @@ from .collectives.algorithms import build_phases
 from .collectives.simulate import time_phases
 from .sim.compute import ComputeModel
 from .errors import ParsimError
-from .results import CollectiveResult
+from .report.results import CollectiveResult
 
 
 def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: float, *,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .collectives import predict
-from .results import CollectiveResult
+from .report.results import CollectiveResult
 from .hardware.topology import Topology
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from parsim.cli.main import main
 from parsim.errors import ParsimError
-from parsim.results import OPERATIONS, CollectiveResult, busbw_factor, load_results
+from parsim.report.results import OPERATIONS, CollectiveResult, busbw_factor, load_results
 
 from executor._torch import INSTALL_HINT
 from executor.collective_buffers import forms_of

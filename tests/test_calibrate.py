@@ -14,7 +14,7 @@ from parsim.cli.main import main
 from parsim.hardware.cluster import SharedCoreCosts, load_cluster, parse_cluster
 from parsim.collectives import predict
 from parsim.sim.compute import ComputeModel
-from parsim.results import save_results
+from parsim.report.results import save_results
 
 GLOO = {"all_reduce": "ring", "send_recv": "direct", "all_gather": "ring", "reduce_scatter": "via_all_reduce",
         "broadcast": "recursive"}
@@ -489,7 +489,7 @@ def test_calibrate_fits_each_collective_size_on_its_median_round(monkeypatch, tm
 
 def test_the_median_round_of_each_size_is_kept_in_the_first_round_s_order():
     from parsim.cli.calibrate_cmd import median_rounds
-    from parsim.results import CollectiveResult
+    from parsim.report.results import CollectiveResult
 
     def result(size, seconds):
         return CollectiveResult("all_reduce", 2, size, seconds, "ring", "measured", "gloo")

@@ -232,7 +232,7 @@ def test_file_errors_name_the_file(tmp_path):
 
 @pytest.mark.parametrize("name", ["course-mlp", "llama3-8b"])
 def test_collective_ops_use_the_result_schema_names(name):
-    from parsim.results import OPERATIONS
+    from parsim.report.results import OPERATIONS
 
     for cost in load_model(name).costs(2):
         for phase in ("forward", "backward"):

@@ -12,7 +12,7 @@ import platform
 import sys
 
 from ..jsondoc import print_json
-from ..results import OPERATIONS, CollectiveResult, busbw_factor, canonical_op, save_results
+from ..report.results import OPERATIONS, CollectiveResult, busbw_factor, canonical_op, save_results
 from ..units import parse_size, parse_size_range
 from .common import check_outputs
 

@@ -23,7 +23,7 @@ from ..files import read_yaml
 from ..host_load import ForeignLoad
 from ..jsondoc import print_json
 from ..lowering.lower import ADAMW_ACCESSES
-from ..results import CollectiveResult, canonical_op
+from ..report.results import CollectiveResult, canonical_op
 from ..report.table import render_table
 from ..units import parse_size_range, size_unit, time_unit
 from .common import check_outputs, note, progress

@@ -10,7 +10,7 @@ from ..collectives import ALGORITHMS, predict
 from ..collectives.explain import explain
 from ..errors import ParsimError
 from ..jsondoc import print_json
-from ..results import OPERATIONS, canonical_op
+from ..report.results import OPERATIONS, canonical_op
 from ..report.table import render_table
 from ..units import format_size, format_time, parse_size, parse_size_range, size_unit, time_unit
 from .common import OpsProgress, add_cluster_args, check_buffer, check_outputs, topology_from_args

@@ -8,7 +8,7 @@ from ..hardware.cluster import load_cluster
 from ..compare_collectives import compare_collectives, median_abs_error
 from ..errors import ParsimError
 from ..jsondoc import print_json
-from ..results import canonical_op, load_results, save_results
+from ..report.results import canonical_op, load_results, save_results
 from ..report.table import render_table
 from ..units import parse_size, parse_size_range, size_unit, time_unit
 from .common import check_outputs, progress, warn_other_machine

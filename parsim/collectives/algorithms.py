@@ -7,7 +7,7 @@ pipelined phase carrying all their bytes and ``n-1`` latency steps: that is how
 NCCL streams chunks through a ring, it is exactly the alpha-beta closed form,
 and it lets a 16k-GPU ring be simulated as one step instead of 32k.
 
-Sizes follow nccl-tests (see :mod:`parsim.results`): ``size`` is the whole
+Sizes follow nccl-tests (see :mod:`parsim.report.results`): ``size`` is the whole
 buffer for all-reduce, broadcast, reduce and send/recv, and the total of all
 ranks' chunks for all-gather, reduce-scatter, gather, scatter and all-to-all.
 """

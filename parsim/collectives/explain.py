@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..results import busbw_factor
+from ..report.results import busbw_factor
 from ..hardware.topology import Topology
 from ..units import format_size, format_time
 from .simulate import CollectivePrediction

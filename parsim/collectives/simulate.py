@@ -15,7 +15,7 @@ import simpy
 
 from ..errors import ParsimError
 from ..hardware.network import Network
-from ..results import CollectiveResult
+from ..report.results import CollectiveResult
 from ..hardware.topology import Topology
 from .algorithms import Phase, applicable_algorithms, build_phases
 from .nccl import PARSIM_ALGORITHM, PROTOS, Choice, model_for, nccl_choice

@@ -7,7 +7,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..results import CollectiveResult  # noqa: E402
+from .results import CollectiveResult  # noqa: E402
 from ..units import format_size  # noqa: E402
 
 

@@ -210,7 +210,7 @@ class TPCollective:
     """A tensor-parallel collective inside a block; runs only when ``tp > 1``.
 
     ``op`` is ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"`` (the
-    names of :mod:`parsim.results`' operations) over the tensor-parallel group.
+    names of :mod:`parsim.report.results`' operations) over the tensor-parallel group.
     ``phase`` is ``"forward"`` or ``"backward"``; ``position`` is ``"before"``
     or ``"after"`` the block's compute in that phase's execution order.
     ``bytes_per_token`` is the whole (unsharded) tensor's size per token, the
