@@ -11,7 +11,7 @@ from parsim.sim.compute import ComputeModel, SmWork
 from parsim.errors import ParsimError
 from parsim.files import read_yaml
 from parsim.workload.model import load_model
-from parsim.jsondoc import envelope, published_schema
+from parsim.report.jsondoc import envelope, published_schema
 
 from json_schema import errors
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from parsim.cli.main import build_parser, main
-from parsim.jsondoc import published_schema
+from parsim.report.jsondoc import published_schema
 
 from json_schema import errors
 

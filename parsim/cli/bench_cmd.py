@@ -11,7 +11,7 @@ import argparse
 import platform
 import sys
 
-from ..jsondoc import print_json
+from ..report.jsondoc import print_json
 from ..report.results import OPERATIONS, CollectiveResult, busbw_factor, canonical_op, save_results
 from ..units import parse_size, parse_size_range
 from .common import check_outputs

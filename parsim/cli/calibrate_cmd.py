@@ -21,7 +21,7 @@ from ..sim.compute import at_length
 from ..errors import ParsimError
 from ..files import read_yaml
 from ..host_load import ForeignLoad
-from ..jsondoc import print_json
+from ..report.jsondoc import print_json
 from ..lowering.lower import ADAMW_ACCESSES
 from ..report.results import CollectiveResult, canonical_op
 from ..report.table import render_table

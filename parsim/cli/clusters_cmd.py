@@ -6,7 +6,7 @@ import argparse
 from dataclasses import asdict
 
 from ..hardware.cluster import ClusterSpec, builtin_clusters, load_cluster
-from ..jsondoc import print_json
+from ..report.jsondoc import print_json
 from ..report.table import render_table
 
 HELP = """\

@@ -9,7 +9,7 @@ import numpy as np
 from ..collectives import ALGORITHMS, predict
 from ..collectives.explain import explain
 from ..errors import ParsimError
-from ..jsondoc import print_json
+from ..report.jsondoc import print_json
 from ..report.results import OPERATIONS, canonical_op
 from ..report.table import render_table
 from ..units import format_size, format_time, parse_size, parse_size_range, size_unit, time_unit

@@ -7,7 +7,7 @@ import argparse
 from ..hardware.cluster import load_cluster
 from ..compare_collectives import compare_collectives, median_abs_error
 from ..errors import ParsimError
-from ..jsondoc import print_json
+from ..report.jsondoc import print_json
 from ..report.results import canonical_op, load_results, save_results
 from ..report.table import render_table
 from ..units import parse_size, parse_size_range, size_unit, time_unit

@@ -9,7 +9,7 @@ import argparse
 import math
 
 from ..errors import ParsimError
-from ..jsondoc import print_json
+from ..report.jsondoc import print_json
 from ..schedules import (KIND_NAMES, SCHEDULES, IdealTiming, Schedule, closed_form, make_schedule, peak_in_flight,
                          simulate_ideal)
 from ..report.table import render_table

@@ -8,7 +8,7 @@ import dataclasses
 from ..hardware.cluster import load_cluster
 from ..sim.compute import MATMUL_TILE, ComputeModel
 from ..errors import ParsimError
-from ..jsondoc import print_json
+from ..report.jsondoc import print_json
 from ..lowering.kernels import BlockWork, block_work
 from ..lowering.lower import Lowering
 from ..report.table import render_table

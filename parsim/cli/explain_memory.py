@@ -6,7 +6,7 @@ import argparse
 
 from ..hardware.cluster import load_cluster
 from ..errors import ParsimError
-from ..jsondoc import print_json
+from ..report.jsondoc import print_json
 from ..workload.memory import ADAM_STATE_BYTES, FP32, Memory, memory, saved_bytes_per_token
 from ..workload.plan import Plan
 from .common import DEFAULT_CLUSTER, memory_table

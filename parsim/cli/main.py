@@ -14,7 +14,7 @@ import os
 import sys
 
 from ..errors import ParsimError
-from ..jsondoc import print_error
+from ..report.jsondoc import print_error
 
 # Subcommand modules, in the order --help lists them.
 COMMANDS = (

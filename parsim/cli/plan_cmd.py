@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from ..errors import ParsimError
-from ..jsondoc import print_json
+from ..report.jsondoc import print_json
 from ..workload.model import builtin_models, load_model
 from ..workload.plan import (ADAMW_IMPLEMENTATIONS, CP_STYLES, DIMS, DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_SYNCS,
                              RECOMPUTE, REDUCE_DTYPES, SCHEDULES, TP_STYLES, ZERO_STAGES, Plan, builtin_plans,

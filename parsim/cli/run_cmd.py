@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..jsondoc import print_json
+from ..report.jsondoc import print_json
 from ..workload.plan import Plan
 from ..report.step_report import PHASES
 from ..report.table import render_table

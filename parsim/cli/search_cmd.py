@@ -14,7 +14,7 @@ from ..workload.model import TransformerModel, builtin_models, load_model
 from ..workload.plan import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW, DTYPE_BYTES, REDUCE_DTYPES
 from ..search.search import SORTS, SearchRequest, run_search
 from ..units import parse_size
-from ..jsondoc import print_json
+from ..report.jsondoc import print_json
 from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, note, note_unmeasured_matmuls
 
 HELP = """\

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..hardware.cluster import load_cluster
-from ..jsondoc import print_json
+from ..report.jsondoc import print_json
 from ..sim.step import StepPrediction, predict_step
 from ..report.step_report import PHASES, comm_overlap
 from ..report.table import render_table

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..jsondoc import print_json
+from ..report.jsondoc import print_json
 from ..report.table import render_table
 from ..validation.training import RowResult, Validation, builtin_tables, validate
 from .common import OpsProgress

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..errors import ParsimError
 from ..hardware.cluster import MAX_GPUS
 from ..files import read_json
-from ..jsondoc import envelope
+from .jsondoc import envelope
 from ..units import MAX_SIZE
 
 # Canonical operation names (the torch.distributed spelling, with dashes on the CLI).

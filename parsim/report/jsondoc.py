@@ -20,7 +20,7 @@ import math
 import sys
 from typing import Any
 
-from . import __version__
+from .. import __version__
 
 SCHEMA_VERSION = 1
 
