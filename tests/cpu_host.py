@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from parsim.calibrate import host_cluster
+from parsim.calibrate.host import host_cluster
 
 
 def cpu_host(**compute) -> dict:

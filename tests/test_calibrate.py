@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cpu_host import cpu_host
-from parsim.calibrate import fit_links, fit_matmul, fit_operation, host_cluster
+from parsim.calibrate.host import fit_links, fit_matmul, fit_operation, host_cluster
 from parsim.cli.common import warn_other_machine
 from parsim.cli.main import main
 from parsim.hardware.cluster import SharedCoreCosts, load_cluster, parse_cluster

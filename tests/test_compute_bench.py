@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from parsim.calibrate import fit_alone_memory, fit_optimizer, fit_tp_calls
+from parsim.calibrate.host import fit_alone_memory, fit_optimizer, fit_tp_calls
 from parsim.lowering.lower import ADAMW_ACCESSES
 
 pytest.importorskip("torch")
@@ -145,7 +145,7 @@ def test_each_kernel_kind_is_timed_on_its_own_forward_and_backward():
 
 def test_freeing_gradients_is_timed_per_run_and_fits_by_tensors_and_bytes():
     from executor.compute_bench import measure_zero_grad
-    from parsim.calibrate import fit_zero_grad
+    from parsim.calibrate.host import fit_zero_grad
 
     runs = ((1, 256), (8, 256), (2, 1 << 18))
     rows = measure_zero_grad(runs, repeats=3)

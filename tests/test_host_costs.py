@@ -11,8 +11,8 @@ import yaml
 
 from cpu_host import cpu_host
 from ideal_cluster import IDEAL, ideal_spec
-from parsim.calibrate import (DispatchFit, OptimizerFit, fit_alone_memory, fit_core_arithmetic, fit_dispatch,
-                              fit_elementwise, fit_matmul, fit_optimizer, fit_step_overhead, host_cluster)
+from parsim.calibrate.host import (DispatchFit, OptimizerFit, fit_alone_memory, fit_core_arithmetic, fit_dispatch,
+                                   fit_elementwise, fit_matmul, fit_optimizer, fit_step_overhead, host_cluster)
 from parsim.cli.main import main
 from parsim.hardware.cluster import builtin_clusters, load_cluster, parse_cluster
 from parsim.collectives import predict

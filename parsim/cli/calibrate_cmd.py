@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ..calibrate import (fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise,
-                         fit_links, fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, fit_tp_calls,
-                         fit_zero_grad, host_cluster)
+from ..calibrate.host import (fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise, fit_links,
+                              fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, fit_tp_calls, fit_zero_grad,
+                              host_cluster)
 from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..hardware.cluster import SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from ..sim.compute import at_length
@@ -34,7 +34,7 @@ Measure this host and write a cluster file the simulator loads like any other.
 What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * all-reduce and send/recv at several sizes and rank counts -> latency per
     step (alpha), link bandwidth (B) and the host's total bandwidth, fitted in
-    the simulator's own terms (see parsim/calibrate.py);
+    the simulator's own terms (see parsim/calibrate/host.py);
   * every measured operation -> its own fixed cost per call and bandwidth
     efficiency (backends implement some operations far below link speed);
     on gloo also, from calls issued between bursts of compute as a training

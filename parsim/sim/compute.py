@@ -82,7 +82,7 @@ GPU host):
   roofline's maximum of compute and all bytes. A core writes a new output
   sequentially faster than a thin matmul reads its weight (on the 2-core AMD
   VM 2.8x in two runs of the matmul benchmark, 1.2-1.8x in three
-  calibrations; :func:`parsim.calibrate.fit_matmul`).
+  calibrations; :func:`parsim.calibrate.host.fit_matmul`).
 * ``elementwise_bw_Bps``: the speed of a block's memory-bound kernels'
   bytes (activations, norms, softmax), which on a CPU core are often
   arithmetic-bound (GeLU's erf, exp) and far below the memory speed that

@@ -32,12 +32,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .hardware.cluster import CORE_ARITHMETIC_KINDS, CoreArithmetic, SharedCoreCosts, parse_cluster
-from .collectives.algorithms import build_phases
-from .collectives.simulate import time_phases
-from .sim.compute import ComputeModel
-from .errors import ParsimError
-from .report.results import CollectiveResult
+from ..hardware.cluster import CORE_ARITHMETIC_KINDS, CoreArithmetic, SharedCoreCosts, parse_cluster
+from ..collectives.algorithms import build_phases
+from ..collectives.simulate import time_phases
+from ..sim.compute import ComputeModel
+from ..errors import ParsimError
+from ..report.results import CollectiveResult
 
 
 def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: float, *,
@@ -230,7 +230,7 @@ def fit_step_overhead(measured: list[CollectiveResult], spec) -> dict[str, float
     """Per operation, the extra fixed cost of calls issued between bursts of compute (as in a training
     step) over what the fitted cluster ``spec`` predicts from back-to-back loops: the median over sizes
     of measured minus predicted, at least 0. ``measured`` times are means over calls, stalls included."""
-    from .collectives import predict
+    from ..collectives import predict
 
     topo = spec.build(1)
     extra: dict[str, list[float]] = {}
