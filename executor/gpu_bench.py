@@ -6,7 +6,7 @@ work the model prices for it (``work``: a matmul's ``mnk``, attention FLOPs as
 the model counts them with their pass and sequence length, memory-bound
 bytes, or kernels launched). ``benchmarks/gpu_kernels.py`` sets them beside a
 cluster file's predictions; ``parsim calibrate --ranks 1`` fits a GPU's
-figures on them (:func:`parsim.calibrate_gpu.fit_gpu`).
+figures on them (:func:`parsim.calibrate.gpu.fit_gpu`).
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def host_rows(device) -> list[dict]:
     return rows
 
 
-# What `parsim calibrate --ranks 1` times (parsim.calibrate_gpu): square-ish matmuls, where cuBLAS reaches its
+# What `parsim calibrate --ranks 1` times (parsim.calibrate.gpu): square-ish matmuls, where cuBLAS reaches its
 # best rate (the MAMF rule takes the best shape); causal attention at the lengths FlashAttention-3's figures
 # give, 16k tokens each, at the models' head dim 128; memory-bound kernels on 1 GiB, and those whose arithmetic
 # may outlast their bytes; the host's time per eager op.

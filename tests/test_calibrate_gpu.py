@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parsim.calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload
+from parsim.calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload
 from parsim.cli.main import main
 from parsim.hardware.cluster import SmCycles, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from parsim.sim.compute import ComputeModel, SmWork
@@ -164,7 +164,7 @@ def test_the_sm_kernels_calibrate_times_run_and_are_fitted_here():
     elements it counts, and a figure fitted for each."""
     torch = pytest.importorskip("torch")
     from executor.gpu_bench import SM_ROW_LENGTHS, sm_rows
-    from parsim.calibrate_gpu import fit_sm_cycles
+    from parsim.calibrate.gpu import fit_sm_cycles
     from parsim.hardware.cluster import HOPPER_SM_CYCLES
 
     rows = sm_rows(torch.device("cpu"), torch.float32, elements=4 * max(SM_ROW_LENGTHS), tokens=64)

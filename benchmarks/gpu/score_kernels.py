@@ -5,7 +5,7 @@ gradient sums, the unfused attention core's batched matmuls, and what launched e
 (benchmarks/gpu/unfused_layer.py).
 
 Prints each kernel's time and rate, and the SM cycles per element the kernel model takes from them
-(parsim.calibrate_gpu.fit_sm_cycles: seconds x SMs x clock over the elements the model counts).
+(parsim.calibrate.gpu.fit_sm_cycles: seconds x SMs x clock over the elements the model counts).
 parsim.hardware.cluster.HOPPER_SM_CYCLES is the mean of this script's runs on an H100 and an H200, kept in
 benchmarks/gpu/h100-score-kernels-2026-11-26.json and h200-...
 
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from executor.gpu_bench import open_json_out, row, sm_rows, timed  # noqa: E402
-from parsim.calibrate_gpu import fit_sm_cycles, sm_cycles_mapping  # noqa: E402
+from parsim.calibrate.gpu import fit_sm_cycles, sm_cycles_mapping  # noqa: E402
 from parsim.hardware.cluster import builtin_for_gpu, load_cluster  # noqa: E402
 from parsim.errors import ParsimError  # noqa: E402
 

@@ -15,7 +15,7 @@ import yaml
 from ..calibrate.host import (fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise, fit_links,
                               fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, fit_tp_calls, fit_zero_grad,
                               host_cluster)
-from ..calibrate_gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
+from ..calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..hardware.cluster import SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from ..sim.compute import at_length
 from ..errors import ParsimError
