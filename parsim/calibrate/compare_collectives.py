@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .collectives import predict
-from .report.results import CollectiveResult
-from .hardware.topology import Topology
+from ..collectives import predict
+from ..report.results import CollectiveResult
+from ..hardware.topology import Topology
 
 
 @dataclass
