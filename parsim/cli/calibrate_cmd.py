@@ -20,7 +20,7 @@ from ..hardware.cluster import SharedCoreCosts, builtin_clusters, builtin_for_gp
 from ..sim.compute import at_length
 from ..errors import ParsimError
 from ..files import read_yaml
-from ..host_load import ForeignLoad
+from ..calibrate.host_load import ForeignLoad
 from ..report.jsondoc import print_json
 from ..lowering.lower import ADAMW_ACCESSES
 from ..report.results import CollectiveResult, canonical_op

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..hardware.cluster import load_cluster
 from ..errors import ParsimError
-from ..host_load import ForeignLoad
+from ..calibrate.host_load import ForeignLoad
 from ..report.jsondoc import print_json
 from ..kineto.match import CollectiveRow, match_collectives
 from ..kineto.read import measured_trace, read_profiles
