@@ -14,9 +14,9 @@ out=${1:-gpu-check}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# The built-in cluster with this GPU, as parsim calibrate --ranks 1 picks it (parsim.cluster.builtin_for_gpu)
+# The built-in cluster with this GPU, as parsim calibrate --ranks 1 picks it (parsim.hardware.cluster.builtin_for_gpu)
 cluster=$($py -c "import sys, torch
-from parsim.cluster import builtin_for_gpu
+from parsim.hardware.cluster import builtin_for_gpu
 from parsim.errors import ParsimError
 if not torch.cuda.is_available():
     sys.exit('check.sh: this host has no CUDA GPU')
