@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from parsim.hardware.cluster import load_cluster
 from parsim.collectives import predict
+from parsim.hardware.cluster import load_cluster
 from parsim.report.table import render_table
 from parsim.units import format_time, parse_size
 

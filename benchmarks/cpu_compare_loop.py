@@ -151,8 +151,8 @@ def predicted_again(run: dict, plan_args: list[str], cluster) -> dict:
     from parsim.cli.compare_plan import compare_phases
     from parsim.cli.main import build_parser
     from parsim.cli.plan_cmd import plan_from_args
-    from parsim.sim.step import predict_step
     from parsim.report.step_report import RankBreakdown
+    from parsim.sim.step import predict_step
 
     plan = plan_from_args(build_parser().parse_args(["simulate", *plan_args]))
     speed = run.get("host_speed")
@@ -325,8 +325,8 @@ def _runs_in(folder: Path) -> dict[str, list[dict]]:
 
 
 def _load_cluster(path: str):
-    from parsim.hardware.cluster import load_cluster
     from parsim.errors import ParsimError
+    from parsim.hardware.cluster import load_cluster
 
     try:
         return load_cluster(path)

@@ -42,10 +42,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from executor.train import run_plan
-    from parsim.hardware.cluster import load_cluster
     from parsim.errors import ParsimError
-    from parsim.workload.plan import resolve_plan
+    from parsim.hardware.cluster import load_cluster
     from parsim.sim.step import predict_step
+    from parsim.workload.plan import resolve_plan
 
     try:
         plan = resolve_plan(args.plan, overrides={"parallel": {"dp": args.dp}} if args.dp else None)

@@ -17,11 +17,11 @@ import dataclasses
 import numpy as np
 
 from parsim.hardware.cluster import load_cluster
-from parsim.workload.model import load_model
-from parsim.search.report import _phases, describe
-from parsim.search.search import Ranked, SearchRequest, run_search
 from parsim.report.step_report import PHASES
 from parsim.report.table import render_table
+from parsim.search.report import _phases, describe
+from parsim.search.search import Ranked, SearchRequest, run_search
+from parsim.workload.model import load_model
 
 SEARCHES = (("llama3-8b", 8, 128), ("llama3-8b", 64, 128), ("llama3-70b", 1024, 512))
 TOP = 50

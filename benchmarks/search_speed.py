@@ -18,12 +18,12 @@ import argparse
 import time
 
 from parsim.hardware.cluster import load_cluster
-from parsim.workload.model import load_model
-from parsim.workload.plan import DEFAULT_ADAMW, resolve_plan
+from parsim.report.table import render_table
 from parsim.search.report import describe, figures
 from parsim.search.search import SearchRequest, run_search
 from parsim.sim.step import predict_step
-from parsim.report.table import render_table
+from parsim.workload.model import load_model
+from parsim.workload.plan import DEFAULT_ADAMW, resolve_plan
 
 CASES = {  # name: (model, GPUs, global batch in sequences of 8,192 tokens)
     "8b-8": ("llama3-8b", 8, 128),  # 1M tokens

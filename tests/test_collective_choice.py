@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parsim.hardware.cluster import load_cluster
 from parsim.collectives.simulate import choose_algorithm, predict
+from parsim.hardware.cluster import load_cluster
 
 
 @pytest.mark.parametrize("cluster", ["dgx-h100", "dgx-a100", "pcie-4x-rtx6000ada"])

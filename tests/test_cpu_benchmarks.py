@@ -220,8 +220,8 @@ def test_the_compare_loop_predicts_kept_runs_again_with_the_model_as_it_is(tmp_p
     import json
 
     from parsim.hardware.cluster import load_cluster
-    from parsim.workload.plan import resolve_plan
     from parsim.sim.step import predict_step
+    from parsim.workload.plan import resolve_plan
 
     (tmp_path / "host.yaml").write_text((ROOT / "topologies" / "dgx-h100.yaml").read_text())
     speed = {"arithmetic_factor": 1.25, "eager_factor": 1.0}

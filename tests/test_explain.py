@@ -8,8 +8,8 @@ import pytest
 
 from parsim.cli.main import main
 from parsim.report.gantt import ascii_gantt, draw_gantt
-from parsim.schedules import make_schedule, simulate_ideal
 from parsim.report.trace import Event, Trace, compute_name, p2p_name
+from parsim.schedules import make_schedule, simulate_ideal
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

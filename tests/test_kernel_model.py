@@ -214,8 +214,8 @@ def test_explain_compute_shows_an_fp8_plans_casts_and_its_fp8_peak(capsys):
     is set against the fp8 peak, the one an fp8 plan's matmuls run at."""
     import json
 
-    from parsim.sim.compute import ComputeModel
     from parsim.lowering.kernels import fp8_cast_bytes
+    from parsim.sim.compute import ComputeModel
 
     args = ["explain", "compute", "--model", "llama3-8b", "--cluster", "dgx-h100", "--dtype", "fp8"]
     assert main(args + ["--json"]) == 0
@@ -246,8 +246,8 @@ def test_selective_recompute_drops_the_unfused_scores_and_reruns_them():
     gpt = {"kind": "transformer", "num_layers": 2, "hidden": 1024, "num_heads": 16, "ffn_hidden": 4096,
            "seq_len": 2048, "vocab_size": 1000, "dropout": 0.1, "attention_kernel": "unfused"}
     spec = load_cluster("dgx-a100")
-    from parsim.workload.memory import memory
     from parsim.sim.step import predict_step
+    from parsim.workload.memory import memory
 
     plans = {r: Plan(model=load_model(gpt), dp=8, dtype="fp16", activation_recompute=r) for r in ("none", "selective")}
     saved = {r: plans[r].stage_costs(0)[1].activation_bytes_per_token() for r in plans}
@@ -458,8 +458,8 @@ def test_fp8_casts_every_gemm_input_forward_and_every_output_gradient_backward()
 def test_an_fp8_plan_keeps_the_lm_head_in_bf16():
     """The LM head is not a Transformer Engine module: in an fp8 plan it runs at the bf16 peak and
     efficiency, every block GEMM at fp8's."""
-    from parsim.sim.compute import ComputeModel
     from parsim.lowering.kernels import block_work
+    from parsim.sim.compute import ComputeModel
 
     spec = load_cluster("dgx-h100")
     model = load_model({"kind": "transformer", "num_layers": 2, "hidden": 4096, "num_heads": 32, "ffn_hidden": 14336,

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from parsim.hardware.cluster import HOPPER_SM_CYCLES, load_cluster
-from parsim.sim.compute import SmWork
 from parsim.errors import ConfigError
+from parsim.hardware.cluster import HOPPER_SM_CYCLES, load_cluster
 from parsim.lowering.kernels import block_work
 from parsim.lowering.lower import lower
-from parsim.workload.model import load_model
-from parsim.workload.plan import Plan
 from parsim.search.fast import FastModel
 from parsim.search.space import Candidate, SearchSpace, enumerate_settings
+from parsim.sim.compute import SmWork
 from parsim.sim.step import predict_step
+from parsim.workload.model import load_model
+from parsim.workload.plan import Plan
 
 H, F, HEADS, KV_HEADS, LAYERS = 1024, 4096, 16, 4, 4
 GPT = {"kind": "transformer", "name": "gpt", "num_layers": LAYERS, "hidden": H, "num_heads": HEADS,

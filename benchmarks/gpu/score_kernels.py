@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from executor.gpu_bench import open_json_out, row, sm_rows, timed  # noqa: E402
 from parsim.calibrate.gpu import fit_sm_cycles, sm_cycles_mapping  # noqa: E402
-from parsim.hardware.cluster import builtin_for_gpu, load_cluster  # noqa: E402
 from parsim.errors import ParsimError  # noqa: E402
+from parsim.hardware.cluster import builtin_for_gpu, load_cluster  # noqa: E402
 
 HALF = torch.float16
 SCORES = 1 << 30  # 1.07e9 fp16 scores: 2 GiB

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from parsim.lowering.lower import grad_norm_dims
-from parsim.workload.plan import Plan
 from parsim.report.trace import collective_name
+from parsim.workload.plan import Plan
 
 from .._torch import require_distributed, require_torch
 from .mixed_precision import gradient

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Callable
 
 from parsim.errors import ParsimError
-from parsim.workload.plan import Plan
 from parsim.report.step_report import median_breakdown, median_step, step_time
 from parsim.report.trace import Event, Trace
+from parsim.workload.plan import Plan
 
 DEFAULT_STEPS = 3
 DEFAULT_WARMUP = 2  # the first steps allocate AdamW's state and grow the host heap

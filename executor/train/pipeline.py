@@ -35,8 +35,8 @@ import queue
 import threading
 from typing import Any
 
-from parsim.schedules import Action, Schedule
 from parsim.report.trace import compute_name, p2p_name
+from parsim.schedules import Action, Schedule
 
 from .._torch import require_distributed, require_torch
 from .models import Piece

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..collectives import predict
-from ..report.results import CollectiveResult
 from ..hardware.topology import Topology
+from ..report.results import CollectiveResult
 
 
 @dataclass

@@ -34,11 +34,10 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import ParsimError
 from ..hardware.cluster import ClusterSpec, SmCycles
 from ..sim.compute import ComputeModel
-from ..errors import ParsimError
 from ..workload.plan import DTYPE_BYTES
-
 
 # The host's figures: ``{name}_us`` in a cluster file, ``{name}_s`` on a GpuFit and a ClusterSpec.
 HOST_FIGURES = ("op_forward", "op_backward", "optimizer_tensor", "optimizer_step")

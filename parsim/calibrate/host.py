@@ -32,12 +32,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..hardware.cluster import CORE_ARITHMETIC_KINDS, CoreArithmetic, SharedCoreCosts, parse_cluster
 from ..collectives.algorithms import build_phases
 from ..collectives.simulate import time_phases
-from ..sim.compute import ComputeModel
 from ..errors import ParsimError
+from ..hardware.cluster import CORE_ARITHMETIC_KINDS, CoreArithmetic, SharedCoreCosts, parse_cluster
 from ..report.results import CollectiveResult
+from ..sim.compute import ComputeModel
 
 
 def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: float, *,

@@ -7,12 +7,12 @@ import os
 import sys
 from pathlib import Path
 
-from ..hardware.cluster import ClusterSpec, builtin_clusters, load_cluster
 from ..errors import ParsimError
-from ..workload.memory import Memory
-from ..report.table import render_table
+from ..hardware.cluster import ClusterSpec, builtin_clusters, load_cluster
 from ..hardware.topology import Topology
+from ..report.table import render_table
 from ..units import format_size, format_time
+from ..workload.memory import Memory
 
 DEFAULT_CLUSTER = "dgx-h100"
 

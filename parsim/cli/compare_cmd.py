@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..hardware.cluster import load_cluster
 from ..calibrate.compare_collectives import compare_collectives, median_abs_error
 from ..errors import ParsimError
+from ..hardware.cluster import load_cluster
 from ..report.jsondoc import print_json
 from ..report.results import canonical_op, load_results, save_results
 from ..report.table import render_table

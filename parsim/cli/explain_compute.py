@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..hardware.cluster import load_cluster
-from ..sim.compute import MATMUL_TILE, ComputeModel
 from ..errors import ParsimError
-from ..report.jsondoc import print_json
+from ..hardware.cluster import load_cluster
 from ..lowering.kernels import BlockWork, block_work
 from ..lowering.lower import Lowering
+from ..report.jsondoc import print_json
 from ..report.table import render_table
+from ..sim.compute import MATMUL_TILE, ComputeModel
 from ..units import format_size, format_time, time_unit
 from .common import DEFAULT_CLUSTER
 from .plan_cmd import add_plan_args, plan_from_args

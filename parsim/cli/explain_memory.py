@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..hardware.cluster import load_cluster
 from ..errors import ParsimError
+from ..hardware.cluster import load_cluster
 from ..report.jsondoc import print_json
 from ..workload.memory import ADAM_STATE_BYTES, FP32, Memory, memory, saved_bytes_per_token
 from ..workload.plan import Plan

@@ -6,10 +6,10 @@ import argparse
 import sys
 
 from ..report.jsondoc import print_json
-from ..workload.plan import Plan
 from ..report.step_report import PHASES
 from ..report.table import render_table
 from ..units import format_time
+from ..workload.plan import Plan
 from .common import check_outputs, progress
 from .plan_cmd import add_plan_args, plan_from_args
 

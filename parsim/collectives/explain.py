@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..report.results import busbw_factor
 from ..hardware.topology import Topology
+from ..report.results import busbw_factor
 from ..units import format_size, format_time
 from .simulate import CollectivePrediction
 

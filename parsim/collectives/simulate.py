@@ -15,8 +15,8 @@ import simpy
 
 from ..errors import ParsimError
 from ..hardware.network import Network
-from ..report.results import CollectiveResult
 from ..hardware.topology import Topology
+from ..report.results import CollectiveResult
 from .algorithms import Phase, applicable_algorithms, build_phases
 from .nccl import PARSIM_ALGORITHM, PROTOS, Choice, model_for, nccl_choice
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..workload.plan import Plan
-from ..sim.step import rank_standing_for
 from ..report.trace import Event, Trace
+from ..sim.step import rank_standing_for
+from ..workload.plan import Plan
 
 SAME_BYTES = 0.01  # sizes within 1% are the same buffer
 

@@ -30,9 +30,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..hardware.cluster import MAX_GPUS
 from ..errors import ParsimError
 from ..files import read_json
+from ..hardware.cluster import MAX_GPUS
 from ..report.trace import Event, Trace
 from . import recognize
 

@@ -28,15 +28,14 @@ import functools
 from dataclasses import dataclass
 from typing import TypeVar
 
-from . import eager_ops
-from . import tp_overlap
-from .kernels import block_work
-from ..workload.model import LayerCost, MLPModel, shard
-from .pieces import CommPiece, ComputePiece, Piece
-from ..workload.plan import Plan
-from ..sim.program import Op, Program
-from ..schedules import Action, Schedule
 from ..report.trace import collective_name, compute_name, p2p_name
+from ..schedules import Action, Schedule
+from ..sim.program import Op, Program
+from ..workload.model import LayerCost, MLPModel, shard
+from ..workload.plan import Plan
+from . import eager_ops, tp_overlap
+from .kernels import block_work
+from .pieces import CommPiece, ComputePiece, Piece
 
 T = TypeVar("T")
 

@@ -7,8 +7,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .results import CollectiveResult  # noqa: E402
 from ..units import format_size  # noqa: E402
+from .results import CollectiveResult  # noqa: E402
 
 
 def plot_bandwidth(series: dict[str, list[CollectiveResult]], path: str, title: str) -> None:

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import ParsimError
-from ..hardware.cluster import MAX_GPUS
 from ..files import read_json
-from .jsondoc import envelope
+from ..hardware.cluster import MAX_GPUS
 from ..units import MAX_SIZE
+from .jsondoc import envelope
 
 # Canonical operation names (the torch.distributed spelling, with dashes on the CLI).
 OPERATIONS = (

@@ -15,9 +15,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..hardware.cluster import MAX_GPUS
 from ..errors import ParsimError
 from ..files import read_json
+from ..hardware.cluster import MAX_GPUS
 
 STREAMS = ("compute", "comm", "p2p", "gather", "cp")  # gather: FSDP's weight all-gathers; cp: K/V exchanges
 KINDS = ("compute", "collective", "send", "recv", "optimizer")

@@ -28,11 +28,11 @@ import numpy as np
 import simpy
 
 from ..hardware.cluster import ClusterSpec
-from ..sim.compute import ComputeModel
-from ..lowering.lower import CommPiece, Lowering
 from ..hardware.network import Network, max_min_rates, stack_routes
-from ..workload.plan import Plan
+from ..lowering.lower import CommPiece, Lowering
+from ..sim.compute import ComputeModel
 from ..sim.stepsim import StepSimulator
+from ..workload.plan import Plan
 from .tables import entry_types
 
 # Where a pass's time on the compute stream goes (the step report's phases that compute-stream work fills).

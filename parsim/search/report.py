@@ -6,10 +6,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER
 from ..report.step_report import PHASES
 from ..report.table import render_table
 from ..units import format_size, format_time
+from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER
 from .search import Ranked, SearchResult
 
 GB = 1e9

@@ -25,11 +25,11 @@ from typing import Callable
 
 import numpy as np
 
-from ..hardware.cluster import ClusterSpec
 from ..errors import ParsimError
+from ..hardware.cluster import ClusterSpec
+from ..sim.step import StepPrediction, predict_step
 from ..workload.model import Model
 from ..workload.plan import DEFAULT_ADAMW, default_reduce_dtype
-from ..sim.step import StepPrediction, predict_step
 from .fast import Estimate, FastModel, Prepared
 from .pareto import front_indices, pareto_front
 from .space import Candidate, Rejections, SearchSpace, enumerate_settings

@@ -36,9 +36,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple
 
+from ..schedules import SCHEDULES as SCHEDULE_KINDS
 from ..workload.model import Model, TransformerModel
 from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, STEADY_STATE_SCHEDULES, Plan, parse_plan
-from ..schedules import SCHEDULES as SCHEDULE_KINDS
 
 ORDERS = (DEFAULT_ORDER, "pp,dp,cp,tp")  # parsim's default, and Megatron-LM's (pp outermost, dp inside it)
 V_PAIRS = ("zbv", "dualpipe-v")  # two stages per rank in a V

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..lowering.lower import FP32, param_tensors
+from ..schedules import Schedule
 from ..workload.memory import ADAM_STATE_BYTES
 from ..workload.model import LayerCost
 from ..workload.plan import Plan
-from ..schedules import Schedule
 
 
 @dataclass(frozen=True)

@@ -149,9 +149,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ..errors import ParsimError
 from ..hardware.cluster import HOPPER_SM_CYCLES, ClusterSpec, CoreArithmetic, Curve, SharedCoreCosts, SmCycles
 from ..lowering.eager_ops import TP_COLLECTIVE_OPS
-from ..errors import ParsimError
 
 MATMUL_TILE = 128  # cuBLAS/CUTLASS's common 128 x 128 output tile per thread block (SM80/SM90)
 

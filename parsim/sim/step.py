@@ -7,17 +7,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ..hardware.cluster import ClusterSpec
-from .compute import ComputeModel
 from ..errors import ParsimError
+from ..hardware.cluster import ClusterSpec
 from ..lowering.lower import lower
-from ..workload.plan import Plan
-from ..workload.memory import Memory, memory
-from ..report.step_report import RankBreakdown, breakdown, merge_spans, step_time
-from .stepsim import StepSimulator
-from ..report.trace import Trace
 from ..lowering.unfold import unfold
-
+from ..report.step_report import RankBreakdown, breakdown, merge_spans, step_time
+from ..report.trace import Trace
+from ..workload.memory import Memory, memory
+from ..workload.plan import Plan
+from .compute import ComputeModel
+from .stepsim import StepSimulator
 
 # Forward and backward passes of one layer over one microbatch that one step may hold: about four ops
 # each to simulate, so this bound is some 2 million ops, a quarter of a minute (real steps: < 200,000).

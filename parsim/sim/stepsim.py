@@ -33,13 +33,13 @@ import simpy
 
 from ..collectives.algorithms import build_phases
 from ..collectives.simulate import choose_algorithm
-from .compute import ComputeModel
-from .cores import SharedCores, eevdf_slice_s
 from ..errors import ParsimError
 from ..hardware.network import Network, chain_routes, stack_routes
-from .program import Op, Program
 from ..hardware.topology import Topology
 from ..report.trace import Event, Trace
+from .compute import ComputeModel
+from .cores import SharedCores, eevdf_slice_s
+from .program import Op, Program
 
 # progress(ops finished, ops in all) is called at most this often (seconds of wall time)
 PROGRESS_EVERY_S = 0.5

@@ -6,9 +6,9 @@ import importlib.resources
 import statistics
 from dataclasses import dataclass
 
-from ..hardware.cluster import load_cluster
 from ..collectives import predict
 from ..files import read_yaml
+from ..hardware.cluster import load_cluster
 from ..units import format_size
 
 

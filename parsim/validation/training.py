@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..hardware.cluster import load_cluster
 from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
+from ..hardware.cluster import load_cluster
+from ..sim.step import predict_step
 from ..workload.model import load_model
 from ..workload.plan import parse_plan
-from ..sim.step import predict_step
 
 
 @dataclass

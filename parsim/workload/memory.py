@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .plan import Plan
 from ..schedules import peak_in_flight
+from .plan import Plan
 
 ADAM_STATE_BYTES = 8  # AdamW's two fp32 moments per parameter
 FP32 = 4

@@ -47,10 +47,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-from ..lowering import eager_ops
-from ..sim.compute import SmWork
 from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
+from ..lowering import eager_ops
+from ..sim.compute import SmWork
 from ..units import parse_size
 
 FFN_TYPES = ("swiglu", "gelu")

@@ -46,12 +46,12 @@ from typing import Any, Mapping, NamedTuple, NoReturn
 
 import numpy as np
 
-from ..hardware.cluster import MAX_GPUS
 from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
-from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
+from ..hardware.cluster import MAX_GPUS
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
 from ..schedules import Schedule, make_schedule
+from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
 from .stage_split import balanced_split, even_split
 
 SCHEDULES = tuple(SCHEDULE_KINDS)
