@@ -35,6 +35,12 @@ BASE_SLICE_S = 0.75e-3
 SLICE_SCALED_CPUS = 8
 
 
+def core_of(rank: int, gpus_per_node: int, cores: int) -> tuple[int, int]:
+    """The (host, core) the executor binds ``rank`` to: its host's local rank ``r`` on core ``r % cores``
+    (``executor/launch.py``)."""
+    return rank // gpus_per_node, rank % gpus_per_node % cores
+
+
 def eevdf_slice_s(cpus: int) -> float:
     """The scheduler's slice on a host of ``cpus`` CPUs: 1.5 ms on 2, 3 ms on 8 or more."""
     return BASE_SLICE_S * (1 + math.floor(math.log2(max(1, min(cpus, SLICE_SCALED_CPUS)))))

@@ -38,7 +38,7 @@ from ..hardware.network import Network, chain_routes, stack_routes
 from ..hardware.topology import Topology
 from ..report.trace import Event, Trace
 from .compute import ComputeModel
-from .cores import SharedCores, eevdf_slice_s
+from .cores import SharedCores, core_of, eevdf_slice_s
 from .program import Op, Program
 
 # progress(ops finished, ops in all) is called at most this often (seconds of wall time)
@@ -211,18 +211,17 @@ class _Run:
             progress(self.finished, n)
 
     def _shared_cores(self) -> SharedCores:
-        """The cores ranks share and take turns on: the executor binds a host's local rank ``r`` to its core
-        ``r % cores`` (``executor/launch.py``)."""
+        """The cores ranks share and take turns on (:func:`~parsim.sim.cores.core_of`)."""
         program, topo = self.program, self.sim.topo
         if len(program.ranks) < program.world_size or any(len(r) > 1 for r in program.replicas.values()):
             raise ParsimError("ranks take turns on their cores only in a program that simulates every rank "
                               "(parsim.lowering.unfold)")
         cores = topo.spec.cpu_cores
-        core_of = {r: (r // topo.gpus_per_node, r % topo.gpus_per_node % cores) for r in program.ranks}
-        ranks_on = Counter(core_of.values())
+        on_core = {r: core_of(r, topo.gpus_per_node, cores) for r in program.ranks}
+        ranks_on = Counter(on_core.values())
         shared = self.sim.shared.shared_cores
         slice_s = (shared.time_slice_s if shared else None) or eevdf_slice_s(cores)
-        return SharedCores(self.env, {r: c for r, c in core_of.items() if ranks_on[c] > 1}, slice_s)
+        return SharedCores(self.env, {r: c for r, c in on_core.items() if ranks_on[c] > 1}, slice_s)
 
     def _penalty(self, alone_s: float, shared_s: float) -> float:
         """How many times as slowly work runs while another rank waits for its core: its time with two ranks on
