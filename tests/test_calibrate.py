@@ -269,6 +269,21 @@ def test_compare_says_when_ranks_take_turns_on_the_host_s_cores(monkeypatch, cap
         assert ("4 ranks on each host's 2 cores take turns on them" in capsys.readouterr().err) is noted
 
 
+def test_simulate_notes_pipeline_stages_that_hand_activations_over_on_one_core(capsys, tmp_path):
+    """Four ranks on a 2-core host: with ``pp`` innermost, a replica's two stages share a core and the note names
+    them; a stage's replicas on one core (the default order), or stages 0 and 2 of four, hand nothing over there."""
+    import yaml
+
+    host = tmp_path / "host.yaml"
+    host.write_text(yaml.safe_dump(cpu_host(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)))
+    for parallel, noted in ((["--dp", "2", "--order", "pp,dp,cp,tp"], "pipeline stages 0 and 1 (ranks 0 and 2) "
+                                                                      "take turns on core 0"),
+                            (["--dp", "2"], None), (["--pp", "4"], None)):
+        assert main(["simulate", "tiny-pp2", *parallel, "--cluster", str(host), "--json"]) == 0
+        err = capsys.readouterr().err
+        assert (noted in err) if noted else "take turns on core" not in err
+
+
 def test_compare_sets_each_stage_s_mean_beside_its_prediction(monkeypatch, capsys, tmp_path):
     """Where a stage has several measured ranks, compare also prints each phase's mean over them, and keeps it in
     its JSON: here the simulator stands in for the executor, so every stage's mean matches."""

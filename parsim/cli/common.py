@@ -7,10 +7,13 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import ParsimError
 from ..hardware.cluster import ClusterSpec, builtin_clusters, load_cluster
 from ..hardware.topology import Topology
 from ..report.table import render_table
+from ..sim.cores import core_of
 from ..units import format_size, format_time
 from ..workload.memory import Memory
 
@@ -167,6 +170,25 @@ def note_executor_kernels(plan) -> None:
         ran = ", ".join(f"{k}: {EXECUTOR_KERNELS[k]}" for k in keys)
         note(f"parsim compare: note: {plan.name} prices {priced}, but the executor ran {ran}; to price what ran, "
              "set those in its model (docs/plans.md)")
+
+
+def note_stages_sharing_cores(command: str, plan, cluster: ClusterSpec) -> None:
+    """Say so when a pipeline hands activations between two stages that take turns on one CPU core (a rank order
+    with ``pp`` innermost, on a host with fewer cores than ranks): each hand-off then passes between two processes
+    on that core, which the model times poorly (docs/calibration.md, "Ranks taking turns on a core")."""
+    grid = plan.rank_grid  # [dp, pp, cp, tp]
+    pp = grid.shape[1]
+    hands_on = [(s, s + 1) for s in range(pp - 1)] + ([(pp - 1, 0)] if plan.virtual_stages > 1 else [])
+    for d, c, t in np.ndindex(grid.shape[0], grid.shape[2], grid.shape[3]):
+        ranks = grid[d, :, c, t].tolist()
+        for sender, receiver in hands_on:
+            core = core_of(ranks[sender], cluster.gpus_per_node, cluster.cpu_cores)
+            if core == core_of(ranks[receiver], cluster.gpus_per_node, cluster.cpu_cores):
+                note(f"parsim {command}: note: pipeline stages {sender} and {receiver} (ranks {ranks[sender]} and "
+                     f"{ranks[receiver]}) take turns on core {core[1]}, so each activation passes between two "
+                     "processes on one core, which the model times too fast (by 30-38% in this project's runs: "
+                     "docs/calibration.md, \"Ranks taking turns on a core\")")
+                return
 
 
 class OpsProgress:

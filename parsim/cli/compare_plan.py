@@ -18,7 +18,8 @@ from ..report.step_report import PHASES, RankBreakdown, breakdown, step_time
 from ..report.table import format_number, render_table
 from ..report.trace import Trace
 from ..units import format_time, size_unit, time_unit
-from .common import note, note_executor_kernels, note_launch_bound, progress, warn_other_machine
+from .common import (note, note_executor_kernels, note_launch_bound, note_stages_sharing_cores, progress,
+                     warn_other_machine)
 from .compare_cmd import COMPARE_STEPS
 from .plan_cmd import plan_from_args
 
@@ -43,6 +44,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
              "them, as simulated; which rank of a core runs first changes from run to run, and with it how each "
              "rank's step splits between computing and waiting (docs/calibration.md, \"Ranks taking turns on a "
              "core\")")
+        note_stages_sharing_cores("compare", plan, cluster)
     load, speed, spread = None, None, None
     by_phase = None  # each measured rank's time by phase (None: the measured trace's one step)
     if args.measured is None:

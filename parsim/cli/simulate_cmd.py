@@ -12,7 +12,7 @@ from ..report.step_report import PHASES, comm_overlap
 from ..report.table import render_table
 from ..units import format_time
 from .common import (DEFAULT_CLUSTER, OpsProgress, check_outputs, memory_table, note_launch_bound,
-                     note_unmeasured_matmuls)
+                     note_stages_sharing_cores, note_unmeasured_matmuls)
 from .plan_cmd import add_plan_args, plan_from_args
 
 DEFAULT_PLAN = "llama3-70b-1024"
@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
     note_unmeasured_matmuls("simulate", cluster, plan.dtype)
     note_launch_bound("simulate", plan, cluster, prediction.step_s)
+    if prediction.takes_turns:
+        note_stages_sharing_cores("simulate", plan, cluster)
     if args.json:
         print_json("simulate", to_json(prediction))
     else:
