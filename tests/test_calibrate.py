@@ -12,7 +12,7 @@ from parsim.calibrate.host import fit_links, fit_matmul, fit_operation, host_clu
 from parsim.cli.common import warn_other_machine
 from parsim.cli.main import main
 from parsim.hardware.cluster import SharedCoreCosts, load_cluster, parse_cluster
-from parsim.collectives import predict
+from parsim.sim.collectives import predict
 from parsim.sim.compute import ComputeModel
 from parsim.report.results import save_results
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parsim.collectives.simulate import choose_algorithm, predict
+from parsim.sim.collectives.simulate import choose_algorithm, predict
 from parsim.hardware.cluster import load_cluster
 
 

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from parsim.collectives import build_phases, predict
-from parsim.collectives.algorithms import binary_tree, double_binary_tree
+from parsim.sim.collectives import build_phases, predict
+from parsim.sim.collectives.algorithms import binary_tree, double_binary_tree
 
 from ideal_cluster import ideal_spec
 

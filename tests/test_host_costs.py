@@ -15,7 +15,7 @@ from parsim.calibrate.host import (DispatchFit, OptimizerFit, fit_alone_memory, 
                                    fit_elementwise, fit_matmul, fit_optimizer, fit_step_overhead, host_cluster)
 from parsim.cli.main import main
 from parsim.hardware.cluster import builtin_clusters, load_cluster, parse_cluster
-from parsim.collectives import predict
+from parsim.sim.collectives import predict
 from parsim.sim.compute import ComputeModel, SmWork
 from parsim.errors import ConfigError, ParsimError
 from parsim.files import read_yaml

@@ -1,4 +1,4 @@
-"""NCCL's own cost model (parsim/collectives/nccl.py) and how collectives use it."""
+"""NCCL's own cost model (parsim/sim/collectives/nccl.py) and how collectives use it."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import simpy
 
 from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster, parse_cluster
-from parsim.collectives import build_phases, predict, simulate_phases
-from parsim.collectives.nccl import model_for
+from parsim.sim.collectives import build_phases, predict, simulate_phases
+from parsim.sim.collectives.nccl import model_for
 from parsim.errors import ConfigError
 from parsim.files import read_yaml
 from parsim.hardware.network import Network

@@ -8,7 +8,7 @@ import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parsim.collectives import build_phases, predict, simulate_phases
+from parsim.sim.collectives import build_phases, predict, simulate_phases
 from parsim.hardware.network import Network, chain_routes, max_min_rates
 
 from ideal_cluster import ideal_spec

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..collectives import predict
 from ..hardware.topology import Topology
 from ..report.results import CollectiveResult
+from ..sim.collectives import predict
 
 
 @dataclass

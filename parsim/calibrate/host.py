@@ -32,11 +32,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..collectives.algorithms import build_phases
-from ..collectives.simulate import time_phases
 from ..errors import ParsimError
 from ..hardware.cluster import CORE_ARITHMETIC_KINDS, CoreArithmetic, SharedCoreCosts, parse_cluster
 from ..report.results import CollectiveResult
+from ..sim.collectives.algorithms import build_phases
+from ..sim.collectives.simulate import time_phases
 from ..sim.compute import ComputeModel
 
 
@@ -230,7 +230,7 @@ def fit_step_overhead(measured: list[CollectiveResult], spec) -> dict[str, float
     """Per operation, the extra fixed cost of calls issued between bursts of compute (as in a training
     step) over what the fitted cluster ``spec`` predicts from back-to-back loops: the median over sizes
     of measured minus predicted, at least 0. ``measured`` times are means over calls, stalls included."""
-    from ..collectives import predict
+    from ..sim.collectives import predict
 
     topo = spec.build(1)
     extra: dict[str, list[float]] = {}

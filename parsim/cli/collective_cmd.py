@@ -6,12 +6,12 @@ import argparse
 
 import numpy as np
 
-from ..collectives import ALGORITHMS, predict
-from ..collectives.explain import explain
 from ..errors import ParsimError
 from ..report.jsondoc import print_json
 from ..report.results import OPERATIONS, canonical_op
 from ..report.table import render_table
+from ..sim.collectives import ALGORITHMS, predict
+from ..sim.collectives.explain import explain
 from ..units import format_size, format_time, parse_size, parse_size_range, size_unit, time_unit
 from .common import OpsProgress, add_cluster_args, check_buffer, check_outputs, topology_from_args
 

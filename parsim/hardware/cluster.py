@@ -98,7 +98,7 @@ class NcclSpec:
     """What NCCL's topology detection would find on a node (the optional ``nccl:`` section).
 
     A cluster file with this section is timed with NCCL's own cost model
-    (:mod:`parsim.collectives.nccl`): protocols, channels and the tuner's choice.
+    (:mod:`parsim.sim.collectives.nccl`): protocols, channels and the tuner's choice.
     Files without it (ideal clusters, calibrated gloo hosts) keep the pure
     flow model at the links' peak bandwidth.
     """

@@ -1,1 +1,2 @@
-"""The simulator: per-rank programs, the step engine on simpy, the compute cost model and shared CPU cores."""
+"""The simulator: per-rank programs, the step engine on simpy, collectives as phases of flows, the compute cost
+model and shared CPU cores."""

@@ -31,12 +31,12 @@ from typing import Callable
 import numpy as np
 import simpy
 
-from ..collectives.algorithms import build_phases
-from ..collectives.simulate import choose_algorithm
 from ..errors import ParsimError
 from ..hardware.network import Network, chain_routes, stack_routes
 from ..hardware.topology import Topology
 from ..report.trace import Event, Trace
+from .collectives.algorithms import build_phases
+from .collectives.simulate import choose_algorithm
 from .compute import ComputeModel
 from .cores import SharedCores, core_of, eevdf_slice_s
 from .program import Op, Program

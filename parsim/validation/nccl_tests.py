@@ -6,9 +6,9 @@ import importlib.resources
 import statistics
 from dataclasses import dataclass
 
-from ..collectives import predict
 from ..files import read_yaml
 from ..hardware.cluster import load_cluster
+from ..sim.collectives import predict
 from ..units import format_size
 
 

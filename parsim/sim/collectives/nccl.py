@@ -31,7 +31,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..hardware.cluster import NcclSpec
+from ...hardware.cluster import NcclSpec
 
 # NCCL's algorithm and protocol indices (src/include/device.h), in its order.
 ALGOS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..hardware.topology import Topology
-from ..report.results import busbw_factor
-from ..units import format_size, format_time
+from ...hardware.topology import Topology
+from ...report.results import busbw_factor
+from ...units import format_size, format_time
 from .simulate import CollectivePrediction
 
 GIB = 2**30

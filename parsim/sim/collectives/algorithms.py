@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ParsimError
-from ..hardware.network import chain_routes
-from ..hardware.topology import NET_SWITCH, SWITCH, Topology
+from ...errors import ParsimError
+from ...hardware.network import chain_routes
+from ...hardware.topology import NET_SWITCH, SWITCH, Topology
 from .nccl import nccl_choice
 
 ALGORITHMS = ("ring", "tree", "recursive", "direct", "hierarchical", "in_switch", "nvls_tree", "pat", "collnet",
@@ -154,13 +154,13 @@ def build_phases(topo: Topology, op: str, algorithm: str, group: np.ndarray, siz
 
 
 def apply_nccl(topo: Topology, op: str, algorithm: str, group: np.ndarray, phases: list[Phase], choice) -> None:
-    """Give ``phases`` NCCL's time for ``choice`` (a :class:`~parsim.collectives.nccl.Choice`).
+    """Give ``phases`` NCCL's time for ``choice`` (a :class:`~parsim.sim.collectives.nccl.Choice`).
 
     Latency: NCCL's (base + per-hop hardware latencies) plus the kernel's
     pipeline fill and drain (``choice.fill_us``: the loops of chunks that
     cross the kernel's stages before the last one starts and after the first
     one is done, which NCCL's estimate leaves out; see
-    :meth:`~parsim.collectives.nccl.NcclModel.pipeline`), shared among the
+    :meth:`~parsim.sim.collectives.nccl.NcclModel.pipeline`), shared among the
     phases by their steps: the links sit idle for this collective meanwhile,
     so it is time, not bytes. Bandwidth: every phase's bytes are scaled by one
     factor so that, alone on the cluster's GPU, NVLink and NIC links, the

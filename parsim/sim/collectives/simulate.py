@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from ..errors import ParsimError
-from ..hardware.network import Network
-from ..hardware.topology import Topology
-from ..report.results import CollectiveResult
+from ...errors import ParsimError
+from ...hardware.network import Network
+from ...hardware.topology import Topology
+from ...report.results import CollectiveResult
 from .algorithms import Phase, applicable_algorithms, build_phases
 from .nccl import PARSIM_ALGORITHM, PROTOS, Choice, model_for, nccl_choice
 
@@ -128,7 +128,7 @@ def predict(topo: Topology, op: str, size: int, group=None, algorithm: str = "au
     ``algorithm="auto"`` uses the cluster file's choice for ``op`` if it names one
     (calibrated backends). On a cluster with an ``nccl:`` section it then takes
     the algorithm and protocol NCCL's tuner picks (least latency + bytes /
-    bandwidth in NCCL's own model, :mod:`~parsim.collectives.nccl`) and runs
+    bandwidth in NCCL's own model, :mod:`~parsim.sim.collectives.nccl`) and runs
     that on the network; elsewhere it simulates every algorithm NCCL has for
     ``op`` at the links' peak speeds and keeps the fastest.
     """
