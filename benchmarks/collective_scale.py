@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from parsim.sim.collectives import predict
 from parsim.hardware.cluster import load_cluster
 from parsim.report.table import render_table
+from parsim.sim.collectives import predict
 from parsim.units import format_time, parse_size
 
 

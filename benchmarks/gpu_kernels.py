@@ -43,13 +43,13 @@ from torch.nn.attention import SDPBackend
 
 from executor.gpu_bench import (MEMORY_ELEMENTS, SM_ELEMENTS, SM_ROW_LENGTHS, SM_TOKENS, attention_at, launch_rows,
                                 matmul_row, memory_rows, sm_rows)
-from parsim.hardware.cluster import ClusterSpec, builtin_for_gpu, load_cluster
-from parsim.sim.compute import ComputeModel, SmWork
-from parsim.lowering.kernels import block_work
 from parsim.errors import ParsimError
+from parsim.hardware.cluster import ClusterSpec, builtin_for_gpu, load_cluster
+from parsim.lowering.kernels import block_work
+from parsim.report.table import render_table
+from parsim.sim.compute import ComputeModel, SmWork
 from parsim.workload.model import TransformerModel
 from parsim.workload.plan import DTYPE_BYTES, load_plan
-from parsim.report.table import render_table
 
 DEFAULT_PLAN = Path(__file__).parent / "gpu" / "one-gpu-step.yaml"
 MAMF_SHAPE = (8192, 8192, 8192)

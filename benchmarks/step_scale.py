@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 
+
 # Megatron-LM GPT shapes (Narayanan et al. 2021, Table 1): seq 2048, vocabulary 51,200, GeLU MLP of 4h,
 # learned positions, tied embeddings.
 def megatron_gpt(name: str, layers: int, hidden: int, heads: int) -> dict:
@@ -81,8 +82,8 @@ TABLES = {"targets": ("Targets (issue 6)", TARGETS), "gpus": ("Wall time against
 def measure(cluster: str, plan_data: dict) -> dict:
     """Run in a child process: lower and simulate once, report wall time and the prediction."""
     from parsim.hardware.cluster import load_cluster
-    from parsim.workload.plan import load_plan
     from parsim.sim.step import predict_step
+    from parsim.workload.plan import load_plan
 
     spec = load_cluster(cluster)
     p = load_plan(plan_data)

@@ -9,17 +9,14 @@ import sys
 
 import pytest
 
+from executor._torch import INSTALL_HINT
+from executor.collective_buffers import forms_of
+from executor.collectives import (GLOO_ALGORITHMS, BenchSpec, measure_collectives, measure_copy_bandwidth,
+                                  measure_reduce_bandwidth, measured_size)
+from executor.launch import RankFailure
 from parsim.cli.main import main
 from parsim.errors import ParsimError
 from parsim.report.results import OPERATIONS, CollectiveResult, busbw_factor, load_results
-
-from executor._torch import INSTALL_HINT
-from executor.collective_buffers import forms_of
-from executor.collectives import (
-    GLOO_ALGORITHMS, BenchSpec, measure_collectives, measure_copy_bandwidth, measure_reduce_bandwidth,
-    measured_size,
-)
-from executor.launch import RankFailure
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 

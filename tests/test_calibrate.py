@@ -6,15 +6,15 @@ import json
 
 import numpy as np
 import pytest
-
 from cpu_host import cpu_host
+
 from parsim.calibrate.host import fit_links, fit_matmul, fit_operation, host_cluster
 from parsim.cli.common import warn_other_machine
 from parsim.cli.main import main
 from parsim.hardware.cluster import SharedCoreCosts, load_cluster, parse_cluster
+from parsim.report.results import save_results
 from parsim.sim.collectives import predict
 from parsim.sim.compute import ComputeModel
-from parsim.report.results import save_results
 
 GLOO = {"all_reduce": "ring", "send_recv": "direct", "all_gather": "ring", "reduce_scatter": "via_all_reduce",
         "broadcast": "recursive"}
@@ -145,8 +145,8 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
     """A calibrated CPU host's compute figures follow the host-speed probe timed during the run: the
     prediction is the simulator's at that speed, and the one at the calibration's speed is kept beside it."""
     import executor.train
-    from parsim.workload.plan import resolve_plan
     from parsim.sim.step import predict_step
+    from parsim.workload.plan import resolve_plan
 
     data = host_cluster(2, 300e-6, 2.0e9, 6e9, algorithms=GLOO, peak_flops=80e9, op_forward_s=10e-6,
                         cpu_cores=2, speed_probe=(60e9, 1e-3))
@@ -185,8 +185,8 @@ def test_compare_takes_each_measured_phase_as_its_median_over_ten_steps(monkeypa
     summary's ``ranks``), not from the one median step whose trace comes back; beside each median, the range
     the steps spent on the phase."""
     import executor.train
-    from parsim.workload.plan import resolve_plan
     from parsim.sim.step import predict_step
+    from parsim.workload.plan import resolve_plan
 
     trace = predict_step(resolve_plan("course-pp"), load_cluster("dgx-h100")).trace
     asked = {}

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from json_schema import errors
 
 from parsim.calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload
 from parsim.cli.main import main
-from parsim.hardware.cluster import SmCycles, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
-from parsim.sim.compute import ComputeModel, SmWork
 from parsim.errors import ParsimError
 from parsim.files import read_yaml
-from parsim.workload.model import load_model
+from parsim.hardware.cluster import SmCycles, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from parsim.report.jsondoc import envelope, published_schema
-
-from json_schema import errors
+from parsim.sim.compute import ComputeModel, SmWork
+from parsim.workload.model import load_model
 
 SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192))
 LENGTHS = (1024, 4096, 16384)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parsim.sim.collectives.simulate import choose_algorithm, predict
 from parsim.hardware.cluster import load_cluster
+from parsim.sim.collectives.simulate import choose_algorithm, predict
 
 
 @pytest.mark.parametrize("cluster", ["dgx-h100", "dgx-a100", "pcie-4x-rtx6000ada"])

@@ -6,11 +6,10 @@ import math
 
 import numpy as np
 import pytest
+from ideal_cluster import ideal_spec
 
 from parsim.sim.collectives import build_phases, predict
 from parsim.sim.collectives.algorithms import binary_tree, double_binary_tree
-
-from ideal_cluster import ideal_spec
 
 S = 64 * 2**20  # bytes
 ALPHA = 2e-6  # one GPU-to-GPU step inside a node (two 1 us link halves)

@@ -5,15 +5,14 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from ideal_cluster import ideal_spec
 
 from parsim.errors import ParsimError
 from parsim.lowering.lower import lower
+from parsim.sim.step import predict_step
 from parsim.workload.memory import memory
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, resolve_plan
-from parsim.sim.step import predict_step
-
-from ideal_cluster import ideal_spec
 
 LONG = load_model({"kind": "transformer", "name": "long", "num_layers": 4, "hidden": 1024, "num_heads": 16,
                    "num_kv_heads": 4, "ffn_hidden": 4096, "seq_len": 16384, "vocab_size": 1000})

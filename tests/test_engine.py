@@ -11,18 +11,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ideal_cluster import ideal_spec
 
 from parsim.cli.common import OpsProgress
 from parsim.cli.main import main
+from parsim.errors import ParsimError
 from parsim.hardware.cluster import load_cluster
 from parsim.sim.compute import ComputeModel
-from parsim.errors import ParsimError
-from parsim.workload.plan import resolve_plan
 from parsim.sim.program import Op, Program
 from parsim.sim.step import predict_step
 from parsim.sim.stepsim import StepSimulator
-
-from ideal_cluster import ideal_spec
+from parsim.workload.plan import resolve_plan
 
 
 def test_a_plan_whose_last_bytes_fell_below_the_clock_resolution_finishes(capsys):

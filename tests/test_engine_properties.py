@@ -17,14 +17,13 @@ import math
 import pytest
 from hypothesis import HealthCheck, assume, given, reject, settings
 from hypothesis import strategies as st
+from ideal_cluster import ideal_spec
 
 from parsim.errors import ParsimError
+from parsim.report.step_report import PHASES
+from parsim.sim.step import predict_step
 from parsim.workload.model import load_model
 from parsim.workload.plan import SCHEDULES, Plan
-from parsim.sim.step import predict_step
-from parsim.report.step_report import PHASES
-
-from ideal_cluster import ideal_spec
 
 MODELS = {
     "tiny-gpt": load_model("tiny-gpt"),

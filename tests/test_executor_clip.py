@@ -17,11 +17,10 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
-from parsim.workload.plan import load_plan
-
 from reference_runs import (BF16_EPS, FIRST_STEP_SIGN_FLIP, assert_events_as_simulated, assert_step_equals_reference,
                             plan_runs, verify_plans)
+
+from parsim.workload.plan import load_plan
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 pytestmark = needs_torch

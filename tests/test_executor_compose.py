@@ -13,10 +13,9 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from reference_runs import assert_events_as_simulated, assert_step_equals_reference, verify_plans
 
 from parsim.workload.plan import load_plan
-
-from reference_runs import assert_events_as_simulated, assert_step_equals_reference, verify_plans
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 pytestmark = needs_torch

@@ -13,11 +13,10 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from reference_runs import BF16_EPS, FIRST_STEP_SIGN_FLIP, assert_events_as_simulated, plan_runs, verify_plans
 
 from parsim.lowering.lower import lower
 from parsim.workload.plan import load_plan
-
-from reference_runs import BF16_EPS, FIRST_STEP_SIGN_FLIP, assert_events_as_simulated, plan_runs, verify_plans
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 pytestmark = needs_torch

@@ -15,12 +15,11 @@ import re
 from collections import Counter
 
 import pytest
+from reference_runs import verify_plans
 
 from parsim.lowering.lower import lower
-from parsim.workload.plan import load_plan
 from parsim.report.trace import compute_name
-
-from reference_runs import verify_plans
+from parsim.workload.plan import load_plan
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 pytestmark = needs_torch

@@ -17,11 +17,10 @@ import importlib.util
 from collections import Counter
 
 import pytest
+from reference_runs import assert_step_equals_reference, verify_plans
 
 from parsim.lowering.lower import lower
 from parsim.workload.plan import load_plan
-
-from reference_runs import assert_step_equals_reference, verify_plans
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 
@@ -87,9 +86,8 @@ def test_every_layer_collective_runs_again_in_the_recomputation(results):
 
 
 def test_tp_overlap_the_executor_cannot_split_is_refused_in_one_line():
-    from parsim.errors import ParsimError
-
     from executor.train.runner import check_plan
+    from parsim.errors import ParsimError
 
     with pytest.raises(ParsimError, match="with a split backward"):
         check_plan(plan({"tp": 2, "pp": 2}, sequence_parallel=True, tp_comm_overlap=True, schedule="zero-bubble"))

@@ -13,12 +13,11 @@ import importlib.util
 from collections import Counter
 
 import pytest
+from reference_runs import verify_plans
 
 from parsim.errors import ParsimError
 from parsim.lowering.lower import lower
 from parsim.workload.plan import load_plan
-
-from reference_runs import verify_plans
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 pytestmark = needs_torch

@@ -24,17 +24,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fuzz_harness import assert_clean, assert_refused, block_executor, run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ideal_cluster import IDEAL
 
-from parsim.hardware.cluster import builtin_clusters
 from parsim.files import read_yaml
+from parsim.hardware.cluster import builtin_clusters
+from parsim.validation.training import builtin_tables
 from parsim.workload.model import builtin_models
 from parsim.workload.plan import builtin_plans
-from parsim.validation.training import builtin_tables
-
-from fuzz_harness import assert_clean, assert_refused, block_executor, run_cli
-from ideal_cluster import IDEAL
 
 EXAMPLES = int(os.environ.get("PARSIM_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("PARSIM_FUZZ_RANDOM"),

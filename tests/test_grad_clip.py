@@ -13,14 +13,13 @@ write, then the same all-reduces of a flag).
 from __future__ import annotations
 
 import pytest
+from ideal_cluster import ideal_spec
 
 from parsim.cli.main import main
 from parsim.lowering.lower import FP32, UNSCALE_ACCESSES, clip_costs, grad_norm_dims, lower
+from parsim.sim.step import predict_step
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, load_plan
-from parsim.sim.step import predict_step
-
-from ideal_cluster import ideal_spec
 
 GPT = {"kind": "transformer", "name": "gpt", "num_layers": 4, "hidden": 256, "num_heads": 4, "num_kv_heads": 4,
        "ffn_hidden": 1024, "seq_len": 128, "vocab_size": 1024}

@@ -8,23 +8,23 @@ import copy
 import numpy as np
 import pytest
 import yaml
-
 from cpu_host import cpu_host
 from ideal_cluster import IDEAL, ideal_spec
+
 from parsim.calibrate.host import (DispatchFit, OptimizerFit, fit_alone_memory, fit_core_arithmetic, fit_dispatch,
                                    fit_elementwise, fit_matmul, fit_optimizer, fit_step_overhead, host_cluster)
 from parsim.cli.main import main
-from parsim.hardware.cluster import builtin_clusters, load_cluster, parse_cluster
-from parsim.sim.collectives import predict
-from parsim.sim.compute import ComputeModel, SmWork
 from parsim.errors import ConfigError, ParsimError
 from parsim.files import read_yaml
+from parsim.hardware.cluster import builtin_clusters, load_cluster, parse_cluster
 from parsim.lowering.lower import ADAMW_ACCESSES, lower
-from parsim.workload.model import load_model
-from parsim.workload.plan import Plan, resolve_plan
+from parsim.sim.collectives import predict
+from parsim.sim.compute import ComputeModel, SmWork
 from parsim.sim.program import Op, Program
 from parsim.sim.step import predict_step
 from parsim.sim.stepsim import StepSimulator
+from parsim.workload.model import load_model
+from parsim.workload.plan import Plan, resolve_plan
 
 SHAPES = [(32, 64, 64), (128, 128, 128), (32, 1024, 1024), (128, 256, 1024), (512, 512, 512),
           (128, 1024, 1024), (1024, 1024, 32), (64, 4096, 1024), (256, 64, 64)]

@@ -8,11 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+from json_schema import errors
 
 from parsim.cli.main import build_parser, main
 from parsim.report.jsondoc import published_schema
-
-from json_schema import errors
 
 SCHEMA_DIR = Path(str(importlib.resources.files("parsim").joinpath("schemas")))
 SCHEMAS = sorted(p.stem for p in SCHEMA_DIR.glob("*.json"))
@@ -80,8 +79,9 @@ def test_validate_prints_its_schema(tmp_path, capsys):
 
 
 def test_bench_json_and_its_saved_file_are_one_schema(monkeypatch, tmp_path, capsys):
-    import executor.collectives
     from test_bench import fake_results
+
+    import executor.collectives
 
     monkeypatch.setattr(executor.collectives, "measure_collectives", lambda *a, **k: fake_results())
     out = tmp_path / "bench.json"
@@ -94,8 +94,8 @@ def test_bench_json_and_its_saved_file_are_one_schema(monkeypatch, tmp_path, cap
 def test_compare_plan_prints_its_schema(monkeypatch, capsys):
     import executor.train
     from parsim.hardware.cluster import load_cluster
-    from parsim.workload.plan import resolve_plan
     from parsim.sim.step import predict_step
+    from parsim.workload.plan import resolve_plan
 
     def run_plan(plan, nproc, steps, **kwargs):  # the simulator stands in for the executor
         return predict_step(plan, load_cluster("dgx-h100")).trace, {}

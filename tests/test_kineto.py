@@ -12,9 +12,9 @@ from parsim.hardware.cluster import load_cluster
 from parsim.kineto.read import measured_trace, read_profiles
 from parsim.kineto.recognize import rank_events
 from parsim.kineto.write import write_merged_trace, write_rank_traces
-from parsim.workload.plan import resolve_plan
-from parsim.sim.step import predict_step
 from parsim.report.step_report import comm_overlap
+from parsim.sim.step import predict_step
+from parsim.workload.plan import resolve_plan
 
 try:
     import torch  # noqa: F401
@@ -131,8 +131,9 @@ def test_hta_overlap_equals_parsims_on_measured_traces(measured_course_pp, monke
 @needs_torch
 @pytest.mark.multiproc
 def test_an_unannotated_ddp_loops_profile_is_compared_with_the_plan(tmp_path, capsys):
-    from executor.launch import launch
     from profiled_loops import course_ddp_loop
+
+    from executor.launch import launch
 
     launch(course_ddp_loop, 2, (str(tmp_path), 2), backend="gloo", timeout_s=120)
     assert main(["compare", "course-ddp", "--dp", "2", "--cluster", "dgx-a100", "--measured", str(tmp_path),
@@ -215,6 +216,7 @@ def test_each_rank_s_collectives_are_set_beside_its_own_prediction_where_every_r
     import dataclasses
 
     from cpu_host import cpu_host
+
     from parsim.hardware.cluster import parse_cluster
     from parsim.kineto.match import match_collectives
     from parsim.report.trace import Trace

@@ -7,16 +7,15 @@ import copy
 import numpy as np
 import pytest
 import simpy
+from ideal_cluster import ideal_spec
 
 from parsim.cli.main import main
-from parsim.hardware.cluster import load_cluster, parse_cluster
-from parsim.sim.collectives import build_phases, predict, simulate_phases
-from parsim.sim.collectives.nccl import model_for
 from parsim.errors import ConfigError
 from parsim.files import read_yaml
+from parsim.hardware.cluster import load_cluster, parse_cluster
 from parsim.hardware.network import Network
-
-from ideal_cluster import ideal_spec
+from parsim.sim.collectives import build_phases, predict, simulate_phases
+from parsim.sim.collectives.nccl import model_for
 
 GIB = 2**30
 

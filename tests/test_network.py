@@ -7,11 +7,10 @@ import pytest
 import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from parsim.sim.collectives import build_phases, predict, simulate_phases
-from parsim.hardware.network import Network, chain_routes, max_min_rates
-
 from ideal_cluster import ideal_spec
+
+from parsim.hardware.network import Network, chain_routes, max_min_rates
+from parsim.sim.collectives import build_phases, predict, simulate_phases
 
 
 def test_flows_on_one_link_split_it_evenly():

@@ -6,15 +6,14 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from ideal_cluster import ideal_spec
 
 from parsim.errors import ParsimError
 from parsim.lowering.lower import lower
+from parsim.sim.step import predict_step
 from parsim.workload.memory import saved_bytes_per_token
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, load_plan
-from parsim.sim.step import predict_step
-
-from ideal_cluster import ideal_spec
 
 # GPT shapes (multi-head, GeLU MLP of 4h) so Korthikanti et al.'s 34sbh-style forms apply directly.
 H = 1024

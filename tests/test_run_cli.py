@@ -13,13 +13,12 @@ import sys
 from collections import Counter
 
 import pytest
+from test_json_schema import conforms
 
 from parsim.cli.main import main
-from parsim.workload.plan import resolve_plan
 from parsim.report.step_report import PHASES, step_time
 from parsim.report.trace import Event, Trace
-
-from test_json_schema import conforms
+from parsim.workload.plan import resolve_plan
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 import parsim.schedules
 from parsim.errors import ParsimError
+from parsim.report.trace import compute_name
 from parsim.schedules import (SCHEDULES, Action, Schedule, ScheduleError, closed_form, dependencies, make_schedule,
                               peak_in_flight, simulate_ideal, validate)
-from parsim.report.trace import compute_name
 
 FAST = settings(max_examples=60, deadline=None)
 times = st.sampled_from([0.25, 0.5, 1.0, 1.5, 2.0, 3.0])

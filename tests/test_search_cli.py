@@ -7,16 +7,15 @@ import shlex
 
 import numpy as np
 import pytest
+from ideal_cluster import IDEAL
 
 from parsim.cli.main import main
-from parsim.hardware.cluster import load_cluster, parse_cluster
 from parsim.errors import ConfigError
-from parsim.workload.model import load_model
+from parsim.hardware.cluster import load_cluster, parse_cluster
 from parsim.search.fast import FastModel
 from parsim.search.search import SearchRequest, run_search
 from parsim.search.space import SearchSpace, enumerate_settings
-
-from ideal_cluster import IDEAL
+from parsim.workload.model import load_model
 
 TINY = ["search", "--model", "tiny-gpt", "--gpus", "8", "--global-batch", "8", "--simulate", "2", "--top", "4"]
 

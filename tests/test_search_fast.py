@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from parsim.hardware.cluster import load_cluster
-from parsim.workload.memory import memory
-from parsim.workload.model import load_model
 from parsim.schedules import SCHEDULES, make_schedule, peak_in_flight
 from parsim.search.fast import KINDS, FastModel, schedule_facts
 from parsim.search.space import Candidate, SearchSpace, enumerate_settings
 from parsim.sim.step import predict_step
+from parsim.workload.memory import memory
+from parsim.workload.model import load_model
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +138,10 @@ def test_long_schedules_are_read_off_three_rounds(name):
 
 
 def test_an_exchange_beside_a_gather_on_the_same_nics_moves_at_half_speed():
-    from parsim.sim.compute import ComputeModel
-    from parsim.search.costs import CommCosts
-
     from ideal_cluster import ideal_spec
+
+    from parsim.search.costs import CommCosts
+    from parsim.sim.compute import ComputeModel
 
     spec = ideal_spec()
     comm = CommCosts(spec, 32, ComputeModel.for_cluster(spec, "bf16", 2, 8))
@@ -157,10 +157,10 @@ def test_an_exchange_beside_a_gather_on_the_same_nics_moves_at_half_speed():
 
 def test_a_send_beside_a_gather_on_the_same_nics_moves_at_half_speed():
     """A pipeline send under FSDP shares the sender's NIC with the next pass's gather (``FastModel._hops``)."""
-    from parsim.sim.compute import ComputeModel
-    from parsim.search.costs import CommCosts
-
     from ideal_cluster import ideal_spec
+
+    from parsim.search.costs import CommCosts
+    from parsim.sim.compute import ComputeModel
 
     spec = ideal_spec()
     comm = CommCosts(spec, 32, ComputeModel.for_cluster(spec, "bf16", 2, 8))

@@ -7,10 +7,10 @@ import itertools
 import pytest
 
 from parsim.errors import ParsimError
-from parsim.workload.model import load_model
-from parsim.workload.plan import parse_plan
 from parsim.search.space import (Candidate, Rejections, SearchSpace, divisors, enumerate_settings, enumerate_space,
                                  schedule_options, sync_options)
+from parsim.workload.model import load_model
+from parsim.workload.plan import parse_plan
 
 
 def accepted(mapping: dict) -> bool:

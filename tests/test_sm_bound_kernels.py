@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from parsim.hardware.cluster import HOPPER_SM_CYCLES, builtin_clusters, load_cluster
-from parsim.sim.compute import ComputeModel, SmWork, at_length
-from parsim.lowering.kernels import block_work
 from parsim.files import read_yaml
+from parsim.hardware.cluster import HOPPER_SM_CYCLES, builtin_clusters, load_cluster
+from parsim.lowering.kernels import block_work
+from parsim.sim.compute import ComputeModel, SmWork, at_length
 from parsim.workload.plan import load_plan
 
 SC21_LAYER = Path(__file__).parent.parent / "benchmarks" / "gpu" / "sc21-1.7b.yaml"
@@ -149,8 +149,8 @@ def test_a_cluster_file_gives_its_own_cycles_and_keeps_hoppers_for_the_rest():
     ({"softmax": {"2k": 0.3}}, "compute.sm_cycles.softmax"),
 ])
 def test_bad_sm_cycles_are_refused_naming_the_key(value, where):
-    from parsim.hardware.cluster import parse_cluster
     from parsim.errors import ConfigError
+    from parsim.hardware.cluster import parse_cluster
 
     with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
         parse_cluster(h100_with(value), "mine")

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from ideal_cluster import ideal_spec
 
 from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
+from parsim.sim.step import predict_step
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan
-from parsim.sim.step import predict_step
-
-from ideal_cluster import ideal_spec
 
 # Communication made free: enormous bandwidth, no latency, so only compute and the schedule remain.
 FREE_COMM = {"intra_node.bw_GBps_per_direction": 1e9, "intra_node.latency_us": 0.0,

@@ -7,10 +7,9 @@ import itertools
 import networkx as nx
 import numpy as np
 import pytest
+from ideal_cluster import ideal_spec
 
 from parsim.hardware.topology import SWITCH
-
-from ideal_cluster import ideal_spec
 
 
 def _edges_by_link(graph):

@@ -6,19 +6,18 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from parsim.hardware.cluster import load_cluster
-from parsim.sim.compute import ComputeModel
-from parsim.errors import ParsimError
-from parsim.lowering.lower import Lowering
-from parsim.workload.model import load_model
-from parsim.lowering.pieces import CommPiece, ComputePiece
-from parsim.workload.plan import Plan, load_plan
-from parsim.search.costs import CommCosts
-from parsim.sim.step import predict_step
-from parsim.lowering.tp_overlap import BULK_SMS, PIPELINE_SMS, PIPELINE_SPLITS
-
 from ideal_cluster import ideal_spec
+
+from parsim.errors import ParsimError
+from parsim.hardware.cluster import load_cluster
+from parsim.lowering.lower import Lowering
+from parsim.lowering.pieces import CommPiece, ComputePiece
+from parsim.lowering.tp_overlap import BULK_SMS, PIPELINE_SMS, PIPELINE_SPLITS
+from parsim.search.costs import CommCosts
+from parsim.sim.compute import ComputeModel
+from parsim.sim.step import predict_step
+from parsim.workload.model import load_model
+from parsim.workload.plan import Plan, load_plan
 
 H, T, SEQ = 1024, 4, 512
 GPT = load_model({"kind": "transformer", "name": "gpt", "num_layers": 2, "hidden": H, "num_heads": 16,

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import pytest
-
 from ideal_cluster import ideal_spec
+
 from parsim.hardware.cluster import load_cluster
-from parsim.sim.compute import ComputeModel
 from parsim.lowering.lower import lower
-from parsim.workload.plan import resolve_plan
-from parsim.report.step_report import breakdown, merge_spans, step_time
-from parsim.sim.stepsim import StepSimulator
 from parsim.lowering.unfold import unfold
+from parsim.report.step_report import breakdown, merge_spans, step_time
+from parsim.sim.compute import ComputeModel
+from parsim.sim.stepsim import StepSimulator
+from parsim.workload.plan import resolve_plan
 
 
 def _simulate(plan, cluster, program):

@@ -174,11 +174,9 @@ def test_the_gpu_checks_sc21_plan_is_the_tables_first_row():
     from pathlib import Path
 
     from parsim.hardware.cluster import load_cluster
-    from parsim.workload.plan import resolve_plan
     from parsim.sim.step import predict_step
-
-    from parsim.workload.plan import parse_plan
     from parsim.validation.training import _plan_mapping
+    from parsim.workload.plan import parse_plan, resolve_plan
 
     table, _ = load_table("megatron-sc21-table1")
     row = parse_plan(_plan_mapping(table, table["rows"][0], "1.7B"), "plan")

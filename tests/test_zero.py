@@ -6,16 +6,15 @@ import json
 from collections import Counter
 
 import pytest
+from ideal_cluster import ideal_spec
 
 from parsim.cli.main import main
 from parsim.errors import ParsimError
 from parsim.lowering.lower import lower
+from parsim.sim.step import predict_step
 from parsim.workload.memory import memory
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, load_plan
-from parsim.sim.step import predict_step
-
-from ideal_cluster import ideal_spec
 
 TINY = load_model("tiny-gpt")  # 4 layers, plus embedding and head: 6 FSDP units
 N = 4

@@ -24,16 +24,16 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from parsim.errors import ParsimError
-from parsim.workload.model import MLPModel, Model
 from parsim.report.trace import collective_name
+from parsim.workload.model import MLPModel, Model
 
 from .._torch import require_distributed, require_torch
-from .comm import (CopyToTP, EPGroup, GatherFromTP, GatherSequence, ReduceFromTP, ScatterSequence, SharedLoss,
-                   TPGroup, VocabParallelCrossEntropy)
-from .tp_overlap import TPOverlap
+from .comm import (CopyToTP, EPGroup, GatherFromTP, GatherSequence, ReduceFromTP, ScatterSequence, SharedLoss, TPGroup,
+                   VocabParallelCrossEntropy)
 from .mixed_precision import gradient, reduced
 from .models import Piece, RMSNorm
 from .moe import AllToAllDispatcher, MoEFeedForward, RoutedExperts
+from .tp_overlap import TPOverlap
 from .trace_recorder import Recorder
 
 torch = require_torch()

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from parsim.errors import ParsimError
+from parsim.lowering.tp_overlap import PIPELINE_SPLITS
+from parsim.schedules import Schedule
 from parsim.workload.model import MLPModel
 from parsim.workload.plan import Plan, load_plan
-from parsim.schedules import Schedule
-from parsim.lowering.tp_overlap import PIPELINE_SPLITS
 
 from .._torch import require_distributed, require_torch
 from ..speed_probe import SpeedProbe, probes_on

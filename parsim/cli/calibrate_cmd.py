@@ -12,19 +12,19 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from ..calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..calibrate.host import (fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise, fit_links,
                               fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, fit_tp_calls, fit_zero_grad,
                               host_cluster)
-from ..calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
-from ..hardware.cluster import SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
-from ..sim.compute import at_length
+from ..calibrate.host_load import ForeignLoad
 from ..errors import ParsimError
 from ..files import read_yaml
-from ..calibrate.host_load import ForeignLoad
-from ..report.jsondoc import print_json
+from ..hardware.cluster import SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from ..lowering.lower import ADAMW_ACCESSES
+from ..report.jsondoc import print_json
 from ..report.results import CollectiveResult, canonical_op
 from ..report.table import render_table
+from ..sim.compute import at_length
 from ..units import parse_size_range, size_unit, time_unit
 from .common import check_outputs, note, progress
 
@@ -141,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
         raise ParsimError("--name: the cluster file needs a name")
     if args.ranks.strip() == "1":
         return _run_one_gpu(args)
-    from executor.collectives import (DEFAULT_TARGET_TIME_S, check_host_memory, default_timeout_s,
-                                      measure_collectives, measure_in_step, measure_reduce_bandwidth)
+    from executor.collectives import (DEFAULT_TARGET_TIME_S, check_host_memory, default_timeout_s, measure_collectives,
+                                      measure_in_step, measure_reduce_bandwidth)
     from executor.compute_bench import measure_on_every_rank, measure_on_shared_cores
     from executor.launch import check_request, resolve_backend, usable_cores
 

@@ -6,23 +6,22 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from ..hardware.cluster import load_cluster
-from ..errors import ParsimError
 from ..calibrate.host_load import ForeignLoad
-from ..report.jsondoc import print_json
+from ..errors import ParsimError
+from ..hardware.cluster import load_cluster
 from ..kineto.match import CollectiveRow, match_collectives
 from ..kineto.read import measured_trace, read_profiles
-from ..workload.plan import Plan
-from ..sim.step import predict_step, rank_standing_for
+from ..report.jsondoc import print_json
 from ..report.step_report import PHASES, RankBreakdown, breakdown, step_time
 from ..report.table import format_number, render_table
 from ..report.trace import Trace
+from ..sim.step import predict_step, rank_standing_for
 from ..units import format_time, size_unit, time_unit
+from ..workload.plan import Plan
 from .common import (note, note_executor_kernels, note_launch_bound, note_stages_sharing_cores, progress,
                      warn_other_machine)
 from .compare_cmd import COMPARE_STEPS
 from .plan_cmd import plan_from_args
-
 
 # Measured steps whose slowest is this many times their fastest make one run's median a poor estimate.
 SPREAD_NOTE = 1.25

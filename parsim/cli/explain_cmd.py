@@ -10,9 +10,9 @@ import math
 
 from ..errors import ParsimError
 from ..report.jsondoc import print_json
+from ..report.table import render_table
 from ..schedules import (KIND_NAMES, SCHEDULES, IdealTiming, Schedule, closed_form, make_schedule, peak_in_flight,
                          simulate_ideal)
-from ..report.table import render_table
 from . import explain_compute, explain_memory
 from .common import check_outputs
 

@@ -12,12 +12,12 @@ from typing import Any
 
 from ..errors import ParsimError
 from ..report.jsondoc import print_json
+from ..report.table import render_table
+from ..units import format_size
 from ..workload.model import builtin_models, load_model
 from ..workload.plan import (ADAMW_IMPLEMENTATIONS, CP_STYLES, DIMS, DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_SYNCS,
                              RECOMPUTE, REDUCE_DTYPES, SCHEDULES, TP_STYLES, ZERO_STAGES, Plan, builtin_plans,
                              load_plan, resolve_plan, runs_text)
-from ..report.table import render_table
-from ..units import format_size
 from .common import add_cluster_args
 
 HELP = """\

@@ -8,13 +8,13 @@ import math
 import re
 import sys
 
-from ..hardware.cluster import load_cluster
 from ..errors import ParsimError
-from ..workload.model import TransformerModel, builtin_models, load_model
-from ..workload.plan import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW, DTYPE_BYTES, REDUCE_DTYPES
+from ..hardware.cluster import load_cluster
+from ..report.jsondoc import print_json
 from ..search.search import SORTS, SearchRequest, run_search
 from ..units import parse_size
-from ..report.jsondoc import print_json
+from ..workload.model import TransformerModel, builtin_models, load_model
+from ..workload.plan import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW, DTYPE_BYTES, REDUCE_DTYPES
 from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, note, note_unmeasured_matmuls
 
 HELP = """\

@@ -7,9 +7,9 @@ import sys
 
 from ..hardware.cluster import load_cluster
 from ..report.jsondoc import print_json
-from ..sim.step import StepPrediction, predict_step
 from ..report.step_report import PHASES, comm_overlap
 from ..report.table import render_table
+from ..sim.step import StepPrediction, predict_step
 from ..units import format_time
 from .common import (DEFAULT_CLUSTER, OpsProgress, check_outputs, memory_table, note_launch_bound,
                      note_stages_sharing_cores, note_unmeasured_matmuls)

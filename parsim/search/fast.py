@@ -38,15 +38,15 @@ from functools import lru_cache, partial
 import numpy as np
 
 from ..hardware.cluster import ClusterSpec
-from ..sim.compute import ComputeModel
 from ..lowering.lower import (FP32, CommPiece, Lowering, bucket_members, clip_costs, fsdp_bytes, gathered_bytes,
                               grad_norm_dims, param_tensors, pipeline_bytes, step_costs, tied_table_bytes,
                               unscale_costs)
+from ..report.step_report import PHASES
+from ..schedules import make_schedule, peak_in_flight
+from ..sim.compute import ComputeModel
 from ..workload.model import MLPModel
 from ..workload.plan import (DTYPE_BYTES, Plan, accumulation_bytes, attention_seq, default_reduce_dtype,
                              keeps_main_grads, master_weights, ties_across_stages)
-from ..schedules import make_schedule, peak_in_flight
-from ..report.step_report import PHASES
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
 from .pipeline import PipelineTiming, time_schedule
 from .space import SearchSpace, Setting, Variant
