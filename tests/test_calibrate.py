@@ -180,6 +180,20 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
            "GFLOP/s), eager ops x0.80 (probe 1250 vs 1000 us per pass)\n" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flops, eager_s, noted", [(54e9, 0.9e-3, False), (66e9, 1.1e-3, False),
+                                                   (45e9, 1.0e-3, True), (60e9, 0.66e-3, True)])
+def test_compare_notes_a_host_whose_probes_drifted_far_from_calibration(flops, eager_s, noted):
+    """Probes over 1.25 times faster or slower than at calibration (60 GFLOP/s, 1 ms a pass) get a note: the
+    steps between them may have run at another speed."""
+    from parsim.cli.compare_plan import HostSpeed
+
+    note = HostSpeed(60e9, 1e-3, flops, eager_s, 0.05).drift_note()
+    assert (note is not None) is noted
+    if noted:
+        assert note.startswith(f"parsim compare: note: the host-speed probes ran matmuls x{flops / 60e9:.2f} and "
+                               f"eager ops x{1e-3 / eager_s:.2f} as fast as at calibration")
+
+
 def test_compare_takes_each_measured_phase_as_its_median_over_ten_steps(monkeypatch, capsys):
     """A plan run here: 10 steps by default, and each rank's phases from the run's medians over the steps (the
     summary's ``ranks``), not from the one median step whose trace comes back; beside each median, the range

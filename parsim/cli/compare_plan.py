@@ -25,6 +25,8 @@ from .plan_cmd import plan_from_args
 
 # Measured steps whose slowest is this many times their fastest make one run's median a poor estimate.
 SPREAD_NOTE = 1.25
+# A host whose probes ran this many times faster or slower than at calibration may not have run the steps at that.
+SPEED_NOTE = 1.25
 
 
 def compare_plan_command(args: argparse.Namespace) -> int:
@@ -63,6 +65,8 @@ def compare_plan_command(args: argparse.Namespace) -> int:
             speed = HostSpeed(cluster.speed_probe_flops, cluster.speed_probe_eager_s, measured_probe["matmul_flops"],
                               measured_probe["eager_s"], predicted.step_s)
             predicted = predict_step(plan, cluster.at_host_speed(speed.arithmetic, speed.eager))
+            if speed.drift_note():
+                note(speed.drift_note())
         backend = measured.meta.get("backend", "")
         warn_other_machine(cluster, backend)
         note_executor_kernels(plan)
@@ -139,6 +143,18 @@ class HostSpeed:
     def unscaled_error(self, measured_step_s: float) -> float | None:
         """The error of the prediction at the calibration's speed (None without a measured step)."""
         return self.unscaled_step_s / measured_step_s - 1 if measured_step_s else None
+
+    def drift_note(self) -> str | None:
+        """A warning where the host ran over :data:`SPEED_NOTE` times faster or slower than at calibration: the
+        probes sample it before and after the measured steps, and a host drifting that much may not have run
+        the steps between them at that speed (docs/calibration.md, "Sets CD-CH": in CG the probes said eager ops
+        x1.50 around a run whose step took 99 ms, against 60 ms predicted at their speed)."""
+        if max(self.arithmetic, 1 / self.arithmetic, self.eager, 1 / self.eager) <= SPEED_NOTE:
+            return None
+        return (f"parsim compare: note: the host-speed probes ran matmuls x{self.arithmetic:.2f} and eager ops "
+                f"x{self.eager:.2f} as fast as at calibration; the prediction follows them, but on a host drifting "
+                "this much the steps between the probes may have run at another speed (compare again, or "
+                "calibrate again)")
 
     def text(self, measured_step_s: float) -> str:
         unscaled = self.unscaled_error(measured_step_s)
