@@ -65,8 +65,9 @@ def compare_plan_command(args: argparse.Namespace) -> int:
             speed = HostSpeed(cluster.speed_probe_flops, cluster.speed_probe_eager_s, measured_probe["matmul_flops"],
                               measured_probe["eager_s"], predicted.step_s)
             predicted = predict_step(plan, cluster.at_host_speed(speed.arithmetic, speed.eager))
-            if speed.drift_note():
-                note(speed.drift_note())
+            drift = speed.drift_note()
+            if drift:
+                note(drift)
         backend = measured.meta.get("backend", "")
         warn_other_machine(cluster, backend)
         note_executor_kernels(plan)
