@@ -7,8 +7,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from ..errors import ParsimError
 from ..hardware.cluster import ClusterSpec, builtin_clusters, load_cluster
 from ..hardware.topology import Topology
@@ -176,11 +174,9 @@ def note_stages_sharing_cores(command: str, plan, cluster: ClusterSpec) -> None:
     """Say so when a pipeline hands activations between two stages that take turns on one CPU core (a rank order
     with ``pp`` innermost, on a host with fewer cores than ranks): each hand-off then passes between two processes
     on that core, which the model times poorly (docs/calibration.md, "Ranks taking turns on a core")."""
-    grid = plan.rank_grid  # [dp, pp, cp, tp]
-    pp = grid.shape[1]
+    pp = plan.pp
     hands_on = [(s, s + 1) for s in range(pp - 1)] + ([(pp - 1, 0)] if plan.virtual_stages > 1 else [])
-    for d, c, t in np.ndindex(grid.shape[0], grid.shape[2], grid.shape[3]):
-        ranks = grid[d, :, c, t].tolist()
+    for ranks in plan.groups("pp"):  # each pipeline's ranks, stage by stage
         for sender, receiver in hands_on:
             core = core_of(ranks[sender], cluster.gpus_per_node, cluster.cpu_cores)
             if core == core_of(ranks[receiver], cluster.gpus_per_node, cluster.cpu_cores):
