@@ -66,6 +66,31 @@ def test_a_pipeline_given_only_its_global_batch_runs_microbatches_of_one():
     assert (Plan(TINY, dp=2, global_batch_size=16).microbatch_size, Plan(MLP, pp=2).num_microbatches) == (8, 128)
 
 
+
+@pytest.mark.parametrize("schedule, pp, v, least", [
+    ("gpipe", 4, 1, 1), ("1f1b", 4, 1, 4), ("zero-bubble", 2, 1, 2), ("zbv", 4, 2, 4), ("dualpipe-v", 2, 2, 4),
+    ("interleaved-1f1b", 4, 2, 4), ("interleaved-1f1b", 3, 3, 3),
+])
+def test_a_pipeline_given_no_batch_runs_the_fewest_microbatches_its_schedule_runs(schedule, pp, v, least):
+    """Where 1F1B would refuse the one microbatch a plan without a batch used to get."""
+    model = load_model({"kind": "transformer", "num_layers": 24, "hidden": 64, "num_heads": 4, "ffn_hidden": 128,
+                        "seq_len": 8, "vocab_size": 100})
+    plan = Plan(model, pp=pp, schedule=schedule, virtual_stages=v, microbatch_size=2)
+    assert (plan.num_microbatches, plan.microbatch_size) == (least, 2)
+    with pytest.raises(ParsimError):
+        Plan(model, pp=pp, schedule=schedule, virtual_stages=v, num_microbatches=least - 1) if least > 1 else \
+            Plan(model, pp=pp, schedule=schedule, virtual_stages=v, num_microbatches=0)
+
+
+def test_simulate_from_flags_alone_notes_the_batch_it_chose(capsys):
+    assert main(["simulate", "--model", "tiny-gpt", "--pp", "2", "--cluster", "dgx-h100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"] == "command-line"
+    assert main(["plan", "show", "--model", "tiny-gpt", "--pp", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "no batch given: 2 microbatches of 1 per step, the fewest 1f1b runs on pp 2" in captured.err
+    assert "2 microbatches" in captured.out
+
+
 # --------------------------------------------------------------------------- validation
 KV3 = load_model({"kind": "transformer", "num_layers": 2, "hidden": 96, "num_heads": 6, "num_kv_heads": 3,
                   "ffn_hidden": 192, "seq_len": 8, "vocab_size": 100})

@@ -18,7 +18,7 @@ from ..workload.model import builtin_models, load_model
 from ..workload.plan import (ADAMW_IMPLEMENTATIONS, CP_STYLES, DIMS, DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_SYNCS,
                              RECOMPUTE, REDUCE_DTYPES, SCHEDULES, TP_STYLES, ZERO_STAGES, Plan, builtin_plans,
                              load_plan, resolve_plan, runs_text)
-from .common import add_cluster_args
+from .common import add_cluster_args, note
 
 HELP = """\
 Show a parallelism plan: the model and its size, the degrees and the batch,
@@ -139,7 +139,12 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
         return resolve_plan(args.plan, gpus=gpus, overrides=overrides)
     if args.model is None:
         raise ParsimError("give a plan (an example name or a YAML file) or --model to build one from flags")
-    return load_plan({"name": "command-line"}, gpus=gpus, overrides=overrides)
+    plan = load_plan({"name": "command-line"}, gpus=gpus, overrides=overrides)
+    if plan.pp > 1 and "batch" not in overrides:
+        note(f"parsim: no batch given: {plan.num_microbatches} microbatches of {plan.microbatch_size} per step, the "
+             f"fewest {plan.schedule} runs on pp {plan.pp}; more shrink the bubble (--num-microbatches, "
+             f"--global-batch-size)")
+    return plan
 
 
 def _recompute_flags(args: argparse.Namespace) -> str | dict | None:

@@ -19,8 +19,10 @@ the three determine the third; given one of ``microbatch_size`` and
 ``num_microbatches`` with a known global batch, the other is derived. Given the
 global batch alone, a pipeline-parallel plan runs microbatches of 1 sample
 (torchtitan's ``pipeline_parallel_microbatch_size`` default) and any other plan
-one microbatch; otherwise the missing ones default to 1. The MLP's global batch
-is its ``batch_size``.
+one microbatch. With no global batch, a missing ``microbatch_size`` is 1, and
+a missing ``num_microbatches`` is 1, or on a pipeline the fewest its schedule
+runs (:meth:`Plan.least_microbatches`). The MLP's global batch is its
+``batch_size``.
 
 Plans load from YAML (:func:`load_plan`, :func:`resolve_plan`)::
 
@@ -287,6 +289,16 @@ class Plan:
     def _fail(self, message: str) -> NoReturn:
         raise ParsimError(f"plan {self.name}: {message}")
 
+    def least_microbatches(self) -> int:
+        """The fewest microbatches per step this plan's pipeline schedule runs: 1 without a pipeline; a
+        steady-state schedule fills its ``pp`` ranks (torch's Schedule1F1B refuses fewer), and one that
+        sends every microbatch through each of its stages in turn (DualPipe-V) needs one per stage."""
+        kind = SCHEDULE_KINDS.get(self.schedule)
+        if self.pp == 1 or kind is None:
+            return 1  # an unknown schedule is refused by validate()
+        return max(kind.min_microbatches(self.pp, self.virtual_stages),
+                   self.pp if self.schedule in STEADY_STATE_SCHEDULES else 1)
+
     def _resolve_batch(self) -> None:
         mbs, nmb, gbs, dp = self.microbatch_size, self.num_microbatches, self.global_batch_size, self.dp
         if isinstance(self.model, MLPModel):
@@ -307,7 +319,7 @@ class Plan:
             other = gbs // (dp * known)
             mbs, nmb = (known, other) if given == "microbatch_size" else (other, known)
         else:
-            mbs, nmb = mbs or 1, nmb or 1
+            mbs, nmb = mbs or 1, nmb or self.least_microbatches()
         object.__setattr__(self, "microbatch_size", mbs)
         object.__setattr__(self, "num_microbatches", nmb)
         object.__setattr__(self, "global_batch_size", dp * mbs * nmb)
