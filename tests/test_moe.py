@@ -112,8 +112,34 @@ def test_moe_rules():
         Plan(model=load_model("tiny-gpt"), dp=2, ep=2)
     with pytest.raises(ParsimError, match="expert_load 0.5 is below 1"):
         plan(2, expert_load=0.5)
-    with pytest.raises(ParsimError, match="FSDP and HSDP of experts are not modelled yet"):
-        plan(2, grad_sync="fsdp")
+    with pytest.raises(ParsimError, match="HSDP of experts"):
+        plan(2, grad_sync="fsdp", shard_group=2)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_fsdp_shards_experts_over_the_ranks_holding_them_and_the_rest_over_all(ep):
+    """torchtitan's FSDP of a mixture-of-experts model: each layer on the data-parallel mesh, its routed
+    experts on the mesh of ranks holding the same experts (dp x cp / ep ranks), each gathered and
+    reduce-scattered over its own mesh; experts held whole by one rank each (ep = dp x cp) never move."""
+    fsdp = plan(ep, grad_sync="fsdp")
+    experts = fsdp.expert_params_per_rank(0)  # 3 MoE layers x 8/ep experts x 3 weights
+    assert experts == 3 * (8 // ep) * 3 * 512 * 1024
+    dense = fsdp.params_per_rank(0) - experts
+    replicas = 4 // ep  # ranks holding the same experts
+    assert memory(fsdp)[0].weights == pytest.approx(2 * (dense / 4 + experts / replicas))
+    ops = lower(fsdp).ops
+    gathers = [op for op in ops if op.collective == "all_gather" and op.name.endswith("mb=0 dir=fwd")]
+    per_layer_experts = experts // 3 * 2  # bf16 bytes of one layer's experts on this rank
+    expert_gathers = [op for op in gathers if ".experts" in op.name]
+    if replicas == 1:
+        assert not expert_gathers
+    else:
+        assert [op.name.split()[2] for op in expert_gathers] == [f"layer=layer.{i}.experts" for i in (1, 2, 3)]
+        assert all(op.nbytes == per_layer_experts and len(op.ranks) == replicas for op in expert_gathers)
+        assert len({op.name for op in ops if op.collective == "reduce_scatter" and ".experts" in op.name}) == 3
+    dense_gathers = [op for op in gathers if ".experts" not in op.name]
+    assert sum(op.nbytes for op in dense_gathers) == 2 * dense and all(len(op.ranks) == 4 for op in dense_gathers)
+    assert predict_step(fsdp, ideal_spec()).ranks[0].seconds["fsdp"] > 0
 
 
 def test_mixtral_example_plan_simulates_and_fits():

@@ -482,36 +482,55 @@ class Lowering:
                      after: list[int], compute: str) -> int:
         """All-gather one layer's weight shards before its pass; ``after``: the op that must end first
         (the layer two back, so one layer is prefetched while the current one computes). Returns the
-        copy-out that follows it on the compute stream (named and phased as the pass, ``compute``)."""
+        copy-out that follows it on the compute stream (named and phased as the pass, ``compute``).
+        A mixture-of-experts layer gathers its routed experts apart, over the ranks holding the same
+        experts (torchtitan shards them on that mesh), after the rest over the shard group."""
         cost = self.plan.stage_costs(stage)[layer]
-        group, mirrors = self.group(p, "shard")
-        nbytes = fsdp_bytes(cost, self.plan)
-        name = collective_name("all_gather", "fsdp", layer=cost.name, stage=stage, mb=mb,
-                               dir="fwd" if kind == "F" else "bwd")
-        gather = self._add(rank, Op(name, "collective", "gather", deps=tuple(after), collective="all_gather",
-                                    group="fsdp", ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
-        return self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], 2 * nbytes, (gather,)))
+        gathers, moved = [], 0.0
+        for experts, dim, nbytes in self._fsdp_parts(p, cost):
+            group, mirrors = self.group(p, dim)
+            name = collective_name("all_gather", "fsdp", layer=cost.name + (".experts" if experts else ""),
+                                   stage=stage, mb=mb, dir="fwd" if kind == "F" else "bwd")
+            gathers.append(self._add(rank, Op(name, "collective", "gather", deps=tuple(after),
+                                              collective="all_gather", group="fsdp", ranks=group, mirrors=mirrors,
+                                              nbytes=nbytes, phase="fsdp")))
+            moved += 2 * nbytes
+        return self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], moved, tuple(gathers)))
 
     def _fsdp_reduce(self, rank: int, p: int, stage: int, layer: int, mb: int, kind: str, ready: int,
                      compute: str) -> int:
         """Reduce-scatter one layer's gradients once its backward made them (FSDP2 syncs every
         microbatch), after copying them into the collective's input on the compute stream (returned);
-        with HSDP, all-reduce the shard across the replicas."""
-        cost = self.plan.stage_costs(stage)[layer]
-        nbytes = fsdp_bytes(cost, self.plan, gradients=True)
-        moved = fsdp_bytes(cost, self.plan) + nbytes  # reads gradients in the weights' dtype, writes the reduce dtype
+        with HSDP, all-reduce the shard across the replicas. Routed experts' gradients go over the
+        ranks holding the same experts, as their gather does."""
+        plan, cost = self.plan, self.plan.stage_costs(stage)[layer]
+        parts = self._fsdp_parts(p, cost, gradients=True)
+        # The copy-in reads gradients in the weights' dtype and writes the reduce dtype.
+        moved = sum(fsdp_bytes(cost, plan, experts=experts) + nbytes for experts, _, nbytes in parts)
         copied = self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], moved, (ready,)))
-        group, mirrors = self.group(p, "shard")
-        op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=cost.name, stage=stage, mb=mb),
-                                "collective", "comm", deps=(copied,), collective="reduce_scatter", group="fsdp",
-                                ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
-        if self.plan.shard_size < self.plan.dp * self.plan.cp:
-            group, mirrors = self.group(p, "replicate")
-            op = self._add(rank, Op(collective_name("all_reduce", "fsdp", layer=cost.name, stage=stage, mb=mb),
-                                    "collective", "comm", collective="all_reduce", group="fsdp", ranks=group,
-                                    mirrors=mirrors, nbytes=nbytes / self.plan.shard_size, phase="fsdp"))
-        self.fsdp_syncs.append(op)
+        for experts, dim, nbytes in parts:
+            group, mirrors = self.group(p, dim)
+            tag = cost.name + (".experts" if experts else "")
+            op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=tag, stage=stage, mb=mb),
+                                    "collective", "comm", deps=(copied,), collective="reduce_scatter", group="fsdp",
+                                    ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
+            if not experts and plan.shard_size < plan.dp * plan.cp:
+                group, mirrors = self.group(p, "replicate")
+                op = self._add(rank, Op(collective_name("all_reduce", "fsdp", layer=tag, stage=stage, mb=mb),
+                                        "collective", "comm", collective="all_reduce", group="fsdp", ranks=group,
+                                        mirrors=mirrors, nbytes=nbytes / plan.shard_size, phase="fsdp"))
+            self.fsdp_syncs.append(op)
         return copied
+
+    def _fsdp_parts(self, p: int, cost: LayerCost, gradients: bool = False) -> list[tuple[bool, str, float]]:
+        """What FSDP gathers (or with ``gradients`` reduce-scatters) of one layer, group by group: (routed
+        experts?, the group dim, bytes on this rank). Experts held whole by one rank each (``ep`` = dp x cp)
+        are not sharded: nothing of theirs moves."""
+        plan = self.plan
+        parts = [(False, "shard", fsdp_bytes(cost, plan, gradients, experts=False))]
+        if plan.expert_shard_size > 1 and (experts := fsdp_bytes(cost, plan, gradients, experts=True)):
+            parts.append((True, "edp", experts))
+        return parts
 
     @staticmethod
     def _fsdp_copy(compute: str, phase: str, moved: float, deps: tuple[int, ...]) -> Op:
@@ -711,10 +730,12 @@ def gathered_bytes(plan: Plan, bucket_bytes: float) -> float:
     return bucket_bytes * plan.dtype_bytes / plan.grad_bytes
 
 
-def fsdp_bytes(cost: LayerCost, plan: Plan, gradients: bool = False) -> float:
+def fsdp_bytes(cost: LayerCost, plan: Plan, gradients: bool = False, experts: bool | None = None) -> float:
     """One layer's unsharded weights on a rank, what FSDP gathers, or with ``gradients`` its gradients in the
-    reduce dtype, what it reduce-scatters (FSDP2's ``reduce_dtype``: its copy-in casts them)."""
-    return sum(n for n, _ in param_tensors(cost, plan.tp)) * (plan.grad_bytes if gradients else plan.dtype_bytes)
+    reduce dtype, what it reduce-scatters (FSDP2's ``reduce_dtype``: its copy-in casts them). ``experts``:
+    only the routed experts' (True; this rank's ``1/ep`` of them) or only the rest (False)."""
+    elements = sum(n for n, expert in param_tensors(cost, plan.tp, plan.ep) if experts is None or expert == experts)
+    return elements * (plan.grad_bytes if gradients else plan.dtype_bytes)
 
 
 def param_tensors(cost: LayerCost, tp: int, ep: int = 1) -> list[tuple[int, bool]]:

@@ -67,7 +67,7 @@ def memory(plan: Plan) -> list[Memory]:
                       default=0)
         buffers = 0
         if plan.shards_weights:
-            largest = max(c.params_per_rank(plan.tp) for s in plan.stages_of(p) for c in plan.stage_costs(s))
+            largest = max(c.params_per_rank(plan.tp, plan.ep) for s in plan.stages_of(p) for c in plan.stage_costs(s))
             buffers = largest * (2 * d + g)
         experts = plan.expert_params_per_rank(p)  # sharded over the ranks holding the same experts
 

@@ -442,9 +442,9 @@ class Plan:
                        f"(num_experts / experts_per_token = {m.num_experts / m.experts_per_token:g})")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             self._fail(f"capacity_factor {self.capacity_factor:g} must be positive")
-        if self.zero >= 3 or self.shard_group is not None:
-            self._fail("mixture-of-experts plans shard with ZeRO-1/2 over their data-parallel groups; "
-                       "FSDP and HSDP of experts are not modelled yet")
+        if self.shard_group is not None:
+            self._fail("mixture-of-experts plans shard over their whole data-parallel groups (ZeRO-1/2/3, FSDP); "
+                       "HSDP of experts (shard_group) is not modelled yet")
 
     def _check_stage_split(self) -> None:
         layers, stages = self.model.num_layers, self.pp * self.virtual_stages
