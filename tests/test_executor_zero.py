@@ -51,8 +51,8 @@ PLANS = {
         "fsdp dp4, hsdp shard_group 2": _plan({"dp": 4}, dict(FSDP, shard_group=2)),
         "fsdp dp2 x tp2 (2-D)": _plan({"dp": 2, "tp": 2}, FSDP),
         "fsdp dp2 x pp2, 1f1b": _plan({"dp": 2, "pp": 2}, FSDP),
-        "fsdp dp2 x pp2, 1f1b, kept unsharded after forward": _plan(
-            {"dp": 2, "pp": 2}, dict(FSDP, reshard_after_forward=False)),
+        "fsdp dp2 x pp2, 1f1b, resharded after forward": _plan(
+            {"dp": 2, "pp": 2}, dict(FSDP, reshard_after_forward=True)),
     },
 }
 CASES = [(world, name) for world, plans in PLANS.items() for name in plans]
@@ -82,15 +82,23 @@ def test_sharded_step_equals_single_process(results, world, name):
     assert losses == plan.dp * plan.tp  # every last-stage rank reports its replica's loss
 
 
-def _fsdp2_gathers(plan, pp_rank: int) -> list[str]:
-    """The all-gathers FSDP2 issues on ``pp_rank`` with ``reshard_after_forward`` off.
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world,name", CASES)
+def test_events_match_the_simulated_program(results, world, name):
+    """Same names, and the same number of each communication event, on every simulated rank."""
+    plan = PLANS[world][name]
+    for rank in lower(plan).ranks:
+        predicted = [op.name for op in lower(plan).rank_ops(rank)]
+        measured = _result(results, world, name, rank)["events"]
+        assert set(measured) == set(predicted), f"rank {rank}"
+        comm = Counter(n for n in predicted if not n.startswith(("F ", "B ", "optimizer")))
+        assert Counter(n for n in measured if n in comm) == comm, f"rank {rank}"
 
-    A unit stays unsharded from its forward until the end of the next backward
-    through it (FSDP2 reshards after every backward). Without pipelining
-    (F, B, F, B) that is the lowering's "a gather before every forward, none
-    before a backward"; under 1F1B the warm-up's later forwards find the units
-    still gathered, and the backward after the first one has to gather again.
-    """
+
+def _fsdp2_gathers(plan, pp_rank: int) -> list[str]:
+    """The all-gathers FSDP2 issues on ``pp_rank`` under ``torch.distributed.pipelining``'s rules, from its
+    state: a stage's units gather when sharded, reshard after a forward with ``reshard_after_forward``, and
+    stay gathered after every backward but the last."""
     sharded = {s: True for s in plan.pipeline.stages_of(pp_rank)}
     names = []
     for action in plan.pipeline.actions[pp_rank]:
@@ -100,40 +108,26 @@ def _fsdp2_gathers(plan, pp_rank: int) -> list[str]:
             direction = "fwd" if action.kind == "F" else "bwd"
             names += [f"all_gather fsdp layer={layer} stage={s} mb={mb} dir={direction}"
                       for layer in (order if action.kind == "F" else reversed(order))]
-        sharded[s] = action.kind == "B"
+        last = mb == plan.num_microbatches - 1
+        sharded[s] = plan.reshard_after_forward if action.kind == "F" else last
     return names
 
 
-def _predicted(plan, rank: int) -> list[str]:
-    """The lowered op names of ``rank``; with ``reshard_after_forward`` off, FSDP2's gathers in place of the
-    lowering's (which gathers before every forward, pipelined or not)."""
-    names = [op.name for op in lower(plan).rank_ops(rank)]
-    if plan.reshard_after_forward:
-        return names
-    return [n for n in names if not n.startswith("all_gather fsdp")] + _fsdp2_gathers(plan, plan.coords(rank).pp)
-
-
-@pytest.mark.multiproc
-@pytest.mark.parametrize("world,name", CASES)
-def test_events_match_the_simulated_program(results, world, name):
-    """Same names, and the same number of each communication event, on every simulated rank."""
-    plan = PLANS[world][name]
-    for rank in lower(plan).ranks:
-        predicted = _predicted(plan, rank)
-        measured = _result(results, world, name, rank)["events"]
-        assert set(measured) == set(predicted), f"rank {rank}"
-        comm = Counter(n for n in predicted if not n.startswith(("F ", "B ", "optimizer")))
-        assert Counter(n for n in measured if n in comm) == comm, f"rank {rank}"
-
-
-def test_without_pipelining_fsdp2_gathers_as_the_lowering_does_when_kept_unsharded():
-    """The one difference :func:`_predicted` allows appears only under pipelining."""
-    plan = PLANS[2]["fsdp dp2, kept unsharded after forward"]
-    lowered = [op.name for op in lower(plan).rank_ops(0) if op.name.startswith("all_gather fsdp")]
+@pytest.mark.parametrize("reshard_after_forward, passes", [(False, 1), (True, 5)])
+def test_under_a_pipeline_fsdp_gathers_as_torch_pipelining_drives_fsdp2(reshard_after_forward, passes):
+    """Stage 0 of 1F1B over 4 microbatches runs F0 F1 B0 F2 B1 F3 B2 B3. Without resharding after forward
+    (torchtitan's default under a pipeline) its 3 units (embedding, 2 layers) are gathered once, in F0.
+    Resharding after each forward, F0, F1 and the backwards that follow a forward (B0, B1, B2) gather: B3
+    finds B2's weights still gathered. Gradients are reduce-scattered once, after B3."""
+    plan = _plan({"dp": 2, "pp": 2}, dict(FSDP, reshard_after_forward=reshard_after_forward),
+                 batch={"microbatch_size": 1, "num_microbatches": 4})
+    ops = lower(plan).rank_ops(0)
+    lowered = [op.name for op in ops if op.name.startswith("all_gather fsdp")]
     assert lowered == _fsdp2_gathers(plan, 0)
-    pipelined = PLANS[4]["fsdp dp2 x pp2, 1f1b, kept unsharded after forward"]
-    lowered = [op.name for op in lower(pipelined).rank_ops(0) if op.name.startswith("all_gather fsdp")]
-    assert sorted(lowered) != sorted(_fsdp2_gathers(pipelined, 0))
+    assert len(lowered) == 3 * passes
+    scatters = [op.name for op in ops if op.name.startswith("reduce_scatter fsdp")]
+    assert scatters == [f"reduce_scatter fsdp layer={c.name} stage=0 mb=3" for c in plan.stage_costs(0)[::-1]]
+    assert load_plan(plan.to_dict()).reshard_after_forward is reshard_after_forward
 
 
 def test_fsdp_with_a_split_backward_or_tied_embeddings_is_refused_in_one_line():

@@ -46,6 +46,17 @@ def test_fsdp_holds_two_gathered_layers_and_one_unsharded_gradient():
     assert mem.buffers == largest * (2 * 2 + 4)  # bf16 weights twice, the fp32 gradient once
 
 
+@pytest.mark.parametrize("reshard_after_forward", [None, True])
+def test_fsdp_under_a_pipeline_holds_every_layer_gathered_and_its_gradients_whole(reshard_after_forward):
+    """torch.distributed.pipelining keeps each stage's weights gathered and its gradients unsharded (fp32, the
+    reduce dtype) from its first forward to its last backward, whether or not forwards reshard in between."""
+    piped = plan(3, pp=2, num_microbatches=4, reshard_after_forward=reshard_after_forward)
+    assert piped.reshard_after_forward is bool(reshard_after_forward)  # torchtitan's default: false under pp
+    for mem in memory(piped):
+        assert mem.buffers == piped.params_per_rank(mem.pp_rank) * (2 + 4)
+        assert mem.weights == pytest.approx(2 * piped.params_per_rank(mem.pp_rank) / N)  # the shards, as ever
+
+
 def test_hsdp_shards_within_the_group_only():
     p = Plan(model=TINY, dp=8, dtype="bf16", zero=3, shard_group=2)
     assert p.shard_size == 2 and memory(p)[0].weights == pytest.approx(2 * TINY.num_params / 2)

@@ -5,7 +5,8 @@ stage is the root, as torchtitan wraps a model: a unit's weights are
 all-gathered before its forward and, with ``reshard_after_forward``, again
 before its backward; its gradients are reduce-scattered after its backward,
 after every microbatch's (FSDP2 accumulates the sharded gradients, so the
-sum over microbatches stays exact). The mesh is the shard group, or for HSDP
+sum over microbatches stays exact); under a pipeline, after the stage's last
+backward only (:mod:`executor.train.pipeline`). The mesh is the shard group, or for HSDP
 the 2-D (replicate, shard) mesh, whose replicas all-reduce the shards.
 With bf16 or fp16 plans the parameters are fp32 and FSDP2's
 ``MixedPrecisionPolicy`` gathers them in the plan's dtype and reduces the

@@ -8,7 +8,13 @@ the predicted order by construction. Per action:
   this is stage 0), run the stage, send its output on (unless it is the last
   stage, which computes the loss instead).
 - ``B``: receive the output gradient (unless last stage), back-propagate
-  through the stage, send the input gradient back (unless stage 0).
+  through the stage, send the input gradient back (unless stage 0). A stage
+  sharded by FSDP2 keeps its weights gathered and its gradients unsharded
+  through every backward but its last, which reduce-scatters them, as
+  ``torch.distributed.pipelining`` drives FSDP2 (``backward_maybe_with_nosync``);
+  it reduces each unit as its backward ends, through FSDP2's public switches,
+  where torch's ``perform_reduce_grad`` reduces them all after the last
+  backward by FSDP2's private post-backward.
 - ``I`` / ``W``: zero-bubble's split backward (Qi et al. 2023). ``I``
   computes the gradients of the stage input and of every parameter-owning
   module's output, keeping the graph (``retain_graph``), and sends the input
@@ -135,6 +141,14 @@ class PipelineRuntime:
         s, mb = a.stage, a.microbatch
         grad = self._recv("grad", s + 1, mb) if s < self.last_stage else None
         x, out = self._inputs.pop((s, mb)), self._outputs.pop((s, mb))
+        from torch.distributed.fsdp import FSDPModule
+
+        stage = self.stages[s]
+        if self.schedule.pp > 1 and isinstance(stage, FSDPModule):  # synced and resharded after the last backward
+            last = mb == self.m - 1
+            stage.set_requires_gradient_sync(last)
+            stage.set_reshard_after_backward(last)
+            stage.set_is_last_backward(last)
         with self._span(a):
             torch.autograd.backward(out, grad)
         if s > 0:

@@ -86,7 +86,12 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
     out.append(f"   weights {mem.weights / GB:.2f} GB + gradients {mem.gradients / GB:.2f} GB + optimizer "
                f"{mem.optimizer / GB:.2f} GB = {(mem.weights + mem.gradients + mem.optimizer) / GB:.2f} GB.")
     out += _activations(plan, mem)
-    if mem.buffers:
+    if mem.buffers and plan.pp > 1:
+        out.append(f"5. FSDP buffers under a pipeline: every layer's weights stay gathered and its gradients "
+                   f"unsharded, in {plan.reduce_dtype}, until the stage's last backward (torch.distributed."
+                   f"pipelining): {plan.params_per_rank(p) / 1e9:.3g}B parameters x ({plan.dtype_bytes} + "
+                   f"{plan.grad_bytes}) bytes = {mem.buffers / GB:.2f} GB.")
+    elif mem.buffers:
         out.append(f"5. FSDP buffers: two layers' weights gathered (the one computing, the one prefetched) and one "
                    f"layer's unsharded gradient: {mem.buffers / GB:.2f} GB.")
     verdict = "fits" if mem.total <= capacity else "does NOT fit"

@@ -304,6 +304,10 @@ def _sync_text(plan: Plan) -> str:
     if plan.zero == 3:
         shards = f"shards over {plan.shard_size} ranks" + (
             f", replicated {plan.dp // plan.shard_size}x (HSDP)" if plan.shard_size < plan.dp else "")
+        if plan.pp > 1:
+            again = ", again after each forward that resharded them" if plan.reshard_after_forward else ""
+            return (f"FSDP (ZeRO-3), {shards}: each layer's weights all-gathered in its stage's first forward"
+                    f"{again}, its gradients reduce-scattered after the stage's last backward")
         again = "again before its backward, " if plan.reshard_after_forward else ""
         return (f"FSDP (ZeRO-3), {shards}: each layer's weights all-gathered before its forward, {again}"
                 f"its gradients reduce-scattered after")

@@ -211,6 +211,7 @@ class Lowering:
             self.rank_ids = self.program.by_rank.setdefault(rank, [])
             self.final_grad_ops: dict[tuple[int, int], int] = {}  # (stage, layer index) -> op id
             self.fsdp_syncs: list[int] = []  # this rank's per-layer gradient reductions
+            self.gathered_stages: set[int] = set()  # FSDP under a pipeline: stages whose weights stay gathered
             self.param_gathers = self._prefetch_weights(rank, p) if plan.overlap_param_gather else {}
             for action in self.schedule.actions[p]:
                 first = len(self.program.ops)
@@ -276,9 +277,11 @@ class Lowering:
             last = self._recv(rank, "grad", stage + 1, mb, ("grad", stage + 1, mb), act_bytes)
         name, recompute_name = compute_name(kind, stage, mb), compute_name("R", stage, mb)
         final = kind in ("B", "W") and mb == last_mb
-        gathers = self.fsdp and (kind == "F" or (kind in ("B", "I") and plan.reshard_after_forward))
-        scatters = self.fsdp and kind in ("B", "W")  # the gradients are whole after a B, or after an I's W
+        gathers = self.fsdp and self._fsdp_gathers(stage, kind, final)
+        # The gradients are whole after a B, or after an I's W; under a pipeline, after the stage's last one.
+        scatters = self.fsdp and kind in ("B", "W") and plan.pp == 1
         closed: list[int] = []  # per layer of this pass, the op that ended it (FSDP prefetches one layer ahead)
+        layers: list[int] = []  # and its index in the stage
         beside: dict[str, list[int]] = {"cp": [], "tp": []}  # side-stream collectives the next join waits for
         gathered: tuple[int, ...] = ()  # an FSDP gather the layer's next compute-stream op must wait for
         for piece in self._pieces(p, stage, kind):
@@ -316,10 +319,14 @@ class Lowering:
                 if scatters:
                     last = self._fsdp_reduce(rank, p, stage, piece.layer, mb, kind, last, name)
                 closed.append(last)
+                layers.append(piece.layer)
         if kind == "F" and stage < last_stage:
             self._send(rank, "act", stage, mb, ("act", stage, mb), act_bytes, last)
         if kind in ("B", "I") and stage > 0:
             self._send(rank, "grad", stage, mb, ("grad", stage, mb), act_bytes, last)
+        if self.fsdp and final and plan.pp > 1:  # torch.distributed.pipelining's REDUCE_GRAD action
+            for layer in layers:
+                last = self._fsdp_reduce(rank, p, stage, layer, mb, kind, last, name)
 
     @functools.cache
     def _pieces(self, p: int, stage: int, kind: str) -> tuple[Piece, ...]:
@@ -478,6 +485,23 @@ class Lowering:
         return self._add(rank, op)
 
     # -- FSDP (ZeRO-3) per layer ------------------------------------------------------
+    def _fsdp_gathers(self, stage: int, kind: str, final: bool) -> bool:
+        """Whether a ``kind`` pass of ``stage`` all-gathers its weights first. Without a pipeline: every
+        forward, and every backward with ``reshard_after_forward`` (FSDP2 reshards after each backward).
+        Under a pipeline, as ``torch.distributed.pipelining`` drives FSDP2 (``backward_maybe_with_nosync``
+        sets ``reshard_after_backward`` false until ``perform_reduce_grad``): a pass gathers only weights
+        resharded since the stage last ran, by a forward with ``reshard_after_forward`` or by the step's
+        last backward, so with torchtitan's default (no resharding after a pipeline's forward) a stage
+        gathers once a step."""
+        if kind == "W":
+            return False  # the weight gradients need the activations, not the weights
+        if self.plan.pp == 1:
+            return kind == "F" or self.plan.reshard_after_forward
+        sharded = stage not in self.gathered_stages
+        keeps = not (self.plan.reshard_after_forward if kind == "F" else final)
+        (self.gathered_stages.add if keeps else self.gathered_stages.discard)(stage)
+        return sharded
+
     def _fsdp_gather(self, rank: int, p: int, stage: int, layer: int, mb: int, kind: str,
                      after: list[int], compute: str) -> int:
         """All-gather one layer's weight shards before its pass; ``after``: the op that must end first

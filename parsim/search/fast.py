@@ -6,14 +6,16 @@ model charges what the step simulator charges, priced without simulating:
 * **passes** — per stage and pass kind, the sum of its entries' passes
   (:mod:`parsim.search.costs`); with FSDP, each entry also waits for the
   all-gather of its weights, prefetched one entry ahead on a stream of its
-  own, as the lowering orders them;
+  own, as the lowering orders them (under a pipeline only in each stage's
+  first forward, charged before the rank's first pass);
 * **the pipeline** — the schedule timed by its dependencies
   (:mod:`parsim.search.pipeline`), a transfer between ranks costing an
   uncontended send;
 * **the tail** of each pipeline rank — gradient buckets reduced on the
   communication stream as the final backward makes them (all-reduce, or
   reduce-scatter under ZeRO, plus the HSDP all-reduce across replicas),
-  FSDP's per-layer reduce-scatters, the sequence-parallel norm sync, the
+  FSDP's per-layer reduce-scatters (under a pipeline, each stage's after its
+  last backward), the sequence-parallel norm sync, the
   optimizer step, and ZeRO-1/2's weight all-gathers after it;
 * **memory** — :func:`parsim.workload.memory.memory`'s account (:mod:`parsim.search.tables`).
 
@@ -175,7 +177,7 @@ class FastModel:
         """Each entry type's passes; with ``beside_gathers`` (FSDP with context parallelism), each
         context-parallel exchange is priced beside the FSDP all-gather streaming next to it
         (:meth:`_exchange_beside_gathers`)."""
-        beside_gathers = beside_gathers and s.cp > 1 and self._shards_weights(s, v)
+        beside_gathers = beside_gathers and s.cp > 1 and self._gathers_every_pass(s, v)
         key = (s.tp, s.cp, s.ep, s.microbatch_size, v.sequence_parallel, v.tp_overlap, v.recompute,
                v.context_parallel,
                (s.dp, s.pp, v.order) if s.ep > 1 else None,
@@ -288,8 +290,8 @@ class FastModel:
         key = ("optimizer", s.pp, s.virtual_stages, s.schedule in V_SCHEDULES, s.tp, s.ep, s.dp * s.cp, v.zero,
                v.shard_group)
         optimizer = self._cached(key, lambda: np.array([self._optimizer(s, v, p) for p in range(s.pp)]))
-        if not self._shards_weights(s, v):
-            return optimizer
+        if not self._gathers_every_pass(s, v):
+            return optimizer  # under a pipeline FSDP's copies come once a step, in the estimate
         return optimizer + self._cached(("copies", s.tp, s.ep, s.pp, s.virtual_stages, s.num_microbatches,
                                          s.schedule), lambda: _pass_counts(s) @ self._copies_per_pass(s))
 
@@ -312,7 +314,7 @@ class FastModel:
     def _inputs(self, s: Setting, v: Variant, layout: Layout) -> _Inputs:
         seconds = self.pass_table(s, v, beside_gathers=True).seconds(self._accumulation_of(s, v))  # [types, 4]
         waits = lead = np.zeros(len(layout.stage_entries) * 4)
-        fsdp = self._fsdp(s, v)
+        fsdp = self._fsdp(s, v) if self._gathers_every_pass(s, v) else None
         ends = None
         if fsdp is None:
             durations = (layout.counts @ seconds).ravel()
@@ -346,40 +348,28 @@ class FastModel:
         if fsdp is not None:  # a rank's first forward gathers from nothing: the part beyond the usual lead
             d = layout.distinct_of[layout.rank_stages[:, 0]]
             start = np.maximum(first[d, 0] - (after[d, 0] - ahead[d, 0]) - ahead[d, 0], 0.0)
+        elif self._shards_weights(s, v):  # under a pipeline each stage's first forward gathers, once a step
+            start = self._first_gathers(s, v, seconds)
         elif v.param_overlap and s.dp * s.cp > 1:
             start = self._param_gather_starts(s, v, seconds, durations)
         return _Inputs(_inputs_key(v), durations, hops, start, waits, lead, ends)
 
     def _hops(self, s: Setting, v: Variant, layout: Layout) -> np.ndarray:
         """Per stage boundary, the send of one microbatch's activations (or their gradients) between the
-        representative ranks of the two stages. Under FSDP the sender's next pass is gathering its weights
-        as the send leaves (the gather stream runs ahead of the passes), so the send shares NICs and NVLink
-        with that gather for as long as the gather covers it (``CommCosts.beside``)."""
-        fsdp = self._shards_weights(s, v)
+        representative ranks of the two stages. (FSDP gathers nothing beside them: under a pipeline a stage
+        gathers its weights once, in its first forward.)"""
         key = ("hops", s.dp, s.tp, s.pp, s.cp, s.ep, s.microbatch_size, s.schedule in V_SCHEDULES,
-               s.virtual_stages, v.order, v.sequence_parallel, (v.shard_group,) if fsdp else None)
+               s.virtual_stages, v.order, v.sequence_parallel)
 
         def make() -> np.ndarray:
             plan = self.layout_plan(s, v)
             nbytes = pipeline_bytes(plan)
             first = self._cached(("pp ranks", s.dp, s.tp, s.pp, s.cp, v.order),
                                  lambda: [plan.rank_of(pp=r) for r in range(s.pp)])
-            lowering = Lowering(plan) if fsdp else None
-            # The gather beside a send: the largest entry's (a layer's) weights, which most passes gather.
-            weights = max(self._weight_bytes(s)) if fsdp else 0.0
-            gather = self.comm.time("collective", "all_gather", lowering.group(0, "shard")[0], weights) if fsdp else 0
-
-            def send(a: int, b: int) -> float:
-                alone = self.comm.time("send", "send_recv", (first[a], first[b]), nbytes)
-                if not fsdp:
-                    return alone
-                beside = self.comm.beside("send_recv", (first[a], first[b]), nbytes, "all_gather",
-                                          lowering.group(a, "shard")[0], weights, kind="send")
-                return alone + max(beside - alone, 0.0) * min(1.0, gather / beside) if beside else alone
             pairs = {}  # boundaries between the same two ranks cost the same
             for a, b in zip(layout.stage_rank, layout.stage_rank[1:]):
                 if (a, b) not in pairs:
-                    pairs[a, b] = send(a, b)
+                    pairs[a, b] = self.comm.time("send", "send_recv", (first[a], first[b]), nbytes)
             return np.array([pairs[a, b] for a, b in zip(layout.stage_rank, layout.stage_rank[1:])])
         return self._cached(key, make)
 
@@ -424,6 +414,45 @@ class FastModel:
     @staticmethod
     def _shards_weights(s: Setting, v: Variant) -> bool:
         return v.fsdp and (v.shard_group or s.dp * s.cp) > 1
+
+    def _gathers_every_pass(self, s: Setting, v: Variant) -> bool:
+        """FSDP without a pipeline: every pass gathers its weights and reduces its gradients. Under a pipeline
+        (``Plan``: ``torch.distributed.pipelining``'s FSDP2) a stage gathers in its first forward and reduces
+        after its last backward."""
+        return self._shards_weights(s, v) and s.pp == 1
+
+    def _first_gathers(self, s: Setting, v: Variant, seconds: np.ndarray) -> np.ndarray:
+        """FSDP under a pipeline: per pipeline rank, what its stages' first forwards add to their passes by
+        gathering their weights from nothing (each layer's all-gather, the next one prefetched, and its
+        copy out of the gathered buffer), all charged before the rank's first pass."""
+        gathers, _, copies, _ = self._fsdp(s, v)
+        layout, f = self.layout(s), KINDS.index("F")
+        start = np.zeros(s.pp)
+        for p in range(s.pp):
+            for stage in layout.rank_stages[p]:
+                order = list(layout.stage_entries[stage])
+                plain = seconds[order, f]
+                start[p] += _gathered_pass(plain + copies[order, f], gathers[order], 0.0)[1][-1] - plain.sum()
+        return start
+
+    def _stage_reductions(self, s: Setting, v: Variant, p: int) -> tuple[tuple[tuple, np.ndarray], ...]:
+        """FSDP under a pipeline: pipeline rank ``p``'s reduce-scatters (and HSDP all-reduces), every layer's
+        once its stage's last backward has ended (``REDUCE_GRAD``), each after its copy into the collective's
+        buffer: per stage, the end of its final backward and the seconds of each layer's reduction."""
+        plan = self.layout_plan(s, v)
+        lowering = Lowering(plan)
+        scatter = self.comm.pricer("collective", "reduce_scatter", lowering.group(p, "shard")[0])
+        across = self.comm.pricer("collective", "all_reduce", lowering.group(p, "replicate")[0]) \
+            if plan.shard_size < plan.dp * plan.cp else no_cost
+        seconds = np.array([scatter(g) + across(g / plan.shard_size) + self.compute.time((), 0.0, w + g, 1,
+                                                                                           stream_bytes=w + g)
+                            for w, g in zip(self._weight_bytes(s), self._weight_bytes(s, gradients=True))])
+        layout = self.layout(s)
+        out = []
+        for stage in layout.rank_stages[p][::-1]:
+            entries = list(layout.stage_entries[stage])
+            out.append((((int(stage), len(entries) - 1),) * len(entries), seconds[entries]))
+        return tuple(out)
 
     def _weight_bytes(self, s: Setting, gradients: bool = False) -> list[float]:
         """Per entry type, one rank's unsharded weights, what FSDP gathers, or its gradients in the reduce
@@ -478,7 +507,7 @@ class FastModel:
         for name, seconds in zip(PASS_PHASES, counts @ per_stage):
             phases[name] += float(seconds)
         phases["fsdp"] += float(counts @ x.waits)
-        if self._shards_weights(s, v):  # FSDP2's copies, in the phase of the pass that makes them
+        if self._gathers_every_pass(s, v):  # FSDP2's copies, in the phase of the pass that makes them
             copies = self._copies_per_pass(s)
             for k, name in enumerate(COPY_PHASES):
                 phases[name] += float(counts[k::4] @ copies[k::4])
@@ -592,6 +621,8 @@ class FastModel:
 
     def _buckets(self, s: Setting, v: Variant, p: int):
         plan = self.layout_plan(s, v)
+        if self._shards_weights(s, v) and s.pp > 1:
+            return self._stage_reductions(s, v, p)
         if plan.dp * plan.cp == 1 or v.fsdp:
             return ()
         lowering = Lowering(plan)

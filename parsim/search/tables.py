@@ -151,7 +151,10 @@ def peak_memory(ranks: list[RankTables], which: np.ndarray, sync: SyncArrays, in
     params = np.array([r.params for r in ranks])[which]
     experts = np.array([r.experts for r in ranks])[which]
     activations = np.array([(in_flight * r.per_microbatch + r.rebuilt) * tokens for r in ranks])[which]
-    buffers = np.array([r.largest * (2 * dtype_bytes + grad_bytes) for r in ranks])[which]  # as parsim.workload.memory
+    if params.shape[1] > 1:  # as parsim.workload.memory: under a pipeline, every layer gathered and its gradients
+        buffers = params * (dtype_bytes + grad_bytes)
+    else:
+        buffers = np.array([r.largest * (2 * dtype_bytes + grad_bytes) for r in ranks])[which]
     state = (sync.whole[:, None] * params + sync.dense[:, None] * (params - experts) + sync.expert[:, None] * experts
              + np.where(sync.buffers[:, None], buffers, 0.0))
     return (state + activations).max(axis=1), state.max(axis=1)

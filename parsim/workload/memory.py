@@ -48,6 +48,10 @@ def memory(plan: Plan) -> list[Memory]:
     too (``18P/N``); FSDP then holds, besides its shards, the
     unsharded weights of two layers (the one computing and the one prefetched)
     and one layer's unsharded gradients before they are reduce-scattered.
+    Under a pipeline FSDP2 keeps every layer's weights gathered and its
+    gradients unsharded, in the reduce dtype, until the stage's last backward
+    (``torch.distributed.pipelining``; :class:`~parsim.workload.plan.Plan`):
+    ``P x (weights' + gradients' bytes)`` besides the shards.
 
     Activations: the schedule's peak number of (stage, microbatch) forwards
     awaiting their backward, times what one stage saves per microbatch (for
@@ -66,7 +70,9 @@ def memory(plan: Plan) -> list[Memory]:
         rebuilt = max((c.activation_bytes_per_token(plan.tp) for s in plan.stages_of(p) for c in plan.recomputed(s)),
                       default=0)
         buffers = 0
-        if plan.shards_weights:
+        if plan.shards_weights and plan.pp > 1:  # every layer's weights gathered, its gradients kept whole
+            buffers = params * (d + g)
+        elif plan.shards_weights:
             largest = max(c.params_per_rank(plan.tp, plan.ep) for s in plan.stages_of(p) for c in plan.stage_costs(s))
             buffers = largest * (2 * d + g)
         experts = plan.expert_params_per_rank(p)  # sharded over the ranks holding the same experts

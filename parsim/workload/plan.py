@@ -169,7 +169,12 @@ class Plan:
     semantics (``grad_sync: fsdp``): each layer's weights all-gathered before
     its forward and, with ``reshard_after_forward``, again before its backward,
     the next layer's gather prefetched, its gradients reduce-scattered after
-    its backward. ``shard_group`` (HSDP) shards within groups of that many
+    its backward. Under a pipeline, as ``torch.distributed.pipelining`` drives
+    FSDP2, a backward keeps the weights gathered and the gradients unsharded
+    until the stage's last one, after which every layer's gradients are
+    reduce-scattered at once; ``reshard_after_forward`` defaults to false there
+    (torchtitan's default policy), so a stage gathers its weights once a step.
+    ``shard_group`` (HSDP) shards within groups of that many
     data-parallel ranks and all-reduces the shards across the groups.
     ``overlap_param_gather`` (ZeRO-1/2) moves the weight all-gathers from after
     the optimizer step to the next step's forward, each layer's first forward
@@ -247,7 +252,7 @@ class Plan:
     layers_per_stage: tuple[int, ...] | str | None = None
     zero: int | None = None
     shard_group: int | None = None
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None  # None: without a pipeline only (torchtitan)
     overlap_param_gather: bool = False
     reduce_dtype: str | None = None  # None: default_reduce_dtype(dtype)
     grad_accumulation: str = "autograd"
@@ -275,6 +280,8 @@ class Plan:
             object.__setattr__(self, "zero", 3 if self.grad_sync == "fsdp" else 0)
         if self.reduce_dtype is None:
             object.__setattr__(self, "reduce_dtype", default_reduce_dtype(self.dtype))
+        if self.reshard_after_forward is None:
+            object.__setattr__(self, "reshard_after_forward", self.pp == 1)
         if self.schedule in V_SCHEDULES and self.virtual_stages == 1:
             object.__setattr__(self, "virtual_stages", 2)  # a V holds two stages per rank by construction
         object.__setattr__(self, "order", _order(self.order))
@@ -703,8 +710,8 @@ class Plan:
         data_parallel: dict[str, Any] = {"grad_sync": self.grad_sync, "overlap": self.overlap, "zero": self.zero}
         if self.shard_group is not None:
             data_parallel["shard_group"] = self.shard_group
-        if not self.reshard_after_forward:
-            data_parallel["reshard_after_forward"] = False
+        if self.reshard_after_forward != (self.pp == 1):
+            data_parallel["reshard_after_forward"] = self.reshard_after_forward
         if self.overlap_param_gather:
             data_parallel["overlap_param_gather"] = True
         if self.grad_sync == "bucketed":
@@ -838,7 +845,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         dtype=top.text("dtype", "fp32"), tp_style=top.text("tensor_parallel"),
         grad_sync=grad_sync, bucket_size=sync.size("bucket_size", DEFAULT_BUCKET_SIZE),
         overlap=sync.boolean("overlap"), zero=sync.integer("zero"), shard_group=sync.integer("shard_group"),
-        reshard_after_forward=sync.boolean("reshard_after_forward", True),
+        reshard_after_forward=sync.boolean("reshard_after_forward"),
         overlap_param_gather=sync.boolean("overlap_param_gather", False),
         reduce_dtype=sync.text("reduce_dtype"),
         name=top.text("name", default_name), description=top.text("description", ""),
