@@ -207,7 +207,7 @@ class FastModel:
         pays that contention over the part of it the gather covers."""
         lowering = Lowering(self.layout_plan(s, v))
         shard, cp = lowering.group(0, "shard")[0], lowering.group(0, "cp")[0]
-        weights, gathers = self._weight_bytes(s), self._fsdp(s, v)[0]
+        weights, gathers = self._weight_bytes(s, part="dense"), self._fsdp(s, v)[0]
 
         def exchange(entry: int, piece: CommPiece) -> float:
             alone = self.comm.time("collective", piece.collective, cp, piece.nbytes)
@@ -389,19 +389,31 @@ class FastModel:
         def make() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             plan = self.layout_plan(s, v)
             lowering = Lowering(plan)
-            shard = lowering.group(0, "shard")[0]
+            shard, edp = lowering.group(0, "shard")[0], lowering.group(0, "edp")[0]
             replicas = plan.shard_size < plan.dp * plan.cp
+
+            def prices(group: tuple[int, ...], weights: float, grads: float) -> tuple[float, float, float]:
+                """(the gather alone, beside a reduce-scatter, the reduce-scatter beside it) over ``group``."""
+                alone = self.comm.time("collective", "all_gather", group, weights)
+                beside = max(alone, self.comm.beside("all_gather", group, weights, "reduce_scatter", group, grads))
+                return alone, beside, self.comm.time("collective", "reduce_scatter", group, grads) + beside - alone
+
             gather, scatter, backward = [], [], []
-            for weights, grads in zip(self._weight_bytes(s), self._weight_bytes(s, gradients=True)):
-                alone = self.comm.time("collective", "all_gather", shard, weights)
-                beside = max(alone, self.comm.beside("all_gather", shard, weights, "reduce_scatter", shard, grads))
+            for weights, grads, expert_weights, expert_grads in zip(
+                    self._weight_bytes(s, part="dense"), self._weight_bytes(s, gradients=True, part="dense"),
+                    self._weight_bytes(s, part="experts"), self._weight_bytes(s, gradients=True, part="experts")):
+                alone, beside, reduce = prices(shard, weights, grads)
+                if replicas:
+                    reduce += self.comm.time("collective", "all_reduce", lowering.group(0, "replicate")[0],
+                                             grads / plan.shard_size)
+                if expert_weights:  # a layer's routed experts, after the rest, over the ranks holding them
+                    more = prices(edp, expert_weights, expert_grads)
+                    alone, beside, reduce = alone + more[0], beside + more[1], reduce + more[2]
                 gather.append(alone)
                 backward.append(beside)
-                scatter.append(self.comm.time("collective", "reduce_scatter", shard, grads) + beside - alone + (
-                    self.comm.time("collective", "all_reduce", lowering.group(0, "replicate")[0],
-                                   grads / plan.shard_size) if replicas else 0.0))
+                scatter.append(reduce)
             return np.array(gather), np.array(scatter), self._fsdp_copies(s), np.array(backward)
-        return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, v.order, v.shard_group), make)
+        return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, s.ep, v.order, v.shard_group), make)
 
     def _main_grads(self, s: Setting, v: Variant) -> bool:
         """:attr:`Plan.main_grads <parsim.workload.plan.Plan.main_grads>` of ``v``: low-precision weights, not FSDP."""
@@ -442,11 +454,17 @@ class FastModel:
         plan = self.layout_plan(s, v)
         lowering = Lowering(plan)
         scatter = self.comm.pricer("collective", "reduce_scatter", lowering.group(p, "shard")[0])
+        scatter_experts = self.comm.pricer("collective", "reduce_scatter", lowering.group(p, "edp")[0])
         across = self.comm.pricer("collective", "all_reduce", lowering.group(p, "replicate")[0]) \
             if plan.shard_size < plan.dp * plan.cp else no_cost
-        seconds = np.array([scatter(g) + across(g / plan.shard_size) + self.compute.time((), 0.0, w + g, 1,
-                                                                                           stream_bytes=w + g)
-                            for w, g in zip(self._weight_bytes(s), self._weight_bytes(s, gradients=True))])
+        seconds = []
+        for w, g, dense, experts in zip(self._weight_bytes(s), self._weight_bytes(s, gradients=True),
+                                        self._weight_bytes(s, gradients=True, part="dense"),
+                                        self._weight_bytes(s, gradients=True, part="experts")):
+            copy_in = self.compute.time((), 0.0, w + g, 1, stream_bytes=w + g)
+            seconds.append(scatter(dense) + across(dense / plan.shard_size) + copy_in
+                           + (scatter_experts(experts) if experts else 0.0))
+        seconds = np.array(seconds)
         layout = self.layout(s)
         out = []
         for stage in layout.rank_stages[p][::-1]:
@@ -454,13 +472,22 @@ class FastModel:
             out.append((((int(stage), len(entries) - 1),) * len(entries), seconds[entries]))
         return tuple(out)
 
-    def _weight_bytes(self, s: Setting, gradients: bool = False) -> list[float]:
-        """Per entry type, one rank's unsharded weights, what FSDP gathers, or its gradients in the reduce
-        dtype, what it reduce-scatters (:func:`~parsim.lowering.lower.fsdp_bytes`)."""
+    def _weight_bytes(self, s: Setting, gradients: bool = False, part: str | None = None) -> list[float]:
+        """Per entry type, what FSDP gathers of one rank's weights, or with ``gradients`` reduce-scatters of its
+        gradients in the reduce dtype (:func:`~parsim.lowering.lower.fsdp_bytes`): all of it, or ``part``
+        "dense" (over the shard group) or "experts" (the routed experts', over the ranks holding them; none
+        where each rank holds its experts whole, as the lowering has it)."""
+        moves = s.dp * s.cp // s.ep > 1  # experts sharded over more than one rank
+
         def make() -> list[float]:
             plan = self._prototype(s, _PLAIN)
-            return [fsdp_bytes(cost, plan, gradients) for cost in entry_types(plan)]
-        return self._cached(("weight bytes", s.tp, s.ep, gradients), make)
+            dense = [fsdp_bytes(cost, plan, gradients, experts=False) for cost in entry_types(plan)]
+            experts = [fsdp_bytes(cost, plan, gradients, experts=True) if moves else 0.0
+                       for cost in entry_types(plan)]
+            if part is None:
+                return [d + e if e else d for d, e in zip(dense, experts)]
+            return dense if part == "dense" else experts
+        return self._cached(("weight bytes", s.tp, s.ep, moves, gradients, part), make)
 
     def _fsdp_copies(self, s: Setting) -> np.ndarray:
         """[entry types, 4]: FSDP2's copies on the compute stream in each kind of pass (F, B, I, W): out of the
@@ -472,7 +499,7 @@ class FastModel:
             weights, grads = self._weight_bytes(s), self._weight_bytes(s, gradients=True)
             return np.array([copy(2 * w) * GATHER_COPIES + copy(w + g) * SCATTER_COPIES
                              for w, g in zip(weights, grads)])
-        return self._cached(("fsdp copies", s.tp, s.ep), make)
+        return self._cached(("fsdp copies", s.tp, s.ep, s.dp * s.cp // s.ep > 1), make)
 
     # -- estimates ------------------------------------------------------------------------------
     def estimate(self, jobs: list[tuple[Prepared, int]]) -> list[Estimate]:

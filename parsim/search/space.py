@@ -230,9 +230,9 @@ def sync_options(space: SearchSpace, dp: int, tp: int, cp: int) -> list[tuple[st
     if ranks == 1:
         return [("bucketed", 0, None)]
     options: list[tuple[str, int, int | None]] = [("bucketed", z, None) for z in (0, 1, 2)]
-    if space.model.is_moe:
-        return options  # FSDP gathers experts over their own group: not priced by the fast model yet
     options.append(("fsdp", 3, None))
+    if space.model.is_moe:
+        return options  # HSDP of experts is not modelled (Plan)
     local = max(1, space.gpus_per_node // (tp * cp)) if tp * cp <= space.gpus_per_node else 1
     if 1 < local < ranks and ranks % local == 0:
         options.append(("fsdp", 3, local))  # HSDP: shard inside a node, replicate across nodes

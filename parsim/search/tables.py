@@ -72,14 +72,12 @@ def layout_of(plan: Plan, placement: str) -> Layout:
 
 @dataclass(frozen=True)
 class EntryTables:
-    """Per entry type: this rank's parameters, the routed experts' part, the parameters with every
-    expert (FSDP's unsharded buffers), bytes saved per token for the backward (the input alone where
-    recomputed), whether it is recomputed, its activations (what a recomputation rebuilds), and its
-    parameter tensors (the optimizer's per-tensor costs)."""
+    """Per entry type: this rank's parameters, the routed experts' part, bytes saved per token for the
+    backward (the input alone where recomputed), whether it is recomputed, its activations (what a
+    recomputation rebuilds), and its parameter tensors (the optimizer's per-tensor costs)."""
 
     params: np.ndarray
     experts: np.ndarray
-    params_all_experts: np.ndarray
     saved: np.ndarray
     recomputed: np.ndarray
     activations: np.ndarray
@@ -95,7 +93,6 @@ def entry_tables(plan: Plan) -> EntryTables:
     return EntryTables(
         np.array([c.params_per_rank(plan.tp, plan.ep) for c in types], dtype=float),
         np.array([c.expert_params_per_rank(plan.tp, plan.ep) for c in types], dtype=float),
-        np.array([c.params_per_rank(plan.tp) for c in types], dtype=float),
         np.where(flags, checkpoint, activations), flags, activations,
         np.array([len(param_tensors(c, plan.tp, plan.ep)) for c in types], dtype=float))
 
@@ -118,7 +115,7 @@ def rank_tables(layout: Layout, t: EntryTables) -> RankTables:
     present = counts > 0
     stage_saved = (layout.counts @ t.saved)[layout.rank_stages]
     rebuilt = np.where(present & t.recomputed, t.activations, 0.0).max(axis=1)
-    return RankTables(counts @ t.params, counts @ t.experts, np.where(present, t.params_all_experts, 0.0).max(axis=1),
+    return RankTables(counts @ t.params, counts @ t.experts, np.where(present, t.params, 0.0).max(axis=1),
                       stage_saved.max(axis=1), rebuilt, counts @ t.tensors)
 
 
