@@ -91,6 +91,16 @@ def test_simulate_from_flags_alone_notes_the_batch_it_chose(capsys):
     assert "2 microbatches" in captured.out
 
 
+
+def test_a_flag_leaving_bucketed_sync_drops_the_files_bucket_size():
+    """tiny-dp2 syncs in 256 KiB buckets; --grad-sync fsdp replaces that sync, buckets and all."""
+    assert resolve_plan("tiny-dp2").bucket_size == 256 * 1024
+    fsdp = resolve_plan("tiny-dp2", overrides={"data_parallel": {"grad_sync": "fsdp"}})
+    assert (fsdp.grad_sync, fsdp.zero) == ("fsdp", 3)
+    with pytest.raises(ConfigError, match="bucket_size"):  # a bucket size given with it is still refused
+        resolve_plan("tiny-dp2", overrides={"data_parallel": {"grad_sync": "fsdp", "bucket_size": "1MiB"}})
+
+
 # --------------------------------------------------------------------------- validation
 KV3 = load_model({"kind": "transformer", "num_layers": 2, "hidden": 96, "num_heads": 6, "num_kv_heads": 3,
                   "ffn_hidden": 192, "seq_len": 8, "vocab_size": 100})

@@ -801,6 +801,10 @@ def load_plan(source: str | Path | Mapping[str, Any], *, gpus: int | None = None
         if not isinstance(data, Mapping):
             raise ConfigError(label, "(file)", f"is {type(data).__name__}", "a mapping of keys")
         data, label = _merge(data, overrides), f"{label} (with command-line overrides)"
+        sync, given = data.get("data_parallel"), overrides.get("data_parallel")
+        if isinstance(sync, Mapping) and isinstance(given, Mapping) and "bucket_size" not in given and \
+                given.get("grad_sync", "bucketed") != "bucketed":  # the file's buckets went with the sync replaced
+            data["data_parallel"] = {k: v for k, v in sync.items() if k != "bucket_size"}
     plan = parse_plan(data, label, base_dir, default_name=name)
     if gpus is not None:
         plan.validate(gpus)
