@@ -35,6 +35,9 @@ Nothing here runs a plan's model: the benchmarks are generic operations.
 * :func:`measure_zero_grad`: ``zero_grad(set_to_none=True)`` after a backward
   over few and many, small and large tensors (fits what freeing a step's
   gradients costs per step, per tensor and by the byte).
+* :func:`measure_fsdp_host`: FSDP2's own host work, on each rank over a group
+  of its own (no bytes move): what ``fully_shard`` adds per unit to a forward
+  and a backward, and per parameter to an AdamW step over its DTensors.
 * :func:`measure_step_gaps`: a generic data-parallel step, its actions timed
   by the executor's recorder: the loop's host time between actions, which
   runs cold after passes and collectives that stream megabytes.
@@ -162,7 +165,8 @@ def _rank_compute(rank: int, world: int) -> dict:
     for name, benchmark in (("matmuls", measure_matmuls), ("dispatch", measure_dispatch),
                             ("elementwise", measure_elementwise), ("kernel_kinds", measure_kernel_kinds),
                             ("tp_calls", measure_tp_calls), ("optimizer", measure_host_optimizer),
-                            ("zero_grad", measure_zero_grad), ("step_gaps", measure_step_gaps),
+                            ("zero_grad", measure_zero_grad), ("fsdp", measure_fsdp_host),
+                            ("step_gaps", measure_step_gaps),
                             ("pipeline", measure_pipeline_loop)):
         probe_now()
         results[name] = benchmark()
@@ -526,6 +530,57 @@ def measure_zero_grad(runs: Sequence[tuple[int, int]] = ZERO_GRAD_RUNS, repeats:
             times.append(time.perf_counter() - start)
         rows.append((tensors, numel, statistics.median(times[1:])))
     return rows
+
+
+FSDP_UNITS = (2, 8)  # units per stack: the difference per unit leaves the root's fixed costs out
+FSDP_UNIT = (2, 64, 8)  # (linears, width, rows) of each unit: host work, not bytes, sets its time
+
+
+def measure_fsdp_host(units: Sequence[int] = FSDP_UNITS, steps: int = 15, warmup: int = 3
+                      ) -> list[tuple[int, int, tuple[float, float, float], tuple[float, float, float]]]:
+    """FSDP2's own host work on every rank at once, each over a process group of its own rank (FSDP2 runs
+    its hooks, copies and DTensor dispatch; no collective moves bytes). Per stack of ``units`` units (each
+    ``fully_shard``-ed, then the stack, as the executor wraps a stage): one row (units, parameter tensors,
+    plain (forward, backward, AdamW step) seconds, the same under FSDP2), each the median over ``steps``
+    steps after ``warmup``. On the 2-core VM (2026-11-28, ``benchmarks/cpu_fsdp_overhead.py``) FSDP2 added
+    428-512 us per unit to a forward, 601-708 us to a backward and 1.05-1.37 ms per unit of four parameters
+    to an AdamW step."""
+    torch = require_torch()
+    dist = torch.distributed
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    own = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group, in one order
+    mesh = DeviceMesh.from_group(own, "cpu")
+    linears, width, rows = FSDP_UNIT
+
+    def timed(count: int, fsdp: bool) -> tuple[float, float, float]:
+        model = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(linears)])
+                                      for _ in range(count)])
+        if fsdp:
+            for unit in model:
+                fully_shard(unit, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(rows, width)
+        times: list[list[float]] = [[], [], []]
+        _barrier()
+        for i in range(steps + warmup):
+            t0 = time.perf_counter()
+            loss = model(x).sum()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad()
+            t3 = time.perf_counter()
+            if i >= warmup:
+                for k, seconds in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+                    times[k].append(seconds)
+        return tuple(statistics.median(t) for t in times)
+
+    return [(count, count * linears * 2, timed(count, False), timed(count, True)) for count in units]
 
 
 STEP_GAP_MLP = (4, 768, 64)  # (layers, width, rows) of the generic step: a 2.25 MiB weight and gradient per layer

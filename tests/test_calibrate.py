@@ -384,6 +384,10 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
                  # zero_grad: 5 us a step, 0.5 us a tensor, freeing at 160 GB/s
                  "zero_grad": [(t, n, 5e-6 + t * 0.5e-6 + t * n * 4 / 160e9)
                                for t, n in ((1, 1024), (16, 1024), (4, 1 << 20), (16, 1 << 18))],
+                 # FSDP2: 400 us a unit in a forward, 650 in a backward, 300 us a parameter (4 a unit) in AdamW
+                 "fsdp": [(n, 4 * n, (1e-4 * n, 2e-4 * n, 5e-4 * n), (1e-4 * n + 4e-4 * n + 3e-4,
+                                                                      2e-4 * n + 6.5e-4 * n + 5e-4,
+                                                                      5e-4 * n + 1.2e-3 * n + 1e-4)) for n in (2, 8)],
                  "step_gaps": (110e-6, 130e-6)[r % 2],  # a generic step's, which the loop's time before actions takes
                  "pipeline": {"rendezvous": 300e-6, "latency": 60e-6, "action": (70e-6, 90e-6)[r % 2],
                               "issue": 150e-6}} for r in range(nproc)]
@@ -451,6 +455,10 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert "zero_grad         5 us per step and 0.5 us per tensor, freeing gradients at 160 GB/s" in text
     assert (written.zero_grad_step_s, written.zero_grad_tensor_s, written.zero_grad_free_Bps) == pytest.approx(
         (5e-6, 0.5e-6, 160e9))
+    assert "fsdp2             400 us per unit gathered and resharded, 250 us per unit reduced, 300 us per " \
+           "DTensor parameter in AdamW" in text
+    assert (written.fsdp_unshard_s, written.fsdp_reduce_s, written.fsdp_optimizer_tensor_s) == pytest.approx(
+        (400e-6, 250e-6, 300e-6))
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv",
                  "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -469,6 +477,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert doc["tp_collective_call_us"] == pytest.approx({"forward": 120.0, "backward": 70.0})
     assert (doc["zero_grad_step_us"], doc["zero_grad_tensor_us"], doc["zero_grad_free_GBps"]) == pytest.approx(
         (5.0, 0.5, 160.0))
+    assert (doc["fsdp_unshard_us"], doc["fsdp_reduce_us"], doc["fsdp_optimizer_tensor_us"]) == pytest.approx(
+        (400.0, 250.0, 300.0))
 
 
 def test_shared_cores_stretch_against_the_compute_benchmarks_probes_without_one_per_core_probes():

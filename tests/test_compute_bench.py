@@ -143,6 +143,28 @@ def test_each_kernel_kind_is_timed_on_its_own_forward_and_backward():
         assert row["forward_ops"] >= 1 and row["backward_ops"] >= 1  # autograd.grad: no accumulation op
 
 
+def _fsdp_host(rank: int, world: int):
+    from executor.compute_bench import measure_fsdp_host
+
+    return measure_fsdp_host(units=(1, 3), steps=3, warmup=1)
+
+
+def test_fsdp2_s_own_host_work_is_timed_per_unit_on_a_group_of_one_rank_each():
+    from executor.launch import launch
+    from parsim.calibrate.host import fit_fsdp_host
+
+    per_rank = launch(_fsdp_host, 2, backend="gloo", timeout_s=120)
+    rows = [row for rank in per_rank for row in rank]
+    assert [(units, tensors) for units, tensors, _, _ in rows] == [(1, 4), (3, 12)] * 2  # two linears, two tensors
+    assert all(sharded[k] > plain[k] for _, _, plain, sharded in rows for k in range(3))  # FSDP2 adds host work
+    fit = fit_fsdp_host(rows)
+    assert fit.unshard_s > 0 and fit.tensor_s > 0
+    # A unit's extra is the slope between stack sizes: the root's fixed costs cancel.
+    truth = [(n, 4 * n, (0.0, 0.0, 0.0), (7e-4 + 4e-4 * n, 9e-4 + 1e-3 * n, 2e-4 + 8e-4 * n)) for n in (2, 8)]
+    assert vars(fit_fsdp_host(truth)) == pytest.approx({"unshard_s": 4e-4, "reduce_s": 6e-4, "tensor_s": 2e-4})
+    assert fit_fsdp_host(truth[:1]) is None
+
+
 def test_freeing_gradients_is_timed_per_run_and_fits_by_tensors_and_bytes():
     from executor.compute_bench import measure_zero_grad
     from parsim.calibrate.host import fit_zero_grad

@@ -357,6 +357,30 @@ def test_a_tensor_parallel_call_costs_what_was_measured_or_three_ops():
     assert slower == pytest.approx(4 * ((120e-6 - 3 * 7e-6) + (70e-6 - 3 * 6e-6)), rel=0.02)
 
 
+def test_fsdp2_s_host_work_is_charged_on_its_copies_and_its_optimizer_step():
+    """Each gather's copy-out pays a unit's unshard, each reduce-scatter's copy-in a unit's reduction, and the
+    optimizer step each DTensor parameter's extra; a file without the figures charges none of it."""
+    plan = resolve_plan("tiny-dp2", overrides={"data_parallel": {"grad_sync": "fsdp"}})
+    ops = lower(plan).rank_ops(0)
+    gathers = sum(op.fsdp_calls[0] for op in ops)
+    reduces = sum(op.fsdp_calls[1] for op in ops)
+    step = next(op for op in ops if op.kind == "optimizer")
+    units = len(plan.stage_costs(0))
+    assert (gathers, reduces) == (2 * units, units)  # a gather before the forward and the backward; one reduction
+    assert step.fsdp_calls == (0, 0, step.optimizer_tensors)
+    keys = {"fsdp_unshard_us": 400.0, "fsdp_reduce_us": 250.0, "fsdp_optimizer_tensor_us": 300.0}
+    spec = parse_cluster(cpu_host(**HOST_KEYS, **keys), "host.yaml")
+    plain = parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")
+    with_host, without = predict_step(plan, spec).ranks[0].seconds, predict_step(plan, plain).ranks[0].seconds
+    extra, charged = sum(with_host.values()) - sum(without.values()), (
+        gathers * 400e-6 + reduces * 250e-6 + step.optimizer_tensors * 300e-6)
+    assert 0.95 * charged < extra <= charged  # longer compute hides a little more of the gathers beside it
+    assert with_host["optimizer"] - without["optimizer"] == pytest.approx(step.optimizer_tensors * 300e-6)
+    assert spec.at_host_speed(1.0, 2.0).fsdp_unshard_s == pytest.approx(200e-6)  # follows the eager probe
+    dense = resolve_plan("tiny-dp2")
+    assert predict_step(dense, spec).step_s == predict_step(dense, plain).step_s  # DDP: FSDP2 runs nothing
+
+
 def test_freeing_a_step_s_gradients_shows_as_idle_before_each_rank_s_first_action():
     plan = resolve_plan("course-pp")
     program = lower(plan)

@@ -28,7 +28,7 @@ GeLU, a norm and a softmax on its own a core's time per element of its arithmeti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -55,11 +55,13 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  shared_cores: SharedCoreCosts | None = None, step_overhead_s: dict | None = None,
                  cpu_cores: int | None = None, speed_probe: tuple[float, float] | None = None,
                  core_arithmetic: CoreArithmetic | None = None,
-                 tp_call_s: tuple[float, float] | None = None, zero_grad: OptimizerFit | None = None) -> dict:
+                 tp_call_s: tuple[float, float] | None = None, zero_grad: OptimizerFit | None = None,
+                 fsdp: FsdpHostFit | None = None) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric"); ``speed_probe`` is the
     host-speed probes' (matmul FLOP/s, seconds per eager pass) while the compute figures were measured;
     ``shared_cores`` the pipeline's host costs with two ranks on each core; ``tp_call_s`` a tensor-parallel
-    collective call's host time, forward and backward; ``zero_grad`` what freeing the gradients costs."""
+    collective call's host time, forward and backward; ``zero_grad`` what freeing the gradients costs; ``fsdp``
+    FSDP2's own host work."""
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
                   "optimizer_tensor_us": optimizer_tensor_s * 1e6, "optimizer_step_us": optimizer_step_s * 1e6,
                   "p2p_rendezvous_us": p2p_rendezvous_s * 1e6,
@@ -79,6 +81,9 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     if zero_grad:
         host_costs.update(zero_grad_step_us=zero_grad.step_s * 1e6, zero_grad_tensor_us=zero_grad.tensor_s * 1e6,
                           zero_grad_free_GBps=zero_grad.bw_Bps / 1e9)
+    if fsdp:
+        host_costs.update(fsdp_unshard_us=fsdp.unshard_s * 1e6, fsdp_reduce_us=fsdp.reduce_s * 1e6,
+                          fsdp_optimizer_tensor_us=fsdp.tensor_s * 1e6)
     if memory_alone_bw_Bps and memory_host_bw_Bps:
         host_costs["memory_alone_bw_GBps"] = memory_alone_bw_Bps / 1e9
         host_costs["memory_host_bw_GBps"] = memory_host_bw_Bps / 1e9
@@ -448,6 +453,35 @@ def fit_zero_grad(rows: list[tuple[int, int, float]], element_bytes: int = 4) ->
     tensor, and the speed it frees gradients at (:func:`executor.compute_bench.measure_zero_grad`, pooled over
     ranks). The same fit as AdamW's, each element freed once: freeing hands the pages back, by the byte."""
     return fit_optimizer(rows, 1, element_bytes)
+
+
+@dataclass(frozen=True)
+class FsdpHostFit:
+    """FSDP2's own host work on a CPU rank (:func:`fit_fsdp_host`)."""
+
+    unshard_s: float  # a unit unsharded and resharded around a pass that gathers it
+    reduce_s: float  # a unit's post-backward beyond that (the reduce-scatter's copy-in, resharding)
+    tensor_s: float  # an AdamW step's extra per DTensor parameter
+
+
+def fit_fsdp_host(rows: list[tuple[int, int, Sequence[float], Sequence[float]]]) -> FsdpHostFit | None:
+    """FSDP2's host work from stacks of units timed plain and ``fully_shard``-ed
+    (:func:`executor.compute_bench.measure_fsdp_host`; rows of every rank pooled): per unit, the slope of what
+    FSDP2 adds between the smallest and the largest stack (the root's own costs cancel), each count's
+    median over the ranks. A forward gathers and reshards each unit once; a backward (resharded after the
+    forward, FSDP2's default) gathers it again and reduces its gradients, so the reduction is the backward's
+    extra beyond the forward's. None without two stack sizes."""
+    extra: dict[int, list[tuple[float, float, float, int]]] = {}
+    for units, tensors, plain, sharded in rows:
+        extra.setdefault(int(units), []).append((*(s - p for p, s in zip(plain, sharded)), int(tensors)))
+    if len(extra) < 2:
+        return None
+    low, high = min(extra), max(extra)
+    med = {n: [float(np.median([r[k] for r in extra[n]])) for k in range(3)] for n in (low, high)}
+    per_unit = [(med[high][k] - med[low][k]) / (high - low) for k in range(3)]
+    tensors_per_unit = (extra[high][0][3] - extra[low][0][3]) / (high - low)
+    forward = max(per_unit[0], 0.0)
+    return FsdpHostFit(forward, max(per_unit[1] - forward, 0.0), max(per_unit[2], 0.0) / tensors_per_unit)
 
 
 def fit_alone_memory(rows: list[tuple[int, int, float]], fit: OptimizerFit, accesses: int,

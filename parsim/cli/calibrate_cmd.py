@@ -13,9 +13,9 @@ import numpy as np
 import yaml
 
 from ..calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
-from ..calibrate.host import (fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise, fit_links,
-                              fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, fit_tp_calls, fit_zero_grad,
-                              host_cluster)
+from ..calibrate.host import (fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise, fit_fsdp_host,
+                              fit_links, fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, fit_tp_calls,
+                              fit_zero_grad, host_cluster)
 from ..calibrate.host_load import ForeignLoad
 from ..errors import ParsimError
 from ..files import read_yaml
@@ -61,7 +61,10 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     (compute.tp_collective_call_us); zero_grad(set_to_none=True) after a
     backward over few and many, small and large tensors -> what freeing the
     gradients costs as a step starts (compute.zero_grad_step_us,
-    zero_grad_tensor_us, zero_grad_free_GBps); a generic data-parallel
+    zero_grad_tensor_us, zero_grad_free_GBps); stacks of FSDP2 units on a
+    group of one rank, plain and fully_shard-ed -> FSDP2's own host work
+    (compute.fsdp_unshard_us, fsdp_reduce_us, fsdp_optimizer_tensor_us);
+    a generic data-parallel
     step (an MLP's passes, an all-reduce per gradient, AdamW) timed by the
     executor's recorder -> the loop's time before each action
     (compute.action_overhead_us: its Python runs cold after work that
@@ -195,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
     arithmetic = fit_core_arithmetic([row for rank in per_rank for row in rank["kernel_kinds"]], dispatch)
     tp_calls = fit_tp_calls([rank["tp_calls"] for rank in per_rank])
     zero_grad = fit_zero_grad([tuple(row) for rank in per_rank for row in rank["zero_grad"]])
+    fsdp = fit_fsdp_host([tuple(row) for rank in per_rank for row in rank.get("fsdp", ())])
     optimizer = fit_optimizer([tuple(row) for rank in per_rank for row in rank["optimizer"]["together"]],
                               ADAMW_ACCESSES)
     memory_bw = optimizer.bw_Bps  # each rank's, all streaming at once
@@ -239,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         elementwise_bw_Bps=elementwise_bw,
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
         cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s),
-        core_arithmetic=arithmetic, tp_call_s=tp_calls, zero_grad=zero_grad)
+        core_arithmetic=arithmetic, tp_call_s=tp_calls, zero_grad=zero_grad, fsdp=fsdp)
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
     if step_overhead:
         cluster["collective_step_overhead_us"] = {op: t * 1e6 for op, t in step_overhead.items()}
@@ -267,6 +271,9 @@ def run(args: argparse.Namespace) -> int:
                     if tp_calls else None,
                     "zero_grad_step_us": zero_grad.step_s * 1e6, "zero_grad_tensor_us": zero_grad.tensor_s * 1e6,
                     "zero_grad_free_GBps": zero_grad.bw_Bps / 1e9,
+                    "fsdp_unshard_us": fsdp.unshard_s * 1e6 if fsdp else None,
+                    "fsdp_reduce_us": fsdp.reduce_s * 1e6 if fsdp else None,
+                    "fsdp_optimizer_tensor_us": fsdp.tensor_s * 1e6 if fsdp else None,
                     "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
@@ -307,6 +314,10 @@ def run(args: argparse.Namespace) -> int:
               f"collective call beyond the collective (the executor's wrapper, right after a layer's matmul)")
     print(f"zero_grad         {zero_grad.step_s * 1e6:.0f} us per step and {zero_grad.tensor_s * 1e6:.1f} us per "
           f"tensor, freeing gradients at {zero_grad.bw_Bps / 1e9:.0f} GB/s (set_to_none, as a step starts)")
+    if fsdp:
+        print(f"fsdp2             {fsdp.unshard_s * 1e6:.0f} us per unit gathered and resharded, "
+              f"{fsdp.reduce_s * 1e6:.0f} us per unit reduced, {fsdp.tensor_s * 1e6:.0f} us per DTensor "
+              f"parameter in AdamW (its hooks and DTensor dispatch, no bytes moved)")
     print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer received late (its receive "
           f"posted after the send's issue; in a typical step, with the stalls it has)")
     if p2p_latency is not None:

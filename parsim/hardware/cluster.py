@@ -49,6 +49,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us",
                 "elementwise_bw_GBps", "core_ns_per_element", "tp_collective_call_us",
                 "zero_grad_step_us", "zero_grad_tensor_us", "zero_grad_free_GBps",
+                "fsdp_unshard_us", "fsdp_reduce_us", "fsdp_optimizer_tensor_us",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
                 "speed_probe_eager_us")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
@@ -259,6 +260,11 @@ class ClusterSpec:
     zero_grad_step_s: float = 0.0
     zero_grad_tensor_s: float = 0.0
     zero_grad_free_Bps: float | None = None
+    # FSDP2's own host work on a CPU rank (0: not charged): a unit's unshard and reshard around a pass that gathers
+    # it, its post-backward beyond them (the reduce-scatter's), and an AdamW step's extra per DTensor parameter
+    fsdp_unshard_s: float = 0.0
+    fsdp_reduce_s: float = 0.0
+    fsdp_optimizer_tensor_s: float = 0.0
     # A CPU host's memory, shared by its ranks' streaming work (None: each rank streams at gpu.hbm_bw_Bps, its
     # share with every rank streaming): one rank's speed while the others wait, and the host's with all streaming.
     memory_alone_bw_Bps: float | None = None
@@ -293,6 +299,8 @@ class ClusterSpec:
             tp_call_s=self.tp_call_s and tuple(s / eager for s in self.tp_call_s),
             zero_grad_step_s=self.zero_grad_step_s / eager, zero_grad_tensor_s=self.zero_grad_tensor_s / eager,
             zero_grad_free_Bps=self.zero_grad_free_Bps and self.zero_grad_free_Bps * eager,
+            fsdp_unshard_s=self.fsdp_unshard_s / eager, fsdp_reduce_s=self.fsdp_reduce_s / eager,
+            fsdp_optimizer_tensor_s=self.fsdp_optimizer_tensor_s / eager,
             optimizer_tensor_s=self.optimizer_tensor_s / eager, optimizer_step_s=self.optimizer_step_s / eager,
             kernel_overhead_s=self.kernel_overhead_s / eager,
             action_overhead_s=self.action_overhead_s / eager, p2p_issue_s=self.p2p_issue_s / eager,
@@ -449,7 +457,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     sm_cycles = _sm_cycles(source, compute.get("sm_cycles", {}))
     host_us = {}
     for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "p2p_rendezvous_us",
-                "action_overhead_us", "p2p_issue_us", "zero_grad_step_us", "zero_grad_tensor_us"):
+                "action_overhead_us", "p2p_issue_us", "zero_grad_step_us", "zero_grad_tensor_us",
+                "fsdp_unshard_us", "fsdp_reduce_us", "fsdp_optimizer_tensor_us"):
         host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
     p2p_latency = compute.get("p2p_latency_us")
     if p2p_latency is not None:
@@ -534,6 +543,9 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         zero_grad_step_s=float(host_us["zero_grad_step_us"]) * 1e-6,
         zero_grad_tensor_s=float(host_us["zero_grad_tensor_us"]) * 1e-6,
         zero_grad_free_Bps=_GBps(host_GBps["zero_grad_free_GBps"]),
+        fsdp_unshard_s=float(host_us["fsdp_unshard_us"]) * 1e-6,
+        fsdp_reduce_s=float(host_us["fsdp_reduce_us"]) * 1e-6,
+        fsdp_optimizer_tensor_s=float(host_us["fsdp_optimizer_tensor_us"]) * 1e-6,
         matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
         matmul_write_bw_Bps=_GBps(host_GBps["matmul_write_bw_GBps"]),
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),

@@ -519,7 +519,7 @@ class Lowering:
                                               collective="all_gather", group="fsdp", ranks=group, mirrors=mirrors,
                                               nbytes=nbytes, phase="fsdp")))
             moved += 2 * nbytes
-        return self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], moved, tuple(gathers)))
+        return self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], moved, tuple(gathers), (1, 0, 0)))
 
     def _fsdp_reduce(self, rank: int, p: int, stage: int, layer: int, mb: int, kind: str, ready: int,
                      compute: str) -> int:
@@ -531,7 +531,7 @@ class Lowering:
         parts = self._fsdp_parts(p, cost, gradients=True)
         # The copy-in reads gradients in the weights' dtype and writes the reduce dtype.
         moved = sum(fsdp_bytes(cost, plan, experts=experts) + nbytes for experts, _, nbytes in parts)
-        copied = self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], moved, (ready,)))
+        copied = self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], moved, (ready,), (0, 1, 0)))
         for experts, dim, nbytes in parts:
             group, mirrors = self.group(p, dim)
             tag = cost.name + (".experts" if experts else "")
@@ -557,15 +557,17 @@ class Lowering:
         return parts
 
     @staticmethod
-    def _fsdp_copy(compute: str, phase: str, moved: float, deps: tuple[int, ...]) -> Op:
-        """FSDP2's copy between its flat collective buffer and the layer's tensors, on the compute stream:
+    def _fsdp_copy(compute: str, phase: str, moved: float, deps: tuple[int, ...],
+                   calls: tuple[int, int, int]) -> Op:
+        """FSDP2's copy between its flat collective buffer and the layer's tensors, on the compute stream, with
+        its hooks' host work around it (``calls``: :attr:`Op.fsdp_calls <parsim.sim.program.Op.fsdp_calls>`):
         after a gather, ``foreach_all_gather_copy_out`` (``split_with_sizes_copy``, from
         ``FSDPParamGroup.wait_for_unshard``); before a reduce-scatter, ``foreach_reduce_scatter_copy_in``
         (``chunk_cat``, in ``foreach_reduce`` before the reduce-scatter stream waits on the compute stream).
         Each reads and writes the layer's bytes once, ``moved`` in all; the copy-in casts the gradients to the
         reduce dtype (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
         return Op(compute, "compute", "compute", deps=deps, hbm_bytes=moved, kernels=1, phase=phase,
-                  stream_bytes=moved)
+                  stream_bytes=moved, fsdp_calls=calls)
 
     # -- gradients and optimizer -----------------------------------------------------
     def _gradient_sync_and_step(self, rank: int, p: int) -> None:
@@ -628,6 +630,7 @@ class Lowering:
                                          clip_costs(params, tensors_count, plan.grad_bytes)[0], ready),)
         step = self._add(rank, Op("optimizer step", "optimizer", "compute", deps=ready, phase="optimizer",
                                   opens_action=True,
+                                  fsdp_calls=(0, 0, tensors_count) if plan.shards_weights else (0, 0, 0),
                                   **step_costs(plan.adamw, params, tensors_count, plan.master_weights,
                                                plan.grad_bytes if plan.grad_clip is not None else 0)))
         for dim, tag, nbytes in gather:  # ZeRO-1/2: every rank needs the updated weights back

@@ -461,7 +461,7 @@ class FastModel:
         for w, g, dense, experts in zip(self._weight_bytes(s), self._weight_bytes(s, gradients=True),
                                         self._weight_bytes(s, gradients=True, part="dense"),
                                         self._weight_bytes(s, gradients=True, part="experts")):
-            copy_in = self.compute.time((), 0.0, w + g, 1, stream_bytes=w + g)
+            copy_in = self.compute.time((), 0.0, w + g, 1, stream_bytes=w + g, fsdp_calls=(0, 1, 0))
             seconds.append(scatter(dense) + across(dense / plan.shard_size) + copy_in
                            + (scatter_experts(experts) if experts else 0.0))
         seconds = np.array(seconds)
@@ -494,10 +494,10 @@ class FastModel:
         gathered weights' buffer (reading and writing the weights), into the reduce-scatter's (reading the
         gradients in the weights' dtype, writing the reduce dtype), as the lowering adds them."""
         def make() -> np.ndarray:
-            def copy(moved: float) -> float:
-                return self.compute.time((), 0.0, moved, 1, stream_bytes=moved)
+            def copy(moved: float, calls: tuple[int, int, int]) -> float:
+                return self.compute.time((), 0.0, moved, 1, stream_bytes=moved, fsdp_calls=calls)
             weights, grads = self._weight_bytes(s), self._weight_bytes(s, gradients=True)
-            return np.array([copy(2 * w) * GATHER_COPIES + copy(w + g) * SCATTER_COPIES
+            return np.array([copy(2 * w, (1, 0, 0)) * GATHER_COPIES + copy(w + g, (0, 1, 0)) * SCATTER_COPIES
                              for w, g in zip(weights, grads)])
         return self._cached(("fsdp copies", s.tp, s.ep, s.dp * s.cp // s.ep > 1), make)
 
@@ -769,7 +769,9 @@ class FastModel:
         params, tensors = self._params_of(s, v, p)
         mixed = master_weights(self.dtype_bytes, self.grad_bytes, self._main_grads(s, v))
         clipped = self.grad_bytes if self.space.grad_clip is not None else 0
-        return self.compute.time((), **step_costs(self.space.adamw, params, tensors, mixed, clipped))
+        dtensors = tensors if self._shards_weights(s, v) else 0  # FSDP2's DTensor parameters
+        return self.compute.time((), fsdp_calls=(0, 0, dtensors),
+                                 **step_costs(self.space.adamw, params, tensors, mixed, clipped))
 
     def _params_of(self, s: Setting, v: Variant, p: int) -> tuple[float, int]:
         """Pipeline rank ``p``'s parameters the optimizer steps (its shard under ZeRO) and its tensors."""
