@@ -87,7 +87,7 @@ def test_simulate_from_flags_alone_notes_the_batch_it_chose(capsys):
     assert json.loads(capsys.readouterr().out)["plan"] == "command-line"
     assert main(["plan", "show", "--model", "tiny-gpt", "--pp", "2"]) == 0
     captured = capsys.readouterr()
-    assert "no batch given: 2 microbatches of 1 per step, the fewest 1f1b runs on pp 2" in captured.err
+    assert "no batch given: 2 microbatches of 1 sample(s) a step, the fewest 1f1b runs on pp 2" in captured.err
     assert "2 microbatches" in captured.out
 
 

@@ -141,8 +141,8 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
         raise ParsimError("give a plan (an example name or a YAML file) or --model to build one from flags")
     plan = load_plan({"name": "command-line"}, gpus=gpus, overrides=overrides)
     if plan.pp > 1 and "batch" not in overrides:
-        note(f"parsim: no batch given: {plan.num_microbatches} microbatches of {plan.microbatch_size} per step, the "
-             f"fewest {plan.schedule} runs on pp {plan.pp}; more shrink the bubble (--num-microbatches, "
+        note(f"parsim: no batch given: {plan.num_microbatches} microbatches of {plan.microbatch_size} sample(s) a "
+             f"step, the fewest {plan.schedule} runs on pp {plan.pp}; more shrink the bubble (--num-microbatches, "
              f"--global-batch-size)")
     return plan
 

@@ -124,6 +124,11 @@ def clip_costs(params: float, tensors: int, grad_bytes: int) -> tuple[dict[str, 
              "forward_ops": 1 + visits})
 
 
+# Op.fsdp_calls of FSDP2's copies: out of a gather's buffer (a unit unsharded, resharded later), into a
+# reduce-scatter's (a unit's post-backward)
+UNSHARD_CALL, REDUCE_CALL = (1, 0, 0), (0, 1, 0)
+
+
 def step_costs(implementation: str, params: float, tensors: int, mixed: tuple[int, int] | None,
                clipped_bytes: int = 0) -> dict[str, float]:
     """The optimizer step over ``params`` parameters in ``tensors`` tensors (a rank's, or its shard): AdamW
@@ -519,19 +524,20 @@ class Lowering:
                                               collective="all_gather", group="fsdp", ranks=group, mirrors=mirrors,
                                               nbytes=nbytes, phase="fsdp")))
             moved += 2 * nbytes
-        return self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], moved, tuple(gathers), (1, 0, 0)))
+        return self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], moved, tuple(gathers), UNSHARD_CALL))
 
     def _fsdp_reduce(self, rank: int, p: int, stage: int, layer: int, mb: int, kind: str, ready: int,
                      compute: str) -> int:
-        """Reduce-scatter one layer's gradients once its backward made them (FSDP2 syncs every
-        microbatch), after copying them into the collective's input on the compute stream (returned);
+        """Reduce-scatter one layer's gradients once its backward made them (FSDP2 syncs every microbatch;
+        under a pipeline after the stage's last backward), after copying them into the collective's input on
+        the compute stream (returned);
         with HSDP, all-reduce the shard across the replicas. Routed experts' gradients go over the
         ranks holding the same experts, as their gather does."""
         plan, cost = self.plan, self.plan.stage_costs(stage)[layer]
         parts = self._fsdp_parts(p, cost, gradients=True)
         # The copy-in reads gradients in the weights' dtype and writes the reduce dtype.
         moved = sum(fsdp_bytes(cost, plan, experts=experts) + nbytes for experts, _, nbytes in parts)
-        copied = self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], moved, (ready,), (0, 1, 0)))
+        copied = self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], moved, (ready,), REDUCE_CALL))
         for experts, dim, nbytes in parts:
             group, mirrors = self.group(p, dim)
             tag = cost.name + (".experts" if experts else "")

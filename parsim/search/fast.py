@@ -40,9 +40,9 @@ from functools import lru_cache, partial
 import numpy as np
 
 from ..hardware.cluster import ClusterSpec
-from ..lowering.lower import (FP32, CommPiece, Lowering, bucket_members, clip_costs, fsdp_bytes, gathered_bytes,
-                              grad_norm_dims, param_tensors, pipeline_bytes, step_costs, tied_table_bytes,
-                              unscale_costs)
+from ..lowering.lower import (FP32, REDUCE_CALL, UNSHARD_CALL, CommPiece, Lowering, bucket_members, clip_costs,
+                              fsdp_bytes, gathered_bytes, grad_norm_dims, param_tensors, pipeline_bytes, step_costs,
+                              tied_table_bytes, unscale_costs)
 from ..report.step_report import PHASES
 from ..schedules import make_schedule, peak_in_flight
 from ..sim.compute import ComputeModel
@@ -461,7 +461,7 @@ class FastModel:
         for w, g, dense, experts in zip(self._weight_bytes(s), self._weight_bytes(s, gradients=True),
                                         self._weight_bytes(s, gradients=True, part="dense"),
                                         self._weight_bytes(s, gradients=True, part="experts")):
-            copy_in = self.compute.time((), 0.0, w + g, 1, stream_bytes=w + g, fsdp_calls=(0, 1, 0))
+            copy_in = self.compute.time((), 0.0, w + g, 1, stream_bytes=w + g, fsdp_calls=REDUCE_CALL)
             seconds.append(scatter(dense) + across(dense / plan.shard_size) + copy_in
                            + (scatter_experts(experts) if experts else 0.0))
         seconds = np.array(seconds)
@@ -497,7 +497,7 @@ class FastModel:
             def copy(moved: float, calls: tuple[int, int, int]) -> float:
                 return self.compute.time((), 0.0, moved, 1, stream_bytes=moved, fsdp_calls=calls)
             weights, grads = self._weight_bytes(s), self._weight_bytes(s, gradients=True)
-            return np.array([copy(2 * w, (1, 0, 0)) * GATHER_COPIES + copy(w + g, (0, 1, 0)) * SCATTER_COPIES
+            return np.array([copy(2 * w, UNSHARD_CALL) * GATHER_COPIES + copy(w + g, REDUCE_CALL) * SCATTER_COPIES
                              for w, g in zip(weights, grads)])
         return self._cached(("fsdp copies", s.tp, s.ep, s.dp * s.cp // s.ep > 1), make)
 
