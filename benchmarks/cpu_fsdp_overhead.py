@@ -1,86 +1,102 @@
 """What FSDP2 itself costs a CPU rank: its hooks per unit and pass, and AdamW over its DTensor parameters.
 
-The step simulator prices FSDP's gathers, reduce-scatters and the copies in and out of their buffers, not
-the host work of FSDP2 around them (unsharding and resharding each unit's parameters in its pre- and
-post-forward hooks, its backward hooks, the optimizer's ops dispatched through DTensor). On a GPU that
-work hides behind the kernels; on a CPU host it is the step. This times one process (a one-rank gloo group,
-so no collective moves bytes) on stacks of ``units`` FSDP units of two small linears each, plain and
-``fully_shard``-ed, and prints the difference per unit: forward, backward, and one AdamW step
-(``foreach``, torch's default) with ``zero_grad``.
+The step simulator prices FSDP's gathers, reduce-scatters and the copies in and out of their buffers, and
+(from ``parsim calibrate``'s ``compute.fsdp_*`` figures) FSDP2's host work per unit and per parameter, which
+on a GPU hides behind the kernels and on a CPU host is the step. This times ``--ranks`` processes, one core
+each, on stacks of 2 and 8 FSDP units of ``--linears`` linear layers, plain and ``fully_shard``-ed, and
+prints what FSDP2 adds per unit (the slope between the two stacks: the root's own costs cancel) to a
+forward, a backward and an AdamW step (``foreach``, torch's default) with ``zero_grad``:
 
-On the 2-core AMD VM (2026-11-28, two runs) the extra was 428-512 us per unit in a forward, 601-708 us in
-a backward and 1.05-1.37 ms per unit (four parameters) in the optimizer step, alike for 2 and 8 units:
-per unit and per parameter, not per byte. ``parsim compare tiny-dp2 --grad-sync fsdp --nproc 2`` measured
-77.5 ms against 25.7 ms predicted (-67%; its AdamW 11.8 ms against 2.4), where the same plan with DDP
-buckets was within 15-31% per phase: `docs/calibration.md`, "FSDP on a CPU host".
+* over a group of each rank's own (as ``parsim calibrate`` measures it): no collective moves bytes;
+* with more than one rank, over all of them too: the all-gathers and reduce-scatters run for real.
 
-Run:  python benchmarks/cpu_fsdp_overhead.py [--units 2,8] [--steps 30]
+On the 2-core AMD VM (2026-11-28), units of two 64-wide linears on one rank: 428-512 us per unit in a
+forward, 601-708 us in a backward, 1.05-1.37 ms per unit (four parameters) in AdamW (two runs). With
+``--ranks 2 --linears 4 --width 256`` (1 MiB of weights a unit; two runs): 0.54-0.75 / 1.17-1.40 / 2.8-3.5 ms
+per unit over each rank's own group, and 3.79-4.07 / 7.05-7.48 / 1.6-3.1 ms over both ranks, where set CI's
+file prices a unit's all-gather at 1.79 ms and its reduce-scatter at 3.63: `docs/calibration.md`, "FSDP on
+a CPU host".
+
+Run:  python benchmarks/cpu_fsdp_overhead.py [--ranks 1] [--linears 2] [--width 64] [--steps 15]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import statistics
 import time
 
-WIDTH, ROWS, WARMUP = 64, 8, 5
+UNITS, ROWS, WARMUP = (2, 8), 8, 3
 
 
-def _step_ms(units: int, fsdp: bool, steps: int, mesh) -> tuple[float, float, float]:
-    """Mean milliseconds of a forward, a backward and an AdamW step with zero_grad over ``steps`` steps."""
+def _extra_ms(mesh, linears: int, width: int, steps: int) -> list[float]:
+    """Milliseconds FSDP2 adds per unit to a forward, a backward and an AdamW step: the median over ``steps``
+    steps of each stack, fully_shard-ed less plain, its slope between the stacks of :data:`UNITS` units."""
     import torch
+    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH))
-                                  for _ in range(units)])
-    if fsdp:
-        for unit in model:
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(ROWS, WIDTH)
-    totals = [0.0, 0.0, 0.0]
-    for i in range(steps + WARMUP):
-        t0 = time.perf_counter()
-        loss = model(x).sum()
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad()
-        t3 = time.perf_counter()
-        if i >= WARMUP:
-            for k, seconds in enumerate((t1 - t0, t2 - t1, t3 - t2)):
-                totals[k] += seconds
-    return tuple(total / steps * 1e3 for total in totals)
+    medians = {}
+    for count in UNITS:
+        for fsdp in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(linears)])
+                                          for _ in range(count)])
+            if fsdp:
+                for unit in model:
+                    fully_shard(unit, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            x = torch.randn(ROWS, width)
+            times: list[list[float]] = [[], [], []]
+            for i in range(steps + WARMUP):
+                dist.barrier()
+                t0 = time.perf_counter()
+                loss = model(x).sum()
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                optimizer.step()
+                optimizer.zero_grad()
+                t3 = time.perf_counter()
+                if i >= WARMUP:
+                    for k, seconds in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+                        times[k].append(seconds)
+            medians[count, fsdp] = [statistics.median(t) for t in times]
+    low, high = UNITS
+    return [((medians[high, True][k] - medians[high, False][k]) - (medians[low, True][k] - medians[low, False][k]))
+            / (high - low) * 1e3 for k in range(3)]
+
+
+def _rank(rank: int, world: int, linears: int, width: int, steps: int) -> dict[str, list[float]]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    torch.set_num_threads(1)
+    own = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group, in one order
+    out = {"own group": _extra_ms(DeviceMesh.from_group(own, "cpu"), linears, width, steps)}
+    if world > 1:
+        out["all ranks"] = _extra_ms(DeviceMesh.from_group(dist.group.WORLD, "cpu"), linears, width, steps)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--units", default="2,8", help="FSDP units per model, comma-separated")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--ranks", type=int, default=1, help="processes, one core each")
+    parser.add_argument("--linears", type=int, default=2, help="linear layers per FSDP unit")
+    parser.add_argument("--width", type=int, default=64, help="each linear's width")
+    parser.add_argument("--steps", type=int, default=15)
     args = parser.parse_args()
 
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from executor.launch import launch
 
-    from executor.launch import free_port
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        print(f"{'units':>5}  {'plain fwd/bwd/adamw ms':>24}  {'fsdp2 fwd/bwd/adamw ms':>24}  "
-              f"{'fsdp2 extra per unit fwd/bwd/adamw us':>38}")
-        for units in (int(u) for u in args.units.split(",")):
-            plain, sharded = _step_ms(units, False, args.steps, mesh), _step_ms(units, True, args.steps, mesh)
-            extra = [(s - p) / units * 1e3 for p, s in zip(plain, sharded)]
-            print(f"{units:>5}  {' / '.join(f'{v:.3f}' for v in plain):>24}  "
-                  f"{' / '.join(f'{v:.3f}' for v in sharded):>24}  {' / '.join(f'{v:.0f}' for v in extra):>38}")
-    finally:
-        dist.destroy_process_group()
+    per_rank = launch(_rank, args.ranks, (args.linears, args.width, args.steps), "gloo", 600)
+    print(f"units of {args.linears} x {args.width}-wide linears, {args.ranks} rank(s): what FSDP2 adds per unit, ms")
+    print(f"{'rank':>4}  {'mesh':<10}  {'forward':>8}  {'backward':>8}  {'adamw':>8}")
+    for rank, result in enumerate(per_rank):
+        for mesh, extra in result.items():
+            print(f"{rank:>4}  {mesh:<10}  " + "  ".join(f"{v:>8.3f}" for v in extra))
 
 
 if __name__ == "__main__":
