@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 UNITS, ROWS, WARMUP = (2, 8), 8, 3
@@ -89,8 +90,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     args = parser.parse_args()
 
-    from executor.launch import launch
+    from executor.launch import launch, usable_cores
 
+    cores = usable_cores()
+    for name, value, high in (("--ranks", args.ranks, cores), ("--linears", args.linears, 64),
+                              ("--width", args.width, 8192), ("--steps", args.steps, 10_000)):
+        if not 1 <= value <= high:
+            print(f"cpu_fsdp_overhead.py: {name} {value}: between 1 and {high}"
+                  + (f" (one core each: this host has {cores})" if name == "--ranks" else ""), file=sys.stderr)
+            sys.exit(2)
     per_rank = launch(_rank, args.ranks, (args.linears, args.width, args.steps), "gloo", 600)
     print(f"units of {args.linears} x {args.width}-wide linears, {args.ranks} rank(s): what FSDP2 adds per unit, ms")
     print(f"{'rank':>4}  {'mesh':<10}  {'forward':>8}  {'backward':>8}  {'adamw':>8}")

@@ -342,3 +342,19 @@ def test_the_twin_allreduce_benchmark_refuses_no_rounds_in_one_line():
     done = script("benchmarks/cpu_twin_allreduce.py", "--rounds", "0")
     assert done.returncode == 2
     assert done.stderr == "cpu_twin_allreduce.py: --kib must be at least 16 and --rounds at least 1\n"
+
+
+@pytest.mark.parametrize("args, expected", [(["--ranks", "0"], "--ranks 0: between 1 and"),
+                                            (["--linears", "0"], "--linears 0: between 1 and 64")])
+def test_the_fsdp_overhead_benchmark_refuses_bad_input_in_one_line(args, expected):
+    done = script("benchmarks/cpu_fsdp_overhead.py", *args)
+    assert done.returncode == 2 and expected in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_fsdp_overhead_benchmark_prints_what_fsdp2_adds_per_unit():
+    done = script("benchmarks/cpu_fsdp_overhead.py", "--steps", "2")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "units of 2 x 64-wide linears, 1 rank(s): what FSDP2 adds per unit, ms"
+    row = lines[2].split()  # rank, mesh, then forward, backward and AdamW in ms
+    assert row[:3] == ["0", "own", "group"] and len(row) == 6 and all(float(v) == float(v) for v in row[3:])
