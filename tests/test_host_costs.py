@@ -381,6 +381,19 @@ def test_fsdp2_s_host_work_is_charged_on_its_copies_and_its_optimizer_step():
     assert predict_step(dense, spec).step_s == predict_step(dense, plain).step_s  # DDP: FSDP2 runs nothing
 
 
+def test_on_a_cpu_host_fsdp_s_collectives_run_in_line_with_the_compute():
+    """The executor's FSDP2 comm hooks run each gather and reduce-scatter to its end where FSDP2 issues it, so
+    on a CPU host the simulator puts them on the compute stream: every second of them is exposed. On a GPU
+    they run on streams of their own, partly hidden behind the compute."""
+    plan = resolve_plan("tiny-dp2", overrides={"data_parallel": {"grad_sync": "fsdp"}})
+    assert {op.stream for op in lower(plan).ops if op.group == "fsdp"} == {"gather", "comm"}
+    assert {op.stream for op in lower(plan, fsdp_in_line=True).ops if op.group == "fsdp"} == {"compute"}
+    for spec, exposed in ((parse_cluster(cpu_host(**HOST_KEYS), "host.yaml"), True), (ideal_spec(), False)):
+        step = predict_step(plan, spec)
+        collectives = sum(e.dur_s for e in step.trace.events if e.rank == 0 and e.args.get("group") == "fsdp")
+        assert (step.ranks[0].seconds["fsdp"] == pytest.approx(collectives)) is exposed
+
+
 def test_freeing_a_step_s_gradients_shows_as_idle_before_each_rank_s_first_action():
     plan = resolve_plan("course-pp")
     program = lower(plan)

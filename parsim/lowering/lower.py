@@ -182,17 +182,21 @@ def pipeline_bytes(plan: Plan) -> float:
     return plan.tokens_per_rank * hidden_size(plan) * plan.dtype_bytes / split
 
 
-def lower(plan: Plan) -> Program:
-    """The representative ranks' programs (one per pipeline rank)."""
-    return Lowering(plan).build()
+def lower(plan: Plan, fsdp_in_line: bool = False) -> Program:
+    """The representative ranks' programs (one per pipeline rank); ``fsdp_in_line``: see :class:`Lowering`."""
+    return Lowering(plan, fsdp_in_line).build()
 
 
 class Lowering:
     """Builds a plan's program; its pieces (:meth:`layer_pass`, :meth:`group`) also serve the
     search's fast model (:mod:`parsim.search`), which prices the same pieces without a simulation."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, fsdp_in_line: bool = False):
         self.plan = plan
+        # FSDP's collectives on streams of their own beside the compute (a GPU's NCCL streams), or ``fsdp_in_line``
+        # on the compute stream, each where it is issued: on a CPU host the executor's FSDP2 comm hooks run each
+        # gather and reduce-scatter to its end inside the hook that issues it (executor.train.fsdp).
+        self.fsdp_streams = ("compute", "compute") if fsdp_in_line else ("gather", "comm")
         self.program = Program(plan.world)
         self.tokens = plan.tokens_per_rank  # a context-parallel rank computes 1/cp of each sequence
         self.act_bytes = pipeline_bytes(plan)
@@ -520,7 +524,7 @@ class Lowering:
             group, mirrors = self.group(p, dim)
             name = collective_name("all_gather", "fsdp", layer=cost.name + (".experts" if experts else ""),
                                    stage=stage, mb=mb, dir="fwd" if kind == "F" else "bwd")
-            gathers.append(self._add(rank, Op(name, "collective", "gather", deps=tuple(after),
+            gathers.append(self._add(rank, Op(name, "collective", self.fsdp_streams[0], deps=tuple(after),
                                               collective="all_gather", group="fsdp", ranks=group, mirrors=mirrors,
                                               nbytes=nbytes, phase="fsdp")))
             moved += 2 * nbytes
@@ -542,12 +546,14 @@ class Lowering:
             group, mirrors = self.group(p, dim)
             tag = cost.name + (".experts" if experts else "")
             op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=tag, stage=stage, mb=mb),
-                                    "collective", "comm", deps=(copied,), collective="reduce_scatter", group="fsdp",
+                                    "collective", self.fsdp_streams[1], deps=(copied,), collective="reduce_scatter",
+                                    group="fsdp",
                                     ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
             if not experts and plan.shard_size < plan.dp * plan.cp:
                 group, mirrors = self.group(p, "replicate")
                 op = self._add(rank, Op(collective_name("all_reduce", "fsdp", layer=tag, stage=stage, mb=mb),
-                                        "collective", "comm", collective="all_reduce", group="fsdp", ranks=group,
+                                        "collective", self.fsdp_streams[1], collective="all_reduce", group="fsdp",
+                                        ranks=group,
                                         mirrors=mirrors, nbytes=nbytes / plan.shard_size, phase="fsdp"))
             self.fsdp_syncs.append(op)
         return copied

@@ -133,7 +133,8 @@ def predict_step(plan: Plan, cluster: ClusterSpec,
     compute = ComputeModel.for_cluster(cluster, plan.dtype, plan.dtype_bytes, min(plan.world, gpn), plan.attention_seq)
     turns = compute.time_share > 1 and plan.world <= MAX_RANKS_IN_TURNS
     with _gc_paused():
-        program = unfold(lower(plan)) if turns else lower(plan)
+        program = lower(plan, fsdp_in_line=cluster.describes_cpu_host)
+        program = unfold(program) if turns else program
         meta = {"plan": plan.name, "cluster": cluster.name, "world_size": plan.world,
                 "represents": {str(k): v for k, v in program.represents.items()}}
         trace = merge_spans(StepSimulator(topo, compute, take_turns=turns).run(program, meta, progress))
