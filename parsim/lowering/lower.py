@@ -547,14 +547,12 @@ class Lowering:
             tag = cost.name + (".experts" if experts else "")
             op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=tag, stage=stage, mb=mb),
                                     "collective", self.fsdp_streams[1], deps=(copied,), collective="reduce_scatter",
-                                    group="fsdp",
-                                    ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
+                                    group="fsdp", ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
             if not experts and plan.shard_size < plan.dp * plan.cp:
                 group, mirrors = self.group(p, "replicate")
                 op = self._add(rank, Op(collective_name("all_reduce", "fsdp", layer=tag, stage=stage, mb=mb),
                                         "collective", self.fsdp_streams[1], collective="all_reduce", group="fsdp",
-                                        ranks=group,
-                                        mirrors=mirrors, nbytes=nbytes / plan.shard_size, phase="fsdp"))
+                                        ranks=group, mirrors=mirrors, nbytes=nbytes / plan.shard_size, phase="fsdp"))
             self.fsdp_syncs.append(op)
         return copied
 
