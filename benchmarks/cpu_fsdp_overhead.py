@@ -3,19 +3,21 @@
 The step simulator prices FSDP's gathers, reduce-scatters and the copies in and out of their buffers, and
 (from ``parsim calibrate``'s ``compute.fsdp_*`` figures) FSDP2's host work per unit and per parameter, which
 on a GPU hides behind the kernels and on a CPU host is the step. This times ``--ranks`` processes, one core
-each, on stacks of 2 and 8 FSDP units of ``--linears`` linear layers, plain and ``fully_shard``-ed, and
-prints what FSDP2 adds per unit (the slope between the two stacks: the root's own costs cancel) to a
+each, on stacks of 2 and 8 FSDP units of ``--linears`` linear layers, plain and ``fully_shard``-ed (the
+calibration's own measurement, ``executor.compute_bench.measure_fsdp_host``), and prints what FSDP2 adds
+per unit (the slope between the two stacks: the root's own costs cancel) to a
 forward, a backward and an AdamW step (``foreach``, torch's default) with ``zero_grad``:
 
 * over a group of each rank's own (as ``parsim calibrate`` measures it): no collective moves bytes;
 * with more than one rank, over all of them too: the all-gathers and reduce-scatters run for real.
 
-On the 2-core AMD VM (2026-11-28), units of two 64-wide linears on one rank: 428-512 us per unit in a
-forward, 601-708 us in a backward, 1.05-1.37 ms per unit (four parameters) in AdamW (two runs). With
-``--ranks 2 --linears 4 --width 256`` (1 MiB of weights a unit; two runs): 0.54-0.75 / 1.17-1.40 / 2.8-3.5 ms
-per unit over each rank's own group, and 3.79-4.07 / 7.05-7.48 / 1.6-3.1 ms over both ranks, where set CI's
-file prices a unit's all-gather at 1.79 ms and its reduce-scatter at 3.63: `docs/calibration.md`, "FSDP on
-a CPU host".
+On the 2-core AMD VM (2026-11-28, two runs each), units of two 64-wide linears on one rank: 0.32-0.37 ms per
+unit in a forward, 0.47-0.56 ms in a backward, 0.75-0.94 ms per unit (four parameters) in AdamW. With
+``--ranks 2 --linears 4 --width 256`` (1 MiB of weights a unit): 0.09-0.46 / 0.43-1.33 / 0.96-2.16 ms per unit
+over each rank's own group, and 3.65-5.54 / 6.84-8.58 / 2.3-3.5 ms over both ranks, where set CI's file prices
+a unit's all-gather at 1.79 ms and its reduce-scatter at 3.63. (The script's first version, its own loop with
+a barrier before every step, gave 428-512 us / 601-708 us / 1.05-1.37 ms and 0.54-0.75 / 1.17-1.40 /
+2.8-3.5 and 3.79-4.07 / 7.05-7.48 / 1.6-3.1 ms.) `docs/calibration.md`, "FSDP on a CPU host".
 
 Run:  python benchmarks/cpu_fsdp_overhead.py [--ranks 1] [--linears 2] [--width 64] [--steps 15]
 """
@@ -23,62 +25,31 @@ Run:  python benchmarks/cpu_fsdp_overhead.py [--ranks 1] [--linears 2] [--width 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
-UNITS, ROWS, WARMUP = (2, 8), 8, 3
+ROWS = 8  # each unit's input rows: host work, not arithmetic, sets its time
 
 
-def _extra_ms(mesh, linears: int, width: int, steps: int) -> list[float]:
-    """Milliseconds FSDP2 adds per unit to a forward, a backward and an AdamW step: the median over ``steps``
-    steps of each stack, fully_shard-ed less plain, its slope between the stacks of :data:`UNITS` units."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    medians = {}
-    for count in UNITS:
-        for fsdp in (False, True):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(linears)])
-                                          for _ in range(count)])
-            if fsdp:
-                for unit in model:
-                    fully_shard(unit, mesh=mesh)
-                fully_shard(model, mesh=mesh)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            x = torch.randn(ROWS, width)
-            times: list[list[float]] = [[], [], []]
-            for i in range(steps + WARMUP):
-                dist.barrier()
-                t0 = time.perf_counter()
-                loss = model(x).sum()
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                optimizer.step()
-                optimizer.zero_grad()
-                t3 = time.perf_counter()
-                if i >= WARMUP:
-                    for k, seconds in enumerate((t1 - t0, t2 - t1, t3 - t2)):
-                        times[k].append(seconds)
-            medians[count, fsdp] = [statistics.median(t) for t in times]
-    low, high = UNITS
-    return [((medians[high, True][k] - medians[high, False][k]) - (medians[low, True][k] - medians[low, False][k]))
-            / (high - low) * 1e3 for k in range(3)]
+def _extra_ms(rows: list) -> list[float]:
+    """Milliseconds FSDP2 adds per unit to a forward, a backward and an AdamW step: from the rows of
+    :func:`executor.compute_bench.measure_fsdp_host`, fully_shard-ed less plain, the slope between its stacks
+    (the root's own costs cancel)."""
+    (low, _, plain_low, sharded_low), (high, _, plain_high, sharded_high) = rows[0], rows[-1]
+    return [((sharded_high[k] - plain_high[k]) - (sharded_low[k] - plain_low[k])) / (high - low) * 1e3
+            for k in range(3)]
 
 
 def _rank(rank: int, world: int, linears: int, width: int, steps: int) -> dict[str, list[float]]:
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    torch.set_num_threads(1)
-    own = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group, in one order
-    out = {"own group": _extra_ms(DeviceMesh.from_group(own, "cpu"), linears, width, steps)}
+    from executor.compute_bench import measure_fsdp_host
+
+    unit = (linears, width, ROWS)
+    out = {"own group": _extra_ms(measure_fsdp_host(steps=steps, unit=unit))}
     if world > 1:
-        out["all ranks"] = _extra_ms(DeviceMesh.from_group(dist.group.WORLD, "cpu"), linears, width, steps)
+        everyone = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        out["all ranks"] = _extra_ms(measure_fsdp_host(steps=steps, unit=unit, mesh=everyone))
     return out
 
 

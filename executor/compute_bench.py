@@ -536,26 +536,30 @@ FSDP_UNITS = (2, 8)  # units per stack: the difference per unit leaves the root'
 FSDP_UNIT = (2, 64, 8)  # (linears, width, rows) of each unit: host work, not bytes, sets its time
 
 
-def measure_fsdp_host(units: Sequence[int] = FSDP_UNITS, steps: int = 15, warmup: int = 3
+def measure_fsdp_host(units: Sequence[int] = FSDP_UNITS, steps: int = 15, warmup: int = 3,
+                      unit: tuple[int, int, int] = FSDP_UNIT, mesh: Any = None
                       ) -> list[tuple[int, int, tuple[float, float, float], tuple[float, float, float]]]:
     """FSDP2's own host work on every rank at once, each over a process group of its own rank (FSDP2 runs
     its hooks, copies and DTensor dispatch; no collective moves bytes). Per stack of ``units`` units (each
     ``fully_shard``-ed, then the stack, as the executor wraps a stage): one row (units, parameter tensors,
     plain (forward, backward, AdamW step) seconds, the same under FSDP2), each the median over ``steps``
-    steps after ``warmup``. On the 2-core VM (2026-11-28, ``benchmarks/cpu_fsdp_overhead.py``) FSDP2 added
-    428-512 us per unit to a forward, 601-708 us to a backward and 1.05-1.37 ms per unit of four parameters
-    to an AdamW step."""
+    steps after ``warmup``. ``unit``: (linears, width, rows) of each unit; ``mesh``: the FSDP mesh instead (one
+    over every rank runs the collectives for real). On the 2-core VM (2026-11-28,
+    ``benchmarks/cpu_fsdp_overhead.py``) FSDP2 added 428-512 us per unit to a forward, 601-708 us to a
+    backward and 1.05-1.37 ms per unit of four parameters to an AdamW step."""
     torch = require_torch()
     dist = torch.distributed
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    own = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group, in one order
-    mesh = DeviceMesh.from_group(own, "cpu")
-    linears, width, rows = FSDP_UNIT
+    if mesh is None:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        own = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group, in one order
+        mesh = DeviceMesh.from_group(own, "cpu")
+    linears, width, rows = unit
 
     def timed(count: int, fsdp: bool) -> tuple[float, float, float]:
+        torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(linears)])
                                       for _ in range(count)])
         if fsdp:
