@@ -148,6 +148,24 @@ def test_explain_memory_walks_through_the_rank_that_needs_the_most(capsys):
     assert "it fits" in out and out.count("\npp ") == 16
 
 
+def test_explain_memory_and_plan_show_say_what_fsdp_holds_and_moves_under_a_pipeline(capsys):
+    from parsim.workload.memory import memory
+    from parsim.workload.plan import resolve_plan
+
+    plan = resolve_plan("llama3-405b-16k", overrides={"data_parallel": {"zero": 3, "grad_sync": "fsdp"}})
+    assert main(["explain", "memory", "llama3-405b-16k", "--zero", "3", "--grad-sync", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    rank = int(out.split("pipeline rank ")[1].split()[0])
+    buffers = memory(plan)[rank].buffers
+    assert buffers == plan.params_per_rank(rank) * (2 + 4)  # bf16 weights gathered, fp32 gradients whole
+    assert (f"5. FSDP buffers under a pipeline: every layer's weights stay gathered and its gradients unsharded, "
+            f"in fp32, until the stage's last backward (torch.distributed.pipelining): "
+            f"{plan.params_per_rank(rank):,} parameters x (2 + 4) bytes = {buffers / 1e9:.2f} GB.") in out
+    assert main(["plan", "show", "tiny-pp2", "--dp", "2", "--grad-sync", "fsdp"]) == 0
+    assert ("FSDP (ZeRO-3), shards over 2 ranks: each layer's weights all-gathered in its stage's first forward, "
+            "its gradients reduce-scattered after the stage's last backward") in capsys.readouterr().out
+
+
 def test_explain_memory_names_the_gradients_dtype_when_it_is_not_the_weights(capsys):
     argv = ["explain", "memory", "--model", "llama3-8b", "--dp", "8", "--zero", "1"]
     assert main(argv + ["--dtype", "fp16", "--reduce-dtype", "bf16"]) == 0

@@ -89,7 +89,7 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
     if mem.buffers and plan.pp > 1:
         out.append(f"5. FSDP buffers under a pipeline: every layer's weights stay gathered and its gradients "
                    f"unsharded, in {plan.reduce_dtype}, until the stage's last backward (torch.distributed."
-                   f"pipelining): {plan.params_per_rank(p) / 1e9:.3g}B parameters x ({plan.dtype_bytes} + "
+                   f"pipelining): {plan.params_per_rank(p):,} parameters x ({plan.dtype_bytes} + "
                    f"{plan.grad_bytes}) bytes = {mem.buffers / GB:.2f} GB.")
     elif mem.buffers:
         out.append(f"5. FSDP buffers: two layers' weights gathered (the one computing, the one prefetched) and one "
