@@ -1,8 +1,10 @@
 """The pipeline runtime executes parsim's schedules on 2 gloo ranks, and trains exactly like one process.
 
-For every schedule (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages per
-rank, ZB-H1 and ZB-H2 with their split I / W backward, ZB-V, DualPipe-V), on the tiny transformer and
-on the course MLP: each rank runs precisely the action list the simulator
+For every schedule (GPipe, 1F1B, also with fewer microbatches than ranks,
+interleaved 1F1B with 2 virtual stages per rank, also in one round of 3
+microbatches as torch runs an odd count, ZB-H1 and ZB-H2 with their split
+I / W backward, ZB-V, DualPipe-V), on the tiny transformer and on the course
+MLP: each rank runs precisely the action list the simulator
 times, in that order; the loss, the gradients and the weights after one AdamW
 step equal the unpipelined model's; and the transfers are the simulator's, by
 name and count.
@@ -31,8 +33,9 @@ GPT = {"kind": "transformer", "name": "gpt", "num_layers": 4, "hidden": 32, "num
 COMPUTE = re.compile(r"^[FBIW] stage=\d+ mb=\d+$")
 
 
-def gpt_plan(schedule: str, virtual_stages: int = 1, model: dict = GPT, **extra):
-    return load_plan({"model": model, "parallel": {"pp": WORLD}, "batch": {"microbatch_size": 2, "num_microbatches": 4},
+def gpt_plan(schedule: str, virtual_stages: int = 1, model: dict = GPT, microbatches: int = 4, **extra):
+    return load_plan({"model": model, "parallel": {"pp": WORLD},
+                      "batch": {"microbatch_size": 2, "num_microbatches": microbatches},
                       "schedule": schedule, "virtual_stages": virtual_stages, **extra})
 
 
@@ -40,6 +43,8 @@ PLANS = {
     "gpipe": gpt_plan("gpipe"),
     "1f1b": gpt_plan("1f1b"),
     "interleaved-1f1b v2": gpt_plan("interleaved-1f1b", 2),
+    "interleaved-1f1b v2, 3 microbatches (torch's one round of 3)": gpt_plan("interleaved-1f1b", 2, microbatches=3),
+    "1f1b, 1 microbatch (fewer than ranks)": gpt_plan("1f1b", microbatches=1),
     "zero-bubble": gpt_plan("zero-bubble"),
     "zb-h2": gpt_plan("zb-h2"),
     "1f1b, uneven stages (1 + 3 layers)": gpt_plan("1f1b", layers_per_stage=[1, 3]),

@@ -86,7 +86,7 @@ def test_gantt_flag_writes_a_png_instead_of_the_terminal_picture(capsys, tmp_pat
 
 @pytest.mark.parametrize("argv,message", [
     (["--schedule", "pipedream"], "unknown pipeline schedule 'pipedream'"),
-    (["--schedule", "interleaved-1f1b", "-m", "6"], "multiple of the pipeline size: 6 % 4 = 2"),
+    (["--schedule", "interleaved-1f1b", "-m", "9"], "9 microbatches do not split into 2; 8 or 10 do"),
     (["--pp", "0"], "pipeline size must be at least 1"),
     (["--tf", "-1"], "--tf must be a finite time >= 0"),
     (["--schedule", "zero-bubble", "--tw", "3"], "--tw (3) is part of the backward and cannot exceed --tb (2)"),

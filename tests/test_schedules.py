@@ -13,7 +13,7 @@ import parsim.schedules
 from parsim.errors import ParsimError
 from parsim.report.trace import compute_name
 from parsim.schedules import (SCHEDULES, Action, Schedule, ScheduleError, closed_form, dependencies, make_schedule,
-                              peak_in_flight, simulate_ideal, validate)
+                              peak_in_flight, simulate_ideal, splits_into_rounds, validate)
 
 FAST = settings(max_examples=60, deadline=None)
 times = st.sampled_from([0.25, 0.5, 1.0, 1.5, 2.0, 3.0])
@@ -26,10 +26,9 @@ def schedules(draw, names=tuple(SCHEDULES)):
     pp = draw(st.integers(1, 8))
     low, high = SCHEDULES[name].virtual_stages
     v = draw(st.integers(low, high or 3))
+    m = draw(st.integers(1, 16))
     if SCHEDULES[name].needs_whole_rounds(v):
-        m = pp * draw(st.integers(1, 16 // pp))
-    else:
-        m = draw(st.integers(1, 16))
+        m = m if splits_into_rounds(pp, m) else pp * max(1, m // pp)
     m = max(m, SCHEDULES[name].min_microbatches(pp, v))
     return make_schedule(name, pp, m, v)
 
@@ -223,6 +222,15 @@ def test_zb_h2_has_a_closed_form_only_where_it_holds():
     assert closed_form(make_schedule("zb-h2", 4, 8), 1, 3, 1) is None  # t_i > t_w
 
 
+def test_interleaved_with_fewer_microbatches_than_ranks_idles_at_every_turn():
+    """pp 4, m 3, v 2 (one round of 3, as torch runs it): microbatch 0 is back at rank 0 after 4 passes, not 3."""
+    s = make_schedule("interleaved-1f1b", 4, 3, 2)
+    form = closed_form(s, 1, 2)
+    assert form.bubble_substituted == "((2-1)(4-3) + 4-1)(1 + 2) = 12"
+    assert simulate_ideal(s, 1, 2).step_time == pytest.approx(form.step_time) == 2 * 3 * 3 + 12
+    assert closed_form(make_schedule("interleaved-1f1b", 4, 10, 2), 1, 2).bubble_time == 9  # 2 rounds of 5
+
+
 def test_closed_form_substitutes_the_numbers():
     form = closed_form(make_schedule("1f1b", 4, 8), 1, 2)
     assert form.bubble_substituted == "(4-1)(1 + 2) = 9"
@@ -306,7 +314,8 @@ def test_the_timing_is_also_a_trace_named_like_the_executor_names_it():
 
 @pytest.mark.parametrize("args,message", [
     (("pipedream", 4, 8), "unknown pipeline schedule 'pipedream' (expected one of gpipe, 1f1b, "),
-    (("interleaved-1f1b", 4, 6, 2), "needs the number of microbatches to be a multiple of the pipeline size: 6 % 4"),
+    (("interleaved-1f1b", 4, 9, 2), "in max(1, m // pp) = 2 equal rounds, as PyTorch does, and 9 microbatches do "
+                                    "not split into 2; 8 or 10 do"),
     (("interleaved-1f1b", 4, 8, 1), "needs virtual stages per rank >= 2, got 1"),
     (("1f1b", 4, 8, 2), "needs virtual stages per rank 1, got 2"),
     (("zbv", 4, 8, 3), "needs virtual stages per rank 2, got 3"),

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from parsim.errors import ParsimError
 from parsim.schedules import Action, make_schedule
 
 S = pytest.importorskip("torch.distributed.pipelining.schedules")
@@ -93,20 +94,36 @@ def test_1f1b_matches_torch(pp, m):
     assert make_schedule("1f1b", pp, m).actions == torch_single_stage_order(S.Schedule1F1B, pp, m)
 
 
-@pytest.mark.parametrize("pp,m,v", [(p, m, v) for p, m in SIZES if m % p == 0 for v in (2, 3, 4)])
+def torch_accepts_rounds(pp: int, m: int) -> bool:
+    """torch's looped schedules want m to be a multiple of their rounds, max(1, m // pp)."""
+    return m % max(1, m // pp) == 0
+
+
+# Sizes where m is not a multiple of pp but fills torch's rounds: 3 on 4 (one round of 3), 10 on 4 (two of
+# 5), 9 on 4 (two rounds would be 4.5: refused), 14 on 4 (three of 4.67: refused), 6 on 5, 7 on 3.
+ROUND_SIZES = SIZES + [(4, 5), (4, 9), (4, 10), (4, 14), (5, 6), (3, 7), (8, 10), (8, 18)]
+LOOPED_SIZES = [(p, m) for p, m in ROUND_SIZES if torch_accepts_rounds(p, m)]
+
+
+@pytest.mark.parametrize("pp,m,v", [(p, m, v) for p, m in LOOPED_SIZES for v in (2, 3, 4)])
 def test_interleaved_1f1b_matches_torch(pp, m, v):
     ours = make_schedule("interleaved-1f1b", pp, m, v)
     theirs = torch_multi_stage_order(S.ScheduleInterleaved1F1B, pp, m, [ours.stages_of(r) for r in range(pp)])
     assert ours.actions == theirs
 
 
-def torch_accepts_zero_bubble(pp: int, m: int) -> bool:
-    """ScheduleInterleavedZeroBubble wants m to be a multiple of its rounds, max(1, m // pp)."""
-    return m % max(1, m // pp) == 0
+@pytest.mark.parametrize("pp,m", [(p, m) for p, m in ROUND_SIZES if not torch_accepts_rounds(p, m)])
+def test_looped_schedules_refuse_what_torch_refuses(pp, m):
+    for name, cls in (("interleaved-1f1b", S.ScheduleInterleaved1F1B),
+                      ("zero-bubble", S.ScheduleInterleavedZeroBubble)):
+        with pytest.raises(ParsimError, match="rounds"):
+            make_schedule(name, pp, m, 2)
+        with pytest.raises(ValueError, match="multiple of the number of rounds"):
+            torch_multi_stage_order(cls, pp, m, [[r, r + pp] for r in range(pp)])
 
 
-@pytest.mark.parametrize("pp,m,v", [(p, m, 1) for p, m in SIZES if torch_accepts_zero_bubble(p, m)]
-                         + [(p, m, v) for p, m in SIZES if m % p == 0 for v in (2, 3)])
+@pytest.mark.parametrize("pp,m,v", [(p, m, 1) for p, m in LOOPED_SIZES]
+                         + [(p, m, v) for p, m in LOOPED_SIZES for v in (2, 3)])
 def test_zero_bubble_matches_torch_interleaved_zero_bubble(pp, m, v):
     """With one stage per rank, torch's ScheduleInterleavedZeroBubble is ZB-H1 ("ZB1P").
 

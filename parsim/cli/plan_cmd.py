@@ -142,8 +142,8 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
     plan = load_plan({"name": "command-line"}, gpus=gpus, overrides=overrides)
     if plan.pp > 1 and "batch" not in overrides:
         note(f"parsim: no batch given: {plan.num_microbatches} microbatches of {plan.microbatch_size} sample(s) a "
-             f"step, the fewest {plan.schedule} runs on pp {plan.pp}; more shrink the bubble (--num-microbatches, "
-             f"--global-batch-size)")
+             f"step, the fewest that fill {plan.schedule}'s pipeline on pp {plan.pp}; more shrink the bubble "
+             f"(--num-microbatches, --global-batch-size)")
     return plan
 
 

@@ -58,6 +58,17 @@ def closed_form(schedule: Schedule, t_f: float, t_b: float, t_w: float = 0.0) ->
     """
     p, m, v = schedule.pp, schedule.num_microbatches, schedule.virtual_stages
     work = v * m * (t_f + t_b)
+    if schedule.name == "interleaved-1f1b" and m < p:
+        idle = (v - 1) * (p - m) + p - 1
+        bubble = idle * (t_f + t_b)
+        ratio = Fraction(idle, v * m + idle)
+        return ClosedForm("((v-1)(p-m) + p-1)(t_f + t_b)",
+                          f"(({v}-1)({p}-{m}) + {p}-1)({t_f:g} + {t_b:g}) = {bubble:g}",
+                          "((v-1)(p-m) + p-1)/(v*m + (v-1)(p-m) + p-1)",
+                          f"{idle}/({v}*{m} + {idle}) = {_ratio(ratio)}", bubble, work + bubble, float(ratio),
+                          f"with fewer microbatches than ranks a round is all {m} microbatches, so at "
+                          f"{f'each of the {v - 1} turns' if v > 2 else 'the turn'} from a rank's stage to its "
+                          f"next the first microbatch comes back after {p} passes, {p - m} of them idle")
     if schedule.name in ("gpipe", "1f1b", "interleaved-1f1b"):
         bubble = (p - 1) * (t_f + t_b)
         if v == 1:

@@ -81,9 +81,11 @@ def interleaved_1f1b(pp: int, num_microbatches: int, virtual_stages: int) -> Sch
     warms up with ``(v - 1) * pp + 2 * (pp - r - 1)`` forwards, then
     alternates one forward and one backward. Each pass is ``1/v`` as long as
     in 1F1B, so the bubble shrinks ``v``-fold, for ``v``-fold more
-    point-to-point messages. Requires ``m % pp == 0``, like Megatron-LM.
-    Unlike Megatron-LM, ``m == pp`` is not special-cased to "all forwards
-    first" (PyTorch does not either).
+    point-to-point messages. Megatron-LM requires ``m % pp == 0``; PyTorch
+    relaxes that to rounds of ``m // max(1, m // pp)`` microbatches (so
+    ``m`` must be a multiple of the number of rounds, see :func:`round_size`),
+    and so does parsim. Unlike Megatron-LM, ``m == pp`` is not special-cased
+    to "all forwards first" (PyTorch does not either).
     """
     return _looped("interleaved-1f1b", pp, num_microbatches, virtual_stages, warmup_per_hop=2)
 
@@ -104,7 +106,7 @@ def zero_bubble(pp: int, num_microbatches: int, virtual_stages: int = 1) -> Sche
     With ``virtual_stages > 1`` this is PyTorch's interleaved variant
     (``ScheduleInterleavedZeroBubble``): Megatron's interleaved order with a
     warm-up of ``(v - 1) * pp + pp - r - 1`` forwards and the same ``W``
-    deferral. It requires ``m % pp == 0``.
+    deferral, in PyTorch's rounds (:func:`round_size`).
     """
     return _looped("zero-bubble", pp, num_microbatches, virtual_stages, warmup_per_hop=1,
                    deferred_w=lambda rank: rank)
@@ -134,30 +136,58 @@ def zb_h2(pp: int, num_microbatches: int) -> Schedule:
     return _looped("zb-h2", pp, num_microbatches, 1, warmup_per_hop=2, deferred_w=lambda rank: 2 * rank + 1)
 
 
+def round_size(pp: int, m: int) -> int:
+    """Microbatches per round of a looped schedule: ``m // max(1, m // pp)``, PyTorch's flexible rounds.
+
+    ``pp`` when ``m`` is a multiple of ``pp``, as Megatron-LM requires; ``m``
+    itself when ``m < pp``; in between (``pp = 4, m = 10``: 2 rounds of 5)
+    ``m`` must split into whole rounds, as ``ScheduleInterleaved1F1B`` checks.
+    """
+    return m // max(1, m // pp)
+
+
+def splits_into_rounds(pp: int, m: int) -> bool:
+    """True when ``m`` microbatches fill whole rounds of :func:`round_size` (always when ``pp`` divides ``m``)."""
+    return m % max(1, m // pp) == 0
+
+
+def uneven_rounds(pp: int, m: int) -> str:
+    """Why ``m`` microbatches do not fill a looped schedule's rounds on ``pp`` ranks, or "" when they do."""
+    if splits_into_rounds(pp, m):
+        return ""
+    below = next(k for k in range(m - 1, 0, -1) if splits_into_rounds(pp, k))
+    above = next(k for k in range(m + 1, 2 * m + pp) if splits_into_rounds(pp, k))
+    return (f"runs microbatches in max(1, m // pp) = {m // pp} equal rounds, as PyTorch does, and {m} "
+            f"microbatches do not split into {m // pp}; {below} or {above} do")
+
+
 def _looped(name: str, pp: int, m: int, v: int, *, warmup_per_hop: int,
             deferred_w: Callable[[int], int] | None = None) -> Schedule:
     """Warm-up / steady / cool-down over ``v`` looped stages per rank (PyTorch's ``_get_1f1b_rank_ops``).
 
-    Pass ``k`` of a rank (counted separately for forwards and backwards)
-    handles microbatch ``(k // (pp v)) pp + k % pp`` on the rank's local stage
-    ``(k // pp) % v`` (forward) or ``v - 1 - (k // pp) % v`` (backward).
-    ``deferred_w`` splits backwards into ``I`` and ``W`` and says how many
-    ``W`` passes rank ``r`` holds back (run after its last ``I``).
+    Microbatches go through a rank's stages in rounds of ``n =``
+    :func:`round_size` (``pp`` when ``m`` is a multiple of it). Pass ``k`` of
+    a rank (counted separately for forwards and backwards) handles microbatch
+    ``(k // (n v)) n + k % n`` on the rank's local stage ``(k // n) % v``
+    (forward) or ``v - 1 - (k // n) % v`` (backward). ``deferred_w`` splits
+    backwards into ``I`` and ``W`` and says how many ``W`` passes rank ``r``
+    holds back (run after its last ``I``).
     """
     total = v * m
+    n = round_size(pp, m) if v > 1 else pp
 
     def microbatch(k: int) -> int:
-        return (k // (pp * v)) * pp + k % pp
+        return (k // (n * v)) * n + k % n
 
     actions = []
     for rank in range(pp):
         def forward(k: int) -> Action:
-            return Action("F", ((k // pp) % v) * pp + rank, microbatch(k))
+            return Action("F", ((k // n) % v) * pp + rank, microbatch(k))
 
         def backward(k: int, kind: str) -> Action:
-            return Action(kind, (v - 1 - (k // pp) % v) * pp + rank, microbatch(k))
+            return Action(kind, (v - 1 - (k // n) % v) * pp + rank, microbatch(k))
 
-        warmup = min((v - 1) * pp + warmup_per_hop * (pp - 1 - rank), total)
+        warmup = min((v - 1) * n + warmup_per_hop * (pp - 1 - rank), total)
         ops = [forward(k) for k in range(warmup)]
         pending_w: deque[Action] = deque()
 
@@ -327,7 +357,7 @@ class ScheduleKind:
 
     ``virtual_stages`` is the allowed range of stages per rank (``None``: no
     upper bound); its lower end is the default. Schedules that loop ``v > 1``
-    stages over the ranks Megatron-style need ``m % pp == 0``.
+    stages over the ranks run microbatches in whole rounds (:func:`splits_into_rounds`).
     """
 
     name: str
@@ -349,7 +379,7 @@ class ScheduleKind:
             raise ParsimError(f"schedule {self.name} needs virtual stages per rank {allowed}, got {v}")
 
     def needs_whole_rounds(self, v: int) -> bool:
-        """True when microbatches must come in whole rounds of ``pp`` (looped stages, Megatron-style)."""
+        """True when microbatches must fill whole rounds (looped stages; see :func:`round_size`)."""
         return v > 1 and self.looped
 
 
@@ -407,8 +437,6 @@ def make_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int
     if num_microbatches < kind.min_microbatches(pp, v):
         raise ParsimError(f"schedule {kind.name} needs at least as many microbatches as stages "
                           f"({pp} x {v} = {pp * v}), got {num_microbatches}")
-    if kind.needs_whole_rounds(v) and num_microbatches % pp:
-        raise ParsimError(f"schedule {kind.name} with {v} virtual stages needs the number of microbatches "
-                          f"to be a multiple of the pipeline size: {num_microbatches} % {pp} = "
-                          f"{num_microbatches % pp}")
+    if kind.needs_whole_rounds(v) and (why := uneven_rounds(pp, num_microbatches)):
+        raise ParsimError(f"schedule {kind.name} with {v} virtual stages {why}")
     return kind.build(pp, num_microbatches, v)

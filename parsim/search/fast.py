@@ -44,7 +44,7 @@ from ..lowering.lower import (FP32, REDUCE_CALL, UNSHARD_CALL, CommPiece, Loweri
                               fsdp_bytes, gathered_bytes, grad_norm_dims, param_tensors, pipeline_bytes, step_costs,
                               tied_table_bytes, unscale_costs)
 from ..report.step_report import PHASES
-from ..schedules import make_schedule, peak_in_flight
+from ..schedules import SCHEDULES, make_schedule, peak_in_flight
 from ..sim.compute import ComputeModel
 from ..workload.model import MLPModel
 from ..workload.plan import (DTYPE_BYTES, Plan, accumulation_bytes, attention_seq, default_reduce_dtype,
@@ -876,7 +876,7 @@ def schedule_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.n
     Past a few rounds of microbatches a schedule only repeats its steady state: one more forward and
     backward of every stage per microbatch, and no more in flight (GPipe aside, which holds them all);
     so a long schedule is read off one of three rounds (``tests/test_search_fast.py``)."""
-    short = min(m, 3 * pp)
+    short = m if SCHEDULES[name].needs_whole_rounds(v) and m % pp else min(m, 3 * pp)  # rounds of m // (m // pp)
     in_flight, counts, final = _short_facts(name, pp, short, v)
     if m > short:
         in_flight, counts = in_flight.copy(), counts.copy()

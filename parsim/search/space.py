@@ -11,10 +11,10 @@ first, and counts what each level rejects and why:
    ``degrees`` may restrict any of them to some values (``--tp 8 --pp 2,4``);
 2. **pipelines** — microbatch size (every divisor of the replica's batch, the
    count following), schedule and virtual stages, under each schedule's rules
-   (1F1B-like schedules need ``m >= pp``, looped ones whole rounds of ``pp``,
-   DualPipe-V ``m >= 2 pp``); interleaved stages only where they split the
-   layers evenly (Megatron-LM's rule), and zero-bubble with one stage per rank
-   (as plans take it);
+   (looped ones equal rounds of ``m // max(1, m // pp)`` microbatches, as
+   torch runs them; DualPipe-V ``m >= 2 pp``); interleaved stages only where
+   they split the layers evenly (Megatron-LM's rule), and zero-bubble with one
+   stage per rank (as plans take it);
 3. **variants** — placement (``dp,pp,cp,tp`` or ``pp,dp,cp,tp``), sequence
    parallelism (its collectives in line or overlapped with GEMMs), activation
    recomputation, the context-parallel exchange, and gradient sync (DDP
@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple
 
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
+from ..schedules import uneven_rounds
 from ..workload.model import Model, TransformerModel
-from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, STEADY_STATE_SCHEDULES, Plan, parse_plan
+from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, Plan, parse_plan
 
 ORDERS = (DEFAULT_ORDER, "pp,dp,cp,tp")  # parsim's default, and Megatron-LM's (pp outermost, dp inside it)
 V_PAIRS = ("zbv", "dualpipe-v")  # two stages per rank in a V
@@ -204,12 +205,10 @@ def schedule_reason(schedule: str, pp: int, m: int, v: int, layers: int) -> str:
     kind = SCHEDULE_KINDS[schedule]
     if pp * v > layers:
         return "more stages than layers"
-    if pp > 1 and schedule in STEADY_STATE_SCHEDULES and m < pp:
-        return "fewer microbatches than pipeline stages"
     if m < kind.min_microbatches(pp, v):
         return "fewer microbatches than stages (dualpipe-v)"
-    if kind.needs_whole_rounds(v) and m % pp:
-        return "looped stages need whole rounds of pp microbatches"
+    if kind.needs_whole_rounds(v) and uneven_rounds(pp, m):
+        return "looped stages need equal rounds of microbatches (max(1, m // pp) of them, as torch runs them)"
     return ""
 
 

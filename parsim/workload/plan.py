@@ -20,8 +20,8 @@ the three determine the third; given one of ``microbatch_size`` and
 global batch alone, a pipeline-parallel plan runs microbatches of 1 sample
 (torchtitan's ``pipeline_parallel_microbatch_size`` default) and any other plan
 one microbatch. With no global batch, a missing ``microbatch_size`` is 1, and
-a missing ``num_microbatches`` is 1, or on a pipeline the fewest its schedule
-runs (:meth:`Plan.least_microbatches`). The MLP's global batch is its
+a missing ``num_microbatches`` is 1, or on a pipeline the fewest that fill its
+schedule (:meth:`Plan.least_microbatches`). The MLP's global batch is its
 ``batch_size``.
 
 Plans load from YAML (:func:`load_plan`, :func:`resolve_plan`)::
@@ -52,13 +52,13 @@ from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
 from ..hardware.cluster import MAX_GPUS
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
-from ..schedules import Schedule, make_schedule
+from ..schedules import Schedule, make_schedule, uneven_rounds
 from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
 from .stage_split import balanced_split, even_split
 
 SCHEDULES = tuple(SCHEDULE_KINDS)
-# Schedules with a steady state of one forward and one backward: they need at
-# least as many microbatches as stages to fill the pipeline.
+# Schedules with a steady state of one forward and one backward: with no batch given a plan fills their
+# pipeline with one microbatch per rank (fewer run, sequentially).
 STEADY_STATE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipe-v")
 V_SCHEDULES = ("zbv", "dualpipe-v")  # two stages per rank placed in a V: rank r holds stages r and 2·pp-1-r
 # Bytes per element of weights, gradients and activations. "fp8" is Transformer Engine's recipe (and
@@ -297,9 +297,9 @@ class Plan:
         raise ParsimError(f"plan {self.name}: {message}")
 
     def least_microbatches(self) -> int:
-        """The fewest microbatches per step this plan's pipeline schedule runs: 1 without a pipeline; a
-        steady-state schedule fills its ``pp`` ranks (torch's Schedule1F1B refuses fewer), and one that
-        sends every microbatch through each of its stages in turn (DualPipe-V) needs one per stage."""
+        """The fewest microbatches per step that fill this plan's pipeline: 1 without a pipeline; one per
+        rank for a steady-state schedule (fewer run, but one after another: torch's Schedule1F1B even
+        refuses them), and one per stage for DualPipe-V, which runs no fewer."""
         kind = SCHEDULE_KINDS.get(self.schedule)
         if self.pp == 1 or kind is None:
             return 1  # an unknown schedule is refused by validate()
@@ -418,14 +418,11 @@ class Plan:
         if isinstance(m, TransformerModel) and m.num_kv_heads % self.tp and self.tp % m.num_kv_heads:
             self._fail(f"tp {self.tp} and num_kv_heads {m.num_kv_heads} of model {m.name}: one must divide "
                        f"the other (kv heads are split across ranks, or each replicated on tp/kv ranks)")
-        if self.pp > 1 and self.schedule in STEADY_STATE_SCHEDULES and self.num_microbatches < self.pp:
-            self._fail(f"{self.schedule} needs num_microbatches >= pp: {self.num_microbatches} < {self.pp}")
         if self.num_microbatches < SCHEDULE_KINDS[self.schedule].min_microbatches(self.pp, self.virtual_stages):
             self._fail(f"{self.schedule} needs num_microbatches >= its {self.num_stages} stages, got "
                        f"{self.num_microbatches}")
-        if self.schedule == "interleaved-1f1b" and self.num_microbatches % self.pp:
-            self._fail(f"interleaved-1f1b needs num_microbatches divisible by pp (Megatron-LM): "
-                       f"{self.num_microbatches} % {self.pp} = {self.num_microbatches % self.pp}")
+        if self.schedule == "interleaved-1f1b" and (why := uneven_rounds(self.pp, self.num_microbatches)):
+            self._fail(f"interleaved-1f1b {why}")
         if gpus is not None and gpus != self.world:
             self._fail(f"{self.degrees_text()} = {self.world} ranks, but {gpus} GPUs were given")
 
