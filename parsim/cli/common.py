@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import ParsimError
 from ..hardware.cluster import ClusterSpec, builtin_clusters, load_cluster
 from ..hardware.topology import Topology
+from ..lowering.eager_ops import held_ops
 from ..report.table import render_table
 from ..sim.cores import core_of
 from ..units import format_size, format_time
@@ -137,7 +138,8 @@ def note_launch_bound(command: str, plan, cluster: ClusterSpec, step_s: float) -
     its eager ops at about HOST_OP_S each would take longer than the step predicted, which leaves the host out."""
     if cluster.describes_cpu_host or cluster.op_forward_s or cluster.op_backward_s:
         return
-    ops = sum(sum(block.eager_ops) for stage in range(plan.num_stages) for cost in plan.stage_costs(stage)
+    ops = sum(sum(held_ops(block.eager_ops, block.eager_ops_per_expert, plan.experts_per_rank, plan.ep > 1))
+              for stage in range(plan.num_stages) for cost in plan.stage_costs(stage)
               for block in cost.blocks) * plan.num_microbatches // plan.pp
     if ops * HOST_OP_S > step_s:
         note(f"parsim {command}: note: {plan.name}'s kernels are too short to hide the host on {cluster.name}: "

@@ -30,10 +30,17 @@ forward, then the backward):
 * the lecture's MLP layer (``gelu(x @ W)``): 2, 6; its first layer 2, 4
   (its input is the data, whose gradient autograd does not compute).
 
+* mixture-of-experts block (norm, router, top-k, softmax of the k logits,
+  the (token, choice) rows sorted by expert, gathered and put back, weighted
+  and summed, residual add): SwiGLU 32, 51; GeLU 31, 49; then per routed
+  expert the rank holds, whether or not rows reach it (executor's loop over
+  its experts): SwiGLU 5, 17; GeLU 3, 10; shared experts add SwiGLU 9, 26 or
+  GeLU 6, 16; expert parallelism's dispatcher (the counts exchanged, the
+  received rows regrouped by local expert and back, two all-to-alls) 26, 9.
+
 Tensor-parallel collectives add a few ops around each (contiguous copies,
-views): :data:`TP_COLLECTIVE_OPS` per collective that runs. Mixture-of-experts
-blocks are an estimate (routing, a loop over the experts), not pinned by a
-test; latent attention (MLA) is not run by the executor and counts 0.
+views): :data:`TP_COLLECTIVE_OPS` per collective that runs. Latent attention
+(MLA) is not run by the executor and counts 0.
 """
 
 from __future__ import annotations
@@ -50,26 +57,37 @@ MLP_LAYER = (2, 6)
 MLP_FIRST_LAYER = (2, 4)  # its input is data: no input gradient (its transpose and matmul)
 WEIGHT_GRAD_OPS = 3  # per matmul in a split backward's weight-gradient pass: transpose, mm, accumulate
 TP_COLLECTIVE_OPS = 3  # contiguous copies, views and the output buffer around each tensor-parallel collective
-NORM_AND_RESIDUAL = (8, 18)  # a feed-forward block's RMSNorm and residual add (MoE estimate below)
-MOE_ROUTER = (12, 16)  # router matmul, softmax, top-k, sort and index bookkeeping (estimate)
-MOE_PER_EXPERT = (20, 44)  # gather the expert's rows, its SwiGLU, scale and index-add back (estimate)
+MOE = {"swiglu": (32, 51), "gelu": (31, 49)}  # the MoE block without its experts
+MOE_PER_EXPERT = {"swiglu": (5, 17), "gelu": (3, 10)}  # per routed expert held: its matmuls and activation
+MOE_SHARED = {"swiglu": (9, 26), "gelu": (6, 16)}  # the shared experts' feed-forward
+MOE_DISPATCH = (26, 9)  # expert parallelism's all-to-all dispatcher
 
 
 def _add(*counts: tuple[int, int]) -> tuple[int, int]:
     return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
-def transformer_layer_ops(rope: bool, ffn_type: str, grouped_query: bool, experts: int = 0,
+def transformer_layer_ops(rope: bool, ffn_type: str, grouped_query: bool,
                           latent_attention: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(forward, backward) ops of a decoder layer's attention block and of its feed-forward block
-    (``experts``: a mixture-of-experts layer with that many experts)."""
+    """(forward, backward) ops of a decoder layer's attention block and of its dense feed-forward block."""
     attention = (0, 0) if latent_attention else _add(ATTENTION, GQA if grouped_query else (0, 0),
                                                      *([ROPE, ROPE] if rope else []))
-    if experts:
-        ffn = _add(NORM_AND_RESIDUAL, MOE_ROUTER, *([MOE_PER_EXPERT] * experts))
-    else:
-        ffn = SWIGLU if ffn_type == "swiglu" else GELU_FFN
-    return attention, ffn
+    return attention, SWIGLU if ffn_type == "swiglu" else GELU_FFN
+
+
+def moe_ops(ffn_type: str, shared_experts: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A mixture-of-experts block's (forward, backward) ops without its routed experts, and per routed expert."""
+    return _add(MOE[ffn_type], MOE_SHARED[ffn_type] if shared_experts else (0, 0)), MOE_PER_EXPERT[ffn_type]
+
+
+def held_ops(ops: tuple[int, int], per_expert: tuple[int, int], experts_held: int,
+             expert_parallel: bool) -> tuple[int, int]:
+    """A block's ops on a rank that holds ``experts_held`` of its routed experts (``per_expert`` ops each;
+    (0, 0) for a block without experts), with expert parallelism's dispatcher where it is on."""
+    if per_expert == (0, 0):
+        return ops
+    return _add(ops, (per_expert[0] * experts_held, per_expert[1] * experts_held),
+                MOE_DISPATCH if expert_parallel else (0, 0))
 
 
 def embedding_ops(learned_positions: bool) -> tuple[int, int]:

@@ -448,7 +448,8 @@ class Lowering:
         (:mod:`parsim.lowering.eager_ops`): a recomputed forward dispatches the forward's again; zero-bubble's
         weight-gradient pass runs a few per matmul and the input-gradient pass the rest. The ops around its
         tensor-parallel collectives are their calls' (:meth:`tp_calls`)."""
-        forward, backward = block.eager_ops
+        forward, backward = eager_ops.held_ops(block.eager_ops, block.eager_ops_per_expert,
+                                               self.plan.experts_per_rank, self.plan.ep > 1)
         if kind in ("F", "R"):
             return forward, 0
         weight_grad = eager_ops.WEIGHT_GRAD_OPS * len(block.matmuls)

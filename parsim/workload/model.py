@@ -334,8 +334,10 @@ class Block:
     # then added into the step's sum like a matmul weight's (parsim.lowering.kernels.block_work)
     tables: tuple[Param, ...] = ()
     # (forward, backward) ops an eager PyTorch implementation dispatches for the block, per microbatch
-    # (parsim.lowering.eager_ops; the CPU host's fixed costs). (0, 0): not counted.
+    # (parsim.lowering.eager_ops; the CPU host's fixed costs). (0, 0): not counted. A mixture of experts'
+    # block counts its routed experts apart, per expert a rank holds (eager_ops.held_ops).
     eager_ops: tuple[int, int] = (0, 0)
+    eager_ops_per_expert: tuple[int, int] = (0, 0)
     # Its input is the model's data (the MLP's first layer): nothing needs that input's gradient, so autograd
     # runs no input-gradient matmul for it (parsim.lowering.kernels.block_work); FLOP counts keep the 3x rule.
     data_input: bool = False
@@ -706,7 +708,7 @@ class TransformerModel(_CostTotals):
         sp = sequence_parallel
         attention_ops, ffn_ops = eager_ops.transformer_layer_ops(
             self.position_embedding == "rope", self.ffn_type, self.num_kv_heads != self.num_heads,
-            self.num_experts if moe else 0, self.attention == "mla")
+            self.attention == "mla")
         if self.attention == "mla":
             attention, attention_saved, attention_params = self._mla_block(d, sp)
         else:
@@ -822,8 +824,9 @@ class TransformerModel(_CostTotals):
         kernels = (*self._norm("moe.norm", h),
                    Elementwise("moe.permute", 2 * k * h, 2 * k * h, sharded=False),  # tokens sorted to their experts
                    self._activation("moe.act", active_ffn), *self._residual("moe", h))
-        ops = eager_ops.transformer_layer_ops(False, self.ffn_type, False, self.num_experts)[1]
-        return Block("moe", matmuls, collectives=collectives, elementwise=kernels, eager_ops=ops), tuple(saved)
+        ops, per_expert = eager_ops.moe_ops(self.ffn_type, self.shared_experts > 0)
+        return Block("moe", matmuls, collectives=collectives, elementwise=kernels, eager_ops=ops,
+                     eager_ops_per_expert=per_expert), tuple(saved)
 
     # -- memory-bound kernels, per token (elements read + written; see Elementwise) ------------------
     def _attention_kernels(self, q: int, kv: int, unit: int) -> tuple[Elementwise, ...]:

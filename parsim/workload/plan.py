@@ -483,6 +483,11 @@ class Plan:
         return self.dp * self.cp // self.ep if self.zero else 1
 
     @property
+    def experts_per_rank(self) -> int:
+        """Routed experts of each MoE layer one rank holds: ``num_experts / ep`` (0 for a dense model)."""
+        return getattr(self.model, "num_experts", 0) // self.ep
+
+    @property
     def expert_tokens_factor(self) -> float:
         """The busiest expert's tokens over the mean: ``expert_load``, capped by the capacity factor
         (tokens beyond an expert's capacity are dropped)."""
