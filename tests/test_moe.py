@@ -112,8 +112,8 @@ def test_moe_rules():
         Plan(model=load_model("tiny-gpt"), dp=2, ep=2)
     with pytest.raises(ParsimError, match="expert_load 0.5 is below 1"):
         plan(2, expert_load=0.5)
-    with pytest.raises(ParsimError, match="HSDP of experts"):
-        plan(2, grad_sync="fsdp", shard_group=2)
+    with pytest.raises(ParsimError, match="shard_group 2 is not a multiple of ep 4: HSDP shards experts"):
+        plan(4, grad_sync="fsdp", shard_group=2)
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4])
@@ -140,6 +140,48 @@ def test_fsdp_shards_experts_over_the_ranks_holding_them_and_the_rest_over_all(e
     dense_gathers = [op for op in gathers if ".experts" not in op.name]
     assert sum(op.nbytes for op in dense_gathers) == 2 * dense and all(len(op.ranks) == 4 for op in dense_gathers)
     assert predict_step(fsdp, ideal_spec()).ranks[0].seconds["fsdp"] > 0
+
+
+def hsdp(ep: int, shard_group: int, **kw) -> Plan:
+    return Plan(model=MOE, dp=8, ep=ep, dtype="bf16", num_microbatches=1, shard_group=shard_group, **kw)
+
+
+@pytest.mark.parametrize("grad_sync,zero", [("fsdp", 3), ("bucketed", 1)])
+def test_hsdp_shards_experts_within_each_shard_group_and_all_reduces_across(grad_sync, zero):
+    """torchtitan's HSDP of a mixture of experts (dp_replicate x dp_shard, ep borrowed from dp_shard): dp 8 in
+    2 shard groups of 4 ranks, ep 2. The dense weights shard over the 4 ranks of a shard group; the experts
+    over the 2 of them holding the same experts (dp_shard_mod_ep); each shard is all-reduced over the 2 shard
+    groups, the experts' too."""
+    p = hsdp(2, 4, grad_sync=grad_sync, zero=zero)
+    assert (p.shard_size, p.expert_shard_size, p.replicas) == (4, 2, 2)
+    experts = p.expert_params_per_rank(0)
+    dense = p.params_per_rank(0) - experts
+    assert memory(p)[0].optimizer == pytest.approx((dense / 4 + experts / 2) * 12)  # fp32 master + Adam's m, v
+    ops = lower(p).ops
+    layer = experts // 3 * 4 if zero == 3 else None  # one layer's expert gradients, fp32, on this rank
+    scatters = [op for op in ops if op.collective == "reduce_scatter" and op.rank == 0]
+    across = [op for op in ops if op.collective == "all_reduce" and op.rank == 0 and op.phase in ("fsdp", "dp")]
+    expert_scatters = [op for op in scatters if "expert" in op.name]
+    assert expert_scatters and all(op.ranks == (0, 2) for op in expert_scatters)  # rank 1 holds other experts
+    assert all(op.ranks == (0, 1, 2, 3) for op in scatters if "expert" not in op.name)
+    assert all(op.ranks == (0, 4) for op in across)  # the same shard in the other shard group
+    assert sum(op.nbytes for op in across) == pytest.approx(
+        sum(op.nbytes / (2 if "expert" in op.name else 4) for op in scatters))
+    if layer is not None:
+        assert all(op.nbytes == layer for op in expert_scatters)
+    assert predict_step(p, ideal_spec()).step_s > 0
+
+
+def test_hsdp_with_experts_whole_in_each_shard_group_all_reduces_them_only():
+    """ep = shard_group: each rank of a shard group holds other experts, so nothing of theirs is sharded or
+    gathered; their gradients are all-reduced over the shard groups (FSDP2 on a replicate x 1 mesh)."""
+    p = hsdp(2, 2, grad_sync="fsdp", zero=3)
+    assert (p.expert_shard_size, p.replicas) == (1, 4)
+    ops = [op for op in lower(p).ops if op.rank == 0 and "expert" in op.name]
+    assert ops and {op.collective for op in ops} == {"all_reduce"}
+    assert all(op.ranks == (0, 2, 4, 6) for op in ops)
+    experts = p.expert_params_per_rank(0)
+    assert memory(p)[0].weights == pytest.approx(2 * ((p.params_per_rank(0) - experts) / 2 + experts))
 
 
 def test_mixtral_example_plan_simulates_and_fits():

@@ -70,8 +70,11 @@ def test_equivalent_plans_are_generated_once():
         assert v.recompute != "selective"  # a flash-attention core saves and costs nothing by it
 
 
-def test_hsdp_shards_inside_a_node_and_mixtures_of_experts_skip_it():
+def test_hsdp_shards_inside_a_node_holding_whole_expert_parallel_groups():
     dense = SearchSpace(load_model("tiny-gpt"), 16, 16)
     assert ("fsdp", 3, 4) in sync_options(dense, dp=8, tp=2, cp=1)  # 4 data-parallel ranks per 8-GPU node
     moe = SearchSpace(load_model("mixtral-8x22b"), 64, 64)
-    assert [o for o in sync_options(moe, dp=64, tp=1, cp=1) if o[0] == "fsdp"] == [("fsdp", 3, None)]
+    assert ("fsdp", 3, 8) in sync_options(moe, dp=64, tp=1, cp=1, ep=8)  # experts: HSDP over 1 rank each
+    assert ("fsdp", 3, 8) in sync_options(moe, dp=64, tp=1, cp=1, ep=4)  # experts sharded over 2 ranks
+    # a node's 8 ranks cannot hold whole expert-parallel groups of 16 (torchtitan borrows ep from dp_shard)
+    assert [o for o in sync_options(moe, dp=64, tp=1, cp=1, ep=16) if o[0] == "fsdp"] == [("fsdp", 3, None)]

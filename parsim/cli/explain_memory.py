@@ -77,8 +77,10 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
     if plan.zero and n > 1:
         sharded = {1: "the optimizer state", 2: "the optimizer state and the gradients",
                    3: "the optimizer state, the gradients and the weights"}[plan.zero]
-        experts = (f"; routed experts' over the {plan.expert_shard_size} ranks holding the same experts"
-                   if plan.expert_params_per_rank(p) else "")
+        where = " of its shard group" if plan.replicas > 1 else ""
+        experts = "" if not plan.expert_params_per_rank(p) else (
+            f"; routed experts' over the {plan.expert_shard_size} ranks{where} holding the same experts"
+            if plan.expert_shard_size > 1 else f"; routed experts' not at all: no other rank{where} holds them")
         out.append(f"3. ZeRO-{plan.zero} shards {sharded} over {n} data-parallel ranks{experts} "
                    f"(Rajbhandari et al. 2020):")
     else:

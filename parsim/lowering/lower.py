@@ -272,6 +272,9 @@ class Lowering:
                 groups = [g[k:k + plan.ep] for g in groups for k in range(0, len(g), plan.ep)]
             elif dim == "edp":  # the ranks holding the same experts, one per expert-parallel group
                 groups = [g[j::plan.ep] for g in groups for j in range(plan.ep)]
+            elif dim == "eshard":  # HSDP of experts: the ranks of a shard group holding the same experts
+                groups = [g[k:k + size][j::plan.ep] for g in groups for k in range(0, len(g), size)
+                          for j in range(plan.ep)]
         groups = [tuple(g) for g in groups]
         return groups[0], tuple(groups[1:])
 
@@ -544,26 +547,37 @@ class Lowering:
         moved = sum(fsdp_bytes(cost, plan, experts=experts) + nbytes for experts, _, nbytes in parts)
         copied = self._add(rank, self._fsdp_copy(compute, PASS_PHASE[kind], moved, (ready,), REDUCE_CALL))
         for experts, dim, nbytes in parts:
-            group, mirrors = self.group(p, dim)
             tag = cost.name + (".experts" if experts else "")
-            op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=tag, stage=stage, mb=mb),
-                                    "collective", self.fsdp_streams[1], deps=(copied,), collective="reduce_scatter",
-                                    group="fsdp", ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
-            if not experts and plan.shard_size < plan.dp * plan.cp:
-                group, mirrors = self.group(p, "replicate")
+            if dim == "edp":  # experts no other rank of the shard group holds: their replicas all-reduce them
+                across, nbytes, deps = "edp", nbytes, (copied,)
+            else:
+                group, mirrors = self.group(p, dim)
+                op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=tag, stage=stage, mb=mb),
+                                        "collective", self.fsdp_streams[1], deps=(copied,),
+                                        collective="reduce_scatter", group="fsdp", ranks=group, mirrors=mirrors,
+                                        nbytes=nbytes, phase="fsdp"))
+                across, deps = "replicate" if plan.replicas > 1 else None, ()
+                nbytes /= plan.expert_shard_size if experts else plan.shard_size
+            if across:
+                group, mirrors = self.group(p, across)
                 op = self._add(rank, Op(collective_name("all_reduce", "fsdp", layer=tag, stage=stage, mb=mb),
-                                        "collective", self.fsdp_streams[1], collective="all_reduce", group="fsdp",
-                                        ranks=group, mirrors=mirrors, nbytes=nbytes / plan.shard_size, phase="fsdp"))
+                                        "collective", self.fsdp_streams[1], deps=deps, collective="all_reduce",
+                                        group="fsdp", ranks=group, mirrors=mirrors, nbytes=nbytes, phase="fsdp"))
             self.fsdp_syncs.append(op)
         return copied
 
     def _fsdp_parts(self, p: int, cost: LayerCost, gradients: bool = False) -> list[tuple[bool, str, float]]:
         """What FSDP gathers (or with ``gradients`` reduce-scatters) of one layer, group by group: (routed
-        experts?, the group dim, bytes on this rank). Experts held whole by one rank each (``ep`` = dp x cp)
-        are not sharded: nothing of theirs moves."""
+        experts?, the group dim, bytes on this rank). Routed experts shard over the ranks of a shard group
+        that hold the same experts ("eshard"). Experts no other rank of their shard group holds are not
+        sharded: nothing of theirs is gathered, and with ``gradients`` their replicas on other shard groups
+        (HSDP), if any, all-reduce them ("edp")."""
         plan = self.plan
         parts = [(False, "shard", fsdp_bytes(cost, plan, gradients, experts=False))]
-        if plan.expert_shard_size > 1 and (experts := fsdp_bytes(cost, plan, gradients, experts=True)):
+        experts = fsdp_bytes(cost, plan, gradients, experts=True)
+        if experts and plan.expert_shard_size > 1:
+            parts.append((True, "eshard", experts))
+        elif experts and gradients and plan.dp * plan.cp > plan.ep:
             parts.append((True, "edp", experts))
         return parts
 
@@ -589,9 +603,10 @@ class Lowering:
         all-reduce each shard across the replicas), step the optimizer on the
         shard and all-gather the updated weights. ZeRO-3 synced per layer already.
         Routed experts' gradients are synced the same way over the ranks that
-        hold the same experts (the expert-data-parallel group), in buckets of
-        their own (per parameter: numbered after the dense tensors), and not at
-        all when each expert lives on one rank only.
+        hold the same experts (the expert-data-parallel group; under HSDP,
+        sharded over those of the shard group and all-reduced across), in
+        buckets of their own (per parameter: numbered after the dense
+        tensors), and not at all when each expert lives on one rank only.
         """
         plan = self.plan
         last_compute = self.program.by_rank[rank][-1]
@@ -609,15 +624,15 @@ class Lowering:
                 ready = self.final_grad_ops.get(members[-1], last_compute)
                 deps = (ready if plan.overlap else last_compute,)
                 tag = {"expert_bucket" if expert else "bucket": k}
-                if not plan.zero:
+                if not plan.zero or dim == "edp":  # no ZeRO, or experts their shard group does not shard
                     sync.append(self._dp_collective(rank, p, "all_reduce", "edp" if expert else "dp",
                                                     nbytes, deps, **tag))
                     self.program.ops[sync[-1]].opens_action = not plan.overlap  # else a hook issues it mid-pass
                     continue
                 sync.append(self._dp_collective(rank, p, "reduce_scatter", dim, nbytes, deps, **tag))
-                if not expert and plan.shard_size < plan.dp * plan.cp:
-                    sync.append(self._dp_collective(rank, p, "all_reduce", "replicate", nbytes / plan.shard_size,
-                                                    (), **tag))
+                if plan.replicas > 1:  # HSDP: each shard all-reduced across the shard groups
+                    sync.append(self._dp_collective(rank, p, "all_reduce", "replicate", nbytes / (
+                        plan.expert_shard_size if expert else plan.shard_size), (), **tag))
                 if not plan.overlap_param_gather:
                     gather.append((dim, tag, gathered_bytes(plan, nbytes)))
         if plan.sequence_parallel and plan.tp > 1:
@@ -693,7 +708,8 @@ class Lowering:
             return ()
         tensors = self._grad_tensors(p)
         out = []
-        for expert, dim in ((False, "shard"), (True, "edp")):
+        experts = "eshard" if plan.expert_shard_size > 1 else "edp"  # sharded, or whole on each rank (all-reduced)
+        for expert, dim in ((False, "shard"), (True, experts)):
             if expert and plan.dp * plan.cp // plan.ep == 1:
                 continue  # every expert lives on one rank only: nothing to sync
             for k, (nbytes, members) in enumerate(bucket_members(tensors[expert], plan.bucket_size)):
@@ -708,6 +724,8 @@ class Lowering:
         the gathers its first forward waits for."""
         waits: dict[tuple[int, int], tuple[int, ...]] = {}
         for expert, dim, k, nbytes, members in reversed(self._sync_buckets(p)):
+            if dim == "edp":
+                continue  # experts their shard group does not shard: nothing to gather
             tag = {"expert_bucket" if expert else "bucket": k}
             op = self._dp_collective(rank, p, "all_gather", dim, gathered_bytes(self.plan, nbytes), (), **tag)
             for member in set(members):

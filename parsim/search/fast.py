@@ -278,7 +278,8 @@ class FastModel:
                     positions[name].append(list(keys).index(key))
             zero = np.array([v.zero for v in variants])
             shard = np.array([(v.shard_group or s.dp * s.cp) if v.zero else 1 for v in variants])
-            sync = sync_arrays(zero, shard, s.dp * s.cp // s.ep, self.dtype_bytes, self.grad_bytes)
+            # experts shard over the ranks of a shard group holding them (Plan.expert_shard_size)
+            sync = sync_arrays(zero, shard, np.maximum(shard // s.ep, 1), self.dtype_bytes, self.grad_bytes)
             return _VariantArrays(*(list(index[k].values()) for k in index),
                                   *(np.array(positions[k]) for k in index), sync)
         return self._cached(("variants", id(variants), s.dp, s.cp, s.ep), make)
@@ -293,11 +294,12 @@ class FastModel:
         if not self._gathers_every_pass(s, v):
             return optimizer  # under a pipeline FSDP's copies come once a step, in the estimate
         return optimizer + self._cached(("copies", s.tp, s.ep, s.pp, s.virtual_stages, s.num_microbatches,
-                                         s.schedule), lambda: _pass_counts(s) @ self._copies_per_pass(s))
+                                         s.schedule, self._experts_move(s, v)),
+                                        lambda: _pass_counts(s) @ self._copies_per_pass(s, v))
 
-    def _copies_per_pass(self, s: Setting) -> np.ndarray:
+    def _copies_per_pass(self, s: Setting, v: Variant) -> np.ndarray:
         """[stages * 4]: FSDP2's copies in one pass of each (stage, kind)."""
-        return (self.layout(s).counts @ self._fsdp_copies(s)).ravel()
+        return (self.layout(s).counts @ self._fsdp_copies(s, v)).ravel()
 
     # -- pipeline inputs ---------------------------------------------------------------------
     def _inputs_of(self, prep: Prepared, i: int) -> _Inputs:
@@ -389,8 +391,9 @@ class FastModel:
         def make() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             plan = self.layout_plan(s, v)
             lowering = Lowering(plan)
-            shard, edp = lowering.group(0, "shard")[0], lowering.group(0, "edp")[0]
-            replicas = plan.shard_size < plan.dp * plan.cp
+            shard, eshard = lowering.group(0, "shard")[0], lowering.group(0, "eshard")[0]
+            replicate = lowering.group(0, "replicate")[0]
+            gathered, reduced = self._experts_move(s, v)
 
             def prices(group: tuple[int, ...], weights: float, grads: float) -> tuple[float, float, float]:
                 """(the gather alone, beside a reduce-scatter, the reduce-scatter beside it) over ``group``."""
@@ -398,21 +401,26 @@ class FastModel:
                 beside = max(alone, self.comm.beside("all_gather", group, weights, "reduce_scatter", group, grads))
                 return alone, beside, self.comm.time("collective", "reduce_scatter", group, grads) + beside - alone
 
+            def across(grads: float) -> float:  # HSDP: a shard all-reduced over the replicas
+                return self.comm.time("collective", "all_reduce", replicate, grads) if plan.replicas > 1 else 0.0
+
             gather, scatter, backward = [], [], []
             for weights, grads, expert_weights, expert_grads in zip(
                     self._weight_bytes(s, part="dense"), self._weight_bytes(s, gradients=True, part="dense"),
-                    self._weight_bytes(s, part="experts"), self._weight_bytes(s, gradients=True, part="experts")):
+                    self._weight_bytes(s, part="experts", experts_move=gathered),
+                    self._weight_bytes(s, gradients=True, part="experts", experts_move=reduced)):
                 alone, beside, reduce = prices(shard, weights, grads)
-                if replicas:
-                    reduce += self.comm.time("collective", "all_reduce", lowering.group(0, "replicate")[0],
-                                             grads / plan.shard_size)
+                reduce += across(grads / plan.shard_size)
                 if expert_weights:  # a layer's routed experts, after the rest, over the ranks holding them
-                    more = prices(edp, expert_weights, expert_grads)
-                    alone, beside, reduce = alone + more[0], beside + more[1], reduce + more[2]
+                    more = prices(eshard, expert_weights, expert_grads)
+                    alone, beside = alone + more[0], beside + more[1]
+                    reduce += more[2] + across(expert_grads / plan.expert_shard_size)
+                elif expert_grads:  # held whole in each shard group: only all-reduced over the others
+                    reduce += self.comm.time("collective", "all_reduce", lowering.group(0, "edp")[0], expert_grads)
                 gather.append(alone)
                 backward.append(beside)
                 scatter.append(reduce)
-            return np.array(gather), np.array(scatter), self._fsdp_copies(s), np.array(backward)
+            return np.array(gather), np.array(scatter), self._fsdp_copies(s, v), np.array(backward)
         return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, s.ep, v.order, v.shard_group), make)
 
     def _main_grads(self, s: Setting, v: Variant) -> bool:
@@ -453,17 +461,25 @@ class FastModel:
         buffer: per stage, the end of its final backward and the seconds of each layer's reduction."""
         plan = self.layout_plan(s, v)
         lowering = Lowering(plan)
+        gathered, reduced = self._experts_move(s, v)
         scatter = self.comm.pricer("collective", "reduce_scatter", lowering.group(p, "shard")[0])
-        scatter_experts = self.comm.pricer("collective", "reduce_scatter", lowering.group(p, "edp")[0])
         across = self.comm.pricer("collective", "all_reduce", lowering.group(p, "replicate")[0]) \
-            if plan.shard_size < plan.dp * plan.cp else no_cost
+            if plan.replicas > 1 else no_cost
+        if gathered:  # experts sharded over the ranks of a shard group holding them
+            scatter_experts = self.comm.pricer("collective", "reduce_scatter", lowering.group(p, "eshard")[0])
+
+            def reduce_experts(nbytes: float) -> float:
+                return scatter_experts(nbytes) + across(nbytes / plan.expert_shard_size)
+        else:  # held whole in each shard group: all-reduced over the others, if any
+            reduce_experts = self.comm.pricer("collective", "all_reduce", lowering.group(p, "edp")[0])
         seconds = []
-        for w, g, dense, experts in zip(self._weight_bytes(s), self._weight_bytes(s, gradients=True),
+        for w, g, dense, experts in zip(self._weight_bytes(s, experts_move=reduced),
+                                        self._weight_bytes(s, gradients=True, experts_move=reduced),
                                         self._weight_bytes(s, gradients=True, part="dense"),
-                                        self._weight_bytes(s, gradients=True, part="experts")):
+                                        self._weight_bytes(s, gradients=True, part="experts", experts_move=reduced)):
             copy_in = self.compute.time((), 0.0, w + g, 1, stream_bytes=w + g, fsdp_calls=REDUCE_CALL)
             seconds.append(scatter(dense) + across(dense / plan.shard_size) + copy_in
-                           + (scatter_experts(experts) if experts else 0.0))
+                           + (reduce_experts(experts) if experts else 0.0))
         seconds = np.array(seconds)
         layout = self.layout(s)
         out = []
@@ -472,12 +488,19 @@ class FastModel:
             out.append((((int(stage), len(entries) - 1),) * len(entries), seconds[entries]))
         return tuple(out)
 
-    def _weight_bytes(self, s: Setting, gradients: bool = False, part: str | None = None) -> list[float]:
+    def _experts_move(self, s: Setting, v: Variant) -> tuple[bool, bool]:
+        """Whether FSDP or ZeRO gathers a rank's routed experts (sharded over the ranks of its shard group that
+        hold the same experts: more than one), and whether it syncs their gradients (any other rank holds
+        them), as the lowering's ``eshard`` and ``edp`` groups have it."""
+        return (v.shard_group or s.dp * s.cp) // s.ep > 1, s.dp * s.cp // s.ep > 1
+
+    def _weight_bytes(self, s: Setting, gradients: bool = False, part: str | None = None,
+                      experts_move: bool = True) -> list[float]:
         """Per entry type, what FSDP gathers of one rank's weights, or with ``gradients`` reduce-scatters of its
         gradients in the reduce dtype (:func:`~parsim.lowering.lower.fsdp_bytes`): all of it, or ``part``
         "dense" (over the shard group) or "experts" (the routed experts', over the ranks holding them; none
-        where each rank holds its experts whole, as the lowering has it)."""
-        moves = s.dp * s.cp // s.ep > 1  # experts sharded over more than one rank
+        where no other rank holds them, or with ``experts_move`` false: :meth:`_experts_move`)."""
+        moves = experts_move and s.dp * s.cp // s.ep > 1  # experts held by more than one rank
 
         def make() -> list[float]:
             plan = self._prototype(s, _PLAIN)
@@ -489,17 +512,20 @@ class FastModel:
             return dense if part == "dense" else experts
         return self._cached(("weight bytes", s.tp, s.ep, moves, gradients, part), make)
 
-    def _fsdp_copies(self, s: Setting) -> np.ndarray:
+    def _fsdp_copies(self, s: Setting, v: Variant) -> np.ndarray:
         """[entry types, 4]: FSDP2's copies on the compute stream in each kind of pass (F, B, I, W): out of the
         gathered weights' buffer (reading and writing the weights), into the reduce-scatter's (reading the
         gradients in the weights' dtype, writing the reduce dtype), as the lowering adds them."""
+        gathered, reduced = self._experts_move(s, v)
+
         def make() -> np.ndarray:
             def copy(moved: float, calls: tuple[int, int, int]) -> float:
                 return self.compute.time((), 0.0, moved, 1, stream_bytes=moved, fsdp_calls=calls)
-            weights, grads = self._weight_bytes(s), self._weight_bytes(s, gradients=True)
-            return np.array([copy(2 * w, UNSHARD_CALL) * GATHER_COPIES + copy(w + g, REDUCE_CALL) * SCATTER_COPIES
-                             for w, g in zip(weights, grads)])
-        return self._cached(("fsdp copies", s.tp, s.ep, s.dp * s.cp // s.ep > 1), make)
+            out_of, into = self._weight_bytes(s, experts_move=gathered), self._weight_bytes(s, experts_move=reduced)
+            grads = self._weight_bytes(s, gradients=True, experts_move=reduced)
+            return np.array([copy(2 * w, UNSHARD_CALL) * GATHER_COPIES + copy(i + g, REDUCE_CALL) * SCATTER_COPIES
+                             for w, i, g in zip(out_of, into, grads)])
+        return self._cached(("fsdp copies", s.tp, s.ep, gathered, reduced), make)
 
     # -- estimates ------------------------------------------------------------------------------
     def estimate(self, jobs: list[tuple[Prepared, int]]) -> list[Estimate]:
@@ -535,7 +561,7 @@ class FastModel:
             phases[name] += float(seconds)
         phases["fsdp"] += float(counts @ x.waits)
         if self._gathers_every_pass(s, v):  # FSDP2's copies, in the phase of the pass that makes them
-            copies = self._copies_per_pass(s)
+            copies = self._copies_per_pass(s, v)
             for k, name in enumerate(COPY_PHASES):
                 phases[name] += float(counts[k::4] @ copies[k::4])
         phases["fsdp" if v.fsdp else "dp"] += max(sync_end - compute_end, 0.0) + gathers
@@ -653,28 +679,33 @@ class FastModel:
         if plan.dp * plan.cp == 1 or v.fsdp:
             return ()
         lowering = Lowering(plan)
-        replicas = plan.shard_size < plan.dp * plan.cp
         out = []
-        for expert, dim in ((False, "shard"), (True, "edp")):
+        for expert, dim in ((False, "shard"), (True, self._expert_dim(s, v))):
             if expert and plan.dp * plan.cp // plan.ep == 1:
                 continue  # every expert lives on one rank only: nothing to sync
             filled = self._bucket_sizes(s, v, p, expert)
             if not filled:
                 continue
-            if not plan.zero:
+            if not plan.zero or dim == "edp":
                 reduce = self.comm.pricer("collective", "all_reduce", lowering.group(p, "edp" if expert else "dp")[0])
             else:
                 scatter = self.comm.pricer("collective", "reduce_scatter", lowering.group(p, dim)[0])
                 across = self.comm.pricer("collective", "all_reduce", lowering.group(p, "replicate")[0]) \
-                    if replicas and not expert else no_cost
+                    if plan.replicas > 1 else no_cost
+                shards = plan.expert_shard_size if expert else plan.shard_size
 
                 def reduce(nbytes: float) -> float:
-                    return scatter(nbytes) + across(nbytes / plan.shard_size)
+                    return scatter(nbytes) + across(nbytes / shards)
             sizes = np.array([nbytes for nbytes, _ in filled])
             unique, index = np.unique(sizes, return_inverse=True)
             seconds = np.array([reduce(float(n)) for n in unique])[index]
             out.append((tuple(mark for _, mark in filled), seconds))
         return tuple(out)
+
+    def _expert_dim(self, s: Setting, v: Variant) -> str:
+        """The lowering's group for the routed experts' ZeRO buckets: ``eshard`` where their shard group shards
+        them, else ``edp`` (all-reduced whole; or nothing, where no other rank holds them)."""
+        return "eshard" if self._experts_move(s, v)[0] else "edp"
 
     def _zero_gathers(self, s: Setting, v: Variant, p: int) -> tuple[float, ...]:
         """ZeRO-1/2: each bucket's updated weights all-gathered after the optimizer step (unless the next
@@ -687,9 +718,9 @@ class FastModel:
         plan = self.layout_plan(s, v)
         lowering = Lowering(plan)
         out = []
-        for expert, dim in ((False, "shard"), (True, "edp")):
-            if expert and plan.dp * plan.cp // plan.ep == 1:
-                continue
+        for expert, dim in ((False, "shard"), (True, self._expert_dim(s, v))):
+            if expert and dim == "edp":
+                continue  # nothing sharded: nothing to gather
             gather = self.comm.pricer("collective", "all_gather", lowering.group(p, dim)[0])
             sizes = [nbytes for nbytes, _ in self._bucket_sizes(s, v, p, expert)]
             out += [gather(gathered_bytes(plan, n)) * sizes.count(n) for n in set(sizes)]
@@ -714,9 +745,9 @@ class FastModel:
             out = []
             for p in range(s.pp):
                 issued = []  # (gather seconds, its tensors' tags) in issue order
-                for expert, dim in ((True, "edp"), (False, "shard")):
-                    if expert and plan.dp * plan.cp // plan.ep == 1:
-                        continue
+                for expert, dim in ((True, self._expert_dim(s, v)), (False, "shard")):
+                    if expert and dim == "edp":
+                        continue  # nothing sharded: nothing to gather
                     gather = self.comm.pricer("collective", "all_gather", lowering.group(p, dim)[0])
                     issued += [(gather(gathered_bytes(plan, nbytes)), members) for nbytes, members in
                                reversed(self._bucket_members(s, p, expert))]
@@ -777,7 +808,7 @@ class FastModel:
         """Pipeline rank ``p``'s parameters the optimizer steps (its shard under ZeRO) and its tensors."""
         ranks = self._ranks(s, v)
         shard = (v.shard_group or s.dp * s.cp) if v.zero else 1
-        expert_shard = s.dp * s.cp // s.ep if v.zero else 1
+        expert_shard = max(shard // s.ep, 1)  # the ranks of a shard group holding the same experts
         experts = ranks.experts[p]
         return (ranks.params[p] - experts) / shard + experts / expert_shard, int(ranks.tensors[p])
 

@@ -223,17 +223,16 @@ def schedule_options(pp: int, layers: int) -> list[tuple[str, int]]:
     return options
 
 
-def sync_options(space: SearchSpace, dp: int, tp: int, cp: int) -> list[tuple[str, int, int | None]]:
-    """(grad_sync, zero, shard_group) choices for ``dp x cp`` data-parallel ranks."""
+def sync_options(space: SearchSpace, dp: int, tp: int, cp: int, ep: int = 1) -> list[tuple[str, int, int | None]]:
+    """(grad_sync, zero, shard_group) choices for ``dp x cp`` data-parallel ranks, ``ep`` of them splitting the
+    experts (HSDP's shard group must hold whole expert-parallel groups, as torchtitan's dp_shard does)."""
     ranks = dp * cp
     if ranks == 1:
         return [("bucketed", 0, None)]
     options: list[tuple[str, int, int | None]] = [("bucketed", z, None) for z in (0, 1, 2)]
     options.append(("fsdp", 3, None))
-    if space.model.is_moe:
-        return options  # HSDP of experts is not modelled (Plan)
     local = max(1, space.gpus_per_node // (tp * cp)) if tp * cp <= space.gpus_per_node else 1
-    if 1 < local < ranks and ranks % local == 0:
+    if 1 < local < ranks and ranks % local == 0 and local % ep == 0:
         options.append(("fsdp", 3, local))  # HSDP: shard inside a node, replicate across nodes
     return options
 
@@ -264,12 +263,12 @@ def enumerate_settings(space: SearchSpace, rejections: Rejections | None = None
                 if reason:
                     rej.layouts[reason] += 1
                     continue
-                variants = _variants(space, dp, tp, pp, cp)
                 for ep in _expert_options(m, dp * cp):
                     if not space.allows("ep", ep):
                         rej.layouts[_outside(space, ep=ep)] += 1
                         continue
                     rej.layouts_valid += 1
+                    variants = _variants(space, dp, tp, pp, cp, ep)
                     for setting in _settings(space, rej, dp, tp, pp, cp, ep):
                         yield setting, variants
 
@@ -304,7 +303,7 @@ def _settings(space: SearchSpace, rej: Rejections, dp: int, tp: int, pp: int, cp
             yield Setting(dp, tp, pp, cp, ep, mbs, nmb, schedule, v)
 
 
-def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int) -> tuple[Variant, ...]:
+def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int, ep: int) -> tuple[Variant, ...]:
     transformer = isinstance(space.model, TransformerModel)
     orders = ORDERS if dp > 1 and pp > 1 else ORDERS[:1]
     # (sequence parallel, tp_comm_overlap): the overlap hides the sequence-parallel collectives, over NVLink
@@ -315,4 +314,4 @@ def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int) -> tuple[V
     cp_styles = ("ring", "all_gather") if cp > 1 else ("ring",)
     return tuple(Variant(order, sp, recompute, cp_style, grad_sync, zero, shard, overlap)
                  for order in orders for sp, overlap in sps for recompute in recompute_options(space.model)
-                 for cp_style in cp_styles for grad_sync, zero, shard in sync_options(space, dp, tp, cp))
+                 for cp_style in cp_styles for grad_sync, zero, shard in sync_options(space, dp, tp, cp, ep))

@@ -130,7 +130,7 @@ class SyncArrays:
     buffers: np.ndarray
 
 
-def sync_arrays(zero: np.ndarray, shard: np.ndarray, expert_shard: int, dtype_bytes: int,
+def sync_arrays(zero: np.ndarray, shard: np.ndarray, expert_shard: np.ndarray, dtype_bytes: int,
                 grad_bytes: int) -> SyncArrays:
     """ZeRO stage ``k`` shards a state from stage ``k`` on: the weights (3), gradients (2), optimizer (1)."""
     master = FP32 if dtype_bytes < FP32 else 0

@@ -175,7 +175,9 @@ class Plan:
     reduce-scattered at once; ``reshard_after_forward`` defaults to false there
     (torchtitan's default policy), so a stage gathers its weights once a step.
     ``shard_group`` (HSDP) shards within groups of that many
-    data-parallel ranks and all-reduces the shards across the groups.
+    data-parallel ranks and all-reduces the shards across the groups; a
+    mixture of experts' routed experts shard over the ranks of a group that
+    hold the same experts (torchtitan's ``dp_shard_mod_ep``).
     ``overlap_param_gather`` (ZeRO-1/2) moves the weight all-gathers from after
     the optimizer step to the next step's forward, each layer's first forward
     waiting for its bucket (Megatron-LM's ``--overlap-param-gather``).
@@ -389,6 +391,9 @@ class Plan:
             if (self.dp * self.cp) % self.shard_group:
                 self._fail(f"shard_group {self.shard_group} does not divide the {self.dp * self.cp} data-parallel "
                            f"ranks (HSDP shards within groups of that size and replicates across them)")
+            if self.shard_group == 1:
+                self._fail("shard_group 1 shards nothing: every rank keeps the whole state (plain data "
+                           "parallelism: leave out zero and shard_group)")
         if sorted(self.order.split(",")) != sorted(DIMS):
             self._fail(f"order {self.order!r} is not a nesting of dp, pp, cp and tp such as {DEFAULT_ORDER!r}")
         self._check_experts()
@@ -446,9 +451,10 @@ class Plan:
                        f"(num_experts / experts_per_token = {m.num_experts / m.experts_per_token:g})")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             self._fail(f"capacity_factor {self.capacity_factor:g} must be positive")
-        if self.shard_group is not None:
-            self._fail("mixture-of-experts plans shard over their whole data-parallel groups (ZeRO-1/2/3, FSDP); "
-                       "HSDP of experts (shard_group) is not modelled yet")
+        if self.shard_group is not None and self.shard_group % self.ep:
+            self._fail(f"shard_group {self.shard_group} is not a multiple of ep {self.ep}: HSDP shards experts "
+                       f"within each shard group over its ranks that hold the same experts (torchtitan's "
+                       f"dp_shard_mod_ep), so each shard group must hold whole expert-parallel groups")
 
     def _check_stage_split(self) -> None:
         layers, stages = self.model.num_layers, self.pp * self.virtual_stages
@@ -478,9 +484,15 @@ class Plan:
 
     @property
     def expert_shard_size(self) -> int:
-        """Ranks sharing one copy of an expert's ZeRO-sharded state: the expert-data-parallel group
-        (dp x cp / ep ranks that hold the same experts); 1 without ZeRO."""
-        return self.dp * self.cp // self.ep if self.zero else 1
+        """Ranks sharing one copy of an expert's ZeRO-sharded state: the ranks of a shard group that hold
+        the same experts (``shard_size / ep``; without HSDP the expert-data-parallel group, dp x cp / ep
+        ranks); 1 without ZeRO."""
+        return self.shard_size // self.ep if self.zero else 1
+
+    @property
+    def replicas(self) -> int:
+        """HSDP's copies of each shard: ``dp x cp / shard_group`` (1 without HSDP)."""
+        return self.dp * self.cp // self.shard_size if self.zero else 1
 
     @property
     def experts_per_rank(self) -> int:
@@ -681,8 +693,8 @@ class Plan:
         """What this plan does beyond plain DP x TP x PP, in words (for report headers)."""
         out = []
         if self.zero and self.shard_size > 1:
-            scope = f"HSDP: shards over {self.shard_group}, replicated {self.dp // self.shard_group}x" \
-                if self.shard_group and self.shard_group < self.dp else f"over {self.shard_size} ranks"
+            scope = f"HSDP: shards over {self.shard_group}, replicated {self.replicas}x" \
+                if self.replicas > 1 else f"over {self.shard_size} ranks"
             out.append(f"{'FSDP (ZeRO-3)' if self.zero == 3 else f'ZeRO-{self.zero}'} {scope}"
                        + (", weights gathered in the next forward" if self.overlap_param_gather else ""))
         if self.sequence_parallel and self.tp > 1:
