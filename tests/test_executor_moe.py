@@ -6,8 +6,10 @@ dense layer, then routed top-2 experts plus one shared expert) take one step,
 AdamW included: ep over all data-parallel ranks (each expert on one rank, the
 expert-data-parallel group of size 1: nothing to sync, gradients only
 divided), ep 2 of dp 4 (experts synced over 2 ranks), ep 1 (experts synced
-over dp like the dense weights, in buckets of their own), and ep with
-pipeline stages (1F1B and zero-bubble's split backward). Every rank's loss,
+over dp like the dense weights, in buckets of their own), ep with
+pipeline stages (1F1B and zero-bubble's split backward), and FSDP and HSDP
+(the routed experts a unit of their own on the ranks holding them, as
+torchtitan shards them). Every rank's loss,
 gradients (the routed experts' reported apart: their gradients gather every
 expert-parallel rank's tokens, so the division is the easy thing to get
 wrong) and weights must equal the reference, and every rank the simulator
@@ -36,6 +38,7 @@ MOE = {"kind": "transformer", "name": "moe", "num_layers": 4, "hidden": 32, "num
 BATCH = {"microbatch_size": 2, "num_microbatches": 2}
 BUCKETS = {"grad_sync": "bucketed", "bucket_size": "8KiB", "overlap": True}  # several dense and expert buckets
 PER_PARAM = {"grad_sync": "per_param"}
+FSDP = {"grad_sync": "fsdp"}
 
 
 def moe_plan(dp: int, ep: int, pp: int = 1, model: dict = MOE, schedule: str = "1f1b", sync: dict = BUCKETS,
@@ -50,6 +53,8 @@ PLANS_2 = {
         2, 2, model=dict(MOE, ffn_type="gelu", num_experts=8), sync=PER_PARAM),
     "dp2, ep1 (experts synced over dp)": moe_plan(2, 1),
     "cp2 x ep2 (experts over the context-parallel ranks)": moe_plan(1, 2, cp=2),
+    "FSDP dp2 ep1 (the experts a unit of their own, over both ranks)": moe_plan(2, 1, sync=FSDP),
+    "FSDP dp2 ep2 (each rank's experts whole, never gathered)": moe_plan(2, 2, sync=FSDP),
 }
 PLANS_4 = {
     "dp4 ep2 (edp 2), buckets": moe_plan(4, 2),
@@ -58,6 +63,12 @@ PLANS_4 = {
     "dp2 x cp2, ep2 (edp 2 over dp x cp)": moe_plan(2, 2, cp=2),
     "ep2 x pp2, 1f1b": moe_plan(2, 2, pp=2),
     "ep2 x pp2, zero-bubble, per-parameter sync": moe_plan(2, 2, pp=2, schedule="zero-bubble", sync=PER_PARAM),
+    "FSDP dp4 ep2 (experts over the 2 ranks holding them)": moe_plan(4, 2, sync=FSDP),
+    "HSDP dp4 in shard groups of 2, ep1 (experts sharded in each, all-reduced across)": moe_plan(
+        4, 1, sync=dict(FSDP, shard_group=2)),
+    "HSDP dp4 in shard groups of 2, ep2 (experts whole in each, all-reduced across)": moe_plan(
+        4, 2, sync=dict(FSDP, shard_group=2)),
+    "FSDP ep2 x pp2, 1f1b (gathered once a step)": moe_plan(2, 2, pp=2, sync=FSDP),
 }
 
 
@@ -133,6 +144,8 @@ def test_expert_groups_are_the_ones_the_lowering_simulates():
     (load_plan({"model": MOE, "parallel": {"tp": 2}}), "mixture-of-experts layers with tensor parallelism"),
     (load_plan({"model": MOE, "parallel": {"dp": 2, "ep": 2}, "moe": {"capacity_factor": 1.25}}),
      r"dropping tokens over an expert capacity \(capacity_factor\)"),
+    (load_plan({"model": MOE, "parallel": {"dp": 2, "ep": 2}, "data_parallel": {"grad_sync": "bucketed", "zero": 1}}),
+     "mixture-of-experts layers with ZeRO-1/2"),
 ])
 def test_what_the_executor_does_not_run_is_refused_in_one_line(plan, message):
     from executor.train.runner import check_plan

@@ -107,8 +107,16 @@ def data_parallel_mesh(rows: list[list[int]], shard_group: Any, replicate_group:
 
 
 def apply_fsdp(stages: dict, names: dict[int, list[str]], mesh: Any, reshard_after_forward: bool,
-               recorder: Recorder, param_dtype: Any, reduce_dtype: Any) -> None:
+               recorder: Recorder, param_dtype: Any, reduce_dtype: Any, experts_mesh: Any = None,
+               replicas: int = 1) -> None:
     """``fully_shard`` every piece of every stage (``names[s]`` in order), then the stage as the root.
+
+    A mixture of experts' routed experts are a unit of their own first, on
+    ``experts_mesh`` (the ranks holding the same experts; HSDP's 2-D within the
+    shard groups), named ``<piece>.experts``, as torchtitan shards them. Their
+    gradients hold every expert-parallel rank's tokens, so they are divided by
+    the ``replicas`` (dp x cp) whose losses they sum, not by the mesh's size
+    (torchtitan's ``set_gradient_divide_factor``).
 
     Sharded parameters are new DTensor parameters; they keep the originals'
     ``full_name`` and tensor-parallel ``shard`` so the reference check finds
@@ -116,30 +124,46 @@ def apply_fsdp(stages: dict, names: dict[int, list[str]], mesh: Any, reshard_aft
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from .moe import RoutedExperts
+
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    hsdp = mesh.ndim == 2
+
+    def shard(module, name: str, s: int, on: Any, passes: _Pass) -> None:
+        labels = {key: (p.full_name, getattr(p, "shard", None)) for key, p in module.named_parameters()}
+        fully_shard(module, mesh=on, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        module.set_custom_all_gather(TimedAllGather(name, s, recorder, passes))
+        reduce_scatter = TimedReduceScatter(name, s, recorder)
+        module.set_custom_reduce_scatter(reduce_scatter)
+        if on.ndim == 2:
+            module.set_all_reduce_hook(reduce_scatter.all_reduced)
+        for key, p in module.named_parameters():
+            p.full_name, tp_shard = labels[key]
+            if tp_shard is not None:
+                p.shard = tp_shard
+
     for s, stage in stages.items():
         passes = _Pass()
         units = list(stage.pieces)
+        nested = []  # (routed experts, the piece holding them)
         for name, module in zip(names[s], units):
-            labels = {key: (p.full_name, getattr(p, "shard", None)) for key, p in module.named_parameters()}
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-            module.set_custom_all_gather(TimedAllGather(name, s, recorder, passes))
-            reduce_scatter = TimedReduceScatter(name, s, recorder)
-            module.set_custom_reduce_scatter(reduce_scatter)
-            if hsdp:
-                module.set_all_reduce_hook(reduce_scatter.all_reduced)
-            for key, p in module.named_parameters():
-                p.full_name, shard = labels[key]
-                if shard is not None:
-                    p.shard = shard
+            for experts in [m for m in module.modules() if isinstance(m, RoutedExperts)]:
+                shard(experts, f"{name}.experts", s, experts_mesh, passes)
+                experts.set_gradient_divide_factor(float(replicas))
+                # NCCL divides inside the reduction (PREMUL_SUM); gloo has no such op: sum, then divide. (On one
+                # rank FSDP2 reduces nothing and divides itself; forced sums would divide twice.)
+                experts.set_force_sum_reduction_for_comms(experts_mesh.device_type != "cuda"
+                                                          and experts_mesh.size(-1) > 1)
+                nested.append((experts, module))
+            shard(module, name, s, mesh, passes)
         # FSDP2's default backward prefetch follows the forward order recorded since the last backward; a
         # pipeline runs several microbatches' forwards first, so at the end of one microbatch's backward it
         # would gather the stage's last piece for the next one. Explicit lists keep every gather inside the
-        # backward that uses it: each piece prefetches the one before it, the first piece itself (already
-        # unsharded then: a no-op, which switches the default off).
+        # backward that uses it: each piece prefetches the one before it, the first piece itself, and routed
+        # experts the piece holding them (already unsharded then: no-ops, which switch the default off).
         for k, module in enumerate(units):
             module.set_modules_to_backward_prefetch([units[max(k - 1, 0)]])
+        for experts, module in nested:
+            experts.set_modules_to_backward_prefetch([module])
         fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         stage.register_forward_pre_hook(lambda *_, passes=passes: setattr(passes, "forward", True))
         stage.register_forward_hook(lambda *_, passes=passes: setattr(passes, "forward", False))

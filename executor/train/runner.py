@@ -153,7 +153,7 @@ def check_plan(plan: Plan) -> None:
          f"the sequence splits into {PIPELINE_SPLITS} equal parts",
          plan.tp_comm_overlap and (m.seq_len // (plan.cp * plan.tp)) % PIPELINE_SPLITS != 0),
         ("context parallelism with ZeRO or FSDP", sharded and plan.cp > 1),
-        ("mixture-of-experts layers with ZeRO", sharded and m.is_moe),
+        ("mixture-of-experts layers with ZeRO-1/2", sharded and m.is_moe and plan.zero < 3),
         ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),
         ("dropping tokens over an expert capacity (capacity_factor)", plan.capacity_factor is not None),
         ("latent attention (MLA)", m.attention == "mla"),
@@ -226,7 +226,13 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
         dp_ranks = plan.group_of(rank, "dp")
         rows = [dp_ranks[k:k + plan.shard_size] for k in range(0, plan.dp, plan.shard_size)]
         mesh = data_parallel_mesh(rows, shard_group, groups.get("replicate"), device.type)
-        apply_fsdp(stages, names, mesh, plan.reshard_after_forward, recorder, dtype, reduce_dtype)
+        experts_mesh = None
+        if model.is_moe:  # torchtitan's: the ranks holding the same experts, HSDP's 2-D within shard groups
+            holding, n = _expert_groups(plan, "edp", rank), plan.expert_shard_size
+            experts_mesh = data_parallel_mesh([holding[k:k + n] for k in range(0, len(holding), n)],
+                                              groups["eshard"], groups.get("replicate"), device.type)
+        apply_fsdp(stages, names, mesh, plan.reshard_after_forward, recorder, dtype, reduce_dtype,
+                   experts_mesh, plan.dp * plan.cp)
     tie_sync = None
     if getattr(model, "tied_embeddings", False):
         tie_sync = tie_embeddings(list(built.values()), groups.get("tie"), recorder, reduce_dtype)
@@ -370,6 +376,8 @@ def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]
         memberships["replicate"] = [g[j::n] for g in memberships["dp"] for j in range(n)]
     if plan.model.is_moe:
         memberships.update({dim: _expert_groups(plan, dim) for dim in ("ep", "edp")})
+        if plan.shards_weights:  # FSDP's expert mesh, one rank where no other of its shard group holds its experts
+            memberships["eshard"] = _expert_groups(plan, "eshard")
     if plan.grad_clip is not None or plan.scales_loss:  # checks over every pipeline rank's gradients
         memberships["pp"] = plan.groups("pp")
     if getattr(plan.model, "tied_embeddings", False):
@@ -380,7 +388,7 @@ def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]
     mine = {}
     for key, groups in memberships.items():
         for members in groups:
-            if len(members) > 1:
+            if len(members) > 1 or key == "eshard":
                 group = dist.new_group(members)
                 if rank in members:
                     mine[key] = group
@@ -388,17 +396,20 @@ def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]
 
 
 def _expert_groups(plan: Plan, dim: str, rank: int | None = None) -> list:
-    """Every ``ep`` group (``ep`` consecutive data-parallel ranks of a pipeline rank and tp index) or ``edp``
-    group (the ranks holding the same experts, one per ep group), as :mod:`parsim.lowering.lower` builds them; with
-    ``rank``, only the one holding it."""
+    """Every ``ep`` group (``ep`` consecutive data-parallel ranks of a pipeline rank and tp index), ``edp``
+    group (the ranks holding the same experts, one per ep group) or ``eshard`` group (those of one shard group:
+    FSDP's experts mesh), as :mod:`parsim.lowering.lower` builds them; with ``rank``, only the one holding it."""
     groups = []
     for p in range(plan.pp):
         for t in range(plan.tp):
             ranks = plan.rank_grid[:, p, :, t].ravel().tolist()  # dp x cp, as the gradient sync spans them
             if dim == "ep":
                 groups += [ranks[k:k + plan.ep] for k in range(0, len(ranks), plan.ep)]
-            else:
+            elif dim == "edp":
                 groups += [ranks[j::plan.ep] for j in range(plan.ep)]
+            else:
+                n = plan.shard_size
+                groups += [ranks[k:k + n][j::plan.ep] for k in range(0, len(ranks), n) for j in range(plan.ep)]
     return groups if rank is None else next(g for g in groups if rank in g)
 
 
