@@ -50,6 +50,9 @@ PLANS = {
     "fsdp dp2 x tp2 (2-D)": _plan({"dp": 2, "tp": 2}, data_parallel={"grad_sync": "fsdp"}),
     "fsdp dp4, hsdp shard_group 2": _plan({"dp": 4}, data_parallel={"grad_sync": "fsdp", "shard_group": 2}),
     "moe dp4 ep2": _plan({"dp": 4, "ep": 2}, MOE),
+    "moe dp4 ep2, zero1 (experts sharded over the 2 holding them)": _plan({"dp": 4, "ep": 2}, MOE,
+                                                                          data_parallel=dict(BUCKETS, zero=1)),
+    "moe dp4 ep2, fsdp": _plan({"dp": 4, "ep": 2}, MOE, data_parallel={"grad_sync": "fsdp"}),
     "bf16 master weights, dp2 x pp2": _plan({"dp": 2, "pp": 2}, dtype="bf16"),
 }
 

@@ -7,9 +7,10 @@ AdamW included: ep over all data-parallel ranks (each expert on one rank, the
 expert-data-parallel group of size 1: nothing to sync, gradients only
 divided), ep 2 of dp 4 (experts synced over 2 ranks), ep 1 (experts synced
 over dp like the dense weights, in buckets of their own), ep with
-pipeline stages (1F1B and zero-bubble's split backward), and FSDP and HSDP
+pipeline stages (1F1B and zero-bubble's split backward), FSDP and HSDP
 (the routed experts a unit of their own on the ranks holding them, as
-torchtitan shards them). Every rank's loss,
+torchtitan shards them), and ZeRO-1/2 (the experts' buckets sharded apart,
+over the ranks holding them). Every rank's loss,
 gradients (the routed experts' reported apart: their gradients gather every
 expert-parallel rank's tokens, so the division is the easy thing to get
 wrong) and weights must equal the reference, and every rank the simulator
@@ -39,6 +40,7 @@ BATCH = {"microbatch_size": 2, "num_microbatches": 2}
 BUCKETS = {"grad_sync": "bucketed", "bucket_size": "8KiB", "overlap": True}  # several dense and expert buckets
 PER_PARAM = {"grad_sync": "per_param"}
 FSDP = {"grad_sync": "fsdp"}
+ZERO1, ZERO2 = dict(BUCKETS, zero=1), dict(BUCKETS, zero=2)
 
 
 def moe_plan(dp: int, ep: int, pp: int = 1, model: dict = MOE, schedule: str = "1f1b", sync: dict = BUCKETS,
@@ -55,6 +57,8 @@ PLANS_2 = {
     "cp2 x ep2 (experts over the context-parallel ranks)": moe_plan(1, 2, cp=2),
     "FSDP dp2 ep1 (the experts a unit of their own, over both ranks)": moe_plan(2, 1, sync=FSDP),
     "FSDP dp2 ep2 (each rank's experts whole, never gathered)": moe_plan(2, 2, sync=FSDP),
+    "ZeRO-1 dp2 ep2 (each rank's experts whole, only divided)": moe_plan(2, 2, sync=ZERO1),
+    "ZeRO-2 dp2 ep1 (experts sharded over both, in buckets of their own)": moe_plan(2, 1, sync=ZERO2),
 }
 PLANS_4 = {
     "dp4 ep2 (edp 2), buckets": moe_plan(4, 2),
@@ -69,6 +73,11 @@ PLANS_4 = {
     "HSDP dp4 in shard groups of 2, ep2 (experts whole in each, all-reduced across)": moe_plan(
         4, 2, sync=dict(FSDP, shard_group=2)),
     "FSDP ep2 x pp2, 1f1b (gathered once a step)": moe_plan(2, 2, pp=2, sync=FSDP),
+    "ZeRO-1 dp4 ep2 (experts sharded over the 2 ranks holding them)": moe_plan(4, 2, sync=ZERO1),
+    "ZeRO-2 dp4 ep2, weights gathered in the next forward": moe_plan(4, 2, sync=dict(ZERO2,
+                                                                                     overlap_param_gather=True)),
+    "ZeRO-1 HSDP dp4 in shard groups of 2, ep1 (experts sharded in each, all-reduced across)": moe_plan(
+        4, 1, sync=dict(ZERO1, shard_group=2)),
 }
 
 
@@ -144,8 +153,9 @@ def test_expert_groups_are_the_ones_the_lowering_simulates():
     (load_plan({"model": MOE, "parallel": {"tp": 2}}), "mixture-of-experts layers with tensor parallelism"),
     (load_plan({"model": MOE, "parallel": {"dp": 2, "ep": 2}, "moe": {"capacity_factor": 1.25}}),
      r"dropping tokens over an expert capacity \(capacity_factor\)"),
-    (load_plan({"model": MOE, "parallel": {"dp": 2, "ep": 2}, "data_parallel": {"grad_sync": "bucketed", "zero": 1}}),
-     "mixture-of-experts layers with ZeRO-1/2"),
+    (load_plan({"model": MOE, "parallel": {"dp": 4, "ep": 2},
+                "data_parallel": {"grad_sync": "bucketed", "zero": 1, "shard_group": 2}}),
+     "ZeRO-1/2 of experts that their shard group holds once each"),
 ])
 def test_what_the_executor_does_not_run_is_refused_in_one_line(plan, message):
     from executor.train.runner import check_plan

@@ -53,9 +53,13 @@ def test_the_squares_are_summed_over_each_dimension_holding_other_gradients(para
 
 
 def test_experts_spread_over_expert_parallel_ranks_add_their_squares():
-    plan = load_plan({"model": "mixtral-8x22b", "parallel": {"dp": 8, "ep": 8}, "grad_clip": 1.0,
-                      "batch": {"microbatch_size": 1, "num_microbatches": 1}})
-    assert grad_norm_dims(plan) == ("ep",)
+    """Without ZeRO over the ep ranks; under ZeRO the shard group's sum already holds every ep rank's experts
+    (a shard group holds whole expert-parallel groups) and nothing is summed twice."""
+    data = {"model": "mixtral-8x22b", "parallel": {"dp": 8, "ep": 4}, "grad_clip": 1.0,
+            "batch": {"microbatch_size": 1, "num_microbatches": 1}}
+    assert grad_norm_dims(load_plan(data)) == ("ep",)
+    for sync in ({"zero": 1}, {"grad_sync": "fsdp"}, {"grad_sync": "fsdp", "shard_group": 4}):
+        assert grad_norm_dims(load_plan(dict(data, data_parallel=sync))) == ("shard",)
 
 
 def test_clipping_costs_one_read_for_the_norm_and_a_read_and_write_to_scale():

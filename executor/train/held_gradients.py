@@ -66,15 +66,17 @@ def held_gradients(plan: Plan, params: list, groups: dict[str, Any], zero: Any, 
     order = [(dim, groups.get(dim, groups.get("dp")) if dim == "shard" else groups[dim])
              for dim in grad_norm_dims(plan)]
 
+    sharded = plan.zero and plan.shard_size > 1  # each rank of a shard group holds other parts, ep ranks too
+
     def share(param: Any) -> float:
         if param is tied_copy:
             return 0.0
         copies = plan.tp if plan.tp > 1 and getattr(param, "shard", None) is None else 1
-        return 1.0 / (copies * (plan.ep if plan.ep > 1 and id(param) not in experts else 1))
+        return 1.0 / (copies * (plan.ep if plan.ep > 1 and id(param) not in experts and not sharded else 1))
 
     def pieces() -> list[tuple[Any, float]]:
         if zero is not None:
-            return [(zero.owned(p), share(p)) for p in params]
+            return [(g, share(p)) for p in params for g in zero.owned_parts(p)]
         return [(gradient(p), share(p)) for p in params]
 
     return HeldGradients(pieces, order, recorder, device)

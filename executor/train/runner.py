@@ -41,7 +41,7 @@ from .parallel import (apply_data_parallel, apply_expert_parallel, apply_tensor_
 from .pipeline import PipelineRuntime, Stage
 from .recompute import apply_activation_recompute
 from .trace_recorder import Recorder
-from .zero import ZeroOptimizer
+from .zero import ZeroOptimizer, ZeroOptimizers, local_experts
 
 torch = require_torch()
 dist = require_distributed()
@@ -79,7 +79,7 @@ class RankSetup:
     def gradient(self, param, reference) -> tuple[Any, Any]:
         """This rank's gradient of ``param`` (the reduced part ZeRO-1/2 owns; FSDP's gathered) and the same
         part of ``reference``, the dense gradient of what ``param`` holds."""
-        if isinstance(self.grad_sync, ZeroOptimizer):
+        if isinstance(self.grad_sync, (ZeroOptimizer, ZeroOptimizers)):
             return self.grad_sync.owned_gradient(param, reference)
         return dense(gradient(param)), reference
 
@@ -100,7 +100,7 @@ class RankSetup:
     def settle(self) -> None:
         """Bring every parameter up to date (ZeRO-1/2 overlapping the weights' gather leaves it to the next
         forward)."""
-        if isinstance(self.grad_sync, ZeroOptimizer):
+        if isinstance(self.grad_sync, (ZeroOptimizer, ZeroOptimizers)):
             self.grad_sync.settle()
 
     def check_gradients(self) -> bool:
@@ -153,7 +153,8 @@ def check_plan(plan: Plan) -> None:
          f"the sequence splits into {PIPELINE_SPLITS} equal parts",
          plan.tp_comm_overlap and (m.seq_len // (plan.cp * plan.tp)) % PIPELINE_SPLITS != 0),
         ("context parallelism with ZeRO or FSDP", sharded and plan.cp > 1),
-        ("mixture-of-experts layers with ZeRO-1/2", sharded and m.is_moe and plan.zero < 3),
+        ("ZeRO-1/2 of experts that their shard group holds once each, which HSDP replicates (all-reduce only)",
+         sharded and m.is_moe and plan.zero < 3 and plan.expert_shard_size == 1 and plan.dp * plan.cp > plan.ep),
         ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),
         ("dropping tokens over an expert capacity (capacity_factor)", plan.capacity_factor is not None),
         ("latent attention (MLA)", m.attention == "mla"),
@@ -245,9 +246,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     replicas = plan.dp * plan.cp  # gradients are averaged over dp x cp
     fused = plan.adamw == "fused"
     if sharded and plan.zero < 3:
-        optimizer = grad_sync = ZeroOptimizer(sync_order, plan.zero, shard_group, groups.get("replicate"),
-                                              plan.bucket_size, plan.overlap, plan.num_microbatches, recorder,
-                                              LEARNING_RATE, reduce_dtype, plan.overlap_param_gather, fused)
+        optimizer = grad_sync = _zero_optimizer(plan, stages, sync_order, groups, recorder, reduce_dtype)
         after_step = grad_sync.gather_weights
         if plan.overlap_param_gather:  # each piece's forward waits for its parameters' buckets
             for stage in stages.values():
@@ -270,7 +269,8 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     clipper = scaler = None
     if plan.grad_clip is not None or plan.scales_loss:  # checks over every rank's gradients before the step
         tied_copy = built["head"].module.out.weight if tie_sync is not None and "embedding" not in built else None
-        held = held_gradients(plan, sync_order, groups, grad_sync if isinstance(grad_sync, ZeroOptimizer) else None,
+        zero = grad_sync if isinstance(grad_sync, (ZeroOptimizer, ZeroOptimizers)) else None
+        held = held_gradients(plan, sync_order, groups, zero,
                               tied_copy, {id(p) for p in routed_expert_parameters(list(stages.values()))}, recorder,
                               device)
         clipper = GradClipper(plan.grad_clip, held) if plan.grad_clip is not None else None
@@ -280,6 +280,26 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     return RankSetup(plan, rank, stages, runtime, grad_sync, finalize, optimizer, recorder,
                      _local_microbatches(plan, coords.dp, coords.cp, seed, dtype, device), after_step, cp, clipper,
                      scaler)
+
+
+def _zero_optimizer(plan: Plan, stages: dict, params: list, groups: dict[str, Any], recorder: Recorder,
+                    reduce_dtype: Any) -> ZeroOptimizer | ZeroOptimizers:
+    """ZeRO-1/2 over the shard group; a mixture of experts' routed experts apart (:class:`ZeroOptimizers`), sharded
+    over the ranks of the shard group holding them, or, where no other rank holds them, only divided."""
+    settings = dict(bucket_size=plan.bucket_size, overlap=plan.overlap, accumulations=plan.num_microbatches,
+                    recorder=recorder, lr=LEARNING_RATE, reduce_dtype=reduce_dtype,
+                    overlap_param_gather=plan.overlap_param_gather, fused=plan.adamw == "fused")
+    shard_group, replicate = groups.get("shard", groups.get("dp")), groups.get("replicate")
+    routed = {id(p) for p in routed_expert_parameters(list(stages.values()))}
+    if not routed:
+        return ZeroOptimizer(params, plan.zero, shard_group, replicate, **settings)
+    dense = ZeroOptimizer([p for p in params if id(p) not in routed], plan.zero, shard_group, replicate, **settings)
+    experts = [p for p in params if id(p) in routed]
+    if plan.expert_shard_size > 1:
+        return ZeroOptimizers([dense, ZeroOptimizer(experts, plan.zero, groups["eshard"], replicate, experts=True,
+                                                    divisor=plan.dp * plan.cp, **settings)])
+    return ZeroOptimizers([dense], local_experts(experts, plan.dp * plan.cp, plan.num_microbatches, recorder,
+                                                 reduce_dtype, LEARNING_RATE, plan.main_grads, plan.adamw == "fused"))
 
 
 def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, seed: int,
@@ -376,7 +396,7 @@ def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]
         memberships["replicate"] = [g[j::n] for g in memberships["dp"] for j in range(n)]
     if plan.model.is_moe:
         memberships.update({dim: _expert_groups(plan, dim) for dim in ("ep", "edp")})
-        if plan.shards_weights:  # FSDP's expert mesh, one rank where no other of its shard group holds its experts
+        if plan.zero:  # ZeRO's expert shards (FSDP's mesh: one rank where its shard group holds its experts once)
             memberships["eshard"] = _expert_groups(plan, "eshard")
     if plan.grad_clip is not None or plan.scales_loss:  # checks over every pipeline rank's gradients
         memberships["pp"] = plan.groups("pp")

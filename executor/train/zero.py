@@ -13,6 +13,13 @@ beside bf16 or fp16 parameters; its state exists for them alone), and every
 bucket's updated weights are all-gathered back into the parameters in their
 own dtype. AdamW is elementwise, so this equals AdamW on the whole model.
 
+A mixture of experts' routed experts are sharded apart (:class:`ZeroOptimizers`),
+as the lowering has them: one unit per expert's slice of a weight, in buckets
+of their own (``expert_bucket=k``) over the ranks of the shard group holding
+the same experts, their sums divided by dp x cp (each holds every
+expert-parallel rank's tokens' contributions); experts no other rank holds
+are only divided, and stepped whole.
+
 ZeRO-1 keeps each parameter's whole local gradient (only the optimizer state
 is sharded); ZeRO-2 frees it once the bucket's reduce-scatter has its copy,
 keeping only the reduced shard. With ``overlap_param_gather`` (Megatron-LM's
@@ -34,8 +41,8 @@ from parsim.report.trace import collective_name
 
 from .._torch import require_distributed, require_torch
 from .comm import _all_gather, _reduce_scatter
-from .mixed_precision import adamw, drop_gradient, gradient, reduced
-from .parallel import BucketReducer
+from .mixed_precision import MasterWeightsAdamW, adamw, drop_gradient, gradient, reduced
+from .parallel import BucketReducer, _grad
 from .trace_recorder import Recorder
 
 torch = require_torch()
@@ -47,7 +54,7 @@ F = torch.nn.functional
 class _Shard:
     """This rank's slice ``[start, start + len(weights))`` of one padded flat bucket."""
 
-    offsets: list[int]  # where each of the bucket's parameters starts in the flat bucket
+    offsets: list[int]  # where each of the bucket's units starts in the flat bucket
     start: int
     weights: Any  # a leaf tensor: the owned weights, stepped by AdamW; its ``grad`` the reduced gradient
 
@@ -57,11 +64,14 @@ class ZeroOptimizer(BucketReducer):
 
     ``replicate_group`` (HSDP) holds the ranks that own the same shards, one
     per shard group; None when the shard group is the whole data-parallel group.
+    With ``experts`` the units are each expert's slice (dim 0) of ``params``,
+    the buckets ``expert_bucket=k`` and the sums divided by ``divisor``.
     """
 
     def __init__(self, params: list, stage: int, shard_group: Any, replicate_group: Any, bucket_size: int,
                  overlap: bool, accumulations: int, recorder: Recorder, lr: float, reduce_dtype: Any,
-                 overlap_param_gather: bool = False, fused: bool = False):
+                 overlap_param_gather: bool = False, fused: bool = False, experts: bool = False,
+                 divisor: int | None = None):
         size = dist.get_world_size(shard_group)
         self.overlap_param_gather = overlap_param_gather
         self._stale = False  # the optimizer has stepped; the parameters wait for the buckets' all-gathers
@@ -70,21 +80,25 @@ class ZeroOptimizer(BucketReducer):
         # launch), with a reduce-scatter where it all-reduces.
         settings = SimpleNamespace(grad_sync="bucketed", overlap=overlap, accumulations=accumulations,
                                    recorder=recorder, reduce_dtype=reduce_dtype)
-        super().__init__([(p, None) for p in params], shard_group, size, size, "bucket", 0, settings, bucket_size)
-        self.param_buckets = [[p for p, _ in bucket] for bucket in self.buckets]
+        units = [(p, i) for p in params for i in range(p.shape[0])] if experts else [(p, None) for p in params]
+        super().__init__(units, shard_group, size, divisor or size, "expert_bucket" if experts else "bucket", 0,
+                         settings, bucket_size)
         self.stage, self.replicate_group = stage, replicate_group
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         rank = dist.get_rank(shard_group)
         self.shards = []
-        self._offset_of: dict[int, int] = {}
+        self._offset_of: dict[tuple[int, int | None], int] = {}  # unit -> where it starts in its flat bucket
+        self._units_of: dict[int, list[tuple]] = {}
+        for p, i in units:
+            self._units_of.setdefault(id(p), []).append((p, i))
         with torch.no_grad():
-            for bucket in self.param_buckets:
-                flat = self._padded([p.reshape(-1) for p in bucket])
+            for bucket in self.buckets:
+                flat = self._padded([_weights(u).reshape(-1) for u in bucket])
                 per = flat.numel() // size
                 offsets = [0]
-                for p in bucket[:-1]:
-                    offsets.append(offsets[-1] + p.numel())
-                self._offset_of.update((id(p), offset) for p, offset in zip(bucket, offsets))
+                for u in bucket[:-1]:
+                    offsets.append(offsets[-1] + _weights(u).numel())
+                self._offset_of.update(((id(p), i), offset) for (p, i), offset in zip(bucket, offsets))
                 # fp32 master weights beside low-precision parameters (Megatron-LM's distributed optimizer)
                 weights = flat[rank * per:(rank + 1) * per].to(torch.float32, copy=True).requires_grad_(True)
                 self.shards.append(_Shard(offsets, rank * per, weights))
@@ -106,9 +120,9 @@ class ZeroOptimizer(BucketReducer):
         if self.overlap_param_gather:
             self._stale = True
             return
-        for k, (bucket, shard) in enumerate(zip(self.param_buckets, self.shards)):
+        for k, shard in enumerate(self.shards):
             flat = self._gather_buffer(shard)
-            with self.recorder.span(collective_name("all_gather", "dp", bucket=k), "collective", "comm",
+            with self.recorder.span(collective_name("all_gather", "dp", **{self.tag: k}), "collective", "comm",
                                     phase="dp", bytes=flat.numel() * flat.element_size()):
                 _all_gather(flat, self._gathered_shard(shard), group=self.group)
             self._copy_in(k, flat)
@@ -134,7 +148,7 @@ class ZeroOptimizer(BucketReducer):
             if k in self._gathering:
                 work, flat, start = self._gathering.pop(k)
                 work.wait()
-                self.recorder.add(collective_name("all_gather", "dp", bucket=k), "collective", "comm", start,
+                self.recorder.add(collective_name("all_gather", "dp", **{self.tag: k}), "collective", "comm", start,
                                   self.recorder.now(), phase="dp", bytes=flat.numel() * flat.element_size())
                 self._copy_in(k, flat)
 
@@ -152,26 +166,40 @@ class ZeroOptimizer(BucketReducer):
 
     def _copy_in(self, k: int, flat: Any) -> None:
         with torch.no_grad():
-            for p, offset in zip(self.param_buckets[k], self.shards[k].offsets):
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            for unit, offset in zip(self.buckets[k], self.shards[k].offsets):
+                weights = _weights(unit)
+                weights.copy_(flat[offset:offset + weights.numel()].view_as(weights))
 
     def owned_gradient(self, param, reference) -> tuple[Any, Any]:
         """The reduced gradient this rank owns of ``param`` (flattened, maybe empty), and that part of ``reference``."""
-        lo, hi = self._owned_range(param)
-        offset = self._offset_of[id(param)]
-        return self.owned(param), reference.reshape(-1)[lo - offset:hi - offset]
+        mine, theirs = [], []
+        for (p, i), part in zip(self._units_of[id(param)], self.owned_parts(param)):
+            lo, hi = self._owned_range((p, i))
+            offset = self._offset_of[(id(p), i)]
+            mine.append(part)
+            theirs.append((reference if i is None else reference[i]).reshape(-1)[lo - offset:hi - offset])
+        return (mine[0], theirs[0]) if len(mine) == 1 else (torch.cat(mine), torch.cat(theirs))
 
-    def owned(self, param) -> Any:
-        """The reduced gradient this rank owns of ``param``: a view of its shard's (flattened, maybe empty)."""
-        shard = self.shards[self._buckets_of[id(param)][0]]
-        lo, hi = self._owned_range(param)
-        return shard.weights.grad[lo - shard.start:hi - shard.start]
+    def owned_parts(self, param) -> list:
+        """The reduced gradient this rank owns of each of ``param``'s units: views of its shards' (flattened,
+        maybe empty)."""
+        parts = []
+        for unit in self._units_of[id(param)]:
+            shard = self.shards[self._bucket_of(unit)]
+            lo, hi = self._owned_range(unit)
+            parts.append(shard.weights.grad[lo - shard.start:hi - shard.start])
+        return parts
 
-    def _owned_range(self, param) -> tuple[int, int]:
-        """Where in its flat bucket the part of ``param`` this rank owns starts and stops."""
-        shard, offset = self.shards[self._buckets_of[id(param)][0]], self._offset_of[id(param)]
+    def _bucket_of(self, unit: tuple) -> int:
+        param, index = unit
+        return next(k for k in self._buckets_of[id(param)] if any(u[0] is param and u[1] == index
+                                                                   for u in self.buckets[k]))
+
+    def _owned_range(self, unit: tuple) -> tuple[int, int]:
+        """Where in its flat bucket the part of ``unit`` this rank owns starts and stops."""
+        shard, offset = self.shards[self._bucket_of(unit)], self._offset_of[(id(unit[0]), unit[1])]
         lo = max(offset, shard.start)
-        return lo, max(lo, min(offset + param.numel(), shard.start + shard.weights.numel()))
+        return lo, max(lo, min(offset + _weights(unit).numel(), shard.start + shard.weights.numel()))
 
     # -- the gradient sync (BucketReducer's bookkeeping, a reduce-scatter per bucket) ------------------
     def _padded(self, tensors: list) -> Any:
@@ -180,11 +208,11 @@ class ZeroOptimizer(BucketReducer):
 
     def _launch(self) -> None:
         k = len(self._launched)
-        flat = reduced(self._padded([gradient(p).reshape(-1) for p in self.param_buckets[k]]),
-                       self.sync.reduce_dtype)
+        flat = reduced(self._padded([_grad(u).reshape(-1) for u in self.buckets[k]]), self.sync.reduce_dtype)
         if self.stage >= 2:  # ZeRO-2: from now on only the reduced shard of these gradients exists
-            for p in self.param_buckets[k]:
-                drop_gradient(p)
+            for p in {id(p): p for p, _ in self.buckets[k]}.values():
+                if max(self._buckets_of[id(p)]) == k:  # its last unit's bucket
+                    drop_gradient(p)
         shard = torch.empty(flat.numel() // self.size, dtype=flat.dtype, device=flat.device)
         start = self.recorder.now()
         work = _reduce_scatter(shard, flat, op=self.average or dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -193,14 +221,88 @@ class ZeroOptimizer(BucketReducer):
     def _wait(self, k: int) -> None:
         work, shard, start = self._launched[k]
         work.wait()
-        self.recorder.add(collective_name("reduce_scatter", "dp", bucket=k), "collective", "comm", start,
+        self.recorder.add(collective_name("reduce_scatter", "dp", **{self.tag: k}), "collective", "comm", start,
                           self.recorder.now(), phase="dp", bytes=shard.numel() * shard.element_size() * self.size)
-        if self.average is None:
+        averaged = self.divisor == self.size  # else the experts' sum over every replica's loss, divided once
+        if self.average is None and averaged:
             shard.div_(self.size)
         if self.replicate_group is not None:
-            with self.recorder.span(collective_name("all_reduce", "dp", bucket=k), "collective", "comm",
+            with self.recorder.span(collective_name("all_reduce", "dp", **{self.tag: k}), "collective", "comm",
                                     phase="dp", bytes=shard.numel() * shard.element_size()):
                 dist.all_reduce(shard, op=self.average or dist.ReduceOp.SUM, group=self.replicate_group)
-            if self.average is None:
+            if self.average is None and averaged:
                 shard.div_(self.replicas)
+        if not averaged:
+            shard.div_(self.divisor)
         self.shards[k].weights.grad = shard.float()
+
+
+def _weights(unit: tuple) -> Any:
+    """A unit's weights: the parameter, or its slice ``i`` along dim 0 (a view)."""
+    param, index = unit
+    return param if index is None else param[index]
+
+
+class ZeroOptimizers:
+    """ZeRO-1/2 of a mixture of experts: the dense weights' :class:`ZeroOptimizer`, the routed experts' (over the
+    ranks of the shard group holding them), and routed experts no other rank holds, whose gradients are only
+    divided (``local``: that :class:`BucketReducer` and the AdamW stepping them whole). One face for both: the
+    gradient sync's, the optimizer's and the weight gather's, as a lone :class:`ZeroOptimizer` has."""
+
+    def __init__(self, parts: list[ZeroOptimizer], local: tuple[BucketReducer, Any] | None = None):
+        self.parts, self.local = parts, local
+        self._part_of = {id(p): part for part in parts for p in part.params}
+
+    def _all(self) -> list:
+        return self.parts + ([self.local[0]] if self.local else [])
+
+    def start_step(self) -> None:
+        for part in self._all():
+            part.start_step()
+
+    def finish(self) -> None:
+        for part in self._all():
+            part.finish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none)
+        if self.local:
+            self.local[1].zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+        if self.local:
+            self.local[1].step()
+
+    def gather_weights(self) -> None:
+        for part in self.parts:
+            part.gather_weights()
+
+    def await_weights(self, params) -> None:
+        params = list(params)
+        for part in self.parts:
+            part.await_weights(params)
+
+    def settle(self) -> None:
+        for part in self.parts:
+            part.settle()
+
+    def owned_gradient(self, param, reference) -> tuple[Any, Any]:
+        part = self._part_of.get(id(param))
+        return part.owned_gradient(param, reference) if part else (gradient(param), reference)
+
+    def owned_parts(self, param) -> list:
+        part = self._part_of.get(id(param))
+        return part.owned_parts(param) if part else [gradient(param)]
+
+
+def local_experts(params: list, divisor: int, accumulations: int, recorder: Recorder, reduce_dtype: Any, lr: float,
+                  main_grads: bool, fused: bool) -> tuple[BucketReducer, Any]:
+    """Routed experts no other rank holds: their gradients divided by ``divisor`` after the backward, nothing
+    sent (as the lowering has them), and AdamW on them whole."""
+    settings = SimpleNamespace(grad_sync="bucketed", overlap=False, accumulations=accumulations, recorder=recorder,
+                               reduce_dtype=reduce_dtype)
+    divide = BucketReducer([(p, None) for p in params], None, 1, divisor, "expert_bucket", 0, settings, 0)
+    return divide, (MasterWeightsAdamW(params, lr, fused) if main_grads else adamw(params, lr, fused))

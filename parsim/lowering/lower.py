@@ -154,8 +154,10 @@ def grad_norm_dims(plan: Plan) -> tuple[str, ...]:
     """The dimensions whose ranks hold different gradients, over which clipping sums the squares (and fp16's loss
     scaling looks for an overflow), in the order the executor reduces them: ZeRO's or FSDP's shards, the experts,
     tensor-parallel slices, pipeline stages.
-    Data- and context-parallel replicas hold the same gradients once they are synced."""
-    used = {"shard": bool(plan.zero) and plan.shard_size > 1, "ep": plan.ep > 1, "tp": plan.tp > 1, "pp": plan.pp > 1}
+    Data- and context-parallel replicas hold the same gradients once they are synced. A shard group holds whole
+    expert-parallel groups (every rank's experts, each part once), so under ZeRO the experts take no sum apart."""
+    sharded = bool(plan.zero) and plan.shard_size > 1
+    used = {"shard": sharded, "ep": plan.ep > 1 and not sharded, "tp": plan.tp > 1, "pp": plan.pp > 1}
     return tuple(dim for dim, on in used.items() if on)
 
 
