@@ -174,7 +174,7 @@ def _looped(name: str, pp: int, m: int, v: int, *, warmup_per_hop: int,
     holds back (run after its last ``I``).
     """
     total = v * m
-    n = round_size(pp, m) if v > 1 else pp
+    n = round_size(pp, m)  # (with one stage per rank any round size gives the same order)
 
     def microbatch(k: int) -> int:
         return (k // (n * v)) * n + k % n
