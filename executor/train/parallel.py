@@ -304,7 +304,7 @@ class BucketReducer:
             return
         if self.sync.grad_sync == "per_param":
             for k, (unit,) in enumerate(self.buckets):
-                grad = _grad(unit)
+                grad = unit_grad(unit)
                 buffer = reduced(grad, self.sync.reduce_dtype)
                 with self.recorder.span(collective_name("all_reduce", "dp", param=self.first_param + k),
                                         "collective", "comm", phase="dp",
@@ -334,7 +334,7 @@ class BucketReducer:
 
     def _launch(self) -> None:
         bucket = self.buckets[len(self._launched)]
-        flat = reduced(torch.cat([_grad(u).reshape(-1) for u in bucket]), self.sync.reduce_dtype)
+        flat = reduced(torch.cat([unit_grad(u).reshape(-1) for u in bucket]), self.sync.reduce_dtype)
         start = self.recorder.now()
         work = dist.all_reduce(flat, op=self.average or dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._launched.append((work, flat, start))
@@ -348,12 +348,12 @@ class BucketReducer:
             flat.div_(self.divisor)
         offset = 0
         for unit in self.buckets[k]:
-            grad = _grad(unit)
+            grad = unit_grad(unit)
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
             offset += grad.numel()
 
 
-def _grad(unit: tuple) -> Any:
+def unit_grad(unit: tuple) -> Any:
     """A unit's gradient: the parameter's, or its slice ``i`` along dim 0 (a view)."""
     param, index = unit
     return gradient(param) if index is None else gradient(param)[index]

@@ -42,7 +42,7 @@ from parsim.report.trace import collective_name
 from .._torch import require_distributed, require_torch
 from .comm import _all_gather, _reduce_scatter
 from .mixed_precision import MasterWeightsAdamW, adamw, drop_gradient, gradient, reduced
-from .parallel import BucketReducer, _grad
+from .parallel import BucketReducer, unit_grad
 from .trace_recorder import Recorder
 
 torch = require_torch()
@@ -89,10 +89,12 @@ class ZeroOptimizer(BucketReducer):
         self.shards = []
         self._offset_of: dict[tuple[int, int | None], int] = {}  # unit -> where it starts in its flat bucket
         self._units_of: dict[int, list[tuple]] = {}
+        self._bucket_of_unit: dict[tuple[int, int | None], int] = {}
         for p, i in units:
             self._units_of.setdefault(id(p), []).append((p, i))
         with torch.no_grad():
-            for bucket in self.buckets:
+            for k, bucket in enumerate(self.buckets):
+                self._bucket_of_unit.update(((id(p), i), k) for p, i in bucket)
                 flat = self._padded([_weights(u).reshape(-1) for u in bucket])
                 per = flat.numel() // size
                 offsets = [0]
@@ -191,9 +193,7 @@ class ZeroOptimizer(BucketReducer):
         return parts
 
     def _bucket_of(self, unit: tuple) -> int:
-        param, index = unit
-        return next(k for k in self._buckets_of[id(param)] if any(u[0] is param and u[1] == index
-                                                                   for u in self.buckets[k]))
+        return self._bucket_of_unit[(id(unit[0]), unit[1])]
 
     def _owned_range(self, unit: tuple) -> tuple[int, int]:
         """Where in its flat bucket the part of ``unit`` this rank owns starts and stops."""
@@ -208,7 +208,7 @@ class ZeroOptimizer(BucketReducer):
 
     def _launch(self) -> None:
         k = len(self._launched)
-        flat = reduced(self._padded([_grad(u).reshape(-1) for u in self.buckets[k]]), self.sync.reduce_dtype)
+        flat = reduced(self._padded([unit_grad(u).reshape(-1) for u in self.buckets[k]]), self.sync.reduce_dtype)
         if self.stage >= 2:  # ZeRO-2: from now on only the reduced shard of these gradients exists
             for p in {id(p): p for p, _ in self.buckets[k]}.values():
                 if max(self._buckets_of[id(p)]) == k:  # its last unit's bucket

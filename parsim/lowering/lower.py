@@ -551,7 +551,7 @@ class Lowering:
         for experts, dim, nbytes in parts:
             tag = cost.name + (".experts" if experts else "")
             if dim == "edp":  # experts no other rank of the shard group holds: their replicas all-reduce them
-                across, nbytes, deps = "edp", nbytes, (copied,)
+                across, deps = "edp", (copied,)
             else:
                 group, mirrors = self.group(p, dim)
                 op = self._add(rank, Op(collective_name("reduce_scatter", "fsdp", layer=tag, stage=stage, mb=mb),
