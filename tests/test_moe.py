@@ -127,6 +127,15 @@ def test_fsdp_shards_experts_over_the_ranks_holding_them_and_the_rest_over_all(e
     dense = fsdp.params_per_rank(0) - experts
     replicas = 4 // ep  # ranks holding the same experts
     assert memory(fsdp)[0].weights == pytest.approx(2 * (dense / 4 + experts / replicas))
+    # FSDP's buffers: the largest layer gathered twice (bf16) and its gradients (fp32); experts held whole
+    # are never gathered. Under a pipeline every layer's (4 bytes per parameter is enough to tell).
+    held_whole = replicas == 1
+    gathered = max(c.params_per_rank(1, ep) - c.expert_params_per_rank(1, ep) * held_whole
+                   for c in fsdp.stage_costs(0))
+    assert memory(fsdp)[0].buffers == pytest.approx(gathered * (2 * 2 + 4))
+    piped = Plan(model=MOE, dp=4, pp=2, ep=ep, dtype="bf16", num_microbatches=2, grad_sync="fsdp")
+    stage = piped.params_per_rank(0) - piped.expert_params_per_rank(0) * held_whole
+    assert memory(piped)[0].buffers == pytest.approx(stage * (2 + 4))
     ops = lower(fsdp).ops
     gathers = [op for op in ops if op.collective == "all_gather" and op.name.endswith("mb=0 dir=fwd")]
     per_layer_experts = experts // 3 * 2  # bf16 bytes of one layer's experts on this rank

@@ -99,12 +99,14 @@ def entry_tables(plan: Plan) -> EntryTables:
 
 @dataclass(frozen=True)
 class RankTables:
-    """Per pipeline rank: parameters, routed experts' part, the largest entry (FSDP buffers), bytes per
-    token one in-flight microbatch keeps, bytes per token a recomputation rebuilds, parameter tensors."""
+    """Per pipeline rank: parameters, routed experts' part, the largest entry and its largest without its routed
+    experts (FSDP buffers), bytes per token one in-flight microbatch keeps, bytes per token a recomputation
+    rebuilds, parameter tensors."""
 
     params: np.ndarray
     experts: np.ndarray
     largest: np.ndarray
+    largest_dense: np.ndarray
     per_microbatch: np.ndarray
     rebuilt: np.ndarray
     tensors: np.ndarray
@@ -116,18 +118,21 @@ def rank_tables(layout: Layout, t: EntryTables) -> RankTables:
     stage_saved = (layout.counts @ t.saved)[layout.rank_stages]
     rebuilt = np.where(present & t.recomputed, t.activations, 0.0).max(axis=1)
     return RankTables(counts @ t.params, counts @ t.experts, np.where(present, t.params, 0.0).max(axis=1),
-                      stage_saved.max(axis=1), rebuilt, counts @ t.tensors)
+                      np.where(present, t.params - t.experts, 0.0).max(axis=1), stage_saved.max(axis=1), rebuilt,
+                      counts @ t.tensors)
 
 
 @dataclass(frozen=True)
 class SyncArrays:
     """Per variant, how ZeRO holds training state: bytes per parameter held whole (``whole``), per
-    dense parameter and per expert parameter, each sharded; and whether FSDP keeps unsharded buffers."""
+    dense parameter and per expert parameter, each sharded; whether FSDP keeps unsharded buffers, and
+    whether they leave out the routed experts (no other rank of the shard group holds them)."""
 
     whole: np.ndarray
     dense: np.ndarray
     expert: np.ndarray
     buffers: np.ndarray
+    experts_whole: np.ndarray
 
 
 def sync_arrays(zero: np.ndarray, shard: np.ndarray, expert_shard: np.ndarray, dtype_bytes: int,
@@ -137,7 +142,7 @@ def sync_arrays(zero: np.ndarray, shard: np.ndarray, expert_shard: np.ndarray, d
     states = ((3, dtype_bytes), (2, grad_bytes), (1, ADAM_STATE_BYTES + master))
     whole = sum(np.where(zero < k, b, 0.0) for k, b in states)
     sharded = sum(np.where(zero >= k, b, 0.0) for k, b in states)
-    return SyncArrays(whole, sharded / shard, sharded / expert_shard, (zero == 3) & (shard > 1))
+    return SyncArrays(whole, sharded / shard, sharded / expert_shard, (zero == 3) & (shard > 1), expert_shard == 1)
 
 
 def peak_memory(ranks: list[RankTables], which: np.ndarray, sync: SyncArrays, in_flight: np.ndarray,
@@ -148,10 +153,13 @@ def peak_memory(ranks: list[RankTables], which: np.ndarray, sync: SyncArrays, in
     params = np.array([r.params for r in ranks])[which]
     experts = np.array([r.experts for r in ranks])[which]
     activations = np.array([(in_flight * r.per_microbatch + r.rebuilt) * tokens for r in ranks])[which]
-    if params.shape[1] > 1:  # as parsim.workload.memory: under a pipeline, every layer gathered and its gradients
-        buffers = params * (dtype_bytes + grad_bytes)
+    whole = sync.experts_whole[:, None]  # as parsim.workload.memory: experts never gathered hold no buffer
+    if params.shape[1] > 1:  # under a pipeline, every layer gathered and its gradients kept
+        buffers = (params - np.where(whole, experts, 0.0)) * (dtype_bytes + grad_bytes)
     else:
-        buffers = np.array([r.largest * (2 * dtype_bytes + grad_bytes) for r in ranks])[which]
+        largest = np.where(whole, np.array([r.largest_dense for r in ranks])[which],
+                           np.array([r.largest for r in ranks])[which])
+        buffers = largest * (2 * dtype_bytes + grad_bytes)
     state = (sync.whole[:, None] * params + sync.dense[:, None] * (params - experts) + sync.expert[:, None] * experts
              + np.where(sync.buffers[:, None], buffers, 0.0))
     return (state + activations).max(axis=1), state.max(axis=1)

@@ -69,13 +69,15 @@ def memory(plan: Plan) -> list[Memory]:
         per_mb = max(saved_bytes_per_token(plan, s) for s in plan.stages_of(p))
         rebuilt = max((c.activation_bytes_per_token(plan.tp) for s in plan.stages_of(p) for c in plan.recomputed(s)),
                       default=0)
+        experts = plan.expert_params_per_rank(p)  # sharded over the ranks holding the same experts
+        whole = plan.expert_shard_size == 1  # experts no other rank of the shard group holds: never gathered
         buffers = 0
         if plan.shards_weights and plan.pp > 1:  # every layer's weights gathered, its gradients kept whole
-            buffers = params * (d + g)
+            buffers = (params - experts * whole) * (d + g)
         elif plan.shards_weights:
-            largest = max(c.params_per_rank(plan.tp, plan.ep) for s in plan.stages_of(p) for c in plan.stage_costs(s))
+            largest = max(c.params_per_rank(plan.tp, plan.ep) - c.expert_params_per_rank(plan.tp, plan.ep) * whole
+                          for s in plan.stages_of(p) for c in plan.stage_costs(s))
             buffers = largest * (2 * d + g)
-        experts = plan.expert_params_per_rank(p)  # sharded over the ranks holding the same experts
 
         def held(from_stage: int) -> float:
             """Parameters' worth of a state ZeRO shards from ``from_stage`` on."""
