@@ -166,6 +166,28 @@ def test_explain_memory_and_plan_show_say_what_fsdp_holds_and_moves_under_a_pipe
             "its gradients reduce-scattered after the stage's last backward") in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flags, experts", [
+    (["--dp", "8", "--ep", "4", "--zero", "1"], "routed experts' over the 2 ranks holding the same experts"),
+    (["--dp", "16", "--ep", "4", "--grad-sync", "fsdp", "--shard-group", "8"],
+     "routed experts' over the 2 ranks of its shard group holding the same experts"),
+    (["--dp", "16", "--ep", "8", "--zero", "1", "--shard-group", "8"],
+     "routed experts' not at all: no other rank of its shard group holds them"),
+])
+def test_explain_memory_says_where_zero_shards_the_experts(capsys, flags, experts):
+    assert main(["explain", "memory", "--model", "mixtral-8x22b", "--global-batch-size", "16", *flags]) == 0
+    assert f"over 8 data-parallel ranks; {experts}" in capsys.readouterr().out
+
+
+def test_plan_show_counts_hsdp_replicas_over_data_and_context_parallel_ranks(capsys):
+    """dp 16 x cp 2 in shard groups of 8: 4 copies of each shard (dp x cp / shard_group), not dp / shard_group."""
+    argv = ["plan", "show", "--model", "llama3-8b", "--dp", "16", "--cp", "2", "--global-batch-size", "32",
+            "--shard-group", "8"]
+    assert main([*argv, "--grad-sync", "fsdp"]) == 0
+    assert "FSDP (ZeRO-3), shards over 8 ranks, replicated 4x (HSDP)" in capsys.readouterr().out
+    assert main([*argv, "--zero", "1"]) == 0
+    assert "sharded over 8 ranks (HSDP, replicated 4x)" in capsys.readouterr().out
+
+
 def test_explain_memory_names_the_gradients_dtype_when_it_is_not_the_weights(capsys):
     argv = ["explain", "memory", "--model", "llama3-8b", "--dp", "8", "--zero", "1"]
     assert main(argv + ["--dtype", "fp16", "--reduce-dtype", "bf16"]) == 0

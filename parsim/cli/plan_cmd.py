@@ -303,7 +303,7 @@ def _sync_text(plan: Plan) -> str:
         return "one all-reduce per parameter after the backward"
     if plan.zero == 3:
         shards = f"shards over {plan.shard_size} ranks" + (
-            f", replicated {plan.dp // plan.shard_size}x (HSDP)" if plan.shard_size < plan.dp else "")
+            f", replicated {plan.replicas}x (HSDP)" if plan.replicas > 1 else "")
         if plan.pp > 1:
             again = ", again after each forward that resharded them" if plan.reshard_after_forward else ""
             return (f"FSDP (ZeRO-3), {shards}: each layer's weights all-gathered in its stage's first forward"
@@ -313,8 +313,7 @@ def _sync_text(plan: Plan) -> str:
                 f"its gradients reduce-scattered after")
     when = "overlapped with" if plan.overlap else "after"
     if plan.zero:
-        shards = f"{plan.shard_size} ranks" + (f" (HSDP, replicated {plan.dp // plan.shard_size}x)"
-                                               if plan.shard_size < plan.dp else "")
+        shards = f"{plan.shard_size} ranks" + (f" (HSDP, replicated {plan.replicas}x)" if plan.replicas > 1 else "")
         sharded = "optimizer state" if plan.zero == 1 else "optimizer state and gradients"
         gathered = ("during the next step's forward, each layer waiting for its bucket"
                     if plan.overlap_param_gather else "after the optimizer")
