@@ -134,19 +134,19 @@ def test_only_the_layers_after_the_dense_ones_are_moe():
         [False, False, True, True, True, False]  # embedding, layer.0 (dense_layers: 1), 3 MoE layers, head
 
 
-def test_expert_groups_are_the_ones_the_lowering_simulates():
+def test_data_parallel_groups_are_the_ones_the_lowering_simulates():
     """ep: consecutive data-parallel ranks of a pipeline rank; edp: the ranks holding the same experts."""
-    from executor.train.runner import _expert_groups
+    from executor.train.runner import _data_parallel_groups
 
     plan = moe_plan(4, 2, pp=2)
     program = lower(plan)
     for group in ("ep", "dp"):
         ops = [op for op in program.ops if op.group == group and (group == "ep" or "expert_bucket" in op.name)]
         simulated = {tuple(sorted(g)) for op in ops for g in (op.ranks, *op.mirrors)}
-        assert simulated == {tuple(g) for g in _expert_groups(plan, "ep" if group == "ep" else "edp")}
+        assert simulated == {tuple(g) for g in _data_parallel_groups(plan, "ep" if group == "ep" else "edp")}
     assert plan.coords(5)[:2] == (2, 1)  # dp 2 of pipeline rank 1 (pipeline ranks alternate)
-    assert _expert_groups(plan, "ep", rank=5) == [5, 7]  # dp 2 and 3: experts 0-1 and 2-3
-    assert _expert_groups(plan, "edp", rank=5) == [1, 5]  # dp 0 and 2: both hold experts 0-1
+    assert _data_parallel_groups(plan, "ep", rank=5) == [5, 7]  # dp 2 and 3: experts 0-1 and 2-3
+    assert _data_parallel_groups(plan, "edp", rank=5) == [1, 5]  # dp 0 and 2: both hold experts 0-1
 
 
 @pytest.mark.parametrize("plan, message", [

@@ -66,13 +66,15 @@ def held_gradients(plan: Plan, params: list, groups: dict[str, Any], zero: Any, 
     order = [(dim, groups.get(dim, groups.get("dp")) if dim == "shard" else groups[dim])
              for dim in grad_norm_dims(plan)]
 
-    sharded = plan.zero and plan.shard_size > 1  # each rank of a shard group holds other parts, ep ranks too
+    # A dense gradient on every expert-parallel rank counts 1 / ep where the ep ranks' parts are summed apart
+    # (under ZeRO the shard group's sum holds them, each part once)
+    ep_copies = plan.ep if "ep" in grad_norm_dims(plan) else 1
 
     def share(param: Any) -> float:
         if param is tied_copy:
             return 0.0
         copies = plan.tp if plan.tp > 1 and getattr(param, "shard", None) is None else 1
-        return 1.0 / (copies * (plan.ep if plan.ep > 1 and id(param) not in experts and not sharded else 1))
+        return 1.0 / (copies * (1 if id(param) in experts else ep_copies))
 
     def pieces() -> list[tuple[Any, float]]:
         if zero is not None:

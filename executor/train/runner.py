@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from parsim.errors import ParsimError
+from parsim.lowering.lower import data_parallel_groups
 from parsim.lowering.tp_overlap import PIPELINE_SPLITS
 from parsim.schedules import Schedule
 from parsim.workload.model import MLPModel
@@ -79,7 +80,7 @@ class RankSetup:
     def gradient(self, param, reference) -> tuple[Any, Any]:
         """This rank's gradient of ``param`` (the reduced part ZeRO-1/2 owns; FSDP's gathered) and the same
         part of ``reference``, the dense gradient of what ``param`` holds."""
-        if isinstance(self.grad_sync, (ZeroOptimizer, ZeroOptimizers)):
+        if isinstance(self.grad_sync, ZeroOptimizers):
             return self.grad_sync.owned_gradient(param, reference)
         return dense(gradient(param)), reference
 
@@ -100,7 +101,7 @@ class RankSetup:
     def settle(self) -> None:
         """Bring every parameter up to date (ZeRO-1/2 overlapping the weights' gather leaves it to the next
         forward)."""
-        if isinstance(self.grad_sync, (ZeroOptimizer, ZeroOptimizers)):
+        if isinstance(self.grad_sync, ZeroOptimizers):
             self.grad_sync.settle()
 
     def check_gradients(self) -> bool:
@@ -205,7 +206,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     tp = TPGroup(groups.get("tp"), coords.tp, plan.tp, recorder)
     cp = CPGroup(groups["cp"], coords.cp, plan.cp, plan.group_of(rank, "cp"), plan.context_parallel,
                  recorder) if plan.cp > 1 else None
-    ep = EPGroup(groups.get("ep"), _expert_groups(plan, "ep", rank).index(rank), plan.ep, recorder)
+    ep = EPGroup(groups.get("ep"), _data_parallel_groups(plan, "ep", rank).index(rank), plan.ep, recorder)
     stage_ids = schedule.stages_of(coords.pp)
     names = {s: stage_piece_names(plan, s) for s in stage_ids}
     built = {p.name: p for p in build_pieces(model, seed, {n for ns in names.values() for n in ns})}
@@ -229,7 +230,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
         mesh = data_parallel_mesh(rows, shard_group, groups.get("replicate"), device.type)
         experts_mesh = None
         if model.is_moe:  # torchtitan's: the ranks holding the same experts, HSDP's 2-D within shard groups
-            holding, n = _expert_groups(plan, "edp", rank), plan.expert_shard_size
+            holding, n = _data_parallel_groups(plan, "edp", rank), plan.expert_shard_size
             experts_mesh = data_parallel_mesh([holding[k:k + n] for k in range(0, len(holding), n)],
                                               groups["eshard"], groups.get("replicate"), device.type)
         apply_fsdp(stages, names, mesh, plan.reshard_after_forward, recorder, dtype, reduce_dtype,
@@ -269,7 +270,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     clipper = scaler = None
     if plan.grad_clip is not None or plan.scales_loss:  # checks over every rank's gradients before the step
         tied_copy = built["head"].module.out.weight if tie_sync is not None and "embedding" not in built else None
-        zero = grad_sync if isinstance(grad_sync, (ZeroOptimizer, ZeroOptimizers)) else None
+        zero = grad_sync if isinstance(grad_sync, ZeroOptimizers) else None
         held = held_gradients(plan, sync_order, groups, zero,
                               tied_copy, {id(p) for p in routed_expert_parameters(list(stages.values()))}, recorder,
                               device)
@@ -283,18 +284,18 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
 
 
 def _zero_optimizer(plan: Plan, stages: dict, params: list, groups: dict[str, Any], recorder: Recorder,
-                    reduce_dtype: Any) -> ZeroOptimizer | ZeroOptimizers:
-    """ZeRO-1/2 over the shard group; a mixture of experts' routed experts apart (:class:`ZeroOptimizers`), sharded
-    over the ranks of the shard group holding them, or, where no other rank holds them, only divided."""
+                    reduce_dtype: Any) -> ZeroOptimizers:
+    """ZeRO-1/2 over the shard group; a mixture of experts' routed experts apart, sharded over the ranks of the
+    shard group holding them, or, where no other rank holds them, only divided."""
     settings = dict(bucket_size=plan.bucket_size, overlap=plan.overlap, accumulations=plan.num_microbatches,
                     recorder=recorder, lr=LEARNING_RATE, reduce_dtype=reduce_dtype,
                     overlap_param_gather=plan.overlap_param_gather, fused=plan.adamw == "fused")
     shard_group, replicate = groups.get("shard", groups.get("dp")), groups.get("replicate")
     routed = {id(p) for p in routed_expert_parameters(list(stages.values()))}
-    if not routed:
-        return ZeroOptimizer(params, plan.zero, shard_group, replicate, **settings)
     dense = ZeroOptimizer([p for p in params if id(p) not in routed], plan.zero, shard_group, replicate, **settings)
     experts = [p for p in params if id(p) in routed]
+    if not experts:
+        return ZeroOptimizers([dense])
     if plan.expert_shard_size > 1:
         return ZeroOptimizers([dense, ZeroOptimizer(experts, plan.zero, groups["eshard"], replicate, experts=True,
                                                     divisor=plan.dp * plan.cp, **settings)])
@@ -381,23 +382,19 @@ def _profiler(folder: str | None, rank: int, warmup: int, steps: int) -> Any:
 
 def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]:
     """This rank's dp, cp and tp groups, HSDP's shard and replicate groups, the tied-embedding pair, and a MoE
-    model's expert-parallel (ep) and expert-data-parallel (edp) groups; every rank creates every group, in one
-    order.
+    model's expert-parallel (ep) and expert-data-parallel (edp) groups, and under ZeRO its experts' shard
+    group (eshard); every rank creates every group, in one order.
 
     Gradients are averaged over the data- and context-parallel ranks together (Megatron-LM), so "dp"
     is the dp x cp ranks of each (pipeline, tensor) coordinate, as the simulator's lowering groups them.
     """
-    grid = plan.rank_grid
-    memberships = {"dp": [grid[:, p, :, t].ravel().tolist() for p in range(plan.pp) for t in range(plan.tp)],
-                   "cp": plan.groups("cp"), "tp": plan.groups("tp")}
-    n = plan.shard_size
-    if 1 < n < plan.dp * plan.cp:  # HSDP: shards within consecutive data-parallel ranks, replicas across them
-        memberships["shard"] = [g[k:k + n] for g in memberships["dp"] for k in range(0, len(g), n)]
-        memberships["replicate"] = [g[j::n] for g in memberships["dp"] for j in range(n)]
+    memberships = {"dp": _data_parallel_groups(plan, "dp"), "cp": plan.groups("cp"), "tp": plan.groups("tp")}
+    if 1 < plan.shard_size < plan.dp * plan.cp:  # HSDP: shards within consecutive data-parallel ranks
+        memberships.update({dim: _data_parallel_groups(plan, dim) for dim in ("shard", "replicate")})
     if plan.model.is_moe:
-        memberships.update({dim: _expert_groups(plan, dim) for dim in ("ep", "edp")})
+        memberships.update({dim: _data_parallel_groups(plan, dim) for dim in ("ep", "edp")})
         if plan.zero:  # ZeRO's expert shards (FSDP's mesh: one rank where its shard group holds its experts once)
-            memberships["eshard"] = _expert_groups(plan, "eshard")
+            memberships["eshard"] = _data_parallel_groups(plan, "eshard")
     if plan.grad_clip is not None or plan.scales_loss:  # checks over every pipeline rank's gradients
         memberships["pp"] = plan.groups("pp")
     if getattr(plan.model, "tied_embeddings", False):
@@ -415,21 +412,11 @@ def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]
     return mine
 
 
-def _expert_groups(plan: Plan, dim: str, rank: int | None = None) -> list:
-    """Every ``ep`` group (``ep`` consecutive data-parallel ranks of a pipeline rank and tp index), ``edp``
-    group (the ranks holding the same experts, one per ep group) or ``eshard`` group (those of one shard group:
-    FSDP's experts mesh), as :mod:`parsim.lowering.lower` builds them; with ``rank``, only the one holding it."""
-    groups = []
-    for p in range(plan.pp):
-        for t in range(plan.tp):
-            ranks = plan.rank_grid[:, p, :, t].ravel().tolist()  # dp x cp, as the gradient sync spans them
-            if dim == "ep":
-                groups += [ranks[k:k + plan.ep] for k in range(0, len(ranks), plan.ep)]
-            elif dim == "edp":
-                groups += [ranks[j::plan.ep] for j in range(plan.ep)]
-            else:
-                n = plan.shard_size
-                groups += [ranks[k:k + n][j::plan.ep] for k in range(0, len(ranks), n) for j in range(plan.ep)]
+def _data_parallel_groups(plan: Plan, dim: str, rank: int | None = None) -> list:
+    """Every data-parallel ``dim`` group of every pipeline rank (:func:`parsim.lowering.lower.data_parallel_groups`:
+    dp, shard, replicate, ep, edp or eshard), as the lowering simulates them; with ``rank``, only the one holding
+    it."""
+    groups = [g for p in range(plan.pp) for g in data_parallel_groups(plan, p, dim)]
     return groups if rank is None else next(g for g in groups if rank in g)
 
 

@@ -87,20 +87,18 @@ class ZeroOptimizer(BucketReducer):
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         rank = dist.get_rank(shard_group)
         self.shards = []
-        self._offset_of: dict[tuple[int, int | None], int] = {}  # unit -> where it starts in its flat bucket
         self._units_of: dict[int, list[tuple]] = {}
-        self._bucket_of_unit: dict[tuple[int, int | None], int] = {}
         for p, i in units:
             self._units_of.setdefault(id(p), []).append((p, i))
+        self._place: dict[tuple[int, int | None], tuple[int, int]] = {}  # unit -> (its bucket, where it starts)
         with torch.no_grad():
             for k, bucket in enumerate(self.buckets):
-                self._bucket_of_unit.update(((id(p), i), k) for p, i in bucket)
                 flat = self._padded([_weights(u).reshape(-1) for u in bucket])
                 per = flat.numel() // size
                 offsets = [0]
                 for u in bucket[:-1]:
                     offsets.append(offsets[-1] + _weights(u).numel())
-                self._offset_of.update(((id(p), i), offset) for (p, i), offset in zip(bucket, offsets))
+                self._place.update(((id(p), i), (k, offset)) for (p, i), offset in zip(bucket, offsets))
                 # fp32 master weights beside low-precision parameters (Megatron-LM's distributed optimizer)
                 weights = flat[rank * per:(rank + 1) * per].to(torch.float32, copy=True).requires_grad_(True)
                 self.shards.append(_Shard(offsets, rank * per, weights))
@@ -174,11 +172,10 @@ class ZeroOptimizer(BucketReducer):
 
     def owned_gradient(self, param, reference) -> tuple[Any, Any]:
         """The reduced gradient this rank owns of ``param`` (flattened, maybe empty), and that part of ``reference``."""
-        mine, theirs = [], []
-        for (p, i), part in zip(self._units_of[id(param)], self.owned_parts(param)):
+        mine, theirs = self.owned_parts(param), []
+        for p, i in self._units_of[id(param)]:
+            _, offset = self._place[(id(p), i)]
             lo, hi = self._owned_range((p, i))
-            offset = self._offset_of[(id(p), i)]
-            mine.append(part)
             theirs.append((reference if i is None else reference[i]).reshape(-1)[lo - offset:hi - offset])
         return (mine[0], theirs[0]) if len(mine) == 1 else (torch.cat(mine), torch.cat(theirs))
 
@@ -186,18 +183,16 @@ class ZeroOptimizer(BucketReducer):
         """The reduced gradient this rank owns of each of ``param``'s units: views of its shards' (flattened,
         maybe empty)."""
         parts = []
-        for unit in self._units_of[id(param)]:
-            shard = self.shards[self._bucket_of(unit)]
-            lo, hi = self._owned_range(unit)
+        for p, i in self._units_of[id(param)]:
+            shard = self.shards[self._place[(id(p), i)][0]]
+            lo, hi = self._owned_range((p, i))
             parts.append(shard.weights.grad[lo - shard.start:hi - shard.start])
         return parts
 
-    def _bucket_of(self, unit: tuple) -> int:
-        return self._bucket_of_unit[(id(unit[0]), unit[1])]
-
     def _owned_range(self, unit: tuple) -> tuple[int, int]:
         """Where in its flat bucket the part of ``unit`` this rank owns starts and stops."""
-        shard, offset = self.shards[self._bucket_of(unit)], self._offset_of[(id(unit[0]), unit[1])]
+        k, offset = self._place[(id(unit[0]), unit[1])]
+        shard = self.shards[k]
         lo = max(offset, shard.start)
         return lo, max(lo, min(offset + _weights(unit).numel(), shard.start + shard.weights.numel()))
 
@@ -244,10 +239,10 @@ def _weights(unit: tuple) -> Any:
 
 
 class ZeroOptimizers:
-    """ZeRO-1/2 of a mixture of experts: the dense weights' :class:`ZeroOptimizer`, the routed experts' (over the
-    ranks of the shard group holding them), and routed experts no other rank holds, whose gradients are only
-    divided (``local``: that :class:`BucketReducer` and the AdamW stepping them whole). One face for both: the
-    gradient sync's, the optimizer's and the weight gather's, as a lone :class:`ZeroOptimizer` has."""
+    """ZeRO-1/2's :class:`ZeroOptimizer` s under one face (the gradient sync's, the optimizer's and the weight
+    gather's): the dense weights', and a mixture of experts' routed experts' (over the ranks of the shard group
+    holding them), or its routed experts no other rank holds, whose gradients are only divided (``local``:
+    that :class:`BucketReducer` and the AdamW stepping them whole)."""
 
     def __init__(self, parts: list[ZeroOptimizer], local: tuple[BucketReducer, Any] | None = None):
         self.parts, self.local = parts, local

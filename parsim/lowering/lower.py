@@ -161,6 +161,27 @@ def grad_norm_dims(plan: Plan) -> tuple[str, ...]:
     return tuple(dim for dim, on in used.items() if on)
 
 
+def data_parallel_groups(plan: Plan, p: int, dim: str) -> list[list[int]]:
+    """Pipeline rank ``p``'s ``dim`` groups among its data- and context-parallel ranks, which reduce gradients
+    together (Megatron-LM), one set per tensor-parallel index: ``dp`` all of them; ``shard`` ZeRO's groups of
+    ``shard_size`` consecutive ones; ``replicate`` HSDP's ranks holding the same shard, one per shard group;
+    ``ep`` consecutive ranks splitting the experts; ``edp`` the ranks holding the same experts, one per ep
+    group; ``eshard`` those of one shard group (HSDP of experts). The executor creates the same groups."""
+    groups = [plan.rank_grid[:, p, :, t].ravel().tolist() for t in range(plan.tp)]
+    size, ep = plan.shard_size, plan.ep
+    if dim == "shard":
+        return [g[k:k + size] for g in groups for k in range(0, len(g), size)]
+    if dim == "replicate":
+        return [g[j::size] for g in groups for j in range(size)]
+    if dim == "ep":
+        return [g[k:k + ep] for g in groups for k in range(0, len(g), ep)]
+    if dim == "edp":
+        return [g[j::ep] for g in groups for j in range(ep)]
+    if dim == "eshard":
+        return [g[k:k + size][j::ep] for g in groups for k in range(0, len(g), size) for j in range(ep)]
+    return groups  # dp
+
+
 @dataclass
 class _Pending:
     """A receive whose matching send is created later."""
@@ -263,20 +284,8 @@ class Lowering:
             groups = grid[:, p, :, :].transpose(0, 2, 1).reshape(-1, plan.cp).tolist()
         elif dim == "pp":  # every pipeline rank (p is any of them)
             groups = grid.transpose(0, 2, 3, 1).reshape(-1, plan.pp).tolist()
-        else:  # gradients are reduced over the data- and context-parallel ranks together (Megatron-LM)
-            groups = [grid[:, p, :, t].ravel().tolist() for t in range(plan.tp)]
-            size = plan.shard_size
-            if dim == "shard":  # ZeRO shards within groups of shard_size consecutive data-parallel ranks
-                groups = [g[k:k + size] for g in groups for k in range(0, len(g), size)]
-            elif dim == "replicate":  # HSDP: the ranks holding the same shard, one per shard group
-                groups = [g[j::size] for g in groups for j in range(size)]
-            elif dim == "ep":  # expert parallelism: consecutive data-parallel ranks split the experts
-                groups = [g[k:k + plan.ep] for g in groups for k in range(0, len(g), plan.ep)]
-            elif dim == "edp":  # the ranks holding the same experts, one per expert-parallel group
-                groups = [g[j::plan.ep] for g in groups for j in range(plan.ep)]
-            elif dim == "eshard":  # HSDP of experts: the ranks of a shard group holding the same experts
-                groups = [g[k:k + size][j::plan.ep] for g in groups for k in range(0, len(g), size)
-                          for j in range(plan.ep)]
+        else:
+            groups = data_parallel_groups(plan, p, dim)
         groups = [tuple(g) for g in groups]
         return groups[0], tuple(groups[1:])
 

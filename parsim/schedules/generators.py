@@ -382,6 +382,12 @@ class ScheduleKind:
         """True when microbatches must fill whole rounds (looped stages; see :func:`round_size`)."""
         return v > 1 and self.looped
 
+    def rounds_of_pp(self, pp: int, m: int, v: int) -> bool:
+        """True unless looped stages run ``m`` in rounds of another size than ``pp`` (:func:`round_size`): then
+        a schedule a few rounds shorter is not this one's steady state, and shortcuts that time one must not
+        stand in for it."""
+        return not (self.needs_whole_rounds(v) and m % pp)
+
 
 SCHEDULES: dict[str, ScheduleKind] = {
     k.name: k for k in (

@@ -907,7 +907,7 @@ def schedule_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.n
     Past a few rounds of microbatches a schedule only repeats its steady state: one more forward and
     backward of every stage per microbatch, and no more in flight (GPipe aside, which holds them all);
     so a long schedule is read off one of three rounds (``tests/test_search_fast.py``)."""
-    short = m if SCHEDULES[name].needs_whole_rounds(v) and m % pp else min(m, 3 * pp)  # rounds of m // (m // pp)
+    short = min(m, 3 * pp) if SCHEDULES[name].rounds_of_pp(pp, m, v) else m
     in_flight, counts, final = _short_facts(name, pp, short, v)
     if m > short:
         in_flight, counts = in_flight.copy(), counts.copy()

@@ -187,7 +187,7 @@ def time_schedule(name: str, pp: int, m: int, v: int, durations: np.ndarray, hop
     """
     step = max(2, round_length(name, pp, v))
     short = SWEEP_ROUNDS * pp * v + (m % step)
-    if m <= short + 3 * step or (SCHEDULES[name].needs_whole_rounds(v) and m % pp):  # rounds of m // (m // pp)
+    if m <= short + 3 * step or not SCHEDULES[name].rounds_of_pp(pp, m, v):
         return sweep(compile_schedule(name, pp, m, v), durations, hops, start, every_pass, lead)
     a, b, c = (sweep(compile_schedule(name, pp, short + k * step, v), durations, hops, start, every_pass and k == 0,
                      lead) for k in range(3))
