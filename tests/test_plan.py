@@ -123,6 +123,17 @@ def test_a_flag_leaving_bucketed_sync_drops_the_files_bucket_size():
         resolve_plan("tiny-dp2", overrides={"data_parallel": {"grad_sync": "fsdp", "bucket_size": "1MiB"}})
 
 
+def test_virtual_stages_default_to_the_schedules_own():
+    """As make_schedule: interleaved 1F1B and the Vs hold two stages per rank unless told, the rest one."""
+    for schedule, v in (("interleaved-1f1b", 2), ("zbv", 2), ("dualpipe-v", 2), ("1f1b", 1), ("zero-bubble", 1)):
+        assert Plan(TINY, pp=2, num_microbatches=4, schedule=schedule).virtual_stages == v
+    # a schedule given over a file's takes its own default, not the count the file gave its schedule
+    plan = resolve_plan("llama3-70b-1024", overrides={"schedule": "interleaved-1f1b"})
+    assert (plan.schedule, plan.virtual_stages) == ("interleaved-1f1b", 2)
+    kept = resolve_plan("llama3-70b-1024", overrides={"schedule": "interleaved-1f1b", "virtual_stages": 4})
+    assert kept.virtual_stages == 4
+
+
 # --------------------------------------------------------------------------- validation
 KV3 = load_model({"kind": "transformer", "num_layers": 2, "hidden": 96, "num_heads": 6, "num_kv_heads": 3,
                   "ffn_hidden": 192, "seq_len": 8, "vocab_size": 100})
@@ -146,7 +157,9 @@ ODD_FFN = load_model({"kind": "transformer", "num_layers": 2, "hidden": 64, "num
      "interleaved-1f1b runs microbatches in max(1, m // pp) = 2 equal rounds, as PyTorch does, and 5 microbatches "
      "do not split into 2; 4 or 6 do"),
     (dict(model=TINY, pp=2, num_microbatches=2, virtual_stages=2), "virtual_stages 2 needs schedule interleaved-1f1b"),
-    (dict(model=TINY, pp=2, num_microbatches=2, schedule="interleaved-1f1b"), "needs virtual_stages >= 2"),
+    (dict(model=TINY, pp=2, num_microbatches=2, schedule="interleaved-1f1b", virtual_stages=1),
+     "needs virtual_stages >= 2"),
+    (dict(model=TINY, pp=2, num_microbatches=2, schedule="zbv", virtual_stages=1), "virtual_stages must be 2, not 1"),
     (dict(model=TINY, microbatch_size=0), "microbatch_size is 0; it must be a whole number >= 1"),
     (dict(model=TINY, tp=0), "tp is 0"),
     (dict(model=TINY, schedule="pipedream"), "schedule 'pipedream' is not one of gpipe, 1f1b"),
@@ -346,6 +359,8 @@ def test_cli_flags_override_and_build_plans(capsys):
     assert main(["plan", "show", "--model", "llama3-8b", "--dp", "8", "--dtype", "bf16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["world"] == 8
     assert main(["plan", "list"]) == 0
+    assert main(["plan", "show", "--model", "llama3-8b", "--pp", "2", "--schedule", "interleaved-1f1b"]) == 0
+    assert "2 per pipeline rank" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -71,7 +71,8 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
     g.add_argument("--num-microbatches", type=int, help="microbatches per step per data-parallel replica")
     g.add_argument("--global-batch-size", type=int, help="samples per step, all replicas together")
     g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule")
-    g.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved-1f1b)")
+    g.add_argument("--virtual-stages", type=int,
+                   help="stages per pipeline rank (default: the schedule's own, 2 for interleaved-1f1b and the Vs)")
     g.add_argument("--layers-per-stage", type=_stage_split, metavar="N,N,...|balanced",
                    help="layers of each pipeline stage, e.g. 7,8,8,7; 'balanced' evens out stage time "
                         "(default: even when the stages divide the layers, else balanced)")

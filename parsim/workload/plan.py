@@ -244,7 +244,7 @@ class Plan:
     num_microbatches: int | None = None
     global_batch_size: int | None = None
     schedule: str = "1f1b"
-    virtual_stages: int = 1
+    virtual_stages: int | None = None  # None: the schedule's own (2 for interleaved-1f1b and the Vs, else 1)
     dtype: str = "fp32"
     tp_style: str | None = None
     grad_sync: str = "bucketed"
@@ -284,8 +284,9 @@ class Plan:
             object.__setattr__(self, "reduce_dtype", default_reduce_dtype(self.dtype))
         if self.reshard_after_forward is None:
             object.__setattr__(self, "reshard_after_forward", self.pp == 1)
-        if self.schedule in V_SCHEDULES and self.virtual_stages == 1:
-            object.__setattr__(self, "virtual_stages", 2)  # a V holds two stages per rank by construction
+        if self.virtual_stages is None:  # as make_schedule: 2 for interleaved-1f1b (Megatron's smallest) and a V
+            kind = SCHEDULE_KINDS.get(self.schedule)
+            object.__setattr__(self, "virtual_stages", kind.virtual_stages[0] if kind else 1)
         object.__setattr__(self, "order", _order(self.order))
         if self.overlap is None:
             object.__setattr__(self, "overlap", self.grad_sync in ("bucketed", "fsdp"))
@@ -819,6 +820,8 @@ def load_plan(source: str | Path | Mapping[str, Any], *, gpus: int | None = None
         if isinstance(sync, Mapping) and isinstance(given, Mapping) and "bucket_size" not in given and \
                 given.get("grad_sync", "bucketed") != "bucketed":  # the file's buckets went with the sync replaced
             data["data_parallel"] = {k: v for k, v in sync.items() if k != "bucket_size"}
+        if "schedule" in overrides and "virtual_stages" not in overrides:  # the file's count went with its schedule
+            data.pop("virtual_stages", None)
     plan = parse_plan(data, label, base_dir, default_name=name)
     if gpus is not None:
         plan.validate(gpus)
@@ -853,7 +856,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         order=parallel.text("order", DEFAULT_ORDER),
         microbatch_size=batch.integer("microbatch_size"), num_microbatches=batch.integer("num_microbatches"),
         global_batch_size=batch.integer("global_batch_size"),
-        schedule=top.text("schedule", "1f1b"), virtual_stages=top.integer("virtual_stages", 1),
+        schedule=top.text("schedule", "1f1b"), virtual_stages=top.integer("virtual_stages", None),
         layers_per_stage=_stage_split(top),
         sequence_parallel=top.boolean("sequence_parallel", False),
         tp_comm_overlap=top.boolean("tp_comm_overlap", False),
