@@ -187,3 +187,61 @@ def test_a_ring_alone_takes_as_long_with_chained_hops():
         env.process(simulate_phases(env, Network(env, topo.capacity_Bps), topo, phases, topo.spec.reduction_bw_Bps))
         env.run()
         assert env.now == pytest.approx(chained, rel=1e-9)
+
+
+def _fluid_reference(capacity: np.ndarray, batches: list[tuple[float, np.ndarray, np.ndarray]]) -> list[float]:
+    """Each batch's end by the fluid model itself: max-min rates of every flow in flight solved again at every
+    start and every finish, no shortcut taken."""
+    starts = [start for start, _, _ in batches]
+    flows = [(i, route, size) for i, (_, routes, sizes) in enumerate(batches) for route, size in zip(routes, sizes)]
+    left = np.array([size for _, _, size in flows], dtype=float)
+    ends = [start for start in starts]
+    now, moving = 0.0, np.zeros(len(flows), dtype=bool)
+    while True:
+        for k, (i, _, _) in enumerate(flows):
+            if not moving[k] and left[k] > 0 and starts[i] <= now:
+                moving[k] = True
+        future = [s for s in starts if s > now]
+        if not moving.any():
+            if not future:
+                return ends
+            now = min(future)
+            continue
+        active = np.nonzero(moving)[0]
+        rates = max_min_rates(np.array([flows[k][1] for k in active]), capacity)
+        due = left[active] / rates
+        step = min(due.min(), min(future, default=np.inf) - now)
+        left[active] = np.maximum(left[active] - rates * step, 0.0)
+        now += step
+        for k, finished in zip(active, due <= step * (1 + 1e-12)):
+            if finished:
+                moving[k], left[k] = False, 0.0
+                ends[flows[k][0]] = max(ends[flows[k][0]], now)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), links=st.integers(min_value=2, max_value=5))
+def test_every_shortcut_keeps_the_fluid_models_times(data, links):
+    """Solo trajectories, memoized solutions and rates kept when finished flows freed no bottleneck anyone
+    else crosses must end every transfer when re-solving at every event would."""
+    capacity = np.array(data.draw(st.lists(st.sampled_from([10.0, 25.0, 40.0, 100.0]), min_size=links,
+                                           max_size=links)))
+    route = st.lists(st.integers(0, links - 1), min_size=1, max_size=3, unique=True).map(
+        lambda hops: hops + [-1] * (3 - len(hops)))
+    batch = st.tuples(st.sampled_from([0.0, 0.5, 1.0, 2.5]), st.lists(st.tuples(route, st.sampled_from(
+        [10.0, 30.0, 45.0, 100.0])), min_size=1, max_size=4))
+    drawn = data.draw(st.lists(batch, min_size=1, max_size=4))
+    batches = [(start, np.array([r for r, _ in flows]), np.array([s for _, s in flows])) for start, flows in drawn]
+    env = simpy.Environment()
+    net = Network(env, capacity)
+    ends = [0.0] * len(batches)
+
+    def send(i, start, routes, sizes):
+        yield env.timeout(start)
+        yield net.transfer(routes, sizes, key=i)
+        ends[i] = env.now
+
+    for i, (start, routes, sizes) in enumerate(batches):
+        env.process(send(i, start, routes, sizes))
+    env.run()
+    assert ends == pytest.approx(_fluid_reference(capacity, batches), rel=1e-9)

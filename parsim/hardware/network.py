@@ -57,19 +57,27 @@ def fair_rates(hops: np.ndarray, owners: np.ndarray, flows: int, capacity: np.nd
     Progressive filling on the hops still moving only: every round freezes the flows crossing the most
     contended links and drops their hops, so a round costs what is left, and no route matrix is padded to
     the widest route (a chained ring's runs to hundreds of links, a send's to a few)."""
+    return fair_rates_and_bottlenecks(hops, owners, flows, capacity)[0]
+
+
+def fair_rates_and_bottlenecks(hops: np.ndarray, owners: np.ndarray, flows: int,
+                               capacity: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`fair_rates`, and the links that froze flows (each saturated at the level it froze them at)."""
     rates = np.full(flows, np.inf)
     if hops.size == 0:
-        return rates
+        return rates, np.empty(0, dtype=np.int64)
     # Work on the links in use only: a big cluster has far more links than busy ones.
     used, links = np.unique(hops, return_inverse=True)
     remaining = capacity[used].astype(float)
     counts = np.bincount(links, minlength=used.size)
     frozen = np.zeros(flows, dtype=bool)
+    saturated = np.zeros(used.size, dtype=bool)
     while links.size:
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where(counts > 0, remaining / counts, np.inf)
         level = share.min()
         bottleneck = share <= level * (1 + 1e-12)
+        saturated |= bottleneck
         # Flows crossing a bottleneck link are frozen at the fair level, and their hops leave.
         frozen[owners[bottleneck[links]]] = True
         leaving = frozen[owners]
@@ -78,7 +86,7 @@ def fair_rates(hops: np.ndarray, owners: np.ndarray, flows: int, capacity: np.nd
         remaining = np.maximum(remaining - level * freed, 0.0)
         counts -= freed
         links, owners = links[~leaving], owners[~leaving]
-    return rates
+    return rates, used[saturated]
 
 
 class Trajectory:
@@ -193,7 +201,10 @@ class Network:
         self._set_ids: dict[frozenset[int], int] = {frozenset(): 0}
         self._neighbours: dict[int, set[int]] = {}  # batch id -> ids of the batches sharing a link with it
         self._prepared: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # key -> routes, sizes, links
-        self._solutions: dict[tuple, list[np.ndarray]] = {}  # component signature -> rates per batch
+        self._solutions: dict[tuple, tuple[list[np.ndarray], np.ndarray]] = {}  # signature -> rates, bottlenecks
+        # Links that froze flows at the last solve of their component (the last slot stands for the -1 padding
+        # of route matrices and stays False): only capacity freed on these can raise anyone's rate.
+        self._bottleneck = np.zeros(self.capacity.size + 1, dtype=bool)
         self._trajectories: dict[int, Trajectory] = {}
         self._next_id = 0
         self.solves = 0  # max-min problems actually solved (the rest came from memory)
@@ -309,7 +320,11 @@ class Network:
         for b in component:
             b.leave_solo(now)
             b.settle(now)
-        for b, rate in zip(component, self._rates(component)):
+        rates, bottlenecks = self._rates(component)
+        for b in component:
+            self._bottleneck[b.links] = False
+        self._bottleneck[bottlenecks] = True
+        for b, rate in zip(component, rates):
             b.rate = rate
             with np.errstate(divide="ignore", invalid="ignore"):
                 fin = np.where(b.left > 0, now + b.left / rate, now)
@@ -324,7 +339,8 @@ class Network:
             self.env.timeout(max(due - self.env.now, 0.0)).callbacks.append(
                 lambda _event: self._wake(batch, generation, due))
 
-    def _rates(self, component: list[_Batch]) -> list[np.ndarray]:
+    def _rates(self, component: list[_Batch]) -> tuple[list[np.ndarray], np.ndarray]:
+        """Each batch's max-min rates, and the links that froze flows (see :func:`fair_rates_and_bottlenecks`)."""
         signature = None
         if all(b.key is not None for b in component):
             signature = tuple(sorted(b.signature() for b in component))
@@ -332,19 +348,20 @@ class Network:
             known = self._solutions.get(signature)
             if known is not None:
                 rates: list[np.ndarray] = [np.empty(0)] * len(component)
-                for i, rate in zip(order, known):
+                for i, rate in zip(order, known[0]):
                     rates[i] = rate
-                return rates
+                return rates, known[1]
         self.solves += 1
         flows = [b.routes.shape[0] for b in component]
         parts = [b.hops() for b in component]
         starts = np.cumsum(flows) - flows
         hops = np.concatenate([links for links, _ in parts])
         owners = np.concatenate([owner + start for (_, owner), start in zip(parts, starts.tolist())])
-        rates = np.split(fair_rates(hops, owners, sum(flows), self.capacity), np.cumsum(flows)[:-1])
+        solved, bottlenecks = fair_rates_and_bottlenecks(hops, owners, sum(flows), self.capacity)
+        rates = np.split(solved, np.cumsum(flows)[:-1])
         if signature is not None:
-            self._solutions[signature] = [rates[i] for i in order]
-        return rates
+            self._solutions[signature] = ([rates[i] for i in order], bottlenecks)
+        return rates, bottlenecks
 
     def _wake(self, batch: _Batch, generation: int, due: float) -> None:
         if generation != batch.generation:
@@ -376,34 +393,21 @@ class Network:
         """True when the max-min rates of every flow still moving stay as they are once ``finished``
         flows of ``batch`` leave.
 
-        Each finished flow was frozen at a saturated link. Capacity it frees can
-        raise another flow's rate only through a saturated link the two share;
-        if no flow still moving crosses a saturated link a finished flow crossed,
-        progressive filling gives everyone the same rates again (exact, and far
-        cheaper than solving again: an all-to-all's intra-node flows end before
-        its inter-node ones).
+        Capacity a finished flow frees can raise another flow's rate only through a link that froze flows
+        when the rates were solved (a bottleneck, saturated) and that the other flow crosses: elsewhere it
+        only adds headroom to links that never limited anyone. If no flow still moving crosses a bottleneck
+        a finished flow crossed, progressive filling freezes the same flows at the same levels again (exact,
+        and far cheaper than solving again: an all-to-all's intra-node flows end before its inter-node ones).
         """
-        # Only the links the finished flows crossed matter; index n stands for the -1 padding.
-        links = self.capacity.size
-        gone = np.zeros(links + 1, dtype=bool)
-        gone[batch.routes[finished]] = True
-        gone[links] = False
-        load = np.zeros(links + 1)
-        for b in component:
-            hit = gone[b.routes]
-            if hit.any():
-                load += np.bincount(b.routes[hit], weights=np.broadcast_to(b.rate[:, None], hit.shape)[hit],
-                                    minlength=links + 1)
-        with np.errstate(invalid="ignore"):
-            touched = gone[:links] & (load[:links] >= self.capacity * (1 - 1e-9))
-        if not touched.any():
+        crossed = batch.routes[finished]
+        freed = crossed[self._bottleneck[crossed]]
+        if freed.size == 0:
             return True
-        touched = np.append(touched, False)
-        for b in component:
-            routes = b.routes[~finished] if b is batch else b.routes
-            if touched[routes].any():
-                return False
-        return True
+        mark = np.zeros(self._bottleneck.size, dtype=bool)
+        mark[freed] = True
+        if mark[batch.routes[~finished]].any():  # the batch's own flows, most often
+            return False
+        return not any(mark[b.routes].any() for b in component if b is not batch)
 
     def _components(self, ids: set[int]) -> list[list[_Batch]]:
         """The distinct components the batches ``ids`` belong to."""
