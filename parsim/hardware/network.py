@@ -283,6 +283,10 @@ class Network:
             new = {i: self._intern(change(self._sets[i])) for i in dict.fromkeys(ids)}
             self._set_of[links] = [new[i] for i in ids]
             return [self._sets[i] for i in new]
+        first = int(current[0])
+        if (current == first).all():  # most often: every link of the transfer carries the same batches
+            self._set_of[links] = self._intern(change(self._sets[first]))
+            return [self._sets[first]]
         ids, where = np.unique(current, return_inverse=True)
         old = [self._sets[i] for i in ids.tolist()]
         self._set_of[links] = np.array([self._intern(change(s)) for s in old], dtype=np.int64)[where]
