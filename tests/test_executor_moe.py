@@ -78,6 +78,8 @@ PLANS_4 = {
                                                                                      overlap_param_gather=True)),
     "ZeRO-1 HSDP dp4 in shard groups of 2, ep1 (experts sharded in each, all-reduced across)": moe_plan(
         4, 1, sync=dict(ZERO1, shard_group=2)),
+    "ZeRO-2 HSDP dp4 in shard groups of 2, ep2 (experts whole in each, all-reduced across)": moe_plan(
+        4, 2, sync=dict(ZERO2, shard_group=2)),
 }
 
 
@@ -153,9 +155,6 @@ def test_data_parallel_groups_are_the_ones_the_lowering_simulates():
     (load_plan({"model": MOE, "parallel": {"tp": 2}}), "mixture-of-experts layers with tensor parallelism"),
     (load_plan({"model": MOE, "parallel": {"dp": 2, "ep": 2}, "moe": {"capacity_factor": 1.25}}),
      r"dropping tokens over an expert capacity \(capacity_factor\)"),
-    (load_plan({"model": MOE, "parallel": {"dp": 4, "ep": 2},
-                "data_parallel": {"grad_sync": "bucketed", "zero": 1, "shard_group": 2}}),
-     "ZeRO-1/2 of experts that their shard group holds once each"),
 ])
 def test_what_the_executor_does_not_run_is_refused_in_one_line(plan, message):
     from executor.train.runner import check_plan

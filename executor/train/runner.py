@@ -42,7 +42,7 @@ from .parallel import (apply_data_parallel, apply_expert_parallel, apply_tensor_
 from .pipeline import PipelineRuntime, Stage
 from .recompute import apply_activation_recompute
 from .trace_recorder import Recorder
-from .zero import ZeroOptimizer, ZeroOptimizers, local_experts
+from .zero import ZeroOptimizer, ZeroOptimizers, whole_experts
 
 torch = require_torch()
 dist = require_distributed()
@@ -154,8 +154,6 @@ def check_plan(plan: Plan) -> None:
          f"the sequence splits into {PIPELINE_SPLITS} equal parts",
          plan.tp_comm_overlap and (m.seq_len // (plan.cp * plan.tp)) % PIPELINE_SPLITS != 0),
         ("context parallelism with ZeRO or FSDP", sharded and plan.cp > 1),
-        ("ZeRO-1/2 of experts that their shard group holds once each, which HSDP replicates (all-reduce only)",
-         sharded and m.is_moe and plan.zero < 3 and plan.expert_shard_size == 1 and plan.dp * plan.cp > plan.ep),
         ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),
         ("dropping tokens over an expert capacity (capacity_factor)", plan.capacity_factor is not None),
         ("latent attention (MLA)", m.attention == "mla"),
@@ -286,7 +284,8 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
 def _zero_optimizer(plan: Plan, stages: dict, params: list, groups: dict[str, Any], recorder: Recorder,
                     reduce_dtype: Any) -> ZeroOptimizers:
     """ZeRO-1/2 over the shard group; a mixture of experts' routed experts apart, sharded over the ranks of the
-    shard group holding them, or, where no other rank holds them, only divided."""
+    shard group holding them, or, where no other rank of the shard group holds them, whole and all-reduced
+    across the shard groups (HSDP), if any."""
     settings = dict(bucket_size=plan.bucket_size, overlap=plan.overlap, accumulations=plan.num_microbatches,
                     recorder=recorder, lr=LEARNING_RATE, reduce_dtype=reduce_dtype,
                     overlap_param_gather=plan.overlap_param_gather, fused=plan.adamw == "fused")
@@ -299,8 +298,9 @@ def _zero_optimizer(plan: Plan, stages: dict, params: list, groups: dict[str, An
     if plan.expert_shard_size > 1:
         return ZeroOptimizers([dense, ZeroOptimizer(experts, plan.zero, groups["eshard"], replicate, experts=True,
                                                     divisor=plan.dp * plan.cp, **settings)])
-    return ZeroOptimizers([dense], local_experts(experts, plan.dp * plan.cp, plan.num_microbatches, recorder,
-                                                 reduce_dtype, LEARNING_RATE, plan.main_grads, plan.adamw == "fused"))
+    replicas = plan.dp * plan.cp // plan.ep  # the ranks holding the same experts, one per shard group
+    return ZeroOptimizers([dense], whole_experts(experts, groups.get("edp"), replicas, plan.dp * plan.cp, settings,
+                                                 plan.main_grads))
 
 
 def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, seed: int,

@@ -17,8 +17,10 @@ A mixture of experts' routed experts are sharded apart (:class:`ZeroOptimizers`)
 as the lowering has them: one unit per expert's slice of a weight, in buckets
 of their own (``expert_bucket=k``) over the ranks of the shard group holding
 the same experts, their sums divided by dp x cp (each holds every
-expert-parallel rank's tokens' contributions); experts no other rank holds
-are only divided, and stepped whole.
+expert-parallel rank's tokens' contributions); experts no other rank of the shard
+group holds are stepped whole, after their replicas in other shard groups
+(HSDP) all-reduce them in the same buckets, or, without replicas, after
+their gradients are only divided.
 
 ZeRO-1 keeps each parameter's whole local gradient (only the optimizer state
 is sharded); ZeRO-2 frees it once the bucket's reduce-scatter has its copy,
@@ -241,8 +243,9 @@ def _weights(unit: tuple) -> Any:
 class ZeroOptimizers:
     """ZeRO-1/2's :class:`ZeroOptimizer` s under one face (the gradient sync's, the optimizer's and the weight
     gather's): the dense weights', and a mixture of experts' routed experts' (over the ranks of the shard group
-    holding them), or its routed experts no other rank holds, whose gradients are only divided (``local``:
-    that :class:`BucketReducer` and the AdamW stepping them whole)."""
+    holding them), or its routed experts no other rank of the shard group holds, whose gradients are only
+    all-reduced across shard groups, or divided (``local``: that :class:`BucketReducer` and the AdamW stepping
+    them whole: :func:`whole_experts`)."""
 
     def __init__(self, parts: list[ZeroOptimizer], local: tuple[BucketReducer, Any] | None = None):
         self.parts, self.local = parts, local
@@ -293,11 +296,16 @@ class ZeroOptimizers:
         return part.owned_parts(param) if part else [gradient(param)]
 
 
-def local_experts(params: list, divisor: int, accumulations: int, recorder: Recorder, reduce_dtype: Any, lr: float,
-                  main_grads: bool, fused: bool) -> tuple[BucketReducer, Any]:
-    """Routed experts no other rank holds: their gradients divided by ``divisor`` after the backward, nothing
-    sent (as the lowering has them), and AdamW on them whole."""
-    settings = SimpleNamespace(grad_sync="bucketed", overlap=False, accumulations=accumulations, recorder=recorder,
-                               reduce_dtype=reduce_dtype)
-    divide = BucketReducer([(p, None) for p in params], None, 1, divisor, "expert_bucket", 0, settings, 0)
-    return divide, (MasterWeightsAdamW(params, lr, fused) if main_grads else adamw(params, lr, fused))
+def whole_experts(params: list, group: Any, size: int, divisor: int, settings: dict, main_grads: bool) -> tuple[
+        BucketReducer, Any]:
+    """Routed experts no other rank of their shard group holds: not sharded, their gradients all-reduced over
+    ``group`` (HSDP's ``size`` replicas holding the same experts; ``size`` 1: nothing sent) in buckets of one
+    unit per expert's slice, as the lowering has them (``expert_bucket=k``), divided by ``divisor``, and
+    AdamW on them whole. ``settings`` are :class:`ZeroOptimizer`'s."""
+    sync = SimpleNamespace(grad_sync="bucketed", overlap=settings["overlap"],
+                           accumulations=settings["accumulations"], recorder=settings["recorder"],
+                           reduce_dtype=settings["reduce_dtype"])
+    units = [(p, i) for p in params for i in range(p.shape[0])]
+    reducer = BucketReducer(units, group, size, divisor, "expert_bucket", 0, sync, settings["bucket_size"])
+    lr, fused = settings["lr"], settings["fused"]
+    return reducer, (MasterWeightsAdamW(params, lr, fused) if main_grads else adamw(params, lr, fused))
