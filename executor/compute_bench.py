@@ -538,13 +538,16 @@ FSDP_UNIT = (2, 64, 8)  # (linears, width, rows) of each unit: host work, not by
 
 def measure_fsdp_host(units: Sequence[int] = FSDP_UNITS, steps: int = 15, warmup: int = 3,
                       unit: tuple[int, int, int] = FSDP_UNIT, mesh: Any = None
-                      ) -> list[tuple[int, int, tuple[float, float, float], tuple[float, float, float]]]:
+                      ) -> list[tuple[int, int, tuple[float, float, float], tuple[float, float, float],
+                                      tuple[float, float]]]:
     """FSDP2's own host work on every rank at once, each over a process group of its own rank (FSDP2 runs
     its hooks, copies and DTensor dispatch; no collective moves bytes). Per stack of ``units`` units (each
     ``fully_shard``-ed, then the stack, as the executor wraps a stage): one row (units, parameter tensors,
-    plain (forward, backward, AdamW step) seconds, the same under FSDP2), each the median over ``steps``
-    steps after ``warmup``. ``unit``: (linears, width, rows) of each unit; ``mesh``: the FSDP mesh instead (one
-    over every rank runs the collectives for real). On the 2-core VM (2026-11-28,
+    plain (forward, backward, AdamW step) seconds, the same under FSDP2, and FSDP2's (forward, backward) that
+    gather and reduce nothing, as a pipeline's passes between a stage's first and last run: its units kept
+    unsharded, gradients not synced, as ``executor.train.pipeline`` sets them), each the median over
+    ``steps`` steps after ``warmup``. ``unit``: (linears, width, rows) of each unit; ``mesh``: the FSDP mesh
+    instead (one over every rank runs the collectives for real). On the 2-core VM (2026-11-28,
     ``benchmarks/cpu_fsdp_overhead.py``) FSDP2 added 428-512 us per unit to a forward, 601-708 us to a
     backward and 1.05-1.37 ms per unit of four parameters to an AdamW step."""
     torch = require_torch()
@@ -558,14 +561,19 @@ def measure_fsdp_host(units: Sequence[int] = FSDP_UNITS, steps: int = 15, warmup
         mesh = DeviceMesh.from_group(own, "cpu")
     linears, width, rows = unit
 
-    def timed(count: int, fsdp: bool) -> tuple[float, float, float]:
+    def timed(count: int, fsdp: bool, kept: bool = False) -> tuple[float, ...]:
+        """Forward, backward and AdamW step; ``kept``: forward and backward only, every unit gathered once
+        and kept, gradients accumulated unsynced (``set_requires_gradient_sync(False)``)."""
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(linears)])
                                       for _ in range(count)])
         if fsdp:
             for unit in model:
-                fully_shard(unit, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(unit, mesh=mesh, reshard_after_forward=not kept)
+            fully_shard(model, mesh=mesh, reshard_after_forward=not kept)
+        if kept:
+            model.set_requires_gradient_sync(False)
+            model.set_reshard_after_backward(False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         x = torch.randn(rows, width)
         times: list[list[float]] = [[], [], []]
@@ -576,15 +584,17 @@ def measure_fsdp_host(units: Sequence[int] = FSDP_UNITS, steps: int = 15, warmup
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad()
+            if not kept:
+                optimizer.step()
+                optimizer.zero_grad()
             t3 = time.perf_counter()
             if i >= warmup:
                 for k, seconds in enumerate((t1 - t0, t2 - t1, t3 - t2)):
                     times[k].append(seconds)
-        return tuple(statistics.median(t) for t in times)
+        return tuple(statistics.median(t) for t in times[:2 if kept else 3])
 
-    return [(count, count * linears * 2, timed(count, False), timed(count, True)) for count in units]
+    return [(count, count * linears * 2, timed(count, False), timed(count, True), timed(count, True, kept=True))
+            for count in units]
 
 
 STEP_GAP_MLP = (4, 768, 64)  # (layers, width, rows) of the generic step: a 2.25 MiB weight and gradient per layer

@@ -384,10 +384,12 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
                  # zero_grad: 5 us a step, 0.5 us a tensor, freeing at 160 GB/s
                  "zero_grad": [(t, n, 5e-6 + t * 0.5e-6 + t * n * 4 / 160e9)
                                for t, n in ((1, 1024), (16, 1024), (4, 1 << 20), (16, 1 << 18))],
-                 # FSDP2: 400 us a unit in a forward, 650 in a backward, 300 us a parameter (4 a unit) in AdamW
+                 # FSDP2: 400 us a unit in a forward, 650 in a backward, 300 us a parameter (4 a unit) in AdamW;
+                 # 150 and 90 us a unit in passes that move nothing
                  "fsdp": [(n, 4 * n, (1e-4 * n, 2e-4 * n, 5e-4 * n), (1e-4 * n + 4e-4 * n + 3e-4,
                                                                       2e-4 * n + 6.5e-4 * n + 5e-4,
-                                                                      5e-4 * n + 1.2e-3 * n + 1e-4)) for n in (2, 8)],
+                                                                      5e-4 * n + 1.2e-3 * n + 1e-4),
+                           (1e-4 * n + 1.5e-4 * n + 2e-4, 2e-4 * n + 0.9e-4 * n + 1e-4)) for n in (2, 8)],
                  "step_gaps": (110e-6, 130e-6)[r % 2],  # a generic step's, which the loop's time before actions takes
                  "pipeline": {"rendezvous": 300e-6, "latency": 60e-6, "action": (70e-6, 90e-6)[r % 2],
                               "issue": 150e-6}} for r in range(nproc)]
@@ -459,6 +461,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
            "DTensor parameter in AdamW" in text
     assert (written.fsdp_unshard_s, written.fsdp_reduce_s, written.fsdp_optimizer_tensor_s) == pytest.approx(
         (400e-6, 250e-6, 300e-6))
+    assert "150 us forward, 90 us backward per unit in a pass that gathers and reduces nothing" in text
+    assert written.fsdp_pass_s == pytest.approx((150e-6, 90e-6))
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv",
                  "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -479,6 +483,7 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
         (5.0, 0.5, 160.0))
     assert (doc["fsdp_unshard_us"], doc["fsdp_reduce_us"], doc["fsdp_optimizer_tensor_us"]) == pytest.approx(
         (400.0, 250.0, 300.0))
+    assert doc["fsdp_pass_us"] == pytest.approx({"forward": 150.0, "backward": 90.0})
 
 
 def test_shared_cores_stretch_against_the_compute_benchmarks_probes_without_one_per_core_probes():

@@ -155,14 +155,18 @@ def test_fsdp2_s_own_host_work_is_timed_per_unit_on_a_group_of_one_rank_each():
 
     per_rank = launch(_fsdp_host, 2, backend="gloo", timeout_s=120)
     rows = [row for rank in per_rank for row in rank]
-    assert [(units, tensors) for units, tensors, _, _ in rows] == [(1, 4), (3, 12)] * 2  # two linears, two tensors
-    assert all(sharded[k] > plain[k] for _, _, plain, sharded in rows for k in range(3))  # FSDP2 adds host work
+    assert [(units, tensors) for units, tensors, *_ in rows] == [(1, 4), (3, 12)] * 2  # two linears, two tensors
+    assert all(sharded[k] > plain[k] for _, _, plain, sharded, _ in rows for k in range(3))  # FSDP2 adds host work
+    assert all(len(kept) == 2 and min(kept) > 0 for *_, kept in rows)  # forward and backward moving nothing
     fit = fit_fsdp_host(rows)
-    assert fit.unshard_s > 0 and fit.tensor_s > 0
+    assert fit.unshard_s > 0 and fit.tensor_s > 0 and len(fit.pass_s) == 2
     # A unit's extra is the slope between stack sizes: the root's fixed costs cancel.
     truth = [(n, 4 * n, (0.0, 0.0, 0.0), (7e-4 + 4e-4 * n, 9e-4 + 1e-3 * n, 2e-4 + 8e-4 * n)) for n in (2, 8)]
-    assert vars(fit_fsdp_host(truth)) == pytest.approx({"unshard_s": 4e-4, "reduce_s": 6e-4, "tensor_s": 2e-4})
+    assert vars(fit_fsdp_host(truth)) == pytest.approx(
+        {"unshard_s": 4e-4, "reduce_s": 6e-4, "tensor_s": 2e-4, "pass_s": None})
     assert fit_fsdp_host(truth[:1]) is None
+    kept = [row + ((3e-4 + 1e-4 * row[0], 5e-4 + 2e-4 * row[0]),) for row in truth]
+    assert fit_fsdp_host(kept).pass_s == pytest.approx((1e-4, 2e-4))
 
 
 def test_freeing_gradients_is_timed_per_run_and_fits_by_tensors_and_bytes():

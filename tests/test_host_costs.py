@@ -381,6 +381,32 @@ def test_fsdp2_s_host_work_is_charged_on_its_copies_and_its_optimizer_step():
     assert predict_step(dense, spec).step_s == predict_step(dense, plain).step_s  # DDP: FSDP2 runs nothing
 
 
+def test_fsdp2_s_hooks_are_charged_on_a_pipelines_passes_that_move_nothing():
+    """Under a pipeline a stage gathers once a step and reduces after its last backward; its other passes still
+    run FSDP2's hooks around each unit: charged once per unit and pass on its first compute op."""
+    plan = resolve_plan("tiny-pp2", overrides={"parallel": {"dp": 2, "pp": 2}, "data_parallel": {"grad_sync": "fsdp"}})
+    m = plan.num_microbatches
+    for p in range(plan.pp):
+        ops = lower(plan).rank_ops(p)
+        units = len(plan.stage_costs(p))
+        forward, backward = (sum(op.fsdp_passes[k] for op in ops) for k in (0, 1))
+        # one forward gathers (the weights stay gathered) and the last backward reduces: the rest pass through
+        assert (forward, backward) == ((m - 1) * units, (m - 1) * units)
+        assert sum(op.fsdp_calls[0] for op in ops) == units
+        assert all(op.kind == "compute" for op in ops if op.fsdp_passes != (0, 0))
+    keys = {"fsdp_pass_us": {"forward": 150.0, "backward": 90.0}}
+    spec = parse_cluster(cpu_host(**HOST_KEYS, **keys), "host.yaml")
+    plain = parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")
+    ranks = predict_step(plan, spec).ranks, predict_step(plan, plain).ranks
+    units = len(plan.stage_costs(0))
+    with_hooks, without = ranks[0][0].seconds, ranks[1][0].seconds
+    assert with_hooks["forward"] - without["forward"] == pytest.approx((m - 1) * units * 150e-6)
+    assert with_hooks["backward"] - without["backward"] == pytest.approx((m - 1) * units * 90e-6)
+    assert spec.at_host_speed(1.0, 2.0).fsdp_pass_s == pytest.approx((75e-6, 45e-6))  # follows the eager probe
+    no_pipeline = resolve_plan("tiny-dp2", overrides={"data_parallel": {"grad_sync": "fsdp"}})
+    assert not any(op.fsdp_passes != (0, 0) for op in lower(no_pipeline).ops)  # every pass gathers there
+
+
 def test_on_a_cpu_host_fsdp_s_collectives_run_in_line_with_the_compute():
     """The executor's FSDP2 comm hooks run each gather and reduce-scatter to its end where FSDP2 issues it, so
     on a CPU host the simulator puts them on the compute stream: every second of them is exposed. On a GPU

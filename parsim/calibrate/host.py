@@ -28,7 +28,7 @@ GeLU, a norm and a softmax on its own a core's time per element of its arithmeti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -84,6 +84,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     if fsdp:
         host_costs.update(fsdp_unshard_us=fsdp.unshard_s * 1e6, fsdp_reduce_us=fsdp.reduce_s * 1e6,
                           fsdp_optimizer_tensor_us=fsdp.tensor_s * 1e6)
+        if fsdp.pass_s:
+            host_costs["fsdp_pass_us"] = {"forward": fsdp.pass_s[0] * 1e6, "backward": fsdp.pass_s[1] * 1e6}
     if memory_alone_bw_Bps and memory_host_bw_Bps:
         host_costs["memory_alone_bw_GBps"] = memory_alone_bw_Bps / 1e9
         host_costs["memory_host_bw_GBps"] = memory_host_bw_Bps / 1e9
@@ -462,26 +464,37 @@ class FsdpHostFit:
     unshard_s: float  # a unit unsharded and resharded around a pass that gathers it
     reduce_s: float  # a unit's post-backward beyond that (the reduce-scatter's copy-in, resharding)
     tensor_s: float  # an AdamW step's extra per DTensor parameter
+    # a unit's hooks in a forward and in a backward that gather and reduce nothing (a pipeline's passes
+    # between a stage's first and last); None: not measured
+    pass_s: tuple[float, float] | None = None
 
 
-def fit_fsdp_host(rows: list[tuple[int, int, Sequence[float], Sequence[float]]]) -> FsdpHostFit | None:
+def fit_fsdp_host(rows: list[tuple]) -> FsdpHostFit | None:
     """FSDP2's host work from stacks of units timed plain and ``fully_shard``-ed
     (:func:`executor.compute_bench.measure_fsdp_host`; rows of every rank pooled): per unit, the slope of what
     FSDP2 adds between the smallest and the largest stack (the root's own costs cancel), each count's
     median over the ranks. A forward gathers and reshards each unit once; a backward (resharded after the
     forward, FSDP2's default) gathers it again and reduces its gradients, so the reduction is the backward's
-    extra beyond the forward's. None without two stack sizes."""
-    extra: dict[int, list[tuple[float, float, float, int]]] = {}
-    for units, tensors, plain, sharded in rows:
-        extra.setdefault(int(units), []).append((*(s - p for p, s in zip(plain, sharded)), int(tensors)))
+    extra beyond the forward's. Rows with a fifth entry (units kept unsharded, gradients unsynced) give what
+    a pass that moves nothing adds. None without two stack sizes."""
+    extra: dict[int, list[tuple[float, ...]]] = {}
+    for units, tensors, plain, sharded, *kept in rows:
+        moving_nothing = tuple(k - p for p, k in zip(plain, kept[0])) if kept else ()
+        extra.setdefault(int(units), []).append((*(s - p for p, s in zip(plain, sharded)), int(tensors),
+                                                 *moving_nothing))
     if len(extra) < 2:
         return None
     low, high = min(extra), max(extra)
-    med = {n: [float(np.median([r[k] for r in extra[n]])) for k in range(3)] for n in (low, high)}
-    per_unit = [(med[high][k] - med[low][k]) / (high - low) for k in range(3)]
+
+    def per_unit(k: int) -> float:
+        return (float(np.median([r[k] for r in extra[high]])) - float(np.median([r[k] for r in extra[low]]))) / (
+            high - low)
+
     tensors_per_unit = (extra[high][0][3] - extra[low][0][3]) / (high - low)
-    forward = max(per_unit[0], 0.0)
-    return FsdpHostFit(forward, max(per_unit[1] - forward, 0.0), max(per_unit[2], 0.0) / tensors_per_unit)
+    forward = max(per_unit(0), 0.0)
+    measured_passes = all(len(r) == 6 for n in (low, high) for r in extra[n])
+    return FsdpHostFit(forward, max(per_unit(1) - forward, 0.0), max(per_unit(2), 0.0) / tensors_per_unit,
+                       (max(per_unit(4), 0.0), max(per_unit(5), 0.0)) if measured_passes else None)
 
 
 def fit_alone_memory(rows: list[tuple[int, int, float]], fit: OptimizerFit, accesses: int,

@@ -63,7 +63,9 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     gradients costs as a step starts (compute.zero_grad_step_us,
     zero_grad_tensor_us, zero_grad_free_GBps); stacks of FSDP2 units on a
     group of one rank, plain and fully_shard-ed -> FSDP2's own host work
-    (compute.fsdp_unshard_us, fsdp_reduce_us, fsdp_optimizer_tensor_us);
+    (compute.fsdp_unshard_us, fsdp_reduce_us, fsdp_optimizer_tensor_us),
+    and kept gathered with gradients unsynced, as a pipeline's passes
+    between a stage's first and last -> its hooks alone (fsdp_pass_us);
     a generic data-parallel
     step (an MLP's passes, an all-reduce per gradient, AdamW) timed by the
     executor's recorder -> the loop's time before each action
@@ -274,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
                     "fsdp_unshard_us": fsdp.unshard_s * 1e6 if fsdp else None,
                     "fsdp_reduce_us": fsdp.reduce_s * 1e6 if fsdp else None,
                     "fsdp_optimizer_tensor_us": fsdp.tensor_s * 1e6 if fsdp else None,
+                    "fsdp_pass_us": {"forward": fsdp.pass_s[0] * 1e6, "backward": fsdp.pass_s[1] * 1e6}
+                    if fsdp and fsdp.pass_s else None,
                     "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
@@ -318,6 +322,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"fsdp2             {fsdp.unshard_s * 1e6:.0f} us per unit gathered and resharded, "
               f"{fsdp.reduce_s * 1e6:.0f} us per unit reduced, {fsdp.tensor_s * 1e6:.0f} us per DTensor "
               f"parameter in AdamW (its hooks and DTensor dispatch, no bytes moved)")
+        if fsdp.pass_s:
+            print(f"                  {fsdp.pass_s[0] * 1e6:.0f} us forward, {fsdp.pass_s[1] * 1e6:.0f} us backward "
+                  f"per unit in a pass that gathers and reduces nothing (a pipeline's, between a stage's first "
+                  f"and last)")
     print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer received late (its receive "
           f"posted after the send's issue; in a typical step, with the stalls it has)")
     if p2p_latency is not None:

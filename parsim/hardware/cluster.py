@@ -49,7 +49,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us",
                 "elementwise_bw_GBps", "core_ns_per_element", "tp_collective_call_us",
                 "zero_grad_step_us", "zero_grad_tensor_us", "zero_grad_free_GBps",
-                "fsdp_unshard_us", "fsdp_reduce_us", "fsdp_optimizer_tensor_us",
+                "fsdp_unshard_us", "fsdp_reduce_us", "fsdp_optimizer_tensor_us", "fsdp_pass_us",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
                 "speed_probe_eager_us")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
@@ -265,6 +265,9 @@ class ClusterSpec:
     fsdp_unshard_s: float = 0.0
     fsdp_reduce_s: float = 0.0
     fsdp_optimizer_tensor_s: float = 0.0
+    # and a unit's hooks in a forward and in a backward that gather and reduce nothing (a pipeline stage's passes
+    # between its first and its last), FSDP2's pre- and post-hooks around a unit kept unsharded (0: not charged)
+    fsdp_pass_s: tuple[float, float] = (0.0, 0.0)
     # A CPU host's memory, shared by its ranks' streaming work (None: each rank streams at gpu.hbm_bw_Bps, its
     # share with every rank streaming): one rank's speed while the others wait, and the host's with all streaming.
     memory_alone_bw_Bps: float | None = None
@@ -301,6 +304,7 @@ class ClusterSpec:
             zero_grad_free_Bps=self.zero_grad_free_Bps and self.zero_grad_free_Bps * eager,
             fsdp_unshard_s=self.fsdp_unshard_s / eager, fsdp_reduce_s=self.fsdp_reduce_s / eager,
             fsdp_optimizer_tensor_s=self.fsdp_optimizer_tensor_s / eager,
+            fsdp_pass_s=(self.fsdp_pass_s[0] / eager, self.fsdp_pass_s[1] / eager),
             optimizer_tensor_s=self.optimizer_tensor_s / eager, optimizer_step_s=self.optimizer_step_s / eager,
             kernel_overhead_s=self.kernel_overhead_s / eager,
             action_overhead_s=self.action_overhead_s / eager, p2p_issue_s=self.p2p_issue_s / eager,
@@ -546,6 +550,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         fsdp_unshard_s=float(host_us["fsdp_unshard_us"]) * 1e-6,
         fsdp_reduce_s=float(host_us["fsdp_reduce_us"]) * 1e-6,
         fsdp_optimizer_tensor_s=float(host_us["fsdp_optimizer_tensor_us"]) * 1e-6,
+        fsdp_pass_s=tuple(us * 1e-6 for us in _passes(source, "compute.fsdp_pass_us", compute["fsdp_pass_us"],
+                                                      LATENCY_US)) if "fsdp_pass_us" in compute else (0.0, 0.0),
         matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
         matmul_write_bw_Bps=_GBps(host_GBps["matmul_write_bw_GBps"]),
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),

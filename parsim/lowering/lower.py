@@ -303,6 +303,11 @@ class Lowering:
         gathers = self.fsdp and self._fsdp_gathers(stage, kind, final)
         # The gradients are whole after a B, or after an I's W; under a pipeline, after the stage's last one.
         scatters = self.fsdp and kind in ("B", "W") and plan.pp == 1
+        # FSDP2's hooks still run around each unit of a pass that gathers and reduces nothing (a pipeline's
+        # passes between a stage's first and its last): charged on the unit's first compute op.
+        passes_through = self.fsdp and kind in ("F", "B", "I") and not (gathers or scatters or final)
+        through = (1, 0) if kind == "F" else (0, 1)
+        hook_pending = False
         closed: list[int] = []  # per layer of this pass, the op that ended it (FSDP prefetches one layer ahead)
         layers: list[int] = []  # and its index in the stage
         beside: dict[str, list[int]] = {"cp": [], "tp": []}  # side-stream collectives the next join waits for
@@ -310,6 +315,7 @@ class Lowering:
         for piece in self._pieces(p, stage, kind):
             if gathers and piece.opens:
                 gathered = (self._fsdp_gather(rank, p, stage, piece.layer, mb, kind, closed[-2:-1], name),)
+            hook_pending |= passes_through and piece.opens
             if piece.opens and kind == "F":  # ZeRO-1/2 overlapping the weights' gather: the first forward waits
                 gathered += self.param_gathers.pop((stage, piece.layer), ())
             if type(piece) is CommPiece:
@@ -335,7 +341,9 @@ class Lowering:
                                           forward_ops=piece.forward_ops, backward_ops=piece.backward_ops,
                                           tp_calls=piece.tp_calls, stream_bytes=piece.stream_bytes,
                                           sm_reserved=piece.sm_reserved,
-                                          high_precision=piece.high_precision, sm_bound=piece.sm_bound))
+                                          high_precision=piece.high_precision, sm_bound=piece.sm_bound,
+                                          fsdp_passes=through if hook_pending else (0, 0)))
+                hook_pending = False
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
             if piece.closes:

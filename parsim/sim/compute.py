@@ -66,13 +66,18 @@ GPU host):
   back: on the 2-core VM 16 MiB of gradients took 101-112 us). The step
   simulator charges it before each rank's first action, where the trace
   shows it as idle.
-* ``fsdp_unshard_s``, ``fsdp_reduce_s``, ``fsdp_optimizer_tensor_s``: FSDP2's
-  own host work (``fsdp_calls``): its hooks unsharding and resharding a unit
+* ``fsdp_unshard_s``, ``fsdp_reduce_s``, ``fsdp_optimizer_tensor_s``,
+  ``fsdp_pass_s``: FSDP2's
+  own host work (``fsdp_calls``, ``fsdp_passes``): its hooks unsharding and resharding a unit
   around a pass that gathers it, its post-backward beyond that (the
-  reduce-scatter's copy-in and resharding), and an AdamW step's extra per
-  DTensor parameter. On the 2-core VM (2026-11-28) a unit of two small linears
-  added 428-512 us to a forward and 601-708 us to a backward, and an AdamW
-  step 260-340 us per parameter (``benchmarks/cpu_fsdp_overhead.py``).
+  reduce-scatter's copy-in and resharding), an AdamW step's extra per
+  DTensor parameter, and its hooks around a unit in a forward and a backward
+  that gather and reduce nothing (a pipeline stage's passes between its
+  first and its last keep the weights gathered and the gradients unsynced).
+  On the 2-core VM (2026-11-28) a unit of two small linears added 428-512 us
+  to a forward and 601-708 us to a backward, an AdamW step 260-340 us per
+  parameter (``benchmarks/cpu_fsdp_overhead.py``), and 120-197 us to a
+  forward and 104-131 us to a backward that moved nothing.
 * ``optimizer_tensor_s``, ``optimizer_step_s``: AdamW's fixed costs per
   parameter tensor (torch's foreach ops loop over the tensors on a CPU) and per
   step (the dozen foreach calls of torch's ``_multi_tensor_adamw``, its
@@ -214,7 +219,8 @@ class ComputeModel:
     zero_grad_free_Bps: float | None = None  # and the bytes it frees per second (None: not charged)
     fsdp_unshard_s: float = 0.0  # FSDP2's host work: a unit unsharded and resharded around a pass,
     fsdp_reduce_s: float = 0.0  # its post-backward beyond that,
-    fsdp_optimizer_tensor_s: float = 0.0  # and an AdamW step's extra per DTensor parameter
+    fsdp_optimizer_tensor_s: float = 0.0  # an AdamW step's extra per DTensor parameter,
+    fsdp_pass_s: tuple[float, float] = (0.0, 0.0)  # and a unit's hooks in a pass that moves nothing: fwd, bwd
     optimizer_tensor_s: float = 0.0
     optimizer_step_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
@@ -261,6 +267,7 @@ class ComputeModel:
             zero_grad_step_s=spec.zero_grad_step_s, zero_grad_tensor_s=spec.zero_grad_tensor_s,
             zero_grad_free_Bps=spec.zero_grad_free_Bps, fsdp_unshard_s=spec.fsdp_unshard_s,
             fsdp_reduce_s=spec.fsdp_reduce_s, fsdp_optimizer_tensor_s=spec.fsdp_optimizer_tensor_s,
+            fsdp_pass_s=spec.fsdp_pass_s,
             optimizer_step_s=spec.optimizer_step_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, matmul_write_bw_Bps=spec.matmul_write_bw_Bps,
             p2p_rendezvous_s=spec.p2p_rendezvous_s,
@@ -323,12 +330,13 @@ class ComputeModel:
              sm_reserved: int = 0, high_precision: bool = False,
              sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...] = (), stream_apart: bool = False,
              optimizer_steps: int = 0, tp_calls: tuple[int, int] = (0, 0),
-             fsdp_calls: tuple[int, int, int] = (0, 0, 0)) -> float:
+             fsdp_calls: tuple[int, int, int] = (0, 0, 0), fsdp_passes: tuple[int, int] = (0, 0)) -> float:
         """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
         kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; and
         each dispatched op's, each tensor-parallel call's (``tp_calls``: forward, backward), each optimizer
         tensor's and each optimizer step's fixed host cost, and FSDP2's (``fsdp_calls``: units unsharded, units
-        reduced, DTensor parameters stepped): added
+        reduced, DTensor parameters stepped; ``fsdp_passes``: units a forward, a backward runs through moving
+        nothing): added
         on an eager CPU host, the longer of host and kernels on a GPU (``host_overlaps_device``). On a CPU
         host, too, the memory-bound bytes but ``stream_bytes`` at the host's elementwise speed.
         ``sm_reserved``: SMs a communication kernel beside the matmuls holds; ``high_precision``: the
@@ -347,7 +355,8 @@ class ComputeModel:
                 work += stream_bytes / self.memory_bw_Bps
         else:
             work = max(flops / self.peak_flops, hbm_bytes / self.memory_bw_Bps)
-        host = self.host_time(forward_ops, backward_ops, optimizer_tensors, optimizer_steps, tp_calls, fsdp_calls)
+        host = self.host_time(forward_ops, backward_ops, optimizer_tensors, optimizer_steps, tp_calls, fsdp_calls,
+                              fsdp_passes)
         return self.with_host(total + work + self.sm_excess(sm_bound) + kernels * self.kernel_overhead_s, host)
 
     def sm_excess(self, sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...]) -> float:
@@ -382,17 +391,18 @@ class ComputeModel:
 
     def host_time(self, forward_ops: int = 0, backward_ops: int = 0, optimizer_tensors: int = 0,
                   optimizer_steps: int = 0, tp_calls: tuple[int, int] = (0, 0),
-                  fsdp_calls: tuple[int, int, int] = (0, 0, 0)) -> float:
+                  fsdp_calls: tuple[int, int, int] = (0, 0, 0), fsdp_passes: tuple[int, int] = (0, 0)) -> float:
         """The host's fixed costs of dispatching these eager ops, making these tensor-parallel calls (forward,
         backward), taking these AdamW steps over these tensors, and FSDP2's work (units unsharded, units
-        reduced, DTensor parameters stepped)."""
+        reduced, DTensor parameters stepped; units a forward, a backward runs through moving nothing)."""
         forward_call, backward_call = self.tp_call_s or (TP_COLLECTIVE_OPS * self.op_forward_s,
                                                          TP_COLLECTIVE_OPS * self.op_backward_s)
         return (forward_ops * self.op_forward_s + backward_ops * self.op_backward_s
                 + tp_calls[0] * forward_call + tp_calls[1] * backward_call
                 + optimizer_tensors * self.optimizer_tensor_s + optimizer_steps * self.optimizer_step_s
                 + fsdp_calls[0] * self.fsdp_unshard_s + fsdp_calls[1] * self.fsdp_reduce_s
-                + fsdp_calls[2] * self.fsdp_optimizer_tensor_s)
+                + fsdp_calls[2] * self.fsdp_optimizer_tensor_s
+                + fsdp_passes[0] * self.fsdp_pass_s[0] + fsdp_passes[1] * self.fsdp_pass_s[1])
 
     def with_host(self, device_s: float, host_s: float) -> float:
         """A block's time from its kernels' and its host's: the longer on a GPU, which runs kernels while

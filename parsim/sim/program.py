@@ -37,6 +37,7 @@ class Op:
     optimizer_tensors: int = 0
     optimizer_steps: int = 0
     fsdp_calls: tuple[int, int, int] = (0, 0, 0)  # FSDP2's host work: units unsharded, reduced, DTensors stepped
+    fsdp_passes: tuple[int, int] = (0, 0)  # and units a forward, a backward passes through, moving nothing
     stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation, AdamW)
     sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.lowering.tp_overlap)
     high_precision: bool = False  # fp8 plans: these matmuls run in bf16 (the LM head)

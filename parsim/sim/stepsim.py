@@ -578,7 +578,8 @@ def _time_args(op: Op, stream_apart: bool) -> tuple:
     """Compute op ``op``'s arguments of :meth:`ComputeModel.time <parsim.sim.compute.ComputeModel.time>`, in order."""
     return (op.matmuls, op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
             op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes, op.sm_reserved,
-            op.high_precision, op.sm_bound, stream_apart, op.optimizer_steps, op.tp_calls, op.fsdp_calls)
+            op.high_precision, op.sm_bound, stream_apart, op.optimizer_steps, op.tp_calls, op.fsdp_calls,
+            op.fsdp_passes)
 
 
 def _stall_message(program: Program, end: list[float]) -> str:
