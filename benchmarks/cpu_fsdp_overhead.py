@@ -6,7 +6,9 @@ on a GPU hides behind the kernels and on a CPU host is the step. This times ``--
 each, on stacks of 2 and 8 FSDP units of ``--linears`` linear layers, plain and ``fully_shard``-ed (the
 calibration's own measurement, ``executor.compute_bench.measure_fsdp_host``), and prints what FSDP2 adds
 per unit (the slope between the two stacks: the root's own costs cancel) to a
-forward, a backward and an AdamW step (``foreach``, torch's default) with ``zero_grad``:
+forward, a backward and an AdamW step (``foreach``, torch's default) with ``zero_grad``, and ("kept") to a
+forward and a backward that gather and reduce nothing (units kept gathered, gradients unsynced, as a
+pipeline's passes between a stage's first and last):
 
 * over a group of each rank's own (as ``parsim calibrate`` measures it): no collective moves bytes;
 * with more than one rank, over all of them too: the all-gathers and reduce-scatters run for real.
@@ -31,12 +33,14 @@ ROWS = 8  # each unit's input rows: host work, not arithmetic, sets its time
 
 
 def _extra_ms(rows: list) -> list[float]:
-    """Milliseconds FSDP2 adds per unit to a forward, a backward and an AdamW step: from the rows of
-    :func:`executor.compute_bench.measure_fsdp_host`, fully_shard-ed less plain, the slope between its stacks
-    (the root's own costs cancel)."""
-    (low, _, plain_low, sharded_low), (high, _, plain_high, sharded_high) = rows[0], rows[-1]
-    return [((sharded_high[k] - plain_high[k]) - (sharded_low[k] - plain_low[k])) / (high - low) * 1e3
-            for k in range(3)]
+    """Milliseconds FSDP2 adds per unit to a forward, a backward and an AdamW step, and to a forward and a
+    backward that gather and reduce nothing: from the rows of :func:`executor.compute_bench.measure_fsdp_host`,
+    fully_shard-ed less plain, the slope between its stacks (the root's own costs cancel)."""
+    (low, _, plain_low, sharded_low, kept_low), (high, _, plain_high, sharded_high, kept_high) = rows[0], rows[-1]
+
+    def slope(fsdp_high, fsdp_low, k):
+        return ((fsdp_high[k] - plain_high[k]) - (fsdp_low[k] - plain_low[k])) / (high - low) * 1e3
+    return [slope(sharded_high, sharded_low, k) for k in range(3)] + [slope(kept_high, kept_low, k) for k in range(2)]
 
 
 def _rank(rank: int, world: int, linears: int, width: int, steps: int) -> dict[str, list[float]]:
@@ -72,7 +76,8 @@ def main() -> None:
             sys.exit(2)
     per_rank = launch(_rank, args.ranks, (args.linears, args.width, args.steps), "gloo", 600)
     print(f"units of {args.linears} x {args.width}-wide linears, {args.ranks} rank(s): what FSDP2 adds per unit, ms")
-    print(f"{'rank':>4}  {'mesh':<10}  {'forward':>8}  {'backward':>8}  {'adamw':>8}")
+    print(f"{'rank':>4}  {'mesh':<10}  {'forward':>8}  {'backward':>8}  {'adamw':>8}  {'fwd kept':>8}  "
+          f"{'bwd kept':>8}")
     for rank, result in enumerate(per_rank):
         for mesh, extra in result.items():
             print(f"{rank:>4}  {mesh:<10}  " + "  ".join(f"{v:>8.3f}" for v in extra))

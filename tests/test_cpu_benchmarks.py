@@ -356,5 +356,5 @@ def test_the_fsdp_overhead_benchmark_prints_what_fsdp2_adds_per_unit():
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "units of 2 x 64-wide linears, 1 rank(s): what FSDP2 adds per unit, ms"
-    row = lines[2].split()  # rank, mesh, then forward, backward and AdamW in ms
-    assert row[:3] == ["0", "own", "group"] and len(row) == 6 and all(float(v) == float(v) for v in row[3:])
+    row = lines[2].split()  # rank, mesh, then forward, backward, AdamW, and the kept forward and backward in ms
+    assert row[:3] == ["0", "own", "group"] and len(row) == 8 and all(float(v) == float(v) for v in row[3:])
