@@ -4,7 +4,8 @@ Unit level (one process): the ring's blocks over Megatron-LM's load-balanced
 chunks, merged by their log-sum-exp, and their FlashAttention-style backward
 equal full causal SDPA; so does attention on gathered K/V under the global
 causal mask. Plan level: ring and all-gather attention alone (cp 2, cp 4) and
-composed with dp, pp (1F1B and zero-bubble), tp and tied embeddings take one
+composed with dp, pp (1F1B and zero-bubble), tp, tied embeddings, and FSDP, HSDP
+and ZeRO-1/2 sharding over the dp x cp ranks (as torchtitan's dp_shard_cp mesh) take one
 step, AdamW included, and every rank's loss (the replica's, over whole
 sequences), gradients and weights equal the single-process reference, and
 every plan records exactly the events the lowering predicts.
@@ -29,14 +30,20 @@ LEARNED = dict(GPT, position_embedding="learned")
 BATCH = {"microbatch_size": 2, "num_microbatches": 2}
 
 
-def cp_plan(model: dict, style: str, schedule: str = "1f1b", **parallel) -> object:
+def cp_plan(model: dict, style: str, schedule: str = "1f1b", sync: dict | None = None, **parallel) -> object:
     return load_plan({"model": model, "parallel": parallel, "batch": BATCH, "context_parallel": style,
-                      "schedule": schedule})
+                      "schedule": schedule, **({"data_parallel": sync} if sync else {})})
+
+
+ZERO1 = {"grad_sync": "bucketed", "bucket_size": "8KiB", "overlap": True, "zero": 1}
+FSDP = {"grad_sync": "fsdp"}
 
 
 PLANS_2 = {
     "cp2 ring, rope": cp_plan(GPT, "ring", cp=2),
     "cp2 all-gather, learned positions": cp_plan(LEARNED, "all_gather", cp=2),
+    "cp2 ring, FSDP over the context-parallel ranks": cp_plan(GPT, "ring", sync=FSDP, cp=2),
+    "cp2 all-gather, ZeRO-1 over the context-parallel ranks": cp_plan(LEARNED, "all_gather", sync=ZERO1, cp=2),
 }
 PLANS_4 = {
     "cp4 ring": cp_plan(GPT, "ring", cp=4),
@@ -46,6 +53,12 @@ PLANS_4 = {
     "cp2 x pp2 all-gather, zero-bubble": cp_plan(dict(GPT, num_layers=4), "all_gather", "zero-bubble", cp=2, pp=2),
     "cp2 x tp2 ring": cp_plan(GPT, "ring", cp=2, tp=2),
     "cp2 x pp2 ring, tied across stages": cp_plan(dict(GPT, num_layers=4, tied_embeddings=True), "ring", cp=2, pp=2),
+    "cp2 x dp2 ring, FSDP over dp x cp": cp_plan(GPT, "ring", sync=FSDP, cp=2, dp=2),
+    "cp2 x dp2 ring, HSDP in shard groups of 2 (the cp pairs)": cp_plan(GPT, "ring", sync=dict(FSDP, shard_group=2),
+                                                                        cp=2, dp=2),
+    "cp2 x dp2 all-gather, ZeRO-2 over dp x cp": cp_plan(LEARNED, "all_gather", sync=dict(ZERO1, zero=2), cp=2,
+                                                         dp=2),
+    "cp2 x pp2 ring, FSDP (gathered once a step)": cp_plan(dict(GPT, num_layers=4), "ring", sync=FSDP, cp=2, pp=2),
 }
 RUNS = [(name, 2) for name in PLANS_2] + [(name, 4) for name in PLANS_4]
 

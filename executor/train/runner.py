@@ -153,7 +153,6 @@ def check_plan(plan: Plan) -> None:
         (f"tensor-parallel communication overlapped with GEMMs (tp_comm_overlap) unless each rank's share of "
          f"the sequence splits into {PIPELINE_SPLITS} equal parts",
          plan.tp_comm_overlap and (m.seq_len // (plan.cp * plan.tp)) % PIPELINE_SPLITS != 0),
-        ("context parallelism with ZeRO or FSDP", sharded and plan.cp > 1),
         ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),
         ("dropping tokens over an expert capacity (capacity_factor)", plan.capacity_factor is not None),
         ("latent attention (MLA)", m.attention == "mla"),
@@ -223,8 +222,8 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
             device=device, dtype=torch.float32 if fsdp else dtype)
     shard_group = groups.get("shard", groups.get("dp"))
     if fsdp:
-        dp_ranks = plan.group_of(rank, "dp")
-        rows = [dp_ranks[k:k + plan.shard_size] for k in range(0, plan.dp, plan.shard_size)]
+        dp_ranks = _data_parallel_groups(plan, "dp", rank)  # dp x cp: gradients average over both
+        rows = [dp_ranks[k:k + plan.shard_size] for k in range(0, len(dp_ranks), plan.shard_size)]
         mesh = data_parallel_mesh(rows, shard_group, groups.get("replicate"), device.type)
         experts_mesh = None
         if model.is_moe:  # torchtitan's: the ranks holding the same experts, HSDP's 2-D within shard groups
