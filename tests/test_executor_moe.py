@@ -206,3 +206,49 @@ def test_moe_events_match_the_simulated_program(request, world, name):
     names = {n for r in ranks for n in r["events"]}
     assert "all_to_all ep layer=layer.1 mb=1 dir=bwd1" in names or plan.ep == 1  # dispatch.grad
     assert any("expert_bucket" in n for n in names) == (plan.grad_sync == "bucketed" and plan.dp * plan.cp > plan.ep)
+
+
+# --------------------------------------------------------------------------- measured routing
+def test_a_moe_layer_records_its_busiest_expert_over_the_mean_when_asked():
+    import torch
+
+    from executor.train.models import build_pieces
+
+    moe = build_pieces(load_model(dict(MOE, num_experts=8)), seed=3, only={"layer.1"})[0].module.mlp
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
+    moe(x)
+    assert moe.loads is None  # not asked: nothing kept
+    moe.loads = []
+    moe(x)
+    chosen = (x.reshape(-1, 32) @ moe.router.weight.T).topk(moe.top_k).indices
+    counts = torch.bincount(chosen.flatten(), minlength=8)
+    # 32 tokens x 2 choices over 8 experts: 8 rows each on average
+    assert [float(v) for v in moe.loads] == [pytest.approx(counts.max().item() / 8)]
+
+
+def test_the_measured_expert_load_is_the_busiest_over_the_ranks_per_forward():
+    from executor.train.measure import measured_expert_load
+
+    results = [{"expert_loads": {"stage 0: pieces.1.mlp": [1.5, 1.25], "stage 0: pieces.2.mlp": [1.0, 2.0]}},
+               {"expert_loads": {"stage 0: pieces.1.mlp": [1.25, 1.75], "stage 0: pieces.2.mlp": [1.5, 1.0]}}]
+    # per forward, the most over the ranks: 1.5, 1.75, 1.5, 2.0
+    assert measured_expert_load(results) == {"busiest_over_mean": 1.625, "most": 2.0, "forwards": 4}
+    assert measured_expert_load([{"expert_loads": {}}, {}]) is None  # a dense model
+
+
+@pytest.mark.multiproc
+def test_parsim_run_reports_how_evenly_the_steps_routed(tmp_path, capsys):
+    import json
+
+    from test_json_schema import conforms
+
+    from parsim.cli.main import main
+
+    path = tmp_path / "moe.yaml"
+    path.write_text(json.dumps({"model": MOE, "parallel": {"dp": 2, "ep": 2}, "batch": BATCH}))
+    assert main(["run", str(path), "--nproc", "2", "--steps", "2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert conforms(summary) == "run"
+    load = summary["expert_load"]
+    # 3 MoE layers x 2 microbatches x 2 steps; 4 experts, top 2: the busiest gets 1x to 2x the mean
+    assert load["forwards"] == 3 * 2 * 2 and 1.0 <= load["busiest_over_mean"] <= load["most"] <= 2.0

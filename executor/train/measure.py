@@ -81,6 +81,7 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     summary = summarize(plan, traces, losses, used)
     summary["speed_probe"] = ({"matmul_flops": statistics.median(f for f, _ in probes),
                                "eager_s": statistics.median(s for _, s in probes)} if probes else None)
+    summary["expert_load"] = measured_expert_load(results)
     return traces[median_step(traces)], summary
 
 
@@ -98,6 +99,23 @@ def step_events(results: list[dict], step: int) -> list[Event]:
     origins = [r["step_origins"][step] for r in results]
     first = min(origins)
     return [_shifted(e, origin - first) for r, origin in zip(results, origins) for e in r["steps"][step]]
+
+
+def measured_expert_load(results: list[dict]) -> dict | None:
+    """How unevenly the measured steps routed tokens: per MoE layer forward (a layer, its k-th forward on
+    every rank of its pipeline stage, which run the same schedule), the busiest expert's rows over the mean
+    an expert gets, the most over the ranks (each sees the experts it holds; the step waits for the
+    busiest); the median and the most over the forwards (None: no MoE layer). The plan's ``expert_load``
+    is the same ratio, assumed."""
+    by_forward: dict[tuple[str, int], float] = {}
+    for r in results:
+        for layer, loads in r.get("expert_loads", {}).items():
+            for k, load in enumerate(loads or ()):
+                by_forward[layer, k] = max(load, by_forward.get((layer, k), 0.0))
+    if not by_forward:
+        return None
+    return {"busiest_over_mean": statistics.median(by_forward.values()), "most": max(by_forward.values()),
+            "forwards": len(by_forward)}
 
 
 def _shifted(event: Event, by_s: float) -> Event:

@@ -79,10 +79,12 @@ class AllToAllDispatcher:
 
     def __init__(self, ep: EPGroup, layer: str):
         self.ep, self.layer = ep, layer
+        self.received = None  # the last dispatch's rows per local expert, from every rank of the group
 
     def __call__(self, rows, counts, experts: RoutedExperts):
         received, received_counts = dispatch(rows, counts, self.ep, self.layer)  # [source rank, local expert]
         size, local = received_counts.shape
+        self.received = received_counts.sum(0)
         expert_of_row = torch.arange(local, device=rows.device).repeat(size).repeat_interleave(
             received_counts.flatten())
         order = expert_of_row.argsort(stable=True)  # by local expert, then source rank
@@ -102,6 +104,9 @@ class MoEFeedForward(nn.Module):
         self.experts = RoutedExperts(m.num_experts, m.hidden, m.expert_ffn_hidden, m.ffn_type)
         self.shared = shared  # a dense FeedForward of shared_experts x expert_ffn_hidden, or None
         self.dispatcher: AllToAllDispatcher | None = None  # expert parallelism sets it
+        # a list: each forward's busiest expert here over the mean an expert gets (parsim run; tensors, so a GPU
+        # need not wait for them)
+        self.loads: list[Any] | None = None
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
@@ -112,8 +117,12 @@ class MoEFeedForward(nn.Module):
         rows = tokens.index_select(0, order // self.top_k)
         if self.dispatcher is None:
             out = self.experts(rows, counts.tolist())
+            held, ep = counts, 1
         else:
             out = self.dispatcher(rows, counts, self.experts)
+            held, ep = self.dispatcher.received, self.dispatcher.ep.size
+        if self.loads is not None:  # every rank of the ep group routes as many rows as this one
+            self.loads.append(held.max() / (len(rows) * ep / self.num_experts))
         out = out.index_select(0, order.argsort()).view(len(tokens), self.top_k, -1)  # back per token
         y = (out * gates.unsqueeze(-1)).sum(1)
         if self.shared is not None:

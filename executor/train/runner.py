@@ -37,6 +37,7 @@ from .held_gradients import held_gradients
 from .loss_scale import DynamicLossScaler
 from .mixed_precision import MasterWeightsAdamW, adamw, attach_main_grads, gradient
 from .models import build_loss, build_pieces, make_batch
+from .moe import MoEFeedForward
 from .parallel import (apply_data_parallel, apply_expert_parallel, apply_tensor_parallel, routed_expert_parameters,
                        sequence_parallel_grad_sync, tie_embeddings)
 from .pipeline import PipelineRuntime, Stage
@@ -326,6 +327,8 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
     probe = SpeedProbe(seed) if probe_speed and probes_on(rank, world) else None
     result: dict = {"rank": rank, "host": platform.node(), "steps": [], "step_origins": [], "losses": [],
                     "speed_probes": []}
+    moe_layers = {f"stage {s}: {path}": module for s, stage in setup.stages.items()
+                  for path, module in stage.named_modules() if isinstance(module, MoEFeedForward)}
 
     def probe_now() -> None:  # every rank waits out the probes: none computes or exits beside them
         dist.barrier()
@@ -341,6 +344,9 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
             if profiler is not None:
                 profiler.step()  # ProfilerStep#N starts here, as the recorded step does
             recorder.start_step()
+            if i == warmup:  # the measured steps' routing: each MoE layer's busiest expert here, per forward
+                for module in moe_layers.values():
+                    module.loads = []
             loss = setup.step()
             recorder.sync()
             if i >= warmup:
@@ -353,6 +359,7 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
                 print(f"parsim run: {kind} took {end * 1e3:.1f} ms on rank 0", file=sys.stderr, flush=True)
     if probe_speed:
         probe_now()
+    result["expert_loads"] = {name: [float(load) for load in module.loads or ()] for name, module in moe_layers.items()}
     if not gather:
         return result
     everyone = [None] * world if rank == 0 else None

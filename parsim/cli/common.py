@@ -225,3 +225,13 @@ def memory_table(ranks: list[Memory], capacity: float, title: str) -> str:
              "ok" if m.total <= capacity else "OVER"] for m in ranks]
     return render_table(["stage", "weights", "grads", "optimizer", "activations", "in flight", "fsdp buffers",
                          "total GB", f"fits {capacity / gb:g} GB"], rows, title=title)
+
+
+def expert_load_text(load: dict) -> str:
+    """The measured routing (:func:`executor.train.measure.measured_expert_load`), and with ``assumed`` what the
+    prediction took."""
+    text = (f"expert load: the busiest expert got {load['busiest_over_mean']:.2f}x the mean (median over "
+            f"{load['forwards']} MoE layer forwards, at most {load['most']:.2f}x)")
+    if "assumed" in load:
+        text += f"; the prediction assumes {load['assumed']:g}x (--expert-load)"
+    return text

@@ -18,8 +18,8 @@ from ..report.trace import Trace
 from ..sim.step import predict_step, rank_standing_for
 from ..units import format_time, size_unit, time_unit
 from ..workload.plan import Plan
-from .common import (note, note_executor_kernels, note_launch_bound, note_stages_sharing_cores, progress,
-                     warn_other_machine)
+from .common import (expert_load_text, note, note_executor_kernels, note_launch_bound, note_stages_sharing_cores,
+                     progress, warn_other_machine)
 from .compare_cmd import COMPARE_STEPS
 from .plan_cmd import plan_from_args
 
@@ -46,7 +46,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
              "rank's step splits between computing and waiting (docs/calibration.md, \"Ranks taking turns on a "
              "core\")")
         note_stages_sharing_cores("compare", plan, cluster)
-    load, speed, spread = None, None, None
+    load, speed, spread, routing = None, None, None, None
     by_phase = None  # each measured rank's time by phase (None: the measured trace's one step)
     if args.measured is None:
         from executor.launch import resolve_backend
@@ -79,6 +79,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         by_phase = [RankBreakdown(r["rank"], r["step_s"], r["seconds"],
                                   {phase: tuple(lo_hi) for phase, lo_hi in r.get("ranges", {}).items()})
                     for r in summary.get("ranks", ())]
+        routing = summary.get("expert_load") and {**summary["expert_load"], "assumed": plan.expert_tokens_factor}
         times = summary.get("step_times_s")
         spread = (min(times), max(times)) if times else None
         if spread and spread[1] > SPREAD_NOTE * spread[0]:
@@ -96,7 +97,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
             "phases": rows, "stages": stage_phases(rows), "collectives": [r.to_json() for r in collectives],
             "foreign_load_cores": load.cores if load else None,
             "measured_step_range_s": list(spread) if spread else None,
-            "host_speed": speed.to_json(measured_step) if speed else None})
+            "host_speed": speed.to_json(measured_step) if speed else None, "expert_load": routing})
     else:
         print(phases_table(rows, title=f"{plan.name}: predicted ({cluster.name}) vs measured ({source}), "
                                        "per rank and phase"))
@@ -108,6 +109,8 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         print(collectives_table(collectives) if collectives else "collectives: none in the plan, none measured")
         if speed:
             print(speed.text(measured_step))
+        if routing:
+            print(expert_load_text(routing))
         error = "" if step_error is None else f" ({step_error:+.1%})"
         steps_range = (f"; its steps {format_time(spread[0])} to {format_time(spread[1])}"
                        if spread and spread[1] > spread[0] else "")

@@ -10,7 +10,7 @@ from ..report.step_report import PHASES
 from ..report.table import render_table
 from ..units import format_time
 from ..workload.plan import Plan
-from .common import check_outputs, progress
+from .common import check_outputs, expert_load_text, progress
 from .plan_cmd import add_plan_args, plan_from_args
 
 HELP = """\
@@ -113,6 +113,7 @@ def report(plan: Plan, s: dict) -> str:
         f"max {format_time(s['step_s_max'])})",
         f"  throughput  {s['throughput']:,.0f} {s['throughput_unit']} ({s['tokens_per_step']:,} {unit} per step)",
         "  loss        " + " -> ".join(f"{x:.5g}" for x in s["losses"]) + f"  (steps 1..{s['steps']})",
+        *([f"  {expert_load_text(s['expert_load'])}"] if s.get("expert_load") else []),
         "",
     ]
     rows = []
