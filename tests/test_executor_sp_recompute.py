@@ -1,5 +1,5 @@
 """Sequence parallelism (its collectives in line or beside the GEMMs) and full activation recomputation
-on 4 gloo ranks train exactly like one process.
+on 4 gloo ranks train exactly like one process, with replicated or sharded (ZeRO-1/2, FSDP) data parallelism.
 
 Megatron-style TP with sequence parallelism (all-gather into each block,
 reduce-scatter out of it, norm gradients summed over the tp group) and
@@ -50,6 +50,16 @@ PLANS = {
                                   model=dict(GPT, num_kv_heads=4, ffn_type="gelu")),
     "tp2 x pp2, TP overlap + full recompute": plan({"tp": 2, "pp": 2}, sequence_parallel=True,
                                                    tp_comm_overlap=True, activation_recompute="full"),
+    # sharded data parallelism with them: the norm gradients' sum over tp runs on what each rank holds after
+    # the data-parallel sync (its ZeRO slices, its FSDP shard)
+    "dp2 x tp2, sequence parallel, FSDP (torchtitan's 2-D)": plan({"dp": 2, "tp": 2}, sequence_parallel=True,
+                                                                  data_parallel={"grad_sync": "fsdp"}),
+    "dp2 x tp2, sequence parallel, ZeRO-1": plan({"dp": 2, "tp": 2}, sequence_parallel=True, data_parallel={
+        "grad_sync": "bucketed", "bucket_size": "8KiB", "zero": 1}),
+    "dp2 x tp2, TP overlap, ZeRO-2": plan({"dp": 2, "tp": 2}, sequence_parallel=True, tp_comm_overlap=True,
+                                          data_parallel={"grad_sync": "bucketed", "zero": 2}),
+    "tp2 x pp2, sequence parallel, FSDP": plan({"tp": 2, "pp": 2}, sequence_parallel=True,
+                                               data_parallel={"grad_sync": "fsdp"}),
 }
 
 
@@ -72,7 +82,8 @@ def test_collectives_are_the_simulated_ones(results, name):
     for rank in program.ranks:
         comm = Counter(op.name for op in program.rank_ops(rank) if op.kind in ("collective", "send", "recv"))
         measured = Counter(n for n in results[rank][list(PLANS).index(name)]["events"]
-                           if " tp " in n or n.startswith(("all_reduce", "send", "recv")))
+                           if " tp " in n or n.startswith(("all_reduce", "all_gather", "reduce_scatter", "send",
+                                                           "recv")))
         assert measured == comm, f"rank {rank}"
 
 

@@ -120,7 +120,8 @@ def apply_fsdp(stages: dict, names: dict[int, list[str]], mesh: Any, reshard_aft
 
     Sharded parameters are new DTensor parameters; they keep the originals'
     ``full_name`` and tensor-parallel ``shard`` so the reference check finds
-    their dense counterparts.
+    their dense counterparts, and ``sequence_parallel`` so their gradients are
+    summed over the tensor-parallel group.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -129,7 +130,8 @@ def apply_fsdp(stages: dict, names: dict[int, list[str]], mesh: Any, reshard_aft
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
     def shard(module, name: str, s: int, on: Any, passes: _Pass) -> None:
-        labels = {key: (p.full_name, getattr(p, "shard", None)) for key, p in module.named_parameters()}
+        labels = {key: (p.full_name, getattr(p, "shard", None), getattr(p, "sequence_parallel", False))
+                  for key, p in module.named_parameters()}
         fully_shard(module, mesh=on, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         module.set_custom_all_gather(TimedAllGather(name, s, recorder, passes))
         reduce_scatter = TimedReduceScatter(name, s, recorder)
@@ -137,9 +139,11 @@ def apply_fsdp(stages: dict, names: dict[int, list[str]], mesh: Any, reshard_aft
         if on.ndim == 2:
             module.set_all_reduce_hook(reduce_scatter.all_reduced)
         for key, p in module.named_parameters():
-            p.full_name, tp_shard = labels[key]
+            p.full_name, tp_shard, summed_over_tp = labels[key]
             if tp_shard is not None:
                 p.shard = tp_shard
+            if summed_over_tp:
+                p.sequence_parallel = True
 
     for s, stage in stages.items():
         passes = _Pass()

@@ -168,28 +168,40 @@ def _mlp(pieces: list[Piece], loss: Any, style: str, tp: TPGroup) -> Any:
     return loss
 
 
-def sequence_parallel_grad_sync(params: list, tp: TPGroup, reduce_dtype: Any) -> Callable[[], None] | None:
+def sequence_parallel_grad_sync(params: list, tp: TPGroup, reduce_dtype: Any,
+                                zero: Any = None) -> Callable[[], None] | None:
     """Sum the gradients of ``params`` marked ``sequence_parallel`` over ``tp``, in one flat all-reduce in
     ``reduce_dtype``.
 
     Each rank's norm gains saw only its part of the sequence, so their
     gradients are partial sums; Megatron-LM all-reduces them over the
     tensor-parallel group after the data-parallel sync (``finalize_model_grads``).
+    What a rank holds of them by then is summed: the slices ZeRO-1/2 (``zero``) reduced to it, FSDP's shard,
+    or the whole gradient. Its tensor-parallel peers hold the same slices (their buckets and shards are laid
+    out alike), and a sum over tp of each slice is that slice of the sum.
     """
+    from torch.distributed.tensor import DTensor
+
     marked = [p for p in params if getattr(p, "sequence_parallel", False)]
     if not marked:
         return None
 
+    def held(p) -> list:
+        if zero is not None:
+            return zero.owned_parts(p)
+        grad = gradient(p)
+        return [grad.to_local() if isinstance(grad, DTensor) else grad]
+
     def sync() -> None:
-        flat = reduced(torch.cat([gradient(p).reshape(-1) for p in marked]), reduce_dtype)
+        parts = [part for p in marked for part in held(p)]
+        flat = reduced(torch.cat([part.reshape(-1) for part in parts]), reduce_dtype)
         with tp.recorder.span(collective_name("all_reduce", "tp", params="norms"), "collective", "comm",
                               phase="tp", bytes=flat.numel() * flat.element_size()):
             dist.all_reduce(flat, group=tp.group)
         offset = 0
-        for p in marked:
-            grad = gradient(p)
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        for part in parts:
+            part.copy_(flat[offset:offset + part.numel()].view_as(part))
+            offset += part.numel()
 
     return sync
 

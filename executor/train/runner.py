@@ -147,7 +147,6 @@ def check_plan(plan: Plan) -> None:
         ("FSDP with a split-backward (zero-bubble) schedule", sharded and plan.zero == 3 and schedule.split_backward),
         ("tied embeddings under FSDP, or across pipeline ranks under ZeRO",
          sharded and tied and (plan.zero == 3 or tie_across)),
-        ("sequence parallelism with ZeRO or FSDP", sharded and plan.sequence_parallel and plan.tp > 1),
         ("tensor-parallel communication overlapped with GEMMs (tp_comm_overlap) with a split backward "
          "(its weight gradients are computed with the input gradient)",
          plan.tp_comm_overlap and schedule.split_backward),
@@ -264,11 +263,12 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     runtime = PipelineRuntime(schedule, coords.pp, stages, owners, rank, recorder, _activation_shape(plan),
                               dtype, device)
     # Megatron-LM's finalize_model_grads order: data-parallel sync, then sequence-parallel norms, then embeddings.
-    finalize = [f for f in (sequence_parallel_grad_sync(sync_order, tp, reduce_dtype), tie_sync) if f is not None]
+    zero = grad_sync if isinstance(grad_sync, ZeroOptimizers) else None
+    finalize = [f for f in (sequence_parallel_grad_sync(sync_order, tp, reduce_dtype, zero), tie_sync)
+                if f is not None]
     clipper = scaler = None
     if plan.grad_clip is not None or plan.scales_loss:  # checks over every rank's gradients before the step
         tied_copy = built["head"].module.out.weight if tie_sync is not None and "embedding" not in built else None
-        zero = grad_sync if isinstance(grad_sync, ZeroOptimizers) else None
         held = held_gradients(plan, sync_order, groups, zero,
                               tied_copy, {id(p) for p in routed_expert_parameters(list(stages.values()))}, recorder,
                               device)
