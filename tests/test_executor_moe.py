@@ -44,9 +44,10 @@ ZERO1, ZERO2 = dict(BUCKETS, zero=1), dict(BUCKETS, zero=2)
 
 
 def moe_plan(dp: int, ep: int, pp: int = 1, model: dict = MOE, schedule: str = "1f1b", sync: dict = BUCKETS,
-             cp: int = 1):
+             cp: int = 1, capacity: float | None = None):
     return load_plan({"model": model, "parallel": {"dp": dp, "ep": ep, "pp": pp, "cp": cp}, "batch": BATCH,
-                      "schedule": schedule, "data_parallel": sync})
+                      "schedule": schedule, "data_parallel": sync,
+                      **({"moe": {"capacity_factor": capacity}} if capacity else {})})
 
 
 PLANS_2 = {
@@ -59,6 +60,8 @@ PLANS_2 = {
     "FSDP dp2 ep2 (each rank's experts whole, never gathered)": moe_plan(2, 2, sync=FSDP),
     "ZeRO-1 dp2 ep2 (each rank's experts whole, only divided)": moe_plan(2, 2, sync=ZERO1),
     "ZeRO-2 dp2 ep1 (experts sharded over both, in buckets of their own)": moe_plan(2, 1, sync=ZERO2),
+    "ep2 x dp2, capacity 1.0 (tokens dropped before the dispatch)": moe_plan(2, 2, capacity=1.0),
+    "dp2 ep1, capacity 1.25, 8 experts": moe_plan(2, 1, model=dict(MOE, num_experts=8), capacity=1.25),
 }
 PLANS_4 = {
     "dp4 ep2 (edp 2), buckets": moe_plan(4, 2),
@@ -80,6 +83,7 @@ PLANS_4 = {
         4, 1, sync=dict(ZERO1, shard_group=2)),
     "ZeRO-2 HSDP dp4 in shard groups of 2, ep2 (experts whole in each, all-reduced across)": moe_plan(
         4, 2, sync=dict(ZERO2, shard_group=2)),
+    "ep2 x pp2, capacity 1.0, FSDP": moe_plan(2, 2, pp=2, sync=FSDP, capacity=1.0),
 }
 
 
@@ -127,6 +131,49 @@ def test_the_moe_layer_equals_a_loop_over_tokens_and_their_experts(ffn_type):
         assert torch.allclose(g, e, atol=1e-6), getattr(p, "full_name", "input")
 
 
+def test_a_capped_moe_layer_drops_each_experts_lowest_gates_beyond_its_capacity_per_group():
+    """Megatron-LM's probs drop policy, written token by token: per group of tokens (a rank's microbatch) and
+    expert, the ceil(rows / experts x capacity_factor) choices with the highest gates stay; the rest add
+    nothing."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from executor.train.models import build_pieces
+
+    moe = build_pieces(load_model(dict(MOE, num_experts=8)), seed=3, only={"layer.1"})[0].module.mlp
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    moe.capacity_factor, moe.drop_group = 1.0, 32  # two sequences a group: 64 choices over 8 experts, 8 each
+    out = moe(x)
+    tokens = x.reshape(-1, 32)
+    top, chosen = (tokens @ moe.router.weight.T).topk(moe.top_k)
+    gates = F.softmax(top, -1)
+    dropped = set()
+    for g in range(2):
+        for e in range(8):
+            rows = [(gates[t, c].item(), t, c) for t in range(32 * g, 32 * (g + 1)) for c in range(2)
+                    if chosen[t, c] == e]
+            rows.sort(key=lambda r: -r[0])  # stable: equal gates keep token order
+            dropped |= {(t, c) for _, t, c in rows[math.ceil(64 / 8):]}
+    assert dropped  # a random router overloads some expert
+    expected = []
+    for t, token in enumerate(tokens):
+        y = moe.shared(token)
+        for c in range(2):
+            if (t, c) not in dropped:
+                e = chosen[t, c].item()
+                y = y + gates[t, c] * ((F.silu(token @ moe.experts.gate[e]) * (token @ moe.experts.up[e]))
+                                       @ moe.experts.down[e])
+        expected.append(y)
+    expected = torch.stack(expected).view_as(x)
+    assert torch.allclose(out, expected, atol=1e-6)
+    grads = torch.autograd.grad(out.sum(), [x, *moe.parameters()])
+    expected_grads = torch.autograd.grad(expected.sum(), [x, *moe.parameters()])
+    for g, e in zip(grads, expected_grads):
+        assert torch.allclose(g, e, atol=1e-5)
+
+
 def test_only_the_layers_after_the_dense_ones_are_moe():
     from executor.train.models import build_pieces
     from executor.train.moe import MoEFeedForward
@@ -153,8 +200,8 @@ def test_data_parallel_groups_are_the_ones_the_lowering_simulates():
 
 @pytest.mark.parametrize("plan, message", [
     (load_plan({"model": MOE, "parallel": {"tp": 2}}), "mixture-of-experts layers with tensor parallelism"),
-    (load_plan({"model": MOE, "parallel": {"dp": 2, "ep": 2}, "moe": {"capacity_factor": 1.25}}),
-     r"dropping tokens over an expert capacity \(capacity_factor\)"),
+    (load_plan({"model": MOE, "parallel": {"cp": 2, "ep": 2}, "moe": {"capacity_factor": 1.25}}),
+     r"dropping tokens over an expert capacity \(capacity_factor\) with context parallelism"),
 ])
 def test_what_the_executor_does_not_run_is_refused_in_one_line(plan, message):
     from executor.train.runner import check_plan

@@ -8,8 +8,13 @@ the softmax over those k logits only, ``G(x) = Softmax(TopK(x W_g))`` (the same
 as renormalizing the full softmax's top k, as Hugging Face's Mixtral does).
 The output is ``sum_i G_i(x) E_i(x)`` over the chosen experts, each expert a
 feed-forward of the model's ``ffn_type`` and ``expert_ffn_hidden``. Routing is
-dropless (no capacity, as MegaBlocks and Megatron-LM's dropless mode): every
-token reaches its k experts; there is no auxiliary load-balancing loss.
+dropless (as MegaBlocks and Megatron-LM's dropless mode) unless the plan gives
+a ``capacity_factor``: then, as Megatron-LM's ``topk_softmax_with_capacity``
+with its default ``probs`` drop policy, each expert takes at most
+``ceil(tokens x k / experts x capacity_factor)`` of a rank's microbatch's
+(token, choice) rows, those with the highest gates, before any dispatch; a
+dropped choice adds nothing to its token's output (the residual carries it).
+There is no auxiliary load-balancing loss.
 Shared experts are DeepSeekMoE's (Dai et al. 2024): one dense feed-forward of
 ``shared_experts x expert_ffn_hidden`` that every token goes through, added
 to the routed output.
@@ -28,6 +33,7 @@ all-to-all token dispatcher does.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from parsim.workload.model import TransformerModel
@@ -67,6 +73,15 @@ class RoutedExperts(nn.Module):
         return torch.cat(outs)
 
 
+def set_capacity(modules: list, capacity_factor: float | None, drop_group: int) -> None:
+    """Cap every MoE layer under ``modules`` at ``capacity_factor`` per ``drop_group`` tokens (a rank's
+    microbatch)."""
+    for root in modules:
+        for module in root.modules():
+            if isinstance(module, MoEFeedForward):
+                module.capacity_factor, module.drop_group = capacity_factor, drop_group
+
+
 class AllToAllDispatcher:
     """Expert parallelism: runs the sorted rows on the experts of their ranks of ``ep`` (Megatron-LM's
     all-to-all token dispatcher).
@@ -84,11 +99,11 @@ class AllToAllDispatcher:
     def __call__(self, rows, counts, experts: RoutedExperts):
         received, received_counts = dispatch(rows, counts, self.ep, self.layer)  # [source rank, local expert]
         size, local = received_counts.shape
-        self.received = received_counts.sum(0)
         expert_of_row = torch.arange(local, device=rows.device).repeat(size).repeat_interleave(
             received_counts.flatten())
         order = expert_of_row.argsort(stable=True)  # by local expert, then source rank
-        out = experts(received.index_select(0, order), received_counts.sum(0).tolist())
+        self.received = received_counts.sum(0)  # per local expert, from every rank
+        out = experts(received.index_select(0, order), self.received.tolist())
         out = out.index_select(0, order.argsort())  # back in the order received
         return combine(out, self.ep, self.layer, received_counts.sum(1).tolist(),
                        counts.view(size, -1).sum(1).tolist())
@@ -104,6 +119,8 @@ class MoEFeedForward(nn.Module):
         self.experts = RoutedExperts(m.num_experts, m.hidden, m.expert_ffn_hidden, m.ffn_type)
         self.shared = shared  # a dense FeedForward of shared_experts x expert_ffn_hidden, or None
         self.dispatcher: AllToAllDispatcher | None = None  # expert parallelism sets it
+        self.capacity_factor: float | None = None  # the plan's: each expert's rows capped (None: dropless)
+        self.drop_group: int | None = None  # tokens sharing one capacity: a rank's microbatch's (None: all)
         # a list: each forward's busiest expert here over the mean an expert gets (parsim run; tensors, so a GPU
         # need not wait for them)
         self.loads: list[Any] | None = None
@@ -112,6 +129,8 @@ class MoEFeedForward(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         top, chosen = self.router(tokens).topk(self.top_k, dim=-1)
         gates = F.softmax(top.float(), dim=-1).to(tokens.dtype)  # [tokens, k]
+        if self.capacity_factor is not None:
+            return self._with_capacity(x, tokens, chosen, gates)
         order = chosen.flatten().argsort(stable=True)  # (token, choice) rows sorted by expert
         counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)
         rows = tokens.index_select(0, order // self.top_k)
@@ -128,3 +147,37 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             y = y + self.shared(tokens)
         return y.view_as(x)
+
+    def _with_capacity(self, x, tokens, chosen, gates):
+        """The forward with each expert capped at its capacity per drop group: the kept (token, choice) rows
+        only are sorted, sent and run; a dropped choice's output is zero."""
+        kept = self.kept_choices(chosen.flatten(), gates.flatten().detach())
+        order = kept[chosen.flatten()[kept].argsort(stable=True)]  # the kept rows, sorted by expert
+        counts = torch.bincount(chosen.flatten()[kept], minlength=self.num_experts)
+        rows = tokens.index_select(0, order // self.top_k)
+        if self.dispatcher is None:
+            out = self.experts(rows, counts.tolist())
+            held, ep = counts, 1
+        else:
+            out = self.dispatcher(rows, counts, self.experts)
+            held, ep = self.dispatcher.received, self.dispatcher.ep.size
+        if self.loads is not None:
+            self.loads.append(held.max() / (chosen.numel() * ep / self.num_experts))
+        every = out.new_zeros(chosen.numel(), out.shape[-1]).index_copy(0, order, out)
+        y = (every.view(len(tokens), self.top_k, -1) * gates.unsqueeze(-1)).sum(1)
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        return y.view_as(x)
+
+    def kept_choices(self, choice, gate):
+        """Indices of the (token, choice) rows within their expert's capacity: per drop group of tokens and
+        expert, the ``ceil(rows / experts x capacity_factor)`` with the highest gates (ties: the earlier)."""
+        per_token = self.top_k
+        group = self.drop_group or len(choice) // per_token
+        capacity = math.ceil(group * per_token / self.num_experts * self.capacity_factor)
+        bucket = torch.arange(len(choice), device=choice.device) // (group * per_token) * self.num_experts + choice
+        by_gate = (-gate).argsort(stable=True)
+        ranked = by_gate[bucket[by_gate].argsort(stable=True)]  # by bucket, each by gate, highest first
+        sorted_bucket = bucket[ranked]
+        place = torch.arange(len(choice), device=choice.device) - torch.searchsorted(sorted_bucket, sorted_bucket)
+        return ranked[place < capacity].sort().values

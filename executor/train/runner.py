@@ -37,7 +37,7 @@ from .held_gradients import held_gradients
 from .loss_scale import DynamicLossScaler
 from .mixed_precision import MasterWeightsAdamW, adamw, attach_main_grads, gradient
 from .models import build_loss, build_pieces, make_batch
-from .moe import MoEFeedForward
+from .moe import MoEFeedForward, set_capacity
 from .parallel import (apply_data_parallel, apply_expert_parallel, apply_tensor_parallel, routed_expert_parameters,
                        sequence_parallel_grad_sync, tie_embeddings)
 from .pipeline import PipelineRuntime, Stage
@@ -154,7 +154,8 @@ def check_plan(plan: Plan) -> None:
          f"the sequence splits into {PIPELINE_SPLITS} equal parts",
          plan.tp_comm_overlap and (m.seq_len // (plan.cp * plan.tp)) % PIPELINE_SPLITS != 0),
         ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),
-        ("dropping tokens over an expert capacity (capacity_factor)", plan.capacity_factor is not None),
+        ("dropping tokens over an expert capacity (capacity_factor) with context parallelism",
+         plan.capacity_factor is not None and plan.cp > 1),
         ("latent attention (MLA)", m.attention == "mla"),
         ("weight-gradient matmuls that accumulate in place (grad_accumulation: fused)",
          plan.grad_accumulation == "fused"),
@@ -216,6 +217,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
         if cp is not None:
             apply_context_parallel(pieces, cp, model.seq_len)
         apply_expert_parallel(pieces, ep)
+        set_capacity([p.module for p in pieces], plan.capacity_factor, plan.microbatch_size * model.seq_len)
         pieces = apply_activation_recompute(pieces, {c.name for c in plan.recomputed(s)}, recorder)
         # FSDP2 keeps fp32 parameters and computes in the plan's dtype (its MixedPrecisionPolicy)
         stages[s] = Stage(pieces, loss if s == plan.num_stages - 1 else None).to(

@@ -18,6 +18,7 @@ from .fsdp import dense
 from .loss_scale import INITIAL_SCALE
 from .mixed_precision import MasterWeightsAdamW
 from .models import make_batch, reference_model, run_pieces
+from .moe import set_capacity
 from .parallel import reference_slice, routed_expert_parameters
 from .runner import DTYPES, LEARNING_RATE, build_rank
 
@@ -48,6 +49,8 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
 
     dtype = DTYPES[plan.dtype]
     pieces, loss_fn = reference_model(plan.model, seed)
+    if plan.capacity_factor is not None:  # each rank's microbatch drops over its own capacity, as the ranks do
+        set_capacity([p.module for p in pieces], plan.capacity_factor, plan.microbatch_size * plan.model.seq_len)
     for piece in pieces:
         piece.module.to(dtype)
     inputs, targets = make_batch(plan.model, plan.global_batch_size, seed, dtype)
