@@ -37,6 +37,9 @@ MOE = {"kind": "transformer", "name": "moe", "num_layers": 4, "hidden": 32, "num
        "ffn_hidden": 64, "seq_len": 16, "vocab_size": 64, "num_experts": 4, "experts_per_token": 2,
        "expert_ffn_hidden": 32, "shared_experts": 1, "dense_layers": 1}
 BATCH = {"microbatch_size": 2, "num_microbatches": 2}
+# DeepSeek-V2/V3's latent attention, queries compressed or not
+MLA = {"attention": "mla", "num_kv_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
+       "qk_rope_head_dim": 4, "v_head_dim": 6}
 BUCKETS = {"grad_sync": "bucketed", "bucket_size": "8KiB", "overlap": True}  # several dense and expert buckets
 PER_PARAM = {"grad_sync": "per_param"}
 FSDP = {"grad_sync": "fsdp"}
@@ -62,6 +65,9 @@ PLANS_2 = {
     "ZeRO-2 dp2 ep1 (experts sharded over both, in buckets of their own)": moe_plan(2, 1, sync=ZERO2),
     "ep2 x dp2, capacity 1.0 (tokens dropped before the dispatch)": moe_plan(2, 2, capacity=1.0),
     "dp2 ep1, capacity 1.25, 8 experts": moe_plan(2, 1, model=dict(MOE, num_experts=8), capacity=1.25),
+    "latent attention, ep2 x dp2 (DeepSeek-like)": moe_plan(2, 2, model=dict(MOE, **MLA)),
+    "latent attention, queries uncompressed, FSDP dp2": moe_plan(2, 1, model=dict(MOE, **{**MLA, "q_lora_rank": 0}),
+                                                                 sync=FSDP),
 }
 PLANS_4 = {
     "dp4 ep2 (edp 2), buckets": moe_plan(4, 2),
@@ -84,6 +90,7 @@ PLANS_4 = {
     "ZeRO-2 HSDP dp4 in shard groups of 2, ep2 (experts whole in each, all-reduced across)": moe_plan(
         4, 2, sync=dict(ZERO2, shard_group=2)),
     "ep2 x pp2, capacity 1.0, FSDP": moe_plan(2, 2, pp=2, sync=FSDP, capacity=1.0),
+    "latent attention, ep2 x pp2, ZeRO-1": moe_plan(2, 2, pp=2, model=dict(MOE, **MLA), sync=ZERO1),
 }
 
 
@@ -174,6 +181,38 @@ def test_a_capped_moe_layer_drops_each_experts_lowest_gates_beyond_its_capacity_
         assert torch.allclose(g, e, atol=1e-5)
 
 
+def test_latent_attention_is_causal_attention_over_its_decompressed_heads():
+    """Written out per head: queries through the bottleneck, keys and values from the latent, the shared
+    RoPE key part, softmax over earlier positions scaled by the query/key width."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from executor.train.models import build_pieces, rotary
+
+    model = load_model(dict(MOE, **MLA, num_experts=0))
+    layer = build_pieces(model, seed=3, only={"layer.1"})[0].module
+    attn = layer.attn
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
+    out = attn(x)
+    q = attn.q_b(layer.norm_q_a(attn.q_a(x))).view(2, 16, 4, 12)
+    kv_a = attn.kv_a(x)
+    kv = attn.kv_b(layer.norm_kv_a(kv_a[..., :8])).view(2, 16, 4, 14)
+    k_rope = rotary(kv_a[..., 8:].unsqueeze(1))[:, 0]  # [batch, seq, 4]: one rope key per position
+    expected = torch.zeros(2, 16, 4, 6)
+    for b in range(2):
+        for h in range(4):
+            q_h = torch.cat([q[b, :, h, :8], rotary(q[b, :, h, 8:][None, None])[0, 0]], -1)
+            k_h = torch.cat([kv[b, :, h, :8], k_rope[b]], -1)
+            scores = (q_h @ k_h.T) / math.sqrt(12)
+            scores = scores.masked_fill(torch.ones(16, 16).triu(1).bool(), float("-inf"))
+            expected[b, :, h] = F.softmax(scores, -1) @ kv[b, :, h, 8:]
+    assert torch.allclose(out, attn.o(expected.reshape(2, 16, 24)), atol=1e-6)
+    names = [name for name, _ in layer.named_parameters()]
+    assert names[-2:] == ["norm_q_a.weight", "norm_kv_a.weight"]  # after the layer's norms: the simulator's order
+
+
 def test_only_the_layers_after_the_dense_ones_are_moe():
     from executor.train.models import build_pieces
     from executor.train.moe import MoEFeedForward
@@ -200,6 +239,8 @@ def test_data_parallel_groups_are_the_ones_the_lowering_simulates():
 
 @pytest.mark.parametrize("plan, message", [
     (load_plan({"model": MOE, "parallel": {"tp": 2}}), "mixture-of-experts layers with tensor parallelism"),
+    (load_plan({"model": dict(MOE, **MLA, num_experts=0), "parallel": {"cp": 2}}),
+     r"latent attention \(MLA\) with tensor or context parallelism"),
     (load_plan({"model": MOE, "parallel": {"cp": 2, "ep": 2}, "moe": {"capacity_factor": 1.25}}),
      r"dropping tokens over an expert capacity \(capacity_factor\) with context parallelism"),
 ])

@@ -151,6 +151,51 @@ class Attention(nn.Module):
         return self.overlap.exit(out, self.o) if self.overlap is not None else self.exit(self.o(out))
 
 
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention (DeepSeek-AI 2024, DeepSeek-V2 section 2.1), causal.
+
+    Queries come from ``q`` (or through the ``q_lora_rank`` bottleneck ``q_a``, normed, then ``q_b``); keys
+    and values from one latent: ``kv_a`` makes ``kv_lora_rank`` compressed features (normed, then ``kv_b``
+    expands them per head into a ``qk_nope`` key part and a ``v_head_dim`` value) and one ``qk_rope`` key
+    part every head shares. Queries' and keys' ``qk_rope`` parts carry RoPE (decoupled), so a head scores
+    over ``qk_nope + qk_rope`` widths and returns ``v_head_dim``. The two latent norms are the layer's
+    (``norms``: registered after its other norms, the simulator's order), not this module's.
+    """
+
+    def __init__(self, m: TransformerModel):
+        super().__init__()
+        self.heads, self.nope, self.rope_dim, self.v_dim = (m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim,
+                                                             m.v_head_dim)
+        qk = self.nope + self.rope_dim
+        if m.q_lora_rank:
+            self.q_a, self.q_b = _linear(m.hidden, m.q_lora_rank), _linear(m.q_lora_rank, m.num_heads * qk)
+        else:
+            self.q = _linear(m.hidden, m.num_heads * qk)
+        self.kv_a = _linear(m.hidden, m.kv_lora_rank + self.rope_dim)
+        self.kv_b = _linear(m.kv_lora_rank, m.num_heads * (self.nope + self.v_dim))
+        self.o = _linear(m.num_heads * self.v_dim, m.hidden)
+        self.norms: tuple = ()  # (q_a's norm or None, kv_a's norm): the layer sets them
+
+    def forward(self, x):
+        q_norm, kv_norm = self.norms
+        b, s, _ = x.shape
+        q = self.q_b(q_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q(x)
+        q = q.view(b, s, self.heads, -1).transpose(1, 2)
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b(kv_norm(latent)).view(b, s, self.heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rope = rotary(k_rope.unsqueeze(1)).expand(-1, self.heads, -1, -1)
+        q = torch.cat([q_nope, rotary(q_rope)], dim=-1)
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.kv_b.in_features
+
+
 class FeedForward(nn.Module):
     """SwiGLU ``down(silu(gate x) * up x)`` or GeLU ``fc2(gelu(fc1 x))``, of ``ffn_hidden`` (the model's by default)."""
 
@@ -187,8 +232,14 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, m: TransformerModel, moe: bool = False):
         super().__init__()
-        self.attn, self.mlp = Attention(m), _moe_feed_forward(m) if moe else FeedForward(m)
+        latent = m.attention == "mla"
+        self.attn = LatentAttention(m) if latent else Attention(m)
+        self.mlp = _moe_feed_forward(m) if moe else FeedForward(m)
         self.norm_attn, self.norm_mlp = RMSNorm(m.hidden), RMSNorm(m.hidden)
+        if latent:  # the latent norms after the layer's own, as the simulator lists them
+            self.norm_q_a = RMSNorm(m.q_lora_rank) if m.q_lora_rank else None
+            self.norm_kv_a = RMSNorm(m.kv_lora_rank)
+            self.attn.norms = (self.norm_q_a, self.norm_kv_a)
 
     def forward(self, x):
         x = x + self.attn(self.norm_attn(x))

@@ -156,7 +156,8 @@ def check_plan(plan: Plan) -> None:
         ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),
         ("dropping tokens over an expert capacity (capacity_factor) with context parallelism",
          plan.capacity_factor is not None and plan.cp > 1),
-        ("latent attention (MLA)", m.attention == "mla"),
+        ("latent attention (MLA) with tensor or context parallelism",
+         m.attention == "mla" and (plan.tp > 1 or plan.cp > 1)),
         ("weight-gradient matmuls that accumulate in place (grad_accumulation: fused)",
          plan.grad_accumulation == "fused"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
