@@ -67,6 +67,17 @@ def test_transformer_block_counts_match_the_executor(variant):
     assert costs["head"] == measured["head"]
 
 
+@pytest.mark.parametrize("variant", [{}, {"q_lora_rank": 0}, {"position_embedding": "learned"}])
+def test_latent_attention_counts_match_the_executor(variant):
+    spec = {**TINY, "attention": "mla", "num_kv_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 8,
+            "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6, **variant}
+    model = load_model(spec)
+    attention, _ = transformer_layer_ops(model.position_embedding == "rope", model.ffn_type, False, True,
+                                         model.q_lora_rank > 0)
+    assert block_counts(spec)["attention"] == attention
+    assert {b.name: b.eager_ops for c in model.costs(4) for b in c.blocks}["attention"] == attention
+
+
 def test_course_layer_counts_match_the_executor():
     import torch
 

@@ -38,15 +38,22 @@ forward, then the backward):
   GeLU 6, 16; expert parallelism's dispatcher (the counts exchanged, the
   received rows regrouped by local expert and back, two all-to-alls) 26, 9.
 
+* latent attention block (MLA: norm, queries, the latent and its norm, its
+  expansion, the heads' split, decoupled RoPE on the queries' and the shared
+  key's parts, concatenations, causal SDPA, head merge, output projection,
+  residual add): 107, 129; queries through the bottleneck (``q_lora_rank``)
+  add 11, 27.
+
 Tensor-parallel collectives add a few ops around each (contiguous copies,
-views): :data:`TP_COLLECTIVE_OPS` per collective that runs. Latent attention
-(MLA) is not run by the executor and counts 0.
+views): :data:`TP_COLLECTIVE_OPS` per collective that runs.
 """
 
 from __future__ import annotations
 
 ATTENTION = (42, 71)
 GQA = (0, 4)
+MLA = (107, 129)  # latent attention, queries projected directly
+MLA_COMPRESSED_QUERIES = (11, 27)  # queries through the q_lora_rank bottleneck: a linear, a norm, a linear
 ROPE = (19, 9)  # per rotated tensor (queries, keys)
 SWIGLU = (22, 50)
 GELU_FFN = (17, 38)
@@ -67,11 +74,13 @@ def _add(*counts: tuple[int, int]) -> tuple[int, int]:
     return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
-def transformer_layer_ops(rope: bool, ffn_type: str, grouped_query: bool,
-                          latent_attention: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
+def transformer_layer_ops(rope: bool, ffn_type: str, grouped_query: bool, latent_attention: bool = False,
+                          compressed_queries: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
     """(forward, backward) ops of a decoder layer's attention block and of its dense feed-forward block."""
-    attention = (0, 0) if latent_attention else _add(ATTENTION, GQA if grouped_query else (0, 0),
-                                                     *([ROPE, ROPE] if rope else []))
+    if latent_attention:  # its RoPE is its own, whatever the model's position embedding
+        attention = _add(MLA, MLA_COMPRESSED_QUERIES if compressed_queries else (0, 0))
+    else:
+        attention = _add(ATTENTION, GQA if grouped_query else (0, 0), *([ROPE, ROPE] if rope else []))
     return attention, SWIGLU if ffn_type == "swiglu" else GELU_FFN
 
 

@@ -708,9 +708,9 @@ class TransformerModel(_CostTotals):
         sp = sequence_parallel
         attention_ops, ffn_ops = eager_ops.transformer_layer_ops(
             self.position_embedding == "rope", self.ffn_type, self.num_kv_heads != self.num_heads,
-            self.attention == "mla")
+            self.attention == "mla", self.q_lora_rank > 0)
         if self.attention == "mla":
-            attention, attention_saved, attention_params = self._mla_block(d, sp)
+            attention, attention_saved, attention_params = self._mla_block(d, sp, attention_ops)
         else:
             core = AttentionCore(self.num_heads, hd, self.seq_len, self.attention_kernel)
             attention = Block(
@@ -757,7 +757,8 @@ class TransformerModel(_CostTotals):
         """The column-parallel feed-forward matmuls' outputs per token: SwiGLU's gate and up, or fc1."""
         return 2 * f if self.ffn_type == "swiglu" else f
 
-    def _mla_block(self, d: int, sp: bool) -> tuple[Block, tuple[Activation, ...], tuple[Param, ...]]:
+    def _mla_block(self, d: int, sp: bool, eager_ops: tuple[int, int]) -> tuple[Block, tuple[Activation, ...],
+                                                                             tuple[Param, ...]]:
         """DeepSeek's multi-head latent attention (DeepSeek-AI 2024, DeepSeek-V2 section 2.1), by its
         matmuls and FLOPs: queries (optionally through a ``q_lora_rank`` bottleneck), keys and values
         from one ``kv_lora_rank`` latent plus a shared RoPE key, per-head widths ``qk_nope + qk_rope``
@@ -778,7 +779,8 @@ class TransformerModel(_CostTotals):
         block = Block("attention", matmuls, attention_flops_per_token=2 * self.seq_len * nh * (qk + v),
                       collectives=_block_collectives("attn", h * d, sp), kv_width=nh * (qk + v) // 2,
                       kv_unit=(qk + v) // 2, elementwise=self._attention_kernels(nh * qk, nh * (qk + v) // 2, qk),
-                      core=AttentionCore(nh, (qk + v) // 2, self.seq_len, self.attention_kernel))
+                      core=AttentionCore(nh, (qk + v) // 2, self.seq_len, self.attention_kernel),
+                      eager_ops=eager_ops)
         saved = (*((Activation("attn.q_a.out", self.q_lora_rank, d, sharded=False),) if self.q_lora_rank else ()),
                  Activation("attn.kv_a.out", latent, d, sharded=False),
                  Activation("attn.q", nh * qk, d, sharded=True, unit=qk),
