@@ -167,7 +167,8 @@ class LatentAttention(nn.Module):
         self.heads, self.nope, self.rope_dim, self.v_dim = (m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim,
                                                              m.v_head_dim)
         qk = self.nope + self.rope_dim
-        if m.q_lora_rank:
+        self.compressed_queries = bool(m.q_lora_rank)
+        if self.compressed_queries:
             self.q_a, self.q_b = _linear(m.hidden, m.q_lora_rank), _linear(m.q_lora_rank, m.num_heads * qk)
         else:
             self.q = _linear(m.hidden, m.num_heads * qk)
@@ -179,7 +180,7 @@ class LatentAttention(nn.Module):
     def forward(self, x):
         q_norm, kv_norm = self.norms
         b, s, _ = x.shape
-        q = self.q_b(q_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q(x)
+        q = self.q_b(q_norm(self.q_a(x))) if self.compressed_queries else self.q(x)
         q = q.view(b, s, self.heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)

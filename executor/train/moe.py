@@ -134,19 +134,25 @@ class MoEFeedForward(nn.Module):
         order = chosen.flatten().argsort(stable=True)  # (token, choice) rows sorted by expert
         counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)
         rows = tokens.index_select(0, order // self.top_k)
-        if self.dispatcher is None:
-            out = self.experts(rows, counts.tolist())
-            held, ep = counts, 1
-        else:
-            out = self.dispatcher(rows, counts, self.experts)
-            held, ep = self.dispatcher.received, self.dispatcher.ep.size
-        if self.loads is not None:  # every rank of the ep group routes as many rows as this one
-            self.loads.append(held.max() / (len(rows) * ep / self.num_experts))
+        out = self._run_experts(rows, counts, chosen.numel())
         out = out.index_select(0, order.argsort()).view(len(tokens), self.top_k, -1)  # back per token
         y = (out * gates.unsqueeze(-1)).sum(1)
         if self.shared is not None:
             y = y + self.shared(tokens)
         return y.view_as(x)
+
+    def _run_experts(self, rows, counts, routed: int):
+        """``rows`` (sorted by expert, ``counts`` each) through their experts, here or on their ranks; with
+        ``loads``, note the busiest expert here over the mean of the ``routed`` (token, choice) rows every
+        rank of the ep group routes (as many as this one)."""
+        if self.dispatcher is None:
+            out, held, ep = self.experts(rows, counts.tolist()), counts, 1
+        else:
+            out = self.dispatcher(rows, counts, self.experts)
+            held, ep = self.dispatcher.received, self.dispatcher.ep.size
+        if self.loads is not None:
+            self.loads.append(held.max() / (routed * ep / self.num_experts))
+        return out
 
     def _with_capacity(self, x, tokens, chosen, gates):
         """The forward with each expert capped at its capacity per drop group: the kept (token, choice) rows
@@ -155,14 +161,7 @@ class MoEFeedForward(nn.Module):
         order = kept[chosen.flatten()[kept].argsort(stable=True)]  # the kept rows, sorted by expert
         counts = torch.bincount(chosen.flatten()[kept], minlength=self.num_experts)
         rows = tokens.index_select(0, order // self.top_k)
-        if self.dispatcher is None:
-            out = self.experts(rows, counts.tolist())
-            held, ep = counts, 1
-        else:
-            out = self.dispatcher(rows, counts, self.experts)
-            held, ep = self.dispatcher.received, self.dispatcher.ep.size
-        if self.loads is not None:
-            self.loads.append(held.max() / (chosen.numel() * ep / self.num_experts))
+        out = self._run_experts(rows, counts, chosen.numel())
         every = out.new_zeros(chosen.numel(), out.shape[-1]).index_copy(0, order, out)
         y = (every.view(len(tokens), self.top_k, -1) * gates.unsqueeze(-1)).sum(1)
         if self.shared is not None:
