@@ -296,8 +296,8 @@ class ZeroOptimizers:
         return part.owned_parts(param) if part else [gradient(param)]
 
 
-def whole_experts(params: list, group: Any, size: int, divisor: int, settings: dict, main_grads: bool) -> tuple[
-        BucketReducer, Any]:
+def whole_experts(params: list, group: Any, size: int, divisor: int, settings: dict,
+                  main_grads: bool) -> tuple[BucketReducer, Any]:
     """Routed experts no other rank of their shard group holds: not sharded, their gradients all-reduced over
     ``group`` (HSDP's ``size`` replicas holding the same experts; ``size`` 1: nothing sent) in buckets of one
     unit per expert's slice, as the lowering has them (``expert_bucket=k``), divided by ``divisor``, and
