@@ -218,7 +218,8 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
         if cp is not None:
             apply_context_parallel(pieces, cp, model.seq_len)
         apply_expert_parallel(pieces, ep)
-        set_capacity([p.module for p in pieces], plan.capacity_factor, plan.microbatch_size * model.seq_len)
+        if plan.capacity_factor is not None:  # a MoE transformer's: each rank's microbatch shares one capacity
+            set_capacity([p.module for p in pieces], plan.capacity_factor, plan.microbatch_size * model.seq_len)
         pieces = apply_activation_recompute(pieces, {c.name for c in plan.recomputed(s)}, recorder)
         # FSDP2 keeps fp32 parameters and computes in the plan's dtype (its MixedPrecisionPolicy)
         stages[s] = Stage(pieces, loss if s == plan.num_stages - 1 else None).to(
