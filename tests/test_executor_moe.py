@@ -340,3 +340,34 @@ def test_parsim_run_reports_how_evenly_the_steps_routed(tmp_path, capsys):
     load = summary["expert_load"]
     # 3 MoE layers x 2 microbatches x 2 steps; 4 experts, top 2: the busiest gets 1x to 2x the mean
     assert load["forwards"] == 3 * 2 * 2 and 1.0 <= load["busiest_over_mean"] <= load["most"] <= 2.0
+
+
+def test_compare_prices_the_measured_routing_beside_the_assumed(tmp_path, monkeypatch, capsys):
+    """compare prints the measured load beside the plan's, and the step the simulator predicts at the measured
+    load (every other figure the plan's): how much of a gap is routing."""
+    import dataclasses
+    import json
+
+    import executor.train
+    from test_json_schema import conforms
+
+    from parsim.cli.main import main
+    from parsim.hardware.cluster import load_cluster
+    from parsim.sim.step import predict_step
+
+    path = tmp_path / "moe.yaml"
+    path.write_text(json.dumps({"model": MOE, "parallel": {"dp": 2, "ep": 2}, "batch": BATCH, "dtype": "bf16"}))
+    plan, cluster = load_plan(path), load_cluster("dgx-h100")
+    measured = {"busiest_over_mean": 1.5, "most": 2.0, "forwards": 12}
+    monkeypatch.setattr(executor.train, "run_plan", lambda plan, *args, **kwargs: (  # the simulator stands in
+        predict_step(plan, cluster).trace, {"expert_load": measured}))
+    assert main(["compare", str(path), "--cluster", "dgx-h100", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert conforms(doc) == "compare.plan"
+    at_measured = predict_step(dataclasses.replace(plan, expert_load=1.5), cluster).step_s
+    assert doc["expert_load"] == {**measured, "assumed": 1.0,
+                                  "predicted_step_s_at_measured": pytest.approx(at_measured)}
+    assert at_measured > doc["predicted_step_s"]  # the busiest expert's GEMMs take longer
+    assert main(["compare", str(path), "--cluster", "dgx-h100"]) == 0
+    assert "expert load: the busiest expert got 1.50x the mean (median over 12 MoE layer forwards, at most 2.00x); " \
+           "the prediction assumes 1x (--expert-load), and at the measured load predicts" in capsys.readouterr().out

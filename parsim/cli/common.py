@@ -229,9 +229,10 @@ def memory_table(ranks: list[Memory], capacity: float, title: str) -> str:
 
 def expert_load_text(load: dict) -> str:
     """The measured routing (:func:`executor.train.measure.measured_expert_load`), and with ``assumed`` what the
-    prediction took."""
+    prediction took and what it gives at the measured load."""
     text = (f"expert load: the busiest expert got {load['busiest_over_mean']:.2f}x the mean (median over "
             f"{load['forwards']} MoE layer forwards, at most {load['most']:.2f}x)")
     if "assumed" in load:
-        text += f"; the prediction assumes {load['assumed']:g}x (--expert-load)"
+        text += (f"; the prediction assumes {load['assumed']:g}x (--expert-load), and at the measured load "
+                 f"predicts {format_time(load['predicted_step_s_at_measured'])}")
     return text

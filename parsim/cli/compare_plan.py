@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..calibrate.host_load import ForeignLoad
 from ..errors import ParsimError
@@ -64,7 +64,8 @@ def compare_plan_command(args: argparse.Namespace) -> int:
             measured_probe = summary["speed_probe"]
             speed = HostSpeed(cluster.speed_probe_flops, cluster.speed_probe_eager_s, measured_probe["matmul_flops"],
                               measured_probe["eager_s"], predicted.step_s)
-            predicted = predict_step(plan, cluster.at_host_speed(speed.arithmetic, speed.eager))
+            cluster = cluster.at_host_speed(speed.arithmetic, speed.eager)
+            predicted = predict_step(plan, cluster)
             drift = speed.drift_note()
             if drift:
                 note(drift)
@@ -79,7 +80,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         by_phase = [RankBreakdown(r["rank"], r["step_s"], r["seconds"],
                                   {phase: tuple(lo_hi) for phase, lo_hi in r.get("ranges", {}).items()})
                     for r in summary.get("ranks", ())]
-        routing = summary.get("expert_load") and {**summary["expert_load"], "assumed": plan.expert_tokens_factor}
+        routing = summary.get("expert_load") and _routing(plan, cluster, summary["expert_load"])
         times = summary.get("step_times_s")
         spread = (min(times), max(times)) if times else None
         if spread and spread[1] > SPREAD_NOTE * spread[0]:
@@ -122,6 +123,14 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         print(f"wrote {write_trace(args.trace, {'predicted': predicted.trace, 'measured': measured})}",
               file=sys.stderr)
     return 0
+
+
+def _routing(plan: Plan, cluster, measured: dict) -> dict:
+    """The measured routing beside the plan's assumed ``expert_load``, and the step predicted at the measured
+    load (the busiest expert's share; every other figure the plan's): how much of the gap is routing."""
+    at_measured = replace(plan, expert_load=max(1.0, measured["busiest_over_mean"]))
+    return {**measured, "assumed": plan.expert_tokens_factor,
+            "predicted_step_s_at_measured": predict_step(at_measured, cluster).step_s}
 
 
 @dataclass(frozen=True)
