@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 from executor.launch import launch
@@ -26,6 +27,7 @@ from executor.launch import launch
 SKEWS_MS = (0.0, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
 COMPUTE_S = 0.002
 WARMUP = 3
+OPS = ("all_reduce", "all_to_all", "all_gather")
 
 
 def _spin(seconds: float, a, b) -> None:
@@ -60,11 +62,17 @@ def _rank(rank: int, world: int, op: str, kib: int, calls: int) -> dict[float, l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", default="all_reduce,all_to_all", help="comma-separated: all_reduce, all_to_all, "
-                                                                        "all_gather")
-    parser.add_argument("--kib", type=int, default=256, help="each rank's buffer in KiB")
-    parser.add_argument("--calls", type=int, default=40, help="calls per skew")
+    parser.add_argument("--ops", default="all_reduce,all_to_all", help=f"comma-separated: {', '.join(OPS)}")
+    parser.add_argument("--kib", type=int, default=256, help="each rank's buffer in KiB (1 to 65536)")
+    parser.add_argument("--calls", type=int, default=40, help="calls per skew (1 to 10000)")
     args = parser.parse_args()
+    unknown = [op for op in args.ops.split(",") if op not in OPS]
+    problem = (f"unknown op {unknown[0]!r} (expected {', '.join(OPS)})" if unknown else
+               "--kib must be 1 to 65536 and --calls 1 to 10000"
+               if not (1 <= args.kib <= 65536 and 1 <= args.calls <= 10_000) else None)
+    if problem:
+        print(f"cpu_collective_skew.py: {problem}", file=sys.stderr)
+        sys.exit(2)
     print(f"2 gloo ranks, {args.kib} KiB, {args.calls} calls per skew, after {COMPUTE_S * 1e3:g} ms of compute (ms)")
     print(f"{'operation':<11} {'skew':>5}  {'early - skew: median':>20} {'mean':>6}  {'late: median':>12} {'mean':>6}")
     for op in args.ops.split(","):

@@ -358,3 +358,23 @@ def test_the_fsdp_overhead_benchmark_prints_what_fsdp2_adds_per_unit():
     assert lines[0] == "units of 2 x 64-wide linears, 1 rank(s): what FSDP2 adds per unit, ms"
     row = lines[2].split()  # rank, mesh, then forward, backward, AdamW, and the kept forward and backward in ms
     assert row[:3] == ["0", "own", "group"] and len(row) == 8 and all(float(v) == float(v) for v in row[3:])
+
+
+def test_the_collective_skew_benchmark_prints_a_row_per_skew():
+    done = script("benchmarks/cpu_collective_skew.py", "--ops", "all_reduce,all_to_all", "--calls", "1", "--kib", "16")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "2 gloo ranks, 16 KiB, 1 calls per skew, after 2 ms of compute (ms)"
+    rows = [line.split() for line in lines[2:]]
+    skews = ["0.0", "0.1", "0.2", "0.4", "0.8", "1.6", "3.2"]
+    assert [(r[0], r[1]) for r in rows] == [(op, s) for op in ("all_reduce", "all_to_all") for s in skews]
+    assert all(float(v) > -1.0 for r in rows for v in r[2:])  # the early rank waited about the skew, no less
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--ops", "broadcast"], "cpu_collective_skew.py: unknown op 'broadcast' (expected all_reduce, all_to_all, "
+                             "all_gather)\n"),
+    (["--calls", "0"], "cpu_collective_skew.py: --kib must be 1 to 65536 and --calls 1 to 10000\n")])
+def test_the_collective_skew_benchmark_refuses_bad_input_in_one_line(args, expected):
+    done = script("benchmarks/cpu_collective_skew.py", *args)
+    assert done.returncode == 2 and done.stderr == expected
