@@ -263,7 +263,7 @@ class GradSync:
         self.recorder = recorder
         self.reducers = [BucketReducer([(p, None) for p in params], group, size, size, "bucket", 0, self, bucket_size)]
         if experts:
-            units = [(p, i) for p in experts for i in range(p.shape[0])]
+            units = expert_units(experts)
             self.reducers.append(BucketReducer(units, expert_group, expert_size, expert_divisor, "expert_bucket",
                                           len(params), self, bucket_size))
         self.start_step()
@@ -363,6 +363,11 @@ class BucketReducer:
             grad = unit_grad(unit)
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+
+
+def expert_units(params: list) -> list[tuple]:
+    """Routed experts' gradient units, as the simulator counts them: each expert's slice (dim 0) of each weight."""
+    return [(p, i) for p in params for i in range(p.shape[0])]
 
 
 def unit_grad(unit: tuple) -> Any:

@@ -44,7 +44,7 @@ from parsim.report.trace import collective_name
 from .._torch import require_distributed, require_torch
 from .comm import _all_gather, _reduce_scatter
 from .mixed_precision import MasterWeightsAdamW, adamw, drop_gradient, gradient, reduced
-from .parallel import BucketReducer, unit_grad
+from .parallel import BucketReducer, expert_units, unit_grad
 from .trace_recorder import Recorder
 
 torch = require_torch()
@@ -80,11 +80,9 @@ class ZeroOptimizer(BucketReducer):
         self._gathering: dict[int, tuple[Any, Any, float]] = {}  # bucket -> (work, flat buffer, issue time)
         # The data-parallel sync's bucket bookkeeping (when a bucket is final, in which order buckets
         # launch), with a reduce-scatter where it all-reduces.
-        settings = SimpleNamespace(grad_sync="bucketed", overlap=overlap, accumulations=accumulations,
-                                   recorder=recorder, reduce_dtype=reduce_dtype)
-        units = [(p, i) for p in params for i in range(p.shape[0])] if experts else [(p, None) for p in params]
+        units = expert_units(params) if experts else [(p, None) for p in params]
         super().__init__(units, shard_group, size, divisor or size, "expert_bucket" if experts else "bucket", 0,
-                         settings, bucket_size)
+                         _bucketed(overlap, accumulations, recorder, reduce_dtype), bucket_size)
         self.stage, self.replicate_group = stage, replicate_group
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         rank = dist.get_rank(shard_group)
@@ -234,6 +232,12 @@ class ZeroOptimizer(BucketReducer):
         self.shards[k].weights.grad = shard.float()
 
 
+def _bucketed(overlap: bool, accumulations: int, recorder: Recorder, reduce_dtype: Any) -> SimpleNamespace:
+    """The data-parallel sync's settings a :class:`BucketReducer` reads (DDP's buckets, when final, in order)."""
+    return SimpleNamespace(grad_sync="bucketed", overlap=overlap, accumulations=accumulations, recorder=recorder,
+                           reduce_dtype=reduce_dtype)
+
+
 def _weights(unit: tuple) -> Any:
     """A unit's weights: the parameter, or its slice ``i`` along dim 0 (a view)."""
     param, index = unit
@@ -302,10 +306,8 @@ def whole_experts(params: list, group: Any, size: int, divisor: int, settings: d
     ``group`` (HSDP's ``size`` replicas holding the same experts; ``size`` 1: nothing sent) in buckets of one
     unit per expert's slice, as the lowering has them (``expert_bucket=k``), divided by ``divisor``, and
     AdamW on them whole. ``settings`` are :class:`ZeroOptimizer`'s."""
-    sync = SimpleNamespace(grad_sync="bucketed", overlap=settings["overlap"],
-                           accumulations=settings["accumulations"], recorder=settings["recorder"],
-                           reduce_dtype=settings["reduce_dtype"])
-    units = [(p, i) for p in params for i in range(p.shape[0])]
-    reducer = BucketReducer(units, group, size, divisor, "expert_bucket", 0, sync, settings["bucket_size"])
+    sync = _bucketed(settings["overlap"], settings["accumulations"], settings["recorder"], settings["reduce_dtype"])
+    reducer = BucketReducer(expert_units(params), group, size, divisor, "expert_bucket", 0, sync,
+                            settings["bucket_size"])
     lr, fused = settings["lr"], settings["fused"]
     return reducer, (MasterWeightsAdamW(params, lr, fused) if main_grads else adamw(params, lr, fused))
