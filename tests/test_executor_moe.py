@@ -238,7 +238,8 @@ def test_data_parallel_groups_are_the_ones_the_lowering_simulates():
 
 
 @pytest.mark.parametrize("plan, message", [
-    (load_plan({"model": MOE, "parallel": {"tp": 2}}), "mixture-of-experts layers with tensor parallelism"),
+    (load_plan({"model": MOE, "parallel": {"tp": 2}, "sequence_parallel": True}),
+     "mixture-of-experts layers with tensor parallelism"),
     (load_plan({"model": dict(MOE, **MLA, num_experts=0), "parallel": {"cp": 2}}),
      r"latent attention \(MLA\) with tensor or context parallelism"),
     (load_plan({"model": MOE, "parallel": {"cp": 2, "ep": 2}, "moe": {"capacity_factor": 1.25}}),

@@ -144,8 +144,10 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
 
 
 def _rows(plan: Plan, mm, tokens: int) -> int:
-    """Rows of ``mm``'s input on this rank: every token, or for a routed expert its share of the ep group's
-    routed tokens."""
+    """Rows of ``mm``'s input on this rank: every token, its part of the sequence for a weight applied there
+    (``on_sequence_shard``), or for a routed expert its share of the ep group's routed tokens."""
+    if mm.on_sequence_shard and plan.sequence_parallel:
+        return tokens // plan.tp
     if mm.experts == 1:
         return tokens
     return round(tokens * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)

@@ -752,13 +752,12 @@ class Lowering:
         return waits
 
     def _sequence_parallel_norms(self, rank: int, p: int, after: tuple[int, ...]) -> int:
-        """Sum the norm gains' (and row-parallel biases') gradients over the tp group: under sequence
-        parallelism each rank saw only its part of the sequence. Megatron-LM all-reduces them after the
+        """Sum the norm gains' (and row-parallel biases', and routers') gradients over the tp group: under
+        sequence parallelism each rank saw only its part of the sequence. Megatron-LM all-reduces them after the
         data-parallel sync, in line on the compute stream (``finalize_model_grads``), where the other tp
         collectives run: no other stream shares their links, so the simulator times them all in closed form."""
         plan = self.plan
-        elements = sum(param.numel_per_rank(plan.tp) for s in plan.stages_of(p) for cost in plan.stage_costs(s)
-                       for param in cost.params if param.sums_over_sequence_shards)
+        elements = sum(cost.sequence_shard_sums(plan.tp) for s in plan.stages_of(p) for cost in plan.stage_costs(s))
         group, mirrors = self.group(p, "tp")
         return self._add(rank, Op(collective_name("all_reduce", "tp", params="norms"), "collective", "compute",
                                   deps=after, collective="all_reduce", group="tp", ranks=group, mirrors=mirrors,

@@ -168,6 +168,8 @@ class FastModel:
         microbatches per rank: what entries and stages need, unless expert all-to-alls need the
         data-parallel ranks' real layout. Its schedule is never built."""
         plain = v._replace(grad_sync="bucketed", zero=0, shard_group=None)
+        if s.tp > 1 and getattr(self.space.model, "is_moe", False):  # MoE under tp is only sequence-parallel
+            plain = plain._replace(sequence_parallel=True)
         schedule = "interleaved-1f1b" if vs > 1 else "1f1b"
         if s.ep > 1:
             return self.plan(s, plain, m=2 * s.pp, schedule=schedule, vs=vs)
@@ -788,8 +790,7 @@ class FastModel:
 
     def _norms(self, s: Setting, v: Variant, p: int) -> float:
         plan = self.layout_plan(s, v)
-        per_type = np.array([sum(param.numel_per_rank(plan.tp) for param in cost.params
-                                 if param.sums_over_sequence_shards) for cost in entry_types(plan)], dtype=float)
+        per_type = np.array([cost.sequence_shard_sums(plan.tp) for cost in entry_types(plan)], dtype=float)
         elements = self.layout(s).rank_counts[p] @ per_type
         return self.comm.time("collective", "all_reduce", Lowering(plan).group(p, "tp")[0],
                               elements * plan.grad_bytes)

@@ -311,6 +311,8 @@ def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int, ep: int) -
     can_overlap = space.tp_overlap and space.gpus_per_node % tp == 0
     sps = ((False, False), (True, False)) + (((True, True),) if can_overlap else ()) if tp > 1 and transformer \
         else ((False, False),)
+    if tp > 1 and transformer and space.model.is_moe:  # Megatron-LM trains MoE under tp only sequence-parallel
+        sps = sps[1:]
     cp_styles = ("ring", "all_gather") if cp > 1 else ("ring",)
     return tuple(Variant(order, sp, recompute, cp_style, grad_sync, zero, shard, overlap)
                  for order in orders for sp, overlap in sps for recompute in recompute_options(space.model)

@@ -117,6 +117,9 @@ class Matmul:
     (an LM head tied to the embedding table). A routed expert's matmul has
     ``experts`` copies of its weight, of which each token uses ``active``
     (top-k); expert parallelism spreads the copies over ranks.
+    ``on_sequence_shard``: a replicated weight applied to the rank's own part of
+    the sequence under sequence parallelism (a MoE router: Megatron-LM routes
+    each rank's tokens), so its gradient is summed over the tp group.
     """
 
     name: str
@@ -127,6 +130,7 @@ class Matmul:
     owns_weight: bool = True
     experts: int = 1
     active: int = 1
+    on_sequence_shard: bool = False
 
     @property
     def params(self) -> int:
@@ -376,6 +380,13 @@ class LayerCost:
     @property
     def num_params(self) -> int:
         return sum(m.params for m in self.matmuls if m.owns_weight) + sum(p.numel for p in self.params)
+
+    def sequence_shard_sums(self, tp: int) -> int:
+        """Elements of this layer's replicated weights whose gradients sequence parallelism leaves partial on
+        each tp rank (norm gains, row-parallel biases, routers): Megatron-LM sums them over the group
+        (``finalize_model_grads``)."""
+        return (sum(p.numel_per_rank(tp) for p in self.params if p.sums_over_sequence_shards)
+                + sum(m.k * m.n for m in self.matmuls if m.on_sequence_shard))
 
     def params_per_rank(self, tp: int = 1, ep: int = 1) -> int:
         owned = 0
@@ -728,7 +739,7 @@ class TransformerModel(_CostTotals):
                 Activation("attn.o.in", q, d, sharded=True, unit=hd), *self._score_activations(d))
             attention_params = ()
         if moe:
-            mlp, ffn_saved = self._moe_block(d, sp)
+            mlp, ffn_saved = self._moe_block(d)
         else:
             ffn, intermediates = _ffn("mlp", h, f, self.ffn_type)
             mlp = Block("mlp", ffn, collectives=_block_collectives("mlp", h * d, sequence_parallel),
@@ -791,7 +802,7 @@ class TransformerModel(_CostTotals):
             (Param("norm.kv_a", 1, self.kv_lora_rank),)
         return block, saved, norms
 
-    def _moe_block(self, d: int, sequence_parallel: bool) -> tuple[Block, tuple[Activation, ...]]:
+    def _moe_block(self, d: int) -> tuple[Block, tuple[Activation, ...]]:
         """A mixture-of-experts feed-forward: a router picks ``experts_per_token`` of ``num_experts``
         experts per token (plus the shared experts every token uses).
 
@@ -800,27 +811,45 @@ class TransformerModel(_CostTotals):
         one (combine) after, in the forward and mirrored in the backward; each
         moves ``top-k x hidden`` elements per token. Saved: the dispatched
         tokens and each routed and shared expert's intermediates.
+
+        With tensor parallelism (and the sequence parallelism Megatron-LM then
+        requires) each rank routes and dispatches its own part of the sequence;
+        the tp group all-gathers the rows its experts received, runs its slice
+        of every expert (gate/up split by columns, down by rows) on all of them,
+        and reduce-scatters the partial outputs back to the rows each rank
+        received before the combine (Megatron-LM's ``MoEAlltoAllTokenDispatcher``:
+        ``dispatch_postprocess`` and ``combine_preprocess`` over the expert
+        tensor-parallel group, which is the tp group by default). Shared experts
+        are a tensor-parallel feed-forward with an all-gather of the block's
+        input and a reduce-scatter of their output (``SharedExpertMLP``).
         """
         h, fe, k, e = self.hidden, self.expert_ffn_hidden, self.experts_per_token, self.num_experts
         routed, intermediates = _ffn("moe.expert", h, fe, self.ffn_type, experts=e, active=k)
-        matmuls = (Matmul("moe.router", h, e), *routed)
+        matmuls = (Matmul("moe.router", h, e, on_sequence_shard=True), *routed)
         saved = [Activation("moe.dispatched", k * h, d, sharded=False),
                  *(Activation(name, k * fe, d, sharded=True) for name in intermediates)]
         if self.shared_experts:
             shared, names = _ffn("moe.shared", h, self.shared_experts * fe, self.ffn_type)
             matmuls += shared
             saved += [Activation(name, self.shared_experts * fe, d, sharded=True) for name in names]
-        tp = _block_collectives("mlp", h * d, sequence_parallel)
-        a2a = k * h * d
+        routed_rows, block_input = k * h * d, h * d  # bytes per token: its k routed rows; its hidden state
+
+        def shared_collective(name: str, op: str, phase: str, position: str) -> tuple[TPCollective, ...]:
+            return (TPCollective(name, op, phase, position, block_input),) if self.shared_experts else ()
+
         collectives = (
-            *(c for c in tp if c.phase == "forward" and c.position == "before"),
-            TPCollective("moe.dispatch", "all_to_all", "forward", "before", a2a, group="ep"),
-            TPCollective("moe.combine", "all_to_all", "forward", "after", a2a, group="ep"),
-            *(c for c in tp if c.phase == "forward" and c.position == "after"),
-            *(c for c in tp if c.phase == "backward" and c.position == "before"),
-            TPCollective("moe.combine.grad", "all_to_all", "backward", "before", a2a, group="ep"),
-            TPCollective("moe.dispatch.grad", "all_to_all", "backward", "after", a2a, group="ep"),
-            *(c for c in tp if c.phase == "backward" and c.position == "after"),
+            *shared_collective("moe.shared.in", "all_gather", "forward", "before"),
+            TPCollective("moe.dispatch", "all_to_all", "forward", "before", routed_rows, group="ep"),
+            TPCollective("moe.experts.in", "all_gather", "forward", "before", routed_rows),
+            TPCollective("moe.experts.out", "reduce_scatter", "forward", "after", routed_rows),
+            TPCollective("moe.combine", "all_to_all", "forward", "after", routed_rows, group="ep"),
+            *shared_collective("moe.shared.out", "reduce_scatter", "forward", "after"),
+            *shared_collective("moe.shared.out.grad", "all_gather", "backward", "before"),
+            TPCollective("moe.combine.grad", "all_to_all", "backward", "before", routed_rows, group="ep"),
+            TPCollective("moe.experts.out.grad", "all_gather", "backward", "before", routed_rows),
+            TPCollective("moe.experts.in.grad", "reduce_scatter", "backward", "after", routed_rows),
+            TPCollective("moe.dispatch.grad", "all_to_all", "backward", "after", routed_rows, group="ep"),
+            *shared_collective("moe.shared.in.grad", "reduce_scatter", "backward", "after"),
         )
         active_ffn = k * fe + self.shared_experts * fe
         kernels = (*self._norm("moe.norm", h),

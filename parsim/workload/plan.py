@@ -441,6 +441,10 @@ class Plan:
             if self.expert_load != 1 or self.capacity_factor is not None:
                 self._fail(f"expert_load and capacity_factor describe expert routing; {m.name} is a dense model")
             return
+        if self.tp > 1 and not self.sequence_parallel:
+            self._fail(f"tp {self.tp} with mixture-of-experts layers needs sequence_parallel: true: Megatron-LM's "
+                       f"MoELayer refuses to train with tensor parallelism without it (its token dispatcher "
+                       f"routes each rank's part of the sequence; add --sequence-parallel)")
         if (self.dp * self.cp) % self.ep:
             self._fail(f"ep {self.ep} must divide the {self.dp * self.cp} data-parallel ranks (dp x cp) it folds into")
         if m.num_experts % self.ep:
