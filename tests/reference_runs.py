@@ -35,7 +35,7 @@ def assert_step_equals_reference(plan, runs: list[dict]) -> None:
             losses += 1
             assert r["loss"] == pytest.approx(r["reference_loss"], rel=1e-5), f"rank {rank}"
         assert r["max_grad_error"] < 1e-5, f"rank {rank}: {r['worst_grad']}"
-        assert r["max_param_error"] < 1e-4, f"rank {rank}"
+        assert r["max_param_error"] < 1e-4, f"rank {rank}: {r['worst_param']}"
     assert losses == plan.dp * plan.cp * plan.tp
 
 

@@ -47,9 +47,9 @@ ZERO1, ZERO2 = dict(BUCKETS, zero=1), dict(BUCKETS, zero=2)
 
 
 def moe_plan(dp: int, ep: int, pp: int = 1, model: dict = MOE, schedule: str = "1f1b", sync: dict = BUCKETS,
-             cp: int = 1, capacity: float | None = None):
-    return load_plan({"model": model, "parallel": {"dp": dp, "ep": ep, "pp": pp, "cp": cp}, "batch": BATCH,
-                      "schedule": schedule, "data_parallel": sync,
+             cp: int = 1, capacity: float | None = None, tp: int = 1):
+    return load_plan({"model": model, "parallel": {"dp": dp, "ep": ep, "pp": pp, "cp": cp, "tp": tp}, "batch": BATCH,
+                      "schedule": schedule, "data_parallel": sync, "sequence_parallel": tp > 1,
                       **({"moe": {"capacity_factor": capacity}} if capacity else {})})
 
 
@@ -68,6 +68,7 @@ PLANS_2 = {
     "latent attention, ep2 x dp2 (DeepSeek-like)": moe_plan(2, 2, model=dict(MOE, **MLA)),
     "latent attention, queries uncompressed, FSDP dp2": moe_plan(2, 1, model=dict(MOE, **{**MLA, "q_lora_rank": 0}),
                                                                  sync=FSDP),
+    "tp2 (routed and shared experts split, sequence parallel)": moe_plan(1, 1, tp=2),
 }
 PLANS_4 = {
     "dp4 ep2 (edp 2), buckets": moe_plan(4, 2),
@@ -91,6 +92,14 @@ PLANS_4 = {
         4, 2, sync=dict(ZERO2, shard_group=2)),
     "ep2 x pp2, capacity 1.0, FSDP": moe_plan(2, 2, pp=2, sync=FSDP, capacity=1.0),
     "latent attention, ep2 x pp2, ZeRO-1": moe_plan(2, 2, pp=2, model=dict(MOE, **MLA), sync=ZERO1),
+    "tp2 x ep2 (dp2): rows dispatched over ep, then gathered over tp": moe_plan(2, 2, tp=2),
+    "tp2 x pp2, gelu, no shared experts, 8 experts": moe_plan(
+        1, 1, pp=2, tp=2, model=dict(MOE, ffn_type="gelu", shared_experts=0, num_experts=8)),
+    "FSDP tp2 x dp2, ep2": moe_plan(2, 2, tp=2, sync=FSDP),
+    "ZeRO-1 tp2 x dp2, ep1": moe_plan(2, 1, tp=2, sync=ZERO1),
+    "tp2 x ep2 with tp_comm_overlap (the attention's collectives beside its GEMMs)": load_plan(
+        {"model": MOE, "parallel": {"dp": 2, "ep": 2, "tp": 2}, "batch": BATCH, "data_parallel": BUCKETS,
+         "sequence_parallel": True, "tp_comm_overlap": True}),
 }
 
 
@@ -238,12 +247,11 @@ def test_data_parallel_groups_are_the_ones_the_lowering_simulates():
 
 
 @pytest.mark.parametrize("plan, message", [
-    (load_plan({"model": MOE, "parallel": {"tp": 2}, "sequence_parallel": True}),
-     "mixture-of-experts layers with tensor parallelism"),
+    (moe_plan(1, 1, tp=2, capacity=1.25), r"\(capacity_factor\) with context or tensor parallelism"),
     (load_plan({"model": dict(MOE, **MLA, num_experts=0), "parallel": {"cp": 2}}),
      r"latent attention \(MLA\) with tensor or context parallelism"),
     (load_plan({"model": MOE, "parallel": {"cp": 2, "ep": 2}, "moe": {"capacity_factor": 1.25}}),
-     r"dropping tokens over an expert capacity \(capacity_factor\) with context parallelism"),
+     r"dropping tokens over an expert capacity \(capacity_factor\) with context or tensor parallelism"),
 ])
 def test_what_the_executor_does_not_run_is_refused_in_one_line(plan, message):
     from executor.train.runner import check_plan
@@ -282,8 +290,8 @@ def test_moe_step_equals_single_process(request, world, name):
     for rank, r in enumerate(ranks):
         assert r["expert_params_checked"] and r["max_expert_grad_error"] < 1e-5, f"rank {rank}"
     per_layer = 3 if plan.model.ffn_type == "swiglu" else 2  # gate, up, down or fc1, fc2: one tensor each
-    # 3 MoE layers per replica, and each of its context-parallel ranks holds a share of the experts
-    assert sum(r["expert_params_checked"] for r in ranks) == plan.dp * plan.cp * 3 * per_layer
+    # 3 MoE layers per replica, and each of its context- and tensor-parallel ranks holds a share of the experts
+    assert sum(r["expert_params_checked"] for r in ranks) == plan.dp * plan.cp * plan.tp * 3 * per_layer
 
 
 @pytest.mark.multiproc
@@ -293,7 +301,8 @@ def test_moe_events_match_the_simulated_program(request, world, name):
     plan, ranks = _run(request, world, name)
     assert_events_as_simulated(plan, ranks)
     names = {n for r in ranks for n in r["events"]}
-    assert "all_to_all ep layer=layer.1 mb=1 dir=bwd1" in names or plan.ep == 1  # dispatch.grad
+    dispatch_grad = 3 if plan.tp > 1 else 1  # after the combine's (and under tp the experts' gather and scatter)
+    assert f"all_to_all ep layer=layer.1 mb=1 dir=bwd{dispatch_grad}" in names or plan.ep == 1
     assert any("expert_bucket" in n for n in names) == (plan.grad_sync == "bucketed" and plan.dp * plan.cp > plan.ep)
 
 

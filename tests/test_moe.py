@@ -86,19 +86,19 @@ def test_expert_gradients_sync_over_the_ranks_holding_the_same_experts(grad_sync
 
 
 def test_under_tp_each_rank_dispatches_its_part_of_the_sequence_and_the_tp_group_shares_the_rows():
-    """Megatron-LM's MoE under tp 2 (sequence parallel): the shared experts' gather, the dispatch of this
-    rank's half of the sequence, the tp gather of the rows the experts received; after the experts the
-    reduce-scatter of their partial outputs, the combine, the shared experts' reduce-scatter."""
+    """Megatron-LM's MoE under tp 2 (sequence parallel): the shared experts (a gather of the block input, a
+    reduce-scatter of their output), the dispatch of this rank's half of the sequence, the tp gather of the
+    rows the experts received; after the experts the reduce-scatter of their partial outputs and the combine.
+    The backward runs in reverse, the shared experts last."""
     program = lower(Plan(model=MOE, dp=4, tp=2, ep=2, sequence_parallel=True, dtype="bf16", num_microbatches=1))
     layer = [op for op in program.rank_ops(0) if op.kind == "collective" and "layer=layer.1 " in op.name]
     tokens, routed, hidden = 1024, 1024 * 2 * 512 * 2, 1024 * 512 * 2  # bytes: k rows and one row per token
     forward = [(op.collective, op.group, op.nbytes) for op in layer if "dir=fwd" in op.name][-6:]
-    assert forward == [("all_gather", "tp", hidden), ("all_to_all", "ep", routed / 2), ("all_gather", "tp", routed),
-                       ("reduce_scatter", "tp", routed), ("all_to_all", "ep", routed / 2),
-                       ("reduce_scatter", "tp", hidden)]
+    assert forward == [("all_gather", "tp", hidden), ("reduce_scatter", "tp", hidden), ("all_to_all", "ep", routed / 2),
+                       ("all_gather", "tp", routed), ("reduce_scatter", "tp", routed), ("all_to_all", "ep", routed / 2)]
     backward = [(op.collective, op.group) for op in layer if "dir=bwd" in op.name][:6]
-    assert backward == [("all_gather", "tp"), ("all_to_all", "ep"), ("all_gather", "tp"), ("reduce_scatter", "tp"),
-                        ("all_to_all", "ep"), ("reduce_scatter", "tp")]
+    assert backward == [("all_to_all", "ep"), ("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_to_all", "ep"),
+                        ("all_gather", "tp"), ("reduce_scatter", "tp")]
     # the router scores this rank's tokens only, and its gradient joins the norms' sum over tp
     moe = next(op for op in program.rank_ops(0) if op.name == "F stage=0 mb=0" and (tokens // 2, 8, 512) in op.matmuls)
     assert (tokens, 8, 512) not in moe.matmuls

@@ -49,6 +49,7 @@ nn = torch.nn
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 SEQUENCE_DIM = 1  # activations are (batch, sequence, hidden)
+TOKEN_DIM = -2  # the sequence there, or the rows of tokens flattened to (tokens, hidden)
 
 
 @dataclass
@@ -102,6 +103,81 @@ class TPGroup(_LayerGroup):
         return out
 
 
+    def gather_rows(self, x, sizes: list[int], layer: str, direction: str, nbytes: int) -> Any:
+        """Every rank's rows of ``x`` (``sizes[r]`` from rank ``r``), concatenated in rank order; ``nbytes``
+        is what the event records."""
+        with self._span("all_gather", layer, direction, nbytes):
+            return self._gather_rows(x, sizes)
+
+    def gather_rows_counted(self, x, counts, layer: str, nbytes: int) -> tuple[Any, Any]:
+        """The forward's gather of the rows this rank's experts received (``counts[j]`` for its expert ``j``):
+        the counts are exchanged first, inside the same span (Megatron-LM's dispatcher gathers them over
+        the expert tensor-parallel group beforehand). Returns the rows and the counts, ``[size, experts]``."""
+        with self._span("all_gather", layer, "fwd", nbytes):
+            every = counts.new_empty(self.size * counts.numel())
+            _all_gather(every, counts.contiguous(), group=self.group)
+            every = every.view(self.size, -1)
+            return self._gather_rows(x, every.sum(1).tolist()), every
+
+    def _gather_rows(self, x, sizes: list[int]) -> Any:
+        most = max(sizes)  # uneven parts travel padded to the largest
+        padded = x.new_empty((self.size * most, *x.shape[1:]))
+        _all_gather(padded, torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))]), group=self.group)
+        return torch.cat([part[:n] for part, n in zip(padded.split(most), sizes)])
+
+    def scatter_rows(self, x, sizes: list[int], layer: str, direction: str, nbytes: int) -> Any:
+        """Sum ``x`` (every rank's rows, ``sizes[r]`` of rank ``r``'s in rank order) over ranks and keep this
+        rank's rows; ``nbytes`` is what the event records."""
+        most = max(sizes)
+        padded = torch.cat([torch.cat([part, part.new_zeros((most - n, *x.shape[1:]))])
+                            for part, n in zip(x.split(sizes), sizes)])
+        out = x.new_empty((most, *x.shape[1:]))
+        with self._span("reduce_scatter", layer, direction, nbytes):
+            _reduce_scatter(out, padded, group=self.group)
+        return out[:sizes[self.rank]]
+
+
+class _GatherRows(torch.autograd.Function):
+    """The expert tensor-parallel all-gather of the rows each rank's experts received; its backward sums the
+    partial input gradients and returns each rank its rows' (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, counts, tp: TPGroup, layer: str, nbytes: int):
+        out, every = tp.gather_rows_counted(x, counts, layer, nbytes)
+        ctx.sizes, ctx.tp, ctx.layer, ctx.nbytes = every.sum(1).tolist(), tp, layer, nbytes
+        ctx.mark_non_differentiable(every)
+        return out, every
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        return ctx.tp.scatter_rows(grad.contiguous(), ctx.sizes, ctx.layer, "bwd", ctx.nbytes), None, None, None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Sums the experts' partial outputs of every rank's rows and returns each rank its own (a
+    reduce-scatter); the backward all-gathers their gradients."""
+
+    @staticmethod
+    def forward(ctx, x, sizes: list[int], tp: TPGroup, layer: str, nbytes: int):
+        ctx.sizes, ctx.tp, ctx.layer, ctx.nbytes = sizes, tp, layer, nbytes
+        return tp.scatter_rows(x, sizes, layer, "fwd", nbytes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.gather_rows(grad.contiguous(), ctx.sizes, ctx.layer, "bwd", ctx.nbytes), None, None, None, None
+
+
+def gather_rows(x, counts, tp: TPGroup, layer: str, nbytes: int) -> tuple[Any, Any]:
+    """All-gather over ``tp`` the rows this rank's experts received (``counts`` per expert): every rank's, in
+    rank order, and their counts ``[tp.size, experts]``. The backward reduce-scatters the gradients."""
+    return _GatherRows.apply(x, counts, tp, layer, nbytes)
+
+
+def scatter_rows(x, sizes: list[int], tp: TPGroup, layer: str, nbytes: int) -> Any:
+    """Reduce-scatter uneven row blocks over ``tp`` (rank ``r`` keeps ``sizes[r]``); backward: all-gather."""
+    return _ScatterRows.apply(x, sizes, tp, layer, nbytes)
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp: TPGroup, layer: str):
@@ -135,16 +211,18 @@ class _GatherFromTP(torch.autograd.Function):
 
 
 class _GatherSequence(torch.autograd.Function):
-    """Megatron-LM's ``gather_from_sequence_parallel_region``: all-gather the sequence, reduce-scatter back."""
+    """Megatron-LM's ``gather_from_sequence_parallel_region``: all-gather the sequence, reduce-scatter back.
+    Along the second-to-last dim: the sequence of ``(batch, sequence, hidden)``, or the rows of tokens
+    flattened ``(tokens, hidden)``, which a per-token block (MoE's shared experts) gathers as well."""
 
     @staticmethod
     def forward(ctx, x, tp: TPGroup, layer: str):
         ctx.tp, ctx.layer = tp, layer
-        return tp.all_gather(x, SEQUENCE_DIM, layer, "fwd")
+        return tp.all_gather(x, TOKEN_DIM, layer, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.reduce_scatter(grad, SEQUENCE_DIM, ctx.layer, "bwd"), None, None
+        return ctx.tp.reduce_scatter(grad, TOKEN_DIM, ctx.layer, "bwd"), None, None
 
 
 class _ScatterSequence(torch.autograd.Function):
@@ -154,11 +232,11 @@ class _ScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp: TPGroup, layer: str):
         ctx.tp, ctx.layer = tp, layer
-        return tp.reduce_scatter(x, SEQUENCE_DIM, layer, "fwd")
+        return tp.reduce_scatter(x, TOKEN_DIM, layer, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.all_gather(grad, SEQUENCE_DIM, ctx.layer, "bwd"), None, None
+        return ctx.tp.all_gather(grad, TOKEN_DIM, ctx.layer, "bwd"), None, None
 
 
 class _ShareLoss(torch.autograd.Function):

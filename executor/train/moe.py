@@ -28,18 +28,21 @@ Token flow: each (token, choice) row is sorted by expert, the experts run on
 their contiguous rows, and the rows are put back and weighted. With
 :class:`AllToAllDispatcher` (expert parallelism) the sorted rows travel to
 their experts' ranks and back between those steps, as Megatron-LM's
-all-to-all token dispatcher does.
+all-to-all token dispatcher does; with :class:`ExpertTensorParallel` the tp
+group all-gathers the rows its experts received, each rank runs its slice
+of every expert on them, and the partial outputs are reduce-scattered back.
+The shared experts run first, as Megatron-LM's ``MoELayer`` runs them.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from parsim.workload.model import TransformerModel
 
 from .._torch import require_torch
-from .comm import EPGroup, combine, dispatch
+from .comm import EPGroup, TPGroup, combine, dispatch, gather_rows, scatter_rows
 
 torch = require_torch()
 nn = torch.nn
@@ -96,17 +99,42 @@ class AllToAllDispatcher:
         self.ep, self.layer = ep, layer
         self.received = None  # the last dispatch's rows per local expert, from every rank of the group
 
-    def __call__(self, rows, counts, experts: RoutedExperts):
+    def __call__(self, rows, counts, experts: Callable[[Any, Any], Any]):
+        """``experts(rows, counts)`` runs rows sorted by local expert (``counts`` each, a tensor)."""
         received, received_counts = dispatch(rows, counts, self.ep, self.layer)  # [source rank, local expert]
-        size, local = received_counts.shape
-        expert_of_row = torch.arange(local, device=rows.device).repeat(size).repeat_interleave(
-            received_counts.flatten())
-        order = expert_of_row.argsort(stable=True)  # by local expert, then source rank
-        self.received = received_counts.sum(0)  # per local expert, from every rank
-        out = experts(received.index_select(0, order), self.received.tolist())
-        out = out.index_select(0, order.argsort())  # back in the order received
+        out, self.received = by_expert(received, received_counts, experts)
         return combine(out, self.ep, self.layer, received_counts.sum(1).tolist(),
-                       counts.view(size, -1).sum(1).tolist())
+                       counts.view(received_counts.shape[0], -1).sum(1).tolist())
+
+
+def by_expert(rows, counts, experts: Callable[[Any, Any], Any]) -> tuple[Any, Any]:
+    """Run ``rows``, in blocks by source rank and within each by expert (``counts[source, expert]``), through
+    ``experts`` sorted by expert: their outputs in the order of ``rows``, and the rows per expert."""
+    sources, local = counts.shape
+    expert_of_row = torch.arange(local, device=rows.device).repeat(sources).repeat_interleave(counts.flatten())
+    order = expert_of_row.argsort(stable=True)  # by expert, then source
+    per_expert = counts.sum(0)
+    out = experts(rows.index_select(0, order), per_expert)
+    return out.index_select(0, order.argsort()), per_expert
+
+
+class ExpertTensorParallel:
+    """Tensor parallelism of the routed experts over ``tp`` (Megatron-LM's expert tensor parallelism, its
+    group the tp group by default): each rank holds a column slice of every expert's gate/up (fc1) and the
+    matching row slice of its down (fc2). The rows this rank's experts received are all-gathered from the
+    group (with their counts), every rank runs its slices on all of them, and the partial outputs are
+    reduce-scattered back to the rank that received each row (``MoEAlltoAllTokenDispatcher``'s
+    ``dispatch_postprocess`` and ``combine_preprocess``)."""
+
+    def __init__(self, tp: TPGroup, layer: str):
+        self.tp, self.layer = tp, layer
+        self.held = None  # the last forward's rows per expert here, from every rank of the group
+
+    def __call__(self, rows, counts, experts: RoutedExperts, nbytes: int):
+        """``nbytes``: what both events record, the simulator's: the rows every rank of the group routed."""
+        gathered, every = gather_rows(rows, counts, self.tp, self.layer, nbytes)  # [tp rank, expert]
+        out, self.held = by_expert(gathered, every, lambda sorted_rows, held: experts(sorted_rows, held.tolist()))
+        return scatter_rows(out, every.sum(1).tolist(), self.tp, self.layer, nbytes)
 
 
 class MoEFeedForward(nn.Module):
@@ -119,6 +147,7 @@ class MoEFeedForward(nn.Module):
         self.experts = RoutedExperts(m.num_experts, m.hidden, m.expert_ffn_hidden, m.ffn_type)
         self.shared = shared  # a dense FeedForward of shared_experts x expert_ffn_hidden, or None
         self.dispatcher: AllToAllDispatcher | None = None  # expert parallelism sets it
+        self.tensor_parallel: ExpertTensorParallel | None = None  # tensor parallelism sets it
         self.capacity_factor: float | None = None  # the plan's: each expert's rows capped (None: dropless)
         self.drop_group: int | None = None  # tokens sharing one capacity: a rank's microbatch's (None: all)
         # a list: each forward's busiest expert here over the mean an expert gets (parsim run; tensors, so a GPU
@@ -127,34 +156,45 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
+        shared = None if self.shared is None else self.shared(tokens)  # Megatron-LM runs them first
         top, chosen = self.router(tokens).topk(self.top_k, dim=-1)
         gates = F.softmax(top.float(), dim=-1).to(tokens.dtype)  # [tokens, k]
         if self.capacity_factor is not None:
-            return self._with_capacity(x, tokens, chosen, gates)
-        order = chosen.flatten().argsort(stable=True)  # (token, choice) rows sorted by expert
-        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)
-        rows = tokens.index_select(0, order // self.top_k)
-        out = self._run_experts(rows, counts, chosen.numel())
-        out = out.index_select(0, order.argsort()).view(len(tokens), self.top_k, -1)  # back per token
-        y = (out * gates.unsqueeze(-1)).sum(1)
-        if self.shared is not None:
-            y = y + self.shared(tokens)
-        return y.view_as(x)
+            y = self._with_capacity(tokens, chosen, gates)
+        else:
+            order = chosen.flatten().argsort(stable=True)  # (token, choice) rows sorted by expert
+            counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)
+            rows = tokens.index_select(0, order // self.top_k)
+            out = self._run_experts(rows, counts, chosen.numel())
+            out = out.index_select(0, order.argsort()).view(len(tokens), self.top_k, -1)  # back per token
+            y = (out * gates.unsqueeze(-1)).sum(1)
+        return (y if shared is None else y + shared).view_as(x)
 
     def _run_experts(self, rows, counts, routed: int):
         """``rows`` (sorted by expert, ``counts`` each) through their experts, here or on their ranks; with
         ``loads``, note the busiest expert here over the mean of the ``routed`` (token, choice) rows every
-        rank of the ep group routes (as many as this one)."""
+        rank of the ep (and tp) group routes (as many as this one)."""
+        experts, held, ranks = self._local_experts(routed * rows.shape[-1] * rows.element_size()), counts, 1
         if self.dispatcher is None:
-            out, held, ep = self.experts(rows, counts.tolist()), counts, 1
+            out = experts(rows, counts)
         else:
-            out = self.dispatcher(rows, counts, self.experts)
-            held, ep = self.dispatcher.received, self.dispatcher.ep.size
+            out = self.dispatcher(rows, counts, experts)
+            held, ranks = self.dispatcher.received, self.dispatcher.ep.size
+        if self.tensor_parallel is not None:
+            held, ranks = self.tensor_parallel.held, ranks * self.tensor_parallel.tp.size
         if self.loads is not None:
-            self.loads.append(held.max() / (routed * ep / self.num_experts))
+            self.loads.append(held.max() / (routed * ranks / self.num_experts))
         return out
 
-    def _with_capacity(self, x, tokens, chosen, gates):
+    def _local_experts(self, routed_bytes: int) -> Callable[[Any, Any], Any]:
+        """What runs rows sorted by this rank's experts (a tensor of counts each): the experts, or their
+        tensor-parallel slices with the tp group's rows (events of the tp group's ``routed_bytes``)."""
+        if self.tensor_parallel is None:
+            return lambda rows, counts: self.experts(rows, counts.tolist())
+        nbytes = routed_bytes * self.tensor_parallel.tp.size
+        return lambda rows, counts: self.tensor_parallel(rows, counts, self.experts, nbytes)
+
+    def _with_capacity(self, tokens, chosen, gates):
         """The forward with each expert capped at its capacity per drop group: the kept (token, choice) rows
         only are sorted, sent and run; a dropped choice's output is zero."""
         kept = self.kept_choices(chosen.flatten(), gates.flatten().detach())
@@ -163,10 +203,7 @@ class MoEFeedForward(nn.Module):
         rows = tokens.index_select(0, order // self.top_k)
         out = self._run_experts(rows, counts, chosen.numel())
         every = out.new_zeros(chosen.numel(), out.shape[-1]).index_copy(0, order, out)
-        y = (every.view(len(tokens), self.top_k, -1) * gates.unsqueeze(-1)).sum(1)
-        if self.shared is not None:
-            y = y + self.shared(tokens)
-        return y.view_as(x)
+        return (every.view(len(tokens), self.top_k, -1) * gates.unsqueeze(-1)).sum(1)
 
     def kept_choices(self, choice, gate):
         """Indices of the (token, choice) rows within their expert's capacity: per drop group of tokens and

@@ -32,7 +32,7 @@ from .comm import (CopyToTP, EPGroup, GatherFromTP, GatherSequence, ReduceFromTP
                    VocabParallelCrossEntropy)
 from .mixed_precision import gradient, reduced
 from .models import Piece, RMSNorm
-from .moe import AllToAllDispatcher, MoEFeedForward, RoutedExperts
+from .moe import AllToAllDispatcher, ExpertTensorParallel, MoEFeedForward, RoutedExperts
 from .tp_overlap import TPOverlap
 from .trace_recorder import Recorder
 
@@ -44,16 +44,19 @@ F = torch.nn.functional
 
 # --------------------------------------------------------------------------- shards
 def shard_parameter(param, dim: int, start: int, stop: int):
-    """A new parameter holding ``param[start:stop]`` along ``dim``, labelled with where it came from."""
+    """A new parameter holding ``param[start:stop]`` along ``dim``, labelled with where it came from: its
+    ``shard`` lists each ``(dim, start, stop)`` cut from the dense tensor (a routed expert's weight under
+    tensor and expert parallelism is cut twice)."""
     shard = nn.Parameter(param.data.narrow(dim, start, stop - start).clone())
-    shard.full_name, shard.shard = param.full_name, (dim, start, stop)
+    shard.full_name, shard.shard = param.full_name, (*getattr(param, "shard", ()), (dim, start, stop))
     return shard
 
 
 def reference_slice(param, full):
     """The part of the dense tensor ``full`` that ``param`` holds (all of it when not sharded)."""
-    shard = getattr(param, "shard", None)
-    return full if shard is None else full.narrow(shard[0], shard[1], shard[2] - shard[1])
+    for dim, start, stop in getattr(param, "shard", ()):
+        full = full.narrow(dim, start, stop - start)
+    return full
 
 
 def _split(module, attr: str, dim: int, tp: TPGroup) -> None:
@@ -96,9 +99,6 @@ def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: s
         return _mlp(pieces, loss, style, tp)
     if style != "megatron":
         raise ParsimError(f"the executor runs transformers with megatron tensor parallelism, not {style!r}")
-    if model.is_moe:
-        raise ParsimError(f"the executor does not split the mixture-of-experts layers of {model.name} with tensor "
-                          f"parallelism (tp {tp.size}); use ep")
     if model.num_kv_heads % tp.size:
         raise ParsimError(f"tp {tp.size} > num_kv_heads {model.num_kv_heads}: the executor splits key/value "
                           f"heads across ranks and does not replicate them")
@@ -118,11 +118,14 @@ def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: s
             loss = VocabParallelCrossEntropy(tp, start)
         else:
             _megatron_block(m.attn, ("q", "k", "v"), ("o",), enter(tp, piece.name), exit_(tp, piece.name), tp)
-            columns = ("gate", "up") if m.mlp.swiglu else ("fc1",)
-            _megatron_block(m.mlp, columns, ("down",) if m.mlp.swiglu else ("fc2",), enter(tp, piece.name),
-                            exit_(tp, piece.name), tp)
+            if isinstance(m.mlp, MoEFeedForward):
+                _moe_block(m.mlp, piece.name, tp)
+            else:
+                _feed_forward(m.mlp, enter(tp, piece.name), exit_(tp, piece.name), tp)
             if overlap:
-                m.attn.overlap = m.mlp.overlap = TPOverlap(tp, piece.name)
+                m.attn.overlap = TPOverlap(tp, piece.name)
+                if not isinstance(m.mlp, MoEFeedForward):  # the simulator overlaps no MoE block's collectives
+                    m.mlp.overlap = m.attn.overlap
         if sequence_parallel:
             for sub in m.modules():
                 if isinstance(sub, RMSNorm):
@@ -138,6 +141,29 @@ def _megatron_block(block, columns: tuple[str, ...], rows: tuple[str, ...], ente
     for name in rows:
         _split(getattr(block, name), "weight", 1, tp)
     block.enter, block.exit = enter, exit_
+
+
+def _feed_forward(ffn, enter: Any, exit_: Any, tp: TPGroup) -> None:
+    """A dense feed-forward: gate and up (fc1) column-parallel, down (fc2) row-parallel."""
+    columns, rows = (("gate", "up"), ("down",)) if ffn.swiglu else (("fc1",), ("fc2",))
+    _megatron_block(ffn, columns, rows, enter, exit_, tp)
+
+
+def _moe_block(moe: MoEFeedForward, layer: str, tp: TPGroup) -> None:
+    """A MoE layer under Megatron-LM's tensor parallelism (sequence parallel, which Megatron requires): the
+    router replicated, scoring this rank's part of the sequence (its gradient summed over the group like a
+    norm's), each routed expert split like a dense feed-forward (:class:`~executor.train.moe.ExpertTensorParallel`
+    moves the rows), the shared experts a tensor-parallel feed-forward of their own."""
+    moe.router.weight.sequence_parallel = True
+    experts = moe.experts
+    columns, rows = (("gate", "up"), ("down",)) if experts.swiglu else (("fc1",), ("fc2",))
+    for name in columns:  # [experts, hidden, ffn]: split the ffn outputs
+        _split(experts, name, 2, tp)
+    for name in rows:  # [experts, ffn, hidden]: split the ffn inputs
+        _split(experts, name, 1, tp)
+    moe.tensor_parallel = ExpertTensorParallel(tp, layer)
+    if moe.shared is not None:  # on the rows of this rank's tokens, gathered and scattered like the sequence
+        _feed_forward(moe.shared, GatherSequence(tp, layer), ScatterSequence(tp, layer), tp)
 
 
 def _mlp(pieces: list[Piece], loss: Any, style: str, tp: TPGroup) -> Any:

@@ -153,9 +153,8 @@ def check_plan(plan: Plan) -> None:
         (f"tensor-parallel communication overlapped with GEMMs (tp_comm_overlap) unless each rank's share of "
          f"the sequence splits into {PIPELINE_SPLITS} equal parts",
          plan.tp_comm_overlap and (m.seq_len // (plan.cp * plan.tp)) % PIPELINE_SPLITS != 0),
-        ("mixture-of-experts layers with tensor parallelism", m.is_moe and plan.tp > 1),
-        ("dropping tokens over an expert capacity (capacity_factor) with context parallelism",
-         plan.capacity_factor is not None and plan.cp > 1),
+        ("dropping tokens over an expert capacity (capacity_factor) with context or tensor parallelism",
+         plan.capacity_factor is not None and (plan.cp > 1 or plan.tp > 1)),
         ("latent attention (MLA) with tensor or context parallelism",
          m.attention == "mla" and (plan.tp > 1 or plan.cp > 1)),
         ("weight-gradient matmuls that accumulate in place (grad_accumulation: fused)",

@@ -837,18 +837,18 @@ class TransformerModel(_CostTotals):
         def shared_collective(name: str, op: str, phase: str, position: str) -> tuple[TPCollective, ...]:
             return (TPCollective(name, op, phase, position, block_input),) if self.shared_experts else ()
 
-        collectives = (
+        collectives = (  # in Megatron-LM's order: the shared experts first, then route, dispatch, run, combine
             *shared_collective("moe.shared.in", "all_gather", "forward", "before"),
+            *shared_collective("moe.shared.out", "reduce_scatter", "forward", "before"),
             TPCollective("moe.dispatch", "all_to_all", "forward", "before", routed_rows, group="ep"),
             TPCollective("moe.experts.in", "all_gather", "forward", "before", routed_rows),
             TPCollective("moe.experts.out", "reduce_scatter", "forward", "after", routed_rows),
             TPCollective("moe.combine", "all_to_all", "forward", "after", routed_rows, group="ep"),
-            *shared_collective("moe.shared.out", "reduce_scatter", "forward", "after"),
-            *shared_collective("moe.shared.out.grad", "all_gather", "backward", "before"),
             TPCollective("moe.combine.grad", "all_to_all", "backward", "before", routed_rows, group="ep"),
             TPCollective("moe.experts.out.grad", "all_gather", "backward", "before", routed_rows),
             TPCollective("moe.experts.in.grad", "reduce_scatter", "backward", "after", routed_rows),
             TPCollective("moe.dispatch.grad", "all_to_all", "backward", "after", routed_rows, group="ep"),
+            *shared_collective("moe.shared.out.grad", "all_gather", "backward", "after"),
             *shared_collective("moe.shared.in.grad", "reduce_scatter", "backward", "after"),
         )
         active_ffn = k * fe + self.shared_experts * fe
