@@ -97,6 +97,9 @@ PLANS_4 = {
         1, 1, pp=2, tp=2, model=dict(MOE, ffn_type="gelu", shared_experts=0, num_experts=8)),
     "FSDP tp2 x dp2, ep2": moe_plan(2, 2, tp=2, sync=FSDP),
     "ZeRO-1 tp2 x dp2, ep1": moe_plan(2, 1, tp=2, sync=ZERO1),
+    "latent attention under tp2 x ep2, sequence parallel": moe_plan(2, 2, tp=2, model=dict(MOE, **MLA)),
+    "latent attention, queries uncompressed, tp2 x pp2, ZeRO-1": moe_plan(
+        1, 1, pp=2, tp=2, model=dict(MOE, **{**MLA, "q_lora_rank": 0}), sync=ZERO1),
     "tp2 x ep2 with tp_comm_overlap (the attention's collectives beside its GEMMs)": load_plan(
         {"model": MOE, "parallel": {"dp": 2, "ep": 2, "tp": 2}, "batch": BATCH, "data_parallel": BUCKETS,
          "sequence_parallel": True, "tp_comm_overlap": True}),
@@ -249,7 +252,9 @@ def test_data_parallel_groups_are_the_ones_the_lowering_simulates():
 @pytest.mark.parametrize("plan, message", [
     (moe_plan(1, 1, tp=2, capacity=1.25), r"\(capacity_factor\) with context or tensor parallelism"),
     (load_plan({"model": dict(MOE, **MLA, num_experts=0), "parallel": {"cp": 2}}),
-     r"latent attention \(MLA\) with tensor or context parallelism"),
+     r"latent attention \(MLA\) with context parallelism, or with tensor parallelism but no sequence"),
+    (load_plan({"model": dict(MOE, **MLA, num_experts=0), "parallel": {"tp": 2}}),
+     r"latent attention \(MLA\) with context parallelism, or with tensor parallelism but no sequence"),
     (load_plan({"model": MOE, "parallel": {"cp": 2, "ep": 2}, "moe": {"capacity_factor": 1.25}}),
      r"dropping tokens over an expert capacity \(capacity_factor\) with context or tensor parallelism"),
 ])

@@ -247,3 +247,43 @@ def test_deepseek_example_plan_keeps_expert_groups_on_eight_nodes():
     assert (p.world, p.ep, p.pp, p.schedule, p.dtype) == (2048, 64, 16, "dualpipe-v", "fp8")
     ep_group = p.rank_grid[:64, 0, 0, 0]  # stage 0's first expert-parallel group, as the lowering forms it
     assert len(set((ep_group // 8).tolist())) == 8
+
+
+LATENT = load_model({"kind": "transformer", "name": "mla", "num_layers": 2, "hidden": 512, "num_heads": 8,
+                     "num_kv_heads": 8, "ffn_hidden": 1024, "seq_len": 1024, "vocab_size": 1000, "attention": "mla",
+                     "q_lora_rank": 128, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+                     "v_head_dim": 32})
+
+
+def _attention_collectives(plan: Plan, direction: str) -> list[tuple[str, float]]:
+    program = lower(plan)
+    return [(op.collective, op.nbytes) for op in program.rank_ops(0)
+            if op.kind == "collective" and " layer=layer.0 " in op.name and f"dir={direction}" in op.name][
+        :4 if direction == "fwd" else None]
+
+
+def test_latent_attention_under_sequence_parallelism_gathers_its_latents_as_megatron():
+    """Megatron-LM's MLA under tp 2 with sequence parallelism: the duplicated down-projections run on the
+    rank's half of the sequence; the RoPE key, the normed query latent and the normed key/value latent are
+    all-gathered before the up-projections, the output reduce-scattered; the backward mirrors it."""
+    plan = Plan(model=LATENT, tp=2, sequence_parallel=True, dtype="bf16", num_microbatches=1)
+    tokens = 1024 * 2  # bytes per element
+    assert _attention_collectives(plan, "fwd") == [
+        ("all_gather", 16 * tokens), ("all_gather", 128 * tokens), ("all_gather", 64 * tokens),
+        ("reduce_scatter", 512 * tokens)]
+    backward = _attention_collectives(plan, "bwd")
+    assert backward[-4:] == [("all_gather", 512 * tokens), ("reduce_scatter", 64 * tokens),
+                             ("reduce_scatter", 128 * tokens), ("reduce_scatter", 16 * tokens)]
+    program = lower(plan)
+    forward = [mm for op in program.rank_ops(0) if op.name == "F stage=0 mb=0" for mm in op.matmuls]
+    assert (512, 128, 512) in forward and (512, 80, 512) in forward  # q_a, kv_a on 1024 / 2 rows
+    norms = next(op for op in program.rank_ops(0) if op.name == "all_reduce tp params=norms")
+    per_layer = 2 * 512 + 128 + 64 + 512 * 128 + 512 * 80  # layer norms, latent norms, q_a and kv_a weights
+    assert norms.nbytes == (2 * per_layer + 512) * 4  # + the head's norm, fp32 gradients
+
+
+def test_latent_attention_without_sequence_parallelism_all_reduces_the_latents_gradients():
+    plan = Plan(model=LATENT, tp=2, dtype="bf16", num_microbatches=1)
+    tokens = 1024 * 2
+    assert _attention_collectives(plan, "fwd")[0] == ("all_reduce", 512 * tokens)
+    assert _attention_collectives(plan, "bwd")[-2:] == [("all_reduce", 64 * tokens), ("all_reduce", 128 * tokens)]

@@ -176,21 +176,25 @@ class LatentAttention(nn.Module):
         self.kv_b = _linear(m.kv_lora_rank, m.num_heads * (self.nope + self.v_dim))
         self.o = _linear(m.num_heads * self.v_dim, m.hidden)
         self.norms: tuple = ()  # (q_a's norm or None, kv_a's norm): the layer sets them
+        # tensor parallelism's slots: the sequence gathered before each up-projection, the output scattered
+        self.gather, self.exit = nn.Identity(), nn.Identity()
 
     def forward(self, x):
         q_norm, kv_norm = self.norms
-        b, s, _ = x.shape
-        q = self.q_b(q_norm(self.q_a(x))) if self.compressed_queries else self.q(x)
+        # Megatron-LM's order: both down-projections, the shared RoPE key's gather, then the up-projections
+        latent, k_rope = self.kv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_rope = self.gather(k_rope)
+        q = self.q_b(self.gather(q_norm(self.q_a(x)))) if self.compressed_queries else self.q(self.gather(x))
+        b, s, _ = q.shape
         q = q.view(b, s, self.heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
-        latent, k_rope = self.kv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b(kv_norm(latent)).view(b, s, self.heads, -1).transpose(1, 2)
+        kv = self.kv_b(self.gather(kv_norm(latent))).view(b, s, self.heads, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rope = rotary(k_rope.unsqueeze(1)).expand(-1, self.heads, -1, -1)
         q = torch.cat([q_nope, rotary(q_rope)], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+        return self.exit(self.o(out.transpose(1, 2).reshape(b, s, -1)))
 
     @property
     def kv_lora_rank(self) -> int:

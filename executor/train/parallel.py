@@ -31,7 +31,7 @@ from .._torch import require_distributed, require_torch
 from .comm import (CopyToTP, EPGroup, GatherFromTP, GatherSequence, ReduceFromTP, ScatterSequence, SharedLoss, TPGroup,
                    VocabParallelCrossEntropy)
 from .mixed_precision import gradient, reduced
-from .models import Piece, RMSNorm
+from .models import LatentAttention, Piece, RMSNorm
 from .moe import AllToAllDispatcher, ExpertTensorParallel, MoEFeedForward, RoutedExperts
 from .tp_overlap import TPOverlap
 from .trace_recorder import Recorder
@@ -117,15 +117,19 @@ def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: s
             m.enter = enter(tp, piece.name)
             loss = VocabParallelCrossEntropy(tp, start)
         else:
-            _megatron_block(m.attn, ("q", "k", "v"), ("o",), enter(tp, piece.name), exit_(tp, piece.name), tp)
+            if isinstance(m.attn, LatentAttention):
+                _latent_attention(m.attn, piece.name, tp)
+            else:
+                _megatron_block(m.attn, ("q", "k", "v"), ("o",), enter(tp, piece.name), exit_(tp, piece.name), tp)
             if isinstance(m.mlp, MoEFeedForward):
                 _moe_block(m.mlp, piece.name, tp)
             else:
                 _feed_forward(m.mlp, enter(tp, piece.name), exit_(tp, piece.name), tp)
-            if overlap:
-                m.attn.overlap = TPOverlap(tp, piece.name)
-                if not isinstance(m.mlp, MoEFeedForward):  # the simulator overlaps no MoE block's collectives
-                    m.mlp.overlap = m.attn.overlap
+            if overlap:  # the simulator overlaps one gather and one scatter a block: no MLA's, no MoE's
+                together = TPOverlap(tp, piece.name)
+                for block in (m.attn, m.mlp):
+                    if not isinstance(block, (LatentAttention, MoEFeedForward)):
+                        block.overlap = together
         if sequence_parallel:
             for sub in m.modules():
                 if isinstance(sub, RMSNorm):
@@ -141,6 +145,21 @@ def _megatron_block(block, columns: tuple[str, ...], rows: tuple[str, ...], ente
     for name in rows:
         _split(getattr(block, name), "weight", 1, tp)
     block.enter, block.exit = enter, exit_
+
+
+def _latent_attention(attn: LatentAttention, layer: str, tp: TPGroup) -> None:
+    """Megatron-LM's ``MultiLatentAttention`` under tensor parallelism (sequence parallel; see
+    ``check_plan``): the down-projections duplicated, on this rank's part of the sequence (their gradients,
+    like the latent norms', summed over the group); the up-projections column-parallel by heads, each
+    entered by an all-gather of its input, as is the shared RoPE key; the output row-parallel, left by a
+    reduce-scatter."""
+    for name in ("q_b", "kv_b") if attn.compressed_queries else ("q", "kv_b"):
+        _split(getattr(attn, name), "weight", 0, tp)
+    _split(attn.o, "weight", 1, tp)
+    for name in ("q_a", "kv_a") if attn.compressed_queries else ("kv_a",):
+        getattr(attn, name).weight.sequence_parallel = True
+    attn.heads //= tp.size
+    attn.gather, attn.exit = GatherSequence(tp, layer), ScatterSequence(tp, layer)
 
 
 def _feed_forward(ffn, enter: Any, exit_: Any, tp: TPGroup) -> None:

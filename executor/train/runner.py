@@ -155,8 +155,8 @@ def check_plan(plan: Plan) -> None:
          plan.tp_comm_overlap and (m.seq_len // (plan.cp * plan.tp)) % PIPELINE_SPLITS != 0),
         ("dropping tokens over an expert capacity (capacity_factor) with context or tensor parallelism",
          plan.capacity_factor is not None and (plan.cp > 1 or plan.tp > 1)),
-        ("latent attention (MLA) with tensor or context parallelism",
-         m.attention == "mla" and (plan.tp > 1 or plan.cp > 1)),
+        ("latent attention (MLA) with context parallelism, or with tensor parallelism but no sequence "
+         "parallelism", m.attention == "mla" and (plan.cp > 1 or (plan.tp > 1 and not plan.sequence_parallel))),
         ("weight-gradient matmuls that accumulate in place (grad_accumulation: fused)",
          plan.grad_accumulation == "fused"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]

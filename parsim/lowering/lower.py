@@ -401,7 +401,10 @@ class Lowering:
                 nbytes = coll.bytes_per_token * self.tokens / (plan.tp if coll.group == "ep" else 1)
                 around[coll.position].append(CommPiece(head, tail, coll.op, group, mirrors, nbytes, coll.group))
             compute, sources = self._compute(phase, block, "F" if forward else kind, index)
-            if plan.tp_comm_overlap and block.name in tp_overlap.PIPELINE_SMS and tp_ops:
+            # Overlapped: a block entered by one all-gather and left by one reduce-scatter (latent attention's
+            # three gathers run in line: Transformer Engine's overlap of its up-projections is not modelled)
+            if (plan.tp_comm_overlap and block.name in tp_overlap.PIPELINE_SMS and len(around["before"]) == 1
+                    and len(around["after"]) == 1):
                 pieces += self._overlapped(p, cost, block, kind, around, compute, sources)
             else:
                 pieces += around["before"]

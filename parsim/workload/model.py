@@ -773,27 +773,35 @@ class TransformerModel(_CostTotals):
         """DeepSeek's multi-head latent attention (DeepSeek-AI 2024, DeepSeek-V2 section 2.1), by its
         matmuls and FLOPs: queries (optionally through a ``q_lora_rank`` bottleneck), keys and values
         from one ``kv_lora_rank`` latent plus a shared RoPE key, per-head widths ``qk_nope + qk_rope``
-        for queries and keys and ``v_head_dim`` for values. Tensor parallelism splits the per-head
-        up-projections and the output by heads; the down-projections stay whole."""
+        for queries and keys and ``v_head_dim`` for values.
+
+        Tensor parallelism splits the per-head up-projections and the output by heads, as Megatron-LM's
+        ``MultiLatentAttention`` does; the down-projections are duplicated on every rank (``TELinear``
+        ``parallel_mode="duplicated"``). With sequence parallelism they run on the rank's part of the
+        sequence (their gradients summed over tp like the norms'), and the tp group all-gathers the shared
+        RoPE key, the normed query latent (or, uncompressed, the block input) and the normed key/value
+        latent before the up-projections; the output is reduce-scattered. Without it each up-projection's
+        input gradient is all-reduced (Megatron-LM's column-parallel ``f``), and the output all-reduced.
+        """
         h, nh = self.hidden, self.num_heads
         qk, v = self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
         latent = self.kv_lora_rank + self.qk_rope_head_dim
         if self.q_lora_rank:
-            queries = (Matmul("attn.q_a", h, self.q_lora_rank),
+            queries = (Matmul("attn.q_a", h, self.q_lora_rank, on_sequence_shard=True),
                        Matmul("attn.q_b", self.q_lora_rank, nh * qk, "column", qk))
         else:
             queries = (Matmul("attn.q", h, nh * qk, "column", qk),)
-        matmuls = (*queries, Matmul("attn.kv_a", h, latent),
+        matmuls = (*queries, Matmul("attn.kv_a", h, latent, on_sequence_shard=True),
                    Matmul("attn.kv_b", self.kv_lora_rank, nh * (self.qk_nope_head_dim + v), "column",
                           self.qk_nope_head_dim + v),
                    Matmul("attn.o", nh * v, h, "row", v))
         block = Block("attention", matmuls, attention_flops_per_token=2 * self.seq_len * nh * (qk + v),
-                      collectives=_block_collectives("attn", h * d, sp), kv_width=nh * (qk + v) // 2,
+                      collectives=self._mla_collectives(d, sp), kv_width=nh * (qk + v) // 2,
                       kv_unit=(qk + v) // 2, elementwise=self._attention_kernels(nh * qk, nh * (qk + v) // 2, qk),
                       core=AttentionCore(nh, (qk + v) // 2, self.seq_len, self.attention_kernel),
                       eager_ops=eager_ops)
-        saved = (*((Activation("attn.q_a.out", self.q_lora_rank, d, sharded=False),) if self.q_lora_rank else ()),
-                 Activation("attn.kv_a.out", latent, d, sharded=False),
+        saved = (*((Activation("attn.q_a.out", self.q_lora_rank, d, sharded=sp),) if self.q_lora_rank else ()),
+                 Activation("attn.kv_a.out", latent, d, sharded=sp),
                  Activation("attn.q", nh * qk, d, sharded=True, unit=qk),
                  Activation("attn.k", nh * qk, d, sharded=True, unit=qk),
                  Activation("attn.v", nh * v, d, sharded=True, unit=v),
@@ -801,6 +809,25 @@ class TransformerModel(_CostTotals):
         norms = ((Param("norm.q_a", 1, self.q_lora_rank),) if self.q_lora_rank else ()) + \
             (Param("norm.kv_a", 1, self.kv_lora_rank),)
         return block, saved, norms
+
+    def _mla_collectives(self, d: int, sp: bool) -> tuple[TPCollective, ...]:
+        """Latent attention's tensor-parallel collectives (see :meth:`_mla_block`), in Megatron-LM's order:
+        forward, the RoPE key's gather (right after the down-projections), the queries' and the latent's (in
+        their up-projections); backward, autograd's reverse."""
+        rope, queries, latent, out = (w * d for w in (self.qk_rope_head_dim, self.q_lora_rank or self.hidden,
+                                                       self.kv_lora_rank, self.hidden))
+        if not sp:
+            return (TPCollective("attn.out", "all_reduce", "forward", "after", out),
+                    TPCollective("attn.kv_b.in.grad", "all_reduce", "backward", "after", latent),
+                    TPCollective("attn.q.in.grad", "all_reduce", "backward", "after", queries))
+        return (TPCollective("attn.k_rope", "all_gather", "forward", "before", rope),
+                TPCollective("attn.q.in", "all_gather", "forward", "before", queries),
+                TPCollective("attn.kv_b.in", "all_gather", "forward", "before", latent),
+                TPCollective("attn.out", "reduce_scatter", "forward", "after", out),
+                TPCollective("attn.out.grad", "all_gather", "backward", "before", out),
+                TPCollective("attn.kv_b.in.grad", "reduce_scatter", "backward", "after", latent),
+                TPCollective("attn.q.in.grad", "reduce_scatter", "backward", "after", queries),
+                TPCollective("attn.k_rope.grad", "reduce_scatter", "backward", "after", rope))
 
     def _moe_block(self, d: int) -> tuple[Block, tuple[Activation, ...]]:
         """A mixture-of-experts feed-forward: a router picks ``experts_per_token`` of ``num_experts``
