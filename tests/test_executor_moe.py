@@ -69,6 +69,8 @@ PLANS_2 = {
     "latent attention, queries uncompressed, FSDP dp2": moe_plan(2, 1, model=dict(MOE, **{**MLA, "q_lora_rank": 0}),
                                                                  sync=FSDP),
     "tp2 (routed and shared experts split, sequence parallel)": moe_plan(1, 1, tp=2),
+    "tp2, capacity 1.0 (each rank drops over its part of the sequence)": moe_plan(1, 1, tp=2, capacity=1.0),
+    "cp2 x ep2, capacity 1.25 (each rank drops over its two chunks)": moe_plan(1, 2, cp=2, capacity=1.25),
 }
 PLANS_4 = {
     "dp4 ep2 (edp 2), buckets": moe_plan(4, 2),
@@ -97,6 +99,7 @@ PLANS_4 = {
         1, 1, pp=2, tp=2, model=dict(MOE, ffn_type="gelu", shared_experts=0, num_experts=8)),
     "FSDP tp2 x dp2, ep2": moe_plan(2, 2, tp=2, sync=FSDP),
     "ZeRO-1 tp2 x dp2, ep1": moe_plan(2, 1, tp=2, sync=ZERO1),
+    "tp2 x cp2, capacity 1.0, 8 experts": moe_plan(1, 1, cp=2, tp=2, capacity=1.0, model=dict(MOE, num_experts=8)),
     "latent attention under tp2 x ep2, sequence parallel": moe_plan(2, 2, tp=2, model=dict(MOE, **MLA)),
     "latent attention, queries uncompressed, tp2 x pp2, ZeRO-1": moe_plan(
         1, 1, pp=2, tp=2, model=dict(MOE, **{**MLA, "q_lora_rank": 0}), sync=ZERO1),
@@ -163,7 +166,8 @@ def test_a_capped_moe_layer_drops_each_experts_lowest_gates_beyond_its_capacity_
 
     moe = build_pieces(load_model(dict(MOE, num_experts=8)), seed=3, only={"layer.1"})[0].module.mlp
     x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    moe.capacity_factor, moe.drop_group = 1.0, 32  # two sequences a group: 64 choices over 8 experts, 8 each
+    # two sequences a group: 64 choices over 8 experts, 8 each
+    moe.capacity_factor, moe.drop_groups = 1.0, torch.arange(64) // 32
     out = moe(x)
     tokens = x.reshape(-1, 32)
     top, chosen = (tokens @ moe.router.weight.T).topk(moe.top_k)
@@ -250,13 +254,10 @@ def test_data_parallel_groups_are_the_ones_the_lowering_simulates():
 
 
 @pytest.mark.parametrize("plan, message", [
-    (moe_plan(1, 1, tp=2, capacity=1.25), r"\(capacity_factor\) with context or tensor parallelism"),
     (load_plan({"model": dict(MOE, **MLA, num_experts=0), "parallel": {"cp": 2}}),
      r"latent attention \(MLA\) with context parallelism, or with tensor parallelism but no sequence"),
     (load_plan({"model": dict(MOE, **MLA, num_experts=0), "parallel": {"tp": 2}}),
      r"latent attention \(MLA\) with context parallelism, or with tensor parallelism but no sequence"),
-    (load_plan({"model": MOE, "parallel": {"cp": 2, "ep": 2}, "moe": {"capacity_factor": 1.25}}),
-     r"dropping tokens over an expert capacity \(capacity_factor\) with context or tensor parallelism"),
 ])
 def test_what_the_executor_does_not_run_is_refused_in_one_line(plan, message):
     from executor.train.runner import check_plan

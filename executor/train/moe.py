@@ -11,8 +11,10 @@ feed-forward of the model's ``ffn_type`` and ``expert_ffn_hidden``. Routing is
 dropless (as MegaBlocks and Megatron-LM's dropless mode) unless the plan gives
 a ``capacity_factor``: then, as Megatron-LM's ``topk_softmax_with_capacity``
 with its default ``probs`` drop policy, each expert takes at most
-``ceil(tokens x k / experts x capacity_factor)`` of a rank's microbatch's
-(token, choice) rows, those with the highest gates, before any dispatch; a
+``ceil(tokens x k / experts x capacity_factor)`` of the (token, choice) rows
+of a rank's microbatch (its part of the sequence under tensor or context
+parallelism: the tokens its router scores), those with the highest gates,
+before any dispatch; a
 dropped choice adds nothing to its token's output (the residual carries it).
 There is no auxiliary load-balancing loss.
 Shared experts are DeepSeekMoE's (Dai et al. 2024): one dense feed-forward of
@@ -76,13 +78,14 @@ class RoutedExperts(nn.Module):
         return torch.cat(outs)
 
 
-def set_capacity(modules: list, capacity_factor: float | None, drop_group: int) -> None:
-    """Cap every MoE layer under ``modules`` at ``capacity_factor`` per ``drop_group`` tokens (a rank's
-    microbatch)."""
+def set_capacity(modules: list, capacity_factor: float | None, drop_groups: Any = None) -> None:
+    """Cap every MoE layer under ``modules`` at ``capacity_factor``: over all the tokens of each call (a
+    rank's microbatch, or its part of the sequence under tensor or context parallelism), or, given
+    ``drop_groups`` (each token's group, for the single-process reference), over each group."""
     for root in modules:
         for module in root.modules():
             if isinstance(module, MoEFeedForward):
-                module.capacity_factor, module.drop_group = capacity_factor, drop_group
+                module.capacity_factor, module.drop_groups = capacity_factor, drop_groups
 
 
 class AllToAllDispatcher:
@@ -149,7 +152,7 @@ class MoEFeedForward(nn.Module):
         self.dispatcher: AllToAllDispatcher | None = None  # expert parallelism sets it
         self.tensor_parallel: ExpertTensorParallel | None = None  # tensor parallelism sets it
         self.capacity_factor: float | None = None  # the plan's: each expert's rows capped (None: dropless)
-        self.drop_group: int | None = None  # tokens sharing one capacity: a rank's microbatch's (None: all)
+        self.drop_groups = None  # each token's capacity group, ids from 0, all of a size (None: one group)
         # a list: each forward's busiest expert here over the mean an expert gets (parsim run; tensors, so a GPU
         # need not wait for them)
         self.loads: list[Any] | None = None
@@ -208,10 +211,11 @@ class MoEFeedForward(nn.Module):
     def kept_choices(self, choice, gate):
         """Indices of the (token, choice) rows within their expert's capacity: per drop group of tokens and
         expert, the ``ceil(rows / experts x capacity_factor)`` with the highest gates (ties: the earlier)."""
-        per_token = self.top_k
-        group = self.drop_group or len(choice) // per_token
+        per_token, groups = self.top_k, self.drop_groups
+        tokens = len(choice) // per_token
+        group = tokens if groups is None else tokens // (int(groups.max()) + 1)
         capacity = math.ceil(group * per_token / self.num_experts * self.capacity_factor)
-        bucket = torch.arange(len(choice), device=choice.device) // (group * per_token) * self.num_experts + choice
+        bucket = choice if groups is None else groups.repeat_interleave(per_token) * self.num_experts + choice
         by_gate = (-gate).argsort(stable=True)
         ranked = by_gate[bucket[by_gate].argsort(stable=True)]  # by bucket, each by gate, highest first
         sorted_bucket = bucket[ranked]

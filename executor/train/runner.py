@@ -153,8 +153,6 @@ def check_plan(plan: Plan) -> None:
         (f"tensor-parallel communication overlapped with GEMMs (tp_comm_overlap) unless each rank's share of "
          f"the sequence splits into {PIPELINE_SPLITS} equal parts",
          plan.tp_comm_overlap and (m.seq_len // (plan.cp * plan.tp)) % PIPELINE_SPLITS != 0),
-        ("dropping tokens over an expert capacity (capacity_factor) with context or tensor parallelism",
-         plan.capacity_factor is not None and (plan.cp > 1 or plan.tp > 1)),
         ("latent attention (MLA) with context parallelism, or with tensor parallelism but no sequence "
          "parallelism", m.attention == "mla" and (plan.cp > 1 or (plan.tp > 1 and not plan.sequence_parallel))),
         ("weight-gradient matmuls that accumulate in place (grad_accumulation: fused)",
@@ -217,8 +215,8 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
         if cp is not None:
             apply_context_parallel(pieces, cp, model.seq_len)
         apply_expert_parallel(pieces, ep)
-        if plan.capacity_factor is not None:  # a MoE transformer's: each rank's microbatch shares one capacity
-            set_capacity([p.module for p in pieces], plan.capacity_factor, plan.microbatch_size * model.seq_len)
+        if plan.capacity_factor is not None:  # a MoE transformer's: the tokens each call routes share one capacity
+            set_capacity([p.module for p in pieces], plan.capacity_factor)
         pieces = apply_activation_recompute(pieces, {c.name for c in plan.recomputed(s)}, recorder)
         # FSDP2 keeps fp32 parameters and computes in the plan's dtype (its MixedPrecisionPolicy)
         stages[s] = Stage(pieces, loss if s == plan.num_stages - 1 else None).to(

@@ -11,10 +11,13 @@ tolerance. :func:`verify_rank` runs on each rank (under
 
 from __future__ import annotations
 
+from typing import Any
+
 from parsim.workload.plan import Plan, load_plan
 
 from .._torch import require_torch
 from .fsdp import dense
+from .context_parallel import sequence_positions
 from .loss_scale import INITIAL_SCALE
 from .mixed_precision import MasterWeightsAdamW
 from .models import make_batch, reference_model, run_pieces
@@ -55,8 +58,11 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
 
     dtype = DTYPES[plan.dtype]
     pieces, loss_fn = reference_model(plan.model, seed)
-    if plan.capacity_factor is not None:  # each rank's microbatch drops over its own capacity, as the ranks do
-        set_capacity([p.module for p in pieces], plan.capacity_factor, plan.microbatch_size * plan.model.seq_len)
+
+    def capped(batch_rows: int) -> None:  # the tokens each rank routes in a call drop over their own capacity
+        if plan.capacity_factor is not None:
+            set_capacity([p.module for p in pieces], plan.capacity_factor, drop_groups(plan, batch_rows))
+
     for piece in pieces:
         piece.module.to(dtype)
     inputs, targets = make_batch(plan.model, plan.global_batch_size, seed, dtype)
@@ -64,7 +70,9 @@ def compare_with_reference(plan: Plan, rank: int, seed: int = 0, optimizer_step:
     local = plan.microbatch_size * plan.num_microbatches
     rows = slice(coords.dp * local, (coords.dp + 1) * local)
     with torch.no_grad():
+        capped(local)
         local_loss = loss_fn(run_pieces(pieces, inputs[rows]), targets[rows] if targets is not None else None)
+    capped(plan.global_batch_size)
     reference_loss = loss_fn(run_pieces(pieces, inputs), targets)
     reference = {p.full_name: p for piece in pieces for p in piece.module.parameters()}
     unique = list({id(p): p for p in reference.values()}.values())
@@ -123,6 +131,21 @@ def steps_rank(rank: int, world: int, plans: list[dict], steps: int, seed: int =
         out.append({"losses": losses,
                     "params": {p.full_name: dense(p.data).detach().cpu().numpy() for p in setup.parameters()}})
     return out
+
+
+def drop_groups(plan: Plan, batch_rows: int) -> Any:
+    """Each token of ``batch_rows`` rows (whole microbatches; flattened batch-major), the group a rank's
+    router scores it with: its microbatch's (``microbatch_size`` consecutive rows), its context-parallel
+    rank's chunks of the sequence (``sequence_positions``) and, under sequence parallelism, its
+    tensor-parallel rank's part of those. Ids count from 0, every group of the same size."""
+    seq, cp = plan.model.seq_len, plan.cp
+    tp = plan.tp if plan.sequence_parallel else 1
+    owner = torch.empty(seq, dtype=torch.long)  # position -> its (cp rank, tp rank) part, numbered
+    for c in range(cp):
+        positions = sequence_positions(seq, cp, c)
+        owner[positions] = c * tp + torch.arange(len(positions)) // (len(positions) // tp)
+    microbatch = torch.arange(batch_rows) // plan.microbatch_size
+    return (microbatch.unsqueeze(1) * (cp * tp) + owner).flatten()
 
 
 def _relative(value, reference, only=None) -> float:
