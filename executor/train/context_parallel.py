@@ -179,6 +179,16 @@ def _causal(length: int, device: Any):
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()
 
 
+def _pack(k, v):
+    """K and V as one tensor, side by side in the last dim (their widths may differ: latent attention's)."""
+    return torch.cat([k, v], -1)
+
+
+def _unpack(kv, width: int) -> tuple:
+    """``(k, v)`` of a :func:`_pack`-ed tensor whose K is ``width`` wide."""
+    return kv[..., :width], kv[..., width:]
+
+
 def _kv_bytes(kv, size: int) -> int:
     """The simulator's size of a K/V exchange: K and V of the whole sequence (every rank's share)."""
     return size * kv.numel() * kv.element_size()
@@ -221,16 +231,16 @@ class _RingPass:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: CPGroup, layer: str):
-        kv = torch.stack([k, v])  # one message per hop
+        kv = _pack(k, v)  # one message per hop
         ring = _RingPass(cp, "all_gather", layer, "fwd", _kv_bytes(kv, cp.size), KV_TAG)
-        length = q.shape[2]
+        length, width = q.shape[2], k.shape[-1]
         out = lse = None
         for step in range(cp.size):
             if step < cp.size - 1:
                 ring.send(kv)  # overlaps the attention on the chunk at hand
             rows, cols, causal = ring_block(cp.rank, (cp.rank - step) % cp.size, length)
-            block = attend(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                           _causal(length, q.device) if causal else None)
+            block_k, block_v = _unpack(kv[:, :, cols], width)
+            block = attend(q[:, :, rows], block_k, block_v, _causal(length, q.device) if causal else None)
             if out is None:  # step 0 is the own, causal block: it covers every row
                 out, lse = block
             else:
@@ -245,14 +255,14 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, length = ctx.cp, q.shape[2]
+        cp, length, width = ctx.cp, q.shape[2], k.shape[-1]
         dout = grad.float()
         delta = (dout * out).sum(-1)
-        kv = torch.stack([k, v])
+        kv = _pack(k, v)
         nbytes = _kv_bytes(kv, cp.size)
         kv_ring = _RingPass(cp, "all_gather", ctx.layer, "bwd", nbytes, KV_TAG)
         grad_ring = _RingPass(cp, "reduce_scatter", ctx.layer, "bwd", nbytes, GRAD_TAG)
-        dq = torch.zeros_like(dout)
+        dq = torch.zeros_like(q, dtype=torch.float32)
         dkv = torch.zeros_like(kv)  # the accumulator of the K/V at hand; it travels with them, one hop behind
         for step in range(cp.size):
             if step < cp.size - 1:
@@ -260,29 +270,29 @@ class _RingAttention(torch.autograd.Function):
             if step > 0:
                 dkv = grad_ring.receive()
             rows, cols, causal = ring_block(cp.rank, (cp.rank - step) % cp.size, length)
-            block_dq, dk, dv = attend_backward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
+            block_k, block_v = _unpack(kv[:, :, cols], width)
+            block_dq, dk, dv = attend_backward(q[:, :, rows], block_k, block_v, dout[:, :, rows],
                                                lse[:, :, rows], delta[:, :, rows],
                                                _causal(length, q.device) if causal else None)
             dq[:, :, rows] += block_dq
-            dkv[0][:, :, cols] += dk.to(dkv.dtype)
-            dkv[1][:, :, cols] += dv.to(dkv.dtype)
+            dkv[:, :, cols] += _pack(dk, dv).to(dkv.dtype)
             grad_ring.send(dkv)  # the last hop brings each accumulator home to its owner
             if step < cp.size - 1:
                 kv = kv_ring.receive()
         kv_ring.record()
         dkv = grad_ring.receive()
         grad_ring.record()
-        return dq.to(q.dtype), dkv[0], dkv[1], None, None
+        return (dq.to(q.dtype), *_unpack(dkv, width), None, None)
 
 
 # --------------------------------------------------------------------------- all-gather
 def _gather_kv(kv, cp: CPGroup, direction: str, layer: str):
-    """Every rank's stacked K/V, as (2, batch, kv_heads, seq, head_dim) in the order of the ranks."""
+    """Every rank's packed K/V (:func:`_pack`), as (batch, kv_heads, seq, widths) in the order of the ranks."""
     out = torch.empty((cp.size * kv.shape[0], *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
     with cp.recorder.span(cp.event("all_gather", layer, direction), "collective", "cp", phase="cp",
                           bytes=out.numel() * out.element_size()):
         _all_gather(out, kv.contiguous(), group=cp.group)
-    return out.unflatten(0, (cp.size, -1)).movedim(0, 3).flatten(3, 4)
+    return out.unflatten(0, (cp.size, -1)).movedim(0, 2).flatten(2, 3)
 
 
 def _global_mask(cp: CPGroup, length: int, device: Any):
@@ -295,8 +305,8 @@ def _global_mask(cp: CPGroup, length: int, device: Any):
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: CPGroup, layer: str):
-        kv = _gather_kv(torch.stack([k, v]), cp, "fwd", layer)
-        out, lse = attend(q, kv[0], kv[1], _global_mask(cp, q.shape[2], q.device))
+        kv = _gather_kv(_pack(k, v), cp, "fwd", layer)
+        out, lse = attend(q, *_unpack(kv, k.shape[-1]), _global_mask(cp, q.shape[2], q.device))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.layer = cp, layer
         return out.to(q.dtype)
@@ -304,15 +314,15 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, length = ctx.cp, q.shape[2]
-        kv = _gather_kv(torch.stack([k, v]), cp, "bwd", ctx.layer)
+        cp, length, width = ctx.cp, q.shape[2], k.shape[-1]
+        kv = _gather_kv(_pack(k, v), cp, "bwd", ctx.layer)
         dout = grad.float()
-        dq, dk, dv = attend_backward(q, kv[0], kv[1], dout, lse, (dout * out).sum(-1),
+        dq, dk, dv = attend_backward(q, *_unpack(kv, width), dout, lse, (dout * out).sum(-1),
                                      _global_mask(cp, length, q.device))
-        # back to one block per rank, (cp, 2, batch, kv_heads, seq/cp, head_dim), summed onto its owner
-        blocks = torch.stack([dk, dv]).to(k.dtype).unflatten(3, (cp.size, length)).movedim(3, 0).contiguous()
+        # back to one block per rank, (cp, batch, kv_heads, seq/cp, widths), summed onto its owner
+        blocks = _pack(dk, dv).to(k.dtype).unflatten(2, (cp.size, length)).movedim(2, 0).contiguous()
         mine = torch.empty(blocks.shape[1:], dtype=blocks.dtype, device=blocks.device)
         with cp.recorder.span(cp.event("reduce_scatter", ctx.layer, "bwd"), "collective", "cp", phase="cp",
                               bytes=blocks.numel() * blocks.element_size()):
             _reduce_scatter(mine, blocks.flatten(0, 1), group=cp.group)
-        return dq.to(q.dtype), mine[0], mine[1], None, None
+        return (dq.to(q.dtype), *_unpack(mine, width), None, None)

@@ -110,6 +110,11 @@ def rotary(x, positions=None, theta: float = ROPE_THETA):
     return x * cos + rotated * sin
 
 
+def causal_sdpa(q, k, v):
+    """Causal SDPA, keys and values per query head (their widths may differ: latent attention's)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def causal_attention(q, k, v):
     """Causal SDPA of ``q`` (batch, heads, seq, head_dim) on grouped ``k`` / ``v`` (batch, kv_heads, seq, head_dim)."""
     group = q.shape[1] // k.shape[1]  # query heads per key/value head
@@ -178,6 +183,8 @@ class LatentAttention(nn.Module):
         self.norms: tuple = ()  # (q_a's norm or None, kv_a's norm): the layer sets them
         # tensor parallelism's slots: the sequence gathered before each up-projection, the output scattered
         self.gather, self.exit = nn.Identity(), nn.Identity()
+        self.core = causal_sdpa  # context parallelism's exchange of K/V replaces it (as Attention's)
+        self.register_buffer("position_ids", None, persistent=False)
 
     def forward(self, x):
         q_norm, kv_norm = self.norms
@@ -190,10 +197,10 @@ class LatentAttention(nn.Module):
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         kv = self.kv_b(self.gather(kv_norm(latent))).view(b, s, self.heads, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k_rope = rotary(k_rope.unsqueeze(1)).expand(-1, self.heads, -1, -1)
-        q = torch.cat([q_nope, rotary(q_rope)], dim=-1)
+        k_rope = rotary(k_rope.unsqueeze(1), self.position_ids).expand(-1, self.heads, -1, -1)
+        q = torch.cat([q_nope, rotary(q_rope, self.position_ids)], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.core(q, k, v)
         return self.exit(self.o(out.transpose(1, 2).reshape(b, s, -1)))
 
     @property

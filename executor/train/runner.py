@@ -153,8 +153,8 @@ def check_plan(plan: Plan) -> None:
         (f"tensor-parallel communication overlapped with GEMMs (tp_comm_overlap) unless each rank's share of "
          f"the sequence splits into {PIPELINE_SPLITS} equal parts",
          plan.tp_comm_overlap and (m.seq_len // (plan.cp * plan.tp)) % PIPELINE_SPLITS != 0),
-        ("latent attention (MLA) with context parallelism, or with tensor parallelism but no sequence "
-         "parallelism", m.attention == "mla" and (plan.cp > 1 or (plan.tp > 1 and not plan.sequence_parallel))),
+        ("latent attention (MLA) with tensor parallelism but no sequence parallelism",
+         m.attention == "mla" and plan.tp > 1 and not plan.sequence_parallel),
         ("weight-gradient matmuls that accumulate in place (grad_accumulation: fused)",
          plan.grad_accumulation == "fused"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
