@@ -102,7 +102,6 @@ class TPGroup(_LayerGroup):
             _reduce_scatter(out, chunks.flatten(0, 1), group=self.group)
         return out
 
-
     def gather_rows(self, x, sizes: list[int], layer: str, direction: str, nbytes: int) -> Any:
         """Every rank's rows of ``x`` (``sizes[r]`` from rank ``r``), concatenated in rank order; ``nbytes``
         is what the event records."""

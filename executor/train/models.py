@@ -164,7 +164,9 @@ class LatentAttention(nn.Module):
     expands them per head into a ``qk_nope`` key part and a ``v_head_dim`` value) and one ``qk_rope`` key
     part every head shares. Queries' and keys' ``qk_rope`` parts carry RoPE (decoupled), so a head scores
     over ``qk_nope + qk_rope`` widths and returns ``v_head_dim``. The two latent norms are the layer's
-    (``norms``: registered after its other norms, the simulator's order), not this module's.
+    (``norms``: registered after its other norms, the simulator's order), not this module's. As in
+    :class:`Attention`, ``core(q, k, v)`` is the attention proper and ``position_ids`` the tokens' global
+    positions for RoPE (context parallelism sets both); tensor parallelism fills ``gather`` and ``exit``.
     """
 
     def __init__(self, m: TransformerModel):

@@ -14,8 +14,8 @@ with its default ``probs`` drop policy, each expert takes at most
 ``ceil(tokens x k / experts x capacity_factor)`` of the (token, choice) rows
 of a rank's microbatch (its part of the sequence under tensor or context
 parallelism: the tokens its router scores), those with the highest gates,
-before any dispatch; a
-dropped choice adds nothing to its token's output (the residual carries it).
+before any dispatch; a dropped choice adds nothing to its token's output (the
+residual carries it).
 There is no auxiliary load-balancing loss.
 Shared experts are DeepSeekMoE's (Dai et al. 2024): one dense feed-forward of
 ``shared_experts x expert_ffn_hidden`` that every token goes through, added

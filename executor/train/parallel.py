@@ -4,7 +4,8 @@
   from the same seeded dense weights every rank builds) and fills the
   modules' collective slots: the lecture's all-gather style for the MLP, or
   Megatron-LM's column/row pairs with ``f`` / ``g`` (and a vocabulary-parallel
-  embedding and cross-entropy for a transformer).
+  embedding and cross-entropy for a transformer; its latent attention and
+  MoE layers split as Megatron-LM splits them).
 - :func:`apply_data_parallel` synchronizes gradients across replicas: the
   lecture's loop of one all-reduce per parameter after the backward, or torch
   DDP's buckets, all-reduced asynchronously as soon as their gradients are

@@ -16,8 +16,8 @@ from typing import Any
 from parsim.workload.plan import Plan, load_plan
 
 from .._torch import require_torch
-from .fsdp import dense
 from .context_parallel import sequence_positions
+from .fsdp import dense
 from .loss_scale import INITIAL_SCALE
 from .mixed_precision import MasterWeightsAdamW
 from .models import make_batch, reference_model, run_pieces

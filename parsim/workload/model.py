@@ -118,8 +118,9 @@ class Matmul:
     ``experts`` copies of its weight, of which each token uses ``active``
     (top-k); expert parallelism spreads the copies over ranks.
     ``on_sequence_shard``: a replicated weight applied to the rank's own part of
-    the sequence under sequence parallelism (a MoE router: Megatron-LM routes
-    each rank's tokens), so its gradient is summed over the tp group.
+    the sequence under sequence parallelism (a MoE router, latent attention's
+    down-projections: Megatron-LM runs them on each rank's tokens), so its
+    gradient is summed over the tp group.
     """
 
     name: str
@@ -383,8 +384,8 @@ class LayerCost:
 
     def sequence_shard_sums(self, tp: int) -> int:
         """Elements of this layer's replicated weights whose gradients sequence parallelism leaves partial on
-        each tp rank (norm gains, row-parallel biases, routers): Megatron-LM sums them over the group
-        (``finalize_model_grads``)."""
+        each tp rank (norm gains, row-parallel biases, ``on_sequence_shard`` matmuls): Megatron-LM sums them
+        over the group (``finalize_model_grads``)."""
         return (sum(p.numel_per_rank(tp) for p in self.params if p.sums_over_sequence_shards)
                 + sum(m.k * m.n for m in self.matmuls if m.on_sequence_shard))
 
