@@ -344,7 +344,10 @@ def test_the_measured_expert_load_is_the_busiest_over_the_ranks_per_forward():
 
 
 @pytest.mark.multiproc
-def test_parsim_run_reports_how_evenly_the_steps_routed(tmp_path, capsys):
+@pytest.mark.parametrize("parallel", [{"parallel": {"dp": 2, "ep": 2}},
+                                      {"parallel": {"tp": 2}, "sequence_parallel": True}])
+def test_parsim_run_reports_how_evenly_the_steps_routed(tmp_path, capsys, parallel):
+    """Over the rows an expert's ranks received: the ep group's dispatch, or the tp group's gather."""
     import json
 
     from test_json_schema import conforms
@@ -352,7 +355,7 @@ def test_parsim_run_reports_how_evenly_the_steps_routed(tmp_path, capsys):
     from parsim.cli.main import main
 
     path = tmp_path / "moe.yaml"
-    path.write_text(json.dumps({"model": MOE, "parallel": {"dp": 2, "ep": 2}, "batch": BATCH}))
+    path.write_text(json.dumps({"model": MOE, "batch": BATCH, **parallel}))
     assert main(["run", str(path), "--nproc", "2", "--steps", "2", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert conforms(summary) == "run"
