@@ -118,8 +118,7 @@ def causal_sdpa(q, k, v):
 def causal_attention(q, k, v):
     """Causal SDPA of ``q`` (batch, heads, seq, head_dim) on grouped ``k`` / ``v`` (batch, kv_heads, seq, head_dim)."""
     group = q.shape[1] // k.shape[1]  # query heads per key/value head
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return causal_sdpa(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
 
 
 class Attention(nn.Module):

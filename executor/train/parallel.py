@@ -163,10 +163,14 @@ def _latent_attention(attn: LatentAttention, layer: str, tp: TPGroup) -> None:
     attn.gather, attn.exit = GatherSequence(tp, layer), ScatterSequence(tp, layer)
 
 
+def _ffn_weights(swiglu: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A feed-forward's column-parallel weights (gate and up, or fc1) and its row-parallel one (down, or fc2)."""
+    return (("gate", "up"), ("down",)) if swiglu else (("fc1",), ("fc2",))
+
+
 def _feed_forward(ffn, enter: Any, exit_: Any, tp: TPGroup) -> None:
     """A dense feed-forward: gate and up (fc1) column-parallel, down (fc2) row-parallel."""
-    columns, rows = (("gate", "up"), ("down",)) if ffn.swiglu else (("fc1",), ("fc2",))
-    _megatron_block(ffn, columns, rows, enter, exit_, tp)
+    _megatron_block(ffn, *_ffn_weights(ffn.swiglu), enter, exit_, tp)
 
 
 def _moe_block(moe: MoEFeedForward, layer: str, tp: TPGroup) -> None:
@@ -176,7 +180,7 @@ def _moe_block(moe: MoEFeedForward, layer: str, tp: TPGroup) -> None:
     moves the rows), the shared experts a tensor-parallel feed-forward of their own."""
     moe.router.weight.sequence_parallel = True
     experts = moe.experts
-    columns, rows = (("gate", "up"), ("down",)) if experts.swiglu else (("fc1",), ("fc2",))
+    columns, rows = _ffn_weights(experts.swiglu)
     for name in columns:  # [experts, hidden, ffn]: split the ffn outputs
         _split(experts, name, 2, tp)
     for name in rows:  # [experts, ffn, hidden]: split the ffn inputs
