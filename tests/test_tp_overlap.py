@@ -1,5 +1,6 @@
-"""Tensor-parallel communication overlap (Megatron-LM's --tp-comm-overlap): the pieces a block lowers to,
-their exposed time in the simulator against closed forms, the SM margin, and the plan rules."""
+"""Tensor-parallel communication overlap (Megatron-LM's --tp-comm-overlap, and its asynchronous backward
+without it): the pieces a block lowers to, their exposed time in the simulator against closed forms, the SM
+margin, and the plan rules."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from parsim.errors import ParsimError
 from parsim.hardware.cluster import load_cluster
 from parsim.lowering.lower import Lowering
 from parsim.lowering.pieces import CommPiece, ComputePiece
-from parsim.lowering.tp_overlap import BULK_SMS, PIPELINE_SMS, PIPELINE_SPLITS
+from parsim.lowering.tp_overlap import BULK_SMS, DGRAD_BULK_SMS, PIPELINE_SMS, PIPELINE_SPLITS
 from parsim.search.costs import CommCosts
 from parsim.sim.compute import ComputeModel
 from parsim.sim.step import predict_step
@@ -25,13 +26,13 @@ GPT = load_model({"kind": "transformer", "name": "gpt", "num_layers": 2, "hidden
 
 
 def plan(overlap: bool = True, **kw) -> Plan:
-    return Plan(model=GPT, tp=T, num_microbatches=2, dtype="bf16", sequence_parallel=True,
-                tp_comm_overlap=overlap, **kw)
+    return Plan(model=GPT, tp=T, num_microbatches=2, dtype="bf16", tp_comm_overlap=overlap,
+                **{"sequence_parallel": True} | kw)
 
 
-def layer_pieces(p: Plan, kind: str):
+def layer_pieces(p: Plan, kind: str, name: str = "layer"):
     lowering = Lowering(p)
-    index, cost = next((i, c) for i, c in enumerate(p.stage_costs(0)) if c.name.startswith("layer"))
+    index, cost = next((i, c) for i, c in enumerate(p.stage_costs(0)) if c.name.startswith(name))
     return lowering.layer_pass(0, index, cost, kind)
 
 
@@ -67,10 +68,64 @@ def test_a_split_backward_scatters_in_line_without_weight_gradients_to_hide_behi
     assert any(pc.beside for pc in pieces if type(pc) is CommPiece)  # the gathers still ride the ring
 
 
-def exposed(p: Plan, compute: ComputeModel, comm: CommCosts, kind: str) -> float:
+def collectives(pieces) -> list[tuple[str, bool]]:
+    return [(pc.collective, pc.beside) for pc in pieces if type(pc) is CommPiece]
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_asynchronous_backward_runs_the_input_gradient_beside_the_weight_gradients(sequence_parallel):
+    """Megatron-LM's column-parallel backward: (SP) the input gathered again beside the input-gradient GEMMs,
+    then the input gradient's reduce-scatter (or all-reduce) beside the weight-gradient GEMMs, on every SM."""
+    p = plan(False, sequence_parallel=sequence_parallel)
+    assert p.tp_async_backward  # tensor_parallel megatron's default
+    mlp = layer_pieces(p, "B")[:len(layer_pieces(p, "B")) // 2]  # the backward runs the MLP first
+    if sequence_parallel:
+        assert collectives(mlp) == [("all_gather", False), ("all_gather", True), ("reduce_scatter", True)]
+        regather, dgrad, join = mlp[-6:-3]
+        assert regather.method == "async" and regather.nbytes == SEQ * H * 2 and join.joins == "tp"
+        assert dgrad.matmuls == ((SEQ, H, 4 * H // T),) and dgrad.sm_reserved == 0
+    else:
+        assert collectives(mlp) == [("all_reduce", True)]
+    scatter, wgrad, join = mlp[-3:]
+    assert scatter.method == "async" and join.joins == "tp"
+    assert wgrad.matmuls == ((H, 4 * H // T, SEQ),) and wgrad.sm_reserved == 0
+    assert collectives(layer_pieces(p, "B", "head"))[-1] == ("reduce_scatter" if sequence_parallel
+                                                             else "all_reduce", True)
+
+
+def test_without_the_asynchronous_backward_every_collective_runs_in_line():
+    """Megatron-LM before its 2021-09 release (the SC21 runs): the input gradient's all-reduce in line."""
+    pieces = layer_pieces(plan(False, tp_async_backward=False), "B")
+    assert collectives(pieces) == [("all_gather", False), ("all_gather", False), ("reduce_scatter", False)] * 2
+    assert collectives(layer_pieces(plan(False, sequence_parallel=False, tp_async_backward=False), "B")) == \
+        [("all_reduce", False)] * 2
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_split_backward_gathers_no_input_again(overlap):
+    """The weight-gradient pass keeps the input the input-gradient pass gathered; that pass has no weight
+    gradients to hide its reduce-scatter behind."""
+    p = plan(overlap, schedule="zero-bubble")
+    input_pass = collectives(layer_pieces(p, "I"))
+    assert [c for c, _ in input_pass] == ["all_gather", "reduce_scatter"] * 2
+    assert not any(beside for c, beside in input_pass if c == "reduce_scatter")
+    assert collectives(layer_pieces(p, "W")) == []
+
+
+def test_tensor_parallel_overlap_gathers_the_input_again_beside_the_input_gradients():
+    """Transformer Engine's qkv_dgrad / fc1_dgrad bulk overlap: the all-gather on a few SMs of the GEMM's."""
+    mlp = layer_pieces(plan(), "B")[:len(layer_pieces(plan(), "B")) // 2]
+    regather, dgrad, join = mlp[-6:-3]
+    assert regather.collective == "all_gather" and regather.beside and regather.method == "bulk"
+    assert dgrad.matmuls == ((SEQ, H, 4 * H // T),) and dgrad.sm_reserved == DGRAD_BULK_SMS["mlp"]
+    assert join.joins == "tp"
+
+
+def exposed(p: Plan, compute: ComputeModel, comm: CommCosts, kind: str, name: str = "layer") -> float:
     """Closed form of the tensor-parallel time the compute stream waits for in one layer's ``kind`` pass:
-    ring ``max(C - G (T-1)/T, 0)``, pipeline ``max(3C/4 - 3G'/4, 0) + C/4``, bulk ``max(C - G', 0)``."""
-    pieces = layer_pieces(p, kind)
+    ring ``max(C - G (T-1)/T, 0)``, pipeline ``max(3C/4 - 3G'/4, 0) + C/4``, bulk and asynchronous
+    ``max(C - G', 0)``."""
+    pieces = layer_pieces(p, kind, name)
 
     def c(pc: CommPiece) -> float:
         return comm.time("collective", pc.collective, pc.ranks, pc.nbytes)
@@ -91,23 +146,24 @@ def exposed(p: Plan, compute: ComputeModel, comm: CommCosts, kind: str) -> float
 
 
 @pytest.mark.parametrize("nic", [200, 25])  # fast links: the GEMMs hide most; slow ones: comm-bound
-def test_exposed_tensor_parallel_time_is_the_closed_form(nic):
+@pytest.mark.parametrize("overlap, asynchronous", [(True, True), (False, True), (False, False)])
+def test_exposed_tensor_parallel_time_is_the_closed_form(nic, overlap, asynchronous):
     cluster = ideal_spec(**{"intra_node.bw_GBps_per_direction": nic})
-    p = plan()
+    p = plan(overlap, tp_async_backward=asynchronous)
     compute = ComputeModel.for_cluster(cluster, p.dtype, p.dtype_bytes, T)
     comm = CommCosts(cluster, T, compute)
     prediction = predict_step(p, cluster)
     layers = sum(1 for c in p.stage_costs(0) if c.name.startswith("layer"))
-    in_line = sum(comm.time("collective", pc.collective, pc.ranks, pc.nbytes)
-                  for cost in p.stage_costs(0) if not cost.name.startswith("layer")
-                  for kind in "FB" for pc in Lowering(p).layer_pass(0, 0, cost, kind) if type(pc) is CommPiece)
+    per_microbatch = sum(exposed(p, compute, comm, kind, name) * (layers if name == "layer" else 1)
+                         for name in ("embedding", "layer", "head") for kind in "FB")
     norms = sum(param.numel_per_rank(T) for cost in p.stage_costs(0) for param in cost.params
                 if param.name.startswith("norm."))  # their gradients are summed over tp once per step
     norm_sync = comm.time("collective", "all_reduce", Lowering(p).group(0, "tp")[0], norms * p.grad_bytes)
-    expected = p.num_microbatches * (layers * (exposed(p, compute, comm, "F") + exposed(p, compute, comm, "B"))
-                                     + in_line) + norm_sync
+    expected = p.num_microbatches * per_microbatch + norm_sync
     assert prediction.ranks[0].seconds["tp"] == pytest.approx(expected, rel=1e-9)
-    assert prediction.ranks[0].seconds["tp"] < predict_step(plan(overlap=False), cluster).ranks[0].seconds["tp"]
+    in_line = predict_step(plan(overlap=False, tp_async_backward=False), cluster).ranks[0].seconds["tp"]
+    assert prediction.ranks[0].seconds["tp"] <= in_line
+    assert (prediction.ranks[0].seconds["tp"] < in_line) == (overlap or asynchronous)
 
 
 def test_a_communication_kernel_takes_its_sms_from_the_gemm():
@@ -127,6 +183,11 @@ def test_plan_rules_and_yaml():
         Plan(model=GPT, tp=1, sequence_parallel=True, tp_comm_overlap=True)
     p = load_plan({"model": "llama3-8b", "parallel": {"tp": 8}, "sequence_parallel": True, "tp_comm_overlap": True})
     assert p.tp_comm_overlap and load_plan(p.to_dict()).tp_comm_overlap
+    off = load_plan({"model": "llama3-8b", "parallel": {"tp": 8}, "tp_async_backward": False})
+    assert p.tp_async_backward and not off.tp_async_backward and not load_plan(off.to_dict()).tp_async_backward
+    assert not load_plan({"model": "course-mlp", "parallel": {"tp": 2}}).tp_async_backward  # the lecture's style
+    with pytest.raises(ParsimError, match="tp_async_backward .* needs tensor_parallel megatron"):
+        load_plan({"model": "course-mlp", "parallel": {"tp": 2}, "tp_async_backward": True})
 
 
 def test_a_tensor_parallel_group_across_nodes_cannot_overlap():
@@ -166,7 +227,7 @@ def test_explain_compute_prices_each_collective_and_what_the_pass_exposes(overla
     from parsim.cli.explain_compute import _collectives
 
     cluster = ideal_spec(**{"intra_node.bw_GBps_per_direction": 25})
-    p = plan(overlap)
+    p = plan(overlap, tp_async_backward=overlap)
     compute = ComputeModel.for_cluster(cluster, p.dtype, p.dtype_bytes)
     comm = CommCosts(cluster, T, compute)
     rows, passes = _collectives(p, cluster, compute, "layer.0")

@@ -288,8 +288,12 @@ class Head(nn.Module):
         self.out = _linear(m.hidden, m.vocab_size)
         self.norm = RMSNorm(m.hidden)
         self.enter = nn.Identity()
+        self.overlap = None  # tensor-parallel collectives beside the GEMMs (executor.train.tp_overlap)
 
     def forward(self, x):
+        if self.overlap is not None:
+            (logits,) = self.overlap.entry(self.norm(x), (self.out,))
+            return logits
         return self.out(self.enter(self.norm(x)))
 
 

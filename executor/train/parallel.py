@@ -34,7 +34,7 @@ from .comm import (CopyToTP, EPGroup, GatherFromTP, GatherSequence, ReduceFromTP
 from .mixed_precision import gradient, reduced
 from .models import LatentAttention, Piece, RMSNorm
 from .moe import AllToAllDispatcher, ExpertTensorParallel, MoEFeedForward, RoutedExperts
-from .tp_overlap import TPOverlap
+from .tp_overlap import AsyncBackward, TPOverlap
 from .trace_recorder import Recorder
 
 torch = require_torch()
@@ -83,7 +83,7 @@ class VocabParallelEmbedding(nn.Module):
 
 # --------------------------------------------------------------------------- tensor parallel
 def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: str, tp: TPGroup,
-                          sequence_parallel: bool = False, overlap: bool = False) -> Any:
+                          sequence_parallel: bool = False, overlap: bool = False, asynchronous: bool = False) -> Any:
     """Shard ``pieces`` in place for ``tp``; return the loss module the last stage must use.
 
     With ``sequence_parallel`` (Megatron-LM's, Korthikanti et al. 2022) the activations between blocks
@@ -92,7 +92,9 @@ def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: s
     Norm gains then see only part of the sequence: they are marked ``sequence_parallel`` so their
     gradients can be summed over the group (:func:`sequence_parallel_grad_sync`). With ``overlap``
     (``tp_comm_overlap``) each block's entry and exit collectives run beside its GEMMs
-    (:mod:`executor.train.tp_overlap`).
+    (:mod:`executor.train.tp_overlap`); with ``asynchronous`` (``tp_async_backward``, without a split
+    backward) the column-parallel linears that enter the attention, the feed-forward and the head run
+    Megatron-LM's asynchronous backward there.
     """
     if tp.size == 1:
         return loss
@@ -116,6 +118,8 @@ def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: s
         elif piece.name == "head":
             m.out.weight = shard_parameter(m.out.weight, 0, start, stop)
             m.enter = enter(tp, piece.name)
+            if asynchronous:
+                m.overlap = AsyncBackward(tp, piece.name, sequence_parallel)
             loss = VocabParallelCrossEntropy(tp, start)
         else:
             if isinstance(m.attn, LatentAttention):
@@ -126,11 +130,14 @@ def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: s
                 _moe_block(m.mlp, piece.name, tp)
             else:
                 _feed_forward(m.mlp, enter(tp, piece.name), exit_(tp, piece.name), tp)
-            if overlap:  # the simulator overlaps one gather and one scatter a block: no MLA's, no MoE's
-                together = TPOverlap(tp, piece.name)
-                for block in (m.attn, m.mlp):
-                    if not isinstance(block, (LatentAttention, MoEFeedForward)):
-                        block.overlap = together
+            # the simulator overlaps one gather and one scatter a block, and runs no MLA's or MoE's asynchronously
+            for block in (m.attn, m.mlp):
+                if isinstance(block, (LatentAttention, MoEFeedForward)):
+                    continue
+                if overlap:
+                    block.overlap = TPOverlap(tp, piece.name)
+                elif asynchronous:
+                    block.overlap = AsyncBackward(tp, piece.name, sequence_parallel, block.exit)
         if sequence_parallel:
             for sub in m.modules():
                 if isinstance(sub, RMSNorm):

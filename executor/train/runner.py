@@ -211,7 +211,7 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     for s in stage_ids:
         pieces = [built[n] for n in names[s]]
         loss = apply_tensor_parallel(pieces, build_loss(model), model, plan.tp_style, tp, sequence_parallel,
-                                     plan.tp_comm_overlap)
+                                     plan.tp_comm_overlap, plan.tp_async_backward and not schedule.split_backward)
         if cp is not None:
             apply_context_parallel(pieces, cp, model.seq_len)
         apply_expert_parallel(pieces, ep)

@@ -1,4 +1,5 @@
-"""Tensor-parallel collectives overlapped with the GEMMs they feed and drain (``tp_comm_overlap``).
+"""Tensor-parallel collectives overlapped with the GEMMs they feed and drain (``tp_comm_overlap``), and
+Megatron-LM's asynchronous column-parallel backward without it (``tp_async_backward``).
 
 The executor's counterpart of :mod:`parsim.lowering.tp_overlap`, which models
 Transformer Engine's userbuffers methods as NeMo configures them. Under
@@ -15,8 +16,16 @@ partial output; here both move beside the GEMMs, with asynchronous
   first ones run beside the later GEMM chunks, the last one in line.
 * **exit, backward** (ring exchange): the output gradient's chunks travel the
   ring while the input-gradient GEMM runs on each.
-* **entry, backward** (bulk): the input gradient's reduce-scatter runs beside
-  the weight-gradient GEMMs.
+* **entry, backward** (bulk): the input gathered again beside the
+  input-gradient GEMM (the forward keeps only this rank's part), then the
+  input gradient's reduce-scatter beside the weight-gradient GEMMs.
+
+Without ``tp_comm_overlap``, :class:`AsyncBackward` runs a block's column-parallel
+GEMMs as Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``
+does: under sequence parallelism the forward keeps only this rank's part of
+the sequence, so the backward gathers it again (asynchronously) beside the
+input-gradient GEMM; then the input gradient's reduce-scatter (an all-reduce
+without sequence parallelism) runs beside the weight-gradient GEMMs.
 
 Each is recorded under the name the simulator gives the collective it
 replaces (``all_gather tp layer=... dir=fwd0``); the pipelined scatter as two
@@ -31,7 +40,7 @@ from typing import Any
 from parsim.lowering.tp_overlap import PIPELINE_SPLITS
 
 from .._torch import require_distributed, require_torch
-from .comm import SEQUENCE_DIM, TPGroup, _reduce_scatter
+from .comm import SEQUENCE_DIM, TOKEN_DIM, TPGroup, _all_gather, _reduce_scatter
 
 torch = require_torch()
 dist = require_distributed()
@@ -74,25 +83,27 @@ def _ring(tp: TPGroup, local: Any, multiply, name: str) -> tuple[Any, list]:
 
 
 class _EntryLinears(torch.autograd.Function):
-    """All-gather the sequence into several column-parallel GEMMs (ring exchange); backward: their
-    input gradient reduce-scattered beside the weight gradients (bulk)."""
+    """All-gather the sequence into several column-parallel GEMMs (ring exchange); backward: the input
+    gathered again beside their input gradient, which is reduce-scattered beside the weight gradients (bulk)."""
 
     @staticmethod
     def forward(ctx, x, tp: TPGroup, layer: str, *weights):
         ctx.tp, ctx.layer = tp, layer
         cat = torch.cat(weights, 0)
         name = tp.event_name("all_gather", layer, "fwd")
-        gathered, products = _ring(tp, x, lambda chunk: chunk @ cat.t(), name)
-        ctx.save_for_backward(gathered, *weights)
+        _, products = _ring(tp, x, lambda chunk: chunk @ cat.t(), name)
+        ctx.save_for_backward(x, *weights)  # this rank's part of the sequence: the backward gathers it again
         out = torch.cat(products, SEQUENCE_DIM)
         return tuple(out.split([w.shape[0] for w in weights], -1))
 
     @staticmethod
     def backward(ctx, *grads):
         tp = ctx.tp
-        gathered, *weights = ctx.saved_tensors
+        x, *weights = ctx.saved_tensors
+        regather = _start_gather(tp, x, ctx.layer)  # beside the input-gradient GEMM (qkv_dgrad / fc1_dgrad)
         grad = torch.cat(grads, -1)
         grad_input = grad @ torch.cat(weights, 0)
+        gathered = _finish(tp, *regather)
         chunks = grad_input.unflatten(SEQUENCE_DIM, (tp.size, -1)).movedim(SEQUENCE_DIM, 0).contiguous()
         out = torch.empty(chunks.shape[1:], dtype=grad_input.dtype, device=grad_input.device)
         name = tp.event_name("reduce_scatter", ctx.layer, "bwd")
@@ -159,3 +170,71 @@ class TPOverlap:
     def exit(self, h, linear) -> Any:
         """The row-parallel linear, its output reduce-scattered over the sequence."""
         return _ExitLinear.apply(h, linear.weight, self.tp, self.layer)
+
+
+class _AsyncEntryLinears(torch.autograd.Function):
+    """Column-parallel GEMMs with Megatron-LM's asynchronous backward (the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup, layer: str, sequence_parallel: bool, *weights):
+        ctx.tp, ctx.layer, ctx.sequence_parallel = tp, layer, sequence_parallel
+        ctx.save_for_backward(x, *weights)  # this rank's part of the sequence only
+        full = tp.all_gather(x, TOKEN_DIM, layer, "fwd") if sequence_parallel else x
+        return tuple(full @ w.t() for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        tp = ctx.tp
+        x, *weights = ctx.saved_tensors  # an unused output's gradient comes as zeros (materialize_grads)
+        regather = _start_gather(tp, x, ctx.layer) if ctx.sequence_parallel else None
+        grad_input = sum(g @ w for g, w in zip(grads, weights))
+        full = _finish(tp, *regather) if regather else x
+        if ctx.sequence_parallel:
+            chunks = grad_input.unflatten(TOKEN_DIM, (tp.size, -1)).movedim(TOKEN_DIM % grad_input.dim(), 0)
+            chunks = chunks.contiguous()
+            out = torch.empty(chunks.shape[1:], dtype=grad_input.dtype, device=grad_input.device)
+            name, start = tp.event_name("reduce_scatter", ctx.layer, "bwd"), tp.recorder.now()
+            work, nbytes = _reduce_scatter(out, chunks.flatten(0, 1), group=tp.group, async_op=True), chunks
+        else:
+            out = grad_input.contiguous()
+            name, start = tp.event_name("all_reduce", ctx.layer, "bwd"), tp.recorder.now()
+            work, nbytes = dist.all_reduce(out, group=tp.group, async_op=True), out
+        flat_in = full.flatten(0, -2)
+        weight_grads = [g.flatten(0, -2).t() @ flat_in for g in grads]
+        _wait(tp, [work])
+        tp.recorder.add(name, "collective", "tp", start, tp.recorder.now(), phase="tp",
+                        bytes=nbytes.numel() * nbytes.element_size())
+        return (out, None, None, None, *weight_grads)
+
+
+def _start_gather(tp: TPGroup, x, layer: str) -> tuple:
+    """Issue the backward's all-gather of ``x`` along the tokens; :func:`_finish` waits for it."""
+    out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    name, start = tp.event_name("all_gather", layer, "bwd"), tp.recorder.now()
+    return out, _all_gather(out, x.contiguous(), group=tp.group, async_op=True), name, start, x.dim()
+
+
+def _finish(tp: TPGroup, out, work, name: str, start: float, dims: int):
+    """Wait for :func:`_start_gather`'s all-gather, record it, and return the tokens in rank order."""
+    _wait(tp, [work])
+    tp.recorder.add(name, "collective", "tp", start, tp.recorder.now(), phase="tp",
+                    bytes=out.numel() * out.element_size())
+    dim = TOKEN_DIM % dims
+    return out.unflatten(0, (tp.size, -1)).movedim(0, dim).flatten(dim, dim + 1)
+
+
+class AsyncBackward:
+    """One block's column-parallel entry with Megatron-LM's asynchronous backward (``block.overlap``); its exit
+    is the plain row-parallel collective ``exit_``."""
+
+    def __init__(self, tp: TPGroup, layer: str, sequence_parallel: bool, exit_: Any = None):
+        self.tp, self.layer, self.sequence_parallel, self.exit_ = tp, layer, sequence_parallel, exit_
+
+    def entry(self, x, linears) -> tuple:
+        """Every column-parallel linear of the block applied to its (gathered) input."""
+        return _AsyncEntryLinears.apply(x, self.tp, self.layer, self.sequence_parallel,
+                                        *(linear.weight for linear in linears))
+
+    def exit(self, h, linear) -> Any:
+        """The row-parallel linear and its collective, as without the overlap."""
+        return self.exit_(linear(h))

@@ -119,7 +119,8 @@ def _collectives(plan, spec, model: ComputeModel, layer: str) -> tuple[list[dict
         exposed = sum(phases[PASS_PHASES.index(g)] for g in ("tp", "ep", "cp"))
         return float(phases.sum() + accumulate * of_plan.accumulation_bytes), float(exposed)
 
-    in_line = dataclasses.replace(plan, tp_comm_overlap=False) if plan.tp_comm_overlap else None
+    in_line = (dataclasses.replace(plan, tp_comm_overlap=False, tp_async_backward=False)
+               if plan.tp_comm_overlap or plan.tp_async_backward else None)
     rows, passes = [], []
     for kind in ("F", "I", "W") if plan.pipeline.split_backward else ("F", "B"):
         exposure: list[dict] = []

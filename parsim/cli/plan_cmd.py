@@ -84,6 +84,10 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
     g.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction,
                    help="hide the sequence-parallel all-gathers and reduce-scatters behind the GEMMs they feed "
                         "and drain (Megatron-LM's --tp-comm-overlap; needs --sequence-parallel)")
+    g.add_argument("--tp-async-backward", action=argparse.BooleanOptionalAction,
+                   help="run a column-parallel linear's backward collectives beside its GEMMs, as Megatron-LM "
+                        "has since 2021-09 (default on for megatron tensor parallelism; --no-tp-async-backward: "
+                        "in line, as in the SC21 runs)")
     g.add_argument("--activation-recompute", choices=RECOMPUTE,
                    help="rerun forwards in the backward to save activations (full: all but each layer's input)")
     g.add_argument("--recompute-layers", type=int, metavar="N",
@@ -127,7 +131,8 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
         "schedule": args.schedule, "virtual_stages": args.virtual_stages,
         "layers_per_stage": args.layers_per_stage, "dtype": args.dtype,
         "tensor_parallel": args.tensor_parallel, "sequence_parallel": args.sequence_parallel,
-        "tp_comm_overlap": args.tp_comm_overlap, "context_parallel": args.context_parallel,
+        "tp_comm_overlap": args.tp_comm_overlap, "tp_async_backward": args.tp_async_backward,
+        "context_parallel": args.context_parallel,
         "activation_recompute": _recompute_flags(args), "grad_accumulation": args.grad_accumulation,
         "adamw": args.adamw, "grad_clip": args.grad_clip,
         "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap,
@@ -260,7 +265,8 @@ def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topolo
         *([("kernels", f"attention {m.attention_kernel}, layers {m.layer_kernels}, loss {m.cross_entropy}")]
           if m.kind == "transformer" else []),
         ("tensor parallel", (plan.tp_style + (" with sequence parallelism" if plan.sequence_parallel else "")
-                             + (", communication overlapped with GEMMs" if plan.tp_comm_overlap else ""))
+                             + (", communication overlapped with GEMMs" if plan.tp_comm_overlap else
+                                ", backward collectives beside the GEMMs" if plan.tp_async_backward else ""))
                             if plan.tp > 1 else "none"),
         ("context parallel", (f"{plan.cp} ranks per sequence, " + (
             "K/V passed around a ring, overlapped with attention" if plan.context_parallel == "ring"

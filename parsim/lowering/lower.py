@@ -31,7 +31,7 @@ from typing import TypeVar
 from ..report.trace import collective_name, compute_name, p2p_name
 from ..schedules import Action, Schedule
 from ..sim.program import Op, Program
-from ..workload.model import LayerCost, MLPModel, shard
+from ..workload.model import POSITIONS, LayerCost, MLPModel, shard
 from ..workload.plan import Plan
 from . import eager_ops, tp_overlap
 from .kernels import block_work
@@ -389,9 +389,11 @@ class Lowering:
         pieces: list[Piece] = []
         count = 0
         for block in blocks:
+            # A split backward's weight-gradient pass keeps the input its input-gradient pass gathered: no
+            # gather again for the weight gradients (position "dgrad") outside a full backward.
             tp_ops = [c for c in block.collectives if c.phase == ("forward" if forward else "backward")
-                      and degree[c.group] > 1 and kind != "W"]
-            around: dict[str, list[CommPiece]] = {"before": [], "after": []}
+                      and degree[c.group] > 1 and kind != "W" and (c.position != "dgrad" or kind == "B")]
+            around: dict[str, list[CommPiece]] = {position: [] for position in POSITIONS}
             for coll in tp_ops:
                 head, tail = collective_name(coll.op, coll.group, layer=cost.name, mb="|",
                                              dir=f"{direction}{count}").split("|")
@@ -406,8 +408,13 @@ class Lowering:
             if (plan.tp_comm_overlap and block.name in tp_overlap.PIPELINE_SMS and len(around["before"]) == 1
                     and len(around["after"]) == 1):
                 pieces += self._overlapped(p, cost, block, kind, around, compute, sources)
-            else:
+            elif kind == "B" and plan.tp_async_backward and tp_overlap.async_backward_applies(block.name, tp_ops):
                 pieces += around["before"]
+                rest, column_grads = tp_overlap.split_column_grads(compute, sources)
+                pieces += self._with_context_exchange(p, cost, block, kind, rest)
+                pieces += tp_overlap.async_backward(around["dgrad"], around["after"][0], *column_grads)
+            else:
+                pieces += around["before"] + around["dgrad"]
                 pieces += self._with_context_exchange(p, cost, block, kind, compute)
                 pieces += around["after"]
         return pieces
@@ -418,9 +425,13 @@ class Lowering:
         (:mod:`parsim.lowering.tp_overlap`)."""
         (gather,), (scatter,) = around["before"], around["after"]
         forward = kind in ("F", "R")
-        lead, body, trail = tp_overlap.split_partners(compute, sources, forward, backward_weights=kind == "B")
+        lead, body, trail, dgrad = tp_overlap.split_partners(compute, sources, forward, backward_weights=kind == "B",
+                                                             regather=bool(around["dgrad"]))
         pieces = tp_overlap.ring_exchange(gather, lead, self.plan.tp) if lead else [gather]
         pieces += self._with_context_exchange(p, cost, block, kind, body)
+        if around["dgrad"]:  # the input gathered again beside the column-parallel input gradients (bulk)
+            pieces += tp_overlap.bulk(around["dgrad"][0], dgrad, block.name, tp_overlap.DGRAD_BULK_SMS) if dgrad \
+                else around["dgrad"]
         if trail is None:
             return pieces + [scatter]
         return pieces + (tp_overlap.pipelined if forward else tp_overlap.bulk)(scatter, trail, block.name)

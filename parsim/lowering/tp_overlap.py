@@ -45,6 +45,8 @@ PIPELINE_SPLITS = 4  # num_splits of the pipelined reduce-scatters
 # SMs the communication kernel holds, by block: the attention's and the MLP's GEMMs
 PIPELINE_SMS = {"attention": 24, "mlp": 16}  # proj_fprop, fc2_fprop
 BULK_SMS = {"attention": 24, "mlp": 4}  # qkv_wgrad, fc1_wgrad
+DGRAD_BULK_SMS = {"attention": 4, "mlp": 2}  # qkv_dgrad, fc1_dgrad: the input gathered again
+ASYNC_BLOCKS = ("attention", "mlp", "head")  # blocks entered by Megatron-LM's column-parallel linears
 
 
 class Partners(NamedTuple):
@@ -54,32 +56,49 @@ class Partners(NamedTuple):
     lead: ComputePiece | None
     body: ComputePiece
     trail: ComputePiece | None
+    dgrad: ComputePiece | None = None  # the column-parallel input gradients, when the input is gathered again
 
 
 def split_partners(compute: ComputePiece, sources: tuple[tuple[str, str], ...], forward: bool,
-                   backward_weights: bool) -> Partners:
+                   backward_weights: bool, regather: bool = False) -> Partners:
     """Split ``compute`` by its matmuls' ``(weight split, role)`` (:attr:`~parsim.lowering.kernels.BlockWork.sources`).
 
     Forward: the all-gathered input feeds every matmul that reads it (column and replicated weights) and
     the row-parallel matmuls' output is reduce-scattered. Backward: the all-gathered output gradient feeds
     the row-parallel input gradients; the column input gradients' sum is reduce-scattered beside the
-    weight gradients of the matmuls that read the block's input (when this pass computes them)."""
+    weight gradients of the matmuls that read the block's input (when this pass computes them), and with
+    ``regather`` the input gathered again beside the column input gradients (``dgrad``)."""
     if forward:
         lead_of = {(s, "fwd") for s in ("column", "none")}
         trail_of = {("row", "fwd")}
     else:
         lead_of = {("row", "dgrad")}
         trail_of = {(s, "wgrad") for s in ("column", "none")} if backward_weights else set()
-    lead, body, trail = [], [], []
+    dgrad_of = {("column", "dgrad")} if regather and not forward else set()
+    (lead, trail, dgrad), rest = split_roles(compute, sources, lead_of, trail_of, dgrad_of)
+
+    def fused(part: ComputePiece | None) -> ComputePiece | None:
+        if part is None:
+            return None
+        shapes = _fused(list(part.matmuls))
+        return dataclasses.replace(part, matmuls=shapes, kernels=len(shapes))
+
+    return Partners(fused(lead), rest, fused(trail), fused(dgrad))
+
+
+def split_roles(compute: ComputePiece, sources: tuple[tuple[str, str], ...], *roles: set[tuple[str, str]]
+                ) -> tuple[list[ComputePiece | None], ComputePiece]:
+    """The matmuls of ``compute`` whose ``(weight split, role)`` source is in each set of ``roles``, one piece
+    per set (None: none), and the rest: every other matmul with all of the piece's memory-bound work."""
+    parts: list[list[tuple[int, int, int]]] = [[] for _ in roles]
+    rest = []
     for shape, source in zip(compute.matmuls, sources):
-        (lead if source in lead_of else trail if source in trail_of else body).append(shape)
-
-    def part(shapes: list) -> ComputePiece | None:
-        fused = _fused(shapes)
-        return ComputePiece(fused, 0.0, len(fused), compute.phase, compute.layer) if fused else None
-
-    rest = dataclasses.replace(compute, matmuls=tuple(body), kernels=compute.kernels - len(lead) - len(trail))
-    return Partners(part(lead), rest, part(trail))
+        index = next((i for i, wanted in enumerate(roles) if source in wanted), None)
+        (rest if index is None else parts[index]).append(shape)
+    moved = sum(len(part) for part in parts)
+    pieces = [ComputePiece(tuple(part), 0.0, len(part), compute.phase, compute.layer) if part else None
+              for part in parts]
+    return pieces, dataclasses.replace(compute, matmuls=tuple(rest), kernels=compute.kernels - moved)
 
 
 def _fused(shapes: list[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
@@ -113,7 +132,46 @@ def pipelined(scatter: CommPiece, trail: ComputePiece, block: str) -> list[Piece
     return [chunks(trail, 1, n, sms), hidden, chunks(trail, n - 1, n, sms), trail.join("tp"), last]
 
 
-def bulk(scatter: CommPiece, trail: ComputePiece, block: str) -> list[Piece]:
-    """The input gradient's reduce-scatter beside the weight-gradient GEMMs."""
-    return [dataclasses.replace(scatter, beside=True, method="bulk"),
-            dataclasses.replace(trail, sm_reserved=BULK_SMS[block]), trail.join("tp")]
+def bulk(collective: CommPiece, partner: ComputePiece, block: str, sms: dict[str, int] = BULK_SMS) -> list[Piece]:
+    """A collective beside GEMMs on the SMs its kernel leaves: the input gradient's reduce-scatter beside the
+    weight gradients (``sms`` BULK_SMS), or the input's all-gather beside the input gradients (DGRAD_BULK_SMS)."""
+    return [dataclasses.replace(collective, beside=True, method="bulk"),
+            dataclasses.replace(partner, sm_reserved=sms[block]), partner.join("tp")]
+
+
+def async_backward_applies(block: str, collectives: list) -> bool:
+    """Whether a block's backward collectives are those of the column-parallel linears that read its input
+    (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``): its input gradient's all-reduce or
+    reduce-scatter after the block, maybe its input gathered again, maybe the output gradient gathered
+    before. Latent attention's several up-projections run in line, as do MoE layers, whose token
+    dispatcher gathers and scatters the rows itself."""
+    positions = [c.position for c in collectives]
+    return (block in ASYNC_BLOCKS and positions.count("after") == 1 and positions.count("before") <= 1
+            and positions.count("dgrad") <= 1)
+
+
+def split_column_grads(compute: ComputePiece, sources: tuple[tuple[str, str], ...]
+                       ) -> tuple[ComputePiece, tuple[ComputePiece | None, ComputePiece | None]]:
+    """``compute`` (a backward) without the input and weight gradients of the matmuls that read the block's
+    input, and those two parts: the column-parallel input gradients, and the weight gradients."""
+    (dgrad, wgrad), rest = split_roles(compute, sources, {("column", "dgrad")},
+                                       {(s, "wgrad") for s in ("column", "none")})
+    return rest, (dgrad, wgrad)
+
+
+def async_backward(regather: list[CommPiece], reduce: CommPiece, dgrad: ComputePiece | None,
+                   wgrad: ComputePiece | None) -> list[Piece]:
+    """A column-parallel linear's backward as Megatron-LM runs it without ``--tp-comm-overlap``
+    (``LinearWithGradAccumulationAndAsyncCommunication.backward``): the input gathered again (sequence
+    parallelism) by an asynchronous NCCL call beside the input-gradient GEMM, then the input gradient's
+    all-reduce or reduce-scatter beside the weight-gradient GEMM. The NCCL kernels' SMs are not taken
+    from the GEMMs (nor are they beside the data-parallel overlap)."""
+    pieces: list[Piece] = []
+    for collective, partner in ((regather[0] if regather else None, dgrad), (reduce, wgrad)):
+        if partner is None:
+            pieces += [collective] if collective else []
+        elif collective is None:
+            pieces.append(partner)
+        else:
+            pieces += [dataclasses.replace(collective, beside=True, method="async"), partner, partner.join("tp")]
+    return pieces

@@ -210,6 +210,9 @@ class Activation:
         return width * self.element_bytes
 
 
+POSITIONS = ("before", "dgrad", "after")  # where a block's collectives run in its pass (TPCollective.position)
+
+
 @dataclass(frozen=True)
 class TPCollective:
     """A tensor-parallel collective inside a block; runs only when ``tp > 1``.
@@ -217,7 +220,10 @@ class TPCollective:
     ``op`` is ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"`` (the
     names of :mod:`parsim.report.results`' operations) over the tensor-parallel group.
     ``phase`` is ``"forward"`` or ``"backward"``; ``position`` is ``"before"``
-    or ``"after"`` the block's compute in that phase's execution order.
+    or ``"after"`` the block's compute in that phase's execution order, or
+    ``"dgrad"``: in the backward, before the input-gradient matmuls of the
+    block's column-parallel weights (Megatron-LM gathers their input again
+    there, beside those matmuls; :class:`parsim.lowering.lower.Lowering`).
     ``bytes_per_token`` is the whole (unsharded) tensor's size per token, the
     nccl-tests convention: for an all-gather, all ranks' chunks together.
     ``regroups``: the tensor is split along its last (feature) dimension, so the
@@ -433,7 +439,7 @@ class LayerCost:
         ordered = []
         for block in blocks:
             mine = [c for c in block.collectives if c.phase == phase]
-            ordered += [c for c in mine if c.position == "before"] + [c for c in mine if c.position == "after"]
+            ordered += sorted(mine, key=lambda c: POSITIONS.index(c.position))
         return ordered
 
 
@@ -705,8 +711,9 @@ class TransformerModel(_CostTotals):
         Sequence parallelism replaces each block's all-reduce by an all-gather
         of its input and a reduce-scatter of its output (the same bytes on the
         wire), in the forward and, mirrored, in the backward. Megatron-LM also
-        all-gathers a block's input again for the weight gradient, overlapped
-        with the input-gradient matmul; that overlapped gather is not charged.
+        all-gathers a block's input again for the weight gradients (the
+        forward keeps only its part of the sequence), beside the input-gradient
+        matmuls.
         """
         self._check_style(tp_style, sequence_parallel)
         dense = self._layer(dtype_bytes, sequence_parallel)
@@ -1050,8 +1057,10 @@ class TransformerModel(_CostTotals):
 
         The head is column-parallel over the vocabulary (padded to a multiple of
         ``tp``), so its input gradient is all-reduced in the backward (with
-        sequence parallelism: its input is all-gathered in the forward and its
-        gradient reduce-scattered), and the vocabulary-parallel cross-entropy
+        sequence parallelism: its input is all-gathered in the forward, again in
+        the backward for the weight gradient, and its gradient reduce-scattered:
+        Megatron-LM's output layer is a ``ColumnParallelLinear``, which keeps
+        only this rank's part of the sequence), and the vocabulary-parallel cross-entropy
         all-reduces three fp32 numbers per token (the logit maximum, the target
         logit, the sum of exponentials). With tied embeddings the head reuses
         the embedding table and owns no parameters, unless it runs on another
@@ -1065,6 +1074,7 @@ class TransformerModel(_CostTotals):
         h, d, v = self.hidden, dtype_bytes, self.vocab_size
         if sequence_parallel:
             entry = (TPCollective("head.in", "all_gather", "forward", "before", h * d),
+                     TPCollective("head.in", "all_gather", "backward", "dgrad", h * d),
                      TPCollective("head.in.grad", "reduce_scatter", "backward", "after", h * d))
         else:
             entry = (TPCollective("head.in.grad", "all_reduce", "backward", "after", h * d),)
@@ -1077,7 +1087,8 @@ class TransformerModel(_CostTotals):
         block = Block("head", (Matmul("head", h, v, "column", owns_weight=owns_weight),),
                       collectives=collectives, elementwise=loss, eager_ops=eager_ops.HEAD)
         saved = (Activation("norm.final.in", h, d, sharded=sequence_parallel),
-                 Activation("head.in", h, d, sharded=False), Activation("ce.softmax", v, SOFTMAX_BYTES, sharded=True))
+                 Activation("head.in", h, d, sharded=sequence_parallel),
+                 Activation("ce.softmax", v, SOFTMAX_BYTES, sharded=True))
         return LayerCost("head", (block,), (Param("norm.final", 1, h),), saved)
 
     def _loss_kernels(self, v: int) -> tuple[Elementwise, ...]:
@@ -1152,13 +1163,17 @@ def _ffn(prefix: str, h: int, f: int, ffn_type: str, experts: int = 1,
 def _block_collectives(block: str, nbytes_per_token: int, sequence_parallel: bool) -> tuple[TPCollective, ...]:
     """A Megatron block's tensor-parallel collectives: an all-reduce after it in the forward and of
     its input gradient in the backward, or, with sequence parallelism, an all-gather of its input and
-    a reduce-scatter of its output (mirrored in the backward)."""
+    a reduce-scatter of its output (mirrored in the backward), and the input gathered again in the
+    backward for the weight gradients: the forward keeps only this rank's part of the sequence
+    (``LinearWithGradAccumulationAndAsyncCommunication.backward``, Megatron-LM since its sequence
+    parallelism, 2022; Transformer Engine's ``LayerNormLinear`` likewise)."""
     if not sequence_parallel:
         return (TPCollective(f"{block}.out", "all_reduce", "forward", "after", nbytes_per_token),
                 TPCollective(f"{block}.in.grad", "all_reduce", "backward", "after", nbytes_per_token))
     return (TPCollective(f"{block}.in", "all_gather", "forward", "before", nbytes_per_token),
             TPCollective(f"{block}.out", "reduce_scatter", "forward", "after", nbytes_per_token),
             TPCollective(f"{block}.out.grad", "all_gather", "backward", "before", nbytes_per_token),
+            TPCollective(f"{block}.in", "all_gather", "backward", "dgrad", nbytes_per_token),
             TPCollective(f"{block}.in.grad", "reduce_scatter", "backward", "after", nbytes_per_token))
 
 

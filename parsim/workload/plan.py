@@ -262,6 +262,7 @@ class Plan:
     grad_clip: float | None = None
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
+    tp_async_backward: bool | None = None  # None: tensor_parallel megatron's (on since Megatron-LM's 2021-09 release)
     activation_recompute: str = "none"
     recompute_layers: int | None = None
     name: str = "plan"
@@ -290,6 +291,8 @@ class Plan:
         object.__setattr__(self, "order", _order(self.order))
         if self.overlap is None:
             object.__setattr__(self, "overlap", self.grad_sync in ("bucketed", "fsdp"))
+        if self.tp_async_backward is None:
+            object.__setattr__(self, "tp_async_backward", self.tp_style == "megatron")
         self._resolve_batch()
         for key, high in BATCH_LIMITS.items():
             if getattr(self, key) > high:
@@ -361,6 +364,9 @@ class Plan:
                        f"(Megatron-LM's --tp-comm-overlap): it needs tensor_parallel megatron with tp > 1 and "
                        f"sequence_parallel: true (this plan: {m.kind} model, tp {self.tp}, {self.tp_style}, "
                        f"sequence_parallel {str(self.sequence_parallel).lower()})")
+        if self.tp_async_backward and self.tp_style != "megatron":
+            self._fail(f"tp_async_backward runs a column-parallel linear's backward collectives beside its GEMMs, as "
+                       f"Megatron-LM does: it needs tensor_parallel megatron (this plan: {self.tp_style})")
         if self.grad_sync not in GRAD_SYNCS:
             self._fail(f"grad_sync {self.grad_sync!r} is not one of {', '.join(GRAD_SYNCS)}")
         if self.overlap and self.grad_sync == "per_param":
@@ -751,6 +757,7 @@ class Plan:
             "context_parallel": self.context_parallel,
             "sequence_parallel": self.sequence_parallel,
             "tp_comm_overlap": self.tp_comm_overlap,
+            "tp_async_backward": self.tp_async_backward,
             "grad_accumulation": self.grad_accumulation,
             "adamw": self.adamw,
             "activation_recompute": ({"granularity": self.activation_recompute, "layers": self.recompute_layers}
@@ -773,8 +780,8 @@ class Plan:
 
 # --------------------------------------------------------------------------- loading
 _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "virtual_stages", "layers_per_stage",
-             "dtype", "tensor_parallel", "sequence_parallel", "tp_comm_overlap", "context_parallel",
-             "activation_recompute", "data_parallel", "grad_accumulation", "adamw", "grad_clip", "moe")
+             "dtype", "tensor_parallel", "sequence_parallel", "tp_comm_overlap", "tp_async_backward",
+             "context_parallel", "activation_recompute", "data_parallel", "grad_accumulation", "adamw", "grad_clip", "moe")
 _RECOMPUTE_KEYS = ("granularity", "layers")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
 _MOE_KEYS = ("capacity_factor", "expert_load")
@@ -864,6 +871,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         layers_per_stage=_stage_split(top),
         sequence_parallel=top.boolean("sequence_parallel", False),
         tp_comm_overlap=top.boolean("tp_comm_overlap", False),
+        tp_async_backward=top.boolean("tp_async_backward"),
         grad_accumulation=top.text("grad_accumulation", "autograd"), adamw=top.text("adamw", DEFAULT_ADAMW),
         grad_clip=top.number("grad_clip"),
         activation_recompute=recompute[0], recompute_layers=recompute[1],
