@@ -15,6 +15,7 @@ from parsim.lowering.lower import Lowering
 from parsim.lowering.pieces import CommPiece, ComputePiece
 from parsim.lowering.tp_overlap import BULK_SMS, DGRAD_BULK_SMS, PIPELINE_SMS, PIPELINE_SPLITS
 from parsim.search.costs import CommCosts
+from parsim.sim.program import NCCL_CHANNELS
 from parsim.sim.compute import ComputeModel
 from parsim.sim.step import predict_step
 from parsim.workload.model import load_model
@@ -26,8 +27,8 @@ GPT = load_model({"kind": "transformer", "name": "gpt", "num_layers": 2, "hidden
 
 
 def plan(overlap: bool = True, **kw) -> Plan:
-    return Plan(model=GPT, tp=T, num_microbatches=2, dtype="bf16", tp_comm_overlap=overlap,
-                **{"sequence_parallel": True} | kw)
+    return Plan(model=GPT, tp=T, num_microbatches=2, tp_comm_overlap=overlap,
+                **{"sequence_parallel": True, "dtype": "bf16"} | kw)
 
 
 def layer_pieces(p: Plan, kind: str, name: str = "layer"):
@@ -58,7 +59,7 @@ def test_backward_gathers_in_a_ring_and_scatters_beside_the_weight_gradients():
     assert gather.beside and gather.collective == "all_gather" and mlp[1].matmuls[0] == (SEQ // T, 4 * H // T, H)
     assert scatter.beside and scatter.collective == "reduce_scatter"
     wgrad = mlp[-2]
-    assert wgrad.matmuls == ((H, 4 * H // T, SEQ),) and wgrad.sm_reserved == BULK_SMS["mlp"] and mlp[-1].joins == "tp"
+    assert wgrad.matmuls == ((H, 4 * H // T, SEQ),) and wgrad.beside_sms == BULK_SMS["mlp"] and mlp[-1].joins == "tp"
 
 
 def test_a_split_backward_scatters_in_line_without_weight_gradients_to_hide_behind():
@@ -75,7 +76,8 @@ def collectives(pieces) -> list[tuple[str, bool]]:
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_asynchronous_backward_runs_the_input_gradient_beside_the_weight_gradients(sequence_parallel):
     """Megatron-LM's column-parallel backward: (SP) the input gathered again beside the input-gradient GEMMs,
-    then the input gradient's reduce-scatter (or all-reduce) beside the weight-gradient GEMMs, on every SM."""
+    then the input gradient's reduce-scatter (or all-reduce) beside the weight-gradient GEMMs, each NCCL
+    kernel holding its channels' SMs while it runs."""
     p = plan(False, sequence_parallel=sequence_parallel)
     assert p.tp_async_backward  # tensor_parallel megatron's default
     mlp = layer_pieces(p, "B")[:len(layer_pieces(p, "B")) // 2]  # the backward runs the MLP first
@@ -83,14 +85,19 @@ def test_asynchronous_backward_runs_the_input_gradient_beside_the_weight_gradien
         assert collectives(mlp) == [("all_gather", False), ("all_gather", True), ("reduce_scatter", True)]
         regather, dgrad, join = mlp[-6:-3]
         assert regather.method == "async" and regather.nbytes == SEQ * H * 2 and join.joins == "tp"
-        assert dgrad.matmuls == ((SEQ, H, 4 * H // T),) and dgrad.sm_reserved == 0
+        assert dgrad.matmuls == ((SEQ, H, 4 * H // T),) and dgrad.beside_sms == NCCL_CHANNELS
     else:
         assert collectives(mlp) == [("all_reduce", True)]
     scatter, wgrad, join = mlp[-3:]
     assert scatter.method == "async" and join.joins == "tp"
-    assert wgrad.matmuls == ((H, 4 * H // T, SEQ),) and wgrad.sm_reserved == 0
+    assert wgrad.matmuls == ((H, 4 * H // T, SEQ),) and wgrad.beside_sms == NCCL_CHANNELS
     assert collectives(layer_pieces(p, "B", "head"))[-1] == ("reduce_scatter" if sequence_parallel
                                                              else "all_reduce", True)
+
+
+def test_the_head_split_around_its_collectives_keeps_its_bf16_gemms_in_an_fp8_plan():
+    head = [pc for pc in layer_pieces(plan(False, dtype="fp8"), "B", "head") if type(pc) is ComputePiece]
+    assert all(pc.high_precision for pc in head if pc.matmuls) and sum(len(pc.matmuls) for pc in head) == 2
 
 
 def test_without_the_asynchronous_backward_every_collective_runs_in_line():
@@ -117,7 +124,7 @@ def test_tensor_parallel_overlap_gathers_the_input_again_beside_the_input_gradie
     mlp = layer_pieces(plan(), "B")[:len(layer_pieces(plan(), "B")) // 2]
     regather, dgrad, join = mlp[-6:-3]
     assert regather.collective == "all_gather" and regather.beside and regather.method == "bulk"
-    assert dgrad.matmuls == ((SEQ, H, 4 * H // T),) and dgrad.sm_reserved == DGRAD_BULK_SMS["mlp"]
+    assert dgrad.matmuls == ((SEQ, H, 4 * H // T),) and dgrad.beside_sms == DGRAD_BULK_SMS["mlp"]
     assert join.joins == "tp"
 
 
@@ -130,8 +137,15 @@ def exposed(p: Plan, compute: ComputeModel, comm: CommCosts, kind: str, name: st
     def c(pc: CommPiece) -> float:
         return comm.time("collective", pc.collective, pc.ranks, pc.nbytes)
 
-    def g(pc: ComputePiece) -> float:
-        return compute.time(pc.matmuls, kernels=pc.kernels, sm_reserved=pc.sm_reserved)
+    def g(pc: ComputePiece, beside: CommPiece) -> float:
+        alone = compute.time(pc.matmuls, kernels=pc.kernels, sm_reserved=pc.sm_reserved)
+        if pc.beside_sms is None:
+            return alone
+        sms = comm.kernel_sms(beside.collective, beside.ranks, beside.nbytes) if pc.beside_sms == NCCL_CHANNELS \
+            else pc.beside_sms
+        reserved = compute.time(pc.matmuls, kernels=pc.kernels, sm_reserved=sms)
+        held = c(beside)  # the kernel holds them while the collective runs, then the GEMM has every SM
+        return reserved if held >= reserved else held + alone * (1 - held / reserved)
 
     total = 0.0
     for i, pc in enumerate(pieces):
@@ -141,7 +155,7 @@ def exposed(p: Plan, compute: ComputeModel, comm: CommCosts, kind: str, name: st
             total += c(pc)
         else:  # beside: the compute pieces up to the join hide it
             join = next(j for j in range(i + 1, len(pieces)) if getattr(pieces[j], "joins", ""))
-            total += max(c(pc) - sum(g(x) for x in pieces[i + 1:join]), 0.0)
+            total += max(c(pc) - sum(g(x, pc) for x in pieces[i + 1:join]), 0.0)
     return total
 
 
@@ -174,6 +188,27 @@ def test_a_communication_kernel_takes_its_sms_from_the_gemm():
     tiles = (m // 128) ** 2
     ratio = compute.matmul_time(m, m, m, sm_reserved=24) / compute.matmul_time(m, m, m)
     assert ratio == pytest.approx(-(-tiles // (sms - 24)) / -(-tiles // sms), rel=1e-12)
+
+
+def test_a_gemm_beside_a_collective_has_every_sm_once_the_collective_ends():
+    """10 ms of GEMM on every SM, 12.5 ms on those a kernel leaves: beside a 4 ms collective it runs 4 ms at
+    0.8 of its speed, then the remaining 6.8 ms of work on all SMs; beside one that outlasts it, all on fewer."""
+    assert ComputeModel.beside_collective_time(10e-3, 12.5e-3, 4e-3) == pytest.approx(4e-3 + 10e-3 * (1 - 4 / 12.5))
+    assert ComputeModel.beside_collective_time(10e-3, 12.5e-3, 20e-3) == 12.5e-3
+    assert ComputeModel.beside_collective_time(10e-3, 10e-3, 4e-3) == pytest.approx(10e-3)  # no SMs taken
+
+
+def test_an_nccl_kernel_holds_one_sm_per_channel():
+    """NCCL's tuner's channels for a DGX A100 ring (24, as its --explain prints), and none on a CPU host."""
+    from parsim.sim.stepsim import StepSimulator
+
+    a100 = load_cluster("dgx-a100")
+    compute = ComputeModel.for_cluster(a100, "bf16", 2)
+    sim = StepSimulator(a100.build(1), compute)
+    assert sim.kernel_sms("all_reduce", tuple(range(8)), 48 * 2**20) == 24
+    host = dataclasses.replace(ideal_spec(**{"intra_node.fabric": "pcie", "intra_node.in_switch_reduction": False}),
+                               cpu_cores=4, nccl=None)
+    assert StepSimulator(host.build(1), compute).kernel_sms("all_reduce", (0, 1), 2**20) == 0
 
 
 def test_plan_rules_and_yaml():

@@ -341,6 +341,8 @@ class Lowering:
                                           forward_ops=piece.forward_ops, backward_ops=piece.backward_ops,
                                           tp_calls=piece.tp_calls, stream_bytes=piece.stream_bytes,
                                           sm_reserved=piece.sm_reserved,
+                                          beside_of=beside["tp"][-1] if piece.beside_sms is not None else -1,
+                                          beside_sms=piece.beside_sms or 0,
                                           high_precision=piece.high_precision, sm_bound=piece.sm_bound,
                                           fsdp_passes=through if hook_pending else (0, 0)))
                 hook_pending = False

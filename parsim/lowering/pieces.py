@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+
 @dataclass(frozen=True)
 class ComputePiece:
     """One block's compute in one pass (see :meth:`Lowering._compute`), or part of it; ``layer`` indexes the
@@ -34,6 +35,9 @@ class ComputePiece:
     closes: bool = False  # the last (FSDP reduce-scatters the layer's gradients after a backward's)
     joins: str = ""  # "cp" or "tp": a join of that side stream
     sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.lowering.tp_overlap)
+    # SMs the collective just before it on the tp stream holds while that collective runs (parsim.sim.program's
+    # NCCL_CHANNELS: its NCCL kernel's channels); None: beside no such collective (beside_collective_time)
+    beside_sms: int | None = None
     high_precision: bool = False  # fp8 plans: these matmuls run in bf16 (the LM head)
     sm_bound: tuple = ()  # (bytes, SmWork...) of kernels the SMs may bound (parsim.sim.compute.ComputeModel.time)
 

@@ -20,18 +20,24 @@ seqlen8192``, the Llama 3 70B H100 setting), and parsim models those three:
   holding 24 (attention) or 16 (MLP) SMs that the GEMM does without
   (``set_sm_margin``): ``G'/4 + max(3G'/4, 3C/4) + C/4``, ``G'`` the GEMM on
   the remaining SMs.
-* **bulk** (``qkv_wgrad``, ``fc1_wgrad``): the input gradient's
-  reduce-scatter runs beside the weight-gradient GEMM, its kernel holding 24
-  (attention) or 4 (MLP) SMs: ``max(G', C)``.
+* **bulk** (``qkv_dgrad``, ``fc1_dgrad``; ``qkv_wgrad``, ``fc1_wgrad``): the
+  block input gathered again (the forward keeps only this rank's part of the
+  sequence) beside the input-gradient GEMM, its kernel holding 4 (attention)
+  or 2 (MLP) SMs; then the input gradient's reduce-scatter beside the
+  weight-gradient GEMM, holding 24 or 4. The kernel leaves its SMs when the
+  collective ends (``set_sm_margin`` off), so the GEMM runs on the others
+  while it runs and on all of them after:
+  :meth:`~parsim.sim.compute.ComputeModel.beside_collective_time`.
 
 The GEMMs that read one input run fused, as Transformer Engine's ``linear_qkv`` and
-``linear_fc1`` do. Not modelled, with or without the overlap: the backward's re-gather of the
-block input for the weight gradient (sequence parallelism keeps the input
-sharded; Megatron-LM gathers it again beside the input-gradient GEMM, and
-Transformer Engine's ``qkv_dgrad`` / ``fc1_dgrad`` bulk overlap does the same).
-The communication buffers are not counted in memory.
+``linear_fc1`` do. The communication buffers are not counted in memory.
 A split-backward schedule's input-gradient pass has no weight-gradient GEMM to
-hide the reduce-scatter behind, so there it stays in line.
+hide the reduce-scatter behind, so there it stays in line; its weight-gradient
+pass keeps the input the input-gradient pass gathered.
+
+Without ``--tp-comm-overlap``, :func:`async_backward` is Megatron-LM's own
+asynchronous backward of the same linears, with NCCL kernels in place of
+userbuffers (``tp_async_backward``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from ..sim.program import NCCL_CHANNELS
 from .pieces import CommPiece, ComputePiece, Piece
 
 PIPELINE_SPLITS = 4  # num_splits of the pipelined reduce-scatters
@@ -96,8 +103,8 @@ def split_roles(compute: ComputePiece, sources: tuple[tuple[str, str], ...], *ro
         index = next((i for i, wanted in enumerate(roles) if source in wanted), None)
         (rest if index is None else parts[index]).append(shape)
     moved = sum(len(part) for part in parts)
-    pieces = [ComputePiece(tuple(part), 0.0, len(part), compute.phase, compute.layer) if part else None
-              for part in parts]
+    pieces = [ComputePiece(tuple(part), 0.0, len(part), compute.phase, compute.layer,
+                           high_precision=compute.high_precision) if part else None for part in parts]
     return pieces, dataclasses.replace(compute, matmuls=tuple(rest), kernels=compute.kernels - moved)
 
 
@@ -136,7 +143,7 @@ def bulk(collective: CommPiece, partner: ComputePiece, block: str, sms: dict[str
     """A collective beside GEMMs on the SMs its kernel leaves: the input gradient's reduce-scatter beside the
     weight gradients (``sms`` BULK_SMS), or the input's all-gather beside the input gradients (DGRAD_BULK_SMS)."""
     return [dataclasses.replace(collective, beside=True, method="bulk"),
-            dataclasses.replace(partner, sm_reserved=sms[block]), partner.join("tp")]
+            dataclasses.replace(partner, beside_sms=sms[block]), partner.join("tp")]
 
 
 def async_backward_applies(block: str, collectives: list) -> bool:
@@ -164,8 +171,8 @@ def async_backward(regather: list[CommPiece], reduce: CommPiece, dgrad: ComputeP
     """A column-parallel linear's backward as Megatron-LM runs it without ``--tp-comm-overlap``
     (``LinearWithGradAccumulationAndAsyncCommunication.backward``): the input gathered again (sequence
     parallelism) by an asynchronous NCCL call beside the input-gradient GEMM, then the input gradient's
-    all-reduce or reduce-scatter beside the weight-gradient GEMM. The NCCL kernels' SMs are not taken
-    from the GEMMs (nor are they beside the data-parallel overlap)."""
+    all-reduce or reduce-scatter beside the weight-gradient GEMM, each NCCL kernel holding one SM per
+    channel while it runs (the data-parallel overlap's kernels do not take SMs from the compute)."""
     pieces: list[Piece] = []
     for collective, partner in ((regather[0] if regather else None, dgrad), (reduce, wgrad)):
         if partner is None:
@@ -173,5 +180,6 @@ def async_backward(regather: list[CommPiece], reduce: CommPiece, dgrad: ComputeP
         elif collective is None:
             pieces.append(partner)
         else:
-            pieces += [dataclasses.replace(collective, beside=True, method="async"), partner, partner.join("tp")]
+            pieces += [dataclasses.replace(collective, beside=True, method="async"),
+                       dataclasses.replace(partner, beside_sms=NCCL_CHANNELS), partner.join("tp")]
     return pieces

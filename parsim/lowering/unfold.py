@@ -53,7 +53,8 @@ def unfold(program: Program) -> Program:
 def _copy(op: Op, offset: int, replica: dict[int, int]) -> Op:
     """``op`` on its rank's replica (``replica``: representative -> this copy's rank); ids shifted by ``offset``."""
     rank = replica[op.rank]
-    copy = dataclasses.replace(op, deps=tuple(d + offset for d in op.deps), mirrors=(), joins=(), id=-1, rank=-1)
+    copy = dataclasses.replace(op, deps=tuple(d + offset for d in op.deps), mirrors=(), joins=(), id=-1, rank=-1,
+                               beside_of=op.beside_of + offset if op.beside_of >= 0 else -1)
     if op.kind == "recv":
         copy.peer = replica[op.peer]
         copy.match = op.match + offset if op.match >= 0 else -1

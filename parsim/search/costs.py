@@ -31,6 +31,7 @@ from ..hardware.cluster import ClusterSpec
 from ..hardware.network import Network, max_min_rates, stack_routes
 from ..lowering.lower import CommPiece, Lowering
 from ..sim.compute import ComputeModel
+from ..sim.program import NCCL_CHANNELS
 from ..sim.stepsim import StepSimulator
 from ..workload.plan import Plan
 from .tables import entry_types
@@ -78,6 +79,10 @@ class CommCosts:
                                              + p.reduce_s for p in phases)
             return seconds
         return price
+
+    def kernel_sms(self, collective: str, ranks: tuple[int, ...], nbytes: float) -> int:
+        """SMs the collective's NCCL kernel holds while it runs (0 off NCCL)."""
+        return self.sim.kernel_sms(collective, ranks, int(nbytes))
 
     def beside(self, collective: str, ranks: tuple[int, ...], nbytes: float, other: str,
                other_ranks: tuple[int, ...], other_bytes: float, kind: str = "collective") -> float:
@@ -190,6 +195,7 @@ class PassCosts:
         pending: dict[str, list[float]] = {"cp": [], "tp": []}
         waiting: dict[str, list[dict]] = {"cp": [], "tp": []}  # exposure rows of each side stream before its join
         rows = exposure if exposure is not None else []
+        last_beside: tuple[CommPiece, float] | None = None  # the last collective beside, and its seconds
         for piece in pieces:
             if type(piece) is CommPiece:
                 if piece.group == "cp" and exchange is not None:
@@ -201,6 +207,7 @@ class PassCosts:
                     free[piece.stream] = max(t, free[piece.stream]) + cost
                     pending[piece.stream].append(free[piece.stream])
                     waiting[piece.stream].append(rows[-1])
+                    last_beside = (piece, cost)
                 else:
                     t += cost
                     phases[PASS_PHASES.index(piece.group)] += cost
@@ -214,10 +221,19 @@ class PassCosts:
                 pending[piece.joins], waiting[piece.joins] = [], []
                 continue
             acc = piece.stream_bytes
-            seconds = self.compute_time(piece.matmuls, 0.0, piece.hbm_bytes - acc, piece.kernels,
-                                        piece.attention_flops, piece.attention_grad_flops, piece.forward_ops,
-                                        piece.backward_ops, 0, 0.0, piece.sm_reserved, piece.high_precision,
-                                        piece.sm_bound, tp_calls=piece.tp_calls)
+
+            def seconds_on(sm_reserved: int) -> float:
+                return self.compute_time(piece.matmuls, 0.0, piece.hbm_bytes - acc, piece.kernels,
+                                         piece.attention_flops, piece.attention_grad_flops, piece.forward_ops,
+                                         piece.backward_ops, 0, 0.0, sm_reserved, piece.high_precision,
+                                         piece.sm_bound, tp_calls=piece.tp_calls)
+            seconds = seconds_on(piece.sm_reserved)
+            if piece.beside_sms is not None:  # beside the last collective, whose kernel holds SMs while it runs
+                other, other_s = last_beside
+                sms = piece.beside_sms if piece.beside_sms != NCCL_CHANNELS else \
+                    self.comm.kernel_sms(other.collective, other.ranks, other.nbytes)
+                if sms > 0:
+                    seconds = self.compute.beside_collective_time(seconds, seconds_on(sms), other_s)
             if acc:  # streaming the gradients into their sum adds its own time (ComputeModel.time is linear in it)
                 extra = self.compute_time((), 0.0, acc, 0, 0.0, 0.0, 0, 0, 0, acc)
                 accumulate += extra / accumulation_bytes

@@ -311,6 +311,17 @@ class ComputeModel:
         share = sms / self.sm_count if self.sm_count else 1.0
         return peak * efficiency * shape * share * self.waves(m, n, sms)
 
+    @staticmethod
+    def beside_collective_time(alone_s: float, reserved_s: float, collective_s: float) -> float:
+        """Seconds of work that takes ``alone_s`` on every SM and ``reserved_s`` on the SMs a collective's
+        kernel leaves, started with that collective, which holds its SMs for ``collective_s``: on fewer SMs
+        until the collective ends, then on all. The kernel launched first takes its SMs, and the GEMM's thread
+        blocks yet to run are placed on every SM once they are free (Megatron-LM issues the collective first,
+        ``CUDA_DEVICE_MAX_CONNECTIONS=1``). All of it on the fewer SMs when the collective outlasts it."""
+        if collective_s >= reserved_s or reserved_s <= 0:
+            return reserved_s
+        return collective_s + alone_s * (1.0 - collective_s / reserved_s)
+
     @property
     def memory_bw_Bps(self) -> float:
         return self.hbm_bw_Bps * self.memory_efficiency

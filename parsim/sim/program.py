@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+NCCL_CHANNELS = -1  # Op.beside_sms: the collective beside it is NCCL's kernel, holding one SM per channel
+
+
 @dataclass(slots=True)
 class Op:
     """One operation of one rank. Ids are assigned by :meth:`Program.add`."""
@@ -40,6 +43,10 @@ class Op:
     fsdp_passes: tuple[int, int] = (0, 0)  # and units a forward, a backward passes through, moving nothing
     stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation, AdamW)
     sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.lowering.tp_overlap)
+    # compute beside collective ``beside_of`` (an op id), whose kernel holds ``beside_sms`` SMs while it runs
+    # (NCCL_CHANNELS: its NCCL channels): ComputeModel.beside_collective_time
+    beside_of: int = -1
+    beside_sms: int = 0
     high_precision: bool = False  # fp8 plans: these matmuls run in bf16 (the LM head)
     sm_bound: tuple = ()  # (bytes, SmWork...) of kernels the SMs may bound (their bytes in hbm_bytes too)
     # communication

@@ -36,10 +36,10 @@ from ..hardware.network import Network, chain_routes, stack_routes
 from ..hardware.topology import Topology
 from ..report.trace import Event, Trace
 from .collectives.algorithms import build_phases
-from .collectives.simulate import choose_algorithm
+from .collectives.simulate import choose_algorithm, kernel_sms
 from .compute import ComputeModel
 from .cores import SharedCores, core_of, eevdf_slice_s
-from .program import Op, Program
+from .program import NCCL_CHANNELS, Op, Program
 
 # progress(ops finished, ops in all) is called at most this often (seconds of wall time)
 PROGRESS_EVERY_S = 0.5
@@ -137,21 +137,31 @@ class StepSimulator:
                                       chain)
         return CommPhase(routes, nbytes, latency, reduce_s, self._keys, np.unique(routes[routes >= 0]))
 
+    def kernel_sms(self, collective: str, ranks: tuple[int, ...], nbytes: int) -> int:
+        """SMs the collective's NCCL kernel holds while it runs (:func:`~parsim.sim.collectives.simulate.kernel_sms`),
+        cached per group shape and size as :meth:`_algorithm`."""
+        key = ("sms", collective, self._group_shape(ranks), nbytes)
+        if key not in self._algorithms:
+            self._algorithms[key] = kernel_sms(self.topo, collective, nbytes, np.asarray(ranks))
+        return self._algorithms[key]
+
+    def _group_shape(self, ranks: tuple[int, ...]) -> tuple:
+        """Where a group's GPUs sit: their local indices, node offsets and unit offsets. Nodes are wired alike
+        and scalable units alike, so groups of one shape choose alike wherever they sit."""
+        group = np.asarray(ranks)
+        nodes, units = self.topo.node_of(group), self.topo.unit_of(group)
+        return (tuple((group % self.topo.gpus_per_node).tolist()), tuple((nodes - nodes[0]).tolist()),
+                tuple((units - units[0]).tolist()))
+
     def _algorithm(self, collective: str, ranks: tuple[int, ...], nbytes: int) -> tuple[str, str | None]:
         """The algorithm (and, on clusters timed with NCCL's model, protocol) NCCL would pick for this
         collective alone.
 
-        Cached per group shape and size: nodes are wired alike and scalable
-        units alike, so groups with the same local GPUs, the same node offsets
-        and the same unit offsets choose alike wherever they sit.
+        Cached per group shape and size (:meth:`_group_shape`).
         """
-        group = np.asarray(ranks)
-        nodes, units = self.topo.node_of(group), self.topo.unit_of(group)
-        shape = (tuple((group % self.topo.gpus_per_node).tolist()), tuple((nodes - nodes[0]).tolist()),
-                 tuple((units - units[0]).tolist()))
-        key = (collective, shape, nbytes)
+        key = (collective, self._group_shape(ranks), nbytes)
         if key not in self._algorithms:
-            algorithm, protocol = choose_algorithm(self.topo, collective, nbytes, group)
+            algorithm, protocol = choose_algorithm(self.topo, collective, nbytes, np.asarray(ranks))
             self._algorithms[key] = (algorithm, protocol or None)
         return self._algorithms[key]
 
@@ -269,6 +279,8 @@ class _Run:
                 time_s = costs.get(key)
                 if time_s is None:
                     time_s = costs[key] = compute_time(*args)
+                if op.beside_of >= 0:
+                    time_s = self._beside_collective(op, args, time_s)
                 if apart:
                     self.beside[i] = time_s
                 else:
@@ -296,6 +308,21 @@ class _Run:
             if k >= 0 and waiting[k] == 1 and fixed[k] is not None and len(dependents[i]) == 1 and i not in sent:
                 through[i] = True  # its one dependent is then k (k waits for one op: its predecessor, i)
         return [i for i, count in enumerate(waiting) if count == 0]
+
+    def _beside_collective(self, op: Op, args: tuple, alone_s: float) -> float:
+        """Compute op ``op``'s seconds beside the collective whose kernel holds some of the SMs while it runs
+        (:meth:`ComputeModel.beside_collective_time`, the collective at its uncontended time)."""
+        other, comm = self.ops[op.beside_of], self.comm[op.beside_of]
+        sms = op.beside_sms if op.beside_sms != NCCL_CHANNELS else \
+            self.sim.kernel_sms(other.collective, other.ranks, int(other.nbytes))
+        if sms <= 0 or comm is None:
+            return alone_s
+        collective_s = comm.closed_form_s
+        if collective_s is None:
+            collective_s = sum(p.latency_s + self.net.solo_time(p.routes, p.nbytes, p.key) + p.reduce_s
+                               for p in comm.phases)
+        reserved_s = self.sim.compute_time(*args[:SM_RESERVED], sms, *args[SM_RESERVED + 1:])
+        return self.sim.compute.beside_collective_time(alone_s, reserved_s, collective_s)
 
     def _leads(self, compute: ComputeModel) -> list[float]:
         """Each op's host time before it: for the first op of an action, the loop's own time
@@ -572,6 +599,9 @@ class HostMemory:
             routes = self.routes[rank] = self._routes(rank, (rank,))
         key = self._keys.setdefault((rank, nbytes), len(self._keys))
         self.net.start(routes, np.full(len(routes), nbytes), then, key)
+
+
+SM_RESERVED = 10  # the index of sm_reserved in _time_args
 
 
 def _time_args(op: Op, stream_apart: bool) -> tuple:

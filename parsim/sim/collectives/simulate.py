@@ -183,17 +183,31 @@ def choose_algorithm(topo: Topology, op: str, size: int, group) -> tuple[str, st
     group = np.asarray(group, dtype=np.int64)
     if op not in topo.spec.algorithms:
         model = model_for(topo, group)
+        choice = _tuned(topo, model, op, size, group)
+        if choice is not None:
+            return PARSIM_ALGORITHM[choice.chosen.algo], choice.chosen.proto
         usable = [a for a, why in applicable_algorithms(topo, op, group).items() if not why]
-        if model is not None and op in NCCL_TUNED:
-            algos = tuple(a for a, name in PARSIM_ALGORITHM.items() if name in usable)
-            choice = model.choose(op, int(size), algos, None)
-            if choice is not None:
-                return PARSIM_ALGORITHM[choice.chosen.algo], choice.chosen.proto
         candidates = [a for a in usable if a in NCCL_ALGORITHMS[op]]
         if len(candidates) == 1 and (model is None or op not in NCCL_TUNED):
             return candidates[0], ""
     p = predict(topo, op, size, group)
     return p.algorithm, p.protocol
+
+
+def kernel_sms(topo: Topology, op: str, size: int, group) -> int:
+    """SMs the collective's kernel holds while it runs: one per channel of the pick of NCCL's tuner (each
+    channel is one thread block, ``device/common.h``); 0 where NCCL does not run it (a CPU host's gloo)."""
+    group = np.asarray(group, dtype=np.int64)
+    choice = _tuned(topo, model_for(topo, group), op, size, group)
+    return choice.channels if choice is not None else 0
+
+
+def _tuned(topo: Topology, model, op: str, size: int, group: np.ndarray) -> Choice | None:
+    """NCCL's tuner's pick among the algorithms this group can run, where the cluster is timed with it."""
+    if model is None or op not in NCCL_TUNED:
+        return None
+    usable = [a for a, why in applicable_algorithms(topo, op, group).items() if not why]
+    return model.choose(op, int(size), tuple(a for a, name in PARSIM_ALGORITHM.items() if name in usable), None)
 
 
 def lower_bound(topo: Topology, op: str, size: float, group: np.ndarray) -> tuple[float, str]:
