@@ -781,7 +781,8 @@ class Plan:
 # --------------------------------------------------------------------------- loading
 _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "virtual_stages", "layers_per_stage",
              "dtype", "tensor_parallel", "sequence_parallel", "tp_comm_overlap", "tp_async_backward",
-             "context_parallel", "activation_recompute", "data_parallel", "grad_accumulation", "adamw", "grad_clip", "moe")
+             "context_parallel", "activation_recompute", "data_parallel", "grad_accumulation", "adamw", "grad_clip",
+             "moe")
 _RECOMPUTE_KEYS = ("granularity", "layers")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
 _MOE_KEYS = ("capacity_factor", "expert_load")
