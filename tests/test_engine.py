@@ -110,3 +110,44 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
                            f"exit ${{PIPESTATUS[0]}}", shell=True, executable="/bin/bash", capture_output=True,
                            text=True)
     assert shown.returncode == 0 and shown.stdout.strip() == "{" and "Traceback" not in shown.stderr
+
+
+@pytest.mark.parametrize("plan_name, overrides", [
+    ("llama3-70b-1024", {"parallel": {"dp": 2, "tp": 8, "pp": 2}}),  # all-reduces beside the weight gradients
+    ("llama3-70b-1024", {"parallel": {"dp": 2, "tp": 8, "pp": 2}, "sequence_parallel": True}),  # and gathers
+    ("llama3-70b-1024", {"parallel": {"dp": 2, "tp": 8, "pp": 2}, "sequence_parallel": True,
+                         "tp_comm_overlap": True}),  # Transformer Engine's bulk overlaps
+])
+def test_absorbed_collectives_beside_the_compute_time_the_step_as_the_events_would(monkeypatch, plan_name,
+                                                                                  overrides):
+    """The engine takes an uncontended collective beside a compute op out of the schedule and holds the join
+    after it until the collective would have ended (``_absorb_beside``): every op starts and ends as when it runs
+    as events."""
+    from parsim.lowering.lower import lower
+    from parsim.sim import stepsim
+
+    plan = resolve_plan(plan_name, overrides=overrides)
+    cluster = load_cluster("dgx-h100")
+    program = lower(plan)
+    assert any(op.beside_of >= 0 for op in program.ops)
+
+    def run():
+        topo = cluster.build(max(1, plan.world // cluster.gpus_per_node))
+        compute = ComputeModel.for_cluster(cluster, plan.dtype, plan.dtype_bytes, 8, plan.attention_seq)
+        return {(e.name, e.rank, e.stream): (e.start_s, e.dur_s)
+                for e in StepSimulator(topo, compute).run(program).events}
+
+    taken = []
+    absorb = stepsim._Run._absorb_beside
+
+    def counted(self, prereqs, successor):
+        absorb(self, prereqs, successor)
+        taken.append(len(self.absorbed))
+
+    monkeypatch.setattr(stepsim._Run, "_absorb_beside", counted)
+    absorbed = run()
+    assert taken[0] > 0
+    monkeypatch.setattr(stepsim._Run, "_absorb_beside", lambda self, prereqs, successor: None)
+    as_events = run()
+    assert absorbed.keys() == as_events.keys()
+    assert all(absorbed[k] == pytest.approx(as_events[k], abs=1e-12) for k in absorbed)

@@ -70,6 +70,7 @@ class StepSimulator:
         if self.turns:  # each rank's work alone on its core; the stretched model gives the penalty of turns
             self.shared, self.compute = compute, compute.with_core_each()
         self._algorithms: dict[tuple, tuple[str, str | None]] = {}
+        self._sms: dict[tuple, int] = {}
         self.comm_phases = lru_cache(maxsize=None)(self._comm_phases)
         self.compute_time = lru_cache(maxsize=None)(self.compute.time)
         self.shared_time = lru_cache(maxsize=None)(self.shared.time) if self.turns else None
@@ -139,11 +140,14 @@ class StepSimulator:
 
     def kernel_sms(self, collective: str, ranks: tuple[int, ...], nbytes: int) -> int:
         """SMs the collective's NCCL kernel holds while it runs (:func:`~parsim.sim.collectives.simulate.kernel_sms`),
-        cached per group shape and size as :meth:`_algorithm`."""
-        key = ("sms", collective, self._group_shape(ranks), nbytes)
-        if key not in self._algorithms:
-            self._algorithms[key] = kernel_sms(self.topo, collective, nbytes, np.asarray(ranks))
-        return self._algorithms[key]
+        cached per group and size, and per group shape and size as :meth:`_algorithm`."""
+        found = self._sms.get((collective, ranks, nbytes))
+        if found is None:
+            key = ("sms", collective, self._group_shape(ranks), nbytes)
+            if key not in self._algorithms:
+                self._algorithms[key] = kernel_sms(self.topo, collective, nbytes, np.asarray(ranks))
+            found = self._sms[collective, ranks, nbytes] = self._algorithms[key]
+        return found
 
     def _group_shape(self, ranks: tuple[int, ...]) -> tuple:
         """Where a group's GPUs sit: their local indices, node offsets and unit offsets. Nodes are wired alike
@@ -198,6 +202,11 @@ class _Run:
         self._plan_comms()
         self.fixed: list[float | None] = [None] * n  # duration, where known before the op starts
         self.through = [False] * n  # ends by starting its stream successor at once (see _start)
+        # collectives taken out of the schedule (see _absorb_beside): id -> (partner compute op, seconds); and the
+        # joins after them: id -> the same, the join starting no sooner than the collective would have ended
+        self.absorbed: dict[int, tuple[int, float]] = {}
+        self.partners: list[int] = []  # compute ops beside a collective (Op.beside_of)
+        self.holds: dict[int, tuple[int, float]] = {}
         # A CPU host's loop runs before each op that opens one of its actions (see _leads): a fixed op's duration
         # includes it, any other op begins that much later; the trace shows it as idle.
         self.lead = self._leads(sim.compute)
@@ -266,6 +275,7 @@ class _Run:
         compute_time, costs = self.sim.compute_time, {}
         last: dict[tuple[int, str], int] = {}
         successor = [-1] * len(ops)
+        prereqs_of: list[tuple[int, ...]] = []
         cores = self.cores
         for op in ops:
             i = op.id
@@ -281,6 +291,7 @@ class _Run:
                     time_s = costs[key] = compute_time(*args)
                 if op.beside_of >= 0:
                     time_s = self._beside_collective(op, args, time_s)
+                    self.partners.append(i)
                 if apart:
                     self.beside[i] = time_s
                 else:
@@ -300,14 +311,43 @@ class _Run:
             if len(prereqs) > 1:
                 prereqs = tuple(dict.fromkeys(prereqs))
             waiting[i] = len(prereqs)
+            prereqs_of.append(prereqs)
             for p in prereqs:
                 dependents[p].append(i)
+        self._absorb_beside(prereqs_of, successor)
         sent = {op.match for op in ops if op.kind == "recv"}
         through = self.through
         for i, k in enumerate(successor):
             if k >= 0 and waiting[k] == 1 and fixed[k] is not None and len(dependents[i]) == 1 and i not in sent:
                 through[i] = True  # its one dependent is then k (k waits for one op: its predecessor, i)
         return [i for i, count in enumerate(waiting) if count == 0]
+
+    def _absorb_beside(self, prereqs: list[tuple[int, ...]], successor: list[int]) -> None:
+        """Take out of the schedule each uncontended collective beside a compute op ``k`` and joined right after
+        it (:func:`parsim.lowering.tp_overlap.async_backward`, ``bulk``): the collective ``j`` and ``k`` both
+        start when the compute-stream op before ``k`` ends (the collective before ``j`` on its stream was joined
+        before that op), and ``j``'s closed form is known, so the join ``m`` waits for ``k`` alone and starts
+        once ``j`` would have ended (:attr:`holds`); ``j``'s times are filled in at the end. The compute stream's
+        ops then run as one chain (``through``) rather than as events."""
+        ops, fixed, waiting, dependents, comm = self.ops, self.fixed, self.waiting, self.dependents, self.comm
+        for k in self.partners:
+            j, m = ops[k].beside_of, successor[k]
+            if m < 0 or fixed[k] is None or fixed[m] is None or self.lead[k] or len(prereqs[k]) != 1:
+                continue
+            stream, closed = ops[j].stream, comm[j].closed_form_s if comm[j] is not None else None
+            if (closed is None or ops[j].joins or prereqs[k][0] not in prereqs[j] or set(prereqs[m]) != {k, j}
+                    or any(q != prereqs[k][0] and ops[q].stream != stream for q in prereqs[j])
+                    or any(d != m and ops[d].stream != stream for d in dependents[j])):
+                continue
+            for q in prereqs[j]:
+                if q not in self.absorbed:  # (an absorbed one let go of its dependents)
+                    dependents[q].remove(j)
+            for d in dependents[j]:
+                waiting[d] -= 1
+            dependents[j] = []
+            self.holds[m] = (k, closed)
+            self.absorbed[j] = (k, closed)
+            self.finished += 1
 
     def _beside_collective(self, op: Op, args: tuple, alone_s: float) -> float:
         """Compute op ``op``'s seconds beside the collective whose kernel holds some of the SMs while it runs
@@ -347,7 +387,8 @@ class _Run:
         """Give every send and collective its phases, and a closed form where it cannot contend.
 
         Ops on one (rank, stream) run one after another, so they never share a
-        link at the same time. A link that only one stream's ops ever use is
+        link at the same time; so do a rank's tensor-parallel collectives beside
+        the compute and in line (:data:`ONE_STREAM`). A link that only one stream's ops ever use is
         therefore never contended, and an op whose links are all such links
         takes exactly its uncontended time: no need to simulate its flows. A
         ``negligible`` op (a few bytes: the checks before the optimizer step)
@@ -367,7 +408,8 @@ class _Run:
                 self.comm[op.id] = _Comm(phases, sum(p.latency_s + self.net.solo_time(p.routes, p.nbytes, p.key)
                                                      + p.reduce_s for p in phases))
                 continue
-            use_key = (op.rank, op.stream, kind, op.collective, id(op.ranks), id(op.mirrors), op.nbytes)
+            use_key = (op.rank, ONE_STREAM.get(op.stream, op.stream), kind, op.collective, id(op.ranks),
+                       id(op.mirrors), op.nbytes)
             use = uses.get(use_key)
             if use is None:
                 use = uses[use_key] = len(uses)
@@ -402,6 +444,10 @@ class _Run:
 
     def _start(self, i: int) -> None:
         now = self.env.now
+        hold = self.holds.pop(i, None)
+        if hold is not None and self.start[hold[0]] + hold[1] > now:  # a join waiting for an absorbed collective
+            self._after(self.start[hold[0]] + hold[1] - now, lambda: self._start(i))
+            return
         self.start[i] = now
         if self.cores is not None and self.cores.shares(self.ops[i].rank):
             self._take_turn(i)
@@ -413,6 +459,9 @@ class _Run:
                 self.end[last] = end
                 self.finished += 1
                 last = self.dependents[last][0]
+                hold = self.holds.get(last)
+                if hold is not None:  # a join: no sooner than the absorbed collective beside it ends
+                    end = max(end, self.start[hold[0]] + hold[1])
                 self.start[last] = end
                 end += self.fixed[last]
             self._after(end - now, lambda: self._finish(last))
@@ -551,6 +600,8 @@ class _Run:
         if self.finished < len(self.ops):
             raise ParsimError(_stall_message(self.program, self.end))
         start, end, args, lead = self.start, self.end, _ArgsCache(), self.lead
+        for j, (k, seconds) in self.absorbed.items():
+            start[j], end[j] = start[k], start[k] + seconds
         # A receive holds the compute stream (what runs next needs its data), but it is a transfer: it is drawn
         # on the p2p track, where the executor records it too. An op that opens an action starts after the
         # host's time before it, which the trace leaves idle.
@@ -602,6 +653,10 @@ class HostMemory:
 
 
 SM_RESERVED = 10  # the index of sm_reserved in _time_args
+# Streams whose collectives never overlap in time: a block joins its tensor-parallel collectives beside the
+# compute before the compute stream issues its next one (parsim.lowering.tp_overlap), so for contention a
+# rank's "tp" stream is its compute stream.
+ONE_STREAM = {"tp": "compute"}
 
 
 def _time_args(op: Op, stream_apart: bool) -> tuple:
