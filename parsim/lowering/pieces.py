@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-
 @dataclass(frozen=True)
 class ComputePiece:
     """One block's compute in one pass (see :meth:`Lowering._compute`), or part of it; ``layer`` indexes the
