@@ -60,6 +60,13 @@ PLANS = {
                                           data_parallel={"grad_sync": "bucketed", "zero": 2}),
     "tp2 x pp2, sequence parallel, FSDP": plan({"tp": 2, "pp": 2}, sequence_parallel=True,
                                                data_parallel={"grad_sync": "fsdp"}),
+    # Megatron-LM's column-parallel backward with its collectives in line: the input still gathered again
+    "dp2 x tp2, sequence parallel, backward collectives in line": plan({"dp": 2, "tp": 2}, sequence_parallel=True,
+                                                                       tp_async_backward=False),
+    "dp2 x tp2, backward collectives in line": plan({"dp": 2, "tp": 2}, tp_async_backward=False),
+    # a split backward keeps the gathered input for its weight-gradient pass
+    "tp2 x pp2, sequence parallel, zero-bubble": plan({"tp": 2, "pp": 2}, sequence_parallel=True,
+                                                      schedule="zero-bubble"),
 }
 
 

@@ -34,7 +34,7 @@ from .comm import (CopyToTP, EPGroup, GatherFromTP, GatherSequence, ReduceFromTP
 from .mixed_precision import gradient, reduced
 from .models import LatentAttention, Piece, RMSNorm
 from .moe import AllToAllDispatcher, ExpertTensorParallel, MoEFeedForward, RoutedExperts
-from .tp_overlap import AsyncBackward, TPOverlap
+from .tp_overlap import ColumnEntry, TPOverlap
 from .trace_recorder import Recorder
 
 torch = require_torch()
@@ -83,7 +83,7 @@ class VocabParallelEmbedding(nn.Module):
 
 # --------------------------------------------------------------------------- tensor parallel
 def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: str, tp: TPGroup,
-                          sequence_parallel: bool = False, overlap: bool = False, asynchronous: bool = False) -> Any:
+                          sequence_parallel: bool = False, overlap: bool = False, backward: str = "autograd") -> Any:
     """Shard ``pieces`` in place for ``tp``; return the loss module the last stage must use.
 
     With ``sequence_parallel`` (Megatron-LM's, Korthikanti et al. 2022) the activations between blocks
@@ -92,9 +92,12 @@ def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: s
     Norm gains then see only part of the sequence: they are marked ``sequence_parallel`` so their
     gradients can be summed over the group (:func:`sequence_parallel_grad_sync`). With ``overlap``
     (``tp_comm_overlap``) each block's entry and exit collectives run beside its GEMMs
-    (:mod:`executor.train.tp_overlap`); with ``asynchronous`` (``tp_async_backward``, without a split
-    backward) the column-parallel linears that enter the attention, the feed-forward and the head run
-    Megatron-LM's asynchronous backward there.
+    (:mod:`executor.train.tp_overlap`). ``backward`` "async" (``tp_async_backward``) or "in_line" runs the
+    column-parallel linears that enter the attention, the feed-forward and the head as Megatron-LM does
+    (:class:`~executor.train.tp_overlap.ColumnEntry`: under sequence parallelism their input gathered again
+    in the backward), their backward's collectives beside the GEMMs or in line; "autograd" (a split
+    backward's, whose input-gradient pass must not compute weight gradients) leaves them to the ``f`` / ``g``
+    functions' backward, the gathered input kept.
     """
     if tp.size == 1:
         return loss
@@ -118,8 +121,8 @@ def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: s
         elif piece.name == "head":
             m.out.weight = shard_parameter(m.out.weight, 0, start, stop)
             m.enter = enter(tp, piece.name)
-            if asynchronous:
-                m.overlap = AsyncBackward(tp, piece.name, sequence_parallel)
+            if backward != "autograd":
+                m.overlap = ColumnEntry(tp, piece.name, sequence_parallel, backward == "async")
             loss = VocabParallelCrossEntropy(tp, start)
         else:
             if isinstance(m.attn, LatentAttention):
@@ -136,8 +139,8 @@ def apply_tensor_parallel(pieces: list[Piece], loss: Any, model: Model, style: s
                     continue
                 if overlap:
                     block.overlap = TPOverlap(tp, piece.name)
-                elif asynchronous:
-                    block.overlap = AsyncBackward(tp, piece.name, sequence_parallel, block.exit)
+                elif backward != "autograd":
+                    block.overlap = ColumnEntry(tp, piece.name, sequence_parallel, backward == "async", block.exit)
         if sequence_parallel:
             for sub in m.modules():
                 if isinstance(sub, RMSNorm):

@@ -208,10 +208,14 @@ def build_rank(plan: Plan, rank: int, seed: int = 0) -> RankSetup:
     built = {p.name: p for p in build_pieces(model, seed, {n for ns in names.values() for n in ns})}
     stages = {}
     sequence_parallel = plan.sequence_parallel and plan.tp > 1
+    # Megatron-LM's column-parallel backward (executor.train.tp_overlap.ColumnEntry), as the lowering models it:
+    # a split backward's passes keep the gathered input, and its input-gradient pass computes no weight gradient
+    column_backward = "autograd" if schedule.split_backward else \
+        "async" if plan.tp_async_backward else "in_line" if sequence_parallel else "autograd"
     for s in stage_ids:
         pieces = [built[n] for n in names[s]]
         loss = apply_tensor_parallel(pieces, build_loss(model), model, plan.tp_style, tp, sequence_parallel,
-                                     plan.tp_comm_overlap, plan.tp_async_backward and not schedule.split_backward)
+                                     plan.tp_comm_overlap, column_backward)
         if cp is not None:
             apply_context_parallel(pieces, cp, model.seq_len)
         apply_expert_parallel(pieces, ep)

@@ -20,12 +20,13 @@ partial output; here both move beside the GEMMs, with asynchronous
   input-gradient GEMM (the forward keeps only this rank's part), then the
   input gradient's reduce-scatter beside the weight-gradient GEMMs.
 
-Without ``tp_comm_overlap``, :class:`AsyncBackward` runs a block's column-parallel
+Without ``tp_comm_overlap``, :class:`ColumnEntry` runs a block's column-parallel
 GEMMs as Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``
 does: under sequence parallelism the forward keeps only this rank's part of
 the sequence, so the backward gathers it again (asynchronously) beside the
 input-gradient GEMM; then the input gradient's reduce-scatter (an all-reduce
-without sequence parallelism) runs beside the weight-gradient GEMMs.
+without sequence parallelism) runs beside the weight-gradient GEMMs. With
+``tp_async_backward: false`` the same collectives run in line.
 
 Each is recorded under the name the simulator gives the collective it
 replaces (``all_gather tp layer=... dir=fwd0``); the pipelined scatter as two
@@ -172,39 +173,52 @@ class TPOverlap:
         return _ExitLinear.apply(h, linear.weight, self.tp, self.layer)
 
 
-class _AsyncEntryLinears(torch.autograd.Function):
-    """Column-parallel GEMMs with Megatron-LM's asynchronous backward (the module docstring)."""
+class _ColumnLinears(torch.autograd.Function):
+    """Column-parallel GEMMs with Megatron-LM's backward (the module docstring): under sequence parallelism
+    the input gathered again, then the input gradient reduced; beside the GEMMs, or in line when not
+    ``overlap`` (``tp_async_backward: false``)."""
 
     @staticmethod
-    def forward(ctx, x, tp: TPGroup, layer: str, sequence_parallel: bool, *weights):
-        ctx.tp, ctx.layer, ctx.sequence_parallel = tp, layer, sequence_parallel
+    def forward(ctx, x, tp: TPGroup, layer: str, sequence_parallel: bool, overlap: bool, *weights):
+        ctx.tp, ctx.layer, ctx.sequence_parallel, ctx.overlap = tp, layer, sequence_parallel, overlap
         ctx.save_for_backward(x, *weights)  # this rank's part of the sequence only
         full = tp.all_gather(x, TOKEN_DIM, layer, "fwd") if sequence_parallel else x
         return tuple(full @ w.t() for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
-        tp = ctx.tp
+        tp, layer, sp = ctx.tp, ctx.layer, ctx.sequence_parallel
         x, *weights = ctx.saved_tensors  # an unused output's gradient comes as zeros (materialize_grads)
-        regather = _start_gather(tp, x, ctx.layer) if ctx.sequence_parallel else None
+        if not ctx.overlap:
+            full = tp.all_gather(x, TOKEN_DIM, layer, "bwd") if sp else x
+            grad_input = sum(g @ w for g, w in zip(grads, weights))
+            out = tp.reduce_scatter(grad_input, TOKEN_DIM, layer, "bwd") if sp else \
+                tp.all_reduce(grad_input.contiguous(), layer, "bwd")
+            return (out, None, None, None, None, *_weight_grads(grads, full))
+        regather = _start_gather(tp, x, layer) if sp else None
         grad_input = sum(g @ w for g, w in zip(grads, weights))
         full = _finish(tp, *regather) if regather else x
-        if ctx.sequence_parallel:
+        if sp:
             chunks = grad_input.unflatten(TOKEN_DIM, (tp.size, -1)).movedim(TOKEN_DIM % grad_input.dim(), 0)
             chunks = chunks.contiguous()
             out = torch.empty(chunks.shape[1:], dtype=grad_input.dtype, device=grad_input.device)
-            name, start = tp.event_name("reduce_scatter", ctx.layer, "bwd"), tp.recorder.now()
+            name, start = tp.event_name("reduce_scatter", layer, "bwd"), tp.recorder.now()
             work, nbytes = _reduce_scatter(out, chunks.flatten(0, 1), group=tp.group, async_op=True), chunks
         else:
             out = grad_input.contiguous()
-            name, start = tp.event_name("all_reduce", ctx.layer, "bwd"), tp.recorder.now()
+            name, start = tp.event_name("all_reduce", layer, "bwd"), tp.recorder.now()
             work, nbytes = dist.all_reduce(out, group=tp.group, async_op=True), out
-        flat_in = full.flatten(0, -2)
-        weight_grads = [g.flatten(0, -2).t() @ flat_in for g in grads]
+        weight_grads = _weight_grads(grads, full)
         _wait(tp, [work])
         tp.recorder.add(name, "collective", "tp", start, tp.recorder.now(), phase="tp",
                         bytes=nbytes.numel() * nbytes.element_size())
-        return (out, None, None, None, *weight_grads)
+        return (out, None, None, None, None, *weight_grads)
+
+
+def _weight_grads(grads, full) -> list:
+    """Each column-parallel weight's gradient: its output gradient against the (gathered) input."""
+    flat_in = full.flatten(0, -2)
+    return [g.flatten(0, -2).t() @ flat_in for g in grads]
 
 
 def _start_gather(tp: TPGroup, x, layer: str) -> tuple:
@@ -223,17 +237,20 @@ def _finish(tp: TPGroup, out, work, name: str, start: float, dims: int):
     return out.unflatten(0, (tp.size, -1)).movedim(0, dim).flatten(dim, dim + 1)
 
 
-class AsyncBackward:
-    """One block's column-parallel entry with Megatron-LM's asynchronous backward (``block.overlap``); its exit
-    is the plain row-parallel collective ``exit_``."""
+class ColumnEntry:
+    """One block's column-parallel entry as Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``
+    runs it (``block.overlap``): under sequence parallelism the forward keeps only this rank's part of the
+    input; the backward's collectives run beside the GEMMs (``asynchronous``) or in line. Its exit is the plain
+    row-parallel collective ``exit_``."""
 
-    def __init__(self, tp: TPGroup, layer: str, sequence_parallel: bool, exit_: Any = None):
+    def __init__(self, tp: TPGroup, layer: str, sequence_parallel: bool, asynchronous: bool, exit_: Any = None):
         self.tp, self.layer, self.sequence_parallel, self.exit_ = tp, layer, sequence_parallel, exit_
+        self.asynchronous = asynchronous
 
     def entry(self, x, linears) -> tuple:
         """Every column-parallel linear of the block applied to its (gathered) input."""
-        return _AsyncEntryLinears.apply(x, self.tp, self.layer, self.sequence_parallel,
-                                        *(linear.weight for linear in linears))
+        return _ColumnLinears.apply(x, self.tp, self.layer, self.sequence_parallel, self.asynchronous,
+                                    *(linear.weight for linear in linears))
 
     def exit(self, h, linear) -> Any:
         """The row-parallel linear and its collective, as without the overlap."""
