@@ -105,17 +105,10 @@ class _EntryLinears(torch.autograd.Function):
         grad = torch.cat(grads, -1)
         grad_input = grad @ torch.cat(weights, 0)
         gathered = _finish(tp, *regather)
-        chunks = grad_input.unflatten(SEQUENCE_DIM, (tp.size, -1)).movedim(SEQUENCE_DIM, 0).contiguous()
-        out = torch.empty(chunks.shape[1:], dtype=grad_input.dtype, device=grad_input.device)
-        name = tp.event_name("reduce_scatter", ctx.layer, "bwd")
-        start = tp.recorder.now()
-        work = _reduce_scatter(out, chunks.flatten(0, 1), group=tp.group, async_op=True)
+        reduction = _start_reduction(tp, grad_input, ctx.layer, True)
         flat_grad, flat_in = grad.flatten(0, -2), gathered.flatten(0, -2)
         weight_grads = [g.t() @ flat_in for g in flat_grad.split([w.shape[0] for w in weights], -1)]
-        _wait(tp, [work])
-        tp.recorder.add(name, "collective", "tp", start, tp.recorder.now(), phase="tp",
-                        bytes=chunks.numel() * chunks.element_size())
-        return (out, None, None, *weight_grads)
+        return (_finish(tp, *reduction), None, None, *weight_grads)
 
 
 class _ExitLinear(torch.autograd.Function):
@@ -198,21 +191,9 @@ class _ColumnLinears(torch.autograd.Function):
         regather = _start_gather(tp, x, layer) if sp else None
         grad_input = sum(g @ w for g, w in zip(grads, weights))
         full = _finish(tp, *regather) if regather else x
-        if sp:
-            chunks = grad_input.unflatten(TOKEN_DIM, (tp.size, -1)).movedim(TOKEN_DIM % grad_input.dim(), 0)
-            chunks = chunks.contiguous()
-            out = torch.empty(chunks.shape[1:], dtype=grad_input.dtype, device=grad_input.device)
-            name, start = tp.event_name("reduce_scatter", layer, "bwd"), tp.recorder.now()
-            work, nbytes = _reduce_scatter(out, chunks.flatten(0, 1), group=tp.group, async_op=True), chunks
-        else:
-            out = grad_input.contiguous()
-            name, start = tp.event_name("all_reduce", layer, "bwd"), tp.recorder.now()
-            work, nbytes = dist.all_reduce(out, group=tp.group, async_op=True), out
+        reduction = _start_reduction(tp, grad_input, layer, sp)
         weight_grads = _weight_grads(grads, full)
-        _wait(tp, [work])
-        tp.recorder.add(name, "collective", "tp", start, tp.recorder.now(), phase="tp",
-                        bytes=nbytes.numel() * nbytes.element_size())
-        return (out, None, None, None, None, *weight_grads)
+        return (_finish(tp, *reduction), None, None, None, None, *weight_grads)
 
 
 def _weight_grads(grads, full) -> list:
@@ -222,19 +203,41 @@ def _weight_grads(grads, full) -> list:
 
 
 def _start_gather(tp: TPGroup, x, layer: str) -> tuple:
-    """Issue the backward's all-gather of ``x`` along the tokens; :func:`_finish` waits for it."""
+    """Issue the backward's all-gather of ``x`` along the tokens; :func:`_finish` waits for it and returns the
+    tokens in rank order."""
     out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     name, start = tp.event_name("all_gather", layer, "bwd"), tp.recorder.now()
-    return out, _all_gather(out, x.contiguous(), group=tp.group, async_op=True), name, start, x.dim()
+    dim = TOKEN_DIM % x.dim()
+
+    def result():
+        return out.unflatten(0, (tp.size, -1)).movedim(0, dim).flatten(dim, dim + 1)
+
+    return _all_gather(out, x.contiguous(), group=tp.group, async_op=True), name, start, out.numel(), result
 
 
-def _finish(tp: TPGroup, out, work, name: str, start: float, dims: int):
-    """Wait for :func:`_start_gather`'s all-gather, record it, and return the tokens in rank order."""
+def _start_reduction(tp: TPGroup, grad_input, layer: str, sequence_parallel: bool) -> tuple:
+    """Issue the input gradient's sum over the group: a reduce-scatter over the tokens (sequence parallel) or
+    an all-reduce; :func:`_finish` waits for it and returns this rank's part."""
+    start = tp.recorder.now()
+    if not sequence_parallel:
+        out = grad_input.contiguous()
+        name = tp.event_name("all_reduce", layer, "bwd")
+        return dist.all_reduce(out, group=tp.group, async_op=True), name, start, out.numel(), lambda: out
+    dim = TOKEN_DIM % grad_input.dim()
+    chunks = grad_input.unflatten(dim, (tp.size, -1)).movedim(dim, 0).contiguous()
+    out = torch.empty(chunks.shape[1:], dtype=grad_input.dtype, device=grad_input.device)
+    name = tp.event_name("reduce_scatter", layer, "bwd")
+    work = _reduce_scatter(out, chunks.flatten(0, 1), group=tp.group, async_op=True)
+    return work, name, start, chunks.numel(), lambda: out
+
+
+def _finish(tp: TPGroup, work, name: str, start: float, numel: int, result):
+    """Wait for a collective beside the GEMMs, record it (its whole tensor's bytes), and return its result."""
     _wait(tp, [work])
+    out = result()
     tp.recorder.add(name, "collective", "tp", start, tp.recorder.now(), phase="tp",
-                    bytes=out.numel() * out.element_size())
-    dim = TOKEN_DIM % dims
-    return out.unflatten(0, (tp.size, -1)).movedim(0, dim).flatten(dim, dim + 1)
+                    bytes=numel * out.element_size())
+    return out
 
 
 class ColumnEntry:
