@@ -273,3 +273,15 @@ def test_explain_compute_prices_each_collective_and_what_the_pass_exposes(overla
         assert sum(r["exposed_s"] for r in mine) == pytest.approx(summary["exposed_s"])
         assert ("in_line_s" in summary) == overlap  # (on slow links the split collectives' latency can lose)
     assert all(r["method"] == "in line" and r["exposed_s"] == r["alone_s"] for r in rows) != overlap
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_explain_compute_says_why_the_backward_compute_grew_beside_asynchronous_collectives(asynchronous):
+    from parsim.cli.explain_compute import _collectives, _collectives_report
+
+    cluster = load_cluster("dgx-h100")
+    p = plan(False, sequence_parallel=False, tp_async_backward=asynchronous)
+    rows, passes = _collectives(p, cluster, ComputeModel.for_cluster(cluster, p.dtype, p.dtype_bytes), "layer.0")
+    report = _collectives_report(p, "layer.0", rows, passes)
+    assert ("its NCCL kernel leaves (one per channel)" in report) == asynchronous
+    assert ("async" in {r["method"] for r in rows}) == asynchronous

@@ -153,6 +153,9 @@ def _collectives_report(plan, layer: str, rows: list[dict], passes: list[dict]) 
     if plan.tp_comm_overlap:
         lines.append("  With the overlap the GEMMs run in chunks, some on the SMs a communication kernel leaves, so "
                      "their compute is longer than the kernels above.")
+    elif any(r["method"] == "async" for r in rows):
+        lines.append("  Beside an asynchronous collective a GEMM runs on the SMs its NCCL kernel leaves (one per "
+                     "channel) until the collective ends, so the backward's compute is longer than the kernels above.")
     return "\n".join(lines)
 
 
