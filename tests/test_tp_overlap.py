@@ -141,7 +141,7 @@ def exposed(p: Plan, compute: ComputeModel, comm: CommCosts, kind: str, name: st
         alone = compute.time(pc.matmuls, kernels=pc.kernels, sm_reserved=pc.sm_reserved)
         if pc.beside_sms is None:
             return alone
-        sms = comm.kernel_sms(beside.collective, beside.ranks, beside.nbytes) if pc.beside_sms == NCCL_CHANNELS \
+        sms = comm.sim.kernel_sms(beside.collective, beside.ranks, beside.nbytes) if pc.beside_sms == NCCL_CHANNELS \
             else pc.beside_sms
         reserved = compute.time(pc.matmuls, kernels=pc.kernels, sm_reserved=sms)
         held = c(beside)  # the kernel holds them while the collective runs, then the GEMM has every SM
@@ -285,3 +285,16 @@ def test_explain_compute_says_why_the_backward_compute_grew_beside_asynchronous_
     report = _collectives_report(p, "layer.0", rows, passes)
     assert ("its NCCL kernel leaves (one per channel)" in report) == asynchronous
     assert ("async" in {r["method"] for r in rows}) == asynchronous
+
+
+@pytest.mark.parametrize("flags, row", [
+    ([], "megatron, backward collectives beside the GEMMs"),
+    (["--no-tp-async-backward"], "megatron\n"),
+    (["--sequence-parallel", "--tp-comm-overlap"],
+     "megatron with sequence parallelism, communication overlapped with GEMMs"),
+])
+def test_plan_show_says_where_the_tensor_parallel_collectives_run(capsys, flags, row):
+    from parsim.cli.main import main
+
+    assert main(["plan", "show", "tiny-tp2", *flags]) == 0
+    assert f"tensor parallel   {row}" in capsys.readouterr().out

@@ -31,8 +31,7 @@ from ..hardware.cluster import ClusterSpec
 from ..hardware.network import Network, max_min_rates, stack_routes
 from ..lowering.lower import CommPiece, Lowering
 from ..sim.compute import ComputeModel
-from ..sim.program import NCCL_CHANNELS
-from ..sim.stepsim import StepSimulator
+from ..sim.stepsim import StepSimulator, uncontended_s
 from ..workload.plan import Plan
 from .tables import entry_types
 
@@ -75,14 +74,9 @@ class CommCosts:
                 if not nbytes:
                     return 0.0
                 phases = self.sim.comm_phases(kind, collective, ranks, (), nbytes)
-                seconds = memo[nbytes] = sum(p.latency_s + self.net.solo_time(p.routes, p.nbytes, p.key)
-                                             + p.reduce_s for p in phases)
+                seconds = memo[nbytes] = uncontended_s(phases, self.net)
             return seconds
         return price
-
-    def kernel_sms(self, collective: str, ranks: tuple[int, ...], nbytes: float) -> int:
-        """SMs the collective's NCCL kernel holds while it runs (0 off NCCL)."""
-        return self.sim.kernel_sms(collective, ranks, int(nbytes))
 
     def beside(self, collective: str, ranks: tuple[int, ...], nbytes: float, other: str,
                other_ranks: tuple[int, ...], other_bytes: float, kind: str = "collective") -> float:
@@ -230,8 +224,7 @@ class PassCosts:
             seconds = seconds_on(piece.sm_reserved)
             if piece.beside_sms is not None:  # beside the last collective, whose kernel holds SMs while it runs
                 other, other_s = last_beside
-                sms = piece.beside_sms if piece.beside_sms != NCCL_CHANNELS else \
-                    self.comm.kernel_sms(other.collective, other.ranks, other.nbytes)
+                sms = self.comm.sim.held_sms(piece.beside_sms, other.collective, other.ranks, other.nbytes)
                 if sms > 0:
                     seconds = self.compute.beside_collective_time(seconds, seconds_on(sms), other_s)
             if acc:  # streaming the gradients into their sum adds its own time (ComputeModel.time is linear in it)

@@ -138,6 +138,11 @@ class StepSimulator:
                                       chain)
         return CommPhase(routes, nbytes, latency, reduce_s, self._keys, np.unique(routes[routes >= 0]))
 
+    def held_sms(self, beside_sms: int, collective: str, ranks: tuple[int, ...], nbytes: float) -> int:
+        """SMs a collective beside compute holds while it runs: ``beside_sms``, or, for NCCL_CHANNELS, its
+        NCCL kernel's (:meth:`kernel_sms`)."""
+        return beside_sms if beside_sms != NCCL_CHANNELS else self.kernel_sms(collective, ranks, int(nbytes))
+
     def kernel_sms(self, collective: str, ranks: tuple[int, ...], nbytes: int) -> int:
         """SMs the collective's NCCL kernel holds while it runs (:func:`~parsim.sim.collectives.simulate.kernel_sms`),
         cached per group and size, and per group shape and size as :meth:`_algorithm`."""
@@ -353,14 +358,10 @@ class _Run:
         """Compute op ``op``'s seconds beside the collective whose kernel holds some of the SMs while it runs
         (:meth:`ComputeModel.beside_collective_time`, the collective at its uncontended time)."""
         other, comm = self.ops[op.beside_of], self.comm[op.beside_of]
-        sms = op.beside_sms if op.beside_sms != NCCL_CHANNELS else \
-            self.sim.kernel_sms(other.collective, other.ranks, int(other.nbytes))
+        sms = self.sim.held_sms(op.beside_sms, other.collective, other.ranks, other.nbytes)
         if sms <= 0 or comm is None:
             return alone_s
-        collective_s = comm.closed_form_s
-        if collective_s is None:
-            collective_s = sum(p.latency_s + self.net.solo_time(p.routes, p.nbytes, p.key) + p.reduce_s
-                               for p in comm.phases)
+        collective_s = comm.closed_form_s if comm.closed_form_s is not None else uncontended_s(comm.phases, self.net)
         reserved_s = self.sim.compute_time(*args[:SM_RESERVED], sms, *args[SM_RESERVED + 1:])
         return self.sim.compute.beside_collective_time(alone_s, reserved_s, collective_s)
 
@@ -405,8 +406,7 @@ class _Run:
                 continue
             if op.negligible:
                 phases = sim.comm_phases(kind, op.collective, op.ranks, (), op.nbytes)  # alone: no mirror flows
-                self.comm[op.id] = _Comm(phases, sum(p.latency_s + self.net.solo_time(p.routes, p.nbytes, p.key)
-                                                     + p.reduce_s for p in phases))
+                self.comm[op.id] = _Comm(phases, uncontended_s(phases, self.net))
                 continue
             use_key = (op.rank, ONE_STREAM.get(op.stream, op.stream), kind, op.collective, id(op.ranks),
                        id(op.mirrors), op.nbytes)
@@ -432,7 +432,7 @@ class _Run:
         for lk, phases in zip(links, use_phases):
             closed = None
             if not contended[lk].any():
-                closed = sum(p.latency_s + self.net.solo_time(p.routes, p.nbytes, p.key) + p.reduce_s for p in phases)
+                closed = uncontended_s(phases, self.net)
             comms.append(_Comm(phases, closed))
         for i, use in use_of:
             self.comm[i] = comms[use]
@@ -650,6 +650,12 @@ class HostMemory:
             routes = self.routes[rank] = self._routes(rank, (rank,))
         key = self._keys.setdefault((rank, nbytes), len(self._keys))
         self.net.start(routes, np.full(len(routes), nbytes), then, key)
+
+
+def uncontended_s(phases: tuple[CommPhase, ...], net: Network) -> float:
+    """Seconds of a send's or a collective's phases with no other transfer on their links: each phase's
+    latency, its flows' solo trajectory (memoized by ``net``) and its reduction."""
+    return sum(p.latency_s + net.solo_time(p.routes, p.nbytes, p.key) + p.reduce_s for p in phases)
 
 
 SM_RESERVED = 10  # the index of sm_reserved in _time_args
