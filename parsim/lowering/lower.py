@@ -374,7 +374,7 @@ class Lowering:
         pieces: list[Piece] = []
         for index, cost in order:
             layer = self.layer_pass(p, index, cost, "R") if cost.name in recomputed else []
-            layer += self.layer_pass(p, index, cost, kind)
+            layer = fold_joins(layer + self.layer_pass(p, index, cost, kind))
             layer[0] = dataclasses.replace(layer[0], layer=index, opens=True)
             layer[-1] = dataclasses.replace(layer[-1], layer=index, closes=True)
             pieces += layer
@@ -412,9 +412,13 @@ class Lowering:
                 pieces += self._overlapped(p, cost, block, kind, around, compute, sources)
             elif kind == "B" and plan.tp_async_backward and tp_overlap.async_backward_applies(block.name, tp_ops):
                 pieces += around["before"]
-                rest, column_grads = tp_overlap.split_column_grads(compute, sources)
-                pieces += self._with_context_exchange(p, cost, block, kind, rest)
-                pieces += tp_overlap.async_backward(around["dgrad"], around["after"][0], *column_grads)
+                rest, (dgrad, wgrad) = tp_overlap.split_column_grads(compute, sources)
+                exchanged = self._with_context_exchange(p, cost, block, kind, rest)
+                if dgrad is not None and not around["dgrad"] and exchanged == [rest]:
+                    # nothing runs beside the input gradients: one op with the rest, one op fewer to simulate
+                    exchanged, dgrad = [tp_overlap.then(rest, dgrad)], None
+                pieces += exchanged
+                pieces += tp_overlap.async_backward(around["dgrad"], around["after"][0], dgrad, wgrad)
             else:
                 pieces += around["before"] + around["dgrad"]
                 pieces += self._with_context_exchange(p, cost, block, kind, compute)
@@ -805,6 +809,21 @@ class Lowering:
         ops.append(op)
         self.rank_ids.append(op.id)
         return op.id
+
+
+def fold_joins(pieces: list[Piece]) -> list[Piece]:
+    """``pieces`` with each join that compute follows folded into that compute: it waits for the side stream
+    itself, as it would for the join (one op fewer to simulate per overlapped collective; the compute stream's
+    wait shows the same, as a gap in the pass's span: :func:`parsim.report.step_report.merge_spans`)."""
+    folded: list[Piece] = []
+    for piece in pieces:
+        before = folded[-1] if folded else None
+        if (type(piece) is ComputePiece and not piece.joins and type(before) is ComputePiece and before.joins
+                and before == piece.join(before.joins)):
+            folded[-1] = dataclasses.replace(piece, joins=before.joins)
+        else:
+            folded.append(piece)
+    return folded
 
 
 def tied_table_bytes(plan: Plan) -> float:

@@ -166,6 +166,11 @@ def split_column_grads(compute: ComputePiece, sources: tuple[tuple[str, str], ..
     return rest, (dgrad, wgrad)
 
 
+def then(first: ComputePiece, second: ComputePiece) -> ComputePiece:
+    """``first`` with ``second``'s matmuls after its own, as one piece (``second``: a split part's matmuls)."""
+    return dataclasses.replace(first, matmuls=first.matmuls + second.matmuls, kernels=first.kernels + second.kernels)
+
+
 def async_backward(regather: list[CommPiece], reduce: CommPiece, dgrad: ComputePiece | None,
                    wgrad: ComputePiece | None) -> list[Piece]:
     """A column-parallel linear's backward as Megatron-LM runs it without ``--tp-comm-overlap``
