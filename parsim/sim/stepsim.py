@@ -26,6 +26,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import attrgetter
 from typing import Callable
 
 import numpy as np
@@ -289,14 +290,16 @@ class _Run:
                     self.work[i] = self._turn_work(op)
             elif op.kind == "compute" or op.kind == "optimizer":
                 apart = self.memory is not None and op.stream_bytes > 0
-                args = _time_args(op, apart)
-                key = (id(op.matmuls), *args[1:])  # ops of one shape share their matmuls tuple: hash it by identity
+                key = (id(op.matmuls), id(op.sm_bound), apart, _scalar_work(op))
+                if op.beside_of >= 0:  # and the collective beside it (its comm is shared by ops of one shape)
+                    key += (op.beside_sms, id(self.comm[op.beside_of]))
+                    self.partners.append(i)
                 time_s = costs.get(key)
                 if time_s is None:
+                    args = _time_args(op, apart)
                     time_s = costs[key] = compute_time(*args)
-                if op.beside_of >= 0:
-                    time_s = self._beside_collective(op, args, time_s)
-                    self.partners.append(i)
+                    if op.beside_of >= 0:
+                        time_s = costs[key] = self._beside_collective(op, args, time_s)
                 if apart:
                     self.beside[i] = time_s
                 else:
@@ -665,6 +668,13 @@ SM_RESERVED = 10  # the index of sm_reserved in _time_args
 ONE_STREAM = {"tp": "compute"}
 
 
+# What ComputeModel.time reads of an op besides its matmuls and sm_bound, which ops of one shape share (the
+# lowering's templates): with their identities, a key to the time of every op of that shape.
+_scalar_work = attrgetter("flops", "hbm_bytes", "kernels", "attention_flops", "attention_grad_flops", "forward_ops",
+                          "backward_ops", "optimizer_tensors", "stream_bytes", "sm_reserved", "high_precision",
+                          "optimizer_steps", "tp_calls", "fsdp_calls", "fsdp_passes")
+
+
 def _time_args(op: Op, stream_apart: bool) -> tuple:
     """Compute op ``op``'s arguments of :meth:`ComputeModel.time <parsim.sim.compute.ComputeModel.time>`, in order."""
     return (op.matmuls, op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
@@ -715,11 +725,15 @@ class _ArgsCache:
         self._known: dict[tuple, dict] = {}
 
     def __call__(self, op: Op) -> dict:
-        key = (op.kind, op.phase, id(op.matmuls), op.flops, op.attention_flops, op.nbytes, op.group, op.peer)
+        key = (id(op.matmuls), _event_shape(op))
         args = self._known.get(key)
         if args is None:
             args = self._known[key] = _args(op)
         return args.copy()
+
+
+_event_shape = attrgetter("kind", "phase", "flops", "attention_flops", "attention_grad_flops", "nbytes", "group",
+                          "peer")
 
 
 def _args(op: Op) -> dict:
