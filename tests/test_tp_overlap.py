@@ -11,7 +11,7 @@ from ideal_cluster import ideal_spec
 
 from parsim.errors import ParsimError
 from parsim.hardware.cluster import load_cluster
-from parsim.lowering.lower import Lowering
+from parsim.lowering.lower import Lowering, fold_joins, lower
 from parsim.lowering.pieces import CommPiece, ComputePiece
 from parsim.lowering.tp_overlap import BULK_SMS, DGRAD_BULK_SMS, PIPELINE_SMS, PIPELINE_SPLITS
 from parsim.search.costs import CommCosts
@@ -93,6 +93,44 @@ def test_asynchronous_backward_runs_the_input_gradient_beside_the_weight_gradien
     assert wgrad.matmuls == ((H, 4 * H // T, SEQ),) and wgrad.beside_sms == NCCL_CHANNELS
     assert collectives(layer_pieces(p, "B", "head"))[-1] == ("reduce_scatter" if sequence_parallel
                                                              else "all_reduce", True)
+
+
+def test_without_a_gather_beside_them_the_input_gradients_run_in_the_rest_of_the_block():
+    """Nothing runs beside a non-SP block's input-gradient GEMMs: they are the last matmuls of the op before the
+    all-reduce (one op fewer per block and microbatch), in the same order as Megatron-LM runs them."""
+    mlp = layer_pieces(plan(False, sequence_parallel=False), "B")[:4]
+    rest, reduce, wgrad, join = mlp
+    assert rest.matmuls[-1] == (SEQ, H, 4 * H // T) and rest.beside_sms is None
+    assert reduce.collective == "all_reduce" and reduce.beside and wgrad.beside_sms == NCCL_CHANNELS
+    assert join.joins == "tp" and not join.matmuls
+
+
+@pytest.mark.parametrize("sequence_parallel, overlap", [(True, True), (False, False)])
+def test_a_join_folded_into_the_compute_after_it_times_the_step_alike(monkeypatch, sequence_parallel, overlap):
+    """``fold_joins`` only removes ops: the step, every rank's phases and each collective's times are those of
+    the lowering that keeps every join as an op of its own."""
+    p = plan(overlap, sequence_parallel=sequence_parallel, pp=2)
+    cluster = ideal_spec(**{"intra_node.bw_GBps_per_direction": 25})
+    folded, folded_ops = predict_step(p, cluster), len(lower(p).ops)
+    monkeypatch.setattr("parsim.lowering.lower.fold_joins", lambda pieces: pieces)
+    kept = predict_step(p, cluster)
+    assert folded_ops < len(lower(p).ops)
+    assert folded.step_s == pytest.approx(kept.step_s, rel=1e-12)
+    for a, b in zip(folded.ranks, kept.ranks):
+        assert a.seconds == pytest.approx(b.seconds, rel=1e-9, abs=1e-15)
+    times = [[(e.name, e.start_s, e.dur_s) for e in t.trace.events if e.kind == "collective"] for t in (folded, kept)]
+    assert len(times[0]) == len(times[1]) > 0
+    for (name, start, dur), (name_kept, start_kept, dur_kept) in zip(*times):
+        assert name == name_kept and start == pytest.approx(start_kept, rel=1e-12) and dur == pytest.approx(dur_kept)
+
+
+def test_fold_joins_keeps_a_join_before_a_collective_or_at_a_layer_end():
+    compute = ComputePiece(((8, 8, 8),), 0.0, 1, "backward", 0)
+    gather = CommPiece("all_gather tp mb=", "", "all_gather", (0, 1), (), 64.0)
+    join = compute.join("tp")
+    assert fold_joins([compute, join, compute]) == [compute, dataclasses.replace(compute, joins="tp")]
+    assert fold_joins([compute, join, gather, compute]) == [compute, join, gather, compute]
+    assert fold_joins([compute, join]) == [compute, join]
 
 
 def test_the_head_split_around_its_collectives_keeps_its_bf16_gemms_in_an_fp8_plan():

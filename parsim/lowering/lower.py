@@ -227,6 +227,9 @@ class Lowering:
         self.pending: list[_Pending] = []
         self.fsdp = plan.shards_weights  # gathered per layer
         self.stage_checks: dict[str, list[int]] = {}  # a check's all-reduce over the pipeline ranks: its ops
+        # Memoized per lowering: functools.cache on the class would keep every Lowering, and its program, alive.
+        for method in ("group", "_templates", "_pieces", "_stage_rank", "_pairs", "_sync_buckets"):
+            setattr(self, method, functools.cache(getattr(self, method)))
 
     @property
     def schedule(self) -> Schedule:
@@ -270,7 +273,6 @@ class Lowering:
                 block.opens_action = True
 
     # -- groups ---------------------------------------------------------------
-    @functools.cache
     def group(self, p: int, dim: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
         """The representative's ``dim`` group at pipeline rank ``p`` and its mirror groups."""
         plan = self.plan
@@ -349,7 +351,6 @@ class Lowering:
             for layer in layers:
                 last = self._fsdp_reduce(rank, p, stage, layer, mb, kind, last, name)
 
-    @functools.cache
     def _templates(self, p: int, stage: int, kind: str) -> tuple[list, ...]:
         """The op each of :meth:`_pieces` stamps, as a :func:`stamp` template (name, deps, the collective
         beside and FSDP's hooks filled in per microbatch)."""
@@ -368,7 +369,6 @@ class Lowering:
             templates.append([getattr(op, field) for field in OP_FIELDS])
         return tuple(templates)
 
-    @functools.cache
     def _pieces(self, p: int, stage: int, kind: str) -> tuple[Piece, ...]:
         """What one ``kind`` pass of ``stage`` runs, in order: block compute split by the
         tensor-parallel collectives between blocks. The same for every microbatch.
@@ -514,11 +514,9 @@ class Lowering:
         return (calls, 0) if forward else (0, calls)
 
     # -- pipeline transfers ---------------------------------------------------------
-    @functools.cache
     def _stage_rank(self, stage: int) -> int:
         return self.plan.rank_of(dp=0, pp=self.schedule.stage_to_rank(stage), tp=0)
 
-    @functools.cache
     def _pairs(self, src_stage: int, dst_stage: int) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
         """The representative's (src, dst) ranks and its mirrors' (the other replicas' sends)."""
         plan, sched = self.plan, self.schedule
@@ -744,7 +742,6 @@ class Lowering:
                     tensors[expert].append((n * plan.grad_bytes, (stage, index)))
         return tensors
 
-    @functools.cache
     def _sync_buckets(self, p: int) -> tuple[tuple[bool, str, int, float, tuple[tuple[int, int], ...]], ...]:
         """Pipeline rank ``p``'s gradient buckets in backward order: (expert?, group dim, index, bytes, the
         (stage, layer) of each of its tensors). Empty when nothing syncs: one data-parallel rank, FSDP, or
