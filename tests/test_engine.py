@@ -151,3 +151,18 @@ def test_absorbed_collectives_beside_the_compute_time_the_step_as_the_events_wou
     as_events = run()
     assert absorbed.keys() == as_events.keys()
     assert all(absorbed[k] == pytest.approx(as_events[k], abs=1e-12) for k in absorbed)
+
+
+def test_compute_times_are_memoized_by_every_field_the_compute_model_reads():
+    """Ops share a compute time when they agree on each of ComputeModel.time's arguments: the shared matmuls and
+    SM-bound kernels by identity, every other one by value (SCALAR_WORK), the stream split apart per run."""
+    import inspect
+
+    from parsim.sim.stepsim import SCALAR_WORK, _time_args
+
+    read = set(inspect.signature(ComputeModel.time).parameters) - {"self", "stream_apart"}
+    assert read == set(SCALAR_WORK) | {"matmuls", "sm_bound"}
+    op = Op("x", "compute", "compute", matmuls=((1, 2, 3),), fsdp_passes=(1, 0))
+    assert _time_args(op, False) == tuple(getattr(op, name) if name != "stream_apart" else False
+                                          for name in inspect.signature(ComputeModel.time).parameters
+                                          if name != "self")

@@ -670,9 +670,10 @@ ONE_STREAM = {"tp": "compute"}
 
 # What ComputeModel.time reads of an op besides its matmuls and sm_bound, which ops of one shape share (the
 # lowering's templates): with their identities, a key to the time of every op of that shape.
-_scalar_work = attrgetter("flops", "hbm_bytes", "kernels", "attention_flops", "attention_grad_flops", "forward_ops",
-                          "backward_ops", "optimizer_tensors", "stream_bytes", "sm_reserved", "high_precision",
-                          "optimizer_steps", "tp_calls", "fsdp_calls", "fsdp_passes")
+SCALAR_WORK = ("flops", "hbm_bytes", "kernels", "attention_flops", "attention_grad_flops", "forward_ops",
+               "backward_ops", "optimizer_tensors", "stream_bytes", "sm_reserved", "high_precision", "optimizer_steps",
+               "tp_calls", "fsdp_calls", "fsdp_passes")
+_scalar_work = attrgetter(*SCALAR_WORK)
 
 
 def _time_args(op: Op, stream_apart: bool) -> tuple:
