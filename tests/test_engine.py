@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import os
@@ -20,7 +21,7 @@ from parsim.hardware.cluster import load_cluster
 from parsim.sim.compute import ComputeModel
 from parsim.sim.program import Op, Program
 from parsim.sim.step import predict_step
-from parsim.sim.stepsim import StepSimulator
+from parsim.sim.stepsim import SCALAR_WORK, StepSimulator, _time_args
 from parsim.workload.plan import resolve_plan
 
 
@@ -156,13 +157,7 @@ def test_absorbed_collectives_beside_the_compute_time_the_step_as_the_events_wou
 def test_compute_times_are_memoized_by_every_field_the_compute_model_reads():
     """Ops share a compute time when they agree on each of ComputeModel.time's arguments: the shared matmuls and
     SM-bound kernels by identity, every other one by value (SCALAR_WORK), the stream split apart per run."""
-    import inspect
-
-    from parsim.sim.stepsim import SCALAR_WORK, _time_args
-
-    read = set(inspect.signature(ComputeModel.time).parameters) - {"self", "stream_apart"}
-    assert read == set(SCALAR_WORK) | {"matmuls", "sm_bound"}
+    arguments = [name for name in inspect.signature(ComputeModel.time).parameters if name != "self"]
+    assert set(arguments) - {"stream_apart"} == set(SCALAR_WORK) | {"matmuls", "sm_bound"}
     op = Op("x", "compute", "compute", matmuls=((1, 2, 3),), fsdp_passes=(1, 0))
-    assert _time_args(op, False) == tuple(getattr(op, name) if name != "stream_apart" else False
-                                          for name in inspect.signature(ComputeModel.time).parameters
-                                          if name != "self")
+    assert _time_args(op, False) == tuple(False if name == "stream_apart" else getattr(op, name) for name in arguments)
