@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import io
 import json
 import os
@@ -21,7 +20,7 @@ from parsim.hardware.cluster import load_cluster
 from parsim.sim.compute import ComputeModel
 from parsim.sim.program import Op, Program
 from parsim.sim.step import predict_step
-from parsim.sim.stepsim import SCALAR_WORK, StepSimulator, _time_args
+from parsim.sim.stepsim import SCALAR_WORK, TIME_ARGS, StepSimulator, _time_args
 from parsim.workload.plan import resolve_plan
 
 
@@ -155,9 +154,12 @@ def test_absorbed_collectives_beside_the_compute_time_the_step_as_the_events_wou
 
 
 def test_compute_times_are_memoized_by_every_field_the_compute_model_reads():
-    """Ops share a compute time when they agree on each of ComputeModel.time's arguments: the shared matmuls and
-    SM-bound kernels by identity, every other one by value (SCALAR_WORK), the stream split apart per run."""
-    arguments = [name for name in inspect.signature(ComputeModel.time).parameters if name != "self"]
-    assert set(arguments) - {"stream_apart"} == set(SCALAR_WORK) | {"matmuls", "sm_bound"}
-    op = Op("x", "compute", "compute", matmuls=((1, 2, 3),), fsdp_passes=(1, 0))
-    assert _time_args(op, False) == tuple(False if name == "stream_apart" else getattr(op, name) for name in arguments)
+    """An op's compute time takes each of ComputeModel.time's arguments from the op's field of that name (the
+    stream split apart from the caller); the memo keys on all of them: the shared matmuls and SM-bound kernels by
+    identity, every other one by value (SCALAR_WORK)."""
+    compute = ComputeModel.for_cluster(load_cluster("dgx-h100"), "bf16", 2)
+    op = Op("x", "compute", "compute", matmuls=((4096, 4096, 4096),), hbm_bytes=5e8, kernels=3, sm_reserved=24,
+            fsdp_passes=(1, 0))
+    assert compute.time(*_time_args(op, False)) == compute.time(op.matmuls, hbm_bytes=5e8, kernels=3,
+                                                                sm_reserved=24, fsdp_passes=(1, 0))
+    assert set(SCALAR_WORK) | {"matmuls", "sm_bound", "stream_apart"} == set(TIME_ARGS)

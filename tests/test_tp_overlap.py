@@ -179,8 +179,7 @@ def exposed(p: Plan, compute: ComputeModel, comm: CommCosts, kind: str, name: st
         alone = compute.time(pc.matmuls, kernels=pc.kernels, sm_reserved=pc.sm_reserved)
         if pc.beside_sms is None:
             return alone
-        sms = comm.sim.kernel_sms(beside.collective, beside.ranks, beside.nbytes) if pc.beside_sms == NCCL_CHANNELS \
-            else pc.beside_sms
+        sms = comm.sim.held_sms(pc.beside_sms, beside.collective, beside.ranks, beside.nbytes)
         reserved = compute.time(pc.matmuls, kernels=pc.kernels, sm_reserved=sms)
         held = c(beside)  # the kernel holds them while the collective runs, then the GEMM has every SM
         return reserved if held >= reserved else held + alone * (1 - held / reserved)

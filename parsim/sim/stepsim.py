@@ -21,6 +21,7 @@ schema the executor writes.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections import Counter, deque
@@ -146,14 +147,11 @@ class StepSimulator:
 
     def kernel_sms(self, collective: str, ranks: tuple[int, ...], nbytes: int) -> int:
         """SMs the collective's NCCL kernel holds while it runs (:func:`~parsim.sim.collectives.simulate.kernel_sms`),
-        cached per group and size, and per group shape and size as :meth:`_algorithm`."""
-        found = self._sms.get((collective, ranks, nbytes))
-        if found is None:
-            key = ("sms", collective, self._group_shape(ranks), nbytes)
-            if key not in self._algorithms:
-                self._algorithms[key] = kernel_sms(self.topo, collective, nbytes, np.asarray(ranks))
-            found = self._sms[collective, ranks, nbytes] = self._algorithms[key]
-        return found
+        cached per group shape and size as :meth:`_algorithm`."""
+        key = (collective, self._group_shape(ranks), nbytes)
+        if key not in self._sms:
+            self._sms[key] = kernel_sms(self.topo, collective, nbytes, np.asarray(ranks))
+        return self._sms[key]
 
     def _group_shape(self, ranks: tuple[int, ...]) -> tuple:
         """Where a group's GPUs sit: their local indices, node offsets and unit offsets. Nodes are wired alike
@@ -661,27 +659,26 @@ def uncontended_s(phases: tuple[CommPhase, ...], net: Network) -> float:
     return sum(p.latency_s + net.solo_time(p.routes, p.nbytes, p.key) + p.reduce_s for p in phases)
 
 
-SM_RESERVED = 10  # the index of sm_reserved in _time_args
 # Streams whose collectives never overlap in time: a block joins its tensor-parallel collectives beside the
 # compute before the compute stream issues its next one (parsim.lowering.tp_overlap), so for contention a
 # rank's "tp" stream is its compute stream.
 ONE_STREAM = {"tp": "compute"}
 
 
-# What ComputeModel.time reads of an op besides its matmuls and sm_bound, which ops of one shape share (the
-# lowering's templates): with their identities, a key to the time of every op of that shape.
-SCALAR_WORK = ("flops", "hbm_bytes", "kernels", "attention_flops", "attention_grad_flops", "forward_ops",
-               "backward_ops", "optimizer_tensors", "stream_bytes", "sm_reserved", "high_precision", "optimizer_steps",
-               "tp_calls", "fsdp_calls", "fsdp_passes")
+# ComputeModel.time's arguments in order: each an Op field of that name, but stream_apart (the caller's).
+TIME_ARGS = tuple(inspect.signature(ComputeModel.time).parameters)[1:]
+SM_RESERVED, _APART = TIME_ARGS.index("sm_reserved"), TIME_ARGS.index("stream_apart")
+_op_work = attrgetter(*(name for name in TIME_ARGS if name != "stream_apart"))
+# What the time reads of an op besides its matmuls and sm_bound, which ops of one shape share (the lowering's
+# templates): with their identities, a key to the time of every op of that shape.
+SCALAR_WORK = tuple(name for name in TIME_ARGS if name not in ("matmuls", "sm_bound", "stream_apart"))
 _scalar_work = attrgetter(*SCALAR_WORK)
 
 
 def _time_args(op: Op, stream_apart: bool) -> tuple:
     """Compute op ``op``'s arguments of :meth:`ComputeModel.time <parsim.sim.compute.ComputeModel.time>`, in order."""
-    return (op.matmuls, op.flops, op.hbm_bytes, op.kernels, op.attention_flops, op.attention_grad_flops,
-            op.forward_ops, op.backward_ops, op.optimizer_tensors, op.stream_bytes, op.sm_reserved,
-            op.high_precision, op.sm_bound, stream_apart, op.optimizer_steps, op.tp_calls, op.fsdp_calls,
-            op.fsdp_passes)
+    work = _op_work(op)
+    return (*work[:_APART], stream_apart, *work[_APART:])
 
 
 def _stall_message(program: Program, end: list[float]) -> str:
