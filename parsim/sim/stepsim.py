@@ -41,6 +41,7 @@ from .collectives.algorithms import build_phases
 from .collectives.simulate import choose_algorithm, kernel_sms
 from .compute import ComputeModel
 from .cores import SharedCores, core_of, eevdf_slice_s
+from .held_sms import HOLDING_STREAMS, HeldSMs
 from .program import NCCL_CHANNELS, Op, Program
 
 # progress(ops finished, ops in all) is called at most this often (seconds of wall time)
@@ -227,6 +228,16 @@ class _Run:
         shares_memory = sim.compute.shares_host_memory and self.cores is None
         self.memory = HostMemory(self.env, sim.topo, sim.compute, program) if shares_memory else None
         self.beside: dict[int, float] = {}
+        # A GPU's data-parallel and FSDP collectives hold SMs while they run (parsim.sim.held_sms): the compute
+        # beside them runs on the rest. Each compute-stream chain of a rank that has such collectives is kept
+        # (head op, and its last op, planned end and version) so that it can be timed again when one starts.
+        self.sms_of = self._holding_sms()
+        self.held = HeldSMs(self._slowdown) if self.sms_of else None
+        self.held_ranks = {self.ops[i].rank for i in self.sms_of}
+        self.chain_head: dict[int, int] = {}
+        self.chain_end: dict[int, tuple[int, float, int]] = {}
+        self.anchor: dict[int, tuple[int, float, float]] = {}  # rank -> (op under way, time it was timed, work left)
+        self._slowdowns: dict[tuple, float] = {}
         ready = self._link_prerequisites()
         self.env.timeout(0).callbacks.append(lambda _event: self._begin(ready))
         self.env.run()
@@ -321,10 +332,13 @@ class _Run:
             for p in prereqs:
                 dependents[p].append(i)
         self._absorb_beside(prereqs_of, successor)
-        sent = {op.match for op in ops if op.kind == "recv"}
+        # a send's end starts its receive; a collective holding SMs starts and ends on its own (see _hold)
+        holding = self.sms_of
+        barred = {op.match for op in ops if op.kind == "recv"} | holding.keys()
         through = self.through
         for i, k in enumerate(successor):
-            if k >= 0 and waiting[k] == 1 and fixed[k] is not None and len(dependents[i]) == 1 and i not in sent:
+            if (k >= 0 and waiting[k] == 1 and fixed[k] is not None and len(dependents[i]) == 1 and i not in barred
+                    and (not holding or k not in holding)):
                 through[i] = True  # its one dependent is then k (k waits for one op: its predecessor, i)
         return [i for i, count in enumerate(waiting) if count == 0]
 
@@ -454,6 +468,13 @@ class _Run:
             self._take_turn(i)
             return
         duration = self.fixed[i]
+        if self.held is not None and self.ops[i].rank in self.held_ranks:
+            if i in self.sms_of:
+                if not self.ops[i].joins:  # (a joined collective holds its SMs once it runs: _join)
+                    self._hold(i)
+            elif duration is not None and self.ops[i].stream == "compute":
+                self._start_chain(i, now)
+                return
         if duration is not None:
             end, last = now + duration, i
             while self.through[last]:  # the chain of ops that follow at once (see _link_prerequisites)
@@ -470,6 +491,103 @@ class _Run:
             self._after(self.lead[i], lambda: self._proceed(i))
         else:
             self._proceed(i)
+
+    # -- SMs held by side-stream collectives (parsim.sim.held_sms) ---------------------------
+    def _holding_sms(self) -> dict[int, int]:
+        """Op id -> SMs its NCCL kernel holds, for each data-parallel or FSDP collective on a side stream."""
+        sms_of: dict[int, int] = {}
+        known: dict[tuple, int] = {}  # by the identity of the op's group tuple
+        for op in self.ops:
+            if op.kind == "collective" and op.stream in HOLDING_STREAMS and not op.negligible:
+                key = (op.collective, id(op.ranks), op.nbytes)
+                if key not in known:
+                    known[key] = self.sim.kernel_sms(op.collective, op.ranks, int(op.nbytes))
+                if known[key]:
+                    sms_of[op.id] = known[key]
+        return sms_of
+
+    def _slowdown(self, i: int, sms: int) -> float:
+        """How many times as long compute op ``i`` takes with ``sms`` more SMs held (its matmuls on the rest)."""
+        op = self.ops[i]
+        key = (id(op.matmuls), id(op.sm_bound), _scalar_work(op), sms)
+        ratio = self._slowdowns.get(key)
+        if ratio is None:
+            args = _time_args(op, False)
+            alone = self.sim.compute_time(*args)
+            held = self.sim.compute_time(*args[:SM_RESERVED], args[SM_RESERVED] + sms, *args[SM_RESERVED + 1:])
+            ratio = self._slowdowns[key] = held / alone if alone > 0 else 1.0
+        return ratio
+
+    def _hold(self, i: int) -> None:
+        """Collective ``i``'s kernel takes its SMs now: time its rank's compute again."""
+        rank = self.ops[i].rank
+        self.held.hold(rank, i, self.sms_of[i])
+        self._retime(rank)
+
+    def _timed(self, k: int) -> float:
+        """Op ``k``'s seconds, a compute op's beside the SMs its rank's collectives hold now."""
+        kind = self.ops[k].kind
+        if kind != "compute" and kind != "optimizer":
+            return self.fixed[k]
+        return self.held.seconds(self.ops[k].rank, k, self.fixed[k])
+
+    def _start_chain(self, i: int, now: float) -> None:
+        """:meth:`_start` of a compute-stream op ``i`` of known duration, on a rank whose collectives hold SMs."""
+        rank = self.ops[i].rank
+        self.chain_head[rank] = i
+        self.anchor[rank] = (i, now, self.fixed[i])
+        last, end = self._chain_from(i, now + self._timed(i), count=True)
+        self._chain_ends(rank, last, end)
+
+    def _chain_from(self, last: int, end: float, count: bool) -> tuple[int, float]:
+        """The ops chained after ``last`` (see _link_prerequisites), which ends at ``end``: each starts as the one
+        before it ends (a join no sooner than its absorbed collective). Returns the chain's last op and its end;
+        with ``count``, the others are counted finished (they end by the chain's timing alone)."""
+        while self.through[last]:
+            self.end[last] = end
+            if count:
+                self.finished += 1
+            last = self.dependents[last][0]
+            hold = self.holds.get(last)
+            if hold is not None:
+                end = max(end, self.start[hold[0]] + hold[1])
+            self.start[last] = end
+            end += self._timed(last)
+        return last, end
+
+    def _chain_ends(self, rank: int, last: int, end: float) -> None:
+        """The rank's compute chain ends with op ``last`` at ``end``, unless it is timed again before that."""
+        version = self.chain_end[rank][2] + 1 if rank in self.chain_end else 0
+        self.chain_end[rank] = (last, end, version)
+        self._after(end - self.env.now, lambda: self.chain_end[rank][2] == version and self._finish(last))
+
+    def _retime(self, rank: int) -> None:
+        """The SMs the rank's collectives hold changed: time the rest of its compute chain again from now. The op
+        under way ran at one speed since it began or was last timed (``anchor``: op, time, work left then), so
+        the share of that work still to do is the share of that stretch still ahead."""
+        head = self.chain_head.get(rank)
+        if head is None:
+            return
+        last, planned, _ = self.chain_end[rank]
+        now = self.env.now
+        if planned <= now:
+            return
+        timed, timed_at, work = self.anchor[rank]
+        k = timed
+        while k != last and self.end[k] <= now:
+            k = self.dependents[k][0]
+        ends, begun = planned if k == last else self.end[k], self.start[k]
+        if k != timed:
+            timed_at, work = begun, self.fixed[k]
+        if begun >= now:  # not begun yet (a join waiting for its absorbed collective)
+            end = begun + self._timed(k)
+        elif self.ops[k].kind in ("compute", "optimizer"):
+            work *= (ends - now) / (ends - timed_at)
+            end, timed_at = now + self.held.seconds(rank, k, work), now
+        else:
+            end = ends
+        self.anchor[rank] = (k, timed_at, work)
+        self._chain_ends(rank, *self._chain_from(k, end, count=False))
 
     def _take_turn(self, i: int) -> None:
         """Op ``i`` of a rank that takes turns on its core: the loop's time before it (``lead``) and its compute
@@ -525,6 +643,9 @@ class _Run:
         if len(arrived) <= len(op.joins):
             return
         comm = self.comm[i]
+        if self.held is not None and i in self.sms_of:
+            for j in arrived:
+                self._hold(j)
 
         def end_all() -> None:
             for j in arrived:
@@ -584,6 +705,9 @@ class _Run:
             j = self._due.popleft()
             self.end[j] = now
             self.finished += 1
+            if self.held is not None and j in self.sms_of:
+                self.held.release(self.ops[j].rank, j)
+                self._retime(self.ops[j].rank)
             for d in self.dependents[j]:
                 self.waiting[d] -= 1
                 if self.waiting[d] == 0:
