@@ -177,7 +177,8 @@ def async_backward(regather: list[CommPiece], reduce: CommPiece, dgrad: ComputeP
     (``LinearWithGradAccumulationAndAsyncCommunication.backward``): the input gathered again (sequence
     parallelism) by an asynchronous NCCL call beside the input-gradient GEMM, then the input gradient's
     all-reduce or reduce-scatter beside the weight-gradient GEMM, each NCCL kernel holding one SM per
-    channel while it runs. (The data-parallel overlap's NCCL kernels are not charged their SMs.)"""
+    channel while it runs (as the data-parallel and FSDP collectives' kernels do beside whatever compute
+    runs: :mod:`parsim.sim.held_sms`)."""
     pieces: list[Piece] = []
     for collective, partner in ((regather[0] if regather else None, dgrad), (reduce, wgrad)):
         if partner is None:

@@ -22,8 +22,9 @@ model charges what the step simulator charges, priced without simulating:
 Collectives are priced alone, as if nothing else used their links, with
 one exception: under FSDP, a context-parallel exchange shares the NICs with
 the weights the gather stream brings in meanwhile, and is priced beside that
-gather (:meth:`FastModel.pass_table`). Other contention is left out
-(``docs/search.md`` measures the difference).
+gather (:meth:`FastModel.pass_table`). Other contention is left out, and so are the SMs data-parallel
+and FSDP collectives' kernels hold beside the passes (:mod:`parsim.sim.held_sms`): ``docs/search.md``
+measures the difference.
 
 :meth:`FastModel.prepare` gives every variant's memory and a lower bound of
 its step time (each rank's own work, its earliest start and
