@@ -144,13 +144,16 @@ class PassCosts:
         self.compute_time = lru_cache(maxsize=None)(compute.time)
         self._tables: dict[tuple, PassTable] = {}
 
-    def table(self, key: tuple, prototype: Callable[[], Plan], exchange: ExchangeCost | None = None) -> PassTable:
+    def table(self, key: tuple, prototype: Callable[[], Plan], exchange: ExchangeCost | None = None,
+              held_sms: int = 0) -> PassTable:
         """The passes of ``prototype()``'s entries, cached under ``key`` (what they depend on); the
         prototype is any plan with those settings whose accumulation streams bytes (its scale).
-        ``exchange(entry, piece)`` prices context-parallel exchanges instead of :class:`CommCosts` alone."""
+        ``exchange(entry, piece)`` prices context-parallel exchanges instead of :class:`CommCosts` alone;
+        ``held_sms``: SMs a collective's kernel beside the whole pass holds (:mod:`parsim.sim.held_sms`)."""
+        key += (held_sms,)
         cached = self._tables.get(key)
         if cached is None:
-            cached = self._tables[key] = self._price(prototype(), exchange)
+            cached = self._tables[key] = self._price(prototype(), exchange, held_sms)
         return cached
 
     def derived(self, key: tuple, make: Callable[[], PassTable]) -> PassTable:
@@ -160,7 +163,7 @@ class PassCosts:
             cached = self._tables[key] = make()
         return cached
 
-    def _price(self, plan: Plan, exchange: ExchangeCost | None = None) -> PassTable:
+    def _price(self, plan: Plan, exchange: ExchangeCost | None = None, held_sms: int = 0) -> PassTable:
         lowering = Lowering(plan)
         recomputed = {c.name for s in range(plan.num_stages) for c in plan.recomputed(s)}
         types = entry_types(plan)
@@ -172,17 +175,18 @@ class PassCosts:
                 pieces = lowering.layer_pass(0, 0, cost, "R") if cost.name in recomputed and kind in "BI" else []
                 phases[e, k], accumulate[e, k], trailing[e, k] = self.time_pieces(
                     pieces + lowering.layer_pass(0, 0, cost, kind), plan.accumulation_bytes,
-                    None if exchange is None else partial(exchange, e))
+                    None if exchange is None else partial(exchange, e), held_sms=held_sms)
         return PassTable(phases, accumulate, trailing)
 
     def time_pieces(self, pieces, accumulation_bytes: float, exchange: Callable[[CommPiece], float] | None = None,
-                    exposure: list[dict] | None = None) -> tuple[np.ndarray, float, float]:
+                    exposure: list[dict] | None = None, held_sms: int = 0) -> tuple[np.ndarray, float, float]:
         """Seconds of ``pieces`` on the compute stream by phase, the accumulation's per byte per weight (the
         pieces stream ``accumulation_bytes`` per weight), and the blocking
         communication after the last kernel: collectives in line, or on their side stream (context-parallel
         exchanges, overlapped tensor-parallel collectives) from the op before them until their stream's
         next join, whose wait counts in that group's phase. ``exposure``, if given, receives one row per
-        collective: the piece, its seconds alone and the seconds it holds the compute stream up."""
+        collective: the piece, its seconds alone and the seconds it holds the compute stream up. ``held_sms``:
+        SMs a side stream's collective holds all along, which every matmul does without."""
         phases = np.zeros(len(PASS_PHASES))
         t = last_kernel = accumulate = 0.0
         free = {"cp": 0.0, "tp": 0.0}  # when each side stream finishes what it was given
@@ -219,7 +223,7 @@ class PassCosts:
             def seconds_on(sm_reserved: int) -> float:
                 return self.compute_time(piece.matmuls, 0.0, piece.hbm_bytes - acc, piece.kernels,
                                          piece.attention_flops, piece.attention_grad_flops, piece.forward_ops,
-                                         piece.backward_ops, 0, 0.0, sm_reserved, piece.high_precision,
+                                         piece.backward_ops, 0, 0.0, sm_reserved + held_sms, piece.high_precision,
                                          piece.sm_bound, tp_calls=piece.tp_calls)
             seconds = seconds_on(piece.sm_reserved)
             if piece.beside_sms is not None:  # beside the last collective, whose kernel holds SMs while it runs

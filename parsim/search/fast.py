@@ -87,6 +87,7 @@ class _Inputs:
     start: np.ndarray  # [pp]
     waits: np.ndarray  # [stages * 4]: FSDP's waits for gathers inside each pass
     lead: np.ndarray  # [stages * 4]: the part of those a rank spends before the pass's inputs matter
+    slowed: np.ndarray  # [stages * 4]: FSDP: what the SMs its collectives' kernels hold add to each pass
     ends: list[list[np.ndarray]] | None = None  # FSDP: per distinct stage and kind, entry ends within the pass
     fsdp_tables: tuple[np.ndarray, np.ndarray] | None = None  # the same per (stage, kind), with the scatters
     offsets: dict[int, np.ndarray] | None = None  # per stage, when its entries' gradients are final in its last pass
@@ -176,10 +177,11 @@ class FastModel:
             return self.plan(s, plain, m=2 * s.pp, schedule=schedule, vs=vs)
         return self.plan(s, plain, pp=pp, dp=1, m=2 * pp, schedule=schedule, vs=vs)
 
-    def pass_table(self, s: Setting, v: Variant, beside_gathers: bool = False) -> PassTable:
+    def pass_table(self, s: Setting, v: Variant, beside_gathers: bool = False, held_sms: int = 0) -> PassTable:
         """Each entry type's passes; with ``beside_gathers`` (FSDP with context parallelism), each
         context-parallel exchange is priced beside the FSDP all-gather streaming next to it
-        (:meth:`_exchange_beside_gathers`)."""
+        (:meth:`_exchange_beside_gathers`); with ``held_sms``, every matmul on the SMs a side stream's
+        collective leaves (:meth:`_held_tables`)."""
         beside_gathers = beside_gathers and s.cp > 1 and self._gathers_every_pass(s, v)
         key = (s.tp, s.cp, s.ep, s.microbatch_size, v.sequence_parallel, v.tp_overlap, v.recompute,
                v.context_parallel,
@@ -187,11 +189,11 @@ class FastModel:
                (s.dp, s.pp, v.order, v.shard_group) if beside_gathers else None)
         passes = self.passes(s.cp)
         if v.recompute == "full":  # a recomputed layer's backward starts with its forward again
-            return passes.derived(key, lambda: _with_recompute(
-                self.pass_table(s, v._replace(recompute="none"), beside_gathers),
+            return passes.derived(key + (held_sms,), lambda: _with_recompute(
+                self.pass_table(s, v._replace(recompute="none"), beside_gathers, held_sms),
                 self._entry_tables(s, v).recomputed))
         exchange = self._exchange_beside_gathers(s, v) if beside_gathers else None
-        return passes.table(key, lambda: self._prototype(s, v), exchange)
+        return passes.table(key, lambda: self._prototype(s, v), exchange, held_sms)
 
     def passes(self, cp: int) -> PassCosts:
         """Pass pricing for plans of context-parallel degree ``cp``: their attention kernels run over
@@ -318,7 +320,7 @@ class FastModel:
 
     def _inputs(self, s: Setting, v: Variant, layout: Layout) -> _Inputs:
         seconds = self.pass_table(s, v, beside_gathers=True).seconds(self._accumulation_of(s, v))  # [types, 4]
-        waits = lead = np.zeros(len(layout.stage_entries) * 4)
+        waits = lead = slowed = np.zeros(len(layout.stage_entries) * 4)
         fsdp = self._fsdp(s, v) if self._gathers_every_pass(s, v) else None
         ends = None
         if fsdp is None:
@@ -326,28 +328,37 @@ class FastModel:
         else:
             # Per distinct stage and kind: the pass after another (the gather stream still busy with that one's
             # last gathers), its part before its inputs matter (the first gathers, issued as soon as the stream
-            # is free, ahead of the pass: the lead), and the rank's very first pass (nothing gathered yet).
+            # is free, ahead of the pass: the lead), and the rank's very first pass (nothing gathered yet); and
+            # how much longer the collectives' kernels, holding SMs, made the pass after another.
+            held = self._held_tables(s, v)
             shape = (len(layout.distinct), 4)
             after, ahead, first, waited = np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape)
+            longer = np.zeros(shape)
             ends = []
             for d, entries in enumerate(layout.distinct):
                 ends.append([])
                 for k, kind in enumerate(KINDS):
                     order = list(entries if kind == "F" else entries[::-1])
                     d_ = seconds[order, k] + fsdp[2][order, k]
-                    if kind == "W":  # the weight gradients need no weights
-                        ends[d].append(np.cumsum(d_))
-                        after[d, k] = first[d, k] = ends[d][-1][-1]
-                        continue
                     g = fsdp[0 if kind == "F" else 3][order]  # a backward's gathers share links with reductions
-                    waited[d, k], entry_ends = _gathered_pass(d_, g, min(g[-1] - d_[-2:].sum(), -d_[-1]))
+                    if kind == "W":  # the weight gradients need no weights
+                        g = np.zeros(len(order))
+                    if held is None:
+                        timed = partial(_gathered_pass, d_, g)
+                    else:
+                        scatters = fsdp[1][order] * SCATTER_COPIES[k]
+                        timed = partial(_held_pass, d_, g, {m: t[order, k] + fsdp[2][order, k]
+                                                            for m, t in held.items()}, scatters)
+                    waited[d, k], entry_ends = timed(min(g[-1] - d_[-2:].sum(), -d_[-1]))
                     after[d, k] = entry_ends[-1]
-                    ahead[d, k] = after[d, k] - _gathered_pass(d_, g, -np.inf)[1][-1]
-                    first[d, k] = _gathered_pass(d_, g, 0.0)[1][-1]
+                    ahead[d, k] = after[d, k] - timed(-np.inf)[1][-1]
+                    first[d, k] = timed(0.0)[1][-1]
+                    longer[d, k] = after[d, k] - waited[d, k] - d_.sum()
                     ends[d].append(entry_ends)
             durations = after[layout.distinct_of].ravel()
             lead = ahead[layout.distinct_of].ravel()
             waits = waited[layout.distinct_of].ravel()
+            slowed = longer[layout.distinct_of].ravel()
         hops = self._hops(s, v, layout)
         start = np.zeros(s.pp)
         if fsdp is not None:  # a rank's first forward gathers from nothing: the part beyond the usual lead
@@ -357,7 +368,7 @@ class FastModel:
             start = self._first_gathers(s, v, seconds)
         elif v.param_overlap and s.dp * s.cp > 1:
             start = self._param_gather_starts(s, v, seconds, durations)
-        return _Inputs(_inputs_key(v), durations, hops, start, waits, lead, ends)
+        return _Inputs(_inputs_key(v), durations, hops, start, waits, lead, slowed, ends)
 
     def _hops(self, s: Setting, v: Variant, layout: Layout) -> np.ndarray:
         """Per stage boundary, the send of one microbatch's activations (or their gradients) between the
@@ -425,6 +436,23 @@ class FastModel:
                 scatter.append(reduce)
             return np.array(gather), np.array(scatter), self._fsdp_copies(s, v), np.array(backward)
         return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, s.ep, v.order, v.shard_group), make)
+
+    def _held_tables(self, s: Setting, v: Variant) -> dict[int, np.ndarray] | None:
+        """FSDP without a pipeline: each entry type's passes ([types, 4] seconds) beside the SMs its
+        collectives' NCCL kernels hold (:mod:`parsim.sim.held_sms`): 1, an all-gather's; 2, a reduce-scatter's;
+        3, both. Their channels are those of the largest entry's, over the shard group. None where no kernel
+        holds any (a CPU host's gloo)."""
+        def make() -> dict[int, np.ndarray] | None:
+            shard = Lowering(self.layout_plan(s, v)).group(0, "shard")[0]
+            gather = self.comm.sim.kernel_sms("all_gather", shard, int(max(self._weight_bytes(s, part="dense"))))
+            scatter = self.comm.sim.kernel_sms("reduce_scatter", shard,
+                                               int(max(self._weight_bytes(s, gradients=True, part="dense"))))
+            if not gather and not scatter:
+                return None
+            accumulation = self._accumulation_of(s, v)
+            return {m: self.pass_table(s, v, beside_gathers=True, held_sms=sms).seconds(accumulation)
+                    for m, sms in ((1, gather), (2, scatter), (3, gather + scatter))}
+        return self._cached(("held", s.dp, s.tp, s.cp, s.ep, s.microbatch_size, v), make)
 
     def _main_grads(self, s: Setting, v: Variant) -> bool:
         """:attr:`Plan.main_grads <parsim.workload.plan.Plan.main_grads>` of ``v``: low-precision weights, not FSDP."""
@@ -563,10 +591,10 @@ class FastModel:
         for name, seconds in zip(PASS_PHASES, counts @ per_stage):
             phases[name] += float(seconds)
         phases["fsdp"] += float(counts @ x.waits)
-        if self._gathers_every_pass(s, v):  # FSDP2's copies, in the phase of the pass that makes them
+        if self._gathers_every_pass(s, v):  # FSDP2's copies, and the held SMs' cost, in the pass's phase
             copies = self._copies_per_pass(s, v)
             for k, name in enumerate(COPY_PHASES):
-                phases[name] += float(counts[k::4] @ copies[k::4])
+                phases[name] += float(counts[k::4] @ (copies[k::4] + x.slowed[k::4]))
         phases["fsdp" if v.fsdp else "dp"] += max(sync_end - compute_end, 0.0) + gathers
         phases["optimizer"] = optimizer
         start = float(x.start[rank])  # the first weights gathered before the rank's first pass (FSDP, ZeRO)
@@ -896,6 +924,51 @@ def _gathered_pass(seconds: np.ndarray, gathers: np.ndarray, stream: float) -> t
         t += di
         out[i] = t
     return waited, np.array(out)
+
+
+def _held_pass(seconds: np.ndarray, gathers: np.ndarray, slowed: dict[int, np.ndarray], scatters: np.ndarray,
+               stream: float) -> tuple[float, np.ndarray]:
+    """:func:`_gathered_pass` with the SMs the collectives' NCCL kernels hold while they run
+    (:mod:`parsim.sim.held_sms`): each entry runs on the SMs left beside the next entry's all-gather (issued as
+    it starts) and beside the reduce-scatters of the entries before it (``scatters``: each entry's seconds,
+    0 in a pass that reduces nothing; issued as the entry ends, one after another on a stream of their own
+    that is free at the pass's start), on all of them otherwise. ``slowed[m]``: each entry's seconds with
+    the kernels of ``m`` held (1: an all-gather, 2: a reduce-scatter, 3: both) all along."""
+    d, g, r = seconds.tolist(), gathers.tolist(), scatters.tolist()
+    times = {m: t.tolist() for m, t in slowed.items()}
+    out = [0.0] * len(d)
+    t = waited = scattered = 0.0
+    windows: list[tuple[float, float, int]] = []  # (from, to, 1 or 2) of each kernel holding SMs
+    for i, (di, gi) in enumerate(zip(d, g)):
+        stream = (stream if i < 2 or stream > out[i - 2] else out[i - 2]) + gi
+        if stream > t:
+            waited, t = waited + stream - t, stream
+        if i + 1 < len(d):  # the next entry's gather, issued once this one's ended and entry i - 1 has
+            issued = stream if i + 1 < 2 or stream > out[i - 1] else out[i - 1]
+            windows.append((issued, issued + g[i + 1], 1))
+        windows = [w for w in windows if w[1] > t]
+        t = _held_end(t, di, {m: times[m][i] / di if di > 0 else 1.0 for m in times}, windows)
+        out[i] = t
+        if r[i]:
+            begins = max(scattered, t)
+            scattered = begins + r[i]
+            windows.append((begins, scattered, 2))
+    return waited, np.array(out)
+
+
+def _held_end(t: float, work: float, ratios: dict[int, float], windows: list[tuple[float, float, int]]) -> float:
+    """When ``work`` seconds (on every SM) begun at ``t`` end, taking ``ratios[m]`` times as long while the
+    kernels ``m`` of ``windows`` (from, to, bit) hold their SMs."""
+    for edge in sorted({edge for w in windows for edge in w[:2] if edge > t}) + [np.inf]:
+        held = 0
+        for begins, ends, bit in windows:
+            if begins <= t < ends:
+                held |= bit
+        ratio = ratios[held] if held else 1.0
+        if work * ratio <= edge - t:
+            return t + work * ratio
+        work, t = work - (edge - t) / ratio, edge
+    return t
 
 
 def _shape(s: Setting) -> tuple[str, int, int, int]:
