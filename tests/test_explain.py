@@ -224,3 +224,23 @@ def test_explain_compute_prints_attentions_rate_at_the_kernels_length(capsys, ar
     """FlashAttention-3's figures by length (dgx-h100): a context-parallel rank's kernels run over 1/cp of it."""
     assert main(["explain", "compute", "llama3-8b-fsdp8", *argv]) == 0
     assert line in capsys.readouterr().out
+
+
+def test_explain_compute_prices_the_matmuls_on_the_sms_a_collectives_kernel_leaves(capsys):
+    """An FSDP plan names its gather's kernel SMs; with --sms-held every matmul runs on the rest: never faster,
+    the tile fill over fewer SMs; more SMs than the GPU has is one line and exit 2."""
+    assert main(["explain", "compute", "llama3-8b-fsdp8", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    gather = alone["fsdp_gather"]
+    assert alone["sms_held"] == 0 and gather["sms"] > 0 and gather["bytes"] > 0
+    assert main(["explain", "compute", "llama3-8b-fsdp8", "--sms-held", str(gather["sms"]), "--json"]) == 0
+    held = json.loads(capsys.readouterr().out)
+    pairs = [(a["time_s"], h["time_s"]) for a, h in zip(alone["kernels"], held["kernels"]) if "x" in a["shape"]]
+    assert pairs and all(h >= a for a, h in pairs) and any(h > a for a, h in pairs)
+    assert held["pass_s"]["B"] > alone["pass_s"]["B"]
+    assert main(["explain", "compute", "llama3-8b-fsdp8"]) == 0
+    assert f"its NCCL kernel holds {gather['sms']} SMs while it runs (--sms-held {gather['sms']}" in \
+        capsys.readouterr().out
+    assert main(["explain", "compute", "llama3-8b-fsdp8", "--sms-held", "500"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sms-held 500: H100" in err[0] and "132 SMs" in err[0]

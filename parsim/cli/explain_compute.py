@@ -45,11 +45,18 @@ exchange, pipelined and bulk methods of Transformer Engine), exposed only where
 the compute beside them runs out. Each pass's time is then compute plus the
 exposed collectives.
 
+A data-parallel or FSDP collective running beside the layer (the next layer's
+weights gathered, the last layer's gradients reduce-scattered) is an NCCL
+kernel holding one SM per channel until it ends; --sms-held N prices every
+matmul on the SMs such a kernel leaves, as the simulator does while one runs
+(an FSDP plan's own gather is named below the table).
+
 examples:
   parsim explain compute llama3-70b-1024
   parsim explain compute --model gpt3-175b --tp 8 --cluster dgx-a100 --dtype fp16
   parsim explain compute llama3-8b-fsdp8 --layer head
   parsim explain compute llama3-70b-1024 --sequence-parallel --tp-comm-overlap
+  parsim explain compute llama3-8b-fsdp8 --sms-held 24
 """
 
 
@@ -60,6 +67,8 @@ def register(topics) -> None:
     c.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="NAME|FILE",
                    help=f"cluster whose GPU runs it (default {DEFAULT_CLUSTER})")
     c.add_argument("--layer", default="layer.0", help="entry to explain: layer.N, embedding or head (default layer.0)")
+    c.add_argument("--sms-held", type=int, default=0, metavar="N",
+                   help="SMs a collective's kernel beside the layer holds: every matmul runs on the rest (default 0)")
     c.add_argument("--json", action="store_true", help="print JSON for scripts")
     c.set_defaults(func=run)
 
@@ -73,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
         names = [n for n in costs if not n.startswith("layer.")] + ["layer.0", f"layer.{plan.model.num_layers - 1}"]
         raise ParsimError(f"--layer {args.layer!r}: the model has {', '.join(names)}")
     cost = costs[args.layer]
+    held = args.sms_held
+    if held and not 0 < held < model.sm_count:
+        raise ParsimError(f"--sms-held {held}: {spec.gpu.name} has {model.sm_count or 'no'} SMs to share"
+                          + ("" if model.sm_count else " (the cluster file gives no gpu.sm_count)"))
     passes = ("F", "I", "W") if plan.pipeline.split_backward else ("F", "B")
     lowering = Lowering(plan)
     rows, totals = [], {}
@@ -81,24 +94,45 @@ def run(args: argparse.Namespace) -> int:
         for block in cost.blocks:
             work = block_work(plan, block, kind, plan.tokens_per_rank)
             kernels = [{"pass": kind, **row}
-                       for row in _rows(model, block.name, work, "main_grad" if plan.main_grads else ".grad")]
+                       for row in _rows(model, block.name, work, "main_grad" if plan.main_grads else ".grad", held)]
             host = _host_row(model, block.name, *lowering.eager_ops(block, kind), lowering.tp_calls(block, kind))
             rows += kernels + ([{"pass": kind, **host}] if host else [])
             totals[kind] += model.with_host(sum(r["time_s"] for r in kernels), host["time_s"] if host else 0.0)
-    collectives, passes = _collectives(plan, spec, model, args.layer)
+    collectives, passes = _collectives(plan, spec, model, args.layer, held)
+    gather = _fsdp_gather(plan, spec, model, cost)
     if args.json:
         print_json("explain.compute", {"plan": plan.name, "cluster": spec.name, "layer": cost.name,
-                                       "tokens": plan.tokens_per_rank, "kernels": rows, "pass_s": totals,
-                                       "collectives": collectives, "passes": passes})
+                                       "tokens": plan.tokens_per_rank, "sms_held": held, "kernels": rows,
+                                       "pass_s": totals, "collectives": collectives, "passes": passes,
+                                       "fsdp_gather": gather})
         return 0
-    print(_report(plan, spec, model, cost.name, rows, totals))
+    print(_report(plan, spec, model, cost.name, rows, totals, held))
+    if gather:
+        print(f"  FSDP gathers the next layer's weights ({format_size(gather['bytes'])}) beside this one: its NCCL "
+              f"kernel holds {gather['sms']} SMs while it runs" + ("" if held else
+                                                                 f" (--sms-held {gather['sms']} prices the layer so)"))
     if collectives:
         print()
         print(_collectives_report(plan, cost.name, collectives, passes))
     return 0
 
 
-def _collectives(plan, spec, model: ComputeModel, layer: str) -> tuple[list[dict], list[dict]]:
+def _fsdp_gather(plan, spec, model: ComputeModel, cost) -> dict | None:
+    """FSDP: the all-gather of ``cost``'s weights over the shard group, its bytes and the SMs its NCCL kernel
+    holds (:func:`~parsim.sim.collectives.simulate.kernel_sms`); None without FSDP or where none are held."""
+    if plan.zero != 3 or plan.shard_size == 1 or not model.sm_count:
+        return None
+    from ..lowering.lower import fsdp_bytes
+    from ..sim.stepsim import StepSimulator
+
+    nbytes = fsdp_bytes(cost, plan, experts=False)
+    shard = Lowering(plan).group(0, "shard")[0]
+    sms = StepSimulator(spec.build(max(1, plan.world // spec.gpus_per_node)), model).kernel_sms(
+        "all_gather", shard, int(nbytes))
+    return {"bytes": nbytes, "sms": sms} if sms and nbytes else None
+
+
+def _collectives(plan, spec, model: ComputeModel, layer: str, held: int = 0) -> tuple[list[dict], list[dict]]:
     """The layer's collectives in each pass, priced alone, and how much of each the pass exposes; and per
     pass its compute, exposed collectives and total, beside the same with the collectives in line. The
     passes are timed as the search's fast tier times them (:meth:`PassCosts.time_pieces`): one rank alone,
@@ -115,7 +149,7 @@ def _collectives(plan, spec, model: ComputeModel, layer: str) -> tuple[list[dict
     def timed(of_plan, kind: str, exposure: list | None = None) -> tuple[float, float]:
         """(pass seconds, of which collectives hold the compute stream up)."""
         phases, accumulate, _ = costs.time_pieces(Lowering(of_plan).layer_pass(p, index, cost, kind),
-                                                  of_plan.accumulation_bytes, exposure=exposure)
+                                                  of_plan.accumulation_bytes, exposure=exposure, held_sms=held)
         exposed = sum(phases[PASS_PHASES.index(g)] for g in ("tp", "ep", "cp"))
         return float(phases.sum() + accumulate * of_plan.accumulation_bytes), float(exposed)
 
@@ -159,14 +193,16 @@ def _collectives_report(plan, layer: str, rows: list[dict], passes: list[dict]) 
     return "\n".join(lines)
 
 
-def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str) -> list[dict]:
+def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str, held: int = 0) -> list[dict]:
+    """The block's kernels, its matmuls on the SMs ``held`` leaves."""
     rows = []
     for (m, n, k), label in zip(work.matmuls, work.labels):
-        rate, flops = model.matmul_rate(m, n, k, 0, work.high_precision), 2.0 * m * n * k
-        time = model.matmul_time(m, n, k, 0, work.high_precision)
+        rate, flops = model.matmul_rate(m, n, k, held, work.high_precision), 2.0 * m * n * k
+        time = model.matmul_time(m, n, k, held, work.high_precision)
         bound = "compute" if time == flops / rate else "memory"
         rows.append({"block": block, "kernel": label, "shape": f"{m:,} x {n:,} x {k:,}", "flops": flops,
-                     "fill": model.waves(m, n), "bound": bound, "time_s": time})
+                     "fill": model.waves(m, n, model.sm_count - held if held else 0), "bound": bound,
+                     "time_s": time})
     if work.attention_flops or work.attention_grad_flops:
         backward = bool(work.attention_grad_flops)
         flops = work.attention_grad_flops or work.attention_flops
@@ -210,14 +246,15 @@ def _host_row(model: ComputeModel, block: str, forward_ops: int, backward_ops: i
 PASS_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
 
 
-def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], totals: dict) -> str:
+def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], totals: dict, held: int = 0) -> str:
     peak = (model.matmul_peak_flops or model.peak_flops) / 1e12
     fwd, bwd = model.attention_efficiency
     lines = [
         f"{plan.name}: {layer} on one GPU of {spec.name} (tp {plan.tp}), {plan.tokens_per_rank:,} tokens per "
         f"microbatch, {plan.dtype}",
         f"  matmuls     {model.efficiency:g} x {peak:g} TFLOP/s = {model.efficiency * peak:.1f} TFLOP/s at best, "
-        f"x tile fill ({model.sm_count or 'no'} SMs)"
+        f"x tile fill ({model.sm_count or 'no'} SMs"
+        + (f", {held} of them held by a collective's kernel beside: {model.sm_count - held})" if held else ")")
         + (f" x k / (k + {model.k_overhead * peak * 1e12 / model.peak_flops:g})" if model.k_overhead else ""),
         f"  attention   forward {fwd:.3g}, backward {bwd:.3g} of {model.peak_flops / 1e12:g} TFLOP/s"
         f"{f' (kernels over {plan.attention_seq:,} tokens)' if plan.attention_seq else ''}",
