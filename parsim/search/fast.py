@@ -7,7 +7,8 @@ model charges what the step simulator charges, priced without simulating:
   (:mod:`parsim.search.costs`); with FSDP, each entry also waits for the
   all-gather of its weights, prefetched one entry ahead on a stream of its
   own, as the lowering orders them (under a pipeline only in each stage's
-  first forward, charged before the rank's first pass);
+  first forward, charged before the rank's first pass), and runs on the SMs
+  the gathers' and reduce-scatters' kernels beside it leave;
 * **the pipeline** — the schedule timed by its dependencies
   (:mod:`parsim.search.pipeline`), a transfer between ranks costing an
   uncontended send;
@@ -22,9 +23,10 @@ model charges what the step simulator charges, priced without simulating:
 Collectives are priced alone, as if nothing else used their links, with
 one exception: under FSDP, a context-parallel exchange shares the NICs with
 the weights the gather stream brings in meanwhile, and is priced beside that
-gather (:meth:`FastModel.pass_table`). Other contention is left out, and so are the SMs data-parallel
-and FSDP collectives' kernels hold beside the passes (:mod:`parsim.sim.held_sms`): ``docs/search.md``
-measures the difference.
+gather (:meth:`FastModel.pass_table`). Other contention is left out. FSDP's passes without a pipeline run
+on the SMs its gathers' and reduce-scatters' NCCL kernels leave while they run (:mod:`parsim.sim.held_sms`,
+:func:`_held_pass`); the SMs gradient buckets and FSDP under a pipeline hold are left out too
+(``docs/search.md`` measures the difference).
 
 :meth:`FastModel.prepare` gives every variant's memory and a lower bound of
 its step time (each rank's own work, its earliest start and
