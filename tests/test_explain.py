@@ -243,4 +243,4 @@ def test_explain_compute_prices_the_matmuls_on_the_sms_a_collectives_kernel_leav
         capsys.readouterr().out
     assert main(["explain", "compute", "llama3-8b-fsdp8", "--sms-held", "500"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--sms-held 500: H100" in err[0] and "132 SMs" in err[0]
+    assert len(err) == 1 and "--sms-held 500: the H100" in err[0] and "132 SMs" in err[0]

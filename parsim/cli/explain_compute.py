@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     cost = costs[args.layer]
     held = args.sms_held
     if held and not 0 < held < model.sm_count:
-        raise ParsimError(f"--sms-held {held}: {spec.gpu.name} has {model.sm_count or 'no'} SMs to share"
+        raise ParsimError(f"--sms-held {held}: the {spec.gpu.model} has {model.sm_count or 'no'} SMs to share"
                           + ("" if model.sm_count else " (the cluster file gives no gpu.sm_count)"))
     passes = ("F", "I", "W") if plan.pipeline.split_backward else ("F", "B")
     lowering = Lowering(plan)
