@@ -345,7 +345,7 @@ class FastModel:
                     g = fsdp[0 if kind == "F" else 3][order]  # a backward's gathers share links with reductions
                     if kind == "W":  # the weight gradients need no weights
                         g = np.zeros(len(order))
-                    if held is None:
+                    if not held:
                         timed = partial(_gathered_pass, d_, g)
                     else:
                         scatters = fsdp[1][order] * SCATTER_COPIES[k]
@@ -355,7 +355,8 @@ class FastModel:
                     after[d, k] = entry_ends[-1]
                     ahead[d, k] = after[d, k] - timed(-np.inf)[1][-1]
                     first[d, k] = timed(0.0)[1][-1]
-                    longer[d, k] = after[d, k] - waited[d, k] - d_.sum()
+                    if held:
+                        longer[d, k] = after[d, k] - waited[d, k] - d_.sum()
                     ends[d].append(entry_ends)
             durations = after[layout.distinct_of].ravel()
             lead = ahead[layout.distinct_of].ravel()
@@ -439,22 +440,22 @@ class FastModel:
             return np.array(gather), np.array(scatter), self._fsdp_copies(s, v), np.array(backward)
         return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, s.ep, v.order, v.shard_group), make)
 
-    def _held_tables(self, s: Setting, v: Variant) -> dict[int, np.ndarray] | None:
+    def _held_tables(self, s: Setting, v: Variant) -> dict[int, np.ndarray]:
         """FSDP without a pipeline: each entry type's passes ([types, 4] seconds) beside the SMs its
         collectives' NCCL kernels hold (:mod:`parsim.sim.held_sms`): 1, an all-gather's; 2, a reduce-scatter's;
-        3, both. Their channels are those of the largest entry's, over the shard group. None where no kernel
+        3, both. Their channels are those of the largest entry's, over the shard group. Empty where no kernel
         holds any (a CPU host's gloo)."""
-        def make() -> dict[int, np.ndarray] | None:
+        def make() -> tuple[int, int]:
             shard = Lowering(self.layout_plan(s, v)).group(0, "shard")[0]
-            gather = self.comm.sim.kernel_sms("all_gather", shard, int(max(self._weight_bytes(s, part="dense"))))
-            scatter = self.comm.sim.kernel_sms("reduce_scatter", shard,
-                                               int(max(self._weight_bytes(s, gradients=True, part="dense"))))
-            if not gather and not scatter:
-                return None
-            accumulation = self._accumulation_of(s, v)
-            return {m: self.pass_table(s, v, beside_gathers=True, held_sms=sms).seconds(accumulation)
-                    for m, sms in ((1, gather), (2, scatter), (3, gather + scatter))}
-        return self._cached(("held", s.dp, s.tp, s.cp, s.ep, s.microbatch_size, v), make)
+            return (self.comm.sim.kernel_sms("all_gather", shard, int(max(self._weight_bytes(s, part="dense")))),
+                    self.comm.sim.kernel_sms("reduce_scatter", shard,
+                                             int(max(self._weight_bytes(s, gradients=True, part="dense")))))
+        gather, scatter = self._cached(("held sms", s.dp, s.tp, s.cp, s.ep, v.order, v.shard_group), make)
+        if not gather and not scatter:
+            return {}
+        accumulation = self._accumulation_of(s, v)
+        return {m: self.pass_table(s, v, beside_gathers=True, held_sms=sms).seconds(accumulation)
+                for m, sms in ((1, gather), (2, scatter), (3, gather + scatter))}
 
     def _main_grads(self, s: Setting, v: Variant) -> bool:
         """:attr:`Plan.main_grads <parsim.workload.plan.Plan.main_grads>` of ``v``: low-precision weights, not FSDP."""
