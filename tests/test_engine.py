@@ -163,3 +163,13 @@ def test_compute_times_are_memoized_by_every_field_the_compute_model_reads():
     assert compute.time(*_time_args(op, False)) == compute.time(op.matmuls, hbm_bytes=5e8, kernels=3,
                                                                 sm_reserved=24, fsdp_passes=(1, 0))
     assert set(SCALAR_WORK) | {"matmuls", "sm_bound", "stream_apart"} == set(TIME_ARGS)
+
+
+def test_only_the_link_sets_connected_to_the_representatives_are_kept():
+    """Set 1 shares link 3 with the representative, set 2 shares link 7 with set 1 only, set 3 touches neither:
+    the first three contend (through each other), the last cannot."""
+    from parsim.sim.stepsim import _contending
+
+    links = [np.array([0, 3]), np.array([3, 7]), np.array([7, 9]), np.array([5]), np.array([], dtype=np.int64)]
+    assert _contending(links, 10) == [0, 1, 2]
+    assert _contending([np.array([], dtype=np.int64), np.array([1])], 2) == [0]

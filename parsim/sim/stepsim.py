@@ -823,20 +823,22 @@ def _contending(links: list[np.ndarray], num_links: int) -> list[int]:
 
     Mirror groups on links nobody else uses cannot change the representative's
     timing under max-min sharing, so only this connected part is simulated.
+    A breadth-first search over sets and links, one array pass per step.
     """
+    owner = np.repeat(np.arange(len(links)), [len(lk) for lk in links])  # the set of each entry of ``flat``
+    flat = np.concatenate(links)
     reached = np.zeros(num_links, dtype=bool)
     reached[links[0]] = True
-    kept, rest = [0], list(range(1, len(links)))
-    grew = True
-    while grew and rest:
-        grew = False
-        for i in list(rest):
-            if reached[links[i]].any():
-                reached[links[i]] = True
-                kept.append(i)
-                rest.remove(i)
-                grew = True
-    return sorted(kept)
+    kept = np.zeros(len(links), dtype=bool)
+    kept[0] = True
+    while True:
+        touching = np.zeros(len(links), dtype=bool)
+        touching[owner[reached[flat]]] = True
+        new = touching & ~kept
+        if not new.any():
+            return np.flatnonzero(kept).tolist()
+        kept |= new
+        reached[flat[new[owner]]] = True
 
 
 class _ArgsCache:
