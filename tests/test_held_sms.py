@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
 from parsim.sim import held_sms
 from parsim.sim.compute import ComputeModel
@@ -101,3 +104,17 @@ def test_an_fsdp_step_on_a_gpu_pays_for_the_sms_its_collectives_hold(monkeypatch
     busy = lambda p: p.ranks[0].seconds["forward"] + p.ranks[0].seconds["backward"]  # noqa: E731
     assert busy(held) > busy(free)
     assert held.ranks[0].seconds["fsdp"] <= free.ranks[0].seconds["fsdp"]
+    # what the prediction reports is what its compute phases gained
+    compute = lambda p: sum(p.ranks[0].seconds[k] for k in ("forward", "backward", "recompute", "optimizer"))  # noqa
+    assert free.held_sms_s == {} and held.held_sms_s[0] == pytest.approx(compute(held) - compute(free), rel=1e-9)
+
+
+def test_simulate_says_what_the_held_sms_cost(capsys):
+    """``parsim simulate`` names the cost in one line and per rank in its JSON; a CPU host holds none."""
+    assert main(["simulate", "llama3-8b-fsdp8"]) == 0
+    assert "SMs held by the data-parallel and FSDP collectives' NCCL kernels (one per channel) slowed the compute" \
+        in capsys.readouterr().out
+    assert main(["simulate", "llama3-8b-fsdp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ranks"][0]["held_sms_s"] > 0
+    assert main(["simulate", "course-ddp", "--cluster", "dgx-a100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ranks"][0]["held_sms_s"] == 0

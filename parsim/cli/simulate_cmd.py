@@ -118,6 +118,12 @@ def report(r: StepPrediction) -> str:
     lines.append(render_table(["stage"] + list(PHASES) + ["comm overlap"], rows,
                               title=f"time by phase, {whose}; "
                                     "comm overlap: communication time with compute running beside it (as HTA)"))
+    held = r.held_sms_s
+    if held and max(held.values()) > 0:
+        rank = max(held, key=held.get)
+        lines.append(f"SMs held by the data-parallel and FSDP collectives' NCCL kernels (one per channel) slowed the "
+                     f"compute beside them by {format_time(held[rank])} on rank {rank} ({held[rank] / r.step_s:.1%} of "
+                     f"the step; docs/engine.md)")
     lines.append("")
     lines.append(memory_table(r.memory, capacity, "peak memory per GPU (GB)"))
     if r.over_memory:
@@ -133,7 +139,8 @@ def to_json(r: StepPrediction) -> dict:
     return {
         "plan": r.plan.name, "cluster": r.cluster.name, "world_size": r.plan.world,
         "step_s": r.step_s, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "hfu": r.hfu,
-        "ranks": [{"rank": b.rank, "seconds": b.seconds, "comm_overlap": overlap.get(b.rank)} for b in r.ranks],
+        "ranks": [{"rank": b.rank, "seconds": b.seconds, "comm_overlap": overlap.get(b.rank),
+                   "held_sms_s": r.held_sms_s.get(b.rank, 0.0)} for b in r.ranks],
         "memory": [vars(m) | {"total": m.total} for m in r.memory],
         "fits": not r.over_memory,
     }

@@ -76,6 +76,12 @@ class StepPrediction:
         return self.step_s * self.plan.world * self.cluster.gpu.peak_flops[self.plan.dtype]
 
     @property
+    def held_sms_s(self) -> dict[int, float]:
+        """Per simulated rank, how much longer its compute ran on the SMs that data-parallel and FSDP collectives'
+        NCCL kernels left than it would alone (:mod:`parsim.sim.held_sms`); empty where none hold any."""
+        return {int(rank): seconds for rank, seconds in self.trace.meta.get("held_sms_s", {}).items()}
+
+    @property
     def over_memory(self) -> list[Memory]:
         return [m for m in self.memory if m.total > self.cluster.gpu.hbm_capacity_bytes]
 

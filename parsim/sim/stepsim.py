@@ -736,7 +736,22 @@ class _Run:
             events.append(Event(op.name, op.rank, "p2p" if op.kind == "recv" else op.stream, op.kind, begins,
                                 end[op.id] - begins, args(op)))
         events.sort(key=lambda e: (e.rank, e.start_s))
-        return Trace("simulated", self.program.world_size, events, dict(meta or {}))
+        meta = dict(meta or {})
+        if self.held is not None:
+            meta["held_sms_s"] = self._held_seconds()
+        return Trace("simulated", self.program.world_size, events, meta)
+
+    def _held_seconds(self) -> dict[str, float]:
+        """Per rank whose collectives hold SMs, how much longer its compute ran beside them than alone (an op
+        lengthened by less than a picosecond was only rounded)."""
+        ops, start, end, fixed = self.ops, self.start, self.end, self.fixed
+        out = {}
+        for rank in sorted(self.held_ranks):
+            longer = (end[i] - start[i] - fixed[i] for i in self.program.by_rank[rank]
+                      if fixed[i] is not None and ops[i].stream == "compute"
+                      and ops[i].kind in ("compute", "optimizer"))
+            out[str(rank)] = sum(extra for extra in longer if extra > 1e-12)
+        return out
 
 
 class HostMemory:
