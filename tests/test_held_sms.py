@@ -9,7 +9,7 @@ import pytest
 from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
 from parsim.sim import held_sms
-from parsim.sim.compute import ComputeModel
+from parsim.sim.compute import ComputeModel, SmWork
 from parsim.sim.program import Op, Program
 from parsim.sim.step import predict_step
 from parsim.sim.stepsim import StepSimulator
@@ -118,3 +118,17 @@ def test_simulate_says_what_the_held_sms_cost(capsys):
     assert json.loads(capsys.readouterr().out)["ranks"][0]["held_sms_s"] > 0
     assert main(["simulate", "course-ddp", "--cluster", "dgx-a100", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ranks"][0]["held_sms_s"] == 0
+
+
+def test_the_attention_core_and_the_kernels_the_sms_bound_run_at_the_share_of_sms_left():
+    """Beside a kernel holding 24 of an H100's 132 SMs, FlashAttention's thread blocks and a softmax's SM cycles
+    spread over the 108 left: 132/108 times as long; a memory-bound copy keeps its speed."""
+    _, compute = _h100()
+    spread = 132 / 108
+    attention = compute.time(attention_flops=1e12, attention_grad_flops=2e12)
+    assert compute.time(attention_flops=1e12, attention_grad_flops=2e12, sm_reserved=24) == \
+        pytest.approx(attention * spread, rel=1e-12)
+    assert compute.time(hbm_bytes=1e9, sm_reserved=24) == compute.time(hbm_bytes=1e9)
+    cycles_s = compute.sm_excess(((0.0, (SmWork("softmax", 2**30, row=8192),)),))
+    assert cycles_s > 0 and compute.sm_excess(((0.0, (SmWork("softmax", 2**30, row=8192),)),), spread) == \
+        pytest.approx(cycles_s * spread, rel=1e-12)

@@ -47,9 +47,11 @@ exposed collectives.
 
 A data-parallel or FSDP collective running beside the layer (the next layer's
 weights gathered, the last layer's gradients reduce-scattered) is an NCCL
-kernel holding one SM per channel until it ends; --sms-held N prices every
-matmul on the SMs such a kernel leaves, as the simulator does while one runs
-(an FSDP plan's own gather is named below the table).
+kernel holding one SM per channel until it ends; --sms-held N prices the
+layer on the SMs such a kernel leaves, as the simulator does while one runs:
+each matmul's waves over fewer SMs, the attention core and the kernels the
+SMs bound at the share of SMs left (an FSDP plan's own gather is named below
+the table).
 
 examples:
   parsim explain compute llama3-70b-1024
@@ -206,7 +208,8 @@ def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str, h
     if work.attention_flops or work.attention_grad_flops:
         backward = bool(work.attention_grad_flops)
         flops = work.attention_grad_flops or work.attention_flops
-        time = model.time(attention_flops=0 if backward else flops, attention_grad_flops=flops if backward else 0)
+        time = model.time(attention_flops=0 if backward else flops, attention_grad_flops=flops if backward else 0,
+                          sm_reserved=held)
         rows.append({"block": block, "kernel": "attention core (flash" + (", backward)" if backward else ")"),
                      "shape": "", "flops": flops, "fill": None, "bound": "compute", "time_s": time})
     for what, nbytes, works in (*work.elementwise_parts,
@@ -216,7 +219,7 @@ def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str, h
             kernel = ((nbytes, works),)
             rows.append({"block": block, "kernel": what, "shape": f"{nbytes / 1e6:,.1f} MB", "flops": 0.0,
                          "fill": None, "bound": _arithmetic_bound(model) if model.sm_excess(kernel) else "memory",
-                         "time_s": model.time(hbm_bytes=nbytes, sm_bound=kernel)})
+                         "time_s": model.time(hbm_bytes=nbytes, sm_bound=kernel, sm_reserved=held)})
     if work.kernels and model.kernel_overhead_s:
         rows.append({"block": block, "kernel": f"{work.kernels} launches", "shape": "", "flops": 0.0, "fill": None,
                      "bound": "launch", "time_s": work.kernels * model.kernel_overhead_s})

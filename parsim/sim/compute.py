@@ -350,7 +350,9 @@ class ComputeModel:
         nothing): added
         on an eager CPU host, the longer of host and kernels on a GPU (``host_overlaps_device``). On a CPU
         host, too, the memory-bound bytes but ``stream_bytes`` at the host's elementwise speed.
-        ``sm_reserved``: SMs a communication kernel beside the matmuls holds; ``high_precision``: the
+        ``sm_reserved``: SMs a communication kernel beside the work holds: the matmuls run on the rest (their
+        waves, :meth:`matmul_rate`), and so do the attention core and the kernels the SMs bound, at the share
+        of the SMs left (both spread their thread blocks over every free SM); ``high_precision``: the
         matmuls run in bf16 in an fp8 plan (:meth:`matmul_rate`). ``sm_bound``: (bytes, arithmetic) of
         memory-bound kernels whose arithmetic can outlast their bytes (their bytes are in ``hbm_bytes``
         too): each takes the longer of the two on a GPU whose SM clock is known (:meth:`sm_excess`).
@@ -358,7 +360,8 @@ class ComputeModel:
         memory (:attr:`shares_host_memory`)."""
         total = sum(self.matmul_time(*mm, sm_reserved, high_precision) for mm in matmuls)
         forward, backward = self.attention_efficiency
-        total += (attention_flops / forward + attention_grad_flops / backward) / self.peak_flops
+        spread = self.sm_count / max(self.sm_count - sm_reserved, 1) if self.sm_count and sm_reserved else 1.0
+        total += (attention_flops / forward + attention_grad_flops / backward) / self.peak_flops * spread
         if self.elementwise_bw_Bps:
             elementwise = max(hbm_bytes - stream_bytes, 0.0)
             work = max(flops / self.peak_flops, elementwise / self.elementwise_bw_Bps)
@@ -368,15 +371,16 @@ class ComputeModel:
             work = max(flops / self.peak_flops, hbm_bytes / self.memory_bw_Bps)
         host = self.host_time(forward_ops, backward_ops, optimizer_tensors, optimizer_steps, tp_calls, fsdp_calls,
                               fsdp_passes)
-        return self.with_host(total + work + self.sm_excess(sm_bound) + kernels * self.kernel_overhead_s, host)
+        return self.with_host(total + work + self.sm_excess(sm_bound, spread) + kernels * self.kernel_overhead_s, host)
 
-    def sm_excess(self, sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...]) -> float:
+    def sm_excess(self, sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...], spread: float = 1.0) -> float:
         """How much longer than their bytes these (bytes, arithmetic) kernels run, their arithmetic being the
-        slower side: over every SM on a GPU whose SM clock is known, on the rank's core on a CPU host whose
-        file gives its time per element (0 otherwise)."""
+        slower side: over every SM on a GPU whose SM clock is known (``spread`` times as long on the SMs a
+        communication kernel leaves), on the rank's core on a CPU host whose file gives its time per element
+        (0 otherwise)."""
         if self.sm_cycles_per_s:
-            return sum(max(sum(map(self.cycles, works)) / self.sm_cycles_per_s - nbytes / self.memory_bw_Bps, 0.0)
-                       for nbytes, works in sm_bound)
+            return sum(max(sum(map(self.cycles, works)) / self.sm_cycles_per_s * spread - nbytes / self.memory_bw_Bps,
+                           0.0) for nbytes, works in sm_bound)
         if self.core_arithmetic is not None and self.elementwise_bw_Bps:
             return sum(max(sum(map(self.core_seconds, works)) - nbytes / self.elementwise_bw_Bps, 0.0)
                        for nbytes, works in sm_bound)
