@@ -119,7 +119,7 @@ def report(r: StepPrediction) -> str:
                               title=f"time by phase, {whose}; "
                                     "comm overlap: communication time with compute running beside it (as HTA)"))
     held = r.held_sms_s
-    if held and max(held.values()) > 0:
+    if held and max(held.values()) >= 1e-3 * r.step_s:  # (a share of the step the table's rounding would hide)
         rank = max(held, key=held.get)
         lines.append(f"SMs held by the data-parallel and FSDP collectives' NCCL kernels (one per channel) slowed the "
                      f"compute beside them by {format_time(held[rank])} on rank {rank} ({held[rank] / r.step_s:.1%} of "
