@@ -241,6 +241,8 @@ def test_explain_compute_prices_the_matmuls_on_the_sms_a_collectives_kernel_leav
     assert main(["explain", "compute", "llama3-8b-fsdp8"]) == 0
     assert f"its NCCL kernel holds {gather['sms']} SMs while it runs (--sms-held {gather['sms']}" in \
         capsys.readouterr().out
+    assert main(["explain", "compute", "llama3-8b-fsdp8", "--sms-held", "24"]) == 0
+    assert "x tile fill (132 SMs, 24 of them held by a collective's kernel beside: 108)" in capsys.readouterr().out
     assert main(["explain", "compute", "llama3-8b-fsdp8", "--sms-held", "500"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--sms-held 500: the H100" in err[0] and "132 SMs" in err[0]

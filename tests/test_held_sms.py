@@ -13,6 +13,7 @@ from parsim.sim.compute import ComputeModel, SmWork
 from parsim.sim.program import Op, Program
 from parsim.sim.step import predict_step
 from parsim.sim.stepsim import StepSimulator
+from parsim.units import format_time
 from parsim.workload.plan import resolve_plan
 
 GEMM = ((8192, 8192, 8192),)  # about 1.5 ms on an H100 in bf16
@@ -110,12 +111,18 @@ def test_an_fsdp_step_on_a_gpu_pays_for_the_sms_its_collectives_hold(monkeypatch
 
 
 def test_simulate_says_what_the_held_sms_cost(capsys):
-    """``parsim simulate`` names the cost in one line and per rank in its JSON; a CPU host holds none."""
+    """``parsim simulate`` names the cost in one line (the prediction's figure and its share of the step) and
+    per rank in its JSON; where it is under 0.1% of the step (the default plan's), no line."""
+    held = predict_step(resolve_plan("llama3-8b-fsdp8"), load_cluster("dgx-h100"))
+    seconds = held.held_sms_s[0]
     assert main(["simulate", "llama3-8b-fsdp8"]) == 0
-    assert "SMs held by the data-parallel and FSDP collectives' NCCL kernels (one per channel) slowed the compute" \
+    assert (f"SMs held by the data-parallel and FSDP collectives' NCCL kernels (one per channel) slowed the compute "
+            f"beside them by {format_time(seconds)} on rank 0 ({seconds / held.step_s:.1%} of the step") \
         in capsys.readouterr().out
     assert main(["simulate", "llama3-8b-fsdp8", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["ranks"][0]["held_sms_s"] > 0
+    assert json.loads(capsys.readouterr().out)["ranks"][0]["held_sms_s"] == seconds
+    assert main(["simulate"]) == 0
+    assert "SMs held" not in capsys.readouterr().out
     assert main(["simulate", "course-ddp", "--cluster", "dgx-a100", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ranks"][0]["held_sms_s"] == 0
 

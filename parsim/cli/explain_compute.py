@@ -70,7 +70,7 @@ def register(topics) -> None:
                    help=f"cluster whose GPU runs it (default {DEFAULT_CLUSTER})")
     c.add_argument("--layer", default="layer.0", help="entry to explain: layer.N, embedding or head (default layer.0)")
     c.add_argument("--sms-held", type=int, default=0, metavar="N",
-                   help="SMs a collective's kernel beside the layer holds: every matmul runs on the rest (default 0)")
+                   help="SMs a collective's kernel beside the layer holds: the layer runs on the rest (default 0)")
     c.add_argument("--json", action="store_true", help="print JSON for scripts")
     c.set_defaults(func=run)
 
@@ -203,7 +203,7 @@ def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str, h
         time = model.matmul_time(m, n, k, held, work.high_precision)
         bound = "compute" if time == flops / rate else "memory"
         rows.append({"block": block, "kernel": label, "shape": f"{m:,} x {n:,} x {k:,}", "flops": flops,
-                     "fill": model.waves(m, n, model.sm_count - held if held else 0), "bound": bound,
+                     "fill": model.waves(m, n, model.sms_left(held)), "bound": bound,
                      "time_s": time})
     if work.attention_flops or work.attention_grad_flops:
         backward = bool(work.attention_grad_flops)

@@ -135,12 +135,12 @@ def report(r: StepPrediction) -> str:
 
 
 def to_json(r: StepPrediction) -> dict:
-    overlap = comm_overlap(r.trace)
+    overlap, held = comm_overlap(r.trace), r.held_sms_s
     return {
         "plan": r.plan.name, "cluster": r.cluster.name, "world_size": r.plan.world,
         "step_s": r.step_s, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "hfu": r.hfu,
         "ranks": [{"rank": b.rank, "seconds": b.seconds, "comm_overlap": overlap.get(b.rank),
-                   "held_sms_s": r.held_sms_s.get(b.rank, 0.0)} for b in r.ranks],
+                   "held_sms_s": held.get(b.rank, 0.0)} for b in r.ranks],
         "memory": [vars(m) | {"total": m.total} for m in r.memory],
         "fits": not r.over_memory,
     }

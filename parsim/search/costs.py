@@ -186,7 +186,7 @@ class PassCosts:
         exchanges, overlapped tensor-parallel collectives) from the op before them until their stream's
         next join, whose wait counts in that group's phase. ``exposure``, if given, receives one row per
         collective: the piece, its seconds alone and the seconds it holds the compute stream up. ``held_sms``:
-        SMs a side stream's collective holds all along, which every matmul does without."""
+        SMs a side stream's collective holds all along, which the pieces' kernels do without (``sm_reserved``)."""
         phases = np.zeros(len(PASS_PHASES))
         t = last_kernel = accumulate = 0.0
         free = {"cp": 0.0, "tp": 0.0}  # when each side stream finishes what it was given

@@ -25,7 +25,7 @@ one exception: under FSDP, a context-parallel exchange shares the NICs with
 the weights the gather stream brings in meanwhile, and is priced beside that
 gather (:meth:`FastModel.pass_table`). Other contention is left out. FSDP's passes without a pipeline run
 on the SMs its gathers' and reduce-scatters' NCCL kernels leave while they run (:mod:`parsim.sim.held_sms`,
-:func:`_held_pass`); the SMs gradient buckets and FSDP under a pipeline hold are left out too
+:func:`_gathered_pass`); the SMs gradient buckets and FSDP under a pipeline hold are left out too
 (``docs/search.md`` measures the difference).
 
 :meth:`FastModel.prepare` gives every variant's memory and a lower bound of
@@ -182,7 +182,7 @@ class FastModel:
     def pass_table(self, s: Setting, v: Variant, beside_gathers: bool = False, held_sms: int = 0) -> PassTable:
         """Each entry type's passes; with ``beside_gathers`` (FSDP with context parallelism), each
         context-parallel exchange is priced beside the FSDP all-gather streaming next to it
-        (:meth:`_exchange_beside_gathers`); with ``held_sms``, every matmul on the SMs a side stream's
+        (:meth:`_exchange_beside_gathers`); with ``held_sms``, its kernels on the SMs a side stream's
         collective leaves (:meth:`_held_tables`)."""
         beside_gathers = beside_gathers and s.cp > 1 and self._gathers_every_pass(s, v)
         key = (s.tp, s.cp, s.ep, s.microbatch_size, v.sequence_parallel, v.tp_overlap, v.recompute,
@@ -345,12 +345,9 @@ class FastModel:
                     g = fsdp[0 if kind == "F" else 3][order]  # a backward's gathers share links with reductions
                     if kind == "W":  # the weight gradients need no weights
                         g = np.zeros(len(order))
-                    if not held:
-                        timed = partial(_gathered_pass, d_, g)
-                    else:
-                        scatters = fsdp[1][order] * SCATTER_COPIES[k]
-                        timed = partial(_held_pass, d_, g, {m: t[order, k] + fsdp[2][order, k]
-                                                            for m, t in held.items()}, scatters)
+                    kernels = ({m: t[order, k] + fsdp[2][order, k] for m, t in held.items()},
+                               fsdp[1][order] * SCATTER_COPIES[k]) if held else None
+                    timed = partial(_gathered_pass, d_, g, held=kernels)
                     waited[d, k], entry_ends = timed(min(g[-1] - d_[-2:].sum(), -d_[-1]))
                     after[d, k] = entry_ends[-1]
                     ahead[d, k] = after[d, k] - timed(-np.inf)[1][-1]
@@ -910,35 +907,25 @@ class _VariantArrays:
     sync: object
 
 
-def _gathered_pass(seconds: np.ndarray, gathers: np.ndarray, stream: float) -> tuple[float, np.ndarray]:
+def _gathered_pass(seconds: np.ndarray, gathers: np.ndarray, stream: float,
+                   held: tuple[dict[int, np.ndarray], np.ndarray] | None = None) -> tuple[float, np.ndarray]:
     """A pass's entries back to back, each first waiting for its FSDP all-gather, on a stream of its own
     that is free from ``stream`` (seconds from the pass's start) and issues each gather once the entry two
-    back has ended (the first two at once). Returns the seconds spent waiting and each entry's end."""
+    back has ended (the first two at once). Returns the seconds spent waiting and each entry's end.
+
+    With ``held`` (``slowed``, ``scatters``), the SMs the collectives' NCCL kernels hold while they run
+    (:mod:`parsim.sim.held_sms`): each entry runs on the SMs left beside the next entry's all-gather (issued
+    as it starts) and beside the reduce-scatters of the entries before it (``scatters``: each entry's
+    seconds, 0 in a pass that reduces nothing; issued as the entry ends, one after another on a stream of
+    their own that is free at the pass's start), on all of them otherwise. ``slowed[m]``: each entry's
+    seconds with the kernels of ``m`` held (1: an all-gather, 2: a reduce-scatter, 3: both) all along."""
     d, g = seconds.tolist(), gathers.tolist()
     first = stream + g[0]
-    if first <= 0 and (len(g) < 2 or first + g[1] <= d[0]) and all(gi <= di for gi, di in zip(g[2:], d[1:])):
+    if (held is None and first <= 0 and (len(g) < 2 or first + g[1] <= d[0])
+            and all(gi <= di for gi, di in zip(g[2:], d[1:]))):
         return 0.0, np.cumsum(seconds)  # every gather hides behind the entry before the one it serves
-    out = [0.0] * len(d)
-    t = waited = 0.0
-    for i, (di, gi) in enumerate(zip(d, g)):
-        stream = (stream if i < 2 or stream > out[i - 2] else out[i - 2]) + gi
-        if stream > t:
-            waited, t = waited + stream - t, stream
-        t += di
-        out[i] = t
-    return waited, np.array(out)
-
-
-def _held_pass(seconds: np.ndarray, gathers: np.ndarray, slowed: dict[int, np.ndarray], scatters: np.ndarray,
-               stream: float) -> tuple[float, np.ndarray]:
-    """:func:`_gathered_pass` with the SMs the collectives' NCCL kernels hold while they run
-    (:mod:`parsim.sim.held_sms`): each entry runs on the SMs left beside the next entry's all-gather (issued as
-    it starts) and beside the reduce-scatters of the entries before it (``scatters``: each entry's seconds,
-    0 in a pass that reduces nothing; issued as the entry ends, one after another on a stream of their own
-    that is free at the pass's start), on all of them otherwise. ``slowed[m]``: each entry's seconds with
-    the kernels of ``m`` held (1: an all-gather, 2: a reduce-scatter, 3: both) all along."""
-    d, g, r = seconds.tolist(), gathers.tolist(), scatters.tolist()
-    times = {m: t.tolist() for m, t in slowed.items()}
+    if held is not None:
+        times, r = {m: t.tolist() for m, t in held[0].items()}, held[1].tolist()
     out = [0.0] * len(d)
     t = waited = scattered = 0.0
     windows: list[tuple[float, float, int]] = []  # (from, to, 1 or 2) of each kernel holding SMs
@@ -946,12 +933,15 @@ def _held_pass(seconds: np.ndarray, gathers: np.ndarray, slowed: dict[int, np.nd
         stream = (stream if i < 2 or stream > out[i - 2] else out[i - 2]) + gi
         if stream > t:
             waited, t = waited + stream - t, stream
+        if held is None:
+            t += di
+            out[i] = t
+            continue
         if i + 1 < len(d):  # the next entry's gather, issued once this one's ended and entry i - 1 has
             issued = stream if i + 1 < 2 or stream > out[i - 1] else out[i - 1]
             windows.append((issued, issued + g[i + 1], 1))
         windows = [w for w in windows if w[1] > t]
-        t = _held_end(t, di, {m: times[m][i] / di if di > 0 else 1.0 for m in times}, windows)
-        out[i] = t
+        t = out[i] = _held_end(t, di, {m: times[m][i] / di if di > 0 else 1.0 for m in times}, windows)
         if r[i]:
             begins = max(scattered, t)
             scattered = begins + r[i]

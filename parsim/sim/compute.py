@@ -307,9 +307,12 @@ class ComputeModel:
         for d in (m, n, k):
             shape *= d / (d + self.half_dim)
         shape *= k / (k + self.k_overhead * peak / self.peak_flops)
-        sms = max(self.sm_count - sm_reserved, 1) if self.sm_count else 0
-        share = sms / self.sm_count if self.sm_count else 1.0
-        return peak * efficiency * shape * share * self.waves(m, n, sms)
+        sms = self.sms_left(sm_reserved)
+        return peak * efficiency * shape * (sms / self.sm_count if self.sm_count else 1.0) * self.waves(m, n, sms)
+
+    def sms_left(self, sm_reserved: int) -> int:
+        """SMs a kernel runs on beside one holding ``sm_reserved`` (at least one; 0 where the count is unknown)."""
+        return max(self.sm_count - sm_reserved, 1) if self.sm_count else 0
 
     @staticmethod
     def beside_collective_time(alone_s: float, reserved_s: float, collective_s: float) -> float:
@@ -360,7 +363,7 @@ class ComputeModel:
         memory (:attr:`shares_host_memory`)."""
         total = sum(self.matmul_time(*mm, sm_reserved, high_precision) for mm in matmuls)
         forward, backward = self.attention_efficiency
-        spread = self.sm_count / max(self.sm_count - sm_reserved, 1) if self.sm_count and sm_reserved else 1.0
+        spread = self.sm_count / self.sms_left(sm_reserved) if self.sm_count and sm_reserved else 1.0
         total += (attention_flops / forward + attention_grad_flops / backward) / self.peak_flops * spread
         if self.elementwise_bw_Bps:
             elementwise = max(hbm_bytes - stream_bytes, 0.0)

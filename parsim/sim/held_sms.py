@@ -3,9 +3,11 @@
 A GPU runs an NCCL collective as one kernel of one thread block per channel
 (``src/device/common.h``: ``ncclKernelMain`` runs ``channelId = blockIdx.x``),
 launched on a stream of its own; each block stays resident on its SM until the
-collective ends. A GEMM launched beside it gets the SMs that are left, so a
+collective ends. A kernel launched beside it gets the SMs that are left, so a
 data-parallel reduce-scatter or an FSDP all-gather running under a backward
-slows that backward's matmuls for as long as it runs. This is the cost the
+slows that backward's GEMMs, attention and SM-bound kernels for as long as it
+runs (:meth:`ComputeModel.time <parsim.sim.compute.ComputeModel.time>`'s
+``sm_reserved``). This is the cost the
 tensor-parallel overlap already pays (:meth:`ComputeModel.beside_collective_time
 <parsim.sim.compute.ComputeModel.beside_collective_time>`); :class:`HeldSMs`
 charges it to whatever compute runs while the side streams' collectives do.

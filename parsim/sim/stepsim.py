@@ -299,7 +299,7 @@ class _Run:
                     self.work[i] = self._turn_work(op)
             elif op.kind == "compute" or op.kind == "optimizer":
                 apart = self.memory is not None and op.stream_bytes > 0
-                key = (id(op.matmuls), id(op.sm_bound), apart, _scalar_work(op))
+                key = (*_work_key(op), apart)
                 if op.beside_of >= 0:  # and the collective beside it (its comm is shared by ops of one shape)
                     key += (op.beside_sms, id(self.comm[op.beside_of]))
                     self.partners.append(i)
@@ -338,7 +338,7 @@ class _Run:
         through = self.through
         for i, k in enumerate(successor):
             if (k >= 0 and waiting[k] == 1 and fixed[k] is not None and len(dependents[i]) == 1 and i not in barred
-                    and (not holding or k not in holding)):
+                    and k not in holding):
                 through[i] = True  # its one dependent is then k (k waits for one op: its predecessor, i)
         return [i for i, count in enumerate(waiting) if count == 0]
 
@@ -507,9 +507,9 @@ class _Run:
         return sms_of
 
     def _slowdown(self, i: int, sms: int) -> float:
-        """How many times as long compute op ``i`` takes with ``sms`` more SMs held (its matmuls on the rest)."""
+        """How many times as long compute op ``i`` takes with ``sms`` more SMs held (it runs on the rest)."""
         op = self.ops[i]
-        key = (id(op.matmuls), id(op.sm_bound), _scalar_work(op), sms)
+        key = (*_work_key(op), sms)
         ratio = self._slowdowns.get(key)
         if ratio is None:
             args = _time_args(op, False)
@@ -812,6 +812,11 @@ _op_work = attrgetter(*(name for name in TIME_ARGS if name != "stream_apart"))
 # templates): with their identities, a key to the time of every op of that shape.
 SCALAR_WORK = tuple(name for name in TIME_ARGS if name not in ("matmuls", "sm_bound", "stream_apart"))
 _scalar_work = attrgetter(*SCALAR_WORK)
+
+
+def _work_key(op: Op) -> tuple:
+    """A key to compute op ``op``'s work: the identities of the tuples ops of one shape share, and the rest."""
+    return id(op.matmuls), id(op.sm_bound), _scalar_work(op)
 
 
 def _time_args(op: Op, stream_apart: bool) -> tuple:
