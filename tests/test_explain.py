@@ -245,4 +245,4 @@ def test_explain_compute_prices_the_matmuls_on_the_sms_a_collectives_kernel_leav
     assert "x tile fill (132 SMs, 24 of them held by a collective's kernel beside: 108)" in capsys.readouterr().out
     assert main(["explain", "compute", "llama3-8b-fsdp8", "--sms-held", "500"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--sms-held 500: the H100" in err[0] and "132 SMs" in err[0]
+    assert len(err) == 1 and err[0].endswith("--sms-held 500: give 0 to 131, the H100 SXM5 80GB has 132 SMs")

@@ -86,8 +86,10 @@ def run(args: argparse.Namespace) -> int:
     cost = costs[args.layer]
     held = args.sms_held
     if held and not 0 < held < model.sm_count:
-        raise ParsimError(f"--sms-held {held}: the {spec.gpu.model} has {model.sm_count or 'no'} SMs to share"
-                          + ("" if model.sm_count else " (the cluster file gives no gpu.sm_count)"))
+        raise ParsimError(f"--sms-held {held}: give 0 to {model.sm_count - 1}, the {spec.gpu.model} has "
+                          f"{model.sm_count} SMs" if model.sm_count else
+                          f"--sms-held {held}: the {spec.gpu.model} has no SMs (the cluster file gives no "
+                          f"gpu.sm_count)")
     passes = ("F", "I", "W") if plan.pipeline.split_backward else ("F", "B")
     lowering = Lowering(plan)
     rows, totals = [], {}
