@@ -205,9 +205,16 @@ def pipeline_bytes(plan: Plan) -> float:
     return plan.tokens_per_rank * hidden_size(plan) * plan.dtype_bytes / split
 
 
+MEMOIZED = ("group", "_templates", "_pieces", "_stage_rank", "_pairs", "_sync_buckets")  # Lowering's, per lowering
+
+
 def lower(plan: Plan, fsdp_in_line: bool = False) -> Program:
     """The representative ranks' programs (one per pipeline rank); ``fsdp_in_line``: see :class:`Lowering`."""
-    return Lowering(plan, fsdp_in_line).build()
+    lowering = Lowering(plan, fsdp_in_line)
+    try:
+        return lowering.build()
+    finally:
+        lowering.forget()
 
 
 class Lowering:
@@ -228,8 +235,14 @@ class Lowering:
         self.fsdp = plan.shards_weights  # gathered per layer
         self.stage_checks: dict[str, list[int]] = {}  # a check's all-reduce over the pipeline ranks: its ops
         # Memoized per lowering: functools.cache on the class would keep every Lowering, and its program, alive.
-        for method in ("group", "_templates", "_pieces", "_stage_rank", "_pairs", "_sync_buckets"):
+        for method in MEMOIZED:
             setattr(self, method, functools.cache(getattr(self, method)))
+
+    def forget(self) -> None:
+        """Drop the memos: each refers back to this lowering, a cycle that only the cyclic garbage collector
+        would otherwise free, with everything the lowering holds."""
+        for method in MEMOIZED:
+            delattr(self, method)
 
     @property
     def schedule(self) -> Schedule:
