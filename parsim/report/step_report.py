@@ -24,6 +24,7 @@ phases that never double count:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
@@ -33,6 +34,9 @@ PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "ep", "cp", "
 BLOCKING = ("tp", "ep")  # collectives run on the compute stream, between a pass's block computes
 HIDEABLE = ("cp", "tp", "dp", "fsdp")  # communication beside the compute stream, in the order it is exposed
 OVERLAPPED_TP = "tp"  # the stream of tensor-parallel collectives hidden behind GEMMs: they block nothing
+
+
+_starts, _rank_and_start = attrgetter("start_s"), attrgetter("rank", "start_s")
 
 
 def blocks_compute(e: Event) -> bool:
@@ -53,26 +57,27 @@ def merge_spans(trace: Trace) -> Trace:
     merged: list[Event] = []
     open_span: dict[int, Event] = {}
     busy_until: dict[int, float] = {}  # when the rank's compute stream last stopped working
-    for e in sorted(trace.events, key=lambda e: (e.rank, e.start_s)):
+    for e in sorted(trace.events, key=_rank_and_start):
+        rank, end = e.rank, e.start_s + e.dur_s
         if e.kind != "compute":
             if not blocks_compute(e):  # a nested tp/ep collective does not end the span
-                open_span.pop(e.rank, None)
+                open_span.pop(rank, None)
             else:
-                busy_until[e.rank] = max(busy_until.get(e.rank, 0.0), e.end_s)
+                busy_until[rank] = max(busy_until.get(rank, 0.0), end)
             merged.append(e)
             continue
-        span = open_span.get(e.rank)
+        span = open_span.get(rank)
         if span is not None and span.name == e.name:
-            idle = busy_until.get(e.rank, span.end_s)
+            idle = busy_until.get(rank, span.end_s)
             if e.start_s > idle:
                 span.args.setdefault("gaps", []).append((idle, e.start_s))
-            span.dur_s = e.end_s - span.start_s
+            span.dur_s = end - span.start_s
             span.args["flops"] = span.args.get("flops", 0.0) + e.args.get("flops", 0.0)
         else:
-            span = Event(e.name, e.rank, e.stream, e.kind, e.start_s, e.dur_s, dict(e.args))
-            open_span[e.rank] = span
+            span = Event(e.name, rank, e.stream, e.kind, e.start_s, e.dur_s, dict(e.args))
+            open_span[rank] = span
             merged.append(span)
-        busy_until[e.rank] = max(busy_until.get(e.rank, 0.0), e.end_s)
+        busy_until[rank] = max(busy_until.get(rank, 0.0), end)
     return Trace(trace.source, trace.world_size, merged, dict(trace.meta))
 
 
@@ -99,7 +104,7 @@ class RankBreakdown:
 
 
 def step_time(trace: Trace) -> float:
-    return max((e.end_s for e in trace.events), default=0.0)
+    return max((e.start_s + e.dur_s for e in trace.events), default=0.0)  # Event.end_s, without its call
 
 
 def breakdown(trace: Trace) -> list[RankBreakdown]:
@@ -113,27 +118,32 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
         seconds = {p: 0.0 for p in PHASES}
         tp, computes = [], []
         spans: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in ("busy", *HIDEABLE)}
+        busy = spans["busy"]
         for e in by_rank[rank]:  # one pass: sort each event into what it counts towards
             kind, phase = e.kind, e.args.get("phase")
-            if blocks_compute(e):  # time under them is busy
+            if phase in BLOCKING and e.stream != OVERLAPPED_TP:  # blocks_compute(e): time under them is busy
                 tp.append(e)
-                target = spans["busy"]
+                target = busy
             elif phase in HIDEABLE:
                 target = spans[phase]
             elif kind == "compute":
-                target = spans["busy"]
+                target = busy
             elif kind in ("recv", "optimizer") or phase == "optimizer":  # the optimizer waits for its collectives
                 seconds["pp" if kind == "recv" else "optimizer"] += e.dur_s
-                target = spans["busy"]
+                target = busy
             else:
                 continue
             if kind == "compute":
                 computes.append(e)
-            for start, end in busy_parts(e):
-                target[0].append(start)
-                target[1].append(end)
-        tp.sort(key=lambda e: e.start_s)
-        computes.sort(key=lambda e: e.start_s)
+                if "gaps" in e.args:
+                    for start, end in busy_parts(e):
+                        target[0].append(start)
+                        target[1].append(end)
+                    continue
+            target[0].append(e.start_s)
+            target[1].append(e.start_s + e.dur_s)
+        tp.sort(key=_starts)
+        computes.sort(key=_starts)
         for e, nested in zip(computes, _nested_time(computes, tp)):
             waited = sum(end - start for start, end in e.args.get("gaps", ()))
             seconds[e.args.get("phase", "forward")] += max(e.dur_s - nested - waited, 0.0)
@@ -142,7 +152,7 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
         # Exposed time, in order: context-parallel exchanges and overlapped tensor-parallel collectives hold
         # the compute stream itself, then gradient reductions, then FSDP's gathers and reductions, each
         # counting only what the ones before leave uncovered.
-        covered, layers = _covered(spans["busy"]), spans["busy"]
+        covered, layers = _covered(busy), busy
         for phase in HIDEABLE:
             layers = (layers[0] + spans[phase][0], layers[1] + spans[phase][1])
             more = _covered(layers)
@@ -220,13 +230,16 @@ def _nested_time(spans: list[Event], inner: list[Event]) -> list[float]:
 
     One sweep: inner events that end before a span starts can overlap no later span.
     """
-    out, first = [], 0
+    inner_starts = [e.start_s for e in inner]
+    inner_ends = [e.start_s + e.dur_s for e in inner]
+    out, first, count = [], 0, len(inner)
     for span in spans:
-        while first < len(inner) and inner[first].end_s <= span.start_s:
+        start, end = span.start_s, span.start_s + span.dur_s
+        while first < count and inner_ends[first] <= start:
             first += 1
         nested, j = 0.0, first
-        while j < len(inner) and inner[j].start_s < span.end_s:
-            nested += max(0.0, min(span.end_s, inner[j].end_s) - max(span.start_s, inner[j].start_s))
+        while j < count and inner_starts[j] < end:
+            nested += max(0.0, min(end, inner_ends[j]) - max(start, inner_starts[j]))
             j += 1
         out.append(nested)
     return out

@@ -734,18 +734,23 @@ class _Run:
     def trace(self, meta: dict | None) -> Trace:
         if self.finished < len(self.ops):
             raise ParsimError(_stall_message(self.program, self.end))
-        start, end, args, lead = self.start, self.end, _ArgsCache(), self.lead
+        start, end, lead = self.start, self.end, self.lead
         for j, (k, seconds) in self.absorbed.items():
             start[j], end[j] = start[k], start[k] + seconds
         # A receive holds the compute stream (what runs next needs its data), but it is a transfer: it is drawn
         # on the p2p track, where the executor records it too. An op that opens an action starts after the
-        # host's time before it, which the trace leaves idle.
-        events = []
-        for op in self.ops:
-            begins = start[op.id] + lead[op.id]
+        # host's time before it, which the trace leaves idle. Event args are built once per op shape (the
+        # lowering's templates share their matmuls), copied per event.
+        events, args_of = [], {}
+        for i, op in enumerate(self.ops):
+            begins = start[i] + lead[i]
+            key = (id(op.matmuls), _event_shape(op))
+            args = args_of.get(key)
+            if args is None:
+                args = args_of[key] = _args(op)
             events.append(Event(op.name, op.rank, "p2p" if op.kind == "recv" else op.stream, op.kind, begins,
-                                end[op.id] - begins, args(op)))
-        events.sort(key=lambda e: (e.rank, e.start_s))
+                                end[i] - begins, args.copy()))
+        events.sort(key=_rank_and_start)
         meta = dict(meta or {})
         if self.held is not None:
             meta["held_sms_s"] = self._held_seconds()
@@ -871,23 +876,10 @@ def _contending(links: list[np.ndarray], num_links: int) -> list[int]:
         reached[flat[new[owner]]] = True
 
 
-class _ArgsCache:
-    """Event args of an op (phase, FLOPs, bytes, group, peer): built once per distinct op
-    shape, copied per event."""
-
-    def __init__(self):
-        self._known: dict[tuple, dict] = {}
-
-    def __call__(self, op: Op) -> dict:
-        key = (id(op.matmuls), _event_shape(op))
-        args = self._known.get(key)
-        if args is None:
-            args = self._known[key] = _args(op)
-        return args.copy()
-
-
+# What an op's event args read, besides its matmuls
 _event_shape = attrgetter("kind", "phase", "flops", "attention_flops", "attention_grad_flops", "nbytes", "group",
                           "peer")
+_rank_and_start = attrgetter("rank", "start_s")
 
 
 def _args(op: Op) -> dict:
