@@ -25,8 +25,10 @@ one exception: under FSDP, a context-parallel exchange shares the NICs with
 the weights the gather stream brings in meanwhile, and is priced beside that
 gather (:meth:`FastModel.pass_table`). Other contention is left out. FSDP's passes without a pipeline run
 on the SMs its gathers' and reduce-scatters' NCCL kernels leave while they run (:mod:`parsim.sim.held_sms`,
-:func:`_gathered_pass`); the SMs gradient buckets and FSDP under a pipeline hold are left out too
-(``docs/search.md`` measures the difference).
+:func:`_gathered_pass`), and each stage's final backward on those its gradient buckets' kernels leave
+(:meth:`FastModel._bucket_slowing`), the pipeline carrying the delay on; what the buckets still running
+after that pass, and FSDP's reductions under a pipeline, hold is left out (``docs/search.md`` measures the
+difference).
 
 :meth:`FastModel.prepare` gives every variant's memory and a lower bound of
 its step time (each rank's own work, its earliest start and
@@ -43,9 +45,9 @@ from functools import lru_cache, partial
 import numpy as np
 
 from ..hardware.cluster import ClusterSpec
-from ..lowering.lower import (FP32, REDUCE_CALL, UNSHARD_CALL, CommPiece, Lowering, bucket_members, clip_costs,
-                              fsdp_bytes, gathered_bytes, grad_norm_dims, param_tensors, pipeline_bytes, step_costs,
-                              tied_table_bytes, unscale_costs)
+from ..lowering.lower import (FP32, PASS_PHASE, REDUCE_CALL, UNSHARD_CALL, CommPiece, Lowering, bucket_members,
+                              clip_costs, fsdp_bytes, gathered_bytes, grad_norm_dims, param_tensors, pipeline_bytes,
+                              step_costs, tied_table_bytes, unscale_costs)
 from ..report.step_report import PHASES
 from ..schedules import SCHEDULES, make_schedule, peak_in_flight
 from ..sim.compute import ComputeModel
@@ -91,6 +93,8 @@ class _Inputs:
     lead: np.ndarray  # [stages * 4]: the part of those a rank spends before the pass's inputs matter
     slowed: np.ndarray  # [stages * 4]: FSDP: what the SMs its collectives' kernels hold add to each pass
     ends: list[list[np.ndarray]] | None = None  # FSDP: per distinct stage and kind, entry ends within the pass
+    # [stages]: what the gradient buckets' kernels, holding SMs beside each stage's final backward, add to it
+    final_extra: np.ndarray | None = None
     fsdp_tables: tuple[np.ndarray, np.ndarray] | None = None  # the same per (stage, kind), with the scatters
     offsets: dict[int, np.ndarray] | None = None  # per stage, when its entries' gradients are final in its last pass
     timing: PipelineTiming | None = None
@@ -325,8 +329,10 @@ class FastModel:
         waits = lead = slowed = np.zeros(len(layout.stage_entries) * 4)
         fsdp = self._fsdp(s, v) if self._gathers_every_pass(s, v) else None
         ends = None
+        final_extra = offsets = None
         if fsdp is None:
             durations = (layout.counts @ seconds).ravel()
+            final_extra, offsets = self._bucket_slowing(s, v)
         else:
             # Per distinct stage and kind: the pass after another (the gather stream still busy with that one's
             # last gathers), its part before its inputs matter (the first gathers, issued as soon as the stream
@@ -368,7 +374,8 @@ class FastModel:
             start = self._first_gathers(s, v, seconds)
         elif v.param_overlap and s.dp * s.cp > 1:
             start = self._param_gather_starts(s, v, seconds, durations)
-        return _Inputs(_inputs_key(v), durations, hops, start, waits, lead, slowed, ends)
+        return _Inputs(_inputs_key(v), durations, hops, start, waits, lead, slowed, ends, final_extra=final_extra,
+                       offsets=offsets)
 
     def _hops(self, s: Setting, v: Variant, layout: Layout) -> np.ndarray:
         """Per stage boundary, the send of one microbatch's activations (or their gradients) between the
@@ -486,7 +493,7 @@ class FastModel:
                 start[p] += _gathered_pass(plain + copies[order, f], gathers[order], 0.0)[1][-1] - plain.sum()
         return start
 
-    def _stage_reductions(self, s: Setting, v: Variant, p: int) -> tuple[tuple[tuple, np.ndarray], ...]:
+    def _stage_reductions(self, s: Setting, v: Variant, p: int) -> tuple[tuple[tuple, np.ndarray, int], ...]:
         """FSDP under a pipeline: pipeline rank ``p``'s reduce-scatters (and HSDP all-reduces), every layer's
         once its stage's last backward has ended (``REDUCE_GRAD``), each after its copy into the collective's
         buffer: per stage, the end of its final backward and the seconds of each layer's reduction."""
@@ -516,7 +523,7 @@ class FastModel:
         out = []
         for stage in layout.rank_stages[p][::-1]:
             entries = list(layout.stage_entries[stage])
-            out.append((((int(stage), len(entries) - 1),) * len(entries), seconds[entries]))
+            out.append((((int(stage), len(entries) - 1),) * len(entries), seconds[entries], 0))
         return tuple(out)
 
     def _experts_move(self, s: Setting, v: Variant) -> tuple[bool, bool]:
@@ -568,9 +575,14 @@ class FastModel:
                 groups.setdefault(_shape(prep.setting) + (x.ends is not None,), {})[id(x)] = x
         for (name, pp, m, vs, every_pass), members in groups.items():
             batch = list(members.values())
+            extra = None
+            if any(x.final_extra is not None for x in batch):
+                none = np.zeros(len(batch[0].hops) + 1)
+                extra = np.array([none if x.final_extra is None else x.final_extra for x in batch])
             timing = time_schedule(name, pp, m, vs, np.array([x.durations for x in batch]),
                                    np.array([x.hops for x in batch]).reshape(len(batch), -1),
-                                   np.array([x.start for x in batch]), every_pass, np.array([x.lead for x in batch]))
+                                   np.array([x.start for x in batch]), every_pass, np.array([x.lead for x in batch]),
+                                   extra)
             for j, x in enumerate(batch):
                 x.timing = PipelineTiming(timing.rank_end[j], timing.final_start[j],
                                           None if timing.starts is None else timing.starts[j], timing.compiled,
@@ -599,7 +611,13 @@ class FastModel:
         phases["optimizer"] = optimizer
         start = float(x.start[rank])  # the first weights gathered before the rank's first pass (FSDP, ZeRO)
         phases["fsdp" if v.fsdp else "dp"] += start
-        phases["pp"] = max(compute_end - start - float(counts @ x.durations), 0.0)
+        busy = float(counts @ x.durations)
+        if x.final_extra is not None:  # the held SMs' cost, in the phase of each of the rank's final passes
+            final = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[2]
+            for st in self.layout(s).rank_stages[rank]:
+                phases[PASS_PHASE[KINDS[final[st]]]] += float(x.final_extra[st])
+                busy += float(x.final_extra[st])
+        phases["pp"] = max(compute_end - start - busy, 0.0)
         return Estimate(float(step), float(prep.memory[i]), phases, rank)
 
     def _rank_tail(self, s: Setting, v: Variant, x: _Inputs, p: int) -> tuple[float, float, float, float, float]:
@@ -612,7 +630,7 @@ class FastModel:
         if x.offsets is None:
             x.offsets = self._final_offsets(s, v)
         ready, costs = [], []
-        for marks, seconds in self._bucket_plan(s, v, p):
+        for marks, seconds, _ in self._bucket_plan(s, v, p):
             ready.append(np.array([start[st] + x.offsets[st][j] for st, j in marks]))
             costs.append(seconds)
         sync = end
@@ -664,6 +682,44 @@ class FastModel:
             x.fsdp_tables = ends, costs
         return x.fsdp_tables
 
+    def _bucket_slowing(self, s: Setting, v: Variant) -> tuple[np.ndarray | None, dict[int, np.ndarray] | None]:
+        """The gradient buckets' NCCL kernels hold SMs while they run (:mod:`parsim.sim.held_sms`), beside the
+        rest of the final backward that makes them: per stage, how much longer its final backward takes, and
+        when each entry's gradients are final in it (:meth:`_final_offsets`, slowed). (None, None) where no
+        kernel holds any. Each stage's buckets run in the communication stream's order from the pass's start,
+        the stream free then; those still running after the pass slow nothing here."""
+        groups = [self._bucket_plan(s, v, p) for p in range(s.pp)]
+        if not any(sms for rank in groups for *_, sms in rank):
+            return None, None
+        table, accumulation = self.pass_table(s, v), self._accumulation_of(s, v)
+        seconds, trailing = table.seconds(accumulation), table.trailing
+        bits = {sms: 1 << i for i, sms in enumerate(sorted({sms for rank in groups for *_, sms in rank if sms}))}
+        held = {bit: self.pass_table(s, v, held_sms=sms).seconds(accumulation) for sms, bit in bits.items()}
+        final = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[2]
+        layout = self.layout(s)
+        extra, offsets = np.zeros(len(layout.stage_entries)), {}
+        for p, rank in enumerate(groups):
+            for st in layout.rank_stages[p]:
+                order, k = list(layout.stage_entries[st][::-1]), final[st]
+                queue = [(j, float(cost), sms) for marks, costs, sms in rank
+                         for (stage, j), cost in zip(marks, costs) if stage == st]  # the stream's order
+                d = seconds[order, k]
+                t = free = 0.0
+                windows: list[tuple[float, float, int]] = []
+                ready = np.zeros(len(order))
+                for j, work in enumerate(d.tolist()):
+                    ratios = {bit: held[bit][order[j], k] / work if work > 0 else 1.0 for bit in held}
+                    t = _held_end(t, work, ratios, windows)
+                    ready[j] = t - trailing[order[j], k]
+                    while queue and queue[0][0] <= j:
+                        _, cost, sms = queue.pop(0)
+                        begins = max(free, ready[j])
+                        free = begins + cost
+                        if sms:  # (one kernel at a time: the stream runs them in turn)
+                            windows.append((begins, free, bits[sms]))
+                extra[st], offsets[int(st)] = t - d.sum(), ready
+        return extra, offsets
+
     def _final_offsets(self, s: Setting, v: Variant) -> dict[int, np.ndarray]:
         """Per stage, when each entry's gradients are final (its last kernel), seconds into the stage's
         final backward (B, or W where split), entries in backward order."""
@@ -697,10 +753,12 @@ class FastModel:
             return tuple((size, tuple(members)) for size, members in bucket_members(tensors, self.space.bucket_size))
         return self._cached(key, make)
 
-    def _bucket_plan(self, s: Setting, v: Variant, p: int) -> tuple[tuple[tuple, np.ndarray], ...]:
+    def _bucket_plan(self, s: Setting, v: Variant, p: int) -> tuple[tuple[tuple, np.ndarray, int], ...]:
         """Gradient buckets of pipeline rank ``p``, as the lowering makes them and in the order the
-        communication stream runs them (dense buckets, then the experts'): per bucket, (stage, entry
-        position in the final backward) of its last gradient, and its seconds."""
+        communication stream runs them (dense buckets, then the experts'): per group, each bucket's (stage,
+        entry position in the final backward) of its last gradient, its seconds, and the SMs the group's NCCL
+        kernel holds while it runs (its largest bucket's; 0 for FSDP's reductions under a pipeline, which
+        run after the stage's passes)."""
         return self._cached(("buckets", p) + self._structure(s, v), lambda: self._buckets(s, v, p))
 
     def _buckets(self, s: Setting, v: Variant, p: int):
@@ -718,9 +776,11 @@ class FastModel:
             if not filled:
                 continue
             if not plan.zero or dim == "edp":
-                reduce = self.comm.pricer("collective", "all_reduce", lowering.group(p, "edp" if expert else "dp")[0])
+                kernel = ("all_reduce", lowering.group(p, "edp" if expert else "dp")[0])
+                reduce = self.comm.pricer("collective", *kernel)
             else:
-                scatter = self.comm.pricer("collective", "reduce_scatter", lowering.group(p, dim)[0])
+                kernel = ("reduce_scatter", lowering.group(p, dim)[0])
+                scatter = self.comm.pricer("collective", *kernel)
                 across = self.comm.pricer("collective", "all_reduce", lowering.group(p, "replicate")[0]) \
                     if plan.replicas > 1 else no_cost
                 shards = plan.expert_shard_size if expert else plan.shard_size
@@ -730,7 +790,7 @@ class FastModel:
             sizes = np.array([nbytes for nbytes, _ in filled])
             unique, index = np.unique(sizes, return_inverse=True)
             seconds = np.array([reduce(float(n)) for n in unique])[index]
-            out.append((tuple(mark for _, mark in filled), seconds))
+            out.append((tuple(mark for _, mark in filled), seconds, self.comm.sim.kernel_sms(*kernel, int(unique[-1]))))
         return tuple(out)
 
     def _expert_dim(self, s: Setting, v: Variant) -> str:

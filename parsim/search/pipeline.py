@@ -144,15 +144,20 @@ class PipelineTiming:
 
 
 def sweep(compiled: CompiledSchedule, durations: np.ndarray, hops: np.ndarray, start: np.ndarray | None = None,
-          every_pass: bool = False, lead: np.ndarray | None = None) -> PipelineTiming:
+          every_pass: bool = False, lead: np.ndarray | None = None,
+          final_extra: np.ndarray | None = None) -> PipelineTiming:
     """Time ``compiled`` for a batch: ``durations`` [batch, stages * 4], ``hops`` [batch, stages - 1],
     ``start`` [batch, pp] the time each rank can begin (default 0); ``every_pass`` keeps every pass's start.
 
     ``lead`` [batch, stages * 4] is the part of a pass that needs only its rank, not its inputs (FSDP's
     prefetched weights): it runs while the rank waits for them, so a pass ends at
-    ``max(rank free + lead, inputs ready) + duration - lead``."""
+    ``max(rank free + lead, inputs ready) + duration - lead``. ``final_extra`` [batch, stages]: what each
+    stage's final weight-gradient pass takes beyond its kind's duration (the gradient buckets' kernels
+    beside it holding SMs)."""
     batch, n, pp = durations.shape[0], len(compiled.var), compiled.pp
     dur = durations.T[compiled.var]  # [passes, batch]
+    if final_extra is not None:
+        dur[compiled.final_grad] += final_extra.T
     ahead = np.zeros_like(dur) if lead is None else lead.T[compiled.var]
     hop = np.vstack([hops.T, np.zeros((1, batch))])
     end = np.zeros((n + pp + 1, batch))
@@ -177,7 +182,7 @@ def round_length(name: str, pp: int, v: int) -> int:
 
 def time_schedule(name: str, pp: int, m: int, v: int, durations: np.ndarray, hops: np.ndarray,
                   start: np.ndarray | None = None, every_pass: bool = False,
-                  lead: np.ndarray | None = None) -> PipelineTiming:
+                  lead: np.ndarray | None = None, final_extra: np.ndarray | None = None) -> PipelineTiming:
     """:func:`sweep` of the schedule, extended along its steady state when ``m`` is long.
 
     The schedule is timed at three shorter lengths a round apart; where the
@@ -188,9 +193,9 @@ def time_schedule(name: str, pp: int, m: int, v: int, durations: np.ndarray, hop
     step = max(2, round_length(name, pp, v))
     short = SWEEP_ROUNDS * pp * v + (m % step)
     if m <= short + 3 * step or not SCHEDULES[name].rounds_of_pp(pp, m, v):
-        return sweep(compile_schedule(name, pp, m, v), durations, hops, start, every_pass, lead)
+        return sweep(compile_schedule(name, pp, m, v), durations, hops, start, every_pass, lead, final_extra)
     a, b, c = (sweep(compile_schedule(name, pp, short + k * step, v), durations, hops, start, every_pass and k == 0,
-                     lead) for k in range(3))
+                     lead, final_extra) for k in range(3))
     rounds = (m - short) / step
     out = PipelineTiming(a.rank_end + rounds * (b.rank_end - a.rank_end),
                          a.final_start + rounds * (b.final_start - a.final_start), a.starts, a.compiled, a.starts_end)
@@ -200,6 +205,7 @@ def time_schedule(name: str, pp: int, m: int, v: int, durations: np.ndarray, hop
     if not steady.all():
         rest = ~steady
         full = sweep(compile_schedule(name, pp, m, v), durations[rest], hops[rest],
-                     None if start is None else start[rest], lead=None if lead is None else lead[rest])
+                     None if start is None else start[rest], lead=None if lead is None else lead[rest],
+                     final_extra=None if final_extra is None else final_extra[rest])
         out.rank_end[rest], out.final_start[rest] = full.rank_end, full.final_start
     return out
