@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -173,3 +174,19 @@ def test_only_the_link_sets_connected_to_the_representatives_are_kept():
     links = [np.array([0, 3]), np.array([3, 7]), np.array([7, 9]), np.array([5]), np.array([], dtype=np.int64)]
     assert _contending(links, 10) == [0, 1, 2]
     assert _contending([np.array([], dtype=np.int64), np.array([1])], 2) == [0]
+
+
+def test_a_step_leaves_little_for_the_cyclic_garbage_collector():
+    """The run's callbacks and the lowering's memos refer back to them: unless they let go, a step's whole
+    simulation is cyclic garbage that only a collection frees (61,322 objects for this plan's 9,672 events
+    before they did; a second's collection at the 1T plan's scale)."""
+    plan, cluster = resolve_plan("llama3-70b-1024"), load_cluster("dgx-h100")
+    predict_step(plan, cluster)  # the caches every step shares
+    gc.collect()
+    gc.disable()
+    try:
+        prediction = predict_step(plan, cluster)
+        garbage = gc.collect()
+    finally:
+        gc.enable()
+    assert garbage < len(prediction.trace.events) / 2
