@@ -49,11 +49,13 @@ def test_long_schedules_are_extended_along_their_steady_state_exactly(name):
     tb = 2 * tf
     d = np.stack([tf, tb, tb - 0.9 * tf, 0.9 * tf], axis=2).reshape(batch, -1)
     hops = np.full((batch, stages - 1), 0.02)
+    extra = rng.uniform(0.0, 0.3, (batch, stages))  # the final passes slowed (the buckets' held SMs)
     for m in (40, 44, 64, 96):
-        exact = sweep(compile_schedule(name, pp, m, v), d, hops)
-        fast = time_schedule(name, pp, m, v, d, hops)
-        assert fast.rank_end == pytest.approx(exact.rank_end, rel=1e-9)
-        assert fast.final_start == pytest.approx(exact.final_start, rel=1e-9)
+        for final_extra in (None, extra):
+            exact = sweep(compile_schedule(name, pp, m, v), d, hops, final_extra=final_extra)
+            fast = time_schedule(name, pp, m, v, d, hops, final_extra=final_extra)
+            assert fast.rank_end == pytest.approx(exact.rank_end, rel=1e-9)
+            assert fast.final_start == pytest.approx(exact.final_start, rel=1e-9)
 
 
 def test_a_late_rank_start_delays_the_pipeline():
@@ -62,3 +64,15 @@ def test_a_late_rank_start_delays_the_pipeline():
     base = sweep(compiled, d, np.zeros((1, 1)))
     late = sweep(compiled, d, np.zeros((1, 1)), start=np.array([[0.5, 0.0]]))
     assert late.rank_end.max() == pytest.approx(base.rank_end.max() + 0.5)
+
+
+def test_a_slower_final_backward_delays_the_stages_waiting_for_its_gradients():
+    """1F1B on 2 ranks: stage 1's last backward taking 0.3 longer starts stage 0's last backward 0.3 later, and
+    ends the step 0.3 later; stage 1's own last backward starts when it did."""
+    compiled = compile_schedule("1f1b", 2, 4, 1)
+    d = durations(np.ones(2), 2 * np.ones(2), np.zeros(2))[None]
+    base = sweep(compiled, d, np.zeros((1, 1)))
+    slow = sweep(compiled, d, np.zeros((1, 1)), final_extra=np.array([[0.0, 0.3]]))
+    assert slow.final_start[0, 1] == pytest.approx(base.final_start[0, 1], abs=1e-12)
+    assert slow.final_start[0, 0] == pytest.approx(base.final_start[0, 0] + 0.3, abs=1e-12)
+    assert slow.rank_end.max() == pytest.approx(base.rank_end.max() + 0.3, abs=1e-12)
