@@ -24,19 +24,15 @@ phases that never double count:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 import numpy as np
 
-from .trace import Event, Trace
+from .trace import Event, Trace, by_rank_and_start, by_start
 
 PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "ep", "cp", "pp", "dp", "fsdp", "optimizer", "idle")
 BLOCKING = ("tp", "ep")  # collectives run on the compute stream, between a pass's block computes
 HIDEABLE = ("cp", "tp", "dp", "fsdp")  # communication beside the compute stream, in the order it is exposed
 OVERLAPPED_TP = "tp"  # the stream of tensor-parallel collectives hidden behind GEMMs: they block nothing
-
-
-_starts, _rank_and_start = attrgetter("start_s"), attrgetter("rank", "start_s")
 
 
 def blocks_compute(e: Event) -> bool:
@@ -57,7 +53,7 @@ def merge_spans(trace: Trace) -> Trace:
     merged: list[Event] = []
     open_span: dict[int, Event] = {}
     busy_until: dict[int, float] = {}  # when the rank's compute stream last stopped working
-    for e in sorted(trace.events, key=_rank_and_start):
+    for e in sorted(trace.events, key=by_rank_and_start):
         rank, end = e.rank, e.start_s + e.dur_s
         if e.kind != "compute":
             if not blocks_compute(e):  # a nested tp/ep collective does not end the span
@@ -121,7 +117,7 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
         busy = spans["busy"]
         for e in by_rank[rank]:  # one pass: sort each event into what it counts towards
             kind, phase = e.kind, e.args.get("phase")
-            if phase in BLOCKING and e.stream != OVERLAPPED_TP:  # blocks_compute(e): time under them is busy
+            if blocks_compute(e):  # time under them is busy
                 tp.append(e)
                 target = busy
             elif phase in HIDEABLE:
@@ -142,8 +138,8 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
                     continue
             target[0].append(e.start_s)
             target[1].append(e.start_s + e.dur_s)
-        tp.sort(key=_starts)
-        computes.sort(key=_starts)
+        tp.sort(key=by_start)
+        computes.sort(key=by_start)
         for e, nested in zip(computes, _nested_time(computes, tp)):
             waited = sum(end - start for start, end in e.args.get("gaps", ()))
             seconds[e.args.get("phase", "forward")] += max(e.dur_s - nested - waited, 0.0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from pathlib import Path
 
 from ..errors import ParsimError
@@ -38,6 +39,10 @@ class Event:
     @property
     def end_s(self) -> float:
         return self.start_s + self.dur_s
+
+
+# Sort keys: an event's start, and its rank then its start (the order a simulated trace keeps its events in)
+by_start, by_rank_and_start = attrgetter("start_s"), attrgetter("rank", "start_s")
 
 
 @dataclass

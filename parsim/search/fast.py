@@ -577,8 +577,8 @@ class FastModel:
             batch = list(members.values())
             extra = None
             if any(x.final_extra is not None for x in batch):
-                none = np.zeros(len(batch[0].hops) + 1)
-                extra = np.array([none if x.final_extra is None else x.final_extra for x in batch])
+                nothing = np.zeros(len(batch[0].hops) + 1)  # per stage
+                extra = np.array([nothing if x.final_extra is None else x.final_extra for x in batch])
             timing = time_schedule(name, pp, m, vs, np.array([x.durations for x in batch]),
                                    np.array([x.hops for x in batch]).reshape(len(batch), -1),
                                    np.array([x.start for x in batch]), every_pass, np.array([x.lead for x in batch]),

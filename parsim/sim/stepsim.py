@@ -36,7 +36,7 @@ import simpy
 from ..errors import ParsimError
 from ..hardware.network import Network, chain_routes, stack_routes
 from ..hardware.topology import Topology
-from ..report.trace import Event, Trace
+from ..report.trace import Event, Trace, by_rank_and_start
 from .collectives.algorithms import build_phases
 from .collectives.simulate import choose_algorithm, kernel_sms
 from .compute import ComputeModel
@@ -750,7 +750,7 @@ class _Run:
                 args = args_of[key] = _args(op)
             events.append(Event(op.name, op.rank, "p2p" if op.kind == "recv" else op.stream, op.kind, begins,
                                 end[i] - begins, args.copy()))
-        events.sort(key=_rank_and_start)
+        events.sort(key=by_rank_and_start)
         meta = dict(meta or {})
         if self.held is not None:
             meta["held_sms_s"] = self._held_seconds()
@@ -879,7 +879,6 @@ def _contending(links: list[np.ndarray], num_links: int) -> list[int]:
 # What an op's event args read, besides its matmuls
 _event_shape = attrgetter("kind", "phase", "flops", "attention_flops", "attention_grad_flops", "nbytes", "group",
                           "peer")
-_rank_and_start = attrgetter("rank", "start_s")
 
 
 def _args(op: Op) -> dict:
