@@ -120,6 +120,12 @@ def test_degrees_restrict_the_space_and_say_what_they_left_out(capsys):
     assert doc["spaces"][0]["plans"] < everything["spaces"][0]["plans"]
 
 
+def test_the_header_counts_in_words_that_agree_with_the_numbers(capsys):
+    assert main(TINY + ["--tp", "4", "--pp", "2", "--cp", "1"]) == 0
+    space = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("space"))
+    assert " from 1 layout (dp x tp x pp x cp) and " in space and "pipeline settings" in space
+
+
 def test_a_space_with_no_plan_says_so_and_draws_nothing(capsys, tmp_path):
     png = tmp_path / "front.png"
     assert main(TINY + ["--tp", "3", "--explain", "--plot", str(png)]) == 0

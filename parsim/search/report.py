@@ -88,6 +88,11 @@ def _header(result: SearchResult) -> str:
             f", sorted by {req.sort}")
 
 
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is one: "1 layout", "2 layouts"."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def _summary(result: SearchResult) -> list[str]:
     lines = []
     capacity = result.request.capacity
@@ -95,9 +100,10 @@ def _summary(result: SearchResult) -> list[str]:
         rej = space.rejections
         layouts = sum(rej.layouts.values())
         pipelines = sum(rej.pipelines.values())
-        lines.append(f"space   {space.gpus:,} GPUs: {space.plans:,} plans from {rej.layouts_valid:,} layouts "
+        lines.append(f"space   {space.gpus:,} GPUs: {_count(space.plans, 'plan')} from "
+                     f"{_count(rej.layouts_valid, 'layout')} "
                      f"(dp x tp x pp x cp{', ep' if result.request.model.is_moe else ''}) and "
-                     f"{rej.pipelines_valid:,} pipeline settings")
+                     f"{_count(rej.pipelines_valid, 'pipeline setting')}")
         if layouts:
             lines.append(f"        rejected {layouts:,} layouts: " + _reasons(rej.layouts))
         if pipelines:
