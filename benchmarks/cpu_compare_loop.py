@@ -14,14 +14,20 @@ group's communication, idle). It prints whether each is within the issue's
 bounds: a step within 15%, every phase within 25%, and how many of the phases
 outside it were predicted within the range their measured steps spanned (the
 host's own noise), and how many miss per stage: each phase the mean over the
-stage's ranks (``parsim compare``'s second table), since which of a stage's
-ranks runs first on a shared core, or ends last, changes from run to run.
+stage's ranks (``parsim compare``'s second table: measured, that mean's median
+over the steps), since which of a stage's ranks runs first on a shared core,
+or ends last, changes from step to step.
+
+Each run measures 30 steps (``--steps``), not ``parsim compare``'s 10: on the
+2-core VM two loops of 10 steps a run missed each other's phases 9 times per
+rank (sets CN, CO), two of 30 steps 3 times (CP, CQ; docs/calibration.md).
 Never run anything else on the host meanwhile: other work slows the steps and
 not the calibration.
 
-On the 2-core VM (2026-11-27) one calibration and three runs of each plan take
-about 5 minutes (6-10 on a 3-4x slower AMD VM, 10 measured steps a run; 7-7.5
-there since calibrate measures its collectives in three rounds: sets BW, BX);
+On the 2-core VM (2026-11-29) one calibration and three runs of each plan of
+30 steps take about 5.5 minutes (6-10 on a 3-4x slower AMD VM, 10 measured
+steps a run; 7-7.5 there since calibrate measures its collectives in three
+rounds: sets BW, BX);
 `docs/calibration.md` lists the sets measured so far.
 
 ``--again DIR`` runs nothing: it predicts the runs an earlier loop kept in
@@ -63,6 +69,7 @@ PLANS = (
     ("tiny DP x PP", ["tiny-pp2", "--dp", "2"], 4),
 )
 STEP_BOUND, PHASE_BOUND = 0.15, 0.25  # the issue's: a step within 15% of the median run, every phase within 25%
+STEPS = 30  # measured steps of each run (see above)
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -106,12 +113,14 @@ def _by_rank(run: dict) -> dict[tuple[int, str], dict]:
 
 def _by_stage(run: dict) -> dict[tuple[int, str], dict]:
     """One run's phases by (pipeline stage, phase), each the mean over the stage's ranks (``parsim compare``'s
-    :func:`~parsim.cli.compare_plan.stage_phases`; a stage of one rank is that rank's). A stage's data- and
-    tensor-parallel ranks do the same work; which of them the host runs first, or ends last, changes from run
-    to run (two ranks on a core, one rank's slow spell), and the mean over them does not."""
+    :func:`~parsim.cli.compare_plan.stage_phases`; a stage of one rank is that rank's), measured as the run's
+    ``stages`` kept it (the mean in each step, its median over the steps). A stage's data- and tensor-parallel
+    ranks do the same work; which of them the host runs first, or ends last, changes from step to step (two
+    ranks on a core, one rank's slow spell), and the mean over them does not."""
     from parsim.cli.compare_plan import stage_phases
 
-    return {(row["pp"], row["phase"]): row for row in stage_phases(run["phases"], min_ranks=1)}
+    kept = {(row["pp"], row["phase"]): row["measured_s"] for row in run.get("stages", ())}
+    return {(row["pp"], row["phase"]): row for row in stage_phases(run["phases"], min_ranks=1, measured=kept)}
 
 
 def _medians(runs: list[dict], rows_of: Callable[[dict], dict[tuple[int, str], dict]],
@@ -203,7 +212,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--cluster", help="a calibrated cluster file (default: calibrate this host first)")
     parser.add_argument("--runs", type=int, help="runs of each plan (default 3)")
-    parser.add_argument("--steps", type=int, help="measured steps of each run (default: compare's)")
+    parser.add_argument("--steps", type=int, help=f"measured steps of each run (default {STEPS})")
     parser.add_argument("--out", help="keep the calibration and every run's JSON in this folder")
     parser.add_argument("--again", metavar="DIR",
                         help="run nothing: predict the runs kept in DIR (an earlier --out) again with this model")
@@ -277,7 +286,7 @@ def _print_repeat(folder_a: str, folder_b: str, as_json: bool) -> None:
 def _measure(args: argparse.Namespace) -> tuple[str, Path, dict[str, list[dict]]]:
     """Calibrate (unless ``--cluster``), then run every plan ``--runs`` times: (the cluster file, the folder
     keeping the runs, each plan's runs)."""
-    steps = () if args.steps is None else ("--steps", str(args.steps))
+    steps = ("--steps", str(STEPS if args.steps is None else args.steps))
     cluster = args.cluster
     if cluster is not None:
         _load_cluster(cluster)  # before any run: one line, as the CLI says it

@@ -13,6 +13,7 @@ from parsim.cli.common import warn_other_machine
 from parsim.cli.main import main
 from parsim.hardware.cluster import SharedCoreCosts, load_cluster, parse_cluster
 from parsim.report.results import save_results
+from parsim.report.step_report import PHASES
 from parsim.sim.collectives import predict
 from parsim.sim.compute import ComputeModel
 
@@ -339,6 +340,41 @@ def test_a_stage_s_phase_is_the_mean_over_its_ranks():
         {"pp": 0, "ranks": 2, "phase": "idle", "predicted_s": pytest.approx(0.001),
          "measured_s": pytest.approx(0.0005), "error": pytest.approx(1.0)}]
     assert [r["pp"] for r in stage_phases(rows, min_ranks=1)] == [0, 0, 1]
+    # measured over several steps: the stage's figure where one is given (its mean's median over the steps)
+    kept = stage_phases(rows, measured={(0, "dp"): 0.004})
+    assert kept[0]["measured_s"] == 0.004 and kept[0]["error"] == pytest.approx(0.25)
+    assert kept[1]["measured_s"] == pytest.approx(0.0005)
+
+
+def test_compare_takes_a_stage_s_measured_phases_from_the_run_s_steps(monkeypatch, capsys, tmp_path):
+    """A run's summary gives each stage's phases over its steps (the ranks' mean in each step, then the median):
+    compare sets those beside the prediction rather than the mean of each rank's median."""
+    import yaml
+
+    import executor.train
+    from parsim.report.step_report import breakdown
+    from parsim.sim.step import predict_step
+
+    (tmp_path / "host.yaml").write_text(yaml.safe_dump(cpu_host(op_forward_us=7.0, op_backward_us=6.0, cpu_cores=2)))
+    spec = load_cluster(str(tmp_path / "host.yaml"))
+
+    def run_plan(plan, nproc, steps, **kwargs):
+        trace = predict_step(plan, spec).trace
+        rows = breakdown(trace)
+        stage_0 = {phase: sum(r.seconds[phase] for r in rows if r.rank in (0, 2)) / 2 for phase in PHASES}
+        summary = {"ranks": [{"rank": r.rank, "step_s": r.step_s, "seconds": r.seconds} for r in rows],
+                   "stages": [{"pp": 0, "seconds": {**stage_0, "dp": 2 * stage_0["dp"]}, "ranges": {}}]}
+        return trace, summary
+
+    monkeypatch.setattr(executor.train, "run_plan", run_plan)
+    argv = ["compare", "tiny-pp2", "--dp", "2", "--nproc", "4", "--cluster", str(tmp_path / "host.yaml"),
+            "--no-speed-probe"]
+    assert main(argv) == 0
+    assert "measured, that mean's median over the steps" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    stages = {(row["pp"], row["phase"]): row for row in json.loads(capsys.readouterr().out)["stages"]}
+    assert stages[0, "dp"]["error"] == pytest.approx(-0.5) and stages[0, "backward"]["error"] == pytest.approx(0.0)
+    assert stages[1, "backward"]["error"] == pytest.approx(0.0)  # no figure of its own: its ranks' mean
 
 
 def test_no_speed_probe_applies_only_to_a_plan_run(capsys):

@@ -163,6 +163,20 @@ def test_the_compare_loop_also_holds_each_stage_s_phases_the_mean_over_its_ranks
     assert summary["stage_misses"] == 1
 
 
+def test_the_compare_loop_takes_a_stage_s_measured_phases_from_its_run_s_steps():
+    """Where a run kept a stage's phases over its steps (compare's `stages`: the ranks' mean in each step, then the
+    median), the loop holds the prediction against those, not against the mean of the ranks' medians."""
+    def run(stage_dp):
+        return {"predicted_step_s": 0.1, "measured_step_s": 0.1,
+                "phases": [{"rank": 0, "pp": 0, "phase": "dp", "predicted_s": 0.005, "measured_s": 0.0001},
+                           {"rank": 2, "pp": 0, "phase": "dp", "predicted_s": 0.005, "measured_s": 0.0002}],
+                "stages": [{"pp": 0, "ranks": 2, "phase": "dp", "predicted_s": 0.005, "measured_s": stage_dp}]}
+
+    summary = _compare_loop().summarize([run(0.004), run(0.005), run(0.006)])
+    assert summary["phase_misses"] == 2 and summary["stage_misses"] == 0
+    assert summary["stages"] == [{"pp": 0, "phase": "dp", "predicted_s": 0.005, "measured_s": 0.005, "error": 0.0}]
+
+
 def test_the_compare_loop_counts_the_misses_its_steps_own_range_holds():
     """A phase outside 25% whose prediction one measured step reached (the union of the runs' ranges) is
     counted apart from one no step came near."""

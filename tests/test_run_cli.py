@@ -77,6 +77,9 @@ def test_run_reports_the_median_step_and_writes_traces(tmp_path, capsys, monkeyp
     assert len(summary["losses"]) == 2 and all(loss > 0 for loss in summary["losses"])
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
     assert set(summary["ranks"][0]["seconds"]) == set(PHASES)
+    # two stages of one rank each: each stage's figures are its rank's over the steps
+    assert [s["pp"] for s in summary["stages"]] == [0, 1]
+    assert summary["stages"][1]["seconds"] == pytest.approx(summary["ranks"][1]["seconds"])
 
     trace = Trace.load(trace_path)
     assert trace.source == "measured" and trace.world_size == 2
@@ -128,6 +131,26 @@ def test_each_phase_is_its_median_over_the_steps_and_the_step_the_median_step():
     assert rows[1].ranges["idle"] == pytest.approx((0.001, 0.009))
     # Of an even count, the lower middle step: the one run_plan returns and whose time the rows give.
     assert median_step([step((18, 9)), step((10, 9)), step((12, 9)), step((11, 9))]) == 3
+
+
+def test_a_stage_s_phase_is_its_ranks_mean_in_each_step_then_the_median_over_the_steps():
+    from parsim.report.step_report import median_breakdown, median_group_breakdown
+
+    def step(waits_ms: tuple[float, float]) -> Trace:  # twins 0 and 2 compute 10 ms, then wait in their all-reduce
+        return Trace("measured", 4, [event for r, wait in zip((0, 2), waits_ms) for event in (
+            Event("F stage=0 mb=0", r, "compute", "compute", 0.0, 0.010, {"phase": "forward"}),
+            Event("all_reduce dp", r, "comm", "collective", 0.010, wait * 1e-3, {"phase": "dp"}))])
+
+    # Which twin waits swaps from step to step: each one's median lands on either side of the split.
+    traces = [step((0.1, 11.0)), step((9.0, 0.2)), step((0.1, 12.0)), step((10.0, 0.1)), step((11.0, 0.1))]
+    per_rank = {row.rank: row.seconds["dp"] for row in median_breakdown(traces)}
+    assert per_rank == {0: pytest.approx(0.009), 2: pytest.approx(0.0002)}
+    stages = median_group_breakdown(traces, {0: 0, 2: 0})
+    assert list(stages) == [0] and stages[0].rank == 0
+    # the step means: 5.55, 4.6, 6.05, 5.05, 5.55 ms
+    assert stages[0].seconds["dp"] == pytest.approx(0.00555)
+    assert stages[0].ranges["dp"] == pytest.approx((0.0046, 0.00605))
+    assert stages[0].seconds["forward"] == pytest.approx(0.010) and stages[0].step_s == pytest.approx(0.021)
 
 
 @needs_torch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from ..calibrate.host_load import ForeignLoad
@@ -48,6 +49,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         note_stages_sharing_cores("compare", plan, cluster)
     load, speed, spread, routing = None, None, None, None
     by_phase = None  # each measured rank's time by phase (None: the measured trace's one step)
+    by_stage = None  # (stage, phase) -> the stage's measured seconds (None: the mean of its ranks' by_phase)
     if args.measured is None:
         from executor.launch import resolve_backend
         from executor.train import run_plan
@@ -80,6 +82,8 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         by_phase = [RankBreakdown(r["rank"], r["step_s"], r["seconds"],
                                   {phase: tuple(lo_hi) for phase, lo_hi in r.get("ranges", {}).items()})
                     for r in summary.get("ranks", ())]
+        by_stage = {(stage["pp"], phase): seconds for stage in summary.get("stages", ())
+                    for phase, seconds in stage["seconds"].items()}
         routing = summary.get("expert_load") and _routing(plan, cluster, summary["expert_load"])
         times = summary.get("step_times_s")
         spread = (min(times), max(times)) if times else None
@@ -95,7 +99,8 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         print_json("compare.plan", {
             "plan": plan.name, "cluster": cluster.name, "measured_from": source,
             "predicted_step_s": predicted.step_s, "measured_step_s": measured_step, "step_error": step_error,
-            "phases": rows, "stages": stage_phases(rows), "collectives": [r.to_json() for r in collectives],
+            "phases": rows, "stages": stage_phases(rows, measured=by_stage),
+            "collectives": [r.to_json() for r in collectives],
             "foreign_load_cores": load.cores if load else None,
             "measured_step_range_s": list(spread) if spread else None,
             "host_speed": speed.to_json(measured_step) if speed else None, "expert_load": routing})
@@ -103,9 +108,9 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         print(phases_table(rows, title=f"{plan.name}: predicted ({cluster.name}) vs measured ({source}), "
                                        "per rank and phase"))
         print()
-        stages = stage_phases(rows)
+        stages = stage_phases(rows, measured=by_stage)
         if stages:
-            print(stages_table(stages))
+            print(stages_table(stages, over_steps=bool(by_stage)))
             print()
         print(collectives_table(collectives) if collectives else "collectives: none in the plan, none measured")
         if speed:
@@ -235,12 +240,17 @@ def compare_phases(plan, predicted, measured: list[RankBreakdown]) -> list[dict]
     return rows
 
 
-def stage_phases(rows: list[dict], min_ranks: int = 2) -> list[dict]:
+def stage_phases(rows: list[dict], min_ranks: int = 2,
+                 measured: Mapping[tuple[int, str], float] | None = None) -> list[dict]:
     """:func:`compare_phases`' rows per pipeline stage of at least ``min_ranks`` measured ranks: each phase's
-    predicted and measured seconds, the mean over the stage's ranks (a phase a rank lacks counts 0 there).
+    predicted and measured seconds, the mean over the stage's ranks (a phase a rank lacks counts 0 there). Where
+    ``measured`` has a (stage, phase), that is the measured figure: the median over several steps of the
+    stage's mean in each step (``run_plan``'s ``stages``), where the mean of the ranks' medians would take each
+    rank's median on whichever side of a twin's wait it happened to fall
+    (:func:`~parsim.report.step_report.median_group_breakdown`).
 
     A stage's data-, tensor- and context-parallel ranks do the same work; which of them a shared core runs
-    first, or which ends its step last, changes from run to run, so one rank's phase can miss where the
+    first, or which ends its step last, changes from step to step, so one rank's phase can miss where the
     stage's mean does not (docs/calibration.md, "How far a measurement repeats itself")."""
     ranks: dict[int, set[int]] = {}
     sums: dict[tuple[int, str], list[float]] = {}
@@ -251,22 +261,25 @@ def stage_phases(rows: list[dict], min_ranks: int = 2) -> list[dict]:
         total[1] += r["measured_s"]
     stages = []
     for pp, phase in sorted(sums, key=lambda key: (key[0], PHASES.index(key[1]))):
-        (predicted, measured), n = sums[pp, phase], len(ranks[pp])
-        if n >= min_ranks:
-            stages.append({"pp": pp, "ranks": n, "phase": phase, "predicted_s": predicted / n,
-                           "measured_s": measured / n,
-                           "error": predicted / measured - 1 if measured else None})
+        (predicted_sum, measured_sum), n = sums[pp, phase], len(ranks[pp])
+        if n < min_ranks:
+            continue
+        predicted_s = predicted_sum / n
+        measured_s = measured[pp, phase] if measured and (pp, phase) in measured else measured_sum / n
+        stages.append({"pp": pp, "ranks": n, "phase": phase, "predicted_s": predicted_s, "measured_s": measured_s,
+                       "error": predicted_s / measured_s - 1 if measured_s else None})
     return stages
 
 
-def stages_table(stages: list[dict]) -> str:
-    """The rows of :func:`stage_phases` for people."""
+def stages_table(stages: list[dict], over_steps: bool = False) -> str:
+    """The rows of :func:`stage_phases` for people (``over_steps``: measured over several steps)."""
     unit, scale = time_unit([r["predicted_s"] for r in stages] + [r["measured_s"] for r in stages])
     return render_table(["stage", "phase", f"predicted ({unit})", f"measured ({unit})", "error"],
                         [[f"pp {r['pp']} ({r['ranks']} ranks)", r["phase"], r["predicted_s"] / scale,
                           r["measured_s"] / scale, _error_text(r)] for r in stages],
                         title="per stage, each phase the mean over its ranks (they do the same work; which of "
-                              "them runs first, or ends last, changes from run to run)")
+                              "them runs first, or ends last, changes from step to step)"
+                              + ("; measured, that mean's median over the steps" if over_steps else ""))
 
 
 def phases_table(rows: list[dict], title: str) -> str:
