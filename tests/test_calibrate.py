@@ -426,6 +426,8 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
                                                                       2e-4 * n + 6.5e-4 * n + 5e-4,
                                                                       5e-4 * n + 1.2e-3 * n + 1e-4),
                            (1e-4 * n + 1.5e-4 * n + 2e-4, 2e-4 * n + 0.9e-4 * n + 1e-4)) for n in (2, 8)],
+                 # AdamW steps started together: 10 ms on even ranks, 1 ms more or less on odd ones
+                 "jitter": [0.010] * 9 if r % 2 == 0 else [0.011, 0.009] * 4 + [0.011],
                  "step_gaps": (110e-6, 130e-6)[r % 2],  # a generic step's, which the loop's time before actions takes
                  "pipeline": {"rendezvous": 300e-6, "latency": 60e-6, "action": (70e-6, 90e-6)[r % 2],
                               "issue": 150e-6}} for r in range(nproc)]
@@ -467,6 +469,9 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
             "loop), 150 us more per send issued") in text
     written = load_cluster(str(out))
     assert (written.speed_probe_flops, written.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
+    # ranks 1 ms apart at the median over 10 ms steps: sigma 1 / 0.954 ms
+    assert written.rank_jitter == pytest.approx(0.001 / 0.9539 / 0.010, rel=1e-3)
+    assert "rank jitter       10.5% of the same work's time" in text
     assert (written.matmul_stream_bw_Bps, written.matmul_write_bw_Bps) == pytest.approx((15e9, 45e9), rel=0.1)
     assert (f"weights stream in at {written.matmul_stream_bw_Bps / 1e9:.1f} GB/s and outputs out at "
             f"{written.matmul_write_bw_Bps / 1e9:.1f} GB/s") in text

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from parsim.calibrate.host import fit_alone_memory, fit_optimizer, fit_tp_calls
+from parsim.calibrate.host import fit_alone_memory, fit_optimizer, fit_rank_jitter, fit_tp_calls
 from parsim.lowering.lower import ADAMW_ACCESSES
 
 pytest.importorskip("torch")
@@ -31,6 +31,21 @@ def test_adamw_is_timed_on_every_rank_at_once_and_on_each_rank_alone():
         assert all(row[2] > 0 for row in rows["together"] + rows["alone"])
     fit = fit_optimizer([row for rows in per_rank for row in rows["together"]], ADAMW_ACCESSES)
     assert fit_alone_memory([row for rows in per_rank for row in rows["alone"]], fit, ADAMW_ACCESSES) > 0
+
+
+def rank_jitter(rank: int, world: int) -> list[float]:
+    from executor.compute_bench import measure_rank_jitter
+
+    return measure_rank_jitter(repeats=7, run=(2, 1 << 16))
+
+
+@pytest.mark.multiproc
+def test_the_same_adamw_steps_are_timed_on_every_rank_started_together():
+    from executor.launch import launch
+
+    per_rank = launch(rank_jitter, 2, backend="gloo", timeout_s=120)
+    assert [len(times) for times in per_rank] == [7, 7] and all(t > 0 for times in per_rank for t in times)
+    assert 0 < fit_rank_jitter([per_rank]) < 1
 
 
 @pytest.mark.multiproc

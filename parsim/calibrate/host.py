@@ -27,6 +27,7 @@ GeLU, a norm and a softmax on its own a core's time per element of its arithmeti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -56,12 +57,12 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  cpu_cores: int | None = None, speed_probe: tuple[float, float] | None = None,
                  core_arithmetic: CoreArithmetic | None = None,
                  tp_call_s: tuple[float, float] | None = None, zero_grad: OptimizerFit | None = None,
-                 fsdp: FsdpHostFit | None = None) -> dict:
+                 fsdp: FsdpHostFit | None = None, rank_jitter: float = 0.0) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric"); ``speed_probe`` is the
     host-speed probes' (matmul FLOP/s, seconds per eager pass) while the compute figures were measured;
     ``shared_cores`` the pipeline's host costs with two ranks on each core; ``tp_call_s`` a tensor-parallel
     collective call's host time, forward and backward; ``zero_grad`` what freeing the gradients costs; ``fsdp``
-    FSDP2's own host work."""
+    FSDP2's own host work; ``rank_jitter`` how much the same work's time varies between ranks (a fraction)."""
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
                   "optimizer_tensor_us": optimizer_tensor_s * 1e6, "optimizer_step_us": optimizer_step_s * 1e6,
                   "p2p_rendezvous_us": p2p_rendezvous_s * 1e6,
@@ -93,6 +94,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         host_costs["shared_cores"] = shared_cores.to_mapping()
     if cpu_cores:
         host_costs["cpu_cores"] = int(cpu_cores)
+    if rank_jitter:
+        host_costs["rank_jitter"] = float(rank_jitter)
     if speed_probe:
         host_costs["speed_probe_gflops"] = speed_probe[0] / 1e9
         host_costs["speed_probe_eager_us"] = speed_probe[1] * 1e6
@@ -495,6 +498,28 @@ def fit_fsdp_host(rows: list[tuple]) -> FsdpHostFit | None:
     measured_passes = all(len(r) == 6 for n in (low, high) for r in extra[n])
     return FsdpHostFit(forward, max(per_unit(1) - forward, 0.0), max(per_unit(2), 0.0) / tensors_per_unit,
                        (max(per_unit(4), 0.0), max(per_unit(5), 0.0)) if measured_passes else None)
+
+
+# The median of |x - y| over independent x, y ~ N(0, sigma^2), in sigmas: sqrt(2) x the normal's upper quartile.
+MEDIAN_ABS_DIFFERENCE = math.sqrt(2.0) * 0.6744897501960817
+
+
+def fit_rank_jitter(rounds: list[list[list[float]]]) -> float:
+    """How much the same work's time varies between ranks that start it together, as a fraction of that time
+    (``parsim.sim.jitter``): from each round's per-rank step times (:func:`executor.compute_bench.
+    measure_rank_jitter`: every rank's k-th step started at once), the median over the steps and every pair of
+    ranks of ``|t_a - t_b|``, in the normal's sigmas (:data:`MEDIAN_ABS_DIFFERENCE`), over the median step.
+    Medians, so that a rare stall (one 20 ms step among 12 ms ones) does not count as the typical spread.
+    0 without two ranks' times."""
+    differences, times = [], []
+    for ranks in rounds:
+        for a in range(len(ranks)):
+            times += ranks[a]
+            for b in range(a + 1, len(ranks)):
+                differences += [abs(x - y) for x, y in zip(ranks[a], ranks[b])]
+    if not differences or not times:
+        return 0.0
+    return float(np.median(differences)) / MEDIAN_ABS_DIFFERENCE / float(np.median(times))
 
 
 def fit_alone_memory(rows: list[tuple[int, int, float]], fit: OptimizerFit, accesses: int,

@@ -15,7 +15,7 @@ import yaml
 from ..calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..calibrate.host import (fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise, fit_fsdp_host,
                               fit_links, fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, fit_tp_calls,
-                              fit_zero_grad, host_cluster)
+                              fit_rank_jitter, fit_zero_grad, host_cluster)
 from ..calibrate.host_load import ForeignLoad
 from ..errors import ParsimError
 from ..files import read_yaml
@@ -200,6 +200,9 @@ def run(args: argparse.Namespace) -> int:
     arithmetic = fit_core_arithmetic([row for rank in per_rank for row in rank["kernel_kinds"]], dispatch)
     tp_calls = fit_tp_calls([rank["tp_calls"] for rank in per_rank])
     zero_grad = fit_zero_grad([tuple(row) for rank in per_rank for row in rank["zero_grad"]])
+    ranks = max(rank_counts)  # per_rank holds the ranks of each round in turn
+    jitter = fit_rank_jitter([[rank["jitter"] for rank in per_rank[i:i + ranks] if rank.get("jitter")]
+                              for i in range(0, len(per_rank), ranks)])
     fsdp = fit_fsdp_host([tuple(row) for rank in per_rank for row in rank.get("fsdp", ())])
     optimizer = fit_optimizer([tuple(row) for rank in per_rank for row in rank["optimizer"]["together"]],
                               ADAMW_ACCESSES)
@@ -245,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         elementwise_bw_Bps=elementwise_bw,
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
         cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s),
-        core_arithmetic=arithmetic, tp_call_s=tp_calls, zero_grad=zero_grad, fsdp=fsdp)
+        core_arithmetic=arithmetic, tp_call_s=tp_calls, zero_grad=zero_grad, fsdp=fsdp, rank_jitter=jitter)
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
     if step_overhead:
         cluster["collective_step_overhead_us"] = {op: t * 1e6 for op, t in step_overhead.items()}
@@ -279,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
                     "fsdp_pass_us": {"forward": fsdp.pass_s[0] * 1e6, "backward": fsdp.pass_s[1] * 1e6}
                     if fsdp and fsdp.pass_s else None,
                     "speed_probe_gflops": probe_flops / 1e9,
-                    "speed_probe_eager_us": probe_eager_s * 1e6,
+                    "speed_probe_eager_us": probe_eager_s * 1e6, "rank_jitter": jitter,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
                     "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
                     "matmul_write_bw_GBps": matmul.write_bw_Bps / 1e9 if matmul.write_bw_Bps else None,
@@ -326,6 +329,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"                  {fsdp.pass_s[0] * 1e6:.0f} us forward, {fsdp.pass_s[1] * 1e6:.0f} us backward "
                   f"per unit in a pass that gathers and reduces nothing (a pipeline's, between a stage's first "
                   f"and last)")
+    if jitter:
+        print(f"rank jitter       {jitter:.1%} of the same work's time, sigma from rank to rank (AdamW steps every "
+              f"rank starts at once; a step ends when its slowest rank does)")
     print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer received late (its receive "
           f"posted after the send's issue; in a typical step, with the stalls it has)")
     if p2p_latency is not None:

@@ -124,6 +124,10 @@ def report(r: StepPrediction) -> str:
         lines.append(f"SMs held by the data-parallel and FSDP collectives' NCCL kernels (one per channel) slowed the "
                      f"compute beside them by {format_time(held[rank])} on rank {rank} ({held[rank] / r.step_s:.1%} of "
                      f"the step; docs/engine.md)")
+    if r.end_wait_s:
+        lines.append(f"the ranks' jitter ({r.cluster.rank_jitter:.1%} of each rank's time since it last met the "
+                     f"others, as calibrated) ends the step {format_time(r.end_wait_s)} later on average, for its "
+                     f"slowest rank: counted in the step and in every rank's idle (parsim/sim/jitter.py)")
     lines.append("")
     lines.append(memory_table(r.memory, capacity, "peak memory per GPU (GB)"))
     if r.over_memory:
@@ -138,7 +142,7 @@ def to_json(r: StepPrediction) -> dict:
     overlap, held = comm_overlap(r.trace), r.held_sms_s
     return {
         "plan": r.plan.name, "cluster": r.cluster.name, "world_size": r.plan.world,
-        "step_s": r.step_s, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "hfu": r.hfu,
+        "step_s": r.step_s, "end_wait_s": r.end_wait_s, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "hfu": r.hfu,
         "ranks": [{"rank": b.rank, "seconds": b.seconds, "comm_overlap": overlap.get(b.rank),
                    "held_sms_s": held.get(b.rank, 0.0)} for b in r.ranks],
         "memory": [vars(m) | {"total": m.total} for m in r.memory],

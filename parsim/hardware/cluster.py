@@ -51,11 +51,12 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "zero_grad_step_us", "zero_grad_tensor_us", "zero_grad_free_GBps",
                 "fsdp_unshard_us", "fsdp_reduce_us", "fsdp_optimizer_tensor_us", "fsdp_pass_us",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
-                "speed_probe_eager_us")
+                "speed_probe_eager_us", "rank_jitter")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
 SHARED_CORE_OPTIONAL = ("p2p_issue_us", "time_slice_us")  # absent from files calibrated before they were measured
 SHARED_CORE_STRETCHES = ("matmul_stretch", "eager_stretch")  # optional, times (absent: 2, the fair share)
 STRETCH = (1.0, 100.0, "times as long as with a core each")
+JITTER = (0.0, 1.0, "(a fraction of a rank's time: sigma over the mean)")
 
 
 @dataclass(frozen=True)
@@ -278,6 +279,9 @@ class ClusterSpec:
     # seconds (None: not timed)
     speed_probe_flops: float | None = None
     speed_probe_eager_s: float | None = None
+    # How much the same work's time varies between ranks that start it together: sigma over the time, a CPU host's
+    # as `parsim calibrate` measures it (0: not measured; a GPU's is not modelled). parsim.sim.jitter.
+    rank_jitter: float = 0.0
 
     def at_host_speed(self, arithmetic: float, eager: float) -> "ClusterSpec":
         """This CPU host running ``arithmetic`` times as fast as when it was calibrated in matmuls and memory
@@ -566,6 +570,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         cpu_cores=cores,
         speed_probe_flops=probe_gflops and probe_gflops * 1e9,
         speed_probe_eager_s=probe_us and probe_us * 1e-6,
+        rank_jitter=_figure(source, "compute.rank_jitter", compute.get("rank_jitter", 0.0), JITTER),
     )
     for reader in (r, gpu, intra, out):
         reader.reject_unknown()

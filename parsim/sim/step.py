@@ -16,6 +16,7 @@ from ..report.trace import Trace
 from ..workload.memory import Memory, memory
 from ..workload.plan import Plan
 from .compute import ComputeModel
+from .jitter import end_wait_s
 from .stepsim import StepSimulator
 
 # Forward and backward passes of one layer over one microbatch that one step may hold: about four ops
@@ -44,6 +45,9 @@ class StepPrediction:
     ranks: list[RankBreakdown]
     memory: list[Memory]
     takes_turns: bool = False  # more ranks than the host's cores: each simulated, taking turns on its core
+    # how much later the step ends, on average, for the ranks' jitter (parsim.sim.jitter): in step_s and in every
+    # rank's idle, beyond the trace's last event
+    end_wait_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -140,7 +144,17 @@ def predict_step(plan: Plan, cluster: ClusterSpec,
     turns = compute.time_share > 1 and plan.world <= MAX_RANKS_IN_TURNS
     with _gc_paused():
         trace = merge_spans(_simulate(plan, cluster, StepSimulator(topo, compute, take_turns=turns), progress))
-        return StepPrediction(plan, cluster, trace, step_time(trace), breakdown(trace), memory(plan), turns)
+        wait = end_wait_s(trace, cluster.rank_jitter)
+        return StepPrediction(plan, cluster, trace, step_time(trace) + wait, _waiting(breakdown(trace), wait),
+                              memory(plan), turns, wait)
+
+
+def _waiting(ranks: list[RankBreakdown], wait_s: float) -> list[RankBreakdown]:
+    """Every rank's time by phase with ``wait_s`` more idle at the step's end (:mod:`parsim.sim.jitter`)."""
+    for row in ranks:
+        row.step_s += wait_s
+        row.seconds["idle"] += wait_s
+    return ranks
 
 
 def _simulate(plan: Plan, cluster: ClusterSpec, sim: StepSimulator,

@@ -1,0 +1,111 @@
+"""The wait for the slowest rank at a step's end (parsim.sim.jitter): closed forms, the trace's meeting points,
+the prediction's step and idle, and calibrate's fit of the host's jitter."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from cpu_host import cpu_host
+
+from parsim.calibrate.host import MEDIAN_ABS_DIFFERENCE, fit_rank_jitter
+from parsim.cli.main import main
+from parsim.hardware.cluster import parse_cluster
+from parsim.report.step_report import breakdown, step_time
+from parsim.report.trace import Event, Trace
+from parsim.sim.jitter import end_wait_s, expected_max
+from parsim.sim.step import predict_step
+from parsim.workload.plan import resolve_plan
+
+
+def test_the_expected_latest_of_normals_matches_its_closed_forms():
+    one = np.array([1.0])
+    # two alike: sigma / sqrt(pi); five standard normals: 1.16296 (order statistics' tables)
+    assert expected_max(np.array([1.0, 1.0]), np.array([0.01, 0.01]), np.ones(2)) - 1 == pytest.approx(
+        0.01 / math.sqrt(math.pi), rel=1e-6)
+    assert expected_max(np.array([0.0]), one, np.array([5.0])) == pytest.approx(1.1629645, rel=1e-6)
+    # a simulated rank standing for two is two draws
+    assert expected_max(one, np.array([0.01]), np.array([2.0])) == pytest.approx(1 + 0.01 / math.sqrt(math.pi))
+    # beside a constant: E[max(X, c)] = c + phi(c) - c (1 - Phi(c)) for X standard normal
+    c = 0.5
+    phi, tail = math.exp(-c * c / 2) / math.sqrt(2 * math.pi), 0.5 * math.erfc(c / math.sqrt(2))
+    assert expected_max(np.array([0.0, c]), np.array([1.0, 0.0]), np.ones(2)) == pytest.approx(
+        c + phi - c * tail, rel=1e-6)
+    # a constant far above everything else, and no randomness at all
+    assert expected_max(np.array([0.0, 10.0]), np.array([1.0, 0.0]), np.ones(2)) == pytest.approx(10.0, rel=1e-9)
+    assert expected_max(np.array([3.0, 2.0]), np.zeros(2), np.ones(2)) == 3.0
+
+
+def _step(ranks: dict[int, tuple[float | None, float]], represents: dict[str, int] | None = None) -> Trace:
+    """Each rank: a collective ending at ``met`` (None: none), then compute up to ``end``."""
+    events = []
+    for rank, (met, end) in ranks.items():
+        start = 0.0
+        if met is not None:
+            events.append(Event("all_reduce dp", rank, "comm", "collective", 0.0, met, {"phase": "dp"}))
+            start = met
+        events.append(Event("optimizer step", rank, "compute", "optimizer", start, end - start,
+                            {"phase": "optimizer"}))
+    return Trace("simulated", 4, events, {"represents": represents or {}})
+
+
+def test_each_rank_s_end_varies_with_its_time_since_it_last_met_the_others():
+    # both met at 50 ms and computed 12 ms more: sigma 1.2 ms each at 10%
+    assert end_wait_s(_step({0: (0.050, 0.062), 1: (0.050, 0.062)}), 0.10) == pytest.approx(
+        0.0012 / math.sqrt(math.pi), rel=1e-6)
+    # one simulated rank standing for both: the same
+    assert end_wait_s(_step({0: (0.050, 0.062)}, {"0": 2}), 0.10) == pytest.approx(0.0012 / math.sqrt(math.pi),
+                                                                                  rel=1e-6)
+    # a rank that never met the others varies over its whole step
+    assert end_wait_s(_step({0: (None, 0.012), 1: (None, 0.012)}), 0.10) == pytest.approx(
+        0.0012 / math.sqrt(math.pi), rel=1e-6)
+    # a rank ending 10 sigmas early never ends last; alone, a rank's own error averages out
+    assert end_wait_s(_step({0: (0.050, 0.062), 1: (0.038, 0.050)}), 0.10) == pytest.approx(0.0, abs=1e-9)
+    # ranks that end as they meet, and a host without jitter
+    assert end_wait_s(_step({0: (0.050, 0.050), 1: (0.050, 0.050)}), 0.10) == 0.0
+    assert end_wait_s(_step({0: (0.050, 0.062), 1: (0.050, 0.062)}), 0.0) == 0.0
+
+
+def test_a_jittering_host_s_step_ends_later_by_the_wait_in_every_rank_s_idle(capsys, tmp_path):
+    plan = resolve_plan("course-ddp", overrides={"parallel": {"dp": 2}})
+    still = parse_cluster(cpu_host(op_forward_us=7.0, op_backward_us=6.0), "host")
+    jittery = parse_cluster(cpu_host(op_forward_us=7.0, op_backward_us=6.0, rank_jitter=0.08), "host")
+    calm, shaky = predict_step(plan, still), predict_step(plan, jittery)
+    assert calm.end_wait_s == 0.0 and calm.step_s == step_time(calm.trace)
+    wait = end_wait_s(shaky.trace, 0.08)
+    assert wait > 0 and shaky.end_wait_s == pytest.approx(wait)
+    assert shaky.step_s == pytest.approx(step_time(shaky.trace) + wait)
+    assert shaky.step_s == pytest.approx(calm.step_s + wait)  # the same trace, the same events
+    for before, after in zip(calm.ranks, shaky.ranks):
+        assert after.seconds["idle"] == pytest.approx(before.seconds["idle"] + wait)
+        assert after.step_s == pytest.approx(shaky.step_s)
+        assert sum(after.seconds.values()) == pytest.approx(after.step_s)
+    assert [r.seconds for r in breakdown(shaky.trace)] == [r.seconds for r in breakdown(calm.trace)]
+
+    host = tmp_path / "host.yaml"
+    import yaml
+
+    host.write_text(yaml.safe_dump(cpu_host(op_forward_us=7.0, op_backward_us=6.0, rank_jitter=0.08)))
+    assert main(["simulate", "course-ddp", "--dp", "2", "--cluster", str(host)]) == 0
+    assert "the ranks' jitter (8.0% of each rank's time since it last met the others" in capsys.readouterr().out
+    assert main(["simulate", "course-ddp", "--dp", "2", "--cluster", str(host), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["end_wait_s"] == pytest.approx(wait)
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, "much"])
+def test_a_jitter_outside_a_fraction_is_refused(value):
+    with pytest.raises(Exception, match="compute.rank_jitter"):
+        parse_cluster(cpu_host(rank_jitter=value), "host")
+
+
+def test_calibrate_fits_the_jitter_as_the_median_difference_between_ranks_in_sigmas_over_the_median_step():
+    # two rounds of two ranks: steps of 10 ms, rank 1's differing from rank 0's by 1 ms in most steps
+    rank_0 = [0.010] * 9
+    rank_1 = [0.011, 0.009, 0.011, 0.009, 0.011, 0.010, 0.030, 0.009, 0.011]  # one 30 ms stall
+    jitter = fit_rank_jitter([[rank_0, rank_1], [rank_0, rank_1]])
+    # median |difference| 1 ms; median step 10 ms (the stall moves neither)
+    assert jitter == pytest.approx(0.001 / MEDIAN_ABS_DIFFERENCE / 0.010)
+    assert MEDIAN_ABS_DIFFERENCE == pytest.approx(0.9539, abs=1e-4)
+    assert fit_rank_jitter([[rank_0]]) == 0.0 and fit_rank_jitter([]) == 0.0
