@@ -79,7 +79,7 @@ RUN_S = 0.03
 # last-level cache share) the memory speed.
 OPTIMIZER_RUNS = ((1, 256), (64, 256), (4, 1 << 20), (2, 1 << 21))
 OPTIMIZER_ALONE = (2, 1 << 21)  # the run each rank repeats alone: its memory speed without the others streaming
-JITTER_REPEATS = 25  # AdamW steps every rank starts at once, to see how the same work's time varies between ranks
+JITTER_REPEATS = 100  # AdamW steps every rank starts at once, to see how the same work's time varies between ranks
 REPEATS = 15
 
 

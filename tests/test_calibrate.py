@@ -469,9 +469,9 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
             "loop), 150 us more per send issued") in text
     written = load_cluster(str(out))
     assert (written.speed_probe_flops, written.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
-    # ranks 1 ms apart at the median over 10 ms steps: sigma 1 / 0.954 ms
-    assert written.rank_jitter == pytest.approx(0.001 / 0.9539 / 0.010, rel=1e-3)
-    assert "rank jitter       10.5% of the same work's time" in text
+    # ranks 1 ms apart in every 10 ms step: sigma 1 ms / (2 / sqrt(pi))
+    assert written.rank_jitter == pytest.approx(0.001 / 1.1284 / 0.010, rel=1e-3)
+    assert "rank jitter       8.9% of the same work's time" in text
     assert (written.matmul_stream_bw_Bps, written.matmul_write_bw_Bps) == pytest.approx((15e9, 45e9), rel=0.1)
     assert (f"weights stream in at {written.matmul_stream_bw_Bps / 1e9:.1f} GB/s and outputs out at "
             f"{written.matmul_write_bw_Bps / 1e9:.1f} GB/s") in text

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from cpu_host import cpu_host
 
-from parsim.calibrate.host import MEDIAN_ABS_DIFFERENCE, fit_rank_jitter
+from parsim.calibrate.host import MEAN_ABS_DIFFERENCE, fit_rank_jitter
 from parsim.cli.main import main
 from parsim.hardware.cluster import parse_cluster
 from parsim.report.step_report import breakdown, step_time
@@ -100,12 +100,12 @@ def test_a_jitter_outside_a_fraction_is_refused(value):
         parse_cluster(cpu_host(rank_jitter=value), "host")
 
 
-def test_calibrate_fits_the_jitter_as_the_median_difference_between_ranks_in_sigmas_over_the_median_step():
-    # two rounds of two ranks: steps of 10 ms, rank 1's differing from rank 0's by 1 ms in most steps
+def test_calibrate_fits_the_jitter_as_the_mean_difference_between_ranks_in_sigmas_over_the_median_step():
+    # two rounds of two ranks: steps of 10 ms, rank 1's 1 ms apart from rank 0's but in one step, where it stalled
     rank_0 = [0.010] * 9
-    rank_1 = [0.011, 0.009, 0.011, 0.009, 0.011, 0.010, 0.030, 0.009, 0.011]  # one 30 ms stall
+    rank_1 = [0.011, 0.009, 0.011, 0.009, 0.011, 0.010, 0.030, 0.009, 0.011]
     jitter = fit_rank_jitter([[rank_0, rank_1], [rank_0, rank_1]])
-    # median |difference| 1 ms; median step 10 ms (the stall moves neither)
-    assert jitter == pytest.approx(0.001 / MEDIAN_ABS_DIFFERENCE / 0.010)
-    assert MEDIAN_ABS_DIFFERENCE == pytest.approx(0.9539, abs=1e-4)
+    # mean |difference| 27 / 9 = 3 ms (the stall counts, as it would in a step); the median step 10 ms
+    assert jitter == pytest.approx(0.003 / MEAN_ABS_DIFFERENCE / 0.010)
+    assert MEAN_ABS_DIFFERENCE == pytest.approx(1.1284, abs=1e-4)
     assert fit_rank_jitter([[rank_0]]) == 0.0 and fit_rank_jitter([]) == 0.0
