@@ -56,7 +56,7 @@ SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")
 SHARED_CORE_OPTIONAL = ("p2p_issue_us", "time_slice_us")  # absent from files calibrated before they were measured
 SHARED_CORE_STRETCHES = ("matmul_stretch", "eager_stretch")  # optional, times (absent: 2, the fair share)
 STRETCH = (1.0, 100.0, "times as long as with a core each")
-JITTER = (0.0, 1.0, "(a fraction of a rank's time: sigma over the mean)")
+JITTER = (0.0, 1.0, "fraction of a rank's time (sigma over the mean)")
 
 
 @dataclass(frozen=True)
