@@ -17,6 +17,7 @@ from parsim.report.step_report import breakdown, step_time
 from parsim.report.trace import Event, Trace
 from parsim.sim.jitter import end_wait_s, expected_max
 from parsim.sim.step import predict_step
+from parsim.units import format_time
 from parsim.workload.plan import resolve_plan
 
 
@@ -89,7 +90,19 @@ def test_a_jittering_host_s_step_ends_later_by_the_wait_in_every_rank_s_idle(cap
 
     host.write_text(yaml.safe_dump(cpu_host(op_forward_us=7.0, op_backward_us=6.0, rank_jitter=0.08)))
     assert main(["simulate", "course-ddp", "--dp", "2", "--cluster", str(host)]) == 0
-    assert "the ranks' jitter (8.0% of each rank's time since it last met the others" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # each number of the line, from the trace: the last rank's time since its last collective, sigma, the wait
+    last = max(shaky.trace.events, key=lambda e: e.start_s + e.dur_s)
+    met = max(e.start_s + e.dur_s for e in shaky.trace.events if e.rank == last.rank and e.kind == "collective")
+    since = last.start_s + last.dur_s - met
+    assert since > 0 and wait == pytest.approx(0.08 * since / math.sqrt(math.pi), rel=1e-6)  # two alike
+    line = next(text for text in out.splitlines() if text.startswith("the ranks' jitter"))
+    assert (f"varies by 8.0% (as calibrated) of its time since it last met the others; rank {last.rank}, the last "
+            f"to end, met them {format_time(since)} before, so sigma = {format_time(0.08 * since)}. The latest of "
+            f"the 2 ends that may come last is {format_time(wait)} later on average") in line
+    # a pipeline's last rank ends alone, its own error averaging out: nothing worth a line
+    assert main(["simulate", "tiny-pp2", "--cluster", str(host)]) == 0
+    assert "the ranks' jitter" not in capsys.readouterr().out
     assert main(["simulate", "course-ddp", "--dp", "2", "--cluster", str(host), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["end_wait_s"] == pytest.approx(wait)
 

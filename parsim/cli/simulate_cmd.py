@@ -9,6 +9,7 @@ from ..hardware.cluster import load_cluster
 from ..report.jsondoc import print_json
 from ..report.step_report import PHASES, comm_overlap
 from ..report.table import render_table
+from ..sim.jitter import RankEnds
 from ..sim.step import StepPrediction, predict_step
 from ..units import format_time
 from .common import (DEFAULT_CLUSTER, OpsProgress, check_outputs, memory_table, note_launch_bound,
@@ -124,10 +125,14 @@ def report(r: StepPrediction) -> str:
         lines.append(f"SMs held by the data-parallel and FSDP collectives' NCCL kernels (one per channel) slowed the "
                      f"compute beside them by {format_time(held[rank])} on rank {rank} ({held[rank] / r.step_s:.1%} of "
                      f"the step; docs/engine.md)")
-    if r.end_wait_s:
-        lines.append(f"the ranks' jitter ({r.cluster.rank_jitter:.1%} of each rank's time since it last met the "
-                     f"others, as calibrated) ends the step {format_time(r.end_wait_s)} later on average, for its "
-                     f"slowest rank: counted in the step and in every rank's idle (parsim/sim/jitter.py)")
+    if r.end_wait_s >= 1e-3 * r.step_s:  # (less is below the table's rounding, or the integral's own error)
+        jitter = r.cluster.rank_jitter
+        rank, since, together = RankEnds.of(r.trace).last(jitter)
+        lines.append(f"the ranks' jitter: each rank's end varies by {jitter:.1%} (as calibrated) of its time since "
+                     f"it last met the others; rank {rank}, the last to end, met them {format_time(since)} before, "
+                     f"so sigma = {format_time(jitter * since)}. The latest of the {together} ends that may come "
+                     f"last is {format_time(r.end_wait_s)} later on average (two alike: sigma / sqrt(pi)), counted "
+                     f"in the step and in every rank's idle (parsim/sim/jitter.py)")
     lines.append("")
     lines.append(memory_table(r.memory, capacity, "peak memory per GPU (GB)"))
     if r.over_memory:

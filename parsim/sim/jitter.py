@@ -26,6 +26,7 @@ step's end (its ``idle``), and the step is that much longer.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -42,20 +43,41 @@ def end_wait_s(trace: Trace, jitter: float) -> float:
     giving how many ranks each simulated one stands for (1 if absent)."""
     if jitter <= 0 or not trace.events:
         return 0.0
-    ends: dict[int, float] = {}
-    met: dict[int, float] = {}
-    for e in trace.events:
-        end = e.start_s + e.dur_s
-        if end > ends.get(e.rank, 0.0):
-            ends[e.rank] = end
-        if e.kind in MEETS and end > met.get(e.rank, 0.0):
-            met[e.rank] = end
-    ranks = sorted(ends)
-    represents = {int(rank): int(count) for rank, count in trace.meta.get("represents", {}).items()}
-    end = np.array([ends[r] for r in ranks])
-    sigma = jitter * np.array([ends[r] - met.get(r, 0.0) for r in ranks])
-    count = np.array([represents.get(r, 1) for r in ranks], dtype=float)
-    return expected_max(end, sigma, count) - float(end.max())
+    ends = RankEnds.of(trace)
+    return expected_max(ends.end, jitter * ends.since, ends.count) - float(ends.end.max())
+
+
+@dataclass
+class RankEnds:
+    """Each simulated rank's end (``end``), its time since it last met the others (``since``) and how many
+    ranks it stands for (``count``), in ``ranks`` order."""
+
+    ranks: list[int]
+    end: np.ndarray
+    since: np.ndarray
+    count: np.ndarray
+
+    @classmethod
+    def of(cls, trace: Trace) -> "RankEnds":
+        ends: dict[int, float] = {}
+        met: dict[int, float] = {}
+        for e in trace.events:
+            end = e.start_s + e.dur_s
+            if end > ends.get(e.rank, 0.0):
+                ends[e.rank] = end
+            if e.kind in MEETS and end > met.get(e.rank, 0.0):
+                met[e.rank] = end
+        ranks = sorted(ends)
+        represents = {int(rank): int(count) for rank, count in trace.meta.get("represents", {}).items()}
+        return cls(ranks, np.array([ends[r] for r in ranks]), np.array([ends[r] - met.get(r, 0.0) for r in ranks]),
+                   np.array([represents.get(r, 1) for r in ranks], dtype=float))
+
+    def last(self, jitter: float) -> tuple[int, float, int]:
+        """The simulated rank that ends last, its time since it last met the others, and how many ranks
+        (replicas counted) may end last with it: those ending within ``SIGMAS`` of its sigma."""
+        i = int(np.argmax(self.end))
+        reach = SIGMAS * jitter * float(self.since[i])
+        return self.ranks[i], float(self.since[i]), int(self.count[self.end >= self.end[i] - reach].sum())
 
 
 def expected_max(mean: np.ndarray, sigma: np.ndarray, count: np.ndarray) -> float:
