@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from parsim.errors import ParsimError
-from parsim.report.step_report import median_breakdown, median_group_breakdown, median_step, step_time
+from parsim.report.step_report import breakdown, median_breakdown, median_step, step_time
 from parsim.report.trace import Event, Trace
 from parsim.workload.plan import Plan
 
@@ -137,10 +137,12 @@ def _losses(results: list[dict], steps: int) -> list[float]:
 def summarize(plan: Plan, traces: list[Trace], losses: list[float], backend: str) -> dict:
     """Step times, throughput, losses, each rank's time by phase (each phase's median over the steps, and
     its least and most in any step), and each pipeline stage's (each phase's median over the steps of its
-    ranks' mean: :func:`~parsim.report.step_report.median_group_breakdown`)."""
+    ranks' mean in each step: :func:`~parsim.report.step_report.median_breakdown` by stage)."""
     times = [step_time(trace) for trace in traces]
     median = times[median_step(traces)]
     unit = "samples" if plan.model.tokens_per_sample == 1 else "tokens"
+    rows = [breakdown(trace) for trace in traces]
+    stage_of = {row.rank: plan.coords(row.rank).pp for step in rows for row in step}
     return {
         "plan": plan.name, "model": plan.model.name, "world_size": plan.world, "backend": backend,
         "dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "ep": plan.ep, "schedule": plan.schedule,
@@ -151,13 +153,8 @@ def summarize(plan: Plan, traces: list[Trace], losses: list[float], backend: str
         "loss": losses[-1], "losses": losses,
         "ranks": [{"rank": b.rank, "step_s": b.step_s, "seconds": b.seconds,
                    "ranges": {phase: list(lo_hi) for phase, lo_hi in b.ranges.items()}}
-                  for b in median_breakdown(traces)],
+                  for b in median_breakdown(traces, breakdowns=rows)],
         "stages": [{"pp": b.rank, "seconds": b.seconds,
                     "ranges": {phase: list(lo_hi) for phase, lo_hi in b.ranges.items()}}
-                   for b in median_group_breakdown(traces, _stage_of(plan, traces)).values()],
+                   for b in median_breakdown(traces, stage_of, breakdowns=rows)],
     }
-
-
-def _stage_of(plan: Plan, traces: list[Trace]) -> dict[int, int]:
-    """The pipeline stage of each rank the traces measured."""
-    return {rank: plan.coords(rank).pp for rank in {e.rank for trace in traces for e in trace.events}}

@@ -61,7 +61,10 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     (compute.tp_collective_call_us); zero_grad(set_to_none=True) after a
     backward over few and many, small and large tensors -> what freeing the
     gradients costs as a step starts (compute.zero_grad_step_us,
-    zero_grad_tensor_us, zero_grad_free_GBps); stacks of FSDP2 units on a
+    zero_grad_tensor_us, zero_grad_free_GBps); 100 AdamW steps that every
+    rank starts at once -> how much the same work's time varies from rank
+    to rank (compute.rank_jitter: a step ends when its slowest rank does);
+    stacks of FSDP2 units on a
     group of one rank, plain and fully_shard-ed -> FSDP2's own host work
     (compute.fsdp_unshard_us, fsdp_reduce_us, fsdp_optimizer_tensor_us),
     and kept gathered with gradients unsynced, as a pipeline's passes

@@ -247,7 +247,7 @@ def stage_phases(rows: list[dict], min_ranks: int = 2,
     ``measured`` has a (stage, phase), that is the measured figure: the median over several steps of the
     stage's mean in each step (``run_plan``'s ``stages``), where the mean of the ranks' medians would take each
     rank's median on whichever side of a twin's wait it happened to fall
-    (:func:`~parsim.report.step_report.median_group_breakdown`).
+    (:func:`~parsim.report.step_report.median_breakdown` by stage).
 
     A stage's data-, tensor- and context-parallel ranks do the same work; which of them a shared core runs
     first, or which ends its step last, changes from step to step, so one rank's phase can miss where the
@@ -265,7 +265,7 @@ def stage_phases(rows: list[dict], min_ranks: int = 2,
         if n < min_ranks:
             continue
         predicted_s = predicted_sum / n
-        measured_s = measured[pp, phase] if measured and (pp, phase) in measured else measured_sum / n
+        measured_s = (measured or {}).get((pp, phase), measured_sum / n)
         stages.append({"pp": pp, "ranks": n, "phase": phase, "predicted_s": predicted_s, "measured_s": measured_s,
                        "error": predicted_s / measured_s - 1 if measured_s else None})
     return stages

@@ -165,52 +165,38 @@ def median_step(traces: list[Trace]) -> int:
     return sorted(range(len(traces)), key=times.__getitem__)[(len(traces) - 1) // 2]
 
 
-def median_breakdown(traces: list[Trace]) -> list[RankBreakdown]:
+def median_breakdown(traces: list[Trace], group_of: Mapping[int, int] | None = None,
+                     breakdowns: list[list[RankBreakdown]] | None = None) -> list[RankBreakdown]:
     """Each rank's time by phase over several measured steps: per phase, its median over the steps (the whole
     step: the :func:`median_step`'s time), and the least and most any step spent on it. One step's idle swings
     with which rank happened to end last (on the 2-core VM a rank waited for the other 0.04 ms at the median
     step and 6.9 ms at the 90th percentile); the median over the steps is what a typical step spends on each,
-    the range how far one step may stray from it."""
-    by_rank: dict[int, list[RankBreakdown]] = {}
-    for trace in traces:
-        for row in breakdown(trace):
-            by_rank.setdefault(row.rank, []).append(row)
-    step_s = step_time(traces[median_step(traces)])
-    rows = []
-    for rank, steps in sorted(by_rank.items()):
-        per_phase = {phase: [r.seconds[phase] for r in steps] for phase in PHASES}
-        rows.append(RankBreakdown(rank, step_s, {phase: float(np.median(v)) for phase, v in per_phase.items()},
-                                  {phase: (min(v), max(v)) for phase, v in per_phase.items()}))
-    return rows
+    the range how far one step may stray from it. ``breakdowns``: each trace's :func:`breakdown`, where already
+    computed.
 
-
-def median_group_breakdown(traces: list[Trace], group_of: Mapping[int, int]) -> dict[int, RankBreakdown]:
-    """Per group of ranks that do the same work (``group_of``: rank -> group, e.g. a pipeline stage's data-,
-    tensor- and context-parallel ranks), each phase's median over the steps of the group's mean in that step,
-    and the least and most that mean reached; each row's ``rank`` is its group.
-
-    Twins that share a core, or meet in a collective, swap from step to step which of them waits: one step's
-    `dp` may be 0.1 ms on one and 11 ms on the other, the next the other way round. Each twin's median over the
-    steps then lands on either side of that split at random (:func:`median_breakdown` per rank), while their
-    mean in each step does not: it is what the group spends on the phase, whichever of them spends it."""
-    step_s = step_time(traces[median_step(traces)])
-    per_step: dict[int, dict[str, list[float]]] = {}
-    for trace in traces:
-        sums: dict[int, dict[str, float]] = {}
-        sizes: dict[int, int] = {}
-        for row in breakdown(trace):
-            group = group_of[row.rank]
-            sizes[group] = sizes.get(group, 0) + 1
-            totals = sums.setdefault(group, dict.fromkeys(PHASES, 0.0))
+    With ``group_of`` (rank -> group of ranks that do the same work, e.g. a pipeline stage's data-, tensor- and
+    context-parallel ranks), one row per group instead (its ``rank`` the group): each phase's median over the
+    steps of the group's mean in that step. Twins that share a core, or meet in a collective, swap from step to
+    step which of them waits: one step's `dp` may be 0.1 ms on one and 11 ms on the other, the next the other
+    way round. Each twin's median then lands on either side of that split at random, while their mean in each
+    step does not: it is what the group spends on the phase, whichever of them spends it."""
+    per_step: dict[int, dict[str, list[float]]] = {}  # group -> phase -> its mean in each step
+    for rows in breakdowns if breakdowns is not None else map(breakdown, traces):
+        sums: dict[int, list] = {}  # group -> [ranks, phase -> seconds]
+        for row in rows:
+            group = row.rank if group_of is None else group_of[row.rank]
+            ranks_and_totals = sums.setdefault(group, [0, dict.fromkeys(PHASES, 0.0)])
+            ranks_and_totals[0] += 1
             for phase in PHASES:
-                totals[phase] += row.seconds[phase]
-        for group, totals in sums.items():
+                ranks_and_totals[1][phase] += row.seconds[phase]
+        for group, (ranks, totals) in sums.items():
             seen = per_step.setdefault(group, {phase: [] for phase in PHASES})
             for phase in PHASES:
-                seen[phase].append(totals[phase] / sizes[group])
-    return {group: RankBreakdown(group, step_s, {phase: float(np.median(v)) for phase, v in means.items()},
-                                 {phase: (min(v), max(v)) for phase, v in means.items()})
-            for group, means in sorted(per_step.items())}
+                seen[phase].append(totals[phase] / ranks)
+    step_s = step_time(traces[median_step(traces)])
+    return [RankBreakdown(group, step_s, {phase: float(np.median(v)) for phase, v in means.items()},
+                          {phase: (min(v), max(v)) for phase, v in means.items()})
+            for group, means in sorted(per_step.items())]
 
 
 def comm_overlap(trace: Trace) -> dict[int, float | None]:
