@@ -331,6 +331,26 @@ def test_the_core_sharing_benchmark_refuses_no_blocks_in_one_line():
     assert done.returncode == 2 and done.stderr.strip().endswith("--blocks and --matmuls must be at least 1")
 
 
+@pytest.mark.skipif(usable_cores() < 2, reason="binds a rank beside rank 0 on a host of 2 cores or more")
+def test_the_pass_stretch_benchmark_sets_a_model_s_passes_beside_both_probes():
+    done = script("benchmarks/cpu_pass_stretch.py", "--rounds", "1", "--window", "0.02")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("rank 0 and rank ") and "1 rounds of 0.02 s windows" in lines[0]
+    rows = {" ".join(line.split()[:-4]): line.split()[-4:] for line in lines[2:]}
+    assert list(rows) == ["tiny-gpt forward+backward", "eager probe", "matmul probe"]
+    for alone, together, stretch, _ in rows.values():  # the stretch: the together time over the alone one
+        alone_ms, together_ms = float(alone.removesuffix("ms")), float(together.removesuffix("ms"))
+        assert alone_ms > 0 and float(stretch[1:]) == pytest.approx(together_ms / alone_ms, abs=0.02)
+
+
+@pytest.mark.parametrize("args, expected", [(["--rounds", "0"], "--rounds must be at least 1 and --window positive"),
+                                            (["--model", "nosuch"], "nosuch")])
+def test_the_pass_stretch_benchmark_refuses_a_bad_run_in_one_line(args, expected):
+    done = script("benchmarks/cpu_pass_stretch.py", *args)
+    assert done.returncode == 2 and expected in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
 def _twin_allreduce():
     return _benchmark("cpu_twin_allreduce")
 
