@@ -116,6 +116,34 @@ def measure_on_shared_cores(timeout_s: float = 300.0, pipeline_steps: int = 60) 
         os.sched_setaffinity(0, cores)
 
 
+GENERIC_PIPELINE_STEPS, GENERIC_PIPELINE_ROUNDS = 20, 2
+
+
+def measure_generic_pipeline(alone: Any, shared: Any, steps: int = GENERIC_PIPELINE_STEPS,
+                             rounds: int = GENERIC_PIPELINE_ROUNDS, timeout_s: float = 300.0
+                             ) -> tuple[float, float] | None:
+    """The median step (``executor.train.run_plan``) of the plan ``alone`` with a core per rank and of ``shared``
+    with two ranks on each of 2 cores (``parsim.calibrate.shared_pipeline``: a generic pipeline, then two
+    replicas of it), each the median over ``rounds`` runs taken in turn, so that the host's drift reaches both.
+    None where processes cannot be bound to cores (not Linux) or the host gives fewer than 2."""
+    import os
+
+    from .train.measure import run_plan
+
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    alone_steps, shared_steps = [], []
+    for _ in range(rounds):
+        alone_steps.append(run_plan(alone, alone.world, steps, backend="gloo", timeout_s=timeout_s)[1]["step_s"])
+        os.sched_setaffinity(0, cores[:2])  # the ranks bind round robin to the cores they inherit
+        try:
+            shared_steps.append(run_plan(shared, shared.world, steps, backend="gloo", timeout_s=timeout_s)[1]["step_s"])
+        finally:
+            os.sched_setaffinity(0, cores)
+    return statistics.median(alone_steps), statistics.median(shared_steps)
+
+
 SHARED_PROBE_ROUNDS = 5
 
 

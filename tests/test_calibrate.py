@@ -440,6 +440,8 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
          # two ranks on each core, then one per core (ranks 0 and 1) in turn: 2.2x and 2x as long shared
          "speed_probe": (20e9, 2000e-6), "speed_probe_alone": (44e9, 1000e-6) if r < 2 else None}
         for r in range(4)])
+    # the generic pipeline: 40 ms a step with a core per rank, 100 ms as two replicas on 2 cores
+    monkeypatch.setattr(executor.compute_bench, "measure_generic_pipeline", lambda alone, shared: (40e-3, 100e-3))
     monkeypatch.setattr(executor.collectives, "measure_reduce_bandwidth", lambda sizes: [(s, s / 6e9) for s in sizes])
 
     def collectives(op, sizes, n, backend, timeout_s=None, target_time_s=None):
@@ -482,9 +484,12 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert "2 ranks per core  200 us latency and 2650 us rendezvous per pipeline transfer, 500 us between actions, " \
            "900 us per send (runs with more ranks than cores); a matmul 2.20x and an eager pass 2.00x as long as " \
            "with a core each" in text
+    comm = written.shared_cores.comm_stretch
     assert written.shared_cores == SharedCoreCosts(pytest.approx(2.65e-3), pytest.approx(200e-6),
                                                    pytest.approx(500e-6), pytest.approx(900e-6), pytest.approx(2.2),
-                                                   pytest.approx(2.0))
+                                                   pytest.approx(2.0), comm_stretch=comm)
+    assert f"communicating     compute on a shared core {comm:.2f}x as long again where its ranks communicate (a " \
+           "generic 2-stage pipeline: 40.0 ms a step with a core per rank, 100.0 ms as two replicas on 2 cores" in text
     assert "memory            20.00 GB/s per rank with every rank streaming (40.0 GB/s in all), 32.00 GB/s for a " \
            "rank alone, 120 us per AdamW step and 50 us per tensor" in text
     assert (written.optimizer_step_s, written.optimizer_tensor_s) == pytest.approx((120e-6, 50e-6))
@@ -514,7 +519,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert (doc["p2p_rendezvous_us"], doc["p2p_latency_us"]) == pytest.approx((300.0, 60.0))
     assert doc["shared_cores"] == pytest.approx({"p2p_rendezvous_us": 2650.0, "p2p_latency_us": 200.0,
                                                  "action_overhead_us": 500.0, "p2p_issue_us": 900.0,
-                                                 "matmul_stretch": 2.2, "eager_stretch": 2.0})
+                                                 "matmul_stretch": 2.2, "eager_stretch": 2.0, "comm_stretch": comm})
+    assert doc["generic_pipeline_step_ms"] == pytest.approx({"core_each": 40.0, "two_per_core": 100.0})
     assert (doc["memory_alone_bw_GBps"], doc["memory_host_bw_GBps"]) == pytest.approx((32.0, 40.0))
     assert (doc["optimizer_step_us"], doc["optimizer_tensor_us"]) == pytest.approx((120.0, 50.0))
     assert doc["core_ns_per_element"] == {kind: {"forward": pytest.approx(fwd), "backward": pytest.approx(bwd)}

@@ -62,6 +62,20 @@ def test_the_pipeline_s_host_costs_are_timed_with_two_ranks_on_each_core():
     assert [row["speed_probe_alone"] is not None for row in rows] == [r < len(rows) // 2 for r in range(len(rows))]
 
 
+@pytest.mark.multiproc
+def test_the_generic_pipeline_is_run_with_a_core_per_rank_then_with_two_ranks_on_each_core():
+    from executor.compute_bench import measure_generic_pipeline
+    from executor.launch import usable_cores
+    from parsim.calibrate.shared_pipeline import generic_pipeline
+
+    steps = measure_generic_pipeline(generic_pipeline(1), generic_pipeline(2), steps=2, rounds=1, timeout_s=120)
+    if usable_cores() < 2:
+        assert steps is None
+    else:
+        core_each, two_per_core = steps
+        assert 0 < core_each < two_per_core  # twice the work on the same two cores
+
+
 def step_gaps(rank: int, world: int) -> float:
     from executor.compute_bench import measure_step_gaps
 

@@ -17,6 +17,7 @@ from ..calibrate.host import (fit_alone_memory, fit_core_arithmetic, fit_dispatc
                               fit_links, fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, fit_tp_calls,
                               fit_rank_jitter, fit_zero_grad, host_cluster)
 from ..calibrate.host_load import ForeignLoad
+from ..calibrate.shared_pipeline import fit_comm_stretch, generic_pipeline
 from ..errors import ParsimError
 from ..files import read_yaml
 from ..hardware.cluster import SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
@@ -91,6 +92,11 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     the host-speed probes there, in turn with one rank per core -> how many
     times as long a matmul and an eager pass take on a shared core
     (shared_cores.matmul_stretch, eager_stretch);
+  * a generic 2-stage pipeline (GeLU MLP) on 2 ranks, then two replicas of
+    it on 4 ranks bound to 2 cores -> how much longer again compute on a
+    shared core takes where the ranks communicate (shared_cores.comm_stretch:
+    the factor that makes the simulated 4-rank step as many times the 2-rank
+    one as measured; gloo's threads wake on the core to move each message);
   * between those benchmarks, the host's speed: a fixed fp32 matmul's rate
     and a stack of tiny eager layers' time (compute.speed_probe_gflops,
     compute.speed_probe_eager_us). A VM's cores drift by 10-30% over minutes,
@@ -151,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_one_gpu(args)
     from executor.collectives import (DEFAULT_TARGET_TIME_S, check_host_memory, default_timeout_s, measure_collectives,
                                       measure_in_step, measure_reduce_bandwidth)
-    from executor.compute_bench import measure_on_every_rank, measure_on_shared_cores
+    from executor.compute_bench import measure_generic_pipeline, measure_on_every_rank, measure_on_shared_cores
     from executor.launch import check_request, resolve_backend, usable_cores
 
     try:
@@ -188,10 +194,13 @@ def run(args: argparse.Namespace) -> int:
         if backend == "gloo" and in_step_ops:
             progress(f"measuring {', '.join(o.replace('_', '-') for o in in_step_ops)} between bursts of compute")
             in_step = measure_in_step(in_step_ops, max(rank_counts))
-        shared_rows = []
+        shared_rows, generic = [], None
         if backend == "gloo":
             progress("measuring pipeline transfers and the loop between actions with two ranks on each core")
             shared_rows = measure_on_shared_cores()
+            progress("running a generic 2-stage pipeline with a core per rank, then two replicas of it with two "
+                     "ranks on each core")
+            generic = measure_generic_pipeline(generic_pipeline(1), generic_pipeline(2))
         # Once more at the end: a host's speed drifts (other tenants), and the fits take both rounds.
         progress(f"measuring matmuls, eager ops and optimizer steps again on {max(rank_counts)} ranks")
         per_rank += measure_on_every_rank(max(rank_counts))
@@ -252,6 +261,10 @@ def run(args: argparse.Namespace) -> int:
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
         cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s),
         core_arithmetic=arithmetic, tp_call_s=tp_calls, zero_grad=zero_grad, fsdp=fsdp, rank_jitter=jitter)
+    if shared is not None and generic is not None:
+        comm_stretch = fit_comm_stretch(parse_cluster(cluster, args.out), *generic)
+        shared = replace(shared, comm_stretch=comm_stretch)
+        cluster["compute"]["shared_cores"] = shared.to_mapping()
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
     if step_overhead:
         cluster["collective_step_overhead_us"] = {op: t * 1e6 for op, t in step_overhead.items()}
@@ -274,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
                     "p2p_latency_us": p2p_latency * 1e6 if p2p_latency is not None else None,
                     "action_overhead_us": action_overhead * 1e6, "p2p_issue_us": p2p_issue * 1e6,
                     "shared_cores": shared.to_mapping() if shared else None,
+                    "generic_pipeline_step_ms": {"core_each": generic[0] * 1e3, "two_per_core": generic[1] * 1e3}
+                    if generic else None,
                     "elementwise_bw_GBps": elementwise_bw / 1e9, "core_ns_per_element": arithmetic.to_ns(),
                     "tp_collective_call_us": {"forward": tp_calls[0] * 1e6, "backward": tp_calls[1] * 1e6}
                     if tp_calls else None,
@@ -349,6 +364,11 @@ def run(args: argparse.Namespace) -> int:
               f"{shared.p2p_issue_s * 1e6:.0f} us per send (runs with more ranks than cores)"
               + (f"; a matmul {shared.matmul_stretch:.2f}x and an eager pass {shared.eager_stretch:.2f}x as long as "
                  f"with a core each" if shared.matmul_stretch else ""))
+    if shared is not None and shared.comm_stretch is not None:
+        print(f"communicating     compute on a shared core {shared.comm_stretch:.2f}x as long again where its ranks "
+              f"communicate (a generic 2-stage pipeline: {generic[0] * 1e3:.1f} ms a step with a core per rank, "
+              f"{generic[1] * 1e3:.1f} ms as two replicas on 2 cores; the factor that makes the simulated steps "
+              f"as many times apart)")
     stream = ""
     if matmul.stream_bw_Bps and matmul.write_bw_Bps:
         stream = (f", weights stream in at {matmul.stream_bw_Bps / 1e9:.1f} GB/s and outputs out at "

@@ -438,8 +438,11 @@ class ComputeModel:
         """How many times as long work takes on a core this rank time-shares: ``time_share`` (each rank's fair
         share), or, where ``calibrate`` measured two ranks on each core computing at once (``shared_cores``'
         ``matmul_stretch`` for kernels, ``eager_stretch`` for the host's fixed costs), that figure, as
-        :meth:`time_shared` takes it."""
-        return self.time_shared(1.0, getattr(self.shared_cores, field, None) if self.shared_cores else None)
+        :meth:`time_shared` takes it; times ``comm_stretch`` where fitted (the ranks' communication threads
+        waking on the core)."""
+        stretch = self.time_shared(1.0, getattr(self.shared_cores, field, None) if self.shared_cores else None)
+        comm = self.shared_cores.comm_stretch if self.shared_cores else None
+        return stretch * comm if comm and self.time_share > 1.0 else stretch
 
     @property
     def shares_host_memory(self) -> bool:
