@@ -100,7 +100,8 @@ def measure_on_shared_cores(timeout_s: float = 300.0, pipeline_steps: int = 60) 
     against 0.39-0.47, a transfer whose receiver waited 0.48-0.90 ms against 0.31-0.41. Then the host-speed
     probes, every rank at once: compute on a shared core takes more than twice as long, each rank's turn
     starting in caches the other emptied (on the 2-core VM a small model's passes 2.25-2.6x, the probes
-    2.0-2.2x; 2026-11-27). Empty where the host cannot bind processes to cores (not Linux)."""
+    2.0-2.2x, 2026-11-27; in alternating windows 2.14-2.16x and 2.06-2.13x, 2026-11-29:
+    ``benchmarks/cpu_pass_stretch.py``). Empty where the host cannot bind processes to cores (not Linux)."""
     import os
 
     from .launch import launch

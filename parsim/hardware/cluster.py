@@ -126,7 +126,10 @@ class SharedCoreCosts:
     seconds; and how many times as long a matmul and an eager pass take as with a core each, both ranks
     computing (None: not measured, taken as 2, each rank's fair share). Two ranks switching on a core take
     more than twice as long, each slice starting in caches the other emptied: on a 2-core VM a small model's
-    passes took 2.25-2.6x, the host-speed probes 2.0-2.2x."""
+    passes took 2.25-2.6x, the host-speed probes 2.0-2.2x (2026-11-27); timed in alternating windows, so that
+    the host's drift cancels, tiny-gpt's passes 2.14-2.16x and the probes 2.06-2.13x (2026-11-29,
+    ``benchmarks/cpu_pass_stretch.py``). Where the ranks communicate, compute takes ``comm_stretch`` times as
+    long again (:mod:`parsim.calibrate.shared_pipeline`)."""
 
     p2p_rendezvous_s: float
     p2p_latency_s: float
