@@ -490,6 +490,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
                                                    pytest.approx(2.0), comm_stretch=comm)
     assert f"communicating     compute on a shared core {comm:.2f}x as long again where its ranks communicate (a " \
            "generic 2-stage pipeline: 40.0 ms a step with a core per rank, 100.0 ms as two replicas on 2 cores" in text
+    assert "# The generic pipeline (comm_stretch): 40.0 ms a step with a core per rank, 100.0 ms as two replicas on " \
+           "2 cores.\n" in out.read_text()
     assert "memory            20.00 GB/s per rank with every rank streaming (40.0 GB/s in all), 32.00 GB/s for a " \
            "rank alone, 120 us per AdamW step and 50 us per tensor" in text
     assert (written.optimizer_step_s, written.optimizer_tensor_s) == pytest.approx((120e-6, 50e-6))

@@ -212,7 +212,7 @@ def test_host_keys_are_read_in_si_units():
     ("core_ns_per_element", {**CORE_NS, "norm": {"forward": 1.0}}, "norm: is .* a mapping of forward and backward"),
     ("core_ns_per_element", {**CORE_NS, "gelu": {"forward": -1.0, "backward": 1.0}}, "gelu.forward: is -1"),
     ("shared_cores", {"p2p_latency_us": 1.0}, "a mapping of p2p_rendezvous_us, p2p_latency_us, action_overhead_us "
-     "[(]and optionally p2p_issue_us, time_slice_us, matmul_stretch, eager_stretch[)]"),
+     "[(]and optionally p2p_issue_us, time_slice_us, matmul_stretch, eager_stretch, comm_stretch[)]"),
     ("shared_cores", {**SHARED, "p2p_issue_us": 1.0, "p2p_lag_us": 1.0}, "a mapping of"),
     ("shared_cores", {"p2p_rendezvous_us": 1.0, "p2p_latency_us": -1.0, "action_overhead_us": 1.0},
      "shared_cores.p2p_latency_us: is -1"),

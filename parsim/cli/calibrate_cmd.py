@@ -273,6 +273,8 @@ def run(args: argparse.Namespace) -> int:
               f"# Measured with torch.distributed/{backend}: {', '.join(ops)} on {rank_counts} ranks, "
               f"sizes {args.sweep};\n# median |fit error| {_median_error(rows):.1%} (collectives), "
               f"{matmul.median_abs_error:.1%} (matmuls). Scale-out figures are placeholders: one host.\n"
+              + (f"# The generic pipeline (comm_stretch): {generic[0] * 1e3:.1f} ms a step with a core per rank, "
+                 f"{generic[1] * 1e3:.1f} ms as two replicas on 2 cores.\n" if generic else "")
               + (f"# Other processes kept {load.cores:.2f} cores busy meanwhile.\n" if load.cores is not None else ""))
     Path(args.out).write_text(header + yaml.safe_dump(cluster, sort_keys=False))
 
