@@ -25,7 +25,8 @@ Never run anything else on the host meanwhile: other work slows the steps and
 not the calibration.
 
 On the 2-core VM (2026-11-29) one calibration and three runs of each plan of
-30 steps take about 5.5 minutes (6-10 on a 3-4x slower AMD VM, 10 measured
+30 steps take about 5.5 minutes (4.5 in set DE, calibrate's generic pipeline
+included; 6-10 on a 3-4x slower AMD VM, 10 measured
 steps a run; 7-7.5 there since calibrate measures its collectives in three
 rounds: sets BW, BX);
 `docs/calibration.md` lists the sets measured so far.
