@@ -60,10 +60,14 @@ import bisect
 import math
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ._torch import require_torch
 from .speed_probe import SpeedProbe, probes_on
+
+if TYPE_CHECKING:
+    from parsim.workload.plan import Plan
 
 # Shapes (m, n, k) spanning thin to square, including weight-gradient shapes whose inner dimension is a
 # (small) token count.
@@ -108,11 +112,20 @@ def measure_on_shared_cores(timeout_s: float = 300.0, pipeline_steps: int = 60) 
 
     if not hasattr(os, "sched_setaffinity"):
         return []
+    with _on_two_cores() as shared:
+        return launch(_rank_shared, 2 * shared, (pipeline_steps,), "gloo", timeout_s)
+
+
+@contextmanager
+def _on_two_cores() -> Iterator[int]:
+    """This process (and the ranks it spawns, which bind round robin to the cores they inherit) on the first two
+    of its cores meanwhile: yields how many it has there (1 on a single-core host). Linux only."""
+    import os
+
     cores = sorted(os.sched_getaffinity(0))
-    shared = cores[:2]
-    os.sched_setaffinity(0, shared)  # the ranks bind round robin to the cores they inherit
+    os.sched_setaffinity(0, cores[:2])
     try:
-        return launch(_rank_shared, 2 * len(shared), (pipeline_steps,), "gloo", timeout_s)
+        yield len(cores[:2])
     finally:
         os.sched_setaffinity(0, cores)
 
@@ -120,7 +133,7 @@ def measure_on_shared_cores(timeout_s: float = 300.0, pipeline_steps: int = 60) 
 GENERIC_PIPELINE_STEPS, GENERIC_PIPELINE_ROUNDS = 20, 2
 
 
-def measure_generic_pipeline(alone: Any, shared: Any, steps: int = GENERIC_PIPELINE_STEPS,
+def measure_generic_pipeline(alone: Plan, shared: Plan, steps: int = GENERIC_PIPELINE_STEPS,
                              rounds: int = GENERIC_PIPELINE_ROUNDS, timeout_s: float = 300.0
                              ) -> tuple[float, float] | None:
     """The median step (``executor.train.run_plan``) of the plan ``alone`` with a core per rank and of ``shared``
@@ -133,15 +146,11 @@ def measure_generic_pipeline(alone: Any, shared: Any, steps: int = GENERIC_PIPEL
 
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
         return None
-    cores = sorted(os.sched_getaffinity(0))
     alone_steps, shared_steps = [], []
     for _ in range(rounds):
         alone_steps.append(run_plan(alone, alone.world, steps, backend="gloo", timeout_s=timeout_s)[1]["step_s"])
-        os.sched_setaffinity(0, cores[:2])  # the ranks bind round robin to the cores they inherit
-        try:
+        with _on_two_cores():
             shared_steps.append(run_plan(shared, shared.world, steps, backend="gloo", timeout_s=timeout_s)[1]["step_s"])
-        finally:
-            os.sched_setaffinity(0, cores)
     return statistics.median(alone_steps), statistics.median(shared_steps)
 
 

@@ -54,9 +54,9 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "speed_probe_eager_us", "rank_jitter")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
 SHARED_CORE_OPTIONAL = ("p2p_issue_us", "time_slice_us")  # absent from files calibrated before they were measured
-SHARED_CORE_STRETCHES = ("matmul_stretch", "eager_stretch")  # optional, times (absent: 2, the fair share)
-# optional, times: compute on a shared core in a run whose ranks communicate, beyond the stretches (absent: 1)
-SHARED_CORE_COMM_STRETCH = "comm_stretch"
+# Optional, times: a matmul's and an eager pass's with two ranks computing on a core (absent: 2, the fair share),
+# and how many times as long again both take where the ranks communicate (absent: 1).
+SHARED_CORE_STRETCHES = ("matmul_stretch", "eager_stretch", "comm_stretch")
 STRETCH = (1.0, 100.0, "times as long as with a core each")
 JITTER = (0.0, 1.0, "fraction of a rank's time (sigma over the mean)")
 
@@ -147,7 +147,7 @@ class SharedCoreCosts:
         stretches measured."""
         mapping = {f"{f.name[:-2]}_us": getattr(self, f.name) * 1e6 for f in fields(self)
                    if f.name.endswith("_s") and getattr(self, f.name) is not None}
-        return {**mapping, **{key: getattr(self, key) for key in (*SHARED_CORE_STRETCHES, SHARED_CORE_COMM_STRETCH)
+        return {**mapping, **{key: getattr(self, key) for key in SHARED_CORE_STRETCHES
                               if getattr(self, key) is not None}}
 
 
@@ -608,17 +608,16 @@ def _curve(source: str, key: str, value: object, limits: tuple[float, float, str
 def _shared_cores(source: str, value: object) -> SharedCoreCosts:
     """``compute.shared_cores``: every one of SHARED_CORE_KEYS, and any of SHARED_CORE_OPTIONAL, in microseconds,
     and any of SHARED_CORE_STRETCHES."""
-    stretch_keys = (*SHARED_CORE_STRETCHES, SHARED_CORE_COMM_STRETCH)
-    optional = set(SHARED_CORE_OPTIONAL) | set(stretch_keys)
+    optional = set(SHARED_CORE_OPTIONAL) | set(SHARED_CORE_STRETCHES)
     if (not isinstance(value, dict) or not set(SHARED_CORE_KEYS) <= set(value)
             or set(value) - set(SHARED_CORE_KEYS) - optional):
         raise ConfigError(source, "compute.shared_cores", f"is {value!r}",
                           f"a mapping of {', '.join(SHARED_CORE_KEYS)} (and optionally "
-                          f"{', '.join(SHARED_CORE_OPTIONAL + stretch_keys)})")
+                          f"{', '.join(SHARED_CORE_OPTIONAL + SHARED_CORE_STRETCHES)})")
     times = {f"{key[:-3]}_s": _figure(source, f"compute.shared_cores.{key}", figure, LATENCY_US) * 1e-6
-             for key, figure in value.items() if key not in stretch_keys}
+             for key, figure in value.items() if key not in SHARED_CORE_STRETCHES}
     stretches = {key: _figure(source, f"compute.shared_cores.{key}", value[key], STRETCH)
-                 for key in stretch_keys if key in value}
+                 for key in SHARED_CORE_STRETCHES if key in value}
     return SharedCoreCosts(**times, **stretches)
 
 
