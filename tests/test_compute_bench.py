@@ -172,6 +172,51 @@ def test_each_kernel_kind_is_timed_on_its_own_forward_and_backward():
         assert row["forward_ops"] >= 1 and row["backward_ops"] >= 1  # autograd.grad: no accumulation op
 
 
+def test_an_eager_benchmark_s_samples_give_each_row_its_median_seconds_and_its_counts():
+    from executor.compute_bench import median_samples
+
+    def rows(forward_us: float, backward_us: float) -> list[dict]:
+        return [{"name": "mlp block", "forward_s": forward_us * 1e-6, "backward_s": backward_us * 1e-6,
+                 "forward_ops": 88, "backward_ops": 232, "matmuls": [(32, 128, 32)]},
+                {"name": "elementwise", "forward_s": 2 * forward_us * 1e-6, "backward_s": 0.0,
+                 "forward_ops": 9, "backward_ops": 13, "matmuls": []}]
+
+    # A slow spell in two samples of five (8.3 and 6.7 us) does not move the median.
+    samples = [rows(4.7, 4.0), rows(8.3, 6.4), rows(4.4, 3.9), rows(6.7, 4.6), rows(5.0, 4.1)]
+    mlp, elementwise = median_samples(samples)
+    assert mlp["forward_s"] == pytest.approx(5.0e-6) and mlp["backward_s"] == pytest.approx(4.1e-6)
+    assert (mlp["forward_ops"], mlp["backward_ops"], mlp["matmuls"]) == (88, 232, [(32, 128, 32)])
+    assert elementwise["forward_s"] == pytest.approx(10.0e-6) and elementwise["name"] == "elementwise"
+    one = median_samples([rows(4.7, 4.0)[0], rows(6.1, 5.0)[0], rows(5.3, 4.4)[0]])  # a benchmark of one row
+    assert one["forward_s"] == pytest.approx(5.3e-6) and one["backward_s"] == pytest.approx(4.4e-6)
+
+
+def test_the_eager_benchmarks_run_before_every_other_benchmark_and_at_the_end(monkeypatch):
+    """Fakes in place of every benchmark: each eager one runs before each of the 8 others and at the end (9
+    samples), and the figures calibrate fits are its samples' medians."""
+    import executor.compute_bench as bench
+
+    others = ["measure_matmuls", "measure_tp_calls", "measure_host_optimizer", "measure_rank_jitter",
+              "measure_zero_grad", "measure_fsdp_host", "measure_step_gaps", "measure_pipeline_loop"]
+    for name in others:
+        monkeypatch.setattr(bench, name, lambda: None)
+    seconds = iter([9e-6, 1e-6, 2e-6, 3e-6, 40e-6, 5e-6, 6e-6, 7e-6, 8e-6])  # median 6 us, a slow spell (40) or not
+
+    def dispatch() -> list[dict]:
+        return [{"name": "mlp block", "forward_s": next(seconds), "backward_s": 0.0, "forward_ops": 88,
+                 "backward_ops": 232}]
+
+    calls = []
+    monkeypatch.setattr(bench, "EAGER_BENCHMARKS", {"dispatch": dispatch,
+                                                    "kernel_kinds": lambda: calls.append(1) or []})
+    monkeypatch.setattr(bench, "SpeedProbe", lambda: lambda: (7e10, 3e-4))
+    result = bench._rank_compute(0, 1)
+    assert len(calls) == len(others) + 1
+    assert result["dispatch"] == [{"name": "mlp block", "forward_s": pytest.approx(6e-6), "backward_s": 0.0,
+                                   "forward_ops": 88, "backward_ops": 232}]
+    assert len(result["speed_probes"]) == len(calls)
+
+
 def _fsdp_host(rank: int, world: int):
     from executor.compute_bench import measure_fsdp_host
 
