@@ -6,15 +6,16 @@ them run the same benchmark at the same moment (a barrier before each, one
 agreed repeat count), with one thread each. Each figure is the **median**
 over repeats, so a burst of other work on the host does not stand for the run.
 
-Nothing here runs a plan's model: the benchmarks are generic operations.
+Nothing here runs a plan's model: the benchmarks are generic operations, and
+layers of the reference implementation at generic sizes.
 
 * :func:`measure_matmuls`: ``x @ w`` in fp32 by shape, operands *cold* and the
   caches full of written data, as a step's layers find their weights after the
   optimizer or the gradients of a backward (fits peak, shape efficiency and
   the speed at which the weight streams in).
-* :func:`measure_dispatch`: generic eager blocks (a pre-norm GeLU MLP block of
-  ``torch.nn`` modules, a softmax self-attention block, a chain of elementwise
-  ops and reductions) at sizes where fixed costs dominate; each reports its
+* :func:`measure_dispatch`: eager blocks (the reference implementation's decoder
+  layer as Llama and as GPT-2 configure it, a chain of elementwise ops and
+  reductions) at sizes where fixed costs dominate; each reports its
   forward and backward time and the ATen ops it dispatches (counted with a
   ``TorchDispatchMode``), and the matmuls it runs (fits the cost per op).
   Like the matmuls, each timed run starts behind caches full of other written
@@ -295,46 +296,51 @@ def measure_matmuls(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *,
 
 
 # ----------------------------------------------------------------------------- eager dispatch
-WIDTH, TOKENS, DEPTH, HEADS = 32, 16, 8, 4  # small: fixed costs, not arithmetic, dominate
+WIDTH, TOKENS, DEPTH, HEADS, KV_HEADS = 32, 16, 8, 4, 2  # small: fixed costs, not arithmetic, dominate
+
+# The two decoder layers the eager blocks are made of: the reference implementation's (executor/train/models.py,
+# whose ops parsim.lowering.eager_ops counts) in its two common configurations, at WIDTH, never a plan's model.
+REFERENCE_LAYERS = {
+    "llama layer": {"ffn_type": "swiglu", "num_kv_heads": KV_HEADS, "position_embedding": "rope"},
+    "gpt layer": {"ffn_type": "gelu", "num_kv_heads": HEADS, "position_embedding": "learned", "linear_bias": True},
+}
 
 
 def _generic_blocks() -> dict[str, tuple[Any, list[tuple[int, int, int]]]]:
-    """name -> (a stack of ``DEPTH`` generic blocks, the matmuls one forward runs as (m, n, k))."""
+    """name -> (a stack of ``DEPTH`` blocks, the matmuls one forward runs as (m, n, k)).
+
+    The blocks are the reference implementation's decoder layers (:data:`REFERENCE_LAYERS`), so the cost per op
+    is that of the ops :mod:`parsim.lowering.eager_ops` counts, and a chain of elementwise ops. The dispatch
+    benchmark had run generic GPT-2 blocks of ``torch.nn`` modules (LayerNorm, biased Linear, softmax attention
+    written out), whose ops cost otherwise: on the 2-core VM (2026-11-29, one process, cold as below) they
+    pooled to 4.97 us a forward op and 3.85 a backward one, the Llama layer alone to 5.40 and 3.47, the GPT
+    layer to 5.44 and 3.71; tiny-gpt's backward had come out 20-29% long and its forward 1-14% short
+    against its runs."""
     torch = require_torch()
-    nn, F = torch.nn, torch.nn.functional
-    w, t, h = WIDTH, 2 * TOKENS, HEADS
+    from parsim.workload.model import load_model
 
-    class MLPBlock(nn.Module):  # pre-norm GeLU MLP with a residual, as in GPT-2 or BERT
-        def __init__(self):
-            super().__init__()
-            self.norm, self.fc1, self.fc2 = nn.LayerNorm(w), nn.Linear(w, 4 * w), nn.Linear(4 * w, w)
+    from .train.models import DecoderLayer
 
-        def forward(self, x):
-            return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-    class AttentionBlock(nn.Module):  # pre-norm multi-head softmax attention with a residual
-        def __init__(self):
-            super().__init__()
-            self.norm, self.qkv, self.out = nn.LayerNorm(w), nn.Linear(w, 3 * w), nn.Linear(w, w)
-
-        def forward(self, x):
-            b, s, _ = x.shape
-            q, k, v = (z.view(b, s, h, w // h).transpose(1, 2) for z in self.qkv(self.norm(x)).split(w, -1))
-            scores = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(w // h), dim=-1)
-            return x + self.out((scores @ v).transpose(1, 2).reshape(b, s, w))
+    nn = torch.nn
+    w, t, s, h = WIDTH, 2 * TOKENS, TOKENS, HEADS
+    attention_core = [(s, s, w // h)] * (2 * h) + [(s, w // h, s)] * (2 * h)  # per sequence and head
+    matmuls = {
+        "llama layer": [(t, w, w), (t, w * KV_HEADS // h, w), (t, w * KV_HEADS // h, w), (t, w, w), *attention_core,
+                        (t, 4 * w, w), (t, 4 * w, w), (t, w, 4 * w)],
+        "gpt layer": [(t, w, w)] * 4 + attention_core + [(t, 4 * w, w), (t, w, 4 * w)],
+    }
+    blocks = {}
+    for name, config in REFERENCE_LAYERS.items():
+        spec = load_model({"name": name, "kind": "transformer", "num_layers": DEPTH, "hidden": w, "num_heads": h,
+                           "ffn_hidden": 4 * w, "seq_len": s, "vocab_size": 64, "layer_kernels": "eager",
+                           "cross_entropy": "torch", **config})
+        blocks[name] = (nn.Sequential(*[DecoderLayer(spec) for _ in range(DEPTH)]), matmuls[name] * DEPTH)
 
     class Elementwise(nn.Module):  # activations, scalar arithmetic and a reduction
         def forward(self, x):
             return torch.tanh(x * 0.5 + torch.sigmoid(x)) - x.mean(-1, keepdim=True)
 
-    s = TOKENS
-    attention_mm = [(s, s, w // h)] * (2 * h) + [(s, w // h, s)] * (2 * h)  # per sequence and head
-    return {
-        "mlp block": (nn.Sequential(*[MLPBlock() for _ in range(DEPTH)]), [(t, 4 * w, w), (t, w, 4 * w)] * DEPTH),
-        "attention block": (nn.Sequential(*[AttentionBlock() for _ in range(DEPTH)]),
-                            [(t, 3 * w, w), (t, w, w), *attention_mm] * DEPTH),
-        "elementwise": (nn.Sequential(*[Elementwise() for _ in range(DEPTH)]), []),
-    }
+    return {**blocks, "elementwise": (nn.Sequential(*[Elementwise() for _ in range(DEPTH)]), [])}
 
 
 def count_ops(fn: Callable[[], Any]) -> tuple[Any, int]:
@@ -406,8 +412,8 @@ def passes_after_dirty_caches(forward: Callable[[], Any], backward: Callable[[An
 
 
 def measure_dispatch(device: Any = "cpu") -> list[dict]:
-    """Per generic block stack: forward and backward seconds (medians, each run behind dirty caches as a
-    step's actions are), the ATen ops of each, and its matmuls. On a GPU the blocks are so small that the
+    """Per block stack (:func:`_generic_blocks`): forward and backward seconds (medians, each run behind dirty
+    caches as a step's actions are), the ATen ops of each, and its matmuls. On a GPU the blocks are so small that the
     kernels wait on the host: the times are the host's (Python, dispatch, autograd and launches)."""
     torch = require_torch()
     sync = synchronizer(device)

@@ -215,7 +215,7 @@ OPTIMIZER_TENSORS = (1, 64)  # small parameter tensors per timed AdamW step: the
 
 def host_rows(device) -> list[dict]:
     """Eager PyTorch's host time per op on blocks too small to keep a GPU busy (its kernels wait on the
-    host): generic blocks' forward and backward, with the ATen ops each dispatches
+    host): eager blocks' forward and backward, with the ATen ops each dispatches
     (:func:`executor.compute_bench.measure_dispatch`), and torch's default AdamW step on one and on many small
     tensors."""
     rows = []

@@ -172,6 +172,24 @@ def test_each_kernel_kind_is_timed_on_its_own_forward_and_backward():
         assert row["forward_ops"] >= 1 and row["backward_ops"] >= 1  # autograd.grad: no accumulation op
 
 
+def test_the_cost_per_op_is_timed_on_the_reference_layers_whose_ops_the_simulator_counts():
+    """The dispatch benchmark's decoder layers dispatch, per layer, the ops parsim.lowering.eager_ops counts for
+    a Llama layer (RoPE, grouped-query attention, SwiGLU) and a GPT-2 one (all heads, GeLU, biases)."""
+    from executor.compute_bench import DEPTH, measure_dispatch
+    from parsim.lowering.eager_ops import transformer_layer_ops
+
+    rows = {row["name"]: row for row in measure_dispatch()}
+    assert list(rows) == ["llama layer", "gpt layer", "elementwise"]
+    for name, counts in (("llama layer", transformer_layer_ops(True, "swiglu", True)),
+                         ("gpt layer", transformer_layer_ops(False, "gelu", False))):
+        (attention_forward, attention_backward), (ffn_forward, ffn_backward) = counts
+        assert rows[name]["forward_ops"] == DEPTH * (attention_forward + ffn_forward)
+        assert rows[name]["backward_ops"] == DEPTH * (attention_backward + ffn_backward)
+        assert rows[name]["forward_s"] > 0 and rows[name]["backward_s"] > 0
+    linears = {"llama layer": 7, "gpt layer": 6}
+    assert all(len(rows[name]["matmuls"]) == DEPTH * (n + 16) for name, n in linears.items())  # 16: 2 x 4 heads x 2
+
+
 def test_an_eager_benchmark_s_samples_give_each_row_its_median_seconds_and_its_counts():
     from executor.compute_bench import median_samples
 

@@ -19,7 +19,7 @@ rule its built-in value was sourced by:
   norm): seconds x SMs x clock over the elements the model counts, as the
   built-in figures were measured (:data:`parsim.hardware.cluster.HOPPER_SM_CYCLES`);
 * ``op_forward_us``, ``op_backward_us``: the host's time per eager op, forward
-  and backward, pooled over generic blocks too small to keep the GPU busy (as
+  and backward, pooled over eager blocks too small to keep the GPU busy (as
   ``parsim calibrate`` fits a CPU host's); ``optimizer_tensor_us`` and
   ``optimizer_step_us``: torch's default AdamW step on one and on many small
   tensors, the line through the two. A GPU runs its kernels while

@@ -17,7 +17,8 @@ efficiently than their links allow (gloo's all-gather, for one).
 Compute (:mod:`executor.compute_bench` measures, on every rank at once):
 matmul times are fitted to the shape model of :mod:`parsim.sim.compute` (peak
 FLOP/s, the dimension at which efficiency halves, and the speed at which a CPU
-streams cold operands in); generic eager blocks give the fixed cost per op of
+streams cold operands in); eager blocks (the reference implementation's decoder
+layers at a generic size) give the fixed cost per op of
 a forward and of a backward (:func:`fit_dispatch`); AdamW steps give the costs
 per step and per parameter tensor and the memory speed (:func:`fit_optimizer`); activation
 functions, norms and softmax give the speed of elementwise work (:func:`fit_elementwise`), and each of
@@ -343,7 +344,7 @@ class DispatchFit:
 
 
 def fit_dispatch(rows: list[dict], matmuls: ComputeModel) -> DispatchFit:
-    """The fixed cost per eager op, forward and backward, from generic blocks' times and op counts.
+    """The fixed cost per eager op, forward and backward, from eager blocks' times and op counts.
 
     Each row (see :func:`executor.compute_bench.measure_dispatch`) has its forward and backward
     seconds, the ATen ops of each, and the matmuls its forward runs; their time (from the fitted

@@ -49,8 +49,9 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     compute.optimizer_tensor_us and compute.optimizer_step_us; matmuls of
     several shapes on cold operands -> peak FLOP/s, the shape efficiency
     (compute.matmul_half_dim), the speeds a weight streams in and an output out
-    (compute.matmul_stream_bw_GBps, matmul_write_bw_GBps); generic eager
-    blocks (a GeLU MLP block, a softmax attention block, elementwise ops) ->
+    (compute.matmul_stream_bw_GBps, matmul_write_bw_GBps); eager blocks
+    (the reference decoder layer as Llama and as GPT-2 configure it, at a
+    generic size; elementwise ops), each sampled through the run ->
     the fixed cost of an op in a forward and in a backward
     (compute.op_forward_us, compute.op_backward_us); GeLU, sigmoid,
     softmax, SiLU and LayerNorm in a chain -> the speed of memory-bound

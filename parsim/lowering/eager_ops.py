@@ -5,8 +5,8 @@ cost per op, not arithmetic: Python, the dispatcher, autograd recording the
 graph and allocating outputs, then, in the backward, autograd's engine running
 each node's ops. :class:`parsim.sim.compute.ComputeModel` charges
 ``op_forward_s`` per op of a forward and ``op_backward_s`` per op of a
-backward (both measured by ``parsim calibrate`` on generic blocks, never on a
-plan); this module says how many ops each block dispatches.
+backward (both measured by ``parsim calibrate`` on these modules' decoder layers at a
+generic size, never on a plan); this module says how many ops each block dispatches.
 
 The counts are those of parsim's reference implementation (the executor's
 modules in ``executor/train/models.py``), counted with a
