@@ -21,11 +21,12 @@ layers of the reference implementation at generic sizes.
   Like the matmuls, each timed run starts behind caches full of other written
   data: eager dispatch is mostly memory traffic to code and bookkeeping, and a
   step's actions find it evicted by the work before them (a 30-40% effect).
-* :func:`measure_elementwise`: activation functions, a softmax and a norm on
-  a mid-size tensor, forward and backward (fits the speed of elementwise
-  work, which on a CPU is often arithmetic-bound: GeLU's erf, softmax's exp).
+* :func:`measure_elementwise`: products, a residual add and RoPE's rotation on
+  a mid-size tensor, forward and backward, their bytes counted (fits the
+  speed of memory-bound kernels' bytes).
 * :func:`measure_kernel_kinds`: GeLU, a LayerNorm and a softmax, each on its
-  own (fits a core's time per element of each one's arithmetic).
+  own (fits a core's time per element of each one's arithmetic, which on a
+  CPU outlasts its bytes: GeLU's erf, softmax's exp).
 * :func:`measure_tp_calls`: the executor's all-gather of a layer's output on a
   tiny tensor, right after a layer's matmul (a tensor-parallel call's host time
   beyond its collective, forward and backward).
@@ -345,19 +346,39 @@ def _generic_blocks() -> dict[str, tuple[Any, list[tuple[int, int, int]]]]:
 
 def count_ops(fn: Callable[[], Any]) -> tuple[Any, int]:
     """``fn()``'s result and the ATen ops it dispatched."""
-    require_torch()
+    result, ops, _ = count_traffic(fn)
+    return result, ops
+
+
+PRICED_ELSEWHERE = ("mm", "addmm", "bmm", "_scaled_dot_product")  # by shape and FLOPs, not bytes
+
+
+def count_traffic(fn: Callable[[], Any]) -> tuple[Any, int, int]:
+    """``fn()``'s result, the ATen ops it dispatched, and the bytes they read and wrote as parsim's lowering counts
+    a memory-bound kernel's (:class:`parsim.workload.model.Elementwise`): every tensor argument and result, each
+    at most its storage (a broadcast operand is read once); views move none, nor do matmuls and the attention
+    kernel (priced by their shapes and FLOPs); ``nll_loss`` reads one log-probability per token and its
+    backward writes the whole gradient."""
+    torch = require_torch()
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Count(TorchDispatchMode):
-        ops = 0
+    class Tally(TorchDispatchMode):
+        ops = nbytes = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
             self.ops += 1
-            return func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if func.is_view or name in ("detach", "_unsafe_view") or name.startswith(PRICED_ELSEWHERE):
+                return out
+            inputs = () if name.startswith("nll_loss") else (args, kwargs)
+            self.nbytes += sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+                               for t in torch.utils._pytree.tree_leaves((inputs, out)) if isinstance(t, torch.Tensor))
+            return out
 
-    with Count() as counter:
+    with Tally() as tally:
         result = fn()
-    return result, counter.ops
+    return result, tally.ops, tally.nbytes
 
 
 def after_dirty_caches(fn: Callable[[], Any], repeats: int = REPEATS,
@@ -436,24 +457,34 @@ ELEMENTWISE_SHAPE = (64, 1024)  # 64Ki elements (256 KiB in fp32): a mid-size la
 
 
 def measure_elementwise(shape: tuple[int, int] = ELEMENTWISE_SHAPE) -> dict:
-    """Generic elementwise work through autograd on tensors of ``shape``, large enough that the
-    elements, not the dispatch, dominate: GeLU, sigmoid, a product, softmax, SiLU, a sum and a
-    LayerNorm. Forward and backward seconds (medians), the ATen ops of each, and the elements of
-    one tensor (each forward op writes one such tensor)."""
+    """Elementwise work whose bytes, not its arithmetic, bound it, through autograd on tensors of ``shape``
+    (large enough that the bytes, not the dispatch, dominate), as an eager layer runs it between its matmuls:
+    a product by a weight row (a norm's), a residual add, a rotation of halves (RoPE's negation and
+    concatenation) and a product by a constant. Forward and backward seconds (medians), and the ATen ops and
+    bytes (:func:`count_traffic`) of each. GeLU, norms and softmax, whose arithmetic outlasts their bytes,
+    are timed apart (:func:`measure_kernel_kinds`). This chain had held GeLU, sigmoid, softmax, SiLU and a
+    LayerNorm: on the 2-core VM it priced every eager kernel's bytes at 13-16 GB/s (2026-11-29), where a
+    product or a sum of 256 KiB tensors ran at 80-100 GB/s, and tiny-gpt's backward, whose kernels move twice
+    the forward's bytes, came out 17% long against its runs in two sets."""
     torch = require_torch()
-    F = torch.nn.functional
-    norm = torch.nn.LayerNorm(shape[-1])
+    weight = torch.randn(shape[-1], requires_grad=True)
+    half = shape[-1] // 2
 
     def chain(x):
-        return norm(torch.softmax(F.gelu(x) * torch.sigmoid(x), dim=-1) + F.silu(x))
+        y = x * weight + x
+        return torch.cat((-y[..., half:], y[..., :half]), dim=-1) * 0.5 + x
 
     x = torch.randn(*shape, requires_grad=True)
     grad = torch.randn(*shape)
-    out, forward_ops = count_ops(lambda: chain(x))
-    _, backward_ops = count_ops(lambda: torch.autograd.backward(out, grad))
-    forward_s, backward_s = passes_after_dirty_caches(lambda: chain(x), lambda y: torch.autograd.backward(y, grad))
+
+    def backward(y):  # the gradients returned, not added into .grad: no other kernel runs
+        return torch.autograd.grad(y, (x, weight), grad)
+
+    out, forward_ops, forward_bytes = count_traffic(lambda: chain(x))
+    _, backward_ops, backward_bytes = count_traffic(lambda: backward(out))
+    forward_s, backward_s = passes_after_dirty_caches(lambda: chain(x), backward)
     return {"forward_s": forward_s, "backward_s": backward_s, "forward_ops": forward_ops,
-            "backward_ops": backward_ops - 1, "elements": shape[0] * shape[1]}
+            "backward_ops": backward_ops, "forward_bytes": forward_bytes, "backward_bytes": backward_bytes}
 
 
 def measure_kernel_kinds(shape: tuple[int, int] = ELEMENTWISE_SHAPE) -> list[dict]:

@@ -404,7 +404,7 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
               "forward_ops": 2, "backward_ops": 1, "elements": 65536}
              for kind, (fwd, bwd) in CORE_NS.items()]
     elementwise = {"forward_s": 7 * 7e-6 + 2e-4, "backward_s": 12 * 5e-6 + 3e-4, "forward_ops": 7,
-                   "backward_ops": 12, "elements": 65536}
+                   "backward_ops": 12, "forward_bytes": 2 * 7 * 65536 * 4, "backward_bytes": 3 * 7 * 65536 * 4}
 
     def adamw(tensors, numel, bw):
         return tensors, numel, 120e-6 + tensors * 50e-6 + tensors * numel * ADAMW_ACCESSES * 4 / bw

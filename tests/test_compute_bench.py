@@ -162,6 +162,19 @@ def test_a_transfer_s_figure_is_its_mean_in_a_typical_step():
     assert typical_step_mean([[], []]) == 0.0
 
 
+def test_the_elementwise_chain_counts_the_bytes_each_op_reads_and_writes():
+    """On 8 x 64: a product by a weight row (the tensor read and written, the row read once), a residual add (2
+    read, 1 written), the negation of a half and the concatenation (a half each way, then the whole), a product
+    by a constant and another add: 13 tensors' worth forward, the row once more."""
+    from executor.compute_bench import measure_elementwise
+
+    row = measure_elementwise((8, 64))
+    tensor, weight = 8 * 64 * 4, 64 * 4
+    assert row["forward_bytes"] == 13 * tensor + weight and row["forward_ops"] == 8
+    assert row["backward_bytes"] > row["forward_bytes"] and row["backward_ops"] > row["forward_ops"]
+    assert row["forward_s"] > 0 and row["backward_s"] > 0
+
+
 def test_each_kernel_kind_is_timed_on_its_own_forward_and_backward():
     from executor.compute_bench import measure_kernel_kinds
 

@@ -1,9 +1,10 @@
 """``layer_kernels: eager`` and ``cross_entropy: torch`` count the bytes the executor's eager modules move.
 
 Every ATen op the executor's layer and head dispatch is one kernel that reads its inputs and writes its
-outputs; a ``TorchDispatchMode`` adds up those bytes (views move none) and the model's memory-bound bytes
-per token must match them. Left out on both sides: the matmuls and the attention kernel, which the model
-prices by their shapes and FLOPs.
+outputs; ``executor.compute_bench.count_traffic`` adds up those bytes (views move none), and the model's
+memory-bound bytes per token must match them. Left out on both sides: the matmuls and the attention kernel,
+which the model prices by their shapes and FLOPs. ``parsim calibrate`` counts its elementwise benchmark's
+bytes the same way.
 """
 
 from __future__ import annotations
@@ -16,42 +17,17 @@ from parsim.workload.plan import Plan
 
 torch = pytest.importorskip("torch")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
+from executor.compute_bench import count_traffic  # noqa: E402
 from executor.train.models import CrossEntropyLoss, DecoderLayer, Head  # noqa: E402
 
-PRICED_ELSEWHERE = ("mm", "addmm", "bmm", "_scaled_dot_product")  # by shape and FLOPs, not bytes
 TOKENS = 128
 
 
-class Traffic(TorchDispatchMode):
-    """Bytes read and written by the ops dispatched under it: every tensor argument and result, each at most
-    its storage (a broadcast operand is read once)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if func.is_view or name in ("detach", "_unsafe_view") or name.startswith(PRICED_ELSEWHERE):
-            return out
-        # nll_loss reads one log-probability per token and its backward writes the whole gradient
-        inputs = () if name.startswith("nll_loss") else (args, kwargs)
-        tensors = torch.utils._pytree.tree_leaves((inputs, out))
-        self.bytes += sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
-                          for t in tensors if isinstance(t, torch.Tensor))
-        return out
-
-
 def measured(fn, grad=None) -> tuple[float, float]:
-    """Bytes per token of ``fn()``'s forward and of its backward."""
-    with Traffic() as forward:
-        out = fn()
-    with Traffic() as backward:
-        out.backward(grad)
-    return forward.bytes / TOKENS, backward.bytes / TOKENS
+    """Bytes per token of ``fn()``'s forward and of its backward, as :func:`count_traffic` counts them."""
+    out, _, forward = count_traffic(fn)
+    _, _, backward = count_traffic(lambda: out.backward(grad))
+    return forward / TOKENS, backward / TOKENS
 
 
 def modelled(plan: Plan, entry: str, skip: tuple[str, ...] = ()) -> tuple[int, int]:

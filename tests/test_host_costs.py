@@ -90,13 +90,15 @@ def test_dispatch_fit_takes_the_matmuls_out_and_divides_by_the_ops():
     assert fit.forward_s == pytest.approx(7e-6) and fit.backward_s == pytest.approx(5e-6)
 
 
-def test_elementwise_fit_counts_bytes_as_the_model_counts_a_unary_kernel():
+def test_elementwise_fit_divides_the_counted_bytes_by_the_time_beyond_the_ops_fixed_costs():
     dispatch = DispatchFit(7e-6, 5e-6, [])
-    elements, forward_ops, backward_ops = 65536, 7, 12
-    seconds = 5 * forward_ops * elements * 4 / 6e9  # forward reads + writes (2), backward 3, at 6 GB/s
-    row = {"forward_s": 2 * seconds / 5 + forward_ops * 7e-6, "backward_s": 3 * seconds / 5 + backward_ops * 5e-6,
-           "forward_ops": forward_ops, "backward_ops": backward_ops, "elements": elements}
-    assert fit_elementwise([row], dispatch) == pytest.approx(6e9)
+    forward_ops, backward_ops, forward_bytes, backward_bytes = 8, 13, 3.4e6, 5.5e6
+    row = {"forward_s": forward_bytes / 30e9 + forward_ops * 7e-6, "backward_s": backward_bytes / 30e9
+           + backward_ops * 5e-6, "forward_ops": forward_ops, "backward_ops": backward_ops,
+           "forward_bytes": forward_bytes, "backward_bytes": backward_bytes}
+    assert fit_elementwise([row], dispatch) == pytest.approx(30e9)
+    assert fit_elementwise([row, {**row, "forward_s": row["forward_s"] + 8.9e6 / 30e9}], dispatch) == \
+        pytest.approx(20e9)  # pooled: twice the bytes in three times the time
 
 
 def test_core_arithmetic_fit_takes_the_ops_out_and_counts_elements_as_the_model_does():

@@ -20,8 +20,8 @@ FLOP/s, the dimension at which efficiency halves, and the speed at which a CPU
 streams cold operands in); eager blocks (the reference implementation's decoder
 layers at a generic size) give the fixed cost per op of
 a forward and of a backward (:func:`fit_dispatch`); AdamW steps give the costs
-per step and per parameter tensor and the memory speed (:func:`fit_optimizer`); activation
-functions, norms and softmax give the speed of elementwise work (:func:`fit_elementwise`), and each of
+per step and per parameter tensor and the memory speed (:func:`fit_optimizer`); products, sums
+and a rotation give the speed of memory-bound kernels' bytes (:func:`fit_elementwise`), and each of
 GeLU, a norm and a softmax on its own a core's time per element of its arithmetic
 (:func:`fit_core_arithmetic`).
 """
@@ -369,18 +369,17 @@ def fit_dispatch(rows: list[dict], matmuls: ComputeModel) -> DispatchFit:
     return DispatchFit(float(forward_work / forward_ops), float(backward_work / backward_ops), kept)
 
 
-def fit_elementwise(rows: list[dict], dispatch: DispatchFit, element_bytes: int = 4) -> float:
-    """Bytes per second of memory-bound kernels' work, counted as :class:`parsim.workload.model.Elementwise`
-    counts a unary kernel (an activation, a norm): it reads and writes its tensor in the forward
-    (2 elements), reads two and writes one in the backward (3).
+def fit_elementwise(rows: list[dict], dispatch: DispatchFit) -> float:
+    """Bytes per second of memory-bound kernels' work, the bytes counted as
+    :class:`parsim.workload.model.Elementwise` counts them (every tensor each op reads and writes).
 
-    Each row (:func:`executor.compute_bench.measure_elementwise`) gives forward and backward
-    seconds on tensors of ``elements``; the ops' fixed costs (``dispatch``) are taken out, and the
-    rate is the pooled bytes, ``5 x forward ops x elements x element_bytes``, over the pooled rest.
+    Each row (:func:`executor.compute_bench.measure_elementwise`) gives forward and backward seconds of a
+    chain of such kernels, their ops and their bytes; the ops' fixed costs (``dispatch``) are taken out, and
+    the rate is the pooled bytes over the pooled rest.
     """
     nbytes = seconds = 0.0
     for row in rows:
-        nbytes += (2 + 3) * row["forward_ops"] * row["elements"] * element_bytes
+        nbytes += row["forward_bytes"] + row["backward_bytes"]
         seconds += max(row["forward_s"] + row["backward_s"] - row["forward_ops"] * dispatch.forward_s
                        - row["backward_ops"] * dispatch.backward_s, 0.0)
     if not rows or seconds <= 0:

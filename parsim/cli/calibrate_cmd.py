@@ -53,9 +53,9 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     (the reference decoder layer as Llama and as GPT-2 configure it, at a
     generic size; elementwise ops), each sampled through the run ->
     the fixed cost of an op in a forward and in a backward
-    (compute.op_forward_us, compute.op_backward_us); GeLU, sigmoid,
-    softmax, SiLU and LayerNorm in a chain -> the speed of memory-bound
-    kernels (compute.elementwise_bw_GBps), and GeLU, a LayerNorm and a
+    (compute.op_forward_us, compute.op_backward_us); products, a
+    residual add and RoPE's rotation in a chain -> the speed of memory-bound
+    kernels' bytes (compute.elementwise_bw_GBps), and GeLU, a LayerNorm and a
     softmax each on its own -> a core's time per element of their arithmetic
     (compute.core_ns_per_element); the executor's all-gather of a layer's
     output on a tiny tensor, right after a layer's matmul -> a
@@ -330,9 +330,9 @@ def run(args: argparse.Namespace) -> int:
           f"({memory_host_bw / 1e9:.1f} GB/s in all), {memory_alone_bw / 1e9:.2f} GB/s for a rank alone, "
           f"{optimizer.step_s * 1e6:.0f} us per AdamW step and {optimizer.tensor_s * 1e6:.0f} us per tensor")
     print(f"per-op overhead   {dispatch.forward_s * 1e6:.1f} us forward, {dispatch.backward_s * 1e6:.1f} us backward "
-          f"(generic eager blocks, every rank at once)")
-    print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (activations, softmax, norms; bytes as "
-          f"parsim.workload.model.Elementwise counts them)")
+          f"(eager decoder layers, every rank at once)")
+    print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (products, sums, a rotation: bytes-bound kernels, "
+          f"their bytes as parsim.workload.model.Elementwise counts them)")
     ns = arithmetic.to_ns()
     print("core arithmetic   " + ", ".join(f"{kind} {ns[kind]['forward']:.2f} / {ns[kind]['backward']:.2f}"
                                           for kind in ns)

@@ -96,15 +96,16 @@ GPU host):
   VM 2.8x in two runs of the matmul benchmark, 1.2-1.8x in three
   calibrations; :func:`parsim.calibrate.host.fit_matmul`).
 * ``elementwise_bw_Bps``: the speed of a block's memory-bound kernels'
-  bytes (activations, norms, softmax), which on a CPU core are often
-  arithmetic-bound (GeLU's erf, exp) and far below the memory speed that
-  plain streams reach (gradient accumulation and the optimizer: the
-  ``stream_bytes`` part of an op's ``hbm_bytes``).
+  bytes (products, sums, copies: ``parsim calibrate`` times a chain of them),
+  apart from the plain streams of gradient accumulation and the optimizer
+  (the ``stream_bytes`` part of an op's ``hbm_bytes``), which run at the
+  memory's speed.
 * ``core_arithmetic``: a CPU core's seconds per element of GeLU, norms and
-  softmax, forward and backward, whose arithmetic outlasts their bytes even
-  at ``elementwise_bw_Bps`` (a figure fitted on a mix of kernels): each takes
-  the longer of the two, as a GPU's kernels take the longer of their bytes
-  and their SM cycles.
+  softmax, forward and backward, whose arithmetic outlasts their bytes
+  (GeLU's erf, softmax's exp): each takes the longer of the two, as a GPU's
+  kernels take the longer of their bytes and their SM cycles. Eager SiLU's
+  exp is priced by its bytes alone (on the 2-core VM it took 0.7 of GeLU's
+  time forward, 0.5 backward).
 * ``memory_alone_bw_Bps`` / ``memory_host_bw_Bps``: a CPU host's cores share
   its memory bandwidth. One core streaming alone (an AdamW step while the
   other ranks wait) gets more than its share with every core streaming (on the
