@@ -11,7 +11,9 @@ drift out of the ratio.
 
 On the 2-core AMD VM (2026-11-29, two runs of 6 rounds of 0.4 s windows) tiny-gpt's forward and backward (6.6
 ms alone) stretched x2.14 and x2.16, the eager probe x2.08 and x2.13, the matmul probe x2.13 and x2.06: the probes
-stand for the model's passes, so the calibrated stretch is not what tiny DP x PP's step misses.
+stand for the model's passes, so the calibrated stretch is not what tiny DP x PP's step misses. Timed apart within
+the same steps (2026-11-29, evening), the forward stretched x2.31 and the backward x2.34: alike, though tiny DP x
+PP's backward comes out 28-40% short on three of its four ranks where its forward does not.
 
 Run:  python benchmarks/cpu_pass_stretch.py [--model tiny-gpt] [--rounds 6] [--window 0.4]
 """
@@ -24,7 +26,8 @@ import time
 from typing import Callable
 
 MICROBATCH = 2  # sequences per pass, as the tiny plans' microbatches
-WORKS = ("forward+backward", "eager probe", "matmul probe")
+PASSES = ("forward", "backward", "forward+backward")  # the model's, each timed apart within the same steps
+WORKS = (*PASSES, "eager probe", "matmul probe")
 
 
 def _timers(model_name: str, seed: int) -> dict[str, Callable[[float], float]]:
@@ -40,14 +43,22 @@ def _timers(model_name: str, seed: int) -> dict[str, Callable[[float], float]]:
     probe = SpeedProbe(seed=seed)
     m, k, n = SHAPE
 
-    def passes(window_s: float) -> float:
-        calls, start = 0, time.perf_counter()
-        while time.perf_counter() - start < window_s:
-            loss(run_pieces(pieces, x), y).backward()
-            calls += 1
-        return (time.perf_counter() - start) / calls
+    def passes(part: str) -> Callable[[float], float]:
+        def timed(window_s: float) -> float:
+            spent, calls, start = 0.0, 0, time.perf_counter()
+            while time.perf_counter() - start < window_s:
+                begin = time.perf_counter()
+                out = loss(run_pieces(pieces, x), y)
+                middle = time.perf_counter()
+                out.backward()
+                end = time.perf_counter()
+                spent += {"forward": middle - begin, "backward": end - middle, "forward+backward": end - begin}[part]
+                calls += 1
+            return spent / calls
+        return timed
 
-    return dict(zip(WORKS, (passes, probe.eager_s, lambda window_s: 2 * m * k * n / probe.matmul_flops(window_s))))
+    return {**{part: passes(part) for part in PASSES}, "eager probe": probe.eager_s,
+            "matmul probe": lambda window_s: 2 * m * k * n / probe.matmul_flops(window_s)}
 
 
 def _rank(rank: int, world: int, model_name: str, rounds: int, window_s: float) -> dict | None:
@@ -102,7 +113,7 @@ def main() -> None:
         together = [(own[0] + other[0]) / 2 for own, other in zip(mine[work], beside[work])]
         alone = [own[1] for own in mine[work]]
         ratios = [t / a for t, a in zip(together, alone)]
-        label = f"{model_name} {work}" if work == WORKS[0] else work
+        label = f"{model_name} {work}" if work in PASSES else work
         print(f"{label:<34} {statistics.median(alone) * 1e3:7.3f}ms {statistics.median(together) * 1e3:7.3f}ms  "
               f"x{statistics.median(ratios):.2f}    {min(ratios):.2f}-{max(ratios):.2f}")
 

@@ -338,7 +338,8 @@ def test_the_pass_stretch_benchmark_sets_a_model_s_passes_beside_both_probes():
     lines = done.stdout.splitlines()
     assert lines[0].startswith("rank 0 and rank ") and "1 rounds of 0.02 s windows" in lines[0]
     rows = {" ".join(line.split()[:-4]): line.split()[-4:] for line in lines[2:]}
-    assert list(rows) == ["tiny-gpt forward+backward", "eager probe", "matmul probe"]
+    assert list(rows) == ["tiny-gpt forward", "tiny-gpt backward", "tiny-gpt forward+backward", "eager probe",
+                          "matmul probe"]
     for alone, together, stretch, _ in rows.values():  # the stretch: the together time over the alone one
         alone_ms, together_ms = float(alone.removesuffix("ms")), float(together.removesuffix("ms"))
         assert alone_ms > 0 and float(stretch[1:]) == pytest.approx(together_ms / alone_ms, abs=0.02)
