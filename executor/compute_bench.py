@@ -56,7 +56,7 @@ Between them, :mod:`executor.speed_probe` times the host's speed, which
 ``parsim compare`` times again before and after its measured steps; the three
 eager benchmarks (dispatch, elementwise, kernel kinds: a third of a second
 together) run there too, and each of their figures is the median over those
-samples (:data:`EAGER_BENCHMARKS`).
+samples (:data:`SAMPLED_BENCHMARKS`).
 """
 
 from __future__ import annotations
@@ -197,25 +197,25 @@ def _medians(readings: Sequence[tuple[float, float]]) -> tuple[float, float]:
 def _rank_compute(rank: int, world: int) -> dict:
     """Every benchmark, with the host-speed probes timed before each and at the end (``speed_probes``, pairs
     of matmul FLOP/s and eager seconds): their medians are the host's speed while these figures were measured.
-    The eager benchmarks run at each of those points, and their figures are the medians over all of them: run
-    once, they moved with the host's slow spells. On the 2-core VM (2026-11-29) five runs of the dispatch
+    The sampled benchmarks (:data:`SAMPLED_BENCHMARKS`: the eager ones and a tensor-parallel call's) run at each
+    of those points, and their figures are the medians over all of them: run once, they moved with the host's
+    slow spells. On the 2-core VM (2026-11-29) five runs of the dispatch
     benchmark in one process, 0.3 s apart, each a median over 15 repeats, timed 4.7, 4.4, 6.7, 8.3 and 6.2 us a
     forward op (matmuls included); the eager probe right after the two slowest read 284 and 278 us, as usual
     (272-299). Three calibrations, each on two such runs per rank, had priced it at 5.15, 7.91 and 5.31 us."""
     probe = SpeedProbe() if probes_on(rank, world) else None
     speeds: list[tuple[float, float]] = []
-    eager: dict[str, list] = {name: [] for name in EAGER_BENCHMARKS}
+    sampled: dict[str, list] = {name: [] for name in SAMPLED_BENCHMARKS}
 
     def probe_now() -> None:
         _barrier()
         if probe is not None:
             speeds.append(probe())
-        for name, benchmark in EAGER_BENCHMARKS.items():
-            eager[name].append(benchmark())
+        for name, benchmark in SAMPLED_BENCHMARKS.items():
+            sampled[name].append(benchmark())
 
     results = {}
-    for name, benchmark in (("matmuls", measure_matmuls),
-                            ("tp_calls", measure_tp_calls), ("optimizer", measure_host_optimizer),
+    for name, benchmark in (("matmuls", measure_matmuls), ("optimizer", measure_host_optimizer),
                             ("jitter", measure_rank_jitter), ("zero_grad", measure_zero_grad),
                             ("fsdp", measure_fsdp_host),
                             ("step_gaps", measure_step_gaps),
@@ -223,7 +223,7 @@ def _rank_compute(rank: int, world: int) -> dict:
         probe_now()
         results[name] = benchmark()
     probe_now()
-    return {**results, **{name: median_samples(samples) for name, samples in eager.items()}, "speed_probes": speeds}
+    return {**results, **{name: median_samples(samples) for name, samples in sampled.items()}, "speed_probes": speeds}
 
 
 TIMED_KEYS = ("forward_s", "backward_s")
@@ -231,8 +231,10 @@ TIMED_KEYS = ("forward_s", "backward_s")
 
 def median_samples(samples: Sequence[Any]) -> Any:
     """One reading of an eager benchmark from its samples (each a row dict, or a list of them in the same
-    order): every row's seconds (``forward_s``, ``backward_s``) are their medians over the samples, its
-    counts those of the first."""
+    order; None where the benchmark had nothing to time): every row's seconds (``forward_s``, ``backward_s``)
+    are their medians over the samples, its counts those of the first."""
+    if samples[0] is None:
+        return None
     if isinstance(samples[0], dict):
         return {**samples[0], **{key: statistics.median(s[key] for s in samples) for key in TIMED_KEYS}}
     return [median_samples(rows) for rows in zip(*samples)]
@@ -511,11 +513,6 @@ def measure_kernel_kinds(shape: tuple[int, int] = ELEMENTWISE_SHAPE) -> list[dic
     return rows
 
 
-# The benchmarks whose figures are an eager op's fixed cost or rest on it: sampled through the whole run.
-EAGER_BENCHMARKS: dict[str, Callable[[], Any]] = {
-    "dispatch": measure_dispatch, "elementwise": measure_elementwise, "kernel_kinds": measure_kernel_kinds}
-
-
 TP_CALL_SHAPE = (4, 8)  # a tiny activation: the call's host time, not its bytes
 TP_CALL_LAYER = (64, 1024, 1024)  # (m, n, k) of the matmul before each call: a layer's, its weight 4 MiB in fp32
 TP_CALL_REPEATS = 31
@@ -570,7 +567,14 @@ def measure_tp_calls(repeats: int = TP_CALL_REPEATS) -> dict[str, float] | None:
         if i:
             forward.append(call - gathered)
             backward.append(through - scattered - alone)
-    return {"forward": statistics.median(forward), "backward": max(statistics.median(backward), 0.0)}
+    return {"forward_s": statistics.median(forward), "backward_s": max(statistics.median(backward), 0.0)}
+
+
+# The benchmarks of an eager op's fixed cost, the figures that rest on it, and a tensor-parallel call's host time:
+# sampled through the whole run (see _rank_compute).
+SAMPLED_BENCHMARKS: dict[str, Callable[[], Any]] = {
+    "dispatch": measure_dispatch, "elementwise": measure_elementwise, "kernel_kinds": measure_kernel_kinds,
+    "tp_calls": measure_tp_calls}
 
 
 # ----------------------------------------------------------------------------- optimizer

@@ -416,7 +416,7 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     def every_rank(nproc):
         return [{"matmuls": [(s, truth.matmul_time(*s)) for s in shapes], "dispatch": dispatch,
                  "elementwise": elementwise, "kernel_kinds": kinds, "optimizer": optimizer, "speed_probes": probes[r],
-                 "tp_calls": {"forward": (100e-6, 140e-6)[r % 2], "backward": (60e-6, 80e-6)[r % 2]},
+                 "tp_calls": {"forward_s": (100e-6, 140e-6)[r % 2], "backward_s": (60e-6, 80e-6)[r % 2]},
                  # zero_grad: 5 us a step, 0.5 us a tensor, freeing at 160 GB/s
                  "zero_grad": [(t, n, 5e-6 + t * 0.5e-6 + t * n * 4 / 160e9)
                                for t, n in ((1, 1024), (16, 1024), (4, 1 << 20), (16, 1 << 18))],

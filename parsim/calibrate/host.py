@@ -421,7 +421,7 @@ def fit_tp_calls(rows: list[dict | None]) -> tuple[float, float] | None:
     rows = [r for r in rows if r is not None]
     if not rows:
         return None
-    return float(np.median([r["forward"] for r in rows])), float(np.median([r["backward"] for r in rows]))
+    return float(np.median([r["forward_s"] for r in rows])), float(np.median([r["backward_s"] for r in rows]))
 
 
 @dataclass
