@@ -39,8 +39,8 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * every measured operation -> its own fixed cost per call and bandwidth
     efficiency (backends implement some operations far below link speed);
     on gloo also, from calls issued between bursts of compute as a training
-    step issues them, the extra cost per call the step simulator charges
-    (collective_step_overhead_us);
+    step issues them (after each round, the median round kept), the extra
+    cost per call the step simulator charges (collective_step_overhead_us);
   * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
   * on every rank at once and in step, as ranks compute in a real run:
     AdamW steps on one small tensor, many small and a few large ones ->
@@ -178,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
         reduce_bw = _rate(measure_reduce_bandwidth([2**20, 16 * 2**20, 64 * 2**20]))
         progress(f"measuring matmuls, eager ops and optimizer steps on {max(rank_counts)} ranks at once")
         per_rank = measure_on_every_rank(max(rank_counts))
-        rounds = []
+        rounds, in_step_rounds = [], []
+        in_step_ops = [op for op in ops if op != "send_recv"] if backend == "gloo" else []
         for i in range(COLLECTIVE_ROUNDS):
             rounds.append([])
             for n in rank_counts:
@@ -189,12 +190,11 @@ def run(args: argparse.Namespace) -> int:
                              f"(round {i + 1} of {COLLECTIVE_ROUNDS})")
                     rounds[-1] += measure_collectives(op, sizes, n, args.backend, timeout_s=args.timeout,
                                                       target_time_s=DEFAULT_TARGET_TIME_S / COLLECTIVE_ROUNDS)
-        results = median_rounds(rounds)
-        in_step_ops = [op for op in ops if op != "send_recv"]
-        in_step = []
-        if backend == "gloo" and in_step_ops:
-            progress(f"measuring {', '.join(o.replace('_', '-') for o in in_step_ops)} between bursts of compute")
-            in_step = measure_in_step(in_step_ops, max(rank_counts))
+            if in_step_ops:  # each round's too: one round's means moved 2-3x with the stalls it caught
+                progress(f"measuring {', '.join(o.replace('_', '-') for o in in_step_ops)} between bursts of "
+                         f"compute (round {i + 1} of {COLLECTIVE_ROUNDS})")
+                in_step_rounds.append(measure_in_step(in_step_ops, max(rank_counts)))
+        results, in_step = median_rounds(rounds), median_rounds(in_step_rounds)
         shared_rows, generic = [], None
         if backend == "gloo":
             progress("measuring pipeline transfers and the loop between actions with two ranks on each core")
