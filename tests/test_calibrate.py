@@ -455,6 +455,32 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     monkeypatch.setattr(executor.collectives, "measure_in_step", lambda ops, n: [])
 
 
+def test_calls_between_bursts_of_compute_are_measured_every_round_and_the_median_round_kept(monkeypatch, tmp_path):
+    """A 1 MiB all-reduce between bursts of compute, measured after each of the 3 rounds of collectives: 30 ms (a
+    stall caught), then 10 and 12 ms. The overhead written is the 12 ms round's, as when every round says 12."""
+    import executor.collectives
+    import yaml
+
+    from parsim.report.results import CollectiveResult
+
+    _fake_calibration(monkeypatch)
+
+    def overhead_us(times_s: list[float]) -> float:
+        rounds = iter(times_s)
+
+        def in_step(ops, n):
+            return [CollectiveResult("all_reduce", n, 1 << 20, next(rounds), "ring", "measured", "gloo")]
+
+        monkeypatch.setattr(executor.collectives, "measure_in_step", in_step)
+        out = tmp_path / "host.yaml"
+        assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce"]) == 0
+        assert next(rounds, None) is None  # one measurement a round
+        return yaml.safe_load(out.read_text())["collective_step_overhead_us"]["all_reduce"]
+
+    median = overhead_us([12e-3] * 3)
+    assert median > 0 and overhead_us([30e-3, 10e-3, 12e-3]) == pytest.approx(median)
+
+
 def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(monkeypatch, tmp_path, capsys):
     """Every measurement faked from a known host: the file, the text and the JSON carry the probes' medians
     over every rank and round (the matmul's FLOP/s, the eager pass's time), which compare scales by, the
