@@ -55,8 +55,8 @@ layers of the reference implementation at generic sizes.
 Between them, :mod:`executor.speed_probe` times the host's speed, which
 ``parsim compare`` times again before and after its measured steps; the three
 eager benchmarks (dispatch, elementwise, kernel kinds: a third of a second
-together) run there too, and each of their figures is the median over those
-samples (:data:`SAMPLED_BENCHMARKS`).
+together) and the tensor-parallel call's run there too, and each of their
+figures is the median over those samples (:data:`SAMPLED_BENCHMARKS`).
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ TIMED_KEYS = ("forward_s", "backward_s")
 
 
 def median_samples(samples: Sequence[Any]) -> Any:
-    """One reading of an eager benchmark from its samples (each a row dict, or a list of them in the same
+    """One reading of a sampled benchmark from its samples (each a row dict, or a list of them in the same
     order; None where the benchmark had nothing to time): every row's seconds (``forward_s``, ``backward_s``)
     are their medians over the samples, its counts those of the first."""
     if samples[0] is None:
@@ -309,7 +309,7 @@ REFERENCE_LAYERS = {
 }
 
 
-def _generic_blocks() -> dict[str, tuple[Any, list[tuple[int, int, int]]]]:
+def _eager_blocks() -> dict[str, tuple[Any, list[tuple[int, int, int]]]]:
     """name -> (a stack of ``DEPTH`` blocks, the matmuls one forward runs as (m, n, k)).
 
     The blocks are the reference implementation's decoder layers (:data:`REFERENCE_LAYERS`), so the cost per op
@@ -435,13 +435,13 @@ def passes_after_dirty_caches(forward: Callable[[], Any], backward: Callable[[An
 
 
 def measure_dispatch(device: Any = "cpu") -> list[dict]:
-    """Per block stack (:func:`_generic_blocks`): forward and backward seconds (medians, each run behind dirty
+    """Per block stack (:func:`_eager_blocks`): forward and backward seconds (medians, each run behind dirty
     caches as a step's actions are), the ATen ops of each, and its matmuls. On a GPU the blocks are so small that the
     kernels wait on the host: the times are the host's (Python, dispatch, autograd and launches)."""
     torch = require_torch()
     sync = synchronizer(device)
     rows = []
-    for name, (stack, matmuls) in _generic_blocks().items():
+    for name, (stack, matmuls) in _eager_blocks().items():
         stack = stack.to(device)
         x = torch.randn(2, TOKENS, WIDTH, device=device, requires_grad=True)
         grad = torch.randn(2, TOKENS, WIDTH, device=device)
