@@ -199,10 +199,10 @@ def _rank_compute(rank: int, world: int) -> dict:
     of matmul FLOP/s and eager seconds): their medians are the host's speed while these figures were measured.
     The sampled benchmarks (:data:`SAMPLED_BENCHMARKS`: the eager ones and a tensor-parallel call's) run at each
     of those points, and their figures are the medians over all of them: run once, they moved with the host's
-    slow spells. On the 2-core VM (2026-11-29) five runs of the dispatch
-    benchmark in one process, 0.3 s apart, each a median over 15 repeats, timed 4.7, 4.4, 6.7, 8.3 and 6.2 us a
-    forward op (matmuls included); the eager probe right after the two slowest read 284 and 278 us, as usual
-    (272-299). Three calibrations, each on two such runs per rank, had priced it at 5.15, 7.91 and 5.31 us."""
+    slow spells. On the 2-core VM (2026-11-29) five runs of the dispatch benchmark in one process, 0.3 s apart,
+    each a median over 15 repeats, timed 4.7, 4.4, 6.7, 8.3 and 6.2 us a forward op (matmuls included); the eager
+    probe right after the two slowest read 284 and 278 us, as usual (272-299). Three calibrations, each on two
+    such runs per rank, had priced it at 5.15, 7.91 and 5.31 us."""
     probe = SpeedProbe() if probes_on(rank, world) else None
     speeds: list[tuple[float, float]] = []
     sampled: dict[str, list] = {name: [] for name in SAMPLED_BENCHMARKS}
@@ -299,7 +299,8 @@ def measure_matmuls(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *,
 
 
 # ----------------------------------------------------------------------------- eager dispatch
-WIDTH, TOKENS, DEPTH, HEADS, KV_HEADS = 32, 16, 8, 4, 2  # small: fixed costs, not arithmetic, dominate
+# small: fixed costs, not arithmetic, dominate; SEQUENCES of TOKENS each pass
+WIDTH, TOKENS, SEQUENCES, DEPTH, HEADS, KV_HEADS = 32, 16, 2, 8, 4, 2
 
 # The two decoder layers the eager blocks are made of: the reference implementation's (executor/train/models.py,
 # whose ops parsim.lowering.eager_ops counts) in its two common configurations, at WIDTH, never a plan's model.
@@ -325,19 +326,17 @@ def _eager_blocks() -> dict[str, tuple[Any, list[tuple[int, int, int]]]]:
     from .train.models import DecoderLayer
 
     nn = torch.nn
-    w, t, s, h = WIDTH, 2 * TOKENS, TOKENS, HEADS
-    attention_core = [(s, s, w // h)] * (2 * h) + [(s, w // h, s)] * (2 * h)  # per sequence and head
-    matmuls = {
-        "llama layer": [(t, w, w), (t, w * KV_HEADS // h, w), (t, w * KV_HEADS // h, w), (t, w, w), *attention_core,
-                        (t, 4 * w, w), (t, 4 * w, w), (t, w, 4 * w)],
-        "gpt layer": [(t, w, w)] * 4 + attention_core + [(t, 4 * w, w), (t, w, 4 * w)],
-    }
     blocks = {}
     for name, config in REFERENCE_LAYERS.items():
-        spec = load_model({"name": name, "kind": "transformer", "num_layers": DEPTH, "hidden": w, "num_heads": h,
-                           "ffn_hidden": 4 * w, "seq_len": s, "vocab_size": 64, "layer_kernels": "eager",
-                           "cross_entropy": "torch", **config})
-        blocks[name] = (nn.Sequential(*[DecoderLayer(spec) for _ in range(DEPTH)]), matmuls[name] * DEPTH)
+        spec = load_model({"name": name, "kind": "transformer", "num_layers": DEPTH, "hidden": WIDTH,
+                           "num_heads": HEADS, "ffn_hidden": 4 * WIDTH, "seq_len": TOKENS, "vocab_size": 64,
+                           "layer_kernels": "eager", "cross_entropy": "torch", **config})
+        layer = spec.layer_costs(4)[0]  # the simulator's own shapes of the layer's matmuls and attention core
+        matmuls = [(SEQUENCES * TOKENS, mm.n, mm.k) for block in layer.blocks for mm in block.matmuls]
+        for core in (block.core for block in layer.blocks if block.core is not None):  # scores, then their values
+            matmuls += [(core.seq, core.seq, core.head_dim), (core.seq, core.head_dim, core.seq)] * (SEQUENCES
+                                                                                                  * core.heads)
+        blocks[name] = (nn.Sequential(*[DecoderLayer(spec) for _ in range(DEPTH)]), matmuls * DEPTH)
 
     class Elementwise(nn.Module):  # activations, scalar arithmetic and a reduction
         def forward(self, x):
@@ -443,8 +442,8 @@ def measure_dispatch(device: Any = "cpu") -> list[dict]:
     rows = []
     for name, (stack, matmuls) in _eager_blocks().items():
         stack = stack.to(device)
-        x = torch.randn(2, TOKENS, WIDTH, device=device, requires_grad=True)
-        grad = torch.randn(2, TOKENS, WIDTH, device=device)
+        x = torch.randn(SEQUENCES, TOKENS, WIDTH, device=device, requires_grad=True)
+        grad = torch.randn(SEQUENCES, TOKENS, WIDTH, device=device)
         out, forward_ops = count_ops(lambda: stack(x))
         _, backward_ops = count_ops(lambda: torch.autograd.backward(out, grad))
         forward_s, backward_s = passes_after_dirty_caches(lambda: stack(x), lambda y: torch.autograd.backward(y, grad),

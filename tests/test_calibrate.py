@@ -526,6 +526,9 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
         assert getattr(written.core_arithmetic, kind) == pytest.approx(tuple(x * 1e-9 for x in figures))
     assert (written.gpu.hbm_bw_Bps, written.memory_alone_bw_Bps, written.memory_host_bw_Bps) == pytest.approx(
         (20e9, 32e9, 40e9))
+    assert "per-op overhead   7.0 us forward, 5.0 us backward (eager decoder layers, every rank at once)" in text
+    # the elementwise chain's counted bytes, 5 x 7 x 64 Ki x 4, over the 0.5 ms beyond its ops' fixed costs
+    assert "elementwise       18.35 GB/s (products, sums, a rotation: bytes-bound kernels" in text
     assert "tensor-parallel   120 us forward, 70 us backward per collective call beyond the collective" in text
     assert written.tp_call_s == pytest.approx((120e-6, 70e-6))  # the medians over ranks
     assert "zero_grad         5 us per step and 0.5 us per tensor, freeing gradients at 160 GB/s" in text
