@@ -117,11 +117,19 @@ def _by_stage(run: dict) -> dict[tuple[int, str], dict]:
     :func:`~parsim.cli.compare_plan.stage_phases`; a stage of one rank is that rank's), measured as the run's
     ``stages`` kept it (the mean in each step, its median over the steps). A stage's data- and tensor-parallel
     ranks do the same work; which of them the host runs first, or ends last, changes from step to step (two
-    ranks on a core, one rank's slow spell), and the mean over them does not."""
+    ranks on a core, one rank's slow spell), and the mean over them does not. A stage of several ranks is
+    predicted as the run priced it (its idle's wait at the step's end a median, as measured)."""
     from parsim.cli.compare_plan import stage_phases
 
-    kept = {(row["pp"], row["phase"]): row["measured_s"] for row in run.get("stages", ())}
-    return {(row["pp"], row["phase"]): row for row in stage_phases(run["phases"], min_ranks=1, measured=kept)}
+    kept = {(row["pp"], row["phase"]): row for row in run.get("stages", ())}
+    rows = {}
+    for row in stage_phases(run["phases"], min_ranks=1, measured={key: r["measured_s"] for key, r in kept.items()}):
+        key = (row["pp"], row["phase"])
+        if key in kept:
+            row = {**row, "predicted_s": kept[key]["predicted_s"],
+                   "error": _error(kept[key]["predicted_s"], row["measured_s"])}
+        rows[key] = row
+    return rows
 
 
 def _medians(runs: list[dict], rows_of: Callable[[dict], dict[tuple[int, str], dict]],
@@ -158,7 +166,7 @@ def repeated(runs_a: list[dict], runs_b: list[dict]) -> dict:
 def predicted_again(run: dict, plan_args: list[str], cluster) -> dict:
     """A kept run (``parsim compare --json``) with the step and phases predicted by the model as it is now, on
     ``cluster`` at the host speed the run's probes measured; what was measured stays."""
-    from parsim.cli.compare_plan import compare_phases
+    from parsim.cli.compare_plan import compare_phases, median_end_waits, stage_phases
     from parsim.cli.main import build_parser
     from parsim.cli.plan_cmd import plan_from_args
     from parsim.report.step_report import RankBreakdown
@@ -177,8 +185,12 @@ def predicted_again(run: dict, plan_args: list[str], cluster) -> dict:
             ranges[row["phase"]] = tuple(row["measured_range_s"])
     measured = [RankBreakdown(rank, run["measured_step_s"], seconds, ranges)
                 for rank, (seconds, ranges) in sorted(kept.items())]
+    waits, stage_waits = median_end_waits(plan, predicted, [m.rank for m in measured])
+    phases = compare_phases(plan, predicted, measured, waits)
+    kept_stages = {(row["pp"], row["phase"]): row["measured_s"] for row in run.get("stages", ())}
+    stages = stage_phases(phases, measured=kept_stages, stage_waits=stage_waits)
     return {**run, "predicted_step_s": predicted.step_s, "step_error": _error(predicted.step_s, run["measured_step_s"]),
-            "phases": compare_phases(plan, predicted, measured)}
+            "phases": phases, "stages": stages}
 
 
 def _in_range(row: dict) -> bool:

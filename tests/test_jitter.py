@@ -15,7 +15,7 @@ from parsim.cli.main import main
 from parsim.hardware.cluster import parse_cluster
 from parsim.report.step_report import breakdown, step_time
 from parsim.report.trace import Event, Trace
-from parsim.sim.jitter import end_wait_s, expected_max
+from parsim.sim.jitter import end_wait_s, expected_max, sampled_waits
 from parsim.sim.step import predict_step
 from parsim.units import format_time
 from parsim.workload.plan import resolve_plan
@@ -105,6 +105,68 @@ def test_a_jittering_host_s_step_ends_later_by_the_wait_in_every_rank_s_idle(cap
     assert "the ranks' jitter" not in capsys.readouterr().out
     assert main(["simulate", "course-ddp", "--dp", "2", "--cluster", str(host), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["end_wait_s"] == pytest.approx(wait)
+
+
+def test_the_drawn_steps_average_to_the_wait_and_give_its_median():
+    twins = _step({0: (0.050, 0.062)}, {"0": 2})  # one simulated rank standing for both; sigma 1.2 ms
+    sigma = 0.0012
+    waits = sampled_waits(twins, 0.10, [0, 0])
+    assert waits.shape[1] == 2
+    # the mean over the steps is the wait the step is priced with, within the draws' own error
+    assert waits.mean(axis=0) == pytest.approx([end_wait_s(twins, 0.10)] * 2, rel=0.05)
+    # in each step one twin waits |d| (d = e_1 - e_0, sigma sqrt 2) and the other not at all: each one's median is
+    # none; the mean of the two, |d| / 2, has the median 0.6745 sigma sqrt(2) / 2 (half-normal)
+    assert np.median(waits, axis=0) == pytest.approx([0.0, 0.0], abs=0.02 * sigma)
+    assert np.median(waits.mean(axis=1)) == pytest.approx(0.6745 * sigma * math.sqrt(2) / 2, rel=0.05)
+    # one twin named, the other still ends its steps and may end them last: the same wait on average
+    assert sampled_waits(twins, 0.10, [0]).mean() == pytest.approx(end_wait_s(twins, 0.10), rel=0.05)
+    # a rank ending 10 sigmas early waits what the trace already holds, and nothing more
+    early = sampled_waits(_step({0: (0.050, 0.062), 1: (0.038, 0.050)}), 0.10, [0, 1])
+    assert np.median(early, axis=0) == pytest.approx([0.0, 0.0], abs=0.02 * sigma)
+    # no jitter: nothing; the same trace: the same draws
+    assert not sampled_waits(twins, 0.0, [0, 0]).any()
+    assert (sampled_waits(twins, 0.10, [0, 0]) == waits).all()
+
+
+def test_compare_prices_the_wait_at_the_step_s_end_as_the_median_it_is_measured_as(monkeypatch, capsys, tmp_path):
+    """Measured over several steps, each rank's idle and each stage's are medians over them: compare prices the
+    wait for the slowest rank as that median, not as the step's mean (which the step keeps)."""
+    import yaml
+
+    import executor.train
+
+    host = tmp_path / "host.yaml"
+    host.write_text(yaml.safe_dump(cpu_host(op_forward_us=7.0, op_backward_us=6.0, rank_jitter=0.08)))
+    plan = resolve_plan("course-ddp", overrides={"parallel": {"dp": 2}})
+    predicted = predict_step(plan, parse_cluster(yaml.safe_load(host.read_text()), "host"))
+    wait = predicted.end_wait_s
+    assert wait > 0
+
+    def run_plan(plan, nproc, steps, **kwargs):
+        rows = breakdown(predicted.trace)
+        return predicted.trace, {"ranks": [{"rank": rank, "step_s": rows[0].step_s, "seconds": rows[0].seconds}
+                                           for rank in range(nproc)]}
+
+    monkeypatch.setattr(executor.train, "run_plan", run_plan)
+    argv = ["compare", "course-ddp", "--dp", "2", "--nproc", "2", "--cluster", str(host), "--no-speed-probe", "--json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    idle = [row for row in doc["phases"] if row["phase"] == "idle"]
+    trace_idle = breakdown(predicted.trace)[0].seconds["idle"]
+    assert doc["predicted_step_s"] == pytest.approx(predicted.step_s)  # the step keeps the mean
+    for row in idle:  # each twin: about none of it (the draws' error)
+        assert abs(row["end_wait_s"]) < 0.05 * wait
+        assert row["predicted_s"] == pytest.approx(trace_idle + row["end_wait_s"])
+    stage = next(row for row in doc["stages"] if row["phase"] == "idle")
+    # the mean of the twins' waits in a step, half the distance between their ends: its median, 0.85 of the mean
+    assert stage["predicted_s"] - trace_idle == pytest.approx(0.6745 * math.sqrt(math.pi / 2) * wait, rel=0.05)
+    assert main(argv[:-1]) == 0
+    assert (f"the step holds its mean, {format_time(wait)} (the ranks' jitter: in each step one of two twins waits"
+            in capsys.readouterr().out)
+    # one measured step is one draw: the mean is the best guess of it
+    assert main([*argv, "--steps", "1"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert [row["end_wait_s"] for row in one["phases"] if row["phase"] == "idle"] == [pytest.approx(wait)] * 2
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, "much"])

@@ -26,7 +26,10 @@ The cluster file should describe the machine that measures: make one with
 `parsim calibrate`. For collectives, error = predicted / measured - 1 per
 size, and the median |error| sums it up. For a plan run here, the step is
 the median measured step, and each rank's phase its median over the steps:
-one step's idle swings with which rank happened to end last. Beside each
+one step's idle swings with which rank happened to end last. So the
+predicted idle holds the wait for the slowest rank at the step's end as its
+median too (of two twins, one waits in each step and the other does not),
+and the step its mean. Beside each
 median the table gives the least and most one step spent on the phase, so a
 miss can be told from the run's own noise. With more ranks than the host has
 cores, every rank is predicted in its own right, the ranks on one core taking

@@ -7,6 +7,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from ..calibrate.host_load import ForeignLoad
 from ..errors import ParsimError
 from ..hardware.cluster import load_cluster
@@ -16,7 +18,8 @@ from ..report.jsondoc import print_json
 from ..report.step_report import PHASES, RankBreakdown, breakdown, step_time
 from ..report.table import format_number, render_table
 from ..report.trace import Trace
-from ..sim.step import predict_step, rank_standing_for
+from ..sim.jitter import sampled_waits
+from ..sim.step import StepPrediction, predict_step, rank_standing_for
 from ..units import format_time, size_unit, time_unit
 from ..workload.plan import Plan
 from .common import (expert_load_text, note, note_executor_kernels, note_launch_bound, note_stages_sharing_cores,
@@ -49,6 +52,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         note_stages_sharing_cores("compare", plan, cluster)
     load, speed, spread, routing = None, None, None, None
     by_phase = None  # each measured rank's time by phase (None: the measured trace's one step)
+    waits, stage_waits = None, None  # the wait at the step's end as medians over the steps (None: its mean)
     by_stage = None  # (stage, phase) -> the stage's measured seconds (None: the mean of its ranks' by_phase)
     if args.measured is None:
         from executor.launch import resolve_backend
@@ -84,6 +88,8 @@ def compare_plan_command(args: argparse.Namespace) -> int:
                     for r in summary.get("ranks", ())]
         by_stage = {(stage["pp"], phase): seconds for stage in summary.get("stages", ())
                     for phase, seconds in stage["seconds"].items()}
+        if steps > 1 and by_phase:
+            waits, stage_waits = median_end_waits(plan, predicted, [r.rank for r in by_phase])
         routing = summary.get("expert_load") and _routing(plan, cluster, summary["expert_load"])
         times = summary.get("step_times_s")
         spread = (min(times), max(times)) if times else None
@@ -92,14 +98,14 @@ def compare_plan_command(args: argparse.Namespace) -> int:
                  "the host's speed or its transfers moved during the run (docs/calibration.md); the median of "
                  "several runs, or of more steps (--steps), is steadier")
     collectives = match_collectives(plan, predicted.trace, measured)
-    rows = compare_phases(plan, predicted, by_phase or breakdown(measured))
+    rows = compare_phases(plan, predicted, by_phase or breakdown(measured), waits)
     measured_step = step_time(measured)
     step_error = predicted.step_s / measured_step - 1 if measured_step else None
     if args.json:
         print_json("compare.plan", {
             "plan": plan.name, "cluster": cluster.name, "measured_from": source,
             "predicted_step_s": predicted.step_s, "measured_step_s": measured_step, "step_error": step_error,
-            "phases": rows, "stages": stage_phases(rows, measured=by_stage),
+            "phases": rows, "stages": stage_phases(rows, measured=by_stage, stage_waits=stage_waits),
             "collectives": [r.to_json() for r in collectives],
             "foreign_load_cores": load.cores if load else None,
             "measured_step_range_s": list(spread) if spread else None,
@@ -107,8 +113,10 @@ def compare_plan_command(args: argparse.Namespace) -> int:
     else:
         print(phases_table(rows, title=f"{plan.name}: predicted ({cluster.name}) vs measured ({source}), "
                                        "per rank and phase"))
+        if waits is not None and predicted.end_wait_s:
+            print(end_wait_text(rows, predicted.end_wait_s))
         print()
-        stages = stage_phases(rows, measured=by_stage)
+        stages = stage_phases(rows, measured=by_stage, stage_waits=stage_waits)
         if stages:
             print(stages_table(stages, over_steps=bool(by_stage)))
             print()
@@ -221,10 +229,38 @@ def collectives_table(rows: list[CollectiveRow]) -> str:
                         title="collectives: the plan's beside the measured ones (count, bytes, time per step)")
 
 
-def compare_phases(plan, predicted, measured: list[RankBreakdown]) -> list[dict]:
+def median_end_waits(plan: Plan, predicted: StepPrediction, ranks: list[int]
+                     ) -> tuple[dict[int, float], dict[int, float]]:
+    """The wait for the slowest rank at the step's end (:mod:`parsim.sim.jitter`) as medians over steps, the
+    statistic the measured figures are: per measured rank its own, and per pipeline stage that of the mean over
+    its measured ranks (:func:`stage_phases`' measured figure). The prediction's idle holds the wait's mean,
+    ``predicted.end_wait_s``; of two twins, one waits in each step and the other does not, so each one's median
+    wait is about none (docs/calibration.md, "The wait at the step's end, as a median")."""
+    simulated = {b.rank for b in predicted.ranks}
+    waits = sampled_waits(predicted.trace, predicted.cluster.rank_jitter,
+                          [rank_standing_for(plan, simulated, rank) for rank in ranks])
+    columns: dict[int, list[int]] = {}
+    for i, rank in enumerate(ranks):
+        columns.setdefault(plan.coords(rank).pp, []).append(i)
+    return ({rank: float(np.median(waits[:, i])) for i, rank in enumerate(ranks)},
+            {pp: float(np.median(waits[:, mine].mean(axis=1))) for pp, mine in columns.items()})
+
+
+def end_wait_text(rows: list[dict], mean_s: float) -> str:
+    """How the rows' idle prices the wait at the step's end: each rank's median, beside the step's mean."""
+    waits = ", ".join(f"rank {row['rank']} {format_time(max(row['end_wait_s'], 0.0))}"
+                      for row in rows if row["phase"] == "idle" and "end_wait_s" in row)
+    return (f"idle holds the wait for the slowest rank at the step's end as its median over the steps, as measured "
+            f"({waits}); the step holds its mean, {format_time(mean_s)} (the ranks' jitter: in each step one of "
+            "two twins waits and the other does not)")
+
+
+def compare_phases(plan, predicted, measured: list[RankBreakdown],
+                   waits: Mapping[int, float] | None = None) -> list[dict]:
     """Per measured rank and phase: predicted seconds (of the rank, or where it was not simulated in its own right,
     of its representative), measured seconds, and the least and most one measured step spent on the phase (None:
-    one step measured)."""
+    one step measured). ``waits``: each rank's wait at the step's end to price in its idle in place of the
+    prediction's mean (:func:`median_end_waits`); each idle row keeps the wait it holds (``end_wait_s``)."""
     by_rank = {b.rank: b for b in predicted.ranks}
     rows = []
     for m in measured:
@@ -232,22 +268,29 @@ def compare_phases(plan, predicted, measured: list[RankBreakdown]) -> list[dict]
         p = by_rank[rank_standing_for(plan, set(by_rank), m.rank)]
         for phase in PHASES:
             pred, meas = p.seconds.get(phase, 0.0), m.seconds.get(phase, 0.0)
+            wait = None
+            if phase == "idle" and predicted.end_wait_s:
+                wait = predicted.end_wait_s if waits is None else waits[m.rank]
+                pred += wait - predicted.end_wait_s
             if pred or meas:
                 lo_hi = m.ranges.get(phase)
                 rows.append({"rank": m.rank, "pp": pp, "phase": phase, "predicted_s": pred, "measured_s": meas,
                              "measured_range_s": list(lo_hi) if lo_hi else None,
-                             "error": pred / meas - 1 if meas else None})
+                             "error": pred / meas - 1 if meas else None,
+                             **({"end_wait_s": wait} if wait is not None else {})})
     return rows
 
 
 def stage_phases(rows: list[dict], min_ranks: int = 2,
-                 measured: Mapping[tuple[int, str], float] | None = None) -> list[dict]:
+                 measured: Mapping[tuple[int, str], float] | None = None,
+                 stage_waits: Mapping[int, float] | None = None) -> list[dict]:
     """:func:`compare_phases`' rows per pipeline stage of at least ``min_ranks`` measured ranks: each phase's
     predicted and measured seconds, the mean over the stage's ranks (a phase a rank lacks counts 0 there). Where
     ``measured`` has a (stage, phase), that is the measured figure: the median over several steps of the
     stage's mean in each step (``run_plan``'s ``stages``), where the mean of the ranks' medians would take each
     rank's median on whichever side of a twin's wait it happened to fall
-    (:func:`~parsim.report.step_report.median_breakdown` by stage).
+    (:func:`~parsim.report.step_report.median_breakdown` by stage). ``stage_waits``: the wait at the step's end
+    each stage's idle holds in place of its ranks' (:func:`median_end_waits`), as that median is measured.
 
     A stage's data-, tensor- and context-parallel ranks do the same work; which of them a shared core runs
     first, or which ends its step last, changes from step to step, so one rank's phase can miss where the
@@ -257,7 +300,8 @@ def stage_phases(rows: list[dict], min_ranks: int = 2,
     for r in rows:
         ranks.setdefault(r["pp"], set()).add(r["rank"])
         total = sums.setdefault((r["pp"], r["phase"]), [0.0, 0.0])
-        total[0] += r["predicted_s"]
+        own_wait = r.get("end_wait_s", 0.0) if stage_waits is not None else 0.0  # the stage's takes its place
+        total[0] += r["predicted_s"] - own_wait
         total[1] += r["measured_s"]
     stages = []
     for pp, phase in sorted(sums, key=lambda key: (key[0], PHASES.index(key[1]))):
@@ -265,6 +309,8 @@ def stage_phases(rows: list[dict], min_ranks: int = 2,
         if n < min_ranks:
             continue
         predicted_s = predicted_sum / n
+        if stage_waits is not None and phase == "idle":
+            predicted_s += stage_waits.get(pp, 0.0)
         measured_s = (measured or {}).get((pp, phase), measured_sum / n)
         stages.append({"pp": pp, "ranks": n, "phase": phase, "predicted_s": predicted_s, "measured_s": measured_s,
                        "error": predicted_s / measured_s - 1 if measured_s else None})

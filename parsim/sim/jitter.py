@@ -21,12 +21,21 @@ error of its own. For two ranks of the same ``T`` and sigma the wait is
 ``sigma / sqrt(pi)``, 0.56 sigma; it grows with the ranks, as the expected
 largest of n normal errors does. Every rank waits that much longer at the
 step's end (its ``idle``), and the step is that much longer.
+
+That is the wait's mean over steps. ``parsim compare`` holds each measured
+rank's phases as medians over steps, where two twins' waits differ: in each
+step one of them waits and the other does not, so each one's median wait is
+about none, while their step ends the mean later. :func:`sampled_waits` draws
+the steps, so that a rank's wait can be priced as the statistic it is held
+to.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -34,6 +43,9 @@ from ..report.trace import Trace
 
 # Points of the grid the expected maximum is integrated on, and how many sigmas it spans beyond the ends.
 GRID_POINTS, SIGMAS = 4001, 8.0
+# Steps :func:`sampled_waits` draws (a median of them is within 2% of a sigma of the true one) and their seed:
+# the same trace gives the same figures.
+SAMPLED_STEPS, SAMPLE_SEED = 4001, 0
 MEETS = ("collective", "recv")  # event kinds where a rank waits for others
 
 
@@ -45,6 +57,32 @@ def end_wait_s(trace: Trace, jitter: float) -> float:
         return 0.0
     ends = RankEnds.of(trace)
     return expected_max(ends.end, jitter * ends.since, ends.count) - float(ends.end.max())
+
+
+def sampled_waits(trace: Trace, jitter: float, ranks: Sequence[int], steps: int = SAMPLED_STEPS) -> np.ndarray:
+    """Each of ``ranks``' wait at the step's end beyond the trace's own, in ``steps`` drawn steps: an array of
+    (steps, len(ranks)). ``ranks`` are simulated ranks, one entry per replica wanted (a simulated rank standing
+    for two measured ranks is named twice, each entry a replica with an error of its own); the replicas not
+    named still end their steps, and may end them last. In a step, a replica of simulated rank ``j`` ends at
+    ``T_j + e`` and waits until the latest end of all; less ``max T - T_j``, which its idle in the trace
+    already holds. The mean over the steps of any entry is :func:`end_wait_s`."""
+    ends = RankEnds.of(trace)
+    if jitter <= 0 or not trace.events:
+        return np.zeros((steps, len(ranks)))
+    where = {rank: i for i, rank in enumerate(ends.ranks)}
+    column = np.array([where[rank] for rank in ranks], dtype=int)
+    sigma = jitter * ends.since
+    rng = np.random.default_rng(SAMPLE_SEED)
+    own = ends.end[column] + sigma[column] * rng.standard_normal((steps, len(ranks)))
+    latest = own.max(axis=1)
+    unnamed = ends.count - np.bincount(column, minlength=len(ends.ranks))
+    for j in np.flatnonzero((unnamed > 0) & (sigma > 0)):  # the largest of n draws: the normal's quantile of u^(1/n)
+        quantile = np.vectorize(NormalDist().inv_cdf)(np.clip(rng.random(steps) ** (1.0 / unnamed[j]), 1e-12,
+                                                              1 - 1e-12))
+        latest = np.maximum(latest, ends.end[j] + sigma[j] * quantile)
+    for j in np.flatnonzero((unnamed > 0) & (sigma == 0)):
+        latest = np.maximum(latest, ends.end[j])
+    return latest[:, None] - own - (ends.end.max() - ends.end[column])
 
 
 @dataclass
