@@ -42,7 +42,8 @@ layers of the reference implementation at generic sizes.
   and a backward, and per parameter to an AdamW step over its DTensors.
 * :func:`measure_step_gaps`: a generic data-parallel step, its actions timed
   by the executor's recorder: the loop's host time between actions, which
-  runs cold after passes and collectives that stream megabytes.
+  runs cold after passes and collectives that stream megabytes;
+  :func:`measure_step_gap_curve` at several sizes of the step.
 * :func:`measure_pipeline_loop`: pairs of ranks run the executor's pipeline
   runtime, 1F1B over two stages whose passes are a small generic MLP's:
   the loop's own host time before each action and per send issued, and its
@@ -218,7 +219,7 @@ def _rank_compute(rank: int, world: int) -> dict:
     for name, benchmark in (("matmuls", measure_matmuls), ("optimizer", measure_host_optimizer),
                             ("jitter", measure_rank_jitter), ("zero_grad", measure_zero_grad),
                             ("fsdp", measure_fsdp_host),
-                            ("step_gaps", measure_step_gaps),
+                            ("step_gaps", measure_step_gap_curve),
                             ("pipeline", measure_pipeline_loop)):
         probe_now()
         results[name] = benchmark()
@@ -725,6 +726,8 @@ def measure_fsdp_host(units: Sequence[int] = FSDP_UNITS, steps: int = 15, warmup
 
 
 STEP_GAP_MLP = (4, 768, 64)  # (layers, width, rows) of the generic step: a 2.25 MiB weight and gradient per layer
+# The generic step's widths for measure_step_gap_curve: 4, 9, 16 and 36 MiB of fp32 gradients a rank.
+STEP_GAP_WIDTHS = (512, 768, 1024, 1536)
 
 
 def gelu_mlp(layers: int, width: int) -> Any:
@@ -774,6 +777,15 @@ def measure_step_gaps(steps: int = 12, warmup: int = 3, mlp: tuple[int, int, int
             events = recorder.events
             gaps += [after.start_s - before.end_s for before, after in zip(events, events[1:])]
     return statistics.median(gaps)
+
+
+def measure_step_gap_curve(widths: Sequence[int] = STEP_GAP_WIDTHS, **kwargs: Any) -> list[tuple[int, float]]:
+    """:func:`measure_step_gaps` with the generic step's layers each of ``widths``: (the gradients the rank holds,
+    in bytes; the median gap), smallest first. The gap grows with the memory the step streams, which empties the
+    caches of the interpreter's code and data: on the 2-core VM (2026-11-29, two ranks, three runs each) 22-30,
+    45-68, 81-89 and 87-94 us at 512, 768, 1024 and 1536 wide."""
+    layers, _, rows = STEP_GAP_MLP
+    return [(layers * width * width * 4, measure_step_gaps(mlp=(layers, width, rows), **kwargs)) for width in widths]
 
 
 def in_turn(mine: Callable[[], float], others: Callable[[], Any] = lambda: None) -> float:

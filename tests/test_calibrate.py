@@ -428,7 +428,8 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
                            (1e-4 * n + 1.5e-4 * n + 2e-4, 2e-4 * n + 0.9e-4 * n + 1e-4)) for n in (2, 8)],
                  # AdamW steps started together: 10 ms on even ranks, 1 ms more or less on odd ones
                  "jitter": [0.010] * 9 if r % 2 == 0 else [0.011, 0.009] * 4 + [0.011],
-                 "step_gaps": (110e-6, 130e-6)[r % 2],  # a generic step's, which the loop's time before actions takes
+                 # a generic step's at 4 and 16 MiB of gradients, which the loop's time before actions takes
+                 "step_gaps": [(4 << 20, (20e-6, 40e-6)[r % 2]), (16 << 20, (110e-6, 130e-6)[r % 2])],
                  "pipeline": {"rendezvous": 300e-6, "latency": 60e-6, "action": (70e-6, 90e-6)[r % 2],
                               "issue": 150e-6}} for r in range(nproc)]
 
@@ -493,8 +494,9 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv"]) == 0
     text = capsys.readouterr().out
     assert "host speed        50.0 GFLOP/s, 800 us per eager pass" in text
-    assert ("between actions   120 us before each pass, sync call or optimizer step (a generic data-parallel step's "
-            "loop), 150 us more per send issued") in text
+    assert ("between actions   30 us at 4 MiB of gradients a rank, 120 us at 16 MiB of gradients a rank before each "
+            "pass, sync call or optimizer step (a generic data-parallel step's loop; it runs colder the more memory "
+            "the step streams), 150 us more per send issued") in text
     written = load_cluster(str(out))
     assert (written.speed_probe_flops, written.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
     # ranks 1 ms apart in every 10 ms step: sigma 1 ms / (2 / sqrt(pi))
@@ -503,7 +505,9 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert (written.matmul_stream_bw_Bps, written.matmul_write_bw_Bps) == pytest.approx((15e9, 45e9), rel=0.1)
     assert (f"weights stream in at {written.matmul_stream_bw_Bps / 1e9:.1f} GB/s and outputs out at "
             f"{written.matmul_write_bw_Bps / 1e9:.1f} GB/s") in text
-    assert (written.action_overhead_s, written.p2p_issue_s) == pytest.approx((120e-6, 150e-6))
+    # the medians over ranks at each size: a rank's gap read off them by its gradients
+    assert written.action_overhead == ((4096, pytest.approx(30e-6)), (16384, pytest.approx(120e-6)))
+    assert written.p2p_issue_s == pytest.approx(150e-6)
     assert (written.p2p_rendezvous_s, written.p2p_latency_s) == pytest.approx((300e-6, 60e-6))
     assert "p2p latency       60 us per pipeline transfer whose receiver waits" in text
     assert "p2p rendezvous    300 us per pipeline transfer received late" in text
@@ -546,7 +550,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert conforms(doc) == "calibrate"
     assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"]) == pytest.approx((50.0, 800.0))
     assert (doc["matmul_stream_bw_GBps"], doc["matmul_write_bw_GBps"]) == pytest.approx((15.0, 45.0), rel=0.1)
-    assert (doc["action_overhead_us"], doc["p2p_issue_us"]) == pytest.approx((120.0, 150.0))
+    assert doc["action_overhead_us"] == pytest.approx({"4096": 30.0, "16384": 120.0})
+    assert doc["p2p_issue_us"] == pytest.approx(150.0)
     assert (doc["p2p_rendezvous_us"], doc["p2p_latency_us"]) == pytest.approx((300.0, 60.0))
     assert doc["shared_cores"] == pytest.approx({"p2p_rendezvous_us": 2650.0, "p2p_latency_us": 200.0,
                                                  "action_overhead_us": 500.0, "p2p_issue_us": 900.0,

@@ -97,6 +97,20 @@ def test_the_loop_s_time_between_actions_is_timed_in_a_generic_data_parallel_ste
     assert _step_gap([{"pipeline": {}}, {"step_gaps": None}], 5e-5) == 5e-5  # not measured: the loop's
 
 
+def test_the_loop_s_time_between_actions_is_timed_at_several_sizes_of_the_generic_step():
+    """Each width of the generic MLP gives the gradients a rank holds (4 layers of fp32 weights) and the median
+    gap; calibrate takes each size's median over ranks, in KiB, and the pipeline loop's figure without any."""
+    from executor.compute_bench import measure_step_gap_curve
+    from parsim.cli.calibrate_cmd import _step_gap_curve
+
+    curve = measure_step_gap_curve(widths=(16, 32), steps=2, warmup=1)
+    assert [nbytes for nbytes, _ in curve] == [4 * 16 * 16 * 4, 4 * 32 * 32 * 4]
+    assert all(0 < gap < 0.1 for _, gap in curve)
+    rows = [{"step_gaps": [(4 << 20, gap), (16 << 20, 4 * gap)]} for gap in (1e-5, 3e-5, 2e-5)]
+    assert _step_gap_curve(rows, 5e-5) == ((4096, pytest.approx(2e-5)), (16384, pytest.approx(8e-5)))
+    assert _step_gap_curve([{"pipeline": {}}, {"step_gaps": None}], 5e-5) == ((0, 5e-5),)
+
+
 def tp_calls(rank: int, world: int) -> dict | None:
     from executor.compute_bench import measure_tp_calls
 
@@ -228,7 +242,7 @@ def test_the_sampled_benchmarks_run_before_every_other_benchmark_and_at_the_end(
     import executor.compute_bench as bench
 
     others = ["measure_matmuls", "measure_host_optimizer", "measure_rank_jitter", "measure_zero_grad",
-              "measure_fsdp_host", "measure_step_gaps", "measure_pipeline_loop"]
+              "measure_fsdp_host", "measure_step_gap_curve", "measure_pipeline_loop"]
     for name in others:
         monkeypatch.setattr(bench, name, lambda: None)
     seconds = iter([9e-6, 1e-6, 2e-6, 3e-6, 40e-6, 5e-6, 6e-6, 7e-6])  # median 5.5 us, a slow spell (40) or not

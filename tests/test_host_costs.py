@@ -202,6 +202,8 @@ def test_host_keys_are_read_in_si_units():
     ("op_forward_us", -1.0, "0 to 1e[+]09 microseconds"), ("op_backward_us", "fast", "a finite number in micro"),
     ("optimizer_tensor_us", float("nan"), "a finite number"), ("p2p_rendezvous_us", True, "a finite number"),
     ("action_overhead_us", -5.0, "0 to 1e[+]09 microseconds"), ("p2p_latency_us", "slow", "a finite number in micro"),
+    ("action_overhead_us", {"4 MiB": 30.0}, "figures keyed by the gradients a rank holds, in KiB"),
+    ("action_overhead_us", {4096: -1.0}, "action_overhead_us.4096: is -1"),
     ("p2p_issue_us", -1.0, "0 to 1e[+]09 microseconds"),
     ("matmul_stream_bw_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("elementwise_bw_GBps", -3, "1e-12 to 1e[+]12 GB/s"),
     ("matmul_write_bw_GBps", "fast", "a finite number in GB/s"),
@@ -505,6 +507,31 @@ def test_the_loop_s_time_before_each_action_shows_as_idle():
     assert all(b.seconds["idle"] > idle for b, idle in zip(gapped.ranks, idle_before))
 
 
+def test_the_loop_s_time_before_each_action_is_read_off_at_the_gradients_each_rank_holds():
+    """Given by the gradients a rank holds (a step that streams more memory leaves the loop's Python colder), each
+    rank's time before an action is read off the points, linear in the log of its gradients, and held at the end
+    points beyond them; the eager probe scales every point."""
+    curve = {1024: 20.0, 4096: 60.0, 16384: 100.0}  # KiB -> us
+    compute = ComputeModel.for_cluster(ideal_spec(**{"compute": {"action_overhead_us": curve}}), "fp32", 4)
+    assert compute.action_gap_s(2048 * 1024) == pytest.approx(40e-6)  # halfway in log between 1 and 4 MiB
+    assert compute.action_gap_s(4096 * 1024) == pytest.approx(60e-6)
+    assert (compute.action_gap_s(100 * 1024), compute.action_gap_s(1 << 40)) == pytest.approx((20e-6, 100e-6))
+    assert compute.action_gap_s() == pytest.approx(100e-6)  # not known: the coldest
+    spec = ideal_spec(**{"compute": {"action_overhead_us": curve}})
+    assert spec.at_host_speed(1.0, 0.5).action_overhead == ((1024, pytest.approx(40e-6)), (4096, pytest.approx(
+        120e-6)), (16384, pytest.approx(200e-6)))
+    # course DDP's ranks hold 4 x 4 MiB of fp32 gradients, its data-parallel ranks on 2 pipeline stages half that
+    plan = Plan(model=load_model("course-mlp"), dp=2, grad_sync="per_param")
+    base, slowed = (predict_step(plan, ideal_spec(**extra)) for extra in ({}, {"compute": {"action_overhead_us":
+                                                                                               curve}}))
+    actions = 1 + 1 + 4 + 1  # forward, backward, an all-reduce per parameter, the optimizer step
+    assert slowed.step_s == pytest.approx(base.step_s + actions * 100e-6, rel=1e-6)
+    staged = resolve_plan("course-pp")
+    flat = predict_step(staged, ideal_spec(**{"compute": {"action_overhead_us": 80.0}}))
+    read = predict_step(staged, ideal_spec(**{"compute": {"action_overhead_us": {8192: 80.0, 16384: 200.0}}}))
+    assert read.step_s == pytest.approx(flat.step_s, rel=1e-9)  # 8 MiB a rank: the first point's 80 us
+
+
 def test_a_pass_after_its_receive_waits_for_the_loop_again():
     """The loop's Python runs between a receive's end and its pass (the executor's ``_F`` and ``_B``): each pass
     of a pipeline's later stage begins ``action_overhead_us`` after its receive ends, as the receive began that
@@ -615,7 +642,7 @@ def test_more_ranks_than_cores_time_share_them():
 def test_pipeline_host_costs_on_shared_cores_take_what_was_measured_there(ranks, shared, expected):
     keys = {**HOST_KEYS, "p2p_latency_us": 100.0, "cpu_cores": 2, **({"shared_cores": SHARED} if shared else {})}
     model = ComputeModel.for_cluster(parse_cluster(cpu_host(**keys), "host.yaml"), "fp32", 4, ranks)
-    assert (model.rendezvous_s, model.send_latency_s, model.action_gap_s) == pytest.approx(expected)
+    assert (model.rendezvous_s, model.send_latency_s, model.action_gap_s()) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("ranks, matmul, eager", [(2, 1.0, 1.0), (3, 1.65, 1.8), (4, 2.3, 2.6), (8, 4.6, 5.2)])

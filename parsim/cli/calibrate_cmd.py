@@ -26,7 +26,7 @@ from ..report.jsondoc import print_json
 from ..report.results import CollectiveResult, canonical_op
 from ..report.table import render_table
 from ..sim.compute import at_length
-from ..units import parse_size_range, size_unit, time_unit
+from ..units import format_size, parse_size_range, size_unit, time_unit
 from .common import check_outputs, note, progress
 
 HELP = """\
@@ -73,9 +73,10 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     between a stage's first and last -> its hooks alone (fsdp_pass_us);
     a generic data-parallel
     step (an MLP's passes, an all-reduce per gradient, AdamW) timed by the
-    executor's recorder -> the loop's time before each action
-    (compute.action_overhead_us: its Python runs cold after work that
-    streams megabytes); pairs of ranks running the executor's own pipeline
+    executor's recorder, its layers 512 to 1536 wide -> the loop's time
+    before each action by the gradients a rank holds
+    (compute.action_overhead_us: its Python runs colder the more memory the
+    step streams); pairs of ranks running the executor's own pipeline
     loop over stages that each pass a small generic MLP -> the time per
     send it issues (compute.p2p_issue_us), the time of a transfer received
     late (compute.p2p_rendezvous_us; a gloo thread may wait for the core
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     memory_host_bw = memory_bw * max(rank_counts)
     loops = [rank["pipeline"] for rank in per_rank if rank["pipeline"] is not None]
     p2p_rendezvous, action_overhead, p2p_issue = (_median(loops, key) for key in ("rendezvous", "action", "issue"))
-    action_overhead = _step_gap(per_rank, action_overhead)
+    action_overhead = _step_gap_curve(per_rank, action_overhead)
     p2p_latency = _median(loops, "latency") if loops else None
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s = (float(v) for v in np.median(probes, axis=0))
@@ -288,7 +289,8 @@ def run(args: argparse.Namespace) -> int:
                     "optimizer_tensor_us": optimizer.tensor_s * 1e6, "optimizer_step_us": optimizer.step_s * 1e6,
                     "p2p_rendezvous_us": p2p_rendezvous * 1e6,
                     "p2p_latency_us": p2p_latency * 1e6 if p2p_latency is not None else None,
-                    "action_overhead_us": action_overhead * 1e6, "p2p_issue_us": p2p_issue * 1e6,
+                    "action_overhead_us": {str(kib): gap * 1e6 for kib, gap in action_overhead},
+                    "p2p_issue_us": p2p_issue * 1e6,
                     "shared_cores": shared.to_mapping() if shared else None,
                     "generic_pipeline_step_ms": {"core_each": generic[0] * 1e3, "two_per_core": generic[1] * 1e3}
                     if generic else None,
@@ -358,9 +360,10 @@ def run(args: argparse.Namespace) -> int:
     if p2p_latency is not None:
         print(f"p2p latency       {p2p_latency * 1e6:.0f} us per pipeline transfer whose receiver waits (from the "
               f"send's issue to the receive's end)")
-    print(f"between actions   {action_overhead * 1e6:.0f} us before each pass, sync call or optimizer step (a "
-          f"generic data-parallel step's loop), {p2p_issue * 1e6:.0f} us more per send issued (the executor's loop "
-          f"on a 2-stage pipeline of small MLPs, which the transfers above are timed on too)")
+    print(f"between actions   {_gap_text(action_overhead)} before each pass, sync call or optimizer step (a generic "
+          f"data-parallel step's loop; it runs colder the more memory the step streams), {p2p_issue * 1e6:.0f} us "
+          f"more per send issued (the executor's loop on a 2-stage pipeline of small MLPs, which the transfers "
+          f"above are timed on too)")
     if shared is not None:
         print(f"2 ranks per core  {shared.p2p_latency_s * 1e6:.0f} us latency and {shared.p2p_rendezvous_s * 1e6:.0f} "
               f"us rendezvous per pipeline transfer, {shared.action_overhead_s * 1e6:.0f} us between actions, "
@@ -398,6 +401,26 @@ def median_rounds(rounds: list[list[CollectiveResult]]) -> list[CollectiveResult
         for r in results:
             by_key.setdefault((r.op, r.nranks, r.size_bytes), []).append(r)
     return [sorted(found, key=lambda r: r.time_s)[(len(found) - 1) // 2] for found in by_key.values()]
+
+
+def _step_gap_curve(rows: list[dict], loop_gap_s: float) -> tuple[tuple[int, float], ...]:
+    """The loop's time before each action by the gradients a rank holds: (KiB, seconds), the median over ranks of
+    a generic data-parallel step's gaps at each of its sizes (:func:`executor.compute_bench.measure_step_gap_curve`),
+    where measured; else the pipeline loop's, ``loop_gap_s``, for every rank."""
+    by_size: dict[int, list[float]] = {}
+    for row in rows:
+        for nbytes, gap in row.get("step_gaps") or ():
+            by_size.setdefault(int(nbytes) // 1024, []).append(gap)
+    if not by_size:
+        return ((0, loop_gap_s),)
+    return tuple((kib, float(np.median(gaps))) for kib, gaps in sorted(by_size.items()))
+
+
+def _gap_text(curve: tuple[tuple[int, float], ...]) -> str:
+    """The loop's time before each action, for people: one figure, or each size's."""
+    if len(curve) == 1:
+        return f"{curve[0][1] * 1e6:.0f} us"
+    return ", ".join(f"{gap * 1e6:.0f} us at {format_size(kib * 1024)} of gradients a rank" for kib, gap in curve)
 
 
 def _step_gap(rows: list[dict], loop_gap_s: float) -> float:

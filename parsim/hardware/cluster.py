@@ -258,7 +258,9 @@ class ClusterSpec:
     p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to a receive posted late
     p2p_latency_s: float | None = None  # a pipeline transfer's latency when its receiver waits (None: the links')
     p2p_issue_s: float = 0.0  # host time a CPU rank's loop spends issuing one pipeline send, before its next action
-    action_overhead_s: float = 0.0  # host time between a training step's actions (the loop's own Python)
+    # host time between a training step's actions (the loop's own Python), in seconds by the gradients a rank holds,
+    # in KiB (:data:`parsim.sim.compute.at_length`'s points; one point at 0: the same for every rank)
+    action_overhead: Curve = ((0, 0.0),)
     elementwise_bw_Bps: float | None = None  # memory-bound kernels' bytes (None: at the memory speed)
     core_arithmetic: CoreArithmetic | None = None  # a CPU core's time per element of GeLU, norms, softmax
     # host time of one tensor-parallel collective call in an eager pass beyond the collective, forward and backward
@@ -319,7 +321,8 @@ class ClusterSpec:
             fsdp_pass_s=(self.fsdp_pass_s[0] / eager, self.fsdp_pass_s[1] / eager),
             optimizer_tensor_s=self.optimizer_tensor_s / eager, optimizer_step_s=self.optimizer_step_s / eager,
             kernel_overhead_s=self.kernel_overhead_s / eager,
-            action_overhead_s=self.action_overhead_s / eager, p2p_issue_s=self.p2p_issue_s / eager,
+            action_overhead=tuple((kib, s / eager) for kib, s in self.action_overhead),
+            p2p_issue_s=self.p2p_issue_s / eager,
             shared_cores=self.shared_cores and replace(
                 self.shared_cores, action_overhead_s=self.shared_cores.action_overhead_s / eager,
                 p2p_issue_s=self.shared_cores.p2p_issue_s / eager),
@@ -340,6 +343,12 @@ class ClusterSpec:
         """Whether the file measures matmul rates per dtype (the GPU clusters) but not for ``dtype``'s, which
         then runs at the plain ``matmul_efficiency`` (1 unless given): an upper bound, not a measurement."""
         return bool(self.matmul_efficiency_by_dtype) and self._own_matmul_efficiency(dtype) is None
+
+    @property
+    def action_overhead_s(self) -> float:
+        """The time between actions of a rank with the most gradients :attr:`action_overhead` gives (the loop's
+        Python runs coldest there); every rank's, where the file gives one figure."""
+        return self.action_overhead[-1][1]
 
     @property
     def describes_cpu_host(self) -> bool:
@@ -473,7 +482,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     sm_cycles = _sm_cycles(source, compute.get("sm_cycles", {}))
     host_us = {}
     for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "p2p_rendezvous_us",
-                "action_overhead_us", "p2p_issue_us", "zero_grad_step_us", "zero_grad_tensor_us",
+                "p2p_issue_us", "zero_grad_step_us", "zero_grad_tensor_us",
                 "fsdp_unshard_us", "fsdp_reduce_us", "fsdp_optimizer_tensor_us"):
         host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
     p2p_latency = compute.get("p2p_latency_us")
@@ -554,7 +563,9 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         optimizer_step_s=float(host_us["optimizer_step_us"]) * 1e-6,
         p2p_rendezvous_s=float(host_us["p2p_rendezvous_us"]) * 1e-6,
         p2p_latency_s=p2p_latency and float(p2p_latency) * 1e-6,
-        action_overhead_s=float(host_us["action_overhead_us"]) * 1e-6,
+        action_overhead=tuple((kib, us * 1e-6) for kib, us in _curve(
+            source, "compute.action_overhead_us", compute.get("action_overhead_us", 0.0), LATENCY_US,
+            keyed_by="the gradients a rank holds, in KiB")),
         p2p_issue_s=float(host_us["p2p_issue_us"]) * 1e-6,
         zero_grad_step_s=float(host_us["zero_grad_step_us"]) * 1e-6,
         zero_grad_tensor_s=float(host_us["zero_grad_tensor_us"]) * 1e-6,
@@ -595,13 +606,14 @@ def _fraction(source: str, key: str, value: object) -> float:
     return _figure(source, key, value, FRACTION)
 
 
-def _curve(source: str, key: str, value: object, limits: tuple[float, float, str] = FRACTION) -> Curve:
-    """A figure, or figures by sequence length (``{2048: 0.53, 8192: 0.61}``), as sorted points."""
+def _curve(source: str, key: str, value: object, limits: tuple[float, float, str] = FRACTION,
+           keyed_by: str = "sequence lengths (whole numbers of tokens)") -> Curve:
+    """A figure, or figures by sequence length (``{2048: 0.53, 8192: 0.61}``; or by what ``keyed_by`` says), as
+    sorted points."""
     if not isinstance(value, dict):
         return ((0, _figure(source, key, value, limits)),)
     if not value or not all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in value):
-        raise ConfigError(source, key, f"is {value!r}", f"{limits[2]}: one figure, or figures keyed by sequence "
-                          "lengths (whole numbers of tokens)")
+        raise ConfigError(source, key, f"is {value!r}", f"{limits[2]}: one figure, or figures keyed by {keyed_by}")
     return tuple((k, _figure(source, f"{key}.{k}", value[k], limits)) for k in sorted(value))
 
 

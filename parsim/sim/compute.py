@@ -131,22 +131,28 @@ GPU host):
   ranks; below, it runs every rank with its core to itself
   (:meth:`with_core_each`) and lets the ranks on one core take turns
   (:mod:`parsim.sim.cores`), slowed by them only while another rank waits.
-* ``action_overhead_s``: on CPU ranks, the training loop's own host time
+* ``action_overhead``: on CPU ranks, the training loop's own host time
   before each action of a step (a pass of one microbatch, before its receive
   and again between the receive and the pass; a gradient all-reduce the loop
   issues in turn; the optimizer step): the
   runtime's Python between one action and the next, which runs cold after
   work that streams megabytes (``parsim calibrate`` times it in a generic
   data-parallel step: 100-120 us on the 2-core AMD VM, where a loop over
-  stages of small eager ops gave 46). ``p2p_issue_s``: the loop's time
+  stages of small eager ops gave 46). It grows with the memory a step
+  streams, which evicts the interpreter's code and data: in that step with
+  layers 512, 768, 1024 and 1536 wide (4, 9, 16 and 36 MiB of gradients a
+  rank) it took 22-30, 45-68, 81-89 and 87-94 us on the 2-core VM
+  (2026-11-29), so ``calibrate`` times it at several sizes and a rank's is
+  read off them at the gradients it holds (linear in their log, the ends'
+  figures beyond them). ``p2p_issue_s``: the loop's time
   issuing each pipeline send (``isend``, handing it to the thread that waits
   for it), which delays the rank's next action; it too grows after passes
   that stream their weights (0.39-0.47 ms between a pipeline's generic MLP
   passes on that VM, 0.23-0.35 between small eager ops). The step simulator
-  starts each action's first op ``action_overhead_s`` plus ``p2p_issue_s``
+  starts each action's first op ``action_overhead`` plus ``p2p_issue_s``
   per send issued since the last action after it could, so it shows as idle
   time, as measured. (Files calibrated before the issue was measured apart
-  hold it in ``action_overhead_s``, spread over every action.)
+  hold it in ``action_overhead``, spread over every action.)
 * ``p2p_rendezvous_s``: the host time of one pipeline transfer on CPU ranks
   whose receive is posted late (gloo moves a message only once the receiver
   has asked for it, and the sender's gloo thread, woken on a core where its
@@ -229,7 +235,8 @@ class ComputeModel:
     p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to a late receive (parsim.sim.stepsim)
     p2p_latency_s: float | None = None  # a pipeline transfer's latency, receiver waiting (None: the links')
     shared_cores: SharedCoreCosts | None = None  # the pipeline's host costs with two ranks on each core
-    action_overhead_s: float = 0.0  # host time before each action of a step (parsim.sim.stepsim; see the docstring)
+    # host time before each action of a step, in seconds by the rank's gradients in KiB (see the docstring)
+    action_overhead: Curve = ((0, 0.0),)
     p2p_issue_s: float = 0.0  # host time issuing one pipeline send, before the rank's next action
     elementwise_bw_Bps: float | None = None  # a block's memory-bound bytes (None: at memory_bw_Bps)
     memory_alone_bw_Bps: float | None = None  # one CPU rank streaming while the host's others wait (see above)
@@ -273,7 +280,7 @@ class ComputeModel:
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, matmul_write_bw_Bps=spec.matmul_write_bw_Bps,
             p2p_rendezvous_s=spec.p2p_rendezvous_s,
             p2p_latency_s=spec.p2p_latency_s, shared_cores=spec.shared_cores,
-            action_overhead_s=spec.action_overhead_s, p2p_issue_s=spec.p2p_issue_s,
+            action_overhead=spec.action_overhead, p2p_issue_s=spec.p2p_issue_s,
             elementwise_bw_Bps=spec.elementwise_bw_Bps, memory_alone_bw_Bps=spec.memory_alone_bw_Bps,
             memory_host_bw_Bps=spec.memory_host_bw_Bps,
             time_share=max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0,
@@ -472,10 +479,11 @@ class ComputeModel:
         """Host time of one pipeline transfer received late."""
         return self._pipeline_cost(self.p2p_rendezvous_s, "p2p_rendezvous_s")
 
-    @property
-    def action_gap_s(self) -> float:
-        """Host time before each action of a step."""
-        return self._pipeline_cost(self.action_overhead_s, "action_overhead_s")
+    def action_gap_s(self, gradient_bytes: float = 0.0) -> float:
+        """Host time before each action of a step of a rank holding ``gradient_bytes`` of gradients (0: not
+        known, the most the figures give)."""
+        return self._pipeline_cost(at_length(self.action_overhead, math.ceil(gradient_bytes / 1024)),
+                                   "action_overhead_s")
 
     def zero_grad_s(self, tensors: int, nbytes: float) -> float:
         """Host time of freeing a step's gradients (``tensors`` of ``nbytes`` in all) as it starts; 0 unless
