@@ -494,7 +494,7 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv"]) == 0
     text = capsys.readouterr().out
     assert "host speed        50.0 GFLOP/s, 800 us per eager pass" in text
-    assert ("between actions   30 us at 4 MiB of gradients a rank, 120 us at 16 MiB of gradients a rank before each "
+    assert ("between actions   30/120 us at 4/16 MiB of gradients a rank before each "
             "pass, sync call or optimizer step (a generic data-parallel step's loop; it runs colder the more memory "
             "the step streams), 150 us more per send issued") in text
     written = load_cluster(str(out))

@@ -26,7 +26,7 @@ from ..report.jsondoc import print_json
 from ..report.results import CollectiveResult, canonical_op
 from ..report.table import render_table
 from ..sim.compute import at_length
-from ..units import format_size, parse_size_range, size_unit, time_unit
+from ..units import parse_size_range, size_unit, time_unit
 from .common import check_outputs, note, progress
 
 HELP = """\
@@ -420,7 +420,9 @@ def _gap_text(curve: tuple[tuple[int, float], ...]) -> str:
     """The loop's time before each action, for people: one figure, or each size's."""
     if len(curve) == 1:
         return f"{curve[0][1] * 1e6:.0f} us"
-    return ", ".join(f"{gap * 1e6:.0f} us at {format_size(kib * 1024)} of gradients a rank" for kib, gap in curve)
+    gaps = "/".join(f"{gap * 1e6:.0f}" for _, gap in curve)
+    sizes = "/".join(f"{kib / 1024:g}" for kib, _ in curve)
+    return f"{gaps} us at {sizes} MiB of gradients a rank"
 
 
 def _step_gap(rows: list[dict], loop_gap_s: float) -> float:

@@ -259,7 +259,7 @@ class ClusterSpec:
     p2p_latency_s: float | None = None  # a pipeline transfer's latency when its receiver waits (None: the links')
     p2p_issue_s: float = 0.0  # host time a CPU rank's loop spends issuing one pipeline send, before its next action
     # host time between a training step's actions (the loop's own Python), in seconds by the gradients a rank holds,
-    # in KiB (:data:`parsim.sim.compute.at_length`'s points; one point at 0: the same for every rank)
+    # in KiB (points as :func:`parsim.sim.compute.at_length` reads them; one point at 0: the same for every rank)
     action_overhead: Curve = ((0, 0.0),)
     elementwise_bw_Bps: float | None = None  # memory-bound kernels' bytes (None: at the memory speed)
     core_arithmetic: CoreArithmetic | None = None  # a CPU core's time per element of GeLU, norms, softmax
