@@ -220,7 +220,7 @@ def _rank_compute(rank: int, world: int) -> dict:
                             ("jitter", measure_rank_jitter), ("zero_grad", measure_zero_grad),
                             ("fsdp", measure_fsdp_host),
                             ("step_gaps", measure_step_gap_curve),
-                            ("pipeline", measure_pipeline_loop)):
+                            ("pipeline", measure_pipeline_loops)):
         probe_now()
         results[name] = benchmark()
     probe_now()
@@ -816,6 +816,19 @@ def compute_for(seconds: float, shape: tuple[int, int, int] = (64, 256, 256)) ->
 
 # ----------------------------------------------------------------------------- the pipeline loop
 PIPELINE_STAGE_MLP = (2, 768, 64)  # (layers, width, rows) of each stage's pass: 4.5 MiB of weights
+# The stages' widths for measure_pipeline_loops, the last PIPELINE_STAGE_MLP's: 128 KiB to 4.5 MiB of weights.
+PIPELINE_LOOP_WIDTHS = (128, 256, 512, 768)
+
+
+def measure_pipeline_loops(widths: Sequence[int] = PIPELINE_LOOP_WIDTHS, **kwargs: Any
+                           ) -> list[tuple[int, dict[str, float] | None]]:
+    """:func:`measure_pipeline_loop` with each stage's layers each of ``widths``: (the gradients a rank holds, in
+    bytes; its figures), smallest first. A send's issue grows with the weights the passes stream, as the loop's
+    time between actions does: on the 2-core VM (2026-11-29, two runs) 107-111 us with layers 128 and 256 wide,
+    597-688 us 768 wide, where the loop's time before an action went from 20 to 38-44 us."""
+    layers, _, rows = PIPELINE_STAGE_MLP
+    return [(layers * width * width * 4, measure_pipeline_loop(mlp=(layers, width, rows), **kwargs))
+            for width in widths]
 
 
 def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 3,

@@ -430,8 +430,11 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
                  "jitter": [0.010] * 9 if r % 2 == 0 else [0.011, 0.009] * 4 + [0.011],
                  # a generic step's at 4 and 16 MiB of gradients, which the loop's time before actions takes
                  "step_gaps": [(4 << 20, (20e-6, 40e-6)[r % 2]), (16 << 20, (110e-6, 130e-6)[r % 2])],
-                 "pipeline": {"rendezvous": 300e-6, "latency": 60e-6, "action": (70e-6, 90e-6)[r % 2],
-                              "issue": 150e-6}} for r in range(nproc)]
+                 # the pipeline loop with stages of 128 KiB and 4.5 MiB: a send's issue at each, the rest at the latter
+                 "pipeline": [(128 << 10, {"rendezvous": 100e-6, "latency": 30e-6, "action": 20e-6, "issue": 50e-6}),
+                              (4608 << 10, {"rendezvous": 300e-6, "latency": 60e-6,
+                                            "action": (70e-6, 90e-6)[r % 2], "issue": 150e-6})]}
+                for r in range(nproc)]
 
     spec = host()
     monkeypatch.setattr(executor.compute_bench, "measure_on_every_rank", every_rank)
@@ -496,7 +499,7 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert "host speed        50.0 GFLOP/s, 800 us per eager pass" in text
     assert ("between actions   30/120 us at 4/16 MiB of gradients a rank before each "
             "pass, sync call or optimizer step (a generic data-parallel step's loop; it runs colder the more memory "
-            "the step streams), 150 us more per send issued") in text
+            "the step streams), 50/150 us at 0.125/4.5 MiB of gradients a rank more per send issued") in text
     written = load_cluster(str(out))
     assert (written.speed_probe_flops, written.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
     # ranks 1 ms apart in every 10 ms step: sigma 1 ms / (2 / sqrt(pi))
@@ -507,7 +510,7 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
             f"{written.matmul_write_bw_Bps / 1e9:.1f} GB/s") in text
     # the medians over ranks at each size: a rank's gap read off them by its gradients
     assert written.action_overhead == ((4096, pytest.approx(30e-6)), (16384, pytest.approx(120e-6)))
-    assert written.p2p_issue_s == pytest.approx(150e-6)
+    assert written.p2p_issue == ((128, pytest.approx(50e-6)), (4608, pytest.approx(150e-6)))
     assert (written.p2p_rendezvous_s, written.p2p_latency_s) == pytest.approx((300e-6, 60e-6))
     assert "p2p latency       60 us per pipeline transfer whose receiver waits" in text
     assert "p2p rendezvous    300 us per pipeline transfer received late" in text
@@ -551,7 +554,7 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"]) == pytest.approx((50.0, 800.0))
     assert (doc["matmul_stream_bw_GBps"], doc["matmul_write_bw_GBps"]) == pytest.approx((15.0, 45.0), rel=0.1)
     assert doc["action_overhead_us"] == pytest.approx({"4096": 30.0, "16384": 120.0})
-    assert doc["p2p_issue_us"] == pytest.approx(150.0)
+    assert doc["p2p_issue_us"] == pytest.approx({"128": 50.0, "4608": 150.0})
     assert (doc["p2p_rendezvous_us"], doc["p2p_latency_us"]) == pytest.approx((300.0, 60.0))
     assert doc["shared_cores"] == pytest.approx({"p2p_rendezvous_us": 2650.0, "p2p_latency_us": 200.0,
                                                  "action_overhead_us": 500.0, "p2p_issue_us": 900.0,

@@ -97,6 +97,21 @@ def test_the_loop_s_time_between_actions_is_timed_in_a_generic_data_parallel_ste
     assert _step_gap([{"pipeline": {}}, {"step_gaps": None}], 5e-5) == 5e-5  # not measured: the loop's
 
 
+def test_the_pipeline_loop_is_timed_with_stages_of_each_size_and_a_send_s_issue_taken_at_each(monkeypatch):
+    """The pipeline loop at each width (here faked): the gradients a rank holds with each, smallest first;
+    calibrate takes a send's issue at every size (each size's median over ranks, in KiB), the rest at the last."""
+    import executor.compute_bench as bench
+    from parsim.cli.calibrate_cmd import _issue_curve
+
+    monkeypatch.setattr(bench, "measure_pipeline_loop", lambda mlp, **kwargs: {"issue": mlp[1] * 1e-6})
+    loops = bench.measure_pipeline_loops(widths=(128, 768))
+    assert loops == [(2 * 128 * 128 * 4, {"issue": 128e-6}), (2 * 768 * 768 * 4, {"issue": 768e-6})]
+    rows = [{"pipeline": [(128 << 10, {"issue": issue}), (4608 << 10, {"issue": 4 * issue})]}
+            for issue in (1e-4, 3e-4, 2e-4)] + [{"pipeline": [(128 << 10, None)]}]  # an odd rank out: no loop
+    assert _issue_curve(rows) == ((128, pytest.approx(2e-4)), (4608, pytest.approx(8e-4)))
+    assert _issue_curve([{"pipeline": None}]) == ((0, 0.0),)
+
+
 def test_the_loop_s_time_between_actions_is_timed_at_several_sizes_of_the_generic_step():
     """Each width of the generic MLP gives the gradients a rank holds (4 layers of fp32 weights) and the median
     gap; calibrate takes each size's median over ranks, in KiB, and the pipeline loop's figure without any."""
@@ -242,7 +257,7 @@ def test_the_sampled_benchmarks_run_before_every_other_benchmark_and_at_the_end(
     import executor.compute_bench as bench
 
     others = ["measure_matmuls", "measure_host_optimizer", "measure_rank_jitter", "measure_zero_grad",
-              "measure_fsdp_host", "measure_step_gap_curve", "measure_pipeline_loop"]
+              "measure_fsdp_host", "measure_step_gap_curve", "measure_pipeline_loops"]
     for name in others:
         monkeypatch.setattr(bench, name, lambda: None)
     seconds = iter([9e-6, 1e-6, 2e-6, 3e-6, 40e-6, 5e-6, 6e-6, 7e-6])  # median 5.5 us, a slow spell (40) or not

@@ -530,6 +530,12 @@ def test_the_loop_s_time_before_each_action_is_read_off_at_the_gradients_each_ra
     flat = predict_step(staged, ideal_spec(**{"compute": {"action_overhead_us": 80.0}}))
     read = predict_step(staged, ideal_spec(**{"compute": {"action_overhead_us": {8192: 80.0, 16384: 200.0}}}))
     assert read.step_s == pytest.approx(flat.step_s, rel=1e-9)  # 8 MiB a rank: the first point's 80 us
+    # a send's issue likewise (its ranks hold 8 MiB: beyond the last point), and halfway in log between two
+    flat = predict_step(staged, ideal_spec(**{"compute": {"p2p_issue_us": 300.0}}))
+    read = predict_step(staged, ideal_spec(**{"compute": {"p2p_issue_us": {1024: 100.0, 4096: 300.0}}}))
+    assert read.step_s == pytest.approx(flat.step_s, rel=1e-9)
+    assert ComputeModel.for_cluster(ideal_spec(**{"compute": {"p2p_issue_us": {1024: 100.0, 4096: 300.0}}}),
+                                    "fp32", 4).send_issue_s(2048 * 1024) == pytest.approx(200e-6)
 
 
 def test_a_pass_after_its_receive_waits_for_the_loop_again():
@@ -663,7 +669,7 @@ def test_compute_on_shared_cores_stretches_by_what_was_measured_there(ranks, mat
 def test_a_send_s_issue_on_shared_cores_takes_what_was_measured_there(ranks, expected):
     keys = {**HOST_KEYS, "p2p_issue_us": 150.0, "cpu_cores": 2, "shared_cores": {**SHARED, "p2p_issue_us": 900.0}}
     model = ComputeModel.for_cluster(parse_cluster(cpu_host(**keys), "host.yaml"), "fp32", 4, ranks)
-    assert model.send_issue_s == pytest.approx(expected)
+    assert model.send_issue_s() == pytest.approx(expected)
 
 
 def _two_ranks_on_one_core(**compute_keys) -> tuple[object, ComputeModel, Program]:

@@ -52,7 +52,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  matmul_stream_bw_Bps: float | None = None, matmul_write_bw_Bps: float | None = None,
                  p2p_rendezvous_s: float = 0.0,
                  p2p_latency_s: float | None = None,
-                 action_overhead_s: float | Sequence[tuple[int, float]] = 0.0, p2p_issue_s: float = 0.0,
+                 action_overhead_s: float | Sequence[tuple[int, float]] = 0.0,
+                 p2p_issue_s: float | Sequence[tuple[int, float]] = 0.0,
                  elementwise_bw_Bps: float | None = None,
                  memory_alone_bw_Bps: float | None = None, memory_host_bw_Bps: float | None = None,
                  shared_cores: SharedCoreCosts | None = None, step_overhead_s: dict | None = None,
@@ -65,14 +66,13 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     ``shared_cores`` the pipeline's host costs with two ranks on each core; ``tp_call_s`` a tensor-parallel
     collective call's host time, forward and backward; ``zero_grad`` what freeing the gradients costs; ``fsdp``
     FSDP2's own host work; ``rank_jitter`` how much the same work's time varies between ranks (a fraction);
-    ``action_overhead_s`` the loop's time before each action, or that time by the gradients a rank holds
-    ((KiB, seconds) points)."""
+    ``action_overhead_s`` and ``p2p_issue_s`` the loop's time before each action and per send issued, each one
+    figure or figures by the gradients a rank holds ((KiB, seconds) points)."""
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
                   "optimizer_tensor_us": optimizer_tensor_s * 1e6, "optimizer_step_us": optimizer_step_s * 1e6,
                   "p2p_rendezvous_us": p2p_rendezvous_s * 1e6,
-                  "action_overhead_us": action_overhead_s * 1e6 if isinstance(action_overhead_s, (int, float))
-                  else {int(kib): gap * 1e6 for kib, gap in action_overhead_s},
-                  "p2p_issue_us": p2p_issue_s * 1e6}
+                  "action_overhead_us": _by_gradients_us(action_overhead_s),
+                  "p2p_issue_us": _by_gradients_us(p2p_issue_s)}
     if p2p_latency_s is not None:
         host_costs["p2p_latency_us"] = p2p_latency_s * 1e6
     if matmul_stream_bw_Bps:
@@ -507,6 +507,13 @@ def fit_fsdp_host(rows: list[tuple]) -> FsdpHostFit | None:
 
 # The mean of |x - y| over independent x, y ~ N(0, sigma^2), in sigmas: 2 / sqrt(pi).
 MEAN_ABS_DIFFERENCE = 2.0 / math.sqrt(math.pi)
+
+
+def _by_gradients_us(seconds: float | Sequence[tuple[int, float]]) -> float | dict[int, float]:
+    """A host cost for the cluster file, in microseconds: one figure, or figures keyed by KiB of gradients."""
+    if isinstance(seconds, (int, float)):
+        return seconds * 1e6
+    return {int(kib): s * 1e6 for kib, s in seconds}
 
 
 def fit_rank_jitter(rounds: list[list[list[float]]]) -> float:

@@ -77,8 +77,9 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     before each action by the gradients a rank holds
     (compute.action_overhead_us: its Python runs colder the more memory the
     step streams); pairs of ranks running the executor's own pipeline
-    loop over stages that each pass a small generic MLP -> the time per
-    send it issues (compute.p2p_issue_us), the time of a transfer received
+    loop over stages that each pass a generic MLP (128 to 768 wide) -> the time
+    per send it issues, by the gradients a rank holds (compute.p2p_issue_us),
+    and with the widest stages the time of a transfer received
     late (compute.p2p_rendezvous_us; a gloo thread may wait for the core
     where its rank computes) and the latency of one whose receiver waits
     (compute.p2p_latency_us, which the step simulator's pipeline sends
@@ -224,9 +225,11 @@ def run(args: argparse.Namespace) -> int:
     memory_alone_bw = fit_alone_memory([tuple(row) for rank in per_rank for row in rank["optimizer"]["alone"]],
                                        optimizer, ADAMW_ACCESSES)
     memory_host_bw = memory_bw * max(rank_counts)
-    loops = [rank["pipeline"] for rank in per_rank if rank["pipeline"] is not None]
-    p2p_rendezvous, action_overhead, p2p_issue = (_median(loops, key) for key in ("rendezvous", "action", "issue"))
+    # the loop's figures with the largest stages (the executor's generic pipeline); a send's issue at every size
+    loops = [rank["pipeline"][-1][1] for rank in per_rank if rank["pipeline"] and rank["pipeline"][-1][1]]
+    p2p_rendezvous, action_overhead = (_median(loops, key) for key in ("rendezvous", "action"))
     action_overhead = _step_gap_curve(per_rank, action_overhead)
+    p2p_issue = _issue_curve(per_rank)
     p2p_latency = _median(loops, "latency") if loops else None
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s = (float(v) for v in np.median(probes, axis=0))
@@ -290,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
                     "p2p_rendezvous_us": p2p_rendezvous * 1e6,
                     "p2p_latency_us": p2p_latency * 1e6 if p2p_latency is not None else None,
                     "action_overhead_us": {str(kib): gap * 1e6 for kib, gap in action_overhead},
-                    "p2p_issue_us": p2p_issue * 1e6,
+                    "p2p_issue_us": {str(kib): issue * 1e6 for kib, issue in p2p_issue},
                     "shared_cores": shared.to_mapping() if shared else None,
                     "generic_pipeline_step_ms": {"core_each": generic[0] * 1e3, "two_per_core": generic[1] * 1e3}
                     if generic else None,
@@ -361,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"p2p latency       {p2p_latency * 1e6:.0f} us per pipeline transfer whose receiver waits (from the "
               f"send's issue to the receive's end)")
     print(f"between actions   {_gap_text(action_overhead)} before each pass, sync call or optimizer step (a generic "
-          f"data-parallel step's loop; it runs colder the more memory the step streams), {p2p_issue * 1e6:.0f} us "
+          f"data-parallel step's loop; it runs colder the more memory the step streams), {_gap_text(p2p_issue)} "
           f"more per send issued (the executor's loop on a 2-stage pipeline of small MLPs, which the transfers "
           f"above are timed on too)")
     if shared is not None:
@@ -416,8 +419,19 @@ def _step_gap_curve(rows: list[dict], loop_gap_s: float) -> tuple[tuple[int, flo
     return tuple((kib, float(np.median(gaps))) for kib, gaps in sorted(by_size.items()))
 
 
+def _issue_curve(rows: list[dict]) -> tuple[tuple[int, float], ...]:
+    """A send's issue by the gradients a rank holds: (KiB, seconds), the median over ranks of the pipeline loop's
+    at each of its sizes (:func:`executor.compute_bench.measure_pipeline_loops`); 0 where no loop ran."""
+    by_size: dict[int, list[float]] = {}
+    for row in rows:
+        for nbytes, loop in row.get("pipeline") or ():
+            if loop:
+                by_size.setdefault(int(nbytes) // 1024, []).append(loop["issue"])
+    return tuple((kib, float(np.median(issues))) for kib, issues in sorted(by_size.items())) or ((0, 0.0),)
+
+
 def _gap_text(curve: tuple[tuple[int, float], ...]) -> str:
-    """The loop's time before each action, for people: one figure, or each size's."""
+    """A loop's time by the gradients a rank holds, for people: one figure, or each size's."""
     if len(curve) == 1:
         return f"{curve[0][1] * 1e6:.0f} us"
     gaps = "/".join(f"{gap * 1e6:.0f}" for _, gap in curve)

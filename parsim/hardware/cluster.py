@@ -257,7 +257,9 @@ class ClusterSpec:
     matmul_write_bw_Bps: float | None = None  # and its output streamed out (None: at matmul_stream_bw_Bps)
     p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to a receive posted late
     p2p_latency_s: float | None = None  # a pipeline transfer's latency when its receiver waits (None: the links')
-    p2p_issue_s: float = 0.0  # host time a CPU rank's loop spends issuing one pipeline send, before its next action
+    # host time a CPU rank's loop spends issuing one pipeline send, before its next action, by the gradients the rank
+    # holds in KiB (as action_overhead)
+    p2p_issue: Curve = ((0, 0.0),)
     # host time between a training step's actions (the loop's own Python), in seconds by the gradients a rank holds,
     # in KiB (points as :func:`parsim.sim.compute.at_length` reads them; one point at 0: the same for every rank)
     action_overhead: Curve = ((0, 0.0),)
@@ -322,7 +324,7 @@ class ClusterSpec:
             optimizer_tensor_s=self.optimizer_tensor_s / eager, optimizer_step_s=self.optimizer_step_s / eager,
             kernel_overhead_s=self.kernel_overhead_s / eager,
             action_overhead=tuple((kib, s / eager) for kib, s in self.action_overhead),
-            p2p_issue_s=self.p2p_issue_s / eager,
+            p2p_issue=tuple((kib, s / eager) for kib, s in self.p2p_issue),
             shared_cores=self.shared_cores and replace(
                 self.shared_cores, action_overhead_s=self.shared_cores.action_overhead_s / eager,
                 p2p_issue_s=self.shared_cores.p2p_issue_s / eager),
@@ -349,6 +351,12 @@ class ClusterSpec:
         """The time between actions of a rank with the most gradients :attr:`action_overhead` gives (the loop's
         Python runs coldest there); every rank's, where the file gives one figure."""
         return self.action_overhead[-1][1]
+
+    @property
+    def p2p_issue_s(self) -> float:
+        """A send's issue on a rank with the most gradients :attr:`p2p_issue` gives; every rank's, where the file
+        gives one figure."""
+        return self.p2p_issue[-1][1]
 
     @property
     def describes_cpu_host(self) -> bool:
@@ -482,7 +490,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     sm_cycles = _sm_cycles(source, compute.get("sm_cycles", {}))
     host_us = {}
     for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "p2p_rendezvous_us",
-                "p2p_issue_us", "zero_grad_step_us", "zero_grad_tensor_us",
+                "zero_grad_step_us", "zero_grad_tensor_us",
                 "fsdp_unshard_us", "fsdp_reduce_us", "fsdp_optimizer_tensor_us"):
         host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
     p2p_latency = compute.get("p2p_latency_us")
@@ -563,10 +571,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         optimizer_step_s=float(host_us["optimizer_step_us"]) * 1e-6,
         p2p_rendezvous_s=float(host_us["p2p_rendezvous_us"]) * 1e-6,
         p2p_latency_s=p2p_latency and float(p2p_latency) * 1e-6,
-        action_overhead=tuple((kib, us * 1e-6) for kib, us in _curve(
-            source, "compute.action_overhead_us", compute.get("action_overhead_us", 0.0), LATENCY_US,
-            keyed_by="the gradients a rank holds, in KiB")),
-        p2p_issue_s=float(host_us["p2p_issue_us"]) * 1e-6,
+        action_overhead=_by_gradients(source, "compute.action_overhead_us", compute.get("action_overhead_us", 0.0)),
+        p2p_issue=_by_gradients(source, "compute.p2p_issue_us", compute.get("p2p_issue_us", 0.0)),
         zero_grad_step_s=float(host_us["zero_grad_step_us"]) * 1e-6,
         zero_grad_tensor_s=float(host_us["zero_grad_tensor_us"]) * 1e-6,
         zero_grad_free_Bps=_GBps(host_GBps["zero_grad_free_GBps"]),
@@ -596,6 +602,12 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     if spec.intra.in_switch_reduction and spec.intra.fabric != "nvswitch":
         raise ConfigError(source, "intra_node.in_switch_reduction", "needs fabric: nvswitch")
     return spec
+
+
+def _by_gradients(source: str, key: str, value: object) -> Curve:
+    """A host cost in microseconds, one figure or figures keyed by the gradients a rank holds in KiB, as seconds."""
+    return tuple((kib, us * 1e-6) for kib, us in _curve(source, key, value, LATENCY_US,
+                                                         keyed_by="the gradients a rank holds, in KiB"))
 
 
 def _GBps(value: float | None) -> float | None:

@@ -144,12 +144,14 @@ GPU host):
   rank) it took 22-30, 45-68, 81-89 and 87-94 us on the 2-core VM
   (2026-11-29), so ``calibrate`` times it at several sizes and a rank's is
   read off them at the gradients it holds (linear in their log, the ends'
-  figures beyond them). ``p2p_issue_s``: the loop's time
+  figures beyond them). ``p2p_issue``: the loop's time
   issuing each pipeline send (``isend``, handing it to the thread that waits
   for it), which delays the rank's next action; it too grows after passes
   that stream their weights (0.39-0.47 ms between a pipeline's generic MLP
-  passes on that VM, 0.23-0.35 between small eager ops). The step simulator
-  starts each action's first op ``action_overhead`` plus ``p2p_issue_s``
+  passes on that VM, 0.23-0.35 between small eager ops; on the 2-core VM
+  107-111 us with stages of 128 and 256 KiB of weights, 597-688 us with 4.5
+  MiB), and is read off the same way. The step simulator
+  starts each action's first op ``action_overhead`` plus ``p2p_issue``
   per send issued since the last action after it could, so it shows as idle
   time, as measured. (Files calibrated before the issue was measured apart
   hold it in ``action_overhead``, spread over every action.)
@@ -237,7 +239,7 @@ class ComputeModel:
     shared_cores: SharedCoreCosts | None = None  # the pipeline's host costs with two ranks on each core
     # host time before each action of a step, in seconds by the rank's gradients in KiB (see the docstring)
     action_overhead: Curve = ((0, 0.0),)
-    p2p_issue_s: float = 0.0  # host time issuing one pipeline send, before the rank's next action
+    p2p_issue: Curve = ((0, 0.0),)  # host time issuing one pipeline send, before the next action (by gradients, KiB)
     elementwise_bw_Bps: float | None = None  # a block's memory-bound bytes (None: at memory_bw_Bps)
     memory_alone_bw_Bps: float | None = None  # one CPU rank streaming while the host's others wait (see above)
     memory_host_bw_Bps: float | None = None  # the CPU host's memory speed, all ranks streaming
@@ -280,7 +282,7 @@ class ComputeModel:
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, matmul_write_bw_Bps=spec.matmul_write_bw_Bps,
             p2p_rendezvous_s=spec.p2p_rendezvous_s,
             p2p_latency_s=spec.p2p_latency_s, shared_cores=spec.shared_cores,
-            action_overhead=spec.action_overhead, p2p_issue_s=spec.p2p_issue_s,
+            action_overhead=spec.action_overhead, p2p_issue=spec.p2p_issue,
             elementwise_bw_Bps=spec.elementwise_bw_Bps, memory_alone_bw_Bps=spec.memory_alone_bw_Bps,
             memory_host_bw_Bps=spec.memory_host_bw_Bps,
             time_share=max(1.0, (ranks_per_host or 0) / spec.cpu_cores) if spec.cpu_cores else 1.0,
@@ -493,10 +495,10 @@ class ComputeModel:
         time_s = self.zero_grad_step_s + tensors * self.zero_grad_tensor_s + nbytes / self.zero_grad_free_Bps
         return time_s * self.core_stretch("eager_stretch")
 
-    @property
-    def send_issue_s(self) -> float:
-        """Host time the loop spends issuing one pipeline send before the rank's next action."""
-        return self._pipeline_cost(self.p2p_issue_s, "p2p_issue_s")
+    def send_issue_s(self, gradient_bytes: float = 0.0) -> float:
+        """Host time the loop spends issuing one pipeline send before the next action of a rank holding
+        ``gradient_bytes`` of gradients (0: not known, the most the figures give)."""
+        return self._pipeline_cost(at_length(self.p2p_issue, math.ceil(gradient_bytes / 1024)), "p2p_issue_s")
 
     @property
     def send_latency_s(self) -> float | None:

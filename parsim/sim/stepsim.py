@@ -387,23 +387,24 @@ class _Run:
     def _leads(self, compute: ComputeModel) -> list[float]:
         """Each op's host time before it: for the first op of an action, the loop's own time
         (``ComputeModel.action_gap_s`` at the gradients the rank holds) plus the issue of each send the rank made
-        since its last action (``send_issue_s``: the loop issues them before it moves on), and before a rank's
+        since its last action (``send_issue_s``, likewise: the loop issues them before it moves on), and before a rank's
         first action the freeing of its last step's gradients (``zero_grad_s``); 0 for every other op. A program
         lists each rank's ops in the order its loop runs them."""
         lead = [0.0] * len(self.ops)
         held = self.program.gradients
         gaps = {rank: compute.action_gap_s(nbytes) for rank, (_, nbytes) in held.items()}
-        issue, default_gap = compute.send_issue_s, compute.action_gap_s()
+        issues = {rank: compute.send_issue_s(nbytes) for rank, (_, nbytes) in held.items()}
+        default_gap, default_issue = compute.action_gap_s(), compute.send_issue_s()
         starts = {rank: compute.zero_grad_s(*grads) for rank, grads in held.items()}
-        if not default_gap and not any(gaps.values()) and not issue and not any(starts.values()):
+        if not any((default_gap, default_issue, *gaps.values(), *issues.values(), *starts.values())):
             return lead
         issued: dict[int, int] = {}  # rank -> sends since its last action
         for op in self.ops:
             if op.kind == "send" and op.nbytes:
                 issued[op.rank] = issued.get(op.rank, 0) + 1
             elif op.opens_action:
-                lead[op.id] = (gaps.get(op.rank, default_gap) + issue * issued.pop(op.rank, 0)
-                               + starts.pop(op.rank, 0.0))
+                lead[op.id] = (gaps.get(op.rank, default_gap) + issues.get(op.rank, default_issue)
+                               * issued.pop(op.rank, 0) + starts.pop(op.rank, 0.0))
         return lead
 
     def _plan_comms(self) -> None:
