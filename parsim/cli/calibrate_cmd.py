@@ -365,8 +365,8 @@ def run(args: argparse.Namespace) -> int:
               f"send's issue to the receive's end)")
     print(f"between actions   {_gap_text(action_overhead)} before each pass, sync call or optimizer step (a generic "
           f"data-parallel step's loop; it runs colder the more memory the step streams), {_gap_text(p2p_issue)} "
-          f"more per send issued (the executor's loop on a 2-stage pipeline of small MLPs, which the transfers "
-          f"above are timed on too)")
+          f"more per send issued (the executor's loop on 2-stage pipelines of generic MLPs; the transfers above "
+          f"are timed on the widest)")
     if shared is not None:
         print(f"2 ranks per core  {shared.p2p_latency_s * 1e6:.0f} us latency and {shared.p2p_rendezvous_s * 1e6:.0f} "
               f"us rendezvous per pipeline transfer, {shared.action_overhead_s * 1e6:.0f} us between actions, "
