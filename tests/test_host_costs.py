@@ -507,6 +507,18 @@ def test_the_loop_s_time_before_each_action_shows_as_idle():
     assert all(b.seconds["idle"] > idle for b, idle in zip(gapped.ranks, idle_before))
 
 
+def test_calibrate_s_host_costs_by_gradients_load_back_as_written():
+    """A curve by KiB of gradients is written keyed by its sizes; one point at 0 (no size measured: the pipeline
+    loop's figure for every rank) as one figure, since a file's keys are sizes: both load back."""
+    curve = ((4096, 27e-6), (16384, 85e-6))
+    written = host_cluster(2, 1e-4, 1e9, 1e9, action_overhead_s=curve, p2p_issue_s=((0, 40e-6),))
+    assert written["compute"]["action_overhead_us"] == {4096: pytest.approx(27.0), 16384: pytest.approx(85.0)}
+    assert written["compute"]["p2p_issue_us"] == pytest.approx(40.0)
+    spec = parse_cluster(written, "host.yaml")
+    assert spec.action_overhead == ((4096, pytest.approx(27e-6)), (16384, pytest.approx(85e-6)))
+    assert spec.p2p_issue == ((0, pytest.approx(40e-6)),)
+
+
 def test_the_loop_s_time_before_each_action_is_read_off_at_the_gradients_each_rank_holds():
     """Given by the gradients a rank holds (a step that streams more memory leaves the loop's Python colder), each
     rank's time before an action is read off the points, linear in the log of its gradients, and held at the end

@@ -510,9 +510,12 @@ MEAN_ABS_DIFFERENCE = 2.0 / math.sqrt(math.pi)
 
 
 def _by_gradients_us(seconds: float | Sequence[tuple[int, float]]) -> float | dict[int, float]:
-    """A host cost for the cluster file, in microseconds: one figure, or figures keyed by KiB of gradients."""
+    """A host cost for the cluster file, in microseconds: one figure, or figures keyed by KiB of gradients (a
+    single point at 0, the same for every rank, is one figure: the file's keys are sizes)."""
     if isinstance(seconds, (int, float)):
         return seconds * 1e6
+    if len(seconds) == 1 and seconds[0][0] == 0:
+        return seconds[0][1] * 1e6
     return {int(kib): s * 1e6 for kib, s in seconds}
 
 
