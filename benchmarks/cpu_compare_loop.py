@@ -121,15 +121,8 @@ def _by_stage(run: dict) -> dict[tuple[int, str], dict]:
     predicted as the run priced it (its idle's wait at the step's end a median, as measured)."""
     from parsim.cli.compare_plan import stage_phases
 
-    kept = {(row["pp"], row["phase"]): row for row in run.get("stages", ())}
-    rows = {}
-    for row in stage_phases(run["phases"], min_ranks=1, measured={key: r["measured_s"] for key, r in kept.items()}):
-        key = (row["pp"], row["phase"])
-        if key in kept:
-            row = {**row, "predicted_s": kept[key]["predicted_s"],
-                   "error": _error(kept[key]["predicted_s"], row["measured_s"])}
-        rows[key] = row
-    return rows
+    rows = {(row["pp"], row["phase"]): row for row in stage_phases(run["phases"], min_ranks=1)}
+    return {**rows, **{(row["pp"], row["phase"]): row for row in run.get("stages", ())}}
 
 
 def _medians(runs: list[dict], rows_of: Callable[[dict], dict[tuple[int, str], dict]],

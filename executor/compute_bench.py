@@ -784,8 +784,15 @@ def measure_step_gap_curve(widths: Sequence[int] = STEP_GAP_WIDTHS, **kwargs: An
     in bytes; the median gap), smallest first. The gap grows with the memory the step streams, which empties the
     caches of the interpreter's code and data: on the 2-core VM (2026-11-29, two ranks, three runs each) 22-30,
     45-68, 81-89 and 87-94 us at 512, 768, 1024 and 1536 wide."""
-    layers, _, rows = STEP_GAP_MLP
-    return [(layers * width * width * 4, measure_step_gaps(mlp=(layers, width, rows), **kwargs)) for width in widths]
+    return at_widths(measure_step_gaps, STEP_GAP_MLP, widths, **kwargs)
+
+
+def at_widths(measure: Callable[..., Any], mlp: tuple[int, int, int], widths: Sequence[int], **kwargs: Any
+              ) -> list[tuple[int, Any]]:
+    """``measure(mlp=...)`` with ``mlp``'s (layers, width, rows) at each of ``widths``: (the fp32 gradients a rank
+    holds with that width, in bytes; the reading)."""
+    layers, _, rows = mlp
+    return [(layers * width * width * 4, measure(mlp=(layers, width, rows), **kwargs)) for width in widths]
 
 
 def in_turn(mine: Callable[[], float], others: Callable[[], Any] = lambda: None) -> float:
@@ -826,9 +833,7 @@ def measure_pipeline_loops(widths: Sequence[int] = PIPELINE_LOOP_WIDTHS, **kwarg
     bytes; its figures), smallest first. A send's issue grows with the weights the passes stream, as the loop's
     time between actions does: on the 2-core VM (2026-11-29, two runs) 107-111 us with layers 128 and 256 wide,
     597-688 us 768 wide, where the loop's time before an action went from 20 to 38-44 us."""
-    layers, _, rows = PIPELINE_STAGE_MLP
-    return [(layers * width * width * 4, measure_pipeline_loop(mlp=(layers, width, rows), **kwargs))
-            for width in widths]
+    return at_widths(measure_pipeline_loop, PIPELINE_STAGE_MLP, widths, **kwargs)
 
 
 def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 3,

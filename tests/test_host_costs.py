@@ -191,7 +191,7 @@ def test_host_keys_are_read_in_si_units():
     assert spec.op_forward_s == pytest.approx(7e-6) and spec.op_backward_s == pytest.approx(6e-6)
     assert spec.optimizer_tensor_s == pytest.approx(50e-6) and spec.p2p_rendezvous_s == pytest.approx(150e-6)
     assert spec.matmul_stream_bw_Bps == pytest.approx(15e9) and spec.elementwise_bw_Bps == pytest.approx(6e9)
-    assert spec.action_overhead_s == pytest.approx(40e-6) and spec.matmul_write_bw_Bps is None
+    assert spec.action_overhead == ((0, pytest.approx(40e-6)),) and spec.matmul_write_bw_Bps is None
     model = ComputeModel.for_cluster(spec, "fp32", 4)
     assert spec.optimizer_step_s == pytest.approx(130e-6)
     assert model.time(forward_ops=10, backward_ops=20, optimizer_tensors=2, optimizer_steps=1) == pytest.approx(
@@ -252,7 +252,8 @@ def test_the_host_speed_scales_the_compute_figures_by_their_probe_and_no_collect
     assert (moved.memory_alone_bw_Bps, moved.memory_host_bw_Bps) == pytest.approx((1.25 * 30e9, 1.25 * 45e9))
     # ... fixed costs the eager probe.
     assert (moved.op_forward_s, moved.op_backward_s, moved.optimizer_tensor_s, moved.optimizer_step_s,
-            moved.action_overhead_s) == pytest.approx((7e-6 / 0.5, 6e-6 / 0.5, 50e-6 / 0.5, 130e-6 / 0.5, 40e-6 / 0.5))
+            moved.action_overhead[0][1]) == pytest.approx(
+        (7e-6 / 0.5, 6e-6 / 0.5, 50e-6 / 0.5, 130e-6 / 0.5, 40e-6 / 0.5))
     assert (moved.speed_probe_flops, moved.speed_probe_eager_s) == pytest.approx((62.5e9, 1600e-6))
     assert moved.shared_cores.action_overhead_s == pytest.approx(400e-6 / 0.5)
     # Collectives and pipeline transfers keep their fits.
@@ -293,7 +294,7 @@ def test_gpu_clusters_have_no_host_costs():
         model = ComputeModel.for_cluster(spec, "bf16", 2)
         assert model.time(forward_ops=100, backward_ops=100, optimizer_tensors=10) == 0.0
         assert spec.p2p_rendezvous_s == 0 and spec.collective_step_overhead_s == {}
-        assert spec.action_overhead_s == 0
+        assert spec.action_overhead == ((0, 0.0),)
 
 
 def test_a_gpu_runs_its_kernels_while_the_host_issues_the_next():

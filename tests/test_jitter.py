@@ -161,8 +161,10 @@ def test_compare_prices_the_wait_at_the_step_s_end_as_the_median_it_is_measured_
     # the mean of the twins' waits in a step, half the distance between their ends: its median, 0.85 of the mean
     assert stage["predicted_s"] - trace_idle == pytest.approx(0.6745 * math.sqrt(math.pi / 2) * wait, rel=0.05)
     assert main(argv[:-1]) == 0
-    assert (f"the step holds its mean, {format_time(wait)} (the ranks' jitter: in each step one of two twins waits"
-            in capsys.readouterr().out)
+    medians = ", ".join(f"rank {row['rank']} {format_time(max(row['end_wait_s'], 0.0))}" for row in idle)
+    assert (f"idle holds the wait for the slowest rank at the step's end as its median over the steps, as measured "
+            f"({medians}); the step holds its mean, {format_time(wait)} (the ranks' jitter: in each step one of "
+            "two twins waits") in capsys.readouterr().out
     # one measured step is one draw: the mean is the best guess of it
     assert main([*argv, "--steps", "1"]) == 0
     one = json.loads(capsys.readouterr().out)

@@ -6,6 +6,7 @@ import argparse
 import datetime
 import os
 import platform
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -410,24 +411,23 @@ def _step_gap_curve(rows: list[dict], loop_gap_s: float) -> tuple[tuple[int, flo
     """The loop's time before each action by the gradients a rank holds: (KiB, seconds), the median over ranks of
     a generic data-parallel step's gaps at each of its sizes (:func:`executor.compute_bench.measure_step_gap_curve`),
     where measured; else the pipeline loop's, ``loop_gap_s``, for every rank."""
-    by_size: dict[int, list[float]] = {}
-    for row in rows:
-        for nbytes, gap in row.get("step_gaps") or ():
-            by_size.setdefault(int(nbytes) // 1024, []).append(gap)
-    if not by_size:
-        return ((0, loop_gap_s),)
-    return tuple((kib, float(np.median(gaps))) for kib, gaps in sorted(by_size.items()))
+    return _medians_by_size(row.get("step_gaps") or () for row in rows) or ((0, loop_gap_s),)
 
 
 def _issue_curve(rows: list[dict]) -> tuple[tuple[int, float], ...]:
     """A send's issue by the gradients a rank holds: (KiB, seconds), the median over ranks of the pipeline loop's
     at each of its sizes (:func:`executor.compute_bench.measure_pipeline_loops`); 0 where no loop ran."""
+    return _medians_by_size(((nbytes, loop["issue"]) for nbytes, loop in row.get("pipeline") or () if loop)
+                            for row in rows) or ((0, 0.0),)
+
+
+def _medians_by_size(per_rank: Iterable[Iterable[tuple[int, float]]]) -> tuple[tuple[int, float], ...]:
+    """Each rank's (bytes of gradients, seconds) readings as (KiB, the median over ranks) points, smallest first."""
     by_size: dict[int, list[float]] = {}
-    for row in rows:
-        for nbytes, loop in row.get("pipeline") or ():
-            if loop:
-                by_size.setdefault(int(nbytes) // 1024, []).append(loop["issue"])
-    return tuple((kib, float(np.median(issues))) for kib, issues in sorted(by_size.items())) or ((0, 0.0),)
+    for readings in per_rank:
+        for nbytes, seconds in readings:
+            by_size.setdefault(int(nbytes) // 1024, []).append(seconds)
+    return tuple((kib, float(np.median(values))) for kib, values in sorted(by_size.items()))
 
 
 def _gap_text(curve: tuple[tuple[int, float], ...]) -> str:

@@ -347,18 +347,6 @@ class ClusterSpec:
         return bool(self.matmul_efficiency_by_dtype) and self._own_matmul_efficiency(dtype) is None
 
     @property
-    def action_overhead_s(self) -> float:
-        """The time between actions of a rank with the most gradients :attr:`action_overhead` gives (the loop's
-        Python runs coldest there); every rank's, where the file gives one figure."""
-        return self.action_overhead[-1][1]
-
-    @property
-    def p2p_issue_s(self) -> float:
-        """A send's issue on a rank with the most gradients :attr:`p2p_issue` gives; every rank's, where the file
-        gives one figure."""
-        return self.p2p_issue[-1][1]
-
-    @property
     def describes_cpu_host(self) -> bool:
         """Whether the file describes ranks on CPU cores (``parsim calibrate`` over gloo writes their eager
         host costs), not GPUs. A GPU's file may give eager host costs too (``calibrate --ranks 1`` writes

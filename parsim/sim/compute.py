@@ -191,6 +191,11 @@ def at_length(curve: Curve, seq: int) -> float:
     raise AssertionError("unreachable: seq is below the last point")
 
 
+def at_gradients(curve: Curve, gradient_bytes: float) -> float:
+    """A host cost at a rank's gradients from (KiB, figure) points, read as :func:`at_length` reads lengths."""
+    return at_length(curve, math.ceil(gradient_bytes / 1024))
+
+
 @dataclass(frozen=True)
 class SmWork:
     """The arithmetic of a memory-bound kernel that may outlast its bytes (:meth:`ComputeModel.sm_excess`):
@@ -484,8 +489,7 @@ class ComputeModel:
     def action_gap_s(self, gradient_bytes: float = 0.0) -> float:
         """Host time before each action of a step of a rank holding ``gradient_bytes`` of gradients (0: not
         known, the most the figures give)."""
-        return self._pipeline_cost(at_length(self.action_overhead, math.ceil(gradient_bytes / 1024)),
-                                   "action_overhead_s")
+        return self._pipeline_cost(at_gradients(self.action_overhead, gradient_bytes), "action_overhead_s")
 
     def zero_grad_s(self, tensors: int, nbytes: float) -> float:
         """Host time of freeing a step's gradients (``tensors`` of ``nbytes`` in all) as it starts; 0 unless
@@ -498,7 +502,7 @@ class ComputeModel:
     def send_issue_s(self, gradient_bytes: float = 0.0) -> float:
         """Host time the loop spends issuing one pipeline send before the next action of a rank holding
         ``gradient_bytes`` of gradients (0: not known, the most the figures give)."""
-        return self._pipeline_cost(at_length(self.p2p_issue, math.ceil(gradient_bytes / 1024)), "p2p_issue_s")
+        return self._pipeline_cost(at_gradients(self.p2p_issue, gradient_bytes), "p2p_issue_s")
 
     @property
     def send_latency_s(self) -> float | None:
