@@ -430,7 +430,7 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
                  "jitter": [0.010] * 9 if r % 2 == 0 else [0.011, 0.009] * 4 + [0.011],
                  # a generic step's at 4 and 16 MiB of gradients, which the loop's time before actions takes
                  "step_gaps": [(4 << 20, (20e-6, 40e-6)[r % 2]), (16 << 20, (110e-6, 130e-6)[r % 2])],
-                 # the pipeline loop with stages of 128 KiB and 4.5 MiB: a send's issue at each, the rest at the latter
+                 # the pipeline loop with stages of 128 KiB and 4.5 MiB: its figures at each (its gap: the latter)
                  "pipeline": [(128 << 10, {"rendezvous": 100e-6, "latency": 30e-6, "action": 20e-6, "issue": 50e-6}),
                               (4608 << 10, {"rendezvous": 300e-6, "latency": 60e-6,
                                             "action": (70e-6, 90e-6)[r % 2], "issue": 150e-6})]}
@@ -511,9 +511,12 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     # the medians over ranks at each size: a rank's gap read off them by its gradients
     assert written.action_overhead == ((4096, pytest.approx(30e-6)), (16384, pytest.approx(120e-6)))
     assert written.p2p_issue == ((128, pytest.approx(50e-6)), (4608, pytest.approx(150e-6)))
-    assert (written.p2p_rendezvous_s, written.p2p_latency_s) == pytest.approx((300e-6, 60e-6))
-    assert "p2p latency       60 us per pipeline transfer whose receiver waits" in text
-    assert "p2p rendezvous    300 us per pipeline transfer received late" in text
+    assert written.p2p_rendezvous == ((128, pytest.approx(100e-6)), (4608, pytest.approx(300e-6)))
+    assert written.p2p_latency == ((128, pytest.approx(30e-6)), (4608, pytest.approx(60e-6)))
+    assert ("p2p latency       30/60 us at 0.125/4.5 MiB of gradients a rank per pipeline transfer whose receiver "
+            "waits") in text
+    assert ("p2p rendezvous    100/300 us at 0.125/4.5 MiB of gradients a rank per pipeline transfer received "
+            "late") in text
     assert "2 ranks per core  200 us latency and 2650 us rendezvous per pipeline transfer, 500 us between actions, " \
            "900 us per send (runs with more ranks than cores); a matmul 2.20x and an eager pass 2.00x as long as " \
            "with a core each" in text
@@ -555,7 +558,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert (doc["matmul_stream_bw_GBps"], doc["matmul_write_bw_GBps"]) == pytest.approx((15.0, 45.0), rel=0.1)
     assert doc["action_overhead_us"] == pytest.approx({"4096": 30.0, "16384": 120.0})
     assert doc["p2p_issue_us"] == pytest.approx({"128": 50.0, "4608": 150.0})
-    assert (doc["p2p_rendezvous_us"], doc["p2p_latency_us"]) == pytest.approx((300.0, 60.0))
+    assert doc["p2p_rendezvous_us"] == pytest.approx({"128": 100.0, "4608": 300.0})
+    assert doc["p2p_latency_us"] == pytest.approx({"128": 30.0, "4608": 60.0})
     assert doc["shared_cores"] == pytest.approx({"p2p_rendezvous_us": 2650.0, "p2p_latency_us": 200.0,
                                                  "action_overhead_us": 500.0, "p2p_issue_us": 900.0,
                                                  "matmul_stretch": 2.2, "eager_stretch": 2.0, "comm_stretch": comm})

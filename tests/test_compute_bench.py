@@ -97,19 +97,20 @@ def test_the_loop_s_time_between_actions_is_timed_in_a_generic_data_parallel_ste
     assert _step_gap([{"pipeline": {}}, {"step_gaps": None}], 5e-5) == 5e-5  # not measured: the loop's
 
 
-def test_the_pipeline_loop_is_timed_with_stages_of_each_size_and_a_send_s_issue_taken_at_each(monkeypatch):
+def test_the_pipeline_loop_is_timed_with_stages_of_each_size_and_its_figures_taken_at_each(monkeypatch):
     """The pipeline loop at each width (here faked): the gradients a rank holds with each, smallest first;
-    calibrate takes a send's issue at every size (each size's median over ranks, in KiB), the rest at the last."""
+    calibrate takes a send's issue, a late receive's rendezvous and a waiting one's latency at every size (each
+    size's median over ranks, in KiB)."""
     import executor.compute_bench as bench
-    from parsim.cli.calibrate_cmd import _issue_curve
+    from parsim.cli.calibrate_cmd import _loop_curve
 
     monkeypatch.setattr(bench, "measure_pipeline_loop", lambda mlp, **kwargs: {"issue": mlp[1] * 1e-6})
     loops = bench.measure_pipeline_loops(widths=(128, 768))
     assert loops == [(2 * 128 * 128 * 4, {"issue": 128e-6}), (2 * 768 * 768 * 4, {"issue": 768e-6})]
     rows = [{"pipeline": [(128 << 10, {"issue": issue}), (4608 << 10, {"issue": 4 * issue})]}
             for issue in (1e-4, 3e-4, 2e-4)] + [{"pipeline": [(128 << 10, None)]}]  # an odd rank out: no loop
-    assert _issue_curve(rows) == ((128, pytest.approx(2e-4)), (4608, pytest.approx(8e-4)))
-    assert _issue_curve([{"pipeline": None}]) == ((0, 0.0),)
+    assert _loop_curve(rows, "issue") == ((128, pytest.approx(2e-4)), (4608, pytest.approx(8e-4)))
+    assert _loop_curve([{"pipeline": None}], "latency") is None
 
 
 def test_the_loop_s_time_between_actions_is_timed_at_several_sizes_of_the_generic_step():

@@ -189,7 +189,7 @@ def test_step_overhead_is_what_calls_between_compute_add_over_the_fitted_loops()
 def test_host_keys_are_read_in_si_units():
     spec = parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")
     assert spec.op_forward_s == pytest.approx(7e-6) and spec.op_backward_s == pytest.approx(6e-6)
-    assert spec.optimizer_tensor_s == pytest.approx(50e-6) and spec.p2p_rendezvous_s == pytest.approx(150e-6)
+    assert spec.optimizer_tensor_s == pytest.approx(50e-6) and spec.p2p_rendezvous == ((0, pytest.approx(150e-6)),)
     assert spec.matmul_stream_bw_Bps == pytest.approx(15e9) and spec.elementwise_bw_Bps == pytest.approx(6e9)
     assert spec.action_overhead == ((0, pytest.approx(40e-6)),) and spec.matmul_write_bw_Bps is None
     model = ComputeModel.for_cluster(spec, "fp32", 4)
@@ -205,6 +205,8 @@ def test_host_keys_are_read_in_si_units():
     ("action_overhead_us", {"4 MiB": 30.0}, "figures keyed by the gradients a rank holds, in KiB"),
     ("action_overhead_us", {4096: -1.0}, "action_overhead_us.4096: is -1"),
     ("p2p_issue_us", -1.0, "0 to 1e[+]09 microseconds"),
+    ("p2p_rendezvous_us", {0: 100.0}, "p2p_rendezvous_us: is .*figures keyed by the gradients a rank holds"),
+    ("p2p_latency_us", {512: -1.0}, "p2p_latency_us.512: is -1"),
     ("matmul_stream_bw_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("elementwise_bw_GBps", -3, "1e-12 to 1e[+]12 GB/s"),
     ("matmul_write_bw_GBps", "fast", "a finite number in GB/s"),
     ("op_overhead_us", 1.0, "unknown key"), ("cpu_cores", 0, "a whole number from 1 to 65,536"),
@@ -257,7 +259,7 @@ def test_the_host_speed_scales_the_compute_figures_by_their_probe_and_no_collect
     assert (moved.speed_probe_flops, moved.speed_probe_eager_s) == pytest.approx((62.5e9, 1600e-6))
     assert moved.shared_cores.action_overhead_s == pytest.approx(400e-6 / 0.5)
     # Collectives and pipeline transfers keep their fits.
-    assert moved.p2p_rendezvous_s == spec.p2p_rendezvous_s and moved.intra == spec.intra
+    assert moved.p2p_rendezvous == spec.p2p_rendezvous and moved.intra == spec.intra
     assert (moved.shared_cores.p2p_rendezvous_s, moved.shared_cores.p2p_latency_s) == pytest.approx((2.5e-3, 300e-6))
     assert moved.reduce_bw_Bps == spec.reduce_bw_Bps
     assert moved.collective_step_overhead_s == spec.collective_step_overhead_s
@@ -293,7 +295,8 @@ def test_gpu_clusters_have_no_host_costs():
         spec = load_cluster(name)
         model = ComputeModel.for_cluster(spec, "bf16", 2)
         assert model.time(forward_ops=100, backward_ops=100, optimizer_tensors=10) == 0.0
-        assert spec.p2p_rendezvous_s == 0 and spec.collective_step_overhead_s == {}
+        assert spec.p2p_rendezvous == ((0, 0.0),) and spec.p2p_latency is None
+        assert spec.collective_step_overhead_s == {}
         assert spec.action_overhead == ((0, 0.0),)
 
 
@@ -455,10 +458,12 @@ def test_host_costs_slow_a_cpu_step_by_what_they_charge():
     assert slowed > plain + per_stage
 
 
-def _one_transfer(spec, sender_busy_s: float, receiver_busy_s: float) -> tuple[float, float]:
+def _one_transfer(spec, sender_busy_s: float, receiver_busy_s: float,
+                  gradients: dict[int, tuple[int, float]] | None = None) -> tuple[float, float]:
     """Rank 0 computes, then sends 1 MB to rank 1, which computes, then receives it: (when the send's bytes
-    arrived, when the receive ended)."""
+    arrived, when the receive ended); ``gradients``: the (tensors, bytes) each rank holds."""
     program = Program(world_size=2)
+    program.gradients.update(gradients or {})
     peak = ComputeModel.for_cluster(spec, "fp32", 4).peak_flops
     program.add(0, Op("compute", "compute", "compute", flops=sender_busy_s * peak))
     send = program.add(0, Op("send act stage=0 mb=0 peer=1", "send", "p2p", deps=(0,), ranks=(0, 1), nbytes=1e6,
@@ -491,6 +496,20 @@ def test_a_receive_posted_after_its_data_arrived_pays_the_rendezvous():
     assert arrived < 5e-3 and received == pytest.approx(5e-3 + 500e-6, rel=1e-9)
 
 
+def test_a_transfer_s_host_costs_are_read_off_the_gradients_its_receiver_holds():
+    """Given by KiB of gradients (they grow with the weights the stages' passes stream), a late receive's
+    rendezvous and a waiting receive's latency take the receiver's point: rank 1 holds 512 KiB, its sender 4 MiB."""
+    spec = ideal_spec(**{"compute": {"p2p_rendezvous_us": {512: 100.0, 4096: 500.0},
+                                     "p2p_latency_us": {512: 80.0, 4096: 300.0}}})
+    gradients = {0: (4, 4096 * 1024), 1: (4, 512 * 1024)}
+    arrived, received = _one_transfer(spec, 0.0, 5e-3, gradients)
+    assert arrived < 5e-3 and received == pytest.approx(5e-3 + 100e-6, rel=1e-9)
+    arrived, received = _one_transfer(spec, 1e-3, 0.0, gradients)
+    assert arrived == pytest.approx(1e-3 + 80e-6 + 1e6 / spec.intra.bw_Bps, rel=1e-9) and received == arrived
+    # a receiver whose gradients are not known: the most the figures give
+    assert _one_transfer(spec, 0.0, 5e-3)[1] == pytest.approx(5e-3 + 500e-6, rel=1e-9)
+
+
 def test_the_loop_s_time_before_each_action_shows_as_idle():
     """Before each pass, each gradient all-reduce the loop issues in turn and the optimizer step, the host's
     loop runs ``action_overhead_us``: the step grows by it per action, and only the idle time does."""
@@ -512,12 +531,16 @@ def test_calibrate_s_host_costs_by_gradients_load_back_as_written():
     """A curve by KiB of gradients is written keyed by its sizes; one point at 0 (no size measured: the pipeline
     loop's figure for every rank) as one figure, since a file's keys are sizes: both load back."""
     curve = ((4096, 27e-6), (16384, 85e-6))
-    written = host_cluster(2, 1e-4, 1e9, 1e9, action_overhead_s=curve, p2p_issue_s=((0, 40e-6),))
+    written = host_cluster(2, 1e-4, 1e9, 1e9, action_overhead_s=curve, p2p_issue_s=((0, 40e-6),),
+                           p2p_rendezvous_s=((128, 90e-6), (4608, 200e-6)), p2p_latency_s=((128, 95e-6),))
     assert written["compute"]["action_overhead_us"] == {4096: pytest.approx(27.0), 16384: pytest.approx(85.0)}
     assert written["compute"]["p2p_issue_us"] == pytest.approx(40.0)
+    assert written["compute"]["p2p_rendezvous_us"] == {128: pytest.approx(90.0), 4608: pytest.approx(200.0)}
     spec = parse_cluster(written, "host.yaml")
     assert spec.action_overhead == ((4096, pytest.approx(27e-6)), (16384, pytest.approx(85e-6)))
     assert spec.p2p_issue == ((0, pytest.approx(40e-6)),)
+    assert spec.p2p_rendezvous == ((128, pytest.approx(90e-6)), (4608, pytest.approx(200e-6)))
+    assert spec.p2p_latency == ((128, pytest.approx(95e-6)),)
 
 
 def test_the_loop_s_time_before_each_action_is_read_off_at_the_gradients_each_rank_holds():
@@ -644,7 +667,7 @@ def test_more_ranks_than_cores_time_share_them():
     assert two.time_share == 1.0 and four.time_share == 2.0
     assert four.time(matmuls=((64, 1024, 1024),), forward_ops=100) == pytest.approx(
         2 * two.time(matmuls=((64, 1024, 1024),), forward_ops=100))
-    assert four.rendezvous_s == pytest.approx(2 * 150e-6)
+    assert four.rendezvous_s() == pytest.approx(2 * 150e-6)
     dp = resolve_plan("tiny-pp2", overrides={"parallel": {"dp": 2}})
     shared = predict_step(dp, spec).step_s
     alone = predict_step(dp, parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")).step_s
@@ -661,7 +684,7 @@ def test_more_ranks_than_cores_time_share_them():
 def test_pipeline_host_costs_on_shared_cores_take_what_was_measured_there(ranks, shared, expected):
     keys = {**HOST_KEYS, "p2p_latency_us": 100.0, "cpu_cores": 2, **({"shared_cores": SHARED} if shared else {})}
     model = ComputeModel.for_cluster(parse_cluster(cpu_host(**keys), "host.yaml"), "fp32", 4, ranks)
-    assert (model.rendezvous_s, model.send_latency_s, model.action_gap_s()) == pytest.approx(expected)
+    assert (model.rendezvous_s(), model.send_latency_s(), model.action_gap_s()) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("ranks, matmul, eager", [(2, 1.0, 1.0), (3, 1.65, 1.8), (4, 2.3, 2.6), (8, 4.6, 5.2)])

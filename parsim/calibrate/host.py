@@ -50,8 +50,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  matmul_half_dim: float = 0.0, kernel_overhead_s: float = 0.0, op_forward_s: float = 0.0,
                  op_backward_s: float = 0.0, optimizer_tensor_s: float = 0.0, optimizer_step_s: float = 0.0,
                  matmul_stream_bw_Bps: float | None = None, matmul_write_bw_Bps: float | None = None,
-                 p2p_rendezvous_s: float = 0.0,
-                 p2p_latency_s: float | None = None,
+                 p2p_rendezvous_s: float | Sequence[tuple[int, float]] = 0.0,
+                 p2p_latency_s: float | Sequence[tuple[int, float]] | None = None,
                  action_overhead_s: float | Sequence[tuple[int, float]] = 0.0,
                  p2p_issue_s: float | Sequence[tuple[int, float]] = 0.0,
                  elementwise_bw_Bps: float | None = None,
@@ -66,15 +66,16 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     ``shared_cores`` the pipeline's host costs with two ranks on each core; ``tp_call_s`` a tensor-parallel
     collective call's host time, forward and backward; ``zero_grad`` what freeing the gradients costs; ``fsdp``
     FSDP2's own host work; ``rank_jitter`` how much the same work's time varies between ranks (a fraction);
-    ``action_overhead_s`` and ``p2p_issue_s`` the loop's time before each action and per send issued, each one
-    figure or figures by the gradients a rank holds ((KiB, seconds) points)."""
+    ``action_overhead_s`` and ``p2p_issue_s`` the loop's time before each action and per send issued, and
+    ``p2p_rendezvous_s`` and ``p2p_latency_s`` a pipeline transfer's host time and latency, each one figure or
+    figures by the gradients a rank holds ((KiB, seconds) points)."""
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
                   "optimizer_tensor_us": optimizer_tensor_s * 1e6, "optimizer_step_us": optimizer_step_s * 1e6,
-                  "p2p_rendezvous_us": p2p_rendezvous_s * 1e6,
+                  "p2p_rendezvous_us": _by_gradients_us(p2p_rendezvous_s),
                   "action_overhead_us": _by_gradients_us(action_overhead_s),
                   "p2p_issue_us": _by_gradients_us(p2p_issue_s)}
     if p2p_latency_s is not None:
-        host_costs["p2p_latency_us"] = p2p_latency_s * 1e6
+        host_costs["p2p_latency_us"] = _by_gradients_us(p2p_latency_s)
     if matmul_stream_bw_Bps:
         host_costs["matmul_stream_bw_GBps"] = matmul_stream_bw_Bps / 1e9
     if matmul_write_bw_Bps:

@@ -78,11 +78,11 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     before each action by the gradients a rank holds
     (compute.action_overhead_us: its Python runs colder the more memory the
     step streams); pairs of ranks running the executor's own pipeline
-    loop over stages that each pass a generic MLP (128 to 768 wide) -> the time
-    per send it issues, by the gradients a rank holds (compute.p2p_issue_us),
-    and with the widest stages the time of a transfer received
-    late (compute.p2p_rendezvous_us; a gloo thread may wait for the core
-    where its rank computes) and the latency of one whose receiver waits
+    loop over stages that each pass a generic MLP (128 to 768 wide) -> by
+    the gradients a rank holds, the time per send it issues
+    (compute.p2p_issue_us), the time of a transfer received late
+    (compute.p2p_rendezvous_us; a gloo thread may wait for the core where
+    its rank computes) and the latency of one whose receiver waits
     (compute.p2p_latency_us, which the step simulator's pipeline sends
     take instead of the collective fit's latency per step: back-to-back
     loops of calls stall far longer than one transfer between passes);
@@ -226,12 +226,11 @@ def run(args: argparse.Namespace) -> int:
     memory_alone_bw = fit_alone_memory([tuple(row) for rank in per_rank for row in rank["optimizer"]["alone"]],
                                        optimizer, ADAMW_ACCESSES)
     memory_host_bw = memory_bw * max(rank_counts)
-    # the loop's figures with the largest stages (the executor's generic pipeline); a send's issue at every size
+    # the pipeline loop's figures by the stages' size; its gap with the largest stages where no step was timed
     loops = [rank["pipeline"][-1][1] for rank in per_rank if rank["pipeline"] and rank["pipeline"][-1][1]]
-    p2p_rendezvous, action_overhead = (_median(loops, key) for key in ("rendezvous", "action"))
-    action_overhead = _step_gap_curve(per_rank, action_overhead)
-    p2p_issue = _issue_curve(per_rank)
-    p2p_latency = _median(loops, "latency") if loops else None
+    action_overhead = _step_gap_curve(per_rank, _median(loops, "action"))
+    p2p_issue, p2p_rendezvous = (_loop_curve(per_rank, key) or ((0, 0.0),) for key in ("issue", "rendezvous"))
+    p2p_latency = _loop_curve(per_rank, "latency")
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s = (float(v) for v in np.median(probes, axis=0))
     shared = _shared_cores(shared_rows, probe_flops, probe_eager_s)
@@ -291,10 +290,9 @@ def run(args: argparse.Namespace) -> int:
                     "memory_alone_bw_GBps": memory_alone_bw / 1e9, "memory_host_bw_GBps": memory_host_bw / 1e9,
                     "op_forward_us": dispatch.forward_s * 1e6, "op_backward_us": dispatch.backward_s * 1e6,
                     "optimizer_tensor_us": optimizer.tensor_s * 1e6, "optimizer_step_us": optimizer.step_s * 1e6,
-                    "p2p_rendezvous_us": p2p_rendezvous * 1e6,
-                    "p2p_latency_us": p2p_latency * 1e6 if p2p_latency is not None else None,
-                    "action_overhead_us": {str(kib): gap * 1e6 for kib, gap in action_overhead},
-                    "p2p_issue_us": {str(kib): issue * 1e6 for kib, issue in p2p_issue},
+                    "p2p_rendezvous_us": _by_kib_us(p2p_rendezvous),
+                    "p2p_latency_us": _by_kib_us(p2p_latency) if p2p_latency is not None else None,
+                    "action_overhead_us": _by_kib_us(action_overhead), "p2p_issue_us": _by_kib_us(p2p_issue),
                     "shared_cores": shared.to_mapping() if shared else None,
                     "generic_pipeline_step_ms": {"core_each": generic[0] * 1e3, "two_per_core": generic[1] * 1e3}
                     if generic else None,
@@ -359,15 +357,15 @@ def run(args: argparse.Namespace) -> int:
     if jitter:
         print(f"rank jitter       {jitter:.1%} of the same work's time, sigma from rank to rank (AdamW steps every "
               f"rank starts at once; a step ends when its slowest rank does)")
-    print(f"p2p rendezvous    {p2p_rendezvous * 1e6:.0f} us per pipeline transfer received late (its receive "
+    print(f"p2p rendezvous    {_gap_text(p2p_rendezvous)} per pipeline transfer received late (its receive "
           f"posted after the send's issue; in a typical step, with the stalls it has)")
     if p2p_latency is not None:
-        print(f"p2p latency       {p2p_latency * 1e6:.0f} us per pipeline transfer whose receiver waits (from the "
+        print(f"p2p latency       {_gap_text(p2p_latency)} per pipeline transfer whose receiver waits (from the "
               f"send's issue to the receive's end)")
     print(f"between actions   {_gap_text(action_overhead)} before each pass, sync call or optimizer step (a generic "
           f"data-parallel step's loop; it runs colder the more memory the step streams), {_gap_text(p2p_issue)} "
-          f"more per send issued (the executor's loop on 2-stage pipelines of generic MLPs; the transfers above "
-          f"are timed on the widest)")
+          f"more per send issued (the executor's loop on 2-stage pipelines of generic MLPs, as the transfers "
+          f"above)")
     if shared is not None:
         print(f"2 ranks per core  {shared.p2p_latency_s * 1e6:.0f} us latency and {shared.p2p_rendezvous_s * 1e6:.0f} "
               f"us rendezvous per pipeline transfer, {shared.action_overhead_s * 1e6:.0f} us between actions, "
@@ -414,11 +412,17 @@ def _step_gap_curve(rows: list[dict], loop_gap_s: float) -> tuple[tuple[int, flo
     return _medians_by_size(row.get("step_gaps") or () for row in rows) or ((0, loop_gap_s),)
 
 
-def _issue_curve(rows: list[dict]) -> tuple[tuple[int, float], ...]:
-    """A send's issue by the gradients a rank holds: (KiB, seconds), the median over ranks of the pipeline loop's
-    at each of its sizes (:func:`executor.compute_bench.measure_pipeline_loops`); 0 where no loop ran."""
-    return _medians_by_size(((nbytes, loop["issue"]) for nbytes, loop in row.get("pipeline") or () if loop)
-                            for row in rows) or ((0, 0.0),)
+def _loop_curve(rows: list[dict], key: str) -> tuple[tuple[int, float], ...] | None:
+    """One of the pipeline loop's figures (``key``: a send's issue, a late receive's rendezvous, a waiting one's
+    latency) by the gradients a rank holds: (KiB, seconds), the median over ranks at each of its sizes
+    (:func:`executor.compute_bench.measure_pipeline_loops`); None where no loop ran."""
+    return _medians_by_size(((nbytes, loop[key]) for nbytes, loop in row.get("pipeline") or () if loop)
+                            for row in rows) or None
+
+
+def _by_kib_us(curve: tuple[tuple[int, float], ...]) -> dict[str, float]:
+    """A host cost by the gradients a rank holds, for --json: microseconds keyed by KiB (strings, as JSON keys)."""
+    return {str(kib): seconds * 1e6 for kib, seconds in curve}
 
 
 def _medians_by_size(per_rank: Iterable[Iterable[tuple[int, float]]]) -> tuple[tuple[int, float], ...]:

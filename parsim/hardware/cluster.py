@@ -255,8 +255,10 @@ class ClusterSpec:
     optimizer_step_s: float = 0.0  # and per step, whatever its tensors (foreach AdamW's calls and Python)
     matmul_stream_bw_Bps: float | None = None  # a matmul's weight streamed in addition to its arithmetic
     matmul_write_bw_Bps: float | None = None  # and its output streamed out (None: at matmul_stream_bw_Bps)
-    p2p_rendezvous_s: float = 0.0  # host time of one pipeline transfer, charged to a receive posted late
-    p2p_latency_s: float | None = None  # a pipeline transfer's latency when its receiver waits (None: the links')
+    # A CPU rank's pipeline transfer, in seconds by the gradients its receiver holds in KiB (as action_overhead): its
+    # host time, charged to a receive posted late; and its latency when the receiver waits (None: the links').
+    p2p_rendezvous: Curve = ((0, 0.0),)
+    p2p_latency: Curve | None = None
     # host time a CPU rank's loop spends issuing one pipeline send, before its next action, by the gradients the rank
     # holds in KiB (as action_overhead)
     p2p_issue: Curve = ((0, 0.0),)
@@ -477,13 +479,10 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
                                  for p in ("forward", "backward"))
     sm_cycles = _sm_cycles(source, compute.get("sm_cycles", {}))
     host_us = {}
-    for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "p2p_rendezvous_us",
+    for key in ("op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us",
                 "zero_grad_step_us", "zero_grad_tensor_us",
                 "fsdp_unshard_us", "fsdp_reduce_us", "fsdp_optimizer_tensor_us"):
         host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
-    p2p_latency = compute.get("p2p_latency_us")
-    if p2p_latency is not None:
-        p2p_latency = _figure(source, "compute.p2p_latency_us", p2p_latency, LATENCY_US)
     shared = _shared_cores(source, compute["shared_cores"]) if "shared_cores" in compute else None
     host_GBps = {}
     for key in ("matmul_stream_bw_GBps", "matmul_write_bw_GBps", "elementwise_bw_GBps", "memory_alone_bw_GBps",
@@ -557,8 +556,9 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         op_backward_s=float(host_us["op_backward_us"]) * 1e-6,
         optimizer_tensor_s=float(host_us["optimizer_tensor_us"]) * 1e-6,
         optimizer_step_s=float(host_us["optimizer_step_us"]) * 1e-6,
-        p2p_rendezvous_s=float(host_us["p2p_rendezvous_us"]) * 1e-6,
-        p2p_latency_s=p2p_latency and float(p2p_latency) * 1e-6,
+        p2p_rendezvous=_by_gradients(source, "compute.p2p_rendezvous_us", compute.get("p2p_rendezvous_us", 0.0)),
+        p2p_latency=_by_gradients(source, "compute.p2p_latency_us", compute["p2p_latency_us"])
+        if compute.get("p2p_latency_us") is not None else None,
         action_overhead=_by_gradients(source, "compute.action_overhead_us", compute.get("action_overhead_us", 0.0)),
         p2p_issue=_by_gradients(source, "compute.p2p_issue_us", compute.get("p2p_issue_us", 0.0)),
         zero_grad_step_s=float(host_us["zero_grad_step_us"]) * 1e-6,

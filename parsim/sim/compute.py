@@ -149,20 +149,25 @@ GPU host):
   for it), which delays the rank's next action; it too grows after passes
   that stream their weights (0.39-0.47 ms between a pipeline's generic MLP
   passes on that VM, 0.23-0.35 between small eager ops; on the 2-core VM
-  107-111 us with stages of 128 and 256 KiB of weights, 597-688 us with 4.5
+  107-111 us with stages of 128 and 512 KiB of weights, 597-688 us with 4.5
   MiB), and is read off the same way. The step simulator
   starts each action's first op ``action_overhead`` plus ``p2p_issue``
   per send issued since the last action after it could, so it shows as idle
   time, as measured. (Files calibrated before the issue was measured apart
   hold it in ``action_overhead``, spread over every action.)
-* ``p2p_rendezvous_s``: the host time of one pipeline transfer on CPU ranks
+* ``p2p_rendezvous``: the host time of one pipeline transfer on CPU ranks
   whose receive is posted late (gloo moves a message only once the receiver
   has asked for it, and the sender's gloo thread, woken on a core where its
   rank computes, may wait for the scheduler: on the 2-core VM most such
   receives took 0.1 ms and about one in ten 2-5 ms): the step simulator ends
-  such a receive this long after it begins, the mean. A receiver that waits
-  has its data after the send's latency (``compute.p2p_latency_us`` in the
-  cluster file, which the step simulator's sends take).
+  such a receive this long after it begins, the typical step's mean. A
+  receiver that waits has its data after the send's latency (``p2p_latency``,
+  ``compute.p2p_latency_us`` in the cluster file, which the step simulator's
+  sends take). Both grow with the weights the stages' passes stream, as the
+  loop's own time does (on the 2-core VM, 2026-11-29: a late receive 82-90 us
+  with stages of 128 and 512 KiB of weights, 108-118 us with 2 MiB, 105-292
+  us with 4.5 MiB; a waiting one 89-100, 116-124 and 140-175 us), so they are
+  read off the gradients the receiver holds, as ``action_overhead`` is.
 """
 
 from __future__ import annotations
@@ -239,8 +244,10 @@ class ComputeModel:
     optimizer_step_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
     matmul_write_bw_Bps: float | None = None  # a matmul's output streamed out (None: at matmul_stream_bw_Bps)
-    p2p_rendezvous_s: float = 0.0  # host time of a pipeline transfer, charged to a late receive (parsim.sim.stepsim)
-    p2p_latency_s: float | None = None  # a pipeline transfer's latency, receiver waiting (None: the links')
+    # a pipeline transfer's host time, charged to a late receive (parsim.sim.stepsim), and its latency with the
+    # receiver waiting (None: the links'), by the receiver's gradients in KiB
+    p2p_rendezvous: Curve = ((0, 0.0),)
+    p2p_latency: Curve | None = None
     shared_cores: SharedCoreCosts | None = None  # the pipeline's host costs with two ranks on each core
     # host time before each action of a step, in seconds by the rank's gradients in KiB (see the docstring)
     action_overhead: Curve = ((0, 0.0),)
@@ -285,8 +292,7 @@ class ComputeModel:
             fsdp_pass_s=spec.fsdp_pass_s,
             optimizer_step_s=spec.optimizer_step_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, matmul_write_bw_Bps=spec.matmul_write_bw_Bps,
-            p2p_rendezvous_s=spec.p2p_rendezvous_s,
-            p2p_latency_s=spec.p2p_latency_s, shared_cores=spec.shared_cores,
+            p2p_rendezvous=spec.p2p_rendezvous, p2p_latency=spec.p2p_latency, shared_cores=spec.shared_cores,
             action_overhead=spec.action_overhead, p2p_issue=spec.p2p_issue,
             elementwise_bw_Bps=spec.elementwise_bw_Bps, memory_alone_bw_Bps=spec.memory_alone_bw_Bps,
             memory_host_bw_Bps=spec.memory_host_bw_Bps,
@@ -481,10 +487,10 @@ class ComputeModel:
         """A pipeline host cost (:meth:`time_shared`), with the ``shared_cores`` figure ``field`` if measured."""
         return self.time_shared(alone_s, getattr(self.shared_cores, field) if self.shared_cores else None)
 
-    @property
-    def rendezvous_s(self) -> float:
-        """Host time of one pipeline transfer received late."""
-        return self._pipeline_cost(self.p2p_rendezvous_s, "p2p_rendezvous_s")
+    def rendezvous_s(self, gradient_bytes: float = 0.0) -> float:
+        """Host time of one pipeline transfer received late by a rank holding ``gradient_bytes`` of gradients (0:
+        not known, the most the figures give)."""
+        return self._pipeline_cost(at_gradients(self.p2p_rendezvous, gradient_bytes), "p2p_rendezvous_s")
 
     def action_gap_s(self, gradient_bytes: float = 0.0) -> float:
         """Host time before each action of a step of a rank holding ``gradient_bytes`` of gradients (0: not
@@ -504,7 +510,9 @@ class ComputeModel:
         ``gradient_bytes`` of gradients (0: not known, the most the figures give)."""
         return self._pipeline_cost(at_gradients(self.p2p_issue, gradient_bytes), "p2p_issue_s")
 
-    @property
-    def send_latency_s(self) -> float | None:
-        """A pipeline transfer's latency with its receiver waiting; None: the links'."""
-        return None if self.p2p_latency_s is None else self._pipeline_cost(self.p2p_latency_s, "p2p_latency_s")
+    def send_latency_s(self, gradient_bytes: float = 0.0) -> float | None:
+        """A pipeline transfer's latency with its receiver waiting, a rank holding ``gradient_bytes`` of gradients
+        (0: not known, the most the figures give); None: the links'."""
+        if self.p2p_latency is None:
+            return None
+        return self._pipeline_cost(at_gradients(self.p2p_latency, gradient_bytes), "p2p_latency_s")

@@ -90,16 +90,19 @@ class StepSimulator:
 
     # -- cached costs -------------------------------------------------------------
     def _comm_phases(self, kind: str, collective: str, ranks: tuple[int, ...],
-                     mirrors: tuple[tuple[int, ...], ...], nbytes: float) -> tuple[CommPhase, ...]:
+                     mirrors: tuple[tuple[int, ...], ...], nbytes: float,
+                     receiver_gradients: float = 0.0) -> tuple[CommPhase, ...]:
         """A send's or a collective's phases, with the flows of the mirror groups that contend
-        with the representative's (cached: ops repeat every microbatch)."""
+        with the representative's (cached: ops repeat every microbatch); a send's latency on a CPU host is read
+        off the gradients its receiver holds, ``receiver_gradients`` bytes."""
         groups = [ranks, *mirrors]
         if kind == "send":
             pairs = np.array(groups)
             routes = self.topo.routes(pairs[:, 0], pairs[:, 1])
             routes = routes[_contending([r[r >= 0] for r in routes], self.topo.num_links)]
             # CPU hosts: a pipeline transfer's own measured latency (compute.p2p_latency_us), not the links'
-            return (self._ready_phase(routes, float(nbytes), 1, 0.0, 0.0, self.compute.send_latency_s),)
+            latency_s = self.compute.send_latency_s(receiver_gradients)
+            return (self._ready_phase(routes, float(nbytes), 1, 0.0, 0.0, latency_s),)
         algorithm, protocol = self._algorithm(collective, ranks, int(nbytes))
         groups = self._may_contend(groups)
         per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes, protocol=protocol)
@@ -209,6 +212,9 @@ class _Run:
         self._next_report = time.monotonic() + PROGRESS_EVERY_S
         self.comm: list[_Comm | None] = [None] * n
         self._plan_comms()
+        # a CPU host's late receive costs its rendezvous, read off the gradients the receiver holds (see _received)
+        self._rendezvous_s = {rank: sim.compute.rendezvous_s(nbytes) for rank, (_, nbytes) in program.gradients.items()}
+        self._default_rendezvous_s = sim.compute.rendezvous_s()
         self.fixed: list[float | None] = [None] * n  # duration, where known before the op starts
         self.through = [False] * n  # ends by starting its stream successor at once (see _start)
         # collectives taken out of the schedule (see _absorb_beside): id -> (partner compute op, seconds); and the
@@ -407,6 +413,10 @@ class _Run:
                                * issued.pop(op.rank, 0) + starts.pop(op.rank, 0.0))
         return lead
 
+    def _gradient_bytes(self, rank: int) -> float:
+        """The bytes of gradients ``rank`` holds (0: not known)."""
+        return self.program.gradients.get(rank, (0, 0.0))[1]
+
     def _plan_comms(self) -> None:
         """Give every send and collective its phases, and a closed form where it cannot contend.
 
@@ -427,8 +437,9 @@ class _Run:
             kind = op.kind
             if kind != "collective" and kind != "send":
                 continue
+            receiver = self._gradient_bytes(op.ranks[1]) if kind == "send" else 0.0
             if op.negligible:
-                phases = sim.comm_phases(kind, op.collective, op.ranks, (), op.nbytes)  # alone: no mirror flows
+                phases = sim.comm_phases(kind, op.collective, op.ranks, (), op.nbytes, receiver)  # no mirror flows
                 self.comm[op.id] = _Comm(phases, uncontended_s(phases, self.net))
                 continue
             use_key = (op.rank, ONE_STREAM.get(op.stream, op.stream), kind, op.collective, id(op.ranks),
@@ -438,7 +449,7 @@ class _Run:
                 use = uses[use_key] = len(uses)
                 key = use_key[2:]
                 if key not in phases_of:
-                    phases_of[key] = sim.comm_phases(kind, op.collective, op.ranks, op.mirrors, op.nbytes)
+                    phases_of[key] = sim.comm_phases(kind, op.collective, op.ranks, op.mirrors, op.nbytes, receiver)
             use_of.append((op.id, use))
         if not uses:
             return
@@ -666,9 +677,10 @@ class _Run:
 
     def _received(self, i: int, late: bool = False) -> None:
         """Receive ``i``'s data has arrived: it ends now, or, posted ``late`` (after the data could have
-        arrived), after the host's rendezvous (``ComputeModel.p2p_rendezvous_s``: gloo moves a CPU rank's message
-        only once its receiver asks; a receiver that waits has it after the send's latency)."""
-        rendezvous = self.sim.compute.rendezvous_s
+        arrived), after the host's rendezvous (``ComputeModel.rendezvous_s`` at the gradients the receiver holds:
+        gloo moves a CPU rank's message only once its receiver asks; a receiver that waits has it after the send's
+        latency)."""
+        rendezvous = self._rendezvous_s.get(self.ops[i].rank, self._default_rendezvous_s)
         if late and rendezvous and self.ops[i].nbytes:
             self._after(rendezvous, lambda: self._end(i))
         elif self.cores is not None and self.cores.shares(self.ops[i].rank):
