@@ -829,15 +829,24 @@ PIPELINE_LOOP_WIDTHS = (128, 256, 512, 768)
 
 def measure_pipeline_loops(widths: Sequence[int] = PIPELINE_LOOP_WIDTHS, **kwargs: Any
                            ) -> list[tuple[int, dict[str, float] | None]]:
-    """:func:`measure_pipeline_loop` with each stage's layers each of ``widths``: (the gradients a rank holds, in
-    bytes; its figures), smallest first. A send's issue grows with the weights the passes stream, as the loop's
-    time between actions does: on the 2-core VM (2026-11-29, two runs) 107-111 us with layers 128 and 256 wide,
-    597-688 us 768 wide, where the loop's time before an action went from 20 to 38-44 us."""
-    return at_widths(measure_pipeline_loop, PIPELINE_STAGE_MLP, widths, **kwargs)
+    """:func:`measure_pipeline_loop` with each stage's layers each of ``widths``, each figure a typical event's
+    (``by_event``): (the gradients a rank holds, in bytes; its figures), smallest first. A send's issue grows with
+    the weights the passes stream, as the loop's time between actions does: on the 2-core VM (2026-11-29, two
+    runs) 107-111 us with layers 128 and 256 wide, 597-688 us 768 wide, where the loop's time before an action
+    went from 20 to 38-44 us; so do the transfers' (a late receive's 82-90 us at 128 wide, 105-292 at 768).
+
+    With a core per rank a stall (a gloo thread or the loop waiting milliseconds for the scheduler) hits a few
+    sends and transfers in a hundred, but in a loop this short as many as half its steps: 29-50 steps of 120
+    with 768-wide stages (three runs, later that night). A typical step's mean then flips between runs (a
+    send's issue 226-559 us over the calibrations of EB-EE), where a typical send's stays put (212-251 us in
+    those three runs) and prices what a plan's typical step pays: course PP's rank 0 idle measured 1.2-2.1 ms
+    in every run of EB-EE, where the calibrations whose issue had flipped put it at 2.6-2.9."""
+    return at_widths(measure_pipeline_loop, PIPELINE_STAGE_MLP, widths, by_event=True, **kwargs)
 
 
 def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 3,
-                          mlp: tuple[int, int, int] = PIPELINE_STAGE_MLP) -> dict[str, float] | None:
+                          mlp: tuple[int, int, int] = PIPELINE_STAGE_MLP, by_event: bool = False
+                          ) -> dict[str, float] | None:
     """The executor's pipeline loop's own host costs, on stages whose passes are a generic model's.
 
     Ranks pair up (0-1, 2-3, ...) and run :class:`executor.train.pipeline.PipelineRuntime` as a 1F1B pipeline
@@ -870,7 +879,9 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
     of late receives stalled past 1 ms with a core per rank: most steps had none, and a late receive took
     a median 56-77 us where the mean over every step swung between 154 and 399 us from one run to the next.
     With two ranks on each core 40% stalled: every step had some. The gaps' figures are the typical step's
-    too (:func:`split_gaps`). None on a rank without a partner."""
+    too (:func:`split_gaps`). ``by_event``: each figure a typical event's instead, the median over every
+    gap, send and transfer (:func:`event_median`): stalls that hit a minority of them do not count, however
+    many steps they hit (:func:`measure_pipeline_loops`). None on a rank without a partner."""
     from parsim.schedules.generators import make_schedule
 
     from .train.pipeline import PipelineRuntime
@@ -913,35 +924,42 @@ def measure_pipeline_loop(microbatches: int = 4, steps: int = 60, warmup: int = 
     dist.all_gather_object(every, steps_run)  # each pair's events, to match its transfers
     if runtime is None:
         return None
-    action, issue = split_gaps([events for _, events in every[rank] + every[peer]])
+    action, issue = split_gaps([events for _, events in every[rank] + every[peer]], by_event)
     late, waiting = transfer_times([(r, [on_host_clock(origin, events) for origin, events in every[r]])
                                     for r in (rank, peer)])
-    return {"action": action, "issue": issue, "rendezvous": typical_step_mean(late),
-            "latency": typical_step_mean(waiting)}
+    typical = event_median if by_event else typical_step_mean
+    return {"action": action, "issue": issue, "rendezvous": typical(late), "latency": typical(waiting)}
 
 
-def split_gaps(steps: Sequence[Sequence[tuple[str, str, float, float]]]) -> tuple[float, float]:
+def split_gaps(steps: Sequence[Sequence[tuple[str, str, float, float]]], by_event: bool = False
+               ) -> tuple[float, float]:
     """The loop's time (:func:`measure_pipeline_loop`) from steps of ``(name, kind, start, end)`` events, as a
     typical step has it (:func:`typical_step_mean`): the mean gap, from a step's start or an action's end to
     the next action, where no send was issued; and the mean excess per send of the gaps where sends were (the
-    median over the steps that issued any; 0 if none did). A send's issue stalls now and then too."""
-    plain, excess = [], []
+    median over the steps that issued any; 0 if none did). A send's issue stalls now and then too.
+    ``by_event``: as a typical gap has them instead (:func:`event_median`): the median gap without sends, and
+    the median of each gap with sends' excess per send."""
+    plain, with_sends = [], []  # per step: gaps without sends; (gap, sends issued in it)
     for events in steps:
         sends = sorted(start for _, kind, start, _ in events if kind == "send")
-        reach, gaps, with_sends, issued = 0.0, [], [], 0
+        reach = 0.0
+        plain.append([])
+        with_sends.append([])
         for _, _, start, end in sorted((e for e in events if e[1] != "send"), key=lambda e: e[2]):
             if start > reach:
                 count = bisect.bisect_left(sends, start) - bisect.bisect_left(sends, reach)
                 if count:
-                    with_sends.append(start - reach)
-                    issued += count
+                    with_sends[-1].append((start - reach, count))
                 else:
-                    gaps.append(start - reach)
+                    plain[-1].append(start - reach)
             reach = max(reach, end)
-        plain.append(gaps)
-        excess.append((with_sends, issued))
+    if by_event:
+        action = event_median(plain)
+        issue = event_median([[(gap - action) / count for gap, count in gaps] for gaps in with_sends])
+        return action, max(issue, 0.0)
     action = typical_step_mean(plain)
-    issues = [(sum(gaps) - action * len(gaps)) / issued for gaps, issued in excess if issued]
+    issues = [(sum(gap for gap, _ in gaps) - action * len(gaps)) / sum(count for _, count in gaps)
+              for gaps in with_sends if gaps]
     return action, max(statistics.median(issues), 0.0) if issues else 0.0
 
 
@@ -973,6 +991,13 @@ def transfer_times(ranks: Sequence[tuple[int, Sequence[Sequence[tuple[str, str, 
             else:
                 late[-1].append(end - start)
     return late, waiting
+
+
+def event_median(per_step: Sequence[Sequence[float]]) -> float:
+    """A kind of time (a transfer's, a gap's) as a typical event has it: the median over every step's (0 if
+    none had any). Stalls that hit a minority of the events do not count, however many steps they hit."""
+    times = [t for step in per_step for t in step]
+    return statistics.median(times) if times else 0.0
 
 
 def typical_step_mean(per_step: Sequence[Sequence[float]]) -> float:

@@ -104,7 +104,8 @@ def test_the_pipeline_loop_is_timed_with_stages_of_each_size_and_its_figures_tak
     import executor.compute_bench as bench
     from parsim.cli.calibrate_cmd import _loop_curve
 
-    monkeypatch.setattr(bench, "measure_pipeline_loop", lambda mlp, **kwargs: {"issue": mlp[1] * 1e-6})
+    monkeypatch.setattr(bench, "measure_pipeline_loop", lambda mlp, by_event: {"issue": mlp[1] * 1e-6} if by_event
+                        else None)  # each figure a typical event's
     loops = bench.measure_pipeline_loops(widths=(128, 768))
     assert loops == [(2 * 128 * 128 * 4, {"issue": 128e-6}), (2 * 768 * 768 * 4, {"issue": 768e-6})]
     rows = [{"pipeline": [(128 << 10, {"issue": issue}), (4608 << 10, {"issue": 4 * issue})]}
@@ -164,6 +165,26 @@ def test_a_loop_s_gaps_split_into_its_own_time_and_each_send_s_issue():
     assert split_gaps([other]) == pytest.approx((0.001, 0.0))
     stalled = [e if e[0] != "optimizer" else ("optimizer", "optimizer", 0.064, 0.066) for e in step]
     assert split_gaps([step, step, stalled]) == split_gaps([step])  # one step in three stalls: no one's typical
+
+
+def test_a_typical_event_leaves_out_stalls_that_hit_most_steps():
+    """Two steps of three stall once each, by 5 ms: the typical step pays one stall (its mean per send, or per
+    transfer); a typical send or transfer, the median over all of them, pays none."""
+    from executor.compute_bench import event_median, split_gaps, typical_step_mean
+
+    def step(stall_s: float) -> list[tuple[str, str, float, float]]:  # a 0.1 ms gap, then three with a send each
+        return [("F", "compute", 1e-4, 2e-3), ("send", "send", 2.1e-3, 3e-3), ("B", "compute", 2.4e-3, 3e-3),
+                ("send", "send", 3.1e-3, 4e-3), ("recv", "recv", 3.4e-3 + stall_s, 5e-3 + stall_s),
+                ("send", "send", 5.1e-3 + stall_s, 6e-3 + stall_s),
+                ("optimizer", "optimizer", 5.4e-3 + stall_s, 6e-3 + stall_s)]
+
+    steps = [step(0.0), step(5e-3), step(5e-3)]
+    assert split_gaps(steps) == pytest.approx((1e-4, 3e-4 + 5e-3 / 3))
+    assert split_gaps(steps, by_event=True) == pytest.approx((1e-4, 3e-4))
+    late = [[60e-6, 80e-6], [60e-6, 5e-3], [70e-6, 5e-3]]
+    assert typical_step_mean(late) == pytest.approx((60e-6 + 5e-3) / 2)
+    assert event_median(late) == pytest.approx(75e-6)
+    assert event_median([[], []]) == 0.0
 
 
 def test_transfers_split_by_whether_the_receive_was_posted_before_the_send():

@@ -358,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"rank jitter       {jitter:.1%} of the same work's time, sigma from rank to rank (AdamW steps every "
               f"rank starts at once; a step ends when its slowest rank does)")
     print(f"p2p rendezvous    {_gap_text(p2p_rendezvous)} per pipeline transfer received late (its receive "
-          f"posted after the send's issue; in a typical step, with the stalls it has)")
+          f"posted after the send's issue; a typical transfer's, the median: stalls hit a few in a hundred)")
     if p2p_latency is not None:
         print(f"p2p latency       {_gap_text(p2p_latency)} per pipeline transfer whose receiver waits (from the "
               f"send's issue to the receive's end)")
