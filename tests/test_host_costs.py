@@ -610,6 +610,36 @@ def test_each_send_s_issue_delays_the_rank_s_next_action():
         1.1e-3 + 300e-6 + 1e3 / spec.intra.bw_Bps, rel=1e-6)
 
 
+@pytest.mark.parametrize("reduce_bytes", [1e3, 1e9])
+def test_sends_issued_while_the_loop_waits_for_a_hook_s_all_reduce_are_covered_by_the_wait(reduce_bytes):
+    """After its last backward the loop issues the pass's sends, then waits for the gradient all-reduce a backward
+    hook launched, then steps the optimizer: the issues run while it waits, so the optimizer starts the loop's gap
+    after the later of the all-reduce's end and the issues' (a short all-reduce: the issues; a long one: its end)."""
+    spec = ideal_spec(**{"compute": {"action_overhead_us": 100.0, "p2p_issue_us": 400.0}})
+    compute = ComputeModel.for_cluster(spec, "fp32", 4)
+    program = Program(world_size=2)
+    sends = []
+    for rank in (0, 1):
+        backward = program.add(rank, Op("B stage=1 mb=0", "compute", "compute", flops=1e-3 * compute.peak_flops,
+                                        opens_action=True))
+        if rank == 0:
+            sends = [program.add(0, Op(f"send grad stage=1 mb={mb} peer=1", "send", "p2p", deps=(backward,),
+                                       ranks=(0, 1), nbytes=1e3, peer=1)) for mb in range(2)]
+        reduce = program.add(rank, Op("all_reduce dp bucket=0", "collective", "comm", deps=(backward,),
+                                      collective="all_reduce", group="dp", ranks=(0, 1), nbytes=reduce_bytes))
+        program.add(rank, Op("optimizer step", "optimizer", "compute", deps=(reduce,), opens_action=True))
+    for mb, send in enumerate(sends):
+        program.add(1, Op(f"recv grad stage=1 mb={mb} peer=0", "recv", "compute", nbytes=1e3, peer=0, match=send))
+    trace = StepSimulator(spec.build(1), compute).run(program)
+    events = {(e.rank, e.name): e for e in trace.events}
+    backward_end = events[0, "B stage=1 mb=0"].end_s
+    reduce_end = events[0, "all_reduce dp bucket=0"].end_s
+    assert events[0, "optimizer step"].start_s == pytest.approx(max(reduce_end, backward_end + 2 * 400e-6) + 100e-6)
+    assert events[1, "optimizer step"].start_s == pytest.approx(events[1, "all_reduce dp bucket=0"].end_s + 100e-6)
+    if reduce_bytes > 1e6:
+        assert reduce_end > backward_end + 1e-3  # the long all-reduce's wait covered both issues
+
+
 def _static_memory(bw_GBps: float, **compute) -> object:
     """A CPU host whose every core streams at ``bw_GBps``, however many stream at once."""
     data = cpu_host(**HOST_KEYS, **compute)

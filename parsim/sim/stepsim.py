@@ -224,7 +224,7 @@ class _Run:
         self.holds: dict[int, tuple[int, float]] = {}
         # A CPU host's loop runs before each op that opens one of its actions (see _leads): a fixed op's duration
         # includes it, any other op begins that much later; the trace shows it as idle.
-        self.lead = self._leads(sim.compute)
+        self.lead, self.sent_after = self._leads(sim.compute)
         # Ranks taking turns on shared cores (StepSimulator's take_turns): their ops' work alone on the core, and
         # how many times as slowly it runs while another rank waits for the core (parsim.sim.cores); the same for the
         # loop's time before an op, from the host's costs measured with two ranks on each core.
@@ -232,7 +232,8 @@ class _Run:
         self.work: dict[int, tuple[float, float]] = {}
         if self.cores is not None:
             self.lead_penalty = {i: self._penalty(alone, shared)
-                                 for i, (alone, shared) in enumerate(zip(self.lead, self._leads(sim.shared))) if alone}
+                                 for i, (alone, shared) in enumerate(zip(self.lead, self._leads(sim.shared)[0]))
+                                 if alone}
         # On a CPU host whose ranks share the memory bandwidth, an op's streamed bytes are a flow on it (HostMemory),
         # after the rest of its work, which takes ``beside[i]``.
         shares_memory = sim.compute.shares_host_memory and self.cores is None
@@ -390,28 +391,48 @@ class _Run:
         reserved_s = self.sim.compute_time(*args[:SM_RESERVED], sms, *args[SM_RESERVED + 1:])
         return self.sim.compute.beside_collective_time(alone_s, reserved_s, collective_s)
 
-    def _leads(self, compute: ComputeModel) -> list[float]:
+    def _leads(self, compute: ComputeModel) -> tuple[list[float], dict[int, tuple[int, float]]]:
         """Each op's host time before it: for the first op of an action, the loop's own time
         (``ComputeModel.action_gap_s`` at the gradients the rank holds) plus the issue of each send the rank made
         since its last action (``send_issue_s``, likewise: the loop issues them before it moves on), and before a rank's
         first action the freeing of its last step's gradients (``zero_grad_s``); 0 for every other op. A program
-        lists each rank's ops in the order its loop runs them."""
+        lists each rank's ops in the order its loop runs them. And, for each op whose lead holds sends' issues,
+        the compute op after which the loop issued them and their seconds (see :meth:`_cover_issues`)."""
         lead = [0.0] * len(self.ops)
+        sent_after: dict[int, tuple[int, float]] = {}
         held = self.program.gradients
         gaps = {rank: compute.action_gap_s(nbytes) for rank, (_, nbytes) in held.items()}
         issues = {rank: compute.send_issue_s(nbytes) for rank, (_, nbytes) in held.items()}
         default_gap, default_issue = compute.action_gap_s(), compute.send_issue_s()
         starts = {rank: compute.zero_grad_s(*grads) for rank, grads in held.items()}
         if not any((default_gap, default_issue, *gaps.values(), *issues.values(), *starts.values())):
-            return lead
+            return lead, sent_after
         issued: dict[int, int] = {}  # rank -> sends since its last action
+        last_compute: dict[int, int] = {}  # rank -> its latest op on the compute stream, which ends an action
         for op in self.ops:
             if op.kind == "send" and op.nbytes:
                 issued[op.rank] = issued.get(op.rank, 0) + 1
             elif op.opens_action:
-                lead[op.id] = (gaps.get(op.rank, default_gap) + issues.get(op.rank, default_issue)
-                               * issued.pop(op.rank, 0) + starts.pop(op.rank, 0.0))
-        return lead
+                issue_s = issues.get(op.rank, default_issue) * issued.pop(op.rank, 0)
+                lead[op.id] = gaps.get(op.rank, default_gap) + issue_s + starts.pop(op.rank, 0.0)
+                if issue_s and op.rank in last_compute:
+                    sent_after[op.id] = (last_compute[op.rank], issue_s)
+            if op.stream == "compute":
+                last_compute[op.rank] = op.id
+        return lead, sent_after
+
+    def _cover_issues(self, i: int) -> None:
+        """Op ``i``, whose lead holds sends' issues, is ready now. The loop issues a pass's sends as the pass ends,
+        and only then waits for what its next action needs (a gradient all-reduce that a backward hook launched,
+        which it waits for before the optimizer step): the time since that pass's end covers the issues, and only
+        the rest of them delays the action."""
+        after, issue_s = self.sent_after[i]
+        if self.end[after] < 0:  # (not over: the op runs beside it, on another stream)
+            return
+        covered = min(issue_s, self.env.now - self.end[after])
+        self.lead[i] -= covered
+        if self.fixed[i] is not None:
+            self.fixed[i] -= covered
 
     def _gradient_bytes(self, rank: int) -> float:
         """The bytes of gradients ``rank`` holds (0: not known)."""
@@ -483,6 +504,8 @@ class _Run:
             self._after(self.start[hold[0]] + hold[1] - now, lambda: self._start(i))
             return
         self.start[i] = now
+        if i in self.sent_after:
+            self._cover_issues(i)
         if self.cores is not None and self.cores.shares(self.ops[i].rank):
             self._take_turn(i)
             return
