@@ -79,8 +79,9 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     (compute.action_overhead_us: its Python runs colder the more memory the
     step streams); pairs of ranks running the executor's own pipeline
     loop over stages that each pass a generic MLP (128 to 768 wide) -> by
-    the gradients a rank holds, the time per send it issues
-    (compute.p2p_issue_us), the time of a transfer received late
+    the gradients a rank holds, each the median over its events (a stall
+    hits a few in a hundred, yet up to half the loop's steps), the time per
+    send it issues (compute.p2p_issue_us), the time of a transfer received late
     (compute.p2p_rendezvous_us; a gloo thread may wait for the core where
     its rank computes) and the latency of one whose receiver waits
     (compute.p2p_latency_us, which the step simulator's pipeline sends

@@ -161,7 +161,8 @@ GPU host):
   rank computes, may wait for the scheduler: on the 2-core VM most such
   receives took 0.1 ms and about one in ten 2-5 ms): the step simulator ends
   such a receive this long after it begins, a typical transfer's (the median
-  over the calibration loop's, stalls left out). A receiver that waits has its data after the send's latency (``p2p_latency``,
+  over the calibration loop's, stalls left out). A receiver that waits has
+  its data after the send's latency (``p2p_latency``,
   ``compute.p2p_latency_us`` in the cluster file, which the step simulator's
   sends take). Both grow with the weights the stages' passes stream, as the
   loop's own time does (on the 2-core VM, 2026-11-29: a late receive 82-90 us
