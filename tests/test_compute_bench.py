@@ -112,6 +112,10 @@ def test_the_pipeline_loop_is_timed_with_stages_of_each_size_and_its_figures_tak
             for issue in (1e-4, 3e-4, 2e-4)] + [{"pipeline": [(128 << 10, None)]}]  # an odd rank out: no loop
     assert _loop_curve(rows, "issue") == ((128, pytest.approx(2e-4)), (4608, pytest.approx(8e-4)))
     assert _loop_curve([{"pipeline": None}], "latency") is None
+    # a size at which no receiver waited reads 0: left out, not a 0 us latency
+    waited = [{"pipeline": [(128 << 10, {"latency": 0.0}), (4608 << 10, {"latency": 1.5e-4})]}]
+    assert _loop_curve(waited, "latency") == ((4608, pytest.approx(1.5e-4)),)
+    assert _loop_curve([{"pipeline": [(128 << 10, {"latency": 0.0})]}], "latency") is None
 
 
 def test_the_loop_s_time_between_actions_is_timed_at_several_sizes_of_the_generic_step():

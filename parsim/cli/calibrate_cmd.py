@@ -416,8 +416,9 @@ def _step_gap_curve(rows: list[dict], loop_gap_s: float) -> tuple[tuple[int, flo
 def _loop_curve(rows: list[dict], key: str) -> tuple[tuple[int, float], ...] | None:
     """One of the pipeline loop's figures (``key``: a send's issue, a late receive's rendezvous, a waiting one's
     latency) by the gradients a rank holds: (KiB, seconds), the median over ranks at each of its sizes
-    (:func:`executor.compute_bench.measure_pipeline_loops`); None where no loop ran."""
-    return _medians_by_size(((nbytes, loop[key]) for nbytes, loop in row.get("pipeline") or () if loop)
+    (:func:`executor.compute_bench.measure_pipeline_loops`); None where no loop ran. A loop that saw no such
+    event (no receive posted late at that size, say) reads 0 and is left out: the sizes around it stand in."""
+    return _medians_by_size(((nbytes, loop[key]) for nbytes, loop in row.get("pipeline") or () if loop and loop[key])
                             for row in rows) or None
 
 
