@@ -831,9 +831,10 @@ def measure_pipeline_loops(widths: Sequence[int] = PIPELINE_LOOP_WIDTHS, **kwarg
                            ) -> list[tuple[int, dict[str, float] | None]]:
     """:func:`measure_pipeline_loop` with each stage's layers each of ``widths``, each figure a typical event's
     (``by_event``): (the gradients a rank holds, in bytes; its figures), smallest first. A send's issue grows with
-    the weights the passes stream, as the loop's time between actions does: on the 2-core VM (2026-11-29, two
-    runs) 107-111 us with layers 128 and 256 wide, 597-688 us 768 wide, where the loop's time before an action
-    went from 20 to 38-44 us; so do the transfers' (a late receive's 82-90 us at 128 wide, 105-292 at 768).
+    the weights the passes stream, as the loop's time between actions does: on the 2-core VM (2026-11-29, as a
+    typical step had them, two runs) 107-111 us with layers 128 and 256 wide, 597-688 us 768 wide, where the
+    loop's time before an action went from 20 to 38-44 us; so do the transfers' (a late receive's 82-90 us at
+    128 wide, 105-292 at 768). As a typical send has it (three runs): 136-139 us 512 wide, 212-251 us 768 wide.
 
     With a core per rank a stall (a gloo thread or the loop waiting milliseconds for the scheduler) hits a few
     sends and transfers in a hundred, but in a loop this short as many as half its steps: 29-50 steps of 120

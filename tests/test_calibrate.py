@@ -485,6 +485,20 @@ def test_calls_between_bursts_of_compute_are_measured_every_round_and_the_median
     assert median > 0 and overhead_us([30e-3, 10e-3, 12e-3]) == pytest.approx(median)
 
 
+def test_without_a_generic_step_the_loop_s_gap_is_the_pipeline_loop_s_with_its_largest_stages(monkeypatch, tmp_path):
+    """No generic data-parallel step timed: every rank's time before an action is the pipeline loop's with its
+    widest stages, the median over ranks (70 and 90 us in the faked loop)."""
+    import executor.compute_bench
+
+    _fake_calibration(monkeypatch)
+    every_rank = executor.compute_bench.measure_on_every_rank
+    monkeypatch.setattr(executor.compute_bench, "measure_on_every_rank",
+                        lambda nproc: [{**row, "step_gaps": None} for row in every_rank(nproc)])
+    out = tmp_path / "host.yaml"
+    assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce"]) == 0
+    assert load_cluster(str(out)).action_overhead == ((0, pytest.approx(80e-6)),)
+
+
 def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(monkeypatch, tmp_path, capsys):
     """Every measurement faked from a known host: the file, the text and the JSON carry the probes' medians
     over every rank and round (the matmul's FLOP/s, the eager pass's time), which compare scales by, the

@@ -228,10 +228,10 @@ def run(args: argparse.Namespace) -> int:
                                        optimizer, ADAMW_ACCESSES)
     memory_host_bw = memory_bw * max(rank_counts)
     # the pipeline loop's figures by the stages' size; its gap with the largest stages where no step was timed
-    loops = [rank["pipeline"][-1][1] for rank in per_rank if rank["pipeline"] and rank["pipeline"][-1][1]]
-    action_overhead = _step_gap_curve(per_rank, _median(loops, "action"))
-    p2p_issue, p2p_rendezvous = (_loop_curve(per_rank, key) or ((0, 0.0),) for key in ("issue", "rendezvous"))
+    p2p_issue, p2p_rendezvous, loop_gap = (_loop_curve(per_rank, key) or ((0, 0.0),)
+                                           for key in ("issue", "rendezvous", "action"))
     p2p_latency = _loop_curve(per_rank, "latency")
+    action_overhead = _step_gap_curve(per_rank, loop_gap[-1][1])
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s = (float(v) for v in np.median(probes, axis=0))
     shared = _shared_cores(shared_rows, probe_flops, probe_eager_s)
@@ -415,9 +415,10 @@ def _step_gap_curve(rows: list[dict], loop_gap_s: float) -> tuple[tuple[int, flo
 
 def _loop_curve(rows: list[dict], key: str) -> tuple[tuple[int, float], ...] | None:
     """One of the pipeline loop's figures (``key``: a send's issue, a late receive's rendezvous, a waiting one's
-    latency) by the gradients a rank holds: (KiB, seconds), the median over ranks at each of its sizes
-    (:func:`executor.compute_bench.measure_pipeline_loops`); None where no loop ran. A loop that saw no such
-    event (no receive posted late at that size, say) reads 0 and is left out: the sizes around it stand in."""
+    latency, the loop's own gap before an action) by the gradients a rank holds: (KiB, seconds), the median over
+    ranks at each of its sizes (:func:`executor.compute_bench.measure_pipeline_loops`); None where no loop ran. A
+    loop that saw no such event (no receive posted late at that size, say) reads 0 and is left out: the sizes
+    around it stand in."""
     return _medians_by_size(((nbytes, loop[key]) for nbytes, loop in row.get("pipeline") or () if loop and loop[key])
                             for row in rows) or None
 

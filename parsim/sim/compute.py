@@ -149,8 +149,8 @@ GPU host):
   for it), which delays the rank's next action; it too grows after passes
   that stream their weights (0.39-0.47 ms between a pipeline's generic MLP
   passes on that VM, 0.23-0.35 between small eager ops; on the 2-core VM
-  107-111 us with stages of 128 and 512 KiB of weights, 597-688 us with 4.5
-  MiB), and is read off the same way. The step simulator
+  107-111 us with stages of 128 and 512 KiB of weights, 212-251 us with 4.5
+  MiB, a typical send's), and is read off the same way. The step simulator
   starts each action's first op ``action_overhead`` plus ``p2p_issue``
   per send issued since the last action after it could, so it shows as idle
   time, as measured. (Files calibrated before the issue was measured apart
