@@ -168,7 +168,7 @@ def predicted_again(run: dict, plan_args: list[str], cluster) -> dict:
     plan = plan_from_args(build_parser().parse_args(["simulate", *plan_args]))
     speed = run.get("host_speed")
     if speed:
-        cluster = cluster.at_host_speed(speed["arithmetic_factor"], speed["eager_factor"])
+        cluster = cluster.at_host_speed(speed["arithmetic_factor"], speed["eager_factor"], speed.get("memory_factor"))
     predicted = predict_step(plan, cluster)
     kept: dict[int, tuple[dict, dict]] = {}  # rank -> (phase -> seconds, phase -> the steps' range)
     for row in run["phases"]:

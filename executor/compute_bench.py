@@ -70,7 +70,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ._torch import require_torch
-from .speed_probe import SpeedProbe, probes_on
+from .speed_probe import Speed, SpeedProbe, probes_on
 
 if TYPE_CHECKING:
     from parsim.workload.plan import Plan
@@ -167,8 +167,8 @@ def _rank_shared(rank: int, world: int, pipeline_steps: int) -> dict:
     """The pipeline loop, the generic step's gaps between actions (:func:`measure_step_gaps`), then the
     host-speed probes in :data:`SHARED_PROBE_ROUNDS` rounds, each on every rank at once (two ranks computing on
     each core) and then on one rank per core (``world // 2`` ranks, one on each core, the others waiting):
-    ``speed_probe`` and ``speed_probe_alone`` (None on a rank that waits), each the medians of matmul FLOP/s and
-    seconds per eager pass over the rounds. Each probe's throughput is over 0.15 s, so the ranks' turns on the
+    ``speed_probe`` and ``speed_probe_alone`` (None on a rank that waits), each the probes' medians over the
+    rounds (:class:`~executor.speed_probe.Speed`). Each probe's throughput is over 0.15 s, so the ranks' turns on the
     core and each turn's cold start are in it.
 
     Pairing the two in each round keeps their ratio while the host's speed drifts. Taken instead against the
@@ -189,15 +189,14 @@ def _rank_shared(rank: int, world: int, pipeline_steps: int) -> dict:
             "speed_probe_alone": _medians(alone) if alone else None}
 
 
-def _medians(readings: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """The medians of the probes' (matmul FLOP/s, seconds per eager pass) readings."""
-    flops, eager_s = zip(*readings)
-    return statistics.median(flops), statistics.median(eager_s)
+def _medians(readings: Sequence[Speed]) -> Speed:
+    """Each probe's median over the ``readings``."""
+    return Speed(*(statistics.median(column) for column in zip(*readings)))
 
 
 def _rank_compute(rank: int, world: int) -> dict:
-    """Every benchmark, with the host-speed probes timed before each and at the end (``speed_probes``, pairs
-    of matmul FLOP/s and eager seconds): their medians are the host's speed while these figures were measured.
+    """Every benchmark, with the host-speed probes timed before each and at the end (``speed_probes``, each a
+    :class:`~executor.speed_probe.Speed`): their medians are the host's speed while these figures were measured.
     The sampled benchmarks (:data:`SAMPLED_BENCHMARKS`: the eager ones and a tensor-parallel call's) run at each
     of those points, and their figures are the medians over all of them: run once, they moved with the host's
     slow spells. On the 2-core VM (2026-11-29) five runs of the dispatch benchmark in one process, 0.3 s apart,
@@ -205,7 +204,7 @@ def _rank_compute(rank: int, world: int) -> dict:
     probe right after the two slowest read 284 and 278 us, as usual (272-299). Three calibrations, each on two
     such runs per rank, had priced it at 5.15, 7.91 and 5.31 us."""
     probe = SpeedProbe() if probes_on(rank, world) else None
-    speeds: list[tuple[float, float]] = []
+    speeds: list[Speed] = []
     sampled: dict[str, list] = {name: [] for name in SAMPLED_BENCHMARKS}
 
     def probe_now() -> None:

@@ -141,16 +141,19 @@ def test_comparing_a_gpu_cluster_with_a_run_here_warns_once_it_has_measured(caps
     assert err.count("warning: dgx-h100 describes GPUs") == 1
 
 
-@pytest.mark.parametrize("extra, probed", [([], True), (["--no-speed-probe"], False)])
-def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, monkeypatch, tmp_path, capsys):
-    """A calibrated CPU host's compute figures follow the host-speed probe timed during the run: the
-    prediction is the simulator's at that speed, and the one at the calibration's speed is kept beside it."""
+@pytest.mark.parametrize("extra, probed, memory_probe", [([], True, True), ([], True, False),
+                                                         (["--no-speed-probe"], False, True)])
+def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, memory_probe, monkeypatch, tmp_path,
+                                                                 capsys):
+    """A calibrated CPU host's compute figures follow the host-speed probes timed during the run: the
+    prediction is the simulator's at that speed, and the one at the calibration's speed is kept beside it. Its
+    memory follows the memory probe; in a file calibrated before that probe, the matmul probe."""
     import executor.train
     from parsim.sim.step import predict_step
     from parsim.workload.plan import resolve_plan
 
     data = host_cluster(2, 300e-6, 2.0e9, 6e9, algorithms=GLOO, peak_flops=80e9, op_forward_s=10e-6,
-                        cpu_cores=2, speed_probe=(60e9, 1e-3))
+                        cpu_cores=2, speed_probe=(60e9, 1e-3, 20e9) if memory_probe else (60e9, 1e-3))
     path = tmp_path / "host.yaml"
     path.write_text(json.dumps(data))
     spec, plan = load_cluster(str(path)), resolve_plan("course-pp")
@@ -158,8 +161,8 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
 
     def run_plan(plan, nproc, steps, probe_speed=False, **kwargs):  # the simulator stands in for the executor
         asked["probe_speed"] = probe_speed
-        return predict_step(plan, spec).trace, ({"speed_probe": {"matmul_flops": 45e9, "eager_s": 1.25e-3}}
-                                                if probe_speed else {})
+        probe = {"matmul_flops": 45e9, "eager_s": 1.25e-3, "memory_Bps": 25e9}
+        return predict_step(plan, spec).trace, {"speed_probe": probe} if probe_speed else {}
 
     monkeypatch.setattr(executor.train, "run_plan", run_plan)
     assert main(["compare", "course-pp", "--cluster", str(path), "--backend", "gloo", "--json", *extra]) == 0
@@ -169,18 +172,27 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
     if not probed:
         assert doc["host_speed"] is None and doc["predicted_step_s"] == pytest.approx(unscaled)
         return
-    slower = predict_step(plan, spec.at_host_speed(0.75, 0.8)).step_s
+    memory = (20.0, 25.0, 1.25) if memory_probe else (None, 25.0, None)
+    scaled = predict_step(plan, spec.at_host_speed(0.75, 0.8, memory[2])).step_s
     assert doc["host_speed"] == {"calibrated_gflops": pytest.approx(60.0), "measured_gflops": pytest.approx(45.0),
                                  "arithmetic_factor": pytest.approx(0.75), "calibrated_eager_us": pytest.approx(1000),
                                  "measured_eager_us": pytest.approx(1250), "eager_factor": pytest.approx(0.8),
+                                 "calibrated_memory_GBps": pytest.approx(memory[0]),
+                                 "measured_memory_GBps": pytest.approx(memory[1]),
+                                 "memory_factor": pytest.approx(memory[2]),
                                  "unscaled_predicted_step_s": pytest.approx(unscaled),
                                  "unscaled_step_error": pytest.approx(0.0, abs=1e-9)}
-    assert doc["predicted_step_s"] == pytest.approx(slower) and slower > unscaled
+    assert doc["predicted_step_s"] == pytest.approx(scaled) and scaled > unscaled
+    if memory_probe:  # the memory's own factor, not the matmul's, priced the memory-bound work
+        assert scaled != pytest.approx(predict_step(plan, spec.at_host_speed(0.75, 0.8)).step_s)
     assert main(["compare", "course-pp", "--cluster", str(path), "--backend", "gloo"]) == 0
     out, err = capsys.readouterr()
-    assert "host speed around the measured steps, against calibration: matmuls x0.75 (probe 45.0 vs 60.0 " \
-           "GFLOP/s), eager ops x0.80 (probe 1250 vs 1000 us per pass)\n" in out
-    assert "the host-speed probes ran matmuls x0.75 and eager ops x0.80 as fast as at calibration" in err
+    memory_text = (", memory x1.25 (probe 25.0 vs 20.0 GB/s)" if memory_probe else
+                   ", memory as the matmuls (the cluster file has no memory probe: calibrate again for one)")
+    assert ("host speed around the measured steps, against calibration: matmuls x0.75 (probe 45.0 vs 60.0 "
+            f"GFLOP/s), eager ops x0.80 (probe 1250 vs 1000 us per pass){memory_text}\n") in out
+    assert (f"the host-speed probes ran matmuls x0.75, eager ops x0.80{', memory x1.25' if memory_probe else ''} "
+            "as fast as at calibration") in err
 
 
 @pytest.mark.parametrize("flops, eager_s, noted", [(54e9, 0.9e-3, False), (66e9, 1.1e-3, False),
@@ -193,7 +205,7 @@ def test_compare_notes_a_host_whose_probes_drifted_far_from_calibration(flops, e
     note = HostSpeed(60e9, 1e-3, flops, eager_s, 0.05).drift_note()
     assert (note is not None) is noted
     if noted:
-        assert note.startswith(f"parsim compare: note: the host-speed probes ran matmuls x{flops / 60e9:.2f} and "
+        assert note.startswith(f"parsim compare: note: the host-speed probes ran matmuls x{flops / 60e9:.2f}, "
                                f"eager ops x{1e-3 / eager_s:.2f} as fast as at calibration")
 
 
@@ -411,7 +423,7 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
 
     optimizer = {"together": [adamw(1, 256, 20e9), adamw(64, 256, 20e9), adamw(4, 1 << 20, 20e9)],
                  "alone": [adamw(2, 1 << 21, 32e9)]}
-    probes = {0: [(48e9, 820e-6), (50e9, 800e-6)], 1: [(52e9, 780e-6), (50e9, 800e-6)]}
+    probes = {0: [(48e9, 820e-6, 19e9), (50e9, 800e-6, 20e9)], 1: [(52e9, 780e-6, 21e9), (50e9, 800e-6, 20e9)]}
 
     def every_rank(nproc):
         return [{"matmuls": [(s, truth.matmul_time(*s)) for s in shapes], "dispatch": dispatch,
@@ -510,12 +522,13 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     out = tmp_path / "host.yaml"
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv"]) == 0
     text = capsys.readouterr().out
-    assert "host speed        50.0 GFLOP/s, 800 us per eager pass" in text
+    assert "host speed        50.0 GFLOP/s, 800 us per eager pass, 20.0 GB/s memory" in text
     assert ("between actions   30/120 us at 4/16 MiB of gradients a rank before each "
             "pass, sync call or optimizer step (a generic data-parallel step's loop; it runs colder the more memory "
             "the step streams), 50/150 us at 0.125/4.5 MiB of gradients a rank more per send issued") in text
     written = load_cluster(str(out))
-    assert (written.speed_probe_flops, written.speed_probe_eager_s) == pytest.approx((50e9, 800e-6))
+    assert (written.speed_probe_flops, written.speed_probe_eager_s, written.speed_probe_memory_Bps) == \
+        pytest.approx((50e9, 800e-6, 20e9))
     # ranks 1 ms apart in every 10 ms step: sigma 1 ms / (2 / sqrt(pi))
     assert written.rank_jitter == pytest.approx(0.001 / 1.1284 / 0.010, rel=1e-3)
     assert "rank jitter       8.9% of the same work's time" in text
@@ -568,7 +581,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
                  "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert conforms(doc) == "calibrate"
-    assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"]) == pytest.approx((50.0, 800.0))
+    assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"], doc["speed_probe_memory_GBps"]) == \
+        pytest.approx((50.0, 800.0, 20.0))
     assert (doc["matmul_stream_bw_GBps"], doc["matmul_write_bw_GBps"]) == pytest.approx((15.0, 45.0), rel=0.1)
     assert doc["action_overhead_us"] == pytest.approx({"4096": 30.0, "16384": 120.0})
     assert doc["p2p_issue_us"] == pytest.approx({"128": 50.0, "4608": 150.0})

@@ -212,6 +212,7 @@ def test_host_keys_are_read_in_si_units():
     ("op_overhead_us", 1.0, "unknown key"), ("cpu_cores", 0, "a whole number from 1 to 65,536"),
     ("cpu_cores", 2.5, "a whole number from 1 to 65,536"),
     ("speed_probe_eager_us", 1.0, "given without compute.speed_probe_eager_us, or the other way round"),
+    ("speed_probe_memory_GBps", 20.0, "speed_probe_memory_GBps: given without the other probes"),
     ("memory_alone_bw_GBps", 40.0, "given without compute.memory_host_bw_GBps, or the other way round"),
     ("memory_host_bw_GBps", -1.0, "1e-12 to 1e[+]12 GB/s"),
     ("core_ns_per_element", {"gelu": {"forward": 1.0, "backward": 1.0}}, "a mapping of gelu, norm, softmax"),
@@ -265,8 +266,35 @@ def test_the_host_speed_scales_the_compute_figures_by_their_probe_and_no_collect
     assert moved.collective_step_overhead_s == spec.collective_step_overhead_s
     with pytest.raises(ParsimError, match="positive"):
         spec.at_host_speed(0.0, 1.0)
+    with pytest.raises(ParsimError, match="positive"):
+        spec.at_host_speed(1.0, 1.0, -1.0)
     with pytest.raises(ConfigError, match="compute.speed_probe_gflops: is 0 .*1e-09 to 1e[+]15 GFLOP/s"):
         parse_cluster(cpu_host(speed_probe_gflops=0, speed_probe_eager_us=800.0), "host.yaml")
+    with pytest.raises(ConfigError, match="compute.speed_probe_memory_GBps: is 0 .*1e-12 to 1e[+]12 GB/s"):
+        parse_cluster(cpu_host(speed_probe_gflops=50.0, speed_probe_eager_us=800.0, speed_probe_memory_GBps=0),
+                      "host.yaml")
+
+
+def test_with_a_memory_probe_the_memory_figures_follow_it_and_the_arithmetic_the_matmul_probe():
+    data = cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0, speed_probe_memory_GBps=20.0,
+                    memory_alone_bw_GBps=30.0, memory_host_bw_GBps=45.0, matmul_write_bw_GBps=40.0,
+                    core_ns_per_element=CORE_NS)
+    spec = parse_cluster(data, "host.yaml")
+    assert spec.speed_probe_memory_Bps == pytest.approx(20e9)
+    assert host_cluster(2, 1e-4, 1e9, 1e9, speed_probe=(50e9, 800e-6, 20e9))["compute"] == {
+        **host_cluster(2, 1e-4, 1e9, 1e9)["compute"], "speed_probe_gflops": 50.0, "speed_probe_eager_us": 800.0,
+        "speed_probe_memory_GBps": 20.0}
+    moved = spec.at_host_speed(1.25, 0.5, 0.8)
+    assert moved.gpu.peak_flops["fp32"] == pytest.approx(1.25 * 70e9)
+    assert moved.core_arithmetic == spec.core_arithmetic.scaled(1.25)
+    assert moved.gpu.hbm_bw_Bps == pytest.approx(0.8 * 20e9)
+    assert (moved.matmul_stream_bw_Bps, moved.matmul_write_bw_Bps) == pytest.approx((0.8 * 15e9, 0.8 * 40e9))
+    assert moved.elementwise_bw_Bps == pytest.approx(0.8 * 6e9)
+    assert (moved.memory_alone_bw_Bps, moved.memory_host_bw_Bps) == pytest.approx((0.8 * 30e9, 0.8 * 45e9))
+    assert (moved.speed_probe_flops, moved.speed_probe_eager_s, moved.speed_probe_memory_Bps) == pytest.approx(
+        (62.5e9, 1600e-6, 16e9))
+    # Without a memory factor (a file calibrated before the memory probe) memory follows the arithmetic.
+    assert spec.at_host_speed(1.25, 0.5).elementwise_bw_Bps == pytest.approx(1.25 * 6e9)
 
 
 def test_a_step_without_communication_runs_in_proportion_to_the_host_speed():

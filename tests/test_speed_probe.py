@@ -1,4 +1,5 @@
-"""The host-speed probe: a fixed matmul's rate, timed on one rank per core, before and after the measured steps."""
+"""The host-speed probes: a fixed matmul's rate, an eager pass's time and an add's bytes per second, timed on one
+rank per core, before and after the measured steps."""
 
 from __future__ import annotations
 
@@ -8,21 +9,22 @@ import time
 import pytest
 
 from executor.launch import HOST_CORES_ENV
-from executor.speed_probe import SHAPE, WEIGHTS, SpeedProbe, probes_on
+from executor.speed_probe import SHAPE, STREAM_ELEMENTS, WEIGHTS, SpeedProbe, probes_on
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 
 
-def test_the_probes_report_a_rate_and_a_time_per_pass_over_at_least_their_time():
+def test_the_probes_report_two_rates_and_a_time_per_pass_over_at_least_their_time():
     probe = SpeedProbe()
     start = time.perf_counter()
-    flops, eager_s = probe(0.1)
+    flops, eager_s, memory_Bps = probe(0.15)
     elapsed = time.perf_counter() - start
     m, k, n = SHAPE
-    assert elapsed >= 0.1
-    # At least one pass over the weights, none of it before the clock started counting.
+    assert elapsed >= 0.15
+    # At least one pass over the weights and one add, none of it before the clock started counting.
     assert WEIGHTS * 2 * m * k * n / elapsed <= flops < 1e13
     assert 0 < eager_s <= 0.05
+    assert 3 * 4 * STREAM_ELEMENTS / elapsed <= memory_Bps < 1e13
 
 
 def test_one_rank_per_core_probes(monkeypatch):
@@ -40,4 +42,5 @@ def test_a_run_asked_to_probe_reports_the_host_speed_around_its_steps():
     _, probed = run_plan(plan, 2, steps=2, backend="gloo", timeout_s=120, probe_speed=True)
     _, plain = run_plan(plan, 2, steps=1, backend="gloo", timeout_s=120)
     assert 1e8 < probed["speed_probe"]["matmul_flops"] < 1e13 and 0 < probed["speed_probe"]["eager_s"] < 1
+    assert 1e8 < probed["speed_probe"]["memory_Bps"] < 1e13
     assert plain["speed_probe"] is None

@@ -36,12 +36,13 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     rank (then only rank 0 gets the result; other ranks get ``(None, {})``).
     With ``profile_dir``, each rank also writes a torch.profiler trace of the
     measured steps there (``rank<r>.pt.trace.json``). With ``probe_speed``, the
-    summary's ``speed_probe`` holds the host-speed probes' medians over the
-    measured steps (:mod:`executor.speed_probe`; timed before the warm-up and after the measured steps).
+    summary's ``speed_probe`` holds the host-speed probes' medians, keyed as
+    :class:`executor.speed_probe.Speed`'s fields (timed before the warm-up and after the measured steps).
     A rank that fails or hangs ends the run with a
     :class:`executor.launch.RankFailure` naming it, within ``timeout_s``.
     """
     from executor.launch import check_request, in_torchrun_job, launch, resolve_backend, run_in_job
+    from executor.speed_probe import Speed
 
     from .runner import check_plan, rank_main
 
@@ -79,8 +80,8 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     losses = _losses(results, steps)
     probes = [p for r in results for p in r["speed_probes"]]
     summary = summarize(plan, traces, losses, used)
-    summary["speed_probe"] = ({"matmul_flops": statistics.median(f for f, _ in probes),
-                               "eager_s": statistics.median(s for _, s in probes)} if probes else None)
+    summary["speed_probe"] = ({key: statistics.median(column) for key, column in zip(Speed._fields, zip(*probes))}
+                              if probes else None)
     summary["expert_load"] = measured_expert_load(results)
     return traces[median_step(traces)], summary
 

@@ -57,15 +57,16 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  elementwise_bw_Bps: float | None = None,
                  memory_alone_bw_Bps: float | None = None, memory_host_bw_Bps: float | None = None,
                  shared_cores: SharedCoreCosts | None = None, step_overhead_s: dict | None = None,
-                 cpu_cores: int | None = None, speed_probe: tuple[float, float] | None = None,
+                 cpu_cores: int | None = None, speed_probe: Sequence[float] | None = None,
                  core_arithmetic: CoreArithmetic | None = None,
                  tp_call_s: tuple[float, float] | None = None, zero_grad: OptimizerFit | None = None,
                  fsdp: FsdpHostFit | None = None, rank_jitter: float = 0.0) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric"); ``speed_probe`` is the
-    host-speed probes' (matmul FLOP/s, seconds per eager pass) while the compute figures were measured;
-    ``shared_cores`` the pipeline's host costs with two ranks on each core; ``tp_call_s`` a tensor-parallel
-    collective call's host time, forward and backward; ``zero_grad`` what freeing the gradients costs; ``fsdp``
-    FSDP2's own host work; ``rank_jitter`` how much the same work's time varies between ranks (a fraction);
+    host-speed probes' (matmul FLOP/s, seconds per eager pass, and memory bytes per second where timed) while the
+    compute figures were measured; ``shared_cores`` the pipeline's host costs with two ranks on each core;
+    ``tp_call_s`` a tensor-parallel collective call's host time, forward and backward; ``zero_grad`` what freeing
+    the gradients costs; ``fsdp`` FSDP2's own host work; ``rank_jitter`` how much the same work's time varies
+    between ranks (a fraction);
     ``action_overhead_s`` and ``p2p_issue_s`` the loop's time before each action and per send issued, and
     ``p2p_rendezvous_s`` and ``p2p_latency_s`` a pipeline transfer's host time and latency, each one figure or
     figures by the gradients a rank holds ((KiB, seconds) points)."""
@@ -106,6 +107,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     if speed_probe:
         host_costs["speed_probe_gflops"] = speed_probe[0] / 1e9
         host_costs["speed_probe_eager_us"] = speed_probe[1] * 1e6
+        if len(speed_probe) > 2:
+            host_costs["speed_probe_memory_GBps"] = speed_probe[2] / 1e9
     return {
         "name": name,
         "description": description or f"{ranks} ranks on one host, calibrated",

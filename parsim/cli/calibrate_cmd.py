@@ -102,12 +102,14 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     shared core takes where the ranks communicate (shared_cores.comm_stretch:
     the factor that makes the simulated 4-rank step as many times the 2-rank
     one as measured; gloo's threads wake on the core to move each message);
-  * between those benchmarks, the host's speed: a fixed fp32 matmul's rate
-    and a stack of tiny eager layers' time (compute.speed_probe_gflops,
-    compute.speed_probe_eager_us). A VM's cores drift by 10-30% over minutes,
-    its cost per eager op by up to 2x; `parsim compare` times the same probes
-    before the warm-up and after its measured steps and scales the compute
-    figures by the ratios.
+  * between those benchmarks, the host's speed: a fixed fp32 matmul's rate,
+    a stack of tiny eager layers' time and an add's bytes per second over
+    arrays beyond the cache (compute.speed_probe_gflops,
+    speed_probe_eager_us, speed_probe_memory_GBps). A VM's cores drift by
+    10-30% over minutes, its cost per eager op by up to 2x, its memory apart
+    from its arithmetic; `parsim compare` times the same probes before the
+    warm-up and after its measured steps and scales the compute figures by
+    the ratios.
 Each collective is measured in 3 rounds, every operation once a round, and
 each size fitted on its median round: a VM's transfers slow down by a third
 for a minute at a time, and a fit on one round keeps such a minute.
@@ -233,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     p2p_latency = _loop_curve(per_rank, "latency")
     action_overhead = _step_gap_curve(per_rank, loop_gap[-1][1])
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
-    probe_flops, probe_eager_s = (float(v) for v in np.median(probes, axis=0))
+    probe_flops, probe_eager_s, probe_memory_Bps = (float(v) for v in np.median(probes, axis=0))
     shared = _shared_cores(shared_rows, probe_flops, probe_eager_s)
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
@@ -265,8 +267,9 @@ def run(args: argparse.Namespace) -> int:
         p2p_issue_s=p2p_issue,
         elementwise_bw_Bps=elementwise_bw,
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
-        cpu_cores=usable_cores() if backend == "gloo" else None, speed_probe=(probe_flops, probe_eager_s),
-        core_arithmetic=arithmetic, tp_call_s=tp_calls, zero_grad=zero_grad, fsdp=fsdp, rank_jitter=jitter)
+        cpu_cores=usable_cores() if backend == "gloo" else None,
+        speed_probe=(probe_flops, probe_eager_s, probe_memory_Bps), core_arithmetic=arithmetic,
+        tp_call_s=tp_calls, zero_grad=zero_grad, fsdp=fsdp, rank_jitter=jitter)
     if shared is not None and generic is not None:
         comm_stretch = fit_comm_stretch(parse_cluster(cluster, args.out), *generic)
         shared = replace(shared, comm_stretch=comm_stretch)
@@ -308,7 +311,8 @@ def run(args: argparse.Namespace) -> int:
                     "fsdp_pass_us": {"forward": fsdp.pass_s[0] * 1e6, "backward": fsdp.pass_s[1] * 1e6}
                     if fsdp and fsdp.pass_s else None,
                     "speed_probe_gflops": probe_flops / 1e9,
-                    "speed_probe_eager_us": probe_eager_s * 1e6, "rank_jitter": jitter,
+                    "speed_probe_eager_us": probe_eager_s * 1e6,
+                    "speed_probe_memory_GBps": probe_memory_Bps / 1e9, "rank_jitter": jitter,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
                     "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
                     "matmul_write_bw_GBps": matmul.write_bw_Bps / 1e9 if matmul.write_bw_Bps else None,
@@ -390,8 +394,9 @@ def run(args: argparse.Namespace) -> int:
         extra = f", +{step_overhead[op] * 1e6:.0f} us between compute" if op in step_overhead else ""
         print(f"{op.replace('_', '-'):<17} {overhead[op] * 1e6:.0f} us per call{extra}, bytes at {e:.0%} of link speed")
     print(f"median |residual| {_median_error(rows):.1%} over {len(rows)} measurements")
-    print(f"host speed        {probe_flops / 1e9:.1f} GFLOP/s, {probe_eager_s * 1e6:.0f} us per eager pass (the "
-          f"probes timed between the compute benchmarks; `parsim compare` times them again and follows them)")
+    print(f"host speed        {probe_flops / 1e9:.1f} GFLOP/s, {probe_eager_s * 1e6:.0f} us per eager pass, "
+          f"{probe_memory_Bps / 1e9:.1f} GB/s memory (the probes timed between the compute benchmarks; "
+          "`parsim compare` times them again and follows them)")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
 
@@ -467,10 +472,10 @@ def _shared_cores(rows: list[dict], probe_flops: float, probe_eager_s: float) ->
     probes = np.array([row["speed_probe"] for row in rows if row.get("speed_probe")])
     if not len(probes):
         return costs
-    flops, eager_s = np.median(probes, axis=0)
+    flops, eager_s = np.median(probes, axis=0)[:2]
     alone = np.array([row["speed_probe_alone"] for row in rows if row.get("speed_probe_alone")])
     if len(alone):
-        probe_flops, probe_eager_s = np.median(alone, axis=0)
+        probe_flops, probe_eager_s = np.median(alone, axis=0)[:2]
     return replace(costs, matmul_stretch=max(float(probe_flops / flops), 1.0),
                    eager_stretch=max(float(eager_s / probe_eager_s), 1.0))
 

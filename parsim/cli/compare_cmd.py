@@ -39,14 +39,15 @@ them: they do the same work, and which of them runs first, or ends last,
 changes from run to run.
 
 On a CPU host the cores' speed drifts (on a shared VM by 10-30% within
-minutes). A file from `parsim calibrate` holds two host-speed probes timed
-during its compute benchmarks: a fixed matmul's rate and a small eager pass's
-time. `compare` times them again before the warm-up and after the measured
-steps (which run back to back, as in training) and scales the compute
-figures by their ratios (matmuls and memory by the matmul's, costs per
-op and per tensor by the eager pass's; collectives keep their fits), and also
-prints the prediction at the calibration's speed. --no-speed-probe predicts at
-the calibration's speed alone.
+minutes). A file from `parsim calibrate` holds three host-speed probes timed
+during its compute benchmarks: a fixed matmul's rate, a small eager pass's
+time and an add's bytes per second over arrays beyond the cache. `compare`
+times them again before the warm-up and after the measured steps (which run
+back to back, as in training) and scales the compute figures by their ratios
+(matmuls by the matmul's, AdamW's and elementwise bytes by the memory's,
+costs per op and per tensor by the eager pass's; collectives keep their
+fits), and also prints the prediction at the calibration's speed.
+--no-speed-probe predicts at the calibration's speed alone.
 
 --measured reads a measurement instead of running the executor: for a
 collective, a JSON file from `parsim bench --out`; for a plan, a folder of

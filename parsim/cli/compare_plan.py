@@ -69,8 +69,9 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         if summary.get("speed_probe"):
             measured_probe = summary["speed_probe"]
             speed = HostSpeed(cluster.speed_probe_flops, cluster.speed_probe_eager_s, measured_probe["matmul_flops"],
-                              measured_probe["eager_s"], predicted.step_s)
-            cluster = cluster.at_host_speed(speed.arithmetic, speed.eager)
+                              measured_probe["eager_s"], predicted.step_s, cluster.speed_probe_memory_Bps,
+                              measured_probe.get("memory_Bps"))
+            cluster = cluster.at_host_speed(speed.arithmetic, speed.eager, speed.memory)
             predicted = predict_step(plan, cluster)
             drift = speed.drift_note()
             if drift:
@@ -155,11 +156,20 @@ class HostSpeed:
     measured_flops: float
     measured_eager_s: float
     unscaled_step_s: float  # the step predicted at the calibration's speed
+    calibrated_memory_Bps: float | None = None  # the memory probe (None: a file calibrated before it)
+    measured_memory_Bps: float | None = None
 
     @property
     def arithmetic(self) -> float:
-        """How many times as fast as at calibration the host ran matmuls (and memory-bound work)."""
+        """How many times as fast as at calibration the host ran matmuls."""
         return self.measured_flops / self.calibrated_flops
+
+    @property
+    def memory(self) -> float | None:
+        """How many times as fast as at calibration the host's memory ran (None: not probed at both)."""
+        if self.calibrated_memory_Bps and self.measured_memory_Bps:
+            return self.measured_memory_Bps / self.calibrated_memory_Bps
+        return None
 
     @property
     def eager(self) -> float:
@@ -175,26 +185,39 @@ class HostSpeed:
         probes sample it before and after the measured steps, and a host drifting that much may not have run
         the steps between them at that speed (docs/calibration.md, "Sets CD-CH": in CG the probes said eager ops
         x1.50 around a run whose step took 99 ms, against 60 ms predicted at their speed)."""
-        if max(self.arithmetic, 1 / self.arithmetic, self.eager, 1 / self.eager) <= SPEED_NOTE:
+        factors = [self.arithmetic, self.eager] + ([self.memory] if self.memory else [])
+        if max(max(factors), 1 / min(factors)) <= SPEED_NOTE:
             return None
-        return (f"parsim compare: note: the host-speed probes ran matmuls x{self.arithmetic:.2f} and eager ops "
-                f"x{self.eager:.2f} as fast as at calibration; the prediction follows them, but on a host drifting "
-                "this much the steps between the probes may have run at another speed (compare again, or "
-                "calibrate again)")
+        return (f"parsim compare: note: the host-speed probes ran {self._factors_text()} as fast as at calibration; "
+                "the prediction follows them, but on a host drifting this much the steps between the probes may "
+                "have run at another speed (compare again, or calibrate again)")
+
+    def _factors_text(self) -> str:
+        memory = f", memory x{self.memory:.2f}" if self.memory else ""
+        return f"matmuls x{self.arithmetic:.2f}, eager ops x{self.eager:.2f}{memory}"
 
     def text(self, measured_step_s: float) -> str:
         unscaled = self.unscaled_error(measured_step_s)
         error = "" if unscaled is None else f" ({unscaled:+.1%})"
+        if self.memory:
+            memory = (f", memory x{self.memory:.2f} (probe {self.measured_memory_Bps / 1e9:.1f} vs "
+                      f"{self.calibrated_memory_Bps / 1e9:.1f} GB/s)")
+        else:
+            memory = ", memory as the matmuls (the cluster file has no memory probe: calibrate again for one)"
         return (f"host speed around the measured steps, against calibration: matmuls x{self.arithmetic:.2f} "
                 f"(probe {self.measured_flops / 1e9:.1f} vs {self.calibrated_flops / 1e9:.1f} GFLOP/s), eager ops "
                 f"x{self.eager:.2f} (probe {self.measured_eager_s * 1e6:.0f} vs {self.calibrated_eager_s * 1e6:.0f} "
-                f"us per pass)\n  the compute figures follow them (collectives and transfers keep their fits); "
-                f"at the calibration's speed the step is predicted at {format_time(self.unscaled_step_s)}{error}")
+                f"us per pass){memory}\n  the compute figures follow them (collectives and transfers keep their "
+                f"fits); at the calibration's speed the step is predicted at {format_time(self.unscaled_step_s)}"
+                f"{error}")
 
     def to_json(self, measured_step_s: float) -> dict:
         return {"calibrated_gflops": self.calibrated_flops / 1e9, "measured_gflops": self.measured_flops / 1e9,
                 "arithmetic_factor": self.arithmetic, "calibrated_eager_us": self.calibrated_eager_s * 1e6,
                 "measured_eager_us": self.measured_eager_s * 1e6, "eager_factor": self.eager,
+                "calibrated_memory_GBps": self.calibrated_memory_Bps and self.calibrated_memory_Bps / 1e9,
+                "measured_memory_GBps": self.measured_memory_Bps and self.measured_memory_Bps / 1e9,
+                "memory_factor": self.memory,
                 "unscaled_predicted_step_s": self.unscaled_step_s,
                 "unscaled_step_error": self.unscaled_error(measured_step_s)}
 

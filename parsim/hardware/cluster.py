@@ -51,7 +51,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "zero_grad_step_us", "zero_grad_tensor_us", "zero_grad_free_GBps",
                 "fsdp_unshard_us", "fsdp_reduce_us", "fsdp_optimizer_tensor_us", "fsdp_pass_us",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
-                "speed_probe_eager_us", "rank_jitter")
+                "speed_probe_eager_us", "speed_probe_memory_GBps", "rank_jitter")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
 SHARED_CORE_OPTIONAL = ("p2p_issue_us", "time_slice_us")  # absent from files calibrated before they were measured
 # Optional, times: a matmul's and an eager pass's with two ranks computing on a core (absent: 2, the fair share),
@@ -289,33 +289,36 @@ class ClusterSpec:
     memory_host_bw_Bps: float | None = None
     shared_cores: SharedCoreCosts | None = None  # the pipeline's host costs with two ranks on each core
     cpu_cores: int | None = None  # cores a CPU host's ranks share (more ranks than this time-share them)
-    # executor.speed_probe while the compute figures were measured: its matmul's FLOP/s and its eager pass's
-    # seconds (None: not timed)
+    # executor.speed_probe while the compute figures were measured: its matmul's FLOP/s, its eager pass's seconds
+    # and its add's bytes per second (None: not timed; files calibrated before the memory probe have the first two)
     speed_probe_flops: float | None = None
     speed_probe_eager_s: float | None = None
+    speed_probe_memory_Bps: float | None = None
     # How much the same work's time varies between ranks that start it together: sigma over the time, a CPU host's
     # as `parsim calibrate` measures it (0: not measured; a GPU's is not modelled). parsim.sim.jitter.
     rank_jitter: float = 0.0
 
-    def at_host_speed(self, arithmetic: float, eager: float) -> "ClusterSpec":
-        """This CPU host running ``arithmetic`` times as fast as when it was calibrated in matmuls and memory
-        (matmul peak and weight stream, memory speeds, elementwise speed), and ``eager`` times as fast in its
-        fixed costs (per op, per tensor-parallel call, per kernel, per optimizer tensor, freeing gradients,
-        between actions).
+    def at_host_speed(self, arithmetic: float, eager: float, memory: float | None = None) -> "ClusterSpec":
+        """This CPU host running ``arithmetic`` times as fast as when it was calibrated in arithmetic (matmul peak,
+        a core's time per element), ``memory`` times as fast in its memory (a matmul's weight streamed in and its
+        output out, memory speeds, elementwise speed; None: as its arithmetic, for files calibrated before the
+        memory probe), and ``eager`` times as fast in its fixed costs (per op, per tensor-parallel call, per
+        kernel, per optimizer tensor, freeing gradients, between actions).
         Collectives and pipeline transfers keep their own fits: gloo's calls were not measured to follow the
         probes (executor.speed_probe)."""
-        if arithmetic <= 0 or eager <= 0:
-            raise ParsimError(f"host speed factors must be positive, got {arithmetic} and {eager}")
+        memory = arithmetic if memory is None else memory
+        if min(arithmetic, eager, memory) <= 0:
+            raise ParsimError(f"host speed factors must be positive, got {arithmetic}, {eager} and {memory}")
         gpu = replace(self.gpu, peak_flops={d: f * arithmetic for d, f in self.gpu.peak_flops.items()},
-                      hbm_bw_Bps=self.gpu.hbm_bw_Bps * arithmetic)
+                      hbm_bw_Bps=self.gpu.hbm_bw_Bps * memory)
         return replace(
             self, gpu=gpu,
-            matmul_stream_bw_Bps=self.matmul_stream_bw_Bps and self.matmul_stream_bw_Bps * arithmetic,
-            matmul_write_bw_Bps=self.matmul_write_bw_Bps and self.matmul_write_bw_Bps * arithmetic,
-            elementwise_bw_Bps=self.elementwise_bw_Bps and self.elementwise_bw_Bps * arithmetic,
+            matmul_stream_bw_Bps=self.matmul_stream_bw_Bps and self.matmul_stream_bw_Bps * memory,
+            matmul_write_bw_Bps=self.matmul_write_bw_Bps and self.matmul_write_bw_Bps * memory,
+            elementwise_bw_Bps=self.elementwise_bw_Bps and self.elementwise_bw_Bps * memory,
             core_arithmetic=self.core_arithmetic and self.core_arithmetic.scaled(arithmetic),
-            memory_alone_bw_Bps=self.memory_alone_bw_Bps and self.memory_alone_bw_Bps * arithmetic,
-            memory_host_bw_Bps=self.memory_host_bw_Bps and self.memory_host_bw_Bps * arithmetic,
+            memory_alone_bw_Bps=self.memory_alone_bw_Bps and self.memory_alone_bw_Bps * memory,
+            memory_host_bw_Bps=self.memory_host_bw_Bps and self.memory_host_bw_Bps * memory,
             op_forward_s=self.op_forward_s / eager, op_backward_s=self.op_backward_s / eager,
             tp_call_s=self.tp_call_s and tuple(s / eager for s in self.tp_call_s),
             zero_grad_step_s=self.zero_grad_step_s / eager, zero_grad_tensor_s=self.zero_grad_tensor_s / eager,
@@ -331,7 +334,8 @@ class ClusterSpec:
                 self.shared_cores, action_overhead_s=self.shared_cores.action_overhead_s / eager,
                 p2p_issue_s=self.shared_cores.p2p_issue_s / eager),
             speed_probe_flops=self.speed_probe_flops and self.speed_probe_flops * arithmetic,
-            speed_probe_eager_s=self.speed_probe_eager_s and self.speed_probe_eager_s / eager)
+            speed_probe_eager_s=self.speed_probe_eager_s and self.speed_probe_eager_s / eager,
+            speed_probe_memory_Bps=self.speed_probe_memory_Bps and self.speed_probe_memory_Bps * memory)
 
     def _own_matmul_efficiency(self, dtype: str) -> float | None:
         """The file's figure for ``dtype``; fp16 and bf16 run at the same rate, so each stands in for the other."""
@@ -502,6 +506,13 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     if probe_gflops is not None:
         probe_gflops = _figure(source, "compute.speed_probe_gflops", probe_gflops, GFLOPS)
         probe_us = _figure(source, "compute.speed_probe_eager_us", probe_us, (1e-6, 1e9, "microseconds"))
+    probe_memory = compute.get("speed_probe_memory_GBps")
+    if probe_memory is not None:
+        if probe_gflops is None:
+            raise ConfigError(source, "compute.speed_probe_memory_GBps", "given without the other probes",
+                              "compute.speed_probe_gflops and speed_probe_eager_us beside it (parsim calibrate "
+                              "writes them together)")
+        probe_memory = _figure(source, "compute.speed_probe_memory_GBps", probe_memory, BANDWIDTH_GBPS)
     _figure(source, "compute.matmul_half_dim", half_dim, MATRIX_DIM)
     k_overhead = _figure(source, "compute.matmul_k_overhead", compute.get("matmul_k_overhead", 0.0), MATRIX_DIM)
     sm_count = gpu.data.get("sm_count", 0)
@@ -583,6 +594,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         cpu_cores=cores,
         speed_probe_flops=probe_gflops and probe_gflops * 1e9,
         speed_probe_eager_s=probe_us and probe_us * 1e-6,
+        speed_probe_memory_Bps=_GBps(probe_memory),
         rank_jitter=_figure(source, "compute.rank_jitter", compute.get("rank_jitter", 0.0), JITTER),
     )
     for reader in (r, gpu, intra, out):
