@@ -16,17 +16,20 @@ compute figures by the ratios:
 * the **eager probe** (seconds per forward and backward of a stack of tiny
   ``nn.Linear`` layers, all fixed cost) stands for the host's cost per op and
   per optimizer tensor;
-* the **memory probe** (bytes per second of ``torch.add`` over arrays three
-  times the last-level cache, STREAM's "add") stands for memory: AdamW's
-  bytes, elementwise work, a matmul's weight streamed in.
+* the **memory probe** (bytes per second of foreach AdamW steps over four
+  1M-element fp32 parameters, 64 MiB with their gradients and moments: twice
+  the 2-core VM's L3) stands for memory-bound work: AdamW's bytes,
+  elementwise work, a matmul's weight streamed in.
 
-The memory's speed drifts apart from the arithmetic's. Over 90 s of the three
-probes alternating with foreach AdamW steps (4.2M parameters) on both cores
-of the 2-core VM (2026-11-29), the AdamW step's rate followed the memory
-probe with a correlation of 0.63 and 0.70 (one rank per core), and the matmul
-probe with 0.39 and 0.40; across loops of ``benchmarks/cpu_compare_loop.py``
-the course plans' AdamW phase had run 8.1 ms in one and 11.0-11.4 ms in the
-one before, with the matmul probe within 3% of calibration in both.
+The memory's speed drifts apart from the arithmetic's: across loops of
+``benchmarks/cpu_compare_loop.py`` the course plans' AdamW phase ran 8.1 ms in
+one and 11.0-11.4 ms in the one before, with the matmul probe within 3% of
+calibration in both. An add over arrays beyond the cache (STREAM's "add")
+tracked that drift but overshot it: in runs where it read 1.36x and 1.58x its
+calibration, course DDP's AdamW ran 1.11x and 1.23x as fast as at the add's
+calibration speed (docs/calibration.md, "Memory drifts on its own"). About
+half of a CPU AdamW step's time is not DRAM-bound, so the probe is an AdamW
+step itself, moving as the optimizer moves.
 
 On this project's 2-core VM, over 10 minutes of probes alternating with
 steps on both cores (docs/calibration.md, "Host speed"), the host's speed
@@ -53,9 +56,10 @@ from .launch import usable_cores
 SHAPE = (64, 1024, 1024)  # (m, k, n) of the matmul probe
 WEIGHTS = 16  # distinct weights, 64 MiB together: beyond a core's share of a server's last-level cache
 EAGER_LAYERS, EAGER_WIDTH, EAGER_ROWS = 8, 32, 16  # the eager probe: fixed cost per op, no arithmetic to speak of
-# The memory probe's three arrays, 32 MiB each: together three times the 2-core VM's 32 MiB L3 (AMD EPYC), so
-# that every add streams from memory as AdamW's and an elementwise kernel's bytes do.
-STREAM_ELEMENTS = 8 * 1024 * 1024
+# The memory probe's AdamW: course-MLP-sized parameters (1024 x 1024 weights), 64 MiB with their gradients and
+# two moments, twice the 2-core VM's 32 MiB L3 (AMD EPYC): each step streams from memory, as a model's does.
+ADAMW_TENSORS, ADAMW_ELEMENTS = 4, 1 << 20
+ADAMW_BYTES = 21 * 4  # per parameter, as parsim.lowering.lower.ADAMW_ACCESSES counts foreach AdamW's fp32 accesses
 SECONDS = 0.45  # the three probes together: long enough to average over scheduler ticks, short enough between steps
 
 
@@ -64,7 +68,7 @@ class Speed(NamedTuple):
 
     matmul_flops: float  # FLOP/s of the matmul probe
     eager_s: float  # seconds per pass of the eager probe
-    memory_Bps: float  # bytes per second the memory probe read and wrote
+    memory_Bps: float  # bytes per second the memory probe's AdamW steps read and wrote
 
 
 def probes_on(rank: int, world: int) -> bool:
@@ -90,9 +94,11 @@ class SpeedProbe:
         self._layers = torch.nn.Sequential(*[torch.nn.Linear(EAGER_WIDTH, EAGER_WIDTH)
                                              for _ in range(EAGER_LAYERS)])
         self._input = torch.randn(EAGER_ROWS, EAGER_WIDTH, generator=generator)
-        self._addends = [torch.randn(STREAM_ELEMENTS, generator=generator) for _ in range(2)]
-        self._sum = torch.empty(STREAM_ELEMENTS)
-        self._add = torch.add
+        params = [torch.nn.Parameter(torch.randn(ADAMW_ELEMENTS, generator=generator)) for _ in range(ADAMW_TENSORS)]
+        for param in params:
+            param.grad = torch.randn(ADAMW_ELEMENTS, generator=generator)
+        self._adamw = torch.optim.AdamW(params)
+        self._adamw.step()  # its moments allocated here, not in a timing
 
     def __call__(self, seconds: float = SECONDS) -> Speed:
         return Speed(self.matmul_flops(seconds / 3), self.eager_s(seconds / 3), self.memory_Bps(seconds / 3))
@@ -108,18 +114,17 @@ class SpeedProbe:
         return elapsed / passes
 
     def memory_Bps(self, seconds: float) -> float:
-        """Bytes per second an add moves: two arrays read, one written (as STREAM counts them)."""
-        self._stream_add()
-        adds, elapsed = _repeat_for(seconds, self._stream_add)
-        return adds * 3 * self._sum.numel() * self._sum.element_size() / elapsed
+        """Bytes per second AdamW steps move over the probe's parameters."""
+        steps, elapsed = _repeat_for(seconds, self._adamw_step)
+        return steps * ADAMW_BYTES * ADAMW_TENSORS * ADAMW_ELEMENTS / elapsed
 
     def _over_the_weights(self) -> int:
         for w in self._weights:
             self._matmul(self._x, w)
         return len(self._weights)
 
-    def _stream_add(self) -> int:
-        self._add(*self._addends, out=self._sum)
+    def _adamw_step(self) -> int:
+        self._adamw.step()
         return 1
 
     def _eager_pass(self) -> int:

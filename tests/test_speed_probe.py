@@ -1,4 +1,4 @@
-"""The host-speed probes: a fixed matmul's rate, an eager pass's time and an add's bytes per second, timed on one
+"""The host-speed probes: a fixed matmul's rate, an eager pass's time and AdamW's bytes per second, timed on one
 rank per core, before and after the measured steps."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from executor.launch import HOST_CORES_ENV
-from executor.speed_probe import SHAPE, STREAM_ELEMENTS, WEIGHTS, SpeedProbe, probes_on
+from executor.speed_probe import ADAMW_BYTES, ADAMW_ELEMENTS, ADAMW_TENSORS, SHAPE, WEIGHTS, SpeedProbe, probes_on
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 
@@ -21,10 +21,10 @@ def test_the_probes_report_two_rates_and_a_time_per_pass_over_at_least_their_tim
     elapsed = time.perf_counter() - start
     m, k, n = SHAPE
     assert elapsed >= 0.15
-    # At least one pass over the weights and one add, none of it before the clock started counting.
+    # At least one pass over the weights and one AdamW step, none of it before the clock started counting.
     assert WEIGHTS * 2 * m * k * n / elapsed <= flops < 1e13
     assert 0 < eager_s <= 0.05
-    assert 3 * 4 * STREAM_ELEMENTS / elapsed <= memory_Bps < 1e13
+    assert ADAMW_BYTES * ADAMW_TENSORS * ADAMW_ELEMENTS / elapsed <= memory_Bps < 1e13
 
 
 def test_one_rank_per_core_probes(monkeypatch):

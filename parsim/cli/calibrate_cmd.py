@@ -103,8 +103,8 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     the factor that makes the simulated 4-rank step as many times the 2-rank
     one as measured; gloo's threads wake on the core to move each message);
   * between those benchmarks, the host's speed: a fixed fp32 matmul's rate,
-    a stack of tiny eager layers' time and an add's bytes per second over
-    arrays beyond the cache (compute.speed_probe_gflops,
+    a stack of tiny eager layers' time and AdamW's bytes per second over
+    tensors beyond the cache (compute.speed_probe_gflops,
     speed_probe_eager_us, speed_probe_memory_GBps). A VM's cores drift by
     10-30% over minutes, its cost per eager op by up to 2x, its memory apart
     from its arithmetic; `parsim compare` times the same probes before the

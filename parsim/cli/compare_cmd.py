@@ -41,7 +41,7 @@ changes from run to run.
 On a CPU host the cores' speed drifts (on a shared VM by 10-30% within
 minutes). A file from `parsim calibrate` holds three host-speed probes timed
 during its compute benchmarks: a fixed matmul's rate, a small eager pass's
-time and an add's bytes per second over arrays beyond the cache. `compare`
+time and AdamW's bytes per second over tensors beyond the cache. `compare`
 times them again before the warm-up and after the measured steps (which run
 back to back, as in training) and scales the compute figures by their ratios
 (matmuls by the matmul's, AdamW's and elementwise bytes by the memory's,
