@@ -246,3 +246,17 @@ def test_explain_compute_prices_the_matmuls_on_the_sms_a_collectives_kernel_leav
     assert main(["explain", "compute", "llama3-8b-fsdp8", "--sms-held", "500"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].endswith("--sms-held 500: give 0 to 131, the H100 SXM5 80GB has 132 SMs")
+
+
+@pytest.mark.parametrize("argv, unit", [(["simulate", "tiny-pp2"], "MB"),
+                                        (["simulate", "llama3-8b-fsdp8"], "GB")])
+def test_the_memory_table_reads_in_a_unit_its_largest_rank_fills(capsys, argv, unit):
+    """A tiny model's memory in MB, not a column of 0.00 GB; a billion-parameter model's in GB. The GPU's
+    capacity stays in GB."""
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"peak memory per GPU ({unit})" in out
+    header = next(line for line in out.splitlines() if line.startswith("stage  weights"))
+    assert f"total {unit}" in header and "fits 80 GB" in header
+    rows = [line.split() for line in out.splitlines()[out.splitlines().index(header) + 2:] if line.startswith("pp ")]
+    assert rows and all(float(row[-2]) >= 1.0 for row in rows)

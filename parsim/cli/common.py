@@ -218,13 +218,16 @@ class OpsProgress:
 
 
 def memory_table(ranks: list[Memory], capacity: float, title: str) -> str:
-    """Memory per GPU of each pipeline rank, in GB, against the GPU's capacity."""
-    gb = 1e9
-    rows = [[f"pp {m.pp_rank}", f"{m.weights / gb:.2f}", f"{m.gradients / gb:.2f}", f"{m.optimizer / gb:.2f}",
-             f"{m.activations / gb:.2f}", m.in_flight, f"{m.buffers / gb:.2f}", f"{m.total / gb:.2f}",
+    """Memory per GPU of each pipeline rank against the GPU's capacity, in GB, or in MB or kB where the largest
+    rank holds less than one of the larger unit (a tiny model's would read 0.00 GB)."""
+    largest = max((m.total for m in ranks), default=0.0)
+    unit, scale = next(((unit, scale) for unit, scale in (("GB", 1e9), ("MB", 1e6)) if largest >= scale),
+                       ("kB", 1e3))
+    rows = [[f"pp {m.pp_rank}", *(f"{v / scale:.2f}" for v in (m.weights, m.gradients, m.optimizer, m.activations)),
+             m.in_flight, f"{m.buffers / scale:.2f}", f"{m.total / scale:.2f}",
              "ok" if m.total <= capacity else "OVER"] for m in ranks]
     return render_table(["stage", "weights", "grads", "optimizer", "activations", "in flight", "fsdp buffers",
-                         "total GB", f"fits {capacity / gb:g} GB"], rows, title=title)
+                         f"total {unit}", f"fits {capacity / 1e9:g} GB"], rows, title=f"{title} ({unit})")
 
 
 def expert_load_text(load: dict) -> str:

@@ -103,7 +103,7 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
     if mem.total > capacity:
         out.append(_advice(plan, mem))
         out.append("")
-    out.append(memory_table(ranks, capacity, "every pipeline rank (GB)"))
+    out.append(memory_table(ranks, capacity, "every pipeline rank"))
     return out
 
 

@@ -134,7 +134,7 @@ def report(r: StepPrediction) -> str:
                      f"last is {format_time(r.end_wait_s)} later on average (two alike: sigma / sqrt(pi)), counted "
                      f"in the step and in every rank's idle (parsim/sim/jitter.py)")
     lines.append("")
-    lines.append(memory_table(r.memory, capacity, "peak memory per GPU (GB)"))
+    lines.append(memory_table(r.memory, capacity, "peak memory per GPU"))
     if r.over_memory:
         worst = max(r.over_memory, key=lambda m: m.total)
         lines.append(f"does not fit: pipeline stage {worst.pp_rank} needs {worst.total / gb:.1f} GB of "
