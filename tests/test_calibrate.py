@@ -149,6 +149,7 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
     prediction is the simulator's at that speed, and the one at the calibration's speed is kept beside it. Its
     memory follows the memory probe; in a file calibrated before that probe, the matmul probe."""
     import executor.train
+    from test_json_schema import conforms
     from parsim.sim.step import predict_step
     from parsim.workload.plan import resolve_plan
 
@@ -172,6 +173,7 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
     if not probed:
         assert doc["host_speed"] is None and doc["predicted_step_s"] == pytest.approx(unscaled)
         return
+    assert conforms(doc) == "compare.plan"
     memory = (20.0, 25.0, 1.25) if memory_probe else (None, 25.0, None)
     scaled = predict_step(plan, spec.at_host_speed(0.75, 0.8, memory[2])).step_s
     assert doc["host_speed"] == {"calibrated_gflops": pytest.approx(60.0), "measured_gflops": pytest.approx(45.0),
