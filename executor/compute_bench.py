@@ -196,7 +196,9 @@ def _medians(readings: Sequence[Speed]) -> Speed:
 
 def _rank_compute(rank: int, world: int) -> dict:
     """Every benchmark, with the host-speed probes timed before each and at the end (``speed_probes``, each a
-    :class:`~executor.speed_probe.Speed`): their medians are the host's speed while these figures were measured.
+    :class:`~executor.speed_probe.Speed`; ``probed_before``, the benchmark each came before, ``"end"`` the last):
+    their medians are the host's speed while these figures were measured, and the readings on either side of a
+    benchmark its speed while it ran.
     The sampled benchmarks (:data:`SAMPLED_BENCHMARKS`: the eager ones and a tensor-parallel call's) run at each
     of those points, and their figures are the medians over all of them: run once, they moved with the host's
     slow spells. On the 2-core VM (2026-11-29) five runs of the dispatch benchmark in one process, 0.3 s apart,
@@ -205,12 +207,14 @@ def _rank_compute(rank: int, world: int) -> dict:
     such runs per rank, had priced it at 5.15, 7.91 and 5.31 us."""
     probe = SpeedProbe() if probes_on(rank, world) else None
     speeds: list[Speed] = []
+    probed_before: list[str] = []
     sampled: dict[str, list] = {name: [] for name in SAMPLED_BENCHMARKS}
 
-    def probe_now() -> None:
+    def probe_now(before: str) -> None:
         _barrier()
         if probe is not None:
             speeds.append(probe())
+            probed_before.append(before)
         for name, benchmark in SAMPLED_BENCHMARKS.items():
             sampled[name].append(benchmark())
 
@@ -220,10 +224,11 @@ def _rank_compute(rank: int, world: int) -> dict:
                             ("fsdp", measure_fsdp_host),
                             ("step_gaps", measure_step_gap_curve),
                             ("pipeline", measure_pipeline_loops)):
-        probe_now()
+        probe_now(name)
         results[name] = benchmark()
-    probe_now()
-    return {**results, **{name: median_samples(samples) for name, samples in sampled.items()}, "speed_probes": speeds}
+    probe_now("end")
+    return {**results, **{name: median_samples(samples) for name, samples in sampled.items()}, "speed_probes": speeds,
+            "probed_before": probed_before}
 
 
 TIMED_KEYS = ("forward_s", "backward_s")

@@ -302,6 +302,9 @@ def test_the_sampled_benchmarks_run_before_every_other_benchmark_and_at_the_end(
     assert result["dispatch"] == [{"name": "mlp block", "forward_s": pytest.approx(5.5e-6), "backward_s": 0.0,
                                    "forward_ops": 88, "backward_ops": 232}]
     assert len(result["speed_probes"]) == len(calls) and result["tp_calls"] is None
+    # each reading names the benchmark it came before, so calibrate can read the host's speed around one
+    assert result["probed_before"] == ["matmuls", "optimizer", "jitter", "zero_grad", "fsdp", "step_gaps", "pipeline",
+                                       "end"]
 
 
 def _fsdp_host(rank: int, world: int):
