@@ -304,6 +304,7 @@ def _measure(args: argparse.Namespace) -> tuple[str, Path, dict[str, list[dict]]
         done = _parsim("calibrate", "--out", cluster)
         if done.returncode:
             _fail(f"parsim calibrate failed: {_last_line(done)}")
+        (out / "calibrate.txt").write_text(done.stdout)  # the fit as calibrate printed it, kept with the runs
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in PLANS}
     for i in range(args.runs):
         for label, plan, ranks in PLANS:

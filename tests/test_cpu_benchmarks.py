@@ -230,7 +230,7 @@ def test_the_compare_loop_prints_each_plan_against_the_bounds(monkeypatch, tmp_p
 
 def test_the_compare_loop_predicts_kept_runs_again_with_the_model_as_it_is(tmp_path, capsys, monkeypatch):
     """--again: a kept run's measured step and phases stay; its prediction is the model's now, at the host speed
-    its probes measured (here the arithmetic at 1.25x the calibration's)."""
+    its probes measured (here the arithmetic at 1.25x the calibration's, the memory at 0.8x)."""
     import json
 
     from parsim.hardware.cluster import load_cluster
@@ -238,7 +238,7 @@ def test_the_compare_loop_predicts_kept_runs_again_with_the_model_as_it_is(tmp_p
     from parsim.workload.plan import resolve_plan
 
     (tmp_path / "host.yaml").write_text((ROOT / "topologies" / "dgx-h100.yaml").read_text())
-    speed = {"arithmetic_factor": 1.25, "eager_factor": 1.0}
+    speed = {"arithmetic_factor": 1.25, "eager_factor": 1.0, "memory_factor": 0.8}
     kept = {"predicted_step_s": 1.0, "measured_step_s": 0.004, "host_speed": speed,
             "phases": [{"rank": 1, "pp": 1, "phase": "forward", "predicted_s": 1.0, "measured_s": 0.001,
                         "measured_range_s": [0.0009, 0.0012], "error": 999.0}]}
@@ -248,7 +248,7 @@ def test_the_compare_loop_predicts_kept_runs_again_with_the_model_as_it_is(tmp_p
     loop.main()
     doc = json.loads(capsys.readouterr().out)
     assert list(doc["plans"]) == ["tiny PP"] and doc["runs"] == {"tiny PP": 1}
-    cluster = load_cluster(str(tmp_path / "host.yaml")).at_host_speed(1.25, 1.0)
+    cluster = load_cluster(str(tmp_path / "host.yaml")).at_host_speed(1.25, 1.0, 0.8)
     predicted = predict_step(resolve_plan("tiny-pp2"), cluster)
     plan = doc["plans"]["tiny PP"]
     assert plan["predicted_step_s"] == pytest.approx(predicted.step_s) and plan["measured_step_s"] == [0.004]
