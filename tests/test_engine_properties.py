@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, assume, given, reject, settings
+from hypothesis import HealthCheck, assume, example, given, reject, settings
 from hypothesis import strategies as st
 from ideal_cluster import ideal_spec
 
@@ -98,8 +98,24 @@ def clusters(draw):
     })
 
 
+# Found by CI (2026-11-29): a chained instant op (the join after a backward's absorbed FSDP reduce-scatter) began
+# at the sum of the durations before it and ended at the clock's time, one bit earlier, so it sorted after the
+# forward that followed it on the stream and seemed to overlap it.
+INSTANT_JOIN = (
+    Plan(model=MODELS["tiny-gpt"], tp=2, microbatch_size=2, num_microbatches=2, schedule="interleaved-1f1b",
+         virtual_stages=2, dtype="fp16", tp_style="megatron", grad_sync="fsdp", bucket_size=4096, zero=3,
+         reshard_after_forward=False, sequence_parallel=True),
+    ideal_spec(**{"gpus_per_node": 2, "intra_node.fabric": "nvswitch", "intra_node.in_switch_reduction": False,
+                  "intra_node.bw_GBps_per_direction": 1391.1886133811833, "intra_node.latency_us": 0.0,
+                  "scale_out.nics_per_node": 1, "scale_out.nic_bw_Gbps": 8.0, "scale_out.latency_us": 0.0,
+                  "scale_out.spine_hop_latency_us": 0.0, "scale_out.nodes_per_leaf": 1,
+                  "scale_out.oversubscription": 1.0, "reduce_bw_GBps": 253.1875, "gpu.hbm_bw_GBps": 1.0,
+                  "gpu.peak_tflops": {"fp32": 60.0, "bf16": 1000.0, "fp16": 1000.0}}))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
 @given(plan=plans(), cluster=clusters())
+@example(plan=INSTANT_JOIN[0], cluster=INSTANT_JOIN[1])
 def test_every_random_plan_finishes_with_a_consistent_timeline(plan, cluster):
     assume(plan.world <= cluster.gpus_per_node or plan.world % cluster.gpus_per_node == 0)  # whole nodes
     prediction = predict_step(plan, cluster)

@@ -782,7 +782,10 @@ class _Run:
         # lowering's templates share their matmuls), copied per event.
         events, args_of = [], {}
         for i, op in enumerate(self.ops):
-            begins = start[i] + lead[i]
+            # No op begins after it ends: a chained op's start is a sum of durations, its end the clock's time
+            # then, and the two can differ in the last bit. Left so, an instant op would sort after the op that
+            # follows it on its stream and seem to overlap it.
+            begins = min(start[i] + lead[i], end[i])
             key = (id(op.matmuls), _event_shape(op))
             args = args_of.get(key)
             if args is None:
