@@ -290,7 +290,8 @@ class ClusterSpec:
     shared_cores: SharedCoreCosts | None = None  # the pipeline's host costs with two ranks on each core
     cpu_cores: int | None = None  # cores a CPU host's ranks share (more ranks than this time-share them)
     # executor.speed_probe while the compute figures were measured: its matmul's FLOP/s, its eager pass's seconds
-    # and its add's bytes per second (None: not timed; files calibrated before the memory probe have the first two)
+    # and its AdamW steps' bytes per second (None: not timed; files calibrated before the memory probe have the first
+    # two)
     speed_probe_flops: float | None = None
     speed_probe_eager_s: float | None = None
     speed_probe_memory_Bps: float | None = None
