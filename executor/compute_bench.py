@@ -196,52 +196,52 @@ def _medians(readings: Sequence[Speed]) -> Speed:
 
 def _rank_compute(rank: int, world: int) -> dict:
     """Every benchmark, with the host-speed probes timed before each and at the end (``speed_probes``, each a
-    :class:`~executor.speed_probe.Speed`; ``probed_before``, the benchmark each came before, ``"end"`` the last):
-    their medians are the host's speed while these figures were measured, and the readings on either side of a
-    benchmark its speed while it ran.
-    The sampled benchmarks (:data:`SAMPLED_BENCHMARKS`: the eager ones and a tensor-parallel call's) run at each
-    of those points, and their figures are the medians over all of them: run once, they moved with the host's
-    slow spells. On the 2-core VM (2026-11-29) five runs of the dispatch benchmark in one process, 0.3 s apart,
-    each a median over 15 repeats, timed 4.7, 4.4, 6.7, 8.3 and 6.2 us a forward op (matmuls included); the eager
-    probe right after the two slowest read 284 and 278 us, as usual (272-299). Three calibrations, each on two
-    such runs per rank, had priced it at 5.15, 7.91 and 5.31 us."""
+    :class:`~executor.speed_probe.Speed`): their medians are the host's speed while these figures were measured.
+    The sampled benchmarks (:data:`SAMPLED_BENCHMARKS`: the eager ones, a tensor-parallel call's and AdamW's) run
+    at each of those points, and their figures are the medians over all of them: run once, they moved with the
+    host's slow spells. On the 2-core VM (2026-11-29) five runs of the dispatch benchmark in one process, 0.3 s
+    apart, each a median over 15 repeats, timed 4.7, 4.4, 6.7, 8.3 and 6.2 us a forward op (matmuls included);
+    the eager probe right after the two slowest read 284 and 278 us, as usual (272-299). Three calibrations, each
+    on two such runs per rank, had priced it at 5.15, 7.91 and 5.31 us. AdamW's memory speed, timed once, came
+    out 0.80 to 1.07 times the memory probe's median over six calibrations (27.2 to 43.7 GB/s a rank)."""
     probe = SpeedProbe() if probes_on(rank, world) else None
     speeds: list[Speed] = []
-    probed_before: list[str] = []
     sampled: dict[str, list] = {name: [] for name in SAMPLED_BENCHMARKS}
 
-    def probe_now(before: str) -> None:
+    def probe_now() -> None:
         _barrier()
         if probe is not None:
             speeds.append(probe())
-            probed_before.append(before)
         for name, benchmark in SAMPLED_BENCHMARKS.items():
             sampled[name].append(benchmark())
 
     results = {}
-    for name, benchmark in (("matmuls", measure_matmuls), ("optimizer", measure_host_optimizer),
-                            ("jitter", measure_rank_jitter), ("zero_grad", measure_zero_grad),
-                            ("fsdp", measure_fsdp_host),
+    for name, benchmark in (("matmuls", measure_matmuls), ("jitter", measure_rank_jitter),
+                            ("zero_grad", measure_zero_grad), ("fsdp", measure_fsdp_host),
                             ("step_gaps", measure_step_gap_curve),
                             ("pipeline", measure_pipeline_loops)):
-        probe_now(name)
+        probe_now()
         results[name] = benchmark()
-    probe_now("end")
-    return {**results, **{name: median_samples(samples) for name, samples in sampled.items()}, "speed_probes": speeds,
-            "probed_before": probed_before}
+    probe_now()
+    return {**results, **{name: median_samples(samples) for name, samples in sampled.items()}, "speed_probes": speeds}
 
 
 TIMED_KEYS = ("forward_s", "backward_s")
 
 
 def median_samples(samples: Sequence[Any]) -> Any:
-    """One reading of a sampled benchmark from its samples (each a row dict, or a list of them in the same
-    order; None where the benchmark had nothing to time): every row's seconds (``forward_s``, ``backward_s``)
-    are their medians over the samples, its counts those of the first."""
-    if samples[0] is None:
+    """One reading of a sampled benchmark from its samples (each a row dict, a list of them in the same order, or
+    :func:`measure_host_optimizer`'s lists of rows ending in seconds; None where the benchmark had nothing to
+    time): every row's seconds (``forward_s``, ``backward_s``, or the last item) are their medians over the
+    samples, its counts those of the first."""
+    first = samples[0]
+    if first is None:
         return None
-    if isinstance(samples[0], dict):
-        return {**samples[0], **{key: statistics.median(s[key] for s in samples) for key in TIMED_KEYS}}
+    if isinstance(first, dict) and all(isinstance(rows, list) for rows in first.values()):
+        return {key: [(*rows[0][:-1], statistics.median(row[-1] for row in rows))
+                      for rows in zip(*(s[key] for s in samples))] for key in first}
+    if isinstance(first, dict):
+        return {**first, **{key: statistics.median(s[key] for s in samples) for key in TIMED_KEYS}}
     return [median_samples(rows) for rows in zip(*samples)]
 
 
@@ -574,13 +574,6 @@ def measure_tp_calls(repeats: int = TP_CALL_REPEATS) -> dict[str, float] | None:
     return {"forward_s": statistics.median(forward), "backward_s": max(statistics.median(backward), 0.0)}
 
 
-# The benchmarks of an eager op's fixed cost, the figures that rest on it, and a tensor-parallel call's host time:
-# sampled through the whole run (see _rank_compute).
-SAMPLED_BENCHMARKS: dict[str, Callable[[], Any]] = {
-    "dispatch": measure_dispatch, "elementwise": measure_elementwise, "kernel_kinds": measure_kernel_kinds,
-    "tp_calls": measure_tp_calls}
-
-
 # ----------------------------------------------------------------------------- optimizer
 def adamw(tensors: int, numel: int, device: Any = "cpu") -> Any:
     """A ``torch.optim.AdamW`` (torch's defaults, as the executor builds it) over ``tensors`` fp32 parameters of
@@ -617,6 +610,13 @@ def measure_host_optimizer(runs: Sequence[tuple[int, int]] = OPTIMIZER_RUNS, alo
     optimizer = adamw(*alone)
     seconds = in_turn(lambda: after_dirty_caches(optimizer.step, repeats=9, together=False))
     return {"together": together, "alone": [(*alone, seconds)]}
+
+
+# The benchmarks of an eager op's fixed cost, the figures that rest on it, a tensor-parallel call's host time and
+# AdamW's: sampled through the whole run (see _rank_compute).
+SAMPLED_BENCHMARKS: dict[str, Callable[[], Any]] = {
+    "dispatch": measure_dispatch, "elementwise": measure_elementwise, "kernel_kinds": measure_kernel_kinds,
+    "tp_calls": measure_tp_calls, "optimizer": measure_host_optimizer}
 
 
 def measure_rank_jitter(repeats: int = JITTER_REPEATS, run: tuple[int, int] = OPTIMIZER_ALONE) -> list[float]:

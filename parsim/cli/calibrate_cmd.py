@@ -44,8 +44,9 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     cost per call the step simulator charges (collective_step_overhead_us);
   * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
   * on every rank at once and in step, as ranks compute in a real run:
-    AdamW steps on one small tensor, many small and a few large ones ->
-    hbm_bw_GBps (each rank's memory speed with every rank streaming; times
+    AdamW steps on one small tensor, many small and a few large ones, sampled
+    through the run -> hbm_bw_GBps (each rank's memory speed with every rank
+    streaming; times
     the ranks, the host's, compute.memory_host_bw_GBps),
     compute.optimizer_tensor_us and compute.optimizer_step_us; matmuls of
     several shapes on cold operands -> peak FLOP/s, the shape efficiency
@@ -223,22 +224,19 @@ def run(args: argparse.Namespace) -> int:
     jitter = fit_rank_jitter([[rank["jitter"] for rank in per_rank[i:i + ranks] if rank.get("jitter")]
                               for i in range(0, len(per_rank), ranks)])
     fsdp = fit_fsdp_host([tuple(row) for rank in per_rank for row in rank.get("fsdp", ())])
-    probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
-    probe_flops, probe_eager_s, probe_memory_Bps = (float(v) for v in np.median(probes, axis=0))
-    # AdamW's memory speed as at the probes' median: the memory drifts within seconds (docs/calibration.md)
-    optimizer_memory = _memory_around(per_rank, "optimizer")
-    memory_scale = probe_memory_Bps / optimizer_memory if optimizer_memory else 1.0
     optimizer = fit_optimizer([tuple(row) for rank in per_rank for row in rank["optimizer"]["together"]],
                               ADAMW_ACCESSES)
-    memory_bw = optimizer.bw_Bps * memory_scale  # each rank's, all streaming at once
-    memory_alone_bw = memory_scale * fit_alone_memory(
-        [tuple(row) for rank in per_rank for row in rank["optimizer"]["alone"]], optimizer, ADAMW_ACCESSES)
+    memory_bw = optimizer.bw_Bps  # each rank's, all streaming at once
+    memory_alone_bw = fit_alone_memory([tuple(row) for rank in per_rank for row in rank["optimizer"]["alone"]],
+                                       optimizer, ADAMW_ACCESSES)
     memory_host_bw = memory_bw * max(rank_counts)
     # the pipeline loop's figures by the stages' size; its gap with the largest stages where no step was timed
     p2p_issue, p2p_rendezvous, loop_gap = (_loop_curve(per_rank, key) or ((0, 0.0),)
                                            for key in ("issue", "rendezvous", "action"))
     p2p_latency = _loop_curve(per_rank, "latency")
     action_overhead = _step_gap_curve(per_rank, loop_gap[-1][1])
+    probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
+    probe_flops, probe_eager_s, probe_memory_Bps = (float(v) for v in np.median(probes, axis=0))
     shared = _shared_cores(shared_rows, probe_flops, probe_eager_s)
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
@@ -315,8 +313,7 @@ def run(args: argparse.Namespace) -> int:
                     if fsdp and fsdp.pass_s else None,
                     "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
-                    "speed_probe_memory_GBps": probe_memory_Bps / 1e9,
-                    "optimizer_memory_probe_GBps": optimizer_memory and optimizer_memory / 1e9, "rank_jitter": jitter,
+                    "speed_probe_memory_GBps": probe_memory_Bps / 1e9, "rank_jitter": jitter,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
                     "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
                     "matmul_write_bw_GBps": matmul.write_bw_Bps / 1e9 if matmul.write_bw_Bps else None,
@@ -342,9 +339,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"memory            {memory_bw / 1e9:.2f} GB/s per rank with every rank streaming "
           f"({memory_host_bw / 1e9:.1f} GB/s in all), {memory_alone_bw / 1e9:.2f} GB/s for a rank alone, "
           f"{optimizer.step_s * 1e6:.0f} us per AdamW step and {optimizer.tensor_s * 1e6:.0f} us per tensor")
-    if optimizer_memory:
-        print(f"                  (at the memory probe's median, {probe_memory_Bps / 1e9:.1f} GB/s: AdamW was timed "
-              f"while it read {optimizer_memory / 1e9:.1f})")
     print(f"per-op overhead   {dispatch.forward_s * 1e6:.1f} us forward, {dispatch.backward_s * 1e6:.1f} us backward "
           f"(eager decoder layers, every rank at once)")
     print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (products, sums, a rotation: bytes-bound kernels, "
@@ -464,19 +458,6 @@ def _step_gap(rows: list[dict], loop_gap_s: float) -> float:
     (measured between a pipeline's passes and receives)."""
     gaps = [row["step_gaps"] for row in rows if row.get("step_gaps") is not None]
     return float(np.median(gaps)) if gaps else loop_gap_s
-
-
-def _memory_around(per_rank: list[dict], benchmark: str) -> float | None:
-    """The memory probe while ``benchmark`` ran: on each rank and round, the mean of the readings just before and
-    just after it; their median (None: not probed). In two calibrations on the 2-core VM (2026-11-29) the memory
-    probe read 36, 46, 46, 47, 47, 48, 36 and 28 GB/s before the successive benchmarks of one round."""
-    around = []
-    for rank in per_rank:
-        before = rank.get("probed_before", [])
-        if benchmark in before:
-            i = before.index(benchmark)
-            around.append((rank["speed_probes"][i][2] + rank["speed_probes"][i + 1][2]) / 2)
-    return float(np.median(around)) if around else None
 
 
 def _shared_cores(rows: list[dict], probe_flops: float, probe_eager_s: float) -> SharedCoreCosts | None:
