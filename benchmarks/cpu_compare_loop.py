@@ -29,7 +29,9 @@ On the 2-core VM (2026-11-29) one calibration and three runs of each plan of
 included; 6-10 on a 3-4x slower AMD VM, 10 measured
 steps a run; 7-7.5 there since calibrate measures its collectives in three
 rounds: sets BW, BX);
-`docs/calibration.md` lists the sets measured so far.
+`docs/calibration.md` lists the sets measured so far. ``--out DIR`` keeps
+the calibration (``host.yaml``, and what calibrate printed in
+``calibrate.txt``) and every run's JSON.
 
 ``--again DIR`` runs nothing: it predicts the runs an earlier loop kept in
 DIR (its ``--out``) again with the model as it is now, each at the host speed

@@ -50,6 +50,8 @@ from __future__ import annotations
 import time
 from typing import Callable, NamedTuple
 
+from parsim.lowering.lower import ADAMW_ACCESSES, FP32
+
 from ._torch import require_torch
 from .launch import usable_cores
 
@@ -59,7 +61,7 @@ EAGER_LAYERS, EAGER_WIDTH, EAGER_ROWS = 8, 32, 16  # the eager probe: fixed cost
 # The memory probe's AdamW: course-MLP-sized parameters (1024 x 1024 weights), 64 MiB with their gradients and
 # two moments, twice the 2-core VM's 32 MiB L3 (AMD EPYC): each step streams from memory, as a model's does.
 ADAMW_TENSORS, ADAMW_ELEMENTS = 4, 1 << 20
-ADAMW_BYTES = 21 * 4  # per parameter, as parsim.lowering.lower.ADAMW_ACCESSES counts foreach AdamW's fp32 accesses
+ADAMW_BYTES = ADAMW_ACCESSES * FP32  # per parameter: foreach AdamW's fp32 accesses, as the model counts them
 SECONDS = 0.45  # the three probes together: long enough to average over scheduler ticks, short enough between steps
 
 

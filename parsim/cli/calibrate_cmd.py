@@ -46,8 +46,7 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
   * on every rank at once and in step, as ranks compute in a real run:
     AdamW steps on one small tensor, many small and a few large ones, sampled
     through the run -> hbm_bw_GBps (each rank's memory speed with every rank
-    streaming; times
-    the ranks, the host's, compute.memory_host_bw_GBps),
+    streaming; times the ranks, the host's, compute.memory_host_bw_GBps),
     compute.optimizer_tensor_us and compute.optimizer_step_us; matmuls of
     several shapes on cold operands -> peak FLOP/s, the shape efficiency
     (compute.matmul_half_dim), the speeds a weight streams in and an output out
@@ -82,8 +81,8 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     loop over stages that each pass a generic MLP (128 to 768 wide) -> by
     the gradients a rank holds, each the median over its events (a stall
     hits a few in a hundred, yet up to half the loop's steps), the time per
-    send it issues (compute.p2p_issue_us), the time of a transfer received late
-    (compute.p2p_rendezvous_us; a gloo thread may wait for the core where
+    send it issues (compute.p2p_issue_us), the time of a transfer received
+    late (compute.p2p_rendezvous_us; a gloo thread may wait for the core where
     its rank computes) and the latency of one whose receiver waits
     (compute.p2p_latency_us, which the step simulator's pipeline sends
     take instead of the collective fit's latency per step: back-to-back
