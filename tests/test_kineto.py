@@ -183,6 +183,20 @@ def test_gpu_kernels_take_the_phase_of_the_operator_that_launched_them():
     assert collective.args["group_ranks"] == [0, 1] and collective.start_s == pytest.approx(30e-6)
 
 
+def test_a_step_is_the_host_s_profiler_step_not_its_mark_on_the_gpu_timeline(tmp_path):
+    # torch.profiler on CUDA writes each ProfilerStep#N twice: the host's slice and a gpu_user_annotation where
+    # the step's kernels end (1 us on an H200's one-GPU step, 2026-11-30), which read as the step made it ~0 s
+    def span(name, cat, ts, dur):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": 1, "args": {}}
+
+    events = [span("ProfilerStep#3", "user_annotation", 0.0, 1000.0),
+              span("ProfilerStep#3", "gpu_user_annotation", 990.0, 1.0),
+              span("ProfilerStep#4", "user_annotation", 1000.0, 900.0)]
+    (tmp_path / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    (profile,) = read_profiles(tmp_path)
+    assert profile.steps == {3: (0.0, 1000.0), 4: (1000.0, 1900.0)}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["compare", "course-ddp", "--dp", "2", "--sweep", "1MiB:2MiB"], "--sweep applies only to a collective"),
     (["compare", "course-ddp", "--dp", "2", "--plot", "x.png"], "--plot applies only to a collective"),

@@ -88,7 +88,8 @@ def _read_one(path: Path) -> RankProfile:
     steps = {}
     for e in events:
         number = recognize.profiler_step(e)
-        if number is not None:
+        # the host's slice: a CUDA trace also marks the step on the GPU's timeline, an instant where it ends
+        if number is not None and e.get("cat") != "gpu_user_annotation":
             steps[number] = (e["ts"], e["ts"] + e["dur"])
     return RankProfile(path, rank, world, events, steps)
 
