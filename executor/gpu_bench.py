@@ -15,6 +15,7 @@ import contextlib
 import sys
 import time
 
+from parsim.lowering.lower import FP32, FUSED_ADAMW_ACCESSES
 from parsim.workload.model import AttentionCore, flash_softmax_factor
 
 from ._torch import require_torch
@@ -210,6 +211,21 @@ def launch_rows(device, kernels: int = 2000) -> list[dict]:
             row("launch", "tiny kernel, host time to issue one (eager)", host, {"kernels": 1})]
 
 
+ADAMW_TENSORS, ADAMW_NUMEL = 16, 1 << 24  # a fused AdamW's parameters: 268M fp32, 7.5 GB with states and grads
+
+
+def adamw_row(device, tensors: int = ADAMW_TENSORS, numel: int = ADAMW_NUMEL) -> dict:
+    """torch's fused AdamW step over ``tensors`` fp32 parameters of ``numel``: its seconds, and the parameters and
+    bytes (7 fp32 accesses each) the model prices it by (``sm_cycles.adamw`` beside the bytes)."""
+    params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    count = tensors * numel
+    return row("optimizer", f"fused AdamW, {tensors} tensors of {numel:,} fp32", timed(optimizer.step, device),
+               {"params": count, "bytes": count * FUSED_ADAMW_ACCESSES * FP32})
+
+
 OPTIMIZER_TENSORS = (1, 64)  # small parameter tensors per timed AdamW step: the step's own cost, a few layers'
 
 
@@ -230,7 +246,7 @@ def host_rows(device) -> list[dict]:
 # What `parsim calibrate --ranks 1` times (parsim.calibrate.gpu): square-ish matmuls, where cuBLAS reaches its
 # best rate (the MAMF rule takes the best shape); causal attention at the lengths FlashAttention-3's figures
 # give, 16k tokens each, at the models' head dim 128; memory-bound kernels on 1 GiB, and those whose arithmetic
-# may outlast their bytes; the host's time per eager op.
+# may outlast their bytes; a fused AdamW step; the host's time per eager op.
 CALIBRATION_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192))
 CALIBRATION_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 CALIBRATION_TOKENS, CALIBRATION_HEADS, CALIBRATION_HEAD_DIM = 16384, 32, 128
@@ -242,4 +258,4 @@ def calibration_rows(device, dtype) -> list[dict]:
     for length in CALIBRATION_LENGTHS:
         rows += attention_at("default", None, CALIBRATION_TOKENS // length, length, CALIBRATION_HEADS,
                              CALIBRATION_HEAD_DIM, dtype, device)
-    return rows + memory_rows(dtype, device) + sm_rows(device, dtype) + host_rows(device)
+    return rows + memory_rows(dtype, device) + sm_rows(device, dtype) + [adamw_row(device)] + host_rows(device)

@@ -18,7 +18,7 @@ SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192))
 LENGTHS = (1024, 4096, 16384)
 HOST_US = {"forward": 9.0, "backward": 6.0, "optimizer_tensor": 2.5, "optimizer_step": 90.0}  # measured_by's host
 SM_CYCLES = SmCycles(softmax=((1024, 0.25), (4096, 0.45)), dropout=0.4, gelu=(0.2, 0.15), norm=(0.3, 0.5),
-                     bias_add=0.35)
+                     bias_add=0.35, adamw=0.45)
 
 
 def measured_by(model: ComputeModel, spec) -> list[dict]:
@@ -45,6 +45,9 @@ def measured_by(model: ComputeModel, spec) -> list[dict]:
     rows += [{"kind": "sm", "what": w.kind, "measured_s": sm.cycles(w) / spec.gpu.sm_cycles_per_s,
               "work": {"sm": w.kind, "pass": "backward" if w.backward else "forward", "elements": w.elements,
                        "bytes": 2 * w.elements, "row": w.row}} for w in works]
+    params = 268e6  # a fused AdamW step: its bytes at the memory-bound rate, then its SM cycles
+    rows.append({"kind": "optimizer", "what": "fused AdamW", "work": {"params": params, "bytes": 28 * params},
+                 "measured_s": 28 * params / model.memory_bw_Bps + params * SM_CYCLES.adamw / spec.gpu.sm_cycles_per_s})
     return rows + [{"kind": "host", "what": "AdamW",
                     "measured_s": (HOST_US["optimizer_step"] + n * HOST_US["optimizer_tensor"]) * 1e-6,
                     "work": {"optimizer_tensors": n}} for n in (1, 64)]
@@ -63,8 +66,9 @@ def test_a_gpu_calibration_recovers_the_figures_its_measurements_were_made_with(
     assert (fit.op_forward_s, fit.op_backward_s, fit.optimizer_tensor_s, fit.optimizer_step_s) == pytest.approx(
         (9e-6, 6e-6, 2.5e-6, 90e-6))
     assert dict(fit.sm_cycles.softmax) == pytest.approx(dict(SM_CYCLES.softmax))
-    assert (fit.sm_cycles.dropout, *fit.sm_cycles.gelu, *fit.sm_cycles.norm, fit.sm_cycles.bias_add) == \
-        pytest.approx((SM_CYCLES.dropout, *SM_CYCLES.gelu, *SM_CYCLES.norm, SM_CYCLES.bias_add))
+    assert (fit.sm_cycles.dropout, *fit.sm_cycles.gelu, *fit.sm_cycles.norm, fit.sm_cycles.bias_add,
+            fit.sm_cycles.adamw) == pytest.approx((SM_CYCLES.dropout, *SM_CYCLES.gelu, *SM_CYCLES.norm,
+                                                   SM_CYCLES.bias_add, SM_CYCLES.adamw))
 
 
 def test_the_calibrated_file_keeps_the_base_clusters_links_and_replaces_its_compute():
@@ -134,6 +138,7 @@ def test_one_rank_on_a_gpu_prints_each_figure_beside_the_base_clusters_and_write
                  "sm_cycles.softmax at 4,096               0.407     0.450",
                  "sm_cycles.norm backward                  0.356     0.500",
                  "sm_cycles.bias_add                       0.366     0.350",
+                 "sm_cycles.adamw                          0.390     0.450",
                  "op_forward_us (host, µs)                 0.0       9.0",
                  "optimizer_tensor_us (host, µs)           0.0       2.5",
                  "optimizer_step_us (host, µs)             0.0       90.0"):

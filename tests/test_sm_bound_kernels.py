@@ -7,6 +7,7 @@ import pytest
 from parsim.files import read_yaml
 from parsim.hardware.cluster import HOPPER_SM_CYCLES, builtin_clusters, load_cluster
 from parsim.lowering.kernels import block_work
+from parsim.lowering.lower import adamw_costs
 from parsim.sim.compute import ComputeModel, SmWork, at_length
 from parsim.workload.plan import load_plan
 
@@ -39,6 +40,21 @@ def test_each_kind_at_its_cycles_per_element():
     assert H100.cycles(SmWork("softmax", 1e9, row=2048)) == pytest.approx(1e9 * at_length(figures.softmax, 2048))
     assert H100.cycles(SmWork("gelu", 1e9, backward=True)) == pytest.approx(1e9 * figures.gelu[1])
     assert H100.cycles(SmWork("norm", 1e9)) == pytest.approx(1e9 * figures.norm[0])
+
+
+def test_a_fused_adamw_step_adds_its_sm_cycles_to_its_bytes():
+    """The one-GPU step's 1.92B fp32 parameters: 28 bytes each at the memory-bound rate, then 0.39 cycles each
+    over 132 SMs at 1.98 GHz (not the longer of the two, as the kernels above)."""
+    params = 1.923e9
+    costs = adamw_costs("fused", params, 49)
+    memory_s = 28 * params / (3350e9 * 0.852)
+    cycles_s = params * HOPPER_SM_CYCLES.adamw / (132 * 1.98e9)
+    assert H100.time(**costs) == pytest.approx(memory_s + cycles_s)
+    assert cycles_s == pytest.approx(2.87e-3, rel=0.01)
+    # the foreach implementation's many kernels stream at the memory-bound rate alone
+    assert H100.time(**adamw_costs("foreach", params, 49)) == pytest.approx(84 * params / (3350e9 * 0.852))
+    cpu_like = ComputeModel(peak_flops=1e12, hbm_bw_Bps=100e9, dtype_bytes=4, memory_efficiency=0.5)
+    assert cpu_like.time(**costs) == pytest.approx(28 * params / 50e9)  # no SM clock: its bytes alone
 
 
 def test_without_an_sm_clock_only_bytes_count():
@@ -133,9 +149,9 @@ def test_a_cluster_file_gives_its_own_cycles_and_keeps_hoppers_for_the_rest():
     from parsim.hardware.cluster import parse_cluster
 
     spec = parse_cluster(h100_with({"softmax": {2048: 0.5}, "norm": {"forward": 0.1, "backward": 0.2},
-                                    "bias_add": 0.3}), "mine")
+                                    "bias_add": 0.3, "adamw": 0.5}), "mine")
     assert spec.sm_cycles.softmax == ((2048, 0.5),) and spec.sm_cycles.norm == (0.1, 0.2)
-    assert spec.sm_cycles.bias_add == 0.3
+    assert (spec.sm_cycles.bias_add, spec.sm_cycles.adamw) == (0.3, 0.5)
     assert (spec.sm_cycles.dropout, spec.sm_cycles.gelu) == (HOPPER_SM_CYCLES.dropout, HOPPER_SM_CYCLES.gelu)
     assert parse_cluster(h100_with({"softmax": 0.3}), "mine").sm_cycles.softmax == ((0, 0.3),)  # every length
 
@@ -144,6 +160,7 @@ def test_a_cluster_file_gives_its_own_cycles_and_keeps_hoppers_for_the_rest():
     ({"exp": 1.0}, "compute.sm_cycles"),
     ({"dropout": -1}, "compute.sm_cycles.dropout"),
     ({"bias_add": "fast"}, "compute.sm_cycles.bias_add"),
+    ({"adamw": -0.1}, "compute.sm_cycles.adamw"),
     ({"gelu": 0.2}, "compute.sm_cycles.gelu"),
     ({"norm": {"forward": 0.2, "backward": "slow"}}, "compute.sm_cycles.norm.backward"),
     ({"softmax": {"2k": 0.3}}, "compute.sm_cycles.softmax"),

@@ -17,7 +17,9 @@ rule its built-in value was sourced by:
 * ``sm_cycles``: the SM cycles per element of the memory-bound kernels whose
   arithmetic may outlast their bytes (softmax by row length, dropout, GeLU, a
   norm): seconds x SMs x clock over the elements the model counts, as the
-  built-in figures were measured (:data:`parsim.hardware.cluster.HOPPER_SM_CYCLES`);
+  built-in figures were measured (:data:`parsim.hardware.cluster.HOPPER_SM_CYCLES`); a fused AdamW step's
+  (``adamw``) per parameter from its time less its bytes' at the memory-bound rate measured beside it, since
+  its cycles add to its bytes;
 * ``op_forward_us``, ``op_backward_us``: the host's time per eager op, forward
   and backward, pooled over eager blocks too small to keep the GPU busy (as
   ``parsim calibrate`` fits a CPU host's); ``optimizer_tensor_us`` and
@@ -62,13 +64,18 @@ class GpuFit:
     sm_cycles: SmCycles | None = None  # None: not measured (no such rows, or the GPU's SM clock is not known)
 
 
-def fit_sm_cycles(rows: list[dict], sm_cycles_per_s: float, base: SmCycles) -> SmCycles | None:
+def fit_sm_cycles(rows: list[dict], sm_cycles_per_s: float, base: SmCycles,
+                  memory_Bps: float | None = None) -> SmCycles | None:
     """SM cycles per element of the ``sm`` rows (:func:`executor.gpu_bench.sm_rows`): seconds x SMs x clock
-    over the elements the model counts, the median where a kernel was timed more than once; ``base``'s
-    figures for kinds not timed."""
+    over the elements the model counts, the median where a kernel was timed more than once; and per parameter
+    of the ``optimizer`` rows (:func:`executor.gpu_bench.adamw_row`), their seconds beyond their bytes at
+    ``memory_Bps`` (None: not fitted); ``base``'s figures for kinds not timed."""
     timed = [r for r in rows if r["kind"] == "sm"]
     if not timed or not sm_cycles_per_s:
         return None
+    steps = [r for r in rows if r["kind"] == "optimizer"] if memory_Bps else []
+    adamw = statistics.median(max(r["measured_s"] - r["work"]["bytes"] / memory_Bps, 0.0) * sm_cycles_per_s
+                              / r["work"]["params"] for r in steps) if steps else base.adamw
     per_element: dict[tuple[str, str, int], list[float]] = {}
     for r in timed:
         work = r["work"]
@@ -82,7 +89,7 @@ def fit_sm_cycles(rows: list[dict], sm_cycles_per_s: float, base: SmCycles) -> S
     softmax = tuple(sorted((row, f) for (kind, _, row), f in figure.items() if kind == "softmax"))
     return SmCycles(softmax=softmax or base.softmax, dropout=figure.get(("dropout", "forward", 0), base.dropout),
                     gelu=passes("gelu", base.gelu), norm=passes("norm", base.norm),
-                    bias_add=figure.get(("bias_add", "forward", 0), base.bias_add))
+                    bias_add=figure.get(("bias_add", "forward", 0), base.bias_add), adamw=adamw)
 
 
 def sm_cycles_mapping(figures: SmCycles) -> dict[str, Any]:
@@ -91,7 +98,8 @@ def sm_cycles_mapping(figures: SmCycles) -> dict[str, Any]:
         return {"forward": round(pair[0], 4), "backward": round(pair[1], 4)}
 
     return {"softmax": {row: round(f, 4) for row, f in figures.softmax}, "dropout": round(figures.dropout, 4),
-            "gelu": both(figures.gelu), "norm": both(figures.norm), "bias_add": round(figures.bias_add, 4)}
+            "gelu": both(figures.gelu), "norm": both(figures.norm), "bias_add": round(figures.bias_add, 4),
+            "adamw": round(figures.adamw, 4)}
 
 
 def fit_gpu(rows: list[dict], spec: ClusterSpec, dtype: str = "bf16") -> GpuFit:
@@ -117,7 +125,7 @@ def fit_gpu(rows: list[dict], spec: ClusterSpec, dtype: str = "bf16") -> GpuFit:
                   *(_per_op([r for r in rows if r["kind"] == "host" and r["work"].get("pass") == p])
                     for p in ("forward", "backward")),
                   *_optimizer_line([r for r in rows if r["kind"] == "host" and r["work"].get("optimizer_tensors")]),
-                  fit_sm_cycles(rows, spec.gpu.sm_cycles_per_s, spec.sm_cycles))
+                  fit_sm_cycles(rows, spec.gpu.sm_cycles_per_s, spec.sm_cycles, streamed))
 
 
 def _per_op(rows: list[dict]) -> float:

@@ -123,12 +123,13 @@ examples:
   parsim calibrate --out my-gpu.yaml --ranks 1      (one GPU: its compute figures only)
 
 With --ranks 1 on a host with a CUDA GPU, it times matmuls, causal attention
-at 1k-16k tokens and memory-bound kernels on that GPU, and writes the built-in
-cluster with that GPU (dgx-h100 for an H100, ...) with its compute figures
-replaced: matmul efficiency (the best shape, as MAMF), memory efficiency,
-attention efficiency by length, and the host's time per eager op (generic
-blocks too small to keep the GPU busy) and per AdamW tensor and step (steps
-over 1 and 64 small tensors). A GPU runs its kernels
+at 1k-16k tokens, memory-bound kernels and a fused AdamW step on that GPU, and
+writes the built-in cluster with that GPU (dgx-h100 for an H100, ...) with its
+compute figures replaced: matmul efficiency (the best shape, as MAMF), memory
+efficiency, attention efficiency by length, SM cycles per element of the
+kernels whose arithmetic counts (AdamW's per parameter), and the host's time
+per eager op (generic blocks too small to keep the GPU busy) and per AdamW
+tensor and step (steps over 1 and 64 small tensors). A GPU runs its kernels
 while the host issues the next, so the host's time binds only small models.
 One GPU measures no collective, so links and NCCL stay the spec sheets'
 (--ops, --sweep and --backend do not apply).
@@ -522,7 +523,7 @@ def _run_one_gpu(args: argparse.Namespace) -> int:
         table += [["sm_cycles.dropout", old.dropout, new.dropout]]
         table += [[f"sm_cycles.{kind} {p}", getattr(old, kind)[i], getattr(new, kind)[i]]
                   for kind in ("gelu", "norm") for i, p in enumerate(("forward", "backward"))]
-        table += [["sm_cycles.bias_add", old.bias_add, new.bias_add]]
+        table += [["sm_cycles.bias_add", old.bias_add, new.bias_add], ["sm_cycles.adamw", old.adamw, new.adamw]]
     rows = [[n, f"{a:.3f}", f"{b:.3f}"] for n, a, b in table]
     base, mine = host_us(spec), host_us(fit)
     rows += [[f"{name}_us (host, µs)", f"{base[name]:.1f}", f"{mine[name]:.1f}"] for name in base]

@@ -157,13 +157,20 @@ class SmCycles:
     (:class:`parsim.sim.compute.SmWork`): a softmax's forward per element read or written, by row length; dropout
     per random number drawn (one per mask element); GeLU and a fused norm per element read or written,
     forward and backward; a bias added in a kernel of its own (a broadcast add, which torch does not vectorize)
-    per element read or written. A softmax's backward and dropout's stream at the memory speed."""
+    per element read or written. A softmax's backward and dropout's stream at the memory speed.
+
+    ``adamw``: a fused AdamW step's SM cycles per parameter, *added* to its bytes' time rather than the longer
+    of the two. torch's fused kernel (multi_tensor_apply: 320 blocks of 512 threads a launch, one 65,536-element
+    chunk each) leaves its arithmetic unhidden: on an H200 it took 15.5 ms over 1.92B fp32 parameters at
+    1,980 MHz, 9.9 ms over the same in bf16 (half the bytes) and 16.7 ms at 1,560 MHz, where neither its bytes
+    nor its cycles alone move so."""
 
     softmax: Curve
     dropout: float
     gelu: tuple[float, float]
     norm: tuple[float, float]
     bias_add: float
+    adamw: float
 
 
 # Measured on an H100 SXM and an H200 (132 SMs at 1,980 MHz each; the mean of the two) by
@@ -176,9 +183,13 @@ class SmCycles:
 # an assumption (A100's SMs have half the FP32 lanes of Hopper's and as many special-function units: there the
 # cost is a lower bound). `parsim calibrate --ranks 1` measures them on the GPU at hand. The bias add is from a
 # later run of the same script on both GPUs (h100-score-kernels-bias-2026-11-26.json and h200-...): a bias added
-# in place over 16,384 x 12,288 fp16 took 0.580 and 0.548 ms, against 0.27 and 0.19 ms for its bytes.
+# in place over 16,384 x 12,288 fp16 took 0.580 and 0.548 ms, against 0.27 and 0.19 ms for its bytes. AdamW's
+# is an H200's (benchmarks/gpu/optimizer_rate.py, kept in benchmarks/gpu/h200-optimizer-rate-2026-11-30.json):
+# torch's fused AdamW over fp32 parameters less its 28 bytes a parameter at the copy rate of the same run
+# (4.26 TB/s), 0.383-0.400 cycles a parameter over 268M parameters in 1 to 256 tensors and 1.92B in the one-GPU
+# step's 93; the median of the four.
 HOPPER_SM_CYCLES = SmCycles(softmax=((512, 0.193), (1024, 0.205), (2048, 0.291), (4096, 0.407), (8192, 0.503)),
-                            dropout=0.468, gelu=(0.170, 0.158), norm=(0.235, 0.356), bias_add=0.366)
+                            dropout=0.468, gelu=(0.170, 0.158), norm=(0.235, 0.356), bias_add=0.366, adamw=0.390)
 SM_CYCLES = (1e-6, 1e6, "SM cycles per element")
 
 
@@ -647,21 +658,22 @@ def _shared_cores(source: str, value: object) -> SharedCoreCosts:
 
 
 def _sm_cycles(source: str, value: object) -> SmCycles:
-    """``compute.sm_cycles``: any of softmax (by row length), dropout, gelu and norm ({forward, backward}) and
-    bias_add; the others are Hopper's (HOPPER_SM_CYCLES)."""
+    """``compute.sm_cycles``: any of softmax (by row length), dropout, gelu and norm ({forward, backward}),
+    bias_add and adamw; the others are Hopper's (HOPPER_SM_CYCLES)."""
     key, default = "compute.sm_cycles", HOPPER_SM_CYCLES
-    if not isinstance(value, dict) or set(value) - {"softmax", "dropout", "gelu", "norm", "bias_add"}:
-        raise ConfigError(source, key, f"is {value!r}", "a mapping of softmax, dropout, gelu, norm and bias_add")
+    if not isinstance(value, dict) or set(value) - {"softmax", "dropout", "gelu", "norm", "bias_add", "adamw"}:
+        raise ConfigError(source, key, f"is {value!r}",
+                          "a mapping of softmax, dropout, gelu, norm, bias_add and adamw")
 
     def passes(kind: str, fallback: tuple[float, float]) -> tuple[float, float]:
         given = value.get(kind)
         return fallback if given is None else _passes(source, f"{key}.{kind}", given, SM_CYCLES)
 
     softmax = _curve(source, f"{key}.softmax", value["softmax"], SM_CYCLES) if "softmax" in value else default.softmax
-    dropout, bias_add = (_figure(source, f"{key}.{kind}", value[kind], SM_CYCLES) if kind in value
-                         else getattr(default, kind) for kind in ("dropout", "bias_add"))
+    dropout, bias_add, adamw = (_figure(source, f"{key}.{kind}", value[kind], SM_CYCLES) if kind in value
+                                else getattr(default, kind) for kind in ("dropout", "bias_add", "adamw"))
     return SmCycles(softmax, dropout, gelu=passes("gelu", default.gelu), norm=passes("norm", default.norm),
-                    bias_add=bias_add)
+                    bias_add=bias_add, adamw=adamw)
 
 
 def _core_arithmetic(source: str, value: object) -> CoreArithmetic:

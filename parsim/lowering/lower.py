@@ -82,9 +82,9 @@ def adamw_costs(implementation: str, params: float, tensors: int,
                 mixed: tuple[int, int] | None = None) -> dict[str, float]:
     """What one AdamW step (``foreach`` or ``fused``) over ``params`` parameters in ``tensors`` tensors
     costs, as keyword arguments of :meth:`ComputeModel.time <parsim.sim.compute.ComputeModel.time>` (and of
-    :class:`Op`): 12 FLOPs per parameter, its fp32 passes and launches, and on an eager CPU host its
-    per-tensor and per-step costs (calibrated on the foreach step; one dispatched op's per tensor for the
-    fused one).
+    :class:`Op`): 12 FLOPs per parameter, its fp32 passes and launches, the fused kernel's parameters (its SM
+    cycles add to its bytes on a GPU: ``sm_cycles.adamw``), and on an eager CPU host its per-tensor and
+    per-step costs (calibrated on the foreach step; one dispatched op's per tensor for the fused one).
 
     ``mixed`` (the weights' and the gradients' bytes) where AdamW steps fp32 master weights beside
     low-precision ones (:attr:`Plan.main_grads <parsim.workload.plan.Plan.main_grads>`): gradients kept narrower than
@@ -95,7 +95,7 @@ def adamw_costs(implementation: str, params: float, tensors: int,
         traffic = params * FUSED_ADAMW_ACCESSES * FP32
         costs = {"flops": 12.0 * params, "hbm_bytes": traffic, "stream_bytes": traffic, "forward_ops": tensors,
                  "kernels": -(-tensors // FUSED_ADAMW_TENSORS_PER_KERNEL), "optimizer_tensors": 0,
-                 "optimizer_steps": 0}
+                 "optimizer_steps": 0, "adamw_params": params}
     else:
         traffic = params * ADAMW_ACCESSES * FP32
         costs = {"flops": 12.0 * params, "hbm_bytes": traffic, "stream_bytes": traffic, "forward_ops": 0,

@@ -366,7 +366,8 @@ class ComputeModel:
              sm_reserved: int = 0, high_precision: bool = False,
              sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...] = (), stream_apart: bool = False,
              optimizer_steps: int = 0, tp_calls: tuple[int, int] = (0, 0),
-             fsdp_calls: tuple[int, int, int] = (0, 0, 0), fsdp_passes: tuple[int, int] = (0, 0)) -> float:
+             fsdp_calls: tuple[int, int, int] = (0, 0, 0), fsdp_passes: tuple[int, int] = (0, 0),
+             adamw_params: float = 0.0) -> float:
         """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
         kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; and
         each dispatched op's, each tensor-parallel call's (``tp_calls``: forward, backward), each optimizer
@@ -382,7 +383,8 @@ class ComputeModel:
         memory-bound kernels whose arithmetic can outlast their bytes (their bytes are in ``hbm_bytes``
         too): each takes the longer of the two on a GPU whose SM clock is known (:meth:`sm_excess`).
         ``stream_apart``: on a CPU host, leave ``stream_bytes`` out; the caller times them on its shared
-        memory (:attr:`shares_host_memory`)."""
+        memory (:attr:`shares_host_memory`). ``adamw_params``: parameters a fused AdamW kernel steps, whose SM
+        cycles add to its bytes on a GPU whose SM clock is known (``sm_cycles.adamw``)."""
         total = sum(self.matmul_time(*mm, sm_reserved, high_precision) for mm in matmuls)
         forward, backward = self.attention_efficiency
         spread = self.sm_count / self.sms_left(sm_reserved) if self.sm_count and sm_reserved else 1.0
@@ -396,6 +398,8 @@ class ComputeModel:
             work = max(flops / self.peak_flops, hbm_bytes / self.memory_bw_Bps)
         host = self.host_time(forward_ops, backward_ops, optimizer_tensors, optimizer_steps, tp_calls, fsdp_calls,
                               fsdp_passes)
+        if adamw_params and self.sm_cycles_per_s:
+            work += adamw_params * self.sm_cycles.adamw / self.sm_cycles_per_s * spread
         return self.with_host(total + work + self.sm_excess(sm_bound, spread) + kernels * self.kernel_overhead_s, host)
 
     def sm_excess(self, sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...], spread: float = 1.0) -> float:
