@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from pathlib import Path
 
 import yaml
@@ -51,11 +53,16 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
 
 
 def read_json(path: str | Path) -> object:
-    """A JSON file's contents; a missing file or a syntax error becomes one ParsimError line."""
+    """A JSON file's contents, gunzipped where its name ends in ``.gz`` (torch.profiler's ``*.json.gz``); a
+    missing file, a broken archive or a syntax error becomes one ParsimError line."""
+    path = Path(path)
     try:
-        return json.loads(Path(path).read_text())
+        raw = path.read_bytes()
+        return json.loads((gzip.decompress(raw) if path.suffix == ".gz" else raw).decode())
     except FileNotFoundError:
         raise ParsimError(f"{path}: no such file") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error):
+        raise ParsimError(f"{path}: not a gzip file (or a truncated one)") from None
     except json.JSONDecodeError as err:
         raise ParsimError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
     except UnicodeDecodeError:

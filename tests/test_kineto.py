@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -197,6 +198,19 @@ def test_a_step_is_the_host_s_profiler_step_not_its_mark_on_the_gpu_timeline(tmp
     assert profile.steps == {3: (0.0, 1000.0), 4: (1000.0, 1900.0)}
 
 
+def test_an_h200_profile_of_the_one_gpu_step_reads_as_the_step_it_timed(capsys):
+    """The executor's torch.profiler trace of benchmarks/gpu/one-gpu-step.yaml on an H200 (check.sh, 2026-11-30),
+    kept: its median step, 174 ms on the host, splits into forward 48.4 ms, backward 97.3 and optimizer 19.7."""
+    gpu = Path(__file__).parent.parent / "benchmarks" / "gpu"
+    assert main(["compare", str(gpu / "one-gpu-step.yaml"), "--cluster", "dgx-h200", "--measured",
+                 str(gpu / "h200-one-gpu-step-profile-2026-11-30"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["measured_step_s"] == pytest.approx(0.174, abs=0.002)
+    measured = {r["phase"]: r["measured_s"] for r in out["phases"]}
+    assert (measured["forward"], measured["backward"], measured["optimizer"]) == pytest.approx(
+        (0.0484, 0.0973, 0.0197), abs=0.001)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["compare", "course-ddp", "--dp", "2", "--sweep", "1MiB:2MiB"], "--sweep applies only to a collective"),
     (["compare", "course-ddp", "--dp", "2", "--plot", "x.png"], "--plot applies only to a collective"),
@@ -217,7 +231,11 @@ def test_bad_profile_folders_get_one_line(tmp_path, capsys):
     twins.mkdir()
     for name in ("a.json", "b.json"):
         (twins / name).write_text(json.dumps({"traceEvents": [], "distributedInfo": {"rank": 0, "world_size": 2}}))
-    cases = [(tmp_path / "nowhere", "not a folder"), (empty, "no trace files"), (twins, "are both rank 0")]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "rank0.pt.trace.json.gz").write_bytes(b"not gzip")
+    cases = [(tmp_path / "nowhere", "not a folder"), (empty, "no trace files"), (twins, "are both rank 0"),
+             (broken, "not a gzip file")]
     for folder, message in cases:
         assert main(["compare", "course-ddp", "--dp", "2", "--cluster", "dgx-a100", "--measured", str(folder)]) == 2
         err = capsys.readouterr().err.strip()
