@@ -116,6 +116,29 @@ def test_norm_gelu_and_residual_dropout_cycles_per_token():
     assert parts(plan, layer.blocks[1], "F")["mlp.residual"] == (6 * h * tokens, ())
 
 
+def test_eager_layers_unvectorized_ops_take_the_bias_adds_cycles_per_element():
+    """The one-GPU step's eager layer (Llama 3 8B's shapes): RoPE, the norms' broadcast products and their cast
+    to fp32, the K/V heads' copies run through torch's non-vectorized loop (an H200's profile, 2026-11-30)."""
+    plan = load_plan(SC21_LAYER.parent / "one-gpu-step.yaml")
+    layer = next(c for c in plan.stage_costs(0) if c.name == "layer.0")
+    attention = layer.blocks[0]
+    tokens, h, q, kv = plan.tokens_per_rank, 4096, 4096, 1024
+    forward, backward = parts(plan, attention, "F"), parts(plan, attention, "B")
+    unvectorized = {name: sum(w.elements for w in works if w.kind == "bias_add") / tokens
+                    for name, (_, works) in forward.items()}
+    assert {name: n for name, n in unvectorized.items() if n} == {
+        "attn.norm": 4 * h, "attn.norm.cast.fp32": 2 * h, "attn.rope.q": 10 * q, "attn.rope.k": 10 * kv,
+        "attn.kv.repeat": 4 * q}
+    assert backward["attn.rope.q"][1] == (SmWork("bias_add", 13 * q * tokens),)
+    assert backward["attn.rope.k"][1] == (SmWork("bias_add", 7 * kv * tokens),)
+    assert backward["attn.kv.grad.copy"][1] == (SmWork("bias_add", 4 * kv * tokens),)
+    # RoPE on the queries: its SM cycles outlast its bytes, 470 us on an H200 (measured 476: neg, cat, two
+    # products and the sum)
+    rope = forward["attn.rope.q"]
+    assert H100.time(hbm_bytes=rope[0], sm_bound=(rope,)) == pytest.approx(
+        10 * q * tokens * HOPPER_SM_CYCLES.bias_add / (132 * 1.98e9))
+
+
 def test_softmax_cycles_follow_the_row_length_in_log2():
     curve = HOPPER_SM_CYCLES.softmax
     assert at_length(curve, 2048) == dict(curve)[2048]

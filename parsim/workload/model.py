@@ -269,6 +269,10 @@ class Elementwise:
     # elements per token of a one-byte dropout mask the kernel draws (Philox random numbers) and writes in the
     # forward and reads in the backward
     mask: int = 0
+    # elements per token (forward, backward), read or written, of this kernel's eager ops that torch runs through
+    # its non-vectorized elementwise loop (an operand broadcast or strided, a cast from bf16 to fp32): SM-bound on
+    # Hopper at the bias add's cycles per element (sm_cycles.bias_add, a broadcast add), whatever their bytes
+    unvectorized: tuple[int, int] = (0, 0)
 
     def _per_rank(self, elements: int, tp: int, sequence_parallel: bool) -> int:
         split = tp if (self.sharded or sequence_parallel) else 1
@@ -291,6 +295,9 @@ class Elementwise:
         if self.sm_kind and not (backward and self.sm_kind == "bias_add"):
             elements = self._per_rank(self.backward if backward else self.forward, tp, sequence_parallel)
             works.append(SmWork(self.sm_kind, float(tokens * elements), backward, self.row))
+        if self.unvectorized[backward]:
+            elements = self._per_rank(self.unvectorized[backward], tp, sequence_parallel)
+            works.append(SmWork("bias_add", float(tokens * elements)))
         if self.mask and not backward:
             works.append(SmWork("dropout", float(tokens * self._per_rank(self.mask, tp, sequence_parallel))))
         return tuple(works)
@@ -954,20 +961,31 @@ class TransformerModel(_CostTotals):
         expanded K and V (4q; backward 5q read, 3q written); its output, laid out token-major, needs no
         copy to merge the heads. Backward, the K and V gradients are copied from the heads' layout back
         into the projections' (2kv each), and the three projections' input gradients are added (two sums
-        of 3h); with as many K/V heads as query heads, the gradients need neither sum nor copy."""
+        of 3h); with as many K/V heads as query heads, the gradients need neither sum nor copy.
+
+        Unvectorized (torch's non-vectorized loop: strided head views, broadcast tables; an H200's profile of
+        the one-GPU step, 2026-11-30): all of RoPE's forward (10w); backward, the products, the slices' copies
+        (2w), the negation and, where the gradient arrives in the attention kernel's strided layout, the sums
+        (6w): 13w for the queries, and for the keys unless grouped heads' gradients were summed back into a
+        contiguous tensor first (7w); the K/V heads' copies (two reads through the expanded view and two
+        writes of q) and their gradients' copies back (4kv)."""
         d = self.head_dim
+        grouped = kv < q  # repeat_interleave by 1 still copies, but its backward passes the gradient as it is
         kernels = []
         if self.position_embedding == "rope":
             for w, name in ((q, "q"), (kv, "k")):
-                kernels += [Elementwise(f"attn.rope.{name}", 10 * w + 2 * d, 14 * w + 2 * d, unit=unit),
+                strided = name == "q" or not grouped
+                kernels += [Elementwise(f"attn.rope.{name}", 10 * w + 2 * d, 14 * w + 2 * d, unit=unit,
+                                        unvectorized=(10 * w, (13 if strided else 7) * w)),
                             Elementwise(f"attn.rope.{name}.angles", 6 * d, 0, sharded=False, element_bytes=4),
                             Elementwise(f"attn.rope.{name}.angles.cast", 2 * d, 0, sharded=False, element_bytes=4,
                                         cast=True),
                             Elementwise(f"attn.rope.{name}.angles.cast.out", 2 * d, 0, sharded=False, cast=True)]
-        grouped = kv < q  # repeat_interleave by 1 still copies, but its backward passes the gradient as it is
-        kernels.append(Elementwise("attn.kv.repeat", 2 * (q + kv), 2 * (q + kv) if grouped else 0, unit=unit))
+        kernels.append(Elementwise("attn.kv.repeat", 2 * (q + kv), 2 * (q + kv) if grouped else 0, unit=unit,
+                                   unvectorized=(4 * q, 0)))
         return kernels + [Elementwise("attn.core", 4 * q, 8 * q, unit=unit),
-                          Elementwise("attn.kv.grad.copy", 0, 4 * kv if grouped else 0, unit=unit),
+                          Elementwise("attn.kv.grad.copy", 0, 4 * kv if grouped else 0, unit=unit,
+                                      unvectorized=(0, 4 * kv if grouped else 0)),
                           Elementwise("attn.in.grad.sum", 0, 6 * self.hidden, sharded=False)]
 
     def _norm(self, name: str, h: int) -> tuple[Elementwise, ...]:
@@ -977,13 +995,17 @@ class TransformerModel(_CostTotals):
         ``pow`` and ``mean`` in fp32 (3h fp32); two products in the dtype (4h). Backward: the weight's
         gradient (a product, 3h, and a sum over tokens, h), the input's through both products (2h, 3h, 2h)
         and the row sum (h), ``mean``'s and ``pow``'s backward in fp32 (8h fp32), and the two paths added
-        (3h): 15h and 8h fp32."""
+        (3h): 15h and 8h fp32. Unvectorized (an H200's profile of the one-GPU step, 2026-11-30): the two
+        products, each by a broadcast operand (the weight, the per-row scale), forward and backward (4h
+        each); the cast to fp32 (2h; torch's bf16-to-fp32 copy kernel is its unrolled one, the cast back
+        vectorized); ``mean``'s backward, the gradient over h broadcast (2h)."""
         if self.layer_kernels != "eager":
             return (Elementwise(name, 2 * h, 3 * h, sharded=False, sm_kind="norm"),)
-        return (Elementwise(name, 4 * h, 15 * h, sharded=False),
-                Elementwise(f"{name}.fp32", 3 * h, 8 * h, sharded=False, element_bytes=4),
+        return (Elementwise(name, 4 * h, 15 * h, sharded=False, unvectorized=(4 * h, 4 * h)),
+                Elementwise(f"{name}.fp32", 3 * h, 8 * h, sharded=False, element_bytes=4, unvectorized=(0, 2 * h)),
                 Elementwise(f"{name}.cast", h, h, sharded=False, cast=True),
-                Elementwise(f"{name}.cast.fp32", h, h, sharded=False, element_bytes=4, cast=True))
+                Elementwise(f"{name}.cast.fp32", h, h, sharded=False, element_bytes=4, cast=True,
+                            unvectorized=(2 * h, 0)))
 
     def _mlp_kernels(self, f: int) -> tuple[Elementwise, ...]:
         """The norm, the activation and the residual; eager SwiGLU's gate and up projections also add their
