@@ -268,7 +268,8 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
     ]
     if model.sm_cycles_per_s:
         lines.append(f"  SMs         {model.sm_count} x {model.sm_cycles_per_s / model.sm_count / 1e6:,.0f} MHz: "
-                     "softmax, dropout, GeLU, norms and bias adds take the longer of their bytes and their SM cycles")
+                     "softmax, dropout, GeLU, norms, bias adds, unvectorized eager ops: the longer of bytes and "
+                     "SM cycles")
     if model.core_arithmetic is not None and model.elementwise_bw_Bps:
         figures = ", ".join(f"{kind} {ns['forward']:.2f} / {ns['backward']:.2f}"
                             for kind, ns in model.core_arithmetic.to_ns().items())
