@@ -270,8 +270,9 @@ class Elementwise:
     # forward and reads in the backward
     mask: int = 0
     # elements per token (forward, backward), read or written, of this kernel's eager ops that torch runs through
-    # its non-vectorized elementwise loop (an operand broadcast or strided, a cast from bf16 to fp32): SM-bound on
-    # Hopper at the bias add's cycles per element (sm_cycles.bias_add, a broadcast add), whatever their bytes
+    # its non-vectorized elementwise loop (an operand broadcast or strided, a cast from bf16 to fp32), priced at
+    # the bias add's SM cycles per element (sm_cycles.bias_add: a broadcast add, timed alone); the kernel takes the
+    # longer of its bytes and its cycles, and on Hopper these ops' cycles are the longer
     unvectorized: tuple[int, int] = (0, 0)
 
     def _per_rank(self, elements: int, tp: int, sequence_parallel: bool) -> int:
