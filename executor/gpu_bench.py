@@ -12,7 +12,10 @@ figures on them (:func:`parsim.calibrate.gpu.fit_gpu`).
 from __future__ import annotations
 
 import contextlib
+import statistics
+import subprocess
 import sys
+import threading
 import time
 
 from parsim.lowering.lower import FP32, FUSED_ADAMW_ACCESSES
@@ -62,6 +65,34 @@ def open_json_out(script: str, path: str | None):
     except OSError as error:
         print(f"{script}: --json: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+class ClockSampler:
+    """`nvidia-smi` reading the SM clock every 20 ms in the background, each reading stamped as it arrives."""
+
+    def __init__(self) -> None:
+        self.readings: list[tuple[float, float]] = []
+        try:
+            self.process = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
+                                             "-lms", "20"], stdout=subprocess.PIPE, text=True)
+        except OSError:
+            self.process = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            if line.strip().isdigit():
+                self.readings.append((time.perf_counter(), float(line)))
+
+    def median_since(self, since: float) -> float | None:
+        """The median SM clock in MHz read after ``since`` (a ``time.perf_counter()``); None without readings."""
+        recent = [mhz for t, mhz in self.readings if t >= since]
+        return statistics.median(recent) if recent else None
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
 
 
 def row(kind: str, what: str, measured: float, work: dict, **extra) -> dict:

@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from executor.gpu_bench import open_json_out, timed  # noqa: E402
+from executor.gpu_bench import ClockSampler, open_json_out, timed  # noqa: E402
 from parsim.lowering.lower import ADAMW_ACCESSES, FP32, FUSED_ADAMW_ACCESSES  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -52,34 +50,6 @@ def kernels_of(step) -> tuple[int, float]:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return len(kernels), sum(e.device_time_total for e in kernels) / 1e6
-
-
-class ClockSampler:
-    """`nvidia-smi` reading the SM clock every 20 ms in the background, each reading stamped as it arrives."""
-
-    def __init__(self) -> None:
-        self.readings: list[tuple[float, float]] = []
-        try:
-            self.process = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
-                                             "-lms", "20"], stdout=subprocess.PIPE, text=True)
-        except OSError:
-            self.process = None
-            return
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            if line.strip().isdigit():
-                self.readings.append((time.perf_counter(), float(line)))
-
-    def median_since(self, since: float) -> float | None:
-        """The median SM clock in MHz read after ``since`` (a ``time.perf_counter()``); None without readings."""
-        recent = [mhz for t, mhz in self.readings if t >= since]
-        return statistics.median(recent) if recent else None
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
 
 
 def measure(name: str, shapes: list[tuple[int, ...]], implementation: str, dtype: str, clock: ClockSampler) -> dict:
