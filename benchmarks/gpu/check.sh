@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a host with one GPU can check (docs/kernel-model.md, "Measured on a GPU"):
-#   1. the kernel model, kernel by kernel (benchmarks/gpu_kernels.py), and AdamW's steps
-#      (benchmarks/gpu/optimizer_rate.py: fused and foreach, fp32 and bf16, the SM clock);
+#   1. the kernel model, kernel by kernel (benchmarks/gpu_kernels.py), AdamW's steps
+#      (benchmarks/gpu/optimizer_rate.py: fused and foreach, fp32 and bf16, the SM clock) and the eager ops
+#      torch does not vectorize (benchmarks/gpu/unvectorized_ops.py);
 #   2. one training step, measured by the executor on NCCL and predicted (parsim compare --nproc 1),
 #      for a compute-bound plan (benchmarks/gpu/one-gpu-step.yaml) and a launch-bound one (tiny-gpt);
 #   3. parsim calibrate --ranks 1 (this GPU's compute and host figures) and both steps again with them;
@@ -34,6 +35,8 @@ echo "== kernels against $cluster"
 timeout 150 $py benchmarks/gpu_kernels.py --cluster "$cluster" --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt"
 timeout 90 $py benchmarks/gpu/optimizer_rate.py --json "$out/optimizer-rate.json" 2>&1 | grep -v -i warn \
   | tee "$out/optimizer-rate.txt"
+timeout 60 $py benchmarks/gpu/unvectorized_ops.py --json "$out/unvectorized-ops.json" 2>&1 | grep -v -i warn \
+  | tee "$out/unvectorized-ops.txt"
 echo "== one step of $step"
 timeout 180 $py -m parsim compare "$step" --cluster "$cluster" --nproc 1 --backend nccl --steps 5 --timeout 170 \
   --trace "$out/step-trace.json" 2>&1 | tee "$out/step.txt"
