@@ -139,6 +139,24 @@ def test_eager_layers_unvectorized_ops_take_the_bias_adds_cycles_per_element():
         10 * q * tokens * HOPPER_SM_CYCLES.bias_add / (132 * 1.98e9))
 
 
+def test_weight_gradients_added_into_main_grad_of_another_dtype_take_their_unvectorized_cycles():
+    """bf16 gradients added into fp32 main_grad (read both, write one: 3 elements a weight) cast on the fly, so
+    torch runs the add unvectorized: the longer of its 10 bytes a weight and the bias add's cycles."""
+    plan = load_plan(SC21_LAYER.parent / "one-gpu-step.yaml")
+    assert (plan.accumulation.bytes, plan.accumulation.elements) == (10.0, 3.0)
+    layer = next(c for c in plan.stage_costs(0) if c.name == "layer.0")
+    mlp = block_work(plan, layer.blocks[1], "B", plan.tokens_per_rank)
+    weights = 3 * 14336 * 4096
+    assert (mlp.accumulate_bytes, mlp.accumulate_elements) == (10.0 * weights, 3.0 * weights)
+    priced = H100.time(hbm_bytes=mlp.accumulate_bytes, stream_bytes=mlp.accumulate_bytes,
+                       accumulate_elements=mlp.accumulate_elements)
+    cycles_s = 3 * weights * HOPPER_SM_CYCLES.bias_add / (132 * 1.98e9)
+    assert priced == pytest.approx(max(10 * weights / (3350e9 * 0.852), cycles_s)) == pytest.approx(cycles_s)
+    # same dtypes (an fp32 plan, no main_grad): a vectorized add, its bytes alone
+    fp32 = load_plan({**read_yaml(SC21_LAYER.parent / "one-gpu-step.yaml"), "dtype": "fp32"})
+    assert fp32.accumulation.elements == 0.0
+
+
 def test_softmax_cycles_follow_the_row_length_in_log2():
     curve = HOPPER_SM_CYCLES.softmax
     assert at_length(curve, 2048) == dict(curve)[2048]

@@ -152,10 +152,13 @@ def _collectives(plan, spec, model: ComputeModel, layer: str, held: int = 0) -> 
 
     def timed(of_plan, kind: str, exposure: list | None = None) -> tuple[float, float]:
         """(pass seconds, of which collectives hold the compute stream up)."""
-        phases, accumulate, _ = costs.time_pieces(Lowering(of_plan).layer_pass(p, index, cost, kind),
-                                                  of_plan.accumulation_bytes, exposure=exposure, held_sms=held)
+        phases, accumulate, accumulate_sm, _ = costs.time_pieces(Lowering(of_plan).layer_pass(p, index, cost, kind),
+                                                                 of_plan.accumulation, exposure=exposure,
+                                                                 held_sms=held)
         exposed = sum(phases[PASS_PHASES.index(g)] for g in ("tp", "ep", "cp"))
-        return float(phases.sum() + accumulate * of_plan.accumulation_bytes), float(exposed)
+        accumulation = of_plan.accumulation
+        return float(phases.sum() + max(accumulate * accumulation.bytes, accumulate_sm * accumulation.elements)), \
+            float(exposed)
 
     in_line = (dataclasses.replace(plan, tp_comm_overlap=False, tp_async_backward=False)
                if plan.tp_comm_overlap or plan.tp_async_backward else None)
@@ -215,13 +218,19 @@ def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str, h
         rows.append({"block": block, "kernel": "attention core (flash" + (", backward)" if backward else ")"),
                      "shape": "", "flops": flops, "fill": None, "bound": "compute", "time_s": time})
     for what, nbytes, works in (*work.elementwise_parts,
-                                ("fp8 casts (amax, cast and transpose)", work.quantize_bytes, ()),
-                                (f"add weight gradients into {gradient_sum}", work.accumulate_bytes, ())):
+                                ("fp8 casts (amax, cast and transpose)", work.quantize_bytes, ())):
         if nbytes:
             kernel = ((nbytes, works),)
             rows.append({"block": block, "kernel": what, "shape": f"{nbytes / 1e6:,.1f} MB", "flops": 0.0,
                          "fill": None, "bound": _arithmetic_bound(model) if model.sm_excess(kernel) else "memory",
                          "time_s": model.time(hbm_bytes=nbytes, sm_bound=kernel, sm_reserved=held)})
+    if work.accumulate_bytes:  # the longer of its bytes and, where dtypes differ, its unvectorized cycles
+        nbytes, elements = work.accumulate_bytes, work.accumulate_elements
+        rows.append({"block": block, "kernel": f"add weight gradients into {gradient_sum}",
+                     "shape": f"{nbytes / 1e6:,.1f} MB", "flops": 0.0, "fill": None,
+                     "bound": _arithmetic_bound(model) if model.unvectorized_s(elements) > nbytes / model.memory_bw_Bps
+                     else "memory",
+                     "time_s": model.time(hbm_bytes=nbytes, stream_bytes=nbytes, accumulate_elements=elements)})
     if work.kernels and model.kernel_overhead_s:
         rows.append({"block": block, "kernel": f"{work.kernels} launches", "shape": "", "flops": 0.0, "fill": None,
                      "bound": "launch", "time_s": work.kernels * model.kernel_overhead_s})

@@ -31,6 +31,7 @@ class BlockWork:
     kernels: int
     quantize_bytes: float = 0.0  # fp8 plans: casting the GEMMs' operands (see fp8_cast_bytes)
     high_precision: bool = False  # fp8 plans: this block's matmuls stay in bf16 (FP8_EXEMPT_BLOCKS)
+    accumulate_elements: float = 0.0  # of the accumulation, read or written unvectorized (Plan.accumulation)
 
     @property
     def elementwise_bytes(self) -> float:
@@ -130,17 +131,18 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
     # accumulation does it in the weight-gradient matmul's epilogue, hidden by its FLOPs (k = tokens); a
     # table's gradient has no matmul and always takes the pass. A tied head's weight is the embedding
     # table's (owns_weight False): its gradient joins the table's and is added once, with the table.
-    accumulate = 0.0
+    accumulate = unvectorized = 0.0
     if kind in ("B", "W"):
         weights = tables
         if plan.grad_accumulation == "autograd":
             weights += sum(mm.shape_per_rank(tp)[0] * mm.shape_per_rank(tp)[1] * mm.copies_per_rank(plan.ep)
                            for mm in block.matmuls if mm.owns_weight)
         accumulate = weights * plan.accumulation_bytes
+        unvectorized = weights * plan.accumulation.elements
     quantize, casts = fp8_cast_bytes(plan, block, kind, tokens)
     kernels = len(mms) + len(parts) + 2 * casts
     return BlockWork(tuple(mms), tuple(labels), tuple(sources), attention_fwd, attention_bwd, tuple(parts), accumulate,
-                     kernels, quantize, plan.dtype == "fp8" and block.name in FP8_EXEMPT_BLOCKS)
+                     kernels, quantize, plan.dtype == "fp8" and block.name in FP8_EXEMPT_BLOCKS, unvectorized)
 
 
 def _rows(plan: Plan, mm, tokens: int) -> int:

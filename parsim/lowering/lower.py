@@ -378,7 +378,8 @@ class Lowering:
                         attention_grad_flops=piece.attention_grad_flops, forward_ops=piece.forward_ops,
                         backward_ops=piece.backward_ops, tp_calls=piece.tp_calls, stream_bytes=piece.stream_bytes,
                         sm_reserved=piece.sm_reserved, beside_sms=piece.beside_sms or 0,
-                        high_precision=piece.high_precision, sm_bound=piece.sm_bound)
+                        high_precision=piece.high_precision, sm_bound=piece.sm_bound,
+                        accumulate_elements=piece.accumulate_elements)
             templates.append([getattr(op, field) for field in OP_FIELDS])
         return tuple(templates)
 
@@ -501,7 +502,7 @@ class Lowering:
                              attention_flops=work.attention_flops,
                              attention_grad_flops=work.attention_grad_flops, forward_ops=forward_ops,
                              backward_ops=backward_ops, tp_calls=self.tp_calls(block, kind),
-                             stream_bytes=work.accumulate_bytes,
+                             stream_bytes=work.accumulate_bytes, accumulate_elements=work.accumulate_elements,
                              high_precision=work.high_precision, sm_bound=work.sm_bound)
         return piece, work.sources
 

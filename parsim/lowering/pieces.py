@@ -30,6 +30,7 @@ class ComputePiece:
     backward_ops: int = 0
     tp_calls: tuple[int, int] = (0, 0)  # tensor-parallel collective calls the block's pass wraps: forward, backward
     stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation)
+    accumulate_elements: float = 0.0  # of that accumulation, read or written unvectorized (Plan.accumulation)
     opens: bool = False  # the first piece of its layer in this pass (FSDP gathers the layer before it)
     closes: bool = False  # the last (FSDP reduce-scatters the layer's gradients after a backward's)
     joins: str = ""  # "cp" or "tp": a join of that side stream

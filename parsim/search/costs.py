@@ -15,7 +15,9 @@ expert all-to-alls blocking the compute stream, context-parallel exchanges
 overlapping the attention they serve, recomputed forwards before their
 backward. Gradient accumulation is linear in the bytes per weight it streams
 (:func:`~parsim.workload.plan.accumulation_bytes`: the dtypes, the microbatch count,
-FSDP or not); it is priced once per byte and scaled.
+FSDP or not) and in the elements it reads or writes unvectorized, whose SM cycles
+can outlast those bytes on a GPU (:func:`~parsim.workload.plan.accumulation_elements`);
+it is priced once per byte and per element, and scaled.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..hardware.network import Network, max_min_rates, stack_routes
 from ..lowering.lower import CommPiece, Lowering
 from ..sim.compute import ComputeModel
 from ..sim.stepsim import StepSimulator, uncontended_s
-from ..workload.plan import Plan
+from ..workload.plan import Accumulation, Plan
 from .tables import entry_types
 
 # Where a pass's time on the compute stream goes (the step report's phases that compute-stream work fills).
@@ -113,26 +115,32 @@ class PassTable:
     microbatch's seconds on the compute stream.
 
     ``phases`` splits them by :data:`PASS_PHASES`, without gradient accumulation;
-    ``accumulate`` is the accumulation's time per byte per weight, charged times
-    :func:`~parsim.workload.plan.accumulation_bytes` to the pass's compute phase. ``trailing`` is
+    ``accumulate`` is the accumulation's time per byte per weight and ``accumulate_sm`` its SM time per
+    unvectorized element per weight: it takes the longer of the two, times a plan's
+    :class:`~parsim.workload.plan.Accumulation`, in the pass's compute phase. ``trailing`` is
     the blocking communication after an entry's last kernel (its gradients are
     final before it).
     """
 
     phases: np.ndarray  # [types, 4, phases]
     accumulate: np.ndarray  # [types, 4]
+    accumulate_sm: np.ndarray  # [types, 4]
     trailing: np.ndarray  # [types, 4]
 
-    def seconds(self, accumulation_bytes: float) -> np.ndarray:
-        """[types, 4]: each entry's pass when accumulating streams ``accumulation_bytes`` per weight."""
-        return self.phases.sum(axis=2) + self.accumulate * accumulation_bytes
+    def accumulation_s(self, accumulation: Accumulation) -> np.ndarray:
+        """[types, 4]: each entry's accumulation in a pass, per microbatch."""
+        return np.maximum(self.accumulate * accumulation.bytes, self.accumulate_sm * accumulation.elements)
 
-    def phase_seconds(self, accumulation_bytes: float) -> np.ndarray:
+    def seconds(self, accumulation: Accumulation) -> np.ndarray:
+        """[types, 4]: each entry's pass when its gradients join their sum as ``accumulation`` says."""
+        return self.phases.sum(axis=2) + self.accumulation_s(accumulation)
+
+    def phase_seconds(self, accumulation: Accumulation) -> np.ndarray:
         """[types, 4, phases]."""
         out = self.phases.copy()
         compute = out[..., :4].argmax(axis=2)  # the pass's own compute phase takes the accumulation
         np.put_along_axis(out, compute[..., None], np.take_along_axis(out, compute[..., None], axis=2)
-                          + self.accumulate[..., None] * accumulation_bytes, axis=2)
+                          + self.accumulation_s(accumulation)[..., None], axis=2)
         return out
 
 
@@ -168,27 +176,28 @@ class PassCosts:
         recomputed = {c.name for s in range(plan.num_stages) for c in plan.recomputed(s)}
         types = entry_types(plan)
         phases = np.zeros((len(types), len(KINDS), len(PASS_PHASES)))
-        accumulate = np.zeros((len(types), len(KINDS)))
+        accumulate, accumulate_sm = np.zeros((len(types), len(KINDS))), np.zeros((len(types), len(KINDS)))
         trailing = np.zeros((len(types), len(KINDS)))
         for e, cost in enumerate(types):
             for k, kind in enumerate(KINDS):
                 pieces = lowering.layer_pass(0, 0, cost, "R") if cost.name in recomputed and kind in "BI" else []
-                phases[e, k], accumulate[e, k], trailing[e, k] = self.time_pieces(
-                    pieces + lowering.layer_pass(0, 0, cost, kind), plan.accumulation_bytes,
+                phases[e, k], accumulate[e, k], accumulate_sm[e, k], trailing[e, k] = self.time_pieces(
+                    pieces + lowering.layer_pass(0, 0, cost, kind), plan.accumulation,
                     None if exchange is None else partial(exchange, e), held_sms=held_sms)
-        return PassTable(phases, accumulate, trailing)
+        return PassTable(phases, accumulate, accumulate_sm, trailing)
 
-    def time_pieces(self, pieces, accumulation_bytes: float, exchange: Callable[[CommPiece], float] | None = None,
-                    exposure: list[dict] | None = None, held_sms: int = 0) -> tuple[np.ndarray, float, float]:
-        """Seconds of ``pieces`` on the compute stream by phase, the accumulation's per byte per weight (the
-        pieces stream ``accumulation_bytes`` per weight), and the blocking
+    def time_pieces(self, pieces, accumulation: Accumulation, exchange: Callable[[CommPiece], float] | None = None,
+                    exposure: list[dict] | None = None,
+                    held_sms: int = 0) -> tuple[np.ndarray, float, float, float]:
+        """Seconds of ``pieces`` on the compute stream by phase, the accumulation's per byte per weight and per
+        unvectorized element per weight (the pieces accumulate as ``accumulation`` says), and the blocking
         communication after the last kernel: collectives in line, or on their side stream (context-parallel
         exchanges, overlapped tensor-parallel collectives) from the op before them until their stream's
         next join, whose wait counts in that group's phase. ``exposure``, if given, receives one row per
         collective: the piece, its seconds alone and the seconds it holds the compute stream up. ``held_sms``:
         SMs a side stream's collective holds all along, which the pieces' kernels do without (``sm_reserved``)."""
         phases = np.zeros(len(PASS_PHASES))
-        t = last_kernel = accumulate = 0.0
+        t = last_kernel = accumulate = accumulate_sm = 0.0
         free = {"cp": 0.0, "tp": 0.0}  # when each side stream finishes what it was given
         pending: dict[str, list[float]] = {"cp": [], "tp": []}
         waiting: dict[str, list[dict]] = {"cp": [], "tp": []}  # exposure rows of each side stream before its join
@@ -231,11 +240,14 @@ class PassCosts:
                 sms = self.comm.sim.held_sms(piece.beside_sms, other.collective, other.ranks, other.nbytes)
                 if sms > 0:
                     seconds = self.compute.beside_collective_time(seconds, seconds_on(sms), other_s)
-            if acc:  # streaming the gradients into their sum adds its own time (ComputeModel.time is linear in it)
+            if acc:  # adding the gradients into their sum takes the longer of its bytes and its SM cycles
                 extra = self.compute_time((), 0.0, acc, 0, 0.0, 0.0, 0, 0, 0, acc)
-                accumulate += extra / accumulation_bytes
-                t += extra
+                cycles = self.compute.unvectorized_s(piece.accumulate_elements)
+                accumulate += extra / accumulation.bytes
+                if cycles:
+                    accumulate_sm += cycles / accumulation.elements
+                t += max(extra, cycles)
             t += seconds
             phases[PASS_PHASES.index(piece.phase)] += seconds
             last_kernel = t
-        return phases, accumulate, t - last_kernel
+        return phases, accumulate, accumulate_sm, t - last_kernel

@@ -52,8 +52,9 @@ from ..report.step_report import PHASES
 from ..schedules import SCHEDULES, make_schedule, peak_in_flight
 from ..sim.compute import ComputeModel
 from ..workload.model import MLPModel
-from ..workload.plan import (DTYPE_BYTES, Plan, accumulation_bytes, attention_seq, default_reduce_dtype,
-                             keeps_main_grads, master_weights, ties_across_stages)
+from ..workload.plan import (DTYPE_BYTES, Accumulation, Plan, accumulation_bytes, accumulation_elements,
+                             attention_seq, default_reduce_dtype, keeps_main_grads, master_weights,
+                             ties_across_stages)
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
 from .pipeline import PipelineTiming, time_schedule
 from .space import SearchSpace, Setting, Variant
@@ -465,9 +466,11 @@ class FastModel:
         """:attr:`Plan.main_grads <parsim.workload.plan.Plan.main_grads>` of ``v``: low-precision weights, not FSDP."""
         return keeps_main_grads(self.dtype_bytes, self._shards_weights(s, v))
 
-    def _accumulation_of(self, s: Setting, v: Variant) -> float:
-        """Bytes per weight a microbatch's gradients stream into their sum (:func:`accumulation_bytes`)."""
-        return accumulation_bytes(self.dtype_bytes, self.grad_bytes, self._main_grads(s, v), s.num_microbatches)
+    def _accumulation_of(self, s: Setting, v: Variant) -> Accumulation:
+        """What a microbatch's gradients cost per weight joining their sum (:class:`Accumulation`)."""
+        main_grads = self._main_grads(s, v)
+        return Accumulation(accumulation_bytes(self.dtype_bytes, self.grad_bytes, main_grads, s.num_microbatches),
+                            accumulation_elements(self.dtype_bytes, self.grad_bytes, main_grads))
 
     @staticmethod
     def _shards_weights(s: Setting, v: Variant) -> bool:
@@ -948,7 +951,7 @@ def _with_recompute(table: PassTable, recomputed: np.ndarray) -> PassTable:
     phases = table.phases.copy()
     for kind in ("B", "I"):
         phases[recomputed, KINDS.index(kind)] += forward[recomputed]
-    return PassTable(phases, table.accumulate, table.trailing)
+    return PassTable(phases, table.accumulate, table.accumulate_sm, table.trailing)
 
 
 @dataclass(frozen=True)

@@ -367,7 +367,7 @@ class ComputeModel:
              sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...] = (), stream_apart: bool = False,
              optimizer_steps: int = 0, tp_calls: tuple[int, int] = (0, 0),
              fsdp_calls: tuple[int, int, int] = (0, 0, 0), fsdp_passes: tuple[int, int] = (0, 0),
-             adamw_params: float = 0.0) -> float:
+             adamw_params: float = 0.0, accumulate_elements: float = 0.0) -> float:
         """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
         kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; and
         each dispatched op's, each tensor-parallel call's (``tp_calls``: forward, backward), each optimizer
@@ -384,7 +384,10 @@ class ComputeModel:
         too): each takes the longer of the two on a GPU whose SM clock is known (:meth:`sm_excess`).
         ``stream_apart``: on a CPU host, leave ``stream_bytes`` out; the caller times them on its shared
         memory (:attr:`shares_host_memory`). ``adamw_params``: parameters a fused AdamW kernel steps, whose SM
-        cycles add to its bytes on a GPU whose SM clock is known (``sm_cycles.adamw``)."""
+        cycles add to its bytes on a GPU whose SM clock is known (``sm_cycles.adamw``). ``accumulate_elements``:
+        elements the gradients' accumulation (``stream_bytes``) reads or writes unvectorized; it takes the longer
+        of its bytes and their cycles (:meth:`unvectorized_s`), on every SM whatever a collective holds, as the
+        search's fast tier prices it."""
         total = sum(self.matmul_time(*mm, sm_reserved, high_precision) for mm in matmuls)
         forward, backward = self.attention_efficiency
         spread = self.sm_count / self.sms_left(sm_reserved) if self.sm_count and sm_reserved else 1.0
@@ -400,7 +403,14 @@ class ComputeModel:
                               fsdp_passes)
         if adamw_params and self.sm_cycles_per_s:
             work += adamw_params * self.sm_cycles.adamw / self.sm_cycles_per_s * spread
+        if accumulate_elements:
+            work += max(self.unvectorized_s(accumulate_elements) - stream_bytes / self.memory_bw_Bps, 0.0)
         return self.with_host(total + work + self.sm_excess(sm_bound, spread) + kernels * self.kernel_overhead_s, host)
+
+    def unvectorized_s(self, elements: float) -> float:
+        """Seconds of ``elements`` read or written through torch's non-vectorized loop, at the bias add's SM
+        cycles, on a GPU whose SM clock is known (0 otherwise)."""
+        return elements * self.sm_cycles.bias_add / self.sm_cycles_per_s if self.sm_cycles_per_s else 0.0
 
     def sm_excess(self, sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...], spread: float = 1.0) -> float:
         """How much longer than their bytes these (bytes, arithmetic) kernels run, their arithmetic being the

@@ -50,6 +50,8 @@ class Op:
     high_precision: bool = False  # fp8 plans: these matmuls run in bf16 (the LM head)
     sm_bound: tuple = ()  # (bytes, SmWork...) of kernels the SMs may bound (their bytes in hbm_bytes too)
     adamw_params: float = 0.0  # parameters a fused AdamW kernel steps: SM cycles beside its bytes (sm_cycles.adamw)
+    # elements the weight gradients' accumulation (stream_bytes) reads or writes unvectorized (Plan.accumulation)
+    accumulate_elements: float = 0.0
     # communication
     collective: str = ""  # all_reduce, all_gather, reduce_scatter, ...
     group: str = ""  # "tp" | "dp" | "pp"

@@ -132,6 +132,24 @@ def accumulation_bytes(dtype_bytes: int, grad_bytes: int, main_grads: bool, micr
     return 3 * dtype_bytes * (microbatches - 1) / microbatches
 
 
+class Accumulation(NamedTuple):
+    """What adding one microbatch's weight gradients into the step's sum costs per weight: the bytes it streams
+    (:func:`accumulation_bytes`) and the elements it reads or writes through torch's non-vectorized loop
+    (:func:`accumulation_elements`), whose SM cycles can outlast those bytes on a GPU."""
+
+    bytes: float
+    elements: float
+
+
+def accumulation_elements(dtype_bytes: int, grad_bytes: int, main_grads: bool) -> float:
+    """Elements per weight, read or written, that adding a microbatch's weight gradient into ``main_grad`` runs
+    through torch's non-vectorized loop: 3 (read both, write one) where ``main_grad`` is in another dtype than
+    the gradient, whose add then casts on the fly (an H200 timed ``main_grad.add_(grad)`` from bf16 into fp32 at
+    0.311 SM cycles an element, against the bias add's 0.366 the model prices it at:
+    ``benchmarks/gpu/h200-unvectorized-ops-2026-11-30.json``); 0 where the dtypes match (vectorized)."""
+    return 3.0 if main_grads and grad_bytes != dtype_bytes else 0.0
+
+
 def default_reduce_dtype(dtype: str) -> str:
     """The gradients' dtype a plan in ``dtype`` reduces in unless it says otherwise (``REDUCE_DTYPES``)."""
     return "fp32" if dtype in ("bf16", "fp8") else dtype
@@ -556,6 +574,12 @@ class Plan:
     def accumulation_bytes(self) -> float:
         """Bytes per weight each microbatch streams adding its gradient into the sum, on average."""
         return accumulation_bytes(self.dtype_bytes, self.grad_bytes, self.main_grads, self.num_microbatches)
+
+    @property
+    def accumulation(self) -> Accumulation:
+        """Bytes and unvectorized elements per weight each microbatch's gradient adds into the sum."""
+        return Accumulation(self.accumulation_bytes,
+                            accumulation_elements(self.dtype_bytes, self.grad_bytes, self.main_grads))
 
     @property
     def grad_bytes(self) -> int:
