@@ -12,6 +12,7 @@ figures on them (:func:`parsim.calibrate.gpu.fit_gpu`).
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
 import subprocess
 import sys
@@ -52,6 +53,23 @@ def timed(fn, device: torch.device, min_s: float = 0.05, max_iters: int = 200) -
     for _ in range(iters):
         fn()
     return (time.perf_counter() - start) / iters
+
+
+def dump_rows(out, rows: list[dict]) -> None:
+    """A GPU benchmark's ``--json`` (``out``, from :func:`open_json_out`; None: none asked for): the GPU, torch's
+    version and the rows, written and closed."""
+    if out is not None:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, out, indent=1)
+        out.close()
+
+
+def params_with_grads(shapes, device, dtype=None) -> list:
+    """Parameters of these shapes (fp32 unless ``dtype``), random, each with a random gradient: what an optimizer
+    step reads."""
+    params = [torch.nn.Parameter(torch.randn(shape, device=device, dtype=dtype)) for shape in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
 
 
 def open_json_out(script: str, path: str | None):
@@ -248,10 +266,7 @@ ADAMW_TENSORS, ADAMW_NUMEL = 16, 1 << 24  # a fused AdamW's parameters: 268M fp3
 def adamw_row(device, tensors: int = ADAMW_TENSORS, numel: int = ADAMW_NUMEL) -> dict:
     """torch's fused AdamW step over ``tensors`` fp32 parameters of ``numel``: its seconds, and the parameters and
     bytes (7 fp32 accesses each) the model prices it by (``sm_cycles.adamw`` beside the bytes)."""
-    params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(tensors)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    optimizer = torch.optim.AdamW(params_with_grads([(numel,)] * tensors, device), lr=1e-4, fused=True)
     count = tensors * numel
     return row("optimizer", f"fused AdamW, {tensors} tensors of {numel:,} fp32", timed(optimizer.step, device),
                {"params": count, "bytes": count * FUSED_ADAMW_ACCESSES * FP32})

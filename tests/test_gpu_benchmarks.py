@@ -49,7 +49,8 @@ def test_bad_input_to_the_kernel_benchmark_is_one_line(args, expected):
     assert done.returncode == 2 and expected in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("name", ["unfused_layer.py", "score_kernels.py", "sustained_gemm.py"])
+@pytest.mark.parametrize("name", ["unfused_layer.py", "score_kernels.py", "sustained_gemm.py", "optimizer_rate.py",
+                                  "unvectorized_ops.py"])
 def test_the_gpu_benchmarks_need_a_gpu_and_say_so_in_one_line(name):
     import torch
 

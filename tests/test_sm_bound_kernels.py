@@ -1,5 +1,6 @@
 """Memory-bound kernels the SMs bound (softmax, dropout, GeLU, norms) against closed forms."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,23 @@ def test_explain_compute_marks_the_kernels_the_sms_bound(capsys):
     assert softmax["bound"] == "SMs"
     assert softmax["time_s"] == pytest.approx(2 * scores * dict(HOPPER_SM_CYCLES.softmax)[2048] / (132 * 1.98e9))
     assert rows[("F", "attn.core.copies")]["bound"] == "memory"
+
+
+def test_explain_compute_prices_the_eager_layers_unvectorized_ops_and_main_grad_adds_at_their_cycles(capsys):
+    """The one-GPU step on an H100: RoPE's forward and the MLP's weight gradients added into fp32 main_grad are
+    bound by the SMs, at the bias add's cycles; the header names them among the kernels the SMs may bound."""
+    from parsim.cli.main import main
+
+    step = str(SC21_LAYER.parent / "one-gpu-step.yaml")
+    assert main(["explain", "compute", step, "--cluster", "dgx-h100"]) == 0
+    assert "bias adds, unvectorized eager ops: the longer of bytes and SM cycles" in capsys.readouterr().out
+    assert main(["explain", "compute", step, "--cluster", "dgx-h100", "--json"]) == 0
+    rows = {(r["pass"], r["kernel"]): r for r in json.loads(capsys.readouterr().out)["kernels"]}
+    per_element = HOPPER_SM_CYCLES.bias_add / (132 * 1.98e9)
+    rope, added = rows[("F", "attn.rope.q")], rows[("B", "add weight gradients into main_grad")]
+    assert (rope["bound"], added["bound"]) == ("SMs", "SMs")
+    assert rope["time_s"] == pytest.approx(10 * 4096 * 8192 * per_element)
+    assert added["time_s"] == pytest.approx(3 * 3 * 14336 * 4096 * per_element)  # gate, up and down
 
 
 def h100_with(sm_cycles: object) -> dict:

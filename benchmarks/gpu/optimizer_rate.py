@@ -15,7 +15,6 @@ copy's, with the SM clock `nvidia-smi` read while it ran. It measures a GPU; not
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from executor.gpu_bench import ClockSampler, open_json_out, timed  # noqa: E402
+from executor.gpu_bench import ClockSampler, dump_rows, open_json_out, params_with_grads, timed  # noqa: E402
 from parsim.lowering.lower import ADAMW_ACCESSES, FP32, FUSED_ADAMW_ACCESSES  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -56,9 +55,7 @@ def measure(name: str, shapes: list[tuple[int, ...]], implementation: str, dtype
     """One AdamW step's seconds (mean of steps after warm-up), its bytes as the model counts them (its accesses
     of ``dtype``'s elements), its kernels and the SM clock while it was timed."""
     device = torch.device("cuda")
-    params = [torch.nn.Parameter(torch.randn(shape, device=device, dtype=DTYPES[dtype])) for shape in shapes]
-    for p in params:
-        p.grad = torch.randn_like(p)
+    params = params_with_grads(shapes, device, DTYPES[dtype])
     flag = {"fused": True} if implementation == "fused" else {"foreach": True}
     optimizer = torch.optim.AdamW(params, lr=1e-4, **flag)
     began = time.perf_counter()
@@ -78,9 +75,7 @@ def after_gemms(clock: ClockSampler, rounds: int = 10, gemms: int = 40) -> dict:
     """The one-GPU step's fused fp32 AdamW as a training step runs it: right after bf16 GEMMs (``gemms`` of
     8192^3, about 60 ms, a step's backward in small), timed alone by CUDA events; the median of ``rounds``."""
     device = torch.device("cuda")
-    params = [torch.nn.Parameter(torch.randn(shape, device=device)) for shape in step_shapes()]
-    for p in params:
-        p.grad = torch.randn_like(p)
+    params = params_with_grads(step_shapes(), device)
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     optimizer.step()
@@ -140,9 +135,7 @@ def main() -> None:
         print(f"{r['case']:24s} {r.get('implementation', ''):8s} {r.get('dtype', ''):5s} {r.get('params', 0):13,d} "
               f"{r['measured_s'] * 1e3:8.3f} {r['TBps']:6.2f} {r.get('kernels', ''):>8} "
               f"{r.get('kernel_s', 0) * 1e3:9.3f} {r['sm_clock_MHz'] or 0:7.0f}")
-    if out:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, out, indent=1)
-        out.close()
+    dump_rows(out, rows)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ fp32 `main_grad`, and `cat`. It measures a GPU; nothing in the model reads it.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from executor.gpu_bench import ClockSampler, open_json_out, timed  # noqa: E402
+from executor.gpu_bench import ClockSampler, dump_rows, open_json_out, timed  # noqa: E402
 from parsim.hardware.cluster import HOPPER_SM_CYCLES  # noqa: E402
 
 TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 8192, 4096, 32, 8, 128, 14336
@@ -82,9 +81,7 @@ def main() -> None:
         cycles = f"{r['cycles_per_element']:7.3f}" if r["cycles_per_element"] is not None else f"{'-':>7s}"
         print(f"{r['op']:44s} {r['measured_s'] * 1e6:8.1f} {r['elements']:12,d} {cycles} "
               f"{r['sm_clock_MHz'] or 0:7.0f}  {r['priced']}")
-    if out:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, out, indent=1)
-        out.close()
+    dump_rows(out, rows)
 
 
 if __name__ == "__main__":

@@ -156,9 +156,7 @@ def _collectives(plan, spec, model: ComputeModel, layer: str, held: int = 0) -> 
                                                                  of_plan.accumulation, exposure=exposure,
                                                                  held_sms=held)
         exposed = sum(phases[PASS_PHASES.index(g)] for g in ("tp", "ep", "cp"))
-        accumulation = of_plan.accumulation
-        return float(phases.sum() + max(accumulate * accumulation.bytes, accumulate_sm * accumulation.elements)), \
-            float(exposed)
+        return float(phases.sum() + of_plan.accumulation.seconds(accumulate, accumulate_sm)), float(exposed)
 
     in_line = (dataclasses.replace(plan, tp_comm_overlap=False, tp_async_backward=False)
                if plan.tp_comm_overlap or plan.tp_async_backward else None)

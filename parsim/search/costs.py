@@ -129,7 +129,7 @@ class PassTable:
 
     def accumulation_s(self, accumulation: Accumulation) -> np.ndarray:
         """[types, 4]: each entry's accumulation in a pass, per microbatch."""
-        return np.maximum(self.accumulate * accumulation.bytes, self.accumulate_sm * accumulation.elements)
+        return accumulation.seconds(self.accumulate, self.accumulate_sm)
 
     def seconds(self, accumulation: Accumulation) -> np.ndarray:
         """[types, 4]: each entry's pass when its gradients join their sum as ``accumulation`` says."""

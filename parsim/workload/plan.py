@@ -140,6 +140,11 @@ class Accumulation(NamedTuple):
     bytes: float
     elements: float
 
+    def seconds(self, per_byte, per_element):
+        """Its time, the longer of its bytes and its unvectorized elements, at these seconds per byte and per
+        element (per weight; numbers or arrays)."""
+        return np.maximum(per_byte * self.bytes, per_element * self.elements)
+
 
 def accumulation_elements(dtype_bytes: int, grad_bytes: int, main_grads: bool) -> float:
     """Elements per weight, read or written, that adding a microbatch's weight gradient into ``main_grad`` runs
