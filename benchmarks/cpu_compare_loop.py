@@ -36,7 +36,11 @@ the calibration (``host.yaml``, and what calibrate printed in
 ``--again DIR`` runs nothing: it predicts the runs an earlier loop kept in
 DIR (its ``--out``) again with the model as it is now, each at the host speed
 its probes measured, against what was measured then; a change to the model is
-checked on the same measurements.
+checked on the same measurements. Given several folders (``--again DIR
+DIR ...``, each with its own calibration), it prints how the model does across
+them: per plan, the sets whose step is within 15% and the misses, and per
+stage and phase, the median error over the sets and how many of them miss
+25%: what is systematic, not one hour's noise.
 
 ``--repeat DIR_A DIR_B`` runs nothing either: it holds two loops' measurements
 against each other, as the model is held against one, to show how far the
@@ -48,7 +52,7 @@ often with no model at all (``docs/calibration.md``, "How far a measurement
 repeats itself").
 
 Run:  python benchmarks/cpu_compare_loop.py [--cluster host.yaml] [--runs 3] [--steps N] [--out DIR] [--json]
-      python benchmarks/cpu_compare_loop.py --again DIR [--json]
+      python benchmarks/cpu_compare_loop.py --again DIR [DIR ...] [--json]
       python benchmarks/cpu_compare_loop.py --repeat DIR_A DIR_B [--json]
 """
 
@@ -222,8 +226,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, help="runs of each plan (default 3)")
     parser.add_argument("--steps", type=int, help=f"measured steps of each run (default {STEPS})")
     parser.add_argument("--out", help="keep the calibration and every run's JSON in this folder")
-    parser.add_argument("--again", metavar="DIR",
-                        help="run nothing: predict the runs kept in DIR (an earlier --out) again with this model")
+    parser.add_argument("--again", metavar="DIR", nargs="+",
+                        help="run nothing: predict the runs kept in DIR (an earlier --out) again with this model; "
+                             "several DIRs: the model across them, stage by stage")
     parser.add_argument("--repeat", nargs=2, metavar=("DIR_A", "DIR_B"),
                         help="run nothing: hold the measurements kept in DIR_A against DIR_B's")
     parser.add_argument("--json", action="store_true", help="print a JSON summary for scripts")
@@ -244,8 +249,12 @@ def main() -> None:
         _fail(f"--runs must be at least 1, got {args.runs}")
     if args.steps is not None and args.steps < 1:
         _fail(f"--steps must be at least 1, got {args.steps}")
+    if args.again is not None and len(args.again) > 1:
+        _print_across([Path(folder) for folder in args.again], args.json)
+        return
     if args.again is not None:
-        cluster, out, runs = str(Path(args.again) / "host.yaml"), Path(args.again), _kept_runs(Path(args.again))
+        out = Path(args.again[0])
+        cluster, runs = str(out / "host.yaml"), _kept_runs(out)
         title = f"the runs kept in {out}, predicted again with this model on {cluster}"
     else:
         cluster, out, runs = _measure(args)
@@ -267,6 +276,56 @@ def main() -> None:
                      f"{row['phase_misses']} ({row['phase_misses_in_range']})", row["stage_misses"]])
     print(render_table(["plan", "predicted (ms)", "measured (ms)", "error", "within 15%", "worst phase",
                         "phases within 25%", "misses (inside steps' range)", "misses per stage"], rows, title=title))
+
+
+def across_sets(summaries: list[dict[str, dict]]) -> dict:
+    """Several loops' :func:`summarize` results (one dict of plans each) taken together: per plan, the sets whose
+    step is within the bound, the median step error and the misses summed; per (plan, stage, phase), the median
+    error over the sets and how many of them miss the phase bound."""
+    plans: dict[str, dict] = {}
+    stages: dict[tuple[str, int, str], list[dict]] = {}
+    for summary in summaries:
+        for label, plan in summary.items():
+            row = plans.setdefault(label, {"sets": 0, "steps_within": 0, "step_errors": [], "phase_misses": 0,
+                                           "stage_misses": 0})
+            row["sets"] += 1
+            row["steps_within"] += plan["step_within"]
+            row["step_errors"].append(plan["step_error"])
+            row["phase_misses"] += plan["phase_misses"]
+            row["stage_misses"] += plan["stage_misses"]
+            for stage in plan["stages"]:
+                stages.setdefault((label, stage["pp"], stage["phase"]), []).append(stage)
+    for row in plans.values():
+        row["median_step_error"] = statistics.median(row.pop("step_errors"))
+    return {"plans": plans, "stages": [
+        {"plan": label, "pp": pp, "phase": phase, "sets": len(rows),
+         "median_error": statistics.median(r["error"] for r in rows),
+         "sets_missing": sum(abs(r["error"]) > PHASE_BOUND for r in rows),
+         "median_predicted_s": statistics.median(r["predicted_s"] for r in rows),
+         "median_measured_s": statistics.median(r["measured_s"] for r in rows)}
+        for (label, pp, phase), rows in stages.items()]}
+
+
+def _print_across(folders: list[Path], as_json: bool) -> None:
+    summaries = [{label: summarize(runs) for label, runs in _kept_runs(folder).items()} for folder in folders]
+    across = across_sets(summaries)
+    if as_json:
+        print(json.dumps({"sets": [str(f) for f in folders], **across}, indent=1))
+        return
+    from parsim.report.table import render_table
+
+    print(render_table(["plan", "sets", "steps within 15%", "median step error", "misses per rank", "per stage"],
+                       [[label, row["sets"], row["steps_within"], f"{row['median_step_error']:+.1%}",
+                         row["phase_misses"], row["stage_misses"]] for label, row in across["plans"].items()],
+                       title=f"the runs kept in {len(folders)} folders, each predicted again with this model on its "
+                             "own calibration"))
+    print()
+    print(render_table(["plan", "stage", "phase", "median error", "sets outside 25%", "predicted (ms)",
+                        "measured (ms)"],
+                       [[row["plan"], row["pp"], row["phase"], f"{row['median_error']:+.0%}",
+                         f"{row['sets_missing']} of {row['sets']}", row["median_predicted_s"] * 1e3,
+                         row["median_measured_s"] * 1e3] for row in across["stages"]],
+                       title="each stage's phases across the sets (medians over the sets)"))
 
 
 def _print_repeat(folder_a: str, folder_b: str, as_json: bool) -> None:

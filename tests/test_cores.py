@@ -79,14 +79,26 @@ def test_a_rank_keeps_its_slice_across_work_that_follows_at_once():
     assert ends["a2"] == pytest.approx(3.2e-3)
 
 
-def test_a_rank_running_alone_takes_slice_after_slice():
-    """a runs alone for 4 ms, in its third slice (3-4.5 ms), when b arrives: b waits for that slice's end."""
+def test_a_rank_that_ran_alone_past_its_slice_is_preempted_at_once():
+    """a runs alone from 0; b arrives at 4 ms, long after a's slice (to 1.5 ms) was spent: EEVDF protects only
+    the slice a task was picked for, so b runs at once, and a finishes after it."""
     env, cores, ends = _cores()
     _job(env, cores, ends, "a", 0, 10e-3)
     _job(env, cores, ends, "b", 1, 0.1e-3, at_s=4e-3)
     env.run()
-    assert ends["b"] == pytest.approx(3 * SLICE + 0.1e-3)
+    assert ends["b"] == pytest.approx(4.1e-3)
     assert ends["a"] == pytest.approx(10.1e-3)
+
+
+def test_work_that_follows_at_once_gets_no_new_slice():
+    """a's 2 ms job ends and its 5 ms job starts at once, in no new slice: b, arriving at 3 ms, runs its 0.2 ms
+    at once."""
+    env, cores, ends = _cores()
+    _job(env, cores, ends, "a1", 0, 2e-3, then=lambda: _job(env, cores, ends, "a2", 0, 5e-3, at_s=None))
+    _job(env, cores, ends, "b", 1, 0.2e-3, at_s=3e-3)
+    env.run()
+    assert ends["b"] == pytest.approx(3.2e-3)
+    assert ends["a2"] == pytest.approx(7.2e-3)
 
 
 @pytest.mark.parametrize("cpus, slice_ms", [(1, 0.75), (2, 1.5), (4, 2.25), (6, 2.25), (8, 3.0), (96, 3.0)])

@@ -257,6 +257,40 @@ def test_the_compare_loop_predicts_kept_runs_again_with_the_model_as_it_is(tmp_p
     assert forward["measured_s"] == 0.001 and forward["measured_range_s"] == [0.0009, 0.0012]
 
 
+def test_the_compare_loop_takes_the_model_across_several_kept_loops_stage_by_stage(tmp_path, capsys, monkeypatch):
+    """--again A B: every folder predicted on its own calibration; per plan the sets whose step is within 15%,
+    per stage and phase the median error over the sets and how many miss 25%."""
+    import json
+
+    measured = {"a": 0.004, "b": 1.0}  # set a's step far off the model's, set b's 1 s
+    for name, step in measured.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "host.yaml").write_text((ROOT / "topologies" / "dgx-h100.yaml").read_text())
+        kept = {"predicted_step_s": 1.0, "measured_step_s": step,
+                "phases": [{"rank": 0, "pp": 0, "phase": "forward", "predicted_s": 1.0, "measured_s": step / 2}]}
+        (folder / "tiny-pp-1.json").write_text(json.dumps(kept))
+    loop = _compare_loop()
+    monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--again", str(tmp_path / "a"), str(tmp_path / "b"),
+                                      "--json"])
+    loop.main()
+    doc = json.loads(capsys.readouterr().out)
+    singles = [loop.summarize(loop._kept_runs(tmp_path / name)["tiny PP"]) for name in measured]
+    plan = doc["plans"]["tiny PP"]
+    assert plan["sets"] == 2 and plan["steps_within"] == sum(s["step_within"] for s in singles)
+    assert plan["median_step_error"] == pytest.approx((singles[0]["step_error"] + singles[1]["step_error"]) / 2)
+    assert plan["stage_misses"] == sum(s["stage_misses"] for s in singles)
+    forward = next(row for row in doc["stages"] if row["pp"] == 0 and row["phase"] == "forward")
+    errors = [next(r["error"] for r in s["stages"] if r["pp"] == 0 and r["phase"] == "forward") for s in singles]
+    assert forward["sets"] == 2 and forward["median_error"] == pytest.approx(sum(errors) / 2)
+    assert forward["sets_missing"] == sum(abs(e) > 0.25 for e in errors) >= 1
+    monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--again", str(tmp_path / "a"), str(tmp_path / "b")])
+    loop.main()
+    text = capsys.readouterr().out
+    assert "the runs kept in 2 folders, each predicted again with this model on its own calibration" in text
+    assert "sets outside 25%" in text and f"{forward['sets_missing']} of 2" in text
+
+
 def test_the_compare_loop_refuses_a_folder_without_kept_runs_in_one_line(tmp_path):
     done = script("benchmarks/cpu_compare_loop.py", "--again", str(tmp_path))
     assert done.returncode == 2 and done.stderr.startswith("cpu_compare_loop.py: ") and done.stderr.count("\n") == 1
@@ -377,6 +411,23 @@ def test_the_twin_allreduce_benchmark_refuses_no_rounds_in_one_line():
     done = script("benchmarks/cpu_twin_allreduce.py", "--rounds", "0")
     assert done.returncode == 2
     assert done.stderr == "cpu_twin_allreduce.py: --kib must be at least 16 and --rounds at least 1\n"
+
+
+@pytest.mark.skipif(usable_cores() != 2, reason="binds ranks 0 and 2 to one core of a 2-core host")
+def test_the_core_allreduce_benchmark_prints_each_size_on_a_core_each_and_on_one():
+    done = script("benchmarks/cpu_core_allreduce.py", "--rounds", "2")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "a gloo all-reduce whose second rank calls it 3 ms after the first; medians of 2 rounds"
+    rows = [line.split() for line in lines[2:]]
+    assert [(row[0], row[1]) for row in rows] == [(kib, pair) for kib in ("4", "64", "545", "4096")
+                                                  for pair in ("a", "one")]
+    assert all(float(row[-4]) > 0 and row[-3] == "ms" and row[-1] == "ms" for row in rows)
+
+
+def test_the_core_allreduce_benchmark_refuses_no_rounds_in_one_line():
+    done = script("benchmarks/cpu_core_allreduce.py", "--rounds", "0")
+    assert done.returncode == 2 and done.stderr == "cpu_core_allreduce.py: --rounds must be at least 1\n"
 
 
 @pytest.mark.parametrize("args, expected", [(["--ranks", "0"], "--ranks 0: between 1 and"),

@@ -3,11 +3,17 @@
 A rank waiting in gloo sleeps and frees its core (``benchmarks/cpu_core_sharing.py``);
 ranks ready to compute on one core take turns, each running for the scheduler's
 slice (Linux EEVDF's base slice: 1.5 ms on 2 CPUs), or until it blocks, before
-the next in line; a rank that wakes waits for the running one's slice to end.
-So work shorter than a slice runs whole while its twin waits, and the twin's
-wait shows where it waits (a receive, a collective), not in its own pass, as
-it does in the measured traces (``docs/calibration.md``, "Ranks taking turns
-on a core", with the other slices and scheduler rules tried against them).
+the next in line. A rank that wakes waits for the running one's slice to end,
+as EEVDF's run-to-parity protects the slice a task was picked for; but a rank
+that has kept the core past that slice (running alone, or job after job) is no
+longer protected, and the waking rank, placed with the earlier deadline,
+preempts it at once (``check_preempt_wakeup_fair`` -> ``pick_eevdf`` in
+``kernel/sched/fair.c``). So work shorter than a slice runs whole while its
+twin waits, and the twin's wait shows where it waits (a receive, a
+collective), not in its own pass, as it does in the measured traces
+(``docs/calibration.md``, "Ranks taking turns on a core", with the other
+slices and scheduler rules tried against them, and "A rank that wakes on a
+core whose slice is spent").
 
 :class:`SharedCores` keeps one round-robin queue per core. A job is a rank's
 work in seconds *alone* on the core; while other ranks wait for the core it
@@ -82,13 +88,12 @@ class SharedCores:
         job = _Job(rank, work_s, penalty, then)
         if core.running is not None:
             self._count(core)
-            if not core.queue:  # it ran alone, slice after slice: the one it is in now
-                passed = math.ceil((self.env.now - core.slice_end) / self.slice_s + 1e-9)
-                core.slice_end += max(passed, 0) * self.slice_s
+            if not core.queue:  # past the slice it was picked for, the running rank is preempted at once
+                core.slice_end = max(core.slice_end, self.env.now)
             core.queue.append(job)
             self._plan(core)
-        elif core.holder == rank:  # it never gave the core up
-            self._begin(core, job, keep_slice=self.env.now < core.slice_end)
+        elif core.holder == rank:  # it never gave the core up: still in (or past) the slice it was picked for
+            self._begin(core, job, keep_slice=True)
         elif core.holder == -1 and not core.queue:
             self._begin(core, job)
         else:  # another rank's job just ended and it may run more at once: in line after it
