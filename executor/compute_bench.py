@@ -177,6 +177,7 @@ def _rank_shared(rank: int, world: int, pipeline_steps: int) -> dict:
     1.70-2.56 over six calibrations on the 2-core AMD VM (2026-11-27)."""
     pipeline = measure_pipeline_loop(steps=pipeline_steps)
     step_gaps = measure_step_gaps()
+    one_core = measure_one_core_allreduce(rank, world)
     probe = SpeedProbe()
     together, alone = [], []
     for _ in range(SHARED_PROBE_ROUNDS):
@@ -185,8 +186,43 @@ def _rank_shared(rank: int, world: int, pipeline_steps: int) -> dict:
         _barrier()
         if rank < world // 2:
             alone.append(probe())
-    return {"pipeline": pipeline, "step_gaps": step_gaps, "speed_probe": _medians(together),
-            "speed_probe_alone": _medians(alone) if alone else None}
+    return {"pipeline": pipeline, "step_gaps": step_gaps, "one_core_allreduce": one_core,
+            "speed_probe": _medians(together), "speed_probe_alone": _medians(alone) if alone else None}
+
+
+ONE_CORE_SIZES = (64 << 10, 1 << 20, 4 << 20)  # bytes
+ONE_CORE_ROUNDS, ONE_CORE_LATE_S = 15, 3e-3
+
+
+def measure_one_core_allreduce(rank: int, world: int) -> list[tuple[int, float]] | None:
+    """A gloo all-reduce between ranks ``r`` and ``r + world // 2``, which the launcher binds to one core (as a
+    data-parallel stage's twins of a run with two ranks on each core), its second rank calling it
+    ``ONE_CORE_LATE_S`` after the first, which sleeps in it meanwhile (a twin that ended its backward first):
+    per size of :data:`ONE_CORE_SIZES`, the median over :data:`ONE_CORE_ROUNDS` of the late rank's time from
+    its call to its return. None on the early ranks. On the 2-core VM (2026-11-30) 545 KiB took 0.70-0.74 ms
+    so, against 3.9-4.1 ms with a core each (``benchmarks/cpu_core_allreduce.py``)."""
+    torch = require_torch()
+    import torch.distributed as dist
+
+    half = world // 2
+    groups = [dist.new_group([r, r + half]) for r in range(half)]
+    group, late = groups[rank % half], rank >= half
+    rows, weights = torch.randn(128, 512), torch.randn(512, 512)
+    out = []
+    for nbytes in ONE_CORE_SIZES:
+        bucket = torch.randn(nbytes // 4)
+        times = []
+        for _ in range(ONE_CORE_ROUNDS + 1):  # the first round warms the pair's connection
+            _barrier()
+            if late:
+                start = time.perf_counter()
+                while time.perf_counter() - start < ONE_CORE_LATE_S:
+                    rows @ weights
+            call = time.perf_counter()
+            dist.all_reduce(bucket, group=group)
+            times.append(time.perf_counter() - call)
+        out.append((nbytes, statistics.median(times[1:])))
+    return out if late else None
 
 
 def _medians(readings: Sequence[Speed]) -> Speed:

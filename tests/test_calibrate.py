@@ -455,6 +455,8 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     monkeypatch.setattr(executor.compute_bench, "measure_on_shared_cores", lambda: [
         {"pipeline": {"rendezvous": 2.5e-3 + r * 1e-4, "latency": 200e-6, "action": 400e-6, "issue": 900e-6},
          "step_gaps": 500e-6,
+         # the late rank of each pair on one core (ranks 2 and 3): 0.5 ms plus the bytes at 1.25 GB/s
+         "one_core_allreduce": [(n, 0.5e-3 + n / 1.25e9) for n in (64 << 10, 1 << 20, 4 << 20)] if r >= 2 else None,
          # two ranks on each core, then one per core (ranks 0 and 1) in turn: 2.2x and 2x as long shared
          "speed_probe": (20e9, 2000e-6), "speed_probe_alone": (44e9, 1000e-6) if r < 2 else None}
         for r in range(4)])
@@ -552,7 +554,10 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     comm = written.shared_cores.comm_stretch
     assert written.shared_cores == SharedCoreCosts(pytest.approx(2.65e-3), pytest.approx(200e-6),
                                                    pytest.approx(500e-6), pytest.approx(900e-6), pytest.approx(2.2),
-                                                   pytest.approx(2.0), comm_stretch=comm)
+                                                   pytest.approx(2.0), comm_stretch=comm,
+                                                   one_core_collective_latency_s=pytest.approx(0.5e-3),
+                                                   one_core_collective_bw_Bps=pytest.approx(1.25e9))
+    assert "one-core collective 500 us + bus bytes at 1.25 GB/s between ranks on one core" in text
     assert f"communicating     compute on a shared core {comm:.2f}x as long again where its ranks communicate (a " \
            "generic 2-stage pipeline: 40.0 ms a step with a core per rank, 100.0 ms as two replicas on 2 cores" in text
     assert "# The generic pipeline (comm_stretch): 40.0 ms a step with a core per rank, 100.0 ms as two replicas on " \
@@ -592,7 +597,9 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert doc["p2p_latency_us"] == pytest.approx({"128": 30.0, "4608": 60.0})
     assert doc["shared_cores"] == pytest.approx({"p2p_rendezvous_us": 2650.0, "p2p_latency_us": 200.0,
                                                  "action_overhead_us": 500.0, "p2p_issue_us": 900.0,
-                                                 "matmul_stretch": 2.2, "eager_stretch": 2.0, "comm_stretch": comm})
+                                                 "matmul_stretch": 2.2, "eager_stretch": 2.0, "comm_stretch": comm,
+                                                 "one_core_collective_latency_us": 500.0,
+                                                 "one_core_collective_GBps": 1.25})
     assert doc["generic_pipeline_step_ms"] == pytest.approx({"core_each": 40.0, "two_per_core": 100.0})
     assert (doc["memory_alone_bw_GBps"], doc["memory_host_bw_GBps"]) == pytest.approx((32.0, 40.0))
     assert (doc["optimizer_step_us"], doc["optimizer_tensor_us"]) == pytest.approx((120.0, 50.0))
@@ -663,3 +670,13 @@ def test_the_median_round_of_each_size_is_kept_in_the_first_round_s_order():
     rounds = [[result(1, 3.0), result(2, 9.0)], [result(1, 1.0), result(2, 5.0)], [result(1, 2.0), result(2, 7.0)]]
     assert [(r.size_bytes, r.time_s) for r in median_rounds(rounds)] == [(1, 2.0), (2, 7.0)]
     assert [r.time_s for r in median_rounds(rounds[:2])] == [1.0, 5.0]  # of two, the faster
+
+
+def test_the_one_core_collective_fit_needs_times_that_grow_with_size():
+    from parsim.calibrate.host import fit_one_core_collective
+
+    rows = [[(1 << 16, 0.6e-3), (1 << 22, 3.6e-3)], [(1 << 16, 0.4e-3), (1 << 22, 3.4e-3)]]  # two late ranks
+    latency, bw = fit_one_core_collective(rows)
+    assert latency + (1 << 16) / bw == pytest.approx(0.5e-3) and latency + (1 << 22) / bw == pytest.approx(3.5e-3)
+    assert fit_one_core_collective([[(1 << 16, 1e-3), (1 << 22, 1e-3)]]) is None  # flat: no speed to fit
+    assert fit_one_core_collective([[(1 << 16, 1e-3)]]) is None and fit_one_core_collective([]) is None

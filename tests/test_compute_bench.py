@@ -50,7 +50,7 @@ def test_the_same_adamw_steps_are_timed_on_every_rank_started_together():
 
 @pytest.mark.multiproc
 def test_the_pipeline_s_host_costs_are_timed_with_two_ranks_on_each_core():
-    from executor.compute_bench import measure_on_shared_cores
+    from executor.compute_bench import ONE_CORE_SIZES, measure_on_shared_cores
 
     rows = measure_on_shared_cores(timeout_s=120, pipeline_steps=8)
     assert len(rows) in (2, 4)  # 2 cores (or 1) shared by twice as many ranks
@@ -58,6 +58,10 @@ def test_the_pipeline_s_host_costs_are_timed_with_two_ranks_on_each_core():
         assert set(row["pipeline"]) == {"action", "issue", "rendezvous", "latency"}
         assert min(row["pipeline"].values()) > 0 and row["step_gaps"] > 0
         assert min(row["speed_probe"]) > 0
+    # the late rank of each pair on one core times the all-reduce at each size
+    late = [row["one_core_allreduce"] for row in rows[len(rows) // 2:]]
+    assert all([n for n, _ in sizes] == list(ONE_CORE_SIZES) and min(t for _, t in sizes) > 0 for sizes in late)
+    assert all(row["one_core_allreduce"] is None for row in rows[:len(rows) // 2])
     # one rank per core probes alone too, in turn with every rank at once
     assert [row["speed_probe_alone"] is not None for row in rows] == [r < len(rows) // 2 for r in range(len(rows))]
 

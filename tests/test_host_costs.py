@@ -219,11 +219,13 @@ def test_host_keys_are_read_in_si_units():
     ("core_ns_per_element", {**CORE_NS, "norm": {"forward": 1.0}}, "norm: is .* a mapping of forward and backward"),
     ("core_ns_per_element", {**CORE_NS, "gelu": {"forward": -1.0, "backward": 1.0}}, "gelu.forward: is -1"),
     ("shared_cores", {"p2p_latency_us": 1.0}, "a mapping of p2p_rendezvous_us, p2p_latency_us, action_overhead_us "
-     "[(]and optionally p2p_issue_us, time_slice_us, matmul_stretch, eager_stretch, comm_stretch[)]"),
+     "[(]and optionally p2p_issue_us, time_slice_us, one_core_collective_latency_us, matmul_stretch, eager_stretch, "
+     "comm_stretch, one_core_collective_GBps[)]"),
     ("shared_cores", {**SHARED, "p2p_issue_us": 1.0, "p2p_lag_us": 1.0}, "a mapping of"),
     ("shared_cores", {"p2p_rendezvous_us": 1.0, "p2p_latency_us": -1.0, "action_overhead_us": 1.0},
      "shared_cores.p2p_latency_us: is -1"),
     ("shared_cores", {**SHARED, "eager_stretch": 0.5}, "shared_cores.eager_stretch: is 0.5 .*1 to 100 times"),
+    ("shared_cores", {**SHARED, "one_core_collective_GBps": 0}, "shared_cores.one_core_collective_GBps: is 0"),
     ("tp_collective_call_us", 120.0, "tp_collective_call_us: is 120.0 .*a mapping of forward and backward"),
     ("tp_collective_call_us", {"forward": 120.0, "backward": -1.0}, "tp_collective_call_us.backward: is -1"),
     ("zero_grad_free_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("zero_grad_tensor_us", "slow", "a finite number"),
@@ -812,6 +814,33 @@ def test_a_plan_with_more_ranks_than_cores_simulates_every_rank_and_its_turns():
     assert [b.rank for b in own.ranks] == [0, 1] and not own.takes_turns
     pipeline = resolve_plan("tiny-pp2", overrides={"parallel": {"pp": 4}})  # one rank per stage, two on a core
     assert predict_step(pipeline, parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=2), "host.yaml")).takes_turns
+
+
+def test_a_collective_among_ranks_on_one_core_takes_the_figures_measured_there():
+    """tiny-dp2 on a one-core host: its gradient all-reduces run between two processes on that core, 0.5 ms plus
+    the bucket's bytes at 1.25 GB/s (the first rank woken has its core at once; the other waits its turn);
+    without the one-core figures, over the links fitted between cores."""
+    plan = resolve_plan("tiny-dp2")
+    one_core = {**SHARED, "one_core_collective_latency_us": 500.0, "one_core_collective_GBps": 1.25}
+
+    def first_bucket(shared: dict) -> list:
+        predicted = predict_step(plan, parse_cluster(cpu_host(**HOST_KEYS, cpu_cores=1, shared_cores=shared), "h.yaml"))
+        return [e for e in predicted.trace.events if e.name == "all_reduce dp bucket=0"]
+
+    buckets = first_bucket(one_core)
+    assert min(e.dur_s for e in buckets) == pytest.approx(0.5e-3 + buckets[0].args["bytes"] / 1.25e9)
+    assert min(e.dur_s for e in first_bucket(SHARED)) != pytest.approx(min(e.dur_s for e in buckets))
+
+
+def test_one_core_collectives_scale_their_bytes_as_nccl_tests_bus_bandwidth():
+    spec = parse_cluster(cpu_host(**HOST_KEYS, shared_cores={**SHARED, "one_core_collective_latency_us": 100.0,
+                                                               "one_core_collective_GBps": 2.0}), "h.yaml")
+    shared = spec.shared_cores
+    assert shared.one_core_collective_s("all_reduce", 2, 1e6) == pytest.approx(100e-6 + 1e6 / 2e9)
+    assert shared.one_core_collective_s("all_gather", 4, 1e6) == pytest.approx(100e-6 + 0.75e6 / 2e9)
+    assert shared.to_mapping()["one_core_collective_GBps"] == pytest.approx(2.0)
+    assert parse_cluster(cpu_host(**HOST_KEYS, shared_cores=SHARED), "h.yaml").shared_cores.one_core_collective_s(
+        "all_reduce", 2, 1e6) is None
 
 
 def test_simulate_prints_every_rank_that_takes_turns(tmp_path, capsys):

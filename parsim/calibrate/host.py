@@ -246,6 +246,24 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
+def fit_one_core_collective(rows: list[list[tuple[int, float]]]) -> tuple[float, float] | None:
+    """The latency and speed of an all-reduce between two ranks on one core: ``t = latency + bytes / speed``
+    (both >= 0) through each size's median over the late ranks' rows ((bytes, seconds) per size,
+    :func:`executor.compute_bench.measure_one_core_allreduce`). None where nothing was measured or the times
+    do not grow with the size."""
+    by_size: dict[int, list[float]] = {}
+    for row in rows:
+        for nbytes, seconds in row:
+            by_size.setdefault(nbytes, []).append(seconds)
+    if len(by_size) < 2:
+        return None
+    sizes = np.array(sorted(by_size), dtype=float)
+    times = np.array([np.median(by_size[int(n)]) for n in sizes])
+    latency, per_byte = _nonnegative_lstsq(np.column_stack([np.ones_like(sizes), sizes]), times)
+    grows = per_byte * sizes[-1] > 0.01 * times[-1]  # the bytes' share of the largest size's time, past rounding
+    return (float(latency), float(1.0 / per_byte)) if grows else None
+
+
 def fit_step_overhead(measured: list[CollectiveResult], spec) -> dict[str, float]:
     """Per operation, the extra fixed cost of calls issued between bursts of compute (as in a training
     step) over what the fitted cluster ``spec`` predicts from back-to-back loops: the median over sizes

@@ -15,8 +15,8 @@ import yaml
 
 from ..calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..calibrate.host import (fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise, fit_fsdp_host,
-                              fit_links, fit_matmul, fit_operation, fit_optimizer, fit_step_overhead, fit_tp_calls,
-                              fit_rank_jitter, fit_zero_grad, host_cluster)
+                              fit_links, fit_matmul, fit_one_core_collective, fit_operation, fit_optimizer,
+                              fit_rank_jitter, fit_step_overhead, fit_tp_calls, fit_zero_grad, host_cluster)
 from ..calibrate.host_load import ForeignLoad
 from ..calibrate.shared_pipeline import fit_comm_stretch, generic_pipeline
 from ..errors import ParsimError
@@ -378,6 +378,10 @@ def run(args: argparse.Namespace) -> int:
               f"{shared.p2p_issue_s * 1e6:.0f} us per send (runs with more ranks than cores)"
               + (f"; a matmul {shared.matmul_stretch:.2f}x and an eager pass {shared.eager_stretch:.2f}x as long as "
                  f"with a core each" if shared.matmul_stretch else ""))
+    if shared is not None and shared.one_core_collective_bw_Bps is not None:
+        print(f"one-core collective {shared.one_core_collective_latency_s * 1e6:.0f} us + bus bytes at "
+              f"{shared.one_core_collective_bw_Bps / 1e9:.2f} GB/s between ranks on one core (an all-reduce whose "
+              f"second rank calls it 3 ms late, 64 KiB to 4 MiB)")
     if shared is not None and shared.comm_stretch is not None:
         print(f"communicating     compute on a shared core {shared.comm_stretch:.2f}x as long again where its ranks "
               f"communicate (a generic 2-stage pipeline: {generic[0] * 1e3:.1f} ms a step with a core per rank, "
@@ -470,6 +474,9 @@ def _shared_cores(rows: list[dict], probe_flops: float, probe_eager_s: float) ->
         return None
     costs = SharedCoreCosts(*(_median(loops, key) for key in ("rendezvous", "latency", "action", "issue")))
     costs = replace(costs, action_overhead_s=_step_gap(rows, costs.action_overhead_s))
+    one_core = fit_one_core_collective([row["one_core_allreduce"] for row in rows if row.get("one_core_allreduce")])
+    if one_core is not None:
+        costs = replace(costs, one_core_collective_latency_s=one_core[0], one_core_collective_bw_Bps=one_core[1])
     probes = np.array([row["speed_probe"] for row in rows if row.get("speed_probe")])
     if not len(probes):
         return costs

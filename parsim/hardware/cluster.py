@@ -53,7 +53,9 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
                 "speed_probe_eager_us", "speed_probe_memory_GBps", "rank_jitter")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
-SHARED_CORE_OPTIONAL = ("p2p_issue_us", "time_slice_us")  # absent from files calibrated before they were measured
+# Absent from files calibrated before they were measured.
+SHARED_CORE_OPTIONAL = ("p2p_issue_us", "time_slice_us", "one_core_collective_latency_us")
+SHARED_CORE_BANDWIDTHS = ("one_core_collective_GBps",)  # optional, GB/s
 # Optional, times: a matmul's and an eager pass's with two ranks computing on a core (absent: 2, the fair share),
 # and how many times as long again both take where the ranks communicate (absent: 1).
 SHARED_CORE_STRETCHES = ("matmul_stretch", "eager_stretch", "comm_stretch")
@@ -141,14 +143,32 @@ class SharedCoreCosts:
     # How many times as long again compute on a shared core takes in a run whose ranks communicate: gloo's
     # threads waking on the core, more switches (None: 1). Fitted by calibrate on a generic pipeline.
     comm_stretch: float | None = None
+    # A collective among ranks that all share one core, its last rank arriving while the others sleep: this
+    # latency plus its bus bytes (nccl-tests' busbw factor times the size) at this speed. Two processes on
+    # one core pass the data without waking another core: a 545 KiB all-reduce took 0.70-0.74 ms there against
+    # 3.9-4.1 ms with a core each on the 2-core VM (benchmarks/cpu_core_allreduce.py). None: not measured,
+    # priced as between cores.
+    one_core_collective_latency_s: float | None = None
+    one_core_collective_bw_Bps: float | None = None
 
     def to_mapping(self) -> dict[str, float]:
-        """The ``compute.shared_cores`` mapping: each time in microseconds, named ``..._us``, and the
-        stretches measured."""
+        """The ``compute.shared_cores`` mapping: each time in microseconds, named ``..._us``, the one-core
+        collectives' speed in GB/s, and the stretches measured."""
         mapping = {f"{f.name[:-2]}_us": getattr(self, f.name) * 1e6 for f in fields(self)
                    if f.name.endswith("_s") and getattr(self, f.name) is not None}
+        if self.one_core_collective_bw_Bps is not None:
+            mapping["one_core_collective_GBps"] = self.one_core_collective_bw_Bps / 1e9
         return {**mapping, **{key: getattr(self, key) for key in SHARED_CORE_STRETCHES
                               if getattr(self, key) is not None}}
+
+    def one_core_collective_s(self, collective: str, nranks: int, nbytes: float) -> float | None:
+        """A collective of ``nbytes`` among ``nranks`` ranks on one core (None: not measured)."""
+        from ..report.results import busbw_factor  # report imports this module
+
+        if self.one_core_collective_latency_s is None or self.one_core_collective_bw_Bps is None:
+            return None
+        return (self.one_core_collective_latency_s
+                + busbw_factor(collective, nranks) * nbytes / self.one_core_collective_bw_Bps)
 
 
 @dataclass(frozen=True)
@@ -645,16 +665,20 @@ def _curve(source: str, key: str, value: object, limits: tuple[float, float, str
 def _shared_cores(source: str, value: object) -> SharedCoreCosts:
     """``compute.shared_cores``: every one of SHARED_CORE_KEYS, and any of SHARED_CORE_OPTIONAL, in microseconds,
     and any of SHARED_CORE_STRETCHES."""
-    optional = set(SHARED_CORE_OPTIONAL) | set(SHARED_CORE_STRETCHES)
+    optional = set(SHARED_CORE_OPTIONAL) | set(SHARED_CORE_STRETCHES) | set(SHARED_CORE_BANDWIDTHS)
     if (not isinstance(value, dict) or not set(SHARED_CORE_KEYS) <= set(value)
             or set(value) - set(SHARED_CORE_KEYS) - optional):
         raise ConfigError(source, "compute.shared_cores", f"is {value!r}",
                           f"a mapping of {', '.join(SHARED_CORE_KEYS)} (and optionally "
-                          f"{', '.join(SHARED_CORE_OPTIONAL + SHARED_CORE_STRETCHES)})")
+                          f"{', '.join(SHARED_CORE_OPTIONAL + SHARED_CORE_STRETCHES + SHARED_CORE_BANDWIDTHS)})")
     times = {f"{key[:-3]}_s": _figure(source, f"compute.shared_cores.{key}", figure, LATENCY_US) * 1e-6
-             for key, figure in value.items() if key not in SHARED_CORE_STRETCHES}
+             for key, figure in value.items() if key.endswith("_us")}
     stretches = {key: _figure(source, f"compute.shared_cores.{key}", value[key], STRETCH)
                  for key in SHARED_CORE_STRETCHES if key in value}
+    if "one_core_collective_GBps" in value:
+        stretches["one_core_collective_bw_Bps"] = _figure(
+            source, "compute.shared_cores.one_core_collective_GBps", value["one_core_collective_GBps"],
+            BANDWIDTH_GBPS) * 1e9
     return SharedCoreCosts(**times, **stretches)
 
 

@@ -229,6 +229,8 @@ class _Run:
         # how many times as slowly it runs while another rank waits for the core (parsim.sim.cores); the same for the
         # loop's time before an op, from the host's costs measured with two ranks on each core.
         self.cores = self._shared_cores() if sim.turns else None
+        if self.cores is not None:
+            self._price_one_core_collectives()
         self.work: dict[int, tuple[float, float]] = {}
         if self.cores is not None:
             self.lead_penalty = {i: self._penalty(alone, shared)
@@ -267,6 +269,20 @@ class _Run:
         shared = self.sim.shared.shared_cores
         slice_s = (shared.time_slice_s if shared else None) or eevdf_slice_s(cores)
         return SharedCores(self.env, {r: c for r, c in on_core.items() if ranks_on[c] > 1}, slice_s)
+
+    def _price_one_core_collectives(self) -> None:
+        """A collective whose ranks all take turns on one core runs between processes on that core, at the
+        figures calibrate measured there (``SharedCoreCosts.one_core_collective_s``), not over the links fitted
+        between ranks with a core each."""
+        shared = self.sim.shared.shared_cores
+        core_of = self.cores.core_of
+        for op in self.ops:
+            if op.kind != "collective" or not shared or op.ranks[0] not in core_of:
+                continue
+            if all(core_of.get(r) == core_of[op.ranks[0]] for r in op.ranks):
+                seconds = shared.one_core_collective_s(op.collective, len(op.ranks), op.nbytes)
+                if seconds is not None:
+                    self.comm[op.id] = _Comm(self.comm[op.id].phases, seconds)
 
     def _penalty(self, alone_s: float, shared_s: float) -> float:
         """How many times as slowly work runs while another rank waits for its core: its time with two ranks on
