@@ -53,9 +53,9 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
                 "speed_probe_eager_us", "speed_probe_memory_GBps", "rank_jitter")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
-# Absent from files calibrated before they were measured.
+# Optional (absent from files calibrated before they were measured): times in us, and speeds in GB/s.
 SHARED_CORE_OPTIONAL = ("p2p_issue_us", "time_slice_us", "one_core_collective_latency_us")
-SHARED_CORE_BANDWIDTHS = ("one_core_collective_GBps",)  # optional, GB/s
+SHARED_CORE_BANDWIDTHS = ("one_core_collective_GBps",)
 # Optional, times: a matmul's and an eager pass's with two ranks computing on a core (absent: 2, the fair share),
 # and how many times as long again both take where the ranks communicate (absent: 1).
 SHARED_CORE_STRETCHES = ("matmul_stretch", "eager_stretch", "comm_stretch")
@@ -664,7 +664,7 @@ def _curve(source: str, key: str, value: object, limits: tuple[float, float, str
 
 def _shared_cores(source: str, value: object) -> SharedCoreCosts:
     """``compute.shared_cores``: every one of SHARED_CORE_KEYS, and any of SHARED_CORE_OPTIONAL, in microseconds,
-    and any of SHARED_CORE_STRETCHES."""
+    any of SHARED_CORE_STRETCHES, and any of SHARED_CORE_BANDWIDTHS, in GB/s."""
     optional = set(SHARED_CORE_OPTIONAL) | set(SHARED_CORE_STRETCHES) | set(SHARED_CORE_BANDWIDTHS)
     if (not isinstance(value, dict) or not set(SHARED_CORE_KEYS) <= set(value)
             or set(value) - set(SHARED_CORE_KEYS) - optional):
@@ -675,11 +675,9 @@ def _shared_cores(source: str, value: object) -> SharedCoreCosts:
              for key, figure in value.items() if key.endswith("_us")}
     stretches = {key: _figure(source, f"compute.shared_cores.{key}", value[key], STRETCH)
                  for key in SHARED_CORE_STRETCHES if key in value}
-    if "one_core_collective_GBps" in value:
-        stretches["one_core_collective_bw_Bps"] = _figure(
-            source, "compute.shared_cores.one_core_collective_GBps", value["one_core_collective_GBps"],
-            BANDWIDTH_GBPS) * 1e9
-    return SharedCoreCosts(**times, **stretches)
+    speeds = {f"{key[:-5]}_bw_Bps": _figure(source, f"compute.shared_cores.{key}", value[key], BANDWIDTH_GBPS) * 1e9
+              for key in SHARED_CORE_BANDWIDTHS if key in value}
+    return SharedCoreCosts(**times, **stretches, **speeds)
 
 
 def _sm_cycles(source: str, value: object) -> SmCycles:

@@ -229,10 +229,9 @@ class _Run:
         # how many times as slowly it runs while another rank waits for the core (parsim.sim.cores); the same for the
         # loop's time before an op, from the host's costs measured with two ranks on each core.
         self.cores = self._shared_cores() if sim.turns else None
-        if self.cores is not None:
-            self._price_one_core_collectives()
         self.work: dict[int, tuple[float, float]] = {}
         if self.cores is not None:
+            self._price_one_core_collectives()
             self.lead_penalty = {i: self._penalty(alone, shared)
                                  for i, (alone, shared) in enumerate(zip(self.lead, self._leads(sim.shared)[0]))
                                  if alone}
@@ -274,15 +273,14 @@ class _Run:
         """A collective whose ranks all take turns on one core runs between processes on that core, at the
         figures calibrate measured there (``SharedCoreCosts.one_core_collective_s``), not over the links fitted
         between ranks with a core each."""
-        shared = self.sim.shared.shared_cores
-        core_of = self.cores.core_of
+        shared, core_of = self.sim.shared.shared_cores, self.cores.core_of
+        if shared is None or shared.one_core_collective_s("all_reduce", 2, 0.0) is None:  # not measured
+            return
         for op in self.ops:
-            if op.kind != "collective" or not shared or op.ranks[0] not in core_of:
-                continue
-            if all(core_of.get(r) == core_of[op.ranks[0]] for r in op.ranks):
+            if op.kind == "collective" and op.ranks[0] in core_of and all(
+                    core_of.get(r) == core_of[op.ranks[0]] for r in op.ranks):
                 seconds = shared.one_core_collective_s(op.collective, len(op.ranks), op.nbytes)
-                if seconds is not None:
-                    self.comm[op.id] = _Comm(self.comm[op.id].phases, seconds)
+                self.comm[op.id] = _Comm(self.comm[op.id].phases, seconds)
 
     def _penalty(self, alone_s: float, shared_s: float) -> float:
         """How many times as slowly work runs while another rank waits for its core: its time with two ranks on
