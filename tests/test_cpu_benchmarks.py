@@ -430,6 +430,28 @@ def test_the_core_allreduce_benchmark_refuses_no_rounds_in_one_line():
     assert done.returncode == 2 and done.stderr == "cpu_core_allreduce.py: --rounds must be at least 1\n"
 
 
+def test_the_twin_overlap_benchmark_measures_each_pass_s_share_beside_its_twin():
+    """Rank 0's forward (0-2 ms) beside its twin's backward (1-4 ms): half of it overlapped; the twin's backward,
+    a third; ranks 0 and 2 share core 0 of 2, ranks 1 and 3 core 1."""
+    from parsim.report.trace import Event
+
+    bench = _benchmark("cpu_twin_overlap")
+    assert bench.twins(4, 4, 2) == [(0, 2), (1, 3)] and bench.twins(2, 2, 2) == []
+    events = [Event("F stage=0 mb=0", 0, "compute", "compute", 0.0, 2e-3),
+              Event("B stage=0 mb=1", 2, "compute", "compute", 1e-3, 3e-3),
+              Event("send act stage=0 mb=0 peer=1", 0, "p2p", "send", 2e-3, 1e-3)]
+    rows = bench.overlaps(events, [(0, 2)])
+    assert rows[0, "forward"] == [(2e-3, pytest.approx(0.5))] and rows[0, "backward"] == [(3e-3, pytest.approx(1 / 3))]
+    assert bench.summary(rows)[0, "forward"] == (2e-3, pytest.approx(0.5))
+
+
+def test_the_twin_overlap_benchmark_refuses_a_plan_whose_ranks_have_a_core_each_in_one_line():
+    done = script("benchmarks/cpu_twin_overlap.py", "dgx-h100", "course-ddp", "--dp", "1")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    done = script("benchmarks/cpu_twin_overlap.py", "nosuch.yaml")
+    assert done.returncode == 2 and "unknown cluster 'nosuch.yaml'" in done.stderr
+
+
 @pytest.mark.parametrize("args, expected", [(["--ranks", "0"], "--ranks 0: between 1 and"),
                                             (["--linears", "0"], "--linears 0: between 1 and 64")])
 def test_the_fsdp_overhead_benchmark_refuses_bad_input_in_one_line(args, expected):

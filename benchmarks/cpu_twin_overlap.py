@@ -1,0 +1,115 @@
+"""How much of each pass a rank runs beside the rank that shares its core, measured against the model.
+
+With more ranks than cores, the executor binds local rank ``r`` to core ``r % cores`` (``executor/launch.py``):
+tiny DP x PP on a 2-core host puts a stage's two data-parallel replicas (twins) on one core. Whether a twin's
+pass runs alone or beside the other's decides how long it takes, and so every phase of the step; the phases
+alone cannot tell a pass stretched by its twin from one slowed by the host. This runs the plan (``--steps``
+measured steps, every step's events on the host's one clock, as ``parsim run`` times them) and, for each
+pipeline stage and kind of pass (forward, backward), prints the passes' median time and the share of it the
+twin spent computing too (the mean over the passes of the overlap over the pass's span), beside the same from
+the step simulator's trace on ``CLUSTER`` (a calibrated host file) at the calibration's speed.
+
+On the 2-core VM (2026-11-30, set EX's file, two runs of 30 steps), tiny DP x PP measured / predicted:
+stage 0 forwards 1.87 and 1.91 / 3.20 ms, overlapped 44% and 41% / 69%; backwards 3.18 and 2.50 / 3.32 ms,
+46% and 42% / 72%; stage 1 forwards 2.00 and 2.06 / 3.34 ms, 61% and 60% / 77%; backwards 4.22 and 4.48 /
+3.64 ms, 65% and 63% / 80%. Tiny PP (a core per rank) meanwhile: forwards 1.55-1.93 ms, backwards 1.69-1.88.
+The host's forwards ran nearly as fast as alone though their twin's passes were open beside them (descheduled,
+not computing), its backwards took the stretch; the model shares both alike.
+
+Run:  python benchmarks/cpu_twin_overlap.py CLUSTER [--steps 30] [PLAN flags, default: tiny-pp2 --dp 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+PASSES = {"F": "forward", "B": "backward"}
+
+
+def twins(world: int, gpus_per_node: int, cores: int) -> list[tuple[int, int]]:
+    """Each pair of ranks the executor binds to one core (a core of more than two ranks: every pair on it)."""
+    from parsim.sim.cores import core_of
+
+    on_core: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for rank in range(world):
+        on_core[core_of(rank, gpus_per_node, cores)].append(rank)
+    return [(a, b) for ranks in on_core.values() for i, a in enumerate(ranks) for b in ranks[i + 1:]]
+
+
+def overlaps(events: list, pairs: list[tuple[int, int]]) -> dict[tuple[int, str], list[tuple[float, float]]]:
+    """Per (stage, pass kind), each pass's (seconds, share of them its twin computed too), both ways of each pair.
+    A pass is a compute event named ``F stage=..`` or ``B stage=..``; the twin computes in any compute or optimizer
+    event."""
+    compute: dict[int, list] = defaultdict(list)
+    for event in events:
+        if event.kind in ("compute", "optimizer"):
+            compute[event.rank].append(event)
+    out: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    for a, b in pairs:
+        for rank, twin in ((a, b), (b, a)):
+            for event in compute[rank]:
+                kind = PASSES.get(event.name.split(" ")[0])
+                if kind is None or event.dur_s <= 0:
+                    continue
+                stage = int(event.name.split("stage=")[1].split(" ")[0])
+                end = event.start_s + event.dur_s
+                shared = sum(max(0.0, min(end, o.start_s + o.dur_s) - max(event.start_s, o.start_s))
+                             for o in compute[twin])
+                out[stage, kind].append((event.dur_s, min(shared / event.dur_s, 1.0)))
+    return out
+
+
+def summary(rows: dict[tuple[int, str], list[tuple[float, float]]]) -> dict[tuple[int, str], tuple[float, float]]:
+    """Per (stage, kind): the passes' median seconds and mean share overlapped."""
+    return {key: (statistics.median(s for s, _ in passes), statistics.mean(f for _, f in passes))
+            for key, passes in sorted(rows.items())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("cluster", help="a calibrated CPU host file (parsim calibrate --out)")
+    parser.add_argument("--steps", type=int, default=30, help="measured steps (default 30)")
+    args, plan_args = parser.parse_known_args()
+    if args.steps < 1:
+        parser.exit(2, f"{parser.prog}: --steps must be at least 1\n")
+
+    from executor.launch import launch, usable_cores
+    from executor.train.measure import step_events
+    from executor.train.runner import rank_main
+    from parsim.cli.main import build_parser
+    from parsim.cli.plan_cmd import plan_from_args
+    from parsim.errors import ParsimError
+    from parsim.hardware.cluster import load_cluster
+    from parsim.sim.step import predict_step
+
+    try:
+        cluster = load_cluster(args.cluster)
+        plan = plan_from_args(build_parser().parse_args(["simulate", *(plan_args or ["tiny-pp2", "--dp", "2"])]))
+    except ParsimError as error:
+        parser.exit(2, f"{parser.prog}: {error}\n")
+    cores = usable_cores()
+    pairs = twins(plan.world, plan.world, cores)
+    if not pairs:
+        parser.exit(2, f"{parser.prog}: {plan.name}'s {plan.world} ranks have a core each of this host's {cores}: "
+                       "no rank shares one\n")
+    results = launch(rank_main, plan.world, (plan.to_dict(), args.steps, 2, 0), "gloo", 600.0)
+    measured: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    for step in range(args.steps):
+        for key, passes in overlaps(step_events(results, step), pairs).items():
+            measured[key].extend(passes)
+    predicted = summary(overlaps(predict_step(plan, cluster).trace.events,
+                                 twins(plan.world, cluster.gpus_per_node, cluster.cpu_cores)))
+    print(f"{plan.name} on {plan.world} ranks, {cores} cores: each pass's time and the share of it its twin computed "
+          f"too, {args.steps} measured steps against the model on {args.cluster}")
+    print(f"  {'stage':>5}  {'pass':<9} {'measured':>9} {'overlapped':>10} {'predicted':>10} {'overlapped':>10}")
+    for key, (seconds, share) in summary(measured).items():
+        model_s, model_share = predicted.get(key, (float("nan"), float("nan")))
+        print(f"  {key[0]:>5}  {key[1]:<9} {seconds * 1e3:6.2f} ms {share:10.0%} {model_s * 1e3:7.2f} ms "
+              f"{model_share:10.0%}")
+
+
+if __name__ == "__main__":
+    main()
