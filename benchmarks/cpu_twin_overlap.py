@@ -5,16 +5,17 @@ tiny DP x PP on a 2-core host puts a stage's two data-parallel replicas (twins) 
 pass runs alone or beside the other's decides how long it takes, and so every phase of the step; the phases
 alone cannot tell a pass stretched by its twin from one slowed by the host. This runs the plan (``--steps``
 measured steps, every step's events on the host's one clock, as ``parsim run`` times them) and, for each
-pipeline stage and kind of pass (forward, backward), prints the passes' median time and the share of it the
-twin spent computing too (the mean over the passes of the overlap over the pass's span), beside the same from
-the step simulator's trace on ``CLUSTER`` (a calibrated host file) at the calibration's speed.
+pipeline stage and kind of pass (forward, backward), prints the passes' median time, the median time the
+rank's thread ran in them (``time.thread_time``: the rest it waited for its core), and the share of it the
+twin's compute was open too (the mean over the passes of the overlap over the pass's span), beside the same
+from the step simulator's trace on ``CLUSTER`` (a calibrated host file) at the calibration's speed.
 
-On the 2-core VM (2026-11-30, set EX's file, two runs of 30 steps), tiny DP x PP measured / predicted:
-stage 0 forwards 1.87 and 1.91 / 3.20 ms, overlapped 44% and 41% / 69%; backwards 3.18 and 2.50 / 3.32 ms,
-46% and 42% / 72%; stage 1 forwards 2.00 and 2.06 / 3.34 ms, 61% and 60% / 77%; backwards 4.22 and 4.48 /
-3.64 ms, 65% and 63% / 80%. Tiny PP (a core per rank) meanwhile: forwards 1.55-1.93 ms, backwards 1.69-1.88.
-The host's forwards ran nearly as fast as alone though their twin's passes were open beside them (descheduled,
-not computing), its backwards took the stretch; the model shares both alike.
+On the 2-core VM (2026-11-30, set EX's file, five runs of 30 steps; the thread's time in the last two), tiny
+DP x PP's stage 0 forwards took 1.64-1.91 ms, their thread running 1.68-1.69 ms of it; its backwards 2.26-3.18
+ms, running 1.98-2.04; stage 1's forwards 1.69-2.11 ms, running 1.64-1.85; its backwards 2.39-4.48 ms, running
+1.85-2.01 (tiny PP, a core per rank, meanwhile: 1.55-1.93 ms a pass). The host runs a forward nearly whole
+once it has begun, and a backward waits for its core, the twin's forward running meanwhile. The model:
+forwards 3.20 and 3.34 ms, backwards 3.32 and 3.64, shared slice by slice.
 
 Run:  python benchmarks/cpu_twin_overlap.py CLUSTER [--steps 30] [PLAN flags, default: tiny-pp2 --dp 2]
 """
@@ -26,6 +27,28 @@ import statistics
 from collections import defaultdict
 
 PASSES = {"F": "forward", "B": "backward"}
+
+
+def _rank(rank: int, world: int, plan_data: dict, steps: int) -> dict:
+    """One rank of ``parsim run`` whose spans also keep the time its thread ran in them (``args["cpu_s"]``,
+    ``time.thread_time``): a pass's wall time less that is the time the rank waited for its core."""
+    import time
+    from contextlib import contextmanager
+
+    from executor.train import trace_recorder
+    from executor.train.runner import rank_main
+
+    timed = trace_recorder.Recorder.span
+
+    @contextmanager
+    def span(self, name, kind, stream, **args):
+        start = time.thread_time()
+        with timed(self, name, kind, stream, **args):
+            yield
+        self.events[-1].args["cpu_s"] = time.thread_time() - start
+
+    trace_recorder.Recorder.span = span
+    return rank_main(rank, world, plan_data, steps, 2, 0)
 
 
 def twins(world: int, gpus_per_node: int, cores: int) -> list[tuple[int, int]]:
@@ -78,7 +101,6 @@ def main() -> None:
 
     from executor.launch import launch, usable_cores
     from executor.train.measure import step_events
-    from executor.train.runner import rank_main
     from parsim.cli.main import build_parser
     from parsim.cli.plan_cmd import plan_from_args
     from parsim.errors import ParsimError
@@ -95,20 +117,27 @@ def main() -> None:
     if not pairs:
         parser.exit(2, f"{parser.prog}: {plan.name}'s {plan.world} ranks have a core each of this host's {cores}: "
                        "no rank shares one\n")
-    results = launch(rank_main, plan.world, (plan.to_dict(), args.steps, 2, 0), "gloo", 600.0)
+    results = launch(_rank, plan.world, (plan.to_dict(), args.steps), "gloo", 600.0)
     measured: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    ran: dict[tuple[int, str], list[float]] = defaultdict(list)  # each pass's time on its core
     for step in range(args.steps):
-        for key, passes in overlaps(step_events(results, step), pairs).items():
+        events = step_events(results, step)
+        for key, passes in overlaps(events, pairs).items():
             measured[key].extend(passes)
+        for event in events:
+            kind = PASSES.get(event.name.split(" ")[0])
+            if event.kind == "compute" and kind and "cpu_s" in event.args:
+                ran[int(event.name.split("stage=")[1].split(" ")[0]), kind].append(event.args["cpu_s"])
     predicted = summary(overlaps(predict_step(plan, cluster).trace.events,
                                  twins(plan.world, cluster.gpus_per_node, cluster.cpu_cores)))
     print(f"{plan.name} on {plan.world} ranks, {cores} cores: each pass's time and the share of it its twin computed "
           f"too, {args.steps} measured steps against the model on {args.cluster}")
-    print(f"  {'stage':>5}  {'pass':<9} {'measured':>9} {'overlapped':>10} {'predicted':>10} {'overlapped':>10}")
+    print(f"  {'stage':>5}  {'pass':<9} {'measured':>9} {'on its core':>11} {'overlapped':>10} {'predicted':>10} "
+          f"{'overlapped':>10}")
     for key, (seconds, share) in summary(measured).items():
         model_s, model_share = predicted.get(key, (float("nan"), float("nan")))
-        print(f"  {key[0]:>5}  {key[1]:<9} {seconds * 1e3:6.2f} ms {share:10.0%} {model_s * 1e3:7.2f} ms "
-              f"{model_share:10.0%}")
+        print(f"  {key[0]:>5}  {key[1]:<9} {seconds * 1e3:6.2f} ms {statistics.median(ran[key]) * 1e3:8.2f} ms "
+              f"{share:10.0%} {model_s * 1e3:7.2f} ms {model_share:10.0%}")
 
 
 if __name__ == "__main__":
