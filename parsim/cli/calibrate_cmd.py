@@ -96,7 +96,11 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     scheduler: 8-9x the rendezvous, 4-5x each send's issue on the 2-core VM);
     the host-speed probes there, in turn with one rank per core -> how many
     times as long a matmul and an eager pass take on a shared core
-    (shared_cores.matmul_stretch, eager_stretch);
+    (shared_cores.matmul_stretch, eager_stretch); an all-reduce between the
+    two ranks of each core, the second 3 ms late -> what a collective among
+    ranks on one core costs (shared_cores.one_core_collective_latency_us,
+    one_core_collective_GBps: 0.7 ms at 545 KiB on the 2-core VM, against
+    about 4 ms between cores);
   * a generic 2-stage pipeline (GeLU MLP) on 2 ranks, then two replicas of
     it on 4 ranks bound to 2 cores -> how much longer again compute on a
     shared core takes where the ranks communicate (shared_cores.comm_stretch:
