@@ -10,8 +10,8 @@ rank's thread ran in them (``time.thread_time``: the rest it waited for its core
 twin's compute was open too (the mean over the passes of the overlap over the pass's span), beside the same
 from the step simulator's trace on ``CLUSTER`` (a calibrated host file) at the calibration's speed.
 
-On the 2-core VM (2026-11-30, set EX's file, five runs of 30 steps; the thread's time in the last two), tiny
-DP x PP's stage 0 forwards took 1.64-1.91 ms, their thread running 1.68-1.69 ms of it; its backwards 2.26-3.18
+On the 2-core VM (2026-11-30, set EX's file, six runs of 30 steps; the thread's time in the last three), tiny
+DP x PP's stage 0 forwards took 1.64-1.91 ms, their thread running 1.66-1.69 ms of it; its backwards 2.22-3.18
 ms, running 1.98-2.04; stage 1's forwards 1.69-2.11 ms, running 1.64-1.85; its backwards 2.39-4.48 ms, running
 1.85-2.01 (tiny PP, a core per rank, meanwhile: 1.55-1.93 ms a pass). The host runs a forward nearly whole
 once it has begun, and a backward waits for its core, the twin's forward running meanwhile. The model:
