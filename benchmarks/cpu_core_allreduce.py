@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 SIZES_KIB = (4, 64, 545, 4096)
 PAIRS = {"a core each": (0, 1), "one core": (0, 2)}
@@ -35,7 +34,8 @@ def _rank(rank: int, world: int, rounds: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    rows, weights = torch.randn(128, 512), torch.randn(512, 512)
+    from executor.compute_bench import late_call
+
     groups = {label: dist.new_group(list(ranks)) for label, ranks in PAIRS.items()}
     out: dict = {}
     for kib in SIZES_KIB:
@@ -44,15 +44,8 @@ def _rank(rank: int, world: int, rounds: int) -> dict:
             times = out[label, kib] = []
             for _ in range(rounds):
                 dist.barrier()
-                if rank not in PAIRS[label]:
-                    continue
-                if rank != 0:
-                    start = time.perf_counter()
-                    while time.perf_counter() - start < LATE_BY_S:
-                        rows @ weights
-                call = time.perf_counter()
-                dist.all_reduce(bucket, group=group)
-                times.append((call, time.perf_counter()))
+                if rank in PAIRS[label]:
+                    times.append(late_call(lambda: dist.all_reduce(bucket, group=group), LATE_BY_S if rank else 0.0))
     return out
 
 

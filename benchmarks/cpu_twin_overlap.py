@@ -51,37 +51,54 @@ def _rank(rank: int, world: int, plan_data: dict, steps: int) -> dict:
     return rank_main(rank, world, plan_data, steps, 2, 0)
 
 
-def twins(world: int, gpus_per_node: int, cores: int) -> list[tuple[int, int]]:
-    """Each pair of ranks the executor binds to one core (a core of more than two ranks: every pair on it)."""
+def core_mates(world: int, gpus_per_node: int, cores: int) -> dict[int, list[int]]:
+    """Each rank that shares its core (``parsim.sim.cores.core_of``, as the executor binds them), and the ranks it
+    shares it with."""
     from parsim.sim.cores import core_of
 
     on_core: dict[tuple[int, int], list[int]] = defaultdict(list)
     for rank in range(world):
         on_core[core_of(rank, gpus_per_node, cores)].append(rank)
-    return [(a, b) for ranks in on_core.values() for i, a in enumerate(ranks) for b in ranks[i + 1:]]
+    return {rank: [other for other in ranks if other != rank] for ranks in on_core.values() if len(ranks) > 1
+            for rank in ranks}
 
 
-def overlaps(events: list, pairs: list[tuple[int, int]]) -> dict[tuple[int, str], list[tuple[float, float]]]:
-    """Per (stage, pass kind), each pass's (seconds, share of them its twin computed too), both ways of each pair.
-    A pass is a compute event named ``F stage=..`` or ``B stage=..``; the twin computes in any compute or optimizer
-    event."""
-    compute: dict[int, list] = defaultdict(list)
+def pass_of(event) -> tuple[int, str] | None:
+    """(stage, pass kind) of a forward or backward (a compute event named ``F stage=..`` or ``B stage=..``)."""
+    kind = PASSES.get(event.name.split(" ")[0])
+    if event.kind != "compute" or kind is None:
+        return None
+    return int(event.name.split("stage=")[1].split(" ")[0]), kind
+
+
+def overlaps(events: list, mates: dict[int, list[int]]) -> dict[tuple[int, str], list[tuple[float, float]]]:
+    """Per (stage, pass kind), each pass's (seconds, share of them another rank on its core computed too, in any
+    compute or optimizer event) of every rank that shares its core."""
+    busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for event in events:
         if event.kind in ("compute", "optimizer"):
-            compute[event.rank].append(event)
+            busy[event.rank].append((event.start_s, event.start_s + event.dur_s))
     out: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
-    for a, b in pairs:
-        for rank, twin in ((a, b), (b, a)):
-            for event in compute[rank]:
-                kind = PASSES.get(event.name.split(" ")[0])
-                if kind is None or event.dur_s <= 0:
-                    continue
-                stage = int(event.name.split("stage=")[1].split(" ")[0])
-                end = event.start_s + event.dur_s
-                shared = sum(max(0.0, min(end, o.start_s + o.dur_s) - max(event.start_s, o.start_s))
-                             for o in compute[twin])
-                out[stage, kind].append((event.dur_s, min(shared / event.dur_s, 1.0)))
+    for event in events:
+        key = pass_of(event)
+        if key is None or event.rank not in mates or event.dur_s <= 0:
+            continue
+        start, end = event.start_s, event.start_s + event.dur_s
+        others = _merged(interval for mate in mates[event.rank] for interval in busy[mate])
+        shared = sum(max(0.0, min(end, b) - max(start, a)) for a, b in others)
+        out[key].append((event.dur_s, shared / event.dur_s))
     return out
+
+
+def _merged(intervals) -> list[tuple[float, float]]:
+    """Intervals joined where they overlap, so that time covered twice counts once."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
 
 
 def summary(rows: dict[tuple[int, str], list[tuple[float, float]]]) -> dict[tuple[int, str], tuple[float, float]]:
@@ -113,8 +130,8 @@ def main() -> None:
     except ParsimError as error:
         parser.exit(2, f"{parser.prog}: {error}\n")
     cores = usable_cores()
-    pairs = twins(plan.world, plan.world, cores)
-    if not pairs:
+    mates = core_mates(plan.world, plan.world, cores)
+    if not mates:
         parser.exit(2, f"{parser.prog}: {plan.name}'s {plan.world} ranks have a core each of this host's {cores}: "
                        "no rank shares one\n")
     results = launch(_rank, plan.world, (plan.to_dict(), args.steps), "gloo", 600.0)
@@ -122,16 +139,17 @@ def main() -> None:
     ran: dict[tuple[int, str], list[float]] = defaultdict(list)  # each pass's time on its core
     for step in range(args.steps):
         events = step_events(results, step)
-        for key, passes in overlaps(events, pairs).items():
+        for key, passes in overlaps(events, mates).items():
             measured[key].extend(passes)
         for event in events:
-            kind = PASSES.get(event.name.split(" ")[0])
-            if event.kind == "compute" and kind and "cpu_s" in event.args:
-                ran[int(event.name.split("stage=")[1].split(" ")[0]), kind].append(event.args["cpu_s"])
+            key = pass_of(event)
+            if key is not None and event.rank in mates and "cpu_s" in event.args:
+                ran[key].append(event.args["cpu_s"])
     predicted = summary(overlaps(predict_step(plan, cluster).trace.events,
-                                 twins(plan.world, cluster.gpus_per_node, cluster.cpu_cores)))
-    print(f"{plan.name} on {plan.world} ranks, {cores} cores: each pass's time and the share of it its twin computed "
-          f"too, {args.steps} measured steps against the model on {args.cluster}")
+                                 core_mates(plan.world, cluster.gpus_per_node, cluster.cpu_cores)))
+    print(f"{plan.name} on {plan.world} ranks, {cores} cores: each pass's time, its thread's time on the core, and the "
+          f"share of it another rank on its core computed too, {args.steps} measured steps against the model on "
+          f"{args.cluster}")
     print(f"  {'stage':>5}  {'pass':<9} {'measured':>9} {'on its core':>11} {'overlapped':>10} {'predicted':>10} "
           f"{'overlapped':>10}")
     for key, (seconds, share) in summary(measured).items():

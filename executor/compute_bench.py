@@ -207,22 +207,29 @@ def measure_one_core_allreduce(rank: int, world: int) -> list[tuple[int, float]]
     half = world // 2
     groups = [dist.new_group([r, r + half]) for r in range(half)]
     group, late = groups[rank % half], rank >= half
-    rows, weights = torch.randn(128, 512), torch.randn(512, 512)
     out = []
     for nbytes in ONE_CORE_SIZES:
         bucket = torch.randn(nbytes // 4)
         times = []
         for _ in range(ONE_CORE_ROUNDS + 1):  # the first round warms the pair's connection
             _barrier()
-            if late:
-                start = time.perf_counter()
-                while time.perf_counter() - start < ONE_CORE_LATE_S:
-                    rows @ weights
-            call = time.perf_counter()
-            dist.all_reduce(bucket, group=group)
-            times.append(time.perf_counter() - call)
+            call, back = late_call(lambda: dist.all_reduce(bucket, group=group), ONE_CORE_LATE_S if late else 0.0)
+            times.append(back - call)
         out.append((nbytes, statistics.median(times[1:])))
     return out if late else None
+
+
+def late_call(call: Callable[[], object], late_by_s: float) -> tuple[float, float]:
+    """``call()`` after ``late_by_s`` of matmuls (a rank arriving late at a collective, computing till then):
+    the times it was called and returned (``time.perf_counter``)."""
+    torch = require_torch()
+    rows, weights = torch.full((128, 512), 0.01), torch.full((512, 512), 0.01)
+    start = time.perf_counter()
+    while time.perf_counter() - start < late_by_s:
+        rows @ weights
+    called = time.perf_counter()
+    call()
+    return called, time.perf_counter()
 
 
 def _medians(readings: Sequence[Speed]) -> Speed:

@@ -557,7 +557,7 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
                                                    pytest.approx(2.0), comm_stretch=comm,
                                                    one_core_collective_latency_s=pytest.approx(0.5e-3),
                                                    one_core_collective_bw_Bps=pytest.approx(1.25e9))
-    assert "one-core collective 500 us + bus bytes at 1.25 GB/s between ranks on one core" in text
+    assert "1-core collective 500 us + bus bytes at 1.25 GB/s between ranks on one core" in text
     assert f"communicating     compute on a shared core {comm:.2f}x as long again where its ranks communicate (a " \
            "generic 2-stage pipeline: 40.0 ms a step with a core per rank, 100.0 ms as two replicas on 2 cores" in text
     assert "# The generic pipeline (comm_stretch): 40.0 ms a step with a core per rank, 100.0 ms as two replicas on " \

@@ -432,17 +432,20 @@ def test_the_core_allreduce_benchmark_refuses_no_rounds_in_one_line():
 
 def test_the_twin_overlap_benchmark_measures_each_pass_s_share_beside_its_twin():
     """Rank 0's forward (0-2 ms) beside its twin's backward (1-4 ms): half of it overlapped; the twin's backward,
-    a third; ranks 0 and 2 share core 0 of 2, ranks 1 and 3 core 1."""
+    a third; ranks 0 and 2 share core 0 of 2, ranks 1 and 3 core 1. On a core of three ranks, time two others
+    computed counts once."""
     from parsim.report.trace import Event
 
     bench = _benchmark("cpu_twin_overlap")
-    assert bench.twins(4, 4, 2) == [(0, 2), (1, 3)] and bench.twins(2, 2, 2) == []
+    assert bench.core_mates(4, 4, 2) == {0: [2], 2: [0], 1: [3], 3: [1]} and bench.core_mates(2, 2, 2) == {}
     events = [Event("F stage=0 mb=0", 0, "compute", "compute", 0.0, 2e-3),
               Event("B stage=0 mb=1", 2, "compute", "compute", 1e-3, 3e-3),
               Event("send act stage=0 mb=0 peer=1", 0, "p2p", "send", 2e-3, 1e-3)]
-    rows = bench.overlaps(events, [(0, 2)])
+    rows = bench.overlaps(events, {0: [2], 2: [0]})
     assert rows[0, "forward"] == [(2e-3, pytest.approx(0.5))] and rows[0, "backward"] == [(3e-3, pytest.approx(1 / 3))]
     assert bench.summary(rows)[0, "forward"] == (2e-3, pytest.approx(0.5))
+    three = events + [Event("optimizer step", 4, "compute", "optimizer", 0.5e-3, 1e-3)]
+    assert bench.overlaps(three, {0: [2, 4]})[0, "forward"] == [(2e-3, pytest.approx(0.75))]
 
 
 def test_the_twin_overlap_benchmark_refuses_a_plan_whose_ranks_have_a_core_each_in_one_line():

@@ -383,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
               + (f"; a matmul {shared.matmul_stretch:.2f}x and an eager pass {shared.eager_stretch:.2f}x as long as "
                  f"with a core each" if shared.matmul_stretch else ""))
     if shared is not None and shared.one_core_collective_bw_Bps is not None:
-        print(f"one-core collective {shared.one_core_collective_latency_s * 1e6:.0f} us + bus bytes at "
+        print(f"1-core collective {shared.one_core_collective_latency_s * 1e6:.0f} us + bus bytes at "
               f"{shared.one_core_collective_bw_Bps / 1e9:.2f} GB/s between ranks on one core (an all-reduce whose "
               f"second rank calls it 3 ms late, 64 KiB to 4 MiB)")
     if shared is not None and shared.comm_stretch is not None:

@@ -156,8 +156,8 @@ class SharedCoreCosts:
         collectives' speed in GB/s, and the stretches measured."""
         mapping = {f"{f.name[:-2]}_us": getattr(self, f.name) * 1e6 for f in fields(self)
                    if f.name.endswith("_s") and getattr(self, f.name) is not None}
-        if self.one_core_collective_bw_Bps is not None:
-            mapping["one_core_collective_GBps"] = self.one_core_collective_bw_Bps / 1e9
+        mapping.update({key: getattr(self, f"{key[:-5]}_bw_Bps") / 1e9 for key in SHARED_CORE_BANDWIDTHS
+                        if getattr(self, f"{key[:-5]}_bw_Bps") is not None})
         return {**mapping, **{key: getattr(self, key) for key in SHARED_CORE_STRETCHES
                               if getattr(self, key) is not None}}
 

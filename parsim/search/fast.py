@@ -52,9 +52,8 @@ from ..report.step_report import PHASES
 from ..schedules import SCHEDULES, make_schedule, peak_in_flight
 from ..sim.compute import ComputeModel
 from ..workload.model import MLPModel
-from ..workload.plan import (DTYPE_BYTES, Accumulation, Plan, accumulation_bytes, accumulation_elements,
-                             attention_seq, default_reduce_dtype, keeps_main_grads, master_weights,
-                             ties_across_stages)
+from ..workload.plan import (DTYPE_BYTES, Accumulation, Plan, accumulation, attention_seq, default_reduce_dtype,
+                             keeps_main_grads, master_weights, ties_across_stages)
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
 from .pipeline import PipelineTiming, time_schedule
 from .space import SearchSpace, Setting, Variant
@@ -468,9 +467,7 @@ class FastModel:
 
     def _accumulation_of(self, s: Setting, v: Variant) -> Accumulation:
         """What a microbatch's gradients cost per weight joining their sum (:class:`Accumulation`)."""
-        main_grads = self._main_grads(s, v)
-        return Accumulation(accumulation_bytes(self.dtype_bytes, self.grad_bytes, main_grads, s.num_microbatches),
-                            accumulation_elements(self.dtype_bytes, self.grad_bytes, main_grads))
+        return accumulation(self.dtype_bytes, self.grad_bytes, self._main_grads(s, v), s.num_microbatches)
 
     @staticmethod
     def _shards_weights(s: Setting, v: Variant) -> bool:

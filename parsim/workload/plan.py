@@ -155,6 +155,12 @@ def accumulation_elements(dtype_bytes: int, grad_bytes: int, main_grads: bool) -
     return 3.0 if main_grads and grad_bytes != dtype_bytes else 0.0
 
 
+def accumulation(dtype_bytes: int, grad_bytes: int, main_grads: bool, microbatches: int) -> Accumulation:
+    """A microbatch's weight gradients joining the step's sum, per weight (:class:`Accumulation`)."""
+    return Accumulation(accumulation_bytes(dtype_bytes, grad_bytes, main_grads, microbatches),
+                        accumulation_elements(dtype_bytes, grad_bytes, main_grads))
+
+
 def default_reduce_dtype(dtype: str) -> str:
     """The gradients' dtype a plan in ``dtype`` reduces in unless it says otherwise (``REDUCE_DTYPES``)."""
     return "fp32" if dtype in ("bf16", "fp8") else dtype
@@ -583,8 +589,7 @@ class Plan:
     @property
     def accumulation(self) -> Accumulation:
         """Bytes and unvectorized elements per weight each microbatch's gradient adds into the sum."""
-        return Accumulation(self.accumulation_bytes,
-                            accumulation_elements(self.dtype_bytes, self.grad_bytes, self.main_grads))
+        return accumulation(self.dtype_bytes, self.grad_bytes, self.main_grads, self.num_microbatches)
 
     @property
     def grad_bytes(self) -> int:
