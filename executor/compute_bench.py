@@ -70,6 +70,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ._torch import require_torch
+from .gloo_threads import collective_group
 from .speed_probe import Speed, SpeedProbe, probes_on
 
 if TYPE_CHECKING:
@@ -205,7 +206,7 @@ def measure_one_core_allreduce(rank: int, world: int) -> list[tuple[int, float]]
     import torch.distributed as dist
 
     half = world // 2
-    groups = [dist.new_group([r, r + half]) for r in range(half)]
+    groups = [collective_group([r, r + half]) for r in range(half)]
     group, late = groups[rank % half], rank >= half
     out = []
     for nbytes in ONE_CORE_SIZES:
@@ -732,7 +733,7 @@ def measure_fsdp_host(units: Sequence[int] = FSDP_UNITS, steps: int = 15, warmup
 
     if mesh is None:
         world, rank = dist.get_world_size(), dist.get_rank()
-        own = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group, in one order
+        own = [collective_group([r]) for r in range(world)][rank]  # every rank creates every group, in one order
         mesh = DeviceMesh.from_group(own, "cpu")
     linears, width, rows = unit
 

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 from parsim.errors import ParsimError
 
 from ._torch import require_distributed, require_torch
+from .gloo_threads import prepare_groups
 
 DEFAULT_TIMEOUT_S = 120.0
 MAX_LOCAL_RANKS = 1024  # processes one machine spawns: beyond any node's GPUs, and a CPU's cores many times over
@@ -225,6 +226,8 @@ def _run_rank(fn: RankFn, args: Sequence[Any], backend: str, timeout_s: float) -
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s), device_id=device)
+    if backend == "gloo":
+        prepare_groups()
     value = fn(rank, world, *args)
     dist.destroy_process_group()
     return value

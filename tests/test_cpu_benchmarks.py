@@ -489,3 +489,21 @@ def test_the_collective_skew_benchmark_prints_a_row_per_skew():
 def test_the_collective_skew_benchmark_refuses_bad_input_in_one_line(args, expected):
     done = script("benchmarks/cpu_collective_skew.py", *args)
     assert done.returncode == 2 and done.stderr == expected
+
+
+def test_the_gloo_loops_benchmark_prints_each_plan_under_each_policy():
+    done = script("benchmarks/cpu_gloo_loops.py", "--plans", "course DDP", "--policies", "split", "preempt",
+                  "--steps", "1")
+    assert done.returncode == 0, done.stderr
+    header, *rows = done.stdout.splitlines()
+    assert header.split() == ["plan", "policy", "step", "ms", "forward", "backward", "tp", "pp", "dp", "optimizer",
+                              "idle"]
+    assert [row.split()[:3] for row in rows] == [["course", "DDP", "split"], ["course", "DDP", "preempt"]]
+    for row in rows:
+        step, *phases = (float(x) for x in row.split()[3:])
+        assert step > 0 and phases[2] == phases[3] == 0.0 and phases[4] > 0  # no tp, no pp; a dp all-reduce
+
+
+def test_the_gloo_loops_benchmark_refuses_bad_input_in_one_line():
+    done = script("benchmarks/cpu_gloo_loops.py", "--steps", "0")
+    assert done.returncode == 2 and done.stderr == "cpu_gloo_loops.py: --steps must be at least 1\n"

@@ -45,6 +45,7 @@ from parsim.report.trace import compute_name, p2p_name
 from parsim.schedules import Action, Schedule
 
 from .._torch import require_distributed, require_torch
+from ..gloo_threads import transfer_group
 from .models import Piece
 from .trace_recorder import Recorder, annotation
 
@@ -192,7 +193,7 @@ class PipelineRuntime:
         tensor = tensor.contiguous()
         start = self.recorder.now()
         with annotation(name):  # a profiler sees the issue; the watcher times completion
-            work = dist.isend(tensor, peer, tag=self._tag(what, stage, mb))
+            work = dist.isend(tensor, peer, group=transfer_group(), tag=self._tag(what, stage, mb))
         self._sends.watch(work, tensor, name, start)
 
     def _recv(self, what: str, stage: int, mb: int):
@@ -203,7 +204,7 @@ class PipelineRuntime:
                 return self._local.pop((what, stage, mb)).detach()
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         with self.recorder.span(name, "recv", "p2p", phase="pp", bytes=buffer.numel() * buffer.element_size()):
-            dist.irecv(buffer, peer, tag=self._tag(what, stage, mb)).wait()
+            dist.irecv(buffer, peer, group=transfer_group(), tag=self._tag(what, stage, mb)).wait()
         return buffer
 
 

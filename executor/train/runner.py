@@ -28,6 +28,7 @@ from parsim.workload.model import MLPModel
 from parsim.workload.plan import Plan, load_plan
 
 from .._torch import require_distributed, require_torch
+from ..gloo_threads import collective_group
 from ..speed_probe import SpeedProbe, probes_on
 from .clip import GradClipper
 from .comm import EPGroup, TPGroup
@@ -413,11 +414,13 @@ def _process_groups(plan: Plan, rank: int, schedule: Schedule) -> dict[str, Any]
         memberships["tie"] = [[plan.rank_of(dp=d, pp=first, cp=c, tp=t), plan.rank_of(dp=d, pp=last, cp=c, tp=t)]
                               for d in range(plan.dp) for c in range(plan.cp) for t in range(plan.tp)
                               ] if first != last else []
+    # Rings beside compute keep device loops that preempt (executor.gloo_threads); collectives' are batched.
+    beside_compute = {"cp"} | ({"tp"} if plan.tp_comm_overlap else set())
     mine = {}
     for key, groups in memberships.items():
         for members in groups:
             if len(members) > 1 or key == "eshard":
-                group = dist.new_group(members)
+                group = dist.new_group(members) if key in beside_compute else collective_group(members)
                 if rank in members:
                     mine[key] = group
     return mine

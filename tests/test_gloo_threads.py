@@ -1,0 +1,58 @@
+"""gloo's device loops in a CPU rank: collectives' batched, the transfers' group's left to preempt."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from parsim.errors import ParsimError
+
+from executor.gloo_threads import POLICY_ENV, loop_threads, policy
+from executor.launch import launch
+
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+linux_threads = os.path.isdir("/proc/self/task") and hasattr(os, "SCHED_BATCH")
+needs_linux_threads = pytest.mark.skipif(not linux_threads, reason="reads and sets threads' policies through Linux")
+
+
+def loop_policies(rank: int, world: int) -> dict[str, list[int]]:
+    """Each kind of group's device-loop policies after the job started and a collective group was made."""
+    import torch
+    import torch.distributed as dist
+
+    from executor.gloo_threads import collective_group, transfer_group
+
+    started = loop_threads()
+    group = collective_group(range(world))
+    made = loop_threads() - started
+    ones = torch.ones(2)
+    dist.all_reduce(ones, group=group)  # the group works
+    if rank == 0:  # and so does the transfers' group
+        dist.send(ones, 1, group=transfer_group())
+    else:
+        dist.recv(ones, 0, group=transfer_group())
+    return {"started": sorted(os.sched_getscheduler(t) for t in started),
+            "collective": sorted(os.sched_getscheduler(t) for t in made), "sum": ones.tolist()}
+
+
+@needs_torch
+@needs_linux_threads
+@pytest.mark.multiproc
+@pytest.mark.parametrize("chosen", ["split", "preempt", "batch"])
+def test_collective_loops_are_batched_and_the_transfer_groups_loop_preempts(chosen, monkeypatch):
+    """By default the default group's loop and a collective group's are SCHED_BATCH (they never preempt the
+    worker they wait for), the transfers' group's loop SCHED_OTHER; the other policies change exactly that."""
+    monkeypatch.setenv(POLICY_ENV, chosen)
+    batch, other = os.SCHED_BATCH, os.SCHED_OTHER
+    started = {"split": [other, batch], "preempt": [other, other], "batch": [batch, batch]}[chosen]
+    made = {"split": [batch], "preempt": [other], "batch": [batch]}[chosen]
+    for values in launch(loop_policies, 2, backend="gloo", timeout_s=60):
+        assert values == {"started": sorted(started), "collective": made, "sum": [2.0, 2.0]}
+
+
+def test_an_unknown_policy_is_a_user_error(monkeypatch):
+    monkeypatch.setenv(POLICY_ENV, "fast")
+    with pytest.raises(ParsimError, match="PARSIM_GLOO_LOOPS='fast': expected one of split, preempt, batch"):
+        policy()
