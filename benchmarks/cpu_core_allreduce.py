@@ -9,11 +9,12 @@ a barrier, then rank 0 calls the all-reduce at once and its partner after 3 ms o
 asleep, as a twin that ended its backward first does). Printed: the late rank's all-reduce, from its call
 to its return, and how long after that call rank 0 returned; medians over the rounds.
 
-On the 2-core VM (2026-11-30, two runs of 40 rounds), the late rank's all-reduce took, a core each / one
-core: 4 KiB 0.45 and 3.27 / 0.49 and 0.46 ms, 64 KiB 3.05 and 3.97 / 0.48 and 0.52 ms, 545 KiB (a tiny-gpt
-stage's gradients) 3.94 and 4.09 / 0.70 and 0.74 ms, 4 MiB 4.56 and 4.21 / 3.78 and 3.59 ms. The model prices
-544 KiB at 2.08 ms on that day's calibration (set EV), between cores; on one core it takes a third of that
-(docs/calibration.md, "A rank that wakes on a core whose slice is spent").
+On the 2-core VM (2026-11-30, two runs of 40 rounds, gloo's device loops as gloo starts them), the late
+rank's all-reduce took, a core each / one core: 4 KiB 0.45 and 3.27 / 0.49 and 0.46 ms, 64 KiB 3.05 and
+3.97 / 0.48 and 0.52 ms, 545 KiB (a tiny-gpt stage's gradients) 3.94 and 4.09 / 0.70 and 0.74 ms, 4 MiB
+4.56 and 4.21 / 3.78 and 3.59 ms: between cores the groups' device loops spun on their cores
+(``executor/gloo_threads.py``). With the loops batched, as the executor now runs collectives (the same
+day): 4 KiB 0.24 / 0.49 ms, 64 KiB 0.25 / 0.48, 545 KiB 0.41 / 0.67, 4 MiB 2.56 / 3.71.
 
 Run:  python benchmarks/cpu_core_allreduce.py [--rounds 40]
 """
@@ -35,8 +36,9 @@ def _rank(rank: int, world: int, rounds: int) -> dict:
     import torch.distributed as dist
 
     from executor.compute_bench import late_call
+    from executor.gloo_threads import collective_group
 
-    groups = {label: dist.new_group(list(ranks)) for label, ranks in PAIRS.items()}
+    groups = {label: collective_group(ranks) for label, ranks in PAIRS.items()}  # as calibrate's
     out: dict = {}
     for kib in SIZES_KIB:
         bucket = torch.randn(kib * 256)

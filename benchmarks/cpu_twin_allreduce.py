@@ -12,7 +12,9 @@ model's round robin gives two ranks that leave together.
 
 On the 2-core VM (2026-11-28, 545 KiB, 50 rounds): on a core each the ranks left 0.03 ms apart and stepped
 in 2.87 and 2.93 ms; on one core they left 3.08 ms apart, and each stepped alone (2.81 and 2.70 ms), where
-the model's turns give 4.4 and 5.7 ms.
+the model's turns give 4.4 and 5.7 ms. With the groups' device loops batched, as the executor now runs
+collectives (2026-11-30; AdamW alone 0.76 ms that day): a core each, 0.02 ms apart, 0.95 and 0.96 ms; one
+core, 1.30 ms apart, 1.15 and 1.19 ms.
 
 Run:  python benchmarks/cpu_twin_allreduce.py [--kib 545] [--rounds 50]
 """
@@ -32,6 +34,8 @@ def _rank(rank: int, world: int, kib: int, rounds: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from executor.gloo_threads import collective_group
+
     torch.manual_seed(rank)
     elements = kib * 1024 // 4
     bucket = torch.randn(elements)
@@ -40,7 +44,7 @@ def _rank(rank: int, world: int, kib: int, rounds: int) -> dict:
         p.grad = torch.randn_like(p)
     adamw = torch.optim.AdamW(params, foreach=True)
     members = {"a core each": [0, 1], "one core": [0, 2]}
-    pairs = {label: dist.new_group(ranks) for label, ranks in members.items()}
+    pairs = {label: collective_group(ranks) for label, ranks in members.items()}  # as the executor's dp groups
     result: dict = {"alone_s": []}
     for _ in range(rounds):
         dist.barrier()
