@@ -74,8 +74,6 @@ def policy() -> str:
 
 def _batch(tid: int) -> None:
     """Let thread ``tid`` run only when its core is free or at a tick (unprivileged; a no-op where unsupported)."""
-    if policy() == "preempt":
-        return
     try:
         os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux, or the thread ended meanwhile
@@ -97,10 +95,12 @@ def prepare_groups() -> None:
     Every rank must call it at the same point (it creates a group)."""
     global _transfer_group
     dist = require_distributed()
-    for tid in loop_threads():
-        _batch(tid)
+    chosen = policy()
+    if chosen != "preempt":
+        for tid in loop_threads():
+            _batch(tid)
     make = lambda: dist.new_group(list(range(dist.get_world_size())))  # noqa: E731
-    _transfer_group = quiet_loops(make) if policy() == "batch" else make()
+    _transfer_group = quiet_loops(make) if chosen == "batch" else make()
 
 
 def transfer_group() -> Any:
@@ -113,4 +113,5 @@ def collective_group(members: Sequence[int]) -> Any:
     """A new process group over ``members`` (every rank must call it, in one order) for collectives: its
     device loop batched."""
     dist = require_distributed()
-    return quiet_loops(lambda: dist.new_group(list(members)))
+    make = lambda: dist.new_group(list(members))  # noqa: E731
+    return make() if policy() == "preempt" else quiet_loops(make)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 from parsim.errors import ParsimError
 
 from ._torch import require_distributed, require_torch
-from .gloo_threads import prepare_groups
+from .gloo_threads import policy, prepare_groups
 
 DEFAULT_TIMEOUT_S = 120.0
 MAX_LOCAL_RANKS = 1024  # processes one machine spawns: beyond any node's GPUs, and a CPU's cores many times over
@@ -155,6 +155,8 @@ def launch(fn: RankFn, nproc: int, args: Sequence[Any] = (), backend: str = "aut
     """
     check_request(nproc, timeout_s)
     backend = resolve_backend(backend, nproc)
+    if backend == "gloo":
+        policy()  # a bad PARSIM_GLOO_LOOPS is refused here, before any rank starts
     # Collectives inside the ranks time out later than the parent's watchdog,
     # so a hang is diagnosed here (with stacks) rather than as a peer's error.
     collective_timeout_s = 2 * timeout_s

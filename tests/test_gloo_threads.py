@@ -56,3 +56,9 @@ def test_an_unknown_policy_is_a_user_error(monkeypatch):
     monkeypatch.setenv(POLICY_ENV, "fast")
     with pytest.raises(ParsimError, match="PARSIM_GLOO_LOOPS='fast': expected one of split, preempt, batch"):
         policy()
+
+
+def test_a_bad_policy_is_refused_before_any_rank_starts(monkeypatch):
+    monkeypatch.setenv(POLICY_ENV, "fast")
+    with pytest.raises(ParsimError, match="PARSIM_GLOO_LOOPS='fast'"):
+        launch(loop_policies, 2, backend="gloo", timeout_s=60)
