@@ -15,6 +15,7 @@ from parsim.hardware.cluster import SharedCoreCosts, load_cluster, parse_cluster
 from parsim.report.results import save_results
 from parsim.report.step_report import PHASES
 from parsim.sim.collectives import predict
+from parsim.sim.collectives.algorithms import build_phases
 from parsim.sim.compute import ComputeModel
 
 GLOO = {"all_reduce": "ring", "send_recv": "direct", "all_gather": "ring", "reduce_scatter": "via_all_reduce",
@@ -44,10 +45,48 @@ def test_fit_recovers_latency_link_and_host_bandwidth():
 def test_an_operation_with_its_own_cost_is_fitted_apart():
     slow = host(efficiency={"all_gather": 0.4}, overhead_s={"all_gather": 1e-3})
     links = fit_links(synthetic(slow, [("all_reduce", 2), ("send_recv", 2)]), GLOO, 6e9)
-    overhead, efficiency, rows, at_link_speed = fit_operation(synthetic(slow, [("all_gather", 2)]), links, GLOO)
-    assert efficiency == pytest.approx(0.4, rel=0.05)
-    assert overhead == pytest.approx(1e-3, rel=0.05)
-    assert not at_link_speed
+    fit = fit_operation(synthetic(slow, [("all_gather", 2)]), links, GLOO)
+    assert fit.efficiency == pytest.approx(0.4, rel=0.05)
+    assert fit.overhead_s == pytest.approx(1e-3, rel=0.05)
+    assert not fit.at_link_speed and fit.cache_speedup == 1.0
+
+
+def test_buffers_that_fit_a_core_s_cache_get_each_operation_s_own_speed_up():
+    """A host whose all-reduces move their bytes 2.5x as fast, and all-gathers 3x, up to 1 MiB (sizes of 64 KiB
+    to 1 MiB cached, 4 to 64 MiB not): the links come out as the streamed sizes' and each speed-up is recovered."""
+    cached = host(efficiency={"all_gather": 0.5}, cache_bytes=2**20,
+                  cache_speedup={"all_reduce": 2.5, "send_recv": 1.0, "all_gather": 3.0})
+    assert cached.collective_cache_bytes == 2**20 and cached.collective_cache_speedup["all_gather"] == 3.0
+    links = fit_links(synthetic(cached, [("all_reduce", 2), ("all_reduce", 4), ("send_recv", 2)]), GLOO, 6e9,
+                      cache_bytes=2**20)
+    assert links.latency_s == pytest.approx(300e-6, rel=0.02) and links.bw_Bps == pytest.approx(2.0e9, rel=0.05)
+    for op, efficiency, speedup in (("all_reduce", 1.0, 2.5), ("all_gather", 0.5, 3.0), ("send_recv", 1.0, 1.0)):
+        fit = fit_operation(synthetic(cached, [(op, 2)]), links, GLOO)
+        assert fit.efficiency == pytest.approx(efficiency, rel=0.05)
+        assert fit.cache_speedup == pytest.approx(speedup, rel=0.05)
+        assert max(abs(f / r.time_s - 1) for r, f in fit.rows) < 0.05
+    # without the split, one line cannot follow the knee
+    plain = fit_links(synthetic(cached, [("all_reduce", 2), ("send_recv", 2)]), GLOO, 6e9)
+    assert max(abs(f / r.time_s - 1) for r, f in plain.rows) > 0.15
+
+
+def test_the_speed_up_applies_up_to_the_cache_s_size_only():
+    """The links carry a cached all-reduce's bytes as half as many (twice as fast); one byte past the cache, all."""
+    cached, plain = host(cache_bytes=2**20, cache_speedup={"all_reduce": 2.0}).build(1), host().build(1)
+    for size, ratio in ((2**20, 2.0), (2**20 + 4, 1.0)):
+        moved = [sum(np.sum(p.nbytes) for p in build_phases(topo, "all_reduce", "ring", np.arange(2), size))
+                 for topo in (plain, cached)]
+        assert moved[0] / moved[1] == pytest.approx(ratio)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"collective_cache_speedup": {"all_reduce": 2.0}}, "collective_cache_speedup: has no size to apply below"),
+    ({"collective_cache_KiB": 1024, "collective_cache_speedup": {"all_reduce": -1}}, "collective_cache_speedup"),
+])
+def test_a_bad_cache_figure_is_refused(extra, message):
+    data = host_cluster(4, 300e-6, 2.0e9, 6e9, algorithms=GLOO)
+    with pytest.raises(Exception, match=message):
+        parse_cluster({**data, **extra}, "host.yaml")
 
 
 def test_an_operation_whose_times_do_not_grow_keeps_link_speed_and_fits_its_fixed_cost():
@@ -399,6 +438,11 @@ def test_no_speed_probe_applies_only_to_a_plan_run(capsys):
 CORE_NS = {"gelu": (0.5, 1.2), "norm": (0.4, 0.9), "softmax": (0.3, 0.6)}  # the faked host's, ns per element
 
 
+def written_cache(path) -> tuple[float, dict]:
+    spec = load_cluster(str(path))
+    return spec.collective_cache_bytes, spec.collective_cache_speedup
+
+
 def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     """Every measurement ``parsim calibrate`` takes, faked from a known host; the collectives in ``flat``
     take 20 ms at every size (a busy host's stalls)."""
@@ -450,7 +494,9 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
                                             "action": (70e-6, 90e-6)[r % 2], "issue": 150e-6})]}
                 for r in range(nproc)]
 
-    spec = host()
+    # a core's cache of 1 MiB, in which all-reduces move their bytes twice as fast
+    spec = host(cache_bytes=2**20, cache_speedup={"all_reduce": 2.0, "send_recv": 1.0})
+    monkeypatch.setattr("parsim.cli.calibrate_cmd.core_cache_bytes", lambda: 2**20)
     monkeypatch.setattr(executor.compute_bench, "measure_on_every_rank", every_rank)
     monkeypatch.setattr(executor.compute_bench, "measure_on_shared_cores", lambda: [
         {"pipeline": {"rendezvous": 2.5e-3 + r * 1e-4, "latency": 200e-6, "action": 400e-6, "issue": 900e-6},
@@ -527,6 +573,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv"]) == 0
     text = capsys.readouterr().out
     assert "host speed        50.0 GFLOP/s, 800 us per eager pass, 20.0 GB/s memory" in text
+    assert "of link speed, 2.00x as fast up to 1 MiB (a core's L2)" in text
+    assert written_cache(out) == (2**20, pytest.approx({"all_reduce": 2.0, "send_recv": 1.0}, rel=0.02))
     assert ("between actions   30/120 us at 4/16 MiB of gradients a rank before each "
             "pass, sync call or optimizer step (a generic data-parallel step's loop; it runs colder the more memory "
             "the step streams), 50/150 us at 0.125/4.5 MiB of gradients a rank more per send issued") in text
@@ -588,6 +636,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
                  "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert conforms(doc) == "calibrate"
+    assert doc["collective_cache_KiB"] == 1024
+    assert doc["collective_cache_speedup"] == pytest.approx({"all_reduce": 2.0, "send_recv": 1.0}, rel=0.02)
     assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"], doc["speed_probe_memory_GBps"]) == \
         pytest.approx((50.0, 800.0, 20.0))
     assert (doc["matmul_stream_bw_GBps"], doc["matmul_write_bw_GBps"]) == pytest.approx((15.0, 45.0), rel=0.1)

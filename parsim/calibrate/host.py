@@ -29,7 +29,9 @@ GeLU, a norm and a softmax on its own a core's time per element of its arithmeti
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -47,6 +49,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  description: str = "", cpu: str = "CPU rank", peak_flops: float = 1e11,
                  mem_bw_Bps: float = 1e10, mem_bytes: float = 8e9, algorithms: dict | None = None,
                  efficiency: dict | None = None, overhead_s: dict | None = None,
+                 cache_bytes: float = 0.0, cache_speedup: dict | None = None,
                  matmul_half_dim: float = 0.0, kernel_overhead_s: float = 0.0, op_forward_s: float = 0.0,
                  op_backward_s: float = 0.0, optimizer_tensor_s: float = 0.0, optimizer_step_s: float = 0.0,
                  matmul_stream_bw_Bps: float | None = None, matmul_write_bw_Bps: float | None = None,
@@ -65,7 +68,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     host-speed probes' (matmul FLOP/s, seconds per eager pass, and memory bytes per second where timed) while the
     compute figures were measured; ``shared_cores`` the pipeline's host costs with two ranks on each core;
     ``tp_call_s`` a tensor-parallel collective call's host time, forward and backward; ``zero_grad`` what freeing
-    the gradients costs; ``fsdp`` FSDP2's own host work; ``rank_jitter`` how much the same work's time varies
+    the gradients costs; ``fsdp`` FSDP2's own host work; ``cache_speedup`` each operation's speed-up on buffers of
+    up to ``cache_bytes`` (:func:`fit_operation`); ``rank_jitter`` how much the same work's time varies
     between ranks (a fraction);
     ``action_overhead_s`` and ``p2p_issue_s`` the loop's time before each action and per send issued, and
     ``p2p_rendezvous_s`` and ``p2p_latency_s`` a pipeline transfer's host time and latency, each one figure or
@@ -125,6 +129,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         "algorithms": dict(algorithms or {}),
         "collective_efficiency": dict(efficiency or {}),
         "collective_overhead_us": {op: t * 1e6 for op, t in (overhead_s or {}).items()},
+        **({"collective_cache_KiB": cache_bytes / 1024, "collective_cache_speedup": dict(cache_speedup)}
+           if cache_bytes and cache_speedup else {}),
         **({"collective_step_overhead_us": {op: t * 1e6 for op, t in step_overhead_s.items()}}
            if step_overhead_s else {}),
         "compute": {"matmul_efficiency": 1.0, "matmul_half_dim": float(matmul_half_dim),
@@ -147,6 +153,25 @@ def collective_features(op: str, nranks: int, size: float, algorithm: str,
                      sum(t.reduce_s for t in timings)])
 
 
+def core_cache_bytes(cpu: int | None = None) -> int:
+    """The size of one core's L2 cache, read from Linux's sysfs (``cpu``: the first this process may run on); 0
+    where it cannot be read. A collective's buffers up to this size stay in the core's cache (:func:`fit_links`)."""
+    if cpu is None:
+        try:
+            cpu = min(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpu = 0
+    for index in sorted(Path(f"/sys/devices/system/cpu/cpu{cpu}/cache").glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        if level == "2" and kind in ("Unified", "Data"):
+            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return 0
+
+
 @dataclass
 class LinkFit:
     latency_s: float
@@ -154,9 +179,11 @@ class LinkFit:
     fabric_bw_Bps: float | None  # the host's total, when it limits concurrent transfers
     reduce_bw_Bps: float
     rows: list[tuple[CollectiveResult, float]]  # measurement, fitted time
+    cache_bytes: float = 0.0  # buffers up to this size were fitted apart (a core's cache): see fit_links
 
 
-def fit_links(results: list[CollectiveResult], algorithms: dict[str, str], reduce_bw_Bps: float) -> LinkFit:
+def fit_links(results: list[CollectiveResult], algorithms: dict[str, str], reduce_bw_Bps: float,
+              cache_bytes: float = 0.0) -> LinkFit:
     """Fit latency per step, link bandwidth and the host's total bandwidth (reduction speed given).
 
     For each candidate ratio of total to per-link bandwidth (ranks on one host
@@ -164,29 +191,34 @@ def fit_links(results: list[CollectiveResult], algorithms: dict[str, str], reduc
     features come from the simulator and latency and ``1/B`` from weighted
     least squares; the ratio with the smallest relative error wins. A single
     transfer (send/recv) among the measurements pins ``B`` apart from the total.
+    With ``cache_bytes`` (a CPU host's core cache), buffers up to that size get a
+    bandwidth of their own, so that the links' is the one of buffers streamed
+    from memory (:func:`fit_operation` fits each operation's speed-up in the cache).
     """
     if len(results) < 2:
         raise ParsimError("calibration needs at least two measurements")
     times = np.array([r.time_s for r in results])
     weights = 1.0 / times
+    cached = np.array([r.size_bytes <= cache_bytes for r in results])
     best = None
     max_ranks = max(r.nranks for r in results)
     for ratio in [None, *np.geomspace(1.0, 2.0 * max_ranks, 24)]:
         feats = _features(results, algorithms, ratio)
         target = times - feats[:, 2] / reduce_bw_Bps  # take out the known reduction time
-        coef = _nonnegative_lstsq(feats[:, :2] * weights[:, None], target * weights)
+        columns = np.stack([feats[:, 0], np.where(cached, 0.0, feats[:, 1]), np.where(cached, feats[:, 1], 0.0)], 1)
+        coef = _nonnegative_lstsq(columns * weights[:, None], target * weights)
         if coef[1] <= 0:
             continue
-        fitted = feats @ np.array([coef[0], coef[1], 1.0 / reduce_bw_Bps])
+        fitted = columns @ coef + feats[:, 2] / reduce_bw_Bps
         error = float(np.sum(((fitted - times) * weights) ** 2))
         if best is None or error < best[0]:
             best = (error, ratio, coef, fitted)
     if best is None:
         raise ParsimError("the measurements show no bandwidth term: use larger sizes (e.g. up to 64MiB)")
-    _, ratio, (alpha, inv_bw), fitted = best
+    _, ratio, (alpha, inv_bw, _), fitted = best
     bw = 1.0 / inv_bw
     return LinkFit(float(alpha), float(bw), float(ratio * bw) if ratio else None, reduce_bw_Bps,
-                   list(zip(results, fitted.tolist())))
+                   list(zip(results, fitted.tolist())), float(cache_bytes))
 
 
 class OperationFit(NamedTuple):
@@ -194,6 +226,7 @@ class OperationFit(NamedTuple):
     efficiency: float
     rows: list  # (result, fitted seconds)
     at_link_speed: bool = False  # the times did not grow with size: efficiency kept at 1
+    cache_speedup: float = 1.0  # how many times as fast its bytes move in buffers that fit the links' cache_bytes
 
 
 def fit_operation(results: list[CollectiveResult], links: LinkFit, algorithms: dict[str, str]) -> OperationFit:
@@ -206,21 +239,32 @@ def fit_operation(results: list[CollectiveResult], links: LinkFit, algorithms: d
     weighted least squares (both terms >= 0). Where the times do not grow with
     the bytes (stalls on a busy host can outweigh them at every size), the
     bytes stay at link speed and only the fixed cost is fitted.
+
+    On a CPU host (``links.cache_bytes``) buffers that fit a core's cache get a
+    speed of their own, ``e`` times ``cache_speedup``: gloo's copies and sums
+    over a buffer that stays in the cache run faster than over one streamed
+    from memory, the more so the more passes the operation makes over it (on
+    the 2-core VM, 2026-11-30: about 2.1-3.0x for all-reduce, all-gather and
+    reduce-scatter, 1.3-1.4x for send/recv; ``docs/calibration.md``).
     """
     ratio = links.fabric_bw_Bps / links.bw_Bps if links.fabric_bw_Bps else None
     feats = _features(results, algorithms, ratio)
     times = np.array([r.time_s for r in results])
     fixed = links.latency_s * feats[:, 0] + feats[:, 2] / links.reduce_bw_Bps
     transfer = feats[:, 1] / links.bw_Bps
+    cached = np.array([r.size_bytes <= links.cache_bytes for r in results])
     weights = 1.0 / times
-    a = np.stack([np.ones_like(times), transfer], axis=1) * weights[:, None]
-    overhead, inverse = _nonnegative_lstsq(a, (times - fixed) * weights)
+    a = np.stack([np.ones_like(times), np.where(cached, 0.0, transfer), np.where(cached, transfer, 0.0)], axis=1)
+    overhead, inverse, inverse_cached = _nonnegative_lstsq(a * weights[:, None], (times - fixed) * weights)
     at_link_speed = inverse <= 0
     if at_link_speed:
-        inverse = 1.0
+        inverse, inverse_cached = 1.0, 0.0
         overhead = max(float(np.sum(weights ** 2 * (times - fixed - transfer)) / np.sum(weights ** 2)), 0.0)
-    fitted = fixed + overhead + transfer * inverse
-    return OperationFit(float(overhead), float(1.0 / inverse), list(zip(results, fitted.tolist())), at_link_speed)
+    # no cached sizes measured, or none that grew with size: the cache leaves this operation's speed as it is
+    speedup = inverse / inverse_cached if inverse_cached > 0 and cached.any() else 1.0
+    fitted = fixed + overhead + transfer * np.where(cached, inverse / speedup, inverse)
+    return OperationFit(float(overhead), float(1.0 / inverse), list(zip(results, fitted.tolist())), at_link_speed,
+                        float(speedup))
 
 
 def _features(results: list[CollectiveResult], algorithms: dict[str, str], ratio: float | None) -> np.ndarray:

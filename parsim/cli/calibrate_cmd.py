@@ -14,7 +14,8 @@ import numpy as np
 import yaml
 
 from ..calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
-from ..calibrate.host import (fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise, fit_fsdp_host,
+from ..calibrate.host import (core_cache_bytes, fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise,
+                              fit_fsdp_host,
                               fit_links, fit_matmul, fit_one_core_collective, fit_operation, fit_optimizer,
                               fit_rank_jitter, fit_step_overhead, fit_tp_calls, fit_zero_grad, host_cluster)
 from ..calibrate.host_load import ForeignLoad
@@ -27,7 +28,7 @@ from ..report.jsondoc import print_json
 from ..report.results import CollectiveResult, canonical_op
 from ..report.table import render_table
 from ..sim.compute import at_length
-from ..units import parse_size_range, size_unit, time_unit
+from ..units import format_size, parse_size_range, size_unit, time_unit
 from .common import check_outputs, note, progress
 
 HELP = """\
@@ -244,11 +245,15 @@ def run(args: argparse.Namespace) -> int:
     shared = _shared_cores(shared_rows, probe_flops, probe_eager_s)
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
-    links = fit_links([r for r in results if r.op in link_ops], algorithms, reduce_bw)
-    efficiency, overhead, rows = {}, {}, []
+    # gloo on CPUs: buffers that stay in a core's cache move faster than ones streamed from memory
+    cache_bytes = core_cache_bytes() if backend == "gloo" else 0
+    links = fit_links([r for r in results if r.op in link_ops], algorithms, reduce_bw, cache_bytes)
+    efficiency, overhead, cache_speedup, rows = {}, {}, {}, []
     for op in dict.fromkeys(r.op for r in results):
         fit = fit_operation([r for r in results if r.op == op], links, algorithms)
         overhead[op], efficiency[op] = fit.overhead_s, fit.efficiency
+        if cache_bytes:
+            cache_speedup[op] = fit.cache_speedup
         rows += fit.rows
         if fit.at_link_speed:
             note(f"{op.replace('_', '-')}: its times did not grow with size (stalls on a busy host?); its bytes "
@@ -265,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{datetime.date.today().isoformat()}",
         cpu=f"CPU rank, 1 thread ({cpu})", peak_flops=matmul.peak_flops, mem_bw_Bps=memory_bw,
         mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, overhead_s=overhead,
+        cache_bytes=cache_bytes, cache_speedup=cache_speedup,
         matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
         optimizer_tensor_s=optimizer.tensor_s, optimizer_step_s=optimizer.step_s,
         matmul_stream_bw_Bps=matmul.stream_bw_Bps, matmul_write_bw_Bps=matmul.write_bw_Bps,
@@ -322,6 +328,8 @@ def run(args: argparse.Namespace) -> int:
                     "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
                     "matmul_write_bw_GBps": matmul.write_bw_Bps / 1e9 if matmul.write_bw_Bps else None,
                     "collective_efficiency": efficiency,
+                    "collective_cache_KiB": cache_bytes / 1024 if cache_speedup else None,
+                    "collective_cache_speedup": cache_speedup or None,
                     "collective_overhead_us": {op: t * 1e6 for op, t in overhead.items()},
                     "collective_step_overhead_us": {op: t * 1e6 for op, t in step_overhead.items()},
                     "median_abs_error": _median_error(rows), "foreign_load_cores": load.cores,
@@ -401,7 +409,10 @@ def run(args: argparse.Namespace) -> int:
           f"{matmul.half_dim:.0f}{stream} (median |error| {matmul.median_abs_error:.1%})")
     for op, e in efficiency.items():
         extra = f", +{step_overhead[op] * 1e6:.0f} us between compute" if op in step_overhead else ""
-        print(f"{op.replace('_', '-'):<17} {overhead[op] * 1e6:.0f} us per call{extra}, bytes at {e:.0%} of link speed")
+        cached = (f", {cache_speedup[op]:.2f}x as fast up to {format_size(cache_bytes)} (a core's L2)"
+                  if op in cache_speedup else "")
+        print(f"{op.replace('_', '-'):<17} {overhead[op] * 1e6:.0f} us per call{extra}, bytes at {e:.0%} of link "
+              f"speed{cached}")
     print(f"median |residual| {_median_error(rows):.1%} over {len(rows)} measurements")
     print(f"host speed        {probe_flops / 1e9:.1f} GFLOP/s, {probe_eager_s * 1e6:.0f} us per eager pass, "
           f"{probe_memory_Bps / 1e9:.1f} GB/s memory (the probes timed between the compute benchmarks; "

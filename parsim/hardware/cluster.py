@@ -34,6 +34,7 @@ CLOCK_MHZ = (1.0, 1e5, "MHz")
 OVERSUBSCRIPTION = (1.0, 1e6, "downlink:uplink ratio, e.g. 1.0 for non-blocking")
 FRACTION = (1e-6, 1.0, "fraction")
 EFFICIENCY = (1e-6, 1e6, "fraction of link speed")
+SPEEDUP = (1e-3, 1e3, "times as fast")
 MATRIX_DIM = (0.0, 1e9, "matrix dimension")
 # GPUs in one run: beyond the largest clusters built (about 100,000 GPUs); a topology of this many
 # takes seconds and 0.4 GB to build, ten times more would take minutes.
@@ -262,6 +263,10 @@ class ClusterSpec:
     collective_efficiency: dict[str, float] = field(default_factory=dict)
     # Per operation: a backend's fixed cost per call, seconds (fitted by `parsim calibrate`).
     collective_overhead_s: dict[str, float] = field(default_factory=dict)
+    # CPU hosts: a collective whose buffer is at most this many bytes (a core's L2) moves its bytes
+    # collective_cache_speedup[op] times as fast (the copies and sums stay in the cache; fitted by `parsim calibrate`).
+    collective_cache_bytes: float = 0.0
+    collective_cache_speedup: dict[str, float] = field(default_factory=dict)
     # Kernel cost model (see parsim.sim.compute); the defaults are the pure roofline.
     matmul_efficiency: float = 1.0  # best fraction of peak matmuls reach, every dtype without its own figure
     matmul_efficiency_by_dtype: dict[str, float] = field(default_factory=dict)
@@ -486,6 +491,13 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     efficiency = r.optional_mapping("collective_efficiency")
     for op, value in efficiency.items():
         _figure(source, f"collective_efficiency.{op}", value, EFFICIENCY)
+    cache_kib = r.number("collective_cache_KiB", (1.0, 1e9, "KiB"), optional=True)
+    cache_speedup = r.optional_mapping("collective_cache_speedup")
+    for op, value in cache_speedup.items():
+        _figure(source, f"collective_cache_speedup.{op}", value, SPEEDUP)
+    if cache_speedup and not cache_kib:
+        raise ConfigError(source, "collective_cache_speedup", "has no size to apply below",
+                          "collective_cache_KiB beside it (a core's cache, e.g. 2048)")
     overhead = r.optional_mapping("collective_overhead_us")
     step_overhead = r.optional_mapping("collective_step_overhead_us")
     for key, mapping in (("collective_overhead_us", overhead), ("collective_step_overhead_us", step_overhead)):
@@ -585,6 +597,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         reduce_bw_Bps=reduce_bw * 1e9 if reduce_bw else None,
         collective_efficiency={str(op): float(v) for op, v in efficiency.items()},
         collective_overhead_s={str(op): float(v) * 1e-6 for op, v in overhead.items()},
+        collective_cache_bytes=cache_kib * 1024,
+        collective_cache_speedup={str(op): float(v) for op, v in cache_speedup.items()},
         matmul_efficiency=matmul_efficiency,
         matmul_efficiency_by_dtype=by_dtype,
         matmul_half_dim=float(half_dim),

@@ -144,7 +144,9 @@ def build_phases(topo: Topology, op: str, algorithm: str, group: np.ndarray, siz
         apply_nccl(topo, op, algorithm, group, phases, choice)
         return phases
     efficiency = topo.spec.collective_efficiency.get(op, 1.0)
-    if efficiency != 1.0:  # a calibrated backend moves this op's bytes slower than its links allow
+    if size <= topo.spec.collective_cache_bytes:  # a CPU host's buffer that stays in a core's cache
+        efficiency *= topo.spec.collective_cache_speedup.get(op, 1.0)
+    if efficiency != 1.0:  # a calibrated backend moves this op's bytes at a speed of its own, not its links'
         for phase in phases:
             phase.nbytes = phase.nbytes / efficiency
             phase.efficiency = efficiency
