@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from cpu_host import cpu_host
 
-from parsim.calibrate.host import fit_links, fit_matmul, fit_operation, host_cluster
+from parsim.calibrate.host import core_cache_bytes, fit_links, fit_matmul, fit_operation, host_cluster
 from parsim.cli.common import warn_other_machine
 from parsim.cli.main import main
 from parsim.hardware.cluster import SharedCoreCosts, load_cluster, parse_cluster
@@ -68,6 +68,17 @@ def test_buffers_that_fit_a_core_s_cache_get_each_operation_s_own_speed_up():
     # without the split, one line cannot follow the knee
     plain = fit_links(synthetic(cached, [("all_reduce", 2), ("send_recv", 2)]), GLOO, 6e9)
     assert max(abs(f / r.time_s - 1) for r, f in plain.rows) > 0.15
+
+
+def test_a_core_s_cache_is_its_l2_as_sysfs_lists_it(tmp_path):
+    for index, (level, kind, size) in enumerate([("1", "Data", "32K"), ("1", "Instruction", "32K"),
+                                                 ("2", "Unified", "1024K"), ("3", "Unified", "32768K")]):
+        folder = tmp_path / "cpu1" / "cache" / f"index{index}"
+        folder.mkdir(parents=True)
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (folder / name).write_text(value + "\n")
+    assert core_cache_bytes(1, tmp_path) == 2**20
+    assert core_cache_bytes(0, tmp_path) == 0  # no such CPU listed: unknown
 
 
 def test_the_speed_up_applies_up_to_the_cache_s_size_only():

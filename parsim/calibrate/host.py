@@ -153,7 +153,7 @@ def collective_features(op: str, nranks: int, size: float, algorithm: str,
                      sum(t.reduce_s for t in timings)])
 
 
-def core_cache_bytes(cpu: int | None = None) -> int:
+def core_cache_bytes(cpu: int | None = None, cpus: Path = Path("/sys/devices/system/cpu")) -> int:
     """The size of one core's L2 cache, read from Linux's sysfs (``cpu``: the first this process may run on); 0
     where it cannot be read. A collective's buffers up to this size stay in the core's cache (:func:`fit_links`)."""
     if cpu is None:
@@ -161,7 +161,7 @@ def core_cache_bytes(cpu: int | None = None) -> int:
             cpu = min(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             cpu = 0
-    for index in sorted(Path(f"/sys/devices/system/cpu/cpu{cpu}/cache").glob("index*")):
+    for index in sorted((cpus / f"cpu{cpu}" / "cache").glob("index*")):
         try:
             level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
         except OSError:
