@@ -133,7 +133,10 @@ def run_in_job(fn: RankFn, args: Sequence[Any] = (), backend: str = "auto",
     if not in_torchrun_job():
         raise ParsimError("not inside a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not all set)")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    return _run_rank(fn, args, resolve_backend(backend, local_world), timeout_s)
+    backend = resolve_backend(backend, local_world)
+    if backend == "gloo":
+        policy()  # a bad PARSIM_GLOO_LOOPS is refused before this rank joins the job
+    return _run_rank(fn, args, backend, timeout_s)
 
 
 def check_request(nproc: int, timeout_s: float) -> None:

@@ -10,7 +10,7 @@ import pytest
 from parsim.errors import ParsimError
 
 from executor.gloo_threads import POLICY_ENV, loop_threads, policy
-from executor.launch import launch
+from executor.launch import launch, run_in_job
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 linux_threads = os.path.isdir("/proc/self/task") and hasattr(os, "SCHED_BATCH")
@@ -62,3 +62,11 @@ def test_a_bad_policy_is_refused_before_any_rank_starts(monkeypatch):
     monkeypatch.setenv(POLICY_ENV, "fast")
     with pytest.raises(ParsimError, match="PARSIM_GLOO_LOOPS='fast'"):
         launch(loop_policies, 2, backend="gloo", timeout_s=60)
+
+
+def test_a_torchrun_rank_refuses_a_bad_policy_before_joining_the_job(monkeypatch):
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1"),
+                       (POLICY_ENV, "fast")):
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ParsimError, match="PARSIM_GLOO_LOOPS='fast'"):  # no rendezvous is tried (port 1)
+        run_in_job(loop_policies, backend="gloo")

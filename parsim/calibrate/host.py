@@ -42,6 +42,7 @@ from ..report.results import CollectiveResult
 from ..sim.collectives.algorithms import build_phases
 from ..sim.collectives.simulate import time_phases
 from ..sim.compute import ComputeModel
+from ..units import parse_size
 
 
 def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: float, *,
@@ -167,8 +168,7 @@ def core_cache_bytes(cpu: int | None = None, cpus: Path = Path("/sys/devices/sys
         except OSError:
             continue
         if level == "2" and kind in ("Unified", "Data"):
-            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+            return parse_size(size)  # sysfs writes "1024K"
     return 0
 
 
@@ -205,7 +205,7 @@ def fit_links(results: list[CollectiveResult], algorithms: dict[str, str], reduc
     for ratio in [None, *np.geomspace(1.0, 2.0 * max_ranks, 24)]:
         feats = _features(results, algorithms, ratio)
         target = times - feats[:, 2] / reduce_bw_Bps  # take out the known reduction time
-        columns = np.stack([feats[:, 0], np.where(cached, 0.0, feats[:, 1]), np.where(cached, feats[:, 1], 0.0)], 1)
+        columns = np.stack([feats[:, 0], *_apart(feats[:, 1], cached)], axis=1)
         coef = _nonnegative_lstsq(columns * weights[:, None], target * weights)
         if coef[1] <= 0:
             continue
@@ -254,7 +254,7 @@ def fit_operation(results: list[CollectiveResult], links: LinkFit, algorithms: d
     transfer = feats[:, 1] / links.bw_Bps
     cached = np.array([r.size_bytes <= links.cache_bytes for r in results])
     weights = 1.0 / times
-    a = np.stack([np.ones_like(times), np.where(cached, 0.0, transfer), np.where(cached, transfer, 0.0)], axis=1)
+    a = np.stack([np.ones_like(times), *_apart(transfer, cached)], axis=1)
     overhead, inverse, inverse_cached = _nonnegative_lstsq(a * weights[:, None], (times - fixed) * weights)
     at_link_speed = inverse <= 0
     if at_link_speed:
@@ -265,6 +265,11 @@ def fit_operation(results: list[CollectiveResult], links: LinkFit, algorithms: d
     fitted = fixed + overhead + transfer * np.where(cached, inverse / speedup, inverse)
     return OperationFit(float(overhead), float(1.0 / inverse), list(zip(results, fitted.tolist())), at_link_speed,
                         float(speedup))
+
+
+def _apart(transfer: np.ndarray, cached: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A transfer column as two: the sizes streamed from memory's, and the ones in a core's cache (``cached``)."""
+    return np.where(cached, 0.0, transfer), np.where(cached, transfer, 0.0)
 
 
 def _features(results: list[CollectiveResult], algorithms: dict[str, str], ratio: float | None) -> np.ndarray:

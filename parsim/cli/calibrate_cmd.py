@@ -40,6 +40,10 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     the simulator's own terms (see parsim/calibrate/host.py);
   * every measured operation -> its own fixed cost per call and bandwidth
     efficiency (backends implement some operations far below link speed);
+    on gloo, sizes up to a core's L2 (read from sysfs) apart -> how many
+    times as fast each operation moves bytes that stay in the cache
+    (collective_cache_KiB, collective_cache_speedup: 2.7x for all-reduce,
+    1.6x for send/recv on the 2-core VM);
     on gloo also, from calls issued between bursts of compute as a training
     step issues them (after each round, the median round kept), the extra
     cost per call the step simulator charges (collective_step_overhead_us);
@@ -100,8 +104,8 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     (shared_cores.matmul_stretch, eager_stretch); an all-reduce between the
     two ranks of each core, the second 3 ms late -> what a collective among
     ranks on one core costs (shared_cores.one_core_collective_latency_us,
-    one_core_collective_GBps: 0.7 ms at 545 KiB on the 2-core VM, against
-    about 4 ms between cores);
+    one_core_collective_GBps: 0.67 ms at 545 KiB on the 2-core VM, against
+    0.41 ms between cores);
   * a generic 2-stage pipeline (GeLU MLP) on 2 ranks, then two replicas of
     it on 4 ranks bound to 2 cores -> how much longer again compute on a
     shared core takes where the ranks communicate (shared_cores.comm_stretch:
