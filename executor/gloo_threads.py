@@ -25,6 +25,14 @@ starts them: course TP's step 29.7 ms against 39.6 (its ``tp`` phase 3.3 against
 41.2 against 49.5 (``dp`` 8.2 against 16.3), course PP and tiny PP unchanged; with every loop
 batched, tiny PP's step took 32.6 ms against 22.4, its receives waiting for the sender's next pass.
 
+The pipeline's group is made with the job, its loop batched until a pipeline first sends through it:
+a loop wakes every 10 ms with nothing to do (``epoll_wait(..., 10)`` in ``Loop::run``,
+``gloo/transport/tcp/loop.cc``), and an idle loop that preempts lands inside other groups'
+collectives, taking the core from a worker that holds a pair's lock. Course TP, alternating runs in
+a slow hour of 2026-11-30: its ``tp`` phase a median 4.4 ms (4.2-5.8, six runs) with that loop
+batched, 5.2 ms (4.0-7.0, six) with it preempting; then this change against the one before, five
+runs each: 4.0 ms against 4.8.
+
 ``PARSIM_GLOO_LOOPS`` picks another policy, for comparing them: ``preempt`` leaves every loop as gloo
 starts it, ``batch`` batches the transfers' too.
 """
@@ -45,6 +53,7 @@ POLICIES = ("split", "preempt", "batch")  # the first is the default
 T = TypeVar("T")
 
 _transfer_group: Any = None  # the gloo job's group for transfers beside compute (prepare_groups)
+_transfer_loops: set[int] = set()  # its device loops, batched until a transfer first uses the group
 
 
 def loop_threads() -> set[int]:
@@ -72,40 +81,53 @@ def policy() -> str:
     return chosen
 
 
-def _batch(tid: int) -> None:
-    """Let thread ``tid`` run only when its core is free or at a tick (unprivileged; a no-op where unsupported)."""
+def _set_policy(tid: int, batch: bool) -> None:
+    """Batched: thread ``tid`` runs only when its core is free or at a tick; else it may preempt on waking
+    (unprivileged either way; a no-op where unsupported)."""
     try:
-        os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        os.sched_setscheduler(tid, os.SCHED_BATCH if batch else os.SCHED_OTHER, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux, or the thread ended meanwhile
         pass
 
 
-def quiet_loops(create: Callable[[], T]) -> T:
-    """Run ``create`` (which makes process groups) and batch the device loops it started."""
+def _new_loops(create: Callable[[], T]) -> tuple[T, set[int]]:
+    """Run ``create`` (which makes process groups): what it made, and the device loops it started."""
     before = loop_threads()
     made = create()
-    for tid in loop_threads() - before:
-        _batch(tid)
+    return made, loop_threads() - before
+
+
+def quiet_loops(create: Callable[[], T]) -> T:
+    """Run ``create`` (which makes process groups) and batch the device loops it started."""
+    made, loops = _new_loops(create)
+    for tid in loops:
+        _set_policy(tid, batch=True)
     return made
 
 
 def prepare_groups() -> None:
     """In a gloo rank that has just joined the job: batch the default group's loops (its collectives, barriers
-    and benchmarks) and make the group that carries transfers beside compute, whose loop keeps preempting.
-    Every rank must call it at the same point (it creates a group)."""
-    global _transfer_group
+    and benchmarks) and make the group that carries transfers beside compute, its loop batched too until
+    :func:`transfer_group` first hands it out. Every rank must call it at the same point (it creates a group)."""
+    global _transfer_group, _transfer_loops
     dist = require_distributed()
-    chosen = policy()
-    if chosen != "preempt":
-        for tid in loop_threads():
-            _batch(tid)
-    make = lambda: dist.new_group(list(range(dist.get_world_size())))  # noqa: E731
-    _transfer_group = quiet_loops(make) if chosen == "batch" else make()
+    batch = policy() != "preempt"
+    for tid in loop_threads():
+        _set_policy(tid, batch)
+    _transfer_group, _transfer_loops = _new_loops(lambda: dist.new_group(list(range(dist.get_world_size()))))
+    for tid in _transfer_loops:
+        _set_policy(tid, batch)
 
 
 def transfer_group() -> Any:
-    """The group for point-to-point transfers that run beside compute; None (the default group) outside a
-    gloo rank that called :func:`prepare_groups`."""
+    """The group for point-to-point transfers that run beside compute (its loop now free to preempt, unless
+    ``PARSIM_GLOO_LOOPS=batch``); None (the default group) outside a gloo rank that called
+    :func:`prepare_groups`."""
+    if _transfer_loops:
+        batch = policy() == "batch"
+        for tid in _transfer_loops:
+            _set_policy(tid, batch)
+        _transfer_loops.clear()
     return _transfer_group
 
 

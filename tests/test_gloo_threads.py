@@ -18,7 +18,8 @@ needs_linux_threads = pytest.mark.skipif(not linux_threads, reason="reads and se
 
 
 def loop_policies(rank: int, world: int) -> dict[str, list[int]]:
-    """Each kind of group's device-loop policies after the job started and a collective group was made."""
+    """The device loops' policies: the job's (the default group's and the transfers' group's) before and after a
+    transfer first used its group, and a collective group's."""
     import torch
     import torch.distributed as dist
 
@@ -29,11 +30,12 @@ def loop_policies(rank: int, world: int) -> dict[str, list[int]]:
     made = loop_threads() - started
     ones = torch.ones(2)
     dist.all_reduce(ones, group=group)  # the group works
+    unused = sorted(os.sched_getscheduler(t) for t in started)
     if rank == 0:  # and so does the transfers' group
         dist.send(ones, 1, group=transfer_group())
     else:
         dist.recv(ones, 0, group=transfer_group())
-    return {"started": sorted(os.sched_getscheduler(t) for t in started),
+    return {"unused": unused, "used": sorted(os.sched_getscheduler(t) for t in started),
             "collective": sorted(os.sched_getscheduler(t) for t in made), "sum": ones.tolist()}
 
 
@@ -41,15 +43,17 @@ def loop_policies(rank: int, world: int) -> dict[str, list[int]]:
 @needs_linux_threads
 @pytest.mark.multiproc
 @pytest.mark.parametrize("chosen", ["split", "preempt", "batch"])
-def test_collective_loops_are_batched_and_the_transfer_groups_loop_preempts(chosen, monkeypatch):
+def test_collective_loops_are_batched_and_the_transfer_groups_loop_preempts_once_used(chosen, monkeypatch):
     """By default the default group's loop and a collective group's are SCHED_BATCH (they never preempt the
-    worker they wait for), the transfers' group's loop SCHED_OTHER; the other policies change exactly that."""
+    worker they wait for); the transfers' group's loop is too until a transfer uses the group, then
+    SCHED_OTHER. The other policies leave every loop as gloo starts it, or batch every one."""
     monkeypatch.setenv(POLICY_ENV, chosen)
     batch, other = os.SCHED_BATCH, os.SCHED_OTHER
-    started = {"split": [other, batch], "preempt": [other, other], "batch": [batch, batch]}[chosen]
+    unused = {"split": [batch, batch], "preempt": [other, other], "batch": [batch, batch]}[chosen]
+    used = {"split": [other, batch], "preempt": [other, other], "batch": [batch, batch]}[chosen]
     made = {"split": [batch], "preempt": [other], "batch": [batch]}[chosen]
     for values in launch(loop_policies, 2, backend="gloo", timeout_s=60):
-        assert values == {"started": sorted(started), "collective": made, "sum": [2.0, 2.0]}
+        assert values == {"unused": sorted(unused), "used": sorted(used), "collective": made, "sum": [2.0, 2.0]}
 
 
 def test_an_unknown_policy_is_a_user_error(monkeypatch):
