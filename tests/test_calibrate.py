@@ -552,10 +552,29 @@ def test_calls_between_bursts_of_compute_are_measured_every_round_and_the_median
         out = tmp_path / "host.yaml"
         assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce"]) == 0
         assert next(rounds, None) is None  # one measurement a round
-        return yaml.safe_load(out.read_text())["collective_step_overhead_us"]["all_reduce"]
+        return yaml.safe_load(out.read_text())["collective_step_overhead_us"]["all_reduce"][1024]
 
     median = overhead_us([12e-3] * 3)
     assert median > 0 and overhead_us([30e-3, 10e-3, 12e-3]) == pytest.approx(median)
+
+
+def test_calls_between_bursts_of_compute_are_written_and_printed_size_by_size(monkeypatch, tmp_path, capsys):
+    """Each size measured between bursts of compute keeps its own extra cost: in the file by KiB, and on the
+    operation's line, size by size."""
+    import executor.collectives
+    import yaml
+
+    from parsim.report.results import CollectiveResult
+
+    _fake_calibration(monkeypatch)
+    monkeypatch.setattr(executor.collectives, "measure_in_step", lambda ops, n: [
+        CollectiveResult("all_reduce", n, size, 10e-3, "ring", "measured", "gloo") for size in (1 << 18, 1 << 20)])
+    out = tmp_path / "host.yaml"
+    assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce"]) == 0
+    written = yaml.safe_load(out.read_text())["collective_step_overhead_us"]["all_reduce"]
+    assert sorted(written) == [256, 1024] and all(0 < us < 10e3 for us in written.values())
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("all-reduce ") and "per call" in ln)
+    assert f"+{written[256]:.0f} us at 256 KiB, +{written[1024]:.0f} at 1 MiB between compute" in line
 
 
 def test_without_a_generic_step_the_loop_s_gap_is_the_pipeline_loop_s_with_its_largest_stages(monkeypatch, tmp_path):

@@ -12,7 +12,8 @@ from cpu_host import cpu_host
 from ideal_cluster import IDEAL, ideal_spec
 
 from parsim.calibrate.host import (DispatchFit, OptimizerFit, fit_alone_memory, fit_core_arithmetic, fit_dispatch,
-                                   fit_elementwise, fit_matmul, fit_optimizer, fit_step_overhead, host_cluster)
+                                   fit_elementwise, fit_matmul, fit_optimizer, fit_step_overhead, host_cluster,
+                                   step_overhead_us)
 from parsim.cli.main import main
 from parsim.errors import ConfigError, ParsimError
 from parsim.files import read_yaml
@@ -174,15 +175,21 @@ def test_the_memory_speed_alone_takes_out_the_costs_per_step_and_per_tensor():
         fit_alone_memory([(64, 256, 1e-3)], fit, ADAMW_ACCESSES)
 
 
-def test_step_overhead_is_what_calls_between_compute_add_over_the_fitted_loops():
+def test_step_overhead_is_what_calls_between_compute_add_over_the_fitted_loops_size_by_size():
+    """Each size's extra over the back-to-back fit, a size measured twice at its median, none below 0 (a call
+    between compute that beats the loop's fit costs nothing extra)."""
     spec = parse_cluster(cpu_host(), "host.yaml")
     topo = spec.build(1)
     measured = []
-    for size in (1 << 18, 1 << 20, 1 << 22):
-        r = predict(topo, "all_reduce", size, np.arange(2)).result()
-        r.time_s += 700e-6
-        measured.append(r)
-    assert fit_step_overhead(measured, spec) == {"all_reduce": pytest.approx(700e-6)}
+    for size, extras in ((1 << 18, [300e-6, 200e-6, 250e-6]), (1 << 20, [700e-6]), (1 << 22, [-400e-6])):
+        for extra in extras:
+            r = predict(topo, "all_reduce", size, np.arange(2)).result()
+            r.time_s += extra
+            measured.append(r)
+    fitted = fit_step_overhead(measured, spec)
+    assert fitted == {"all_reduce": ((256, pytest.approx(250e-6)), (1024, pytest.approx(700e-6)), (4096, 0.0))}
+    assert step_overhead_us(fitted) == {"all_reduce": {256: pytest.approx(250.0), 1024: pytest.approx(700.0),
+                                                       4096: 0.0}}
 
 
 # ----------------------------------------------------------------------------- the cluster file
@@ -310,13 +317,19 @@ def test_a_step_without_communication_runs_in_proportion_to_the_host_speed():
     assert base.step_s / 2 < predict_step(plan, spec.at_host_speed(2.0, 1.0)).step_s < base.step_s
 
 
-def test_bad_step_overhead_is_refused(capsys, tmp_path):
+@pytest.mark.parametrize("value, expected", [
+    (-5, "collective_step_overhead_us.all_reduce: is -5"),
+    ({"1 MiB": 30.0}, "figures keyed by the call's bytes, in KiB"),
+    ({1024: -1.0}, "collective_step_overhead_us.all_reduce.1024: is -1"),
+])
+def test_bad_step_overhead_is_refused(value, expected, capsys, tmp_path):
     data = cpu_host()
-    data["collective_step_overhead_us"] = {"all_reduce": -5}
+    data["collective_step_overhead_us"] = {"all_reduce": value}
     path = tmp_path / "host.yaml"
     path.write_text(yaml.safe_dump(data))
     assert main(["simulate", "course-ddp", "--dp", "2", "--cluster", str(path)]) == 2
-    assert "collective_step_overhead_us.all_reduce" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1
 
 
 # ----------------------------------------------------------------------------- the model charges them
@@ -719,6 +732,21 @@ def test_in_step_collective_overhead_is_charged_per_call():
     data["collective_step_overhead_us"] = {"all_reduce": 1000.0}
     slowed = predict_step(plan, parse_cluster(data, "ideal.yaml"))
     assert slowed.step_s == pytest.approx(base.step_s + 4 * 1e-3, rel=0.01)  # one per parameter, in a row
+
+
+@pytest.mark.parametrize("points, expected_us", [
+    ({1024: 300.0, 16384: 100.0}, 200.0),  # course-mlp's gradients are 4 MiB each: between the two figures...
+    ({1024: 500.0, 4096: 200.0}, 200.0),  # ... at one ...
+    ({256: 600.0, 1024: 400.0}, 400.0),  # ... past the last
+])
+def test_in_step_collective_overhead_is_read_at_the_call_s_size(points, expected_us):
+    """By size, linear in log2 of the size between the points (4 MiB is halfway from 1 to 16 MiB)."""
+    plan = Plan(model=load_model("course-mlp"), dp=2, grad_sync="per_param")
+    base = predict_step(plan, ideal_spec())
+    data = copy.deepcopy(IDEAL)
+    data["collective_step_overhead_us"] = {"all_reduce": points}
+    slowed = predict_step(plan, parse_cluster(data, "ideal.yaml"))
+    assert slowed.step_s == pytest.approx(base.step_s + 4 * expected_us * 1e-6, rel=0.01)
 
 
 def test_more_ranks_than_cores_time_share_them():

@@ -37,7 +37,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ..errors import ParsimError
-from ..hardware.cluster import CORE_ARITHMETIC_KINDS, CoreArithmetic, SharedCoreCosts, parse_cluster
+from ..hardware.cluster import CORE_ARITHMETIC_KINDS, CoreArithmetic, Curve, SharedCoreCosts, parse_cluster
 from ..report.results import CollectiveResult
 from ..sim.collectives.algorithms import build_phases
 from ..sim.collectives.simulate import time_phases
@@ -77,11 +77,11 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     figures by the gradients a rank holds ((KiB, seconds) points)."""
     host_costs = {"op_forward_us": op_forward_s * 1e6, "op_backward_us": op_backward_s * 1e6,
                   "optimizer_tensor_us": optimizer_tensor_s * 1e6, "optimizer_step_us": optimizer_step_s * 1e6,
-                  "p2p_rendezvous_us": _by_gradients_us(p2p_rendezvous_s),
-                  "action_overhead_us": _by_gradients_us(action_overhead_s),
-                  "p2p_issue_us": _by_gradients_us(p2p_issue_s)}
+                  "p2p_rendezvous_us": _kib_curve_us(p2p_rendezvous_s),
+                  "action_overhead_us": _kib_curve_us(action_overhead_s),
+                  "p2p_issue_us": _kib_curve_us(p2p_issue_s)}
     if p2p_latency_s is not None:
-        host_costs["p2p_latency_us"] = _by_gradients_us(p2p_latency_s)
+        host_costs["p2p_latency_us"] = _kib_curve_us(p2p_latency_s)
     if matmul_stream_bw_Bps:
         host_costs["matmul_stream_bw_GBps"] = matmul_stream_bw_Bps / 1e9
     if matmul_write_bw_Bps:
@@ -132,8 +132,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         "collective_overhead_us": {op: t * 1e6 for op, t in (overhead_s or {}).items()},
         **({"collective_cache_KiB": cache_bytes / 1024, "collective_cache_speedup": dict(cache_speedup)}
            if cache_bytes and cache_speedup else {}),
-        **({"collective_step_overhead_us": {op: t * 1e6 for op, t in step_overhead_s.items()}}
-           if step_overhead_s else {}),
+        **({"collective_step_overhead_us": step_overhead_us(step_overhead_s)} if step_overhead_s else {}),
         "compute": {"matmul_efficiency": 1.0, "matmul_half_dim": float(matmul_half_dim),
                     "kernel_overhead_us": kernel_overhead_s * 1e6,
                     **{k: v for k, v in host_costs.items() if v}},
@@ -313,18 +312,28 @@ def fit_one_core_collective(rows: list[list[tuple[int, float]]]) -> tuple[float,
     return (float(latency), float(1.0 / per_byte)) if grows else None
 
 
-def fit_step_overhead(measured: list[CollectiveResult], spec) -> dict[str, float]:
-    """Per operation, the extra fixed cost of calls issued between bursts of compute (as in a training
-    step) over what the fitted cluster ``spec`` predicts from back-to-back loops: the median over sizes
-    of measured minus predicted, at least 0. ``measured`` times are means over calls, stalls included."""
+def step_overhead_us(step_overhead_s: dict[str, Curve]) -> dict[str, float | dict[int, float]]:
+    """:func:`fit_step_overhead`'s figures as the cluster file's ``collective_step_overhead_us``."""
+    return {op: _kib_curve_us(curve) for op, curve in step_overhead_s.items()}
+
+
+def fit_step_overhead(measured: list[CollectiveResult], spec) -> dict[str, Curve]:
+    """Per operation and size, the extra cost of a call issued between bursts of compute (as in a training
+    step) over what the fitted cluster ``spec`` predicts from back-to-back loops: measured minus predicted, at
+    least 0, as (KiB, seconds) points by the call's bytes (the median where a size was measured more than once).
+    By size, not one figure: back to back, a buffer that fits the core's cache stays in it and moves
+    ``collective_cache_speedup`` times as fast, and a call between compute finds it cold, so the extra is
+    largest there (on the 2-core VM, 2026-11-30: +100-300 us at 256 KiB to 1 MiB, none at 4 MiB).
+    ``measured`` times are means over calls, stalls included."""
     from ..sim.collectives import predict
 
     topo = spec.build(1)
-    extra: dict[str, list[float]] = {}
+    extra: dict[str, dict[int, list[float]]] = {}
     for r in measured:
         predicted = predict(topo, r.op, r.size_bytes, np.arange(r.nranks)).result().time_s
-        extra.setdefault(r.op, []).append(r.time_s - predicted)
-    return {op: max(float(np.median(values)), 0.0) for op, values in extra.items()}
+        extra.setdefault(r.op, {}).setdefault(math.ceil(r.size_bytes / 1024), []).append(r.time_s - predicted)
+    return {op: tuple((kib, max(float(np.median(values)), 0.0)) for kib, values in sorted(by_size.items()))
+            for op, by_size in extra.items()}
 
 
 @dataclass
@@ -580,9 +589,10 @@ def fit_fsdp_host(rows: list[tuple]) -> FsdpHostFit | None:
 MEAN_ABS_DIFFERENCE = 2.0 / math.sqrt(math.pi)
 
 
-def _by_gradients_us(seconds: float | Sequence[tuple[int, float]]) -> float | dict[int, float]:
-    """A host cost for the cluster file, in microseconds: one figure, or figures keyed by KiB of gradients (a
-    single point at 0, the same for every rank, is one figure: the file's keys are sizes)."""
+def _kib_curve_us(seconds: float | Sequence[tuple[int, float]]) -> float | dict[int, float]:
+    """A host cost for the cluster file, in microseconds: one figure, or figures keyed by KiB (of the gradients a
+    rank holds, or of a call's bytes; a single point at 0, the same for every size, is one figure: the file's keys
+    are sizes)."""
     if isinstance(seconds, (int, float)):
         return seconds * 1e6
     if len(seconds) == 1 and seconds[0][0] == 0:

@@ -17,12 +17,12 @@ from ..calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..calibrate.host import (core_cache_bytes, fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise,
                               fit_fsdp_host, fit_links, fit_matmul, fit_one_core_collective, fit_operation,
                               fit_optimizer, fit_rank_jitter, fit_step_overhead, fit_tp_calls, fit_zero_grad,
-                              host_cluster)
+                              host_cluster, step_overhead_us)
 from ..calibrate.host_load import ForeignLoad
 from ..calibrate.shared_pipeline import fit_comm_stretch, generic_pipeline
 from ..errors import ParsimError
 from ..files import read_yaml
-from ..hardware.cluster import SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
+from ..hardware.cluster import Curve, SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from ..lowering.lower import ADAMW_ACCESSES
 from ..report.jsondoc import print_json
 from ..report.results import CollectiveResult, canonical_op
@@ -46,7 +46,9 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     1.6x for send/recv on the 2-core VM);
     on gloo also, from calls issued between bursts of compute as a training
     step issues them (after each round, the median round kept), the extra
-    cost per call the step simulator charges (collective_step_overhead_us);
+    cost per call, size by size, the step simulator charges
+    (collective_step_overhead_us: largest where a buffer fits the cache,
+    which a call between compute finds cold);
   * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
   * on every rank at once and in step, as ranks compute in a real run:
     AdamW steps on one small tensor, many small and a few large ones, sampled
@@ -291,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
         cluster["compute"]["shared_cores"] = shared.to_mapping()
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
     if step_overhead:
-        cluster["collective_step_overhead_us"] = {op: t * 1e6 for op, t in step_overhead.items()}
+        cluster["collective_step_overhead_us"] = step_overhead_us(step_overhead)
     parse_cluster(cluster, args.out)  # the file must load like any other
     header = (f"# Written by `parsim calibrate` on {platform.node()} ({datetime.datetime.now():%Y-%m-%d %H:%M}).\n"
               f"# Measured with torch.distributed/{backend}: {', '.join(ops)} on {rank_counts} ranks, "
@@ -335,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
                     "collective_cache_KiB": cache_bytes / 1024 if cache_speedup else None,
                     "collective_cache_speedup": cache_speedup or None,
                     "collective_overhead_us": {op: t * 1e6 for op, t in overhead.items()},
-                    "collective_step_overhead_us": {op: t * 1e6 for op, t in step_overhead.items()},
+                    "collective_step_overhead_us": step_overhead_us(step_overhead),
                     "median_abs_error": _median_error(rows), "foreign_load_cores": load.cores,
                     "rows": [{"op": r.op, "nranks": r.nranks, "size_bytes": r.size_bytes, "measured_s": r.time_s,
                               "fitted_s": f} for r, f in rows]})
@@ -412,7 +414,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
           f"{matmul.half_dim:.0f}{stream} (median |error| {matmul.median_abs_error:.1%})")
     for op, e in efficiency.items():
-        extra = f", +{step_overhead[op] * 1e6:.0f} us between compute" if op in step_overhead else ""
+        extra = f", {_between_compute(step_overhead[op])}" if op in step_overhead else ""
         cached = (f", {cache_speedup[op]:.2f}x as fast up to {format_size(cache_bytes)} (a core's L2)"
                   if op in cache_speedup else "")
         print(f"{op.replace('_', '-'):<17} {overhead[op] * 1e6:.0f} us per call{extra}, bytes at {e:.0%} of link "
@@ -575,3 +577,11 @@ def _backend_algorithms(backend: str) -> dict[str, str]:
     return {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "via_all_reduce",
             "broadcast": "recursive", "reduce": "ring", "gather": "direct", "scatter": "direct",
             "all_to_all": "direct", "send_recv": "direct"}
+
+
+def _between_compute(extra: Curve) -> str:
+    """A call's extra cost between bursts of compute, size by size: "+172 us at 256 KiB, +0 at 4 MiB between
+    compute"."""
+    parts = [f"+{s * 1e6:.0f}" + (" us" if i == 0 else "") + (f" at {format_size(kib * 1024)}" if kib else "")
+             for i, (kib, s) in enumerate(extra)]
+    return ", ".join(parts) + " between compute"

@@ -281,10 +281,11 @@ class ClusterSpec:
     nccl: NcclSpec | None = None  # NCCL's view of the node; None: collectives use the flow model alone
     price_per_gpu_hour: float | None = None  # US dollars to rent one GPU for an hour (the search's cost figures)
 
-    # Per operation: the extra fixed cost of a call issued between bursts of compute, as in a training
-    # step, over one in a back-to-back loop (threads asleep, tail stalls), seconds; only the step
+    # Per operation: the extra cost of a call issued between bursts of compute, as in a training step, over
+    # one in a back-to-back loop (threads asleep, tail stalls, buffers no longer in the core's cache), in
+    # seconds by the call's bytes in KiB (points as parsim.sim.compute.at_length reads them); only the step
     # simulator charges it (`parsim calibrate` measures it on CPU hosts).
-    collective_step_overhead_s: dict[str, float] = field(default_factory=dict)
+    collective_step_overhead_s: dict[str, Curve] = field(default_factory=dict)
     # Eager-CPU host costs (parsim.sim.compute; written by `parsim calibrate`, absent on GPU clusters).
     op_forward_s: float = 0.0  # one op dispatched in a forward
     op_backward_s: float = 0.0  # one op autograd runs in a backward
@@ -500,9 +501,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
                           "collective_cache_KiB beside it (a core's cache, e.g. 2048)")
     overhead = r.optional_mapping("collective_overhead_us")
     step_overhead = r.optional_mapping("collective_step_overhead_us")
-    for key, mapping in (("collective_overhead_us", overhead), ("collective_step_overhead_us", step_overhead)):
-        for op, value in mapping.items():
-            _figure(source, f"{key}.{op}", value, LATENCY_US)
+    for op, value in overhead.items():
+        _figure(source, f"collective_overhead_us.{op}", value, LATENCY_US)
     compute = r.optional_mapping("compute")
     matmul_efficiency = compute.get("matmul_efficiency", 1.0)
     half_dim = compute.get("matmul_half_dim", 0.0)
@@ -609,7 +609,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         sm_cycles=sm_cycles,
         nccl=nccl,
         price_per_gpu_hour=price,
-        collective_step_overhead_s={str(op): float(v) * 1e-6 for op, v in step_overhead.items()},
+        collective_step_overhead_s={str(op): _by_size(source, f"collective_step_overhead_us.{op}", v)
+                                    for op, v in step_overhead.items()},
         op_forward_s=float(host_us["op_forward_us"]) * 1e-6,
         op_backward_s=float(host_us["op_backward_us"]) * 1e-6,
         optimizer_tensor_s=float(host_us["optimizer_tensor_us"]) * 1e-6,
@@ -653,8 +654,16 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
 
 def _by_gradients(source: str, key: str, value: object) -> Curve:
     """A host cost in microseconds, one figure or figures keyed by the gradients a rank holds in KiB, as seconds."""
-    return tuple((kib, us * 1e-6) for kib, us in _curve(source, key, value, LATENCY_US,
-                                                         keyed_by="the gradients a rank holds, in KiB"))
+    return _us_by_kib(source, key, value, "the gradients a rank holds, in KiB")
+
+
+def _by_size(source: str, key: str, value: object) -> Curve:
+    """A collective's cost in microseconds, one figure or figures keyed by the call's bytes in KiB, as seconds."""
+    return _us_by_kib(source, key, value, "the call's bytes, in KiB")
+
+
+def _us_by_kib(source: str, key: str, value: object, keyed_by: str) -> Curve:
+    return tuple((kib, us * 1e-6) for kib, us in _curve(source, key, value, LATENCY_US, keyed_by=keyed_by))
 
 
 def _GBps(value: float | None) -> float | None:

@@ -39,7 +39,7 @@ from ..hardware.topology import Topology
 from ..report.trace import Event, Trace, by_rank_and_start
 from .collectives.algorithms import build_phases
 from .collectives.simulate import choose_algorithm, kernel_sms
-from .compute import ComputeModel
+from .compute import ComputeModel, at_length
 from .cores import SharedCores, core_of, eevdf_slice_s
 from .held_sms import HOLDING_STREAMS, HeldSMs
 from .program import NCCL_CHANNELS, Op, Program
@@ -117,7 +117,8 @@ class StepSimulator:
         kept = [per_group[i] for i in _contending([h[h >= 0] for h in hops], self.topo.num_links)]
         reduce_bw = self.topo.spec.reduction_bw_Bps
         # A call between bursts of compute pays the backend's in-step extra (calibrated on CPU hosts) up front.
-        in_step = self.topo.spec.collective_step_overhead_s.get(collective, 0.0)
+        extra = self.topo.spec.collective_step_overhead_s.get(collective)
+        in_step = at_length(extra, math.ceil(nbytes / 1024)) if extra else 0.0
         return tuple(self._ready_phase(stack_routes([p[i].routes for p in kept]),
                                        np.concatenate([p[i].nbytes for p in kept]),
                                        first.steps, first.overhead_s + (in_step if i == 0 else 0.0),
