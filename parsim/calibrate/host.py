@@ -322,10 +322,10 @@ def fit_step_overhead(measured: list[CollectiveResult], spec) -> dict[str, Curve
     step) over what the fitted cluster ``spec`` predicts from back-to-back loops: measured minus predicted, at
     least 0, as (KiB, seconds) points by the call's bytes (the median where a size was measured more than once).
     By size, not one figure: back to back, a buffer that fits the core's cache stays in it and moves
-    ``collective_cache_speedup`` times as fast, and a call between compute finds it cold, so the extra is
-    largest there (on the 2-core VM, 2026-11-30: +100-300 us at 256 KiB to 1 MiB; at 4 MiB none for an
-    all-gather or a reduce-scatter).
-    ``measured`` times are means over calls, stalls included."""
+    ``collective_cache_speedup`` times as fast, its threads awake, and a call after a burst of compute has
+    neither, so the extra is largest there (on the 2-core VM, 2026-11-30: +100-300 us at 256 KiB to 1 MiB;
+    at 4 MiB none for an all-gather or a reduce-scatter). ``measured`` times are means over calls, stalls
+    included."""
     from ..sim.collectives import predict
 
     topo = spec.build(1)

@@ -48,7 +48,7 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     step issues them (after each round, the median round kept), the extra
     cost per call, size by size, the step simulator charges
     (collective_step_overhead_us: largest where a buffer fits the cache,
-    which a call between compute finds cold);
+    hot back to back, not after compute);
   * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
   * on every rank at once and in step, as ranks compute in a real run:
     AdamW steps on one small tensor, many small and a few large ones, sampled
