@@ -357,7 +357,9 @@ def _time_local(sizes: Sequence[int], op: Callable[[Any, Any], Any], threads: in
 
 
 # ----------------------------------------------------------------------------- calls inside a step
-IN_STEP_SIZES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+# Every doubling from 256 KiB to 4 MiB: the extra per call changes most around a core's cache (1-2 MiB on
+# current CPUs), where calibrate reads it size by size (parsim.calibrate.host.fit_step_overhead).
+IN_STEP_SIZES = tuple(2**k * 1024 for k in range(8, 13))
 IN_STEP_CALLS = 30
 IN_STEP_COMPUTE_S = 0.002
 

@@ -11,8 +11,8 @@ import pytest
 
 from executor._torch import INSTALL_HINT
 from executor.collective_buffers import forms_of
-from executor.collectives import (GLOO_ALGORITHMS, BenchSpec, measure_collectives, measure_copy_bandwidth,
-                                  measure_reduce_bandwidth, measured_size)
+from executor.collectives import (GLOO_ALGORITHMS, IN_STEP_SIZES, BenchSpec, measure_collectives,
+                                  measure_copy_bandwidth, measure_in_step, measure_reduce_bandwidth, measured_size)
 from executor.launch import RankFailure
 from parsim.cli.main import main
 from parsim.errors import ParsimError
@@ -213,3 +213,16 @@ def test_local_reduce_and_copy_benchmarks_report_positive_times():
         rows = measure([4096, 1 << 16], target_time_s=0.01)
         assert [size for size, _ in rows] == [4096, 1 << 16]
         assert all(seconds > 0 for _, seconds in rows)
+
+
+@needs_torch
+@pytest.mark.multiproc
+def test_calls_between_bursts_of_compute_are_timed_per_operation_and_size():
+    """One result per (operation, size), in that order, each the slowest rank's mean over the calls; by default
+    every doubling from 256 KiB to 4 MiB, the sizes calibrate reads the extra per call at."""
+    rows = measure_in_step(["all_reduce", "all_gather"], 2, sizes=(1 << 16, 1 << 18), calls=3, compute_s=0.001,
+                           timeout_s=120)
+    assert [(r.op, r.size_bytes) for r in rows] == [("all_reduce", 1 << 16), ("all_reduce", 1 << 18),
+                                                    ("all_gather", 1 << 16), ("all_gather", 1 << 18)]
+    assert all(r.time_s > 0 and r.nranks == 2 and r.extra["calls"] == 3 for r in rows)
+    assert [s >> 10 for s in IN_STEP_SIZES] == [256, 512, 1024, 2048, 4096]
