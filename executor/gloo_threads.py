@@ -40,7 +40,7 @@ starts it, ``batch`` batches the transfers' too.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from parsim.errors import ParsimError
 
@@ -81,13 +81,14 @@ def policy() -> str:
     return chosen
 
 
-def _set_policy(tid: int, batch: bool) -> None:
-    """Batched: thread ``tid`` runs only when its core is free or at a tick; else it may preempt on waking
+def _set_policy(tids: Iterable[int], batch: bool) -> None:
+    """Batched: threads ``tids`` run only when their core is free or at a tick; else they may preempt on waking
     (unprivileged either way; a no-op where unsupported)."""
-    try:
-        os.sched_setscheduler(tid, os.SCHED_BATCH if batch else os.SCHED_OTHER, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux, or the thread ended meanwhile
-        pass
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_BATCH if batch else os.SCHED_OTHER, os.sched_param(0))
+        except (AttributeError, OSError):  # not Linux, or the thread ended meanwhile
+            pass
 
 
 def _new_loops(create: Callable[[], T]) -> tuple[T, set[int]]:
@@ -97,14 +98,6 @@ def _new_loops(create: Callable[[], T]) -> tuple[T, set[int]]:
     return made, loop_threads() - before
 
 
-def quiet_loops(create: Callable[[], T]) -> T:
-    """Run ``create`` (which makes process groups) and batch the device loops it started."""
-    made, loops = _new_loops(create)
-    for tid in loops:
-        _set_policy(tid, batch=True)
-    return made
-
-
 def prepare_groups() -> None:
     """In a gloo rank that has just joined the job: batch the default group's loops (its collectives, barriers
     and benchmarks) and make the group that carries transfers beside compute, its loop batched too until
@@ -112,11 +105,9 @@ def prepare_groups() -> None:
     global _transfer_group, _transfer_loops
     dist = require_distributed()
     batch = policy() != "preempt"
-    for tid in loop_threads():
-        _set_policy(tid, batch)
+    _set_policy(loop_threads(), batch)
     _transfer_group, _transfer_loops = _new_loops(lambda: dist.new_group(list(range(dist.get_world_size()))))
-    for tid in _transfer_loops:
-        _set_policy(tid, batch)
+    _set_policy(_transfer_loops, batch)
 
 
 def transfer_group() -> Any:
@@ -124,9 +115,7 @@ def transfer_group() -> Any:
     ``PARSIM_GLOO_LOOPS=batch``); None (the default group) outside a gloo rank that called
     :func:`prepare_groups`."""
     if _transfer_loops:
-        batch = policy() == "batch"
-        for tid in _transfer_loops:
-            _set_policy(tid, batch)
+        _set_policy(_transfer_loops, batch=policy() == "batch")
         _transfer_loops.clear()
     return _transfer_group
 
@@ -135,5 +124,6 @@ def collective_group(members: Sequence[int]) -> Any:
     """A new process group over ``members`` (every rank must call it, in one order) for collectives: its
     device loop batched."""
     dist = require_distributed()
-    make = lambda: dist.new_group(list(members))  # noqa: E731
-    return make() if policy() == "preempt" else quiet_loops(make)
+    group, loops = _new_loops(lambda: dist.new_group(list(members)))
+    _set_policy(loops, batch=policy() != "preempt")
+    return group

@@ -11,6 +11,7 @@ from cpu_host import cpu_host
 from parsim.calibrate.host import core_cache_bytes, fit_links, fit_matmul, fit_operation, host_cluster
 from parsim.cli.common import warn_other_machine
 from parsim.cli.main import main
+from parsim.errors import ConfigError
 from parsim.hardware.cluster import SharedCoreCosts, load_cluster, parse_cluster
 from parsim.report.results import save_results
 from parsim.report.step_report import PHASES
@@ -96,7 +97,7 @@ def test_the_speed_up_applies_up_to_the_cache_s_size_only():
 ])
 def test_a_bad_cache_figure_is_refused(extra, message):
     data = host_cluster(4, 300e-6, 2.0e9, 6e9, algorithms=GLOO)
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(ConfigError, match=message):
         parse_cluster({**data, **extra}, "host.yaml")
 
 
