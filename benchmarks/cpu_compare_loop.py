@@ -175,6 +175,9 @@ def predicted_again(run: dict, plan_args: list[str], cluster) -> dict:
     speed = run.get("host_speed")
     if speed:
         cluster = cluster.at_host_speed(speed["arithmetic_factor"], speed["eager_factor"], speed.get("memory_factor"))
+        if speed.get("collective_factor"):  # JSON's keys are strings: the KiB
+            cluster = cluster.at_collective_probe(tuple(sorted((int(kib), us * 1e-6)
+                                                               for kib, us in speed["measured_collective_us"].items())))
     predicted = predict_step(plan, cluster)
     kept: dict[int, tuple[dict, dict]] = {}  # rank -> (phase -> seconds, phase -> the steps' range)
     for row in run["phases"]:

@@ -43,16 +43,30 @@ median |step error| of 15.0% against 17.6% over 81 runs.
 Only the first ``min(ranks, cores)`` ranks probe, at once, so the probes read
 one core's speed with as many cores busy as the calibration had, whatever
 the number of ranks sharing them.
+
+The **collective probe** (:class:`CollectiveProbe`) times an all-reduce
+between ranks 0 and 1 at 256 KiB, 1 MiB and 4 MiB, in and beyond a core's
+cache. A host's transfers between processes have slow spells of their own,
+seconds to tens of seconds long, that the compute probes do not see: on the
+2-core VM (2026-11-30) a 1 MiB all-reduce took 430-530 us, then 800-1200 us
+for 5-20 s at a time, with a 1 MiB copy inside a core unchanged (23-29 us)
+and no steal time; two groups timed in turn, one on BBR and one on CUBIC,
+slowed together, so it is the host, not TCP's congestion control
+(docs/calibration.md, "Collectives' slow spells"). ``parsim calibrate`` times it
+in each round of its collectives, ``parsim compare`` beside the other probes,
+and the step simulator gives each collective what the probe took more per
+byte at its size (``ClusterSpec.collective_probe_extra_s``).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, NamedTuple
 
 from parsim.lowering.lower import ADAMW_ACCESSES, FP32
 
-from ._torch import require_torch
+from ._torch import require_distributed, require_torch
 from .launch import usable_cores
 
 SHAPE = (64, 1024, 1024)  # (m, k, n) of the matmul probe
@@ -63,6 +77,13 @@ EAGER_LAYERS, EAGER_WIDTH, EAGER_ROWS = 8, 32, 16  # the eager probe: fixed cost
 ADAMW_TENSORS, ADAMW_ELEMENTS = 4, 1 << 20
 ADAMW_BYTES = ADAMW_ACCESSES * FP32  # per parameter: foreach AdamW's fp32 accesses, as the model counts them
 SECONDS = 0.45  # the three probes together: long enough to average over scheduler ticks, short enough between steps
+
+
+# The collective probe: an all-reduce between ranks 0 and 1 (a core each) at these sizes, each timed this many times
+# after two untimed calls (the median kept): about 25 ms in all on the 2-core VM, 60 ms in a slow spell.
+COLLECTIVE_PROBE_RANKS = 2
+COLLECTIVE_PROBE_KIB = (256, 1024, 4096)
+COLLECTIVE_PROBE_CALLS = 9
 
 
 class Speed(NamedTuple):
@@ -143,3 +164,47 @@ def _repeat_for(seconds: float, work: Callable[[], int]) -> tuple[int, float]:
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             return done, elapsed
+
+
+class CollectiveProbe:
+    """``probe()``: seconds per all-reduce at each of :data:`COLLECTIVE_PROBE_KIB` over ``group`` (ranks 0 and 1,
+    both calling it at once), the median of :data:`COLLECTIVE_PROBE_CALLS` calls after two untimed ones."""
+
+    def __init__(self, group: object):
+        torch = require_torch()
+        self._group = group
+        self._buffers = [torch.ones(kib * 1024 // FP32) for kib in COLLECTIVE_PROBE_KIB]
+
+    def __call__(self) -> tuple[float, ...]:
+        dist = require_distributed()
+        medians = []
+        for buffer in self._buffers:
+            times = []
+            for call in range(COLLECTIVE_PROBE_CALLS + 2):
+                start = time.perf_counter()
+                dist.all_reduce(buffer, group=self._group)
+                if call >= 2:
+                    times.append(time.perf_counter() - start)
+            medians.append(statistics.median(times))
+        return tuple(medians)
+
+
+def collective_probe_group(world: int) -> object | None:
+    """The group the collective probe runs over (every rank must call this, at one point; None on one rank)."""
+    if world < COLLECTIVE_PROBE_RANKS:
+        return None
+    from .gloo_threads import collective_group
+
+    return collective_group(range(COLLECTIVE_PROBE_RANKS))
+
+
+def measure_collective_probe(readings: int, timeout_s: float = 120.0) -> list[tuple[float, ...]]:
+    """``readings`` readings of the collective probe on ranks of their own (for ``parsim calibrate``), rank 0's."""
+    from .launch import launch
+
+    return launch(_probe_rank, COLLECTIVE_PROBE_RANKS, (readings,), "gloo", timeout_s)[0]
+
+
+def _probe_rank(rank: int, world: int, readings: int) -> list[tuple[float, ...]]:
+    probe = CollectiveProbe(collective_probe_group(world))
+    return [probe() for _ in range(readings)]

@@ -233,6 +233,8 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
                                  "calibrated_memory_GBps": pytest.approx(memory[0]),
                                  "measured_memory_GBps": pytest.approx(memory[1]),
                                  "memory_factor": pytest.approx(memory[2]),
+                                 "calibrated_collective_us": None, "measured_collective_us": None,
+                                 "collective_factor": None,
                                  "unscaled_predicted_step_s": pytest.approx(unscaled),
                                  "unscaled_step_error": pytest.approx(0.0, abs=1e-9)}
     assert doc["predicted_step_s"] == pytest.approx(scaled) and scaled > unscaled
@@ -246,6 +248,51 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
             f"GFLOP/s), eager ops x0.80 (probe 1250 vs 1000 us per pass){memory_text}\n") in out
     assert (f"the host-speed probes ran matmuls x0.75, eager ops x0.80{', memory x1.25' if memory_probe else ''} "
             "as fast as at calibration") in err
+
+
+def test_compare_scales_a_cpu_host_s_collectives_to_the_speed_its_collective_probe_ran_at(monkeypatch, tmp_path,
+                                                                                          capsys):
+    """The collective probe around the run at half its calibration's speed at 256 KiB and 1 MiB, 0.8 of it at
+    4 MiB: the collectives (course DDP's, of 4 MiB) take what the probe took more, the compute figures follow the
+    other probes; the text, the JSON and the drift note say so."""
+    import executor.train
+    import yaml
+    from test_json_schema import conforms
+    from parsim.sim.step import predict_step
+    from parsim.workload.plan import resolve_plan
+
+    calibrated = ((256, 250e-6), (1024, 400e-6), (4096, 1600e-6))
+    data = host_cluster(2, 300e-6, 2.0e9, 6e9, algorithms=GLOO, peak_flops=80e9, op_forward_s=10e-6,
+                        cpu_cores=2, speed_probe=(60e9, 1e-3, 20e9), collective_probe_s=calibrated)
+    assert data["compute"]["collective_probe_us"] == {256: 250.0, 1024: 400.0, 4096: 1600.0}
+    path = tmp_path / "host.yaml"
+    path.write_text(yaml.safe_dump(data))  # keyed by KiB, whole numbers: YAML keeps them
+    spec, plan = load_cluster(str(path)), resolve_plan("course-ddp", overrides={"parallel": {"dp": 2}})
+    assert dict(spec.collective_probe_s) == pytest.approx(dict(calibrated))
+
+    def run_plan(plan, nproc, steps, probe_speed=False, **kwargs):
+        probe = {"matmul_flops": 60e9, "eager_s": 1e-3, "memory_Bps": 20e9}
+        return predict_step(plan, spec).trace, {"speed_probe": probe,
+                                                "collective_probe_s": {256: 500e-6, 1024: 800e-6, 4096: 2000e-6}}
+
+    monkeypatch.setattr(executor.train, "run_plan", run_plan)
+    argv = ["compare", "course-ddp", "--dp", "2", "--nproc", "2", "--cluster", str(path), "--backend", "gloo"]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert conforms(doc) == "compare.plan"
+    speed = doc["host_speed"]
+    assert speed["collective_factor"] == pytest.approx({"256": 0.5, "1024": 0.5, "4096": 0.8})
+    assert speed["measured_collective_us"] == pytest.approx({"256": 500.0, "1024": 800.0, "4096": 2000.0})
+    measured = ((256, 500e-6), (1024, 800e-6), (4096, 2000e-6))
+    scaled = predict_step(plan, spec.at_host_speed(1.0, 1.0, 1.0).at_collective_probe(measured))
+    assert doc["predicted_step_s"] == pytest.approx(scaled.step_s)
+    assert doc["predicted_step_s"] > speed["unscaled_predicted_step_s"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert (", collectives x0.50 / x0.50 / x0.80 at 256 KiB / 1 MiB / 4 MiB (an all-reduce on 2 ranks: "
+            "500 / 800 / 2000 vs 250 / 400 / 1600 us)\n  the compute figures follow them, and the collectives") in out
+    assert "the host-speed probes ran matmuls x1.00, eager ops x1.00, memory x1.00, collectives x0.50 / x0.50 / " \
+           "x0.80 as fast as at calibration" in err
 
 
 @pytest.mark.parametrize("flops, eager_s, noted", [(54e9, 0.9e-3, False), (66e9, 1.1e-3, False),
@@ -460,6 +507,7 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     take 20 ms at every size (a busy host's stalls)."""
     import executor.collectives
     import executor.compute_bench
+    import executor.speed_probe
     from parsim.lowering.lower import ADAMW_ACCESSES
 
     truth = ComputeModel(peak_flops=70e9, hbm_bw_Bps=1e12, dtype_bytes=4, half_dim=8.0, matmul_stream_bw_Bps=15e9,
@@ -531,6 +579,38 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
 
     monkeypatch.setattr(executor.collectives, "measure_collectives", collectives)
     monkeypatch.setattr(executor.collectives, "measure_in_step", lambda ops, n: [])
+    # the collective probe: 250, 400 and 1600 us at 256 KiB, 1 MiB and 4 MiB, each reading
+    monkeypatch.setattr(executor.speed_probe, "measure_collective_probe",
+                        lambda readings: [(250e-6, 400e-6, 1600e-6)] * readings)
+
+
+def test_the_collective_probe_is_timed_every_round_and_its_median_written_and_printed(monkeypatch, tmp_path,
+                                                                                      capsys):
+    """The collective probe's readings over the 3 rounds of collectives, one round's in a slow spell (2x): the
+    file, the JSON and the text keep the median, the calm rounds' figures."""
+    import executor.speed_probe
+    from test_json_schema import conforms
+
+    _fake_calibration(monkeypatch)
+    rounds = iter([1.0, 2.0, 1.0])
+
+    def probe(readings):
+        slower = next(rounds)
+        return [(250e-6 * slower, 400e-6 * slower, 1600e-6 * slower)] * readings
+
+    monkeypatch.setattr(executor.speed_probe, "measure_collective_probe", probe)
+    out = tmp_path / "host.yaml"
+    assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce", "--json"]) == 0
+    assert next(rounds, None) is None  # once a round
+    doc = json.loads(capsys.readouterr().out)
+    assert conforms(doc) == "calibrate"
+    assert doc["collective_probe_us"] == pytest.approx({"256": 250.0, "1024": 400.0, "4096": 1600.0})
+    assert dict(load_cluster(str(out)).collective_probe_s) == pytest.approx({256: 250e-6, 1024: 400e-6, 4096: 1.6e-3})
+    monkeypatch.setattr(executor.speed_probe, "measure_collective_probe",
+                        lambda readings: [(250e-6, 400e-6, 1600e-6)] * readings)
+    assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce"]) == 0
+    assert ("collective probe  250 us at 256 KiB, 400 at 1 MiB, 1600 at 4 MiB (an all-reduce on 2 ranks, timed in "
+            "each round of the collectives") in capsys.readouterr().out
 
 
 def test_calls_between_bursts_of_compute_are_measured_every_round_and_the_median_round_kept(monkeypatch, tmp_path):

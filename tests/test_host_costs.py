@@ -236,6 +236,8 @@ def test_host_keys_are_read_in_si_units():
     ("tp_collective_call_us", 120.0, "tp_collective_call_us: is 120.0 .*a mapping of forward and backward"),
     ("tp_collective_call_us", {"forward": 120.0, "backward": -1.0}, "tp_collective_call_us.backward: is -1"),
     ("zero_grad_free_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("zero_grad_tensor_us", "slow", "a finite number"),
+    ("collective_probe_us", {1024: 0.0}, "collective_probe_us.1024: is 0"),
+    ("collective_probe_us", {"1 MiB": 400.0}, "collective_probe_us: is .*figures keyed by the call's bytes, in KiB"),
 ])
 def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, capsys):
     with pytest.raises(ConfigError, match=expected):
@@ -747,6 +749,41 @@ def test_in_step_collective_overhead_is_read_at_the_call_s_size(points, expected
     data["collective_step_overhead_us"] = {"all_reduce": points}
     slowed = predict_step(plan, parse_cluster(data, "ideal.yaml"))
     assert slowed.step_s == pytest.approx(base.step_s + 4 * expected_us * 1e-6, rel=0.01)
+
+
+PROBE_US = {256: 250.0, 1024: 400.0, 4096: 1600.0}  # a calibrated collective probe
+
+
+@pytest.mark.parametrize("kib, extra_us", [
+    (128, 125.0),  # below the smallest size: the smallest's extra per byte (250 us per 256 KiB)
+    (1024, 400.0),  # at a size: what the probe took more
+    (2048, 500.0),  # between two: per byte, linear in log2 of the size (0.39 and 0.098 us a KiB: 0.244)
+    (8192, 800.0),  # past the largest: its extra per byte
+])
+def test_a_collective_takes_what_the_probe_takes_more_per_byte(kib, extra_us):
+    spec = parse_cluster(cpu_host(**HOST_KEYS, collective_probe_us=PROBE_US), "host.yaml")
+    assert spec.collective_probe_extra_s(kib * 1024) == 0.0  # no reading around a run: as calibrated
+    now = spec.at_collective_probe(((256, 500e-6), (1024, 800e-6), (4096, 2000e-6)))
+    assert now.collective_probe_extra_s(kib * 1024) == pytest.approx(extra_us * 1e-6)
+    with pytest.raises(ParsimError, match="positive"):
+        spec.at_collective_probe(((1024, 0.0),))
+
+
+def test_a_step_s_collectives_take_what_the_probe_took_more_and_no_less_than_a_quarter():
+    """course-mlp's gradients, four all-reduces of 4 MiB in a row (bus bytes 4 MiB on 2 ranks): the probe 1.6 ms
+    slower at 4 MiB puts 1.6 ms on each; the compute does not move. A probe far faster than at calibration leaves
+    each at a quarter of its calibrated time (FASTEST_AFTER_PROBE)."""
+    from parsim.sim.stepsim import FASTEST_AFTER_PROBE
+
+    plan = Plan(model=load_model("course-mlp"), dp=2, grad_sync="per_param")
+    spec = parse_cluster(cpu_host(**HOST_KEYS, collective_probe_us=PROBE_US), "host.yaml")
+    base = predict_step(plan, spec)
+    slowed = predict_step(plan, spec.at_collective_probe(((1024, 400e-6), (4096, 3200e-6))))
+    assert slowed.ranks[0].seconds["dp"] == pytest.approx(base.ranks[0].seconds["dp"] + 4 * 1.6e-3, rel=1e-6)
+    assert slowed.ranks[0].seconds["backward"] == pytest.approx(base.ranks[0].seconds["backward"], rel=1e-9)
+    faster = predict_step(plan, spec.at_collective_probe(((1024, 400e-6), (4096, 1e-6))))
+    assert faster.ranks[0].seconds["dp"] == pytest.approx(FASTEST_AFTER_PROBE * base.ranks[0].seconds["dp"],
+                                                          rel=1e-6)
 
 
 def test_more_ranks_than_cores_time_share_them():

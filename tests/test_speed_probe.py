@@ -1,5 +1,5 @@
 """The host-speed probes: a fixed matmul's rate, an eager pass's time and AdamW's bytes per second, timed on one
-rank per core, before and after the measured steps."""
+rank per core, before and after the measured steps; and the collective probe, an all-reduce on ranks 0 and 1."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import time
 import pytest
 
 from executor.launch import HOST_CORES_ENV
-from executor.speed_probe import ADAMW_BYTES, ADAMW_ELEMENTS, ADAMW_TENSORS, SHAPE, WEIGHTS, SpeedProbe, probes_on
+from executor.speed_probe import (ADAMW_BYTES, ADAMW_ELEMENTS, ADAMW_TENSORS, COLLECTIVE_PROBE_KIB, SHAPE, WEIGHTS,
+                                  SpeedProbe, probes_on)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 
@@ -43,4 +44,20 @@ def test_a_run_asked_to_probe_reports_the_host_speed_around_its_steps():
     _, plain = run_plan(plan, 2, steps=1, backend="gloo", timeout_s=120)
     assert 1e8 < probed["speed_probe"]["matmul_flops"] < 1e13 and 0 < probed["speed_probe"]["eager_s"] < 1
     assert 1e8 < probed["speed_probe"]["memory_Bps"] < 1e13
-    assert plain["speed_probe"] is None
+    # the collective probe: an all-reduce's seconds by KiB, longer for more bytes beyond the first size
+    collective = probed["collective_probe_s"]
+    assert list(collective) == list(COLLECTIVE_PROBE_KIB) and all(0 < s < 1 for s in collective.values())
+    assert collective[4096] > collective[256]
+    assert plain["speed_probe"] is None and plain["collective_probe_s"] is None
+
+
+@pytest.mark.multiproc
+def test_calibrate_s_collective_probe_gives_each_reading_a_time_per_size():
+    from executor.speed_probe import measure_collective_probe
+
+    readings = measure_collective_probe(2, timeout_s=120)
+    assert len(readings) == 2
+    for reading in readings:
+        assert len(reading) == len(COLLECTIVE_PROBE_KIB) and all(0 < s < 1 for s in reading)
+        # 16 times the bytes take longer: each call moves them at least once over a rank's socket
+        assert reading[-1] > reading[0]

@@ -37,12 +37,13 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     With ``profile_dir``, each rank also writes a torch.profiler trace of the
     measured steps there (``rank<r>.pt.trace.json``). With ``probe_speed``, the
     summary's ``speed_probe`` holds the host-speed probes' medians, keyed as
-    :class:`executor.speed_probe.Speed`'s fields (timed before the warm-up and after the measured steps).
+    :class:`executor.speed_probe.Speed`'s fields (timed before the warm-up and after the measured steps), and
+    ``collective_probe_s`` the collective probe's, seconds by KiB (None on one rank).
     A rank that fails or hangs ends the run with a
     :class:`executor.launch.RankFailure` naming it, within ``timeout_s``.
     """
     from executor.launch import check_request, in_torchrun_job, launch, resolve_backend, run_in_job
-    from executor.speed_probe import Speed
+    from executor.speed_probe import COLLECTIVE_PROBE_KIB, Speed
 
     from .runner import check_plan, rank_main
 
@@ -82,6 +83,10 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     summary = summarize(plan, traces, losses, used)
     summary["speed_probe"] = ({key: statistics.median(column) for key, column in zip(Speed._fields, zip(*probes))}
                               if probes else None)
+    collective = [p for r in results for p in r.get("collective_probes", ())]
+    summary["collective_probe_s"] = ({kib: statistics.median(column)
+                                      for kib, column in zip(COLLECTIVE_PROBE_KIB, zip(*collective))}
+                                     if collective else None)
     summary["expert_load"] = measured_expert_load(results)
     return traces[median_step(traces)], summary
 

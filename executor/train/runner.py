@@ -29,7 +29,7 @@ from parsim.workload.plan import Plan, load_plan
 
 from .._torch import require_distributed, require_torch
 from ..gloo_threads import collective_group
-from ..speed_probe import SpeedProbe, probes_on
+from ..speed_probe import COLLECTIVE_PROBE_RANKS, CollectiveProbe, SpeedProbe, collective_probe_group, probes_on
 from .clip import GradClipper
 from .comm import EPGroup, TPGroup
 from .context_parallel import CPGroup, apply_context_parallel, replica_loss, sequence_positions
@@ -320,7 +320,8 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
     ``ProfilerStep#N`` each) and the rank writes its Kineto trace of the
     measured steps there. With ``probe_speed``, the host-speed probe
     (:mod:`executor.speed_probe`) runs before the warm-up and after the
-    measured steps, every probing rank at once (``speed_probes``): the steps
+    measured steps, every probing rank at once (``speed_probes``), and the
+    collective probe on ranks 0 and 1 (``collective_probes``): the steps
     themselves run back to back, as a training loop's do. Probed right before
     it, a step is not the loop's: on a 2-core VM the first pass after the probe
     took 1.1 ms longer than the passes after it (tiny-gpt's two layers,
@@ -331,8 +332,11 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
     setup = build_rank(plan, rank, seed)
     recorder = setup.recorder
     probe = SpeedProbe(seed) if probe_speed and probes_on(rank, world) else None
+    probe_group = collective_probe_group(world) if probe_speed else None  # every rank makes the group
+    collective_probe = CollectiveProbe(probe_group) if probe_group is not None and rank < COLLECTIVE_PROBE_RANKS \
+        else None
     result: dict = {"rank": rank, "host": platform.node(), "steps": [], "step_origins": [], "losses": [],
-                    "speed_probes": []}
+                    "speed_probes": [], "collective_probes": []}
     moe_layers = {f"stage {s}: {path}": module for s, stage in setup.stages.items()
                   for path, module in stage.named_modules() if isinstance(module, MoEFeedForward)}
 
@@ -340,6 +344,8 @@ def rank_main(rank: int, world: int, plan_data: dict, steps: int, warmup: int, s
         dist.barrier()
         if probe is not None:
             result["speed_probes"].append(probe())
+        if collective_probe is not None:  # ranks 0 and 1, after the compute probes: each on a core of its own
+            result["collective_probes"].append(collective_probe())
         dist.barrier()
 
     if probe_speed:

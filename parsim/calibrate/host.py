@@ -62,12 +62,14 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  memory_alone_bw_Bps: float | None = None, memory_host_bw_Bps: float | None = None,
                  shared_cores: SharedCoreCosts | None = None, step_overhead_s: dict | None = None,
                  cpu_cores: int | None = None, speed_probe: Sequence[float] | None = None,
+                 collective_probe_s: Sequence[tuple[int, float]] | None = None,
                  core_arithmetic: CoreArithmetic | None = None,
                  tp_call_s: tuple[float, float] | None = None, zero_grad: OptimizerFit | None = None,
                  fsdp: FsdpHostFit | None = None, rank_jitter: float = 0.0) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric"); ``speed_probe`` is the
     host-speed probes' (matmul FLOP/s, seconds per eager pass, and memory bytes per second where timed) while the
-    compute figures were measured; ``shared_cores`` the pipeline's host costs with two ranks on each core;
+    compute figures were measured; ``collective_probe_s`` the collective probe's seconds by KiB while the
+    collectives were; ``shared_cores`` the pipeline's host costs with two ranks on each core;
     ``tp_call_s`` a tensor-parallel collective call's host time, forward and backward; ``zero_grad`` what freeing
     the gradients costs; ``fsdp`` FSDP2's own host work; ``cache_speedup`` each operation's speed-up on buffers of
     up to ``cache_bytes`` (:func:`fit_operation`); ``rank_jitter`` how much the same work's time varies
@@ -114,6 +116,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         host_costs["speed_probe_eager_us"] = speed_probe[1] * 1e6
         if len(speed_probe) > 2:
             host_costs["speed_probe_memory_GBps"] = speed_probe[2] / 1e9
+    if collective_probe_s:
+        host_costs["collective_probe_us"] = _kib_curve_us(collective_probe_s)
     return {
         "name": name,
         "description": description or f"{ranks} ranks on one host, calibrated",

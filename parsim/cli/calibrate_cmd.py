@@ -120,7 +120,13 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     10-30% over minutes, its cost per eager op by up to 2x, its memory apart
     from its arithmetic; `parsim compare` times the same probes before the
     warm-up and after its measured steps and scales the compute figures by
-    the ratios.
+    the ratios;
+  * in each round of the collectives, an all-reduce on 2 ranks at 256 KiB,
+    1 MiB and 4 MiB (compute.collective_probe_us): a host's transfers have
+    slow spells of their own, 2x at 1 MiB for seconds to tens of seconds on
+    the 2-core VM, that the compute probes do not see; `parsim compare` times
+    it again beside them and adds to each collective what the probe took more
+    per byte at its size.
 Each collective is measured in 3 rounds, every operation once a round, and
 each size fitted on its median round: a VM's transfers slow down by a third
 for a minute at a time, and a fit on one round keeps such a minute.
@@ -151,6 +157,7 @@ FIT_OPS = "all-reduce,send-recv,all-gather,reduce-scatter,broadcast"
 # `parsim bench all-reduce --nproc 2 --sweep 64KiB:64MiB:4` back to back timed 64 MiB at 76.9, 81.5 and 100.0 ms,
 # and one calibration's single round put the links a third under the others' (set BV in docs/calibration.md).
 COLLECTIVE_ROUNDS = 3
+PROBE_READINGS = 3  # the collective probe's readings each round (its median over every round's is kept)
 
 
 def register(subparsers) -> None:
@@ -178,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
                                       measure_in_step, measure_reduce_bandwidth)
     from executor.compute_bench import measure_generic_pipeline, measure_on_every_rank, measure_on_shared_cores
     from executor.launch import check_request, resolve_backend, usable_cores
+    from executor.speed_probe import COLLECTIVE_PROBE_KIB, measure_collective_probe
 
     try:
         rank_counts = sorted({int(r) for r in args.ranks.split(",")})
@@ -196,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         reduce_bw = _rate(measure_reduce_bandwidth([2**20, 16 * 2**20, 64 * 2**20]))
         progress(f"measuring matmuls, eager ops and optimizer steps on {max(rank_counts)} ranks at once")
         per_rank = measure_on_every_rank(max(rank_counts))
-        rounds, in_step_rounds = [], []
+        rounds, in_step_rounds, collective_probes = [], [], []
         in_step_ops = [op for op in ops if op != "send_recv"] if backend == "gloo" else []
         for i in range(COLLECTIVE_ROUNDS):
             rounds.append([])
@@ -208,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
                              f"(round {i + 1} of {COLLECTIVE_ROUNDS})")
                     rounds[-1] += measure_collectives(op, sizes, n, args.backend, timeout_s=args.timeout,
                                                       target_time_s=DEFAULT_TARGET_TIME_S / COLLECTIVE_ROUNDS)
+            if backend == "gloo":  # the host's transfers have slow spells: how fast they ran this round
+                progress(f"timing the collective probe (round {i + 1} of {COLLECTIVE_ROUNDS})")
+                collective_probes += measure_collective_probe(PROBE_READINGS)
             if in_step_ops:  # each round's too: one round's means moved 2-3x with the stalls it caught
                 progress(f"measuring {', '.join(o.replace('_', '-') for o in in_step_ops)} between bursts of "
                          f"compute (round {i + 1} of {COLLECTIVE_ROUNDS})")
@@ -248,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
     action_overhead = _step_gap_curve(per_rank, loop_gap[-1][1])
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s, probe_memory_Bps = (float(v) for v in np.median(probes, axis=0))
+    collective_probe = (tuple(zip(COLLECTIVE_PROBE_KIB, np.median(collective_probes, axis=0).tolist()))
+                        if collective_probes else None)
     shared = _shared_cores(shared_rows, probe_flops, probe_eager_s)
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
@@ -285,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
         elementwise_bw_Bps=elementwise_bw,
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
         cpu_cores=usable_cores() if backend == "gloo" else None,
-        speed_probe=(probe_flops, probe_eager_s, probe_memory_Bps), core_arithmetic=arithmetic,
+        speed_probe=(probe_flops, probe_eager_s, probe_memory_Bps), collective_probe_s=collective_probe,
+        core_arithmetic=arithmetic,
         tp_call_s=tp_calls, zero_grad=zero_grad, fsdp=fsdp, rank_jitter=jitter)
     if shared is not None and generic is not None:
         comm_stretch = fit_comm_stretch(parse_cluster(cluster, args.out), *generic)
@@ -329,7 +343,9 @@ def run(args: argparse.Namespace) -> int:
                     if fsdp and fsdp.pass_s else None,
                     "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
-                    "speed_probe_memory_GBps": probe_memory_Bps / 1e9, "rank_jitter": jitter,
+                    "speed_probe_memory_GBps": probe_memory_Bps / 1e9,
+                    "collective_probe_us": {kib: s * 1e6 for kib, s in collective_probe} if collective_probe
+                    else None, "rank_jitter": jitter,
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
                     "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
                     "matmul_write_bw_GBps": matmul.write_bw_Bps / 1e9 if matmul.write_bw_Bps else None,
@@ -423,6 +439,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"host speed        {probe_flops / 1e9:.1f} GFLOP/s, {probe_eager_s * 1e6:.0f} us per eager pass, "
           f"{probe_memory_Bps / 1e9:.1f} GB/s memory (the probes timed between the compute benchmarks; "
           "`parsim compare` times them again and follows them)")
+    if collective_probe:
+        print(f"collective probe  {_probe_text(collective_probe)} (an all-reduce on 2 ranks, timed in each round of "
+              f"the collectives; `parsim compare` times it again and moves the collectives by it)")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
 
@@ -577,6 +596,12 @@ def _backend_algorithms(backend: str) -> dict[str, str]:
     return {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "via_all_reduce",
             "broadcast": "recursive", "reduce": "ring", "gather": "direct", "scatter": "direct",
             "all_to_all": "direct", "send_recv": "direct"}
+
+
+def _probe_text(curve: Curve) -> str:
+    """"245 us at 256 KiB, 370 at 1 MiB, 1600 at 4 MiB"."""
+    return ", ".join(f"{s * 1e6:.0f}{' us' if i == 0 else ''} at {format_size(kib * 1024)}"
+                     for i, (kib, s) in enumerate(curve))
 
 
 def _between_compute(extra: Curve) -> str:

@@ -45,9 +45,16 @@ time and AdamW's bytes per second over tensors beyond the cache. `compare`
 times them again before the warm-up and after the measured steps (which run
 back to back, as in training) and scales the compute figures by their ratios
 (matmuls by the matmul's, AdamW's and elementwise bytes by the memory's,
-costs per op and per tensor by the eager pass's; collectives keep their
-fits), and also prints the prediction at the calibration's speed.
---no-speed-probe predicts at the calibration's speed alone.
+costs per op and per tensor by the eager pass's), and also prints the
+prediction at the calibration's speed. A host's transfers between
+processes have slow spells of their own (2x at 1 MiB for seconds to tens of
+seconds on the 2-core VM) that those probes do not see, so the file also
+holds a collective probe, an all-reduce on 2 ranks at 256 KiB, 1 MiB and
+4 MiB timed in each round of calibrate's collectives: `compare` times it
+beside the others, and each collective takes what the probe took more (or
+less) per byte at the collective's bus bytes (pipeline transfers, and
+collectives between ranks on one core, keep their fits). --no-speed-probe predicts at the calibration's
+speed alone.
 
 --measured reads a measurement instead of running the executor: for a
 collective, a JSON file from `parsim bench --out`; for a plan, a folder of

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..calibrate.host_load import ForeignLoad
 from ..errors import ParsimError
-from ..hardware.cluster import load_cluster
+from ..hardware.cluster import Curve, load_cluster
 from ..kineto.match import CollectiveRow, match_collectives
 from ..kineto.read import measured_trace, read_profiles
 from ..report.jsondoc import print_json
@@ -20,7 +20,7 @@ from ..report.table import format_number, render_table
 from ..report.trace import Trace
 from ..sim.jitter import sampled_waits
 from ..sim.step import StepPrediction, predict_step, rank_standing_for
-from ..units import format_time, size_unit, time_unit
+from ..units import format_size, format_time, size_unit, time_unit
 from ..workload.plan import Plan
 from .common import (expert_load_text, note, note_executor_kernels, note_launch_bound, note_stages_sharing_cores,
                      progress, warn_other_machine)
@@ -70,8 +70,11 @@ def compare_plan_command(args: argparse.Namespace) -> int:
             measured_probe = summary["speed_probe"]
             speed = HostSpeed(cluster.speed_probe_flops, cluster.speed_probe_eager_s, measured_probe["matmul_flops"],
                               measured_probe["eager_s"], predicted.step_s, cluster.speed_probe_memory_Bps,
-                              measured_probe.get("memory_Bps"))
+                              measured_probe.get("memory_Bps"), cluster.collective_probe_s,
+                              tuple((summary.get("collective_probe_s") or {}).items()) or None)
             cluster = cluster.at_host_speed(speed.arithmetic, speed.eager, speed.memory)
+            if speed.collective:
+                cluster = cluster.at_collective_probe(speed.measured_collective_s)
             predicted = predict_step(plan, cluster)
             drift = speed.drift_note()
             if drift:
@@ -158,6 +161,8 @@ class HostSpeed:
     unscaled_step_s: float  # the step predicted at the calibration's speed
     calibrated_memory_Bps: float | None = None  # the memory probe (None: a file calibrated before it)
     measured_memory_Bps: float | None = None
+    calibrated_collective_s: Curve | None = None  # the collective probe, seconds by KiB (None: not timed)
+    measured_collective_s: Curve | None = None
 
     @property
     def arithmetic(self) -> float:
@@ -170,6 +175,15 @@ class HostSpeed:
         if self.calibrated_memory_Bps and self.measured_memory_Bps:
             return self.measured_memory_Bps / self.calibrated_memory_Bps
         return None
+
+    @property
+    def collective(self) -> Curve | None:
+        """How many times as fast as at calibration the host ran the collective probe, by its KiB (None: not timed
+        at both)."""
+        if not self.calibrated_collective_s or not self.measured_collective_s:
+            return None
+        measured = dict(self.measured_collective_s)
+        return tuple((kib, s / measured[kib]) for kib, s in self.calibrated_collective_s if kib in measured) or None
 
     @property
     def eager(self) -> float:
@@ -185,7 +199,8 @@ class HostSpeed:
         probes sample it before and after the measured steps, and a host drifting that much may not have run
         the steps between them at that speed (docs/calibration.md, "Sets CD-CH": in CG the probes said eager ops
         x1.50 around a run whose step took 99 ms, against 60 ms predicted at their speed)."""
-        factors = [self.arithmetic, self.eager] + ([self.memory] if self.memory else [])
+        factors = ([self.arithmetic, self.eager] + ([self.memory] if self.memory else [])
+                   + [factor for _, factor in self.collective or ()])
         if max(max(factors), 1 / min(factors)) <= SPEED_NOTE:
             return None
         return (f"parsim compare: note: the host-speed probes ran {self._factors_text()} as fast as at calibration; "
@@ -194,7 +209,24 @@ class HostSpeed:
 
     def _factors_text(self) -> str:
         memory = f", memory x{self.memory:.2f}" if self.memory else ""
-        return f"matmuls x{self.arithmetic:.2f}, eager ops x{self.eager:.2f}{memory}"
+        collective = f", collectives {self._collective_factors()}" if self.collective else ""
+        return f"matmuls x{self.arithmetic:.2f}, eager ops x{self.eager:.2f}{memory}{collective}"
+
+    def _collective_factors(self) -> str:
+        return " / ".join(f"x{factor:.2f}" for _, factor in self.collective)
+
+    def _collective_text(self) -> str:
+        """", collectives x0.61 / x0.45 at 256 KiB / 1 MiB (an all-reduce on 2 ranks: 400 / 820 vs 245 / 370 us)",
+        or nothing where the probe was not timed at both."""
+        if not self.collective:
+            return ""
+        sizes = [kib for kib, _ in self.collective]
+        measured = dict(self.measured_collective_s)
+        calibrated = dict(self.calibrated_collective_s)
+        return (f", collectives {self._collective_factors()} at "
+                + " / ".join(format_size(kib * 1024) for kib in sizes) + " (an all-reduce on 2 ranks: "
+                + " / ".join(f"{measured[kib] * 1e6:.0f}" for kib in sizes) + " vs "
+                + " / ".join(f"{calibrated[kib] * 1e6:.0f}" for kib in sizes) + " us)")
 
     def text(self, measured_step_s: float) -> str:
         unscaled = self.unscaled_error(measured_step_s)
@@ -204,12 +236,16 @@ class HostSpeed:
                       f"{self.calibrated_memory_Bps / 1e9:.1f} GB/s)")
         else:
             memory = ", memory as the matmuls (the cluster file has no memory probe: calibrate again for one)"
+        following = ("pipeline transfers and collectives between ranks on one core keep their fits"
+                     if self.collective else
+                     "collectives and transfers keep their fits" + ("" if self.calibrated_collective_s else
+                                                                   ": the cluster file has no collective probe"))
         return (f"host speed around the measured steps, against calibration: matmuls x{self.arithmetic:.2f} "
                 f"(probe {self.measured_flops / 1e9:.1f} vs {self.calibrated_flops / 1e9:.1f} GFLOP/s), eager ops "
                 f"x{self.eager:.2f} (probe {self.measured_eager_s * 1e6:.0f} vs {self.calibrated_eager_s * 1e6:.0f} "
-                f"us per pass){memory}\n  the compute figures follow them (collectives and transfers keep their "
-                f"fits); at the calibration's speed the step is predicted at {format_time(self.unscaled_step_s)}"
-                f"{error}")
+                f"us per pass){memory}{self._collective_text()}\n  the compute figures follow them"
+                f"{', and the collectives' if self.collective else ''} ({following}); at the calibration's speed the "
+                f"step is predicted at {format_time(self.unscaled_step_s)}{error}")
 
     def to_json(self, measured_step_s: float) -> dict:
         return {"calibrated_gflops": self.calibrated_flops / 1e9, "measured_gflops": self.measured_flops / 1e9,
@@ -218,8 +254,15 @@ class HostSpeed:
                 "calibrated_memory_GBps": self.calibrated_memory_Bps and self.calibrated_memory_Bps / 1e9,
                 "measured_memory_GBps": self.measured_memory_Bps and self.measured_memory_Bps / 1e9,
                 "memory_factor": self.memory,
+                "calibrated_collective_us": _us_by_kib(self.calibrated_collective_s),
+                "measured_collective_us": _us_by_kib(self.measured_collective_s),
+                "collective_factor": dict(self.collective) if self.collective else None,
                 "unscaled_predicted_step_s": self.unscaled_step_s,
                 "unscaled_step_error": self.unscaled_error(measured_step_s)}
+
+
+def _us_by_kib(curve: Curve | None) -> dict[int, float] | None:
+    return {kib: s * 1e6 for kib, s in curve} if curve else None
 
 
 def _profiled(plan: Plan, folder: str) -> Trace:

@@ -27,6 +27,7 @@ PRICE_USD_PER_GPU_HOUR = (1e-6, 1e6, "US dollars per GPU-hour")
 BANDWIDTH_GBPS = (1e-12, 1e12, "GB/s")  # from 1 mB/s
 LINK_GBITS = (1e-11, 1e13, "Gb/s (gigabits)")
 LATENCY_US = (0.0, 1e9, "microseconds")  # up to 1,000 s
+PROBE_US = (1e-6, 1e9, "microseconds")  # a probe's time: more than nothing, as it divides
 TFLOPS = (1e-12, 1e12, "TFLOP/s, dense")  # from 1 FLOP/s
 GFLOPS = (1e-9, 1e15, "GFLOP/s")  # from 1 FLOP/s
 CAPACITY_GB = (1e-12, 1e12, "GB")
@@ -52,7 +53,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "zero_grad_step_us", "zero_grad_tensor_us", "zero_grad_free_GBps",
                 "fsdp_unshard_us", "fsdp_reduce_us", "fsdp_optimizer_tensor_us", "fsdp_pass_us",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
-                "speed_probe_eager_us", "speed_probe_memory_GBps", "rank_jitter")
+                "speed_probe_eager_us", "speed_probe_memory_GBps", "collective_probe_us", "rank_jitter")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
 # Optional (absent from files calibrated before they were measured): times in us, and speeds in GB/s.
 SHARED_CORE_OPTIONAL = ("p2p_issue_us", "time_slice_us", "one_core_collective_latency_us")
@@ -333,6 +334,10 @@ class ClusterSpec:
     speed_probe_flops: float | None = None
     speed_probe_eager_s: float | None = None
     speed_probe_memory_Bps: float | None = None
+    # executor.speed_probe's collective probe while the collectives were measured: an all-reduce's seconds on two
+    # ranks by its KiB (None: not timed); and the same probe around a run (at_collective_probe; None: as calibrated)
+    collective_probe_s: Curve | None = None
+    collective_probe_now_s: Curve | None = None
     # How much the same work's time varies between ranks that start it together: sigma over the time, a CPU host's
     # as `parsim calibrate` measures it (0: not measured; a GPU's is not modelled). parsim.sim.jitter.
     rank_jitter: float = 0.0
@@ -375,6 +380,29 @@ class ClusterSpec:
             speed_probe_flops=self.speed_probe_flops and self.speed_probe_flops * arithmetic,
             speed_probe_eager_s=self.speed_probe_eager_s and self.speed_probe_eager_s / eager,
             speed_probe_memory_Bps=self.speed_probe_memory_Bps and self.speed_probe_memory_Bps * memory)
+
+    def at_collective_probe(self, measured: Curve) -> "ClusterSpec":
+        """This host with its collective probe reading ``measured`` ((KiB, seconds) points) instead of the
+        calibration's: :meth:`collective_probe_extra_s` is what that adds to a collective."""
+        if not measured or min(seconds for _, seconds in measured) <= 0:
+            raise ParsimError(f"the collective probe's times must be positive, got {measured}")
+        return replace(self, collective_probe_now_s=tuple(measured))
+
+    def collective_probe_extra_s(self, bus_bytes: float) -> float:
+        """What a collective moving ``bus_bytes`` per rank (nccl-tests' bus bytes) takes more now than when it
+        was calibrated, by the collective probe (an all-reduce on two ranks, whose bus bytes are its size): the
+        probe's extra time per byte at that size, read between its sizes linear in log2 of the size and the end
+        sizes' beyond, times the bytes. A slow spell on a host adds time per byte moved, not a factor on a
+        call: between bursts of compute on the 2-core VM, all-reduces took 158, 266, 504 and 1750 us more in a
+        spell at 256 KiB to 4 MiB, where the probe took 150, 280, 525 and 1422 more (docs/calibration.md,
+        "Collectives' slow spells"). 0 where either reading is missing."""
+        if not self.collective_probe_s or not self.collective_probe_now_s or bus_bytes <= 0:
+            return 0.0
+        from ..sim.compute import at_length  # sim.compute imports this module
+
+        now, then = dict(self.collective_probe_now_s), dict(self.collective_probe_s)
+        per_byte = tuple((kib, (now[kib] - s) / (kib * 1024)) for kib, s in sorted(then.items()) if kib in now)
+        return at_length(per_byte, math.ceil(bus_bytes / 1024)) * bus_bytes if per_byte else 0.0
 
     def _own_matmul_efficiency(self, dtype: str) -> float | None:
         """The file's figure for ``dtype``; fp16 and bf16 run at the same rate, so each stands in for the other."""
@@ -550,7 +578,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
                           "the other way round", "both (parsim calibrate writes them together) or neither")
     if probe_gflops is not None:
         probe_gflops = _figure(source, "compute.speed_probe_gflops", probe_gflops, GFLOPS)
-        probe_us = _figure(source, "compute.speed_probe_eager_us", probe_us, (1e-6, 1e9, "microseconds"))
+        probe_us = _figure(source, "compute.speed_probe_eager_us", probe_us, PROBE_US)
     probe_memory = compute.get("speed_probe_memory_GBps")
     if probe_memory is not None:
         if probe_gflops is None:
@@ -643,6 +671,9 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         speed_probe_flops=probe_gflops and probe_gflops * 1e9,
         speed_probe_eager_s=probe_us and probe_us * 1e-6,
         speed_probe_memory_Bps=_GBps(probe_memory),
+        collective_probe_s=tuple((kib, us * 1e-6) for kib, us in _curve(
+            source, "compute.collective_probe_us", compute["collective_probe_us"], PROBE_US,
+            keyed_by="the call's bytes, in KiB")) if "collective_probe_us" in compute else None,
         rank_jitter=_figure(source, "compute.rank_jitter", compute.get("rank_jitter", 0.0), JITTER),
     )
     for reader in (r, gpu, intra, out):

@@ -36,14 +36,18 @@ import simpy
 from ..errors import ParsimError
 from ..hardware.network import Network, chain_routes, stack_routes
 from ..hardware.topology import Topology
+from ..report.results import busbw_factor
 from ..report.trace import Event, Trace, by_rank_and_start
 from .collectives.algorithms import build_phases
-from .collectives.simulate import choose_algorithm, kernel_sms
+from .collectives.simulate import choose_algorithm, kernel_sms, time_phases
 from .compute import ComputeModel, at_length
 from .cores import SharedCores, core_of, eevdf_slice_s
 from .held_sms import HOLDING_STREAMS, HeldSMs
 from .program import NCCL_CHANNELS, Op, Program
 
+# A collective the collective probe finds faster than at calibration still takes at least this share of its calibrated
+# time (the probe's extra per byte is read off three sizes; a large negative one is not extrapolated to nothing).
+FASTEST_AFTER_PROBE = 0.25
 # progress(ops finished, ops in all) is called at most this often (seconds of wall time)
 PROGRESS_EVERY_S = 0.5
 
@@ -115,15 +119,27 @@ class StepSimulator:
                 phase.routes = part
         hops = [np.concatenate([p.routes.ravel() for p in phases]) for phases in per_group]
         kept = [per_group[i] for i in _contending([h[h >= 0] for h in hops], self.topo.num_links)]
-        reduce_bw = self.topo.spec.reduction_bw_Bps
+        spec = self.topo.spec
         # A call between bursts of compute pays the backend's in-step extra (calibrated on CPU hosts) up front.
-        extra = self.topo.spec.collective_step_overhead_s.get(collective)
+        extra = spec.collective_step_overhead_s.get(collective)
         in_step = at_length(extra, math.ceil(nbytes / 1024)) if extra else 0.0
+        slower = self._probe_slowdown(collective, len(ranks), nbytes, per_group[0], in_step)
         return tuple(self._ready_phase(stack_routes([p[i].routes for p in kept]),
                                        np.concatenate([p[i].nbytes for p in kept]),
                                        first.steps, first.overhead_s + (in_step if i == 0 else 0.0),
-                                       first.reduce_bytes / reduce_bw, first.latency_s, first.chain)
+                                       first.reduce_bytes / spec.reduction_bw_Bps, first.latency_s, first.chain,
+                                       slower)
                      for i, first in enumerate(kept[0]))
+
+    def _probe_slowdown(self, collective: str, nranks: int, nbytes: float, phases: list, in_step_s: float) -> float:
+        """How many times as long as calibrated a CPU host's collective takes now: the time its bus bytes add
+        by the collective probe (:meth:`~parsim.hardware.cluster.ClusterSpec.collective_probe_extra_s`) over
+        its calibrated time alone, at least :data:`FASTEST_AFTER_PROBE` of it; 1 without a probe."""
+        extra_s = self.topo.spec.collective_probe_extra_s(busbw_factor(collective, nranks) * nbytes)
+        if not extra_s:
+            return 1.0
+        alone_s = time_phases(self.topo, phases)[0] + in_step_s
+        return max(FASTEST_AFTER_PROBE, (alone_s + extra_s) / alone_s) if alone_s > 0 else 1.0
 
     def _may_contend(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """The representative group (first) and the mirror groups that could share a link with it.
@@ -138,16 +154,18 @@ class StepSimulator:
         return [g for g, n in zip(groups, nodes) if len(n) > 1 or n == nodes[0]]
 
     def _ready_phase(self, routes: np.ndarray, nbytes, steps: int, overhead_s: float, reduce_s: float,
-                     latency_s: float | None, chain: int = 1) -> CommPhase:
-        """``routes`` per hop; the network gets each pipelined ``chain`` of hops as one flow."""
+                     latency_s: float | None, chain: int = 1, slower: float = 1.0) -> CommPhase:
+        """``routes`` per hop; the network gets each pipelined ``chain`` of hops as one flow. ``slower``: every
+        part of it takes that many times as long (its bytes count that many times on the links)."""
         self._keys += 1
         if latency_s is not None:  # NCCL's latency (nccl.py), not the routes'
             latency = latency_s + overhead_s
         else:
             latency = steps * float(self.topo.path_latency_s(routes).max(initial=0.0)) + overhead_s
-        routes, nbytes = chain_routes(routes, np.broadcast_to(np.asarray(nbytes, dtype=float), routes.shape[:1]),
-                                      chain)
-        return CommPhase(routes, nbytes, latency, reduce_s, self._keys, np.unique(routes[routes >= 0]))
+        routes, nbytes = chain_routes(routes, np.broadcast_to(np.asarray(nbytes, dtype=float) * slower,
+                                                              routes.shape[:1]), chain)
+        return CommPhase(routes, nbytes, latency * slower, reduce_s * slower, self._keys,
+                         np.unique(routes[routes >= 0]))
 
     def held_sms(self, beside_sms: int, collective: str, ranks: tuple[int, ...], nbytes: float) -> int:
         """SMs a collective beside compute holds while it runs: ``beside_sms``, or, for NCCL_CHANNELS, its
