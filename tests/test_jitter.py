@@ -186,3 +186,27 @@ def test_calibrate_fits_the_jitter_as_the_mean_difference_between_ranks_in_sigma
     assert jitter == pytest.approx(0.003 / MEAN_ABS_DIFFERENCE / 0.010)
     assert MEAN_ABS_DIFFERENCE == pytest.approx(1.1284, abs=1e-4)
     assert fit_rank_jitter([[rank_0]]) == 0.0 and fit_rank_jitter([]) == 0.0
+
+
+def test_compare_says_nothing_of_a_wait_at_the_step_s_end_where_there_is_none_to_speak_of(monkeypatch, capsys,
+                                                                                         tmp_path):
+    """course PP's two stages end their step apart: with ranks jittering by 2% its wait for the slowest rank comes
+    to a fraction of a nanosecond, and no line explains it."""
+    import yaml
+
+    import executor.train
+
+    host = tmp_path / "host.yaml"
+    host.write_text(yaml.safe_dump(cpu_host(op_forward_us=7.0, op_backward_us=6.0, rank_jitter=0.02)))
+    plan = resolve_plan("course-pp")
+    predicted = predict_step(plan, parse_cluster(yaml.safe_load(host.read_text()), "host"))
+    assert 0 < predicted.end_wait_s < 1e-6  # a wait, but none to speak of
+
+    def run_plan(plan, nproc, steps, **kwargs):
+        rows = breakdown(predicted.trace)
+        return predicted.trace, {"ranks": [{"rank": row.rank, "step_s": row.step_s, "seconds": row.seconds}
+                                           for row in rows]}
+
+    monkeypatch.setattr(executor.train, "run_plan", run_plan)
+    assert main(["compare", "course-pp", "--nproc", "2", "--cluster", str(host), "--no-speed-probe"]) == 0
+    assert "idle holds the wait" not in capsys.readouterr().out

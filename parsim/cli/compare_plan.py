@@ -31,6 +31,8 @@ from .plan_cmd import plan_from_args
 SPREAD_NOTE = 1.25
 # A host whose probes ran this many times faster or slower than at calibration may not have run the steps at that.
 SPEED_NOTE = 1.25
+# The wait at the step's end gets its line from a microsecond on (a pipeline's stages end apart: nothing to wait for)
+WAIT_NOTE_S = 1e-6
 
 
 def compare_plan_command(args: argparse.Namespace) -> int:
@@ -117,7 +119,7 @@ def compare_plan_command(args: argparse.Namespace) -> int:
     else:
         print(phases_table(rows, title=f"{plan.name}: predicted ({cluster.name}) vs measured ({source}), "
                                        "per rank and phase"))
-        if waits is not None and predicted.end_wait_s:
+        if waits is not None and predicted.end_wait_s >= WAIT_NOTE_S:
             print(end_wait_text(rows, predicted.end_wait_s))
         print()
         stages = stage_phases(rows, measured=by_stage, stage_waits=stage_waits)
