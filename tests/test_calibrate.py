@@ -290,7 +290,8 @@ def test_compare_scales_a_cpu_host_s_collectives_to_the_speed_its_collective_pro
     assert main(argv) == 0
     out, err = capsys.readouterr()
     assert (", collectives x0.50 / x0.50 / x0.80 at 256 KiB / 1 MiB / 4 MiB (an all-reduce on 2 ranks: "
-            "500 / 800 / 2000 vs 250 / 400 / 1600 us)\n  the compute figures follow them, and the collectives") in out
+            "500 / 800 / 2000 vs 250 / 400 / 1600 us)\n  the compute figures follow them, and each collective takes "
+            "what the collective probe took more per byte (pipeline transfers") in out
     assert "the host-speed probes ran matmuls x1.00, eager ops x1.00, memory x1.00, collectives x0.50 / x0.50 / " \
            "x0.80 as fast as at calibration" in err
 

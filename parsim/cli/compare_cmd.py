@@ -53,8 +53,8 @@ holds a collective probe, an all-reduce on 2 ranks at 256 KiB, 1 MiB and
 4 MiB timed in each round of calibrate's collectives: `compare` times it
 beside the others, and each collective takes what the probe took more (or
 less) per byte at the collective's bus bytes (pipeline transfers, and
-collectives between ranks on one core, keep their fits). --no-speed-probe predicts at the calibration's
-speed alone.
+collectives between ranks on one core, keep their fits). --no-speed-probe
+predicts at the calibration's speed alone.
 
 --measured reads a measurement instead of running the executor: for a
 collective, a JSON file from `parsim bench --out`; for a plan, a folder of

@@ -238,6 +238,8 @@ class HostSpeed:
                       f"{self.calibrated_memory_Bps / 1e9:.1f} GB/s)")
         else:
             memory = ", memory as the matmuls (the cluster file has no memory probe: calibrate again for one)"
+        collectives = ", and each collective takes what the collective probe took more per byte" if self.collective \
+            else ""
         following = ("pipeline transfers and collectives between ranks on one core keep their fits"
                      if self.collective else
                      "collectives and transfers keep their fits" + ("" if self.calibrated_collective_s else
@@ -246,8 +248,8 @@ class HostSpeed:
                 f"(probe {self.measured_flops / 1e9:.1f} vs {self.calibrated_flops / 1e9:.1f} GFLOP/s), eager ops "
                 f"x{self.eager:.2f} (probe {self.measured_eager_s * 1e6:.0f} vs {self.calibrated_eager_s * 1e6:.0f} "
                 f"us per pass){memory}{self._collective_text()}\n  the compute figures follow them"
-                f"{', and the collectives' if self.collective else ''} ({following}); at the calibration's speed the "
-                f"step is predicted at {format_time(self.unscaled_step_s)}{error}")
+                f"{collectives} ({following}); at the calibration's speed the step is predicted at "
+                f"{format_time(self.unscaled_step_s)}{error}")
 
     def to_json(self, measured_step_s: float) -> dict:
         return {"calibrated_gflops": self.calibrated_flops / 1e9, "measured_gflops": self.measured_flops / 1e9,
