@@ -614,6 +614,54 @@ def test_the_collective_probe_is_timed_every_round_and_its_median_written_and_pr
             "each round of the collectives") in capsys.readouterr().out
 
 
+def test_a_round_of_calls_between_compute_counts_as_if_timed_at_the_collective_probe_s_median(monkeypatch,
+                                                                                               tmp_path):
+    """The probe at its calibrated speed in the first round and twice as slow in the other two (its median: slow):
+    the first round's 1 MiB all-reduce between compute counts with what the probe took more at 1 MiB added, so
+    the file's extra is what it is when every round ran slow."""
+    import executor.collectives
+    import executor.speed_probe
+    import yaml
+
+    from parsim.report.results import CollectiveResult
+
+    _fake_calibration(monkeypatch)
+
+    def overhead_us(slower: list[float], times_s: list[float]) -> float:
+        states, rounds = iter(slower), iter(times_s)
+
+        def probe(readings):
+            state = next(states)
+            return [(250e-6 * state, 400e-6 * state, 1600e-6 * state)] * readings
+
+        monkeypatch.setattr(executor.speed_probe, "measure_collective_probe", probe)
+        monkeypatch.setattr(executor.collectives, "measure_in_step", lambda ops, n: [
+            CollectiveResult("all_reduce", n, 1 << 20, next(rounds), "ring", "measured", "gloo")])
+        out = tmp_path / "host.yaml"
+        assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce"]) == 0
+        return yaml.safe_load(out.read_text())["collective_step_overhead_us"]["all_reduce"][1024]
+
+    # the first round 12 ms at the calibrated speed: 12.4 ms slow (the probe's 400 us more at 1 MiB, the bus bytes
+    # of a 2-rank all-reduce of 1 MiB)
+    mixed = overhead_us([1.0, 2.0, 2.0], [12e-3, 13e-3, 11e-3])
+    assert mixed == pytest.approx(overhead_us([2.0, 2.0, 2.0], [12.4e-3, 13e-3, 11e-3]))
+    assert mixed != pytest.approx(overhead_us([2.0, 2.0, 2.0], [12e-3, 13e-3, 11e-3]))
+
+
+def test_a_call_timed_in_a_slow_spell_counts_without_what_the_probe_took_more():
+    from parsim.cli.calibrate_cmd import at_probe
+    from parsim.report.results import CollectiveResult
+
+    reference, slow = ((256, 250e-6), (1024, 400e-6)), ((256, 500e-6), (1024, 800e-6))
+    calls = [CollectiveResult("all_reduce", 2, 1 << 20, 2e-3, "ring", "measured", "gloo"),  # bus bytes 1 MiB
+             CollectiveResult("all_gather", 2, 1 << 20, 2e-3, "ring", "measured", "gloo"),  # 512 KiB
+             CollectiveResult("all_reduce", 2, 1 << 20, 0.3e-3, "ring", "measured", "gloo")]
+    assert [r.time_s for r in at_probe(calls, slow, reference)] == pytest.approx(
+        [2e-3 - 400e-6, 2e-3 - 350e-6, 0.25 * 0.3e-3])  # 512 KiB: 0.68 us a KiB, between 0.98 and 0.39; a quarter
+    # at least
+    assert [r.time_s for r in at_probe(calls, reference, reference)] == pytest.approx([2e-3, 2e-3, 0.3e-3])
+
+
 def test_calls_between_bursts_of_compute_are_measured_every_round_and_the_median_round_kept(monkeypatch, tmp_path):
     """A 1 MiB all-reduce between bursts of compute, measured after each of the 3 rounds of collectives: 30 ms (a
     stall caught), then 10 and 12 ms. The overhead written is the 12 ms round's, as when every round says 12."""

@@ -22,12 +22,14 @@ from ..calibrate.host_load import ForeignLoad
 from ..calibrate.shared_pipeline import fit_comm_stretch, generic_pipeline
 from ..errors import ParsimError
 from ..files import read_yaml
-from ..hardware.cluster import Curve, SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
+from ..hardware.cluster import (Curve, SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster,
+                                probe_extra_s)
 from ..lowering.lower import ADAMW_ACCESSES
 from ..report.jsondoc import print_json
-from ..report.results import CollectiveResult, canonical_op
+from ..report.results import CollectiveResult, busbw_factor, canonical_op
 from ..report.table import render_table
 from ..sim.compute import at_length
+from ..sim.stepsim import FASTEST_AFTER_PROBE
 from ..units import format_size, parse_size_range, size_unit, time_unit
 from .common import check_outputs, note, progress
 
@@ -126,7 +128,8 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     slow spells of their own, 2x at 1 MiB for seconds to tens of seconds on
     the 2-core VM, that the compute probes do not see; `parsim compare` times
     it again beside them and adds to each collective what the probe took more
-    per byte at its size.
+    per byte at its size. Each round's calls between compute count as at the
+    probe's median over the rounds (less what the probe took more that round).
 Each collective is measured in 3 rounds, every operation once a round, and
 each size fitted on its median round: a VM's transfers slow down by a third
 for a minute at a time, and a fit on one round keeps such a minute.
@@ -218,11 +221,16 @@ def run(args: argparse.Namespace) -> int:
                                                       target_time_s=DEFAULT_TARGET_TIME_S / COLLECTIVE_ROUNDS)
             if backend == "gloo":  # the host's transfers have slow spells: how fast they ran this round
                 progress(f"timing the collective probe (round {i + 1} of {COLLECTIVE_ROUNDS})")
-                collective_probes += measure_collective_probe(PROBE_READINGS)
+                collective_probes.append(measure_collective_probe(PROBE_READINGS))
             if in_step_ops:  # each round's too: one round's means moved 2-3x with the stalls it caught
                 progress(f"measuring {', '.join(o.replace('_', '-') for o in in_step_ops)} between bursts of "
                          f"compute (round {i + 1} of {COLLECTIVE_ROUNDS})")
                 in_step_rounds.append(measure_in_step(in_step_ops, max(rank_counts)))
+        collective_probe = (_probe_curve(sum(collective_probes, []), COLLECTIVE_PROBE_KIB) if collective_probes
+                            else None)
+        if collective_probe:  # each round's calls between compute as at the probe's median
+            in_step_rounds = [at_probe(results, _probe_curve(readings, COLLECTIVE_PROBE_KIB), collective_probe)
+                              for results, readings in zip(in_step_rounds, collective_probes)]
         results, in_step = median_rounds(rounds), median_rounds(in_step_rounds)
         shared_rows, generic = [], None
         if backend == "gloo":
@@ -259,8 +267,6 @@ def run(args: argparse.Namespace) -> int:
     action_overhead = _step_gap_curve(per_rank, loop_gap[-1][1])
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s, probe_memory_Bps = (float(v) for v in np.median(probes, axis=0))
-    collective_probe = (tuple(zip(COLLECTIVE_PROBE_KIB, np.median(collective_probes, axis=0).tolist()))
-                        if collective_probes else None)
     shared = _shared_cores(shared_rows, probe_flops, probe_eager_s)
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
@@ -444,6 +450,23 @@ def run(args: argparse.Namespace) -> int:
               f"the collectives; `parsim compare` times it again and moves the collectives by it)")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
+
+
+def at_probe(results: list[CollectiveResult], probed: Curve, reference: Curve) -> list[CollectiveResult]:
+    """``results``, timed while the collective probe read ``probed``, as they would have timed when it read
+    ``reference``: less what the probe took more per byte at each call's bus bytes
+    (:func:`~parsim.hardware.cluster.probe_extra_s`), at least a quarter of the time measured. A round of calls
+    between compute caught in a slow spell then counts as the other rounds do: on the 2-core VM such calls took
+    what the probe took more, 150-1750 us at 256 KiB to 4 MiB (docs/calibration.md, "Collectives' slow
+    spells")."""
+    return [replace(r, time_s=max(r.time_s - probe_extra_s(reference, probed,
+                                                              busbw_factor(r.op, r.nranks) * r.size_bytes),
+                                  FASTEST_AFTER_PROBE * r.time_s)) for r in results]
+
+
+def _probe_curve(readings: list[tuple[float, ...]], kib: tuple[int, ...]) -> Curve:
+    """The collective probe's median over ``readings`` (seconds at each size of ``kib``), as (KiB, seconds)."""
+    return tuple(zip(kib, np.median(readings, axis=0).tolist()))
 
 
 def median_rounds(rounds: list[list[CollectiveResult]]) -> list[CollectiveResult]:

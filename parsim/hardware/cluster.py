@@ -396,13 +396,9 @@ class ClusterSpec:
         call: between bursts of compute on the 2-core VM, all-reduces took 158, 266, 504 and 1750 us more in a
         spell at 256 KiB to 4 MiB, where the probe took 150, 280, 525 and 1422 more (docs/calibration.md,
         "Collectives' slow spells"). 0 where either reading is missing."""
-        if not self.collective_probe_s or not self.collective_probe_now_s or bus_bytes <= 0:
+        if not self.collective_probe_s or not self.collective_probe_now_s:
             return 0.0
-        from ..sim.compute import at_length  # sim.compute imports this module
-
-        now, then = dict(self.collective_probe_now_s), dict(self.collective_probe_s)
-        per_byte = tuple((kib, (now[kib] - s) / (kib * 1024)) for kib, s in sorted(then.items()) if kib in now)
-        return at_length(per_byte, math.ceil(bus_bytes / 1024)) * bus_bytes if per_byte else 0.0
+        return probe_extra_s(self.collective_probe_s, self.collective_probe_now_s, bus_bytes)
 
     def _own_matmul_efficiency(self, dtype: str) -> float | None:
         """The file's figure for ``dtype``; fp16 and bf16 run at the same rate, so each stands in for the other."""
@@ -681,6 +677,16 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     if spec.intra.in_switch_reduction and spec.intra.fabric != "nvswitch":
         raise ConfigError(source, "intra_node.in_switch_reduction", "needs fabric: nvswitch")
     return spec
+
+
+def probe_extra_s(then: Curve, now: Curve, bus_bytes: float) -> float:
+    """What ``bus_bytes`` per rank take more when the collective probe reads ``now`` than when it read ``then``
+    ((KiB, seconds) points; :meth:`ClusterSpec.collective_probe_extra_s`)."""
+    from ..sim.compute import at_length  # sim.compute imports this module
+
+    later = dict(now)
+    per_byte = tuple((kib, (later[kib] - s) / (kib * 1024)) for kib, s in sorted(then) if kib in later)
+    return at_length(per_byte, math.ceil(bus_bytes / 1024)) * bus_bytes if per_byte and bus_bytes > 0 else 0.0
 
 
 def _by_gradients(source: str, key: str, value: object) -> Curve:
