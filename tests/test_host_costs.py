@@ -237,7 +237,8 @@ def test_host_keys_are_read_in_si_units():
     ("tp_collective_call_us", {"forward": 120.0, "backward": -1.0}, "tp_collective_call_us.backward: is -1"),
     ("zero_grad_free_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("zero_grad_tensor_us", "slow", "a finite number"),
     ("collective_probe_us", {1024: 0.0}, "collective_probe_us.1024: is 0"),
-    ("collective_probe_us", {"1 MiB": 400.0}, "collective_probe_us: is .*figures keyed by the call's bytes, in KiB"),
+    ("collective_probe_us", {"1 MiB": 400.0}, "collective_probe_us: is .*figures keyed by KiB"),
+    ("collective_probe_us", 400.0, "collective_probe_us: is 400.0 .*microseconds keyed by the all-reduce's KiB"),
 ])
 def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, capsys):
     with pytest.raises(ConfigError, match=expected):

@@ -667,9 +667,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         speed_probe_flops=probe_gflops and probe_gflops * 1e9,
         speed_probe_eager_s=probe_us and probe_us * 1e-6,
         speed_probe_memory_Bps=_GBps(probe_memory),
-        collective_probe_s=tuple((kib, us * 1e-6) for kib, us in _curve(
-            source, "compute.collective_probe_us", compute["collective_probe_us"], PROBE_US,
-            keyed_by="the call's bytes, in KiB")) if "collective_probe_us" in compute else None,
+        collective_probe_s=_probe_curve(source, compute["collective_probe_us"]) if "collective_probe_us" in compute
+        else None,
         rank_jitter=_figure(source, "compute.rank_jitter", compute.get("rank_jitter", 0.0), JITTER),
     )
     for reader in (r, gpu, intra, out):
@@ -677,6 +676,15 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
     if spec.intra.in_switch_reduction and spec.intra.fabric != "nvswitch":
         raise ConfigError(source, "intra_node.in_switch_reduction", "needs fabric: nvswitch")
     return spec
+
+
+def _probe_curve(source: str, value: object) -> Curve:
+    """``compute.collective_probe_us``: microseconds keyed by KiB (the probe's sizes), as (KiB, seconds) points."""
+    key = "compute.collective_probe_us"
+    if not isinstance(value, dict):
+        raise ConfigError(source, key, f"is {value!r}", "microseconds keyed by the all-reduce's KiB, e.g. "
+                          "{256: 250, 1024: 400, 4096: 1600} (parsim calibrate writes it)")
+    return tuple((kib, us * 1e-6) for kib, us in _curve(source, key, value, PROBE_US, keyed_by="KiB"))
 
 
 def probe_extra_s(then: Curve, now: Curve, bus_bytes: float) -> float:
