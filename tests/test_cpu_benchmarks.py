@@ -507,3 +507,33 @@ def test_the_gloo_loops_benchmark_prints_each_plan_under_each_policy():
 def test_the_gloo_loops_benchmark_refuses_bad_input_in_one_line():
     done = script("benchmarks/cpu_gloo_loops.py", "--steps", "0")
     assert done.returncode == 2 and done.stderr == "cpu_gloo_loops.py: --steps must be at least 1\n"
+
+
+def test_the_spells_benchmark_prints_the_probe_and_calls_between_compute_by_size():
+    done = script("benchmarks/cpu_collective_spells.py", "--seconds", "1")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[1:4] == ["rounds", "in", "1"] and "in slow spells" in lines[0]
+    table = lines[lines.index("medians in us, out of / in the spells (what a spell added)") + 1:]
+    assert table[0].split()[:3] == ["size", "probe", "(all-reduce,"]
+    assert [row.split()[:2] for row in table[1:]] == [["256", "KiB"], ["1024", "KiB"], ["4096", "KiB"]]
+
+
+def test_the_spells_benchmark_splits_its_rounds_at_the_slow_ones():
+    bench = _benchmark("cpu_collective_spells")
+
+    def round_(at_s: float, us: float) -> dict:
+        return {"at_s": at_s, **{kind: {kib: us * 1e-6 for kib in (256, 1024, 4096)}
+                                 for kind in ("probe", "all_reduce", "all_gather")}}
+
+    rounds = [round_(0.0, 400), round_(0.5, 900), round_(1.0, 1000), round_(1.5, 400), round_(2.0, 900)]
+    slow = [False, True, True, False, True]
+    assert bench.spells(rounds, slow) == [(0.5, 1.0), (2.0, 2.0)]
+    # medians out of (400, 400) and in the spells (900, 1000, 900): 400 / 900, for the probe and both operations
+    assert bench.table(rounds, slow)[2].split() == ["1024", "KiB", *["400", "/", "900", "(+500)"] * 3]
+
+
+def test_the_spells_benchmark_refuses_bad_input_in_one_line():
+    done = script("benchmarks/cpu_collective_spells.py", "--seconds", "0")
+    assert done.returncode == 2 and done.stderr == \
+        "cpu_collective_spells.py: --seconds must be more than 0 and at most 3600\n"
