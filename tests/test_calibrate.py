@@ -614,6 +614,42 @@ def test_the_collective_probe_is_timed_every_round_and_its_median_written_and_pr
             "each round of the collectives") in capsys.readouterr().out
 
 
+def test_compare_of_a_collective_follows_the_collective_probe_around_its_sweep(monkeypatch, tmp_path, capsys):
+    """On a calibrated CPU host the probe is timed before and after the sweep (here twice as slow as at
+    calibration): a 1 MiB all-reduce's prediction takes what the probe took more at 1 MiB (its bus bytes on 2
+    ranks), 400 us; the text and the JSON give both probes."""
+    import executor.collectives
+    import executor.speed_probe
+    import yaml
+    from test_json_schema import conforms
+
+    from parsim.report.results import CollectiveResult
+
+    data = host_cluster(2, 300e-6, 2.0e9, 6e9, algorithms=GLOO, cpu_cores=2,
+                        collective_probe_s=((256, 250e-6), (1024, 400e-6), (4096, 1600e-6)))
+    path = tmp_path / "host.yaml"
+    path.write_text(yaml.safe_dump(data))
+    spec, probed = load_cluster(str(path)), []
+    monkeypatch.setattr(executor.collectives, "measure_collectives", lambda op, sizes, n, backend, **kwargs: [
+        CollectiveResult(op, n, size, 2e-3, "ring", "measured", "gloo") for size in sizes])
+
+    def probe(readings):
+        probed.append(readings)
+        return [(500e-6, 800e-6, 3200e-6)] * readings
+
+    monkeypatch.setattr(executor.speed_probe, "measure_collective_probe", probe)
+    argv = ["compare", "all-reduce", "--cluster", str(path), "--nproc", "2", "--size", "1MiB", "--backend", "gloo"]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert conforms(doc) == "compare.collective" and probed == [1, 1]  # before and after the sweep
+    assert doc["collective_probe"]["measured_us"] == pytest.approx({"256": 500.0, "1024": 800.0, "4096": 3200.0})
+    alone = predict(spec.build(1), "all_reduce", 1 << 20, np.arange(2)).time_s
+    assert doc["rows"][0]["predicted_s"] == pytest.approx(alone + 400e-6)
+    assert main(argv) == 0
+    assert ("the collective probe around the sweep took 500 / 800 / 3200 against 250 / 400 / 1600 us at "
+            "calibration") in capsys.readouterr().out
+
+
 def test_a_round_of_calls_between_compute_counts_as_if_timed_at_the_collective_probe_s_median(monkeypatch,
                                                                                                tmp_path):
     """The probe at its calibrated speed in the first round and twice as slow in the other two (its median: slow):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
 from ..calibrate.compare_collectives import compare_collectives, median_abs_error
 from ..errors import ParsimError
 from ..hardware.cluster import load_cluster
 from ..report.jsondoc import print_json
 from ..report.results import canonical_op, load_results, save_results
 from ..report.table import render_table
-from ..units import parse_size, parse_size_range, size_unit, time_unit
+from ..units import format_size, parse_size, parse_size_range, size_unit, time_unit
 from .common import check_outputs, progress, warn_other_machine
 from .plan_cmd import add_plan_args
 
@@ -24,7 +26,9 @@ Run the executor and the simulator on the same thing and show how far apart they
 
 The cluster file should describe the machine that measures: make one with
 `parsim calibrate`. For collectives, error = predicted / measured - 1 per
-size, and the median |error| sums it up. For a plan run here, the step is
+size, and the median |error| sums it up; on a file with a collective probe
+(below), the probe is timed before and after the sweep and each prediction
+takes what it took more per byte. For a plan run here, the step is
 the median measured step, and each rank's phase its median over the steps:
 one step's idle swings with which rank happened to end last. So the
 predicted idle holds the wait for the slowest rank at the step's end as its
@@ -124,6 +128,18 @@ def run(args: argparse.Namespace) -> int:
     return _collectives(args, op)
 
 
+def _probe_us(curve) -> str:
+    return " / ".join(f"{s * 1e6:.0f}" for _, s in curve)
+
+
+def _probe_json(spec) -> dict | None:
+    """The collective probe at calibration and around the sweep, microseconds by KiB (None: not timed)."""
+    if not spec.collective_probe_now_s:
+        return None
+    return {"calibrated_us": {kib: s * 1e6 for kib, s in spec.collective_probe_s},
+            "measured_us": {kib: s * 1e6 for kib, s in spec.collective_probe_now_s}}
+
+
 def _refuse(args: argparse.Namespace, names: tuple[str, ...], target: str) -> None:
     """One line naming the options given that apply only to something else."""
     given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) not in (None, False)]
@@ -140,13 +156,25 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
             raise ParsimError(f"{args.measured} holds no {op.replace('_', '-')} measurements")
     else:
         from executor.collectives import measure_collectives
+        from executor.launch import resolve_backend
+        from executor.speed_probe import COLLECTIVE_PROBE_KIB, measure_collective_probe
 
         sizes = ([parse_size(args.size)] if args.size is not None
                  else parse_size_range(DEFAULT_SWEEP if args.sweep is None else args.sweep))
         nproc = 2 if args.nproc is None else args.nproc
+        probing = spec.collective_probe_s is not None and resolve_backend(args.backend or "auto", nproc) == "gloo"
+        readings = []
+        if probing:  # the host's transfers have slow spells: the probe before and after the sweep
+            progress("timing the collective probe")
+            readings += measure_collective_probe(1)
         progress(f"measuring {op.replace('_', '-')} on {nproc} ranks")
         measured = measure_collectives(op, sizes, nproc, args.backend or "auto", timeout_s=args.timeout,
                                        progress=True)
+        if probing:
+            progress("timing the collective probe again")
+            readings += measure_collective_probe(1)
+            probe = tuple(zip(COLLECTIVE_PROBE_KIB, np.median(readings, axis=0).tolist()))
+            spec = spec.at_collective_probe(probe)
         warn_other_machine(spec, measured[0].backend)
         if args.save_measured:
             save_results(args.save_measured, measured, {"op": op, "nproc": nproc})
@@ -156,6 +184,7 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
     mae = median_abs_error(rows)
     if args.json:
         print_json("compare.collective", {"op": op, "cluster": spec.name, "median_abs_error": mae,
+                    "collective_probe": _probe_json(spec),
                     "rows": [{"size_bytes": r.measured.size_bytes, "nranks": r.measured.nranks,
                               "measured_s": r.measured.time_s, "predicted_s": r.predicted.time_s,
                               "algorithm": r.predicted.algorithm, "error": r.error} for r in rows]})
@@ -171,6 +200,11 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
                                  f"({measured[0].backend}) vs predicted ({spec.name}, "
                                  f"{rows[0].predicted.algorithm})"))
         print(f"median |error| {mae:.1%} over {len(rows)} sizes")
+        if spec.collective_probe_now_s:
+            print(f"the collective probe around the sweep took {_probe_us(spec.collective_probe_now_s)} against "
+                  f"{_probe_us(spec.collective_probe_s)} us at calibration (an all-reduce on 2 ranks at "
+                  f"{' / '.join(format_size(kib * 1024) for kib, _ in spec.collective_probe_s)}): each prediction "
+                  "takes what it took more per byte at the size's bus bytes")
     if args.plot:
         from ..report.plots import plot_bandwidth
 
