@@ -585,12 +585,15 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
                         lambda readings: [(250e-6, 400e-6, 1600e-6)] * readings)
 
 
-def test_the_collective_probe_is_timed_every_round_and_its_median_written_and_printed(monkeypatch, tmp_path,
-                                                                                      capsys):
-    """The collective probe's readings over the 3 rounds of collectives, one round's in a slow spell (2x): the
-    file, the JSON and the text keep the median, the calm rounds' figures."""
+def test_the_collective_probe_written_is_the_all_reduce_sweep_s_at_its_sizes(monkeypatch, tmp_path, capsys):
+    """The probe is timed once a round (here one round of three in a slow spell, 2x): the file, the JSON and the
+    text hold the all-reduce the fits were made of at the probe's sizes (the speed they describe); a size the
+    sweep did not measure takes the probe's median over the rounds."""
     import executor.speed_probe
     from test_json_schema import conforms
+
+    from parsim.cli.calibrate_cmd import fits_probe
+    from parsim.report.results import CollectiveResult
 
     _fake_calibration(monkeypatch)
     rounds = iter([1.0, 2.0, 1.0])
@@ -605,13 +608,19 @@ def test_the_collective_probe_is_timed_every_round_and_its_median_written_and_pr
     assert next(rounds, None) is None  # once a round
     doc = json.loads(capsys.readouterr().out)
     assert conforms(doc) == "calibrate"
-    assert doc["collective_probe_us"] == pytest.approx({"256": 250.0, "1024": 400.0, "4096": 1600.0})
-    assert dict(load_cluster(str(out)).collective_probe_s) == pytest.approx({256: 250e-6, 1024: 400e-6, 4096: 1.6e-3})
+    swept = {r["size_bytes"] // 1024: r["measured_s"] for r in doc["rows"] if r["op"] == "all_reduce"}
+    assert doc["collective_probe_us"] == pytest.approx({str(kib): swept[kib] * 1e6 for kib in (256, 1024, 4096)})
+    assert dict(load_cluster(str(out)).collective_probe_s) == pytest.approx({kib: swept[kib]
+                                                                             for kib in (256, 1024, 4096)})
     monkeypatch.setattr(executor.speed_probe, "measure_collective_probe",
                         lambda readings: [(250e-6, 400e-6, 1600e-6)] * readings)
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce"]) == 0
-    assert ("collective probe  250 us at 256 KiB, 400 at 1 MiB, 1600 at 4 MiB (an all-reduce on 2 ranks, timed in "
-            "each round of the collectives") in capsys.readouterr().out
+    assert (f"collective probe  {swept[256] * 1e6:.0f} us at 256 KiB, {swept[1024] * 1e6:.0f} at 1 MiB, "
+            f"{swept[4096] * 1e6:.0f} at 4 MiB (an all-reduce on 2 ranks: the sweep's") in capsys.readouterr().out
+    sweep = [CollectiveResult("all_reduce", 2, 1 << 20, 0.5e-3, "ring", "measured", "gloo"),
+             CollectiveResult("all_reduce", 4, 4 << 20, 9e-3, "ring", "measured", "gloo")]  # 4 ranks: not the probe's
+    assert fits_probe(sweep, ((256, 250e-6), (1024, 400e-6), (4096, 1600e-6))) == \
+        ((256, 250e-6), (1024, 0.5e-3), (4096, 1600e-6))
 
 
 def test_compare_of_a_collective_follows_the_collective_probe_around_its_sweep(monkeypatch, tmp_path, capsys):
@@ -650,11 +659,10 @@ def test_compare_of_a_collective_follows_the_collective_probe_around_its_sweep(m
             "calibration") in capsys.readouterr().out
 
 
-def test_a_round_of_calls_between_compute_counts_as_if_timed_at_the_collective_probe_s_median(monkeypatch,
-                                                                                               tmp_path):
-    """The probe at its calibrated speed in the first round and twice as slow in the other two (its median: slow):
-    the first round's 1 MiB all-reduce between compute counts with what the probe took more at 1 MiB added, so
-    the file's extra is what it is when every round ran slow."""
+def test_a_round_of_calls_between_compute_counts_less_what_its_probe_took_more(monkeypatch, tmp_path):
+    """The probe 400 us at 1 MiB in the first round and twice that in the other two: each round's 1 MiB
+    all-reduce between compute counts less what its round's probe took more than the sweep's, so a first round
+    of 12 ms counts as one of 12.4 ms would in a slow round."""
     import executor.collectives
     import executor.speed_probe
     import yaml

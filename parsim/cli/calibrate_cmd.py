@@ -123,13 +123,14 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     from its arithmetic; `parsim compare` times the same probes before the
     warm-up and after its measured steps and scales the compute figures by
     the ratios;
-  * in each round of the collectives, an all-reduce on 2 ranks at 256 KiB,
-    1 MiB and 4 MiB (compute.collective_probe_us): a host's transfers have
-    slow spells of their own, 2x at 1 MiB for seconds to tens of seconds on
-    the 2-core VM, that the compute probes do not see; `parsim compare` times
-    it again beside them and adds to each collective what the probe took more
-    per byte at its size. Each round's calls between compute count as at the
-    probe's median over the rounds (less what the probe took more that round).
+  * the collective probe, an all-reduce on 2 ranks at 256 KiB, 1 MiB and
+    4 MiB (compute.collective_probe_us: the all-reduce sweep's own times
+    there, the speed the fits describe): a host's transfers have slow spells
+    of their own, 2x at 1 MiB for seconds to tens of seconds on the 2-core
+    VM, that the compute probes do not see; `parsim compare` times it again
+    beside them and adds to each collective what the probe took more per byte
+    at its size. The probe is also timed in each round, before the calls
+    between compute, which count less what it took more than the sweep's.
 Each collective is measured in 3 rounds, every operation once a round, and
 each size fitted on its median round: a VM's transfers slow down by a third
 for a minute at a time, and a fit on one round keeps such a minute.
@@ -226,12 +227,13 @@ def run(args: argparse.Namespace) -> int:
                 progress(f"measuring {', '.join(o.replace('_', '-') for o in in_step_ops)} between bursts of "
                          f"compute (round {i + 1} of {COLLECTIVE_ROUNDS})")
                 in_step_rounds.append(measure_in_step(in_step_ops, max(rank_counts)))
-        collective_probe = (_probe_curve(sum(collective_probes, []), COLLECTIVE_PROBE_KIB) if collective_probes
-                            else None)
-        if collective_probe:  # each round's calls between compute as at the probe's median
+        results = median_rounds(rounds)
+        collective_probe = (fits_probe(results, _probe_curve(sum(collective_probes, []), COLLECTIVE_PROBE_KIB))
+                            if collective_probes else None)
+        if collective_probe:  # each round's calls between compute as at the speed the fits describe
             in_step_rounds = [at_probe(results, _probe_curve(readings, COLLECTIVE_PROBE_KIB), collective_probe)
                               for results, readings in zip(in_step_rounds, collective_probes)]
-        results, in_step = median_rounds(rounds), median_rounds(in_step_rounds)
+        in_step = median_rounds(in_step_rounds)
         shared_rows, generic = [], None
         if backend == "gloo":
             progress("measuring pipeline transfers and the loop between actions with two ranks on each core")
@@ -446,10 +448,21 @@ def run(args: argparse.Namespace) -> int:
           f"{probe_memory_Bps / 1e9:.1f} GB/s memory (the probes timed between the compute benchmarks; "
           "`parsim compare` times them again and follows them)")
     if collective_probe:
-        print(f"collective probe  {_probe_text(collective_probe)} (an all-reduce on 2 ranks, timed in each round of "
-              f"the collectives; `parsim compare` times it again and moves the collectives by it)")
+        print(f"collective probe  {_probe_text(collective_probe)} (an all-reduce on 2 ranks: the sweep's, the speed "
+              f"the fits describe; `parsim compare` times it again and moves the collectives by it)")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
+
+
+def fits_probe(results: list[CollectiveResult], probed: Curve) -> Curve:
+    """The collective probe as it would read at the speed the fits describe: at each of its sizes, the all-reduce
+    the fits were made of there (2 ranks, back to back, its median round), else the probe's own median
+    ``probed``. Timed once a round, the probe can catch another speed than the sweeps: FP's read 369, 848 and
+    3095 us at 256 KiB, 1 MiB and 4 MiB (a slow spell) where its all-reduce sweep measured 250, 367 and 1839
+    (docs/calibration.md, "Collectives' slow spells")."""
+    swept = {r.size_bytes // 1024: r.time_s for r in results
+             if r.op == "all_reduce" and r.nranks == 2 and r.size_bytes % 1024 == 0}
+    return tuple((kib, swept.get(kib, seconds)) for kib, seconds in probed)
 
 
 def at_probe(results: list[CollectiveResult], probed: Curve, reference: Curve) -> list[CollectiveResult]:
