@@ -53,7 +53,8 @@ for 5-20 s at a time, with a 1 MiB copy inside a core unchanged (23-29 us)
 and no steal time; two groups timed in turn, one on BBR and one on CUBIC,
 slowed together, so it is the host, not TCP's congestion control
 (docs/calibration.md, "Collectives' slow spells"). ``parsim calibrate`` times it
-in each round of its collectives, ``parsim compare`` beside the other probes,
+in each round of its collectives (and writes its all-reduce sweep's own times
+at these sizes, the speed its fits describe), ``parsim compare`` beside the other probes,
 and the step simulator gives each collective what the probe took more per
 byte at its size (``ClusterSpec.collective_probe_extra_s``).
 """
