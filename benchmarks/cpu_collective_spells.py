@@ -2,7 +2,7 @@
 
 Two ranks, a core each, repeat for ``--seconds``: the collective probe
 (``executor.speed_probe.CollectiveProbe``: an all-reduce back to back at 256
-KiB, 1 MiB and 4 MiB, the median of 9 calls), then an all-reduce and an
+KiB, 1 MiB and 4 MiB, the mean of 9 calls), then an all-reduce and an
 all-gather at each of those sizes between bursts of compute (2 ms of
 matmuls and a barrier before each call, as calibrate's in-step loop; the
 mean of 6 calls). A round whose probe took over 1.5 times its fastest

@@ -61,7 +61,6 @@ byte at its size (``ClusterSpec.collective_probe_extra_s``).
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable, NamedTuple
 
@@ -80,8 +79,8 @@ ADAMW_BYTES = ADAMW_ACCESSES * FP32  # per parameter: foreach AdamW's fp32 acces
 SECONDS = 0.45  # the three probes together: long enough to average over scheduler ticks, short enough between steps
 
 
-# The collective probe: an all-reduce between ranks 0 and 1 (a core each) at these sizes, each timed this many times
-# after two untimed calls (the median kept): about 25 ms in all on the 2-core VM, 60 ms in a slow spell.
+# The collective probe: an all-reduce between ranks 0 and 1 (a core each) at these sizes, this many calls back to back
+# after two untimed ones (their mean kept): about 25 ms in all on the 2-core VM, 60 ms in a slow spell.
 COLLECTIVE_PROBE_RANKS = 2
 COLLECTIVE_PROBE_KIB = (256, 1024, 4096)
 COLLECTIVE_PROBE_CALLS = 9
@@ -169,7 +168,10 @@ def _repeat_for(seconds: float, work: Callable[[], int]) -> tuple[int, float]:
 
 class CollectiveProbe:
     """``probe()``: seconds per all-reduce at each of :data:`COLLECTIVE_PROBE_KIB` over ``group`` (ranks 0 and 1,
-    both calling it at once), the median of :data:`COLLECTIVE_PROBE_CALLS` calls after two untimed ones."""
+    both calling it at once), the mean of :data:`COLLECTIVE_PROBE_CALLS` calls back to back after two untimed
+    ones: as ``parsim calibrate``'s sweep times them (``executor.collectives``), whose all-reduce at these sizes
+    the file keeps as the probe's calibrated reading. The median of 9 calls timed one by one read 8-12% under
+    that sweep at 4 MiB at one speed (sets FT and FU, docs/calibration.md)."""
 
     def __init__(self, group: object):
         torch = require_torch()
@@ -178,16 +180,15 @@ class CollectiveProbe:
 
     def __call__(self) -> tuple[float, ...]:
         dist = require_distributed()
-        medians = []
+        means = []
         for buffer in self._buffers:
-            times = []
-            for call in range(COLLECTIVE_PROBE_CALLS + 2):
-                start = time.perf_counter()
+            for _ in range(2):
                 dist.all_reduce(buffer, group=self._group)
-                if call >= 2:
-                    times.append(time.perf_counter() - start)
-            medians.append(statistics.median(times))
-        return tuple(medians)
+            start = time.perf_counter()
+            for _ in range(COLLECTIVE_PROBE_CALLS):
+                dist.all_reduce(buffer, group=self._group)
+            means.append((time.perf_counter() - start) / COLLECTIVE_PROBE_CALLS)
+        return tuple(means)
 
 
 def collective_probe_group(world: int) -> object | None:
