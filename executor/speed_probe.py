@@ -61,6 +61,7 @@ byte at its size (``ClusterSpec.collective_probe_extra_s``).
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, NamedTuple
 
@@ -189,6 +190,11 @@ class CollectiveProbe:
                 dist.all_reduce(buffer, group=self._group)
             means.append((time.perf_counter() - start) / COLLECTIVE_PROBE_CALLS)
         return tuple(means)
+
+
+def median_reading(readings: list[tuple[float, ...]]) -> tuple[tuple[int, float], ...]:
+    """The collective probe's median over ``readings`` at each size, as (KiB, seconds) points."""
+    return tuple((kib, statistics.median(column)) for kib, column in zip(COLLECTIVE_PROBE_KIB, zip(*readings)))
 
 
 def collective_probe_group(world: int) -> object | None:

@@ -774,7 +774,7 @@ def test_a_step_s_collectives_take_what_the_probe_took_more_and_no_less_than_a_q
     """course-mlp's gradients, four all-reduces of 4 MiB in a row (bus bytes 4 MiB on 2 ranks): the probe 1.6 ms
     slower at 4 MiB puts 1.6 ms on each; the compute does not move. A probe far faster than at calibration leaves
     each at a quarter of its calibrated time (FASTEST_AFTER_PROBE)."""
-    from parsim.sim.stepsim import FASTEST_AFTER_PROBE
+    from parsim.hardware.cluster import FASTEST_AFTER_PROBE
 
     plan = Plan(model=load_model("course-mlp"), dp=2, grad_sync="per_param")
     spec = parse_cluster(cpu_host(**HOST_KEYS, collective_probe_us=PROBE_US), "host.yaml")

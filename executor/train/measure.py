@@ -43,7 +43,7 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     :class:`executor.launch.RankFailure` naming it, within ``timeout_s``.
     """
     from executor.launch import check_request, in_torchrun_job, launch, resolve_backend, run_in_job
-    from executor.speed_probe import COLLECTIVE_PROBE_KIB, Speed
+    from executor.speed_probe import Speed, median_reading
 
     from .runner import check_plan, rank_main
 
@@ -84,9 +84,7 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     summary["speed_probe"] = ({key: statistics.median(column) for key, column in zip(Speed._fields, zip(*probes))}
                               if probes else None)
     collective = [p for r in results for p in r.get("collective_probes", ())]
-    summary["collective_probe_s"] = ({kib: statistics.median(column)
-                                      for kib, column in zip(COLLECTIVE_PROBE_KIB, zip(*collective))}
-                                     if collective else None)
+    summary["collective_probe_s"] = dict(median_reading(collective)) if collective else None
     summary["expert_load"] = measured_expert_load(results)
     return traces[median_step(traces)], summary
 

@@ -7,9 +7,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..hardware.topology import Topology
-from ..report.results import CollectiveResult, busbw_factor
+from ..report.results import CollectiveResult
 from ..sim.collectives import predict
-from ..sim.stepsim import FASTEST_AFTER_PROBE
 
 
 @dataclass
@@ -30,10 +29,8 @@ def compare_collectives(topo: Topology, measured: list[CollectiveResult]) -> lis
     rows = []
     for m in measured:
         p = predict(topo, m.op, m.size_bytes, np.arange(m.nranks)).result()
-        extra_s = topo.spec.collective_probe_extra_s(busbw_factor(m.op, m.nranks) * m.size_bytes)
-        if extra_s:
-            p = replace(p, time_s=max(p.time_s + extra_s, FASTEST_AFTER_PROBE * p.time_s))
-        rows.append(ComparedRow(m, p))
+        rows.append(ComparedRow(m, replace(p, time_s=topo.spec.collective_now_s(p.time_s, m.op, m.nranks,
+                                                                                 m.size_bytes))))
     return rows
 
 

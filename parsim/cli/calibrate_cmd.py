@@ -23,13 +23,12 @@ from ..calibrate.shared_pipeline import fit_comm_stretch, generic_pipeline
 from ..errors import ParsimError
 from ..files import read_yaml
 from ..hardware.cluster import (Curve, SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster,
-                                probe_extra_s)
+                                probed_s)
 from ..lowering.lower import ADAMW_ACCESSES
 from ..report.jsondoc import print_json
-from ..report.results import CollectiveResult, busbw_factor, canonical_op
+from ..report.results import CollectiveResult, canonical_op
 from ..report.table import render_table
 from ..sim.compute import at_length
-from ..sim.stepsim import FASTEST_AFTER_PROBE
 from ..units import format_size, parse_size_range, size_unit, time_unit
 from .common import check_outputs, note, progress
 
@@ -189,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
                                       measure_in_step, measure_reduce_bandwidth)
     from executor.compute_bench import measure_generic_pipeline, measure_on_every_rank, measure_on_shared_cores
     from executor.launch import check_request, resolve_backend, usable_cores
-    from executor.speed_probe import COLLECTIVE_PROBE_KIB, measure_collective_probe
+    from executor.speed_probe import measure_collective_probe, median_reading
 
     try:
         rank_counts = sorted({int(r) for r in args.ranks.split(",")})
@@ -228,10 +227,10 @@ def run(args: argparse.Namespace) -> int:
                          f"compute (round {i + 1} of {COLLECTIVE_ROUNDS})")
                 in_step_rounds.append(measure_in_step(in_step_ops, max(rank_counts)))
         results = median_rounds(rounds)
-        collective_probe = (fits_probe(results, _probe_curve(sum(collective_probes, []), COLLECTIVE_PROBE_KIB))
-                            if collective_probes else None)
+        collective_probe = (fits_probe(results, median_reading(sum(collective_probes, []))) if collective_probes
+                            else None)
         if collective_probe:  # each round's calls between compute as at the speed the fits describe
-            in_step_rounds = [at_probe(results, _probe_curve(readings, COLLECTIVE_PROBE_KIB), collective_probe)
+            in_step_rounds = [at_probe(results, median_reading(readings), collective_probe)
                               for results, readings in zip(in_step_rounds, collective_probes)]
         in_step = median_rounds(in_step_rounds)
         shared_rows, generic = [], None
@@ -467,19 +466,13 @@ def fits_probe(results: list[CollectiveResult], probed: Curve) -> Curve:
 
 def at_probe(results: list[CollectiveResult], probed: Curve, reference: Curve) -> list[CollectiveResult]:
     """``results``, timed while the collective probe read ``probed``, as they would have timed when it read
-    ``reference``: less what the probe took more per byte at each call's bus bytes
-    (:func:`~parsim.hardware.cluster.probe_extra_s`), at least a quarter of the time measured. A round of calls
+    ``reference``: less what the probe took more per byte at each call's bus bytes, at least a quarter of the
+    time measured (:func:`~parsim.hardware.cluster.probed_s`). A round of calls
     between compute caught in a slow spell then counts as the other rounds do: on the 2-core VM such calls took
     what the probe took more, 150-1750 us at 256 KiB to 4 MiB (docs/calibration.md, "Collectives' slow
     spells")."""
-    return [replace(r, time_s=max(r.time_s - probe_extra_s(reference, probed,
-                                                              busbw_factor(r.op, r.nranks) * r.size_bytes),
-                                  FASTEST_AFTER_PROBE * r.time_s)) for r in results]
-
-
-def _probe_curve(readings: list[tuple[float, ...]], kib: tuple[int, ...]) -> Curve:
-    """The collective probe's median over ``readings`` (seconds at each size of ``kib``), as (KiB, seconds)."""
-    return tuple(zip(kib, np.median(readings, axis=0).tolist()))
+    return [replace(r, time_s=probed_s(r.time_s, r.op, r.nranks, r.size_bytes, probed, reference))
+            for r in results]
 
 
 def median_rounds(rounds: list[list[CollectiveResult]]) -> list[CollectiveResult]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
-
 from ..calibrate.compare_collectives import compare_collectives, median_abs_error
 from ..errors import ParsimError
 from ..hardware.cluster import load_cluster
@@ -157,7 +155,7 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
     else:
         from executor.collectives import measure_collectives
         from executor.launch import resolve_backend
-        from executor.speed_probe import COLLECTIVE_PROBE_KIB, measure_collective_probe
+        from executor.speed_probe import measure_collective_probe, median_reading
 
         sizes = ([parse_size(args.size)] if args.size is not None
                  else parse_size_range(DEFAULT_SWEEP if args.sweep is None else args.sweep))
@@ -173,8 +171,7 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
         if probing:
             progress("timing the collective probe again")
             readings += measure_collective_probe(1)
-            probe = tuple(zip(COLLECTIVE_PROBE_KIB, np.median(readings, axis=0).tolist()))
-            spec = spec.at_collective_probe(probe)
+            spec = spec.at_collective_probe(median_reading(readings))
         warn_other_machine(spec, measured[0].backend)
         if args.save_measured:
             save_results(args.save_measured, measured, {"op": op, "nproc": nproc})

@@ -28,6 +28,9 @@ BANDWIDTH_GBPS = (1e-12, 1e12, "GB/s")  # from 1 mB/s
 LINK_GBITS = (1e-11, 1e13, "Gb/s (gigabits)")
 LATENCY_US = (0.0, 1e9, "microseconds")  # up to 1,000 s
 PROBE_US = (1e-6, 1e9, "microseconds")  # a probe's time: more than nothing, as it divides
+# A collective the collective probe finds faster than at calibration still takes at least this share of its calibrated
+# time (the probe's extra per byte is read off three sizes; a large negative one is not extrapolated to nothing).
+FASTEST_AFTER_PROBE = 0.25
 TFLOPS = (1e-12, 1e12, "TFLOP/s, dense")  # from 1 FLOP/s
 GFLOPS = (1e-9, 1e15, "GFLOP/s")  # from 1 FLOP/s
 CAPACITY_GB = (1e-12, 1e12, "GB")
@@ -388,6 +391,13 @@ class ClusterSpec:
             raise ParsimError(f"the collective probe's times must be positive, got {measured}")
         return replace(self, collective_probe_now_s=tuple(measured))
 
+    def collective_now_s(self, seconds: float, op: str, nranks: int, nbytes: float) -> float:
+        """A collective ``op`` of ``nbytes`` on ``nranks`` ranks that took ``seconds`` at calibration, as the
+        collective probe around a run finds it (:func:`probed_s`); ``seconds`` without a probe read at both."""
+        if not self.collective_probe_s or not self.collective_probe_now_s:
+            return seconds
+        return probed_s(seconds, op, nranks, nbytes, self.collective_probe_s, self.collective_probe_now_s)
+
     def collective_probe_extra_s(self, bus_bytes: float) -> float:
         """What a collective moving ``bus_bytes`` per rank (nccl-tests' bus bytes) takes more now than when it
         was calibrated, by the collective probe (an all-reduce on two ranks, whose bus bytes are its size): the
@@ -685,6 +695,16 @@ def _probe_curve(source: str, value: object) -> Curve:
         raise ConfigError(source, key, f"is {value!r}", "microseconds keyed by the all-reduce's KiB, e.g. "
                           "{256: 250, 1024: 400, 4096: 1600} (parsim calibrate writes it)")
     return tuple((kib, us * 1e-6) for kib, us in _curve(source, key, value, PROBE_US, keyed_by="KiB"))
+
+
+def probed_s(seconds: float, op: str, nranks: int, nbytes: float, then: Curve, now: Curve) -> float:
+    """A collective that took ``seconds`` while the collective probe read ``then``, as it takes when the probe
+    reads ``now``: plus what its bus bytes (nccl-tests') take more (:func:`probe_extra_s`), at least
+    :data:`FASTEST_AFTER_PROBE` of ``seconds``."""
+    from ..report.results import busbw_factor  # report imports this module
+
+    extra_s = probe_extra_s(then, now, busbw_factor(op, nranks) * nbytes)
+    return max(seconds + extra_s, FASTEST_AFTER_PROBE * seconds)
 
 
 def probe_extra_s(then: Curve, now: Curve, bus_bytes: float) -> float:

@@ -36,7 +36,6 @@ import simpy
 from ..errors import ParsimError
 from ..hardware.network import Network, chain_routes, stack_routes
 from ..hardware.topology import Topology
-from ..report.results import busbw_factor
 from ..report.trace import Event, Trace, by_rank_and_start
 from .collectives.algorithms import build_phases
 from .collectives.simulate import choose_algorithm, kernel_sms, time_phases
@@ -45,9 +44,6 @@ from .cores import SharedCores, core_of, eevdf_slice_s
 from .held_sms import HOLDING_STREAMS, HeldSMs
 from .program import NCCL_CHANNELS, Op, Program
 
-# A collective the collective probe finds faster than at calibration still takes at least this share of its calibrated
-# time (the probe's extra per byte is read off three sizes; a large negative one is not extrapolated to nothing).
-FASTEST_AFTER_PROBE = 0.25
 # progress(ops finished, ops in all) is called at most this often (seconds of wall time)
 PROGRESS_EVERY_S = 0.5
 
@@ -132,14 +128,14 @@ class StepSimulator:
                      for i, first in enumerate(kept[0]))
 
     def _probe_slowdown(self, collective: str, nranks: int, nbytes: float, phases: list, in_step_s: float) -> float:
-        """How many times as long as calibrated a CPU host's collective takes now: the time its bus bytes add
-        by the collective probe (:meth:`~parsim.hardware.cluster.ClusterSpec.collective_probe_extra_s`) over
-        its calibrated time alone, at least :data:`FASTEST_AFTER_PROBE` of it; 1 without a probe."""
-        extra_s = self.topo.spec.collective_probe_extra_s(busbw_factor(collective, nranks) * nbytes)
-        if not extra_s:
+        """How many times as long as calibrated a CPU host's collective takes now, by the collective probe
+        (:meth:`~parsim.hardware.cluster.ClusterSpec.collective_now_s` of its calibrated time alone); 1 without
+        a probe read around a run."""
+        spec = self.topo.spec
+        if not spec.collective_probe_now_s:
             return 1.0
         alone_s = time_phases(self.topo, phases)[0] + in_step_s
-        return max(FASTEST_AFTER_PROBE, (alone_s + extra_s) / alone_s) if alone_s > 0 else 1.0
+        return spec.collective_now_s(alone_s, collective, nranks, nbytes) / alone_s if alone_s > 0 else 1.0
 
     def _may_contend(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """The representative group (first) and the mirror groups that could share a link with it.
