@@ -137,28 +137,33 @@ def _on_two_cores() -> Iterator[int]:
         os.sched_setaffinity(0, cores)
 
 
-GENERIC_PIPELINE_STEPS, GENERIC_PIPELINE_ROUNDS = 20, 2
+# Two ranks on each core, the generic pipeline's step moves from run to run with the turns the scheduler deals: on
+# the 2-core AMD VM (2026-11-30) six rounds in a row gave ratios of 2.05 to 3.10 (each run 20 steps), and the comm
+# stretch fitted to two rounds came out 1.09 and 1.29 in two calibrations an hour apart.
+GENERIC_PIPELINE_STEPS, GENERIC_PIPELINE_ROUNDS = 20, 5
 
 
 def measure_generic_pipeline(alone: Plan, shared: Plan, steps: int = GENERIC_PIPELINE_STEPS,
                              rounds: int = GENERIC_PIPELINE_ROUNDS, timeout_s: float = 300.0
-                             ) -> tuple[float, float] | None:
-    """The median step (``executor.train.run_plan``) of the plan ``alone`` with a core per rank and of ``shared``
-    with two ranks on each of 2 cores (``parsim.calibrate.shared_pipeline``: a generic pipeline, then two
-    replicas of it), each the median over ``rounds`` runs taken in turn, so that the host's drift reaches both.
-    None where processes cannot be bound to cores (not Linux) or the host gives fewer than 2."""
+                             ) -> list[tuple[float, float]] | None:
+    """Each round's median step (``executor.train.run_plan``) of the plan ``alone`` with a core per rank and then of
+    ``shared`` with two ranks on each of 2 cores (``parsim.calibrate.shared_pipeline``: a generic pipeline, then two
+    replicas of it), ``rounds`` rounds, the two runs of a round seconds apart, so that the host's drift between
+    rounds leaves each round's ratio. None where processes cannot be bound to cores (not Linux) or the host gives
+    fewer than 2."""
     import os
 
     from .train.measure import run_plan
 
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
         return None
-    alone_steps, shared_steps = [], []
+    pairs = []
     for _ in range(rounds):
-        alone_steps.append(run_plan(alone, alone.world, steps, backend="gloo", timeout_s=timeout_s)[1]["step_s"])
+        alone_s = run_plan(alone, alone.world, steps, backend="gloo", timeout_s=timeout_s)[1]["step_s"]
         with _on_two_cores():
-            shared_steps.append(run_plan(shared, shared.world, steps, backend="gloo", timeout_s=timeout_s)[1]["step_s"])
-    return statistics.median(alone_steps), statistics.median(shared_steps)
+            shared_s = run_plan(shared, shared.world, steps, backend="gloo", timeout_s=timeout_s)[1]["step_s"]
+        pairs.append((alone_s, shared_s))
+    return pairs
 
 
 SHARED_PROBE_ROUNDS = 5

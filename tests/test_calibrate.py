@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from cpu_host import cpu_host
 
 from parsim.calibrate.host import core_cache_bytes, fit_links, fit_matmul, fit_operation, host_cluster
+from parsim.calibrate.shared_pipeline import fit_comm_stretch
 from parsim.cli.common import warn_other_machine
 from parsim.cli.main import main
 from parsim.errors import ConfigError
@@ -567,8 +569,10 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
          # two ranks on each core, then one per core (ranks 0 and 1) in turn: 2.2x and 2x as long shared
          "speed_probe": (20e9, 2000e-6), "speed_probe_alone": (44e9, 1000e-6) if r < 2 else None}
         for r in range(4)])
-    # the generic pipeline: 40 ms a step with a core per rank, 100 ms as two replicas on 2 cores
-    monkeypatch.setattr(executor.compute_bench, "measure_generic_pipeline", lambda alone, shared: (40e-3, 100e-3))
+    # the generic pipeline in three rounds: 40, 50 and 30 ms a step with a core per rank, 80, 120 and 90 ms as two
+    # replicas on 2 cores (ratios 2.0, 2.4 and 3.0: their median 2.4, where the medians' ratio is 90 / 40 = 2.25)
+    monkeypatch.setattr(executor.compute_bench, "measure_generic_pipeline",
+                        lambda alone, shared: [(40e-3, 80e-3), (50e-3, 120e-3), (30e-3, 90e-3)])
     monkeypatch.setattr(executor.collectives, "measure_reduce_bandwidth", lambda sizes: [(s, s / 6e9) for s in sizes])
 
     def collectives(op, sizes, n, backend, timeout_s=None, target_time_s=None):
@@ -810,10 +814,13 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
                                                    one_core_collective_latency_s=pytest.approx(0.5e-3),
                                                    one_core_collective_bw_Bps=pytest.approx(1.25e9))
     assert "1-core collective 500 us + bus bytes at 1.25 GB/s between ranks on one core" in text
+    generic = ("40.0 ms a step with a core per rank, 90.0 ms as two replicas on 2 cores (ratios 2.00-3.00 over 3 "
+               "rounds, median 2.40)")
     assert f"communicating     compute on a shared core {comm:.2f}x as long again where its ranks communicate (a " \
-           "generic 2-stage pipeline: 40.0 ms a step with a core per rank, 100.0 ms as two replicas on 2 cores" in text
-    assert "# The generic pipeline (comm_stretch): 40.0 ms a step with a core per rank, 100.0 ms as two replicas on " \
-           "2 cores.\n" in out.read_text()
+           f"generic 2-stage pipeline: {generic}; the factor" in text
+    assert f"# The generic pipeline (comm_stretch): {generic}.\n" in out.read_text()
+    unstretched = replace(written, shared_cores=replace(written.shared_cores, comm_stretch=None))
+    assert comm == pytest.approx(fit_comm_stretch(unstretched, 2.4), abs=2e-3)  # the rounds' median ratio
     assert "memory            20.00 GB/s per rank with every rank streaming (40.0 GB/s in all), 32.00 GB/s for a " \
            "rank alone, 120 us per AdamW step and 50 us per tensor" in text
     assert (written.optimizer_step_s, written.optimizer_tensor_s) == pytest.approx((120e-6, 50e-6))
@@ -854,7 +861,9 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
                                                  "matmul_stretch": 2.2, "eager_stretch": 2.0, "comm_stretch": comm,
                                                  "one_core_collective_latency_us": 500.0,
                                                  "one_core_collective_GBps": 1.25})
-    assert doc["generic_pipeline_step_ms"] == pytest.approx({"core_each": 40.0, "two_per_core": 100.0})
+    assert doc["generic_pipeline_step_ms"] == {"core_each": pytest.approx(40.0), "two_per_core": pytest.approx(90.0),
+                                               "rounds": [pytest.approx(r) for r in ([40, 80], [50, 120], [30, 90])],
+                                               "ratio": pytest.approx(2.4)}
     assert (doc["memory_alone_bw_GBps"], doc["memory_host_bw_GBps"]) == pytest.approx((32.0, 40.0))
     assert (doc["optimizer_step_us"], doc["optimizer_tensor_us"]) == pytest.approx((120.0, 50.0))
     assert doc["core_ns_per_element"] == {kind: {"forward": pytest.approx(fwd), "backward": pytest.approx(bwd)}

@@ -72,11 +72,11 @@ def test_the_generic_pipeline_is_run_with_a_core_per_rank_then_with_two_ranks_on
     from executor.launch import usable_cores
     from parsim.calibrate.shared_pipeline import generic_pipeline
 
-    steps = measure_generic_pipeline(generic_pipeline(1), generic_pipeline(2), steps=2, rounds=1, timeout_s=120)
+    rounds = measure_generic_pipeline(generic_pipeline(1), generic_pipeline(2), steps=2, rounds=1, timeout_s=120)
     if usable_cores() < 2:
-        assert steps is None
+        assert rounds is None
     else:
-        core_each, two_per_core = steps
+        [(core_each, two_per_core)] = rounds
         assert 0 < core_each < two_per_core  # twice the work on the same two cores
 
 

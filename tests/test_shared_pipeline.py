@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from cpu_host import cpu_host
-from parsim.calibrate.shared_pipeline import COMM_STRETCH_RANGE, fit_comm_stretch, generic_pipeline
+from parsim.calibrate.shared_pipeline import COMM_STRETCH_RANGE, GenericSteps, fit_comm_stretch, generic_pipeline
 from parsim.errors import ParsimError
 from parsim.hardware.cluster import SharedCoreCosts, parse_cluster
 from parsim.sim.compute import ComputeModel
@@ -36,12 +36,12 @@ def test_the_generic_pipeline_is_two_stages_of_the_loop_s_mlp_then_two_replicas_
 
 def test_the_fit_finds_the_factor_whose_simulated_ratio_is_the_measured_one():
     """Measured 25 ms against 100 ms with a core each: a ratio of 2.5 is the stand-in's at 1.25."""
-    assert fit_comm_stretch(_host(), 100e-3, 250e-3, _linear) == pytest.approx(1.25, abs=1e-3)
+    assert fit_comm_stretch(_host(), 2.5, _linear) == pytest.approx(1.25, abs=1e-3)
 
 
 @pytest.mark.parametrize("measured_ratio, fitted", [(1.5, COMM_STRETCH_RANGE[0]), (9.0, COMM_STRETCH_RANGE[1])])
 def test_the_fit_keeps_to_its_range_where_the_ratio_never_crosses(measured_ratio, fitted):
-    assert fit_comm_stretch(_host(), 10e-3, measured_ratio * 10e-3, _linear) == fitted
+    assert fit_comm_stretch(_host(), measured_ratio, _linear) == fitted
 
 
 def test_with_the_step_simulator_the_fitted_factor_brackets_the_measured_ratio():
@@ -54,7 +54,7 @@ def test_with_the_step_simulator_the_fitted_factor_brackets_the_measured_ratio()
         return predict_step(generic_pipeline(2), spec).step_s / alone
 
     measured = 1.15 * ratio(1.0)
-    fitted = fit_comm_stretch(host, 1.0, measured)
+    fitted = fit_comm_stretch(host, measured)
     assert COMM_STRETCH_RANGE[0] < fitted < COMM_STRETCH_RANGE[1]
     assert ratio(fitted - 1e-3) < measured <= ratio(fitted + 1e-3)
 
@@ -62,9 +62,23 @@ def test_with_the_step_simulator_the_fitted_factor_brackets_the_measured_ratio()
 def test_the_fit_refuses_a_host_without_shared_core_figures_and_steps_that_are_not_positive():
     host = _host()
     with pytest.raises(ParsimError, match="shared_cores were measured"):
-        fit_comm_stretch(replace(host, shared_cores=None), 1.0, 2.0)
+        fit_comm_stretch(replace(host, shared_cores=None), 2.0)
     with pytest.raises(ParsimError, match="must be positive"):
-        fit_comm_stretch(host, 0.0, 2.0)
+        fit_comm_stretch(host, 0.0)
+    with pytest.raises(ParsimError, match="must be positive"):
+        GenericSteps(((40e-3, 0.0),))
+    with pytest.raises(ParsimError, match="must be positive"):
+        GenericSteps(())
+
+
+def test_the_measured_ratio_is_the_rounds_median_not_the_medians_ratio():
+    """Each round's two runs are seconds apart; the host's speed moves between rounds (2.0, 2.4 and 3.0 here)."""
+    steps = GenericSteps(((40e-3, 80e-3), (50e-3, 120e-3), (30e-3, 90e-3)))
+    assert steps.ratios == pytest.approx([2.0, 2.4, 3.0])
+    assert (steps.ratio, steps.core_each_s, steps.two_per_core_s) == pytest.approx((2.4, 40e-3, 90e-3))
+    assert steps.text() == ("40.0 ms a step with a core per rank, 90.0 ms as two replicas on 2 cores (ratios "
+                            "2.00-3.00 over 3 rounds, median 2.40)")
+    assert GenericSteps(((40e-3, 100e-3),)).text().endswith("(ratio 2.50)")
 
 
 def test_the_comm_stretch_lengthens_shared_core_compute_only_where_ranks_share_a_core():

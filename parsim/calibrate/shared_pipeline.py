@@ -13,12 +13,15 @@ So calibrate measures it on a pipeline that is none of the plans `parsim compare
 a generic GeLU MLP (:data:`GENERIC_MODEL`, the layers of the calibration's other pipeline loop), 1F1B, run by
 the executor on 2 ranks with a core each, then as two replicas on 4 ranks bound to 2 cores. ``comm_stretch`` is
 the factor on the shared-core stretches that makes the simulated 4-rank step as many times the 2-rank one as
-measured: a ratio, so the model's error on the 2-rank step and the host's speed cancel.
+measured: a ratio, so the model's error on the 2-rank step and the host's speed cancel. The ratio is the median
+over rounds of each round's (:class:`GenericSteps`): the shared step moves from run to run with the turns the
+scheduler deals, and the host's speed from round to round.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import statistics
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..errors import ParsimError
@@ -40,18 +43,56 @@ def generic_pipeline(dp: int) -> Plan:
                       "batch": {"num_microbatches": MICROBATCHES}, "schedule": "1f1b", "dtype": "fp32"})
 
 
-def fit_comm_stretch(cluster: ClusterSpec, alone_s: float, shared_s: float,
+@dataclass(frozen=True)
+class GenericSteps:
+    """The generic pipeline as measured (``executor.compute_bench.measure_generic_pipeline``): each round's median
+    step with a core per rank, then with two ranks on each core, in seconds."""
+
+    rounds: tuple[tuple[float, float], ...]
+
+    def __post_init__(self):
+        if not self.rounds or any(alone <= 0 or shared <= 0 for alone, shared in self.rounds):
+            raise ParsimError(f"the generic pipeline's steps must be positive, got {self.rounds}")
+
+    @property
+    def ratios(self) -> list[float]:
+        """Each round's step with two ranks on each core over its step with a core each."""
+        return [shared / alone for alone, shared in self.rounds]
+
+    @property
+    def ratio(self) -> float:
+        """The rounds' median ratio: what the comm stretch is fitted to."""
+        return statistics.median(self.ratios)
+
+    @property
+    def core_each_s(self) -> float:
+        return statistics.median(alone for alone, _ in self.rounds)
+
+    @property
+    def two_per_core_s(self) -> float:
+        return statistics.median(shared for _, shared in self.rounds)
+
+    def text(self) -> str:
+        """The steps and ratios, for calibrate's output and the file's header."""
+        ratios = sorted(self.ratios)
+        ratios = (f"ratios {ratios[0]:.2f}-{ratios[-1]:.2f} over {len(ratios)} rounds, median {self.ratio:.2f}"
+                  if len(ratios) > 1 else f"ratio {self.ratio:.2f}")
+        return (f"{self.core_each_s * 1e3:.1f} ms a step with a core per rank, {self.two_per_core_s * 1e3:.1f} ms as "
+                f"two replicas on 2 cores ({ratios})")
+
+
+def fit_comm_stretch(cluster: ClusterSpec, measured_ratio: float,
                      predict: Callable[[Plan, ClusterSpec], float] | None = None) -> float:
     """The ``comm_stretch`` under which the generic pipeline's simulated step on 4 ranks, two on each of 2 cores,
-    is ``shared_s / alone_s`` times its step on 2 ranks with a core each (the medians the executor measured).
+    is ``measured_ratio`` times its step on 2 ranks with a core each (:attr:`GenericSteps.ratio`).
 
     The simulated ratio grows with the factor (by steps: it reorders the turns on a core), so bisection finds
     where it crosses the measured one, within :data:`COMM_STRETCH_RANGE` (its bounds where it never does).
     ``predict`` (plan, cluster) -> step seconds: the step simulator's, by default."""
     if cluster.shared_cores is None:
         raise ParsimError("the comm stretch is fitted on a cluster whose shared_cores were measured")
-    if alone_s <= 0 or shared_s <= 0:
-        raise ParsimError(f"the generic pipeline's steps must be positive, got {alone_s} and {shared_s} s")
+    if measured_ratio <= 0:
+        raise ParsimError(f"the generic pipeline's step ratio must be positive, got {measured_ratio}")
     predict = predict or _predicted_step_s
     on_two_cores = replace(cluster, cpu_cores=2)
     alone, shared = generic_pipeline(1), generic_pipeline(2)
@@ -61,15 +102,14 @@ def fit_comm_stretch(cluster: ClusterSpec, alone_s: float, shared_s: float,
         spec = replace(on_two_cores, shared_cores=replace(cluster.shared_cores, comm_stretch=factor))
         return predict(shared, spec) / alone_step
 
-    measured = shared_s / alone_s
     low, high = COMM_STRETCH_RANGE
-    if ratio(low) >= measured:
+    if ratio(low) >= measured_ratio:
         return low
-    if ratio(high) <= measured:
+    if ratio(high) <= measured_ratio:
         return high
     for _ in range(BISECTIONS):
         middle = (low + high) / 2
-        low, high = (middle, high) if ratio(middle) < measured else (low, middle)
+        low, high = (middle, high) if ratio(middle) < measured_ratio else (low, middle)
     return (low + high) / 2
 
 

@@ -19,7 +19,7 @@ from ..calibrate.host import (core_cache_bytes, fit_alone_memory, fit_core_arith
                               fit_optimizer, fit_rank_jitter, fit_step_overhead, fit_tp_calls, fit_zero_grad,
                               host_cluster, step_overhead_us)
 from ..calibrate.host_load import ForeignLoad
-from ..calibrate.shared_pipeline import fit_comm_stretch, generic_pipeline
+from ..calibrate.shared_pipeline import GenericSteps, fit_comm_stretch, generic_pipeline
 from ..errors import ParsimError
 from ..files import read_yaml
 from ..hardware.cluster import (Curve, SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster,
@@ -110,10 +110,11 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     one_core_collective_GBps: 0.67 ms at 545 KiB on the 2-core VM, against
     0.41 ms between cores);
   * a generic 2-stage pipeline (GeLU MLP) on 2 ranks, then two replicas of
-    it on 4 ranks bound to 2 cores -> how much longer again compute on a
-    shared core takes where the ranks communicate (shared_cores.comm_stretch:
-    the factor that makes the simulated 4-rank step as many times the 2-rank
-    one as measured; gloo's threads wake on the core to move each message);
+    it on 4 ranks bound to 2 cores, in five rounds -> how much longer again
+    compute on a shared core takes where the ranks communicate
+    (shared_cores.comm_stretch: the factor that makes the simulated 4-rank
+    step as many times the 2-rank one as the rounds' median ratio; gloo's
+    threads wake on the core to move each message);
   * between those benchmarks, the host's speed: a fixed fp32 matmul's rate,
     a stack of tiny eager layers' time and AdamW's bytes per second over
     tensors beyond the cache (compute.speed_probe_gflops,
@@ -238,8 +239,9 @@ def run(args: argparse.Namespace) -> int:
             progress("measuring pipeline transfers and the loop between actions with two ranks on each core")
             shared_rows = measure_on_shared_cores()
             progress("running a generic 2-stage pipeline with a core per rank, then two replicas of it with two "
-                     "ranks on each core")
-            generic = measure_generic_pipeline(generic_pipeline(1), generic_pipeline(2))
+                     "ranks on each core, in rounds")
+            rounds = measure_generic_pipeline(generic_pipeline(1), generic_pipeline(2))
+            generic = GenericSteps(tuple(rounds)) if rounds else None
         # Once more at the end: a host's speed drifts (other tenants), and the fits take both rounds.
         progress(f"measuring matmuls, eager ops and optimizer steps again on {max(rank_counts)} ranks")
         per_rank += measure_on_every_rank(max(rank_counts))
@@ -309,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         core_arithmetic=arithmetic,
         tp_call_s=tp_calls, zero_grad=zero_grad, fsdp=fsdp, rank_jitter=jitter)
     if shared is not None and generic is not None:
-        comm_stretch = fit_comm_stretch(parse_cluster(cluster, args.out), *generic)
+        comm_stretch = fit_comm_stretch(parse_cluster(cluster, args.out), generic.ratio)
         shared = replace(shared, comm_stretch=comm_stretch)
         cluster["compute"]["shared_cores"] = shared.to_mapping()
     step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
@@ -320,8 +322,7 @@ def run(args: argparse.Namespace) -> int:
               f"# Measured with torch.distributed/{backend}: {', '.join(ops)} on {rank_counts} ranks, "
               f"sizes {args.sweep};\n# median |fit error| {_median_error(rows):.1%} (collectives), "
               f"{matmul.median_abs_error:.1%} (matmuls). Scale-out figures are placeholders: one host.\n"
-              + (f"# The generic pipeline (comm_stretch): {generic[0] * 1e3:.1f} ms a step with a core per rank, "
-                 f"{generic[1] * 1e3:.1f} ms as two replicas on 2 cores.\n" if generic else "")
+              + (f"# The generic pipeline (comm_stretch): {generic.text()}.\n" if generic else "")
               + (f"# Other processes kept {load.cores:.2f} cores busy meanwhile.\n" if load.cores is not None else ""))
     Path(args.out).write_text(header + yaml.safe_dump(cluster, sort_keys=False))
 
@@ -336,8 +337,10 @@ def run(args: argparse.Namespace) -> int:
                     "p2p_latency_us": _by_kib_us(p2p_latency) if p2p_latency is not None else None,
                     "action_overhead_us": _by_kib_us(action_overhead), "p2p_issue_us": _by_kib_us(p2p_issue),
                     "shared_cores": shared.to_mapping() if shared else None,
-                    "generic_pipeline_step_ms": {"core_each": generic[0] * 1e3, "two_per_core": generic[1] * 1e3}
-                    if generic else None,
+                    "generic_pipeline_step_ms": {"core_each": generic.core_each_s * 1e3,
+                                                 "two_per_core": generic.two_per_core_s * 1e3,
+                                                 "rounds": [[a * 1e3, b * 1e3] for a, b in generic.rounds],
+                                                 "ratio": generic.ratio} if generic else None,
                     "elementwise_bw_GBps": elementwise_bw / 1e9, "core_ns_per_element": arithmetic.to_ns(),
                     "tp_collective_call_us": {"forward": tp_calls[0] * 1e6, "backward": tp_calls[1] * 1e6}
                     if tp_calls else None,
@@ -425,9 +428,8 @@ def run(args: argparse.Namespace) -> int:
               f"second rank calls it 3 ms late, 64 KiB to 4 MiB)")
     if shared is not None and shared.comm_stretch is not None:
         print(f"communicating     compute on a shared core {shared.comm_stretch:.2f}x as long again where its ranks "
-              f"communicate (a generic 2-stage pipeline: {generic[0] * 1e3:.1f} ms a step with a core per rank, "
-              f"{generic[1] * 1e3:.1f} ms as two replicas on 2 cores; the factor that makes the simulated steps "
-              f"as many times apart)")
+              f"communicate (a generic 2-stage pipeline: {generic.text()}; the factor that makes the simulated "
+              f"steps as many times apart)")
     stream = ""
     if matmul.stream_bw_Bps and matmul.write_bw_Bps:
         stream = (f", weights stream in at {matmul.stream_bw_Bps / 1e9:.1f} GB/s and outputs out at "
