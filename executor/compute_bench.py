@@ -139,7 +139,7 @@ def _on_two_cores() -> Iterator[int]:
 
 # Two ranks on each core, the generic pipeline's step moves from run to run with the turns the scheduler deals: on
 # the 2-core AMD VM (2026-11-30) six rounds in a row gave ratios of 2.05 to 3.10 (each run 20 steps), and the comm
-# stretch fitted to two rounds came out 1.09 and 1.29 in two calibrations an hour apart.
+# stretch fitted to two rounds came out 1.29 and 1.09 in two calibrations 15 minutes apart.
 GENERIC_PIPELINE_STEPS, GENERIC_PIPELINE_ROUNDS = 20, 5
 
 

@@ -74,11 +74,11 @@ class GenericSteps:
 
     def text(self) -> str:
         """The steps and ratios, for calibrate's output and the file's header."""
-        ratios = sorted(self.ratios)
-        ratios = (f"ratios {ratios[0]:.2f}-{ratios[-1]:.2f} over {len(ratios)} rounds, median {self.ratio:.2f}"
-                  if len(ratios) > 1 else f"ratio {self.ratio:.2f}")
+        low, high = min(self.ratios), max(self.ratios)
+        spread = (f"ratios {low:.2f}-{high:.2f} over {len(self.rounds)} rounds, median {self.ratio:.2f}"
+                  if len(self.rounds) > 1 else f"ratio {self.ratio:.2f}")
         return (f"{self.core_each_s * 1e3:.1f} ms a step with a core per rank, {self.two_per_core_s * 1e3:.1f} ms as "
-                f"two replicas on 2 cores ({ratios})")
+                f"two replicas on 2 cores ({spread})")
 
 
 def fit_comm_stretch(cluster: ClusterSpec, measured_ratio: float,
