@@ -16,7 +16,7 @@ the probe took 230 / 385 us at 256 KiB, 366 / 890 at 1 MiB and 1817 / 3074 at
 against +154, +524, +1257 us), not as many times as long; the all-gather
 less (+84, +163, +99) (docs/calibration.md, "Collectives' slow spells, and a
 probe for them"). The step simulator adds the probe's extra per byte at a
-collective's bus bytes (``ClusterSpec.collective_probe_extra_s``).
+collective's bus bytes (``ClusterSpec.collective_now_s``).
 
 Run:  python benchmarks/cpu_collective_spells.py [--seconds 90]
 """

@@ -56,7 +56,7 @@ slowed together, so it is the host, not TCP's congestion control
 in each round of its collectives (and writes its all-reduce sweep's own times
 at these sizes, the speed its fits describe), ``parsim compare`` beside the other probes,
 and the step simulator gives each collective what the probe took more per
-byte at its size (``ClusterSpec.collective_probe_extra_s``).
+byte at its size (``ClusterSpec.collective_now_s``).
 """
 
 from __future__ import annotations

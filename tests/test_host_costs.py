@@ -763,9 +763,10 @@ PROBE_US = {256: 250.0, 1024: 400.0, 4096: 1600.0}  # a calibrated collective pr
 ])
 def test_a_collective_takes_what_the_probe_takes_more_per_byte(kib, extra_us):
     spec = parse_cluster(cpu_host(**HOST_KEYS, collective_probe_us=PROBE_US), "host.yaml")
-    assert spec.collective_probe_extra_s(kib * 1024) == 0.0  # no reading around a run: as calibrated
+    # an all-reduce on 2 ranks (its bus bytes its size) that took 1 s at calibration
+    assert spec.collective_now_s(1.0, "all_reduce", 2, kib * 1024) == 1.0  # no reading around a run: as calibrated
     now = spec.at_collective_probe(((256, 500e-6), (1024, 800e-6), (4096, 2000e-6)))
-    assert now.collective_probe_extra_s(kib * 1024) == pytest.approx(extra_us * 1e-6)
+    assert now.collective_now_s(1.0, "all_reduce", 2, kib * 1024) == pytest.approx(1.0 + extra_us * 1e-6)
     with pytest.raises(ParsimError, match="positive"):
         spec.at_collective_probe(((1024, 0.0),))
 

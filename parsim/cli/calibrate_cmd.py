@@ -240,8 +240,8 @@ def run(args: argparse.Namespace) -> int:
             shared_rows = measure_on_shared_cores()
             progress("running a generic 2-stage pipeline with a core per rank, then two replicas of it with two "
                      "ranks on each core, in rounds")
-            rounds = measure_generic_pipeline(generic_pipeline(1), generic_pipeline(2))
-            generic = GenericSteps(tuple(rounds)) if rounds else None
+            generic_rounds = measure_generic_pipeline(generic_pipeline(1), generic_pipeline(2))
+            generic = GenericSteps(tuple(generic_rounds)) if generic_rounds else None
         # Once more at the end: a host's speed drifts (other tenants), and the fits take both rounds.
         progress(f"measuring matmuls, eager ops and optimizer steps again on {max(rank_counts)} ranks")
         per_rank += measure_on_every_rank(max(rank_counts))

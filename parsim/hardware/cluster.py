@@ -386,29 +386,21 @@ class ClusterSpec:
 
     def at_collective_probe(self, measured: Curve) -> "ClusterSpec":
         """This host with its collective probe reading ``measured`` ((KiB, seconds) points) instead of the
-        calibration's: :meth:`collective_probe_extra_s` is what that adds to a collective."""
+        calibration's: :meth:`collective_now_s` is what that makes of a collective."""
         if not measured or min(seconds for _, seconds in measured) <= 0:
             raise ParsimError(f"the collective probe's times must be positive, got {measured}")
         return replace(self, collective_probe_now_s=tuple(measured))
 
     def collective_now_s(self, seconds: float, op: str, nranks: int, nbytes: float) -> float:
         """A collective ``op`` of ``nbytes`` on ``nranks`` ranks that took ``seconds`` at calibration, as the
-        collective probe around a run finds it (:func:`probed_s`); ``seconds`` without a probe read at both."""
+        collective probe around a run finds it (:func:`probed_s`: plus the probe's extra time per byte at its
+        bus bytes); ``seconds`` without a probe read at both. A slow spell on a host adds time per byte moved,
+        not a factor on a call: between bursts of compute on the 2-core VM, all-reduces took 158, 266, 504 and
+        1750 us more in a spell at 256 KiB to 4 MiB, where the probe took 150, 280, 525 and 1422 more
+        (docs/calibration.md, "Collectives' slow spells")."""
         if not self.collective_probe_s or not self.collective_probe_now_s:
             return seconds
         return probed_s(seconds, op, nranks, nbytes, self.collective_probe_s, self.collective_probe_now_s)
-
-    def collective_probe_extra_s(self, bus_bytes: float) -> float:
-        """What a collective moving ``bus_bytes`` per rank (nccl-tests' bus bytes) takes more now than when it
-        was calibrated, by the collective probe (an all-reduce on two ranks, whose bus bytes are its size): the
-        probe's extra time per byte at that size, read between its sizes linear in log2 of the size and the end
-        sizes' beyond, times the bytes. A slow spell on a host adds time per byte moved, not a factor on a
-        call: between bursts of compute on the 2-core VM, all-reduces took 158, 266, 504 and 1750 us more in a
-        spell at 256 KiB to 4 MiB, where the probe took 150, 280, 525 and 1422 more (docs/calibration.md,
-        "Collectives' slow spells"). 0 where either reading is missing."""
-        if not self.collective_probe_s or not self.collective_probe_now_s:
-            return 0.0
-        return probe_extra_s(self.collective_probe_s, self.collective_probe_now_s, bus_bytes)
 
     def _own_matmul_efficiency(self, dtype: str) -> float | None:
         """The file's figure for ``dtype``; fp16 and bf16 run at the same rate, so each stands in for the other."""
@@ -709,7 +701,8 @@ def probed_s(seconds: float, op: str, nranks: int, nbytes: float, then: Curve, n
 
 def probe_extra_s(then: Curve, now: Curve, bus_bytes: float) -> float:
     """What ``bus_bytes`` per rank take more when the collective probe reads ``now`` than when it read ``then``
-    ((KiB, seconds) points; :meth:`ClusterSpec.collective_probe_extra_s`)."""
+    ((KiB, seconds) points): the probe's extra time per byte at that size, read between its sizes linear in
+    log2 of the size and the end sizes' beyond, times the bytes."""
     from ..sim.compute import at_length  # sim.compute imports this module
 
     later = dict(now)
