@@ -273,7 +273,16 @@ def _rank_compute(rank: int, world: int) -> dict:
         probe_now()
         results[name] = benchmark()
     probe_now()
-    return {**results, **{name: median_samples(samples) for name, samples in sampled.items()}, "speed_probes": speeds}
+    return {**results, **{name: median_samples(samples) for name, samples in sampled.items()}, "speed_probes": speeds,
+            "eager_pairs": eager_pairs(speeds, sampled["dispatch"])}
+
+
+def eager_pairs(speeds: Sequence[Speed], dispatch: Sequence[list[dict]]) -> list[tuple[float, float]]:
+    """At each point of a calibration, the eager probe's seconds per pass beside the eager work timed right after
+    it (the dispatch benchmark's passes, forward and backward, every stack): how far the work follows the probe
+    (``parsim.calibrate.host.fit_probe_elasticity``); none on a rank that does not probe."""
+    return [(speed.eager_s, sum(row["forward_s"] + row["backward_s"] for row in rows))
+            for speed, rows in zip(speeds, dispatch)]
 
 
 TIMED_KEYS = ("forward_s", "backward_s")

@@ -286,6 +286,7 @@ def test_the_sampled_benchmarks_run_before_every_other_benchmark_and_at_the_end(
     samples), and the figures calibrate fits are its samples' medians: an eager pass's seconds, and each of
     AdamW's runs' (its memory speed, timed once, had moved with the host's by 0.80 to 1.07 of the probe's)."""
     import executor.compute_bench as bench
+    from executor.speed_probe import Speed
 
     others = ["measure_matmuls", "measure_rank_jitter", "measure_zero_grad", "measure_fsdp_host",
               "measure_step_gap_curve", "measure_pipeline_loops"]
@@ -306,7 +307,7 @@ def test_the_sampled_benchmarks_run_before_every_other_benchmark_and_at_the_end(
     sampled = {"dispatch": dispatch, "kernel_kinds": lambda: calls.append(1) or [],
                "tp_calls": lambda: None, "optimizer": optimizer}  # no process group: no tensor-parallel call
     monkeypatch.setattr(bench, "SAMPLED_BENCHMARKS", sampled)
-    monkeypatch.setattr(bench, "SpeedProbe", lambda: lambda: (7e10, 3e-4))
+    monkeypatch.setattr(bench, "SpeedProbe", lambda: lambda: Speed(7e10, 3e-4, 2e10))
     result = bench._rank_compute(0, 1)
     assert len(calls) == len(others) + 1
     assert result["dispatch"] == [{"name": "mlp block", "forward_s": pytest.approx(6e-6), "backward_s": 0.0,
@@ -314,6 +315,8 @@ def test_the_sampled_benchmarks_run_before_every_other_benchmark_and_at_the_end(
     assert result["optimizer"] == {"together": [(1, 256, pytest.approx(1e-4)), (4, 1 << 20, pytest.approx(10.5e-3))],
                                    "alone": [(2, 1 << 21, pytest.approx(5.25e-3))]}
     assert len(result["speed_probes"]) == len(calls) and result["tp_calls"] is None
+    # each reading beside the eager work timed right after it, as drawn: the slow spell's 40 us at the fourth
+    assert [work for _, work in result["eager_pairs"]] == pytest.approx([9e-6, 1e-6, 2e-6, 40e-6, 5e-6, 6e-6, 7e-6])
 
 
 def _fsdp_host(rank: int, world: int):
@@ -352,3 +355,16 @@ def test_freeing_gradients_is_timed_per_run_and_fits_by_tensors_and_bytes():
     truth = [(t, n, 5e-6 + t * 0.5e-6 + t * n * 4 / 160e9) for t, n in ((1, 1024), (16, 1024), (4, 1 << 20))]
     fit = fit_zero_grad(truth)
     assert (fit.step_s, fit.tensor_s, fit.bw_Bps) == pytest.approx((5e-6, 0.5e-6, 160e9))
+
+
+def test_each_eager_probe_reading_is_paired_with_the_eager_work_timed_after_it():
+    """At each point of a calibration the probe's seconds per eager pass beside the dispatch benchmark's passes,
+    forward and backward of every stack, summed; a rank that does not probe pairs nothing."""
+    from executor.compute_bench import eager_pairs
+    from executor.speed_probe import Speed
+
+    speeds = [Speed(50e9, 800e-6, 20e9), Speed(40e9, 1000e-6, 18e9)]
+    dispatch = [[{"forward_s": 0.010, "backward_s": 0.020}, {"forward_s": 0.001, "backward_s": 0.002}],
+                [{"forward_s": 0.012, "backward_s": 0.024}, {"forward_s": 0.001, "backward_s": 0.003}]]
+    assert eager_pairs(speeds, dispatch) == [(800e-6, pytest.approx(0.033)), (1000e-6, pytest.approx(0.040))]
+    assert eager_pairs([], dispatch) == []

@@ -12,8 +12,8 @@ from cpu_host import cpu_host
 from ideal_cluster import IDEAL, ideal_spec
 
 from parsim.calibrate.host import (DispatchFit, OptimizerFit, fit_alone_memory, fit_core_arithmetic, fit_dispatch,
-                                   fit_elementwise, fit_matmul, fit_optimizer, fit_step_overhead, host_cluster,
-                                   step_overhead_us)
+                                   fit_elementwise, fit_matmul, fit_optimizer, fit_probe_elasticity, fit_step_overhead,
+                                   host_cluster, step_overhead_us)
 from parsim.cli.main import main
 from parsim.errors import ConfigError, ParsimError
 from parsim.files import read_yaml
@@ -307,6 +307,36 @@ def test_with_a_memory_probe_the_memory_figures_follow_it_and_the_arithmetic_the
         (62.5e9, 1600e-6, 16e9))
     # Without a memory factor (a file calibrated before the memory probe) memory follows the arithmetic.
     assert spec.at_host_speed(1.25, 0.5).elementwise_bw_Bps == pytest.approx(1.25 * 6e9)
+
+
+def test_the_eager_work_s_elasticity_is_its_log_log_slope_on_the_probe_between_none_and_all():
+    """Work following the probe to the power 0.4, exactly: 0.4; steeper than the probe, 1; against it, 0; too few
+    readings, or a probe that hardly moved, leave it unfitted (compare then follows the probe all the way)."""
+    probe = [500e-6, 600e-6, 700e-6, 800e-6, 900e-6, 1000e-6]
+    assert fit_probe_elasticity([(p, 0.02 * (p / 800e-6) ** 0.4) for p in probe]) == pytest.approx(0.4)
+    assert fit_probe_elasticity([(p, 0.02 * (p / 800e-6) ** 1.5) for p in probe]) == 1.0
+    assert fit_probe_elasticity([(p, 0.02 * (800e-6 / p)) for p in probe]) == 0.0
+    assert fit_probe_elasticity([(p, 0.02) for p in probe[:5]]) is None
+    assert fit_probe_elasticity([(800e-6 * (1 + 0.001 * i), 0.02 * (1 + i)) for i in range(8)]) is None
+    # noise on the probe that the work does not share dilutes the slope: half its variance, half the slope
+    noisy = [(p * k, 0.02 * p / 800e-6) for p in probe for k in (0.9, 1 / 0.9)]
+    spread, noise = np.log(probe).var(), np.log(0.9) ** 2
+    assert fit_probe_elasticity(noisy) == pytest.approx(spread / (spread + noise))
+
+
+def test_a_file_s_eager_elasticity_is_kept_and_refused_out_of_range_or_without_its_probe():
+    data = cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0,
+                    speed_probe_eager_elasticity=0.4)
+    assert parse_cluster(data, "host.yaml").speed_probe_eager_elasticity == 0.4
+    assert parse_cluster(cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0),
+                         "host.yaml").speed_probe_eager_elasticity == 1.0  # a file calibrated before the fit
+    with pytest.raises(ConfigError, match="compute.speed_probe_eager_elasticity: is 1.5 .*0 to 1 power"):
+        parse_cluster(cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0,
+                               speed_probe_eager_elasticity=1.5), "host.yaml")
+    with pytest.raises(ConfigError, match="compute.speed_probe_eager_elasticity: given without the eager probe"):
+        parse_cluster(cpu_host(**HOST_KEYS, speed_probe_eager_elasticity=0.5), "host.yaml")
+    assert host_cluster(2, 1e-4, 1e9, 1e9, speed_probe=(50e9, 800e-6, 20e9), eager_elasticity=0.4)["compute"][
+        "speed_probe_eager_elasticity"] == 0.4
 
 
 def test_a_step_without_communication_runs_in_proportion_to_the_host_speed():

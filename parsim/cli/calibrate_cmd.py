@@ -16,6 +16,7 @@ import yaml
 from ..calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..calibrate.host import (core_cache_bytes, fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise,
                               fit_fsdp_host, fit_links, fit_matmul, fit_one_core_collective, fit_operation,
+                              fit_probe_elasticity,
                               fit_optimizer, fit_rank_jitter, fit_step_overhead, fit_tp_calls, fit_zero_grad,
                               host_cluster, step_overhead_us)
 from ..calibrate.host_load import ForeignLoad
@@ -270,6 +271,8 @@ def run(args: argparse.Namespace) -> int:
     action_overhead = _step_gap_curve(per_rank, loop_gap[-1][1])
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s, probe_memory_Bps = (float(v) for v in np.median(probes, axis=0))
+    eager_pairs = [tuple(pair) for rank in per_rank for pair in rank.get("eager_pairs", ())]
+    eager_elasticity = fit_probe_elasticity(eager_pairs)
     shared = _shared_cores(shared_rows, probe_flops, probe_eager_s)
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
@@ -307,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
         elementwise_bw_Bps=elementwise_bw,
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
         cpu_cores=usable_cores() if backend == "gloo" else None,
-        speed_probe=(probe_flops, probe_eager_s, probe_memory_Bps), collective_probe_s=collective_probe,
+        speed_probe=(probe_flops, probe_eager_s, probe_memory_Bps), eager_elasticity=eager_elasticity,
+        collective_probe_s=collective_probe,
         core_arithmetic=arithmetic,
         tp_call_s=tp_calls, zero_grad=zero_grad, fsdp=fsdp, rank_jitter=jitter)
     if shared is not None and generic is not None:
@@ -353,6 +357,7 @@ def run(args: argparse.Namespace) -> int:
                     if fsdp and fsdp.pass_s else None,
                     "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
+                    "speed_probe_eager_elasticity": eager_elasticity, "eager_probe_readings": len(eager_pairs),
                     "speed_probe_memory_GBps": probe_memory_Bps / 1e9,
                     "collective_probe_us": {kib: s * 1e6 for kib, s in collective_probe} if collective_probe
                     else None, "rank_jitter": jitter,
@@ -448,11 +453,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"host speed        {probe_flops / 1e9:.1f} GFLOP/s, {probe_eager_s * 1e6:.0f} us per eager pass, "
           f"{probe_memory_Bps / 1e9:.1f} GB/s memory (the probes timed between the compute benchmarks; "
           "`parsim compare` times them again and follows them)")
+    print(f"eager probe       {_elasticity_text(eager_elasticity, len(eager_pairs))}")
     if collective_probe:
         print(f"collective probe  {_probe_text(collective_probe)} (an all-reduce on 2 ranks: the sweep's, the speed "
               f"the fits describe; `parsim compare` times it again and moves the collectives by it)")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
+
+
+def _elasticity_text(elasticity: float | None, readings: int) -> str:
+    """How far the eager work followed the eager probe, for calibrate's output."""
+    if elasticity is None:
+        return (f"followed all the way by `parsim compare` ({readings} readings beside the eager work, too few or "
+                f"spread too little to fit how far the work follows it)")
+    return (f"the eager work beside it followed it to the power {elasticity:.2f} over {readings} readings (a log-log "
+            f"slope; 1: in step, 0: not at all): `parsim compare` scales eager costs by the probe's ratio to that "
+            f"power")
 
 
 def fits_probe(results: list[CollectiveResult], probed: Curve) -> Curve:

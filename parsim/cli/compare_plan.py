@@ -73,7 +73,8 @@ def compare_plan_command(args: argparse.Namespace) -> int:
             speed = HostSpeed(cluster.speed_probe_flops, cluster.speed_probe_eager_s, measured_probe["matmul_flops"],
                               measured_probe["eager_s"], predicted.step_s, cluster.speed_probe_memory_Bps,
                               measured_probe.get("memory_Bps"), cluster.collective_probe_s,
-                              tuple((summary.get("collective_probe_s") or {}).items()) or None)
+                              tuple((summary.get("collective_probe_s") or {}).items()) or None,
+                              cluster.speed_probe_eager_elasticity)
             cluster = cluster.at_host_speed(speed.arithmetic, speed.eager, speed.memory)
             if speed.collective:
                 cluster = cluster.at_collective_probe(speed.measured_collective_s)
@@ -165,6 +166,7 @@ class HostSpeed:
     measured_memory_Bps: float | None = None
     calibrated_collective_s: Curve | None = None  # the collective probe, seconds by KiB (None: not timed)
     measured_collective_s: Curve | None = None
+    eager_elasticity: float = 1.0  # how far eager costs follow the eager probe (calibrate's fit; 1: in step)
 
     @property
     def arithmetic(self) -> float:
@@ -188,9 +190,16 @@ class HostSpeed:
         return tuple((kib, s / measured[kib]) for kib, s in self.calibrated_collective_s if kib in measured) or None
 
     @property
-    def eager(self) -> float:
-        """How many times as fast as at calibration the host ran its fixed cost per eager op."""
+    def eager_probe(self) -> float:
+        """How many times as fast as at calibration the eager probe ran."""
         return self.calibrated_eager_s / self.measured_eager_s
+
+    @property
+    def eager(self) -> float:
+        """How many times as fast as at calibration the host ran its fixed cost per eager op: the eager probe's
+        ratio to the power calibrate found the eager work following it
+        (:func:`parsim.calibrate.host.fit_probe_elasticity`)."""
+        return self.eager_probe ** self.eager_elasticity
 
     def unscaled_error(self, measured_step_s: float) -> float | None:
         """The error of the prediction at the calibration's speed (None without a measured step)."""
@@ -201,7 +210,7 @@ class HostSpeed:
         probes sample it before and after the measured steps, and a host drifting that much may not have run
         the steps between them at that speed (docs/calibration.md, "Sets CD-CH": in CG the probes said eager ops
         x1.50 around a run whose step took 99 ms, against 60 ms predicted at their speed)."""
-        factors = ([self.arithmetic, self.eager] + ([self.memory] if self.memory else [])
+        factors = ([self.arithmetic, self.eager_probe] + ([self.memory] if self.memory else [])
                    + [factor for _, factor in self.collective or ()])
         if max(max(factors), 1 / min(factors)) <= SPEED_NOTE:
             return None
@@ -212,7 +221,7 @@ class HostSpeed:
     def _factors_text(self) -> str:
         memory = f", memory x{self.memory:.2f}" if self.memory else ""
         collective = f", collectives {self._collective_factors()}" if self.collective else ""
-        return f"matmuls x{self.arithmetic:.2f}, eager ops x{self.eager:.2f}{memory}{collective}"
+        return f"matmuls x{self.arithmetic:.2f}, eager ops x{self.eager_probe:.2f}{memory}{collective}"
 
     def _collective_factors(self) -> str:
         return " / ".join(f"x{factor:.2f}" for _, factor in self.collective)
@@ -229,6 +238,14 @@ class HostSpeed:
                 + " / ".join(format_size(kib * 1024) for kib in sizes) + " (an all-reduce on 2 ranks: "
                 + " / ".join(f"{measured[kib] * 1e6:.0f}" for kib in sizes) + " vs "
                 + " / ".join(f"{calibrated[kib] * 1e6:.0f}" for kib in sizes) + " us)")
+
+    def _elasticity_text(self) -> str:
+        """", x1.41 to the power 0.43: as far as the eager work followed it at calibration", or nothing where the
+        work follows the probe all the way."""
+        if self.eager_elasticity == 1.0:
+            return ""
+        return (f", x{self.eager_probe:.2f} to the power {self.eager_elasticity:.2f}: as far as the eager work "
+                f"followed it at calibration")
 
     def text(self, measured_step_s: float) -> str:
         unscaled = self.unscaled_error(measured_step_s)
@@ -247,7 +264,8 @@ class HostSpeed:
         return (f"host speed around the measured steps, against calibration: matmuls x{self.arithmetic:.2f} "
                 f"(probe {self.measured_flops / 1e9:.1f} vs {self.calibrated_flops / 1e9:.1f} GFLOP/s), eager ops "
                 f"x{self.eager:.2f} (probe {self.measured_eager_s * 1e6:.0f} vs {self.calibrated_eager_s * 1e6:.0f} "
-                f"us per pass){memory}{self._collective_text()}\n  the compute figures follow them"
+                f"us per pass{self._elasticity_text()}){memory}{self._collective_text()}\n"
+                f"  the compute figures follow them"
                 f"{collectives} ({following}); at the calibration's speed the step is predicted at "
                 f"{format_time(self.unscaled_step_s)}{error}")
 
@@ -255,6 +273,7 @@ class HostSpeed:
         return {"calibrated_gflops": self.calibrated_flops / 1e9, "measured_gflops": self.measured_flops / 1e9,
                 "arithmetic_factor": self.arithmetic, "calibrated_eager_us": self.calibrated_eager_s * 1e6,
                 "measured_eager_us": self.measured_eager_s * 1e6, "eager_factor": self.eager,
+                "eager_probe_factor": self.eager_probe, "eager_elasticity": self.eager_elasticity,
                 "calibrated_memory_GBps": self.calibrated_memory_Bps and self.calibrated_memory_Bps / 1e9,
                 "measured_memory_GBps": self.measured_memory_Bps and self.measured_memory_Bps / 1e9,
                 "memory_factor": self.memory,
