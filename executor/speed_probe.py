@@ -40,6 +40,15 @@ step from 22% to 7-8.5% (eager probe; the matmul probe alone: 12-14%). Inside
 ``parsim compare``, where a step's own noise is as large, they gain less: a
 median |step error| of 15.0% against 17.6% over 81 runs.
 
+The eager probe reads a host's moments more than the speed eager work runs
+at on some hosts: on the 2-core AMD VM (2026-11-30) it read the host
+1.15-1.6x as fast as calibration around tiny PP's runs in four sets of
+five while the steps ran at about the calibration's speed. So calibrate
+pairs each of its eager readings with the eager work timed right after it
+(``compute_bench.eager_pairs``) and fits how far the work follows the
+probe (``parsim.calibrate.host.fit_probe_elasticity``); ``parsim compare``
+scales the eager costs by the probe's ratio to that power.
+
 Only the first ``min(ranks, cores)`` ranks probe, at once, so the probes read
 one core's speed with as many cores busy as the calibration had, whatever
 the number of ranks sharing them.
