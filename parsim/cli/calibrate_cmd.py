@@ -16,9 +16,8 @@ import yaml
 from ..calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..calibrate.host import (core_cache_bytes, fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise,
                               fit_fsdp_host, fit_links, fit_matmul, fit_one_core_collective, fit_operation,
-                              fit_probe_elasticity,
-                              fit_optimizer, fit_rank_jitter, fit_step_overhead, fit_tp_calls, fit_zero_grad,
-                              host_cluster, step_overhead_us)
+                              fit_optimizer, fit_probe_elasticity, fit_rank_jitter, fit_step_overhead, fit_tp_calls,
+                              fit_zero_grad, host_cluster, step_overhead_us)
 from ..calibrate.host_load import ForeignLoad
 from ..calibrate.shared_pipeline import GenericSteps, fit_comm_stretch, generic_pipeline
 from ..errors import ParsimError
