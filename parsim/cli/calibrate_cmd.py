@@ -122,7 +122,10 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     10-30% over minutes, its cost per eager op by up to 2x, its memory apart
     from its arithmetic; `parsim compare` times the same probes before the
     warm-up and after its measured steps and scales the compute figures by
-    the ratios;
+    the ratios, the eager costs by the eager probe's ratio to the power the
+    eager work followed it here (compute.speed_probe_eager_elasticity: the
+    log-log slope of the dispatch benchmark timed after each reading on the
+    reading, 0 to 1);
   * the collective probe, an all-reduce on 2 ranks at 256 KiB, 1 MiB and
     4 MiB (compute.collective_probe_us: the all-reduce sweep's own times
     there, the speed the fits describe): a host's transfers have slow spells
