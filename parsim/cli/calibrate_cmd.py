@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     action_overhead = _step_gap_curve(per_rank, loop_gap[-1][1])
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s, probe_memory_Bps = (float(v) for v in np.median(probes, axis=0))
-    eager_pairs = [tuple(pair) for rank in per_rank for pair in rank.get("eager_pairs", ())]
+    eager_pairs = [tuple(pair) for rank in per_rank for pair in rank["eager_pairs"]]
     eager_elasticity = fit_probe_elasticity(eager_pairs)
     shared = _shared_cores(shared_rows, probe_flops, probe_eager_s)
     algorithms = _backend_algorithms(backend)
