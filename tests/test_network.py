@@ -9,13 +9,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ideal_cluster import ideal_spec
 
-from parsim.hardware.network import Network, chain_routes, max_min_rates
+from parsim.hardware.network import Network, chain_routes, max_min_rates, unique_links
 from parsim.sim.collectives import build_phases, predict, simulate_phases
 
 
 def test_flows_on_one_link_split_it_evenly():
     rates = max_min_rates(np.array([[0], [0], [0], [0]]), np.array([100.0]))
     assert rates.tolist() == [25.0] * 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 299), max_size=80), st.sampled_from([300, 100_000]))
+def test_unique_links_is_numpy_unique_with_its_inverse(ids, bound):
+    # a table for many ids against few possible (bound 300), numpy's sort for few against many (100,000)
+    ids = np.array(ids, dtype=np.int64)
+    used, inverse = unique_links(ids, bound, inverse=True)
+    expected, expected_inverse = np.unique(ids, return_inverse=True)
+    assert used.tolist() == expected.tolist() and inverse.tolist() == expected_inverse.tolist()
+    assert unique_links(ids, bound).tolist() == expected.tolist()
 
 
 def test_max_min_gives_leftover_to_flows_not_bottlenecked_there():

@@ -43,6 +43,22 @@ _FEW_LINKS = 64  # below this many links, a transfer's link sets are relabelled 
 _SAME_TIME = 1e-12
 
 
+def unique_links(ids: np.ndarray, bound: int, inverse: bool = False):
+    """``np.unique(ids)`` (with ``return_inverse``) of non-negative ids below ``bound`` (links, interned sets).
+    Many ids against few possible ones are marked in a table rather than sorted: numpy's unique takes 1.6 ms
+    on a 20,000-hop all-to-all over 8,577 links, the table 0.08 ms. Identical results."""
+    if ids.size * 128 < bound:  # few ids in a large range: sorting them is the cheaper
+        return np.unique(ids, return_inverse=inverse)
+    present = np.zeros(bound, dtype=bool)
+    present[ids] = True
+    used = np.flatnonzero(present)
+    if not inverse:
+        return used
+    index = np.empty(bound, dtype=np.int64)
+    index[used] = np.arange(used.size)
+    return used, index[ids]
+
+
 def max_min_rates(routes: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     """Max-min fair rate (bytes/s) of each flow; ``routes`` is flows x hops, -1 padded."""
     hop_mask = routes >= 0
@@ -67,7 +83,7 @@ def fair_rates_and_bottlenecks(hops: np.ndarray, owners: np.ndarray, flows: int,
     if hops.size == 0:
         return rates, np.empty(0, dtype=np.int64)
     # Work on the links in use only: a big cluster has far more links than busy ones.
-    used, links = np.unique(hops, return_inverse=True)
+    used, links = unique_links(hops, capacity.size, inverse=True)
     remaining = capacity[used].astype(float)
     counts = np.bincount(links, minlength=used.size)
     frozen = np.zeros(flows, dtype=bool)
@@ -103,7 +119,7 @@ class Trajectory:
         left, active = sizes.astype(float, copy=True), np.arange(routes.shape[0])
         self.duration = 0.0
         while active.size:
-            rates = max_min_rates(routes[active], capacity)
+            rates = max_min_rates(routes.take(active, axis=0), capacity)
             with np.errstate(divide="ignore", invalid="ignore"):
                 due = np.where(left[active] > 0, left[active] / rates, 0.0)
             step = float(due.min())
@@ -156,7 +172,7 @@ class _Batch:
             return
         active, left = self.solo.state_at(now - self.started, self.sizes)
         if active.size < self.flows:
-            self.routes, self.active = self.routes[active], active
+            self.routes, self.active = self.routes.take(active, axis=0), active
         self.left, self.last, self.solo = left, now, None
 
     def settle(self, now: float) -> None:
@@ -248,8 +264,8 @@ class Network:
         sizes = np.broadcast_to(np.asarray(nbytes, dtype=float), (routes.shape[0],))
         moving = sizes > 0
         if not moving.all():
-            routes, sizes = routes[moving], sizes[moving]
-        prepared = routes, sizes.copy(), np.unique(routes[routes >= 0])
+            routes, sizes = routes.compress(moving, axis=0), sizes[moving]
+        prepared = routes, sizes.copy(), unique_links(routes[routes >= 0], self.capacity.size)
         if key is not None:
             self._prepared[key] = prepared
         return prepared
@@ -287,7 +303,7 @@ class Network:
         if (current == first).all():  # most often: every link of the transfer carries the same batches
             self._set_of[links] = self._intern(change(self._sets[first]))
             return [self._sets[first]]
-        ids, where = np.unique(current, return_inverse=True)
+        ids, where = unique_links(current, len(self._sets), inverse=True)
         old = [self._sets[i] for i in ids.tolist()]
         self._set_of[links] = np.array([self._intern(change(s)) for s in old], dtype=np.int64)[where]
         return old
@@ -386,7 +402,7 @@ class Network:
         component = self._component(batch)
         unchanged = self._rates_survive(component, batch, finished)
         active = np.arange(batch.flows) if batch.active is None else batch.active
-        batch.routes, batch.left, batch.active = batch.routes[keep], batch.left[keep], active[keep]
+        batch.routes, batch.left, batch.active = batch.routes.compress(keep, axis=0), batch.left[keep], active[keep]
         if unchanged:  # the flows that ended held no capacity anyone still moving could take
             batch.rate, batch.fin = batch.rate[keep], batch.fin[keep]
             self._wake_at(batch, float(batch.fin.min()))
@@ -403,13 +419,13 @@ class Network:
         a finished flow crossed, progressive filling freezes the same flows at the same levels again (exact,
         and far cheaper than solving again: an all-to-all's intra-node flows end before its inter-node ones).
         """
-        crossed = batch.routes[finished]
+        crossed = batch.routes.compress(finished, axis=0)
         freed = crossed[self._bottleneck[crossed]]
         if freed.size == 0:
             return True
         mark = np.zeros(self._bottleneck.size, dtype=bool)
         mark[freed] = True
-        if mark[batch.routes[~finished]].any():  # the batch's own flows, most often
+        if mark[batch.routes.compress(~finished, axis=0)].any():  # the batch's own flows, most often
             return False
         return not any(mark[b.routes].any() for b in component if b is not batch)
 

@@ -34,7 +34,7 @@ import numpy as np
 import simpy
 
 from ..errors import ParsimError
-from ..hardware.network import Network, chain_routes, stack_routes
+from ..hardware.network import Network, chain_routes, stack_routes, unique_links
 from ..hardware.topology import Topology
 from ..report.trace import Event, Trace, by_rank_and_start
 from .collectives.algorithms import build_phases
@@ -161,7 +161,7 @@ class StepSimulator:
         routes, nbytes = chain_routes(routes, np.broadcast_to(np.asarray(nbytes, dtype=float) * slower,
                                                               routes.shape[:1]), chain)
         return CommPhase(routes, nbytes, latency * slower, reduce_s * slower, self._keys,
-                         np.unique(routes[routes >= 0]))
+                         unique_links(routes[routes >= 0], self.topo.num_links))
 
     def held_sms(self, beside_sms: int, collective: str, ranks: tuple[int, ...], nbytes: float) -> int:
         """SMs a collective beside compute holds while it runs: ``beside_sms``, or, for NCCL_CHANNELS, its
@@ -509,7 +509,7 @@ class _Run:
             use_phases.append(phases_of[tuple(key)])
             use_stream.append(streams.setdefault((rank, stream), len(streams)))
         nstreams = len(streams)
-        links = [np.unique(np.concatenate([p.links for p in phases])) for phases in use_phases]
+        links = [unique_links(np.concatenate([p.links for p in phases]), sim.topo.num_links) for phases in use_phases]
         pairs = np.unique(np.concatenate([lk * nstreams + s for lk, s in zip(links, use_stream)]))
         contended = np.bincount(pairs // nstreams, minlength=sim.topo.num_links) > 1
         comms = []
