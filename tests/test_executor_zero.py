@@ -156,3 +156,13 @@ def test_weights_gathered_in_the_next_forward_train_like_weights_gathered_after_
         assert len({loss for loss in a["losses"]}) == 3  # the weights did change between steps
         for name, weights in a["params"].items():
             assert abs(d["params"][name] - weights).max() <= 1e-6 * abs(weights).max(), name
+
+
+def test_fsdp_s_collectives_are_recorded_on_the_stream_they_hold():
+    """On a CPU, gloo's collective holds the thread that computes until it ends (the simulator lowers FSDP in
+    line there too, ``fsdp_in_line``); on a GPU FSDP2 runs it on streams of its own."""
+    import torch
+
+    from executor.train.fsdp import _stream
+
+    assert _stream(torch.zeros(1)) == "compute" and _stream(torch.zeros(1, device="meta")) == "comm"

@@ -19,6 +19,8 @@ from parsim.errors import ConfigError, ParsimError
 from parsim.files import read_yaml
 from parsim.hardware.cluster import builtin_clusters, load_cluster, parse_cluster
 from parsim.lowering.lower import ADAMW_ACCESSES, lower
+from parsim.report.step_report import breakdown, merge_spans
+from parsim.report.trace import Event, Trace
 from parsim.sim.collectives import predict
 from parsim.sim.compute import ComputeModel, SmWork
 from parsim.sim.program import Op, Program
@@ -502,6 +504,30 @@ def test_on_a_cpu_host_fsdp_s_collectives_run_in_line_with_the_compute():
         step = predict_step(plan, spec)
         collectives = sum(e.dur_s for e in step.trace.events if e.rank == 0 and e.args.get("group") == "fsdp")
         assert (step.ranks[0].seconds["fsdp"] == pytest.approx(collectives)) is exposed
+
+
+def test_a_collective_on_the_compute_stream_counts_whole_inside_the_pass_it_holds():
+    """A measured CPU step records FSDP's gathers on the compute stream inside the forward's span (the executor's
+    hooks run them to their end there), the simulated one between the pass's pieces: both count them as ``fsdp``
+    and the pass less them, and the simulated pass stays one span. On a GPU's own stream the gather is hidden."""
+    forward = {"phase": "forward", "flops": 1.0}
+
+    def gather(stream: str) -> Event:
+        return Event("all_gather fsdp layer=layer.0 stage=0 mb=0 dir=fwd", 0, stream, "collective", 2e-3, 3e-3,
+                     {"phase": "fsdp", "group": "fsdp"})
+
+    measured = Trace("measured", 1, [Event("F stage=0 mb=0", 0, "compute", "compute", 0.0, 10e-3, dict(forward)),
+                                     gather("compute")])
+    simulated = merge_spans(Trace("simulated", 1, [
+        Event("F stage=0 mb=0", 0, "compute", "compute", 0.0, 2e-3, dict(forward)), gather("compute"),
+        Event("F stage=0 mb=0", 0, "compute", "compute", 5e-3, 5e-3, dict(forward))]))
+    assert [(e.name, e.dur_s, e.args.get("flops")) for e in simulated.events if e.kind == "compute"] == [
+        ("F stage=0 mb=0", pytest.approx(10e-3), 2.0)]
+    for trace in (measured, simulated):
+        seconds = breakdown(trace)[0].seconds
+        assert seconds["fsdp"] == pytest.approx(3e-3) and seconds["forward"] == pytest.approx(7e-3)
+    hidden = Trace("measured", 1, [measured.events[0], gather("gather")])
+    assert breakdown(hidden)[0].seconds["fsdp"] == 0.0 and breakdown(hidden)[0].seconds["forward"] == 10e-3
 
 
 def test_freeing_a_step_s_gradients_shows_as_idle_before_each_rank_s_first_action():

@@ -43,6 +43,12 @@ torch = require_torch()
 dist = require_distributed()
 
 
+def _stream(tensor) -> str:
+    """Where a unit's collective runs: on a CPU, on the thread that computes, which gloo's collective holds
+    until it ends ("compute", as the simulator lowers FSDP for a CPU host); on a GPU, on FSDP2's own streams."""
+    return "compute" if tensor.device.type == "cpu" else "comm"
+
+
 class _Pass:
     """Whether a stage's forward is running: an all-gather outside one belongs to the backward."""
 
@@ -65,7 +71,7 @@ class TimedAllGather:
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False) -> None:
         name = collective_name("all_gather", "fsdp", layer=self.layer, stage=self.stage, mb=self.recorder.microbatch,
                                dir="fwd" if self.passes.forward else "bwd")
-        with self.recorder.span(name, "collective", "comm", phase="fsdp",
+        with self.recorder.span(name, "collective", _stream(output_tensor), phase="fsdp",
                                 bytes=output_tensor.numel() * output_tensor.element_size()):
             _all_gather(output_tensor, input_tensor, group=group)
 
@@ -84,14 +90,14 @@ class TimedReduceScatter:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> None:
-        with self.recorder.span(self._name("reduce_scatter"), "collective", "comm", phase="fsdp",
+        with self.recorder.span(self._name("reduce_scatter"), "collective", _stream(input_tensor), phase="fsdp",
                                 bytes=input_tensor.numel() * input_tensor.element_size()):
             _reduce_scatter(output_tensor, input_tensor, op=op, group=group)
         self._end = self.recorder.now()
 
     def all_reduced(self, shard) -> None:
         """``set_all_reduce_hook``: FSDP2 calls it once the HSDP all-reduce of ``shard`` has returned."""
-        self.recorder.add(self._name("all_reduce"), "collective", "comm", self._end, self.recorder.now(),
+        self.recorder.add(self._name("all_reduce"), "collective", _stream(shard), self._end, self.recorder.now(),
                           phase="fsdp", bytes=shard.numel() * shard.element_size())
 
 

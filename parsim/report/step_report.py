@@ -17,7 +17,8 @@ phases that never double count:
 * ``dp``: data-parallel gradient all-reduce time *not* hidden behind the compute
   stream (compute, tensor-parallel collectives, receives);
 * ``fsdp``: FSDP's weight all-gathers and gradient reduce-scatters hidden by
-  neither the compute stream nor ``dp``;
+  neither the compute stream nor ``dp`` (on a CPU host they run in line, on
+  the compute stream, and count whole);
 * ``optimizer``; and ``idle``: the rest of the step.
 """
 
@@ -37,8 +38,11 @@ OVERLAPPED_TP = "tp"  # the stream of tensor-parallel collectives hidden behind 
 
 
 def blocks_compute(e: Event) -> bool:
-    """Whether ``e`` is a collective the compute stream stops for (a tensor-parallel or expert one in line)."""
-    return e.args.get("phase") in BLOCKING and e.stream != OVERLAPPED_TP
+    """Whether ``e`` is a collective the compute stream stops for: a tensor-parallel or expert one in line, or
+    any collective on the compute stream itself (FSDP's on a CPU host, run to its end inside the hook that
+    issues it: :func:`parsim.lowering.lower.lower`'s ``fsdp_in_line``, :mod:`executor.train.fsdp`)."""
+    return (e.args.get("phase") in BLOCKING and e.stream != OVERLAPPED_TP) or (
+        e.stream == "compute" and e.kind == "collective")
 
 
 def merge_spans(trace: Trace) -> Trace:
@@ -57,7 +61,7 @@ def merge_spans(trace: Trace) -> Trace:
     for e in sorted(trace.events, key=by_rank_and_start):
         rank, end = e.rank, e.start_s + e.dur_s
         if e.kind != "compute":
-            if not blocks_compute(e):  # a nested tp/ep collective does not end the span
+            if not blocks_compute(e):  # a collective nested in the pass (tp, ep, in line) does not end the span
                 open_span.pop(rank, None)
             else:
                 busy_until[rank] = max(busy_until.get(rank, 0.0), end)
