@@ -37,9 +37,10 @@ layers of the reference implementation at generic sizes.
 * :func:`measure_zero_grad`: ``zero_grad(set_to_none=True)`` after a backward
   over few and many, small and large tensors (fits what freeing a step's
   gradients costs per step, per tensor and by the byte).
-* :func:`measure_fsdp_host`: FSDP2's own host work, on each rank over a group
-  of its own (no bytes move): what ``fully_shard`` adds per unit to a forward
-  and a backward, and per parameter to an AdamW step over its DTensors.
+* :func:`measure_fsdp_host`: FSDP2's own host work, sharding over every rank
+  with the seconds inside its collectives left out: what ``fully_shard`` adds
+  per unit to a forward and a backward, and per parameter to an AdamW step
+  over its DTensors.
 * :func:`measure_step_gaps`: a generic data-parallel step, its actions timed
   by the executor's recorder: the loop's host time between actions, which
   runs cold after passes and collectives that stream megabytes;
@@ -727,41 +728,76 @@ FSDP_UNITS = (2, 8)  # units per stack: the difference per unit leaves the root'
 FSDP_UNIT = (2, 64, 8)  # (linears, width, rows) of each unit: host work, not bytes, sets its time
 
 
+class _TimedGather:
+    """FSDP2's all-gather comm for a unit (``set_custom_all_gather``), run as the executor's
+    (:mod:`executor.train.fsdp`), adding the seconds inside each call to ``inside[0]``: what a pass spends
+    beyond them is FSDP2's host work."""
+
+    def __init__(self, inside: list[float]):
+        self.inside = inside
+
+    def allocate(self, size, *, dtype, device):
+        return require_torch().empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False) -> None:
+        from .train.comm import _all_gather
+
+        start = time.perf_counter()
+        _all_gather(output_tensor, input_tensor, group=group)
+        self.inside[0] += time.perf_counter() - start
+
+
+class _TimedScatter(_TimedGather):
+    """The same for the reduce-scatter (``set_custom_reduce_scatter``)."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> None:
+        from .train.comm import _reduce_scatter
+
+        start = time.perf_counter()
+        _reduce_scatter(output_tensor, input_tensor, op=op, group=group)
+        self.inside[0] += time.perf_counter() - start
+
+
 def measure_fsdp_host(units: Sequence[int] = FSDP_UNITS, steps: int = 15, warmup: int = 3,
                       unit: tuple[int, int, int] = FSDP_UNIT, mesh: Any = None
                       ) -> list[tuple[int, int, tuple[float, float, float], tuple[float, float, float],
                                       tuple[float, float]]]:
-    """FSDP2's own host work on every rank at once, each over a process group of its own rank (FSDP2 runs
-    its hooks, copies and DTensor dispatch; no collective moves bytes). Per stack of ``units`` units (each
-    ``fully_shard``-ed, then the stack, as the executor wraps a stage): one row (units, parameter tensors,
-    plain (forward, backward, AdamW step) seconds, the same under FSDP2, and FSDP2's (forward, backward) that
-    gather and reduce nothing, as a pipeline's passes between a stage's first and last run: its units kept
-    unsharded, gradients not synced, as ``executor.train.pipeline`` sets them), each the median over
-    ``steps`` steps after ``warmup``. ``unit``: (linears, width, rows) of each unit; ``mesh``: the FSDP mesh
-    instead (one over every rank runs the collectives for real). On the 2-core VM (2026-11-28,
-    ``benchmarks/cpu_fsdp_overhead.py``) FSDP2 added 428-512 us per unit to a forward, 601-708 us to a
-    backward and 1.05-1.37 ms per unit of four parameters to an AdamW step."""
+    """FSDP2's own host work on every rank at once, sharding over all of them (``mesh``: another FSDP mesh):
+    its hooks, copies and DTensor dispatch around real collectives, the seconds inside the collectives
+    themselves left out (each timed in the comm FSDP2 calls, as the executor's own comms run them). Per stack of
+    ``units`` units (each ``fully_shard``-ed, then the stack, as the executor wraps a stage): one row (units,
+    parameter tensors, plain (forward, backward, AdamW step) seconds, the same under FSDP2, and FSDP2's
+    (forward, backward) that gather and reduce nothing, as a pipeline's passes between a stage's first and last
+    run: its units kept unsharded, gradients not synced, as ``executor.train.pipeline`` sets them), each the
+    median over ``steps`` steps after ``warmup``. ``unit``: (linears, width, rows) of each unit.
+
+    Over a group of each rank's own, where no collective moves bytes, FSDP2's host work is half what it is
+    beside real ones: on the 2-core AMD VM (2026-11-30, units of two 64-wide linears, two ranks) 0.44-0.64 ms
+    per unit in a forward and 0.67-0.90 in a backward over their own groups, 1.0-1.1 and 1.4-1.5 over both ranks
+    with the collectives' own 0.44-0.58 and 1.19-1.24 ms left out (``tiny-dp2 --grad-sync fsdp``'s passes had
+    read about 0.9 and 1.2 ms per unit longer than calibrations over own groups priced them)."""
     torch = require_torch()
     dist = torch.distributed
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     if mesh is None:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        own = [collective_group([r]) for r in range(world)][rank]  # every rank creates every group, in one order
-        mesh = DeviceMesh.from_group(own, "cpu")
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     linears, width, rows = unit
+    inside = [0.0]  # seconds inside collectives so far
 
     def timed(count: int, fsdp: bool, kept: bool = False) -> tuple[float, ...]:
-        """Forward, backward and AdamW step; ``kept``: forward and backward only, every unit gathered once
-        and kept, gradients accumulated unsynced (``set_requires_gradient_sync(False)``)."""
+        """Forward, backward and AdamW step, less the seconds inside collectives; ``kept``: forward and backward
+        only, every unit gathered once and kept, gradients accumulated unsynced
+        (``set_requires_gradient_sync(False)``)."""
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(linears)])
                                       for _ in range(count)])
         if fsdp:
-            for unit in model:
-                fully_shard(unit, mesh=mesh, reshard_after_forward=not kept)
-            fully_shard(model, mesh=mesh, reshard_after_forward=not kept)
+            for module in (*model, model):
+                fully_shard(module, mesh=mesh, reshard_after_forward=not kept)
+                module.set_custom_all_gather(_TimedGather(inside))
+                module.set_custom_reduce_scatter(_TimedScatter(inside))
         if kept:
             model.set_requires_gradient_sync(False)
             model.set_reshard_after_backward(False)
@@ -770,17 +806,17 @@ def measure_fsdp_host(units: Sequence[int] = FSDP_UNITS, steps: int = 15, warmup
         times: list[list[float]] = [[], [], []]
         _barrier()
         for i in range(steps + warmup):
-            t0 = time.perf_counter()
+            t0, in0 = time.perf_counter(), inside[0]
             loss = model(x).sum()
-            t1 = time.perf_counter()
+            t1, in1 = time.perf_counter(), inside[0]
             loss.backward()
-            t2 = time.perf_counter()
+            t2, in2 = time.perf_counter(), inside[0]
             if not kept:
                 optimizer.step()
                 optimizer.zero_grad()
             t3 = time.perf_counter()
             if i >= warmup:
-                for k, seconds in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+                for k, seconds in enumerate((t1 - t0 - (in1 - in0), t2 - t1 - (in2 - in1), t3 - t2)):
                     times[k].append(seconds)
         return tuple(statistics.median(t) for t in times[:2 if kept else 3])
 

@@ -320,17 +320,28 @@ def test_the_sampled_benchmarks_run_before_every_other_benchmark_and_at_the_end(
 
 
 def _fsdp_host(rank: int, world: int):
-    from executor.compute_bench import measure_fsdp_host
+    import torch
+    import torch.distributed as dist
 
-    return measure_fsdp_host(units=(1, 3), steps=3, warmup=1)
+    from executor.compute_bench import _TimedGather, _TimedScatter, measure_fsdp_host
+
+    inside = [0.0]  # the comms FSDP2 calls there: each runs its collective and adds the seconds inside it
+    gathered, scattered = torch.empty(4), torch.empty(2)
+    _TimedGather(inside)(gathered, torch.full((2,), float(rank)), dist.group.WORLD)
+    after_gather = inside[0]
+    _TimedScatter(inside)(scattered, torch.ones(4), dist.group.WORLD, dist.ReduceOp.SUM)
+    comms = (gathered.tolist(), scattered.tolist(), after_gather, inside[0])
+    return measure_fsdp_host(units=(1, 3), steps=3, warmup=1), comms
 
 
-def test_fsdp2_s_own_host_work_is_timed_per_unit_on_a_group_of_one_rank_each():
+def test_fsdp2_s_own_host_work_is_timed_per_unit_around_real_collectives_their_seconds_left_out():
     from executor.launch import launch
     from parsim.calibrate.host import fit_fsdp_host
 
     per_rank = launch(_fsdp_host, 2, backend="gloo", timeout_s=120)
-    rows = [row for rank in per_rank for row in rank]
+    for _, (gathered, scattered, after_gather, after_both) in per_rank:
+        assert gathered == [0.0, 0.0, 1.0, 1.0] and scattered == [2.0, 2.0] and 0 < after_gather < after_both
+    rows = [row for rank, _ in per_rank for row in rank]
     assert [(units, tensors) for units, tensors, *_ in rows] == [(1, 4), (3, 12)] * 2  # two linears, two tensors
     assert all(sharded[k] > plain[k] for _, _, plain, sharded, _ in rows for k in range(3))  # FSDP2 adds host work
     assert all(len(kept) == 2 and min(kept) > 0 for *_, kept in rows)  # forward and backward moving nothing

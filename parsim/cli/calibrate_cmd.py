@@ -75,8 +75,9 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     zero_grad_tensor_us, zero_grad_free_GBps); 100 AdamW steps that every
     rank starts at once -> how much the same work's time varies from rank
     to rank (compute.rank_jitter: a step ends when its slowest rank does);
-    stacks of FSDP2 units on a
-    group of one rank, plain and fully_shard-ed -> FSDP2's own host work
+    stacks of FSDP2 units sharded
+    over every rank, plain and fully_shard-ed, the seconds inside their
+    collectives left out -> FSDP2's own host work
     (compute.fsdp_unshard_us, fsdp_reduce_us, fsdp_optimizer_tensor_us),
     and kept gathered with gradients unsynced, as a pipeline's passes
     between a stage's first and last -> its hooks alone (fsdp_pass_us);
