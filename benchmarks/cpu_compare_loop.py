@@ -36,7 +36,9 @@ the calibration (``host.yaml``, and what calibrate printed in
 ``--again DIR`` runs nothing: it predicts the runs an earlier loop kept in
 DIR (its ``--out``) again with the model as it is now, each at the host speed
 its probes measured, against what was measured then; a change to the model is
-checked on the same measurements. Given several folders (``--again DIR
+checked on the same measurements; ``--hold PROBE`` predicts them as if that
+host-speed probe (``matmul``, ``eager``, ``memory``, ``collective``, or
+``all``) had read the calibration's speed. Given several folders (``--again DIR
 DIR ...``, each with its own calibration), it prints how the model does across
 them: per plan, the sets whose step is within 15% and the misses, and per
 stage and phase, the median error over the sets and how many of them miss
@@ -52,7 +54,7 @@ often with no model at all (``docs/calibration.md``, "How far a measurement
 repeats itself").
 
 Run:  python benchmarks/cpu_compare_loop.py [--cluster host.yaml] [--runs 3] [--steps N] [--out DIR] [--json]
-      python benchmarks/cpu_compare_loop.py --again DIR [DIR ...] [--json]
+      python benchmarks/cpu_compare_loop.py --again DIR [DIR ...] [--hold PROBE ...] [--json]
       python benchmarks/cpu_compare_loop.py --repeat DIR_A DIR_B [--json]
 """
 
@@ -162,9 +164,15 @@ def repeated(runs_a: list[dict], runs_b: list[dict]) -> dict:
                                 if abs(_error(share_a, share_b)) > PHASE_BOUND)}
 
 
-def predicted_again(run: dict, plan_args: list[str], cluster) -> dict:
+# The host-speed probes ``--again --hold`` can hold at the calibration's speed, and the factor each gives.
+PROBES = {"matmul": "arithmetic_factor", "eager": "eager_factor", "memory": "memory_factor",
+          "collective": "collective_factor"}
+
+
+def predicted_again(run: dict, plan_args: list[str], cluster, held: frozenset[str] = frozenset()) -> dict:
     """A kept run (``parsim compare --json``) with the step and phases predicted by the model as it is now, on
-    ``cluster`` at the host speed the run's probes measured; what was measured stays."""
+    ``cluster`` at the host speed the run's probes measured, but for the probes ``held`` (of :data:`PROBES`),
+    taken at the calibration's speed; what was measured stays."""
     from parsim.cli.compare_plan import compare_phases, median_end_waits, stage_phases
     from parsim.cli.main import build_parser
     from parsim.cli.plan_cmd import plan_from_args
@@ -174,6 +182,7 @@ def predicted_again(run: dict, plan_args: list[str], cluster) -> dict:
     plan = plan_from_args(build_parser().parse_args(["simulate", *plan_args]))
     speed = run.get("host_speed")
     if speed:
+        speed = {**speed, **{PROBES[probe]: None if probe == "collective" else 1.0 for probe in held}}
         cluster = cluster.at_host_speed(speed["arithmetic_factor"], speed["eager_factor"], speed.get("memory_factor"))
         if speed.get("collective_factor"):  # JSON's keys are strings: the KiB
             cluster = cluster.at_collective_probe(tuple(sorted((int(kib), us * 1e-6)
@@ -232,6 +241,8 @@ def main() -> None:
     parser.add_argument("--again", metavar="DIR", nargs="+",
                         help="run nothing: predict the runs kept in DIR (an earlier --out) again with this model; "
                              "several DIRs: the model across them, stage by stage")
+    parser.add_argument("--hold", nargs="+", choices=[*PROBES, "all"], default=[],
+                        help="with --again: predict as if these host-speed probes had read the calibration's speed")
     parser.add_argument("--repeat", nargs=2, metavar=("DIR_A", "DIR_B"),
                         help="run nothing: hold the measurements kept in DIR_A against DIR_B's")
     parser.add_argument("--json", action="store_true", help="print a JSON summary for scripts")
@@ -244,6 +255,9 @@ def main() -> None:
                  if value is not None and other != flag]
         if given:
             _fail(f"{flag} runs nothing, so {', '.join(given)} do{'es' if len(given) == 1 else ''} not apply")
+    if args.hold and args.again is None:
+        _fail("--hold predicts kept runs again: it goes with --again")
+    held = frozenset(PROBES if "all" in args.hold else args.hold)
     if args.repeat is not None:
         _print_repeat(*args.repeat, as_json=args.json)
         return
@@ -253,12 +267,12 @@ def main() -> None:
     if args.steps is not None and args.steps < 1:
         _fail(f"--steps must be at least 1, got {args.steps}")
     if args.again is not None and len(args.again) > 1:
-        _print_across([Path(folder) for folder in args.again], args.json)
+        _print_across([Path(folder) for folder in args.again], args.json, held)
         return
     if args.again is not None:
         out = Path(args.again[0])
-        cluster, runs = str(out / "host.yaml"), _kept_runs(out)
-        title = f"the runs kept in {out}, predicted again with this model on {cluster}"
+        cluster, runs = str(out / "host.yaml"), _kept_runs(out, held)
+        title = f"the runs kept in {out}, predicted again with this model on {cluster}{_holding(held)}"
     else:
         cluster, out, runs = _measure(args)
         title = f"{args.runs} runs of each plan on {cluster} (every run's JSON in {out})"
@@ -309,8 +323,15 @@ def across_sets(summaries: list[dict[str, dict]]) -> dict:
         for (label, pp, phase), rows in stages.items()]}
 
 
-def _print_across(folders: list[Path], as_json: bool) -> None:
-    summaries = [{label: summarize(runs) for label, runs in _kept_runs(folder).items()} for folder in folders]
+def _holding(held: frozenset[str]) -> str:
+    """How a title says which probes were held at the calibration's speed."""
+    if not held:
+        return ""
+    return f", the {', '.join(sorted(held))} probe{'s' if len(held) > 1 else ''} held at the calibration's speed"
+
+
+def _print_across(folders: list[Path], as_json: bool, held: frozenset[str] = frozenset()) -> None:
+    summaries = [{label: summarize(runs) for label, runs in _kept_runs(folder, held).items()} for folder in folders]
     across = across_sets(summaries)
     if as_json:
         print(json.dumps({"sets": [str(f) for f in folders], **across}, indent=1))
@@ -321,7 +342,7 @@ def _print_across(folders: list[Path], as_json: bool) -> None:
                        [[label, row["sets"], row["steps_within"], f"{row['median_step_error']:+.1%}",
                          row["phase_misses"], row["stage_misses"]] for label, row in across["plans"].items()],
                        title=f"the runs kept in {len(folders)} folders, each predicted again with this model on its "
-                             "own calibration"))
+                             f"own calibration{_holding(held)}"))
     print()
     print(render_table(["plan", "stage", "phase", "median error", "sets outside 25%", "predicted (ms)",
                         "measured (ms)"],
@@ -381,12 +402,12 @@ def _measure(args: argparse.Namespace) -> tuple[str, Path, dict[str, list[dict]]
     return cluster, out, runs
 
 
-def _kept_runs(folder: Path) -> dict[str, list[dict]]:
-    """Each plan's runs kept in ``folder`` (``--out``), predicted again (:func:`predicted_again`) on the cluster
-    file kept beside them."""
+def _kept_runs(folder: Path, held: frozenset[str] = frozenset()) -> dict[str, list[dict]]:
+    """Each plan's runs kept in ``folder`` (``--out``), predicted again (:func:`predicted_again`, the probes
+    ``held`` at the calibration's speed) on the cluster file kept beside them."""
     cluster = _load_cluster(str(folder / "host.yaml"))
     arguments = {label: plan for label, plan, _ in PLANS}
-    return {label: [predicted_again(run, arguments[label], cluster) for run in runs]
+    return {label: [predicted_again(run, arguments[label], cluster, held) for run in runs]
             for label, runs in _runs_in(folder).items()}
 
 

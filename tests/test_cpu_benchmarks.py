@@ -198,6 +198,9 @@ def test_the_compare_loop_refuses_no_runs_and_a_bad_cluster_in_one_line_before_a
     assert done.returncode == 2 and done.stderr == "cpu_compare_loop.py: --runs must be at least 1, got 0\n"
     done = script("benchmarks/cpu_compare_loop.py", "--steps", "0")
     assert done.returncode == 2 and done.stderr == "cpu_compare_loop.py: --steps must be at least 1, got 0\n"
+    done = script("benchmarks/cpu_compare_loop.py", "--hold", "eager")
+    assert done.returncode == 2 and done.stderr == "cpu_compare_loop.py: --hold predicts kept runs again: it goes " \
+        "with --again\n"
     done = script("benchmarks/cpu_compare_loop.py", "--cluster", "nosuch.yaml")
     assert done.returncode == 2 and done.stderr.startswith("cpu_compare_loop.py: unknown cluster 'nosuch.yaml'")
     assert len(done.stderr.strip().splitlines()) == 1 and "run 1/" not in done.stderr
@@ -255,6 +258,16 @@ def test_the_compare_loop_predicts_kept_runs_again_with_the_model_as_it_is(tmp_p
     forward = next(row for row in plan["phases"] if row["rank"] == 1 and row["phase"] == "forward")
     assert forward["predicted_s"] == pytest.approx(predicted.ranks[1].seconds["forward"])
     assert forward["measured_s"] == 0.001 and forward["measured_range_s"] == [0.0009, 0.0012]
+    # --hold: as if those probes had read the calibration's speed (all of them: the calibration's prediction)
+    for held, factors in ((["memory"], (1.25, 1.0, 1.0)), (["matmul", "eager"], (1.0, 1.0, 0.8)), (["all"], None)):
+        monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--again", str(tmp_path), "--hold", *held, "--json"])
+        loop.main()
+        spec = load_cluster(str(tmp_path / "host.yaml"))
+        expected = predict_step(resolve_plan("tiny-pp2"), spec.at_host_speed(*factors) if factors else spec).step_s
+        assert json.loads(capsys.readouterr().out)["plans"]["tiny PP"]["predicted_step_s"] == pytest.approx(expected)
+    monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--again", str(tmp_path), "--hold", "memory"])
+    loop.main()
+    assert "the memory probe held at the calibration's speed" in capsys.readouterr().out
 
 
 def test_the_compare_loop_takes_the_model_across_several_kept_loops_stage_by_stage(tmp_path, capsys, monkeypatch):
