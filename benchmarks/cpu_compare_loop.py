@@ -182,6 +182,7 @@ def predicted_again(run: dict, plan_args: list[str], cluster, held: frozenset[st
     plan = plan_from_args(build_parser().parse_args(["simulate", *plan_args]))
     speed = run.get("host_speed")
     if speed:
+        # a held compute probe: a factor of 1; a held collective probe: none (the collectives as calibrated)
         speed = {**speed, **{PROBES[probe]: None if probe == "collective" else 1.0 for probe in held}}
         cluster = cluster.at_host_speed(speed["arithmetic_factor"], speed["eager_factor"], speed.get("memory_factor"))
         if speed.get("collective_factor"):  # JSON's keys are strings: the KiB

@@ -771,11 +771,12 @@ def measure_fsdp_host(units: Sequence[int] = FSDP_UNITS, steps: int = 15, warmup
     run: its units kept unsharded, gradients not synced, as ``executor.train.pipeline`` sets them), each the
     median over ``steps`` steps after ``warmup``. ``unit``: (linears, width, rows) of each unit.
 
-    Over a group of each rank's own, where no collective moves bytes, FSDP2's host work is half what it is
-    beside real ones: on the 2-core AMD VM (2026-11-30, units of two 64-wide linears, two ranks) 0.44-0.64 ms
-    per unit in a forward and 0.67-0.90 in a backward over their own groups, 1.0-1.1 and 1.4-1.5 over both ranks
-    with the collectives' own 0.44-0.58 and 1.19-1.24 ms left out (``tiny-dp2 --grad-sync fsdp``'s passes had
-    read about 0.9 and 1.2 ms per unit longer than calibrations over own groups priced them)."""
+    Over a group of each rank's own, where no collective moves bytes, FSDP2's host work is as little as half
+    what it is beside real ones: on the 2-core AMD VM (2026-11-30, units of two 64-wide linears, two ranks, three
+    runs) 0.44-0.80 ms per unit in a forward and 0.67-1.17 in a backward over their own groups, 0.97-1.1 and
+    1.33-1.5 over both ranks with the collectives' own 0.44-0.58 and 1.19-1.24 ms left out (``tiny-dp2
+    --grad-sync fsdp``'s passes had read about 0.9 and 1.2 ms per unit longer than calibrations over own groups
+    priced them)."""
     torch = require_torch()
     dist = torch.distributed
     from torch.distributed.device_mesh import DeviceMesh
