@@ -57,8 +57,11 @@ layers of the reference implementation at generic sizes.
 Between them, :mod:`executor.speed_probe` times the host's speed, which
 ``parsim compare`` times again before and after its measured steps; the three
 eager benchmarks (dispatch, elementwise, kernel kinds: a third of a second
-together) and the tensor-parallel call's run there too, and each of their
-figures is the median over those samples (:data:`SAMPLED_BENCHMARKS`).
+together), the tensor-parallel call's, AdamW's and a few matmuls run there
+too, and each of their figures is the median over those samples
+(:data:`SAMPLED_BENCHMARKS`); each probe reading beside the work it stands
+for, timed right after it (:func:`probe_pairs`), is how far that work
+follows the probe.
 """
 
 from __future__ import annotations
@@ -248,9 +251,10 @@ def _medians(readings: Sequence[Speed]) -> Speed:
 def _rank_compute(rank: int, world: int) -> dict:
     """Every benchmark, with the host-speed probes timed before each and at the end (``speed_probes``, each a
     :class:`~executor.speed_probe.Speed`): their medians are the host's speed while these figures were measured.
-    The sampled benchmarks (:data:`SAMPLED_BENCHMARKS`: the eager ones, a tensor-parallel call's and AdamW's) run
-    at each of those points, and their figures are the medians over all of them: run once, they moved with the
-    host's slow spells. On the 2-core VM (2026-11-29) five runs of the dispatch benchmark in one process, 0.3 s
+    The sampled benchmarks (:data:`SAMPLED_BENCHMARKS`: the eager ones, a tensor-parallel call's, AdamW's and a
+    few matmuls) run at each of those points, and their figures are the medians over all of them: run once, they
+    moved with the host's slow spells; each probe reading beside the work timed right after it is
+    ``probe_pairs``. On the 2-core VM (2026-11-29) five runs of the dispatch benchmark in one process, 0.3 s
     apart, each a median over 15 repeats, timed 4.7, 4.4, 6.7, 8.3 and 6.2 us a forward op (matmuls included);
     the eager probe right after the two slowest read 284 and 278 us, as usual (272-299). Three calibrations, each
     on two such runs per rank, had priced it at 5.15, 7.91 and 5.31 us. AdamW's memory speed, timed once, came
@@ -275,15 +279,23 @@ def _rank_compute(rank: int, world: int) -> dict:
         results[name] = benchmark()
     probe_now()
     return {**results, **{name: median_samples(samples) for name, samples in sampled.items()}, "speed_probes": speeds,
-            "eager_pairs": eager_pairs(speeds, sampled["dispatch"])}
+            "probe_pairs": probe_pairs(speeds, sampled)}
 
 
-def eager_pairs(speeds: Sequence[Speed], dispatch: Sequence[list[dict]]) -> list[tuple[float, float]]:
-    """At each point of a calibration, the eager probe's seconds per pass beside the eager work timed right after
-    it (the dispatch benchmark's passes, forward and backward, every stack): how far the work follows the probe
-    (``parsim.calibrate.host.fit_probe_elasticity``); none on a rank that does not probe."""
-    return [(speed.eager_s, sum(row["forward_s"] + row["backward_s"] for row in rows))
-            for speed, rows in zip(speeds, dispatch)]
+def probe_pairs(speeds: Sequence[Speed], sampled: dict[str, Sequence[Any]]) -> dict[str, list[tuple[float, float]]]:
+    """At each point of a calibration, each compute probe's reading as seconds (a FLOP's, an eager pass's, a
+    byte's) beside the seconds of the work it stands for, timed right after it: the matmul benchmark's calls
+    (:func:`measure_matmul_sample`), the dispatch benchmark's passes (forward and backward, every stack) and the
+    AdamW steps that stream from memory (every rank at once, :data:`MEMORY_BOUND_ELEMENTS` or more per tensor).
+    How far the work follows each probe (``parsim.calibrate.host.fit_probe_elasticity``); none on a rank that does
+    not probe."""
+    return {
+        "matmul": [(1 / speed.matmul_flops, seconds) for speed, seconds in zip(speeds, sampled["matmul"])],
+        "eager": [(speed.eager_s, sum(row["forward_s"] + row["backward_s"] for row in rows))
+                  for speed, rows in zip(speeds, sampled["dispatch"])],
+        "memory": [(1 / speed.memory_Bps, sum(seconds for _, numel, seconds in steps["together"]
+                                             if numel >= MEMORY_BOUND_ELEMENTS))
+                   for speed, steps in zip(speeds, sampled["optimizer"])]}
 
 
 TIMED_KEYS = ("forward_s", "backward_s")
@@ -297,6 +309,8 @@ def median_samples(samples: Sequence[Any]) -> Any:
     first = samples[0]
     if first is None:
         return None
+    if isinstance(first, float):
+        return statistics.median(samples)
     if isinstance(first, dict) and all(isinstance(rows, list) for rows in first.values()):
         return {key: [(*rows[0][:-1], statistics.median(row[-1] for row in rows))
                       for rows in zip(*(s[key] for s in samples))] for key in first}
@@ -672,11 +686,24 @@ def measure_host_optimizer(runs: Sequence[tuple[int, int]] = OPTIMIZER_RUNS, alo
     return {"together": together, "alone": [(*alone, seconds)]}
 
 
-# The benchmarks of an eager op's fixed cost, the figures that rest on it, a tensor-parallel call's host time and
-# AdamW's: sampled through the whole run (see _rank_compute).
+# Mid-sized matmuls of the calibration's sweep (DEFAULT_SHAPES, (m, n, k)): weights streamed in, and one
+# arithmetic-bound; the matmul-bound work paired with each matmul probe reading.
+PAIRED_MATMULS = ((128, 256, 1024), (256, 512, 512), (1024, 1024, 128))
+# AdamW's tensors of this many elements or more stream from memory (OPTIMIZER_RUNS): the memory probe's work.
+MEMORY_BOUND_ELEMENTS = 1 << 20
+
+
+def measure_matmul_sample(shapes: Sequence[tuple[int, int, int]] = PAIRED_MATMULS, repeats: int = 5) -> float:
+    """Seconds of one call of each of ``shapes`` together, timed as :func:`measure_matmuls` times them: the
+    matmul-bound work beside each matmul probe reading (:func:`probe_pairs`)."""
+    return sum(seconds for _, seconds in measure_matmuls(shapes, repeats=repeats))
+
+
+# The benchmarks of an eager op's fixed cost, the figures that rest on it, a tensor-parallel call's host time,
+# AdamW's and a few matmuls: sampled through the whole run (see _rank_compute).
 SAMPLED_BENCHMARKS: dict[str, Callable[[], Any]] = {
     "dispatch": measure_dispatch, "elementwise": measure_elementwise, "kernel_kinds": measure_kernel_kinds,
-    "tp_calls": measure_tp_calls, "optimizer": measure_host_optimizer}
+    "tp_calls": measure_tp_calls, "optimizer": measure_host_optimizer, "matmul": measure_matmul_sample}
 
 
 def measure_rank_jitter(repeats: int = JITTER_REPEATS, run: tuple[int, int] = OPTIMIZER_ALONE) -> list[float]:

@@ -40,14 +40,17 @@ step from 22% to 7-8.5% (eager probe; the matmul probe alone: 12-14%). Inside
 ``parsim compare``, where a step's own noise is as large, they gain less: a
 median |step error| of 15.0% against 17.6% over 81 runs.
 
-The eager probe reads a host's moments more than the speed eager work runs
-at on some hosts: on the 2-core AMD VM (2026-11-30) it read the host
+The probes read a host's moments more than the speed its work runs at on
+some hosts: on the 2-core AMD VM (2026-11-30) the eager probe read the host
 1.15-1.6x as fast as calibration around tiny PP's runs in four sets of
-five while the steps ran at about the calibration's speed. So calibrate
-pairs each of its eager readings with the eager work timed right after it
-(``compute_bench.eager_pairs``) and fits how far the work follows the
+five while the steps ran at about the calibration's speed, and over that
+VM's eleven sets the steps came out within 15% in 45 of 55 plans with the
+three compute probes held at calibration speed, in 36 following them. So
+calibrate pairs each reading with the work the probe stands for, timed
+right after it (``compute_bench.probe_pairs``: a few matmuls, the eager
+layers' passes, AdamW over memory), and fits how far each work follows its
 probe (``parsim.calibrate.host.fit_probe_elasticity``); ``parsim compare``
-scales the eager costs by the probe's ratio to that power.
+scales each work by its probe's ratio to that power.
 
 Only the first ``min(ranks, cores)`` ranks probe, at once, so the probes read
 one core's speed with as many cores busy as the calibration had, whatever

@@ -230,12 +230,15 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
     memory = (20.0, 25.0, 1.25) if memory_probe else (None, 25.0, None)
     scaled = predict_step(plan, spec.at_host_speed(0.75, 0.8, memory[2])).step_s
     assert doc["host_speed"] == {"calibrated_gflops": pytest.approx(60.0), "measured_gflops": pytest.approx(45.0),
-                                 "arithmetic_factor": pytest.approx(0.75), "calibrated_eager_us": pytest.approx(1000),
+                                 "arithmetic_factor": pytest.approx(0.75),
+                                 "arithmetic_probe_factor": pytest.approx(0.75), "matmul_elasticity": 1.0,
+                                 "calibrated_eager_us": pytest.approx(1000),
                                  "measured_eager_us": pytest.approx(1250), "eager_factor": pytest.approx(0.8),
                                  "eager_probe_factor": pytest.approx(0.8), "eager_elasticity": 1.0,
                                  "calibrated_memory_GBps": pytest.approx(memory[0]),
                                  "measured_memory_GBps": pytest.approx(memory[1]),
                                  "memory_factor": pytest.approx(memory[2]),
+                                 "memory_probe_factor": pytest.approx(memory[2]), "memory_elasticity": 1.0,
                                  "calibrated_collective_us": None, "measured_collective_us": None,
                                  "collective_factor": None,
                                  "unscaled_predicted_step_s": pytest.approx(unscaled),
@@ -253,24 +256,26 @@ def test_compare_scales_a_cpu_host_to_the_speed_its_probe_ran_at(extra, probed, 
             "as fast as at calibration") in err
 
 
-def test_compare_follows_the_eager_probe_as_far_as_calibrate_found_the_eager_work_following_it(monkeypatch, tmp_path,
-                                                                                                 capsys):
-    """A file whose eager work followed the eager probe to the power 0.5: the probe reading 2/3 of calibration's
-    speed scales the eager costs by (2/3) ** 0.5; the text, the JSON and the drift note give the probe's own 2/3."""
+def test_compare_follows_each_probe_as_far_as_calibrate_found_its_work_following_it(monkeypatch, tmp_path, capsys):
+    """A file whose matmuls, eager work and AdamW followed their probes to the powers 0.4, 0.5 and 0.6: probes
+    reading 3/4, 2/3 and 5/4 of calibration's speed scale each work by its ratio to its power; the text and the
+    JSON give both, the drift note the probes' own ratios."""
     import executor.train
     from test_json_schema import conforms
     from parsim.sim.step import predict_step
     from parsim.workload.plan import resolve_plan
 
     data = host_cluster(2, 300e-6, 2.0e9, 6e9, algorithms=GLOO, peak_flops=80e9, op_forward_s=10e-6,
-                        cpu_cores=2, speed_probe=(60e9, 1e-3, 20e9), eager_elasticity=0.5)
+                        cpu_cores=2, speed_probe=(60e9, 1e-3, 20e9),
+                        elasticity={"matmul": 0.4, "eager": 0.5, "memory": 0.6})
     path = tmp_path / "host.yaml"
     path.write_text(json.dumps(data))
     spec, plan = load_cluster(str(path)), resolve_plan("tiny-pp2")
-    assert spec.speed_probe_eager_elasticity == 0.5
+    assert (spec.speed_probe_matmul_elasticity, spec.speed_probe_eager_elasticity,
+            spec.speed_probe_memory_elasticity) == (0.4, 0.5, 0.6)
 
     def run_plan(plan, nproc, steps, probe_speed=False, **kwargs):
-        probe = {"matmul_flops": 60e9, "eager_s": 1.5e-3, "memory_Bps": 20e9}
+        probe = {"matmul_flops": 45e9, "eager_s": 1.5e-3, "memory_Bps": 25e9}
         return predict_step(plan, spec).trace, {"speed_probe": probe}
 
     monkeypatch.setattr(executor.train, "run_plan", run_plan)
@@ -281,14 +286,20 @@ def test_compare_follows_the_eager_probe_as_far_as_calibrate_found_the_eager_wor
     slow = 1 / 1.5
     assert (speed["eager_factor"], speed["eager_probe_factor"], speed["eager_elasticity"]) == pytest.approx(
         (slow ** 0.5, slow, 0.5))
-    damped = predict_step(plan, spec.at_host_speed(1.0, slow ** 0.5, 1.0)).step_s
+    assert (speed["arithmetic_factor"], speed["arithmetic_probe_factor"], speed["matmul_elasticity"]) == \
+        pytest.approx((0.75 ** 0.4, 0.75, 0.4))
+    assert (speed["memory_factor"], speed["memory_probe_factor"], speed["memory_elasticity"]) == pytest.approx(
+        (1.25 ** 0.6, 1.25, 0.6))
+    damped = predict_step(plan, spec.at_host_speed(0.75 ** 0.4, slow ** 0.5, 1.25 ** 0.6)).step_s
     assert doc["predicted_step_s"] == pytest.approx(damped)
-    assert predict_step(plan, spec).step_s < damped < predict_step(plan, spec.at_host_speed(1.0, slow, 1.0)).step_s
+    assert predict_step(plan, spec).step_s < damped < predict_step(plan, spec.at_host_speed(0.75, slow, 1.25)).step_s
     assert main(["compare", "tiny-pp2", "--cluster", str(path), "--backend", "gloo"]) == 0
     out, err = capsys.readouterr()
-    assert ("eager ops x0.82 (probe 1500 vs 1000 us per pass, x0.67 to the power 0.50: as far as the eager work "
-            "followed it at calibration)") in out
-    assert "the host-speed probes ran matmuls x1.00, eager ops x0.67, memory x1.00 as fast as at calibration" in err
+    assert ("matmuls x0.89 (probe 45.0 vs 60.0 GFLOP/s, x0.75 to the power 0.40: as far as matmuls followed it at "
+            "calibration), eager ops x0.82 (probe 1500 vs 1000 us per pass, x0.67 to the power 0.50: as far as the "
+            "eager work followed it at calibration), memory x1.14 (probe 25.0 vs 20.0 GB/s, x1.25 to the power "
+            "0.60: as far as AdamW followed it at calibration)") in out
+    assert "the host-speed probes ran matmuls x0.75, eager ops x0.67, memory x1.25 as fast as at calibration" in err
 
 
 def test_compare_scales_a_cpu_host_s_collectives_to_the_speed_its_collective_probe_ran_at(monkeypatch, tmp_path,
@@ -576,8 +587,10 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     def every_rank(nproc):
         return [{"matmuls": [(s, truth.matmul_time(*s)) for s in shapes], "dispatch": dispatch,
                  "elementwise": elementwise, "kernel_kinds": kinds, "optimizer": optimizer, "speed_probes": probes[r],
-                 # the eager work beside each probe reading, following it to the power 0.5
-                 "eager_pairs": [(p, 0.05 * (p / 800e-6) ** 0.5) for p in (600e-6, 700e-6, 900e-6, 1000e-6)],
+                 # the work beside each probe reading, following it to the power 0.3 (matmuls), 0.5 (eager
+                 # work) and 0.7 (AdamW)
+                 "probe_pairs": {probe: [(p, 0.05 * (p / 800e-6) ** power) for p in (600e-6, 700e-6, 900e-6, 1e-3)]
+                                 for probe, power in (("matmul", 0.3), ("eager", 0.5), ("memory", 0.7))},
                  "tp_calls": {"forward_s": (100e-6, 140e-6)[r % 2], "backward_s": (60e-6, 80e-6)[r % 2]},
                  # zero_grad: 5 us a step, 0.5 us a tensor, freeing at 160 GB/s
                  "zero_grad": [(t, n, 5e-6 + t * 0.5e-6 + t * n * 4 / 160e9)
@@ -653,7 +666,9 @@ def test_the_collective_probe_written_is_the_all_reduce_sweep_s_at_its_sizes(mon
     assert next(rounds, None) is None  # once a round
     doc = json.loads(capsys.readouterr().out)
     assert conforms(doc) == "calibrate"
-    assert (doc["speed_probe_eager_elasticity"], doc["eager_probe_readings"]) == (pytest.approx(0.5), 16)  # 2 rounds
+    assert [(doc[f"speed_probe_{probe}_elasticity"], doc[f"{probe}_probe_readings"])
+            for probe in ("matmul", "eager", "memory")] == [(pytest.approx(power), 16)  # 2 rounds
+                                                           for power in (0.3, 0.5, 0.7)]
     swept = {r["size_bytes"] // 1024: r["measured_s"] for r in doc["rows"] if r["op"] == "all_reduce"}
     assert doc["collective_probe_us"] == pytest.approx({str(kib): swept[kib] * 1e6 for kib in (256, 1024, 4096)})
     assert dict(load_cluster(str(out)).collective_probe_s) == pytest.approx({kib: swept[kib]
@@ -823,9 +838,10 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv"]) == 0
     text = capsys.readouterr().out
     assert "host speed        50.0 GFLOP/s, 800 us per eager pass, 20.0 GB/s memory" in text
-    assert ("eager probe       the eager work beside it followed it to the power 0.50 over 16 readings (a log-log "
-            "slope; 1: in step, 0: not at all): `parsim compare` scales eager costs by the probe's ratio to that "
-            "power") in text
+    assert ("probes followed   matmuls the matmul probe to the power 0.30, the eager work the eager probe to the "
+            "power 0.50, AdamW over memory the memory probe to the power 0.70 over 16 readings (log-log slopes of "
+            "the work timed after each reading; 1: in step, 0: not at all): `parsim compare` scales each by its "
+            "probe's ratio to that power") in text, text
     assert "of link speed, 2.00x as fast up to 1 MiB (a core's L2)" in text
     assert written_cache(out) == (2**20, pytest.approx({"all_reduce": 2.0, "send_recv": 1.0}, rel=0.02))
     assert ("between actions   30/120 us at 4/16 MiB of gradients a rank before each "
@@ -834,7 +850,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     written = load_cluster(str(out))
     assert (written.speed_probe_flops, written.speed_probe_eager_s, written.speed_probe_memory_Bps) == \
         pytest.approx((50e9, 800e-6, 20e9))
-    assert written.speed_probe_eager_elasticity == pytest.approx(0.5)
+    assert (written.speed_probe_matmul_elasticity, written.speed_probe_eager_elasticity,
+            written.speed_probe_memory_elasticity) == pytest.approx((0.3, 0.5, 0.7))
     # ranks 1 ms apart in every 10 ms step: sigma 1 ms / (2 / sqrt(pi))
     assert written.rank_jitter == pytest.approx(0.001 / 1.1284 / 0.010, rel=1e-3)
     assert "rank jitter       8.9% of the same work's time" in text

@@ -303,9 +303,11 @@ def test_the_sampled_benchmarks_run_before_every_other_benchmark_and_at_the_end(
         step = next(adamw_s)
         return {"together": [(1, 256, 1e-4), (4, 1 << 20, step)], "alone": [(2, 1 << 21, step / 2)]}
 
+    matmul_s = iter([3e-3, 2e-3, 4e-3, 2.5e-3, 3.5e-3, 2e-3, 3e-3])  # median 3 ms
     calls = []
     sampled = {"dispatch": dispatch, "kernel_kinds": lambda: calls.append(1) or [],
-               "tp_calls": lambda: None, "optimizer": optimizer}  # no process group: no tensor-parallel call
+               "tp_calls": lambda: None, "optimizer": optimizer,  # no process group: no tensor-parallel call
+               "matmul": lambda: next(matmul_s)}
     monkeypatch.setattr(bench, "SAMPLED_BENCHMARKS", sampled)
     monkeypatch.setattr(bench, "SpeedProbe", lambda: lambda: Speed(7e10, 3e-4, 2e10))
     result = bench._rank_compute(0, 1)
@@ -315,8 +317,14 @@ def test_the_sampled_benchmarks_run_before_every_other_benchmark_and_at_the_end(
     assert result["optimizer"] == {"together": [(1, 256, pytest.approx(1e-4)), (4, 1 << 20, pytest.approx(10.5e-3))],
                                    "alone": [(2, 1 << 21, pytest.approx(5.25e-3))]}
     assert len(result["speed_probes"]) == len(calls) and result["tp_calls"] is None
-    # each reading beside the eager work timed right after it, as drawn: the slow spell's 40 us at the fourth
-    assert [work for _, work in result["eager_pairs"]] == pytest.approx([9e-6, 1e-6, 2e-6, 40e-6, 5e-6, 6e-6, 7e-6])
+    assert result["matmul"] == pytest.approx(3e-3)
+    # each reading beside the work timed right after it, as drawn: the eager work's slow spell at the fourth
+    pairs = result["probe_pairs"]
+    assert [work for _, work in pairs["eager"]] == pytest.approx([9e-6, 1e-6, 2e-6, 40e-6, 5e-6, 6e-6, 7e-6])
+    assert [work for _, work in pairs["matmul"]] == pytest.approx([3e-3, 2e-3, 4e-3, 2.5e-3, 3.5e-3, 2e-3, 3e-3])
+    assert [work for _, work in pairs["memory"]] == pytest.approx([12e-3, 9e-3, 10e-3, 15e-3, 10.5e-3, 11e-3, 9.5e-3])
+    assert {probe: {reading for reading, _ in readings} for probe, readings in pairs.items()} == pytest.approx(
+        {"matmul": {1 / 7e10}, "eager": {3e-4}, "memory": {1 / 2e10}})
 
 
 def _fsdp_host(rank: int, world: int):
@@ -368,14 +376,31 @@ def test_freeing_gradients_is_timed_per_run_and_fits_by_tensors_and_bytes():
     assert (fit.step_s, fit.tensor_s, fit.bw_Bps) == pytest.approx((5e-6, 0.5e-6, 160e9))
 
 
-def test_each_eager_probe_reading_is_paired_with_the_eager_work_timed_after_it():
-    """At each point of a calibration the probe's seconds per eager pass beside the dispatch benchmark's passes,
-    forward and backward of every stack, summed; a rank that does not probe pairs nothing."""
-    from executor.compute_bench import eager_pairs
+def test_each_probe_reading_is_paired_with_the_work_it_stands_for_timed_after_it():
+    """At each point of a calibration each probe's seconds (a FLOP's, an eager pass's, a byte's) beside its work:
+    the matmuls' seconds, the dispatch benchmark's passes (forward and backward of every stack, summed), AdamW's
+    steps over tensors that stream from memory (every rank at once; the small ones left out); a rank that does not
+    probe pairs nothing."""
+    from executor.compute_bench import probe_pairs
     from executor.speed_probe import Speed
 
-    speeds = [Speed(50e9, 800e-6, 20e9), Speed(40e9, 1000e-6, 18e9)]
-    dispatch = [[{"forward_s": 0.010, "backward_s": 0.020}, {"forward_s": 0.001, "backward_s": 0.002}],
-                [{"forward_s": 0.012, "backward_s": 0.024}, {"forward_s": 0.001, "backward_s": 0.003}]]
-    assert eager_pairs(speeds, dispatch) == [(800e-6, pytest.approx(0.033)), (1000e-6, pytest.approx(0.040))]
-    assert eager_pairs([], dispatch) == []
+    speeds = [Speed(50e9, 800e-6, 20e9), Speed(40e9, 1000e-6, 16e9)]
+    sampled = {"matmul": [2e-3, 2.5e-3],
+               "dispatch": [[{"forward_s": 0.010, "backward_s": 0.020}, {"forward_s": 0.001, "backward_s": 0.002}],
+                            [{"forward_s": 0.012, "backward_s": 0.024}, {"forward_s": 0.001, "backward_s": 0.003}]],
+               "optimizer": [{"together": [(1, 256, 1e-4), (4, 1 << 20, 0.010), (2, 1 << 21, 0.011)], "alone": []},
+                             {"together": [(1, 256, 1e-4), (4, 1 << 20, 0.012), (2, 1 << 21, 0.013)], "alone": []}]}
+    assert probe_pairs(speeds, sampled) == {
+        "matmul": [(pytest.approx(1 / 50e9), 2e-3), (pytest.approx(1 / 40e9), 2.5e-3)],
+        "eager": [(800e-6, pytest.approx(0.033)), (1000e-6, pytest.approx(0.040))],
+        "memory": [(pytest.approx(1 / 20e9), pytest.approx(0.021)), (pytest.approx(1 / 16e9), pytest.approx(0.025))]}
+    assert probe_pairs([], sampled) == {"matmul": [], "eager": [], "memory": []}
+
+
+def test_the_matmul_sample_is_one_call_of_each_shape_together_timed_as_the_sweep_times_them():
+    from executor.compute_bench import PAIRED_MATMULS, DEFAULT_SHAPES, measure_matmul_sample
+
+    assert set(PAIRED_MATMULS) <= set(DEFAULT_SHAPES)  # shapes of the sweep, never a plan's
+    one, both = (measure_matmul_sample(shapes, repeats=3) for shapes in (((32, 64, 64),),
+                                                                         ((32, 64, 64), (256, 512, 512))))
+    assert 0 < one < both  # the second shape has 128x the arithmetic

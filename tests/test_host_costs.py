@@ -326,19 +326,25 @@ def test_the_eager_work_s_elasticity_is_its_log_log_slope_on_the_probe_between_n
     assert fit_probe_elasticity(noisy) == pytest.approx(spread / (spread + noise))
 
 
-def test_a_file_s_eager_elasticity_is_kept_and_refused_out_of_range_or_without_its_probe():
-    data = cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0,
-                    speed_probe_eager_elasticity=0.4)
-    assert parse_cluster(data, "host.yaml").speed_probe_eager_elasticity == 0.4
-    assert parse_cluster(cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0),
-                         "host.yaml").speed_probe_eager_elasticity == 1.0  # a file calibrated before the fit
+def test_a_file_s_probe_elasticities_are_kept_and_refused_out_of_range_or_without_their_probe():
+    probes = {"speed_probe_gflops": 50.0, "speed_probe_eager_us": 800.0, "speed_probe_memory_GBps": 20.0}
+    powers = {"speed_probe_matmul_elasticity": 0.2, "speed_probe_eager_elasticity": 0.4,
+              "speed_probe_memory_elasticity": 0.6}
+    spec = parse_cluster(cpu_host(**HOST_KEYS, **probes, **powers), "host.yaml")
+    assert {key: getattr(spec, key) for key in powers} == powers
+    before = parse_cluster(cpu_host(**HOST_KEYS, **probes), "host.yaml")  # a file calibrated before the fits
+    assert [getattr(before, key) for key in powers] == [1.0, 1.0, 1.0]
     with pytest.raises(ConfigError, match="compute.speed_probe_eager_elasticity: is 1.5 .*0 to 1 power"):
-        parse_cluster(cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0,
-                               speed_probe_eager_elasticity=1.5), "host.yaml")
+        parse_cluster(cpu_host(**HOST_KEYS, **probes, speed_probe_eager_elasticity=1.5), "host.yaml")
     with pytest.raises(ConfigError, match="compute.speed_probe_eager_elasticity: given without the eager probe"):
         parse_cluster(cpu_host(**HOST_KEYS, speed_probe_eager_elasticity=0.5), "host.yaml")
-    assert host_cluster(2, 1e-4, 1e9, 1e9, speed_probe=(50e9, 800e-6, 20e9), eager_elasticity=0.4)["compute"][
-        "speed_probe_eager_elasticity"] == 0.4
+    with pytest.raises(ConfigError, match="compute.speed_probe_memory_elasticity: given without the memory probe"):
+        parse_cluster(cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0,
+                               speed_probe_memory_elasticity=0.5), "host.yaml")
+    written = host_cluster(2, 1e-4, 1e9, 1e9, speed_probe=(50e9, 800e-6, 20e9),
+                           elasticity={"matmul": 0.2, "eager": 0.4, "memory": None})["compute"]
+    assert (written["speed_probe_matmul_elasticity"], written["speed_probe_eager_elasticity"]) == (0.2, 0.4)
+    assert "speed_probe_memory_elasticity" not in written  # not fitted: compare follows the probe all the way
 
 
 def test_a_step_without_communication_runs_in_proportion_to_the_host_speed():

@@ -32,7 +32,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -62,16 +62,17 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  memory_alone_bw_Bps: float | None = None, memory_host_bw_Bps: float | None = None,
                  shared_cores: SharedCoreCosts | None = None, step_overhead_s: dict | None = None,
                  cpu_cores: int | None = None, speed_probe: Sequence[float] | None = None,
-                 eager_elasticity: float | None = None,
+                 elasticity: Mapping[str, float | None] | None = None,
                  collective_probe_s: Sequence[tuple[int, float]] | None = None,
                  core_arithmetic: CoreArithmetic | None = None,
                  tp_call_s: tuple[float, float] | None = None, zero_grad: OptimizerFit | None = None,
                  fsdp: FsdpHostFit | None = None, rank_jitter: float = 0.0) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric"); ``speed_probe`` is the
     host-speed probes' (matmul FLOP/s, seconds per eager pass, and memory bytes per second where timed) while the
-    compute figures were measured, and ``eager_elasticity`` how far the eager work followed its eager pass
-    (:func:`fit_probe_elasticity`); ``collective_probe_s`` the collective probe's seconds by KiB while the
-    collectives were; ``shared_cores`` the pipeline's host costs with two ranks on each core;
+    compute figures were measured, and ``elasticity`` how far the work each stands for followed it, by
+    :data:`COMPUTE_PROBES` name (:func:`fit_probe_elasticity`; None: not fitted); ``collective_probe_s`` the
+    collective probe's seconds by KiB while the collectives were; ``shared_cores`` the pipeline's host costs with
+    two ranks on each core;
     ``tp_call_s`` a tensor-parallel collective call's host time, forward and backward; ``zero_grad`` what freeing
     the gradients costs; ``fsdp`` FSDP2's own host work; ``cache_speedup`` each operation's speed-up on buffers of
     up to ``cache_bytes`` (:func:`fit_operation`); ``rank_jitter`` how much the same work's time varies
@@ -118,8 +119,9 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         host_costs["speed_probe_eager_us"] = speed_probe[1] * 1e6
         if len(speed_probe) > 2:
             host_costs["speed_probe_memory_GBps"] = speed_probe[2] / 1e9
-        if eager_elasticity is not None:
-            host_costs["speed_probe_eager_elasticity"] = float(eager_elasticity)
+        for probe, power in (elasticity or {}).items():
+            if power is not None:
+                host_costs[f"speed_probe_{probe}_elasticity"] = float(power)
     if collective_probe_s:
         host_costs["collective_probe_us"] = _kib_curve_us(collective_probe_s)
     return {
@@ -463,23 +465,28 @@ def fit_dispatch(rows: list[dict], matmuls: ComputeModel) -> DispatchFit:
     return DispatchFit(float(forward_work / forward_ops), float(backward_work / backward_ops), kept)
 
 
-# The fewest readings, and the least spread of the probe's (sd of its log), a calibration fits the eager work's
+# The compute probes (executor.speed_probe), each paired with the work it stands for: matmuls, eager ops' fixed
+# costs, memory-bound work (executor.compute_bench.probe_pairs).
+COMPUTE_PROBES = ("matmul", "eager", "memory")
+# The fewest readings, and the least spread of the probe's (sd of its log), a calibration fits a work's
 # elasticity on; with less, compare follows the probe all the way, as it did before the fit.
 ELASTICITY_MIN_READINGS, ELASTICITY_MIN_SPREAD = 6, 0.02
 
 
 def fit_probe_elasticity(pairs: Sequence[tuple[float, float]]) -> float | None:
-    """How far eager work follows the eager probe on this host: the slope of log(work's seconds) on log(probe's
-    seconds) over a calibration's readings (``executor.compute_bench.eager_pairs``), between 0 (the work did not
-    follow it) and 1 (in step); None with fewer than :data:`ELASTICITY_MIN_READINGS` or readings that hardly
-    moved. ``parsim compare`` scales eager costs by the probe's ratio to this power.
+    """How far the work a probe stands for follows that probe on this host: the slope of log(work's seconds) on
+    log(probe's seconds) over a calibration's readings (``executor.compute_bench.probe_pairs``), between 0 (the
+    work did not follow it) and 1 (in step); None with fewer than :data:`ELASTICITY_MIN_READINGS` or readings that
+    hardly moved. ``parsim compare`` scales that work's costs by the probe's ratio to this power.
 
     A least-squares slope is the best linear predictor of the work from the probe: where the probe reads the
     host's moments more than its speed, the slope falls below the work's own response (regression dilution),
     and the prediction follows the probe only that far. On the 2-core AMD VM (2026-11-30) the eager probe read
     the host 1.15-1.6x as fast as calibration around tiny PP's runs in four sets of five while its steps ran at
     about the calibration's speed, and over a calibration's 28 readings the reference layers' passes followed it
-    at a slope of 0.57 (docs/calibration.md, "Another host")."""
+    at a slope of 0.57 (docs/calibration.md, "Another host"). Over 16 points in 2.6 minutes there, both ranks
+    busy, the slopes pooled over the ranks were 0.14 (matmuls on the matmul probe), 0.05 (eager) and 0.59
+    (AdamW on the memory probe), the probes' readings moving 10-25% (sd of their logs)."""
     if len(pairs) < ELASTICITY_MIN_READINGS:
         return None
     probe, work = np.log(np.asarray(pairs, dtype=float)).T

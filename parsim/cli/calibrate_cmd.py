@@ -14,10 +14,10 @@ import numpy as np
 import yaml
 
 from ..calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
-from ..calibrate.host import (core_cache_bytes, fit_alone_memory, fit_core_arithmetic, fit_dispatch, fit_elementwise,
-                              fit_fsdp_host, fit_links, fit_matmul, fit_one_core_collective, fit_operation,
-                              fit_optimizer, fit_probe_elasticity, fit_rank_jitter, fit_step_overhead, fit_tp_calls,
-                              fit_zero_grad, host_cluster, step_overhead_us)
+from ..calibrate.host import (COMPUTE_PROBES, core_cache_bytes, fit_alone_memory, fit_core_arithmetic, fit_dispatch,
+                              fit_elementwise, fit_fsdp_host, fit_links, fit_matmul, fit_one_core_collective,
+                              fit_operation, fit_optimizer, fit_probe_elasticity, fit_rank_jitter, fit_step_overhead,
+                              fit_tp_calls, fit_zero_grad, host_cluster, step_overhead_us)
 from ..calibrate.host_load import ForeignLoad
 from ..calibrate.shared_pipeline import GenericSteps, fit_comm_stretch, generic_pipeline
 from ..errors import ParsimError
@@ -123,10 +123,10 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     10-30% over minutes, its cost per eager op by up to 2x, its memory apart
     from its arithmetic; `parsim compare` times the same probes before the
     warm-up and after its measured steps and scales the compute figures by
-    the ratios, the eager costs by the eager probe's ratio to the power the
-    eager work followed it here (compute.speed_probe_eager_elasticity: the
-    log-log slope of the dispatch benchmark timed after each reading on the
-    reading, 0 to 1);
+    each probe's ratio to the power the work it stands for followed it here
+    (compute.speed_probe_{matmul,eager,memory}_elasticity: the log-log slope,
+    0 to 1, of a few matmuls, the dispatch benchmark and AdamW's steps over
+    memory, each timed right after a reading, on the reading);
   * the collective probe, an all-reduce on 2 ranks at 256 KiB, 1 MiB and
     4 MiB (compute.collective_probe_us: the all-reduce sweep's own times
     there, the speed the fits describe): a host's transfers have slow spells
@@ -274,8 +274,9 @@ def run(args: argparse.Namespace) -> int:
     action_overhead = _step_gap_curve(per_rank, loop_gap[-1][1])
     probes = np.array([p for rank in per_rank for p in rank["speed_probes"]])
     probe_flops, probe_eager_s, probe_memory_Bps = (float(v) for v in np.median(probes, axis=0))
-    eager_pairs = [tuple(pair) for rank in per_rank for pair in rank["eager_pairs"]]
-    eager_elasticity = fit_probe_elasticity(eager_pairs)
+    probe_pairs = {probe: [tuple(pair) for rank in per_rank for pair in rank["probe_pairs"][probe]]
+                   for probe in COMPUTE_PROBES}
+    elasticity = {probe: fit_probe_elasticity(pairs) for probe, pairs in probe_pairs.items()}
     shared = _shared_cores(shared_rows, probe_flops, probe_eager_s)
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
@@ -313,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         elementwise_bw_Bps=elementwise_bw,
         memory_alone_bw_Bps=memory_alone_bw, memory_host_bw_Bps=memory_host_bw, shared_cores=shared,
         cpu_cores=usable_cores() if backend == "gloo" else None,
-        speed_probe=(probe_flops, probe_eager_s, probe_memory_Bps), eager_elasticity=eager_elasticity,
+        speed_probe=(probe_flops, probe_eager_s, probe_memory_Bps), elasticity=elasticity,
         collective_probe_s=collective_probe,
         core_arithmetic=arithmetic,
         tp_call_s=tp_calls, zero_grad=zero_grad, fsdp=fsdp, rank_jitter=jitter)
@@ -360,7 +361,9 @@ def run(args: argparse.Namespace) -> int:
                     if fsdp and fsdp.pass_s else None,
                     "speed_probe_gflops": probe_flops / 1e9,
                     "speed_probe_eager_us": probe_eager_s * 1e6,
-                    "speed_probe_eager_elasticity": eager_elasticity, "eager_probe_readings": len(eager_pairs),
+                    **{key: value for probe, pairs in probe_pairs.items()
+                       for key, value in ((f"speed_probe_{probe}_elasticity", elasticity[probe]),
+                                          (f"{probe}_probe_readings", len(pairs)))},
                     "speed_probe_memory_GBps": probe_memory_Bps / 1e9,
                     "collective_probe_us": {kib: s * 1e6 for kib, s in collective_probe} if collective_probe
                     else None, "rank_jitter": jitter,
@@ -456,7 +459,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"host speed        {probe_flops / 1e9:.1f} GFLOP/s, {probe_eager_s * 1e6:.0f} us per eager pass, "
           f"{probe_memory_Bps / 1e9:.1f} GB/s memory (the probes timed between the compute benchmarks; "
           "`parsim compare` times them again and follows them)")
-    print(f"eager probe       {_elasticity_text(eager_elasticity, len(eager_pairs))}")
+    print(f"probes followed   {_elasticity_text(elasticity, probe_pairs)}")
     if collective_probe:
         print(f"collective probe  {_probe_text(collective_probe)} (an all-reduce on 2 ranks: the sweep's, the speed "
               f"the fits describe; `parsim compare` times it again and moves the collectives by it)")
@@ -464,14 +467,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _elasticity_text(elasticity: float | None, readings: int) -> str:
-    """How far the eager work followed the eager probe, for calibrate's output."""
-    if elasticity is None:
-        return (f"followed all the way by `parsim compare` ({readings} readings beside the eager work, too few or "
-                f"spread too little to fit how far the work follows it)")
-    return (f"the eager work beside it followed it to the power {elasticity:.2f} over {readings} readings (a log-log "
-            f"slope; 1: in step, 0: not at all): `parsim compare` scales eager costs by the probe's ratio to that "
-            f"power")
+def _elasticity_text(elasticity: dict[str, float | None], pairs: dict[str, list]) -> str:
+    """How far the work each probe stands for followed it, for calibrate's output."""
+    works = {"matmul": "matmuls", "eager": "the eager work", "memory": "AdamW over memory"}
+    powers = ", ".join(f"{works[probe]} the {probe} probe "
+                       + ("all the way (too few readings or too little spread to fit)" if power is None
+                          else f"to the power {power:.2f}") for probe, power in elasticity.items())
+    readings = sorted({len(p) for p in pairs.values()})
+    return (f"{powers} over {' / '.join(map(str, readings))} readings (log-log slopes of the work timed after each "
+            f"reading; 1: in step, 0: not at all): `parsim compare` scales each by its probe's ratio to that power")
 
 
 def fits_probe(results: list[CollectiveResult], probed: Curve) -> Curve:

@@ -74,7 +74,9 @@ def compare_plan_command(args: argparse.Namespace) -> int:
                               measured_probe["eager_s"], predicted.step_s, cluster.speed_probe_memory_Bps,
                               measured_probe.get("memory_Bps"), cluster.collective_probe_s,
                               tuple((summary.get("collective_probe_s") or {}).items()) or None,
-                              cluster.speed_probe_eager_elasticity)
+                              matmul_elasticity=cluster.speed_probe_matmul_elasticity,
+                              eager_elasticity=cluster.speed_probe_eager_elasticity,
+                              memory_elasticity=cluster.speed_probe_memory_elasticity)
             cluster = cluster.at_host_speed(speed.arithmetic, speed.eager, speed.memory)
             if speed.collective:
                 cluster = cluster.at_collective_probe(speed.measured_collective_s)
@@ -155,7 +157,9 @@ def _routing(plan: Plan, cluster, measured: dict) -> dict:
 
 @dataclass(frozen=True)
 class HostSpeed:
-    """The host-speed probes (:mod:`executor.speed_probe`) at calibration and around the measured steps."""
+    """The host-speed probes (:mod:`executor.speed_probe`) at calibration and around the measured steps. The work
+    each compute probe stands for is scaled by the probe's ratio to the power calibrate found that work following
+    it (:func:`parsim.calibrate.host.fit_probe_elasticity`; 1: in step)."""
 
     calibrated_flops: float  # the matmul probe
     calibrated_eager_s: float  # the eager probe, per pass
@@ -166,19 +170,31 @@ class HostSpeed:
     measured_memory_Bps: float | None = None
     calibrated_collective_s: Curve | None = None  # the collective probe, seconds by KiB (None: not timed)
     measured_collective_s: Curve | None = None
-    eager_elasticity: float = 1.0  # how far eager costs follow the eager probe (calibrate's fit; 1: in step)
+    matmul_elasticity: float = 1.0
+    eager_elasticity: float = 1.0
+    memory_elasticity: float = 1.0
+
+    @property
+    def arithmetic_probe(self) -> float:
+        """How many times as fast as at calibration the matmul probe ran."""
+        return self.measured_flops / self.calibrated_flops
 
     @property
     def arithmetic(self) -> float:
-        """How many times as fast as at calibration the host ran matmuls."""
-        return self.measured_flops / self.calibrated_flops
+        """How many times as fast as at calibration the host ran matmuls and a core's arithmetic."""
+        return self.arithmetic_probe ** self.matmul_elasticity
+
+    @property
+    def memory_probe(self) -> float | None:
+        """How many times as fast as at calibration the memory probe ran (None: not probed at both)."""
+        if self.calibrated_memory_Bps and self.measured_memory_Bps:
+            return self.measured_memory_Bps / self.calibrated_memory_Bps
+        return None
 
     @property
     def memory(self) -> float | None:
         """How many times as fast as at calibration the host's memory ran (None: not probed at both)."""
-        if self.calibrated_memory_Bps and self.measured_memory_Bps:
-            return self.measured_memory_Bps / self.calibrated_memory_Bps
-        return None
+        return self.memory_probe and self.memory_probe ** self.memory_elasticity
 
     @property
     def collective(self) -> Curve | None:
@@ -196,9 +212,7 @@ class HostSpeed:
 
     @property
     def eager(self) -> float:
-        """How many times as fast as at calibration the host ran its fixed cost per eager op: the eager probe's
-        ratio to the power calibrate found the eager work following it
-        (:func:`parsim.calibrate.host.fit_probe_elasticity`)."""
+        """How many times as fast as at calibration the host ran its fixed cost per eager op."""
         return self.eager_probe ** self.eager_elasticity
 
     def unscaled_error(self, measured_step_s: float) -> float | None:
@@ -210,7 +224,7 @@ class HostSpeed:
         probes sample it before and after the measured steps, and a host drifting that much may not have run
         the steps between them at that speed (docs/calibration.md, "Sets CD-CH": in CG the probes said eager ops
         x1.50 around a run whose step took 99 ms, against 60 ms predicted at their speed)."""
-        factors = ([self.arithmetic, self.eager_probe] + ([self.memory] if self.memory else [])
+        factors = ([self.arithmetic_probe, self.eager_probe] + ([self.memory_probe] if self.memory_probe else [])
                    + [factor for _, factor in self.collective or ()])
         if max(max(factors), 1 / min(factors)) <= SPEED_NOTE:
             return None
@@ -219,9 +233,9 @@ class HostSpeed:
                 "have run at another speed (compare again, or calibrate again)")
 
     def _factors_text(self) -> str:
-        memory = f", memory x{self.memory:.2f}" if self.memory else ""
+        memory = f", memory x{self.memory_probe:.2f}" if self.memory_probe else ""
         collective = f", collectives {self._collective_factors()}" if self.collective else ""
-        return f"matmuls x{self.arithmetic:.2f}, eager ops x{self.eager_probe:.2f}{memory}{collective}"
+        return f"matmuls x{self.arithmetic_probe:.2f}, eager ops x{self.eager_probe:.2f}{memory}{collective}"
 
     def _collective_factors(self) -> str:
         return " / ".join(f"x{factor:.2f}" for _, factor in self.collective)
@@ -239,20 +253,21 @@ class HostSpeed:
                 + " / ".join(f"{measured[kib] * 1e6:.0f}" for kib in sizes) + " vs "
                 + " / ".join(f"{calibrated[kib] * 1e6:.0f}" for kib in sizes) + " us)")
 
-    def _elasticity_text(self) -> str:
+    @staticmethod
+    def _followed(probe: float, elasticity: float, work: str) -> str:
         """", x1.41 to the power 0.43: as far as the eager work followed it at calibration", or nothing where the
-        work follows the probe all the way."""
-        if self.eager_elasticity == 1.0:
+        work follows its probe all the way."""
+        if elasticity == 1.0:
             return ""
-        return (f", x{self.eager_probe:.2f} to the power {self.eager_elasticity:.2f}: as far as the eager work "
-                f"followed it at calibration")
+        return f", x{probe:.2f} to the power {elasticity:.2f}: as far as {work} followed it at calibration"
 
     def text(self, measured_step_s: float) -> str:
         unscaled = self.unscaled_error(measured_step_s)
         error = "" if unscaled is None else f" ({unscaled:+.1%})"
         if self.memory:
             memory = (f", memory x{self.memory:.2f} (probe {self.measured_memory_Bps / 1e9:.1f} vs "
-                      f"{self.calibrated_memory_Bps / 1e9:.1f} GB/s)")
+                      f"{self.calibrated_memory_Bps / 1e9:.1f} GB/s"
+                      f"{self._followed(self.memory_probe, self.memory_elasticity, 'AdamW')})")
         else:
             memory = ", memory as the matmuls (the cluster file has no memory probe: calibrate again for one)"
         collectives = ", and each collective takes what the collective probe took more per byte" if self.collective \
@@ -262,21 +277,25 @@ class HostSpeed:
                      "collectives and transfers keep their fits" + ("" if self.calibrated_collective_s else
                                                                    ": the cluster file has no collective probe"))
         return (f"host speed around the measured steps, against calibration: matmuls x{self.arithmetic:.2f} "
-                f"(probe {self.measured_flops / 1e9:.1f} vs {self.calibrated_flops / 1e9:.1f} GFLOP/s), eager ops "
+                f"(probe {self.measured_flops / 1e9:.1f} vs {self.calibrated_flops / 1e9:.1f} GFLOP/s"
+                f"{self._followed(self.arithmetic_probe, self.matmul_elasticity, 'matmuls')}), eager ops "
                 f"x{self.eager:.2f} (probe {self.measured_eager_s * 1e6:.0f} vs {self.calibrated_eager_s * 1e6:.0f} "
-                f"us per pass{self._elasticity_text()}){memory}{self._collective_text()}\n"
+                f"us per pass{self._followed(self.eager_probe, self.eager_elasticity, 'the eager work')})"
+                f"{memory}{self._collective_text()}\n"
                 f"  the compute figures follow them"
                 f"{collectives} ({following}); at the calibration's speed the step is predicted at "
                 f"{format_time(self.unscaled_step_s)}{error}")
 
     def to_json(self, measured_step_s: float) -> dict:
         return {"calibrated_gflops": self.calibrated_flops / 1e9, "measured_gflops": self.measured_flops / 1e9,
-                "arithmetic_factor": self.arithmetic, "calibrated_eager_us": self.calibrated_eager_s * 1e6,
+                "arithmetic_factor": self.arithmetic, "arithmetic_probe_factor": self.arithmetic_probe,
+                "matmul_elasticity": self.matmul_elasticity, "calibrated_eager_us": self.calibrated_eager_s * 1e6,
                 "measured_eager_us": self.measured_eager_s * 1e6, "eager_factor": self.eager,
                 "eager_probe_factor": self.eager_probe, "eager_elasticity": self.eager_elasticity,
                 "calibrated_memory_GBps": self.calibrated_memory_Bps and self.calibrated_memory_Bps / 1e9,
                 "measured_memory_GBps": self.measured_memory_Bps and self.measured_memory_Bps / 1e9,
-                "memory_factor": self.memory,
+                "memory_factor": self.memory, "memory_probe_factor": self.memory_probe,
+                "memory_elasticity": self.memory_elasticity,
                 "calibrated_collective_us": _us_by_kib(self.calibrated_collective_s),
                 "measured_collective_us": _us_by_kib(self.measured_collective_s),
                 "collective_factor": dict(self.collective) if self.collective else None,

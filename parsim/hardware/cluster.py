@@ -37,7 +37,10 @@ CAPACITY_GB = (1e-12, 1e12, "GB")
 CLOCK_MHZ = (1.0, 1e5, "MHz")
 OVERSUBSCRIPTION = (1.0, 1e6, "downlink:uplink ratio, e.g. 1.0 for non-blocking")
 FRACTION = (1e-6, 1.0, "fraction")
-ELASTICITY = (0.0, 1.0, "power the eager costs follow the eager probe to (0: not at all, 1: in step)")
+ELASTICITY = (0.0, 1.0, "power the work follows its probe to (0: not at all, 1: in step)")
+# Each compute probe's key in a cluster file's compute section (parsim.calibrate.host.COMPUTE_PROBES): its elasticity
+# is speed_probe_<probe>_elasticity, given only beside it.
+PROBE_KEYS = {"matmul": "speed_probe_gflops", "eager": "speed_probe_eager_us", "memory": "speed_probe_memory_GBps"}
 EFFICIENCY = (1e-6, 1e6, "fraction of link speed")
 SPEEDUP = (1e-3, 1e3, "times as fast")
 MATRIX_DIM = (0.0, 1e9, "matrix dimension")
@@ -57,7 +60,8 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "zero_grad_step_us", "zero_grad_tensor_us", "zero_grad_free_GBps",
                 "fsdp_unshard_us", "fsdp_reduce_us", "fsdp_optimizer_tensor_us", "fsdp_pass_us",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
-                "speed_probe_eager_us", "speed_probe_eager_elasticity", "speed_probe_memory_GBps",
+                "speed_probe_eager_us", "speed_probe_memory_GBps", "speed_probe_matmul_elasticity",
+                "speed_probe_eager_elasticity", "speed_probe_memory_elasticity",
                 "collective_probe_us", "rank_jitter")
 SHARED_CORE_KEYS = ("p2p_rendezvous_us", "p2p_latency_us", "action_overhead_us")  # SharedCoreCosts' fields, in us
 # Optional (absent from files calibrated before they were measured): times in us, and speeds in GB/s.
@@ -339,9 +343,11 @@ class ClusterSpec:
     speed_probe_flops: float | None = None
     speed_probe_eager_s: float | None = None
     speed_probe_memory_Bps: float | None = None
-    # How far eager work followed the eager probe while calibrating (parsim.calibrate.host.fit_probe_elasticity):
-    # at a probe reading x times as fast, eager costs run x ** this as fast (1: in step, files calibrated before)
+    # How far the work each probe stands for followed it while calibrating (parsim.calibrate.host.fit_probe_elasticity):
+    # at a probe reading x times as fast, that work runs x ** this as fast (1: in step, files calibrated before)
+    speed_probe_matmul_elasticity: float = 1.0
     speed_probe_eager_elasticity: float = 1.0
+    speed_probe_memory_elasticity: float = 1.0
     # executor.speed_probe's collective probe while the collectives were measured: an all-reduce's seconds on two
     # ranks by its KiB (None: not timed); and the same probe around a run (at_collective_probe; None: as calibrated)
     collective_probe_s: Curve | None = None
@@ -589,11 +595,13 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
                               "compute.speed_probe_gflops and speed_probe_eager_us beside it (parsim calibrate "
                               "writes them together)")
         probe_memory = _figure(source, "compute.speed_probe_memory_GBps", probe_memory, BANDWIDTH_GBPS)
-    elasticity = compute.get("speed_probe_eager_elasticity", 1.0)
-    if "speed_probe_eager_elasticity" in compute and probe_us is None:
-        raise ConfigError(source, "compute.speed_probe_eager_elasticity", "given without the eager probe",
-                          "compute.speed_probe_eager_us beside it (parsim calibrate writes them together)")
-    elasticity = _figure(source, "compute.speed_probe_eager_elasticity", elasticity, ELASTICITY)
+    elasticity = {}
+    for probe, probe_key in PROBE_KEYS.items():
+        key = f"speed_probe_{probe}_elasticity"
+        if key in compute and compute.get(probe_key) is None:
+            raise ConfigError(source, f"compute.{key}", f"given without the {probe} probe",
+                              f"compute.{probe_key} beside it (parsim calibrate writes them together)")
+        elasticity[key] = _figure(source, f"compute.{key}", compute.get(key, 1.0), ELASTICITY)
     _figure(source, "compute.matmul_half_dim", half_dim, MATRIX_DIM)
     k_overhead = _figure(source, "compute.matmul_k_overhead", compute.get("matmul_k_overhead", 0.0), MATRIX_DIM)
     sm_count = gpu.data.get("sm_count", 0)
@@ -679,7 +687,7 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         speed_probe_flops=probe_gflops and probe_gflops * 1e9,
         speed_probe_eager_s=probe_us and probe_us * 1e-6,
         speed_probe_memory_Bps=_GBps(probe_memory),
-        speed_probe_eager_elasticity=elasticity,
+        **elasticity,
         collective_probe_s=_probe_curve(source, compute["collective_probe_us"]) if "collective_probe_us" in compute
         else None,
         rank_jitter=_figure(source, "compute.rank_jitter", compute.get("rank_jitter", 0.0), JITTER),
