@@ -342,9 +342,12 @@ def test_a_file_s_probe_elasticities_are_kept_and_refused_out_of_range_or_withou
         parse_cluster(cpu_host(**HOST_KEYS, speed_probe_gflops=50.0, speed_probe_eager_us=800.0,
                                speed_probe_memory_elasticity=0.5), "host.yaml")
     written = host_cluster(2, 1e-4, 1e9, 1e9, speed_probe=(50e9, 800e-6, 20e9),
-                           elasticity={"matmul": 0.2, "eager": 0.4, "memory": None})["compute"]
-    assert (written["speed_probe_matmul_elasticity"], written["speed_probe_eager_elasticity"]) == (0.2, 0.4)
-    assert "speed_probe_memory_elasticity" not in written  # not fitted: compare follows the probe all the way
+                           elasticity={"matmul": 0.2, "eager": 0.0, "memory": None})["compute"]
+    # 0 written (work that did not follow its probe at all), None not (compare follows the probe all the way)
+    assert (written["speed_probe_matmul_elasticity"], written["speed_probe_eager_elasticity"]) == (0.2, 0.0)
+    assert "speed_probe_memory_elasticity" not in written
+    assert parse_cluster(cpu_host(**HOST_KEYS, **probes, speed_probe_eager_elasticity=0.0),
+                         "host.yaml").speed_probe_eager_elasticity == 0.0
 
 
 def test_a_step_without_communication_runs_in_proportion_to_the_host_speed():

@@ -119,9 +119,6 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         host_costs["speed_probe_eager_us"] = speed_probe[1] * 1e6
         if len(speed_probe) > 2:
             host_costs["speed_probe_memory_GBps"] = speed_probe[2] / 1e9
-        for probe, power in (elasticity or {}).items():
-            if power is not None:
-                host_costs[f"speed_probe_{probe}_elasticity"] = float(power)
     if collective_probe_s:
         host_costs["collective_probe_us"] = _kib_curve_us(collective_probe_s)
     return {
@@ -145,7 +142,10 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         **({"collective_step_overhead_us": step_overhead_us(step_overhead_s)} if step_overhead_s else {}),
         "compute": {"matmul_efficiency": 1.0, "matmul_half_dim": float(matmul_half_dim),
                     "kernel_overhead_us": kernel_overhead_s * 1e6,
-                    **{k: v for k, v in host_costs.items() if v}},
+                    **{k: v for k, v in host_costs.items() if v},
+                    # 0 is a fit (the work did not follow its probe), not a figure left out
+                    **{f"speed_probe_{probe}_elasticity": float(power) for probe, power in (elasticity or {}).items()
+                       if speed_probe and power is not None}},
     }
 
 
