@@ -838,10 +838,10 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce,send-recv"]) == 0
     text = capsys.readouterr().out
     assert "host speed        50.0 GFLOP/s, 800 us per eager pass, 20.0 GB/s memory" in text
-    assert ("probes followed   matmuls the matmul probe to the power 0.30, the eager work the eager probe to the "
-            "power 0.50, AdamW over memory the memory probe to the power 0.70 over 16 readings (log-log slopes of "
-            "the work timed after each reading; 1: in step, 0: not at all): `parsim compare` scales each by its "
-            "probe's ratio to that power") in text, text
+    assert ("probes followed   matmul 0.30, eager 0.50, memory 0.70 (how far a few matmuls, the eager layers' "
+            "passes and AdamW over memory, each timed right after a reading, followed it: log-log slopes over 16 "
+            "readings; 1: in step, 0: not at all): `parsim compare` scales each work by its probe's ratio to that "
+            "power") in text
     assert "of link speed, 2.00x as fast up to 1 MiB (a core's L2)" in text
     assert written_cache(out) == (2**20, pytest.approx({"all_reduce": 2.0, "send_recv": 1.0}, rel=0.02))
     assert ("between actions   30/120 us at 4/16 MiB of gradients a rank before each "
@@ -1006,3 +1006,13 @@ def test_the_one_core_collective_fit_needs_times_that_grow_with_size():
     assert latency + (1 << 16) / bw == pytest.approx(0.5e-3) and latency + (1 << 22) / bw == pytest.approx(3.5e-3)
     assert fit_one_core_collective([[(1 << 16, 1e-3), (1 << 22, 1e-3)]]) is None  # flat: no speed to fit
     assert fit_one_core_collective([[(1 << 16, 1e-3)]]) is None and fit_one_core_collective([]) is None
+
+
+def test_calibrate_says_which_probe_s_power_it_could_not_fit():
+    from parsim.cli.calibrate_cmd import _elasticity_text
+
+    text = _elasticity_text({"matmul": 0.2, "eager": None, "memory": 0.0},
+                            {"matmul": [(1.0, 1.0)] * 14, "eager": [(1.0, 1.0)] * 3, "memory": [(1.0, 1.0)] * 14})
+    assert text.startswith("matmul 0.20, eager all the way (too few readings or too little spread to fit), "
+                           "memory 0.00 (")
+    assert "log-log slopes over 3 / 14 readings" in text

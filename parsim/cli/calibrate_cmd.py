@@ -469,13 +469,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _elasticity_text(elasticity: dict[str, float | None], pairs: dict[str, list]) -> str:
     """How far the work each probe stands for followed it, for calibrate's output."""
-    works = {"matmul": "matmuls", "eager": "the eager work", "memory": "AdamW over memory"}
-    powers = ", ".join(f"{works[probe]} the {probe} probe "
-                       + ("all the way (too few readings or too little spread to fit)" if power is None
-                          else f"to the power {power:.2f}") for probe, power in elasticity.items())
-    readings = sorted({len(p) for p in pairs.values()})
-    return (f"{powers} over {' / '.join(map(str, readings))} readings (log-log slopes of the work timed after each "
-            f"reading; 1: in step, 0: not at all): `parsim compare` scales each by its probe's ratio to that power")
+    powers = ", ".join(f"{probe} " + ("all the way (too few readings or too little spread to fit)" if power is None
+                                      else f"{power:.2f}") for probe, power in elasticity.items())
+    readings = " / ".join(str(n) for n in sorted({len(p) for p in pairs.values()}))
+    return (f"{powers} (how far a few matmuls, the eager layers' passes and AdamW over memory, each timed right "
+            f"after a reading, followed it: log-log slopes over {readings} readings; 1: in step, 0: not at all): "
+            f"`parsim compare` scales each work by its probe's ratio to that power")
 
 
 def fits_probe(results: list[CollectiveResult], probed: Curve) -> Curve:
