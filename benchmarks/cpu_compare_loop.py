@@ -38,7 +38,9 @@ DIR (its ``--out``) again with the model as it is now, each at the host speed
 its probes measured, against what was measured then; a change to the model is
 checked on the same measurements; ``--hold PROBE`` predicts them as if that
 host-speed probe (``matmul``, ``eager``, ``memory``, ``collective``, or
-``all``) had read the calibration's speed. Given several folders (``--again DIR
+``all``) had read the calibration's speed, and ``--power PROBE=X`` as if the
+work a compute probe stands for had followed it to the power X (0 to 1; the
+runs' own: calibrate's fitted one, 1 before it). Given several folders (``--again DIR
 DIR ...``, each with its own calibration), it prints how the model does across
 them: per plan, the sets whose step is within 15% and the misses, and per
 stage and phase, the median error over the sets and how many of them miss
@@ -54,7 +56,8 @@ often with no model at all (``docs/calibration.md``, "How far a measurement
 repeats itself").
 
 Run:  python benchmarks/cpu_compare_loop.py [--cluster host.yaml] [--runs 3] [--steps N] [--out DIR] [--json]
-      python benchmarks/cpu_compare_loop.py --again DIR [DIR ...] [--hold PROBE ...] [--json]
+      python benchmarks/cpu_compare_loop.py --again DIR [DIR ...] [--hold PROBE ...] [--power PROBE=X ...]
+                                            [--json]
       python benchmarks/cpu_compare_loop.py --repeat DIR_A DIR_B [--json]
 """
 
@@ -66,6 +69,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -167,12 +171,44 @@ def repeated(runs_a: list[dict], runs_b: list[dict]) -> dict:
 # The host-speed probes ``--again --hold`` can hold at the calibration's speed, and the factor each gives.
 PROBES = {"matmul": "arithmetic_factor", "eager": "eager_factor", "memory": "memory_factor",
           "collective": "collective_factor"}
+# A compute probe's own ratio in a kept run (``parsim compare --json``'s host_speed), for ``--power``: runs from
+# before calibrate fitted its power keep it in the factor, the ratio itself then.
+PROBE_RATIOS = {"matmul": ("arithmetic_probe_factor", "arithmetic_factor"),
+                "eager": ("eager_probe_factor", "eager_factor"),
+                "memory": ("memory_probe_factor", "memory_factor")}
 
 
-def predicted_again(run: dict, plan_args: list[str], cluster, held: frozenset[str] = frozenset()) -> dict:
+@dataclass(frozen=True)
+class SpeedOverrides:
+    """How ``--again`` predicts kept runs beside the speed their probes gave: the probes ``held`` at the
+    calibration's speed (of :data:`PROBES`), and compute probes followed to other ``powers`` (of
+    :data:`PROBE_RATIOS`: the factor is the probe's ratio to that power, as calibrate's fitted one is)."""
+
+    held: frozenset[str] = frozenset()
+    powers: tuple[tuple[str, float], ...] = ()
+
+    def speed(self, speed: dict) -> dict:
+        """A kept run's host_speed with these overrides."""
+        speed = dict(speed)
+        for probe, power in self.powers:
+            ratio = next((speed[key] for key in PROBE_RATIOS[probe] if speed.get(key) is not None), None)
+            speed[PROBES[probe]] = None if ratio is None else ratio ** power  # memory: None follows the matmuls
+        # a held compute probe: a factor of 1; a held collective probe: none (the collectives as calibrated)
+        return {**speed, **{PROBES[probe]: None if probe == "collective" else 1.0 for probe in self.held}}
+
+    def title(self) -> str:
+        """How a title says what was overridden: ", the eager probe held at the calibration's speed, ..."."""
+        held = sorted(self.held)
+        parts = [f"the {', '.join(held)} probe{'s' if len(held) > 1 else ''} held at the calibration's speed"] \
+            if held else []
+        parts += [f"the {probe} probe's ratio to the power {power:.2f}" for probe, power in self.powers]
+        return "".join(f", {part}" for part in parts)
+
+
+def predicted_again(run: dict, plan_args: list[str], cluster, overrides: SpeedOverrides = SpeedOverrides()) -> dict:
     """A kept run (``parsim compare --json``) with the step and phases predicted by the model as it is now, on
-    ``cluster`` at the host speed the run's probes measured, but for the probes ``held`` (of :data:`PROBES`),
-    taken at the calibration's speed; what was measured stays."""
+    ``cluster`` at the host speed the run's probes measured, but for the ``overrides``; what was measured
+    stays."""
     from parsim.cli.compare_plan import compare_phases, median_end_waits, stage_phases
     from parsim.cli.main import build_parser
     from parsim.cli.plan_cmd import plan_from_args
@@ -182,8 +218,7 @@ def predicted_again(run: dict, plan_args: list[str], cluster, held: frozenset[st
     plan = plan_from_args(build_parser().parse_args(["simulate", *plan_args]))
     speed = run.get("host_speed")
     if speed:
-        # a held compute probe: a factor of 1; a held collective probe: none (the collectives as calibrated)
-        speed = {**speed, **{PROBES[probe]: None if probe == "collective" else 1.0 for probe in held}}
+        speed = overrides.speed(speed)
         cluster = cluster.at_host_speed(speed["arithmetic_factor"], speed["eager_factor"], speed.get("memory_factor"))
         if speed.get("collective_factor"):  # JSON's keys are strings: the KiB
             cluster = cluster.at_collective_probe(tuple(sorted((int(kib), us * 1e-6)
@@ -244,6 +279,9 @@ def main() -> None:
                              "several DIRs: the model across them, stage by stage")
     parser.add_argument("--hold", nargs="+", choices=[*PROBES, "all"], default=[],
                         help="with --again: predict as if these host-speed probes had read the calibration's speed")
+    parser.add_argument("--power", nargs="+", metavar="PROBE=X", default=[],
+                        help="with --again: follow these compute probes (matmul, eager, memory) to the power X, "
+                             "0 to 1, instead of the run's (calibrate's fit, or 1 before it)")
     parser.add_argument("--repeat", nargs=2, metavar=("DIR_A", "DIR_B"),
                         help="run nothing: hold the measurements kept in DIR_A against DIR_B's")
     parser.add_argument("--json", action="store_true", help="print a JSON summary for scripts")
@@ -256,9 +294,11 @@ def main() -> None:
                  if value is not None and other != flag]
         if given:
             _fail(f"{flag} runs nothing, so {', '.join(given)} do{'es' if len(given) == 1 else ''} not apply")
-    if args.hold and args.again is None:
-        _fail("--hold predicts kept runs again: it goes with --again")
+    for flag, value in (("--hold", args.hold), ("--power", args.power)):
+        if value and args.again is None:
+            _fail(f"{flag} predicts kept runs again: it goes with --again")
     held = frozenset(PROBES if "all" in args.hold else args.hold)
+    overrides = SpeedOverrides(held, _powers(args.power, held))
     if args.repeat is not None:
         _print_repeat(*args.repeat, as_json=args.json)
         return
@@ -268,12 +308,12 @@ def main() -> None:
     if args.steps is not None and args.steps < 1:
         _fail(f"--steps must be at least 1, got {args.steps}")
     if args.again is not None and len(args.again) > 1:
-        _print_across([Path(folder) for folder in args.again], args.json, held)
+        _print_across([Path(folder) for folder in args.again], args.json, overrides)
         return
     if args.again is not None:
         out = Path(args.again[0])
-        cluster, runs = str(out / "host.yaml"), _kept_runs(out, held)
-        title = f"the runs kept in {out}, predicted again with this model on {cluster}{_holding(held)}"
+        cluster, runs = str(out / "host.yaml"), _kept_runs(out, overrides)
+        title = f"the runs kept in {out}, predicted again with this model on {cluster}{overrides.title()}"
     else:
         cluster, out, runs = _measure(args)
         title = f"{args.runs} runs of each plan on {cluster} (every run's JSON in {out})"
@@ -324,15 +364,28 @@ def across_sets(summaries: list[dict[str, dict]]) -> dict:
         for (label, pp, phase), rows in stages.items()]}
 
 
-def _holding(held: frozenset[str]) -> str:
-    """How a title says which probes were held at the calibration's speed."""
-    if not held:
-        return ""
-    return f", the {', '.join(sorted(held))} probe{'s' if len(held) > 1 else ''} held at the calibration's speed"
+def _powers(given: list[str], held: frozenset[str]) -> tuple[tuple[str, float], ...]:
+    """``--power``'s PROBE=X arguments, checked: a compute probe, not also held, and a power from 0 to 1."""
+    powers = []
+    for item in given:
+        probe, _, value = item.partition("=")
+        if probe not in PROBE_RATIOS:
+            _fail(f"--power {item}: the probe is one of {', '.join(PROBE_RATIOS)}")
+        if probe in held:
+            _fail(f"--power {item}: the {probe} probe is held (--hold) already")
+        try:
+            power = float(value)
+        except ValueError:
+            power = -1.0
+        if not 0.0 <= power <= 1.0:
+            _fail(f"--power {item}: the power is a number from 0 to 1")
+        powers.append((probe, power))
+    return tuple(powers)
 
 
-def _print_across(folders: list[Path], as_json: bool, held: frozenset[str] = frozenset()) -> None:
-    summaries = [{label: summarize(runs) for label, runs in _kept_runs(folder, held).items()} for folder in folders]
+def _print_across(folders: list[Path], as_json: bool, overrides: SpeedOverrides = SpeedOverrides()) -> None:
+    summaries = [{label: summarize(runs) for label, runs in _kept_runs(folder, overrides).items()}
+                 for folder in folders]
     across = across_sets(summaries)
     if as_json:
         print(json.dumps({"sets": [str(f) for f in folders], **across}, indent=1))
@@ -343,7 +396,7 @@ def _print_across(folders: list[Path], as_json: bool, held: frozenset[str] = fro
                        [[label, row["sets"], row["steps_within"], f"{row['median_step_error']:+.1%}",
                          row["phase_misses"], row["stage_misses"]] for label, row in across["plans"].items()],
                        title=f"the runs kept in {len(folders)} folders, each predicted again with this model on its "
-                             f"own calibration{_holding(held)}"))
+                             f"own calibration{overrides.title()}"))
     print()
     print(render_table(["plan", "stage", "phase", "median error", "sets outside 25%", "predicted (ms)",
                         "measured (ms)"],
@@ -403,12 +456,12 @@ def _measure(args: argparse.Namespace) -> tuple[str, Path, dict[str, list[dict]]
     return cluster, out, runs
 
 
-def _kept_runs(folder: Path, held: frozenset[str] = frozenset()) -> dict[str, list[dict]]:
-    """Each plan's runs kept in ``folder`` (``--out``), predicted again (:func:`predicted_again`, the probes
-    ``held`` at the calibration's speed) on the cluster file kept beside them."""
+def _kept_runs(folder: Path, overrides: SpeedOverrides = SpeedOverrides()) -> dict[str, list[dict]]:
+    """Each plan's runs kept in ``folder`` (``--out``), predicted again (:func:`predicted_again`, with the
+    ``overrides``) on the cluster file kept beside them."""
     cluster = _load_cluster(str(folder / "host.yaml"))
     arguments = {label: plan for label, plan, _ in PLANS}
-    return {label: [predicted_again(run, arguments[label], cluster, held) for run in runs]
+    return {label: [predicted_again(run, arguments[label], cluster, overrides) for run in runs]
             for label, runs in _runs_in(folder).items()}
 
 

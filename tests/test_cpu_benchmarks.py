@@ -116,6 +116,7 @@ def _benchmark(name: str):
 
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import does: a dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
@@ -201,6 +202,16 @@ def test_the_compare_loop_refuses_no_runs_and_a_bad_cluster_in_one_line_before_a
     done = script("benchmarks/cpu_compare_loop.py", "--hold", "eager")
     assert done.returncode == 2 and done.stderr == "cpu_compare_loop.py: --hold predicts kept runs again: it goes " \
         "with --again\n"
+    for args, said in ((["--power", "eager=0.5"], "--power predicts kept runs again: it goes with --again"),
+                       (["--again", "x", "--power", "collective=0.5"],
+                        "--power collective=0.5: the probe is one of matmul, eager, memory"),
+                       (["--again", "x", "--power", "eager=2"], "--power eager=2: the power is a number from 0 to 1"),
+                       (["--again", "x", "--power", "eager=half"],
+                        "--power eager=half: the power is a number from 0 to 1"),
+                       (["--again", "x", "--hold", "eager", "--power", "eager=0.5"],
+                        "--power eager=0.5: the eager probe is held (--hold) already")):
+        done = script("benchmarks/cpu_compare_loop.py", *args)
+        assert done.returncode == 2 and done.stderr == f"cpu_compare_loop.py: {said}\n"
     done = script("benchmarks/cpu_compare_loop.py", "--cluster", "nosuch.yaml")
     assert done.returncode == 2 and done.stderr.startswith("cpu_compare_loop.py: unknown cluster 'nosuch.yaml'")
     assert len(done.stderr.strip().splitlines()) == 1 and "run 1/" not in done.stderr
@@ -268,6 +279,22 @@ def test_the_compare_loop_predicts_kept_runs_again_with_the_model_as_it_is(tmp_p
     monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--again", str(tmp_path), "--hold", "memory"])
     loop.main()
     assert "the memory probe held at the calibration's speed" in capsys.readouterr().out
+    # --power: the probes' own ratios (a run from before the fits: its factors) to these powers
+    monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--again", str(tmp_path), "--hold", "eager", "--power",
+                                      "matmul=0.5", "memory=0", "--json"])
+    loop.main()
+    expected = predict_step(resolve_plan("tiny-pp2"), spec.at_host_speed(1.25 ** 0.5, 1.0, 1.0)).step_s
+    assert json.loads(capsys.readouterr().out)["plans"]["tiny PP"]["predicted_step_s"] == pytest.approx(expected)
+    # a run with calibrate's fitted powers: its ratios, not its factors, are raised
+    fitted = {**speed, "arithmetic_factor": 1.25 ** 0.2, "arithmetic_probe_factor": 1.25, "matmul_elasticity": 0.2}
+    (tmp_path / "tiny-pp-1.json").write_text(json.dumps({**kept, "host_speed": fitted}))
+    monkeypatch.setattr(sys, "argv", ["cpu_compare_loop.py", "--again", str(tmp_path), "--power", "matmul=1"])
+    loop.main()
+    out = capsys.readouterr().out
+    assert "predicted again with this model on " in out and out.splitlines()[0].endswith(
+        ", the matmul probe's ratio to the power 1.00")
+    expected = predict_step(resolve_plan("tiny-pp2"), spec.at_host_speed(1.25, 1.0, 0.8)).step_s
+    assert float(out.splitlines()[3].split()[2]) == pytest.approx(expected * 1e3, rel=1e-3)
 
 
 def test_the_compare_loop_takes_the_model_across_several_kept_loops_stage_by_stage(tmp_path, capsys, monkeypatch):
