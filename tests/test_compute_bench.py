@@ -397,10 +397,18 @@ def test_each_probe_reading_is_paired_with_the_work_it_stands_for_timed_after_it
     assert probe_pairs([], sampled) == {"matmul": [], "eager": [], "memory": []}
 
 
-def test_the_matmul_sample_is_one_call_of_each_shape_together_timed_as_the_sweep_times_them():
-    from executor.compute_bench import PAIRED_MATMULS, DEFAULT_SHAPES, measure_matmul_sample
+def test_the_matmul_sample_is_one_call_of_each_shape_together_timed_as_the_sweep_times_them(monkeypatch):
+    import executor.compute_bench as bench
 
-    assert set(PAIRED_MATMULS) <= set(DEFAULT_SHAPES)  # shapes of the sweep, never a plan's
-    one, both = (measure_matmul_sample(shapes, repeats=3) for shapes in (((32, 64, 64),),
-                                                                         ((32, 64, 64), (256, 512, 512))))
-    assert 0 < one < both  # the second shape has 128x the arithmetic
+    assert set(bench.PAIRED_MATMULS) <= set(bench.DEFAULT_SHAPES)  # shapes of the sweep, never a plan's
+    asked = []
+
+    def sweep(shapes, repeats):
+        asked.append((shapes, repeats))
+        return [(shape, 1e-3 * (i + 1)) for i, shape in enumerate(shapes)]
+
+    monkeypatch.setattr(bench, "measure_matmuls", sweep)
+    assert bench.measure_matmul_sample() == pytest.approx(6e-3)  # 1 + 2 + 3 ms: a call of each shape
+    assert asked == [(bench.PAIRED_MATMULS, 5)]
+    monkeypatch.undo()
+    assert bench.measure_matmul_sample(((32, 64, 64),), repeats=2) > 0  # the real sweep, one small shape
