@@ -346,6 +346,10 @@ def test_a_file_s_probe_elasticities_are_kept_and_refused_out_of_range_or_withou
     # 0 written (work that did not follow its probe at all), None not (compare follows the probe all the way)
     assert (written["speed_probe_matmul_elasticity"], written["speed_probe_eager_elasticity"]) == (0.2, 0.0)
     assert "speed_probe_memory_elasticity" not in written
+    # a power is written only beside its probe, so the file loads
+    two_probes = host_cluster(2, 1e-4, 1e9, 1e9, speed_probe=(50e9, 800e-6), elasticity={"memory": 0.5})
+    assert "speed_probe_memory_elasticity" not in two_probes["compute"]
+    assert parse_cluster(two_probes, "host.yaml").speed_probe_memory_elasticity == 1.0
     assert parse_cluster(cpu_host(**HOST_KEYS, **probes, speed_probe_eager_elasticity=0.0),
                          "host.yaml").speed_probe_eager_elasticity == 0.0
 

@@ -37,7 +37,8 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 
 from ..errors import ParsimError
-from ..hardware.cluster import CORE_ARITHMETIC_KINDS, CoreArithmetic, Curve, SharedCoreCosts, parse_cluster
+from ..hardware.cluster import (CORE_ARITHMETIC_KINDS, PROBE_KEYS, CoreArithmetic, Curve, SharedCoreCosts,
+                                parse_cluster)
 from ..report.results import CollectiveResult
 from ..sim.collectives.algorithms import build_phases
 from ..sim.collectives.simulate import time_phases
@@ -143,9 +144,9 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         "compute": {"matmul_efficiency": 1.0, "matmul_half_dim": float(matmul_half_dim),
                     "kernel_overhead_us": kernel_overhead_s * 1e6,
                     **{k: v for k, v in host_costs.items() if v},
-                    # 0 is a fit (the work did not follow its probe), not a figure left out
+                    # beside its probe; 0 is a fit (the work did not follow the probe), not a figure left out
                     **{f"speed_probe_{probe}_elasticity": float(power) for probe, power in (elasticity or {}).items()
-                       if speed_probe and power is not None}},
+                       if PROBE_KEYS[probe] in host_costs and power is not None}},
     }
 
 
@@ -467,7 +468,7 @@ def fit_dispatch(rows: list[dict], matmuls: ComputeModel) -> DispatchFit:
 
 # The compute probes (executor.speed_probe), each paired with the work it stands for: matmuls, eager ops' fixed
 # costs, memory-bound work (executor.compute_bench.probe_pairs).
-COMPUTE_PROBES = ("matmul", "eager", "memory")
+COMPUTE_PROBES = tuple(PROBE_KEYS)
 # The fewest readings, and the least spread of the probe's (sd of its log), a calibration fits a work's
 # elasticity on; with less, compare follows the probe all the way, as it did before the fit.
 ELASTICITY_MIN_READINGS, ELASTICITY_MIN_SPREAD = 6, 0.02
