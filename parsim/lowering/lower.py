@@ -337,17 +337,17 @@ class Lowering:
                 name_mb = f"{piece.name_head}{mb}{piece.name_tail}"
                 if piece.beside:  # on its own stream: starts once the compute-stream op before it ends
                     deps = gathered + ((last,) if last is not None else ())
-                    beside[piece.stream].append(self._add(rank, stamp(template, name_mb, deps)))
+                    beside[piece.stream].append(self._stamp(rank, template, name_mb, deps))
                 else:
-                    last, gathered = self._add(rank, stamp(template, name_mb, gathered)), ()
+                    last, gathered = self._stamp(rank, template, name_mb, gathered), ()
             else:
                 deps, gathered = gathered, ()
                 if piece.joins:
                     deps, beside[piece.joins] = deps + tuple(beside[piece.joins]), []
                 recompute = piece.phase == "recompute"
                 beside_of = beside["tp"][-1] if piece.beside_sms is not None else -1
-                last = self._add(rank, stamp(template, recompute_name if recompute else name, deps, beside_of,
-                                             through if hook_pending else (0, 0)))
+                last = self._stamp(rank, template, recompute_name if recompute else name, deps, beside_of,
+                                   through if hook_pending else (0, 0))
                 hook_pending = False
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
@@ -819,6 +819,19 @@ class Lowering:
                                   collective=collective, group="dp", ranks=group, mirrors=mirrors, nbytes=nbytes,
                                   phase="dp"))
 
+    def _stamp(self, rank: int, template: list, name: str, deps: tuple[int, ...], beside_of: int = -1,
+               fsdp_passes: tuple[int, int] = (0, 0)) -> int:
+        """:meth:`_add` an op from ``template`` (its fields in order, :meth:`_templates`) with its own name, deps,
+        the collective it runs beside and FSDP's hooks: a frontier step stamps hundreds of thousands of ops, and
+        positional fields build one three times as fast as keywords."""
+        ops, values = self.program.ops, template.copy()
+        op_id = len(ops)
+        values[_NAME], values[_DEPS], values[_BESIDE_OF], values[_FSDP_PASSES] = name, deps, beside_of, fsdp_passes
+        values[_ID], values[_RANK] = op_id, rank
+        ops.append(Op(*values))
+        self.rank_ids.append(op_id)
+        return op_id
+
     def _add(self, rank: int, op: Op) -> int:
         """Append ``op`` to ``rank``'s program (what :meth:`Program.add` does, without its lookups:
         a frontier step adds hundreds of thousands of ops, one rank at a time)."""
@@ -830,17 +843,8 @@ class Lowering:
 
 
 OP_FIELDS = tuple(field.name for field in dataclasses.fields(Op))
-_NAME, _DEPS, _BESIDE_OF, _FSDP_PASSES = (OP_FIELDS.index(f) for f in ("name", "deps", "beside_of", "fsdp_passes"))
-
-
-def stamp(template: list, name: str, deps: tuple[int, ...], beside_of: int = -1,
-          fsdp_passes: tuple[int, int] = (0, 0)) -> Op:
-    """An op from ``template`` (its fields in order, :meth:`Lowering._templates`) with its own name, deps, the
-    collective it runs beside and FSDP's hooks: a frontier step stamps hundreds of thousands of ops, and
-    positional fields build one three times as fast as keywords."""
-    values = template.copy()
-    values[_NAME], values[_DEPS], values[_BESIDE_OF], values[_FSDP_PASSES] = name, deps, beside_of, fsdp_passes
-    return Op(*values)
+_NAME, _DEPS, _BESIDE_OF, _FSDP_PASSES, _ID, _RANK = (
+    OP_FIELDS.index(f) for f in ("name", "deps", "beside_of", "fsdp_passes", "id", "rank"))
 
 
 def fold_joins(pieces: list[Piece]) -> list[Piece]:

@@ -41,6 +41,10 @@ class HeldSMs:
     def release(self, rank: int, op: int) -> None:
         del self.held[rank][op]
 
+    def holding(self, rank: int) -> bool:
+        """Whether any of the rank's collectives holds SMs now."""
+        return bool(self.held.get(rank))
+
     def seconds(self, rank: int, op: int, work_s: float) -> float:
         """Seconds compute op ``op`` takes for ``work_s`` of its work on every SM, beside the rank's collectives
         under way."""

@@ -360,13 +360,17 @@ class _Run:
             stream = (op.rank, op.stream)
             before = last.get(stream)
             last[stream] = i
+            deps = op.deps
             if before is None:
-                prereqs = op.deps
+                prereqs = tuple(dict.fromkeys(deps)) if len(deps) > 1 else deps
             else:
                 successor[before] = i
-                prereqs = (before, *op.deps) if op.deps else (before,)
-            if len(prereqs) > 1:
-                prereqs = tuple(dict.fromkeys(prereqs))
+                if not deps:
+                    prereqs = (before,)
+                elif len(deps) == 1 and deps[0] != before:  # (most ops: nothing to drop)
+                    prereqs = (before, deps[0])
+                else:
+                    prereqs = tuple(dict.fromkeys((before, *deps)))
             waiting[i] = len(prereqs)
             prereqs_of.append(prereqs)
             for p in prereqs:
@@ -395,9 +399,10 @@ class _Run:
             if m < 0 or fixed[k] is None or fixed[m] is None or self.lead[k] or len(prereqs[k]) != 1:
                 continue
             stream, closed = ops[j].stream, comm[j].closed_form_s if comm[j] is not None else None
-            if (closed is None or ops[j].joins or prereqs[k][0] not in prereqs[j] or set(prereqs[m]) != {k, j}
-                    or any(q != prereqs[k][0] and ops[q].stream != stream for q in prereqs[j])
-                    or any(d != m and ops[d].stream != stream for d in dependents[j])):
+            before = prereqs[k][0]
+            if (closed is None or ops[j].joins or before not in prereqs[j] or set(prereqs[m]) != {k, j}
+                    or not _on_stream(ops, prereqs[j], stream, before)
+                    or not _on_stream(ops, dependents[j], stream, m)):
                 continue
             for q in prereqs[j]:
                 if q not in self.absorbed:  # (an absorbed one let go of its dependents)
@@ -614,16 +619,21 @@ class _Run:
         """The ops chained after ``last`` (see _link_prerequisites), which ends at ``end``: each starts as the one
         before it ends (a join no sooner than its absorbed collective). Returns the chain's last op and its end;
         with ``count``, the others are counted finished (they end by the chain's timing alone)."""
-        while self.through[last]:
-            self.end[last] = end
-            if count:
-                self.finished += 1
-            last = self.dependents[last][0]
-            hold = self.holds.get(last)
+        through, ends, starts, dependents, holds = self.through, self.end, self.start, self.dependents, self.holds
+        # nothing held on the rank now: every op takes its fixed time (what _timed returns then), without the calls
+        timed = self._timed if self.held.holding(self.ops[last].rank) else self.fixed.__getitem__
+        chained = 0
+        while through[last]:
+            ends[last] = end
+            chained += 1
+            last = dependents[last][0]
+            hold = holds.get(last)
             if hold is not None:
-                end = max(end, self.start[hold[0]] + hold[1])
-            self.start[last] = end
-            end += self._timed(last)
+                end = max(end, starts[hold[0]] + hold[1])
+            starts[last] = end
+            end += timed(last)
+        if count:
+            self.finished += chained
         return last, end
 
     def _chain_ends(self, rank: int, last: int, end: float) -> None:
@@ -810,17 +820,21 @@ class _Run:
         # host's time before it, which the trace leaves idle. Event args are built once per op shape (the
         # lowering's templates share their matmuls), copied per event.
         events, args_of = [], {}
+        add = events.append
         for i, op in enumerate(self.ops):
             # No op begins after it ends: a chained op's start is a sum of durations, its end the clock's time
             # then, and the two can differ in the last bit. Left so, an instant op would sort after the op that
             # follows it on its stream and seem to overlap it.
-            begins = min(start[i] + lead[i], end[i])
+            begins, ends = start[i] + lead[i], end[i]
+            if begins > ends:
+                begins = ends
             key = (id(op.matmuls), _event_shape(op))
             args = args_of.get(key)
             if args is None:
                 args = args_of[key] = _args(op)
-            events.append(Event(op.name, op.rank, "p2p" if op.kind == "recv" else op.stream, op.kind, begins,
-                                end[i] - begins, args.copy()))
+            kind = op.kind
+            add(Event(op.name, op.rank, "p2p" if kind == "recv" else op.stream, kind, begins, ends - begins,
+                      args.copy()))
         events.sort(key=by_rank_and_start)
         meta = dict(meta or {})
         if self.held is not None:
@@ -909,6 +923,14 @@ def _time_args(op: Op, stream_apart: bool) -> tuple:
     """Compute op ``op``'s arguments of :meth:`ComputeModel.time <parsim.sim.compute.ComputeModel.time>`, in order."""
     work = _op_work(op)
     return (*work[:_APART], stream_apart, *work[_APART:])
+
+
+def _on_stream(ops: list[Op], ids, stream: str, but: int) -> bool:
+    """Whether every op of ``ids`` other than ``but`` runs on ``stream``."""
+    for q in ids:
+        if q != but and ops[q].stream != stream:
+            return False
+    return True
 
 
 def _stall_message(program: Program, end: list[float]) -> str:
