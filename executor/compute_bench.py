@@ -350,12 +350,19 @@ def measure_matmuls(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *,
     runs them in a training step: a run of calls, each on its own weight and each output kept (a step
     keeps its activations and gradients, so each is written to memory of its own), weights and outputs
     together larger than the caches, and the run starting behind caches full of written data (as the
-    forward starts after the optimizer, or the backward after the loss). Each repeat writes
+    forward starts after the optimizer, or the backward after the loss). Each timing writes
     ``footprint_bytes / 2`` of other memory, then times a run of up to 64 calls (enough for their
-    weights and outputs to fill ``footprint_bytes``, or to last about ``RUN_S``); seconds per call."""
+    weights and outputs to fill ``footprint_bytes``, or to last about ``RUN_S``); seconds per call.
+
+    The shapes take turns, one run of each per round, so every shape's median spans the same moments of
+    a host whose speed drifts over seconds: timed one shape after another, a slow spell fell on a few
+    shapes alone and bent the fitted shape model. On the 2-core AMD VM (2026-12-01, two ranks, three
+    sweeps each way, alternating) the fit's median |residual| was 7.0-7.8% one shape after another and
+    2.7-3.3% in turns, and a 64 x 1024 x 1024 matmul left out of the fit came out -3.6%, +9.4% and +10.8%
+    off against +2.5%, +1.8% and +3.6%."""
     torch = require_torch()
     dirty = torch.zeros(footprint_bytes // 8)
-    rows = []
+    runs = []  # per shape: its input and its run's weights
     for m, n, k in shapes:
         x = torch.full((m, k), 0.01)
         start = time.perf_counter()
@@ -364,17 +371,17 @@ def measure_matmuls(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *,
         # Enough calls for their weights to fill the footprint, within about RUN_S (big shapes are compute-bound).
         run = _agree(max(2, min(64, math.ceil(footprint_bytes / ((k * n + m * n) * 4)),
                                 int(RUN_S / max(once, 1e-7)))))
-        ws = list(torch.full((run, k, n), 0.02).unbind(0))
-        _barrier()
-        times = []
-        for _ in range(repeats):
+        runs.append((x, list(torch.full((run, k, n), 0.02).unbind(0))))
+    times: list[list[float]] = [[] for _ in shapes]
+    for _ in range(repeats):
+        for (x, ws), seconds in zip(runs, times):
+            _barrier()
             dirty.add_(1.0)
             start = time.perf_counter()
             outputs = [torch.matmul(x, w) for w in ws]
-            times.append((time.perf_counter() - start) / run)
+            seconds.append((time.perf_counter() - start) / len(ws))
             del outputs
-        rows.append(((m, n, k), statistics.median(times)))
-    return rows
+    return [((m, n, k), statistics.median(seconds)) for (m, n, k), seconds in zip(shapes, times)]
 
 
 # ----------------------------------------------------------------------------- eager dispatch
