@@ -412,3 +412,25 @@ def test_the_matmul_sample_is_one_call_of_each_shape_together_timed_as_the_sweep
     assert asked == [(bench.PAIRED_MATMULS, 5)]
     monkeypatch.undo()
     assert bench.measure_matmul_sample(((32, 64, 64),), repeats=2) > 0  # the real sweep, one small shape
+
+
+def test_the_matmul_sweep_times_its_shapes_in_turns_a_run_of_each_per_round(monkeypatch):
+    import torch
+
+    import executor.compute_bench as bench
+
+    shapes, calls = ((8, 16, 32), (4, 8, 16)), []  # (m, n, k)
+    real = torch.matmul
+
+    def matmul(x, w):
+        calls.append((x.shape[0], w.shape[1], x.shape[1]))
+        return real(x, w)
+
+    monkeypatch.setattr(torch, "matmul", matmul)
+    rows = bench.measure_matmuls(shapes, footprint_bytes=1 << 12, repeats=3)
+    assert [shape for shape, _ in rows] == list(shapes) and all(seconds > 0 for _, seconds in rows)
+    runs = []  # the timed runs in order: a shape each, whatever its calls
+    for shape in calls[len(shapes):]:  # (after each shape's one warm-up call)
+        if not runs or runs[-1] != shape:
+            runs.append(shape)
+    assert runs == list(shapes) * 3  # round after round, each shape once, never one shape's repeats in a row
