@@ -858,6 +858,10 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert (written.matmul_stream_bw_Bps, written.matmul_write_bw_Bps) == pytest.approx((15e9, 45e9), rel=0.1)
     assert (f"weights stream in at {written.matmul_stream_bw_Bps / 1e9:.1f} GB/s and outputs out at "
             f"{written.matmul_write_bw_Bps / 1e9:.1f} GB/s") in text
+    # the fit against the matmul probe at the probe's own shape (64 x 1024 x 1024 at 50 GFLOP/s: 2.68 ms a call)
+    fitted = ComputeModel.for_cluster(written, "fp32", 4, 1, 0).matmul_time(64, 1024, 1024)
+    assert (f"matmul check      the fit puts the matmul probe's 64x1024x1024 at {fitted * 1e3:.2f} ms a call, the "
+            f"probe read 2.68 ms (x{fitted / 2.68435456e-3:.2f}; ") in text
     # the medians over ranks at each size: a rank's gap read off them by its gradients
     assert written.action_overhead == ((4096, pytest.approx(30e-6)), (16384, pytest.approx(120e-6)))
     assert written.p2p_issue == ((128, pytest.approx(50e-6)), (4608, pytest.approx(150e-6)))
@@ -915,6 +919,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"], doc["speed_probe_memory_GBps"]) == \
         pytest.approx((50.0, 800.0, 20.0))
     assert (doc["matmul_stream_bw_GBps"], doc["matmul_write_bw_GBps"]) == pytest.approx((15.0, 45.0), rel=0.1)
+    assert doc["matmul_probe_shape_ms"] == {"shape": [64, 1024, 1024], "fitted": pytest.approx(fitted * 1e3),
+                                            "probe": pytest.approx(2.68435456)}
     assert doc["action_overhead_us"] == pytest.approx({"4096": 30.0, "16384": 120.0})
     assert doc["p2p_issue_us"] == pytest.approx({"128": 50.0, "4608": 150.0})
     assert doc["p2p_rendezvous_us"] == pytest.approx({"128": 100.0, "4608": 300.0})
@@ -1016,3 +1022,19 @@ def test_calibrate_says_which_probe_s_power_it_could_not_fit():
     assert text.startswith("matmul 0.20, eager all the way (too few readings or too little spread to fit), "
                            "memory 0.00 (")
     assert "log-log slopes over 3 / 14 readings" in text
+
+
+def test_a_matmul_fit_off_the_probe_at_the_probe_s_own_shape_draws_a_note(monkeypatch, tmp_path, capsys):
+    """The faked host's matmuls put the probe's 64 x 1024 x 1024 at 2.48 ms a call, its probe read 2.68 ms
+    (50 GFLOP/s): 7.5% apart, a note once the tolerance is 5%, none at calibrate's own 10%."""
+    import parsim.cli.calibrate_cmd as calibrate_cmd
+
+    _fake_calibration(monkeypatch)
+    out = tmp_path / "host.yaml"
+    assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce"]) == 0
+    assert "matmul fit puts" not in capsys.readouterr().err
+    monkeypatch.setattr(calibrate_cmd, "PROBE_SHAPE_TOLERANCE", 0.05)
+    assert main(["calibrate", "--out", str(out), "--backend", "gloo", "--ops", "all-reduce"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "matmul fit puts" in line]
+    assert len(notes) == 1 and "the probe's 64x1024x1024 at 2.4" in notes[0] and "the probe read 2.68 ms" in notes[0]
+    assert "priced -7% off" in notes[0] or "priced -8% off" in notes[0]

@@ -432,6 +432,17 @@ def _matmul_fit(shapes: np.ndarray, times: np.ndarray, best: tuple[float, float,
                      float(1.0 / streams[1]) if write else None, float(coef[-1]) if call else 0.0)
 
 
+def probe_shape_seconds(matmul: MatmulFit, probe_flops: float, shape: tuple[int, int, int]) -> tuple[float, float]:
+    """One call of the matmul probe's ``shape`` (m, n, k): its seconds by the fitted model, and at the probe's
+    median reading ``probe_flops``. The probe times that one shape beside the sweep all through a calibration, so
+    the two should agree; where they do not, the fit is off at that shape. On the 2-core AMD VM the ratio ran
+    0.85-1.10 over sets GA-GP (each shape's runs timed in a row), and course DDP's forward, four matmuls of the
+    probe's shape, came out short as far (correlation 0.70 over the 16 sets; docs/calibration.md, "The
+    forward's matmul, and the sweep in turns")."""
+    m, n, k = shape
+    return matmul.model().matmul_time(m, n, k), 2.0 * m * n * k / probe_flops
+
+
 @dataclass
 class DispatchFit:
     forward_s: float  # fixed cost of one op dispatched in a forward

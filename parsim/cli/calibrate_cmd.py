@@ -17,7 +17,7 @@ from ..calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
 from ..calibrate.host import (COMPUTE_PROBES, core_cache_bytes, fit_alone_memory, fit_core_arithmetic, fit_dispatch,
                               fit_elementwise, fit_fsdp_host, fit_links, fit_matmul, fit_one_core_collective,
                               fit_operation, fit_optimizer, fit_probe_elasticity, fit_rank_jitter, fit_step_overhead,
-                              fit_tp_calls, fit_zero_grad, host_cluster, step_overhead_us)
+                              fit_tp_calls, fit_zero_grad, host_cluster, probe_shape_seconds, step_overhead_us)
 from ..calibrate.host_load import ForeignLoad
 from ..calibrate.shared_pipeline import GenericSteps, fit_comm_stretch, generic_pipeline
 from ..errors import ParsimError
@@ -166,6 +166,8 @@ FIT_OPS = "all-reduce,send-recv,all-gather,reduce-scatter,broadcast"
 # and one calibration's single round put the links a third under the others' (set BV in docs/calibration.md).
 COLLECTIVE_ROUNDS = 3
 PROBE_READINGS = 3  # the collective probe's readings each round (its median over every round's is kept)
+# The matmul fit this far off the probe at the probe's own shape draws a note: the sweep saw the host's speed move.
+PROBE_SHAPE_TOLERANCE = 0.1
 
 
 def register(subparsers) -> None:
@@ -193,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
                                       measure_in_step, measure_reduce_bandwidth)
     from executor.compute_bench import measure_generic_pipeline, measure_on_every_rank, measure_on_shared_cores
     from executor.launch import check_request, resolve_backend, usable_cores
+    from executor.speed_probe import SHAPE as PROBE_SHAPE
     from executor.speed_probe import measure_collective_probe, median_reading
 
     try:
@@ -277,6 +280,14 @@ def run(args: argparse.Namespace) -> int:
     probe_pairs = {probe: [tuple(pair) for rank in per_rank for pair in rank["probe_pairs"][probe]]
                    for probe in COMPUTE_PROBES}
     elasticity = {probe: fit_probe_elasticity(pairs) for probe, pairs in probe_pairs.items()}
+    probe_m, probe_k, probe_n = PROBE_SHAPE
+    probe_shape = (probe_m, probe_n, probe_k)
+    fitted_probe_s, probe_s = probe_shape_seconds(matmul, probe_flops, probe_shape)
+    if abs(fitted_probe_s / probe_s - 1) > PROBE_SHAPE_TOLERANCE:
+        note(f"the matmul fit puts the probe's {_shape_text(probe_shape)} at {fitted_probe_s * 1e3:.2f} ms a "
+             f"call, the probe read {probe_s * 1e3:.2f} ms: matmuls near that shape will be priced "
+             f"{fitted_probe_s / probe_s - 1:+.0%} off (the sweep saw the host at another speed than the probe, or "
+             f"the shape model misses it); calibrate again on a quieter host for a steadier fit")
     shared = _shared_cores(shared_rows, probe_flops, probe_eager_s)
     algorithms = _backend_algorithms(backend)
     link_ops = {"all_reduce", "send_recv"}
@@ -370,6 +381,8 @@ def run(args: argparse.Namespace) -> int:
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
                     "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
                     "matmul_write_bw_GBps": matmul.write_bw_Bps / 1e9 if matmul.write_bw_Bps else None,
+                    "matmul_probe_shape_ms": {"shape": list(probe_shape), "fitted": fitted_probe_s * 1e3,
+                                              "probe": probe_s * 1e3},
                     "collective_efficiency": efficiency,
                     "collective_cache_KiB": cache_bytes / 1024 if cache_speedup else None,
                     "collective_cache_speedup": cache_speedup or None,
@@ -449,6 +462,9 @@ def run(args: argparse.Namespace) -> int:
         stream = f", weights stream in and outputs out at {matmul.stream_bw_Bps / 1e9:.1f} GB/s"
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
           f"{matmul.half_dim:.0f}{stream} (median |error| {matmul.median_abs_error:.1%})")
+    print(f"matmul check      the fit puts the matmul probe's {_shape_text(probe_shape)} at {fitted_probe_s * 1e3:.2f} "
+          f"ms a call, the probe read {probe_s * 1e3:.2f} ms (x{fitted_probe_s / probe_s:.2f}; a model whose layers "
+          f"run this shape is priced as the fit has it)")
     for op, e in efficiency.items():
         extra = f", {_between_compute(step_overhead[op])}" if op in step_overhead else ""
         cached = (f", {cache_speedup[op]:.2f}x as fast up to {format_size(cache_bytes)} (a core's L2)"
@@ -465,6 +481,12 @@ def run(args: argparse.Namespace) -> int:
               f"the fits describe; `parsim compare` times it again and moves the collectives by it)")
     print(f"wrote {args.out}: use it as --cluster {args.out}")
     return 0
+
+
+def _shape_text(shape: tuple[int, int, int]) -> str:
+    """A matmul's (m, n, k) as m x k x n: its input's rows and width, and its output's width."""
+    m, n, k = shape
+    return f"{m}x{k}x{n}"
 
 
 def _elasticity_text(elasticity: dict[str, float | None], pairs: dict[str, list]) -> str:
