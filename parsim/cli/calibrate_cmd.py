@@ -166,7 +166,7 @@ FIT_OPS = "all-reduce,send-recv,all-gather,reduce-scatter,broadcast"
 # and one calibration's single round put the links a third under the others' (set BV in docs/calibration.md).
 COLLECTIVE_ROUNDS = 3
 PROBE_READINGS = 3  # the collective probe's readings each round (its median over every round's is kept)
-# The matmul fit this far off the probe at the probe's own shape draws a note: the sweep saw the host's speed move.
+# The matmul fit this far off the probe at the probe's own shape draws a note (calibrate.host.probe_shape_seconds).
 PROBE_SHAPE_TOLERANCE = 0.1
 
 
