@@ -551,17 +551,8 @@ class _Run:
             elif duration is not None and self.ops[i].stream == "compute":
                 self._start_chain(i, now)
                 return
-        if duration is not None:
-            end, last = now + duration, i
-            while self.through[last]:  # the chain of ops that follow at once (see _link_prerequisites)
-                self.end[last] = end
-                self.finished += 1
-                last = self.dependents[last][0]
-                hold = self.holds.get(last)
-                if hold is not None:  # a join: no sooner than the absorbed collective beside it ends
-                    end = max(end, self.start[hold[0]] + hold[1])
-                self.start[last] = end
-                end += self.fixed[last]
+        if duration is not None:  # with the chain of ops that follow at once (see _link_prerequisites)
+            last, end = self._chain_from(i, now + duration, count=True)
             self._after(end - now, lambda: self._finish(last))
         elif self.lead[i]:
             self._after(self.lead[i], lambda: self._proceed(i))
@@ -621,7 +612,8 @@ class _Run:
         with ``count``, the others are counted finished (they end by the chain's timing alone)."""
         through, ends, starts, dependents, holds = self.through, self.end, self.start, self.dependents, self.holds
         # nothing held on the rank now: every op takes its fixed time (what _timed returns then), without the calls
-        timed = self._timed if self.held.holding(self.ops[last].rank) else self.fixed.__getitem__
+        holding = self.held is not None and self.held.holding(self.ops[last].rank)
+        timed = self._timed if holding else self.fixed.__getitem__
         chained = 0
         while through[last]:
             ends[last] = end
