@@ -387,6 +387,7 @@ def measure_matmuls(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *,
 # ----------------------------------------------------------------------------- eager dispatch
 # small: fixed costs, not arithmetic, dominate; SEQUENCES of TOKENS each pass
 WIDTH, TOKENS, SEQUENCES, DEPTH, HEADS, KV_HEADS = 32, 16, 2, 8, 4, 2
+PASS_DEPTHS = (DEPTH, 1)  # the stacks' blocks: a pass's cost beyond its ops is what one block's adds
 
 # The two decoder layers the eager blocks are made of: the reference implementation's (executor/train/models.py,
 # whose ops parsim.lowering.eager_ops counts) in its two common configurations, at WIDTH, never a plan's model.
@@ -396,8 +397,8 @@ REFERENCE_LAYERS = {
 }
 
 
-def _eager_blocks() -> dict[str, tuple[Any, list[tuple[int, int, int]]]]:
-    """name -> (a stack of ``DEPTH`` blocks, the matmuls one forward runs as (m, n, k)).
+def _eager_blocks(depth: int = DEPTH) -> dict[str, tuple[Any, list[tuple[int, int, int]]]]:
+    """name -> (a stack of ``depth`` blocks, the matmuls one forward runs as (m, n, k)).
 
     The blocks are the reference implementation's decoder layers (:data:`REFERENCE_LAYERS`), so the cost per op
     is that of the ops :mod:`parsim.lowering.eager_ops` counts, and a chain of elementwise ops. The dispatch
@@ -422,13 +423,13 @@ def _eager_blocks() -> dict[str, tuple[Any, list[tuple[int, int, int]]]]:
         for core in (block.core for block in layer.blocks if block.core is not None):  # scores, then their values
             matmuls += [(core.seq, core.seq, core.head_dim), (core.seq, core.head_dim, core.seq)] * (SEQUENCES
                                                                                                   * core.heads)
-        blocks[name] = (nn.Sequential(*[DecoderLayer(spec) for _ in range(DEPTH)]), matmuls * DEPTH)
+        blocks[name] = (nn.Sequential(*[DecoderLayer(spec) for _ in range(depth)]), matmuls * depth)
 
     class Elementwise(nn.Module):  # activations, scalar arithmetic and a reduction
         def forward(self, x):
             return torch.tanh(x * 0.5 + torch.sigmoid(x)) - x.mean(-1, keepdim=True)
 
-    return {**blocks, "elementwise": (nn.Sequential(*[Elementwise() for _ in range(DEPTH)]), [])}
+    return {**blocks, "elementwise": (nn.Sequential(*[Elementwise() for _ in range(depth)]), [])}
 
 
 def count_ops(fn: Callable[[], Any]) -> tuple[Any, int]:
@@ -500,43 +501,63 @@ def passes_after_dirty_caches(forward: Callable[[], Any], backward: Callable[[An
     over its own run of repeats (forward alone, then forward and backward): that took in the host's drift
     between the runs, and one calibration on the 2-core AMD VM (2026-11-27, set BN) priced a backward op at
     7.2 us against 10.5-13.8 in the six before it."""
+    return passes_in_turns([(forward, backward)], repeats, footprint_bytes, sync)[0]
+
+
+def passes_in_turns(passes: Sequence[tuple[Callable[[], Any], Callable[[Any], Any]]], repeats: int = REPEATS,
+                    footprint_bytes: int = COLD_FOOTPRINT_BYTES, sync: Callable[[], None] = lambda: None
+                    ) -> list[tuple[float, float]]:
+    """:func:`passes_after_dirty_caches` of several (forward, backward) pairs, in turns: each of ``repeats``
+    rounds times one forward and its backward of every pair, each behind the dirty write, so a slow spell of
+    the host falls on all of them alike (as :func:`measure_matmuls` times its shapes). Medians, per pair."""
     torch = require_torch()
     dirty = torch.zeros(footprint_bytes // 8)
-    backward(forward())
+    for forward, backward in passes:
+        backward(forward())
     _barrier()
-    forward_s, backward_s = [], []
+    times: list[tuple[list[float], list[float]]] = [([], []) for _ in passes]
     for _ in range(repeats):
-        dirty.add_(1.0)
-        sync()
-        start = time.perf_counter()
-        out = forward()
-        sync()
-        middle = time.perf_counter()
-        backward(out)
-        sync()
-        forward_s.append(middle - start)
-        backward_s.append(time.perf_counter() - middle)
-    return statistics.median(forward_s), statistics.median(backward_s)
+        for (forward, backward), (forward_s, backward_s) in zip(passes, times):
+            dirty.add_(1.0)
+            sync()
+            start = time.perf_counter()
+            out = forward()
+            sync()
+            middle = time.perf_counter()
+            backward(out)
+            sync()
+            forward_s.append(middle - start)
+            backward_s.append(time.perf_counter() - middle)
+    return [(statistics.median(f), statistics.median(b)) for f, b in times]
 
 
 def measure_dispatch(device: Any = "cpu") -> list[dict]:
-    """Per block stack (:func:`_eager_blocks`): forward and backward seconds (medians, each run behind dirty
-    caches as a step's actions are), the ATen ops of each, and its matmuls. On a GPU the blocks are so small that the
-    kernels wait on the host: the times are the host's (Python, dispatch, autograd and launches)."""
+    """Per block stack (:func:`_eager_blocks`), of ``DEPTH`` blocks and of one: forward and backward seconds
+    (medians over rounds that time every stack in turn, each run behind dirty caches as a step's actions are),
+    the ATen ops of each, its matmuls and its blocks (``layers``). On a GPU the blocks are so small that the
+    kernels wait on the host: the times are the host's (Python, dispatch, autograd and launches).
+
+    The stacks of one block give what a pass costs beyond its ops (:func:`parsim.calibrate.host.fit_dispatch`):
+    its first layer runs colder than the identical ones after it. On the 2-core AMD VM (2026-12-01), decoder
+    layers 32 wide timed in turns behind dirty caches, stacks of 1, 2, 4 and 8 took 0.4-0.75 ms forward and
+    0.15-0.21 ms backward beyond their per-layer time (0.8-0.95 and 0.3-0.43 at 64 wide)."""
     torch = require_torch()
     sync = synchronizer(device)
-    rows = []
-    for name, (stack, matmuls) in _eager_blocks().items():
-        stack = stack.to(device)
-        x = torch.randn(SEQUENCES, TOKENS, WIDTH, device=device, requires_grad=True)
-        grad = torch.randn(SEQUENCES, TOKENS, WIDTH, device=device)
-        out, forward_ops = count_ops(lambda: stack(x))
-        _, backward_ops = count_ops(lambda: torch.autograd.backward(out, grad))
-        forward_s, backward_s = passes_after_dirty_caches(lambda: stack(x), lambda y: torch.autograd.backward(y, grad),
-                                                          sync=sync)
-        rows.append({"name": name, "forward_s": forward_s, "backward_s": backward_s,
-                     "forward_ops": forward_ops, "backward_ops": backward_ops - 1,  # less x's own accumulation
-                     "matmuls": matmuls})
+    rows, passes = [], []
+    for depth in PASS_DEPTHS:
+        for name, (stack, matmuls) in _eager_blocks(depth).items():
+            stack = stack.to(device)
+            x = torch.randn(SEQUENCES, TOKENS, WIDTH, device=device, requires_grad=True)
+            grad = torch.randn(SEQUENCES, TOKENS, WIDTH, device=device)
+            out, forward_ops = count_ops(lambda: stack(x))
+            _, backward_ops = count_ops(lambda: torch.autograd.backward(out, grad))
+            passes.append((lambda stack=stack, x=x: stack(x),
+                           lambda y, grad=grad: torch.autograd.backward(y, grad)))
+            rows.append({"name": name, "layers": depth, "forward_ops": forward_ops,
+                         "backward_ops": backward_ops - 1,  # less x's own accumulation
+                         "matmuls": matmuls})
+    for row, (forward_s, backward_s) in zip(rows, passes_in_turns(passes, sync=sync)):
+        row.update(forward_s=forward_s, backward_s=backward_s)
     return rows
 
 

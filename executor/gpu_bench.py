@@ -23,7 +23,7 @@ from parsim.lowering.lower import FP32, FUSED_ADAMW_ACCESSES
 from parsim.workload.model import AttentionCore, flash_softmax_factor
 
 from ._torch import require_torch
-from .compute_bench import measure_dispatch, measure_optimizer, synchronizer
+from .compute_bench import DEPTH, measure_dispatch, measure_optimizer, synchronizer
 
 torch = require_torch()
 F = torch.nn.functional
@@ -282,6 +282,8 @@ def host_rows(device) -> list[dict]:
     tensors."""
     rows = []
     for r in measure_dispatch(device):
+        if r["layers"] != DEPTH:  # a GPU's host time per op is pooled over the deep stacks alone
+            continue
         for p in ("forward", "backward"):
             rows.append(row("host", f"{r['name']}, {p}", r[f"{p}_s"], {"pass": p, "ops": r[f"{p}_ops"]}))
     for tensors, numel, seconds in measure_optimizer([(n, 256) for n in OPTIMIZER_TENSORS], device):

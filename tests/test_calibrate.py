@@ -566,10 +566,10 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     truth = ComputeModel(peak_flops=70e9, hbm_bw_Bps=1e12, dtype_bytes=4, half_dim=8.0, matmul_stream_bw_Bps=15e9,
                          matmul_write_bw_Bps=45e9)
     shapes = [(32, 64, 64), (128, 128, 128), (32, 1024, 1024), (512, 512, 512), (1024, 1024, 32), (64, 4096, 1024)]
-    dispatch = [{"name": "mlp", "forward_s": 88 * 7e-6, "backward_s": 232 * 5e-6, "forward_ops": 88,
-                 "backward_ops": 232, "matmuls": []},
-                {"name": "chain", "forward_s": 64 * 7e-6, "backward_s": 120 * 5e-6, "forward_ops": 64,
-                 "backward_ops": 120, "matmuls": []}]
+    # stacks of eight blocks and of one: 7 and 5 us an op, and 600 and 200 us a pass beyond its ops
+    dispatch = [{"name": name, "layers": layers, "forward_s": 600e-6 + layers * f * 7e-6,
+                 "backward_s": 200e-6 + layers * b * 5e-6, "forward_ops": layers * f, "backward_ops": layers * b,
+                 "matmuls": []} for layers in (8, 1) for name, f, b in (("mlp", 11, 29), ("chain", 8, 15))]
     # each kind's arithmetic at (forward, backward) ns per element, on top of its ops' fixed costs
     kinds = [{"kind": kind, "forward_s": 2 * 7e-6 + 2 * 65536 * fwd * 1e-9, "backward_s": 5e-6 + 3 * 65536 * bwd * 1e-9,
               "forward_ops": 2, "backward_ops": 1, "elements": 65536}
@@ -896,7 +896,10 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
         assert getattr(written.core_arithmetic, kind) == pytest.approx(tuple(x * 1e-9 for x in figures))
     assert (written.gpu.hbm_bw_Bps, written.memory_alone_bw_Bps, written.memory_host_bw_Bps) == pytest.approx(
         (20e9, 32e9, 40e9))
-    assert "per-op overhead   7.0 us forward, 5.0 us backward (eager decoder layers, every rank at once)" in text
+    assert "per-op overhead   7.0 us forward, 5.0 us backward, and 600 / 200 us per forward / backward pass (eager " \
+           "decoder layers in stacks of many and of one, every rank at once" in text
+    assert (written.op_forward_s, written.op_backward_s, *written.pass_s) == pytest.approx((7e-6, 5e-6, 600e-6,
+                                                                                            200e-6))
     # the elementwise chain's counted bytes, 5 x 7 x 64 Ki x 4, over the 0.5 ms beyond its ops' fixed costs
     assert "elementwise       18.35 GB/s (products, sums, a rotation: bytes-bound kernels" in text
     assert "tensor-parallel   120 us forward, 70 us backward per collective call beyond the collective" in text
@@ -943,6 +946,7 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert (doc["fsdp_unshard_us"], doc["fsdp_reduce_us"], doc["fsdp_optimizer_tensor_us"]) == pytest.approx(
         (400.0, 250.0, 300.0))
     assert doc["fsdp_pass_us"] == pytest.approx({"forward": 150.0, "backward": 90.0})
+    assert doc["pass_us"] == pytest.approx({"forward": 600.0, "backward": 200.0})
 
 
 def test_shared_cores_stretch_against_the_compute_benchmarks_probes_without_one_per_core_probes():

@@ -250,8 +250,15 @@ def test_the_cost_per_op_is_timed_on_the_reference_layers_whose_ops_the_simulato
     from executor.compute_bench import DEPTH, measure_dispatch
     from parsim.lowering.eager_ops import transformer_layer_ops
 
-    rows = {row["name"]: row for row in measure_dispatch()}
-    assert list(rows) == ["llama layer", "gpt layer", "elementwise"]
+    measured = measure_dispatch()
+    names = ["llama layer", "gpt layer", "elementwise"]
+    assert [(row["name"], row["layers"]) for row in measured] == [(n, d) for d in (DEPTH, 1) for n in names]
+    rows = {row["name"]: row for row in measured if row["layers"] == DEPTH}
+    one = {row["name"]: row for row in measured if row["layers"] == 1}  # a pass's own cost: stacks of one block
+    for name in names:
+        assert (rows[name]["forward_ops"], rows[name]["backward_ops"]) == (DEPTH * one[name]["forward_ops"],
+                                                                          DEPTH * one[name]["backward_ops"])
+        assert one[name]["forward_s"] > 0 and one[name]["backward_s"] > 0
     for name, counts in (("llama layer", transformer_layer_ops(True, "swiglu", True)),
                          ("gpt layer", transformer_layer_ops(False, "gelu", False))):
         (attention_forward, attention_backward), (ffn_forward, ffn_backward) = counts
@@ -412,6 +419,22 @@ def test_the_matmul_sample_is_one_call_of_each_shape_together_timed_as_the_sweep
     assert asked == [(bench.PAIRED_MATMULS, 5)]
     monkeypatch.undo()
     assert bench.measure_matmul_sample(((32, 64, 64),), repeats=2) > 0  # the real sweep, one small shape
+
+
+def test_eager_passes_are_timed_in_turns_a_forward_and_its_backward_of_each_per_round():
+    """The dispatch benchmark's stacks of one block and of many are timed round after round, one pass of each per
+    round, so a slow spell of the host falls on both depths alike and not on the cost per pass the two tell."""
+    from executor.compute_bench import passes_in_turns
+
+    calls = []
+
+    def pass_of(name: str):
+        return (lambda: calls.append(f"{name} forward") or name), (lambda out: calls.append(f"{out} backward"))
+
+    times = passes_in_turns([pass_of("deep"), pass_of("one")], repeats=3, footprint_bytes=1 << 12)
+    assert len(times) == 2 and all(forward >= 0 and backward >= 0 for forward, backward in times)
+    warm_up = ["deep forward", "deep backward", "one forward", "one backward"]
+    assert calls == warm_up + warm_up * 3
 
 
 def test_the_matmul_sweep_times_its_shapes_in_turns_a_run_of_each_per_round(monkeypatch):

@@ -93,6 +93,56 @@ def test_dispatch_fit_takes_the_matmuls_out_and_divides_by_the_ops():
     assert fit.forward_s == pytest.approx(7e-6) and fit.backward_s == pytest.approx(5e-6)
 
 
+def test_dispatch_fit_separates_a_pass_s_own_cost_from_the_cost_per_op():
+    """Stacks of one block and of eight (executor.compute_bench.measure_dispatch): the line through their times in
+    the op count has the cost per op as its slope and the pass's own cost as its intercept. A per-op cost pooled
+    over the deep stacks alone (the fit before) would spread the pass over their ops and price a one-block pass
+    short."""
+    matmuls = ComputeModel(peak_flops=50e9, hbm_bw_Bps=1e12, dtype_bytes=4)
+    rows = []
+    for layers in (8, 1):
+        for mm, forward_ops, backward_ops in (([(32, 128, 32)], 102, 143), ([], 8, 11)):
+            mm = mm * layers
+            mm_forward = sum(matmuls.matmul_time(*s) for s in mm)
+            mm_backward = sum(matmuls.matmul_time(m, k, n) + matmuls.matmul_time(k, n, m) for m, n, k in mm)
+            rows.append({"name": "x", "layers": layers, "matmuls": mm,
+                         "forward_s": 600e-6 + layers * forward_ops * 7e-6 + mm_forward,
+                         "backward_s": 200e-6 + layers * backward_ops * 5e-6 + mm_backward,
+                         "forward_ops": layers * forward_ops, "backward_ops": layers * backward_ops})
+    fit = fit_dispatch(rows, matmuls)
+    assert (fit.forward_s, fit.backward_s) == (pytest.approx(7e-6), pytest.approx(5e-6))
+    assert fit.pass_s == pytest.approx((600e-6, 200e-6))
+    pooled = fit_dispatch([r for r in rows if r["layers"] == 8], matmuls)  # one depth: no pass cost told apart
+    assert pooled.pass_s == (0.0, 0.0) and pooled.forward_s > 7.5e-6
+    two_ranks = fit_dispatch(rows + rows, matmuls)  # every rank's rows alike: the same fit
+    assert two_ranks.pass_s == pytest.approx(fit.pass_s) and two_ranks.forward_s == pytest.approx(fit.forward_s)
+
+
+def test_each_pass_of_a_schedule_pays_its_own_cost_once_on_its_first_block():
+    """compute.pass_us: every forward and backward action of a rank's schedule begins one pass, charged on its
+    first compute op (after its receive), inside the pass: the forward and backward phases grow by exactly the
+    passes times the cost, and the cost follows the eager probe."""
+    plan = resolve_plan("tiny-pp2")
+    m = plan.num_microbatches
+    for p in range(plan.pp):
+        ops = lower(plan).rank_ops(p)
+        starts = [op for op in ops if op.pass_starts != (0, 0)]
+        assert all(op.kind == "compute" for op in starts)
+        assert [op.pass_starts for op in starts].count((1, 0)) == m
+        assert [op.pass_starts for op in starts].count((0, 1)) == m
+        assert all(op.name.startswith(("F ", "B ")) and op.name.split()[0] == ("F" if op.pass_starts[0] else "B")
+                   for op in starts)
+    keys = {"pass_us": {"forward": 500.0, "backward": 200.0}}
+    spec = parse_cluster(cpu_host(**HOST_KEYS, **keys), "host.yaml")
+    plain = parse_cluster(cpu_host(**HOST_KEYS), "host.yaml")
+    assert spec.pass_s == pytest.approx((500e-6, 200e-6))
+    for with_passes, without in zip(predict_step(plan, spec).ranks, predict_step(plan, plain).ranks):
+        assert with_passes.seconds["forward"] - without.seconds["forward"] == pytest.approx(m * 500e-6)
+        assert with_passes.seconds["backward"] - without.seconds["backward"] == pytest.approx(m * 200e-6)
+    assert spec.at_host_speed(1.0, 2.0).pass_s == pytest.approx((250e-6, 100e-6))  # follows the eager probe
+    assert predict_step(plan, ideal_spec()).step_s == predict_step(resolve_plan("tiny-pp2"), ideal_spec()).step_s
+
+
 def test_elementwise_fit_divides_the_counted_bytes_by_the_time_beyond_the_ops_fixed_costs():
     dispatch = DispatchFit(7e-6, 5e-6, [])
     forward_ops, backward_ops, forward_bytes, backward_bytes = 8, 13, 3.4e6, 5.5e6

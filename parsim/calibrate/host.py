@@ -67,7 +67,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  collective_probe_s: Sequence[tuple[int, float]] | None = None,
                  core_arithmetic: CoreArithmetic | None = None,
                  tp_call_s: tuple[float, float] | None = None, zero_grad: OptimizerFit | None = None,
-                 fsdp: FsdpHostFit | None = None, rank_jitter: float = 0.0) -> dict:
+                 fsdp: FsdpHostFit | None = None, rank_jitter: float = 0.0,
+                 pass_s: tuple[float, float] = (0.0, 0.0)) -> dict:
     """A cluster mapping for ``ranks`` processes on one host (loopback "fabric"); ``speed_probe`` is the
     host-speed probes' (matmul FLOP/s, seconds per eager pass, and memory bytes per second where timed) while the
     compute figures were measured, and ``elasticity`` how far the work each stands for followed it, by
@@ -77,7 +78,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     ``tp_call_s`` a tensor-parallel collective call's host time, forward and backward; ``zero_grad`` what freeing
     the gradients costs; ``fsdp`` FSDP2's own host work; ``cache_speedup`` each operation's speed-up on buffers of
     up to ``cache_bytes`` (:func:`fit_operation`); ``rank_jitter`` how much the same work's time varies
-    between ranks (a fraction);
+    between ranks (a fraction); ``pass_s`` a forward's and a backward's own host time, once per pass;
     ``action_overhead_s`` and ``p2p_issue_s`` the loop's time before each action and per send issued, and
     ``p2p_rendezvous_s`` and ``p2p_latency_s`` a pipeline transfer's host time and latency, each one figure or
     figures by the gradients a rank holds ((KiB, seconds) points)."""
@@ -86,6 +87,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                   "p2p_rendezvous_us": _kib_curve_us(p2p_rendezvous_s),
                   "action_overhead_us": _kib_curve_us(action_overhead_s),
                   "p2p_issue_us": _kib_curve_us(p2p_issue_s)}
+    if any(pass_s):
+        host_costs["pass_us"] = {"forward": pass_s[0] * 1e6, "backward": pass_s[1] * 1e6}
     if p2p_latency_s is not None:
         host_costs["p2p_latency_us"] = _kib_curve_us(p2p_latency_s)
     if matmul_stream_bw_Bps:
@@ -449,32 +452,55 @@ class DispatchFit:
     backward_s: float  # of one op autograd runs in a backward
     rows: list[dict]  # the measurements, each with its matmul time taken out ("matmul_forward_s", ...)
     elementwise_bw_Bps: float | None = None  # elementwise work, in the lowering's bytes (see fit_elementwise)
+    pass_s: tuple[float, float] = (0.0, 0.0)  # a forward's and a backward's own cost, once per pass
 
 
 def fit_dispatch(rows: list[dict], matmuls: ComputeModel) -> DispatchFit:
-    """The fixed cost per eager op, forward and backward, from eager blocks' times and op counts.
+    """The fixed cost per eager op, forward and backward, and per pass, from eager blocks' times and op counts.
 
     Each row (see :func:`executor.compute_bench.measure_dispatch`) has its forward and backward
-    seconds, the ATen ops of each, and the matmuls its forward runs; their time (from the fitted
-    matmul model; the backward runs an input- and a weight-gradient matmul for each) is taken out,
-    and what remains, pooled over every row, is divided by the pooled op count.
+    seconds, the ATen ops of each, the matmuls its forward runs and its blocks (``layers``); the matmuls' time
+    (from the fitted matmul model; the backward runs an input- and a weight-gradient matmul for each) is taken
+    out. A pass's own cost is what a stack of one block costs beyond its share of a deep one
+    (:func:`_pass_cost`); what remains, pooled over every row, is divided by the pooled op count.
     """
     if not rows:
         raise ParsimError("no dispatch measurements to fit")
-    forward_work = backward_work = forward_ops = backward_ops = 0.0
+    work: dict[str, list[tuple[str, int, int, float]]] = {"forward": [], "backward": []}
     kept = []
     for row in rows:
         mm = [tuple(s) for s in row["matmuls"]]
         mm_forward = sum(matmuls.matmul_time(*s) for s in mm)
         mm_backward = sum(matmuls.matmul_time(m, k, n) + matmuls.matmul_time(k, n, m) for m, n, k in mm)
-        forward_work += max(row["forward_s"] - mm_forward, 0.0)
-        backward_work += max(row["backward_s"] - mm_backward, 0.0)
-        forward_ops += row["forward_ops"]
-        backward_ops += row["backward_ops"]
+        for direction, matmul_s in (("forward", mm_forward), ("backward", mm_backward)):
+            work[direction].append((row["name"], row.get("layers", 0), row[f"{direction}_ops"],
+                                    max(row[f"{direction}_s"] - matmul_s, 0.0)))
         kept.append({**row, "matmul_forward_s": mm_forward, "matmul_backward_s": mm_backward})
-    if forward_ops <= 0 or backward_ops <= 0:
-        raise ParsimError("the dispatch measurements counted no ops")
-    return DispatchFit(float(forward_work / forward_ops), float(backward_work / backward_ops), kept)
+    per_op, per_pass = [], []
+    for direction in ("forward", "backward"):
+        pass_s = _pass_cost(work[direction])
+        ops = sum(n for _, _, n, _ in work[direction])
+        if ops <= 0:
+            raise ParsimError("the dispatch measurements counted no ops")
+        per_op.append(float(sum(max(s - pass_s, 0.0) for *_, s in work[direction]) / ops))
+        per_pass.append(pass_s)
+    return DispatchFit(per_op[0], per_op[1], kept, pass_s=(per_pass[0], per_pass[1]))
+
+
+def _pass_cost(rows: list[tuple[str, int, int, float]]) -> float:
+    """A pass's own seconds from rows of (stack, blocks, ops, seconds): for each stack timed at several depths,
+    where the line through its (ops, seconds) crosses zero ops; the median over the stacks, at least 0. Only
+    depths tell a pass's cost from its ops' (stacks of one kind differ in their cost per op); none: 0."""
+    by_stack: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    for name, layers, ops, seconds in rows:
+        by_stack.setdefault(name, {}).setdefault(layers, []).append((ops, seconds))
+    intercepts = []
+    for depths in by_stack.values():
+        if len(depths) < 2:
+            continue
+        points = np.array([np.mean(readings, axis=0) for readings in depths.values()])  # each depth's mean
+        intercepts.append(np.polyfit(points[:, 0], points[:, 1], 1)[1])
+    return max(float(np.median(intercepts)), 0.0) if intercepts else 0.0
 
 
 # The compute probes (executor.speed_probe), each paired with the work it stands for: matmuls, eager ops' fixed

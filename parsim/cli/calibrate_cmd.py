@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         mem_bytes=mem_bytes, algorithms=algorithms, efficiency=efficiency, overhead_s=overhead,
         cache_bytes=cache_bytes, cache_speedup=cache_speedup,
         matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
-        optimizer_tensor_s=optimizer.tensor_s, optimizer_step_s=optimizer.step_s,
+        pass_s=dispatch.pass_s, optimizer_tensor_s=optimizer.tensor_s, optimizer_step_s=optimizer.step_s,
         matmul_stream_bw_Bps=matmul.stream_bw_Bps, matmul_write_bw_Bps=matmul.write_bw_Bps,
         p2p_rendezvous_s=p2p_rendezvous, p2p_latency_s=p2p_latency, action_overhead_s=action_overhead,
         p2p_issue_s=p2p_issue,
@@ -351,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
                     "reduce_bw_GBps": reduce_bw / 1e9, "memory_bw_GBps": memory_bw / 1e9,
                     "memory_alone_bw_GBps": memory_alone_bw / 1e9, "memory_host_bw_GBps": memory_host_bw / 1e9,
                     "op_forward_us": dispatch.forward_s * 1e6, "op_backward_us": dispatch.backward_s * 1e6,
+                    "pass_us": {"forward": dispatch.pass_s[0] * 1e6, "backward": dispatch.pass_s[1] * 1e6},
                     "optimizer_tensor_us": optimizer.tensor_s * 1e6, "optimizer_step_us": optimizer.step_s * 1e6,
                     "p2p_rendezvous_us": _by_kib_us(p2p_rendezvous),
                     "p2p_latency_us": _by_kib_us(p2p_latency) if p2p_latency is not None else None,
@@ -407,8 +408,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"memory            {memory_bw / 1e9:.2f} GB/s per rank with every rank streaming "
           f"({memory_host_bw / 1e9:.1f} GB/s in all), {memory_alone_bw / 1e9:.2f} GB/s for a rank alone, "
           f"{optimizer.step_s * 1e6:.0f} us per AdamW step and {optimizer.tensor_s * 1e6:.0f} us per tensor")
-    print(f"per-op overhead   {dispatch.forward_s * 1e6:.1f} us forward, {dispatch.backward_s * 1e6:.1f} us backward "
-          f"(eager decoder layers, every rank at once)")
+    print(f"per-op overhead   {dispatch.forward_s * 1e6:.1f} us forward, {dispatch.backward_s * 1e6:.1f} us backward, "
+          f"and {dispatch.pass_s[0] * 1e6:.0f} / {dispatch.pass_s[1] * 1e6:.0f} us per forward / backward pass (eager "
+          f"decoder layers in stacks of many and of one, every rank at once: a pass's first layer runs colder)")
     print(f"elementwise       {elementwise_bw / 1e9:.2f} GB/s (products, sums, a rotation: bytes-bound kernels, "
           f"their bytes as parsim.workload.model.Elementwise counts them)")
     ns = arithmetic.to_ns()

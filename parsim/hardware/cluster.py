@@ -58,7 +58,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us",
                 "elementwise_bw_GBps", "core_ns_per_element", "tp_collective_call_us",
                 "zero_grad_step_us", "zero_grad_tensor_us", "zero_grad_free_GBps",
-                "fsdp_unshard_us", "fsdp_reduce_us", "fsdp_optimizer_tensor_us", "fsdp_pass_us",
+                "fsdp_unshard_us", "fsdp_reduce_us", "fsdp_optimizer_tensor_us", "fsdp_pass_us", "pass_us",
                 "memory_alone_bw_GBps", "memory_host_bw_GBps", "shared_cores", "cpu_cores", "speed_probe_gflops",
                 "speed_probe_eager_us", "speed_probe_memory_GBps", "speed_probe_matmul_elasticity",
                 "speed_probe_eager_elasticity", "speed_probe_memory_elasticity",
@@ -331,6 +331,9 @@ class ClusterSpec:
     # and a unit's hooks in a forward and in a backward that gather and reduce nothing (a pipeline stage's passes
     # between its first and its last), FSDP2's pre- and post-hooks around a unit kept unsharded (0: not charged)
     fsdp_pass_s: tuple[float, float] = (0.0, 0.0)
+    # a forward pass's and a backward pass's own host time, once per pass beyond its ops' (the first layer of a
+    # pass runs colder than those after it), seconds (0: not charged)
+    pass_s: tuple[float, float] = (0.0, 0.0)
     # A CPU host's memory, shared by its ranks' streaming work (None: each rank streams at gpu.hbm_bw_Bps, its
     # share with every rank streaming): one rank's speed while the others wait, and the host's with all streaming.
     memory_alone_bw_Bps: float | None = None
@@ -384,6 +387,7 @@ class ClusterSpec:
             fsdp_unshard_s=self.fsdp_unshard_s / eager, fsdp_reduce_s=self.fsdp_reduce_s / eager,
             fsdp_optimizer_tensor_s=self.fsdp_optimizer_tensor_s / eager,
             fsdp_pass_s=(self.fsdp_pass_s[0] / eager, self.fsdp_pass_s[1] / eager),
+            pass_s=(self.pass_s[0] / eager, self.pass_s[1] / eager),
             optimizer_tensor_s=self.optimizer_tensor_s / eager, optimizer_step_s=self.optimizer_step_s / eager,
             kernel_overhead_s=self.kernel_overhead_s / eager,
             action_overhead=tuple((kib, s / eager) for kib, s in self.action_overhead),
@@ -672,6 +676,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         fsdp_optimizer_tensor_s=float(host_us["fsdp_optimizer_tensor_us"]) * 1e-6,
         fsdp_pass_s=tuple(us * 1e-6 for us in _passes(source, "compute.fsdp_pass_us", compute["fsdp_pass_us"],
                                                       LATENCY_US)) if "fsdp_pass_us" in compute else (0.0, 0.0),
+        pass_s=tuple(us * 1e-6 for us in _passes(source, "compute.pass_us", compute["pass_us"], LATENCY_US))
+        if "pass_us" in compute else (0.0, 0.0),
         matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
         matmul_write_bw_Bps=_GBps(host_GBps["matmul_write_bw_GBps"]),
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),

@@ -321,7 +321,8 @@ class Lowering:
         # FSDP2's hooks still run around each unit of a pass that gathers and reduces nothing (a pipeline's
         # passes between a stage's first and its last): charged on the unit's first compute op.
         passes_through = self.fsdp and kind in ("F", "B", "I") and not (gathers or scatters or final)
-        through = (1, 0) if kind == "F" else (0, 1)
+        direction = (1, 0) if kind == "F" else (0, 1)  # a forward pass, or a backward one (B, I, W)
+        begun = False  # the pass's first block pays the pass's own host time (ComputeModel.pass_s)
         hook_pending = False
         closed: list[int] = []  # per layer of this pass, the op that ended it (FSDP prefetches one layer ahead)
         layers: list[int] = []  # and its index in the stage
@@ -347,8 +348,8 @@ class Lowering:
                 recompute = piece.phase == "recompute"
                 beside_of = beside["tp"][-1] if piece.beside_sms is not None else -1
                 last = self._stamp(rank, template, recompute_name if recompute else name, deps, beside_of,
-                                   through if hook_pending else (0, 0))
-                hook_pending = False
+                                   direction if hook_pending else (0, 0), (0, 0) if begun else direction)
+                hook_pending, begun = False, True
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
             if piece.closes:
@@ -820,13 +821,14 @@ class Lowering:
                                   phase="dp"))
 
     def _stamp(self, rank: int, template: list, name: str, deps: tuple[int, ...], beside_of: int = -1,
-               fsdp_passes: tuple[int, int] = (0, 0)) -> int:
+               fsdp_passes: tuple[int, int] = (0, 0), pass_starts: tuple[int, int] = (0, 0)) -> int:
         """:meth:`_add` an op from ``template`` (its fields in order, :meth:`_templates`) with its own name, deps,
-        the collective it runs beside and FSDP's hooks: a frontier step stamps hundreds of thousands of ops, and
-        positional fields build one three times as fast as keywords."""
+        the collective it runs beside, FSDP's hooks and the pass it begins: a frontier step stamps hundreds of
+        thousands of ops, and positional fields build one three times as fast as keywords."""
         ops, values = self.program.ops, template.copy()
         op_id = len(ops)
         values[_NAME], values[_DEPS], values[_BESIDE_OF], values[_FSDP_PASSES] = name, deps, beside_of, fsdp_passes
+        values[_PASS_STARTS] = pass_starts
         values[_ID], values[_RANK] = op_id, rank
         ops.append(Op(*values))
         self.rank_ids.append(op_id)
@@ -843,8 +845,8 @@ class Lowering:
 
 
 OP_FIELDS = tuple(field.name for field in dataclasses.fields(Op))
-_NAME, _DEPS, _BESIDE_OF, _FSDP_PASSES, _ID, _RANK = (
-    OP_FIELDS.index(f) for f in ("name", "deps", "beside_of", "fsdp_passes", "id", "rank"))
+_NAME, _DEPS, _BESIDE_OF, _FSDP_PASSES, _PASS_STARTS, _ID, _RANK = (
+    OP_FIELDS.index(f) for f in ("name", "deps", "beside_of", "fsdp_passes", "pass_starts", "id", "rank"))
 
 
 def fold_joins(pieces: list[Piece]) -> list[Piece]:

@@ -52,6 +52,14 @@ GPU host):
   takes the longer of the two, its kernels' time or the host's time to issue
   them. Big models' kernels outlast the host (their steps do not change);
   small models wait on the host ("launch-bound").
+* ``pass_s``: (forward, backward) host time of one pass beyond its ops', once
+  per schedule action (``pass_starts``, on the pass's first block). A pass's
+  first layer runs colder than the identical layers after it: timed in turns
+  behind 32 MiB of written memory on the 2-core AMD VM (2026-12-01), stacks
+  of 1, 2, 4 and 8 eager decoder layers took a fixed 0.4-0.95 ms forward and
+  0.15-0.43 ms backward beyond their per-layer time. A per-op cost fitted on
+  deep stacks alone spreads that over every op, which prices a pass of one or
+  two layers short.
 * ``tp_call_s``: (forward, backward) host time of one tensor-parallel
   collective call (an expert all-to-all counts as one) in an eager pass
   beyond the collective itself: the wrapping
@@ -241,6 +249,7 @@ class ComputeModel:
     fsdp_reduce_s: float = 0.0  # its post-backward beyond that,
     fsdp_optimizer_tensor_s: float = 0.0  # an AdamW step's extra per DTensor parameter,
     fsdp_pass_s: tuple[float, float] = (0.0, 0.0)  # and a unit's hooks in a pass that moves nothing: fwd, bwd
+    pass_s: tuple[float, float] = (0.0, 0.0)  # a forward's and a backward's own host time, once per pass
     optimizer_tensor_s: float = 0.0
     optimizer_step_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
@@ -290,7 +299,7 @@ class ComputeModel:
             zero_grad_step_s=spec.zero_grad_step_s, zero_grad_tensor_s=spec.zero_grad_tensor_s,
             zero_grad_free_Bps=spec.zero_grad_free_Bps, fsdp_unshard_s=spec.fsdp_unshard_s,
             fsdp_reduce_s=spec.fsdp_reduce_s, fsdp_optimizer_tensor_s=spec.fsdp_optimizer_tensor_s,
-            fsdp_pass_s=spec.fsdp_pass_s,
+            fsdp_pass_s=spec.fsdp_pass_s, pass_s=spec.pass_s,
             optimizer_step_s=spec.optimizer_step_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, matmul_write_bw_Bps=spec.matmul_write_bw_Bps,
             p2p_rendezvous=spec.p2p_rendezvous, p2p_latency=spec.p2p_latency, shared_cores=spec.shared_cores,
@@ -367,13 +376,14 @@ class ComputeModel:
              sm_bound: tuple[tuple[float, tuple[SmWork, ...]], ...] = (), stream_apart: bool = False,
              optimizer_steps: int = 0, tp_calls: tuple[int, int] = (0, 0),
              fsdp_calls: tuple[int, int, int] = (0, 0, 0), fsdp_passes: tuple[int, int] = (0, 0),
-             adamw_params: float = 0.0, accumulate_elements: float = 0.0) -> float:
+             adamw_params: float = 0.0, accumulate_elements: float = 0.0,
+             pass_starts: tuple[int, int] = (0, 0)) -> float:
         """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
         kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; and
         each dispatched op's, each tensor-parallel call's (``tp_calls``: forward, backward), each optimizer
         tensor's and each optimizer step's fixed host cost, and FSDP2's (``fsdp_calls``: units unsharded, units
         reduced, DTensor parameters stepped; ``fsdp_passes``: units a forward, a backward runs through moving
-        nothing): added
+        nothing; ``pass_starts``: forward, backward passes this work begins, each paying ``pass_s``): added
         on an eager CPU host, the longer of host and kernels on a GPU (``host_overlaps_device``). On a CPU
         host, too, the memory-bound bytes but ``stream_bytes`` at the host's elementwise speed.
         ``sm_reserved``: SMs a communication kernel beside the work holds: the matmuls run on the rest (their
@@ -400,7 +410,7 @@ class ComputeModel:
         else:
             work = max(flops / self.peak_flops, hbm_bytes / self.memory_bw_Bps)
         host = self.host_time(forward_ops, backward_ops, optimizer_tensors, optimizer_steps, tp_calls, fsdp_calls,
-                              fsdp_passes)
+                              fsdp_passes, pass_starts)
         if adamw_params and self.sm_cycles_per_s:
             work += adamw_params * self.sm_cycles.adamw / self.sm_cycles_per_s * spread
         if accumulate_elements:
@@ -445,10 +455,12 @@ class ComputeModel:
 
     def host_time(self, forward_ops: int = 0, backward_ops: int = 0, optimizer_tensors: int = 0,
                   optimizer_steps: int = 0, tp_calls: tuple[int, int] = (0, 0),
-                  fsdp_calls: tuple[int, int, int] = (0, 0, 0), fsdp_passes: tuple[int, int] = (0, 0)) -> float:
+                  fsdp_calls: tuple[int, int, int] = (0, 0, 0), fsdp_passes: tuple[int, int] = (0, 0),
+                  pass_starts: tuple[int, int] = (0, 0)) -> float:
         """The host's fixed costs of dispatching these eager ops, making these tensor-parallel calls (forward,
-        backward), taking these AdamW steps over these tensors, and FSDP2's work (units unsharded, units
-        reduced, DTensor parameters stepped; units a forward, a backward runs through moving nothing)."""
+        backward), taking these AdamW steps over these tensors, FSDP2's work (units unsharded, units
+        reduced, DTensor parameters stepped; units a forward, a backward runs through moving nothing), and
+        beginning these forward and backward passes."""
         forward_call, backward_call = self.tp_call_s or (TP_COLLECTIVE_OPS * self.op_forward_s,
                                                          TP_COLLECTIVE_OPS * self.op_backward_s)
         return (forward_ops * self.op_forward_s + backward_ops * self.op_backward_s
@@ -456,7 +468,8 @@ class ComputeModel:
                 + optimizer_tensors * self.optimizer_tensor_s + optimizer_steps * self.optimizer_step_s
                 + fsdp_calls[0] * self.fsdp_unshard_s + fsdp_calls[1] * self.fsdp_reduce_s
                 + fsdp_calls[2] * self.fsdp_optimizer_tensor_s
-                + fsdp_passes[0] * self.fsdp_pass_s[0] + fsdp_passes[1] * self.fsdp_pass_s[1])
+                + fsdp_passes[0] * self.fsdp_pass_s[0] + fsdp_passes[1] * self.fsdp_pass_s[1]
+                + pass_starts[0] * self.pass_s[0] + pass_starts[1] * self.pass_s[1])
 
     def with_host(self, device_s: float, host_s: float) -> float:
         """A block's time from its kernels' and its host's: the longer on a GPU, which runs kernels while

@@ -41,6 +41,7 @@ class Op:
     optimizer_steps: int = 0
     fsdp_calls: tuple[int, int, int] = (0, 0, 0)  # FSDP2's host work: units unsharded, reduced, DTensors stepped
     fsdp_passes: tuple[int, int] = (0, 0)  # and units a forward, a backward passes through, moving nothing
+    pass_starts: tuple[int, int] = (0, 0)  # forward, backward passes of a schedule's action this op begins
     stream_bytes: float = 0.0  # the part of hbm_bytes that only streams memory (gradient accumulation, AdamW)
     sm_reserved: int = 0  # SMs a communication kernel beside these matmuls holds (parsim.lowering.tp_overlap)
     # compute beside collective ``beside_of`` (an op id), whose kernel holds ``beside_sms`` SMs while it runs
