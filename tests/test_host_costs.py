@@ -143,6 +143,13 @@ def test_each_pass_of_a_schedule_pays_its_own_cost_once_on_its_first_block():
     assert predict_step(plan, ideal_spec()).step_s == predict_step(resolve_plan("tiny-pp2"), ideal_spec()).step_s
 
 
+def test_explain_compute_names_the_cost_per_pass_apart_from_the_layers(tmp_path, capsys):
+    host = tmp_path / "host.yaml"
+    host.write_text(yaml.safe_dump(cpu_host(**HOST_KEYS, pass_us={"forward": 500.0, "backward": 200.0})))
+    assert main(["explain", "compute", "tiny-pp2", "--cluster", str(host)]) == 0
+    assert "per pass    500 us a forward, 200 us a backward, once on a pass's first layer" in capsys.readouterr().out
+
+
 def test_elementwise_fit_divides_the_counted_bytes_by_the_time_beyond_the_ops_fixed_costs():
     dispatch = DispatchFit(7e-6, 5e-6, [])
     forward_ops, backward_ops, forward_bytes, backward_bytes = 8, 13, 3.4e6, 5.5e6

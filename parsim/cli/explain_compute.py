@@ -287,6 +287,10 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
                else "added to each block's kernels")
         lines.append(f"  host        {model.op_forward_s * 1e6:.1f} us per forward op, "
                      f"{model.op_backward_s * 1e6:.1f} us per backward op: {how}")
+    if any(model.pass_s):
+        lines.append(f"  per pass    {model.pass_s[0] * 1e6:.0f} us a forward, {model.pass_s[1] * 1e6:.0f} us a "
+                     "backward, once on a pass's first layer (it runs colder than the layers after it): not in "
+                     "this layer's times")
     lines.append("")
     unit, scale = time_unit(r["time_s"] for r in rows)
     table = [[PASS_NAMES[r["pass"]], r["block"], r["kernel"], r["shape"],
