@@ -489,8 +489,9 @@ def fit_dispatch(rows: list[dict], matmuls: ComputeModel) -> DispatchFit:
 
 def _pass_cost(rows: list[tuple[str, int, int, float]]) -> float:
     """A pass's own seconds from rows of (stack, blocks, ops, seconds): for each stack timed at several depths,
-    where the line through its (ops, seconds) crosses zero ops; the median over the stacks, at least 0. Only
-    depths tell a pass's cost from its ops' (stacks of one kind differ in their cost per op); none: 0."""
+    where the line through its (ops, seconds) crosses zero ops; the median over the stacks, at least 0. Only a
+    stack's depths tell its pass's cost from its ops' (stacks of different blocks differ in their cost per op, so
+    a line across them would not); no stack timed at two depths: 0."""
     by_stack: dict[str, dict[int, list[tuple[int, float]]]] = {}
     for name, layers, ops, seconds in rows:
         by_stack.setdefault(name, {}).setdefault(layers, []).append((ops, seconds))
