@@ -531,8 +531,8 @@ def passes_in_turns(passes: Sequence[tuple[Callable[[], Any], Callable[[Any], An
     return [(statistics.median(f), statistics.median(b)) for f, b in times]
 
 
-def measure_dispatch(device: Any = "cpu") -> list[dict]:
-    """Per block stack (:func:`_eager_blocks`), of ``DEPTH`` blocks and of one: forward and backward seconds
+def measure_dispatch(device: Any = "cpu", depths: Sequence[int] = PASS_DEPTHS) -> list[dict]:
+    """Per block stack (:func:`_eager_blocks`), of each of ``depths`` blocks: forward and backward seconds
     (medians over rounds that time every stack in turn, each run behind dirty caches as a step's actions are),
     the ATen ops of each, its matmuls and its blocks (``layers``). On a GPU the blocks are so small that the
     kernels wait on the host: the times are the host's (Python, dispatch, autograd and launches).
@@ -544,7 +544,7 @@ def measure_dispatch(device: Any = "cpu") -> list[dict]:
     torch = require_torch()
     sync = synchronizer(device)
     rows, passes = [], []
-    for depth in PASS_DEPTHS:
+    for depth in depths:
         for name, (stack, matmuls) in _eager_blocks(depth).items():
             stack = stack.to(device)
             x = torch.randn(SEQUENCES, TOKENS, WIDTH, device=device, requires_grad=True)

@@ -281,9 +281,7 @@ def host_rows(device) -> list[dict]:
     (:func:`executor.compute_bench.measure_dispatch`), and torch's default AdamW step on one and on many small
     tensors."""
     rows = []
-    for r in measure_dispatch(device):
-        if r["layers"] != DEPTH:  # a GPU's host time per op is pooled over the deep stacks alone
-            continue
+    for r in measure_dispatch(device, depths=(DEPTH,)):  # a GPU's host time per op: the deep stacks' pooled
         for p in ("forward", "backward"):
             rows.append(row("host", f"{r['name']}, {p}", r[f"{p}_s"], {"pass": p, "ops": r[f"{p}_ops"]}))
     for tensors, numel, seconds in measure_optimizer([(n, 256) for n in OPTIMIZER_TENSORS], device):

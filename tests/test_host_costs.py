@@ -294,6 +294,8 @@ def test_host_keys_are_read_in_si_units():
     ("shared_cores", {**SHARED, "one_core_collective_GBps": 0}, "shared_cores.one_core_collective_GBps: is 0"),
     ("tp_collective_call_us", 120.0, "tp_collective_call_us: is 120.0 .*a mapping of forward and backward"),
     ("tp_collective_call_us", {"forward": 120.0, "backward": -1.0}, "tp_collective_call_us.backward: is -1"),
+    ("pass_us", {"forward": "fast"}, "pass_us: is .*a mapping of forward and backward"),
+    ("pass_us", {"forward": -3.0, "backward": 1.0}, "pass_us.forward: is -3.0 .*0 to 1e[+]09 microseconds"),
     ("zero_grad_free_GBps", 0, "1e-12 to 1e[+]12 GB/s"), ("zero_grad_tensor_us", "slow", "a finite number"),
     ("collective_probe_us", {1024: 0.0}, "collective_probe_us.1024: is 0"),
     ("collective_probe_us", {"1 MiB": 400.0}, "collective_probe_us: is .*figures keyed by KiB"),
