@@ -2,9 +2,10 @@
 
 Two ways in, one worker path:
 
-- :func:`launch` spawns N local processes itself (``spawn`` start method, a
-  free TCP port on 127.0.0.1), calls ``fn(rank, world_size, *args)`` in each
-  and returns every rank's return value to the caller.
+- :func:`launch` starts N local processes itself (forked from a server that
+  has imported torch once, a free TCP port on 127.0.0.1), calls
+  ``fn(rank, world_size, *args)`` in each and returns every rank's return
+  value to the caller.
 - :func:`run_in_job` is for processes that ``torchrun`` started (multi-node
   runs): the environment already names RANK/WORLD_SIZE/MASTER_ADDR, and this
   process is one rank of that job.
@@ -19,9 +20,11 @@ reaped, so no orphan processes survive the run.
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import math
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -31,6 +34,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -60,9 +64,17 @@ RankFn = Callable[..., Any]
 # fresh gradients and AdamW temporaries fault their pages in again (about half of a CPU AdamW step on
 # a VM). A rank keeps what it freed instead, as CUDA's caching allocator does on a GPU and as
 # PyTorch's CPU tuning guide advises (a caching malloc): blocks up to 32 MiB (glibc's ceiling for this
-# setting) come from the heap, and the heap is not trimmed below 4 GiB. Read by glibc at process
-# start; a value the user exported wins.
+# setting) come from the heap, and the heap is not trimmed below 4 GiB. A value the user exported wins.
+# glibc reads these only as a process starts, and a rank forks from a server started earlier, so each rank
+# sets them again through mallopt (glibc's malloc.h: M_MMAP_THRESHOLD, M_TRIM_THRESHOLD), whose int holds
+# at most 2 GiB: there the trim threshold is 2 GiB.
 RANK_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+_MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1}
+_INT_MAX = (1 << 31) - 1
+# Ranks fork from a server that imported these once (multiprocessing's forkserver), where a fresh interpreter
+# per rank (spawn) imports torch in each: 2.7 s a rank on the 2-core VM, 3-7 s of wall time per launch of 2-4
+# ranks before any rank runs (2026-12-01). The server imports torch, starts no thread and touches no device.
+RANK_SERVER_PRELOAD = ("torch", "torch.distributed", "executor.train.runner", "executor.compute_bench")
 # Set inside a gloo rank bound to one core: how many cores the job's ranks were bound from.
 HOST_CORES_ENV = "PARSIM_HOST_CORES"
 
@@ -152,7 +164,8 @@ def launch(fn: RankFn, nproc: int, args: Sequence[Any] = (), backend: str = "aut
     """Run ``fn(rank, nproc, *args)`` on ``nproc`` local ranks; each rank's return value, in rank order.
 
     ``fn`` must be importable by name (defined at module level), and its
-    return value picklable, because ranks are fresh ``spawn`` processes.
+    arguments and return value picklable: ranks are processes of their own (:func:`rank_context`), each
+    given this process's environment as it is now.
     Raises :class:`RankFailure` naming the rank that failed first, or the
     ranks still running after ``timeout_s`` seconds (the whole run's budget).
     """
@@ -163,7 +176,7 @@ def launch(fn: RankFn, nproc: int, args: Sequence[Any] = (), backend: str = "aut
     # Collectives inside the ranks time out later than the parent's watchdog,
     # so a hang is diagnosed here (with stacks) rather than as a peer's error.
     collective_timeout_s = 2 * timeout_s
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     port = free_port()
     ranks: list[_Rank] = []
     finished = False
@@ -174,7 +187,8 @@ def launch(fn: RankFn, nproc: int, args: Sequence[Any] = (), backend: str = "aut
                 stack_path = Path(tmp) / f"rank{rank}.stack"
                 process = ctx.Process(
                     target=_rank_main, name=f"parsim-rank-{rank}", daemon=True,
-                    args=(rank, nproc, port, backend, collective_timeout_s, fn, tuple(args), writer, str(stack_path)),
+                    args=(rank, nproc, port, backend, collective_timeout_s, fn, tuple(args), writer, str(stack_path),
+                          dict(os.environ), _StandardStreams()),
                 )
                 process.start()
                 writer.close()  # the child's copy is the only writer: EOF now means the child is gone
@@ -184,6 +198,24 @@ def launch(fn: RankFn, nproc: int, args: Sequence[Any] = (), backend: str = "aut
             return values
         finally:
             _stop([r.process for r in ranks], _EXIT_GRACE_S if finished else 0.0)
+
+
+def rank_context() -> Any:
+    """How ranks start: forked from multiprocessing's fork server, which imports :data:`RANK_SERVER_PRELOAD`
+    once (started, with this process's environment, by the first launch; it lives until this process ends),
+    where the platform has one; else as fresh interpreters (``spawn``)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_SERVER_PRELOAD))
+    return ctx
+
+
+def start_rank_server() -> None:
+    """Start the fork server ranks come from (:func:`rank_context`) now, rather than at the first launch."""
+    if rank_context().get_start_method() == "forkserver":
+        with _rank_environment():
+            multiprocessing.forkserver.ensure_running()
 
 
 @contextmanager
@@ -201,10 +233,42 @@ def _rank_environment() -> Iterator[None]:
 # ----------------------------------------------------------------------------- ranks
 
 
+class _StandardStreams:
+    """The caller's standard output and error as they are at a launch, for a rank to write to: a rank forked
+    from the fork server would otherwise inherit the server's, as they were when it started (a terminal,
+    where the caller now writes to a file or a pipe)."""
+
+    def __init__(self, wrappers: tuple = ()):
+        self.wrappers = wrappers  # in a rank: (fd, its descriptor passed along) for each stream the caller had
+
+    def __reduce__(self) -> tuple:  # pickled as a rank starts: the descriptors travel with it
+        return _StandardStreams, (tuple((fd, reduction.DupFd(fd)) for fd in (1, 2) if _is_open(fd)),)
+
+    def attach(self) -> None:
+        for fd, wrapper in self.wrappers:
+            inherited = wrapper.detach()
+            os.dup2(inherited, fd)
+            os.close(inherited)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def _rank_main(rank: int, nproc: int, port: int, backend: str, timeout_s: float, fn: RankFn,
-               args: tuple, conn: Connection, stack_path: str) -> None:
-    """Body of a spawned rank: run, then report ``("ok", value)`` or an error to the parent."""
+               args: tuple, conn: Connection, stack_path: str, environment: dict[str, str],
+               streams: _StandardStreams) -> None:
+    """Body of a rank: take the caller's standard streams and ``environment``, run, then report ``("ok",
+    value)`` or an error to the parent."""
+    streams.attach()
     _dump_stacks_on_sigusr1(stack_path)
+    os.environ.clear()  # a forked rank has the fork server's, as it was when the server started
+    os.environ.update(environment)
+    _set_allocator(environment)
     os.environ.update(
         MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
@@ -236,6 +300,18 @@ def _run_rank(fn: RankFn, args: Sequence[Any], backend: str, timeout_s: float) -
     value = fn(rank, world, *args)
     dist.destroy_process_group()
     return value
+
+
+def _set_allocator(environment: dict[str, str]) -> None:
+    """Give glibc's malloc the :data:`RANK_ALLOCATOR_ENV` settings ``environment`` names (glibc read the fork
+    server's as the server started)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return
+    for key, param in _MALLOPT.items():
+        if environment.get(key, "").isdigit():
+            mallopt(param, min(int(environment[key]), _INT_MAX))
 
 
 def _pin_to_core(local_rank: int) -> None:

@@ -577,3 +577,21 @@ def test_the_spells_benchmark_refuses_bad_input_in_one_line():
     done = script("benchmarks/cpu_collective_spells.py", "--seconds", "0")
     assert done.returncode == 2 and done.stderr == \
         "cpu_collective_spells.py: --seconds must be more than 0 and at most 3600\n"
+
+
+def test_the_launch_benchmark_times_the_fork_server_against_spawned_ranks():
+    done = script("benchmarks/launch_overhead.py", "--ranks", "2", "--rounds", "1")
+    assert done.returncode == 0, done.stderr
+    first, header, row = done.stdout.splitlines()
+    assert first.startswith("first launch from the fork server (2 ranks), its start included: ")
+    assert header.split()[:4] == ["ranks", "fork", "server", "(s)"]
+    ranks, server_s, spawn_s = row.split()
+    assert ranks == "2" and float(server_s) > 0 and float(spawn_s) > 0
+
+
+@pytest.mark.parametrize("args, expected", [(["--ranks", "0"], "--ranks and --rounds must be at least 1"),
+                                            (["--rounds", "0"], "--ranks and --rounds must be at least 1"),
+                                            (["--ranks", "two"], "--ranks 'two': whole numbers, comma-separated")])
+def test_the_launch_benchmark_refuses_bad_input_in_one_line(args, expected):
+    done = script("benchmarks/launch_overhead.py", *args)
+    assert done.returncode == 2 and done.stderr.strip().endswith(expected)

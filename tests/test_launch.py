@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import time
@@ -12,7 +13,7 @@ import pytest
 from parsim.errors import ParsimError
 
 from executor.launch import (HOST_CORES_ENV, RANK_ALLOCATOR_ENV, RankFailure, in_torchrun_job, launch,
-                             resolve_backend, run_in_job, usable_cores)
+                             resolve_backend, run_in_job, start_rank_server, usable_cores)
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -31,6 +32,22 @@ def sum_of_ranks(rank: int, world: int, offset: int) -> tuple[int, int, float]:
 
 def allocator_settings(rank: int, world: int) -> dict[str, str | None]:
     return {key: os.environ.get(key) for key in RANK_ALLOCATOR_ENV}
+
+
+def mmapped_blocks_for_one_mib(rank: int, world: int) -> int:
+    """How many more blocks glibc's malloc maps from the kernel (mallinfo2's ``hblks``) while 1 MiB is held."""
+    libc = ctypes.CDLL(None)
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype, libc.malloc.restype, libc.free.argtypes = MallInfo2, ctypes.c_void_p, [ctypes.c_void_p]
+    before = libc.mallinfo2().hblks
+    block = libc.malloc(1 << 20)
+    held = libc.mallinfo2().hblks
+    libc.free(block)
+    return held - before
 
 
 def binding(rank: int, world: int) -> tuple[list[int], int]:
@@ -90,6 +107,7 @@ def child_processes() -> set[tuple[int, str]]:
 def no_leftover_ranks():
     if not Path("/proc").is_dir():
         pytest.skip("needs /proc to list child processes")
+    start_rank_server()  # the fork server ranks come from lives as long as this process: not a leftover
     before = child_processes()
     yield
     assert child_processes() <= before
@@ -113,6 +131,19 @@ def test_ranks_keep_freed_memory_unless_the_user_set_the_allocator(no_leftover_r
     assert values == [{"MALLOC_MMAP_THRESHOLD_": RANK_ALLOCATOR_ENV["MALLOC_MMAP_THRESHOLD_"],
                        "MALLOC_TRIM_THRESHOLD_": "12345"}] * 2
     assert "MALLOC_MMAP_THRESHOLD_" not in os.environ and os.environ["MALLOC_TRIM_THRESHOLD_"] == "12345"
+
+
+@needs_torch
+@pytest.mark.multiproc
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="reads glibc's malloc statistics")
+def test_ranks_forked_from_the_server_take_each_launch_s_allocator_settings(no_leftover_ranks, monkeypatch):
+    """glibc reads the settings only as a process starts, and ranks fork from a server started once: each
+    rank sets them itself, so a 1 MiB block comes from the heap by default and from the kernel (mmap) where
+    the user's threshold is lower, though the server started without it."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert launch(mmapped_blocks_for_one_mib, 2, backend="gloo", timeout_s=60) == [0, 0]
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
+    assert launch(mmapped_blocks_for_one_mib, 2, backend="gloo", timeout_s=60) == [1, 1]
 
 
 @needs_torch
