@@ -28,7 +28,8 @@ On the 2-core VM (2026-11-29) one calibration and three runs of each plan of
 30 steps take about 5.5 minutes (4.5 in set DE, calibrate's generic pipeline
 included; 6-10 on a 3-4x slower AMD VM, 10 measured
 steps a run; 7-7.5 there since calibrate measures its collectives in three
-rounds: sets BW, BX);
+rounds: sets BW, BX; 6.4 on the AMD VM once ranks forked from a server that
+imported torch once, set HB, 2026-12-01, where its sets had taken 11-15);
 `docs/calibration.md` lists the sets measured so far. ``--out DIR`` keeps
 the calibration (``host.yaml``, and what calibrate printed in
 ``calibrate.txt``) and every run's JSON.
