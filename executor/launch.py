@@ -220,7 +220,8 @@ def start_rank_server() -> None:
 
 @contextmanager
 def _rank_environment() -> Iterator[None]:
-    """The parent's environment while it spawns ranks, plus :data:`RANK_ALLOCATOR_ENV` (restored after)."""
+    """The parent's environment while it starts ranks (and the fork server), plus :data:`RANK_ALLOCATOR_ENV`
+    (restored after)."""
     added = {k: v for k, v in RANK_ALLOCATOR_ENV.items() if k not in os.environ}
     os.environ.update(added)
     try:

@@ -50,6 +50,11 @@ def mmapped_blocks_for_one_mib(rank: int, world: int) -> int:
     return held - before
 
 
+def says_hello(rank: int, world: int) -> None:
+    for fd, stream in ((1, "out"), (2, "err")):
+        os.write(fd, f"rank {rank} {stream}\n".encode())  # one write a line: the ranks write at once
+
+
 def binding(rank: int, world: int) -> tuple[list[int], int]:
     return sorted(os.sched_getaffinity(0)), usable_cores()
 
@@ -139,11 +144,32 @@ def test_ranks_keep_freed_memory_unless_the_user_set_the_allocator(no_leftover_r
 def test_ranks_forked_from_the_server_take_each_launch_s_allocator_settings(no_leftover_ranks, monkeypatch):
     """glibc reads the settings only as a process starts, and ranks fork from a server started once: each
     rank sets them itself, so a 1 MiB block comes from the heap by default and from the kernel (mmap) where
-    the user's threshold is lower, though the server started without it."""
+    the user's threshold is lower, though the server started with the default."""
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     assert launch(mmapped_blocks_for_one_mib, 2, backend="gloo", timeout_s=60) == [0, 0]
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
     assert launch(mmapped_blocks_for_one_mib, 2, backend="gloo", timeout_s=60) == [1, 1]
+
+
+@needs_torch
+@pytest.mark.multiproc
+def test_ranks_write_to_the_callers_streams_as_they_are_at_the_launch(no_leftover_ranks, tmp_path):
+    """The fork server started with other standard streams (the fixture started it): a rank writes where the
+    caller's stdout and stderr point at its launch."""
+    out, err = tmp_path / "out", tmp_path / "err"
+    saved = os.dup(1), os.dup(2)
+    try:
+        with open(out, "a") as out_file, open(err, "a") as err_file:  # appends: the ranks share it
+            os.dup2(out_file.fileno(), 1)
+            os.dup2(err_file.fileno(), 2)
+            launch(says_hello, 2, backend="gloo", timeout_s=60)
+    finally:
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+    assert sorted(out.read_text().splitlines()) == ["rank 0 out", "rank 1 out"]
+    assert sorted(line for line in err.read_text().splitlines() if line.startswith("rank ")) == \
+        ["rank 0 err", "rank 1 err"]
 
 
 @needs_torch
