@@ -154,6 +154,34 @@ def test_absorbed_collectives_beside_the_compute_time_the_step_as_the_events_wou
     assert all(absorbed[k] == pytest.approx(as_events[k], abs=1e-12) for k in absorbed)
 
 
+@pytest.mark.parametrize("plan_name, overrides, cluster, waits", [
+    # tensor-parallel collectives nested in the passes and beside them (waits: gaps in the spans)
+    ("llama3-70b-1024", {"parallel": {"dp": 2, "tp": 8, "pp": 2}, "sequence_parallel": True,
+                         "tp_comm_overlap": True}, "dgx-h100", True),
+    ("tiny-pp2", {"parallel": {"dp": 2, "cp": 2}}, "dgx-h100", False),  # context-parallel exchanges
+    ("tiny-pp2", {"parallel": {"dp": 4}, "data_parallel": {"grad_sync": "fsdp"}}, "cpu-host", True),  # FSDP in line
+])
+def test_a_trace_merged_as_it_is_written_is_the_trace_merged_after(plan_name, overrides, cluster, waits):
+    """``StepSimulator.run(merged=True)``, which joins each action's compute pieces as it writes its events, gives
+    exactly the events of :func:`merge_spans` over the trace written piece by piece."""
+    from cpu_host import cpu_host
+
+    from parsim.hardware.cluster import parse_cluster
+    from parsim.lowering.lower import lower
+    from parsim.report.step_report import merge_spans
+
+    plan = resolve_plan(plan_name, overrides=overrides)
+    spec = parse_cluster(cpu_host(), "host.yaml") if cluster == "cpu-host" else load_cluster(cluster)
+    program = lower(plan, fsdp_in_line=spec.describes_cpu_host)
+    sim = StepSimulator(spec.build(max(1, plan.world // spec.gpus_per_node)),
+                        ComputeModel.for_cluster(spec, plan.dtype, plan.dtype_bytes, min(plan.world, 8),
+                                                 plan.attention_seq))
+    after = merge_spans(sim.run(program)).events
+    merged = sim.run(program, merged=True).events
+    assert len(merged) < len(program.ops) and any("gaps" in e.args for e in merged) == waits
+    assert merged == after
+
+
 def test_compute_times_are_memoized_by_every_field_the_compute_model_reads():
     """An op's compute time takes each of ComputeModel.time's arguments from the op's field of that name (the
     stream split apart from the caller); the memo keys on all of them: the shared matmuls and SM-bound kernels by

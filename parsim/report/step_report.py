@@ -41,8 +41,12 @@ def blocks_compute(e: Event) -> bool:
     """Whether ``e`` is a collective the compute stream stops for: a tensor-parallel or expert one in line, or
     any collective on the compute stream itself (FSDP's on a CPU host, run to its end inside the hook that
     issues it: :func:`parsim.lowering.lower.lower`'s ``fsdp_in_line``, :mod:`executor.train.fsdp`)."""
-    return (e.args.get("phase") in BLOCKING and e.stream != OVERLAPPED_TP) or (
-        e.stream == "compute" and e.kind == "collective")
+    return stops_compute(e.args.get("phase"), e.stream, e.kind)
+
+
+def stops_compute(phase: str | None, stream: str, kind: str) -> bool:
+    """:func:`blocks_compute` of an event of this ``phase``, ``stream`` and ``kind``."""
+    return (phase in BLOCKING and stream != OVERLAPPED_TP) or (stream == "compute" and kind == "collective")
 
 
 def merge_spans(trace: Trace) -> Trace:
@@ -55,31 +59,43 @@ def merge_spans(trace: Trace) -> Trace:
     collective), the span keeps the wait as a gap (``args["gaps"]``): it counts
     towards what the stream waited for, not towards compute (:func:`busy_parts`).
     """
-    merged: list[Event] = []
-    open_span: dict[int, Event] = {}
-    busy_until: dict[int, float] = {}  # when the rank's compute stream last stopped working
+    spans = SpanMerger()
     for e in sorted(trace.events, key=by_rank_and_start):
-        rank, end = e.rank, e.start_s + e.dur_s
-        if e.kind != "compute":
-            if not blocks_compute(e):  # a collective nested in the pass (tp, ep, in line) does not end the span
-                open_span.pop(rank, None)
-            else:
+        spans.add(e.name, e.rank, e.stream, e.kind, e.start_s, e.dur_s, e.args)
+    return Trace(trace.source, trace.world_size, spans.events, dict(trace.meta))
+
+
+class SpanMerger:
+    """:func:`merge_spans` one event at a time, in order of rank and start: the simulator merges a step's ops as
+    it writes its trace (a frontier step's 856,518 ops into 591,878 events), without an event for each piece."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._open: dict[int, Event] = {}  # rank -> the compute span still open
+        self._busy_until: dict[int, float] = {}  # when the rank's compute stream last stopped working
+
+    def add(self, name: str, rank: int, stream: str, kind: str, start: float, dur: float, args: dict) -> None:
+        """The next event (its ``args`` are copied where an event keeps them)."""
+        end = start + dur
+        busy_until = self._busy_until
+        if kind != "compute":
+            if stops_compute(args.get("phase"), stream, kind):  # nested in the pass: does not end the span
                 busy_until[rank] = max(busy_until.get(rank, 0.0), end)
-            merged.append(e)
-            continue
-        span = open_span.get(rank)
-        if span is not None and span.name == e.name:
-            idle = busy_until.get(rank, span.end_s)
-            if e.start_s > idle:
-                span.args.setdefault("gaps", []).append((idle, e.start_s))
+            else:
+                self._open.pop(rank, None)
+            self.events.append(Event(name, rank, stream, kind, start, dur, args.copy()))
+            return
+        span = self._open.get(rank)
+        if span is not None and span.name == name:
+            idle = busy_until.get(rank, span.start_s + span.dur_s)
+            if start > idle:
+                span.args.setdefault("gaps", []).append((idle, start))
             span.dur_s = end - span.start_s
-            span.args["flops"] = span.args.get("flops", 0.0) + e.args.get("flops", 0.0)
+            span.args["flops"] = span.args.get("flops", 0.0) + args.get("flops", 0.0)
         else:
-            span = Event(e.name, rank, e.stream, e.kind, e.start_s, e.dur_s, dict(e.args))
-            open_span[rank] = span
-            merged.append(span)
+            span = self._open[rank] = Event(name, rank, stream, kind, start, dur, dict(args))
+            self.events.append(span)
         busy_until[rank] = max(busy_until.get(rank, 0.0), end)
-    return Trace(trace.source, trace.world_size, merged, dict(trace.meta))
 
 
 def busy_parts(e: Event) -> list[tuple[float, float]]:

@@ -11,7 +11,7 @@ from ..errors import ParsimError
 from ..hardware.cluster import ClusterSpec
 from ..lowering.lower import lower
 from ..lowering.unfold import unfold
-from ..report.step_report import RankBreakdown, breakdown, merge_spans, step_time
+from ..report.step_report import RankBreakdown, breakdown, step_time
 from ..report.trace import Trace
 from ..workload.memory import Memory, memory
 from ..workload.plan import Plan
@@ -143,7 +143,7 @@ def predict_step(plan: Plan, cluster: ClusterSpec,
     compute = ComputeModel.for_cluster(cluster, plan.dtype, plan.dtype_bytes, min(plan.world, gpn), plan.attention_seq)
     turns = compute.time_share > 1 and plan.world <= MAX_RANKS_IN_TURNS
     with _gc_paused():
-        trace = merge_spans(_simulate(plan, cluster, StepSimulator(topo, compute, take_turns=turns), progress))
+        trace = _simulate(plan, cluster, StepSimulator(topo, compute, take_turns=turns), progress)
         wait = end_wait_s(trace, cluster.rank_jitter)
         return StepPrediction(plan, cluster, trace, step_time(trace) + wait, _waiting(breakdown(trace), wait),
                               memory(plan), turns, wait)
@@ -159,10 +159,10 @@ def _waiting(ranks: list[RankBreakdown], wait_s: float) -> list[RankBreakdown]:
 
 def _simulate(plan: Plan, cluster: ClusterSpec, sim: StepSimulator,
               progress: Callable[[int, int], None] | None) -> Trace:
-    """The trace of ``plan``'s program on ``sim``. The program is freed on return, before the garbage collector
-    resumes and would look over its ops (856,518 for the 1T plan)."""
+    """The trace of ``plan``'s program on ``sim``, each action's compute in one span. The program is freed on
+    return, before the garbage collector resumes and would look over its ops (856,518 for the 1T plan)."""
     program = lower(plan, fsdp_in_line=cluster.describes_cpu_host)
     program = unfold(program) if sim.turns else program
     meta = {"plan": plan.name, "cluster": cluster.name, "world_size": plan.world,
             "represents": {str(k): v for k, v in program.represents.items()}}
-    return sim.run(program, meta, progress)
+    return sim.run(program, meta, progress, merged=True)

@@ -36,7 +36,8 @@ import simpy
 from ..errors import ParsimError
 from ..hardware.network import Network, chain_routes, stack_routes, unique_links
 from ..hardware.topology import Topology
-from ..report.trace import Event, Trace, by_rank_and_start
+from ..report.step_report import SpanMerger
+from ..report.trace import Event, Trace
 from .collectives.algorithms import build_phases
 from .collectives.simulate import choose_algorithm, kernel_sms, time_phases
 from .compute import ComputeModel, at_length
@@ -80,11 +81,12 @@ class StepSimulator:
         self._keys = 0
 
     def run(self, program: Program, meta: dict | None = None,
-            progress: Callable[[int, int], None] | None = None) -> Trace:
-        """Simulate ``program``; ``progress(finished, total)`` is called now and then on long runs."""
+            progress: Callable[[int, int], None] | None = None, merged: bool = False) -> Trace:
+        """Simulate ``program``; ``progress(finished, total)`` is called now and then on long runs. ``merged``:
+        each action's compute pieces in one span (:func:`~parsim.report.step_report.merge_spans`)."""
         run = _Run(self, program, progress)
         try:
-            return run.trace(meta)
+            return run.trace(meta, merged)
         finally:
             run.release()
 
@@ -801,37 +803,43 @@ class _Run:
         second's collection)."""
         self.__dict__.clear()
 
-    def trace(self, meta: dict | None) -> Trace:
+    def trace(self, meta: dict | None, merged: bool = False) -> Trace:
+        """The run's events in order of rank and start; ``merged``: each action's compute pieces joined into one
+        span as they are written (:class:`~parsim.report.step_report.SpanMerger`)."""
         if self.finished < len(self.ops):
             raise ParsimError(_stall_message(self.program, self.end))
-        start, end, lead = self.start, self.end, self.lead
+        ops, start, end = self.ops, self.start, self.end
         for j, (k, seconds) in self.absorbed.items():
             start[j], end[j] = start[k], start[k] + seconds
+        # An op that opens an action starts after the host's time before it, which the trace leaves idle. No op
+        # begins after it ends: a chained op's start is a sum of durations, its end the clock's time then, and the
+        # two can differ in the last bit. Left so, an instant op would sort after the op that follows it on its
+        # stream and seem to overlap it.
+        ends = np.array(end)
+        begins = np.minimum(np.array(start) + np.array(self.lead), ends)
+        order = np.lexsort((begins, np.fromiter((op.rank for op in ops), dtype=np.int64, count=len(ops))))
+        begins, durations = begins.tolist(), (ends - begins).tolist()
         # A receive holds the compute stream (what runs next needs its data), but it is a transfer: it is drawn
-        # on the p2p track, where the executor records it too. An op that opens an action starts after the
-        # host's time before it, which the trace leaves idle. Event args are built once per op shape (the
+        # on the p2p track, where the executor records it too. Event args are built once per op shape (the
         # lowering's templates share their matmuls), copied per event.
+        spans = SpanMerger() if merged else None
         events, args_of = [], {}
-        add = events.append
-        for i, op in enumerate(self.ops):
-            # No op begins after it ends: a chained op's start is a sum of durations, its end the clock's time
-            # then, and the two can differ in the last bit. Left so, an instant op would sort after the op that
-            # follows it on its stream and seem to overlap it.
-            begins, ends = start[i] + lead[i], end[i]
-            if begins > ends:
-                begins = ends
+        for i in order.tolist():
+            op = ops[i]
             key = (id(op.matmuls), _event_shape(op))
             args = args_of.get(key)
             if args is None:
                 args = args_of[key] = _args(op)
             kind = op.kind
-            add(Event(op.name, op.rank, "p2p" if kind == "recv" else op.stream, kind, begins, ends - begins,
-                      args.copy()))
-        events.sort(key=by_rank_and_start)
+            stream = "p2p" if kind == "recv" else op.stream
+            if spans is not None:
+                spans.add(op.name, op.rank, stream, kind, begins[i], durations[i], args)
+            else:
+                events.append(Event(op.name, op.rank, stream, kind, begins[i], durations[i], args.copy()))
         meta = dict(meta or {})
         if self.held is not None:
             meta["held_sms_s"] = self._held_seconds()
-        return Trace("simulated", self.program.world_size, events, meta)
+        return Trace("simulated", self.program.world_size, spans.events if merged else events, meta)
 
     def _held_seconds(self) -> dict[str, float]:
         """Per rank whose collectives hold SMs, how much longer its compute ran beside them than alone (an op
