@@ -17,8 +17,9 @@ from parsim.workload.plan import Plan, load_plan
 
 # GPT shapes (multi-head, GeLU MLP of 4h) so Korthikanti et al.'s 34sbh-style forms apply directly.
 H = 1024
-GPT = load_model({"kind": "transformer", "name": "gpt", "num_layers": 8, "hidden": H, "num_heads": 16,
-                  "ffn_hidden": 4 * H, "ffn_type": "gelu", "seq_len": 512, "vocab_size": 1000})
+GPT_SHAPES = {"kind": "transformer", "name": "gpt", "num_layers": 8, "hidden": H, "num_heads": 16,
+              "ffn_hidden": 4 * H, "ffn_type": "gelu", "seq_len": 512, "vocab_size": 1000}
+GPT = load_model(GPT_SHAPES)
 T = 4
 
 
@@ -29,8 +30,13 @@ def plan(**kw) -> Plan:
 def layer_bytes(p: Plan) -> int:
     """Saved bytes per token of one decoder layer, from the memory model: the last stage's, less its
     head (never recomputed), over its layers."""
+    return layer_bytes_of(p, T)
+
+
+def layer_bytes_of(p: Plan, tp: int = 1) -> int:
+    """:func:`layer_bytes` of a plan of ``tp`` tensor-parallel ranks."""
     costs = p.stage_costs(1)
-    head = costs[-1].activation_bytes_per_token(T)
+    head = costs[-1].activation_bytes_per_token(tp)
     return (saved_bytes_per_token(p, 1) - head) // (len(costs) - 1)
 
 
@@ -147,3 +153,83 @@ def test_yaml_keys_round_trip():
     assert (p.sequence_parallel, p.activation_recompute, p.recompute_layers) == (True, "full", 2)
     assert load_plan(p.to_dict()) == p
     assert load_plan({"model": "tiny-gpt", "activation_recompute": "selective"}).activation_recompute == "selective"
+
+
+# ----------------------------------------------------------------------------- fp8 storage, recompute modules
+def test_fp8_plans_keep_each_linear_s_input_in_fp8_and_the_attention_output_twice():
+    """Transformer Engine's linears keep the fp8 copy of their input for the weight gradient: the norms' outputs
+    (the QKV and fc1 inputs) and fc2's input at 1 byte, not 2; FlashAttention's output, which its backward
+    reads, stays in bf16 beside the output projection's fp8 copy."""
+    model = load_model({**GPT_SHAPES, "ffn_type": "swiglu", "ffn_hidden": 3 * H})
+    bf16, fp8 = (Plan(model=model, pp=2, num_microbatches=4, dtype=d) for d in ("bf16", "fp8"))
+    saved = {a.name: a.bytes_per_token() for a in fp8.stage_costs(1)[0].activations}
+    assert saved["attn.in"] == saved["mlp.in"] == H and saved["mlp.down.in"] == 3 * H
+    assert saved["attn.o.in"] == 2 * H and saved["attn.o.in.fp8"] == H
+    assert layer_bytes_of(bf16) - layer_bytes_of(fp8) == H + H + 3 * H - H
+
+
+def test_recompute_modules_drop_what_they_rebuild_and_rerun_it_before_the_backward():
+    """DeepSeek-V3's selective recompute (Megatron-LM's modules layernorm, mla_up_proj, moe_act): the norms'
+    outputs, the up-projections' Q, K, V and the experts' activation outputs are not kept; the backward reruns
+    the norms, the up-projection GEMMs with their RoPE, and the activation function."""
+    from parsim.lowering.kernels import block_work
+    from parsim.workload.plan import resolve_plan
+
+    modules = ["layernorm", "mla_up_proj", "moe_act"]
+    kept = resolve_plan("deepseek-v3-2048", overrides={"activation_recompute": "none"})
+    rebuilt = resolve_plan("deepseek-v3-2048",
+                           overrides={"activation_recompute": {"granularity": "selective", "modules": modules}})
+    names = {a.name for a in rebuilt.stage_costs(5)[0].activations}  # a MoE layer (the first three are dense)
+    assert names.isdisjoint({"attn.in", "mlp.in", "attn.q", "attn.k", "attn.v", "moe.expert.down.in"})
+    assert {"norm.attn.in", "attn.kv_a.out", "attn.o.in", "moe.dispatched", "moe.expert.gate.out"} <= names
+    assert saved_bytes_per_token(rebuilt, 5) < 0.6 * saved_bytes_per_token(kept, 5)
+    layer = rebuilt.stage_costs(5)[0]
+    tokens = rebuilt.tokens_per_rank
+    for block in layer.blocks:
+        backward, plain = block_work(rebuilt, block, "B", tokens), block_work(kept, block, "B", tokens)
+        reruns = [label for label in backward.labels if label.endswith("(recomputed)")]
+        parts = [name for name, _, _ in backward.elementwise_parts if name.endswith("(recomputed)")]
+        if block.name == "attention":
+            assert reruns == ["attn.q_b (recomputed)", "attn.kv_b (recomputed)"]
+            assert parts == ["attn.norm (recomputed)", "attn.rope (recomputed)"]
+        else:
+            assert reruns == [] and parts == ["moe.norm (recomputed)", "moe.act (recomputed)"]
+        assert backward.elementwise_bytes > plain.elementwise_bytes
+        assert block_work(rebuilt, block, "F", tokens) == block_work(kept, block, "F", tokens)
+
+
+def test_recompute_modules_cost_time_and_round_trip():
+    spec = ideal_spec()
+    none, modules = plan(activation_recompute="none"), plan(activation_recompute="selective",
+                                                            recompute_modules=("core_attn", "layernorm"))
+    assert predict_step(modules, spec).step_s > predict_step(none, spec).step_s
+    assert layer_bytes(modules) == layer_bytes(none) - 2 * 2 * H  # the two norms' bf16 outputs, whole on every rank
+    assert load_plan(modules.to_dict()) == modules
+    assert modules.to_dict()["activation_recompute"] == {"granularity": "selective",
+                                                         "modules": ["core_attn", "layernorm"]}
+    assert plan(activation_recompute="selective").recompute_modules == ("core_attn",)  # Megatron-LM's default
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"activation_recompute": "selective", "recompute_modules": ("mlp",)},
+     "recompute module 'mlp' is not one of core_attn, layernorm, mla_up_proj, moe_act"),
+    ({"activation_recompute": "selective", "recompute_modules": ("mla_up_proj",)},
+     "recompute module mla_up_proj needs a model with latent attention"),
+    ({"activation_recompute": "selective", "recompute_modules": ("moe_act",)},
+     "recompute module moe_act needs a model with mixture-of-experts layers"),
+    ({"activation_recompute": "full", "recompute_modules": ("layernorm",)},
+     "recompute modules need activation_recompute selective"),
+])
+def test_recompute_modules_are_refused_where_they_do_not_apply(kw, message):
+    with pytest.raises(ParsimError, match=message):
+        plan(**kw)
+
+
+def test_a_recompute_module_list_of_another_type_is_refused_in_one_line(tmp_path, capsys):
+    from parsim.cli.main import main
+
+    path = tmp_path / "plan.yaml"
+    path.write_text("model: tiny-gpt\nactivation_recompute: {granularity: selective, modules: layernorm}\n")
+    assert main(["simulate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "activation_recompute.modules" in err

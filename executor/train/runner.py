@@ -158,6 +158,8 @@ def check_plan(plan: Plan) -> None:
          m.attention == "mla" and plan.tp > 1 and not plan.sequence_parallel),
         ("weight-gradient matmuls that accumulate in place (grad_accumulation: fused)",
          plan.grad_accumulation == "fused"),
+        ("selective recompute of norms, up-projections or activation functions (recompute modules beyond "
+         "core_attn)", bool(set(plan.recompute_modules or ()) - {"core_attn"})),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
     if missing:
         raise ParsimError(f"parsim run does not execute {', '.join(missing)} yet; `parsim simulate` predicts it "

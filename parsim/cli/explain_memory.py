@@ -8,6 +8,7 @@ from ..errors import ParsimError
 from ..hardware.cluster import load_cluster
 from ..report.jsondoc import print_json
 from ..workload.memory import ADAM_STATE_BYTES, FP32, Memory, memory, saved_bytes_per_token
+from ..workload.model import LayerCost
 from ..workload.plan import Plan
 from .common import DEFAULT_CLUSTER, memory_table
 from .plan_cmd import add_plan_args, plan_from_args
@@ -119,6 +120,7 @@ def _activations(plan: Plan, mem: Memory) -> list[str]:
         split = " (split along the sequence too: sequence parallelism)" if plan.sequence_parallel and plan.tp > 1 \
             else " (tensor parallelism splits the per-head and feed-forward terms)" if plan.tp > 1 else ""
         out.append(f"   a layer saves {terms} = {layer.activation_bytes_per_token(plan.tp):,} bytes{split}.")
+        out += _how_kept(plan, layer)
         if recomputed:
             out.append(f"   Full recomputation keeps only the input of {len(recomputed)} of the stage's layers: "
                        f"{layer.checkpoint_bytes_per_token(plan.tp):,} bytes each; their forward reruns in the "
@@ -134,6 +136,22 @@ def _activations(plan: Plan, mem: Memory) -> list[str]:
                f"(forwards awaiting their backward)" + (", plus one recomputed layer's full activations"
                                                         if recomputed else "")
                + f": {mem.activations / GB:.2f} GB.")
+    return out
+
+
+def _how_kept(plan: Plan, layer: LayerCost) -> list[str]:
+    """Why a layer's saved tensors are what they are: fp8 copies, and what selective recompute rebuilds."""
+    out = []
+    if plan.dtype == "fp8":
+        out.append("   fp8: a linear keeps its input as the fp8 copy its GEMM read, 1 byte an element (Transformer "
+                   "Engine); the attention output also in bf16, for the attention's backward (.fp8 beside it).")
+    modules = plan.recompute_modules or ()
+    raw = plan.model.layer_costs(plan.dtype_bytes, plan.tp_style, plan.sequence_parallel)
+    whole = next((c for c in raw if c.name == layer.name), None)
+    rebuilt = [a.name for a in whole.activations if a.recompute in modules] if whole is not None else []
+    if rebuilt:
+        out.append(f"   Selective recompute ({', '.join(modules)}) keeps none of {', '.join(rebuilt)}: it reruns "
+                   f"what makes them before the backward.")
     return out
 
 

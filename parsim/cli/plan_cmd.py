@@ -14,7 +14,7 @@ from ..errors import ParsimError
 from ..report.jsondoc import print_json
 from ..report.table import render_table
 from ..units import format_size
-from ..workload.model import builtin_models, load_model
+from ..workload.model import RECOMPUTE_MODULES, builtin_models, load_model
 from ..workload.plan import (ADAMW_IMPLEMENTATIONS, CP_STYLES, DIMS, DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_SYNCS,
                              RECOMPUTE, REDUCE_DTYPES, SCHEDULES, TP_STYLES, ZERO_STAGES, Plan, builtin_plans,
                              load_plan, resolve_plan, runs_text)
@@ -92,6 +92,10 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
                    help="rerun forwards in the backward to save activations (full: all but each layer's input)")
     g.add_argument("--recompute-layers", type=int, metavar="N",
                    help="with full recompute: only the first N layers of each stage")
+    g.add_argument("--recompute-modules", metavar="LIST",
+                   help="with selective recompute: what it reruns, Megatron-LM's names, comma-separated "
+                        f"({', '.join(RECOMPUTE_MODULES)}; default core_attn), e.g. layernorm,mla_up_proj,moe_act "
+                        "as DeepSeek-V3")
     g.add_argument("--grad-sync", choices=GRAD_SYNCS, help="data-parallel gradient synchronization")
     g.add_argument("--bucket-size", help="DDP bucket size, e.g. 25MiB")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction,
@@ -154,6 +158,9 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
 
 
 def _recompute_flags(args: argparse.Namespace) -> str | dict | None:
+    if args.recompute_modules is not None:
+        return {"granularity": args.activation_recompute or "selective",
+                "modules": [m.strip() for m in args.recompute_modules.split(",")]}
     if args.recompute_layers is None:
         return args.activation_recompute
     return {"granularity": args.activation_recompute or "full", "layers": args.recompute_layers}
@@ -273,7 +280,7 @@ def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topolo
             else "K/V all-gathered before attention")) if plan.cp > 1 else "none"),
         ("experts", _experts_text(plan)),
         ("gradient sync", sync if plan.dp > 1 else "none (one replica)"),
-        ("recompute", {"none": "none", "selective": "selective (attention core)",
+        ("recompute", {"none": "none", "selective": f"selective ({', '.join(plan.recompute_modules or ())})",
                        "full": "full" + (f", first {plan.recompute_layers} layers of each stage"
                                          if plan.recompute_layers else ", every layer")}[plan.activation_recompute]),
         ("optimizer", _optimizer_text(plan)),

@@ -82,21 +82,23 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         labels.append(label)
         sources.append(source)
 
+    backward = kind in ("B", "I")
+    # Selective recompute reruns its modules' forward kernels before the backward that needs their outputs
+    # (RECOMPUTE_MODULES): latent attention's up-projections, norms, activation functions, an unfused core.
+    rerun = set(plan.recompute_modules or ()) if backward else set()
     for mm in block.matmuls:
         k, n = mm.shape_per_rank(tp)
         rows = _rows(plan, mm, tokens)
         for _ in range(mm.copies_per_rank(plan.ep)):
             split = mm.split if mm.experts == 1 else "experts"
-            if kind == "F":
-                launch((rows, n, k), mm.name, (split, "fwd"))
+            if kind == "F" or mm.recompute in rerun:
+                launch((rows, n, k), mm.name if kind == "F" else f"{mm.name} (recomputed)", (split, "fwd"))
             if kind in ("B", "I") and not block.data_input:
                 launch((rows, k, n), f"{mm.name} input grad", (split, "dgrad"))
             if kind in ("B", "W"):
                 launch((k, n, rows), f"{mm.name} weight grad", (split, "wgrad"))
-    backward = kind in ("B", "I")
     core = block.core
-    # Selective recompute of an unfused core reruns its scores, softmax and dropout before their backward.
-    rerun_core = backward and core is not None and core.kernel == "unfused" and plan.activation_recompute == "selective"
+    rerun_core = core is not None and core.kernel == "unfused" and "core_attn" in rerun
     attention_fwd = attention_bwd = 0.0
     if core is not None and core.kernel == "unfused":
         if rerun_core:
@@ -112,7 +114,7 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
     parts: list[tuple[str, float, tuple[SmWork, ...]]] = []  # memory-bound kernels: (name, bytes, arithmetic)
     if kind != "W":
         passes = [(e, backward, e.name) for e in block.elementwise]
-        passes += [(e, False, f"{e.name} (recomputed)") for e in block.elementwise if rerun_core and e.attention_core]
+        passes += [(e, False, f"{e.name} (recomputed)") for e in block.elementwise if e.recompute in rerun]
         split = (plan.dtype_bytes, tp, plan.sequence_parallel)
         parts += [(name, tokens * e.bytes_per_token(direction, *split), e.sm_work(tokens, direction, *split))
                   for e, direction, name in passes]

@@ -92,6 +92,20 @@ SOFTMAX_COST = 20  # FlashAttention's softmax time per score in matmul FLOPs per
 FLASH_BLOCK = 128  # FlashAttention-2's Q/K tile (Br = Bc = 128 at head dim 128) (causal masking skips whole tiles)
 INDEX_BYTES = 8  # token ids are int64
 SOFTMAX_BYTES = 4  # the cross-entropy softmax over the vocabulary is kept in fp32
+# Selective recompute's modules, as Megatron-LM names them (TransformerConfig.recompute_modules, Megatron Core
+# 0.13): "core_attn" reruns the attention core (Korthikanti et al. 2022, the default); "layernorm" the input and
+# pre-MLP norms, "mla_up_proj" latent attention's up-projections and their RoPE, "moe_act" the experts'
+# activation function, each discarding its output in the forward (Megatron-LM's CheckpointWithoutOutput) and
+# rebuilding it before the backward needs it. DeepSeek-V3 recomputes the same three (DeepSeek-V3 Technical
+# Report, section 3.2.3). Megatron-LM's "mlp", "moe" and "shared_experts" rerun whole blocks: not modelled.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "moe_act")
+# A linear layer's saved input (Activation.linear): kept only for the linear's weight gradient, or kept by
+# another op too (FlashAttention keeps its output for its backward, and the output projection its input).
+LINEAR_ONLY, LINEAR_ALSO = "only", "also"
+# In an fp8 plan a linear keeps its input as the fp8 copy its GEMM read, one byte an element (Transformer Engine's
+# _Linear saves the quantized ``inputmat`` for the weight-gradient GEMM: transformer_engine/pytorch/module/
+# linear.py); a tensor another op keeps too is then held twice, in bf16 and in fp8.
+FP8_SAVED_BYTES = 1
 
 
 def shard(size: int, tp: int, unit: int = 1) -> int:
@@ -132,6 +146,7 @@ class Matmul:
     experts: int = 1
     active: int = 1
     on_sequence_shard: bool = False
+    recompute: str = ""  # the selective recompute module (RECOMPUTE_MODULES) that reruns its forward
 
     @property
     def params(self) -> int:
@@ -203,7 +218,11 @@ class Activation:
     element_bytes: int
     sharded: bool
     unit: int = 1
-    attention_core: bool = False  # kept only for the attention core's backward: selective recompute drops it
+    # the selective recompute module (RECOMPUTE_MODULES) that discards this tensor and rebuilds it for the backward
+    recompute: str = ""
+    # a linear layer's input: LINEAR_ONLY, kept for its weight gradient alone, or LINEAR_ALSO, which another op
+    # keeps too (FlashAttention its output); in an fp8 plan the linear keeps its own fp8 copy (FP8_SAVED_BYTES)
+    linear: str = ""
 
     def bytes_per_token(self, tp: int = 1) -> int:
         width = shard(self.width, tp, self.unit) if self.sharded else self.width
@@ -260,7 +279,7 @@ class Elementwise:
     sharded: bool = True
     unit: int = 1
     element_bytes: int = 0
-    attention_core: bool = False  # over the unfused core's scores: selective recompute reruns it
+    recompute: str = ""  # the selective recompute module (RECOMPUTE_MODULES) that reruns its forward
     cast: bool = False  # one side of a cast to or from fp32, which an fp32 plan does not run
     # a kernel whose arithmetic the SMs may take longer over than its bytes (parsim.sim.compute.SmWork): "softmax"
     # (forward, over rows of ``row`` entries), "gelu", "norm" or "bias_add" (forward)
@@ -752,7 +771,8 @@ class TransformerModel(_CostTotals):
             attention_saved = (
                 Activation("attn.q", q, d, sharded=True, unit=hd), Activation("attn.k", kv, d, sharded=True, unit=hd),
                 Activation("attn.v", kv, d, sharded=True, unit=hd),
-                Activation("attn.o.in", q, d, sharded=True, unit=hd), *self._score_activations(d))
+                Activation("attn.o.in", q, d, sharded=True, unit=hd, linear=self._core_output_kept),
+                *self._score_activations(d))
             attention_params = ()
         if moe:
             mlp, ffn_saved = self._moe_block(d)
@@ -760,11 +780,14 @@ class TransformerModel(_CostTotals):
             ffn, intermediates = _ffn("mlp", h, f, self.ffn_type)
             mlp = Block("mlp", ffn, collectives=_block_collectives("mlp", h * d, sequence_parallel),
                         elementwise=self._mlp_kernels(f), eager_ops=ffn_ops)
-            ffn_saved = tuple(Activation(name, f, d, sharded=True) for name in intermediates)
+            ffn_saved = _ffn_saved(intermediates, f, d)
+        # The norms' outputs are the next linears' inputs; selective recompute of "layernorm" reruns the norms
         saved = (
-            Activation("norm.attn.in", h, d, sharded=sp), Activation("attn.in", h, d, sharded=sp),
+            Activation("norm.attn.in", h, d, sharded=sp),
+            Activation("attn.in", h, d, sharded=sp, recompute="layernorm", linear=LINEAR_ONLY),
             *attention_saved,
-            Activation("norm.mlp.in", h, d, sharded=sp), Activation("mlp.in", h, d, sharded=sp),
+            Activation("norm.mlp.in", h, d, sharded=sp),
+            Activation("mlp.in", h, d, sharded=sp, recompute="layernorm", linear=LINEAR_ONLY),
             *ffn_saved,
         )
         params = (Param("norm.attn", 1, h), Param("norm.mlp", 1, h), *attention_params, *self._biases(q, kv, f))
@@ -802,14 +825,15 @@ class TransformerModel(_CostTotals):
         h, nh = self.hidden, self.num_heads
         qk, v = self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
         latent = self.kv_lora_rank + self.qk_rope_head_dim
+        up = "mla_up_proj"  # the up-projections, rerun under that selective recompute module
         if self.q_lora_rank:
             queries = (Matmul("attn.q_a", h, self.q_lora_rank, on_sequence_shard=True),
-                       Matmul("attn.q_b", self.q_lora_rank, nh * qk, "column", qk))
+                       Matmul("attn.q_b", self.q_lora_rank, nh * qk, "column", qk, recompute=up))
         else:
-            queries = (Matmul("attn.q", h, nh * qk, "column", qk),)
+            queries = (Matmul("attn.q", h, nh * qk, "column", qk, recompute=up),)
         matmuls = (*queries, Matmul("attn.kv_a", h, latent, on_sequence_shard=True),
                    Matmul("attn.kv_b", self.kv_lora_rank, nh * (self.qk_nope_head_dim + v), "column",
-                          self.qk_nope_head_dim + v),
+                          self.qk_nope_head_dim + v, recompute=up),
                    Matmul("attn.o", nh * v, h, "row", v))
         block = Block("attention", matmuls, attention_flops_per_token=2 * self.seq_len * nh * (qk + v),
                       collectives=self._mla_collectives(d, sp), kv_width=nh * (qk + v) // 2,
@@ -818,10 +842,10 @@ class TransformerModel(_CostTotals):
                       eager_ops=eager_ops)
         saved = (*((Activation("attn.q_a.out", self.q_lora_rank, d, sharded=sp),) if self.q_lora_rank else ()),
                  Activation("attn.kv_a.out", latent, d, sharded=sp),
-                 Activation("attn.q", nh * qk, d, sharded=True, unit=qk),
-                 Activation("attn.k", nh * qk, d, sharded=True, unit=qk),
-                 Activation("attn.v", nh * v, d, sharded=True, unit=v),
-                 Activation("attn.o.in", nh * v, d, sharded=True, unit=v))
+                 Activation("attn.q", nh * qk, d, sharded=True, unit=qk, recompute=up),
+                 Activation("attn.k", nh * qk, d, sharded=True, unit=qk, recompute=up),
+                 Activation("attn.v", nh * v, d, sharded=True, unit=v, recompute=up),
+                 Activation("attn.o.in", nh * v, d, sharded=True, unit=v, linear=self._core_output_kept))
         norms = ((Param("norm.q_a", 1, self.q_lora_rank),) if self.q_lora_rank else ()) + \
             (Param("norm.kv_a", 1, self.kv_lora_rank),)
         return block, saved, norms
@@ -869,12 +893,12 @@ class TransformerModel(_CostTotals):
         h, fe, k, e = self.hidden, self.expert_ffn_hidden, self.experts_per_token, self.num_experts
         routed, intermediates = _ffn("moe.expert", h, fe, self.ffn_type, experts=e, active=k)
         matmuls = (Matmul("moe.router", h, e, on_sequence_shard=True), *routed)
-        saved = [Activation("moe.dispatched", k * h, d, sharded=False),
-                 *(Activation(name, k * fe, d, sharded=True) for name in intermediates)]
+        saved = [Activation("moe.dispatched", k * h, d, sharded=False, linear=LINEAR_ONLY),
+                 *_ffn_saved(intermediates, k * fe, d, "moe_act")]
         if self.shared_experts:
             shared, names = _ffn("moe.shared", h, self.shared_experts * fe, self.ffn_type)
             matmuls += shared
-            saved += [Activation(name, self.shared_experts * fe, d, sharded=True) for name in names]
+            saved += _ffn_saved(names, self.shared_experts * fe, d, "moe_act")
         routed_rows, block_input = k * h * d, h * d  # bytes per token: its k routed rows; its hidden state
 
         def shared_collective(name: str, op: str, phase: str, position: str) -> tuple[TPCollective, ...]:
@@ -897,7 +921,8 @@ class TransformerModel(_CostTotals):
         active_ffn = k * fe + self.shared_experts * fe
         kernels = (*self._norm("moe.norm", h),
                    Elementwise("moe.permute", 2 * k * h, 2 * k * h, sharded=False),  # tokens sorted to their experts
-                   self._activation("moe.act", active_ffn), *self._residual("moe", h))
+                   replace(self._activation("moe.act", active_ffn), recompute="moe_act"),
+                   *self._residual("moe", h))
         ops, per_expert = eager_ops.moe_ops(self.ffn_type, self.shared_experts > 0)
         return Block("moe", matmuls, collectives=collectives, elementwise=kernels, eager_ops=ops,
                      eager_ops_per_expert=per_expert), tuple(saved)
@@ -915,21 +940,22 @@ class TransformerModel(_CostTotals):
             return (*self._norm("attn.norm", h), *self._attention_biases(q, kv, unit),
                     *self._eager_attention(q, kv, unit), *self._residual("attn", h))
         kernels = [*self._norm("attn.norm", h), *self._attention_biases(q, kv, unit)]
-        if self.position_embedding == "rope":
-            kernels.append(Elementwise("attn.rope", 2 * (q + kv), 2 * (q + kv), unit=unit))
+        if self.position_embedding == "rope":  # latent attention's is part of its up-projections ("mla_up_proj")
+            kernels.append(Elementwise("attn.rope", 2 * (q + kv), 2 * (q + kv), unit=unit,
+                                       recompute="mla_up_proj" if self.attention == "mla" else ""))
         if self.attention_kernel == "flash":
             kernels.append(Elementwise("attn.core", 2 * q + 2 * kv, 4 * q + 4 * kv, unit=unit))
         else:
             scores = self.num_heads * self.seq_len
             kernels.append(Elementwise("attn.softmax", 2 * scores, 3 * scores, unit=self.seq_len,
-                                       attention_core=True, sm_kind="softmax", row=self.seq_len))
+                                       recompute="core_attn", sm_kind="softmax", row=self.seq_len))
             # Megatron-LM's core copies the context from [b, np, s, d] back to [s, b, np·d] (read and
             # write q), and the backward of splitting the fused QKV output writes the three gradients
             # into one tensor (read and write q + 2kv): megatron/model/transformer.py, ParallelAttention.
             kernels.append(Elementwise("attn.core.copies", 2 * q, 2 * (q + 2 * kv), unit=unit))
             if self.dropout:
                 kernels.append(Elementwise("attn.dropout", 2 * scores, 2 * scores, unit=self.seq_len,
-                                           attention_core=True, mask=scores))
+                                           recompute="core_attn", mask=scores))
         return tuple(kernels + self._residual("attn", h))
 
     def _attention_biases(self, q: int, kv: int, unit: int) -> tuple[Elementwise, ...]:
@@ -1001,12 +1027,13 @@ class TransformerModel(_CostTotals):
         each); the cast to fp32 (2h; torch's bf16-to-fp32 copy kernel is its unrolled one, the cast back
         vectorized); ``mean``'s backward, the gradient over h broadcast (2h)."""
         if self.layer_kernels != "eager":
-            return (Elementwise(name, 2 * h, 3 * h, sharded=False, sm_kind="norm"),)
-        return (Elementwise(name, 4 * h, 15 * h, sharded=False, unvectorized=(4 * h, 4 * h)),
-                Elementwise(f"{name}.fp32", 3 * h, 8 * h, sharded=False, element_bytes=4, unvectorized=(0, 2 * h)),
-                Elementwise(f"{name}.cast", h, h, sharded=False, cast=True),
+            return (Elementwise(name, 2 * h, 3 * h, sharded=False, sm_kind="norm", recompute="layernorm"),)
+        return (Elementwise(name, 4 * h, 15 * h, sharded=False, unvectorized=(4 * h, 4 * h), recompute="layernorm"),
+                Elementwise(f"{name}.fp32", 3 * h, 8 * h, sharded=False, element_bytes=4, unvectorized=(0, 2 * h),
+                            recompute="layernorm"),
+                Elementwise(f"{name}.cast", h, h, sharded=False, cast=True, recompute="layernorm"),
                 Elementwise(f"{name}.cast.fp32", h, h, sharded=False, element_bytes=4, cast=True,
-                            unvectorized=(2 * h, 0)))
+                            unvectorized=(2 * h, 0), recompute="layernorm"))
 
     def _mlp_kernels(self, f: int) -> tuple[Elementwise, ...]:
         """The norm, the activation and the residual; eager SwiGLU's gate and up projections also add their
@@ -1034,6 +1061,12 @@ class TransformerModel(_CostTotals):
         drawing its one-byte mask in the same kernel (Megatron-LM's fused bias-dropout-add)."""
         return [Elementwise(f"{block}.residual", 3 * h, 3 * h, sharded=False, mask=h if self.dropout else 0)]
 
+    @property
+    def _core_output_kept(self) -> str:
+        """How the attention output, the output projection's input, is kept: FlashAttention's backward reads its
+        output too (LINEAR_ALSO); the unfused core's backward does not (LINEAR_ONLY)."""
+        return LINEAR_ALSO if self.attention_kernel == "flash" else LINEAR_ONLY
+
     def _score_activations(self, d: int) -> tuple[Activation, ...]:
         """The unfused core keeps its softmax output for the backward and, with dropout, the mask and
         the dropped-out scores: ``2·a·s`` or ``5·a·s`` bytes per token at 2 bytes (Korthikanti et al.
@@ -1041,10 +1074,12 @@ class TransformerModel(_CostTotals):
         if self.attention_kernel == "flash":
             return ()
         scores = self.num_heads * self.seq_len
-        saved = [Activation("attn.softmax.out", scores, d, sharded=True, unit=self.seq_len, attention_core=True)]
+        saved = [Activation("attn.softmax.out", scores, d, sharded=True, unit=self.seq_len, recompute="core_attn")]
         if self.dropout:
-            saved += [Activation("attn.dropout.mask", scores, 1, sharded=True, unit=self.seq_len, attention_core=True),
-                      Activation("attn.dropout.out", scores, d, sharded=True, unit=self.seq_len, attention_core=True)]
+            saved += [Activation("attn.dropout.mask", scores, 1, sharded=True, unit=self.seq_len,
+                                 recompute="core_attn"),
+                      Activation("attn.dropout.out", scores, d, sharded=True, unit=self.seq_len,
+                                 recompute="core_attn")]
         return tuple(saved)
 
     def embedding_cost(self, dtype_bytes: int, tp_style: str | None = None,
@@ -1168,6 +1203,15 @@ class TransformerModel(_CostTotals):
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)
+
+
+def _ffn_saved(names: tuple[str, ...], width: int, d: int, recompute: str = "") -> list[Activation]:
+    """A feed-forward's saved intermediates (:func:`_ffn`'s names, ``width`` elements each per token): the
+    activation function's inputs, and its output, the last matmul's input, which ``recompute`` (the selective
+    recompute module rerunning the activation function) discards."""
+    *inputs, output = names
+    return [*(Activation(name, width, d, sharded=True) for name in inputs),
+            Activation(output, width, d, sharded=True, recompute=recompute, linear=LINEAR_ONLY)]
 
 
 def _ffn(prefix: str, h: int, f: int, ffn_type: str, experts: int = 1,

@@ -53,7 +53,8 @@ from ..files import read_yaml
 from ..hardware.cluster import MAX_GPUS
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
 from ..schedules import Schedule, make_schedule, uneven_rounds
-from .model import ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model
+from .model import (FP8_SAVED_BYTES, LINEAR_ALSO, LINEAR_ONLY, RECOMPUTE_MODULES, Activation, ConfigReader, LayerCost,
+                    MLPModel, Model, TransformerModel, load_model)
 from .stage_split import balanced_split, even_split
 
 SCHEDULES = tuple(SCHEDULE_KINDS)
@@ -66,6 +67,7 @@ V_SCHEDULES = ("zbv", "dualpipe-v")  # two stages per rank placed in a V: rank r
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 TP_STYLES = ("megatron", "allgather")
 RECOMPUTE = ("none", "selective", "full")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)  # Megatron-LM's default for selective recompute
 GRAD_SYNCS = ("per_param", "bucketed", "fsdp")  # fsdp: ZeRO-3 with FSDP2's per-layer units
 ZERO_STAGES = (0, 1, 2, 3)
 # How each microbatch's weight gradient joins the step's sum: "autograd" adds it in a pass of its own (see
@@ -294,6 +296,7 @@ class Plan:
     tp_async_backward: bool | None = None  # None: tensor_parallel megatron's (on since Megatron-LM's 2021-09 release)
     activation_recompute: str = "none"
     recompute_layers: int | None = None
+    recompute_modules: tuple[str, ...] | None = None  # selective recompute's (None: its default, the core's)
     name: str = "plan"
     description: str = ""
 
@@ -366,6 +369,26 @@ class Plan:
         object.__setattr__(self, "num_microbatches", nmb)
         object.__setattr__(self, "global_batch_size", dp * mbs * nmb)
 
+    def _check_recompute_modules(self) -> None:
+        """Selective recompute's modules: known ones, each applying to the model (as Megatron-LM checks)."""
+        if self.recompute_modules is None:
+            if self.activation_recompute == "selective":
+                object.__setattr__(self, "recompute_modules", DEFAULT_RECOMPUTE_MODULES)
+            return
+        if self.activation_recompute != "selective":
+            self._fail("recompute modules need activation_recompute selective (they name what it recomputes)")
+        unknown = [name for name in self.recompute_modules if name not in RECOMPUTE_MODULES]
+        if unknown or not self.recompute_modules:
+            self._fail(f"recompute module {unknown[0] if unknown else 'list'!r} is not one of "
+                       f"{', '.join(RECOMPUTE_MODULES)} (Megatron-LM's; its mlp, moe and shared_experts are not "
+                       f"modelled: full recompute reruns whole layers)")
+        needs = {"mla_up_proj": (getattr(self.model, "attention", "") == "mla", "latent attention (MLA)"),
+                 "moe_act": (getattr(self.model, "is_moe", False), "mixture-of-experts layers")}
+        for name in self.recompute_modules:
+            applies, what = needs.get(name, (True, ""))
+            if not applies:
+                self._fail(f"recompute module {name} needs a model with {what}; {self.model.name} has none")
+
     def validate(self, gpus: int | None = None) -> None:
         """Check every rule; with ``gpus``, also that the plan uses exactly that many GPUs."""
         m = self.model
@@ -382,6 +405,7 @@ class Plan:
         if self.recompute_layers is not None and self.activation_recompute != "full":
             self._fail("recompute_layers needs activation_recompute full (it counts the layers of each stage "
                        "whose forward is recomputed)")
+        self._check_recompute_modules()
         if self.sequence_parallel:
             try:
                 m.costs(1, self.tp_style, sequence_parallel=True)
@@ -695,11 +719,32 @@ class Plan:
     def _costs(self) -> tuple[LayerCost | None, list[LayerCost], LayerCost | None]:
         m, d, sp = self.model, self.dtype_bytes, self.sequence_parallel
         layers = m.layer_costs(d, self.tp_style, sp)
-        if self.activation_recompute == "selective":  # the attention core's own tensors are recomputed, not kept
-            layers = [dataclasses.replace(c, activations=tuple(a for a in c.activations if not a.attention_core))
-                      for c in layers]
+        layers = [dataclasses.replace(c, activations=self._kept(c.activations)) for c in layers]
         return (m.embedding_cost(d, self.tp_style, sp), layers,
                 m.head_cost(d, self.tp_style, sp, copies_table=self.ties_across_stages))
+
+    def _kept(self, saved: tuple[Activation, ...]) -> tuple[Activation, ...]:
+        """What a layer keeps of the tensors it saves: none that selective recompute's modules rebuild, and in an
+        fp8 plan each linear's input as its fp8 copy (beside the bf16 tensor where another op keeps that too)."""
+        modules = self.recompute_modules or ()
+        kept = []
+        for a in saved:
+            if a.recompute in modules:
+                continue
+            if self.dtype == "fp8" and a.linear == LINEAR_ONLY:
+                a = dataclasses.replace(a, element_bytes=FP8_SAVED_BYTES)
+            kept.append(a)
+            if self.dtype == "fp8" and a.linear == LINEAR_ALSO:
+                kept.append(dataclasses.replace(a, name=f"{a.name}.fp8", element_bytes=FP8_SAVED_BYTES))
+        return tuple(kept)
+
+    def _recompute_dict(self) -> str | dict:
+        """``activation_recompute`` as a plan file writes it."""
+        if self.recompute_layers:
+            return {"granularity": self.activation_recompute, "layers": self.recompute_layers}
+        if self.recompute_modules and self.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
+            return {"granularity": self.activation_recompute, "modules": list(self.recompute_modules)}
+        return self.activation_recompute
 
     @property
     def ties_across_stages(self) -> bool:
@@ -751,7 +796,9 @@ class Plan:
                                           if self.expert_tokens_factor != 1 else ""))
         if self.activation_recompute != "none":
             layers = f", first {self.recompute_layers} layers per stage" if self.recompute_layers else ""
-            out.append(f"{self.activation_recompute} recompute{layers}")
+            modules = (f" ({', '.join(self.recompute_modules)})"
+                       if self.recompute_modules and self.recompute_modules != DEFAULT_RECOMPUTE_MODULES else "")
+            out.append(f"{self.activation_recompute} recompute{layers}{modules}")
         if self.reduce_dtype != self.dtype and self.dp * self.cp > 1:
             out.append(f"gradients reduced in {self.reduce_dtype}")
         if self.grad_accumulation == "fused":
@@ -794,8 +841,7 @@ class Plan:
             "tp_async_backward": self.tp_async_backward,
             "grad_accumulation": self.grad_accumulation,
             "adamw": self.adamw,
-            "activation_recompute": ({"granularity": self.activation_recompute, "layers": self.recompute_layers}
-                                     if self.recompute_layers else self.activation_recompute),
+            "activation_recompute": self._recompute_dict(),
             "data_parallel": data_parallel,
         }
         if isinstance(self.model, TransformerModel) and self.model.is_moe:
@@ -817,7 +863,7 @@ _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "v
              "dtype", "tensor_parallel", "sequence_parallel", "tp_comm_overlap", "tp_async_backward",
              "context_parallel", "activation_recompute", "data_parallel", "grad_accumulation", "adamw", "grad_clip",
              "moe")
-_RECOMPUTE_KEYS = ("granularity", "layers")
+_RECOMPUTE_KEYS = ("granularity", "layers", "modules")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
 _MOE_KEYS = ("capacity_factor", "expert_load")
 _BATCH_KEYS = ("microbatch_size", "num_microbatches", "global_batch_size")
@@ -909,7 +955,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         tp_async_backward=top.boolean("tp_async_backward"),
         grad_accumulation=top.text("grad_accumulation", "autograd"), adamw=top.text("adamw", DEFAULT_ADAMW),
         grad_clip=top.number("grad_clip"),
-        activation_recompute=recompute[0], recompute_layers=recompute[1],
+        activation_recompute=recompute[0], recompute_layers=recompute[1], recompute_modules=recompute[2],
         dtype=top.text("dtype", "fp32"), tp_style=top.text("tensor_parallel"),
         grad_sync=grad_sync, bucket_size=sync.size("bucket_size", DEFAULT_BUCKET_SIZE),
         overlap=sync.boolean("overlap"), zero=sync.integer("zero"), shard_group=sync.integer("shard_group"),
@@ -941,13 +987,19 @@ def runs_text(values: tuple[int, ...]) -> str:
     return "/".join(parts)
 
 
-def _recompute(top: ConfigReader) -> tuple[str, int | None]:
-    """``activation_recompute: full`` or ``{granularity: full, layers: 4}``."""
+def _recompute(top: ConfigReader) -> tuple[str, int | None, tuple[str, ...] | None]:
+    """``activation_recompute: full``, ``{granularity: full, layers: 4}`` or
+    ``{granularity: selective, modules: [layernorm, mla_up_proj, moe_act]}``."""
     value = top.data.get("activation_recompute", "none")
     if isinstance(value, str):
-        return value, None
+        return value, None, None
     section = top.section("activation_recompute", _RECOMPUTE_KEYS)
-    return section.text("granularity", "full"), section.integer("layers")
+    modules = section.data.get("modules") if isinstance(section.data, Mapping) else None
+    if modules is not None and (not isinstance(modules, list) or not all(isinstance(m, str) for m in modules)):
+        raise ConfigError(top.source, "activation_recompute.modules", f"is {modules!r}",
+                          f"a list of recompute modules ({', '.join(RECOMPUTE_MODULES)})")
+    return (section.text("granularity", "full"), section.integer("layers"),
+            tuple(modules) if modules is not None else None)
 
 
 def _stage_split(top: ConfigReader) -> tuple[int, ...] | str | None:
