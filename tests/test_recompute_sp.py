@@ -233,3 +233,20 @@ def test_a_recompute_module_list_of_another_type_is_refused_in_one_line(tmp_path
     assert main(["simulate", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "activation_recompute.modules" in err
+
+
+def test_the_deepseek_v3_example_fits_its_80_gb_as_it_did_for_deepseek():
+    """DeepSeek-V3 trained on 80 GB H800s: with its recomputation and fp8 storage the example fits, each rank's
+    activations weighed stage by stage (rank 0's last stage, with the vocabulary's fp32 softmax, holds one
+    microbatch at the peak, not 33)."""
+    from parsim.hardware.cluster import load_cluster
+    from parsim.workload.memory import memory
+    from parsim.workload.plan import resolve_plan
+
+    plan = resolve_plan("deepseek-v3-2048")
+    ranks = memory(plan)
+    assert max(m.total for m in ranks) < load_cluster("dgx-h100").gpu.hbm_capacity_bytes
+    first = ranks[0]
+    assert first.peak_counts == (32, 1) and first.in_flight == 33
+    saved = [saved_bytes_per_token(plan, s) for s in plan.stages_of(0)]
+    assert first.activations == (32 * saved[0] + saved[1]) * plan.tokens_per_rank

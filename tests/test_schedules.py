@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import random
 from collections import Counter
 
 import pytest
@@ -12,8 +13,8 @@ from hypothesis import strategies as st
 import parsim.schedules
 from parsim.errors import ParsimError
 from parsim.report.trace import compute_name
-from parsim.schedules import (SCHEDULES, Action, Schedule, ScheduleError, closed_form, dependencies, make_schedule,
-                              peak_in_flight, simulate_ideal, splits_into_rounds, validate)
+from parsim.schedules import (SCHEDULES, Action, Schedule, ScheduleError, closed_form, dependencies, in_flight_by_stage,
+                              make_schedule, peak_in_flight, simulate_ideal, splits_into_rounds, validate)
 
 FAST = settings(max_examples=60, deadline=None)
 times = st.sampled_from([0.25, 0.5, 1.0, 1.5, 2.0, 3.0])
@@ -140,6 +141,35 @@ def test_peak_in_flight_of_interleaved_is_its_warmup_plus_one(pp, rounds, v):
     m = pp * rounds
     expected = [min(v * m, (v - 1) * pp + 2 * (pp - 1 - r) + 1) for r in range(pp)]
     assert peak_in_flight(make_schedule("interleaved-1f1b", pp, m, v)) == expected
+
+
+@FAST
+@given(st.sampled_from(["1f1b", "gpipe", "interleaved-1f1b", "zbv", "dualpipe-v", "zb-h2"]), st.integers(2, 6),
+       st.integers(1, 3))
+def test_in_flight_by_stage_holds_every_peak_of_what_a_rank_keeps(name, pp, rounds):
+    """Whatever each stage saves, a rank's activation peak is the largest weighted sum over the kept moments:
+    checked against a walk through its actions with random weights, and the counts' own peak is among them."""
+    v = 2 if name in ("interleaved-1f1b", "zbv", "dualpipe-v") else 1
+    schedule = make_schedule(name, pp, 2 * pp * rounds, v)
+    rng = random.Random(pp * 100 + rounds)
+    for rank, (moments, acts) in enumerate(zip(in_flight_by_stage(schedule), schedule.actions)):
+        stages = schedule.stages_of(rank)
+        assert all(len(m) == len(stages) for m in moments)
+        assert max(sum(m) for m in moments) == peak_in_flight(schedule)[rank]
+        for _ in range(3):
+            saved = {s: rng.uniform(1.0, 5.0) for s in stages}
+            live = peak = 0.0
+            for a in acts:
+                live += saved[a.stage] if a.kind == "F" else -saved[a.stage] if a.kind in ("B", "I") else 0.0
+                peak = max(peak, live)
+            best = max(sum(n * saved[s] for n, s in zip(m, stages)) for m in moments)
+            assert best == pytest.approx(peak)
+
+
+def test_dualpipe_v_s_first_rank_peaks_with_one_microbatch_of_its_last_stage():
+    """DualPipe-V's rank 0 holds stage 0 and the last stage, whose backward follows its forward at once: at its
+    peak 32 of the first stage's microbatches and one of the last's, not 33 of the larger one's (its head)."""
+    assert in_flight_by_stage(make_schedule("dualpipe-v", 16, 120, 2))[0] == [(32, 1)]
 
 
 @FAST

@@ -128,14 +128,23 @@ def _activations(plan: Plan, mem: Memory) -> list[str]:
     others = [c for c in costs if not c.name.startswith("layer")]
     for c in others:
         out.append(f"   the {c.name} saves {c.activation_bytes_per_token(plan.tp):,} bytes.")
-    per_token = saved_bytes_per_token(plan, stage)
     share = f" (its 1/{plan.cp} of each sequence: context parallelism)" if plan.cp > 1 else ""
-    out.append(f"   Stage {stage} in all: {per_token:,} bytes per token x {tokens:,} tokens per microbatch{share} = "
-               f"{per_token * tokens / GB:.2f} GB per microbatch.")
-    out.append(f"   {plan.schedule} keeps up to {mem.in_flight} microbatch(es) in flight on this rank "
-               f"(forwards awaiting their backward)" + (", plus one recomputed layer's full activations"
-                                                        if recomputed else "")
-               + f": {mem.activations / GB:.2f} GB.")
+    stages = plan.stages_of(p)
+    per_mb = {s: saved_bytes_per_token(plan, s) * tokens for s in stages}
+    for s in stages:
+        out.append(f"   Stage {s} in all: {per_mb[s] // tokens:,} bytes per token x {tokens:,} tokens per "
+                   f"microbatch{share} = {per_mb[s] / GB:.2f} GB per microbatch.")
+    rebuilt = ", plus one recomputed layer's full activations" if recomputed else ""
+    if len(stages) == 1:
+        out.append(f"   {plan.schedule} keeps up to {mem.in_flight} microbatch(es) in flight on this rank "
+                   f"(forwards awaiting their backward){rebuilt}: {mem.activations / GB:.2f} GB.")
+        return out
+    held = " + ".join(f"{n} x {per_mb[s] / GB:.2f}" for s, n in zip(stages, mem.peak_counts))
+    counts = " and ".join(f"{n} of stage {s}'s" for s, n in zip(stages, mem.peak_counts))
+    out.append(f"   At its peak {plan.schedule} keeps {counts} microbatches in flight on this rank (forwards "
+               f"awaiting their backward; {mem.in_flight} at most in all){rebuilt}: {held} GB"
+               + (f" + {(mem.activations - sum(n * per_mb[s] for s, n in zip(stages, mem.peak_counts))) / GB:.2f}"
+                  if recomputed else "") + f" = {mem.activations / GB:.2f} GB.")
     return out
 
 

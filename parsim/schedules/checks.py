@@ -98,6 +98,31 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
     return peaks
 
 
+def in_flight_by_stage(schedule: Schedule) -> list[list[tuple[int, ...]]]:
+    """Per rank, the counts of (stage, microbatch) pairs in flight (as :func:`peak_in_flight` counts them) on
+    each of its stages, in increasing stage order, right after each of its forwards: the moments its
+    activation memory may peak. Only counts no other moment exceeds on every stage are kept: whatever each
+    stage saves per microbatch, the rank's peak is ``max(sum(n * saved) for counts)``, where stages that save
+    different amounts (an embedding's, a head's, uneven layers) are weighed by what each holds."""
+    out = []
+    for rank, acts in enumerate(schedule.actions):
+        slot = {stage: i for i, stage in enumerate(schedule.stages_of(rank))}
+        live = [0] * len(slot)
+        moments: set[tuple[int, ...]] = set()
+        for a in acts:
+            if a.kind == "F":
+                live[slot[a.stage]] += 1
+                moments.add(tuple(live))
+            elif a.kind in ("B", "I"):
+                live[slot[a.stage]] -= 1
+        kept: list[tuple[int, ...]] = []
+        for counts in sorted(moments, key=sum, reverse=True):  # any that exceeds it on every stage comes first
+            if not any(all(x >= y for x, y in zip(k, counts)) for k in kept):
+                kept.append(counts)
+        out.append(sorted(kept))
+    return out
+
+
 def _check_complete(schedule: Schedule) -> None:
     where = f"schedule {schedule.name} (pp={schedule.pp}, m={schedule.num_microbatches})"
     if len(schedule.actions) != schedule.pp:

@@ -49,7 +49,7 @@ from ..lowering.lower import (FP32, PASS_PHASE, REDUCE_CALL, UNSHARD_CALL, CommP
                               clip_costs, fsdp_bytes, gathered_bytes, grad_norm_dims, param_tensors, pipeline_bytes,
                               step_costs, tied_table_bytes, unscale_costs)
 from ..report.step_report import PHASES
-from ..schedules import SCHEDULES, make_schedule, peak_in_flight
+from ..schedules import SCHEDULES, in_flight_by_stage, make_schedule
 from ..sim.compute import ComputeModel
 from ..workload.model import MLPModel
 from ..workload.plan import (DTYPE_BYTES, Accumulation, Plan, accumulation, attention_seq, default_reduce_dtype,
@@ -1029,8 +1029,10 @@ def _shape(s: Setting) -> tuple[str, int, int, int]:
 
 
 def schedule_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per pipeline rank, the peak of microbatches in flight; [pp, stages * 4] the passes of each
-    (stage, kind) it runs; per stage, the kind of its last microbatch's weight-gradient pass (B or W).
+    """[pp, moments, stages per rank] the microbatches in flight on each of a rank's stages at the moments its
+    activations may peak (:func:`~parsim.schedules.in_flight_by_stage`, rows of zeros padding); [pp, stages * 4]
+    the passes of each (stage, kind) it runs; per stage, the kind of its last microbatch's weight-gradient pass
+    (B or W).
 
     Past a few rounds of microbatches a schedule only repeats its steady state: one more forward and
     backward of every stage per microbatch, and no more in flight (GPipe aside, which holds them all);
@@ -1058,7 +1060,11 @@ def _short_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.nda
             counts[r, a.stage * 4 + KINDS.index(a.kind)] += 1
             if a.microbatch == m - 1 and a.kind in ("B", "W"):
                 final[a.stage] = KINDS.index(a.kind)
-    return np.array(peak_in_flight(schedule), dtype=float), counts, final
+    moments = in_flight_by_stage(schedule)
+    in_flight = np.zeros((pp, max(len(m) for m in moments), v))
+    for r, rows in enumerate(moments):
+        in_flight[r, :len(rows)] = rows
+    return in_flight, counts, final
 
 
 @lru_cache(maxsize=None)

@@ -107,7 +107,7 @@ class RankTables:
     experts: np.ndarray
     largest: np.ndarray
     largest_dense: np.ndarray
-    per_microbatch: np.ndarray
+    stage_saved: np.ndarray  # [pp, stages per rank]: what each of its stages saves per microbatch and token
     rebuilt: np.ndarray
     tensors: np.ndarray
 
@@ -118,7 +118,7 @@ def rank_tables(layout: Layout, t: EntryTables) -> RankTables:
     stage_saved = (layout.counts @ t.saved)[layout.rank_stages]
     rebuilt = np.where(present & t.recomputed, t.activations, 0.0).max(axis=1)
     return RankTables(counts @ t.params, counts @ t.experts, np.where(present, t.params, 0.0).max(axis=1),
-                      np.where(present, t.params - t.experts, 0.0).max(axis=1), stage_saved.max(axis=1), rebuilt,
+                      np.where(present, t.params - t.experts, 0.0).max(axis=1), stage_saved, rebuilt,
                       counts @ t.tensors)
 
 
@@ -149,10 +149,13 @@ def peak_memory(ranks: list[RankTables], which: np.ndarray, sync: SyncArrays, in
                 tokens: int, dtype_bytes: int, grad_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """Per variant, the largest per-GPU total over the pipeline ranks, and the largest without activations
     (weights, gradients, optimizer state, FSDP buffers): ``ranks[which[i]]`` are variant ``i``'s rank
-    tables (by its sequence parallelism and recomputation)."""
+    tables (by its sequence parallelism and recomputation). ``in_flight``: [pp, moments, stages per rank],
+    the microbatches in flight on each of a rank's stages at the moments its activations may peak
+    (:func:`~parsim.schedules.in_flight_by_stage`, rows of zeros padding)."""
     params = np.array([r.params for r in ranks])[which]
     experts = np.array([r.experts for r in ranks])[which]
-    activations = np.array([(in_flight * r.per_microbatch + r.rebuilt) * tokens for r in ranks])[which]
+    activations = np.array([((in_flight * r.stage_saved[:, None, :]).sum(axis=2).max(axis=1) + r.rebuilt) * tokens
+                            for r in ranks])[which]
     whole = sync.experts_whole[:, None]  # as parsim.workload.memory: experts never gathered hold no buffer
     if params.shape[1] > 1:  # under a pipeline, every layer gathered and its gradients kept
         buffers = (params - np.where(whole, experts, 0.0)) * (dtype_bytes + grad_bytes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedules import peak_in_flight
+from ..schedules import in_flight_by_stage, peak_in_flight
 from .plan import Plan
 
 ADAM_STATE_BYTES = 8  # AdamW's two fp32 moments per parameter
@@ -28,6 +28,8 @@ class Memory:
     activations: float
     in_flight: int
     buffers: float = 0.0  # FSDP: unsharded weights and gradients of the layers being worked on
+    # microbatches in flight on each of the rank's stages (increasing) when its activations peak
+    peak_counts: tuple[int, ...] = ()
 
     @property
     def total(self) -> float:
@@ -53,20 +55,23 @@ def memory(plan: Plan) -> list[Memory]:
     (``torch.distributed.pipelining``; :class:`~parsim.workload.plan.Plan`):
     ``P x (weights' + gradients' bytes)`` besides the shards.
 
-    Activations: the schedule's peak number of (stage, microbatch) forwards
-    awaiting their backward, times what one stage saves per microbatch (for
-    the 1/cp of each sequence a context-parallel rank computes). A layer
+    Activations: at the schedule's peak, each (stage, microbatch) forward
+    awaiting its backward holds what its stage saves per microbatch (for the
+    1/cp of each sequence a context-parallel rank computes): a rank with
+    several stages weighs each by its own (the one with the embedding or the
+    head saves more; :func:`~parsim.schedules.in_flight_by_stage`). A layer
     whose forward is recomputed saves only its input; while its backward runs,
     one such layer's full activations exist again for one microbatch (the
     recomputation's working set).
     """
-    in_flight = peak_in_flight(plan.pipeline)
+    in_flight, by_stage = peak_in_flight(plan.pipeline), in_flight_by_stage(plan.pipeline)
     tokens, d, g, n, zero = plan.tokens_per_rank, plan.dtype_bytes, plan.grad_bytes, plan.shard_size, plan.zero
     out = []
     for p in range(plan.pp):
         params = plan.params_per_rank(p)
         master = FP32 if d < FP32 else 0
-        per_mb = max(saved_bytes_per_token(plan, s) for s in plan.stages_of(p))
+        saved = [saved_bytes_per_token(plan, s) for s in plan.stages_of(p)]
+        peak = max(by_stage[p], key=lambda counts: sum(n * b for n, b in zip(counts, saved)))
         rebuilt = max((c.activation_bytes_per_token(plan.tp) for s in plan.stages_of(p) for c in plan.recomputed(s)),
                       default=0)
         experts = plan.expert_params_per_rank(p)  # sharded over the ranks holding the same experts
@@ -86,7 +91,7 @@ def memory(plan: Plan) -> list[Memory]:
             return (params - experts) / n + experts / plan.expert_shard_size
 
         out.append(Memory(p, held(3) * d, held(2) * g, held(1) * (ADAM_STATE_BYTES + master),
-                          (in_flight[p] * per_mb + rebuilt) * tokens, in_flight[p], buffers))
+                          (sum(n * b for n, b in zip(peak, saved)) + rebuilt) * tokens, in_flight[p], buffers, peak))
     return out
 
 
