@@ -386,7 +386,7 @@ class FastModel:
 
         def make() -> np.ndarray:
             plan = self.layout_plan(s, v)
-            nbytes = pipeline_bytes(plan)
+            nbytes = pipeline_bytes(plan) * s.microbatch_size  # the layout plan's microbatches hold one sample
             first = self._cached(("pp ranks", s.dp, s.tp, s.pp, s.cp, v.order),
                                  lambda: [plan.rank_of(pp=r) for r in range(s.pp)])
             pairs = {}  # boundaries between the same two ranks cost the same
