@@ -123,6 +123,10 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
                    help="MoE: the busiest expert's tokens over the mean (default 1: balanced)")
     g.add_argument("--capacity-factor", type=float, metavar="X",
                    help="MoE: tokens beyond X times an expert's mean load are dropped")
+    g.add_argument("--ep-comm-overlap", action=argparse.BooleanOptionalAction,
+                   help="MoE: run a forward and another microbatch's backward together, the all-to-alls of one "
+                        "beside the compute of the other (DualPipe-V's pairs; with pp 1 Megatron-LM's "
+                        "--overlap-moe-expert-parallel-comm)")
     parser.set_defaults(plan_overrides=tuple(action.dest for action in g._group_actions))
 
 
@@ -142,7 +146,8 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
         "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap,
                           "zero": args.zero, "shard_group": args.shard_group,
                           "overlap_param_gather": args.overlap_param_gather, "reduce_dtype": args.reduce_dtype},
-        "moe": {"expert_load": args.expert_load, "capacity_factor": args.capacity_factor},
+        "moe": {"expert_load": args.expert_load, "capacity_factor": args.capacity_factor,
+                "ep_comm_overlap": args.ep_comm_overlap},
     }
     overrides = _drop_unset(flags)
     if args.plan:
@@ -308,8 +313,10 @@ def _experts_text(plan: Plan) -> str:
         return "none (dense)"
     load = "balanced routing" if plan.expert_tokens_factor == 1 else \
         f"busiest expert {plan.expert_tokens_factor:g}x the mean load"
+    overlap = (", each beside the compute of the pass paired with its own (ep_comm_overlap)"
+               if plan.ep_comm_overlap else "")
     return (f"{m.num_experts} per MoE layer over ep {plan.ep} ranks ({m.num_experts // plan.ep} per GPU), "
-            f"top-{m.experts_per_token}, all-to-all dispatch and combine; {load}")
+            f"top-{m.experts_per_token}, all-to-all dispatch and combine{overlap}; {load}")
 
 
 def _sync_text(plan: Plan) -> str:

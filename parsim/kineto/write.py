@@ -37,7 +37,7 @@ from ..report.step_report import blocks_compute
 from ..report.trace import STREAMS, Event, Trace
 
 # CUDA-like stream ids per parsim stream: 7 is PyTorch's default stream in Kineto traces.
-STREAM_IDS = {"compute": 7, "comm": 21, "p2p": 22, "gather": 23, "cp": 24}
+STREAM_IDS = {"compute": 7, "comm": 21, "p2p": 22, "gather": 23, "cp": 24, "ep": 25}
 LANE_STRIDE = 100  # the n-th extra lane of a stream is stream id + n * LANE_STRIDE
 CPU_TID = 1  # the thread that launches the kernels
 PID_BLOCK = 100_000  # in a merged file, the n-th trace's processes start at n * PID_BLOCK

@@ -23,10 +23,12 @@ and stamped for every microbatch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections import deque
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Iterator, TypeVar
 
 from ..report.trace import collective_name, compute_name, p2p_name
 from ..schedules import Action, Schedule
@@ -261,9 +263,17 @@ class Lowering:
             self.fsdp_syncs: list[int] = []  # this rank's per-layer gradient reductions
             self.gathered_stages: set[int] = set()  # FSDP under a pipeline: stages whose weights stay gathered
             self.param_gathers = self._prefetch_weights(rank, p) if plan.overlap_param_gather else {}
-            for action in self.schedule.actions[p]:
+            self.committed: tuple[int, ...] = ()
+            actions = self.schedule.actions[p]
+            paired = self.schedule.paired[p] if plan.ep_comm_overlap else frozenset()
+            for i, action in enumerate(actions):
+                if i - 1 in paired:
+                    continue  # lowered with the forward before it
                 first = len(self.program.ops)
-                self._action(rank, p, action, last_mb)
+                if i in paired:
+                    self._paired(rank, p, action, actions[i + 1], last_mb)
+                else:
+                    deque(self._passes(rank, p, action, last_mb), maxlen=0)
                 self._opens_action(first)
             self._gradient_sync_and_step(rank, p)
         for pending in self.pending:
@@ -305,14 +315,46 @@ class Lowering:
         return groups[0], tuple(groups[1:])
 
     # -- one schedule action ------------------------------------------------------
-    def _action(self, rank: int, p: int, action: Action, last_mb: int) -> None:
+    def _paired(self, rank: int, p: int, forward: Action, backward: Action, last_mb: int) -> None:
+        """A forward and another microbatch's backward run together (``ep_comm_overlap``): each pass's expert
+        all-to-alls run on a stream of their own beside the compute the other pass issues next, the two passes
+        taking turns at each all-to-all, the backward first. Megatron-LM's ``schedule_layer_1f1b``
+        (``megatron/core/models/common/model_chunk_schedule_plan.py``) issues a layer's backward combine, the
+        forward's attention, its dispatch, the backward's experts, its dispatch, the forward's experts, its
+        combine, the backward's attention: the same turns. DeepSeek's DualPipe overlaps its chunks so
+        (DeepSeek-V3 report, section 3.2.1 and figure 4)."""
+        turns = [self._passes(rank, p, backward, last_mb, paired=True),
+                 self._passes(rank, p, forward, last_mb, paired=True)]
+        issued: dict = {}  # each pass ready to send -> its last op
+        while turns:
+            steps = [(t, next(t, _DONE)) for t in turns]
+            issued.update((t, step[1]) for t, step in steps if type(step) is tuple)
+            turns = [t for t, step in steps if step is None]
+        # Both passes' sends go out once the pair's compute is done, and the rank's next pass waits for them:
+        # DualPipe posts them with the next chunk's receives and waits for all (``_commit_and_wait_comm``), so
+        # they never run beside the all-to-alls, whose flows would starve them.
+        ends = tuple(last for last in issued.values() if last is not None)
+        first = len(self.program.ops)
+        for t in issued:
+            with contextlib.suppress(StopIteration):
+                t.send(ends)
+        self.committed = tuple(op.id for op in self.program.ops[first:] if op.kind == "send")
+
+    def _passes(self, rank: int, p: int, action: Action, last_mb: int,
+                paired: bool = False) -> Iterator[tuple[str, int | None] | None]:
+        """Lower one action. ``paired``: its expert all-to-alls run beside the compute stream, and it yields
+        after issuing each (None), for the pass it is paired with to issue its next compute, and before its
+        sends (``(_SENDS, its last op)``), to be sent what they wait for (:meth:`_paired`)."""
         plan, stage, mb, kind = self.plan, action.stage, action.microbatch, action.kind
         last_stage = plan.num_stages - 1
         act_bytes, last = self.act_bytes, None
+        committed, self.committed = self.committed, ()  # a pair's sends, which this pass waits for (_paired)
         if kind == "F" and stage > 0:
-            last = self._recv(rank, "act", stage - 1, mb, ("act", stage - 1, mb), act_bytes)
+            last = self._recv(rank, "act", stage - 1, mb, ("act", stage - 1, mb), act_bytes, committed)
+            committed = ()
         if kind in ("B", "I") and stage < last_stage:
-            last = self._recv(rank, "grad", stage + 1, mb, ("grad", stage + 1, mb), act_bytes)
+            last = self._recv(rank, "grad", stage + 1, mb, ("grad", stage + 1, mb), act_bytes, committed)
+            committed = ()
         name, recompute_name = compute_name(kind, stage, mb), compute_name("R", stage, mb)
         final = kind in ("B", "W") and mb == last_mb
         gathers = self.fsdp and self._fsdp_gathers(stage, kind, final)
@@ -327,10 +369,11 @@ class Lowering:
         closed: list[int] = []  # per layer of this pass, the op that ended it (FSDP prefetches one layer ahead)
         layers: list[int] = []  # and its index in the stage
         beside: dict[str, list[int]] = {"cp": [], "tp": []}  # side-stream collectives the next join waits for
-        gathered: tuple[int, ...] = ()  # an FSDP gather the layer's next compute-stream op must wait for
+        gathered: tuple[int, ...] = committed  # what the pass's next compute-stream op must wait for: an FSDP
+        # gather, a paired pass's all-to-all, a pair's sends
         for piece, template in zip(self._pieces(p, stage, kind), self._templates(p, stage, kind)):
             if gathers and piece.opens:
-                gathered = (self._fsdp_gather(rank, p, stage, piece.layer, mb, kind, closed[-2:-1], name),)
+                gathered += (self._fsdp_gather(rank, p, stage, piece.layer, mb, kind, closed[-2:-1], name),)
             hook_pending |= passes_through and piece.opens
             if piece.opens and kind == "F":  # ZeRO-1/2 overlapping the weights' gather: the first forward waits
                 gathered += self.param_gathers.pop((stage, piece.layer), ())
@@ -339,6 +382,11 @@ class Lowering:
                 if piece.beside:  # on its own stream: starts once the compute-stream op before it ends
                     deps = gathered + ((last,) if last is not None else ())
                     beside[piece.stream].append(self._stamp(rank, template, name_mb, deps))
+                elif paired and piece.group == "ep":
+                    deps = gathered + ((last,) if last is not None else ())
+                    last = self._stamp(rank, _on_stream(template, "ep"), name_mb, deps)
+                    gathered = (last,)
+                    yield None
                 else:
                     last, gathered = self._stamp(rank, template, name_mb, gathered), ()
             else:
@@ -357,10 +405,13 @@ class Lowering:
                     last = self._fsdp_reduce(rank, p, stage, piece.layer, mb, kind, last, name)
                 closed.append(last)
                 layers.append(piece.layer)
+        sent_after = () if last is None else (last,)
+        if paired:
+            sent_after = yield (_SENDS, last)
         if kind == "F" and stage < last_stage:
-            self._send(rank, "act", stage, mb, ("act", stage, mb), act_bytes, last)
+            self._send(rank, "act", stage, mb, ("act", stage, mb), act_bytes, sent_after)
         if kind in ("B", "I") and stage > 0:
-            self._send(rank, "grad", stage, mb, ("grad", stage, mb), act_bytes, last)
+            self._send(rank, "grad", stage, mb, ("grad", stage, mb), act_bytes, sent_after)
         if self.fsdp and final and plan.pp > 1:  # torch.distributed.pipelining's REDUCE_GRAD action
             for layer in layers:
                 last = self._fsdp_reduce(rank, p, stage, layer, mb, kind, last, name)
@@ -540,19 +591,20 @@ class Lowering:
         pairs = list(zip(grid[:, a].ravel().tolist(), grid[:, b].ravel().tolist()))
         return pairs[0], tuple(pairs[1:])
 
-    def _send(self, rank, what, stage, mb, key, nbytes, after) -> None:
+    def _send(self, rank, what, stage, mb, key, nbytes, after: tuple[int, ...]) -> None:
         dst_stage = stage + 1 if what == "act" else stage - 1
         pair, mirrors = self._pairs(stage, dst_stage)
         peer = pair[1]
-        op = Op(p2p_name("send", what, stage, mb, peer), "send", "p2p", deps=(after,) if after is not None else (),
+        op = Op(p2p_name("send", what, stage, mb, peer), "send", "p2p", deps=after,
                 ranks=pair, mirrors=mirrors, nbytes=nbytes, peer=peer, phase="pp")
         if peer == rank:  # both stages on one rank (interleaved, V placement): nothing moves
             op.nbytes, op.ranks, op.mirrors = 0.0, (rank, rank), ()
         self.sends[key] = self._add(rank, op)
 
-    def _recv(self, rank, what, stage, mb, key, nbytes) -> int:
+    def _recv(self, rank, what, stage, mb, key, nbytes, after: tuple[int, ...] = ()) -> int:
         peer = self._stage_rank(stage)
-        op = Op(p2p_name("recv", what, stage, mb, peer), "recv", "compute", nbytes=nbytes, peer=peer, phase="pp")
+        op = Op(p2p_name("recv", what, stage, mb, peer), "recv", "compute", deps=after, nbytes=nbytes, peer=peer,
+                phase="pp")
         self.pending.append(_Pending(op, key))
         return self._add(rank, op)
 
@@ -845,8 +897,17 @@ class Lowering:
 
 
 OP_FIELDS = tuple(field.name for field in dataclasses.fields(Op))
-_NAME, _DEPS, _BESIDE_OF, _FSDP_PASSES, _PASS_STARTS, _ID, _RANK = (
-    OP_FIELDS.index(f) for f in ("name", "deps", "beside_of", "fsdp_passes", "pass_starts", "id", "rank"))
+_NAME, _DEPS, _BESIDE_OF, _FSDP_PASSES, _PASS_STARTS, _ID, _RANK, _STREAM = (
+    OP_FIELDS.index(f) for f in ("name", "deps", "beside_of", "fsdp_passes", "pass_starts", "id", "rank", "stream"))
+_DONE = object()  # what next() returns for a pass lowered to its end
+_SENDS = "sends"  # a paired pass yields (_SENDS, its last op) before its sends
+
+
+def _on_stream(template: list, stream: str) -> list:
+    """``template`` (:meth:`Lowering._templates`) run on ``stream``."""
+    moved = template.copy()
+    moved[_STREAM] = stream
+    return moved
 
 
 def fold_joins(pieces: list[Piece]) -> list[Piece]:

@@ -20,7 +20,8 @@ from ..errors import ParsimError
 from ..files import read_json
 from ..hardware.cluster import MAX_GPUS
 
-STREAMS = ("compute", "comm", "p2p", "gather", "cp")  # gather: FSDP's weight all-gathers; cp: K/V exchanges
+# gather: FSDP's weight all-gathers; cp: K/V exchanges; ep: the all-to-alls of paired passes (ep_comm_overlap)
+STREAMS = ("compute", "comm", "p2p", "gather", "cp", "ep")
 KINDS = ("compute", "collective", "send", "recv", "optimizer")
 
 

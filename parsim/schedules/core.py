@@ -59,6 +59,9 @@ class Schedule:
     virtual_stages: int
     actions: list[list[Action]]
     placement: str = "loop"
+    # per rank, the index of each forward that runs together with the backward right after it (DualPipe's
+    # overlapped chunks, Megatron-LM's combined 1F1B): what ``ep_comm_overlap`` overlaps
+    paired: tuple[frozenset[int], ...] = ()
     _owner: list[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

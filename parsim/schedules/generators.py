@@ -291,18 +291,21 @@ def dualpipe_v(pp: int, num_microbatches: int) -> Schedule:
     7. ``pp - r - 1`` rounds of a pending W, then a chunk-0 backward;
     8. the remaining W passes.
 
-    parsim runs each pair one pass after the other; the overlap of their
-    communication is what the pairing buys on real hardware.
+    The pairs are marked (:attr:`Schedule.paired`); with ``ep_comm_overlap``
+    each pass's expert all-to-alls run beside the other's compute
+    (:meth:`~parsim.lowering.lower.Lowering.build`), otherwise one pass
+    runs after the other.
     """
     m = num_microbatches
     last = 2 * pp - 1
-    actions = []
+    actions, pairs = [], []
     for rank in range(pp):
         down, up = rank, last - rank
         forwards = {down: 0, up: 0}
         backwards = {down: 0, up: 0}  # I and full B share one count: a B is that microbatch's I and W at once
         deferred: deque[Action] = deque()  # W passes owed by earlier I passes, oldest first
         ops: list[Action] = []
+        paired: set[int] = set()
 
         def forward(stage: int) -> None:
             ops.append(Action("F", stage, forwards[stage]))
@@ -328,12 +331,15 @@ def dualpipe_v(pp: int, num_microbatches: int) -> Schedule:
             weight()
             forward(up)
         for _ in range(m - 2 * pp + rank + 1):
+            paired.add(len(ops))
             forward(down)
             backward(up)
+            paired.add(len(ops))
             forward(up)
             backward(down)
         for _ in range(pp - rank - 1):
             backward(up)
+            paired.add(len(ops))
             forward(up)
             backward(down)
         split = False
@@ -348,7 +354,23 @@ def dualpipe_v(pp: int, num_microbatches: int) -> Schedule:
         while deferred:
             weight()
         actions.append(ops)
-    return Schedule("dualpipe-v", pp, m, 2, actions, placement="v")
+        pairs.append(frozenset(paired))
+    return Schedule("dualpipe-v", pp, m, 2, actions, placement="v", paired=tuple(pairs))
+
+
+def combined_1f1b(schedule: Schedule) -> Schedule:
+    """1F1B without a pipeline as Megatron-LM runs it with ``overlap_moe_expert_parallel_comm``
+    (``combined_1f1b_schedule_for_no_pipelining``, ``megatron/core/pipeline_parallel/combined_1f1b.py``): the
+    first forward alone, then each next forward together with the backward of the microbatch before it, then
+    the last backward. Two microbatches' activations are held at once."""
+    if schedule.pp != 1 or schedule.virtual_stages != 1:
+        raise ValueError("combined 1F1B reorders a schedule without a pipeline (pp 1, one stage)")
+    m = schedule.num_microbatches
+    actions = [Action("F", 0, 0)]
+    for mb in range(1, m):
+        actions += [Action("F", 0, mb), Action("B", 0, mb - 1)]
+    actions.append(Action("B", 0, m - 1))
+    return Schedule(schedule.name, 1, m, 1, [actions], paired=(frozenset(range(1, 2 * m - 1, 2)),))
 
 
 @dataclass(frozen=True)

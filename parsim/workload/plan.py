@@ -52,7 +52,7 @@ from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
 from ..hardware.cluster import MAX_GPUS
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
-from ..schedules import Schedule, make_schedule, uneven_rounds
+from ..schedules import Schedule, combined_1f1b, make_schedule, uneven_rounds
 from .model import (FP8_SAVED_BYTES, LINEAR_ALSO, LINEAR_ONLY, RECOMPUTE_MODULES, Activation, ConfigReader, LayerCost,
                     MLPModel, Model, TransformerModel, load_model)
 from .stage_split import balanced_split, even_split
@@ -247,6 +247,10 @@ class Plan:
     travelling to their experts by all-to-all; ``expert_load`` is the busiest
     expert's share of tokens over the mean (1: perfectly balanced routing),
     capped by ``capacity_factor`` when tokens beyond capacity are dropped.
+    ``ep_comm_overlap`` runs each pair of a forward and another microbatch's
+    backward together, the all-to-alls of one beside the compute of the other:
+    DualPipe-V's pairs (DeepSeek-V3 report, section 3.2.1), or without a
+    pipeline Megatron-LM's combined 1F1B (``--overlap-moe-expert-parallel-comm``).
 
     ``sequence_parallel`` (Megatron TP only) shards norms and block inputs
     along the sequence, with all-gathers and reduce-scatters in place of the
@@ -271,6 +275,7 @@ class Plan:
     ep: int = 1
     capacity_factor: float | None = None
     expert_load: float = 1.0
+    ep_comm_overlap: bool = False
     microbatch_size: int | None = None
     num_microbatches: int | None = None
     global_batch_size: int | None = None
@@ -499,7 +504,15 @@ class Plan:
         if not moe:
             if self.expert_load != 1 or self.capacity_factor is not None:
                 self._fail(f"expert_load and capacity_factor describe expert routing; {m.name} is a dense model")
+            if self.ep_comm_overlap:
+                self._fail(f"ep_comm_overlap hides expert all-to-alls; {m.name} is a dense model")
             return
+        if self.ep_comm_overlap and self.ep == 1:
+            self._fail("ep_comm_overlap hides the expert all-to-alls behind compute, and with ep 1 there are none")
+        if self.ep_comm_overlap and not (self.schedule == "dualpipe-v" or self.pp == 1):
+            self._fail(f"ep_comm_overlap pairs a forward with another microbatch's backward as DualPipe-V does "
+                       f"(schedule dualpipe-v), or without a pipeline as Megatron-LM's combined 1F1B does (pp 1); "
+                       f"{self.schedule} with pp {self.pp} is not modelled")
         if self.tp > 1 and not self.sequence_parallel:
             self._fail(f"tp {self.tp} with mixture-of-experts layers needs sequence_parallel: true: Megatron-LM's "
                        f"MoELayer refuses to train with tensor parallelism without it (its token dispatcher "
@@ -706,7 +719,8 @@ class Plan:
     @cached_property
     def pipeline(self) -> Schedule:
         """The schedule's per-rank action lists (built once; the lowering, memory and executor share it)."""
-        return make_schedule(self.schedule, self.pp, self.num_microbatches, self.virtual_stages)
+        schedule = make_schedule(self.schedule, self.pp, self.num_microbatches, self.virtual_stages)
+        return combined_1f1b(schedule) if self.ep_comm_overlap and self.pp == 1 else schedule
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stages pipeline rank ``pp_rank`` runs: ``pp_rank``, ``pp_rank + pp``, ... (looped), or
@@ -793,7 +807,8 @@ class Plan:
             out.append(f"{'ring' if self.context_parallel == 'ring' else 'all-gather'} context parallel")
         if self.ep > 1:
             out.append(f"ep {self.ep}" + (f", busiest expert {self.expert_tokens_factor:g}x the mean"
-                                          if self.expert_tokens_factor != 1 else ""))
+                                          if self.expert_tokens_factor != 1 else "")
+                       + (", all-to-alls beside the paired pass's compute" if self.ep_comm_overlap else ""))
         if self.activation_recompute != "none":
             layers = f", first {self.recompute_layers} layers per stage" if self.recompute_layers else ""
             modules = (f" ({', '.join(self.recompute_modules)})"
@@ -845,7 +860,7 @@ class Plan:
             "data_parallel": data_parallel,
         }
         if isinstance(self.model, TransformerModel) and self.model.is_moe:
-            data["moe"] = {"expert_load": self.expert_load}
+            data["moe"] = {"expert_load": self.expert_load, "ep_comm_overlap": self.ep_comm_overlap}
             if self.capacity_factor is not None:
                 data["moe"]["capacity_factor"] = self.capacity_factor
         if self.grad_clip is not None:
@@ -865,7 +880,7 @@ _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "v
              "moe")
 _RECOMPUTE_KEYS = ("granularity", "layers", "modules")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
-_MOE_KEYS = ("capacity_factor", "expert_load")
+_MOE_KEYS = ("capacity_factor", "expert_load", "ep_comm_overlap")
 _BATCH_KEYS = ("microbatch_size", "num_microbatches", "global_batch_size")
 _DATA_PARALLEL_KEYS = ("grad_sync", "bucket_size", "overlap", "zero", "shard_group", "reshard_after_forward",
                        "overlap_param_gather", "reduce_dtype")
@@ -944,7 +959,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         dp=parallel.integer("dp", 1), tp=parallel.integer("tp", 1), pp=parallel.integer("pp", 1),
         cp=parallel.integer("cp", 1), context_parallel=top.text("context_parallel", "ring"),
         ep=parallel.integer("ep", 1), capacity_factor=moe.number("capacity_factor"),
-        expert_load=moe.number("expert_load", 1.0),
+        expert_load=moe.number("expert_load", 1.0), ep_comm_overlap=moe.boolean("ep_comm_overlap", False),
         order=parallel.text("order", DEFAULT_ORDER),
         microbatch_size=batch.integer("microbatch_size"), num_microbatches=batch.integer("num_microbatches"),
         global_batch_size=batch.integer("global_batch_size"),
