@@ -1,5 +1,5 @@
 """Expert all-to-alls beside the compute of a paired pass (``ep_comm_overlap``): DualPipe-V's pairs and,
-without a pipeline, Megatron-LM's combined 1F1B."""
+without a pipeline, Megatron-LM's combined 1F1B; and DeepSeek's fp8 dispatch (``dispatch_fp8``)."""
 
 from __future__ import annotations
 
@@ -80,6 +80,11 @@ def test_overlapped_all_to_alls_hide_behind_the_other_pass_s_compute():
     beside = sum(max(0.0, min(b, e.end_s) - max(a, e.start_s)) for e in events if e.stream == "ep"
                  for a, b in busy)
     assert beside > 0.5 * exchanged
+    # The step's breakdown counts as the ep phase the all-to-alls of the passes run alone (the first forward,
+    # the last backward), in line, and of the paired ones what the compute did not cover.
+    in_line = sum(e.dur_s for e in events if e.stream == "compute" and e.args.get("phase") == "ep")
+    assert paired.ranks[0].seconds["ep"] == pytest.approx(in_line + exchanged - beside, rel=1e-9)
+    assert paired.ranks[0].seconds["ep"] < 0.5 * alone.ranks[0].seconds["ep"]
 
 
 def test_their_kernels_hold_sms_from_the_compute_beside_them():
@@ -105,10 +110,24 @@ def test_combined_1f1b_holds_two_microbatches_activations():
     assert two.activations == pytest.approx(2 * one.activations)
 
 
-def test_the_setting_round_trips_through_a_plan_file():
-    plan = moe_plan(True)
+def test_the_settings_round_trip_through_a_plan_file():
+    plan = moe_plan(True, dtype="fp8", dispatch_fp8=True)
     again = load_plan(plan.to_dict())
-    assert again.ep_comm_overlap and again.pipeline.paired == plan.pipeline.paired
+    assert again.ep_comm_overlap and again.dispatch_fp8 and again.pipeline.paired == plan.pipeline.paired
+
+
+def test_fp8_dispatch_sends_tokens_and_down_projection_gradients_in_fp8_with_their_scales():
+    def a2a_bytes(plan: Plan) -> dict[str, float]:
+        return {op.name.split(" mb=")[1]: op.nbytes for op in lower(plan).ops
+                if op.group == "ep" and " layer=layer.1 mb=0 " in op.name}
+
+    bf16, fp8 = (a2a_bytes(moe_plan(False, dtype="fp8", dispatch_fp8=on)) for on in (False, True))
+    assert set(bf16) == {"0 dir=fwd0", "0 dir=fwd1", "0 dir=bwd0", "0 dir=bwd1"}
+    # dispatch (fwd0) and the combine's gradient (bwd0): one byte an element and an fp32 scale per 128
+    for name in ("0 dir=fwd0", "0 dir=bwd0"):
+        assert fp8[name] == pytest.approx(bf16[name] / 2 * (1 + 4 / 128))
+    for name in ("0 dir=fwd1", "0 dir=bwd1"):  # the combine and the dispatch's gradient stay bf16
+        assert fp8[name] == bf16[name]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -116,8 +135,10 @@ def test_the_setting_round_trips_through_a_plan_file():
     (["--model", "deepseek-v3", "--dp", "16", "--ep", "1", "--dtype", "bf16"], "with ep 1 there are none"),
     (["--model", "deepseek-v3", "--dp", "8", "--ep", "8", "--pp", "2", "--dtype", "bf16"],
      "1f1b with pp 2 is not modelled"),
+    (["--model", "deepseek-v3", "--dp", "16", "--ep", "16", "--dtype", "bf16", "--dispatch-fp8"],
+     "it needs dtype fp8 (this plan: bf16)"),
 ])
-def test_plans_it_cannot_pair_are_refused_in_one_line(flags, message, capsys):
+def test_plans_it_cannot_pair_or_dispatch_in_fp8_are_refused_in_one_line(flags, message, capsys):
     assert main(["simulate", *flags, "--ep-comm-overlap"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and message in err

@@ -127,6 +127,9 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
                    help="MoE: run a forward and another microbatch's backward together, the all-to-alls of one "
                         "beside the compute of the other (DualPipe-V's pairs; with pp 1 Megatron-LM's "
                         "--overlap-moe-expert-parallel-comm)")
+    g.add_argument("--dispatch-fp8", action=argparse.BooleanOptionalAction,
+                   help="MoE, dtype fp8: send tokens to their experts (and gradients to the experts' "
+                        "down-projections) in fp8, as DeepSeek-V3 does")
     parser.set_defaults(plan_overrides=tuple(action.dest for action in g._group_actions))
 
 
@@ -147,7 +150,7 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
                           "zero": args.zero, "shard_group": args.shard_group,
                           "overlap_param_gather": args.overlap_param_gather, "reduce_dtype": args.reduce_dtype},
         "moe": {"expert_load": args.expert_load, "capacity_factor": args.capacity_factor,
-                "ep_comm_overlap": args.ep_comm_overlap},
+                "ep_comm_overlap": args.ep_comm_overlap, "dispatch_fp8": args.dispatch_fp8},
     }
     overrides = _drop_unset(flags)
     if args.plan:
@@ -313,8 +316,9 @@ def _experts_text(plan: Plan) -> str:
         return "none (dense)"
     load = "balanced routing" if plan.expert_tokens_factor == 1 else \
         f"busiest expert {plan.expert_tokens_factor:g}x the mean load"
-    overlap = (", each beside the compute of the pass paired with its own (ep_comm_overlap)"
-               if plan.ep_comm_overlap else "")
+    overlap = ((", tokens and their gradients into the experts in fp8" if plan.dispatch_fp8 else "")
+               + (", each beside the compute of the pass paired with its own (ep_comm_overlap)"
+                  if plan.ep_comm_overlap else ""))
     return (f"{m.num_experts} per MoE layer over ep {plan.ep} ranks ({m.num_experts // plan.ep} per GPU), "
             f"top-{m.experts_per_token}, all-to-all dispatch and combine{overlap}; {load}")
 

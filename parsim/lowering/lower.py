@@ -33,7 +33,7 @@ from typing import Iterator, TypeVar
 from ..report.trace import collective_name, compute_name, p2p_name
 from ..schedules import Action, Schedule
 from ..sim.program import Op, Program
-from ..workload.model import POSITIONS, LayerCost, MLPModel, shard
+from ..workload.model import FP8_DISPATCH_BYTES, FP8_DISPATCHED, POSITIONS, LayerCost, MLPModel, shard
 from ..workload.plan import Plan
 from . import eager_ops, tp_overlap
 from .kernels import block_work
@@ -476,6 +476,8 @@ class Lowering:
                 group, mirrors = self.group(p, coll.group)
                 # Expert all-to-alls carry this rank's 1/tp of the tokens (the tp ranks split the dispatch).
                 nbytes = coll.bytes_per_token * self.tokens / (plan.tp if coll.group == "ep" else 1)
+                if plan.dispatch_fp8 and coll.name in FP8_DISPATCHED:
+                    nbytes *= FP8_DISPATCH_BYTES / plan.dtype_bytes
                 around[coll.position].append(CommPiece(head, tail, coll.op, group, mirrors, nbytes, coll.group))
             compute, sources = self._compute(phase, block, "F" if forward else kind, index)
             # Overlapped: a block entered by one all-gather and left by one reduce-scatter (latent attention's

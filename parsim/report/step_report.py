@@ -33,8 +33,10 @@ from .trace import Event, Trace, by_rank_and_start, by_start
 
 PHASES = ("forward", "backward", "weight-grad", "recompute", "tp", "ep", "cp", "pp", "dp", "fsdp", "optimizer", "idle")
 BLOCKING = ("tp", "ep")  # collectives run on the compute stream, between a pass's block computes
-HIDEABLE = ("cp", "tp", "dp", "fsdp")  # communication beside the compute stream, in the order it is exposed
-OVERLAPPED_TP = "tp"  # the stream of tensor-parallel collectives hidden behind GEMMs: they block nothing
+HIDEABLE = ("cp", "tp", "ep", "dp", "fsdp")  # communication beside the compute stream, in the order it is exposed
+# the streams of tensor-parallel collectives hidden behind GEMMs, and of paired passes' all-to-alls
+# (ep_comm_overlap): they block nothing
+SIDE_STREAMS = ("tp", "ep")
 
 
 def blocks_compute(e: Event) -> bool:
@@ -46,7 +48,7 @@ def blocks_compute(e: Event) -> bool:
 
 def stops_compute(phase: str | None, stream: str, kind: str) -> bool:
     """:func:`blocks_compute` of an event of this ``phase``, ``stream`` and ``kind``."""
-    return (phase in BLOCKING and stream != OVERLAPPED_TP) or (stream == "compute" and kind == "collective")
+    return (phase in BLOCKING and stream not in SIDE_STREAMS) or (stream == "compute" and kind == "collective")
 
 
 def merge_spans(trace: Trace) -> Trace:
@@ -167,8 +169,8 @@ def breakdown(trace: Trace) -> list[RankBreakdown]:
         for e in tp:
             seconds[e.args["phase"]] += e.dur_s
         # Exposed time, in order: context-parallel exchanges and overlapped tensor-parallel collectives hold
-        # the compute stream itself, then gradient reductions, then FSDP's gathers and reductions, each
-        # counting only what the ones before leave uncovered.
+        # the compute stream itself, then paired passes' all-to-alls, gradient reductions, FSDP's gathers and
+        # reductions, each counting only what the ones before leave uncovered.
         covered, layers = _covered(busy), busy
         for phase in HIDEABLE:
             layers = (layers[0] + spans[phase][0], layers[1] + spans[phase][1])

@@ -106,6 +106,11 @@ LINEAR_ONLY, LINEAR_ALSO = "only", "also"
 # _Linear saves the quantized ``inputmat`` for the weight-gradient GEMM: transformer_engine/pytorch/module/
 # linear.py); a tensor another op keeps too is then held twice, in bf16 and in fp8.
 FP8_SAVED_BYTES = 1
+# DeepSeek's fp8 dispatch (DeepSeek-V3 report, section 3.3.2): the tokens sent to their experts, and the gradients
+# sent to the experts' down-projections, travel in fp8 with one fp32 scale per 1x128 tile; the combine and the
+# dispatch's gradient stay bf16.
+FP8_DISPATCHED = ("moe.dispatch", "moe.combine.grad")
+FP8_DISPATCH_BYTES = 1 + 4 / 128
 
 
 def shard(size: int, tp: int, unit: int = 1) -> int:

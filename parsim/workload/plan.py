@@ -251,6 +251,8 @@ class Plan:
     backward together, the all-to-alls of one beside the compute of the other:
     DualPipe-V's pairs (DeepSeek-V3 report, section 3.2.1), or without a
     pipeline Megatron-LM's combined 1F1B (``--overlap-moe-expert-parallel-comm``).
+    ``dispatch_fp8`` (fp8 plans) sends the tokens to their experts, and the
+    gradients to the experts' down-projections, in fp8 as DeepSeek does.
 
     ``sequence_parallel`` (Megatron TP only) shards norms and block inputs
     along the sequence, with all-gathers and reduce-scatters in place of the
@@ -276,6 +278,7 @@ class Plan:
     capacity_factor: float | None = None
     expert_load: float = 1.0
     ep_comm_overlap: bool = False
+    dispatch_fp8: bool = False
     microbatch_size: int | None = None
     num_microbatches: int | None = None
     global_batch_size: int | None = None
@@ -504,9 +507,12 @@ class Plan:
         if not moe:
             if self.expert_load != 1 or self.capacity_factor is not None:
                 self._fail(f"expert_load and capacity_factor describe expert routing; {m.name} is a dense model")
-            if self.ep_comm_overlap:
-                self._fail(f"ep_comm_overlap hides expert all-to-alls; {m.name} is a dense model")
+            if self.ep_comm_overlap or self.dispatch_fp8:
+                self._fail(f"ep_comm_overlap and dispatch_fp8 describe expert all-to-alls; {m.name} is a dense model")
             return
+        if self.dispatch_fp8 and self.dtype != "fp8":
+            self._fail(f"dispatch_fp8 sends the tokens its fp8 GEMMs read in fp8, as DeepSeek-V3 does: it needs "
+                       f"dtype fp8 (this plan: {self.dtype})")
         if self.ep_comm_overlap and self.ep == 1:
             self._fail("ep_comm_overlap hides the expert all-to-alls behind compute, and with ep 1 there are none")
         if self.ep_comm_overlap and not (self.schedule == "dualpipe-v" or self.pp == 1):
@@ -808,7 +814,8 @@ class Plan:
         if self.ep > 1:
             out.append(f"ep {self.ep}" + (f", busiest expert {self.expert_tokens_factor:g}x the mean"
                                           if self.expert_tokens_factor != 1 else "")
-                       + (", all-to-alls beside the paired pass's compute" if self.ep_comm_overlap else ""))
+                       + (", all-to-alls beside the paired pass's compute" if self.ep_comm_overlap else "")
+                       + (", dispatched in fp8" if self.dispatch_fp8 else ""))
         if self.activation_recompute != "none":
             layers = f", first {self.recompute_layers} layers per stage" if self.recompute_layers else ""
             modules = (f" ({', '.join(self.recompute_modules)})"
@@ -860,7 +867,8 @@ class Plan:
             "data_parallel": data_parallel,
         }
         if isinstance(self.model, TransformerModel) and self.model.is_moe:
-            data["moe"] = {"expert_load": self.expert_load, "ep_comm_overlap": self.ep_comm_overlap}
+            data["moe"] = {"expert_load": self.expert_load, "ep_comm_overlap": self.ep_comm_overlap,
+                           "dispatch_fp8": self.dispatch_fp8}
             if self.capacity_factor is not None:
                 data["moe"]["capacity_factor"] = self.capacity_factor
         if self.grad_clip is not None:
@@ -880,7 +888,7 @@ _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "v
              "moe")
 _RECOMPUTE_KEYS = ("granularity", "layers", "modules")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
-_MOE_KEYS = ("capacity_factor", "expert_load", "ep_comm_overlap")
+_MOE_KEYS = ("capacity_factor", "expert_load", "ep_comm_overlap", "dispatch_fp8")
 _BATCH_KEYS = ("microbatch_size", "num_microbatches", "global_batch_size")
 _DATA_PARALLEL_KEYS = ("grad_sync", "bucket_size", "overlap", "zero", "shard_group", "reshard_after_forward",
                        "overlap_param_gather", "reduce_dtype")
@@ -960,6 +968,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         cp=parallel.integer("cp", 1), context_parallel=top.text("context_parallel", "ring"),
         ep=parallel.integer("ep", 1), capacity_factor=moe.number("capacity_factor"),
         expert_load=moe.number("expert_load", 1.0), ep_comm_overlap=moe.boolean("ep_comm_overlap", False),
+        dispatch_fp8=moe.boolean("dispatch_fp8", False),
         order=parallel.text("order", DEFAULT_ORDER),
         microbatch_size=batch.integer("microbatch_size"), num_microbatches=batch.integer("num_microbatches"),
         global_batch_size=batch.integer("global_batch_size"),
