@@ -4,6 +4,7 @@ without a pipeline, Megatron-LM's combined 1F1B; and DeepSeek's fp8 dispatch (``
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 
@@ -98,9 +99,9 @@ def test_dualpipe_v_s_pairs_send_once_both_passes_end_and_the_next_pass_waits_fo
     ops = program.ops
     sends = [op for op in ops if op.kind == "send" and len(op.deps) == 2]
     assert sends  # a pair's sends wait for the last op of each of its passes
-    waited = {d for op in ops if op.kind == "recv" or op.stream == "compute" for d in op.deps
-              if ops[d].kind == "send"}
-    assert {op.id for op in sends} <= waited
+    waiters = Counter(d for op in ops if op.stream == "compute" for d in op.deps if ops[d].kind == "send")
+    # the next pass waits for them; where that is a pair, both its passes do
+    assert all(waiters[op.id] >= 1 for op in sends) and sum(waiters[op.id] == 2 for op in sends) > 0.9 * len(sends)
     overlapped, alone = predict_step(plan, H100), predict_step(dataclasses.replace(plan, ep_comm_overlap=False), H100)
     assert overlapped.step_s < alone.step_s
 

@@ -263,17 +263,18 @@ class Lowering:
             self.fsdp_syncs: list[int] = []  # this rank's per-layer gradient reductions
             self.gathered_stages: set[int] = set()  # FSDP under a pipeline: stages whose weights stay gathered
             self.param_gathers = self._prefetch_weights(rank, p) if plan.overlap_param_gather else {}
-            self.committed: tuple[int, ...] = ()
             actions = self.schedule.actions[p]
             paired = self.schedule.paired[p] if plan.ep_comm_overlap else frozenset()
+            committed: tuple[int, ...] = ()  # the last pair's sends, which the rank's next pass waits for
             for i, action in enumerate(actions):
                 if i - 1 in paired:
                     continue  # lowered with the forward before it
                 first = len(self.program.ops)
                 if i in paired:
-                    self._paired(rank, p, action, actions[i + 1], last_mb)
+                    committed = self._paired(rank, p, action, actions[i + 1], last_mb, committed)
                 else:
-                    deque(self._passes(rank, p, action, last_mb), maxlen=0)
+                    deque(self._passes(rank, p, action, last_mb, waits=committed), maxlen=0)
+                    committed = ()
                 self._opens_action(first)
             self._gradient_sync_and_step(rank, p)
         for pending in self.pending:
@@ -315,17 +316,19 @@ class Lowering:
         return groups[0], tuple(groups[1:])
 
     # -- one schedule action ------------------------------------------------------
-    def _paired(self, rank: int, p: int, forward: Action, backward: Action, last_mb: int) -> None:
+    def _paired(self, rank: int, p: int, forward: Action, backward: Action, last_mb: int,
+                waits: tuple[int, ...]) -> tuple[int, ...]:
         """A forward and another microbatch's backward run together (``ep_comm_overlap``): each pass's expert
         all-to-alls run on a stream of their own beside the compute the other pass issues next, the two passes
         taking turns at each all-to-all, the backward first. Megatron-LM's ``schedule_layer_1f1b``
         (``megatron/core/models/common/model_chunk_schedule_plan.py``) issues a layer's backward combine, the
         forward's attention, its dispatch, the backward's experts, its dispatch, the forward's experts, its
         combine, the backward's attention: the same turns. DeepSeek's DualPipe overlaps its chunks so
-        (DeepSeek-V3 report, section 3.2.1 and figure 4)."""
-        turns = [self._passes(rank, p, backward, last_mb, paired=True),
-                 self._passes(rank, p, forward, last_mb, paired=True)]
-        issued: dict = {}  # each pass ready to send -> its last op
+        (DeepSeek-V3 report, section 3.2.1 and figure 4). Both passes wait for ``waits``; returns the pair's
+        sends."""
+        turns = [self._passes(rank, p, backward, last_mb, paired=True, waits=waits),
+                 self._passes(rank, p, forward, last_mb, paired=True, waits=waits)]
+        issued: dict[Iterator, int | None] = {}  # each pass ready to send -> its last op
         while turns:
             steps = [(t, next(t, _DONE)) for t in turns]
             issued.update((t, step[1]) for t, step in steps if type(step) is tuple)
@@ -338,23 +341,23 @@ class Lowering:
         for t in issued:
             with contextlib.suppress(StopIteration):
                 t.send(ends)
-        self.committed = tuple(op.id for op in self.program.ops[first:] if op.kind == "send")
+        return tuple(op.id for op in self.program.ops[first:] if op.kind == "send")
 
-    def _passes(self, rank: int, p: int, action: Action, last_mb: int,
-                paired: bool = False) -> Iterator[tuple[str, int | None] | None]:
-        """Lower one action. ``paired``: its expert all-to-alls run beside the compute stream, and it yields
-        after issuing each (None), for the pass it is paired with to issue its next compute, and before its
-        sends (``(_SENDS, its last op)``), to be sent what they wait for (:meth:`_paired`)."""
+    def _passes(self, rank: int, p: int, action: Action, last_mb: int, paired: bool = False,
+                waits: tuple[int, ...] = ()) -> Iterator[tuple[str, int | None] | None]:
+        """Lower one action, its first op waiting for ``waits`` too. ``paired``: its expert all-to-alls run
+        beside the compute stream, and it yields after issuing each (None), for the pass it is paired with to
+        issue its next compute, and before its sends (``(_SENDS, its last op)``), to be sent what they wait for
+        (:meth:`_paired`)."""
         plan, stage, mb, kind = self.plan, action.stage, action.microbatch, action.kind
         last_stage = plan.num_stages - 1
         act_bytes, last = self.act_bytes, None
-        committed, self.committed = self.committed, ()  # a pair's sends, which this pass waits for (_paired)
         if kind == "F" and stage > 0:
-            last = self._recv(rank, "act", stage - 1, mb, ("act", stage - 1, mb), act_bytes, committed)
-            committed = ()
+            last = self._recv(rank, "act", stage - 1, mb, ("act", stage - 1, mb), act_bytes, waits)
+            waits = ()
         if kind in ("B", "I") and stage < last_stage:
-            last = self._recv(rank, "grad", stage + 1, mb, ("grad", stage + 1, mb), act_bytes, committed)
-            committed = ()
+            last = self._recv(rank, "grad", stage + 1, mb, ("grad", stage + 1, mb), act_bytes, waits)
+            waits = ()
         name, recompute_name = compute_name(kind, stage, mb), compute_name("R", stage, mb)
         final = kind in ("B", "W") and mb == last_mb
         gathers = self.fsdp and self._fsdp_gathers(stage, kind, final)
@@ -369,7 +372,7 @@ class Lowering:
         closed: list[int] = []  # per layer of this pass, the op that ended it (FSDP prefetches one layer ahead)
         layers: list[int] = []  # and its index in the stage
         beside: dict[str, list[int]] = {"cp": [], "tp": []}  # side-stream collectives the next join waits for
-        gathered: tuple[int, ...] = committed  # what the pass's next compute-stream op must wait for: an FSDP
+        gathered: tuple[int, ...] = waits  # what the pass's next compute-stream op must wait for: an FSDP
         # gather, a paired pass's all-to-all, a pair's sends
         for piece, template in zip(self._pieces(p, stage, kind), self._templates(p, stage, kind)):
             if gathers and piece.opens:
