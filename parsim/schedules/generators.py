@@ -330,8 +330,9 @@ def dualpipe_v(pp: int, num_microbatches: int) -> Schedule:
             backward(up, split=True)
             weight()
             forward(up)
-        for _ in range(m - 2 * pp + rank + 1):
-            paired.add(len(ops))
+        for i in range(m - 2 * pp + rank + 1):
+            if i or rank < pp - 1:  # DualPipeV.step: the last rank runs its first two alone, for a smaller bubble
+                paired.add(len(ops))
             forward(down)
             backward(up)
             paired.add(len(ops))
