@@ -24,6 +24,7 @@ examples:
   parsim validate                              (Megatron-LM SC21, Table 1: GPT on A100s, 2021)
   parsim validate megatron-bridge-h100-fp8     (NVIDIA's Llama 3 FP8 runs on H100s, 2025)
   parsim validate megatron-mlsys23-table5      (GPT 22B-1T iteration times on A100s, 2022)
+  parsim validate deepseek-v3-h800             (DeepSeek-V3 pre-training on 2,048 H800s, 2024)
   parsim validate megatron-sc21-table1 --json
 """
 

@@ -152,6 +152,7 @@ def validate(name_or_path: str, progress: Callable[[int, int], None] | None = No
         if plan.world != row.get("gpus", plan.world):
             raise ConfigError(source, f"rows[{i}].gpus", f"is {row['gpus']}", f"dp x pp x cp x tp = {plan.world}")
         layout = (f"tp {plan.tp} x pp {plan.pp}" + (f" x cp {plan.cp}" if plan.cp > 1 else "") + f" x dp {plan.dp}"
+                  + (f", ep {plan.ep}" if plan.ep > 1 else "")
                   + (f", v {plan.virtual_stages}" if plan.virtual_stages > 1 else ""))
         named = {key: str(row[key]) for key in table.get("settings", {}) if key in row}
         results.append(RowResult(label, plan.world, layout, float(row[table["metric"]]),
@@ -179,7 +180,8 @@ def _plan_mapping(table: Mapping[str, Any], row: Mapping[str, Any], label: str) 
         if key in row:
             plan.update(options[row[key]])
     return dict(plan, model=model,
-                parallel={"dp": row["dp"], "tp": row["tp"], "pp": row["pp"], "cp": row.get("cp", 1)},
+                parallel={"dp": row["dp"], "tp": row["tp"], "pp": row["pp"], "cp": row.get("cp", 1),
+                          "ep": row.get("ep", 1), **({"order": row["order"]} if "order" in row else {})},
                 batch={"microbatch_size": row["microbatch"], "global_batch_size": row["global_batch"]})
 
 
