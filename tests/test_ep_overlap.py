@@ -1,5 +1,6 @@
-"""Expert all-to-alls beside the compute of a paired pass (``ep_comm_overlap``): DualPipe-V's pairs and,
-without a pipeline, Megatron-LM's combined 1F1B; and DeepSeek's fp8 dispatch (``dispatch_fp8``)."""
+"""Expert all-to-alls beside the compute of a paired pass (``ep_comm_overlap``): DualPipe-V's pairs and
+Megatron-LM's combined 1F1B (without a pipeline, or interleaved); and DeepSeek's fp8 dispatch
+(``dispatch_fp8``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
 from parsim.lowering.lower import lower
-from parsim.schedules import combined_1f1b, make_schedule, peak_in_flight, validate
+from parsim.schedules import combined_1f1b, combined_interleaved_1f1b, make_schedule, peak_in_flight, validate
 from parsim.sim.step import predict_step
 from parsim.workload.memory import memory
 from parsim.workload.model import load_model
@@ -49,6 +50,30 @@ def test_dualpipe_v_pairs_a_forward_with_the_other_chunk_s_backward():
             forward, backward = actions[i], actions[i + 1]
             assert forward.kind == "F" and backward.kind == "B" and forward.stage != backward.stage
             assert {forward.stage, backward.stage} == set(schedule.stages_of(rank))
+
+
+def test_megatron_s_interleaved_schedule_warms_up_one_more_forward_and_pairs_the_steady_state():
+    pp, m, v = 4, 8, 2
+    plain, combined = make_schedule("interleaved-1f1b", pp, m, v), combined_interleaved_1f1b(pp, m, v)
+    validate(combined)
+    for rank, (before, after) in enumerate(zip(plain.actions, combined.actions)):
+        warmup = next(i for i, a in enumerate(after) if a.kind == "B") - 1  # the first pair's forward
+        assert warmup == next(i for i, a in enumerate(before) if a.kind == "B")  # one more forward first
+        assert sorted(after) == sorted(before)
+        paired = combined.paired[rank]
+        assert paired == frozenset(range(warmup, warmup + 2 * (m * v - warmup), 2))
+        for i in paired:  # each pair's forward and backward are independent: another stage or microbatch
+            f, b = after[i], after[i + 1]
+            assert (f.kind, b.kind) == ("F", "B") and (f.stage, f.microbatch) != (b.stage, b.microbatch)
+    assert [p - q for p, q in zip(peak_in_flight(combined), peak_in_flight(plain))] == [1] * pp
+
+
+def test_an_interleaved_pipeline_overlaps_its_pairs_without_stalling():
+    kw = dict(dp=8, pp=2, ep=8, schedule="interleaved-1f1b", virtual_stages=2, num_microbatches=8)
+    alone, paired = (predict_step(moe_plan(overlap, **kw), H100) for overlap in (False, True))
+    assert paired.step_s < 0.9 * alone.step_s
+    assert max(m.activations for m in memory(moe_plan(True, **kw))) > max(
+        m.activations for m in memory(moe_plan(False, **kw)))  # one more microbatch in flight
 
 
 def test_a_paired_pass_runs_its_all_to_alls_on_their_own_stream():
@@ -139,6 +164,8 @@ def test_fp8_dispatch_sends_tokens_and_down_projection_gradients_in_fp8_with_the
      "1f1b with pp 2 is not modelled"),
     (["--model", "deepseek-v3", "--dp", "16", "--ep", "16", "--dtype", "bf16", "--dispatch-fp8"],
      "it needs dtype fp8 (this plan: bf16)"),
+    (["--model", "deepseek-v3", "--dp", "16", "--ep", "16", "--dtype", "bf16", "--activation-recompute", "full"],
+     "ep_comm_overlap with full recomputation: Megatron-LM refuses it"),
 ])
 def test_plans_it_cannot_pair_or_dispatch_in_fp8_are_refused_in_one_line(flags, message, capsys):
     assert main(["simulate", *flags, "--ep-comm-overlap"]) == 2

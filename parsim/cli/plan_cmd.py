@@ -125,8 +125,8 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
                    help="MoE: tokens beyond X times an expert's mean load are dropped")
     g.add_argument("--ep-comm-overlap", action=argparse.BooleanOptionalAction,
                    help="MoE: run a forward and another microbatch's backward together, the all-to-alls of one "
-                        "beside the compute of the other (DualPipe-V's pairs; with pp 1 Megatron-LM's "
-                        "--overlap-moe-expert-parallel-comm)")
+                        "beside the compute of the other (DualPipe-V's pairs; with pp 1 or interleaved-1f1b "
+                        "Megatron-LM's --overlap-moe-expert-parallel-comm)")
     g.add_argument("--dispatch-fp8", action=argparse.BooleanOptionalAction,
                    help="MoE, dtype fp8: send tokens to their experts (and gradients to the experts' "
                         "down-projections) in fp8, as DeepSeek-V3 does")

@@ -90,6 +90,14 @@ def interleaved_1f1b(pp: int, num_microbatches: int, virtual_stages: int) -> Sch
     return _looped("interleaved-1f1b", pp, num_microbatches, virtual_stages, warmup_per_hop=2)
 
 
+def combined_interleaved_1f1b(pp: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+    """Interleaved 1F1B as Megatron-LM runs it with ``overlap_moe_expert_parallel_comm``: one more warm-up
+    forward on every rank ("This is needed to ensure the forward and backward computations are independent in
+    all 1f1b steps", ``megatron/core/pipeline_parallel/schedules.py``), then each steady forward runs together
+    with the backward after it (``combined_1f1b_schedule_for_interleaved_pipelining``)."""
+    return _looped("interleaved-1f1b", pp, num_microbatches, virtual_stages, warmup_per_hop=2, extra_warmup=1)
+
+
 def zero_bubble(pp: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """Zero-bubble ZB-H1 (Qi et al. 2023, section 2.1; "ZB1P").
 
@@ -162,7 +170,7 @@ def uneven_rounds(pp: int, m: int) -> str:
 
 
 def _looped(name: str, pp: int, m: int, v: int, *, warmup_per_hop: int,
-            deferred_w: Callable[[int], int] | None = None) -> Schedule:
+            deferred_w: Callable[[int], int] | None = None, extra_warmup: int = 0) -> Schedule:
     """Warm-up / steady / cool-down over ``v`` looped stages per rank (PyTorch's ``_get_1f1b_rank_ops``).
 
     Microbatches go through a rank's stages in rounds of ``n =``
@@ -171,7 +179,8 @@ def _looped(name: str, pp: int, m: int, v: int, *, warmup_per_hop: int,
     ``(k // (n v)) n + k % n`` on the rank's local stage ``(k // n) % v``
     (forward) or ``v - 1 - (k // n) % v`` (backward). ``deferred_w`` splits
     backwards into ``I`` and ``W`` and says how many ``W`` passes rank ``r``
-    holds back (run after its last ``I``).
+    holds back (run after its last ``I``). ``extra_warmup``: more warm-up forwards, and each steady forward
+    paired with the backward after it (:attr:`Schedule.paired`, :func:`combined_interleaved_1f1b`).
     """
     total = v * m
     n = round_size(pp, m)  # (with one stage per rank any round size gives the same order)
@@ -179,7 +188,7 @@ def _looped(name: str, pp: int, m: int, v: int, *, warmup_per_hop: int,
     def microbatch(k: int) -> int:
         return (k // (n * v)) * n + k % n
 
-    actions = []
+    actions, pairs = [], []
     for rank in range(pp):
         def forward(k: int) -> Action:
             return Action("F", ((k // n) % v) * pp + rank, microbatch(k))
@@ -187,9 +196,10 @@ def _looped(name: str, pp: int, m: int, v: int, *, warmup_per_hop: int,
         def backward(k: int, kind: str) -> Action:
             return Action(kind, (v - 1 - (k // n) % v) * pp + rank, microbatch(k))
 
-        warmup = min((v - 1) * n + warmup_per_hop * (pp - 1 - rank), total)
+        warmup = min((v - 1) * n + warmup_per_hop * (pp - 1 - rank) + extra_warmup, total)
         ops = [forward(k) for k in range(warmup)]
         pending_w: deque[Action] = deque()
+        paired: set[int] = set()
 
         def run_backward(k: int) -> None:
             if deferred_w is None:
@@ -201,13 +211,16 @@ def _looped(name: str, pp: int, m: int, v: int, *, warmup_per_hop: int,
                 ops.append(pending_w.popleft())
 
         for k in range(total - warmup):  # steady state: one forward, one backward
+            if extra_warmup:
+                paired.add(len(ops))
             ops.append(forward(warmup + k))
             run_backward(k)
         for k in range(total - warmup, total):  # cool-down: the remaining backwards
             run_backward(k)
         ops.extend(pending_w)  # deferred W passes fill the tail bubble
         actions.append(ops)
-    return Schedule(name, pp, m, v, actions)
+        pairs.append(frozenset(paired))
+    return Schedule(name, pp, m, v, actions, paired=tuple(pairs) if extra_warmup else ())
 
 
 def zbv(pp: int, num_microbatches: int) -> Schedule:

@@ -52,7 +52,7 @@ from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
 from ..hardware.cluster import MAX_GPUS
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
-from ..schedules import Schedule, combined_1f1b, make_schedule, uneven_rounds
+from ..schedules import Schedule, combined_1f1b, combined_interleaved_1f1b, make_schedule, uneven_rounds
 from .model import (FP8_SAVED_BYTES, LINEAR_ALSO, LINEAR_ONLY, RECOMPUTE_MODULES, Activation, ConfigReader, LayerCost,
                     MLPModel, Model, TransformerModel, load_model)
 from .stage_split import balanced_split, even_split
@@ -249,8 +249,9 @@ class Plan:
     capped by ``capacity_factor`` when tokens beyond capacity are dropped.
     ``ep_comm_overlap`` runs each pair of a forward and another microbatch's
     backward together, the all-to-alls of one beside the compute of the other:
-    DualPipe-V's pairs (DeepSeek-V3 report, section 3.2.1), or without a
-    pipeline Megatron-LM's combined 1F1B (``--overlap-moe-expert-parallel-comm``).
+    DualPipe-V's pairs (DeepSeek-V3 report, section 3.2.1), or Megatron-LM's
+    combined 1F1B (``--overlap-moe-expert-parallel-comm``), without a pipeline or
+    interleaved.
     ``dispatch_fp8`` (fp8 plans) sends the tokens to their experts, and the
     gradients to the experts' down-projections, in fp8 as DeepSeek does.
 
@@ -515,10 +516,13 @@ class Plan:
                        f"dtype fp8 (this plan: {self.dtype})")
         if self.ep_comm_overlap and self.ep == 1:
             self._fail("ep_comm_overlap hides the expert all-to-alls behind compute, and with ep 1 there are none")
-        if self.ep_comm_overlap and not (self.schedule == "dualpipe-v" or self.pp == 1):
+        if self.ep_comm_overlap and not (self.schedule in ("dualpipe-v", "interleaved-1f1b") or self.pp == 1):
             self._fail(f"ep_comm_overlap pairs a forward with another microbatch's backward as DualPipe-V does "
-                       f"(schedule dualpipe-v), or without a pipeline as Megatron-LM's combined 1F1B does (pp 1); "
-                       f"{self.schedule} with pp {self.pp} is not modelled")
+                       f"(schedule dualpipe-v), or as Megatron-LM's combined 1F1B does, under a pipeline only "
+                       f"interleaved (interleaved-1f1b, or pp 1); {self.schedule} with pp {self.pp} is not modelled")
+        if self.ep_comm_overlap and self.activation_recompute == "full":
+            self._fail("ep_comm_overlap with full recomputation: Megatron-LM refuses it (overlap_moe_expert_"
+                       "parallel_comm needs recompute_granularity other than full); use selective recompute")
         if self.tp > 1 and not self.sequence_parallel:
             self._fail(f"tp {self.tp} with mixture-of-experts layers needs sequence_parallel: true: Megatron-LM's "
                        f"MoELayer refuses to train with tensor parallelism without it (its token dispatcher "
@@ -725,6 +729,8 @@ class Plan:
     @cached_property
     def pipeline(self) -> Schedule:
         """The schedule's per-rank action lists (built once; the lowering, memory and executor share it)."""
+        if self.ep_comm_overlap and self.schedule == "interleaved-1f1b" and self.pp > 1:
+            return combined_interleaved_1f1b(self.pp, self.num_microbatches, self.virtual_stages)
         schedule = make_schedule(self.schedule, self.pp, self.num_microbatches, self.virtual_stages)
         return combined_1f1b(schedule) if self.ep_comm_overlap and self.pp == 1 else schedule
 
