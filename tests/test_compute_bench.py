@@ -11,7 +11,9 @@ from parsim.lowering.lower import ADAMW_ACCESSES
 
 pytest.importorskip("torch")
 
-RUNS, ALONE = ((1, 256), (16, 256), (2, 1 << 16)), (2, 1 << 18)  # alone: bytes enough to outweigh the fixed costs
+# The large run and the one alone: bytes enough to outweigh the fixed costs (with 2 x 64K parameters a loaded
+# host once timed the large step below the one-tensor step, and the fit found no bandwidth term).
+RUNS, ALONE = ((1, 256), (16, 256), (2, 1 << 18)), (2, 1 << 18)
 
 
 def host_optimizer(rank: int, world: int) -> dict:
