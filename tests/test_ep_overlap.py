@@ -158,12 +158,13 @@ def test_fp8_dispatch_sends_tokens_and_down_projection_gradients_in_fp8_with_the
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--model", "tiny-gpt", "--dp", "2"], "tiny-gpt is a dense model"),
+    (["--model", "tiny-gpt", "--dp", "2"], "tiny-gpt is a dense model: it has no expert all-to-alls for "
+                                           "ep_comm_overlap"),
     (["--model", "deepseek-v3", "--dp", "16", "--ep", "1", "--dtype", "bf16"], "with ep 1 there are none"),
     (["--model", "deepseek-v3", "--dp", "8", "--ep", "8", "--pp", "2", "--dtype", "bf16"],
-     "1f1b with pp 2 is not modelled"),
+     "1f1b with pp 2 is not modelled (--no-ep-comm-overlap turns it off)"),
     (["--model", "deepseek-v3", "--dp", "16", "--ep", "16", "--dtype", "bf16", "--dispatch-fp8"],
-     "it needs dtype fp8 (this plan: bf16)"),
+     "it needs dtype fp8 (this plan: bf16; --no-dispatch-fp8 turns it off)"),
     (["--model", "deepseek-v3", "--dp", "16", "--ep", "16", "--dtype", "bf16", "--activation-recompute", "full"],
      "ep_comm_overlap with full recomputation: Megatron-LM refuses it"),
 ])
@@ -171,6 +172,15 @@ def test_plans_it_cannot_pair_or_dispatch_in_fp8_are_refused_in_one_line(flags, 
     assert main(["simulate", *flags, "--ep-comm-overlap"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and message in err
+
+
+def test_plan_show_and_the_simulate_header_say_how_the_all_to_alls_run(capsys):
+    assert main(["plan", "show", "deepseek-v3-2048"]) == 0
+    shown = capsys.readouterr().out
+    assert ("all-to-all dispatch and combine, tokens and their gradients into the experts in fp8, each beside "
+            "the compute of the pass paired with its own (ep_comm_overlap)") in shown
+    features = ", ".join(moe_plan(True, dtype="fp8", dispatch_fp8=True).features())
+    assert "ep 16, all-to-alls beside the paired pass's compute, dispatched in fp8" in features
 
 
 def test_the_executor_refuses_it():

@@ -316,11 +316,11 @@ def _experts_text(plan: Plan) -> str:
         return "none (dense)"
     load = "balanced routing" if plan.expert_tokens_factor == 1 else \
         f"busiest expert {plan.expert_tokens_factor:g}x the mean load"
-    overlap = ((", tokens and their gradients into the experts in fp8" if plan.dispatch_fp8 else "")
-               + (", each beside the compute of the pass paired with its own (ep_comm_overlap)"
-                  if plan.ep_comm_overlap else ""))
+    all_to_alls = ((", tokens and their gradients into the experts in fp8" if plan.dispatch_fp8 else "")
+                   + (", each beside the compute of the pass paired with its own (ep_comm_overlap)"
+                      if plan.ep_comm_overlap else ""))
     return (f"{m.num_experts} per MoE layer over ep {plan.ep} ranks ({m.num_experts // plan.ep} per GPU), "
-            f"top-{m.experts_per_token}, all-to-all dispatch and combine{overlap}; {load}")
+            f"top-{m.experts_per_token}, all-to-all dispatch and combine{all_to_alls}; {load}")
 
 
 def _sync_text(plan: Plan) -> str:

@@ -28,7 +28,7 @@ import dataclasses
 import functools
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, TypeVar
+from typing import Iterator, NamedTuple, TypeVar
 
 from ..report.trace import collective_name, compute_name, p2p_name
 from ..schedules import Action, Schedule
@@ -331,7 +331,7 @@ class Lowering:
         issued: dict[Iterator, int | None] = {}  # each pass ready to send -> its last op
         while turns:
             steps = [(t, next(t, _DONE)) for t in turns]
-            issued.update((t, step[1]) for t, step in steps if type(step) is tuple)
+            issued.update((t, step.last) for t, step in steps if isinstance(step, _ReadyToSend))
             turns = [t for t, step in steps if step is None]
         # Both passes' sends go out once the pair's compute is done, and the rank's next pass waits for them:
         # DualPipe posts them with the next chunk's receives and waits for all (``_commit_and_wait_comm``), so
@@ -344,10 +344,10 @@ class Lowering:
         return tuple(op.id for op in self.program.ops[first:] if op.kind == "send")
 
     def _passes(self, rank: int, p: int, action: Action, last_mb: int, paired: bool = False,
-                waits: tuple[int, ...] = ()) -> Iterator[tuple[str, int | None] | None]:
+                waits: tuple[int, ...] = ()) -> Iterator[_ReadyToSend | None]:
         """Lower one action, its first op waiting for ``waits`` too. ``paired``: its expert all-to-alls run
         beside the compute stream, and it yields after issuing each (None), for the pass it is paired with to
-        issue its next compute, and before its sends (``(_SENDS, its last op)``), to be sent what they wait for
+        issue its next compute, and before its sends (:class:`_ReadyToSend`), to be sent what they wait for
         (:meth:`_paired`)."""
         plan, stage, mb, kind = self.plan, action.stage, action.microbatch, action.kind
         last_stage = plan.num_stages - 1
@@ -410,7 +410,7 @@ class Lowering:
                 layers.append(piece.layer)
         sent_after = () if last is None else (last,)
         if paired:
-            sent_after = yield (_SENDS, last)
+            sent_after = yield _ReadyToSend(last)
         if kind == "F" and stage < last_stage:
             self._send(rank, "act", stage, mb, ("act", stage, mb), act_bytes, sent_after)
         if kind in ("B", "I") and stage > 0:
@@ -905,7 +905,12 @@ OP_FIELDS = tuple(field.name for field in dataclasses.fields(Op))
 _NAME, _DEPS, _BESIDE_OF, _FSDP_PASSES, _PASS_STARTS, _ID, _RANK, _STREAM = (
     OP_FIELDS.index(f) for f in ("name", "deps", "beside_of", "fsdp_passes", "pass_starts", "id", "rank", "stream"))
 _DONE = object()  # what next() returns for a pass lowered to its end
-_SENDS = "sends"  # a paired pass yields (_SENDS, its last op) before its sends
+
+
+class _ReadyToSend(NamedTuple):
+    """What a paired pass yields before its sends: its last op (None: it issued none)."""
+
+    last: int | None
 
 
 def _on_stream(template: list, stream: str) -> list:

@@ -508,18 +508,21 @@ class Plan:
         if not moe:
             if self.expert_load != 1 or self.capacity_factor is not None:
                 self._fail(f"expert_load and capacity_factor describe expert routing; {m.name} is a dense model")
-            if self.ep_comm_overlap or self.dispatch_fp8:
-                self._fail(f"ep_comm_overlap and dispatch_fp8 describe expert all-to-alls; {m.name} is a dense model")
+            expert_only = " and ".join(k for k, on in (("ep_comm_overlap", self.ep_comm_overlap),
+                                                        ("dispatch_fp8", self.dispatch_fp8)) if on)
+            if expert_only:
+                self._fail(f"{m.name} is a dense model: it has no expert all-to-alls for {expert_only}")
             return
         if self.dispatch_fp8 and self.dtype != "fp8":
             self._fail(f"dispatch_fp8 sends the tokens its fp8 GEMMs read in fp8, as DeepSeek-V3 does: it needs "
-                       f"dtype fp8 (this plan: {self.dtype})")
+                       f"dtype fp8 (this plan: {self.dtype}; --no-dispatch-fp8 turns it off)")
         if self.ep_comm_overlap and self.ep == 1:
             self._fail("ep_comm_overlap hides the expert all-to-alls behind compute, and with ep 1 there are none")
         if self.ep_comm_overlap and not (self.schedule in ("dualpipe-v", "interleaved-1f1b") or self.pp == 1):
             self._fail(f"ep_comm_overlap pairs a forward with another microbatch's backward as DualPipe-V does "
                        f"(schedule dualpipe-v), or as Megatron-LM's combined 1F1B does, under a pipeline only "
-                       f"interleaved (interleaved-1f1b, or pp 1); {self.schedule} with pp {self.pp} is not modelled")
+                       f"interleaved (interleaved-1f1b, or pp 1); {self.schedule} with pp {self.pp} is not modelled "
+                       f"(--no-ep-comm-overlap turns it off)")
         if self.ep_comm_overlap and self.activation_recompute == "full":
             self._fail("ep_comm_overlap with full recomputation: Megatron-LM refuses it (overlap_moe_expert_"
                        "parallel_comm needs recompute_granularity other than full); use selective recompute")
