@@ -177,8 +177,8 @@ def test_plans_it_cannot_pair_or_dispatch_in_fp8_are_refused_in_one_line(flags, 
 def test_plan_show_and_the_simulate_header_say_how_the_all_to_alls_run(capsys):
     assert main(["plan", "show", "deepseek-v3-2048"]) == 0
     shown = capsys.readouterr().out
-    assert ("all-to-all dispatch and combine, tokens and their gradients into the experts in fp8, each beside "
-            "the compute of the pass paired with its own (ep_comm_overlap)") in shown
+    assert ("NVLink to the experts' GPUs) dispatch and combine, tokens and their gradients into the experts in fp8, "
+            "each beside the compute of the pass paired with its own (ep_comm_overlap)") in shown
     features = ", ".join(moe_plan(True, dtype="fp8", dispatch_fp8=True).features())
     assert "ep 16, all-to-alls beside the paired pass's compute, dispatched in fp8" in features
 

@@ -116,8 +116,9 @@ def test_simulate_says_what_the_held_sms_cost(capsys):
     held = predict_step(resolve_plan("llama3-8b-fsdp8"), load_cluster("dgx-h100"))
     seconds = held.held_sms_s[0]
     assert main(["simulate", "llama3-8b-fsdp8"]) == 0
-    assert (f"SMs held by the data-parallel and FSDP collectives' NCCL kernels (one per channel) slowed the compute "
-            f"beside them by {format_time(seconds)} on rank 0 ({seconds / held.step_s:.1%} of the step") \
+    assert (f"SMs held by communication kernels (data-parallel, FSDP and paired expert all-to-alls: NCCL's "
+            f"one per channel, DeepEP's 20) slowed the compute beside them by {format_time(seconds)} on rank 0 "
+            f"({seconds / held.step_s:.1%} of the step") \
         in capsys.readouterr().out
     assert main(["simulate", "llama3-8b-fsdp8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ranks"][0]["held_sms_s"] == seconds

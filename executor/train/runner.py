@@ -161,6 +161,8 @@ def check_plan(plan: Plan) -> None:
         ("selective recompute of norms, up-projections or activation functions (recompute modules beyond "
          "core_attn)", bool(set(plan.recompute_modules or ()) - {"core_attn"})),
         ("expert all-to-alls beside the compute of a paired pass (ep_comm_overlap)", plan.ep_comm_overlap),
+        ("DeepEP's expert dispatch (dispatcher: deepep; the executor's all-to-all sends a copy per expert)",
+         plan.dispatcher == "deepep"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
     if missing:
         raise ParsimError(f"parsim run does not execute {', '.join(missing)} yet; `parsim simulate` predicts it "

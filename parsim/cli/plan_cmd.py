@@ -15,9 +15,9 @@ from ..report.jsondoc import print_json
 from ..report.table import render_table
 from ..units import format_size
 from ..workload.model import RECOMPUTE_MODULES, builtin_models, load_model
-from ..workload.plan import (ADAMW_IMPLEMENTATIONS, CP_STYLES, DIMS, DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_SYNCS,
-                             RECOMPUTE, REDUCE_DTYPES, SCHEDULES, TP_STYLES, ZERO_STAGES, Plan, builtin_plans,
-                             load_plan, resolve_plan, runs_text)
+from ..workload.plan import (ADAMW_IMPLEMENTATIONS, CP_STYLES, DIMS, DISPATCHERS, DTYPE_BYTES, GRAD_ACCUMULATIONS,
+                             GRAD_SYNCS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, TP_STYLES, ZERO_STAGES, Plan,
+                             builtin_plans, load_plan, resolve_plan, runs_text)
 from .common import add_cluster_args, note
 
 HELP = """\
@@ -130,6 +130,10 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
     g.add_argument("--dispatch-fp8", action=argparse.BooleanOptionalAction,
                    help="MoE, dtype fp8: send tokens to their experts (and gradients to the experts' "
                         "down-projections) in fp8, as DeepSeek-V3 does")
+    g.add_argument("--dispatcher", choices=DISPATCHERS,
+                   help="MoE: how tokens reach their experts: alltoall sends a copy to each expert (Megatron-LM's "
+                        "default); deepep sends one per node across the network and forwards it over NVLink "
+                        "(DeepEP, as DeepSeek-V3 trained)")
     parser.set_defaults(plan_overrides=tuple(action.dest for action in g._group_actions))
 
 
@@ -150,7 +154,8 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
                           "zero": args.zero, "shard_group": args.shard_group,
                           "overlap_param_gather": args.overlap_param_gather, "reduce_dtype": args.reduce_dtype},
         "moe": {"expert_load": args.expert_load, "capacity_factor": args.capacity_factor,
-                "ep_comm_overlap": args.ep_comm_overlap, "dispatch_fp8": args.dispatch_fp8},
+                "ep_comm_overlap": args.ep_comm_overlap, "dispatch_fp8": args.dispatch_fp8,
+                "dispatcher": args.dispatcher},
     }
     overrides = _drop_unset(flags)
     if args.plan:
@@ -319,8 +324,11 @@ def _experts_text(plan: Plan) -> str:
     all_to_alls = ((", tokens and their gradients into the experts in fp8" if plan.dispatch_fp8 else "")
                    + (", each beside the compute of the pass paired with its own (ep_comm_overlap)"
                       if plan.ep_comm_overlap else ""))
+    routed = f" on at most {m.max_routed_nodes} nodes" if m.max_routed_nodes else ""
+    dispatch = ("DeepEP (a copy per node across the network, then NVLink to the experts' GPUs)"
+                if plan.dispatcher == "deepep" else "all-to-all")
     return (f"{m.num_experts} per MoE layer over ep {plan.ep} ranks ({m.num_experts // plan.ep} per GPU), "
-            f"top-{m.experts_per_token}, all-to-all dispatch and combine{all_to_alls}; {load}")
+            f"top-{m.experts_per_token}{routed}, {dispatch} dispatch and combine{all_to_alls}; {load}")
 
 
 def _sync_text(plan: Plan) -> str:

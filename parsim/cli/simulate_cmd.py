@@ -9,6 +9,7 @@ from ..hardware.cluster import load_cluster
 from ..report.jsondoc import print_json
 from ..report.step_report import PHASES, comm_overlap
 from ..report.table import render_table
+from ..sim.collectives.deepep import DEEPEP_SMS
 from ..sim.jitter import RankEnds
 from ..sim.step import StepPrediction, predict_step
 from ..units import format_time
@@ -122,9 +123,10 @@ def report(r: StepPrediction) -> str:
     held = r.held_sms_s
     if held and max(held.values()) >= 1e-3 * r.step_s:  # (a share of the step the table's rounding would hide)
         rank = max(held, key=held.get)
-        lines.append(f"SMs held by the data-parallel and FSDP collectives' NCCL kernels (one per channel) slowed the "
-                     f"compute beside them by {format_time(held[rank])} on rank {rank} ({held[rank] / r.step_s:.1%} of "
-                     f"the step; docs/engine.md)")
+        lines.append(f"SMs held by communication kernels (data-parallel, FSDP and paired expert all-to-alls: NCCL's "
+                     f"one per channel, DeepEP's {DEEPEP_SMS}) slowed the compute beside them by "
+                     f"{format_time(held[rank])} on rank {rank} ({held[rank] / r.step_s:.1%} of the step; "
+                     f"docs/engine.md)")
     if r.end_wait_s >= 1e-3 * r.step_s:  # (less is below the table's rounding, or the integral's own error)
         jitter = r.cluster.rank_jitter
         rank, since, together = RankEnds.of(r.trace).last(jitter)

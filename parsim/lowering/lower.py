@@ -32,6 +32,7 @@ from typing import Iterator, NamedTuple, TypeVar
 
 from ..report.trace import collective_name, compute_name, p2p_name
 from ..schedules import Action, Schedule
+from ..sim.collectives.deepep import TokenRouting
 from ..sim.program import Op, Program
 from ..workload.model import FP8_DISPATCH_BYTES, FP8_DISPATCHED, POSITIONS, LayerCost, MLPModel, shard
 from ..workload.plan import Plan
@@ -236,6 +237,9 @@ class Lowering:
         self.pending: list[_Pending] = []
         self.fsdp = plan.shards_weights  # gathered per layer
         self.stage_checks: dict[str, list[int]] = {}  # a check's all-reduce over the pipeline ranks: its ops
+        model = plan.model
+        self.routing = TokenRouting(model.experts_per_token, model.num_experts, model.max_routed_nodes) \
+            if plan.dispatcher == "deepep" else None  # how DeepEP's all-to-alls run (parsim.sim.collectives.deepep)
         # Memoized per lowering: functools.cache on the class would keep every Lowering, and its program, alive.
         for method in MEMOIZED:
             setattr(self, method, functools.cache(getattr(self, method)))
@@ -426,7 +430,8 @@ class Lowering:
         for piece in self._pieces(p, stage, kind):
             if type(piece) is CommPiece:
                 op = Op("", "collective", piece.stream, collective=piece.collective, group=piece.group,
-                        ranks=piece.ranks, mirrors=piece.mirrors, nbytes=piece.nbytes, phase=piece.group)
+                        ranks=piece.ranks, mirrors=piece.mirrors, nbytes=piece.nbytes, phase=piece.group,
+                        routing=piece.routing)
             else:
                 op = Op("", "compute", "compute", matmuls=piece.matmuls, hbm_bytes=piece.hbm_bytes,
                         kernels=piece.kernels, phase=piece.phase, attention_flops=piece.attention_flops,
@@ -481,7 +486,9 @@ class Lowering:
                 nbytes = coll.bytes_per_token * self.tokens / (plan.tp if coll.group == "ep" else 1)
                 if plan.dispatch_fp8 and coll.name in FP8_DISPATCHED:
                     nbytes *= FP8_DISPATCH_BYTES / plan.dtype_bytes
-                around[coll.position].append(CommPiece(head, tail, coll.op, group, mirrors, nbytes, coll.group))
+                routing = self.routing if coll.group == "ep" else None
+                around[coll.position].append(CommPiece(head, tail, coll.op, group, mirrors, nbytes, coll.group,
+                                                       routing=routing))
             compute, sources = self._compute(phase, block, "F" if forward else kind, index)
             # Overlapped: a block entered by one all-gather and left by one reduce-scatter (latent attention's
             # three gathers run in line: Transformer Engine's overlap of its up-projections is not modelled)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..sim.collectives.deepep import TokenRouting
+
 
 @dataclass(frozen=True)
 class ComputePiece:
@@ -69,6 +71,7 @@ class CommPiece:
     closes: bool = False
     beside: bool = False
     method: str = ""  # how it overlaps the GEMMs (parsim.lowering.tp_overlap: "ring exchange", "pipelined", "bulk")
+    routing: TokenRouting | None = None  # an expert all-to-all DeepEP runs (parsim.sim.collectives.deepep)
 
     @property
     def stream(self) -> str:

@@ -32,6 +32,7 @@ import simpy
 from ..hardware.cluster import ClusterSpec
 from ..hardware.network import Network, max_min_rates, stack_routes
 from ..lowering.lower import CommPiece, Lowering
+from ..sim.collectives.deepep import TokenRouting
 from ..sim.compute import ComputeModel
 from ..sim.stepsim import StepSimulator, uncontended_s
 from ..workload.plan import Accumulation, Plan
@@ -54,11 +55,14 @@ class CommCosts:
         self._shapes: dict[tuple[int, ...], tuple] = {}
         self._beside: dict[tuple, float] = {}
 
-    def time(self, kind: str, collective: str, ranks: tuple[int, ...], nbytes: float) -> float:
-        """Seconds for ``collective`` over ``ranks`` (``kind`` "send": ``ranks[0]`` sends to ``ranks[1]``)."""
-        return self.pricer(kind, collective, ranks)(nbytes)
+    def time(self, kind: str, collective: str, ranks: tuple[int, ...], nbytes: float,
+             routing: TokenRouting | None = None) -> float:
+        """Seconds for ``collective`` over ``ranks`` (``kind`` "send": ``ranks[0]`` sends to ``ranks[1]``;
+        ``routing``: an expert all-to-all DeepEP runs)."""
+        return self.pricer(kind, collective, ranks, routing)(nbytes)
 
-    def pricer(self, kind: str, collective: str, ranks: tuple[int, ...]) -> Callable[[float], float]:
+    def pricer(self, kind: str, collective: str, ranks: tuple[int, ...],
+               routing: TokenRouting | None = None) -> Callable[[float], float]:
         """:meth:`time` of one group for any size (the group's shape looked up once)."""
         if len(ranks) < 2 or (kind == "send" and ranks[0] == ranks[1]):
             return no_cost
@@ -68,14 +72,14 @@ class CommCosts:
             nodes, units = self.topo.node_of(group), self.topo.unit_of(group)
             shape = self._shapes[ranks] = ((group % self.topo.gpus_per_node).tobytes(),
                                            (nodes - nodes[0]).tobytes(), (units - units[0]).tobytes())
-        memo = self._by_shape.setdefault((kind, collective, shape), {})
+        memo = self._by_shape.setdefault((kind, collective, shape, routing), {})
 
         def price(nbytes: float) -> float:
             seconds = memo.get(nbytes)
             if seconds is None:
                 if not nbytes:
                     return 0.0
-                phases = self.sim.comm_phases(kind, collective, ranks, (), nbytes)
+                phases = self.sim.comm_phases(kind, collective, ranks, (), nbytes, routing=routing)
                 seconds = memo[nbytes] = uncontended_s(phases, self.net)
             return seconds
         return price
@@ -208,7 +212,7 @@ class PassCosts:
                 if piece.group == "cp" and exchange is not None:
                     cost = exchange(piece)
                 else:
-                    cost = self.comm.time("collective", piece.collective, piece.ranks, piece.nbytes)
+                    cost = self.comm.time("collective", piece.collective, piece.ranks, piece.nbytes, piece.routing)
                 rows.append({"piece": piece, "alone_s": cost, "exposed_s": 0.0 if piece.beside else cost})
                 if piece.beside:
                     free[piece.stream] = max(t, free[piece.stream]) + cost
@@ -237,7 +241,8 @@ class PassCosts:
             seconds = seconds_on(piece.sm_reserved)
             if piece.beside_sms is not None:  # beside the last collective, whose kernel holds SMs while it runs
                 other, other_s = last_beside
-                sms = self.comm.sim.held_sms(piece.beside_sms, other.collective, other.ranks, other.nbytes)
+                sms = self.comm.sim.held_sms(piece.beside_sms, other.collective, other.ranks, other.nbytes,
+                                             other.routing)
                 if sms > 0:
                     seconds = self.compute.beside_collective_time(seconds, seconds_on(sms), other_s)
             if acc:  # adding the gradients into their sum takes the longer of its bytes and its SM cycles

@@ -19,7 +19,8 @@ from typing import Callable
 
 # The side streams whose collectives are NCCL kernels beside the compute (parsim.lowering.lower): data-parallel
 # gradient buckets and ZeRO's weight gathers ("comm"), FSDP's all-gathers ("gather"), the expert all-to-alls of a
-# pass paired with another (``ep_comm_overlap``: "ep"; DeepSeek gave theirs 20 SMs of 132). Tensor-parallel collectives
+# pass paired with another (``ep_comm_overlap``: "ep"; DeepEP's kernels hold 20 SMs of 132,
+# parsim.sim.collectives.deepep). Tensor-parallel collectives
 # beside compute are costed with their partner op (Op.beside_sms); a pipeline's sends and context parallelism's
 # ring (Transformer Engine passes K/V with point-to-point sends, not a collective kernel) are left out.
 HOLDING_STREAMS = ("comm", "gather", "ep")

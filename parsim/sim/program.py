@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .collectives.deepep import TokenRouting
+
 
 NCCL_CHANNELS = -1  # Op.beside_sms: the collective beside it is NCCL's kernel, holding one SM per channel
 
@@ -59,6 +61,7 @@ class Op:
     ranks: tuple[int, ...] = ()  # GPUs of the group (collective) or (src, dst) GPUs (send)
     mirrors: tuple[tuple[int, ...], ...] = ()  # symmetric copies run at the same time by unsimulated ranks
     nbytes: float = 0.0
+    routing: TokenRouting | None = None  # an expert all-to-all DeepEP runs (parsim.sim.collectives.deepep)
     peer: int = -1  # send: destination rank; recv: source rank
     match: int = -1  # recv: id of the matching send
     # a collective whose group spans simulated ranks: the same collective's ops on the others. Each starts when

@@ -38,6 +38,7 @@ from ..hardware.network import Network, chain_routes, stack_routes, unique_links
 from ..hardware.topology import Topology
 from ..report.step_report import SpanMerger
 from ..report.trace import Event, Trace
+from .collectives import deepep
 from .collectives.algorithms import build_phases
 from .collectives.simulate import choose_algorithm, kernel_sms, time_phases
 from .compute import ComputeModel, at_length
@@ -93,10 +94,12 @@ class StepSimulator:
     # -- cached costs -------------------------------------------------------------
     def _comm_phases(self, kind: str, collective: str, ranks: tuple[int, ...],
                      mirrors: tuple[tuple[int, ...], ...], nbytes: float,
-                     receiver_gradients: float = 0.0) -> tuple[CommPhase, ...]:
+                     receiver_gradients: float = 0.0,
+                     routing: deepep.TokenRouting | None = None) -> tuple[CommPhase, ...]:
         """A send's or a collective's phases, with the flows of the mirror groups that contend
         with the representative's (cached: ops repeat every microbatch); a send's latency on a CPU host is read
-        off the gradients its receiver holds, ``receiver_gradients`` bytes."""
+        off the gradients its receiver holds, ``receiver_gradients`` bytes. ``routing``: an expert all-to-all
+        DeepEP runs (:mod:`parsim.sim.collectives.deepep`)."""
         groups = [ranks, *mirrors]
         if kind == "send":
             pairs = np.array(groups)
@@ -105,10 +108,13 @@ class StepSimulator:
             # CPU hosts: a pipeline transfer's own measured latency (compute.p2p_latency_us), not the links'
             latency_s = self.compute.send_latency_s(receiver_gradients)
             return (self._ready_phase(routes, float(nbytes), 1, 0.0, 0.0, latency_s),)
-        algorithm, protocol = self._algorithm(collective, ranks, int(nbytes))
         groups = self._may_contend(groups)
-        per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes, protocol=protocol)
-                     for g in groups]
+        if routing is not None:
+            per_group = [deepep.phases(self.topo, np.asarray(g), nbytes, routing) for g in groups]
+        else:
+            algorithm, protocol = self._algorithm(collective, ranks, int(nbytes))
+            per_group = [build_phases(self.topo, collective, algorithm, np.asarray(g), nbytes, protocol=protocol)
+                         for g in groups]
         for i in range(len(per_group[0])):  # every group's routes of phase i at once
             phases = [p[i] for p in per_group]
             routes = self.topo.routes(np.concatenate([p.src for p in phases]),
@@ -165,14 +171,19 @@ class StepSimulator:
         return CommPhase(routes, nbytes, latency * slower, reduce_s * slower, self._keys,
                          unique_links(routes[routes >= 0], self.topo.num_links))
 
-    def held_sms(self, beside_sms: int, collective: str, ranks: tuple[int, ...], nbytes: float) -> int:
+    def held_sms(self, beside_sms: int, collective: str, ranks: tuple[int, ...], nbytes: float,
+                 routing: deepep.TokenRouting | None = None) -> int:
         """SMs a collective beside compute holds while it runs: ``beside_sms``, or, for NCCL_CHANNELS, its
-        NCCL kernel's (:meth:`kernel_sms`)."""
-        return beside_sms if beside_sms != NCCL_CHANNELS else self.kernel_sms(collective, ranks, int(nbytes))
+        kernel's (:meth:`kernel_sms`)."""
+        return beside_sms if beside_sms != NCCL_CHANNELS else self.kernel_sms(collective, ranks, int(nbytes), routing)
 
-    def kernel_sms(self, collective: str, ranks: tuple[int, ...], nbytes: int) -> int:
-        """SMs the collective's NCCL kernel holds while it runs (:func:`~parsim.sim.collectives.simulate.kernel_sms`),
-        cached per group shape and size as :meth:`_algorithm`."""
+    def kernel_sms(self, collective: str, ranks: tuple[int, ...], nbytes: int,
+                   routing: deepep.TokenRouting | None = None) -> int:
+        """SMs the collective's kernel holds while it runs: NCCL's
+        (:func:`~parsim.sim.collectives.simulate.kernel_sms`, cached per group shape and size as
+        :meth:`_algorithm`), or on a GPU DeepEP's (``routing``)."""
+        if routing is not None:
+            return deepep.DEEPEP_SMS if self.topo.spec.gpu.sm_count else 0
         key = (collective, self._group_shape(ranks), nbytes)
         if key not in self._sms:
             self._sms[key] = kernel_sms(self.topo, collective, nbytes, np.asarray(ranks))
@@ -420,7 +431,7 @@ class _Run:
         """Compute op ``op``'s seconds beside the collective whose kernel holds some of the SMs while it runs
         (:meth:`ComputeModel.beside_collective_time`, the collective at its uncontended time)."""
         other, comm = self.ops[op.beside_of], self.comm[op.beside_of]
-        sms = self.sim.held_sms(op.beside_sms, other.collective, other.ranks, other.nbytes)
+        sms = self.sim.held_sms(op.beside_sms, other.collective, other.ranks, other.nbytes, other.routing)
         if sms <= 0 or comm is None:
             return alone_s
         collective_s = comm.closed_form_s if comm.closed_form_s is not None else uncontended_s(comm.phases, self.net)
@@ -496,17 +507,19 @@ class _Run:
                 continue
             receiver = self._gradient_bytes(op.ranks[1]) if kind == "send" else 0.0
             if op.negligible:
-                phases = sim.comm_phases(kind, op.collective, op.ranks, (), op.nbytes, receiver)  # no mirror flows
+                phases = sim.comm_phases(kind, op.collective, op.ranks, (), op.nbytes, receiver,
+                                         op.routing)  # no mirror flows
                 self.comm[op.id] = _Comm(phases, uncontended_s(phases, self.net))
                 continue
             use_key = (op.rank, ONE_STREAM.get(op.stream, op.stream), kind, op.collective, id(op.ranks),
-                       id(op.mirrors), op.nbytes)
+                       id(op.mirrors), op.nbytes, op.routing)
             use = uses.get(use_key)
             if use is None:
                 use = uses[use_key] = len(uses)
                 key = use_key[2:]
                 if key not in phases_of:
-                    phases_of[key] = sim.comm_phases(kind, op.collective, op.ranks, op.mirrors, op.nbytes, receiver)
+                    phases_of[key] = sim.comm_phases(kind, op.collective, op.ranks, op.mirrors, op.nbytes, receiver,
+                                                     op.routing)
             use_of.append((op.id, use))
         if not uses:
             return
@@ -568,9 +581,9 @@ class _Run:
         known: dict[tuple, int] = {}  # by the identity of the op's group tuple
         for op in self.ops:
             if op.kind == "collective" and op.stream in HOLDING_STREAMS and not op.negligible:
-                key = (op.collective, id(op.ranks), op.nbytes)
+                key = (op.collective, id(op.ranks), op.nbytes, op.routing)
                 if key not in known:
-                    known[key] = self.sim.kernel_sms(op.collective, op.ranks, int(op.nbytes))
+                    known[key] = self.sim.kernel_sms(op.collective, op.ranks, int(op.nbytes), op.routing)
                 if known[key]:
                     sms_of[op.id] = known[key]
         return sms_of

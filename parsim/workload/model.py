@@ -630,6 +630,9 @@ class TransformerModel(_CostTotals):
     expert_ffn_hidden: int | None = None  # each expert's feed-forward size (None: ffn_hidden)
     shared_experts: int = 0  # experts every token also goes through (DeepSeek's)
     dense_layers: int = 0  # the first layers keep a dense feed-forward of ffn_hidden (DeepSeek-V3: 3)
+    # a token's experts lie on at most this many of the expert-parallel nodes (0: any): DeepSeek-V3's
+    # node-limited routing (M = 4), which DeepEP's dispatch turns into fewer bytes across the network
+    max_routed_nodes: int = 0
     attention_kernel: str = "flash"  # how the attention core runs (see ATTENTION_KERNELS)
     dropout: float = 0.0  # dropout probability (GPT-3 and Megatron-LM's GPT: 0.1; Llama: none)
     cross_entropy: str = "fused"  # how the loss runs (see CROSS_ENTROPY_KERNELS)
@@ -648,7 +651,7 @@ class TransformerModel(_CostTotals):
         for key in ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "seq_len", "vocab_size",
                     "experts_per_token", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             _check_positive(self, key)
-        for key in ("num_experts", "shared_experts", "dense_layers", "q_lora_rank"):  # 0: not used
+        for key in ("num_experts", "shared_experts", "dense_layers", "q_lora_rank", "max_routed_nodes"):  # 0: not used
             _check_positive(self, key, low=0)
         if self.ffn_type not in FFN_TYPES:
             _fail(self, "ffn_type", f"is {self.ffn_type!r}", " or ".join(FFN_TYPES))
@@ -1197,8 +1200,9 @@ class TransformerModel(_CostTotals):
         if self.is_moe:
             shared = f" + {self.shared_experts} shared" if self.shared_experts else ""
             dense = f", first {self.dense_layers} layers dense" if self.dense_layers else ""
+            nodes = f" on at most {self.max_routed_nodes} nodes" if self.max_routed_nodes else ""
             ffn = (f"{self.num_experts} experts{shared} of ffn {self.expert_ffn_hidden} {self.ffn_type}, "
-                   f"top-{self.experts_per_token}{dense}")
+                   f"top-{self.experts_per_token}{nodes}{dense}")
         if self.attention == "mla":
             heads += " of latent attention (MLA)"
         return (f"{self.name} (transformer): {self.num_layers} layers, hidden {self.hidden}, {heads}, "
@@ -1258,8 +1262,8 @@ MODEL_KINDS: dict[str, type] = {"mlp": MLPModel, "transformer": TransformerModel
 SHAPE_LIMITS = {"num_layers": 2**14, "width": 2**20, "hidden": 2**20, "ffn_hidden": 2**22, "expert_ffn_hidden": 2**22,
                 "num_heads": 2**14, "num_kv_heads": 2**14, "seq_len": 2**27, "vocab_size": 2**24,
                 "batch_size": 2**31, "num_experts": 2**16, "experts_per_token": 2**16, "shared_experts": 2**10,
-                "dense_layers": 2**14, "q_lora_rank": 2**20, "kv_lora_rank": 2**20, "qk_nope_head_dim": 2**16,
-                "qk_rope_head_dim": 2**16, "v_head_dim": 2**16}
+                "dense_layers": 2**14, "max_routed_nodes": 2**14, "q_lora_rank": 2**20, "kv_lora_rank": 2**20,
+                "qk_nope_head_dim": 2**16, "qk_rope_head_dim": 2**16, "v_head_dim": 2**16}
 
 
 def _check_positive(model: Model, key: str, low: int = 1) -> None:
@@ -1378,9 +1382,9 @@ _KIND_KEYS = {
     "mlp": ("num_layers", "width", "batch_size"),
     "transformer": ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "ffn_type", "seq_len",
                     "vocab_size", "tied_embeddings", "position_embedding", "num_experts", "experts_per_token",
-                    "expert_ffn_hidden", "shared_experts", "dense_layers", "attention", "q_lora_rank",
-                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_kernel",
-                    "dropout", "cross_entropy", "layer_kernels", "linear_bias"),
+                    "expert_ffn_hidden", "shared_experts", "dense_layers", "max_routed_nodes", "attention",
+                    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "attention_kernel", "dropout", "cross_entropy", "layer_kernels", "linear_bias"),
 }
 _REQUIRED = {
     "mlp": ("num_layers", "width", "batch_size"),

@@ -86,6 +86,9 @@ DEFAULT_ADAMW = "foreach"  # what the executor's torch.optim.AdamW runs by defau
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 DIMS = ("dp", "pp", "cp", "tp")  # expert parallelism (ep) folds into dp x cp, as Megatron-LM's
 CP_STYLES = ("ring", "all_gather")
+# How tokens reach their experts: Megatron-LM's all-to-all dispatcher (a copy per expert), or DeepEP's
+# (a copy per node across the network, then NVLink: parsim.sim.collectives.deepep)
+DISPATCHERS = ("alltoall", "deepep")
 DEFAULT_ORDER = "dp,pp,cp,tp"
 DEFAULT_BUCKET_SIZE = 25 * 2**20  # torch DDP's bucket_cap_mb default
 # Batch figures beyond any training step: refused as typos rather than simulated for minutes.
@@ -254,6 +257,10 @@ class Plan:
     interleaved.
     ``dispatch_fp8`` (fp8 plans) sends the tokens to their experts, and the
     gradients to the experts' down-projections, in fp8 as DeepSeek does.
+    ``dispatcher`` "alltoall" sends a copy of a token to each of its experts
+    (Megatron-LM's ``alltoall`` token dispatcher); "deepep" sends it once to
+    each node holding its experts and forwards it there over NVLink, as DeepEP
+    does (Megatron-LM's ``flex`` dispatcher; :mod:`parsim.sim.collectives.deepep`).
 
     ``sequence_parallel`` (Megatron TP only) shards norms and block inputs
     along the sequence, with all-gathers and reduce-scatters in place of the
@@ -280,6 +287,7 @@ class Plan:
     expert_load: float = 1.0
     ep_comm_overlap: bool = False
     dispatch_fp8: bool = False
+    dispatcher: str = "alltoall"
     microbatch_size: int | None = None
     num_microbatches: int | None = None
     global_batch_size: int | None = None
@@ -509,10 +517,18 @@ class Plan:
             if self.expert_load != 1 or self.capacity_factor is not None:
                 self._fail(f"expert_load and capacity_factor describe expert routing; {m.name} is a dense model")
             expert_only = " and ".join(k for k, on in (("ep_comm_overlap", self.ep_comm_overlap),
-                                                        ("dispatch_fp8", self.dispatch_fp8)) if on)
+                                                        ("dispatch_fp8", self.dispatch_fp8),
+                                                        ("dispatcher deepep", self.dispatcher == "deepep")) if on)
             if expert_only:
                 self._fail(f"{m.name} is a dense model: it has no expert all-to-alls for {expert_only}")
             return
+        if self.dispatcher not in DISPATCHERS:
+            self._fail(f"dispatcher {self.dispatcher!r} is not one of {', '.join(DISPATCHERS)}")
+        if self.dispatcher == "deepep" and self.ep == 1:
+            self._fail("dispatcher deepep runs the expert all-to-alls, and with ep 1 there are none "
+                       "(--dispatcher alltoall turns it off)")
+        if self.dispatcher == "deepep" and m.num_experts % self.ep:
+            self._fail(f"dispatcher deepep: {m.num_experts} experts do not split evenly over ep {self.ep} ranks")
         if self.dispatch_fp8 and self.dtype != "fp8":
             self._fail(f"dispatch_fp8 sends the tokens its fp8 GEMMs read in fp8, as DeepSeek-V3 does: it needs "
                        f"dtype fp8 (this plan: {self.dtype}; --no-dispatch-fp8 turns it off)")
@@ -824,7 +840,8 @@ class Plan:
             out.append(f"ep {self.ep}" + (f", busiest expert {self.expert_tokens_factor:g}x the mean"
                                           if self.expert_tokens_factor != 1 else "")
                        + (", all-to-alls beside the paired pass's compute" if self.ep_comm_overlap else "")
-                       + (", dispatched in fp8" if self.dispatch_fp8 else ""))
+                       + (", dispatched in fp8" if self.dispatch_fp8 else "")
+                       + (", by DeepEP" if self.dispatcher == "deepep" else ""))
         if self.activation_recompute != "none":
             layers = f", first {self.recompute_layers} layers per stage" if self.recompute_layers else ""
             modules = (f" ({', '.join(self.recompute_modules)})"
@@ -877,7 +894,7 @@ class Plan:
         }
         if isinstance(self.model, TransformerModel) and self.model.is_moe:
             data["moe"] = {"expert_load": self.expert_load, "ep_comm_overlap": self.ep_comm_overlap,
-                           "dispatch_fp8": self.dispatch_fp8}
+                           "dispatch_fp8": self.dispatch_fp8, "dispatcher": self.dispatcher}
             if self.capacity_factor is not None:
                 data["moe"]["capacity_factor"] = self.capacity_factor
         if self.grad_clip is not None:
@@ -897,7 +914,7 @@ _TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "v
              "moe")
 _RECOMPUTE_KEYS = ("granularity", "layers", "modules")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
-_MOE_KEYS = ("capacity_factor", "expert_load", "ep_comm_overlap", "dispatch_fp8")
+_MOE_KEYS = ("capacity_factor", "expert_load", "ep_comm_overlap", "dispatch_fp8", "dispatcher")
 _BATCH_KEYS = ("microbatch_size", "num_microbatches", "global_batch_size")
 _DATA_PARALLEL_KEYS = ("grad_sync", "bucket_size", "overlap", "zero", "shard_group", "reshard_after_forward",
                        "overlap_param_gather", "reduce_dtype")
@@ -977,7 +994,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         cp=parallel.integer("cp", 1), context_parallel=top.text("context_parallel", "ring"),
         ep=parallel.integer("ep", 1), capacity_factor=moe.number("capacity_factor"),
         expert_load=moe.number("expert_load", 1.0), ep_comm_overlap=moe.boolean("ep_comm_overlap", False),
-        dispatch_fp8=moe.boolean("dispatch_fp8", False),
+        dispatch_fp8=moe.boolean("dispatch_fp8", False), dispatcher=moe.text("dispatcher", "alltoall"),
         order=parallel.text("order", DEFAULT_ORDER),
         microbatch_size=batch.integer("microbatch_size"), num_microbatches=batch.integer("num_microbatches"),
         global_batch_size=batch.integer("global_batch_size"),

@@ -1,0 +1,138 @@
+"""DeepEP's dispatch and combine (``dispatcher: deepep``): a token once per node across the network, then NVLink
+to its experts' GPUs (:mod:`parsim.sim.collectives.deepep`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import numpy as np
+import pytest
+
+from parsim.cli.main import main
+from parsim.errors import ParsimError
+from parsim.hardware.cluster import load_cluster
+from parsim.lowering.lower import lower
+from parsim.sim.collectives.deepep import NVLINK_FRACTION, TokenRouting, copies, phases
+from parsim.sim.step import predict_step
+from parsim.validation.deepep import compare
+from parsim.workload.model import load_model
+from parsim.workload.plan import Plan, load_plan
+
+H800 = load_cluster("hgx-h800")
+
+
+def routed(tokens: int, nodes: int, gpus: int, experts: int, k: int, limit: int, seed: int = 0):
+    """Distinct GPUs and nodes a token reaches, on average, routed as DeepSeek-V3's router does: random affinities;
+    under a node limit the ``limit`` nodes with the highest sum of their top k/limit experts' affinities
+    (report section 2.1.2), then the top ``k`` experts on those nodes."""
+    rng = np.random.default_rng(seed)
+    scores = rng.random((tokens, experts))
+    per_node = experts // nodes
+    if limit:
+        by_node = np.sort(scores.reshape(tokens, nodes, per_node), axis=-1)[:, :, -(k // limit):].sum(-1)
+        chosen = np.argsort(-by_node, axis=1)[:, :limit]
+        allowed = np.zeros((tokens, nodes), dtype=bool)
+        np.put_along_axis(allowed, chosen, True, axis=1)
+        scores = np.where(np.repeat(allowed, per_node, axis=1), scores, -1.0)
+    top = np.argsort(-scores, axis=1)[:, :k]
+    gpu, node = top // (experts // (nodes * gpus)), top // per_node
+    distinct = lambda ids: float(np.mean([len(set(row)) for row in ids.tolist()]))  # noqa: E731
+    return distinct(gpu), distinct(node)
+
+
+@pytest.mark.parametrize("nodes,experts,k", [(1, 256, 8), (2, 256, 8), (4, 256, 8), (8, 64, 6)])
+def test_copies_match_a_router_without_a_node_limit(nodes, experts, k):
+    """Without a limit the k experts are any k of E: the hypergeometric closed forms are exact."""
+    gpus, reached = routed(4000, nodes, 8, experts, k, limit=0)
+    c = copies(TokenRouting(k, experts), nodes, 8)
+    assert c.gpus == pytest.approx(gpus, rel=0.02)
+    assert c.nodes == pytest.approx(reached, rel=0.02)
+    assert c.network == pytest.approx(c.nodes * (nodes - 1) / nodes)
+    assert c.nvlink == pytest.approx(c.gpus * 7 / 8)
+
+
+def test_copies_under_deepseeks_node_limit():
+    """DeepSeek-V3 on 8 nodes, at most 4 per token: the router reaches 3.95 nodes (parsim: 4, every picked node
+    gets one of its best experts) and 7.49 GPUs (parsim: 7.36, the 8 experts spread evenly over the 4 nodes)."""
+    gpus, reached = routed(4000, 8, 8, 256, 8, limit=4)
+    c = copies(TokenRouting(8, 256, max_nodes=4), 8, 8)
+    assert c.nodes == 4 and reached == pytest.approx(4, rel=0.02)
+    assert c.gpus == pytest.approx(gpus, rel=0.03)
+    assert c.network == 3.5  # against 7 copies of the plain all-to-all: 8 x 7/8
+    # A limit at or above the nodes there are is no limit
+    assert copies(TokenRouting(8, 256, max_nodes=4), 4, 8) == copies(TokenRouting(8, 256), 4, 8)
+
+
+def test_the_phase_carries_the_copies():
+    """Each rank sends D/N of a row per token to each other node's GPU of its index, and R/g to each other GPU of
+    its node, those at DeepEP's share of NVLink; a row per token per expert is the plain all-to-all's buffer."""
+    topo = H800.build(8)
+    routing = TokenRouting(8, 256, max_nodes=4)
+    size = 4096 * 8 * 7168.0
+    (phase,) = phases(topo, np.arange(64), size, routing)
+    c, row = copies(routing, 8, 8), size / 8
+    same_node = topo.node_of(phase.src) == topo.node_of(phase.dst)
+    assert np.all((phase.src % 8 == phase.dst % 8) | same_node)  # across nodes only between GPUs of one index
+    sent = lambda mask: phase.nbytes[mask & (phase.src == 0)].sum()  # noqa: E731
+    assert sent(~same_node) == pytest.approx(row * c.network)
+    assert sent(same_node) == pytest.approx(row * c.nvlink / NVLINK_FRACTION)
+    (inside,) = phases(topo, np.arange(8), size, routing)  # one node: NVLink only
+    assert np.all(topo.node_of(inside.src) == 0) and len(inside.src) == 56
+    with pytest.raises(ParsimError, match="do not split evenly"):
+        phases(topo, np.arange(24), size, TokenRouting(8, 256))
+
+
+def test_deepeps_published_bandwidths():
+    """A check, not a fit: DeepEP's published H800 figures against parsim's model of its kernels at link speeds
+    (docs/nccl-accuracy.md, "DeepEP's dispatch and combine"). parsim reads 11-29% fast: the kernels' own costs
+    (the layout and count exchange, the forwarding's chunks) are not modelled."""
+    rows = compare()
+    assert len(rows) == 8
+    errors = [r.error for r in rows]
+    assert all(0 < e < 0.35 for e in errors)
+    assert statistics.median(errors) < 0.2
+
+
+MOE = load_model({"kind": "transformer", "name": "moe", "num_layers": 2, "hidden": 2048, "num_heads": 16,
+                  "num_kv_heads": 8, "ffn_hidden": 8192, "seq_len": 4096, "vocab_size": 32000,
+                  "num_experts": 64, "experts_per_token": 8, "expert_ffn_hidden": 1024, "max_routed_nodes": 2})
+
+
+def test_a_deepep_plan_lowers_its_all_to_alls_with_the_routing():
+    plan = Plan(model=MOE, dp=32, ep=32, dtype="bf16", microbatch_size=1, num_microbatches=2, dispatcher="deepep")
+    ops = [op for op in lower(plan).ops if op.kind == "collective"]
+    expert = [op for op in ops if op.group == "ep"]
+    assert expert and all(op.routing == TokenRouting(8, 64, 2) for op in expert)
+    assert all(op.routing is None for op in ops if op.group != "ep")
+    plain = predict_step(dataclasses.replace(plan, dispatcher="alltoall"), load_cluster("dgx-h100"))
+    deepep = predict_step(plan, load_cluster("dgx-h100"))
+    # 4 nodes, a token on at most 2: 1.5 copies across the network against the all-to-all's 6
+    assert deepep.ranks[0].seconds["ep"] < 0.5 * plain.ranks[0].seconds["ep"]
+    assert load_plan(plan.to_dict()).dispatcher == "deepep"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["llama3-8b-fsdp8", "--dispatcher", "deepep"],
+     "is a dense model: it has no expert all-to-alls for dispatcher deepep"),
+    (["--model", "deepseek-v3", "--dp", "16", "--dtype", "bf16", "--dispatcher", "deepep"],
+     "dispatcher deepep runs the expert all-to-alls, and with ep 1 there are none"),
+])
+def test_deepep_refusals_are_one_line(flags, message, capsys):
+    assert main(["simulate", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_executor_refuses_it():
+    from executor.train.runner import check_plan
+
+    plan = Plan(model=MOE, dp=32, ep=32, dtype="bf16", microbatch_size=1, num_microbatches=2, dispatcher="deepep")
+    with pytest.raises(ParsimError, match="does not execute DeepEP's expert dispatch"):
+        check_plan(plan)
+
+
+def test_plan_show_says_how_tokens_travel(capsys):
+    assert main(["plan", "show", "deepseek-v3-2048"]) == 0
+    out = capsys.readouterr().out
+    assert "top-8 on at most 4 nodes, DeepEP (a copy per node across the network" in out
