@@ -4,6 +4,8 @@ A ``ParsimError`` is bad input or an impossible request: the CLI prints its
 message as one line and exits with code 2. Anything else is a bug.
 """
 
+import difflib
+
 
 class ParsimError(Exception):
     """Bad input or an impossible request, explained in one line."""
@@ -24,3 +26,18 @@ class ConfigError(ParsimError):
         if expected:
             message += f" (expected {expected})"
         super().__init__(message)
+
+
+# Past this many characters a list of the allowed keys gives way to the closest of them.
+MAX_KEYS_LISTED_CHARS = 300
+
+
+def expected_keys(key: str, allowed) -> str:
+    """What an unknown ``key`` should have been: every allowed key, or, where they would not fit on one line, the
+    closest (a typo) and how many there are."""
+    listing = ", ".join(allowed)
+    if len(listing) <= MAX_KEYS_LISTED_CHARS:
+        return f"one of {listing}"
+    close = difflib.get_close_matches(key, list(allowed), n=3, cutoff=0.6)
+    closest = f", the closest {' or '.join(close)}" if close else ""
+    return f"one of {len(allowed)} keys{closest}: {listing[:MAX_KEYS_LISTED_CHARS].rsplit(', ', 1)[0]}, ..."

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from ..errors import ConfigError, ParsimError
+from ..errors import ConfigError, ParsimError, expected_keys
 from ..files import read_yaml
 
 FABRICS = ("nvswitch", "pcie")
@@ -937,4 +937,4 @@ class _Reader:
         unknown = sorted(set(self.data) - self.used)
         if unknown:
             raise ConfigError(self.source, self.prefix + unknown[0], "unknown key",
-                              f"one of {', '.join(sorted(self.used))}")
+                              expected_keys(str(unknown[0]), sorted(self.used)))

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-from ..errors import ConfigError, ParsimError
+from ..errors import ConfigError, ParsimError, expected_keys
 from ..files import read_yaml
 from ..lowering import eager_ops
 from ..sim.compute import SmWork
@@ -1302,7 +1302,7 @@ class ConfigReader:
                               "a mapping of keys")
         for key in data:
             if key not in allowed:
-                raise ConfigError(source, f"{prefix}{key}", "unknown key", f"one of {', '.join(allowed)}")
+                raise ConfigError(source, f"{prefix}{key}", "unknown key", expected_keys(str(key), allowed))
         self.data = data
 
     def has(self, key: str) -> bool:
