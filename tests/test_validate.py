@@ -97,10 +97,11 @@ def test_megatron_bridge_table_stays_within_the_measured_accuracy(capsys):
 
 def test_deepseek_v3_runs_as_its_report_describes_and_at_least_as_fast_as_its_whole_run_averaged(capsys):
     """The published figure averages the whole pre-training run (batch ramp-up, checkpoints, restarts): a step
-    of the full batch runs at least that fast. A regression guard at the level reached: +8.8% (2026-12-02)."""
+    of the full batch runs at least that fast. A regression guard at the level reached: +12.2% (2026-12-02, with
+    DeepEP's dispatch and the multi-token prediction module)."""
     assert main(["validate", "deepseek-v3-h800", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["rows"]
-    assert row["layout"] == "tp 1 x pp 16 x dp 128, ep 64, v 2" and 0.0 < row["error"] < 0.15
+    assert row["layout"] == "tp 1 x pp 16 x dp 128, ep 64, v 2" and 0.0 < row["error"] < 0.2
 
 
 def test_a_time_metric_counts_a_shorter_published_time_as_a_slower_run(tmp_path, capsys):

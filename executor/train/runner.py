@@ -163,6 +163,7 @@ def check_plan(plan: Plan) -> None:
         ("expert all-to-alls beside the compute of a paired pass (ep_comm_overlap)", plan.ep_comm_overlap),
         ("DeepEP's expert dispatch (dispatcher: deepep; the executor's all-to-all sends a copy per expert)",
          plan.dispatcher == "deepep"),
+        ("multi-token prediction (the model's mtp_layers)", getattr(m, "mtp_layers", 0) > 0),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
     if missing:
         raise ParsimError(f"parsim run does not execute {', '.join(missing)} yet; `parsim simulate` predicts it "

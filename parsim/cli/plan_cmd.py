@@ -359,9 +359,8 @@ def stage_table(plan: Plan) -> str:
     rows = []
     for r in range(plan.pp):
         stages = plan.stages_of(r)
-        layers = ", ".join(_span(plan.stage_layers(s)) for s in stages)
-        extra = [name for s in stages for name in ("embedding", "head")
-                 if any(c.name == name for c in plan.stage_costs(s))]
+        layers = ", ".join(span for s in stages if (span := _span(plan.stage_layers(s)))) or "no layers"
+        extra = [c.name for s in stages for c in plan.stage_costs(s) if not c.name.startswith("layer.")]
         if extra:
             layers += " + " + " + ".join(extra)
         params = plan.params_per_rank(r)
@@ -421,7 +420,8 @@ def _format_group(group: list[int]) -> str:
 
 
 def _span(layers: range) -> str:
-    return f"{layers.start}-{layers.stop - 1}" if len(layers) > 1 else str(layers.start)
+    """Layers ``a-b``, one layer ``a``, or nothing (a stage of only the embedding, or only the head)."""
+    return f"{layers.start}-{layers.stop - 1}" if len(layers) > 1 else str(layers.start) if layers else ""
 
 
 def _count(n: float) -> str:

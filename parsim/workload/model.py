@@ -633,6 +633,9 @@ class TransformerModel(_CostTotals):
     # a token's experts lie on at most this many of the expert-parallel nodes (0: any): DeepSeek-V3's
     # node-limited routing (M = 4), which DeepEP's dispatch turns into fewer bytes across the network
     max_routed_nodes: int = 0
+    # multi-token prediction modules after the last layer, each predicting one token further (DeepSeek-V3: 1;
+    # Hugging Face num_nextn_predict_layers, Megatron-LM --mtp-num-layers): mtp_costs
+    mtp_layers: int = 0
     attention_kernel: str = "flash"  # how the attention core runs (see ATTENTION_KERNELS)
     dropout: float = 0.0  # dropout probability (GPT-3 and Megatron-LM's GPT: 0.1; Llama: none)
     cross_entropy: str = "fused"  # how the loss runs (see CROSS_ENTROPY_KERNELS)
@@ -651,7 +654,8 @@ class TransformerModel(_CostTotals):
         for key in ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "seq_len", "vocab_size",
                     "experts_per_token", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             _check_positive(self, key)
-        for key in ("num_experts", "shared_experts", "dense_layers", "q_lora_rank", "max_routed_nodes"):  # 0: not used
+        for key in ("num_experts", "shared_experts", "dense_layers", "q_lora_rank", "max_routed_nodes",
+                    "mtp_layers"):  # 0: not used
             _check_positive(self, key, low=0)
         if self.ffn_type not in FFN_TYPES:
             _fail(self, "ffn_type", f"is {self.ffn_type!r}", " or ".join(FFN_TYPES))
@@ -1157,6 +1161,50 @@ class TransformerModel(_CostTotals):
                  Activation("ce.softmax", v, SOFTMAX_BYTES, sharded=True))
         return LayerCost("head", (block,), (Param("norm.final", 1, h),), saved)
 
+    def mtp_costs(self, dtype_bytes: int, tp_style: str | None = None, sequence_parallel: bool = False,
+                  copies_table: bool = False) -> list[LayerCost]:
+        """The multi-token prediction modules (DeepSeek-V3 report, section 2.2), as Megatron-LM's
+        ``MultiTokenPredictionLayer`` runs them on the last pipeline stage after the LM head.
+
+        Each normalizes the hidden state before it (the last layer's, or the previous module's) and the
+        embedding of the token one further ahead (``hnorm``, ``enorm``), projects the two side by side back
+        to ``hidden`` (``eh_proj``, 2h x h, column-parallel: its output all-gathered, then split along the
+        sequence again under sequence parallelism), runs one more layer of the model's last kind (a MoE layer
+        for DeepSeek-V3) and predicts through a final norm and the main model's LM head, whose weight it
+        shares, with a loss of its own over the vocabulary. Its matmuls count as model FLOPs, as Megatron-LM
+        counts the projection and the extra logits. The embedding of the next tokens reads the embedding table:
+        where the last stage sits on another pipeline rank than the embedding (``copies_table``), that rank
+        keeps a copy of it, whose gradient is summed with the first stage's as a tied table's is (a tied head's
+        copy serves both).
+        """
+        if not self.mtp_layers:
+            return []
+        self._check_style(tp_style, sequence_parallel)
+        h, d = self.hidden, dtype_bytes
+        layer = self._layer(d, sequence_parallel, moe=self.is_moe)
+        head = self.head_cost(d, tp_style, sequence_parallel)
+        shared_head = replace(head.blocks[0], matmuls=tuple(replace(m, owns_weight=False)
+                                                            for m in head.blocks[0].matmuls))
+        if sequence_parallel:  # the input gathered along the sequence, the output along the hidden dimension
+            collectives = (TPCollective("mtp.in", "all_gather", "forward", "before", 2 * h * d),
+                           TPCollective("mtp.out", "all_gather", "forward", "after", h * d),
+                           TPCollective("mtp.out.grad", "all_gather", "backward", "before", h * d),
+                           TPCollective("mtp.in.grad", "reduce_scatter", "backward", "after", 2 * h * d))
+        else:
+            collectives = (TPCollective("mtp.out", "all_gather", "forward", "after", h * d),
+                           TPCollective("mtp.in.grad", "all_reduce", "backward", "after", 2 * h * d))
+        entry = Block("mtp.in", (Matmul("mtp.eh_proj", 2 * h, h, "column"),), collectives=collectives,
+                      elementwise=(Elementwise("mtp.embed.lookup", h, 2 * h, sharded=False),
+                                   *self._norm("mtp.hnorm", h), *self._norm("mtp.enorm", h)))
+        params = [Param("mtp.hnorm", 1, h), Param("mtp.enorm", 1, h), *layer.params, Param("mtp.norm.final", 1, h)]
+        if copies_table and not self.tied_embeddings:
+            params.append(Param("mtp.embed.copy", self.vocab_size, h, "rows"))
+        saved = (Activation("mtp.norms.in", 2 * h, d, sharded=sequence_parallel),
+                 Activation("mtp.eh_proj.in", 2 * h, d, sharded=sequence_parallel),
+                 *layer.activations, *head.activations)
+        return [LayerCost(f"mtp.{i}", (entry, *layer.blocks, shared_head), tuple(params), saved, layer.checkpoint)
+                for i in range(self.mtp_layers)]
+
     def _loss_kernels(self, v: int) -> tuple[Elementwise, ...]:
         """The loss's fp32 traffic per token over ``v`` vocabulary entries: the fused kernel writes the
         softmax and its backward rereads it; the unfused one runs UNFUSED_CE_FP32_ACCESSES passes, torch's
@@ -1188,7 +1236,7 @@ class TransformerModel(_CostTotals):
         It equals :meth:`training_flops_per_token`; recomputed work is never
         model FLOPs.
         """
-        costs = self.costs(1)
+        costs = self.costs(1) + self.mtp_costs(1)
         matmul_params = sum(m.active_params for c in costs for m in c.matmuls)
         attention = sum(b.attention_flops_per_token for c in costs for b in c.blocks)  # 4·seq·d_attn per layer
         return 6 * matmul_params + 3 * attention
@@ -1203,6 +1251,8 @@ class TransformerModel(_CostTotals):
             nodes = f" on at most {self.max_routed_nodes} nodes" if self.max_routed_nodes else ""
             ffn = (f"{self.num_experts} experts{shared} of ffn {self.expert_ffn_hidden} {self.ffn_type}, "
                    f"top-{self.experts_per_token}{nodes}{dense}")
+        if self.mtp_layers:
+            ffn += f", {self.mtp_layers} multi-token prediction layer{'s' if self.mtp_layers > 1 else ''}"
         if self.attention == "mla":
             heads += " of latent attention (MLA)"
         return (f"{self.name} (transformer): {self.num_layers} layers, hidden {self.hidden}, {heads}, "
@@ -1262,8 +1312,8 @@ MODEL_KINDS: dict[str, type] = {"mlp": MLPModel, "transformer": TransformerModel
 SHAPE_LIMITS = {"num_layers": 2**14, "width": 2**20, "hidden": 2**20, "ffn_hidden": 2**22, "expert_ffn_hidden": 2**22,
                 "num_heads": 2**14, "num_kv_heads": 2**14, "seq_len": 2**27, "vocab_size": 2**24,
                 "batch_size": 2**31, "num_experts": 2**16, "experts_per_token": 2**16, "shared_experts": 2**10,
-                "dense_layers": 2**14, "max_routed_nodes": 2**14, "q_lora_rank": 2**20, "kv_lora_rank": 2**20,
-                "qk_nope_head_dim": 2**16, "qk_rope_head_dim": 2**16, "v_head_dim": 2**16}
+                "dense_layers": 2**14, "max_routed_nodes": 2**14, "mtp_layers": 2**6, "q_lora_rank": 2**20,
+                "kv_lora_rank": 2**20, "qk_nope_head_dim": 2**16, "qk_rope_head_dim": 2**16, "v_head_dim": 2**16}
 
 
 def _check_positive(model: Model, key: str, low: int = 1) -> None:
@@ -1382,8 +1432,8 @@ _KIND_KEYS = {
     "mlp": ("num_layers", "width", "batch_size"),
     "transformer": ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "ffn_type", "seq_len",
                     "vocab_size", "tied_embeddings", "position_embedding", "num_experts", "experts_per_token",
-                    "expert_ffn_hidden", "shared_experts", "dense_layers", "max_routed_nodes", "attention",
-                    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "expert_ffn_hidden", "shared_experts", "dense_layers", "max_routed_nodes", "mtp_layers",
+                    "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "attention_kernel", "dropout", "cross_entropy", "layer_kernels", "linear_bias"),
 }
 _REQUIRED = {

@@ -116,10 +116,12 @@ def attention_seq(model: Model, cp: int) -> int:
 
 
 def ties_across_stages(model: Any, pp: int, schedule: str) -> bool:
-    """A tied LM head on another pipeline rank than the embedding (every placement but a V's, which puts the
-    first and last stages on rank 0): that rank keeps a copy of the table, whose gradient is summed with the
-    first stage's after the data-parallel sync (Megatron-LM's ``_allreduce_embedding_grads``)."""
-    return getattr(model, "tied_embeddings", False) and pp > 1 and schedule not in V_SCHEDULES
+    """The embedding table needed on another pipeline rank than the embedding's (every placement but a V's,
+    which puts the first and last stages on rank 0): by a tied LM head, or by multi-token prediction's
+    embedding of the next tokens. That rank keeps a copy of the table, whose gradient is summed with the first
+    stage's after the data-parallel sync (Megatron-LM's ``_allreduce_embedding_grads``)."""
+    needs_table = getattr(model, "tied_embeddings", False) or getattr(model, "mtp_layers", 0) > 0
+    return needs_table and pp > 1 and schedule not in V_SCHEDULES
 
 
 def accumulation_bytes(dtype_bytes: int, grad_bytes: int, main_grads: bool, microbatches: int) -> float:
@@ -575,8 +577,12 @@ class Plan:
         if len(split) != stages:
             self._fail(f"layers_per_stage lists {len(split)} stages, but pp {self.pp} x virtual_stages "
                        f"{self.virtual_stages} = {stages}")
-        if min(split) < 1 or sum(split) != layers:
-            self._fail(f"layers_per_stage {list(split)} must give every stage at least one layer and add up to "
+        # A transformer's first stage may hold only the embedding and its last only the head (and any multi-token
+        # prediction modules), as Megatron-LM's pipeline layouts allow ("Et|(tt|)*30mL" for DeepSeek-V3)
+        ends = 0 if isinstance(self.model, TransformerModel) else 1
+        if min(split[1:-1], default=1) < 1 or min(split[0], split[-1]) < ends or sum(split) != layers:
+            whom = "every stage but a transformer's first and last" if ends == 0 else "every stage"
+            self._fail(f"layers_per_stage {list(split)} must give {whom} at least one layer and add up to "
                        f"the model's {layers} layers (they add up to {sum(split)})")
 
     # -- sizes ----------------------------------------------------------------
@@ -734,9 +740,9 @@ class Plan:
             return even
         embedding, costs, head = self._costs
         per_layer = costs[0].training_flops_per_token()
+        last = sum(c.training_flops_per_token() for c in ([head] if head else []) + self._mtp_costs)
         return balanced_split(per_layer, layers, stages,
-                              embedding.training_flops_per_token() if embedding else 0.0,
-                              head.training_flops_per_token() if head else 0.0)
+                              embedding.training_flops_per_token() if embedding else 0.0, last)
 
     def stage_layers(self, stage: int) -> range:
         """The layer indices of (virtual) stage ``stage``: a contiguous run of :attr:`stage_split`."""
@@ -768,6 +774,16 @@ class Plan:
         return (m.embedding_cost(d, self.tp_style, sp), layers,
                 m.head_cost(d, self.tp_style, sp, copies_table=self.ties_across_stages))
 
+    @cached_property
+    def _mtp_costs(self) -> list[LayerCost]:
+        """The multi-token prediction modules the last stage runs after the head (none for most models)."""
+        m = self.model
+        if not getattr(m, "mtp_layers", 0):
+            return []
+        costs = m.mtp_costs(self.dtype_bytes, self.tp_style, self.sequence_parallel,
+                            copies_table=self.ties_across_stages)
+        return [dataclasses.replace(c, activations=self._kept(c.activations)) for c in costs]
+
     def _kept(self, saved: tuple[Activation, ...]) -> tuple[Activation, ...]:
         """What a layer keeps of the tensors it saves: none that selective recompute's modules rebuild, and in an
         fp8 plan each linear's input as its fp8 copy (beside the bf16 tensor where another op keeps that too)."""
@@ -797,13 +813,14 @@ class Plan:
         return ties_across_stages(self.model, self.pp, self.schedule)
 
     def stage_costs(self, stage: int) -> list[LayerCost]:
-        """What ``stage`` computes, in order: the embedding (first stage), its layers, the head (last)."""
+        """What ``stage`` computes, in order: the embedding (first stage), its layers, the head and any
+        multi-token prediction modules (last)."""
         embedding, layers, head = self._costs
         costs = [layers[i] for i in self.stage_layers(stage)]
         if stage == 0 and embedding is not None:
             costs.insert(0, embedding)
-        if stage == self.num_stages - 1 and head is not None:
-            costs.append(head)
+        if stage == self.num_stages - 1:
+            costs += ([head] if head is not None else []) + self._mtp_costs
         return costs
 
     def recomputed(self, stage: int) -> list[LayerCost]:
