@@ -202,7 +202,7 @@ def test_malformed_yaml_names_the_file_and_line(tmp_path):
      "<model>: depth: unknown key (expected one of name, kind, description, num_layers"),
     # a transformer's keys would not fit on a line: the closest, and the first of them
     ({"kind": "transformer", "num_layerz": 2}, "<model>: num_layerz: unknown key (expected one of "),
-    ({"kind": "transformer", "num_layerz": 2}, " keys, the closest num_layers or dense_layers: name, kind, "),
+    ({"kind": "transformer", "num_layerz": 2}, " keys, the closest num_layers or "),
     ({"kind": "mlp", "num_layers": "four", "width": 8, "batch_size": 4},
      "<model>: num_layers: is 'four' (expected a whole number)"),
     ({"kind": "mlp", "num_layers": 0, "width": 8, "batch_size": 4},

@@ -501,12 +501,17 @@ class _CostTotals:
         """Total parameters (FLOPs and parameter counts do not depend on the dtype)."""
         return sum(c.num_params for c in self.costs(1))
 
+    def computed(self) -> list:
+        """Every cost entry a training step computes: :meth:`costs`, and whatever trains beside the model its
+        parameter count describes (a transformer's multi-token prediction modules)."""
+        return self.costs(1)
+
     def forward_flops_per_token(self) -> int:
-        return sum(c.forward_flops_per_token() for c in self.costs(1))
+        return sum(c.forward_flops_per_token() for c in self.computed())
 
     def backward_flops_per_token(self) -> tuple[int, int]:
         """``(input-gradient, weight-gradient)`` FLOPs per token; together twice the forward."""
-        costs = self.costs(1)
+        costs = self.computed()
         return (sum(c.backward_input_flops_per_token() for c in costs),
                 sum(c.backward_weight_flops_per_token() for c in costs))
 
@@ -1161,6 +1166,9 @@ class TransformerModel(_CostTotals):
                  Activation("ce.softmax", v, SOFTMAX_BYTES, sharded=True))
         return LayerCost("head", (block,), (Param("norm.final", 1, h),), saved)
 
+    def computed(self) -> list[LayerCost]:
+        return self.costs(1) + self.mtp_costs(1)
+
     def mtp_costs(self, dtype_bytes: int, tp_style: str | None = None, sequence_parallel: bool = False,
                   copies_table: bool = False) -> list[LayerCost]:
         """The multi-token prediction modules (DeepSeek-V3 report, section 2.2), as Megatron-LM's
@@ -1236,7 +1244,7 @@ class TransformerModel(_CostTotals):
         It equals :meth:`training_flops_per_token`; recomputed work is never
         model FLOPs.
         """
-        costs = self.costs(1) + self.mtp_costs(1)
+        costs = self.computed()
         matmul_params = sum(m.active_params for c in costs for m in c.matmuls)
         attention = sum(b.attention_flops_per_token for c in costs for b in c.blocks)  # 4·seq·d_attn per layer
         return 6 * matmul_params + 3 * attention
