@@ -14,7 +14,7 @@ from ..report.jsondoc import print_json
 from ..search.search import SORTS, SearchRequest, run_search
 from ..units import parse_size
 from ..workload.model import TransformerModel, builtin_models, load_model
-from ..workload.plan import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW, DTYPE_BYTES, REDUCE_DTYPES
+from ..workload.plan import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW, DISPATCHERS, DTYPE_BYTES, REDUCE_DTYPES
 from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, note, note_unmeasured_matmuls
 
 HELP = """\
@@ -71,6 +71,10 @@ def register(subparsers) -> None:
     p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES,
                    help="the dtype every plan reduces gradients in (default fp32 with bf16 or fp8 weights, as "
                         "Megatron-LM and torchtitan do; else the weights' dtype)")
+    p.add_argument("--dispatcher", choices=DISPATCHERS, default="alltoall",
+                   help="MoE: how every plan with expert parallelism sends tokens to their experts: alltoall, a copy "
+                        "per expert (Megatron-LM's default), or deepep, a copy per node across the network, then "
+                        "NVLink (DeepEP)")
     for dim, what in DEGREES.items():
         p.add_argument(f"--{dim}", metavar="N[,N...]", help=f"search only these {what} degrees (default: all)")
     p.add_argument("--max-memory", metavar="SIZE", help="memory a plan may use per GPU, e.g. 75GB (default: all)")
@@ -152,7 +156,7 @@ def request_from_args(args: argparse.Namespace) -> SearchRequest:
                          args.price_per_gpu_hour, None if args.tokens is None else parse_count(args.tokens, "--tokens"),
                          args.sort, keep=max(50, args.top, args.simulate), simulate=args.simulate,
                          degrees=_degrees(args), adamw=args.adamw, reduce_dtype=args.reduce_dtype,
-                         grad_clip=args.grad_clip)
+                         grad_clip=args.grad_clip, dispatcher=args.dispatcher)
 
 
 def _degrees(args: argparse.Namespace) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -59,6 +59,7 @@ class SearchRequest:
     adamw: str = DEFAULT_ADAMW  # AdamW's implementation in every plan
     reduce_dtype: str | None = None  # the gradients' dtype in every plan (None: the dtype's default)
     grad_clip: float | None = None  # every plan clips its gradients to this global norm (None: no clipping)
+    dispatcher: str = "alltoall"  # how every plan with expert parallelism sends tokens to their experts
 
     @property
     def gradient_dtype(self) -> str:
@@ -133,6 +134,9 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
         raise ParsimError(f"--grad-clip {request.grad_clip:g}: give a positive gradient norm, such as 1.0")
     if request.sort not in SORTS:
         raise ParsimError(f"--sort {request.sort!r} is not one of {', '.join(SORTS)}")
+    if request.dispatcher != "alltoall" and not getattr(request.model, "is_moe", False):
+        raise ParsimError(f"--dispatcher {request.dispatcher}: {request.model.name} is a dense model, with no "
+                          f"expert all-to-alls to dispatch")
     if request.sort == "cost" and request.price is None:
         raise ParsimError(f"sorting by cost needs a price: {request.cluster.name} has no price_usd_per_gpu_hour; "
                           f"give --price-per-gpu-hour")
@@ -143,7 +147,8 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
         space = SearchSpace(request.model, gpus, request.global_batch, request.dtype,
                             request.cluster.gpus_per_node, model_spec=request.model_spec, degrees=request.degrees,
                             tp_overlap=request.cluster.overlaps_tp_comm, adamw=request.adamw,
-                            reduce_dtype=request.reduce_dtype, grad_clip=request.grad_clip)
+                            reduce_dtype=request.reduce_dtype, grad_clip=request.grad_clip,
+                            dispatcher=request.dispatcher)
         fast = FastModel(space, request.cluster, request.capacity)
         counts = SpaceCounts(gpus)
         settings = list(enumerate_settings(space, counts.rejections))

@@ -130,6 +130,8 @@ class Candidate(NamedTuple):
             data["data_parallel"]["reduce_dtype"] = space.reduce_dtype
         if space.grad_clip is not None:
             data["grad_clip"] = space.grad_clip
+        if space.dispatcher_for(s.ep) != "alltoall":
+            data["moe"] = {"dispatcher": space.dispatcher_for(s.ep)}
         if s.cp > 1:
             data["context_parallel"] = v.context_parallel
         if v.grad_sync == "bucketed":
@@ -159,6 +161,11 @@ class SearchSpace:
     adamw: str = DEFAULT_ADAMW  # AdamW's implementation, the same for every plan
     reduce_dtype: str | None = None  # the gradients' dtype in every plan (None: the dtype's default)
     grad_clip: float | None = None  # every plan clips its gradients to this global norm (None: no clipping)
+    dispatcher: str = "alltoall"  # how every plan with expert parallelism sends tokens to their experts
+
+    def dispatcher_for(self, ep: int) -> str:
+        """The dispatcher of a plan with expert parallelism ``ep`` (without it there is nothing to dispatch)."""
+        return self.dispatcher if ep > 1 else "alltoall"
 
     def allows(self, dim: str, value: int) -> bool:
         """Whether ``dim`` (dp, tp, pp, cp or ep) may take ``value`` (``degrees`` restricts some)."""
