@@ -4,6 +4,7 @@ head, as Megatron-LM's ``MultiTokenPredictionLayer`` runs it."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import pytest
 
@@ -66,11 +67,11 @@ def test_a_last_stage_apart_from_the_embedding_keeps_a_copy_of_the_table_and_sum
     loop = Plan(model=GPT, dp=1, pp=2, dtype="bf16", microbatch_size=1, num_microbatches=4)
     v = dataclasses.replace(loop, schedule="zbv", virtual_stages=2, num_microbatches=4)
     table = GPT.vocab_size * GPT.hidden
-    copy = [p for p in loop.stage_costs(1)[-1].params if p.name == "mtp.embed.copy"]
+    copy = [p for c in loop.stage_costs(1) for p in c.params if p.name == "mtp.embed.copy"]
     assert copy and copy[0].numel == table
     assert loop.params_per_rank(1) - dataclasses.replace(loop, model=PLAIN).params_per_rank(1) == \
-        loop.stage_costs(1)[-1].num_params
-    assert not [p for p in v.stage_costs(3)[-1].params if p.name == "mtp.embed.copy"]
+        loop.stage_costs(1)[-1].num_params + table  # the module, and the copy beside the head
+    assert not [p for c in v.stage_costs(3) for p in c.params if p.name == "mtp.embed.copy"]
     sums = [op for op in lower(loop).ops if op.group == "embedding"]
     assert len(sums) == 2 and not [op for op in lower(v).ops if op.group == "embedding"]
     assert memory(loop)[1].weights > memory(dataclasses.replace(loop, model=PLAIN))[1].weights
@@ -98,3 +99,29 @@ def test_plan_show_names_the_module_on_its_rank(capsys):
     out = capsys.readouterr().out
     assert "1 multi-token prediction layer" in out
     assert "0 + embedding + head + mtp.0" in out
+
+
+def test_two_modules_keep_one_copy_and_the_search_prices_them_as_the_simulator_does():
+    """Two modules on a last stage apart from the embedding: one copy of the table between them. The fast tier
+    counts the same memory to the byte and times about the same step: every plan of a small GPT with two
+    modules on 4 H100s whose pipeline splits it, but FSDP's (2026-12-02: 728 plans, median 0.39%, at worst
+    2.0%)."""
+    from parsim.search.fast import FastModel
+    from parsim.search.space import Candidate, SearchSpace, enumerate_settings
+
+    two = dataclasses.replace(GPT, mtp_layers=2)
+    plan = Plan(model=two, dp=1, pp=2, dtype="bf16", microbatch_size=1, num_microbatches=4)
+    copies = [p for c in plan.stage_costs(1) for p in c.params if p.name == "mtp.embed.copy"]
+    assert [c.name for c in plan.stage_costs(1)][-2:] == ["mtp.0", "mtp.1"] and len(copies) == 1
+
+    space = SearchSpace(two, 4, 8, dtype="bf16", degrees=(("pp", (2, 4)),))
+    cluster = load_cluster("dgx-h100")
+    fast = FastModel(space, cluster)
+    prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
+    jobs = [(p, i) for p in prepared for i in range(len(p.variants)) if not p.variants[i].fsdp]
+    errors = []
+    for (prep, i), estimate in zip(jobs, fast.estimate(jobs)):
+        simulated = predict_step(Candidate(prep.setting, prep.variants[i]).plan(space), cluster)
+        assert estimate.memory_bytes == pytest.approx(max(m.total for m in simulated.memory), rel=1e-12)
+        errors.append(abs(estimate.step_s / simulated.step_s - 1))
+    assert len(errors) > 700 and statistics.median(errors) < 0.01 and max(errors) < 0.03

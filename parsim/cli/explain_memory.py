@@ -62,9 +62,8 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
     params = plan.params_per_rank(p)
     stages = plan.stages_of(p)
     copy = " with its own copy of the embedding table" if plan.ties_across_stages else ""
-    holder = "head" if getattr(plan.model, "tied_embeddings", False) else "mtp.0"  # where the copy lives
     layers = ", ".join(f"stage {s}: {len(plan.stage_layers(s))} layers"
-                       + "".join(f" + {c.name}" + (copy if c.name == holder else "")
+                       + "".join(f" + {c.name}" + (copy if c.name == "head" else "")
                                  for c in plan.stage_costs(s) if not c.name.startswith("layer"))
                        for s in stages)
     master = FP32 if d < FP32 else 0

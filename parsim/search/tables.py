@@ -46,14 +46,14 @@ class Layout:
 def entry_types(plan: Plan) -> list[LayerCost]:
     """The distinct entries of ``plan``'s stages: the embedding, the layer kinds (dense, then
     mixture-of-experts, as they first appear), the head, the multi-token prediction modules (those the model
-    has)."""
+    has; its layers of one kind, and its modules, share their blocks)."""
     embedding, layers, head = plan._costs
-    out, seen = ([embedding] if embedding is not None else []), set()
-    for cost in layers:
-        if id(cost.blocks) not in seen:
+    out, seen = [], set()
+    for cost in [embedding, *layers, head, *plan._mtp_costs]:
+        if cost is not None and id(cost.blocks) not in seen:
             seen.add(id(cost.blocks))
             out.append(cost)
-    return out + ([head] if head is not None else []) + plan._mtp_costs[:1]
+    return out
 
 
 def layout_of(plan: Plan, placement: str) -> Layout:

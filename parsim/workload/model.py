@@ -1141,7 +1141,8 @@ class TransformerModel(_CostTotals):
         the embedding table and owns no parameters, unless it runs on another
         pipeline rank than the embedding (``copies_table``): that rank keeps a
         copy of the table, with its gradient and optimizer state, and its
-        gradient is summed with the first stage's (Megatron-LM). Saved: the norm and head inputs, and the
+        gradient is summed with the first stage's (Megatron-LM); so does an untied model's last rank for
+        its multi-token prediction modules' lookups (``mtp.embed.copy``). Saved: the norm and head inputs, and the
         softmax over the vocabulary in fp32, which dominates for large
         vocabularies.
         """
@@ -1164,7 +1165,10 @@ class TransformerModel(_CostTotals):
         saved = (Activation("norm.final.in", h, d, sharded=sequence_parallel),
                  Activation("head.in", h, d, sharded=sequence_parallel),
                  Activation("ce.softmax", v, SOFTMAX_BYTES, sharded=True))
-        return LayerCost("head", (block,), (Param("norm.final", 1, h),), saved)
+        params = (Param("norm.final", 1, h),)
+        if copies_table and not self.tied_embeddings and self.mtp_layers:  # multi-token prediction's lookups
+            params += (Param("mtp.embed.copy", self.vocab_size, h, "rows"),)
+        return LayerCost("head", (block,), params, saved)
 
     def computed(self) -> list[LayerCost]:
         return self.costs(1) + self.mtp_costs(1)
@@ -1180,10 +1184,9 @@ class TransformerModel(_CostTotals):
         sequence again under sequence parallelism), runs one more layer of the model's last kind (a MoE layer
         for DeepSeek-V3) and predicts through a final norm and the main model's LM head, whose weight it
         shares, with a loss of its own over the vocabulary. Its matmuls count as model FLOPs, as Megatron-LM
-        counts the projection and the extra logits. The embedding of the next tokens reads the embedding table:
-        where the last stage sits on another pipeline rank than the embedding (``copies_table``), that rank
-        keeps a copy of it, whose gradient is summed with the first stage's as a tied table's is (a tied head's
-        copy serves both).
+        counts the projection and the extra logits. The embedding of the next tokens reads the embedding table,
+        which the last stage keeps a copy of where it sits on another pipeline rank than the embedding
+        (:meth:`head_cost`).
         """
         if not self.mtp_layers:
             return []
@@ -1204,14 +1207,12 @@ class TransformerModel(_CostTotals):
         entry = Block("mtp.in", (Matmul("mtp.eh_proj", 2 * h, h, "column"),), collectives=collectives,
                       elementwise=(Elementwise("mtp.embed.lookup", h, 2 * h, sharded=False),
                                    *self._norm("mtp.hnorm", h), *self._norm("mtp.enorm", h)))
-        params = [Param("mtp.hnorm", 1, h), Param("mtp.enorm", 1, h), *layer.params, Param("mtp.norm.final", 1, h)]
-        if copies_table and not self.tied_embeddings:
-            params.append(Param("mtp.embed.copy", self.vocab_size, h, "rows"))
+        params = (Param("mtp.hnorm", 1, h), Param("mtp.enorm", 1, h), *layer.params, Param("mtp.norm.final", 1, h))
+        blocks = (entry, *layer.blocks, shared_head)
         saved = (Activation("mtp.norms.in", 2 * h, d, sharded=sequence_parallel),
                  Activation("mtp.eh_proj.in", 2 * h, d, sharded=sequence_parallel),
                  *layer.activations, *head.activations)
-        return [LayerCost(f"mtp.{i}", (entry, *layer.blocks, shared_head), tuple(params), saved, layer.checkpoint)
-                for i in range(self.mtp_layers)]
+        return [LayerCost(f"mtp.{i}", blocks, params, saved, layer.checkpoint) for i in range(self.mtp_layers)]
 
     def _loss_kernels(self, v: int) -> tuple[Elementwise, ...]:
         """The loss's fp32 traffic per token over ``v`` vocabulary entries: the fused kernel writes the
