@@ -103,9 +103,9 @@ def test_plan_show_names_the_module_on_its_rank(capsys):
 
 def test_two_modules_keep_one_copy_and_the_search_prices_them_as_the_simulator_does():
     """Two modules on a last stage apart from the embedding: one copy of the table between them. The fast tier
-    counts the same memory to the byte and times about the same step: every plan of a small GPT with two
-    modules on 4 H100s whose pipeline splits it, but FSDP's (2026-12-02: 728 plans, median 0.39%, at worst
-    2.0%)."""
+    counts the same memory to the byte and times about the same step: every DDP plan without recomputation of
+    a small GPT with two modules on 4 H100s whose pipeline splits it (2026-12-02: 184 plans, median 0.19%, at
+    worst 2.0%; with ZeRO and recomputation too, 728 plans, median 0.39%, at worst 2.0%)."""
     from parsim.search.fast import FastModel
     from parsim.search.space import Candidate, SearchSpace, enumerate_settings
 
@@ -118,10 +118,11 @@ def test_two_modules_keep_one_copy_and_the_search_prices_them_as_the_simulator_d
     cluster = load_cluster("dgx-h100")
     fast = FastModel(space, cluster)
     prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
-    jobs = [(p, i) for p in prepared for i in range(len(p.variants)) if not p.variants[i].fsdp]
+    jobs = [(p, i) for p in prepared for i, v in enumerate(p.variants)
+            if v.sync_text() == "ddp" and v.recompute == "none"]
     errors = []
     for (prep, i), estimate in zip(jobs, fast.estimate(jobs)):
         simulated = predict_step(Candidate(prep.setting, prep.variants[i]).plan(space), cluster)
         assert estimate.memory_bytes == pytest.approx(max(m.total for m in simulated.memory), rel=1e-12)
         errors.append(abs(estimate.step_s / simulated.step_s - 1))
-    assert len(errors) > 700 and statistics.median(errors) < 0.01 and max(errors) < 0.03
+    assert len(errors) > 150 and statistics.median(errors) < 0.01 and max(errors) < 0.03
