@@ -392,9 +392,20 @@ def test_balanced_split_gives_the_head_stage_fewer_layers():
     assert even.stage_split == (10,) * 8
 
 
+def test_balanced_split_leaves_an_end_stage_empty_where_its_extra_outweighs_a_stage():
+    """DeepSeek-V3's last stage also runs the multi-token prediction module (a layer and a second pass through
+    the head: 3.5 layers' FLOPs): alone it outweighs a stage of two layers, so it gets no layer, as in
+    Megatron-LM's DeepSeek-V3 layout Et|(tt|)*30mL."""
+    plan = Plan(model=load_model("deepseek-v3"), dp=64, ep=64, pp=16, schedule="dualpipe-v", virtual_stages=2,
+                dtype="fp8", microbatch_size=1, num_microbatches=64, layers_per_stage="balanced")
+    assert plan.stage_split == (1,) + (2,) * 30 + (0,)
+    mlp = Plan(model=MLP, pp=3, schedule="gpipe", layers_per_stage="balanced")
+    assert min(mlp.stage_split) == 1  # a model without embedding or head keeps a layer on every stage
+
+
 @pytest.mark.parametrize("split, message", [
     ((8, 8), "lists 2 stages, but pp 4"),
-    ((1, 1, 1, 0), "at least one layer"),
+    ((1, 0, 2, 1), "every stage but a transformer's first and last at least one layer"),
     ((2, 2, 2, 2), "add up to the model's 4 layers"),
 ])
 def test_explicit_stage_splits_are_checked(split, message):

@@ -742,7 +742,8 @@ class Plan:
         per_layer = costs[0].training_flops_per_token()
         last = sum(c.training_flops_per_token() for c in ([head] if head else []) + self._mtp_costs)
         return balanced_split(per_layer, layers, stages,
-                              embedding.training_flops_per_token() if embedding else 0.0, last)
+                              embedding.training_flops_per_token() if embedding else 0.0, last,
+                              empty_ends=isinstance(self.model, TransformerModel))
 
     def stage_layers(self, stage: int) -> range:
         """The layer indices of (virtual) stage ``stage``: a contiguous run of :attr:`stage_split`."""
