@@ -33,7 +33,7 @@ and the InfiniBand NIC's ~50 GB/s (DeepEP README, "Performance": "H800 (~160
 GB/s NVLink maximum bandwidth), with each connected to a CX7 InfiniBand 400
 Gb/s RDMA network card (~50 GB/s maximum bandwidth)"): NVLink flows carry
 ``1 / NVLINK_FRACTION`` of their bytes. Each call holds ``DEEPEP_SMS`` SMs
-(``Buffer.num_sms = 20`` in ``deep_ep/buffer.py``; the report: "only 20 SMs
+(``Buffer.num_sms = 20``, ``deep_ep/buffers/legacy.py`` in DeepEP today; the report: "only 20 SMs
 are sufficient to fully utilize the bandwidths of IB and NVLink").
 """
 
@@ -49,7 +49,7 @@ from ...hardware.topology import Topology
 from .algorithms import Phase, _by_node
 
 NVLINK_FRACTION = 160 / 200  # DeepEP README: ~160 GB/s of H800 NVLink's 200 GB/s per direction
-DEEPEP_SMS = 20  # deep_ep/buffer.py: Buffer.num_sms
+DEEPEP_SMS = 20  # DeepEP's Buffer.num_sms (deep_ep/buffers/legacy.py)
 
 
 @dataclass(frozen=True)
