@@ -4,6 +4,7 @@ to its experts' GPUs (:mod:`parsim.sim.collectives.deepep`)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 
 import numpy as np
@@ -172,3 +173,33 @@ def test_a_dense_search_refuses_deepep(capsys):
     assert main(["search", "--model", "llama3-8b", "--gpus", "8", "--dispatcher", "deepep"]) == 2
     err = capsys.readouterr().err
     assert "--dispatcher deepep: llama3-8b is a dense model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_parsim_collective_times_and_explains_deepep(capsys):
+    """``parsim collective all-to-all --deepep K,E,M``: the same call as DeepEP's EP 64 benchmark row, its copies
+    explained step by step, and its bound the copies' bytes at the links' peak."""
+    args = ["collective", "all-to-all", "--cluster", "hgx-h800", "--nodes", "8", "--deepep", "8,256,4"]
+    size = 4096 * 8 * 7168 * 2  # the combine's: 4,096 tokens of 8 rows of 7,168 bf16 elements
+    assert main([*args, "--size", str(size), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    published = next(r for r in compare() if r.ranks == 64 and r.call == "combine")
+    assert row["algorithm"] == "deepep" and row["time_s"] == pytest.approx(published.seconds, rel=1e-9)
+    assert main([*args, "--size", str(size), "--explain"]) == 0
+    out = capsys.readouterr().out
+    for text in ("R = m g (1 - C(m e - r, k) / C(m e, k)) = 7.359", "D = m = 4",
+                 "D (N - 1) / N = 3.500 copies", "R (g - 1) / g = 6.439 copies",
+                 "the plain all-to-all sends k (n - g) / n = 7.000 copies",
+                 "lower bound", "each GPU sends 3.5 rows per token across the network at 50 GB/s"):
+        assert text in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["all-reduce", "--deepep", "8,256"], "an all-to-all, not all-reduce"),
+    (["all-to-all", "--deepep", "8,256", "--algorithm", "direct"], "no --algorithm or --protocol with it"),
+    (["all-to-all", "--deepep", "8"], "give K,E or K,E,M"),
+    (["all-to-all", "--deepep", "9,8"], "K must be from 1 to E"),
+])
+def test_parsim_collective_refuses_what_deepep_cannot_run(flags, message, capsys):
+    assert main(["collective", *flags, "--cluster", "hgx-h800", "--nodes", "2", "--size", "64MiB"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) <= 2  # argparse's usage line, then the error

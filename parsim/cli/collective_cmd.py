@@ -11,6 +11,7 @@ from ..report.jsondoc import print_json
 from ..report.results import OPERATIONS, canonical_op
 from ..report.table import render_table
 from ..sim.collectives import ALGORITHMS, predict
+from ..sim.collectives.deepep import TokenRouting
 from ..sim.collectives.explain import explain
 from ..units import format_size, format_time, parse_size, parse_size_range, size_unit, time_unit
 from .common import OpsProgress, add_cluster_args, check_buffer, check_outputs, topology_from_args
@@ -39,6 +40,13 @@ examples:
   parsim collective all-reduce --cluster dgx-h100 --nodes 64 --size 1GiB
   parsim collective all-reduce --cluster dgx-a100 --gpus 8 --size 16MiB --algorithm ring --protocol Simple
   parsim collective reduce-scatter --gpus 8 --sweep 1KiB:8GiB --plot bw.png
+  parsim collective all-to-all --cluster hgx-h800 --nodes 8 --size 236MiB --deepep 8,256,4 --explain
+
+--deepep K,E[,M] times an expert all-to-all as DeepEP's kernels run it: tokens
+routed to K of E experts (on at most M nodes), each crossing the network once
+per node it reaches, then NVLink to its experts' GPUs; --size is the plain
+all-to-all's buffer (tokens x K rows). Accuracy against DeepEP's published
+bandwidths: docs/nccl-accuracy.md.
 """
 
 
@@ -54,6 +62,9 @@ def register(subparsers) -> None:
                    help="force an algorithm (default: the fastest NCCL would pick)")
     p.add_argument("--protocol", default="auto", choices=("auto", "LL", "LL128", "Simple"),
                    help="force NCCL's protocol (clusters with an nccl: section; default: the tuner's pick)")
+    p.add_argument("--deepep", metavar="K,E[,M]", type=_routing,
+                   help="all-to-all: DeepEP's dispatch of tokens routed to K of E experts on at most M nodes "
+                        "(DeepSeek-V3: 8,256,4)")
     p.add_argument("--explain", action="store_true", help="walk through the arithmetic step by step")
     p.add_argument("--plot", metavar="PNG", help="with --sweep: save bandwidth against size")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -74,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             for size in sizes:
                 progress(len(predictions), len(sizes))
-                predictions.append(predict(topo, op, size, group, args.algorithm, protocol=args.protocol))
+                predictions.append(predict(topo, op, size, group, args.algorithm, protocol=args.protocol,
+                                           routing=args.deepep))
         finally:
             progress.close()
         if args.json:
@@ -90,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     size = parse_size(args.size)
     check_buffer(size, topo.spec)
-    prediction = predict(topo, op, size, group, args.algorithm, protocol=args.protocol)
+    prediction = predict(topo, op, size, group, args.algorithm, protocol=args.protocol, routing=args.deepep)
     if args.json:
         row = prediction.result().to_dict()
         row["phases"] = [vars(p) for p in prediction.phases]
@@ -100,6 +112,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(summary(prediction, topo))
     return 0
+
+
+def _routing(text: str) -> TokenRouting:
+    """``K,E[,M]``: top-K of E experts, on at most M nodes."""
+    parts = text.split(",")
+    if len(parts) not in (2, 3) or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give K,E or K,E,M (top-K of E experts on at most M nodes), "
+                                         f"e.g. 8,256,4")
+    k, experts, nodes = (int(p) for p in parts + ["0"] * (3 - len(parts)))
+    if not 1 <= k <= experts:
+        raise argparse.ArgumentTypeError(f"{text!r}: K must be from 1 to E")
+    return TokenRouting(k, experts, nodes)
 
 
 def summary(prediction, topo) -> str:

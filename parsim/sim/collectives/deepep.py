@@ -116,3 +116,19 @@ def phases(topo: Topology, group: np.ndarray, size: float, routing: TokenRouting
     label = (f"DeepEP: each token to {c.nodes:.2f} nodes, {c.network:.2f} copies across the network, then "
              f"{c.nvlink:.2f} over NVLink to its experts' GPUs ({c.gpus:.2f} reached)")
     return [Phase.of(label, np.concatenate(src), np.concatenate(dst), np.concatenate(nbytes), 1)]
+
+
+def lower_bound(topo: Topology, group: np.ndarray, size: float, routing: TokenRouting) -> tuple[float, str]:
+    """The copies' bytes over the links at their peak: each GPU's NVLink copies through its fabric link, each
+    GPU's copies across the network through its NIC (one per GPU on the clusters DeepEP runs on)."""
+    per_node = _by_node(topo, group)
+    nodes, g = per_node.shape
+    c, row = copies(routing, nodes, g), size / routing.experts_per_token
+    nvlink_bw = topo.spec.intra.bw_Bps
+    bounds = [(row * c.nvlink / nvlink_bw, f"each GPU forwards {c.nvlink:.3g} rows per token over its "
+                                           f"{nvlink_bw / 1e9:.0f} GB/s fabric link")]
+    if nodes > 1:
+        nic_bw = topo.spec.scale_out.nic_bw_Bps * topo.nics_per_node / topo.gpus_per_node
+        bounds.append((row * c.network / nic_bw, f"each GPU sends {c.network:.3g} rows per token across the "
+                                                 f"network at {nic_bw / 1e9:.0f} GB/s"))
+    return max(bounds)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ...hardware.topology import Topology
 from ...report.results import busbw_factor
 from ...units import format_size, format_time
+from .deepep import NVLINK_FRACTION, copies
 from .simulate import CollectivePrediction
 
 GIB = 2**30
@@ -27,6 +28,8 @@ def explain(p: CollectivePrediction, topo: Topology) -> str:
     out.append("")
     if p.nccl is not None:
         out += _nccl_tuner(p)
+    elif p.routing is not None:
+        out += _deepep(p, topo)
     else:
         out.append(f"2. The algorithm: {p.algorithm}")
         if p.candidates:
@@ -61,6 +64,33 @@ def explain(p: CollectivePrediction, topo: Topology) -> str:
     out.append(f"   reached {p.lower_bound_s / t:.0%} of it (latency and reduction are the rest; in-switch")
     out.append("   reduction can beat this bound, because the switch does part of the moving).")
     return "\n".join(out)
+
+
+def _deepep(p: CollectivePrediction, topo: Topology) -> list[str]:
+    """Section 2 for DeepEP's dispatch: how many copies of a token cross the network and NVLink, and why."""
+    r = p.routing
+    per_node = min(p.nranks, topo.gpus_per_node)
+    nodes = p.nranks // per_node
+    c = copies(r, nodes, per_node)
+    k, experts = r.experts_per_token, r.num_experts
+    m, e, rank_experts = c.node_limit, experts // nodes, experts // p.nranks
+    limit = (f"on at most {m} of the {nodes} nodes (node-limited routing)" if m < nodes
+             else f"on any of the {nodes} node(s)")
+    reached = (f"D = m = {m} (the router picks a token's nodes by their best experts, so each gets one)"
+               if m < nodes else f"D = N (1 - C(E - e, k) / C(E, k)) = {c.nodes:.3f}")
+    return ["2. The algorithm: DeepEP's dispatch (its normal kernels)",
+            f"   Each token goes to k = {k} of E = {experts} experts, {limit};",
+            f"   r = {rank_experts} experts per GPU, e = {e} per node, g = {per_node} GPUs per node. Spread evenly "
+            f"over the m x e = {m * e} candidates:",
+            f"   GPUs reached  R = m g (1 - C(m e - r, k) / C(m e, k)) = {c.gpus:.3f}",
+            f"   nodes reached {reached}",
+            f"   across the network: D (N - 1) / N = {c.network:.3f} copies, each to the GPU of the sender's index",
+            f"   over NVLink: R (g - 1) / g = {c.nvlink:.3f} copies (the receiving GPU forwards to its node's experts)",
+            f"   (the plain all-to-all sends k (n - g) / n = {k * (p.nranks - per_node) / p.nranks:.3f} copies across "
+            f"the network)",
+            f"   One row is size / k = {format_size(p.size_bytes / k)}; NVLink flows carry 1 / {NVLINK_FRACTION:g} of "
+            f"their bytes,",
+            "   as DeepEP's kernels reach ~160 of the H800's 200 GB/s (DeepEP README)."]
 
 
 def _nccl_tuner(p: CollectivePrediction) -> list[str]:

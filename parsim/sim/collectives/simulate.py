@@ -17,7 +17,9 @@ from ...errors import ParsimError
 from ...hardware.network import Network
 from ...hardware.topology import Topology
 from ...report.results import CollectiveResult
+from . import deepep
 from .algorithms import Phase, applicable_algorithms, build_phases
+from .deepep import TokenRouting
 from .nccl import PARSIM_ALGORITHM, PROTOS, Choice, model_for, nccl_choice
 
 
@@ -54,6 +56,7 @@ class CollectivePrediction:
     cluster: str = ""
     protocol: str = ""  # NCCL's protocol (LL, LL128, Simple) where the cluster is timed with NCCL's model
     nccl: Choice | None = None  # NCCL's tuning table and channels, for --explain
+    routing: TokenRouting | None = None  # an expert all-to-all DeepEP runs (algorithm "deepep")
 
     def result(self) -> CollectiveResult:
         bottleneck = max(self.phases, key=lambda p: p.transfer_s).bottleneck if self.phases else ""
@@ -122,8 +125,11 @@ def time_phases(topo: Topology, phases: list[Phase]) -> tuple[float, list[PhaseT
 
 
 def predict(topo: Topology, op: str, size: int, group=None, algorithm: str = "auto",
-            root: int = 0, protocol: str = "auto") -> CollectivePrediction:
+            root: int = 0, protocol: str = "auto", routing: TokenRouting | None = None) -> CollectivePrediction:
     """Predict ``op`` of ``size`` bytes on ``group`` (default: every GPU) of an idle cluster.
+
+    ``routing``: an all-to-all of tokens routed to experts as DeepEP dispatches them
+    (:mod:`~parsim.sim.collectives.deepep`; ``size`` is the plain all-to-all's buffer, a row per token and expert).
 
     ``algorithm="auto"`` uses the cluster file's choice for ``op`` if it names one
     (calibrated backends). On a cluster with an ``nccl:`` section it then takes
@@ -138,6 +144,8 @@ def predict(topo: Topology, op: str, size: int, group=None, algorithm: str = "au
     proto = None if protocol in (None, "auto") else protocol
     if proto is not None and proto not in PROTOS:
         raise ParsimError(f"unknown protocol {protocol!r} (expected auto or one of: {', '.join(PROTOS)})")
+    if routing is not None:
+        return _predict_deepep(topo, op, size, group, routing, algorithm, proto)
     candidates: dict[str, float] = {}
     if algorithm == "auto" and op in topo.spec.algorithms:
         algorithm = topo.spec.algorithms[op]
@@ -172,6 +180,18 @@ def predict(topo: Topology, op: str, size: int, group=None, algorithm: str = "au
     bound, reason = lower_bound(topo, op, size, group)
     return CollectivePrediction(op, algorithm, len(group), int(size), time_s, timings, bound, reason,
                                 candidates, topo.spec.name, choice.chosen.proto if choice else "", choice)
+
+
+def _predict_deepep(topo: Topology, op: str, size: int, group: np.ndarray, routing: TokenRouting,
+                    algorithm: str, protocol: str | None) -> CollectivePrediction:
+    if op != "all_to_all":
+        raise ParsimError(f"DeepEP dispatches tokens to their experts: an all-to-all, not {op.replace('_', '-')}")
+    if algorithm != "auto" or protocol is not None:
+        raise ParsimError("DeepEP runs its own kernels: no --algorithm or --protocol with it")
+    time_s, timings = time_phases(topo, deepep.phases(topo, group, size, routing))
+    bound, reason = deepep.lower_bound(topo, group, size, routing)
+    return CollectivePrediction(op, "deepep", len(group), int(size), time_s, timings, bound, reason,
+                                cluster=topo.spec.name, routing=routing)
 
 
 NCCL_TUNED = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce")
