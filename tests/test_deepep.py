@@ -203,3 +203,23 @@ def test_parsim_collective_refuses_what_deepep_cannot_run(flags, message, capsys
     assert main(["collective", *flags, "--cluster", "hgx-h800", "--nodes", "2", "--size", "64MiB"]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) <= 2  # argparse's usage line, then the error
+
+
+def test_deepep_refuses_expert_groups_spread_unevenly_over_nodes(capsys):
+    """DeepEP pairs each GPU with the GPU of its index on every other node: 12 ranks on 8 + 4 GPUs is refused in
+    one line by the simulator, and the search leaves such layouts out rather than stop."""
+    from parsim.search.space import Rejections, SearchSpace, _even_on_nodes, _expert_group, enumerate_settings
+
+    model = load_model({"kind": "transformer", "name": "moe12", "num_layers": 2, "hidden": 1024, "num_heads": 8,
+                        "ffn_hidden": 2048, "seq_len": 1024, "vocab_size": 1000, "num_experts": 24,
+                        "experts_per_token": 4, "expert_ffn_hidden": 512})
+    plan = Plan(model=model, dp=24, ep=12, dtype="bf16", microbatch_size=1, num_microbatches=1, dispatcher="deepep")
+    with pytest.raises(ParsimError, match=r"as many of the 12 expert-parallel ranks on each node, not 8 \+ 4"):
+        predict_step(plan, load_cluster("dgx-h100"))
+    rejections = Rejections()
+    settings = list(enumerate_settings(SearchSpace(model, 24, 48, dispatcher="deepep"), rejections))
+    assert rejections.layouts["ep group spread unevenly over nodes (DeepEP)"] > 0
+    layouts = {(s.dp, s.tp, s.pp, s.cp, s.ep) for s, _ in settings}
+    assert (24, 1, 1, 1, 12) not in layouts and (24, 1, 1, 1, 24) in layouts
+    assert all(_even_on_nodes(_expert_group(s.dp, s.tp, s.pp, s.cp, s.ep, v.order), 8)
+               for s, variants in settings for v in variants)

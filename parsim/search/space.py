@@ -36,10 +36,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple
 
+import numpy as np
+
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
 from ..schedules import uneven_rounds
 from ..workload.model import Model, TransformerModel
-from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, Plan, parse_plan
+from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, DIMS, Plan, parse_plan
 
 ORDERS = (DEFAULT_ORDER, "pp,dp,cp,tp")  # parsim's default, and Megatron-LM's (pp outermost, dp inside it)
 V_PAIRS = ("zbv", "dualpipe-v")  # two stages per rank in a V
@@ -274,10 +276,28 @@ def enumerate_settings(space: SearchSpace, rejections: Rejections | None = None
                     if not space.allows("ep", ep):
                         rej.layouts[_outside(space, ep=ep)] += 1
                         continue
-                    rej.layouts_valid += 1
                     variants = _variants(space, dp, tp, pp, cp, ep)
+                    if not variants:  # DeepEP's dispatch over expert-parallel groups split unevenly across nodes
+                        rej.layouts["ep group spread unevenly over nodes (DeepEP)"] += 1
+                        continue
+                    rej.layouts_valid += 1
                     for setting in _settings(space, rej, dp, tp, pp, cp, ep):
                         yield setting, variants
+
+
+def _expert_group(dp: int, tp: int, pp: int, cp: int, ep: int, order: str) -> np.ndarray:
+    """The first expert-parallel group's ranks under placement ``order`` (``ep`` consecutive data-parallel
+    ranks, as :func:`parsim.lowering.lower.data_parallel_groups` takes them)."""
+    degree = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+    nesting = order.split(",")
+    grid = np.arange(dp * pp * cp * tp).reshape([degree[d] for d in nesting])
+    return grid.transpose([nesting.index(d) for d in DIMS])[:, 0, :, 0].ravel()[:ep]
+
+
+def _even_on_nodes(ranks: np.ndarray, gpus_per_node: int) -> bool:
+    """Whether every node ``ranks`` touch holds as many of them."""
+    counts = np.unique(ranks // gpus_per_node, return_counts=True)[1]
+    return bool((counts == counts[0]).all())
 
 
 def _outside(space: SearchSpace, **degrees: int) -> str:
@@ -313,6 +333,8 @@ def _settings(space: SearchSpace, rej: Rejections, dp: int, tp: int, pp: int, cp
 def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int, ep: int) -> tuple[Variant, ...]:
     transformer = isinstance(space.model, TransformerModel)
     orders = ORDERS if dp > 1 and pp > 1 else ORDERS[:1]
+    if space.dispatcher_for(ep) == "deepep":  # its kernels pair each GPU with the GPU of its index on other nodes
+        orders = tuple(o for o in orders if _even_on_nodes(_expert_group(dp, tp, pp, cp, ep, o), space.gpus_per_node))
     # (sequence parallel, tp_comm_overlap): the overlap hides the sequence-parallel collectives, over NVLink
     # inside a node (tp is the innermost dimension of every order searched)
     can_overlap = space.tp_overlap and space.gpus_per_node % tp == 0

@@ -46,7 +46,7 @@ import numpy as np
 
 from ...errors import ParsimError
 from ...hardware.topology import Topology
-from .algorithms import Phase, _by_node
+from .algorithms import Phase, _by_node, _uniform_nodes
 
 NVLINK_FRACTION = 160 / 200  # DeepEP README: ~160 GB/s of H800 NVLink's 200 GB/s per direction
 DEEPEP_SMS = 20  # DeepEP's Buffer.num_sms (deep_ep/buffers/legacy.py)
@@ -93,10 +93,21 @@ def copies(routing: TokenRouting, nodes: int, gpus_per_node: int) -> Copies:
     return Copies(gpus, reached, reached * (nodes - 1) / nodes, gpus * (gpus_per_node - 1) / gpus_per_node, m)
 
 
+def _per_node(topo: Topology, group: np.ndarray) -> np.ndarray:
+    """``group`` as nodes x GPUs; DeepEP's kernels pair each GPU with the GPU of its index on every other node, so
+    each node must hold as many of the group as the others."""
+    if not _uniform_nodes(topo, group):
+        counts = np.unique(topo.node_of(group), return_counts=True)[1]
+        raise ParsimError(f"DeepEP's dispatch needs as many of the {len(group)} expert-parallel ranks on each node, "
+                          f"not {' + '.join(map(str, counts))}: give ep a multiple of the node's "
+                          f"{topo.gpus_per_node} GPUs, or a divisor of it")
+    return _by_node(topo, group)
+
+
 def phases(topo: Topology, group: np.ndarray, size: float, routing: TokenRouting) -> list[Phase]:
     """One phase of DeepEP's dispatch (or combine) over ``group``, whose ranks each send a ``size``-byte
     buffer of ``top-k`` rows per token (the plain all-to-all's): network and NVLink flows together."""
-    per_node = _by_node(topo, group)
+    per_node = _per_node(topo, group)
     nodes, g = per_node.shape
     c = copies(routing, nodes, g)
     row = size / routing.experts_per_token  # one copy of every token of the sender
@@ -121,7 +132,7 @@ def phases(topo: Topology, group: np.ndarray, size: float, routing: TokenRouting
 def lower_bound(topo: Topology, group: np.ndarray, size: float, routing: TokenRouting) -> tuple[float, str]:
     """The copies' bytes over the links at their peak: each GPU's NVLink copies through its fabric link, each
     GPU's copies across the network through its NIC (one per GPU on the clusters DeepEP runs on)."""
-    per_node = _by_node(topo, group)
+    per_node = _per_node(topo, group)
     nodes, g = per_node.shape
     c, row = copies(routing, nodes, g), size / routing.experts_per_token
     nvlink_bw = topo.spec.intra.bw_Bps
