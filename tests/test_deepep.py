@@ -38,8 +38,7 @@ def routed(tokens: int, nodes: int, gpus: int, experts: int, k: int, limit: int,
         scores = np.where(np.repeat(allowed, per_node, axis=1), scores, -1.0)
     top = np.argsort(-scores, axis=1)[:, :k]
     gpu, node = top // (experts // (nodes * gpus)), top // per_node
-    distinct = lambda ids: float(np.mean([len(set(row)) for row in ids.tolist()]))  # noqa: E731
-    return distinct(gpu), distinct(node)
+    return tuple(float(np.mean([len(set(row)) for row in ids.tolist()])) for ids in (gpu, node))
 
 
 @pytest.mark.parametrize("nodes,experts,k", [(1, 256, 8), (2, 256, 8), (4, 256, 8), (8, 64, 6)])
@@ -75,9 +74,9 @@ def test_the_phase_carries_the_copies():
     c, row = copies(routing, 8, 8), size / 8
     same_node = topo.node_of(phase.src) == topo.node_of(phase.dst)
     assert np.all((phase.src % 8 == phase.dst % 8) | same_node)  # across nodes only between GPUs of one index
-    sent = lambda mask: phase.nbytes[mask & (phase.src == 0)].sum()  # noqa: E731
-    assert sent(~same_node) == pytest.approx(row * c.network)
-    assert sent(same_node) == pytest.approx(row * c.nvlink / NVLINK_FRACTION)
+    from_rank_0 = phase.src == 0
+    assert phase.nbytes[~same_node & from_rank_0].sum() == pytest.approx(row * c.network)
+    assert phase.nbytes[same_node & from_rank_0].sum() == pytest.approx(row * c.nvlink / NVLINK_FRACTION)
     (inside,) = phases(topo, np.arange(8), size, routing)  # one node: NVLink only
     assert np.all(topo.node_of(inside.src) == 0) and len(inside.src) == 56
     with pytest.raises(ParsimError, match="do not split evenly"):
@@ -223,3 +222,18 @@ def test_deepep_refuses_expert_groups_spread_unevenly_over_nodes(capsys):
     assert (24, 1, 1, 1, 12) not in layouts and (24, 1, 1, 1, 24) in layouts
     assert all(_even_on_nodes(_expert_group(s.dp, s.tp, s.pp, s.cp, s.ep, v.order), 8)
                for s, variants in settings for v in variants)
+
+
+def test_the_search_says_deepep_in_its_header_its_commands_and_its_json(tmp_path, capsys):
+    path = tmp_path / "moe.yaml"
+    path.write_text("name: moe\nkind: transformer\nnum_layers: 2\nhidden: 1024\nnum_heads: 8\nffn_hidden: 2048\n"
+                    "seq_len: 1024\nvocab_size: 1000\nnum_experts: 16\nexperts_per_token: 4\nexpert_ffn_hidden: 512\n")
+    args = ["search", "--model", str(path), "--gpus", "16", "--global-batch", "32", "--ep", "16",
+            "--dispatcher", "deepep", "--top", "1", "--simulate", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "experts dispatched by DeepEP" in out.splitlines()[0]
+    assert " --ep 16 " in out and " --dispatcher deepep " in out
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["dispatcher"] == "deepep"

@@ -116,7 +116,7 @@ def test_a_tied_table_split_across_pipeline_ranks_costs_the_same_in_both_tiers()
     tied = 0
     for (prep, i), estimate in zip(jobs, fast.estimate(jobs)):
         plan = Candidate(prep.setting, prep.variants[i]).plan(space)
-        tied += plan.ties_across_stages
+        tied += plan.copies_embedding_table
         simulated = predict_step(plan, cluster)
         assert estimate.step_s == pytest.approx(simulated.step_s, rel=0.015)
         assert estimate.memory_bytes == pytest.approx(max(m.total for m in simulated.memory), rel=1e-12)

@@ -61,7 +61,7 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
     p, d, g, n = mem.pp_rank, plan.dtype_bytes, plan.grad_bytes, plan.shard_size
     params = plan.params_per_rank(p)
     stages = plan.stages_of(p)
-    copy = " with its own copy of the embedding table" if plan.ties_across_stages else ""
+    copy = " with its own copy of the embedding table" if plan.copies_embedding_table else ""
     layers = ", ".join(f"stage {s}: {len(plan.stage_layers(s))} layers"
                        + "".join(f" + {c.name}" + (copy if c.name == "head" else "")
                                  for c in plan.stage_costs(s) if not c.name.startswith("layer"))

@@ -421,7 +421,9 @@ def _format_group(group: list[int]) -> str:
 
 def _span(layers: range) -> str:
     """Layers ``a-b``, one layer ``a``, or nothing (a stage of only the embedding, or only the head)."""
-    return f"{layers.start}-{layers.stop - 1}" if len(layers) > 1 else str(layers.start) if layers else ""
+    if len(layers) > 1:
+        return f"{layers.start}-{layers.stop - 1}"
+    return str(layers.start) if layers else ""
 
 
 def _count(n: float) -> str:

@@ -760,7 +760,7 @@ class Lowering:
                     gather.append((dim, tag, gathered_bytes(plan, nbytes)))
         if plan.sequence_parallel and plan.tp > 1:
             sync.append(self._sequence_parallel_norms(rank, p, tuple(sync) or (last_compute,)))
-        if plan.ties_across_stages and p in (0, plan.pp - 1):
+        if plan.copies_embedding_table and p in (0, plan.pp - 1):
             sync.append(self._tied_table_sum(rank, p, tuple(sync) or (last_compute,)))
         expert_params = plan.expert_params_per_rank(p)
         params = (plan.params_per_rank(p) - expert_params) / plan.shard_size + expert_params / plan.expert_shard_size

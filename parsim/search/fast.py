@@ -52,8 +52,8 @@ from ..report.step_report import PHASES
 from ..schedules import SCHEDULES, in_flight_by_stage, make_schedule
 from ..sim.compute import ComputeModel
 from ..workload.model import MLPModel
-from ..workload.plan import (DTYPE_BYTES, Accumulation, Plan, accumulation, attention_seq, default_reduce_dtype,
-                             keeps_main_grads, master_weights, ties_across_stages)
+from ..workload.plan import (DTYPE_BYTES, Accumulation, Plan, accumulation, attention_seq, copies_embedding_table,
+                             default_reduce_dtype, keeps_main_grads, master_weights)
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
 from .pipeline import PipelineTiming, time_schedule
 from .space import SearchSpace, Setting, Variant
@@ -241,7 +241,7 @@ class FastModel:
     def _entry_tables(self, s: Setting, v: Variant):
         # A tied head on another pipeline rank than the embedding keeps its own copy of the table: priced
         # from a two-rank prototype, where the head has that copy.
-        copies_table = ties_across_stages(self.space.model, s.pp, s.schedule)
+        copies_table = copies_embedding_table(self.space.model, s.pp, s.schedule)
         return self._cached(("entries", s.tp, s.ep, v.sequence_parallel, v.recompute, copies_table),
                             lambda: entry_tables(self._prototype(s, v, pp=2 if copies_table else 1)))
 
@@ -872,7 +872,7 @@ class FastModel:
 
     def _tied_sum(self, s: Setting, v: Variant, p: int) -> float:
         plan = self.layout_plan(s, v)
-        if not plan.ties_across_stages or p not in (0, s.pp - 1):
+        if not plan.copies_embedding_table or p not in (0, s.pp - 1):
             return 0.0
         return self.comm.time("collective", "all_reduce", Lowering(plan).group(p, "embedding")[0],
                               tied_table_bytes(plan))

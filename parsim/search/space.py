@@ -41,7 +41,7 @@ import numpy as np
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
 from ..schedules import uneven_rounds
 from ..workload.model import Model, TransformerModel
-from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, DIMS, Plan, parse_plan
+from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, Plan, parse_plan, rank_grid
 
 ORDERS = (DEFAULT_ORDER, "pp,dp,cp,tp")  # parsim's default, and Megatron-LM's (pp outermost, dp inside it)
 V_PAIRS = ("zbv", "dualpipe-v")  # two stages per rank in a V
@@ -288,10 +288,7 @@ def enumerate_settings(space: SearchSpace, rejections: Rejections | None = None
 def _expert_group(dp: int, tp: int, pp: int, cp: int, ep: int, order: str) -> np.ndarray:
     """The first expert-parallel group's ranks under placement ``order`` (``ep`` consecutive data-parallel
     ranks, as :func:`parsim.lowering.lower.data_parallel_groups` takes them)."""
-    degree = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
-    nesting = order.split(",")
-    grid = np.arange(dp * pp * cp * tp).reshape([degree[d] for d in nesting])
-    return grid.transpose([nesting.index(d) for d in DIMS])[:, 0, :, 0].ravel()[:ep]
+    return rank_grid(order, {"dp": dp, "pp": pp, "cp": cp, "tp": tp})[:, 0, :, 0].ravel()[:ep]
 
 
 def _even_on_nodes(ranks: np.ndarray, gpus_per_node: int) -> bool:

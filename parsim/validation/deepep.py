@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..hardware.cluster import load_cluster
-from ..sim.collectives.deepep import TokenRouting, copies, phases
-from ..sim.collectives.simulate import time_phases
+from ..sim.collectives.deepep import TokenRouting
+from ..sim.collectives.simulate import predict
+from ..workload.model import FP8_DISPATCH_BYTES
 
 TOKENS, HIDDEN, EXPERTS, TOP_K = 4096, 7168, 256, 8
-FP8_BYTES, BF16_BYTES = 1 + 4 / 128, 2.0
+BF16_BYTES = 2.0
 SOURCE = ("DeepEP README, 'Normal kernels with NVLink and RDMA forwarding' (docs/legacy.md, "
           "github.com/deepseek-ai/DeepEP)")
 # (ep ranks, dispatch GB/s, combine GB/s, the link the figure is of), as published
@@ -55,11 +54,10 @@ def compare(cluster: str = "hgx-h800") -> list[Row]:
         nodes = ranks // spec.gpus_per_node
         topo = spec.build(nodes)
         routing = TokenRouting(TOP_K, EXPERTS, max_nodes=min(nodes, 4))
-        c = copies(routing, nodes, spec.gpus_per_node)
-        logical_rows = c.gpus if nodes == 1 else c.nodes  # per token: rows received, or nodes sent to
-        for call, published, element_bytes in (("dispatch", dispatch, FP8_BYTES), ("combine", combine, BF16_BYTES)):
-            size = TOKENS * TOP_K * HIDDEN * element_bytes
-            seconds, _ = time_phases(topo, phases(topo, np.arange(ranks), size, routing))
-            predicted = TOKENS * logical_rows * HIDDEN * element_bytes / seconds / 1e9
-            rows.append(Row(ranks, call, link, published, predicted, seconds))
+        calls = (("dispatch", dispatch, FP8_DISPATCH_BYTES), ("combine", combine, BF16_BYTES))
+        for call, published, element_bytes in calls:
+            p = predict(topo, "all_to_all", TOKENS * TOP_K * HIDDEN * element_bytes, routing=routing)
+            logical_rows = p.copies.gpus if nodes == 1 else p.copies.nodes  # per token: rows received, or sent
+            predicted = TOKENS * logical_rows * HIDDEN * element_bytes / p.time_s / 1e9
+            rows.append(Row(ranks, call, link, published, predicted, p.time_s))
     return rows

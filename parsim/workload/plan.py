@@ -115,13 +115,21 @@ def attention_seq(model: Model, cp: int) -> int:
     return model.seq_len // cp if isinstance(model, TransformerModel) else 0
 
 
-def ties_across_stages(model: Any, pp: int, schedule: str) -> bool:
+def copies_embedding_table(model: Any, pp: int, schedule: str) -> bool:
     """The embedding table needed on another pipeline rank than the embedding's (every placement but a V's,
     which puts the first and last stages on rank 0): by a tied LM head, or by multi-token prediction's
     embedding of the next tokens. That rank keeps a copy of the table, whose gradient is summed with the first
     stage's after the data-parallel sync (Megatron-LM's ``_allreduce_embedding_grads``)."""
     needs_table = getattr(model, "tied_embeddings", False) or getattr(model, "mtp_layers", 0) > 0
     return needs_table and pp > 1 and schedule not in V_SCHEDULES
+
+
+def rank_grid(order: str, degrees: Mapping[str, int]) -> np.ndarray:
+    """Ranks indexed ``[dp, pp, cp, tp]`` for these ``degrees``: ``arange(world)`` shaped by ``order``, innermost
+    last."""
+    nesting = order.split(",")
+    grid = np.arange(math.prod(degrees.values())).reshape([degrees[d] for d in nesting])
+    return grid.transpose([nesting.index(d) for d in DIMS])
 
 
 def accumulation_bytes(dtype_bytes: int, grad_bytes: int, main_grads: bool, microbatches: int) -> float:
@@ -696,10 +704,8 @@ class Plan:
 
     @cached_property
     def rank_grid(self) -> np.ndarray:
-        """Ranks indexed ``[dp, pp, cp, tp]``: ``arange(world)`` shaped by ``order``, innermost last."""
-        nesting = self.order.split(",")
-        grid = np.arange(self.world).reshape([self.degree(d) for d in nesting])
-        return grid.transpose([nesting.index(d) for d in DIMS])
+        """Ranks indexed ``[dp, pp, cp, tp]``: :func:`rank_grid` of this plan."""
+        return rank_grid(self.order, {d: self.degree(d) for d in DIMS})
 
     def rank_of(self, dp: int = 0, pp: int = 0, tp: int = 0, cp: int = 0) -> int:
         coords = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
@@ -773,7 +779,7 @@ class Plan:
         layers = m.layer_costs(d, self.tp_style, sp)
         layers = [dataclasses.replace(c, activations=self._kept(c.activations)) for c in layers]
         return (m.embedding_cost(d, self.tp_style, sp), layers,
-                m.head_cost(d, self.tp_style, sp, copies_table=self.ties_across_stages))
+                m.head_cost(d, self.tp_style, sp, copies_table=self.copies_embedding_table))
 
     @cached_property
     def _mtp_costs(self) -> list[LayerCost]:
@@ -782,7 +788,7 @@ class Plan:
         if not getattr(m, "mtp_layers", 0):
             return []
         costs = m.mtp_costs(self.dtype_bytes, self.tp_style, self.sequence_parallel,
-                            copies_table=self.ties_across_stages)
+                            copies_table=self.copies_embedding_table)
         return [dataclasses.replace(c, activations=self._kept(c.activations)) for c in costs]
 
     def _kept(self, saved: tuple[Activation, ...]) -> tuple[Activation, ...]:
@@ -809,9 +815,9 @@ class Plan:
         return self.activation_recompute
 
     @property
-    def ties_across_stages(self) -> bool:
-        """:func:`ties_across_stages` for this plan."""
-        return ties_across_stages(self.model, self.pp, self.schedule)
+    def copies_embedding_table(self) -> bool:
+        """:func:`copies_embedding_table` for this plan."""
+        return copies_embedding_table(self.model, self.pp, self.schedule)
 
     def stage_costs(self, stage: int) -> list[LayerCost]:
         """What ``stage`` computes, in order: the embedding (first stage), its layers, the head and any

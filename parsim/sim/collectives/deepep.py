@@ -71,6 +71,8 @@ class Copies:
     network: float  # copies crossing the network: D (N - 1) / N
     nvlink: float  # copies over NVLink: R (g - 1) / g
     node_limit: int  # m: the nodes a token may use
+    group_nodes: int  # N: the nodes the group spans
+    per_node: int  # g: the group's GPUs on each
 
 
 def _none_chosen(candidates: int, held: int, k: int) -> float:
@@ -90,7 +92,13 @@ def copies(routing: TokenRouting, nodes: int, gpus_per_node: int) -> Copies:
         raise ParsimError(f"DeepEP dispatch: {k} experts per token cannot fit on {m} nodes of {per_node} experts")
     gpus = m * gpus_per_node * (1 - _none_chosen(m * per_node, per_gpu, k))
     reached = float(m) if limited else nodes * (1 - _none_chosen(experts, per_node, k))
-    return Copies(gpus, reached, reached * (nodes - 1) / nodes, gpus * (gpus_per_node - 1) / gpus_per_node, m)
+    return Copies(gpus, reached, reached * (nodes - 1) / nodes, gpus * (gpus_per_node - 1) / gpus_per_node, m,
+                  nodes, gpus_per_node)
+
+
+def group_copies(topo: Topology, group: np.ndarray, routing: TokenRouting) -> Copies:
+    """:func:`copies` for a dispatch over ``group`` of ``topo``."""
+    return copies(routing, *_per_node(topo, group).shape)
 
 
 def _per_node(topo: Topology, group: np.ndarray) -> np.ndarray:
@@ -132,13 +140,11 @@ def phases(topo: Topology, group: np.ndarray, size: float, routing: TokenRouting
 def lower_bound(topo: Topology, group: np.ndarray, size: float, routing: TokenRouting) -> tuple[float, str]:
     """The copies' bytes over the links at their peak: each GPU's NVLink copies through its fabric link, each
     GPU's copies across the network through its NIC (one per GPU on the clusters DeepEP runs on)."""
-    per_node = _per_node(topo, group)
-    nodes, g = per_node.shape
-    c, row = copies(routing, nodes, g), size / routing.experts_per_token
+    c, row = group_copies(topo, group, routing), size / routing.experts_per_token
     nvlink_bw = topo.spec.intra.bw_Bps
     bounds = [(row * c.nvlink / nvlink_bw, f"each GPU forwards {c.nvlink:.3g} rows per token over its "
                                            f"{nvlink_bw / 1e9:.0f} GB/s fabric link")]
-    if nodes > 1:
+    if c.group_nodes > 1:
         nic_bw = topo.spec.scale_out.nic_bw_Bps * topo.nics_per_node / topo.gpus_per_node
         bounds.append((row * c.network / nic_bw, f"each GPU sends {c.network:.3g} rows per token across the "
                                                  f"network at {nic_bw / 1e9:.0f} GB/s"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...hardware.topology import Topology
 from ...report.results import busbw_factor
 from ...units import format_size, format_time
-from .deepep import NVLINK_FRACTION, copies
+from .deepep import NVLINK_FRACTION
 from .simulate import CollectivePrediction
 
 GIB = 2**30
@@ -28,8 +28,8 @@ def explain(p: CollectivePrediction, topo: Topology) -> str:
     out.append("")
     if p.nccl is not None:
         out += _nccl_tuner(p)
-    elif p.routing is not None:
-        out += _deepep(p, topo)
+    elif p.copies is not None:
+        out += _deepep(p)
     else:
         out.append(f"2. The algorithm: {p.algorithm}")
         if p.candidates:
@@ -66,12 +66,10 @@ def explain(p: CollectivePrediction, topo: Topology) -> str:
     return "\n".join(out)
 
 
-def _deepep(p: CollectivePrediction, topo: Topology) -> list[str]:
+def _deepep(p: CollectivePrediction) -> list[str]:
     """Section 2 for DeepEP's dispatch: how many copies of a token cross the network and NVLink, and why."""
-    r = p.routing
-    per_node = min(p.nranks, topo.gpus_per_node)
-    nodes = p.nranks // per_node
-    c = copies(r, nodes, per_node)
+    r, c = p.routing, p.copies
+    nodes, per_node = c.group_nodes, c.per_node
     k, experts = r.experts_per_token, r.num_experts
     m, e, rank_experts = c.node_limit, experts // nodes, experts // p.nranks
     limit = (f"on at most {m} of the {nodes} nodes (node-limited routing)" if m < nodes

@@ -57,6 +57,7 @@ class CollectivePrediction:
     protocol: str = ""  # NCCL's protocol (LL, LL128, Simple) where the cluster is timed with NCCL's model
     nccl: Choice | None = None  # NCCL's tuning table and channels, for --explain
     routing: TokenRouting | None = None  # an expert all-to-all DeepEP runs (algorithm "deepep")
+    copies: deepep.Copies | None = None  # and the copies of a token it sends, for --explain
 
     def result(self) -> CollectiveResult:
         bottleneck = max(self.phases, key=lambda p: p.transfer_s).bottleneck if self.phases else ""
@@ -190,8 +191,9 @@ def _predict_deepep(topo: Topology, op: str, size: int, group: np.ndarray, routi
         raise ParsimError("DeepEP runs its own kernels: no --algorithm or --protocol with it")
     time_s, timings = time_phases(topo, deepep.phases(topo, group, size, routing))
     bound, reason = deepep.lower_bound(topo, group, size, routing)
+    copies = deepep.group_copies(topo, group, routing)
     return CollectivePrediction(op, "deepep", len(group), int(size), time_s, timings, bound, reason,
-                                cluster=topo.spec.name, routing=routing)
+                                cluster=topo.spec.name, routing=routing, copies=copies)
 
 
 NCCL_TUNED = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce")
