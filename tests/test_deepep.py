@@ -224,6 +224,14 @@ def test_deepep_refuses_expert_groups_spread_unevenly_over_nodes(capsys):
                for s, variants in settings for v in variants)
 
 
+def test_a_misspelt_dispatcher_is_one_line_even_for_a_dense_model(tmp_path, capsys):
+    path = tmp_path / "plan.yaml"
+    path.write_text("model: tiny-gpt\nmoe: {dispatcher: deep-ep}\n")
+    assert main(["plan", "show", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "dispatcher 'deep-ep' is not one of alltoall, deepep" in err and "\n" not in err
+
+
 def test_the_search_says_deepep_in_its_header_its_commands_and_its_json(tmp_path, capsys):
     path = tmp_path / "moe.yaml"
     path.write_text("name: moe\nkind: transformer\nnum_layers: 2\nhidden: 1024\nnum_heads: 8\nffn_hidden: 2048\n"

@@ -521,6 +521,8 @@ class Plan:
     def _check_experts(self) -> None:
         m = self.model
         moe = m.is_moe
+        if self.dispatcher not in DISPATCHERS:
+            self._fail(f"dispatcher {self.dispatcher!r} is not one of {', '.join(DISPATCHERS)}")
         if self.ep > 1 and not moe:
             self._fail(f"ep {self.ep}: expert parallelism needs a mixture-of-experts model, and {m.name} is dense")
         if not moe:
@@ -532,8 +534,6 @@ class Plan:
             if expert_only:
                 self._fail(f"{m.name} is a dense model: it has no expert all-to-alls for {expert_only}")
             return
-        if self.dispatcher not in DISPATCHERS:
-            self._fail(f"dispatcher {self.dispatcher!r} is not one of {', '.join(DISPATCHERS)}")
         if self.dispatcher == "deepep" and self.ep == 1:
             self._fail("dispatcher deepep runs the expert all-to-alls, and with ep 1 there are none "
                        "(--dispatcher alltoall turns it off)")
