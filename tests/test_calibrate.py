@@ -561,6 +561,7 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
     import executor.collectives
     import executor.compute_bench
     import executor.speed_probe
+    from executor.compute_bench import CACHE_SHAPE
     from parsim.lowering.lower import ADAMW_ACCESSES
 
     truth = ComputeModel(peak_flops=70e9, hbm_bw_Bps=1e12, dtype_bytes=4, half_dim=8.0, matmul_stream_bw_Bps=15e9,
@@ -584,8 +585,17 @@ def _fake_calibration(monkeypatch, flat: tuple[str, ...] = ()) -> None:
                  "alone": [adamw(2, 1 << 21, 32e9)]}
     probes = {0: [(48e9, 820e-6, 19e9), (50e9, 800e-6, 20e9)], 1: [(52e9, 780e-6, 21e9), (50e9, 800e-6, 20e9)]}
 
+    # a thin matmul cycling over 1-64 weights: all of each weight in the cache up to 4 of them (17 MiB touched
+    # between two reads), half at 8, none beyond; read from the cache at 60 GB/s (from memory: 15)
+    m, n, k = CACHE_SHAPE
+    call_bytes, read_s, cached_s = (m * k + k * n + m * n) * 4, k * n * 4 / 15e9, k * n * 4 / 60e9
+    hits = {1: 1.0, 2: 1.0, 4: 1.0, 8: 0.5, 16: 0.0, 32: 0.0, 64: 0.0}
+    cache_hits = [(count * call_bytes, truth.matmul_time(m, n, k) - hit * (read_s - cached_s))
+                  for count, hit in hits.items()]
+
     def every_rank(nproc):
-        return [{"matmuls": [(s, truth.matmul_time(*s)) for s in shapes], "dispatch": dispatch,
+        return [{"matmuls": [(s, truth.matmul_time(*s)) for s in shapes], "cache_hits": cache_hits,
+                 "dispatch": dispatch,
                  "elementwise": elementwise, "kernel_kinds": kinds, "optimizer": optimizer, "speed_probes": probes[r],
                  # the work beside each probe reading, following it to the power 0.3 (matmuls), 0.5 (eager
                  # work) and 0.7 (AdamW)
@@ -858,6 +868,15 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert (written.matmul_stream_bw_Bps, written.matmul_write_bw_Bps) == pytest.approx((15e9, 45e9), rel=0.1)
     assert (f"weights stream in at {written.matmul_stream_bw_Bps / 1e9:.1f} GB/s and outputs out at "
             f"{written.matmul_write_bw_Bps / 1e9:.1f} GB/s") in text
+    # the weights' cache: the saving measured at the nearest reuse, off the read at the fitted stream speed
+    assert written.matmul_cached_stream_bw_Bps == pytest.approx(60e9, rel=0.15)
+    call_kib = 4 * (32 * 1024 + 1024 * 1024 + 32 * 1024) / 1024
+    assert written.matmul_cache_hits == tuple((round(count * call_kib), pytest.approx(hit))
+                                              for count, hit in ((1, 1), (2, 1), (4, 1), (8, 0.5), (16, 0), (32, 0),
+                                                                 (64, 0)))
+    assert (f"matmul cache      weights read again at {written.matmul_cached_stream_bw_Bps / 1e9:.1f} GB/s from a "
+            "core's cache, the share it holds by the bytes touched since: 4.25 MiB 100%, 8.5 MiB 100%, 17 MiB 100%, "
+            "34 MiB 50%, 68 MiB 0%, 136 MiB 0%, 272 MiB 0%") in text
     # the fit against the matmul probe at the probe's own shape (64 x 1024 x 1024 at 50 GFLOP/s: 2.68 ms a call)
     fitted = ComputeModel.for_cluster(written, "fp32", 4, 1, 0).matmul_time(64, 1024, 1024)
     assert (f"matmul check      the fit puts the matmul probe's 64x1024x1024 at {fitted * 1e3:.2f} ms a call, the "
@@ -922,6 +941,8 @@ def test_calibrate_writes_and_prints_every_host_figure_of_faked_measurements(mon
     assert (doc["speed_probe_gflops"], doc["speed_probe_eager_us"], doc["speed_probe_memory_GBps"]) == \
         pytest.approx((50.0, 800.0, 20.0))
     assert (doc["matmul_stream_bw_GBps"], doc["matmul_write_bw_GBps"]) == pytest.approx((15.0, 45.0), rel=0.1)
+    assert doc["matmul_cached_stream_bw_GBps"] == pytest.approx(60.0, rel=0.15)
+    assert doc["matmul_cache_hits"]["34816"] == pytest.approx(0.5)
     assert doc["matmul_probe_shape_ms"] == {"shape": [64, 1024, 1024], "fitted": pytest.approx(fitted * 1e3),
                                             "probe": pytest.approx(2.68435456)}
     assert doc["action_overhead_us"] == pytest.approx({"4096": 30.0, "16384": 120.0})

@@ -226,6 +226,15 @@ def test_a_transfer_s_figure_is_its_mean_in_a_typical_step():
     assert typical_step_mean([[], []]) == 0.0
 
 
+def test_the_cache_curve_times_a_matmul_cycling_over_each_count_of_weights():
+    from executor.compute_bench import measure_cache_hits
+
+    rows = measure_cache_hits(shape=(4, 64, 32), weights=(1, 3), rounds=2)
+    call_bytes = (4 * 32 + 32 * 64 + 4 * 64) * 4  # input, weight and output, fp32
+    assert [distance for distance, _ in rows] == [call_bytes, 3 * call_bytes]
+    assert all(0 < seconds < 0.1 for _, seconds in rows)
+
+
 def test_the_elementwise_chain_counts_the_bytes_each_op_reads_and_writes():
     """On 8 x 64: a product by a weight row (the tensor read and written, the row read once), a residual add (2
     read, 1 written), the negation of a half and the concatenation (a half each way, then the whole), a product
@@ -295,12 +304,13 @@ def test_an_eager_benchmark_s_samples_give_each_row_its_median_seconds_and_its_c
 
 def test_the_sampled_benchmarks_run_before_every_other_benchmark_and_at_the_end(monkeypatch):
     """Fakes in place of every benchmark: each sampled one runs before each of the 6 others and at the end (7
-    samples), and the figures calibrate fits are its samples' medians: an eager pass's seconds, and each of
+    samples; the cache curve runs right after the matmuls, against itself), and the figures calibrate fits are
+    its samples' medians: an eager pass's seconds, and each of
     AdamW's runs' (its memory speed, timed once, had moved with the host's by 0.80 to 1.07 of the probe's)."""
     import executor.compute_bench as bench
     from executor.speed_probe import Speed
 
-    others = ["measure_matmuls", "measure_rank_jitter", "measure_zero_grad", "measure_fsdp_host",
+    others = ["measure_matmuls", "measure_cache_hits", "measure_rank_jitter", "measure_zero_grad", "measure_fsdp_host",
               "measure_step_gap_curve", "measure_pipeline_loops"]
     for name in others:
         monkeypatch.setattr(bench, name, lambda: None)
@@ -323,7 +333,7 @@ def test_the_sampled_benchmarks_run_before_every_other_benchmark_and_at_the_end(
     monkeypatch.setattr(bench, "SAMPLED_BENCHMARKS", sampled)
     monkeypatch.setattr(bench, "SpeedProbe", lambda: lambda: Speed(7e10, 3e-4, 2e10))
     result = bench._rank_compute(0, 1)
-    assert len(calls) == len(others) + 1
+    assert len(calls) == len(others)  # one point before each but the cache curve, one at the end
     assert result["dispatch"] == [{"name": "mlp block", "forward_s": pytest.approx(6e-6), "backward_s": 0.0,
                                    "forward_ops": 88, "backward_ops": 232}]
     assert result["optimizer"] == {"together": [(1, 256, pytest.approx(1e-4)), (4, 1 << 20, pytest.approx(10.5e-3))],

@@ -11,9 +11,9 @@ import yaml
 from cpu_host import cpu_host
 from ideal_cluster import IDEAL, ideal_spec
 
-from parsim.calibrate.host import (DispatchFit, OptimizerFit, fit_alone_memory, fit_core_arithmetic, fit_dispatch,
-                                   fit_elementwise, fit_matmul, fit_optimizer, fit_probe_elasticity, fit_step_overhead,
-                                   host_cluster, step_overhead_us)
+from parsim.calibrate.host import (DispatchFit, OptimizerFit, fit_alone_memory, fit_cache_hits, fit_core_arithmetic,
+                                   fit_dispatch, fit_elementwise, fit_matmul, fit_optimizer, fit_probe_elasticity,
+                                   fit_step_overhead, host_cluster, step_overhead_us)
 from parsim.cli.main import main
 from parsim.errors import ConfigError, ParsimError
 from parsim.files import read_yaml
@@ -63,6 +63,69 @@ def test_matmul_fit_tells_the_weight_read_from_the_output_write():
     assert fit.model().matmul_time(64, 1024, 1024) == pytest.approx(truth.matmul_time(64, 1024, 1024), rel=0.05)
     assert host_cluster(2, 1e-4, 1e9, 1e9, matmul_stream_bw_Bps=4e9, matmul_write_bw_Bps=12e9)["compute"][
         "matmul_write_bw_GBps"] == pytest.approx(12.0)
+
+
+CACHE_KEYS = {"matmul_cached_stream_bw_GBps": 60.0, "matmul_cache_hits": {4096: 1.0, 32768: 0.5, 131072: 0.0}}
+
+
+def test_a_matmul_reads_the_share_of_its_weight_the_cache_holds_at_the_cache_s_speed():
+    """The share held is read off the curve at the bytes touched since the weight's last read (linear in log2
+    between its points, its ends beyond them); the rest streams from memory. Nothing followed: from memory."""
+    model = ComputeModel.for_cluster(parse_cluster(cpu_host(**HOST_KEYS, **CACHE_KEYS), "host.yaml"), "fp32", 4)
+    weight = 1024 * 1024 * 4
+    cold = model.matmul_time(32, 1024, 1024)
+    for reuse_MiB, hit in ((1, 1.0), (4, 1.0), (16, 1 - 0.5 * 2 / 3), (32, 0.5), (128, 0.0), (1024, 0.0)):
+        assert model.cache_hit(reuse_MiB * 2**20) == pytest.approx(hit)
+        saved = hit * weight * (1 / 15e9 - 1 / 60e9)
+        assert model.matmul_time(32, 1024, 1024, reuse_bytes=reuse_MiB * 2**20) == pytest.approx(cold - saved)
+    assert model.cache_hit(float("inf")) == 0.0
+    plain = ComputeModel.for_cluster(parse_cluster(cpu_host(**HOST_KEYS), "host.yaml"), "fp32", 4)
+    assert plain.matmul_time(32, 1024, 1024, reuse_bytes=1.0) == pytest.approx(cold)
+
+
+def test_the_cache_fit_reads_the_saving_at_the_nearest_reuse_and_the_share_held_in_between():
+    truth = ComputeModel(peak_flops=70e9, hbm_bw_Bps=1e12, dtype_bytes=4, half_dim=8.0, matmul_stream_bw_Bps=15e9)
+    weight, call = 1024 * 1024 * 4, (32 * 1024 + 1024 * 1024 + 32 * 1024) * 4
+    saving = weight * (1 / 15e9 - 1 / 60e9)
+    samples = [(count * call, truth.matmul_time(32, 1024, 1024) - hit * saving + jitter)
+               for count, hit in ((1, 1.0), (4, 1.0), (8, 0.25), (32, 0.0)) for jitter in (-1e-6, 0.0, 1e-6)]
+    fit = fit_cache_hits(samples, 15e9, (32, 1024, 1024))
+    assert fit.cached_bw_Bps == pytest.approx(60e9, rel=1e-3)
+    assert fit.hits == ((4352, 1.0), (17408, 1.0), (34816, pytest.approx(0.25)), (139264, 0.0))
+    # no saving worth following, nothing streamed, or one distance: no curve
+    flat = [(d, truth.matmul_time(32, 1024, 1024)) for d, _ in samples]
+    assert fit_cache_hits(flat, 15e9, (32, 1024, 1024)) is None
+    assert fit_cache_hits(samples, None, (32, 1024, 1024)) is None
+    assert fit_cache_hits(samples[:3], 15e9, (32, 1024, 1024)) is None
+
+
+def test_the_lowering_follows_the_bytes_a_rank_touches_between_two_reads_of_a_block_s_weights():
+    """Course PP's stage 0 (GPipe, 4 microbatches of 32 rows, two 1024 x 1024 layers): a layer's second
+    microbatch reads its weight after its first microbatch's two matmuls (input, weight, output) and the send of
+    their activations; the first microbatch after the last one of the step before, the whole step between
+    (AdamW's bytes with it). Not followed (a GPU's HBM), every op's distance is unknown."""
+    plan = resolve_plan("course-pp")
+    ops = lower(plan, fsdp_in_line=True, follow_cache=True).rank_ops(0)
+    forwards = [op for op in ops if op.name.startswith("F ")]
+    matmul = 4 * (32 * 1024 + 1024 * 1024 + 32 * 1024) + 32 * 1024 * 4 * 2  # operands, and the GeLU's bytes
+    assert [op.weights_reuse_bytes for op in forwards[2:]] == [2 * matmul + 32 * 1024 * 4] * 6
+    optimizer = next(op for op in ops if op.kind == "optimizer")
+    assert all(op.weights_reuse_bytes > optimizer.hbm_bytes for op in forwards[:2])
+    assert all(op.weights_reuse_bytes == float("inf") for op in lower(plan, fsdp_in_line=True).rank_ops(0))
+
+
+def test_a_pipeline_s_later_microbatches_find_the_stage_s_weights_in_the_cache():
+    """With every reuse within the curve's first point, course PP's forwards after each stage's first
+    microbatch read their weights at the cache's speed: each stage's forward phase is shorter by exactly
+    three microbatches' two weight reads' saving."""
+    plan = resolve_plan("course-pp")
+    cached = predict_step(plan, parse_cluster(cpu_host(**HOST_KEYS, matmul_cached_stream_bw_GBps=60.0,
+                                                       matmul_cache_hits={32768: 1.0, 65536: 0.0}), "host.yaml"))
+    plain = predict_step(plan, parse_cluster(cpu_host(**HOST_KEYS), "host.yaml"))
+    saved = 3 * 2 * 1024 * 1024 * 4 * (1 / 15e9 - 1 / 60e9)
+    for with_cache, without in zip(cached.ranks, plain.ranks):
+        assert without.seconds["forward"] - with_cache.seconds["forward"] == pytest.approx(saved)
+        assert with_cache.seconds["backward"] < without.seconds["backward"]
 
 
 def test_matmul_fit_with_free_writes_keeps_one_speed_for_both():
@@ -300,6 +363,8 @@ def test_host_keys_are_read_in_si_units():
     ("collective_probe_us", {1024: 0.0}, "collective_probe_us.1024: is 0"),
     ("collective_probe_us", {"1 MiB": 400.0}, "collective_probe_us: is .*figures keyed by KiB"),
     ("collective_probe_us", 400.0, "collective_probe_us: is 400.0 .*microseconds keyed by the all-reduce's KiB"),
+    ("matmul_cache_hits", {4096: 1.0}, "matmul_cache_hits: given without compute.matmul_cached_stream_bw_GBps"),
+    ("matmul_cached_stream_bw_GBps", 60.0, "matmul_cache_hits: given without"),
 ])
 def test_bad_host_keys_are_refused_in_one_line(key, value, expected, tmp_path, capsys):
     with pytest.raises(ConfigError, match=expected):

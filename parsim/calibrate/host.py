@@ -55,6 +55,7 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
                  matmul_half_dim: float = 0.0, kernel_overhead_s: float = 0.0, op_forward_s: float = 0.0,
                  op_backward_s: float = 0.0, optimizer_tensor_s: float = 0.0, optimizer_step_s: float = 0.0,
                  matmul_stream_bw_Bps: float | None = None, matmul_write_bw_Bps: float | None = None,
+                 matmul_cache: CacheFit | None = None,
                  p2p_rendezvous_s: float | Sequence[tuple[int, float]] = 0.0,
                  p2p_latency_s: float | Sequence[tuple[int, float]] | None = None,
                  action_overhead_s: float | Sequence[tuple[int, float]] = 0.0,
@@ -77,7 +78,8 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
     two ranks on each core;
     ``tp_call_s`` a tensor-parallel collective call's host time, forward and backward; ``zero_grad`` what freeing
     the gradients costs; ``fsdp`` FSDP2's own host work; ``cache_speedup`` each operation's speed-up on buffers of
-    up to ``cache_bytes`` (:func:`fit_operation`); ``rank_jitter`` how much the same work's time varies
+    up to ``cache_bytes`` (:func:`fit_operation`); ``matmul_cache`` a matmul's weight read from a core's cache
+    (:func:`fit_cache_hits`); ``rank_jitter`` how much the same work's time varies
     between ranks (a fraction); ``pass_s`` a forward's and a backward's own host time, once per pass;
     ``action_overhead_s`` and ``p2p_issue_s`` the loop's time before each action and per send issued, and
     ``p2p_rendezvous_s`` and ``p2p_latency_s`` a pipeline transfer's host time and latency, each one figure or
@@ -95,6 +97,9 @@ def host_cluster(ranks: int, latency_s: float, bw_Bps: float, reduce_bw_Bps: flo
         host_costs["matmul_stream_bw_GBps"] = matmul_stream_bw_Bps / 1e9
     if matmul_write_bw_Bps:
         host_costs["matmul_write_bw_GBps"] = matmul_write_bw_Bps / 1e9
+    if matmul_cache:
+        host_costs["matmul_cached_stream_bw_GBps"] = matmul_cache.cached_bw_Bps / 1e9
+        host_costs["matmul_cache_hits"] = dict(matmul_cache.hits)
     if elementwise_bw_Bps:
         host_costs["elementwise_bw_GBps"] = elementwise_bw_Bps / 1e9
     if core_arithmetic:
@@ -433,6 +438,48 @@ def _matmul_fit(shapes: np.ndarray, times: np.ndarray, best: tuple[float, float,
     return MatmulFit(float(1.0 / coef[0]), h, [(tuple(int(d) for d in s), float(t), float(f))
                                         for s, t, f in zip(shapes, times, fitted)], stream_bw,
                      float(1.0 / streams[1]) if write else None, float(coef[-1]) if call else 0.0)
+
+
+# A cache that saves less than this share of the weight's read at the nearest reuse is not followed.
+CACHE_MIN_SAVING = 0.1
+
+
+@dataclass(frozen=True)
+class CacheFit:
+    """A matmul's weight read from a CPU core's cache: its speed there, and the share of the weight the cache
+    still holds by the bytes touched since its last read (KiB, share) points (the ``compute.matmul_cache_hits``
+    curve)."""
+
+    cached_bw_Bps: float
+    hits: tuple[tuple[int, float], ...]
+
+
+def fit_cache_hits(samples: Sequence[tuple[float, float]], stream_bw_Bps: float | None,
+                   shape: tuple[int, int, int], dtype_bytes: int = 4) -> CacheFit | None:
+    """The cache curve from ``samples`` of :func:`executor.compute_bench.measure_cache_hits` (bytes touched
+    between two reads of a weight, seconds per call of the ``shape`` (m, n, k) matmul; several per distance, from
+    every rank and round: their median). The farthest reuse reads the weight from memory (no hit), the nearest
+    from the cache (all of it): the share in between is how far each time lies from the farthest toward the
+    nearest. The saving at the nearest, taken off the weight's read at ``stream_bw_Bps`` (the matmul fit's), gives
+    the cached read's speed. None where nothing was measured, the matmuls stream nothing, or the cache saves
+    under :data:`CACHE_MIN_SAVING` of that read."""
+    by_distance: dict[float, list[float]] = {}
+    for distance, seconds in samples:
+        by_distance.setdefault(distance, []).append(seconds)
+    if len(by_distance) < 2 or not stream_bw_Bps:
+        return None
+    distances = sorted(by_distance)
+    times = [float(np.median(by_distance[d])) for d in distances]
+    near, far = times[0], times[-1]
+    _, n, k = shape
+    weight_read_s = k * n * dtype_bytes / stream_bw_Bps
+    saving = far - near
+    if saving < CACHE_MIN_SAVING * weight_read_s:
+        return None
+    cached_read_s = max(weight_read_s - saving, CACHE_MIN_SAVING * weight_read_s)
+    hits = tuple((math.ceil(d / 1024), float(min(max((far - t) / saving, 0.0), 1.0)))
+                 for d, t in zip(distances, times))
+    return CacheFit(k * n * dtype_bytes / cached_read_s, hits)
 
 
 def probe_shape_seconds(matmul: MatmulFit, probe_flops: float, shape: tuple[int, int, int]) -> tuple[float, float]:

@@ -14,10 +14,11 @@ import numpy as np
 import yaml
 
 from ..calibrate.gpu import fit_gpu, gpu_cluster, gpu_payload, host_us
-from ..calibrate.host import (COMPUTE_PROBES, core_cache_bytes, fit_alone_memory, fit_core_arithmetic, fit_dispatch,
-                              fit_elementwise, fit_fsdp_host, fit_links, fit_matmul, fit_one_core_collective,
-                              fit_operation, fit_optimizer, fit_probe_elasticity, fit_rank_jitter, fit_step_overhead,
-                              fit_tp_calls, fit_zero_grad, host_cluster, probe_shape_seconds, step_overhead_us)
+from ..calibrate.host import (COMPUTE_PROBES, core_cache_bytes, fit_alone_memory, fit_cache_hits, fit_core_arithmetic,
+                              fit_dispatch, fit_elementwise, fit_fsdp_host, fit_links, fit_matmul,
+                              fit_one_core_collective, fit_operation, fit_optimizer, fit_probe_elasticity,
+                              fit_rank_jitter, fit_step_overhead, fit_tp_calls, fit_zero_grad, host_cluster,
+                              probe_shape_seconds, step_overhead_us)
 from ..calibrate.host_load import ForeignLoad
 from ..calibrate.shared_pipeline import GenericSteps, fit_comm_stretch, generic_pipeline
 from ..errors import ParsimError
@@ -58,7 +59,10 @@ What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
     compute.optimizer_tensor_us and compute.optimizer_step_us; matmuls of
     several shapes on cold operands -> peak FLOP/s, the shape efficiency
     (compute.matmul_half_dim), the speeds a weight streams in and an output out
-    (compute.matmul_stream_bw_GBps, matmul_write_bw_GBps); eager blocks
+    (compute.matmul_stream_bw_GBps, matmul_write_bw_GBps); a thin matmul
+    cycling over 4 to 256 MiB of weights -> how much of a weight the core's
+    cache still holds by the bytes touched since its last read, and its speed
+    there (compute.matmul_cache_hits, matmul_cached_stream_bw_GBps); eager blocks
     (the reference decoder layer as Llama and as GPT-2 configure it, at a
     generic size; elementwise ops), each sampled through the run ->
     the fixed cost of an op in a forward and in a backward
@@ -193,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_one_gpu(args)
     from executor.collectives import (DEFAULT_TARGET_TIME_S, check_host_memory, default_timeout_s, measure_collectives,
                                       measure_in_step, measure_reduce_bandwidth)
-    from executor.compute_bench import measure_generic_pipeline, measure_on_every_rank, measure_on_shared_cores
+    from executor.compute_bench import (CACHE_SHAPE, measure_generic_pipeline, measure_on_every_rank,
+                                        measure_on_shared_cores)
     from executor.launch import check_request, resolve_backend, usable_cores
     from executor.speed_probe import SHAPE as PROBE_SHAPE
     from executor.speed_probe import measure_collective_probe, median_reading
@@ -255,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
     if load.warning("calibration"):
         note(load.warning("calibration"))
     matmul = fit_matmul([(tuple(s), t) for rank in per_rank for s, t in rank["matmuls"]], call=True)
+    matmul_cache = fit_cache_hits([tuple(row) for rank in per_rank for row in rank["cache_hits"]], matmul.stream_bw_Bps,
+                                  CACHE_SHAPE)
     dispatch = fit_dispatch([row for rank in per_rank for row in rank["dispatch"]], matmul.model())
     elementwise_bw = fit_elementwise([rank["elementwise"] for rank in per_rank], dispatch)
     arithmetic = fit_core_arithmetic([row for rank in per_rank for row in rank["kernel_kinds"]], dispatch)
@@ -319,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
         cache_bytes=cache_bytes, cache_speedup=cache_speedup,
         matmul_half_dim=matmul.half_dim, op_forward_s=dispatch.forward_s, op_backward_s=dispatch.backward_s,
         pass_s=dispatch.pass_s, optimizer_tensor_s=optimizer.tensor_s, optimizer_step_s=optimizer.step_s,
-        matmul_stream_bw_Bps=matmul.stream_bw_Bps, matmul_write_bw_Bps=matmul.write_bw_Bps,
+        matmul_stream_bw_Bps=matmul.stream_bw_Bps, matmul_write_bw_Bps=matmul.write_bw_Bps, matmul_cache=matmul_cache,
         p2p_rendezvous_s=p2p_rendezvous, p2p_latency_s=p2p_latency, action_overhead_s=action_overhead,
         p2p_issue_s=p2p_issue,
         elementwise_bw_Bps=elementwise_bw,
@@ -382,6 +389,8 @@ def run(args: argparse.Namespace) -> int:
                     "peak_tflops_fp32": matmul.peak_flops / 1e12, "matmul_half_dim": matmul.half_dim,
                     "matmul_stream_bw_GBps": matmul.stream_bw_Bps / 1e9 if matmul.stream_bw_Bps else None,
                     "matmul_write_bw_GBps": matmul.write_bw_Bps / 1e9 if matmul.write_bw_Bps else None,
+                    "matmul_cached_stream_bw_GBps": matmul_cache.cached_bw_Bps / 1e9 if matmul_cache else None,
+                    "matmul_cache_hits": dict(matmul_cache.hits) if matmul_cache else None,
                     "matmul_probe_shape_ms": {"shape": list(probe_shape), "fitted": fitted_probe_s * 1e3,
                                               "probe": probe_s * 1e3},
                     "collective_efficiency": efficiency,
@@ -464,6 +473,10 @@ def run(args: argparse.Namespace) -> int:
         stream = f", weights stream in and outputs out at {matmul.stream_bw_Bps / 1e9:.1f} GB/s"
     print(f"matmul peak       {matmul.peak_flops / 1e9:.1f} GFLOP/s fp32, efficiency halves at dimension "
           f"{matmul.half_dim:.0f}{stream} (median |error| {matmul.median_abs_error:.1%})")
+    if matmul_cache:
+        print(f"matmul cache      weights read again at {matmul_cache.cached_bw_Bps / 1e9:.1f} GB/s from a core's "
+              f"cache, the share it holds by the bytes touched since: "
+              + ", ".join(f"{format_size(kib * 1024)} {hit:.0%}" for kib, hit in matmul_cache.hits))
     print(f"matmul check      the fit puts the matmul probe's {_shape_text(probe_shape)} at {fitted_probe_s * 1e3:.2f} "
           f"ms a call, the probe read {probe_s * 1e3:.2f} ms (x{fitted_probe_s / probe_s:.2f}; a model whose layers "
           f"run this shape is priced as the fit has it)")

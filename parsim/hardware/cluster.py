@@ -44,6 +44,7 @@ PROBE_KEYS = {"matmul": "speed_probe_gflops", "eager": "speed_probe_eager_us", "
 EFFICIENCY = (1e-6, 1e6, "fraction of link speed")
 SPEEDUP = (1e-3, 1e3, "times as fast")
 MATRIX_DIM = (0.0, 1e9, "matrix dimension")
+CACHE_SHARE = (0.0, 1.0, "share of the weight")
 # GPUs in one run: beyond the largest clusters built (about 100,000 GPUs); a topology of this many
 # takes seconds and 0.4 GB to build, ten times more would take minutes.
 MAX_GPUS = 2**17
@@ -54,7 +55,7 @@ COMPUTE_KEYS = ("matmul_efficiency", "matmul_half_dim", "matmul_k_overhead", "ke
                 "attention_efficiency",
                 # eager-CPU host costs (parsim.sim.compute), written by `parsim calibrate`
                 "op_forward_us", "op_backward_us", "optimizer_tensor_us", "optimizer_step_us", "matmul_stream_bw_GBps",
-                "matmul_write_bw_GBps",
+                "matmul_write_bw_GBps", "matmul_cached_stream_bw_GBps", "matmul_cache_hits",
                 "p2p_rendezvous_us", "p2p_latency_us", "p2p_issue_us", "action_overhead_us",
                 "elementwise_bw_GBps", "core_ns_per_element", "tp_collective_call_us",
                 "zero_grad_step_us", "zero_grad_tensor_us", "zero_grad_free_GBps",
@@ -303,6 +304,10 @@ class ClusterSpec:
     optimizer_step_s: float = 0.0  # and per step, whatever its tensors (foreach AdamW's calls and Python)
     matmul_stream_bw_Bps: float | None = None  # a matmul's weight streamed in addition to its arithmetic
     matmul_write_bw_Bps: float | None = None  # and its output streamed out (None: at matmul_stream_bw_Bps)
+    # and its weight read from the last-level cache, and the share of it the cache holds by the bytes the rank
+    # touched since it last read it, in KiB (both None: not measured, every weight read from memory)
+    matmul_cached_stream_bw_Bps: float | None = None
+    matmul_cache_hits: Curve | None = None
     # A CPU rank's pipeline transfer, in seconds by the gradients its receiver holds in KiB (as action_overhead): its
     # host time, charged to a receive posted late; and its latency when the receiver waits (None: the links').
     p2p_rendezvous: Curve = ((0, 0.0),)
@@ -376,6 +381,7 @@ class ClusterSpec:
             self, gpu=gpu,
             matmul_stream_bw_Bps=self.matmul_stream_bw_Bps and self.matmul_stream_bw_Bps * memory,
             matmul_write_bw_Bps=self.matmul_write_bw_Bps and self.matmul_write_bw_Bps * memory,
+            matmul_cached_stream_bw_Bps=self.matmul_cached_stream_bw_Bps and self.matmul_cached_stream_bw_Bps * memory,
             elementwise_bw_Bps=self.elementwise_bw_Bps and self.elementwise_bw_Bps * memory,
             core_arithmetic=self.core_arithmetic and self.core_arithmetic.scaled(arithmetic),
             memory_alone_bw_Bps=self.memory_alone_bw_Bps and self.memory_alone_bw_Bps * memory,
@@ -575,10 +581,17 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         host_us[key] = _figure(source, f"compute.{key}", compute.get(key, 0.0), LATENCY_US)
     shared = _shared_cores(source, compute["shared_cores"]) if "shared_cores" in compute else None
     host_GBps = {}
-    for key in ("matmul_stream_bw_GBps", "matmul_write_bw_GBps", "elementwise_bw_GBps", "memory_alone_bw_GBps",
-                "memory_host_bw_GBps", "zero_grad_free_GBps"):
+    for key in ("matmul_stream_bw_GBps", "matmul_write_bw_GBps", "matmul_cached_stream_bw_GBps", "elementwise_bw_GBps",
+                "memory_alone_bw_GBps", "memory_host_bw_GBps", "zero_grad_free_GBps"):
         value = compute.get(key)
         host_GBps[key] = None if value is None else _figure(source, f"compute.{key}", value, BANDWIDTH_GBPS)
+    cache_hits = compute.get("matmul_cache_hits")
+    if (cache_hits is None) != (host_GBps["matmul_cached_stream_bw_GBps"] is None):
+        raise ConfigError(source, "compute.matmul_cache_hits", "given without compute.matmul_cached_stream_bw_GBps, "
+                          "or the other way round", "both (parsim calibrate writes them together) or neither")
+    if cache_hits is not None:
+        cache_hits = _curve(source, "compute.matmul_cache_hits", cache_hits, CACHE_SHARE,
+                            keyed_by="the bytes touched since the weight's last read, in KiB")
     if (host_GBps["memory_alone_bw_GBps"] is None) != (host_GBps["memory_host_bw_GBps"] is None):
         raise ConfigError(source, "compute.memory_alone_bw_GBps", "given without compute.memory_host_bw_GBps, or "
                           "the other way round", "both (parsim calibrate writes them together) or neither")
@@ -680,6 +693,8 @@ def parse_cluster(data: object, source: str = "<cluster>") -> ClusterSpec:
         if "pass_us" in compute else (0.0, 0.0),
         matmul_stream_bw_Bps=_GBps(host_GBps["matmul_stream_bw_GBps"]),
         matmul_write_bw_Bps=_GBps(host_GBps["matmul_write_bw_GBps"]),
+        matmul_cached_stream_bw_Bps=_GBps(host_GBps["matmul_cached_stream_bw_GBps"]),
+        matmul_cache_hits=cache_hits,
         elementwise_bw_Bps=_GBps(host_GBps["elementwise_bw_GBps"]),
         core_arithmetic=_core_arithmetic(source, compute["core_ns_per_element"]) if "core_ns_per_element" in compute
         else None,

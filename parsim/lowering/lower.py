@@ -211,9 +211,10 @@ def pipeline_bytes(plan: Plan) -> float:
 MEMOIZED = ("group", "_templates", "_pieces", "_stage_rank", "_pairs", "_sync_buckets")  # Lowering's, per lowering
 
 
-def lower(plan: Plan, fsdp_in_line: bool = False) -> Program:
-    """The representative ranks' programs (one per pipeline rank); ``fsdp_in_line``: see :class:`Lowering`."""
-    lowering = Lowering(plan, fsdp_in_line)
+def lower(plan: Plan, fsdp_in_line: bool = False, follow_cache: bool = False) -> Program:
+    """The representative ranks' programs (one per pipeline rank); ``fsdp_in_line`` and ``follow_cache``: see
+    :class:`Lowering`."""
+    lowering = Lowering(plan, fsdp_in_line, follow_cache)
     try:
         return lowering.build()
     finally:
@@ -224,8 +225,12 @@ class Lowering:
     """Builds a plan's program; its pieces (:meth:`layer_pass`, :meth:`group`) also serve the
     search's fast model (:mod:`parsim.search`), which prices the same pieces without a simulation."""
 
-    def __init__(self, plan: Plan, fsdp_in_line: bool = False):
+    def __init__(self, plan: Plan, fsdp_in_line: bool = False, follow_cache: bool = False):
         self.plan = plan
+        # On a CPU host, how many bytes each rank touched between two reads of a block's weights: how much of them
+        # its cache still holds (:meth:`_cache_reads`); a GPU's matmuls are priced from HBM.
+        self.follow_cache = follow_cache
+        self.weight_reads: dict[int, tuple[int, int, str]] = {}  # compute op id -> the weights its matmuls read
         # FSDP's collectives on streams of their own beside the compute (a GPU's NCCL streams), or ``fsdp_in_line``
         # on the compute stream, each where it is issued: on a CPU host the executor's FSDP2 comm hooks run each
         # gather and reduce-scatter to its end inside the hook that issues it (executor.train.fsdp).
@@ -281,10 +286,49 @@ class Lowering:
                     committed = ()
                 self._opens_action(first)
             self._gradient_sync_and_step(rank, p)
+            if self.follow_cache:
+                self._cache_reads(self.rank_ids)
         for pending in self.pending:
             pending.op.match = self.sends[pending.key]
         self._join_checks_across_stages()
         return self.program
+
+    def _cache_reads(self, ids: list[int]) -> None:
+        """Give each compute op of one rank (``ids``, in the order it runs them) the bytes the rank touched
+        between the start of the last op that read the same block's weights and its own start (every op's
+        operands and memory-bound bytes, a transfer's or collective's buffer): the weights' reuse distance, by
+        which the compute model reads how much of them the cache still holds. The step repeats, so a block's
+        first read in the step counts from its last read in it, one step before.
+
+        A thin matmul on a CPU core is bound by reading its weight: GPipe's second microbatch through a stage
+        finds the weights the first left in the cache. AdamW, which streams the weights, gradients and both
+        moments, counts as touching its bytes, not as reading the weights, though it updates each weight in its
+        last sweep: in one process on the 2-core Intel VM (2026-12-02) the forward after it of four 1024 x 1024
+        layers, 64 rows, took 1.26 and 1.46 ms a layer in two runs, where weights cycled over 4-32 MiB take
+        1.12-1.20 ms and over 128-256 MiB 1.55; but with a rank on each core, course DDP's forwards came out
+        as priced from memory (sets HD and HE: -1%), the other core's rank sharing the cache
+        (``executor.compute_bench.measure_cache_hits``)."""
+        ops, width = self.program.ops, self.plan.dtype_bytes
+        start, touched = {}, 0.0
+        for i in ids:
+            op = ops[i]
+            start[i] = touched
+            if op.kind == "compute":  # a gradient's accumulation reads and writes the same bytes: once
+                touched += (op.hbm_bytes - op.stream_bytes / 2
+                            + width * sum(m * k + k * n + m * n for m, n, k in op.matmuls))
+            elif op.kind == "optimizer":
+                touched += op.hbm_bytes
+            else:
+                touched += op.nbytes
+        last_read: dict[tuple[int, int, str], float] = {}
+        reads = [i for i in ids if i in self.weight_reads]
+        for i in reads:
+            last_read[self.weight_reads[i]] = start[i]
+        for i in reads:  # last_read holds each block's last read of the step before, then this step's
+            key = self.weight_reads[i]
+            since = start[i] - last_read[key] if last_read[key] < start[i] else touched - last_read[key] + start[i]
+            ops[i].weights_reuse_bytes = since
+            last_read[key] = start[i]
 
     def _opens_action(self, first: int) -> None:
         """Mark the first compute-stream op from id ``first`` on (a pass's receive or its first block): the
@@ -404,6 +448,8 @@ class Lowering:
                 beside_of = beside["tp"][-1] if piece.beside_sms is not None else -1
                 last = self._stamp(rank, template, recompute_name if recompute else name, deps, beside_of,
                                    direction if hook_pending else (0, 0), (0, 0) if begun else direction)
+                if piece.weights and piece.matmuls:
+                    self.weight_reads[last] = (stage, piece.layer, piece.weights)
                 hook_pending, begun = False, True
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last
@@ -567,7 +613,7 @@ class Lowering:
                              attention_grad_flops=work.attention_grad_flops, forward_ops=forward_ops,
                              backward_ops=backward_ops, tp_calls=self.tp_calls(block, kind),
                              stream_bytes=work.accumulate_bytes, accumulate_elements=work.accumulate_elements,
-                             high_precision=work.high_precision, sm_bound=work.sm_bound)
+                             high_precision=work.high_precision, sm_bound=work.sm_bound, weights=block.name)
         return piece, work.sources
 
     def eager_ops(self, block, kind: str) -> tuple[int, int]:

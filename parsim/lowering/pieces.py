@@ -42,6 +42,7 @@ class ComputePiece:
     beside_sms: int | None = None
     high_precision: bool = False  # fp8 plans: these matmuls run in bf16 (the LM head)
     sm_bound: tuple = ()  # (bytes, SmWork...) of kernels the SMs may bound (parsim.sim.compute.ComputeModel.time)
+    weights: str = ""  # the block whose weights its matmuls read (a CPU host's cache: Lowering._cache_reads)
 
     def join(self, stream: str) -> "ComputePiece":
         """A join of ``stream`` in this piece's phase and layer."""

@@ -104,7 +104,8 @@ def split_roles(compute: ComputePiece, sources: tuple[tuple[str, str], ...], *ro
         (rest if index is None else parts[index]).append(shape)
     moved = sum(len(part) for part in parts)
     pieces = [ComputePiece(tuple(part), 0.0, len(part), compute.phase, compute.layer,
-                           high_precision=compute.high_precision) if part else None for part in parts]
+                           high_precision=compute.high_precision, weights=compute.weights) if part else None
+              for part in parts]
     return pieces, dataclasses.replace(compute, matmuls=tuple(rest), kernels=compute.kernels - moved)
 
 

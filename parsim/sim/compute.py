@@ -103,6 +103,16 @@ GPU host):
   sequentially faster than a thin matmul reads its weight (on the 2-core AMD
   VM 2.8x in two runs of the matmul benchmark, 1.2-1.8x in three
   calibrations; :func:`parsim.calibrate.host.fit_matmul`).
+* ``matmul_cached_stream_bw_Bps`` and ``matmul_cache_hits``: that weight read
+  from the rank's share of the last-level cache, and how much of it is still
+  there by the bytes the rank touched since it last read it (its reuse
+  distance: ``Op.weights_reuse_bytes``, which the lowering follows on a CPU
+  host): GPipe's later microbatches through a stage find the weights the first
+  left, a forward after AdamW finds them in memory. On the 2-core Intel VM
+  (2026-12-02, two ranks, a core each) a 32 x 1024 x 1024 matmul took
+  0.62-0.65 ms cycling over 4-16 MiB of weights, 0.76-0.79 over 32 MiB and
+  1.12-1.14 ms over 128-256 MiB (``parsim calibrate`` measures the curve:
+  ``executor.compute_bench.measure_cache_hits``).
 * ``elementwise_bw_Bps``: the speed of a block's memory-bound kernels'
   bytes (products, sums, copies: ``parsim calibrate`` times a chain of them),
   apart from the plain streams of gradient accumulation and the optimizer
@@ -254,6 +264,9 @@ class ComputeModel:
     optimizer_step_s: float = 0.0
     matmul_stream_bw_Bps: float | None = None
     matmul_write_bw_Bps: float | None = None  # a matmul's output streamed out (None: at matmul_stream_bw_Bps)
+    matmul_cached_stream_bw_Bps: float | None = None  # its weight read from the cache
+    # the share of the weight the cache holds, by the bytes touched since its last read in KiB (None: none)
+    matmul_cache_hits: Curve | None = None
     # a pipeline transfer's host time, charged to a late receive (parsim.sim.stepsim), and its latency with the
     # receiver waiting (None: the links'), by the receiver's gradients in KiB
     p2p_rendezvous: Curve = ((0, 0.0),)
@@ -302,6 +315,7 @@ class ComputeModel:
             fsdp_pass_s=spec.fsdp_pass_s, pass_s=spec.pass_s,
             optimizer_step_s=spec.optimizer_step_s,
             matmul_stream_bw_Bps=spec.matmul_stream_bw_Bps, matmul_write_bw_Bps=spec.matmul_write_bw_Bps,
+            matmul_cached_stream_bw_Bps=spec.matmul_cached_stream_bw_Bps, matmul_cache_hits=spec.matmul_cache_hits,
             p2p_rendezvous=spec.p2p_rendezvous, p2p_latency=spec.p2p_latency, shared_cores=spec.shared_cores,
             action_overhead=spec.action_overhead, p2p_issue=spec.p2p_issue,
             elementwise_bw_Bps=spec.elementwise_bw_Bps, memory_alone_bw_Bps=spec.memory_alone_bw_Bps,
@@ -356,16 +370,28 @@ class ComputeModel:
             return reserved_s
         return collective_s + alone_s * (1.0 - collective_s / reserved_s)
 
+    def cache_hit(self, reuse_bytes: float) -> float:
+        """The share of a matmul's weight a CPU core's cache still holds, read last ``reuse_bytes`` ago
+        (:attr:`matmul_cache_hits`, linear in log2 of the bytes between its points; 0 where not measured)."""
+        if self.matmul_cache_hits is None or math.isinf(reuse_bytes):
+            return 0.0
+        return at_length(self.matmul_cache_hits, max(1, math.ceil(reuse_bytes / 1024)))
+
     @property
     def memory_bw_Bps(self) -> float:
         return self.hbm_bw_Bps * self.memory_efficiency
 
-    def matmul_time(self, m: float, n: float, k: float, sm_reserved: int = 0, high_precision: bool = False) -> float:
+    def matmul_time(self, m: float, n: float, k: float, sm_reserved: int = 0, high_precision: bool = False,
+                    reuse_bytes: float = math.inf) -> float:
+        """Seconds of one ``(m, n, k)`` matmul; ``reuse_bytes``: on a CPU host, the bytes touched since its weight
+        was last read (:meth:`cache_hit`)."""
         flops = 2.0 * m * n * k
         rate = self.matmul_rate(m, n, k, sm_reserved, high_precision)
         if self.matmul_stream_bw_Bps:  # eager CPU: the weight streams in and the output out, beside the arithmetic
             write_bw = self.matmul_write_bw_Bps or self.matmul_stream_bw_Bps
-            return flops / rate + (k * n / self.matmul_stream_bw_Bps + m * n / write_bw) * self.dtype_bytes
+            hit = self.cache_hit(reuse_bytes)
+            read_s = (1.0 - hit) / self.matmul_stream_bw_Bps + (hit / self.matmul_cached_stream_bw_Bps if hit else 0.0)
+            return flops / rate + (k * n * read_s + m * n / write_bw) * self.dtype_bytes
         traffic = (m * k + k * n + m * n) * self.dtype_bytes
         return max(flops / rate, traffic / self.memory_bw_Bps)
 
@@ -377,7 +403,7 @@ class ComputeModel:
              optimizer_steps: int = 0, tp_calls: tuple[int, int] = (0, 0),
              fsdp_calls: tuple[int, int, int] = (0, 0, 0), fsdp_passes: tuple[int, int] = (0, 0),
              adamw_params: float = 0.0, accumulate_elements: float = 0.0,
-             pass_starts: tuple[int, int] = (0, 0)) -> float:
+             pass_starts: tuple[int, int] = (0, 0), weights_reuse_bytes: float = math.inf) -> float:
         """Matmuls at their shape's rate, the attention core's forward and backward FLOPs at the
         kernel's rates, other FLOPs at peak and memory-bound bytes at HBM speed, plus launches; and
         each dispatched op's, each tensor-parallel call's (``tp_calls``: forward, backward), each optimizer
@@ -397,8 +423,9 @@ class ComputeModel:
         cycles add to its bytes on a GPU whose SM clock is known (``sm_cycles.adamw``). ``accumulate_elements``:
         elements the gradients' accumulation (``stream_bytes``) reads or writes unvectorized; it takes the longer
         of its bytes and their cycles (:meth:`unvectorized_s`), on every SM whatever a collective holds, as the
-        search's fast tier prices it."""
-        total = sum(self.matmul_time(*mm, sm_reserved, high_precision) for mm in matmuls)
+        search's fast tier prices it. ``weights_reuse_bytes``: on a CPU host, the bytes touched since the matmuls'
+        weights were last read (:meth:`matmul_time`)."""
+        total = sum(self.matmul_time(*mm, sm_reserved, high_precision, weights_reuse_bytes) for mm in matmuls)
         forward, backward = self.attention_efficiency
         spread = self.sm_count / self.sms_left(sm_reserved) if self.sm_count and sm_reserved else 1.0
         total += (attention_flops / forward + attention_grad_flops / backward) / self.peak_flops * spread

@@ -11,6 +11,8 @@ same op names.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from .collectives.deepep import TokenRouting
@@ -55,6 +57,9 @@ class Op:
     adamw_params: float = 0.0  # parameters a fused AdamW kernel steps: SM cycles beside its bytes (sm_cycles.adamw)
     # elements the weight gradients' accumulation (stream_bytes) reads or writes unvectorized (Plan.accumulation)
     accumulate_elements: float = 0.0
+    # a CPU host: the bytes the rank touched since it last read these matmuls' weights (their share still in its
+    # cache: ComputeModel.cache_hit; parsim.lowering.lower.Lowering._cache_reads); inf: not followed
+    weights_reuse_bytes: float = math.inf
     # communication
     collective: str = ""  # all_reduce, all_gather, reduce_scatter, ...
     group: str = ""  # "tp" | "dp" | "pp"

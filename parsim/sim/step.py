@@ -161,7 +161,7 @@ def _simulate(plan: Plan, cluster: ClusterSpec, sim: StepSimulator,
               progress: Callable[[int, int], None] | None) -> Trace:
     """The trace of ``plan``'s program on ``sim``, each action's compute in one span. The program is freed on
     return, before the garbage collector resumes and would look over its ops (856,518 for the 1T plan)."""
-    program = lower(plan, fsdp_in_line=cluster.describes_cpu_host)
+    program = lower(plan, fsdp_in_line=cluster.describes_cpu_host, follow_cache=cluster.matmul_cache_hits is not None)
     program = unfold(program) if sim.turns else program
     meta = {"plan": plan.name, "cluster": cluster.name, "world_size": plan.world,
             "represents": {str(k): v for k, v in program.represents.items()}}
