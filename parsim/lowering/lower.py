@@ -230,7 +230,9 @@ class Lowering:
         # On a CPU host, how many bytes each rank touched between two reads of a block's weights: how much of them
         # its cache still holds (:meth:`_cache_reads`); a GPU's matmuls are priced from HBM.
         self.follow_cache = follow_cache
-        self.weight_reads: dict[int, tuple[int, int, str]] = {}  # compute op id -> the weights its matmuls read
+        # compute op id -> the weights its matmuls read (stage, layer, block), and whether in the layout they are
+        # stored in (the read the cache speeds up: _cache_reads)
+        self.weight_reads: dict[int, tuple[tuple[int, int, str], bool]] = {}
         # FSDP's collectives on streams of their own beside the compute (a GPU's NCCL streams), or ``fsdp_in_line``
         # on the compute stream, each where it is issued: on a CPU host the executor's FSDP2 comm hooks run each
         # gather and reduce-scatter to its end inside the hook that issues it (executor.train.fsdp).
@@ -294,19 +296,26 @@ class Lowering:
         return self.program
 
     def _cache_reads(self, ids: list[int]) -> None:
-        """Give each compute op of one rank (``ids``, in the order it runs them) the bytes the rank touched
-        between the start of the last op that read the same block's weights and its own start (every op's
-        operands and memory-bound bytes, a transfer's or collective's buffer): the weights' reuse distance, by
-        which the compute model reads how much of them the cache still holds. The step repeats, so a block's
-        first read in the step counts from its last read in it, one step before.
+        """Give each compute op of one rank (``ids``, in the order it runs them) that reads its block's weights in
+        the layout they are stored in the bytes the rank touched between the start of the last op that read them
+        (in either layout) and its own start (every op's operands and memory-bound bytes, a transfer's or
+        collective's buffer): the weights' reuse distance, by which the compute model reads how much of them
+        the cache still holds. The step repeats, so a block's first read in the step counts from its last read
+        in it, one step before.
 
-        A thin matmul on a CPU core is bound by reading its weight: GPipe's second microbatch through a stage
-        finds the weights the first left in the cache. AdamW, which streams the weights, gradients and both
-        moments, counts as touching its bytes, not as reading the weights, though it updates each weight in its
-        last sweep: in one process on the 2-core Intel VM (2026-12-02) the forward after it of four 1024 x 1024
-        layers, 64 rows, took 1.26 and 1.46 ms a layer in two runs, where weights cycled over 4-32 MiB take
-        1.12-1.20 ms and over 128-256 MiB 1.55; but with a rank on each core, course DDP's forwards came out
-        as priced from memory (sets HD and HE: -1%), the other core's rank sharing the cache
+        A thin matmul on a CPU core is bound by reading its weight, and GPipe's second microbatch through a stage
+        finds the weights the first left in the cache. On the 2-core Intel VM (2026-12-02, one process) a 32 x
+        1024 x 1024 ``x @ w`` took 0.64 ms cycling over 16 MiB of weights and 1.19 ms over 256 MiB, which
+        calibrate's cold sweep prices; through a transposed view, ``x @ w.t()``, 0.81 and 1.00 ms, about what
+        that sweep prices either way: so a read through a view (the course MLP's input gradients, an
+        nn.Linear's forward) is priced from memory, as calibrated. With a rank on each core, course DDP's
+        backward (its input gradients through the view) took as long with 64 MiB written between its forward
+        and it as without (11.1-11.2 ms against 11.1-12.7, four runs). AdamW, which streams the weights,
+        gradients and both moments, counts as touching its bytes, not as reading the weights, though it
+        updates each weight in its last sweep: the forward after it of four such layers, 64 rows, took 1.26
+        and 1.46 ms a layer in two runs of one process (weights cycled over 4-32 MiB: 1.12-1.20 ms, over
+        128-256 MiB: 1.55), but course DDP's forwards, a rank on each core, came out as priced from memory
+        (sets HD and HE: -1%), the other core's rank sharing the cache
         (``executor.compute_bench.measure_cache_hits``)."""
         ops, width = self.program.ops, self.plan.dtype_bytes
         start, touched = {}, 0.0
@@ -323,11 +332,12 @@ class Lowering:
         last_read: dict[tuple[int, int, str], float] = {}
         reads = [i for i in ids if i in self.weight_reads]
         for i in reads:
-            last_read[self.weight_reads[i]] = start[i]
+            last_read[self.weight_reads[i][0]] = start[i]
         for i in reads:  # last_read holds each block's last read of the step before, then this step's
-            key = self.weight_reads[i]
-            since = start[i] - last_read[key] if last_read[key] < start[i] else touched - last_read[key] + start[i]
-            ops[i].weights_reuse_bytes = since
+            key, stored = self.weight_reads[i]
+            if stored:
+                since = start[i] - last_read[key] if last_read[key] < start[i] else touched - last_read[key] + start[i]
+                ops[i].weights_reuse_bytes = since
             last_read[key] = start[i]
 
     def _opens_action(self, first: int) -> None:
@@ -448,8 +458,9 @@ class Lowering:
                 beside_of = beside["tp"][-1] if piece.beside_sms is not None else -1
                 last = self._stamp(rank, template, recompute_name if recompute else name, deps, beside_of,
                                    direction if hook_pending else (0, 0), (0, 0) if begun else direction)
-                if piece.weights and piece.matmuls:
-                    self.weight_reads[last] = (stage, piece.layer, piece.weights)
+                if piece.weights and piece.matmuls and kind != "W":  # a weight-gradient pass reads no weight
+                    stored = (kind == "F" or recompute) == plan.model.forward_reads_stored_layout
+                    self.weight_reads[last] = ((stage, piece.layer, piece.weights), stored)
                 hook_pending, begun = False, True
                 if final and not recompute:
                     self.final_grad_ops[(stage, piece.layer)] = last

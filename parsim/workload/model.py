@@ -540,6 +540,9 @@ class MLPModel(_CostTotals):
     source: str = field(default="", compare=False)  # the file it came from, for messages
 
     kind = "mlp"
+    # How the executor stores a weight (executor/train/models.py): CourseLinear's W[in, out], read as is by the
+    # forward's x @ W, through a transposed view by the input gradient's dY @ W.T (Lowering._cache_reads).
+    forward_reads_stored_layout = True
     tp_styles = ("allgather",)
     sequence_parallel = False
     is_moe = False
@@ -650,6 +653,8 @@ class TransformerModel(_CostTotals):
     source: str = field(default="", compare=False)  # the file it came from, for messages
 
     kind = "transformer"
+    # nn.Linear's W[out, in]: the forward reads it transposed (x @ W.T), the input gradient as stored (dY @ W)
+    forward_reads_stored_layout = False
     tp_styles = ("megatron",)
     sequence_parallel = True
 
