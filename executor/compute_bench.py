@@ -399,9 +399,9 @@ def measure_cache_hits(shape: tuple[int, int, int] = CACHE_SHAPE, weights: Seque
     on the same weight, seconds per call: the median over the rounds), the counts taking turns each round.
 
     A layer whose weights the rank read a few MiB ago finds them in the cache, one read after AdamW streamed
-    the weights, gradients and moments finds them in memory. On the 2-core Intel VM (2026-12-02; 4 MiB L2 per
-    core, a share of the server's L3), two ranks at once: 0.62-0.65 ms a call over 4-16 MiB, 0.76-0.79 over
-    32 MiB, 0.98-1.08 over 64 MiB and 1.12-1.14 ms over 128-256 MiB."""
+    the weights, gradients and moments finds them in memory. On the 2-core Intel VM (2026-12-02; 2 MiB of L2 a
+    core, a share of the server's L3), two ranks at once, two runs: 0.61-0.67 ms a call over 4-16 MiB, 0.76-0.91
+    over 32 MiB, 0.98-1.12 over 64 MiB and 1.12-1.14 ms over 128-256 MiB."""
     torch = require_torch()
     m, n, k = shape
     pool = list(torch.full((max(weights), k, n), 0.02).unbind(0))

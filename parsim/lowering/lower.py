@@ -458,7 +458,7 @@ class Lowering:
                 beside_of = beside["tp"][-1] if piece.beside_sms is not None else -1
                 last = self._stamp(rank, template, recompute_name if recompute else name, deps, beside_of,
                                    direction if hook_pending else (0, 0), (0, 0) if begun else direction)
-                if piece.weights and piece.matmuls and kind != "W":  # a weight-gradient pass reads no weight
+                if self.follow_cache and piece.weights and piece.matmuls and kind != "W":  # W: reads no weight
                     stored = (kind == "F" or recompute) == plan.model.forward_reads_stored_layout
                     self.weight_reads[last] = ((stage, piece.layer, piece.weights), stored)
                 hook_pending, begun = False, True

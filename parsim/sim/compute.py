@@ -110,7 +110,7 @@ GPU host):
   host): GPipe's later microbatches through a stage find the weights the first
   left, a forward after AdamW finds them in memory. On the 2-core Intel VM
   (2026-12-02, two ranks, a core each) a 32 x 1024 x 1024 matmul took
-  0.62-0.65 ms cycling over 4-16 MiB of weights, 0.76-0.79 over 32 MiB and
+  0.61-0.67 ms cycling over 4-16 MiB of weights, 0.76-0.91 over 32 MiB and
   1.12-1.14 ms over 128-256 MiB (``parsim calibrate`` measures the curve:
   ``executor.compute_bench.measure_cache_hits``).
 * ``elementwise_bw_Bps``: the speed of a block's memory-bound kernels'
