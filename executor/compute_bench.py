@@ -13,6 +13,9 @@ layers of the reference implementation at generic sizes.
   caches full of written data, as a step's layers find their weights after the
   optimizer or the gradients of a backward (fits peak, shape efficiency and
   the speed at which the weight streams in).
+* :func:`measure_cache_hits`: a thin ``x @ w`` cycling over 4 to 256 MiB of
+  weights (fits how much of a weight a core's cache still holds by the bytes
+  touched since its last read, and how fast it is read from there).
 * :func:`measure_dispatch`: eager blocks (the reference implementation's decoder
   layer as Llama and as GPT-2 configure it, a chain of elementwise ops and
   reductions) at sizes where fixed costs dominate; each reports its
@@ -68,6 +71,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import statistics
 import time
 from contextlib import contextmanager
@@ -93,6 +97,7 @@ COLD_FOOTPRINT_BYTES = 64 << 20  # weights per run of calls: well above a server
 CACHE_SHAPE = (32, 1024, 1024)  # m, n, k
 CACHE_WEIGHTS = (1, 2, 4, 8, 16, 32, 64)
 CACHE_CYCLES = 3
+CACHE_MEMORY_SHARE = 8  # the weights cycled over take at most 1/8 of the host's memory, over all its ranks
 RUN_S = 0.03
 # AdamW runs: (parameter tensors, elements each): one small tensor gives the fixed cost per step, many the
 # fixed cost per tensor, few large ones (each tensor's state, 16 bytes per element, well above a server's
@@ -404,6 +409,10 @@ def measure_cache_hits(shape: tuple[int, int, int] = CACHE_SHAPE, weights: Seque
     over 32 MiB, 0.98-1.12 over 64 MiB and 1.12-1.14 ms over 128-256 MiB."""
     torch = require_torch()
     m, n, k = shape
+    dist = torch.distributed
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (CACHE_MEMORY_SHARE * ranks * k * n * 4)
+    weights = [count for count in weights if count <= room] or [1]  # a small host leaves the farthest out
     pool = list(torch.full((max(weights), k, n), 0.02).unbind(0))
     x = torch.full((m, k), 0.01)
     times: dict[int, list[float]] = {count: [] for count in weights}
