@@ -48,9 +48,10 @@ def compare_plan_command(args: argparse.Namespace) -> int:
     predicted = predict_step(plan, cluster)
     if predicted.takes_turns:
         note(f"{min(plan.world, cluster.gpus_per_node)} ranks on each host's {cluster.cpu_cores} cores take turns on "
-             "them, as simulated; which rank of a core runs first changes from run to run, and with it how each "
-             "rank's step splits between computing and waiting (docs/calibration.md, \"Ranks taking turns on a "
-             "core\")")
+             "them, as simulated; the model shares a core's passes slice by slice where Linux runs each pass nearly "
+             "whole, so by phase expect forwards and AdamW steps long and waits short, the step itself closer "
+             "(docs/calibration.md, \"Ranks taking turns on a core\" and \"Weights a rank reads again from its "
+             "cache\")")
         note_stages_sharing_cores("compare", plan, cluster)
     load, speed, spread, routing = None, None, None, None
     by_phase = None  # each measured rank's time by phase (None: the measured trace's one step)
