@@ -157,7 +157,7 @@ def test_a_stage_s_phase_is_its_ranks_mean_in_each_step_then_the_median_over_the
 @needs_torch
 @pytest.mark.multiproc
 def test_a_run_that_overruns_its_timeout_names_the_ranks_and_ends(capsys):
-    # 500 steps of about 20 ms: well past the timeout (the default 10, with ranks forked from a server that
+    # 500 steps of about 20 ms: well past the timeout (the default 2 + 3, with ranks forked from a server that
     # imported torch once, could end within it)
     assert main(["run", "tiny-pp2", "--nproc", "2", "--timeout", "1", "--steps", "500"]) == 2
     err = capsys.readouterr().err
