@@ -134,6 +134,15 @@ def test_a_pipeline_s_later_microbatches_find_the_stage_s_weights_in_the_cache()
         assert with_cache.seconds["backward"] == pytest.approx(without.seconds["backward"])
 
 
+def test_explain_compute_names_the_cache_apart_from_the_table_it_prices_from_memory(tmp_path, capsys):
+    host = tmp_path / "host.yaml"
+    host.write_text(yaml.safe_dump(cpu_host(**HOST_KEYS, **CACHE_KEYS)))
+    assert main(["explain", "compute", "course-pp", "--cluster", str(host)]) == 0
+    assert ("cache       a weight read again in the layout it is stored in comes from the core's cache at 60 GB/s, "
+            "the share held by the bytes touched since its last read: 4 MiB 100%, 32 MiB 50%, 128 MiB 0% (a stage's "
+            "later microbatches): this table reads every weight from memory") in capsys.readouterr().out
+
+
 def test_matmul_fit_with_free_writes_keeps_one_speed_for_both():
     """A file without the write speed streams the output at the weight's: a fit whose writes cost nothing
     would be read that way, so it keeps one speed."""

@@ -287,6 +287,12 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
                else "added to each block's kernels")
         lines.append(f"  host        {model.op_forward_s * 1e6:.1f} us per forward op, "
                      f"{model.op_backward_s * 1e6:.1f} us per backward op: {how}")
+    if model.matmul_cache_hits is not None:
+        held = ", ".join(f"{format_size(kib * 1024)} {hit:.0%}" for kib, hit in model.matmul_cache_hits)
+        lines.append(f"  cache       a weight read again in the layout it is stored in comes from the core's cache at "
+                     f"{model.matmul_cached_stream_bw_Bps / 1e9:.3g} GB/s, the share held by the bytes touched since "
+                     f"its last read: {held} (a stage's later microbatches): this table reads every weight from "
+                     "memory")
     if any(model.pass_s):
         lines.append(f"  per pass    {model.pass_s[0] * 1e6:.0f} us a forward, {model.pass_s[1] * 1e6:.0f} us a "
                      "backward, once on a pass's first layer (it runs colder than the layers after it): not in "
