@@ -12,7 +12,6 @@ same op names.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from .collectives.deepep import TokenRouting

@@ -137,10 +137,10 @@ def phases(topo: Topology, group: np.ndarray, size: float, routing: TokenRouting
     return [Phase.of(label, np.concatenate(src), np.concatenate(dst), np.concatenate(nbytes), 1)]
 
 
-def lower_bound(topo: Topology, group: np.ndarray, size: float, routing: TokenRouting) -> tuple[float, str]:
-    """The copies' bytes over the links at their peak: each GPU's NVLink copies through its fabric link, each
-    GPU's copies across the network through its NIC (one per GPU on the clusters DeepEP runs on)."""
-    c, row = group_copies(topo, group, routing), size / routing.experts_per_token
+def lower_bound(topo: Topology, c: Copies, row: float) -> tuple[float, str]:
+    """The copies ``c`` of a ``row``-byte token over the links at their peak: each GPU's NVLink copies through its
+    fabric link, each GPU's copies across the network through its NIC (one per GPU on the clusters DeepEP runs
+    on)."""
     nvlink_bw = topo.spec.intra.bw_Bps
     bounds = [(row * c.nvlink / nvlink_bw, f"each GPU forwards {c.nvlink:.3g} rows per token over its "
                                            f"{nvlink_bw / 1e9:.0f} GB/s fabric link")]

@@ -190,8 +190,8 @@ def _predict_deepep(topo: Topology, op: str, size: int, group: np.ndarray, routi
     if algorithm != "auto" or protocol is not None:
         raise ParsimError("DeepEP runs its own kernels: no --algorithm or --protocol with it")
     time_s, timings = time_phases(topo, deepep.phases(topo, group, size, routing))
-    bound, reason = deepep.lower_bound(topo, group, size, routing)
     copies = deepep.group_copies(topo, group, routing)
+    bound, reason = deepep.lower_bound(topo, copies, size / routing.experts_per_token)
     return CollectivePrediction(op, "deepep", len(group), int(size), time_s, timings, bound, reason,
                                 cluster=topo.spec.name, routing=routing, copies=copies)
 
