@@ -303,20 +303,11 @@ class Lowering:
         the cache still holds. The step repeats, so a block's first read in the step counts from its last read
         in it, one step before.
 
-        A thin matmul on a CPU core is bound by reading its weight, and GPipe's second microbatch through a stage
-        finds the weights the first left in the cache. On the 2-core Intel VM (2026-12-02, one process) a 32 x
-        1024 x 1024 ``x @ w`` took 0.64 ms cycling over 16 MiB of weights and 1.19 ms over 256 MiB, which
-        calibrate's cold sweep prices; through a transposed view, ``x @ w.t()``, 0.81 and 1.00 ms, about what
-        that sweep prices either way: so a read through a view (the course MLP's input gradients, an
-        nn.Linear's forward) is priced from memory, as calibrated. With a rank on each core, course DDP's
-        backward (its input gradients through the view) took as long with 64 MiB written between its forward
-        and it as without (11.1-11.2 ms against 11.1-12.7, four runs). AdamW, which streams the weights,
-        gradients and both moments, counts as touching its bytes, not as reading the weights, though it
-        updates each weight in its last sweep: the forward after it of four such layers, 64 rows, took 1.26
-        and 1.46 ms a layer in two runs of one process (weights cycled over 4-32 MiB: 1.12-1.20 ms, over
-        128-256 MiB: 1.55), but course DDP's forwards, a rank on each core, came out as priced from memory
-        (sets HD and HE: -1%), the other core's rank sharing the cache
-        (``executor.compute_bench.measure_cache_hits``)."""
+        A thin matmul on a CPU core is bound by reading its weight: GPipe's second microbatch through a stage finds
+        the weights the first left in the cache. A read through a transposed view (the course MLP's input
+        gradients, an nn.Linear's forward) ran about as fast from memory as from the cache, so it is priced as
+        calibrated; AdamW counts as touching its bytes, not as reading the weights (measured in
+        docs/calibration.md, "Weights a rank reads again from its cache")."""
         ops, width = self.program.ops, self.plan.dtype_bytes
         start, touched = {}, 0.0
         for i in ids:
