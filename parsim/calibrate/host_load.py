@@ -3,7 +3,8 @@
 Calibration and CPU runs time work on cores that other processes may share
 (a laptop's browser, other jobs on a shared VM). :class:`ForeignLoad` reads
 the kernel's CPU counters (``/proc/stat``) before and after, takes out the
-CPU time of this process and of its finished children (the ranks), and says
+CPU time of this process and of every process it started (the ranks, their
+fork server and the ranks that server forked, running or finished), and says
 how many cores' worth the rest of the host used meanwhile; measurements taken
 under such load read slow, and the tools print a warning.
 """
@@ -29,7 +30,33 @@ def _cpu_ticks() -> tuple[int, int] | None:
 
 def _own_seconds() -> float:
     me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime + _running_descendants_seconds()
+
+
+def _running_descendants_seconds() -> float:
+    """CPU seconds of this process's running descendants, each with its finished children's: a rank forked
+    from a fork server is the server's child, and the server lives on, so neither reaches
+    ``RUSAGE_CHILDREN``. 0 where ``/proc`` does not tell."""
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(pid)
+        ticks[pid] = sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
+    total, todo = 0, list(children.get(os.getpid(), ()))
+    while todo:
+        pid = todo.pop()
+        total += ticks[pid]
+        todo.extend(children.get(pid, ()))
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class ForeignLoad:
