@@ -75,6 +75,10 @@ def register(subparsers) -> None:
                    help="MoE: how every plan with expert parallelism sends tokens to their experts: alltoall, a copy "
                         "per expert (Megatron-LM's default), or deepep, a copy per node across the network, then "
                         "NVLink (DeepEP)")
+    p.add_argument("--dispatch-fp8", action="store_true",
+                   help="MoE, --dtype fp8: every plan with expert parallelism sends the tokens to their experts, and "
+                        "the gradients back to the experts' down-projections, in fp8, as DeepSeek-V3 does (half "
+                        "the all-to-all bytes of bf16; default: in the activations' dtype)")
     for dim, what in DEGREES.items():
         p.add_argument(f"--{dim}", metavar="N[,N...]", help=f"search only these {what} degrees (default: all)")
     p.add_argument("--max-memory", metavar="SIZE", help="memory a plan may use per GPU, e.g. 75GB (default: all)")
@@ -156,7 +160,8 @@ def request_from_args(args: argparse.Namespace) -> SearchRequest:
                          args.price_per_gpu_hour, None if args.tokens is None else parse_count(args.tokens, "--tokens"),
                          args.sort, keep=max(50, args.top, args.simulate), simulate=args.simulate,
                          degrees=_degrees(args), adamw=args.adamw, reduce_dtype=args.reduce_dtype,
-                         grad_clip=args.grad_clip, dispatcher=args.dispatcher)
+                         grad_clip=args.grad_clip, dispatcher=args.dispatcher,
+                         dispatch_fp8=args.dispatch_fp8)
 
 
 def _degrees(args: argparse.Namespace) -> tuple[tuple[str, tuple[int, ...]], ...]:

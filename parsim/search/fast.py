@@ -155,7 +155,8 @@ class FastModel:
                 sequence_parallel=v.sequence_parallel, tp_comm_overlap=v.tp_overlap, activation_recompute=v.recompute,
                 context_parallel=v.context_parallel, grad_sync=v.grad_sync, zero=v.zero,
                 overlap_param_gather=v.param_overlap, shard_group=v.shard_group,
-                bucket_size=self.space.bucket_size, dispatcher=self.space.dispatcher_for(s.ep), name="search")
+                bucket_size=self.space.bucket_size, dispatcher=self.space.dispatcher_for(s.ep),
+                dispatch_fp8=self.space.dispatch_fp8_for(s.ep), name="search")
         return plan
 
     def layout_plan(self, s: Setting, v: Variant) -> Plan:

@@ -60,6 +60,7 @@ class SearchRequest:
     reduce_dtype: str | None = None  # the gradients' dtype in every plan (None: the dtype's default)
     grad_clip: float | None = None  # every plan clips its gradients to this global norm (None: no clipping)
     dispatcher: str = "alltoall"  # how every plan with expert parallelism sends tokens to their experts
+    dispatch_fp8: bool = False  # every plan with expert parallelism sends tokens to their experts in fp8
 
     @property
     def gradient_dtype(self) -> str:
@@ -137,6 +138,11 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
     if request.dispatcher != "alltoall" and not getattr(request.model, "is_moe", False):
         raise ParsimError(f"--dispatcher {request.dispatcher}: {request.model.name} is a dense model, with no "
                           f"expert all-to-alls to dispatch")
+    if request.dispatch_fp8 and not getattr(request.model, "is_moe", False):
+        raise ParsimError(f"--dispatch-fp8: {request.model.name} is a dense model, with no tokens to send to experts")
+    if request.dispatch_fp8 and request.dtype != "fp8":
+        raise ParsimError(f"--dispatch-fp8 sends the tokens fp8 GEMMs read in fp8, as DeepSeek-V3 does: give "
+                          f"--dtype fp8 (not {request.dtype})")
     if request.sort == "cost" and request.price is None:
         raise ParsimError(f"sorting by cost needs a price: {request.cluster.name} has no price_usd_per_gpu_hour; "
                           f"give --price-per-gpu-hour")
@@ -148,7 +154,7 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
                             request.cluster.gpus_per_node, model_spec=request.model_spec, degrees=request.degrees,
                             tp_overlap=request.cluster.overlaps_tp_comm, adamw=request.adamw,
                             reduce_dtype=request.reduce_dtype, grad_clip=request.grad_clip,
-                            dispatcher=request.dispatcher)
+                            dispatcher=request.dispatcher, dispatch_fp8=request.dispatch_fp8)
         fast = FastModel(space, request.cluster, request.capacity)
         counts = SpaceCounts(gpus)
         settings = list(enumerate_settings(space, counts.rejections))

@@ -132,8 +132,10 @@ class Candidate(NamedTuple):
             data["data_parallel"]["reduce_dtype"] = space.reduce_dtype
         if space.grad_clip is not None:
             data["grad_clip"] = space.grad_clip
-        if space.dispatcher_for(s.ep) != "alltoall":
-            data["moe"] = {"dispatcher": space.dispatcher_for(s.ep)}
+        moe = {**({"dispatcher": space.dispatcher_for(s.ep)} if space.dispatcher_for(s.ep) != "alltoall" else {}),
+               **({"dispatch_fp8": True} if space.dispatch_fp8_for(s.ep) else {})}
+        if moe:
+            data["moe"] = moe
         if s.cp > 1:
             data["context_parallel"] = v.context_parallel
         if v.grad_sync == "bucketed":
@@ -164,10 +166,15 @@ class SearchSpace:
     reduce_dtype: str | None = None  # the gradients' dtype in every plan (None: the dtype's default)
     grad_clip: float | None = None  # every plan clips its gradients to this global norm (None: no clipping)
     dispatcher: str = "alltoall"  # how every plan with expert parallelism sends tokens to their experts
+    dispatch_fp8: bool = False  # every plan with expert parallelism sends tokens to their experts in fp8
 
     def dispatcher_for(self, ep: int) -> str:
         """The dispatcher of a plan with expert parallelism ``ep`` (without it there is nothing to dispatch)."""
         return self.dispatcher if ep > 1 else "alltoall"
+
+    def dispatch_fp8_for(self, ep: int) -> bool:
+        """Whether a plan with expert parallelism ``ep`` dispatches in fp8 (without it there is nothing to send)."""
+        return self.dispatch_fp8 and ep > 1
 
     def allows(self, dim: str, value: int) -> bool:
         """Whether ``dim`` (dp, tp, pp, cp or ep) may take ``value`` (``degrees`` restricts some)."""
