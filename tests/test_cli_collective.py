@@ -47,9 +47,10 @@ def test_json_has_the_shared_result_schema(capsys):
 
 def test_sweep_table_and_plot(capsys, tmp_path):
     png = tmp_path / "bw.png"
-    code, out, _ = run(capsys, "collective", "all-reduce", "--sweep", "1KiB:1MiB:4", "--plot", str(png))
+    code, out, err = run(capsys, "collective", "all-reduce", "--sweep", "1KiB:1MiB:4", "--plot", str(png))
     assert code == 0 and png.stat().st_size > 0
-    title, header, _, *rows, wrote = out.splitlines()
+    assert f"wrote {png}" in err  # stderr: with --json, stdout holds the JSON alone
+    title, header, _, *rows = out.splitlines()
     assert header.split()[:6] == ["size", "(KiB)", "bytes", "time", "(us)", "algbw"]  # one unit per column
     assert [row.split()[:2] for row in rows] == [["1", "1024"], ["4", "4096"], ["16", "16384"], ["64", "65536"],
                                                  ["256", "262144"], ["1024", "1048576"]]
@@ -62,10 +63,18 @@ def test_sweep_table_and_plot(capsys, tmp_path):
     (["collective", "--gpus", "12"], "whole nodes"),
     (["collective", "all-reduce", "--gpus", "6", "--algorithm", "recursive"], "power-of-two"),
     (["collective", "--sweep", "8GiB:1KiB"], "MIN <= MAX"),
+    (["collective", "gather", "--gpus", "1", "--size", "1MiB"], "gather on 1 GPU moves nothing between GPUs"),
+    (["collective", "all-to-all", "--gpus", "1", "--deepep", "2,8"], "all-to-all on 1 GPU moves nothing"),
+    (["collective", "send-recv"], "no algorithm can run send-recv on 8 ranks: send/recv runs between 2 ranks"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_json_with_a_plot_is_json_alone_on_stdout(capsys, tmp_path):
+    code, out, err = run(capsys, "collective", "--sweep", "1MiB:4MiB", "--json", "--plot", str(tmp_path / "b.png"))
+    assert code == 0 and len(json.loads(out)["results"]) == 3 and "wrote" in err
 
 
 def test_a_malformed_cluster_file_names_file_and_key(capsys, tmp_path):

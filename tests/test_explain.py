@@ -54,6 +54,13 @@ def test_zero_bubble_says_when_its_formula_does_not_apply(capsys):
     assert "holds when m >= p and t_w <= min(t_f, t_i)" in out
 
 
+@pytest.mark.parametrize("schedule", ["zero-bubble", "zb-h2", "zbv", "dualpipe-v"])
+def test_a_pass_that_takes_no_time_is_left_out_of_the_picture(capsys, schedule):
+    code, out, _ = run(capsys, "explain", "bubble", "--schedule", schedule, "--tw", "0")
+    picture = out.split("The picture")[1]
+    assert code == 0 and "W" not in picture.split("\n", 1)[1] and "F0" in picture
+
+
 def test_zbv_has_only_the_simulation(capsys):
     code, out, _ = run(capsys, "explain", "bubble", "--schedule", "zbv")
     assert code == 0
@@ -78,10 +85,10 @@ def test_json_is_for_scripts(capsys):
 
 def test_gantt_flag_writes_a_png_instead_of_the_terminal_picture(capsys, tmp_path):
     path = tmp_path / "1f1b.png"
-    code, out, _ = run(capsys, "explain", "bubble", "--gantt", str(path))
+    code, out, err = run(capsys, "explain", "bubble", "--gantt", str(path))
     assert code == 0
     assert path.read_bytes().startswith(PNG_MAGIC)
-    assert f"wrote {path}" in out and "5. The picture" not in out
+    assert f"wrote {path}" in err and "5. The picture" not in out
 
 
 @pytest.mark.parametrize("argv,message", [

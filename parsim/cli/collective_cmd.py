@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
@@ -77,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         raise ParsimError("--plot draws bandwidth against size: it needs --sweep")
     check_outputs(args, pictures=("--plot",))
     topo, gpus = topology_from_args(args)
+    if gpus < 2:
+        raise ParsimError(f"{op.replace('_', '-')} on 1 GPU moves nothing between GPUs: give --gpus 2 or more")
     group = np.arange(gpus)
     if args.sweep is not None:
         sizes = parse_size_range(args.sweep)
@@ -98,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
             plot_bandwidth({"simulated": [p.result() for p in predictions]}, args.plot,
                            title=f"{op.replace('_', '-')} on {gpus} GPUs of {topo.spec.name}")
-            print(f"wrote {args.plot}")
+            print(f"wrote {args.plot}", file=sys.stderr)
         return 0
     size = parse_size(args.size)
     check_buffer(size, topo.spec)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..calibrate.compare_collectives import compare_collectives, median_abs_error
 from ..errors import ParsimError
@@ -207,5 +208,5 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
 
         plot_bandwidth({"measured": [r.measured for r in rows], "predicted": [r.predicted for r in rows]},
                        args.plot, title=f"{op.replace('_', '-')} on {nranks} ranks")
-        print(f"wrote {args.plot}")
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0

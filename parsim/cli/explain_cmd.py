@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 from ..errors import ParsimError
 from ..report.jsondoc import print_json
@@ -97,7 +98,7 @@ def run_bubble(args: argparse.Namespace) -> int:
 
         draw_gantt(timing.to_trace(), args.gantt, _title(schedule, timing))
         if not args.json:
-            print(f"wrote {args.gantt}")
+            print(f"wrote {args.gantt}", file=sys.stderr)
     return 0
 
 

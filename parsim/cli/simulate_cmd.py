@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         from ..report.gantt import draw_gantt
 
         draw_gantt(prediction.trace, args.gantt, title=f"{plan.name} on {prediction.cluster.name} (simulated)")
-        print(f"wrote {args.gantt}")
+        print(f"wrote {args.gantt}", file=sys.stderr)
     return 0
 
 

@@ -106,7 +106,8 @@ def ascii_gantt(trace: Trace, max_slots: int = 200) -> str | None:
 
     A pass shows its label (``F3``: forward of microbatch 3; ``4F3`` in
     PyTorch's notation, stage first, when a rank owns several stages) in its
-    first slot and ``--`` in the slots it still runs; ``.`` is an idle slot.
+    first slot and ``--`` in the slots it still runs; ``.`` is an idle slot;
+    a pass that takes no time is left out.
     The slot is the largest time that divides every start and duration
     (e.g. 1 unit for t_f = 1, t_b = 2). Returns None when the step would need
     more than ``max_slots`` slots (measured traces, odd ratios).
@@ -131,6 +132,8 @@ def ascii_gantt(trace: Trace, max_slots: int = 200) -> str | None:
         cells = ["."] * n
         for e in per_rank.get(rank, []):
             first, last = round(e.start_s / slot), round(e.end_s / slot)
+            if last == first:  # a pass that takes no time (--tw 0) holds no slot
+                continue
             cells[first] = texts[id(e)]
             cells[first + 1:last] = ["-" * (width - 1)] * (last - first - 1)
         lines.append(f"rank {rank}: " + "".join(c.ljust(width) for c in cells).rstrip())

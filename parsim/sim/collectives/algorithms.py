@@ -103,7 +103,8 @@ def applicable_algorithms(topo: Topology, op: str, group: np.ndarray) -> dict[st
         elif name == "pat" and len(nodes) != n:
             reasons[name] = "PAT runs with one GPU per node"
         elif name == "collnet" and not (topo.spec.nccl and topo.spec.nccl.collnet):
-            reasons[name] = f"{topo.spec.name} declares no in-network reduction (nccl.collnet: true)"
+            reasons[name] = (f"{topo.spec.name} declares no in-network reduction (SHARP; a cluster file "
+                             f"declares it with nccl: {{collnet: true}})")
         elif name == "collnet" and (len(nodes) < 2 or not _uniform_nodes(topo, group)):
             reasons[name] = "CollNet needs ranks on several nodes, the same number on each"
         elif name == "direct" and op in ("all_gather", "reduce_scatter", "all_reduce") and len(nodes) > 1:

@@ -161,10 +161,11 @@ def predict(topo: Topology, op: str, size: int, group=None, algorithm: str = "au
         algorithm = PARSIM_ALGORITHM[choice.chosen.algo]
         candidates = {c.name: c.time_us * 1e-6 for c in choice.candidates}
     if algorithm == "auto":
-        usable = [a for a, why in applicable_algorithms(topo, op, group).items()
-                  if not why and a in NCCL_ALGORITHMS[op]]
+        reasons = {a: why for a, why in applicable_algorithms(topo, op, group).items() if a in NCCL_ALGORITHMS[op]}
+        usable = [a for a, why in reasons.items() if not why]
         if not usable:
-            raise ParsimError(f"no algorithm can run {op.replace('_', '-')} on {len(group)} ranks")
+            why = "; ".join(dict.fromkeys(reasons.values()))
+            raise ParsimError(f"no algorithm can run {op.replace('_', '-')} on {len(group)} ranks: {why}")
         runs = {a: time_phases(topo, build_phases(topo, op, a, group, size, root)) for a in usable}
         candidates = {a: t for a, (t, _) in runs.items()}
         algorithm = min(candidates, key=candidates.get)
