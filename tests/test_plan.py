@@ -301,7 +301,7 @@ def test_inline_model_and_overrides():
 @pytest.mark.parametrize("text, message", [
     ("model: course-mlp\nparallel: {dp: 4, sp: 2}\n",
      "parallel.sp: unknown key (expected one of dp, tp, pp, cp, ep, order)"),
-    ("model: course-mlp\nzero: 3\n", "zero: unknown key (expected one of name, description, model, parallel"),
+    ("model: course-mlp\nzero: 3\n", "zero: unknown key (expected one of name, description, cluster, model, parallel"),
     ("model: course-mlp\nparallel: {dp: two}\n", "parallel.dp: is 'two' (expected a whole number)"),
     ("model: course-mlp\nparallel: 4\n", "parallel: is int 4 (expected a mapping of keys)"),
     ("model: course-mlp\ndata_parallel: {bucket_size: lots}\n",

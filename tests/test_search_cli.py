@@ -128,7 +128,7 @@ def test_the_header_counts_in_words_that_agree_with_the_numbers(capsys):
 
 def test_a_space_with_no_plan_says_so_and_draws_nothing(capsys, tmp_path):
     png = tmp_path / "front.png"
-    assert main(TINY + ["--tp", "3", "--explain", "--plot", str(png)]) == 0
+    assert main(TINY + ["--max-memory", "1KB", "--explain", "--plot", str(png)]) == 0
     out, err = capsys.readouterr()
     assert "no plan to rank" in out and "--plot: no plan to draw" in err and not png.exists()
 
@@ -136,6 +136,10 @@ def test_a_space_with_no_plan_says_so_and_draws_nothing(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--model", "tiny-gpt", "--gpus", "8", "--tp", "two"], "--tp 'two': give whole numbers"),
     (["--model", "tiny-gpt", "--gpus", "8", "--pp", "0,2"], "--pp '0,2': degrees are positive"),
+    (["--model", "tiny-gpt", "--gpus", "8", "--tp", "3"], "--tp 3: no plan of 8 GPUs has it"),
+    (["--model", "tiny-gpt", "--gpus", "8", "--ep", "2"], "--ep 2: tiny-gpt is a dense model"),
+    (["--model", "llama3-8b", "--gpus", "8", "--seq", "1000"], "the default --global-batch 4M-tokens: 4,194,304 "
+                                                                "tokens is not a whole number of 1,000-token"),
     (["--model", "nope", "--gpus", "8"], "unknown model 'nope'"),
     (["--model", "tiny-gpt", "--gpus", "12"], "does not fill whole nodes"),
     (["--model", "tiny-gpt", "--gpus", "eight"], "whole numbers separated by commas"),

@@ -126,6 +126,9 @@ def _routing(text: str) -> TokenRouting:
     k, experts, nodes = (int(p) for p in parts + ["0"] * (3 - len(parts)))
     if not 1 <= k <= experts:
         raise argparse.ArgumentTypeError(f"{text!r}: K must be from 1 to E")
+    if len(parts) == 3 and nodes < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: M, the nodes a token may reach, is at least 1 (leave it out "
+                                         f"for no limit)")
     return TokenRouting(k, experts, nodes)
 
 

@@ -17,6 +17,13 @@ from ..units import format_size, format_time
 from ..workload.memory import Memory
 
 DEFAULT_CLUSTER = "dgx-h100"
+PLAN_CLUSTER_HELP = f"cluster (default: the one the plan names with cluster:, else {DEFAULT_CLUSTER})"
+
+
+def plan_cluster(given: str | None, plan) -> ClusterSpec:
+    """The cluster ``--cluster`` names, else the one the plan was written for (its ``cluster:``), else
+    :data:`DEFAULT_CLUSTER`."""
+    return load_cluster(given or plan.cluster or DEFAULT_CLUSTER)
 
 
 def add_cluster_args(parser: argparse.ArgumentParser, default: str | None = DEFAULT_CLUSTER) -> None:

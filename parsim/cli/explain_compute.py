@@ -6,14 +6,13 @@ import argparse
 import dataclasses
 
 from ..errors import ParsimError
-from ..hardware.cluster import load_cluster
 from ..lowering.kernels import BlockWork, block_work
 from ..lowering.lower import Lowering
 from ..report.jsondoc import print_json
 from ..report.table import render_table
 from ..sim.compute import MATMUL_TILE, ComputeModel
 from ..units import format_size, format_time, time_unit
-from .common import DEFAULT_CLUSTER
+from .common import DEFAULT_CLUSTER, plan_cluster
 from .plan_cmd import add_plan_args, plan_from_args
 
 HELP = f"""\
@@ -66,8 +65,8 @@ def register(topics) -> None:
     c = topics.add_parser("compute", help="one layer's kernels on one GPU, step by step", description=HELP,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plan_args(c)
-    c.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="NAME|FILE",
-                   help=f"cluster whose GPU runs it (default {DEFAULT_CLUSTER})")
+    c.add_argument("--cluster", metavar="NAME|FILE", help=f"cluster whose GPU runs it (default: the one the plan "
+                                                          f"names with cluster:, else {DEFAULT_CLUSTER})")
     c.add_argument("--layer", default="layer.0", help="entry to explain: layer.N, embedding or head (default layer.0)")
     c.add_argument("--sms-held", type=int, default=0, metavar="N",
                    help="SMs a collective's kernel beside the layer holds: the layer runs on the rest (default 0)")
@@ -77,7 +76,7 @@ def register(topics) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
-    spec = load_cluster(args.cluster)
+    spec = plan_cluster(args.cluster, plan)
     model = ComputeModel.for_cluster(spec, plan.dtype, plan.dtype_bytes, attention_seq=plan.attention_seq)
     costs = {c.name: c for s in range(plan.num_stages) for c in plan.stage_costs(s)}
     if args.layer not in costs:

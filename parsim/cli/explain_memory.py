@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 
 from ..errors import ParsimError
-from ..hardware.cluster import load_cluster
 from ..report.jsondoc import print_json
 from ..workload.memory import ADAM_STATE_BYTES, FP32, Memory, memory, saved_bytes_per_token
 from ..workload.model import LayerCost
 from ..workload.plan import Plan
-from .common import DEFAULT_CLUSTER, memory_table
+from .common import DEFAULT_CLUSTER, memory_table, plan_cluster
 from .plan_cmd import add_plan_args, plan_from_args
 
 HELP = """\
@@ -35,8 +34,9 @@ def register(topics) -> None:
     m = topics.add_parser("memory", help="a plan's memory per GPU, step by step", description=HELP,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plan_args(m)
-    m.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="NAME|FILE",
-                   help=f"cluster whose GPU memory to compare with (default {DEFAULT_CLUSTER})")
+    m.add_argument("--cluster", metavar="NAME|FILE",
+                   help=f"cluster whose GPU memory to compare with (default: the one the plan names with cluster:, "
+                        f"else {DEFAULT_CLUSTER})")
     m.add_argument("--pp-rank", type=int, help="pipeline rank to explain (default: the one needing the most)")
     m.add_argument("--json", action="store_true", help="print JSON for scripts")
     m.set_defaults(func=run)
@@ -44,7 +44,7 @@ def register(topics) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
-    capacity = load_cluster(args.cluster).gpu.hbm_capacity_bytes
+    capacity = plan_cluster(args.cluster, plan).gpu.hbm_capacity_bytes
     ranks = memory(plan)
     if args.pp_rank is not None and not 0 <= args.pp_rank < plan.pp:
         raise ParsimError(f"--pp-rank {args.pp_rank} is outside 0..{plan.pp - 1}")

@@ -8,6 +8,7 @@ values (or a plan made of flags alone, from ``--model``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from ..errors import ParsimError
@@ -159,7 +160,11 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
     }
     overrides = _drop_unset(flags)
     if args.plan:
-        return resolve_plan(args.plan, gpus=gpus, overrides=overrides)
+        plan = resolve_plan(args.plan, gpus=gpus, overrides=overrides)
+        if overrides and plan.description:  # it describes the plan as written, no longer this one
+            plan = dataclasses.replace(plan, description=f"changed on the command line (as written: "
+                                                         f"{plan.description})")
+        return plan
     if args.model is None:
         raise ParsimError("give a plan (an example name or a YAML file) or --model to build one from flags")
     plan = load_plan({"name": "command-line"}, gpus=gpus, overrides=overrides)

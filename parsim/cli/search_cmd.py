@@ -145,6 +145,8 @@ def request_from_args(args: argparse.Namespace) -> SearchRequest:
         model = dataclasses.replace(model, seq_len=args.seq)
         spec = model.to_dict()  # plan files then carry the model inline
     gpus = _gpus(args.gpus, cluster)
+    degrees = _degrees(args)
+    _check_degrees(degrees, gpus, model)
     for name, value in (("--top", args.top), ("--simulate", args.simulate)):
         if value < 0:
             raise ParsimError(f"{name} {value}: give a count >= 0")
@@ -159,7 +161,7 @@ def request_from_args(args: argparse.Namespace) -> SearchRequest:
     return SearchRequest(model, spec, cluster, gpus, _global_batch(args.global_batch, model), args.dtype, max_memory,
                          args.price_per_gpu_hour, None if args.tokens is None else parse_count(args.tokens, "--tokens"),
                          args.sort, keep=max(50, args.top, args.simulate), simulate=args.simulate,
-                         degrees=_degrees(args), adamw=args.adamw, reduce_dtype=args.reduce_dtype,
+                         degrees=degrees, adamw=args.adamw, reduce_dtype=args.reduce_dtype,
                          grad_clip=args.grad_clip, dispatcher=args.dispatcher,
                          dispatch_fp8=args.dispatch_fp8)
 
@@ -181,6 +183,20 @@ def _degrees(args: argparse.Namespace) -> tuple[tuple[str, tuple[int, ...]], ...
     return tuple(out)
 
 
+def _check_degrees(degrees: tuple[tuple[str, tuple[int, ...]], ...], gpus: tuple[int, ...], model) -> None:
+    """Refuse a degree no plan can have: ``dp x tp x pp x cp`` is the GPU count, so each divides it (and ``ep``,
+    which groups data-parallel ranks, too); expert parallelism needs experts."""
+    for dim, values in degrees:
+        if dim == "ep" and values != (1,) and not getattr(model, "is_moe", False):
+            raise ParsimError(f"--ep {','.join(map(str, values))}: {model.name} is a dense model, with no experts "
+                              f"to spread over ranks")
+        impossible = [v for v in values if not any(n % v == 0 for n in gpus)]
+        if impossible:
+            counts = " or ".join(f"{n:,}" for n in gpus)
+            raise ParsimError(f"--{dim} {','.join(map(str, impossible))}: no plan of {counts} GPUs has it (dp x tp "
+                              f"x pp x cp is the GPU count, so each degree divides it)")
+
+
 def _gpus(text: str, cluster) -> tuple[int, ...]:
     counts = []
     for part in str(text).split(","):
@@ -196,6 +212,7 @@ def _gpus(text: str, cluster) -> tuple[int, ...]:
 def _global_batch(text: str | None, model) -> int:
     """Samples per step from ``512`` or ``4M-tokens`` (default 4M tokens, or an MLP model's own batch)."""
     per_sample = model.tokens_per_sample
+    given = text is not None
     if text is None:
         if per_sample == 1:
             return model.batch_size
@@ -204,8 +221,9 @@ def _global_batch(text: str | None, model) -> int:
     if match:
         tokens = parse_size(match.group(1))
         if tokens % per_sample or not tokens:
-            raise ParsimError(f"--global-batch {text}: {tokens:,} tokens is not a whole number of "
-                              f"{per_sample:,}-token sequences")
+            raise ParsimError(f"{'' if given else 'the default '}--global-batch {text}: {tokens:,} tokens is not a "
+                              f"whole number of {per_sample:,}-token sequences"
+                              f"{'' if given else '; give --global-batch in sequences or tokens'}")
         return tokens // per_sample
     try:
         samples = int(text)

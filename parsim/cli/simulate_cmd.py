@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..hardware.cluster import load_cluster
 from ..report.jsondoc import print_json
 from ..report.step_report import PHASES, comm_overlap
 from ..report.table import render_table
@@ -13,8 +12,8 @@ from ..sim.collectives.deepep import DEEPEP_SMS
 from ..sim.jitter import RankEnds
 from ..sim.step import StepPrediction, predict_step
 from ..units import format_time
-from .common import (DEFAULT_CLUSTER, OpsProgress, check_outputs, memory_table, note_launch_bound,
-                     note_stages_sharing_cores, note_unmeasured_matmuls)
+from .common import (PLAN_CLUSTER_HELP, OpsProgress, check_outputs, memory_table, note_launch_bound,
+                     note_stages_sharing_cores, note_unmeasured_matmuls, plan_cluster)
 from .plan_cmd import add_plan_args, plan_from_args
 
 DEFAULT_PLAN = "llama3-70b-1024"
@@ -53,7 +52,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="predict a training step: time, bubbles, MFU, memory",
                               description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plan_args(p)
-    p.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="NAME|FILE", help="cluster (default dgx-h100)")
+    p.add_argument("--cluster", metavar="NAME|FILE", help=PLAN_CLUSTER_HELP)
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.add_argument("--trace", metavar="DIR|FILE.json",
                    help="write the step's trace: a folder gets one Kineto file per rank (Perfetto, Holistic Trace "
@@ -67,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plan is None and args.model is None:
         args.plan = DEFAULT_PLAN
     plan = plan_from_args(args)
-    cluster = load_cluster(args.cluster)
+    cluster = plan_cluster(args.cluster, plan)
     progress = OpsProgress(f"simulating {plan.name}")
     try:
         prediction = predict_step(plan, cluster, progress)

@@ -326,6 +326,7 @@ class Plan:
     recompute_modules: tuple[str, ...] | None = None  # selective recompute's (None: its default, the core's)
     name: str = "plan"
     description: str = ""
+    cluster: str = ""  # the cluster it was written for (a name or file): commands' default for --cluster
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "bucket_size",
@@ -928,14 +929,16 @@ class Plan:
             data["layers_per_stage"] = split if isinstance(split, str) else list(split)
         if self.description:
             data["description"] = self.description
+        if self.cluster:
+            data["cluster"] = self.cluster
         return data
 
 
 # --------------------------------------------------------------------------- loading
-_TOP_KEYS = ("name", "description", "model", "parallel", "batch", "schedule", "virtual_stages", "layers_per_stage",
-             "dtype", "tensor_parallel", "sequence_parallel", "tp_comm_overlap", "tp_async_backward",
-             "context_parallel", "activation_recompute", "data_parallel", "grad_accumulation", "adamw", "grad_clip",
-             "moe")
+_TOP_KEYS = ("name", "description", "cluster", "model", "parallel", "batch", "schedule", "virtual_stages",
+             "layers_per_stage", "dtype", "tensor_parallel", "sequence_parallel", "tp_comm_overlap",
+             "tp_async_backward", "context_parallel", "activation_recompute", "data_parallel", "grad_accumulation",
+             "adamw", "grad_clip", "moe")
 _RECOMPUTE_KEYS = ("granularity", "layers", "modules")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
 _MOE_KEYS = ("capacity_factor", "expert_load", "ep_comm_overlap", "dispatch_fp8", "dispatcher")
@@ -1037,6 +1040,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         overlap_param_gather=sync.boolean("overlap_param_gather", False),
         reduce_dtype=sync.text("reduce_dtype"),
         name=top.text("name", default_name), description=top.text("description", ""),
+        cluster=top.text("cluster", ""),
     )
 
 

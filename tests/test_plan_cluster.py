@@ -1,0 +1,37 @@
+"""A plan file may name the cluster it was written for (``cluster:``): the default ``--cluster`` of the commands
+that price it; and a plan changed on the command line no longer claims its file's description."""
+
+from __future__ import annotations
+
+import json
+
+from parsim.cli.main import main
+from parsim.workload.plan import resolve_plan
+
+
+def test_deepseek_v3_runs_on_the_h800s_it_was_written_for_unless_told_otherwise(capsys):
+    plan = resolve_plan("deepseek-v3-2048")
+    assert plan.cluster == "hgx-h800" and plan.to_dict()["cluster"] == "hgx-h800"
+    assert main(["explain", "memory", "deepseek-v3-2048", "--json"]) == 0
+    h800 = json.loads(capsys.readouterr().out)
+    assert main(["explain", "memory", "deepseek-v3-2048", "--cluster", "dgx-h200", "--json"]) == 0
+    h200 = json.loads(capsys.readouterr().out)
+    assert h800["capacity_bytes"] == 80e9 and h200["capacity_bytes"] == 141e9
+
+
+def test_a_plan_without_a_cluster_keeps_the_default(tmp_path, capsys):
+    path = tmp_path / "p.yaml"
+    path.write_text("model: tiny-gpt\nparallel: {dp: 2}\n")
+    assert main(["explain", "compute", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"] == "dgx-h100"
+    path.write_text("model: tiny-gpt\nparallel: {dp: 2}\ncluster: dgx-a100\n")
+    assert main(["explain", "compute", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"] == "dgx-a100"
+
+
+def test_a_plan_changed_on_the_command_line_says_so_in_its_title(capsys):
+    assert main(["plan", "show", "llama3-70b-1024", "--tp", "4", "--pp", "16"]) == 0
+    title = capsys.readouterr().out.splitlines()[0]
+    assert title.startswith("plan llama3-70b-1024: changed on the command line (as written: Llama 3 70B, TP 8")
+    assert main(["plan", "show", "llama3-70b-1024"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("plan llama3-70b-1024: Llama 3 70B, TP 8 x PP 8")
