@@ -15,6 +15,7 @@ from parsim.hardware.cluster import load_cluster, parse_cluster
 from parsim.search.fast import FastModel
 from parsim.search.search import SearchRequest, run_search
 from parsim.search.space import SearchSpace, enumerate_settings
+from parsim.units import format_time
 from parsim.workload.model import load_model
 
 TINY = ["search", "--model", "tiny-gpt", "--gpus", "8", "--global-batch", "8", "--simulate", "2", "--top", "4"]
@@ -108,6 +109,24 @@ def test_text_report_explains_the_winner_and_draws_the_front(capsys, tmp_path):
     assert "ranked plans" in out and "Pareto front" in out and "parsim simulate --model tiny-gpt" in out
     assert "why #1 beats" in out and "days" in out
     assert png.stat().st_size > 1000
+
+
+def test_the_winner_is_explained_against_the_runner_up_by_one_tier():
+    """With only #1 simulated, both plans' phases and steps are the fast tier's (not #1's simulated ones)."""
+    from parsim.report.step_report import PHASES
+    from parsim.search.report import explain
+
+    request = SearchRequest(load_model("llama3-8b"), "llama3-8b", load_cluster("dgx-h100"), (8,), 16, keep=20,
+                            simulate=1)
+    result = run_search(request)
+    a = result.ranked[0]
+    assert a.simulated is not None and result.ranked[1].simulated is None
+    table = explain(result).split("the plans differ in")[0]
+    assert "(fast tier: " in table
+    rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[3:] if line.split()[0] in PHASES}
+    # the tiers put #1's forward at 449 and 453 ms (2026-12-02): the table holds the fast tier's
+    assert " ".join(rows["forward"][:2]) == format_time(a.estimate.phases["forward"]) != format_time(
+        a.simulated.ranks[0].seconds["forward"])
 
 
 def test_degrees_restrict_the_space_and_say_what_they_left_out(capsys):

@@ -176,19 +176,24 @@ def explain(result: SearchResult) -> str:
     # The runner-up: the next plan that is not a tie (plans the same to 0.05% run alike: cp for dp, ...).
     b = next((r for r in result.ranked[1:] if r.step_s > a.step_s * (1 + TIE)), result.ranked[1])
     ties = result.ranked.index(b) - 1
-    pa, pb = _phases(a), _phases(b)
+    # Both plans by one tier: the simulation's where both were simulated, else the fast tier's.
+    simulated = a.simulated is not None and b.simulated is not None
+    pa, pb = (_phases(a), _phases(b)) if simulated else (dict(a.estimate.phases), dict(b.estimate.phases))
+    step_a, step_b = (a.step_s, b.step_s) if simulated else (a.estimate.step_s, b.estimate.step_s)
     rows = sorted(((p, pa[p], pb[p], pb[p] - pa[p]) for p in PHASES if pa[p] or pb[p]), key=lambda x: -abs(x[3]))
-    tier = "event-simulated" if a.simulated is not None and b.simulated is not None else "fast tier"
+    tier = "event-simulated" if simulated else "fast tier"
     table = render_table(["phase", "#1", f"#{ties + 2}", "difference"],
                          [[p, format_time(x), format_time(y), _signed(d)] for p, x, y, d in rows],
                          title=f"why #1 beats #{ties + 2} ({tier}: seconds per step of each plan's slowest "
                                f"pipeline rank)")
-    gap = b.step_s - a.step_s
+    gap = step_b - step_a
     biggest = [f"{p} {_signed(d)}" for p, _, _, d in rows[:3] if d]
     tied = "plan #2 runs" if ties == 1 else f"plans #2 to #{ties + 1} run"
+    verdict = (f"#1 is {format_time(gap)} ({gap / step_b:.1%}) faster per step" if gap >= 0 else
+               f"by the fast tier #{ties + 2} is {format_time(-gap)} ({-gap / step_b:.1%}) faster per step; "
+               f"#1's event simulation ranks it first")
     lines = [table, (f"{tied} within {TIE:.2%} of #1: the runner-up is #{ties + 2}\n" if ties else "")
-             + f"#1 is {format_time(gap)} ({gap / b.step_s:.1%}) faster per step"
-             + (f"; the phases that differ most: {', '.join(biggest)}" if biggest else ""),
+             + verdict + (f"; the phases that differ most: {', '.join(biggest)}" if biggest else ""),
              "the plans differ in: " + (", ".join(_differences(a, b)) or "nothing but their names")]
     if a.simulated is not None:
         fast, sim = a.estimate.phases, _phases(a)
