@@ -145,6 +145,15 @@ def test_compare_of_an_unknown_target_is_one_line(capsys):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("target", ["all-reduce", "tiny-pp2"])
+def test_compare_without_a_host_file_says_how_to_write_one(target, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", target, "--measured", str(tmp_path / "m.json")]) == 2
+    err = capsys.readouterr().err
+    assert "no my-host.yaml here to describe this machine: write it with `parsim calibrate`" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_a_comparison_of_different_machines_is_flagged(capsys):
     """A GPU cluster against gloo on this CPU host, or a CPU host's file against NCCL: a warning each; a
     calibrated host against gloo, or a GPU cluster against NCCL: nothing."""

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..calibrate.compare_collectives import compare_collectives, median_abs_error
 from ..errors import ParsimError
-from ..hardware.cluster import load_cluster
+from ..hardware.cluster import ClusterSpec, load_cluster
 from ..report.jsondoc import print_json
 from ..report.results import canonical_op, load_results, save_results
 from ..report.table import render_table
@@ -79,12 +80,24 @@ PLAN_ONLY = ("steps", "trace", "no_speed_probe")
 RUN_ONLY = ("nproc", "backend", "steps", "timeout", "save_measured", "no_speed_probe")  # nothing to run: --measured
 
 
+HOST_FILE = "my-host.yaml"  # parsim calibrate's default --out
+
+
+def host_cluster(name: str) -> ClusterSpec:
+    """The cluster ``--cluster`` names; the default file, missing, is one line on how to write it."""
+    if name == HOST_FILE and not Path(name).exists():
+        raise ParsimError(f"no {HOST_FILE} here to describe this machine: write it with `parsim calibrate`, or give "
+                          f"--cluster NAME|FILE")
+    return load_cluster(name)
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("compare", help="predicted vs measured, side by side",
                               description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="a collective (all-reduce, ...) or a plan (name or YAML file)")
-    p.add_argument("--cluster", default="my-host.yaml", metavar="NAME|FILE",
-                   help="cluster file describing the measuring machine (default my-host.yaml)")
+    p.add_argument("--cluster", default=HOST_FILE, metavar="NAME|FILE",
+                   help=f"cluster file describing the measuring machine (default {HOST_FILE}, what parsim "
+                        f"calibrate writes)")
     p.add_argument("--nproc", type=int, help="ranks to run (default 2 for collectives, the plan's world for plans)")
     p.add_argument("--sweep", help=f"collectives: sizes (default {DEFAULT_SWEEP})")
     p.add_argument("--size", help="collectives: one size instead of a sweep")
@@ -148,7 +161,7 @@ def _refuse(args: argparse.Namespace, names: tuple[str, ...], target: str) -> No
 
 
 def _collectives(args: argparse.Namespace, op: str) -> int:
-    spec = load_cluster(args.cluster)
+    spec = host_cluster(args.cluster)
     if args.measured is not None:
         measured = [r for r in load_results(args.measured) if r.op == op]
         if not measured:

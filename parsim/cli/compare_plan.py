@@ -11,7 +11,7 @@ import numpy as np
 
 from ..calibrate.host_load import ForeignLoad
 from ..errors import ParsimError
-from ..hardware.cluster import Curve, load_cluster
+from ..hardware.cluster import Curve
 from ..kineto.match import CollectiveRow, match_collectives
 from ..kineto.read import measured_trace, read_profiles
 from ..report.jsondoc import print_json
@@ -24,7 +24,7 @@ from ..units import format_size, format_time, size_unit, time_unit
 from ..workload.plan import Plan
 from .common import (expert_load_text, note, note_executor_kernels, note_launch_bound, note_stages_sharing_cores,
                      progress, warn_other_machine)
-from .compare_cmd import COMPARE_STEPS
+from .compare_cmd import COMPARE_STEPS, host_cluster
 from .plan_cmd import plan_from_args
 
 # Measured steps whose slowest is this many times their fastest make one run's median a poor estimate.
@@ -38,7 +38,7 @@ WAIT_NOTE_S = 1e-6
 def compare_plan_command(args: argparse.Namespace) -> int:
     args.plan = args.target
     plan = plan_from_args(args)
-    cluster = load_cluster(args.cluster)
+    cluster = host_cluster(args.cluster)
     if args.measured is not None:
         measured, source = _profiled(plan, args.measured), f"torch.profiler traces in {args.measured}"
     nproc = plan.world if args.nproc is None else args.nproc
