@@ -23,7 +23,9 @@ def read_yaml(path: str | Path) -> object:
     try:
         text = path.read_text()
         node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if node is not None and _expanded_size(node, {}) > MAX_YAML_VALUES:
+        if node is None:  # no document: every file parsim reads holds one
+            raise ConfigError(str(path), "(file)", "is empty", "a YAML document")
+        if _expanded_size(node, {}) > MAX_YAML_VALUES:
             raise ConfigError(str(path), "(file)", f"expands to more than {MAX_YAML_VALUES:,} values through "
                                                    f"its aliases (&name / *name)", "a configuration file")
         return yaml.safe_load(text)

@@ -405,8 +405,8 @@ def test_balanced_split_leaves_an_end_stage_empty_where_its_extra_outweighs_a_st
 
 @pytest.mark.parametrize("split, message", [
     ((8, 8), "lists 2 stages, but pp 4"),
-    ((1, 0, 2, 1), "every stage but a transformer's first and last at least one layer"),
-    ((2, 2, 2, 2), "add up to the model's 4 layers"),
+    ((1, 0, 2, 1), "leaves stage 1 without a layer: every stage but a transformer's first and last needs"),
+    ((2, 2, 2, 2), r"adds up to 8 layers, not the model's 4"),
 ])
 def test_explicit_stage_splits_are_checked(split, message):
     with pytest.raises(ParsimError, match=message):

@@ -35,3 +35,17 @@ def test_a_plan_changed_on_the_command_line_says_so_in_its_title(capsys):
     assert title.startswith("plan llama3-70b-1024: changed on the command line (as written: Llama 3 70B, TP 8")
     assert main(["plan", "show", "llama3-70b-1024"]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("plan llama3-70b-1024: Llama 3 70B, TP 8 x PP 8")
+
+
+def test_bad_plan_paths_and_flags_are_named_plainly(tmp_path, capsys):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    for argv, message in ((["simulate", str(empty)], "empty.yaml: (file): is empty (expected a YAML document)"),
+                          (["simulate", str(tmp_path)], "is a folder: give a plan file in it"),
+                          (["simulate", "--nosuch-flag"], "unrecognized arguments: --nosuch-flag (see 'parsim "
+                                                          "simulate --help')"),
+                          (["explain", "compute", "llama3-8b-fsdp8", "--layer", "layer.32"],
+                           "the model has embedding, head, layer.0 to layer.31")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     model = ComputeModel.for_cluster(spec, plan.dtype, plan.dtype_bytes, attention_seq=plan.attention_seq)
     costs = {c.name: c for s in range(plan.num_stages) for c in plan.stage_costs(s)}
     if args.layer not in costs:
-        names = [n for n in costs if not n.startswith("layer.")] + ["layer.0", f"layer.{plan.model.num_layers - 1}"]
+        names = [n for n in costs if not n.startswith("layer.")] + [f"layer.0 to layer.{plan.model.num_layers - 1}"]
         raise ParsimError(f"--layer {args.layer!r}: the model has {', '.join(names)}")
     cost = costs[args.layer]
     held = args.sms_held

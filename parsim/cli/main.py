@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     wants_json = "--json" in argv
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the subcommand they were given to, whose --help lists what it takes
+            prog = f"parsim {args.command}" if getattr(args, "command", None) else "parsim"
+            raise UsageError(prog, f"unrecognized arguments: {' '.join(extra)} (see '{prog} --help')")
     except UsageError as err:
         return _fail(err.prog, str(err), wants_json)
     if not getattr(args, "func", None):

@@ -589,10 +589,13 @@ class Plan:
         # A transformer's first stage may hold only the embedding and its last only the head (and any multi-token
         # prediction modules), as Megatron-LM's pipeline layouts allow ("Et|(tt|)*30mL" for DeepSeek-V3)
         ends = 0 if isinstance(self.model, TransformerModel) else 1
-        if min(split[1:-1], default=1) < 1 or min(split[0], split[-1]) < ends or sum(split) != layers:
+        if sum(split) != layers:
+            self._fail(f"layers_per_stage {list(split)} adds up to {sum(split)} layers, not the model's {layers}")
+        empty = [s for s, n in enumerate(split) if n < (ends if s in (0, stages - 1) else 1)]
+        if empty:
             whom = "every stage but a transformer's first and last" if ends == 0 else "every stage"
-            self._fail(f"layers_per_stage {list(split)} must give {whom} at least one layer and add up to "
-                       f"the model's {layers} layers (they add up to {sum(split)})")
+            self._fail(f"layers_per_stage {list(split)} leaves stage{'s' if len(empty) > 1 else ''} "
+                       f"{', '.join(map(str, empty))} without a layer: {whom} needs at least one")
 
     # -- sizes ----------------------------------------------------------------
     @property
@@ -960,6 +963,9 @@ def resolve_plan(name_or_path: str | Path, *, gpus: int | None = None,
     presets = builtin_plans()
     if text in presets:
         return load_plan(presets[text], gpus=gpus, overrides=overrides)
+    if Path(text).is_dir():
+        raise ParsimError(f"plan {text!r} is a folder: give a plan file in it, or an example "
+                          f"({', '.join(sorted(presets))})")
     if not Path(text).is_file():
         raise ParsimError(f"unknown plan {text!r}: not an example ({', '.join(sorted(presets))}) and no such file")
     return load_plan(Path(text), gpus=gpus, overrides=overrides)
