@@ -82,7 +82,7 @@ def format_size(nbytes: float) -> str:
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             value = nbytes / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.3g} {unit}"
+            return f"{value:,.0f} {unit}" if value == int(value) or value >= 100 else f"{value:.3g} {unit}"
     return f"{nbytes:.0f} B"
 
 
@@ -92,7 +92,8 @@ def format_time(seconds: float) -> str:
         return "0 s"
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)):
         if abs(seconds) >= scale:
-            return f"{seconds / scale:.3g} {unit}"
+            value = seconds / scale
+            return f"{value:,.0f} {unit}" if abs(value) >= 1000 else f"{value:.3g} {unit}"
     return f"{seconds / 1e-9:.3g} ns"
 
 

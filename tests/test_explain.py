@@ -97,6 +97,7 @@ def test_gantt_flag_writes_a_png_instead_of_the_terminal_picture(capsys, tmp_pat
     (["--pp", "0"], "pipeline size must be at least 1"),
     (["--tf", "-1"], "--tf must be a finite time >= 0"),
     (["--schedule", "zero-bubble", "--tw", "3"], "--tw (3) is part of the backward and cannot exceed --tb (2)"),
+    (["--schedule", "1f1b", "--tw", "1"], "--tw 1: 1f1b runs each backward whole"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, "explain", "bubble", *argv)

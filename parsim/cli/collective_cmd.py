@@ -51,13 +51,15 @@ bandwidths: docs/nccl-accuracy.md.
 """
 
 
+DEFAULT_SIZE = "1GiB"
+
 def register(subparsers) -> None:
     ops = ", ".join(op.replace("_", "-") for op in OPERATIONS)
     p = subparsers.add_parser("collective", help="predict a collective's time and bandwidth",
                               description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("op", nargs="?", default="all-reduce", help=f"operation ({ops}); default all-reduce")
     add_cluster_args(p)
-    p.add_argument("--size", default="1GiB", help="message size, e.g. 4096, 512MB, 1GiB (default 1GiB)")
+    p.add_argument("--size", help=f"message size, e.g. 4096, 512MB, 1GiB (default {DEFAULT_SIZE})")
     p.add_argument("--sweep", metavar="MIN:MAX[:FACTOR]", help="a table over sizes, e.g. 1KiB:8GiB")
     p.add_argument("--algorithm", default="auto", choices=("auto",) + ALGORITHMS,
                    help="force an algorithm (default: the fastest NCCL would pick)")
@@ -76,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     op = canonical_op(args.op)
     if args.plot is not None and not args.sweep:
         raise ParsimError("--plot draws bandwidth against size: it needs --sweep")
+    if args.size is not None and args.sweep is not None:
+        raise ParsimError(f"--size {args.size} and --sweep {args.sweep}: give one size or a sweep of them")
     check_outputs(args, pictures=("--plot",))
     topo, gpus = topology_from_args(args)
     if gpus < 2:
@@ -103,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                            title=f"{op.replace('_', '-')} on {gpus} GPUs of {topo.spec.name}")
             print(f"wrote {args.plot}", file=sys.stderr)
         return 0
-    size = parse_size(args.size)
+    size = parse_size(args.size or DEFAULT_SIZE)
     check_buffer(size, topo.spec)
     prediction = predict(topo, op, size, group, args.algorithm, protocol=args.protocol, routing=args.deepep)
     if args.json:

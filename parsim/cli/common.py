@@ -29,7 +29,8 @@ def plan_cluster(given: str | None, plan) -> ClusterSpec:
 def add_cluster_args(parser: argparse.ArgumentParser, default: str | None = DEFAULT_CLUSTER) -> None:
     names = ", ".join(sorted(builtin_clusters()))
     parser.add_argument("--cluster", default=default, metavar="NAME|FILE",
-                        help=f"built-in cluster ({names}) or a cluster YAML file (default: {default})")
+                        help=f"built-in cluster ({names}) or a cluster YAML file (default: "
+                             f"{default or 'none, the plan without the links its groups cross'})")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--nodes", type=int, help="number of nodes (default: 1)")
     size.add_argument("--gpus", type=int, help="number of GPUs, in whole nodes (or fewer than one node)")

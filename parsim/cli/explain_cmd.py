@@ -82,6 +82,9 @@ def run_bubble(args: argparse.Namespace) -> int:
             raise ParsimError(f"--{flag} must be a finite time >= 0, got {getattr(args, flag):g}")
     if args.tf + args.tb <= 0:
         raise ParsimError("--tf and --tb are both 0: there is nothing to time")
+    if args.tw is not None and not schedule.split_backward:
+        raise ParsimError(f"--tw {args.tw:g}: {args.schedule} runs each backward whole; zero-bubble, zb-h2, zbv and "
+                          f"dualpipe-v split it into I and W")
     v = schedule.virtual_stages
     t_w = (args.tb / 2 if args.tw is None else args.tw) if schedule.split_backward else 0.0
     if t_w > args.tb:

@@ -61,8 +61,11 @@ def explain(p: CollectivePrediction, topo: Topology) -> str:
     out.append("")
     out.append("6. How close to the hardware limit")
     out.append(f"   lower bound {format_time(p.lower_bound_s)}: {p.lower_bound_reason}")
-    out.append(f"   reached {p.lower_bound_s / t:.0%} of it (latency and reduction are the rest; in-switch")
-    out.append("   reduction can beat this bound, because the switch does part of the moving).")
+    if p.op in ("all_reduce", "reduce_scatter", "reduce"):
+        out.append(f"   reached {p.lower_bound_s / t:.0%} of it (latency and reduction are the rest; in-switch")
+        out.append("   reduction can beat this bound, because the switch does part of the moving).")
+    else:
+        out.append(f"   reached {p.lower_bound_s / t:.0%} of it (latency and the links' sharing are the rest).")
     return "\n".join(out)
 
 
