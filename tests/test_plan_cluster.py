@@ -42,6 +42,8 @@ def test_bad_plan_paths_and_flags_are_named_plainly(tmp_path, capsys):
     empty.write_text("")
     for argv, message in ((["simulate", str(empty)], "empty.yaml: (file): is empty (expected a YAML document)"),
                           (["simulate", str(tmp_path)], "is a folder: give a plan file in it"),
+                          (["simulate", "tiny-pp2", "--trace", str(tmp_path / "t.txt")],
+                           "name a .json file (one merged trace) or a folder without an extension"),
                           (["simulate", "--nosuch-flag"], "unrecognized arguments: --nosuch-flag (see 'parsim "
                                                           "simulate --help')"),
                           (["explain", "compute", "llama3-8b-fsdp8", "--layer", "layer.32"],

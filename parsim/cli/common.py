@@ -67,6 +67,9 @@ def check_outputs(args: argparse.Namespace, files: tuple[str, ...] = (), picture
         path = getattr(args, flag.lstrip("-").replace("-", "_"))
         if path is None:
             continue
+        if flag in traces and Path(path).suffix not in ("", ".json") and not Path(path).is_dir():
+            raise ParsimError(f"{flag} {path}: name a .json file (one merged trace) or a folder without an "
+                              f"extension (a file per rank)")
         if flag in folders or (flag in traces and not path.endswith(".json")):
             _check_folder(path, flag)
             continue
