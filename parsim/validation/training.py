@@ -73,6 +73,11 @@ TABLE_NUMBERS = ("seq",)
 SHAPE_NUMBERS = ("heads", "hidden", "layers")
 ROW_NUMBERS = ("tp", "pp", "dp", "global_batch", "microbatch")
 OPTIONAL_ROW_NUMBERS = ("cp", "v", "gpus")
+# Every key a table and a row may hold (a row also its table's metrics and settings' keys); percent_of_peak is
+# a published column kept beside the metric, read by people, not by parsim.
+TABLE_KEYS = ("name", "source", "cluster", "metric", "seq", "vocab", "model", "recompute", "plan", "settings", "rows")
+ROW_KEYS = (SHAPE_NUMBERS + ROW_NUMBERS + OPTIONAL_ROW_NUMBERS
+            + ("params", "model", "ffn_hidden", "ep", "order", "percent_of_peak"))
 
 
 def load_table(name_or_path: str) -> tuple[dict[str, Any], str]:
@@ -87,7 +92,11 @@ def load_table(name_or_path: str) -> tuple[dict[str, Any], str]:
     if not isinstance(data, dict):
         raise ConfigError(source, "(file)", f"is {type(data).__name__}", "a mapping of keys")
     if data.get("metric") not in METRICS:
-        raise ConfigError(source, "metric", f"is {data.get('metric')!r}", " or ".join(METRICS))
+        found = "missing" if data.get("metric") is None else f"is {data['metric']!r}"
+        raise ConfigError(source, "metric", found, " or ".join(METRICS))
+    unknown = sorted(set(data) - set(TABLE_KEYS))
+    if unknown:
+        raise ConfigError(source, unknown[0], "unknown key", f"one of {', '.join(TABLE_KEYS)}")
     if not isinstance(data.get("cluster"), str):
         found = "missing" if data.get("cluster") is None else f"is {data['cluster']!r}"
         raise ConfigError(source, "cluster", found, "a built-in cluster name or a file")
@@ -99,6 +108,10 @@ def load_table(name_or_path: str) -> tuple[dict[str, Any], str]:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ConfigError(source, f"rows[{i}]", f"is {row!r}", "a mapping of one run's keys")
+        known = ROW_KEYS + tuple(METRICS) + tuple(data.get("settings") or ())
+        unknown = sorted(set(row) - set(known))
+        if unknown:
+            raise ConfigError(source, f"rows[{i}].{unknown[0]}", "unknown key", f"one of {', '.join(known)}")
         if "model" in row and data["metric"] in SHAPE_METRICS:
             raise ConfigError(source, f"rows[{i}].model", f"is {row['model']!r}",
                               f"the row's own {', '.join(SHAPE_NUMBERS)}: {data['metric']} counts FLOPs from them")
@@ -145,7 +158,7 @@ def validate(name_or_path: str, progress: Callable[[int, int], None] | None = No
             progress(i, len(table["rows"]))
         label = str(row.get("params", f"row {i}"))
         try:
-            plan = parse_plan(_plan_mapping(table, row, label), "plan")  # the except below names the file and row
+            plan = parse_plan(_plan_mapping(table, row, label), "the row")  # the except below names file and row
             step_s = predict_step(plan, cluster).step_s
         except ParsimError as err:
             raise ParsimError(f"{source}: rows[{i}] ({label}): {err}") from None
