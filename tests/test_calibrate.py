@@ -145,6 +145,28 @@ def test_compare_of_an_unknown_target_is_one_line(capsys):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+def test_compare_of_a_file_with_several_rank_counts_shows_them(tmp_path, capsys):
+    spec_file = tmp_path / "host.yaml"
+    import yaml
+
+    spec_file.write_text(yaml.safe_dump(host_cluster(4, 300e-6, 2.0e9, 6e9, algorithms=GLOO)))
+    measured = synthetic(host(), [("broadcast", 2), ("broadcast", 4)])
+    for r in measured:
+        r.source = "measured"
+    saved = tmp_path / "measured.json"
+    save_results(saved, measured)
+    assert main(["compare", "broadcast", "--cluster", str(spec_file), "--measured", str(saved)]) == 0
+    title, header, *_ = capsys.readouterr().out.splitlines()
+    assert "broadcast on 2 and 4 ranks" in title and header.split()[0] == "ranks"
+    for extra in (["--nproc", "0"], ["--sweep", "1MiB:4MiB"]):  # nothing to run: refused, 0 included
+        assert main(["compare", "broadcast", "--cluster", str(spec_file), "--measured", str(saved), *extra]) == 2
+        assert "only to a run (not with --measured)" in capsys.readouterr().err
+    simulated = tmp_path / "simulate.json"
+    simulated.write_text(json.dumps({"schema": "parsim.simulate/1", "results": []}))
+    assert main(["compare", "broadcast", "--cluster", str(spec_file), "--measured", str(simulated)]) == 2
+    assert "a parsim.simulate/1 document; expected collective results" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("target", ["all-reduce", "tiny-pp2"])
 def test_compare_without_a_host_file_says_how_to_write_one(target, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
+from ..errors import ParsimError
 from ..hardware.cluster import ClusterSpec, builtin_clusters, load_cluster
 from ..report.jsondoc import print_json
 from ..report.table import render_table
@@ -40,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(describe(spec, spec.nodes_for(args.nodes)))
         return 0
+    if args.nodes is not None:
+        raise ParsimError(f"--nodes {args.nodes} sizes one cluster: name it (parsim clusters dgx-h100 --nodes "
+                          f"{args.nodes})")
     specs = [load_cluster(name) for name in sorted(builtin_clusters())]
     if args.json:
         print_json("clusters", {"clusters": [asdict(s) for s in specs]})

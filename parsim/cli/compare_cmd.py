@@ -77,7 +77,8 @@ COLLECTIVE_ONLY = ("sweep", "size", "save_measured", "plot")
 # step's time, after seconds of start-up.
 COMPARE_STEPS = 10
 PLAN_ONLY = ("steps", "trace", "no_speed_probe")
-RUN_ONLY = ("nproc", "backend", "steps", "timeout", "save_measured", "no_speed_probe")  # nothing to run: --measured
+# Nothing to run with --measured: how to run, and (collectives) which sizes, come from the measurement.
+RUN_ONLY = ("nproc", "backend", "steps", "timeout", "save_measured", "no_speed_probe", "sweep", "size")
 
 
 HOST_FILE = "my-host.yaml"  # parsim calibrate's default --out
@@ -154,7 +155,8 @@ def _probe_json(spec) -> dict | None:
 
 def _refuse(args: argparse.Namespace, names: tuple[str, ...], target: str) -> None:
     """One line naming the options given that apply only to something else."""
-    given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) not in (None, False)]
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) is not None
+             and getattr(args, n) is not False]  # 0 is given (0 == False would hide it)
     if given:
         raise ParsimError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to {target}, "
                           f"not to {args.target}")
@@ -202,15 +204,20 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
     else:
         size, size_scale = size_unit(r.measured.size_bytes for r in rows)
         time, time_scale = time_unit([r.measured.time_s for r in rows] + [r.predicted.time_s for r in rows])
-        table = [[r.measured.size_bytes / size_scale, r.measured.time_s / time_scale,
-                  r.predicted.time_s / time_scale, round(r.measured.busbw_Bps / 1e9, 3),
-                  round(r.predicted.busbw_Bps / 1e9, 3), f"{r.error:+.1%}"] for r in rows]
-        print(render_table([f"size ({size})", f"measured ({time})", f"predicted ({time})", "busbw meas",
-                            "busbw pred", "error"], table,
-                           title=f"{op.replace('_', '-')} on {nranks} ranks: measured "
+        counts = sorted({r.measured.nranks for r in rows})
+        several = len(counts) > 1  # a file of several rank counts: a column for them
+        table = [[*([r.measured.nranks] if several else []), r.measured.size_bytes / size_scale,
+                  r.measured.time_s / time_scale, r.predicted.time_s / time_scale,
+                  round(r.measured.busbw_Bps / 1e9, 3), round(r.predicted.busbw_Bps / 1e9, 3), f"{r.error:+.1%}"]
+                 for r in rows]
+        ranks = " and ".join(map(str, counts))
+        print(render_table([*(["ranks"] if several else []), f"size ({size})", f"measured ({time})",
+                            f"predicted ({time})", "busbw meas", "busbw pred", "error"], table,
+                           title=f"{op.replace('_', '-')} on {ranks} ranks: measured "
                                  f"({measured[0].backend}) vs predicted ({spec.name}, "
                                  f"{rows[0].predicted.algorithm})"))
-        print(f"median |error| {mae:.1%} over {len(rows)} sizes")
+        print(f"median |error| {mae:.1%} over {len(rows)} "
+              f"{'measurements' if several or len({r.measured.size_bytes for r in rows}) < len(rows) else 'sizes'}")
         if spec.collective_probe_now_s:
             print(f"the collective probe around the sweep took {_probe_us(spec.collective_probe_now_s)} against "
                   f"{_probe_us(spec.collective_probe_s)} us at calibration (an all-reduce on 2 ranks at "

@@ -21,7 +21,7 @@ from ..errors import ParsimError
 from ..files import read_json
 from ..hardware.cluster import MAX_GPUS
 from ..units import MAX_SIZE
-from .jsondoc import envelope
+from .jsondoc import envelope, schema_id
 
 # Canonical operation names (the torch.distributed spelling, with dashes on the CLI).
 OPERATIONS = (
@@ -124,6 +124,10 @@ def save_results(path: str | Path, rows: list[CollectiveResult], meta: dict | No
 def load_results(path: str | Path) -> list[CollectiveResult]:
     """Read a file written by :func:`save_results`, or the ``--json`` output of bench or collective."""
     data = read_json(path)
+    schema = data.get("schema") if isinstance(data, dict) else None
+    if schema is not None and schema not in (schema_id("bench"), schema_id("collective")):
+        raise ParsimError(f"{path}: a {schema} document; expected collective results (parsim bench --json or "
+                          f"--save-measured, or parsim collective --json)")
     rows = data.get("results") if isinstance(data, dict) else None
     if not isinstance(rows, list):
         raise ParsimError(f"{path}: expected a JSON object with a 'results' list")
