@@ -51,3 +51,22 @@ def test_bad_plan_paths_and_flags_are_named_plainly(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_data_parallel_override_that_grows_the_batch_says_how_to_keep_it(capsys):
+    assert main(["plan", "show", "llama3-70b-1024", "--pp", "4", "--dp", "32"]) == 0
+    err = capsys.readouterr().err
+    assert "the global batch is now 512 samples (written: 256); --num-microbatches 8 keeps it" in err
+    assert main(["plan", "show", "llama3-70b-1024", "--pp", "4", "--dp", "32", "--num-microbatches", "8"]) == 0
+    assert "global batch" not in capsys.readouterr().err
+
+
+def test_the_simulate_help_examples_fit_in_memory(capsys):
+    from parsim.cli import simulate_cmd
+
+    examples = [line.split("(")[0].split()[2:] for line in simulate_cmd.HELP.splitlines()
+                if line.startswith("  parsim simulate ") and ".yaml" not in line]  # (a .yaml is the user's own)
+    assert len(examples) >= 4
+    for argv in examples:
+        assert main(["simulate", *argv]) == 0, argv
+        assert "does not fit" not in capsys.readouterr().out, argv

@@ -237,7 +237,7 @@ def memory_table(ranks: list[Memory], capacity: float, title: str) -> str:
     rows = [[f"pp {m.pp_rank}", *(f"{v / scale:.2f}" for v in (m.weights, m.gradients, m.optimizer, m.activations)),
              m.in_flight, f"{m.buffers / scale:.2f}", f"{m.total / scale:.2f}",
              "ok" if m.total <= capacity else "OVER"] for m in ranks]
-    return render_table(["stage", "weights", "grads", "optimizer", "activations", "in flight", "fsdp buffers",
+    return render_table(["stage", "weights", "grads", "optimizer", "activations", "mb in flight", "fsdp buffers",
                          f"total {unit}", f"fits {capacity / 1e9:g} GB"], rows, title=f"{title} ({unit})")
 
 

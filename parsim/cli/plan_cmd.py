@@ -161,6 +161,14 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
     overrides = _drop_unset(flags)
     if args.plan:
         plan = resolve_plan(args.plan, gpus=gpus, overrides=overrides)
+        if "dp" in overrides.get("parallel", {}) and "batch" not in overrides:
+            written = resolve_plan(args.plan).global_batch_size
+            if plan.global_batch_size != written:
+                per_replica, left = divmod(written, plan.dp * plan.microbatch_size)
+                keep = f"; --num-microbatches {per_replica} keeps it" if per_replica and not left else ""
+                note(f"parsim: dp {plan.dp} runs {plan.num_microbatches} microbatch(es) of {plan.microbatch_size} "
+                     f"a replica, as written: the global batch is now {plan.global_batch_size:,} samples (written: "
+                     f"{written:,}){keep}")
         if overrides and plan.description:  # it describes the plan as written, no longer this one
             plan = dataclasses.replace(plan, description=f"changed on the command line (as written: "
                                                          f"{plan.description})")

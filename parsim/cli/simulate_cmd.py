@@ -41,7 +41,7 @@ every plan key and its cost: docs/plans.md.
 
 examples:
   parsim simulate llama3-70b-1024 --cluster dgx-h100        (the default plan)
-  parsim simulate llama3-70b-1024 --pp 4 --dp 32 --schedule interleaved-1f1b --virtual-stages 2
+  parsim simulate llama3-70b-1024 --schedule interleaved-1f1b --virtual-stages 2 --activation-recompute full
   parsim simulate llama3-405b-16k --activation-recompute full --zero 3
   parsim simulate mixtral-8x22b --expert-load 1.5
   parsim simulate my-plan.yaml --cluster dgx-b200 --trace step.json --gantt step.png
