@@ -101,3 +101,10 @@ def test_a_cluster_shows_its_kernel_rates(capsys):
     assert code == 0
     assert ("  kernels     matmuls bf16 0.869 of peak; memory-bound 0.852 of HBM; attention 0.73 forward, 0.63 "
             "backward; 108 SMs at 1,410 MHz for softmax, dropout, GeLU, norms and bias adds") in out
+
+
+def test_clusters_sizes_only_a_named_cluster(capsys):
+    code, _, err = run(capsys, "clusters", "--nodes", "4")
+    assert code == 2 and "--nodes 4 sizes one cluster: name it" in err
+    code, out, _ = run(capsys, "clusters", "dgx-h100", "--nodes", "4")
+    assert code == 0 and "on 4 node(s): 32 GPUs" in out

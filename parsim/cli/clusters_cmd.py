@@ -28,7 +28,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("clusters", help="list built-in clusters and their key figures",
                               description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cluster", nargs="?", metavar="NAME|FILE", help="show one cluster in detail")
-    p.add_argument("--nodes", type=int, default=1, help="with a cluster: place it on this many nodes")
+    p.add_argument("--nodes", type=int, help="with a cluster: place it on this many nodes (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(func=run)
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print_json("clusters", {"clusters": [asdict(spec)]})
         else:
-            print(describe(spec, spec.nodes_for(args.nodes)))
+            print(describe(spec, spec.nodes_for(1 if args.nodes is None else args.nodes)))
         return 0
     if args.nodes is not None:
         raise ParsimError(f"--nodes {args.nodes} sizes one cluster: name it (parsim clusters dgx-h100 --nodes "
