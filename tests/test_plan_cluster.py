@@ -46,6 +46,8 @@ def test_bad_plan_paths_and_flags_are_named_plainly(tmp_path, capsys):
                            "name a .json file (one merged trace) or a folder without an extension"),
                           (["simulate", "--nosuch-flag"], "unrecognized arguments: --nosuch-flag (see 'parsim "
                                                           "simulate --help')"),
+                          (["search", "--model", "llama3-8b", "--gpus", "8", "--tokens", "-1T"],
+                           "--tokens '-1T': give a count"),  # a value, not an unknown option
                           (["explain", "compute", "llama3-8b-fsdp8", "--layer", "layer.32"],
                            "the model has embedding, head, layer.0 to layer.31")):
         assert main(argv) == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 from ..errors import ParsimError
@@ -51,7 +52,13 @@ class UsageError(ParsimError):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line is one line (usage is one ``--help`` away), not usage + error."""
+    """argparse, but a bad command line is one line (usage is one ``--help`` away), not usage + error; and a
+    value that starts with a minus and a digit (``--bucket-size -5MiB``) is a value, refused by its own check,
+    not an unknown option."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str):
         raise UsageError(self.prog, f"{message} (see '{self.prog} --help')")
