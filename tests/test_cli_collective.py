@@ -66,6 +66,7 @@ def test_sweep_table_and_plot(capsys, tmp_path):
     (["collective", "gather", "--gpus", "1", "--size", "1MiB"], "gather on 1 GPU moves nothing between GPUs"),
     (["collective", "all-to-all", "--gpus", "1", "--deepep", "2,8"], "all-to-all on 1 GPU moves nothing"),
     (["collective", "send-recv"], "no algorithm can run send-recv on 8 ranks: send/recv runs between 2 ranks"),
+    (["collective", "all-gather", "--size", "3"], "and 3 bytes do not split evenly over 8: give a multiple of 8"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)

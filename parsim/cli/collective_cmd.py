@@ -52,6 +52,7 @@ bandwidths: docs/nccl-accuracy.md.
 
 
 DEFAULT_SIZE = "1GiB"
+SHARDED = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")  # a shard of the buffer per rank
 
 def register(subparsers) -> None:
     ops = ", ".join(op.replace("_", "-") for op in OPERATIONS)
@@ -108,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {args.plot}", file=sys.stderr)
         return 0
     size = parse_size(args.size or DEFAULT_SIZE)
+    if op in SHARDED and size % gpus:
+        raise ParsimError(f"--size {args.size}: {op.replace('_', '-')} splits its buffer into one shard per GPU, "
+                          f"and {size:,} bytes do not split evenly over {gpus}: give a multiple of {gpus} bytes")
     check_buffer(size, topo.spec)
     prediction = predict(topo, op, size, group, args.algorithm, protocol=args.protocol, routing=args.deepep)
     if args.json:
