@@ -34,117 +34,27 @@ from ..units import format_size, parse_size_range, size_unit, time_unit
 from .common import check_outputs, note, progress
 
 HELP = """\
-Measure this host and write a cluster file the simulator loads like any other.
+Measure this host and write a cluster file the simulator loads like any other
+(--cluster my-host.yaml), so that `parsim compare` holds parsim's predictions
+against what this machine does. Nothing it runs is a plan parsim compares:
+it times generic benchmarks and fits the simulator's own terms to them.
 
-What is measured (torch.distributed, gloo on CPU or NCCL on GPU):
-  * all-reduce and send/recv at several sizes and rank counts -> latency per
-    step (alpha), link bandwidth (B) and the host's total bandwidth, fitted in
-    the simulator's own terms (see parsim/calibrate/host.py);
-  * every measured operation -> its own fixed cost per call and bandwidth
-    efficiency (backends implement some operations far below link speed);
-    on gloo, sizes up to a core's L2 (read from sysfs) apart -> how many
-    times as fast each operation moves bytes that stay in the cache
-    (collective_cache_KiB, collective_cache_speedup: 2.7x for all-reduce,
-    1.6x for send/recv on the 2-core VM);
-    on gloo also, from calls issued between bursts of compute as a training
-    step issues them (after each round, the median round kept), the extra
-    cost per call, size by size, the step simulator charges
-    (collective_step_overhead_us: largest where a buffer fits the cache,
-    hot back to back, not after compute);
-  * the reduction a rank does on received data (a.add_(b)) -> reduce_bw_GBps;
-  * on every rank at once and in step, as ranks compute in a real run:
-    AdamW steps on one small tensor, many small and a few large ones, sampled
-    through the run -> hbm_bw_GBps (each rank's memory speed with every rank
-    streaming; times the ranks, the host's, compute.memory_host_bw_GBps),
-    compute.optimizer_tensor_us and compute.optimizer_step_us; matmuls of
-    several shapes on cold operands -> peak FLOP/s, the shape efficiency
-    (compute.matmul_half_dim), the speeds a weight streams in and an output out
-    (compute.matmul_stream_bw_GBps, matmul_write_bw_GBps); a thin matmul
-    cycling over 4 to 256 MiB of weights -> how much of a weight the core's
-    cache still holds by the bytes touched since its last read, and its speed
-    there (compute.matmul_cache_hits, matmul_cached_stream_bw_GBps); eager blocks
-    (the reference decoder layer as Llama and as GPT-2 configure it, at a
-    generic size; elementwise ops), each sampled through the run ->
-    the fixed cost of an op in a forward and in a backward
-    (compute.op_forward_us, compute.op_backward_us); products, a
-    residual add and RoPE's rotation in a chain -> the speed of memory-bound
-    kernels' bytes (compute.elementwise_bw_GBps), and GeLU, a LayerNorm and a
-    softmax each on its own -> a core's time per element of their arithmetic
-    (compute.core_ns_per_element); the executor's all-gather of a layer's
-    output on a tiny tensor, right after a layer's matmul -> a
-    tensor-parallel call's host time beyond its collective
-    (compute.tp_collective_call_us); zero_grad(set_to_none=True) after a
-    backward over few and many, small and large tensors -> what freeing the
-    gradients costs as a step starts (compute.zero_grad_step_us,
-    zero_grad_tensor_us, zero_grad_free_GBps); 100 AdamW steps that every
-    rank starts at once -> how much the same work's time varies from rank
-    to rank (compute.rank_jitter: a step ends when its slowest rank does);
-    stacks of FSDP2 units sharded
-    over every rank, plain and fully_shard-ed, the seconds inside their
-    collectives left out -> FSDP2's own host work
-    (compute.fsdp_unshard_us, fsdp_reduce_us, fsdp_optimizer_tensor_us),
-    and kept gathered with gradients unsynced, as a pipeline's passes
-    between a stage's first and last -> its hooks alone (fsdp_pass_us);
-    a generic data-parallel
-    step (an MLP's passes, an all-reduce per gradient, AdamW) timed by the
-    executor's recorder, its layers 512 to 1536 wide -> the loop's time
-    before each action by the gradients a rank holds
-    (compute.action_overhead_us: its Python runs colder the more memory the
-    step streams); pairs of ranks running the executor's own pipeline
-    loop over stages that each pass a generic MLP (128 to 768 wide) -> by
-    the gradients a rank holds, each the median over its events (a stall
-    hits a few in a hundred, yet up to half the loop's steps), the time per
-    send it issues (compute.p2p_issue_us), the time of a transfer received
-    late (compute.p2p_rendezvous_us; a gloo thread may wait for the core where
-    its rank computes) and the latency of one whose receiver waits
-    (compute.p2p_latency_us, which the step simulator's pipeline sends
-    take instead of the collective fit's latency per step: back-to-back
-    loops of calls stall far longer than one transfer between passes);
-  * on each rank in turn, the others waiting: AdamW steps on large tensors ->
-    the memory speed of one rank alone (compute.memory_alone_bw_GBps; the step
-    simulator shares the host's memory among the ranks streaming at once);
-  * on 4 ranks bound to 2 cores (gloo): the pipeline loop and the generic
-    step again -> compute.shared_cores, what runs with more ranks than cores pay
-    (a thread woken on a core where another rank computes waits for the
-    scheduler: 8-9x the rendezvous, 4-5x each send's issue on the 2-core VM);
-    the host-speed probes there, in turn with one rank per core -> how many
-    times as long a matmul and an eager pass take on a shared core
-    (shared_cores.matmul_stretch, eager_stretch); an all-reduce between the
-    two ranks of each core, the second 3 ms late -> what a collective among
-    ranks on one core costs (shared_cores.one_core_collective_latency_us,
-    one_core_collective_GBps: 0.67 ms at 545 KiB on the 2-core VM, against
-    0.41 ms between cores);
-  * a generic 2-stage pipeline (GeLU MLP) on 2 ranks, then two replicas of
-    it on 4 ranks bound to 2 cores, in five rounds -> how much longer again
-    compute on a shared core takes where the ranks communicate
-    (shared_cores.comm_stretch: the factor that makes the simulated 4-rank
-    step as many times the 2-rank one as the rounds' median ratio; gloo's
-    threads wake on the core to move each message);
-  * between those benchmarks, the host's speed: a fixed fp32 matmul's rate,
-    a stack of tiny eager layers' time and AdamW's bytes per second over
-    tensors beyond the cache (compute.speed_probe_gflops,
-    speed_probe_eager_us, speed_probe_memory_GBps). A VM's cores drift by
-    10-30% over minutes, its cost per eager op by up to 2x, its memory apart
-    from its arithmetic; `parsim compare` times the same probes before the
-    warm-up and after its measured steps and scales the compute figures by
-    each probe's ratio to the power the work it stands for followed it here
-    (compute.speed_probe_{matmul,eager,memory}_elasticity: the log-log slope,
-    0 to 1, of a few matmuls, the dispatch benchmark and AdamW's steps over
-    memory, each timed right after a reading, on the reading);
-  * the collective probe, an all-reduce on 2 ranks at 256 KiB, 1 MiB and
-    4 MiB (compute.collective_probe_us: the all-reduce sweep's own times
-    there, the speed the fits describe): a host's transfers have slow spells
-    of their own, 2x at 1 MiB for seconds to tens of seconds on the 2-core
-    VM, that the compute probes do not see; `parsim compare` times it again
-    beside them and adds to each collective what the probe took more per byte
-    at its size. The probe is also timed in each round, before the calls
-    between compute, which count less what it took more than the sweep's.
-Each collective is measured in 3 rounds, every operation once a round, and
-each size fitted on its median round: a VM's transfers slow down by a third
-for a minute at a time, and a fit on one round keeps such a minute.
-The default sizes grow 4x per step (64KiB:64MiB:4), so `parsim compare` with a
-2x sweep checks sizes the fit never saw; `--ops all-reduce,send-recv` leaves
-every other operation to the link model alone.
+On CPUs (gloo), with the executor, on every rank at once:
+  * collectives at several sizes, in 3 rounds -> the links' latency and
+    bandwidth, each operation's own cost and efficiency, and what a call
+    costs between bursts of compute;
+  * compute -> matmul peak, shape efficiency and weight streaming, the
+    weights' cache, memory speed, AdamW's costs, the fixed cost of an eager op
+    and of a pass, elementwise bytes and a core's arithmetic per element;
+  * the executor's own costs -> its pipeline loop, each send and transfer,
+    tensor-parallel calls, FSDP2's hooks, zero_grad, the ranks' jitter;
+  * with more ranks than cores (4 ranks on 2 cores) -> what sharing a core
+    costs compute, transfers and collectives;
+  * between the benchmarks, the host's speed (matmul, eager pass, memory and
+    a collective probe), which `parsim compare` times again and follows.
+Every figure, what measures it and the key it is written as:
+docs/calibration.md, "Calibration" and "What calibrate measures, in full".
+It prints each figure in words; --json gives the fit.
 
 examples:
   parsim calibrate --out my-host.yaml
