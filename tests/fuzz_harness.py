@@ -50,9 +50,12 @@ def block_executor(monkeypatch) -> None:
     def reached(*args, **kwargs):
         raise ReachedExecutor()
 
+    # Every module imported before any patch: one imported while executor.launch is patched would bind the
+    # patched function for good (``from .launch import launch``), and the tests after this one would get it.
+    modules = {module: importlib.import_module(module) for module in EXECUTOR}
     for module, names in EXECUTOR.items():
         for name in names:
-            monkeypatch.setattr(importlib.import_module(module), name, reached)
+            monkeypatch.setattr(modules[module], name, reached)
 
 
 def run_cli(argv: list[str], timeout_s: float = CASE_TIMEOUT_S) -> Outcome:
