@@ -24,49 +24,26 @@ Run the executor and the simulator on the same thing and show how far apart they
                 parsim compare course-ddp --dp 2 --cluster my-host.yaml --nproc 2   (plan overrides)
   a profile:    parsim compare course-ddp --cluster my-host.yaml --measured profiles/
 
-The cluster file should describe the machine that measures: make one with
-`parsim calibrate`. For collectives, error = predicted / measured - 1 per
-size, and the median |error| sums it up; on a file with a collective probe
-(below), the probe is timed before and after the sweep and each prediction
-takes what it took more per byte. For a plan run here, the step is
-the median measured step, and each rank's phase its median over the steps:
-one step's idle swings with which rank happened to end last. So the
-predicted idle holds the wait for the slowest rank at the step's end as its
-median too (of two twins, one waits in each step and the other does not),
-and the step its mean. Beside each
-median the table gives the least and most one step spent on the phase, so a
-miss can be told from the run's own noise. With more ranks than the host has
-cores, every rank is predicted in its own right, the ranks on one core taking
-turns as the kernel's scheduler runs them. Where a pipeline stage has several
-ranks (data or tensor parallel), a second table gives each phase's mean over
-them: they do the same work, and which of them runs first, or ends last,
-changes from run to run.
+The cluster file should describe the machine that measures: write one with
+`parsim calibrate` (my-host.yaml by default).
 
-On a CPU host the cores' speed drifts (on a shared VM by 10-30% within
-minutes). A file from `parsim calibrate` holds three host-speed probes timed
-during its compute benchmarks: a fixed matmul's rate, a small eager pass's
-time and AdamW's bytes per second over tensors beyond the cache. `compare`
-times them again before the warm-up and after the measured steps (which run
-back to back, as in training) and scales the compute figures by their ratios
-(matmuls by the matmul's, AdamW's and elementwise bytes by the memory's,
-costs per op and per tensor by the eager pass's), and also prints the
-prediction at the calibration's speed. A host's transfers between
-processes have slow spells of their own (2x at 1 MiB for seconds to tens of
-seconds on the 2-core VM) that those probes do not see, so the file also
-holds a collective probe, an all-reduce on 2 ranks at 256 KiB, 1 MiB and
-4 MiB timed in each round of calibrate's collectives: `compare` times it
-beside the others, and each collective takes what the probe took more (or
-less) per byte at the collective's bus bytes (pipeline transfers, and
-collectives between ranks on one core, keep their fits). --no-speed-probe
-predicts at the calibration's speed alone.
-
---measured reads a measurement instead of running the executor: for a
-collective, a JSON file from `parsim bench --out`; for a plan, a folder of
-torch.profiler traces, one per rank, of any run of that plan (annotated by
-`parsim run --profile` or not: compute, collectives and transfers are
-recognized from torch's own events). The report says which collectives it
-could set beside the plan's, one to one or as a group, and which it could not.
-Options that do not apply to the target are refused.
+  * collectives: error = predicted / measured - 1 per size, and the median
+    |error| over the sizes;
+  * a plan run here: the median of its measured steps (--steps), each rank's
+    phases (forward, backward, optimizer, each group's communication, idle)
+    each its median over the steps beside the least and most one step spent
+    on it, and, where a pipeline stage has several ranks, each phase's mean
+    over them; with more ranks than cores, ranks on one core take turns as the
+    kernel's scheduler runs them;
+  * the host's speed: the calibration's probes (matmul, eager pass, memory, a
+    collective) are timed again around the measured work, and the prediction
+    follows them (--no-speed-probe: at the calibration's speed);
+  * --measured reads a measurement instead of running: for a collective, a
+    JSON file from `parsim bench --out` (or --save-measured); for a plan, a
+    folder of torch.profiler traces of any run of it, one per rank.
+Options that do not apply to the target are refused. Every rule, and how
+accurate the comparison is on the hosts measured so far: docs/calibration.md
+("parsim compare, in full", and "Measured accuracy").
 """
 
 
