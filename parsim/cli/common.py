@@ -15,12 +15,13 @@ from ..report.table import render_table
 from ..sim.cores import core_of
 from ..units import format_size, format_time
 from ..workload.memory import Memory
+from ..workload.plan import Plan
 
 DEFAULT_CLUSTER = "dgx-h100"
 PLAN_CLUSTER_HELP = f"cluster (default: the one the plan names with cluster:, else {DEFAULT_CLUSTER})"
 
 
-def plan_cluster(given: str | None, plan) -> ClusterSpec:
+def plan_cluster(given: str | None, plan: Plan) -> ClusterSpec:
     """The cluster ``--cluster`` names, else the one the plan was written for (its ``cluster:``), else
     :data:`DEFAULT_CLUSTER`."""
     return load_cluster(given or plan.cluster or DEFAULT_CLUSTER)

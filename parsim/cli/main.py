@@ -58,6 +58,8 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # argparse's own test for "a negative number, not an option" (private; ``^-\d+$|^-\d*\.\d+$``),
+        # widened to anything that starts like one
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str):

@@ -13,7 +13,7 @@ from ..hardware.cluster import load_cluster
 from ..report.jsondoc import print_json
 from ..search.search import SORTS, SearchRequest, run_search
 from ..units import parse_size
-from ..workload.model import TransformerModel, builtin_models, load_model
+from ..workload.model import Model, TransformerModel, builtin_models, load_model
 from ..workload.plan import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW, DISPATCHERS, DTYPE_BYTES, REDUCE_DTYPES
 from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, note, note_unmeasured_matmuls
 
@@ -183,7 +183,7 @@ def _degrees(args: argparse.Namespace) -> tuple[tuple[str, tuple[int, ...]], ...
     return tuple(out)
 
 
-def _check_degrees(degrees: tuple[tuple[str, tuple[int, ...]], ...], gpus: tuple[int, ...], model) -> None:
+def _check_degrees(degrees: tuple[tuple[str, tuple[int, ...]], ...], gpus: tuple[int, ...], model: Model) -> None:
     """Refuse a degree no plan can have: ``dp x tp x pp x cp`` is the GPU count, so each divides it (and ``ep``,
     which groups data-parallel ranks, too); expert parallelism needs experts."""
     for dim, values in degrees:
