@@ -49,7 +49,7 @@ from ..lowering.lower import (FP32, PASS_PHASE, REDUCE_CALL, UNSHARD_CALL, CommP
                               clip_costs, fsdp_bytes, gathered_bytes, grad_norm_dims, param_tensors, pipeline_bytes,
                               step_costs, tied_table_bytes, unscale_costs)
 from ..report.step_report import PHASES
-from ..schedules import SCHEDULES, in_flight_by_stage, make_schedule
+from ..schedules import SCHEDULES, combined_1f1b, in_flight_by_stage, make_schedule
 from ..sim.compute import ComputeModel
 from ..workload.model import MLPModel
 from ..workload.plan import (DTYPE_BYTES, Accumulation, Plan, accumulation, attention_seq, copies_embedding_table,
@@ -156,7 +156,7 @@ class FastModel:
                 context_parallel=v.context_parallel, grad_sync=v.grad_sync, zero=v.zero,
                 overlap_param_gather=v.param_overlap, shard_group=v.shard_group,
                 bucket_size=self.space.bucket_size, dispatcher=self.space.dispatcher_for(s.ep),
-                dispatch_fp8=self.space.dispatch_fp8_for(s.ep), name="search")
+                dispatch_fp8=self.space.dispatch_fp8_for(s.ep), ep_comm_overlap=v.ep_overlap, name="search")
         return plan
 
     def layout_plan(self, s: Setting, v: Variant) -> Plan:
@@ -164,7 +164,7 @@ class FastModel:
         for every microbatch split and schedule of that shape: what groups, buckets and stages need."""
         placement = s.schedule in V_SCHEDULES
         schedule = "zbv" if placement else "interleaved-1f1b" if s.virtual_stages > 1 else "1f1b"
-        plain = v._replace(recompute="none", context_parallel="ring", tp_overlap=False)
+        plain = v._replace(recompute="none", context_parallel="ring", tp_overlap=False, ep_overlap=False)
         return self.plan(s._replace(microbatch_size=1), plain, m=2 * s.pp, schedule=schedule)
 
     def _structure(self, s: Setting, v: Variant) -> tuple:
@@ -176,7 +176,7 @@ class FastModel:
         """``pp`` pipeline ranks of ``vs`` stages (one by default), a schedule that allows them, and two
         microbatches per rank: what entries and stages need, unless expert all-to-alls need the
         data-parallel ranks' real layout. Its schedule is never built."""
-        plain = v._replace(grad_sync="bucketed", zero=0, shard_group=None)
+        plain = v._replace(grad_sync="bucketed", zero=0, shard_group=None, ep_overlap=False)
         if s.tp > 1 and getattr(self.space.model, "is_moe", False):  # MoE under tp is only sequence-parallel
             plain = plain._replace(sequence_parallel=True)
         schedule = "interleaved-1f1b" if vs > 1 else "1f1b"
@@ -257,6 +257,11 @@ class FastModel:
         ranks = [self._ranks(s, v) for v in arrays.activation_keys]
         memory, state = peak_memory(ranks, arrays.activation_index, arrays.sync, in_flight, tokens, self.dtype_bytes,
                                     self.grad_bytes)
+        paired = np.array([v.ep_overlap for v in variants])
+        if paired.any():  # combined 1F1B holds the next microbatch's activations through each pair
+            combined = _combined_in_flight(s.num_microbatches)
+            memory = np.where(paired, peak_memory(ranks, arrays.activation_index, arrays.sync, combined, tokens,
+                                                  self.dtype_bytes, self.grad_bytes)[0], memory)
         bound = np.full(len(variants), np.inf)
         prepared = Prepared(s, variants, memory, state, bound, {})
         fits = np.flatnonzero(memory <= self.capacity)
@@ -272,8 +277,19 @@ class FastModel:
         work = chain[:, :, layout.rank_stages[:, 0]] + busy[:, None, :]  # [K, O, pp]
         optimizer = np.array([self._tail_bound(s, v) for v in arrays.sync_keys])  # [Z, pp]
         total = work[arrays.table_index[fits], arrays.order_index[fits]] + optimizer[arrays.sync_index[fits]]
-        bound[fits] = total.max(axis=1)
+        bound[fits] = total.max(axis=1) - [self.pair_saving(s, variants[i]) for i in fits]
         return prepared
+
+    def pair_saving(self, s: Setting, v: Variant) -> float:
+        """What running each pair of a forward and the backward before it together saves a step
+        (``ep_comm_overlap`` without a pipeline: Megatron-LM's combined 1F1B pairs all but the first forward
+        and the last backward); 0 for other plans. See :func:`pair_seconds`."""
+        if not v.ep_overlap:
+            return 0.0
+        key = ("pair", s.tp, s.cp, s.ep, s.dp, s.microbatch_size, v.order, v.sequence_parallel, v.tp_overlap,
+               v.recompute, v.context_parallel)
+        alone, paired = self._cached(key, lambda: pair_seconds(self.plan(s, v), self.passes(s.cp)))
+        return (s.num_microbatches - 1) * (alone - paired)
 
     def _variant_arrays(self, s: Setting, variants: tuple[Variant, ...]) -> "_VariantArrays":
         def make() -> _VariantArrays:
@@ -619,7 +635,9 @@ class FastModel:
                 phases[PASS_PHASE[KINDS[final[st]]]] += float(x.final_extra[st])
                 busy += float(x.final_extra[st])
         phases["pp"] = max(compute_end - start - busy, 0.0)
-        return Estimate(float(step), float(prep.memory[i]), phases, rank)
+        saving = self.pair_saving(s, v)  # the paired passes' all-to-alls, hidden behind each other's compute
+        phases["ep"] -= saving
+        return Estimate(float(step) - saving, float(prep.memory[i]), phases, rank)
 
     def _rank_tail(self, s: Setting, v: Variant, x: _Inputs, p: int) -> tuple[float, float, float, float, float]:
         """Pipeline rank ``p``: (its end, its last pass's end, its gradient sync's end, optimizer seconds,
@@ -938,6 +956,66 @@ def _inputs_key(v: Variant) -> tuple:
     """What a variant's pipeline inputs (:meth:`FastModel._inputs`) depend on."""
     return (v.order, v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel, v.fsdp, v.shard_group,
             v.param_overlap)
+
+
+def _combined_in_flight(m: int) -> np.ndarray:
+    """[1, moments, 1]: the microbatches in flight in Megatron-LM's combined 1F1B without a pipeline."""
+    moments = in_flight_by_stage(combined_1f1b(make_schedule("1f1b", 1, m)))[0]
+    return np.array(moments, dtype=float).reshape(1, -1, 1)
+
+
+def pair_seconds(plan: Plan, passes: PassCosts) -> tuple[float, float]:
+    """(a forward and a backward of ``plan``'s one stage in turn, the two run as a pair): in a pair
+    (:meth:`~parsim.lowering.lower.Lowering._paired`) the compute stream takes the passes' stretches
+    between expert all-to-alls in turns, the backward first, while the all-to-alls run one after another on
+    a stream of their own, each pass's next stretch waiting for its last all-to-all; a stretch that starts
+    beside a running all-to-all runs on the SMs its kernel leaves until it ends
+    (:meth:`~parsim.sim.compute.ComputeModel.beside_collective_time`)."""
+    lowering, comm, compute = Lowering(plan), passes.comm, passes.compute
+    entries = plan.stage_costs(0)
+
+    def stretches(kind: str) -> list[tuple[list, CommPiece | None]]:
+        """The pass as (compute pieces, the all-to-all that ends them, or None for the last)."""
+        out, pieces = [], []
+        for cost in (entries if kind == "F" else entries[::-1]):
+            for piece in lowering.layer_pass(0, 0, cost, kind):
+                if type(piece) is CommPiece and piece.group == "ep":
+                    out.append((pieces, piece))
+                    pieces = []
+                else:
+                    pieces.append(piece)
+        return out + [(pieces, None)]
+
+    def seconds(pieces: list, held: int = 0) -> float:
+        phases, _, _, trailing = passes.time_pieces(pieces, plan.accumulation, held_sms=held)
+        return float(phases.sum()) + trailing
+
+    def a2a(piece: CommPiece) -> float:
+        return comm.time("collective", piece.collective, piece.ranks, piece.nbytes, piece.routing)
+
+    backward, forward = stretches("B"), stretches("F")
+    alone = sum(seconds(p) + (a2a(c) if c else 0.0) for p, c in backward + forward)
+    t = stream = 0.0  # when the compute stream and the all-to-alls' stream are free
+    running: tuple[float, int] | None = None  # the last all-to-all: its end and the SMs its kernel holds
+    ready = {"B": 0.0, "F": 0.0}
+    left = {"B": iter(backward), "F": iter(forward)}
+    turns = ["B", "F"]
+    while turns:
+        issued = []
+        for x in turns:
+            pieces, collective = next(left[x])
+            start = max(t, ready[x])
+            t = start + seconds(pieces)
+            if running and running[0] > start and pieces:
+                t = start + compute.beside_collective_time(t - start, seconds(pieces, running[1]), running[0] - start)
+            ready[x] = t
+            if collective is not None:
+                stream = ready[x] = max(t, stream) + a2a(collective)
+                running = (stream, comm.sim.kernel_sms(collective.collective, collective.ranks,
+                                                       int(collective.nbytes), collective.routing))
+                issued.append(x)
+        turns = issued
+    return alone, max(t, stream)
 
 
 def _with_recompute(table: PassTable, recomputed: np.ndarray) -> PassTable:

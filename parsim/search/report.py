@@ -248,6 +248,7 @@ def command(result: SearchResult, r: Ranked, plan_file: str | None) -> str:
     args += ["--order", v.order] if v.order != DEFAULT_ORDER else []
     args += ["--sequence-parallel"] if v.sequence_parallel else []
     args += ["--tp-comm-overlap"] if v.tp_overlap else []
+    args += ["--ep-comm-overlap"] if v.ep_overlap else []
     args += ["--overlap-param-gather"] if v.param_overlap else []
     args += ["--activation-recompute", v.recompute] if v.recompute != "none" else []
     args += ["--context-parallel", v.context_parallel] if s.cp > 1 and v.context_parallel != "ring" else []

@@ -17,8 +17,10 @@ first, and counts what each level rejects and why:
    stage per rank (as plans take it);
 3. **variants** — placement (``dp,pp,cp,tp`` or ``pp,dp,cp,tp``), sequence
    parallelism (its collectives in line or overlapped with GEMMs), activation
-   recomputation, the context-parallel exchange, and gradient sync (DDP
-   buckets, ZeRO-1/2, FSDP, and HSDP inside a node).
+   recomputation, the context-parallel exchange, gradient sync (DDP
+   buckets, ZeRO-1/2, FSDP, and HSDP inside a node), and, for a mixture of
+   experts without a pipeline, its all-to-alls beside a paired pass's compute
+   (Megatron-LM's combined 1F1B, for more than one microbatch).
 
 Variants that are the same plan under another name are generated once: with
 one pipeline rank every schedule is 1F1B (GPipe only holds more activations),
@@ -67,7 +69,8 @@ class Setting(NamedTuple):
 
 class Variant(NamedTuple):
     """The rest of a plan: placement, sequence parallelism, recomputation, K/V exchange, gradient sync,
-    and whether the sequence-parallel collectives hide behind GEMMs (``tp_comm_overlap``)."""
+    whether the sequence-parallel collectives hide behind GEMMs (``tp_comm_overlap``), and whether a
+    mixture of experts' all-to-alls run beside the compute of a paired pass (``ep_comm_overlap``)."""
 
     order: str
     sequence_parallel: bool
@@ -77,6 +80,7 @@ class Variant(NamedTuple):
     zero: int
     shard_group: int | None
     tp_overlap: bool = False
+    ep_overlap: bool = False
 
     @property
     def fsdp(self) -> bool:
@@ -109,6 +113,8 @@ class Candidate(NamedTuple):
 
     def schedule_text(self) -> str:
         s = self.setting
+        if self.variant.ep_overlap:  # Megatron-LM's name for 1F1B with the all-to-alls beside the paired pass
+            return f"combined {s.schedule}"
         return f"{s.schedule} v{s.virtual_stages}" if s.schedule == "interleaved-1f1b" else s.schedule
 
     def mapping(self, space: "SearchSpace", name: str = "plan") -> dict[str, Any]:
@@ -133,7 +139,8 @@ class Candidate(NamedTuple):
         if space.grad_clip is not None:
             data["grad_clip"] = space.grad_clip
         moe = {**({"dispatcher": space.dispatcher_for(s.ep)} if space.dispatcher_for(s.ep) != "alltoall" else {}),
-               **({"dispatch_fp8": True} if space.dispatch_fp8_for(s.ep) else {})}
+               **({"dispatch_fp8": True} if space.dispatch_fp8_for(s.ep) else {}),
+               **({"ep_comm_overlap": True} if v.ep_overlap else {})}
         if moe:
             data["moe"] = moe
         if s.cp > 1:
@@ -288,8 +295,9 @@ def enumerate_settings(space: SearchSpace, rejections: Rejections | None = None
                         rej.layouts["ep group spread unevenly over nodes (DeepEP)"] += 1
                         continue
                     rej.layouts_valid += 1
+                    unpaired = tuple(v for v in variants if not v.ep_overlap)  # one microbatch: nothing to pair
                     for setting in _settings(space, rej, dp, tp, pp, cp, ep):
-                        yield setting, variants
+                        yield setting, variants if setting.num_microbatches > 1 else unpaired
 
 
 def _expert_group(dp: int, tp: int, pp: int, cp: int, ep: int, order: str) -> np.ndarray:
@@ -347,6 +355,12 @@ def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int, ep: int) -
     if tp > 1 and transformer and space.model.is_moe:  # Megatron-LM trains MoE under tp only sequence-parallel
         sps = sps[1:]
     cp_styles = ("ring", "all_gather") if cp > 1 else ("ring",)
-    return tuple(Variant(order, sp, recompute, cp_style, grad_sync, zero, shard, overlap)
-                 for order in orders for sp, overlap in sps for recompute in recompute_options(space.model)
-                 for cp_style in cp_styles for grad_sync, zero, shard in sync_options(space, dp, tp, cp, ep))
+    plain = tuple(Variant(order, sp, recompute, cp_style, grad_sync, zero, shard, overlap)
+                  for order in orders for sp, overlap in sps for recompute in recompute_options(space.model)
+                  for cp_style in cp_styles for grad_sync, zero, shard in sync_options(space, dp, tp, cp, ep))
+    # The expert all-to-alls beside a paired pass's compute (Megatron-LM's combined 1F1B), without a pipeline:
+    # the fast tier times those pairs (FastModel.pair_saving); not with full recomputation (Megatron-LM refuses
+    # it) nor FSDP, whose gathers the pairs' timing leaves out
+    if ep > 1 and pp == 1:
+        plain += tuple(v._replace(ep_overlap=True) for v in plain if v.recompute != "full" and not v.fsdp)
+    return plain
