@@ -44,7 +44,7 @@ from parsim.units import format_size
 
 from ._torch import require_distributed, require_torch
 from .collective_buffers import CHUNKED_OPS, ROOT, ROOTED_OPS, forms_of, make_buffers
-from .launch import check_request, in_torchrun_job, launch, rank_device, run_in_job
+from .launch import check_request, host_memory_bytes, in_torchrun_job, launch, rank_device, run_in_job
 
 DTYPE_BYTES = 4  # float32, as nccl-tests' default -d float
 DEFAULT_WARMUP = 5
@@ -134,7 +134,7 @@ def measured_size(op: str, size_bytes: int, nranks: int) -> int:
 def check_host_memory(size: int, local_ranks: int) -> None:
     """Refuse a size whose buffers cannot fit in this host's memory: each rank holds up to
     ``BUFFERS_PER_RANK`` buffers of it (input, output, and the check's pattern and expected result)."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = host_memory_bytes()
     need = BUFFERS_PER_RANK * size * local_ranks
     if need > memory:
         raise ParsimError(f"{format_size(size)} on {local_ranks} ranks needs about {need / 1e9:.3g} GB of buffers; "

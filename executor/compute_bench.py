@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ._torch import require_torch
 from .gloo_threads import collective_group
+from .launch import host_memory_bytes
 from .speed_probe import Speed, SpeedProbe, probes_on
 
 if TYPE_CHECKING:
@@ -127,8 +128,6 @@ def measure_on_shared_cores(timeout_s: float = 300.0, pipeline_steps: int = 60) 
     starting in caches the other emptied (on the 2-core VM a small model's passes 2.25-2.6x, the probes
     2.0-2.2x, 2026-11-27; in alternating windows 2.14-2.16x and 2.06-2.13x, 2026-11-29:
     ``benchmarks/cpu_pass_stretch.py``). Empty where the host cannot bind processes to cores (not Linux)."""
-    import os
-
     from .launch import launch
 
     if not hasattr(os, "sched_setaffinity"):
@@ -141,8 +140,6 @@ def measure_on_shared_cores(timeout_s: float = 300.0, pipeline_steps: int = 60) 
 def _on_two_cores() -> Iterator[int]:
     """This process (and the ranks it spawns, which bind round robin to the cores they inherit) on the first two
     of its cores meanwhile: yields how many it has there (1 on a single-core host). Linux only."""
-    import os
-
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cores[:2])
     try:
@@ -165,8 +162,6 @@ def measure_generic_pipeline(alone: Plan, shared: Plan, steps: int = GENERIC_PIP
     replicas of it), ``rounds`` rounds, the two runs of a round seconds apart, so that the host's drift between
     rounds leaves each round's ratio. None where processes cannot be bound to cores (not Linux) or the host gives
     fewer than 2."""
-    import os
-
     from .train.measure import run_plan
 
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
@@ -411,7 +406,7 @@ def measure_cache_hits(shape: tuple[int, int, int] = CACHE_SHAPE, weights: Seque
     m, n, k = shape
     dist = torch.distributed
     ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (CACHE_MEMORY_SHARE * ranks * k * n * 4)
+    room = host_memory_bytes() // (CACHE_MEMORY_SHARE * ranks * k * n * 4)
     weights = [count for count in weights if count <= room] or [1]  # a small host leaves the farthest out
     pool = list(torch.full((max(weights), k, n), 0.02).unbind(0))
     x = torch.full((m, k), 0.01)

@@ -340,6 +340,11 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def host_memory_bytes() -> int:
+    """This host's physical memory, which every local rank shares."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 _stack_file = None  # kept open for faulthandler, which writes to its file descriptor
 
 

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                                       measure_in_step, measure_reduce_bandwidth)
     from executor.compute_bench import (CACHE_SHAPE, measure_generic_pipeline, measure_on_every_rank,
                                         measure_on_shared_cores)
-    from executor.launch import check_request, resolve_backend, usable_cores
+    from executor.launch import check_request, host_memory_bytes, resolve_backend, usable_cores
     from executor.speed_probe import SHAPE as PROBE_SHAPE
     from executor.speed_probe import measure_collective_probe, median_reading
 
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
             note(f"{op.replace('_', '-')}: its times did not grow with size (stalls on a busy host?); its bytes "
                  f"are kept at link speed and only its fixed cost is fitted")
 
-    mem_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(rank_counts)  # per rank
+    mem_bytes = host_memory_bytes() / max(rank_counts)  # per rank
     cpu = platform.processor() or platform.machine()
     # Every rank of a local run shares this host, so one "node" holds as many as you may launch.
     ranks_per_host = max(8, os.cpu_count() or 1, *rank_counts)

@@ -54,6 +54,7 @@ bandwidths: docs/nccl-accuracy.md.
 DEFAULT_SIZE = "1GiB"
 SHARDED = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")  # a shard of the buffer per rank
 
+
 def register(subparsers) -> None:
     ops = ", ".join(op.replace("_", "-") for op in OPERATIONS)
     p = subparsers.add_parser("collective", help="predict a collective's time and bandwidth",

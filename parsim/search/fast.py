@@ -1005,10 +1005,10 @@ def pair_seconds(plan: Plan, passes: PassCosts) -> tuple[float, float]:
         for x in turns:
             pieces, collective = next(left[x])
             start = max(t, ready[x])
-            t = start + seconds(pieces)
-            if running and running[0] > start and pieces:
-                t = start + compute.beside_collective_time(t - start, seconds(pieces, running[1]), running[0] - start)
-            ready[x] = t
+            took = seconds(pieces)
+            if running and running[0] > start and pieces:  # beside the all-to-all under way, on the SMs it leaves
+                took = compute.beside_collective_time(took, seconds(pieces, running[1]), running[0] - start)
+            t = ready[x] = start + took
             if collective is not None:
                 stream = ready[x] = max(t, stream) + a2a(collective)
                 running = (stream, comm.sim.kernel_sms(collective.collective, collective.ranks,

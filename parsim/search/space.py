@@ -138,9 +138,13 @@ class Candidate(NamedTuple):
             data["data_parallel"]["reduce_dtype"] = space.reduce_dtype
         if space.grad_clip is not None:
             data["grad_clip"] = space.grad_clip
-        moe = {**({"dispatcher": space.dispatcher_for(s.ep)} if space.dispatcher_for(s.ep) != "alltoall" else {}),
-               **({"dispatch_fp8": True} if space.dispatch_fp8_for(s.ep) else {}),
-               **({"ep_comm_overlap": True} if v.ep_overlap else {})}
+        moe: dict[str, Any] = {}
+        if space.dispatcher_for(s.ep) != "alltoall":
+            moe["dispatcher"] = space.dispatcher_for(s.ep)
+        if space.dispatch_fp8_for(s.ep):
+            moe["dispatch_fp8"] = True
+        if v.ep_overlap:
+            moe["ep_comm_overlap"] = True
         if moe:
             data["moe"] = moe
         if s.cp > 1:
@@ -355,12 +359,12 @@ def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int, ep: int) -
     if tp > 1 and transformer and space.model.is_moe:  # Megatron-LM trains MoE under tp only sequence-parallel
         sps = sps[1:]
     cp_styles = ("ring", "all_gather") if cp > 1 else ("ring",)
-    plain = tuple(Variant(order, sp, recompute, cp_style, grad_sync, zero, shard, overlap)
-                  for order in orders for sp, overlap in sps for recompute in recompute_options(space.model)
-                  for cp_style in cp_styles for grad_sync, zero, shard in sync_options(space, dp, tp, cp, ep))
+    variants = tuple(Variant(order, sp, recompute, cp_style, grad_sync, zero, shard, overlap)
+                     for order in orders for sp, overlap in sps for recompute in recompute_options(space.model)
+                     for cp_style in cp_styles for grad_sync, zero, shard in sync_options(space, dp, tp, cp, ep))
     # The expert all-to-alls beside a paired pass's compute (Megatron-LM's combined 1F1B), without a pipeline:
     # the fast tier times those pairs (FastModel.pair_saving); not with full recomputation (Megatron-LM refuses
     # it) nor FSDP, whose gathers the pairs' timing leaves out
     if ep > 1 and pp == 1:
-        plain += tuple(v._replace(ep_overlap=True) for v in plain if v.recompute != "full" and not v.fsdp)
-    return plain
+        variants += tuple(v._replace(ep_overlap=True) for v in variants if v.recompute != "full" and not v.fsdp)
+    return variants

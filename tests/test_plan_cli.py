@@ -1,5 +1,6 @@
-"""A plan file may name the cluster it was written for (``cluster:``): the default ``--cluster`` of the commands
-that price it; and a plan changed on the command line no longer claims its file's description."""
+"""Plans on the command line: the cluster a plan file names (``cluster:``) as the default ``--cluster``; a plan
+changed by flags no longer claiming its file's description, and saying when a dp override grows its batch; the
+help's examples; bad paths, flags and values in one plain line."""
 
 from __future__ import annotations
 
