@@ -284,3 +284,19 @@ def test_a_pipeline_send_carries_the_whole_microbatch():
         errors.append(estimate.step_s / simulated.step_s - 1)
     assert len(errors) > 10
     assert np.abs(errors).max() < 1e-3
+
+
+def test_the_bound_never_exceeds_the_estimate_of_a_mixture_of_experts_under_a_pipeline():
+    """The expert all-to-alls' groups follow the placement order: each order's passes bound its own plans
+    (2026-12-02: one pass table for both orders put the bound up to 129% above the estimate in 23% of these
+    plans, which the search would have pruned wrongly)."""
+    moe = {"kind": "transformer", "name": "moe", "num_layers": 8, "hidden": 2048, "num_heads": 16,
+           "num_kv_heads": 8, "ffn_hidden": 8192, "seq_len": 4096, "vocab_size": 32000, "num_experts": 64,
+           "experts_per_token": 8, "expert_ffn_hidden": 1024}
+    space = SearchSpace(load_model(moe), 32, 64, dtype="bf16", degrees=(("tp", (1,)), ("cp", (1,)), ("pp", (2,)),
+                                                                        ("ep", (4, 8))))
+    fast = FastModel(space, load_cluster("dgx-h100"))
+    prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
+    jobs = [(p, i) for p in prepared for i in range(len(p.variants)) if p.bound[i] < float("inf")]
+    assert len({p.variants[i].order for p, i in jobs}) == 2
+    assert all(prep.bound[i] <= e.step_s * (1 + 1e-12) for (prep, i), e in zip(jobs, fast.estimate(jobs)))

@@ -297,8 +297,9 @@ class FastModel:
             positions: dict[str, list[int]] = {k: [] for k in index}
             for v in variants:
                 for name, key in (("activation", (v.sequence_parallel, v.recompute)),
+                                  # the expert all-to-alls' groups follow the placement order
                                   ("table", (v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel,
-                                             self._main_grads(s, v))),
+                                             self._main_grads(s, v), v.order if s.ep > 1 else None)),
                                   ("order", v.order), ("sync", (v.zero, v.shard_group))):
                     keys = index[name]
                     if key not in keys:
