@@ -1,6 +1,7 @@
-"""The search tries a mixture of experts' all-to-alls beside a paired pass's compute (``ep_comm_overlap``,
-Megatron-LM's combined 1F1B) for plans without a pipeline, timed by the fast tier as the simulator times
-the pairs (:func:`parsim.search.fast.pair_seconds`)."""
+"""The search tries a mixture of experts' all-to-alls beside a paired pass's compute (``ep_comm_overlap``:
+Megatron-LM's combined 1F1B without a pipeline or interleaved, DualPipe-V), timed by the fast tier as the
+simulator times the pairs (:func:`parsim.search.fast.pair_seconds`; each pair one pass of the pipeline's
+sweep, :func:`parsim.search.pipeline.compile_schedule`)."""
 
 from __future__ import annotations
 
@@ -25,17 +26,21 @@ DEGREES = (("tp", (1,)), ("cp", (1,)), ("pp", (1, 2)), ("ep", (8, 16)))
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "deepep"])
 def test_the_fast_tier_times_paired_passes_as_the_simulator_does(dispatcher):
-    """2026-12-02, 16 H100s: 12 paired plans each (one microbatch has nothing to pair), the fast tier within
-    0.52% (plain all-to-all) and 0.81% (DeepEP) of the simulation at the median, 0.92% and 1.19% at worst;
-    memory to the byte; the bound below. The pairs save 7-25% (plain) and 5-14% (DeepEP) of the step."""
+    """2026-12-02, 16 H100s: 42 paired plans each, combined 1F1B without a pipeline and interleaved, and
+    DualPipe-V (one microbatch has nothing to pair); the fast tier within 0.35% (plain all-to-all) and 0.76%
+    (DeepEP) of the simulation at the median, 1.24% and 2.01% at worst (that DeepEP plan's unpaired twin is
+    off by 1.96% itself); the pairs add at most 1.16 and 0.33 points to the error of the plan unpaired.
+    Memory to the byte; the bound below. The pairs save 2.2-25% (plain) and 1.2-14% (DeepEP) of the step."""
     space = SearchSpace(load_model(MOE_SPEC), 16, 64, dtype="bf16", dispatcher=dispatcher, degrees=DEGREES)
     cluster = load_cluster("dgx-h100")
     fast = FastModel(space, cluster)
     prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
     paired = [(p, i) for p in prepared for i, v in enumerate(p.variants) if v.ep_overlap and p.bound[i] < float("inf")]
-    assert {p.setting.pp for p, _ in paired} == {1}  # pairs only where there is no pipeline
-    errors, savings = [], []
-    for (prep, i), estimate in zip(paired, fast.estimate(paired)):
+    assert {p.setting.schedule for p, _ in paired} == {"1f1b", "dualpipe-v", "interleaved-1f1b"}
+    assert {p.setting.schedule for p, _ in paired if p.setting.pp > 1} == {"dualpipe-v", "interleaved-1f1b"}
+    apart_jobs = [(p, p.variants.index(p.variants[i]._replace(ep_overlap=False))) for p, i in paired]
+    errors, added, savings = [], [], []
+    for (prep, i), estimate, apart_estimate in zip(paired, fast.estimate(paired), fast.estimate(apart_jobs)):
         candidate = Candidate(prep.setting, prep.variants[i])
         plan = candidate.plan(space)
         assert plan.ep_comm_overlap and candidate.mapping(space)["moe"]["ep_comm_overlap"] is True
@@ -46,8 +51,10 @@ def test_the_fast_tier_times_paired_passes_as_the_simulator_does(dispatcher):
         apart = predict_step(Candidate(prep.setting, prep.variants[i]._replace(ep_overlap=False)).plan(space),
                              cluster)
         savings.append(1 - simulated.step_s / apart.step_s)
-    assert len(errors) >= 12
-    assert statistics.median(map(abs, errors)) < 0.01 and max(map(abs, errors)) < 0.02
+        added.append(errors[-1] - (apart_estimate.step_s / apart.step_s - 1))  # the pairs' part of the error
+    assert len(errors) >= 40
+    assert statistics.median(map(abs, errors)) < 0.01 and max(map(abs, errors)) < 0.025
+    assert max(map(abs, added)) < 0.015
     assert min(savings) > 0  # hiding the all-to-alls pays on two nodes
 
 

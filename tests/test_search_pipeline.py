@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parsim.schedules import SCHEDULES, make_schedule, simulate_ideal
-from parsim.search.pipeline import compile_schedule, sweep, time_schedule
+from parsim.schedules import SCHEDULES, make_schedule, paired_schedule, simulate_ideal
+from parsim.search.pipeline import compile_schedule, pairs_per_rank, sweep, time_schedule
 
 
 def durations(tf, tb, tw) -> np.ndarray:
@@ -76,3 +76,47 @@ def test_a_slower_final_backward_delays_the_stages_waiting_for_its_gradients():
     assert slow.final_start[0, 1] == pytest.approx(base.final_start[0, 1], abs=1e-12)
     assert slow.final_start[0, 0] == pytest.approx(base.final_start[0, 0] + 0.3, abs=1e-12)
     assert slow.rank_end.max() == pytest.approx(base.rank_end.max() + 0.3, abs=1e-12)
+
+
+@pytest.mark.parametrize("name, pp, v", [("dualpipe-v", 4, 2), ("interleaved-1f1b", 4, 2), ("1f1b", 1, 1)])
+def test_paired_schedules_are_extended_and_counted_along_their_steady_state_exactly(name, pp, v):
+    """``ep_comm_overlap``: each pair of a forward and a backward one pass of the sweep, its savings taken off;
+    long schedules extended as unpaired ones are, and the pairs each rank runs counted the same way."""
+    rng = np.random.default_rng(3)
+    stages, batch = pp * v, 8
+    tf = rng.uniform(0.9, 1.1, (batch, stages))
+    d = np.stack([tf, 2 * tf, np.zeros_like(tf), np.zeros_like(tf)], axis=2).reshape(batch, -1)
+    hops = np.full((batch, max(stages - 1, 1)), 0.05)[:, :stages - 1]
+    savings = rng.uniform(0.0, 0.5, (batch, stages, stages))
+    for m in (40, 64, 96):
+        compiled = compile_schedule(name, pp, m, v, True)
+        exact = sweep(compiled, d, hops, savings=savings)
+        fast = time_schedule(name, pp, m, v, d, hops, savings=savings)
+        assert fast.rank_end == pytest.approx(exact.rank_end, rel=1e-9)
+        counted = np.zeros((pp, stages, stages))
+        schedule = paired_schedule(name, pp, m, v)
+        for r, actions in enumerate(schedule.actions):
+            for i in schedule.paired[r]:
+                counted[r, actions[i].stage, actions[i + 1].stage] += 1
+        assert pairs_per_rank(name, pp, m, v) == pytest.approx(counted)
+        assert len(compiled.var) == sum(map(len, schedule.actions)) - counted.sum()
+        unpaired = sweep(compile_schedule(name, pp, m, v), d, hops)
+        assert exact.rank_end.max() < unpaired.rank_end.max()  # the savings show in the step
+
+
+def test_a_pairs_sends_go_out_one_after_the_other_once_both_passes_are_done():
+    """DualPipe-V on 2 ranks: rank 0 pairs stage 0's forward with stage 3's backward, whose outputs both go to
+    rank 1 (stages 1 and 2). The pass after such a pair waits for both transfers, the backward's first (over
+    boundary 2), then the forward's (boundary 0), as the lowering sends them."""
+    compiled = compile_schedule("dualpipe-v", 2, 8, 2, True)
+    assert {tuple(p) for p in compiled.pairs} == {(0, 3), (3, 0), (1, 2), (2, 1)}
+    both_out = compiled.num_stages * 4 + [tuple(p) for p in compiled.pairs].index((0, 3))
+    pair_rows = np.flatnonzero(compiled.var == both_out)
+    after = [j for j in range(len(compiled.var)) if compiled.rank[j] == 0 and compiled.waits[j, 0] in pair_rows]
+    assert after and all((compiled.hop[j, 0], compiled.queued[j, 0]) == (2, 0) for j in after)
+    d = np.ones((1, 16))
+    hops = np.array([[0.25, 0.0, 0.5]])  # boundary 1 is inside rank 1
+    timing = sweep(compiled, d, hops, every_pass=True)
+    for j in after:
+        pair_end = timing.starts[0, compiled.waits[j, 0]] + 2.0  # a forward and a backward of 1 s each
+        assert timing.starts[0, j] >= pair_end + 0.75 - 1e-12

@@ -14,13 +14,15 @@ rank 0: F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7
 from .checks import ScheduleError, dependencies, execution_order, in_flight_by_stage, peak_in_flight, validate
 from .core import KIND_NAMES, KINDS, Action, Schedule
 from .formulas import ClosedForm, closed_form
-from .generators import (SCHEDULES, ScheduleKind, combined_1f1b, combined_interleaved_1f1b, gpipe, interleaved_1f1b,
-                         make_schedule, one_f_one_b, round_size, splits_into_rounds, uneven_rounds, zbv, zero_bubble)
+from .generators import (PAIRED_SCHEDULES, SCHEDULES, ScheduleKind, combined_1f1b, combined_interleaved_1f1b, gpipe,
+                         interleaved_1f1b, make_schedule, one_f_one_b, paired_schedule, round_size, splits_into_rounds,
+                         uneven_rounds, zbv, zero_bubble)
 from .timing import IdealTiming, Interval, simulate_ideal
 
 __all__ = [
     "Action", "Schedule", "KINDS", "KIND_NAMES", "SCHEDULES", "ScheduleKind", "ScheduleError",
-    "make_schedule", "combined_1f1b", "combined_interleaved_1f1b", "round_size", "splits_into_rounds", "uneven_rounds",
+    "make_schedule", "combined_1f1b", "combined_interleaved_1f1b", "PAIRED_SCHEDULES", "paired_schedule", "round_size",
+    "splits_into_rounds", "uneven_rounds",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble", "zbv",
     "dependencies", "execution_order", "validate", "peak_in_flight", "in_flight_by_stage",
     "simulate_ideal", "IdealTiming", "Interval", "closed_form", "ClosedForm",

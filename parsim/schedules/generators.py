@@ -387,6 +387,23 @@ def combined_1f1b(schedule: Schedule) -> Schedule:
     return Schedule(schedule.name, 1, m, 1, [actions], paired=(frozenset(range(1, 2 * m - 1, 2)),))
 
 
+
+# Under a pipeline, the schedules that pair a forward with another microbatch's backward (ep_comm_overlap)
+PAIRED_SCHEDULES = ("dualpipe-v", "interleaved-1f1b")
+
+
+def paired_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The schedule as it runs with each forward paired with the backward after it (``ep_comm_overlap``):
+    Megatron-LM's combined 1F1B without a pipeline (:func:`combined_1f1b`) or interleaved
+    (:func:`combined_interleaved_1f1b`); DualPipe-V pairs its chunks in its own order."""
+    if pp == 1:
+        return combined_1f1b(make_schedule(name, pp, num_microbatches, virtual_stages))
+    if name == "interleaved-1f1b":
+        return combined_interleaved_1f1b(pp, num_microbatches, virtual_stages)
+    if name == "dualpipe-v":
+        return make_schedule(name, pp, num_microbatches, virtual_stages)
+    raise ValueError(f"{name} pairs no passes: ep_comm_overlap runs under dualpipe-v, interleaved-1f1b or pp 1")
+
 @dataclass(frozen=True)
 class ScheduleKind:
     """A schedule generator with what people need to know to choose it.

@@ -49,13 +49,13 @@ from ..lowering.lower import (FP32, PASS_PHASE, REDUCE_CALL, UNSHARD_CALL, CommP
                               clip_costs, fsdp_bytes, gathered_bytes, grad_norm_dims, param_tensors, pipeline_bytes,
                               step_costs, tied_table_bytes, unscale_costs)
 from ..report.step_report import PHASES
-from ..schedules import SCHEDULES, combined_1f1b, in_flight_by_stage, make_schedule
+from ..schedules import SCHEDULES, in_flight_by_stage, make_schedule, paired_schedule
 from ..sim.compute import ComputeModel
 from ..workload.model import MLPModel
 from ..workload.plan import (DTYPE_BYTES, Accumulation, Plan, accumulation, attention_seq, copies_embedding_table,
                              default_reduce_dtype, keeps_main_grads, master_weights)
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
-from .pipeline import PipelineTiming, time_schedule
+from .pipeline import PipelineTiming, pairs_per_rank, time_schedule
 from .space import SearchSpace, Setting, Variant
 from .tables import Layout, entry_tables, entry_types, layout_of, peak_memory, rank_tables, sync_arrays
 
@@ -97,6 +97,8 @@ class _Inputs:
     final_extra: np.ndarray | None = None
     fsdp_tables: tuple[np.ndarray, np.ndarray] | None = None  # the same per (stage, kind), with the scatters
     offsets: dict[int, np.ndarray] | None = None  # per stage, when its entries' gradients are final in its last pass
+    # [stages, stages] ep_comm_overlap: what a pair of a forward and a backward of these stages saves
+    savings: np.ndarray | None = None
     timing: PipelineTiming | None = None
 
 
@@ -258,9 +260,9 @@ class FastModel:
         memory, state = peak_memory(ranks, arrays.activation_index, arrays.sync, in_flight, tokens, self.dtype_bytes,
                                     self.grad_bytes)
         paired = np.array([v.ep_overlap for v in variants])
-        if paired.any():  # combined 1F1B holds the next microbatch's activations through each pair
-            combined = _combined_in_flight(s.num_microbatches)
-            memory = np.where(paired, peak_memory(ranks, arrays.activation_index, arrays.sync, combined, tokens,
+        if paired.any():  # combined 1F1B runs one forward more ahead of the backwards it pairs with
+            as_paired = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages, paired=True)[0]
+            memory = np.where(paired, peak_memory(ranks, arrays.activation_index, arrays.sync, as_paired, tokens,
                                                   self.dtype_bytes, self.grad_bytes)[0], memory)
         bound = np.full(len(variants), np.inf)
         prepared = Prepared(s, variants, memory, state, bound, {})
@@ -277,19 +279,36 @@ class FastModel:
         work = chain[:, :, layout.rank_stages[:, 0]] + busy[:, None, :]  # [K, O, pp]
         optimizer = np.array([self._tail_bound(s, v) for v in arrays.sync_keys])  # [Z, pp]
         total = work[arrays.table_index[fits], arrays.order_index[fits]] + optimizer[arrays.sync_index[fits]]
-        bound[fits] = total.max(axis=1) - [self.pair_saving(s, variants[i]) for i in fits]
+        bound[fits] = (total - [self.rank_pair_savings(s, variants[i]) for i in fits]).max(axis=1)
         return prepared
 
-    def pair_saving(self, s: Setting, v: Variant) -> float:
-        """What running each pair of a forward and the backward before it together saves a step
-        (``ep_comm_overlap`` without a pipeline: Megatron-LM's combined 1F1B pairs all but the first forward
-        and the last backward); 0 for other plans. See :func:`pair_seconds`."""
+    def pair_savings(self, s: Setting, v: Variant) -> np.ndarray | None:
+        """[stages, stages]: what running a forward of one stage together with a backward of another saves
+        (``ep_comm_overlap``; see :func:`pair_seconds`), at the stages the schedule pairs; None for other plans."""
         if not v.ep_overlap:
-            return 0.0
-        key = ("pair", s.tp, s.cp, s.ep, s.dp, s.microbatch_size, v.order, v.sequence_parallel, v.tp_overlap,
-               v.recompute, v.context_parallel)
-        alone, paired = self._cached(key, lambda: pair_seconds(self.plan(s, v), self.passes(s.cp)))
-        return (s.num_microbatches - 1) * (alone - paired)
+            return None
+        key = (s.tp, s.cp, s.ep, s.dp, s.pp, s.schedule in V_SCHEDULES, s.virtual_stages, s.microbatch_size,
+               v.order, v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel)
+
+        def make() -> np.ndarray:
+            plan, passes, layout = self.plan(s, v), self.passes(s.cp), self.layout(s)
+            counts = pairs_per_rank(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)
+            out = np.zeros(counts.shape[1:])
+            for f, b in zip(*np.nonzero(counts.sum(axis=0))):
+                alone, together = self._cached(
+                    ("pair",) + key + (layout.distinct_of[f], layout.distinct_of[b]),
+                    lambda: pair_seconds(plan, passes, int(f), int(b), layout.stage_rank[f]))
+                out[f, b] = alone - together
+            return out
+        return self._cached(("pairs", s.schedule, s.num_microbatches) + key, make)
+
+    def rank_pair_savings(self, s: Setting, v: Variant) -> np.ndarray:
+        """[pp]: what each pipeline rank's pairs save it (0 without ``ep_comm_overlap``)."""
+        savings = self.pair_savings(s, v)
+        if savings is None:
+            return np.zeros(s.pp)
+        return np.einsum("rfb,fb->r", pairs_per_rank(s.schedule, s.pp, s.num_microbatches, s.virtual_stages),
+                         savings)
 
     def _variant_arrays(self, s: Setting, variants: tuple[Variant, ...]) -> "_VariantArrays":
         def make() -> _VariantArrays:
@@ -393,7 +412,7 @@ class FastModel:
         elif v.param_overlap and s.dp * s.cp > 1:
             start = self._param_gather_starts(s, v, seconds, durations)
         return _Inputs(_inputs_key(v), durations, hops, start, waits, lead, slowed, ends, final_extra=final_extra,
-                       offsets=offsets)
+                       offsets=offsets, savings=self.pair_savings(s, v))
 
     def _hops(self, s: Setting, v: Variant, layout: Layout) -> np.ndarray:
         """Per stage boundary, the send of one microbatch's activations (or their gradients) between the
@@ -590,8 +609,8 @@ class FastModel:
         for prep, i in jobs:
             x = self._inputs_of(prep, i)
             if x.timing is None:  # FSDP reduces every pass's gradients: it needs every pass's start
-                groups.setdefault(_shape(prep.setting) + (x.ends is not None,), {})[id(x)] = x
-        for (name, pp, m, vs, every_pass), members in groups.items():
+                groups.setdefault(_shape(prep.setting) + (x.ends is not None, x.savings is not None), {})[id(x)] = x
+        for (name, pp, m, vs, every_pass, paired), members in groups.items():
             batch = list(members.values())
             extra = None
             if any(x.final_extra is not None for x in batch):
@@ -600,7 +619,7 @@ class FastModel:
             timing = time_schedule(name, pp, m, vs, np.array([x.durations for x in batch]),
                                    np.array([x.hops for x in batch]).reshape(len(batch), -1),
                                    np.array([x.start for x in batch]), every_pass, np.array([x.lead for x in batch]),
-                                   extra)
+                                   extra, np.array([x.savings for x in batch]) if paired else None)
             for j, x in enumerate(batch):
                 x.timing = PipelineTiming(timing.rank_end[j], timing.final_start[j],
                                           None if timing.starts is None else timing.starts[j], timing.compiled,
@@ -635,10 +654,11 @@ class FastModel:
             for st in self.layout(s).rank_stages[rank]:
                 phases[PASS_PHASE[KINDS[final[st]]]] += float(x.final_extra[st])
                 busy += float(x.final_extra[st])
-        phases["pp"] = max(compute_end - start - busy, 0.0)
-        saving = self.pair_saving(s, v)  # the paired passes' all-to-alls, hidden behind each other's compute
+        saving = float(self.rank_pair_savings(s, v)[rank])  # the pairs' all-to-alls, hidden behind compute
+        busy -= saving
         phases["ep"] -= saving
-        return Estimate(float(step) - saving, float(prep.memory[i]), phases, rank)
+        phases["pp"] = max(compute_end - start - busy, 0.0)
+        return Estimate(float(step), float(prep.memory[i]), phases, rank)
 
     def _rank_tail(self, s: Setting, v: Variant, x: _Inputs, p: int) -> tuple[float, float, float, float, float]:
         """Pipeline rank ``p``: (its end, its last pass's end, its gradient sync's end, optimizer seconds,
@@ -956,30 +976,27 @@ _PLAIN = Variant("dp,pp,cp,tp", False, "none", "ring", "bucketed", 0, None)
 def _inputs_key(v: Variant) -> tuple:
     """What a variant's pipeline inputs (:meth:`FastModel._inputs`) depend on."""
     return (v.order, v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel, v.fsdp, v.shard_group,
-            v.param_overlap)
+            v.param_overlap, v.ep_overlap)
 
 
-def _combined_in_flight(m: int) -> np.ndarray:
-    """[1, moments, 1]: the microbatches in flight in Megatron-LM's combined 1F1B without a pipeline."""
-    moments = in_flight_by_stage(combined_1f1b(make_schedule("1f1b", 1, m)))[0]
-    return np.array(moments, dtype=float).reshape(1, -1, 1)
-
-
-def pair_seconds(plan: Plan, passes: PassCosts) -> tuple[float, float]:
-    """(a forward and a backward of ``plan``'s one stage in turn, the two run as a pair): in a pair
+def pair_seconds(plan: Plan, passes: PassCosts, forward_stage: int = 0, backward_stage: int = 0, rank: int = 0
+                 ) -> tuple[float, float]:
+    """(a forward of ``forward_stage`` and a backward of ``backward_stage``, both on pipeline rank ``rank``, in
+    turn; the two run as a pair): in a pair
     (:meth:`~parsim.lowering.lower.Lowering._paired`) the compute stream takes the passes' stretches
     between expert all-to-alls in turns, the backward first, while the all-to-alls run one after another on
     a stream of their own, each pass's next stretch waiting for its last all-to-all; a stretch that starts
     beside a running all-to-all runs on the SMs its kernel leaves until it ends
     (:meth:`~parsim.sim.compute.ComputeModel.beside_collective_time`)."""
     lowering, comm, compute = Lowering(plan), passes.comm, passes.compute
-    entries = plan.stage_costs(0)
 
     def stretches(kind: str) -> list[tuple[list, CommPiece | None]]:
         """The pass as (compute pieces, the all-to-all that ends them, or None for the last)."""
+        stage = forward_stage if kind == "F" else backward_stage
+        entries = plan.stage_costs(stage)
         out, pieces = [], []
         for cost in (entries if kind == "F" else entries[::-1]):
-            for piece in lowering.layer_pass(0, 0, cost, kind):
+            for piece in lowering.layer_pass(rank, 0, cost, kind):
                 if type(piece) is CommPiece and piece.group == "ep":
                     out.append((pieces, piece))
                     pieces = []
@@ -1108,7 +1125,8 @@ def _shape(s: Setting) -> tuple[str, int, int, int]:
     return (s.schedule, s.pp, s.num_microbatches, s.virtual_stages)
 
 
-def schedule_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def schedule_facts(name: str, pp: int, m: int, v: int, paired: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[pp, moments, stages per rank] the microbatches in flight on each of a rank's stages at the moments its
     activations may peak (:func:`~parsim.schedules.in_flight_by_stage`, rows of zeros padding); [pp, stages * 4]
     the passes of each (stage, kind) it runs; per stage, the kind of its last microbatch's weight-gradient pass
@@ -1116,9 +1134,10 @@ def schedule_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.n
 
     Past a few rounds of microbatches a schedule only repeats its steady state: one more forward and
     backward of every stage per microbatch, and no more in flight (GPipe aside, which holds them all);
-    so a long schedule is read off one of three rounds (``tests/test_search_fast.py``)."""
+    so a long schedule is read off one of three rounds (``tests/test_search_fast.py``). ``paired``: the
+    schedule as ``ep_comm_overlap`` runs it (:func:`~parsim.schedules.paired_schedule`)."""
     short = min(m, 3 * pp) if SCHEDULES[name].rounds_of_pp(pp, m, v) else m
-    in_flight, counts, final = _short_facts(name, pp, short, v)
+    in_flight, counts, final = _short_facts(name, pp, short, v, paired)
     if m > short:
         in_flight, counts = in_flight.copy(), counts.copy()
         own = counts[:, 0::4] > 0
@@ -1131,8 +1150,8 @@ def schedule_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.n
 
 
 @lru_cache(maxsize=None)
-def _short_facts(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    schedule = make_schedule(name, pp, m, v)
+def _short_facts(name: str, pp: int, m: int, v: int, paired: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    schedule = paired_schedule(name, pp, m, v) if paired else make_schedule(name, pp, m, v)
     counts = np.zeros((pp, schedule.num_stages * 4))
     final = np.zeros(schedule.num_stages, dtype=int)
     for r, actions in enumerate(schedule.actions):

@@ -41,7 +41,7 @@ from typing import Any, Iterator, NamedTuple
 import numpy as np
 
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
-from ..schedules import uneven_rounds
+from ..schedules import PAIRED_SCHEDULES, uneven_rounds
 from ..workload.model import Model, TransformerModel
 from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, Plan, parse_plan, rank_grid
 
@@ -113,9 +113,11 @@ class Candidate(NamedTuple):
 
     def schedule_text(self) -> str:
         s = self.setting
-        if self.variant.ep_overlap:  # Megatron-LM's name for 1F1B with the all-to-alls beside the paired pass
-            return f"combined {s.schedule}"
-        return f"{s.schedule} v{s.virtual_stages}" if s.schedule == "interleaved-1f1b" else s.schedule
+        text = f"{s.schedule} v{s.virtual_stages}" if s.schedule == "interleaved-1f1b" else s.schedule
+        if not self.variant.ep_overlap:
+            return text
+        # Megatron-LM's name for (interleaved) 1F1B with the all-to-alls beside the paired pass
+        return f"{text} + ep overlap" if s.schedule == "dualpipe-v" else f"combined {text}"
 
     def mapping(self, space: "SearchSpace", name: str = "plan") -> dict[str, Any]:
         """The plan as a plan file's mapping (what ``parsim simulate FILE`` reads)."""
@@ -299,9 +301,16 @@ def enumerate_settings(space: SearchSpace, rejections: Rejections | None = None
                         rej.layouts["ep group spread unevenly over nodes (DeepEP)"] += 1
                         continue
                     rej.layouts_valid += 1
-                    unpaired = tuple(v for v in variants if not v.ep_overlap)  # one microbatch: nothing to pair
+                    unpaired = tuple(v for v in variants if not v.ep_overlap)
                     for setting in _settings(space, rej, dp, tp, pp, cp, ep):
-                        yield setting, variants if setting.num_microbatches > 1 else unpaired
+                        yield setting, variants if pairs_passes(setting) else unpaired
+
+
+def pairs_passes(s: Setting) -> bool:
+    """Whether ``s``'s schedule can run a forward together with another microbatch's backward
+    (``ep_comm_overlap``): Megatron-LM's combined 1F1B without a pipeline or interleaved, and DualPipe-V;
+    one microbatch has nothing to pair."""
+    return s.num_microbatches > 1 and (s.pp == 1 or s.schedule in PAIRED_SCHEDULES)
 
 
 def _expert_group(dp: int, tp: int, pp: int, cp: int, ep: int, order: str) -> np.ndarray:
@@ -362,9 +371,9 @@ def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int, ep: int) -
     variants = tuple(Variant(order, sp, recompute, cp_style, grad_sync, zero, shard, overlap)
                      for order in orders for sp, overlap in sps for recompute in recompute_options(space.model)
                      for cp_style in cp_styles for grad_sync, zero, shard in sync_options(space, dp, tp, cp, ep))
-    # The expert all-to-alls beside a paired pass's compute (Megatron-LM's combined 1F1B), without a pipeline:
-    # the fast tier times those pairs (FastModel.pair_saving); not with full recomputation (Megatron-LM refuses
-    # it) nor FSDP, whose gathers the pairs' timing leaves out
-    if ep > 1 and pp == 1:
+    # The expert all-to-alls beside a paired pass's compute (Megatron-LM's combined 1F1B, DualPipe-V), on the
+    # schedules that pair passes (pairs_passes): the fast tier times those pairs (FastModel.pair_savings); not
+    # with full recomputation (Megatron-LM refuses it) nor FSDP, whose gathers the pairs' timing leaves out
+    if ep > 1:
         variants += tuple(v._replace(ep_overlap=True) for v in variants if v.recompute != "full" and not v.fsdp)
     return variants

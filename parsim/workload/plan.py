@@ -52,7 +52,7 @@ from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
 from ..hardware.cluster import MAX_GPUS
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
-from ..schedules import Schedule, combined_1f1b, combined_interleaved_1f1b, make_schedule, uneven_rounds
+from ..schedules import PAIRED_SCHEDULES, Schedule, make_schedule, paired_schedule, uneven_rounds
 from .model import (FP8_SAVED_BYTES, LINEAR_ALSO, LINEAR_ONLY, RECOMPUTE_MODULES, Activation, ConfigReader, LayerCost,
                     MLPModel, Model, TransformerModel, load_model)
 from .stage_split import balanced_split, even_split
@@ -545,7 +545,7 @@ class Plan:
                        f"dtype fp8 (this plan: {self.dtype}; --no-dispatch-fp8 turns it off)")
         if self.ep_comm_overlap and self.ep == 1:
             self._fail("ep_comm_overlap hides the expert all-to-alls behind compute, and with ep 1 there are none")
-        if self.ep_comm_overlap and not (self.schedule in ("dualpipe-v", "interleaved-1f1b") or self.pp == 1):
+        if self.ep_comm_overlap and not (self.schedule in PAIRED_SCHEDULES or self.pp == 1):
             self._fail(f"ep_comm_overlap pairs a forward with another microbatch's backward as DualPipe-V does "
                        f"(schedule dualpipe-v), or as Megatron-LM's combined 1F1B does, under a pipeline only "
                        f"interleaved (interleaved-1f1b, or pp 1); {self.schedule} with pp {self.pp} is not modelled "
@@ -765,10 +765,9 @@ class Plan:
     @cached_property
     def pipeline(self) -> Schedule:
         """The schedule's per-rank action lists (built once; the lowering, memory and executor share it)."""
-        if self.ep_comm_overlap and self.schedule == "interleaved-1f1b" and self.pp > 1:
-            return combined_interleaved_1f1b(self.pp, self.num_microbatches, self.virtual_stages)
-        schedule = make_schedule(self.schedule, self.pp, self.num_microbatches, self.virtual_stages)
-        return combined_1f1b(schedule) if self.ep_comm_overlap and self.pp == 1 else schedule
+        if self.ep_comm_overlap:
+            return paired_schedule(self.schedule, self.pp, self.num_microbatches, self.virtual_stages)
+        return make_schedule(self.schedule, self.pp, self.num_microbatches, self.virtual_stages)
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stages pipeline rank ``pp_rank`` runs: ``pp_rank``, ``pp_rank + pp``, ... (looped), or
