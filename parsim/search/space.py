@@ -17,7 +17,8 @@ first, and counts what each level rejects and why:
    stage per rank (as plans take it);
 3. **variants** — placement (``dp,pp,cp,tp`` or ``pp,dp,cp,tp``), sequence
    parallelism (its collectives in line or overlapped with GEMMs), activation
-   recomputation, the context-parallel exchange, gradient sync (DDP
+   recomputation (none, of the cheap modules where the model has experts or
+   latent attention, whole layers), the context-parallel exchange, gradient sync (DDP
    buckets, ZeRO-1/2, FSDP, and HSDP inside a node), and, for a mixture of
    experts without a pipeline, its all-to-alls beside a paired pass's compute
    (Megatron-LM's combined 1F1B, for more than one microbatch).
@@ -133,7 +134,7 @@ class Candidate(NamedTuple):
             "adamw": space.adamw,
             "sequence_parallel": v.sequence_parallel,
             "tp_comm_overlap": v.tp_overlap,
-            "activation_recompute": v.recompute,
+            "activation_recompute": plan_recompute(space.model, v.recompute),
             "data_parallel": {"grad_sync": v.grad_sync, "zero": v.zero, "overlap_param_gather": v.param_overlap},
         }
         if space.reduce_dtype:
@@ -267,8 +268,29 @@ def sync_options(space: SearchSpace, dp: int, tp: int, cp: int, ep: int = 1) -> 
 
 
 def recompute_options(model: Model) -> tuple[str, ...]:
+    """``none``, ``selective`` (the attention core, where it is not FlashAttention, which recomputes it anyway),
+    ``modules`` (:func:`recompute_modules`, for a mixture of experts or latent attention) and ``full``."""
     core = getattr(model, "attention_kernel", "flash")
-    return ("none", "full") if core == "flash" else ("none", "selective", "full")
+    options = ("none", "full") if core == "flash" else ("none", "selective", "full")
+    return options[:-1] + ("modules",) + options[-1:] if recompute_modules(model, "modules") else options
+
+
+def recompute_modules(model: Model, recompute: str) -> tuple[str, ...] | None:
+    """The modules the ``modules`` option recomputes: those of Megatron-LM's ``--recompute-modules`` that are
+    cheap to rerun and hold much memory, as DeepSeek-V3 recomputes them (report, section 3.2.3): the norms,
+    latent attention's up-projections and the experts' activation; searched where the model has either of the
+    last two (with the norms alone, little to save). None for the other options."""
+    if recompute != "modules":
+        return None
+    moe, mla = getattr(model, "is_moe", False), getattr(model, "attention", "") == "mla"
+    cheap = ("mla_up_proj",) * mla + ("moe_act",) * moe
+    return ("layernorm",) + cheap if cheap else None
+
+
+def plan_recompute(model: Model, recompute: str) -> str | dict[str, Any]:
+    """A search's recompute option as a plan file writes it."""
+    modules = recompute_modules(model, recompute)
+    return {"granularity": "selective", "modules": list(modules)} if modules else recompute
 
 
 def enumerate_space(space: SearchSpace, rejections: Rejections | None = None) -> Iterator[Candidate]:
