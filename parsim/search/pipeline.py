@@ -97,11 +97,11 @@ def compile_schedule(name: str, pp: int, m: int, v: int, paired: bool = False) -
     n, stages = len(members), schedule.num_stages
     owner = [schedule.stage_to_rank(st) for st in range(stages)]
     prereqs = []  # per node: the nodes it waits for, the rank's previous one first
-    crossed = []  # per node: the boundary each dependency on another node crosses
+    crossed = []  # per node and node it depends on: the boundary the dependency crosses, and the action it needs
     for k, group in enumerate(members):
         r = rank_of[group[0]]
         before = k - 1 if k > 0 and rank_of[members[k - 1][0]] == r else -1
-        deps: dict[int, int] = {}
+        deps: dict[int, tuple[int, int]] = {}
         for i in group:
             for d in dependencies(schedule, actions[i]):
                 deps.setdefault(node_of[where[d]], (min(d.stage, actions[i].stage), where[d]))
@@ -140,7 +140,8 @@ def compile_schedule(name: str, pp: int, m: int, v: int, paired: bool = False) -
             waits[j][c] = row[d]
             if rank_of[members[d][0]] != r:
                 hop[j][c], producer = crossed[k][d]
-                if len(members[d]) == 2 and producer == members[d][0]:  # a pair's forward: its backward's first
+                if len(members[d]) == 2 and producer == members[d][0]:  # a pair's forward's output: it leaves
+                    # behind the backward's
                     sends = _pair_sends([actions[i] for i in members[d]], owner, rank_of[producer])
                     queued[j][c] = sends[0] if len(sends) == 2 else zero_hop
         depth[j] = 1 + max((depth[w] for w in waits[j] if w < n), default=-1)
