@@ -20,11 +20,14 @@ from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, note, note_unme
 HELP = """\
 Search every parallelism plan the simulator can express for a model on some
 GPUs -- dp, tp, pp, cp, ep, virtual stages, microbatch size and count,
-schedule, ZeRO stage or FSDP, recomputation, sequence parallelism (its
-collectives in line or overlapped with the GEMMs, within a node), placement --
-drop those that do not fit in memory (counted by reason), rank the rest with a
-fast analytical tier built on the simulator's own costs, and run the best
-through the event simulation. The table marks which figures are simulated and
+schedule, ZeRO stage or FSDP, recomputation (whole layers, or for a mixture of
+experts or latent attention the cheap modules, as DeepSeek-V3), sequence
+parallelism (its collectives in line or overlapped with the GEMMs, within a
+node), placement, and for a mixture of experts its all-to-alls beside a paired
+pass's compute (combined 1F1B, DualPipe-V's overlap) -- drop those that do
+not fit in memory (counted by reason), rank the rest with a fast analytical
+tier built on the simulator's own costs, and run the best through the event
+simulation. The table marks which figures are simulated and
 how far the fast tier was from them; every row prints a `parsim simulate`
 command (or, with --save-plans, a plan file) that re-runs it. ZeRO-1/2 plans
 run as Megatron-LM's distributed optimizer does in NVIDIA's recipes, the
@@ -40,6 +43,8 @@ examples:
   parsim search --model llama3-8b --gpus 8,64 --global-batch 1M-tokens --tokens 15T --explain
   parsim search --model llama3-70b --gpus 256,512,1024 --global-batch 512 --sort cost --plot front.png
   parsim search --model llama3-70b --gpus 1024 --tp 8 --pp 2,4,8      # only Megatron-style layouts
+  parsim search --model deepseek-v3 --gpus 2048 --cluster hgx-h800 --global-batch 15360 --dtype fp8 \\
+      --dispatch-fp8 --dispatcher deepep --dp 128 --pp 16 --ep 64 --tp 1 --cp 1   # DeepSeek-V3's degrees
   parsim search --model llama3-405b --gpus 16384 --global-batch 16M-tokens --max-memory 75GB --json
 """
 
