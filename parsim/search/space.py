@@ -18,10 +18,11 @@ first, and counts what each level rejects and why:
 3. **variants** — placement (``dp,pp,cp,tp`` or ``pp,dp,cp,tp``), sequence
    parallelism (its collectives in line or overlapped with GEMMs), activation
    recomputation (none, of the cheap modules where the model has experts or
-   latent attention, whole layers), the context-parallel exchange, gradient sync (DDP
-   buckets, ZeRO-1/2, FSDP, and HSDP inside a node), and, for a mixture of
-   experts without a pipeline, its all-to-alls beside a paired pass's compute
-   (Megatron-LM's combined 1F1B, for more than one microbatch).
+   latent attention, whole layers), the context-parallel exchange, gradient
+   sync (DDP buckets, ZeRO-1/2, FSDP, and HSDP inside a node), and, for a
+   mixture of experts on a schedule that pairs passes (:func:`pairs_passes`),
+   its all-to-alls beside a paired pass's compute (Megatron-LM's combined
+   1F1B, DualPipe-V's overlap; for more than one microbatch).
 
 Variants that are the same plan under another name are generated once: with
 one pipeline rank every schedule is 1F1B (GPipe only holds more activations),
