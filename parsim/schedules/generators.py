@@ -387,7 +387,6 @@ def combined_1f1b(schedule: Schedule) -> Schedule:
     return Schedule(schedule.name, 1, m, 1, [actions], paired=(frozenset(range(1, 2 * m - 1, 2)),))
 
 
-
 # Under a pipeline, the schedules that pair a forward with another microbatch's backward (ep_comm_overlap)
 PAIRED_SCHEDULES = ("dualpipe-v", "interleaved-1f1b")
 
@@ -403,6 +402,7 @@ def paired_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: i
     if name == "dualpipe-v":
         return make_schedule(name, pp, num_microbatches, virtual_stages)
     raise ValueError(f"{name} pairs no passes: ep_comm_overlap runs under dualpipe-v, interleaved-1f1b or pp 1")
+
 
 @dataclass(frozen=True)
 class ScheduleKind:

@@ -82,18 +82,7 @@ def compile_schedule(name: str, pp: int, m: int, v: int, paired: bool = False) -
     actions = [a for acts in schedule.actions for a in acts]
     rank_of = [r for r, acts in enumerate(schedule.actions) for _ in acts]
     where = {a: i for i, a in enumerate(actions)}
-    # node per action: a pair's forward and backward share one
-    node_of, members, offset = [], [], 0
-    for r, acts in enumerate(schedule.actions):
-        pairs_here = schedule.paired[r] if paired else frozenset()
-        for i in range(len(acts)):
-            if i - 1 in pairs_here:
-                node_of.append(len(members) - 1)
-                members[-1].append(offset + i)
-            else:
-                node_of.append(len(members))
-                members.append([offset + i])
-        offset += len(acts)
+    node_of, members = _nodes(schedule, paired)
     n, stages = len(members), schedule.num_stages
     owner = [schedule.stage_to_rank(st) for st in range(stages)]
     prereqs = []  # per node: the nodes it waits for, the rank's previous one first
@@ -150,16 +139,34 @@ def compile_schedule(name: str, pp: int, m: int, v: int, paired: bool = False) -
     waves = tuple(np.flatnonzero(depth == d) for d in range(depth.max() + 1))
     last = np.array([row[node_of[where[acts[-1]]]] for acts in schedule.actions])
     final = np.empty(stages, dtype=np.int64)
-    for i, a in enumerate(actions):
-        if a.microbatch == m - 1 and a.kind in ("B", "W"):
-            final[a.stage] = row[node_of[i]]
     counts = np.zeros((pp, stages * 4))
     for i, a in enumerate(actions):
         counts[rank_of[i], a.stage * 4 + KINDS.index(a.kind)] += 1
+        if a.microbatch == m - 1 and a.kind in ("B", "W"):
+            final[a.stage] = row[node_of[i]]
     pair_counts = np.zeros((pp, len(pair_types)))
-    np.add.at(pair_counts, (rank[var >= stages * 4], var[var >= stages * 4] - stages * 4), 1)
+    is_pair = var >= stages * 4
+    np.add.at(pair_counts, (rank[is_pair], var[is_pair] - stages * 4), 1)
     pairs = np.array(list(pair_types), dtype=np.int64).reshape(-1, 2)
     return CompiledSchedule(schedule, rank, var, waits, hop, queued, waves, last, final, counts, pairs, pair_counts)
+
+
+def _nodes(schedule: Schedule, paired: bool) -> tuple[list[int], list[list[int]]]:
+    """The sweep's passes: per action (ranks' lists one after another) its node, and per node its actions;
+    with ``paired``, a pair's forward and backward share one."""
+    node_of: list[int] = []
+    members: list[list[int]] = []
+    offset = 0
+    for r, acts in enumerate(schedule.actions):
+        pairs_here = schedule.paired[r] if paired else frozenset()
+        for i in range(len(acts)):
+            if i - 1 in pairs_here:
+                members[-1].append(offset + i)
+            else:
+                members.append([offset + i])
+            node_of.append(len(members) - 1)
+        offset += len(acts)
+    return node_of, members
 
 
 def _pair_sends(pair: list, owner: list[int], rank: int) -> list[int]:
