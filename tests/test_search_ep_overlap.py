@@ -39,6 +39,8 @@ def test_the_fast_tier_times_paired_passes_as_the_simulator_does(dispatcher):
     assert {p.setting.schedule for p, _ in paired} == {"1f1b", "dualpipe-v", "interleaved-1f1b"}
     assert {p.setting.schedule for p, _ in paired if p.setting.pp > 1} == {"dualpipe-v", "interleaved-1f1b"}
     apart_jobs = [(p, p.variants.index(p.variants[i]._replace(ep_overlap=False))) for p, i in paired]
+    assert {Candidate(p.setting, p.variants[i]).schedule_text() for p, i in paired} == {
+        "combined 1f1b", "combined interleaved-1f1b v2", "dualpipe-v + ep overlap"}  # the table's schedule column
     errors, added, savings = [], [], []
     for (prep, i), estimate, apart_estimate in zip(paired, fast.estimate(paired), fast.estimate(apart_jobs)):
         candidate = Candidate(prep.setting, prep.variants[i])

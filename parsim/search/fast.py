@@ -56,7 +56,7 @@ from ..workload.plan import (DTYPE_BYTES, Accumulation, Plan, accumulation, atte
                              default_reduce_dtype, keeps_main_grads, master_weights)
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
 from .pipeline import PipelineTiming, pairs_per_rank, time_schedule
-from .space import SearchSpace, Setting, Variant, recompute_modules
+from .space import SearchSpace, Setting, Variant, recompute_setting
 from .tables import Layout, entry_tables, entry_types, layout_of, peak_memory, rank_tables, sync_arrays
 
 SPLIT_SCHEDULES = ("zero-bubble", "zb-h2", "zbv")  # every backward runs as I, then W
@@ -148,6 +148,7 @@ class FastModel:
         plan = self._plans.get(key)
         if plan is None:
             model = self.space.model
+            recompute, modules = recompute_setting(model, v.recompute)
             if isinstance(model, MLPModel):  # its batch is the model's: a stand-in gets one that fits it
                 model = dataclasses.replace(model, batch_size=dp * s.microbatch_size * m)
             plan = self._plans[key] = Plan(
@@ -155,8 +156,7 @@ class FastModel:
                 num_microbatches=m, schedule=schedule, virtual_stages=vs, dtype=self.space.dtype,
                 adamw=self.space.adamw, reduce_dtype=self.space.reduce_dtype, order=v.order,
                 sequence_parallel=v.sequence_parallel, tp_comm_overlap=v.tp_overlap,
-                activation_recompute="selective" if v.recompute == "modules" else v.recompute,
-                recompute_modules=recompute_modules(model, v.recompute),
+                activation_recompute=recompute, recompute_modules=modules,
                 context_parallel=v.context_parallel, grad_sync=v.grad_sync, zero=v.zero,
                 overlap_param_gather=v.param_overlap, shard_group=v.shard_group,
                 bucket_size=self.space.bucket_size, dispatcher=self.space.dispatcher_for(s.ep),

@@ -11,7 +11,7 @@ from ..report.table import render_table
 from ..units import format_size, format_time
 from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER
 from .search import Ranked, SearchResult
-from .space import recompute_modules
+from .space import recompute_setting
 
 GB = 1e9
 TIE = 5e-4  # step times this close are the same for --explain's purpose
@@ -251,11 +251,9 @@ def command(result: SearchResult, r: Ranked, plan_file: str | None) -> str:
     args += ["--tp-comm-overlap"] if v.tp_overlap else []
     args += ["--ep-comm-overlap"] if v.ep_overlap else []
     args += ["--overlap-param-gather"] if v.param_overlap else []
-    modules = recompute_modules(req.model, v.recompute)
-    if modules:
-        args += ["--activation-recompute", "selective", "--recompute-modules", ",".join(modules)]
-    elif v.recompute != "none":
-        args += ["--activation-recompute", v.recompute]
+    recompute, modules = recompute_setting(req.model, v.recompute)
+    args += ["--activation-recompute", recompute] if recompute != "none" else []
+    args += ["--recompute-modules", ",".join(modules)] if modules else []
     args += ["--context-parallel", v.context_parallel] if s.cp > 1 and v.context_parallel != "ring" else []
     if v.grad_sync == "fsdp":
         args += ["--grad-sync", "fsdp"]

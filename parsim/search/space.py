@@ -273,25 +273,28 @@ def recompute_options(model: Model) -> tuple[str, ...]:
     ``modules`` (:func:`recompute_modules`, for a mixture of experts or latent attention) and ``full``."""
     core = getattr(model, "attention_kernel", "flash")
     options = ("none", "full") if core == "flash" else ("none", "selective", "full")
-    return options[:-1] + ("modules",) + options[-1:] if recompute_modules(model, "modules") else options
+    return options[:-1] + ("modules",) + options[-1:] if cheap_modules(model) else options
 
 
-def recompute_modules(model: Model, recompute: str) -> tuple[str, ...] | None:
-    """The modules the ``modules`` option recomputes: those of Megatron-LM's ``--recompute-modules`` that are
-    cheap to rerun and hold much memory, as DeepSeek-V3 recomputes them (report, section 3.2.3): the norms,
-    latent attention's up-projections and the experts' activation; searched where the model has either of the
-    last two (with the norms alone, little to save). None for the other options."""
-    if recompute != "modules":
-        return None
+def cheap_modules(model: Model) -> tuple[str, ...] | None:
+    """What the ``modules`` option recomputes: those of Megatron-LM's ``--recompute-modules`` that are cheap to
+    rerun and hold much memory, as DeepSeek-V3 recomputes them (report, section 3.2.3): the norms, latent
+    attention's up-projections and the experts' activation; None where the model has neither of the last two
+    (with the norms alone, little to save)."""
     moe, mla = getattr(model, "is_moe", False), getattr(model, "attention", "") == "mla"
     cheap = ("mla_up_proj",) * mla + ("moe_act",) * moe
     return ("layernorm",) + cheap if cheap else None
 
 
+def recompute_setting(model: Model, recompute: str) -> tuple[str, tuple[str, ...] | None]:
+    """A search's recompute option as a plan's ``activation_recompute`` and ``recompute_modules``."""
+    return ("selective", cheap_modules(model)) if recompute == "modules" else (recompute, None)
+
+
 def plan_recompute(model: Model, recompute: str) -> str | dict[str, Any]:
     """A search's recompute option as a plan file writes it."""
-    modules = recompute_modules(model, recompute)
-    return {"granularity": "selective", "modules": list(modules)} if modules else recompute
+    granularity, modules = recompute_setting(model, recompute)
+    return {"granularity": granularity, "modules": list(modules)} if modules else granularity
 
 
 def enumerate_space(space: SearchSpace, rejections: Rejections | None = None) -> Iterator[Candidate]:
