@@ -154,7 +154,7 @@ def note_launch_bound(command: str, plan, cluster: ClusterSpec, step_s: float) -
               for stage in range(plan.num_stages) for cost in plan.stage_costs(stage)
               for block in cost.blocks) * plan.num_microbatches // plan.pp
     if ops * HOST_OP_S > step_s:
-        note(f"parsim {command}: note: {plan.name}'s kernels are too short to hide the host on {cluster.name}: "
+        note(f"parsim {command}: note: the plan's kernels are too short to hide the host on {cluster.name}: "
              f"issuing its ~{ops:,} eager ops per step takes about {format_time(ops * HOST_OP_S)} at "
              f"{HOST_OP_S * 1e6:g} us each, against {format_time(step_s)} predicted without the host; "
              "parsim calibrate --ranks 1 on the GPU host measures it (docs/kernel-model.md)")

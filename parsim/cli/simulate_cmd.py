@@ -97,7 +97,7 @@ def report(r: StepPrediction) -> str:
     capacity = r.cluster.gpu.hbm_capacity_bytes
     unit = "token" if plan.model.tokens_per_sample > 1 else "sample"  # an MLP's rows are samples, not tokens
     lines = [
-        f"{plan.name}: {plan.model.name} on {plan.world} GPUs of {r.cluster.name} "
+        f"{plan.name}: {plan.model.name} on {plan.world:,} GPU{'' if plan.world == 1 else 's'} of {r.cluster.name} "
         f"({plan.degrees_text()}, {plan.schedule}, {plan.num_microbatches} "
         f"microbatch{'' if plan.num_microbatches == 1 else 'es'} of {plan.microbatch_size}, "
         f"{plan.dtype}{''.join(', ' + f for f in plan.features())})",
