@@ -148,6 +148,9 @@ def test_megatron_2022_table_stays_within_the_measured_accuracy(tmp_path):
     (SMALL_TABLE.replace("seq: 2048\n", "seq: 2048\nclsuter: x\n"), "clsuter: unknown key"),
     (SMALL_TABLE.replace("heads: 24", "heads: 25"), "rows[0] (1.7B): the row: "),
     (SMALL_TABLE.replace("dp: 8, gpus: 8", "dp: 8, gpus: 9"), "gpus"),
+    # refused by the simulator, in a worker process: still one line naming the row
+    (SMALL_TABLE.replace("dp: 2, gpus: 8, global_batch: 64", "dp: 3, gpus: 12, global_batch: 48"),
+     "rows[1] (3.6B): the plan needs 12 GPUs, which is not a whole number of 8-GPU nodes"),
     (SMALL_TABLE.replace("heads: 24, ", ""), "heads"),
     (SMALL_TABLE.replace("{params: 1.7B,", "{params: 1.7B, model: tiny-gpt,"), "rows[0].model"),
     (SMALL_TABLE.replace("vocab: 51200\n", ""), "vocab"),

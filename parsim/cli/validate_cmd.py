@@ -54,10 +54,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _RowProgress(OpsProgress):
-    """``validating: row 3 / 10`` on a terminal."""
+    """``validating: 3 of 10 rows done`` on a terminal."""
 
     def __call__(self, finished: int, total: int) -> None:
-        self.show(f"validating: row {finished + 1 if finished < total else total} / {total}")
+        self.show(f"validating: {finished} of {total} rows done")
 
 
 def report(v: Validation) -> str:

@@ -16,10 +16,7 @@ through the event simulation (:func:`~parsim.sim.step.predict_step`).
 from __future__ import annotations
 
 import math
-import multiprocessing
-import os
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,6 +24,7 @@ import numpy as np
 
 from ..errors import ParsimError
 from ..hardware.cluster import ClusterSpec
+from ..sim.pool import simulate_each
 from ..sim.step import StepPrediction, predict_step
 from ..workload.model import Model
 from ..workload.plan import DEFAULT_ADAMW, default_reduce_dtype
@@ -192,17 +190,11 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
 def _simulate(request: SearchRequest, rows: list[Ranked], report) -> None:
     """Event-simulate ``rows``, on as many processes as the machine has cores (each plan alone is serial)."""
     plans = [r.candidate.plan(r.space, f"rank{k + 1}") for k, r in enumerate(rows)]
-    workers = min(os.cpu_count() or 1, len(plans))
-    if workers < 2:
-        for k, (r, plan) in enumerate(zip(rows, plans)):
-            report(f"simulating {k + 1}/{len(rows)}", k / len(rows))
-            r.simulated = predict_step(plan, request.cluster)
-        return
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        futures = {pool.submit(predict_step, plan, request.cluster): r for r, plan in zip(rows, plans)}
-        for k, future in enumerate(as_completed(futures)):
-            futures[future].simulated = future.result()
-            report(f"simulated {k + 1}/{len(rows)}", (k + 1) / len(rows))
+    report(f"simulating 0/{len(rows)}", 0.0)
+    simulated = simulate_each(predict_step, plans, request.cluster,
+                              lambda k, n: report(f"simulated {k}/{n}", k / n))
+    for r, prediction in zip(rows, simulated):
+        r.simulated = prediction
 
 
 def _count_memory(counts: SpaceCounts, prep: Prepared, capacity: float) -> None:

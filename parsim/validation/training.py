@@ -19,10 +19,11 @@ from typing import Any, Callable, Mapping
 
 from ..errors import ConfigError, ParsimError
 from ..files import read_yaml
-from ..hardware.cluster import load_cluster
+from ..hardware.cluster import ClusterSpec, load_cluster
+from ..sim.pool import simulate_each
 from ..sim.step import predict_step
 from ..workload.model import load_model
-from ..workload.plan import parse_plan
+from ..workload.plan import Plan, parse_plan
 
 
 @dataclass
@@ -148,22 +149,29 @@ def _whole(mapping: Mapping[str, Any], key: str, source: str, where: str) -> Non
 
 
 def validate(name_or_path: str, progress: Callable[[int, int], None] | None = None) -> Validation:
-    """Predict every row of a validation table on its cluster."""
+    """Predict every row of a validation table on its cluster (the rows side by side, a process per core);
+    ``progress(rows done, rows)`` as they finish."""
     table, source = load_table(name_or_path)
     cluster = load_cluster(table["cluster"])
     metric = METRICS[table["metric"]]
-    results = []
-    for i, row in enumerate(table["rows"]):
-        if progress:
-            progress(i, len(table["rows"]))
-        label = str(row.get("params", f"row {i}"))
+    rows = table["rows"]
+    labels = [str(row.get("params", f"row {i}")) for i, row in enumerate(rows)]
+    plans = []
+    for i, (row, label) in enumerate(zip(rows, labels)):
         try:
             plan = parse_plan(_plan_mapping(table, row, label), "the row")  # the except below names file and row
-            step_s = predict_step(plan, cluster).step_s
         except ParsimError as err:
             raise ParsimError(f"{source}: rows[{i}] ({label}): {err}") from None
         if plan.world != row.get("gpus", plan.world):
             raise ConfigError(source, f"rows[{i}].gpus", f"is {row['gpus']}", f"dp x pp x cp x tp = {plan.world}")
+        plans.append(plan)
+    if progress:
+        progress(0, len(rows))
+    steps = simulate_each(_step_or_error, plans, cluster, progress)
+    results = []
+    for i, (row, label, plan, step_s) in enumerate(zip(rows, labels, plans, steps)):
+        if isinstance(step_s, str):
+            raise ParsimError(f"{source}: rows[{i}] ({label}): {step_s}")
         layout = (f"tp {plan.tp} x pp {plan.pp}" + (f" x cp {plan.cp}" if plan.cp > 1 else "") + f" x dp {plan.dp}"
                   + (f", ep {plan.ep}" if plan.ep > 1 else "")
                   + (f", v {plan.virtual_stages}" if plan.virtual_stages > 1 else ""))
@@ -171,10 +179,16 @@ def validate(name_or_path: str, progress: Callable[[int, int], None] | None = No
         results.append(RowResult(label, plan.world, layout, float(row[table["metric"]]),
                                  metric(table, row, step_s, plan.world), step_s, table["metric"] in DURATION_METRICS,
                                  named))
-    if progress:
-        progress(len(table["rows"]), len(table["rows"]))
     return Validation(table.get("name", Path(source).stem), table.get("source", ""), table["metric"],
                       cluster.name, results)
+
+
+def _step_or_error(plan: Plan, cluster: ClusterSpec) -> float | str:
+    """The row's predicted step, or why the simulator refuses it (sent back from a worker process as text)."""
+    try:
+        return predict_step(plan, cluster).step_s
+    except ParsimError as err:
+        return str(err)
 
 
 def _plan_mapping(table: Mapping[str, Any], row: Mapping[str, Any], label: str) -> dict[str, Any]:
