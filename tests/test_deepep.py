@@ -9,6 +9,7 @@ import statistics
 
 import numpy as np
 import pytest
+from simulated import steps_and_memory
 
 from parsim.cli.main import main
 from parsim.errors import ParsimError
@@ -157,13 +158,13 @@ def test_the_search_prices_deepep_as_the_simulator_does():
     prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
     jobs = [(p, i) for p in prepared for i in range(len(p.variants)) if not p.variants[i].fsdp]
     errors = []
-    for (prep, i), estimate in zip(jobs, fast.estimate(jobs)):
-        candidate = Candidate(prep.setting, prep.variants[i])
-        plan = candidate.plan(space)
+    candidates = [Candidate(prep.setting, prep.variants[i]) for prep, i in jobs]
+    plans = [candidate.plan(space) for candidate in candidates]
+    for candidate, plan, estimate, (step_s, peak) in zip(candidates, plans, fast.estimate(jobs),
+                                                         steps_and_memory(plans, cluster)):
         assert plan.dispatcher == "deepep" and candidate.mapping(space)["moe"]["dispatcher"] == "deepep"
-        simulated = predict_step(plan, cluster)
-        assert estimate.memory_bytes == pytest.approx(max(m.total for m in simulated.memory), rel=1e-12)
-        errors.append(estimate.step_s / simulated.step_s - 1)
+        assert estimate.memory_bytes == pytest.approx(peak, rel=1e-12)
+        errors.append(estimate.step_s / step_s - 1)
     assert len(errors) > 200
     assert statistics.median(map(abs, errors)) < 0.01 and max(map(abs, errors)) < 0.05
 

@@ -9,12 +9,12 @@ import json
 import statistics
 
 import pytest
+from simulated import steps_and_memory
 
 from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
 from parsim.search.fast import FastModel
 from parsim.search.space import Candidate, SearchSpace, enumerate_settings
-from parsim.sim.step import predict_step
 from parsim.workload.model import load_model
 
 # tests/test_ep_overlap.py's MoE: all-to-alls on two nodes weigh as much as the GEMMs
@@ -42,18 +42,19 @@ def test_the_fast_tier_times_paired_passes_as_the_simulator_does(dispatcher):
     assert {Candidate(p.setting, p.variants[i]).schedule_text() for p, i in paired} == {
         "combined 1f1b", "combined interleaved-1f1b v2", "dualpipe-v + ep overlap"}  # the table's schedule column
     errors, added, savings = [], [], []
-    for (prep, i), estimate, apart_estimate in zip(paired, fast.estimate(paired), fast.estimate(apart_jobs)):
-        candidate = Candidate(prep.setting, prep.variants[i])
-        plan = candidate.plan(space)
+    candidates = [Candidate(prep.setting, prep.variants[i]) for prep, i in paired]
+    plans = [c.plan(space) for c in candidates] + [c._replace(variant=c.variant._replace(ep_overlap=False)).plan(space)
+                                                   for c in candidates]
+    simulated = steps_and_memory(plans, cluster)
+    for (prep, i), candidate, plan, estimate, apart_estimate, (step_s, peak), (apart_s, _) in zip(
+            paired, candidates, plans, fast.estimate(paired), fast.estimate(apart_jobs), simulated[:len(paired)],
+            simulated[len(paired):]):
         assert plan.ep_comm_overlap and candidate.mapping(space)["moe"]["ep_comm_overlap"] is True
-        simulated = predict_step(plan, cluster)
-        assert estimate.memory_bytes == pytest.approx(max(m.total for m in simulated.memory), rel=1e-12)
+        assert estimate.memory_bytes == pytest.approx(peak, rel=1e-12)
         assert prep.bound[i] <= estimate.step_s
-        errors.append(estimate.step_s / simulated.step_s - 1)
-        apart = predict_step(Candidate(prep.setting, prep.variants[i]._replace(ep_overlap=False)).plan(space),
-                             cluster)
-        savings.append(1 - simulated.step_s / apart.step_s)
-        added.append(errors[-1] - (apart_estimate.step_s / apart.step_s - 1))  # the pairs' part of the error
+        errors.append(estimate.step_s / step_s - 1)
+        savings.append(1 - step_s / apart_s)
+        added.append(errors[-1] - (apart_estimate.step_s / apart_s - 1))  # the pairs' part of the error
     assert len(errors) >= 40
     assert statistics.median(map(abs, errors)) < 0.01 and max(map(abs, errors)) < 0.025
     assert max(map(abs, added)) < 0.015

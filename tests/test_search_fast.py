@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from simulated import steps_and_memory
 
 from parsim.hardware.cluster import load_cluster
 from parsim.schedules import SCHEDULES, in_flight_by_stage, make_schedule
@@ -42,10 +43,9 @@ def test_step_times_agree_with_the_event_simulation_over_the_whole_space(small):
     model is off where gathers, exchanges and reductions contend (the fast tier prices them alone)."""
     space, cluster, jobs, estimates = small
     errors, fsdp = [], []
-    for (prep, i), estimate in zip(jobs, estimates):
-        variant = prep.variants[i]
-        simulated = predict_step(Candidate(prep.setting, variant).plan(space), cluster).step_s
-        (fsdp if variant.fsdp else errors).append(estimate.step_s / simulated - 1)
+    plans = [Candidate(prep.setting, prep.variants[i]).plan(space) for prep, i in jobs]
+    for (prep, i), estimate, (simulated, _) in zip(jobs, estimates, steps_and_memory(plans, cluster)):
+        (fsdp if prep.variants[i].fsdp else errors).append(estimate.step_s / simulated - 1)
     assert len(errors) + len(fsdp) == len(jobs) > 300
     assert np.abs(errors).max() < 1e-3  # contention between overlapping collectives, which the simulator shares
     assert np.abs(fsdp).max() < 0.25  # docs/search.md: FSDP gathers on a latency-bound model
@@ -66,13 +66,12 @@ def test_fsdp_of_a_mixture_of_experts_costs_about_the_same_in_both_tiers():
     prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
     jobs = [(p, i) for p in prepared for i in range(len(p.variants)) if p.variants[i].fsdp]
     errors, sharded_experts, pipelined = [], 0, 0
-    for (prep, i), estimate in zip(jobs, fast.estimate(jobs)):
-        plan = Candidate(prep.setting, prep.variants[i]).plan(space)
+    plans = [Candidate(prep.setting, prep.variants[i]).plan(space) for prep, i in jobs]
+    for plan, estimate, (step_s, peak) in zip(plans, fast.estimate(jobs), steps_and_memory(plans, cluster)):
         sharded_experts += plan.expert_shard_size > 1
         pipelined += plan.pp > 1
-        simulated = predict_step(plan, cluster)
-        assert estimate.memory_bytes == pytest.approx(max(m.total for m in simulated.memory), rel=1e-12)
-        errors.append(estimate.step_s / simulated.step_s - 1)
+        assert estimate.memory_bytes == pytest.approx(peak, rel=1e-12)
+        errors.append(estimate.step_s / step_s - 1)
     assert len(errors) > 300 and sharded_experts > 100 and pipelined > 100
     assert np.median(np.abs(errors)) < 0.01 and np.abs(errors).max() < 0.1
 
@@ -91,12 +90,11 @@ def test_hsdp_of_a_mixture_of_experts_costs_about_the_same_in_both_tiers():
     prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
     jobs = [(p, i) for p in prepared for i in range(len(p.variants)) if p.variants[i].shard_group]
     errors, whole = [], 0
-    for (prep, i), estimate in zip(jobs, fast.estimate(jobs)):
-        plan = Candidate(prep.setting, prep.variants[i]).plan(space)
+    plans = [Candidate(prep.setting, prep.variants[i]).plan(space) for prep, i in jobs]
+    for plan, estimate, (step_s, peak) in zip(plans, fast.estimate(jobs), steps_and_memory(plans, cluster)):
         whole += plan.expert_shard_size == 1
-        simulated = predict_step(plan, cluster)
-        assert estimate.memory_bytes == pytest.approx(max(m.total for m in simulated.memory), rel=1e-12)
-        errors.append(estimate.step_s / simulated.step_s - 1)
+        assert estimate.memory_bytes == pytest.approx(peak, rel=1e-12)
+        errors.append(estimate.step_s / step_s - 1)
     assert len(errors) > 150 and whole > 10
     assert np.median(np.abs(errors)) < 0.03 and np.abs(errors).max() < 0.12
 
@@ -114,12 +112,11 @@ def test_a_tied_table_split_across_pipeline_ranks_costs_the_same_in_both_tiers()
     prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
     jobs = [(p, i) for p in prepared for i in range(len(p.variants)) if not p.variants[i].fsdp]
     tied = 0
-    for (prep, i), estimate in zip(jobs, fast.estimate(jobs)):
-        plan = Candidate(prep.setting, prep.variants[i]).plan(space)
+    plans = [Candidate(prep.setting, prep.variants[i]).plan(space) for prep, i in jobs]
+    for plan, estimate, (step_s, peak) in zip(plans, fast.estimate(jobs), steps_and_memory(plans, cluster)):
         tied += plan.copies_embedding_table
-        simulated = predict_step(plan, cluster)
-        assert estimate.step_s == pytest.approx(simulated.step_s, rel=0.015)
-        assert estimate.memory_bytes == pytest.approx(max(m.total for m in simulated.memory), rel=1e-12)
+        assert estimate.step_s == pytest.approx(step_s, rel=0.015)
+        assert estimate.memory_bytes == pytest.approx(peak, rel=1e-12)
     assert tied > 20
 
 
@@ -131,12 +128,11 @@ def test_llama_plans_agree_within_a_few_percent(adamw):
     prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
     fits = [(p, int(i)) for p in prepared for i in np.flatnonzero(np.isfinite(p.bound))]
     picks = [fits[k] for k in np.random.default_rng(1).choice(len(fits), 12, replace=False)]
-    for (prep, i), estimate in zip(picks, fast.estimate(picks)):
-        plan = Candidate(prep.setting, prep.variants[i]).plan(space)
-        assert plan.adamw == adamw
-        simulated = predict_step(plan, cluster)
-        assert estimate.step_s == pytest.approx(simulated.step_s, rel=0.05)
-        assert estimate.memory_bytes == pytest.approx(max(m.total for m in simulated.memory), rel=1e-12)
+    plans = [Candidate(prep.setting, prep.variants[i]).plan(space) for prep, i in picks]
+    assert all(plan.adamw == adamw for plan in plans)
+    for estimate, (step_s, peak) in zip(fast.estimate(picks), steps_and_memory(plans, cluster)):
+        assert estimate.step_s == pytest.approx(step_s, rel=0.05)
+        assert estimate.memory_bytes == pytest.approx(peak, rel=1e-12)
 
 
 def test_fsdp_on_one_node_pays_for_the_sms_its_collectives_hold_in_both_tiers():

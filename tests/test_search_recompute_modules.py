@@ -8,13 +8,12 @@ import json
 import statistics
 
 import pytest
+from simulated import steps_and_memory
 
 from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
 from parsim.search.fast import FastModel
 from parsim.search.space import Candidate, SearchSpace, enumerate_settings, recompute_options
-from parsim.sim.step import predict_step
-from parsim.workload.memory import memory
 from parsim.workload.model import load_model
 
 # tests/test_search_ep_overlap.py's MoE, its attention latent (DeepSeek-V3's shape, scaled down)
@@ -49,15 +48,15 @@ def test_the_fast_tier_prices_the_recomputed_modules_as_the_simulator_does():
             if v.recompute == "modules" and p.bound[i] < float("inf")]
     kept = [(p, p.variants.index(p.variants[i]._replace(recompute="none"))) for p, i in jobs]
     errors, added, saved = [], [], []
-    for (prep, i), estimate, (_, j), kept_estimate in zip(jobs, fast.estimate(jobs), kept, fast.estimate(kept)):
-        simulated = predict_step(Candidate(prep.setting, prep.variants[i]).plan(space), cluster)
-        peak = max(m.total for m in simulated.memory)
+    plans = [Candidate(p.setting, p.variants[i]).plan(space) for p, i in jobs + kept]
+    simulated = steps_and_memory(plans, cluster)
+    for (prep, i), estimate, kept_estimate, (step_s, peak), (plain_step_s, plain_peak) in zip(
+            jobs, fast.estimate(jobs), fast.estimate(kept), simulated[:len(jobs)], simulated[len(jobs):]):
         assert estimate.memory_bytes == pytest.approx(peak, rel=1e-12)
         assert prep.bound[i] <= estimate.step_s * (1 + 1e-12)
-        errors.append(estimate.step_s / simulated.step_s - 1)
-        plain = Candidate(prep.setting, prep.variants[j]).plan(space)
-        added.append(errors[-1] - (kept_estimate.step_s / predict_step(plain, cluster).step_s - 1))
-        saved.append(1 - peak / max(m.total for m in memory(plain)))
+        errors.append(estimate.step_s / step_s - 1)
+        added.append(errors[-1] - (kept_estimate.step_s / plain_step_s - 1))
+        saved.append(1 - peak / plain_peak)
     assert len(errors) >= 150
     assert statistics.median(map(abs, errors)) < 0.01
     assert max(map(abs, added)) < 0.01
