@@ -48,6 +48,20 @@ def test_the_report_prints_every_row_and_the_summary(tmp_path, capsys):
     assert f"median |error| {result.median_abs_error:.1%}, max |error| {result.max_abs_error:.1%}" in out
 
 
+def test_explain_works_each_rows_figure_out_from_its_simulated_step(tmp_path, capsys):
+    """``--explain``: the paper's formula with the row's numbers, over the simulated step and the GPUs, lands on the
+    figure the table prints."""
+    path = tmp_path / "table.yaml"
+    path.write_text(SMALL_TABLE)
+    assert main(["validate", str(path), "--explain"]) == 0
+    out = capsys.readouterr().out
+    rows = validate(str(path)).rows
+    assert "96 x B 64 x s 2,048 x l 24 x h^2 2,304^2 x (1 + s/6h 0.1481 + V/16lh 0.0579)" in out
+    for row in rows:
+        assert f"step {row.step_s:.4g} s x 8 GPUs) = {_figure(row.predicted)} TFLOP/s per GPU" in row.arithmetic
+        assert row.arithmetic in out and f"published {_figure(row.published)}: parsim {row.error:+.1%}" in out
+
+
 def test_figures_keep_four_significant_digits_and_group_thousands():
     assert [_figure(x) for x in (1.35149, 16.853, 168.04, 14451.2)] == ["1.351", "16.85", "168", "14,451"]
 
@@ -86,6 +100,7 @@ def test_a_row_may_name_its_model_and_count_tokens(tmp_path):
     row = validate(str(path)).rows[0]
     assert row.predicted == pytest.approx(32 * 2048 / row.step_s / 8)
     assert row.layout == "tp 1 x pp 1 x cp 2 x dp 4" and row.gpus == 8
+    assert row.arithmetic.startswith("B 32 x s 2,048 = 65,536 tokens a step; / (step ")
 
 
 def test_megatron_bridge_table_stays_within_the_measured_accuracy(capsys):
@@ -117,6 +132,7 @@ def test_a_time_metric_counts_a_shorter_published_time_as_a_slower_run(tmp_path,
     first, second = validate(str(path)).rows
     assert first.predicted == first.step_s and first.error == pytest.approx(9.5 / first.step_s - 1)
     assert first.settings == {"mode": "sel"} and second.settings == {}
+    assert first.arithmetic == f"the simulated step itself: {first.step_s:.4g} s"
     assert second.error < 0  # 0.5 s published: parsim predicts slower
     assert main(["validate", str(path)]) == 0
     assert "mode sel" in capsys.readouterr().out

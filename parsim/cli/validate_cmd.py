@@ -25,6 +25,7 @@ examples:
   parsim validate megatron-bridge-h100-fp8     (NVIDIA's Llama 3 FP8 runs on H100s, 2025)
   parsim validate megatron-mlsys23-table5      (GPT 22B-1T iteration times on A100s, 2022)
   parsim validate deepseek-v3-h800             (DeepSeek-V3 pre-training on 2,048 H800s, 2024)
+  parsim validate --explain                    (each row's figure worked out from its simulated step)
   parsim validate megatron-sc21-table1 --json
 """
 
@@ -36,6 +37,9 @@ def register(subparsers) -> None:
                               description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("table", nargs="?", default=DEFAULT_TABLE, metavar="TABLE",
                    help=f"built-in table ({', '.join(sorted(builtin_tables()))}) or a table YAML file")
+    p.add_argument("--explain", action="store_true",
+                   help="after the table, how each row's predicted figure follows from its simulated step, in the "
+                        "publication's own formula with the row's numbers")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(func=run)
 
@@ -50,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
         print_json("validate", to_json(result))
     else:
         print(report(result))
+        if args.explain:
+            print(f"\n{explain(result)}")
     return 0
 
 
@@ -69,6 +75,16 @@ def report(v: Validation) -> str:
     table = render_table(headers, rows, title=title)
     return (f"{table}\n\nmedian |error| {v.median_abs_error:.1%}, max |error| {v.max_abs_error:.1%} "
             f"over {len(v.rows)} rows (positive: parsim predicts faster than measured)")
+
+
+def explain(v: Validation) -> str:
+    """Each row's predicted figure worked out from its simulated step, and how it compares with the published."""
+    lines = [f"how each predicted {v.metric.replace('_', ' ')} follows from the simulated step:"]
+    for r in v.rows:
+        verdict = "faster than measured" if r.error > 0 else "slower than measured" if r.error < 0 else "as measured"
+        lines += [f"  {r.label} ({r.layout}):", f"    {r.arithmetic}",
+                  f"    published {_figure(r.published)}: parsim {r.error:+.1%}, {verdict}"]
+    return "\n".join(lines)
 
 
 def _settings(row: RowResult) -> str:
