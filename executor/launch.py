@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from parsim.errors import ParsimError
+from parsim.sim.pool import usable_cores as process_cores
 
 from ._torch import require_distributed, require_torch
 from .gloo_threads import policy, prepare_groups
@@ -334,10 +335,7 @@ def usable_cores() -> int:
     bound to one core, the share it was bound from)."""
     if HOST_CORES_ENV in os.environ:
         return int(os.environ[HOST_CORES_ENV])
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    return process_cores()
 
 
 def host_memory_bytes() -> int:

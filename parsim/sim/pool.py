@@ -6,10 +6,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from typing import Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
-from ..hardware.cluster import ClusterSpec
-from ..workload.plan import Plan
+if TYPE_CHECKING:  # (types only: the executor's launcher imports this module for usable_cores, and stays light)
+    from ..hardware.cluster import ClusterSpec
+    from ..workload.plan import Plan
 
 T = TypeVar("T")
 
