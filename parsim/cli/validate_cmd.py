@@ -6,7 +6,7 @@ import argparse
 
 from ..report.jsondoc import print_json
 from ..report.table import render_table
-from ..validation.training import RowResult, Validation, builtin_tables, validate
+from ..validation.training import UNITS, RowResult, Validation, builtin_tables, validate
 from .common import OpsProgress
 
 HELP = """\
@@ -82,7 +82,7 @@ def explain(v: Validation) -> str:
     lines = [f"how each predicted {v.metric.replace('_', ' ')} follows from the simulated step:"]
     for r in v.rows:
         verdict = "faster than measured" if r.error > 0 else "slower than measured" if r.error < 0 else "as measured"
-        lines += [f"  {r.label} ({r.layout}):", f"    {r.arithmetic}",
+        lines += [f"  {r.label} ({r.layout}):", f"    {r.working} = {_figure(r.predicted)} {UNITS[v.metric]}",
                   f"    published {_figure(r.published)}: parsim {r.error:+.1%}, {verdict}"]
     return "\n".join(lines)
 

@@ -36,7 +36,7 @@ class RowResult:
     step_s: float
     duration: bool = False  # the metric is a time (lower is faster), not a rate
     settings: dict[str, str] = field(default_factory=dict)  # the table's per-row settings this row names
-    arithmetic: str = ""  # how the metric follows from the simulated step, in numbers (:data:`ARITHMETIC`)
+    working: str = ""  # how the metric follows from the simulated step, in the row's numbers (:data:`METRICS`)
 
     @property
     def error(self) -> float:
@@ -177,9 +177,9 @@ def validate(name_or_path: str, progress: Callable[[int, int], None] | None = No
                   + (f", ep {plan.ep}" if plan.ep > 1 else "")
                   + (f", v {plan.virtual_stages}" if plan.virtual_stages > 1 else ""))
         named = {key: str(row[key]) for key in table.get("settings", {}) if key in row}
-        results.append(RowResult(label, plan.world, layout, float(row[table["metric"]]),
-                                 metric(table, row, step_s, plan.world), step_s, table["metric"] in DURATION_METRICS,
-                                 named, ARITHMETIC[table["metric"]](table, row, step_s, plan.world)))
+        predicted, working = metric(table, row, step_s, plan.world)
+        results.append(RowResult(label, plan.world, layout, float(row[table["metric"]]), predicted, step_s,
+                                 table["metric"] in DURATION_METRICS, named, working))
     return Validation(table.get("name", Path(source).stem), table.get("source", ""), table["metric"],
                       cluster.name, results)
 
@@ -213,49 +213,34 @@ def _plan_mapping(table: Mapping[str, Any], row: Mapping[str, Any], label: str) 
                 batch={"microbatch_size": row["microbatch"], "global_batch_size": row["global_batch"]})
 
 
-def _megatron_tflops(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> float:
+def _megatron_tflops(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> tuple[float, str]:
     """Narayanan et al. 2021, eq. 3: ``96·B·s·l·h²·(1 + s/6h + V/16lh)`` FLOPs per iteration (with
     the forward recomputed), over the iteration time, per GPU, in TFLOP/s."""
     s, vocab = table["seq"], table["vocab"]
     b, layers, h = row["global_batch"], row["layers"], row["hidden"]
-    flops = 96 * b * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
-    return flops / step_s / gpus / 1e12
-
-
-def _tokens_per_gpu(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> float:
-    """Tokens per second per GPU: the global batch's tokens over the iteration time and the GPUs."""
-    return row["global_batch"] * table["seq"] / step_s / gpus
-
-
-def _iteration_s(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> float:
-    """The iteration (training step) time in seconds."""
-    return step_s
-
-
-def _megatron_tflops_arithmetic(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> str:
-    s, vocab = table["seq"], table["vocab"]
-    b, layers, h = row["global_batch"], row["layers"], row["hidden"]
     attention, head = s / (6 * h), vocab / (16 * layers * h)
     flops = 96 * b * s * layers * h * h * (1 + attention + head)
-    return (f"Narayanan et al. 2021, eq. 3: 96 x B {b:,} x s {s:,} x l {layers} x h^2 {h:,}^2"
-            f" x (1 + s/6h {attention:.4f} + V/16lh {head:.4f})"
-            f" = {flops:.4g} FLOPs a step; / (step {step_s:.4g} s x {gpus:,} GPUs)"
-            f" = {flops / step_s / gpus / 1e12:.4g} TFLOP/s per GPU")
+    return flops / step_s / gpus / 1e12, (
+        f"Narayanan et al. 2021, eq. 3: 96 x B {b:,} x s {s:,} x l {layers} x h^2 {h:,}^2"
+        f" x (1 + s/6h {attention:.4f} + V/16lh {head:.4f}) = {flops:.4g} FLOPs a step;"
+        f" / (step {step_s:.4g} s x {gpus:,} GPUs)")
 
 
-def _tokens_arithmetic(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> str:
+def _tokens_per_gpu(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> tuple[float, str]:
+    """Tokens per second per GPU: the global batch's tokens over the iteration time and the GPUs."""
     tokens = row["global_batch"] * table["seq"]
-    return (f"B {row['global_batch']:,} x s {table['seq']:,} = {tokens:,} tokens a step; / (step {step_s:.4g} s"
-            f" x {gpus:,} GPUs) = {tokens / step_s / gpus:,.0f} tokens/s per GPU")
+    return tokens / step_s / gpus, (f"B {row['global_batch']:,} x s {table['seq']:,} = {tokens:,} tokens a step;"
+                                    f" / (step {step_s:.4g} s x {gpus:,} GPUs)")
 
 
-def _iteration_arithmetic(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> str:
-    return f"the simulated step itself: {step_s:.4g} s"
+def _iteration_s(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> tuple[float, str]:
+    """The iteration (training step) time in seconds."""
+    return step_s, "the simulated step itself"
 
 
+# Each metric's value for a row and its simulated step, with the working that leads to it in the row's numbers
+# (``parsim validate --explain``), and the value's unit.
 METRICS = {"tflops_per_gpu": _megatron_tflops, "tokens_per_sec_per_gpu": _tokens_per_gpu, "iteration_s": _iteration_s}
-# each metric's computation written out with the row's numbers (``parsim validate --explain``)
-ARITHMETIC = {"tflops_per_gpu": _megatron_tflops_arithmetic, "tokens_per_sec_per_gpu": _tokens_arithmetic,
-              "iteration_s": _iteration_arithmetic}
+UNITS = {"tflops_per_gpu": "TFLOP/s per GPU", "tokens_per_sec_per_gpu": "tokens/s per GPU", "iteration_s": "s"}
 DURATION_METRICS = ("iteration_s",)  # lower is faster
 SHAPE_METRICS = ("tflops_per_gpu",)  # metrics computed from the row's own shape (no named model)
