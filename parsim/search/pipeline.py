@@ -129,8 +129,8 @@ def compile_schedule(name: str, pp: int, m: int, v: int, paired: bool = False) -
             waits[j][c] = row[d]
             if rank_of[members[d][0]] != r:
                 hop[j][c], producer = crossed[k][d]
-                if len(members[d]) == 2 and producer == members[d][0]:  # a pair's forward's output: it leaves
-                    # behind the backward's
+                # a pair's forward's output leaves behind the backward's
+                if len(members[d]) == 2 and producer == members[d][0]:
                     sends = _pair_sends([actions[i] for i in members[d]], owner, rank_of[producer])
                     queued[j][c] = sends[0] if len(sends) == 2 else zero_hop
         depth[j] = 1 + max((depth[w] for w in waits[j] if w < n), default=-1)

@@ -270,7 +270,7 @@ def sync_options(space: SearchSpace, dp: int, tp: int, cp: int, ep: int = 1) -> 
 
 def recompute_options(model: Model) -> tuple[str, ...]:
     """``none``, ``selective`` (the attention core, where it is not FlashAttention, which recomputes it anyway),
-    ``modules`` (:func:`recompute_modules`, for a mixture of experts or latent attention) and ``full``."""
+    ``modules`` (:func:`cheap_modules`, for a mixture of experts or latent attention) and ``full``."""
     core = getattr(model, "attention_kernel", "flash")
     options = ("none", "full") if core == "flash" else ("none", "selective", "full")
     return options[:-1] + ("modules",) + options[-1:] if cheap_modules(model) else options
