@@ -57,7 +57,8 @@ from ..workload.plan import (DTYPE_BYTES, Accumulation, Plan, accumulation, atte
 from .costs import KINDS, PASS_PHASES, CommCosts, ExchangeCost, PassCosts, PassTable, no_cost
 from .pipeline import PipelineTiming, pairs_per_rank, time_schedule
 from .space import SearchSpace, Setting, Variant, recompute_setting
-from .tables import Layout, entry_tables, entry_types, layout_of, peak_memory, rank_tables, sync_arrays
+from .tables import (Layout, SyncArrays, entry_tables, entry_types, layers_to_recompute, layout_of, peak_memory,
+                     rank_memory, rank_tables, recompute_steps, recomputable_types, sync_arrays)
 
 SPLIT_SCHEDULES = ("zero-bubble", "zb-h2", "zbv")  # every backward runs as I, then W
 # FSDP2's copies per pass kind (F, B, I, W), as the lowering adds them: out of the gathered buffer before a
@@ -66,6 +67,7 @@ GATHER_COPIES = np.array([1.0, 1.0, 1.0, 0.0])
 SCATTER_COPIES = np.array([0.0, 1.0, 0.0, 1.0])
 COPY_PHASES = ("forward", "backward", "backward", "weight-grad")
 V_SCHEDULES = ("zbv", "dualpipe-v")
+RERUN_KINDS = [KINDS.index("B"), KINDS.index("I")]  # the passes a recomputed layer's forward runs again in
 
 
 @dataclass
@@ -156,7 +158,7 @@ class FastModel:
                 num_microbatches=m, schedule=schedule, virtual_stages=vs, dtype=self.space.dtype,
                 adamw=self.space.adamw, reduce_dtype=self.space.reduce_dtype, order=v.order,
                 sequence_parallel=v.sequence_parallel, tp_comm_overlap=v.tp_overlap,
-                activation_recompute=recompute, recompute_modules=modules,
+                activation_recompute=recompute, recompute_modules=modules, recompute_layers=v.recompute_layers,
                 context_parallel=v.context_parallel, grad_sync=v.grad_sync, zero=v.zero,
                 overlap_param_gather=v.param_overlap, shard_group=v.shard_group,
                 bucket_size=self.space.bucket_size, dispatcher=self.space.dispatcher_for(s.ep),
@@ -168,7 +170,8 @@ class FastModel:
         for every microbatch split and schedule of that shape: what groups, buckets and stages need."""
         placement = s.schedule in V_SCHEDULES
         schedule = "zbv" if placement else "interleaved-1f1b" if s.virtual_stages > 1 else "1f1b"
-        plain = v._replace(recompute="none", context_parallel="ring", tp_overlap=False, ep_overlap=False)
+        plain = v._replace(recompute="none", recompute_layers=None, context_parallel="ring", tp_overlap=False,
+                           ep_overlap=False)
         return self.plan(s._replace(microbatch_size=1), plain, m=2 * s.pp, schedule=schedule)
 
     def _structure(self, s: Setting, v: Variant) -> tuple:
@@ -195,14 +198,18 @@ class FastModel:
         collective leaves (:meth:`_held_tables`)."""
         beside_gathers = beside_gathers and s.cp > 1 and self._gathers_every_pass(s, v)
         key = (s.tp, s.cp, s.ep, s.microbatch_size, v.sequence_parallel, v.tp_overlap, v.recompute,
-               v.context_parallel,
+               v.recompute_layers is not None, v.context_parallel,
                (s.dp, s.pp, v.order) if s.ep > 1 else None,
                (s.dp, s.pp, v.order, v.shard_group) if beside_gathers else None)
         passes = self.passes(s.cp)
         if v.recompute == "full":  # a recomputed layer's backward starts with its forward again
-            return passes.derived(key + (held_sms,), lambda: _with_recompute(
-                self.pass_table(s, v._replace(recompute="none"), beside_gathers, held_sms),
-                self._entry_tables(s, v).recomputed))
+            def rerun() -> PassTable:
+                table = self.pass_table(s, v._replace(recompute="none", recompute_layers=None), beside_gathers,
+                                        held_sms)
+                if v.recompute_layers is not None:  # the twins of the recomputable types (tables.twinned)
+                    table = _rows(table, self._recomputable(s, v))
+                return _with_recompute(table, self._entry_tables(s, v).recomputed)
+            return passes.derived(key + (held_sms,), rerun)
         exchange = self._exchange_beside_gathers(s, v) if beside_gathers else None
         return passes.table(key, lambda: self._prototype(s, v), exchange, held_sms)
 
@@ -233,44 +240,97 @@ class FastModel:
             return alone + (beside - alone) * min(1.0, gathers[entry] / beside)
         return exchange
 
-    def layout(self, s: Setting) -> Layout:
+    def layout(self, s: Setting, v: Variant | None = None) -> Layout:
+        """The setting's stages and their entry types; where ``v`` recomputes only some layers of each stage, those
+        as their twin types (:func:`~parsim.search.tables.twinned`: the pass tables of ``v`` have their rows)."""
         placement = "v" if s.schedule in V_SCHEDULES else "loop"
-        return self._cached(("layout", s.pp, s.virtual_stages, placement),
-                            lambda: layout_of(self._prototype(s, _PLAIN, pp=s.pp, vs=s.virtual_stages), placement))
+        layers = v.recompute_layers if v is not None else None
+        plain = _PLAIN if layers is None else _PLAIN._replace(recompute="full", recompute_layers=layers)
+        return self._cached(("layout", s.pp, s.virtual_stages, placement, layers),
+                            lambda: layout_of(self._prototype(s, plain, pp=s.pp, vs=s.virtual_stages), placement))
 
     def _ranks(self, s: Setting, v: Variant):
         placement = "v" if s.schedule in V_SCHEDULES else "loop"
         return self._cached(("ranks", s.pp, s.virtual_stages, placement, s.tp, s.ep, v.sequence_parallel,
-                             v.recompute), lambda: rank_tables(self.layout(s), self._entry_tables(s, v)))
+                             v.recompute, v.recompute_layers),
+                            lambda: rank_tables(self.layout(s, v), self._entry_tables(s, v)))
 
     def _entry_tables(self, s: Setting, v: Variant):
         # A tied head on another pipeline rank than the embedding keeps its own copy of the table: priced
-        # from a two-rank prototype, where the head has that copy.
+        # from a two-rank prototype, where the head has that copy. (Recomputing some layers, the tables' twins
+        # do not depend on how many.)
         copies_table = copies_embedding_table(self.space.model, s.pp, s.schedule)
-        return self._cached(("entries", s.tp, s.ep, v.sequence_parallel, v.recompute, copies_table),
-                            lambda: entry_tables(self._prototype(s, v, pp=2 if copies_table else 1)))
+        twins = v.recompute_layers is not None
+        return self._cached(("entries", s.tp, s.ep, v.sequence_parallel, v.recompute, twins, copies_table),
+                            lambda: entry_tables(self._prototype(s, v._replace(recompute_layers=1) if twins else v,
+                                                                 pp=2 if copies_table else 1)))
+
+    def _recomputable(self, s: Setting, v: Variant) -> list[int]:
+        """The entry types :func:`~parsim.search.tables.recomputable_types` gives (their twins' rows)."""
+        return self._cached(("recomputable", s.tp, s.ep, v.sequence_parallel),
+                            lambda: recomputable_types(self._prototype(s, v)))
 
     # -- memory and bounds ----------------------------------------------------------------
     def prepare(self, s: Setting, variants: tuple[Variant, ...]) -> Prepared:
         """Memory of every variant, and for those that fit a lower bound of the step time: each rank's
         forward chain before its first pass, its passes and its optimizer step (FSDP's waits for weights
-        and every gradient sync left out, so the bound never exceeds the estimate)."""
+        and every gradient sync left out, so the bound never exceeds the estimate).
+
+        Where a plan fits with every layer recomputed and not without, the variants gain the same plan
+        recomputing as few layers of each stage as fit (:meth:`_fewer_recomputed`): Megatron-LM's
+        ``--recompute-num-layers``, the fastest of its kind that fits. Its bound is the plan's without
+        recomputation (less work than it does)."""
         arrays = self._variant_arrays(s, variants)
         in_flight = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[0]
         tokens = s.microbatch_size * self.space.model.tokens_per_sample // s.cp
         ranks = [self._ranks(s, v) for v in arrays.activation_keys]
-        memory, state = peak_memory(ranks, arrays.activation_index, arrays.sync, in_flight, tokens, self.dtype_bytes,
-                                    self.grad_bytes)
+        rank_state, activations = rank_memory(ranks, arrays.activation_index, arrays.sync, in_flight, tokens,
+                                              self.dtype_bytes, self.grad_bytes)
+        memory, state = (rank_state + activations).max(axis=1), rank_state.max(axis=1)
         paired = np.array([v.ep_overlap for v in variants])
         if paired.any():  # combined 1F1B runs one forward more ahead of the backwards it pairs with
             as_paired = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages, paired=True)[0]
             memory = np.where(paired, peak_memory(ranks, arrays.activation_index, arrays.sync, as_paired, tokens,
                                                   self.dtype_bytes, self.grad_bytes)[0], memory)
+        fits = memory <= self.capacity
+        fewer, fewer_memory, plain = self._fewer_recomputed(s, variants, fits, rank_state, in_flight, tokens)
+        bounded = np.flatnonzero(fits)
         bound = np.full(len(variants), np.inf)
-        prepared = Prepared(s, variants, memory, state, bound, {})
-        fits = np.flatnonzero(memory <= self.capacity)
-        if not len(fits):
-            return prepared
+        if not len(bounded):
+            return Prepared(s, variants, memory, state, bound, {})
+        ranks_bound = self._rank_bounds(s, variants, arrays, np.r_[bounded, plain])
+        bound[bounded] = ranks_bound[:len(bounded)].max(axis=1)
+        if not fewer:
+            return Prepared(s, variants, memory, state, bound, {})
+        # Each the same as its twin without recomputation, but for the forwards it reruns in its backwards
+        reruns: dict[tuple[int, int], np.ndarray] = {}  # by the twin's pass table and the layers rerun
+        for v, j in zip(fewer, plain):
+            key = (arrays.table_index[j], v.recompute_layers)
+            if key not in reruns:
+                reruns[key] = self._rerun(s, variants[j], v.recompute_layers)
+        rerun = np.array([reruns[arrays.table_index[j], v.recompute_layers] for v, j in zip(fewer, plain)])
+        return Prepared(s, variants + fewer, np.concatenate([memory, fewer_memory]),
+                        np.concatenate([state, state[plain]]),
+                        np.concatenate([bound, (ranks_bound[len(bounded):] + rerun).max(axis=1)]), {})
+
+    def _rerun(self, s: Setting, v: Variant, layers: int) -> np.ndarray:
+        """[pp]: what recomputing the first ``layers`` layers of each stage adds to each pipeline rank's passes
+        (their forwards rerun in every backward, B or I: :func:`_with_recompute`) to those of ``v``, which
+        recomputes nothing."""
+        layout, table = self.layout(s), self.pass_table(s, v)
+        rerun = self._entry_tables(s, v._replace(recompute="full")).recomputed
+        # [stages, most layers a stage recomputes]: each stage's recomputable entries in order, -1 past its last
+        types = self._cached(("rerun types", id(layout), id(rerun)), lambda: _padded(  # (cached: ids last)
+            [[e for e in entries if rerun[e]] for entries in layout.stage_entries]))
+        forward = self._cached(("forwards", id(table)),  # (-1: nothing)
+                               lambda: np.append(table.phases[:, KINDS.index("F")].sum(axis=1), 0.0))
+        backwards = self._cached(("backwards", s.schedule, s.pp, s.num_microbatches, s.virtual_stages),
+                                 lambda: _pass_counts(s).reshape(s.pp, -1, len(KINDS))[:, :, RERUN_KINDS].sum(axis=2))
+        return backwards @ forward[types[:, :layers]].sum(axis=1)
+
+    def _rank_bounds(self, s: Setting, variants: tuple[Variant, ...], arrays: "_VariantArrays", which: np.ndarray
+                     ) -> np.ndarray:
+        """[which, pp]: :meth:`prepare`'s lower bound of each pipeline rank's step, for variants ``which``."""
         layout, counts = self.layout(s), _pass_counts(s)
         tables = np.array([self.pass_table(s, v).seconds(self._accumulation_of(s, v)) for v in arrays.table_keys])
         durations = np.einsum("st,ktc->ksc", layout.counts, tables)  # [K, stages, 4]
@@ -280,9 +340,41 @@ class FastModel:
         chain[:, :, 1:] = np.cumsum(durations[:, None, :-1, 0] + hops[None], axis=2)
         work = chain[:, :, layout.rank_stages[:, 0]] + busy[:, None, :]  # [K, O, pp]
         optimizer = np.array([self._tail_bound(s, v) for v in arrays.sync_keys])  # [Z, pp]
-        total = work[arrays.table_index[fits], arrays.order_index[fits]] + optimizer[arrays.sync_index[fits]]
-        bound[fits] = (total - [self.rank_pair_savings(s, variants[i]) for i in fits]).max(axis=1)
-        return prepared
+        total = work[arrays.table_index[which], arrays.order_index[which]] + optimizer[arrays.sync_index[which]]
+        return total - [self.rank_pair_savings(s, variants[i]) for i in which]
+
+    def _fewer_recomputed(self, s: Setting, variants: tuple[Variant, ...], fits: np.ndarray, state: np.ndarray,
+                          in_flight: np.ndarray, tokens: int) -> tuple[tuple[Variant, ...], np.ndarray, np.ndarray]:
+        """The variants that recompute every layer (not FSDP's: its passes are timed entry by entry) and fit where
+        the same without recomputation does not, each as recomputing only the first layers of each stage, as
+        few as fit (:func:`~parsim.search.tables.layers_to_recompute`; none where that takes all of them); their
+        memory, and the index of each one's twin without recomputation. ``state``: [variants, pp] bytes of
+        training state (recomputation leaves it as it is)."""
+        every, plain = self._cached(("recomputing", id(variants)), lambda: _recomputing(variants))
+        chosen: dict[tuple, tuple[int, float] | None] = {}  # by what they depend on: sp, ZeRO's sharding
+        out, memory, twins = [], [], []
+        for i, j in zip(*(a[fits[every] & ~fits[plain]] for a in (every, plain))):
+            v = variants[i]
+            key = (v.sequence_parallel, v.zero, v.shard_group)
+            if key not in chosen:
+                chosen[key] = self._layers_to_fit(s, v, state[i], in_flight, tokens)
+            if chosen[key] is not None:
+                out.append(v._replace(recompute_layers=chosen[key][0]))
+                memory.append(chosen[key][1])
+                twins.append(j)
+        return tuple(out), np.array(memory), np.array(twins, dtype=int)
+
+    def _layers_to_fit(self, s: Setting, v: Variant, state: np.ndarray, in_flight: np.ndarray, tokens: int
+                       ) -> tuple[int, float] | None:
+        """:func:`~parsim.search.tables.layers_to_recompute` for ``v``'s setting and training state (``state``:
+        [pp] bytes)."""
+        none = v._replace(recompute="none")
+        layout, plain, every = self.layout(s), self._entry_tables(s, none), self._entry_tables(s, v)
+        steps = self._cached(("recompute steps", id(layout), id(plain), id(every)),  # (cached themselves: ids last)
+                             lambda: recompute_steps(layout, plain, every) or False)
+        if not steps:
+            return None
+        return layers_to_recompute(layout, steps, state, in_flight, tokens, self.capacity)
 
     def pair_savings(self, s: Setting, v: Variant) -> np.ndarray | None:
         """[stages, stages]: what running a forward of one stage together with a backward of another saves
@@ -317,22 +409,26 @@ class FastModel:
             index: dict[str, dict[tuple, Variant]] = {k: {} for k in ("activation", "table", "order", "sync")}
             positions: dict[str, list[int]] = {k: [] for k in index}
             for v in variants:
-                for name, key in (("activation", (v.sequence_parallel, v.recompute)),
+                for name, key in (("activation", (v.sequence_parallel, v.recompute, v.recompute_layers)),
                                   # the expert all-to-alls' groups follow the placement order
-                                  ("table", (v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel,
-                                             self._main_grads(s, v), v.order if s.ep > 1 else None)),
+                                  ("table", (v.sequence_parallel, v.tp_overlap, v.recompute, v.recompute_layers,
+                                             v.context_parallel, self._main_grads(s, v),
+                                             v.order if s.ep > 1 else None)),
                                   ("order", v.order), ("sync", (v.zero, v.shard_group))):
                     keys = index[name]
                     if key not in keys:
                         keys[key] = v
                     positions[name].append(list(keys).index(key))
-            zero = np.array([v.zero for v in variants])
-            shard = np.array([(v.shard_group or s.dp * s.cp) if v.zero else 1 for v in variants])
-            # experts shard over the ranks of a shard group holding them (Plan.expert_shard_size)
-            sync = sync_arrays(zero, shard, np.maximum(shard // s.ep, 1), self.dtype_bytes, self.grad_bytes)
             return _VariantArrays(*(list(index[k].values()) for k in index),
-                                  *(np.array(positions[k]) for k in index), sync)
+                                  *(np.array(positions[k]) for k in index), self._sync_arrays(s, variants))
         return self._cached(("variants", id(variants), s.dp, s.cp, s.ep), make)
+
+    def _sync_arrays(self, s: Setting, variants: tuple[Variant, ...]) -> SyncArrays:
+        """How each variant's ZeRO stage shards the training state (:func:`~parsim.search.tables.sync_arrays`)."""
+        zero = np.array([v.zero for v in variants])
+        shard = np.array([(v.shard_group or s.dp * s.cp) if v.zero else 1 for v in variants])
+        # experts shard over the ranks of a shard group holding them (Plan.expert_shard_size)
+        return sync_arrays(zero, shard, np.maximum(shard // s.ep, 1), self.dtype_bytes, self.grad_bytes)
 
     def _tail_bound(self, s: Setting, v: Variant) -> np.ndarray:
         """Per pipeline rank, what the sharding surely adds to its passes and what surely follows its last
@@ -359,7 +455,7 @@ class FastModel:
             if x.key == key:
                 break
         else:
-            x = self._inputs(prep.setting, prep.variants[i], self.layout(prep.setting))
+            x = self._inputs(prep.setting, prep.variants[i], self.layout(prep.setting, prep.variants[i]))
         prep.inputs[i] = x
         return x
 
@@ -636,7 +732,7 @@ class FastModel:
         counts = _pass_counts(s)[rank]
         table = self.pass_table(s, v, beside_gathers=True).phase_seconds(
             self._accumulation_of(s, v))  # [types, 4, phases]
-        layout = self.layout(s)
+        layout = self.layout(s, v)
         per_stage = np.einsum("st,tkp->skp", layout.counts, table).reshape(-1, len(PASS_PHASES))
         phases = dict.fromkeys(PHASES, 0.0)
         for name, seconds in zip(PASS_PHASES, counts @ per_stage):
@@ -738,7 +834,7 @@ class FastModel:
         bits = {sms: 1 << i for i, sms in enumerate(sorted({sms for rank in groups for *_, sms in rank if sms}))}
         held = {bit: self.pass_table(s, v, held_sms=sms).seconds(accumulation) for sms, bit in bits.items()}
         final = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[2]
-        layout = self.layout(s)
+        layout = self.layout(s, v)
         extra, offsets = np.zeros(len(layout.stage_entries)), {}
         for p, rank in enumerate(groups):
             for st in layout.rank_stages[p]:
@@ -769,7 +865,7 @@ class FastModel:
         seconds = table.seconds(self._accumulation_of(s, v))
         final = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[2]
         out = {}
-        for st, entries in enumerate(self.layout(s).stage_entries):
+        for st, entries in enumerate(self.layout(s, v).stage_entries):
             order, k = list(entries[::-1]), final[st]
             out[st] = np.cumsum(seconds[order, k]) - table.trailing[order, k]
         return out
@@ -892,7 +988,7 @@ class FastModel:
                 out.append(ends)
             return out
         ends = self._cached(key, done)
-        layout = self.layout(s)
+        layout = self.layout(s, v)
         ahead = _ahead_of_first_forwards(s.schedule, s.pp, s.num_microbatches, s.virtual_stages) @ durations
         start = np.zeros(s.pp)
         for p in range(s.pp):
@@ -967,6 +1063,24 @@ class FastModel:
                 for r, (_, end, sync, optimizer, gathers) in zip(ready, tails)]
 
 
+def _padded(rows: list[list[int]]) -> np.ndarray:
+    """``rows`` as one array, each padded with -1 to the longest."""
+    out = np.full((len(rows), max(map(len, rows))), -1, dtype=int)
+    for k, row in enumerate(rows):
+        out[k, :len(row)] = row
+    return out
+
+
+def _recomputing(variants: tuple[Variant, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The variants recomputing every layer without FSDP, and the index of each one's twin without recomputation
+    (:meth:`FastModel._fewer_recomputed`)."""
+    index = {v: i for i, v in enumerate(variants)}
+    pairs = [(i, index[v._replace(recompute="none")]) for i, v in enumerate(variants)
+             if v.recompute == "full" and not v.fsdp and v._replace(recompute="none") in index]
+    every, plain = zip(*pairs) if pairs else ((), ())
+    return np.array(every, dtype=int), np.array(plain, dtype=int)
+
+
 def _norm_pass(params: float, tensors: int, grad_bytes: int) -> dict[str, float]:
     """Clipping's norm pass (the first of :func:`~parsim.lowering.lower.clip_costs`; the scaling is in the step)."""
     return clip_costs(params, tensors, grad_bytes)[0]
@@ -977,8 +1091,8 @@ _PLAIN = Variant("dp,pp,cp,tp", False, "none", "ring", "bucketed", 0, None)
 
 def _inputs_key(v: Variant) -> tuple:
     """What a variant's pipeline inputs (:meth:`FastModel._inputs`) depend on."""
-    return (v.order, v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel, v.fsdp, v.shard_group,
-            v.param_overlap, v.ep_overlap)
+    return (v.order, v.sequence_parallel, v.tp_overlap, v.recompute, v.recompute_layers, v.context_parallel, v.fsdp,
+            v.shard_group, v.param_overlap, v.ep_overlap)
 
 
 def pair_seconds(plan: Plan, passes: PassCosts, forward_stage: int = 0, backward_stage: int = 0, rank: int = 0
@@ -1036,6 +1150,12 @@ def pair_seconds(plan: Plan, passes: PassCosts, forward_stage: int = 0, backward
                 issued.append(x)
         turns = issued
     return alone, max(t, stream)
+
+
+def _rows(table: PassTable, twins: list[int]) -> PassTable:
+    """``table`` with a copy of the rows of ``twins`` after its own (:func:`~parsim.search.tables.twinned`)."""
+    rows = np.r_[np.arange(len(table.phases)), twins]
+    return PassTable(table.phases[rows], table.accumulate[rows], table.accumulate_sm[rows], table.trailing[rows])
 
 
 def _with_recompute(table: PassTable, recomputed: np.ndarray) -> PassTable:

@@ -49,7 +49,7 @@ def describe(r: Ranked) -> dict[str, str]:
     sync = v.sync_text()
     return {"plan": r.candidate.label() + (f" ({'placed ' + v.order})" if v.order != DEFAULT_ORDER else ""),
             "schedule": r.candidate.schedule_text(), "microbatches": f"{s.num_microbatches} x {s.microbatch_size}",
-            "sync": sync, "recompute": v.recompute,
+            "sync": sync, "recompute": v.recompute_text(),
             "sp": ("overlap" if v.tp_overlap else "yes") if v.sequence_parallel else "no",
             "cp": v.context_parallel.replace("_", "-") if s.cp > 1 else "-"}
 
@@ -254,6 +254,7 @@ def command(result: SearchResult, r: Ranked, plan_file: str | None) -> str:
     recompute, modules = recompute_setting(req.model, v.recompute)
     args += ["--activation-recompute", recompute] if recompute != "none" else []
     args += ["--recompute-modules", ",".join(modules)] if modules else []
+    args += ["--recompute-layers", v.recompute_layers] if v.recompute_layers is not None else []
     args += ["--context-parallel", v.context_parallel] if s.cp > 1 and v.context_parallel != "ring" else []
     if v.grad_sync == "fsdp":
         args += ["--grad-sync", "fsdp"]

@@ -72,7 +72,10 @@ class Setting(NamedTuple):
 class Variant(NamedTuple):
     """The rest of a plan: placement, sequence parallelism, recomputation, K/V exchange, gradient sync,
     whether the sequence-parallel collectives hide behind GEMMs (``tp_comm_overlap``), and whether a
-    mixture of experts' all-to-alls run beside the compute of a paired pass (``ep_comm_overlap``)."""
+    mixture of experts' all-to-alls run beside the compute of a paired pass (``ep_comm_overlap``).
+    ``recompute_layers``: with ``recompute`` "full", how many layers of each stage it reruns (the first ones,
+    Megatron-LM's ``--recompute-method block``); None: all of them. The fast tier sets it where a plan fits
+    only with some of its layers recomputed (:meth:`~parsim.search.fast.FastModel.prepare`)."""
 
     order: str
     sequence_parallel: bool
@@ -83,6 +86,7 @@ class Variant(NamedTuple):
     shard_group: int | None
     tp_overlap: bool = False
     ep_overlap: bool = False
+    recompute_layers: int | None = None
 
     @property
     def fsdp(self) -> bool:
@@ -93,6 +97,12 @@ class Variant(NamedTuple):
         """ZeRO-1/2 run as Megatron-LM's distributed optimizer in NVIDIA's recipes: the weights' all-gathers
         overlapped with the next step's forward (``overlap_param_gather``)."""
         return self.zero in (1, 2)
+
+    def recompute_text(self) -> str:
+        """``none``, ``full``, ``3 layers`` (the first three of each stage), ...: what the plan recomputes."""
+        if self.recompute_layers is None:
+            return self.recompute
+        return f"{self.recompute_layers} layer{'s' if self.recompute_layers > 1 else ''}"
 
     def sync_text(self) -> str:
         """``ddp``, ``zero-1``, ``fsdp``, ``hsdp 8``: how gradients and training state are synced and sharded."""
@@ -135,7 +145,7 @@ class Candidate(NamedTuple):
             "adamw": space.adamw,
             "sequence_parallel": v.sequence_parallel,
             "tp_comm_overlap": v.tp_overlap,
-            "activation_recompute": plan_recompute(space.model, v.recompute),
+            "activation_recompute": plan_recompute(space.model, v.recompute, v.recompute_layers),
             "data_parallel": {"grad_sync": v.grad_sync, "zero": v.zero, "overlap_param_gather": v.param_overlap},
         }
         if space.reduce_dtype:
@@ -291,9 +301,11 @@ def recompute_setting(model: Model, recompute: str) -> tuple[str, tuple[str, ...
     return ("selective", cheap_modules(model)) if recompute == "modules" else (recompute, None)
 
 
-def plan_recompute(model: Model, recompute: str) -> str | dict[str, Any]:
-    """A search's recompute option as a plan file writes it."""
+def plan_recompute(model: Model, recompute: str, layers: int | None = None) -> str | dict[str, Any]:
+    """A search's recompute option (and how many layers of each stage it reruns) as a plan file writes it."""
     granularity, modules = recompute_setting(model, recompute)
+    if layers is not None:
+        return {"granularity": granularity, "layers": layers}
     return {"granularity": granularity, "modules": list(modules)} if modules else granularity
 
 

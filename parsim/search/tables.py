@@ -56,12 +56,26 @@ def entry_types(plan: Plan) -> list[LayerCost]:
     return out
 
 
+def recomputable_types(plan: Plan) -> list[int]:
+    """The entry types whose layers full recomputation reruns (:attr:`LayerCost.recomputable`)."""
+    return [t for t, c in enumerate(entry_types(plan)) if c.recomputable]
+
+
+def twinned(plan: Plan) -> bool:
+    """Whether ``plan`` recomputes only some layers of each stage (``recompute_layers``): its tables then hold a
+    *twin* type after the others for each recomputable type (:func:`recomputable_types`, in order), standing for
+    its layers that are rerun, the type itself for those that are not."""
+    return plan.activation_recompute == "full" and plan.recompute_layers is not None
+
+
 def layout_of(plan: Plan, placement: str) -> Layout:
     """``plan``'s stages and their placement on ranks (``"loop"`` or ``"v"``, as its schedule places them;
-    the schedule itself is not built)."""
+    the schedule itself is not built); a stage's recomputed layers as their twin types where it recomputes only
+    some (:func:`twinned`)."""
     types = {id(c.blocks): i for i, c in enumerate(entry_types(plan))}
-    stages = tuple(tuple(types[id(c.blocks)] for c in plan.stage_costs(s)) for s in range(plan.num_stages))
-    counts = np.zeros((len(stages), len(types)))
+    twins = {t: len(types) + j for j, t in enumerate(recomputable_types(plan))} if twinned(plan) else {}
+    stages = tuple(tuple(_twin_first(plan, s, types, twins)) for s in range(plan.num_stages))
+    counts = np.zeros((len(stages), len(types) + len(twins)))
     for s, entries in enumerate(stages):
         np.add.at(counts[s], list(entries), 1)
     places = Schedule("placement", plan.pp, 1, plan.virtual_stages, [[] for _ in range(plan.pp)], placement)
@@ -69,6 +83,18 @@ def layout_of(plan: Plan, placement: str) -> Layout:
     ranks = np.array([places.stages_of(p) for p in range(plan.pp)])
     distinct = tuple(dict.fromkeys(stages))
     return Layout(stages, owner, ranks, counts, distinct, np.array([distinct.index(e) for e in stages]))
+
+
+def _twin_first(plan: Plan, stage: int, types: dict[int, int], twins: dict[int, int]) -> list[int]:
+    """``stage``'s entry types in forward order, its first ``recompute_layers`` recomputable layers as their twins
+    (:meth:`~parsim.workload.plan.Plan.recomputed`)."""
+    out, rerun = [], plan.recompute_layers or 0
+    for cost in plan.stage_costs(stage):
+        t = types[id(cost.blocks)]
+        if t in twins and rerun:
+            t, rerun = twins[t], rerun - 1
+        out.append(t)
+    return out
 
 
 @dataclass(frozen=True)
@@ -86,9 +112,15 @@ class EntryTables:
 
 
 def entry_tables(plan: Plan) -> EntryTables:
+    """Per entry type of ``plan``, with its twins where it recomputes only some layers (:func:`twinned`)."""
     types = entry_types(plan)
-    recomputed = {c.name for s in range(plan.num_stages) for c in plan.recomputed(s)}
-    flags = np.array([c.name in recomputed for c in types])
+    if twinned(plan):
+        twins = recomputable_types(plan)
+        types = types + [types[t] for t in twins]
+        flags = np.arange(len(types)) >= len(types) - len(twins)
+    else:
+        recomputed = {c.name for s in range(plan.num_stages) for c in plan.recomputed(s)}
+        flags = np.array([c.name in recomputed for c in types])
     activations = np.array([c.activation_bytes_per_token(plan.tp) for c in types], dtype=float)
     checkpoint = np.array([c.checkpoint_bytes_per_token(plan.tp) for c in types], dtype=float)
     return EntryTables(
@@ -153,6 +185,14 @@ def peak_memory(ranks: list[RankTables], which: np.ndarray, sync: SyncArrays, in
     tables (by its sequence parallelism and recomputation). ``in_flight``: [pp, moments, stages per rank],
     the microbatches in flight on each of a rank's stages at the moments its activations may peak
     (:func:`~parsim.schedules.in_flight_by_stage`, rows of zeros padding)."""
+    state, activations = rank_memory(ranks, which, sync, in_flight, tokens, dtype_bytes, grad_bytes)
+    return (state + activations).max(axis=1), state.max(axis=1)
+
+
+def rank_memory(ranks: list[RankTables], which: np.ndarray, sync: SyncArrays, in_flight: np.ndarray,
+                tokens: int, dtype_bytes: int, grad_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`peak_memory`'s two parts per variant and pipeline rank: [variants, pp] bytes of training state,
+    and of activations."""
     params = np.array([r.params for r in ranks])[which]
     experts = np.array([r.experts for r in ranks])[which]
     activations = np.array([((in_flight * r.stage_saved[:, None, :]).sum(axis=2).max(axis=1) + r.rebuilt) * tokens
@@ -166,4 +206,48 @@ def peak_memory(ranks: list[RankTables], which: np.ndarray, sync: SyncArrays, in
         buffers = largest * (2 * dtype_bytes + grad_bytes)
     state = (sync.whole[:, None] * params + sync.dense[:, None] * (params - experts) + sync.expert[:, None] * experts
              + np.where(sync.buffers[:, None], buffers, 0.0))
-    return (state + activations).max(axis=1), state.max(axis=1)
+    return state, activations
+
+
+@dataclass(frozen=True)
+class RecomputeSteps:
+    """A layout's stages with their first ``n`` recomputable layers recomputed, for every ``n`` from 0 to the most
+    a stage has (``[n, stages]``; a shorter stage's all of them beyond its own): bytes per token one in-flight
+    microbatch keeps, and the most one recomputed layer rebuilds."""
+
+    saved: np.ndarray
+    rebuilt: np.ndarray
+
+
+def recompute_steps(layout: Layout, none: EntryTables, full: EntryTables) -> RecomputeSteps | None:
+    """:class:`RecomputeSteps` of ``layout`` from its tables without recomputation (``none``) and with every
+    layer recomputed (``full``); None where no stage has two layers to recompute (some is then all)."""
+    rerun = full.recomputed
+    positions = [[t for t in entries if rerun[t]] for entries in layout.stage_entries]
+    most = max(map(len, positions))
+    if most < 2:
+        return None
+    less, rebuilt = np.zeros((most + 1, len(positions))), np.zeros((most + 1, len(positions)))
+    for st, types in enumerate(positions):
+        n = len(types) + 1
+        less[1:n, st] = np.cumsum(none.saved[types] - full.saved[types])
+        less[n:, st] = less[n - 1, st]
+        rebuilt[1:n, st] = np.maximum.accumulate(none.activations[types])
+        rebuilt[n:, st] = rebuilt[n - 1, st]
+    return RecomputeSteps((layout.counts @ none.saved)[None, :] - less, rebuilt)
+
+
+def layers_to_recompute(layout: Layout, steps: RecomputeSteps, state: np.ndarray, in_flight: np.ndarray,
+                        tokens: int, capacity: float) -> tuple[int, float] | None:
+    """The fewest layers of each stage whose full recomputation (the first ones of the stage,
+    :meth:`~parsim.workload.plan.Plan.recomputed`) brings every pipeline rank within ``capacity`` bytes, given its
+    training state (``state``: [pp] bytes), and the peak bytes per GPU then; None where that takes all the layers
+    of the longest stage, or none fits without recomputation. Each
+    layer recomputed keeps its checkpoint instead of its activations, per in-flight microbatch, and the rank
+    rebuilds one layer's activations at a time (:func:`rank_tables`): the same account as :func:`peak_memory`
+    of a plan with ``recompute_layers``, for every count at once."""
+    held = np.einsum("pms,nps->npm", in_flight, steps.saved[:, layout.rank_stages]).max(axis=2)  # [n, pp]
+    total = state[None, :] + (held + steps.rebuilt[:, layout.rank_stages].max(axis=2)) * tokens
+    peak = total.max(axis=1)
+    fitting = np.flatnonzero(peak[:-1] <= capacity)
+    return (int(fitting[0]), float(peak[fitting[0]])) if len(fitting) and fitting[0] else None
