@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache, partial
+from typing import Hashable
 
 import numpy as np
 
@@ -137,6 +138,11 @@ class FastModel:
         if value is None:
             value = self._cache[key] = make()
         return value
+
+    def _by_identity(self, key: Hashable, obj: object, make):
+        """:meth:`_cached` by ``obj``'s identity (the enumeration's variant tuples, too many to hash each time),
+        keeping ``obj`` alive so that no other object takes its id."""
+        return self._cached((key, id(obj)), lambda: (obj, make()))[1]
 
     # -- plans standing in for settings --------------------------------------------------
     def plan(self, s: Setting, v: Variant, *, pp: int | None = None, dp: int | None = None,
@@ -279,7 +285,10 @@ class FastModel:
         Where a plan fits with every layer recomputed and not without, the variants gain the same plan
         recomputing as few layers of each stage as fit (:meth:`_fewer_recomputed`): Megatron-LM's
         ``--recompute-num-layers``, the fastest of its kind that fits. Its bound is the plan's without
-        recomputation (less work than it does)."""
+        recomputation plus the forwards it reruns. (Given such variants, as a :class:`Prepared` holds them, it
+        derives them again, in the same order.)"""
+        if any(v.recompute_layers is not None for v in variants):
+            variants = tuple(v for v in variants if v.recompute_layers is None)
         arrays = self._variant_arrays(s, variants)
         in_flight = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[0]
         tokens = s.microbatch_size * self.space.model.tokens_per_sample // s.cp
@@ -350,7 +359,7 @@ class FastModel:
         few as fit (:func:`~parsim.search.tables.layers_to_recompute`; none where that takes all of them); their
         memory, and the index of each one's twin without recomputation. ``state``: [variants, pp] bytes of
         training state (recomputation leaves it as it is)."""
-        every, plain = self._cached(("recomputing", id(variants)), lambda: _recomputing(variants))
+        every, plain = self._by_identity("recomputing", variants, lambda: _recomputing(variants))
         chosen: dict[tuple, tuple[int, float] | None] = {}  # by what they depend on: sp, ZeRO's sharding
         out, memory, twins = [], [], []
         for i, j in zip(*(a[fits[every] & ~fits[plain]] for a in (every, plain))):
@@ -421,7 +430,7 @@ class FastModel:
                     positions[name].append(list(keys).index(key))
             return _VariantArrays(*(list(index[k].values()) for k in index),
                                   *(np.array(positions[k]) for k in index), self._sync_arrays(s, variants))
-        return self._cached(("variants", id(variants), s.dp, s.cp, s.ep), make)
+        return self._by_identity(("variants", s.dp, s.cp, s.ep), variants, make)
 
     def _sync_arrays(self, s: Setting, variants: tuple[Variant, ...]) -> SyncArrays:
         """How each variant's ZeRO stage shards the training state (:func:`~parsim.search.tables.sync_arrays`)."""
