@@ -45,10 +45,11 @@ def test_a_plan_recomputes_as_few_layers_as_fit_where_it_fits_only_with_some(few
         v = prep.variants[i]
         plan = Candidate(prep.setting, v).plan(space)
         assert _peak(plan) <= CAPACITY and prep.memory[i] <= CAPACITY
-        assert _peak(Candidate(prep.setting, v._replace(recompute="none", recompute_layers=None)).plan(space)) > CAPACITY
+        plain = v._replace(recompute="none", recompute_layers=None)
+        assert _peak(Candidate(prep.setting, plain).plan(space)) > CAPACITY
         if v.recompute_layers > 1:
-            assert _peak(Candidate(prep.setting, v._replace(recompute_layers=v.recompute_layers - 1)).plan(space)) \
-                > CAPACITY
+            fewer = v._replace(recompute_layers=v.recompute_layers - 1)
+            assert _peak(Candidate(prep.setting, fewer).plan(space)) > CAPACITY
         assert v.recompute_layers < max(plan.stage_split)  # all of them: the plan recomputing every layer
 
 

@@ -327,10 +327,10 @@ class FastModel:
         (their forwards rerun in every backward, B or I: :func:`_with_recompute`) to those of ``v``, which
         recomputes nothing."""
         layout, table = self.layout(s), self.pass_table(s, v)
-        rerun = self._entry_tables(s, v._replace(recompute="full")).recomputed
+        recomputed = self._entry_tables(s, v._replace(recompute="full")).recomputed
         # [stages, most layers a stage recomputes]: each stage's recomputable entries in order, -1 past its last
-        types = self._cached(("rerun types", id(layout), id(rerun)), lambda: _padded(  # (cached: ids last)
-            [[e for e in entries if rerun[e]] for entries in layout.stage_entries]))
+        types = self._cached(("rerun types", id(layout), id(recomputed)), lambda: _padded(  # (cached: ids last)
+            [[e for e in entries if recomputed[e]] for entries in layout.stage_entries]))
         forward = self._cached(("forwards", id(table)),  # (-1: nothing)
                                lambda: np.append(table.phases[:, KINDS.index("F")].sum(axis=1), 0.0))
         backwards = self._cached(("backwards", s.schedule, s.pp, s.num_microbatches, s.virtual_stages),
@@ -418,11 +418,10 @@ class FastModel:
             index: dict[str, dict[tuple, Variant]] = {k: {} for k in ("activation", "table", "order", "sync")}
             positions: dict[str, list[int]] = {k: [] for k in index}
             for v in variants:
-                for name, key in (("activation", (v.sequence_parallel, v.recompute, v.recompute_layers)),
+                for name, key in (("activation", (v.sequence_parallel, v.recompute)),
                                   # the expert all-to-alls' groups follow the placement order
-                                  ("table", (v.sequence_parallel, v.tp_overlap, v.recompute, v.recompute_layers,
-                                             v.context_parallel, self._main_grads(s, v),
-                                             v.order if s.ep > 1 else None)),
+                                  ("table", (v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel,
+                                             self._main_grads(s, v), v.order if s.ep > 1 else None)),
                                   ("order", v.order), ("sync", (v.zero, v.shard_group))):
                     keys = index[name]
                     if key not in keys:
