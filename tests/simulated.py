@@ -1,8 +1,12 @@
-"""Many plans event-simulated side by side, a process per core (:func:`parsim.sim.pool.simulate_each`): for the
-tests that hold the search's fast tier to the simulation plan by plan."""
+"""Many plans event-simulated side by side, a process per core (:func:`parsim.sim.pool.simulate_each`), and a
+searched row's printed command run again: for the tests that hold the search's fast tier to the simulation."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from parsim.cli.main import main
 from parsim.hardware.cluster import ClusterSpec
 from parsim.sim.pool import simulate_each
 from parsim.sim.step import predict_step
@@ -18,3 +22,19 @@ def step_and_memory(plan: Plan, cluster: ClusterSpec) -> tuple[float, float]:
 def steps_and_memory(plans: list[Plan], cluster: ClusterSpec) -> list[tuple[float, float]]:
     """:func:`step_and_memory` of every plan, in order."""
     return simulate_each(step_and_memory, plans, cluster)
+
+
+def searched_recomputing(model: dict, args: list[str], folder: Path, capsys) -> list[dict]:
+    """The ranked rows of ``parsim search --json`` over ``model`` whose recomputation is more than a name (some
+    layers, or a list of modules), best first."""
+    path = folder / "model.yaml"
+    path.write_text(json.dumps(model))
+    assert main(["search", "--model", str(path), *args, "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    return [row for row in ranked if isinstance(row["plan"]["activation_recompute"], dict)]
+
+
+def simulated_command(row: dict, capsys) -> dict:
+    """``parsim simulate --json`` of the command a searched row prints."""
+    assert main(row["command"].split()[1:] + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)

@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 
 import numpy as np
 import pytest
-from simulated import steps_and_memory
+from simulated import searched_recomputing, simulated_command, steps_and_memory
 
-from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
 from parsim.search.fast import FastModel
 from parsim.search.space import Candidate, SearchSpace, Variant, enumerate_settings
@@ -90,19 +88,14 @@ def test_the_recompute_column_names_the_layers():
 
 
 def test_the_search_prints_the_layers_and_a_command_that_runs_them(tmp_path, capsys):
-    path = tmp_path / "eight.yaml"
-    path.write_text(json.dumps(EIGHT_LAYERS))
-    args = ["search", "--model", str(path), "--gpus", "8", "--global-batch", "32", "--tp", "1", "--cp", "1",
-            "--pp", "1", "--max-memory", "2.5GB", "--top", "5", "--simulate", "1", "--json"]
-    assert main(args) == 0
-    ranked = json.loads(capsys.readouterr().out)["ranked"]
-    layers = [r for r in ranked if isinstance(r["plan"]["activation_recompute"], dict)]
+    args = ["--gpus", "8", "--global-batch", "32", "--tp", "1", "--cp", "1", "--pp", "1", "--max-memory", "2.5GB",
+            "--top", "5", "--simulate", "1"]
+    layers = searched_recomputing(EIGHT_LAYERS, args, tmp_path, capsys)
     assert layers, "the best plans recompute some of their layers"
     best = layers[0]
     count = best["plan"]["activation_recompute"]["layers"]
     assert best["plan"]["activation_recompute"] == {"granularity": "full", "layers": count}
     assert f"--activation-recompute full --recompute-layers {count}" in best["command"]
-    assert main(best["command"].split()[1:] + ["--json"]) == 0  # the command runs the plan as searched
-    simulated = json.loads(capsys.readouterr().out)
+    simulated = simulated_command(best, capsys)  # the command runs the plan as searched
     assert simulated["step_s"] == pytest.approx(best["fast"]["step_s"], rel=0.02)
     assert np.isclose(max(m["total"] for m in simulated["memory"]), best["fast"]["memory_bytes"], rtol=1e-9)

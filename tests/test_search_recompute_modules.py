@@ -4,13 +4,11 @@ experts or latent attention, priced by the fast tier as the simulator prices the
 
 from __future__ import annotations
 
-import json
 import statistics
 
 import pytest
-from simulated import steps_and_memory
+from simulated import searched_recomputing, simulated_command, steps_and_memory
 
-from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
 from parsim.search.fast import FastModel
 from parsim.search.space import Candidate, SearchSpace, enumerate_settings, recompute_options
@@ -64,15 +62,10 @@ def test_the_fast_tier_prices_the_recomputed_modules_as_the_simulator_does():
 
 
 def test_the_search_prints_the_modules_and_their_command(tmp_path, capsys):
-    path = tmp_path / "mla-moe.yaml"
-    path.write_text(json.dumps(MLA_MOE))
-    args = ["search", "--model", str(path), "--gpus", "16", "--global-batch", "64", "--ep", "8", "--pp", "2",
-            "--tp", "1", "--cp", "1", "--top", "40", "--simulate", "1", "--json"]
-    assert main(args) == 0
-    ranked = json.loads(capsys.readouterr().out)["ranked"]
-    modules = [r for r in ranked if isinstance(r["plan"]["activation_recompute"], dict)]
+    args = ["--gpus", "16", "--global-batch", "64", "--ep", "8", "--pp", "2", "--tp", "1", "--cp", "1",
+            "--top", "40", "--simulate", "1"]
+    modules = searched_recomputing(MLA_MOE, args, tmp_path, capsys)
     assert modules and all(r["plan"]["activation_recompute"]["modules"] == ["layernorm", "mla_up_proj", "moe_act"]
                            and "--recompute-modules layernorm,mla_up_proj,moe_act" in r["command"] for r in modules)
-    assert main(modules[0]["command"].split()[1:] + ["--json"]) == 0  # the command runs the plan as searched
-    assert json.loads(capsys.readouterr().out)["step_s"] == pytest.approx(modules[0]["fast"]["step_s"],
-                                                                              rel=0.02)
+    simulated = simulated_command(modules[0], capsys)  # the command runs the plan as searched
+    assert simulated["step_s"] == pytest.approx(modules[0]["fast"]["step_s"], rel=0.02)
