@@ -354,17 +354,17 @@ class FastModel:
 
     def _fewer_recomputed(self, s: Setting, variants: tuple[Variant, ...], fits: np.ndarray, state: np.ndarray,
                           in_flight: np.ndarray, tokens: int) -> tuple[tuple[Variant, ...], np.ndarray, np.ndarray]:
-        """The variants that recompute every layer (not FSDP's: its passes are timed entry by entry) and fit where
+        """The variants that recompute every layer and fit where
         the same without recomputation does not, each as recomputing only the first layers of each stage, as
         few as fit (:func:`~parsim.search.tables.layers_to_recompute`; none where that takes all of them); their
         memory, and the index of each one's twin without recomputation. ``state``: [variants, pp] bytes of
         training state (recomputation leaves it as it is)."""
         every, plain = self._by_identity("recomputing", variants, lambda: _recomputing(variants))
-        chosen: dict[tuple, tuple[int, float] | None] = {}  # by what they depend on: sp, ZeRO's sharding
+        chosen: dict[tuple, tuple[int, float] | None] = {}  # by what they depend on: sp, the sharding
         out, memory, twins = [], [], []
         for i, j in zip(*(a[fits[every] & ~fits[plain]] for a in (every, plain))):
             v = variants[i]
-            key = (v.sequence_parallel, v.zero, v.shard_group)
+            key = (v.sequence_parallel, v.grad_sync, v.zero, v.shard_group)
             if key not in chosen:
                 chosen[key] = self._layers_to_fit(s, v, state[i], in_flight, tokens)
             if chosen[key] is not None:
@@ -551,8 +551,9 @@ class FastModel:
         (both share the links until the gather ends), so the links carry both for as long as they do."""
         if not self._shards_weights(s, v):
             return None
+        twins = self._recomputable(s, v) if v.recompute_layers is not None else None
 
-        def make() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        def make() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             plan = self.layout_plan(s, v)
             lowering = Lowering(plan)
             shard, eshard = lowering.group(0, "shard")[0], lowering.group(0, "eshard")[0]
@@ -584,8 +585,12 @@ class FastModel:
                 gather.append(alone)
                 backward.append(beside)
                 scatter.append(reduce)
-            return np.array(gather), np.array(scatter), self._fsdp_copies(s, v), np.array(backward)
-        return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, s.ep, v.order, v.shard_group), make)
+            arrays = np.array(gather), np.array(scatter), self._fsdp_copies(s, v), np.array(backward)
+            if twins is None:
+                return arrays
+            return tuple(np.concatenate([a, a[twins]]) for a in arrays)  # the twins' rows (tables.twinned)
+        return self._cached(("fsdp", s.dp, s.tp, s.pp, s.cp, s.ep, v.order, v.shard_group,
+                             None if twins is None else v.sequence_parallel), make)
 
     def _held_tables(self, s: Setting, v: Variant) -> dict[int, np.ndarray]:
         """FSDP without a pipeline: each entry type's passes ([types, 4] seconds) beside the SMs its
@@ -816,7 +821,7 @@ class FastModel:
         reduce-scatter's seconds, in backward order (rows padded with the pass's end and no cost)."""
         if x.fsdp_tables is None:
             scatter = self._fsdp(s, v)[1]
-            layout = self.layout(s)
+            layout = self.layout(s, v)
             width = max(len(e) for e in layout.stage_entries)
             ends, costs = np.zeros((len(layout.stage_entries) * 4, width)), np.zeros((len(layout.stage_entries) * 4,
                                                                                        width))
@@ -1080,11 +1085,11 @@ def _padded(rows: list[list[int]]) -> np.ndarray:
 
 
 def _recomputing(variants: tuple[Variant, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """The variants recomputing every layer without FSDP, and the index of each one's twin without recomputation
+    """The variants recomputing every layer, and the index of each one's twin without recomputation
     (:meth:`FastModel._fewer_recomputed`)."""
     index = {v: i for i, v in enumerate(variants)}
     pairs = [(i, index[v._replace(recompute="none")]) for i, v in enumerate(variants)
-             if v.recompute == "full" and not v.fsdp and v._replace(recompute="none") in index]
+             if v.recompute == "full" and v._replace(recompute="none") in index]
     every, plain = zip(*pairs) if pairs else ((), ())
     return np.array(every, dtype=int), np.array(plain, dtype=int)
 
