@@ -354,11 +354,11 @@ class FastModel:
 
     def _fewer_recomputed(self, s: Setting, variants: tuple[Variant, ...], fits: np.ndarray, state: np.ndarray,
                           in_flight: np.ndarray, tokens: int) -> tuple[tuple[Variant, ...], np.ndarray, np.ndarray]:
-        """The variants that recompute every layer and fit where
-        the same without recomputation does not, each as recomputing only the first layers of each stage, as
-        few as fit (:func:`~parsim.search.tables.layers_to_recompute`; none where that takes all of them); their
-        memory, and the index of each one's twin without recomputation. ``state``: [variants, pp] bytes of
-        training state (recomputation leaves it as it is)."""
+        """The variants that recompute every layer and fit where the same without recomputation does not, each
+        as recomputing only the first layers of each stage, as few as fit
+        (:func:`~parsim.search.tables.layers_to_recompute`; none where that takes all of them); their memory, and
+        the index of each one's twin without recomputation. ``state``: [variants, pp] bytes of training state
+        (recomputation leaves it as it is)."""
         every, plain = self._by_identity("recomputing", variants, lambda: _recomputing(variants))
         chosen: dict[tuple, tuple[int, float] | None] = {}  # by what they depend on: sp, the sharding
         out, memory, twins = [], [], []
