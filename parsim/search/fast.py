@@ -116,22 +116,42 @@ class Estimate:
 
 
 class FastModel:
-    """Fast estimates for the plans of one :class:`SearchSpace` on one cluster."""
+    """Fast estimates for the plans of one :class:`SearchSpace` on one cluster.
 
-    def __init__(self, space: SearchSpace, cluster: ClusterSpec, capacity: float | None = None):
-        """``capacity``: bytes a plan may use per GPU (default: the GPU's memory)."""
+    Its caches hold what a setting's stage split gives (stages, their ranks' parameters, buckets, ...) keyed by
+    the setting's degrees and schedule alone: the settings whose layers are balanced over their stages
+    (``Setting.balanced``) go to a second model of the same space, which shares the pricing of passes and
+    collectives (:meth:`prepare`, :meth:`estimate`)."""
+
+    def __init__(self, space: SearchSpace, cluster: ClusterSpec, capacity: float | None = None,
+                 even: "FastModel | None" = None):
+        """``capacity``: bytes a plan may use per GPU (default: the GPU's memory). ``even``: given (by
+        :meth:`_for` alone), this is the model for the settings of balanced stages, and ``even`` the other."""
         self.space, self.cluster = space, cluster
         self.dtype_bytes = d = DTYPE_BYTES[space.dtype]
         self.grad_bytes = DTYPE_BYTES[space.reduce_dtype or default_reduce_dtype(space.dtype)]
+        self.capacity = capacity or cluster.gpu.hbm_capacity_bytes
+        self._plans: dict[tuple, Plan] = {}
+        self._cache: dict[tuple, object] = {}
+        self.balanced, self._other = even is not None, even
+        if even is not None:  # the even model's pricing, shared
+            self._compute_for, self.compute, self.comm, self._passes = even._compute_for, even.compute, even.comm, \
+                even._passes
+            return
         # The kernel model, for attention kernels over a given sequence length (0: the longest the cluster gives)
         self._compute_for = partial(ComputeModel.for_cluster, cluster, space.dtype, d,
                                     min(space.gpus, cluster.gpus_per_node))
         self.compute = self._compute_for()
         self.comm = CommCosts(cluster, space.gpus, self.compute)
         self._passes: dict[int, PassCosts] = {}  # by cp degree, which sets the attention kernels' length
-        self.capacity = capacity or cluster.gpu.hbm_capacity_bytes
-        self._plans: dict[tuple, Plan] = {}
-        self._cache: dict[tuple, object] = {}
+
+    def _for(self, s: Setting) -> "FastModel":
+        """The model for setting ``s``'s stage split: this one, or the other (made on first use)."""
+        if s.balanced == self.balanced:
+            return self
+        if self._other is None:
+            self._other = FastModel(self.space, self.cluster, self.capacity, even=self)
+        return self._other
 
     def _cached(self, key: tuple, make):
         value = self._cache.get(key)
@@ -152,6 +172,8 @@ class FastModel:
         m, schedule, vs = m or s.num_microbatches, schedule or s.schedule, vs or s.virtual_stages
         if schedule in V_SCHEDULES:
             vs = 2
+        if s.balanced != self.balanced:
+            raise ValueError("a setting's plans are made by the model for its stage split (FastModel._for)")
         key = (pp, dp, m, schedule, vs, s.tp, s.cp, s.ep, s.microbatch_size, v)
         plan = self._plans.get(key)
         if plan is None:
@@ -168,7 +190,8 @@ class FastModel:
                 context_parallel=v.context_parallel, grad_sync=v.grad_sync, zero=v.zero,
                 overlap_param_gather=v.param_overlap, shard_group=v.shard_group,
                 bucket_size=self.space.bucket_size, dispatcher=self.space.dispatcher_for(s.ep),
-                dispatch_fp8=self.space.dispatch_fp8_for(s.ep), ep_comm_overlap=v.ep_overlap, name="search")
+                dispatch_fp8=self.space.dispatch_fp8_for(s.ep), ep_comm_overlap=v.ep_overlap,
+                layers_per_stage="balanced" if self.balanced else None, name="search")
         return plan
 
     def layout_plan(self, s: Setting, v: Variant) -> Plan:
@@ -287,6 +310,8 @@ class FastModel:
         ``--recompute-num-layers``, the fastest of its kind that fits. Its bound is the plan's without
         recomputation plus the forwards it reruns. (Given such variants, as a :class:`Prepared` holds them, it
         derives them again, in the same order.)"""
+        if s.balanced != self.balanced:
+            return self._for(s).prepare(s, variants)
         if any(v.recompute_layers is not None for v in variants):
             variants = tuple(v for v in variants if v.recompute_layers is None)
         arrays = self._variant_arrays(s, variants)
@@ -422,7 +447,8 @@ class FastModel:
                                   # the expert all-to-alls' groups follow the placement order
                                   ("table", (v.sequence_parallel, v.tp_overlap, v.recompute, v.context_parallel,
                                              self._main_grads(s, v), v.order if s.ep > 1 else None)),
-                                  ("order", v.order), ("sync", (v.zero, v.shard_group))):
+                                  # the pipeline's sends: by placement, sequence-parallel ones a tp-th
+                                  ("order", (v.order, v.sequence_parallel)), ("sync", (v.zero, v.shard_group))):
                     keys = index[name]
                     if key not in keys:
                         keys[key] = v
@@ -716,6 +742,12 @@ class FastModel:
     # -- estimates ------------------------------------------------------------------------------
     def estimate(self, jobs: list[tuple[Prepared, int]]) -> list[Estimate]:
         """Estimates of variant ``i`` of each prepared setting; pipelines of one shape are timed together."""
+        if any(prep.setting.balanced != self.balanced for prep, _ in jobs):
+            mine = [job for job in jobs if job[0].setting.balanced == self.balanced]
+            others = iter(self._for(jobs[0][0].setting._replace(balanced=not self.balanced)).estimate(
+                [job for job in jobs if job[0].setting.balanced != self.balanced]))
+            estimates = iter(self.estimate(mine))
+            return [next(estimates if prep.setting.balanced == self.balanced else others) for prep, _ in jobs]
         groups: dict[tuple, dict[int, _Inputs]] = {}
         for prep, i in jobs:
             x = self._inputs_of(prep, i)
@@ -1186,7 +1218,7 @@ def _with_recompute(table: PassTable, recomputed: np.ndarray) -> PassTable:
 @dataclass(frozen=True)
 class _VariantArrays:
     """A layout's variants as arrays: for each thing some variants share (activation tables, pass tables,
-    placement, ZeRO sharding), one variant standing for each distinct value, and each variant's index."""
+    pipeline sends, ZeRO sharding), one variant standing for each distinct value, and each variant's index."""
 
     activation_keys: list[Variant]
     table_keys: list[Variant]

@@ -241,6 +241,7 @@ def command(result: SearchResult, r: Ranked, plan_file: str | None) -> str:
     args += ["--ep", s.ep] if s.ep > 1 else []
     args += ["--microbatch-size", s.microbatch_size, "--num-microbatches", s.num_microbatches]
     args += ["--schedule", s.schedule] + (["--virtual-stages", s.virtual_stages] if s.virtual_stages > 1 else [])
+    args += ["--layers-per-stage", "balanced"] if s.balanced else []
     args += ["--dtype", req.dtype] + (["--adamw", req.adamw] if req.adamw != DEFAULT_ADAMW else [])
     args += ["--reduce-dtype", req.reduce_dtype] if req.reduce_dtype else []
     args += ["--grad-clip", str(req.grad_clip)] if req.grad_clip is not None else []

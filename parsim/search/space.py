@@ -14,7 +14,11 @@ first, and counts what each level rejects and why:
    (looped ones equal rounds of ``m // max(1, m // pp)`` microbatches, as
    torch runs them; DualPipe-V ``m >= 2 pp``); interleaved stages only where
    they split the layers evenly (Megatron-LM's rule), and zero-bubble with one
-   stage per rank (as plans take it);
+   stage per rank (as plans take it); where the stages split the layers evenly,
+   also the split that balances them, the embedding's and the head's work
+   counted (``layers_per_stage: balanced``, Megatron-LM's
+   ``--account-for-embedding-in-pipeline-split`` and
+   ``--account-for-loss-in-pipeline-split``), if it makes the slowest stage faster;
 3. **variants** — placement (``dp,pp,cp,tp`` or ``pp,dp,cp,tp``), sequence
    parallelism (its collectives in line or overlapped with GEMMs), activation
    recomputation (none, of the cheap modules where the model has experts or
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
@@ -48,7 +53,6 @@ from ..workload.model import Model, TransformerModel
 from ..workload.plan import DEFAULT_ADAMW, DEFAULT_BUCKET_SIZE, DEFAULT_ORDER, Plan, parse_plan, rank_grid
 
 ORDERS = (DEFAULT_ORDER, "pp,dp,cp,tp")  # parsim's default, and Megatron-LM's (pp outermost, dp inside it)
-V_PAIRS = ("zbv", "dualpipe-v")  # two stages per rank in a V
 
 
 class Setting(NamedTuple):
@@ -63,6 +67,7 @@ class Setting(NamedTuple):
     num_microbatches: int
     schedule: str
     virtual_stages: int
+    balanced: bool = False  # the layers split to balance the stages' work, where the default splits them evenly
 
     @property
     def world(self) -> int:
@@ -121,7 +126,7 @@ class Candidate(NamedTuple):
         """``dp 16 x pp 8 x tp 8`` (cp and ep only where used)."""
         s = self.setting
         parts = [f"dp {s.dp}", f"pp {s.pp}", *([f"cp {s.cp}"] if s.cp > 1 else []), f"tp {s.tp}"]
-        return " x ".join(parts) + (f", ep {s.ep}" if s.ep > 1 else "")
+        return " x ".join(parts) + (f", ep {s.ep}" if s.ep > 1 else "") + (", stages balanced" if s.balanced else "")
 
     def schedule_text(self) -> str:
         s = self.setting
@@ -141,6 +146,7 @@ class Candidate(NamedTuple):
             "batch": {"microbatch_size": s.microbatch_size, "num_microbatches": s.num_microbatches},
             "schedule": s.schedule,
             "virtual_stages": s.virtual_stages,
+            **({"layers_per_stage": "balanced"} if s.balanced else {}),
             "dtype": space.dtype,
             "adamw": space.adamw,
             "sequence_parallel": v.sequence_parallel,
@@ -391,6 +397,25 @@ def _settings(space: SearchSpace, rej: Rejections, dp: int, tp: int, pp: int, cp
                 continue
             rej.pipelines_valid += 1
             yield Setting(dp, tp, pp, cp, ep, mbs, nmb, schedule, v)
+            if pp > 1 and balancing_helps(space.model, pp * v):
+                yield Setting(dp, tp, pp, cp, ep, mbs, nmb, schedule, v, balanced=True)
+
+
+@lru_cache(maxsize=None)
+def balancing_helps(model: Model, stages: int) -> bool:
+    """Whether ``stages`` stages split ``model``'s layers evenly, and a split balancing their work (the embedding's
+    on the first, the head's on the last: :func:`~parsim.workload.stage_split.balanced_split`) makes the slowest
+    stage's training work smaller."""
+    if not isinstance(model, TransformerModel) or model.num_layers % stages:
+        return False
+    even, balanced = (Plan(model=model, pp=stages, microbatch_size=1, num_microbatches=stages, layers_per_stage=split)
+                      for split in (None, "balanced"))
+    return _slowest_stage(balanced) < _slowest_stage(even) * (1 - 1e-9)
+
+
+def _slowest_stage(plan: Plan) -> float:
+    """The training FLOPs per token of ``plan``'s busiest stage."""
+    return max(sum(c.training_flops_per_token() for c in plan.stage_costs(s)) for s in range(plan.num_stages))
 
 
 def _variants(space: SearchSpace, dp: int, tp: int, pp: int, cp: int, ep: int) -> tuple[Variant, ...]:
