@@ -7,7 +7,7 @@ import statistics
 
 import numpy as np
 import pytest
-from simulated import searched_recomputing, simulated_command, steps_and_memory
+from simulated import against_simulation, searched_recomputing, simulated_command
 
 from parsim.hardware.cluster import load_cluster
 from parsim.search.fast import FastModel
@@ -40,21 +40,10 @@ def fewer():
     return _partial((("tp", (1, 2)), ("cp", (1,))))
 
 
-def _against_simulation(space, fast, jobs) -> tuple[list[float], list[float], list[float]]:
-    """Each plan's fast estimate against its simulation (memory to the byte, the bound below the estimate): the
-    step's error, that error less the same plan's recomputing every layer, and the step over that plan's."""
-    every = [(p, p.variants.index(p.variants[i]._replace(recompute_layers=None))) for p, i in jobs]
-    plans = [Candidate(p.setting, p.variants[i]).plan(space) for p, i in jobs + every]
-    simulated = steps_and_memory(plans, fast.cluster)
-    errors, added, faster = [], [], []
-    for (prep, i), estimate, every_estimate, (step_s, peak), (every_step_s, _) in zip(
-            jobs, fast.estimate(jobs), fast.estimate(every), simulated[:len(jobs)], simulated[len(jobs):]):
-        assert estimate.memory_bytes == pytest.approx(peak, rel=1e-12)
-        assert prep.bound[i] <= estimate.step_s * (1 + 1e-12)
-        errors.append(estimate.step_s / step_s - 1)
-        added.append(errors[-1] - (every_estimate.step_s / every_step_s - 1))
-        faster.append(step_s / every_step_s)
-    return errors, added, faster
+def _against_every_layer(space, fast, jobs) -> tuple[list[float], list[float], list[float]]:
+    """:func:`against_simulation` next to the same plan recomputing every layer: the step's error, that error less
+    the other's, and the step over the other's."""
+    return against_simulation(space, fast, jobs, lambda v: v._replace(recompute_layers=None))[:3]
 
 
 def test_a_plan_recomputes_as_few_layers_as_fit_where_it_fits_only_with_some(fewer):
@@ -80,7 +69,7 @@ def test_the_fast_tier_prices_them_as_the_simulator_does(fewer):
     """Memory to the byte, the bound below the estimate, the step within 0.25% at the median and 2.1% at worst,
     as close as the same plans recomputing every layer (0.24 points at most between the two); 10% faster than
     those at the median (2026-12-03, FSDP's plans and balanced stages among them)."""
-    errors, added, faster = _against_simulation(*fewer)
+    errors, added, faster = _against_every_layer(*fewer)
     assert statistics.median(map(abs, errors)) < 0.005 and max(map(abs, errors)) < 0.025
     assert max(map(abs, added)) < 0.005
     assert statistics.median(faster) < 0.92 and max(faster) < 1
@@ -90,7 +79,7 @@ def test_fsdp_prices_them_beside_its_context_parallel_exchanges():
     """Under FSDP with cp 2 each exchange is priced beside the gather streaming next to it, the twins' as their
     types': 2026-12-03, 182 plans (116 of them with balanced stages) within 0.30% at the median and 2.2% at
     worst, 0.53 points at most from the same plan recomputing every layer."""
-    errors, added, faster = _against_simulation(*_partial((("tp", (1, 2)), ("cp", (2,))), fsdp_only=True))
+    errors, added, faster = _against_every_layer(*_partial((("tp", (1, 2)), ("cp", (2,))), fsdp_only=True))
     assert len(errors) > 150
     assert statistics.median(map(abs, errors)) < 0.005 and max(map(abs, errors)) < 0.025
     assert max(map(abs, added)) < 0.01

@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from simulated import searched_recomputing, simulated_command, steps_and_memory
+from simulated import against_simulation, searched_recomputing, simulated_command
 
 from parsim.hardware.cluster import load_cluster
 from parsim.search.fast import FastModel
@@ -44,17 +44,8 @@ def test_the_fast_tier_prices_the_recomputed_modules_as_the_simulator_does():
     prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
     jobs = [(p, i) for p in prepared for i, v in enumerate(p.variants)
             if v.recompute == "modules" and p.bound[i] < float("inf")]
-    kept = [(p, p.variants.index(p.variants[i]._replace(recompute="none"))) for p, i in jobs]
-    errors, added, saved = [], [], []
-    plans = [Candidate(p.setting, p.variants[i]).plan(space) for p, i in jobs + kept]
-    simulated = steps_and_memory(plans, cluster)
-    for (prep, i), estimate, kept_estimate, (step_s, peak), (plain_step_s, plain_peak) in zip(
-            jobs, fast.estimate(jobs), fast.estimate(kept), simulated[:len(jobs)], simulated[len(jobs):]):
-        assert estimate.memory_bytes == pytest.approx(peak, rel=1e-12)
-        assert prep.bound[i] <= estimate.step_s * (1 + 1e-12)
-        errors.append(estimate.step_s / step_s - 1)
-        added.append(errors[-1] - (kept_estimate.step_s / plain_step_s - 1))
-        saved.append(1 - peak / plain_peak)
+    errors, added, _, peaks = against_simulation(space, fast, jobs, lambda v: v._replace(recompute="none"))
+    saved = [1 - p for p in peaks]
     assert len(errors) >= 150
     assert statistics.median(map(abs, errors)) < 0.01
     assert max(map(abs, added)) < 0.01
