@@ -208,14 +208,14 @@ class FastModel:
         return (s.dp, s.tp, s.pp, s.cp, s.ep, s.schedule in V_SCHEDULES, s.virtual_stages, v.order,
                 v.sequence_parallel, v.grad_sync, v.zero, v.shard_group)
 
-    def _prototype(self, s: Setting, v: Variant, pp: int = 1, vs: int = 1) -> Plan:
-        """``pp`` pipeline ranks of ``vs`` stages (one by default), a schedule that allows them, and two
-        microbatches per rank: what entries and stages need, unless expert all-to-alls need the
+    def _prototype(self, s: Setting, v: Variant, pp: int = 1, vs: int = 1, schedule: str | None = None) -> Plan:
+        """``pp`` pipeline ranks of ``vs`` stages (one by default), a schedule that allows them (or ``schedule``),
+        and two microbatches per rank: what entries and stages need, unless expert all-to-alls need the
         data-parallel ranks' real layout. Its schedule is never built."""
         plain = v._replace(grad_sync="bucketed", zero=0, shard_group=None, ep_overlap=False)
         if s.tp > 1 and getattr(self.space.model, "is_moe", False):  # MoE under tp is only sequence-parallel
             plain = plain._replace(sequence_parallel=True)
-        schedule = "interleaved-1f1b" if vs > 1 else "1f1b"
+        schedule = schedule or ("interleaved-1f1b" if vs > 1 else "1f1b")
         if s.ep > 1:
             return self.plan(s, plain, m=2 * s.pp, schedule=schedule, vs=vs)
         return self.plan(s, plain, pp=pp, dp=1, m=2 * pp, schedule=schedule, vs=vs)
@@ -286,13 +286,15 @@ class FastModel:
 
     def _entry_tables(self, s: Setting, v: Variant):
         # A tied head on another pipeline rank than the embedding keeps its own copy of the table: priced
-        # from a two-rank prototype, where the head has that copy. (Recomputing some layers, the tables' twins
-        # do not depend on how many.)
+        # from a two-rank prototype, where the head has that copy. Expert parallelism keeps the setting's
+        # pipeline in the prototype: placed as a V where no rank copies the table. (Recomputing some layers, the
+        # tables' twins do not depend on how many.)
         copies_table = copies_embedding_table(self.space.model, s.pp, s.schedule)
         twins = v.recompute_layers is not None
+        schedule = "zbv" if s.ep > 1 and s.pp > 1 and not copies_table else None
         return self._cached(("entries", s.tp, s.ep, v.sequence_parallel, v.recompute, twins, copies_table),
                             lambda: entry_tables(self._prototype(s, v._replace(recompute_layers=1) if twins else v,
-                                                                 pp=2 if copies_table else 1)))
+                                                                 pp=2 if copies_table else 1, schedule=schedule)))
 
     def _recomputable(self, s: Setting, v: Variant) -> list[int]:
         """The entry types :func:`~parsim.search.tables.recomputable_types` gives (their twins' rows)."""
