@@ -4,21 +4,16 @@ simulator prices it."""
 
 from __future__ import annotations
 
-import json
 import statistics
 
 import pytest
-from simulated import simulated_command, steps_and_memory
+from simulated import EIGHT_LAYERS, searched, simulated_command, steps_and_memory
 
-from parsim.cli.main import main
 from parsim.hardware.cluster import load_cluster
 from parsim.search.fast import FastModel
 from parsim.search.space import Candidate, SearchSpace, balancing_helps, enumerate_settings
 from parsim.workload.model import load_model
 
-# a head worth about two of its layers: balancing moves layers off the last stage
-EIGHT_LAYERS = {"kind": "transformer", "name": "eight", "num_layers": 8, "hidden": 1024, "num_heads": 16,
-                "ffn_hidden": 4096, "seq_len": 4096, "vocab_size": 32000}
 
 
 def test_balanced_splits_are_tried_where_they_relieve_the_slowest_stage():
@@ -27,12 +22,12 @@ def test_balanced_splits_are_tried_where_they_relieve_the_slowest_stage():
     assert not balancing_helps(model, 3)  # uneven already: the default split is the balanced one
     assert not balancing_helps(load_model(EIGHT_LAYERS | {"vocab_size": 8}), 2)  # nothing to balance
     space = SearchSpace(model, 8, 32, dtype="bf16", degrees=(("tp", (2,)), ("cp", (1,))))
-    settings = [s for s, _ in enumerate_settings(space)]
+    settings = dict(enumerate_settings(space))
     balanced = [s for s in settings if s.balanced]
     assert balanced and all(s.pp > 1 and s._replace(balanced=False) in settings for s in balanced)
-    plan = Candidate(balanced[0], next(v for s, vs in enumerate_settings(space) if s == balanced[0]
-                                       for v in vs)).plan(space)
-    assert plan.stage_split[-1] < plan.stage_split[0]  # the head's stage holds fewer layers
+    candidate = Candidate(balanced[0], settings[balanced[0]][0])
+    assert candidate.plan(space).stage_split[-1] < candidate.plan(space).stage_split[0]  # fewer on the head's
+    assert candidate.label().endswith(", stages balanced")
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +55,9 @@ def test_the_fast_tier_prices_balanced_stages_as_the_simulator_does(balanced_pla
 
 
 def test_the_search_prints_balanced_stages_and_a_command_that_runs_them(tmp_path, capsys):
-    path = tmp_path / "model.yaml"
-    path.write_text(json.dumps(EIGHT_LAYERS))
-    assert main(["search", "--model", str(path), "--gpus", "8", "--global-batch", "32", "--pp", "2", "--tp", "2",
-                 "--top", "20", "--simulate", "1", "--json"]) == 0
-    ranked = json.loads(capsys.readouterr().out)["ranked"]
-    balanced = [r for r in ranked if r["plan"].get("layers_per_stage") == "balanced"]
+    args = ["--gpus", "8", "--global-batch", "32", "--pp", "2", "--tp", "2", "--top", "20", "--simulate", "1"]
+    balanced = [r for r in searched(EIGHT_LAYERS, args, tmp_path, capsys)
+                if r["plan"].get("layers_per_stage") == "balanced"]
     assert balanced and all("--layers-per-stage balanced" in r["command"] for r in balanced)
     simulated = simulated_command(balanced[0], capsys)  # the command runs the plan as searched
     assert simulated["step_s"] == pytest.approx(balanced[0]["fast"]["step_s"], rel=0.03)

@@ -7,7 +7,7 @@ import statistics
 
 import numpy as np
 import pytest
-from simulated import against_simulation, searched_recomputing, simulated_command
+from simulated import EIGHT_LAYERS, against_simulation, recomputing, searched, simulated_command
 
 from parsim.hardware.cluster import load_cluster
 from parsim.search.fast import FastModel
@@ -15,8 +15,6 @@ from parsim.search.space import Candidate, SearchSpace, Variant, enumerate_setti
 from parsim.workload.memory import memory
 from parsim.workload.model import load_model
 
-EIGHT_LAYERS = {"kind": "transformer", "name": "eight", "num_layers": 8, "hidden": 1024, "num_heads": 16,
-                "ffn_hidden": 4096, "seq_len": 4096, "vocab_size": 32000}
 CAPACITY = 6e9  # bytes per GPU: plenty of this model's plans fit only with some of their layers recomputed
 
 
@@ -103,7 +101,7 @@ def test_the_recompute_column_names_the_layers():
 def test_the_search_prints_the_layers_and_a_command_that_runs_them(tmp_path, capsys):
     args = ["--gpus", "8", "--global-batch", "32", "--tp", "1", "--cp", "1", "--pp", "1", "--max-memory", "2.5GB",
             "--top", "5", "--simulate", "1"]
-    layers = searched_recomputing(EIGHT_LAYERS, args, tmp_path, capsys)
+    layers = recomputing(searched(EIGHT_LAYERS, args, tmp_path, capsys))
     assert layers, "the best plans recompute some of their layers"
     best = layers[0]
     count = best["plan"]["activation_recompute"]["layers"]

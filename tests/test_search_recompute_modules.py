@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from simulated import against_simulation, searched_recomputing, simulated_command
+from simulated import against_simulation, recomputing, searched, simulated_command
 
 from parsim.hardware.cluster import load_cluster
 from parsim.search.fast import FastModel
@@ -55,7 +55,7 @@ def test_the_fast_tier_prices_the_recomputed_modules_as_the_simulator_does():
 def test_the_search_prints_the_modules_and_their_command(tmp_path, capsys):
     args = ["--gpus", "16", "--global-batch", "64", "--ep", "8", "--pp", "2", "--tp", "1", "--cp", "1",
             "--top", "40", "--simulate", "1"]
-    modules = searched_recomputing(MLA_MOE, args, tmp_path, capsys)
+    modules = recomputing(searched(MLA_MOE, args, tmp_path, capsys))
     assert modules and all(r["plan"]["activation_recompute"]["modules"] == ["layernorm", "mla_up_proj", "moe_act"]
                            and "--recompute-modules layernorm,mla_up_proj,moe_act" in r["command"] for r in modules)
     simulated = simulated_command(modules[0], capsys)  # the command runs the plan as searched

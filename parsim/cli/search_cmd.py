@@ -19,9 +19,11 @@ from .common import DEFAULT_CLUSTER, OpsProgress, check_outputs, note, note_unme
 
 HELP = """\
 Search every parallelism plan the simulator can express for a model on some
-GPUs -- dp, tp, pp, cp, ep, virtual stages, microbatch size and count,
-schedule, ZeRO stage or FSDP, recomputation (whole layers, or for a mixture of
-experts or latent attention the cheap modules, as DeepSeek-V3), sequence
+GPUs -- dp, tp, pp, cp, ep, virtual stages, the layers split evenly or
+balanced for the embedding's and head's work, microbatch size and count,
+schedule, ZeRO stage or FSDP, recomputation (whole layers, all or as few as
+fit, or for a mixture of experts or latent attention the cheap modules, as
+DeepSeek-V3), sequence
 parallelism (its collectives in line or overlapped with the GEMMs, within a
 node), placement, and for a mixture of experts its all-to-alls beside a paired
 pass's compute (combined 1F1B, DualPipe-V's overlap) -- drop those that do

@@ -744,12 +744,11 @@ class FastModel:
     # -- estimates ------------------------------------------------------------------------------
     def estimate(self, jobs: list[tuple[Prepared, int]]) -> list[Estimate]:
         """Estimates of variant ``i`` of each prepared setting; pipelines of one shape are timed together."""
-        if any(prep.setting.balanced != self.balanced for prep, _ in jobs):
-            mine = [job for job in jobs if job[0].setting.balanced == self.balanced]
-            others = iter(self._for(jobs[0][0].setting._replace(balanced=not self.balanced)).estimate(
-                [job for job in jobs if job[0].setting.balanced != self.balanced]))
-            estimates = iter(self.estimate(mine))
-            return [next(estimates if prep.setting.balanced == self.balanced else others) for prep, _ in jobs]
+        theirs = [job for job in jobs if job[0].setting.balanced != self.balanced]
+        if theirs:  # the other stage split's jobs to its model, the answers back in order
+            other = iter(self._for(theirs[0][0].setting).estimate(theirs))
+            mine = iter(self.estimate([job for job in jobs if job[0].setting.balanced == self.balanced]))
+            return [next(mine if prep.setting.balanced == self.balanced else other) for prep, _ in jobs]
         groups: dict[tuple, dict[int, _Inputs]] = {}
         for prep, i in jobs:
             x = self._inputs_of(prep, i)
