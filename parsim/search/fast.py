@@ -39,6 +39,7 @@ times the pipelines of many plans in batches.
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Hashable
@@ -368,7 +369,10 @@ class FastModel:
                      ) -> np.ndarray:
         """[which, pp]: :meth:`prepare`'s lower bound of each pipeline rank's step, for variants ``which``."""
         layout, counts = self.layout(s), _pass_counts(s)
-        tables = np.array([self.pass_table(s, v).seconds(self._accumulation_of(s, v)) for v in arrays.table_keys])
+        # (cached: settings that differ only in schedule, pipeline shape or stage split share them)
+        tables = self._cached(("bound tables", s.tp, s.cp, s.ep, s.microbatch_size, s.num_microbatches,
+                               (s.pp, s.dp) if s.ep > 1 else None, id(arrays)), lambda: np.array(
+            [self.pass_table(s, v).seconds(self._accumulation_of(s, v)) for v in arrays.table_keys]))
         durations = np.einsum("st,ktc->ksc", layout.counts, tables)  # [K, stages, 4]
         busy = durations.reshape(len(tables), -1) @ counts.T  # [K, pp]
         hops = np.array([self._hops(s, v, layout) for v in arrays.order_keys])  # [O, stages - 1]
@@ -883,20 +887,25 @@ class FastModel:
         layout = self.layout(s, v)
         extra, offsets = np.zeros(len(layout.stage_entries)), {}
         for p, rank in enumerate(groups):
+            queues: dict[int, list[tuple[int, float, int]]] = defaultdict(list)  # per stage, in the stream's order
+            for marks, costs, sms in rank:
+                for (stage, j), cost in zip(marks, costs):
+                    queues[stage].append((j, float(cost), sms))
             for st in layout.rank_stages[p]:
-                order, k = list(layout.stage_entries[st][::-1]), final[st]
-                queue = [(j, float(cost), sms) for marks, costs, sms in rank
-                         for (stage, j), cost in zip(marks, costs) if stage == st]  # the stream's order
+                order, k, queue = list(layout.stage_entries[st][::-1]), final[st], queues[st]
                 d = seconds[order, k]
                 t = free = 0.0
-                windows: list[tuple[float, float, int]] = []
+                windows: list[tuple[float, float, int]] = []  # those not yet over at t
                 ready = np.zeros(len(order))
+                issued = 0
                 for j, work in enumerate(d.tolist()):
                     ratios = {bit: held[bit][order[j], k] / work if work > 0 else 1.0 for bit in held}
                     t = _held_end(t, work, ratios, windows)
                     ready[j] = t - trailing[order[j], k]
-                    while queue and queue[0][0] <= j:
-                        _, cost, sms = queue.pop(0)
+                    windows = [w for w in windows if w[1] > t]
+                    while issued < len(queue) and queue[issued][0] <= j:
+                        _, cost, sms = queue[issued]
+                        issued += 1
                         begins = max(free, ready[j])
                         free = begins + cost
                         if sms:  # (one kernel at a time: the stream runs them in turn)

@@ -252,7 +252,9 @@ def _branch_and_bound(request: SearchRequest, models, prepared, report) -> list[
         best = front.min(axis=0) if len(front) else np.zeros(3)
         in_span = (lower[:, 0] <= FRONT_SPAN * best[0]) & (lower[:, 2] <= FRONT_SPAN * best[2]) if len(front) \
             else np.ones(len(lower), dtype=bool)
-        alive = pending & ((key < threshold) | (in_span & ~_dominated(lower, front)))
+        alive = pending & ((key < threshold) | in_span)
+        undecided = np.flatnonzero(alive & (key >= threshold))  # (only these need the front's dominance)
+        alive[undecided[_dominated(lower[undecided], front)]] = False
         pending &= alive
         if not alive.any():
             break

@@ -487,7 +487,7 @@ class _CostTotals:
                    self.head_cost(dtype_bytes, tp_style, sequence_parallel)]
         return [e for e in entries if e is not None]
 
-    def _check_style(self, tp_style: str | None, sequence_parallel: bool = False) -> None:
+    def check_style(self, tp_style: str | None, sequence_parallel: bool = False) -> None:
         """Refuse a tensor-parallel style this model's costs do not describe (None: its own)."""
         if tp_style is not None and tp_style not in self.tp_styles:
             raise ParsimError(f"model {self.name} ({self.kind}) supports tensor_parallel "
@@ -569,7 +569,7 @@ class MLPModel(_CostTotals):
         replicated under TP since every rank holds the gathered input) and the
         pre-activation (for gelu's backward, sharded). Recomputation keeps the input.
         """
-        self._check_style(tp_style, sequence_parallel)
+        self.check_style(tp_style, sequence_parallel)
         w, d = self.width, dtype_bytes
         gelu = Elementwise("gelu", 2 * w, 3 * w, sm_kind="gelu")
         block = Block("linear", (Matmul("w", w, w, "column"),), elementwise=(gelu,), collectives=(
@@ -764,11 +764,17 @@ class TransformerModel(_CostTotals):
         forward keeps only its part of the sequence), beside the input-gradient
         matmuls.
         """
-        self._check_style(tp_style, sequence_parallel)
-        dense = self._layer(dtype_bytes, sequence_parallel)
-        moe = self._layer(dtype_bytes, sequence_parallel, moe=True) if self.is_moe else dense
-        return [LayerCost(f"layer.{i}", layer.blocks, layer.params, layer.activations, layer.checkpoint)
-                for i, layer in ((i, dense if i < self.dense_layers else moe) for i in range(self.num_layers))]
+        self.check_style(tp_style, sequence_parallel)
+        # Cached on the instance (a search builds thousands of plans of one model), as cached_property does
+        cache = self.__dict__.setdefault("_layer_costs", {})
+        key = (dtype_bytes, sequence_parallel)
+        if key not in cache:
+            dense = self._layer(dtype_bytes, sequence_parallel)
+            moe = self._layer(dtype_bytes, sequence_parallel, moe=True) if self.is_moe else dense
+            cache[key] = tuple(LayerCost(f"layer.{i}", layer.blocks, layer.params, layer.activations, layer.checkpoint)
+                               for i, layer in ((i, dense if i < self.dense_layers else moe)
+                                                for i in range(self.num_layers)))
+        return list(cache[key])
 
     def _layer(self, d: int, sequence_parallel: bool = False, moe: bool = False) -> LayerCost:
         h, f, hd = self.hidden, self.ffn_hidden, self.head_dim
@@ -1115,7 +1121,7 @@ class TransformerModel(_CostTotals):
         backward all-gathers the gradient (the all-reduce's backward is the
         identity). Saved: the token ids.
         """
-        self._check_style(tp_style, sequence_parallel)
+        self.check_style(tp_style, sequence_parallel)
         h = self.hidden
         params = [Param("embed.tokens", self.vocab_size, h, "rows")]
         if self.position_embedding == "learned":
@@ -1151,7 +1157,7 @@ class TransformerModel(_CostTotals):
         softmax over the vocabulary in fp32, which dominates for large
         vocabularies.
         """
-        self._check_style(tp_style, sequence_parallel)
+        self.check_style(tp_style, sequence_parallel)
         h, d, v = self.hidden, dtype_bytes, self.vocab_size
         if sequence_parallel:
             entry = (TPCollective("head.in", "all_gather", "forward", "before", h * d),
@@ -1195,7 +1201,7 @@ class TransformerModel(_CostTotals):
         """
         if not self.mtp_layers:
             return []
-        self._check_style(tp_style, sequence_parallel)
+        self.check_style(tp_style, sequence_parallel)
         h, d = self.hidden, dtype_bytes
         layer = self._layer(d, sequence_parallel, moe=self.is_moe)
         head = self.head_cost(d, tp_style, sequence_parallel)

@@ -436,7 +436,7 @@ class Plan:
         self._check_recompute_modules()
         if self.sequence_parallel:
             try:
-                m.costs(1, self.tp_style, sequence_parallel=True)
+                m.check_style(self.tp_style, sequence_parallel=True)
             except ParsimError as err:
                 self._fail(f"sequence_parallel: {err}")
         if self.tp_comm_overlap and not (self.sequence_parallel and self.tp > 1 and self.tp_style == "megatron"
@@ -779,8 +779,13 @@ class Plan:
     @cached_property
     def _costs(self) -> tuple[LayerCost | None, list[LayerCost], LayerCost | None]:
         m, d, sp = self.model, self.dtype_bytes, self.sequence_parallel
-        layers = m.layer_costs(d, self.tp_style, sp)
-        layers = [dataclasses.replace(c, activations=self._kept(c.activations)) for c in layers]
+        kept: dict[int, tuple[Activation, ...]] = {}  # by the saved tuple's identity: the layers share a few
+        layers = []
+        for c in m.layer_costs(d, self.tp_style, sp):
+            if id(c.activations) not in kept:
+                kept[id(c.activations)] = self._kept(c.activations)
+            layers.append(c if kept[id(c.activations)] == c.activations
+                          else dataclasses.replace(c, activations=kept[id(c.activations)]))
         return (m.embedding_cost(d, self.tp_style, sp), layers,
                 m.head_cost(d, self.tp_style, sp, copies_table=self.copies_embedding_table))
 
