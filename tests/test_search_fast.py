@@ -38,6 +38,17 @@ def test_the_bound_never_exceeds_the_estimate(small):
     assert all(prep.bound[i] <= e.step_s * (1 + 1e-12) for (prep, i), e in zip(jobs, estimates))
 
 
+def test_the_bound_of_one_microbatch_through_a_pipeline_is_its_whole_path(small):
+    """With one microbatch and nothing to sync, a step is the microbatch's forward down the stages, its backward
+    back up and the first rank's optimizer: the bound counts the gradient's way back from the last rank's last
+    pass (the drain) and so meets the estimate."""
+    _, _, jobs, estimates = small
+    lone = [(prep.bound[i], e.step_s) for (prep, i), e in zip(jobs, estimates) if prep.setting.num_microbatches == 1
+            and prep.setting.pp == 4 and prep.setting.schedule in ("1f1b", "gpipe")]
+    assert len(lone) == 4
+    assert all(bound == pytest.approx(step, rel=1e-9) for bound, step in lone)
+
+
 def test_step_times_agree_with_the_event_simulation_over_the_whole_space(small):
     """Exhaustive: every plan simulated. Plans without FSDP agree to rounding; FSDP on this latency-bound toy
     model is off where gathers, exchanges and reductions contend (the fast tier prices them alone)."""

@@ -380,7 +380,21 @@ class FastModel:
         chain[:, :, 1:] = np.cumsum(durations[:, None, :-1, 0] + hops[None], axis=2)
         work = chain[:, :, layout.rank_stages[:, 0]] + busy[:, None, :]  # [K, O, pp]
         optimizer = np.array([self._tail_bound(s, v) for v in arrays.sync_keys])  # [Z, pp]
-        total = work[arrays.table_index[which], arrays.order_index[which]] + optimizer[arrays.sync_index[which]]
+        table_of, order_of = arrays.table_index[which], arrays.order_index[which]
+        total = work[table_of, order_of] + optimizer[arrays.sync_index[which]]
+        drained = _drained_stages(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)
+        if (drained > 0).any():
+            # The gradient of a rank's last pass has yet to cross the stages before it, a backward and a send
+            # each, and the first stage's rank then steps its optimizer (a rank pairing passes, ep_comm_overlap,
+            # runs another schedule: left out)
+            final = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[2]
+            back = np.where(final == KINDS.index("W"), KINDS.index("I"), KINDS.index("B"))[:-1]  # each stage's
+            drain = np.zeros_like(chain)
+            drain[:, :, 1:] = np.cumsum(durations[:, None, np.arange(len(back)), back] + hops[None], axis=2)
+            drain = drain[:, :, np.maximum(drained, 0)] * (drained >= 0)
+            drained_total = (work + drain)[table_of, order_of] + optimizer[arrays.sync_index[which]][:, :1]
+            unpaired = np.array([not variants[i].ep_overlap for i in which])
+            total[unpaired] = np.maximum(total[unpaired], drained_total[unpaired])
         return total - [self.rank_pair_savings(s, variants[i]) for i in which]
 
     def _fewer_recomputed(self, s: Setting, variants: tuple[Variant, ...], fits: np.ndarray, state: np.ndarray,
@@ -1341,6 +1355,18 @@ def _short_facts(name: str, pp: int, m: int, v: int, paired: bool) -> tuple[np.n
     for r, rows in enumerate(moments):
         in_flight[r, :len(rows)] = rows
     return in_flight, counts, final
+
+
+@lru_cache(maxsize=None)
+def _drained_stages(name: str, pp: int, m: int, v: int) -> np.ndarray:
+    """[pp]: where a rank's last pass is the last microbatch's backward (B, or I where split), its stage, whose
+    gradient then crosses every stage before it, each a backward and a send, before the step ends; -1 where it
+    is not (a W, say). Read off three rounds where the schedule repeats its steady state, as
+    :func:`schedule_facts` reads it."""
+    short = min(m, 3 * pp) if SCHEDULES[name].rounds_of_pp(pp, m, v) else m
+    schedule = make_schedule(name, pp, short, v)
+    return np.array([a.stage if a.kind in ("B", "I") and a.microbatch == short - 1 else -1
+                     for a in (actions[-1] for actions in schedule.actions)])
 
 
 @lru_cache(maxsize=None)

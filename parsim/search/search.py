@@ -168,7 +168,8 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
     bounded_at = time.perf_counter()
     evaluated = _branch_and_bound(request, models, prepared, report)
     estimated_at = time.perf_counter()
-    ranked = sorted(evaluated, key=lambda r: _metric(request, r, simulated=False))
+    # (plans as fast as each other: the one holding less memory first, whichever the search reached first)
+    ranked = sorted(evaluated, key=lambda r: (_metric(request, r, simulated=False), r.memory_bytes))
     for k, r in enumerate(ranked):
         r.fast_rank = k + 1
     top = ranked[:request.keep]
@@ -180,7 +181,7 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
                  and _objectives(request, r, False)[2] <= FRONT_SPAN * cheapest]
     _simulate(request, top[:request.simulate], report)
     # The simulated plans first, by their simulation (the answer, checked event by event); then the rest.
-    top.sort(key=lambda r: (r.simulated is None, _metric(request, r, simulated=True)))
+    top.sort(key=lambda r: (r.simulated is None, _metric(request, r, simulated=True), r.memory_bytes))
     fits = sum(s.fits for s in spaces)
     return SearchResult(request, spaces, top, front, evaluated, len(evaluated), fits - len(evaluated), {
         "bound": bounded_at - started, "estimate": estimated_at - bounded_at,
