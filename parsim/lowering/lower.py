@@ -208,17 +208,25 @@ def pipeline_bytes(plan: Plan) -> float:
     return plan.tokens_per_rank * hidden_size(plan) * plan.dtype_bytes / split
 
 
-MEMOIZED = ("group", "_templates", "_pieces", "_stage_rank", "_pairs", "_sync_buckets")  # Lowering's, per lowering
+def _memoized(method):
+    """``method`` memoized per lowering, in the lowering's own ``_memo``: a cache on the class would keep every
+    Lowering alive, and one on the instance around its bound method would make a cycle that only the cyclic
+    garbage collector frees (a search builds thousands of lowerings)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def memoized(self, *args):
+        memo = self._memo.setdefault(name, {})
+        if args not in memo:
+            memo[args] = method(self, *args)
+        return memo[args]
+    return memoized
 
 
 def lower(plan: Plan, fsdp_in_line: bool = False, follow_cache: bool = False) -> Program:
     """The representative ranks' programs (one per pipeline rank); ``fsdp_in_line`` and ``follow_cache``: see
     :class:`Lowering`."""
-    lowering = Lowering(plan, fsdp_in_line, follow_cache)
-    try:
-        return lowering.build()
-    finally:
-        lowering.forget()
+    return Lowering(plan, fsdp_in_line, follow_cache).build()
 
 
 class Lowering:
@@ -247,15 +255,7 @@ class Lowering:
         model = plan.model
         self.routing = TokenRouting(model.experts_per_token, model.num_experts, model.max_routed_nodes) \
             if plan.dispatcher == "deepep" else None  # how DeepEP's all-to-alls run (parsim.sim.collectives.deepep)
-        # Memoized per lowering: functools.cache on the class would keep every Lowering, and its program, alive.
-        for method in MEMOIZED:
-            setattr(self, method, functools.cache(getattr(self, method)))
-
-    def forget(self) -> None:
-        """Drop the memos: each refers back to this lowering, a cycle that only the cyclic garbage collector
-        would otherwise free, with everything the lowering holds."""
-        for method in MEMOIZED:
-            delattr(self, method)
+        self._memo: dict[str, dict[tuple, object]] = {}  # (_memoized)
 
     @property
     def schedule(self) -> Schedule:
@@ -346,6 +346,7 @@ class Lowering:
                 block.opens_action = True
 
     # -- groups ---------------------------------------------------------------
+    @_memoized
     def group(self, p: int, dim: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
         """The representative's ``dim`` group at pipeline rank ``p`` and its mirror groups."""
         plan = self.plan
@@ -471,6 +472,7 @@ class Lowering:
             for layer in layers:
                 last = self._fsdp_reduce(rank, p, stage, layer, mb, kind, last, name)
 
+    @_memoized
     def _templates(self, p: int, stage: int, kind: str) -> tuple[list, ...]:
         """The op each of :meth:`_pieces` stamps, as a :func:`stamp` template (name, deps, the collective
         beside and FSDP's hooks filled in per microbatch)."""
@@ -491,6 +493,7 @@ class Lowering:
             templates.append([getattr(op, field) for field in OP_FIELDS])
         return tuple(templates)
 
+    @_memoized
     def _pieces(self, p: int, stage: int, kind: str) -> tuple[Piece, ...]:
         """What one ``kind`` pass of ``stage`` runs, in order: block compute split by the
         tensor-parallel collectives between blocks. The same for every microbatch.
@@ -640,9 +643,11 @@ class Lowering:
         return (calls, 0) if forward else (0, calls)
 
     # -- pipeline transfers ---------------------------------------------------------
+    @_memoized
     def _stage_rank(self, stage: int) -> int:
         return self.plan.rank_of(dp=0, pp=self.schedule.stage_to_rank(stage), tp=0)
 
+    @_memoized
     def _pairs(self, src_stage: int, dst_stage: int) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
         """The representative's (src, dst) ranks and its mirrors' (the other replicas' sends)."""
         plan, sched = self.plan, self.schedule
@@ -869,6 +874,7 @@ class Lowering:
                     tensors[expert].append((n * plan.grad_bytes, (stage, index)))
         return tensors
 
+    @_memoized
     def _sync_buckets(self, p: int) -> tuple[tuple[bool, str, int, float, tuple[tuple[int, int], ...]], ...]:
         """Pipeline rank ``p``'s gradient buckets in backward order: (expert?, group dim, index, bytes, the
         (stage, layer) of each of its tensors). Empty when nothing syncs: one data-parallel rank, FSDP, or
