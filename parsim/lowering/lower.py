@@ -28,7 +28,7 @@ import dataclasses
 import functools
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, TypeVar
+from typing import Callable, Iterator, NamedTuple, TypeVar
 
 from ..report.trace import collective_name, compute_name, p2p_name
 from ..schedules import Action, Schedule
@@ -208,7 +208,7 @@ def pipeline_bytes(plan: Plan) -> float:
     return plan.tokens_per_rank * hidden_size(plan) * plan.dtype_bytes / split
 
 
-def _memoized(method):
+def _memoized(method: Callable) -> Callable:
     """``method`` memoized per lowering, in the lowering's own ``_memo``: a cache on the class would keep every
     Lowering alive, and one on the instance around its bound method would make a cycle that only the cyclic
     garbage collector frees (a search builds thousands of lowerings)."""

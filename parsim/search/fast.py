@@ -383,7 +383,8 @@ class FastModel:
         work = chain[:, :, layout.rank_stages[:, 0]] + busy[:, None, :]  # [K, O, pp]
         optimizer = np.array([self._tail_bound(s, v) for v in arrays.sync_keys])  # [Z, pp]
         table_of, order_of = arrays.table_index[which], arrays.order_index[which]
-        total = work[table_of, order_of] + optimizer[arrays.sync_index[which]]
+        tail = optimizer[arrays.sync_index[which]]
+        total = work[table_of, order_of] + tail
         drained = _drained_stages(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)
         if (drained > 0).any():
             # The gradient of a rank's last pass has yet to cross the stages before it, a backward and a send
@@ -394,7 +395,7 @@ class FastModel:
             drain = np.zeros_like(chain)
             drain[:, :, 1:] = np.cumsum(durations[:, None, np.arange(len(back)), back] + hops[None], axis=2)
             drain = drain[:, :, np.maximum(drained, 0)] * (drained >= 0)
-            drained_total = (work + drain)[table_of, order_of] + optimizer[arrays.sync_index[which]][:, :1]
+            drained_total = (work + drain)[table_of, order_of] + tail[:, :1]
             unpaired = np.array([not variants[i].ep_overlap for i in which])
             total[unpaired] = np.maximum(total[unpaired], drained_total[unpaired])
         return total - [self.rank_pair_savings(s, variants[i]) for i in which]
@@ -1329,8 +1330,8 @@ def schedule_facts(name: str, pp: int, m: int, v: int, paired: bool = False
     backward of every stage per microbatch, and no more in flight (GPipe aside, which holds them all);
     so a long schedule is read off one of three rounds (``tests/test_search_fast.py``). ``paired``: the
     schedule as ``ep_comm_overlap`` runs it (:func:`~parsim.schedules.paired_schedule`)."""
-    short = min(m, 3 * pp) if SCHEDULES[name].rounds_of_pp(pp, m, v) else m
-    in_flight, counts, final = _short_facts(name, pp, short, v, paired)
+    short = _short_length(name, pp, m, v)
+    in_flight, counts, final, _ = _short_facts(name, pp, short, v, paired)
     if m > short:
         in_flight, counts = in_flight.copy(), counts.copy()
         own = counts[:, 0::4] > 0
@@ -1342,8 +1343,15 @@ def schedule_facts(name: str, pp: int, m: int, v: int, paired: bool = False
     return in_flight, counts, final
 
 
+def _short_length(name: str, pp: int, m: int, v: int) -> int:
+    """The microbatches of the schedule a schedule of ``m`` is read off (:func:`schedule_facts`)."""
+    return min(m, 3 * pp) if SCHEDULES[name].rounds_of_pp(pp, m, v) else m
+
+
 @lru_cache(maxsize=None)
-def _short_facts(name: str, pp: int, m: int, v: int, paired: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _short_facts(name: str, pp: int, m: int, v: int, paired: bool
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`schedule_facts` of a schedule of ``m`` microbatches, and :func:`_drained_stages`'."""
     schedule = paired_schedule(name, pp, m, v) if paired else make_schedule(name, pp, m, v)
     counts = np.zeros((pp, schedule.num_stages * 4))
     final = np.zeros(schedule.num_stages, dtype=int)
@@ -1356,19 +1364,16 @@ def _short_facts(name: str, pp: int, m: int, v: int, paired: bool) -> tuple[np.n
     in_flight = np.zeros((pp, max(len(m) for m in moments), v))
     for r, rows in enumerate(moments):
         in_flight[r, :len(rows)] = rows
-    return in_flight, counts, final
+    drained = np.array([a.stage if a.kind in ("B", "I") and a.microbatch == m - 1 else -1
+                        for a in (actions[-1] for actions in schedule.actions)])
+    return in_flight, counts, final, drained
 
 
-@lru_cache(maxsize=None)
 def _drained_stages(name: str, pp: int, m: int, v: int) -> np.ndarray:
     """[pp]: where a rank's last pass is the last microbatch's backward (B, or I where split), its stage, whose
     gradient then crosses every stage before it, each a backward and a send, before the step ends; -1 where it
-    is not (a W, say). Read off three rounds where the schedule repeats its steady state, as
-    :func:`schedule_facts` reads it."""
-    short = min(m, 3 * pp) if SCHEDULES[name].rounds_of_pp(pp, m, v) else m
-    schedule = make_schedule(name, pp, short, v)
-    return np.array([a.stage if a.kind in ("B", "I") and a.microbatch == short - 1 else -1
-                     for a in (actions[-1] for actions in schedule.actions)])
+    is not (a W, say). Read off a short schedule, as :func:`schedule_facts` reads it."""
+    return _short_facts(name, pp, _short_length(name, pp, m, v), v, False)[3]
 
 
 @lru_cache(maxsize=None)

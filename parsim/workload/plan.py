@@ -782,10 +782,10 @@ class Plan:
         kept: dict[int, tuple[Activation, ...]] = {}  # by the saved tuple's identity: the layers share a few
         layers = []
         for c in m.layer_costs(d, self.tp_style, sp):
-            if id(c.activations) not in kept:
-                kept[id(c.activations)] = self._kept(c.activations)
-            layers.append(c if kept[id(c.activations)] == c.activations
-                          else dataclasses.replace(c, activations=kept[id(c.activations)]))
+            saved = kept.get(id(c.activations))
+            if saved is None:
+                saved = kept[id(c.activations)] = self._kept(c.activations)
+            layers.append(c if saved == c.activations else dataclasses.replace(c, activations=saved))
         return (m.embedding_cost(d, self.tp_style, sp), layers,
                 m.head_cost(d, self.tp_style, sp, copies_table=self.copies_embedding_table))
 
