@@ -117,7 +117,9 @@ def _nccl_tuner(p: CollectivePrediction) -> list[str]:
     share = f"{c.channels} of {c.max_channels} channels"
     if c.channels < c.max_channels:
         out.append(f"   The message is small, so the kernel runs on {share} (enqueue.cc: fewer channels when")
-        out.append("   bytes < channels x threads x threshold): bandwidth scales down with them.")
+        out.append("   bytes < channels x threads x threshold): a speed per channel scales down with them, a cap")
+        out.append(f"   on the whole (LL's llMaxBw) does not: {c.bw_GBps:.1f} GB/s on every channel, "
+                   f"{c.effective_bw_GBps:.1f} on these.")
     else:
         out.append(f"   The kernel runs on {share}.")
     out.append(f"   NCCL's estimate: {c.latency_us:.1f} us + {c.nbytes:,} B / {c.effective_bw_GBps:.1f} GB/s "

@@ -403,15 +403,11 @@ class Choice:
     bw_GBps: float  # its bandwidth with every channel (with the tree correction factor)
     channels: int  # channels the kernel runs on (enqueue.cc drops channels for small messages)
     max_channels: int  # channels the communicator has for this algorithm
+    effective_bw_GBps: float  # the bandwidth on the channels the kernel really runs on (NcclModel._bus)
     graph: Graph
     disabled: dict[str, str] = field(default_factory=dict)  # algorithm -> why NCCL cannot use it here
     graphs: dict[str, Graph] = field(default_factory=dict)  # every search result of the communicator
     pipeline: Pipeline | None = None  # how the kernel streams the message (chunks, loops, fill)
-
-    @property
-    def effective_bw_GBps(self) -> float:
-        """The bandwidth on the channels the kernel really runs on."""
-        return self.bw_GBps * self.channels / self.max_channels
 
     @property
     def time_us(self) -> float:
@@ -478,10 +474,6 @@ class NcclModel:
         """``ncclTopoTuneModel`` for one collective."""
         v = self.view
         n, nodes, ppn = v.ranks, v.nodes, v.ppn
-        cci = compcap_index(v.cc)
-        index2 = min(nodes, 3) - 1
-        index1 = cci if nodes == 1 else (1 if v.cpu_vendor == "amd" else 0)
-        ll_max_bw = LL_MAX_BW[index1][index2]
         nsteps = 2 * (n - 1) if op == "all_reduce" else n - 1 if op in ("all_gather", "reduce_scatter") else n
         intra_hw = "nvlink" if v.nvswitch else "pci"
         table: dict[tuple[str, str], Candidate] = {}
@@ -497,38 +489,7 @@ class NcclModel:
                     continue
                 if p == LL128 and not v.nvswitch:
                     continue  # LL128 only over NVLink paths (typeIntra <= PATH_NVB)
-                collnet = a in (COLLNET_DIRECT, COLLNET_CHAIN)
-                bw = g.bw_intra if nodes <= 2 or collnet else g.bw_inter
-                if a in (NVLS, NVLS_TREE):
-                    intra = g.bw_intra * NVLS_EFFICIENCY[cci] * (g.channels - 1) / g.channels
-                    intra *= 2.0 if op == "all_reduce" else (ppn - 1) / ppn
-                    across = g.bw_inter * (2 if nodes <= 2 and a == NVLS_TREE else 1)
-                    bw = min(intra, across, PER_CH_MAX_NVLS_TREE[cci][index2] if a == NVLS_TREE else math.inf)
-                bus = g.channels * bw
-                if a == RING and p == LL:
-                    bus = min(ll_max_bw, bus * .5)
-                if a == RING and p == LL128:
-                    bus = min(bus * 0.92, g.channels * PER_CH_MAX_RING_LL128[cci][index2])
-                if a == TREE and op == "all_reduce":
-                    bus = min(bus * .92, g.channels * PER_CH_MAX_TREE[cci][index2])
-                if a == TREE and p == LL:
-                    bus = min(bus / 3.8, ll_max_bw)
-                if a == TREE and p == LL128:
-                    bus = min(bus * (7.0 / 9.0 if nodes == 1 else 120.0 / 128.0),
-                              g.channels * PER_CH_MAX_TREE_LL128[cci][index2])
-                if a == PAT:
-                    bus *= .75
-                if a == COLLNET_DIRECT:
-                    if op in ("all_gather", "reduce_scatter"):
-                        bus = ppn * min(g.bw_intra, g.bw_inter * 0.9)
-                    else:
-                        factor = ppn / g.channels
-                        factor -= (factor - 1) / 2
-                        bus /= factor
-                        if v.cc >= 90:
-                            bus *= .85
-                if not (a != RING and op in ("all_gather", "reduce_scatter")):
-                    bus *= n / nsteps if a in (RING, NVLS, NVLS_TREE) else .5
+                bus = self._bus(op, a, p, g.channels)
                 if bus <= 0:
                     continue
                 lat = BASE_LAT[a][pi]
@@ -561,6 +522,53 @@ class NcclModel:
                     lat += log2i(nodes) * (inter_lat / 3.5) + n * 2.8
                 table[(a, p)] = Candidate(a, p, lat, bus)
         return table, disabled
+
+    def _bus(self, op: str, a: str, p: str, channels: int) -> float:
+        """The tuner's bandwidth of algorithm ``a`` with protocol ``p`` for ``op`` (``ncclTopoTuneModel``), in the
+        message's own GB/s, on ``channels`` channels: the search's channel count for the tuning table, fewer
+        where the kernel runs on fewer (:meth:`_channels`). Caps on the whole (LL's ``llMaxBw``) stay; caps
+        per channel scale with them."""
+        v = self.view
+        n, nodes, ppn = v.ranks, v.nodes, v.ppn
+        cci = compcap_index(v.cc)
+        index2 = min(nodes, 3) - 1
+        index1 = cci if nodes == 1 else (1 if v.cpu_vendor == "amd" else 0)
+        ll_max_bw = LL_MAX_BW[index1][index2]
+        nsteps = 2 * (n - 1) if op == "all_reduce" else n - 1 if op in ("all_gather", "reduce_scatter") else n
+        g = self._graph(a)
+        collnet = a in (COLLNET_DIRECT, COLLNET_CHAIN)
+        bw = g.bw_intra if nodes <= 2 or collnet else g.bw_inter
+        if a in (NVLS, NVLS_TREE):
+            intra = g.bw_intra * NVLS_EFFICIENCY[cci] * (g.channels - 1) / g.channels  # its heads
+            intra *= 2.0 if op == "all_reduce" else (ppn - 1) / ppn
+            across = g.bw_inter * (2 if nodes <= 2 and a == NVLS_TREE else 1)
+            bw = min(intra, across, PER_CH_MAX_NVLS_TREE[cci][index2] if a == NVLS_TREE else math.inf)
+        bus = channels * bw
+        if a == RING and p == LL:
+            bus = min(ll_max_bw, bus * .5)
+        if a == RING and p == LL128:
+            bus = min(bus * 0.92, channels * PER_CH_MAX_RING_LL128[cci][index2])
+        if a == TREE and op == "all_reduce":
+            bus = min(bus * .92, channels * PER_CH_MAX_TREE[cci][index2])
+        if a == TREE and p == LL:
+            bus = min(bus / 3.8, ll_max_bw)
+        if a == TREE and p == LL128:
+            bus = min(bus * (7.0 / 9.0 if nodes == 1 else 120.0 / 128.0),
+                      channels * PER_CH_MAX_TREE_LL128[cci][index2])
+        if a == PAT:
+            bus *= .75
+        if a == COLLNET_DIRECT:
+            if op in ("all_gather", "reduce_scatter"):
+                bus = ppn * min(g.bw_intra, g.bw_inter * 0.9)
+            else:
+                factor = ppn / g.channels
+                factor -= (factor - 1) / 2
+                bus /= factor
+                if v.cc >= 90:
+                    bus *= .85
+        if not (a != RING and op in ("all_gather", "reduce_scatter")):
+            bus *= n / nsteps if a in (RING, NVLS, NVLS_TREE) else .5
+        return bus
 
     def _unavailable(self, op: str, a: str) -> str:
         """Why NCCL would not run algorithm ``a`` for ``op`` on this communicator ("" if it would)."""
@@ -633,9 +641,12 @@ class NcclModel:
         transfer = chosen.time_us - latency
         bw = nbytes / (1000.0 * transfer) if transfer > 0 else chosen.bw_GBps  # the tree correction folded in
         nc, max_nc = self._channels(chosen, nbytes)
-        pipe = self.pipeline(op, chosen, int(nbytes), nc, bw * nc / max_nc)
-        return Choice(op, int(nbytes), cands, chosen, latency, bw, nc, max_nc, self._graph(chosen.algo), disabled,
-                      self.graphs, pipe)
+        run_bw = bw  # what the kernel's channels reach: per-channel speeds scale with them, a cap on the whole stays
+        if nc < max_nc:
+            run_bw *= self._bus(op, chosen.algo, chosen.proto, nc) / self._bus(op, chosen.algo, chosen.proto, max_nc)
+        pipe = self.pipeline(op, chosen, int(nbytes), nc, run_bw)
+        return Choice(op, int(nbytes), cands, chosen, latency, bw, nc, max_nc, run_bw, self._graph(chosen.algo),
+                      disabled, self.graphs, pipe)
 
     # -- enqueue.cc calcCollChunking and the kernels' loops ----------------------------------------------------
 
