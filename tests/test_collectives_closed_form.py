@@ -98,7 +98,17 @@ def test_phases_carry_the_bytes_of_the_closed_form():
 
 
 def test_a_ring_without_latency_or_reduction_cost_reaches_the_lower_bound():
-    spec = ideal_spec(**{"intra_node.latency_us": 0.0, "reduce_bw_GBps": 1e12})
+    spec = ideal_spec(**{"intra_node.latency_us": 0.0, "reduce_bw_GBps": 1e12, "intra_node.in_switch_reduction": False})
     p = predict(spec.build(1), "all_reduce", S, np.arange(8), "ring")
     assert p.lower_bound_s == pytest.approx(2 * 7 / 8 * S / B)
     assert p.time_s == pytest.approx(p.lower_bound_s, rel=1e-3)
+
+
+def test_where_the_switch_reduces_an_all_reduce_is_bound_by_one_buffer_each_way():
+    """NVLS: each rank sends its buffer into the switch once and receives the sum once, so the bound is S / B,
+    not 2(n-1)/n S / B, and a ring stays above it."""
+    topo = ideal_spec(**{"intra_node.latency_us": 0.0, "reduce_bw_GBps": 1e12}).build(1)
+    p = predict(topo, "all_reduce", S, np.arange(8), "in_switch")
+    assert p.lower_bound_s == pytest.approx(S / B)
+    assert p.time_s >= p.lower_bound_s * (1 - 1e-9)
+    assert predict(topo, "all_reduce", S, np.arange(8), "ring").time_s > 1.7 * p.lower_bound_s

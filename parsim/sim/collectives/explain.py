@@ -62,8 +62,7 @@ def explain(p: CollectivePrediction, topo: Topology) -> str:
     out.append("6. How close to the hardware limit")
     out.append(f"   lower bound {format_time(p.lower_bound_s)}: {p.lower_bound_reason}")
     if p.op in ("all_reduce", "reduce_scatter", "reduce"):
-        out.append(f"   reached {p.lower_bound_s / t:.0%} of it (latency and reduction are the rest; in-switch")
-        out.append("   reduction can beat this bound, because the switch does part of the moving).")
+        out.append(f"   reached {p.lower_bound_s / t:.0%} of it (latency and reduction are the rest).")
     else:
         out.append(f"   reached {p.lower_bound_s / t:.0%} of it (latency and the links' sharing are the rest).")
     return "\n".join(out)

@@ -236,11 +236,12 @@ def _tuned(topo: Topology, model, op: str, size: int, group: np.ndarray) -> Choi
 def lower_bound(topo: Topology, op: str, size: float, group: np.ndarray) -> tuple[float, str]:
     """Bandwidth lower bound: bytes that must cross each level of the hierarchy over its bandwidth.
 
-    Inside a node every rank must send (all-reduce without in-switch reduction:
-    ``2(n-1)/n`` of the buffer; all-gather and reduce-scatter: ``(n-1)/n``;
-    broadcast, reduce, send/recv: the whole buffer) through its fabric link; across
-    nodes every node must push the node-level equivalent through all its NICs.
-    Latency is ignored, so small messages sit far above the bound.
+    Inside a node every rank must send (all-reduce: ``2(n-1)/n`` of the buffer, or
+    the whole buffer once where the switch reduces and multicasts it; all-gather
+    and reduce-scatter: ``(n-1)/n``; broadcast, reduce, send/recv: the whole
+    buffer) through its fabric link; across nodes every node must push the
+    node-level equivalent through all its NICs. Latency is ignored, so small
+    messages sit far above the bound.
     """
     n = len(group)
     if n < 2:
@@ -250,8 +251,11 @@ def lower_bound(topo: Topology, op: str, size: float, group: np.ndarray) -> tupl
               "reduce_scatter": lambda k: (k - 1) / k, "all_to_all": lambda k: (k - 1) / k,
               "gather": lambda k: (k - 1) / k, "scatter": lambda k: (k - 1) / k}.get(op, lambda k: 1.0)
     intra_bw = topo.spec.intra.bw_Bps
-    bounds = [(factor(n) * size / intra_bw,
-               f"each rank moves {factor(n):.3g} x the buffer through its {intra_bw / 1e9:.0f} GB/s fabric link")]
+    in_switch = op == "all_reduce" and topo.spec.intra.in_switch_reduction and n // nodes > 1
+    per_rank = 1.0 if in_switch else factor(n)  # NVLS: each rank's buffer in once, the sum out once
+    bounds = [(per_rank * size / intra_bw,
+               f"each rank moves {per_rank:.3g} x the buffer through its {intra_bw / 1e9:.0f} GB/s fabric link"
+               + (" (the switch reduces)" if in_switch else ""))]
     if nodes > 1:
         nic_bw = topo.spec.scale_out.nic_bw_Bps * topo.nics_per_node
         node_bytes = factor(nodes) * size * (n / nodes if op == "all_to_all" else 1)
