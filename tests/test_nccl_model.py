@@ -289,3 +289,22 @@ def test_explain_shows_the_pipeline_step_by_step(capsys):
     assert main(["collective", "all-reduce", "--cluster", "dgx-a100", "--gpus", "8", "--size", "128MiB",
                  "--explain"]) == 0
     assert "no fill to pay: every rank sends its own chunk" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("op, moved", [("all_to_all", 7 / 8), ("send_recv", 1.0)])
+def test_point_to_point_inside_a_node_moves_at_nccls_nvlink_speed(op, moved):
+    """NCCL runs all-to-all and send/recv as grouped sends with no tuning model: inside an H100 node they move at
+    NCCL's NVLink speed, 18 links x 20.6 GB/s = 370.8 GB/s (topo.h), not the 450 GB/s peak."""
+    topo = load_cluster("dgx-h100").build(1)
+    group = np.arange(8 if op == "all_to_all" else 2)
+    p = predict(topo, op, GIB, group)
+    assert p.result().busbw_Bps / 1e9 == pytest.approx(370.8, rel=0.01)
+    assert p.time_s == pytest.approx(moved * GIB / 370.8e9, rel=0.01)
+
+
+def test_point_to_point_across_nodes_keeps_the_nics_speed():
+    """Across 4 nodes an all-to-all is bound by the NICs (NCCL's speed for a NIC is its line rate): each GPU
+    sends 24 of its 32 chunks to GPUs of other nodes, through its own 50 GB/s NIC."""
+    topo = load_cluster("dgx-h100").build(4)
+    p = predict(topo, "all_to_all", GIB, np.arange(32))
+    assert p.time_s == pytest.approx(GIB * 24 / 32 / 50e9, rel=0.02)

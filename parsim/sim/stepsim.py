@@ -39,7 +39,7 @@ from ..hardware.topology import Topology
 from ..report.step_report import SpanMerger
 from ..report.trace import Event, Trace
 from .collectives import deepep
-from .collectives.algorithms import build_phases
+from .collectives.algorithms import Phase, at_nccl_nvlink_speed, build_phases
 from .collectives.simulate import choose_algorithm, kernel_sms, time_phases
 from .compute import ComputeModel, at_length
 from .cores import SharedCores, core_of, eevdf_slice_s
@@ -104,10 +104,12 @@ class StepSimulator:
         if kind == "send":
             pairs = np.array(groups)
             routes = self.topo.routes(pairs[:, 0], pairs[:, 1])
-            routes = routes[_contending([r[r >= 0] for r in routes], self.topo.num_links)]
+            kept = _contending([r[r >= 0] for r in routes], self.topo.num_links)
+            transfer = Phase.of("send", pairs[kept, 0], pairs[kept, 1], float(nbytes), 1)
+            at_nccl_nvlink_speed(self.topo, [transfer])  # inside a node at NCCL's NVLink speed
             # CPU hosts: a pipeline transfer's own measured latency (compute.p2p_latency_us), not the links'
             latency_s = self.compute.send_latency_s(receiver_gradients)
-            return (self._ready_phase(routes, float(nbytes), 1, 0.0, 0.0, latency_s),)
+            return (self._ready_phase(routes[kept], transfer.nbytes, 1, 0.0, 0.0, latency_s),)
         groups = self._may_contend(groups)
         if routing is not None:
             per_group = [deepep.phases(self.topo, np.asarray(g), nbytes, routing) for g in groups]

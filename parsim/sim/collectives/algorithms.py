@@ -22,7 +22,7 @@ import numpy as np
 from ...errors import ParsimError
 from ...hardware.network import chain_routes
 from ...hardware.topology import NET_SWITCH, SWITCH, Topology
-from .nccl import nccl_choice
+from .nccl import nccl_choice, nvlink_p2p_efficiency
 
 ALGORITHMS = ("ring", "tree", "recursive", "direct", "hierarchical", "in_switch", "nvls_tree", "pat", "collnet",
               "via_all_reduce")
@@ -144,6 +144,8 @@ def build_phases(topo: Topology, op: str, algorithm: str, group: np.ndarray, siz
     if choice is not None:
         apply_nccl(topo, op, algorithm, group, phases, choice)
         return phases
+    if op in NCCL_P2P_OPS:
+        at_nccl_nvlink_speed(topo, phases)
     efficiency = topo.spec.collective_efficiency.get(op, 1.0)
     if size <= topo.spec.collective_cache_bytes:  # a CPU host's buffer that stays in a core's cache
         efficiency *= topo.spec.collective_cache_speedup.get(op, 1.0)
@@ -154,6 +156,24 @@ def build_phases(topo: Topology, op: str, algorithm: str, group: np.ndarray, siz
     if phases:
         phases[0].overhead_s = topo.spec.collective_overhead_s.get(op, 0.0)
     return phases
+
+
+# NCCL runs these as grouped sends and receives (nccl-tests' alltoall, gather, scatter, sendrecv): no tuning model
+NCCL_P2P_OPS = ("all_to_all", "gather", "scatter", "send_recv")
+
+
+def at_nccl_nvlink_speed(topo: Topology, phases: list[Phase]) -> None:
+    """Flows that stay inside a node move at NCCL's NVLink speed, not the link's peak
+    (:func:`~parsim.sim.collectives.nccl.nvlink_p2p_efficiency`); flows across nodes keep the NIC's, which is
+    NCCL's own figure for it (topo.cc)."""
+    efficiency = nvlink_p2p_efficiency(topo.spec)
+    if efficiency == 1.0:
+        return
+    for phase in phases:
+        inside = topo.node_of(phase.src) == topo.node_of(phase.dst)
+        phase.nbytes = np.where(inside, phase.nbytes / efficiency, phase.nbytes)
+        if inside.all():
+            phase.efficiency = efficiency
 
 
 def apply_nccl(topo: Topology, op: str, algorithm: str, group: np.ndarray, phases: list[Phase], choice) -> None:

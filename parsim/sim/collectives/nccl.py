@@ -165,6 +165,18 @@ def node_view(spec, nccl: NcclSpec, ppn: int, nodes: int, nics: int) -> NodeView
                     nccl.collnet)
 
 
+def nvlink_p2p_efficiency(spec) -> float:
+    """What a point-to-point transfer inside a node reaches of the fabric link's peak on a cluster whose file
+    describes NCCL: NCCL's NVLink speed per GPU (its link units, ``SMxx_NVLINK_BW`` x links, topo.h) over the
+    link's peak. H100: 18 x 20.6 = 370.8 of 450 GB/s; H800: 8 x 20.6 = 164.8 of 200, where DeepEP's README
+    gives "~160 GB/s" as the H800's NVLink maximum. 1 without an ``nccl:`` section or an NVSwitch."""
+    nccl = spec.nccl
+    if nccl is None or spec.intra.fabric != "nvswitch":
+        return 1.0
+    sm = max((k for k in NVLINK_BW if k <= nccl.compute_capability), default=60)
+    return min(1.0, nccl.nvlinks_per_gpu * NVLINK_BW[sm] * 1e9 / spec.intra.bw_Bps)
+
+
 # -- search.cc ----------------------------------------------------------------------------------------------
 
 def search(view: NodeView) -> dict[str, Graph]:
