@@ -15,6 +15,26 @@ from .errors import ConfigError, ParsimError
 # Values a config file may hold once YAML aliases are expanded: real files hold hundreds, while a few
 # lines of nested aliases ("billion laughs") expand to billions and hang whatever walks or prints them.
 MAX_YAML_VALUES = 1_000_000
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping. PyYAML keeps the last silently, so a
+    second ``latency_us:`` further down a cluster file would replace the first without a word; YAML itself
+    requires keys to be unique. Keys are compared as written (tag and text) before ``<<:`` merges are applied, so
+    a key that overrides a merged one is still allowed."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first: dict[tuple[str, str], yaml.Node] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == _MERGE_TAG:
+                continue  # (a mapping or list as a key is refused by PyYAML itself: unhashable)
+            seen = first.setdefault((key.tag, key.value), key)
+            if seen is not key:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key.value!r} appears twice (first at line {seen.start_mark.line + 1})",
+                    key.start_mark)
+        return super().construct_mapping(node, deep)
 
 
 def read_yaml(path: str | Path) -> object:
@@ -28,7 +48,7 @@ def read_yaml(path: str | Path) -> object:
         if _expanded_size(node, {}) > MAX_YAML_VALUES:
             raise ConfigError(str(path), "(file)", f"expands to more than {MAX_YAML_VALUES:,} values through "
                                                    f"its aliases (&name / *name)", "a configuration file")
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # (safe: a SafeLoader, only stricter)
     except UnicodeDecodeError:
         raise ConfigError(str(path), "(file)", "is not text (not UTF-8)", "a YAML file") from None
     except RecursionError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 
+from fractions import Fraction
 from typing import Iterable
 
 from .errors import ParsimError
@@ -22,30 +23,51 @@ _SIZE_UNITS = {
 }
 MAX_SIZE = 2**60  # 1 EiB: more than any machine's memory, so a larger size is a typo
 MAX_SWEEP_SIZES = 1000
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+# The exponent is kept to four digits: exact arithmetic on 1e-99999999 would build a 100-million-digit integer.
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]{1,4})?)\s*([A-Za-z]*)\s*$")
+_SIZE_EXAMPLES = "a number of bytes with an optional unit, e.g. 4096, 512MB, 1GiB"
 
 
 def parse_size(text: str | int | float) -> int:
-    """Bytes from ``"1GiB"``, ``"512MB"``, ``"4096"`` or a number."""
+    """Bytes from ``"1GiB"``, ``"512MB"``, ``"4096"`` or a number.
+
+    A size is a whole number of bytes (``"1.5KiB"`` is 1536; ``"1.5"`` is refused, not rounded), counted
+    exactly, so ``"1.1KB"`` is 1100 and not float's 1100.0000000000002; a lowercase ``b`` (``8Gb``) is
+    networking's bits and is refused rather than read as bytes.
+    """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         if not math.isfinite(text) or abs(text) > MAX_SIZE:
             raise ParsimError(f"size {text!r} is not a size in bytes (at most 1 EiB)")
-        value = int(text)
+        number = Fraction(text)
     else:
-        match = _SIZE_RE.match(str(text))
-        unit = match.group(2).upper() if match else None
-        if match is None or unit not in _SIZE_UNITS:
-            raise ParsimError(
-                f"size {text!r} is not understood (expected a number of bytes with an "
-                f"optional unit, e.g. 4096, 512MB, 1GiB)"
-            )
-        number = float(match.group(1)) * _SIZE_UNITS[unit]
-        if number > MAX_SIZE:
-            raise ParsimError(f"size {text!r} is more than any machine holds (at most 1 EiB)")
-        value = int(round(number))
-    if value < 0:
+        number = _size_from_text(str(text))
+    if number.denominator != 1:
+        raise ParsimError(f"size {text!r} is not a whole number of bytes (without a unit a size counts bytes; "
+                          f"e.g. 4096, 1.5KiB, 1GiB)")
+    if number < 0:
         raise ParsimError(f"size {text!r} is negative")
-    return value
+    return int(number)
+
+
+def _size_from_text(text: str) -> Fraction:
+    """The bytes ``text`` writes, exactly (a fraction until :func:`parse_size` checks it is whole)."""
+    if not text.strip():  # (an empty flag, --size '', is a mistake, not a request for the default)
+        raise ParsimError(f"size is empty (expected {_SIZE_EXAMPLES})")
+    match = _SIZE_RE.match(text)
+    unit = match.group(2) if match else ""
+    if match is None or unit.upper() not in _SIZE_UNITS:
+        raise ParsimError(f"size {text!r} is not understood (expected {_SIZE_EXAMPLES})")
+    if unit.endswith("b"):  # 8Gb: networking's gigabits, an eighth of 8GB
+        prefix = unit[:-1].upper().removesuffix("I")
+        spelled = f"{match.group(1)}{prefix}B or {match.group(1)}{prefix}iB" if prefix else f"{match.group(1)}B"
+        raise ParsimError(f"size {text!r}: a lowercase b means bits; write {spelled} (bytes)")
+    try:
+        number = Fraction(match.group(1)) * _SIZE_UNITS[unit.upper()]
+    except ValueError:  # more digits than Python converts (4,300)
+        raise ParsimError(f"size {text!r} is not understood (expected {_SIZE_EXAMPLES})") from None
+    if number > MAX_SIZE:
+        raise ParsimError(f"size {text!r} is more than any machine holds (at most 1 EiB)")
+    return number
 
 
 def parse_size_range(text: str) -> list[int]:

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                            title=f"{op.replace('_', '-')} on {gpus} GPUs of {topo.spec.name}")
             print(f"wrote {args.plot}", file=sys.stderr)
         return 0
-    size = parse_size(args.size or DEFAULT_SIZE)
+    size = parse_size(DEFAULT_SIZE if args.size is None else args.size)  # --size '' is an error, not the default
     if op in SHARDED and size % gpus:
         raise ParsimError(f"--size {args.size}: {op.replace('_', '-')} splits its buffer into one shard per GPU, "
                           f"and {size:,} bytes do not split evenly over {gpus}: give a multiple of {gpus} bytes")

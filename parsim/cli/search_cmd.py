@@ -154,9 +154,10 @@ def request_from_args(args: argparse.Namespace) -> SearchRequest:
     gpus = _gpus(args.gpus, cluster)
     degrees = _degrees(args)
     _check_degrees(degrees, gpus, model)
-    for name, value in (("--top", args.top), ("--simulate", args.simulate)):
-        if value < 0:
-            raise ParsimError(f"{name} {value}: give a count >= 0")
+    if args.top < 1:  # no rows shown would print empty tables and exit 0, as if the search found nothing
+        raise ParsimError(f"--top {args.top}: give a count >= 1 (the rows shown)")
+    if args.simulate < 0:  # (0 is meaningful: the fast tier alone)
+        raise ParsimError(f"--simulate {args.simulate}: give a count >= 0")
     if args.price_per_gpu_hour is not None and not (math.isfinite(args.price_per_gpu_hour)
                                                     and args.price_per_gpu_hour > 0):
         raise ParsimError(f"--price-per-gpu-hour {args.price_per_gpu_hour}: give a positive number of US dollars")
@@ -226,7 +227,10 @@ def _global_batch(text: str | None, model) -> int:
         text = "4M-tokens"
     match = _TOKENS.match(text)
     if match:
-        tokens = parse_size(match.group(1))
+        try:
+            tokens = parse_size(match.group(1))  # K, M, G as powers of two, as papers count batches
+        except ParsimError:  # (its message speaks of bytes)
+            raise ParsimError(f"--global-batch {text!r}: give a whole number of tokens, e.g. 4M-tokens") from None
         if tokens % per_sample or not tokens:
             raise ParsimError(f"{'' if given else 'the default '}--global-batch {text}: {tokens:,} tokens is not a "
                               f"whole number of {per_sample:,}-token sequences"
@@ -247,8 +251,8 @@ def parse_count(text: str, flag: str) -> float:
     if not match:
         raise ParsimError(f"{flag} {text!r}: give a count such as 15T, 300B or 2.5e12")
     value = float(match.group(1)) * _DECIMAL[match.group(2).upper()]
-    if value <= 0:
-        raise ParsimError(f"{flag} {text!r}: give a positive count")
+    if not 0 < value < math.inf:  # 1e400 is inf, which would print "days inf"
+        raise ParsimError(f"{flag} {text!r}: give a finite, positive count")
     return value
 
 
