@@ -65,7 +65,6 @@ def test_sweep_table_and_plot(capsys, tmp_path):
     (["collective", "--sweep", "8GiB:1KiB"], "MIN <= MAX"),
     (["collective", "gather", "--gpus", "1", "--size", "1MiB"], "gather on 1 GPU moves nothing between GPUs"),
     (["collective", "all-to-all", "--gpus", "1", "--deepep", "2,8"], "all-to-all on 1 GPU moves nothing"),
-    (["collective", "send-recv"], "no algorithm can run send-recv on 8 ranks: send/recv runs between 2 ranks"),
     (["collective", "all-gather", "--size", "3"], "and 3 bytes do not split evenly over 8: give a multiple of 8"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
@@ -109,3 +108,17 @@ def test_clusters_sizes_only_a_named_cluster(capsys):
     assert code == 2 and "--nodes 4 sizes one cluster: name it" in err
     code, out, _ = run(capsys, "clusters", "dgx-h100", "--nodes", "4")
     assert code == 0 and "on 4 node(s): 32 GPUs" in out
+
+
+@pytest.mark.parametrize("where, gbps", [(["--gpus", "8"], 370.8), (["--nodes", "2"], 50.0), (["--nodes", "4"], 50.0)])
+def test_send_recv_runs_between_two_gpus_of_a_node_or_of_two_nodes(capsys, where, gbps):
+    """A send/recv is one GPU to one other: the first two of a node (at NCCL's NVLink speed), or given nodes, the
+    first GPU of each of two (a pipeline's transfer between nodes, one NIC each way): once it had refused every
+    group but two GPUs of one node."""
+    code, out, _ = run(capsys, "collective", "send-recv", "--cluster", "dgx-h100", *where, "--size", "1GiB", "--json")
+    result = json.loads(out)["results"][0]
+    assert code == 0 and result["nranks"] == 2
+    assert result["busbw_GBps"] == pytest.approx(gbps, rel=0.01)
+    code, out, _ = run(capsys, "collective", "send-recv", "--cluster", "dgx-h100", *where, "--size", "1GiB")
+    if "--nodes" in where:
+        assert "through 1 NIC (50 GB/s)" in out and "reached     100%" in out

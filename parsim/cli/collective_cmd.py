@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     topo, gpus = topology_from_args(args)
     if gpus < 2:
         raise ParsimError(f"{op.replace('_', '-')} on 1 GPU moves nothing between GPUs: give --gpus 2 or more")
-    group = np.arange(gpus)
+    group = _send_pair(topo) if op == "send_recv" else np.arange(gpus)
     if args.sweep is not None:
         sizes = parse_size_range(args.sweep)
         check_buffer(sizes[-1], topo.spec)
@@ -124,6 +124,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(summary(prediction, topo))
     return 0
+
+
+def _send_pair(topo) -> np.ndarray:
+    """A send/recv's two GPUs: the first two of a node (over the fabric), or, given two nodes or more, the first
+    GPU of each of the first two (over their NICs: a pipeline's transfer between nodes)."""
+    return np.array([0, topo.gpus_per_node if topo.nodes > 1 else 1])
 
 
 def _routing(text: str) -> TokenRouting:

@@ -257,9 +257,12 @@ def lower_bound(topo: Topology, op: str, size: float, group: np.ndarray) -> tupl
                f"each rank moves {per_rank:.3g} x the buffer through its {intra_bw / 1e9:.0f} GB/s fabric link"
                + (" (the switch reduces)" if in_switch else ""))]
     if nodes > 1:
-        nic_bw = topo.spec.scale_out.nic_bw_Bps * topo.nics_per_node
+        # the NICs of the group's GPUs (a pipeline's send between two GPUs has one a node)
+        node = topo.node_of(group)
+        nics = len(np.unique(topo.nic_of(group[node == node[0]])))
+        nic_bw = topo.spec.scale_out.nic_bw_Bps * nics
         node_bytes = factor(nodes) * size * (n / nodes if op == "all_to_all" else 1)
         bounds.append((node_bytes / nic_bw,
                        f"each node moves {node_bytes / size:.3g} x the buffer through "
-                       f"{topo.nics_per_node} NICs ({nic_bw / 1e9:.0f} GB/s)"))
+                       f"{nics} NIC{'s' if nics > 1 else ''} ({nic_bw / 1e9:.0f} GB/s)"))
     return max(bounds)
