@@ -155,7 +155,9 @@ def summary(prediction, topo) -> str:
         f"  time        {format_time(r.time_s)}",
         f"  algbw       {r.algbw_Bps / 1e9:.1f} GB/s   (size / time)",
         f"  busbw       {r.busbw_Bps / 1e9:.1f} GB/s   "
-        f"(algbw x {r.busbw_Bps / r.algbw_Bps:.3g}, comparable to link speed)",
+        f"(algbw x {r.busbw_Bps / r.algbw_Bps:.3g}, " + (
+            "as for the plain all-to-all's buffer: DeepEP sends fewer copies, so this can pass link speed)"
+            if prediction.routing is not None else "comparable to link speed)"),
         f"  algorithm   {_algorithm(prediction)}" + _candidates(prediction),
         f"  bottleneck  {r.extra['bottleneck'] or '-'}",
         f"  lower bound {format_time(prediction.lower_bound_s)}: {prediction.lower_bound_reason}",
