@@ -240,8 +240,8 @@ def lower_bound(topo: Topology, op: str, size: float, group: np.ndarray) -> tupl
     the whole buffer once where the switch reduces and multicasts it; all-gather
     and reduce-scatter: ``(n-1)/n``; broadcast, reduce, send/recv: the whole
     buffer) through its fabric link; across nodes every node must push the
-    node-level equivalent through all its NICs. Latency is ignored, so small
-    messages sit far above the bound.
+    node-level equivalent through the NICs of the group's GPUs. Latency is
+    ignored, so small messages sit far above the bound.
     """
     n = len(group)
     if n < 2:
