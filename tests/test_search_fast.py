@@ -8,7 +8,7 @@ from simulated import steps_and_memory
 
 from parsim.hardware.cluster import load_cluster
 from parsim.schedules import SCHEDULES, in_flight_by_stage, make_schedule
-from parsim.search.fast import KINDS, FastModel, schedule_facts
+from parsim.search.fast import KINDS, FastModel, _drained_stages, schedule_facts
 from parsim.search.space import Candidate, SearchSpace, enumerate_settings
 from parsim.sim.step import predict_step
 from parsim.workload.memory import memory
@@ -36,6 +36,17 @@ def test_memory_is_exactly_the_simulators_for_every_plan(small):
 def test_the_bound_never_exceeds_the_estimate(small):
     _, _, jobs, estimates = small
     assert all(prep.bound[i] <= e.step_s * (1 + 1e-12) for (prep, i), e in zip(jobs, estimates))
+
+
+def test_the_bound_of_a_zero_bubble_pipeline_counts_its_drain(small):
+    """Zero-bubble schedules end on deferred W passes: the bound takes the last microbatch's input gradient back
+    through the stages, then the first rank's W passes after it. With one microbatch a step is that path exactly
+    (forwards down, I passes back up, then the first rank's W and optimizer; the other ranks' W run beside it)."""
+    _, _, jobs, estimates = small
+    lone = [(prep.bound[i], e.step_s) for (prep, i), e in zip(jobs, estimates) if prep.setting.num_microbatches == 1
+            and prep.setting.pp == 4 and prep.setting.schedule in ("zero-bubble", "zb-h2")]
+    assert len(lone) >= 2
+    assert all(bound == pytest.approx(step, rel=1e-9) for bound, step in lone)
 
 
 def test_the_bound_of_one_microbatch_through_a_pipeline_is_its_whole_path(small):
@@ -235,6 +246,14 @@ def test_long_schedules_are_read_off_three_rounds(name):
             for a in actions:
                 full[r, a.stage * 4 + KINDS.index(a.kind)] += 1
         assert (full == counts).all()
+        # each rank's last backward of the last microbatch, and the passes it runs after it: the bound's drain
+        drained, trailing = _drained_stages(name, pp, m, v)
+        for r, actions in enumerate(schedule.actions):
+            last = max(i for i, a in enumerate(actions) if a.kind in "BI" and a.microbatch == m - 1)
+            after = np.zeros(schedule.num_stages * 4)
+            for a in actions[last + 1:]:
+                after[a.stage * 4 + KINDS.index(a.kind)] += 1
+            assert drained[r] == actions[last].stage and (trailing[r] == after).all()
 
 
 def test_an_exchange_beside_a_gather_on_the_same_nics_moves_at_half_speed():

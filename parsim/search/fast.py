@@ -385,16 +385,18 @@ class FastModel:
         table_of, order_of = arrays.table_index[which], arrays.order_index[which]
         tail = optimizer[arrays.sync_index[which]]
         total = work[table_of, order_of] + tail
-        drained = _drained_stages(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)
+        drained, trailing = _drained_stages(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)
         if (drained > 0).any():
-            # The gradient of a rank's last pass has yet to cross the stages before it, a backward and a send
-            # each, and the first stage's rank then steps its optimizer (a rank pairing passes, ep_comm_overlap,
-            # runs another schedule: left out)
+            # The last microbatch's backward on a rank ends no sooner than the rank's work less the passes it runs
+            # after it; that gradient has yet to cross the stages before it, a backward and a send each; then the
+            # first stage's rank runs what follows its own (zero-bubble's deferred W passes) and steps its
+            # optimizer (a rank pairing passes, ep_comm_overlap, runs another schedule: left out)
             final = schedule_facts(s.schedule, s.pp, s.num_microbatches, s.virtual_stages)[2]
             back = np.where(final == KINDS.index("W"), KINDS.index("I"), KINDS.index("B"))[:-1]  # each stage's
             drain = np.zeros_like(chain)
             drain[:, :, 1:] = np.cumsum(durations[:, None, np.arange(len(back)), back] + hops[None], axis=2)
-            drain = drain[:, :, np.maximum(drained, 0)] * (drained >= 0)
+            after = durations.reshape(len(tables), -1) @ trailing.T  # [K, pp]: each rank's passes after it
+            drain = drain[:, :, drained] - after[:, None, :] + after[:, None, :1]
             drained_total = (work + drain)[table_of, order_of] + tail[:, :1]
             unpaired = np.array([not variants[i].ep_overlap for i in which])
             total[unpaired] = np.maximum(total[unpaired], drained_total[unpaired])
@@ -1350,7 +1352,7 @@ def _short_length(name: str, pp: int, m: int, v: int) -> int:
 
 @lru_cache(maxsize=None)
 def _short_facts(name: str, pp: int, m: int, v: int, paired: bool
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """:func:`schedule_facts` of a schedule of ``m`` microbatches, and :func:`_drained_stages`'."""
     schedule = paired_schedule(name, pp, m, v) if paired else make_schedule(name, pp, m, v)
     counts = np.zeros((pp, schedule.num_stages * 4))
@@ -1364,15 +1366,22 @@ def _short_facts(name: str, pp: int, m: int, v: int, paired: bool
     in_flight = np.zeros((pp, max(len(m) for m in moments), v))
     for r, rows in enumerate(moments):
         in_flight[r, :len(rows)] = rows
-    drained = np.array([a.stage if a.kind in ("B", "I") and a.microbatch == m - 1 else -1
-                        for a in (actions[-1] for actions in schedule.actions)])
-    return in_flight, counts, final, drained
+    drained = np.zeros(pp, dtype=int)
+    trailing = np.zeros((pp, schedule.num_stages * 4))
+    for r, actions in enumerate(schedule.actions):
+        last = max(i for i, a in enumerate(actions) if a.kind in ("B", "I") and a.microbatch == m - 1)
+        drained[r] = actions[last].stage
+        for a in actions[last + 1:]:
+            trailing[r, a.stage * 4 + KINDS.index(a.kind)] += 1
+    return in_flight, counts, final, (drained, trailing)
 
 
-def _drained_stages(name: str, pp: int, m: int, v: int) -> np.ndarray:
-    """[pp]: where a rank's last pass is the last microbatch's backward (B, or I where split), its stage, whose
-    gradient then crosses every stage before it, each a backward and a send, before the step ends; -1 where it
-    is not (a W, say). Read off a short schedule, as :func:`schedule_facts` reads it."""
+def _drained_stages(name: str, pp: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray]:
+    """[pp]: the stage of each rank's last backward (B, or I where split) of the last microbatch, whose gradient
+    then crosses every stage before it, each a backward and a send, before the step ends; [pp, stages * 4]: the
+    passes of each (stage, kind) the rank runs after it (none in 1F1B; zero-bubble's deferred W passes). Read
+    off a short schedule, as :func:`schedule_facts` reads it: the passes after the last backward are the
+    cool-down's, the same in a longer one (``tests/test_search_fast.py``)."""
     return _short_facts(name, pp, _short_length(name, pp, m, v), v, False)[3]
 
 
