@@ -305,10 +305,10 @@ class FastModel:
     # -- memory and bounds ----------------------------------------------------------------
     def prepare(self, s: Setting, variants: tuple[Variant, ...]) -> Prepared:
         """Memory of every variant, and for those that fit a lower bound of the step time: each rank's
-        forward chain before its first pass, its passes and its optimizer step, or, where its last pass is the
-        last microbatch's backward, that gradient's way back through the stages before it and the first rank's
-        optimizer step (FSDP's waits for weights and every gradient sync left out, so the bound never exceeds the
-        estimate).
+        forward chain before its first pass, its passes and its optimizer step, or the last microbatch's
+        backward on the rank, that gradient's way back through the stages before it, and the first rank's passes
+        after its own and optimizer step (FSDP's waits for weights and every gradient sync left out, so the bound
+        never exceeds the estimate).
 
         Where a plan fits with every layer recomputed and not without, the variants gain the same plan
         recomputing as few layers of each stage as fit (:meth:`_fewer_recomputed`): Megatron-LM's
