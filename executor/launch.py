@@ -446,7 +446,7 @@ def _hang_error(pending: list[_Rank], done: list[int], timeout_s: float) -> Rank
     waiting = [r for r in waiting if r not in hung]
     message = f"{_ranks_text(hung)} did not finish within {timeout_s:g} s (hung or deadlocked?)"
     if waiting:
-        message += f"; {_ranks_text(waiting)} was waiting in torch.distributed"
+        message += f"; {_ranks_text(waiting)} {'was' if len(waiting) == 1 else 'were'} waiting in torch.distributed"
     if done:
         message += f"; {_ranks_text(done)} finished"
     details = "\n".join(f"--- rank {i} stack:\n{s.strip()}" for i, s in sorted(stacks.items()) if s.strip())

@@ -231,3 +231,14 @@ def test_only_names_of_the_contract_are_read_from_a_profile():
     assert classify("recv grad stage=2 mb=0 peer=1") == ("recv", "p2p", "pp")
     assert classify("optimizer step") == ("optimizer", "compute", "optimizer")
     assert classify("ProfilerStep#2") is None and classify("aten::mm") is None
+
+
+@pytest.mark.parametrize("argv", [["run", "tiny-pp2", "--nproc", "2", "--trace", "/proc/parsim-trace.json"],
+                                  ["bench", "all-reduce", "--nproc", "2", "--size", "1MiB",
+                                   "--out", "/proc/parsim-bench.json"]])
+def test_an_output_that_cannot_be_created_is_refused_before_any_rank_starts(argv, capsys):
+    """/proc passes ``os.access`` for root and refuses the file: the path is tried before the run, not after it
+    (when a run's table was lost with the error)."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and ("cannot be written" in err or "not writable" in err)

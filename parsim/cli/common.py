@@ -107,6 +107,12 @@ def _check_writable(path: str, flag: str) -> None:
         raise ParsimError(f"{flag} {path}: {target.parent} is not a folder")
     if not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise ParsimError(f"{flag} {path}: not writable")
+    if not target.exists():  # (root passes os.access anywhere: /proc says yes and then refuses the file)
+        try:
+            target.touch()
+        except OSError as e:
+            raise ParsimError(f"{flag} {path}: cannot be written ({e.strerror})") from None
+        target.unlink()
 
 
 def progress(message: str) -> None:

@@ -104,9 +104,9 @@ def compare_plan_command(args: argparse.Namespace) -> int:
         times = summary.get("step_times_s")
         spread = (min(times), max(times)) if times else None
         if spread and spread[1] > SPREAD_NOTE * spread[0]:
-            note(f"the {steps} measured steps spread from {format_time(spread[0])} to {format_time(spread[1])}: "
-                 "the host's speed or its transfers moved during the run (docs/calibration.md); the median of "
-                 "several runs, or of more steps (--steps), is steadier")
+            note(f"parsim compare: the {steps} measured steps spread from {format_time(spread[0])} to "
+                 f"{format_time(spread[1])}: the host's speed or its transfers moved during the run "
+                 "(docs/calibration.md); the median of several runs, or of more steps (--steps), is steadier")
     collectives = match_collectives(plan, predicted.trace, measured)
     rows = compare_phases(plan, predicted, by_phase or breakdown(measured), waits)
     measured_step = step_time(measured)

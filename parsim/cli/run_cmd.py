@@ -35,7 +35,8 @@ examples:
   parsim run course-tp --nproc 4 --steps 5
   parsim run course-pp --nproc 2 --trace measured.json --chrome measured-chrome.json
   parsim run tiny-pp2 --nproc 2 --schedule zero-bubble --json
-  parsim run course-tp --nproc 2 --profile profiles/   (then: parsim compare course-tp --measured profiles/)
+  parsim run course-tp --tp 2 --nproc 2 --profile profiles/
+    (then: parsim compare course-tp --tp 2 --cluster my-host.yaml --measured profiles/)
 """
 
 
