@@ -1094,3 +1094,26 @@ def test_a_matmul_fit_off_the_probe_at_the_probe_s_own_shape_draws_a_note(monkey
     notes = [line for line in capsys.readouterr().err.splitlines() if "matmul fit puts" in line]
     assert len(notes) == 1 and "the probe's 64x1024x1024 at 2.4" in notes[0] and "the probe read 2.68 ms" in notes[0]
     assert "priced -7% off" in notes[0] or "priced -8% off" in notes[0]
+
+
+def test_a_measured_backward_holding_its_recomputation_is_set_beside_the_predicted_backward_and_recompute():
+    """torch.utils.checkpoint reruns a layer's forward inside its backward, where the executor's span holds it:
+    compare sets the predicted backward plus recompute beside that backward, and shows no recompute row whose
+    measurement would read 0 (the backward's error had read -77% for it)."""
+    from types import SimpleNamespace
+
+    from parsim.cli.compare_plan import compare_phases
+    from parsim.report.step_report import RankBreakdown
+    from parsim.workload.plan import resolve_plan
+
+    plan = resolve_plan("tiny-pp2")
+    predicted = SimpleNamespace(ranks=[RankBreakdown(r, 0.03, {"forward": 0.004, "backward": 0.008,
+                                                                "recompute": 0.004}) for r in (0, 1)], end_wait_s=0.0)
+    measured = [RankBreakdown(r, 0.03, {"forward": 0.004, "backward": 0.012}) for r in (0, 1)]
+    rows = {(row["rank"], row["phase"]): row for row in compare_phases(plan, predicted, measured)}
+    assert not any(phase == "recompute" for _, phase in rows)
+    backward = rows[0, "backward"]
+    assert backward["predicted_s"] == pytest.approx(0.012) and backward["error"] == pytest.approx(0)
+    timed = [RankBreakdown(r, 0.03, {"forward": 0.004, "backward": 0.008, "recompute": 0.004}) for r in (0, 1)]
+    rows = {(row["rank"], row["phase"]): row for row in compare_phases(plan, predicted, timed)}
+    assert rows[0, "recompute"]["predicted_s"] == pytest.approx(0.004) and rows[0, "backward"]["predicted_s"] == 0.008

@@ -109,6 +109,8 @@ def compare_plan_command(args: argparse.Namespace) -> int:
                  "(docs/calibration.md); the median of several runs, or of more steps (--steps), is steadier")
     collectives = match_collectives(plan, predicted.trace, measured)
     rows = compare_phases(plan, predicted, by_phase or breakdown(measured), waits)
+    if any(b.seconds.get("recompute") for b in predicted.ranks) and not any(r["phase"] == "recompute" for r in rows):
+        note(RECOMPUTE_IN_BACKWARD)
     measured_step = step_time(measured)
     step_error = predicted.step_s / measured_step - 1 if measured_step else None
     if args.json:
@@ -364,6 +366,11 @@ def end_wait_text(rows: list[dict], mean_s: float) -> str:
             "two twins waits and the other does not)")
 
 
+RECOMPUTE_IN_BACKWARD = ("parsim compare: the run's backward holds its recomputation (torch.utils.checkpoint reruns "
+                         "each layer's forward inside the backward), so the predicted recompute is counted in "
+                         "backward here")
+
+
 def compare_phases(plan, predicted, measured: list[RankBreakdown],
                    waits: Mapping[int, float] | None = None) -> list[dict]:
     """Per measured rank and phase: predicted seconds (of the rank, or where it was not simulated in its own right,
@@ -375,8 +382,13 @@ def compare_phases(plan, predicted, measured: list[RankBreakdown],
     for m in measured:
         pp = plan.coords(m.rank).pp
         p = by_rank[rank_standing_for(plan, set(by_rank), m.rank)]
+        predicted_s = dict(p.seconds)
+        if not m.seconds.get("recompute") and predicted_s.get("recompute"):
+            # torch.utils.checkpoint reruns a layer's forward inside its backward, where the executor's span
+            # holds it: the predicted rerun is set beside the measured backward (RECOMPUTE_IN_BACKWARD)
+            predicted_s["backward"] = predicted_s.get("backward", 0.0) + predicted_s.pop("recompute")
         for phase in PHASES:
-            pred, meas = p.seconds.get(phase, 0.0), m.seconds.get(phase, 0.0)
+            pred, meas = predicted_s.get(phase, 0.0), m.seconds.get(phase, 0.0)
             wait = None
             if phase == "idle" and predicted.end_wait_s:
                 wait = predicted.end_wait_s if waits is None else waits[m.rank]
