@@ -105,11 +105,10 @@ def report(plan: Plan, s: dict) -> str:
     """Step time, throughput, loss and each rank's time by phase, for people."""
     unit = s["throughput_unit"].split("/")[0]
     mb = "microbatch" if plan.num_microbatches == 1 else "microbatches"
-    cp = f" x cp {plan.cp}" if plan.cp > 1 else ""
-    lines = [
-        f"{plan.name}: {plan.model.name} on {s['world_size']} ranks, {s['backend']} (dp {plan.dp} x tp {plan.tp} x "
-        f"pp {plan.pp}{cp}{f', ep {plan.ep}' if plan.ep > 1 else ''}, {plan.schedule}, "
-        f"{plan.num_microbatches} {mb} of {plan.microbatch_size}, {plan.dtype})",
+    lines = [  # the plan as parsim simulate names it: degrees, schedule, batch, dtype, sync, SP, recompute...
+        f"{plan.name}: {plan.model.name} on {s['world_size']} ranks, {s['backend']} ({plan.degrees_text()}, "
+        f"{plan.schedule}, {plan.num_microbatches} {mb} of {plan.microbatch_size}, {plan.dtype}"
+        f"{''.join(', ' + f for f in plan.features())})",
         f"  step time   {format_time(s['step_s'])}  (median of {s['steps']}; min {format_time(s['step_s_min'])}, "
         f"max {format_time(s['step_s_max'])})",
         f"  throughput  {s['throughput']:,.0f} {s['throughput_unit']} ({s['tokens_per_step']:,} {unit} per step)",
