@@ -73,6 +73,7 @@ def test_run_reports_the_median_step_and_writes_traces(tmp_path, capsys, monkeyp
     assert conforms(summary) == "run"
     assert "2 warm-up + 2 measured steps" in out.err  # progress goes to stderr
     assert summary["world_size"] == 2 and summary["steps"] == 2 and len(summary["step_times_s"]) == 2
+    assert (summary["pp"], summary["cp"], summary["dtype"], summary["features"]) == (2, 1, "fp32", [])
     assert summary["step_s_min"] <= summary["step_s"] <= summary["step_s_max"]
     assert summary["throughput_unit"] == "tokens/s" and summary["throughput"] > 0
     assert len(summary["losses"]) == 2 and all(loss > 0 for loss in summary["losses"])

@@ -149,8 +149,9 @@ def summarize(plan: Plan, traces: list[Trace], losses: list[float], backend: str
     stage_of = {row.rank: plan.coords(row.rank).pp for step in rows for row in step}
     return {
         "plan": plan.name, "model": plan.model.name, "world_size": plan.world, "backend": backend,
-        "dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "ep": plan.ep, "schedule": plan.schedule,
-        "num_microbatches": plan.num_microbatches, "steps": len(times),
+        "dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep, "schedule": plan.schedule,
+        "num_microbatches": plan.num_microbatches, "microbatch_size": plan.microbatch_size, "dtype": plan.dtype,
+        "features": plan.features(), "steps": len(times),
         "step_s": median, "step_s_min": min(times), "step_s_max": max(times), "step_times_s": times,
         "throughput_unit": f"{unit}/s", "throughput": plan.tokens_per_step / median if median else 0.0,
         "tokens_per_step": plan.tokens_per_step,
