@@ -102,16 +102,30 @@ def test_fewer_channels_keep_a_cap_on_the_whole():
     assert c.time_us == pytest.approx(c.chosen.time_us)
 
 
+def test_a_kernel_on_fewer_channels_moves_their_share_of_the_searched_channels():
+    """The tuner counts the search's 12 ring channels (30 GB/s each, NCCL's units) on an H100 node; the
+    communicator splits them into 24. A 64 KiB all-reduce runs on 2 of those 24: one searched channel's worth,
+    30 GB/s x 1/2 for LL's flags = 15 GB/s bus, x 8/14 for the ring's steps; with every channel, LL's cap of
+    141 GB/s (not 12 x 15 = 180) x 8/14."""
+    _, _, m = model("dgx-h100", 1)
+    c = m.choose("all_reduce", 64 << 10)
+    assert (c.chosen.algo, c.chosen.proto, c.channels, c.max_channels) == ("Ring", "LL", 2, 24)
+    assert c.effective_bw_GBps == pytest.approx(15 * 8 / 14)
+    assert c.bw_GBps == pytest.approx(141 * 8 / 14)
+
+
 @pytest.mark.parametrize("cluster, nodes, op", [("dgx-h100", 8, "all_gather"), ("dgx-h100", 4, "broadcast"),
                                                 ("dgx-a100", 1, "all_reduce"), ("dgx-h100", 16, "all_reduce")])
 def test_a_larger_message_never_takes_much_less_time(cluster, nodes, op):
-    """Across sizes from 1 KiB to 1 GiB in steps of sqrt(2), a message is never more than 15% faster than the
-    one before it. (Dropping channels where a message is small, as enqueue.cc does, makes NCCL's time dip a
-    little where a channel count steps up: 23.1 us at 45 KiB on one channel, 20.7 at 64 KiB on two, on an A100
-    node.)"""
+    """Across sizes from 1 KiB to 1 GiB in steps of sqrt(2), a message is never more than 30% faster than the
+    one before it (a 1 MiB all-gather on 64 H100s had taken 284 us, 2 MiB 155 us). Dropping channels where a
+    message is small, as enqueue.cc does after the tuner picked on all of them, still makes the time dip where a
+    channel count or protocol steps up: an all-reduce on an A100 node takes 31.2 us at 45 KiB on one of 24
+    channels, 26.5 at 64 KiB on two; a broadcast on 32 H100s 25.8 us at 181 KiB (Ring/LL, few channels), 18.9
+    at 256 KiB (LL128 on all)."""
     topo = load_cluster(cluster).build(nodes)
     times = [predict(topo, op, int(2 ** (10 + k / 2))).time_s for k in range(41)]
-    assert all(later > 0.85 * earlier for earlier, later in zip(times, times[1:]))
+    assert all(later > 0.7 * earlier for earlier, later in zip(times, times[1:]))
 
 
 def test_a_forced_protocol_is_used_and_is_slower_than_the_tuners_pick():

@@ -535,11 +535,11 @@ class NcclModel:
                 table[(a, p)] = Candidate(a, p, lat, bus)
         return table, disabled
 
-    def _bus(self, op: str, a: str, p: str, channels: int) -> float:
+    def _bus(self, op: str, a: str, p: str, channels: float) -> float:
         """The tuner's bandwidth of algorithm ``a`` with protocol ``p`` for ``op`` (``ncclTopoTuneModel``), in the
-        message's own GB/s, on ``channels`` channels: the search's channel count for the tuning table, fewer
-        where the kernel runs on fewer (:meth:`_channels`). Caps on the whole (LL's ``llMaxBw``) stay; caps
-        per channel scale with them."""
+        message's own GB/s, on ``channels`` of the search's channels: all of them for the tuning table, their
+        share of the communicator's where the kernel runs on fewer (:meth:`_channels`). Caps on the whole (LL's
+        ``llMaxBw``) stay; caps per channel scale with them."""
         v = self.view
         n, nodes, ppn = v.ranks, v.nodes, v.ppn
         cci = compcap_index(v.cc)
@@ -654,8 +654,10 @@ class NcclModel:
         bw = nbytes / (1000.0 * transfer) if transfer > 0 else chosen.bw_GBps  # the tree correction folded in
         nc, max_nc = self._channels(chosen, nbytes)
         run_bw = bw  # what the kernel's channels reach: per-channel speeds scale with them, a cap on the whole stays
-        if nc < max_nc:
-            run_bw *= self._bus(op, chosen.algo, chosen.proto, nc) / self._bus(op, chosen.algo, chosen.proto, max_nc)
+        if nc < max_nc:  # (the tuner counts the search's channels, which the communicator's split: the same share)
+            searched = self._graph(chosen.algo).channels
+            run_bw *= (self._bus(op, chosen.algo, chosen.proto, searched * nc / max_nc)
+                       / self._bus(op, chosen.algo, chosen.proto, searched))
         pipe = self.pipeline(op, chosen, int(nbytes), nc, run_bw)
         return Choice(op, int(nbytes), cands, chosen, latency, bw, nc, max_nc, run_bw, self._graph(chosen.algo),
                       disabled, self.graphs, pipe)
