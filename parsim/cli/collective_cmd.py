@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             from ..report.plots import plot_bandwidth
 
             plot_bandwidth({"simulated": [p.result() for p in predictions]}, args.plot,
-                           title=f"{op.replace('_', '-')} on {gpus} GPUs of {topo.spec.name}")
+                           title=f"{op.replace('_', '-')} on {len(group)} GPUs of {topo.spec.name}")
             print(f"wrote {args.plot}", file=sys.stderr)
         return 0
     size = parse_size(DEFAULT_SIZE if args.size is None else args.size)  # --size '' is an error, not the default
