@@ -322,3 +322,10 @@ def test_point_to_point_across_nodes_keeps_the_nics_speed():
     topo = load_cluster("dgx-h100").build(4)
     p = predict(topo, "all_to_all", GIB, np.arange(32))
     assert p.time_s == pytest.approx(GIB * 24 / 32 / 50e9, rel=0.02)
+
+
+def test_explain_derives_the_point_to_point_speed(capsys):
+    assert main(["collective", "all-to-all", "--cluster", "dgx-h100", "--gpus", "8", "--size", "1GiB",
+                 "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "18 NVLinks x 20.6 GB/s" in out and "= 370.8 GB/s, 0.824 of the 450 GB/s peak" in out

@@ -5,7 +5,9 @@ from __future__ import annotations
 from ...hardware.topology import Topology
 from ...report.results import busbw_factor
 from ...units import format_size, format_time
+from .algorithms import NCCL_P2P_OPS
 from .deepep import NVLINK_FRACTION
+from .nccl import nvlink_p2p_efficiency
 from .simulate import CollectivePrediction
 
 GIB = 2**30
@@ -36,6 +38,14 @@ def explain(p: CollectivePrediction, topo: Topology) -> str:
             for alg, time in sorted(p.candidates.items(), key=lambda kv: kv[1]):
                 mark = "   <- fastest, chosen" if alg == p.algorithm else ""
                 out.append(f"   {alg:<12} {format_time(time)}{mark}")
+        efficiency = nvlink_p2p_efficiency(topo.spec)
+        if p.op in NCCL_P2P_OPS and efficiency < 1.0:
+            links, speed = topo.spec.nccl.nvlinks_per_gpu, efficiency * intra.bw_Bps / 1e9
+            out.append(f"   NCCL runs {p.op.replace('_', '-')} as sends and receives: inside a node at its NVLink "
+                       f"speed, {links} NVLinks x {speed / links:.3g} GB/s")
+            out.append(f"   (its units, topo.h) = {speed:.1f} GB/s, {efficiency:.3g} of the {intra.bw_Bps / 1e9:.0f} "
+                       f"GB/s peak, so each byte counts 1/{efficiency:.3g} on the link;")
+            out.append("   across nodes at the NIC's line rate.")
     out.append("")
     out.append("3. Phase by phase (time = latency steps + bytes over the busiest link + reduction)")
     for i, ph in enumerate(p.phases, 1):
