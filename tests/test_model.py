@@ -199,7 +199,7 @@ def test_malformed_yaml_names_the_file_and_line(tmp_path):
 
 @pytest.mark.parametrize("data, message", [
     ({"kind": "mlp", "num_layers": 2, "width": 8, "batch_size": 4, "depth": 3},
-     "<model>: depth: unknown key (expected one of name, kind, description, num_layers"),
+     "<model>: depth: unknown key (expected one of name, kind, description, dtype, num_layers"),
     # a transformer's keys would not fit on a line: the closest, and the first of them
     ({"kind": "transformer", "num_layerz": 2}, "<model>: num_layerz: unknown key (expected one of "),
     ({"kind": "transformer", "num_layerz": 2}, " keys, the closest num_layers or "),

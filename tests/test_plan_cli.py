@@ -73,3 +73,24 @@ def test_the_simulate_help_examples_fit_in_memory(capsys):
     for argv in examples:
         assert main(["simulate", *argv]) == 0, argv
         assert "does not fit" not in capsys.readouterr().out, argv
+
+
+def test_a_plan_without_a_dtype_trains_in_its_models_precision(tmp_path, capsys):
+    """Llama 3 was trained in bf16, GPT-3 175B in fp16, DeepSeek-V3 in fp8, the course models in fp32: a plan
+    built from flags (and a search) takes the model's dtype; a written or given dtype wins."""
+    def shown(argv: list[str]) -> dict:
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)
+
+    for model, dtype in (("llama3-8b", "bf16"), ("gpt3-175b", "fp16"), ("deepseek-v3", "fp8"), ("tiny-gpt", "fp32"),
+                         ("course-mlp", "fp32")):
+        assert shown(["plan", "show", "--model", model, "--json"])["plan"]["dtype"] == dtype
+    assert shown(["plan", "show", "--model", "llama3-8b", "--dtype", "fp32", "--json"])["plan"]["dtype"] == "fp32"
+    assert shown(["search", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--simulate", "0",
+                  "--top", "1", "--json"])["dtype"] == "bf16"
+    model = tmp_path / "m.yaml"
+    model.write_text("kind: mlp\nnum_layers: 2\nwidth: 64\nbatch_size: 8\ndtype: bf16\n")
+    assert shown(["plan", "show", "--model", str(model), "--json"])["plan"]["dtype"] == "bf16"
+    model.write_text("kind: mlp\nnum_layers: 2\nwidth: 64\nbatch_size: 8\ndtype: bfloat16\n")
+    assert main(["plan", "show", "--model", str(model)]) == 2
+    assert "dtype: is 'bfloat16' (expected fp32 or bf16 or fp16 or fp8)" in capsys.readouterr().err

@@ -77,7 +77,7 @@ def test_an_optimizer_setting_reaches_the_header_the_json_and_commands_that_simu
     """--adamw fused and --grad-clip reach the header, the JSON, every plan, and each printed command, which
     simulates to the same step."""
     argv = ["search", "--model", "tiny-gpt", "--gpus", "8", "--global-batch", "8", "--simulate", "1", "--top", "1",
-            *flags]
+            "--dtype", "bf16", *flags]
     doc = run_json(capsys, argv)
     top = doc["ranked"][0]
     assert doc[key] == value and top["plan"][key] == value and " ".join(flags) in top["command"]
@@ -91,7 +91,7 @@ def test_a_bf16_reduction_search_prices_it_in_both_tiers_and_its_commands_simula
     """--reduce-dtype bf16 reaches the header, the JSON and each command; the fast tier and the simulation
     of the same plan agree with each other as they do with fp32 gradients (the default)."""
     argv = ["search", "--model", "tiny-gpt", "--gpus", "8", "--global-batch", "8", "--simulate", "1", "--top", "1",
-            "--dp", "8", "--reduce-dtype", "bf16"]
+            "--dtype", "bf16", "--dp", "8", "--reduce-dtype", "bf16"]
     doc = run_json(capsys, argv)
     top = doc["ranked"][0]
     assert doc["reduce_dtype"] == "bf16" and top["plan"]["data_parallel"]["reduce_dtype"] == "bf16"

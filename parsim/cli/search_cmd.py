@@ -68,7 +68,9 @@ def register(subparsers) -> None:
                    help="samples per step (512), or tokens (4M-tokens: K, M, G are powers of two, as papers count "
                         "batches); default: the model's batch (MLP) or 4M tokens")
     p.add_argument("--seq", type=int, metavar="N", help="sequence length (default: the model's)")
-    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="compute precision (default bf16)")
+    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES),
+                   help="compute precision (default: the model's, as it was trained: bf16 for Llama 3, fp8 for "
+                        "DeepSeek-V3)")
     p.add_argument("--adamw", choices=ADAMW_IMPLEMENTATIONS, default=DEFAULT_ADAMW,
                    help="AdamW's implementation in every plan: foreach (torch's default) or fused (torch's "
                         "fused=True, torchtitan's default; Apex's and TE's FusedAdam)")
@@ -166,7 +168,8 @@ def request_from_args(args: argparse.Namespace) -> SearchRequest:
         max_memory = parse_size(args.max_memory)
         if not max_memory:
             raise ParsimError(f"--max-memory {args.max_memory!r}: give a size such as 75GB")
-    return SearchRequest(model, spec, cluster, gpus, _global_batch(args.global_batch, model), args.dtype, max_memory,
+    return SearchRequest(model, spec, cluster, gpus, _global_batch(args.global_batch, model), args.dtype or model.dtype,
+                         max_memory,
                          args.price_per_gpu_hour, None if args.tokens is None else parse_count(args.tokens, "--tokens"),
                          args.sort, keep=max(50, args.top, args.simulate), simulate=args.simulate,
                          degrees=degrees, adamw=args.adamw, reduce_dtype=args.reduce_dtype,

@@ -53,6 +53,9 @@ from ..lowering import eager_ops
 from ..sim.compute import SmWork
 from ..units import parse_size
 
+# Bytes per element of weights, gradients and activations. "fp8" is Transformer Engine's recipe (and
+# DeepSeek-V3's): matmuls in fp8 at the fp8 peak, everything else kept and computed in bf16.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 FFN_TYPES = ("swiglu", "gelu")
 ATTENTIONS = ("gqa", "mla")
 POSITION_EMBEDDINGS = ("rope", "learned")
@@ -537,6 +540,7 @@ class MLPModel(_CostTotals):
     width: int
     batch_size: int
     description: str = ""
+    dtype: str = "fp32"  # the precision a plan trains it in unless it says (Hugging Face config.json's torch_dtype)
     source: str = field(default="", compare=False)  # the file it came from, for messages
 
     kind = "mlp"
@@ -650,6 +654,7 @@ class TransformerModel(_CostTotals):
     layer_kernels: str = "fused"  # how norms, RoPE and activations run (see LAYER_KERNELS)
     linear_bias: bool = False  # the layers' linears add biases (GPT-3, Megatron-LM's GPT; Llama: none)
     description: str = ""
+    dtype: str = "fp32"  # the precision a plan trains it in unless it says (Hugging Face config.json's torch_dtype)
     source: str = field(default="", compare=False)  # the file it came from, for messages
 
     kind = "transformer"
@@ -1447,7 +1452,7 @@ def load_model(spec: str | Path | Mapping[str, Any], base_dir: Path | None = Non
     return parse_model(read_yaml(path), str(path), default_name=path.stem)
 
 
-_COMMON_KEYS = ("name", "kind", "description")
+_COMMON_KEYS = ("name", "kind", "description", "dtype")
 _KIND_KEYS = {
     "mlp": ("num_layers", "width", "batch_size"),
     "transformer": ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "ffn_type", "seq_len",
@@ -1481,7 +1486,10 @@ def parse_model(data: object, source: str = "<model>", default_name: str = "mode
                               f"a whole number; a {kind} model needs {', '.join(_REQUIRED[kind])}")
     values: dict[str, Any] = {
         "name": reader.text("name", default_name), "description": reader.text("description", ""), "source": source,
+        "dtype": reader.text("dtype", "fp32"),
     }
+    if values["dtype"] not in DTYPE_BYTES:
+        raise ConfigError(source, "dtype", f"is {values['dtype']!r}", " or ".join(DTYPE_BYTES))
     for key in _KIND_KEYS[kind]:
         if key in TEXT_DEFAULTS:
             values[key] = reader.text(key, TEXT_DEFAULTS[key])

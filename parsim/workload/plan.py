@@ -53,8 +53,8 @@ from ..files import read_yaml
 from ..hardware.cluster import MAX_GPUS
 from ..schedules import SCHEDULES as SCHEDULE_KINDS
 from ..schedules import PAIRED_SCHEDULES, Schedule, make_schedule, paired_schedule, uneven_rounds
-from .model import (FP8_SAVED_BYTES, LINEAR_ALSO, LINEAR_ONLY, RECOMPUTE_MODULES, Activation, ConfigReader, LayerCost,
-                    MLPModel, Model, TransformerModel, load_model)
+from .model import (DTYPE_BYTES, FP8_SAVED_BYTES, LINEAR_ALSO, LINEAR_ONLY, RECOMPUTE_MODULES, Activation,
+                    ConfigReader, LayerCost, MLPModel, Model, TransformerModel, load_model)
 from .stage_split import balanced_split, even_split
 
 SCHEDULES = tuple(SCHEDULE_KINDS)
@@ -62,9 +62,6 @@ SCHEDULES = tuple(SCHEDULE_KINDS)
 # pipeline with one microbatch per rank (fewer run, sequentially).
 STEADY_STATE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipe-v")
 V_SCHEDULES = ("zbv", "dualpipe-v")  # two stages per rank placed in a V: rank r holds stages r and 2·pp-1-r
-# Bytes per element of weights, gradients and activations. "fp8" is Transformer Engine's recipe (and
-# DeepSeek-V3's): matmuls in fp8 at the fp8 peak, everything else kept and computed in bf16.
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 TP_STYLES = ("megatron", "allgather")
 RECOMPUTE = ("none", "selective", "full")
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)  # Megatron-LM's default for selective recompute
@@ -1043,7 +1040,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         grad_accumulation=top.text("grad_accumulation", "autograd"), adamw=top.text("adamw", DEFAULT_ADAMW),
         grad_clip=top.number("grad_clip"),
         activation_recompute=recompute[0], recompute_layers=recompute[1], recompute_modules=recompute[2],
-        dtype=top.text("dtype", "fp32"), tp_style=top.text("tensor_parallel"),
+        dtype=top.text("dtype", model.dtype), tp_style=top.text("tensor_parallel"),
         grad_sync=grad_sync, bucket_size=sync.size("bucket_size", DEFAULT_BUCKET_SIZE),
         overlap=sync.boolean("overlap"), zero=sync.integer("zero"), shard_group=sync.integer("shard_group"),
         reshard_after_forward=sync.boolean("reshard_after_forward"),
