@@ -184,15 +184,15 @@ def _collectives(args: argparse.Namespace, op: str) -> int:
         counts = sorted({r.measured.nranks for r in rows})
         several = len(counts) > 1  # a file of several rank counts: a column for them
         table = [[*([r.measured.nranks] if several else []), r.measured.size_bytes / size_scale,
-                  r.measured.time_s / time_scale, r.predicted.time_s / time_scale,
-                  round(r.measured.busbw_Bps / 1e9, 3), round(r.predicted.busbw_Bps / 1e9, 3), f"{r.error:+.1%}"]
+                  r.predicted.time_s / time_scale, r.measured.time_s / time_scale,
+                  r.predicted.busbw_Bps / 1e9, r.measured.busbw_Bps / 1e9, f"{r.error:+.1%}"]
                  for r in rows]
         ranks = " and ".join(map(str, counts))
-        print(render_table([*(["ranks"] if several else []), f"size ({size})", f"measured ({time})",
-                            f"predicted ({time})", "busbw meas", "busbw pred", "error"], table,
-                           title=f"{op.replace('_', '-')} on {ranks} ranks: measured "
-                                 f"({measured[0].backend}) vs predicted ({spec.name}, "
-                                 f"{rows[0].predicted.algorithm})"))
+        print(render_table([*(["ranks"] if several else []), f"size ({size})", f"predicted ({time})",
+                            f"measured ({time})", "busbw pred (GB/s)", "busbw meas (GB/s)", "error"], table,
+                           title=f"{op.replace('_', '-')} on {ranks} ranks: predicted ({spec.name}, "
+                                 f"{rows[0].predicted.algorithm}) vs measured ({measured[0].backend}); "
+                                 "error = predicted / measured - 1"))
         print(f"median |error| {mae:.1%} over {len(rows)} "
               f"{'measurements' if several or len({r.measured.size_bytes for r in rows}) < len(rows) else 'sizes'}")
         if spec.collective_probe_now_s:

@@ -332,8 +332,8 @@ def collectives_table(rows: list[CollectiveRow]) -> str:
     size, size_scale = size_unit([total_bytes(e) for pair in sides for e in pair])
     unit, scale = time_unit([total_time(e) for pair in sides for e in pair])
     table = [[f"rank {r.rank}", r.group or "?", r.op, len(r.predicted), len(r.measured),
-              round(total_bytes(r.predicted) / size_scale, 3), round(total_bytes(r.measured) / size_scale, 3),
-              round(total_time(r.predicted) / scale, 3), round(total_time(r.measured) / scale, 3), r.status]
+              total_bytes(r.predicted) / size_scale, total_bytes(r.measured) / size_scale,
+              total_time(r.predicted) / scale, total_time(r.measured) / scale, r.status]
              for r in rows]
     return render_table(["rank", "group", "collective", "n pred", "n meas", f"{size} pred", f"{size} meas",
                          f"{unit} pred", f"{unit} meas", "match"], table,
