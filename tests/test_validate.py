@@ -7,7 +7,7 @@ import yaml
 
 from parsim.cli.main import main
 from parsim.cli.validate_cmd import _figure
-from parsim.validation.training import load_table, validate
+from parsim.validation.training import _plan_mapping, load_table, validate
 
 SMALL_TABLE = """\
 source: "a test table"
@@ -109,6 +109,32 @@ def test_megatron_bridge_table_stays_within_the_measured_accuracy(capsys):
     data = json.loads(capsys.readouterr().out)
     # A regression guard at the level reached (docs/kernel-model.md): every row 6-13% fast.
     assert len(data["rows"]) == 3 and all(0.03 < row["error"] < 0.14 for row in data["rows"])
+
+
+def test_torchtitan_table_stays_within_the_measured_accuracy(capsys):
+    """FSDP2 in eager PyTorch on A100s: a regression guard at the level reached (2026-12-03, every row 8-12%
+    fast; docs/kernel-model.md)."""
+    assert main(["validate", "torchtitan-a100-fsdp", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["rows"]) == 5 and all(0.04 < row["error"] < 0.16 for row in data["rows"])
+
+
+def test_a_row_may_give_its_own_sequence_and_the_tables_model_settings_reach_a_named_model(tmp_path):
+    """A row's seq overrides the table's (for the plan and the tokens it counts); the table's model settings
+    apply over a named model's own."""
+    path = tmp_path / "seq.yaml"
+    path.write_text("source: t\ncluster: dgx-h100\nseq: 2048\nmetric: tokens_per_sec_per_gpu\n"
+                    "model: {layer_kernels: eager}\nplan: {dtype: bf16}\nrows:\n"
+                    "  - {params: a, model: tiny-gpt, tp: 1, pp: 1, dp: 8, global_batch: 32, microbatch: 4,"
+                    " tokens_per_sec_per_gpu: 1000}\n"
+                    "  - {params: b, model: tiny-gpt, seq: 512, tp: 1, pp: 1, dp: 8, global_batch: 32, microbatch: 4,"
+                    " tokens_per_sec_per_gpu: 1000}\n")
+    table, _ = load_table(str(path))
+    assert [_plan_mapping(table, row, "r")["model"]["seq_len"] for row in table["rows"]] == [2048, 512]
+    assert _plan_mapping(table, table["rows"][0], "r")["model"]["layer_kernels"] == "eager"
+    long, short = validate(str(path)).rows
+    assert short.predicted == pytest.approx(32 * 512 / short.step_s / 8) and short.step_s < long.step_s
+    assert short.working.startswith("B 32 x s 512 = 16,384 tokens a step")
 
 
 def test_deepseek_v3_runs_as_its_report_describes_and_at_least_as_fast_as_its_whole_run_averaged(capsys):

@@ -25,6 +25,7 @@ examples:
   parsim validate megatron-bridge-h100-fp8     (NVIDIA's Llama 3 FP8 runs on H100s, 2025)
   parsim validate megatron-mlsys23-table5      (GPT 22B-1T iteration times on A100s, 2022)
   parsim validate deepseek-v3-h800             (DeepSeek-V3 pre-training on 2,048 H800s, 2024)
+  parsim validate torchtitan-a100-fsdp         (torchtitan's FSDP2 runs of Llama 2 and 3 on 64 A100s, 2024)
   parsim validate --explain                    (each row's figure worked out from its simulated step)
   parsim validate megatron-sc21-table1 --json
 """

@@ -70,11 +70,12 @@ def builtin_tables() -> dict[str, Path]:
 
 
 # What a table and each of its rows must give, besides the metric's own column. A row naming a model
-# (a built-in name or a file) takes its shape from it instead of SHAPE_NUMBERS; cp and v default to 1.
+# (a built-in name or a file) takes its shape from it instead of SHAPE_NUMBERS, with the table's model settings
+# over its own; cp and v default to 1, a row's seq to the table's.
 TABLE_NUMBERS = ("seq",)
 SHAPE_NUMBERS = ("heads", "hidden", "layers")
 ROW_NUMBERS = ("tp", "pp", "dp", "global_batch", "microbatch")
-OPTIONAL_ROW_NUMBERS = ("cp", "v", "gpus")
+OPTIONAL_ROW_NUMBERS = ("cp", "v", "gpus", "seq")
 # Every key a table and a row may hold (a row also its table's metrics and settings' keys); percent_of_peak is
 # a published column kept beside the metric, read by people, not by parsim.
 TABLE_KEYS = ("name", "source", "cluster", "metric", "seq", "vocab", "model", "recompute", "plan", "settings", "rows")
@@ -195,12 +196,13 @@ def _step_or_error(plan: Plan, cluster: ClusterSpec) -> float | str:
 def _plan_mapping(table: Mapping[str, Any], row: Mapping[str, Any], label: str) -> dict[str, Any]:
     """The row as a plan: its model (named, or the table's shared settings with the row's shape) at the
     table's sequence length, the table's plan settings, the settings the row names, and its layout."""
+    seq = _seq(table, row)
     if "model" in row:
-        model = dict(load_model(row["model"]).to_dict(), seq_len=table["seq"])
+        model = dict(load_model(row["model"]).to_dict(), **table.get("model", {}), seq_len=seq)
     else:
         h = row["hidden"]
         model = dict(table.get("model", {}), name=label, num_layers=row["layers"], hidden=h, num_heads=row["heads"],
-                     ffn_hidden=row.get("ffn_hidden", 4 * h), seq_len=table["seq"], vocab_size=table["vocab"])
+                     ffn_hidden=row.get("ffn_hidden", 4 * h), seq_len=seq, vocab_size=table["vocab"])
     v = row.get("v", 1)
     plan = {"schedule": "interleaved-1f1b" if v > 1 else "1f1b", "virtual_stages": v,
             "activation_recompute": table.get("recompute", "none"), **table.get("plan", {})}
@@ -213,10 +215,15 @@ def _plan_mapping(table: Mapping[str, Any], row: Mapping[str, Any], label: str) 
                 batch={"microbatch_size": row["microbatch"], "global_batch_size": row["global_batch"]})
 
 
+def _seq(table: Mapping[str, Any], row: Mapping[str, Any]) -> int:
+    """The row's sequence length: its own, else the table's."""
+    return row.get("seq", table["seq"])
+
+
 def _megatron_tflops(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> tuple[float, str]:
     """Narayanan et al. 2021, eq. 3: ``96·B·s·l·h²·(1 + s/6h + V/16lh)`` FLOPs per iteration (with
     the forward recomputed), over the iteration time, per GPU, in TFLOP/s."""
-    s, vocab = table["seq"], table["vocab"]
+    s, vocab = _seq(table, row), table["vocab"]
     b, layers, h = row["global_batch"], row["layers"], row["hidden"]
     attention, head = s / (6 * h), vocab / (16 * layers * h)
     flops = 96 * b * s * layers * h * h * (1 + attention + head)
@@ -228,8 +235,8 @@ def _megatron_tflops(table: Mapping[str, Any], row: Mapping[str, Any], step_s: f
 
 def _tokens_per_gpu(table: Mapping[str, Any], row: Mapping[str, Any], step_s: float, gpus: int) -> tuple[float, str]:
     """Tokens per second per GPU: the global batch's tokens over the iteration time and the GPUs."""
-    tokens = row["global_batch"] * table["seq"]
-    return tokens / step_s / gpus, (f"B {row['global_batch']:,} x s {table['seq']:,} = {tokens:,} tokens a step;"
+    tokens = row["global_batch"] * _seq(table, row)
+    return tokens / step_s / gpus, (f"B {row['global_batch']:,} x s {_seq(table, row):,} = {tokens:,} tokens a step;"
                                     f" / (step {step_s:.4g} s x {gpus:,} GPUs)")
 
 
