@@ -36,6 +36,20 @@ def test_a_tiles_fixed_cost_in_k_is_a_time_worth_twice_the_steps_in_fp8():
     assert fp8.matmul_rate(m, n, k, high_precision=True) == pytest.approx(bf16.matmul_rate(m, n, k))
 
 
+def test_an_fp32_tiles_fixed_cost_is_the_same_time_in_fewer_of_its_slower_steps():
+    """fp32 GEMMs (CUDA cores, 67 of 989.5 TFLOP/s on an H100) pay k0 x 67 / 989.5 steps: the tile's fixed
+    cost takes as long as bf16's, not 15 times longer."""
+    spec = load_cluster("dgx-h100")
+    m, n, k = 132 * MATMUL_TILE, 2 * MATMUL_TILE, 1024
+    bf16, fp32 = ComputeModel.for_cluster(spec, "bf16", 2), ComputeModel.for_cluster(spec, "fp32", 4)
+    k0 = spec.matmul_k_overhead * 67 / 989.5
+    efficiency = spec.matmul_efficiency_for("fp32")
+    assert fp32.matmul_rate(m, n, k) == pytest.approx(67e12 * efficiency * k / (k + k0))
+    work = 2 * m * n * k
+    fixed = [work / model.matmul_rate(m, n, k) - work / model.matmul_rate(m, n, 1e12) for model in (bf16, fp32)]
+    assert fixed[1] * efficiency == pytest.approx(fixed[0] * 0.803, rel=1e-6)  # the same time at one efficiency
+
+
 def test_edge_tiles_cost_whole_tiles():
     # 96 columns fill three quarters of one 128-wide tile; 108 of them fill one wave
     assert A100.waves(108 * MATMUL_TILE, 96) == pytest.approx(0.75)

@@ -240,7 +240,9 @@ class ComputeModel:
     dtype_bytes: int
     efficiency: float = 1.0  # matmuls' best fraction of peak
     half_dim: float = 0.0
-    k_overhead: float = 0.0  # a tile's fixed cost in elements of k at peak_flops' rate (matmul_rate)
+    # a tile's fixed cost in elements of k at peak_flops' rate (matmul_rate): the cluster file's k0, a time of k0
+    # steps at the bf16 rate, in steps of peak_flops' dtype (13 for fp32 on an H100: 192 x 67 / 989.5)
+    k_overhead: float = 0.0
     kernel_overhead_s: float = 0.0
     matmul_peak_flops: float | None = None  # matmuls' own peak when they run in another dtype (fp8)
     # fp8 plans: the efficiency of the matmuls kept in the plan's other dtype (bf16), which run at peak_flops
@@ -302,7 +304,7 @@ class ComputeModel:
         return cls(
             peak_flops=peaks[other], hbm_bw_Bps=spec.gpu.hbm_bw_Bps, dtype_bytes=dtype_bytes,
             efficiency=spec.matmul_efficiency_for(dtype), half_dim=spec.matmul_half_dim,
-            k_overhead=spec.matmul_k_overhead,
+            k_overhead=spec.matmul_k_overhead * peaks[other] / peaks.get("bf16", peaks[other]),
             kernel_overhead_s=spec.kernel_overhead_s, matmul_peak_flops=peaks[dtype] if dtype != other else None,
             other_efficiency=spec.matmul_efficiency_for(other) if dtype != other else None,
             sm_count=spec.gpu.sm_count, memory_efficiency=spec.memory_efficiency,
