@@ -146,6 +146,29 @@ def test_draw_gantt_draws_measured_traces_with_fused_backward_and_collectives(tm
     assert path.read_bytes().startswith(PNG_MAGIC)
 
 
+def test_draw_gantt_gives_recompute_and_the_optimizer_colours_of_their_own(tmp_path, monkeypatch):
+    """A rank's recompute and optimizer step are compute, not communication: without collectives the legend
+    has no communication entry, and no compute box is drawn in its grey."""
+    import matplotlib.figure
+    from matplotlib.colors import to_rgba
+
+    from parsim.report.gantt import COMM_COLOR
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *args, **kwargs: figures.append(fig))
+    events = [Event(compute_name("F", 0, 0), 0, "compute", "compute", 0.0, 1e-3),
+              Event(compute_name("R", 0, 0), 0, "compute", "compute", 1e-3, 1e-3),
+              Event(compute_name("B", 0, 0), 0, "compute", "compute", 2e-3, 2e-3),
+              Event("optimizer step", 0, "compute", "optimizer", 4e-3, 1e-3)]
+    draw_gantt(Trace("simulated", 1, events), str(tmp_path / "g.png"))
+    ax = figures[0].axes[0]
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert "R recompute (a forward rerun for its backward)" in labels and "optimizer step, other compute" in labels
+    assert not any("communication" in label for label in labels)
+    drawn = [tuple(c) for collection in ax.collections for c in collection.get_facecolors()]
+    assert to_rgba(COMM_COLOR) not in drawn
+
+
 def test_explain_memory_walks_through_the_rank_that_needs_the_most(capsys):
     assert main(["explain", "memory", "llama3-405b-16k"]) == 0
     out = capsys.readouterr().out

@@ -25,11 +25,13 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from .trace import Event, Trace  # noqa: E402
 
-COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B2"}
-LABELS = {"F": "F forward", "B": "B backward", "I": "I backward (input)", "W": "W backward (weights)"}
+COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B2", "R": "#C44E52"}
+LABELS = {"F": "F forward", "B": "B backward", "I": "I backward (input)", "W": "W backward (weights)",
+          "R": "R recompute (a forward rerun for its backward)"}
+OTHER_COLOR = "#CCB974"  # the rest of a rank's compute: the optimizer step, the gradients' norm
 COMM_COLOR = "#8C8C8C"
 BUBBLE_STYLE = {"facecolor": "white", "edgecolor": "#BBBBBB", "hatch": "///", "linewidth": 0.0}
-_COMPUTE = re.compile(r"^(F|B|I|W) stage=(\d+) mb=(\d+)$")
+_COMPUTE = re.compile(r"^(F|B|I|W|R) stage=(\d+) mb=(\d+)$")
 _FONT_PT = 7
 
 
@@ -70,7 +72,7 @@ def draw_gantt(trace: Trace, path: str, title: str = "") -> None:
             kind, stage, mb = _parse(e)
             kinds_seen.add(kind)
             chunk = stages[rank].index(stage) if stage is not None else 0
-            boxes[_shade(COLORS.get(kind, COMM_COLOR), chunk)].append((e.start_s, e.dur_s))
+            boxes[_shade(COLORS.get(kind, OTHER_COLOR), chunk)].append((e.start_s, e.dur_s))
             if mb is not None:
                 labels.append((e.start_s + e.dur_s / 2, y, str(mb), e.dur_s))
         for color, spans in boxes.items():
@@ -84,6 +86,8 @@ def draw_gantt(trace: Trace, path: str, title: str = "") -> None:
     ax.set_xlabel(f"time ({trace.meta.get('time_unit', 's')})")
     ax.set_title(title or f"{trace.source} trace", pad=24)
     handles = [Patch(facecolor=COLORS[k], label=LABELS[k]) for k in COLORS if k in kinds_seen]
+    if kinds_seen - set(COLORS):
+        handles.append(Patch(facecolor=OTHER_COLOR, label="optimizer step, other compute"))
     handles.append(Patch(label="bubble (idle or waiting on the pipeline)", **{**BUBBLE_STYLE, "linewidth": 0.8}))
     if any(len(st) > 1 for st in stages.values()):
         handles.append(Patch(facecolor=_shade(COMM_COLOR, 1), label="lighter: a rank's later stage"))
