@@ -291,3 +291,21 @@ def test_the_memory_table_reads_in_a_unit_its_largest_rank_fills(capsys, argv, u
     assert f"total {unit}" in header and "fits 80 GB" in header
     rows = [line.split() for line in out.splitlines()[out.splitlines().index(header) + 2:] if line.startswith("pp ")]
     assert rows and all(float(row[-2]) >= 1.0 for row in rows)
+
+
+def test_explain_memory_of_a_tiny_plan_prints_its_steps_in_a_unit_that_shows_them(capsys):
+    """A course plan's memory is megabytes: every step reads in MB, as the table does, not 0.00 GB."""
+    assert main(["explain", "memory", "course-pp", "--schedule", "interleaved-1f1b", "--zero", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "0.00 GB" not in out and "x 32 tokens per microbatch = 0.26 MB per microbatch" in out
+    assert "3 x 0.26 + 2 x 0.26 = 1.31 MB" in out and "Total 34.87 MB of 80 GB" in out
+    assert "2. AdamW keeps" in out and "ZeRO-3 over one data-parallel rank: nothing to shard" in out
+
+
+def test_explain_memory_names_the_fsdp_unit_its_buffers_hold(capsys):
+    """FSDP's buffers hold the largest unit twice (computing and prefetched) and its gradient once: for Llama 3
+    8B that is the head (its final norm makes it 4,096 parameters larger than the embedding), not a layer."""
+    assert main(["explain", "memory", "llama3-8b-fsdp8"]) == 0
+    head = 128256 * 4096 + 4096
+    assert (f"the head: {head:,} parameters x (2 x 2 + 4) bytes = {head * 8 / 1e9:.2f} GB"
+            in capsys.readouterr().out)

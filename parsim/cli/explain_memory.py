@@ -6,10 +6,10 @@ import argparse
 
 from ..errors import ParsimError
 from ..report.jsondoc import print_json
-from ..workload.memory import ADAM_STATE_BYTES, FP32, Memory, memory, saved_bytes_per_token
+from ..workload.memory import ADAM_STATE_BYTES, FP32, Memory, largest_gathered_unit, memory, saved_bytes_per_token
 from ..workload.model import LayerCost
 from ..workload.plan import Plan
-from .common import DEFAULT_CLUSTER, memory_table, plan_cluster
+from .common import DEFAULT_CLUSTER, memory_table, memory_unit, plan_cluster
 from .plan_cmd import add_plan_args, plan_from_args
 
 HELP = """\
@@ -26,9 +26,6 @@ examples:
   parsim explain memory llama3-70b-1024 --activation-recompute full
   parsim explain memory --model llama3-8b --dp 8 --grad-sync fsdp --dtype bf16
 """
-
-GB = 1e9
-
 
 def register(topics) -> None:
     m = topics.add_parser("memory", help="a plan's memory per GPU, step by step", description=HELP,
@@ -59,10 +56,15 @@ def run(args: argparse.Namespace) -> int:
 
 def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> list[str]:
     p, d, g, n = mem.pp_rank, plan.dtype_bytes, plan.grad_bytes, plan.shard_size
+    unit, scale = memory_unit(max(m.total for m in ranks))
+
+    def size(nbytes: float) -> str:
+        return f"{nbytes / scale:.2f} {unit}"
+
     params = plan.params_per_rank(p)
     stages = plan.stages_of(p)
     copy = " with its own copy of the embedding table" if plan.copies_embedding_table else ""
-    layers = ", ".join(f"stage {s}: {len(plan.stage_layers(s))} layers"
+    layers = ", ".join(f"stage {s}: {len(plan.stage_layers(s))} layer{'s' * (len(plan.stage_layers(s)) != 1)}"
                        + "".join(f" + {c.name}" + (copy if c.name == "head" else "")
                                  for c in plan.stage_costs(s) if not c.name.startswith("layer"))
                        for s in stages)
@@ -72,9 +74,10 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
                + (f"; its 1/{plan.tp} tensor-parallel share" if plan.tp > 1 else "") + ").")
     state = d + g + ADAM_STATE_BYTES + master
     grads = f"{g} of gradients" if plan.reduce_dtype == plan.dtype else f"{g} of {plan.reduce_dtype} gradients"
-    out.append(f"2. Mixed-precision AdamW keeps per parameter: {d} bytes of weights + {grads} + "
+    adamw = "Mixed-precision AdamW" if master else "AdamW"
+    out.append(f"2. {adamw} keeps per parameter: {d} bytes of weights + {grads} + "
                f"{ADAM_STATE_BYTES} of fp32 moments" + (f" + {master} of fp32 master weights" if master else "")
-               + f" = {state} bytes: {state * params / GB:.2f} GB unsharded.")
+               + f" = {state} bytes: {size(state * params)} unsharded.")
     if plan.zero and n > 1:
         sharded = {1: "the optimizer state", 2: "the optimizer state and the gradients",
                    3: "the optimizer state, the gradients and the weights"}[plan.zero]
@@ -84,23 +87,27 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
             if plan.expert_shard_size > 1 else f"; routed experts' not at all: no other rank{where} holds them")
         out.append(f"3. ZeRO-{plan.zero} shards {sharded} over {n} data-parallel ranks{experts} "
                    f"(Rajbhandari et al. 2020):")
+    elif plan.zero:
+        out.append(f"3. ZeRO-{plan.zero} over one data-parallel rank: nothing to shard, the rank keeps all of it:")
     else:
         out.append("3. No ZeRO: every data-parallel replica keeps all of it:")
-    out.append(f"   weights {mem.weights / GB:.2f} GB + gradients {mem.gradients / GB:.2f} GB + optimizer "
-               f"{mem.optimizer / GB:.2f} GB = {(mem.weights + mem.gradients + mem.optimizer) / GB:.2f} GB.")
-    out += _activations(plan, mem)
+    out.append(f"   weights {size(mem.weights)} + gradients {size(mem.gradients)} + optimizer "
+               f"{size(mem.optimizer)} = {size(mem.weights + mem.gradients + mem.optimizer)}.")
+    out += _activations(plan, mem, unit, scale)
     if mem.buffers and plan.pp > 1:
         out.append(f"5. FSDP buffers under a pipeline: every layer's weights stay gathered and its gradients "
                    f"unsharded, in {plan.reduce_dtype}, until the stage's last backward (torch.distributed."
                    f"pipelining): {plan.params_per_rank(p):,} parameters x ({plan.dtype_bytes} + "
-                   f"{plan.grad_bytes}) bytes = {mem.buffers / GB:.2f} GB.")
+                   f"{plan.grad_bytes}) bytes = {size(mem.buffers)}.")
     elif mem.buffers:
-        out.append(f"5. FSDP buffers: two layers' weights gathered (the one computing, the one prefetched) and one "
-                   f"layer's unsharded gradient: {mem.buffers / GB:.2f} GB.")
+        name, largest = largest_gathered_unit(plan, p)
+        out.append(f"5. FSDP buffers: two units' weights gathered (the one computing, the one prefetched) and one "
+                   f"unit's unsharded gradient, at most those of its largest unit, the {name}: {largest:,} "
+                   f"parameters x (2 x {d} + {g}) bytes = {size(mem.buffers)}.")
     verdict = "fits" if mem.total <= capacity else "does NOT fit"
-    out += ["", f"Total {mem.total / GB:.2f} GB of {capacity / GB:g} GB: it {verdict}"
-            + (f" ({(capacity - mem.total) / GB:.2f} GB to spare)." if mem.total <= capacity
-               else f", {(mem.total - capacity) / GB:.2f} GB over."), ""]
+    out += ["", f"Total {size(mem.total)} of {capacity / 1e9:g} GB: it {verdict}"
+            + (f" ({(capacity - mem.total) / 1e9:.2f} GB to spare)." if mem.total <= capacity
+               else f", {(mem.total - capacity) / 1e9:.2f} GB over."), ""]
     if mem.total > capacity:
         out.append(_advice(plan, mem))
         out.append("")
@@ -108,13 +115,14 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
     return out
 
 
-def _activations(plan: Plan, mem: Memory) -> list[str]:
+def _activations(plan: Plan, mem: Memory, unit: str, scale: float) -> list[str]:
     p, tokens = mem.pp_rank, plan.tokens_per_rank
     stage = max(plan.stages_of(p), key=lambda s: saved_bytes_per_token(plan, s))
     costs = plan.stage_costs(stage)
     recomputed = {c.name for c in plan.recomputed(stage)}
     layer = next((c for c in costs if c.name.startswith("layer")), None)
-    out = ["4. Activations saved for the backward, per token (Korthikanti et al. 2022, flash attention, no dropout):"]
+    source = " (Korthikanti et al. 2022, flash attention, no dropout)" if plan.model.kind == "transformer" else ""
+    out = [f"4. Activations saved for the backward, per token{source}:"]
     if layer is not None:
         terms = " + ".join(f"{a.name} {a.bytes_per_token(plan.tp)}" for a in layer.activations)
         split = " (split along the sequence too: sequence parallelism)" if plan.sequence_parallel and plan.tp > 1 \
@@ -133,18 +141,18 @@ def _activations(plan: Plan, mem: Memory) -> list[str]:
     per_mb = {s: saved_bytes_per_token(plan, s) * tokens for s in stages}
     for s in stages:
         out.append(f"   Stage {s} in all: {per_mb[s] // tokens:,} bytes per token x {tokens:,} tokens per "
-                   f"microbatch{share} = {per_mb[s] / GB:.2f} GB per microbatch.")
+                   f"microbatch{share} = {per_mb[s] / scale:.2f} {unit} per microbatch.")
     rebuilt = ", plus one recomputed layer's full activations" if recomputed else ""
     if len(stages) == 1:
         out.append(f"   {plan.schedule} keeps up to {mem.in_flight} microbatch(es) in flight on this rank "
-                   f"(forwards awaiting their backward){rebuilt}: {mem.activations / GB:.2f} GB.")
+                   f"(forwards awaiting their backward){rebuilt}: {mem.activations / scale:.2f} {unit}.")
         return out
-    held = " + ".join(f"{n} x {per_mb[s] / GB:.2f}" for s, n in zip(stages, mem.peak_counts))
+    held = " + ".join(f"{n} x {per_mb[s] / scale:.2f}" for s, n in zip(stages, mem.peak_counts))
     counts = " and ".join(f"{n} of stage {s}'s" for s, n in zip(stages, mem.peak_counts))
     out.append(f"   At its peak {plan.schedule} keeps {counts} microbatches in flight on this rank (forwards "
-               f"awaiting their backward; {mem.in_flight} at most in all){rebuilt}: {held} GB"
-               + (f" + {(mem.activations - sum(n * per_mb[s] for s, n in zip(stages, mem.peak_counts))) / GB:.2f}"
-                  if recomputed else "") + f" = {mem.activations / GB:.2f} GB.")
+               f"awaiting their backward; {mem.in_flight} at most in all){rebuilt}: {held}"
+               + (f" + {(mem.activations - sum(n * per_mb[s] for s, n in zip(stages, mem.peak_counts))) / scale:.2f}"
+                  if recomputed else "") + f" = {mem.activations / scale:.2f} {unit}.")
     return out
 
 
@@ -176,4 +184,4 @@ def _advice(plan: Plan, mem: Memory) -> str:
         "optimizer state": "ZeRO (data_parallel.zero: 1 shards it over the data-parallel group)",
         "weights and gradients": "ZeRO-2/3 or FSDP (--grad-sync fsdp), or more tensor/pipeline parallelism",
     }
-    return f"The largest share is {largest} ({parts[largest] / GB:.2f} GB): try {fixes[largest]}."
+    return f"The largest share is {largest} ({parts[largest] / 1e9:.2f} GB): try {fixes[largest]}."

@@ -36,6 +36,14 @@ class Memory:
         return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
 
 
+def largest_gathered_unit(plan: Plan, pp_rank: int) -> tuple[str, int]:
+    """The FSDP unit of ``pp_rank`` (a layer, the embedding or the head) with the most parameters gathered whole
+    (routed experts no other rank holds stay as they are), and that count: FSDP's buffers hold it twice."""
+    whole = plan.expert_shard_size == 1
+    return max(((c.name, c.params_per_rank(plan.tp, plan.ep) - c.expert_params_per_rank(plan.tp, plan.ep) * whole)
+                for s in plan.stages_of(pp_rank) for c in plan.stage_costs(s)), key=lambda unit: unit[1])
+
+
 def memory(plan: Plan) -> list[Memory]:
     """Weights, gradients, AdamW state and activations of in-flight microbatches, per pipeline rank.
 
@@ -80,9 +88,7 @@ def memory(plan: Plan) -> list[Memory]:
         if plan.shards_weights and plan.pp > 1:  # every layer's weights gathered, its gradients kept whole
             buffers = (params - experts * whole) * (d + g)
         elif plan.shards_weights:
-            largest = max(c.params_per_rank(plan.tp, plan.ep) - c.expert_params_per_rank(plan.tp, plan.ep) * whole
-                          for s in plan.stages_of(p) for c in plan.stage_costs(s))
-            buffers = largest * (2 * d + g)
+            buffers = largest_gathered_unit(plan, p)[1] * (2 * d + g)
 
         def held(from_stage: int) -> float:
             """Parameters' worth of a state ZeRO shards from ``from_stage`` on."""
