@@ -309,3 +309,13 @@ def test_explain_memory_names_the_fsdp_unit_its_buffers_hold(capsys):
     head = 128256 * 4096 + 4096
     assert (f"the head: {head:,} parameters x (2 x 2 + 4) bytes = {head * 8 / 1e9:.2f} GB"
             in capsys.readouterr().out)
+
+
+def test_explain_compute_of_a_tiny_plan_shows_its_figures_in_units_that_show_them(capsys):
+    """tiny-tp2's GEMMs are well under a GFLOP and fill a fraction of a percent of the tiles: MFLOP, two
+    significant digits of fill and four of TFLOP/s, where every figure had read 0."""
+    assert main(["explain", "compute", "tiny-tp2"]) == 0
+    out = capsys.readouterr().out
+    q = next(line for line in out.splitlines() if line.startswith("forward") and " attn.q " in line)
+    # 2 x 128 x 32 x 64 = 524,288 FLOPs; 128 x 32 of one wave's 132 tiles of 128 x 128: 0.19%
+    assert "MFLOP" in out and "0.5243" in q and "0.19%" in q and "131 kB" in out

@@ -9,7 +9,7 @@ from ..errors import ParsimError
 from ..lowering.kernels import BlockWork, block_work
 from ..lowering.lower import Lowering
 from ..report.jsondoc import print_json
-from ..report.table import render_table
+from ..report.table import format_number, render_table
 from ..sim.compute import MATMUL_TILE, ComputeModel
 from ..units import format_size, format_time, time_unit
 from .common import DEFAULT_CLUSTER, plan_cluster
@@ -218,13 +218,13 @@ def _rows(model: ComputeModel, block: str, work: BlockWork, gradient_sum: str, h
                                 ("fp8 casts (amax, cast and transpose)", work.quantize_bytes, ())):
         if nbytes:
             kernel = ((nbytes, works),)
-            rows.append({"block": block, "kernel": what, "shape": f"{nbytes / 1e6:,.1f} MB", "flops": 0.0,
+            rows.append({"block": block, "kernel": what, "shape": _bytes_text(nbytes), "flops": 0.0,
                          "fill": None, "bound": _arithmetic_bound(model) if model.sm_excess(kernel) else "memory",
                          "time_s": model.time(hbm_bytes=nbytes, sm_bound=kernel, sm_reserved=held)})
     if work.accumulate_bytes:  # the longer of its bytes and, where dtypes differ, its unvectorized cycles
         nbytes, elements = work.accumulate_bytes, work.accumulate_elements
         rows.append({"block": block, "kernel": f"add weight gradients into {gradient_sum}",
-                     "shape": f"{nbytes / 1e6:,.1f} MB", "flops": 0.0, "fill": None,
+                     "shape": _bytes_text(nbytes), "flops": 0.0, "fill": None,
                      "bound": _arithmetic_bound(model) if model.unvectorized_s(elements) > nbytes / model.memory_bw_Bps
                      else "memory",
                      "time_s": model.time(hbm_bytes=nbytes, stream_bytes=nbytes, accumulate_elements=elements)})
@@ -257,6 +257,16 @@ def _host_row(model: ComputeModel, block: str, forward_ops: int, backward_ops: i
 PASS_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
 
 
+def _bytes_text(nbytes: float) -> str:
+    """A kernel's bytes in MB, or in kB below one (a tiny model's would read 0.0 MB)."""
+    return f"{nbytes / 1e6:,.1f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.3g} kB"
+
+
+def _percent(share: float) -> str:
+    """A share as a whole percent, or to two significant digits below 1% (a tiny GEMM's tile fill)."""
+    return f"{share:.0%}" if share >= 0.01 else f"{share * 100:.2g}%"
+
+
 def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], totals: dict, held: int = 0) -> str:
     peak = (model.matmul_peak_flops or model.peak_flops) / 1e12
     fwd, bwd = model.attention_efficiency
@@ -266,7 +276,7 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
         f"  matmuls     {model.efficiency:g} x {peak:g} TFLOP/s = {model.efficiency * peak:.1f} TFLOP/s at best, "
         f"x tile fill ({model.sm_count or 'no'} SMs"
         + (f", {held} of them held by a collective's kernel beside: {model.sm_count - held})" if held else ")")
-        + (f" x k / (k + {model.k_overhead * peak * 1e12 / model.peak_flops:g})" if model.k_overhead else ""),
+        + (f" x k / (k + {model.k_overhead * peak * 1e12 / model.peak_flops:.3g})" if model.k_overhead else ""),
         f"  attention   forward {fwd:.3g}, backward {bwd:.3g} of {model.peak_flops / 1e12:g} TFLOP/s"
         f"{f' (kernels over {plan.attention_seq:,} tokens)' if plan.attention_seq else ''}",
         f"  memory      {model.memory_efficiency:g} x {model.hbm_bw_Bps / 1e9:g} GB/s = "
@@ -298,12 +308,14 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
                      "this layer's times")
     lines.append("")
     unit, scale = time_unit(r["time_s"] for r in rows)
+    flop_unit, flop_scale = next(((u, f) for u, f in (("GFLOP", 1e9), ("MFLOP", 1e6)) if
+                                  max(r["flops"] for r in rows) >= f), ("kFLOP", 1e3))
     table = [[PASS_NAMES[r["pass"]], r["block"], r["kernel"], r["shape"],
-              f"{r['flops'] / 1e9:,.1f}" if r["flops"] else "",
-              f"{r['fill']:.0%}" if r["fill"] is not None else "",
-              f"{r['flops'] / r['time_s'] / 1e12:.0f}" if r["flops"] else "", r["bound"], r["time_s"] / scale]
+              format_number(r["flops"] / flop_scale) if r["flops"] else "",
+              _percent(r["fill"]) if r["fill"] is not None else "",
+              format_number(r["flops"] / r["time_s"] / 1e12) if r["flops"] else "", r["bound"], r["time_s"] / scale]
              for r in rows]
-    lines.append(render_table(["pass", "block", "kernel", "m x n x k", "GFLOP", "fill", "TFLOP/s", "bound",
+    lines.append(render_table(["pass", "block", "kernel", "m x n x k", flop_unit, "fill", "TFLOP/s", "bound",
                                f"time ({unit})"], table))
     lines.append("")
     lines += [f"  {PASS_NAMES[k]:<16} {format_time(t)}" for k, t in totals.items()]
