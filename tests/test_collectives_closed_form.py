@@ -104,6 +104,15 @@ def test_a_ring_without_latency_or_reduction_cost_reaches_the_lower_bound():
     assert p.time_s == pytest.approx(p.lower_bound_s, rel=1e-3)
 
 
+def test_a_gathers_bound_is_the_roots_link_carrying_all_but_its_own_share():
+    """Gather and scatter load one link, the root's: (n-1)/n of the buffer in (or out); the text says so."""
+    topo = ideal_spec().build(1)
+    for op, verb in (("gather", "receives"), ("scatter", "sends")):
+        p = predict(topo, op, S, np.arange(8))
+        assert p.lower_bound_s == pytest.approx(7 / 8 * S / B)
+        assert p.lower_bound_reason.startswith(f"the root {verb} 0.875 x the buffer")
+
+
 def test_where_the_switch_reduces_an_all_reduce_is_bound_by_one_buffer_each_way():
     """NVLS: each rank sends its buffer into the switch once and receives the sum once, so the bound is S / B,
     not 2(n-1)/n S / B, and a ring stays above it."""

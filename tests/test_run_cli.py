@@ -27,7 +27,7 @@ def test_nproc_must_equal_the_plan_world_size(capsys):
     assert main(["run", "course-ddp", "--nproc", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
-    assert "dp 4 x pp 1 x tp 1 = 4 ranks, but --nproc is 2" in err
+    assert "dp 4 x pp 1 x tp 1 = 4 ranks, but --nproc is 2; --dp 2 fits it to 2" in err
 
 
 @needs_torch

@@ -50,8 +50,10 @@ def run_plan(plan: Plan, nproc: int, steps: int = DEFAULT_STEPS, backend: str = 
     in_job = in_torchrun_job()
     given = int(os.environ["WORLD_SIZE"]) if in_job else nproc
     if given != plan.world:
+        others = plan.world // plan.dp
+        fit = f"; --dp {given // others} fits it to {given}" if given % others == 0 else ""
         raise ParsimError(f"plan {plan.name} needs {plan.degrees_text()} = {plan.world} "
-                          f"ranks, but {'the torchrun job has' if in_job else '--nproc is'} {given}")
+                          f"ranks, but {'the torchrun job has' if in_job else '--nproc is'} {given}{fit}")
     if not 1 <= steps <= MAX_STEPS:
         raise ParsimError(f"steps must be 1 to {MAX_STEPS:,}, got {steps}")
     if not 0 <= warmup <= MAX_STEPS:

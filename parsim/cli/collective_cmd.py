@@ -161,7 +161,7 @@ def summary(prediction, topo) -> str:
         f"  algorithm   {_algorithm(prediction)}" + _candidates(prediction),
         f"  bottleneck  {r.extra['bottleneck'] or '-'}",
         f"  lower bound {format_time(prediction.lower_bound_s)}: {prediction.lower_bound_reason}",
-        f"  reached     {prediction.lower_bound_s / r.time_s:.0%} of the lower bound",
+        f"  reached     {prediction.lower_bound_s / r.time_s:.0%} of the lower bound's speed (bound / time)",
         "run with --explain for the arithmetic step by step",
     ]
     return "\n".join(lines)

@@ -144,7 +144,8 @@ def _activations(plan: Plan, mem: Memory, unit: str, scale: float) -> list[str]:
                    f"microbatch{share} = {per_mb[s] / scale:.2f} {unit} per microbatch.")
     rebuilt = ", plus one recomputed layer's full activations" if recomputed else ""
     if len(stages) == 1:
-        out.append(f"   {plan.schedule} keeps up to {mem.in_flight} microbatch(es) in flight on this rank "
+        who = plan.schedule if plan.pp > 1 else "One stage, each microbatch's backward right after its forward,"
+        out.append(f"   {who} keeps up to {mem.in_flight} microbatch(es) in flight on this rank "
                    f"(forwards awaiting their backward){rebuilt}: {mem.activations / scale:.2f} {unit}.")
         return out
     held = " + ".join(f"{n} x {per_mb[s] / scale:.2f}" for s, n in zip(stages, mem.peak_counts))

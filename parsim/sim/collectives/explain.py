@@ -71,10 +71,9 @@ def explain(p: CollectivePrediction, topo: Topology) -> str:
     out.append("")
     out.append("6. How close to the hardware limit")
     out.append(f"   lower bound {format_time(p.lower_bound_s)}: {p.lower_bound_reason}")
-    if p.op in ("all_reduce", "reduce_scatter", "reduce"):
-        out.append(f"   reached {p.lower_bound_s / t:.0%} of it (latency and reduction are the rest).")
-    else:
-        out.append(f"   reached {p.lower_bound_s / t:.0%} of it (latency and the links' sharing are the rest).")
+    rest = "latency and reduction" if p.op in ("all_reduce", "reduce_scatter", "reduce") else \
+        "latency and the links' sharing"
+    out.append(f"   reached {p.lower_bound_s / t:.0%} of its speed (bound / time; {rest} are the rest).")
     return "\n".join(out)
 
 

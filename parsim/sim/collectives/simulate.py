@@ -253,8 +253,10 @@ def lower_bound(topo: Topology, op: str, size: float, group: np.ndarray) -> tupl
     intra_bw = topo.spec.intra.bw_Bps
     in_switch = op == "all_reduce" and topo.spec.intra.in_switch_reduction and n // nodes > 1
     per_rank = 1.0 if in_switch else factor(n)  # NVLS: each rank's buffer in once, the sum out once
+    # gather and scatter: only the root's link carries (n-1)/n of the buffer; the others carry 1/n each
+    who = {"gather": "the root receives", "scatter": "the root sends"}.get(op, "each rank moves")
     bounds = [(per_rank * size / intra_bw,
-               f"each rank moves {per_rank:.3g} x the buffer through its {intra_bw / 1e9:.0f} GB/s fabric link"
+               f"{who} {per_rank:.3g} x the buffer through its {intra_bw / 1e9:.0f} GB/s fabric link"
                + (" (the switch reduces)" if in_switch else ""))]
     if nodes > 1:
         # the NICs of the group's GPUs (a pipeline's send between two GPUs has one a node)
@@ -263,6 +265,7 @@ def lower_bound(topo: Topology, op: str, size: float, group: np.ndarray) -> tupl
         nic_bw = topo.spec.scale_out.nic_bw_Bps * nics
         node_bytes = factor(nodes) * size * (n / nodes if op == "all_to_all" else 1)
         bounds.append((node_bytes / nic_bw,
-                       f"each node moves {node_bytes / size:.3g} x the buffer through "
+                       f"{who.replace('the root', 'the root node').replace('each rank', 'each node')} "
+                       f"{node_bytes / size:.3g} x the buffer through "
                        f"{nics} NIC{'s' if nics > 1 else ''} ({nic_bw / 1e9:.0f} GB/s)"))
     return max(bounds)
