@@ -329,3 +329,19 @@ def test_explain_derives_the_point_to_point_speed(capsys):
                  "--explain"]) == 0
     out = capsys.readouterr().out
     assert "18 NVLinks x 20.6 GB/s" in out and "= 370.8 GB/s, 0.824 of the 450 GB/s peak" in out
+
+
+def test_every_tuning_cell_shows_how_its_latency_and_bandwidth_add_up():
+    """--explain derives each cell from tuning.cc's constants: base + steps x latency per hop, and the channels'
+    GB/s through each factor to the message's rate (on 8 H100s: Ring/Simple 8.4 + 14 x 3.4 = 56 us at
+    12 x 30 x 8/14 = 205.7 GB/s; NVLS 8 x 40 x 0.85 x 7/8 x 2 x 8/14 = 272 GB/s)."""
+    table, _ = model("dgx-h100", 1)[2].table("all_reduce")
+    ring, nvls = table[("Ring", "Simple")], table[("NVLS", "Simple")]
+    assert ring.latency_text == "base 8.4 + 14 steps x nvlink hop 3.4 us" and ring.latency_us == pytest.approx(56.0)
+    assert ring.bw_text == "12 ch x 30 GB/s x 8/14 steps (the message's own rate) = 205.7 GB/s"
+    assert nvls.latency_text == "nvlink hop 25 us" and nvls.bw_GBps == pytest.approx(8 * 40 * 0.85 * 7 / 8 * 2 * 8 / 14)
+    assert nvls.bw_text.endswith("= 272 GB/s")
+    across, _ = model("dgx-h100", 8)[2].table("all_reduce")
+    assert across[("Ring", "LL")].latency_text == (
+        "base 6.6 + 112 steps x nvlink hop raised to the intel CPU's 1 + 14 steps x network hop 2.7 us")
+    assert main(["collective", "all-reduce", "--gpus", "8", "--size", "1GiB", "--explain"]) == 0

@@ -53,6 +53,10 @@ def explain(p: CollectivePrediction, topo: Topology) -> str:
         carried = f" (payload / {ph.efficiency:.3g})" if ph.efficiency != 1.0 else ""
         out.append(f"      {ph.flows} concurrent flows; the busiest link, {ph.bottleneck}, carries "
                    f"{format_size(ph.bottleneck_bytes)}{carried} at {ph.bottleneck_bw_Bps / 1e9:.1f} GB/s")
+        fill = p.nccl.fill_us * 1e-6 if p.nccl is not None and len(p.phases) == 1 else 0.0
+        if fill and ph.latency_s > fill:
+            out.append(f"      latency: NCCL's {format_time(ph.latency_s - fill)} + the pipeline's fill and drain "
+                       f"{format_time(fill)} (section 2) = {format_time(ph.latency_s)}")
         out.append(f"      latency {format_time(ph.latency_s)} + transfer {format_time(ph.transfer_s)}"
                    f" + reduce {format_time(ph.reduce_s)} = {format_time(ph.time_s)}")
     out.append(f"   total: {format_time(t)}")
@@ -119,9 +123,12 @@ def _nccl_tuner(p: CollectivePrediction) -> list[str]:
                    f"{cand.time_us:>7.1f} us{mark}")
     for algo, why in c.disabled.items():
         out.append(f"   {algo:<20} not used: {why}")
-    out.append("   (bandwidth here is what the tuner divides the bytes by: busbw-like figures are converted")
-    out.append("   to the message's own rate, e.g. x n / 2(n-1) for a ring all-reduce; LL pays half the wire")
-    out.append("   for its flags, LL128 8/128, trees and NVLS the efficiencies NCCL measured.)")
+    out.append("   Each cell from tuning.cc's constants (latency: a base per algorithm and protocol plus a latency")
+    out.append("   per hop of each kind; bandwidth: the search's channels x GB/s each, the protocol's and")
+    out.append("   algorithm's factors and caps, then busbw converted to the message's own rate):")
+    for cand in c.candidates:
+        out.append(f"     {cand.name:<14} latency  {cand.latency_text} = {cand.latency_us:.1f} us")
+        out.append(f"     {'':<14} bandwidth {cand.bw_text}")
     share = f"{c.channels} of {c.max_channels} channels"
     if c.channels < c.max_channels:
         out.append(f"   The message is small, so the kernel runs on {share} (enqueue.cc: fewer channels when")

@@ -397,6 +397,8 @@ class Candidate:
     latency_us: float
     bw_GBps: float  # the tuner's bandwidth: bytes / this = the transfer time
     time_us: float = 0.0  # for a given size, with the tree correction and ring plateau applied
+    latency_text: str = field(default="", compare=False)  # how the latency adds up, in NCCL's constants
+    bw_text: str = field(default="", compare=False)  # how the bandwidth arises from the search's channels
 
     @property
     def name(self) -> str:
@@ -501,45 +503,61 @@ class NcclModel:
                     continue
                 if p == LL128 and not v.nvswitch:
                     continue  # LL128 only over NVLink paths (typeIntra <= PATH_NVB)
-                bus = self._bus(op, a, p, g.channels)
+                bw_steps: list[str] = []
+                bus = self._bus(op, a, p, g.channels, bw_steps)
                 if bus <= 0:
                     continue
                 lat = BASE_LAT[a][pi]
                 intra_lat = HW_LAT[intra_hw][a][pi]
                 inter_lat = HW_LAT["net"][TREE][pi] if ppn == 1 else HW_LAT["net"][a][pi]  # + latencyInter (IB: 0)
+                hops = f"{intra_hw} hop {intra_lat:g}"
+                net = f"network hop {inter_lat:g}"
+                lat_text = f"base {lat:g}"
                 if a == RING:
                     hw = "net" if nodes > 1 else intra_hw
                     if op in ("broadcast", "reduce"):
                         lat += HW_LAT[hw][RING][pi]  # the search keeps the same channels: one hop of latency
+                        lat_text += f" + one {hw} hop {HW_LAT[hw][RING][pi]:g}"
                     else:
                         overhead = 0.0
                         if nodes > 1:
                             overhead = 2.0 if v.cpu_vendor == "amd" else 1.0
                             if p == SIMPLE:
                                 overhead *= 3
+                        if overhead > intra_lat:
+                            hops = f"{intra_hw} hop raised to the {v.cpu_vendor} CPU's {overhead:g}"
                         intra_lat = max(intra_lat, overhead)
                         inter_steps = 0 if nodes == 1 else 2 * (nodes - 1) if op == "all_reduce" else nodes - 1
                         lat += (nsteps - inter_steps) * intra_lat + inter_steps * inter_lat
+                        lat_text += f" + {nsteps - inter_steps} steps x {hops}" + (
+                            f" + {inter_steps} steps x {net}" if inter_steps else "")
                 elif a == TREE:
                     lat += 2 * ((ppn - 1) * intra_lat + log2i(nodes) * inter_lat)
+                    lat_text += f" + 2 x ({ppn - 1} x {hops} + log2({nodes}) = {log2i(nodes)} x {net})"
                 elif a == COLLNET_DIRECT:
                     lat += 2 * (min(1, ppn - 1) * intra_lat + (ppn - 1) * 0.4) + inter_lat
+                    lat_text += f" + 2 x ({min(1, ppn - 1)} x {hops} + {ppn - 1} x 0.4) + {net}"
                 elif a == COLLNET_CHAIN:
                     lat += 2 * (ppn - 1) * intra_lat + inter_lat
+                    lat_text += f" + 2 x {ppn - 1} x {hops} + {net}"
                 elif a == NVLS:
                     lat = intra_lat + (inter_lat if nodes > 1 else 0.0)
+                    lat_text = f"{hops}" + (f" + {net}" if nodes > 1 else "")
                 elif a == NVLS_TREE:
                     lat += intra_lat + 2 * log2i(nodes) * inter_lat
+                    lat_text += f" + {hops} + 2 x log2({nodes}) = {2 * log2i(nodes)} x {net}"
                 elif a == PAT:
                     lat += log2i(nodes) * (inter_lat / 3.5) + n * 2.8
-                table[(a, p)] = Candidate(a, p, lat, bus)
+                    lat_text += f" + log2({nodes}) x {net} / 3.5 + {n} ranks x 2.8"
+                table[(a, p)] = Candidate(a, p, lat, bus, latency_text=f"{lat_text} us",
+                                          bw_text=" ".join(bw_steps))
         return table, disabled
 
-    def _bus(self, op: str, a: str, p: str, channels: float) -> float:
+    def _bus(self, op: str, a: str, p: str, channels: float, why: list[str] | None = None) -> float:
         """The tuner's bandwidth of algorithm ``a`` with protocol ``p`` for ``op`` (``ncclTopoTuneModel``), in the
         message's own GB/s, on ``channels`` of the search's channels: all of them for the tuning table, their
         share of the communicator's where the kernel runs on fewer (:meth:`_channels`). Caps on the whole (LL's
-        ``llMaxBw``) stay; caps per channel scale with them."""
+        ``llMaxBw``) stay; caps per channel scale with them. ``why`` gets each factor, in words."""
         v = self.view
         n, nodes, ppn = v.ranks, v.nodes, v.ppn
         cci = compcap_index(v.cc)
@@ -550,36 +568,69 @@ class NcclModel:
         g = self._graph(a)
         collnet = a in (COLLNET_DIRECT, COLLNET_CHAIN)
         bw = g.bw_intra if nodes <= 2 or collnet else g.bw_inter
+        explain = why is not None
+        if explain:
+            why.append(f"{channels:g} ch x {bw:g} GB/s")
         if a in (NVLS, NVLS_TREE):
             intra = g.bw_intra * NVLS_EFFICIENCY[cci] * (g.channels - 1) / g.channels  # its heads
             intra *= 2.0 if op == "all_reduce" else (ppn - 1) / ppn
             across = g.bw_inter * (2 if nodes <= 2 and a == NVLS_TREE else 1)
             bw = min(intra, across, PER_CH_MAX_NVLS_TREE[cci][index2] if a == NVLS_TREE else math.inf)
+            if explain:
+                why[-1] = (f"{channels:g} ch x min({g.bw_intra:g} GB/s x NVLS efficiency {NVLS_EFFICIENCY[cci]:g}"
+                           f" x {g.channels - 1}/{g.channels} heads x "
+                           + ("2 (in and out)" if op == "all_reduce" else f"{ppn - 1}/{ppn}")
+                           + f", across {across:g}) = {channels:g} x {bw:.4g} GB/s")
         bus = channels * bw
         if a == RING and p == LL:
             bus = min(ll_max_bw, bus * .5)
+            if explain:
+                why.append(f"x 0.5 (LL's flags), at most llMaxBw {ll_max_bw:g}")
         if a == RING and p == LL128:
             bus = min(bus * 0.92, channels * PER_CH_MAX_RING_LL128[cci][index2])
+            if explain:
+                why.append(f"x 0.92 (LL128), at most {PER_CH_MAX_RING_LL128[cci][index2]:g} a channel")
         if a == TREE and op == "all_reduce":
             bus = min(bus * .92, channels * PER_CH_MAX_TREE[cci][index2])
+            if explain:
+                why.append(f"x 0.92 (tree), at most {PER_CH_MAX_TREE[cci][index2]:g} a channel")
         if a == TREE and p == LL:
             bus = min(bus / 3.8, ll_max_bw)
+            if explain:
+                why.append(f"/ 3.8 (tree LL), at most llMaxBw {ll_max_bw:g}")
         if a == TREE and p == LL128:
-            bus = min(bus * (7.0 / 9.0 if nodes == 1 else 120.0 / 128.0),
-                      channels * PER_CH_MAX_TREE_LL128[cci][index2])
+            factor = 7.0 / 9.0 if nodes == 1 else 120.0 / 128.0
+            bus = min(bus * factor, channels * PER_CH_MAX_TREE_LL128[cci][index2])
+            if explain:
+                why.append(f"x {'7/9' if nodes == 1 else '120/128'} (tree LL128), at most "
+                           f"{PER_CH_MAX_TREE_LL128[cci][index2]:g} a channel")
         if a == PAT:
             bus *= .75
+            if explain:
+                why.append("x 0.75 (PAT)")
         if a == COLLNET_DIRECT:
             if op in ("all_gather", "reduce_scatter"):
                 bus = ppn * min(g.bw_intra, g.bw_inter * 0.9)
+                if explain:
+                    why[:] = [f"{ppn} GPUs x min({g.bw_intra:g}, {g.bw_inter:g} x 0.9) GB/s"]
             else:
                 factor = ppn / g.channels
                 factor -= (factor - 1) / 2
                 bus /= factor
+                if explain:
+                    why.append(f"/ {factor:.3g} (CollNet's GPUs per channel)")
                 if v.cc >= 90:
                     bus *= .85
+                    if explain:
+                        why.append("x 0.85 (Hopper and later)")
         if not (a != RING and op in ("all_gather", "reduce_scatter")):
-            bus *= n / nsteps if a in (RING, NVLS, NVLS_TREE) else .5
+            rate = n / nsteps if a in (RING, NVLS, NVLS_TREE) else .5
+            bus *= rate
+            if explain:
+                why.append(f"x {n}/{nsteps} steps (the message's own rate)" if a in (RING, NVLS, NVLS_TREE)
+                           else "x 0.5 (the message's own rate)")
+        if explain:
+            why.append(f"= {bus:.4g} GB/s")
         return bus
 
     def _unavailable(self, op: str, a: str) -> str:
@@ -643,8 +694,8 @@ class NcclModel:
                proto: str | None = None) -> Choice | None:
         """The candidate of least time (``topoGetAlgoInfo``), optionally restricted like NCCL_ALGO/NCCL_PROTO."""
         table, disabled = self.table(op)
-        cands = sorted((Candidate(c.algo, c.proto, c.latency_us, c.bw_GBps, self.time_us(op, c, nbytes))
-                        for c in table.values()), key=lambda c: c.time_us)
+        cands = sorted((Candidate(c.algo, c.proto, c.latency_us, c.bw_GBps, self.time_us(op, c, nbytes),
+                                  c.latency_text, c.bw_text) for c in table.values()), key=lambda c: c.time_us)
         pool = [c for c in cands if (algos is None or c.algo in algos) and (proto is None or c.proto == proto)]
         if not pool:
             return None
