@@ -319,3 +319,15 @@ def test_explain_compute_of_a_tiny_plan_shows_its_figures_in_units_that_show_the
     q = next(line for line in out.splitlines() if line.startswith("forward") and " attn.q " in line)
     # 2 x 128 x 32 x 64 = 524,288 FLOPs; 128 x 32 of one wave's 132 tiles of 128 x 128: 0.19%
     assert "MFLOP" in out and "0.5243" in q and "0.19%" in q and "131 kB" in out
+
+
+def test_simulate_of_a_pipeline_states_its_bubble_and_the_closed_form_command(capsys):
+    """A student checks the simulated bubble against (p-1)/(m+p-1): simulate prints the stages' mean waiting
+    share and the explain command for the same schedule, which runs."""
+    assert main(["simulate", "llama3-405b-16k"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("pipeline bubble:"))
+    share = float(line.split()[2].rstrip("%")) / 100
+    assert share == pytest.approx(15 / 31, abs=0.03)  # 1F1B, p = m = 16; transfers and uneven stages aside
+    command = line.split(": ", 2)[-1]
+    assert command == "parsim explain bubble --pp 16 --microbatches 16 --schedule 1f1b"
+    assert main(command.split()[1:]) == 0

@@ -119,6 +119,12 @@ def report(r: StepPrediction) -> str:
     lines.append(render_table(["stage"] + list(PHASES) + ["comm overlap"], rows,
                               title=f"time by phase, {whose}; "
                                     "comm overlap: communication time with compute running beside it (as HTA)"))
+    if plan.pp > 1:
+        bubble = sum(b.fraction("pp") + b.fraction("idle") for b in r.ranks) / len(r.ranks)
+        v = f" --virtual-stages {plan.virtual_stages}" if plan.virtual_stages > 1 else ""
+        lines.append(f"pipeline bubble: {bubble:.1%} of the step on the average stage (its pp wait and idle); "
+                     f"with equal stages and free transfers: parsim explain bubble --pp {plan.pp} --microbatches "
+                     f"{plan.num_microbatches} --schedule {plan.schedule}{v}")
     held = r.held_sms_s
     if held and max(held.values()) >= 1e-3 * r.step_s:  # (a share of the step the table's rounding would hide)
         rank = max(held, key=held.get)
