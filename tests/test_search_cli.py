@@ -196,3 +196,13 @@ def test_cluster_price_is_optional_and_must_be_positive():
     assert parse_cluster({**IDEAL, "price_usd_per_gpu_hour": 2.5}).price_per_gpu_hour == 2.5
     with pytest.raises(ConfigError, match="price_usd_per_gpu_hour"):
         parse_cluster({**IDEAL, "price_usd_per_gpu_hour": -1})
+
+
+def test_a_search_over_an_mlp_counts_samples_and_says_why_it_has_no_context_parallelism(capsys):
+    """The course MLP has rows, not tokens: its throughput and price read per sample, and cp layouts are
+    refused because it has no sequence."""
+    assert main(["search", "--model", "course-mlp", "--gpus", "4", "--simulate", "1", "--top", "1",
+                 "--price-per-gpu-hour", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "samples/s" in out and "$/M samples" in out and "tokens/s" not in out
+    assert "cp splits a sequence, and an MLP has none" in out

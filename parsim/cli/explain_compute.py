@@ -271,14 +271,15 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
     peak = (model.matmul_peak_flops or model.peak_flops) / 1e12
     fwd, bwd = model.attention_efficiency
     lines = [
-        f"{plan.name}: {layer} on one GPU of {spec.name} (tp {plan.tp}), {plan.tokens_per_rank:,} tokens per "
-        f"microbatch, {plan.dtype}",
+        f"{plan.name}: {layer} on one GPU of {spec.name} (tp {plan.tp}), {plan.tokens_per_rank:,} "
+        f"{'tokens' if plan.model.kind == 'transformer' else 'samples'} per microbatch, {plan.dtype}",
         f"  matmuls     {model.efficiency:g} x {peak:g} TFLOP/s = {model.efficiency * peak:.1f} TFLOP/s at best, "
         f"x tile fill ({model.sm_count or 'no'} SMs"
         + (f", {held} of them held by a collective's kernel beside: {model.sm_count - held})" if held else ")")
         + (f" x k / (k + {model.k_overhead * peak * 1e12 / model.peak_flops:.3g})" if model.k_overhead else ""),
-        f"  attention   forward {fwd:.3g}, backward {bwd:.3g} of {model.peak_flops / 1e12:g} TFLOP/s"
-        f"{f' (kernels over {plan.attention_seq:,} tokens)' if plan.attention_seq else ''}",
+        *([f"  attention   forward {fwd:.3g}, backward {bwd:.3g} of {model.peak_flops / 1e12:g} TFLOP/s"
+           f"{f' (kernels over {plan.attention_seq:,} tokens)' if plan.attention_seq else ''}"]
+          if plan.model.kind == "transformer" else []),
         f"  memory      {model.memory_efficiency:g} x {model.hbm_bw_Bps / 1e9:g} GB/s = "
         f"{model.memory_bw_Bps / 1e9:.0f} GB/s",
     ]

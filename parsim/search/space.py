@@ -238,7 +238,9 @@ def layout_reason(space: SearchSpace, dp: int, tp: int, pp: int, cp: int) -> str
             return f"tp does not divide {key}"
     if isinstance(m, TransformerModel) and m.num_kv_heads % tp and tp % m.num_kv_heads:
         return "tp and the kv heads do not divide one another"
-    if cp > 1 and (not isinstance(m, TransformerModel) or m.seq_len % (2 * cp)):
+    if cp > 1 and not isinstance(m, TransformerModel):
+        return "cp splits a sequence, and an MLP has none"
+    if cp > 1 and m.seq_len % (2 * cp):
         return "cp does not split the sequence into 2 cp chunks"
     if pp > m.num_layers:
         return "more pipeline stages than layers"
