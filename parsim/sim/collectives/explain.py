@@ -219,10 +219,13 @@ def _course_formula(p: CollectivePrediction) -> list[str]:
         out_bytes = size / n
         course = out_bytes * (n - 1) / (n * t)
         lines += [
-            "   bandwidth = output bytes x (n-1) / (n x time), the output being one rank's 1/n:",
-            f"   {out_bytes:,.0f} x {n - 1} / ({n} x {format_time(t)}) = {course / GIB:.2f} GiB/s",
+            "   bandwidth = output bytes x (n-1) / (n x time), the output being one rank's 1/n",
+            "   (where your copy of the lecture's code counts the output tensor's bytes):",
+            f"   {out_bytes:,.0f} x {n - 1} / ({n} x {format_time(t)}) = {course / GIB:.2f} GiB/s "
+            f"= {course / 1e9:.1f} GB/s",
             f"   = busbw / n = {p.result().busbw_Bps / 1e9:.1f} / {n} GB/s: it counts 1/n of the bytes",
             "   moved, so reduce-scatter looks n times slower than all-reduce on the same links.",
+            "   (A copy that counts the input instead prints busbw itself.)",
         ]
     else:
         lines.append("   (the course writes formulas for all-reduce and reduce-scatter; busbw is the one to compare)")
