@@ -190,7 +190,7 @@ def test_zero_buckets_slow_the_final_backward_beside_them_in_both_tiers(pp):
     prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)
                 if s.pp == pp and s.tp == 1 and s.cp == 1 and s.microbatch_size == 1 and s.schedule == "1f1b"]
     fits = [(p, int(i)) for p in prepared for i in np.flatnonzero(np.isfinite(p.bound))
-            if p.variants[i].zero == 2 and p.variants[i].recompute == "none"]
+            if p.variants[i].zero == 2]  # (two microbatches or more: the gradients accumulate whole, as ZeRO-1's)
     (prep, i), estimate = fits[0], fast.estimate(fits[:1])[0]
     simulated = predict_step(Candidate(prep.setting, prep.variants[i]).plan(space), cluster)
     assert estimate.step_s == pytest.approx(simulated.step_s, rel=0.007)

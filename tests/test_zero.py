@@ -26,13 +26,22 @@ def plan(zero: int, **kw) -> Plan:
 
 @pytest.mark.parametrize("zero, per_param", [
     # Rajbhandari et al. 2020, mixed-precision AdamW: 2 bytes of bf16 weights, 4 of fp32 gradients, 12 of fp32
-    # state: Megatron-LM's 18 and, with its distributed optimizer, 6 + 12/d (dist_optimizer.md).
-    (0, 2 + 4 + 12), (1, 2 + 4 + 12 / N), (2, 2 + (4 + 12) / N), (3, 18 / N),
+    # state: Megatron-LM's 18 and, with its distributed optimizer, 6 + 12/d (dist_optimizer.md). FSDP2 keeps fp32
+    # shards, which are the master weights: 4 + 4 + 8 = 16/d.
+    (0, 2 + 4 + 12), (1, 2 + 4 + 12 / N), (2, 2 + (4 + 12) / N), (3, 16 / N),
 ])
 def test_zero_divides_training_state_by_the_shard_group(zero, per_param):
     mem = memory(plan(zero))[0]
     params = TINY.num_params
     assert mem.weights + mem.gradients + mem.optimizer == pytest.approx(per_param * params)
+
+
+def test_zero2_gradients_added_up_over_microbatches_peak_whole_as_zero1s():
+    """With more than one microbatch ZeRO-2's gradients accumulate whole until the last backward's
+    reduce-scatter (Megatron-LM's buckets, as the executor runs them): at their peak not sharded."""
+    one, several = memory(plan(2))[0], memory(plan(2, num_microbatches=4))[0]
+    assert one.gradients == pytest.approx(4 * TINY.num_params / N)
+    assert several.gradients == pytest.approx(4 * TINY.num_params) == memory(plan(1, num_microbatches=4))[0].gradients
 
 
 def test_bf16_gradients_kept_in_bf16_take_two_bytes():
@@ -54,12 +63,12 @@ def test_fsdp_under_a_pipeline_holds_every_layer_gathered_and_its_gradients_whol
     assert piped.reshard_after_forward is bool(reshard_after_forward)  # torchtitan's default: false under pp
     for mem in memory(piped):
         assert mem.buffers == piped.params_per_rank(mem.pp_rank) * (2 + 4)
-        assert mem.weights == pytest.approx(2 * piped.params_per_rank(mem.pp_rank) / N)  # the shards, as ever
+        assert mem.weights == pytest.approx(4 * piped.params_per_rank(mem.pp_rank) / N)  # the fp32 shards
 
 
 def test_hsdp_shards_within_the_group_only():
     p = Plan(model=TINY, dp=8, dtype="bf16", zero=3, shard_group=2)
-    assert p.shard_size == 2 and memory(p)[0].weights == pytest.approx(2 * TINY.num_params / 2)
+    assert p.shard_size == 2 and memory(p)[0].weights == pytest.approx(4 * TINY.num_params / 2)
 
 
 def collectives(p: Plan) -> Counter:

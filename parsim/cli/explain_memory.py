@@ -6,7 +6,8 @@ import argparse
 
 from ..errors import ParsimError
 from ..report.jsondoc import print_json
-from ..workload.memory import ADAM_STATE_BYTES, FP32, Memory, largest_gathered_unit, memory, saved_bytes_per_token
+from ..workload.memory import (ADAM_STATE_BYTES, Memory, gradients_accumulate_whole, largest_gathered_unit, memory,
+                               saved_bytes_per_token, weight_bytes)
 from ..workload.model import LayerCost
 from ..workload.plan import Plan
 from .common import DEFAULT_CLUSTER, memory_table, memory_unit, plan_cluster
@@ -68,14 +69,16 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
                        + "".join(f" + {c.name}" + (copy if c.name == "head" else "")
                                  for c in plan.stage_costs(s) if not c.name.startswith("layer"))
                        for s in stages)
-    master = FP32 if d < FP32 else 0
+    kept, master = weight_bytes(plan)
     out = [f"Memory of one GPU on pipeline rank {p} of {plan.name} ({plan.model.name}, {plan.dtype})", ""]
     out.append(f"1. Parameters it holds: {params:,} ({layers}"
                + (f"; its 1/{plan.tp} tensor-parallel share" if plan.tp > 1 else "") + ").")
-    state = d + g + ADAM_STATE_BYTES + master
+    state = kept + g + ADAM_STATE_BYTES + master
     grads = f"{g} of gradients" if plan.reduce_dtype == plan.dtype else f"{g} of {plan.reduce_dtype} gradients"
-    adamw = "Mixed-precision AdamW" if master else "AdamW"
-    out.append(f"2. {adamw} keeps per parameter: {d} bytes of weights + {grads} + "
+    adamw = "Mixed-precision AdamW" if kept != d or master else "AdamW"
+    weights = (f"{kept} bytes of fp32 weights (FSDP2's shards, the master weights, gathered in {plan.dtype})"
+               if kept != d else f"{d} bytes of weights")
+    out.append(f"2. {adamw} keeps per parameter: {weights} + {grads} + "
                f"{ADAM_STATE_BYTES} of fp32 moments" + (f" + {master} of fp32 master weights" if master else "")
                + f" = {state} bytes: {size(state * params)} unsharded.")
     if plan.zero and n > 1:
@@ -85,8 +88,10 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
         experts = "" if not plan.expert_params_per_rank(p) else (
             f"; routed experts' over the {plan.expert_shard_size} ranks{where} holding the same experts"
             if plan.expert_shard_size > 1 else f"; routed experts' not at all: no other rank{where} holds them")
+        whole = ("; the gradients add up whole over the microbatches and are reduce-scattered after the last "
+                 "backward, so at their peak they are not sharded" if gradients_accumulate_whole(plan) else "")
         out.append(f"3. ZeRO-{plan.zero} shards {sharded} over {n} data-parallel ranks{experts} "
-                   f"(Rajbhandari et al. 2020):")
+                   f"(Rajbhandari et al. 2020){whole}:")
     elif plan.zero:
         out.append(f"3. ZeRO-{plan.zero} over one data-parallel rank: nothing to shard, the rank keeps all of it:")
     else:

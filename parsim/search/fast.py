@@ -480,14 +480,15 @@ class FastModel:
                     positions[name].append(list(keys).index(key))
             return _VariantArrays(*(list(index[k].values()) for k in index),
                                   *(np.array(positions[k]) for k in index), self._sync_arrays(s, variants))
-        return self._by_identity(("variants", s.dp, s.cp, s.ep), variants, make)
+        return self._by_identity(("variants", s.dp, s.cp, s.ep, s.num_microbatches > 1), variants, make)
 
     def _sync_arrays(self, s: Setting, variants: tuple[Variant, ...]) -> SyncArrays:
         """How each variant's ZeRO stage shards the training state (:func:`~parsim.search.tables.sync_arrays`)."""
         zero = np.array([v.zero for v in variants])
         shard = np.array([(v.shard_group or s.dp * s.cp) if v.zero else 1 for v in variants])
         # experts shard over the ranks of a shard group holding them (Plan.expert_shard_size)
-        return sync_arrays(zero, shard, np.maximum(shard // s.ep, 1), self.dtype_bytes, self.grad_bytes)
+        return sync_arrays(zero, shard, np.maximum(shard // s.ep, 1), self.dtype_bytes, self.grad_bytes,
+                           s.num_microbatches)
 
     def _tail_bound(self, s: Setting, v: Variant) -> np.ndarray:
         """Per pipeline rank, what the sharding surely adds to its passes and what surely follows its last

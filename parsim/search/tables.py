@@ -169,13 +169,19 @@ class SyncArrays:
 
 
 def sync_arrays(zero: np.ndarray, shard: np.ndarray, expert_shard: np.ndarray, dtype_bytes: int,
-                grad_bytes: int) -> SyncArrays:
-    """ZeRO stage ``k`` shards a state from stage ``k`` on: the weights (3), gradients (2), optimizer (1)."""
-    master = FP32 if dtype_bytes < FP32 else 0
-    states = ((3, dtype_bytes), (2, grad_bytes), (1, ADAM_STATE_BYTES + master))
+                grad_bytes: int, microbatches: int) -> SyncArrays:
+    """ZeRO stage ``k`` shards a state from stage ``k`` on: the weights (3), gradients (2), optimizer (1), as
+    :func:`~parsim.workload.memory.memory` holds them: FSDP's fp32 shards are the master weights
+    (:func:`~parsim.workload.memory.weight_bytes`), ZeRO-2's gradients add up whole over several microbatches
+    (:func:`~parsim.workload.memory.gradients_accumulate_whole`)."""
+    fsdp = (zero == 3) & (shard > 1)
+    master = np.where(fsdp, 0, FP32 if dtype_bytes < FP32 else 0)
+    weights = np.where(fsdp, max(dtype_bytes, FP32), dtype_bytes)
+    grads_from = np.where((zero == 2) & (microbatches > 1), 3, 2)  # the stage from which the gradients shard
+    states = ((3, weights), (grads_from, grad_bytes), (1, ADAM_STATE_BYTES + master))
     whole = sum(np.where(zero < k, b, 0.0) for k, b in states)
     sharded = sum(np.where(zero >= k, b, 0.0) for k, b in states)
-    return SyncArrays(whole, sharded / shard, sharded / expert_shard, (zero == 3) & (shard > 1), expert_shard == 1)
+    return SyncArrays(whole, sharded / shard, sharded / expert_shard, fsdp, expert_shard == 1)
 
 
 def peak_memory(ranks: list[RankTables], which: np.ndarray, sync: SyncArrays, in_flight: np.ndarray,

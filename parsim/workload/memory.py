@@ -36,6 +36,23 @@ class Memory:
         return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
 
 
+def weight_bytes(plan: Plan) -> tuple[int, int]:
+    """Bytes per parameter of the weights a rank keeps and of AdamW's fp32 master copy of them. Mixed precision
+    keeps the master beside 16-bit weights; FSDP2 (ZeRO-3 over more than one rank) keeps fp32 shards, which are
+    the master weights, and gathers them in the plan's dtype (MixedPrecisionPolicy): 4 + 0 bytes, not 2 + 4."""
+    d = plan.dtype_bytes
+    if d >= FP32:
+        return d, 0
+    return (FP32, 0) if plan.shards_weights else (d, FP32)
+
+
+def gradients_accumulate_whole(plan: Plan) -> bool:
+    """ZeRO-2 over more than one microbatch: the gradients add up whole over the microbatches and are
+    reduce-scattered after the last backward (Megatron-LM's buckets, as the executor runs them), so at their peak
+    they are ZeRO-1's. (DeepSpeed's ZeRO-2 reduce-scatters after every microbatch instead: not modelled.)"""
+    return plan.zero == 2 and plan.num_microbatches > 1
+
+
 def largest_gathered_unit(plan: Plan, pp_rank: int) -> tuple[str, int]:
     """The FSDP unit of ``pp_rank`` (a layer, the embedding or the head) with the most parameters gathered whole
     (routed experts no other rank holds stay as they are), and that count: FSDP's buffers hold it twice."""
@@ -54,8 +71,10 @@ def memory(plan: Plan) -> list[Memory]:
     parameter, Megatron-LM's figure (docs/user-guide/features/dist_optimizer.md:
     "bf16 param, fp32 grads"). ZeRO divides by the shard group's size ``N``:
     stage 1 the optimizer state (``6P + 12P/N``, Megatron-LM's distributed
-    optimizer), stage 2 the gradients too (``2P + 16P/N``), stage 3 the weights
-    too (``18P/N``); FSDP then holds, besides its shards, the
+    optimizer), stage 2 the gradients too (``2P + 16P/N``; with more than one
+    microbatch they add up whole until the last backward:
+    :func:`gradients_accumulate_whole`), stage 3 the weights too (``16P/N``:
+    FSDP2's fp32 shards are the master weights, :func:`weight_bytes`); FSDP then holds, besides its shards, the
     unsharded weights of two layers (the one computing and the one prefetched)
     and one layer's unsharded gradients before they are reduce-scattered.
     Under a pipeline FSDP2 keeps every layer's weights gathered and its
@@ -74,10 +93,10 @@ def memory(plan: Plan) -> list[Memory]:
     """
     in_flight, by_stage = peak_in_flight(plan.pipeline), in_flight_by_stage(plan.pipeline)
     tokens, d, g, n, zero = plan.tokens_per_rank, plan.dtype_bytes, plan.grad_bytes, plan.shard_size, plan.zero
+    kept, master = weight_bytes(plan)
     out = []
     for p in range(plan.pp):
         params = plan.params_per_rank(p)
-        master = FP32 if d < FP32 else 0
         saved = [saved_bytes_per_token(plan, s) for s in plan.stages_of(p)]
         peak = max(by_stage[p], key=lambda counts: sum(n * b for n, b in zip(counts, saved)))
         rebuilt = max((c.activation_bytes_per_token(plan.tp) for s in plan.stages_of(p) for c in plan.recomputed(s)),
@@ -96,7 +115,8 @@ def memory(plan: Plan) -> list[Memory]:
                 return params
             return (params - experts) / n + experts / plan.expert_shard_size
 
-        out.append(Memory(p, held(3) * d, held(2) * g, held(1) * (ADAM_STATE_BYTES + master),
+        gradients = params if gradients_accumulate_whole(plan) else held(2)
+        out.append(Memory(p, held(3) * kept, gradients * g, held(1) * (ADAM_STATE_BYTES + master),
                           (sum(n * b for n, b in zip(peak, saved)) + rebuilt) * tokens, in_flight[p], buffers, peak))
     return out
 
