@@ -433,7 +433,7 @@ def test_more_stages_than_layers_is_refused():
         Plan(model=load_model("tiny-gpt"), pp=8, num_microbatches=8)
 
 
-def test_frontier_example_plans_fit_and_say_how():
+def test_frontier_example_plans_say_whether_they_fit():
     from parsim.hardware.cluster import load_cluster
     from parsim.workload.memory import memory
 
@@ -442,8 +442,9 @@ def test_frontier_example_plans_fit_and_say_how():
     assert llama405.stage_split == (7,) + (8,) * 14 + (7,) and llama405.zero == 2 and llama405.sequence_parallel
     fsdp = resolve_plan("llama3-8b-fsdp8")
     assert (fsdp.zero, fsdp.shard_size, fsdp.activation_recompute) == (3, 8, "full")
-    for plan in (llama405, fsdp):
-        assert all(m.total <= capacity for m in memory(plan))
+    assert all(m.total <= capacity for m in memory(fsdp))
+    # fp32 gradients added up whole over 16 microbatches: stage 1 is 3.35 GB over (the preset's comment says why)
+    assert max(m.total for m in memory(llama405)) - capacity == pytest.approx(3.35e9, abs=0.01e9)
 
 
 def test_plan_show_describes_every_feature(capsys):
