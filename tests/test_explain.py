@@ -333,3 +333,23 @@ def test_simulate_of_a_pipeline_states_its_bubble_and_the_closed_form_command(ca
     command = line.split(": ", 2)[-1]
     assert command == "parsim explain bubble --pp 16 --microbatches 16 --schedule 1f1b"
     assert main(command.split()[1:]) == 0
+
+
+def test_zero_bubble_memory_counts_the_microbatches_waiting_on_their_weight_gradient(capsys):
+    """ZB-H1 on pp 8: rank 6 runs 2 forwards awaiting their I and 6 microbatches awaiting their W, each keeping
+    its linears' inputs and output gradients (for a Llama layer as many bytes as B needed): the same 60 GB as
+    rank 0's 8 in flight, where the count alone had said 2 (15 GB)."""
+    from parsim.workload.memory import memory, saved_bytes_per_token, waiting_bytes_per_token
+    from parsim.workload.plan import load_plan
+
+    plan = load_plan({"model": "llama3-70b", "parallel": {"dp": 16, "tp": 8, "pp": 8}, "dtype": "bf16",
+                      "batch": {"microbatch_size": 1, "num_microbatches": 16}, "schedule": "zero-bubble",
+                      "data_parallel": {"zero": 1}})
+    ranks = memory(plan)
+    rank6 = ranks[6]
+    assert rank6.peak_counts == (2, 6) and rank6.in_flight == 2
+    assert rank6.activations == (2 * saved_bytes_per_token(plan, 6) + 6 * waiting_bytes_per_token(plan, 6)) * 8192
+    assert rank6.activations == pytest.approx(ranks[0].activations, rel=1e-4)
+    assert main(["explain", "memory", "--model", "llama3-70b", "--tp", "8", "--pp", "8", "--dp", "16", "--zero", "1",
+                 "--num-microbatches", "16", "--schedule", "zero-bubble", "--pp-rank", "6"]) == 0
+    assert "6 of stage 6's awaiting their weight gradient: 2 x 7.51 + 6 x 7.51 = 60.06 GB" in capsys.readouterr().out

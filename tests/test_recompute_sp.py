@@ -247,6 +247,6 @@ def test_the_deepseek_v3_example_fits_its_80_gb_as_it_did_for_deepseek():
     ranks = memory(plan)
     assert max(m.total for m in ranks) < load_cluster("dgx-h100").gpu.hbm_capacity_bytes
     first = ranks[0]
-    assert first.peak_counts == (32, 1) and first.in_flight == 33
+    assert first.peak_counts == (32, 1, 0, 0) and first.in_flight == 33
     saved = [saved_bytes_per_token(plan, s) for s in plan.stages_of(0)]
     assert first.activations == (32 * saved[0] + saved[1]) * plan.tokens_per_rank

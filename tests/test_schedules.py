@@ -147,29 +147,41 @@ def test_peak_in_flight_of_interleaved_is_its_warmup_plus_one(pp, rounds, v):
 @given(st.sampled_from(["1f1b", "gpipe", "interleaved-1f1b", "zbv", "dualpipe-v", "zb-h2"]), st.integers(2, 6),
        st.integers(1, 3))
 def test_in_flight_by_stage_holds_every_peak_of_what_a_rank_keeps(name, pp, rounds):
-    """Whatever each stage saves, a rank's activation peak is the largest weighted sum over the kept moments:
-    checked against a walk through its actions with random weights, and the counts' own peak is among them."""
+    """Whatever each stage saves, and keeps while a deferred W waits, a rank's activation peak is the largest
+    weighted sum over the kept moments: checked against a walk through its actions with random weights, and
+    the in-flight counts' own peak is among them."""
     v = 2 if name in ("interleaved-1f1b", "zbv", "dualpipe-v") else 1
     schedule = make_schedule(name, pp, 2 * pp * rounds, v)
     rng = random.Random(pp * 100 + rounds)
     for rank, (moments, acts) in enumerate(zip(in_flight_by_stage(schedule), schedule.actions)):
         stages = schedule.stages_of(rank)
-        assert all(len(m) == len(stages) for m in moments)
-        assert max(sum(m) for m in moments) == peak_in_flight(schedule)[rank]
+        assert all(len(m) == 2 * len(stages) for m in moments)
+        assert max(sum(m[:len(stages)]) for m in moments) == peak_in_flight(schedule)[rank]
         for _ in range(3):
             saved = {s: rng.uniform(1.0, 5.0) for s in stages}
+            waiting = {s: rng.uniform(0.5, 1.0) * saved[s] for s in stages}
+            change = {"F": lambda s: saved[s], "B": lambda s: -saved[s], "I": lambda s: waiting[s] - saved[s],
+                      "W": lambda s: -waiting[s]}
             live = peak = 0.0
             for a in acts:
-                live += saved[a.stage] if a.kind == "F" else -saved[a.stage] if a.kind in ("B", "I") else 0.0
+                live += change[a.kind](a.stage)
                 peak = max(peak, live)
-            best = max(sum(n * saved[s] for n, s in zip(m, stages)) for m in moments)
+            weights = [saved[s] for s in stages] + [waiting[s] for s in stages]
+            best = max(sum(n * w for n, w in zip(m, weights)) for m in moments)
             assert best == pytest.approx(peak)
+
+
+def test_zero_bubble_s_deferred_weight_gradients_keep_the_later_ranks_as_full_as_the_first():
+    """ZB-H1 defers W: rank r holds pp - r forwards awaiting their I and r microbatches awaiting their W, which
+    keep nearly all of B's memory (Qi et al. 2023, table 1), so every rank peaks near pp microbatches' worth."""
+    moments = in_flight_by_stage(make_schedule("zero-bubble", 4, 8))
+    assert [max(m, key=sum) for m in moments] == [(4, 0), (3, 1), (2, 2), (1, 3)]
 
 
 def test_dualpipe_v_s_first_rank_peaks_with_one_microbatch_of_its_last_stage():
     """DualPipe-V's rank 0 holds stage 0 and the last stage, whose backward follows its forward at once: at its
     peak 32 of the first stage's microbatches and one of the last's, not 33 of the larger one's (its head)."""
-    assert in_flight_by_stage(make_schedule("dualpipe-v", 16, 120, 2))[0] == [(32, 1)]
+    assert in_flight_by_stage(make_schedule("dualpipe-v", 16, 120, 2))[0] == [(32, 1, 0, 0)]
 
 
 @FAST

@@ -45,10 +45,10 @@ def _against_every_layer(space, fast, jobs) -> tuple[list[float], list[float], l
 
 
 def test_a_plan_recomputes_as_few_layers_as_fit_where_it_fits_only_with_some(fewer):
-    """2026-12-03: 521 plans (367 of them with balanced stages, 134 FSDP's), 1 to 7 of a stage's layers recomputed
-    (of 2 to 8)."""
+    """2026-12-03: 354 plans, 1 to 7 of a stage's layers recomputed (of 2 to 8); 521 before ZeRO-2's gradients
+    counted whole over several microbatches, FSDP's shards as fp32 and zero-bubble's waiting W passes."""
     space, _, jobs = fewer
-    assert len(jobs) > 500
+    assert len(jobs) > 300
     assert sum(p.variants[i].fsdp for p, i in jobs) > 40  # FSDP's too, its passes timed entry by entry
     assert len({p.variants[i].recompute_layers for p, i in jobs}) > 4
     for prep, i in jobs:
@@ -75,10 +75,10 @@ def test_the_fast_tier_prices_them_as_the_simulator_does(fewer):
 
 def test_fsdp_prices_them_beside_its_context_parallel_exchanges():
     """Under FSDP with cp 2 each exchange is priced beside the gather streaming next to it, the twins' as their
-    types': 2026-12-03, 182 plans (116 of them with balanced stages) within 0.30% at the median and 2.2% at
+    types': 2026-12-03, 182 plans (128 once FSDP's shards counted as fp32) within 0.30% at the median and 2.2% at
     worst, 0.53 points at most from the same plan recomputing every layer."""
     errors, added, faster = _against_every_layer(*_partial((("tp", (1, 2)), ("cp", (2,))), fsdp_only=True))
-    assert len(errors) > 150
+    assert len(errors) > 100
     assert statistics.median(map(abs, errors)) < 0.005 and max(map(abs, errors)) < 0.025
     assert max(map(abs, added)) < 0.01
     assert max(faster) < 1

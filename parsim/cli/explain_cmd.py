@@ -12,8 +12,8 @@ import sys
 from ..errors import ParsimError
 from ..report.jsondoc import print_json
 from ..report.table import render_table
-from ..schedules import (KIND_NAMES, SCHEDULES, IdealTiming, Schedule, closed_form, make_schedule, peak_in_flight,
-                         simulate_ideal)
+from ..schedules import (KIND_NAMES, SCHEDULES, IdealTiming, Schedule, closed_form, in_flight_by_stage, make_schedule,
+                         peak_in_flight, simulate_ideal)
 from . import explain_compute, explain_memory
 from .common import check_outputs
 
@@ -160,7 +160,10 @@ def explain_bubble(schedule: Schedule, timing: IdealTiming, peaks: list[int], t_
                "stay in memory that long.")
     out.append(f"   Peak per rank: {peaks}" + _memory_comparison(schedule, peaks))
     if schedule.split_backward:
-        out.append("   A deferred W keeps only its weight-gradient inputs, much less, so it is not counted.")
+        waiting = [max(sum(m[len(m) // 2:]) for m in moments) for moments in in_flight_by_stage(schedule)]
+        out.append("   A microbatch whose W is deferred still keeps its linears' inputs and output gradients, nearly")
+        out.append(f"   all of what its B needed (Qi et al. 2023, table 1): at most {waiting} such per rank, not")
+        out.append("   counted above (parsim explain memory weighs both).")
     if picture:
         from ..report.gantt import ascii_gantt
 

@@ -7,7 +7,7 @@ import argparse
 from ..errors import ParsimError
 from ..report.jsondoc import print_json
 from ..workload.memory import (ADAM_STATE_BYTES, Memory, gradients_accumulate_whole, largest_gathered_unit, memory,
-                               saved_bytes_per_token, weight_bytes)
+                               saved_bytes_per_token, waiting_bytes_per_token, weight_bytes)
 from ..workload.model import LayerCost
 from ..workload.plan import Plan
 from .common import DEFAULT_CLUSTER, memory_table, memory_unit, plan_cluster
@@ -148,17 +148,26 @@ def _activations(plan: Plan, mem: Memory, unit: str, scale: float) -> list[str]:
         out.append(f"   Stage {s} in all: {per_mb[s] // tokens:,} bytes per token x {tokens:,} tokens per "
                    f"microbatch{share} = {per_mb[s] / scale:.2f} {unit} per microbatch.")
     rebuilt = ", plus one recomputed layer's full activations" if recomputed else ""
-    if len(stages) == 1:
+    live, waiting = mem.peak_counts[:len(stages)], mem.peak_counts[len(stages):]
+    if len(stages) == 1 and not any(waiting):
         who = plan.schedule if plan.pp > 1 else "One stage, each microbatch's backward right after its forward,"
         out.append(f"   {who} keeps up to {mem.in_flight} microbatch(es) in flight on this rank "
                    f"(forwards awaiting their backward){rebuilt}: {mem.activations / scale:.2f} {unit}.")
         return out
-    held = " + ".join(f"{n} x {per_mb[s] / scale:.2f}" for s, n in zip(stages, mem.peak_counts))
-    counts = " and ".join(f"{n} of stage {s}'s" for s, n in zip(stages, mem.peak_counts))
+    waits = {s: waiting_bytes_per_token(plan, s) * tokens for s in stages}
+    for s, n in zip(stages, waiting):
+        if n:
+            out.append(f"   A microbatch whose input gradient ran keeps each linear's input and output gradient "
+                       f"until its deferred weight gradient (Qi et al. 2023): stage {s} "
+                       f"{waits[s] // tokens:,} bytes per token, {waits[s] / scale:.2f} {unit} per microbatch.")
+    terms = [(n, per_mb[s]) for s, n in zip(stages, live) if n] + [(n, waits[s]) for s, n in zip(stages, waiting) if n]
+    held = " + ".join(f"{n} x {b / scale:.2f}" for n, b in terms)
+    counts = " and ".join(f"{n} of stage {s}'s" for s, n in zip(stages, live))
+    waiting_text = "".join(f", {n} of stage {s}'s awaiting their weight gradient" for s, n in zip(stages, waiting) if n)
     out.append(f"   At its peak {plan.schedule} keeps {counts} microbatches in flight on this rank (forwards "
-               f"awaiting their backward; {mem.in_flight} at most in all){rebuilt}: {held}"
-               + (f" + {(mem.activations - sum(n * per_mb[s] for s, n in zip(stages, mem.peak_counts))) / scale:.2f}"
-                  if recomputed else "") + f" = {mem.activations / scale:.2f} {unit}.")
+               f"awaiting their backward; {mem.in_flight} at most in all){waiting_text}{rebuilt}: {held}"
+               + (f" + {(mem.activations - sum(n * b for n, b in terms)) / scale:.2f}" if recomputed else "")
+               + f" = {mem.activations / scale:.2f} {unit}.")
     return out
 
 

@@ -78,8 +78,8 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
 
     A pair is in flight from the end of its ``F`` to the end of its ``B``, or
     of its ``I`` in split schedules: that is when the stage's saved activations
-    are freed. A deferred ``W`` keeps only the inputs of the weight gradients
-    (much less; Qi et al. 2023, table 1), so it is not counted. This is the
+    are freed, but for what a deferred ``W`` still needs (its linears' inputs and
+    output gradients, :func:`in_flight_by_stage` counts them apart). This is the
     activation memory of a rank in units of one stage's activations for one
     microbatch: 1F1B gives ``pp - r`` on rank ``r``, GPipe gives ``m``. With
     ``v`` stages per rank each unit holds ``1/v`` of the rank's layers.
@@ -99,22 +99,32 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
 
 
 def in_flight_by_stage(schedule: Schedule) -> list[list[tuple[int, ...]]]:
-    """Per rank, the counts of (stage, microbatch) pairs in flight (as :func:`peak_in_flight` counts them) on
-    each of its stages, in increasing stage order, right after each of its forwards: the moments its
-    activation memory may peak. Only counts no other moment exceeds on every stage are kept: whatever each
-    stage saves per microbatch, the rank's peak is ``max(sum(n * saved) for counts)``, where stages that save
-    different amounts (an embedding's, a head's, uneven layers) are weighed by what each holds."""
+    """Per rank, right after each of its forwards (the moments its activation memory may peak), the counts of
+    (stage, microbatch) pairs in flight on each of its stages (as :func:`peak_in_flight` counts them), in
+    increasing stage order, then of those on each stage whose input gradient ran and whose deferred weight
+    gradient has not (split schedules; zeros elsewhere): ``2 x`` the rank's stages per tuple. A pair waiting on
+    its ``W`` keeps the inputs of the stage's linears and their output gradients, nearly all of what its ``B``
+    needed (Qi et al. 2023, table 1: ``32sbh`` of ``34sbh``), so zero-bubble's later ranks hold about as much as
+    its first. Only tuples no other moment exceeds everywhere are kept: whatever each stage holds per
+    microbatch, the rank's peak is ``max(sum(n * held) for counts)``, the stages weighed by what each holds."""
     out = []
     for rank, acts in enumerate(schedule.actions):
         slot = {stage: i for i, stage in enumerate(schedule.stages_of(rank))}
-        live = [0] * len(slot)
+        n = len(slot)
+        live = [0] * (2 * n)
         moments: set[tuple[int, ...]] = set()
         for a in acts:
+            i = slot[a.stage]
             if a.kind == "F":
-                live[slot[a.stage]] += 1
+                live[i] += 1
                 moments.add(tuple(live))
-            elif a.kind in ("B", "I"):
-                live[slot[a.stage]] -= 1
+            elif a.kind == "B":
+                live[i] -= 1
+            elif a.kind == "I":
+                live[i] -= 1
+                live[n + i] += 1
+            elif a.kind == "W":
+                live[n + i] -= 1
         kept: list[tuple[int, ...]] = []
         for counts in sorted(moments, key=sum, reverse=True):  # any that exceeds it on every stage comes first
             if not any(all(x >= y for x, y in zip(k, counts)) for k in kept):

@@ -1324,8 +1324,9 @@ def _shape(s: Setting) -> tuple[str, int, int, int]:
 
 def schedule_facts(name: str, pp: int, m: int, v: int, paired: bool = False
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[pp, moments, stages per rank] the microbatches in flight on each of a rank's stages at the moments its
-    activations may peak (:func:`~parsim.schedules.in_flight_by_stage`, rows of zeros padding); [pp, stages * 4]
+    """[pp, moments, 2 x stages per rank] the microbatches in flight on each of a rank's stages at the moments its
+    activations may peak, then those waiting on each for a deferred weight gradient
+    (:func:`~parsim.schedules.in_flight_by_stage`, rows of zeros padding); [pp, stages * 4]
     the passes of each (stage, kind) it runs; per stage, the kind of its last microbatch's weight-gradient pass
     (B or W).
 
@@ -1342,7 +1343,7 @@ def schedule_facts(name: str, pp: int, m: int, v: int, paired: bool = False
         for k in ((2, 3) if name in SPLIT_SCHEDULES else (1,)):
             counts[:, k::4] += (m - short) * own
         if name == "gpipe":
-            in_flight[:] = m
+            in_flight[..., :v] = m
     return in_flight, counts, final
 
 
@@ -1364,7 +1365,7 @@ def _short_facts(name: str, pp: int, m: int, v: int, paired: bool
             if a.microbatch == m - 1 and a.kind in ("B", "W"):
                 final[a.stage] = KINDS.index(a.kind)
     moments = in_flight_by_stage(schedule)
-    in_flight = np.zeros((pp, max(len(m) for m in moments), v))
+    in_flight = np.zeros((pp, max(len(m) for m in moments), 2 * v))
     for r, rows in enumerate(moments):
         in_flight[r, :len(rows)] = rows
     drained = np.zeros(pp, dtype=int)

@@ -101,7 +101,8 @@ def _twin_first(plan: Plan, stage: int, types: dict[int, int], twins: dict[int, 
 class EntryTables:
     """Per entry type: this rank's parameters, the routed experts' part, bytes saved per token for the
     backward (the input alone where recomputed), whether it is recomputed, its activations (what a
-    recomputation rebuilds), and its parameter tensors (the optimizer's per-tensor costs)."""
+    recomputation rebuilds), its parameter tensors (the optimizer's per-tensor costs), and bytes per token it
+    keeps while a deferred weight gradient waits (:func:`~parsim.workload.memory.waiting_bytes_per_token`)."""
 
     params: np.ndarray
     experts: np.ndarray
@@ -109,6 +110,7 @@ class EntryTables:
     recomputed: np.ndarray
     activations: np.ndarray
     tensors: np.ndarray
+    waiting: np.ndarray
 
 
 def entry_tables(plan: Plan) -> EntryTables:
@@ -127,7 +129,9 @@ def entry_tables(plan: Plan) -> EntryTables:
         np.array([c.params_per_rank(plan.tp, plan.ep) for c in types], dtype=float),
         np.array([c.expert_params_per_rank(plan.tp, plan.ep) for c in types], dtype=float),
         np.where(flags, checkpoint, activations), flags, activations,
-        np.array([len(param_tensors(c, plan.tp, plan.ep)) for c in types], dtype=float))
+        np.array([len(param_tensors(c, plan.tp, plan.ep)) for c in types], dtype=float),
+        np.array([c.weight_grad_bytes_per_token(plan.tp, plan.dtype_bytes, plan.sequence_parallel) for c in types],
+                 dtype=float))
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,9 @@ class RankTables:
     experts: np.ndarray
     largest: np.ndarray
     largest_dense: np.ndarray
-    stage_saved: np.ndarray  # [pp, stages per rank]: what each of its stages saves per microbatch and token
+    # [pp, 2 x stages per rank]: what each of its stages saves per microbatch and token, then what each keeps while
+    # a microbatch's deferred weight gradient waits (the columns of schedule_facts' in-flight counts)
+    stage_saved: np.ndarray
     rebuilt: np.ndarray
     tensors: np.ndarray
 
@@ -148,7 +154,8 @@ class RankTables:
 def rank_tables(layout: Layout, t: EntryTables) -> RankTables:
     counts = layout.rank_counts
     present = counts > 0
-    stage_saved = (layout.counts @ t.saved)[layout.rank_stages]
+    stage_saved = np.concatenate([(layout.counts @ t.saved)[layout.rank_stages],
+                                  (layout.counts @ t.waiting)[layout.rank_stages]], axis=1)
     rebuilt = np.where(present & t.recomputed, t.activations, 0.0).max(axis=1)
     return RankTables(counts @ t.params, counts @ t.experts, np.where(present, t.params, 0.0).max(axis=1),
                       np.where(present, t.params - t.experts, 0.0).max(axis=1), stage_saved, rebuilt,
@@ -219,10 +226,12 @@ def rank_memory(ranks: list[RankTables], which: np.ndarray, sync: SyncArrays, in
 class RecomputeSteps:
     """A layout's stages with their first ``n`` recomputable layers recomputed, for every ``n`` from 0 to the most
     a stage has (``[n, stages]``; a shorter stage's all of them beyond its own): bytes per token one in-flight
-    microbatch keeps, and the most one recomputed layer rebuilds."""
+    microbatch keeps, and the most one recomputed layer rebuilds; and per stage ([stages]) what a microbatch keeps
+    while its deferred weight gradient waits, recomputed or not."""
 
     saved: np.ndarray
     rebuilt: np.ndarray
+    waiting: np.ndarray
 
 
 def recompute_steps(layout: Layout, none: EntryTables, full: EntryTables) -> RecomputeSteps | None:
@@ -240,7 +249,7 @@ def recompute_steps(layout: Layout, none: EntryTables, full: EntryTables) -> Rec
         less[n:, st] = less[n - 1, st]
         rebuilt[1:n, st] = np.maximum.accumulate(none.activations[types])
         rebuilt[n:, st] = rebuilt[n - 1, st]
-    return RecomputeSteps((layout.counts @ none.saved)[None, :] - less, rebuilt)
+    return RecomputeSteps((layout.counts @ none.saved)[None, :] - less, rebuilt, layout.counts @ none.waiting)
 
 
 def layers_to_recompute(layout: Layout, steps: RecomputeSteps, state: np.ndarray, in_flight: np.ndarray,
@@ -252,7 +261,9 @@ def layers_to_recompute(layout: Layout, steps: RecomputeSteps, state: np.ndarray
     layer recomputed keeps its checkpoint instead of its activations, per in-flight microbatch, and the rank
     rebuilds one layer's activations at a time (:func:`rank_tables`): the same account as :func:`peak_memory`
     of a plan with ``recompute_layers``, for every count at once."""
-    held = np.einsum("pms,nps->npm", in_flight, steps.saved[:, layout.rank_stages]).max(axis=2)  # [n, pp]
+    saved = steps.saved[:, layout.rank_stages]  # [n, pp, stages per rank]
+    waiting = np.broadcast_to(steps.waiting[layout.rank_stages], saved.shape)
+    held = np.einsum("pms,nps->npm", in_flight, np.concatenate([saved, waiting], axis=2)).max(axis=2)  # [n, pp]
     total = state[None, :] + (held + steps.rebuilt[:, layout.rank_stages].max(axis=2)) * tokens
     peak = total.max(axis=1)
     fitting = np.flatnonzero(peak[:-1] <= capacity)

@@ -28,7 +28,8 @@ class Memory:
     activations: float
     in_flight: int
     buffers: float = 0.0  # FSDP: unsharded weights and gradients of the layers being worked on
-    # microbatches in flight on each of the rank's stages (increasing) when its activations peak
+    # when its activations peak, the microbatches in flight on each of the rank's stages (increasing), then those
+    # waiting on each for their deferred weight gradient (in_flight_by_stage)
     peak_counts: tuple[int, ...] = ()
 
     @property
@@ -97,8 +98,9 @@ def memory(plan: Plan) -> list[Memory]:
     out = []
     for p in range(plan.pp):
         params = plan.params_per_rank(p)
-        saved = [saved_bytes_per_token(plan, s) for s in plan.stages_of(p)]
-        peak = max(by_stage[p], key=lambda counts: sum(n * b for n, b in zip(counts, saved)))
+        per_token = [*(saved_bytes_per_token(plan, s) for s in plan.stages_of(p)),
+                *(waiting_bytes_per_token(plan, s) for s in plan.stages_of(p))]
+        peak = max(by_stage[p], key=lambda counts: sum(n * b for n, b in zip(counts, per_token)))
         rebuilt = max((c.activation_bytes_per_token(plan.tp) for s in plan.stages_of(p) for c in plan.recomputed(s)),
                       default=0)
         experts = plan.expert_params_per_rank(p)  # sharded over the ranks holding the same experts
@@ -117,8 +119,18 @@ def memory(plan: Plan) -> list[Memory]:
 
         gradients = params if gradients_accumulate_whole(plan) else held(2)
         out.append(Memory(p, held(3) * kept, gradients * g, held(1) * (ADAM_STATE_BYTES + master),
-                          (sum(n * b for n, b in zip(peak, saved)) + rebuilt) * tokens, in_flight[p], buffers, peak))
+                          (sum(n * b for n, b in zip(peak, per_token)) + rebuilt) * tokens, in_flight[p], buffers,
+                          peak))
     return out
+
+
+def waiting_bytes_per_token(plan: Plan, stage: int) -> int:
+    """What one microbatch keeps on ``stage`` per token while its deferred weight gradient waits (split
+    schedules): every layer's linear inputs and their output gradients
+    (:meth:`~parsim.workload.model.LayerCost.weight_grad_bytes_per_token`; a recomputed layer rebuilt them in its
+    input-gradient pass)."""
+    return sum(c.weight_grad_bytes_per_token(plan.tp, plan.dtype_bytes, plan.sequence_parallel)
+               for c in plan.stage_costs(stage))
 
 
 def saved_bytes_per_token(plan: Plan, stage: int) -> int:

@@ -460,6 +460,20 @@ class LayerCost:
     def activation_bytes_per_token(self, tp: int = 1) -> int:
         return sum(a.bytes_per_token(tp) for a in self.activations)
 
+    def weight_grad_bytes_per_token(self, tp: int = 1, dtype_bytes: int = 2, sequence_parallel: bool = False) -> int:
+        """What a deferred weight-gradient pass (``W``, zero-bubble schedules) keeps per token once the input
+        gradients ran: each linear's input (the saved activations a linear reads) and its output's gradient,
+        ``dW = x^T dy`` (Qi et al. 2023, table 1: 32sbh of the layer's 34sbh). Under sequence parallelism a
+        row-parallel linear's output gradient is kept as the rank's part of the sequence, as its inputs are."""
+        inputs = sum(a.bytes_per_token(tp) for a in self.activations if a.linear)
+        outputs = 0
+        for m in self.matmuls:
+            width = m.shape_per_rank(tp)[1]
+            if m.split == "row" and sequence_parallel:
+                width = shard(width, tp)
+            outputs += width * m.active
+        return inputs + outputs * dtype_bytes
+
     def checkpoint_bytes_per_token(self, tp: int = 1) -> int:
         """What the layer keeps per token when its forward is recomputed in the backward."""
         return sum(a.bytes_per_token(tp) for a in self.checkpoint)
