@@ -64,6 +64,8 @@ def test_context_parallel_rules():
         Plan(model=load_model("course-mlp"), cp=2)
     with pytest.raises(ParsimError, match="context_parallel 'tree' is not one of ring, all_gather"):
         plan(2, "tree")
+    with pytest.raises(ParsimError, match="context_parallel all_gather with cp 1 splits nothing"):
+        plan(1, "all_gather")  # a flag that would otherwise do nothing, silently
 
 
 def test_llama3_long_context_example_fits_like_the_8k_plan():

@@ -51,7 +51,7 @@ def plans(draw) -> Plan:
     zero = 3 if grad_sync == "fsdp" else 0 if grad_sync == "per_param" else draw(st.sampled_from(stages))
     cp = draw(st.sampled_from([1, 2])) if model.name != "mlp" else 1
     kwargs = dict(model=model, dp=draw(st.sampled_from([1, 2, 3])), tp=draw(st.sampled_from([1, 2, 4])), pp=pp, cp=cp,
-                  context_parallel=draw(st.sampled_from(["ring", "all_gather"])),
+                  context_parallel=draw(st.sampled_from(["ring", "all_gather"])) if cp > 1 else "ring",
                   schedule=schedule, virtual_stages=virtual, dtype=draw(st.sampled_from(["fp32", "bf16", "fp16"])),
                   tp_style=draw(st.sampled_from(model.tp_styles)), grad_sync=grad_sync,
                   overlap=grad_sync != "per_param" and draw(st.booleans()),

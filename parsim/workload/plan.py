@@ -484,6 +484,9 @@ class Plan:
         self._check_experts()
         if self.context_parallel not in CP_STYLES:
             self._fail(f"context_parallel {self.context_parallel!r} is not one of {', '.join(CP_STYLES)}")
+        if self.context_parallel != "ring" and self.cp == 1:
+            self._fail(f"context_parallel {self.context_parallel} with cp 1 splits nothing: give cp > 1 (--cp), or "
+                       "leave it out")
         if self.cp > 1:
             if not isinstance(m, TransformerModel):
                 self._fail(f"cp {self.cp}: context parallelism splits sequences, and {m.kind} model {m.name} has none")
