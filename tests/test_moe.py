@@ -288,3 +288,15 @@ def test_latent_attention_without_sequence_parallelism_all_reduces_the_latents_g
     tokens = 1024 * 2
     assert _attention_collectives(plan, "fwd")[0] == ("all_reduce", 512 * tokens)
     assert _attention_collectives(plan, "bwd")[-2:] == [("all_reduce", 64 * tokens), ("all_reduce", 128 * tokens)]
+
+
+def test_the_busiest_experts_rank_keeps_its_extra_rows_for_the_backward():
+    """--expert-load 1.5: the rank holding the busiest expert computes 1.5x the mean rows (kernels) and keeps
+    them too: the dispatched rows and the experts' intermediates scale by 1.5, the rest of the layer does not."""
+    from parsim.workload.plan import resolve_plan
+
+    even, hot = resolve_plan("mixtral-8x22b"), resolve_plan("mixtral-8x22b", overrides={"moe": {"expert_load": 1.5}})
+    widths = [{a.name: a.width for a in p.stage_costs(0)[1].activations} for p in (even, hot)]
+    for name, width in widths[0].items():
+        assert widths[1][name] == (width * 1.5 if name.startswith(("moe.dispatched", "moe.expert.")) else width)
+    assert memory(hot)[0].activations > 1.3 * memory(even)[0].activations

@@ -63,6 +63,7 @@ SCHEDULES = tuple(SCHEDULE_KINDS)
 STEADY_STATE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipe-v")
 V_SCHEDULES = ("zbv", "dualpipe-v")  # two stages per rank placed in a V: rank r holds stages r and 2·pp-1-r
 TP_STYLES = ("megatron", "allgather")
+ROUTED_ACTIVATIONS = ("moe.dispatched", "moe.expert.")  # a MoE layer's saved rows of its routed experts
 RECOMPUTE = ("none", "selective", "full")
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)  # Megatron-LM's default for selective recompute
 GRAD_SYNCS = ("per_param", "bucketed", "fsdp")  # fsdp: ZeRO-3 with FSDP2's per-layer units
@@ -808,12 +809,17 @@ class Plan:
 
     def _kept(self, saved: tuple[Activation, ...]) -> tuple[Activation, ...]:
         """What a layer keeps of the tensors it saves: none that selective recompute's modules rebuild, and in an
-        fp8 plan each linear's input as its fp8 copy (beside the bf16 tensor where another op keeps that too)."""
+        fp8 plan each linear's input as its fp8 copy (beside the bf16 tensor where another op keeps that too).
+        The routed experts' rows scale with the busiest expert's load (:attr:`expert_tokens_factor`): the rank
+        holding it keeps that many more, as it computes them (``parsim.lowering.kernels``)."""
         modules = self.recompute_modules or ()
+        load = self.expert_tokens_factor
         kept = []
         for a in saved:
             if a.recompute in modules:
                 continue
+            if load != 1 and a.name.startswith(ROUTED_ACTIVATIONS):
+                a = dataclasses.replace(a, width=round(a.width * load))
             if self.dtype == "fp8" and a.linear == LINEAR_ONLY:
                 a = dataclasses.replace(a, element_bytes=FP8_SAVED_BYTES)
             kept.append(a)
