@@ -757,8 +757,16 @@ def test_compare_of_a_collective_follows_the_collective_probe_around_its_sweep(m
     alone = predict(spec.build(1), "all_reduce", 1 << 20, np.arange(2)).time_s
     assert doc["rows"][0]["predicted_s"] == pytest.approx(alone + 400e-6)
     assert main(argv) == 0
+    out = capsys.readouterr().out
     assert ("the collective probe around the sweep took 500 / 800 / 3200 against 250 / 400 / 1600 us at "
-            "calibration") in capsys.readouterr().out
+            "calibration") in out
+    # predicted before measured, as compare of a plan reads; busbw = 1 MiB x 2(n-1)/n / time, in GB/s
+    header, _, row = out.splitlines()[1:4]
+    assert header.split() == ["size", "(MiB)", "predicted", "(ms)", "measured", "(ms)", "busbw", "pred", "(GB/s)",
+                              "busbw", "meas", "(GB/s)", "error"]
+    predicted = alone + 400e-6
+    assert row.split() == ["1", f"{predicted * 1e3:.4g}", "2", f"{2**20 / predicted / 1e9:.4g}",
+                           f"{2**20 / 2e-3 / 1e9:.4g}", f"{predicted / 2e-3 - 1:+.1%}"]
 
 
 def test_a_round_of_calls_between_compute_counts_less_what_its_probe_took_more(monkeypatch, tmp_path):
