@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-
 from fractions import Fraction
 from typing import Iterable
 
@@ -117,6 +116,13 @@ def format_time(seconds: float) -> str:
             value = seconds / scale
             return f"{value:,.0f} {unit}" if abs(value) >= 1000 else f"{value:.3g} {unit}"
     return f"{seconds / 1e-9:.3g} ns"
+
+
+def decimal_unit(largest: float, unit: str) -> tuple[str, float]:
+    """``unit`` with the decimal prefix that keeps ``largest`` at 1 or more, from G down to k: ``("GB", 1e9)``,
+    ``("MFLOP", 1e6)`` (a tiny model's figures would read 0.00 in G)."""
+    prefix, scale = next(((p, f) for p, f in (("G", 1e9), ("M", 1e6)) if largest >= f), ("k", 1e3))
+    return prefix + unit, scale
 
 
 def time_unit(seconds: Iterable[float]) -> tuple[str, float]:

@@ -13,7 +13,7 @@ from ..hardware.topology import Topology
 from ..lowering.eager_ops import held_ops
 from ..report.table import render_table
 from ..sim.cores import core_of
-from ..units import format_size, format_time
+from ..units import decimal_unit, format_size, format_time
 from ..workload.memory import Memory
 from ..workload.plan import Plan
 
@@ -235,16 +235,10 @@ class OpsProgress:
             self.stream.flush()
 
 
-def memory_unit(largest: float) -> tuple[str, float]:
-    """GB, or MB or kB where ``largest`` bytes are less than one of the larger unit (a tiny model's would read
-    0.00 GB): the unit memory figures print in."""
-    return next(((unit, scale) for unit, scale in (("GB", 1e9), ("MB", 1e6)) if largest >= scale), ("kB", 1e3))
-
-
 def memory_table(ranks: list[Memory], capacity: float, title: str) -> str:
     """Memory per GPU of each pipeline rank against the GPU's capacity, in GB, or in MB or kB where the largest
     rank holds less than one of the larger unit (a tiny model's would read 0.00 GB)."""
-    unit, scale = memory_unit(max((m.total for m in ranks), default=0.0))
+    unit, scale = decimal_unit(max((m.total for m in ranks), default=0.0), "B")
     rows = [[f"pp {m.pp_rank}", *(f"{v / scale:.2f}" for v in (m.weights, m.gradients, m.optimizer, m.activations)),
              m.in_flight, f"{m.buffers / scale:.2f}", f"{m.total / scale:.2f}",
              "ok" if m.total <= capacity else "OVER"] for m in ranks]

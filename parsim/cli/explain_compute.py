@@ -11,7 +11,7 @@ from ..lowering.lower import Lowering
 from ..report.jsondoc import print_json
 from ..report.table import format_number, render_table
 from ..sim.compute import MATMUL_TILE, ComputeModel
-from ..units import format_size, format_time, time_unit
+from ..units import decimal_unit, format_size, format_time, time_unit
 from .common import DEFAULT_CLUSTER, plan_cluster
 from .plan_cmd import add_plan_args, plan_from_args
 
@@ -309,8 +309,7 @@ def _report(plan, spec, model: ComputeModel, layer: str, rows: list[dict], total
                      "this layer's times")
     lines.append("")
     unit, scale = time_unit(r["time_s"] for r in rows)
-    flop_unit, flop_scale = next(((u, f) for u, f in (("GFLOP", 1e9), ("MFLOP", 1e6)) if
-                                  max(r["flops"] for r in rows) >= f), ("kFLOP", 1e3))
+    flop_unit, flop_scale = decimal_unit(max(r["flops"] for r in rows), "FLOP")
     table = [[PASS_NAMES[r["pass"]], r["block"], r["kernel"], r["shape"],
               format_number(r["flops"] / flop_scale) if r["flops"] else "",
               _percent(r["fill"]) if r["fill"] is not None else "",

@@ -6,11 +6,12 @@ import argparse
 
 from ..errors import ParsimError
 from ..report.jsondoc import print_json
+from ..units import decimal_unit
 from ..workload.memory import (ADAM_STATE_BYTES, Memory, gradients_accumulate_whole, largest_gathered_unit, memory,
                                saved_bytes_per_token, waiting_bytes_per_token, weight_bytes)
 from ..workload.model import LayerCost
 from ..workload.plan import Plan
-from .common import DEFAULT_CLUSTER, memory_table, memory_unit, plan_cluster
+from .common import DEFAULT_CLUSTER, memory_table, plan_cluster
 from .plan_cmd import add_plan_args, plan_from_args
 
 HELP = """\
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> list[str]:
     p, d, g, n = mem.pp_rank, plan.dtype_bytes, plan.grad_bytes, plan.shard_size
-    unit, scale = memory_unit(max(m.total for m in ranks))
+    unit, scale = decimal_unit(max(m.total for m in ranks), "B")
 
     def size(nbytes: float) -> str:
         return f"{nbytes / scale:.2f} {unit}"

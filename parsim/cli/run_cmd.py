@@ -105,8 +105,7 @@ def report(plan: Plan, s: dict) -> str:
     """Step time, throughput, loss and each rank's time by phase, for people."""
     unit = s["throughput_unit"].split("/")[0]
     lines = [  # the plan as parsim simulate names it: degrees, schedule, batch, dtype, sync, SP, recompute...
-        f"{plan.name}: {plan.model.name} on {s['world_size']} ranks, {s['backend']} ({plan.layout_text()}, "
-        f"{plan.dtype}{''.join(', ' + f for f in plan.features())})",
+        f"{plan.name}: {plan.model.name} on {s['world_size']} ranks, {s['backend']} ({plan.summary_text()})",
         f"  step time   {format_time(s['step_s'])}  (median of {s['steps']}; min {format_time(s['step_s_min'])}, "
         f"max {format_time(s['step_s_max'])})",
         f"  throughput  {s['throughput']:,.0f} {s['throughput_unit']} ({s['tokens_per_step']:,} {unit} per step)",

@@ -98,7 +98,7 @@ def report(r: StepPrediction) -> str:
     unit = "token" if plan.model.tokens_per_sample > 1 else "sample"  # an MLP's rows are samples, not tokens
     lines = [
         f"{plan.name}: {plan.model.name} on {plan.world:,} GPU{'' if plan.world == 1 else 's'} of {r.cluster.name} "
-        f"({plan.layout_text()}, {plan.dtype}{''.join(', ' + f for f in plan.features())})",
+        f"({plan.summary_text()})",
         f"  step time   {format_time(r.step_s)}",
         f"  throughput  {r.tokens_per_s:,.0f} {unit}s/s ({plan.tokens_per_step:,} {unit}s per step)",
         f"  MFU         {r.mfu:.1%}  (model FLOPs {r.model_flops:.3g} per step / (step x {plan.world} GPUs x "

@@ -640,12 +640,14 @@ class Plan:
         """``dp 16 x pp 8 x tp 8`` (cp only where it is used)."""
         return " x ".join(f"{d} {self.degree(d)}" for d in ("dp", "pp", "cp", "tp") if d != "cp" or self.cp > 1)
 
-    def layout_text(self) -> str:
-        """The degrees, the schedule where there is a pipeline, and the batch: ``dp 16 x pp 8 x tp 8, 1f1b, 16
-        microbatches of 1`` (a one-stage plan runs its microbatches in turn, under no schedule)."""
+    def summary_text(self) -> str:
+        """The plan as report headers name it: degrees, the schedule where there is a pipeline (a one-stage plan
+        runs its microbatches in turn, under no schedule), batch, dtype and :meth:`features`: ``dp 16 x pp 8 x
+        tp 8, 1f1b, 16 microbatches of 1, bf16, ZeRO-1 over 16 ranks, ...``."""
         schedule = f"{self.schedule}, " if self.pp > 1 else ""
         batches = "microbatch" if self.num_microbatches == 1 else "microbatches"
-        return f"{self.degrees_text()}, {schedule}{self.num_microbatches} {batches} of {self.microbatch_size}"
+        return (f"{self.degrees_text()}, {schedule}{self.num_microbatches} {batches} of {self.microbatch_size}, "
+                f"{self.dtype}" + "".join(f", {f}" for f in self.features()))
 
     @property
     def dtype_bytes(self) -> int:
