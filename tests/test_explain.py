@@ -353,3 +353,11 @@ def test_zero_bubble_memory_counts_the_microbatches_waiting_on_their_weight_grad
     assert main(["explain", "memory", "--model", "llama3-70b", "--tp", "8", "--pp", "8", "--dp", "16", "--zero", "1",
                  "--num-microbatches", "16", "--schedule", "zero-bubble", "--pp-rank", "6"]) == 0
     assert "6 of stage 6's awaiting their weight gradient: 2 x 7.51 + 6 x 7.51 = 60.06 GB" in capsys.readouterr().out
+
+
+def test_explain_bubble_counts_the_microbatches_a_deferred_w_keeps(capsys):
+    """ZB-H1 on 4 ranks: the microbatches awaiting their W at each rank's peak (0 to 3), which the in-flight
+    count leaves out and explain memory weighs."""
+    assert main(["explain", "bubble", "--pp", "4", "--microbatches", "8", "--schedule", "zero-bubble"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Peak per rank: [4, 3, 2, 1]" in out and "at most [0, 1, 2, 3] such per rank" in out

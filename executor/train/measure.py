@@ -146,7 +146,7 @@ def summarize(plan: Plan, traces: list[Trace], losses: list[float], backend: str
     ranks' mean in each step: :func:`~parsim.report.step_report.median_breakdown` by stage)."""
     times = [step_time(trace) for trace in traces]
     median = times[median_step(traces)]
-    unit = "samples" if plan.model.tokens_per_sample == 1 else "tokens"
+    unit = f"{plan.model.throughput_unit}s"
     rows = [breakdown(trace) for trace in traces]
     stage_of = {row.rank: plan.coords(row.rank).pp for step in rows for row in step}
     return {

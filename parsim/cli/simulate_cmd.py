@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 def report(r: StepPrediction) -> str:
     plan, gb = r.plan, 1e9
     capacity = r.cluster.gpu.hbm_capacity_bytes
-    unit = "token" if plan.model.tokens_per_sample > 1 else "sample"  # an MLP's rows are samples, not tokens
+    unit = plan.model.throughput_unit
     lines = [
         f"{plan.name}: {plan.model.name} on {plan.world:,} GPU{'' if plan.world == 1 else 's'} of {r.cluster.name} "
         f"({plan.summary_text()})",

@@ -129,11 +129,6 @@ def _reasons(counts: dict[str, int]) -> str:
     return ", ".join(f"{n:,} {reason}" for reason, n in sorted(counts.items(), key=lambda x: -x[1]))
 
 
-def _unit(result: SearchResult) -> str:
-    """What the model's throughput counts: tokens, or an MLP's samples (its rows)."""
-    return "token" if result.request.model.tokens_per_sample > 1 else "sample"
-
-
 def _per_million(unit: str) -> str:
     return "$/M tok" if unit == "token" else "$/M samples"
 
@@ -141,7 +136,7 @@ def _per_million(unit: str) -> str:
 def ranking_table(result: SearchResult, rows: list[Ranked]) -> str:
     priced = result.request.price is not None
     trains = result.request.train_tokens is not None
-    unit = _unit(result)
+    unit = result.request.model.throughput_unit
     headers = ["#", "GPUs", "plan", "schedule", "m x mbs", "sync", "recompute", "sp", "cp", "step", "MFU",
                f"{unit}s/s", *([_per_million(unit)] if priced else []), *(["days"] if trains else []),
                *(["$ to train"] if trains and priced else []), "GB", "fast step", "fast vs sim", "fast #"]
@@ -171,7 +166,7 @@ def front_table(result: SearchResult) -> str:
                      format_time(f["step_s"]), f"{f['memory_GB']:.1f}",
                      *([f"{f['usd_per_million_tokens']:.3f}"] if priced else [])])
     headers = ["GPUs", "plan", "schedule", "m x mbs", "sync", "recompute", "sp", "fast step", "GB",
-               *([_per_million(_unit(result))] if priced else [])]
+               *([_per_million(result.request.model.throughput_unit)] if priced else [])]
     what = "step time, memory and cost" if len(result.request.gpus) > 1 else "step time and memory"
     return render_table(headers, rows, title=f"Pareto front of {what} (fast tier; none is beaten on all of them, "
                                              f"up to 1.5 times the best)")

@@ -514,6 +514,11 @@ class _CostTotals:
                               f"(it is Megatron's, for transformers)")
 
     @property
+    def throughput_unit(self) -> str:
+        """What the model's throughput counts: ``"token"``, or ``"sample"`` for the MLP (its rows)."""
+        return "token" if self.tokens_per_sample > 1 else "sample"
+
+    @property
     def num_params(self) -> int:
         """Total parameters (FLOPs and parameter counts do not depend on the dtype)."""
         return sum(c.num_params for c in self.costs(1))
