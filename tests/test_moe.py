@@ -122,6 +122,24 @@ def test_a_rank_runs_one_gemm_per_expert_it_holds():
     assert len(shared) == 3  # the shared expert sees every token once
 
 
+def test_a_hot_experts_rank_moves_its_extra_rows_and_every_rank_waits_for_it():
+    """--expert-load 1.5 under tp 2 x ep 2: the busiest rank receives 1.5x the mean rows in the dispatch and
+    sends them back in the combine, its tp group gathering and scattering them all; the shared experts' and
+    the attention's collectives carry the same bytes as under balanced routing."""
+    def layer(expert_load: float) -> list[tuple[str, str, float]]:
+        program = lower(Plan(model=MOE, dp=4, tp=2, ep=2, sequence_parallel=True, dtype="bf16", num_microbatches=1,
+                             expert_load=expert_load))
+        return [(op.name, op.group, op.nbytes) for op in program.rank_ops(0)
+                if op.kind == "collective" and "layer=layer.1 " in op.name]
+
+    even, hot = layer(1.0), layer(1.5)
+    routed = 1024 * 2 * 512 * 2  # bytes: the k rows of every token
+    scaled = [(e[1], h[2] / e[2]) for e, h in zip(even, hot) if h[2] != e[2]]
+    assert scaled == [("ep", 1.5), ("tp", 1.5), ("tp", 1.5), ("ep", 1.5)] * 2  # dispatch, gather, scatter, combine
+    assert max(h[2] for h in hot) == 1.5 * routed
+    assert sum(e[2] == h[2] for e, h in zip(even, hot)) == len(even) - 8  # the rest as balanced
+
+
 def test_a_hot_expert_slows_the_step_unless_capacity_drops_its_tokens():
     spec = ideal_spec()
     balanced = predict_step(plan(4), spec).step_s

@@ -34,7 +34,8 @@ from ..report.trace import collective_name, compute_name, p2p_name
 from ..schedules import Action, Schedule
 from ..sim.collectives.deepep import TokenRouting
 from ..sim.program import Op, Program
-from ..workload.model import FP8_DISPATCH_BYTES, FP8_DISPATCHED, POSITIONS, LayerCost, MLPModel, shard
+from ..workload.model import (FP8_DISPATCH_BYTES, FP8_DISPATCHED, POSITIONS, ROUTED_COLLECTIVES, LayerCost, MLPModel,
+                              shard)
 from ..workload.plan import Plan
 from . import eager_ops, tp_overlap
 from .kernels import block_work
@@ -535,6 +536,11 @@ class Lowering:
                 group, mirrors = self.group(p, coll.group)
                 # Expert all-to-alls carry this rank's 1/tp of the tokens (the tp ranks split the dispatch).
                 nbytes = coll.bytes_per_token * self.tokens / (plan.tp if coll.group == "ep" else 1)
+                if coll.name.startswith(ROUTED_COLLECTIVES):
+                    # The busiest expert's rank receives expert_load x the mean rows in the dispatch (and sends
+                    # them back in the combine), and every rank of the all-to-all waits for it: priced as if
+                    # each rank moved that rank's bytes (its expert-tp group gathers and scatters them all).
+                    nbytes *= plan.expert_tokens_factor
                 if plan.dispatch_fp8 and coll.name in FP8_DISPATCHED:
                     nbytes *= FP8_DISPATCH_BYTES / plan.dtype_bytes
                 routing = self.routing if coll.group == "ep" else None

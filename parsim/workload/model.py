@@ -113,6 +113,9 @@ FP8_SAVED_BYTES = 1
 # sent to the experts' down-projections, travel in fp8 with one fp32 scale per 1x128 tile; the combine and the
 # dispatch's gradient stay bf16.
 FP8_DISPATCHED = ("moe.dispatch", "moe.combine.grad")
+# A MoE layer's collectives of its routed rows: the all-to-alls to and from the experts and the expert-tp group's
+# gather and scatter of the rows the experts received (the shared experts' are "moe.shared.*").
+ROUTED_COLLECTIVES = ("moe.dispatch", "moe.combine", "moe.experts.")
 FP8_DISPATCH_BYTES = 1 + 4 / 128
 
 

@@ -257,7 +257,9 @@ class Plan:
     that many data-parallel ranks (Megatron-LM folds it into dp x cp), tokens
     travelling to their experts by all-to-all; ``expert_load`` is the busiest
     expert's share of tokens over the mean (1: perfectly balanced routing),
-    capped by ``capacity_factor`` when tokens beyond capacity are dropped.
+    capped by ``capacity_factor`` when tokens beyond capacity are dropped: the
+    rank holding it computes, keeps and moves that many more routed rows, and
+    the others wait for it.
     ``ep_comm_overlap`` runs each pair of a forward and another microbatch's
     backward together, the all-to-alls of one beside the compute of the other:
     DualPipe-V's pairs (DeepSeek-V3 report, section 3.2.1), or Megatron-LM's
