@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -352,7 +353,11 @@ def test_zero_bubble_memory_counts_the_microbatches_waiting_on_their_weight_grad
     assert rank6.activations == pytest.approx(ranks[0].activations, rel=1e-4)
     assert main(["explain", "memory", "--model", "llama3-70b", "--tp", "8", "--pp", "8", "--dp", "16", "--zero", "1",
                  "--num-microbatches", "16", "--schedule", "zero-bubble", "--pp-rank", "6"]) == 0
-    assert "6 of stage 6's awaiting their weight gradient: 2 x 7.51 + 6 x 7.51 = 60.06 GB" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "6 of stage 6's awaiting their weight gradient: 2 x 7.51 + 6 x 7.51 = 60.06 GB" in out
+    # the table's count says which microbatches its activations hold
+    assert re.search(r"pp 6 +[\d.]+ +[\d.]+ +[\d.]+ +60\.06 +2 \+ 6 W ", out)
+    assert re.search(r"pp 0 +[\d.]+ +[\d.]+ +[\d.]+ +60\.06 +8 ", out) and "+ W: those whose deferred" in out
 
 
 def test_explain_bubble_counts_the_microbatches_a_deferred_w_keeps(capsys):

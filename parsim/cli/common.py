@@ -237,13 +237,24 @@ class OpsProgress:
 
 def memory_table(ranks: list[Memory], capacity: float, title: str) -> str:
     """Memory per GPU of each pipeline rank against the GPU's capacity, in GB, or in MB or kB where the largest
-    rank holds less than one of the larger unit (a tiny model's would read 0.00 GB)."""
+    rank holds less than one of the larger unit (a tiny model's would read 0.00 GB). A split schedule's
+    microbatches still waiting for their weight gradient count beside those in flight (``3 + 5 W``)."""
     unit, scale = decimal_unit(max((m.total for m in ranks), default=0.0), "B")
     rows = [[f"pp {m.pp_rank}", *(f"{v / scale:.2f}" for v in (m.weights, m.gradients, m.optimizer, m.activations)),
-             m.in_flight, f"{m.buffers / scale:.2f}", f"{m.total / scale:.2f}",
+             _microbatches_held(m), f"{m.buffers / scale:.2f}", f"{m.total / scale:.2f}",
              "ok" if m.total <= capacity else "OVER"] for m in ranks]
-    return render_table(["stage", "weights", "grads", "optimizer", "activations", "mb in flight", "fsdp buffers",
-                         f"total {unit}", f"fits {capacity / 1e9:g} GB"], rows, title=f"{title} ({unit})")
+    table = render_table(["stage", "weights", "grads", "optimizer", "activations", "mb in flight", "fsdp buffers",
+                          f"total {unit}", f"fits {capacity / 1e9:g} GB"], rows, title=f"{title} ({unit})")
+    if any(m.waiting for m in ranks):
+        table += ("\nmb in flight: microbatches between their forward and backward when activations peak, + W: "
+                  "those whose deferred weight gradient still waits (each keeps its linears' inputs and output grads)")
+    return table
+
+
+def _microbatches_held(m: Memory) -> str:
+    """The microbatches whose activations the column beside counts: at the peak, in flight (+ waiting for W)."""
+    in_flight = sum(m.peak_counts[:len(m.peak_counts) // 2]) if m.peak_counts else m.in_flight
+    return f"{in_flight} + {m.waiting} W" if m.waiting else str(in_flight)
 
 
 def expert_load_text(load: dict) -> str:

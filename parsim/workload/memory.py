@@ -36,6 +36,11 @@ class Memory:
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
 
+    @property
+    def waiting(self) -> int:
+        """Microbatches waiting for their deferred weight gradient when the activations peak."""
+        return sum(self.peak_counts[len(self.peak_counts) // 2:])
+
 
 def weight_bytes(plan: Plan) -> tuple[int, int]:
     """Bytes per parameter of the weights a rank keeps and of AdamW's fp32 master copy of them. Mixed precision
