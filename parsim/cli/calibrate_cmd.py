@@ -74,7 +74,8 @@ One GPU measures no collective, so links and NCCL stay the spec sheets'
 (--ops, --sweep and --backend do not apply).
 """
 
-FIT_OPS = "all-reduce,send-recv,all-gather,reduce-scatter,broadcast"
+# Every collective the executor's plans issue: all-to-all for expert parallelism's dispatch and combine.
+FIT_OPS = "all-reduce,send-recv,all-gather,reduce-scatter,broadcast,all-to-all"
 # Rounds over every collective, each size fitted on its median: on the 2-core VM (2026-11-27) three runs of
 # `parsim bench all-reduce --nproc 2 --sweep 64KiB:64MiB:4` back to back timed 64 MiB at 76.9, 81.5 and 100.0 ms,
 # and one calibration's single round put the links a third under the others' (set BV in docs/calibration.md).
