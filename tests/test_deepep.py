@@ -103,8 +103,10 @@ MOE = load_model({"kind": "transformer", "name": "moe", "num_layers": 2, "hidden
 def test_a_deepep_plan_lowers_its_all_to_alls_with_the_routing():
     plan = Plan(model=MOE, dp=32, ep=32, dtype="bf16", microbatch_size=1, num_microbatches=2, dispatcher="deepep")
     ops = [op for op in lower(plan).ops if op.kind == "collective"]
-    expert = [op for op in ops if op.group == "ep"]
+    expert = [op for op in ops if op.group == "ep" and op.nbytes > 8 * 64]
     assert expert and all(op.routing == TokenRouting(8, 64, 2) for op in expert)
+    counts = [op for op in ops if op.group == "ep" and op.nbytes == 8 * 64]  # the dispatch's counts, an int64 each
+    assert len(counts) == len(expert) / 4 and all(op.routing is None for op in counts)
     assert all(op.routing is None for op in ops if op.group != "ep")
     plain = predict_step(dataclasses.replace(plan, dispatcher="alltoall"), load_cluster("dgx-h100"))
     deepep = predict_step(plan, load_cluster("dgx-h100"))

@@ -56,8 +56,11 @@ def test_expert_parallelism_spreads_the_experts_and_their_state():
 def test_each_moe_layer_dispatches_and_combines_by_all_to_all():
     program = lower(plan(4))
     a2a = [op for op in program.ops if op.group == "ep"]
-    assert Counter(op.collective for op in a2a) == {"all_to_all": 3 * 4}  # 3 MoE layers x (2 fwd + 2 bwd)
-    dispatch = next(op for op in a2a if op.name == "all_to_all ep layer=layer.1 mb=0 dir=fwd0")
+    # 3 MoE layers x (the counts, then 2 fwd + 2 bwd of rows)
+    assert Counter(op.collective for op in a2a) == {"all_to_all": 3 * 5}
+    counts = next(op for op in a2a if op.name == "all_to_all ep layer=layer.1 mb=0 dir=fwd0")
+    assert counts.nbytes == 8 * 8 and counts.stream == "compute"  # an int64 count per expert
+    dispatch = next(op for op in a2a if op.name == "all_to_all ep layer=layer.1 mb=0 dir=fwd1")
     assert dispatch.nbytes == 1024 * 2 * 512 * 2  # tokens x top-2 x hidden x bf16
     assert dispatch.ranks == (0, 1, 2, 3)
     assert not any(op.group == "ep" for op in lower(plan(1)).ops)
@@ -87,15 +90,17 @@ def test_expert_gradients_sync_over_the_ranks_holding_the_same_experts(grad_sync
 
 def test_under_tp_each_rank_dispatches_its_part_of_the_sequence_and_the_tp_group_shares_the_rows():
     """Megatron-LM's MoE under tp 2 (sequence parallel): the shared experts (a gather of the block input, a
-    reduce-scatter of their output), the dispatch of this rank's half of the sequence, the tp gather of the
+    reduce-scatter of their output), the token counts per expert (an int64 each), the dispatch of this rank's half
+    of the sequence, the tp gather of the
     rows the experts received; after the experts the reduce-scatter of their partial outputs and the combine.
     The backward runs in reverse, the shared experts last."""
     program = lower(Plan(model=MOE, dp=4, tp=2, ep=2, sequence_parallel=True, dtype="bf16", num_microbatches=1))
     layer = [op for op in program.rank_ops(0) if op.kind == "collective" and "layer=layer.1 " in op.name]
     tokens, routed, hidden = 1024, 1024 * 2 * 512 * 2, 1024 * 512 * 2  # bytes: k rows and one row per token
-    forward = [(op.collective, op.group, op.nbytes) for op in layer if "dir=fwd" in op.name][-6:]
-    assert forward == [("all_gather", "tp", hidden), ("reduce_scatter", "tp", hidden), ("all_to_all", "ep", routed / 2),
-                       ("all_gather", "tp", routed), ("reduce_scatter", "tp", routed), ("all_to_all", "ep", routed / 2)]
+    forward = [(op.collective, op.group, op.nbytes) for op in layer if "dir=fwd" in op.name][-7:]
+    assert forward == [("all_gather", "tp", hidden), ("reduce_scatter", "tp", hidden), ("all_to_all", "ep", 8 * 8),
+                       ("all_to_all", "ep", routed / 2), ("all_gather", "tp", routed), ("reduce_scatter", "tp", routed),
+                       ("all_to_all", "ep", routed / 2)]
     backward = [(op.collective, op.group) for op in layer if "dir=bwd" in op.name][:6]
     assert backward == [("all_to_all", "ep"), ("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_to_all", "ep"),
                         ("all_gather", "tp"), ("reduce_scatter", "tp")]
@@ -125,7 +130,7 @@ def test_a_rank_runs_one_gemm_per_expert_it_holds():
 def test_a_hot_experts_rank_moves_its_extra_rows_and_every_rank_waits_for_it():
     """--expert-load 1.5 under tp 2 x ep 2: the busiest rank receives 1.5x the mean rows in the dispatch and
     sends them back in the combine, its tp group gathering and scattering them all; the shared experts' and
-    the attention's collectives carry the same bytes as under balanced routing."""
+    the attention's collectives and the counts carry the same bytes as under balanced routing."""
     def layer(expert_load: float) -> list[tuple[str, str, float]]:
         program = lower(Plan(model=MOE, dp=4, tp=2, ep=2, sequence_parallel=True, dtype="bf16", num_microbatches=1,
                              expert_load=expert_load))

@@ -359,15 +359,16 @@ class EPGroup(_LayerGroup):
     def all_to_all_counted(self, x, counts, layer: str, nbytes: int) -> tuple[Any, Any]:
         """The forward dispatch: ``counts[e]`` rows of ``x`` go to expert ``e``'s rank.
 
-        The counts are exchanged first, inside the same span (Megatron-LM's
-        dispatcher does the same before its token all-to-all), so each rank
-        knows what it receives. Returns the rows and the counts received,
-        ``[size, experts per rank]``.
+        The counts are exchanged first, in a call of their own (Megatron-LM's
+        dispatcher gathers them before its token all-to-all too; the
+        simulator's ``moe.counts``), so each rank knows what it receives.
+        Returns the rows and the counts received, ``[size, experts per rank]``.
         """
-        with self._span("all_to_all", layer, "fwd", nbytes):
+        with self._span("all_to_all", layer, "fwd", counts.numel() * counts.element_size()):
             received = torch.empty_like(counts)
             dist.all_to_all_single(received, counts, group=self.group)
             received = received.view(self.size, -1)
+        with self._span("all_to_all", layer, "fwd", nbytes):
             out = self._exchange(x, counts.view(self.size, -1).sum(1).tolist(), received.sum(1).tolist())
         return out, received
 
@@ -384,7 +385,7 @@ def _row_bytes(x) -> int:
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, counts, ep: EPGroup, layer: str):
-        ctx.own_bytes = x.shape[0] * _row_bytes(x)  # this rank's routed rows: what all four spans record
+        ctx.own_bytes = x.shape[0] * _row_bytes(x)  # this rank's routed rows: what the rows' four spans record
         out, received = ep.all_to_all_counted(x, counts, layer, ctx.own_bytes)
         ctx.ep, ctx.layer = ep, layer
         ctx.send, ctx.receive = counts.view(ep.size, -1).sum(1).tolist(), received.sum(1).tolist()

@@ -34,8 +34,8 @@ from ..report.trace import collective_name, compute_name, p2p_name
 from ..schedules import Action, Schedule
 from ..sim.collectives.deepep import TokenRouting
 from ..sim.program import Op, Program
-from ..workload.model import (FP8_DISPATCH_BYTES, FP8_DISPATCHED, POSITIONS, ROUTED_COLLECTIVES, LayerCost, MLPModel,
-                              shard)
+from ..workload.model import (COUNTS_EXCHANGE, FP8_DISPATCH_BYTES, FP8_DISPATCHED, POSITIONS, ROUTED_COLLECTIVES,
+                              LayerCost, MLPModel, shard)
 from ..workload.plan import Plan
 from . import eager_ops, tp_overlap
 from .kernels import block_work
@@ -436,7 +436,7 @@ class Lowering:
                 if piece.beside:  # on its own stream: starts once the compute-stream op before it ends
                     deps = gathered + ((last,) if last is not None else ())
                     beside[piece.stream].append(self._stamp(rank, template, name_mb, deps))
-                elif paired and piece.group == "ep":
+                elif paired and piece.group == "ep" and not piece.counts:
                     deps = gathered + ((last,) if last is not None else ())
                     last = self._stamp(rank, _on_stream(template, "ep"), name_mb, deps)
                     gathered = (last,)
@@ -535,7 +535,7 @@ class Lowering:
                 count += 1
                 group, mirrors = self.group(p, coll.group)
                 # Expert all-to-alls carry this rank's 1/tp of the tokens (the tp ranks split the dispatch).
-                nbytes = coll.bytes_per_token * self.tokens / (plan.tp if coll.group == "ep" else 1)
+                nbytes = coll.bytes_per_token * self.tokens / (plan.tp if coll.group == "ep" else 1) + coll.fixed_bytes
                 if coll.name.startswith(ROUTED_COLLECTIVES):
                     # The busiest expert's rank receives expert_load x the mean rows in the dispatch (and sends
                     # them back in the combine), and every rank of the all-to-all waits for it: priced as if
@@ -543,9 +543,10 @@ class Lowering:
                     nbytes *= plan.expert_tokens_factor
                 if plan.dispatch_fp8 and coll.name in FP8_DISPATCHED:
                     nbytes *= FP8_DISPATCH_BYTES / plan.dtype_bytes
-                routing = self.routing if coll.group == "ep" else None
+                counts = coll.name == COUNTS_EXCHANGE
+                routing = self.routing if coll.group == "ep" and not counts else None
                 around[coll.position].append(CommPiece(head, tail, coll.op, group, mirrors, nbytes, coll.group,
-                                                       routing=routing))
+                                                       routing=routing, counts=counts))
             compute, sources = self._compute(phase, block, "F" if forward else kind, index)
             # Overlapped: a block entered by one all-gather and left by one reduce-scatter (latent attention's
             # three gathers run in line: Transformer Engine's overlap of its up-projections is not modelled)

@@ -73,6 +73,9 @@ class CommPiece:
     beside: bool = False
     method: str = ""  # how it overlaps the GEMMs (parsim.lowering.tp_overlap: "ring exchange", "pipelined", "bulk")
     routing: TokenRouting | None = None  # an expert all-to-all DeepEP runs (parsim.sim.collectives.deepep)
+    # a dispatch's exchange of token counts: on the compute stream, where the pass waits for its answer, even in
+    # a pair whose all-to-alls run beside the compute (Lowering._paired)
+    counts: bool = False
 
     @property
     def stream(self) -> str:

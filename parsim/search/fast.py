@@ -1188,7 +1188,7 @@ def pair_seconds(plan: Plan, passes: PassCosts, forward_stage: int = 0, backward
         out, pieces = [], []
         for cost in (entries if kind == "F" else entries[::-1]):
             for piece in lowering.layer_pass(rank, 0, cost, kind):
-                if type(piece) is CommPiece and piece.group == "ep":
+                if type(piece) is CommPiece and piece.group == "ep" and not piece.counts:
                     out.append((pieces, piece))
                     pieces = []
                 else:

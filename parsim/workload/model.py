@@ -116,6 +116,12 @@ FP8_DISPATCHED = ("moe.dispatch", "moe.combine.grad")
 # A MoE layer's collectives of its routed rows: the all-to-alls to and from the experts and the expert-tp group's
 # gather and scatter of the rows the experts received (the shared experts' are "moe.shared.*").
 ROUTED_COLLECTIVES = ("moe.dispatch", "moe.combine", "moe.experts.")
+# Before its rows, a dispatch tells each rank how many it will receive: every rank's token count per expert
+# (int64), exchanged in a call of its own. Megatron-LM's MoEAlltoAllTokenDispatcher.preprocess all-gathers
+# num_local_tokens_per_expert over the expert tp x ep group and copies it to the host; DeepEP's normal dispatch
+# runs notify_dispatch; the executor all-to-alls the counts (executor.train.comm.EPGroup). Latency-bound in each.
+COUNTS_EXCHANGE = "moe.counts"
+COUNT_BYTES = 8
 FP8_DISPATCH_BYTES = 1 + 4 / 128
 
 
@@ -256,7 +262,8 @@ class TPCollective:
     there, beside those matmuls; :class:`parsim.lowering.lower.Lowering`).
     ``bytes_per_token`` is the whole (unsharded) tensor's size per token, the
     nccl-tests convention: for an all-gather, all ranks' chunks together.
-    ``regroups``: the tensor is split along its last (feature) dimension, so the
+    ``fixed_bytes``: bytes every call carries beside those by token (an expert
+    dispatch's per-expert token counts). ``regroups``: the tensor is split along its last (feature) dimension, so the
     rank-major collective buffer is regrouped by a copy of the whole tensor
     (after an all-gather, ``torch.cat(dim=-1)`` as the lecture and Megatron-LM's
     ``_gather_along_last_dim`` do; before a reduce-scatter, the chunks made
@@ -270,6 +277,7 @@ class TPCollective:
     bytes_per_token: int
     group: str = "tp"  # "ep": an all-to-all over the expert-parallel group, run only when ep > 1
     regroups: bool = False
+    fixed_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -962,6 +970,8 @@ class TransformerModel(_CostTotals):
         collectives = (  # in Megatron-LM's order: the shared experts first, then route, dispatch, run, combine
             *shared_collective("moe.shared.in", "all_gather", "forward", "before"),
             *shared_collective("moe.shared.out", "reduce_scatter", "forward", "before"),
+            TPCollective(COUNTS_EXCHANGE, "all_to_all", "forward", "before", 0, group="ep",
+                         fixed_bytes=e * COUNT_BYTES),
             TPCollective("moe.dispatch", "all_to_all", "forward", "before", routed_rows, group="ep"),
             TPCollective("moe.experts.in", "all_gather", "forward", "before", routed_rows),
             TPCollective("moe.experts.out", "reduce_scatter", "forward", "after", routed_rows),
