@@ -14,10 +14,10 @@ from parsim.workload.memory import memory
 from parsim.workload.model import load_model
 from parsim.workload.plan import Plan, resolve_plan
 
-MOE = load_model({"kind": "transformer", "name": "moe", "num_layers": 4, "hidden": 512, "num_heads": 8,
-                  "num_kv_heads": 4, "ffn_hidden": 2048, "seq_len": 1024, "vocab_size": 1000,
-                  "num_experts": 8, "experts_per_token": 2, "expert_ffn_hidden": 1024, "shared_experts": 1,
-                  "dense_layers": 1})
+MOE_SPEC = {"kind": "transformer", "name": "moe", "num_layers": 4, "hidden": 512, "num_heads": 8, "num_kv_heads": 4,
+            "ffn_hidden": 2048, "seq_len": 1024, "vocab_size": 1000, "num_experts": 8, "experts_per_token": 2,
+            "expert_ffn_hidden": 1024, "shared_experts": 1, "dense_layers": 1}
+MOE = load_model(MOE_SPEC)
 
 
 def test_mixtral_8x22b_has_141b_parameters_39b_active():
@@ -143,6 +143,29 @@ def test_a_hot_experts_rank_moves_its_extra_rows_and_every_rank_waits_for_it():
     assert scaled == [("ep", 1.5), ("tp", 1.5), ("tp", 1.5), ("ep", 1.5)] * 2  # dispatch, gather, scatter, combine
     assert max(h[2] for h in hot) == 1.5 * routed
     assert sum(e[2] == h[2] for e, h in zip(even, hot)) == len(even) - 8  # the rest as balanced
+
+
+@pytest.mark.parametrize("kernels, unpermute", [("fused", (2 + 1, 2 + 1)), ("eager", (5 * 2 + 1, 7 * 2 + 1))])
+def test_the_experts_activation_runs_on_the_busiest_ranks_rows_and_the_rows_come_back_to_their_tokens(kernels,
+                                                                                                      unpermute):
+    """--expert-load 1.5: the routed experts' SwiGLU runs on 1.5x the mean rows, as their GEMMs do; the shared
+    experts' and the sender's permute and unpermute (its own tokens' k rows) do not move. The unpermute
+    reads k rows a token and writes one (fused), or reorders, weighs and sums them (eager)."""
+    from parsim.lowering.kernels import block_work
+
+    model = load_model({**MOE_SPEC, "layer_kernels": kernels})
+    tokens = 1024
+
+    def parts(expert_load: float, kind: str = "F") -> dict[str, float]:
+        p = Plan(model=model, dp=4, ep=4, dtype="bf16", num_microbatches=1, expert_load=expert_load)
+        block = next(b for c in p.stage_costs(0) for b in c.blocks if b.name == "moe")
+        return {name: nbytes for name, nbytes, _ in block_work(p, block, kind, tokens).elementwise_parts}
+
+    even, hot = parts(1.0), parts(1.5)
+    assert hot["moe.act"] == 1.5 * even["moe.act"]
+    assert all(hot[n] == even[n] for n in ("moe.shared.act", "moe.permute", "moe.unpermute", "moe.norm"))
+    assert even["moe.unpermute"] == unpermute[0] * 512 * 2 * tokens  # (k+1)h or (5k+1)h elements, bf16
+    assert parts(1.0, "B")["moe.unpermute"] == unpermute[1] * 512 * 2 * tokens
 
 
 def test_a_hot_expert_slows_the_step_unless_capacity_drops_its_tokens():

@@ -116,8 +116,9 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         passes = [(e, backward, e.name) for e in block.elementwise]
         passes += [(e, False, f"{e.name} (recomputed)") for e in block.elementwise if e.recompute in rerun]
         split = (plan.dtype_bytes, tp, plan.sequence_parallel)
-        parts += [(name, tokens * e.bytes_per_token(direction, *split), e.sm_work(tokens, direction, *split))
-                  for e, direction, name in passes]
+        rows = {False: tokens, True: round(tokens * plan.expert_tokens_factor)}  # routed kernels: the busiest's
+        parts += [(name, rows[e.routed] * e.bytes_per_token(direction, *split),
+                   e.sm_work(rows[e.routed], direction, *split)) for e, direction, name in passes]
         # A tensor-parallel collective over features regroups its buffer with a copy: read and write it once.
         phase = "backward" if backward else "forward"
         regrouped = [c for c in block.collectives if c.regroups and c.group == "tp" and c.phase == phase and tp > 1]

@@ -312,6 +312,9 @@ class Elementwise:
     # the bias add's SM cycles per element (sm_cycles.bias_add: a broadcast add, timed alone); the kernel takes the
     # longer of its bytes and its cycles, and on Hopper these ops' cycles are the longer
     unvectorized: tuple[int, int] = (0, 0)
+    # over the rows a rank's routed experts received: the busiest expert's rank runs expert_load times the mean
+    # (Plan.expert_tokens_factor; parsim.lowering.kernels), as its expert GEMMs do
+    routed: bool = False
 
     def _per_rank(self, elements: int, tp: int, sequence_parallel: bool) -> int:
         split = tp if (self.sharded or sequence_parallel) else 1
@@ -983,11 +986,12 @@ class TransformerModel(_CostTotals):
             *shared_collective("moe.shared.out.grad", "all_gather", "backward", "after"),
             *shared_collective("moe.shared.in.grad", "reduce_scatter", "backward", "after"),
         )
-        active_ffn = k * fe + self.shared_experts * fe
+        shared_act = (replace(self._activation("moe.shared.act", self.shared_experts * fe), recompute="moe_act"),) \
+            if self.shared_experts else ()
         kernels = (*self._norm("moe.norm", h),
-                   Elementwise("moe.permute", 2 * k * h, 2 * k * h, sharded=False),  # tokens sorted to their experts
-                   replace(self._activation("moe.act", active_ffn), recompute="moe_act"),
-                   *self._residual("moe", h))
+                   Elementwise("moe.permute", 2 * k * h, 2 * k * h, sharded=False),  # each token's k rows by expert
+                   replace(self._activation("moe.act", k * fe), recompute="moe_act", routed=True), *shared_act,
+                   self._unpermute(k, h), *self._residual("moe", h))
         ops, per_expert = eager_ops.moe_ops(self.ffn_type, self.shared_experts > 0)
         return Block("moe", matmuls, collectives=collectives, elementwise=kernels, eager_ops=ops,
                      eager_ops_per_expert=per_expert), tuple(saved)
@@ -1120,6 +1124,16 @@ class TransformerModel(_CostTotals):
         if self.ffn_type == "swiglu":
             return Elementwise(name, 5 * f, 9 * f) if self.layer_kernels == "eager" else Elementwise(name, 3 * f, 5 * f)
         return Elementwise(name, 2 * f, 3 * f, sm_kind="gelu")
+
+    def _unpermute(self, k: int, h: int) -> Elementwise:
+        """The combined rows back to their tokens, each weighted by its gate and summed: a fused kernel reads the
+        k rows and writes one (Megatron-LM's ``moe_unpermute``; its backward reads one and writes k). Eager, as
+        the executor runs it: the rows back in token order (read kh, write kh), times the gates (read kh, write
+        kh), summed over k (read kh, write h); backward, the sum's gradient broadcast (read h, write kh), the
+        product's (read kh twice, write kh), the reorder's scatter into zeros (write kh, read kh, write kh)."""
+        if self.layer_kernels == "eager":
+            return Elementwise("moe.unpermute", (5 * k + 1) * h, (7 * k + 1) * h, sharded=False)
+        return Elementwise("moe.unpermute", (k + 1) * h, (k + 1) * h, sharded=False)
 
     def _residual(self, block: str, h: int) -> list[Elementwise]:
         """The residual add (two reads, one write; its backward sums the two gradients), with dropout

@@ -541,8 +541,6 @@ class Plan:
         if self.dispatcher == "deepep" and self.ep == 1:
             self._fail("dispatcher deepep runs the expert all-to-alls, and with ep 1 there are none "
                        "(--dispatcher alltoall turns it off)")
-        if self.dispatcher == "deepep" and m.num_experts % self.ep:
-            self._fail(f"dispatcher deepep: {m.num_experts} experts do not split evenly over ep {self.ep} ranks")
         if self.dispatch_fp8 and self.dtype != "fp8":
             self._fail(f"dispatch_fp8 sends the tokens its fp8 GEMMs read in fp8, as DeepSeek-V3 does: it needs "
                        f"dtype fp8 (this plan: {self.dtype}; --no-dispatch-fp8 turns it off)")
