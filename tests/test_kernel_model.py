@@ -338,7 +338,8 @@ def test_the_embedding_backward_zeroes_a_dense_table_gradient_and_adds_it_into_t
     assert accumulated == pytest.approx(1000 * 64 * plan.accumulation_bytes)
 
 
-@pytest.mark.parametrize("key, expected", [("grad_accumulation", "autograd, fused"), ("adamw", "foreach, fused")])
+@pytest.mark.parametrize("key, expected", [("grad_accumulation", "autograd, fused"), ("adamw", "foreach, fused"),
+                                           ("adam_moments", "fp32, bf16")])
 def test_an_unknown_implementation_is_refused_in_one_line(tmp_path, capsys, key, expected):
     path = tmp_path / "plan.yaml"
     path.write_text(f"model: tiny-gpt\nparallel: {{dp: 2}}\n{key}: fusedd\n")
@@ -365,6 +366,27 @@ def test_a_fused_adamw_makes_one_pass_of_seven_fp32_accesses():
     tensors = steps["foreach"].optimizer_tensors
     assert steps["foreach"].kernels == 8 * tensors and steps["fused"].kernels == -(-tensors // 36)
     assert steps["fused"].optimizer_tensors == 0 and steps["fused"].forward_ops == tensors
+
+
+def test_bf16_moments_halve_adamws_state_and_its_moments_traffic(capsys):
+    """adam_moments bf16 (DeepSeek-V3, section 3.3.3; Megatron-LM's precision-aware optimizer): the two moments
+    take 2 + 2 bytes per parameter in memory, and the fused step reads and writes them in bf16: 3 x 4 + 4 x 2
+    bytes per parameter. It needs the fused step; the executor's torch AdamW does not run it."""
+    from parsim.lowering.lower import lower
+    from parsim.workload.memory import memory
+
+    model = load_model("llama3-8b")
+    fp32, bf16 = (Plan(model=model, dp=8, zero=1, adamw="fused", adam_moments=m) for m in ("fp32", "bf16"))
+    params = fp32.params_per_rank(0)
+    assert memory(fp32)[0].optimizer - memory(bf16)[0].optimizer == pytest.approx(4 * params / 8)
+    (step,) = [op for op in lower(bf16).rank_ops(0) if op.phase == "optimizer"]
+    assert step.hbm_bytes == pytest.approx((3 * 4 + 4 * 2) * params / 8)
+    assert main(["simulate", "--model", "llama3-8b", "--dp", "8", "--adam-moments", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "adam_moments bf16 needs adamw fused" in err and len(err.strip().splitlines()) == 1
+    assert main(["explain", "memory", "--model", "llama3-8b", "--dp", "8", "--zero", "1", "--adamw", "fused",
+                 "--adam-moments", "bf16"]) == 0
+    assert "4 of bf16 moments" in capsys.readouterr().out
 
 
 def test_bf16_weights_step_fp32_masters_and_copy_them_back():

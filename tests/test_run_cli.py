@@ -41,6 +41,7 @@ def test_a_plan_the_executor_cannot_shard_is_refused_before_any_rank_starts(caps
     (["tiny-pp2", "--dtype", "fp8"], "fp8 compute"),
     (["tiny-pp2", "--grad-accumulation", "fused"], "weight-gradient matmuls that accumulate in place"),
     (["tiny-pp2", "--recompute-modules", "core_attn,layernorm"], "selective recompute of norms"),
+    (["tiny-pp2", "--adamw", "fused", "--adam-moments", "bf16"], "AdamW moments in bf16"),
     (["--model", "tiny-gpt", "--dp", "2", "--grad-sync", "fsdp", "--schedule", "zero-bubble"],
      "FSDP with a split-backward (zero-bubble) schedule"),
 ])

@@ -164,6 +164,8 @@ def check_plan(plan: Plan) -> None:
         ("DeepEP's expert dispatch (dispatcher: deepep; the executor's all-to-all sends a copy per expert)",
          plan.dispatcher == "deepep"),
         ("multi-token prediction (the model's mtp_layers)", getattr(m, "mtp_layers", 0) > 0),
+        (f"AdamW moments in {plan.adam_moments} (adam_moments; torch's AdamW keeps them in the weights' dtype)",
+         plan.adam_moments != "fp32"),
         (f"{plan.dtype} compute", plan.dtype not in DTYPES)) if used]
     if missing:
         raise ParsimError(f"parsim run does not execute {', '.join(missing)} yet; `parsim simulate` predicts it "

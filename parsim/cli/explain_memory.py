@@ -7,7 +7,7 @@ import argparse
 from ..errors import ParsimError
 from ..report.jsondoc import print_json
 from ..units import decimal_unit
-from ..workload.memory import (ADAM_STATE_BYTES, Memory, gradients_accumulate_whole, largest_gathered_unit, memory,
+from ..workload.memory import (Memory, gradients_accumulate_whole, largest_gathered_unit, memory,
                                saved_bytes_per_token, waiting_bytes_per_token, weight_bytes)
 from ..workload.model import LayerCost
 from ..workload.plan import Plan
@@ -74,13 +74,14 @@ def explain(plan: Plan, mem: Memory, ranks: list[Memory], capacity: float) -> li
     out = [f"Memory of one GPU on pipeline rank {p} of {plan.name} ({plan.model.name}, {plan.dtype})", ""]
     out.append(f"1. Parameters it holds: {params:,} ({layers}"
                + (f"; its 1/{plan.tp} tensor-parallel share" if plan.tp > 1 else "") + ").")
-    state = kept + g + ADAM_STATE_BYTES + master
+    moments = 2 * plan.moment_bytes
+    state = kept + g + moments + master
     grads = f"{g} of gradients" if plan.reduce_dtype == plan.dtype else f"{g} of {plan.reduce_dtype} gradients"
     adamw = "Mixed-precision AdamW" if kept != d or master else "AdamW"
     weights = (f"{kept} bytes of fp32 weights (FSDP2's shards, the master weights, gathered in {plan.dtype})"
                if kept != d else f"{d} bytes of weights")
     out.append(f"2. {adamw} keeps per parameter: {weights} + {grads} + "
-               f"{ADAM_STATE_BYTES} of fp32 moments" + (f" + {master} of fp32 master weights" if master else "")
+               f"{moments} of {plan.adam_moments} moments" + (f" + {master} of fp32 master weights" if master else "")
                + f" = {state} bytes: {size(state * params)} unsharded.")
     if plan.zero and n > 1:
         sharded = {1: "the optimizer state", 2: "the optimizer state and the gradients",

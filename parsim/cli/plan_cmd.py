@@ -16,9 +16,9 @@ from ..report.jsondoc import print_json
 from ..report.table import render_table
 from ..units import format_size
 from ..workload.model import RECOMPUTE_MODULES, builtin_models, load_model
-from ..workload.plan import (ADAMW_IMPLEMENTATIONS, CP_STYLES, DIMS, DISPATCHERS, DTYPE_BYTES, GRAD_ACCUMULATIONS,
-                             GRAD_SYNCS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, TP_STYLES, ZERO_STAGES, Plan,
-                             builtin_plans, load_plan, resolve_plan, runs_text)
+from ..workload.plan import (ADAM_MOMENTS, ADAMW_IMPLEMENTATIONS, CP_STYLES, DIMS, DISPATCHERS, DTYPE_BYTES,
+                             GRAD_ACCUMULATIONS, GRAD_SYNCS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, TP_STYLES,
+                             ZERO_STAGES, Plan, builtin_plans, load_plan, resolve_plan, runs_text)
 from .common import add_cluster_args, note
 
 HELP = """\
@@ -114,6 +114,9 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
     g.add_argument("--adamw", choices=ADAMW_IMPLEMENTATIONS,
                    help="AdamW's implementation: foreach (torch's default, several passes per tensor) or fused "
                         "(one pass: torch's fused=True, Apex's and Transformer Engine's FusedAdam)")
+    g.add_argument("--adam-moments", choices=tuple(ADAM_MOMENTS),
+                   help="the dtype of AdamW's two moments: fp32 (default) or bf16 as DeepSeek-V3 keeps them "
+                        "(Megatron-LM's precision-aware optimizer; needs --adamw fused)")
     g.add_argument("--grad-clip", type=float, metavar="NORM",
                    help="scale the gradients down to this global L2 norm before the optimizer step "
                         "(torch's clip_grad_norm_, Megatron-LM's --clip-grad; default: no clipping)")
@@ -150,7 +153,7 @@ def plan_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan:
         "tp_comm_overlap": args.tp_comm_overlap, "tp_async_backward": args.tp_async_backward,
         "context_parallel": args.context_parallel,
         "activation_recompute": _recompute_flags(args), "grad_accumulation": args.grad_accumulation,
-        "adamw": args.adamw, "grad_clip": args.grad_clip,
+        "adamw": args.adamw, "adam_moments": args.adam_moments, "grad_clip": args.grad_clip,
         "data_parallel": {"grad_sync": args.grad_sync, "bucket_size": args.bucket_size, "overlap": args.overlap,
                           "zero": args.zero, "shard_group": args.shard_group,
                           "overlap_param_gather": args.overlap_param_gather, "reduce_dtype": args.reduce_dtype},
@@ -320,7 +323,8 @@ def plan_text(plan: Plan, links: dict[str, dict[str, int]] | None = None, topolo
 
 def _optimizer_text(plan: Plan) -> str:
     """AdamW's implementation and what runs before it: fp16's loss scaling, the clip."""
-    out = [f"AdamW {plan.adamw}" + (" on fp32 master weights" if plan.master_weights else "")]
+    out = [f"AdamW {plan.adamw}" + (" on fp32 master weights" if plan.master_weights else "")
+           + (f", {plan.adam_moments} moments" if plan.adam_moments != "fp32" else "")]
     if plan.scales_loss:
         out.append("fp16 loss scaling (gradients unscaled and checked for overflow)")
     if plan.grad_clip is not None:

@@ -57,6 +57,7 @@ ADAMW_KERNELS = 8  # those eight passes, per parameter tensor
 # one, each costing about one dispatched op (tiny-gpt's 2-rank pipeline: 0.65-0.69 ms measured against 0.26 ms
 # priced as a single op for the whole call).
 FUSED_ADAMW_ACCESSES = 7
+FUSED_MOMENT_ACCESSES = 4  # of those, the moments' (each read and written)
 FUSED_ADAMW_TENSORS_PER_KERNEL = 36
 
 # Gradient clipping (Plan.grad_clip) as torch.nn.utils.clip_grad_norm_ runs it, and parsim's executor
@@ -83,7 +84,7 @@ PASS_PHASE = {"F": "forward", "R": "recompute", "B": "backward", "I": "backward"
 
 
 def adamw_costs(implementation: str, params: float, tensors: int,
-                mixed: tuple[int, int] | None = None) -> dict[str, float]:
+                mixed: tuple[int, int] | None = None, moment_bytes: int = FP32) -> dict[str, float]:
     """What one AdamW step (``foreach`` or ``fused``) over ``params`` parameters in ``tensors`` tensors
     costs, as keyword arguments of :meth:`ComputeModel.time <parsim.sim.compute.ComputeModel.time>` (and of
     :class:`Op`): 12 FLOPs per parameter, its fp32 passes and launches, the fused kernel's parameters (its SM
@@ -94,9 +95,11 @@ def adamw_costs(implementation: str, params: float, tensors: int,
     low-precision ones (:attr:`Plan.main_grads <parsim.workload.plan.Plan.main_grads>`): gradients kept narrower than
     fp32 are cast to it first, and the updated masters are copied back into the weights, a pass and an op
     per tensor each (``executor/train/mixed_precision.py``; Megatron-LM's ``Float16OptimizerWithFloat16Params``
-    copies main grads in and main params out the same way)."""
+    copies main grads in and main params out the same way).
+
+    ``moment_bytes`` (fused only): the two moments' dtype, each read and written once (Plan.adam_moments)."""
     if implementation == "fused":
-        traffic = params * FUSED_ADAMW_ACCESSES * FP32
+        traffic = params * (FUSED_ADAMW_ACCESSES * FP32 - FUSED_MOMENT_ACCESSES * (FP32 - moment_bytes))
         costs = {"flops": 12.0 * params, "hbm_bytes": traffic, "stream_bytes": traffic, "forward_ops": tensors,
                  "kernels": -(-tensors // FUSED_ADAMW_TENSORS_PER_KERNEL), "optimizer_tensors": 0,
                  "optimizer_steps": 0, "adamw_params": params}
@@ -134,11 +137,11 @@ UNSHARD_CALL, REDUCE_CALL = (1, 0, 0), (0, 1, 0)
 
 
 def step_costs(implementation: str, params: float, tensors: int, mixed: tuple[int, int] | None,
-               clipped_bytes: int = 0) -> dict[str, float]:
+               clipped_bytes: int = 0, moment_bytes: int = FP32) -> dict[str, float]:
     """The optimizer step over ``params`` parameters in ``tensors`` tensors (a rank's, or its shard): AdamW
     (:func:`adamw_costs`), after scaling the gradients of ``clipped_bytes`` each where the plan clips them
     (:func:`clip_costs`; 0: it does not)."""
-    adamw = adamw_costs(implementation, params, tensors, mixed)
+    adamw = adamw_costs(implementation, params, tensors, mixed, moment_bytes)
     if not clipped_bytes:
         return adamw
     scale = clip_costs(params, tensors, clipped_bytes)[1]
@@ -841,7 +844,8 @@ class Lowering:
                                   opens_action=True,
                                   fsdp_calls=(0, 0, tensors_count) if plan.shards_weights else (0, 0, 0),
                                   **step_costs(plan.adamw, params, tensors_count, plan.master_weights,
-                                               plan.grad_bytes if plan.grad_clip is not None else 0)))
+                                               plan.grad_bytes if plan.grad_clip is not None else 0,
+                                               plan.moment_bytes)))
         for dim, tag, nbytes in gather:  # ZeRO-1/2: every rank needs the updated weights back
             self._dp_collective(rank, p, "all_gather", dim, nbytes, (step,), **tag)
 

@@ -21,7 +21,6 @@ import numpy as np
 
 from ..lowering.lower import FP32, param_tensors
 from ..schedules import Schedule
-from ..workload.memory import ADAM_STATE_BYTES
 from ..workload.model import LayerCost
 from ..workload.plan import Plan
 
@@ -185,7 +184,7 @@ def sync_arrays(zero: np.ndarray, shard: np.ndarray, expert_shard: np.ndarray, d
     master = np.where(fsdp, 0, FP32 if dtype_bytes < FP32 else 0)
     weights = np.where(fsdp, max(dtype_bytes, FP32), dtype_bytes)
     grads_from = np.where((zero == 2) & (microbatches > 1), 3, 2)  # the stage from which the gradients shard
-    states = ((3, weights), (grads_from, grad_bytes), (1, ADAM_STATE_BYTES + master))
+    states = ((3, weights), (grads_from, grad_bytes), (1, 2 * FP32 + master))  # the search's AdamW: fp32 moments
     whole = sum(np.where(zero < k, b, 0.0) for k, b in states)
     sharded = sum(np.where(zero >= k, b, 0.0) for k, b in states)
     return SyncArrays(whole, sharded / shard, sharded / expert_shard, fsdp, expert_shard == 1)

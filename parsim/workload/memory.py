@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from ..schedules import in_flight_by_stage, peak_in_flight
 from .plan import Plan
 
-ADAM_STATE_BYTES = 8  # AdamW's two fp32 moments per parameter
 FP32 = 4
 
 
@@ -123,7 +122,7 @@ def memory(plan: Plan) -> list[Memory]:
             return (params - experts) / n + experts / plan.expert_shard_size
 
         gradients = params if gradients_accumulate_whole(plan) else held(2)
-        out.append(Memory(p, held(3) * kept, gradients * g, held(1) * (ADAM_STATE_BYTES + master),
+        out.append(Memory(p, held(3) * kept, gradients * g, held(1) * (2 * plan.moment_bytes + master),
                           (sum(n * b for n, b in zip(peak, per_token)) + rebuilt) * tokens, in_flight[p], buffers,
                           peak))
     return out

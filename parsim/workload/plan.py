@@ -75,6 +75,10 @@ GRAD_ACCUMULATIONS = ("autograd", "fused")
 # AdamW's implementation: torch's "foreach" (and for-loop) steps pass over each tensor several times; "fused"
 # (torch's fused=True, Apex's and Transformer Engine's FusedAdam) updates weight and moments in one pass.
 ADAMW_IMPLEMENTATIONS = ("foreach", "fused")
+# The dtype AdamW keeps its two moments in: fp32, or bf16 as DeepSeek-V3 does (its report, section 3.3.3: "the BF16
+# data format instead of FP32 to track the first and second moments"); Megatron-LM's --use-precision-aware-optimizer
+# with --exp-avg-dtype and --exp-avg-sq-dtype bf16, which steps them in Transformer Engine's FusedAdam.
+ADAM_MOMENTS = {"fp32": 4, "bf16": 2}
 DEFAULT_ADAMW = "foreach"  # what the executor's torch.optim.AdamW runs by default
 # The dtype data parallelism reduces gradients in (and keeps them in for the optimizer). Mixed precision
 # with bf16 weights reduces in fp32 by default: Megatron-LM ("bfloat16 requires gradient accumulation and
@@ -233,7 +237,9 @@ class Plan:
     ``gradient_accumulation_fusion``), which costs no pass. ``adamw`` "foreach"
     prices torch's default AdamW step (several passes per tensor), "fused" one
     pass over weight, gradient and moments (``torch.optim.AdamW(fused=True)``,
-    Apex's and Transformer Engine's ``FusedAdam``). ``grad_clip`` scales the
+    Apex's and Transformer Engine's ``FusedAdam``); ``adam_moments`` "bf16" keeps
+    its two moments in bf16 (DeepSeek-V3; Megatron-LM's precision-aware
+    optimizer, on the fused step). ``grad_clip`` scales the
     gradients down so that their global L2 norm is at most that much before the
     step (``torch.nn.utils.clip_grad_norm_``, Megatron-LM's ``--clip-grad``):
     each rank takes the norm of the gradients it holds, the ranks holding
@@ -317,6 +323,7 @@ class Plan:
     reduce_dtype: str | None = None  # None: default_reduce_dtype(dtype)
     grad_accumulation: str = "autograd"
     adamw: str = DEFAULT_ADAMW
+    adam_moments: str = "fp32"
     grad_clip: float | None = None
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
@@ -459,6 +466,11 @@ class Plan:
             self._fail(f"grad_accumulation {self.grad_accumulation!r} is not one of {', '.join(GRAD_ACCUMULATIONS)}")
         if self.adamw not in ADAMW_IMPLEMENTATIONS:
             self._fail(f"adamw {self.adamw!r} is not one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
+        if self.adam_moments not in ADAM_MOMENTS:
+            self._fail(f"adam_moments {self.adam_moments!r} is not one of {', '.join(ADAM_MOMENTS)}")
+        if self.adam_moments != "fp32" and self.adamw != "fused":
+            self._fail(f"adam_moments {self.adam_moments} needs adamw fused: Megatron-LM's precision-aware optimizer "
+                       f"steps low-precision moments in Transformer Engine's FusedAdam (add --adamw fused)")
         if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float))
                                                and not isinstance(self.grad_clip, bool)
                                                and 0 < self.grad_clip < math.inf):
@@ -686,6 +698,11 @@ class Plan:
         return accumulation(self.dtype_bytes, self.grad_bytes, self.main_grads, self.num_microbatches)
 
     @property
+    def moment_bytes(self) -> int:
+        """Bytes of each of AdamW's two moments per parameter (``adam_moments``)."""
+        return ADAM_MOMENTS[self.adam_moments]
+
+    @property
     def grad_bytes(self) -> int:
         """Bytes per gradient element as data parallelism reduces and keeps it (``reduce_dtype``)."""
         return DTYPE_BYTES[self.reduce_dtype]
@@ -899,7 +916,7 @@ class Plan:
         if self.grad_accumulation == "fused":
             out.append("weight gradients accumulated by their matmuls")
         if self.adamw == "fused":
-            out.append("fused AdamW")
+            out.append("fused AdamW" + (f", {self.adam_moments} moments" if self.adam_moments != "fp32" else ""))
         if self.grad_clip is not None:
             out.append(f"gradients clipped to norm {self.grad_clip:g}")
         if self.num_stages > 1 and len(set(self.stage_split)) > 1:
@@ -936,6 +953,7 @@ class Plan:
             "tp_async_backward": self.tp_async_backward,
             "grad_accumulation": self.grad_accumulation,
             "adamw": self.adamw,
+            "adam_moments": self.adam_moments,
             "activation_recompute": self._recompute_dict(),
             "data_parallel": data_parallel,
         }
@@ -960,7 +978,7 @@ class Plan:
 _TOP_KEYS = ("name", "description", "cluster", "model", "parallel", "batch", "schedule", "virtual_stages",
              "layers_per_stage", "dtype", "tensor_parallel", "sequence_parallel", "tp_comm_overlap",
              "tp_async_backward", "context_parallel", "activation_recompute", "data_parallel", "grad_accumulation",
-             "adamw", "grad_clip", "moe")
+             "adamw", "adam_moments", "grad_clip", "moe")
 _RECOMPUTE_KEYS = ("granularity", "layers", "modules")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "order")
 _MOE_KEYS = ("capacity_factor", "expert_load", "ep_comm_overlap", "dispatch_fp8", "dispatcher")
@@ -1056,6 +1074,7 @@ def parse_plan(data: object, source: str = "<plan>", base_dir: Path | None = Non
         tp_comm_overlap=top.boolean("tp_comm_overlap", False),
         tp_async_backward=top.boolean("tp_async_backward"),
         grad_accumulation=top.text("grad_accumulation", "autograd"), adamw=top.text("adamw", DEFAULT_ADAMW),
+        adam_moments=top.text("adam_moments", "fp32"),
         grad_clip=top.number("grad_clip"),
         activation_recompute=recompute[0], recompute_layers=recompute[1], recompute_modules=recompute[2],
         dtype=top.text("dtype", model.dtype), tp_style=top.text("tensor_parallel"),
