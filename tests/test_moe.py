@@ -346,3 +346,15 @@ def test_the_busiest_experts_rank_keeps_its_extra_rows_for_the_backward():
     for name, width in widths[0].items():
         assert widths[1][name] == (width * 1.5 if name.startswith(("moe.dispatched", "moe.expert.")) else width)
     assert memory(hot)[0].activations > 1.3 * memory(even)[0].activations
+
+
+def test_simulate_says_mfu_counts_the_rows_a_small_capacity_drops(capsys):
+    """Below 1 the capacity factor drops routed rows even under balanced routing: the GEMMs shrink, and the MFU
+    line says its model FLOPs still count them (as Megatron-LM's throughput formula does)."""
+    from parsim.cli.main import main
+
+    assert main(["simulate", "mixtral-8x22b", "--capacity-factor", "0.5"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "at capacity_factor 0.5 the experts drop at least 50% of the routed rows" in out
+    assert main(["simulate", "mixtral-8x22b", "--capacity-factor", "1.25"]) == 0
+    assert "drop at least" not in capsys.readouterr().out

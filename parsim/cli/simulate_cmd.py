@@ -107,6 +107,10 @@ def report(r: StepPrediction) -> str:
     if r.hardware_flops != r.model_flops:
         lines.append(f"  HFU         {r.hfu:.1%}  (with the recomputed forwards: {r.hardware_flops:.3g} FLOPs "
                      f"per step)")
+    if plan.capacity_factor is not None and plan.capacity_factor < 1:
+        lines.append(f"              (model FLOPs count every routed token, as Megatron-LM's formula does; at "
+                     f"capacity_factor {plan.capacity_factor:g} the experts drop at least "
+                     f"{1 - plan.capacity_factor:.0%} of the routed rows, which no GPU computes)")
     lines.append("")
     rows = []
     overlap = comm_overlap(r.trace)
