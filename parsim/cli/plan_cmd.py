@@ -124,7 +124,8 @@ def add_plan_args(parser: argparse.ArgumentParser, positional: bool = True) -> N
                    help="ZeRO stage: 1 shards optimizer state, 2 and gradients, 3 and weights (as --grad-sync fsdp)")
     g.add_argument("--shard-group", type=int, metavar="N", help="HSDP: shard within groups of N data-parallel ranks")
     g.add_argument("--expert-load", type=float, metavar="X",
-                   help="MoE: the busiest expert's tokens over the mean (default 1: balanced)")
+                   help="MoE: the busiest expert's tokens over the mean (default 1: balanced); its rank's other "
+                        "experts are taken at the mean")
     g.add_argument("--capacity-factor", type=float, metavar="X",
                    help="MoE: tokens beyond X times an expert's mean load are dropped")
     g.add_argument("--ep-comm-overlap", action=argparse.BooleanOptionalAction,

@@ -88,8 +88,8 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
     rerun = set(plan.recompute_modules or ()) if backward else set()
     for mm in block.matmuls:
         k, n = mm.shape_per_rank(tp)
-        rows = _rows(plan, mm, tokens)
-        for _ in range(mm.copies_per_rank(plan.ep)):
+        for copy in range(mm.copies_per_rank(plan.ep)):
+            rows = _rows(plan, mm, tokens, busiest=copy == 0)
             split = mm.split if mm.experts == 1 else "experts"
             if kind == "F" or mm.recompute in rerun:
                 launch((rows, n, k), mm.name if kind == "F" else f"{mm.name} (recomputed)", (split, "fwd"))
@@ -116,7 +116,7 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         passes = [(e, backward, e.name) for e in block.elementwise]
         passes += [(e, False, f"{e.name} (recomputed)") for e in block.elementwise if e.recompute in rerun]
         split = (plan.dtype_bytes, tp, plan.sequence_parallel)
-        rows = {False: tokens, True: round(tokens * plan.expert_tokens_factor)}  # routed kernels: the busiest's
+        rows = {False: tokens, True: round(tokens * plan.rank_tokens_factor)}  # routed kernels: the busiest rank's
         parts += [(name, rows[e.routed] * e.bytes_per_token(direction, *split),
                    e.sm_work(rows[e.routed], direction, *split)) for e, direction, name in passes]
         # A tensor-parallel collective over features regroups its buffer with a copy: read and write it once.
@@ -148,14 +148,22 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
                      kernels, quantize, plan.dtype == "fp8" and block.name in FP8_EXEMPT_BLOCKS, unvectorized)
 
 
-def _rows(plan: Plan, mm, tokens: int) -> int:
+def _rows(plan: Plan, mm, tokens: int, busiest: bool) -> int:
     """Rows of ``mm``'s input on this rank: every token, its part of the sequence for a weight applied there
-    (``on_sequence_shard``), or for a routed expert its share of the ep group's routed tokens."""
+    (``on_sequence_shard``), or for a routed expert its share of the ep group's routed tokens, on the rank of
+    the busiest expert (``busiest``: that expert; else another it holds)."""
     if mm.on_sequence_shard and plan.sequence_parallel:
         return tokens // plan.tp
     if mm.experts == 1:
         return tokens
-    return round(tokens * mm.active * plan.ep / mm.experts * plan.expert_tokens_factor)
+    load = plan.expert_tokens_factor if busiest else plan.other_experts_factor
+    return round(tokens * mm.active * plan.ep / mm.experts * load)
+
+
+def _held_rows(plan: Plan, mm, tokens: int) -> int:
+    """Rows of ``mm``'s input over every copy this rank holds (an expert each: the busiest and the others)."""
+    copies = mm.copies_per_rank(plan.ep)
+    return _rows(plan, mm, tokens, busiest=True) + (copies - 1) * _rows(plan, mm, tokens, busiest=False)
 
 
 def fp8_cast_bytes(plan: Plan, block: Block, kind: str, tokens: int) -> tuple[float, int]:
@@ -175,9 +183,9 @@ def fp8_cast_bytes(plan: Plan, block: Block, kind: str, tokens: int) -> tuple[fl
                 if k in cast_inputs:
                     continue
                 cast_inputs.add(k)
-            elements += _rows(plan, mm, tokens) * k * copies
+            elements += _held_rows(plan, mm, tokens) * k
         else:
-            elements += _rows(plan, mm, tokens) * n * copies
+            elements += _held_rows(plan, mm, tokens) * n
         casts += copies
     return elements * FP8_CAST_BYTES, casts
 

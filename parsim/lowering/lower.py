@@ -540,10 +540,10 @@ class Lowering:
                 # Expert all-to-alls carry this rank's 1/tp of the tokens (the tp ranks split the dispatch).
                 nbytes = coll.bytes_per_token * self.tokens / (plan.tp if coll.group == "ep" else 1) + coll.fixed_bytes
                 if coll.name.startswith(ROUTED_COLLECTIVES):
-                    # The busiest expert's rank receives expert_load x the mean rows in the dispatch (and sends
-                    # them back in the combine), and every rank of the all-to-all waits for it: priced as if
-                    # each rank moved that rank's bytes (its expert-tp group gathers and scatters them all).
-                    nbytes *= plan.expert_tokens_factor
+                    # The busiest expert's rank receives its extra rows in the dispatch (and sends them back in
+                    # the combine), and every rank of the all-to-all waits for it: priced as if each rank moved
+                    # that rank's bytes (its expert-tp group gathers and scatters them all).
+                    nbytes *= plan.rank_tokens_factor
                 if plan.dispatch_fp8 and coll.name in FP8_DISPATCHED:
                     nbytes *= FP8_DISPATCH_BYTES / plan.dtype_bytes
                 counts = coll.name == COUNTS_EXCHANGE

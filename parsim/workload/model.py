@@ -313,7 +313,7 @@ class Elementwise:
     # longer of its bytes and its cycles, and on Hopper these ops' cycles are the longer
     unvectorized: tuple[int, int] = (0, 0)
     # over the rows a rank's routed experts received: the busiest expert's rank runs expert_load times the mean
-    # (Plan.expert_tokens_factor; parsim.lowering.kernels), as its expert GEMMs do
+    # (Plan.rank_tokens_factor; parsim.lowering.kernels), as its expert GEMMs do
     routed: bool = False
 
     def _per_rank(self, elements: int, tp: int, sequence_parallel: bool) -> int:

@@ -264,8 +264,8 @@ class Plan:
     travelling to their experts by all-to-all; ``expert_load`` is the busiest
     expert's share of tokens over the mean (1: perfectly balanced routing),
     capped by ``capacity_factor`` when tokens beyond capacity are dropped: the
-    rank holding it computes, keeps and moves that many more routed rows, and
-    the others wait for it.
+    rank holding it (its other experts taken at the mean) computes, keeps and
+    moves its extra routed rows, and the others wait for it.
     ``ep_comm_overlap`` runs each pair of a forward and another microbatch's
     backward together, the all-to-alls of one beside the compute of the other:
     DualPipe-V's pairs (DeepSeek-V3 report, section 3.2.1), or Megatron-LM's
@@ -645,6 +645,19 @@ class Plan:
         return min(self.expert_load, self.capacity_factor)
 
     @property
+    def other_experts_factor(self) -> float:
+        """Tokens of each other expert on the busiest expert's rank over the mean: taken as the mean's, capped by
+        the capacity factor (which routing fills them is not known)."""
+        return 1.0 if self.capacity_factor is None else min(1.0, self.capacity_factor)
+
+    @property
+    def rank_tokens_factor(self) -> float:
+        """The routed rows the busiest expert's rank receives, keeps and sends back, over the mean rank's: its
+        busiest expert at :attr:`expert_tokens_factor`, its other experts at :attr:`other_experts_factor`."""
+        held = self.experts_per_rank or 1
+        return (self.expert_tokens_factor + (held - 1) * self.other_experts_factor) / held
+
+    @property
     def world(self) -> int:
         return self.dp * self.pp * self.cp * self.tp
 
@@ -829,10 +842,10 @@ class Plan:
     def _kept(self, saved: tuple[Activation, ...]) -> tuple[Activation, ...]:
         """What a layer keeps of the tensors it saves: none that selective recompute's modules rebuild, and in an
         fp8 plan each linear's input as its fp8 copy (beside the bf16 tensor where another op keeps that too).
-        The routed experts' rows scale with the busiest expert's load (:attr:`expert_tokens_factor`): the rank
-        holding it keeps that many more, as it computes them (``parsim.lowering.kernels``)."""
+        The routed experts' rows scale with the busiest expert's rank's load (:attr:`rank_tokens_factor`): it
+        keeps that many more, as it computes them (``parsim.lowering.kernels``)."""
         modules = self.recompute_modules or ()
-        load = self.expert_tokens_factor
+        load = self.rank_tokens_factor
         kept = []
         for a in saved:
             if a.recompute in modules:
