@@ -88,6 +88,9 @@ def register(subparsers) -> None:
                    help="MoE, --dtype fp8: every plan with expert parallelism sends the tokens to their experts, and "
                         "the gradients back to the experts' down-projections, in fp8, as DeepSeek-V3 does (half "
                         "the all-to-all bytes of bf16; default: in the activations' dtype)")
+    p.add_argument("--expert-load", type=float, default=1.0, metavar="X",
+                   help="MoE: the busiest expert's tokens over the mean in every plan (default 1: balanced); its "
+                        "rank computes, keeps and moves its extra rows, and the others wait for it")
     for dim, what in DEGREES.items():
         p.add_argument(f"--{dim}", metavar="N[,N...]", help=f"search only these {what} degrees (default: all)")
     p.add_argument("--max-memory", metavar="SIZE", help="memory a plan may use per GPU, e.g. 75GB (default: all)")
@@ -174,7 +177,7 @@ def request_from_args(args: argparse.Namespace) -> SearchRequest:
                          args.sort, keep=max(50, args.top, args.simulate), simulate=args.simulate,
                          degrees=degrees, adamw=args.adamw, reduce_dtype=args.reduce_dtype,
                          grad_clip=args.grad_clip, dispatcher=args.dispatcher,
-                         dispatch_fp8=args.dispatch_fp8)
+                         dispatch_fp8=args.dispatch_fp8, expert_load=args.expert_load)
 
 
 def _degrees(args: argparse.Namespace) -> tuple[tuple[str, tuple[int, ...]], ...]:

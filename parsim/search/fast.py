@@ -192,6 +192,7 @@ class FastModel:
                 overlap_param_gather=v.param_overlap, shard_group=v.shard_group,
                 bucket_size=self.space.bucket_size, dispatcher=self.space.dispatcher_for(s.ep),
                 dispatch_fp8=self.space.dispatch_fp8_for(s.ep), ep_comm_overlap=v.ep_overlap,
+                expert_load=self.space.expert_load,
                 layers_per_stage="balanced" if self.balanced else None, name="search")
         return plan
 

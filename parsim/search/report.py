@@ -88,6 +88,7 @@ def _header(result: SearchResult) -> str:
             f"{'' if req.grad_clip is None else f', gradients clipped to norm {req.grad_clip:g}'}"
             f"{', experts dispatched by DeepEP' if req.dispatcher == 'deepep' else ''}"
             f"{', tokens dispatched in fp8' if req.dispatch_fp8 else ''}"
+            f"{'' if req.expert_load == 1 else f', busiest expert {req.expert_load:g}x the mean'}"
             f", sorted by {req.sort}")
 
 
@@ -252,6 +253,7 @@ def command(result: SearchResult, r: Ranked, plan_file: str | None) -> str:
     args += ["--grad-clip", str(req.grad_clip)] if req.grad_clip is not None else []
     args += ["--dispatcher", req.dispatcher] if s.ep > 1 and req.dispatcher != "alltoall" else []
     args += ["--dispatch-fp8"] if s.ep > 1 and req.dispatch_fp8 else []
+    args += ["--expert-load", f"{req.expert_load:g}"] if req.expert_load != 1 else []
     args += ["--order", v.order] if v.order != DEFAULT_ORDER else []
     args += ["--sequence-parallel"] if v.sequence_parallel else []
     args += ["--tp-comm-overlap"] if v.tp_overlap else []
@@ -314,7 +316,7 @@ def to_json(result: SearchResult, rows: list[Ranked], commands: list[str]) -> di
         "model": req.model.name, "cluster": req.cluster.name, "gpus": list(req.gpus),
         "global_batch": req.global_batch, "dtype": req.dtype, "adamw": req.adamw,
         "reduce_dtype": req.gradient_dtype, "grad_clip": req.grad_clip, "dispatcher": req.dispatcher,
-        "dispatch_fp8": req.dispatch_fp8,
+        "dispatch_fp8": req.dispatch_fp8, "expert_load": req.expert_load,
         "sort": req.sort,
         "price_usd_per_gpu_hour": req.price, "train_tokens": req.train_tokens,
         "memory_capacity_bytes": req.capacity, "degrees": {dim: list(values) for dim, values in req.degrees},

@@ -61,6 +61,7 @@ class SearchRequest:
     grad_clip: float | None = None  # every plan clips its gradients to this global norm (None: no clipping)
     dispatcher: str = "alltoall"  # how every plan with expert parallelism sends tokens to their experts
     dispatch_fp8: bool = False  # every plan with expert parallelism sends tokens to their experts in fp8
+    expert_load: float = 1.0  # MoE: the busiest expert's tokens over the mean, in every plan
 
     @property
     def gradient_dtype(self) -> str:
@@ -140,6 +141,15 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
                           f"expert all-to-alls to dispatch")
     if request.dispatch_fp8 and not getattr(request.model, "is_moe", False):
         raise ParsimError(f"--dispatch-fp8: {request.model.name} is a dense model, with no tokens to send to experts")
+    if request.expert_load != 1 and not getattr(request.model, "is_moe", False):
+        raise ParsimError(f"--expert-load: {request.model.name} is a dense model, with no experts to route to")
+    if request.expert_load < 1 or not math.isfinite(request.expert_load):
+        raise ParsimError(f"--expert-load {request.expert_load:g}: give the busiest expert's tokens over the mean, "
+                          f"1 (balanced) or more")
+    if getattr(request.model, "is_moe", False) and \
+            request.expert_load > request.model.num_experts / request.model.experts_per_token:
+        raise ParsimError(f"--expert-load {request.expert_load:g} is more than all tokens on one expert "
+                          f"({request.model.num_experts / request.model.experts_per_token:g})")
     if request.dispatch_fp8 and request.dtype != "fp8":
         raise ParsimError(f"--dispatch-fp8 sends the tokens fp8 GEMMs read in fp8, as DeepSeek-V3 does: give "
                           f"--dtype fp8 (not {request.dtype})")
@@ -172,7 +182,8 @@ def _run_search(request: SearchRequest, report: Callable[[str, float], None]) ->
                             request.cluster.gpus_per_node, model_spec=request.model_spec, degrees=request.degrees,
                             tp_overlap=request.cluster.overlaps_tp_comm, adamw=request.adamw,
                             reduce_dtype=request.reduce_dtype, grad_clip=request.grad_clip,
-                            dispatcher=request.dispatcher, dispatch_fp8=request.dispatch_fp8)
+                            dispatcher=request.dispatcher, dispatch_fp8=request.dispatch_fp8,
+                            expert_load=request.expert_load)
         fast = FastModel(space, request.cluster, request.capacity)
         counts = SpaceCounts(gpus)
         settings = list(enumerate_settings(space, counts.rejections))

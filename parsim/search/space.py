@@ -165,6 +165,8 @@ class Candidate(NamedTuple):
             moe["dispatch_fp8"] = True
         if v.ep_overlap:
             moe["ep_comm_overlap"] = True
+        if space.expert_load != 1:
+            moe["expert_load"] = space.expert_load
         if moe:
             data["moe"] = moe
         if s.cp > 1:
@@ -198,6 +200,7 @@ class SearchSpace:
     grad_clip: float | None = None  # every plan clips its gradients to this global norm (None: no clipping)
     dispatcher: str = "alltoall"  # how every plan with expert parallelism sends tokens to their experts
     dispatch_fp8: bool = False  # every plan with expert parallelism sends tokens to their experts in fp8
+    expert_load: float = 1.0  # MoE: the busiest expert's tokens over the mean, in every plan
 
     def dispatcher_for(self, ep: int) -> str:
         """The dispatcher of a plan with expert parallelism ``ep`` (without it there is nothing to dispatch)."""
