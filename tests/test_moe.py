@@ -171,6 +171,23 @@ def test_the_experts_activation_runs_on_the_busiest_ranks_rows_and_the_rows_come
     assert parts(1.0, "B")["moe.unpermute"] == unpermute[1] * 512 * 2 * tokens
 
 
+@pytest.mark.parametrize("kernels, ep, accesses", [
+    ("fused", 2, (4, 4)), ("fused", 8, None), ("eager", 8, (4, 6)), ("fused", 1, None)])
+def test_the_dispatched_rows_are_sorted_by_local_expert_and_back(kernels, ep, accesses):
+    """Megatron-LM's alltoall dispatcher copies the received rows into groups by local expert and back where a
+    rank holds several experts (ep 2: 4 each; ep 8: one, no copy); the executor's eager dispatcher always, its
+    backward scattering into zeros. Each copy reads and writes the k rows of every token: 1024 x 2 x 512."""
+    from parsim.lowering.kernels import block_work
+
+    p = Plan(model=load_model({**MOE_SPEC, "layer_kernels": kernels}), dp=8, ep=ep, dtype="bf16",
+             num_microbatches=1)
+    block = next(b for c in p.stage_costs(0) for b in c.blocks if b.name == "moe")
+    sorted_bytes = [{name: nbytes for name, nbytes, _ in block_work(p, block, kind, 1024).elementwise_parts}.get(
+        "moe rows sorted by local expert and back") for kind in "FB"]
+    expected = [None, None] if accesses is None else [n * 1024 * 2 * 512 * 2 for n in accesses]
+    assert sorted_bytes == expected
+
+
 def test_a_hot_expert_slows_the_step_unless_capacity_drops_its_tokens():
     spec = ideal_spec()
     balanced = predict_step(plan(4), spec).step_s

@@ -123,6 +123,7 @@ def block_work(plan: Plan, block: Block, kind: str, tokens: int) -> BlockWork:
         phase = "backward" if backward else "forward"
         regrouped = [c for c in block.collectives if c.regroups and c.group == "tp" and c.phase == phase and tp > 1]
         parts += [(f"{c.name} regrouping copy", tokens * 2 * c.bytes_per_token, ()) for c in regrouped]
+        parts += _sorted_by_local_expert(plan, block, backward, tokens)
     # A lookup table's gradient is dense (torch's embedding_dense_backward, under Megatron-LM's
     # VocabParallelEmbedding too): the backward zeroes a table-sized tensor before scattering the rows in.
     tables = sum(t.numel_per_rank(tp) for t in block.tables)
@@ -158,6 +159,22 @@ def _rows(plan: Plan, mm, tokens: int, busiest: bool) -> int:
         return tokens
     load = plan.expert_tokens_factor if busiest else plan.other_experts_factor
     return round(tokens * mm.active * plan.ep / mm.experts * load)
+
+
+def _sorted_by_local_expert(plan: Plan, block: Block, backward: bool, tokens: int) -> list[tuple[str, float, tuple]]:
+    """The rows an all-to-all dispatch brought, grouped by source rank, copied into groups by local expert for
+    the experts and back into source order for the combine: Megatron-LM's ``sort_chunks_by_idxs`` in the
+    alltoall dispatcher's post- and pre-processing, where a rank holds more than one expert (read and write
+    each row twice; so its backward), and the executor's ``by_expert`` always (eager ``index_select``; its
+    backward scatters into zeros: write, read and write). DeepEP's dispatch writes them grouped already."""
+    if not any(mm.experts > 1 for mm in block.matmuls) or plan.ep == 1 or plan.dispatcher != "alltoall":
+        return []
+    eager = plan.model.layer_kernels == "eager"
+    if plan.experts_per_rank == 1 and not eager:
+        return []
+    rows = tokens * plan.model.experts_per_token * plan.rank_tokens_factor  # after the tp group's gather
+    accesses = 2 * (3 if backward and eager else 2)  # two copies
+    return [("moe rows sorted by local expert and back", rows * plan.model.hidden * accesses * plan.dtype_bytes, ())]
 
 
 def _held_rows(plan: Plan, mm, tokens: int) -> int:
