@@ -129,3 +129,13 @@ def test_two_modules_keep_one_copy_and_the_search_prices_them_as_the_simulator_d
         assert estimate.memory_bytes == pytest.approx(peak, rel=1e-12)
         errors.append(abs(estimate.step_s / step_s - 1))
     assert len(errors) > 300 and statistics.median(errors) < 0.01 and max(errors) < 0.035
+
+
+def test_simulate_says_its_model_flops_include_the_module(capsys):
+    """DeepSeek-V3's 291.85 GFLOP a token hold its module's 10.70 (its MoE layer and its pass through the head):
+    the step computes them, and the MFU line says so."""
+    model = load_model("deepseek-v3")
+    assert model.mtp_flops_per_token() == pytest.approx(10.70e9, rel=1e-3)
+    assert main(["simulate", "deepseek-v3-2048"]) == 0
+    assert "include the multi-token prediction module's, 10.70 of 291.85 GFLOP a token" in capsys.readouterr().out
+    assert load_model("llama3-8b").mtp_flops_per_token() == 0

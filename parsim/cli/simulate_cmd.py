@@ -107,6 +107,10 @@ def report(r: StepPrediction) -> str:
     if r.hardware_flops != r.model_flops:
         lines.append(f"  HFU         {r.hfu:.1%}  (with the recomputed forwards: {r.hardware_flops:.3g} FLOPs "
                      f"per step)")
+    if getattr(plan.model, "mtp_layers", 0):
+        mtp = plan.model.mtp_flops_per_token()
+        lines.append(f"              (model FLOPs include the multi-token prediction module's, {mtp / 1e9:.2f} of "
+                     f"{plan.model.model_flops_per_token() / 1e9:.2f} GFLOP a token: the step computes them)")
     if plan.capacity_factor is not None and plan.capacity_factor < 1:
         lines.append(f"              (model FLOPs count every routed token, as Megatron-LM's formula does; at "
                      f"capacity_factor {plan.capacity_factor:g} the experts drop at least "

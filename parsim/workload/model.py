@@ -507,6 +507,13 @@ class LayerCost:
 
 
 # --------------------------------------------------------------------------- models
+def _model_flops_per_token(costs: list[LayerCost]) -> int:
+    """``6·N_matmul + 12·L·seq·d_attn`` over ``costs`` (:meth:`TransformerModel.model_flops_per_token`)."""
+    matmul_params = sum(m.active_params for c in costs for m in c.matmuls)
+    attention = sum(b.attention_flops_per_token for c in costs for b in c.blocks)  # 4·seq·d_attn per layer
+    return 6 * matmul_params + 3 * attention
+
+
 class _CostTotals:
     """Whole-model parameters and FLOPs, summed over :meth:`costs`."""
 
@@ -1307,10 +1314,11 @@ class TransformerModel(_CostTotals):
         It equals :meth:`training_flops_per_token`; recomputed work is never
         model FLOPs.
         """
-        costs = self.computed()
-        matmul_params = sum(m.active_params for c in costs for m in c.matmuls)
-        attention = sum(b.attention_flops_per_token for c in costs for b in c.blocks)  # 4·seq·d_attn per layer
-        return 6 * matmul_params + 3 * attention
+        return _model_flops_per_token(self.computed())
+
+    def mtp_flops_per_token(self) -> int:
+        """Of :meth:`model_flops_per_token`, the multi-token prediction modules' (0 without them)."""
+        return _model_flops_per_token(self.mtp_costs(1))
 
     def describe(self) -> str:
         kv = f" ({self.num_kv_heads} kv)" if self.num_kv_heads != self.num_heads else ""
