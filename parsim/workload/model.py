@@ -113,6 +113,7 @@ FP8_SAVED_BYTES = 1
 # sent to the experts' down-projections, travel in fp8 with one fp32 scale per 1x128 tile; the combine and the
 # dispatch's gradient stay bf16.
 FP8_DISPATCHED = ("moe.dispatch", "moe.combine.grad")
+FP8_DISPATCH_BYTES = 1 + 4 / 128
 # A MoE layer's collectives of its routed rows: the all-to-alls to and from the experts and the expert-tp group's
 # gather and scatter of the rows the experts received (the shared experts' are "moe.shared.*").
 ROUTED_COLLECTIVES = ("moe.dispatch", "moe.combine", "moe.experts.")
@@ -122,7 +123,6 @@ ROUTED_COLLECTIVES = ("moe.dispatch", "moe.combine", "moe.experts.")
 # runs notify_dispatch; the executor all-to-alls the counts (executor.train.comm.EPGroup). Latency-bound in each.
 COUNTS_EXCHANGE = "moe.counts"
 COUNT_BYTES = 8
-FP8_DISPATCH_BYTES = 1 + 4 / 128
 
 
 def shard(size: int, tp: int, unit: int = 1) -> int:
@@ -263,8 +263,9 @@ class TPCollective:
     ``bytes_per_token`` is the whole (unsharded) tensor's size per token, the
     nccl-tests convention: for an all-gather, all ranks' chunks together.
     ``fixed_bytes``: bytes every call carries beside those by token (an expert
-    dispatch's per-expert token counts). ``regroups``: the tensor is split along its last (feature) dimension, so the
-    rank-major collective buffer is regrouped by a copy of the whole tensor
+    dispatch's per-expert token counts). ``regroups``: the tensor is split
+    along its last (feature) dimension, so the rank-major collective buffer is
+    regrouped by a copy of the whole tensor
     (after an all-gather, ``torch.cat(dim=-1)`` as the lecture and Megatron-LM's
     ``_gather_along_last_dim`` do; before a reduce-scatter, the chunks made
     contiguous).
