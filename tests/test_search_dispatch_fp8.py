@@ -7,35 +7,20 @@ import json
 import statistics
 
 import pytest
+from small_moe_search import MOE_SPEC, both_tiers
 
 from parsim.cli.main import main
-from parsim.hardware.cluster import load_cluster
-from parsim.search.fast import FastModel
-from parsim.search.space import Candidate, SearchSpace, enumerate_settings
-from parsim.sim.step import predict_step
-from parsim.workload.model import load_model
-
-MOE_SPEC = {"kind": "transformer", "name": "moe", "num_layers": 4, "hidden": 1024, "num_heads": 8,
-            "num_kv_heads": 4, "ffn_hidden": 2048, "seq_len": 2048, "vocab_size": 1000, "num_experts": 16,
-            "experts_per_token": 4, "expert_ffn_hidden": 1024}
-DEGREES = (("tp", (1,)), ("cp", (1,)), ("pp", (1, 2)), ("ep", (8, 16)))
+from parsim.search.space import Candidate
 
 
 def _estimates(dispatch_fp8: bool) -> dict[Candidate, tuple[float, float]]:
     """Every non-FSDP plan of a small fp8 MoE on 16 H100s: (fast tier's step, simulated step) by candidate."""
-    space = SearchSpace(load_model(MOE_SPEC), 16, 32, dtype="fp8", dispatch_fp8=dispatch_fp8, degrees=DEGREES)
-    cluster = load_cluster("dgx-h100")
-    fast = FastModel(space, cluster)
-    prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
-    jobs = [(p, i) for p in prepared for i in range(len(p.variants))
-            if not p.variants[i].fsdp and p.variants[i].recompute == "none"]
+    space, plans = both_tiers(dtype="fp8", dispatch_fp8=dispatch_fp8)
     out = {}
-    for (prep, i), estimate in zip(jobs, fast.estimate(jobs)):
-        candidate = Candidate(prep.setting, prep.variants[i])
-        plan = candidate.plan(space)
+    for candidate, (estimate, plan, simulated) in plans.items():
         assert plan.dispatch_fp8 == dispatch_fp8
         assert (candidate.mapping(space).get("moe") or {}).get("dispatch_fp8", False) == dispatch_fp8
-        out[candidate] = (estimate.step_s, predict_step(plan, cluster).step_s)
+        out[candidate] = (estimate.step_s, simulated)
     return out
 
 

@@ -7,35 +7,17 @@ import json
 import statistics
 
 import pytest
+from small_moe_search import MOE_SPEC, both_tiers
 
 from parsim.cli.main import main
-from parsim.hardware.cluster import load_cluster
-from parsim.search.fast import FastModel
-from parsim.search.space import Candidate, SearchSpace, enumerate_settings
-from parsim.sim.step import predict_step
-from parsim.workload.model import load_model
-
-MOE_SPEC = {"kind": "transformer", "name": "moe", "num_layers": 4, "hidden": 1024, "num_heads": 8,
-            "num_kv_heads": 4, "ffn_hidden": 2048, "seq_len": 2048, "vocab_size": 1000, "num_experts": 16,
-            "experts_per_token": 4, "expert_ffn_hidden": 1024}
-DEGREES = (("tp", (1,)), ("cp", (1,)), ("pp", (1, 2)), ("ep", (8, 16)))
+from parsim.search.space import Candidate
 
 
 def _estimates(expert_load: float) -> dict[Candidate, tuple[float, float, float]]:
     """Every non-FSDP plan of a small MoE on 16 H100s: (fast tier's step, simulated step, fast tier's memory)."""
-    space = SearchSpace(load_model(MOE_SPEC), 16, 32, expert_load=expert_load, degrees=DEGREES)
-    cluster = load_cluster("dgx-h100")
-    fast = FastModel(space, cluster)
-    prepared = [fast.prepare(s, variants) for s, variants in enumerate_settings(space)]
-    jobs = [(p, i) for p in prepared for i in range(len(p.variants))
-            if not p.variants[i].fsdp and p.variants[i].recompute == "none"]
-    out = {}
-    for (prep, i), estimate in zip(jobs, fast.estimate(jobs)):
-        candidate = Candidate(prep.setting, prep.variants[i])
-        plan = candidate.plan(space)
-        assert plan.expert_load == expert_load
-        out[candidate] = (estimate.step_s, predict_step(plan, cluster).step_s, estimate.memory_bytes)
-    return out
+    _, plans = both_tiers(expert_load=expert_load)
+    assert all(plan.expert_load == expert_load for _, plan, _ in plans.values())
+    return {c: (estimate.step_s, simulated, estimate.memory_bytes) for c, (estimate, _, simulated) in plans.items()}
 
 
 def test_the_fast_tier_prices_a_hot_expert_as_the_simulator_does_and_it_costs_time_and_memory():
