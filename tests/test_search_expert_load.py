@@ -42,8 +42,8 @@ def test_the_search_says_the_expert_load_in_its_header_its_commands_and_its_json
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "llama3-8b", "--expert-load", "1.5"], "--expert-load: llama3-8b is a dense model"),
-    (["--model", "mixtral-8x22b", "--expert-load", "0.5"], "--expert-load 0.5: give the busiest expert's"),
-    (["--model", "mixtral-8x22b", "--expert-load", "nan"], "--expert-load nan: give the busiest expert's"),
+    (["--model", "mixtral-8x22b", "--expert-load", "0.5"], "--expert-load 0.5 is below 1: it is the busiest expert's"),
+    (["--model", "mixtral-8x22b", "--expert-load", "nan"], "--expert-load nan is below 1"),
     (["--model", "mixtral-8x22b", "--expert-load", "5"], "--expert-load 5 is more than all tokens on one expert"),
 ])
 def test_an_expert_load_that_cannot_apply_is_refused_in_one_line(args, message, capsys):

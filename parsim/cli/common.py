@@ -253,8 +253,7 @@ def memory_table(ranks: list[Memory], capacity: float, title: str) -> str:
 
 def _microbatches_held(m: Memory) -> str:
     """The microbatches whose activations the column beside counts: at the peak, in flight (+ waiting for W)."""
-    in_flight = sum(m.peak_counts[:len(m.peak_counts) // 2]) if m.peak_counts else m.in_flight
-    return f"{in_flight} + {m.waiting} W" if m.waiting else str(in_flight)
+    return f"{m.in_flight_at_peak} + {m.waiting} W" if m.waiting else str(m.in_flight_at_peak)
 
 
 def expert_load_text(load: dict) -> str:

@@ -29,7 +29,7 @@ from ..hardware.cluster import ClusterSpec
 from ..sim.pool import simulate_each
 from ..sim.step import StepPrediction, predict_step
 from ..workload.model import Model
-from ..workload.plan import DEFAULT_ADAMW, default_reduce_dtype
+from ..workload.plan import DEFAULT_ADAMW, default_reduce_dtype, expert_load_problem
 from .fast import Estimate, FastModel, Prepared
 from .pareto import front_indices, pareto_front
 from .space import Candidate, Rejections, SearchSpace, enumerate_settings
@@ -143,13 +143,8 @@ def run_search(request: SearchRequest, progress: Callable[[str, float], None] | 
         raise ParsimError(f"--dispatch-fp8: {request.model.name} is a dense model, with no tokens to send to experts")
     if request.expert_load != 1 and not getattr(request.model, "is_moe", False):
         raise ParsimError(f"--expert-load: {request.model.name} is a dense model, with no experts to route to")
-    if request.expert_load < 1 or not math.isfinite(request.expert_load):
-        raise ParsimError(f"--expert-load {request.expert_load:g}: give the busiest expert's tokens over the mean, "
-                          f"1 (balanced) or more")
-    if getattr(request.model, "is_moe", False) and \
-            request.expert_load > request.model.num_experts / request.model.experts_per_token:
-        raise ParsimError(f"--expert-load {request.expert_load:g} is more than all tokens on one expert "
-                          f"({request.model.num_experts / request.model.experts_per_token:g})")
+    if getattr(request.model, "is_moe", False) and (why := expert_load_problem(request.model, request.expert_load)):
+        raise ParsimError(f"--expert-load {why}")
     if request.dispatch_fp8 and request.dtype != "fp8":
         raise ParsimError(f"--dispatch-fp8 sends the tokens fp8 GEMMs read in fp8, as DeepSeek-V3 does: give "
                           f"--dtype fp8 (not {request.dtype})")

@@ -36,6 +36,11 @@ class Memory:
         return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
 
     @property
+    def in_flight_at_peak(self) -> int:
+        """Microbatches between their forward and backward when the activations peak."""
+        return sum(self.peak_counts[:len(self.peak_counts) // 2]) if self.peak_counts else self.in_flight
+
+    @property
     def waiting(self) -> int:
         """Microbatches waiting for their deferred weight gradient when the activations peak."""
         return sum(self.peak_counts[len(self.peak_counts) // 2:])

@@ -313,7 +313,7 @@ class Elementwise:
     # the bias add's SM cycles per element (sm_cycles.bias_add: a broadcast add, timed alone); the kernel takes the
     # longer of its bytes and its cycles, and on Hopper these ops' cycles are the longer
     unvectorized: tuple[int, int] = (0, 0)
-    # over the rows a rank's routed experts received: the busiest expert's rank runs expert_load times the mean
+    # over the rows a rank's routed experts received: the busiest expert's rank runs its share of them
     # (Plan.rank_tokens_factor; parsim.lowering.kernels), as its expert GEMMs do
     routed: bool = False
 

@@ -192,6 +192,16 @@ class RankCoords(NamedTuple):
     tp: int
 
 
+def expert_load_problem(model: TransformerModel, load: float) -> str | None:
+    """What is wrong with ``load`` as a MoE model's busiest expert's tokens over the mean (None: nothing)."""
+    if not load >= 1:  # NaN too
+        return f"{load:g} is below 1: it is the busiest expert's tokens over the mean"
+    if load > model.num_experts / model.experts_per_token:
+        return (f"{load:g} is more than all tokens on one expert (num_experts / experts_per_token = "
+                f"{model.num_experts / model.experts_per_token:g})")
+    return None
+
+
 @dataclass(frozen=True)
 class Plan:
     """A validated parallelism plan for one model.
@@ -574,11 +584,8 @@ class Plan:
             self._fail(f"ep {self.ep} must divide the {self.dp * self.cp} data-parallel ranks (dp x cp) it folds into")
         if m.num_experts % self.ep:
             self._fail(f"ep {self.ep} does not divide the {m.num_experts} experts of model {m.name}")
-        if self.expert_load < 1:
-            self._fail(f"expert_load {self.expert_load:g} is below 1: it is the busiest expert's tokens over the mean")
-        if self.expert_load > m.num_experts / m.experts_per_token:
-            self._fail(f"expert_load {self.expert_load:g} is more than all tokens on one expert "
-                       f"(num_experts / experts_per_token = {m.num_experts / m.experts_per_token:g})")
+        if why := expert_load_problem(m, self.expert_load):
+            self._fail(f"expert_load {why}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             self._fail(f"capacity_factor {self.capacity_factor:g} must be positive")
         if self.shard_group is not None and self.shard_group % self.ep:
