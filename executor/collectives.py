@@ -362,29 +362,37 @@ def _time_local(sizes: Sequence[int], op: Callable[[Any, Any], Any], threads: in
 IN_STEP_SIZES = tuple(2**k * 1024 for k in range(8, 13))
 IN_STEP_CALLS = 30
 IN_STEP_COMPUTE_S = 0.002
+# Calls timed back to back right after each one issued after compute: the same call hot, in the same moment.
+IN_STEP_HOT_CALLS = 3
 
 
 def measure_in_step(ops: Sequence[str], nproc: int, sizes: Sequence[int] = IN_STEP_SIZES, *,
                     calls: int = IN_STEP_CALLS, compute_s: float = IN_STEP_COMPUTE_S,
-                    timeout_s: float = 300.0) -> list[CollectiveResult]:
+                    hot_calls: int = IN_STEP_HOT_CALLS, timeout_s: float = 300.0) -> list[CollectiveResult]:
     """Collectives as a training step issues them: each call after a barrier and ``compute_s`` of
-    matmuls on every rank, timed alone. One result per (op, size): the slowest rank's **mean** over
-    ``calls`` calls (stalls included, as they are in a step's sum), next to the loop benchmark's
-    back-to-back figure this differs from (threads asleep, cold buffers)."""
+    matmuls on every rank, timed alone, then the same call ``hot_calls`` times back to back. One result per
+    (op, size): the slowest rank's **mean** over ``calls`` calls after compute (stalls included, as they are in a
+    step's sum), and in ``extra["back_to_back_s"]`` the slowest rank's mean of the hot calls that followed them.
+    The two are timed a millisecond apart, so the host's slow spells, which add the same time to both (a spell
+    adds time per byte moved: docs/calibration.md, "Collectives' slow spells"), fall out of their difference,
+    what a call costs more after compute (threads asleep, cold buffers)."""
     ops = [canonical_op(op) for op in ops]
-    rows = launch(_in_step_rank, nproc, (tuple(ops), tuple(sizes), calls, compute_s), "gloo", timeout_s)
+    rows = launch(_in_step_rank, nproc, (tuple(ops), tuple(sizes), calls, compute_s, hot_calls), "gloo", timeout_s)
     results = []
     for k, (op, size) in enumerate((op, size) for op in ops for size in sizes):
-        per_rank = [rank_rows[k] for rank_rows in rows]
+        after_compute, back_to_back = (max(rank_rows[k][i] for rank_rows in rows) for i in (0, 1))
         results.append(CollectiveResult(op=op, nranks=nproc, size_bytes=measured_size(op, size, nproc),
-                                        time_s=max(per_rank), algorithm=algorithm_name("gloo", op),
+                                        time_s=after_compute, algorithm=algorithm_name("gloo", op),
                                         source="measured", backend="gloo",
                                         extra={"timing": "max over ranks of each rank's mean, one call after "
-                                                         f"{compute_s * 1e3:g} ms of compute", "calls": calls}))
+                                                         f"{compute_s * 1e3:g} ms of compute", "calls": calls,
+                                               "back_to_back_s": back_to_back, "hot_calls": hot_calls}))
     return results
 
 
-def _in_step_rank(rank: int, world: int, ops: tuple, sizes: tuple, calls: int, compute_s: float) -> list[float]:
+def _in_step_rank(rank: int, world: int, ops: tuple, sizes: tuple, calls: int, compute_s: float,
+                  hot_calls: int) -> list[tuple[float, float]]:
+    """Per (op, size): this rank's mean call after compute and mean hot call right after it."""
     torch, dist = require_torch(), require_distributed()
     a, b = torch.full((64, 256), 0.01), torch.full((256, 256), 0.01)
     means = []
@@ -392,7 +400,7 @@ def _in_step_rank(rank: int, world: int, ops: tuple, sizes: tuple, calls: int, c
         for size in sizes:
             step = make_buffers(op, forms_of(op)[0], measured_size(op, size, world) // DTYPE_BYTES, rank, world,
                                 rank_device()).run
-            times = []
+            after_compute, hot = [], []
             for call in range(calls + 3):
                 dist.barrier()
                 end = time.perf_counter() + compute_s
@@ -400,7 +408,11 @@ def _in_step_rank(rank: int, world: int, ops: tuple, sizes: tuple, calls: int, c
                     a @ b
                 start = time.perf_counter()
                 step()
+                done = time.perf_counter()
+                for _ in range(hot_calls):
+                    step()
                 if call >= 3:
-                    times.append(time.perf_counter() - start)
-            means.append(sum(times) / len(times))
+                    after_compute.append(done - start)
+                    hot.append((time.perf_counter() - done) / hot_calls)
+            means.append((sum(after_compute) / calls, sum(hot) / calls))
     return means

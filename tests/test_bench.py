@@ -218,11 +218,13 @@ def test_local_reduce_and_copy_benchmarks_report_positive_times():
 @needs_torch
 @pytest.mark.multiproc
 def test_calls_between_bursts_of_compute_are_timed_per_operation_and_size():
-    """One result per (operation, size), in that order, each the slowest rank's mean over the calls; by default
-    every doubling from 256 KiB to 4 MiB, the sizes calibrate reads the extra per call at."""
+    """One result per (operation, size), in that order, each the slowest rank's mean over the calls after
+    compute, with the hot calls timed right after them beside it; by default every doubling from 256 KiB to 4 MiB,
+    the sizes calibrate reads the extra per call at."""
     rows = measure_in_step(["all_reduce", "all_gather"], 2, sizes=(1 << 16, 1 << 18), calls=3, compute_s=0.001,
-                           timeout_s=120)
+                           hot_calls=2, timeout_s=120)
     assert [(r.op, r.size_bytes) for r in rows] == [("all_reduce", 1 << 16), ("all_reduce", 1 << 18),
                                                     ("all_gather", 1 << 16), ("all_gather", 1 << 18)]
     assert all(r.time_s > 0 and r.nranks == 2 and r.extra["calls"] == 3 for r in rows)
+    assert all(r.extra["back_to_back_s"] > 0 and r.extra["hot_calls"] == 2 for r in rows)
     assert [s >> 10 for s in IN_STEP_SIZES] == [256, 512, 1024, 2048, 4096]

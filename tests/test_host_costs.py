@@ -21,7 +21,6 @@ from parsim.hardware.cluster import builtin_clusters, load_cluster, parse_cluste
 from parsim.lowering.lower import ADAMW_ACCESSES, lower
 from parsim.report.step_report import breakdown, merge_spans
 from parsim.report.trace import Event, Trace
-from parsim.sim.collectives import predict
 from parsim.sim.compute import ComputeModel, SmWork
 from parsim.sim.program import Op, Program
 from parsim.sim.step import predict_step
@@ -312,21 +311,36 @@ def test_the_memory_speed_alone_takes_out_the_costs_per_step_and_per_tensor():
         fit_alone_memory([(64, 256, 1e-3)], fit, ADAMW_ACCESSES)
 
 
-def test_step_overhead_is_what_calls_between_compute_add_over_the_fitted_loops_size_by_size():
-    """Each size's extra over the back-to-back fit, a size measured twice at its median, none below 0 (a call
-    between compute that beats the loop's fit costs nothing extra)."""
-    spec = parse_cluster(cpu_host(), "host.yaml")
-    topo = spec.build(1)
-    measured = []
-    for size, extras in ((1 << 18, [300e-6, 200e-6, 250e-6]), (1 << 20, [700e-6]), (1 << 22, [-400e-6])):
-        for extra in extras:
-            r = predict(topo, "all_reduce", size, np.arange(2)).result()
-            r.time_s += extra
-            measured.append(r)
-    fitted = fit_step_overhead(measured, spec)
+def _in_step(op: str, size: int, after_compute_s: float, back_to_back_s: float):
+    from parsim.report.results import CollectiveResult
+
+    return CollectiveResult(op, 2, size, after_compute_s, "ring", "measured", "gloo",
+                            extra={"back_to_back_s": back_to_back_s})
+
+
+def test_step_overhead_is_what_a_call_after_compute_takes_over_the_same_call_hot_size_by_size():
+    """Each size's call after compute less the hot calls timed right after it, the median over the rounds, none
+    below 0 (a call after compute that beats the hot ones costs nothing extra)."""
+    rounds = [[_in_step("all_reduce", 1 << 18, 600e-6, 300e-6), _in_step("all_reduce", 1 << 20, 1.5e-3, 0.8e-3),
+               _in_step("all_reduce", 1 << 22, 2.0e-3, 2.4e-3)],
+              [_in_step("all_reduce", 1 << 18, 500e-6, 300e-6), _in_step("all_reduce", 1 << 20, 1.4e-3, 0.8e-3),
+               _in_step("all_reduce", 1 << 22, 2.0e-3, 2.5e-3)],
+              [_in_step("all_reduce", 1 << 18, 550e-6, 300e-6), _in_step("all_reduce", 1 << 20, 1.6e-3, 0.8e-3),
+               _in_step("all_reduce", 1 << 22, 2.0e-3, 2.1e-3)]]
+    fitted = fit_step_overhead(rounds)
     assert fitted == {"all_reduce": ((256, pytest.approx(250e-6)), (1024, pytest.approx(700e-6)), (4096, 0.0))}
     assert step_overhead_us(fitted) == {"all_reduce": {256: pytest.approx(250.0), 1024: pytest.approx(700.0),
                                                        4096: 0.0}}
+
+
+def test_a_slow_spell_through_every_round_leaves_the_step_overhead_as_it_was():
+    """A spell adds time per byte to a call after compute and to the hot calls right after it alike
+    (docs/calibration.md, "Collectives' slow spells"): three rounds in one, 2 ms more on both, fit as three
+    rounds without it."""
+    calm = [[_in_step("all_gather", 1 << 20, 700e-6, 500e-6)] for _ in range(3)]
+    spell = [[_in_step("all_gather", 1 << 20, 2.7e-3, 2.5e-3)] for _ in range(3)]
+    for rounds in (calm, spell):
+        assert fit_step_overhead(rounds) == {"all_gather": ((1024, pytest.approx(200e-6)),)}
 
 
 # ----------------------------------------------------------------------------- the cluster file

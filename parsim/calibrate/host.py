@@ -336,22 +336,24 @@ def step_overhead_us(step_overhead_s: dict[str, Curve]) -> dict[str, float | dic
     return {op: _kib_curve_us(curve) for op, curve in step_overhead_s.items()}
 
 
-def fit_step_overhead(measured: list[CollectiveResult], spec) -> dict[str, Curve]:
+def fit_step_overhead(rounds: list[list[CollectiveResult]]) -> dict[str, Curve]:
     """Per operation and size, the extra cost of a call issued between bursts of compute (as in a training
-    step) over what the fitted cluster ``spec`` predicts from back-to-back loops: measured minus predicted, at
-    least 0, as (KiB, seconds) points by the call's bytes (the median where a size was measured more than once).
-    By size, not one figure: back to back, a buffer that fits the core's cache stays in it and moves
-    ``collective_cache_speedup`` times as fast, its threads awake, and a call after a burst of compute has
-    neither, so the extra is largest there (on the 2-core VM, 2026-11-30: +100-300 us at 256 KiB to 1 MiB;
-    at 4 MiB none for an all-gather or a reduce-scatter). ``measured`` times are means over calls, stalls
-    included."""
-    from ..sim.collectives import predict
+    step) over the same call back to back: each round's call after compute less the hot calls timed right after it
+    (``extra["back_to_back_s"]``, :func:`executor.collectives.measure_in_step`), the median over ``rounds``, at
+    least 0, as (KiB, seconds) points by the call's bytes. The step simulator adds it to the back-to-back fit.
 
-    topo = spec.build(1)
+    By size, not one figure: back to back, a buffer that fits the core's cache stays in it and its threads awake,
+    and a call after a burst of compute has neither. Against the same call timed a millisecond later, not against
+    the back-to-back sweep's fit: that fit misses some sizes by 30-40%, and the calls after compute can catch a slow
+    spell in every round (set QC put 2.2-4.2 ms over the fit at four sizes where 0.04-0.3 ms was usual), which adds
+    its time to the hot calls too and drops out of the difference. On the 2-core AMD VM (2026-12-03, 30 rounds) the
+    median of three rounds came to 25-150 us at most sizes (docs/calibration.md, "A call after compute against the
+    same call hot")."""
     extra: dict[str, dict[int, list[float]]] = {}
-    for r in measured:
-        predicted = predict(topo, r.op, r.size_bytes, np.arange(r.nranks)).result().time_s
-        extra.setdefault(r.op, {}).setdefault(math.ceil(r.size_bytes / 1024), []).append(r.time_s - predicted)
+    for results in rounds:
+        for r in results:
+            extra.setdefault(r.op, {}).setdefault(math.ceil(r.size_bytes / 1024), []).append(
+                r.time_s - r.extra["back_to_back_s"])
     return {op: tuple((kib, max(float(np.median(values)), 0.0)) for kib, values in sorted(by_size.items()))
             for op, by_size in extra.items()}
 

@@ -23,8 +23,7 @@ from ..calibrate.host_load import ForeignLoad
 from ..calibrate.shared_pipeline import GenericSteps, fit_comm_stretch, generic_pipeline
 from ..errors import ParsimError
 from ..files import read_yaml
-from ..hardware.cluster import (Curve, SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster,
-                                probed_s)
+from ..hardware.cluster import Curve, SharedCoreCosts, builtin_clusters, builtin_for_gpu, load_cluster, parse_cluster
 from ..lowering.lower import ADAMW_ACCESSES
 from ..report.jsondoc import print_json
 from ..report.results import CollectiveResult, canonical_op
@@ -153,10 +152,6 @@ def run(args: argparse.Namespace) -> int:
         results = median_rounds(rounds)
         collective_probe = (fits_probe(results, median_reading(sum(collective_probes, []))) if collective_probes
                             else None)
-        if collective_probe:  # each round's calls between compute as at the speed the fits describe
-            in_step_rounds = [at_probe(results, median_reading(readings), collective_probe)
-                              for results, readings in zip(in_step_rounds, collective_probes)]
-        in_step = median_rounds(in_step_rounds)
         shared_rows, generic = [], None
         if backend == "gloo":
             progress("measuring pipeline transfers and the loop between actions with two ranks on each core")
@@ -251,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         comm_stretch = fit_comm_stretch(parse_cluster(cluster, args.out), generic.ratio)
         shared = replace(shared, comm_stretch=comm_stretch)
         cluster["compute"]["shared_cores"] = shared.to_mapping()
-    step_overhead = fit_step_overhead(in_step, parse_cluster(cluster, args.out)) if in_step else {}
+    step_overhead = fit_step_overhead(in_step_rounds)
     if step_overhead:
         cluster["collective_step_overhead_us"] = step_overhead_us(step_overhead)
     parse_cluster(cluster, args.out)  # the file must load like any other
@@ -434,17 +429,6 @@ def fits_probe(results: list[CollectiveResult], probed: Curve) -> Curve:
     swept = {r.size_bytes // 1024: r.time_s for r in results
              if r.op == "all_reduce" and r.nranks == 2 and r.size_bytes % 1024 == 0}
     return tuple((kib, swept.get(kib, seconds)) for kib, seconds in probed)
-
-
-def at_probe(results: list[CollectiveResult], probed: Curve, reference: Curve) -> list[CollectiveResult]:
-    """``results``, timed while the collective probe read ``probed``, as they would have timed when it read
-    ``reference``: less what the probe took more per byte at each call's bus bytes, at least a quarter of the
-    time measured (:func:`~parsim.hardware.cluster.probed_s`). A round of calls
-    between compute caught in a slow spell then counts as the other rounds do: on the 2-core VM such calls took
-    what the probe took more, 150-1750 us at 256 KiB to 4 MiB (docs/calibration.md, "Collectives' slow
-    spells")."""
-    return [replace(r, time_s=probed_s(r.time_s, r.op, r.nranks, r.size_bytes, probed, reference))
-            for r in results]
 
 
 def median_rounds(rounds: list[list[CollectiveResult]]) -> list[CollectiveResult]:
